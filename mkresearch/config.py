@@ -1,0 +1,304 @@
+"""Model configurations: one frozen, self-validating dataclass and named presets.
+
+The `kimi-k3` preset carries exactly the values of spec/kimi-k3.md §1. `kimi-k3-mini` keeps every
+Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padded latent MoE,
+shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
+in TPU interpret mode in seconds. `kimi-k3-rank` is the shapes one of the 32 ranks of the released
+layout sees (spec §9): what the kernels are compiled at for TPU7x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MLA_CACHE_LAYOUTS = ("expanded", "latent")
+EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
+ROUTER_SCORES = ("sigmoid", "softmax")
+ACTIVATIONS = ("situ", "silu")
+
+LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it
+BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
+FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (spec §7)
+MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (spec §7)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every size and switch of one decode-step model. Invalid values raise ValueError on creation."""
+
+    name: str
+    # trunk
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    # attention: layer l is MLA if l >= mla_first and (l - mla_first) % mla_every == 0, or the last
+    n_heads: int
+    mla_first: int
+    mla_every: int
+    mla_last_layer: bool
+    # KDA (spec §4)
+    kda_head_dim: int
+    kda_gate_rank: int
+    kda_conv_size: int
+    kda_decay_bound: float  # lower bound of the per-channel log decay (−5 in Kimi K3)
+    # MLA (spec §5)
+    mla_q_rank: int
+    mla_kv_rank: int
+    mla_qk_nope: int
+    mla_qk_extra: int
+    mla_v_dim: int
+    mla_cache_layout: str
+    # FFN (spec §6)
+    n_dense_layers: int
+    dense_hidden: int
+    n_experts: int
+    top_k: int
+    router_score: str
+    router_bias: bool
+    routed_scale: float
+    expert_hidden: int
+    moe_latent: int
+    moe_latent_padded: int
+    n_shared_experts: int
+    shared_hidden: int
+    activation: str
+    expert_format: str
+    # norms, residual mixing, head
+    rms_eps: float
+    l2_eps: float
+    attn_res_block: int
+    logit_softcap: float | None
+    # kernel blocking
+    kv_tile: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived layout -------------------------------------------------------------------
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        layers = {
+            layer for layer in range(self.mla_first, self.n_layers, self.mla_every)
+        }
+        if self.mla_last_layer:
+            layers.add(self.n_layers - 1)
+        return tuple(sorted(layers))
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        mla = set(self.mla_layers)
+        return tuple(layer for layer in range(self.n_layers) if layer not in mla)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_dense_layers))
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_dense_layers, self.n_layers))
+
+    def is_mla(self, layer: int) -> bool:
+        return layer in self.mla_layers
+
+    def attention_index(self, layer: int) -> int:
+        """Index of `layer` within the stacked weights and state of its attention kind."""
+        kinds = self.mla_layers if self.is_mla(layer) else self.kda_layers
+        return kinds.index(layer)
+
+    def ffn_index(self, layer: int) -> int:
+        """Index of `layer` within the stacked dense or MoE weights."""
+        return layer if layer < self.n_dense_layers else layer - self.n_dense_layers
+
+    @property
+    def n_blocks(self) -> int:
+        """Number of attention-residual snapshot slots R_0..R_{n_blocks-1}."""
+        return math.ceil(self.n_layers / self.attn_res_block)
+
+    @property
+    def kda_width(self) -> int:
+        return self.n_heads * self.kda_head_dim
+
+    @property
+    def mla_qk_dim(self) -> int:
+        return self.mla_qk_nope + self.mla_qk_extra
+
+    @property
+    def mla_k_padded(self) -> int:
+        """Per-head K width in the expanded cache: qk_nope + qk_extra rounded up to a lane multiple."""
+        return _round_up(self.mla_qk_dim, LANE)
+
+    @property
+    def mla_latent_cache_dim(self) -> int:
+        return self.mla_kv_rank + self.mla_qk_extra
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+# ---- validation ------------------------------------------------------------------------------
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(cfg: ModelConfig, field: str, multiple: int = 1) -> None:
+    value = getattr(cfg, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % multiple:
+        allowed = "a positive int" + (f" that is a multiple of {multiple}" if multiple > 1 else "")
+        _fail(field, value, allowed)
+
+
+def _choice(cfg: ModelConfig, field: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, field)
+    if value not in choices:
+        _fail(field, value, f"one of {', '.join(map(repr, choices))}")
+
+
+def _positive_float(cfg: ModelConfig, field: str) -> None:
+    value = getattr(cfg, field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        _fail(field, value, "a finite number > 0")
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if not isinstance(cfg.name, str) or not cfg.name:
+        _fail("name", cfg.name, "a non-empty string")
+    # lane dims of weight blocks: multiples of 128
+    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_q_rank",
+                  "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
+                  "moe_latent", "moe_latent_padded", "shared_hidden"):
+        _positive_int(cfg, field, LANE)
+    for field in ("n_layers", "n_heads", "mla_every", "n_experts", "top_k", "attn_res_block",
+                  "kda_conv_size", "mla_qk_extra"):
+        _positive_int(cfg, field)
+    _positive_int(cfg, "kv_tile", BF16_SUBLANE)
+    _positive_int(cfg, "max_seq_len", cfg.kv_tile)
+    if not isinstance(cfg.mla_first, int) or not 0 <= cfg.mla_first < cfg.n_layers:
+        _fail("mla_first", cfg.mla_first, f"an int in [0, n_layers={cfg.n_layers})")
+    if not isinstance(cfg.mla_last_layer, bool):
+        _fail("mla_last_layer", cfg.mla_last_layer, "True or False")
+    if not isinstance(cfg.router_bias, bool):
+        _fail("router_bias", cfg.router_bias, "True or False")
+    if (isinstance(cfg.kda_decay_bound, bool) or not isinstance(cfg.kda_decay_bound, (int, float))
+            or not cfg.kda_decay_bound < 0):
+        _fail("kda_decay_bound", cfg.kda_decay_bound, "a negative number (Kimi K3: -5)")
+    _choice(cfg, "mla_cache_layout", MLA_CACHE_LAYOUTS)
+    _choice(cfg, "expert_format", EXPERT_FORMATS)
+    _choice(cfg, "router_score", ROUTER_SCORES)
+    _choice(cfg, "activation", ACTIVATIONS)
+    if not isinstance(cfg.n_dense_layers, int) or not 0 <= cfg.n_dense_layers < cfg.n_layers:
+        _fail("n_dense_layers", cfg.n_dense_layers, f"an int in [0, n_layers={cfg.n_layers})")
+    if cfg.top_k > cfg.n_experts:
+        _fail("top_k", cfg.top_k, f"at most n_experts={cfg.n_experts}")
+    if cfg.moe_latent_padded < cfg.moe_latent:
+        _fail("moe_latent_padded", cfg.moe_latent_padded, f">= moe_latent={cfg.moe_latent}")
+    # quantised experts are blocked along K (the input dim): latent for W1/W3, hidden for W2
+    block = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}.get(cfg.expert_format, 1)
+    for field in ("moe_latent", "expert_hidden"):
+        if getattr(cfg, field) % block:
+            _fail(field, getattr(cfg, field),
+                  f"a multiple of {block} for {cfg.expert_format} scale blocks")
+    if not isinstance(cfg.n_shared_experts, int) or cfg.n_shared_experts < 0:
+        _fail("n_shared_experts", cfg.n_shared_experts, "an int >= 0")
+    _positive_float(cfg, "routed_scale")
+    _positive_float(cfg, "rms_eps")
+    _positive_float(cfg, "l2_eps")
+    if cfg.logit_softcap is not None:
+        _positive_float(cfg, "logit_softcap")
+
+
+# ---- presets ---------------------------------------------------------------------------------
+KIMI_K3 = ModelConfig(
+    name="kimi-k3",
+    d_model=7168,
+    n_layers=93,
+    vocab_size=163840,
+    n_heads=96,
+    mla_first=3,
+    mla_every=4,
+    mla_last_layer=True,
+    kda_head_dim=128,
+    kda_gate_rank=128,
+    kda_conv_size=4,
+    kda_decay_bound=-5.0,
+    mla_q_rank=1536,
+    mla_kv_rank=512,
+    mla_qk_nope=128,
+    mla_qk_extra=64,
+    mla_v_dim=128,
+    mla_cache_layout="expanded",  # what the released kernels do; "latent" is 64x fewer KV bytes
+    n_dense_layers=1,
+    dense_hidden=33792,
+    n_experts=896,
+    top_k=16,
+    router_score="sigmoid",
+    router_bias=True,
+    routed_scale=1.0,
+    expert_hidden=3072,
+    moe_latent=3584,
+    moe_latent_padded=4096,
+    n_shared_experts=2,
+    shared_hidden=6144,
+    activation="situ",
+    expert_format="mxfp4",
+    rms_eps=1e-5,
+    l2_eps=1e-6,
+    attn_res_block=12,
+    logit_softcap=None,
+    kv_tile=256,
+    max_seq_len=32768,
+)
+
+# 7 layers: KDA 0,1,2,4,5 and MLA 3 (every 4th from 3) and 6 (the last); blocks of 3 give
+# snapshots R_0..R_2. The latent (256) is padded to 384 in VMEM as 3584 is to 4096.
+KIMI_K3_MINI = KIMI_K3.replace(
+    name="kimi-k3-mini",
+    d_model=512,
+    n_layers=7,
+    vocab_size=2048,
+    n_heads=2,
+    mla_q_rank=256,
+    mla_kv_rank=256,
+    mla_qk_extra=128,
+    dense_hidden=1024,
+    n_experts=16,
+    top_k=4,
+    expert_hidden=256,
+    moe_latent=256,
+    moe_latent_padded=384,
+    shared_hidden=512,
+    attn_res_block=3,
+    kv_tile=32,
+    max_seq_len=128,
+)
+
+# One of the 32 ranks of the released layout (spec §9): 3 heads, 112 local experts with a 768-wide
+# slice of the expert hidden, 192 of the shared hidden (padded to 256) and 1056 of the dense
+# hidden (padded to 1152), a 5120-row vocab shard. Shapes only: for compiling, not for decoding.
+KIMI_K3_RANK = KIMI_K3.replace(
+    name="kimi-k3-rank",
+    n_heads=3,
+    vocab_size=5120,
+    n_experts=112,
+    expert_hidden=768,
+    shared_hidden=256,
+    dense_hidden=1152,
+)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (KIMI_K3, KIMI_K3_MINI, KIMI_K3_RANK)}
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The preset called `name`, with optional field overrides (validated)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
+    config = PRESETS[name]
+    return config.replace(**overrides) if overrides else config
