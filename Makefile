@@ -1,7 +1,16 @@
+# make demo | test | lab | figures | notebooks — each creates .venv and installs the package first.
+# Needs only Python 3.11 and make.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+
+# CPU (TPU interpret mode) unless this machine has a TPU: a TPU VM exposes /dev/accel* or /dev/vfio.
+ifeq ($(wildcard /dev/accel0 /dev/vfio),)
 export JAX_PLATFORMS ?= cpu
+endif
+
+NOTEBOOK_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 $(BIN)/.installed: pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -10,4 +19,27 @@ $(BIN)/.installed: pyproject.toml requirements/constraints.txt
 	touch $@
 
 venv: $(BIN)/.installed
-.PHONY: venv
+
+# The main job: a short greedy decode of kimi-k3-mini with the reference model.
+demo: venv
+	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 --backend reference
+
+# pytest over tests/, then nbval over every committed notebook (fact cells are compared).
+test: venv
+	$(BIN)/python -m pytest tests
+ifneq ($(NOTEBOOKS),)
+	$(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(NOTEBOOKS)
+endif
+
+lab: venv
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+figures: venv
+	$(BIN)/mkresearch figures --out figures
+
+# Re-execute every notebook from its jupytext .py twin (the .py is the source of truth).
+notebooks: venv
+	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
+		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
+
+.PHONY: venv demo test lab figures notebooks
