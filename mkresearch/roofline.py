@@ -1,0 +1,339 @@
+"""The decode roofline: what one decode step must move through HBM, and how fast that can go.
+
+Decode reads every weight it uses once per step, whatever the batch, and does ~2 FLOP per weight
+per sequence: far below a TPU's critical intensity (≈166–560 FLOP/byte), so a step is memory-bound
+and its floor is (bytes read + bytes written) / HBM bandwidth.
+
+All byte counts come from `mkresearch.weights.param_shapes(cfg)` and the shapes of
+`mkresearch.reference.init_state` (via `jax.eval_shape`: nothing is allocated, so the full-size
+model is fine); nothing here is typed in except the published anchor throughputs, which are quoted
+from spec/tpu.md and only ever drawn next to the computed floor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from mkresearch.chips import Chip, get_chip
+from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig
+
+# "released": the public kernels repack gate/up (W1, W3) to FP8 and keep down (W2) MXFP4 (spec §7).
+STEP_EXPERT_FORMATS = EXPERT_FORMATS + ("released",)
+ROOFLINE_CHIPS = ("v5e", "v6e", "v5p", "tpu7x")
+ROOFLINE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# Components of one decode step, in display order: name -> label.
+COMPONENTS = {
+    "kda": "KDA weights",
+    "mla": "MLA weights",
+    "dense": "dense FFN (layer 0)",
+    "moe_nonrouted": "MoE non-routed (router, latent, shared)",
+    "routed_experts": "routed experts",
+    "lm_head": "LM head",
+    "embedding_rows": "embedding rows",
+    "norms_and_mix": "norms and residual-mix weights",
+    "kda_state": "KDA state (conv + recurrent)",
+    "mla_cache": "MLA KV cache",
+}
+WEIGHT_COMPONENTS = ("kda", "mla", "dense", "moe_nonrouted", "routed_experts", "lm_head",
+                     "embedding_rows", "norms_and_mix")
+
+# Published decode throughput of Kimi K3 on 16 TPU7x chips (32 devices), aggregate tok/s by batch,
+# 1 input token and 1000 output tokens (spec/tpu.md "Published decode numbers"). An anchor to plot
+# against the computed floor, never an input to it.
+PUBLISHED_TPU7X_16_CHIPS = {1: 249, 2: 392, 4: 515, 8: 865}
+
+
+# ---- shapes -> bytes -------------------------------------------------------------------------
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree."""
+    import jax
+
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def tree_size(tree: Any) -> int:
+    """Number of elements of every leaf of a pytree."""
+    import jax
+
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+@functools.lru_cache(maxsize=64)
+def _param_shapes(cfg: ModelConfig) -> Any:
+    from mkresearch.weights import param_shapes
+
+    return param_shapes(cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _state_shapes(cfg: ModelConfig, batch: int) -> Any:
+    import jax
+
+    from mkresearch.reference import init_state
+
+    return jax.eval_shape(lambda: init_state(cfg, batch, cfg.max_seq_len))
+
+
+def _check(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
+           mla_cache_layout: str | None = None) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
+    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 0:
+        raise ValueError(f"context={context!r} is invalid: an int >= 0")
+    if expert_format is not None and expert_format not in STEP_EXPERT_FORMATS:
+        raise ValueError(f"expert_format={expert_format!r} is invalid: one of "
+                         f"{', '.join(map(repr, STEP_EXPERT_FORMATS))}")
+    if mla_cache_layout is not None and mla_cache_layout not in MLA_CACHE_LAYOUTS:
+        raise ValueError(f"mla_cache_layout={mla_cache_layout!r} is invalid: one of "
+                         f"{', '.join(map(repr, MLA_CACHE_LAYOUTS))}")
+
+
+def expert_bytes(cfg: ModelConfig, expert_format: str | None = None) -> int:
+    """HBM bytes of one routed expert (W1, W3, W2 with their scales) in `expert_format`."""
+    expert_format = expert_format or cfg.expert_format
+    _check(cfg, expert_format=expert_format)
+    if expert_format == "released":  # FP8 gate/up + MXFP4 down
+        fp8 = _param_shapes(cfg.replace(expert_format="fp8"))["moe"]["experts"]
+        mxfp4 = _param_shapes(cfg.replace(expert_format="mxfp4"))["moe"]["experts"]
+        experts_bytes = tree_bytes([fp8["w1"], fp8["w3"], mxfp4["w2"]])
+    else:
+        experts_bytes = tree_bytes(
+            _param_shapes(cfg.replace(expert_format=expert_format))["moe"]["experts"])
+    return experts_bytes // (len(cfg.moe_layers) * cfg.n_experts)
+
+
+def expected_unique_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts one MoE layer reads for `batch` tokens under uniform routing.
+
+    Each token picks top_k of n_experts; an expert is missed by one token with probability
+    1 − k/E, by all B tokens with (1 − k/E)^B, so E·(1 − (1 − k/E)^B) are read.
+    """
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+
+
+def mla_cache_bytes_per_token(cfg: ModelConfig, layout: str | None = None) -> int:
+    """MLA KV-cache bytes per context token of one sequence, all MLA layers, in `layout`."""
+    layout = layout or cfg.mla_cache_layout
+    _check(cfg, mla_cache_layout=layout)
+    cache = _state_shapes(cfg.replace(mla_cache_layout=layout), 1)["mla"]
+    return tree_bytes(cache) // cfg.max_seq_len  # B = 1, S = max_seq_len
+
+
+def kda_state_bytes(cfg: ModelConfig) -> int:
+    """KDA conv + recurrent state bytes of one sequence, all KDA layers (read and written each step)."""
+    state = _state_shapes(cfg, 1)
+    return tree_bytes([state["kda_conv"], state["kda_state"]])
+
+
+# ---- one step --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepBytes:
+    """HBM traffic of one decode step (all layers, all `batch` sequences) by component."""
+
+    model: str
+    batch: int
+    context: int
+    expert_format: str
+    mla_cache_layout: str
+    unique_experts_per_layer: float
+    read: Mapping[str, int] = field(default_factory=dict)
+    written: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> int:
+        return sum(self.read[name] for name in WEIGHT_COMPONENTS)
+
+    @property
+    def total_read(self) -> int:
+        return sum(self.read.values())
+
+    @property
+    def total_written(self) -> int:
+        return sum(self.written.values())
+
+    @property
+    def total(self) -> int:
+        return self.total_read + self.total_written
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "batch": self.batch, "context": self.context,
+                "expert_format": self.expert_format, "mla_cache_layout": self.mla_cache_layout,
+                "unique_experts_per_layer": self.unique_experts_per_layer,
+                "read": dict(self.read), "written": dict(self.written), "weights": self.weights,
+                "total_read": self.total_read, "total_written": self.total_written,
+                "total": self.total}
+
+
+def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
+               mla_cache_layout: str | None = None) -> StepBytes:
+    """Bytes one decode step reads and writes, by component (see COMPONENTS).
+
+    `context` is the number of tokens already in each sequence's MLA cache. Weights are read once
+    per step for the whole batch (routed experts: the expected unique ones under uniform routing);
+    the embedding is read one row per sequence; KDA state is read and written per sequence; the
+    MLA cache is read for `context` tokens and written for one, per sequence.
+    """
+    expert_format = expert_format or cfg.expert_format
+    mla_cache_layout = mla_cache_layout or cfg.mla_cache_layout
+    _check(cfg, batch, context, expert_format, mla_cache_layout)
+    params = _param_shapes(cfg)
+    moe = params["moe"]
+    unique = expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
+    embed = params["embed"]
+    per_layer_small = [params[key] for key in params
+                       if key not in ("kda", "mla", "dense", "moe", "lm_head", "embed")]
+    cache_per_token = mla_cache_bytes_per_token(cfg, mla_cache_layout)
+    kda_state = kda_state_bytes(cfg)
+    read = {
+        "kda": tree_bytes(params["kda"]),
+        "mla": tree_bytes(params["mla"]),
+        "dense": tree_bytes(params["dense"]) if cfg.n_dense_layers else 0,
+        "moe_nonrouted": tree_bytes({k: v for k, v in moe.items() if k != "experts"}),
+        "routed_experts": round(len(cfg.moe_layers) * unique * expert_bytes(cfg, expert_format)),
+        "lm_head": tree_bytes(params["lm_head"]),
+        "embedding_rows": batch * embed.shape[1] * np.dtype(embed.dtype).itemsize,
+        "norms_and_mix": tree_bytes(per_layer_small),
+        "kda_state": batch * kda_state,
+        "mla_cache": batch * context * cache_per_token,
+    }
+    written = {"kda_state": batch * kda_state, "mla_cache": batch * cache_per_token}
+    return StepBytes(model=cfg.name, batch=batch, context=context, expert_format=expert_format,
+                     mla_cache_layout=mla_cache_layout, unique_experts_per_layer=unique,
+                     read=read, written=written)
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters.
+
+    Active = every weight one token's step multiplies with: all but the embedding table (a lookup
+    of one row) and the routed experts it does not select (n_moe · (E − k) experts).
+    """
+    params = _param_shapes(cfg.replace(expert_format="bf16"))  # one element per parameter
+    total = tree_size(params)
+    per_expert = tree_size(params["moe"]["experts"]) // (len(cfg.moe_layers) * cfg.n_experts)
+    unselected = len(cfg.moe_layers) * (cfg.n_experts - cfg.top_k) * per_expert
+    active = total - tree_size(params["embed"]) - unselected
+    return total, active
+
+
+def step_flops(cfg: ModelConfig, batch: int = 1, context: int = 0) -> float:
+    """Matmul FLOPs of one step: 2 per active weight per sequence, plus MLA attention over context."""
+    _, active = parameter_counts(cfg)
+    per_head = cfg.mla_qk_dim + cfg.mla_v_dim  # q·K and α·V per context token
+    attention = 2 * len(cfg.mla_layers) * cfg.n_heads * per_head * context
+    return float(batch * (2 * active + attention))
+
+
+# ---- the floor -------------------------------------------------------------------------------
+def chip_hbm_bandwidth(chip: Chip) -> float:
+    """HBM bytes/s of one whole chip (CHIPS figures are per JAX device)."""
+    return chip.hbm_bandwidth * (chip.tensorcores_per_chip // chip.tensorcores_per_device)
+
+
+def chip_bf16_flops(chip: Chip) -> float:
+    return chip.bf16_flops * (chip.tensorcores_per_chip // chip.tensorcores_per_device)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Lower bound on one decode step's time on `n_chips` chips with the bytes split evenly."""
+
+    chip: str
+    n_chips: int
+    batch: int
+    context: int
+    bytes: int  # read + written, whole model, one step
+    seconds: float  # memory floor: bytes / (n_chips · HBM bandwidth)
+    compute_seconds: float  # bf16 FLOPs / (n_chips · peak): decode stays far below the memory time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.seconds
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.seconds >= self.compute_seconds
+
+
+def decode_floor(cfg: ModelConfig, chip: str | Chip, batch: int = 1, context: int = 0, *,
+                 n_chips: int = 1, expert_format: str | None = None,
+                 mla_cache_layout: str | None = None) -> Floor:
+    """(bytes read + written) / HBM bandwidth for one step; `.tokens_per_s` = batch / seconds."""
+    chip = get_chip(chip)
+    if isinstance(n_chips, bool) or not isinstance(n_chips, int) or n_chips < 1:
+        raise ValueError(f"n_chips={n_chips!r} is invalid: an int >= 1")
+    moved = step_bytes(cfg, batch, context, expert_format, mla_cache_layout).total
+    return Floor(chip=chip.name, n_chips=n_chips, batch=batch, context=context, bytes=moved,
+                 seconds=moved / (n_chips * chip_hbm_bandwidth(chip)),
+                 compute_seconds=step_flops(cfg, batch, context) / (n_chips * chip_bf16_flops(chip)))
+
+
+def roofline_table(cfg: ModelConfig, chips: Sequence[str] = ROOFLINE_CHIPS,
+                   batches: Sequence[int] = ROOFLINE_BATCHES, context: int = 0, *,
+                   n_chips: int = 1, expert_format: str | None = None,
+                   mla_cache_layout: str | None = None) -> list[dict[str, Any]]:
+    """One row per (chip, batch): step bytes, floor milliseconds and tokens/s."""
+    rows = []
+    for name in chips:
+        for batch in batches:
+            floor = decode_floor(cfg, name, batch, context, n_chips=n_chips,
+                                 expert_format=expert_format, mla_cache_layout=mla_cache_layout)
+            rows.append({"chip": name, "n_chips": n_chips, "batch": batch, "context": context,
+                         "gb_per_step": floor.bytes / 1e9, "floor_ms": floor.seconds * 1e3,
+                         "tokens_per_s": floor.tokens_per_s, "memory_bound": floor.memory_bound})
+    return rows
+
+
+# ---- the figure ------------------------------------------------------------------------------
+ROOFLINE_CONTEXT = 512  # ≈ mean context of the published 1-in / 1000-out benchmark
+ROOFLINE_N_CHIPS = 16  # the published deployment
+
+
+def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_CONTEXT,
+                  n_chips: int = ROOFLINE_N_CHIPS) -> None:
+    """figures/roofline.png: floor tokens/s vs batch per chip, and step bytes by component."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mkresearch.config import get_config
+
+    cfg = cfg or get_config("kimi-k3")
+    fig, (ax_rate, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in ROOFLINE_CHIPS:
+        rows = roofline_table(cfg, (name,), ROOFLINE_BATCHES, context, n_chips=n_chips)
+        ax_rate.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
+                     label=f"{n_chips}× {name} floor")
+    published = sorted(PUBLISHED_TPU7X_16_CHIPS.items())
+    ax_rate.plot(*zip(*published), "k*", markersize=10, label="published, 16× TPU7x")
+    ax_rate.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="tokens/s",
+                title=f"{cfg.name} decode floor, context {context}, weights split evenly")
+    ax_rate.set_xticks(ROOFLINE_BATCHES, [str(b) for b in ROOFLINE_BATCHES])
+    ax_rate.grid(True, which="both", alpha=0.3)
+    ax_rate.legend(fontsize=8)
+
+    steps = [step_bytes(cfg, batch, context) for batch in ROOFLINE_BATCHES]
+    bottom = np.zeros(len(steps))
+    for name, label in COMPONENTS.items():
+        values = np.array([(s.read[name] + s.written.get(name, 0)) / 1e9 for s in steps])
+        if values.max() < 0.005 * max(s.total for s in steps) / 1e9:
+            continue  # too thin to see
+        ax_bytes.bar(range(len(steps)), values, bottom=bottom, label=label)
+        bottom += values
+    ax_bytes.set_xticks(range(len(steps)), [str(b) for b in ROOFLINE_BATCHES])
+    ax_bytes.set(xlabel="batch (sequences)", ylabel="GB per step (read + written)",
+                 title=f"bytes per step by component ({cfg.expert_format} experts)")
+    ax_bytes.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
