@@ -1,0 +1,145 @@
+"""TPU chips the kernels are compiled for and measured against, with where every figure comes from.
+
+All figures are per *device as JAX sees it*: one TensorCore on v5e, v6e and TPU7x (TPU7x exposes
+each of its two TensorCores as its own device), the two-TensorCore megacore on v5p. Two sources:
+
+- `tpu_info`: `pltpu.get_tpu_info_for_chip(version, cores_per_device)` of the pinned jax, which
+  answers without a TPU (its figures are per TensorCore; we multiply by the cores of one device).
+- `spec`: the table of spec/tpu.md (public chip pages), used where tpu_info has no figure (0) and
+  for what tpu_info does not model (topology names, HBM per chip on megacore, MXU shape check).
+
+Each `Chip` carries `sources`: field name -> where its value came from. `python -m mkresearch.chips`
+prints the table with sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+GB = 10**9
+GIB = 2**30
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU generation, per JAX device. `sources[field]` says where each figure comes from."""
+
+    name: str  # our short name: "v5e", "v6e", "v5p", "tpu7x"
+    topology: str  # name for jax.experimental.topologies.get_topology_desc(topology_name=...)
+    device_kind: str  # jax Device.device_kind of that topology's devices
+    tensorcores_per_chip: int  # physical TensorCores on one chip
+    tensorcores_per_device: int  # TensorCores behind one JAX device (2 on v5p megacore)
+    hbm_bandwidth: float  # bytes/s per device
+    bf16_flops: float  # peak dense bf16 FLOP/s per device
+    fp8_flops: float  # peak dense fp8 FLOP/s per device (0: no fp8 MXU path)
+    vmem_bytes: int  # VMEM per TensorCore
+    hbm_bytes: int  # HBM capacity per device
+    mxu_shape: tuple[int, int]  # systolic array of one MXU
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def critical_intensity(self) -> float:
+        """FLOP per HBM byte where compute and memory time are equal (bf16)."""
+        return self.bf16_flops / self.hbm_bandwidth
+
+    def __str__(self) -> str:
+        return (f"{self.name} ({self.device_kind}): {self.hbm_bandwidth / 1e12:.2f} TB/s, "
+                f"{self.bf16_flops / 1e12:.0f} bf16 TFLOP/s, VMEM {self.vmem_bytes // MIB} MiB, "
+                f"HBM {self.hbm_bytes / GB:.0f} GB per device")
+
+
+# spec/tpu.md, per chip. hbm_bytes here is per chip; per device it is divided by devices per chip.
+_SPEC_TABLE = {
+    #         bw B/s     bf16 FLOP/s  fp8 FLOP/s  TCs  VMEM/TC    HBM/chip      MXU
+    "v5e": (819 * GB, 1.97e14, 0.0, 1, 128 * MIB, 16 * GB, (128, 128)),
+    "v6e": (1638 * GB, 9.18e14, 0.0, 1, 128 * MIB, 32 * GB, (256, 256)),
+    "v5p": (2765 * GB, 4.59e14, 0.0, 2, 64 * MIB, 95 * GIB, (128, 128)),
+    "tpu7x": (7.37e12, 2.307e15, 4.614e15, 2, 64 * MIB, 192 * GIB, (256, 256)),
+}
+# name -> (topology, device_kind, ChipVersion member name, TensorCores per JAX device)
+_LAYOUT = {
+    "v5e": ("v5e:2x2", "TPU v5 lite", "TPU_V5E", 1),
+    "v6e": ("v6e:2x2", "TPU v6 lite", "TPU_V6E", 1),
+    "v5p": ("v5p:2x2x1", "TPU v5", "TPU_V5P", 2),
+    "tpu7x": ("tpu7x:2x2x1", "TPU7x", "TPU_7X", 1),
+}
+
+
+def _tpu_info(version_name: str, cores_per_device: int):
+    """pltpu.get_tpu_info_for_chip, or None if this jax does not know the chip (or has no pallas)."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), cores_per_device)
+    except Exception:  # noqa: BLE001 - any failure means: use the spec table
+        return None
+
+
+def _build(name: str) -> Chip:
+    topology, device_kind, version_name, per_device = _LAYOUT[name]
+    bw, bf16, fp8, tcs, vmem, hbm_chip, mxu = _SPEC_TABLE[name]
+    devices_per_chip = tcs // per_device
+    info = _tpu_info(version_name, per_device)
+    info_src = f"pltpu.get_tpu_info_for_chip(ChipVersion.{version_name}, {per_device})"
+    spec_src = "spec/tpu.md table"
+    sources = {"topology": "spec/tpu.md (get_topology_desc names)",
+               "device_kind": "Device.device_kind of get_topology_desc(topology)",
+               "tensorcores_per_chip": spec_src,
+               "tensorcores_per_device": "JAX device layout (v5p megacore: 2; TPU7x: 1 per core)"}
+    per_chip_src = spec_src + (f" / {devices_per_chip} devices per chip" if devices_per_chip > 1 else "")
+    values = {
+        "hbm_bandwidth": (bw / devices_per_chip, per_chip_src),
+        "bf16_flops": (bf16 / devices_per_chip, per_chip_src),
+        "fp8_flops": (fp8 / devices_per_chip, per_chip_src),
+        "vmem_bytes": (vmem, spec_src),
+        "hbm_bytes": (hbm_chip // devices_per_chip, per_chip_src),
+        "mxu_shape": (mxu, spec_src),
+    }
+    if info is not None:  # prefer the library's figures where it has them (non-zero)
+        from_info = {
+            "hbm_bandwidth": info.mem_bw_bytes_per_second * per_device,
+            "bf16_flops": info.bf16_ops_per_second * per_device,
+            "fp8_flops": info.fp8_ops_per_second * per_device,
+            "vmem_bytes": info.vmem_capacity_bytes,
+            "hbm_bytes": info.hbm_capacity_bytes * per_device,
+        }
+        for key, value in from_info.items():
+            if value:
+                scale = f" x {per_device} cores" if per_device > 1 and key != "vmem_bytes" else ""
+                attr = {"hbm_bandwidth": "mem_bw_bytes_per_second", "bf16_flops": "bf16_ops_per_second",
+                        "fp8_flops": "fp8_ops_per_second", "vmem_bytes": "vmem_capacity_bytes",
+                        "hbm_bytes": "hbm_capacity_bytes"}[key]
+                spec_value = values[key][0]
+                differs = spec_value and abs(value / spec_value - 1) > 0.05
+                note = f" (spec/tpu.md says {spec_value:.4g})" if differs else ""
+                values[key] = (float(value) if key.endswith(("bandwidth", "flops")) else int(value),
+                               f"{info_src}.{attr}{scale}{note}")
+    if name == "v6e":  # tpu_info lists v6e fp8 at the bf16 rate: no native fp8 MXU path, use spec
+        values["fp8_flops"] = (0.0, spec_src + " (no native fp8 MXU; tpu_info's figure is the bf16 rate)")
+    sources.update({key: src for key, (_, src) in values.items()})
+    return Chip(name=name, topology=topology, device_kind=device_kind, tensorcores_per_chip=tcs,
+                tensorcores_per_device=per_device,
+                **{key: value for key, (value, _) in values.items()},
+                sources=MappingProxyType(sources))
+
+
+CHIPS: Mapping[str, Chip] = MappingProxyType({name: _build(name) for name in _LAYOUT})
+
+
+def get_chip(name: str | Chip) -> Chip:
+    """The chip called `name` (a Chip passes through). Unknown names raise ValueError listing them."""
+    if isinstance(name, Chip):
+        return name
+    if name not in CHIPS:
+        raise ValueError(f"unknown chip {name!r}: choose one of {', '.join(map(repr, CHIPS))}")
+    return CHIPS[name]
+
+
+if __name__ == "__main__":
+    for chip in CHIPS.values():
+        print(chip)
+        for key, src in chip.sources.items():
+            print(f"    {key:24s} {getattr(chip, key)!s:>22}  <- {src}")

@@ -1,0 +1,28 @@
+"""Shared test setup: CPU unless a TPU is present, and the `race_checked` fixture for kernel tests.
+
+Keep this generic: fixtures of one kernel live in that kernel's test module.
+"""
+
+import os
+
+import pytest
+
+from mkresearch import tpu as _tpu
+
+# Before jax is imported by any test module: CPU (TPU interpret mode) unless this machine has a TPU.
+_tpu.select_platform()
+
+
+@pytest.fixture
+def race_checked():
+    """Interpret kernels with the race detector (vector clocks of 16, which catch overwriting a
+    double-buffer slot while its DMA is in flight); fail the test if it found a race."""
+    previous = _tpu.current_interpret_options()
+    _tpu.interpret_options(detect_races=True, vector_clock_size=16)
+    _tpu.reset_races()
+    try:
+        yield
+        assert not _tpu.races_found(), "the race detector found a race (see 'RACE DETECTED' above)"
+    finally:
+        _tpu.reset_interpret_options()
+        _tpu.interpret_options(**previous)
