@@ -1,0 +1,7 @@
+"""`python -m mkresearch ...`: the same as the `mkresearch` console script."""
+
+import sys
+
+from mkresearch.cli import main
+
+sys.exit(main())

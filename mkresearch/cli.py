@@ -1,0 +1,335 @@
+"""`mkresearch` / `python -m mkresearch`: info, decode, figures.
+
+    mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
+    mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
+        --backend reference [--json]
+    mkresearch figures [--out figures] [--only roofline]
+
+Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
+option and exits with status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
+from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig, get_config
+
+# Backends `decode` can run. Kernels land in later issues; until then they are refused clearly.
+BACKENDS = {"reference": "plain-JAX oracle, mkresearch.reference"}
+PLANNED_BACKENDS = ("stages", "megakernel")
+# Beyond this many weight bytes a decode would not fit in a laptop's memory.
+MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _model(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise UsageError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
+    return get_config(name)
+
+
+def _at_least(option: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
+
+
+def _human_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+# ---- info ------------------------------------------------------------------------------------
+def layer_pattern(cfg: ModelConfig) -> str:
+    """'K' (KDA) or 'M' (MLA) per layer, attention-residual blocks separated by spaces."""
+    letters = ["M" if cfg.is_mla(layer) else "K" for layer in range(cfg.n_layers)]
+    blocks = ["".join(letters[i:i + cfg.attn_res_block])
+              for i in range(0, cfg.n_layers, cfg.attn_res_block)]
+    return " ".join(blocks)
+
+
+def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout: str) -> dict:
+    from mkresearch import roofline
+    from mkresearch.chips import CHIPS
+
+    total, active = roofline.parameter_counts(cfg)
+    step = roofline.step_bytes(cfg, batch, context, expert_format, layout)
+    per_token = {name: roofline.mla_cache_bytes_per_token(cfg, name) for name in MLA_CACHE_LAYOUTS}
+    floors = {}
+    for name in CHIPS:
+        floor = roofline.decode_floor(cfg, name, batch, context, expert_format=expert_format,
+                                      mla_cache_layout=layout)
+        floors[name] = {"ms": floor.seconds * 1e3, "tokens_per_s": floor.tokens_per_s,
+                        "memory_bound": floor.memory_bound}
+    return {
+        "model": cfg.name,
+        "layers": cfg.n_layers,
+        "layer_pattern": layer_pattern(cfg),
+        "kda_layers": list(cfg.kda_layers),
+        "mla_layers": list(cfg.mla_layers),
+        "dense_layers": list(cfg.dense_layers),
+        "moe_layers": list(cfg.moe_layers),
+        "parameters": {"total": total, "active": active},
+        "step_bytes": step.as_dict(),
+        "mla_cache_bytes_per_token": {**per_token,
+                                      "ratio": per_token["expanded"] / per_token["latent"]},
+        "floor_one_chip": floors,
+    }
+
+
+def _print_info(report: dict) -> None:
+    from mkresearch.roofline import COMPONENTS
+
+    step = report["step_bytes"]
+    print(f"{report['model']}: {report['layers']} layers, pattern (K = KDA, M = MLA; "
+          f"attention-residual blocks):")
+    print(f"  {report['layer_pattern']}")
+    print(f"  KDA {len(report['kda_layers'])} layers, MLA {len(report['mla_layers'])} "
+          f"(layers {', '.join(map(str, report['mla_layers']))}); dense FFN at "
+          f"{report['dense_layers']}, MoE at {len(report['moe_layers'])} layers")
+    params = report["parameters"]
+    print(f"parameters: total {_human_count(params['total'])}, "
+          f"active per token {_human_count(params['active'])}")
+    print(f"bytes per decode step: batch {step['batch']}, context {step['context']}, experts "
+          f"{step['expert_format']}, MLA cache {step['mla_cache_layout']} "
+          f"({step['unique_experts_per_layer']:.1f} unique experts per MoE layer):")
+    for name, label in COMPONENTS.items():
+        read, written = step["read"][name], step["written"].get(name, 0)
+        extra = f"  (+ {_human_bytes(written)} written)" if written else ""
+        print(f"  {label:42s} {_human_bytes(read):>10}{extra}")
+    print(f"  {'total read + written':42s} {_human_bytes(step['total']):>10}")
+    cache = report["mla_cache_bytes_per_token"]
+    print(f"MLA cache per context token: expanded {cache['expanded']:,} B, latent "
+          f"{cache['latent']:,} B ({cache['ratio']:.0f}x fewer)")
+    print("HBM floor on one chip (bytes / bandwidth):")
+    for chip, floor in report["floor_one_chip"].items():
+        print(f"  {chip:6s} {floor['ms']:10.2f} ms/step  {floor['tokens_per_s']:10.1f} tokens/s")
+
+
+# ---- decode ----------------------------------------------------------------------------------
+def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
+           progress: bool = False) -> dict:
+    """Random prompt from `seed`, prefill, greedy decode; then the parity check.
+
+    Parity: the generated tokens are fed back teacher-forced through one `lax.scan` over the
+    whole sequence (a separately compiled program, fresh state); its greedy choices and logits
+    must match the step-by-step decode.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from mkresearch import reference, sampling, weights
+
+    params = weights.init_params(cfg, seed)
+    prompt = jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0, cfg.vocab_size,
+                                dtype=jnp.int32)  # [B, T]
+    step = jax.jit(lambda p, s, tok, pos: reference.decode_step(p, s, tok, pos, cfg)[:2])
+
+    bar = tqdm(total=prompt_len + steps, desc=f"{cfg.name} decode", unit="step",
+               disable=not progress, file=sys.stderr, leave=False)
+    state = reference.init_state(cfg, batch)
+    started = time.perf_counter()
+    logits = None
+    for t in range(prompt_len):  # prefill: step through the prompt (the first call compiles)
+        positions = jnp.full((batch,), t, jnp.int32)
+        logits, state = step(params, state, prompt[:, t], positions)
+        if t == 0:
+            jax.block_until_ready(logits)
+            first_step = time.perf_counter() - started
+        bar.update()
+    jax.block_until_ready(logits)
+    prefill_done = time.perf_counter()
+
+    generated, step_logits = [], []  # N x [B], N x [B, V]
+    for i in range(steps):
+        positions = jnp.full((batch,), prompt_len + i, jnp.int32)  # where the new token goes
+        token = sampling.sample(logits, seed=seed, positions=positions, temperature=0.0)
+        generated.append(token)
+        step_logits.append(logits)
+        logits, state = step(params, state, token, positions)
+        bar.update()
+    jax.block_until_ready(logits)
+    decode_seconds = time.perf_counter() - prefill_done
+    bar.close()
+
+    generated_ids = np.stack([np.asarray(t) for t in generated], axis=1)  # [B, N]
+    parity = _teacher_forced_parity(cfg, params, np.asarray(prompt), generated_ids,
+                                    np.stack([np.asarray(x) for x in step_logits]))
+    return {
+        "model": cfg.name, "backend": "reference", "batch": batch, "prompt_len": prompt_len,
+        "steps": steps, "seed": seed, "platform": jax.default_backend(),
+        "prompt": np.asarray(prompt).tolist(), "generated": generated_ids.tolist(),
+        "parity": parity,
+        "seconds": {"compile_and_first_step": first_step,
+                    "prefill": prefill_done - started, "decode": decode_seconds},
+        "tokens_per_s": batch * steps / decode_seconds,
+    }
+
+
+def _teacher_forced_parity(cfg: ModelConfig, params: Any, prompt, generated, step_logits) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkresearch import reference
+
+    batch, prompt_len = prompt.shape
+    tokens = jnp.asarray(np.concatenate([prompt, generated], axis=1), jnp.int32)  # [B, T+N]
+
+    def one(state, t):
+        positions = jnp.full((batch,), t, jnp.int32)
+        logits, state = reference.decode_step(params, state, tokens[:, t], positions, cfg)[:2]
+        return state, logits
+
+    _, logits = jax.jit(lambda s: jax.lax.scan(one, s, jnp.arange(tokens.shape[1])))(
+        reference.init_state(cfg, batch))
+    forced = np.asarray(logits)[prompt_len - 1:-1]  # [N, B, V]: logits that chose each token
+    greedy = forced.argmax(-1).T  # [B, N]; argmax takes the lowest index on ties, like sample()
+    equal = int((greedy == generated).sum())
+    return {"check": "greedy decode == teacher-forced stepping of the same tokens (lax.scan)",
+            "tokens_equal": equal, "tokens": int(generated.size),
+            "max_abs_logit_diff": float(np.abs(forced - step_logits).max()),
+            "passed": equal == generated.size}
+
+
+def _print_decode(result: dict) -> None:
+    print(f"{result['model']}, backend {result['backend']} on {result['platform']}: batch "
+          f"{result['batch']}, random prompt of {result['prompt_len']} tokens (seed "
+          f"{result['seed']}), {result['steps']} greedy steps")
+    for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
+        print(f"  row {row}: prompt {prompt} -> generated {ids}")
+    parity = result["parity"]
+    print(f"parity: {parity['check']}: {parity['tokens_equal']}/{parity['tokens']} tokens equal, "
+          f"max |logit diff| {parity['max_abs_logit_diff']:.2e} -> "
+          f"{'PASS' if parity['passed'] else 'FAIL'}")
+    seconds = result["seconds"]
+    print(f"timing: compile + first step {seconds['compile_and_first_step']:.2f} s, prefill "
+          f"{seconds['prefill']:.2f} s, decode {seconds['decode']:.2f} s = "
+          f"{result['tokens_per_s']:.1f} tokens/s (plain JAX on {result['platform']}, "
+          f"not a TPU kernel)")
+
+
+# ---- main ------------------------------------------------------------------------------------
+def _parser() -> _Parser:
+    parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,decode,figures}")
+
+    p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
+    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--context", type=int, default=0,
+                   help="tokens already in each sequence's MLA cache (default 0)")
+    p.add_argument("--format", dest="expert_format", default=None,
+                   choices=EXPERT_FORMATS + ("released",),
+                   help="routed-expert format (default: the model's; released = FP8 gate/up + "
+                        "MXFP4 down)")
+    p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
+                   help="MLA cache layout (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = commands.add_parser("decode", help="prefill + greedy decode of a random prompt")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="reference",
+                   help=f"one of {', '.join(BACKENDS)} (planned: {', '.join(PLANNED_BACKENDS)})")
+    p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
+
+    p = commands.add_parser("figures", help="write every registered figure as PNG")
+    p.add_argument("--out", default="figures", help="output directory (default figures)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="just these figures")
+    return parser
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        cfg = _model(args.model)
+        _at_least("--batch", args.batch, 1)
+        _at_least("--context", args.context, 0)
+        report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            _print_info(report)
+        return 0
+
+    if args.command == "decode":
+        if args.backend not in BACKENDS:
+            planned = " is not available yet" if args.backend in PLANNED_BACKENDS else ""
+            raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
+                             f"of {', '.join(BACKENDS)}")
+        cfg = _model(args.model)
+        _at_least("--prompt-len", args.prompt_len, 1)
+        _at_least("--steps", args.steps, 1)
+        _at_least("--batch", args.batch, 1)
+        _at_least("--seed", args.seed, 0)
+        if args.prompt_len + args.steps > cfg.max_seq_len:
+            raise UsageError(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds "
+                             f"max_seq_len={cfg.max_seq_len} of {cfg.name}")
+        from mkresearch.roofline import tree_bytes
+        from mkresearch.weights import param_shapes
+
+        weight_bytes = tree_bytes(param_shapes(cfg))
+        if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
+            raise UsageError(f"--model {cfg.name} has {_human_bytes(weight_bytes)} of weights, too "
+                             f"many to decode here: use kimi-k3-mini (or `mkresearch info`)")
+        progress = not args.json and sys.stderr.isatty()
+        result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, progress)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _print_decode(result)
+        return 0 if result["parity"]["passed"] else 1
+
+    if args.command == "figures":
+        from mkresearch import figures
+
+        for name in args.only or ():
+            if name not in figures.FIGURES:
+                raise UsageError(f"--only {name!r} is unknown: choose from "
+                                 f"{', '.join(figures.FIGURES)}")
+        for path in figures.write_figures(args.out, args.only):
+            print(f"wrote {path}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except UsageError as error:
+        message = str(error)
+        print(message if message.startswith("mkresearch") else f"mkresearch: {message}",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The figures `make figures` writes: a registry of name -> "module:function".
+
+Each function takes one argument, the output path of a PNG, and draws with matplotlib's Agg
+backend. Modules are imported only when their figure is drawn, so one broken figure does not stop
+the others and `import mkresearch.figures` stays cheap. To add a figure, add one line to FIGURES.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Iterable
+
+FIGURES: dict[str, str] = {
+    "roofline": "mkresearch.roofline:plot_roofline",
+}
+
+
+def figure_function(name: str) -> Callable[[Path], None]:
+    """The drawing function registered as `name`."""
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r}: choose one of {', '.join(FIGURES)}")
+    module_name, function_name = FIGURES[name].split(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def write_figure(name: str, out_dir: str | Path = "figures") -> Path:
+    """Draw figure `name` into out_dir/name.png and return the path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    figure_function(name)(path)
+    return path
+
+
+def write_figures(out_dir: str | Path = "figures",
+                  names: Iterable[str] | None = None) -> list[Path]:
+    """Draw every registered figure (or `names`) into out_dir; returns the written paths."""
+    names = list(FIGURES) if names is None else list(names)
+    for name in names:
+        figure_function(name)  # unknown names fail before anything is drawn
+    return [write_figure(name, out_dir) for name in names]
