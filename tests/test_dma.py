@@ -1,0 +1,155 @@
+"""The DMA log: exact order and bytes of a double-buffered GEMV, silence when not recording, JSON."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import tpu
+from mkresearch.kernels import dma
+
+BATCH, K, N, TILE_K = 8, 512, 256, 128  # x [B, K] @ w [K, N], w streamed in [TILE_K, N] tiles
+N_TILES = K // TILE_K
+TILE_BYTES = TILE_K * N * 2  # bf16
+
+
+def gemv_body(x_ref, w_hbm, o_ref, w_ring_ref, sems, acc_ref):
+    """o = x @ w with w's K tiles streamed HBM -> a 2-slot VMEM ring (next tile loads during compute)."""
+    ring = dma.Ring(w_ring_ref, sems, name="w")
+    n_tiles = w_hbm.shape[0] // TILE_K
+
+    def w_tile(k):  # [TILE_K, N] block of w in HBM
+        return w_hbm.at[pl.ds(pl.multiple_of(k * TILE_K, TILE_K), TILE_K)]
+
+    ring.start(w_tile(0), 0, k=0)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def step(k, carry):
+        slot = k % 2
+        ring.wait(w_tile(k), slot, k=k)
+
+        @pl.when(k + 1 < n_tiles)
+        def _prefetch():  # the other slot was consumed by step k-1: free to overwrite
+            ring.start(w_tile(k + 1), 1 - slot, k=k + 1)
+
+        with dma.phase("gemv", flops=2 * BATCH * TILE_K * N, vmem_bytes=TILE_BYTES, k=k):
+            x_tile = x_ref[:, pl.ds(pl.multiple_of(k * TILE_K, TILE_K), TILE_K)]  # [B, TILE_K]
+            acc_ref[...] += jnp.dot(x_tile, ring.buffer(slot)[...],
+                                    preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_tiles, step, 0)
+    o_ref[...] = acc_ref[...]
+
+
+@functools.partial(jax.jit, static_argnames=("recording", "interpret"))
+def _gemv(x, w, *, recording, interpret):
+    del recording  # only keys the jit cache: recorded and silent traces never mix
+    return pl.pallas_call(
+        gemv_body,
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((2, TILE_K, w.shape[1]), w.dtype), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((x.shape[0], w.shape[1]), jnp.float32)],
+        interpret=interpret,
+    )(x, w)
+
+
+def gemv(x, w):
+    return _gemv(x, w, recording=dma.is_recording(), interpret=tpu.interpret_params())
+
+
+def _inputs():
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (BATCH, K), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    return x, w
+
+
+def _expected_order():
+    order = [("dma_start", "w", 0, 0)]
+    for k in range(N_TILES):
+        order.append(("dma_wait", "w", k % 2, k))
+        if k + 1 < N_TILES:
+            order.append(("dma_start", "w", (k + 1) % 2, k + 1))
+        order += [("phase_start", "gemv", None, k), ("phase_end", "gemv", None, k)]
+    return order
+
+
+def test_double_buffered_gemv_log_has_exact_order_and_bytes(race_checked):
+    x, w = _inputs()
+    with dma.recording() as log:
+        out = gemv(x, w)
+    expected = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+    assert [(e.kind, e.name, e.slot, e.indices["k"]) for e in log.events] == _expected_order()
+    starts = log.select("dma_start")
+    assert all((e.src, e.dst, e.nbytes) == ("hbm", "vmem", TILE_BYTES) for e in starts)
+    assert log.dma_bytes() == log.dma_bytes("w") == K * N * 2  # every weight byte exactly once
+    assert log.dma_bytes("x") == 0
+    phases = log.select("phase_start", "gemv")
+    assert sum(e.flops for e in phases) == 2 * BATCH * K * N
+    assert {e.vmem_bytes for e in phases} == {TILE_BYTES}
+    print(f"PASS gemv log: {len(log)} events, {log.dma_bytes()} DMA bytes")
+
+
+def test_silent_trace_records_nothing(race_checked):
+    x, w = _inputs()
+    out = gemv(x, w)  # traced and run without recording: nothing to record into, no callbacks
+    with dma.recording() as log:  # that silent trace, reused from the jit cache, stays silent
+        silent = _gemv(x, w, recording=False, interpret=tpu.interpret_params())
+    assert log.events == []
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(silent))
+    with dma.recording() as log:  # a fresh trace while recording does record
+        again = gemv(x, w)
+    assert len(log.events) == len(_expected_order())
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+    assert not dma.is_recording()
+
+
+def test_events_land_in_the_innermost_log_only(race_checked):
+    x, w = _inputs()
+    with dma.recording() as outer:
+        with dma.recording() as inner:
+            gemv(x, w)
+        assert dma.is_recording()
+    assert len(inner) == len(_expected_order()) and len(outer) == 0
+
+
+def test_json_round_trip(race_checked):
+    x, w = _inputs()
+    with dma.recording() as log:
+        gemv(x, w)
+    text = log.to_json()
+    back = dma.DmaLog.from_json(text)
+    assert back.events == log.events
+    assert back.to_records() == log.to_records()
+    assert back.dma_bytes("w") == K * N * 2
+    assert set(log.to_records()[0]) == {"kind", "name", "src", "dst", "nbytes", "slot", "indices",
+                                        "flops", "vmem_bytes"}
+
+
+def test_nothing_is_emitted_when_compiling_for_a_tpu():
+    x, w = _inputs()
+    with dma.recording() as log:  # inside compile_for the kernel is built for Mosaic: no callbacks
+        result = tpu.compile_for(gemv, x, w, chip="tpu7x")
+    assert log.events == [] and result.n_mosaic_kernels == 1
+
+
+def test_bad_arguments_raise_value_errors():
+    buf = jax.ShapeDtypeStruct((2, 8, 128), jnp.float32)
+    with pytest.raises(ValueError, match="name"):
+        dma.Ring(buf, jax.ShapeDtypeStruct((2,), jnp.int32), name="")
+    with pytest.raises(ValueError, match="sems_ref"):
+        dma.Ring(buf, jax.ShapeDtypeStruct((3,), jnp.int32), name="w")
+    with pytest.raises(ValueError, match="src shape"):
+        dma.Copy(jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                 None, name="w")
+    with pytest.raises(ValueError, match="kind"):
+        dma.DmaLog().select("dma_begin")

@@ -1,0 +1,183 @@
+"""How kernels run: interpret params, compiling for TPUs on this CPU, VMEM overflow, races, chips."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import _fast_interpret, tpu
+from mkresearch.chips import CHIPS, Chip, get_chip
+
+
+def add(x, y):
+    """A one-block Pallas kernel: o = x + y."""
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] + y_ref[...]
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=tpu.interpret_params())(x, y)
+
+
+def vmem_hog(x):
+    """Asks for a 160 MiB VMEM scratch: more than any chip's VMEM (64 or 128 MiB)."""
+
+    def kernel(x_ref, o_ref, scratch_ref):
+        scratch_ref[...] = jnp.zeros_like(scratch_ref)
+        o_ref[...] = x_ref[...] + scratch_ref[0:8, :]
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          scratch_shapes=[pltpu.VMEM((40 * 1024, 1024), jnp.float32)],
+                          interpret=tpu.interpret_params())(x)
+
+
+@pytest.mark.parametrize("chip", ["tpu7x", "v5e"])
+def test_small_kernel_compiles_for_tpu_on_this_cpu(chip):
+    block = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    result = tpu.compile_for(add, block, block, chip=chip)
+    print(f"{chip}: compile {result.seconds:.2f} s; {result}")
+    assert result.chip == chip
+    assert result.n_mosaic_kernels == 1
+    assert result.memory["argument_size_in_bytes"] == 2 * 256 * 512 * 4
+    assert result.memory["output_size_in_bytes"] == 256 * 512 * 4
+    assert "Mosaic kernel" in str(result)
+
+
+def test_static_argnums_pass_through():
+    def scaled_add(x, y, scale):
+        return add(x * scale, y)
+
+    block = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    result = tpu.compile_for(scaled_add, block, block, 2.0, chip="tpu7x", static_argnums=2)
+    assert result.n_mosaic_kernels == 1
+
+
+def test_vmem_overflow_says_so():
+    start = time.perf_counter()
+    with pytest.raises(tpu.VmemOverflowError, match="more VMEM than tpu7x has") as error:
+        tpu.compile_for(vmem_hog, jax.ShapeDtypeStruct((8, 1024), jnp.float32), chip="tpu7x")
+    assert "160.00 MiB" in str(error.value) and "64.00 MiB" in str(error.value)
+    assert isinstance(error.value, ValueError)
+    print(f"failing compile took {time.perf_counter() - start:.2f} s")
+
+
+def test_unknown_chip_lists_the_names():
+    with pytest.raises(ValueError, match="'v5e', 'v6e', 'v5p', 'tpu7x'"):
+        tpu.compile_for(add, jax.ShapeDtypeStruct((8, 128), jnp.float32), chip="v4")
+    with pytest.raises(ValueError, match="unknown chip 'h100'"):
+        get_chip("h100")
+
+
+def test_interpret_params_here_and_inside_compiling():
+    assert jax.default_backend() == "cpu"
+    params = tpu.interpret_params()
+    assert isinstance(params, pltpu.InterpretParams)
+    hash(params)  # usable as a static jit argument
+    with tpu.compiling():
+        assert tpu.interpret_params() is None
+    assert tpu.interpret_params() == params
+    assert tpu.describe_backend() == "cpu: TPU interpret mode"
+
+
+def test_interpret_options_set_and_restore():
+    before = tpu.interpret_params()
+    with tpu.interpret_options(detect_races=True, vector_clock_size=16):
+        inside = tpu.interpret_params()
+        assert inside.detect_races and inside.vector_clock_size == 16
+        assert inside == tpu.interpret_params() and hash(inside) == hash(tpu.interpret_params())
+    assert tpu.interpret_params() == before
+    with pytest.raises(ValueError, match="unknown option.*allowed:.*detect_races"):
+        tpu.interpret_options(detect_race=True)
+    with pytest.raises(ValueError, match="vector_clock_size"):
+        tpu.interpret_options(vector_clock_size=0)
+    assert tpu.interpret_params() == before
+
+
+def test_race_flag_survives_later_clean_kernels():
+    """A race in one kernel stays reported after another kernel runs (the interpreter resets its
+    own state per kernel), until reset_races()."""
+
+    def racy_kernel(x_hbm, o_ref, buf_ref, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf_ref, sem)
+        copy.start()
+        o_ref[...] = buf_ref[...]  # reads the DMA destination before waiting: a race
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+    with tpu.interpret_options(detect_races=True, vector_clock_size=16):
+        tpu.reset_races()
+        pl.pallas_call(racy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                       scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
+                       interpret=tpu.interpret_params())(x)
+        assert tpu.races_found()
+        np.testing.assert_array_equal(np.asarray(add(x, x)), 2 * np.ones((8, 128)))
+        assert tpu.races_found()
+        tpu.reset_races()
+        assert not tpu.races_found()
+
+
+def test_fast_interpret_gives_equal_results(race_checked):
+    """The io_callback speed-up changes nothing but speed (jax 0.10.2 only)."""
+    x = jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256)
+    y = jnp.sin(x)
+
+    def run():
+        start = time.perf_counter()
+        out = np.asarray(add(x, y))
+        return out, time.perf_counter() - start
+
+    assert tpu.interpret_params() is not None
+    assert _fast_interpret.active() == _fast_interpret.supported()
+    fast_out, _ = run()
+    tpu.set_fast_interpret(False)
+    try:
+        tpu.interpret_params()
+        assert not _fast_interpret.active()
+        slow_out, _ = run()
+    finally:
+        tpu.set_fast_interpret(True)
+    tpu.interpret_params()
+    assert _fast_interpret.active() == _fast_interpret.supported()
+    np.testing.assert_array_equal(fast_out, slow_out)
+    np.testing.assert_array_equal(fast_out, np.asarray(x + y))
+
+
+def test_select_platform_respects_explicit_choice():
+    code = "import os, mkresearch; print(os.environ.get('JAX_PLATFORMS'))"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    chosen = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert chosen == ("cpu" if not tpu._tpu_present() else "None")
+    env["JAX_PLATFORMS"] = "cpu,tpu"
+    kept = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert kept == "cpu,tpu"
+
+
+def test_chips_table():
+    assert tuple(CHIPS) == ("v5e", "v6e", "v5p", "tpu7x")
+    tpu7x = CHIPS["tpu7x"]
+    assert isinstance(tpu7x, Chip) and get_chip(tpu7x) is tpu7x
+    assert tpu7x.hbm_bandwidth == pytest.approx(3.69e12, rel=0.01)  # per TensorCore = per device
+    assert tpu7x.vmem_bytes == 64 * 2**20 and CHIPS["v5e"].vmem_bytes == 128 * 2**20
+    assert tpu7x.topology == "tpu7x:2x2x1" and CHIPS["v5p"].topology == "v5p:2x2x1"
+    assert tpu7x.mxu_shape == (256, 256) and CHIPS["v5e"].mxu_shape == (128, 128)
+    assert tpu7x.fp8_flops == pytest.approx(2 * tpu7x.bf16_flops, rel=0.01)
+    for chip in CHIPS.values():
+        for name in ("hbm_bandwidth", "bf16_flops", "fp8_flops", "vmem_bytes", "hbm_bytes",
+                     "mxu_shape", "topology", "device_kind", "tensorcores_per_chip"):
+            assert chip.sources[name], (chip.name, name)
+        assert chip.hbm_bandwidth > 0 and chip.bf16_flops > 0 and chip.critical_intensity > 100
+
+
+def test_device_kind_matches_topology():
+    for chip in CHIPS.values():
+        assert tpu.tpu_device(chip.name).device_kind == chip.device_kind
