@@ -88,8 +88,7 @@ class interpret_options:  # noqa: N801 - used like a function / context manager
 
     Called plainly it sets them for the rest of the process; used as `with interpret_options(...):`
     it restores the previous options on exit. Any InterpretParams field is accepted (unknown names
-    raise ValueError listing the allowed ones). `interpret_options()` with no argument inside a
-    `with` keeps the options; `reset_interpret_options()` goes back to the defaults.
+    raise ValueError listing the allowed ones); `reset_interpret_options()` goes back to the defaults.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -245,9 +244,10 @@ class CompileResult:
 
     chip: str
     seconds: float  # lower + compile wall time on this machine
-    flops: float  # compiled.cost_analysis()["flops"] (Mosaic kernels report what they declare)
-    bytes_accessed: float  # compiled.cost_analysis()["bytes accessed"]
+    flops: float  # cost_analysis()["flops"]: for Mosaic kernels, what pallas_call(cost_estimate=) declares
+    bytes_accessed: float  # cost_analysis()["bytes accessed"] (or the sum of its per-operand entries)
     memory: Mapping[str, int] = field(compare=False)  # memory_analysis(): argument/output/temp... bytes
+    cost: Mapping[str, float] = field(default_factory=dict, compare=False)  # all of cost_analysis()
     n_mosaic_kernels: int = 0  # custom-calls with target tpu_custom_call in the compiled HLO
     hlo_text: str = field(default="", repr=False, compare=False)
 
@@ -374,9 +374,13 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
     memory = _memory_dict(compiled.memory_analysis())
     hlo = compiled.as_text() or ""
     n_kernels = len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))
+    # Some chips report only per-operand "bytes accessed{i}{}" / "bytes accessedout{}" entries.
+    bytes_accessed = cost.get("bytes accessed") or sum(
+        v for k, v in cost.items() if k.startswith("bytes accessed"))
     return CompileResult(chip=spec.name, seconds=seconds, flops=float(cost.get("flops", 0.0)),
-                         bytes_accessed=float(cost.get("bytes accessed", 0.0)), memory=memory,
-                         n_mosaic_kernels=n_kernels, hlo_text=hlo)
+                         bytes_accessed=float(bytes_accessed), memory=memory,
+                         cost={k: float(v) for k, v in cost.items()}, n_mosaic_kernels=n_kernels,
+                         hlo_text=hlo)
 
 
 def _memory_dict(analysis: Any) -> dict[str, int]:
