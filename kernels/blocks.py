@@ -1,0 +1,147 @@
+"""Shared pieces of the attention stage kernels: block-size checks and weight streaming.
+
+`stream_matmul` is how a stage kernel multiplies a small VMEM activation by a weight matrix that
+stays in HBM: the matrix streams through a two-slot VMEM ring in row blocks (each a whole
+`[rows, N]` slab, so every DMA is one contiguous HBM window) while the MXU works on the previous
+block. Every block goes through `mkresearch.kernels.dma`, so the DMA log counts every weight byte.
+
+Block sizes are checked in Python (ValueError naming the parameter) before a kernel is built:
+TPU tiling wants the last dim of a VMEM block to be a multiple of 128 lanes and the second-last a
+multiple of 8 (f32) or 16 (bf16) sublanes; interpret mode would accept anything silently.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch.config import BF16_SUBLANE, LANE
+from mkresearch.kernels import dma
+
+# The public release keeps weight banks of 2 MiB in flight; one block of a streamed matrix is at
+# most this many bytes unless the caller asks for other block rows.
+WEIGHT_BLOCK_BYTES = 2 * 1024 * 1024
+
+
+def check_positive_multiple(name: str, value: Any, multiple: int, why: str) -> None:
+    """ValueError naming `name` unless value is a positive int multiple of `multiple`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % multiple:
+        raise ValueError(f"{name}={value!r} is invalid: a positive multiple of {multiple} ({why})")
+
+
+def check_kv_tile(kv_tile: Any, seq_len: int) -> None:
+    """A KV tile is `[kv_tile, lanes]` bf16 in VMEM and a window of the HBM cache."""
+    check_positive_multiple("kv_tile", kv_tile, BF16_SUBLANE,
+                            "bf16 VMEM tiles are 16 x 128, so KV tiles are whole sublane groups")
+    if seq_len % kv_tile:
+        raise ValueError(f"kv_tile={kv_tile} is invalid: it must divide the cache length "
+                         f"{seq_len} (allowed: the divisors of {seq_len} that are multiples of "
+                         f"{BF16_SUBLANE})")
+
+
+def check_block_rows(block_rows: Any) -> None:
+    """Weight row blocks slice the activation's lane dim, so they are whole 128-lane groups."""
+    if block_rows is not None:
+        check_positive_multiple("weight_block_rows", block_rows, LANE,
+                                "a row block of W is a lane slice of the activation x[:, rows]")
+
+
+def weight_block_rows(shape: tuple[int, int], dtype: Any, block_rows: int | None = None) -> int:
+    """Rows of one streamed block of a [K, N] matrix: a multiple of 128 dividing K.
+
+    The largest such divisor with at most `WEIGHT_BLOCK_BYTES` per block, or at most `block_rows`
+    rows when the caller gives it. K is a multiple of 128 for every matrix of the model (the config
+    validates it), so 128 always works.
+    """
+    k, n = shape
+    if block_rows is None:
+        limit = max(LANE, WEIGHT_BLOCK_BYTES // (n * jnp.dtype(dtype).itemsize))
+    else:
+        limit = block_rows
+    best = LANE
+    for rows in range(LANE, min(k, limit) + 1, LANE):
+        if k % rows == 0:
+            best = rows
+    return best
+
+
+def stream_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> jax.Array:
+    """x [M, K] (VMEM value) @ w_hbm [K, N] (HBM ref) -> [M, N] f32, double-buffered row blocks.
+
+    The block loop is a static Python loop: K / rows is small (4 blocks for a 7168-row matrix at
+    2 MiB), and static lane slices of x need no dynamic relayout.
+    """
+    k, n = w_hbm.shape
+    n_blocks = k // rows
+
+    def scoped(buffers, sems):
+        ring = dma.Ring(buffers, sems, name=name)
+
+        def block(i):  # [rows, N] window of the HBM matrix
+            return w_hbm.at[pl.ds(i * rows, rows), :]
+
+        ring.start(block(0), 0, block=0, **indices)
+        acc = jnp.zeros((x.shape[0], n), jnp.float32)
+        for i in range(n_blocks):
+            slot = i % 2
+            if i + 1 < n_blocks:  # the next block flies while this one is multiplied
+                ring.start(block(i + 1), 1 - slot, block=i + 1, **indices)
+            ring.wait(block(i), slot, block=i, **indices)
+            acc += jnp.dot(x[:, i * rows:(i + 1) * rows], ring.buffer(slot)[...],
+                           preferred_element_type=jnp.float32)
+        return acc
+
+    return pl.run_scoped(scoped, pltpu.VMEM((2, rows, n), w_hbm.dtype),
+                         pltpu.SemaphoreType.DMA((2,)))
+
+
+def load_whole(hbm_ref: Any, *, name: str, **indices: Any) -> jax.Array:
+    """Copy a small HBM array (a norm weight, a bias) into VMEM by DMA and return its value."""
+
+    def scoped(buffer, sem):
+        dma.Copy(hbm_ref, buffer, sem.at[0], name=name, **indices).start().wait()
+        return buffer[...]
+
+    return pl.run_scoped(scoped, pltpu.VMEM(hbm_ref.shape, hbm_ref.dtype),
+                         pltpu.SemaphoreType.DMA((1,)))
+
+
+def load_into(hbm_ref: Any, vmem_ref: Any, *, rows: int, name: str, **indices: Any) -> None:
+    """Fill vmem_ref [K, N] with the HBM matrix hbm_ref [K, N] in row blocks (all in flight)."""
+    n_blocks = hbm_ref.shape[0] // rows
+
+    def scoped(sems):
+        copies = [dma.Copy(hbm_ref.at[pl.ds(i * rows, rows), :],
+                           vmem_ref.at[pl.ds(i * rows, rows), :], sems.at[i], name=name,
+                           slot=i, block=i, **indices) for i in range(n_blocks)]
+        for copy in copies:
+            copy.start()
+        for copy in copies:
+            copy.wait()
+
+    pl.run_scoped(scoped, pltpu.SemaphoreType.DMA((n_blocks,)))
+
+
+def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -> jax.Array:
+    """RMSNorm in f32 (plain γ), rounded to bf16: v [M, N] f32, gamma [1, N]; n divides Σv²."""
+    v = v.astype(jnp.float32)
+    mean_square = jnp.sum(v * v, axis=-1, keepdims=True) / (n or v.shape[-1])
+    return (v * jax.lax.rsqrt(mean_square + eps) * gamma.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def bf16(v: jax.Array) -> jax.Array:
+    """Round to bf16 (spec: bf(x)); the value stays bf16."""
+    return v.astype(jnp.bfloat16)
+
+
+def f32(v: jax.Array) -> jax.Array:
+    return v.astype(jnp.float32)
+
+
+def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize

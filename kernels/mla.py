@@ -1,0 +1,458 @@
+"""MLA decode attention (spec §5) as one Pallas TPU kernel: x -> sublayer output + cache update.
+
+One call does, for a batch of B rows each at its own position p_b:
+
+  projections   c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb); [c_kv | k^X] = bf(x W_kva);
+                ĉ = RMSNorm(c_kv); gate = bf(σ(bf(x W_g)))             (weights stream by DMA)
+  attention     scores over the p_b cached tokens + the new one, f32 online softmax over KV tiles
+                of T tokens read from HBM with a double-buffered DMA ring; only the ⌈p_b / T⌉
+                tiles that hold tokens 0..p_b-1 are read. The new token never goes through HBM
+                on the read side: it seeds the softmax (m = its score, l = 1, acc = its value).
+  output        y_h = bf(bf(o_h) ⊙ gate_h); out = y W_o                    (W_o streams by DMA)
+  cache update  the new token's entry is written in place (input_output_aliases). HBM arrays are
+                tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
+                the aligned 16-row block around p_b is read, patched in VMEM, and written back.
+
+Cache layouts (`cfg.mla_cache_layout`, spec §5):
+  expanded  k [B, H, S, k_padded] = [k^C | k^X | 0], v [B, H, S, v]: per head, what the released
+            kernels cache. Scores q^C·k^C + q^X·k^X per head, o = Σ α v.
+  latent    ckv [B, S, kv_rank] = ĉ, kx [B, S, extra]: shared by all heads. W_kvb is absorbed:
+            the query side uses q_lat_h = q^C_h W_kvbK_hᵀ (score q_lat_h·ĉ + q^X_h·k^X), the output
+            side o_h = (Σ α ĉ) W_kvbV_h. One tile serves every head, at 64x fewer bytes per token.
+
+`mla_attention_body` works on Refs and allocates its own scratch (`pl.run_scoped`), so the
+megakernel calls it as it is; `mla_attention` is the thin `pallas_call` wrapper with the reference's
+signature (`mkresearch.reference.mla_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import tpu
+from mkresearch.config import BF16_SUBLANE, MLA_CACHE_LAYOUTS, ModelConfig
+from mkresearch.kernels import blocks, dma
+from mkresearch.kernels.blocks import bf16, f32
+
+# Rows of the aligned HBM block patched to write one new cache entry (bf16 HBM tiling).
+UPDATE_ROWS = BF16_SUBLANE
+
+WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")
+CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """Everything static about one MLA kernel: shapes, layout, block sizes."""
+
+    batch: int
+    n_heads: int
+    d_model: int
+    q_rank: int
+    kv_rank: int
+    qk_nope: int
+    qk_extra: int
+    v_dim: int
+    k_padded: int
+    seq_len: int  # S: cache length
+    kv_tile: int  # T: tokens per KV tile
+    layout: str  # "expanded" | "latent"
+    eps: float
+    rows: tuple[tuple[str, int], ...]  # weight name -> rows of one streamed block
+
+    @property
+    def qk_dim(self) -> int:
+        return self.qk_nope + self.qk_extra
+
+    @property
+    def scale(self) -> float:
+        return float(self.qk_dim) ** -0.5
+
+    def block_rows(self, name: str) -> int:
+        return dict(self.rows)[name]
+
+
+def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None = None,
+              weight_block_rows: int | None = None) -> MlaPlan:
+    """Check block sizes (ValueError naming the parameter) and fix every static size."""
+    kv_tile = cfg.kv_tile if kv_tile is None else kv_tile
+    blocks.check_kv_tile(kv_tile, seq_len)
+    blocks.check_block_rows(weight_block_rows)
+    h, qk, v = cfg.n_heads, cfg.mla_qk_dim, cfg.mla_v_dim
+    shapes = {"w_qa": (cfg.d_model, cfg.mla_q_rank), "w_qb": (cfg.mla_q_rank, h * qk),
+              "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
+              "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
+              "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+    rows = tuple((name, blocks.weight_block_rows(shape, jnp.bfloat16, weight_block_rows))
+                 for name, shape in shapes.items())
+    return MlaPlan(batch=batch, n_heads=h, d_model=cfg.d_model, q_rank=cfg.mla_q_rank,
+                   kv_rank=cfg.mla_kv_rank, qk_nope=cfg.mla_qk_nope, qk_extra=cfg.mla_qk_extra,
+                   v_dim=v, k_padded=cfg.mla_k_padded, seq_len=seq_len, kv_tile=kv_tile,
+                   layout=cfg.mla_cache_layout, eps=cfg.rms_eps, rows=rows)
+
+
+# ---- the body -----------------------------------------------------------------------------------
+
+
+def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, w_kva, kv_norm,
+                       w_kvb, w_g, w_o, cache_a, cache_b, out_ref, cache_a_out, cache_b_out,
+                       **indices: Any) -> None:
+    """One MLA sublayer for B rows.
+
+    positions_ref [B] i32 (SMEM); x_ref [B, d] bf16 (VMEM); weights in HBM, norms as [1, n];
+    cache_a/cache_b the layer's cache in HBM (k, v or ckv, kx) and cache_*_out the same buffers
+    (aliased) for the in-place write; out_ref [B, d] bf16 (VMEM). `indices` (e.g. layer=3) tag
+    the DMA log.
+    """
+    p = plan
+    h_count, nope, extra, v_dim = p.n_heads, p.qk_nope, p.qk_extra, p.v_dim
+
+    with dma.phase("mla.project", **indices):
+        x = x_ref[...]  # [B, d] bf16
+        stream = functools.partial(blocks.stream_matmul, **indices)
+        c_q = blocks.rms_norm(
+            stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa"),
+            blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
+        q = f32(bf16(stream(c_q, w_qb, rows=p.block_rows("w_qb"), name="mla.w_qb")))  # [B, H*qk]
+        ckv_kx = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
+        c_hat = blocks.rms_norm(f32(ckv_kx[:, :p.kv_rank]),
+                                blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
+                                p.eps)  # [B, kv_rank] bf16
+        k_extra = ckv_kx[:, p.kv_rank:]  # [B, extra] bf16, shared by all heads, not normalised
+        gate = bf16(jax.nn.sigmoid(f32(bf16(
+            stream(x, w_g, rows=p.block_rows("w_g"), name="mla.w_g")))))  # [B, H*v]
+
+    def with_scratch(y_scratch, w_kvb_vmem):
+        if p.layout == "expanded":
+            kv_new = bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
+                                 name="mla.w_kvb"))  # [B, H*(nope+v)] = per head [k^C | v]
+        else:
+            blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
+                             **indices)
+        for b in range(p.batch):
+            position = positions_ref[b]
+            q_row = [q[b:b + 1, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
+            if p.layout == "expanded":
+                k_c = [kv_new[b:b + 1, h * (nope + v_dim):h * (nope + v_dim) + nope]
+                       for h in range(h_count)]  # [1, nope] each
+                v_new = [kv_new[b:b + 1, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
+                         for h in range(h_count)]  # [1, v] each
+                heads = _attend_expanded(p, b, position, q_row, k_c, k_extra[b:b + 1], v_new,
+                                         cache_a, cache_b, indices)
+                _update_expanded(p, b, position, k_c, k_extra[b:b + 1], v_new, cache_a, cache_b,
+                                 cache_a_out, cache_b_out, indices)
+            else:
+                heads = _attend_latent(p, b, position, q_row, c_hat[b:b + 1], k_extra[b:b + 1],
+                                       w_kvb_vmem, cache_a, cache_b, indices)
+                _update_latent(p, b, position, c_hat[b:b + 1], k_extra[b:b + 1], cache_a,
+                               cache_b, cache_a_out, cache_b_out, indices)
+            for h, o_h in enumerate(heads):  # o_h [1, v] f32
+                gate_h = gate[b:b + 1, h * v_dim:(h + 1) * v_dim]
+                y_scratch[b:b + 1, h * v_dim:(h + 1) * v_dim] = f32(bf16(f32(bf16(o_h)) * f32(gate_h)))
+        with dma.phase("mla.output", **indices):
+            out_ref[...] = bf16(stream(bf16(y_scratch[...]), w_o, rows=p.block_rows("w_o"),
+                                       name="mla.w_o"))
+
+    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)
+    # y is kept f32 (exactly bf16 values): single-row stores into packed bf16 rows are masked
+    pl.run_scoped(with_scratch, pltpu.VMEM((p.batch, h_count * v_dim), jnp.float32),
+                  pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
+
+
+def _tile_count(p: MlaPlan, position):
+    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1 (lax.div: no sign op)."""
+    return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
+
+
+def _tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indices):
+    """Double-buffered loop over the needed KV tiles: tile t+1 flies while tile t is used.
+
+    rings: dma.Ring per cache array; windows(t) -> the HBM window of each array for tile t;
+    update(t, tiles, carry) -> carry, with tiles the VMEM values of tile t.
+    """
+    n_tiles = _tile_count(p, position)
+
+    def start(t, slot):
+        for ring, window in zip(rings, windows(t)):
+            ring.start(window, slot, row=b, tile=t, **indices)
+
+    @pl.when(n_tiles > 0)
+    def _():
+        start(0, 0)
+
+    def step(t, carry):
+        slot = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            start(t + 1, 1 - slot)
+
+        tiles = []
+        for ring, window in zip(rings, windows(t)):
+            ring.wait(window, slot, row=b, tile=t, **indices)
+            tiles.append(ring.buffer(slot)[...])
+        with dma.phase("mla.attend", row=b, tile=t, **indices):
+            return update(t, tiles, carry)
+
+    return jax.lax.fori_loop(0, n_tiles, step, carry)
+
+
+def _online_softmax(p: MlaPlan, t, position, scores, values, carry):
+    """One tile of the f32 online softmax: scores [R, T], values [T, n] f32; carry (m, l, acc)."""
+    m, l, acc = carry
+    token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    valid = token < position  # the tile's tail past the cached tokens is stale: masked
+    scores = jnp.where(valid, scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
+    correction = jnp.exp(m - m_new)
+    weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
+    l = correction * l + jnp.sum(weights, axis=-1, keepdims=True)
+    acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _dot_t(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, indices):
+    """Per head: scores over the cached expanded K, V tiles [H, T, ·] plus the new token."""
+    nope, qk = p.qk_nope, p.qk_dim
+    carry = []
+    for h in range(p.n_heads):  # the new token seeds the softmax: m = its score, l = 1, acc = v
+        score = (jnp.sum(q_row[h][:, :nope] * f32(k_c[h]), axis=-1, keepdims=True)
+                 + jnp.sum(q_row[h][:, nope:qk] * f32(k_extra), axis=-1, keepdims=True))
+        carry.append((score * p.scale, jnp.ones_like(score), f32(v_new[h])))
+
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]  # [H, T, k_padded], [H, T, v]
+
+    def update(t, tiles, carry):
+        k_tile, v_tile = tiles
+        new = []
+        for h in range(p.n_heads):
+            scores = (_dot_t(bf16(q_row[h][:, :nope]), k_tile[h][:, :nope])
+                      + _dot_t(bf16(q_row[h][:, nope:qk]), k_tile[h][:, nope:qk])) * p.scale
+            new.append(_online_softmax(p, t, position, scores, f32(v_tile[h]), carry[h]))
+        return new
+
+    def scoped(k_buffers, v_buffers, sems):
+        rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.k"),
+                 dma.Ring(v_buffers, sems.at[1], name="mla.kv.v"))
+        return _tile_loop(p, b, position, rings, windows, update, carry, indices)
+
+    final = pl.run_scoped(scoped, pltpu.VMEM((2, p.n_heads, p.kv_tile, p.k_padded), jnp.bfloat16),
+                          pltpu.VMEM((2, p.n_heads, p.kv_tile, p.v_dim), jnp.bfloat16),
+                          pltpu.SemaphoreType.DMA((2, 2)))
+    return [acc / l for _, l, acc in final]
+
+
+def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices):
+    """All heads at once over latent tiles ĉ [T, kv_rank], k^X [T, extra], W_kvb absorbed."""
+    nope, qk, width = p.qk_nope, p.qk_dim, p.qk_nope + p.v_dim
+
+    def scoped(q_scratch, k_buffers, x_buffers, sems):
+        q_lat_scratch, q_x_scratch = q_scratch
+        for h in range(p.n_heads):  # q_lat_h = q^C_h W_kvbK_hᵀ  [1, kv_rank]
+            w_k = w_kvb_vmem[:, h * width:h * width + nope]  # [kv_rank, nope]
+            q_lat_scratch[h:h + 1, :] = _dot_t(bf16(q_row[h][:, :nope]), w_k)
+            q_x_scratch[h:h + 1, :] = q_row[h][:, nope:qk]
+        q_lat, q_x = q_lat_scratch[...], q_x_scratch[...]  # [H, kv_rank], [H, extra] f32
+        c_new = f32(c_hat)  # [1, kv_rank]
+        score = (jnp.sum(q_lat * c_new, axis=-1, keepdims=True)
+                 + jnp.sum(q_x * f32(k_extra), axis=-1, keepdims=True)) * p.scale  # [H, 1]
+        carry = (score, jnp.ones_like(score), jnp.broadcast_to(c_new, q_lat.shape))
+
+        def windows(t):
+            tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+            return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
+
+        def update(t, tiles, carry):
+            c_tile, x_tile = f32(tiles[0]), f32(tiles[1])
+            scores = (_dot_t(q_lat, c_tile) + _dot_t(q_x, x_tile)) * p.scale  # [H, T]
+            return _online_softmax(p, t, position, scores, c_tile, carry)
+
+        rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.ckv"),
+                 dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
+        _, l, acc = _tile_loop(p, b, position, rings, windows, update, carry, indices)
+        o_lat = acc / l  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
+        return [jnp.dot(o_lat[h:h + 1, :],
+                        f32(w_kvb_vmem[:, h * width + nope:(h + 1) * width]),
+                        preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
+                for h in range(p.n_heads)]
+
+    return pl.run_scoped(
+        scoped, (pltpu.VMEM((p.n_heads, p.kv_rank), jnp.float32),
+                 pltpu.VMEM((p.n_heads, p.qk_extra), jnp.float32)),
+        pltpu.VMEM((2, p.kv_tile, p.kv_rank), jnp.bfloat16),
+        pltpu.VMEM((2, p.kv_tile, p.qk_extra), jnp.bfloat16), pltpu.SemaphoreType.DMA((2, 2)))
+
+
+def _patch_block(b, row_in_block, window_in, window_out, buffer, sem, patch, name, indices):
+    """Read the aligned UPDATE_ROWS block around the new position, patch its row, write it back."""
+    dma.Copy(window_in, buffer, sem, name=f"{name}.read", row=b, **indices).start().wait()
+    rows = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, len(buffer.shape) - 2)
+    patch(rows == row_in_block)
+    dma.Copy(buffer, window_out, sem, name=f"{name}.write", row=b, **indices).start().wait()
+
+
+def _update_window(position):
+    start = pl.multiple_of(jax.lax.div(position, UPDATE_ROWS) * UPDATE_ROWS, UPDATE_ROWS)
+    return start, pl.ds(start, UPDATE_ROWS)
+
+
+def _update_expanded(p, b, position, k_c, k_extra, v_new, k_in, v_in, k_out, v_out, indices):
+    """Write K = [k^C | k^X | 0] and V of the new token at `position` for every head."""
+    start, rows = _update_window(position)
+    pad = p.k_padded - p.qk_dim
+
+    def scoped(k_block, v_block, sems):  # [H, 16, k_padded], [H, 16, v]
+        def patch_k(is_new):
+            parts = [k_c, [k_extra] * p.n_heads]
+            if pad:
+                parts.append([jnp.zeros((1, pad), jnp.bfloat16)] * p.n_heads)
+            entry = jnp.stack([jnp.concatenate(row, axis=-1) for row in zip(*parts)])  # [H,1,kp]
+            k_block[...] = jnp.where(is_new, entry, k_block[...])
+
+        def patch_v(is_new):
+            v_block[...] = jnp.where(is_new, jnp.stack(v_new), v_block[...])  # [H, 1, v]
+
+        _patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
+                     k_block, sems.at[0], patch_k, "mla.kv_update.k", indices)
+        _patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
+                     v_block, sems.at[1], patch_v, "mla.kv_update.v", indices)
+
+    pl.run_scoped(scoped, pltpu.VMEM((p.n_heads, UPDATE_ROWS, p.k_padded), jnp.bfloat16),
+                  pltpu.VMEM((p.n_heads, UPDATE_ROWS, p.v_dim), jnp.bfloat16),
+                  pltpu.SemaphoreType.DMA((2,)))
+
+
+def _update_latent(p, b, position, c_hat, k_extra, ckv_in, kx_in, ckv_out, kx_out, indices):
+    """Write ĉ and k^X of the new token at `position` (one entry for all heads)."""
+    start, rows = _update_window(position)
+
+    def scoped(c_block, x_block, sems):  # [16, kv_rank], [16, extra]
+        def patch_c(is_new):
+            c_block[...] = jnp.where(is_new, c_hat, c_block[...])
+
+        def patch_x(is_new):
+            x_block[...] = jnp.where(is_new, k_extra, x_block[...])
+
+        _patch_block(b, position - start, ckv_in.at[b, rows, :], ckv_out.at[b, rows, :],
+                     c_block, sems.at[0], patch_c, "mla.kv_update.ckv", indices)
+        _patch_block(b, position - start, kx_in.at[b, rows, :], kx_out.at[b, rows, :],
+                     x_block, sems.at[1], patch_x, "mla.kv_update.kx", indices)
+
+    pl.run_scoped(scoped, pltpu.VMEM((UPDATE_ROWS, p.kv_rank), jnp.bfloat16),
+                  pltpu.VMEM((UPDATE_ROWS, p.qk_extra), jnp.bfloat16),
+                  pltpu.SemaphoreType.DMA((2,)))
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+def _cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+    h = cfg.n_heads
+    if cfg.mla_cache_layout == "expanded":
+        return {"k": (batch, h, seq_len, cfg.mla_k_padded), "v": (batch, h, seq_len, cfg.mla_v_dim)}
+    return {"ckv": (batch, seq_len, cfg.mla_kv_rank), "kx": (batch, seq_len, cfg.mla_qk_extra)}
+
+
+def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, qk, v = cfg.n_heads, cfg.mla_qk_dim, cfg.mla_v_dim
+    return {"w_qa": (cfg.d_model, cfg.mla_q_rank), "q_norm": (cfg.mla_q_rank,),
+            "w_qb": (cfg.mla_q_rank, h * qk), "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
+            "kv_norm": (cfg.mla_kv_rank,), "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
+            "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+
+
+def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
+    """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache length."""
+    if cfg.mla_cache_layout not in MLA_CACHE_LAYOUTS:
+        raise ValueError(f"cfg.mla_cache_layout={cfg.mla_cache_layout!r} is invalid: one of "
+                         f"{MLA_CACHE_LAYOUTS}")
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
+    batch = x.shape[0]
+    for name, shape in _weight_shapes(cfg).items():
+        w = p.get(name) if isinstance(p, dict) else None
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
+        if w.dtype != jnp.bfloat16:
+            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
+    names = CACHE_NAMES[cfg.mla_cache_layout]
+    if not isinstance(cache, dict) or set(cache) != set(names):
+        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}: "
+                         f"expected {names} for mla_cache_layout={cfg.mla_cache_layout!r}")
+    seq_len = cache[names[0]].shape[-2]
+    for name, shape in _cache_shapes(cfg, batch, seq_len).items():
+        if tuple(cache[name].shape) != shape:
+            raise ValueError(f"cache[{name!r}] has shape {tuple(cache[name].shape)}: expected "
+                             f"{shape} (batch {batch}, cache length {seq_len})")
+        if cache[name].dtype != jnp.bfloat16:
+            raise ValueError(f"cache[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
+    if getattr(positions, "shape", None) != (batch,):
+        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
+                         f"expected [B={batch}]")
+    if positions.dtype != jnp.int32:
+        raise ValueError(f"positions.dtype={positions.dtype} is invalid: int32")
+    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
+        values = np.asarray(positions)
+        if values.min() < 0 or values.max() >= seq_len:
+            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) — "
+                             f"the cache holds {seq_len} tokens, too short for position "
+                             f"{int(values.max())}")
+    return seq_len
+
+
+def mla_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg: ModelConfig, *,
+                  kv_tile: int | None = None, weight_block_rows: int | None = None,
+                  **indices: int) -> tuple[jax.Array, dict]:
+    """The MLA sublayer as a Pallas kernel; same contract as `reference.mla_attention`.
+
+    x [B, d] bf16 (normalised), one layer's weights `p`, that layer's cache (batch-major, layout
+    `cfg.mla_cache_layout`), positions [B] i32 -> (out [B, d] bf16, updated cache). The cache is
+    updated in place when the caller donates it. kv_tile overrides cfg.kv_tile (a multiple of 16
+    dividing the cache length); weight_block_rows caps the rows of one streamed weight block (a
+    multiple of 128).
+    """
+    seq_len = check_inputs(p, x, cache, positions, cfg)
+    plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
+                     weight_block_rows=weight_block_rows)
+    names = CACHE_NAMES[plan.layout]
+    weights = [p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in WEIGHT_NAMES]
+    out, cache_a, cache_b = _call(plan, tpu.interpret_params(), dma.is_recording(),
+                                  tuple(sorted(indices.items())), positions, x, *weights,
+                                  cache[names[0]], cache[names[1]])
+    return out, {names[0]: cache_a, names[1]: cache_b}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, *operands):
+    del recording  # a static argument only so recorded and silent traces are cached apart
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    n_in = 2 + len(operands)
+    cache_a, cache_b = operands[-2:]
+    return pl.pallas_call(
+        functools.partial(mla_attention_body, plan, **dict(indices)),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+                   jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
+                   jax.ShapeDtypeStruct(cache_b.shape, cache_b.dtype)),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)]
+        + [hbm] * len(operands),
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        interpret=interpret,
+    )(positions, x, *operands)
