@@ -25,8 +25,9 @@ import contextlib
 import json
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -14,9 +14,9 @@ prints the table with sources.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 GB = 10**9
 GIB = 2**30

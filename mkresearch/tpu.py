@@ -23,8 +23,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Self
 
 # ---- platform -----------------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ def compiling() -> Iterator[None]:
         _state.compiling -= 1
 
 
-class interpret_options:  # noqa: N801 - used like a function / context manager
+class interpret_options:
     """Set pltpu.InterpretParams options: `interpret_options(detect_races=True, vector_clock_size=16)`.
 
     Called plainly it sets them for the rest of the process; used as `with interpret_options(...):`
@@ -110,7 +111,7 @@ class interpret_options:  # noqa: N801 - used like a function / context manager
             _options.update(self._previous)
             raise
 
-    def __enter__(self) -> interpret_options:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -303,7 +304,7 @@ def tpu_device(chip: str = "tpu7x"):
 
 # Two ways libtpu reports a VMEM overflow (both RESOURCE_EXHAUSTED):
 _VMEM_OOM_PATTERNS = (
-    re.compile(r"Ran out of memory in memory space vmem.*?Used ([\d.]+[KMG]?) of ([\d.]+[KMG]?)", re.S),
+    re.compile(r"Ran out of memory in memory space vmem.*?Used ([\d.]+[KMG]?) of ([\d.]+[KMG]?)", re.DOTALL),
     re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*space=vmem"),
 )
 
@@ -356,7 +357,7 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
         lowered = jax.jit(fn, static_argnums=static_argnums).lower(*args)
         try:
             compiled = lowered.compile()
-        except Exception as error:  # noqa: BLE001 - re-raised, clearer if it is a VMEM overflow
+        except Exception as error:
             message = str(error)
             overflow = _vmem_overflow(message)
             if overflow:

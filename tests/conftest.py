@@ -3,7 +3,6 @@
 Keep this generic: fixtures of one kernel live in that kernel's test module.
 """
 
-import os
 
 import pytest
 
