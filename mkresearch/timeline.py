@@ -1,0 +1,626 @@
+"""A TPU timeline model: a recorded DMA/phase log plus a chip -> who does what, when.
+
+Pure Python, no JAX: the input is the program-order log of `mkresearch.kernels.dma` (or its JSON
+records), the output a `Timeline` of per-lane spans, VMEM bytes in use over time, the step time,
+the HBM-roofline fraction and the bubbles. The simulation is event-driven:
+
+* The program (the TensorCore's scalar unit) runs the log in order. `dma_start` issues a DMA and
+  moves on; `dma_wait` blocks until that DMA has completed; a compute phase (`phase_start` ..
+  `phase_end`) occupies the compute unit for `max(flops / peak, vmem_bytes / vmem_bandwidth)`.
+  So a phase starts when the DMAs it waited on are done and the previous phase has finished.
+* DMAs: each becomes ready `dma_latency` after its issue, then takes a free DMA engine in issue
+  order. The engines share the HBM bandwidth (each of the k engines moving bytes gets 1/k of it),
+  so one engine alone gets the full bandwidth and k engines together never exceed it.
+* Bubbles are the times the compute unit is idle: `dma_wait` when a DMA is moving bytes meanwhile
+  (compute waits on HBM), `idle` when neither compute nor any DMA runs (DMA latency, issue gaps).
+
+Every chip parameter is a `TimelineChip` field whose source is in `TimelineChip.sources`: figures
+come from `mkresearch.chips.CHIPS` (per JAX device); what no public source gives is marked as an
+ASSUMPTION. Calibrate them on a TPU with `mkresearch.profiling` and `timeline_chip(name, **fields)`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from mkresearch.chips import CHIPS, get_chip
+
+DMA_KINDS = ("dma_start", "dma_wait", "phase_start", "phase_end")
+BUBBLE_CAUSES = ("dma_wait", "idle")
+COMPUTE_LANE = "MXU/VPU"
+
+# ---- assumptions (no public figure; each is a TimelineChip field that can be overridden) -------
+# Latency from issuing a DMA to its first byte moving. The Pallas pipelining guide names it (α)
+# but gives no number; on-chip DMA descriptors take on the order of a microsecond. ASSUMPTION.
+DMA_LATENCY_S = 0.5e-6
+# DMA engines moving bytes for one TensorCore at once. Not published. ASSUMPTION: 1, i.e. the DMAs
+# of a kernel are served one after another in issue order at the full HBM bandwidth, which is what
+# the Pallas pipelining guide's α + N·X/β assumes. With k engines, up to k DMAs move bytes at once
+# and share the bandwidth: the total rate is the same, but a deep prefetch delays the first block.
+N_DMA_ENGINES = 1
+# VMEM -> vector registers / MXU bandwidth. Not published; VMEM is on-die SRAM an order of
+# magnitude faster than HBM. ASSUMPTION: 16x the device's HBM bandwidth.
+VMEM_OVER_HBM = 16.0
+# VPU (elementwise f32) peak. Not published per chip in a comparable form. ASSUMPTION: 1/16 of the
+# bf16 MXU peak (8 x 128 lanes x a few VALU slots per cycle against 4 MXUs of 128^2 or 256^2).
+VPU_OVER_MXU = 1.0 / 16.0
+
+
+@dataclass(frozen=True)
+class TimelineChip:
+    """The few numbers the timeline needs for one JAX device (see `sources` for each)."""
+
+    name: str
+    hbm_bandwidth: float  # bytes/s per JAX device: the rate all DMA engines share
+    mxu_flops: float  # peak dense bf16 FLOP/s: phases run at this rate (matmul work)
+    vpu_flops: float  # peak elementwise FLOP/s: phases named in `vpu_phases` run at this rate
+    vmem_bandwidth: float  # bytes/s a phase can read from VMEM: the floor on a phase's duration
+    dma_latency: float  # seconds from issuing a DMA to its first byte moving (α of the guide)
+    n_dma_engines: int  # DMAs that move bytes at once, sharing `hbm_bandwidth`
+    vmem_capacity: int  # bytes of VMEM per TensorCore: the ceiling of the occupancy curve
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bandwidth", "mxu_flops", "vpu_flops", "vmem_bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"TimelineChip.{name}={value!r} is invalid: a finite number > 0")
+        if not (isinstance(self.dma_latency, (int, float)) and self.dma_latency >= 0):
+            raise ValueError(f"TimelineChip.dma_latency={self.dma_latency!r} is invalid: "
+                             "a number of seconds >= 0")
+        if not (isinstance(self.n_dma_engines, int) and self.n_dma_engines >= 1):
+            raise ValueError(f"TimelineChip.n_dma_engines={self.n_dma_engines!r} is invalid: "
+                             "an int >= 1")
+
+
+def timeline_chip(chip: str | TimelineChip = "tpu7x", **overrides: Any) -> TimelineChip:
+    """The timeline parameters of `chip` ("v5e", "v6e", "v5p", "tpu7x"), optionally overridden.
+
+    Overridden fields get the source "override". Unknown chips or fields raise ValueError.
+    """
+    if isinstance(chip, TimelineChip):
+        base = chip
+    else:
+        if chip not in CHIPS:
+            raise ValueError(f"chip={chip!r} is invalid: choose one of {', '.join(map(repr, CHIPS))}")
+        base = _from_chips(get_chip(chip))
+    if not overrides:
+        return base
+    allowed = [f.name for f in dataclasses.fields(TimelineChip) if f.name not in ("name", "sources")]
+    for key in overrides:
+        if key not in allowed:
+            raise ValueError(f"timeline_chip override {key!r} is invalid: choose from {allowed}")
+    sources = dict(base.sources) | {key: "override" for key in overrides}
+    return dataclasses.replace(base, **overrides, sources=MappingProxyType(sources))
+
+
+def _from_chips(chip) -> TimelineChip:
+    src = chip.sources
+    return TimelineChip(
+        name=chip.name,
+        hbm_bandwidth=chip.hbm_bandwidth,
+        mxu_flops=chip.bf16_flops,
+        vpu_flops=chip.bf16_flops * VPU_OVER_MXU,
+        vmem_bandwidth=chip.hbm_bandwidth * VMEM_OVER_HBM,
+        dma_latency=DMA_LATENCY_S,
+        n_dma_engines=N_DMA_ENGINES,
+        vmem_capacity=chip.vmem_bytes,
+        sources=MappingProxyType({
+            "hbm_bandwidth": f"mkresearch.chips.CHIPS[{chip.name!r}].hbm_bandwidth <- "
+                             + src.get("hbm_bandwidth", "?"),
+            "mxu_flops": f"mkresearch.chips.CHIPS[{chip.name!r}].bf16_flops <- "
+                         + src.get("bf16_flops", "?"),
+            "vpu_flops": f"ASSUMPTION: bf16_flops x {VPU_OVER_MXU:g}",
+            "vmem_bandwidth": f"ASSUMPTION: hbm_bandwidth x {VMEM_OVER_HBM:g}",
+            "dma_latency": f"ASSUMPTION: {DMA_LATENCY_S * 1e6:g} us",
+            "n_dma_engines": f"ASSUMPTION: {N_DMA_ENGINES}",
+            "vmem_capacity": f"mkresearch.chips.CHIPS[{chip.name!r}].vmem_bytes <- "
+                             + src.get("vmem_bytes", "?"),
+        }),
+    )
+
+
+# ---- the log, normalised -------------------------------------------------------------------
+@dataclass(frozen=True)
+class LogEvent:
+    """One entry of the DMA/phase log, as the timeline reads it (mirrors `dma.Event`)."""
+
+    kind: str
+    name: str
+    src: str = ""
+    dst: str = ""
+    nbytes: int = 0
+    slot: int | None = None
+    indices: tuple = ()
+    flops: float = 0.0
+    vmem_bytes: int = 0
+
+
+def events_of(log: Any) -> list[LogEvent]:
+    """The events of a `dma.recording()` log, a list of `dma.Event`s, or their JSON records.
+
+    Accepts an object with `.events`, a JSON string, or a sequence of objects/dicts with the
+    `Event` fields. Raises ValueError naming the bad field.
+    """
+    if isinstance(log, str):
+        log = json.loads(log)
+    if isinstance(log, Mapping) and "events" in log:
+        log = log["events"]
+    events = getattr(log, "events", log)
+    out = []
+    for i, ev in enumerate(events):
+        if isinstance(ev, LogEvent):
+            out.append(ev)
+            continue
+        get = ev.get if isinstance(ev, Mapping) else (lambda k, d=None, ev=ev: getattr(ev, k, d))
+        kind = get("kind")
+        if kind not in DMA_KINDS:
+            raise ValueError(f"event {i}: kind={kind!r} is invalid: one of {DMA_KINDS}")
+        indices = get("indices", ()) or ()
+        if isinstance(indices, Mapping):
+            indices = tuple(sorted(indices.items()))
+        else:
+            indices = tuple(tuple(x) if isinstance(x, list) else x for x in indices)
+        out.append(LogEvent(kind=kind, name=str(get("name", "") or ""), src=str(get("src", "") or ""),
+                            dst=str(get("dst", "") or ""), nbytes=int(get("nbytes", 0) or 0),
+                            slot=get("slot", None), indices=indices,
+                            flops=float(get("flops", 0) or 0),
+                            vmem_bytes=int(get("vmem_bytes", 0) or 0)))
+    return out
+
+
+def to_records(log: Any) -> list[dict]:
+    """JSON-ready dicts of a log's events (what `events_of` reads back)."""
+    return [dataclasses.asdict(ev) | {"indices": [list(i) if isinstance(i, tuple) else i
+                                                  for i in ev.indices]}
+            for ev in events_of(log)]
+
+
+# ---- the result ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    """One busy interval on one lane. Times in seconds from the start of the step."""
+
+    lane: str  # "DMA 0".."DMA k-1", COMPUTE_LANE, or a measured lane from a trace
+    name: str
+    start: float
+    end: float
+    kind: str  # "dma" | "compute" | "measured"
+    nbytes: int = 0
+    flops: float = 0.0
+    slot: int | None = None
+    issue: float | None = None  # DMAs: when the program issued it (start - issue = latency + queue)
+    bound: str = ""  # compute: "flops" or "vmem", whichever set the duration
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Bubble:
+    start: float
+    end: float
+    cause: str  # "dma_wait": compute waits while a DMA moves bytes; "idle": nothing runs
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    chip: TimelineChip
+    spans: tuple[Span, ...]
+    vmem: tuple[tuple[float, int], ...]  # (time, bytes in use from then on), a step function
+    total_s: float
+    dma_bytes: int
+    flops: float
+    bubbles: tuple[Bubble, ...]
+
+    @property
+    def hbm_floor_s(self) -> float:
+        """Time to move `dma_bytes` at the HBM bandwidth: the roofline for this log."""
+        return self.dma_bytes / self.chip.hbm_bandwidth
+
+    @property
+    def roofline_fraction(self) -> float:
+        """hbm_floor / total: 1.0 means the step runs at the HBM roofline."""
+        return self.hbm_floor_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def peak_vmem_bytes(self) -> int:
+        return max((b for _, b in self.vmem), default=0)
+
+    @property
+    def lanes(self) -> list[str]:
+        dma = sorted({s.lane for s in self.spans if s.kind == "dma"}, key=_lane_key)
+        rest = [lane for lane in dict.fromkeys(s.lane for s in self.spans) if lane not in dma]
+        return dma + rest
+
+    def spans_on(self, lane: str) -> list[Span]:
+        return [s for s in self.spans if s.lane == lane]
+
+    def busy_s(self, kind: str) -> float:
+        """Seconds during which at least one span of `kind` runs ("dma" or "compute")."""
+        return _union_length([(s.start, s.end) for s in self.spans if s.kind == kind])
+
+    def bubble_s(self, cause: str | None = None) -> float:
+        return sum(b.duration for b in self.bubbles if cause is None or b.cause == cause)
+
+    def bubbles_by_cause(self) -> dict[str, float]:
+        return {cause: self.bubble_s(cause) for cause in BUBBLE_CAUSES}
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, for a table row."""
+        return {
+            "chip": self.chip.name,
+            "total_us": self.total_s * 1e6,
+            "hbm_floor_us": self.hbm_floor_s * 1e6,
+            "roofline_fraction": self.roofline_fraction,
+            "dma_bytes": self.dma_bytes,
+            "flops": self.flops,
+            "compute_busy_us": self.busy_s("compute") * 1e6,
+            "dma_busy_us": self.busy_s("dma") * 1e6,
+            "bubble_dma_wait_us": self.bubble_s("dma_wait") * 1e6,
+            "bubble_idle_us": self.bubble_s("idle") * 1e6,
+            "peak_vmem_bytes": self.peak_vmem_bytes,
+        }
+
+
+def _lane_key(lane: str):
+    head, _, tail = lane.rpartition(" ")
+    return (head, int(tail)) if tail.isdigit() else (lane, -1)
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+# ---- the DMA engines: FIFO admission, bandwidth shared by the engines moving bytes --------------
+class _Dma:
+    __slots__ = ("consumed", "end", "engine", "event", "issue", "ready", "remaining", "start")
+
+    def __init__(self, event: LogEvent, issue: float, latency: float):
+        self.event, self.issue, self.ready = event, issue, issue + latency
+        self.start = self.end = self.consumed = None
+        self.engine = -1
+        self.remaining = float(event.nbytes)
+
+
+class _DmaEngines:
+    def __init__(self, chip: TimelineChip):
+        self.bandwidth, self.n_engines = chip.hbm_bandwidth, chip.n_dma_engines
+        self.now = 0.0
+        self.queue: deque[_Dma] = deque()  # issued, not yet on an engine (issue order)
+        self.active: dict[int, _Dma] = {}  # engine -> DMA moving bytes
+
+    def issue(self, dma: _Dma) -> None:
+        self.advance_to(dma.issue)
+        self.queue.append(dma)
+        self._step(self.now)  # a zero-latency DMA may start at once
+
+    def _next_event(self) -> float:
+        t = math.inf
+        if self.active:
+            rate = self.bandwidth / len(self.active)
+            t = self.now + min(d.remaining for d in self.active.values()) / rate
+        if self.queue and len(self.active) < self.n_engines:
+            t = min(t, max(self.now, self.queue[0].ready))
+        return t
+
+    def _step(self, t: float) -> None:
+        """Move time to t (no event strictly before it), then retire and admit DMAs."""
+        if self.active and t > self.now:
+            moved = (t - self.now) * self.bandwidth / len(self.active)
+            for d in self.active.values():
+                d.remaining -= moved
+        self.now = max(self.now, t)
+        for engine, d in list(self.active.items()):
+            if d.remaining <= 1e-9 * max(1.0, d.event.nbytes):
+                d.remaining, d.end = 0.0, self.now
+                del self.active[engine]
+        while self.queue and len(self.active) < self.n_engines and self.queue[0].ready <= self.now:
+            d = self.queue.popleft()
+            d.engine = min(set(range(self.n_engines)) - set(self.active))
+            d.start = self.now
+            self.active[d.engine] = d
+            if d.remaining <= 0:  # zero-byte DMA: done as it starts
+                d.end = self.now
+                del self.active[d.engine]
+
+    def advance_to(self, t: float) -> None:
+        while (te := self._next_event()) <= t:
+            self._step(te)
+        self._step(t)
+
+    def finish(self, dma: _Dma) -> float:
+        while dma.end is None:
+            te = self._next_event()
+            if te == math.inf:
+                raise RuntimeError("DMA never completes (no engine)")  # cannot happen: n >= 1
+            self._step(te)
+        return dma.end
+
+
+# ---- the simulation ------------------------------------------------------------------------
+def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
+             vpu_phases: Sequence[str] = ()) -> Timeline:
+    """The timeline of `log` (a `dma.recording()` log, its events or JSON records) on `chip`.
+
+    Phases whose name starts with one of `vpu_phases` run at the VPU peak, all others at the MXU
+    peak; either way a phase lasts at least `vmem_bytes / vmem_bandwidth`.
+    """
+    chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
+    events = events_of(log)
+    engines = _DmaEngines(chip)
+    t = 0.0  # the program's clock
+    in_flight: dict[Any, deque[_Dma]] = {}  # match key -> DMAs issued, not yet waited (FIFO)
+    dmas: list[_Dma] = []
+    waited_unconsumed: list[_Dma] = []  # waited into VMEM, not yet read by a phase
+    compute: list[Span] = []
+    open_phases: list[dict] = []
+    flops_total = 0.0
+
+    for i, ev in enumerate(events):
+        if ev.kind == "dma_start":
+            d = _Dma(ev, t, chip.dma_latency)
+            dmas.append(d)
+            for key in _match_keys(ev):
+                in_flight.setdefault(key, deque()).append(d)
+            engines.issue(d)
+        elif ev.kind == "dma_wait":
+            d = _take_match(in_flight, ev, i)
+            t = max(t, engines.finish(d))
+            if _to_vmem(d.event):
+                waited_unconsumed.append(d)
+            else:
+                d.consumed = d.end
+        elif ev.kind == "phase_start":
+            if open_phases:
+                open_phases[-1]["children"] = True
+            open_phases.append({"event": ev, "start": t, "children": False})
+        else:  # phase_end
+            if not open_phases:
+                raise ValueError(f"event {i}: phase_end {ev.name!r} without a phase_start")
+            opened = open_phases.pop()
+            if opened["children"]:
+                continue  # an enclosing phase: its leaves carry the time
+            start_ev = opened["event"]
+            flops = start_ev.flops or ev.flops
+            vmem_bytes = start_ev.vmem_bytes or ev.vmem_bytes
+            peak = chip.vpu_flops if start_ev.name.startswith(tuple(vpu_phases)) else chip.mxu_flops
+            flop_time, vmem_time = flops / peak, vmem_bytes / chip.vmem_bandwidth
+            duration = max(flop_time, vmem_time)
+            start = max(t, opened["start"])
+            compute.append(Span(lane=COMPUTE_LANE, name=start_ev.name, start=start,
+                                end=start + duration, kind="compute", flops=flops,
+                                bound="flops" if flop_time >= vmem_time else "vmem"))
+            t = start + duration
+            flops_total += flops
+            for d in waited_unconsumed:  # the phase after a wait is the one that reads the block
+                d.consumed = t
+            waited_unconsumed.clear()
+    if open_phases:
+        raise ValueError(f"phase {open_phases[-1]['event'].name!r} has no phase_end")
+
+    for d in dmas:  # DMAs never waited still finish: the step ends when they do
+        engines.finish(d)
+    total = max([t] + [d.end for d in dmas])
+    for d in dmas:
+        if d.consumed is None:
+            d.consumed = max(d.end, t)
+
+    dma_spans = [Span(lane=f"DMA {d.engine}", name=d.event.name, start=d.start, end=d.end,
+                      kind="dma", nbytes=d.event.nbytes, slot=d.event.slot, issue=d.issue)
+                 for d in dmas]
+    spans = tuple(sorted(dma_spans + compute, key=lambda s: (s.start, s.lane)))
+    return Timeline(chip=chip, spans=spans, vmem=_vmem_curve(dmas), total_s=total,
+                    dma_bytes=sum(d.event.nbytes for d in dmas), flops=flops_total,
+                    bubbles=tuple(_bubbles(compute, dma_spans, total)))
+
+
+def _match_keys(ev: LogEvent) -> list[tuple]:
+    # a wait names its DMA like the start did; fall back to coarser keys if it carries less
+    return [("exact", ev.name, ev.slot, ev.indices), ("slot", ev.name, ev.slot), ("name", ev.name)]
+
+
+def _take_match(in_flight: dict, ev: LogEvent, i: int) -> _Dma:
+    for key in _match_keys(ev):
+        queue = in_flight.get(key)
+        if queue:
+            d = queue.popleft()
+            for other in _match_keys(d.event):  # remove it from the other keys' queues too
+                q = in_flight.get(other)
+                if q and d in q:
+                    q.remove(d)
+            return d
+    raise ValueError(f"event {i}: dma_wait {ev.name!r} (slot {ev.slot}) has no matching dma_start")
+
+
+def _to_vmem(ev: LogEvent) -> bool:
+    """A DMA lands in VMEM unless its destination names HBM (a writeback)."""
+    dst = ev.dst.lower()
+    return not ("hbm" in dst or dst in ("any", "memoryspace.any"))
+
+
+def _vmem_curve(dmas: list[_Dma]) -> tuple[tuple[float, int], ...]:
+    # a block holds VMEM from its issue (the slot is reserved) until the phase that reads it ends
+    deltas: dict[float, int] = {}
+    for d in dmas:
+        if not _to_vmem(d.event):
+            continue
+        deltas[d.issue] = deltas.get(d.issue, 0) + d.event.nbytes
+        deltas[d.consumed] = deltas.get(d.consumed, 0) - d.event.nbytes
+    curve, level = [(0.0, 0)], 0
+    for time in sorted(deltas):
+        level += deltas[time]
+        if curve[-1][0] == time:
+            curve[-1] = (time, level)
+        else:
+            curve.append((time, level))
+    return tuple(curve)
+
+
+def _bubbles(compute: list[Span], dma_spans: list[Span], total: float) -> list[Bubble]:
+    busy = _merge((s.start, s.end) for s in compute)
+    moving = _merge((s.start, s.end) for s in dma_spans)
+    idle_compute, cursor = [], 0.0
+    for a, b in busy:
+        if a > cursor:
+            idle_compute.append((cursor, a))
+        cursor = max(cursor, b)
+    if total > cursor:
+        idle_compute.append((cursor, total))
+    bubbles = []
+    for a, b in idle_compute:  # split each compute gap by whether a DMA moves bytes meanwhile
+        cuts = sorted({a, b} | {x for m in moving for x in m if a < x < b})
+        for lo, hi in itertools.pairwise(cuts):
+            mid = (lo + hi) / 2
+            cause = "dma_wait" if any(m0 <= mid < m1 for m0, m1 in moving) else "idle"
+            if bubbles and bubbles[-1].cause == cause and bubbles[-1].end == lo:
+                bubbles[-1] = Bubble(bubbles[-1].start, hi, cause)
+            else:
+                bubbles.append(Bubble(lo, hi, cause))
+    return bubbles
+
+
+def vmem_at(timeline: Timeline, time: float) -> int:
+    """VMEM bytes in use at `time` (the step function of `timeline.vmem`)."""
+    times = [t for t, _ in timeline.vmem]
+    i = bisect.bisect_right(times, time) - 1
+    return timeline.vmem[i][1] if i >= 0 else 0
+
+
+# ---- log transforms: what-if without re-running the kernel ------------------------------------
+def stream_log(n_blocks: int, block_bytes: int, block_flops: float, n_buffers: int, *,
+               name: str = "w", block_vmem_bytes: int | None = None) -> list[LogEvent]:
+    """The log of the canonical streaming loop with `n_buffers` VMEM slots (a ring):
+
+    issue the first n_buffers-1 blocks; then for each block i: issue block i+n_buffers-1 (into the
+    slot block i-1 just freed), wait for block i, compute on it. One buffer = no overlap.
+    """
+    for pname, value in (("n_blocks", n_blocks), ("n_buffers", n_buffers)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{pname}={value!r} is invalid: an int >= 1")
+    vmem = block_bytes if block_vmem_bytes is None else block_vmem_bytes
+    steps = [[LogEvent("dma_start", name, "hbm", "vmem", block_bytes, i % n_buffers, (("i", i),))]
+             for i in range(n_blocks)]
+    events: list[LogEvent] = []
+    issued = 0
+    for i in range(n_blocks):
+        while issued < n_blocks and issued <= i + n_buffers - 1:
+            events += steps[issued]
+            issued += 1
+        events.append(dataclasses.replace(steps[i][0], kind="dma_wait"))
+        events.append(LogEvent("phase_start", f"{name}_block", flops=block_flops, vmem_bytes=vmem,
+                               indices=(("i", i),)))
+        events.append(LogEvent("phase_end", f"{name}_block", indices=(("i", i),)))
+    return events
+
+
+def rebuffer(log: Any, n_buffers: int) -> list[LogEvent]:
+    """The same log replayed with `n_buffers` slots per stream: what the kernel would record.
+
+    The log is cut into steps: the DMAs waited before a top-level phase are that phase's inputs.
+    Replayed, the inputs of step k are issued before the waits of step k - (n_buffers - 1), in
+    their original order, and go to slot k % n_buffers. DMAs waited after the last phase (output
+    writebacks) keep their place at the end. Valid for streaming kernels, where each block feeds
+    the phase right after its wait; the control bar of `mkresearch.widgets` uses it.
+    """
+    if not isinstance(n_buffers, int) or n_buffers < 1:
+        raise ValueError(f"n_buffers={n_buffers!r} is invalid: an int >= 1")
+    events = events_of(log)
+    steps: list[tuple[list[tuple[LogEvent, LogEvent]], list[LogEvent]]] = []
+    waits: list[tuple[LogEvent, LogEvent]] = []
+    phase: list[LogEvent] = []
+    depth = 0
+    unmatched: list[LogEvent] = []
+    for ev in events:
+        if ev.kind == "dma_start":
+            unmatched.append(ev)
+        elif ev.kind == "dma_wait":
+            start = next((s for level in range(3) for s in unmatched
+                          if _match_keys(s)[level] == _match_keys(ev)[level]), None)
+            if start is None:
+                raise ValueError(f"dma_wait {ev.name!r} has no matching dma_start")
+            unmatched.remove(start)
+            waits.append((start, ev))
+        else:
+            phase.append(ev)
+            depth += 1 if ev.kind == "phase_start" else -1
+            if depth == 0:
+                steps.append((waits, phase))
+                waits, phase = [], []
+    tail_waits = waits
+    out: list[LogEvent] = []
+    issued = 0
+
+    def slotted(ev: LogEvent, k: int) -> LogEvent:
+        return dataclasses.replace(ev, slot=k % n_buffers) if ev.slot is not None else ev
+
+    for k, (step_waits, step_phase) in enumerate(steps):
+        while issued < len(steps) and issued <= k + n_buffers - 1:
+            out += [slotted(s, issued) for s, _ in steps[issued][0]]
+            issued += 1
+        out += [slotted(w, k) for _, w in step_waits]
+        out += step_phase
+    out += [s for s, _ in tail_waits] + [w for _, w in tail_waits] + unmatched
+    return out
+
+
+def scale_batch(log: Any, factor: float) -> list[LogEvent]:
+    """The log with every phase's FLOPs multiplied by `factor` (batch B -> factor * B).
+
+    Weight bytes do not depend on the batch; activation bytes are small at decode batch sizes and
+    are left as recorded.
+    """
+    if not (isinstance(factor, (int, float)) and factor > 0):
+        raise ValueError(f"factor={factor!r} is invalid: a number > 0")
+    return [dataclasses.replace(ev, flops=ev.flops * factor) if ev.kind.startswith("phase") else ev
+            for ev in events_of(log)]
+
+
+# ---- closed forms to check the model against -------------------------------------------------
+def guide_compute_bound_s(alpha: float, x_bytes: float, beta: float, n: int, y_flops: float,
+                          f: float) -> float:
+    """Pallas pipelining guide, compute-bound: (α + X/β) + N·Y/F (one bubble at the start)."""
+    return (alpha + x_bytes / beta) + n * (y_flops / f)
+
+
+def guide_bandwidth_bound_s(alpha: float, x_bytes: float, beta: float, n: int) -> float:
+    """Pallas pipelining guide, bandwidth-bound: α + N·X/β (copies back to back)."""
+    return alpha + n * (x_bytes / beta)
+
+
+def hbm_floor_s(nbytes: float, chip: str | TimelineChip = "tpu7x") -> float:
+    """Seconds to move `nbytes` at `chip`'s HBM bandwidth (per JAX device)."""
+    chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
+    return nbytes / chip.hbm_bandwidth
