@@ -1,0 +1,495 @@
+"""The reference decode step of Kimi K3 in plain JAX: the oracle every kernel is tested against.
+
+This module IS the spec (spec/kimi-k3.md §2–§6): read it side by side with the spec. Conventions:
+- `bf(x)` rounds to bf16 exactly where the spec writes bf(...);
+- every matmul takes bf16 inputs and accumulates in f32 (`_mm`); f32 x f32 contractions (the KDA
+  recurrence, softmax-weighted sums) use Precision.HIGHEST so a TPU computes them in full f32 too;
+- weights are [in, out]; one layer's weights `p` are a slice of the stacked pytree (`layer_params`).
+
+Choices where the spec is silent (documented, used by the kernels too):
+- Sublayer outputs that feed the bf16 partial sum P are rounded once: attention `a = bf(y W_o)`;
+  `routed_experts` returns f32 so `moe_ffn` rounds `bf(routed + shared)` once, as §6.6 says.
+- `hidden_rms[ℓ]` is the RMS (f32) of h, the Mix output that enters layer ℓ (§3 step 2.1).
+- Latent MLA rounds its absorbed query q̃ and its latent context Σαĉ to bf16 (they feed the MXU);
+  see `mla_attention` for where that differs from the expanded layout.
+- A token's position p is the cache slot it is written to; it attends to slots 0..p.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mkresearch.config import ModelConfig
+from mkresearch.weights import dequantize
+
+f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def bf(x: jax.Array) -> jax.Array:
+    """Round to bf16 (the spec's bf(...))."""
+    return x.astype(bf16)
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with bf16 inputs and f32 accumulation (how every matmul of the model runs)."""
+    return jnp.matmul(a.astype(bf16), b.astype(bf16), preferred_element_type=f32)
+
+
+def _einsum_f32(spec: str, *operands: jax.Array) -> jax.Array:
+    """A contraction in full f32 (also on a TPU, whose default f32 matmul uses bf16 passes)."""
+    return jnp.einsum(spec, *(o.astype(f32) for o in operands), precision=HIGHEST)
+
+
+def layer_params(stack: dict[str, Any], index: int) -> dict[str, Any]:
+    """One layer's weights from a per-kind stack: `layer_params(params["kda"], i)`."""
+    return jax.tree.map(lambda leaf: leaf[index], stack)
+
+
+# ---- §2 norms and activation -----------------------------------------------------------------
+def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -> jax.Array:
+    """RMSNorm_γ(v) = bf(v · (mean(v²) + eps)^-½ · γ) in f32 over the last axis.
+
+    n: the width the mean divides by (default v.shape[-1]); the MoE latent norm passes
+    cfg.moe_latent so zero padding columns do not change the result.
+    """
+    v32 = v.astype(f32)
+    width = v.shape[-1] if n is None else n
+    mean_square = jnp.sum(v32 * v32, axis=-1, keepdims=True) / width
+    return bf(v32 * lax.rsqrt(mean_square + eps) * gamma.astype(f32))
+
+
+def situ(g: jax.Array, u: jax.Array) -> jax.Array:
+    """SiTU(g, u) = bf(4·tanh(g/4) · σ(g) · 25·tanh(u/25)); g and u are bf16 projections."""
+    g32, u32 = g.astype(f32), u.astype(f32)
+    return bf(4 * jnp.tanh(g32 / 4) * jax.nn.sigmoid(g32) * 25 * jnp.tanh(u32 / 25))
+
+
+def _activation(g: jax.Array, u: jax.Array, cfg: ModelConfig) -> jax.Array:
+    if cfg.activation == "situ":
+        return situ(g, u)
+    return bf(jax.nn.silu(g.astype(f32)) * u.astype(f32))  # "silu": SwiGLU, for comparison
+
+
+# ---- §3 attention residuals --------------------------------------------------------------------
+def mix(candidates: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Mix over candidates [N, B, d] with the folded weight w [d] (f32) -> [B, d] bf16.
+
+    s_i = <v_i, w> · (mean(v_i²) + eps)^-½; α = softmax_i(s); out = bf(Σ α_i v_i).
+    """
+    v = candidates.astype(f32)  # [N, B, d]
+    scores = jnp.sum(v * w.astype(f32), axis=-1) * lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+    alpha = jax.nn.softmax(scores, axis=0)  # [N, B]
+    return bf(jnp.sum(alpha[..., None] * v, axis=0))
+
+
+# ---- §4 KDA ----------------------------------------------------------------------------------
+def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.Array,
+                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One KDA decode step. x [B, d] bf16 (normalised); conv [B, conv_size-1, 3, H, D] bf16
+    (pre-conv q/k/v, oldest first); state [B, H, D, D] f32 (S[key, value]).
+    Returns (out [B, d] bf16, new conv, new state)."""
+    B = x.shape[0]
+    H, D = cfg.n_heads, cfg.kda_head_dim
+    # low-rank decay gate: f = bf(x W_fa), g_raw = bf(f W_fb)
+    f = bf(_mm(x, p["w_fa"]))  # [B, R]
+    g_raw = bf(_mm(f, p["w_fb"])).astype(f32).reshape(B, H, D)
+    q_pre, k_pre, v_pre, u = (bf(_mm(x, p[name])).reshape(B, H, D)
+                              for name in ("w_q", "w_k", "w_v", "w_g"))
+    b = bf(_mm(x, p["w_b"]))  # [B, H]
+    # log-decay per key channel λ = bound · σ(exp(A_log_h) · (g_raw + dt_bias)) ∈ (bound, 0)
+    decay_rate = jnp.exp(p["a_log"].astype(f32))[:, None]  # [H, 1]
+    log_decay = cfg.kda_decay_bound * jax.nn.sigmoid(
+        decay_rate * (g_raw + p["dt_bias"].astype(f32).reshape(H, D)))  # [B, H, D]
+
+    # short causal depthwise conv over [conv state (oldest first) ; current], tap -1 = current
+    current = jnp.stack([q_pre, k_pre, v_pre], axis=1)  # [B, 3, H, D]
+    window = jnp.concatenate([conv, current[:, None]], axis=1)  # [B, conv_size, 3, H, D]
+    taps = p["conv_w"].astype(f32).reshape(3, cfg.kda_conv_size, H, D).transpose(1, 0, 2, 3)
+    conv_out = bf(jax.nn.silu(jnp.sum(window.astype(f32) * taps, axis=1)))  # [B, 3, H, D]
+    new_conv = window[:, 1:]  # drop the oldest: [B, conv_size-1, 3, H, D]
+    q_hat, k_hat, v_hat = (conv_out[:, i].astype(f32) for i in range(3))  # [B, H, D] each
+
+    # L2 norms (eps cfg.l2_eps); q also scaled by D^-½; β = σ(b)
+    q = q_hat * lax.rsqrt(jnp.sum(q_hat * q_hat, -1, keepdims=True) + cfg.l2_eps) * D ** -0.5
+    k = k_hat * lax.rsqrt(jnp.sum(k_hat * k_hat, -1, keepdims=True) + cfg.l2_eps)
+    v = v_hat
+    beta = jax.nn.sigmoid(b.astype(f32))  # [B, H]
+
+    # delta rule: S̄ = Diag(e^λ) S (scales key row c); S = S̄ + β k (v − S̄ᵀk)ᵀ; o = Sᵀq
+    decayed = jnp.exp(log_decay)[..., None] * state  # [B, H, D, D]
+    predicted = _einsum_f32("bhc,bhcj->bhj", k, decayed)  # S̄ᵀk [B, H, D]
+    new_state = decayed + (beta[..., None, None] * k[..., :, None]) * (v - predicted)[..., None, :]
+    o = _einsum_f32("bhc,bhcj->bhj", q, new_state)  # [B, H, D]
+
+    # y_h = bf(RMSNorm_γo(bf(o_h)) ⊙ bf(σ(u_h))), γ_o shared by all heads; out = y W_o
+    gate = bf(jax.nn.sigmoid(u.astype(f32)))
+    y = bf(rms_norm(bf(o), p["o_norm"], cfg.rms_eps).astype(f32) * gate.astype(f32))
+    out = bf(_mm(y.reshape(B, H * D), p["w_o"]))
+    return out, new_conv, new_state
+
+
+# ---- §5 MLA ----------------------------------------------------------------------------------
+def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """cache[b, ..., positions[b] (at `axis` of one row), ...] = new[b]."""
+    def write_row(row_cache, row_new, position):
+        return lax.dynamic_update_slice_in_dim(
+            row_cache, jnp.expand_dims(row_new, axis).astype(row_cache.dtype), position, axis)
+
+    return jax.vmap(write_row)(cache, new, positions)
+
+
+def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
+                  positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One MLA decode step (no RoPE, output-gated). x [B, d] bf16 (normalised); positions [B] i32.
+
+    cache (this layer, batch-major), by cfg.mla_cache_layout:
+      expanded: {"k": [B, H, S, mla_k_padded] ([k^C | k^X | 0]), "v": [B, H, S, v]} bf16
+      latent:   {"ckv": [B, S, kv_rank] (ĉ), "kx": [B, S, extra]} bf16
+    The latent layout absorbs W_kvb: score_h = q̃_h·ĉ + q^X_h·k^X with q̃_h = bf(q^C_h W_kb_hᵀ),
+    and o_h = bf(bf(Σ α ĉ) W_vb_h). Rounding differs from expanded only there: expanded rounds
+    k^C = bf(ĉ W_kb) and V = bf(ĉ W_vb) per cached token, latent rounds q̃ and Σαĉ instead.
+    Returns (out [B, d] bf16, updated cache).
+    """
+    B = x.shape[0]
+    H, nope, extra, v_dim = cfg.n_heads, cfg.mla_qk_nope, cfg.mla_qk_extra, cfg.mla_v_dim
+    rank, eps = cfg.mla_kv_rank, cfg.rms_eps
+    # queries: c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C | q^X]
+    c_q = rms_norm(bf(_mm(x, p["w_qa"])), p["q_norm"], eps)
+    q = bf(_mm(c_q, p["w_qb"])).reshape(B, H, nope + extra)
+    q_nope, q_extra = q[..., :nope], q[..., nope:]
+    # keys/values: [c_kv | k^X] = bf(x W_kva); ĉ = RMSNorm(c_kv); k^X shared, not normalised
+    kv = bf(_mm(x, p["w_kva"]))
+    c_kv, k_extra = kv[:, :rank], kv[:, rank:]  # [B, rank], [B, extra]
+    c_hat = rms_norm(c_kv, p["kv_norm"], eps)
+    w_kvb = p["w_kvb"].reshape(rank, H, nope + v_dim)  # head h: [k^C | v]
+    w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
+    scale = cfg.mla_qk_dim ** -0.5
+
+    if cfg.mla_cache_layout == "expanded":
+        k_len = cache["k"].shape[2]
+        kvb = bf(_mm(c_hat, p["w_kvb"])).reshape(B, H, nope + v_dim)
+        pad = jnp.zeros((B, H, cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
+        k_new = jnp.concatenate(
+            [kvb[..., :nope], jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
+        cache = {"k": _write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
+                 "v": _write_slot(cache["v"], kvb[..., nope:], positions, axis=1)}  # [B, H, S, v]
+        q_padded = jnp.concatenate([q, pad], -1)  # zero pad columns contribute nothing
+        scores = jnp.einsum("bhk,bhsk->bhs", q_padded, cache["k"], preferred_element_type=f32)
+        values = cache["v"]  # [B, H, S, v]
+    else:
+        k_len = cache["ckv"].shape[1]
+        cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+                 "kx": _write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
+        q_absorbed = bf(jnp.einsum("bhn,rhn->bhr", q_nope, w_kb, preferred_element_type=f32))
+        scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
+                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"], preferred_element_type=f32))
+
+    # softmax over slots 0..p in f32 (kernels do it online; same math)
+    visible = jnp.arange(k_len)[None, :] <= positions[:, None]  # [B, S]
+    alpha = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
+    if cfg.mla_cache_layout == "expanded":
+        o = bf(_einsum_f32("bhs,bhsv->bhv", alpha, values))  # [B, H, v]
+    else:
+        context = bf(_einsum_f32("bhs,bsr->bhr", alpha, cache["ckv"]))  # [B, H, rank]
+        o = bf(jnp.einsum("bhr,rhv->bhv", context, w_vb, preferred_element_type=f32))
+
+    # output gate: y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = y W_o
+    gate = bf(jax.nn.sigmoid(bf(_mm(x, p["w_g"])).astype(f32)))  # [B, H*v]
+    y = bf(o.reshape(B, H * v_dim).astype(f32) * gate.astype(f32))
+    return bf(_mm(y, p["w_o"])), cache
+
+
+# ---- §6 FFNs ---------------------------------------------------------------------------------
+def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Router: expert_ids [B, k] i32 and expert_weights [B, k] f32 (§6.1).
+
+    r = x W_r (f32); s = σ(r) (or softmax); top-k of s + bias by iterated argmax (lowest index
+    wins ties); weights = s / Σ_top s from the UNcorrected scores, times cfg.routed_scale.
+    """
+    logits = _mm(x, p["w_router"])  # [B, E]
+    if cfg.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
+    chosen = []
+    for _ in range(cfg.top_k):
+        best = jnp.argmax(selection, axis=-1)  # first maximum: the lowest index wins a tie
+        chosen.append(best)
+        selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
+    expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
+    top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    expert_weights = top_scores / jnp.sum(top_scores, -1, keepdims=True) * cfg.routed_scale
+    return expert_ids, expert_weights
+
+
+def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
+                   expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Latent routed experts (§6.2–6.5): latent down, each expert, weighted combine, latent norm,
+    up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
+    fmt = cfg.expert_format
+    z = bf(_mm(x, p["w_ld"]))  # [B, Lat]
+    chosen = jax.tree.map(lambda w: w[expert_ids], p["experts"])  # each leaf [B, k, ...]
+    w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
+    g = bf(jnp.einsum("bl,bklf->bkf", z, w1, preferred_element_type=f32))  # [B, k, F_e]
+    u = bf(jnp.einsum("bl,bklf->bkf", z, w3, preferred_element_type=f32))
+    y = bf(jnp.einsum("bkf,bkfl->bkl", _activation(g, u, cfg), w2,
+                      preferred_element_type=f32))  # [B, k, Lat]
+    rho = bf(_einsum_f32("bk,bkl->bl", expert_weights, y))  # ρ = bf(Σ w_e y_e)
+    rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
+    return _mm(rho_hat, p["w_lu"])  # [B, d] f32
+
+
+def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """MoE layer (§6): m = bf(routed + shared) [B, d] bf16."""
+    expert_ids, expert_weights = route(p, x, cfg)
+    routed = routed_experts(p, x, expert_ids, expert_weights, cfg)
+    if not cfg.n_shared_experts:
+        return bf(routed)
+    hidden = _activation(bf(_mm(x, p["w_sg"])), bf(_mm(x, p["w_su"])), cfg)  # [B, S]
+    return bf(routed + _mm(hidden, p["w_sd"]))
+
+
+def dense_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dense layer (§6): m = bf(SiTU(bf(x W_g), bf(x W_u)) W_d) [B, d] bf16."""
+    hidden = _activation(bf(_mm(x, p["w_gate"])), bf(_mm(x, p["w_up"])), cfg)
+    return bf(_mm(hidden, p["w_down"]))
+
+
+def final_logits(params: dict[str, Any], snapshots: jax.Array, partial: jax.Array,
+                 cfg: ModelConfig) -> jax.Array:
+    """h_L = Mix({R_0..R_last, P}; w_out); logits = RMSNorm(h_L) W_lm (f32) [B, V] (§3.3),
+    soft-capped cap·tanh(l/cap) when cfg.logit_softcap is set (Kimi K3: not set)."""
+    h = mix(jnp.concatenate([snapshots, partial[None]], axis=0), params["mix_out"], cfg.rms_eps)
+    logits = _mm(rms_norm(h, params["final_norm"], cfg.rms_eps), params["lm_head"])
+    if cfg.logit_softcap is not None:
+        logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
+    return logits
+
+
+# ---- state -----------------------------------------------------------------------------------
+def _check_cfg(cfg: Any) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+
+
+def init_state(cfg: ModelConfig, batch: int, max_seq_len: int | None = None) -> dict[str, Any]:
+    """Zero decode state for `batch` sequences (DEVELOPERS.md "State")."""
+    _check_cfg(cfg)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
+    seq = cfg.max_seq_len if max_seq_len is None else max_seq_len
+    if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or seq < 1:
+        raise ValueError(f"max_seq_len={max_seq_len!r} is invalid: None or an int >= 1")
+    H, D, n_kda, n_mla = cfg.n_heads, cfg.kda_head_dim, len(cfg.kda_layers), len(cfg.mla_layers)
+    if cfg.mla_cache_layout == "expanded":
+        mla = {"k": jnp.zeros((n_mla, batch, H, seq, cfg.mla_k_padded), bf16),
+               "v": jnp.zeros((n_mla, batch, H, seq, cfg.mla_v_dim), bf16)}
+    else:
+        mla = {"ckv": jnp.zeros((n_mla, batch, seq, cfg.mla_kv_rank), bf16),
+               "kx": jnp.zeros((n_mla, batch, seq, cfg.mla_qk_extra), bf16)}
+    return {
+        "kda_conv": jnp.zeros((n_kda, batch, cfg.kda_conv_size - 1, 3, H, D), bf16),
+        "kda_state": jnp.zeros((n_kda, batch, H, D, D), f32),
+        "mla": mla,
+    }
+
+
+# ---- §3 the decode step ----------------------------------------------------------------------
+def _candidates(layer: int, snapshots: list, partial: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """𝒜_ℓ: ℓ = 0 → {P}; ℓ = block·n, n ≥ 1 → {R_0..R_{n−1}, P}; otherwise {R_0..R_n, P}."""
+    block, offset = divmod(layer, cfg.attn_res_block)
+    if layer == 0:
+        chosen = []
+    elif offset == 0:
+        chosen = snapshots[:block]
+    else:
+        chosen = snapshots[:block + 1]
+    return jnp.stack([*chosen, partial])  # [N, B, d]
+
+
+def _rms(h: jax.Array) -> jax.Array:
+    h32 = h.astype(f32)
+    return jnp.sqrt(jnp.mean(h32 * h32, axis=-1))  # [B]
+
+
+def _decode_step(params, state, tokens, positions, cfg):
+    eps, n_dense = cfg.rms_eps, cfg.n_dense_layers
+    kda_conv, kda_state, mla_cache = state["kda_conv"], state["kda_state"], state["mla"]
+    # 1. e = E[token]; R_0 = e, R_1.. = 0; P = e
+    embedded = params["embed"][tokens]  # [B, d] bf16
+    snapshots = [embedded] + [jnp.zeros_like(embedded)] * (cfg.n_blocks - 1)
+    partial = embedded
+    hidden_rms, expert_ids = [], []
+    for layer in range(cfg.n_layers):
+        block, offset = divmod(layer, cfg.attn_res_block)
+        # 2.1 h = Mix(𝒜_ℓ; w_attn[ℓ])
+        h = mix(_candidates(layer, snapshots, partial, cfg), params["mix_attn"][layer], eps)
+        hidden_rms.append(_rms(h))
+        # 2.2 a new block starts: snapshot the partial sum of the previous one
+        if offset == 0:
+            snapshots[block] = partial
+        # 2.3 a = Attn_ℓ(RMSNorm(h))
+        x = rms_norm(h, params["attn_norm"][layer], eps)
+        index = cfg.attention_index(layer)
+        if cfg.is_mla(layer):
+            layer_cache = jax.tree.map(lambda c: c[index], mla_cache)
+            a, layer_cache = mla_attention(layer_params(params["mla"], index), x, layer_cache,
+                                           positions, cfg)
+            mla_cache = jax.tree.map(lambda c, new: c.at[index].set(new), mla_cache, layer_cache)
+        else:
+            a, conv, recurrent = kda_attention(layer_params(params["kda"], index), x,
+                                               kda_conv[index], kda_state[index], cfg)
+            kda_conv, kda_state = kda_conv.at[index].set(conv), kda_state.at[index].set(recurrent)
+        # 2.4 P ← a at a block start, else bf(P + a)
+        partial = a if offset == 0 else bf(partial.astype(f32) + a.astype(f32))
+        # 2.5 h′ = Mix({R_0..R_n, P}; w_mlp[ℓ])
+        h_ffn = mix(jnp.stack([*snapshots[:block + 1], partial]), params["mix_mlp"][layer], eps)
+        # 2.6 m = FFN_ℓ(RMSNorm(h′)): dense for the first layers, MoE after
+        x = rms_norm(h_ffn, params["mlp_norm"][layer], eps)
+        if layer < n_dense:
+            m = dense_ffn(layer_params(params["dense"], cfg.ffn_index(layer)), x, cfg)
+        else:
+            moe_params = layer_params(params["moe"], cfg.ffn_index(layer))
+            expert_ids.append(route(moe_params, x, cfg)[0])  # for aux only: moe_ffn routes again
+            m = moe_ffn(moe_params, x, cfg)
+        # 2.7 P ← bf(P + m)
+        partial = bf(partial.astype(f32) + m.astype(f32))
+    # 3. logits from Mix({R_0..R_last, P}; w_out)
+    snapshots = jnp.stack(snapshots)  # [n_blocks, B, d]
+    logits = final_logits(params, snapshots, partial, cfg)
+    new_state = {"kda_conv": kda_conv, "kda_state": kda_state, "mla": mla_cache}
+    aux = {"snapshots": snapshots, "hidden_rms": jnp.stack(hidden_rms)}  # [L, B]
+    if expert_ids:
+        aux["expert_ids"] = jnp.stack(expert_ids)  # [n_moe, B, k]
+    return logits, new_state, aux
+
+
+_decode_step_jit = jax.jit(_decode_step, static_argnames="cfg")
+
+
+def _check_step_inputs(state: Any, tokens: Any, positions: Any, cfg: ModelConfig) -> None:
+    _check_cfg(cfg)
+    if np.ndim(tokens) != 1:
+        raise ValueError(f"tokens has shape {np.shape(tokens)}: allowed [B] (one token per row)")
+    batch = np.shape(tokens)[0]
+    if np.shape(positions) != (batch,):
+        raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
+    if not isinstance(state, dict) or set(state) != {"kda_conv", "kda_state", "mla"}:
+        raise ValueError("state is invalid: allowed the dict made by init_state(cfg, batch)")
+    if state["kda_state"].shape[1] != batch:
+        raise ValueError(f"state has batch {state['kda_state'].shape[1]}, tokens {batch}: "
+                         "allowed equal batches")
+    if not isinstance(positions, jax.core.Tracer):
+        seq = jax.tree.leaves(state["mla"])[0].shape[-2] if cfg.mla_layers else None
+        pos = np.asarray(positions)
+        if seq is not None and (pos.min() < 0 or pos.max() >= seq):
+            raise ValueError(f"positions={pos.tolist()} is invalid: ints in [0, {seq}) "
+                             "(the cache length)")
+
+
+def decode_step(params: dict[str, Any], state: dict[str, Any], tokens: jax.Array,
+                positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    """One decode step (§3), jitted with cfg static. tokens [B] i32, positions [B] i32.
+
+    Returns (logits [B, V] f32, new state, aux): aux["snapshots"] [n_blocks, B, d] bf16 (R after
+    the step), aux["hidden_rms"] [L, B] f32 (RMS of each layer's input h) and, with MoE layers,
+    aux["expert_ids"] [n_moe, B, top_k] i32 (the routing of each MoE layer).
+    """
+    _check_step_inputs(state, tokens, positions, cfg)
+    return _decode_step_jit(params, state, jnp.asarray(tokens, i32), jnp.asarray(positions, i32),
+                            cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _prefill(params, state, prompt, start, cfg):
+    def step(state, token_and_t):
+        tokens, t = token_and_t
+        logits, state, _ = _decode_step(params, state, tokens, start + t, cfg)
+        return state, logits
+
+    T = prompt.shape[1]
+    state, logits = lax.scan(step, state, (prompt.T, jnp.arange(T, dtype=i32)))
+    return jnp.swapaxes(logits, 0, 1), state  # [B, T, V]
+
+
+def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cfg: ModelConfig,
+            *, start: Any = 0) -> tuple[jax.Array, dict]:
+    """Teacher-forced decode of prompt [B, T] at positions start .. start+T-1 (start: int or [B]).
+
+    Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state).
+    """
+    if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
+        raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
+    batch, length = np.shape(prompt)
+    start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
+    _check_step_inputs(state, np.zeros(batch, np.int32), start, cfg)
+    _check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
+    return _prefill(params, state, jnp.asarray(prompt, i32), jnp.asarray(start), cfg=cfg)
+
+
+def _sampler():
+    """mkresearch.sampling.sample, or greedy argmax (lowest index wins) if it is unavailable."""
+    try:
+        from mkresearch.sampling import sample
+    except ImportError:  # pragma: no cover - only while sampling.py is being written
+        def sample(logits, *, seed, positions, temperature=0.0, top_k=0, top_p=1.0):
+            return jnp.argmax(logits, axis=-1).astype(i32)
+    return sample
+
+
+def _static(value: Any) -> Any:
+    """Hashable form of a scalar or per-row sampling setting (they are jit-static)."""
+    array = np.asarray(value)
+    return array.item() if array.ndim == 0 else tuple(array.tolist())
+
+
+@functools.partial(jax.jit, static_argnames=("n_steps", "cfg", "seed", "temperature", "top_k",
+                                             "top_p"))
+def _generate(params, state, last_logits, next_position, n_steps, cfg, seed, temperature, top_k,
+              top_p):
+    sample = _sampler()
+
+    def draw(logits, positions):
+        return sample(logits, seed=seed, positions=positions, temperature=temperature,
+                      top_k=top_k, top_p=top_p)
+
+    def step(carry, _):
+        state, token, position = carry
+        logits, state, _ = _decode_step(params, state, token, position, cfg)
+        token = draw(logits, position + 1)
+        return (state, token, position + 1), token
+
+    first = draw(last_logits, next_position)  # the token at position T
+    (state, _, _), rest = lax.scan(step, (state, first, next_position), None, length=n_steps - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1), state
+
+
+def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n_steps: int,
+             cfg: ModelConfig, *, seed: int = 0, temperature: Any = 0.0, top_k: Any = 0,
+             top_p: Any = 1.0) -> tuple[jax.Array, dict]:
+    """Prefill prompt [B, T] at positions 0..T-1, then sample n_steps tokens with
+    mkresearch.sampling.sample (temperature 0 = greedy); token i is drawn with position T + i.
+
+    Returns (tokens [B, n_steps] i32, state). The state has consumed the prompt and all generated
+    tokens but the last (which has not been fed back yet).
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
+        raise ValueError(f"n_steps={n_steps!r} is invalid: an int >= 1")
+    logits, state = prefill(params, state, prompt, cfg)
+    length = np.shape(prompt)[1]
+    batch = np.shape(prompt)[0]
+    if n_steps > 1:  # the generated tokens but the last are fed at positions T .. T+n_steps-2
+        _check_step_inputs(state, np.zeros(batch, np.int32),
+                           np.full(batch, length + n_steps - 2, np.int32), cfg)
+    next_position = jnp.full((batch,), length, i32)
+    return _generate(params, state, logits[:, -1], next_position, n_steps=int(n_steps), cfg=cfg,
+                     seed=int(seed), temperature=_static(temperature), top_k=_static(top_k),
+                     top_p=_static(top_p))
