@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels import dma, gemv
 
 from mkresearch import timeline as tl
-from mkresearch.kernels import dma, gemv
 
 B, K, N, BLOCK_K = 8, 1024, 256, 256  # 4 row blocks of 128 KiB
 
