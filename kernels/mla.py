@@ -265,9 +265,11 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
         q_lat_scratch, q_x_scratch = q_scratch
         for h in range(p.n_heads):  # q_lat_h = q^C_h W_kvbK_hᵀ  [1, kv_rank]
             w_k = w_kvb_vmem[:, h * width:h * width + nope]  # [kv_rank, nope]
-            q_lat_scratch[h:h + 1, :] = _dot_t(bf16(q_row[h][:, :nope]), w_k)
+            q_lat_scratch[h:h + 1, :] = f32(bf16(_dot_t(bf16(q_row[h][:, :nope]), w_k)))
             q_x_scratch[h:h + 1, :] = q_row[h][:, nope:qk]
-        q_lat, q_x = q_lat_scratch[...], q_x_scratch[...]  # [H, kv_rank], [H, extra] f32
+        # bf16-exact f32 values: q̃ is rounded to bf16 like the reference, so the score matmuls
+        # take bf16 operands (one MXU pass on a TPU)
+        q_lat, q_x = q_lat_scratch[...], q_x_scratch[...]  # [H, kv_rank], [H, extra]
         c_new = f32(c_hat)  # [1, kv_rank]
         score = (jnp.sum(q_lat * c_new, axis=-1, keepdims=True)
                  + jnp.sum(q_x * f32(k_extra), axis=-1, keepdims=True)) * p.scale  # [H, 1]
@@ -278,16 +280,15 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
             return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
 
         def update(t, tiles, carry):
-            c_tile, x_tile = f32(tiles[0]), f32(tiles[1])
-            scores = (_dot_t(q_lat, c_tile) + _dot_t(q_x, x_tile)) * p.scale  # [H, T]
-            return _online_softmax(p, t, position, scores, c_tile, carry)
+            c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
+            scores = (_dot_t(bf16(q_lat), c_tile) + _dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
+            return _online_softmax(p, t, position, scores, f32(c_tile), carry)
 
         rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.ckv"),
                  dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
         _, l, acc = _tile_loop(p, b, position, rings, windows, update, carry, indices)
-        o_lat = acc / l  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
-        return [jnp.dot(o_lat[h:h + 1, :],
-                        f32(w_kvb_vmem[:, h * width + nope:(h + 1) * width]),
+        context = bf16(acc / l)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
+        return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
                         preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
                 for h in range(p.n_heads)]
 
@@ -456,3 +457,33 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         interpret=interpret,
     )(positions, x, *operands)
+
+
+# ---- KV traffic -----------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes of one cached token of one layer, as this kernel reads it (all heads of cfg)."""
+    if cfg.mla_cache_layout == "expanded":
+        return cfg.n_heads * (cfg.mla_k_padded + cfg.mla_v_dim) * 2
+    return cfg.mla_latent_cache_dim * 2
+
+
+def kv_tile_bytes_needed(positions: Any, cfg: ModelConfig, kv_tile: int | None = None) -> int:
+    """KV bytes the tiles holding tokens 0..p_b-1 of every row take: Σ_b ⌈p_b / T⌉ · T tokens."""
+    tile = cfg.kv_tile if kv_tile is None else kv_tile
+    tiles = sum(-(-int(position) // tile) for position in np.asarray(positions))
+    return tiles * tile * kv_bytes_per_token(cfg)
+
+
+def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> int:
+    """The KV tile bytes of a recorded run, rescaled to another config's per-token bytes.
+
+    The log counts the tokens read (its KV tile bytes over `recorded`'s bytes per token); the
+    same tokens at `target`'s shapes (heads, ranks, layout) cost `target`'s bytes per token.
+    """
+    tokens, remainder = divmod(log.dma_bytes("mla.kv."), kv_bytes_per_token(recorded))
+    if remainder:
+        raise ValueError(f"recorded={recorded.name!r} does not match the log: its KV bytes are not "
+                         f"a whole number of {recorded.mla_cache_layout} tokens")
+    return tokens * kv_bytes_per_token(target)

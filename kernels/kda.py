@@ -1,0 +1,261 @@
+"""KDA decode attention (spec §4) as one Pallas TPU kernel: x -> sublayer output + state update.
+
+One call does, for a batch of B rows:
+
+  state in      the conv state [B, conv-1, 3, H, D] bf16 and the recurrent state [B, H, D, D] f32
+                start flying HBM->VMEM first, so their DMAs hide behind the projections.
+  projections   f = bf(x W_fa); g_raw = bf(f W_fb); q̃ k̃ ṽ u = bf(x W_{q,k,v,g}); b = bf(x W_b)
+                (every weight streams HBM->VMEM in row blocks through the DMA log)
+  per (row, head), all in VMEM:
+                λ = bound·σ(exp(A_log_h)·(g_raw + dt_bias))  ∈ (bound, 0), bound = −5
+                û = bf(SiLU(Σ_j w_j ⊙ ũ_{t−3+j}))  for q, k, v (causal depthwise conv, size 4)
+                q = q̂/‖q̂‖·D^−½, k = k̂/‖k̂‖ (L2, eps 1e-6), β = σ(b)
+                S̄ = Diag(e^λ) S; S ← S̄ + β k (v − S̄ᵀk)ᵀ; o = Sᵀ q       (gated delta rule, f32)
+                y = bf(RMSNorm_γo(bf(o)) ⊙ bf(σ(u)))
+  output        out = y W_o (streamed)
+  state out     both states are written back in place (input_output_aliases).
+
+Row vectors are [1, D] (a head's lanes of a [B, H·D] projection). The two column vectors the
+delta rule needs (e^λ to scale S's key rows, βk for the rank-1 update) come from one transpose
+of an [8, D] block — one vreg — instead of two [D, D] transposes.
+
+`kda_attention_body` works on Refs and allocates its own scratch; `kda_attention` is the thin
+`pallas_call` wrapper with the reference's signature (`mkresearch.reference.kda_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import tpu
+from mkresearch.config import ModelConfig
+from mkresearch.kernels import blocks, dma
+from mkresearch.kernels.blocks import bf16, f32
+
+# Weights in the order the body takes them (vectors are passed as [1, n]).
+WEIGHT_NAMES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "conv_w", "a_log", "dt_bias",
+                "o_norm", "w_o")
+MATRICES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "w_o")
+
+
+@dataclass(frozen=True)
+class KdaPlan:
+    """Everything static about one KDA kernel."""
+
+    batch: int
+    n_heads: int
+    head_dim: int
+    d_model: int
+    gate_rank: int
+    conv_size: int
+    decay_bound: float
+    rms_eps: float
+    l2_eps: float
+    rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
+
+    def block_rows(self, name: str) -> int:
+        return dict(self.rows)[name]
+
+
+def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, hd = cfg.d_model, cfg.n_heads, cfg.kda_width
+    return {"w_fa": (d, cfg.kda_gate_rank), "w_fb": (cfg.kda_gate_rank, hd), "w_q": (d, hd),
+            "w_k": (d, hd), "w_v": (d, hd), "w_g": (d, hd), "w_b": (d, h),
+            "conv_w": (3, cfg.kda_conv_size, hd), "a_log": (h,), "dt_bias": (hd,),
+            "o_norm": (cfg.kda_head_dim,), "w_o": (hd, d)}
+
+
+_WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are bf16
+
+
+def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = None) -> KdaPlan:
+    """Check block sizes (ValueError naming the parameter) and fix every static size."""
+    blocks.check_block_rows(weight_block_rows)
+    shapes = _weight_shapes(cfg)
+    rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
+                 for name in MATRICES)
+    return KdaPlan(batch=batch, n_heads=cfg.n_heads, head_dim=cfg.kda_head_dim,
+                   d_model=cfg.d_model, gate_rank=cfg.kda_gate_rank, conv_size=cfg.kda_conv_size,
+                   decay_bound=float(cfg.kda_decay_bound), rms_eps=cfg.rms_eps,
+                   l2_eps=cfg.l2_eps, rows=rows)
+
+
+# ---- the body -----------------------------------------------------------------------------------
+
+
+def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, conv_w, a_log,
+                       dt_bias, o_norm, w_o, conv_in, state_in, out_ref, conv_out, state_out,
+                       **indices: Any) -> None:
+    """One KDA sublayer for B rows.
+
+    x_ref [B, d] bf16 (VMEM); weights in HBM (a_log [1, H], dt_bias [1, H·D], o_norm [1, D]);
+    conv_in [B, conv-1, 3, H, D] bf16 and state_in [B, H, D, D] f32 in HBM, conv_out/state_out
+    the same buffers (aliased); out_ref [B, d] bf16 (VMEM). `indices` tag the DMA log.
+    """
+    p = plan
+
+    def scoped(conv_vmem, state_vmem, current_vmem, y_vmem, sems):
+        # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
+        # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v), y_vmem [B, H·D] f32
+        conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name="kda.conv_state.read",
+                             **indices).start()
+        state_copy = dma.Copy(state_in, state_vmem, sems.at[1], name="kda.state.read",
+                              **indices).start()
+
+        with dma.phase("kda.project", **indices):
+            x = x_ref[...]  # [B, d] bf16
+            stream = functools.partial(blocks.stream_matmul, **indices)
+
+            def project(inputs, weight, name):
+                return bf16(stream(inputs, weight, rows=p.block_rows(name), name=f"kda.{name}"))
+
+            g_raw = f32(project(project(x, w_fa, "w_fa"), w_fb, "w_fb"))  # [B, H·D]
+            pre_conv = [project(x, w, name) for w, name in ((w_q, "w_q"), (w_k, "w_k"),
+                                                           (w_v, "w_v"))]  # 3 x [B, H·D] bf16
+            u = project(x, w_g, "w_g")  # [B, H·D]
+            b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
+            taps = f32(blocks.load_whole(conv_w, name="kda.conv_w", **indices))  # [3, conv, H·D]
+            decay_rate = jnp.exp(blocks.load_whole(a_log, name="kda.a_log", **indices))  # [1, H]
+            bias = blocks.load_whole(dt_bias, name="kda.dt_bias", **indices)  # [1, H·D] f32
+            gamma = blocks.load_whole(o_norm, name="kda.o_norm", **indices)  # [1, D]
+
+        conv_copy.wait()
+        state_copy.wait()
+        for b in range(p.batch):
+            conv_old = f32(conv_vmem[b])  # [conv-1, 3, H, D]
+            for h in range(p.n_heads):
+                with dma.phase("kda.delta_rule", row=b, head=h, **indices):
+                    _head_step(p, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, decay_rate,
+                               bias, gamma, current_vmem, state_vmem, y_vmem)
+            # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
+            for j in range(p.conv_size - 2):
+                conv_vmem[b, j] = conv_vmem[b, j + 1]
+            conv_vmem[b, p.conv_size - 2] = bf16(current_vmem[b])
+
+        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0], name="kda.conv_state.write",
+                             **indices).start()
+        state_copy = dma.Copy(state_vmem, state_out, sems.at[1], name="kda.state.write",
+                              **indices).start()
+        with dma.phase("kda.output", **indices):
+            out_ref[...] = bf16(stream(bf16(y_vmem[...]), w_o, rows=p.block_rows("w_o"),
+                                       name="kda.w_o"))
+        conv_copy.wait()
+        state_copy.wait()
+
+    pl.run_scoped(scoped, pltpu.VMEM(conv_in.shape, conv_in.dtype),
+                  pltpu.VMEM(state_in.shape, state_in.dtype),
+                  pltpu.VMEM((p.batch, 3, p.n_heads, p.head_dim), jnp.float32),
+                  pltpu.VMEM((p.batch, p.n_heads * p.head_dim), jnp.float32),
+                  pltpu.SemaphoreType.DMA((2,)))
+
+
+def _head_step(p: KdaPlan, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, decay_rate, bias,
+               gamma, current_vmem, state_vmem, y_vmem) -> None:
+    """Conv, norms, gated delta rule, output norm and gate for row b, head h (all [1, D] rows)."""
+    d = p.head_dim
+    lanes = slice(h * d, (h + 1) * d)
+    row = slice(b, b + 1)
+
+    # short causal depthwise conv for q, k, v: window = [3 cached (oldest first) ; current]
+    conv_outs = []
+    for c in range(3):
+        current = f32(pre_conv[c][row, lanes])  # [1, D]
+        current_vmem[b, c, h:h + 1, :] = current
+        window = [conv_old[j, c, h:h + 1, :] for j in range(p.conv_size - 1)] + [current]
+        mixed = sum(taps[c, j:j + 1, lanes] * window[j] for j in range(p.conv_size))
+        conv_outs.append(f32(bf16(jax.nn.silu(mixed))))
+    q_hat, k_hat, v = conv_outs
+
+    # L2 norms (q also scaled by D^-½), β = σ(b), log decay λ ∈ (bound, 0) per key channel
+    q = q_hat * jax.lax.rsqrt(jnp.sum(q_hat * q_hat, -1, keepdims=True) + p.l2_eps) * d ** -0.5
+    k = k_hat * jax.lax.rsqrt(jnp.sum(k_hat * k_hat, -1, keepdims=True) + p.l2_eps)
+    beta = jax.nn.sigmoid(b_logit[row, h:h + 1])  # [1, 1]
+    log_decay = p.decay_bound * jax.nn.sigmoid(
+        decay_rate[:, h:h + 1] * (g_raw[row, lanes] + bias[:, lanes]))  # [1, D]
+
+    # column vectors e^λ and k from one [8, D] -> [D, 8] transpose (rows 0 and 1, rest zero)
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (8, d), 0)
+    stacked = jnp.where(sublane == 0, jnp.exp(log_decay), jnp.where(sublane == 1, k, 0.0))
+    columns = stacked.T  # [D, 8]
+    decay_col, k_col = columns[:, 0:1], columns[:, 1:2]  # [D, 1] each
+
+    state = state_vmem[b, h]  # [D (key), D (value)] f32
+    decayed = decay_col * state  # S̄ = Diag(e^λ) S
+    predicted = jnp.dot(k, decayed, preferred_element_type=jnp.float32)  # S̄ᵀk  [1, D]
+    state = decayed + k_col * (beta * (v - predicted))  # S̄ + β k (v − S̄ᵀk)ᵀ
+    state_vmem[b, h] = state
+    o = jnp.dot(q, state, preferred_element_type=jnp.float32)  # Sᵀq  [1, D]
+
+    gate = f32(bf16(jax.nn.sigmoid(f32(u[row, lanes]))))
+    normed = f32(blocks.rms_norm(f32(bf16(o)), gamma, p.rms_eps))
+    y_vmem[row, lanes] = f32(bf16(normed * gate))
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+def check_inputs(p: dict, x: Any, conv: Any, state: Any, cfg: ModelConfig) -> None:
+    """ValueError naming the parameter for bad shapes or dtypes."""
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
+    batch, h, d = x.shape[0], cfg.n_heads, cfg.kda_head_dim
+    for name, shape in _weight_shapes(cfg).items():
+        w = p.get(name) if isinstance(p, dict) else None
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
+        dtype = _WEIGHT_DTYPES.get(name, jnp.bfloat16)
+        if w.dtype != dtype:
+            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: {jnp.dtype(dtype).name}")
+    conv_shape = (batch, cfg.kda_conv_size - 1, 3, h, d)
+    if tuple(getattr(conv, "shape", ())) != conv_shape:
+        raise ValueError(f"conv has shape {getattr(conv, 'shape', None)}: expected {conv_shape}")
+    if conv.dtype != jnp.bfloat16:
+        raise ValueError(f"conv.dtype={conv.dtype} is invalid: bfloat16")
+    state_shape = (batch, h, d, d)
+    if tuple(getattr(state, "shape", ())) != state_shape:
+        raise ValueError(f"state has shape {getattr(state, 'shape', None)}: expected {state_shape}")
+    if state.dtype != jnp.float32:
+        raise ValueError(f"state.dtype={state.dtype} is invalid: float32")
+
+
+def kda_attention(p: dict, x: jax.Array, conv: jax.Array, state: jax.Array, cfg: ModelConfig, *,
+                  weight_block_rows: int | None = None,
+                  **indices: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The KDA sublayer as a Pallas kernel; same contract as `reference.kda_attention`.
+
+    x [B, d] bf16 (normalised), one layer's weights, conv [B, conv-1, 3, H, D] bf16, state
+    [B, H, D, D] f32 -> (out [B, d] bf16, new conv, new state), the states updated in place when
+    the caller donates them. weight_block_rows caps the rows of one streamed weight block.
+    """
+    check_inputs(p, x, conv, state, cfg)
+    plan = make_plan(cfg, x.shape[0], weight_block_rows=weight_block_rows)
+    weights = [p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in WEIGHT_NAMES]
+    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
+                 x, *weights, conv, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, *operands):
+    del recording  # a static argument only so recorded and silent traces are cached apart
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    n_in = 1 + len(operands)
+    conv, state = operands[-2:]
+    return pl.pallas_call(
+        functools.partial(kda_attention_body, plan, **dict(indices)),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+                   jax.ShapeDtypeStruct(conv.shape, conv.dtype),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [hbm] * len(operands),
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        interpret=interpret,
+    )(x, *operands)
