@@ -1,0 +1,71 @@
+"""`python -m mkresearch`: decode --json works; bad input is one line on stderr and exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mkresearch", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_decode_json_and_text(capsys):
+    done = run("decode", "--model", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3",
+               "--batch", "2", "--seed", "1", "--backend", "reference", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)  # stdout is exactly one JSON object: no progress bar
+    assert result["model"] == "kimi-k3-mini" and result["backend"] == "reference"
+    assert len(result["prompt"]) == 2 and all(len(row) == 3 for row in result["prompt"])
+    assert len(result["generated"]) == 2 and all(len(row) == 3 for row in result["generated"])
+    assert all(0 <= t < 2048 for row in result["generated"] for t in row)
+    assert result["parity"]["passed"] and result["parity"]["tokens_equal"] == 6
+    assert result["tokens_per_s"] > 0
+    # the text form of the same result: tokens, parity, timing
+    from mkresearch.cli import _print_decode
+
+    _print_decode(result)
+    text = capsys.readouterr().out
+    assert "generated" in text and "parity:" in text and "PASS" in text and "tokens/s" in text
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["decode", "--backend", "megakernel"], "--backend 'megakernel' is not available yet"),
+    (["decode", "--backend", "cuda"], "--backend 'cuda' is unknown"),
+    (["decode", "--model", "kimi-k4"], "kimi-k3-mini"),  # lists the presets
+    (["info", "llama"], "kimi-k3, kimi-k3-mini"),
+    (["decode", "--steps", "-2"], "--steps"),
+    (["decode", "--batch", "0"], "--batch"),
+    (["decode", "--prompt-len", "0"], "--prompt-len"),
+    (["decode", "--prompt-len", "200"], "max_seq_len"),
+    (["decode", "--seed", "x"], "--seed"),
+    (["decode", "--model", "kimi-k3"], "too many to decode"),
+    (["info", "kimi-k3", "--batch", "0"], "--batch"),
+    (["info", "kimi-k3", "--format", "int4"], "--format"),
+    (["info", "kimi-k3", "--layout", "paged"], "--layout"),
+    (["figures", "--only", "nope"], "--only"),
+    (["frobnicate"], "frobnicate"),
+    ([], "required"),
+])
+def test_bad_input_is_one_line_exit_2(args, reason):
+    done = run(*args, timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # no traceback, no usage block
+    assert reason in lines[0]
+    assert done.stdout == ""
+
+
+def test_info_text():
+    done = run("info", "kimi-k3-mini", "--batch", "4", "--context", "16")
+    assert done.returncode == 0, done.stderr
+    assert "KKK MKK M" in done.stdout  # MLA at 3 and at the last layer, blocks of 3
+    assert "routed experts" in done.stdout and "tokens/s" in done.stdout
+
+
+def test_figures(tmp_path):
+    done = run("figures", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "roofline.png").stat().st_size > 10_000
