@@ -1,0 +1,419 @@
+"""The FFN stage as one Pallas TPU kernel: routed latent experts + always-on experts (spec §6.2–6.6).
+
+    z  = bf(x W_ld)                                   latent down          x [B, d] -> z [B, Lat]
+    for each expert e in the work list:               weights DMA'd from HBM into a slot ring
+        h   = SiTU(bf(z W1_e), bf(z W3_e))            [B, F]
+        acc += coef_e · bf(h W2_e)                    f32, coef_e [B, 1] = this row's weight of e
+    ρ̂  = RMSNorm_γ(bf(acc)) over moe_latent          (acc is [B, moe_latent_padded], zero padding)
+    routed = ρ̂ W_lu (f32);  always-on = SiTU(bf(x Wg), bf(x Wu)) Wd (f32)
+    m = bf(routed + always-on)
+
+The always-on part is the shared experts of an MoE layer, or — with no routed part at all — the
+dense MLP of layer 0: "the same stage with one always-on expert".
+
+Which experts are fetched (`plan`, the steps of notebook 04):
+  "all"     every expert of the layer (a gather of all; unselected ones get coefficient 0)
+  "routed"  each (row, k) choice, duplicates fetched again (B·k DMAs)
+  "unique"  each distinct expert of the batch once: a scalar dedupe over the SMEM ids
+and how: `n_slots` VMEM slots per expert matrix. One slot: copy, wait, compute. Two or more: the
+next expert's weights stream while the current one computes, and the first ones are issued before
+the latent down-projection, right after routing, so they fly behind it.
+
+Expert weights stay in HBM (`pl.ANY`) in their stored format (bf16 / fp8 / mxfp4, see
+`mkresearch.kernels.quant`), are DMA'd as stored and decoded in VMEM. Every DMA goes through
+`mkresearch.kernels.dma`; expert DMAs are named "expert/<matrix>/<part>", so
+`log.dma_bytes("expert/")` is the routed-expert bytes of a step.
+
+The ids are read twice: as SMEM scalars (to address the DMAs and build the work list) and as a
+VMEM tile [B, k] (to build each expert's per-row coefficient with vector compares).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import reference, tpu
+from mkresearch.config import ACTIVATIONS, ModelConfig
+from mkresearch.kernels import blocks, dma, quant, router
+
+PLANS = ("all", "routed", "unique")
+EXPERT_MATRICES = ("w1", "w3", "w2")
+EXPERT_DMA_PREFIX = "expert/"
+# Mosaic's default scoped-VMEM limit is far below the chip's VMEM; two bf16 expert slots at the
+# per-rank shapes (2 x 16.5 MB) need more. 60 MiB fits TPU7x's 64 MiB per TensorCore.
+VMEM_LIMIT_BYTES = 60 * 2**20
+
+
+def activation(g: jax.Array, u: jax.Array, kind: str) -> jax.Array:
+    """bf16 [B, F] from the bf16 gate and up projections: SiTU (Kimi K3) or SwiGLU."""
+    if kind == "situ":
+        return reference.situ(g, u)
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, kind: str,
+              name: str) -> jax.Array:
+    """x [B, d] bf16 -> f32 [B, d]: act(bf(x Wg), bf(x Wu)) Wd, each weight streamed from HBM."""
+    def stream(v, w, part):
+        rows = blocks.weight_block_rows(tuple(w.shape), w.dtype)
+        return blocks.stream_matmul(v, w, rows=rows, name=f"{name}/{part}")
+
+    g = stream(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
+    u = stream(x, w_up, "w_up").astype(jnp.bfloat16)
+    return stream(activation(g, u, kind), w_down, "w_down")  # [B, d]
+
+
+# ---- the work list: which expert each loop step fetches ---------------------------------------
+def _choice(i: Any, top_k: int) -> tuple[Any, Any]:
+    """Flat choice index i -> (row, k). lax.div/rem: i >= 0, and jnp's floor // and % lower
+    through a sign op that needs a TPU device to lower."""
+    return lax.div(i, top_k), lax.rem(i, top_k)
+
+
+def _work_list(plan: str, ids_smem: Any, n_experts: int):
+    """(n_items (int or traced), expert_of(i) -> traced expert id). Scalar work in SMEM."""
+    batch, top_k = ids_smem.shape
+    if plan == "all":
+        return n_experts, lambda i: i
+    if plan == "routed":
+        return batch * top_k, lambda i: ids_smem[_choice(i, top_k)]
+
+    def dedupe(unique, seen):  # unique [B*k], seen [E] (SMEM)
+        def clear(e, carry):
+            seen[e] = 0
+            return carry
+
+        lax.fori_loop(0, n_experts, clear, 0)
+
+        def visit(i, count):  # branch-free: write always, advance only on a new expert
+            e = ids_smem[_choice(i, top_k)]
+            new = seen[e] == 0
+            unique[count] = e
+            seen[e] = 1
+            return count + new.astype(jnp.int32)
+
+        return lax.fori_loop(0, batch * top_k, visit, jnp.int32(0))
+
+    return dedupe
+
+
+def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
+                latent_norm: Any, w_lu: Any, experts: dict, *, expert_format: str, plan: str,
+                n_slots: int, latent: int, latent_padded: int, eps: float, kind: str) -> jax.Array:
+    """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
+    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k]."""
+    batch, top_k = ids.shape
+    n_experts = experts["w1"][0].shape[0]
+    plan_or_dedupe = _work_list(plan, ids_smem, n_experts)
+    if callable(plan_or_dedupe) and plan == "unique":
+        def with_unique(unique, seen):
+            n_items = plan_or_dedupe(unique, seen)
+            return _run_experts(n_items, lambda i: unique[i], ids_smem, x, ids, weights, w_ld,
+                                latent_norm, w_lu, experts, expert_format=expert_format,
+                                plan=plan, n_slots=n_slots, latent=latent,
+                                latent_padded=latent_padded, eps=eps, kind=kind)
+
+        return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
+                             pltpu.SMEM((n_experts,), jnp.int32))
+    n_items, expert_of = plan_or_dedupe
+    return _run_experts(n_items, expert_of, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu,
+                        experts, expert_format=expert_format, plan=plan, n_slots=n_slots,
+                        latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+
+
+def _run_experts(n_items, expert_of, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu, experts,
+                 *, expert_format, plan, n_slots, latent, latent_padded, eps, kind):
+    batch, top_k = ids.shape
+    names = quant.part_names(expert_format)
+    # one ring per (matrix, part): slot buffers [n_slots, *part shape], one semaphore per slot
+    slot_shapes = [pltpu.VMEM((n_slots, *experts[m][j].shape[1:]), experts[m][j].dtype)
+                   for m in EXPERT_MATRICES for j in range(len(names))]
+    sem_shapes = [pltpu.SemaphoreType.DMA((n_slots,))] * len(slot_shapes)
+
+    def scoped(*refs):
+        buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
+        rings, sources = {}, {}
+        for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
+            rings[m, j] = dma.Ring(buffers[r], sems[r], name=f"{EXPERT_DMA_PREFIX}{m}/{names[j]}")
+            sources[m, j] = experts[m][j]
+
+        def start(i):
+            e, slot = expert_of(i), lax.rem(i, n_slots)
+            for key, ring in rings.items():
+                ring.start(sources[key].at[e], slot, item=i)
+
+        def wait(i):
+            e, slot = expert_of(i), lax.rem(i, n_slots)
+            for key, ring in rings.items():
+                ring.wait(sources[key].at[e], slot, item=i)
+
+        # issue the first experts now: they fly behind the latent down-projection
+        for i in range(n_slots - 1):
+            pl.when(i < n_items)(functools.partial(start, i))
+        z = blocks.stream_matmul(x, w_ld, rows=blocks.weight_block_rows(
+            tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)  # [B, Lat]
+
+        flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
+                       + lax.broadcasted_iota(jnp.int32, (batch, top_k), 1))  # [B, k]: b·k + j
+
+        def step(i, acc):  # acc [B, Lat] f32
+            if n_slots == 1:
+                start(i)
+            else:
+                ahead = i + n_slots - 1
+                pl.when(ahead < n_items)(functools.partial(start, ahead))
+            wait(i)
+            slot = lax.rem(i, n_slots)
+            part = {m: tuple(rings[m, j].buffer(slot) for j in range(len(names)))
+                    for m in EXPERT_MATRICES}
+            with dma.phase("expert/compute", item=i):
+                g = quant.matmul(z, part["w1"], expert_format).astype(jnp.bfloat16)  # [B, F]
+                u = quant.matmul(z, part["w3"], expert_format).astype(jnp.bfloat16)
+                y = quant.matmul(activation(g, u, kind), part["w2"], expert_format)
+                y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
+                if plan == "routed":  # this item is one (row, k) choice
+                    hit = flat_choice == i
+                else:  # every choice of this expert, in every row
+                    hit = ids == expert_of(i)
+                coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
+                return acc + coef * y
+
+        acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
+        rho_hat = pl.run_scoped(
+            functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
+            pltpu.VMEM((batch, latent_padded), jnp.float32),
+            pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
+        return blocks.stream_matmul(rho_hat, w_lu, rows=blocks.weight_block_rows(
+            tuple(w_lu.shape), w_lu.dtype), name="latent/w_lu")  # [B, d] f32
+
+    return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
+
+
+def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
+    """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
+    (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
+    copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
+                    name="latent/norm").start()
+    rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
+    rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
+    if gamma_ref.shape[1] > latent:
+        gamma_ref[:, latent:] = jnp.zeros((1, gamma_ref.shape[1] - latent), jnp.float32)
+    copy.wait()
+    return blocks.rms_norm(rho_ref[...], gamma_ref[...], eps, n=latent)[:, :latent]
+
+
+# ---- the stage body and its wrappers -----------------------------------------------------------
+@dataclass(frozen=True)
+class StageOptions:
+    """Static choices of one FFN stage (hashable: part of the jit cache key)."""
+
+    expert_format: str = "bf16"
+    plan: str = "unique"
+    n_slots: int = 2
+    latent: int = 0  # cfg.moe_latent: the checkpoint width, what the norm divides by
+    latent_padded: int = 0  # cfg.moe_latent_padded: the latent's width in VMEM
+    eps: float = 1e-5
+    activation: str = "situ"
+    always_on_name: str = "shared"  # DMA-log prefix of the always-on MLP: "shared" or "dense"
+
+
+def ffn_stage_body(ids_smem: Any, x_ref: Any, ids_ref: Any, weights_ref: Any,
+                   routed: dict | None, always_on: dict | None, out_ref: Any, *,
+                   options: StageOptions) -> None:
+    """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
+
+    routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
+             "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs)
+    always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
+    ids_smem [B, k] i32 (SMEM), ids_ref / weights_ref [B, k] i32 / f32 (VMEM), x_ref [B, d] bf16.
+    """
+    x = x_ref[...]  # [B, d] bf16
+    total = jnp.zeros(out_ref.shape, jnp.float32)
+    if routed is not None:
+        total += routed_part(ids_smem, x, ids_ref[...], weights_ref[...], routed["w_ld"],
+                             routed["latent_norm"], routed["w_lu"], routed["experts"],
+                             expert_format=options.expert_format, plan=options.plan,
+                             n_slots=options.n_slots, latent=options.latent,
+                             latent_padded=options.latent_padded, eps=options.eps,
+                             kind=options.activation)
+    if always_on is not None:
+        total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
+                           kind=options.activation, name=options.always_on_name)
+    out_ref[...] = total.astype(out_ref.dtype)
+
+
+def moe_layer_body(x_ref: Any, w_router: Any, router_bias: Any, routed: dict,
+                   always_on: dict | None, out_ref: Any, ids_ref: Any, weights_ref: Any,
+                   ids_smem: Any, weights_smem: Any, *, options: StageOptions,
+                   router_options: dict) -> None:
+    """A whole MoE layer in one kernel: the router leaves ids/weights in VMEM and SMEM scratch,
+    the stage reads them there (no round trip through HBM)."""
+    router.router_body(x_ref, w_router, router_bias, ids_ref, weights_ref, ids_smem, weights_smem,
+                       **router_options)
+    ffn_stage_body(ids_smem, x_ref, ids_ref, weights_ref, routed, always_on, out_ref,
+                   options=options)
+
+
+_VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
+
+
+def _spec(space):
+    return pl.BlockSpec(memory_space=space)
+
+
+def _hbm_specs(tree):
+    return jax.tree.map(lambda _: _spec(pl.ANY), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("options", "out_dtype", "interpret", "recording"))
+def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
+    del recording  # static only so recorded and silent traces never share a jit cache entry
+    args = (ids, x, ids, weights, routed, always_on)
+    in_specs = (None if ids is None else _spec(_SMEM), _spec(_VMEM),
+                None if ids is None else _spec(_VMEM), None if weights is None else _spec(_VMEM),
+                _hbm_specs(routed), _hbm_specs(always_on))
+    return pl.pallas_call(
+        functools.partial(ffn_stage_body, options=options),
+        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype),
+        in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
+                                             "recording"))
+def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
+                    interpret, recording):
+    del recording
+    batch, top_k = x.shape[0], dict(router_options)["top_k"]
+    return pl.pallas_call(
+        functools.partial(moe_layer_body, options=options, router_options=dict(router_options)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+        in_specs=(_spec(_VMEM), _spec(pl.ANY), _spec(pl.ANY), _hbm_specs(routed),
+                  _hbm_specs(always_on)),
+        out_specs=_spec(_VMEM),
+        scratch_shapes=[pltpu.VMEM((batch, top_k), jnp.int32),
+                        pltpu.VMEM((batch, top_k), jnp.float32),
+                        pltpu.SMEM((batch, top_k), jnp.int32),
+                        pltpu.SMEM((batch, top_k), jnp.float32)],
+        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
+    )(x, w_router, router_bias, routed, always_on)
+
+
+# ---- checks (Python, before tracing) ----------------------------------------------------------
+def check_stage_options(plan: Any, n_slots: Any, expert_format: Any) -> None:
+    quant.check_format(expert_format)
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r} is invalid: one of {', '.join(map(repr, PLANS))}")
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or not 1 <= n_slots <= 8:
+        raise ValueError(f"n_slots={n_slots!r} is invalid: an int in [1, 8] (VMEM slots per "
+                         "expert matrix; 1 = no overlap, 2 = double buffering)")
+
+
+def _check_x(x: Any, d_model: int) -> None:
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != d_model or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [B, d={d_model}], got {getattr(x, 'shape', x)} "
+                         f"{getattr(x, 'dtype', '')}")
+
+
+def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: int) -> None:
+    """ids [B, k] int32 with 1 <= k <= n_experts and values in [0, n_experts); weights [B, k]."""
+    shape = getattr(expert_ids, "shape", None)
+    if (shape is None or len(shape) != 2 or shape[0] != batch or not 1 <= shape[1] <= n_experts
+            or expert_ids.dtype != jnp.int32):
+        raise ValueError(f"expert_ids must be int32 [B={batch}, k] with 1 <= k <= "
+                         f"n_experts={n_experts}, got {shape} {getattr(expert_ids, 'dtype', '')}")
+    if getattr(expert_weights, "shape", None) != shape:
+        raise ValueError(f"expert_weights must be [B, k]={shape} like expert_ids, got "
+                         f"{getattr(expert_weights, 'shape', None)}")
+    if not isinstance(expert_ids, jax.core.Tracer):
+        values = np.asarray(expert_ids)
+        if values.min() < 0 or values.max() >= n_experts:
+            raise ValueError(f"expert_ids values must be in [0, n_experts={n_experts}), got "
+                             f"[{values.min()}, {values.max()}]")
+
+
+def _expert_parts(experts: dict, cfg: ModelConfig) -> dict:
+    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked."""
+    fmt, lat, hidden = cfg.expert_format, cfg.moe_latent, cfg.expert_hidden
+    out = {}
+    for m, (k, n) in zip(EXPERT_MATRICES, ((lat, hidden), (lat, hidden), (hidden, lat))):
+        parts = quant.split_parts(experts[m], fmt)
+        for name, got, want in zip(quant.part_names(fmt), parts, quant.part_structs(fmt, k, n)):
+            if got.shape[1:] != want.shape or got.dtype != want.dtype:
+                raise ValueError(f"experts[{m!r}] part {name!r} is {got.shape} {got.dtype}: "
+                                 f"expected [E, {', '.join(map(str, want.shape))}] {want.dtype} "
+                                 f"for expert_format={fmt!r}")
+        out[m] = tuple(parts)
+    return out
+
+
+def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared"):
+    check_stage_options(plan, n_slots, cfg.expert_format)
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"activation={cfg.activation!r} is invalid: one of {ACTIVATIONS}")
+    return StageOptions(expert_format=cfg.expert_format, plan=plan, n_slots=n_slots,
+                        latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
+                        eps=float(cfg.rms_eps), activation=cfg.activation,
+                        always_on_name=always_on_name)
+
+
+def _routed_tree(p: dict, cfg: ModelConfig) -> dict:
+    return {"w_ld": p["w_ld"], "latent_norm": p["latent_norm"].reshape(1, cfg.moe_latent),
+            "w_lu": p["w_lu"], "experts": _expert_parts(p["experts"], cfg)}
+
+
+def _shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
+    if not cfg.n_shared_experts:
+        return None
+    return {"w_gate": p["w_sg"], "w_up": p["w_su"], "w_down": p["w_sd"]}
+
+
+# ---- public wrappers: kernel twins of the reference sublayers ----------------------------------
+def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
+                   cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2) -> jax.Array:
+    """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared)."""
+    options = _options(cfg, plan, n_slots)
+    _check_x(x, cfg.d_model)
+    check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
+    return _stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
+                       None, options=options, out_dtype=jnp.float32,
+                       interpret=tpu.interpret_params(), recording=dma.is_recording())
+
+
+def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
+            n_slots: int = 2) -> jax.Array:
+    """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel."""
+    options = _options(cfg, plan, n_slots)
+    _check_x(x, cfg.d_model)
+    router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
+    bias = p["router_bias"] if cfg.router_bias else jnp.zeros_like(p["router_bias"])
+    router_options = (("top_k", cfg.top_k), ("router_score", cfg.router_score),
+                      ("use_bias", cfg.router_bias), ("routed_scale", float(cfg.routed_scale)),
+                      ("block_rows", blocks.weight_block_rows(tuple(p["w_router"].shape),
+                                                              p["w_router"].dtype)))
+    return _moe_layer_call(x, p["w_router"], bias.astype(jnp.float32).reshape(1, -1),
+                           _routed_tree(p, cfg), _shared_tree(p, cfg), options=options,
+                           router_options=router_options,
+                           interpret=tpu.interpret_params(), recording=dma.is_recording())
+
+
+def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
+    _check_x(x, cfg.d_model)
+    options = StageOptions(eps=float(cfg.rms_eps), activation=cfg.activation,
+                           always_on_name="dense")
+    always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
+    return _stage_call(x, None, None, None, always_on, options=options, out_dtype=jnp.bfloat16,
+                       interpret=tpu.interpret_params(), recording=dma.is_recording())
+

@@ -1,0 +1,204 @@
+"""Expert weight formats inside a kernel: what to DMA, and decoding MXFP4 / FP8 in VMEM.
+
+One [K, N] expert matrix (K = the input dim) is stored in HBM as a tuple of *parts*
+(DEVELOPERS.md "Parameters", spec §7):
+
+    bf16   (weight bf16 [K, N],)
+    fp8    (values float8_e4m3fn [K, N], scales bf16 [K/256, N])   scales are powers of two
+    mxfp4  (codes uint32 [K/8, N], scales uint8 [K/32, N])          8 E2M1 nibbles per word, low
+                                                                    nibble = lower K; E8M0 scales
+
+Kernels DMA the parts as they are (so the DMA log counts the checkpoint's bytes) and decode them
+here, chunk by chunk along K, right before the MXU dot. MXFP4 is never widened in HBM.
+
+Decoding is exact (both formats are bf16-representable): `pltpu.bitcast` of the uint32 codes to
+float4_e2m1fn splits each word into 8 consecutive K rows, low nibble first, which is exactly the
+packing of the checkpoint; the E8M0 scale 2^(e-127) is built from its exponent bits.
+`decode_body` + `decode` (a pallas_call) exist to test exactly that, on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import tpu
+from mkresearch.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
+from mkresearch.kernels import dma
+
+NIBBLES_PER_WORD = 8
+# Rows of K decoded at once: bounds the f32 temporaries of one decode (K_CHUNK x N x 4 bytes).
+MAX_K_CHUNK = 1024
+
+
+def check_format(expert_format: Any, name: str = "expert_format") -> str:
+    """`expert_format` if it is one of EXPERT_FORMATS, else ValueError naming `name`."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"{name}={expert_format!r} is invalid: one of "
+                         f"{', '.join(map(repr, EXPERT_FORMATS))}")
+    return expert_format
+
+
+def part_names(expert_format: str) -> tuple[str, ...]:
+    """Names of the stored parts of one matrix, in the order kernels take them."""
+    check_format(expert_format)
+    return {"bf16": ("weight",), "fp8": ("values", "scales"),
+            "mxfp4": ("codes", "scales")}[expert_format]
+
+
+def part_structs(expert_format: str, k: int, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shape and dtype of each stored part of one [k, n] matrix (a VMEM slot holds these)."""
+    check_format(expert_format)
+    if expert_format == "bf16":
+        return (jax.ShapeDtypeStruct((k, n), jnp.bfloat16),)
+    if expert_format == "fp8":
+        return (jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((k // FP8_BLOCK, n), jnp.bfloat16))
+    return (jax.ShapeDtypeStruct((k // NIBBLES_PER_WORD, n), jnp.uint32),
+            jax.ShapeDtypeStruct((k // MXFP4_BLOCK, n), jnp.uint8))
+
+
+def matrix_nbytes(expert_format: str, k: int, n: int) -> int:
+    """HBM bytes of one [k, n] matrix in `expert_format`, scales included."""
+    return sum(s.size * jnp.dtype(s.dtype).itemsize for s in part_structs(expert_format, k, n))
+
+
+def split_parts(weight: Any, expert_format: str) -> tuple[jax.Array, ...]:
+    """An expert weight of the parameter pytree (array or dict) -> its parts, in kernel order."""
+    check_format(expert_format)
+    if expert_format == "bf16":
+        if isinstance(weight, dict):
+            raise ValueError("expert_format='bf16' expects a bf16 array, got a dict of parts "
+                             f"{sorted(weight)}: pass the format the weights were made in")
+        return (weight,)
+    names = part_names(expert_format)
+    if not isinstance(weight, dict) or set(weight) != set(names):
+        got = sorted(weight) if isinstance(weight, dict) else type(weight).__name__
+        raise ValueError(f"expert_format={expert_format!r} expects a dict with keys {names}, "
+                         f"got {got}")
+    return tuple(weight[name] for name in names)
+
+
+def k_chunk(expert_format: str, k: int) -> int:
+    """Rows of K decoded per step: the largest divisor of k <= MAX_K_CHUNK that keeps every part's
+    chunk whole in its scale blocks (256 rows for FP8, 32 for MXFP4) and tile-aligned."""
+    check_format(expert_format)
+    if expert_format == "bf16":
+        return k  # nothing to decode: one dot over the whole K
+    step = FP8_BLOCK  # also a multiple of MXFP4's 32 and of 8 x 32 (uint32 code rows, u8 tiles)
+    for rows in range(min(k, MAX_K_CHUNK) // step * step, 0, -step):
+        if k % rows == 0:
+            return rows
+    return k
+
+
+# ---- decoding values (inside a kernel, or plain jnp) ------------------------------------------
+def _per_k(scale: jax.Array, block: int) -> jax.Array:
+    """[R, N] -> [R * block, N]: each scale repeated over its K block (a sublane broadcast)."""
+    rows, n = scale.shape
+    return jnp.broadcast_to(scale[:, None, :], (rows, block, n)).reshape(rows * block, n)
+
+
+def e8m0_to_f32(exponents: jax.Array) -> jax.Array:
+    """E8M0 uint8 [R, N] -> f32 2^(e-127), built from the exponent bits (no exp2 on the VPU).
+    e = 0 is 2^-127, an f32 subnormal the bit trick cannot make; e = 255 gives inf like exp2."""
+    e = exponents.astype(jnp.int32)
+    scale = pltpu.bitcast(e << 23, jnp.float32)
+    return jnp.where(e == 0, jnp.float32(2.0**-127), scale)
+
+
+def decode_mxfp4(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """codes uint32 [K/8, N], scales uint8 [K/32, N] -> bf16 [K, N], exactly mxfp4_unpack."""
+    # bitcast splits word r into rows 8r..8r+7, low nibble first: the checkpoint's packing
+    values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.float32)  # [K, N]
+    return (values * _per_k(e8m0_to_f32(scales), MXFP4_BLOCK)).astype(jnp.bfloat16)
+
+
+def decode_fp8(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """values e4m3 [K, N], bf16 power-of-two scales [K/256, N] -> bf16 [K, N], exactly fp8_unpack."""
+    scale = _per_k(scales.astype(jnp.float32), FP8_BLOCK)
+    return (values.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def decode_rows(part_refs: Sequence[Any], expert_format: str, row0: int, rows: int) -> jax.Array:
+    """Rows [row0, row0 + rows) of one stored matrix (refs in VMEM) -> bf16 [rows, N].
+    row0 and rows are static and multiples of the format's scale block."""
+    if expert_format == "bf16":
+        return part_refs[0][row0:row0 + rows, :]
+    if expert_format == "fp8":
+        values, scales = part_refs
+        return decode_fp8(values[row0:row0 + rows, :],
+                          scales[row0 // FP8_BLOCK:(row0 + rows) // FP8_BLOCK, :])
+    codes, scales = part_refs
+    return decode_mxfp4(codes[row0 // NIBBLES_PER_WORD:(row0 + rows) // NIBBLES_PER_WORD, :],
+                        scales[row0 // MXFP4_BLOCK:(row0 + rows) // MXFP4_BLOCK, :])
+
+
+def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str) -> jax.Array:
+    """x bf16 [B, K] @ (one stored matrix in VMEM, decoded chunk by chunk) -> f32 [B, N].
+
+    Decoding per K chunk keeps the bf16 temporaries small; f32 accumulation across chunks."""
+    k = x.shape[1]
+    rows = k_chunk(expert_format, k)
+    acc = None
+    for row0 in range(0, k, rows):
+        w = decode_rows(part_refs, expert_format, row0, rows)  # [rows, N] bf16
+        part = jnp.dot(x[:, row0:row0 + rows], w, preferred_element_type=jnp.float32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+# ---- a stand-alone decode kernel: HBM parts -> DMA -> decode in VMEM -> bf16 [K, N] ----------
+def decode_body(*refs: Any, expert_format: str) -> None:
+    """refs = (*parts in HBM, out bf16 [K, N] in VMEM, *part buffers in VMEM, DMA sems [n_parts])."""
+    n = len(part_names(expert_format))
+    hbm, (out,), vmem, (sems,) = refs[:n], refs[n:n + 1], refs[n + 1:2 * n + 1], refs[2 * n + 1:]
+    copies = [dma.Copy(src, dst, sems.at[i], name=f"decode/{name}")
+              for i, (src, dst, name) in enumerate(zip(hbm, vmem, part_names(expert_format)))]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.wait()
+    k = out.shape[0]
+    rows = k_chunk(expert_format, k)
+    with dma.phase("decode", vmem_bytes=out.size * 2):
+        for row0 in range(0, k, rows):
+            out[row0:row0 + rows, :] = decode_rows(vmem, expert_format, row0, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("expert_format", "interpret", "recording"))
+def _decode_call(parts: tuple, expert_format: str, interpret: Any, recording: bool) -> jax.Array:
+    del recording  # only keeps recorded and silent traces apart in the jit cache
+    structs = part_structs(expert_format, *_logical_shape(parts, expert_format))
+    k, n = _logical_shape(parts, expert_format)
+    return pl.pallas_call(
+        functools.partial(decode_body, expert_format=expert_format),
+        out_shape=jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(parts),
+        out_specs=pl.BlockSpec(memory_space=pltpu.MemorySpace.VMEM),
+        scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in structs]
+        + [pltpu.SemaphoreType.DMA((len(parts),))],
+        interpret=interpret,
+    )(*parts)
+
+
+def _logical_shape(parts: Sequence[Any], expert_format: str) -> tuple[int, int]:
+    k_rows, n = parts[0].shape[-2:]
+    return (k_rows * NIBBLES_PER_WORD if expert_format == "mxfp4" else k_rows), n
+
+
+def decode(weight: Any, expert_format: str) -> jax.Array:
+    """One stored [K, N] matrix (array or dict of parts, as in the parameter pytree) -> bf16 [K, N],
+    decoded by a Pallas kernel in VMEM. Equals weights.dequantize(weight, expert_format) exactly."""
+    parts = split_parts(weight, expert_format)
+    want = part_structs(expert_format, *_logical_shape(parts, expert_format))
+    for name, got, expect in zip(part_names(expert_format), parts, want):
+        if got.shape != expect.shape or got.dtype != expect.dtype:
+            raise ValueError(f"weight[{name!r}] has shape {got.shape} {got.dtype}: expected "
+                             f"{expect.shape} {expect.dtype} for expert_format={expert_format!r}")
+    return _decode_call(tuple(parts), expert_format, tpu.interpret_params(), dma.is_recording())

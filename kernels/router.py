@@ -1,0 +1,138 @@
+"""MoE router as a Pallas TPU kernel (spec §6.1): which experts each row uses, and how much.
+
+    r = x · W_r                       f32 accumulation         x [B, d] bf16, W_r [d, E] bf16
+    s = σ(r)            (sigmoid)     or softmax(r) over E     (cfg.router_score)
+    top-k of s + b      iterated argmax, the lower index wins ties; b (f32) only selects
+    w = s_top / Σ s_top · routed_scale                        weights from the *uncorrected* s
+
+The selection is k rounds of "max, then the lowest index holding it, then mask it out" over the
+whole [B, E] tile at once: vector work only, no sort. The ids and weights are written to VMEM and
+then DMA'd to SMEM, where the expert stage reads them as scalars to address its weight DMAs (a
+vector store to SMEM does not exist; a VMEM->SMEM DMA does).
+
+W_r streams from HBM through `blocks.stream_matmul`, the bias arrives by DMA too: every byte the
+router reads is in the DMA log.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch import tpu
+from mkresearch.config import ROUTER_SCORES, ModelConfig
+from mkresearch.kernels import blocks, dma
+
+
+def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
+                ids_ref: Any, weights_ref: Any, ids_smem: Any, weights_smem: Any, *,
+                top_k: int, router_score: str, use_bias: bool, routed_scale: float,
+                block_rows: int) -> None:
+    """x_ref [B, d] bf16 (VMEM); w_router_hbm [d, E] bf16, bias_hbm [1, E] f32 (HBM).
+    Writes ids_ref [B, k] i32 and weights_ref [B, k] f32 (VMEM) and their SMEM copies."""
+    batch, n_experts = x_ref.shape[0], w_router_hbm.shape[1]
+    logits = blocks.stream_matmul(x_ref[...], w_router_hbm, rows=block_rows,
+                                  name="router/w_router")  # [B, E] f32
+    with dma.phase("router/select", flops=2 * batch * x_ref.shape[1] * n_experts):
+        if router_score == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jax.nn.softmax(logits, axis=-1)
+        select = scores  # [B, E] f32
+        if use_bias:  # the correction bias moves the selection only; weights use the plain scores
+            select = scores + blocks.load_whole(bias_hbm, name="router/bias")
+        expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
+        k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
+        ids = jnp.zeros((batch, top_k), jnp.int32)
+        chosen = jnp.zeros((batch, top_k), jnp.float32)
+        for i in range(top_k):
+            best = jnp.max(select, axis=-1, keepdims=True)  # [B, 1]
+            # lowest index holding the max: ties go to the lower expert id, like the reference
+            index = jnp.min(jnp.where(select == best, expert_iota, n_experts), axis=-1,
+                            keepdims=True)  # [B, 1]
+            hit = expert_iota == index  # [B, E], one True per row
+            ids = jnp.where(k_iota == i, index, ids)
+            chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
+                                                     keepdims=True), chosen)
+            select = jnp.where(hit, -jnp.inf, select)
+        weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
+        ids_ref[...] = ids
+        weights_ref[...] = weights
+
+    def to_smem(sems):
+        copies = [dma.Copy(ids_ref, ids_smem, sems.at[0], name="router/ids_to_smem"),
+                  dma.Copy(weights_ref, weights_smem, sems.at[1], name="router/weights_to_smem")]
+        for copy in copies:
+            copy.start()
+        for copy in copies:
+            copy.wait()
+
+    pl.run_scoped(to_smem, pltpu.SemaphoreType.DMA((2,)))
+
+
+def check_router_args(x: Any, w_router: Any, router_bias: Any, top_k: Any, router_score: Any) -> None:
+    """ValueError naming the bad parameter, before anything is traced."""
+    if router_score not in ROUTER_SCORES:
+        raise ValueError(f"router_score={router_score!r} is invalid: one of "
+                         f"{', '.join(map(repr, ROUTER_SCORES))}")
+    if getattr(x, "ndim", None) != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [B, d], got {getattr(x, 'shape', x)} "
+                         f"{getattr(x, 'dtype', '')}")
+    if getattr(w_router, "ndim", None) != 2 or w_router.shape[0] != x.shape[1]:
+        raise ValueError(f"w_router must be [d={x.shape[1]}, E], got "
+                         f"{getattr(w_router, 'shape', w_router)}")
+    n_experts = w_router.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k!r} is invalid: an int in [1, n_experts={n_experts}]")
+    if router_bias is not None and tuple(router_bias.shape) != (n_experts,):
+        raise ValueError(f"router_bias must be [E={n_experts}] f32, got {router_bias.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "router_score", "routed_scale",
+                                             "interpret", "recording"))
+def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, interpret,
+                recording):
+    del recording  # static only so recorded and silent traces never share a jit cache entry
+    batch, n_experts = x.shape[0], w_router.shape[1]
+    use_bias = router_bias is not None
+    bias = (router_bias if use_bias else jnp.zeros((n_experts,), jnp.float32))
+    bias = bias.astype(jnp.float32).reshape(1, n_experts)
+    rows = blocks.weight_block_rows(w_router.shape, w_router.dtype)
+    body = functools.partial(router_body, top_k=top_k, router_score=router_score,
+                             use_bias=use_bias, routed_scale=routed_scale, block_rows=rows)
+    vmem, smem = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
+    out_shape = (jax.ShapeDtypeStruct((batch, top_k), jnp.int32),
+                 jax.ShapeDtypeStruct((batch, top_k), jnp.float32))
+    ids, weights, ids_smem, weights_smem = pl.pallas_call(
+        body,
+        out_shape=out_shape * 2,
+        in_specs=[pl.BlockSpec(memory_space=vmem), pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=(pl.BlockSpec(memory_space=vmem),) * 2 + (pl.BlockSpec(memory_space=smem),) * 2,
+        interpret=interpret,
+    )(x, w_router, bias)
+    del ids, weights  # the SMEM copies are what the expert stage consumes
+    return ids_smem, weights_smem
+
+
+def route(p: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Kernel twin of reference.route: (expert_ids [B, k] i32, expert_weights [B, k] f32).
+
+    p: one MoE layer's weights (w_router [d, E], router_bias [E]); x: normalised [B, d] bf16."""
+    return route_with(x, p["w_router"], p["router_bias"] if cfg.router_bias else None,
+                      top_k=cfg.top_k, router_score=cfg.router_score,
+                      routed_scale=cfg.routed_scale)
+
+
+def route_with(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, *, top_k: int,
+               router_score: str = "sigmoid", routed_scale: float = 1.0):
+    """The router kernel with explicit options (the notebook varies them one at a time)."""
+    check_router_args(x, w_router, router_bias, top_k, router_score)
+    return _route_call(x, w_router, router_bias, top_k=top_k, router_score=router_score,
+                       routed_scale=float(routed_scale), interpret=tpu.interpret_params(),
+                       recording=dma.is_recording())
