@@ -153,3 +153,32 @@ def test_bad_arguments_raise_value_errors():
                  None, name="w")
     with pytest.raises(ValueError, match="kind"):
         dma.DmaLog().select("dma_begin")
+
+
+def test_writeback_direction_in_a_core_map_kernel(race_checked):
+    """VMEM -> HBM copies log their direction; pl.kernel (core_map) kernels record like pallas_call."""
+    x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+
+    @functools.partial(jax.jit, static_argnames=("recording", "interpret"))
+    def add_one(x, *, recording, interpret):
+        del recording
+
+        @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret,
+                   mesh=pltpu.create_tensorcore_mesh("core", num_cores=1),
+                   scratch_types=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())])
+        def kernel(x_hbm, o_hbm, buf_ref, sem):
+            dma.Copy(x_hbm, buf_ref, sem, name="in").start().wait()
+            with dma.phase("add", flops=x.size):
+                buf_ref[...] = buf_ref[...] + 1
+            dma.Copy(buf_ref, o_hbm, sem, name="out").start().wait()
+
+        return kernel(x)
+
+    with dma.recording() as log:
+        out = add_one(x, recording=dma.is_recording(), interpret=tpu.interpret_params())
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
+    assert [(e.kind, e.name, e.src, e.dst) for e in log.events] == [
+        ("dma_start", "in", "hbm", "vmem"), ("dma_wait", "in", "hbm", "vmem"),
+        ("phase_start", "add", None, None), ("phase_end", "add", None, None),
+        ("dma_start", "out", "vmem", "hbm"), ("dma_wait", "out", "vmem", "hbm")]
+    assert log.dma_bytes() == 2 * x.size * 4 and log.dma_bytes("out") == x.size * 4
