@@ -1,0 +1,283 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %%
+# Setup: works on Colab, on a TPU VM and on a laptop. Installs mkresearch if it is missing.
+import importlib.util, os, subprocess, sys
+if importlib.util.find_spec("mkresearch") is None:
+    root = os.path.abspath("..")
+    source = (f"file://{root}" if os.path.exists(os.path.join(root, "pyproject.toml"))
+              else "git+" + os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch"))
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"mkresearch[notebooks] @ {source}"])
+import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
+from mkresearch import tpu
+print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
+
+# %% [markdown]
+# # 00 · Megakernels on TPU: what one decode step of Kimi K3 costs
+#
+# Decoding one token of a giant Mixture-of-Experts model does very little arithmetic per byte:
+# every weight the step uses is read from HBM once and multiplied by one vector per sequence. So
+# the time of a step is bounded below by **bytes moved / HBM bandwidth**, and everything this
+# project builds — stage kernels, the DMA pipeline, the megakernel — is judged by how close it
+# gets to that floor.
+#
+# This notebook computes the floor for Kimi K3 from the package itself: the byte counts come from
+# `mkresearch.weights.param_shapes` (shapes only, no allocation), the chip figures from
+# `mkresearch.chips`. Nothing below needs a TPU.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+from mkresearch import roofline
+from mkresearch.chips import CHIPS
+from mkresearch.cli import layer_pattern
+from mkresearch.config import get_config
+from mkresearch.weights import param_shapes
+
+cfg = get_config("kimi-k3")
+total_params, active_params = roofline.parameter_counts(cfg)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{cfg.name}: d={cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab_size}")
+print(f"KDA layers: {len(cfg.kda_layers)}, MLA layers: {len(cfg.mla_layers)} "
+      f"(every {cfg.mla_every}th from {cfg.mla_first}, plus {cfg.n_layers - 1})")
+print("pattern (K = KDA, M = MLA; attention-residual blocks of 12):")
+print(" ", layer_pattern(cfg))
+print(f"routed experts: {cfg.n_experts}, top-{cfg.top_k}, in {cfg.expert_format}")
+print(f"parameters: total {total_params / 1e12:.2f} T, active per token {active_params / 1e9:.1f} B")
+assert abs(total_params / 2.78e12 - 1) < 0.01 and abs(active_params / 104e9 - 1) < 0.01
+
+# %% [markdown]
+# ## What one decode step reads from HBM
+#
+# At batch 1 and an empty context, by component (`roofline.step_bytes`). Routed experts: 16 of
+# 896 per MoE layer, in MXFP4 as in the checkpoint. KDA keeps a recurrent state per sequence
+# (a 128×128 f32 matrix per head per layer) that is read *and* written every step.
+
+# %%
+step = roofline.step_bytes(cfg, batch=1, context=0)
+rows = [(label, step.read[name] / 1e9, step.written.get(name, 0) / 1e9)
+        for name, label in roofline.COMPONENTS.items()]
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'component':42s} {'read GB':>9s} {'written GB':>11s}")
+for label, read_gb, written_gb in rows:
+    print(f"{label:42s} {read_gb:9.2f} {written_gb:11.2f}")
+print(f"{'total':42s} {step.total_read / 1e9:9.2f} {step.total_written / 1e9:11.2f}")
+print(f"weights alone: {step.weights / 1e9:.1f} GB; read + written: {step.total / 1e9:.1f} GB")
+released = roofline.step_bytes(cfg, expert_format="released")
+print(f"with the released FP8 gate/up repack: {released.weights / 1e9:.1f} GB of weights")
+assert abs(step.total / 137e9 - 1) < 0.01  # spec §10: ≈ 137 GB per token
+assert abs(released.weights / 152.4e9 - 1) < 0.01  # spec §10: ≈ 152.4 GB with the repack
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.5))
+labels = [label for label, _, _ in rows]
+ax.barh(labels, [r + w for _, r, w in rows], color="tab:blue")
+ax.invert_yaxis()
+ax.set_xlabel("GB per decode step (batch 1, read + written)")
+ax.set_title("Kimi K3: HBM bytes of one decode step by component")
+for i, (_, r, w) in enumerate(rows):
+    ax.text(r + w + 0.5, i, f"{r + w:.2f}", va="center", fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Attention weights (KDA, 69 layers) are nearly half the step; the non-routed MoE part (router,
+# latent projections and shared experts, read for every token) outweighs the 16 routed experts.
+#
+# ## The MLA cache: expanded or latent
+#
+# MLA can cache K expanded per head (what the released kernels do: 96 heads × (256 padded K + 128
+# V) × 24 layers) or cache the 512-wide latent ĉ plus the shared 64-wide k^X and absorb W_kvb into
+# the query and output. Both give the same attention output (tested in `tests/`); the bytes differ:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+per_token = {layout: roofline.mla_cache_bytes_per_token(cfg, layout) for layout in ("expanded", "latent")}
+print(f"MLA cache per context token: expanded {per_token['expanded']:,} B, latent "
+      f"{per_token['latent']:,} B -> {per_token['expanded'] // per_token['latent']}x fewer")
+for context in (1024, 8192, 32768):
+    gb = {layout: roofline.step_bytes(cfg, 1, context, mla_cache_layout=layout).read["mla_cache"] / 1e9
+          for layout in per_token}
+    print(f"  context {context:6d}: {gb['expanded']:6.2f} GB vs {gb['latent']:5.3f} GB of cache per step")
+assert per_token == {"expanded": 1_769_472, "latent": 27_648}
+assert per_token["expanded"] == 64 * per_token["latent"]
+
+# %% [markdown]
+# At a 32k context the expanded cache alone is 58 GB per sequence per step — 42% of all the
+# weights; the latent cache makes it 0.9 GB.
+#
+# ## Batching: weights are shared, experts and state are not
+#
+# With B sequences the dense weights are read once for all of them, but more distinct experts get
+# selected: under uniform routing a MoE layer reads E·(1 − (1 − k/E)^B) experts, and every
+# sequence brings its own KDA state and MLA cache.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'batch':>5s} {'experts/layer':>13s} {'GB/step':>8s} {'GB/token':>9s}")
+for batch in (1, 8, 64, 256):
+    s = roofline.step_bytes(cfg, batch, context=512)
+    print(f"{batch:5d} {s.unique_experts_per_layer:13.1f} {s.total / 1e9:8.1f} {s.total / 1e9 / batch:9.2f}")
+assert roofline.step_bytes(cfg, 256).unique_experts_per_layer > 0.98 * cfg.n_experts
+
+# %% [markdown]
+# ## The roofline for B = 1 … 256
+#
+# Floor = (bytes read + written) / HBM bandwidth. The model needs many chips (1.5 TB of weights);
+# here on 16 chips, as in the published deployment, with the bytes split evenly — an ideal that
+# ignores replication — at a context of 512 tokens (about the mean of the published 1-in /
+# 1000-out benchmark). Chip bandwidths come from `pltpu.get_tpu_info_for_chip` where it answers,
+# else from spec/tpu.md (`mkresearch.chips` records which).
+
+# %%
+N_CHIPS, CONTEXT = roofline.ROOFLINE_N_CHIPS, roofline.ROOFLINE_CONTEXT
+table = roofline.roofline_table(cfg, context=CONTEXT, n_chips=N_CHIPS)
+fig, ax = plt.subplots(figsize=(7, 4))
+for chip in roofline.ROOFLINE_CHIPS:
+    chip_rows = [r for r in table if r["chip"] == chip]
+    ax.plot([r["batch"] for r in chip_rows], [r["tokens_per_s"] for r in chip_rows], marker="o",
+            label=f"{N_CHIPS}× {chip} floor")
+ax.plot(*zip(*sorted(roofline.PUBLISHED_TPU7X_16_CHIPS.items())), "k*", markersize=10,
+        label="published, 16× TPU7x")
+ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (aggregate)",
+       title=f"Kimi K3 decode floor, {N_CHIPS} chips, context {CONTEXT}")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=8)
+plt.show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"floor tokens/s on {N_CHIPS} chips (3 significant digits):")
+print(f"{'batch':>5s}" + "".join(f"{chip:>9s}" for chip in roofline.ROOFLINE_CHIPS))
+for batch in (1, 8, 64, 256):
+    rates = {r["chip"]: r["tokens_per_s"] for r in table if r["batch"] == batch}
+    print(f"{batch:5d}" + "".join(f"{float(f'{rates[c]:.3g}'):9g}" for c in roofline.ROOFLINE_CHIPS))
+print("published 16x TPU7x as a fraction of its floor:")
+for batch, published in roofline.PUBLISHED_TPU7X_16_CHIPS.items():
+    floor = next(r for r in table if r["chip"] == "tpu7x" and r["batch"] == batch)
+    print(f"  batch {batch}: {published} of {floor['tokens_per_s']:.0f} tok/s floor = "
+          f"{published / floor['tokens_per_s']:.0%}")
+weight_bytes = roofline.tree_bytes(param_shapes(cfg))
+print(f"do {N_CHIPS} chips hold the {weight_bytes / 1e12:.2f} TB of weights?")
+for chip in roofline.ROOFLINE_CHIPS:
+    chip_hbm = CHIPS[chip].hbm_bytes * CHIPS[chip].tensorcores_per_chip // CHIPS[chip].tensorcores_per_device
+    print(f"  {chip:6s} {N_CHIPS} x {chip_hbm / 1e9:.0f} GB: {'yes' if N_CHIPS * chip_hbm > weight_bytes else 'no'}")
+assert all(r["memory_bound"] for r in table)
+assert all(published < next(r["tokens_per_s"] for r in table if r["chip"] == "tpu7x" and r["batch"] == b)
+           for b, published in roofline.PUBLISHED_TPU7X_16_CHIPS.items())
+
+# %% [markdown]
+# 16 v5e or v6e chips cannot even hold the weights: their rows compare bandwidth only.
+# Even on TPU7x the published numbers reach about 30% of this even-split floor: the weights are
+# not split evenly (next section), and a step is more than its weight reads.
+#
+# ## Why kernel launches and pipeline bubbles dominate decode
+#
+# The published TPU7x release runs Kimi K3 at 249 tok/s at batch 1: **4.0 ms per step**. Each of
+# its 32 ranks (16 chips × 2 TensorCores) reads ≈ 6.97 GB of weights per step (spec §9; more than
+# 1/32 of the total because attention, latent and shared weights are replicated or sliced), which
+# at ≈ 3.69 TB/s per core is a **1.9 ms floor**. Half the step is not spent reading weights.
+#
+# Where does it go? A conventional implementation launches one kernel per operation. Count the
+# operations of one step (an assumption, spelled out below) and price each launch at the ≈ 1.3 µs
+# a dummy launch costs on a GPU even with CUDA graphs; every kernel also starts with an empty DMA
+# pipeline — its first weight tile arrives before any compute overlaps it (a 2 MiB tile at
+# 3.69 TB/s is ≈ 0.57 µs).
+
+# %%
+# Operations per layer of an unfused decode step (one kernel each): an explicit assumption.
+KERNELS_PER_LAYER = {
+    "KDA attention": ["mix", "rms_norm", "q/k/v/g/b/gate projections", "short conv",
+                      "delta-rule state update", "output norm × gate", "output projection"],
+    "MLA attention": ["mix", "rms_norm", "q down + norm", "q up", "kv down + norm", "kv up",
+                      "attention", "output gate", "output projection"],
+    "dense FFN": ["mix", "rms_norm", "gate/up", "down"],
+    "MoE FFN": ["mix", "rms_norm", "router", "top-k", "latent down", "expert GEMMs", "combine",
+                "latent norm", "latent up", "shared gate/up", "shared down", "add"],
+    "head": ["mix", "rms_norm", "LM head", "sample"],
+}
+layer_count = {"KDA attention": len(cfg.kda_layers), "MLA attention": len(cfg.mla_layers),
+               "dense FFN": len(cfg.dense_layers), "MoE FFN": len(cfg.moe_layers), "head": 1}
+launches = sum(len(ops) * layer_count[kind] for kind, ops in KERNELS_PER_LAYER.items())
+
+LAUNCH_SECONDS = 1.3e-6  # spec/tpu.md: a dummy kernel launch with CUDA graphs
+PUBLISHED_STEP_SECONDS = 1 / 249  # spec/tpu.md: TPU7x, batch 1
+RANK_WEIGHT_BYTES = 6.97e9  # spec §9: weights one rank reads per step at batch 1
+core_bandwidth = CHIPS["tpu7x"].hbm_bandwidth  # per TensorCore (one JAX device)
+rank_floor = RANK_WEIGHT_BYTES / core_bandwidth
+first_tile_bubble = 2 * 2**20 / core_bandwidth  # an un-overlapped 2 MiB weight tile per kernel
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"kernels per step if unfused: {launches}")
+print(f"  launch overhead: {launches} x 1.3 us = {launches * LAUNCH_SECONDS * 1e3:.2f} ms")
+print(f"  first-tile bubbles: {launches} x {first_tile_bubble * 1e6:.2f} us = "
+      f"{launches * first_tile_bubble * 1e3:.2f} ms")
+print(f"HBM floor per rank: {RANK_WEIGHT_BYTES / 1e9:.2f} GB / {core_bandwidth / 1e12:.2f} TB/s = "
+      f"{rank_floor * 1e3:.2f} ms")
+print(f"published step: {PUBLISHED_STEP_SECONDS * 1e3:.2f} ms = "
+      f"{rank_floor / PUBLISHED_STEP_SECONDS:.0%} of the HBM roofline")
+assert 1.8e-3 < rank_floor < 2.0e-3 and 3.9e-3 < PUBLISHED_STEP_SECONDS < 4.1e-3
+assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the weight time
+
+# %% [markdown]
+# About 1,800 kernels would cost ≈ 2.4 ms in launches alone — more than the 1.9 ms of weight
+# reads — plus ≈ 1 ms of first-tile bubbles. That is why the release fuses the step into one
+# persistent kernel per rank (a *megakernel*): one launch, weight DMAs for the next operation
+# issued while the current one computes, expert DMAs started right after routing. What is left
+# of the 4.0 ms (the 816B model of the same release: ≈ 55 µs per layer + 195 µs fixed, 61% of its
+# roofline) is synchronisation, cross-chip traffic and the bubbles that remain at operation
+# boundaries — the subject of notebooks 01 and 06.
+#
+# ## Map of the notebooks
+#
+# | notebook | what it shows |
+# |---|---|
+# | 00_megakernels_on_tpu | this one: bytes per step, the roofline, why launches and bubbles dominate |
+# | 01_vmem_pipelining | HBM → VMEM DMAs, double buffering, the DMA log and pipeline timelines |
+# | 02_attention | KDA and MLA decode kernels; expanded vs latent MLA cache |
+# | 03_moe_routing | sigmoid router with correction bias, top-k selection |
+# | 04_expert_gemm | routed-expert GEMMs in bf16, FP8 and MXFP4 |
+# | 05_sampling | greedy, temperature, top-k and top-p inside a kernel |
+# | 06_megakernel | the whole decode step in one kernel |
+# | 07_profiling | timelines and profiles on CPU and on a TPU |
+#
+# ## Map of the package
+#
+# | module | what it is |
+# |---|---|
+# | `mkresearch.config` | `ModelConfig` and the presets `kimi-k3`, `kimi-k3-mini`, `kimi-k3-rank` |
+# | `mkresearch.weights` | parameter shapes, deterministic weights, MXFP4 / FP8 formats |
+# | `mkresearch.reference` | the decode step in plain JAX: the oracle every kernel is tested against |
+# | `mkresearch.sampling` | the sampling reference (counter-based random numbers a kernel can reproduce) |
+# | `mkresearch.chips`, `mkresearch.tpu` | chip figures; compile for a TPU on CPU, interpret mode elsewhere |
+# | `mkresearch.roofline` | the byte counts and floors of this notebook |
+# | `mkresearch.kernels` | Pallas TPU kernels: the DMA recorder, the stages, the megakernel |
+# | `mkresearch.cli` | `mkresearch info / decode / figures` |
+
+# %%
+# NBVAL_CHECK_OUTPUT
+core_modules = ["mkresearch.config", "mkresearch.weights", "mkresearch.reference",
+                "mkresearch.sampling", "mkresearch.chips", "mkresearch.tpu", "mkresearch.roofline",
+                "mkresearch.kernels", "mkresearch.kernels.dma", "mkresearch.cli"]
+missing = [name for name in core_modules if importlib.util.find_spec(name) is None]
+print("package modules present:", "all" if not missing else f"missing {missing}")
+assert not missing
