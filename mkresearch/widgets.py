@@ -93,8 +93,8 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
                  digits: int = 3) -> str:
     """Rows as a fixed-width text table (numbers rounded): stable output for checked cells."""
     def cell(value):
-        if isinstance(value, float):
-            return f"{value:.{digits}g}"
+        if isinstance(value, float):  # big numbers in full, small ones to `digits` figures
+            return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
         return str(value)
 
     table = [list(columns)] + [[cell(row[c]) for c in columns] for row in rows]
