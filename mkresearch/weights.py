@@ -18,6 +18,7 @@ rows RMS 1. Experts are generated at full precision, then quantised into the for
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,10 @@ from mkresearch.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK, ModelConfi
 # E2M1 magnitudes indexed by the low 3 bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX_EXP = 2  # largest E2M1 magnitude 6 = 1.5 * 2^2
+E2M1_UPSCALE_ABOVE = 1.75  # max/scale > 7 would clip to 6; 3.5 = midpoint of 3 and 4 one binade down
 E4M3_MAX = 448.0
 E4M3_MAX_EXP = 8  # largest e4m3fn magnitude 448 = 1.75 * 2^8
+E4M3_UPSCALE_ABOVE = 1.8125  # max/scale > 464 would clip to 448; 232 = midpoint of 224 and 240
 NIBBLES_PER_WORD = 8
 EXPERT_MATRICES = ("w1", "w3", "w2")
 
@@ -44,17 +47,27 @@ def _check_k(w: Any, block: int, name: str) -> None:
             f"{name}: w must be [..., K, N] with K a multiple of {block}, got shape {w.shape}")
 
 
-def _block_exponent(w32: jax.Array, block: int, elem_max_exp: int) -> jax.Array:
-    """Shared power-of-two exponent per `block` K values: floor(log2(amax)) - elem_max_exp.
+def _check_packed(packed: Any, keys: tuple[str, ...], name: str) -> None:
+    if not isinstance(packed, dict) or set(packed) != set(keys):
+        raise ValueError(f"{name}: packed must be a dict with keys {keys}, got {packed!r:.80}")
 
-    The OCP-MX rule: the block's largest value lands in the element format's top binade, so
-    values above the element max are clipped (and quantising a quantised block is a no-op).
+
+def _block_exponent(w32: jax.Array, block: int, elem_max_exp: int, upscale_above: float
+                    ) -> jax.Array:
+    """Shared power-of-two exponent per `block` K values (the scale is 2^exponent).
+
+    The block max lands in the element format's top binade: exponent = floor(log2 amax) -
+    elem_max_exp, plus one when amax's mantissa m (amax = m·2^f, m in [1, 2)) exceeds
+    `upscale_above`. That threshold is where the max would round above the element max: the
+    block moves up a binade instead of clipping. It sits on a rounding midpoint of the binade
+    below, so a quantised block picks the same exponent again (pack∘unpack∘pack = pack).
     """
     k, n = w32.shape[-2:]
     blocks = w32.reshape(*w32.shape[:-2], k // block, block, n)
     amax = jnp.max(jnp.abs(blocks), axis=-2)  # [.., K/block, N]
-    _, exp = jnp.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2 amax) = exp - 1
-    return jnp.where(amax > 0, exp - 1 - elem_max_exp, 0)
+    mantissa, exp = jnp.frexp(amax)  # amax = mantissa * 2^exp, mantissa in [0.5, 1)
+    exponent = exp - 1 - elem_max_exp + (2 * mantissa > upscale_above)
+    return jnp.where(amax > 0, exponent, 0)
 
 
 def _per_k(scales: jax.Array, block: int) -> jax.Array:
@@ -65,10 +78,17 @@ def _per_k(scales: jax.Array, block: int) -> jax.Array:
 def mxfp4_pack(w: jax.Array) -> dict[str, jax.Array]:
     """Quantise w [.., K, N] to MXFP4 (round to nearest E2M1, ties to the smaller magnitude)."""
     _check_k(w, MXFP4_BLOCK, "mxfp4_pack")
+    return _mxfp4_pack(w)
+
+
+@jax.jit
+def _mxfp4_pack(w: jax.Array) -> dict[str, jax.Array]:
+    # |w|/scale <= 7 by the choice of exponent: rounding error at most one scale step
     w32 = jnp.asarray(w, jnp.float32)
-    exp = jnp.clip(_block_exponent(w32, MXFP4_BLOCK, E2M1_MAX_EXP), -126, 127)  # E8M0, normal f32
+    exp = _block_exponent(w32, MXFP4_BLOCK, E2M1_MAX_EXP, E2M1_UPSCALE_ABOVE)
+    exp = jnp.clip(exp, -126, 127)  # E8M0 range, kept to normal f32 scales
     scaled = w32 / _per_k(jnp.exp2(exp.astype(jnp.float32)), MXFP4_BLOCK)  # |.| < 8
-    # nearest grid magnitude: count the midpoints strictly below |x| (|x| >= 5 -> 6: clip)
+    # nearest grid magnitude: count the midpoints strictly below |x| (ties go to the smaller)
     grid = jnp.asarray(E2M1_VALUES, jnp.float32)
     midpoints = (grid[1:] + grid[:-1]) / 2
     magnitude = jnp.sum(jnp.abs(scaled)[..., None] > midpoints, axis=-1).astype(jnp.uint32)
@@ -83,6 +103,12 @@ def mxfp4_pack(w: jax.Array) -> dict[str, jax.Array]:
 
 def mxfp4_unpack(packed: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
     """MXFP4 -> [.., K, N] in `dtype` (exact in f32 and bf16)."""
+    _check_packed(packed, ("codes", "scales"), "mxfp4_unpack")
+    return _mxfp4_unpack(packed, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mxfp4_unpack(packed: dict[str, jax.Array], dtype: Any) -> jax.Array:
     codes, scales = packed["codes"], packed["scales"]
     shifts = (4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.uint32))[:, None]
     nibbles = (codes[..., :, None, :] >> shifts) & 0xF  # [.., K/8, 8, N]
@@ -97,8 +123,14 @@ def mxfp4_unpack(packed: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.
 def fp8_pack(w: jax.Array) -> dict[str, jax.Array]:
     """Quantise w [.., K, N] to FP8 e4m3fn with a power-of-two bf16 scale per 256 K values."""
     _check_k(w, FP8_BLOCK, "fp8_pack")
+    return _fp8_pack(w)
+
+
+@jax.jit
+def _fp8_pack(w: jax.Array) -> dict[str, jax.Array]:
     w32 = jnp.asarray(w, jnp.float32)
-    exp = jnp.clip(_block_exponent(w32, FP8_BLOCK, E4M3_MAX_EXP), -126, 127)
+    exp = _block_exponent(w32, FP8_BLOCK, E4M3_MAX_EXP, E4M3_UPSCALE_ABOVE)
+    exp = jnp.clip(exp, -126, 127)  # normal bf16 scales
     scales = jnp.exp2(exp.astype(jnp.float32))  # [.., K/256, N], exact in bf16
     scaled = jnp.clip(w32 / _per_k(scales, FP8_BLOCK), -E4M3_MAX, E4M3_MAX)
     return {"values": scaled.astype(jnp.float8_e4m3fn), "scales": scales.astype(jnp.bfloat16)}
@@ -106,6 +138,12 @@ def fp8_pack(w: jax.Array) -> dict[str, jax.Array]:
 
 def fp8_unpack(packed: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
     """FP8 -> [.., K, N] in `dtype` (exact in f32 and bf16: 4 mantissa bits times 2^e)."""
+    _check_packed(packed, ("values", "scales"), "fp8_unpack")
+    return _fp8_unpack(packed, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fp8_unpack(packed: dict[str, jax.Array], dtype: Any) -> jax.Array:
     values = packed["values"].astype(jnp.float32)
     scale = packed["scales"].astype(jnp.float32)
     return (values * _per_k(scale, FP8_BLOCK)).astype(dtype)

@@ -1,0 +1,190 @@
+"""Parameters: shapes without allocation, deterministic init, healthy activations and routing,
+exact MXFP4 / FP8 round trips, and the byte counts of spec/kimi-k3.md §7 and §10."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mkresearch import reference, weights
+from mkresearch.config import get_config
+
+MINI = get_config("kimi-k3-mini")
+FULL = get_config("kimi-k3")
+
+
+def _equal_trees(a, b) -> bool:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(x.dtype == y.dtype and x.shape == y.shape
+                    and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+                    for x, y in zip(leaves_a, leaves_b)))
+
+
+@pytest.fixture(scope="module")
+def mini_params():
+    return weights.init_params(MINI, seed=0)
+
+
+# ---- init -------------------------------------------------------------------------------------
+def test_same_config_and_seed_give_identical_arrays(mini_params):
+    assert _equal_trees(mini_params, weights.init_params(MINI, seed=0))
+    other = weights.init_params(MINI, seed=1)
+    assert not np.array_equal(np.asarray(mini_params["embed"], np.float32),
+                              np.asarray(other["embed"], np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_init_matches_param_shapes(fmt):
+    cfg = MINI.replace(expert_format=fmt)
+    shapes = weights.param_shapes(cfg)
+    params = weights.init_params(cfg, seed=0)
+    assert jax.tree.structure(shapes) == jax.tree.structure(params)
+    for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(params)):
+        assert (s.shape, s.dtype) == (p.shape, p.dtype)
+    assert weights.nbytes(shapes) == weights.nbytes(params)
+
+
+def test_init_is_fast():
+    start = time.perf_counter()
+    jax.block_until_ready(weights.init_params(MINI, seed=5))
+    assert time.perf_counter() - start < 5.0  # measured ≈0.7 s (first call, compile included)
+
+
+def test_activations_stay_order_one_and_every_expert_is_chosen(mini_params):
+    """64 random tokens through one reference step: no layer's hidden RMS leaves [0.1, 10] and
+    every expert of every MoE layer is picked at least once."""
+    batch = 64
+    tokens = np.random.default_rng(0).integers(0, MINI.vocab_size, batch)
+    logits, _, aux = reference.decode_step(mini_params, reference.init_state(MINI, batch),
+                                           tokens, np.zeros(batch, np.int32), MINI)
+    rms = np.asarray(aux["hidden_rms"])  # [L, B]
+    assert rms.shape == (MINI.n_layers, batch)
+    assert rms.min() > 0.1 and rms.max() < 10, (rms.min(), rms.max())
+    expert_ids = np.asarray(aux["expert_ids"])  # [n_moe, B, k]
+    for layer, ids in zip(MINI.moe_layers, expert_ids):
+        counts = np.bincount(ids.ravel(), minlength=MINI.n_experts)
+        assert counts.min() >= 1, f"layer {layer}: experts never chosen {np.flatnonzero(counts == 0)}"
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_bad_arguments_raise_value_error():
+    with pytest.raises(ValueError, match="seed"):
+        weights.init_params(MINI, seed=-1)
+    with pytest.raises(ValueError, match="cfg"):
+        weights.param_shapes("kimi-k3-mini")
+    with pytest.raises(ValueError, match="fmt"):
+        weights.dequantize(jnp.zeros((32, 128)), "int4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        weights.mxfp4_pack(jnp.zeros((48, 128)))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        weights.fp8_pack(jnp.zeros((128, 128)))
+
+
+# ---- quantisation -----------------------------------------------------------------------------
+def _random_weights(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    # several magnitudes per block row so scales differ, plus an all-zero block
+    w = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-6, 6, shape[-1]))
+    w[..., :32, 0] = 0.0
+    return jnp.asarray(w)
+
+
+def test_mxfp4_code_layout_follows_the_spec():
+    """Nibble c of word k holds K = 8k + c (low nibble first); magnitude table, sign bit 8,
+    E8M0 scale 2^(e-127)."""
+    nibbles = np.arange(16, dtype=np.uint32)  # codes 0..15 along K (two words)
+    codes = np.zeros((4, 1), np.uint32)  # K = 32
+    for k, c in enumerate(nibbles):
+        codes[k // 8, 0] |= c << (4 * (k % 8))
+    packed = {"codes": jnp.asarray(codes), "scales": jnp.asarray([[128]], jnp.uint8)}  # scale 2
+    values = np.asarray(weights.mxfp4_unpack(packed))[:, 0]
+    magnitudes = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])
+    expected = 2 * np.concatenate([magnitudes, -magnitudes, np.zeros(16)])
+    np.testing.assert_array_equal(values, expected)
+
+
+def test_mxfp4_round_trips_are_exact():
+    w = _random_weights((2, 64, 256))
+    packed = weights.mxfp4_pack(w)
+    assert packed["codes"].shape == (2, 8, 256) and packed["codes"].dtype == jnp.uint32
+    assert packed["scales"].shape == (2, 2, 256) and packed["scales"].dtype == jnp.uint8
+    assert _equal_trees(weights.mxfp4_pack(weights.mxfp4_unpack(packed)), packed)
+    # w already on the grid: any codes and scales; unpack(pack(w)) == w bit for bit
+    rng = np.random.default_rng(1)
+    on_grid = weights.mxfp4_unpack({
+        "codes": jnp.asarray(rng.integers(0, 2**32, (3, 4, 128), dtype=np.uint32)),
+        "scales": jnp.asarray(rng.integers(100, 150, (3, 1, 128)), jnp.uint8)})
+    np.testing.assert_array_equal(weights.mxfp4_unpack(weights.mxfp4_pack(on_grid)), on_grid)
+    # nearest-value rounding: error at most half a grid step (≤ 1 * scale when |x|/scale in [4, 6])
+    error = np.abs(np.asarray(weights.mxfp4_unpack(packed)) - np.asarray(w))
+    scale = np.exp2(np.repeat(np.asarray(packed["scales"], np.float32) - 127, 32, axis=-2))
+    assert np.all(error <= scale + 1e-30)
+
+
+def test_fp8_round_trips_are_exact():
+    w = _random_weights((2, 512, 128))
+    packed = weights.fp8_pack(w)
+    assert packed["values"].dtype == jnp.float8_e4m3fn and packed["values"].shape == (2, 512, 128)
+    assert packed["scales"].dtype == jnp.bfloat16 and packed["scales"].shape == (2, 2, 128)
+    scales = np.asarray(packed["scales"], np.float32)
+    assert np.all(np.exp2(np.round(np.log2(scales))) == scales)  # powers of two
+    assert _equal_trees(weights.fp8_pack(weights.fp8_unpack(packed)), packed)
+    on_grid = weights.fp8_unpack(packed)
+    np.testing.assert_array_equal(weights.fp8_unpack(weights.fp8_pack(on_grid)), on_grid)
+    # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4 for normal values
+    w_np, back = np.asarray(w), np.asarray(on_grid)
+    big = np.abs(w_np) > np.repeat(scales, 256, axis=-2) * 2.0 ** -6
+    assert np.all(np.abs(back - w_np)[big] <= np.abs(w_np)[big] * 2.0 ** -4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_dequantize_is_exact_in_bf16(fmt):
+    w = _random_weights((2, 256, 128))
+    quantized = weights.quantize(w, fmt)
+    dense = weights.dequantize(quantized, fmt)
+    assert dense.dtype == jnp.bfloat16 and dense.shape == w.shape
+    exact = {"bf16": lambda q: np.asarray(q, np.float32),
+             "fp8": lambda q: np.asarray(weights.fp8_unpack(q)),
+             "mxfp4": lambda q: np.asarray(weights.mxfp4_unpack(q))}[fmt](quantized)
+    np.testing.assert_array_equal(np.asarray(dense, np.float32), exact)
+
+
+# ---- sizes (spec §7, §10) ---------------------------------------------------------------------
+def test_full_size_param_shapes_do_not_allocate_and_match_the_spec_counts():
+    start = time.perf_counter()
+    shapes = weights.param_shapes(FULL)  # 2.78 T parameters: must not allocate
+    assert time.perf_counter() - start < 2.0
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+    total = weights.n_values(shapes)
+    routed = weights.n_values(shapes["moe"]["experts"])
+    assert routed == pytest.approx(2.72e12, rel=0.01)
+    assert total == pytest.approx(2.78e12, rel=0.01)
+    # every expert format holds the same parameters
+    assert weights.n_values(weights.param_shapes(FULL.replace(expert_format="fp8"))) == total
+
+
+def test_bytes_per_token_match_spec_section_10():
+    shapes = weights.param_shapes(FULL)
+    GB = 1e9
+    per_layer = {kind: weights.nbytes(shapes[kind]) for kind in ("kda", "mla", "dense")}
+    assert per_layer["kda"] / GB == pytest.approx(61.26, rel=0.01)
+    assert per_layer["mla"] / GB == pytest.approx(11.15, rel=0.01)
+    assert per_layer["dense"] / GB == pytest.approx(1.45, rel=0.01)
+    moe_non_routed = {k: v for k, v in shapes["moe"].items() if k != "experts"}
+    assert weights.nbytes(moe_non_routed) / GB == pytest.approx(34.95, rel=0.01)
+    assert weights.nbytes(shapes["lm_head"]) / GB == pytest.approx(2.35, rel=0.01)
+    routed_per_token = FULL.top_k * len(FULL.moe_layers) * weights.expert_nbytes(FULL)
+    assert routed_per_token / GB == pytest.approx(25.83, rel=0.01)
+
+
+def test_expert_nbytes_per_format():
+    # one full expert: 3 x 3584 x 3072 values; MXFP4 = 4.25 bits, FP8 = 8 bits + a bf16 per 256
+    values = 3 * 3584 * 3072
+    assert weights.expert_nbytes(FULL) == values // 2 + values // 32 == 17_547_264
+    assert weights.expert_nbytes(FULL.replace(expert_format="fp8")) == values + values // 128
+    assert weights.expert_nbytes(FULL.replace(expert_format="bf16")) == 2 * values
+    assert weights.expert_nbytes(MINI) == 3 * 256 * 256 * 17 // 32 == 104_448
+    assert weights.nbytes(jnp.zeros((3, 5), jnp.bfloat16)) == 30
