@@ -105,8 +105,11 @@ def _per_k(scale: jax.Array, block: int) -> jax.Array:
 
 
 def e8m0_to_f32(exponents: jax.Array) -> jax.Array:
-    """E8M0 uint8 [R, N] -> f32 2^(e-127), built from the exponent bits (no exp2 on the VPU).
-    e = 0 is 2^-127, an f32 subnormal the bit trick cannot make; e = 255 gives inf like exp2."""
+    """E8M0 uint8 [R, N] -> f32 2^(e-127), built from the exponent bits: exact, where an exp2
+    (a polynomial on the VPU, and on XLA:CPU) is off by an ulp for most integer exponents.
+    e = 0 is 2^-127, an f32 subnormal the bit trick cannot make; e = 255 (NaN in OCP MX) gives inf.
+    Decoding is exact for e in 2..254; at e <= 1 products below 2^-126 are f32 subnormals, which
+    TPUs flush to zero (the packer makes such scales only for blocks with max |w| < ~1e-37)."""
     e = exponents.astype(jnp.int32)
     scale = pltpu.bitcast(e << 23, jnp.float32)
     return jnp.where(e == 0, jnp.float32(2.0**-127), scale)
