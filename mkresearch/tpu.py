@@ -230,6 +230,7 @@ def reset_interpret_state() -> None:
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
+    _race_latch["found"] = False
 
 
 # ---- compiling for a TPU on this machine --------------------------------------------------------
