@@ -38,14 +38,15 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
     batch, n_experts = x_ref.shape[0], w_router_hbm.shape[1]
     logits = blocks.stream_matmul(x_ref[...], w_router_hbm, rows=block_rows,
                                   name="router/w_router")  # [B, E] f32
-    with dma.phase("router/select", flops=2 * batch * x_ref.shape[1] * n_experts):
+    bias = blocks.load_whole(bias_hbm, name="router/bias") if use_bias else None  # [1, E] f32
+    with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
         if router_score == "sigmoid":
             scores = jax.nn.sigmoid(logits)
         else:
             scores = jax.nn.softmax(logits, axis=-1)
         select = scores  # [B, E] f32
         if use_bias:  # the correction bias moves the selection only; weights use the plain scores
-            select = scores + blocks.load_whole(bias_hbm, name="router/bias")
+            select = scores + bias
         expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
         k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
         ids = jnp.zeros((batch, top_k), jnp.int32)

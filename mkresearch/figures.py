@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 FIGURES: dict[str, str] = {
     "roofline": "mkresearch.roofline:plot_roofline",
+    "expert_bytes": "mkresearch.kernels.experts:plot_expert_bytes",
 }
 
 
