@@ -46,12 +46,14 @@ def select_platform() -> None:
     With libtpu installed and no TPU, jax would otherwise try the TPU backend first and print
     host-discovery errors. An explicit JAX_PLATFORMS (even empty) is respected.
     """
-    if "JAX_PLATFORMS" in os.environ:
+    if "JAX_PLATFORMS" in os.environ or _tpu_present():
         return
-    if "jax" in sys.modules:  # too late to choose; jax has read its config already
-        return
-    if not _tpu_present():
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # jax read the variable at import; its backends may still be unset
+        try:
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+        except Exception:  # noqa: BLE001 - backends already initialised: nothing left to choose
+            pass
 
 
 def on_tpu() -> bool:
