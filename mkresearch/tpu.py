@@ -391,6 +391,18 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
                          hlo_text=hlo)
 
 
+def lower_for_tpu(fn: Callable, *args: Any, static_argnums: tuple[int, ...] | int = ()):
+    """Cross-lower `fn(*args)` for TPU without libtpu's compiler (≈0.05 s per kernel): catches
+    block shapes that break the TPU tiling, which interpret mode accepts. Returns jax's Lowered."""
+    import jax
+
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    with compiling():
+        traced = jax.jit(fn, static_argnums=static_argnums).trace(*args)
+        return traced.lower(lowering_platforms=("tpu",))
+
+
 def _memory_dict(analysis: Any) -> dict[str, int]:
     if analysis is None:
         return {}

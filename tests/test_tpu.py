@@ -181,3 +181,21 @@ def test_chips_table():
 def test_device_kind_matches_topology():
     for chip in CHIPS.values():
         assert tpu.tpu_device(chip.name).device_kind == chip.device_kind
+
+
+def test_lower_for_tpu_checks_tiling_without_compiling():
+    block = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    lowered = tpu.lower_for_tpu(add, block, block)
+    assert "tpu_custom_call" in lowered.as_text()
+
+    def bad_block(x):  # a (4, 100) f32 block breaks the (8, 128) tiling of a (16, 200) array
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        return pl.pallas_call(kernel, grid=(4, 2), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              in_specs=[pl.BlockSpec((4, 100), lambda i, j: (i, j))],
+                              out_specs=pl.BlockSpec((4, 100), lambda i, j: (i, j)),
+                              interpret=tpu.interpret_params())(x)
+
+    with pytest.raises(Exception, match="(?i)block shape|divisible|tiling"):
+        tpu.lower_for_tpu(bad_block, jax.ShapeDtypeStruct((16, 200), jnp.float32))
