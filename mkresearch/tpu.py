@@ -50,10 +50,8 @@ def select_platform() -> None:
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # jax read the variable at import; its backends may still be unset
-        try:
+        with contextlib.suppress(Exception):  # backends already initialised: nothing to choose
             sys.modules["jax"].config.update("jax_platforms", "cpu")
-        except Exception:  # noqa: BLE001 - backends already initialised: nothing left to choose
-            pass
 
 
 def on_tpu() -> bool:
