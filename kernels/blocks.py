@@ -134,6 +134,19 @@ def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -
     return (v * jax.lax.rsqrt(mean_square + eps) * gamma.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def select_row(values: jax.Array, row) -> jax.Array:
+    """values[row] as [1, N] for a traced row: a masked sum over the (few) sublanes, so a loop
+    over batch rows needs no dynamic sublane slicing. values [M, N] f32."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    return jnp.sum(jnp.where(rows == row, values, 0.0), axis=0, keepdims=True)
+
+
+def put_row(values: jax.Array, row, new_row: jax.Array) -> jax.Array:
+    """values [M, N] with values[row] = new_row [1, N] for a traced row (a masked select)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    return jnp.where(rows == row, new_row, values)
+
+
 def bf16(v: jax.Array) -> jax.Array:
     """Round to bf16 (spec: bf(x)); the value stays bf16."""
     return v.astype(jnp.bfloat16)

@@ -101,9 +101,9 @@ def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b
     """
     p = plan
 
-    def scoped(conv_vmem, state_vmem, current_vmem, y_vmem, sems):
+    def scoped(conv_vmem, state_vmem, current_vmem, sems):
         # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
-        # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v), y_vmem [B, H·D] f32
+        # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v, head h in sublane h)
         conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name="kda.conv_state.read",
                              **indices).start()
         state_copy = dma.Copy(state_in, state_vmem, sems.at[1], name="kda.state.read",
@@ -117,9 +117,9 @@ def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b
                 return bf16(stream(inputs, weight, rows=p.block_rows(name), name=f"kda.{name}"))
 
             g_raw = f32(project(project(x, w_fa, "w_fa"), w_fb, "w_fb"))  # [B, H·D]
-            pre_conv = [project(x, w, name) for w, name in ((w_q, "w_q"), (w_k, "w_k"),
-                                                           (w_v, "w_v"))]  # 3 x [B, H·D] bf16
-            u = project(x, w_g, "w_g")  # [B, H·D]
+            pre_conv = [f32(project(x, w, name)) for w, name in (
+                (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"))]  # 3 x [B, H·D], bf16 values
+            u = f32(project(x, w_g, "w_g"))  # [B, H·D]
             b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
             taps = f32(blocks.load_whole(conv_w, name="kda.conv_w", **indices))  # [3, conv, H·D]
             decay_rate = jnp.exp(blocks.load_whole(a_log, name="kda.a_log", **indices))  # [1, H]
@@ -128,23 +128,31 @@ def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b
 
         conv_copy.wait()
         state_copy.wait()
-        for b in range(p.batch):
+
+        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
+            y = list(y)  # per head [B, D]
             conv_old = f32(conv_vmem[b])  # [conv-1, 3, H, D]
+            rows = [blocks.select_row(v, b) for v in (*pre_conv, g_raw, u, b_logit)]
             for h in range(p.n_heads):
                 with dma.phase("kda.delta_rule", row=b, head=h, **indices):
-                    _head_step(p, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, decay_rate,
-                               bias, gamma, current_vmem, state_vmem, y_vmem)
+                    y_h = _head_step(p, b, h, conv_old, rows, taps, decay_rate, bias, gamma,
+                                     current_vmem, state_vmem)
+                y[h] = blocks.put_row(y[h], b, y_h)
             # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
             for j in range(p.conv_size - 2):
                 conv_vmem[b, j] = conv_vmem[b, j + 1]
             conv_vmem[b, p.conv_size - 2] = bf16(current_vmem[b])
+            return tuple(y)
+
+        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
+        y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
 
         conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0], name="kda.conv_state.write",
                              **indices).start()
         state_copy = dma.Copy(state_vmem, state_out, sems.at[1], name="kda.state.write",
                               **indices).start()
         with dma.phase("kda.output", **indices):
-            out_ref[...] = bf16(stream(bf16(y_vmem[...]), w_o, rows=p.block_rows("w_o"),
+            out_ref[...] = bf16(stream(bf16(y), w_o, rows=p.block_rows("w_o"),
                                        name="kda.w_o"))
         conv_copy.wait()
         state_copy.wait()
@@ -152,21 +160,23 @@ def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b
     pl.run_scoped(scoped, pltpu.VMEM(conv_in.shape, conv_in.dtype),
                   pltpu.VMEM(state_in.shape, state_in.dtype),
                   pltpu.VMEM((p.batch, 3, p.n_heads, p.head_dim), jnp.float32),
-                  pltpu.VMEM((p.batch, p.n_heads * p.head_dim), jnp.float32),
                   pltpu.SemaphoreType.DMA((2,)))
 
 
-def _head_step(p: KdaPlan, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, decay_rate, bias,
-               gamma, current_vmem, state_vmem, y_vmem) -> None:
-    """Conv, norms, gated delta rule, output norm and gate for row b, head h (all [1, D] rows)."""
+def _head_step(p: KdaPlan, b, h, conv_old, rows, taps, decay_rate, bias, gamma, current_vmem,
+               state_vmem) -> jax.Array:
+    """Conv, norms, gated delta rule, output norm and gate for row b, head h -> y [1, D].
+
+    rows: this batch row of the projections (q̃, k̃, ṽ, g_raw, u [1, H·D]; b [1, H]).
+    """
     d = p.head_dim
     lanes = slice(h * d, (h + 1) * d)
-    row = slice(b, b + 1)
+    *pre_conv, g_raw, u, b_logit = rows
 
     # short causal depthwise conv for q, k, v: window = [3 cached (oldest first) ; current]
     conv_outs = []
     for c in range(3):
-        current = f32(pre_conv[c][row, lanes])  # [1, D]
+        current = pre_conv[c][:, lanes]  # [1, D]
         current_vmem[b, c, h:h + 1, :] = current
         window = [conv_old[j, c, h:h + 1, :] for j in range(p.conv_size - 1)] + [current]
         mixed = sum(taps[c, j:j + 1, lanes] * window[j] for j in range(p.conv_size))
@@ -176,9 +186,9 @@ def _head_step(p: KdaPlan, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, de
     # L2 norms (q also scaled by D^-½), β = σ(b), log decay λ ∈ (bound, 0) per key channel
     q = q_hat * jax.lax.rsqrt(jnp.sum(q_hat * q_hat, -1, keepdims=True) + p.l2_eps) * d ** -0.5
     k = k_hat * jax.lax.rsqrt(jnp.sum(k_hat * k_hat, -1, keepdims=True) + p.l2_eps)
-    beta = jax.nn.sigmoid(b_logit[row, h:h + 1])  # [1, 1]
+    beta = jax.nn.sigmoid(b_logit[:, h:h + 1])  # [1, 1]
     log_decay = p.decay_bound * jax.nn.sigmoid(
-        decay_rate[:, h:h + 1] * (g_raw[row, lanes] + bias[:, lanes]))  # [1, D]
+        decay_rate[:, h:h + 1] * (g_raw[:, lanes] + bias[:, lanes]))  # [1, D]
 
     # column vectors e^λ and k from one [8, D] -> [D, 8] transpose (rows 0 and 1, rest zero)
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, d), 0)
@@ -193,9 +203,9 @@ def _head_step(p: KdaPlan, b, h, conv_old, pre_conv, g_raw, u, b_logit, taps, de
     state_vmem[b, h] = state
     o = jnp.dot(q, state, preferred_element_type=jnp.float32)  # Sᵀq  [1, D]
 
-    gate = f32(bf16(jax.nn.sigmoid(f32(u[row, lanes]))))
+    gate = f32(bf16(jax.nn.sigmoid(u[:, lanes])))
     normed = f32(blocks.rms_norm(f32(bf16(o)), gamma, p.rms_eps))
-    y_vmem[row, lanes] = f32(bf16(normed * gate))
+    return f32(bf16(normed * gate))
 
 
 # ---- the wrapper --------------------------------------------------------------------------------

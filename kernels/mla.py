@@ -127,44 +127,52 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
                                 p.eps)  # [B, kv_rank] bf16
         k_extra = ckv_kx[:, p.kv_rank:]  # [B, extra] bf16, shared by all heads, not normalised
-        gate = bf16(jax.nn.sigmoid(f32(bf16(
-            stream(x, w_g, rows=p.block_rows("w_g"), name="mla.w_g")))))  # [B, H*v]
+        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(
+            stream(x, w_g, rows=p.block_rows("w_g"), name="mla.w_g"))))))  # [B, H*v]
 
-    def with_scratch(y_scratch, w_kvb_vmem):
+    def with_scratch(w_kvb_vmem):
         if p.layout == "expanded":
-            kv_new = bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
-                                 name="mla.w_kvb"))  # [B, H*(nope+v)] = per head [k^C | v]
+            kv_new = f32(bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
+                                     name="mla.w_kvb")))  # [B, H*(nope+v)] = per head [k^C | v]
         else:
             blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
                              **indices)
-        for b in range(p.batch):
+
+        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
             position = positions_ref[b]
-            q_row = [q[b:b + 1, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
+            q_b = blocks.select_row(q, b)  # [1, H*qk]
+            q_row = [q_b[:, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
+            k_extra_b = bf16(blocks.select_row(f32(k_extra), b))  # [1, extra]
             if p.layout == "expanded":
-                k_c = [kv_new[b:b + 1, h * (nope + v_dim):h * (nope + v_dim) + nope]
+                kv_b = bf16(blocks.select_row(kv_new, b))
+                k_c = [kv_b[:, h * (nope + v_dim):h * (nope + v_dim) + nope]
                        for h in range(h_count)]  # [1, nope] each
-                v_new = [kv_new[b:b + 1, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
+                v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
                          for h in range(h_count)]  # [1, v] each
-                heads = _attend_expanded(p, b, position, q_row, k_c, k_extra[b:b + 1], v_new,
+                heads = _attend_expanded(p, b, position, q_row, k_c, k_extra_b, v_new,
                                          cache_a, cache_b, indices)
-                _update_expanded(p, b, position, k_c, k_extra[b:b + 1], v_new, cache_a, cache_b,
+                _update_expanded(p, b, position, k_c, k_extra_b, v_new, cache_a, cache_b,
                                  cache_a_out, cache_b_out, indices)
             else:
-                heads = _attend_latent(p, b, position, q_row, c_hat[b:b + 1], k_extra[b:b + 1],
-                                       w_kvb_vmem, cache_a, cache_b, indices)
-                _update_latent(p, b, position, c_hat[b:b + 1], k_extra[b:b + 1], cache_a,
-                               cache_b, cache_a_out, cache_b_out, indices)
+                c_hat_b = bf16(blocks.select_row(f32(c_hat), b))  # [1, kv_rank]
+                heads = _attend_latent(p, b, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
+                                       cache_a, cache_b, indices)
+                _update_latent(p, b, position, c_hat_b, k_extra_b, cache_a, cache_b,
+                               cache_a_out, cache_b_out, indices)
+            y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
-                gate_h = gate[b:b + 1, h * v_dim:(h + 1) * v_dim]
-                y_scratch[b:b + 1, h * v_dim:(h + 1) * v_dim] = f32(bf16(f32(bf16(o_h)) * f32(gate_h)))
-        with dma.phase("mla.output", **indices):
-            out_ref[...] = bf16(stream(bf16(y_scratch[...]), w_o, rows=p.block_rows("w_o"),
-                                       name="mla.w_o"))
+                gate_h = blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)
+                y[h] = blocks.put_row(y[h], b, f32(bf16(f32(bf16(o_h)) * gate_h)))
+            return tuple(y)
 
+        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * h_count)
+        with dma.phase("mla.output", **indices):
+            out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), w_o,
+                                       rows=p.block_rows("w_o"), name="mla.w_o"))
+
+    # W_kvb stays whole in VMEM for the latent layout (both absorbed sides use it)
     w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)
-    # y is kept f32 (exactly bf16 values): single-row stores into packed bf16 rows are masked
-    pl.run_scoped(with_scratch, pltpu.VMEM((p.batch, h_count * v_dim), jnp.float32),
-                  pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
+    pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
 
 
 def _tile_count(p: MlaPlan, position):

@@ -1,0 +1,259 @@
+"""MLA and KDA decode attention kernels against the reference, in TPU interpret mode with races
+checked, plus KV bytes from the DMA log, TPU7x compiles and bad-input errors.
+
+Tolerance (stated once, used for every sublayer output): the kernels round at the same points as
+the reference but accumulate matmuls in other orders (streamed row blocks, online softmax), so a
+bf16 output may differ by about one bf16 ulp of the output's scale:
+|kernel − reference| ≤ 2^-7 · |reference| + 2^-7 · max|reference|.
+Caches and the conv state must be bit-equal; the f32 recurrent state within 1e-5 (abs, f32
+summation order).
+"""
+
+import os
+
+# libtpu allows one process at a time by default; tests on a shared machine compile concurrently
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from mkresearch import config, reference, tpu, weights  # noqa: E402
+from mkresearch.kernels import dma, kda, mla  # noqa: E402
+
+BF16_TOL = 2.0 ** -7
+STATE_ATOL = 1e-5
+MINI = config.get_config("kimi-k3-mini")
+T = MINI.kv_tile  # 32
+# positions per batch size: 0, a tile boundary (32), non-multiples of the tile; B=8 stays within
+# two tiles (interpret mode costs ~10 ms per simulated memory op)
+POSITIONS = {1: [45], 3: [0, 32, 77], 8: [0, 1, 16, 31, 32, 33, 47, 63]}
+
+
+def assert_bf16_close(actual, expected, what):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, rtol=BF16_TOL, atol=BF16_TOL * scale,
+                               err_msg=f"{what}: beyond the bf16 tolerance")
+
+
+@pytest.fixture(scope="module")
+def mini_params():
+    return weights.init_params(MINI, 0)
+
+
+def random_cache(cfg, batch, seed):
+    """A cache full of random bf16 entries (zero K padding), so every tile read matters."""
+    shapes = mla._cache_shapes(cfg, batch, cfg.max_seq_len)
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    cache = {name: jax.random.normal(key, shape).astype(jnp.bfloat16)
+             for (name, shape), key in zip(shapes.items(), keys)}
+    if "k" in cache:
+        cache["k"] = cache["k"].at[..., cfg.mla_qk_dim:].set(0)
+    return cache
+
+
+def normalised_input(cfg, batch, seed):
+    x = jax.random.normal(jax.random.key(seed), (batch, cfg.d_model))
+    return reference.rms_norm(x, jnp.ones((cfg.d_model,), jnp.bfloat16), cfg.rms_eps)
+
+
+# ---- MLA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_params, layout,
+                                                           batch):
+    cfg = MINI.replace(mla_cache_layout=layout)
+    p = reference.layer_params(mini_params["mla"], 0)
+    x = normalised_input(cfg, batch, seed=batch)
+    cache = random_cache(cfg, batch, seed=10 + batch)
+    positions = jnp.array(POSITIONS[batch], jnp.int32)
+
+    with dma.recording() as log:
+        out, new_cache = mla.mla_attention(p, x, cache, positions, cfg)
+        jax.block_until_ready(out)
+    ref_out, ref_cache = reference.mla_attention(p, x, cache, positions, cfg)
+
+    assert_bf16_close(out, ref_out, f"MLA {layout} B={batch} output")
+    for name in ref_cache:
+        np.testing.assert_array_equal(np.asarray(new_cache[name], np.float32),
+                                      np.asarray(ref_cache[name], np.float32),
+                                      err_msg=f"cache[{name!r}] after the step")
+    # KV tiles: exactly the ⌈p/T⌉ tiles of each row, nothing past the position
+    needed = mla.kv_tile_bytes_needed(positions, cfg)
+    assert log.dma_bytes("mla.kv.") == needed
+    tiles = sum(-(-p // T) for p in POSITIONS[batch])
+    assert len(log.select("dma_start", "mla.kv.")) == 2 * tiles  # two cache arrays per tile
+    # the in-place write: one aligned 16-row block read and written per row and cache array
+    entry = mla.kv_bytes_per_token(cfg)
+    assert log.dma_bytes("mla.kv_update") == batch * 2 * mla.UPDATE_ROWS * entry
+    # every weight byte of the layer went through the DMA log exactly once
+    weight_bytes = sum(int(np.prod(p[name].shape)) * 2 for name in mla.WEIGHT_NAMES)
+    assert log.dma_bytes("mla.w_") + log.dma_bytes("mla.q_norm") + log.dma_bytes(
+        "mla.kv_norm") == weight_bytes
+
+
+def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
+    """Record both layouts at mini shapes (the B=1 case above: same compiled kernels); rescale
+    the logs to Kimi K3 shapes."""
+    positions = jnp.array(POSITIONS[1], jnp.int32)
+    logs = {}
+    for layout in ("expanded", "latent"):
+        cfg = MINI.replace(mla_cache_layout=layout)
+        p = reference.layer_params(mini_params["mla"], 0)
+        with dma.recording() as logs[layout]:
+            out, _ = mla.mla_attention(p, normalised_input(cfg, 1, 1), random_cache(cfg, 1, 11),
+                                       positions, cfg)
+            jax.block_until_ready(out)
+    full = config.get_config("kimi-k3")
+    rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
+    at = {(name, layout): mla.kv_bytes_at(logs[layout], MINI.replace(mla_cache_layout=layout),
+                                          target.replace(mla_cache_layout=layout))
+          for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
+          for layout in ("expanded", "latent")}
+    tokens = -(-POSITIONS[1][0] // T) * T  # whole tiles: 2 x 32 tokens for position 45
+    # spec §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
+    assert at[("kimi-k3", "expanded")] == tokens * 73_728
+    assert at[("kimi-k3", "latent")] == tokens * 1_152
+    assert at[("kimi-k3", "expanded")] >= 50 * at[("kimi-k3", "latent")]  # 64x
+    # one rank holds 3 of the 96 heads but the whole latent: the saving per rank is only 2x
+    assert at[("kimi-k3-rank", "expanded")] == 2 * at[("kimi-k3-rank", "latent")]
+
+
+# ---- KDA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_kda_matches_reference(race_checked, mini_params, batch):
+    cfg = MINI
+    h, d = cfg.n_heads, cfg.kda_head_dim
+    p = reference.layer_params(mini_params["kda"], 1)
+    keys = jax.random.split(jax.random.key(batch), 2)
+    conv = jax.random.normal(keys[0], (batch, cfg.kda_conv_size - 1, 3, h, d)).astype(jnp.bfloat16)
+    state = 0.1 * jax.random.normal(keys[1], (batch, h, d, d), jnp.float32)
+    x = normalised_input(cfg, batch, seed=20 + batch)
+
+    with dma.recording() as log:
+        out, new_conv, new_state = kda.kda_attention(p, x, conv, state, cfg)
+        jax.block_until_ready(out)
+    ref_out, ref_conv, ref_state = reference.kda_attention(p, x, conv, state, cfg)
+
+    assert_bf16_close(out, ref_out, f"KDA B={batch} output")
+    np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(ref_conv, np.float32))
+    np.testing.assert_allclose(np.asarray(new_state), np.asarray(ref_state), rtol=0,
+                               atol=STATE_ATOL)
+    # the f32 state is read once and written once; every weight byte goes through the log
+    state_bytes = batch * h * d * d * 4
+    assert log.dma_bytes("kda.state.read") == log.dma_bytes("kda.state.write") == state_bytes
+    weight_bytes = sum(int(np.prod(p[name].shape)) * p[name].dtype.itemsize
+                       for name in kda.WEIGHT_NAMES)
+    assert log.dma_bytes("kda.w_") + sum(log.dma_bytes(f"kda.{name}") for name in
+                                         ("conv_w", "a_log", "dt_bias", "o_norm")) == weight_bytes
+
+
+def test_kda_decay_stays_above_its_bound(race_checked, mini_params):
+    """A huge decay rate saturates λ at the bound −5: the state shrinks by e^-5, no further."""
+    cfg = MINI
+    h, d = cfg.n_heads, cfg.kda_head_dim
+    p = dict(reference.layer_params(mini_params["kda"], 0))
+    p["a_log"] = jnp.full((h,), 30.0, jnp.float32)  # exp(30)·(g + bias) -> σ = 1 where positive
+    p["dt_bias"] = jnp.full((h * d,), 100.0, jnp.float32)
+    p["w_k"] = jnp.zeros_like(p["w_k"])  # k = 0: no delta update, only the decay acts
+    conv = jnp.zeros((1, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16)
+    state = jnp.ones((1, h, d, d), jnp.float32)
+    x = normalised_input(cfg, 1, seed=3)
+    with dma.recording():  # recorded like the B=1 case above, so its compiled kernel is reused
+        _, _, new_state = kda.kda_attention(p, x, conv, state, cfg)
+    np.testing.assert_allclose(np.asarray(new_state), np.exp(cfg.kda_decay_bound), rtol=1e-5)
+
+
+# ---- compilation for TPU7x ------------------------------------------------------------------------
+
+
+def _mla_structs(cfg, batch):
+    s = jax.ShapeDtypeStruct
+    p = {name: s(shape, jnp.bfloat16) for name, shape in mla._weight_shapes(cfg).items()}
+    cache = {name: s(shape, jnp.bfloat16)
+             for name, shape in mla._cache_shapes(cfg, batch, cfg.max_seq_len).items()}
+    return p, s((batch, cfg.d_model), jnp.bfloat16), cache, s((batch,), jnp.int32)
+
+
+def _kda_structs(cfg, batch):
+    s = jax.ShapeDtypeStruct
+    h, d = cfg.n_heads, cfg.kda_head_dim
+    p = {name: s(shape, kda._WEIGHT_DTYPES.get(name, jnp.bfloat16))
+         for name, shape in kda._weight_shapes(cfg).items()}
+    return (p, s((batch, cfg.d_model), jnp.bfloat16),
+            s((batch, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16), s((batch, h, d, d), jnp.float32))
+
+
+COMPILE_CASES = [("kimi-k3-mini", {}, 3), ("kimi-k3-rank", {"max_seq_len": 32768}, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,overrides,batch", COMPILE_CASES)
+@pytest.mark.parametrize("kernel", ["mla-expanded", "mla-latent", "kda"])
+def test_compiles_for_tpu7x(name, overrides, batch, kernel):
+    if kernel == "kda":
+        cfg = config.get_config(name, **overrides)
+        result = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, cfg),
+                                 *_kda_structs(cfg, batch), chip="tpu7x")
+    else:
+        cfg = config.get_config(name, mla_cache_layout=kernel.split("-")[1], **overrides)
+        result = tpu.compile_for(lambda p, x, c, pos: mla.mla_attention(p, x, c, pos, cfg),
+                                 *_mla_structs(cfg, batch), chip="tpu7x")
+    print(f"{kernel} at {name} (B={batch}, context {cfg.max_seq_len}): {result}")
+    assert result.n_mosaic_kernels == 1
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_inputs(mini_params):
+    p = reference.layer_params(mini_params["mla"], 0)
+    return p, normalised_input(MINI, 2, 0), random_cache(MINI, 2, 1), jnp.array([3, 9], jnp.int32)
+
+
+def test_mla_rejects_a_position_past_the_cache(mla_inputs):
+    p, x, cache, _ = mla_inputs
+    with pytest.raises(ValueError, match=r"positions=.*too short"):
+        mla.mla_attention(p, x, cache, jnp.array([3, MINI.max_seq_len], jnp.int32), MINI)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda p, x, c, pos: (p, x.astype(jnp.float32), c, pos), r"x\.dtype"),
+    (lambda p, x, c, pos: (p, x, {**c, "v": c["v"].astype(jnp.float32)}, pos),
+     r"cache\['v'\]\.dtype"),
+    (lambda p, x, c, pos: ({**p, "w_o": p["w_o"].astype(jnp.float32)}, x, c, pos),
+     r"p\['w_o'\]\.dtype"),
+    (lambda p, x, c, pos: (p, x, c, pos.astype(jnp.float32)), r"positions\.dtype"),
+])
+def test_mla_rejects_dtype_mismatch(mla_inputs, change, match):
+    with pytest.raises(ValueError, match=match):
+        mla.mla_attention(*change(*mla_inputs), MINI)
+
+
+@pytest.mark.parametrize("option,value", [("kv_tile", 24), ("kv_tile", 48),
+                                          ("weight_block_rows", 64)])
+def test_mla_rejects_block_sizes_that_break_tiling(mla_inputs, option, value):
+    with pytest.raises(ValueError, match=option):
+        mla.mla_attention(*mla_inputs, MINI, **{option: value})
+
+
+def test_kda_rejects_bad_dtype_and_block_rows(mini_params):
+    cfg = MINI
+    h, d = cfg.n_heads, cfg.kda_head_dim
+    p = reference.layer_params(mini_params["kda"], 0)
+    x = normalised_input(cfg, 1, 0)
+    conv = jnp.zeros((1, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16)
+    state = jnp.zeros((1, h, d, d), jnp.float32)
+    with pytest.raises(ValueError, match=r"state\.dtype"):
+        kda.kda_attention(p, x, conv, state.astype(jnp.bfloat16), cfg)
+    with pytest.raises(ValueError, match=r"conv\.dtype"):
+        kda.kda_attention(p, x, conv.astype(jnp.float32), state, cfg)
+    with pytest.raises(ValueError, match="weight_block_rows"):
+        kda.kda_attention(p, x, conv, state, cfg, weight_block_rows=200)
