@@ -15,10 +15,12 @@ Semantics (spec §8, plus the row in the random counter from issue 5), per row b
   the same token: the noise is a pure function of those integers, not a stateful PRNG.
 
 **Candidate capacity.** A streaming kernel keeps only the top C candidates of each row (C = 128 in
-the released kernels). Passing `candidates=C` makes this reference do exactly that: the kept set is
-also cut to the top C. That is still exact unless the nucleus needs more than C tokens (it
-*overflows*); `nucleus_overflow` reports exactly when that happens: top_p < 1, top_k = 0 and the
-mass of the C candidates is < top_p. (With 0 < top_k <= C the kept set always fits.)
+the released kernels) for top-k / top-p. Passing `candidates=C` makes this reference do exactly
+that: for rows with top_k > 0 or top_p < 1 the kept set is also cut to the top C (pure temperature
+rows stay exact over the whole vocabulary: Gumbel-max needs no candidates). That is still exact
+unless the nucleus needs more than C tokens (it *overflows*); `nucleus_overflow` reports exactly
+when that happens: top_p < 1, top_k = 0 and the mass of the C candidates is < top_p. (With
+0 < top_k <= C the kept set always fits.)
 
 **The counter-based uniform.** Only uint32 xor, shift, multiply and add (a murmur3 fmix32 chain), so
 a Pallas TPU kernel computes the very same bits on VMEM values:
@@ -207,8 +209,9 @@ def _kept_mask(logits: jax.Array, params: SamplingParams, candidates: int | None
     in_nucleus_sorted = in_nucleus_sorted.at[:, 0].set(True)  # the first is always kept
     in_nucleus = jnp.take_along_axis(in_nucleus_sorted, rank, axis=-1)
     keep = in_nucleus & (rank < k)
-    if candidates is not None:
-        keep = keep & (rank < candidates)
+    if candidates is not None:  # only top-k / top-p rows use the candidates
+        truncated = jnp.asarray((params.top_k > 0) | (params.top_p < 1))[:, None]
+        keep = keep & ((rank < candidates) | ~truncated)
     return keep
 
 

@@ -150,6 +150,10 @@ def test_nucleus_overflow_flag():
     tokens = sampling.sample(jnp.broadcast_to(flat, (4096, 256)), seed=0, positions=jnp.arange(4096),
                              temperature=1.0, top_p=0.9, candidates=128)
     assert int(tokens.max()) < 128
+    # pure temperature rows need no candidates (Gumbel-max streams): still the whole vocabulary
+    tokens = sampling.sample(jnp.broadcast_to(flat, (4096, 256)), seed=0, positions=jnp.arange(4096),
+                             temperature=1.0, candidates=128)
+    assert int(tokens.max()) >= 128
 
 
 @pytest.mark.parametrize("kwargs, name", [
