@@ -16,7 +16,8 @@ import functools
 import json
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
 from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig, get_config
@@ -322,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(message if message.startswith("mkresearch") else f"mkresearch: {message}",
               file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `mkresearch info ... | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

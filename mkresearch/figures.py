@@ -8,12 +8,13 @@ the others and `import mkresearch.figures` stays cheap. To add a figure, add one
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 FIGURES: dict[str, str] = {
     "roofline": "mkresearch.roofline:plot_roofline",
     "expert_bytes": "mkresearch.kernels.experts:plot_expert_bytes",
+    "mla_kv_bytes": "mkresearch.kernels.mla:plot_kv_bytes",
 }
 
 

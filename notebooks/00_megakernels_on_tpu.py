@@ -40,7 +40,6 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %%
 import matplotlib.pyplot as plt
-import numpy as np
 
 from mkresearch import roofline
 from mkresearch.chips import CHIPS

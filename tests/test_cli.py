@@ -8,8 +8,8 @@ import pytest
 
 
 def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "mkresearch", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "mkresearch", *args], check=False,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_decode_json_and_text(capsys):

@@ -5,8 +5,14 @@ import re
 
 import pytest
 
-from mkresearch.config import (EXPERT_FORMATS, LANE, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig,
-                               get_config)
+from mkresearch.config import (
+    EXPERT_FORMATS,
+    LANE,
+    MLA_CACHE_LAYOUTS,
+    PRESETS,
+    ModelConfig,
+    get_config,
+)
 
 # One invalid value per field. A new field without an example here fails
 # `test_every_field_has_an_invalid_example`: add one.
