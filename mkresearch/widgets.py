@@ -26,6 +26,9 @@ BATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BUFFER_CHOICES = (1, 2, 3)
 _COLORS = {"dma": "#4C72B0", "compute": "#DD8452", "measured": "#55A868"}
 _BUBBLE_COLORS = {"dma_wait": "#C44E52", "idle": "#BBBBBB"}
+_LEGEND = {"dma": "DMA moving bytes", "compute": "compute phase",
+           "dma_wait": "bubble: compute waits on DMA", "idle": "bubble: nothing runs",
+           "measured": "measured (trace)"}
 
 
 # ---- data functions (pure) -------------------------------------------------------------------
@@ -51,15 +54,16 @@ def what_if(log: Any, chip: str | tl.TimelineChip = "tpu7x", *, batch: int | Non
 
 def gantt_rows(timeline: tl.Timeline, measured: Sequence[tl.Span] = ()) -> list[dict]:
     """One dict per bar: lane, row (0 = top), name, kind, start_us, end_us. DMA lanes first, then
-    compute, then bubbles, then measured lanes (spans parsed from a profile, see profiling)."""
+    compute, then bubbles, then one row per measured scope (spans from a trace, see profiling)."""
     lanes = timeline.lanes + ["bubbles"]
-    measured_lanes = list(dict.fromkeys(f"measured: {s.lane}" for s in measured))
+    # measured spans get one row per scope name (their own lane is a profiler thread)
+    measured_lanes = list(dict.fromkeys(f"measured: {s.name}" for s in measured))
     order = {lane: i for i, lane in enumerate(lanes + measured_lanes)}
     rows = [{"lane": s.lane, "row": order[s.lane], "name": s.name, "kind": s.kind,
              "start_us": s.start * 1e6, "end_us": s.end * 1e6} for s in timeline.spans]
     rows += [{"lane": "bubbles", "row": order["bubbles"], "name": b.cause, "kind": b.cause,
               "start_us": b.start * 1e6, "end_us": b.end * 1e6} for b in timeline.bubbles]
-    rows += [{"lane": f"measured: {s.lane}", "row": order[f"measured: {s.lane}"], "name": s.name,
+    rows += [{"lane": f"measured: {s.name}", "row": order[f"measured: {s.name}"], "name": s.name,
               "kind": "measured", "start_us": s.start * 1e6, "end_us": s.end * 1e6}
              for s in measured]
     return rows
@@ -107,6 +111,7 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
                title: str | None = None):
     """Bars per lane against time (µs): DMA engines, compute, bubbles, measured spans."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 3))
@@ -119,9 +124,17 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
                        hatch="//" if r["kind"] == "measured" else None)
         labels[r["row"]] = r["lane"]
     ax.set_yticks(sorted(labels), [labels[i] for i in sorted(labels)])
+    kinds = dict.fromkeys(r["kind"] for r in rows)
+    handles = [Patch(facecolor=_COLORS.get(k) or _BUBBLE_COLORS.get(k, "#888888"),
+                     label=_LEGEND.get(k, k)) for k in kinds]
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
+                  frameon=False)
     ax.invert_yaxis()
     ax.set_xlabel("time (µs)")
-    ax.set_xlim(0, max(timeline.total_s * 1e6, max((r["end_us"] for r in rows), default=0)))
+    end = max(timeline.total_s * 1e6, max((r["end_us"] for r in rows), default=0))
+    if end > 0:
+        ax.set_xlim(0, end)
     ax.set_title(title or f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "
                  f"{timeline.roofline_fraction:.0%} of the HBM roofline")
     return ax
@@ -139,7 +152,8 @@ def plot_vmem(timeline: tl.Timeline, ax=None):
                     color=_COLORS["dma"])
     ax.set_ylabel("VMEM (MiB)")
     ax.set_xlabel("time (µs)")
-    ax.set_xlim(0, timeline.total_s * 1e6)
+    if timeline.total_s > 0:
+        ax.set_xlim(0, timeline.total_s * 1e6)
     ax.set_title(f"VMEM in use: peak {timeline.peak_vmem_bytes / 2**20:.2f} MiB of "
                  f"{timeline.chip.vmem_capacity / 2**20:.0f} MiB")
     return ax
@@ -147,16 +161,22 @@ def plot_vmem(timeline: tl.Timeline, ax=None):
 
 def timeline_figure(timeline: tl.Timeline, measured: Sequence[tl.Span] = (),
                     title: str | None = None):
-    """Gantt chart over VMEM occupancy, one figure (returned, not shown: a notebook cell that
-    ends with it displays it once; pyplot's list of open figures never sees it)."""
-    from matplotlib.figure import Figure
+    """Gantt chart over VMEM occupancy, one figure, returned and not shown: a notebook cell that
+    ends with it (or `display(fig)`) shows it once. It is made by pyplot, which sets up the
+    notebook's figure display, and closed there at once so that pyplot does not show it again."""
+    import matplotlib.pyplot as plt
 
-    n_lanes = len(timeline.lanes) + 1 + len({s.lane for s in measured})
-    fig = Figure(figsize=(10, 1.2 + 0.45 * n_lanes + 1.8), layout="constrained")
-    gantt, vmem = fig.subplots(2, 1, height_ratios=[max(2, n_lanes), 2], sharex=True)
+    n_lanes = len(timeline.lanes) + 1 + len({s.name for s in measured})
+    fig, (gantt, vmem) = plt.subplots(2, 1, figsize=(10, 1.2 + 0.45 * n_lanes + 1.8),
+                                      height_ratios=[max(2, n_lanes), 2], sharex=True,
+                                      layout="constrained")
+    plt.close(fig)
     plot_gantt(timeline, gantt, measured, title)
     plot_vmem(timeline, vmem)
     gantt.set_xlabel("")
+    end = max([timeline.total_s] + [s.end for s in measured]) * 1e6
+    if end > 0:
+        vmem.set_xlim(0, end)
     return fig
 
 

@@ -42,6 +42,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %%
 import inspect
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -304,7 +305,7 @@ if tpu.on_tpu():
     from mkresearch import profiling
 
     trace = profiling.capture(lambda a, b: gemv.gemv_stream(a, b, block_k=BLOCK_K, n_buffers=2),
-                              x, w, logdir="traces/01_gemv")
+                              x, w, logdir=tempfile.mkdtemp(prefix="mkresearch-01-"))
     measured = profiling.parse_trace(trace, ["w_block"], planes=["/device:TPU"])
     display(widgets.timeline_figure(timelines[2, "tpu7x"], measured))
 else:
