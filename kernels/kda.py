@@ -64,7 +64,7 @@ class KdaPlan:
         return dict(self.rows)[name]
 
 
-def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, h, hd = cfg.d_model, cfg.n_heads, cfg.kda_width
     return {"w_fa": (d, cfg.kda_gate_rank), "w_fb": (cfg.kda_gate_rank, hd), "w_q": (d, hd),
             "w_k": (d, hd), "w_v": (d, hd), "w_g": (d, hd), "w_b": (d, h),
@@ -72,13 +72,16 @@ def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "o_norm": (cfg.kda_head_dim,), "w_o": (hd, d)}
 
 
-_WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are bf16
+WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are bf16
+
+
+_weight_shapes = weight_shapes  # the name kernels/megakernel.py uses
 
 
 def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = None) -> KdaPlan:
     """Check block sizes (ValueError naming the parameter) and fix every static size."""
     blocks.check_block_rows(weight_block_rows)
-    shapes = _weight_shapes(cfg)
+    shapes = weight_shapes(cfg)
     rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
                  for name in MATRICES)
     return KdaPlan(batch=batch, n_heads=cfg.n_heads, head_dim=cfg.kda_head_dim,
@@ -218,11 +221,11 @@ def check_inputs(p: dict, x: Any, conv: Any, state: Any, cfg: ModelConfig) -> No
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
     batch, h, d = x.shape[0], cfg.n_heads, cfg.kda_head_dim
-    for name, shape in _weight_shapes(cfg).items():
+    for name, shape in weight_shapes(cfg).items():
         w = p.get(name) if isinstance(p, dict) else None
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
-        dtype = _WEIGHT_DTYPES.get(name, jnp.bfloat16)
+        dtype = WEIGHT_DTYPES.get(name, jnp.bfloat16)
         if w.dtype != dtype:
             raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: {jnp.dtype(dtype).name}")
     conv_shape = (batch, cfg.kda_conv_size - 1, 3, h, d)

@@ -113,7 +113,7 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
     the DMA log.
     """
     p = plan
-    h_count, nope, extra, v_dim = p.n_heads, p.qk_nope, p.qk_extra, p.v_dim
+    h_count, nope, v_dim = p.n_heads, p.qk_nope, p.v_dim
 
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
@@ -171,7 +171,7 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
                                        rows=p.block_rows("w_o"), name="mla.w_o"))
 
     # W_kvb stays whole in VMEM for the latent layout (both absorbed sides use it)
-    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)
+    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)  # (unused tile)
     pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
 
 
@@ -180,7 +180,7 @@ def _tile_count(p: MlaPlan, position):
     return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
 
 
-def _tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indices):
+def tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indices):
     """Double-buffered loop over the needed KV tiles: tile t+1 flies while tile t is used.
 
     rings: dma.Ring per cache array; windows(t) -> the HBM window of each array for tile t;
@@ -213,7 +213,7 @@ def _tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indi
     return jax.lax.fori_loop(0, n_tiles, step, carry)
 
 
-def _online_softmax(p: MlaPlan, t, position, scores, values, carry):
+def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
     """One tile of the f32 online softmax: scores [R, T], values [T, n] f32; carry (m, l, acc)."""
     m, l, acc = carry
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -227,7 +227,7 @@ def _online_softmax(p: MlaPlan, t, position, scores, values, carry):
     return m_new, l, acc
 
 
-def _dot_t(a, b):
+def dot_t(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -249,15 +249,15 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
         k_tile, v_tile = tiles
         new = []
         for h in range(p.n_heads):
-            scores = (_dot_t(bf16(q_row[h][:, :nope]), k_tile[h][:, :nope])
-                      + _dot_t(bf16(q_row[h][:, nope:qk]), k_tile[h][:, nope:qk])) * p.scale
-            new.append(_online_softmax(p, t, position, scores, f32(v_tile[h]), carry[h]))
+            scores = (dot_t(bf16(q_row[h][:, :nope]), k_tile[h][:, :nope])
+                      + dot_t(bf16(q_row[h][:, nope:qk]), k_tile[h][:, nope:qk])) * p.scale
+            new.append(online_softmax_step(p, t, position, scores, f32(v_tile[h]), carry[h]))
         return new
 
     def scoped(k_buffers, v_buffers, sems):
         rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.k"),
                  dma.Ring(v_buffers, sems.at[1], name="mla.kv.v"))
-        return _tile_loop(p, b, position, rings, windows, update, carry, indices)
+        return tile_loop(p, b, position, rings, windows, update, carry, indices)
 
     final = pl.run_scoped(scoped, pltpu.VMEM((2, p.n_heads, p.kv_tile, p.k_padded), jnp.bfloat16),
                           pltpu.VMEM((2, p.n_heads, p.kv_tile, p.v_dim), jnp.bfloat16),
@@ -273,7 +273,7 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
         q_lat_scratch, q_x_scratch = q_scratch
         for h in range(p.n_heads):  # q_lat_h = q^C_h W_kvbK_hᵀ  [1, kv_rank]
             w_k = w_kvb_vmem[:, h * width:h * width + nope]  # [kv_rank, nope]
-            q_lat_scratch[h:h + 1, :] = f32(bf16(_dot_t(bf16(q_row[h][:, :nope]), w_k)))
+            q_lat_scratch[h:h + 1, :] = f32(bf16(dot_t(bf16(q_row[h][:, :nope]), w_k)))
             q_x_scratch[h:h + 1, :] = q_row[h][:, nope:qk]
         # bf16-exact f32 values: q̃ is rounded to bf16 like the reference, so the score matmuls
         # take bf16 operands (one MXU pass on a TPU)
@@ -289,12 +289,12 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
 
         def update(t, tiles, carry):
             c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
-            scores = (_dot_t(bf16(q_lat), c_tile) + _dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
-            return _online_softmax(p, t, position, scores, f32(c_tile), carry)
+            scores = (dot_t(bf16(q_lat), c_tile) + dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
+            return online_softmax_step(p, t, position, scores, f32(c_tile), carry)
 
         rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.ckv"),
                  dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
-        _, l, acc = _tile_loop(p, b, position, rings, windows, update, carry, indices)
+        _, l, acc = tile_loop(p, b, position, rings, windows, update, carry, indices)
         context = bf16(acc / l)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
         return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
                         preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
@@ -370,19 +370,22 @@ def _update_latent(p, b, position, c_hat, k_extra, ckv_in, kx_in, ckv_out, kx_ou
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-def _cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
     h = cfg.n_heads
     if cfg.mla_cache_layout == "expanded":
         return {"k": (batch, h, seq_len, cfg.mla_k_padded), "v": (batch, h, seq_len, cfg.mla_v_dim)}
     return {"ckv": (batch, seq_len, cfg.mla_kv_rank), "kx": (batch, seq_len, cfg.mla_qk_extra)}
 
 
-def _weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, qk, v = cfg.n_heads, cfg.mla_qk_dim, cfg.mla_v_dim
     return {"w_qa": (cfg.d_model, cfg.mla_q_rank), "q_norm": (cfg.mla_q_rank,),
             "w_qb": (cfg.mla_q_rank, h * qk), "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
             "kv_norm": (cfg.mla_kv_rank,), "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
             "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+
+
+_weight_shapes = weight_shapes  # the name kernels/megakernel.py uses
 
 
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
@@ -395,7 +398,7 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
     batch = x.shape[0]
-    for name, shape in _weight_shapes(cfg).items():
+    for name, shape in weight_shapes(cfg).items():
         w = p.get(name) if isinstance(p, dict) else None
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
@@ -406,7 +409,7 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
         raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}: "
                          f"expected {names} for mla_cache_layout={cfg.mla_cache_layout!r}")
     seq_len = cache[names[0]].shape[-2]
-    for name, shape in _cache_shapes(cfg, batch, seq_len).items():
+    for name, shape in cache_shapes(cfg, batch, seq_len).items():
         if tuple(cache[name].shape) != shape:
             raise ValueError(f"cache[{name!r}] has shape {tuple(cache[name].shape)}: expected "
                              f"{shape} (batch {batch}, cache length {seq_len})")
@@ -495,3 +498,75 @@ def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> 
         raise ValueError(f"recorded={recorded.name!r} does not match the log: its KV bytes are not "
                          f"a whole number of {recorded.mla_cache_layout} tokens")
     return tokens * kv_bytes_per_token(target)
+
+
+def kv_bytes_by_row(log: dma.DmaLog) -> dict[int, int]:
+    """KV tile bytes each batch row read, from the log's `row` index."""
+    by_row: dict[int, int] = {}
+    for event in log.select("dma_start", "mla.kv."):
+        by_row[event.indices["row"]] = by_row.get(event.indices["row"], 0) + event.nbytes
+    return by_row
+
+
+FIGURE_POSITIONS = (0, 17, 32, 45, 64, 90, 100, 127)  # 0, tile boundaries and in-between
+
+
+def record_kv_logs(cfg: ModelConfig, positions=FIGURE_POSITIONS, seed: int = 0) -> dict:
+    """Run both layouts once at `cfg` (mini) shapes, one row per position; their DMA logs."""
+    from mkresearch import reference, weights
+
+    params = reference.layer_params(weights.init_params(cfg, seed)["mla"], 0)
+    batch = len(positions)
+    x = jax.random.normal(jax.random.key(seed), (batch, cfg.d_model)).astype(jnp.bfloat16)
+    logs = {}
+    for layout in MLA_CACHE_LAYOUTS:
+        layout_cfg = cfg.replace(mla_cache_layout=layout)
+        cache = {name: jnp.zeros(shape, jnp.bfloat16)
+                 for name, shape in cache_shapes(layout_cfg, batch, cfg.max_seq_len).items()}
+        with dma.recording() as logs[layout]:
+            jax.block_until_ready(mla_attention(params, x, cache, jnp.asarray(positions, jnp.int32),
+                                                layout_cfg))
+    return logs
+
+
+def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | None = None,
+                  positions=FIGURE_POSITIONS):
+    """KV bytes read per MLA layer per step against context, both layouts, at Kimi K3 shapes.
+
+    Dots: the tokens each row of a recorded mini run read (from its DMA log), priced at Kimi K3's
+    bytes per token. Lines: ⌈p / T⌉ · T tokens at Kimi K3's tile (256) out to 32768.
+    """
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mkresearch.config import get_config
+
+    recorded = recorded or get_config("kimi-k3-mini")
+    logs = logs or record_kv_logs(recorded, positions)
+    full = get_config("kimi-k3")
+    context = np.unique(np.geomspace(1, full.max_seq_len, 200).astype(int))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layout, color in zip(MLA_CACHE_LAYOUTS, ("tab:red", "tab:blue")):
+        source, target = recorded.replace(mla_cache_layout=layout), full.replace(
+            mla_cache_layout=layout)
+        tiles = -(-context // full.kv_tile)
+        ax.plot(context, tiles * full.kv_tile * kv_bytes_per_token(target), color=color,
+                label=f"{layout}: {kv_bytes_per_token(target):,} B/token")
+        rows = kv_bytes_by_row(logs[layout])
+        measured = [(positions[r], rows.get(r, 0) // kv_bytes_per_token(source)
+                     * kv_bytes_per_token(target)) for r in range(len(positions))]
+        xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])
+        ax.scatter(xs, ys, color=color, zorder=3, s=18,
+                   label=f"{layout}: DMA log of a mini run, priced at Kimi K3")
+    ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
+           ylabel="KV bytes read per MLA layer per step",
+           title="MLA KV traffic at Kimi K3 shapes (96 heads): latent reads 64x less")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig

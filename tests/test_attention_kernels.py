@@ -14,7 +14,7 @@ import os
 # libtpu allows one process at a time by default; tests on a shared machine compile concurrently
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
+import jax  # noqa: E402 - after the environment variable
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -45,7 +45,7 @@ def mini_params():
 
 def random_cache(cfg, batch, seed):
     """A cache full of random bf16 entries (zero K padding), so every tile read matters."""
-    shapes = mla._cache_shapes(cfg, batch, cfg.max_seq_len)
+    shapes = mla.cache_shapes(cfg, batch, cfg.max_seq_len)
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     cache = {name: jax.random.normal(key, shape).astype(jnp.bfloat16)
              for (name, shape), key in zip(shapes.items(), keys)}
@@ -175,17 +175,17 @@ def test_kda_decay_stays_above_its_bound(race_checked, mini_params):
 
 def _mla_structs(cfg, batch):
     s = jax.ShapeDtypeStruct
-    p = {name: s(shape, jnp.bfloat16) for name, shape in mla._weight_shapes(cfg).items()}
+    p = {name: s(shape, jnp.bfloat16) for name, shape in mla.weight_shapes(cfg).items()}
     cache = {name: s(shape, jnp.bfloat16)
-             for name, shape in mla._cache_shapes(cfg, batch, cfg.max_seq_len).items()}
+             for name, shape in mla.cache_shapes(cfg, batch, cfg.max_seq_len).items()}
     return p, s((batch, cfg.d_model), jnp.bfloat16), cache, s((batch,), jnp.int32)
 
 
 def _kda_structs(cfg, batch):
     s = jax.ShapeDtypeStruct
     h, d = cfg.n_heads, cfg.kda_head_dim
-    p = {name: s(shape, kda._WEIGHT_DTYPES.get(name, jnp.bfloat16))
-         for name, shape in kda._weight_shapes(cfg).items()}
+    p = {name: s(shape, kda.WEIGHT_DTYPES.get(name, jnp.bfloat16))
+         for name, shape in kda.weight_shapes(cfg).items()}
     return (p, s((batch, cfg.d_model), jnp.bfloat16),
             s((batch, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16), s((batch, h, d, d), jnp.float32))
 
