@@ -17,7 +17,6 @@ Choices where the spec is silent (documented, used by the kernels too):
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -90,6 +89,19 @@ def mix(candidates: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 # ---- §4 KDA ----------------------------------------------------------------------------------
+def kda_projections(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """The matmuls of a KDA step, bf16: q̃, k̃, ṽ, u [B, H, D], b [B, H], g_raw [B, H, D]."""
+    B = x.shape[0]
+    H, D = cfg.n_heads, cfg.kda_head_dim
+    q_pre, k_pre, v_pre, u = (bf(_mm(x, p[name])).reshape(B, H, D)
+                              for name in ("w_q", "w_k", "w_v", "w_g"))
+    b = bf(_mm(x, p["w_b"]))  # [B, H]
+    # low-rank decay gate: f = bf(x W_fa), g_raw = bf(f W_fb)
+    f = bf(_mm(x, p["w_fa"]))  # [B, R]
+    g_raw = bf(_mm(f, p["w_fb"])).reshape(B, H, D)
+    return q_pre, k_pre, v_pre, u, b, g_raw
+
+
 def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.Array,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step. x [B, d] bf16 (normalised); conv [B, conv_size-1, 3, H, D] bf16
@@ -97,12 +109,8 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
     Returns (out [B, d] bf16, new conv, new state)."""
     B = x.shape[0]
     H, D = cfg.n_heads, cfg.kda_head_dim
-    # low-rank decay gate: f = bf(x W_fa), g_raw = bf(f W_fb)
-    f = bf(_mm(x, p["w_fa"]))  # [B, R]
-    g_raw = bf(_mm(f, p["w_fb"])).astype(f32).reshape(B, H, D)
-    q_pre, k_pre, v_pre, u = (bf(_mm(x, p[name])).reshape(B, H, D)
-                              for name in ("w_q", "w_k", "w_v", "w_g"))
-    b = bf(_mm(x, p["w_b"]))  # [B, H]
+    q_pre, k_pre, v_pre, u, b, g_raw = kda_projections(p, x, cfg)
+    g_raw = g_raw.astype(f32)
     # log-decay per key channel λ = bound · σ(exp(A_log_h) · (g_raw + dt_bias)) ∈ (bound, 0)
     decay_rate = jnp.exp(p["a_log"].astype(f32))[:, None]  # [H, 1]
     log_decay = cfg.kda_decay_bound * jax.nn.sigmoid(
@@ -137,12 +145,15 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
 
 # ---- §5 MLA ----------------------------------------------------------------------------------
 def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
-    """cache[b, ..., positions[b] (at `axis` of one row), ...] = new[b]."""
-    def write_row(row_cache, row_new, position):
-        return lax.dynamic_update_slice_in_dim(
-            row_cache, jnp.expand_dims(row_new, axis).astype(row_cache.dtype), position, axis)
+    """cache with row b's slot positions[b] (along `axis` of one row) set to new[b].
 
-    return jax.vmap(write_row)(cache, new, positions)
+    A select against the slot index rather than a scatter: same result, and XLA compiles it fast.
+    """
+    slot_axis = axis + 1  # in the batched cache
+    slots = jnp.arange(cache.shape[slot_axis]).reshape(
+        (-1,) + (1,) * (cache.ndim - slot_axis - 1))
+    hit = slots == positions.reshape((-1,) + (1,) * (cache.ndim - 1))  # broadcasts like cache
+    return jnp.where(hit, jnp.expand_dims(new, slot_axis).astype(cache.dtype), cache)
 
 
 def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
@@ -277,7 +288,7 @@ def final_logits(params: dict[str, Any], snapshots: jax.Array, partial: jax.Arra
 # ---- state -----------------------------------------------------------------------------------
 def _check_cfg(cfg: Any) -> None:
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
 
 
 def init_state(cfg: ModelConfig, batch: int, max_seq_len: int | None = None) -> dict[str, Any]:
@@ -303,6 +314,11 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int | None = None) -> 
 
 
 # ---- §3 the decode step ----------------------------------------------------------------------
+def _set_layer(stack: Any, index: int, layer: Any) -> Any:
+    """The stacked pytree with entry `index` replaced by `layer` (the inverse of layer_params)."""
+    return jax.tree.map(lambda whole, part: whole.at[index].set(part), stack, layer)
+
+
 def _candidates(layer: int, snapshots: list, partial: jax.Array, cfg: ModelConfig) -> jax.Array:
     """𝒜_ℓ: ℓ = 0 → {P}; ℓ = block·n, n ≥ 1 → {R_0..R_{n−1}, P}; otherwise {R_0..R_n, P}."""
     block, offset = divmod(layer, cfg.attn_res_block)
@@ -340,10 +356,10 @@ def _decode_step(params, state, tokens, positions, cfg):
         x = rms_norm(h, params["attn_norm"][layer], eps)
         index = cfg.attention_index(layer)
         if cfg.is_mla(layer):
-            layer_cache = jax.tree.map(lambda c: c[index], mla_cache)
+            layer_cache = layer_params(mla_cache, index)
             a, layer_cache = mla_attention(layer_params(params["mla"], index), x, layer_cache,
                                            positions, cfg)
-            mla_cache = jax.tree.map(lambda c, new: c.at[index].set(new), mla_cache, layer_cache)
+            mla_cache = _set_layer(mla_cache, index, layer_cache)
         else:
             a, conv, recurrent = kda_attention(layer_params(params["kda"], index), x,
                                                kda_conv[index], kda_state[index], cfg)
@@ -408,31 +424,24 @@ def decode_step(params: dict[str, Any], state: dict[str, Any], tokens: jax.Array
                             cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _prefill(params, state, prompt, start, cfg):
-    def step(state, token_and_t):
-        tokens, t = token_and_t
-        logits, state, _ = _decode_step(params, state, tokens, start + t, cfg)
-        return state, logits
-
-    T = prompt.shape[1]
-    state, logits = lax.scan(step, state, (prompt.T, jnp.arange(T, dtype=i32)))
-    return jnp.swapaxes(logits, 0, 1), state  # [B, T, V]
-
-
 def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cfg: ModelConfig,
             *, start: Any = 0) -> tuple[jax.Array, dict]:
     """Teacher-forced decode of prompt [B, T] at positions start .. start+T-1 (start: int or [B]).
 
+    One `decode_step` per prompt token (the same compiled step as decoding: no second compile).
     Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state).
     """
     if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
         raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
-    _check_step_inputs(state, np.zeros(batch, np.int32), start, cfg)
     _check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
-    return _prefill(params, state, jnp.asarray(prompt, i32), jnp.asarray(start), cfg=cfg)
+    prompt = jnp.asarray(prompt, i32)
+    all_logits = []
+    for t in range(length):
+        logits, state, _ = decode_step(params, state, prompt[:, t], start + t, cfg)
+        all_logits.append(logits)
+    return jnp.stack(all_logits, axis=1), state
 
 
 def _sampler():
@@ -443,33 +452,6 @@ def _sampler():
         def sample(logits, *, seed, positions, temperature=0.0, top_k=0, top_p=1.0):
             return jnp.argmax(logits, axis=-1).astype(i32)
     return sample
-
-
-def _static(value: Any) -> Any:
-    """Hashable form of a scalar or per-row sampling setting (they are jit-static)."""
-    array = np.asarray(value)
-    return array.item() if array.ndim == 0 else tuple(array.tolist())
-
-
-@functools.partial(jax.jit, static_argnames=("n_steps", "cfg", "seed", "temperature", "top_k",
-                                             "top_p"))
-def _generate(params, state, last_logits, next_position, n_steps, cfg, seed, temperature, top_k,
-              top_p):
-    sample = _sampler()
-
-    def draw(logits, positions):
-        return sample(logits, seed=seed, positions=positions, temperature=temperature,
-                      top_k=top_k, top_p=top_p)
-
-    def step(carry, _):
-        state, token, position = carry
-        logits, state, _ = _decode_step(params, state, token, position, cfg)
-        token = draw(logits, position + 1)
-        return (state, token, position + 1), token
-
-    first = draw(last_logits, next_position)  # the token at position T
-    (state, _, _), rest = lax.scan(step, (state, first, next_position), None, length=n_steps - 1)
-    return jnp.concatenate([first[:, None], rest.T], axis=1), state
 
 
 def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n_steps: int,
@@ -483,13 +465,17 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
         raise ValueError(f"n_steps={n_steps!r} is invalid: an int >= 1")
+    batch, length = np.shape(prompt)[0], np.shape(prompt)[1] if np.ndim(prompt) == 2 else 0
+    _check_step_inputs(state, np.zeros(batch, np.int32),
+                       np.full(batch, length + n_steps - 2, np.int32), cfg)
+    sample = _sampler()
     logits, state = prefill(params, state, prompt, cfg)
-    length = np.shape(prompt)[1]
-    batch = np.shape(prompt)[0]
-    if n_steps > 1:  # the generated tokens but the last are fed at positions T .. T+n_steps-2
-        _check_step_inputs(state, np.zeros(batch, np.int32),
-                           np.full(batch, length + n_steps - 2, np.int32), cfg)
-    next_position = jnp.full((batch,), length, i32)
-    return _generate(params, state, logits[:, -1], next_position, n_steps=int(n_steps), cfg=cfg,
-                     seed=int(seed), temperature=_static(temperature), top_k=_static(top_k),
-                     top_p=_static(top_p))
+    logits = logits[:, -1]
+    tokens = []
+    for i in range(n_steps):
+        position = np.full(batch, length + i, np.int32)
+        tokens.append(sample(logits, seed=seed, positions=position, temperature=temperature,
+                             top_k=top_k, top_p=top_p))
+        if i + 1 < n_steps:  # feed the token back (the last one is only returned)
+            logits, state, _ = decode_step(params, state, tokens[-1], position, cfg)
+    return jnp.stack(tokens, axis=1), state

@@ -284,7 +284,7 @@ def _is_leaf(x: Any) -> bool:
 
 def _check_cfg(cfg: Any) -> None:
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
