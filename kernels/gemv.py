@@ -67,6 +67,11 @@ def block_vmem_bytes(batch: int, block_k: int, n: int) -> int:
     return block_k * n * 2 + batch * block_k * 2 + 2 * batch * n * 4
 
 
+def blockspec_block_bytes(batch: int, block_k: int, n: int) -> dict[str, int]:
+    """Bytes of the blocks the BlockSpec pipeline copies per grid step (for `tl.blockspec_log`)."""
+    return {"x": batch * block_k * 2, WEIGHT_NAME: block_k * n * 2}
+
+
 # ---- the block computation, shared by both kernels -------------------------------------------
 def accumulate_block(x_block: jax.Array, w_block_ref: Any, acc_ref: Any) -> None:
     """acc [B, N] f32 += x_block [B, bk] bf16 @ W block [bk, N] bf16 (MXU, f32 accumulation)."""

@@ -531,7 +531,7 @@ def stream_log(n_blocks: int, block_bytes: int, block_flops: float, n_buffers: i
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{pname}={value!r} is invalid: an int >= 1")
     vmem = block_bytes if block_vmem_bytes is None else block_vmem_bytes
-    steps = [[LogEvent("dma_start", name, "hbm", "vmem", block_bytes, i % n_buffers, (("i", i),))]
+    steps = [[LogEvent("dma_start", name, "hbm", "vmem", block_bytes, i % n_buffers, (("k", i),))]
              for i in range(n_blocks)]
     events: list[LogEvent] = []
     issued = 0
@@ -541,8 +541,8 @@ def stream_log(n_blocks: int, block_bytes: int, block_flops: float, n_buffers: i
             issued += 1
         events.append(dataclasses.replace(steps[i][0], kind="dma_wait"))
         events.append(LogEvent("phase_start", f"{name}_block", flops=block_flops, vmem_bytes=vmem,
-                               indices=(("i", i),)))
-        events.append(LogEvent("phase_end", f"{name}_block", indices=(("i", i),)))
+                               indices=(("k", i),)))
+        events.append(LogEvent("phase_end", f"{name}_block", indices=(("k", i),)))
     return events
 
 
@@ -593,6 +593,42 @@ def rebuffer(log: Any, n_buffers: int) -> list[LogEvent]:
         out += [slotted(w, k) for _, w in step_waits]
         out += step_phase
     out += [s for s, _ in tail_waits] + [w for _, w in tail_waits] + unmatched
+    return out
+
+
+def blockspec_log(log: Any, block_bytes: Mapping[str, int], *, out_bytes: int = 0,
+                  out_name: str = "out") -> list[LogEvent]:
+    """The DMAs a BlockSpec + grid pipeline issues, put around a BlockSpec kernel's phases.
+
+    Pallas emits those copies itself, so a BlockSpec kernel's log holds only its phases (one
+    top-level phase per grid step). Its TPU pipeline double-buffers each input whose block changes:
+    at step k it starts the copies of step k+1's blocks, waits for step k's, runs the body. This
+    puts those events in: one DMA per name in `block_bytes` (bytes of that input's block) per
+    step, and, if `out_bytes`, the writeback of a resident output block after the last step.
+    """
+    steps: list[list[LogEvent]] = []
+    depth = 0
+    for ev in events_of(log):
+        if ev.kind not in ("phase_start", "phase_end"):
+            raise ValueError(f"log is invalid: a BlockSpec kernel's log has only phases, got "
+                             f"{ev.kind} {ev.name!r}")
+        if depth == 0:
+            steps.append([])
+        steps[-1].append(ev)
+        depth += 1 if ev.kind == "phase_start" else -1
+
+    def copies(k: int, kind: str) -> list[LogEvent]:
+        return [LogEvent(kind, name, "hbm", "vmem", int(nbytes), k % 2, (("k", k),))
+                for name, nbytes in block_bytes.items()]
+
+    out = copies(0, "dma_start") if steps else []
+    for k, phase_events in enumerate(steps):
+        if k + 1 < len(steps):
+            out += copies(k + 1, "dma_start")
+        out += copies(k, "dma_wait") + phase_events
+    if out_bytes:
+        writeback = LogEvent("dma_start", out_name, "vmem", "hbm", int(out_bytes))
+        out += [writeback, dataclasses.replace(writeback, kind="dma_wait")]
     return out
 
 

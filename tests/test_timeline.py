@@ -151,6 +151,20 @@ def test_rebuffer_replays_a_stream_with_another_ring(chip, n_buffers):
     assert replayed == tl.stream_log(6, BLOCK, BANDWIDTH_BOUND, n_buffers)
 
 
+def test_blockspec_log_is_the_double_buffered_stream(chip):
+    """Pallas's BlockSpec pipeline, put around the phases, is the two-slot ring."""
+    stream = tl.stream_log(5, BLOCK, BANDWIDTH_BOUND, 2)
+    phases = [e for e in stream if e.kind.startswith("phase")]
+    assert tl.blockspec_log(phases, {"w": BLOCK}) == stream
+    with_out = tl.simulate(tl.blockspec_log(phases, {"w": BLOCK}, out_bytes=BLOCK), chip)
+    alone = tl.simulate(stream, chip)
+    # the output writeback is one more DMA after the last phase: α + X/β more, not in VMEM
+    assert with_out.total_s == pytest.approx(alone.total_s + 2 * US)
+    assert with_out.peak_vmem_bytes == alone.peak_vmem_bytes
+    with pytest.raises(ValueError, match="only phases"):
+        tl.blockspec_log(stream, {"w": BLOCK})
+
+
 def test_scale_batch_scales_flops_only(chip):
     events = tl.scale_batch(tl.stream_log(4, BLOCK, BANDWIDTH_BOUND, 2), 6)
     timeline = tl.simulate(events, chip)
