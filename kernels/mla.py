@@ -7,7 +7,7 @@ One call does, for a batch of B rows each at its own position p_b:
   attention     scores over the p_b cached tokens + the new one, f32 online softmax over KV tiles
                 of T tokens read from HBM with a double-buffered DMA ring; only the ⌈p_b / T⌉
                 tiles that hold tokens 0..p_b-1 are read. The new token never goes through HBM
-                on the read side: it seeds the softmax (m = its score, l = 1, acc = its value).
+                on the read side: it seeds the softmax (m = its score, norm = 1, acc = its value).
   output        y_h = bf(bf(o_h) ⊙ gate_h); out = y W_o                    (W_o streams by DMA)
   cache update  the new token's entry is written in place (input_output_aliases). HBM arrays are
                 tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
@@ -170,8 +170,9 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
             out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), w_o,
                                        rows=p.block_rows("w_o"), name="mla.w_o"))
 
-    # W_kvb stays whole in VMEM for the latent layout (both absorbed sides use it)
-    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)  # (unused tile)
+    # W_kvb stays whole in VMEM for the latent layout (both absorbed sides use it); the expanded
+    # layout streams it instead and gets a one-tile placeholder
+    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)
     pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
 
 
@@ -214,17 +215,17 @@ def tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indic
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
-    """One tile of the f32 online softmax: scores [R, T], values [T, n] f32; carry (m, l, acc)."""
-    m, l, acc = carry
+    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc)."""
+    m, norm, acc = carry
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     valid = token < position  # the tile's tail past the cached tokens is stale: masked
     scores = jnp.where(valid, scores, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
     correction = jnp.exp(m - m_new)
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
-    l = correction * l + jnp.sum(weights, axis=-1, keepdims=True)
+    norm = correction * norm + jnp.sum(weights, axis=-1, keepdims=True)
     acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return m_new, norm, acc
 
 
 def dot_t(a, b):
@@ -236,7 +237,7 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
     """Per head: scores over the cached expanded K, V tiles [H, T, ·] plus the new token."""
     nope, qk = p.qk_nope, p.qk_dim
     carry = []
-    for h in range(p.n_heads):  # the new token seeds the softmax: m = its score, l = 1, acc = v
+    for h in range(p.n_heads):  # the new token seeds the softmax: m = its score, norm = 1, acc = v
         score = (jnp.sum(q_row[h][:, :nope] * f32(k_c[h]), axis=-1, keepdims=True)
                  + jnp.sum(q_row[h][:, nope:qk] * f32(k_extra), axis=-1, keepdims=True))
         carry.append((score * p.scale, jnp.ones_like(score), f32(v_new[h])))
@@ -262,7 +263,7 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
     final = pl.run_scoped(scoped, pltpu.VMEM((2, p.n_heads, p.kv_tile, p.k_padded), jnp.bfloat16),
                           pltpu.VMEM((2, p.n_heads, p.kv_tile, p.v_dim), jnp.bfloat16),
                           pltpu.SemaphoreType.DMA((2, 2)))
-    return [acc / l for _, l, acc in final]
+    return [acc / norm for _, norm, acc in final]
 
 
 def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices):
@@ -294,8 +295,8 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
 
         rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.ckv"),
                  dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
-        _, l, acc = tile_loop(p, b, position, rings, windows, update, carry, indices)
-        context = bf16(acc / l)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
+        _, norm, acc = tile_loop(p, b, position, rings, windows, update, carry, indices)
+        context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
         return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
                         preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
                 for h in range(p.n_heads)]
@@ -389,7 +390,8 @@ _weight_shapes = weight_shapes  # the name kernels/megakernel.py uses
 
 
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
-    """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache length."""
+    """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
+    length."""
     if cfg.mla_cache_layout not in MLA_CACHE_LAYOUTS:
         raise ValueError(f"cfg.mla_cache_layout={cfg.mla_cache_layout!r} is invalid: one of "
                          f"{MLA_CACHE_LAYOUTS}")
@@ -470,7 +472,7 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     )(positions, x, *operands)
 
 
-# ---- KV traffic -----------------------------------------------------------------------------------
+# ---- KV traffic ---------------------------------------------------------------------------------
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
@@ -534,7 +536,8 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
     """KV bytes read per MLA layer per step against context, both layouts, at Kimi K3 shapes.
 
     Dots: the tokens each row of a recorded mini run read (from its DMA log), priced at Kimi K3's
-    bytes per token. Lines: ⌈p / T⌉ · T tokens at Kimi K3's tile (256) out to 32768.
+    bytes per token. Solid lines: the rule ⌈p / T⌉ · T tokens with the recorded tile T, out to
+    32768; dashed: the same with Kimi K3's tile (256).
     """
     import matplotlib
 
@@ -547,14 +550,15 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
     recorded = recorded or get_config("kimi-k3-mini")
     logs = logs or record_kv_logs(recorded, positions)
     full = get_config("kimi-k3")
-    context = np.unique(np.geomspace(1, full.max_seq_len, 200).astype(int))
+    context = np.unique(np.geomspace(1, full.max_seq_len, 400).astype(int))
     fig, ax = plt.subplots(figsize=(7, 4))
     for layout, color in zip(MLA_CACHE_LAYOUTS, ("tab:red", "tab:blue")):
         source, target = recorded.replace(mla_cache_layout=layout), full.replace(
             mla_cache_layout=layout)
-        tiles = -(-context // full.kv_tile)
-        ax.plot(context, tiles * full.kv_tile * kv_bytes_per_token(target), color=color,
-                label=f"{layout}: {kv_bytes_per_token(target):,} B/token")
+        per_token = kv_bytes_per_token(target)
+        for tile, style in ((recorded.kv_tile, "-"), (full.kv_tile, "--")):
+            ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
+                    label=f"{layout}: {per_token:,} B/token, tiles of {tile}")
         rows = kv_bytes_by_row(logs[layout])
         measured = [(positions[r], rows.get(r, 0) // kv_bytes_per_token(source)
                      * kv_bytes_per_token(target)) for r in range(len(positions))]

@@ -59,7 +59,7 @@ def normalised_input(cfg, batch, seed):
     return reference.rms_norm(x, jnp.ones((cfg.d_model,), jnp.bfloat16), cfg.rms_eps)
 
 
-# ---- MLA ------------------------------------------------------------------------------------------
+# ---- MLA ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
@@ -123,7 +123,7 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
     assert at[("kimi-k3-rank", "expanded")] == 2 * at[("kimi-k3-rank", "latent")]
 
 
-# ---- KDA ------------------------------------------------------------------------------------------
+# ---- KDA ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -142,7 +142,8 @@ def test_kda_matches_reference(race_checked, mini_params, batch):
     ref_out, ref_conv, ref_state = reference.kda_attention(p, x, conv, state, cfg)
 
     assert_bf16_close(out, ref_out, f"KDA B={batch} output")
-    np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(ref_conv, np.float32))
+    np.testing.assert_array_equal(np.asarray(new_conv, np.float32),
+                                  np.asarray(ref_conv, np.float32))
     np.testing.assert_allclose(np.asarray(new_state), np.asarray(ref_state), rtol=0,
                                atol=STATE_ATOL)
     # the f32 state is read once and written once; every weight byte goes through the log
@@ -170,7 +171,7 @@ def test_kda_decay_stays_above_its_bound(race_checked, mini_params):
     np.testing.assert_allclose(np.asarray(new_state), np.exp(cfg.kda_decay_bound), rtol=1e-5)
 
 
-# ---- compilation for TPU7x ------------------------------------------------------------------------
+# ---- compilation for TPU7x ----------------------------------------------------------------------
 
 
 def _mla_structs(cfg, batch):
@@ -187,7 +188,8 @@ def _kda_structs(cfg, batch):
     p = {name: s(shape, kda.WEIGHT_DTYPES.get(name, jnp.bfloat16))
          for name, shape in kda.weight_shapes(cfg).items()}
     return (p, s((batch, cfg.d_model), jnp.bfloat16),
-            s((batch, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16), s((batch, h, d, d), jnp.float32))
+            s((batch, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16),
+            s((batch, h, d, d), jnp.float32))
 
 
 COMPILE_CASES = [("kimi-k3-mini", {}, 3), ("kimi-k3-rank", {"max_seq_len": 32768}, 1)]
@@ -209,7 +211,7 @@ def test_compiles_for_tpu7x(name, overrides, batch, kernel):
     assert result.n_mosaic_kernels == 1
 
 
-# ---- bad input ------------------------------------------------------------------------------------
+# ---- bad input ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
