@@ -66,6 +66,6 @@ def test_info_text():
 
 
 def test_figures(tmp_path):
-    done = run("figures", "--out", str(tmp_path))
+    done = run("figures", "--out", str(tmp_path), "--only", "roofline")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
