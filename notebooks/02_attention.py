@@ -1,0 +1,351 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %%
+# Setup: works on Colab, on a TPU VM and on a laptop. Installs mkresearch if it is missing.
+import importlib.util, os, subprocess, sys
+if importlib.util.find_spec("mkresearch") is None:
+    root = os.path.abspath("..")
+    source = (f"file://{root}" if os.path.exists(os.path.join(root, "pyproject.toml"))
+              else "git+" + os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch"))
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"mkresearch[notebooks] @ {source}"])
+import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
+from mkresearch import tpu
+print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
+
+# %% [markdown]
+# # 02 · Attention: MLA and KDA decode kernels
+#
+# Every Kimi K3 layer starts with attention. 24 layers use **MLA** (multi-head latent attention):
+# its KV cache is the only per-token cost that grows with the context. 69 layers use **KDA**
+# (Kimi delta attention): a fixed-size f32 state per head, read and written every step.
+#
+# This notebook builds the MLA decode kernel in four steps, each checked against the plain-JAX
+# reference (`mkresearch.reference`), then the KDA step, then measures KV bytes from the DMA log
+# and compiles both kernels for TPU7x at the shapes of one of the 32 ranks of the released layout.
+# The kernels themselves live in `kernels/mla.py` and `kernels/kda.py`; the steps below import
+# their pieces rather than copy them.
+
+# %%
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import dma, kda, mla
+
+from mkresearch import config, reference, weights
+
+tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
+cfg = config.get_config("kimi-k3-mini")
+params = weights.init_params(cfg, 0)
+T = cfg.kv_tile
+print(f"{cfg.name}: d={cfg.d_model}, heads={cfg.n_heads}, kv_rank={cfg.mla_kv_rank}, "
+      f"qk={cfg.mla_qk_nope}+{cfg.mla_qk_extra}, v={cfg.mla_v_dim}, cache={cfg.max_seq_len} "
+      f"tokens in tiles of {T}")  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# ## MLA, step by step
+#
+# For one head the decode step is `o = softmax(q·Kᵀ/√d) V` over the cached tokens `0..p`. We start
+# with that core alone, on one row and one head of an expanded cache (K `[S, 256]`, V `[S, 128]`),
+# with the new token already in the cache, and compare with a plain `jnp` softmax.
+
+# %%
+S, DK, DV = cfg.max_seq_len, cfg.mla_k_padded, cfg.mla_v_dim
+scale = cfg.mla_qk_dim ** -0.5
+keys = jax.random.split(jax.random.key(0), 3)
+q1 = jax.random.normal(keys[0], (1, DK)).astype(jnp.bfloat16)  # [1, 256]
+k1 = jax.random.normal(keys[1], (S, DK)).astype(jnp.bfloat16)  # [S, 256]
+v1 = jax.random.normal(keys[2], (S, DV)).astype(jnp.bfloat16)  # [S, 128]
+position = 77  # tokens 0..77 are visible: two full tiles and a part of the third
+
+
+def core_reference(q, k, v, position):
+    scores = (q.astype(jnp.float32) @ k.astype(jnp.float32).T) * scale  # [1, S]
+    scores = jnp.where(jnp.arange(k.shape[0]) <= position, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1) @ v.astype(jnp.float32)  # [1, DV]
+
+
+expected_core = core_reference(q1, k1, v1, position)
+
+
+def check(name, got, want, tol=2e-3):
+    err = float(jnp.max(jnp.abs(jnp.asarray(got, jnp.float32) - jnp.asarray(want, jnp.float32))))
+    assert err <= tol * max(1.0, float(jnp.max(jnp.abs(want)))), (name, err)
+    print(f"PASS {name}: max |error| <= {tol:g}")
+
+
+# %% [markdown]
+# ### Step 1 · naive: the whole cache in VMEM
+# The simplest kernel: the default BlockSpecs copy all of K and V into VMEM before the body runs,
+# and the body does one masked softmax. It is correct, but it reads all `S` tokens whatever the
+# position, and the cache must fit in VMEM: at Kimi K3 shapes one row's expanded cache for a 32k
+# context is 96 heads × 32768 × 384 × 2 B = 2.4 GB, against 64 MiB of VMEM.
+
+# %%
+def naive_kernel(position_ref, q_ref, k_ref, v_ref, o_ref):
+    scores = mla.dot_t(q_ref[...], k_ref[...]) * scale  # [1, S]
+    token = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    scores = jnp.where(token <= position_ref[0], scores, -jnp.inf)
+    weights_ = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    o_ref[...] = jnp.dot(weights_ / jnp.sum(weights_, axis=-1, keepdims=True),
+                         v_ref[...].astype(jnp.float32))
+
+
+def run_naive(q, k, v, position):
+    return pl.pallas_call(
+        naive_kernel, out_shape=jax.ShapeDtypeStruct((1, DV), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [pl.BlockSpec()] * 3,
+        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
+
+
+check("step 1 naive (whole cache in VMEM)", run_naive(q1, k1, v1, position), expected_core)  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# ### Step 2 · tiles and an online softmax
+# Walk the cache in tiles of `T` tokens and keep a running max `m`, normaliser `l` and
+# accumulator: `mla.online_softmax_step` — the very function the MLA kernel uses. Only the
+# `⌈(p+1)/T⌉` tiles holding visible tokens are touched; the loop bound is dynamic. The cache is
+# still all in VMEM.
+
+# %%
+plan1 = mla.make_plan(cfg, batch=1, seq_len=S)
+
+
+def tiled_kernel(position_ref, q_ref, k_ref, v_ref, o_ref):
+    visible = position_ref[0] + 1  # online_softmax_step masks tokens >= its `position`
+    q = q_ref[...]
+
+    def step(t, carry):
+        tokens = pl.ds(pl.multiple_of(t * T, T), T)
+        scores = mla.dot_t(q, k_ref[tokens, :]) * scale  # [1, T]
+        return mla.online_softmax_step(plan1, t, visible, scores,
+                                       v_ref[tokens, :].astype(jnp.float32), carry)
+
+    start = (jnp.full((1, 1), -jnp.inf), jnp.zeros((1, 1)), jnp.zeros((1, DV)))
+    _, l, acc = jax.lax.fori_loop(0, jax.lax.div(visible + T - 1, T), step, start)
+    o_ref[...] = acc / l
+
+
+def run_tiled(q, k, v, position):
+    return pl.pallas_call(
+        tiled_kernel, out_shape=jax.ShapeDtypeStruct((1, DV), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [pl.BlockSpec()] * 3,
+        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
+
+
+check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_core)  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# ### Step 3 · the cache stays in HBM: double-buffered DMA
+# Now K and V stay in HBM (`memory_space=pl.ANY`) and each tile is copied into one of two VMEM
+# slots by DMA: tile `t+1` flies while tile `t` is used. `mla.tile_loop` is the kernel's loop; its
+# rings go through `mkresearch.kernels.dma`, so the DMA log shows every tile it read — and only
+# those.
+
+# %%
+def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):
+    visible = position_ref[0] + 1
+    q = q_ref[...]
+
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * T, T), T)
+        return k_hbm.at[tokens, :], v_hbm.at[tokens, :]
+
+    def update(t, tiles, carry):
+        k_tile, v_tile = tiles  # [T, DK], [T, DV] in VMEM
+        return mla.online_softmax_step(plan1, t, visible, mla.dot_t(q, k_tile) * scale,
+                                       v_tile.astype(jnp.float32), carry)
+
+    def scoped(k_slots, v_slots, sems):
+        rings = (dma.Ring(k_slots, sems.at[0], name="mla.kv.k"),
+                 dma.Ring(v_slots, sems.at[1], name="mla.kv.v"))
+        start = (jnp.full((1, 1), -jnp.inf), jnp.zeros((1, 1)), jnp.zeros((1, DV)))
+        _, l, acc = mla.tile_loop(plan1, 0, visible, rings, windows, update, start, {})
+        o_ref[...] = acc / l
+
+    pl.run_scoped(scoped, pltpu.VMEM((2, T, DK), jnp.bfloat16), pltpu.VMEM((2, T, DV), jnp.bfloat16),
+                  pltpu.SemaphoreType.DMA((2, 2)))
+
+
+def run_dma(q, k, v, position):
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        dma_kernel, out_shape=jax.ShapeDtypeStruct((1, DV), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(), hbm, hbm],
+        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
+
+
+with dma.recording() as log3:
+    out3 = jax.block_until_ready(run_dma(q1, k1, v1, position))
+check("step 3 double-buffered DMA from HBM", out3, expected_core)
+tiles_read = len(log3.select("dma_start", "mla.kv.k"))
+print(f"tiles read: {tiles_read} of {S // T}, slots used: "
+      f"{[e.slot for e in log3.select('dma_start', 'mla.kv.k')]}, "
+      f"KV bytes: {log3.dma_bytes('mla.kv.'):,}")  # NBVAL_CHECK_OUTPUT
+assert tiles_read == -(-(position + 1) // T) == 3
+assert not tpu.races_found()
+
+# %% [markdown]
+# ### Step 4 · the whole sublayer, expanded and latent (absorbed)
+# The kernel `mla.mla_attention` does the whole sublayer from the normalised input `x`:
+# projections (weights stream by DMA in row blocks), the tiled attention above for every row of
+# the batch at its own position, the output gate and `W_o`, and the in-place cache write. Two
+# details differ from step 3:
+#
+# * the new token never goes through HBM on the read side: its score seeds the softmax (`m` = its
+#   score, `l = 1`, `acc` = its value), and only the `⌈p/T⌉` tiles of tokens `0..p−1` are read;
+# * the new entry is written in place (`input_output_aliases`). HBM arrays are tiled by 16 bf16
+#   rows, so the kernel reads the aligned 16-row block around `p`, patches one row in VMEM and
+#   writes the block back.
+#
+# **Latent layout.** Instead of `K, V` per head (`H × 384` values per token), cache the normalised
+# latent `ĉ` (512) and the shared `k^X` (64), and absorb `W_kvb` into both sides:
+# `q^C_h · k^C_h = (q^C_h W_kvbK_hᵀ) · ĉ` and `Σ α v_h = (Σ α ĉ) W_kvbV_h`. One latent tile serves
+# every head, and a token costs 1,152 bytes instead of 73,728 at Kimi K3's 96 heads.
+#
+# Three rows at positions 0, 32 (a tile boundary) and 77, against the reference, both layouts.
+
+# %%
+positions = jnp.array([0, 32, 77], jnp.int32)
+x = reference.rms_norm(jax.random.normal(jax.random.key(1), (3, cfg.d_model)),
+                       jnp.ones((cfg.d_model,), jnp.bfloat16), cfg.rms_eps)  # [B, d] bf16
+p_mla = reference.layer_params(params["mla"], 0)
+logs = {}
+for layout in ("expanded", "latent"):
+    lcfg = cfg.replace(mla_cache_layout=layout)
+    cache = {name: jax.random.normal(key, shape).astype(jnp.bfloat16) for (name, shape), key in
+             zip(mla.cache_shapes(lcfg, 3, S).items(), jax.random.split(jax.random.key(2), 2))}
+    if layout == "expanded":
+        cache["k"] = cache["k"].at[..., cfg.mla_qk_dim:].set(0)  # the K padding is zero
+    with dma.recording() as logs[layout]:
+        out, new_cache = mla.mla_attention(p_mla, x, cache, positions, lcfg)
+        jax.block_until_ready(out)
+    ref_out, ref_cache = reference.mla_attention(p_mla, x, cache, positions, lcfg)
+    check(f"step 4 MLA sublayer, {layout} cache: output (bf16 tolerance 2^-7 of max)", out,
+          ref_out, tol=2 ** -7)
+    assert all(bool(jnp.array_equal(new_cache[n], ref_cache[n])) for n in ref_cache)
+    assert logs[layout].dma_bytes("mla.kv.") == mla.kv_tile_bytes_needed(positions, lcfg)
+    print(f"PASS {layout}: cache after the step equals the reference's; KV tiles read "
+          f"{logs[layout].dma_bytes('mla.kv.'):,} B = the tiles needed")
+assert not tpu.races_found()
+
+# %%
+for layout in ("expanded", "latent"):  # NBVAL_CHECK_OUTPUT
+    log = logs[layout]
+    print(f"{layout:9s} weights {log.dma_bytes('mla.w_'):>9,} B   KV tiles "
+          f"{log.dma_bytes('mla.kv.'):>7,} B   in-place update {log.dma_bytes('mla.kv_update'):>7,} B")
+
+# %% [markdown]
+# ## KDA, step by step
+#
+# KDA keeps, per head, a `D × D` f32 state `S[key, value]`. One step (spec §4): project `x`,
+# run a causal depthwise conv of size 4 over the last 3 pre-conv vectors and this one, L2-normalise
+# `q` and `k`, then the gated delta rule
+#
+# `S̄ = Diag(e^λ) S`,  `S ← S̄ + β k (v − S̄ᵀk)ᵀ`,  `o = Sᵀq`,  with `λ = −5·σ(exp(A_log)·(g + b))`,
+#
+# and finally an RMSNorm of `o` times a sigmoid gate. **Step 1**: the decay gate alone. `λ` lives
+# in `(−5, 0)`: a key channel keeps between `e^−5 ≈ 0.7%` and all of its memory each step.
+
+# %%
+p_kda = reference.layer_params(params["kda"], 0)
+xk = x[:1]
+g_raw = reference.bf(reference.bf(xk @ p_kda["w_fa"]) @ p_kda["w_fb"]).astype(jnp.float32)
+log_decay = cfg.kda_decay_bound * jax.nn.sigmoid(
+    jnp.exp(p_kda["a_log"]).repeat(cfg.kda_head_dim) * (g_raw + p_kda["dt_bias"]))
+assert float(log_decay.min()) > cfg.kda_decay_bound and float(log_decay.max()) < 0
+print(f"λ in ({cfg.kda_decay_bound:g}, 0): min {float(log_decay.min()):.2f}, "
+      f"max {float(log_decay.max()):.1e}")  # NBVAL_CHECK_OUTPUT
+
+# %% [markdown]
+# **Step 2**: the fused kernel `kda.kda_attention`. The conv and recurrent states start flying
+# HBM→VMEM first (hidden behind the projections); the rule runs per row and head in VMEM; both
+# states are written back in place. We run three decode steps, feeding the kernel its own states,
+# against the reference fed its own.
+
+# %%
+H, D = cfg.n_heads, cfg.kda_head_dim
+conv_k = conv_r = jnp.zeros((3, cfg.kda_conv_size - 1, 3, H, D), jnp.bfloat16)
+state_k = state_r = jnp.zeros((3, H, D, D), jnp.float32)
+for step in range(3):
+    xs = reference.rms_norm(jax.random.normal(jax.random.key(10 + step), (3, cfg.d_model)),
+                            jnp.ones((cfg.d_model,), jnp.bfloat16), cfg.rms_eps)
+    with dma.recording() as kda_log:
+        out_k, conv_k, state_k = kda.kda_attention(p_kda, xs, conv_k, state_k, cfg)
+    out_r, conv_r, state_r = reference.kda_attention(p_kda, xs, conv_r, state_r, cfg)
+    check(f"KDA step {step}: output", out_k, out_r, tol=2 ** -7)
+    assert bool(jnp.array_equal(conv_k, conv_r))
+    state_err = float(jnp.max(jnp.abs(state_k - state_r)))
+    assert state_err < 1e-5, state_err
+print("PASS KDA: conv state bit-equal, f32 state within 1e-5 after 3 steps")  # NBVAL_CHECK_OUTPUT
+print(f"per step: state read {kda_log.dma_bytes('kda.state.read'):,} B, written "
+      f"{kda_log.dma_bytes('kda.state.write'):,} B; weights {kda_log.dma_bytes('kda.w_'):,} B")
+assert not tpu.races_found()
+
+# %% [markdown]
+# ## KV bytes per step against context
+# The dots are the KV tile bytes each row of the step-4 runs read, from the DMA log, priced at
+# Kimi K3's bytes per token (the log counts tokens; the config prices them). The lines extend the
+# same rule — whole tiles of 256 tokens up to the position — to a 32k context. At full Kimi K3
+# (96 heads) latent reads 64× less. **On one rank** of the released layout (3 of the 96 heads) the
+# ratio is only 2×: each rank still needs the whole latent (1,152 B/token) against 3 heads of
+# expanded K and V (2,304 B/token) — the 64× is a whole-model saving, which a head-sharded layout
+# only gets by sharding the latent cache some other way (e.g. by sequence).
+
+# %%
+fig = mla.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
+full = config.get_config("kimi-k3")
+rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
+for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):  # NBVAL_CHECK_OUTPUT
+    e = mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
+                        target.replace(mla_cache_layout="expanded"))
+    lat = mla.kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
+                          target.replace(mla_cache_layout="latent"))
+    print(f"{name:13s} step-4 tokens priced: expanded {e:>11,} B  latent {lat:>9,} B  "
+          f"ratio {e / lat:.0f}x")
+assert mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"), full) >= \
+    50 * mla.kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
+                         full.replace(mla_cache_layout="latent"))
+
+# %% [markdown]
+# ## Compiling for TPU7x at Kimi K3 per-rank shapes
+# No TPU here, but libtpu's Mosaic compiler runs on the CPU (`tpu.compile_for`): tiling, layout
+# and VMEM errors surface exactly as on the chip. Shapes of one rank (3 heads), a 32,768-token
+# context, batch 1; only shapes are needed, no weights.
+
+# %%
+S_ = jax.ShapeDtypeStruct
+results = {}
+for layout in ("expanded", "latent"):
+    rcfg = rank.replace(mla_cache_layout=layout)
+    structs = ({n: S_(s, jnp.bfloat16) for n, s in mla.weight_shapes(rcfg).items()},
+               S_((1, rcfg.d_model), jnp.bfloat16),
+               {n: S_(s, jnp.bfloat16) for n, s in mla.cache_shapes(rcfg, 1, 32768).items()},
+               S_((1,), jnp.int32))
+    results[f"MLA {layout}"] = tpu.compile_for(
+        lambda p, x, c, pos, rcfg=rcfg: mla.mla_attention(p, x, c, pos, rcfg), *structs,
+        chip="tpu7x")
+kda_structs = ({n: S_(s, kda.WEIGHT_DTYPES.get(n, jnp.bfloat16))
+                for n, s in kda.weight_shapes(rank).items()},
+               S_((1, rank.d_model), jnp.bfloat16),
+               S_((1, rank.kda_conv_size - 1, 3, rank.n_heads, rank.kda_head_dim), jnp.bfloat16),
+               S_((1, rank.n_heads, rank.kda_head_dim, rank.kda_head_dim), jnp.float32))
+results["KDA"] = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, rank),
+                                 *kda_structs, chip="tpu7x")
+for name, result in results.items():
+    print(f"{name:13s} {result}")
+    assert result.n_mosaic_kernels == 1
