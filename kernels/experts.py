@@ -79,31 +79,26 @@ def _choice(i: Any, top_k: int) -> tuple[Any, Any]:
     return lax.div(i, top_k), lax.rem(i, top_k)
 
 
-def _work_list(plan: str, ids_smem: Any, n_experts: int):
-    """(n_items (int or traced), expert_of(i) -> traced expert id). Scalar work in SMEM."""
+def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
+    """Distinct expert ids of the batch, in first-use order, into unique_ref [B*k] (SMEM);
+    returns their count. seen_ref [E] (SMEM) is a scratch table. Scalar work: E + 4·B·k SMEM
+    accesses, done before any expert DMA is issued."""
     batch, top_k = ids_smem.shape
-    if plan == "all":
-        return n_experts, lambda i: i
-    if plan == "routed":
-        return batch * top_k, lambda i: ids_smem[_choice(i, top_k)]
 
-    def dedupe(unique, seen):  # unique [B*k], seen [E] (SMEM)
-        def clear(e, carry):
-            seen[e] = 0
-            return carry
+    def clear(e, carry):
+        seen_ref[e] = 0
+        return carry
 
-        lax.fori_loop(0, n_experts, clear, 0)
+    lax.fori_loop(0, seen_ref.shape[0], clear, 0)
 
-        def visit(i, count):  # branch-free: write always, advance only on a new expert
-            e = ids_smem[_choice(i, top_k)]
-            new = seen[e] == 0
-            unique[count] = e
-            seen[e] = 1
-            return count + new.astype(jnp.int32)
+    def visit(i, count):  # branch-free: write always, advance only on a new expert
+        e = ids_smem[_choice(i, top_k)]
+        new = seen_ref[e] == 0
+        unique_ref[count] = e
+        seen_ref[e] = 1
+        return count + new.astype(jnp.int32)
 
-        return lax.fori_loop(0, batch * top_k, visit, jnp.int32(0))
-
-    return dedupe
+    return lax.fori_loop(0, batch * top_k, visit, jnp.int32(0))
 
 
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
@@ -113,25 +108,27 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k]."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
-    plan_or_dedupe = _work_list(plan, ids_smem, n_experts)
-    if callable(plan_or_dedupe) and plan == "unique":
-        def with_unique(unique, seen):
-            n_items = plan_or_dedupe(unique, seen)
-            return _run_experts(n_items, lambda i: unique[i], ids_smem, x, ids, weights, w_ld,
-                                latent_norm, w_lu, experts, expert_format=expert_format,
-                                plan=plan, n_slots=n_slots, latent=latent,
-                                latent_padded=latent_padded, eps=eps, kind=kind)
+    # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
+    run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
+                            w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
+                            expert_format=expert_format, plan=plan, n_slots=n_slots,
+                            latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+    if plan == "all":
+        return run(n_experts, lambda i: i)
+    if plan == "routed":
+        return run(batch * top_k, lambda i: ids_smem[_choice(i, top_k)])
 
-        return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
-                             pltpu.SMEM((n_experts,), jnp.int32))
-    n_items, expert_of = plan_or_dedupe
-    return _run_experts(n_items, expert_of, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu,
-                        experts, expert_format=expert_format, plan=plan, n_slots=n_slots,
-                        latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+    def with_unique(unique_ref, seen_ref):
+        n_unique = dedupe_experts(ids_smem, unique_ref, seen_ref)
+        return run(n_unique, lambda i: unique_ref[i])
+
+    return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
+                         pltpu.SMEM((n_experts,), jnp.int32))
 
 
-def _run_experts(n_items, expert_of, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu, experts,
-                 *, expert_format, plan, n_slots, latent, latent_padded, eps, kind):
+def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu,
+                 experts, expert_format, plan, n_slots, latent, latent_padded, eps, kind):
+    """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
     batch, top_k = ids.shape
     names = quant.part_names(expert_format)
     # one ring per (matrix, part): slot buffers [n_slots, *part shape], one semaphore per slot

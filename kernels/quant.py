@@ -20,7 +20,8 @@ packing of the checkpoint; the E8M0 scale 2^(e-127) is built from its exponent b
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
