@@ -5,8 +5,9 @@ Tolerance (stated once, used for every sublayer output): the kernels round at th
 the reference but accumulate matmuls in other orders (streamed row blocks, online softmax), so a
 bf16 output may differ by about one bf16 ulp of the output's scale:
 |kernel − reference| ≤ 2^-7 · |reference| + 2^-7 · max|reference|.
-Caches and the conv state must be bit-equal; the f32 recurrent state within 1e-5 (abs, f32
-summation order).
+Caches and the conv state must be bit-equal (within one bf16 ulp when the B=3 cases split the
+weights into 128-row blocks, which changes the f32 summation order); the f32 recurrent state
+within 1e-5 (abs).
 """
 
 import os
@@ -29,6 +30,9 @@ T = MINI.kv_tile  # 32
 # positions per batch size: 0, a tile boundary (32), non-multiples of the tile; B=8 stays within
 # two tiles (interpret mode costs ~10 ms per simulated memory op)
 POSITIONS = {1: [45], 3: [0, 32, 77], 8: [0, 1, 16, 31, 32, 33, 47, 63]}
+# at mini shapes every weight matrix fits one 2 MiB block: the B=3 cases cut them into 128-row
+# blocks so the two-slot weight ring really alternates (4 blocks for a 512-row matrix)
+BLOCK_ROWS = {1: None, 3: 128, 8: None}
 
 
 def assert_bf16_close(actual, expected, what):
@@ -36,6 +40,18 @@ def assert_bf16_close(actual, expected, what):
     scale = float(np.abs(expected).max())
     np.testing.assert_allclose(actual, expected, rtol=BF16_TOL, atol=BF16_TOL * scale,
                                err_msg=f"{what}: beyond the bf16 tolerance")
+
+
+def assert_state_equal(actual, expected, batch, what):
+    """Bit-equal with whole-matrix weight blocks (the reference's one matmul sums in the same
+    order); with 128-row blocks the f32 partial sums add in another order, so a bf16 entry may
+    round one ulp apart."""
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    if BLOCK_ROWS[batch] is None:
+        np.testing.assert_array_equal(actual, expected, err_msg=f"{what} after the step")
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=BF16_TOL, atol=0,
+                                   err_msg=f"{what} after the step: beyond one bf16 ulp")
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +89,14 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
     positions = jnp.array(POSITIONS[batch], jnp.int32)
 
     with dma.recording() as log:
-        out, new_cache = mla.mla_attention(p, x, cache, positions, cfg)
+        out, new_cache = mla.mla_attention(p, x, cache, positions, cfg,
+                                           weight_block_rows=BLOCK_ROWS[batch])
         jax.block_until_ready(out)
     ref_out, ref_cache = reference.mla_attention(p, x, cache, positions, cfg)
 
     assert_bf16_close(out, ref_out, f"MLA {layout} B={batch} output")
     for name in ref_cache:
-        np.testing.assert_array_equal(np.asarray(new_cache[name], np.float32),
-                                      np.asarray(ref_cache[name], np.float32),
-                                      err_msg=f"cache[{name!r}] after the step")
+        assert_state_equal(new_cache[name], ref_cache[name], batch, f"cache[{name!r}]")
     # KV tiles: exactly the ⌈p/T⌉ tiles of each row, nothing past the position
     needed = mla.kv_tile_bytes_needed(positions, cfg)
     assert log.dma_bytes("mla.kv.") == needed
@@ -94,6 +109,9 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
     weight_bytes = sum(int(np.prod(p[name].shape)) * 2 for name in mla.WEIGHT_NAMES)
     assert log.dma_bytes("mla.w_") + log.dma_bytes("mla.q_norm") + log.dma_bytes(
         "mla.kv_norm") == weight_bytes
+    if BLOCK_ROWS[batch]:
+        w_qa_blocks = log.select("dma_start", "mla.w_qa")
+        assert [e.slot for e in w_qa_blocks] == [0, 1, 0, 1]  # 512 rows in 4 blocks of 128
 
 
 def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
@@ -137,13 +155,13 @@ def test_kda_matches_reference(race_checked, mini_params, batch):
     x = normalised_input(cfg, batch, seed=20 + batch)
 
     with dma.recording() as log:
-        out, new_conv, new_state = kda.kda_attention(p, x, conv, state, cfg)
+        out, new_conv, new_state = kda.kda_attention(p, x, conv, state, cfg,
+                                                     weight_block_rows=BLOCK_ROWS[batch])
         jax.block_until_ready(out)
     ref_out, ref_conv, ref_state = reference.kda_attention(p, x, conv, state, cfg)
 
     assert_bf16_close(out, ref_out, f"KDA B={batch} output")
-    np.testing.assert_array_equal(np.asarray(new_conv, np.float32),
-                                  np.asarray(ref_conv, np.float32))
+    assert_state_equal(new_conv, ref_conv, batch, "conv state")
     np.testing.assert_allclose(np.asarray(new_state), np.asarray(ref_state), rtol=0,
                                atol=STATE_ATOL)
     # the f32 state is read once and written once; every weight byte goes through the log
