@@ -159,8 +159,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_
         z = blocks.stream_matmul(x, w_ld, rows=blocks.weight_block_rows(
             tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)  # [B, Lat]
 
-        h_width = experts["w2"][0].shape[1] * (quant.NIBBLES_PER_WORD
-                                                if expert_format == "mxfp4" else 1)  # F
+        hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
                        + lax.broadcasted_iota(jnp.int32, (batch, top_k), 1))  # [B, k]: b·k + j
 
@@ -174,9 +173,8 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_
             slot = lax.rem(i, n_slots)
             part = {m: tuple(rings[m, j].buffer(slot) for j in range(len(names)))
                     for m in EXPERT_MATRICES}
-            lat_in, hidden = z.shape[1], h_width
-            with dma.phase("expert/compute", item=i, flops=6 * batch * lat_in * hidden,
-                           vmem_bytes=3 * lat_in * hidden * 2):  # decoded bf16 W1, W3, W2
+            with dma.phase("expert/compute", item=i, flops=6 * batch * latent * hidden,
+                           vmem_bytes=3 * latent * hidden * 2):  # decoded bf16 W1, W3, W2
                 g = quant.matmul(z, part["w1"], expert_format).astype(jnp.bfloat16)  # [B, F]
                 u = quant.matmul(z, part["w3"], expert_format).astype(jnp.bfloat16)
                 y = quant.matmul(activation(g, u, kind), part["w2"], expert_format)

@@ -10,8 +10,6 @@ Against mkresearch.reference (routed_experts, moe_ffn, dense_ffn) and mkresearch
 - bad input -> ValueError naming the parameter; compiles for TPU7x at mini and per-rank shapes.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +18,6 @@ import pytest
 from mkresearch import config, reference, tpu, weights
 from mkresearch.kernels import dma, experts, quant
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 # bf16 tolerance of a [B, d] output whose entries are O(1): a few bf16 ulps of the largest entry.
@@ -189,7 +186,8 @@ def all_codes_mxfp4(k=256, n=128):
     magnitude = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[nibbles & 7]
     value = np.where(nibbles & 8, -magnitude, magnitude) * np.ldexp(
         1.0, np.repeat(scales, 32, axis=0).astype(int) - 127)
-    expected = value.astype(jnp.bfloat16).astype(np.float32)
+    with np.errstate(over="ignore"):  # 6 x 2^127 is inf in bf16, in the kernel too
+        expected = value.astype(jnp.bfloat16).astype(np.float32)
     return {"codes": jnp.asarray(codes), "scales": jnp.asarray(scales)}, expected
 
 

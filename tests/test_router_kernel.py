@@ -5,8 +5,6 @@ selection but never the weights, ids/weights end in SMEM, bad input -> ValueErro
 compiles for TPU7x at mini and per-rank shapes. Interpret mode with the race detector on.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,6 @@ import pytest
 from mkresearch import config, reference, tpu, weights
 from mkresearch.kernels import dma, router
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
 MINI = config.get_config("kimi-k3-mini")
 
