@@ -14,7 +14,8 @@ The [B, V] logits never reach HBM. What survives a tile is the running state, pe
 * the best z + G and its index, G the counter-based Gumbel noise of (seed, row, position, index):
   Gumbel-max over the whole vocabulary, an exact temperature sample;
 * an online log-sum-exp of z (running max and rescaled sum): exact probabilities later;
-* the top 128 candidates (z and index), kept sorted (z descending, index ascending).
+* the top 128 candidates (z and index), kept sorted (z descending, index ascending); a tile's
+  elements that beat the 128th candidate are inserted at their rank (`merge_candidates`).
 
 At the end: greedy rows take the best index; pure-temperature rows (top_k 0, top_p 1) the Gumbel
 winner; top-k / top-p rows Gumbel-max over the kept candidates. A candidate j is kept while j <
@@ -88,24 +89,36 @@ def _take_better(value, index, new_value, new_index):
 
 
 def merge_candidates(cand_values, cand_indices, z, indices):
-    """The top 128 of candidates [B, 128] + a tile z [B, TV], sorted (z desc, index asc).
+    """Insert the tile z [B, TV] (indices [B, TV]) into the sorted candidates [B, 128].
 
-    128 rounds of "take the row max (lowest index among equals), remove it": plain VPU/XLU ops,
-    and the output comes out sorted, which the nucleus needs anyway."""
-    values = jnp.concatenate([cand_values, z], axis=1)  # [B, 128 + TV]
-    pool = jnp.concatenate([cand_indices, indices], axis=1)
+    Tile elements go in best first (z desc, index asc), each at its rank among the candidates:
+    lanes below the rank stay, the element lands at the rank, the rest shift one lane right (a lane
+    roll). A candidate from an earlier tile wins ties (its index is lower), and so does an element
+    of this tile inserted before. The loop stops as soon as no row has a tile element above its
+    128th candidate, so a tile costs as many rounds as it has new top-128 elements (all 128 for the
+    first tile, about 128/(t+1) for tile t of random logits), not 128 every time."""
     lane = lax.broadcasted_iota(jnp.int32, cand_values.shape, 1)
 
-    def take_one(j, carry):
-        values, out_values, out_indices = carry
-        best, best_index = _best(values, pool)
-        out_values = jnp.where(lane == j, best, out_values)
-        out_indices = jnp.where(lane == j, best_index, out_indices)
-        return jnp.where(pool == best_index, -jnp.inf, values), out_values, out_indices
+    def improves(z, cand_values):  # [B, 1]: the tile's best beats the row's 128th candidate
+        return jnp.max(z, axis=1, keepdims=True) > cand_values[:, -1:]
 
-    _, out_values, out_indices = lax.fori_loop(
-        0, MAX_CANDIDATES, take_one, (values, cand_values, cand_indices))
-    return out_values, out_indices
+    def insert_one(carry):
+        z, cand_values, cand_indices = carry
+        best, best_index = _best(z, indices)  # [B, 1]
+        rank = jnp.sum((cand_values >= best).astype(jnp.int32), axis=1, keepdims=True)
+        shifted_values = pltpu.roll(cand_values, 1, 1)  # lane j <- lane j-1
+        shifted_indices = pltpu.roll(cand_indices, 1, 1)
+        go = improves(z, cand_values)  # rows with nothing left to insert stay as they are
+        new_values = jnp.where(lane < rank, cand_values, jnp.where(lane == rank, best, shifted_values))
+        new_indices = jnp.where(lane < rank, cand_indices,
+                                jnp.where(lane == rank, best_index, shifted_indices))
+        return (jnp.where(go & (indices == best_index), -jnp.inf, z),
+                jnp.where(go, new_values, cand_values), jnp.where(go, new_indices, cand_indices))
+
+    _, cand_values, cand_indices = lax.while_loop(
+        lambda carry: jnp.any(improves(carry[0], carry[1])), insert_one,
+        (z, cand_values, cand_indices))
+    return cand_values, cand_indices
 
 
 def update_running_state(state: RunningState, z: jax.Array, indices: jax.Array, key: jax.Array, *,
@@ -240,7 +253,7 @@ def check_stage_args(snapshots, partial, mix_out, final_norm, lm_head, cfg: Mode
                      vocab_tile: Any, candidates: Any) -> None:
     """ValueError naming the bad parameter, before anything is traced."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
     d, vocab = cfg.d_model, cfg.vocab_size
     if getattr(partial, "ndim", None) != 2:
         raise ValueError(f"partial has shape {getattr(partial, 'shape', None)}: allowed [B, d={d}]")
@@ -275,8 +288,7 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
     d, vocab = lm_head.shape
     batch = partial.shape[0]
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)  # noqa: E731
-    out_shape = [column(jnp.int32), column(jnp.int32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, 1), jnp.int32)] * 2  # tokens, nucleus_overflow
     if return_logits:
         out_shape.append(jax.ShapeDtypeStruct((batch, vocab), jnp.float32))
     body = functools.partial(sampling_body, vocab_tile=vocab_tile, candidates=candidates, eps=eps,

@@ -115,7 +115,7 @@ class SamplingParams(NamedTuple):
 
 def _per_row(name: str, value: Any, batch: int, dtype: Any) -> np.ndarray:
     if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{name} must be a concrete Python number or a [B] sequence of them "
+        raise ValueError(f"{name} must be a concrete Python number or a [B] sequence of them "  # noqa: TRY004
                          "(it is checked before tracing), not a traced value")
     array = np.asarray(value)
     if array.ndim == 0:

@@ -65,13 +65,13 @@ TILE = 512  # vocab columns per LM head tile: 4 tiles at mini size
 # Stand-ins for what the stage receives: the step's snapshots R_0..R_2 and partial sum P, and the
 # final mix weight, final norm and LM head (random, of the model's shapes and dtypes).
 keys = jax.random.split(jax.random.key(0), 5)
-inputs = dict(
-    snapshots=jax.random.normal(keys[0], (cfg.n_blocks, B, d)).astype(jnp.bfloat16),  # [N-1, B, d]
-    partial=jax.random.normal(keys[1], (B, d)).astype(jnp.bfloat16),  # [B, d]
-    mix_out=jax.random.normal(keys[2], (d,)) * 0.05,  # [d] f32
-    final_norm=(1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(jnp.bfloat16),  # [d]
-    lm_head=(jax.random.normal(keys[4], (d, V)) * 0.12).astype(jnp.bfloat16),  # [d, V]
-)
+inputs = {
+    "snapshots": jax.random.normal(keys[0], (cfg.n_blocks, B, d)).astype(jnp.bfloat16),  # [N-1, B, d]
+    "partial": jax.random.normal(keys[1], (B, d)).astype(jnp.bfloat16),  # [B, d]
+    "mix_out": jax.random.normal(keys[2], (d,)) * 0.05,  # [d] f32
+    "final_norm": (1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(jnp.bfloat16),  # [d]
+    "lm_head": (jax.random.normal(keys[4], (d, V)) * 0.12).astype(jnp.bfloat16),  # [d, V]
+}
 params = {k: inputs[k] for k in ("mix_out", "final_norm", "lm_head")}
 logits = reference.final_logits(params, inputs["snapshots"], inputs["partial"], cfg)  # [B, V] f32
 # the normalised hidden state x that meets the LM head (reference.mix, then reference.rms_norm)
@@ -180,8 +180,9 @@ print("step 3 PASS: streamed Gumbel-max = reference sample(temperature=0.8), tok
 #
 # Top-k and top-p need the *order* of the largest logits and the *total* mass. The running state
 # keeps the 128 best `(z, index)` pairs, sorted (z descending, index ascending: `merge_candidates`
-# takes the row max 128 times from candidates + tile), and an online log-sum-exp (running max
-# `m`, running `Σ exp(z − m)` rescaled when `m` grows) — exact, not an estimate.
+# inserts each tile element that beats the 128th candidate at its rank, best first, with a lane
+# roll), and an online log-sum-exp (running max `m`, running `Σ exp(z − m)` rescaled when `m`
+# grows) — exact, not an estimate.
 #
 # At the end (`finish_sampling`): `p_j = exp(z_j − lse)`, the mass before candidate `j` is one
 # triangular matmul, and candidate `j` is kept while `j < top_k` and the mass before it is
@@ -194,9 +195,9 @@ print(inspect.getsource(stage.finish_sampling))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-modes = dict(temperature=[0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 8.0],
-             top_k=[0, 0, 0, 1, 5, 128, 0, 0],
-             top_p=[1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.95])
+modes = {"temperature": [0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 8.0],
+             "top_k": [0, 0, 0, 1, 5, 128, 0, 0],
+             "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.95]}
 scale = np.where(np.asarray(modes["temperature"]) > 0, modes["temperature"], 1.0)[:, None]
 candidate_state = stream(lambda l: l / scale, use_gumbel=True, use_candidates=True)
 tokens, overflow = stage.finish_sampling(
@@ -212,7 +213,7 @@ assert np.asarray(want_overflow).tolist() == [False] * 7 + [True]  # only row 7 
 print(f"{'row':>3} {'T':>4} {'top_k':>5} {'top_p':>5} {'nucleus':>7} {'overflow':>8} {'token':>5}")
 for b in range(B):
     print(f"{b:>3} {modes['temperature'][b]:>4} {modes['top_k'][b]:>5} {modes['top_p'][b]:>5} "
-          f"{int(sizes[b]):>7} {str(bool(overflow[b, 0])):>8} {int(tokens[b, 0]):>5}")
+          f"{int(sizes[b]):>7} {bool(overflow[b, 0])!s:>8} {int(tokens[b, 0]):>5}")
 print("step 4 PASS: candidates + exact lse = reference sample(candidates=128), overflow flags equal")
 
 # %% [markdown]

@@ -27,13 +27,13 @@ def make_inputs(cfg, batch, seed=0, head_scale=0.05):
     """Random final-stage inputs: snapshots [n_blocks, B, d], partial [B, d], weights."""
     keys = jax.random.split(jax.random.key(seed), 5)
     d, vocab = cfg.d_model, cfg.vocab_size
-    return dict(
-        snapshots=jax.random.normal(keys[0], (cfg.n_blocks, batch, d)).astype(jnp.bfloat16),
-        partial=jax.random.normal(keys[1], (batch, d)).astype(jnp.bfloat16),
-        mix_out=jax.random.normal(keys[2], (d,)) * 0.05,
-        final_norm=(1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(jnp.bfloat16),
-        lm_head=(jax.random.normal(keys[4], (d, vocab)) * head_scale).astype(jnp.bfloat16),
-    )
+    return {
+        "snapshots": jax.random.normal(keys[0], (cfg.n_blocks, batch, d)).astype(jnp.bfloat16),
+        "partial": jax.random.normal(keys[1], (batch, d)).astype(jnp.bfloat16),
+        "mix_out": jax.random.normal(keys[2], (d,)) * 0.05,
+        "final_norm": (1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(jnp.bfloat16),
+        "lm_head": (jax.random.normal(keys[4], (d, vocab)) * head_scale).astype(jnp.bfloat16),
+    }
 
 
 def run_stage(inputs, cfg, **kwargs):
@@ -99,12 +99,30 @@ def test_greedy_random_inputs_match_reference_and_no_logits_by_default(race_chec
     np.testing.assert_array_equal(np.asarray(result.tokens)[clear], want[clear])
 
 
+# ---- the candidate list (plain JAX: the same function the body runs on VMEM values) -------------
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_merge_candidates_keeps_sorted_top_128(kind):
+    rng = np.random.default_rng(3)
+    batch, tile, vocab = 4, 256, 1024
+    z = rng.normal(size=(batch, vocab)).astype(np.float32)
+    if kind == "ties":
+        z = np.round(z * 2) / 2  # a few distinct values: ties across and within tiles
+    values, indices = stage.initial_state(batch)[-2:]
+    for start in range(0, vocab, tile):
+        tile_indices = jnp.broadcast_to(jnp.arange(start, start + tile, dtype=jnp.int32), (batch, tile))
+        values, indices = stage.merge_candidates(values, indices, jnp.asarray(z[:, start:start + tile]),
+                                                 tile_indices)
+    order = np.lexsort((np.broadcast_to(np.arange(vocab), z.shape), -z), axis=1)[:, :128]
+    np.testing.assert_array_equal(indices, order)  # z descending, index ascending
+    np.testing.assert_array_equal(values, np.take_along_axis(z, order, axis=1))
+
+
 # ---- sampling: same noise as the reference ----------------------------------------------------
-MODES = dict(
-    temperature=[0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 2.0],
-    top_k=[0, 0, 0, 1, 5, 128, 0, 40],
-    top_p=[1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.8],
-)
+MODES = {
+    "temperature": [0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 2.0],
+    "top_k": [0, 0, 0, 1, 5, 128, 0, 40],
+    "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.8],
+}
 
 
 def test_mixed_modes_equal_reference_sampler(race_checked):
@@ -147,10 +165,10 @@ def many_rows():
 
 
 @pytest.mark.parametrize("mode", [
-    dict(temperature=1.0),
-    dict(temperature=0.7, top_k=6),
-    dict(temperature=1.0, top_p=0.8),
-    dict(temperature=1.5, top_k=50, top_p=0.9),
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 6},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 1.5, "top_k": 50, "top_p": 0.9},
 ])
 def test_sampled_distribution(race_checked, many_rows, mode):
     result = run_stage(many_rows, SMALL, seed=1, positions=np.arange(DRAWS), vocab_tile=128,
@@ -232,8 +250,8 @@ def test_dma_log_reads_lm_head_exactly_once(race_checked):
 # ---- compiling for TPU7x -------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("name, batch, mode", [
-    ("kimi-k3-mini", 8, dict(temperature=1.0, top_p=0.9)),
-    ("kimi-k3-rank", 1, dict(temperature=0.0)),
+    ("kimi-k3-mini", 8, {"temperature": 1.0, "top_p": 0.9}),
+    ("kimi-k3-rank", 1, {"temperature": 0.0}),
     ("kimi-k3-rank", 8, MODES),
 ])
 def test_compiles_for_tpu7x(name, batch, mode):
@@ -254,18 +272,18 @@ def test_compiles_for_tpu7x(name, batch, mode):
 
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, name", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=1.0, top_p=0.0), "top_p"),
-    (dict(temperature=1.0, top_p=1.01), "top_p"),
-    (dict(temperature=1.0, top_k=129), "top_k"),
-    (dict(temperature=1.0, top_k=40, candidates=32), "top_k"),
-    (dict(candidates=0), "candidates"),
-    (dict(candidates=200), "candidates"),
-    (dict(vocab_tile=100), "vocab_tile"),
-    (dict(vocab_tile=768), "vocab_tile"),
-    (dict(positions=np.arange(3)), "positions"),
-    (dict(seed=2**40), "seed"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+    ({"temperature": 1.0, "top_p": 1.01}, "top_p"),
+    ({"temperature": 1.0, "top_k": 129}, "top_k"),
+    ({"temperature": 1.0, "top_k": 40, "candidates": 32}, "top_k"),
+    ({"candidates": 0}, "candidates"),
+    ({"candidates": 200}, "candidates"),
+    ({"vocab_tile": 100}, "vocab_tile"),
+    ({"vocab_tile": 768}, "vocab_tile"),
+    ({"positions": np.arange(3)}, "positions"),
+    ({"seed": 2**40}, "seed"),
 ])
 def test_bad_input_names_the_parameter(kwargs, name):
     inputs = make_inputs(MINI, 2)

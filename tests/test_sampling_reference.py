@@ -101,11 +101,11 @@ def test_determinism_and_distinct_streams(small_logits):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=1.0),
-    dict(temperature=0.6),
-    dict(temperature=1.3, top_k=5),
-    dict(temperature=1.0, top_p=0.7),
-    dict(temperature=0.8, top_k=6, top_p=0.9),
+    {"temperature": 1.0},
+    {"temperature": 0.6},
+    {"temperature": 1.3, "top_k": 5},
+    {"temperature": 1.0, "top_p": 0.7},
+    {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
 ])
 def test_sampled_distribution_matches_exact(small_logits, kwargs):
     histogram = draw_histogram(small_logits, DRAWS, **kwargs)
@@ -157,15 +157,15 @@ def test_nucleus_overflow_flag():
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=1.0, top_p=0.0), "top_p"),
-    (dict(temperature=1.0, top_p=1.5), "top_p"),
-    (dict(temperature=1.0, top_k=-1), "top_k"),
-    (dict(temperature=1.0, top_k=65), "top_k"),
-    (dict(temperature=1.0, top_k=1.5), "top_k"),
-    (dict(temperature=1.0, top_k=20, candidates=16), "top_k"),
-    (dict(temperature=[1.0, 2.0]), "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+    ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+    ({"temperature": 1.0, "top_k": -1}, "top_k"),
+    ({"temperature": 1.0, "top_k": 65}, "top_k"),
+    ({"temperature": 1.0, "top_k": 1.5}, "top_k"),
+    ({"temperature": 1.0, "top_k": 20, "candidates": 16}, "top_k"),
+    ({"temperature": [1.0, 2.0]}, "temperature"),
 ])
 def test_bad_input_names_the_parameter(kwargs, name):
     logits = jnp.zeros((3, 64))
