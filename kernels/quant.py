@@ -178,8 +178,8 @@ def decode_body(*refs: Any, expert_format: str) -> None:
 @functools.partial(jax.jit, static_argnames=("expert_format", "interpret", "recording"))
 def _decode_call(parts: tuple, expert_format: str, interpret: Any, recording: bool) -> jax.Array:
     del recording  # only keeps recorded and silent traces apart in the jit cache
-    structs = part_structs(expert_format, *_logical_shape(parts, expert_format))
     k, n = _logical_shape(parts, expert_format)
+    structs = part_structs(expert_format, k, n)
     return pl.pallas_call(
         functools.partial(decode_body, expert_format=expert_format),
         out_shape=jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
