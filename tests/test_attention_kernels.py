@@ -10,18 +10,13 @@ weights into 128-row blocks, which changes the f32 summation order); the f32 rec
 within 1e-5 (abs).
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-# libtpu allows one process at a time by default; tests on a shared machine compile concurrently
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-import jax  # noqa: E402 - after the environment variable
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from mkresearch import config, reference, tpu, weights  # noqa: E402
-from mkresearch.kernels import dma, kda, mla  # noqa: E402
+from mkresearch import config, reference, tpu, weights
+from mkresearch.kernels import dma, kda, mla
 
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-5
