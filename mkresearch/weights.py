@@ -162,8 +162,26 @@ def quantize(w: jax.Array, fmt: str) -> Any:
     return fp8_pack(w) if fmt == "fp8" else mxfp4_pack(w)
 
 
-def dequantize(expert_weight: Any, fmt: str) -> jax.Array:
-    """An expert weight in `fmt` -> bf16 [.., K, N]. Exact: both formats are bf16-representable."""
+def expert_format_of(expert_weight: Any) -> str:
+    """The format an expert weight is stored in, from its structure: "bf16", "fp8" or "mxfp4"."""
+    if isinstance(expert_weight, dict):
+        if set(expert_weight) == {"codes", "scales"}:
+            return "mxfp4"
+        if set(expert_weight) == {"values", "scales"}:
+            return "fp8"
+    elif getattr(expert_weight, "dtype", None) == jnp.bfloat16:
+        return "bf16"
+    raise ValueError(f"expert_weight={expert_weight!r:.80} is invalid: a bf16 array, "
+                     "{'values', 'scales'} (fp8) or {'codes', 'scales'} (mxfp4)")
+
+
+def dequantize(expert_weight: Any, fmt: str | None = None) -> jax.Array:
+    """An expert weight in `fmt` -> bf16 [.., K, N]. Exact: both formats are bf16-representable.
+
+    fmt: "bf16", "fp8" or "mxfp4"; None infers it from the weight's structure.
+    """
+    if fmt is None:
+        fmt = expert_format_of(expert_weight)
     _check_format(fmt)
     if fmt == "bf16":
         return jnp.asarray(expert_weight, jnp.bfloat16)

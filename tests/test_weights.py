@@ -150,6 +150,8 @@ def test_dequantize_is_exact_in_bf16(fmt):
              "fp8": lambda q: np.asarray(weights.fp8_unpack(q)),
              "mxfp4": lambda q: np.asarray(weights.mxfp4_unpack(q))}[fmt](quantized)
     np.testing.assert_array_equal(np.asarray(dense, np.float32), exact)
+    assert weights.expert_format_of(quantized) == fmt  # dequantize(w) infers the format
+    np.testing.assert_array_equal(weights.dequantize(quantized), dense)
 
 
 # ---- sizes (spec §7, §10) ---------------------------------------------------------------------
