@@ -424,6 +424,11 @@ def decode_step(params: dict[str, Any], state: dict[str, Any], tokens: jax.Array
                             cfg=cfg)
 
 
+def _check_prompt(prompt: Any) -> None:
+    if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
+        raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
+
+
 def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cfg: ModelConfig,
             *, start: Any = 0) -> tuple[jax.Array, dict]:
     """Teacher-forced decode of prompt [B, T] at positions start .. start+T-1 (start: int or [B]).
@@ -431,8 +436,7 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cf
     One `decode_step` per prompt token (the same compiled step as decoding: no second compile).
     Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state).
     """
-    if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
-        raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
+    _check_prompt(prompt)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
     _check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
@@ -465,7 +469,8 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
         raise ValueError(f"n_steps={n_steps!r} is invalid: an int >= 1")
-    batch, length = np.shape(prompt)[0], np.shape(prompt)[1] if np.ndim(prompt) == 2 else 0
+    _check_prompt(prompt)
+    batch, length = np.shape(prompt)
     _check_step_inputs(state, np.zeros(batch, np.int32),
                        np.full(batch, length + n_steps - 2, np.int32), cfg)
     sample = _sampler()
