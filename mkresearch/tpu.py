@@ -46,12 +46,29 @@ def select_platform() -> None:
     With libtpu installed and no TPU, jax would otherwise try the TPU backend first and print
     host-discovery errors. An explicit JAX_PLATFORMS (even empty) is respected.
     """
+    _keep_bf16_roundings()
     if "JAX_PLATFORMS" in os.environ or _tpu_present():
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # jax read the variable at import; its backends may still be unset
         with contextlib.suppress(Exception):  # backends already initialised: nothing to choose
             sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+_EXACT_ROUNDING_FLAG = "--xla_allow_excess_precision=false"
+
+
+def _keep_bf16_roundings() -> None:
+    """Make XLA honour every bf16 rounding the reference writes (the spec's bf(...)).
+
+    By default XLA may keep a fused intermediate in f32 where the program rounds it to bf16 (e.g.
+    the Mix output feeding an RMSNorm), so a jitted reference drifts from the spec by a bf16 ulp
+    in places and from the kernels, which round in VMEM as written. XLA reads XLA_FLAGS when its
+    first backend starts, so this works even after `import jax`. An explicit setting is kept.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_allow_excess_precision" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_EXACT_ROUNDING_FLAG}".strip()
 
 
 def on_tpu() -> bool:

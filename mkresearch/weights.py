@@ -70,6 +70,17 @@ def _block_exponent(w32: jax.Array, block: int, elem_max_exp: int, upscale_above
     return jnp.where(amax > 0, exponent, 0)
 
 
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """Exactly 2^e as f32 for integer e in [-127, 127], built from the exponent bits.
+
+    jnp.exp2 on XLA:CPU is off by an ulp for many integer exponents and returns 0 at -126.
+    """
+    e = jnp.asarray(exponent, jnp.int32)
+    normal = jax.lax.bitcast_convert_type(((jnp.maximum(e, -126) + 127) << 23).astype(jnp.uint32),
+                                          jnp.float32)
+    return jnp.where(e >= -126, normal, jnp.float32(2.0**-127))  # E8M0's e=0 is subnormal
+
+
 def _per_k(scales: jax.Array, block: int) -> jax.Array:
     """[.., K/block, N] -> [.., K, N] (each scale repeated over its block)."""
     return jnp.repeat(scales, block, axis=-2)
@@ -87,7 +98,7 @@ def _mxfp4_pack(w: jax.Array) -> dict[str, jax.Array]:
     w32 = jnp.asarray(w, jnp.float32)
     exp = _block_exponent(w32, MXFP4_BLOCK, E2M1_MAX_EXP, E2M1_UPSCALE_ABOVE)
     exp = jnp.clip(exp, -126, 127)  # E8M0 range, kept to normal f32 scales
-    scaled = w32 / _per_k(jnp.exp2(exp.astype(jnp.float32)), MXFP4_BLOCK)  # |.| < 8
+    scaled = w32 / _per_k(_pow2(exp), MXFP4_BLOCK)  # |.| < 8
     # nearest grid magnitude: count the midpoints strictly below |x| (ties go to the smaller)
     grid = jnp.asarray(E2M1_VALUES, jnp.float32)
     midpoints = (grid[1:] + grid[:-1]) / 2
@@ -116,7 +127,7 @@ def _mxfp4_unpack(packed: dict[str, jax.Array], dtype: Any) -> jax.Array:
     nibbles = nibbles.reshape(*codes.shape[:-2], k8 * NIBBLES_PER_WORD, n)
     magnitude = jnp.asarray(E2M1_VALUES, jnp.float32)[nibbles & 7]
     values = jnp.where(nibbles & 8, -magnitude, magnitude)
-    scale = jnp.exp2(scales.astype(jnp.float32) - 127)
+    scale = _pow2(scales.astype(jnp.int32) - 127)
     return (values * _per_k(scale, MXFP4_BLOCK)).astype(dtype)
 
 
@@ -131,7 +142,7 @@ def _fp8_pack(w: jax.Array) -> dict[str, jax.Array]:
     w32 = jnp.asarray(w, jnp.float32)
     exp = _block_exponent(w32, FP8_BLOCK, E4M3_MAX_EXP, E4M3_UPSCALE_ABOVE)
     exp = jnp.clip(exp, -126, 127)  # normal bf16 scales
-    scales = jnp.exp2(exp.astype(jnp.float32))  # [.., K/256, N], exact in bf16
+    scales = _pow2(exp)  # [.., K/256, N], exact in bf16
     scaled = jnp.clip(w32 / _per_k(scales, FP8_BLOCK), -E4M3_MAX, E4M3_MAX)
     return {"values": scaled.astype(jnp.float8_e4m3fn), "scales": scales.astype(jnp.bfloat16)}
 

@@ -190,3 +190,18 @@ def test_expert_nbytes_per_format():
     assert weights.expert_nbytes(FULL.replace(expert_format="bf16")) == 2 * values
     assert weights.expert_nbytes(MINI) == 3 * 256 * 256 * 17 // 32 == 104_448
     assert weights.nbytes(jnp.zeros((3, 5), jnp.bfloat16)) == 30
+
+
+def test_mxfp4_scales_exact_for_every_e8m0_exponent():
+    """Every E8M0 exponent unpacks to exactly 2^(e-127) times the E2M1 value.
+
+    e = 0 and 1 give f32 subnormals for some magnitudes, which XLA:CPU (like a TPU) flushes to
+    zero, so the exact comparison covers e = 2..254; 6 * 2^127 overflows to inf on both sides.
+    """
+    codes = jnp.full((4, 255), 0x76543210, jnp.uint32)  # nibbles 0..7: magnitudes 0 .. 6
+    scales = jnp.arange(255, dtype=jnp.uint8)[None, :]  # one 32-row block, column n has e = n
+    got = np.asarray(weights.mxfp4_unpack({"codes": codes, "scales": scales}))
+    magnitudes = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float64)[np.arange(32) % 8]
+    with np.errstate(over="ignore"):
+        want = (magnitudes[:, None] * np.ldexp(1.0, np.arange(255) - 127)).astype(np.float32)
+    np.testing.assert_array_equal(got[:, 2:], want[:, 2:])
