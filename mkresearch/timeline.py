@@ -336,15 +336,20 @@ class _DmaEngines:
             t = min(t, max(self.now, self.queue[0].ready))
         return t
 
-    def _step(self, t: float) -> None:
-        """Move time to t (no event strictly before it), then retire and admit DMAs."""
+    def _step(self, t: float) -> bool:
+        """Move time to t (no event strictly before it), then retire and admit DMAs.
+        Returns whether anything happened (time moved, a DMA finished or started)."""
+        before = (self.now, len(self.active), len(self.queue))
         if self.active and t > self.now:
             moved = (t - self.now) * self.bandwidth / len(self.active)
             for d in self.active.values():
                 d.remaining -= moved
         self.now = max(self.now, t)
+        rate = self.bandwidth / max(1, len(self.active))
         for engine, d in list(self.active.items()):
-            if d.remaining <= 1e-9 * max(1.0, d.event.nbytes):
+            # done: no bytes left, or too few to move the clock (float rounding must not loop)
+            if d.remaining <= 1e-9 * max(1.0, d.event.nbytes) or \
+                    self.now + d.remaining / rate <= self.now:
                 d.remaining, d.end = 0.0, self.now
                 del self.active[engine]
         while self.queue and len(self.active) < self.n_engines and self.queue[0].ready <= self.now:
@@ -355,18 +360,20 @@ class _DmaEngines:
             if d.remaining <= 0:  # zero-byte DMA: done as it starts
                 d.end = self.now
                 del self.active[d.engine]
+        return (self.now, len(self.active), len(self.queue)) != before
+
+    def _event(self, te: float) -> None:
+        if not self._step(te):  # a model bug, never an input error: fail instead of spinning
+            raise RuntimeError(f"DMA simulation made no progress at t={self.now!r}")
 
     def advance_to(self, t: float) -> None:
         while (te := self._next_event()) <= t:
-            self._step(te)
+            self._event(te)
         self._step(t)
 
     def finish(self, dma: _Dma) -> float:
         while dma.end is None:
-            te = self._next_event()
-            if te == math.inf:
-                raise RuntimeError("DMA never completes (no engine)")  # cannot happen: n >= 1
-            self._step(te)
+            self._event(self._next_event())
         return dma.end
 
 

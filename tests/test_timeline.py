@@ -6,6 +6,7 @@ VMEM bandwidth so high that it never sets a phase's duration. Four blocks in eve
 """
 
 import json
+import random
 
 import pytest
 
@@ -135,6 +136,23 @@ def test_engines_share_the_bandwidth(chip):
     assert [(s.lane, s.start / US, s.end / US) for s in two_engines.spans] == [
         ("DMA 0", pytest.approx(1), pytest.approx(3)), ("DMA 1", pytest.approx(1), pytest.approx(3))]
     assert two_engines.total_s == pytest.approx(3 * US)  # same bytes per second in total
+
+
+def test_odd_sizes_and_late_times_terminate():
+    """Regression: a few bytes left after float rounding once made the DMA clock spin forever
+    (found on the megakernel's log: 1178 events of odd sizes, two engines)."""
+    rng = random.Random(0)
+    events = []
+    for i in range(300):
+        nbytes = rng.randint(1, 5_000_000)
+        events += [tl.LogEvent("dma_start", f"a{i}", "hbm", "vmem", nbytes, 0),
+                   tl.LogEvent("dma_start", f"b{i}", "hbm", "vmem", rng.randint(1, 3000), 1),
+                   tl.LogEvent("dma_wait", f"a{i}", "hbm", "vmem", nbytes, 0),
+                   tl.LogEvent("phase_start", "p", flops=rng.randint(0, 10**9)),
+                   tl.LogEvent("phase_end", "p")]
+    timeline = tl.simulate(events, tl.timeline_chip("tpu7x", n_dma_engines=2))
+    assert timeline.total_s > 0 and len(timeline.spans_on("DMA 0")) + len(
+        timeline.spans_on("DMA 1")) == 600
 
 
 def test_json_records_give_the_same_timeline(chip):
