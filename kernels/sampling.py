@@ -4,7 +4,7 @@
     x = RMSNorm(h; final_norm)              reference.rms_norm
     for each vocab tile t (lm_head[:, t] streamed HBM -> VMEM through a two-slot dma.Ring):
         logits_t = x @ lm_head[:, t]  (f32; soft-capped if cfg.logit_softcap)
-        z_t = logits_t / T            (per row; T = 1 for greedy rows)
+        z_t = logits_t / T            (per row; T = 1 for greedy rows, temperature None)
         update the running state      (`update_running_state`)
     token = finish(running state)       (`finish_sampling`)
 
@@ -145,7 +145,8 @@ def finish_sampling(state: RunningState, key, temperature, top_k, top_p, *, cand
                     ) -> tuple[jax.Array, jax.Array]:
     """tokens [B, 1] i32 and nucleus_overflow [B, 1] i32 from the final running state.
 
-    temperature, top_p [B, 1] f32, top_k [B, 1] i32 (0 = off); candidates <= 128 (static)."""
+    temperature [B, 1] f32 (0 encodes a greedy row, as sampling.check_params returns it), top_p
+    [B, 1] f32, top_k [B, 1] i32 (0 = off); candidates <= 128 (static)."""
     lse = state.lse_max + jnp.log(state.lse_sum)  # [B, 1] exact log-sum-exp of all z
     lane = lax.broadcasted_iota(jnp.int32, state.cand_values.shape, 1)
     in_capacity = lane < candidates
@@ -176,8 +177,8 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                   tokens_ref, overflow_ref, *rest, vocab_tile: int, candidates: int, eps: float,
                   softcap: float | None, use_gumbel: bool, use_candidates: bool,
                   return_logits: bool):
-    # seed_ref [1] i32 (SMEM); positions_ref, top_k_ref [B, 1] i32; temperature_ref, top_p_ref
-    # [B, 1] f32; snapshots_ref [N-1, B, d] bf16; partial_ref [B, d] bf16; mix_out_ref [1, d] f32;
+    # seed_ref [1] i32 (SMEM); positions_ref, top_k_ref [B, 1] i32; temperature_ref (0 = greedy
+    # row), top_p_ref [B, 1] f32; snapshots_ref [N-1, B, d] bf16; partial_ref [B, d] bf16; mix_out_ref [1, d] f32;
     # final_norm_ref [1, d] bf16; lm_head_hbm [d, V] bf16 (HBM); tokens_ref, overflow_ref [B, 1]
     # i32; rest = ([logits_ref [B, V] f32] if return_logits) + (tile_slots [2, d, TV] bf16, sems [2]).
     logits_ref = rest[0] if return_logits else None
@@ -316,15 +317,16 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
 
 def sample_stage(snapshots: jax.Array, partial: jax.Array, mix_out: jax.Array,
                  final_norm: jax.Array, lm_head: jax.Array, *, cfg: ModelConfig, seed: Any,
-                 positions: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                 positions: Any, temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                  vocab_tile: int | None = None, candidates: int = MAX_CANDIDATES,
                  return_logits: bool = False) -> SampleResult:
     """Tokens of the last stage of a decode step (module docstring), one Pallas TPU kernel.
 
     snapshots [n_blocks, B, d] bf16, partial [B, d] bf16 (aux of the step), mix_out [d] f32,
     final_norm [d] bf16, lm_head [d, V] bf16 (params); seed an int, positions [B] ints;
-    temperature (>= 0, 0 = greedy), top_k (0..candidates, 0 = off), top_p ((0, 1], 1 = off):
-    scalars or per row. Equals `mkresearch.sampling.sample(final_logits(...), ...,
+    temperature (None = greedy, else finite and > 0; T <= 0 is a ValueError), top_k
+    (0..candidates, 0 = off), top_p ((0, 1], 1 = off): scalars or per row (a temperature list may
+    mix None rows with numbers). Equals `mkresearch.sampling.sample(final_logits(...), ...,
     candidates=candidates)`; `return_logits=True` also returns the logits, for checking only.
     """
     if vocab_tile is None and isinstance(cfg, ModelConfig):

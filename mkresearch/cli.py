@@ -169,7 +169,7 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     started = time.perf_counter()
     for i in range(steps):
         positions = jnp.full((batch,), prompt_len + i, jnp.int32)  # where the new token goes
-        token = sampling.sample(logits, seed=seed, positions=positions, temperature=0.0)
+        token = sampling.sample(logits, seed=seed, positions=positions, temperature=None)  # greedy
         generated.append(token)
         step_logits.append(logits)
         logits, state, _ = step(params, state, token, positions)

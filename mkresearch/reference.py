@@ -453,16 +453,17 @@ def _sampler():
     try:
         from mkresearch.sampling import sample
     except ImportError:  # pragma: no cover - only while sampling.py is being written
-        def sample(logits, *, seed, positions, temperature=0.0, top_k=0, top_p=1.0):
+        def sample(logits, *, seed, positions, temperature=None, top_k=0, top_p=1.0):
             return jnp.argmax(logits, axis=-1).astype(i32)
     return sample
 
 
 def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n_steps: int,
-             cfg: ModelConfig, *, seed: int = 0, temperature: Any = 0.0, top_k: Any = 0,
+             cfg: ModelConfig, *, seed: int = 0, temperature: Any = None, top_k: Any = 0,
              top_p: Any = 1.0) -> tuple[jax.Array, dict]:
     """Prefill prompt [B, T] at positions 0..T-1, then sample n_steps tokens with
-    mkresearch.sampling.sample (temperature 0 = greedy); token i is drawn with position T + i.
+    mkresearch.sampling.sample (temperature None = greedy, else > 0, per row or scalar); token i
+    is drawn with position T + i.
 
     Returns (tokens [B, n_steps] i32, state). The state has consumed the prompt and all generated
     tokens but the last (which has not been fed back yet).

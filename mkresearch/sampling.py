@@ -2,8 +2,10 @@
 
 Semantics (spec §8, plus the row in the random counter from issue 5), per row b of `logits [B, V]`:
 
-* **greedy** (temperature 0): the argmax of the logits; the lowest index wins ties.
-* otherwise z = logits / T (f32), and the kept set is the vocabulary, narrowed by
+* **greedy** (`temperature=None`, the default): the argmax of the logits; the lowest index wins
+  ties; top_k / top_p are ignored.
+* otherwise T = temperature must be finite and > 0 (T <= 0 is a ValueError: greedy is spelled
+  None, not 0), z = logits / T (f32), and the kept set is the vocabulary, narrowed by
   * **top-k** (k > 0): the k largest z, ties to the lower index;
   * **top-p** (p < 1): the *nucleus*. Sort z descending (index ascending among ties); token i of
     that order is kept while the probability mass *before* it, under the full softmax of z with an
@@ -108,7 +110,7 @@ def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
 class SamplingParams(NamedTuple):
     """Per-row sampling settings, validated, as numpy arrays of shape [B]."""
 
-    temperature: np.ndarray  # [B] f32, 0 = greedy
+    temperature: np.ndarray  # [B] f32 > 0; a greedy row (None) is encoded as 0 internally
     top_k: np.ndarray  # [B] i32, 0 = off
     top_p: np.ndarray  # [B] f32, 1 = off
 
@@ -131,19 +133,52 @@ def _per_row(name: str, value: Any, batch: int, dtype: Any) -> np.ndarray:
     return array.astype(dtype)
 
 
-def check_params(batch: int, vocab: int, *, temperature: Any = 0.0, top_k: Any = 0,
+TEMPERATURE_RULE = ("None (greedy) or a finite number > 0, or a [B] sequence of those "
+                    "(None entries = greedy rows); use temperature=None for greedy")
+
+
+def _is_real_number(value: Any) -> bool:
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_)))
+
+
+def _temperature_per_row(temperature: Any, batch: int) -> np.ndarray:
+    """[B] f32: T > 0 for sampled rows, 0 for greedy rows (None). ValueError on T <= 0, NaN, inf."""
+    if temperature is None:
+        return np.zeros((batch,), np.float32)
+    if isinstance(temperature, jax.core.Tracer):
+        raise ValueError("temperature must be concrete (it is checked before tracing), not a "  # noqa: TRY004
+                         f"traced value: {TEMPERATURE_RULE}")
+    # a list may mix None (greedy rows) with numbers: keep it as objects to see the Nones
+    as_objects = isinstance(temperature, (list, tuple))
+    entries = np.asarray(temperature, dtype=object if as_objects else None)
+    if entries.ndim == 0:
+        entries = np.full((batch,), entries[()], dtype=entries.dtype)
+    if entries.shape != (batch,):
+        raise ValueError(f"temperature has shape {entries.shape}: allowed a scalar or shape "
+                         f"({batch},); {TEMPERATURE_RULE}")
+    greedy = np.array([entry is None for entry in entries], bool)  # [B]
+    if not all(_is_real_number(entry) for entry in entries[~greedy].tolist()):
+        raise ValueError(f"temperature={temperature!r} is invalid: {TEMPERATURE_RULE}")
+    with np.errstate(over="ignore"):  # beyond f32 becomes inf, rejected just below
+        values = np.where(greedy, 1.0, entries).astype(np.float32)  # [B]; 1.0 stands in for None
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"temperature={temperature!r} is invalid: {TEMPERATURE_RULE} "
+                         "(T <= 0 has no softmax(logits / T); greedy is None, not 0)")
+    return np.where(greedy, 0.0, values).astype(np.float32)
+
+
+def check_params(batch: int, vocab: int, *, temperature: Any = None, top_k: Any = 0,
                  top_p: Any = 1.0, candidates: int | None = None) -> SamplingParams:
     """Validate the sampling settings (scalars or per-row [B]); ValueError naming the parameter.
 
-    temperature >= 0 (0 = greedy); top_k in [0, V] and <= candidates (0 = off); top_p in (0, 1].
+    temperature None (greedy) or > 0, per row None or > 0; top_k in [0, V] and <= candidates
+    (0 = off); top_p in (0, 1]. The returned temperature encodes greedy rows as 0.
     """
     if candidates is not None and (isinstance(candidates, bool) or not isinstance(candidates, int)
                                    or not 1 <= candidates <= vocab):
         raise ValueError(f"candidates={candidates!r} is invalid: None or an int in [1, V={vocab}]")
-    t = _per_row("temperature", temperature, batch, np.float32)
-    if not np.all(np.isfinite(t)) or np.any(t < 0):
-        raise ValueError(f"temperature={temperature!r} is invalid: finite and >= 0 "
-                         "(0 = greedy, > 0 = sample from softmax(logits / temperature))")
+    t = _temperature_per_row(temperature, batch)
     k = _per_row("top_k", top_k, batch, np.int32)
     k_max = vocab if candidates is None else candidates
     if np.any(k < 0) or np.any(k > k_max):
@@ -216,10 +251,12 @@ def _kept_mask(logits: jax.Array, params: SamplingParams, candidates: int | None
 
 
 def nucleus_size(logits: jax.Array, *, temperature: Any = 1.0, top_p: Any = 1.0) -> jax.Array:
-    """i32 [B]: how many tokens the top-p nucleus of softmax(logits / T) holds (no top-k, no cap)."""
+    """i32 [B]: how many tokens the top-p nucleus of softmax(logits / T) holds (no top-k, no cap;
+    greedy rows, temperature None, are measured at T = 1)."""
     batch, vocab = logits.shape
-    params = check_params(batch, vocab, temperature=np.where(
-        np.asarray(temperature) > 0, temperature, 1.0), top_p=top_p)
+    params = check_params(batch, vocab, temperature=temperature, top_p=top_p)
+    params = params._replace(temperature=np.where(params.temperature > 0, params.temperature,
+                                                  np.float32(1.0)))
     return jnp.sum(_kept_mask(logits, params, None), axis=-1).astype(jnp.int32)
 
 
@@ -237,12 +274,13 @@ def nucleus_overflow(logits: jax.Array, *, temperature: Any = 1.0, top_k: Any = 
     return jnp.asarray(eligible) & (sizes > candidates)
 
 
-def sample(logits: jax.Array, *, seed: Any, positions: Any, temperature: Any = 0.0,
+def sample(logits: jax.Array, *, seed: Any, positions: Any, temperature: Any = None,
            top_k: Any = 0, top_p: Any = 1.0, candidates: int | None = None) -> jax.Array:
     """tokens i32 [B] from logits f32 [B, V] (see the module docstring for the exact semantics).
 
     seed: int or uint32/int32 scalar; positions: [B] ints (the counter of each row's token).
-    temperature / top_k / top_p: scalars or per-row [B] (concrete, checked before tracing).
+    temperature: None = greedy (the default) or > 0; per row, a [B] sequence of None / > 0.
+    top_k / top_p: scalars or per-row [B]. All concrete, checked before tracing.
     candidates: None (exact over the whole vocabulary) or the capacity C of a streaming sampler.
     """
     batch, vocab = _check_logits(logits, positions)
@@ -271,7 +309,8 @@ def truncated_distribution(logits: jax.Array, *, temperature: Any, top_k: Any = 
     params = check_params(batch, vocab, temperature=temperature, top_k=top_k, top_p=top_p,
                           candidates=candidates)
     if np.any(params.temperature <= 0):
-        raise ValueError(f"temperature={temperature!r} is invalid here: > 0 (greedy is not a distribution)")
+        raise ValueError(f"temperature={temperature!r} is invalid here: a finite number > 0 for "
+                         "every row (a greedy row, None, is not a distribution)")
     z = _scaled(jnp.asarray(logits, jnp.float32), params.temperature)
     keep = _kept_mask(logits, params, candidates)
     return jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)

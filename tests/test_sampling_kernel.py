@@ -119,7 +119,7 @@ def test_merge_candidates_keeps_sorted_top_128(kind):
 
 # ---- sampling: same noise as the reference ----------------------------------------------------
 MODES = {
-    "temperature": [0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 2.0],
+    "temperature": [None, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 2.0],  # None: a greedy row
     "top_k": [0, 0, 0, 1, 5, 128, 0, 40],
     "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.8],
 }
@@ -132,6 +132,8 @@ def test_mixed_modes_equal_reference_sampler(race_checked):
     np.testing.assert_allclose(result.logits, reference_logits(inputs, MINI), atol=3 * LOGITS_ATOL)
     want = sampling.sample(result.logits, seed=9, positions=positions, candidates=128, **MODES)
     np.testing.assert_array_equal(result.tokens, want)
+    # row 0 (temperature None) is greedy inside the same call as the sampled rows
+    assert int(result.tokens[0]) == int(jnp.argmax(result.logits[0]))
     flags = sampling.nucleus_overflow(result.logits, candidates=128, **MODES)
     np.testing.assert_array_equal(result.nucleus_overflow, flags)
 
@@ -193,7 +195,7 @@ def test_sampled_distribution(race_checked, many_rows, mode):
 # ---- the nucleus-overflow flag -----------------------------------------------------------------
 def test_nucleus_overflow_flag_is_exact(race_checked):
     inputs = make_inputs(MINI, 8, seed=6, head_scale=0.1)
-    temperature = [0.0, 50.0, 50.0, 50.0, 0.05, 1.0, 3.0, 50.0]
+    temperature = [None, 50.0, 50.0, 50.0, 0.05, 1.0, 3.0, 50.0]
     top_p = [0.9, 0.9, 0.9, 0.02, 0.9, 0.95, 0.7, 0.999]
     top_k = [0, 0, 100, 0, 0, 0, 0, 0]
     result = run_stage(inputs, MINI, seed=2, positions=np.arange(8), return_logits=True,
@@ -251,7 +253,7 @@ def test_dma_log_reads_lm_head_exactly_once(race_checked):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, batch, mode", [
     ("kimi-k3-mini", 8, {"temperature": 1.0, "top_p": 0.9}),
-    ("kimi-k3-rank", 1, {"temperature": 0.0}),
+    ("kimi-k3-rank", 1, {"temperature": None}),
     ("kimi-k3-rank", 8, MODES),
 ])
 def test_compiles_for_tpu7x(name, batch, mode):
@@ -272,8 +274,11 @@ def test_compiles_for_tpu7x(name, batch, mode):
 
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, name", [
-    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": 0.0}, "temperature.*use temperature=None for greedy"),
+    ({"temperature": -1.0}, "temperature.*use temperature=None for greedy"),
     ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": [None, 0.0]}, "temperature.*use temperature=None for greedy"),
+    ({"temperature": [1.0, 1.0, 1.0]}, "temperature"),
     ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
     ({"temperature": 1.0, "top_p": 1.01}, "top_p"),
     ({"temperature": 1.0, "top_k": 129}, "top_k"),

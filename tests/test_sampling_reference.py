@@ -78,9 +78,35 @@ def test_greedy_lowest_index_wins_ties(batch):
     tokens = sampling.sample(jnp.asarray(logits), seed=0, positions=jnp.zeros(batch, jnp.int32))
     assert tokens.dtype == jnp.int32
     np.testing.assert_array_equal(tokens, np.full(batch, 5))
-    # temperature 0 ignores top_k / top_p
-    again = sampling.sample(jnp.asarray(logits), seed=1, positions=jnp.arange(batch), top_k=3, top_p=0.2)
+    # greedy is temperature=None (the default), and it ignores top_k / top_p
+    again = sampling.sample(jnp.asarray(logits), seed=1, positions=jnp.arange(batch),
+                            temperature=None, top_k=3, top_p=0.2)
     np.testing.assert_array_equal(again, tokens)
+    per_row = sampling.sample(jnp.asarray(logits), seed=1, positions=jnp.arange(batch),
+                              temperature=[None] * batch)
+    np.testing.assert_array_equal(per_row, tokens)
+
+
+def test_mixed_greedy_and_sampled_rows(small_logits):
+    """Per-row temperature: None rows are greedy, the others sample exactly as if every row did."""
+    batch = 64
+    logits = jnp.asarray(np.stack([np.roll(small_logits, b) for b in range(batch)]))  # [B, V]
+    positions = jnp.arange(batch) + 3
+    mixed = [None if b % 3 == 0 else 0.5 + b / batch for b in range(batch)]
+    all_sampled = [0.5 + b / batch for b in range(batch)]  # the same T on the sampled rows
+    tokens = np.asarray(sampling.sample(logits, seed=5, positions=positions, temperature=mixed))
+    sampled = np.asarray(sampling.sample(logits, seed=5, positions=positions,
+                                         temperature=all_sampled))
+    greedy_rows = np.array([t is None for t in mixed])
+    np.testing.assert_array_equal(tokens[greedy_rows], np.argmax(logits, -1)[greedy_rows])
+    np.testing.assert_array_equal(tokens[~greedy_rows], sampled[~greedy_rows])
+    assert np.any(sampled[greedy_rows] != np.argmax(logits, -1)[greedy_rows])  # greedy mattered
+    # a tuple and an object array say the same; the internal encoding of a greedy row is 0
+    again = sampling.sample(logits, seed=5, positions=positions, temperature=tuple(mixed))
+    np.testing.assert_array_equal(again, tokens)
+    params = sampling.check_params(batch, VOCAB, temperature=np.array(mixed, dtype=object))
+    np.testing.assert_array_equal(params.temperature, np.where(greedy_rows, 0.0, all_sampled))
+    assert params.temperature.dtype == np.float32
 
 
 def test_determinism_and_distinct_streams(small_logits):
@@ -139,7 +165,7 @@ def test_nucleus_overflow_flag():
     flat = jnp.zeros((1, 256))  # uniform: the 0.9-nucleus needs 231 tokens
     peaked = jnp.asarray(np.r_[[20.0], np.zeros(255)], jnp.float32)[None]
     both = jnp.concatenate([flat, peaked, flat, flat])
-    flags = sampling.nucleus_overflow(both, temperature=[1.0, 1.0, 0.0, 1.0], top_p=0.9,
+    flags = sampling.nucleus_overflow(both, temperature=[1.0, 1.0, None, 1.0], top_p=0.9,
                                       top_k=[0, 0, 0, 100], candidates=128)
     np.testing.assert_array_equal(flags, [True, False, False, False])
     assert int(sampling.nucleus_size(flat, top_p=0.9)[0]) == math.ceil(0.9 * 256)
@@ -156,9 +182,31 @@ def test_nucleus_overflow_flag():
     assert int(tokens.max()) >= 128
 
 
+@pytest.mark.parametrize("temperature", [
+    0.0, 0, -0.5, -1, float("nan"), float("inf"), -float("inf"), 1e40, np.float32(0.0),
+    [None, 0.0, 1.0], [1.0, -2.0, None], np.zeros(3), np.array([1.0, 2.0, 0.0]),
+])
+def test_temperature_at_or_below_zero_is_a_value_error(temperature):
+    """Greedy is temperature=None, never 0: T <= 0 (and NaN, inf) names temperature and says so."""
+    logits = jnp.zeros((3, 64))
+    with pytest.raises(ValueError, match=r"temperature.*use temperature=None for greedy"):
+        sampling.sample(logits, seed=0, positions=jnp.zeros(3, jnp.int32), temperature=temperature)
+    with pytest.raises(ValueError, match=r"temperature.*use temperature=None for greedy"):
+        sampling.check_params(3, 64, temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", [True, "1.0", [None, True, 1.0], [1.0, [2.0], 3.0], 1j])
+def test_temperature_that_is_not_a_number_is_a_value_error(temperature):
+    with pytest.raises(ValueError, match=r"temperature.*use temperature=None for greedy"):
+        sampling.check_params(3, 64, temperature=temperature)
+
+
+def test_greedy_rows_have_no_distribution():
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.truncated_distribution(jnp.zeros((2, 64)), temperature=[1.0, None])
+
+
 @pytest.mark.parametrize("kwargs, name", [
-    ({"temperature": -0.5}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
     ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
     ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
     ({"temperature": 1.0, "top_k": -1}, "top_k"),
