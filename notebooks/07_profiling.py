@@ -29,9 +29,10 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # # 07 · Profiling whole stages: timelines, VMEM, bubbles, and the HBM floor
 #
 # Notebook 01 drew the pipeline of one GEMV. Here the same tools look at the **stage kernels** of
-# a Kimi K3 decode step — KDA and MLA attention, the router, the MoE and dense FFN stages, the
-# final sampling stage — each run once in TPU interpret mode at `kimi-k3-mini` shapes with the DMA
-# log recording, then replayed on TPU7x by `mkresearch.timeline`:
+# a Kimi K3 decode step — KDA and MLA attention, the MoE stage (router included) and the dense FFN,
+# the final sampling stage — and at the **megakernel** that runs a whole step in one call, each run
+# once in TPU interpret mode at `kimi-k3-mini` shapes with the DMA log recording, then replayed on
+# TPU7x by `mkresearch.timeline`:
 #
 # * the **timeline**: DMA lanes against the compute lane, per stage;
 # * **VMEM occupancy** over time;
@@ -41,8 +42,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #   rank next to the published measurement.
 #
 # The stages are a registry: a stage is a name and a builder that returns a zero-argument callable
-# running the kernel. Kernels that have not landed (or fail) are listed and skipped; the megakernel
-# registers itself here the same way when it lands.
+# running the kernel. Kernels that have not landed (or fail) are listed and skipped; a new kernel
+# is one more registered builder.
 
 # %%
 import tempfile
@@ -95,12 +96,6 @@ def mla_stage():
     return lambda: mla.mla_attention(p, x, cache, positions, cfg)
 
 
-@stage("router", per_step=0)  # part of the MoE stage below; shown on its own, not counted twice
-def router_stage():
-    from mkresearch.kernels import router
-    return lambda: router.route(layer(params["moe"], 0), x, cfg)
-
-
 @stage("moe", per_step=len(cfg.moe_layers))
 def moe_stage():
     from mkresearch.kernels import experts
@@ -119,6 +114,14 @@ def sampling_stage():
     snapshots = jnp.stack([x] * cfg.n_blocks)
     return lambda: sampling.sample_stage(snapshots, x, params["mix_out"], params["final_norm"],
                                          params["lm_head"], cfg=cfg, seed=0, positions=positions)
+
+
+@stage("megakernel", per_step=0)  # a whole decode step in one kernel: compared, not summed
+def megakernel_stage():
+    from mkresearch.kernels import megakernel
+    tokens = jnp.array([3, 5], jnp.int32)
+    return lambda: megakernel.decode_step(params, reference.init_state(cfg, B), tokens,
+                                          positions, cfg)[0]
 
 
 # %%
@@ -145,7 +148,7 @@ for name, timeline in timelines.items():
           f"timeline bytes match PASS")
 
 # %% [markdown]
-# ## The timeline of each stage on TPU7x
+# ## The timeline of each stage (and of the megakernel) on TPU7x
 
 # %%
 columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "bubble_dma_wait_us",
@@ -156,8 +159,8 @@ columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "bubble_dma
 print(widgets.format_table(widgets.summary_rows(timelines), columns))
 
 # %%
-for name in [n for n in ("kda", "moe", "sampling") if n in timelines]:
-    display(widgets.timeline_figure(timelines[name], title=f"{name} stage on TPU7x (kimi-k3-mini, B={B})"))
+for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
+    display(widgets.timeline_figure(timelines[name], title=f"{name} on TPU7x (kimi-k3-mini, B={B})"))
 
 # %% [markdown]
 # Read the compute lane with care: a phase lasts `max(FLOPs / MXU peak, VMEM bytes / VMEM
@@ -211,7 +214,10 @@ plt.show()
 # stage timelines is the step *without* a megakernel (every stage starts cold: its first DMA
 # latency is exposed). The second column is the same with zero DMA latency — the bubble a perfect
 # cross-stage prefetch would remove — and the floor is all the bytes at the HBM bandwidth.
-# Two caveats, both visible in the tables above: the DMA latency is an assumption (0.5 µs), and
+# The megakernel line is its own recorded step on the same model: one kernel, one log, so its
+# timeline shows what the stage boundaries cost once weights stream across them. Its bytes differ
+# from the stages' sum where it reads more (e.g. the embedding row, every layer's own weights) or
+# less. Two caveats, both visible in the tables above: the DMA latency is an assumption (0.5 µs), and
 # most stage phases declare no FLOPs yet, so "latency hidden" is an upper bound on what the
 # stages could reach, not a prediction that they reach it.
 
@@ -228,6 +234,11 @@ print(f"predicted_us {predicted * 1e6:.2f}, without DMA latency {predicted_no_la
 print(f"fraction of the HBM roofline: {floor / predicted:.1%} as stages, "
       f"{floor / predicted_no_latency:.1%} with latency hidden")
 assert floor <= predicted_no_latency <= predicted
+if "megakernel" in timelines:
+    mega = timelines["megakernel"]
+    print(f"megakernel step_us {mega.total_s * 1e6:.2f}, its HBM floor {mega.hbm_floor_s * 1e6:.2f} "
+          f"({mega.roofline_fraction:.1%} of roofline), DMA bytes {mega.dma_bytes:,d} vs "
+          f"{sum(k * logs[n].dma_bytes() for n, k in counted.items()):,d} for the stages")
 
 # %% [markdown]
 # ## The model against published numbers (full size)
