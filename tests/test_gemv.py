@@ -97,3 +97,5 @@ def test_compiles_for_tpu7x(n_buffers):
     result = tpu.compile_for(f, jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16),
                              jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), chip="tpu7x")
     assert result.n_mosaic_kernels == 1
+    # the compiler's cost model reads W (operand 1) exactly once, like the DMA log says
+    assert result.cost["bytes accessed1{}"] == 4096 * 1024 * 2
