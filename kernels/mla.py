@@ -20,6 +20,11 @@ Cache layouts (`cfg.mla_cache_layout`, spec §5):
             the query side uses q_lat_h = q^C_h W_kvbK_hᵀ (score q_lat_h·ĉ + q^X_h·k^X), the output
             side o_h = (Σ α ĉ) W_kvbV_h. One tile serves every head, at 64x fewer bytes per token.
 
+Per rank (3 of 96 heads) the head-sharded latent layout saves only 2x: each rank still reads the
+whole latent. `mla_latent_partial` shards the latent cache by sequence instead: each rank computes
+the online-softmax state of all heads over its 1/32 of the tokens (the same tile loop), and
+`combine_partials` merges the states (log-sum-exp): 64x fewer KV bytes per rank.
+
 `mla_attention_body` works on Refs and allocates its own scratch (`pl.run_scoped`), so the
 megakernel calls it as it is; `mla_attention` is the thin `pallas_call` wrapper with the reference's
 signature (`mkresearch.reference.mla_attention`).
@@ -270,8 +275,7 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
     """All heads at once over latent tiles ĉ [T, kv_rank], k^X [T, extra], W_kvb absorbed."""
     nope, qk, width = p.qk_nope, p.qk_dim, p.qk_nope + p.v_dim
 
-    def scoped(q_scratch, k_buffers, x_buffers, sems):
-        q_lat_scratch, q_x_scratch = q_scratch
+    def scoped(q_lat_scratch, q_x_scratch):
         for h in range(p.n_heads):  # q_lat_h = q^C_h W_kvbK_hᵀ  [1, kv_rank]
             w_k = w_kvb_vmem[:, h * width:h * width + nope]  # [kv_rank, nope]
             q_lat_scratch[h:h + 1, :] = f32(bf16(dot_t(bf16(q_row[h][:, :nope]), w_k)))
@@ -283,29 +287,41 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
         score = (jnp.sum(q_lat * c_new, axis=-1, keepdims=True)
                  + jnp.sum(q_x * f32(k_extra), axis=-1, keepdims=True)) * p.scale  # [H, 1]
         carry = (score, jnp.ones_like(score), jnp.broadcast_to(c_new, q_lat.shape))
-
-        def windows(t):
-            tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
-            return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
-
-        def update(t, tiles, carry):
-            c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
-            scores = (dot_t(bf16(q_lat), c_tile) + dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
-            return online_softmax_step(p, t, position, scores, f32(c_tile), carry)
-
-        rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.ckv"),
-                 dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
-        _, norm, acc = tile_loop(p, b, position, rings, windows, update, carry, indices)
+        _, norm, acc = latent_partial(p, b, position, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices)
         context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
         return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
                         preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
                 for h in range(p.n_heads)]
 
-    return pl.run_scoped(
-        scoped, (pltpu.VMEM((p.n_heads, p.kv_rank), jnp.float32),
-                 pltpu.VMEM((p.n_heads, p.qk_extra), jnp.float32)),
-        pltpu.VMEM((2, p.kv_tile, p.kv_rank), jnp.bfloat16),
-        pltpu.VMEM((2, p.kv_tile, p.qk_extra), jnp.bfloat16), pltpu.SemaphoreType.DMA((2, 2)))
+    return pl.run_scoped(scoped, pltpu.VMEM((p.n_heads, p.kv_rank), jnp.float32),
+                         pltpu.VMEM((p.n_heads, p.qk_extra), jnp.float32))
+
+
+def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices):
+    """The online-softmax state of all heads over latent cache tokens 0..count-1 of row b.
+
+    q_lat [H, kv_rank], q_x [H, extra]: the absorbed queries (bf16-exact f32); ckv_hbm
+    [B, S, kv_rank], kx_hbm [B, S, extra] in HBM; carry (m [H, 1], norm [H, 1], acc [H, kv_rank])
+    to continue from. Reads the ⌈count / T⌉ tiles holding those tokens, double-buffered.
+    """
+
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+        return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
+
+    def update(t, tiles, carry):
+        c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
+        scores = (dot_t(bf16(q_lat), c_tile) + dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
+        return online_softmax_step(p, t, count, scores, f32(c_tile), carry)
+
+    def scoped(c_buffers, x_buffers, sems):
+        rings = (dma.Ring(c_buffers, sems.at[0], name="mla.kv.ckv"),
+                 dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
+        return tile_loop(p, b, count, rings, windows, update, carry, indices)
+
+    return pl.run_scoped(scoped, pltpu.VMEM((2, p.kv_tile, p.kv_rank), jnp.bfloat16),
+                         pltpu.VMEM((2, p.kv_tile, p.qk_extra), jnp.bfloat16),
+                         pltpu.SemaphoreType.DMA((2, 2)))
 
 
 def _patch_block(b, row_in_block, window_in, window_out, buffer, sem, patch, name, indices):
@@ -472,6 +488,137 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     )(positions, x, *operands)
 
 
+# ---- the latent cache sharded by sequence --------------------------------------------------------
+#
+# The latent cache has no head axis, so with heads sharded (3 per rank) every rank would read the
+# whole latent: only 2x fewer bytes than its 3 heads of expanded K, V. Sharding the latent cache by
+# SEQUENCE over the ranks instead gives each rank 1/n of the tokens, for all heads:
+#   1. each head's owner absorbs its queries (q̃ = bf(q^C W_kvbKᵀ), q^X) and all ranks all-gather
+#      them: [B, H_all, kv_rank + extra], a few KB;
+#   2. every rank runs `mla_latent_partial` over its shard: the online-softmax state (m, norm, acc)
+#      of all heads over the shard's tokens <= the row's position (the shard holding the position
+#      has written the new entry first, as `mla_attention` does);
+#   3. the states are merged across ranks (`combine_partials`, a log-sum-exp merge) and each head's
+#      owner finishes: o_h = bf(bf(acc / norm) W_kvbV_h), the gate and W_o.
+# On one device the collectives are left out: the shards are run one after the other and merged in
+# plain JAX.
+
+# m of a state that has seen no token: finite (so exp(m - m_new) is 0, not NaN) and below any score
+EMPTY_MAX = -1e30
+
+
+def mla_latent_partial_body(plan: MlaPlan, counts_ref, q_lat_ref, q_x_ref, ckv_hbm, kx_hbm,
+                            m_ref, norm_ref, acc_ref, **indices: Any) -> None:
+    """Partial attention state of all heads over one shard of the latent cache, for B rows.
+
+    counts_ref [B] i32 (SMEM): tokens of this shard each row attends to; q_lat_ref [B, H, kv_rank],
+    q_x_ref [B, H, extra] bf16 (VMEM); ckv_hbm [B, S_shard, kv_rank], kx_hbm [B, S_shard, extra]
+    in HBM; out m_ref, norm_ref [B, H, 1] and acc_ref [B, H, kv_rank] f32 (VMEM).
+    """
+    p = plan
+
+    def row_step(b, _):
+        q_lat, q_x = f32(q_lat_ref[b]), f32(q_x_ref[b])  # [H, kv_rank], [H, extra]
+        empty = (jnp.full((p.n_heads, 1), EMPTY_MAX, jnp.float32),
+                 jnp.zeros((p.n_heads, 1), jnp.float32),
+                 jnp.zeros((p.n_heads, p.kv_rank), jnp.float32))
+        m, norm, acc = latent_partial(p, b, counts_ref[b], q_lat, q_x, ckv_hbm, kx_hbm, empty,
+                                      indices)
+        m_ref[b], norm_ref[b], acc_ref[b] = m, norm, acc
+        return 0
+
+    jax.lax.fori_loop(0, p.batch, row_step, 0)
+
+
+def mla_latent_partial(q_absorbed: jax.Array, q_extra: jax.Array, cache_shard: dict,
+                       positions: jax.Array, shard_start: Any, cfg: ModelConfig, *,
+                       kv_tile: int | None = None, **indices: int):
+    """One rank's part of sequence-sharded latent attention, as a Pallas kernel.
+
+    q_absorbed [B, H, kv_rank] bf16 (q̃ of all H heads, gathered), q_extra [B, H, extra] bf16,
+    cache_shard {"ckv": [B, S_shard, kv_rank], "kx": [B, S_shard, extra]} bf16 holding global
+    tokens shard_start .. shard_start + S_shard - 1, positions [B] i32 (global; the entry at each
+    position already written). Returns the state over the shard's tokens <= position:
+    (m [B, H, 1], norm [B, H, 1], acc [B, H, kv_rank]) f32 — merge them with `combine_partials`.
+    shard_start may be traced (a rank's index times S_shard inside shard_map).
+    """
+    batch, n_heads = _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions,
+                                           shard_start, cfg)
+    shard_len = cache_shard["ckv"].shape[1]
+    plan = make_plan(cfg.replace(n_heads=n_heads, mla_cache_layout="latent"), batch, shard_len,
+                     kv_tile=kv_tile)
+    return _partial_call(plan, tpu.interpret_params(), dma.is_recording(),
+                         tuple(sorted(indices.items())), positions, jnp.asarray(shard_start),
+                         q_absorbed, q_extra, cache_shard["ckv"], cache_shard["kx"])
+
+
+def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_start, cfg):
+    """ValueError naming the parameter; returns (B, H)."""
+    if getattr(q_absorbed, "ndim", None) != 3 or q_absorbed.shape[2] != cfg.mla_kv_rank:
+        raise ValueError(f"q_absorbed has shape {getattr(q_absorbed, 'shape', None)}: expected "
+                         f"[B, H, kv_rank={cfg.mla_kv_rank}]")
+    batch, n_heads = q_absorbed.shape[:2]
+    if getattr(q_extra, "shape", None) != (batch, n_heads, cfg.mla_qk_extra):
+        raise ValueError(f"q_extra has shape {getattr(q_extra, 'shape', None)}: expected "
+                         f"{(batch, n_heads, cfg.mla_qk_extra)}")
+    for name, value in (("q_absorbed", q_absorbed), ("q_extra", q_extra)):
+        if value.dtype != jnp.bfloat16:
+            raise ValueError(f"{name}.dtype={value.dtype} is invalid: bfloat16")
+    if not isinstance(cache_shard, dict) or set(cache_shard) != set(CACHE_NAMES["latent"]):
+        raise ValueError(f"cache_shard has keys "
+                         f"{sorted(cache_shard) if isinstance(cache_shard, dict) else cache_shard!r}"
+                         f": expected {CACHE_NAMES['latent']}")
+    shard_len = cache_shard["ckv"].shape[1]
+    expected = {"ckv": (batch, shard_len, cfg.mla_kv_rank), "kx": (batch, shard_len, cfg.mla_qk_extra)}
+    for name, shape in expected.items():
+        if tuple(cache_shard[name].shape) != shape:
+            raise ValueError(f"cache_shard[{name!r}] has shape {tuple(cache_shard[name].shape)}: "
+                             f"expected {shape}")
+        if cache_shard[name].dtype != jnp.bfloat16:
+            raise ValueError(f"cache_shard[{name!r}].dtype={cache_shard[name].dtype} is invalid: "
+                             f"bfloat16")
+    if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
+        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)} and dtype "
+                         f"{getattr(positions, 'dtype', None)}: expected [B={batch}] int32")
+    if not isinstance(shard_start, jax.core.Tracer) and (
+            np.ndim(shard_start) != 0 or int(shard_start) < 0):
+        raise ValueError(f"shard_start={shard_start!r} is invalid: an int >= 0 (the global index "
+                         f"of the shard's first token)")
+    return batch, n_heads
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions,
+                  shard_start, q_absorbed, q_extra, ckv, kx):
+    del recording  # static only so recorded and silent traces are cached apart
+    # tokens of this shard each row attends to: global tokens shard_start..position
+    counts = jnp.clip(positions + 1 - shard_start, 0, plan.seq_len).astype(jnp.int32)
+    vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(mla_latent_partial_body, plan, **dict(indices)),
+        out_shape=(stat, stat,
+                   jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32)),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, hbm, hbm],
+        out_specs=(vmem, vmem, vmem),
+        interpret=interpret,
+    )(counts, q_absorbed, q_extra, ckv, kx)
+
+
+def combine_partials(partials):
+    """Merge partial online-softmax states [(m, norm, acc), ...] of disjoint token sets into one.
+
+    The log-sum-exp merge: with M = max_i m_i, norm = Σ_i e^(m_i - M) norm_i and
+    acc = Σ_i e^(m_i - M) acc_i. An empty shard (m = EMPTY_MAX, norm = acc = 0) adds nothing.
+    On a pod this is the collective across the ranks; here it is plain JAX.
+    """
+    ms, norms, accs = zip(*partials)
+    m = functools.reduce(jnp.maximum, ms)
+    weights = [jnp.exp(m_i - m) for m_i in ms]
+    return (m, sum(w * n for w, n in zip(weights, norms)),
+            sum(w * a for w, a in zip(weights, accs)))
+
+
 # ---- KV traffic ---------------------------------------------------------------------------------
 
 
@@ -508,6 +655,38 @@ def kv_bytes_by_row(log: dma.DmaLog) -> dict[int, int]:
     for event in log.select("dma_start", "mla.kv."):
         by_row[event.indices["row"]] = by_row.get(event.indices["row"], 0) + event.nbytes
     return by_row
+
+
+def kv_bytes_per_rank(logs: dict, recorded: ModelConfig, target: ModelConfig, n_ranks: int,
+                      row: int) -> dict[str, int]:
+    """KV bytes one rank reads per MLA layer per step at `target` (per-rank shapes, context
+    target.max_seq_len), scaled from the DMA logs of a run at `recorded` (mini) shapes.
+
+    logs: "expanded" and "latent" — `mla_attention` runs (heads sharded: a rank reads every token
+    for its heads); "latent-sequence" — a list of `mla_latent_partial` runs, one per shard. `row`
+    is a batch row at the last position, so it attends to the whole recorded context. Each log
+    gives the share of that context one rank reads (its busiest shard for "latent-sequence", as a
+    share of len(shards) shards rescaled to n_ranks); `target` prices that share of its context
+    at its bytes per token (heads of target.n_heads for expanded, the whole latent otherwise).
+    """
+    from fractions import Fraction
+
+    def share(log, layout):
+        per_token = kv_bytes_per_token(recorded.replace(mla_cache_layout=layout))
+        return Fraction(kv_bytes_by_row(log).get(row, 0) // per_token, recorded.max_seq_len)
+
+    shards = logs["latent-sequence"]
+    shares = {"expanded": share(logs["expanded"], "expanded"),
+              "latent": share(logs["latent"], "latent"),
+              "latent-sequence": max(share(log, "latent") for log in shards)
+              * Fraction(len(shards), n_ranks)}
+    tokens = {name: value * target.max_seq_len for name, value in shares.items()}
+    if any(value.denominator != 1 for value in tokens.values()):
+        raise ValueError(f"target.max_seq_len={target.max_seq_len} is invalid: the shares "
+                         f"{ {k: str(v) for k, v in shares.items()} } of it must be whole tokens")
+    return {name: int(tokens[name]) * kv_bytes_per_token(
+        target.replace(mla_cache_layout="expanded" if name == "expanded" else "latent"))
+        for name in tokens}
 
 
 FIGURE_POSITIONS = (0, 17, 32, 45, 64, 90, 100, 127)  # 0, tile boundaries and in-between

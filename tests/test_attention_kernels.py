@@ -136,6 +136,112 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
     assert at[("kimi-k3-rank", "expanded")] == 2 * at[("kimi-k3-rank", "latent")]
 
 
+# ---- MLA, latent cache sharded by sequence ---------------------------------------------------------
+
+SHARD_TILE = 16  # 4 shards of the 128-token mini cache hold 32 tokens: two tiles, so the ring alternates
+SHARD_POSITIONS = [0, 32, 77, 127]  # first token, a shard boundary, mid-shard, the last token
+
+
+def absorbed_queries(p, x, cfg):
+    """What each head's owner computes and all ranks gather: q̃ = bf(q^C W_kvbKᵀ) and q^X, the
+    reference's formulas (spec §5)."""
+    batch, h, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
+    c_q = reference.rms_norm(reference.bf(x @ p["w_qa"]), p["q_norm"], cfg.rms_eps)
+    q = reference.bf(jnp.dot(c_q, p["w_qb"], preferred_element_type=jnp.float32)).reshape(
+        batch, h, cfg.mla_qk_dim)
+    w_kb = p["w_kvb"].reshape(rank, h, nope + cfg.mla_v_dim)[..., :nope]
+    q_absorbed = reference.bf(jnp.einsum("bhn,rhn->bhr", q[..., :nope], w_kb,
+                                         preferred_element_type=jnp.float32))
+    return q_absorbed, q[..., nope:]
+
+
+def finish_heads(p, x, context, cfg):
+    """Each head's owner after the merge: o_h = bf(bf(Σαĉ) W_kvbV_h), the gate and W_o (the
+    reference's formulas)."""
+    batch, h, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
+    w_vb = p["w_kvb"].reshape(rank, h, nope + cfg.mla_v_dim)[..., nope:]
+    o = reference.bf(jnp.einsum("bhr,rhv->bhv", reference.bf(context), w_vb,
+                                preferred_element_type=jnp.float32)).reshape(batch, -1)
+    gate = reference.bf(jax.nn.sigmoid(reference.bf(x @ p["w_g"]).astype(jnp.float32)))
+    y = reference.bf(o.astype(jnp.float32) * gate.astype(jnp.float32))
+    return reference.bf(jnp.dot(y, p["w_o"], preferred_element_type=jnp.float32))
+
+
+def run_shards(q_absorbed, q_extra, cache, positions, cfg, n_shards):
+    """Every shard's partial state, one after the other (one device), with its DMA log."""
+    length = cache["ckv"].shape[1] // n_shards
+    partials, logs = [], []
+    for i in range(n_shards):
+        shard = {name: array[:, i * length:(i + 1) * length] for name, array in cache.items()}
+        with dma.recording() as log:
+            partials.append(jax.block_until_ready(mla.mla_latent_partial(
+                q_absorbed, q_extra, shard, positions, i * length, cfg, kv_tile=SHARD_TILE,
+                shard=i)))
+        logs.append(log)
+    return partials, logs
+
+
+def test_mla_latent_sequence_shards_combine_to_the_reference(race_checked, mini_params):
+    """4 shards of the latent cache, merged, = the unsharded partial (f32, 1e-5) and, finished by
+    the heads' owner, = the reference output (the stated bf16 tolerance)."""
+    cfg = MINI.replace(mla_cache_layout="latent")
+    p = reference.layer_params(mini_params["mla"], 0)
+    batch = len(SHARD_POSITIONS)
+    x = normalised_input(cfg, batch, seed=30)
+    positions = jnp.array(SHARD_POSITIONS, jnp.int32)
+    ref_out, ref_cache = reference.mla_attention(p, x, random_cache(cfg, batch, 31), positions, cfg)
+    q_absorbed, q_extra = absorbed_queries(p, x, cfg)
+
+    # the cache after the step holds the new entries (each position's shard wrote its own)
+    (whole,), _ = run_shards(q_absorbed, q_extra, ref_cache, positions, cfg, n_shards=1)
+    partials, logs = run_shards(q_absorbed, q_extra, ref_cache, positions, cfg, n_shards=4)
+    _, norm, acc = mla.combine_partials(partials)
+    context = acc / norm  # [B, H, kv_rank]
+    np.testing.assert_allclose(np.asarray(context), np.asarray(whole[2] / whole[1]), rtol=1e-5,
+                               atol=1e-6)
+    assert_bf16_close(finish_heads(p, x, context, cfg), ref_out, "sequence-sharded latent output")
+
+    # each shard reads exactly its own tiles holding tokens <= the row's position
+    length, per_token = MINI.max_seq_len // 4, mla.kv_bytes_per_token(cfg)
+    for i, log in enumerate(logs):
+        for b, position in enumerate(SHARD_POSITIONS):
+            tokens = min(max(position + 1 - i * length, 0), length)
+            tiles = [e.indices["tile"] for e in log.select("dma_start", "mla.kv.ckv")
+                     if e.indices["row"] == b]
+            assert tiles == list(range(-(-tokens // SHARD_TILE))), (i, b, tiles)
+            assert mla.kv_bytes_by_row(log).get(b, 0) == len(tiles) * SHARD_TILE * per_token
+        assert all(e.indices["shard"] == i for e in log.select("dma_start", "mla.kv."))
+    # the last row reads every shard whole: the ring alternates slots within a shard
+    assert [e.slot for e in logs[3].select("dma_start", "mla.kv.ckv")] == [0, 1]
+
+
+def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_checked, mini_params):
+    """A mini run with the row at the last position, scaled to a Kimi K3 rank (3 heads, 32 ranks,
+    context 32768): head-sharded latent reads 2x fewer KV bytes than expanded, sequence-sharded
+    latent 64x fewer."""
+    p = reference.layer_params(mini_params["mla"], 0)
+    positions = jnp.array([MINI.max_seq_len - 1], jnp.int32)
+    logs = {}
+    for layout in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
+        cfg = MINI.replace(mla_cache_layout=layout)
+        with dma.recording() as logs[layout]:
+            jax.block_until_ready(mla.mla_attention(p, normalised_input(cfg, 1, 1),
+                                                    random_cache(cfg, 1, 11), positions, cfg))
+    cfg = MINI.replace(mla_cache_layout="latent")
+    q_absorbed, q_extra = absorbed_queries(p, normalised_input(cfg, 1, 1), cfg)
+    _, logs["latent-sequence"] = run_shards(q_absorbed, q_extra, random_cache(cfg, 1, 11),
+                                            positions, cfg, n_shards=4)
+
+    rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
+    per_rank = mla.kv_bytes_per_rank(logs, MINI, rank, n_ranks=32, row=0)
+    assert per_rank == {"expanded": 32768 * 3 * (256 + 128) * 2,  # 3 heads of K, V: 2,304 B/token
+                        "latent": 32768 * 1_152,  # the whole latent: 1,152 B/token
+                        "latent-sequence": 32768 // 32 * 1_152}  # 1/32 of the tokens
+    assert per_rank["expanded"] == 2 * per_rank["latent"]
+    assert per_rank["expanded"] >= 50 * per_rank["latent-sequence"]
+    assert per_rank["expanded"] == 64 * per_rank["latent-sequence"]
+
+
 # ---- KDA ----------------------------------------------------------------------------------------
 
 
@@ -205,14 +311,34 @@ def _kda_structs(cfg, batch):
             s((batch, h, d, d), jnp.float32))
 
 
+def _partial_structs(cfg, batch, n_ranks, n_heads):
+    """One rank's inputs with the latent cache sharded by sequence: the absorbed queries of all
+    n_heads heads, 1/n_ranks of the context."""
+    s = jax.ShapeDtypeStruct
+    shard = cfg.max_seq_len // n_ranks
+    cache = {"ckv": s((batch, shard, cfg.mla_kv_rank), jnp.bfloat16),
+             "kx": s((batch, shard, cfg.mla_qk_extra), jnp.bfloat16)}
+    return (s((batch, n_heads, cfg.mla_kv_rank), jnp.bfloat16),
+            s((batch, n_heads, cfg.mla_qk_extra), jnp.bfloat16), cache, s((batch,), jnp.int32),
+            s((), jnp.int32))
+
+
 COMPILE_CASES = [("kimi-k3-mini", {}, 3), ("kimi-k3-rank", {"max_seq_len": 32768}, 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,batch", COMPILE_CASES)
-@pytest.mark.parametrize("kernel", ["mla-expanded", "mla-latent", "kda"])
+@pytest.mark.parametrize("kernel", ["mla-expanded", "mla-latent", "mla-latent-partial",
+                                    "kda"])
 def test_compiles_for_tpu7x(name, overrides, batch, kernel):
-    if kernel == "kda":
+    if kernel == "mla-latent-partial":
+        cfg = config.get_config(name, mla_cache_layout="latent", **overrides)
+        result = tpu.compile_for(
+            lambda q, qx, c, pos, start: mla.mla_latent_partial(q, qx, c, pos, start, cfg),
+            # a rank of kimi-k3-rank: 1/32 of the context, all 96 heads; mini: 4 shards, 2 heads
+            *(_partial_structs(cfg, batch, 32, cfg.n_heads * 32) if name == "kimi-k3-rank"
+              else _partial_structs(cfg, batch, 4, cfg.n_heads)), chip="tpu7x")
+    elif kernel == "kda":
         cfg = config.get_config(name, **overrides)
         result = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, cfg),
                                  *_kda_structs(cfg, batch), chip="tpu7x")
@@ -272,3 +398,23 @@ def test_kda_rejects_bad_dtype_and_block_rows(mini_params):
         kda.kda_attention(p, x, conv.astype(jnp.float32), state, cfg)
     with pytest.raises(ValueError, match="weight_block_rows"):
         kda.kda_attention(p, x, conv, state, cfg, weight_block_rows=200)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, qx, c, pos, start: (q.astype(jnp.float32), qx, c, pos, start), r"q_absorbed\.dtype"),
+    (lambda q, qx, c, pos, start: (q, qx[:, :1], c, pos, start), r"q_extra has shape"),
+    (lambda q, qx, c, pos, start: (q, qx, {**c, "kx": c["kx"].astype(jnp.float32)}, pos, start),
+     r"cache_shard\['kx'\]\.dtype"),
+    (lambda q, qx, c, pos, start: (q, qx, c, pos, -32), r"shard_start"),
+])
+def test_mla_latent_partial_rejects_bad_input(change, match):
+    cfg = MINI.replace(mla_cache_layout="latent")
+    q = jnp.zeros((2, cfg.n_heads, cfg.mla_kv_rank), jnp.bfloat16)
+    qx = jnp.zeros((2, cfg.n_heads, cfg.mla_qk_extra), jnp.bfloat16)
+    cache = {"ckv": jnp.zeros((2, 32, cfg.mla_kv_rank), jnp.bfloat16),
+             "kx": jnp.zeros((2, 32, cfg.mla_qk_extra), jnp.bfloat16)}
+    positions = jnp.array([3, 40], jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        mla.mla_latent_partial(*change(q, qx, cache, positions, 32), cfg)
+    with pytest.raises(ValueError, match="kv_tile"):
+        mla.mla_latent_partial(q, qx, cache, positions, 32, cfg, kv_tile=24)
