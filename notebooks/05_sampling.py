@@ -106,9 +106,10 @@ print(f"64 x 4096 uniforms: min > 0: {bool(many.min() > 0)}, max < 1: {bool(many
 # %% [markdown]
 # ## Step 1 · Greedy over materialised logits
 #
-# Greedy is an argmax where the **lower index wins ties**. The running state starts empty
-# (`initial_state`) and `update_running_state` folds a block of logits into it: row max, then the
-# lowest index attaining it. Given all V logits at once it is just an argmax.
+# Greedy is an argmax where the **lower index wins ties**. It is spelled `temperature=None` (the
+# default); `temperature=0` is not greedy but a `ValueError`, like any T ≤ 0. The running state
+# starts empty (`initial_state`) and `update_running_state` folds a block of logits into it: row
+# max, then the lowest index attaining it. Given all V logits at once it is just an argmax.
 
 # %%
 print(inspect.getsource(stage._best))
@@ -121,7 +122,7 @@ rows = jnp.arange(B, dtype=jnp.int32)[:, None]
 key = sampling.counter_key(SEED, rows, positions[:, None])  # [B, 1] uint32
 state = stage.update_running_state(stage.initial_state(B), logits, all_indices, key,
                                    use_gumbel=False, use_candidates=False)
-greedy_reference = sampling.sample(logits, seed=SEED, positions=positions)  # temperature 0
+greedy_reference = sampling.sample(logits, seed=SEED, positions=positions)  # temperature=None
 assert np.array_equal(state.greedy_index[:, 0], greedy_reference)
 # engineered ties: three equal maxima, the first one wins
 tied = logits.at[:, [9, 700, 1500]].set(100.0)
@@ -129,6 +130,12 @@ tied_state = stage.update_running_state(stage.initial_state(B), tied, all_indice
                                         use_gumbel=False, use_candidates=False)
 assert np.all(tied_state.greedy_index == 9)
 assert np.all(sampling.sample(tied, seed=0, positions=positions) == 9)
+for bad_temperature in (0.0, -1.0):  # greedy is None, never 0: T <= 0 is a ValueError
+    try:
+        sampling.sample(logits, seed=SEED, positions=positions, temperature=bad_temperature)
+        raise AssertionError(f"temperature={bad_temperature} was accepted")
+    except ValueError as error:
+        assert "use temperature=None for greedy" in str(error)
 print("step 1 greedy tokens:", state.greedy_index[:, 0].tolist())
 print("step 1 PASS: equals the reference; ties go to the lowest index")
 
@@ -195,15 +202,16 @@ print(inspect.getsource(stage.finish_sampling))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-modes = {"temperature": [0.0, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 8.0],
+modes = {"temperature": [None, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 8.0],  # None: a greedy row
              "top_k": [0, 0, 0, 1, 5, 128, 0, 0],
              "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.95]}
-scale = np.where(np.asarray(modes["temperature"]) > 0, modes["temperature"], 1.0)[:, None]
+# the per-row arrays the kernel takes (validated; a greedy row's temperature is encoded as 0)
+row_params = sampling.check_params(B, V, candidates=128, **modes)
+scale = np.where(row_params.temperature > 0, row_params.temperature, 1.0)[:, None]  # [B, 1]
 candidate_state = stream(lambda l: l / scale, use_gumbel=True, use_candidates=True)
 tokens, overflow = stage.finish_sampling(
-    candidate_state, key, jnp.asarray(modes["temperature"], jnp.float32)[:, None],
-    jnp.asarray(modes["top_k"], jnp.int32)[:, None], jnp.asarray(modes["top_p"], jnp.float32)[:, None],
-    candidates=128)
+    candidate_state, key, jnp.asarray(row_params.temperature)[:, None],
+    jnp.asarray(row_params.top_k)[:, None], jnp.asarray(row_params.top_p)[:, None], candidates=128)
 want = sampling.sample(logits, seed=SEED, positions=positions, candidates=128, **modes)
 want_overflow = sampling.nucleus_overflow(logits, candidates=128, **modes)
 sizes = sampling.nucleus_size(logits, temperature=modes["temperature"], top_p=modes["top_p"])
@@ -212,7 +220,7 @@ assert np.asarray(want_overflow).tolist() == [False] * 7 + [True]  # only row 7 
 # nucleus: tokens in the top_p nucleus of softmax(logits / T) (all V when top_p = 1)
 print(f"{'row':>3} {'T':>4} {'top_k':>5} {'top_p':>5} {'nucleus':>7} {'overflow':>8} {'token':>5}")
 for b in range(B):
-    print(f"{b:>3} {modes['temperature'][b]:>4} {modes['top_k'][b]:>5} {modes['top_p'][b]:>5} "
+    print(f"{b:>3} {modes['temperature'][b]!s:>4} {modes['top_k'][b]:>5} {modes['top_p'][b]:>5} "
           f"{int(sizes[b]):>7} {bool(overflow[b, 0])!s:>8} {int(tokens[b, 0]):>5}")
 print("step 4 PASS: candidates + exact lse = reference sample(candidates=128), overflow flags equal")
 
