@@ -473,9 +473,10 @@ def _take_match(in_flight: dict, ev: LogEvent, i: int) -> _Dma:
 
 
 def _to_vmem(ev: LogEvent) -> bool:
-    """A DMA lands in VMEM unless its destination names HBM (a writeback)."""
+    """Does this DMA land in VMEM? Yes unless its destination is another memory (HBM for a
+    writeback, SMEM for scalars); an unnamed destination counts as VMEM."""
     dst = ev.dst.lower()
-    return not ("hbm" in dst or dst in ("any", "memoryspace.any"))
+    return dst in ("", "vmem") or "vmem" in dst
 
 
 def _vmem_curve(dmas: list[_Dma]) -> tuple[tuple[float, int], ...]:

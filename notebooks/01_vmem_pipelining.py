@@ -236,24 +236,40 @@ plt.show()
 # %% [markdown]
 # ## 5 · Why double buffering reaches the roofline only sometimes
 #
-# Double buffering *overlaps*; it does not make anything faster. With two slots, the DMA of block
-# `k+2` can only be issued once block `k` has been computed (its slot is the one being refilled),
-# so in steady state each block costs about
+# Buffering *overlaps*; it makes nothing faster. With `n` slots, the DMA of block `k+n` can only be
+# issued once block `k` has been computed (its slot is the one being refilled). So `n` blocks share
+# one chain of "compute one block, issue, wait α, transfer", and in steady state each block costs
 #
-# $$\max\big(X/β,\ \ c + α\big)$$
+# $$\max\Big(\frac{X}{β},\ c,\ \frac{X/β + c + α}{n}\Big)$$
 #
-# with `X/β` the block's transfer, `c` the compute on one block and `α` the DMA latency. The step
-# runs at the HBM roofline only while the transfer is the longer side — while the compute on the
-# other buffer (plus the latency of issuing the next copy) hides under the DMA. When `c + α`
-# is longer, the DMA engine idles between blocks; when `c` alone is longer (large batch), the
-# kernel is compute-bound and the copies hide behind the MXU instead.
+# with `X/β` one block's transfer, `c` the compute on one block and `α` the DMA latency (one
+# buffer: `X/β + c + α`, nothing overlaps). The step runs at the HBM roofline when the first term
+# wins: for double buffering, when **one block's transfer hides the compute on the other block
+# plus the latency of issuing the next copy** (`X/β ≥ c + α`). If `c` wins (large batch) the
+# kernel is compute-bound and the copies hide behind the MXU instead; if the last term wins, the
+# DMA engine idles between blocks and only more buffers (or bigger blocks) help.
 #
-# On v5e a 1 MiB block takes 1.28 µs to move, much longer than `c + α` ≈ 0.6 µs: two buffers are
-# enough. TPU7x moves it in 0.28 µs — less than the (assumed) 0.5 µs latency — so with two buffers
-# the engine waits for the next request after every block, and only a third buffer (or bigger
-# blocks) keeps HBM busy. That is why the released kernels keep many 2 MiB weight banks in flight.
-# The batch sweep below replays the same recorded log with more FLOPs per block
-# (`widgets.what_if`): weight bytes stay, compute grows with `B`.
+# On v5e a 1 MiB block takes 1.28 µs to move, more than `c + α` ≈ 0.6 µs: two buffers are enough.
+# TPU7x moves it in 0.28 µs — less than the (assumed) 0.5 µs latency — so with two buffers the
+# engine waits after every other block, and a third buffer is needed. That is why the released
+# kernels keep many 2 MiB weight banks in flight. The model reproduces the formula exactly over a
+# long stream (the first check below); the batch sweep after it replays the recorded log with more
+# FLOPs per block (`widgets.what_if`): weight bytes stay, compute grows with `B`.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+chip = tl.timeline_chip("tpu7x")
+transfer = BLOCK_K * N * 2 / chip.hbm_bandwidth
+compute = gemv.block_vmem_bytes(B, BLOCK_K, N) / chip.vmem_bandwidth  # VMEM-bound at B=8
+for n in (1, 2, 3):
+    long_stream = tl.stream_log(64, BLOCK_K * N * 2, gemv.block_flops(B, BLOCK_K, N), n,
+                                block_vmem_bytes=gemv.block_vmem_bytes(B, BLOCK_K, N))
+    ends = [s.end for s in tl.simulate(long_stream, chip).spans_on(tl.COMPUTE_LANE)]
+    period = (ends[54] - ends[30]) / 24
+    formula = max(transfer, compute, (transfer + compute + chip.dma_latency) / n)
+    assert abs(period / formula - 1) < 1e-9
+    print(f"TPU7x, {n} buffer(s): per-block period_us {period * 1e6:.3f} = formula, "
+          f"{transfer / period:.0%} of the HBM roofline in steady state")
 
 # %%
 # NBVAL_CHECK_OUTPUT

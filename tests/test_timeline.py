@@ -108,6 +108,20 @@ def test_guide_formulas_hold_for_long_streams(chip, n_blocks):
                                       + BANDWIDTH_BOUND / f)
 
 
+@pytest.mark.parametrize("n_buffers", [1, 2, 3])
+@pytest.mark.parametrize("latency_us", [0.0, 0.5, 2.0, 3.3])
+@pytest.mark.parametrize("compute_us", [0.05, 0.5, 0.9, 1.5])
+def test_steady_state_period(chip, n_buffers, latency_us, compute_us):
+    """Per block, a ring of n slots costs max(X/β, c, (X/β + c + α) / n): block k+n is issued
+    when compute k ends, so n blocks share one transfer + compute + latency chain."""
+    ring = tl.timeline_chip(chip, dma_latency=latency_us * US)
+    timeline = tl.simulate(tl.stream_log(64, BLOCK, compute_us * 1e6, n_buffers), ring)
+    ends = [s.end for s in timeline.spans_on(tl.COMPUTE_LANE)]
+    period = (ends[54] - ends[30]) / 24  # 24 blocks: whole cycles of 1, 2 and 3
+    expected = max(1.0, compute_us, (1.0 + compute_us + latency_us) / n_buffers) * US
+    assert period == pytest.approx(expected, rel=1e-9)
+
+
 def test_vmem_bandwidth_sets_the_duration_when_it_is_the_bottleneck(chip):
     slow_vmem = tl.timeline_chip(chip, vmem_bandwidth=1e9)  # reading a block takes 1 µs > 0.5
     events = tl.stream_log(1, BLOCK, BANDWIDTH_BOUND, 1)
