@@ -217,10 +217,11 @@ assert not tpu.races_found()
 # `q^C_h · k^C_h = (q^C_h W_kvbK_hᵀ) · ĉ` and `Σ α v_h = (Σ α ĉ) W_kvbV_h`. One latent tile serves
 # every head, and a token costs 1,152 bytes instead of 73,728 at Kimi K3's 96 heads.
 #
-# Three rows at positions 0, 32 (a tile boundary) and 77, against the reference, both layouts.
+# Three rows at positions 0, 32 (a tile boundary) and 127 (the last slot, not a multiple of the tile),
+# against the reference, both layouts.
 
 # %%
-positions = jnp.array([0, 32, 77], jnp.int32)
+positions = jnp.array([0, 32, 127], jnp.int32)
 x = reference.rms_norm(jax.random.normal(jax.random.key(1), (3, cfg.d_model)),
                        jnp.ones((cfg.d_model,), jnp.bfloat16), cfg.rms_eps)  # [B, d] bf16
 p_mla = reference.layer_params(params["mla"], 0)
@@ -303,8 +304,8 @@ assert not tpu.races_found()
 # same rule — whole tiles of 256 tokens up to the position — to a 32k context. At full Kimi K3
 # (96 heads) latent reads 64× less. **On one rank** of the released layout (3 of the 96 heads) the
 # ratio is only 2×: each rank still needs the whole latent (1,152 B/token) against 3 heads of
-# expanded K and V (2,304 B/token) — the 64× is a whole-model saving, which a head-sharded layout
-# only gets by sharding the latent cache some other way (e.g. by sequence).
+# expanded K and V (2,304 B/token) — the 64× is a whole-model saving. The next section gets it per
+# rank by sharding the latent cache by sequence.
 
 # %%
 fig = mla.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
@@ -322,10 +323,87 @@ assert mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"
                          full.replace(mla_cache_layout="latent"))
 
 # %% [markdown]
+# ## Per rank: the latent cache sharded by sequence
+# The latent cache has no head axis, so nothing forces it to follow the heads. Shard it by
+# **sequence** over the 32 ranks instead (weights stay head-sharded):
+#
+# 1. each head's owner absorbs its queries, `q̃_h = q^C_h W_kvbK_hᵀ` and `q^X_h`, and all ranks
+#    all-gather them (`[B, 96, 512 + 64]` bf16: about 110 KB at B = 1);
+# 2. every rank runs `mla.mla_latent_partial` over its shard — the same double-buffered tile loop
+#    and online softmax as above (`mla.latent_partial`), for all heads — and keeps the softmax state
+#    `(m, l, acc)` instead of normalising;
+# 3. the states are merged across ranks by a log-sum-exp (`mla.combine_partials`) and each head's
+#    owner finishes: `o_h = (acc / l) W_kvbV_h`, the gate and `W_o`.
+#
+# On one device the collectives are left out: the four shards of the mini cache run one after the
+# other and merge in plain JAX. The new entries are already in the cache (the shard holding each
+# position writes it first), so a shard attends to its tokens up to the row's position. The merged
+# state must equal the unsharded one and a plain softmax; the whole sublayer against the reference
+# is checked in `tests/test_attention_kernels.py`.
+
+# %%
+lcfg = cfg.replace(mla_cache_layout="latent")
+H, R, E = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_qk_extra
+keys = jax.random.split(jax.random.key(5), 4)
+q_absorbed = jax.random.normal(keys[0], (3, H, R)).astype(jnp.bfloat16)  # [B, H, kv_rank]: q̃
+q_extra = jax.random.normal(keys[1], (3, H, E)).astype(jnp.bfloat16)  # [B, H, extra]: q^X
+latent_cache = {"ckv": jax.random.normal(keys[2], (3, S, R)).astype(jnp.bfloat16),  # [B, S, kv_rank]
+                "kx": jax.random.normal(keys[3], (3, S, E)).astype(jnp.bfloat16)}  # [B, S, extra]
+n_shards, shard_tile = 4, 16  # shards of 32 tokens: two tiles each, so the ring alternates
+shard_len = S // n_shards
+partials, shard_logs = [], []
+for i in range(n_shards):
+    shard = {n: a[:, i * shard_len:(i + 1) * shard_len] for n, a in latent_cache.items()}
+    with dma.recording() as shard_log:
+        partials.append(jax.block_until_ready(mla.mla_latent_partial(
+            q_absorbed, q_extra, shard, positions, i * shard_len, lcfg, kv_tile=shard_tile,
+            shard=i)))
+    shard_logs.append(shard_log)
+m_all, l_all, acc_all = mla.combine_partials(partials)
+whole = mla.mla_latent_partial(q_absorbed, q_extra, latent_cache, positions, 0, lcfg,
+                               kv_tile=shard_tile)
+scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, latent_cache["ckv"],
+                     preferred_element_type=jnp.float32)
+          + jnp.einsum("bhe,bse->bhs", q_extra, latent_cache["kx"],
+                       preferred_element_type=jnp.float32)) * scale
+scores = jnp.where(jnp.arange(S) <= positions[:, None, None], scores, -jnp.inf)
+plain_context = jax.nn.softmax(scores, -1) @ latent_cache["ckv"].astype(jnp.float32)
+check("4 shards merged = unsharded partial", acc_all / l_all, whole[2] / whole[1], tol=1e-5)  # NBVAL_CHECK_OUTPUT
+check("4 shards merged = plain softmax context", acc_all / l_all, plain_context, tol=1e-5)  # NBVAL_CHECK_OUTPUT
+assert not tpu.races_found()
+
+# %%
+for i, shard_log in enumerate(shard_logs):  # NBVAL_CHECK_OUTPUT
+    tiles = {b: [e.indices["tile"] for e in shard_log.select("dma_start", "mla.kv.ckv")
+                 if e.indices["row"] == b] for b in range(3)}
+    print(f"shard {i} (tokens {i * shard_len:3d}..{(i + 1) * shard_len - 1:3d}): tiles read per row "
+          f"at positions {[int(v) for v in positions]}: {list(tiles.values())}")
+    for b, position in enumerate(positions.tolist()):
+        tokens = min(max(position + 1 - i * shard_len, 0), shard_len)
+        assert tiles[b] == list(range(-(-tokens // shard_tile)))
+
+# %% [markdown]
+# **Bytes per rank.** Row 2 sits at the last position, so it attends to the whole mini context.
+# From the logs: the head-sharded kernels read every token (for their heads, or the whole latent);
+# the busiest shard reads 1/4 of the tokens. Scaled by the config to one rank of Kimi K3 (3 heads,
+# 32 ranks, context 32,768): the share of the context each rank reads (1/4 of the shards → 1/32),
+# priced at that rank's bytes per token.
+
+# %%
+per_rank = mla.kv_bytes_per_rank({**logs, "latent-sequence": shard_logs}, cfg, rank, n_ranks=32,
+                                 row=2)
+for layout, nbytes in per_rank.items():  # NBVAL_CHECK_OUTPUT
+    print(f"{layout:16s} {nbytes:>11,} B per rank per MLA layer per step   "
+          f"{per_rank['expanded'] / nbytes:3.0f}x fewer than expanded")
+assert per_rank["expanded"] == 2 * per_rank["latent"]  # head-sharded latent: only 2x per rank
+assert per_rank["expanded"] >= 50 * per_rank["latent-sequence"]  # sequence-sharded: 64x
+assert per_rank["expanded"] == 64 * per_rank["latent-sequence"]
+
+# %% [markdown]
 # ## Compiling for TPU7x at Kimi K3 per-rank shapes
 # No TPU here, but libtpu's Mosaic compiler runs on the CPU (`tpu.compile_for`): tiling, layout
 # and VMEM errors surface exactly as on the chip. Shapes of one rank (3 heads), a 32,768-token
-# context, batch 1; only shapes are needed, no weights.
+# context, batch 1 (the sequence-sharded partial: 1,024 tokens of it); only shapes are needed.
 
 # %%
 S_ = jax.ShapeDtypeStruct
@@ -344,6 +422,16 @@ kda_structs = ({n: S_(s, kda.WEIGHT_DTYPES.get(n, jnp.bfloat16))
                S_((1, rank.d_model), jnp.bfloat16),
                S_((1, rank.kda_conv_size - 1, 3, rank.n_heads, rank.kda_head_dim), jnp.bfloat16),
                S_((1, rank.n_heads, rank.kda_head_dim, rank.kda_head_dim), jnp.float32))
+# the sequence-sharded partial: one rank's 1/32 of the context (1,024 tokens), all 96 heads' q̃
+shard_structs = (S_((1, 96, rank.mla_kv_rank), jnp.bfloat16),
+                 S_((1, 96, rank.mla_qk_extra), jnp.bfloat16),
+                 {"ckv": S_((1, 32768 // 32, rank.mla_kv_rank), jnp.bfloat16),
+                  "kx": S_((1, 32768 // 32, rank.mla_qk_extra), jnp.bfloat16)},
+                 S_((1,), jnp.int32), S_((), jnp.int32))
+results["MLA partial"] = tpu.compile_for(
+    lambda q, qx, c, pos, start: mla.mla_latent_partial(q, qx, c, pos, start,
+                                                        rank.replace(mla_cache_layout="latent")),
+    *shard_structs, chip="tpu7x")
 results["KDA"] = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, rank),
                                  *kda_structs, chip="tpu7x")
 for name, result in results.items():
