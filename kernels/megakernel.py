@@ -605,7 +605,7 @@ class StepResult(dict):
 
 
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig, *,
-                seed: int = 0, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                seed: int = 0, temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                 options: MegakernelOptions = MegakernelOptions(),
                 return_logits: bool = False) -> tuple[jax.Array, dict, dict]:
     """One decode step of the whole model in ONE pallas_call -> (next tokens [B], state, aux).
@@ -738,3 +738,54 @@ def count_xla_kernels(hlo_text: str) -> int:
             for single, branches in _HLO_CALLS.findall(line):
                 todo += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
     return count
+
+
+# ---- bytes: what a step moves against the least it could ----------------------------------------
+def hbm_bytes(log: dma.DmaLog) -> int:
+    """Bytes of the DMAs of a recorded step that touch HBM (VMEM->SMEM copies excluded)."""
+    return sum(e.nbytes for e in log.select("dma_start") if "hbm" in (e.src, e.dst))
+
+
+@dataclass(frozen=True)
+class MinimumBytes:
+    """The least HBM traffic of one step: each weight once, each unique routed expert once, the
+    KV tiles holding the cached tokens, the recurrent/conv state read and written, the new KV
+    entries written, one embedding row per sequence."""
+
+    weights: int
+    embedding_rows: int
+    routed_experts: int
+    kv_tiles: int
+    kda_state: int
+    kv_entries: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.embedding_rows + self.routed_experts + self.kv_tiles
+                + self.kda_state + self.kv_entries)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k):,d}" for k in
+                          ("weights", "embedding_rows", "routed_experts", "kv_tiles", "kda_state",
+                           "kv_entries"))
+        return f"minimum {self.total:,d} B = {parts}"
+
+
+def minimum_step_bytes(cfg: ModelConfig, batch: int, positions: Any,
+                       expert_ids: Any) -> MinimumBytes:
+    """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux)."""
+    from mkresearch import roofline, weights
+
+    params = weights.param_shapes(cfg)
+    dense_weights = roofline.tree_bytes({k: v for k, v in params.items() if k != "embed"})
+    dense_weights -= roofline.tree_bytes(params["moe"]["experts"])
+    per_expert = roofline.expert_bytes(cfg)
+    unique = sum(len(np.unique(layer)) for layer in np.asarray(expert_ids))
+    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
+    kda_bytes = roofline.tree_bytes([state["kda_conv"], state["kda_state"]])
+    n_mla = len(cfg.mla_layers)
+    return MinimumBytes(
+        weights=dense_weights, embedding_rows=batch * cfg.d_model * 2,
+        routed_experts=unique * per_expert,
+        kv_tiles=n_mla * mla.kv_tile_bytes_needed(positions, cfg),
+        kda_state=2 * kda_bytes, kv_entries=n_mla * batch * mla.kv_bytes_per_token(cfg))

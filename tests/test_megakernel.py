@@ -1,0 +1,267 @@
+"""The megakernel (one pallas_call per decode step) against the reference, in TPU interpret mode
+with the race detector on; its bytes from the DMA log; its TPU7x compiles; bad input.
+
+Two references, every step teacher-forced on the reference's token (one near-tie cannot derail
+the steps after it):
+
+* the stage kernels run one pallas_call each (`reference._decode_step` with its sublayers swapped
+  for the kernel twins): the megakernel composes the very same bodies, so its tokens must be
+  IDENTICAL and its logits within COMPOSE_TOL (LM-head tiles accumulate in another order);
+* the plain-JAX reference (spec §11, whole-step interpret-mode runs): logits within LOGIT_TOL =
+  5e-2, greedy tokens equal except at near-ties. Two kinds of near-tie are stated and reported:
+  a top-2 logit gap under NEAR_TIE_GAP = 2 · LOGIT_TOL (two logits each off by LOGIT_TOL may
+  swap), and a routing near-tie, where the reference's k-th and (k+1)-th expert selection scores
+  differ by less than ROUTING_TIE_GAP in some MoE layer: the stage kernels' bf16 rounding (one ulp
+  of a sublayer output) may then pick the other expert, and that step's logits move by O(1).
+  With mini's random weights this happens (e.g. a gap of 6e-4 after a 20-token prompt).
+
+Caches and states after every step (each step starts from the reference's state): against the
+stage kernels always, bf16 caches and the conv state within one bf16 ulp of their scale and the
+f32 recurrent state within STATE_ATOL; against the reference (except after a routing near-tie
+moved an expert) each leaf's relative Frobenius error within STATE_REL_TOL = 2^-7, since the
+sublayer inputs already differ by bf16 ulps there.
+"""
+
+import contextlib
+import os
+
+# libtpu allows one process at a time by default; tests on a shared machine compile concurrently
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from unittest import mock  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from mkresearch import config, reference, sampling, tpu, weights  # noqa: E402
+from mkresearch.kernels import dma, experts, kda, megakernel as mk, mla  # noqa: E402
+
+COMPOSE_TOL = 1e-3
+ROUTING_TIE_GAP = 1e-2
+LOGIT_TOL = 5e-2
+NEAR_TIE_GAP = 2 * LOGIT_TOL
+BF16_TOL = 2.0 ** -7
+STATE_ATOL = 1e-4
+STATE_REL_TOL = 2.0 ** -7
+BYTES_SLACK = 1.02
+MINI = config.get_config("kimi-k3-mini")
+PROMPT_LEN = 20  # prefilled by the reference, so the steps cross the KV tile boundary at 32
+
+
+@pytest.fixture(scope="module")
+def mini_params():
+    return weights.init_params(MINI, 0)
+
+
+def prefilled(cfg, params, batch, length, seed=0):
+    """Reference state after teacher-forcing a random prompt, and the prompt's last tokens."""
+    prompt = jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
+    state = reference.init_state(cfg, batch)
+    if length > 1:
+        _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
+    return state, prompt[:, -1]
+
+
+def copy_state(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def _step_with_routing_gap(params, state, tokens, positions, cfg):
+    """reference decode step + the smallest gap between the k-th and (k+1)-th expert selection
+    scores over its MoE layers and rows."""
+    gaps, route = [], reference.route
+
+    def spy(p, x, cfg):
+        scores = jax.nn.sigmoid(reference._mm(x, p["w_router"]))
+        if cfg.router_score == "softmax":
+            scores = jax.nn.softmax(reference._mm(x, p["w_router"]), axis=-1)
+        selection = jnp.sort(scores + p["router_bias"] if cfg.router_bias else scores, axis=-1)
+        gaps.append(jnp.min(selection[:, -cfg.top_k] - selection[:, -cfg.top_k - 1]))
+        return route(p, x, cfg)
+
+    with mock.patch.object(reference, "route", spy):
+        logits, state, _ = reference._decode_step(params, state, tokens, positions, cfg)
+    return logits, state, jnp.min(jnp.stack(gaps))
+
+
+_reference_step = jax.jit(_step_with_routing_gap, static_argnames="cfg")
+
+
+def staged_step(params, state, tokens, positions, cfg):
+    """The step with one pallas_call per stage: the reference's skeleton, kernel sublayers.
+    Returns (logits, state)."""
+    with mock.patch.object(reference, "kda_attention", kda.kda_attention), \
+            mock.patch.object(reference, "mla_attention", mla.mla_attention), \
+            mock.patch.object(reference, "moe_ffn", lambda p, x, cfg: experts.moe_ffn(p, x, cfg)), \
+            mock.patch.object(reference, "dense_ffn", experts.dense_ffn):
+        logits, state, _ = reference._decode_step(params, state, jnp.asarray(tokens),
+                                                  jnp.asarray(positions), cfg)
+    return logits, state
+
+
+# jitted: the kernel wrappers are traced once (interpret options are read at trace time, and every
+# test here runs under race_checked)
+_staged_step = jax.jit(staged_step, static_argnames="cfg")
+
+
+def run_steps(cfg, params, batch, n_steps, *, record=False, staged=False):
+    """n_steps teacher-forced on the reference: each step, the megakernel (and, with staged=True,
+    the stage kernels one call each) starts from the reference's state and token, and its tokens,
+    logits and updated state are compared with the reference's. Returns (near-ties, max logit
+    diff off near-ties, logs)."""
+    ref_state, tokens = prefilled(cfg, params, batch, PROMPT_LEN)
+    prepared = mk.prepare_weights(params, cfg)
+    positions = np.full(batch, PROMPT_LEN - 1, np.int32)
+    near_ties, worst, logs = [], 0.0, []
+    for step in range(n_steps):
+        start = jnp.asarray(tokens), jnp.asarray(positions)
+        logits, next_state, routing_gap = _reference_step(params, ref_state, *start, cfg=cfg)
+        routing_gap = float(routing_gap)
+        ref_tokens = np.asarray(sampling.sample(logits, seed=0, positions=positions + 1))
+        with dma.recording() if record else contextlib.nullcontext() as log:
+            mk_tokens, mk_state, aux = mk.decode_step(prepared, copy_state(ref_state), tokens,
+                                                      positions, cfg, return_logits=True)
+            jax.block_until_ready(mk_tokens)
+        logs.append(log)
+        if staged:  # the composition: the same bodies, one pallas_call each
+            staged_logits, staged_state = _staged_step(params, ref_state, *start, cfg=cfg)
+            composed = float(jnp.max(jnp.abs(aux["logits"] - staged_logits)))
+            assert composed <= COMPOSE_TOL, f"step {step}: megakernel vs stage kernels {composed}"
+            np.testing.assert_array_equal(
+                mk_tokens, sampling.sample(staged_logits, seed=0, positions=positions + 1))
+            assert_states_match(mk_state, staged_state)
+        diff = float(jnp.max(jnp.abs(aux["logits"] - logits)))
+        routing_tie = routing_gap < ROUTING_TIE_GAP
+        if routing_tie and diff > LOGIT_TOL:  # an expert moved: later layers differ, states too
+            near_ties.append((step, "routing", round(routing_gap, 5), round(diff, 3)))
+        else:
+            worst = max(worst, diff)
+            assert diff <= LOGIT_TOL, (f"step {step}: logits differ by {diff} > {LOGIT_TOL} "
+                                       f"(smallest routing gap {routing_gap:.2g})")
+            assert_states_match(mk_state, next_state, same_rounding=False)
+        top2 = np.sort(np.asarray(logits), axis=-1)[:, -2:]
+        for row in np.flatnonzero(np.asarray(mk_tokens) != ref_tokens):
+            gap = float(top2[row, 1] - top2[row, 0])
+            assert gap < NEAR_TIE_GAP or routing_tie, (
+                f"step {step}, row {row}: token {int(mk_tokens[row])} != reference "
+                f"{ref_tokens[row]} with a top-2 gap {gap:.4f} and routing gap {routing_gap:.2g}")
+            near_ties.append((step, int(row), "top-2", round(gap, 4)))
+        ref_state, tokens, positions = next_state, jnp.asarray(ref_tokens), positions + 1
+    return near_ties, worst, logs
+
+
+def assert_states_match(actual, expected, *, same_rounding=True):
+    """same_rounding (against the stage kernels, identical sublayer inputs): bf16 leaves within one
+    bf16 ulp of their scale, the f32 recurrent state within STATE_ATOL, element by element.
+    Against the reference, whose sublayer inputs differ by bf16 ulps from the layers before (and
+    a few elements may move further through a near-tied router): each leaf's relative
+    Frobenius error within STATE_REL_TOL."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if not same_rounding:
+            error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+            assert error <= STATE_REL_TOL, f"{name}: relative error {error:.3g} > {STATE_REL_TOL}"
+        elif name == "['kda_state']":
+            np.testing.assert_allclose(a, b, atol=STATE_ATOL, rtol=0, err_msg=name)
+        else:
+            scale = float(np.abs(b).max()) or 1.0
+            np.testing.assert_allclose(a, b, rtol=BF16_TOL, atol=BF16_TOL * scale, err_msg=name)
+
+
+# ---- correctness: 32 greedy steps -----------------------------------------------------------------
+def test_greedy_32_steps_batch_1(race_checked, mini_params):
+    near_ties, worst, _ = run_steps(MINI, mini_params, 1, 32, staged=True)
+    print(f"B=1: 32 steps, tokens and logits as the stage kernels'; vs the reference: max |logit "
+          f"diff| {worst:.3g} off near-ties, near-ties {near_ties}")
+
+
+def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
+    """B = 4, recorded: tokens, states, and the bytes each step moves against the minimum."""
+    near_ties, worst, *states, logs = run_steps(MINI, mini_params, 4, 32, record=True,
+                                                staged=True)
+    print(f"B=4: 32 steps, max |logit diff| {worst:.3g} off near-ties, near-ties {near_ties}")
+    # the bytes of the last step against the minimum of that step
+    ref_state, tokens = prefilled(MINI, mini_params, 4, PROMPT_LEN)
+    positions = np.full(4, PROMPT_LEN - 1 + 31, np.int32)
+    expert_ids = None
+    state = ref_state
+    pos = np.full(4, PROMPT_LEN - 1, np.int32)
+    for _ in range(32):  # replay the reference to get the last step's routing
+        logits, state, aux = reference.decode_step(mini_params, state, tokens, pos, MINI)
+        expert_ids = aux["expert_ids"]
+        tokens = sampling.sample(logits, seed=0, positions=pos + 1)
+        pos = pos + 1
+    moved = mk.hbm_bytes(logs[-1])
+    minimum = mk.minimum_step_bytes(MINI, 4, positions, np.asarray(expert_ids))
+    print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
+          f"({moved / minimum.total:.4f}x)\n{minimum}")
+    assert moved <= BYTES_SLACK * minimum.total
+
+
+# ---- the format / layout matrix (fewer steps) -----------------------------------------------------
+@pytest.mark.parametrize("layout, expert_format", [("latent", "fp8"), ("expanded", "bf16")])
+def test_layouts_and_formats(race_checked, layout, expert_format):
+    cfg = MINI.replace(mla_cache_layout=layout, expert_format=expert_format)
+    params = weights.init_params(cfg, 1)
+    near_ties, worst, _ = run_steps(cfg, params, 2, 3, staged=True)
+    print(f"{layout}/{expert_format}: max |logit diff| {worst:.3g} off near-ties, near-ties "
+          f"{near_ties}")
+
+
+# ---- compiling for TPU7x ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3-rank"])
+def test_compiles_to_one_mosaic_kernel(name):
+    cfg = config.get_config(name)
+    result, plan = mk.compile_step(cfg, 1, chip="tpu7x")
+    print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB; "
+          f"{mk.count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
+    assert result.n_mosaic_kernels == 1
+    if name == "kimi-k3-mini":
+        ref = mk.compile_reference_step(cfg, 1, chip="tpu7x")
+        print(f"reference backend for tpu7x: {ref.n_mosaic_kernels} Mosaic kernels, "
+              f"{mk.count_xla_kernels(ref.hlo_text)} XLA kernels per step")
+        assert mk.count_xla_kernels(ref.hlo_text) > 1
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
+    options = mk.MegakernelOptions(expert_slots=8, chip="v5p")
+    cfg = config.get_config("kimi-k3-rank", expert_format="bf16")
+    with pytest.raises(mk.VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
+        mk.make_plan(cfg, 8, cfg.max_seq_len, options)
+
+
+def test_position_past_the_cache(mini_params):
+    state = reference.init_state(MINI, 1)
+    with pytest.raises(ValueError, match=r"positions=\[128\] is invalid: each in \[0, 128\)"):
+        mk.decode_step(mini_params, state, np.array([1]), np.array([128]), MINI)
+
+
+def test_batch_larger_than_supported(mini_params):
+    batch = mk.MAX_BATCH + 1
+    state = jax.eval_shape(lambda: reference.init_state(MINI, batch))
+    with pytest.raises(ValueError, match=rf"batch={batch} is invalid: an int in \[1, 16\]"):
+        mk.decode_step(mini_params, state, np.zeros(batch, np.int32), np.zeros(batch, np.int32),
+                       MINI)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("ring_depth", 1, r"ring_depth=1 is invalid: an int in \[2, "),
+    ("ring_block_bytes", 100, "ring_block_bytes=100 is invalid"),
+    ("expert_slots", 1, r"expert_slots=1 is invalid: an int in \[2, 8\]"),
+    ("expert_plan", "some", "plan='some' is invalid"),
+    ("chip", "h100", "unknown chip 'h100'"),
+])
+def test_bad_options(field, value, match):
+    options = mk.MegakernelOptions(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        mk.make_plan(MINI, 1, MINI.max_seq_len, options)
+
+
+def test_state_of_the_other_layout(mini_params):
+    state = reference.init_state(MINI.replace(mla_cache_layout="latent"), 1)
+    with pytest.raises(ValueError, match=r"state\['mla'\] has keys"):
+        mk.decode_step(mini_params, state, np.array([1]), np.array([0]), MINI)
