@@ -28,6 +28,7 @@ KV tiles and the KDA state their own double buffers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass, field
@@ -39,11 +40,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import blocks, dma, experts, kda, mla, quant, sampling, weight_stream
 
-from mkresearch import reference, sampling as sampling_ref, tpu
+from mkresearch import reference, tpu
+from mkresearch import sampling as sampling_ref
 from mkresearch.chips import get_chip
 from mkresearch.config import BF16_SUBLANE, ModelConfig
-from mkresearch.kernels import blocks, dma, experts, kda, mla, quant, sampling, weight_stream
 
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
@@ -77,30 +79,30 @@ class MegakernelOptions:
     expert_plan: str = "unique"
     kv_tile: int | None = None
     chip: str = "tpu7x"
-    global_stream: bool = False
+    global_stream: bool = True
 
 
 def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
     """ValueError naming the option and its allowed values."""
     if not isinstance(options, MegakernelOptions):
-        raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")
-    max_depth = weight_stream.max_ring_depth(cfg)
+        raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
+    block = options.ring_block_bytes
+    if isinstance(block, bool) or not isinstance(block, int) or block < 64 * 1024:
+        raise ValueError(f"ring_block_bytes={block!r} is invalid: an int >= 65536 (one slot of the "
+                         "weight ring, e.g. 2 MiB as in the released kernels)")
+    max_depth = weight_stream.max_ring_depth(cfg, block)
     depth = options.ring_depth
     if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= max_depth:
         raise ValueError(f"ring_depth={depth!r} is invalid: an int in [2, {max_depth}] (the "
                          f"lookahead, ring_depth - 1 blocks, may cross at most one stage boundary; "
                          f"the shortest stage of {cfg.name} streams {max_depth - 1} blocks)")
-    block = options.ring_block_bytes
-    if isinstance(block, bool) or not isinstance(block, int) or block < 64 * 1024:
-        raise ValueError(f"ring_block_bytes={block!r} is invalid: an int >= 65536 (one slot of the "
-                         "weight ring, e.g. 2 MiB as in the released kernels)")
     experts.check_stage_options(options.expert_plan, options.expert_slots, cfg.expert_format)
     if options.expert_slots < 2:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
                          "megakernel issues expert DMAs right after routing, ahead of their use)")
     get_chip(options.chip)  # ValueError listing the chips
     if not isinstance(options.global_stream, bool):
-        raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")
+        raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
     return options
 
 
@@ -144,13 +146,13 @@ class VmemPlan:
         return self.total_bytes <= self.limit_bytes
 
     def table(self) -> str:
-        lines = [f"VMEM plan for {self.chip}: {self.total_bytes / 2**20:.2f} MiB peak (kernel-wide "
-                 f"+ {self.peak_stage}) of {self.limit_bytes / 2**20:.2f} MiB usable"]
+        lines = [(f"VMEM plan for {self.chip}: {self.total_bytes / 2**20:.2f} MiB peak (kernel-wide "
+                  f"+ {self.peak_stage}) of {self.limit_bytes / 2**20:.2f} MiB usable")]
         for scope in self.scopes:
             lines.append(f"  [{scope}] {self.stage_bytes(scope) / 2**20:.3f} MiB")
             for b in self.buffers:
                 if b.scope == scope:
-                    lines.append(f"    {b.name:28s} {str(list(b.shape)):28s} {b.dtype:9s} "
+                    lines.append(f"    {b.name:28s} {list(b.shape)!s:28s} {b.dtype:9s} "
                                  f"{b.nbytes:>12,d} B")
         return "\n".join(lines)
 
@@ -200,7 +202,7 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
 
     Raises VmemPlanError (a ValueError) listing the plan when it does not fit the chip's VMEM."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch={batch!r} is invalid: an int in [1, {MAX_BATCH}] (the megakernel "
                          f"holds the [B, d] activations in one {BF16_SUBLANE}-row bf16 tile; split "
@@ -253,12 +255,14 @@ def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, v
     if stream is not None:
         out.append(_buf("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
 
-    def ring2(name, shape, dtype, scope):  # a stage's own two-slot weight ring (no global stream)
-        return [] if stream is not None else [_buf(name, (2, *shape), dtype, scope)]
-
-    def max_block(shapes, scope):
+    def max_block(shapes, scope):  # a stage body's own two-slot ring for what is not streamed
+        if stream is not None:
+            shapes = [s for s in shapes if s[1] % 128]
+        if not shapes:
+            return []
         rows_n = [(blocks.weight_block_rows(s, bf), s[1]) for s in shapes]
-        return ring2(f"{scope} weight ring", max(rows_n, key=lambda r: r[0] * r[1]), bf, scope)
+        biggest = max(rows_n, key=lambda r: r[0] * r[1])
+        return [_buf(f"{scope} own weight ring", (2, *biggest), bf, scope)]
 
     hd, dk = cfg.kda_width, cfg.kda_head_dim
     kda_scope = "KDA"
@@ -295,8 +299,6 @@ def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, v
     out += max_block([(d, cfg.n_experts), (d, cfg.moe_latent), (cfg.moe_latent, d),
                       (d, cfg.shared_hidden), (cfg.shared_hidden, d)], moe_scope)
     out += max_block([(d, cfg.dense_hidden), (cfg.dense_hidden, d)], "dense")
-    if stream is not None:
-        out.append(_buf("(global ring)", (0,), bf, "dense"))
     out += [_buf("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
             _buf("final mix inputs", (cfg.n_blocks + 1, b, d), f4, "sampling")]
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
@@ -338,8 +340,8 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
 
     def scoped(snapshots, partial_ref, x_ref, out_ref, vectors, ids_ref, weights_ref, ids_smem,
                weights_smem, sems, *ring):
-        stream = (weight_stream.GlobalStream(plan.stream, ring[0], ring[1], w, table_smem)
-                  if plan.stream is not None else None)
+        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, table_smem, cfg.n_layers,
+                                             TABLE_COLUMNS) if plan.stream is not None else None)
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
         def gather(blocks_vmem):  # [B, 16, d] bf16
@@ -365,7 +367,7 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                 snapshots[0] = embedded
 
         pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
-        if stream is not None:
+        if stream is not None:  # layer 0's first weight blocks fly from the start
             stream.prologue()
 
         def load_vectors(layer):  # this layer's mix weights and norm gains, [1, d] each
@@ -383,8 +385,6 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
             is_moe, ffn_i = table_smem[row + IS_MOE], table_smem[row + FFN_INDEX]
             block, offset = lax.div(layer, cfg.attn_res_block), lax.rem(layer, cfg.attn_res_block)
             block_start = offset == 0
-            if stream is not None:
-                stream.begin_layer(layer)
             load_vectors(layer)
             # 2.1 h = Mix(𝒜_ℓ): ℓ = 0 → {P}; block start → {R_0..R_{n-1}, P}; else {R_0..R_n, P}
             with dma.phase("mix_attn", layer=layer):
@@ -413,8 +413,8 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                                        cache_a_out.at[attn_i], cache_b_out.at[attn_i],
                                        layer=layer)
 
-            with _stage(stream, "attention"):
-                lax.cond(is_mla == 1, mla_branch, kda_branch)
+            lax.cond(is_mla == 1, _staged(stream, "mla", mla_branch, layer, attn_i),
+                     _staged(stream, "kda", kda_branch, layer, attn_i))
             # 2.4 P ← a at a block start, else bf(P + a); 2.5 h′ = Mix({R_0..R_n, P})
             with dma.phase("mix_mlp", layer=layer):
                 a = out_ref[...]
@@ -445,16 +445,18 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                 experts.ffn_stage_body(None, x_ref, None, None, None, always_on, out_ref,
                                        options=plan.dense_options)
 
-            with _stage(stream, "ffn"):
-                lax.cond(is_moe == 1, moe_branch, dense_branch)
+            lax.cond(is_moe == 1, _staged(stream, "moe", moe_branch, layer, ffn_i),
+                     _staged(stream, "dense", dense_branch, layer, ffn_i))
             # 2.7 P ← bf(P + m)
             partial_ref[...] = (partial_ref[...].astype(jnp.float32)
                                 + out_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
             return carry
 
-        lax.fori_loop(0, cfg.n_layers, layer_step, 0)
-        if stream is not None:
-            stream.epilogue()
+        if stream is None:
+            lax.fori_loop(0, cfg.n_layers, layer_step, 0)
+        else:  # the stage bodies' stream_matmul calls draw from the global ring
+            with blocks.global_weight_stream(stream):
+                lax.fori_loop(0, cfg.n_layers, layer_step, 0)
 
         # 3. final mix, norm, LM head tiles and sampling: the sampling stage's body
         def with_head(mix_out_ref, final_norm_ref, tile_slots, tile_sems):
@@ -478,7 +480,8 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                       pltpu.SemaphoreType.DMA((2,)))
 
     ring = ([pltpu.VMEM((plan.stream.depth, *plan.stream.slot_shape), jnp.bfloat16),
-             pltpu.SemaphoreType.DMA((plan.stream.depth,))] if plan.stream is not None else [])
+             pltpu.SemaphoreType.DMA((plan.stream.depth,)), pltpu.SMEM((1,), jnp.int32)]
+            if plan.stream is not None else [])
     k = cfg.top_k
     pl.run_scoped(scoped, pltpu.VMEM((n_blocks, batch, d), jnp.bfloat16),
                   pltpu.VMEM((batch, d), jnp.bfloat16), pltpu.VMEM((batch, d), jnp.bfloat16),
@@ -488,16 +491,12 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                   pltpu.SemaphoreType.DMA((4,)), *ring)
 
 
-class _NoStage:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _stage(stream, name):
-    return stream.stage(name) if stream is not None else _NoStage()
+def _staged(stream, kind, branch, layer, index):
+    """A cond branch running one stage body inside the global stream's bracket for that stage."""
+    def run():
+        with stream.stage(kind, layer, index) if stream is not None else contextlib.nullcontext():
+            branch()
+    return run
 
 
 # ---- the wrapper -------------------------------------------------------------------------------
@@ -555,7 +554,7 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)  # noqa: E731
+    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)
     out_shape = [column(jnp.int32), column(jnp.int32)]
     if return_logits:
         out_shape.append(jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32))
@@ -679,7 +678,7 @@ def step_shapes(plan: MegaPlan) -> tuple:
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch, plan.seq_len))
     i32, f32 = jnp.int32, jnp.float32
     s = jax.ShapeDtypeStruct
-    column = lambda dtype: s((batch, 1), dtype)  # noqa: E731
+    column = lambda dtype: s((batch, 1), dtype)
     return (prepared, state, s((batch,), i32), s((batch,), i32), s((1,), i32),
             s((len(plan.layer_table),), i32), column(i32), column(f32), column(i32), column(f32))
 

@@ -1,13 +1,240 @@
-"""The global weight stream of the megakernel (placeholder while it is being written)."""
+"""The megakernel's global weight stream: one sequence of weight blocks through one VMEM ring,
+across stage and layer boundaries.
+
+Every layer streams a static sequence of weight blocks per stage kind:
+
+    attention  KDA: w_fa w_fb w_q w_k w_v w_g [w_b] w_o      MLA: w_qa w_qb w_kva w_g [w_kvb] w_o
+    FFN        dense: w_gate w_up w_down                     MoE: [w_router] w_ld w_lu w_sg w_su w_sd
+
+(in the order the stage bodies call `blocks.stream_matmul`; matrices whose N is not a multiple of
+128 lanes, like KDA's w_b [d, H], stay on the body's own two-slot ring). While the megakernel
+traces, `blocks.stream_matmul` asks this stream first: block g of a stage is waited for in ring
+slot (base + g) mod depth, and block g + depth - 1 of the *continued* sequence is started first.
+When that block lies past the end of the stage, it is the next stage's: the FFN of this layer
+after attention, the attention of the next layer after the FFN. Which kind (KDA or MLA, dense or
+MoE) is read from the SMEM layer table, so the prefetch is a `pl.when` per kind. So while a stage
+computes, the next stage's and the next layer's first blocks are already in flight.
+
+The ring is `depth` slots of [R, C] bf16: C the widest streamed N, R = ring_block_bytes / (2 C)
+rows (a multiple of 128). A block of a [K, N] matrix is [rows, N] with rows the largest multiple of
+128 dividing K, at most R and at most what the stand-alone stage kernel uses (so at mini sizes the
+blocks, and the f32 accumulation order, are the stage kernels' own). The lookahead may cross at
+most one stage boundary: depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
+"""
 
 from __future__ import annotations
 
-from mkresearch.config import ModelConfig
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from mkresearch.kernels import blocks, dma
+
+from mkresearch.config import LANE, ModelConfig
+
+MAX_DEPTH = 8
+ATTENTION, FFN = ("kda", "mla"), ("dense", "moe")
 
 
-def max_ring_depth(cfg: ModelConfig) -> int:
-    return 4
+@dataclass(frozen=True)
+class Entry:
+    """One streamed matrix of a stage: where it lives in the kernel's weight pytree, its DMA-log
+    name (the stage body's), its shape and its row blocks."""
+
+    group: str  # "kda" | "mla" | "dense" | "moe"
+    key: str
+    name: str
+    k: int
+    n: int
+    rows: int
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k // self.rows
 
 
-def make_stream_plan(cfg: ModelConfig, depth: int, block_bytes: int):
-    return None
+@dataclass(frozen=True)
+class StreamPlan:
+    depth: int
+    slot_shape: tuple[int, int]  # [R, C]
+    stages: tuple[tuple[str, tuple[Entry, ...]], ...]  # kind -> entries, in body call order
+
+    def entries(self, kind: str) -> tuple[Entry, ...]:
+        return dict(self.stages)[kind]
+
+    def blocks(self, kind: str) -> tuple[tuple[Entry, int], ...]:
+        """The stage's block sequence: (entry, row block) in streaming order."""
+        return tuple((e, i) for e in self.entries(kind) for i in range(e.n_blocks))
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_shape[0] * self.slot_shape[1] * 2
+
+
+def _stage_matrices(cfg: ModelConfig) -> dict[str, list[tuple[str, str, str, tuple[int, int]]]]:
+    """kind -> [(group, key, DMA-log name, (K, N))] in the order the stage bodies stream them."""
+    d, hd, h = cfg.d_model, cfg.kda_width, cfg.n_heads
+    qk, v = cfg.mla_qk_dim, cfg.mla_v_dim
+    kda = [("w_fa", (d, cfg.kda_gate_rank)), ("w_fb", (cfg.kda_gate_rank, hd)), ("w_q", (d, hd)),
+           ("w_k", (d, hd)), ("w_v", (d, hd)), ("w_g", (d, hd)), ("w_b", (d, h)),
+           ("w_o", (hd, d))]
+    mla = [("w_qa", (d, cfg.mla_q_rank)), ("w_qb", (cfg.mla_q_rank, h * qk)),
+           ("w_kva", (d, cfg.mla_latent_cache_dim)), ("w_g", (d, h * v))]
+    if cfg.mla_cache_layout == "expanded":
+        mla.append(("w_kvb", (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v))))
+    mla.append(("w_o", (h * v, d)))
+    moe = [("w_router", "router/w_router", (d, cfg.n_experts)),
+           ("w_ld", "latent/w_ld", (d, cfg.moe_latent)), ("w_lu", "latent/w_lu", (cfg.moe_latent, d))]
+    if cfg.n_shared_experts:
+        moe += [("w_sg", "shared/w_gate", (d, cfg.shared_hidden)),
+                ("w_su", "shared/w_up", (d, cfg.shared_hidden)),
+                ("w_sd", "shared/w_down", (cfg.shared_hidden, d))]
+    dense = [("w_gate", "dense/w_gate", (d, cfg.dense_hidden)),
+             ("w_up", "dense/w_up", (d, cfg.dense_hidden)),
+             ("w_down", "dense/w_down", (cfg.dense_hidden, d))]
+    return {"kda": [("kda", k, f"kda.{k}", s) for k, s in kda],
+            "mla": [("mla", k, f"mla.{k}", s) for k, s in mla],
+            "dense": [("dense", k, name, s) for k, name, s in dense],
+            "moe": [("moe", k, name, s) for k, name, s in moe]}
+
+
+def make_stream_plan(cfg: ModelConfig, depth: int, block_bytes: int) -> StreamPlan:
+    streamed = {kind: [m for m in ms if m[3][1] % LANE == 0]
+                for kind, ms in _stage_matrices(cfg).items()}
+    width = max(shape[1] for ms in streamed.values() for *_, shape in ms)  # C
+    slot_rows = max(LANE, block_bytes // (2 * width) // LANE * LANE)  # R
+    stages = []
+    for kind, ms in streamed.items():
+        entries = []
+        for group, key, name, (k, n) in ms:
+            cap = min(slot_rows, blocks.weight_block_rows((k, n), jnp.bfloat16))
+            rows = max(r for r in range(LANE, min(k, cap) + 1, LANE) if k % r == 0)
+            entries.append(Entry(group, key, name, k, n, rows))
+        stages.append((kind, tuple(entries)))
+    max_rows = max(e.rows for _, es in stages for e in es)
+    return StreamPlan(depth=depth, slot_shape=(max_rows, width), stages=tuple(stages))
+
+
+def max_ring_depth(cfg: ModelConfig, block_bytes: int = blocks.WEIGHT_BLOCK_BYTES) -> int:
+    """The deepest ring whose lookahead (depth - 1 blocks) crosses at most one stage boundary."""
+    plan = make_stream_plan(cfg, 2, block_bytes)
+    return min(MAX_DEPTH, 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages))
+
+
+class GlobalStream:
+    """The ring while the megakernel traces. `stage(kind, layer, index)` brackets one stage body;
+    `matmul` is what `blocks.stream_matmul` calls (None for matrices not in the stream)."""
+
+    def __init__(self, plan: StreamPlan, ring_ref: Any, sems_ref: Any, base_smem: Any,
+                 weights: dict, table_smem: Any, n_layers: int, columns: int) -> None:
+        self.plan, self.ring, self.sems, self.base = plan, ring_ref, sems_ref, base_smem
+        self.weights, self.table, self.n_layers, self.columns = weights, table_smem, n_layers, columns
+        self.kind = None
+
+    # -- the layer table: kind and index within its kind of a (traced) layer ---------------------
+    def _row(self, layer, column):
+        return self.table[layer * self.columns + column]
+
+    def _kinds(self, layer, attention: bool):
+        """((kind, predicate, index within kind), ...) for the attention or the FFN of `layer`."""
+        from mkresearch.kernels import megakernel as mk  # the table's column layout
+
+        if attention:
+            is_mla, index = self._row(layer, mk.IS_MLA), self._row(layer, mk.ATTN_INDEX)
+            return (("kda", is_mla == 0, index), ("mla", is_mla == 1, index))
+        is_moe, index = self._row(layer, mk.IS_MOE), self._row(layer, mk.FFN_INDEX)
+        return (("dense", is_moe == 0, index), ("moe", is_moe == 1, index))
+
+    # -- DMAs ------------------------------------------------------------------------------------
+    def _copy(self, kind: str, position: int, index, base, layer) -> dma.Copy:
+        entry, block = self.plan.blocks(kind)[position]
+        source = self.weights[entry.group][entry.key].at[index]  # [K, N] of this layer
+        window = source.at[pl.ds(block * entry.rows, entry.rows), :]
+        slot = lax.rem(base + position, self.plan.depth)
+        target = self.ring.at[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]
+        return dma.Copy(window, target, self.sems.at[slot], name=entry.name, slot=slot,
+                        block=block, layer=layer)
+
+    def _start_ahead(self, target: int) -> None:
+        """Start block `target` of the sequence continuing from the current stage's block 0."""
+        kind, length = self.kind, len(self.plan.blocks(self.kind))
+        if target < length:
+            self._copy(kind, target, self.index, self.base[0], self.layer).start()
+            return
+        position, base = target - length, lax.rem(self.base[0] + length, self.plan.depth)
+        if kind in ATTENTION:  # next: this layer's FFN
+            layer, guard = self.layer, True
+            options = self._kinds(layer, attention=False)
+        else:  # next: the next layer's attention (none after the last layer)
+            layer = jnp.minimum(self.layer + 1, self.n_layers - 1)
+            guard = self.layer + 1 < self.n_layers
+            options = self._kinds(layer, attention=True)
+        for next_kind, predicate, index in options:
+            @pl.when(jnp.logical_and(guard, predicate))
+            def _(next_kind=next_kind, index=index):
+                self._copy(next_kind, position, index, base, layer).start()
+
+    def prologue(self) -> None:
+        """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
+        self.base[0] = 0
+        for kind, predicate, index in self._kinds(0, attention=True):
+            for position in range(self.plan.depth - 1):
+                @pl.when(predicate)
+                def _(kind=kind, position=position, index=index):
+                    self._copy(kind, position, index, 0, 0).start()
+
+    # -- a stage ---------------------------------------------------------------------------------
+    def stage(self, kind: str, layer, index) -> _Stage:
+        return _Stage(self, kind, layer, index)
+
+    def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: Any):
+        """x [M, K] @ the next streamed matrix -> [M, N] f32, or None if `name` is not streamed."""
+        del rows, indices  # the stream has its own blocks; the layer tags its DMAs
+        if self.kind is None:
+            return None
+        entries = self.plan.entries(self.kind)
+        if name not in {e.name for e in entries}:
+            return None  # a narrow matrix: the body's own ring
+        entry = entries[self.entry]
+        if name != entry.name or tuple(w_hbm.shape) != (entry.k, entry.n):
+            raise ValueError(f"the {self.kind} stage body streamed {name!r} {tuple(w_hbm.shape)} "
+                             f"where the global weight stream expects {entry.name!r} "
+                             f"{(entry.k, entry.n)}: update weight_stream._stage_matrices to the "
+                             "body's order")
+        self.entry += 1
+        acc = jnp.zeros((x.shape[0], entry.n), jnp.float32)
+        for block in range(entry.n_blocks):
+            position = self.position
+            self._start_ahead(position + self.plan.depth - 1)
+            copy = self._copy(self.kind, position, self.index, self.base[0], self.layer)
+            copy.wait()
+            slot = lax.rem(self.base[0] + position, self.plan.depth)
+            w_block = self.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]
+            acc += jnp.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block,
+                           preferred_element_type=jnp.float32)
+            self.position += 1
+        return acc
+
+
+class _Stage:
+    def __init__(self, stream: GlobalStream, kind: str, layer, index) -> None:
+        self.stream, self.kind, self.layer, self.index = stream, kind, layer, index
+
+    def __enter__(self) -> GlobalStream:
+        s = self.stream
+        s.kind, s.layer, s.index, s.entry, s.position = self.kind, self.layer, self.index, 0, 0
+        return s
+
+    def __exit__(self, *exc: object) -> bool:
+        s = self.stream
+        if exc[0] is None:
+            length = len(s.plan.blocks(s.kind))
+            if s.position != length:
+                raise ValueError(f"the {s.kind} stage streamed {s.position} of its {length} "
+                                 "blocks: the global weight stream and the body disagree")
+            s.base[0] = lax.rem(s.base[0] + length, s.plan.depth)
+        s.kind = None
+        return False

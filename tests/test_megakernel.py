@@ -28,15 +28,16 @@ import os
 # libtpu allows one process at a time by default; tests on a shared machine compile concurrently
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from unittest import mock  # noqa: E402
+from unittest import mock
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mkresearch.kernels import dma, experts, kda, mla
+from mkresearch.kernels import megakernel as mk
 
-from mkresearch import config, reference, sampling, tpu, weights  # noqa: E402
-from mkresearch.kernels import dma, experts, kda, megakernel as mk, mla  # noqa: E402
+from mkresearch import config, reference, sampling, weights
 
 COMPOSE_TOL = 1e-3
 ROUTING_TIE_GAP = 1e-2
@@ -180,16 +181,13 @@ def test_greedy_32_steps_batch_1(race_checked, mini_params):
 
 def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     """B = 4, recorded: tokens, states, and the bytes each step moves against the minimum."""
-    near_ties, worst, *states, logs = run_steps(MINI, mini_params, 4, 32, record=True,
-                                                staged=True)
+    near_ties, worst, logs = run_steps(MINI, mini_params, 4, 32, record=True, staged=True)
     print(f"B=4: 32 steps, max |logit diff| {worst:.3g} off near-ties, near-ties {near_ties}")
     # the bytes of the last step against the minimum of that step
     ref_state, tokens = prefilled(MINI, mini_params, 4, PROMPT_LEN)
-    positions = np.full(4, PROMPT_LEN - 1 + 31, np.int32)
-    expert_ids = None
-    state = ref_state
-    pos = np.full(4, PROMPT_LEN - 1, np.int32)
+    state, pos = ref_state, np.full(4, PROMPT_LEN - 1, np.int32)
     for _ in range(32):  # replay the reference to get the last step's routing
+        positions = pos
         logits, state, aux = reference.decode_step(mini_params, state, tokens, pos, MINI)
         expert_ids = aux["expert_ids"]
         tokens = sampling.sample(logits, seed=0, positions=pos + 1)
@@ -199,6 +197,38 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
           f"({moved / minimum.total:.4f}x)\n{minimum}")
     assert moved <= BYTES_SLACK * minimum.total
+    assert_prefetch_order(logs[-1], MINI)
+
+
+def assert_prefetch_order(log, cfg):
+    """The global weight stream in the DMA log: the FFN's first block is issued before the
+    attention's last block is waited for, the next layer's first block before this layer's FFN
+    ends, and expert DMAs right after routing, before the latent down-projection is waited for."""
+    events = log.events
+
+    def first(kind, names, layer):
+        return next(i for i, e in enumerate(events) if e.kind == kind and e.name in names
+                    and e.indices.get("layer") == layer)
+
+    def last(kind, names, layer):
+        return max(i for i, e in enumerate(events) if e.kind == kind and e.name in names
+                   and e.indices.get("layer") == layer)
+
+    for layer in range(cfg.n_layers):
+        attention_end = last("dma_wait", {"kda.w_o", "mla.w_o"}, layer)
+        ffn_start = first("dma_start", {"latent/w_ld", "dense/w_gate"}, layer)
+        assert ffn_start < attention_end, f"layer {layer}: FFN weights not in flight early"
+        if layer + 1 < cfg.n_layers:
+            ffn_end = last("dma_wait", {"shared/w_down", "dense/w_down"}, layer)
+            next_start = first("dma_start", {"kda.w_fa", "mla.w_qa"}, layer + 1)
+            assert next_start < ffn_end, f"layer {layer}: next layer's weights not in flight"
+    routed = [i for i, e in enumerate(events) if e.name == "router/weights_to_smem"
+              and e.kind == "dma_wait"]
+    for i in routed:
+        expert = next(j for j in range(i, len(events)) if events[j].name.startswith("expert/"))
+        latent = next(j for j in range(i, len(events)) if events[j].name == "latent/w_ld"
+                      and events[j].kind == "dma_wait")
+        assert events[expert].kind == "dma_start" and expert < latent
 
 
 # ---- the format / layout matrix (fewer steps) -----------------------------------------------------
