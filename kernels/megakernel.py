@@ -349,7 +349,7 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
             for b in range(batch):
                 start = pl.multiple_of(lax.div(tokens_smem[b], EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS)
                 copies.append(dma.Copy(w["embed"].at[pl.ds(start, EMBED_ROWS), :],
-                                       blocks_vmem.at[b], sems.at[b % 4], name="embed", row=b))
+                                       blocks_vmem.at[b], sems.at[b], name="embed", row=b))
                 copies[-1].start()
             with dma.phase("embed"):
                 row_iota = lax.broadcasted_iota(jnp.int32, (EMBED_ROWS, d), 0)
@@ -488,7 +488,7 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                   pltpu.VMEM((batch, d), jnp.bfloat16), pltpu.VMEM((4, 1, d), jnp.float32),
                   pltpu.VMEM((batch, k), jnp.int32), pltpu.VMEM((batch, k), jnp.float32),
                   pltpu.SMEM((batch, k), jnp.int32), pltpu.SMEM((batch, k), jnp.float32),
-                  pltpu.SemaphoreType.DMA((4,)), *ring)
+                  pltpu.SemaphoreType.DMA((max(4, batch),)), *ring)  # one per embedding row
 
 
 def _staged(stream, kind, branch, layer, index):

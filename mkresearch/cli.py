@@ -1,8 +1,10 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
-        --backend reference [--json]
+        [--backend megakernel|reference] [--chip tpu7x] [--json]
+    mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
+        [--out figures]
     mkresearch figures [--out figures] [--only roofline]
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -22,9 +24,10 @@ from typing import Any
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
 from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig, get_config
 
-# Backends `decode` can run. Kernels land in later issues; until then they are refused clearly.
-BACKENDS = {"reference": "plain-JAX oracle, mkresearch.reference"}
-PLANNED_BACKENDS = ("stages", "megakernel")
+# Backends `decode` can run; the first is the default. Planned ones are refused clearly.
+BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.megakernel",
+            "reference": "plain-JAX oracle, mkresearch.reference"}
+PLANNED_BACKENDS = ("stages",)
 # Beyond this many weight bytes a decode would not fit in a laptop's memory.
 MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
 
@@ -230,7 +233,8 @@ def _print_decode(result: dict) -> None:
 # ---- main ------------------------------------------------------------------------------------
 def _parser() -> _Parser:
     parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,decode,figures}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{info,decode,bench,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
     p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
@@ -251,9 +255,21 @@ def _parser() -> _Parser:
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="reference",
-                   help=f"one of {', '.join(BACKENDS)} (planned: {', '.join(PLANNED_BACKENDS)})")
+    p.add_argument("--backend", default="megakernel",
+                   help=f"one of {', '.join(BACKENDS)} (default megakernel; planned: "
+                        f"{', '.join(PLANNED_BACKENDS)})")
+    p.add_argument("--chip", default="tpu7x",
+                   help="TPU chip of the timeline model's prediction (megakernel backend)")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
+
+    p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
+                                          "the timeline model's TPU prediction")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="B")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
+    p.add_argument("--chip", default="tpu7x", help="TPU chip of the predictions")
+    p.add_argument("--out", default="figures",
+                   help="directory of decode_bench.json and decode_bench.png (default figures)")
 
     p = commands.add_parser("figures", help="write every registered figure as PNG")
     p.add_argument("--out", default="figures", help="output directory (default figures)")
@@ -295,12 +311,53 @@ def _run(argv: Sequence[str] | None) -> int:
             raise UsageError(f"--model {cfg.name} has {_human_bytes(weight_bytes)} of weights, too "
                              f"many to decode here: use kimi-k3-mini (or `mkresearch info`)")
         progress = not args.json and sys.stderr.isatty()
+        if args.backend == "megakernel":
+            from mkresearch import bench
+            from mkresearch.chips import CHIPS
+
+            if args.chip not in CHIPS:
+                raise UsageError(f"--chip {args.chip!r} is unknown: choose one of "
+                                 f"{', '.join(CHIPS)}")
+            result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
+                                             args.seed, args.chip, progress)
+            if args.json:
+                print(json.dumps(result))
+            else:
+                bench.print_decode(result)
+            return 0 if result["agreement"]["passed"] else 1
         result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, progress)
         if args.json:
             print(json.dumps(result))
         else:
             _print_decode(result)
         return 0 if result["parity"]["passed"] else 1
+
+    if args.command == "bench":
+        from pathlib import Path
+
+        from mkresearch import bench
+        from mkresearch.chips import CHIPS
+        from mkresearch.kernels.megakernel import MAX_BATCH
+
+        cfg = _model(args.model)
+        _at_least("--steps", args.steps, 1)
+        for batch in args.batches:
+            if not 1 <= batch <= MAX_BATCH:
+                raise UsageError(f"--batches {batch} is invalid: each in [1, {MAX_BATCH}]")
+        if args.chip not in CHIPS:
+            raise UsageError(f"--chip {args.chip!r} is unknown: choose one of {', '.join(CHIPS)}")
+        out = Path(args.out)
+        result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
+                                 out_json=out / "decode_bench.json",
+                                 figure=out / "decode_bench.png")
+        for row in result["rows"]:
+            mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
+            print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
+                  f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
+                  f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
+                  f"tokens/s ({p['label']})")
+        print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
+        return 0
 
     if args.command == "figures":
         from mkresearch import figures

@@ -13,6 +13,7 @@ from pathlib import Path
 
 FIGURES: dict[str, str] = {
     "roofline": "mkresearch.roofline:plot_roofline",
+    "decode_bench": "mkresearch.bench:plot_decode_bench",
     "expert_bytes": "mkresearch.kernels.experts:plot_expert_bytes",
     "mla_kv_bytes": "mkresearch.kernels.mla:plot_kv_bytes",
 }

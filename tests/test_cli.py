@@ -32,7 +32,7 @@ def test_decode_json_and_text(capsys):
 
 
 @pytest.mark.parametrize("args, reason", [
-    (["decode", "--backend", "megakernel"], "--backend 'megakernel' is not available yet"),
+    (["decode", "--backend", "stages"], "--backend 'stages' is not available yet"),
     (["decode", "--backend", "cuda"], "--backend 'cuda' is unknown"),
     (["decode", "--model", "kimi-k4"], "kimi-k3-mini"),  # lists the presets
     (["info", "llama"], "kimi-k3, kimi-k3-mini"),

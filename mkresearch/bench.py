@@ -1,0 +1,265 @@
+"""Decode with the megakernel, check it against the reference, time it and predict it on a TPU.
+
+* `decode_megakernel(...)`: what `mkresearch decode --backend megakernel` runs: a random prompt is
+  fed step by step (one megakernel call per token), then greedy tokens are generated. The
+  reference (`reference.decode_step`) is stepped over the same tokens and state, so agreement is
+  per step: the same greedy token, and the max |logit difference|.
+* `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
+  both backends on this machine, and the timeline model's prediction for a TPU chip from one
+  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log).
+
+Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
+mode (a simulator: its seconds say nothing about a TPU) and the reference is plain XLA on the
+CPU; the TPU numbers are the timeline model's predictions. On a TPU both are measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import mkresearch  # noqa: F401 - selects the platform before jax is imported
+from mkresearch.config import ModelConfig
+
+BENCH_BATCHES = (1, 2, 4, 8)
+NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
+
+
+def _backend_label(backend: str) -> str:
+    import jax
+
+    on_tpu = jax.default_backend() == "tpu"
+    if backend == "megakernel":
+        return "measured on a TPU" if on_tpu else "TPU interpret mode on CPU (a simulator)"
+    return "measured on a TPU" if on_tpu else "plain XLA on CPU"
+
+
+def predict(log: Any, chip: str, batch: int) -> dict:
+    """The timeline model's step time for one recorded megakernel step on `chip`."""
+    from mkresearch import timeline
+
+    simulated = timeline.simulate(log, chip)
+    return {"chip": chip, "step_s": simulated.total_s, "tokens_per_s": batch / simulated.total_s,
+            "hbm_floor_s": simulated.hbm_floor_s,
+            "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
+            "label": "timeline model prediction (mkresearch.timeline)"}
+
+
+def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
+                      chip: str = "tpu7x", progress: bool = False) -> dict:
+    """Prefill (stepping) + greedy decode with the megakernel; per-step agreement with the
+    reference; interpret-mode step time; the timeline model's prediction for `chip`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from mkresearch import reference, weights
+    from mkresearch.kernels import dma, megakernel
+
+    params = weights.init_params(cfg, seed)
+    prepared = megakernel.prepare_weights(params, cfg)
+    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
+                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+    state = reference.init_state(cfg, batch)
+    ref_state = reference.init_state(cfg, batch)
+    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} megakernel", unit="step",
+               disable=not progress, leave=False)
+    generated, equal, near_ties, worst = [], 0, [], 0.0
+    step_seconds, compile_seconds = [], None
+    token = prompt[:, 0]
+    for t in range(prompt_len + steps - 1):
+        positions = np.full(batch, t, np.int32)
+        started = time.perf_counter()
+        next_token, state, aux = megakernel.decode_step(prepared, state, token, positions, cfg,
+                                                        return_logits=True)
+        jax.block_until_ready(next_token)
+        elapsed = time.perf_counter() - started
+        if compile_seconds is None:
+            compile_seconds = elapsed
+        else:
+            step_seconds.append(elapsed)
+        logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
+        next_token = np.asarray(next_token)
+        if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
+            ref_logits = np.asarray(logits)
+            ref_token = ref_logits.argmax(-1)
+            worst = max(worst, float(np.abs(np.asarray(aux["logits"]) - ref_logits).max()))
+            equal += int((ref_token == next_token).sum())
+            top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+            for row in np.flatnonzero(ref_token != next_token):
+                near_ties.append({"step": t - prompt_len + 1, "row": int(row),
+                                  "top2_gap": float(top2[row, 1] - top2[row, 0])})
+            generated.append(next_token)
+        token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
+        bar.update()
+    bar.close()
+    with dma.recording() as log:  # one more step, recorded, for the timeline model
+        out, _, _ = megakernel.decode_step(prepared, state, token,
+                                           np.full(batch, prompt_len + steps - 1, np.int32), cfg)
+        jax.block_until_ready(out)
+    generated_ids = np.stack(generated, axis=1)  # [B, N]
+    step_s = float(np.median(step_seconds)) if step_seconds else compile_seconds
+    total = int(generated_ids.size)
+    return {
+        "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
+        "steps": steps, "seed": seed, "platform": jax.default_backend(),
+        "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
+        "agreement": {"check": "megakernel vs reference.decode_step on the same tokens and "
+                               "state, greedy", "tokens_equal": equal, "tokens": total,
+                      "max_abs_logit_diff": worst, "near_ties": near_ties,
+                      "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in near_ties)},
+        "seconds": {"compile_and_first_step": compile_seconds, "step": step_s},
+        "step_label": _backend_label("megakernel"),
+        "prediction": predict(log, chip, batch),
+        "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
+    }
+
+
+def print_decode(result: dict) -> None:
+    print(f"{result['model']}, backend megakernel (one pallas_call per step) on "
+          f"{result['platform']}: batch {result['batch']}, random prompt of "
+          f"{result['prompt_len']} tokens (seed {result['seed']}), {result['steps']} greedy steps")
+    for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
+        print(f"  row {row}: prompt {prompt} -> generated {ids}")
+    agree = result["agreement"]
+    ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
+                   for t in agree["near_ties"])
+    print(f"agreement with the reference backend: {agree['tokens_equal']}/{agree['tokens']} tokens "
+          f"equal, max |logit diff| {agree['max_abs_logit_diff']:.2e}{ties} -> "
+          f"{'PASS' if agree['passed'] else 'FAIL'}")
+    seconds = result["seconds"]
+    print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}); compile + first "
+          f"step {seconds['compile_and_first_step']:.1f} s")
+    p = result["prediction"]
+    print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
+          f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "
+          f"({p['dma_bytes'] / 1e6:.1f} MB per step)")
+
+
+# ---- mkresearch bench --------------------------------------------------------------------------
+def _time_steps(step, n_steps: int) -> tuple[float, float]:
+    """(first call seconds (compiles), median seconds of the next n_steps calls)."""
+    import jax
+    import numpy as np
+
+    started = time.perf_counter()
+    jax.block_until_ready(step())
+    first = time.perf_counter() - started
+    times = []
+    for _ in range(n_steps):
+        started = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - started)
+    return first, float(np.median(times))
+
+
+def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: str) -> dict:
+    """Both backends at one batch size: seconds per step here, and the megakernel's prediction."""
+    import jax
+    import numpy as np
+
+    from mkresearch import reference
+    from mkresearch.kernels import dma, megakernel
+
+    prepared = megakernel.prepare_weights(params, cfg)
+    tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
+    positions = np.full(batch, 3, np.int32)
+    holder = {"state": reference.init_state(cfg, batch)}
+
+    def mk_step():
+        out, holder["state"], _ = megakernel.decode_step(prepared, holder["state"], tokens,
+                                                         positions, cfg)
+        return out
+
+    ref_state = reference.init_state(cfg, batch)
+
+    def ref_step():
+        return reference.decode_step(params, ref_state, tokens, positions, cfg)[0]
+
+    mk_first, mk_step_s = _time_steps(mk_step, steps)
+    ref_first, ref_step_s = _time_steps(ref_step, steps)
+    with dma.recording() as log:
+        jax.block_until_ready(mk_step())
+    return {"batch": batch,
+            "megakernel": {"step_s": mk_step_s, "first_call_s": mk_first,
+                           "label": _backend_label("megakernel")},
+            "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
+                          "label": _backend_label("reference")},
+            "prediction": predict(log, chip, batch)}
+
+
+def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",
+              seed: int = 0, out_json: str | Path | None = None,
+              figure: str | Path | None = None) -> dict:
+    """Decode steps for each batch size on both backends; JSON and figure if paths are given."""
+    import jax
+
+    from mkresearch import weights
+
+    params = weights.init_params(cfg, seed)
+    rows = [bench_batch(cfg, params, batch, steps, chip) for batch in batches]
+    result = {"model": cfg.name, "platform": jax.default_backend(), "chip": chip,
+              "steps_timed": steps, "rows": rows,
+              "note": ("seconds per step measured on this machine; on a CPU the megakernel runs in "
+                       "TPU interpret mode, a simulator whose times say nothing about a TPU. TPU "
+                       "times are the timeline model's predictions from a recorded DMA log.")}
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=1))
+    if figure is not None:
+        plot_bench(result, figure)
+    return result
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = [r["batch"] for r in rows]
+    fig, (here, tpu) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for backend, marker in (("megakernel", "o"), ("reference", "s")):
+        label = f"{backend}: {rows[0][backend]['label']}"
+        here.plot(batches, [r[backend]["step_s"] for r in rows], marker=marker, label=label)
+    here.set(xscale="log", yscale="log", xlabel="batch B", ylabel="seconds per step",
+             title=f"{result['model']}: measured on {result['platform']}")
+    here.set_xticks(batches, [str(b) for b in batches])
+    here.legend(fontsize=8)
+    predicted = [r["prediction"] for r in rows]
+    tpu.plot(batches, [p["step_s"] * 1e6 for p in predicted], marker="o",
+             label="megakernel step (timeline model prediction)")
+    tpu.plot(batches, [p["hbm_floor_s"] * 1e6 for p in predicted], linestyle="--",
+             label="HBM floor of the same bytes")
+    tpu.set(xscale="log", xlabel="batch B", ylabel="microseconds per step",
+            title=f"{result['model']} on {result['chip']}: predicted, not measured")
+    tpu.set_xticks(batches, [str(b) for b in batches])
+    tpu.set_ylim(bottom=0)
+    for b, p in zip(batches, predicted):
+        tpu.annotate(f"{p['tokens_per_s']:,.0f} tok/s", (b, p["step_s"] * 1e6), fontsize=7,
+                     textcoords="offset points", xytext=(0, 6), ha="center")
+    tpu.legend(fontsize=8)
+    from matplotlib.ticker import NullFormatter
+
+    for ax in (here, tpu):
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_decode_bench(path: str | Path) -> None:
+    """figures/decode_bench.png (the figure registry): from decode_bench.json beside it when it
+    exists (`mkresearch bench` writes both), else from a short bench of kimi-k3-mini."""
+    from mkresearch.config import get_config
+
+    path = Path(path)
+    data = path.with_suffix(".json")
+    if data.exists():
+        plot_bench(json.loads(data.read_text()), path)
+    else:
+        run_bench(get_config("kimi-k3-mini"), steps=1, out_json=data, figure=path)
