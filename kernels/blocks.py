@@ -98,6 +98,7 @@ def stream_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: 
         if out is not None:
             return out
     k, n = w_hbm.shape
+    m = x.shape[0]
     n_blocks = k // rows
 
     def scoped(buffers, sems):
@@ -113,8 +114,10 @@ def stream_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: 
             if i + 1 < n_blocks:  # the next block flies while this one is multiplied
                 ring.start(block(i + 1), 1 - slot, block=i + 1, **indices)
             ring.wait(block(i), slot, block=i, **indices)
-            acc += jnp.dot(x[:, i * rows:(i + 1) * rows], ring.buffer(slot)[...],
-                           preferred_element_type=jnp.float32)
+            with dma.phase(f"{name}/matmul", flops=2 * m * rows * n,
+                           vmem_bytes=rows * n * w_hbm.dtype.itemsize, block=i, **indices):
+                acc += jnp.dot(x[:, i * rows:(i + 1) * rows], ring.buffer(slot)[...],
+                               preferred_element_type=jnp.float32)
         return acc
 
     return pl.run_scoped(scoped, pltpu.VMEM((2, rows, n), w_hbm.dtype),
