@@ -43,7 +43,7 @@ import pytest
 from mkresearch.kernels import dma, experts, kda, mla
 from mkresearch.kernels import megakernel as mk
 
-from mkresearch import config, reference, sampling, weights
+from mkresearch import bench, config, reference, sampling, timeline, weights
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11: asserted for the median row-step, reported for every row-step
@@ -222,6 +222,16 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
           f"({moved / minimum.total:.4f}x)\n{minimum}")
     assert moved <= BYTES_SLACK * minimum.total
     assert_prefetch_order(logs[-1], MINI)
+    # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
+    rank = config.get_config("kimi-k3-rank")
+    scaled = bench.scale_log(logs[-1], MINI, rank, 4)
+    layers = [e for e in scaled if e.kind == "dma_start" and e.name == "mix_attn"]
+    assert [dict(e.indices)["layer"] for e in layers] == list(range(rank.n_layers))
+    predicted = timeline.simulate(scaled, "tpu7x")
+    print(f"scaled to {rank.name}: {predicted.dma_bytes / 1e9:.2f} GB, "
+          f"{predicted.total_s * 1e3:.2f} ms predicted on tpu7x, "
+          f"{predicted.roofline_fraction:.0%} of the HBM roofline")
+    assert 0 < predicted.roofline_fraction <= 1
 
 
 def assert_prefetch_order(log, cfg):
