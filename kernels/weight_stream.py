@@ -213,8 +213,10 @@ class GlobalStream:
             copy.wait()
             slot = lax.rem(self.base[0] + position, self.plan.depth)
             w_block = self.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]
-            acc += jnp.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block,
-                           preferred_element_type=jnp.float32)
+            with dma.phase(f"{entry.name}/matmul", flops=2 * x.shape[0] * entry.rows * entry.n,
+                           vmem_bytes=entry.rows * entry.n * 2, block=block, layer=self.layer):
+                acc += jnp.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block,
+                               preferred_element_type=jnp.float32)
             self.position += 1
         return acc
 
