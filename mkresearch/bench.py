@@ -362,10 +362,16 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
 
     def scaled(ev, ratio_extra=1.0, layer_map=None, rename=None):
         name = rename.get(ev.name, ev.name) if rename else ev.name
-        key_rec, key_tgt = _table_key(ev.name, rec_bytes), _table_key(name, tgt_bytes)
+        base = name.removesuffix("/matmul")  # a streamed block's matmul: FLOPs scale like bytes
+        key_rec = _table_key(ev.name.removesuffix("/matmul"), rec_bytes)
+        key_tgt = _table_key(base, tgt_bytes)
         ratio = (tgt_bytes[key_tgt] / rec_bytes[key_rec]) if key_rec and key_tgt else 1.0
         indices = tuple((k, layer_map.get(v, v) if layer_map and k == "layer" else v)
                         for k, v in ev.indices)
+        if ev.kind.startswith("phase"):
+            factor = ratio if base != name else 1.0
+            return dataclasses.replace(ev, name=name, indices=indices, flops=ev.flops * factor,
+                                       vmem_bytes=round(ev.vmem_bytes * factor))
         nbytes = round(ev.nbytes * ratio * ratio_extra)
         return dataclasses.replace(ev, name=name, nbytes=nbytes, indices=indices)
 
