@@ -263,6 +263,42 @@ print(f"the release runs at {floor_ms / measured_ms:.0%} of the model's HBM roof
 assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 
 # %% [markdown]
+# ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (predicted)
+#
+# The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, spec §9)
+# by `mkresearch.bench.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
+# the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
+# rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
+# count, so the timeline is coarse; the bytes and the order (what is in flight while what
+# computes) are the megakernel's. `kimi-k3-rank` keeps the full latent projections and the full
+# d on every rank, so it reads more than the ≈ 6.97 GB of the released layout.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from mkresearch import bench
+
+if "megakernel" in logs:
+    rank = get_config("kimi-k3-rank")
+    rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
+    rank_events = bench.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
+    rank_mega = tl.simulate(rank_events, "tpu7x")
+    print(f"megakernel at {rank.name} shapes, B={B}, routed experts per MoE layer "
+          f"{rank_unique:.1f}: {rank_mega.dma_bytes / 1e9:.2f} GB per step")
+    print(f"predicted on tpu7x: step_ms {rank_mega.total_s * 1e3:.2f}, HBM floor of those bytes "
+          f"floor_ms {rank_mega.hbm_floor_s * 1e3:.2f} -> {rank_mega.roofline_fraction:.0%} of "
+          f"the HBM roofline (the model; not measured)")
+    print(f"published release: step_ms {measured_ms:.2f} at {floor_ms / measured_ms:.0%} of its "
+          f"roofline (6.97 GB per rank)")
+    assert 0 < rank_mega.roofline_fraction <= 1
+
+# %%
+if "megakernel" in logs:
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    widgets.plot_gantt(rank_mega, ax, title=f"megakernel, {rank.name} shapes on tpu7x "
+                       f"(scaled from the mini log): {rank_mega.total_s * 1e3:.2f} ms predicted")
+    plt.show()
+
+# %% [markdown]
 # And the Pallas pipelining guide's α/β/F arithmetic, reproduced by the model (notebook 01 shows
 # the same on the GEMV): a compute-bound stream equals `(α + X/β) + N·Y/F`, a bandwidth-bound one
 # `α + N·X/β` plus the last block's compute.
