@@ -118,12 +118,17 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     }
 
 
-def print_decode(result: dict) -> None:
-    print(f"{result['model']}, backend megakernel (one pallas_call per step) on "
-          f"{result['platform']}: batch {result['batch']}, random prompt of "
-          f"{result['prompt_len']} tokens (seed {result['seed']}), {result['steps']} greedy steps")
+def print_run(result: dict, backend: str) -> None:
+    """The lines every decode backend prints first: the run, then each row's prompt and tokens."""
+    print(f"{result['model']}, backend {backend} on {result['platform']}: batch "
+          f"{result['batch']}, random prompt of {result['prompt_len']} tokens (seed "
+          f"{result['seed']}), {result['steps']} greedy steps")
     for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
         print(f"  row {row}: prompt {prompt} -> generated {ids}")
+
+
+def print_decode(result: dict) -> None:
+    print_run(result, "megakernel (one pallas_call per step)")
     agree = result["agreement"]
     ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
                    for t in agree["near_ties"])
@@ -331,8 +336,8 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
     layer segments repeated and re-tagged along `target`'s layer pattern (a recorded layer of the
     same attention and FFN kind stands for each target layer), routed-expert DMAs scaled to
     `unique_experts` per MoE layer (default: uniform routing over target.n_experts with
-    target.top_k; for one rank of an expert-parallel layout pass that rank's share, e.g. kimi-k3-rank
-    at B: 112 · (1 − (1 − 16/896)^B)). Blocks keep the recorded count: a
+    target.top_k; for one rank of an expert-parallel layout pass that rank's share, e.g.
+    kimi-k3-rank at B: 112 · (1 − (1 − 16/896)^B)). Blocks keep the recorded count: a
     target matrix moves in as many (larger) blocks as the recorded one. For `timeline.simulate`.
     """
     import dataclasses
@@ -389,7 +394,8 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
         if rec_after != after and rec_after and after:  # prefetch the other attention kind
             rename = dict(zip(first_names[rec_after], first_names[after]))
         segment = events[bounds[source]:bounds[source + 1]]
-        experts = sum(1 for e in segment if e.kind == "dma_start" and e.name.startswith("expert/w1/")
+        experts = sum(1 for e in segment
+                      if e.kind == "dma_start" and e.name.startswith("expert/w1/")
                       and e.name.endswith(("weight", "values", "codes")))
         expert_ratio = unique_experts / experts if experts else 1.0
         layer_map = {source: layer, source + 1: layer + 1}

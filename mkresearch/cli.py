@@ -214,11 +214,9 @@ def _teacher_forced_parity(cfg: ModelConfig, params: Any, prompt, generated, ste
 
 
 def _print_decode(result: dict) -> None:
-    print(f"{result['model']}, backend {result['backend']} on {result['platform']}: batch "
-          f"{result['batch']}, random prompt of {result['prompt_len']} tokens (seed "
-          f"{result['seed']}), {result['steps']} greedy steps")
-    for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
-        print(f"  row {row}: prompt {prompt} -> generated {ids}")
+    from mkresearch import bench
+
+    bench.print_run(result, result["backend"])
     parity = result["parity"]
     print(f"parity: {parity['check']}: {parity['tokens_equal']}/{parity['tokens']} tokens equal, "
           f"max |logit diff| {parity['max_abs_logit_diff']:.2e} -> "
