@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkresearch import reference
 from mkresearch.config import BF16_SUBLANE, LANE
 from mkresearch.kernels import dma
 
@@ -151,11 +152,8 @@ def load_into(hbm_ref: Any, vmem_ref: Any, *, rows: int, name: str, **indices: A
     pl.run_scoped(scoped, pltpu.SemaphoreType.DMA((n_blocks,)))
 
 
-def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -> jax.Array:
-    """RMSNorm in f32 (plain γ), rounded to bf16: v [M, N] f32, gamma [1, N]; n divides Σv²."""
-    v = v.astype(jnp.float32)
-    mean_square = jnp.sum(v * v, axis=-1, keepdims=True) / (n or v.shape[-1])
-    return (v * jax.lax.rsqrt(mean_square + eps) * gamma.astype(jnp.float32)).astype(jnp.bfloat16)
+# The reference's RMSNorm runs as is on VMEM values (v [M, N], gamma [1, N]): one definition.
+rms_norm = reference.rms_norm
 
 
 def select_row(values: jax.Array, row) -> jax.Array:
