@@ -124,7 +124,7 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
         x = x_ref[...]  # [B, d] bf16
         stream = functools.partial(blocks.stream_matmul, **indices)
         c_q = blocks.rms_norm(
-            stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa"),
+            bf16(stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa")),
             blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
         q = f32(bf16(stream(c_q, w_qb, rows=p.block_rows("w_qb"), name="mla.w_qb")))  # [B, H*qk]
         ckv_kx = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
