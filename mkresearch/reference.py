@@ -13,6 +13,11 @@ Choices where the spec is silent (documented, used by the kernels too):
 - Latent MLA rounds its absorbed query q̃ and its latent context Σαĉ to bf16 (they feed the MXU);
   see `mla_attention` for where that differs from the expanded layout.
 - A token's position p is the cache slot it is written to; it attends to slots 0..p.
+- Where the spec leaves a summation order open, the order is one a decode kernel streams in, so
+  the kernels can match to the bit: MLA's f32 online softmax starts from the new token and then
+  takes the cache `cfg.kv_tile` slots at a time (`_online_softmax`); the MoE combine
+  Σ w_e y_e adds the experts in ascending id (batch-invariant); the KDA update is
+  S̄ + k (β (v − S̄ᵀk))ᵀ.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
     # delta rule: S̄ = Diag(e^λ) S (scales key row c); S = S̄ + β k (v − S̄ᵀk)ᵀ; o = Sᵀq
     decayed = jnp.exp(log_decay)[..., None] * state  # [B, H, D, D]
     predicted = _einsum_f32("bhc,bhcj->bhj", k, decayed)  # S̄ᵀk [B, H, D]
-    new_state = decayed + (beta[..., None, None] * k[..., :, None]) * (v - predicted)[..., None, :]
+    new_state = decayed + k[..., :, None] * (beta[..., None] * (v - predicted))[..., None, :]
     o = _einsum_f32("bhc,bhcj->bhj", q, new_state)  # [B, H, D]
 
     # y_h = bf(RMSNorm_γo(bf(o_h)) ⊙ bf(σ(u_h))), γ_o shared by all heads; out = y W_o
@@ -154,6 +159,50 @@ def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: in
         (-1,) + (1,) * (cache.ndim - slot_axis - 1))
     hit = slots == positions.reshape((-1,) + (1,) * (cache.ndim - 1))  # broadcasts like cache
     return jnp.where(hit, jnp.expand_dims(new, slot_axis).astype(cache.dtype), cache)
+
+
+def _dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Σ a·b over the last axis of bf16 vectors: each product is exact in f32, summed in f32."""
+    return jnp.sum(a.astype(f32) * b.astype(f32), axis=-1)
+
+
+def _online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
+                    values: jax.Array, positions: jax.Array, tile: int) -> jax.Array:
+    """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
+
+    new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
+    and values [B, H, S, n] or [B, S, n] (shared by the heads): the cache. The order is the one a
+    decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
+    then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
+    e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
+    row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
+    """
+    B, H, S = scores.shape
+    slots = jnp.arange(tile)
+    slot_axis, spec = (1, "bht,btn->bhn") if values.ndim == 3 else (2, "bht,bhtn->bhn")
+    n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))
+    values = jnp.pad(values, [(0, n_tiles * tile - S) if axis == slot_axis else (0, 0)
+                              for axis in range(values.ndim)])
+
+    def one_tile(t, carry):
+        m, norm, acc = carry  # [B, H, 1], [B, H, 1], [B, H, n]
+        tile_scores = lax.dynamic_slice_in_dim(scores, t * tile, tile, axis=2)  # [B, H, T]
+        tile_values = lax.dynamic_slice_in_dim(values, t * tile, tile, slot_axis).astype(f32)
+        valid = (t * tile + slots)[None, None, :] < positions[:, None, None]  # [B, 1, T]
+        tile_scores = jnp.where(valid, tile_scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
+        correction = jnp.exp(m - m_new)
+        weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
+        norm = correction * norm + jnp.sum(weights, axis=-1, keepdims=True)
+        acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
+        return m_new, norm, acc
+
+    m = new_score[..., None]
+    acc = jnp.broadcast_to(new_value.astype(f32)[:, None] if new_value.ndim == 2
+                           else new_value.astype(f32), (B, H, new_value.shape[-1]))
+    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, jnp.ones_like(m), acc))
+    return acc / norm
 
 
 def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
@@ -182,33 +231,34 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     w_kvb = p["w_kvb"].reshape(rank, H, nope + v_dim)  # head h: [k^C | v]
     w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
     scale = cfg.mla_qk_dim ** -0.5
+    # scores over slots 0..p: the new token's (slot p) and the cache's (slot p is masked there)
 
     if cfg.mla_cache_layout == "expanded":
-        k_len = cache["k"].shape[2]
         kvb = bf(_mm(c_hat, p["w_kvb"])).reshape(B, H, nope + v_dim)
+        k_nope, v_new = kvb[..., :nope], kvb[..., nope:]  # [B, H, nope], [B, H, v]
         pad = jnp.zeros((B, H, cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
         k_new = jnp.concatenate(
-            [kvb[..., :nope], jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
+            [k_nope, jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
         cache = {"k": _write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
-                 "v": _write_slot(cache["v"], kvb[..., nope:], positions, axis=1)}  # [B, H, S, v]
-        q_padded = jnp.concatenate([q, pad], -1)  # zero pad columns contribute nothing
-        scores = jnp.einsum("bhk,bhsk->bhs", q_padded, cache["k"], preferred_element_type=f32)
-        values = cache["v"]  # [B, H, S, v]
+                 "v": _write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
+        # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
+        new_score = (_dot_exact(q_nope, k_nope) + _dot_exact(q_extra, k_extra[:, None])) * scale
+        scores = (jnp.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope],
+                             preferred_element_type=f32)
+                  + jnp.einsum("bhe,bhse->bhs", q_extra, cache["k"][..., nope:nope + extra],
+                               preferred_element_type=f32)) * scale  # [B, H, S]
+        o = bf(_online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
     else:
-        k_len = cache["ckv"].shape[1]
         cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
                  "kx": _write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
         q_absorbed = bf(jnp.einsum("bhn,rhn->bhr", q_nope, w_kb, preferred_element_type=f32))
+        new_score = (_dot_exact(q_absorbed, c_hat[:, None])
+                     + _dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
-                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"], preferred_element_type=f32))
-
-    # softmax over slots 0..p in f32 (kernels do it online; same math)
-    visible = jnp.arange(k_len)[None, :] <= positions[:, None]  # [B, S]
-    alpha = jax.nn.softmax(jnp.where(visible[:, None], scores * scale, -jnp.inf), axis=-1)
-    if cfg.mla_cache_layout == "expanded":
-        o = bf(_einsum_f32("bhs,bhsv->bhv", alpha, values))  # [B, H, v]
-    else:
-        context = bf(_einsum_f32("bhs,bsr->bhr", alpha, cache["ckv"]))  # [B, H, rank]
+                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
+                               preferred_element_type=f32)) * scale  # [B, H, S]
+        context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+                                     cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
         o = bf(jnp.einsum("bhr,rhv->bhv", context, w_vb, preferred_element_type=f32))
 
     # output gate: y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = y W_o
@@ -253,7 +303,14 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     u = bf(jnp.einsum("bl,bklf->bkf", z, w3, preferred_element_type=f32))
     y = bf(jnp.einsum("bkf,bkfl->bkl", _activation(g, u, cfg), w2,
                       preferred_element_type=f32))  # [B, k, Lat]
-    rho = bf(_einsum_f32("bk,bkl->bl", expert_weights, y))  # ρ = bf(Σ w_e y_e)
+    # ρ = bf(Σ w_e y_e), the f32 sum taken in ascending expert id: a row's ρ depends neither on
+    # the router's ranking nor on the other rows of the batch (kernels fetch each distinct expert
+    # of the batch once, in id order, and add it to the rows that chose it)
+    order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
+    coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
+    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, Lat]
+    rho = bf(lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                           jnp.zeros(y.shape[::2], f32)))  # [B, Lat]
     rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
     return _mm(rho_hat, p["w_lu"])  # [B, d] f32
 
