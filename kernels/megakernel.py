@@ -64,17 +64,15 @@ EMBED_ROWS = BF16_SUBLANE
 class MegakernelOptions:
     """How the megakernel streams (config-like, validated by `check_options`).
 
-    ring_depth       slots of the global weight ring (2 = double buffering; d slots keep d-1 blocks
-                     in flight ahead of the one being multiplied)
-    ring_block_bytes bytes of one slot: weight blocks are at most this big
+    The global weight ring's depth and slot bytes are config fields (cfg.ring_depth,
+    cfg.ring_block_bytes): they are part of the model's schedule, like cfg.kv_tile.
+
     expert_slots     VMEM slots per expert matrix (the first ones issued right after routing)
     expert_plan      which experts are fetched: "unique" (each distinct expert of the batch once)
     kv_tile          tokens per MLA KV tile (None: cfg.kv_tile)
     chip             the chip whose VMEM the plan must fit
     """
 
-    ring_depth: int = 3
-    ring_block_bytes: int = 2 * 2**20
     expert_slots: int = 2
     expert_plan: str = "unique"
     kv_tile: int | None = None
@@ -86,16 +84,13 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
     """ValueError naming the option and its allowed values."""
     if not isinstance(options, MegakernelOptions):
         raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
-    block = options.ring_block_bytes
-    if isinstance(block, bool) or not isinstance(block, int) or block < 64 * 1024:
-        raise ValueError(f"ring_block_bytes={block!r} is invalid: an int >= 65536 (one slot of the "
-                         "weight ring, e.g. 2 MiB as in the released kernels)")
-    max_depth = weight_stream.max_ring_depth(cfg, block)
-    depth = options.ring_depth
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= max_depth:
-        raise ValueError(f"ring_depth={depth!r} is invalid: an int in [2, {max_depth}] (the "
-                         f"lookahead, ring_depth - 1 blocks, may cross at most one stage boundary; "
-                         f"the shortest stage of {cfg.name} streams {max_depth - 1} blocks)")
+    max_depth = weight_stream.max_ring_depth(cfg)
+    if options.global_stream and cfg.ring_depth > max_depth:
+        raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for the megakernel: "
+                         f"an int in [2, {max_depth}] (the lookahead, ring_depth - 1 blocks, may "
+                         f"cross at most one stage boundary; with ring_block_bytes="
+                         f"{cfg.ring_block_bytes} the shortest stage of {cfg.name} streams "
+                         f"{max_depth - 1} blocks)")
     experts.check_stage_options(options.expert_plan, options.expert_slots, cfg.expert_format)
     if options.expert_slots < 2:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
@@ -223,15 +218,14 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
                       ("block_rows", blocks.weight_block_rows((cfg.d_model, cfg.n_experts),
                                                               jnp.bfloat16)))
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
-    stream = (weight_stream.make_stream_plan(cfg, options.ring_depth, options.ring_block_bytes)
-              if options.global_stream else None)
+    stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
     vmem = plan_vmem(cfg, batch, mla_plan, stage_options, vocab_tile, stream, chip)
     if not vmem.fits():
         raise VmemPlanError(
             f"the megakernel's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} "
-            f"has {vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower ring_depth, "
-            f"ring_block_bytes, expert_slots or kv_tile, or the batch.\n{vmem.table()}")
+            f"has {vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower the config's "
+            f"ring_depth, ring_block_bytes or kv_tile, the option expert_slots, or the batch.\n{vmem.table()}")
     return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options, kda_plan=kda_plan,
                     mla_plan=mla_plan, stage_options=stage_options, dense_options=dense_options,
                     router_options=router_options, vocab_tile=vocab_tile,

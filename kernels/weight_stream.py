@@ -15,11 +15,12 @@ after attention, the attention of the next layer after the FFN. Which kind (KDA 
 MoE) is read from the SMEM layer table, so the prefetch is a `pl.when` per kind. So while a stage
 computes, the next stage's and the next layer's first blocks are already in flight.
 
-The ring is `depth` slots of [R, C] bf16: C the widest streamed N, R = ring_block_bytes / (2 C)
-rows (a multiple of 128). A block of a [K, N] matrix is [rows, N] with rows the largest multiple of
-128 dividing K, at most R and at most what the stand-alone stage kernel uses (so at mini sizes the
-blocks, and the f32 accumulation order, are the stage kernels' own). The lookahead may cross at
-most one stage boundary: depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
+The ring is `cfg.ring_depth` slots of [R, C] bf16: C the widest streamed N, R = cfg.ring_block_bytes / (2 C)
+rows (a multiple of 128, at least 128). A block of a [K, N] matrix is [rows, N] with rows the
+largest multiple of 128 dividing K and at most R. At the default 2 MiB these are the stand-alone
+stage kernels' blocks (at mini sizes every matrix is one block), so the f32 accumulation order is
+theirs. The lookahead may cross at
+most one stage boundary: ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import dma
 
 from mkresearch.config import LANE, ModelConfig
-
-MAX_DEPTH = 8
 ATTENTION, FFN = ("kda", "mla"), ("dense", "moe")
 
 
@@ -101,7 +100,10 @@ def _stage_matrices(cfg: ModelConfig) -> dict[str, list[tuple[str, str, str, tup
             "moe": [("moe", k, name, s) for k, name, s in moe]}
 
 
-def make_stream_plan(cfg: ModelConfig, depth: int, block_bytes: int) -> StreamPlan:
+def make_stream_plan(cfg: ModelConfig) -> StreamPlan:
+    """The ring (cfg.ring_depth slots of [R, C], R · C · 2 <= cfg.ring_block_bytes unless R is the
+    minimum 128) and every stage's blocks."""
+    depth, block_bytes = cfg.ring_depth, cfg.ring_block_bytes
     streamed = {kind: [m for m in ms if m[3][1] % LANE == 0]
                 for kind, ms in _stage_matrices(cfg).items()}
     width = max(shape[1] for ms in streamed.values() for *_, shape in ms)  # C
@@ -110,18 +112,18 @@ def make_stream_plan(cfg: ModelConfig, depth: int, block_bytes: int) -> StreamPl
     for kind, ms in streamed.items():
         entries = []
         for group, key, name, (k, n) in ms:
-            cap = min(slot_rows, blocks.weight_block_rows((k, n), jnp.bfloat16))
-            rows = max(r for r in range(LANE, min(k, cap) + 1, LANE) if k % r == 0)
+            rows = max(r for r in range(LANE, min(k, slot_rows) + 1, LANE) if k % r == 0)
             entries.append(Entry(group, key, name, k, n, rows))
         stages.append((kind, tuple(entries)))
     max_rows = max(e.rows for _, es in stages for e in es)
     return StreamPlan(depth=depth, slot_shape=(max_rows, width), stages=tuple(stages))
 
 
-def max_ring_depth(cfg: ModelConfig, block_bytes: int = blocks.WEIGHT_BLOCK_BYTES) -> int:
-    """The deepest ring whose lookahead (depth - 1 blocks) crosses at most one stage boundary."""
-    plan = make_stream_plan(cfg, 2, block_bytes)
-    return min(MAX_DEPTH, 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages))
+def max_ring_depth(cfg: ModelConfig) -> int:
+    """The deepest ring (at cfg.ring_block_bytes) whose lookahead, ring_depth - 1 blocks, crosses
+    at most one stage boundary: 1 + the fewest blocks any stage streams."""
+    plan = make_stream_plan(cfg.replace(ring_depth=2))
+    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages)
 
 
 class GlobalStream:

@@ -362,7 +362,7 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
         return ("mla" if cfg.is_mla(layer) else "kda",
                 "moe" if layer >= cfg.n_dense_layers else "dense")
 
-    first_names = {kind: [e.name for e in weight_stream.make_stream_plan(recorded, 2, 2**21)
+    first_names = {kind: [e.name for e in weight_stream.make_stream_plan(recorded)
                           .entries(kind)] for kind in ("kda", "mla")}
 
     def scaled(ev, ratio_extra=1.0, layer_map=None, rename=None):

@@ -19,6 +19,9 @@ EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 ROUTER_SCORES = ("sigmoid", "softmax")
 ACTIVATIONS = ("situ", "silu")
 
+RING_MAX_DEPTH = 8  # slots of the megakernel's global weight ring, at most
+RING_BLOCK_MULTIPLE = 64 * 1024  # one ring slot is a whole number of 64 KiB
+
 LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it
 BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
 FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (spec §7)
@@ -74,6 +77,10 @@ class ModelConfig:
     # kernel blocking
     kv_tile: int
     max_seq_len: int
+    # the megakernel's global weight ring (kernels/weight_stream.py): ring_depth VMEM slots of
+    # ring_block_bytes each; ring_depth - 1 weight blocks fly ahead of the one being multiplied
+    ring_depth: int
+    ring_block_bytes: int
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -181,6 +188,10 @@ def _validate(cfg: ModelConfig) -> None:
         _positive_int(cfg, field)
     _positive_int(cfg, "kv_tile", BF16_SUBLANE)
     _positive_int(cfg, "max_seq_len", cfg.kv_tile)
+    if (isinstance(cfg.ring_depth, bool) or not isinstance(cfg.ring_depth, int)
+            or not 2 <= cfg.ring_depth <= RING_MAX_DEPTH):
+        _fail("ring_depth", cfg.ring_depth, f"an int in [2, {RING_MAX_DEPTH}] (2 = double buffering)")
+    _positive_int(cfg, "ring_block_bytes", RING_BLOCK_MULTIPLE)
     if not isinstance(cfg.mla_first, int) or not 0 <= cfg.mla_first < cfg.n_layers:
         _fail("mla_first", cfg.mla_first, f"an int in [0, n_layers={cfg.n_layers})")
     if not isinstance(cfg.mla_last_layer, bool):
@@ -255,6 +266,8 @@ KIMI_K3 = ModelConfig(
     logit_softcap=None,
     kv_tile=256,
     max_seq_len=32768,
+    ring_depth=3,
+    ring_block_bytes=2 * 2**20,  # 2 MiB weight blocks, as the released kernels stream
 )
 
 # 7 layers: KDA 0,1,2,4,5 and MLA 3 (every 4th from 3) and 6 (the last); blocks of 3 give

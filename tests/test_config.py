@@ -55,6 +55,8 @@ INVALID_VALUE = {
     "logit_softcap": -1.0,
     "kv_tile": 10,  # not a multiple of the bf16 sublane tile (16)
     "max_seq_len": 100,  # not a multiple of kv_tile
+    "ring_depth": 1,  # no slot to prefetch into
+    "ring_block_bytes": 100_000,  # not a whole number of 64 KiB
 }
 
 FIELD_NAMES = [field.name for field in dataclasses.fields(ModelConfig)]
