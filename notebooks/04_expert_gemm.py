@@ -131,10 +131,12 @@ assert results[-1][2] == x.shape[0] * cfg.top_k
 # %% [markdown]
 # ## Step 3 — dedupe across rows
 #
-# Before any DMA the kernel walks the B·k ids in SMEM once with a "seen" table (scalar work, a few
-# hundred cycles), producing the list of distinct experts. Each is loaded once and applied to every
-# row with that row's summed weight for it — a vector compare of the `[B, k]` ids tile against the
-# expert id.
+# Before any DMA the kernel marks the B·k ids in a "seen" table in SMEM and lists the distinct
+# experts in ascending id (scalar work, a few hundred cycles). Each is loaded once and applied to
+# every row with that row's summed weight for it — a vector compare of the `[B, k]` ids tile
+# against the expert id. Ascending, not first-use, order: every row then adds its experts in id
+# order whatever the other rows chose, so a row's ρ does not depend on the batch — and it is the
+# reference's order, so the f32 sums round the same way.
 
 # %%
 # NBVAL_CHECK_OUTPUT
