@@ -188,24 +188,8 @@ no_ring_timeline = show_timeline(no_ring["log"], "7 layers, stage rings")
 
 # %%
 ring = run_step(mini, mini_params, batch=2)
-events = ring["log"].events
-
-
-def first(kind, names, layer):
-    return next(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-                and e.indices.get("layer") == layer)
-
-
-def last(kind, names, layer):
-    return max(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-               and e.indices.get("layer") == layer)
-
-
-ffn_early = all(first("dma_start", {"latent/w_ld", "dense/w_gate"}, layer)
-                < last("dma_wait", {"kda.w_o", "mla.w_o"}, layer) for layer in range(mini.n_layers))
-next_early = all(first("dma_start", {"kda.w_fa", "mla.w_qa"}, layer + 1)
-                 < last("dma_wait", {"shared/w_down", "dense/w_down"}, layer)
-                 for layer in range(mini.n_layers - 1))
+late = megakernel.late_prefetches(ring["log"], mini.n_layers)  # layers where a prefetch came late
+ffn_early, next_early = not late["ffn"], not late["next_layer"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -217,7 +201,7 @@ print(f"every layer: the next layer's first block starts before this FFN ends: {
 stream = ring["plan"].stream
 print(f"ring: {stream.depth} slots of {list(stream.slot_shape)} bf16 "
       f"({stream.slot_bytes / 2**20:.1f} MiB each)")
-assert ring["tokens_equal"] and ring["logits_ok"] and ffn_early and next_early
+assert ring["tokens_equal"] and ring["logits_ok"] and ffn_early and next_early and not late["experts"]
 
 # %%
 ring_timeline = show_timeline(ring["log"], "7 layers, global ring")

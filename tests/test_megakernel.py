@@ -201,31 +201,22 @@ def assert_prefetch_order(log, cfg):
     """The global weight stream in the DMA log: the FFN's first block is issued before the
     attention's last block is waited for, the next layer's first block before this layer's FFN
     ends, and expert DMAs right after routing, before the latent down-projection is waited for."""
-    events = log.events
+    assert mk.late_prefetches(log, cfg.n_layers) == {"ffn": [], "next_layer": [], "experts": []}
 
-    def first(kind, names, layer):
-        return next(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-                    and e.indices.get("layer") == layer)
 
-    def last(kind, names, layer):
-        return max(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-                   and e.indices.get("layer") == layer)
+def test_late_prefetches_are_found():
+    """late_prefetches on a hand-made two-layer log: layer 0's FFN weights issued only after its
+    attention ended, and the expert DMA after the latent down-projection was waited for."""
+    def event(kind, name, layer):
+        return dma.Event(kind, name, indices={"layer": layer})
 
-    for layer in range(cfg.n_layers):
-        attention_end = last("dma_wait", {"kda.w_o", "mla.w_o"}, layer)
-        ffn_start = first("dma_start", {"latent/w_ld", "dense/w_gate"}, layer)
-        assert ffn_start < attention_end, f"layer {layer}: FFN weights not in flight early"
-        if layer + 1 < cfg.n_layers:
-            ffn_end = last("dma_wait", {"shared/w_down", "dense/w_down"}, layer)
-            next_start = first("dma_start", {"kda.w_fa", "mla.w_qa"}, layer + 1)
-            assert next_start < ffn_end, f"layer {layer}: next layer's weights not in flight"
-    routed = [i for i, e in enumerate(events) if e.name == "router/weights_to_smem"
-              and e.kind == "dma_wait"]
-    for i in routed:
-        expert = next(j for j in range(i, len(events)) if events[j].name.startswith("expert/"))
-        latent = next(j for j in range(i, len(events)) if events[j].name == "latent/w_ld"
-                      and events[j].kind == "dma_wait")
-        assert events[expert].kind == "dma_start" and expert < latent
+    events = [event("dma_start", "kda.w_o", 0), event("dma_wait", "kda.w_o", 0),
+              event("dma_start", "latent/w_ld", 0), event("dma_start", "mla.w_qa", 1),
+              event("dma_wait", "router/weights_to_smem", 0), event("dma_wait", "latent/w_ld", 0),
+              event("dma_start", "expert/w1", 0), event("dma_wait", "shared/w_down", 0),
+              event("dma_start", "latent/w_ld", 1), event("dma_wait", "mla.w_o", 1)]
+    assert mk.late_prefetches(dma.DmaLog(events), 2) == {"ffn": [0], "next_layer": [],
+                                                         "experts": [0]}
 
 
 # ---- the format / layout matrix (fewer steps) -----------------------------------------------------
