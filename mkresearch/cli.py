@@ -52,6 +52,22 @@ def _at_least(option: str, value: int, minimum: int) -> None:
         raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
 
 
+def _chip(name: str) -> str:
+    from mkresearch.chips import CHIPS
+
+    if name not in CHIPS:
+        raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
+    return name
+
+
+def _megakernel_batch(option: str, value: int) -> None:
+    from mkresearch.kernels.megakernel import MAX_BATCH
+
+    if not 1 <= value <= MAX_BATCH:
+        raise UsageError(f"{option} {value} is invalid: each in [1, {MAX_BATCH}] (the megakernel "
+                         "backend)")
+
+
 def _human_bytes(n: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -311,13 +327,10 @@ def _run(argv: Sequence[str] | None) -> int:
         progress = not args.json and sys.stderr.isatty()
         if args.backend == "megakernel":
             from mkresearch import bench
-            from mkresearch.chips import CHIPS
 
-            if args.chip not in CHIPS:
-                raise UsageError(f"--chip {args.chip!r} is unknown: choose one of "
-                                 f"{', '.join(CHIPS)}")
+            _megakernel_batch("--batch", args.batch)
             result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
-                                             args.seed, args.chip, progress)
+                                             args.seed, _chip(args.chip), progress)
             if args.json:
                 print(json.dumps(result))
             else:
@@ -334,16 +347,12 @@ def _run(argv: Sequence[str] | None) -> int:
         from pathlib import Path
 
         from mkresearch import bench
-        from mkresearch.chips import CHIPS
-        from mkresearch.kernels.megakernel import MAX_BATCH
 
         cfg = _model(args.model)
         _at_least("--steps", args.steps, 1)
         for batch in args.batches:
-            if not 1 <= batch <= MAX_BATCH:
-                raise UsageError(f"--batches {batch} is invalid: each in [1, {MAX_BATCH}]")
-        if args.chip not in CHIPS:
-            raise UsageError(f"--chip {args.chip!r} is unknown: choose one of {', '.join(CHIPS)}")
+            _megakernel_batch("--batches", batch)
+        _chip(args.chip)
         out = Path(args.out)
         result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
                                  out_json=out / "decode_bench.json",

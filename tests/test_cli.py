@@ -38,6 +38,8 @@ def test_decode_json_and_text(capsys):
     (["info", "llama"], "kimi-k3, kimi-k3-mini"),
     (["decode", "--steps", "-2"], "--steps"),
     (["decode", "--batch", "0"], "--batch"),
+    (["decode", "--batch", "17"], "--batch 17 is invalid: each in [1, 16]"),
+    (["decode", "--chip", "h100"], "--chip 'h100' is unknown"),
     (["decode", "--prompt-len", "0"], "--prompt-len"),
     (["decode", "--prompt-len", "200"], "max_seq_len"),
     (["decode", "--seed", "x"], "--seed"),
