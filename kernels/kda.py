@@ -75,9 +75,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are bf16
 
 
-_weight_shapes = weight_shapes  # the name kernels/megakernel.py uses
-
-
 def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = None) -> KdaPlan:
     """Check block sizes (ValueError naming the parameter) and fix every static size."""
     blocks.check_block_rows(weight_block_rows)

@@ -265,7 +265,7 @@ def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, v
             _buf("pre-conv q/k/v", (b, 3, h, dk), f4, kda_scope),
             _buf("y", (b, hd), f4, kda_scope),
             _buf("conv taps", (3, cfg.kda_conv_size, hd), bf, kda_scope)]
-    out += max_block([s for n, s in kda._weight_shapes(cfg).items() if n in kda.MATRICES],
+    out += max_block([s for n, s in kda.weight_shapes(cfg).items() if n in kda.MATRICES],
                      kda_scope)
     p = mla_plan
     mla_scope = f"MLA ({p.layout})"
@@ -279,7 +279,7 @@ def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, v
                 _buf("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf, mla_scope),
                 _buf("k^X tiles", (2, p.kv_tile, p.qk_extra), bf, mla_scope),
                 _buf("q latent", (h, p.kv_rank + p.qk_extra), f4, mla_scope)]
-    out += max_block([s for n, s in mla._weight_shapes(cfg).items() if len(s) == 2], mla_scope)
+    out += max_block([s for n, s in mla.weight_shapes(cfg).items() if len(s) == 2], mla_scope)
     moe_scope = "MoE"
     n_slots = stage_options.n_slots
     for m, (k, n) in zip(experts.EXPERT_MATRICES,
@@ -589,12 +589,6 @@ def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:
                              f"{got.dtype}: allowed {tuple(leaf.shape)} {leaf.dtype} (batch "
                              f"{batch}, cache length {seq_len})")
     return seq_len
-
-
-class StepResult(dict):
-    """tokens [B] i32, state, nucleus_overflow [B] bool, logits [B, V] f32 or None."""
-
-    __getattr__ = dict.__getitem__
 
 
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig, *,

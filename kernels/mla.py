@@ -402,9 +402,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
 
 
-_weight_shapes = weight_shapes  # the name kernels/megakernel.py uses
-
-
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
     """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
     length."""

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from mkresearch.config import ModelConfig
+from mkresearch.sampling import sample
 from mkresearch.weights import dequantize
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -505,16 +506,6 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cf
     return jnp.stack(all_logits, axis=1), state
 
 
-def _sampler():
-    """mkresearch.sampling.sample, or greedy argmax (lowest index wins) if it is unavailable."""
-    try:
-        from mkresearch.sampling import sample
-    except ImportError:  # pragma: no cover - only while sampling.py is being written
-        def sample(logits, *, seed, positions, temperature=None, top_k=0, top_p=1.0):
-            return jnp.argmax(logits, axis=-1).astype(i32)
-    return sample
-
-
 def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n_steps: int,
              cfg: ModelConfig, *, seed: int = 0, temperature: Any = None, top_k: Any = 0,
              top_p: Any = 1.0) -> tuple[jax.Array, dict]:
@@ -531,7 +522,6 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
     batch, length = np.shape(prompt)
     _check_step_inputs(state, np.zeros(batch, np.int32),
                        np.full(batch, length + n_steps - 2, np.int32), cfg)
-    sample = _sampler()
     logits, state = prefill(params, state, prompt, cfg)
     logits = logits[:, -1]
     tokens = []

@@ -254,9 +254,7 @@ def nucleus_size(logits: jax.Array, *, temperature: Any = 1.0, top_p: Any = 1.0)
     """i32 [B]: how many tokens the top-p nucleus of softmax(logits / T) holds (no top-k, no cap;
     greedy rows, temperature None, are measured at T = 1)."""
     batch, vocab = logits.shape
-    params = check_params(batch, vocab, temperature=temperature, top_p=top_p)
-    params = params._replace(temperature=np.where(params.temperature > 0, params.temperature,
-                                                  np.float32(1.0)))
+    params = check_params(batch, vocab, temperature=temperature, top_p=top_p)  # greedy: T = 1
     return jnp.sum(_kept_mask(logits, params, None), axis=-1).astype(jnp.int32)
 
 

@@ -247,7 +247,7 @@ def reset_interpret_state() -> None:
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
-    _race_latch["found"] = False
+    reset_races()
 
 
 # ---- compiling for a TPU on this machine --------------------------------------------------------
