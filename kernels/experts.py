@@ -402,30 +402,37 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                        interpret=tpu.interpret_params(), recording=dma.is_recording())
 
 
+def router_options(cfg: ModelConfig) -> tuple:
+    """The router body's static options for cfg (hashable: part of a jit cache key)."""
+    w_router = (cfg.d_model, cfg.n_experts)
+    return (("top_k", cfg.top_k), ("router_score", cfg.router_score),
+            ("use_bias", cfg.router_bias), ("routed_scale", float(cfg.routed_scale)),
+            ("block_rows", blocks.weight_block_rows(w_router, jnp.bfloat16)))
+
+
+def dense_options(cfg: ModelConfig) -> StageOptions:
+    """The FFN stage as the dense layer: one always-on expert, no routing."""
+    return StageOptions(eps=float(cfg.rms_eps), activation=cfg.activation, always_on_name="dense")
+
+
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
             n_slots: int = 2) -> jax.Array:
     """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel."""
     options = _options(cfg, plan, n_slots)
     _check_x(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
-    bias = p["router_bias"] if cfg.router_bias else jnp.zeros_like(p["router_bias"])
-    router_options = (("top_k", cfg.top_k), ("router_score", cfg.router_score),
-                      ("use_bias", cfg.router_bias), ("routed_scale", float(cfg.routed_scale)),
-                      ("block_rows", blocks.weight_block_rows(tuple(p["w_router"].shape),
-                                                              p["w_router"].dtype)))
-    return _moe_layer_call(x, p["w_router"], bias.astype(jnp.float32).reshape(1, -1),
-                           _routed_tree(p, cfg), _shared_tree(p, cfg), options=options,
-                           router_options=router_options,
+    bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
+    return _moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
+                           options=options, router_options=router_options(cfg),
                            interpret=tpu.interpret_params(), recording=dma.is_recording())
 
 
 def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
     _check_x(x, cfg.d_model)
-    options = StageOptions(eps=float(cfg.rms_eps), activation=cfg.activation,
-                           always_on_name="dense")
     always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
-    return _stage_call(x, None, None, None, always_on, options=options, out_dtype=jnp.bfloat16,
+    return _stage_call(x, None, None, None, always_on, options=dense_options(cfg),
+                       out_dtype=jnp.bfloat16,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())
 
 

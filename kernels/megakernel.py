@@ -84,6 +84,8 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
     """ValueError naming the option and its allowed values."""
     if not isinstance(options, MegakernelOptions):
         raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
+    if not isinstance(options.global_stream, bool):
+        raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
     max_depth = weight_stream.max_ring_depth(cfg)
     if options.global_stream and cfg.ring_depth > max_depth:
         raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for the megakernel: "
@@ -96,8 +98,6 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
                          "megakernel issues expert DMAs right after routing, ahead of their use)")
     get_chip(options.chip)  # ValueError listing the chips
-    if not isinstance(options.global_stream, bool):
-        raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
     return options
 
 
@@ -211,12 +211,7 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     kda_plan = kda.make_plan(cfg, batch)
     mla_plan = mla.make_plan(cfg, batch, seq_len, kv_tile=kv_tile)
     stage_options = experts._options(cfg, options.expert_plan, options.expert_slots)
-    dense_options = experts.StageOptions(eps=float(cfg.rms_eps), activation=cfg.activation,
-                                         always_on_name="dense")
-    router_options = (("top_k", cfg.top_k), ("router_score", cfg.router_score),
-                      ("use_bias", cfg.router_bias), ("routed_scale", float(cfg.routed_scale)),
-                      ("block_rows", blocks.weight_block_rows((cfg.d_model, cfg.n_experts),
-                                                              jnp.bfloat16)))
+    dense_options, router_options = experts.dense_options(cfg), experts.router_options(cfg)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
@@ -346,15 +341,12 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                                        blocks_vmem.at[b], sems.at[b], name="embed", row=b))
                 copies[-1].start()
             with dma.phase("embed"):
-                row_iota = lax.broadcasted_iota(jnp.int32, (EMBED_ROWS, d), 0)
-                batch_iota = lax.broadcasted_iota(jnp.int32, (batch, d), 0)
                 embedded = jnp.zeros((batch, d), jnp.float32)
                 for b, copy in enumerate(copies):
                     copy.wait()
-                    hit = row_iota == lax.rem(tokens_smem[b], EMBED_ROWS)
-                    row = jnp.sum(jnp.where(hit, blocks_vmem[b].astype(jnp.float32), 0.0), axis=0,
-                                  keepdims=True)  # [1, d]
-                    embedded = jnp.where(batch_iota == b, row, embedded)
+                    row = blocks.select_row(blocks_vmem[b].astype(jnp.float32),
+                                            lax.rem(tokens_smem[b], EMBED_ROWS))  # [1, d]
+                    embedded = blocks.put_row(embedded, b, row)
                 embedded = embedded.astype(jnp.bfloat16)  # [B, d], exactly E[token]
                 partial_ref[...] = embedded
                 snapshots[...] = jnp.zeros(snapshots.shape, snapshots.dtype)
@@ -518,8 +510,8 @@ def prepare_weights(params: dict, cfg: ModelConfig) -> dict:
     mla_p = {n: (_vector_rows(params["mla"][n]) if params["mla"][n].ndim == 2
                  and n in ("q_norm", "kv_norm") else params["mla"][n]) for n in mla.WEIGHT_NAMES}
     moe = params["moe"]
-    bias = moe["router_bias"] if cfg.router_bias else jnp.zeros_like(moe["router_bias"])
-    moe_p = {"w_router": moe["w_router"], "router_bias": _vector_rows(bias.astype(jnp.float32)),
+    moe_p = {"w_router": moe["w_router"],
+             "router_bias": _vector_rows(moe["router_bias"].astype(jnp.float32)),
              "w_ld": moe["w_ld"], "latent_norm": _vector_rows(moe["latent_norm"]),
              "w_lu": moe["w_lu"],
              "experts": {m: tuple(quant.split_parts(moe["experts"][m], cfg.expert_format))
