@@ -629,11 +629,9 @@ def blockspec_log(log: Any, block_bytes: Mapping[str, int], *, out_bytes: int = 
         return [LogEvent(kind, name, "hbm", "vmem", int(nbytes), k % 2, (("k", k),))
                 for name, nbytes in block_bytes.items()]
 
-    out = copies(0, "dma_start") if steps else []
-    for k, phase_events in enumerate(steps):
-        if k + 1 < len(steps):
-            out += copies(k + 1, "dma_start")
-        out += copies(k, "dma_wait") + phase_events
+    serial = [ev for k, phase_events in enumerate(steps)
+              for ev in copies(k, "dma_start") + copies(k, "dma_wait") + phase_events]
+    out = rebuffer(serial, 2)
     if out_bytes:
         writeback = LogEvent("dma_start", out_name, "vmem", "hbm", int(out_bytes))
         out += [writeback, dataclasses.replace(writeback, kind="dma_wait")]
