@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from mkresearch.kernels import dma
+from mkresearch.kernels import blocks, dma, kda, mla
 
 from mkresearch.config import LANE, ModelConfig
 ATTENTION, FFN = ("kda", "mla"), ("dense", "moe")
@@ -75,16 +75,13 @@ class StreamPlan:
 
 def _stage_matrices(cfg: ModelConfig) -> dict[str, list[tuple[str, str, str, tuple[int, int]]]]:
     """kind -> [(group, key, DMA-log name, (K, N))] in the order the stage bodies stream them."""
-    d, hd, h = cfg.d_model, cfg.kda_width, cfg.n_heads
-    qk, v = cfg.mla_qk_dim, cfg.mla_v_dim
-    kda = [("w_fa", (d, cfg.kda_gate_rank)), ("w_fb", (cfg.kda_gate_rank, hd)), ("w_q", (d, hd)),
-           ("w_k", (d, hd)), ("w_v", (d, hd)), ("w_g", (d, hd)), ("w_b", (d, h)),
-           ("w_o", (hd, d))]
-    mla = [("w_qa", (d, cfg.mla_q_rank)), ("w_qb", (cfg.mla_q_rank, h * qk)),
-           ("w_kva", (d, cfg.mla_latent_cache_dim)), ("w_g", (d, h * v))]
-    if cfg.mla_cache_layout == "expanded":
-        mla.append(("w_kvb", (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v))))
-    mla.append(("w_o", (h * v, d)))
+    d = cfg.d_model
+    kda_shapes, mla_shapes = kda.weight_shapes(cfg), mla.weight_shapes(cfg)
+    kda_ = [(name, kda_shapes[name]) for name in kda.MATRICES]
+    # the latent layout keeps W_kvb whole in VMEM (mla_attention_body), so it is not streamed
+    mla_names = ("w_qa", "w_qb", "w_kva", "w_g") + (
+        ("w_kvb",) if cfg.mla_cache_layout == "expanded" else ()) + ("w_o",)
+    mla_ = [(name, mla_shapes[name]) for name in mla_names]
     moe = [("w_router", "router/w_router", (d, cfg.n_experts)),
            ("w_ld", "latent/w_ld", (d, cfg.moe_latent)), ("w_lu", "latent/w_lu", (cfg.moe_latent, d))]
     if cfg.n_shared_experts:
@@ -94,8 +91,8 @@ def _stage_matrices(cfg: ModelConfig) -> dict[str, list[tuple[str, str, str, tup
     dense = [("w_gate", "dense/w_gate", (d, cfg.dense_hidden)),
              ("w_up", "dense/w_up", (d, cfg.dense_hidden)),
              ("w_down", "dense/w_down", (cfg.dense_hidden, d))]
-    return {"kda": [("kda", k, f"kda.{k}", s) for k, s in kda],
-            "mla": [("mla", k, f"mla.{k}", s) for k, s in mla],
+    return {"kda": [("kda", k, f"kda.{k}", s) for k, s in kda_],
+            "mla": [("mla", k, f"mla.{k}", s) for k, s in mla_],
             "dense": [("dense", k, name, s) for k, name, s in dense],
             "moe": [("moe", k, name, s) for k, name, s in moe]}
 
@@ -112,7 +109,7 @@ def make_stream_plan(cfg: ModelConfig) -> StreamPlan:
     for kind, ms in streamed.items():
         entries = []
         for group, key, name, (k, n) in ms:
-            rows = max(r for r in range(LANE, min(k, slot_rows) + 1, LANE) if k % r == 0)
+            rows = blocks.weight_block_rows((k, n), jnp.bfloat16, block_rows=slot_rows)
             entries.append(Entry(group, key, name, k, n, rows))
         stages.append((kind, tuple(entries)))
     max_rows = max(e.rows for _, es in stages for e in es)
