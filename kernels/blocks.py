@@ -158,9 +158,11 @@ rms_norm = reference.rms_norm
 
 def select_row(values: jax.Array, row) -> jax.Array:
     """values[row] as [1, N] for a traced row: a masked sum over the (few) sublanes, so a loop
-    over batch rows needs no dynamic sublane slicing. values [M, N] f32."""
+    over batch rows needs no dynamic sublane slicing. values [M, N]; the sum runs in f32 (one
+    nonzero term: exact) and the row keeps values' dtype."""
     rows = jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
-    return jnp.sum(jnp.where(rows == row, values, 0.0), axis=0, keepdims=True)
+    picked = jnp.where(rows == row, values.astype(jnp.float32), 0.0)
+    return jnp.sum(picked, axis=0, keepdims=True).astype(values.dtype)
 
 
 def put_row(values: jax.Array, row, new_row: jax.Array) -> jax.Array:

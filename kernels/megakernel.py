@@ -344,8 +344,7 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                 embedded = jnp.zeros((batch, d), jnp.float32)
                 for b, copy in enumerate(copies):
                     copy.wait()
-                    row = blocks.select_row(blocks_vmem[b].astype(jnp.float32),
-                                            lax.rem(tokens_smem[b], EMBED_ROWS))  # [1, d]
+                    row = blocks.select_row(blocks_vmem[b], lax.rem(tokens_smem[b], EMBED_ROWS))
                     embedded = blocks.put_row(embedded, b, row)
                 embedded = embedded.astype(jnp.bfloat16)  # [B, d], exactly E[token]
                 partial_ref[...] = embedded

@@ -137,8 +137,8 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
 
     def with_scratch(w_kvb_vmem):
         if p.layout == "expanded":
-            kv_new = f32(bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
-                                     name="mla.w_kvb")))  # [B, H*(nope+v)] = per head [k^C | v]
+            kv_new = bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
+                                 name="mla.w_kvb"))  # [B, H*(nope+v)] = per head [k^C | v]
         else:
             blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
                              **indices)
@@ -147,9 +147,9 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
             position = positions_ref[b]
             q_b = blocks.select_row(q, b)  # [1, H*qk]
             q_row = [q_b[:, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
-            k_extra_b = bf16(blocks.select_row(f32(k_extra), b))  # [1, extra]
+            k_extra_b = blocks.select_row(k_extra, b)  # [1, extra] bf16
             if p.layout == "expanded":
-                kv_b = bf16(blocks.select_row(kv_new, b))
+                kv_b = blocks.select_row(kv_new, b)
                 k_c = [kv_b[:, h * (nope + v_dim):h * (nope + v_dim) + nope]
                        for h in range(h_count)]  # [1, nope] each
                 v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
@@ -159,7 +159,7 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
                 _update_expanded(p, b, position, k_c, k_extra_b, v_new, cache_a, cache_b,
                                  cache_a_out, cache_b_out, indices)
             else:
-                c_hat_b = bf16(blocks.select_row(f32(c_hat), b))  # [1, kv_rank]
+                c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
                 heads = _attend_latent(p, b, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
                                        cache_a, cache_b, indices)
                 _update_latent(p, b, position, c_hat_b, k_extra_b, cache_a, cache_b,
