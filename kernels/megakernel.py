@@ -789,18 +789,16 @@ class MinimumBytes:
 def minimum_step_bytes(cfg: ModelConfig, batch: int, positions: Any,
                        expert_ids: Any) -> MinimumBytes:
     """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux)."""
-    from mkresearch import roofline, weights
+    from mkresearch import roofline
 
-    params = weights.param_shapes(cfg)
-    dense_weights = roofline.tree_bytes({k: v for k, v in params.items() if k != "embed"})
-    dense_weights -= roofline.tree_bytes(params["moe"]["experts"])
-    per_expert = roofline.expert_bytes(cfg)
+    step = roofline.step_bytes(cfg, batch)  # every weight but the routed experts and embedding
+    weights = sum(step.read[name] for name in ("kda", "mla", "dense", "moe_nonrouted", "lm_head",
+                                               "norms_and_mix"))
     unique = sum(len(np.unique(layer)) for layer in np.asarray(expert_ids))
-    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
-    kda_bytes = roofline.tree_bytes([state["kda_conv"], state["kda_state"]])
     n_mla = len(cfg.mla_layers)
     return MinimumBytes(
-        weights=dense_weights, embedding_rows=batch * cfg.d_model * 2,
-        routed_experts=unique * per_expert,
+        weights=weights, embedding_rows=step.read["embedding_rows"],
+        routed_experts=unique * roofline.expert_bytes(cfg),
         kv_tiles=n_mla * mla.kv_tile_bytes_needed(positions, cfg),
-        kda_state=2 * kda_bytes, kv_entries=n_mla * batch * mla.kv_bytes_per_token(cfg))
+        kda_state=step.read["kda_state"] + step.written["kda_state"],
+        kv_entries=n_mla * batch * mla.kv_bytes_per_token(cfg))
