@@ -402,6 +402,23 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
 
 
+def _check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
+    """ValueError naming `label` for bad keys, shapes or dtypes of a (layout cfg) cache or cache
+    shard; returns its length."""
+    names = CACHE_NAMES[cfg.mla_cache_layout]
+    if not isinstance(cache, dict) or set(cache) != set(names):
+        raise ValueError(f"{label} has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
+                         f": expected {names} for mla_cache_layout={cfg.mla_cache_layout!r}")
+    seq_len = cache[names[0]].shape[-2]
+    for name, shape in cache_shapes(cfg, batch, seq_len).items():
+        if tuple(cache[name].shape) != shape:
+            raise ValueError(f"{label}[{name!r}] has shape {tuple(cache[name].shape)}: expected "
+                             f"{shape} (batch {batch}, length {seq_len})")
+        if cache[name].dtype != jnp.bfloat16:
+            raise ValueError(f"{label}[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
+    return seq_len
+
+
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
     """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
     length."""
@@ -419,17 +436,7 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
             raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
-    names = CACHE_NAMES[cfg.mla_cache_layout]
-    if not isinstance(cache, dict) or set(cache) != set(names):
-        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}: "
-                         f"expected {names} for mla_cache_layout={cfg.mla_cache_layout!r}")
-    seq_len = cache[names[0]].shape[-2]
-    for name, shape in cache_shapes(cfg, batch, seq_len).items():
-        if tuple(cache[name].shape) != shape:
-            raise ValueError(f"cache[{name!r}] has shape {tuple(cache[name].shape)}: expected "
-                             f"{shape} (batch {batch}, cache length {seq_len})")
-        if cache[name].dtype != jnp.bfloat16:
-            raise ValueError(f"cache[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
+    seq_len = _check_cache(cache, "cache", cfg, batch)
     if getattr(positions, "shape", None) != (batch,):
         raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
                          f"expected [B={batch}]")
@@ -561,19 +568,7 @@ def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_sta
     for name, value in (("q_absorbed", q_absorbed), ("q_extra", q_extra)):
         if value.dtype != jnp.bfloat16:
             raise ValueError(f"{name}.dtype={value.dtype} is invalid: bfloat16")
-    if not isinstance(cache_shard, dict) or set(cache_shard) != set(CACHE_NAMES["latent"]):
-        raise ValueError(f"cache_shard has keys "
-                         f"{sorted(cache_shard) if isinstance(cache_shard, dict) else cache_shard!r}"
-                         f": expected {CACHE_NAMES['latent']}")
-    shard_len = cache_shard["ckv"].shape[1]
-    expected = {"ckv": (batch, shard_len, cfg.mla_kv_rank), "kx": (batch, shard_len, cfg.mla_qk_extra)}
-    for name, shape in expected.items():
-        if tuple(cache_shard[name].shape) != shape:
-            raise ValueError(f"cache_shard[{name!r}] has shape {tuple(cache_shard[name].shape)}: "
-                             f"expected {shape}")
-        if cache_shard[name].dtype != jnp.bfloat16:
-            raise ValueError(f"cache_shard[{name!r}].dtype={cache_shard[name].dtype} is invalid: "
-                             f"bfloat16")
+    _check_cache(cache_shard, "cache_shard", cfg.replace(mla_cache_layout="latent"), batch)
     if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
         raise ValueError(f"positions has shape {getattr(positions, 'shape', None)} and dtype "
                          f"{getattr(positions, 'dtype', None)}: expected [B={batch}] int32")
