@@ -634,11 +634,18 @@ def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> 
     The log counts the tokens read (its KV tile bytes over `recorded`'s bytes per token); the
     same tokens at `target`'s shapes (heads, ranks, layout) cost `target`'s bytes per token.
     """
-    tokens, remainder = divmod(log.dma_bytes("mla.kv."), kv_bytes_per_token(recorded))
+    return tokens_read(log, recorded) * kv_bytes_per_token(target)
+
+
+def tokens_read(log: dma.DmaLog, recorded: ModelConfig, row: int | None = None) -> int:
+    """The tokens whose KV tiles a recorded run read (all rows, or batch row `row`): its KV tile
+    bytes over `recorded`'s bytes per token; ValueError if that is not a whole number."""
+    nbytes = log.dma_bytes("mla.kv.") if row is None else kv_bytes_by_row(log).get(row, 0)
+    tokens, remainder = divmod(nbytes, kv_bytes_per_token(recorded))
     if remainder:
         raise ValueError(f"recorded={recorded.name!r} does not match the log: its KV bytes are not "
                          f"a whole number of {recorded.mla_cache_layout} tokens")
-    return tokens * kv_bytes_per_token(target)
+    return tokens
 
 
 def kv_bytes_by_row(log: dma.DmaLog) -> dict[int, int]:
@@ -664,8 +671,8 @@ def kv_bytes_per_rank(logs: dict, recorded: ModelConfig, target: ModelConfig, n_
     from fractions import Fraction
 
     def share(log, layout):
-        per_token = kv_bytes_per_token(recorded.replace(mla_cache_layout=layout))
-        return Fraction(kv_bytes_by_row(log).get(row, 0) // per_token, recorded.max_seq_len)
+        return Fraction(tokens_read(log, recorded.replace(mla_cache_layout=layout), row),
+                        recorded.max_seq_len)
 
     shards = logs["latent-sequence"]
     shares = {"expanded": share(logs["expanded"], "expanded"),
@@ -730,9 +737,8 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
         for tile, style in ((recorded.kv_tile, "-"), (full.kv_tile, "--")):
             ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
                     label=f"{layout}: {per_token:,} B/token, tiles of {tile}")
-        rows = kv_bytes_by_row(logs[layout])
-        measured = [(positions[r], rows.get(r, 0) // kv_bytes_per_token(source)
-                     * kv_bytes_per_token(target)) for r in range(len(positions))]
+        measured = [(positions[r], tokens_read(logs[layout], source, r) * per_token)
+                    for r in range(len(positions))]
         xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])
         ax.scatter(xs, ys, color=color, zorder=3, s=18,
                    label=f"{layout}: DMA log of a mini run, priced at Kimi K3")
