@@ -171,12 +171,9 @@ def timeline_figure(timeline: tl.Timeline, measured: Sequence[tl.Span] = (),
                                       height_ratios=[max(2, n_lanes), 2], sharex=True,
                                       layout="constrained")
     plt.close(fig)
-    plot_gantt(timeline, gantt, measured, title)
     plot_vmem(timeline, vmem)
+    plot_gantt(timeline, gantt, measured, title)  # last: its x range (measured spans too) wins
     gantt.set_xlabel("")
-    end = max([timeline.total_s] + [s.end for s in measured]) * 1e6
-    if end > 0:
-        vmem.set_xlim(0, end)
     return fig
 
 
