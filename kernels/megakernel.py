@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import blocks, dma, experts, kda, mla, quant, sampling, weight_stream
+from mkresearch.kernels.weight_stream import ATTN_INDEX, FFN_INDEX, IS_MLA, IS_MOE, TABLE_FIELDS
 
 from mkresearch import reference, tpu
 from mkresearch import sampling as sampling_ref
@@ -50,9 +51,6 @@ from mkresearch.config import BF16_SUBLANE, ModelConfig
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
 MAX_BATCH = BF16_SUBLANE
-# Columns of the SMEM layer table: what the traced layer index selects.
-IS_MLA, ATTN_INDEX, IS_MOE, FFN_INDEX = range(4)
-TABLE_COLUMNS = 4
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
 # Rows of the aligned embedding block fetched per token (the HBM tiling of a bf16 [V, d] array).
@@ -183,14 +181,6 @@ class MegaPlan:
     vmem: VmemPlan = field(compare=False, hash=False)
 
 
-def _layer_table(cfg: ModelConfig) -> tuple[int, ...]:
-    rows = []
-    for layer in range(cfg.n_layers):
-        rows += [int(cfg.is_mla(layer)), cfg.attention_index(layer),
-                 int(layer >= cfg.n_dense_layers), cfg.ffn_index(layer)]
-    return tuple(rows)
-
-
 def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
               options: MegakernelOptions = MegakernelOptions()) -> MegaPlan:
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
@@ -224,7 +214,7 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options, kda_plan=kda_plan,
                     mla_plan=mla_plan, stage_options=stage_options, dense_options=dense_options,
                     router_options=router_options, vocab_tile=vocab_tile,
-                    layer_table=_layer_table(cfg), stream=stream, vmem=vmem)
+                    layer_table=weight_stream.layer_table(cfg), stream=stream, vmem=vmem)
 
 
 def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, vocab_tile: int,
@@ -329,8 +319,8 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
 
     def scoped(snapshots, partial_ref, x_ref, out_ref, vectors, ids_ref, weights_ref, ids_smem,
                weights_smem, sems, *ring):
-        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, table_smem, cfg.n_layers,
-                                             TABLE_COLUMNS) if plan.stream is not None else None)
+        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, table_smem, cfg.n_layers)
+                  if plan.stream is not None else None)
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
         def gather(blocks_vmem):  # [B, 16, d] bf16
@@ -365,7 +355,7 @@ def megakernel_body(plan: MegaPlan, treedef: Any, use_gumbel: bool, use_candidat
                 copy.wait()
 
         def layer_step(layer, carry):
-            row = layer * TABLE_COLUMNS
+            row = layer * len(TABLE_FIELDS)
             is_mla, attn_i = table_smem[row + IS_MLA], table_smem[row + ATTN_INDEX]
             is_moe, ffn_i = table_smem[row + IS_MOE], table_smem[row + FFN_INDEX]
             block, offset = lax.div(layer, cfg.attn_res_block), lax.rem(layer, cfg.attn_res_block)

@@ -36,6 +36,17 @@ from mkresearch.kernels import blocks, dma, kda, mla
 
 from mkresearch.config import LANE, ModelConfig
 ATTENTION, FFN = ("kda", "mla"), ("dense", "moe")
+# The SMEM layer table, a row per layer: what the megakernel's traced layer index selects.
+IS_MLA, ATTN_INDEX, IS_MOE, FFN_INDEX = TABLE_FIELDS = range(4)
+
+
+def layer_table(cfg: ModelConfig) -> tuple[int, ...]:
+    """The flattened [n_layers, len(TABLE_FIELDS)] table of int32 for SMEM."""
+    rows = []
+    for layer in range(cfg.n_layers):
+        rows += [int(cfg.is_mla(layer)), cfg.attention_index(layer),
+                 int(layer >= cfg.n_dense_layers), cfg.ffn_index(layer)]
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -128,23 +139,21 @@ class GlobalStream:
     `matmul` is what `blocks.stream_matmul` calls (None for matrices not in the stream)."""
 
     def __init__(self, plan: StreamPlan, ring_ref: Any, sems_ref: Any, base_smem: Any,
-                 weights: dict, table_smem: Any, n_layers: int, columns: int) -> None:
+                 weights: dict, table_smem: Any, n_layers: int) -> None:
         self.plan, self.ring, self.sems, self.base = plan, ring_ref, sems_ref, base_smem
-        self.weights, self.table, self.n_layers, self.columns = weights, table_smem, n_layers, columns
+        self.weights, self.table, self.n_layers = weights, table_smem, n_layers
         self.kind = None
 
     # -- the layer table: kind and index within its kind of a (traced) layer ---------------------
     def _row(self, layer, column):
-        return self.table[layer * self.columns + column]
+        return self.table[layer * len(TABLE_FIELDS) + column]
 
     def _kinds(self, layer, attention: bool):
         """((kind, predicate, index within kind), ...) for the attention or the FFN of `layer`."""
-        from mkresearch.kernels import megakernel as mk  # the table's column layout
-
         if attention:
-            is_mla, index = self._row(layer, mk.IS_MLA), self._row(layer, mk.ATTN_INDEX)
+            is_mla, index = self._row(layer, IS_MLA), self._row(layer, ATTN_INDEX)
             return (("kda", is_mla == 0, index), ("mla", is_mla == 1, index))
-        is_moe, index = self._row(layer, mk.IS_MOE), self._row(layer, mk.FFN_INDEX)
+        is_moe, index = self._row(layer, IS_MOE), self._row(layer, FFN_INDEX)
         return (("dense", is_moe == 0, index), ("moe", is_moe == 1, index))
 
     # -- DMAs ------------------------------------------------------------------------------------
