@@ -286,22 +286,18 @@ def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
     import numpy as np
 
     from mkresearch import reference, weights
-    from mkresearch.kernels import mla, quant
+    from mkresearch.kernels import mla, quant, weight_stream
 
     params = weights.param_shapes(cfg)
     table: dict[str, float] = {}
     for group, prefix in (("kda", "kda."), ("mla", "mla.")):
         for key, leaf in params[group].items():
             table[prefix + key] = _per_layer_bytes(leaf)
-    moe, dense = params["moe"], params["dense"]
-    for name, key in (("router/w_router", "w_router"), ("router/bias", "router_bias"),
-                      ("latent/w_ld", "w_ld"), ("latent/w_lu", "w_lu"),
-                      ("latent/norm", "latent_norm"), ("shared/w_gate", "w_sg"),
-                      ("shared/w_up", "w_su"), ("shared/w_down", "w_sd")):
-        if key in moe:
-            table[name] = _per_layer_bytes(moe[key])
-    for key in ("w_gate", "w_up", "w_down"):
-        table[f"dense/{key}"] = _per_layer_bytes(dense[key])
+    streamed = weight_stream._stage_matrices(cfg)  # the FFN matrices' DMA-log names
+    for group, key, name, _ in streamed["moe"] + streamed["dense"]:
+        table[name] = _per_layer_bytes(params[group][key])
+    table["router/bias"] = _per_layer_bytes(params["moe"]["router_bias"])
+    table["latent/norm"] = _per_layer_bytes(params["moe"]["latent_norm"])
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
     table["kda.conv_state"] = _per_layer_bytes(state["kda_conv"])
     table["kda.state"] = _per_layer_bytes(state["kda_state"])
