@@ -117,8 +117,7 @@ def stream_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: 
             ring.wait(block(i), slot, block=i, **indices)
             with dma.phase(f"{name}/matmul", flops=2 * m * rows * n,
                            vmem_bytes=rows * n * w_hbm.dtype.itemsize, block=i, **indices):
-                acc += jnp.dot(x[:, i * rows:(i + 1) * rows], ring.buffer(slot)[...],
-                               preferred_element_type=jnp.float32)
+                acc += dot(x[:, i * rows:(i + 1) * rows], ring.buffer(slot)[...])
         return acc
 
     return pl.run_scoped(scoped, pltpu.VMEM((2, rows, n), w_hbm.dtype),
@@ -154,6 +153,17 @@ def load_into(hbm_ref: Any, vmem_ref: Any, *, rows: int, name: str, **indices: A
 
 # The reference's RMSNorm runs as is on VMEM values (v [M, N], gamma [1, N]): one definition.
 rms_norm = reference.rms_norm
+# Sums over lanes in the reference's one fixed order (batch-invariant, the same bits as it).
+ordered_sum = reference.ordered_sum
+softmax = reference.softmax
+
+
+def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] -> f32 [M, N] (bf16 operands on the MXU), as the reference's matmuls:
+    a lone row is multiplied as two (`reference.rows_at_least_two`), so a row's result is the
+    same whatever the batch, in interpret mode too. On a TPU both are one MXU tile."""
+    return reference.rows_at_least_two(
+        lambda rows: jnp.dot(rows, w, preferred_element_type=jnp.float32), x)
 
 
 def select_row(values: jax.Array, row) -> jax.Array:

@@ -184,8 +184,8 @@ def _head_step(p: KdaPlan, b, h, conv_old, rows, taps, decay_rate, bias, gamma, 
     q_hat, k_hat, v = conv_outs
 
     # L2 norms (q also scaled by D^-½), β = σ(b), log decay λ ∈ (bound, 0) per key channel
-    q = q_hat * jax.lax.rsqrt(jnp.sum(q_hat * q_hat, -1, keepdims=True) + p.l2_eps) * d ** -0.5
-    k = k_hat * jax.lax.rsqrt(jnp.sum(k_hat * k_hat, -1, keepdims=True) + p.l2_eps)
+    q = q_hat * jax.lax.rsqrt(blocks.ordered_sum(q_hat * q_hat, keepdims=True) + p.l2_eps) * d ** -0.5
+    k = k_hat * jax.lax.rsqrt(blocks.ordered_sum(k_hat * k_hat, keepdims=True) + p.l2_eps)
     beta = jax.nn.sigmoid(b_logit[:, h:h + 1])  # [1, 1]
     log_decay = p.decay_bound * jax.nn.sigmoid(
         decay_rate[:, h:h + 1] * (g_raw[:, lanes] + bias[:, lanes]))  # [1, D]

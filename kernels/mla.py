@@ -228,7 +228,7 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
     correction = jnp.exp(m - m_new)
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
-    norm = correction * norm + jnp.sum(weights, axis=-1, keepdims=True)
+    norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
     acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
     return m_new, norm, acc
 
@@ -243,8 +243,8 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
     nope, qk = p.qk_nope, p.qk_dim
     carry = []
     for h in range(p.n_heads):  # the new token seeds the softmax: m = its score, norm = 1, acc = v
-        score = (jnp.sum(q_row[h][:, :nope] * f32(k_c[h]), axis=-1, keepdims=True)
-                 + jnp.sum(q_row[h][:, nope:qk] * f32(k_extra), axis=-1, keepdims=True))
+        score = (blocks.ordered_sum(q_row[h][:, :nope] * f32(k_c[h]), keepdims=True)
+                 + blocks.ordered_sum(q_row[h][:, nope:qk] * f32(k_extra), keepdims=True))
         carry.append((score * p.scale, jnp.ones_like(score), f32(v_new[h])))
 
     def windows(t):
@@ -284,8 +284,8 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
         # take bf16 operands (one MXU pass on a TPU)
         q_lat, q_x = q_lat_scratch[...], q_x_scratch[...]  # [H, kv_rank], [H, extra]
         c_new = f32(c_hat)  # [1, kv_rank]
-        score = (jnp.sum(q_lat * c_new, axis=-1, keepdims=True)
-                 + jnp.sum(q_x * f32(k_extra), axis=-1, keepdims=True)) * p.scale  # [H, 1]
+        score = (blocks.ordered_sum(q_lat * c_new, keepdims=True)
+                 + blocks.ordered_sum(q_x * f32(k_extra), keepdims=True)) * p.scale  # [H, 1]
         carry = (score, jnp.ones_like(score), jnp.broadcast_to(c_new, q_lat.shape))
         _, norm, acc = latent_partial(p, b, position, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices)
         context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs

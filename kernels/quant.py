@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
-from mkresearch.kernels import dma
+from mkresearch.kernels import blocks, dma
 
 NIBBLES_PER_WORD = 8
 # Rows of K decoded at once: bounds the f32 temporaries of one decode (K_CHUNK x N x 4 bytes).
@@ -152,7 +152,7 @@ def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str) -> jax.Ar
     acc = None
     for row0 in range(0, k, rows):
         w = decode_rows(part_refs, expert_format, row0, rows)  # [rows, N] bf16
-        part = jnp.dot(x[:, row0:row0 + rows], w, preferred_element_type=jnp.float32)
+        part = blocks.dot(x[:, row0:row0 + rows], w)
         acc = part if acc is None else acc + part
     return acc
 

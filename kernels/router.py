@@ -43,7 +43,7 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
         if router_score == "sigmoid":
             scores = jax.nn.sigmoid(logits)
         else:
-            scores = jax.nn.softmax(logits, axis=-1)
+            scores = blocks.softmax(logits)
         select = scores  # [B, E] f32
         if use_bias:  # the correction bias moves the selection only; weights use the plain scores
             select = scores + bias
@@ -61,7 +61,7 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
             chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
                                                      keepdims=True), chosen)
             select = jnp.where(hit, -jnp.inf, select)
-        weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
+        weights = chosen / blocks.ordered_sum(chosen, keepdims=True) * routed_scale
         ids_ref[...] = ids
         weights_ref[...] = weights
 

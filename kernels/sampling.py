@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, sampling, tpu
 from mkresearch.config import LANE, ModelConfig
-from mkresearch.kernels import dma
+from mkresearch.kernels import blocks, dma
 
 MAX_CANDIDATES = LANE  # the candidate list is one vreg row of lanes per batch row
 TILE_BYTES = 4 * 1024 * 1024  # one LM head tile in VMEM (two are in flight); at most this
@@ -214,7 +214,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
         ring.wait(lm_head_tile(t), slot, tile=t)
         with dma.phase("lm_head_tile", flops=2 * batch * d * vocab_tile, tile=t,
                        vmem_bytes=2 * d * vocab_tile + 2 * batch * d + 4 * batch * vocab_tile):
-            logits = jnp.dot(x, ring.buffer(slot)[...], preferred_element_type=jnp.float32)
+            logits = blocks.dot(x, ring.buffer(slot)[...])
             logits = sampling.soft_cap(logits, softcap)  # [B, TV] f32
             if logits_ref is not None:  # checking only: materialises what the stage avoids
                 logits_ref[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)] = logits

@@ -223,8 +223,7 @@ class GlobalStream:
             w_block = self.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]
             with dma.phase(f"{entry.name}/matmul", flops=2 * x.shape[0] * entry.rows * entry.n,
                            vmem_bytes=entry.rows * entry.n * 2, block=block, layer=self.layer):
-                acc += jnp.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block,
-                               preferred_element_type=jnp.float32)
+                acc += blocks.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block)
             self.position += 1
         return acc
 

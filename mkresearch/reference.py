@@ -18,10 +18,15 @@ Choices where the spec is silent (documented, used by the kernels too):
   takes the cache `cfg.kv_tile` slots at a time (`_online_softmax`); the MoE combine
   Σ w_e y_e adds the experts in ascending id (batch-invariant); the KDA update is
   S̄ + k (β (v − S̄ᵀk))ᵀ.
+- Batch invariance: a row's logits, caches and states are the same bits whatever the other rows
+  and the batch size. Every reduction is `ordered_sum` (one written-out order) and no matmul
+  runs with a single row (`rows_at_least_two`); per-row products (attention, experts) are
+  batched over (row, head) or (row, expert), never stacked along their rows.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mkresearch.config import ModelConfig
+from mkresearch.config import LANE, ModelConfig
 from mkresearch.sampling import sample
 from mkresearch.weights import dequantize
 
@@ -43,8 +48,64 @@ def bf(x: jax.Array) -> jax.Array:
 
 
 def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b with bf16 inputs and f32 accumulation (how every matmul of the model runs)."""
-    return jnp.matmul(a.astype(bf16), b.astype(bf16), preferred_element_type=f32)
+    """a [M, K] @ b [K, N] with bf16 inputs and f32 accumulation (how every matmul of the model
+    runs), batch-invariant: see `rows_at_least_two`."""
+    return rows_at_least_two(
+        lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
+
+
+def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:
+    """product(a) computed with at least two rows along `axis`, so that a row's result never
+    depends on how many rows there are (batch invariance).
+
+    XLA:CPU runs a one-row product as a matrix-vector kernel, which sums K in another order than
+    the matrix-matrix kernel it uses from two rows up; every row of the latter sums in one order
+    whatever the row count and the row's place (checked for 2..64 rows, AVX-512 and AVX2; the
+    batch-invariance tests keep checking it). A lone row is doubled and the copy dropped. On a
+    TPU both are one MXU tile.
+    """
+    axis = axis % a.ndim
+    if a.shape[axis] != 1:
+        return product(a)
+    doubled = jnp.broadcast_to(a, a.shape[:axis] + (2,) + a.shape[axis + 1:])
+    return lax.slice_in_dim(product(doubled), 0, 1, axis=axis)
+
+
+def ordered_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Σ over `axis` in one fixed order, whatever the other axes (the batch rows) or the host.
+
+    XLA:CPU picks a reduction's summation order from the whole shape, so a row's sum would change
+    with the batch size. Here the order is written out as element-wise adds, which no compiler
+    reorders: 128-wide chunks are added in sequence (one vreg column group at a time on a TPU),
+    then the remaining width is folded in halves while it is even, and the rest added in sequence.
+    The kernels call this same function, so they sum in the same order as the reference.
+    """
+    axis = axis % v.ndim
+    width = v.shape[axis]
+
+    def columns(start: int, stop: int) -> jax.Array:
+        return lax.slice_in_dim(v, start, stop, axis=axis)
+
+    if width > LANE and width % LANE == 0:
+        chunks = [columns(c, c + LANE) for c in range(0, width, LANE)]
+        v, width = functools.reduce(jnp.add, chunks), LANE
+    while width > 1 and width % 2 == 0:
+        width //= 2
+        v = columns(0, width) + columns(width, 2 * width)
+    if width > 1:
+        v = functools.reduce(jnp.add, [columns(i, i + 1) for i in range(width)])
+    return v if keepdims else jnp.squeeze(v, axis)
+
+
+def _sequence_sum(terms) -> jax.Array:
+    """t_0 + t_1 + ... added in this order (a short static sum: candidates, conv taps)."""
+    return functools.reduce(jnp.add, terms)
+
+
+def softmax(v: jax.Array, axis: int = -1) -> jax.Array:
+    """exp(v − max) / Σ exp(v − max) over `axis`, summed by `ordered_sum` (batch-invariant)."""
+    shifted = jnp.exp(v - jnp.max(v, axis=axis, keepdims=True))
+    return shifted / ordered_sum(shifted, axis=axis, keepdims=True)
 
 
 def _einsum_f32(spec: str, *operands: jax.Array) -> jax.Array:
@@ -66,7 +127,7 @@ def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -
     """
     v32 = v.astype(f32)
     width = v.shape[-1] if n is None else n
-    mean_square = jnp.sum(v32 * v32, axis=-1, keepdims=True) / width
+    mean_square = ordered_sum(v32 * v32, keepdims=True) / width
     return bf(v32 * lax.rsqrt(mean_square + eps) * gamma.astype(f32))
 
 
@@ -89,9 +150,10 @@ def mix(candidates: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     s_i = <v_i, w> · (mean(v_i²) + eps)^-½; α = softmax_i(s); out = bf(Σ α_i v_i).
     """
     v = candidates.astype(f32)  # [N, B, d]
-    scores = jnp.sum(v * w.astype(f32), axis=-1) * lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
-    alpha = jax.nn.softmax(scores, axis=0)  # [N, B]
-    return bf(jnp.sum(alpha[..., None] * v, axis=0))
+    d = v.shape[-1]
+    scores = ordered_sum(v * w.astype(f32)) * lax.rsqrt(ordered_sum(v * v) / d + eps)  # [N, B]
+    alpha = softmax(scores, axis=0)  # [N, B]
+    return bf(_sequence_sum(alpha[i, :, None] * v[i] for i in range(v.shape[0])))
 
 
 # ---- §4 KDA ----------------------------------------------------------------------------------
@@ -126,13 +188,14 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
     current = jnp.stack([q_pre, k_pre, v_pre], axis=1)  # [B, 3, H, D]
     window = jnp.concatenate([conv, current[:, None]], axis=1)  # [B, conv_size, 3, H, D]
     taps = p["conv_w"].astype(f32).reshape(3, cfg.kda_conv_size, H, D).transpose(1, 0, 2, 3)
-    conv_out = bf(jax.nn.silu(jnp.sum(window.astype(f32) * taps, axis=1)))  # [B, 3, H, D]
+    conv_out = bf(jax.nn.silu(_sequence_sum(window[:, j].astype(f32) * taps[j]
+                                            for j in range(cfg.kda_conv_size))))  # [B, 3, H, D]
     new_conv = window[:, 1:]  # drop the oldest: [B, conv_size-1, 3, H, D]
     q_hat, k_hat, v_hat = (conv_out[:, i].astype(f32) for i in range(3))  # [B, H, D] each
 
     # L2 norms (eps cfg.l2_eps); q also scaled by D^-½; β = σ(b)
-    q = q_hat * lax.rsqrt(jnp.sum(q_hat * q_hat, -1, keepdims=True) + cfg.l2_eps) * D ** -0.5
-    k = k_hat * lax.rsqrt(jnp.sum(k_hat * k_hat, -1, keepdims=True) + cfg.l2_eps)
+    q = q_hat * lax.rsqrt(ordered_sum(q_hat * q_hat, keepdims=True) + cfg.l2_eps) * D ** -0.5
+    k = k_hat * lax.rsqrt(ordered_sum(k_hat * k_hat, keepdims=True) + cfg.l2_eps)
     v = v_hat
     beta = jax.nn.sigmoid(b.astype(f32))  # [B, H]
 
@@ -164,7 +227,7 @@ def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: in
 
 def _dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
     """Σ a·b over the last axis of bf16 vectors: each product is exact in f32, summed in f32."""
-    return jnp.sum(a.astype(f32) * b.astype(f32), axis=-1)
+    return ordered_sum(a.astype(f32) * b.astype(f32))
 
 
 def _online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
@@ -195,7 +258,7 @@ def _online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Arra
         m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
         correction = jnp.exp(m - m_new)
         weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
-        norm = correction * norm + jnp.sum(weights, axis=-1, keepdims=True)
+        norm = correction * norm + ordered_sum(weights, keepdims=True)
         acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
         return m_new, norm, acc
 
@@ -252,7 +315,10 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     else:
         cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
                  "kx": _write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
-        q_absorbed = bf(jnp.einsum("bhn,rhn->bhr", q_nope, w_kb, preferred_element_type=f32))
+        # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
+        w_kb_rows = jnp.broadcast_to(w_kb, (B, *w_kb.shape))  # [B, rank, H, nope]
+        q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, w_kb_rows,
+                                   preferred_element_type=f32))
         new_score = (_dot_exact(q_absorbed, c_hat[:, None])
                      + _dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
@@ -260,7 +326,8 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                                preferred_element_type=f32)) * scale  # [B, H, S]
         context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
-        o = bf(jnp.einsum("bhr,rhv->bhv", context, w_vb, preferred_element_type=f32))
+        w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
+        o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))
 
     # output gate: y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = y W_o
     gate = bf(jax.nn.sigmoid(bf(_mm(x, p["w_g"])).astype(f32)))  # [B, H*v]
@@ -279,7 +346,7 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     if cfg.router_score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
-        scores = jax.nn.softmax(logits, axis=-1)
+        scores = softmax(logits)
     selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
     chosen = []
     for _ in range(cfg.top_k):
@@ -288,7 +355,7 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
         selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
     expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
     top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    expert_weights = top_scores / jnp.sum(top_scores, -1, keepdims=True) * cfg.routed_scale
+    expert_weights = top_scores / ordered_sum(top_scores, keepdims=True) * cfg.routed_scale
     return expert_ids, expert_weights
 
 
@@ -300,10 +367,13 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     z = bf(_mm(x, p["w_ld"]))  # [B, Lat]
     chosen = jax.tree.map(lambda w: w[expert_ids], p["experts"])  # each leaf [B, k, ...]
     w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
-    g = bf(jnp.einsum("bl,bklf->bkf", z, w1, preferred_element_type=f32))  # [B, k, F_e]
-    u = bf(jnp.einsum("bl,bklf->bkf", z, w3, preferred_element_type=f32))
-    y = bf(jnp.einsum("bkf,bkfl->bkl", _activation(g, u, cfg), w2,
-                      preferred_element_type=f32))  # [B, k, Lat]
+    def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
+        return rows_at_least_two(
+            lambda v2: jnp.einsum(spec, v2, w, preferred_element_type=f32), v, axis=-2)
+    zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], w1.shape[1], 1, z.shape[-1]))
+    g = bf(per_expert("bkml,bklf->bkmf", zk, w1))[:, :, 0]  # [B, k, F_e]
+    u = bf(per_expert("bkml,bklf->bkmf", zk, w3))[:, :, 0]
+    y = bf(per_expert("bkmf,bkfl->bkml", _activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, Lat]
     # ρ = bf(Σ w_e y_e), the f32 sum taken in ascending expert id: a row's ρ depends neither on
     # the router's ranking nor on the other rows of the batch (kernels fetch each distinct expert
     # of the batch once, in id order, and add it to the rows that chose it)
@@ -391,7 +461,7 @@ def _candidates(layer: int, snapshots: list, partial: jax.Array, cfg: ModelConfi
 
 def _rms(h: jax.Array) -> jax.Array:
     h32 = h.astype(f32)
-    return jnp.sqrt(jnp.mean(h32 * h32, axis=-1))  # [B]
+    return jnp.sqrt(ordered_sum(h32 * h32) / h.shape[-1])  # [B]
 
 
 def _decode_step(params, state, tokens, positions, cfg):
