@@ -1,4 +1,4 @@
-# make demo | test | lab | figures | notebooks — each creates .venv and installs the package first.
+# make demo | test | test-fast | lab | figures | notebooks — each creates .venv and installs the package first.
 # Needs only Python 3.11 and make.
 PY ?= python3.11
 VENV := .venv
@@ -20,9 +20,10 @@ $(BIN)/.installed: pyproject.toml requirements/constraints.txt
 
 venv: $(BIN)/.installed
 
-# The main job: a short greedy decode of kimi-k3-mini with the reference model.
+# The product: a short greedy decode of kimi-k3-mini with the megakernel (one pallas_call per
+# step), checked against the reference, and the full model's predicted TPU7x step.
 demo: venv
-	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 --backend reference
+	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
 
 # pytest over tests/, then nbval over every committed notebook (fact cells are compared).
 test: venv
@@ -30,6 +31,10 @@ test: venv
 ifneq ($(NOTEBOOKS),)
 	$(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(NOTEBOOKS)
 endif
+
+# Day-to-day: every test not marked slow (no nbval), a few minutes.
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow" tests
 
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks
@@ -42,4 +47,4 @@ notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
 		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
 
-.PHONY: venv demo test lab figures notebooks
+.PHONY: venv demo test test-fast lab figures notebooks

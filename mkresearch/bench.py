@@ -25,6 +25,9 @@ from mkresearch.config import ModelConfig
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
+# mini preset -> (the per-rank shapes of its full model's released layout, the full model): where
+# a recorded mini step is scaled to for a full-size prediction (spec §9)
+FULL_SIZE_RANK = {"kimi-k3-mini": ("kimi-k3-rank", "kimi-k3")}
 
 
 def _backend_label(backend: str) -> str:
@@ -45,6 +48,39 @@ def predict(log: Any, chip: str, batch: int) -> dict:
             "hbm_floor_s": simulated.hbm_floor_s,
             "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
             "label": "timeline model prediction (mkresearch.timeline)"}
+
+
+def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, list, float]:
+    """A recorded step of a mini preset scaled to one rank of its full model (`scale_log`), the
+    routed experts to that rank's expected share (its local experts hit by B tokens choosing
+    top_k of the full model's experts) -> (rank config, events, unique experts per MoE layer).
+    ValueError for a config that has no full-size rank (FULL_SIZE_RANK)."""
+    from mkresearch.config import get_config
+
+    if cfg.name not in FULL_SIZE_RANK:
+        raise ValueError(f"cfg={cfg.name!r} has no full-size rank to scale to: one of "
+                         f"{', '.join(FULL_SIZE_RANK)}")
+    rank, full = (get_config(name) for name in FULL_SIZE_RANK[cfg.name])
+    unique = rank.n_experts * (1 - (1 - rank.top_k / full.n_experts) ** batch)
+    return rank, scale_log(log, cfg, rank, batch, unique_experts=unique), unique
+
+
+def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x") -> dict | None:
+    """The timeline model's step for one rank of the full model (the recorded mini step scaled
+    by `scale_to_rank`), beside the release's published step at this batch (16 TPU7x chips).
+    None when cfg has no full-size rank."""
+    from mkresearch import roofline, timeline
+
+    if cfg.name not in FULL_SIZE_RANK:
+        return None
+    rank, events, unique = scale_to_rank(log, cfg, batch)
+    simulated = timeline.simulate(events, chip)
+    published = roofline.PUBLISHED_TPU7X_16_CHIPS.get(batch)
+    return {"model": rank.name, "chip": chip, "batch": batch, "unique_experts": unique,
+            "step_s": simulated.total_s, "hbm_floor_s": simulated.hbm_floor_s,
+            "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
+            "published_step_s": batch / published if published and chip == "tpu7x" else None,
+            "label": "timeline model prediction for one rank (not measured)"}
 
 
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
@@ -114,6 +150,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         "seconds": {"compile_and_first_step": compile_seconds, "step": step_s},
         "step_label": _backend_label("megakernel"),
         "prediction": predict(log, chip, batch),
+        "full_size": predict_full_size(log, cfg, batch, chip),
         "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
     }
 
@@ -142,6 +179,14 @@ def print_decode(result: dict) -> None:
     print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
           f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "
           f"({p['dma_bytes'] / 1e6:.1f} MB per step)")
+    full = result.get("full_size")
+    if full:
+        published = (f"; published release on 16 TPU7x chips: {full['published_step_s'] * 1e3:.2f}"
+                     f" ms/step" if full["published_step_s"] else "")
+        print(f"full size, one rank ({full['model']}, B={full['batch']}) on {full['chip']} "
+              f"({full['label']}): {full['step_s'] * 1e3:.2f} ms/step, "
+              f"{full['dma_bytes'] / 1e9:.2f} GB per step, {full['roofline_fraction']:.0%} of "
+              f"the HBM roofline{published}")
 
 
 # ---- mkresearch bench --------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def _at_least(option: str, value: int, minimum: int) -> None:
         raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
 
 
+def _in_range(option: str, value: int, low: int, high: int, why: str) -> None:
+    if not low <= value <= high:
+        raise UsageError(f"{option} {value} is invalid: an int in [{low}, {high}] ({why})")
+
+
 def _chip(name: str) -> str:
     from mkresearch.chips import CHIPS
 
@@ -296,7 +301,9 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "info":
         cfg = _model(args.model)
         _at_least("--batch", args.batch, 1)
-        _at_least("--context", args.context, 0)
+        _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+                  f"the MLA cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
+                  "new one included")
         report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
         if args.json:
             print(json.dumps(report, indent=1))
@@ -310,6 +317,7 @@ def _run(argv: Sequence[str] | None) -> int:
             raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
                              f"of {', '.join(BACKENDS)}")
         cfg = _model(args.model)
+        _chip(args.chip)  # checked for every backend, before anything runs
         _at_least("--prompt-len", args.prompt_len, 1)
         _at_least("--steps", args.steps, 1)
         _at_least("--batch", args.batch, 1)
@@ -330,7 +338,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
             _megakernel_batch("--batch", args.batch)
             result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
-                                             args.seed, _chip(args.chip), progress)
+                                             args.seed, args.chip, progress)
             if args.json:
                 print(json.dumps(result))
             else:

@@ -40,6 +40,9 @@ def test_decode_json_and_text(capsys):
     (["decode", "--batch", "0"], "--batch"),
     (["decode", "--batch", "17"], "--batch 17 is invalid: each in [1, 16]"),
     (["decode", "--chip", "h100"], "--chip 'h100' is unknown"),
+    (["decode", "--backend", "reference", "--chip", "nope"], "--chip 'nope' is unknown"),
+    (["info", "kimi-k3-mini", "--context", "128"], "--context 128 is invalid: an int in [0, 127]"),
+    (["info", "kimi-k3", "--context", "-1"], "--context -1 is invalid: an int in [0, 32767]"),
     (["decode", "--prompt-len", "0"], "--prompt-len"),
     (["decode", "--prompt-len", "200"], "max_seq_len"),
     (["decode", "--seed", "x"], "--seed"),
@@ -71,3 +74,23 @@ def test_figures(tmp_path):
     done = run("figures", "--out", str(tmp_path), "--only", "roofline")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
+
+
+def test_demo_decodes_with_the_megakernel():
+    """`make demo`: the product — megakernel tokens, agreement with the reference, the step time
+    here labelled as a simulator, and the full model's predicted TPU7x step beside the release's."""
+    import re
+    from pathlib import Path
+
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1)
+    assert "mkresearch decode" in demo and "--backend reference" not in demo
+    done = run("decode", "--model", "kimi-k3-mini", "--prompt-len", "2", "--steps", "2",
+               "--batch", "1", "--seed", "0")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "backend megakernel (one pallas_call per step)" in text
+    assert "agreement with the reference backend: 2/2 tokens equal" in text and "PASS" in text
+    assert "TPU interpret mode on CPU (a simulator)" in text
+    assert re.search(r"full size, one rank \(kimi-k3-rank, B=1\) on tpu7x .*: [\d.]+ ms/step.*"
+                     r"published release on 16 TPU7x chips: 4\.02 ms/step", text), text
