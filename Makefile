@@ -25,11 +25,22 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
 
-# pytest over tests/, then nbval over every committed notebook (fact cells are compared).
+# A second XLA:CPU configuration that computes the floats in another way: YNNPACK dots (another
+# summation order), one Eigen thread, and on x86 no FMA in the vectorised exp/tanh (AVX without
+# AVX2). A checked notebook fact must come out the same under both, as on another machine.
+OTHER_XLA_FLAGS := --xla_cpu_experimental_ynn_fusion_type=dot --xla_cpu_multi_thread_eigen=false
+ifeq ($(shell uname -m),x86_64)
+OTHER_XLA_FLAGS += --xla_cpu_max_isa=AVX
+endif
+NBVAL := $(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+
+# pytest over tests/, then nbval over every committed notebook (fact cells are compared) under
+# the default XLA:CPU configuration and under OTHER_XLA_FLAGS.
 test: venv
 	$(BIN)/python -m pytest tests
 ifneq ($(NOTEBOOKS),)
-	$(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(NOTEBOOKS)
+	$(NBVAL) $(NOTEBOOKS)
+	XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
 endif
 
 # Day-to-day: every test not marked slow (no nbval), a few minutes.

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import config, reference, weights
+from mkresearch import config, facts, reference, weights
 from mkresearch.kernels import dma, router
 
 cfg = config.get_config("kimi-k3-mini")
@@ -97,7 +97,7 @@ print("PASS ids equal the reference; weights within 1e-6 relative")
 print("row  experts            weights")
 for b in range(x.shape[0]):
     print(f"{b:3d}  {str(np.asarray(ids[b]).tolist()):18s} "
-          + " ".join(f"{v:.3f}" for v in np.asarray(weights_k[b])))
+          + " ".join(facts.stable(v, ".3f", 1e-5) for v in np.asarray(weights_k[b])))
 print("\nDMA log:")
 for e in log.select("dma_start"):
     print(f"  {e.name:26s} {e.src} -> {e.dst} {e.nbytes:6d} B")

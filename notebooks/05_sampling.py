@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import reference, sampling
+from mkresearch import facts, reference, sampling
 from mkresearch.config import get_config
 from mkresearch.kernels import dma
 from mkresearch.kernels import sampling as stage
@@ -101,7 +101,8 @@ for counters in [(0, 0, 0, 0), (1, 2, 3, 4), (7, 0, 100, 163839)]:
     print(f"U{counters} = {float(sampling.counter_uniform(*counters)):.10f}")
 many = sampling.counter_uniform(SEED, jnp.arange(64)[:, None], 5, jnp.arange(4096)[None, :])
 print(f"64 x 4096 uniforms: min > 0: {bool(many.min() > 0)}, max < 1: {bool(many.max() < 1)}, "
-      f"mean {float(many.mean()):.3f}, var {float(many.var()):.4f} (1/12 = 0.0833)")
+      f"mean {facts.stable(many.mean(), '.3f', 1e-5)}, var {facts.stable(many.var(), '.4f', 1e-5)}"
+      " (1/12 = 0.0833)")
 
 # %% [markdown]
 # ## Step 1 · Greedy over materialised logits
@@ -284,7 +285,8 @@ histogram = np.bincount(np.asarray(draws.tokens), minlength=256) / DRAWS
 tv = 0.5 * np.abs(histogram - exact).sum()
 bound = 0.5 * np.sum(np.sqrt(exact * (1 - exact) / DRAWS)) + np.sqrt(np.log(1e6) / (2 * DRAWS))
 assert tv < bound and not np.any(histogram[exact == 0]) and not bool(draws.nucleus_overflow.any())
-print(f"{DRAWS} draws, nucleus of {int((exact > 0).sum())} tokens: TV = {tv:.3f} < bound {bound:.3f}")
+print(f"{DRAWS} draws, nucleus of {int((exact > 0).sum())} tokens: TV < bound "
+      f"{facts.stable(bound, '.3f', 1e-4)}: PASS")
 
 # %%
 order = np.argsort(-exact, kind="stable")[:24]  # the nucleus and a few tokens outside it
