@@ -200,7 +200,8 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     kv_tile = cfg.kv_tile if options.kv_tile is None else options.kv_tile
     kda_plan = kda.make_plan(cfg, batch)
     mla_plan = mla.make_plan(cfg, batch, seq_len, kv_tile=kv_tile)
-    stage_options = experts._options(cfg, options.expert_plan, options.expert_slots)
+    stage_options = experts._options(cfg, options.expert_plan, options.expert_slots,
+                                     chip=options.chip)
     dense_options, router_options = experts.dense_options(cfg), experts.router_options(cfg)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
@@ -654,8 +655,12 @@ def step_shapes(plan: MegaPlan) -> tuple:
 
 def compile_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu7x",
                  options: MegakernelOptions | None = None, seq_len: int | None = None):
-    """Compile one megakernel decode step for `chip` from shapes only -> (CompileResult, plan)."""
+    """Compile one megakernel decode step for `chip` from shapes only -> (CompileResult, plan).
+    `options.chip`, if options are given, must be `chip`: the plan is built for it."""
     options = MegakernelOptions(chip=chip) if options is None else options
+    if getattr(options, "chip", chip) != chip:
+        raise ValueError(f"options.chip={options.chip!r} differs from chip={chip!r}: the plan "
+                         "(VMEM, MXFP4 decode path) is built for options.chip; pass the same chip")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     plan = make_plan(cfg, batch, seq_len, options)
     return tpu.compile_for(step_fn(plan), *step_shapes(plan), chip=chip), plan
