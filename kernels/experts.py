@@ -114,8 +114,9 @@ def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
 
 
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
-                latent_norm: Any, w_lu: Any, experts: dict, *, expert_format: str, plan: str,
-                n_slots: int, latent: int, latent_padded: int, eps: float, kind: str) -> jax.Array:
+                latent_norm: Any, w_lu: Any, experts: dict, *, expert_format: str,
+                mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
+                eps: float, kind: str) -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k]."""
     batch, top_k = ids.shape
@@ -123,8 +124,8 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
     # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
     run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
                             w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
-                            expert_format=expert_format, plan=plan, n_slots=n_slots,
-                            latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+                            expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
+                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
     if plan == "all":
         return run(n_experts, lambda i: i)
     if plan == "routed":
@@ -139,7 +140,8 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
 
 
 def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu,
-                 experts, expert_format, plan, n_slots, latent, latent_padded, eps, kind):
+                 experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
+                 kind):
     """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
     batch, top_k = ids.shape
     names = quant.part_names(expert_format)
@@ -187,9 +189,11 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_
                     for m in EXPERT_MATRICES}
             with dma.phase("expert/compute", item=i, flops=6 * batch * latent * hidden,
                            vmem_bytes=3 * latent * hidden * 2):  # decoded bf16 W1, W3, W2
-                g = quant.matmul(z, part["w1"], expert_format).astype(jnp.bfloat16)  # [B, F]
-                u = quant.matmul(z, part["w3"], expert_format).astype(jnp.bfloat16)
-                y = quant.matmul(activation(g, u, kind), part["w2"], expert_format)
+                matmul = functools.partial(quant.matmul, expert_format=expert_format,
+                                           mxfp4_decode=mxfp4_decode)
+                g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
+                u = matmul(z, part["w3"]).astype(jnp.bfloat16)
+                y = matmul(activation(g, u, kind), part["w2"])
                 y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
                 if plan == "routed":  # this item is one (row, k) choice
                     hit = flat_choice == i
@@ -228,6 +232,7 @@ class StageOptions:
     """Static choices of one FFN stage (hashable: part of the jit cache key)."""
 
     expert_format: str = "bf16"
+    mxfp4_decode: str = "integer"  # how MXFP4 codes are decoded (quant.MXFP4_DECODES), per chip
     plan: str = "unique"
     n_slots: int = 2
     latent: int = 0  # cfg.moe_latent: the checkpoint width, what the norm divides by
@@ -252,7 +257,8 @@ def ffn_stage_body(ids_smem: Any, x_ref: Any, ids_ref: Any, weights_ref: Any,
     if routed is not None:
         total += routed_part(ids_smem, x, ids_ref[...], weights_ref[...], routed["w_ld"],
                              routed["latent_norm"], routed["w_lu"], routed["experts"],
-                             expert_format=options.expert_format, plan=options.plan,
+                             expert_format=options.expert_format,
+                             mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
                              latent_padded=options.latent_padded, eps=options.eps,
                              kind=options.activation)
@@ -369,11 +375,14 @@ def _expert_parts(experts: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared"):
+def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
+             chip: Any = None):
+    """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
     check_stage_options(plan, n_slots, cfg.expert_format)
     if cfg.activation not in ACTIVATIONS:
         raise ValueError(f"activation={cfg.activation!r} is invalid: one of {ACTIVATIONS}")
-    return StageOptions(expert_format=cfg.expert_format, plan=plan, n_slots=n_slots,
+    return StageOptions(expert_format=cfg.expert_format,
+                        mxfp4_decode=quant.mxfp4_decode_path(chip), plan=plan, n_slots=n_slots,
                         latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
                         eps=float(cfg.rms_eps), activation=cfg.activation,
                         always_on_name=always_on_name)
@@ -392,9 +401,11 @@ def _shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
 
 # ---- public wrappers: kernel twins of the reference sublayers ----------------------------------
 def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
-                   cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2) -> jax.Array:
-    """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared)."""
-    options = _options(cfg, plan, n_slots)
+                   cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2,
+                   chip: Any = None) -> jax.Array:
+    """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared).
+    chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    options = _options(cfg, plan, n_slots, chip=chip)
     _check_x(x, cfg.d_model)
     check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
     return _stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
@@ -416,9 +427,10 @@ def dense_options(cfg: ModelConfig) -> StageOptions:
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
-            n_slots: int = 2) -> jax.Array:
-    """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel."""
-    options = _options(cfg, plan, n_slots)
+            n_slots: int = 2, chip: Any = None) -> jax.Array:
+    """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel.
+    chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    options = _options(cfg, plan, n_slots, chip=chip)
     _check_x(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias

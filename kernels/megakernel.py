@@ -23,7 +23,9 @@ current stage computes. Expert weights keep their own slot ring (issued right af
 KV tiles and the KDA state their own double buffers.
 
 `plan_vmem` computes every VMEM buffer with its bytes before the kernel is built, and
-`decode_step` refuses a plan over the chip's VMEM with a message listing it.
+`decode_step` refuses a plan over the chip's VMEM with a message listing it — and, first, a
+config whose weights, caches and states exceed the chip's HBM per device
+(`roofline.check_fits_hbm`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import blocks, dma, experts, kda, mla, quant, sampling, weight_stream
 from mkresearch.kernels.weight_stream import ATTN_INDEX, FFN_INDEX, IS_MLA, IS_MOE, TABLE_FIELDS
 
-from mkresearch import reference, tpu
+from mkresearch import reference, roofline, tpu
 from mkresearch import sampling as sampling_ref
 from mkresearch.chips import get_chip
 from mkresearch.config import BF16_SUBLANE, ModelConfig
@@ -185,7 +187,9 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
               options: MegakernelOptions = MegakernelOptions()) -> MegaPlan:
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
 
-    Raises VmemPlanError (a ValueError) listing the plan when it does not fit the chip's VMEM."""
+    Raises a ValueError naming the bytes when weights, caches and states do not fit the HBM of
+    one options.chip device, and VmemPlanError (a ValueError) listing the plan when it does not
+    fit the chip's VMEM."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
@@ -197,10 +201,13 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
                          "and MoE layers (every Kimi K3 preset has all four)")
     options = check_options(options, cfg)
     batch = int(batch)
+    # weights, caches and states must fit the device's HBM: refused here, not by the compiler
+    roofline.check_fits_hbm(cfg, options.chip, batch, seq_len)
     kv_tile = cfg.kv_tile if options.kv_tile is None else options.kv_tile
     kda_plan = kda.make_plan(cfg, batch)
     mla_plan = mla.make_plan(cfg, batch, seq_len, kv_tile=kv_tile)
-    stage_options = experts._options(cfg, options.expert_plan, options.expert_slots)
+    stage_options = experts._options(cfg, options.expert_plan, options.expert_slots,
+                                     chip=options.chip)
     dense_options, router_options = experts.dense_options(cfg), experts.router_options(cfg)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
@@ -654,8 +661,12 @@ def step_shapes(plan: MegaPlan) -> tuple:
 
 def compile_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu7x",
                  options: MegakernelOptions | None = None, seq_len: int | None = None):
-    """Compile one megakernel decode step for `chip` from shapes only -> (CompileResult, plan)."""
+    """Compile one megakernel decode step for `chip` from shapes only -> (CompileResult, plan).
+    `options.chip`, if options are given, must be `chip`: the plan is built for it."""
     options = MegakernelOptions(chip=chip) if options is None else options
+    if getattr(options, "chip", chip) != chip:
+        raise ValueError(f"options.chip={options.chip!r} differs from chip={chip!r}: the plan "
+                         "(VMEM, MXFP4 decode path) is built for options.chip; pass the same chip")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     plan = make_plan(cfg, batch, seq_len, options)
     return tpu.compile_for(step_fn(plan), *step_shapes(plan), chip=chip), plan
@@ -665,6 +676,7 @@ def compile_reference_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu
     """Compile `reference.decode_step` (plain XLA) for `chip` -> CompileResult."""
     from mkresearch import weights
 
+    roofline.check_fits_hbm(cfg, chip, batch)
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch))
     ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return tpu.compile_for(lambda p, s, t, q: reference._decode_step(p, s, t, q, cfg),
@@ -779,8 +791,6 @@ class MinimumBytes:
 def minimum_step_bytes(cfg: ModelConfig, batch: int, positions: Any,
                        expert_ids: Any) -> MinimumBytes:
     """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux)."""
-    from mkresearch import roofline
-
     step = roofline.step_bytes(cfg, batch)  # every weight but the routed experts and embedding
     weights = sum(step.read[name] for name in ("kda", "mla", "dense", "moe_nonrouted", "lm_head",
                                                "norms_and_mix"))

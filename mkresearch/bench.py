@@ -85,8 +85,9 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
 
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                       chip: str = "tpu7x", progress: bool = False) -> dict:
-    """Prefill (stepping) + greedy decode with the megakernel; per-step agreement with the
-    reference; interpret-mode step time; the timeline model's prediction for `chip`."""
+    """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
+    with the reference; interpret-mode step time; the timeline model's prediction for `chip`.
+    A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -95,6 +96,8 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     from mkresearch import reference, weights
     from mkresearch.kernels import dma, megakernel
 
+    options = megakernel.MegakernelOptions(chip=chip)
+    megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
     params = weights.init_params(cfg, seed)
     prepared = megakernel.prepare_weights(params, cfg)
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
@@ -110,7 +113,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         positions = np.full(batch, t, np.int32)
         started = time.perf_counter()
         next_token, state, aux = megakernel.decode_step(prepared, state, token, positions, cfg,
-                                                        return_logits=True)
+                                                        options=options, return_logits=True)
         jax.block_until_ready(next_token)
         elapsed = time.perf_counter() - started
         if compile_seconds is None:
@@ -134,7 +137,8 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     bar.close()
     with dma.recording() as log:  # one more step, recorded, for the timeline model
         out, _, _ = megakernel.decode_step(prepared, state, token,
-                                           np.full(batch, prompt_len + steps - 1, np.int32), cfg)
+                                           np.full(batch, prompt_len + steps - 1, np.int32), cfg,
+                                           options=options)
         jax.block_until_ready(out)
     generated_ids = np.stack(generated, axis=1)  # [B, N]
     step_s = float(np.median(step_seconds)) if step_seconds else compile_seconds
@@ -214,6 +218,7 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
     from mkresearch import reference
     from mkresearch.kernels import dma, megakernel
 
+    options = megakernel.MegakernelOptions(chip=chip)
     prepared = megakernel.prepare_weights(params, cfg)
     tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
     positions = np.full(batch, 3, np.int32)
@@ -221,7 +226,7 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
 
     def mk_step():
         out, holder["state"], _ = megakernel.decode_step(prepared, holder["state"], tokens,
-                                                         positions, cfg)
+                                                         positions, cfg, options=options)
         return out
 
     ref_state = reference.init_state(cfg, batch)
@@ -244,11 +249,15 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
 def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",
               seed: int = 0, out_json: str | Path | None = None,
               figure: str | Path | None = None) -> dict:
-    """Decode steps for each batch size on both backends; JSON and figure if paths are given."""
+    """Decode steps for each batch size on both backends (the megakernel built for `chip`); JSON
+    and figure if paths are given. A batch `chip` cannot run is refused before any work."""
     import jax
 
     from mkresearch import weights
+    from mkresearch.kernels import megakernel
 
+    for batch in batches:
+        megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
     params = weights.init_params(cfg, seed)
     rows = [bench_batch(cfg, params, batch, steps, chip) for batch in batches]
     result = {"model": cfg.name, "platform": jax.default_backend(), "chip": chip,

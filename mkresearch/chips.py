@@ -38,6 +38,7 @@ class Chip:
     vmem_bytes: int  # VMEM per TensorCore
     hbm_bytes: int  # HBM capacity per device
     mxu_shape: tuple[int, int]  # systolic array of one MXU
+    native_fp4: bool  # Mosaic lowers float4_e2m1fn vectors (E2M1 decode by bitcast) on this chip
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -48,7 +49,8 @@ class Chip:
     def __str__(self) -> str:
         return (f"{self.name} ({self.device_kind}): {self.hbm_bandwidth / 1e12:.2f} TB/s, "
                 f"{self.bf16_flops / 1e12:.0f} bf16 TFLOP/s, VMEM {self.vmem_bytes // MIB} MiB, "
-                f"HBM {self.hbm_bytes / GB:.0f} GB per device")
+                f"HBM {self.hbm_bytes / GB:.0f} GB per device"
+                f"{', native FP4' if self.native_fp4 else ''}")
 
 
 # spec/tpu.md, per chip. hbm_bytes here is per chip; per device it is divided by devices per chip.
@@ -59,6 +61,12 @@ _SPEC_TABLE = {
     "v5p": (2765 * GB, 4.59e14, 0.0, 2, 64 * MIB, 95 * GIB, (128, 128)),
     "tpu7x": (7.37e12, 2.307e15, 4.614e15, 2, 64 * MIB, 192 * GIB, (256, 256)),
 }
+# Chips whose Mosaic (libtpu 0.0.42.1, pinned with jax 0.10.2) lowers a uint32 -> float4_e2m1fn
+# pltpu.bitcast and its f32 convert. On v5e, v6e and v5p it fails with "Unsupported type
+# 'vector<...xf4E2M1FN>'" (tpu.unpack_subelements); tests/test_expert_kernel.py compiles both.
+_NATIVE_FP4 = ("tpu7x",)
+_NATIVE_FP4_SOURCE = ("compiled with the pinned libtpu: the E2M1 bitcast lowers on tpu7x only "
+                      "(tests/test_expert_kernel.py)")
 # name -> (topology, device_kind, ChipVersion member name, TensorCores per JAX device)
 _LAYOUT = {
     "v5e": ("v5e:2x2", "TPU v5 lite", "TPU_V5E", 1),
@@ -97,6 +105,7 @@ def _build(name: str) -> Chip:
         "vmem_bytes": (vmem, spec_src),
         "hbm_bytes": (hbm_chip // devices_per_chip, per_chip_src),
         "mxu_shape": (mxu, spec_src),
+        "native_fp4": (name in _NATIVE_FP4, _NATIVE_FP4_SOURCE),
     }
     if info is not None:  # prefer the library's figures where it has them (non-zero)
         from_info = {

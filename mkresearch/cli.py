@@ -14,11 +14,12 @@ option and exits with status 2 — never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
@@ -63,6 +64,16 @@ def _chip(name: str) -> str:
     if name not in CHIPS:
         raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
     return name
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A ValueError of the library (a config the chip cannot run: VMEM plan, HBM; bad input it
+    checks before tracing) -> a UsageError of its first line: one line, exit status 2."""
+    try:
+        yield
+    except ValueError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
 
 
 def _megakernel_batch(option: str, value: int) -> None:
@@ -278,7 +289,8 @@ def _parser() -> _Parser:
                    help=f"one of {', '.join(BACKENDS)} (default megakernel; planned: "
                         f"{', '.join(PLANNED_BACKENDS)})")
     p.add_argument("--chip", default="tpu7x",
-                   help="TPU chip of the timeline model's prediction (megakernel backend)")
+                   help="TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 "
+                        "decode path) and of the timeline model's prediction")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
@@ -286,7 +298,8 @@ def _parser() -> _Parser:
     p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="B")
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
-    p.add_argument("--chip", default="tpu7x", help="TPU chip of the predictions")
+    p.add_argument("--chip", default="tpu7x",
+                   help="TPU chip the megakernel is built for and of the predictions")
     p.add_argument("--out", default="figures",
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
 
@@ -337,14 +350,16 @@ def _run(argv: Sequence[str] | None) -> int:
             from mkresearch import bench
 
             _megakernel_batch("--batch", args.batch)
-            result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
-                                             args.seed, args.chip, progress)
+            with _refusals():
+                result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
+                                                 args.seed, args.chip, progress)
             if args.json:
                 print(json.dumps(result))
             else:
                 bench.print_decode(result)
             return 0 if result["agreement"]["passed"] else 1
-        result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, progress)
+        with _refusals():
+            result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, progress)
         if args.json:
             print(json.dumps(result))
         else:
@@ -362,9 +377,10 @@ def _run(argv: Sequence[str] | None) -> int:
             _megakernel_batch("--batches", batch)
         _chip(args.chip)
         out = Path(args.out)
-        result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
-                                 out_json=out / "decode_bench.json",
-                                 figure=out / "decode_bench.png")
+        with _refusals():
+            result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
+                                     out_json=out / "decode_bench.json",
+                                     figure=out / "decode_bench.png")
         for row in result["rows"]:
             mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
             print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "

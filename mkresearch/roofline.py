@@ -74,12 +74,12 @@ def _param_shapes(cfg: ModelConfig) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _state_shapes(cfg: ModelConfig, batch: int) -> Any:
+def _state_shapes(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> Any:
     import jax
 
     from mkresearch.reference import init_state
 
-    return jax.eval_shape(lambda: init_state(cfg, batch, cfg.max_seq_len))
+    return jax.eval_shape(lambda: init_state(cfg, batch, seq_len or cfg.max_seq_len))
 
 
 def _check(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
@@ -133,6 +133,70 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
     """KDA conv + recurrent state bytes of one sequence, all KDA layers (read and written each step)."""
     state = _state_shapes(cfg, 1)
     return tree_bytes([state["kda_conv"], state["kda_state"]])
+
+
+# ---- does it fit one device? -----------------------------------------------------------------
+@dataclass(frozen=True)
+class HbmFootprint:
+    """HBM bytes one device holds to decode with `cfg`: every weight, and the caches and states of
+    `batch` sequences of `seq_len` tokens, against the chip's HBM per device."""
+
+    model: str
+    chip: str
+    batch: int
+    seq_len: int
+    expert_format: str
+    weights: int
+    states: int  # KDA conv + recurrent state, MLA cache
+    available: int  # Chip.hbm_bytes (per device)
+
+    @property
+    def needed(self) -> int:
+        return self.weights + self.states
+
+    def fits(self) -> bool:
+        return self.needed <= self.available
+
+
+def hbm_footprint(cfg: ModelConfig, chip: str | Chip, batch: int = 1,
+                  seq_len: int | None = None) -> HbmFootprint:
+    """Bytes from `weights.param_shapes` and `reference.init_state` shapes (nothing allocated)."""
+    chip = get_chip(chip)
+    _check(cfg, batch)
+    seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
+    return HbmFootprint(model=cfg.name, chip=chip.name, batch=int(batch), seq_len=seq_len,
+                        expert_format=cfg.expert_format, weights=tree_bytes(_param_shapes(cfg)),
+                        states=tree_bytes(_state_shapes(cfg, int(batch), seq_len)),
+                        available=int(chip.hbm_bytes))
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_fits_hbm(cfg: ModelConfig, chip: str | Chip, batch: int = 1,
+                   seq_len: int | None = None) -> HbmFootprint:
+    """The footprint, or a one-line ValueError (before anything is traced) naming the chip, the
+    bytes needed and available, and what to change: shard across more devices, a smaller expert
+    format, a smaller batch or cache."""
+    footprint = hbm_footprint(cfg, chip, batch, seq_len)
+    if footprint.fits():
+        return footprint
+    smallest = "mxfp4"  # the checkpoint's format: 4.25 bits per expert weight
+    if cfg.expert_format == smallest:
+        remedies = (f"shard the model across more ranks / devices, or lower the batch or the cache "
+                    f"length (max_seq_len); expert_format={smallest!r} is already the smallest")
+    else:
+        with_smallest = hbm_footprint(cfg.replace(expert_format=smallest), chip, batch, seq_len)
+        remedies = (f"shard the model across more ranks / devices, use expert_format={smallest!r} "
+                    f"({_gb(with_smallest.needed)} needed) instead of {cfg.expert_format!r}, or "
+                    "lower the batch or the cache length (max_seq_len)")
+    raise ValueError(
+        f"{cfg.name} does not fit the HBM of one {footprint.chip} device: it needs "
+        f"{footprint.needed:,d} B ({_gb(footprint.needed)}: weights {_gb(footprint.weights)} with "
+        f"expert_format={cfg.expert_format!r}, caches and states {_gb(footprint.states)} for batch "
+        f"{footprint.batch} x {footprint.seq_len} tokens) but {footprint.chip} has "
+        f"{footprint.available:,d} B ({_gb(footprint.available)}) per device: {remedies}")
 
 
 # ---- one step --------------------------------------------------------------------------------

@@ -92,13 +92,33 @@ def _compiling() -> bool:
 
 
 @contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Inside: interpret_params() is None, so kernels traced here are built for Mosaic (a TPU)."""
+def compiling(chip: str | None = None) -> Iterator[None]:
+    """Inside: interpret_params() is None, so kernels traced here are built for Mosaic (a TPU),
+    and target_chip() is `chip` (a mkresearch.chips name; None: not said)."""
+    outer_chip = getattr(_state, "chip", None)
     _state.compiling = getattr(_state, "compiling", 0) + 1
+    _state.chip = chip
     try:
         yield
     finally:
         _state.compiling -= 1
+        _state.chip = outer_chip
+
+
+def target_chip() -> str | None:
+    """The chip kernels traced now are built for, as a mkresearch.chips name: compile_for's chip
+    inside it; on a TPU, this TPU (None if it is not one of CHIPS); in interpret mode None.
+    Wrappers read it at call time, like interpret_params(), for chip-dependent code paths."""
+    if _compiling():
+        return getattr(_state, "chip", None)
+    if on_tpu():
+        import jax
+
+        from mkresearch.chips import CHIPS
+
+        kind = jax.devices()[0].device_kind
+        return next((chip.name for chip in CHIPS.values() if chip.device_kind == kind), None)
+    return None
 
 
 class interpret_options:
@@ -360,7 +380,8 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
 
     `shape_structs` are pytrees of jax.ShapeDtypeStruct (or arrays: only shape/dtype are used);
     arguments at `static_argnums` are passed through as static. `fn` is traced inside compiling(),
-    so interpret_params() is None and kernels are built for Mosaic. A VMEM overflow raises
+    so interpret_params() is None, target_chip() is `chip` and kernels are built for Mosaic (for
+    that chip: e.g. how MXFP4 is decoded). A VMEM overflow raises
     VmemOverflowError (a ValueError) saying how much the kernel needs and the chip has.
     """
     import jax
@@ -375,7 +396,7 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
     args = [arg if i in static_argnums else jax.tree.map(lambda x: _as_struct(x, sharding), arg)
             for i, arg in enumerate(shape_structs)]
     start = time.perf_counter()
-    with compiling(), _quiet_libtpu():
+    with compiling(spec.name), _quiet_libtpu():
         lowered = jax.jit(fn, static_argnums=static_argnums).lower(*args)
         try:
             compiled = lowered.compile()

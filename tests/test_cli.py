@@ -94,3 +94,24 @@ def test_demo_decodes_with_the_megakernel():
     assert "TPU interpret mode on CPU (a simulator)" in text
     assert re.search(r"full size, one rank \(kimi-k3-rank, B=1\) on tpu7x .*: [\d.]+ ms/step.*"
                      r"published release on 16 TPU7x chips: 4\.02 ms/step", text), text
+
+
+@pytest.mark.parametrize("command", [["decode"], ["bench", "--batches", "1"]])
+def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
+    """A ValueError the library raises before running (here: a config over the chip's HBM) is
+    one line on stderr and exit status 2, like bad input. No preset the CLI decodes is refused,
+    so the megakernel entry points are swapped for the HBM check of kimi-k3-rank on --chip."""
+    from mkresearch import bench, cli, roofline
+    from mkresearch.config import get_config
+
+    def refuse(cfg, *args, **kwargs):
+        assert "v5e" in args  # --chip reaches the megakernel
+        roofline.check_fits_hbm(get_config("kimi-k3-rank"), "v5e")
+
+    monkeypatch.setattr(bench, "decode_megakernel", refuse)
+    monkeypatch.setattr(bench, "run_bench", refuse)
+    assert cli.main([*command, "--chip", "v5e"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "does not fit the HBM of one v5e device" in lines[0]

@@ -6,8 +6,10 @@ Against mkresearch.reference (routed_experts, moe_ffn, dense_ffn) and mkresearch
   all three weight formats, duplicate experts across rows, every fetch plan / slot count;
 - expert bytes in the DMA log = unique experts x bytes of one expert, to the byte;
 - the slot ring overlaps: the next expert's DMA starts before the current one is waited on;
-- MXFP4 / FP8 decoded in the kernel equal the unpacked reference exactly;
-- bad input -> ValueError naming the parameter; compiles for TPU7x at mini and per-rank shapes.
+- MXFP4 / FP8 decoded in the kernel equal the unpacked reference exactly, MXFP4 by both decode
+  paths (native float4 bitcast, built for TPU7x; integer bit operations, built for v5e/v6e/v5p);
+- bad input -> ValueError naming the parameter; compiles for every chip at mini shapes (each
+  format) and for TPU7x at per-rank shapes.
 """
 
 import jax
@@ -16,10 +18,13 @@ import numpy as np
 import pytest
 
 from mkresearch import config, reference, tpu, weights
+from mkresearch.chips import CHIPS
 from mkresearch.kernels import dma, experts, quant
 
 
 FORMATS = ("bf16", "fp8", "mxfp4")
+# a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)
+DECODE_PATH_CHIPS = {"native": "tpu7x", "integer": "v5e"}
 # bf16 tolerance of a [B, d] output whose entries are O(1): a few bf16 ulps of the largest entry.
 RTOL = 2**-7
 
@@ -86,6 +91,19 @@ def test_routed_matches_reference_quantised(race_checked, layers, fmt):
     n_unique = len(np.unique(np.asarray(ids)))
     assert weights.expert_nbytes(cfg) == expert_bytes_of(cfg)
     assert log.dma_bytes(experts.EXPERT_DMA_PREFIX) == n_unique * weights.expert_nbytes(cfg)
+
+
+@pytest.mark.parametrize("path", DECODE_PATH_CHIPS)
+def test_mxfp4_both_decode_paths_bit_equal_to_reference(race_checked, layers, path):
+    """The kernel built for either path gives the reference's bits: each decoded chunk is the
+    whole bf16 [rows, N] weight block and the dot over it is the same as before."""
+    cfg = mini("mxfp4")
+    p, _ = layers["mxfp4"]
+    x = activations(4, seed=2)
+    ids, w = reference.route(p, x, cfg)
+    out = experts.routed_experts(p, x, ids, w, cfg, chip=DECODE_PATH_CHIPS[path])
+    want = reference.routed_experts(p, x, ids, w, cfg)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 def duplicated_routing(cfg):
@@ -191,6 +209,11 @@ def all_codes_mxfp4(k=256, n=128):
     return {"codes": jnp.asarray(codes), "scales": jnp.asarray(scales)}, expected
 
 
+def bits(a):
+    """bf16 values as their 16-bit patterns: -0 and NaNs compared exactly."""
+    return np.asarray(a).view(np.uint16)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_in_kernel_is_exact(race_checked, layers, fmt):
     p, _ = layers[fmt]
@@ -210,6 +233,31 @@ def test_decode_in_kernel_is_exact(race_checked, layers, fmt):
         np.testing.assert_array_equal(
             np.asarray(quant.decode(stored, fmt), np.float32),
             np.asarray(weights.fp8_unpack(stored, jnp.float32)))
+
+
+@pytest.mark.parametrize("path", DECODE_PATH_CHIPS)
+def test_mxfp4_decode_paths_give_mxfp4_unpack_bits(race_checked, layers, path):
+    """Every code in every nibble position (-0 included) and an expert's real weights: the
+    kernel built for a chip of each path decodes to mxfp4_unpack's bits."""
+    chip = DECODE_PATH_CHIPS[path]
+    assert quant.mxfp4_decode_path(chip) == path
+    p, _ = layers["mxfp4"]
+    stored_expert = jax.tree.map(lambda a: a[3], p["experts"]["w2"])  # [F, Lat]
+    for stored in (all_codes_mxfp4()[0], stored_expert):
+        got = quant.decode(stored, "mxfp4", chip=chip)
+        np.testing.assert_array_equal(bits(got), bits(weights.mxfp4_unpack(stored, jnp.bfloat16)))
+
+
+def test_mxfp4_decode_path_per_chip():
+    """One place decides: Chip.native_fp4; inside compile_for the chip compiled for, and in
+    interpret mode tpu7x (the default chip of compile_for and MegakernelOptions)."""
+    assert {name: quant.mxfp4_decode_path(name) for name in CHIPS} == {
+        "v5e": "integer", "v6e": "integer", "v5p": "integer", "tpu7x": "native"}
+    assert quant.mxfp4_decode_path() == "native"
+    with tpu.compiling("v6e"):
+        assert quant.mxfp4_decode_path() == "integer"
+    with pytest.raises(ValueError, match="unknown chip 'h100'"):
+        quant.decode(all_codes_mxfp4()[0], "mxfp4", chip="h100")
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -254,17 +302,22 @@ def _top_k_too_large(cfg):
     return bad
 
 
-# ---- compiling for TPU7x ------------------------------------------------------------------------
+# ---- compiling for TPUs -------------------------------------------------------------------------
 def layer_shapes(cfg, kind="moe"):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                         weights.param_shapes(cfg)[kind])
 
 
+@pytest.mark.parametrize("chip", list(CHIPS))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_compiles_for_tpu7x_mini(fmt):
+def test_compiles_for_every_chip_mini(fmt, chip):
+    """The whole MoE layer in every format for every chip: MXFP4 decodes by the chip's path
+    (compile_for tells the wrapper which chip), FP8 e4m3 values lower everywhere."""
     cfg = mini(fmt)
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)
-    result = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)
+    result = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x,
+                             chip=chip)
+    print(f"{fmt} on {chip}: {result}")
     assert result.n_mosaic_kernels == 1
 
 

@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, kda, mla
+from mkresearch.kernels import dma, experts, kda, mla, quant
 from mkresearch.kernels import megakernel as mk
 
 from mkresearch import bench, config, reference, sampling, timeline, weights
+from mkresearch.chips import CHIPS
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
@@ -244,10 +245,73 @@ def test_compiles_to_one_mosaic_kernel(name):
         assert mk.count_xla_kernels(ref.hlo_text) > 1
 
 
+@pytest.mark.parametrize("chip, decode_path", [("v5e", "integer"), ("v6e", "integer"),
+                                               ("v5p", "integer"), ("tpu7x", "native")])
+def test_mxfp4_compiles_for_every_chip(chip, decode_path):
+    """The default preset (MXFP4 experts) on every chip: one Mosaic kernel, MXFP4 decoded by bit
+    operations where Mosaic has no float4 vectors."""
+    assert MINI.expert_format == "mxfp4"
+    result, plan = mk.compile_step(MINI, 1, chip=chip)
+    print(f"kimi-k3-mini on {chip}: {result}; MXFP4 decode {plan.stage_options.mxfp4_decode}")
+    assert result.n_mosaic_kernels == 1 and result.chip == chip
+    assert plan.stage_options.mxfp4_decode == decode_path
+
+
+def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
+    """The megakernel built for v5e (integer MXFP4 decode) and for TPU7x (native), interpreted:
+    the same logits to the bit, the same tokens and state."""
+    state, tokens = prefilled(MINI, mini_params, 2, 4)
+    prepared = mk.prepare_weights(mini_params, MINI)
+    positions = np.full(2, 3, np.int32)
+    steps = {}
+    for chip in ("v5e", "tpu7x"):
+        out, new_state, aux = mk.decode_step(prepared, copy_state(state), tokens, positions, MINI,
+                                             options=mk.MegakernelOptions(chip=chip),
+                                             return_logits=True)
+        assert aux["plan"].stage_options.mxfp4_decode == quant.mxfp4_decode_path(chip)
+        steps[chip] = (np.asarray(out), np.asarray(aux["logits"]).view(np.uint32), new_state)
+    (tokens_a, logits_a, state_a), (tokens_b, logits_b, state_b) = steps.values()
+    np.testing.assert_array_equal(tokens_a, tokens_b)
+    np.testing.assert_array_equal(logits_a, logits_b)
+    jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
+
+
+def test_fp8_experts_compile_on_a_chip_without_fp8():
+    """FP8 e4m3 values are widened in VMEM, which Mosaic lowers on chips without an FP8 MXU too
+    (every chip compiles the FP8 MoE layer: test_expert_kernel.py)."""
+    assert CHIPS["v5e"].fp8_flops == 0
+    result, _ = mk.compile_step(MINI.replace(expert_format="fp8"), 1, chip="v5e")
+    assert result.n_mosaic_kernels == 1
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_hbm_over_the_chip_is_refused_before_compiling(chip):
+    """kimi-k3-rank (61 GB for B = 1) on a 17 / 34 GB device: a ValueError naming the chip, the
+    bytes needed and available and what to change, before anything is traced."""
+    cfg = config.get_config("kimi-k3-rank")
+    with mock.patch.object(mk.tpu, "compile_for", side_effect=AssertionError("compiled")):
+        with pytest.raises(ValueError, match=rf"kimi-k3-rank does not fit the HBM of one {chip} "
+                                             r"device: it needs [\d,]+ B .* but "
+                                             rf"{chip} has [\d,]+ B .*shard the model across more "
+                                             r"ranks / devices.*expert_format='mxfp4'"):
+            mk.compile_step(cfg, 1, chip=chip)
+    needed = config.get_config("kimi-k3-rank", expert_format="bf16")
+    with pytest.raises(ValueError, match=r"use expert_format='mxfp4' \(.* needed\) instead of "
+                                         r"'bf16'"):
+        mk.make_plan(needed, 1, needed.max_seq_len, mk.MegakernelOptions(chip="v5p"))
+
+
+def test_compile_step_chip_and_options_chip_must_agree():
+    with pytest.raises(ValueError, match=r"options.chip='tpu7x' differs from chip='v5e'"):
+        mk.compile_step(MINI, 1, chip="v5e", options=mk.MegakernelOptions())
+
+
 # ---- bad input ---------------------------------------------------------------------------------------
 def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
     options = mk.MegakernelOptions(expert_slots=8, chip="v5p")
-    cfg = config.get_config("kimi-k3-rank", expert_format="bf16")
+    # 24 of the 93 layers: the bf16 experts of all of them would not fit v5p's HBM (refused
+    # first, see test_hbm_over_the_chip_is_refused_before_compiling); VMEM is per layer
+    cfg = config.get_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
     with pytest.raises(mk.VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
         mk.make_plan(cfg, 8, cfg.max_seq_len, options)
 

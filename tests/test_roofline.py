@@ -125,6 +125,36 @@ def test_decode_floor_and_table():
         assert published < bound.tokens_per_s
 
 
+def test_hbm_footprint_counts_every_weight_cache_and_state():
+    """Bytes from param_shapes and init_state shapes, which the arrays really have (mini)."""
+    from mkresearch.reference import init_state
+    from mkresearch.weights import init_params
+
+    cfg = get_config("kimi-k3-mini")
+    footprint = roofline.check_fits_hbm(cfg, "v5e", batch=2, seq_len=64)
+    assert footprint.weights == roofline.tree_bytes(init_params(cfg, 0))
+    assert footprint.states == roofline.tree_bytes(init_state(cfg, 2, 64))
+    assert footprint.available == CHIPS["v5e"].hbm_bytes and footprint.fits()
+    assert roofline.hbm_footprint(cfg, "v5e").seq_len == cfg.max_seq_len
+
+
+@pytest.mark.parametrize("chip, fits", [("v5e", False), ("v6e", False), ("v5p", True),
+                                        ("tpu7x", True)])
+def test_one_rank_fits_the_hbm_of_v5p_and_tpu7x_only(chip, fits):
+    """kimi-k3-rank holds ≈ 61 GB at B = 1 (MXFP4 experts, 32768-token cache): over the 17 / 34 GB
+    of a v5e / v6e device, under the ≈ 103 GB of a v5p / TPU7x device."""
+    cfg = get_config("kimi-k3-rank")
+    footprint = roofline.hbm_footprint(cfg, chip)
+    assert 60 * GB < footprint.needed < 62 * GB and footprint.fits() == fits
+    if fits:
+        assert roofline.check_fits_hbm(cfg, chip) == footprint
+    else:
+        with pytest.raises(ValueError, match=rf"one {chip} device: it needs "
+                                             rf"{footprint.needed:,d} B .* but {chip} has "
+                                             rf"{footprint.available:,d} B"):
+            roofline.check_fits_hbm(cfg, chip)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"batch": 0}, "batch"), ({"context": -1}, "context"), ({"expert_format": "int4"}, "expert_format"),
     ({"mla_cache_layout": "paged"}, "mla_cache_layout"),

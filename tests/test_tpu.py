@@ -86,6 +86,31 @@ def test_interpret_params_here_and_inside_compiling():
     assert tpu.describe_backend() == "cpu: TPU interpret mode"
 
 
+def test_target_chip_is_the_chip_compiled_for():
+    """Kernel wrappers read target_chip() for chip-dependent code (e.g. the MXFP4 decode path):
+    compile_for's chip inside it (nested compiling() restores the outer one), None here."""
+    assert tpu.target_chip() is None
+    seen = []
+
+    def record(x, y):
+        seen.append(tpu.target_chip())
+        return add(x, y)
+
+    block = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    tpu.compile_for(record, block, block, chip="v6e")
+    assert seen == ["v6e"]
+    with tpu.compiling("v5p"):
+        with tpu.compiling():
+            assert tpu.target_chip() is None
+        assert tpu.target_chip() == "v5p"
+    assert tpu.target_chip() is None
+
+
+def test_native_fp4_only_on_tpu7x():
+    assert {name: chip.native_fp4 for name, chip in CHIPS.items()} == {
+        "v5e": False, "v6e": False, "v5p": False, "tpu7x": True}
+
+
 def test_interpret_options_set_and_restore():
     before = tpu.interpret_params()
     with tpu.interpret_options(detect_races=True, vector_clock_size=16):
@@ -173,7 +198,8 @@ def test_chips_table():
     assert tpu7x.fp8_flops == pytest.approx(2 * tpu7x.bf16_flops, rel=0.01)
     for chip in CHIPS.values():
         for name in ("hbm_bandwidth", "bf16_flops", "fp8_flops", "vmem_bytes", "hbm_bytes",
-                     "mxu_shape", "topology", "device_kind", "tensorcores_per_chip"):
+                     "mxu_shape", "topology", "device_kind", "tensorcores_per_chip",
+                     "native_fp4"):
             assert chip.sources[name], (chip.name, name)
         assert chip.hbm_bandwidth > 0 and chip.bf16_flops > 0 and chip.critical_intensity > 100
 
