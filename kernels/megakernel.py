@@ -754,8 +754,9 @@ def hbm_bytes(log: dma.DmaLog) -> int:
 @dataclass(frozen=True)
 class MinimumBytes:
     """The least HBM traffic of one step: each weight once, each unique routed expert once, the
-    KV tiles holding the cached tokens, the recurrent/conv state read and written, the new KV
-    entries written, one embedding row per sequence."""
+    cached tokens' KV rows in whole 16-row HBM tiles (`mla.kv_tile_bytes_needed`), the
+    recurrent/conv state read and written, the new KV entries written, one embedding row per
+    sequence."""
 
     weights: int
     embedding_rows: int
