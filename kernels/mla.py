@@ -776,9 +776,10 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
         source, target = recorded.replace(mla_cache_layout=layout), full.replace(
             mla_cache_layout=layout)
         per_token = kv_bytes_per_token(target)
-        for tile, style in ((KV_ROW_GROUP, "-"), (full.kv_tile, "--")):
+        for tile, style, rule in ((KV_ROW_GROUP, "-", "16-row groups (read)"),
+                                  (full.kv_tile, "--", f"whole tiles of {full.kv_tile}")):
             ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
-                    label=f"{layout}: {per_token:,} B/token, groups of {tile} rows")
+                    label=f"{layout}: {per_token:,} B/token, {rule}")
         measured = [(positions[r], tokens_read(logs[layout], source, r) * per_token)
                     for r in range(len(positions))]
         xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])
