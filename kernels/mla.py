@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import BF16_SUBLANE, MLA_CACHE_LAYOUTS, ModelConfig
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
 
 # Rows of the aligned HBM block patched to write one new cache entry (bf16 HBM tiling).
@@ -229,16 +229,17 @@ def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices)
     """
     n_tiles = _tile_count(p, count)
 
+    def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile + first, KV_ROW_GROUP), rows)
+        for ring, window in zip(rings, windows(tokens)):
+            copy = dma.Copy(window, _token_rows(ring.buffer(slot), pl.ds(first, rows)),
+                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
+                            **indices)
+            getattr(copy, action)()
+
     def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
         for condition, first, rows in _tile_reads(p, t, count):
-            tokens = pl.ds(pl.multiple_of(t * p.kv_tile + first, KV_ROW_GROUP), rows)
-
-            @pl.when(condition)
-            def _():
-                for ring, window in zip(rings, windows(tokens)):
-                    getattr(dma.Copy(window, _token_rows(ring.buffer(slot), pl.ds(first, rows)),
-                                     ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b,
-                                     tile=t, **indices), action)()
+            pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
 
     @pl.when(n_tiles > 0)
     def _():
@@ -521,15 +522,18 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     n_in = 2 + len(operands)
     cache_a, cache_b = operands[-2:]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    # KV bytes for every row at the cache's last position: the whole cache (kernels/costs.py)
+    cost = costs.mla(plan, dict(zip(WEIGHT_NAMES, operands[:-2])), (cache_a, cache_b))
     return pl.pallas_call(
         functools.partial(mla_attention_body, plan, **dict(indices)),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
-                   jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
+        out_shape=(out, jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
                    jax.ShapeDtypeStruct(cache_b.shape, cache_b.dtype)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)]
         + [hbm] * len(operands),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        cost_estimate=cost.estimate(positions, x, out),
         interpret=interpret,
     )(positions, x, *operands)
 
@@ -629,12 +633,16 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     counts = jnp.clip(positions + 1 - shard_start, 0, plan.seq_len).astype(jnp.int32)
     vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
     stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
+    out_shape = (stat, stat,
+                 jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
+    # KV bytes for every row attending to the whole shard (kernels/costs.py)
+    cost = costs.mla_partial(plan, (ckv, kx))
     return pl.pallas_call(
         functools.partial(mla_latent_partial_body, plan, **dict(indices)),
-        out_shape=(stat, stat,
-                   jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32)),
+        out_shape=out_shape,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, hbm, hbm],
         out_specs=(vmem, vmem, vmem),
+        cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape),
         interpret=interpret,
     )(counts, q_absorbed, q_extra, ckv, kx)
 
