@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
-from mkresearch.kernels import dma
+from mkresearch.kernels import costs, dma
 
 NIBBLES_PER_WORD = 8
 # Rows of K decoded at once: bounds the f32 temporaries of one decode (K_CHUNK x N x 4 bytes).
@@ -187,6 +187,8 @@ def _decode_call(parts: tuple, expert_format: str, interpret: Any, recording: bo
         out_specs=pl.BlockSpec(memory_space=pltpu.MemorySpace.VMEM),
         scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in structs]
         + [pltpu.SemaphoreType.DMA((len(parts),))],
+        cost_estimate=costs.decode(parts, expert_format).estimate(  # + the bf16 [K, N] result
+            jax.ShapeDtypeStruct((k, n), jnp.bfloat16)),
         interpret=interpret,
     )(*parts)
 
