@@ -223,16 +223,16 @@ def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices)
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
 
-    rings: dma.Ring per cache array; windows(tokens) -> the HBM window of each array for the
-    token range `tokens` (a pl.ds); update(t, tiles, carry) -> carry, with tiles the VMEM values
-    of tile t ([.., T, ..] whole, rows past count unread).
+    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
+    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
     """
     n_tiles = _tile_count(p, count)
 
     def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
-        tokens = pl.ds(pl.multiple_of(t * p.kv_tile + first, KV_ROW_GROUP), rows)
-        for ring, window in zip(rings, windows(tokens)):
-            copy = dma.Copy(window, _token_rows(ring.buffer(slot), pl.ds(first, rows)),
+        part = pl.ds(first, rows)
+        for ring, window in zip(rings, windows(t)):
+            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
                             ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
                             **indices)
             getattr(copy, action)()
@@ -292,8 +292,9 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
                  + jnp.sum(q_row[h][:, nope:qk] * f32(k_extra), axis=-1, keepdims=True))
         carry.append((score * p.scale, jnp.ones_like(score), f32(v_new[h])))
 
-    def windows(tokens):  # [H, rows, k_padded], [H, rows, v]
-        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]  # [H, T, k_padded], [H, T, v]
 
     def update(t, tiles, carry):
         k_tile, v_tile = tiles
@@ -349,8 +350,9 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
     to continue from. Reads those tokens' rows (`rows_read`) tile by tile, double-buffered.
     """
 
-    def windows(tokens):  # [rows, kv_rank], [rows, extra]
-        return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+        return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
 
     def update(t, tiles, carry):
         c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
