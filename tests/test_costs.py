@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels import dma, experts, gemv, kda, mla, quant, router, sampling
+from mkresearch.kernels import megakernel as mk
 
 from mkresearch import config, reference, tpu, weights
 from mkresearch import timeline as tl
-from mkresearch.kernels import dma, experts, gemv, kda, mla, quant, router, sampling
-from mkresearch.kernels import megakernel as mk
 
 MINI = config.get_config("kimi-k3-mini")
 TOLERANCE = 0.05  # declared bytes within 5% of the bytes moved
