@@ -43,7 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, tpu
 from mkresearch.config import ACTIVATIONS, ModelConfig, get_config
-from mkresearch.kernels import blocks, dma, quant, router
+from mkresearch.kernels import blocks, costs, dma, quant, router
 
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
@@ -298,10 +298,13 @@ def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, inter
     in_specs = (None if ids is None else _spec(_SMEM), _spec(_VMEM),
                 None if ids is None else _spec(_VMEM), None if weights is None else _spec(_VMEM),
                 _hbm_specs(routed), _hbm_specs(always_on))
+    out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
+    top_k = 0 if ids is None else ids.shape[1]
+    cost = costs.ffn(options, x.shape[0], top_k, routed, always_on)
     return pl.pallas_call(
         functools.partial(ffn_stage_body, options=options),
-        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype),
-        in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
+        out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
+        cost_estimate=cost.estimate(ids, x, ids, weights, out_shape),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(*args)
 
@@ -312,9 +315,12 @@ def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rou
                     interpret, recording):
     del recording
     batch, top_k = x.shape[0], dict(router_options)["top_k"]
+    out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    cost = (costs.router(batch, w_router, router_bias if dict(router_options)["use_bias"] else None)
+            + costs.ffn(options, batch, top_k, routed, always_on))
     return pl.pallas_call(
         functools.partial(moe_layer_body, options=options, router_options=dict(router_options)),
-        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+        out_shape=out_shape,
         in_specs=(_spec(_VMEM), _spec(pl.ANY), _spec(pl.ANY), _hbm_specs(routed),
                   _hbm_specs(always_on)),
         out_specs=_spec(_VMEM),
@@ -322,6 +328,7 @@ def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rou
                         pltpu.VMEM((batch, top_k), jnp.float32),
                         pltpu.SMEM((batch, top_k), jnp.int32),
                         pltpu.SMEM((batch, top_k), jnp.float32)],
+        cost_estimate=cost.estimate(x, out_shape),
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(x, w_router, router_bias, routed, always_on)

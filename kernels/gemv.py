@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import dma
+from mkresearch.kernels import costs, dma
 
 from mkresearch import tpu
 from mkresearch.config import LANE
@@ -100,14 +100,16 @@ def _gemv_blockspec_call(x, w, *, block_k, interpret, recording):
     del recording  # a static arg only so that recorded and silent traces are cached apart
     batch, k = x.shape
     n = w.shape[1]
+    out_shape = jax.ShapeDtypeStruct((batch, n), jnp.float32)
     return pl.pallas_call(
         gemv_blockspec_body,
         grid=(k // block_k,),
         in_specs=[pl.BlockSpec((batch, block_k), lambda i: (0, i)),
                   pl.BlockSpec((block_k, n), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((batch, n), lambda i: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, n), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=costs.gemv(batch, w).estimate(x, out_shape),  # x and w blocks each once
         interpret=interpret,
     )(x, w)
 
@@ -162,14 +164,16 @@ def _gemv_stream_call(x, w, *, block_k, n_buffers, interpret, recording):
     n = w.shape[1]
     n_blocks = k // block_k
     x_blocks = x.reshape(batch, n_blocks, block_k).transpose(1, 0, 2)  # [n_blocks, B, bk]
+    out_shape = jax.ShapeDtypeStruct((batch, n), jnp.float32)
     return pl.pallas_call(
         functools.partial(gemv_stream_body, block_k=block_k),
         in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        out_shape=jax.ShapeDtypeStruct((batch, n), jnp.float32),
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((n_buffers, block_k, n), w.dtype),
                         pltpu.SemaphoreType.DMA((n_buffers,))],
+        cost_estimate=costs.gemv(batch, w).estimate(x_blocks, out_shape),
         interpret=interpret,
     )(x_blocks, w)
 

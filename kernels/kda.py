@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import ModelConfig
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
 
 # Weights in the order the body takes them (vectors are passed as [1, n]).
@@ -259,13 +259,15 @@ def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, *op
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     n_in = 1 + len(operands)
     conv, state = operands[-2:]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    cost = costs.kda(plan, dict(zip(WEIGHT_NAMES, operands[:-2])))
     return pl.pallas_call(
         functools.partial(kda_attention_body, plan, **dict(indices)),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
-                   jax.ShapeDtypeStruct(conv.shape, conv.dtype),
+        out_shape=(out, jax.ShapeDtypeStruct(conv.shape, conv.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [hbm] * len(operands),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        cost_estimate=cost.estimate(x, out),
         interpret=interpret,
     )(x, *operands)

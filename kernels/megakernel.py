@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import blocks, dma, experts, kda, mla, quant, sampling, weight_stream
+from mkresearch.kernels import blocks, costs, dma, experts, kda, mla, quant, sampling, weight_stream
 from mkresearch.kernels.weight_stream import ATTN_INDEX, FFN_INDEX, IS_MLA, IS_MOE, TABLE_FIELDS
 
 from mkresearch import reference, roofline, tpu
@@ -540,6 +540,9 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
     out_shape = [column(jnp.int32), column(jnp.int32)]
     if return_logits:
         out_shape.append(jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32))
+    # every stage body over its layers (kernels/costs.py); + the SMEM/VMEM operands and results
+    cost = costs.megakernel(plan, weights, state).estimate(
+        tokens, positions, seed, table, sample_positions, temperature, top_k, top_p, out_shape)
     out_shape += [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
     n_in = 8 + len(leaves)
     outs = pl.pallas_call(
@@ -549,6 +552,7 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
         out_specs=[vmem] * (3 if return_logits else 2) + [hbm] * 4,
         input_output_aliases={n_in + i: len(out_shape) - 4 + i for i in range(4)},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem.limit_bytes),
+        cost_estimate=cost,
         interpret=interpret,
     )(tokens, positions, seed, table, sample_positions, temperature, top_k, top_p, *leaves,
       *state_leaves)
@@ -766,8 +770,9 @@ def hbm_bytes(log: dma.DmaLog) -> int:
 @dataclass(frozen=True)
 class MinimumBytes:
     """The least HBM traffic of one step: each weight once, each unique routed expert once, the
-    KV tiles holding the cached tokens, the recurrent/conv state read and written, the new KV
-    entries written, one embedding row per sequence."""
+    cached tokens' KV rows in whole 16-row HBM tiles (`mla.kv_tile_bytes_needed`), the
+    recurrent/conv state read and written, the new KV entries written, one embedding row per
+    sequence."""
 
     weights: int
     embedding_rows: int

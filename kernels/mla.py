@@ -5,8 +5,9 @@ One call does, for a batch of B rows each at its own position p_b:
   projections   c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb); [c_kv | k^X] = bf(x W_kva);
                 ĉ = RMSNorm(c_kv); gate = bf(σ(bf(x W_g)))             (weights stream by DMA)
   attention     scores over the p_b cached tokens + the new one, f32 online softmax over KV tiles
-                of T tokens read from HBM with a double-buffered DMA ring; only the ⌈p_b / T⌉
-                tiles that hold tokens 0..p_b-1 are read. The new token never goes through HBM
+                of T tokens read from HBM with a double-buffered DMA ring; only tokens
+                0..p_b-1 are read, rounded up to whole 16-row HBM tiles (the last KV tile in
+                runs of 16-row groups, `_tile_reads`). The new token never goes through HBM
                 on the read side: it seeds the softmax (m = its score, norm = 1, acc = its value).
   output        y_h = bf(bf(o_h) ⊙ gate_h); out = y W_o                    (W_o streams by DMA)
   cache update  the new token's entry is written in place (input_output_aliases). HBM arrays are
@@ -44,11 +45,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import BF16_SUBLANE, MLA_CACHE_LAYOUTS, ModelConfig
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
 
 # Rows of the aligned HBM block patched to write one new cache entry (bf16 HBM tiling).
 UPDATE_ROWS = BF16_SUBLANE
+# The KV tiles are read in groups of this many rows: a DMA window of a bf16 HBM array starts and
+# ends on its 16-row tiles, so the last tile's tail past the position is skipped group by group.
+KV_ROW_GROUP = BF16_SUBLANE
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")
 CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
@@ -186,33 +190,70 @@ def _tile_count(p: MlaPlan, position):
     return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
 
 
-def tile_loop(p: MlaPlan, b: int, position, rings, windows, update, carry, indices):
-    """Double-buffered loop over the needed KV tiles: tile t+1 flies while tile t is used.
+def rows_read(count: int) -> int:
+    """Cache rows the kernels read for `count` tokens: whole 16-row HBM tiles (bf16), the least
+    a DMA window can cover. Tiles of T tokens add nothing: T is a multiple of 16."""
+    return -(-count // KV_ROW_GROUP) * KV_ROW_GROUP
 
-    rings: dma.Ring per cache array; windows(t) -> the HBM window of each array for tile t;
-    update(t, tiles, carry) -> carry, with tiles the VMEM values of tile t.
+
+def _tile_reads(p: MlaPlan, t, count):
+    """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
+    token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
+    tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
+    binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
+    n_groups = p.kv_tile // KV_ROW_GROUP
+    tokens = jnp.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
+    groups = jax.lax.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
+    reads = [(groups == n_groups, 0, p.kv_tile)]
+    for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
+        run = 2 ** i
+        has_run = (groups < n_groups) & (jax.lax.rem(jax.lax.div(groups, run), 2) == 1)
+        first = jax.lax.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
+        reads.append((has_run, pl.multiple_of(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
+    return reads
+
+
+def _token_rows(ref, rows):
+    """ref[..., rows, :]: a window of the token axis (the second-to-last) of a cache ref."""
+    return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
+
+
+def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices):
+    """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
+    tile t is used. The last tile reads only the 16-row groups holding tokens < count
+    (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
+
+    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
+    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
     """
-    n_tiles = _tile_count(p, position)
+    n_tiles = _tile_count(p, count)
 
-    def start(t, slot):
+    def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
+        part = pl.ds(first, rows)
         for ring, window in zip(rings, windows(t)):
-            ring.start(window, slot, row=b, tile=t, **indices)
+            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
+                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
+                            **indices)
+            getattr(copy, action)()
+
+    def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
+        for condition, first, rows in _tile_reads(p, t, count):
+            pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
 
     @pl.when(n_tiles > 0)
     def _():
-        start(0, 0)
+        each_read(0, 0, "start")
 
     def step(t, carry):
         slot = jax.lax.rem(t, 2)
 
         @pl.when(t + 1 < n_tiles)
         def _():
-            start(t + 1, 1 - slot)
+            each_read(t + 1, 1 - slot, "start")
 
-        tiles = []
-        for ring, window in zip(rings, windows(t)):
-            ring.wait(window, slot, row=b, tile=t, **indices)
-            tiles.append(ring.buffer(slot)[...])
+        each_read(t, slot, "wait")
+        tiles = [ring.buffer(slot)[...] for ring in rings]
         with dma.phase("mla.attend", row=b, tile=t, **indices):
             return update(t, tiles, carry)
 
@@ -225,6 +266,10 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     valid = token < position  # the tile's tail past the cached tokens is stale: masked
     scores = jnp.where(valid, scores, -jnp.inf)
+    # rows past the cached tokens may be unread (uninitialised, even NaN): 0 · NaN = NaN, so the
+    # values are selected too; a valid row is unchanged and a masked one added 0 before as well
+    row_token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    values = jnp.where(row_token < position, values, 0.0)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
     correction = jnp.exp(m - m_new)
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
@@ -302,7 +347,7 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
 
     q_lat [H, kv_rank], q_x [H, extra]: the absorbed queries (bf16-exact f32); ckv_hbm
     [B, S, kv_rank], kx_hbm [B, S, extra] in HBM; carry (m [H, 1], norm [H, 1], acc [H, kv_rank])
-    to continue from. Reads the ⌈count / T⌉ tiles holding those tokens, double-buffered.
+    to continue from. Reads those tokens' rows (`rows_read`) tile by tile, double-buffered.
     """
 
     def windows(t):
@@ -479,15 +524,18 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     n_in = 2 + len(operands)
     cache_a, cache_b = operands[-2:]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    # KV bytes for every row at the cache's last position: the whole cache (kernels/costs.py)
+    cost = costs.mla(plan, dict(zip(WEIGHT_NAMES, operands[:-2])), (cache_a, cache_b))
     return pl.pallas_call(
         functools.partial(mla_attention_body, plan, **dict(indices)),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
-                   jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
+        out_shape=(out, jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
                    jax.ShapeDtypeStruct(cache_b.shape, cache_b.dtype)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)]
         + [hbm] * len(operands),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        cost_estimate=cost.estimate(positions, x, out),
         interpret=interpret,
     )(positions, x, *operands)
 
@@ -587,12 +635,16 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     counts = jnp.clip(positions + 1 - shard_start, 0, plan.seq_len).astype(jnp.int32)
     vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
     stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
+    out_shape = (stat, stat,
+                 jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
+    # KV bytes for every row attending to the whole shard (kernels/costs.py)
+    cost = costs.mla_partial(plan, (ckv, kx))
     return pl.pallas_call(
         functools.partial(mla_latent_partial_body, plan, **dict(indices)),
-        out_shape=(stat, stat,
-                   jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32)),
+        out_shape=out_shape,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, hbm, hbm],
         out_specs=(vmem, vmem, vmem),
+        cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape),
         interpret=interpret,
     )(counts, q_absorbed, q_extra, ckv, kx)
 
@@ -621,11 +673,11 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.mla_latent_cache_dim * 2
 
 
-def kv_tile_bytes_needed(positions: Any, cfg: ModelConfig, kv_tile: int | None = None) -> int:
-    """KV bytes the tiles holding tokens 0..p_b-1 of every row take: Σ_b ⌈p_b / T⌉ · T tokens."""
-    tile = cfg.kv_tile if kv_tile is None else kv_tile
-    tiles = sum(-(-int(position) // tile) for position in np.asarray(positions))
-    return tiles * tile * kv_bytes_per_token(cfg)
+def kv_tile_bytes_needed(positions: Any, cfg: ModelConfig) -> int:
+    """KV bytes the cached tokens 0..p_b-1 of every row take, in the 16-row HBM tiles a DMA
+    reads: Σ_b ⌈p_b / 16⌉ · 16 tokens (what `mla_attention` reads, whatever cfg.kv_tile)."""
+    tokens = sum(rows_read(int(position)) for position in np.asarray(positions))
+    return tokens * kv_bytes_per_token(cfg)
 
 
 def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> int:
@@ -714,8 +766,8 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
     """KV bytes read per MLA layer per step against context, both layouts, at Kimi K3 shapes.
 
     Dots: the tokens each row of a recorded mini run read (from its DMA log), priced at Kimi K3's
-    bytes per token. Solid lines: the rule ⌈p / T⌉ · T tokens with the recorded tile T, out to
-    32768; dashed: the same with Kimi K3's tile (256).
+    bytes per token. Solid lines: the rule ⌈p / 16⌉ · 16 tokens (16-row HBM tiles) out to 32768;
+    dashed: whole KV tiles of Kimi K3's 256 tokens, what reading the last tile whole would cost.
     """
     import matplotlib
 
@@ -734,9 +786,10 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
         source, target = recorded.replace(mla_cache_layout=layout), full.replace(
             mla_cache_layout=layout)
         per_token = kv_bytes_per_token(target)
-        for tile, style in ((recorded.kv_tile, "-"), (full.kv_tile, "--")):
+        for tile, style, rule in ((KV_ROW_GROUP, "-", "16-row groups (read)"),
+                                  (full.kv_tile, "--", f"whole tiles of {full.kv_tile}")):
             ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
-                    label=f"{layout}: {per_token:,} B/token, tiles of {tile}")
+                    label=f"{layout}: {per_token:,} B/token, {rule}")
         measured = [(positions[r], tokens_read(logs[layout], source, r) * per_token)
                     for r in range(len(positions))]
         xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])

@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch import tpu
 from mkresearch.chips import get_chip
 from mkresearch.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 
 NIBBLES_PER_WORD = 8
 MXFP4_DECODES = ("native", "integer")
@@ -240,6 +240,8 @@ def _decode_call(parts: tuple, expert_format: str, mxfp4_decode: str, interpret:
         out_specs=pl.BlockSpec(memory_space=pltpu.MemorySpace.VMEM),
         scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in structs]
         + [pltpu.SemaphoreType.DMA((len(parts),))],
+        cost_estimate=costs.decode(parts, expert_format).estimate(  # + the bf16 [K, N] result
+            jax.ShapeDtypeStruct((k, n), jnp.bfloat16)),
         interpret=interpret,
     )(*parts)
 

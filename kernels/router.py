@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import ROUTER_SCORES, ModelConfig
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 
 
 def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
@@ -115,6 +115,8 @@ def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, 
         in_specs=[pl.BlockSpec(memory_space=vmem), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=(pl.BlockSpec(memory_space=vmem),) * 2 + (pl.BlockSpec(memory_space=smem),) * 2,
+        cost_estimate=costs.router(batch, w_router, bias if use_bias else None).estimate(
+            x, out_shape * 2),
         interpret=interpret,
     )(x, w_router, bias)
     del ids, weights  # the SMEM copies are what the expert stage consumes

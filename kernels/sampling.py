@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, sampling, tpu
 from mkresearch.config import LANE, ModelConfig
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, costs, dma
 
 MAX_CANDIDATES = LANE  # the candidate list is one vreg row of lanes per batch row
 TILE_BYTES = 4 * 1024 * 1024  # one LM head tile in VMEM (two are in flight); at most this
@@ -303,9 +303,9 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
         scratch_shapes=[pltpu.VMEM((2, d, vocab_tile), lm_head.dtype),
                         pltpu.SemaphoreType.DMA((2,))],
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=tile_bytes + 32 * 1024 * 1024),
-        cost_estimate=pl.CostEstimate(  # what XLA's scheduler and compile_for's cost report see
-            flops=2 * batch * d * vocab, transcendentals=2 * batch * vocab,
-            bytes_accessed=d * vocab * 2 + (snapshots.shape[0] + 1) * batch * d * 2),
+        cost_estimate=costs.sampling(batch, lm_head, snapshots.shape[0] + 1).estimate(
+            seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
+            out_shape),
         interpret=interpret,
     )(seed, positions[:, None], temperature[:, None], top_k[:, None], top_p[:, None],
       snapshots, partial, mix_out[None], final_norm[None], lm_head)

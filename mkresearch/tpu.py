@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import sys
@@ -290,12 +291,29 @@ class CompileResult:
     n_mosaic_kernels: int = 0  # custom-calls with target tpu_custom_call in the compiled HLO
     hlo_text: str = field(default="", repr=False, compare=False)
 
+    @property
+    def mosaic_cost(self) -> dict[str, int]:
+        """What the Mosaic kernels declare (`pallas_call(cost_estimate=...)`), summed over the
+        tpu_custom_calls of the compiled HLO: flops, transcendentals, bytes_accessed (0 for a
+        kernel declaring none). `flops` and `bytes_accessed` above are the whole program's: these
+        plus the ops XLA adds around the kernels (operand copies into VMEM, reshapes, slices)."""
+        total = dict.fromkeys(("flops", "transcendentals", "bytes_accessed"), 0)
+        for line in self.hlo_text.splitlines():
+            match = _MOSAIC_COST.search(line) if "tpu_custom_call" in line else None
+            for key, value in (json.loads(match.group(1)).items() if match else ()):
+                if key in total:
+                    total[key] += int(value)
+        return total
+
     def __str__(self) -> str:
         total = sum(v for k, v in self.memory.items() if k.endswith("size_in_bytes"))
         return (f"compiled for {self.chip} in {self.seconds:.2f} s: {self.n_mosaic_kernels} Mosaic "
                 f"kernel(s), {self.flops:.3g} flops, {self.bytes_accessed:.3g} bytes accessed, "
                 f"{total / 2**20:.1f} MiB buffers")
 
+
+# A Mosaic custom call's backend_config carries its pallas_call cost estimate as JSON.
+_MOSAIC_COST = re.compile(r'"cost_estimate":(\{[^{}]*\})')
 
 _LIBTPU_NOISE = re.compile(
     r"host bounds|TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|worker hostname|Source Location Trace|"

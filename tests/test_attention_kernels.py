@@ -10,6 +10,8 @@ weights into 128-row blocks, which changes the f32 summation order); the f32 rec
 within 1e-5 (abs).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,8 +94,10 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
     assert_bf16_close(out, ref_out, f"MLA {layout} B={batch} output")
     for name in ref_cache:
         assert_state_equal(new_cache[name], ref_cache[name], batch, f"cache[{name!r}]")
-    # KV tiles: exactly the ⌈p/T⌉ tiles of each row, nothing past the position
+    # KV: each row's tokens 0..p-1 in 16-row groups, nothing past them; at T = 32 a tile is one
+    # DMA per cache array (whole, or its first 16 rows)
     needed = mla.kv_tile_bytes_needed(positions, cfg)
+    assert needed == sum(-(-p // 16) * 16 for p in POSITIONS[batch]) * mla.kv_bytes_per_token(cfg)
     assert log.dma_bytes("mla.kv.") == needed
     tiles = sum(-(-p // T) for p in POSITIONS[batch])
     assert len(log.select("dma_start", "mla.kv.")) == 2 * tiles  # two cache arrays per tile
@@ -127,13 +131,82 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
                                           target.replace(mla_cache_layout=layout))
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
           for layout in ("expanded", "latent")}
-    tokens = -(-POSITIONS[1][0] // T) * T  # whole tiles: 2 x 32 tokens for position 45
+    tokens = 48  # position 45: 16-row groups, one tile of 32 and 16 rows of the next (not 64)
     # spec §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
     assert at[("kimi-k3", "expanded")] == tokens * 73_728
     assert at[("kimi-k3", "latent")] == tokens * 1_152
     assert at[("kimi-k3", "expanded")] >= 50 * at[("kimi-k3", "latent")]  # 64x
     # one rank holds 3 of the 96 heads but the whole latent: the saving per rank is only 2x
     assert at[("kimi-k3-rank", "expanded")] == 2 * at[("kimi-k3-rank", "latent")]
+
+
+# ---- MLA at short context: the last KV tile is read only as far as the tokens go -----------------
+
+# Kimi K3's KV tile (256 tokens) at mini shapes: at rank shapes an interpreted run would stream
+# GBs of weights, and the KV rows read depend only on positions and tile (the rank-shape kernels
+# compile in test_compiles_for_tpu7x)
+SHORT_CFG = config.get_config("kimi-k3-mini", kv_tile=256, max_seq_len=512)
+SHORT_TOKENS = [1, 15, 16, 17, 127, 128, 129]  # cached tokens a row needs: around 16-row groups
+
+
+def nan_past(cache, counts):
+    """The cache with every row at or past counts[b] set to NaN (rows a kernel may read, then
+    must mask: 0 · NaN would poison the softmax)."""
+    token = jnp.arange(cache["ckv" if "ckv" in cache else "k"].shape[-2])
+    past = token[None, :] >= jnp.asarray(counts)[:, None]  # [B, S]
+    return {name: jnp.where(past[:, None, :, None] if array.ndim == 4 else past[:, :, None],
+                            jnp.nan, array).astype(array.dtype) for name, array in cache.items()}
+
+
+@pytest.mark.parametrize("kernel", ["expanded", "latent", "latent-partial"])
+def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, mini_params, kernel):
+    """Each row reads its tokens rounded up to 16 rows (never the whole 256-token tile), and the
+    rows read past them are masked: a cache holding NaN from each row's first unneeded token on
+    gives the very same bits."""
+    cfg = SHORT_CFG.replace(mla_cache_layout=kernel.split("-")[0])
+    batch, per_token = len(SHORT_TOKENS), mla.kv_bytes_per_token(cfg)
+    cache = random_cache(cfg, batch, seed=41)
+    if kernel == "latent-partial":  # one shard holding the whole cache: tokens 0..position
+        q_absorbed, q_extra = absorbed_queries(reference.layer_params(mini_params["mla"], 0),
+                                               normalised_input(cfg, batch, seed=40), cfg)
+        positions = jnp.array(SHORT_TOKENS, jnp.int32) - 1
+
+        def run(cache):
+            _, norm, acc = mla.mla_latent_partial(q_absorbed, q_extra, cache, positions, 0, cfg)
+            return acc / norm  # [B, H, kv_rank]: Σ α ĉ over tokens 0..position
+
+        scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"],
+                             preferred_element_type=jnp.float32)
+                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
+                               preferred_element_type=jnp.float32)) * cfg.mla_qk_dim ** -0.5
+        scores = jnp.where(jnp.arange(cfg.max_seq_len) <= positions[:, None, None], scores,
+                           -jnp.inf)
+        expected = jax.nn.softmax(scores, -1) @ cache["ckv"].astype(jnp.float32)
+        check = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    else:
+        p = reference.layer_params(mini_params["mla"], 0)
+        x = normalised_input(cfg, batch, seed=40)
+        positions = jnp.array(SHORT_TOKENS, jnp.int32)  # position p: tokens 0..p-1 cached
+
+        def run(cache):
+            return mla.mla_attention(p, x, cache, positions, cfg)[0]
+
+        expected = reference.mla_attention(p, x, cache, positions, cfg)[0]
+        check = functools.partial(assert_bf16_close, what=f"MLA {kernel} output")
+
+    with dma.recording() as log:
+        out = jax.block_until_ready(run(cache))
+    check(out, expected)
+    np.testing.assert_array_equal(run(nan_past(cache, SHORT_TOKENS)), out)
+    by_row = mla.kv_bytes_by_row(log)
+    read = [by_row[b] // per_token for b in range(batch)]
+    assert read == [16, 16, 16, 32, 128, 128, 144]  # ⌈tokens / 16⌉ · 16, never 256
+    assert read == [mla.rows_read(tokens) for tokens in SHORT_TOKENS]
+    # the last tile in runs of 2^i 16-row groups, one DMA per run and cache array: 144 rows are
+    # a run of 128 and one of 16
+    dmas = [sum(e.indices["row"] == b for e in log.select("dma_start", "mla.kv.")) // 2
+            for b in range(batch)]
+    assert dmas == [1, 1, 1, 1, 1, 1, 2]
 
 
 # ---- MLA, latent cache sharded by sequence ---------------------------------------------------------
