@@ -39,6 +39,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # their pieces rather than copy them.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ params = weights.init_params(cfg, 0)
 T = cfg.kv_tile
 print(f"{cfg.name}: d={cfg.d_model}, heads={cfg.n_heads}, kv_rank={cfg.mla_kv_rank}, "
       f"qk={cfg.mla_qk_nope}+{cfg.mla_qk_extra}, v={cfg.mla_v_dim}, cache={cfg.max_seq_len} "
-      f"tokens in tiles of {T}")  # NBVAL_CHECK_OUTPUT
+      f"tokens in tiles of {T}")
 
 # %% [markdown]
 # ## MLA, step by step
@@ -96,6 +97,7 @@ def check(name, got, want, tol=2e-3):
 # context is 96 heads × 32768 × 384 × 2 B = 2.4 GB, against 64 MiB of VMEM.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def naive_kernel(position_ref, q_ref, k_ref, v_ref, o_ref):
     scores = mla.dot_t(q_ref[...], k_ref[...]) * scale  # [1, S]
     token = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -112,7 +114,7 @@ def run_naive(q, k, v, position):
         interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
 
 
-check("step 1 naive (whole cache in VMEM)", run_naive(q1, k1, v1, position), expected_core)  # NBVAL_CHECK_OUTPUT
+check("step 1 naive (whole cache in VMEM)", run_naive(q1, k1, v1, position), expected_core)
 
 # %% [markdown]
 # ### Step 2 · tiles and an online softmax
@@ -122,6 +124,7 @@ check("step 1 naive (whole cache in VMEM)", run_naive(q1, k1, v1, position), exp
 # still all in VMEM.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 plan1 = mla.make_plan(cfg, batch=1, seq_len=S)
 
 
@@ -147,7 +150,7 @@ def run_tiled(q, k, v, position):
         interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
 
 
-check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_core)  # NBVAL_CHECK_OUTPUT
+check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_core)
 
 # %% [markdown]
 # ### Step 3 · the cache stays in HBM: double-buffered DMA
@@ -157,6 +160,7 @@ check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_c
 # those.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):
     visible = position_ref[0] + 1
     q = q_ref[...]
@@ -195,7 +199,7 @@ check("step 3 double-buffered DMA from HBM", out3, expected_core)
 tiles_read = len(log3.select("dma_start", "mla.kv.k"))
 print(f"tiles read: {tiles_read} of {S // T}, slots used: "
       f"{[e.slot for e in log3.select('dma_start', 'mla.kv.k')]}, "
-      f"KV bytes: {log3.dma_bytes('mla.kv.'):,}")  # NBVAL_CHECK_OUTPUT
+      f"KV bytes: {log3.dma_bytes('mla.kv.'):,}")
 assert tiles_read == -(-(position + 1) // T) == 3
 assert not tpu.races_found()
 
@@ -245,7 +249,8 @@ for layout in ("expanded", "latent"):
 assert not tpu.races_found()
 
 # %%
-for layout in ("expanded", "latent"):  # NBVAL_CHECK_OUTPUT
+# NBVAL_CHECK_OUTPUT
+for layout in ("expanded", "latent"):
     log = logs[layout]
     print(f"{layout:9s} weights {log.dma_bytes('mla.w_'):>9,} B   KV tiles "
           f"{log.dma_bytes('mla.kv.'):>7,} B   in-place update {log.dma_bytes('mla.kv_update'):>7,} B")
@@ -263,6 +268,7 @@ for layout in ("expanded", "latent"):  # NBVAL_CHECK_OUTPUT
 # in `(−5, 0)`: a key channel keeps between `e^−5 ≈ 0.7%` and all of its memory each step.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 p_kda = reference.layer_params(params["kda"], 0)
 xk = x[:1]
 g_raw = reference.bf(reference.bf(xk @ p_kda["w_fa"]) @ p_kda["w_fb"]).astype(jnp.float32)
@@ -272,7 +278,7 @@ assert float(log_decay.min()) > cfg.kda_decay_bound and float(log_decay.max()) <
 # printed digits that no other summation order can change (mkresearch.facts.stable): λ moves by
 # about an f32 ulp of the gate's matmul from machine to machine
 print(f"λ in ({cfg.kda_decay_bound:g}, 0): min {facts.stable(log_decay.min(), '.2f', 1e-4)}, "
-      f"max {facts.stable(log_decay.max(), '.1e', 1e-7)}")  # NBVAL_CHECK_OUTPUT
+      f"max {facts.stable(log_decay.max(), '.1e', 1e-7)}")
 
 # %% [markdown]
 # **Step 2**: the fused kernel `kda.kda_attention`. The conv and recurrent states start flying
@@ -281,6 +287,7 @@ print(f"λ in ({cfg.kda_decay_bound:g}, 0): min {facts.stable(log_decay.min(), '
 # against the reference fed its own.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 H, D = cfg.n_heads, cfg.kda_head_dim
 conv_k = conv_r = jnp.zeros((3, cfg.kda_conv_size - 1, 3, H, D), jnp.bfloat16)
 state_k = state_r = jnp.zeros((3, H, D, D), jnp.float32)
@@ -294,7 +301,7 @@ for step in range(3):
     assert bool(jnp.array_equal(conv_k, conv_r))
     state_err = float(jnp.max(jnp.abs(state_k - state_r)))
     assert state_err < 1e-5, state_err
-print("PASS KDA: conv state bit-equal, f32 state within 1e-5 after 3 steps")  # NBVAL_CHECK_OUTPUT
+print("PASS KDA: conv state bit-equal, f32 state within 1e-5 after 3 steps")
 print(f"per step: state read {kda_log.dma_bytes('kda.state.read'):,} B, written "
       f"{kda_log.dma_bytes('kda.state.write'):,} B; weights {kda_log.dma_bytes('kda.w_'):,} B")
 assert not tpu.races_found()
@@ -310,10 +317,11 @@ assert not tpu.races_found()
 # rank by sharding the latent cache by sequence.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 fig = mla.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
 full = config.get_config("kimi-k3")
 rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
-for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):  # NBVAL_CHECK_OUTPUT
+for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):
     e = mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
                         target.replace(mla_cache_layout="expanded"))
     lat = mla.kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
@@ -344,6 +352,7 @@ assert mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"
 # is checked in `tests/test_attention_kernels.py`.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 lcfg = cfg.replace(mla_cache_layout="latent")
 H, R, E = cfg.n_heads, cfg.mla_kv_rank, cfg.mla_qk_extra
 keys = jax.random.split(jax.random.key(5), 4)
@@ -370,12 +379,13 @@ scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, latent_cache["ckv"],
                        preferred_element_type=jnp.float32)) * scale
 scores = jnp.where(jnp.arange(S) <= positions[:, None, None], scores, -jnp.inf)
 plain_context = jax.nn.softmax(scores, -1) @ latent_cache["ckv"].astype(jnp.float32)
-check("4 shards merged = unsharded partial", acc_all / l_all, whole[2] / whole[1], tol=1e-5)  # NBVAL_CHECK_OUTPUT
-check("4 shards merged = plain softmax context", acc_all / l_all, plain_context, tol=1e-5)  # NBVAL_CHECK_OUTPUT
+check("4 shards merged = unsharded partial", acc_all / l_all, whole[2] / whole[1], tol=1e-5)
+check("4 shards merged = plain softmax context", acc_all / l_all, plain_context, tol=1e-5)
 assert not tpu.races_found()
 
 # %%
-for i, shard_log in enumerate(shard_logs):  # NBVAL_CHECK_OUTPUT
+# NBVAL_CHECK_OUTPUT
+for i, shard_log in enumerate(shard_logs):
     tiles = {b: [e.indices["tile"] for e in shard_log.select("dma_start", "mla.kv.ckv")
                  if e.indices["row"] == b] for b in range(3)}
     print(f"shard {i} (tokens {i * shard_len:3d}..{(i + 1) * shard_len - 1:3d}): tiles read per row "
@@ -392,9 +402,10 @@ for i, shard_log in enumerate(shard_logs):  # NBVAL_CHECK_OUTPUT
 # priced at that rank's bytes per token.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 per_rank = mla.kv_bytes_per_rank({**logs, "latent-sequence": shard_logs}, cfg, rank, n_ranks=32,
                                  row=2)
-for layout, nbytes in per_rank.items():  # NBVAL_CHECK_OUTPUT
+for layout, nbytes in per_rank.items():
     print(f"{layout:16s} {nbytes:>11,} B per rank per MLA layer per step   "
           f"{per_rank['expanded'] / nbytes:3.0f}x fewer than expanded")
 assert per_rank["expanded"] == 2 * per_rank["latent"]  # head-sharded latent: only 2x per rank

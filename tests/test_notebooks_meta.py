@@ -66,3 +66,14 @@ def test_notebook_checks_facts_and_asserts(notebook):
     assert any("# NBVAL_CHECK_OUTPUT" in s for s in sources), (
         f"{notebook.name}: no fact cell marked # NBVAL_CHECK_OUTPUT")
     assert any("assert " in s for s in sources), f"{notebook.name} asserts nothing"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_check_markers_are_lines_of_their_own(notebook):
+    """nbval reads a marker only from a line that is the comment alone: `x  # NBVAL_CHECK_OUTPUT`
+    at a line's end leaves the cell unchecked."""
+    for cell in load(notebook)["cells"]:
+        for line in "".join(cell["source"]).splitlines():
+            if "NBVAL_" in line:
+                assert line.strip().startswith("#"), (
+                    f"{notebook.name}: {line.strip()!r}: put the marker on a line of its own")
