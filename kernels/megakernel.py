@@ -531,7 +531,7 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
     cfg, batch = plan.cfg, plan.batch
     leaves, treedef = jax.tree.flatten(weights)
     names = mla.CACHE_NAMES[cfg.mla_cache_layout]
-    state_leaves = [state["kda_conv"], state["kda_state"], state["mla"][names[0]],
+    state_leaves = [state["kda"]["conv"], state["kda"]["recurrent"], state["mla"][names[0]],
                     state["mla"][names[1]]]
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -556,31 +556,14 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
         interpret=interpret,
     )(tokens, positions, seed, table, sample_positions, temperature, top_k, top_p, *leaves,
       *state_leaves)
-    new_state = {"kda_conv": outs[-4], "kda_state": outs[-3],
+    new_state = {"kda": {"conv": outs[-4], "recurrent": outs[-3]},
                  "mla": {names[0]: outs[-2], names[1]: outs[-1]}}
     return outs[0][:, 0], outs[1][:, 0] != 0, (outs[2] if return_logits else None), new_state
 
 
 def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:
     """ValueError naming what is wrong with the state; returns the cache length."""
-    if not isinstance(state, dict) or set(state) != {"kda_conv", "kda_state", "mla"}:
-        raise ValueError("state is invalid: allowed the dict made by "
-                         "mkresearch.reference.init_state(cfg, batch)")
-    names = mla.CACHE_NAMES[cfg.mla_cache_layout]
-    if not isinstance(state["mla"], dict) or set(state["mla"]) != set(names):
-        raise ValueError(f"state['mla'] has keys {sorted(state['mla'])}: allowed {names} for "
-                         f"mla_cache_layout={cfg.mla_cache_layout!r}")
-    seq_len = state["mla"][names[0]].shape[-2]
-    shapes = jax.eval_shape(lambda: reference.init_state(cfg, batch, seq_len))
-    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
-        got = state
-        for key in path:
-            got = got[key.key]
-        if tuple(got.shape) != tuple(leaf.shape) or got.dtype != leaf.dtype:
-            raise ValueError(f"state{jax.tree_util.keystr(path)} has shape {tuple(got.shape)} "
-                             f"{got.dtype}: allowed {tuple(leaf.shape)} {leaf.dtype} (batch "
-                             f"{batch}, cache length {seq_len})")
-    return seq_len
+    return reference.check_state(state, cfg, batch)
 
 
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig, *,

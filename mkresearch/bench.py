@@ -353,8 +353,8 @@ def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
     table["router/bias"] = _per_layer_bytes(params["moe"]["router_bias"])
     table["latent/norm"] = _per_layer_bytes(params["moe"]["latent_norm"])
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
-    table["kda.conv_state"] = _per_layer_bytes(state["kda_conv"])
-    table["kda.state"] = _per_layer_bytes(state["kda_state"])
+    table["kda.conv_state"] = _per_layer_bytes(state["kda"]["conv"])
+    table["kda.state"] = _per_layer_bytes(state["kda"]["recurrent"])
     table["mla.kv"] = mla.kv_bytes_per_token(cfg)
     table["mla.kv_update"] = mla.kv_bytes_per_token(cfg)
     for m, (k, n) in zip(("w1", "w3", "w2"), ((cfg.moe_latent, cfg.expert_hidden),) * 2

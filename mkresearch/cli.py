@@ -137,8 +137,6 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
 
 
 def _print_info(report: dict) -> None:
-    from mkresearch.roofline import COMPONENTS
-
     step = report["step_bytes"]
     print(f"{report['model']}: {report['layers']} layers, pattern (K = KDA, M = MLA; "
           f"attention-residual blocks):")
@@ -152,7 +150,7 @@ def _print_info(report: dict) -> None:
     print(f"bytes per decode step: batch {step['batch']}, context {step['context']}, experts "
           f"{step['expert_format']}, MLA cache {step['mla_cache_layout']} "
           f"({step['unique_experts_per_layer']:.1f} unique experts per MoE layer):")
-    for name, label in COMPONENTS.items():
+    for name, label in step["components"].items():
         read, written = step["read"][name], step["written"].get(name, 0)
         extra = f"  (+ {_human_bytes(written)} written)" if written else ""
         print(f"  {label:42s} {_human_bytes(read):>10}{extra}")

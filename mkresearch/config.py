@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MLA_CACHE_LAYOUTS = ("expanded", "latent")
+# Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
+# kind (registered in mkresearch.spec) used by every layer.
+KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
+DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
+RESIDUALS = ("attention_mix", "prenorm")  # Kimi's attention residuals; a classic residual stream
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 ROUTER_SCORES = ("sigmoid", "softmax")
 ACTIVATIONS = ("situ", "silu")
@@ -81,44 +86,76 @@ class ModelConfig:
     # ring_block_bytes each; ring_depth - 1 weight blocks fly ahead of the one being multiplied
     ring_depth: int
     ring_block_bytes: int
+    # the model spec: which stage kind each layer's attention and FFN is (a pattern or one kind
+    # for every layer), and how sublayer outputs join (mkresearch.spec)
+    attention: str = KIMI_ATTENTION
+    ffn: str = DENSE_THEN_MOE
+    residual: str = "attention_mix"
 
     def __post_init__(self) -> None:
         _validate(self)
 
-    # ---- derived layout -------------------------------------------------------------------
+    # ---- the layers: (attention kind, FFN kind) each ---------------------------------------
+    @property
+    def layers(self) -> tuple[tuple[str, str], ...]:
+        """(attention kind, FFN kind) of every layer, from the `attention` and `ffn` patterns."""
+        return tuple(zip(self.attention_kinds, self.ffn_kinds))
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        if self.attention != KIMI_ATTENTION:
+            return (self.attention,) * self.n_layers
+        mla = set(range(self.mla_first, self.n_layers, self.mla_every))
+        if self.mla_last_layer:
+            mla.add(self.n_layers - 1)
+        return tuple("mla" if layer in mla else "kda" for layer in range(self.n_layers))
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        if self.ffn != DENSE_THEN_MOE:
+            return (self.ffn,) * self.n_layers
+        return tuple("dense" if layer < self.n_dense_layers else "moe"
+                     for layer in range(self.n_layers))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The stage kinds the model uses, attention kinds first, each once, in layer order."""
+        return tuple(dict.fromkeys(self.attention_kinds + self.ffn_kinds))
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """The layers whose attention or FFN is `kind` (its weights are stacked in this order)."""
+        return tuple(layer for layer, pair in enumerate(self.layers) if kind in pair)
+
+    def kind_index(self, layer: int, kind: str) -> int:
+        """Index of `layer` within the stacked weights and state of `kind`."""
+        return self.layers_of(kind).index(layer)
+
     @property
     def mla_layers(self) -> tuple[int, ...]:
-        layers = {
-            layer for layer in range(self.mla_first, self.n_layers, self.mla_every)
-        }
-        if self.mla_last_layer:
-            layers.add(self.n_layers - 1)
-        return tuple(sorted(layers))
+        return self.layers_of("mla")
 
     @property
     def kda_layers(self) -> tuple[int, ...]:
-        mla = set(self.mla_layers)
-        return tuple(layer for layer in range(self.n_layers) if layer not in mla)
+        return self.layers_of("kda")
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.n_dense_layers))
+        return self.layers_of("dense")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.n_dense_layers, self.n_layers))
+        return self.layers_of("moe")
 
     def is_mla(self, layer: int) -> bool:
-        return layer in self.mla_layers
+        return self.attention_kinds[layer] == "mla"
 
     def attention_index(self, layer: int) -> int:
         """Index of `layer` within the stacked weights and state of its attention kind."""
-        kinds = self.mla_layers if self.is_mla(layer) else self.kda_layers
-        return kinds.index(layer)
+        return self.kind_index(layer, self.attention_kinds[layer])
 
     def ffn_index(self, layer: int) -> int:
-        """Index of `layer` within the stacked dense or MoE weights."""
-        return layer if layer < self.n_dense_layers else layer - self.n_dense_layers
+        """Index of `layer` within the stacked weights of its FFN kind."""
+        return self.kind_index(layer, self.ffn_kinds[layer])
 
     @property
     def n_blocks(self) -> int:
@@ -224,6 +261,13 @@ def _validate(cfg: ModelConfig) -> None:
     _positive_float(cfg, "l2_eps")
     if cfg.logit_softcap is not None:
         _positive_float(cfg, "logit_softcap")
+    # stage kinds are checked against the registry where the model is built (mkresearch.spec)
+    for field in ("attention", "ffn"):
+        value = getattr(cfg, field)
+        if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
+            _fail(field, value, "a stage kind registered in mkresearch.spec, or the pattern "
+                  f"{KIMI_ATTENTION!r} / {DENSE_THEN_MOE!r}")
+    _choice(cfg, "residual", RESIDUALS)
 
 
 # ---- presets ---------------------------------------------------------------------------------

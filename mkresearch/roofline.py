@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mkresearch import spec, weights
 from mkresearch.chips import Chip, get_chip
 from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig
 
@@ -27,22 +28,6 @@ from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig
 STEP_EXPERT_FORMATS = EXPERT_FORMATS + ("released",)
 ROOFLINE_CHIPS = ("v5e", "v6e", "v5p", "tpu7x")
 ROOFLINE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-# Components of one decode step, in display order: name -> label.
-COMPONENTS = {
-    "kda": "KDA weights",
-    "mla": "MLA weights",
-    "dense": "dense FFN (layer 0)",
-    "moe_nonrouted": "MoE non-routed (router, latent, shared)",
-    "routed_experts": "routed experts",
-    "lm_head": "LM head",
-    "embedding_rows": "embedding rows",
-    "norms_and_mix": "norms and residual-mix weights",
-    "kda_state": "KDA state (conv + recurrent)",
-    "mla_cache": "MLA KV cache",
-}
-WEIGHT_COMPONENTS = ("kda", "mla", "dense", "moe_nonrouted", "routed_experts", "lm_head",
-                     "embedding_rows", "norms_and_mix")
 
 # Published decode throughput of Kimi K3 on 16 TPU7x chips (32 devices), aggregate tok/s by batch,
 # 1 input token and 1000 output tokens (spec/tpu.md "Published decode numbers"). An anchor to plot
@@ -68,18 +53,19 @@ def tree_size(tree: Any) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _param_shapes(cfg: ModelConfig) -> Any:
-    from mkresearch.weights import param_shapes
-
-    return param_shapes(cfg)
+    return weights.param_shapes(cfg)
 
 
 @functools.lru_cache(maxsize=64)
 def _state_shapes(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> Any:
-    import jax
+    return spec.state_shapes(cfg, batch, seq_len or cfg.max_seq_len)
 
-    from mkresearch.reference import init_state
 
-    return jax.eval_shape(lambda: init_state(cfg, batch, seq_len or cfg.max_seq_len))
+def _state_bytes(cfg: ModelConfig, kind: spec.Stage, leaf_kind: str) -> int:
+    """Bytes of one row's `leaf_kind` state of every layer of `kind` (a cache: per token)."""
+    leaves = spec.state_table(cfg, 1, 1).get(kind.name, {})
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+               for leaf in leaves.values() if leaf.kind == leaf_kind)
 
 
 def _check(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
@@ -121,18 +107,26 @@ def expected_unique_experts(n_experts: int, top_k: int, batch: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
 
 
+def cache_bytes_per_token(cfg: ModelConfig) -> int:
+    """KV-cache bytes per context token of one sequence, every layer with a cache."""
+    return sum(_state_bytes(cfg, kind, spec.CACHE) for kind in spec.stages_of(cfg))
+
+
+def recurrent_state_bytes(cfg: ModelConfig) -> int:
+    """Recurrent state bytes of one sequence (read and written each step), every layer."""
+    return sum(_state_bytes(cfg, kind, spec.RECURRENT) for kind in spec.stages_of(cfg))
+
+
 def mla_cache_bytes_per_token(cfg: ModelConfig, layout: str | None = None) -> int:
     """MLA KV-cache bytes per context token of one sequence, all MLA layers, in `layout`."""
     layout = layout or cfg.mla_cache_layout
     _check(cfg, mla_cache_layout=layout)
-    cache = _state_shapes(cfg.replace(mla_cache_layout=layout), 1)["mla"]
-    return tree_bytes(cache) // cfg.max_seq_len  # B = 1, S = max_seq_len
+    return _state_bytes(cfg.replace(mla_cache_layout=layout), spec.stage("mla"), spec.CACHE)
 
 
 def kda_state_bytes(cfg: ModelConfig) -> int:
     """KDA conv + recurrent state bytes of one sequence, all KDA layers (read and written each step)."""
-    state = _state_shapes(cfg, 1)
-    return tree_bytes([state["kda_conv"], state["kda_state"]])
+    return _state_bytes(cfg, spec.stage("kda"), spec.RECURRENT)
 
 
 # ---- does it fit one device? -----------------------------------------------------------------
@@ -213,9 +207,12 @@ class StepBytes:
     read: Mapping[str, int] = field(default_factory=dict)
     written: Mapping[str, int] = field(default_factory=dict)
 
+    components: Mapping[str, str] = field(default_factory=dict)  # name -> label, display order
+    state_components: tuple[str, ...] = ()  # the components that are state, not weights
+
     @property
     def weights(self) -> int:
-        return sum(self.read[name] for name in WEIGHT_COMPONENTS)
+        return sum(v for name, v in self.read.items() if name not in self.state_components)
 
     @property
     def total_read(self) -> int:
@@ -233,6 +230,7 @@ class StepBytes:
         return {"model": self.model, "batch": self.batch, "context": self.context,
                 "expert_format": self.expert_format, "mla_cache_layout": self.mla_cache_layout,
                 "unique_experts_per_layer": self.unique_experts_per_layer,
+                "components": dict(self.components),
                 "read": dict(self.read), "written": dict(self.written), "weights": self.weights,
                 "total_read": self.total_read, "total_written": self.total_written,
                 "total": self.total}
@@ -240,7 +238,7 @@ class StepBytes:
 
 def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
                mla_cache_layout: str | None = None) -> StepBytes:
-    """Bytes one decode step reads and writes, by component (see COMPONENTS).
+    """Bytes one decode step reads and writes, by component (see StepBytes.components).
 
     `context` is the number of tokens already in each sequence's MLA cache. Weights are read once
     per step for the whole batch (routed experts: the expected unique ones under uniform routing);
@@ -250,30 +248,39 @@ def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format
     expert_format = expert_format or cfg.expert_format
     mla_cache_layout = mla_cache_layout or cfg.mla_cache_layout
     _check(cfg, batch, context, expert_format, mla_cache_layout)
+    cfg = cfg.replace(mla_cache_layout=mla_cache_layout)
     params = _param_shapes(cfg)
-    moe = params["moe"]
+    kinds = spec.stages_of(cfg)
     unique = expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
     embed = params["embed"]
-    per_layer_small = [params[key] for key in params
-                       if key not in ("kda", "mla", "dense", "moe", "lm_head", "embed")]
-    cache_per_token = mla_cache_bytes_per_token(cfg, mla_cache_layout)
-    kda_state = kda_state_bytes(cfg)
-    read = {
-        "kda": tree_bytes(params["kda"]),
-        "mla": tree_bytes(params["mla"]),
-        "dense": tree_bytes(params["dense"]) if cfg.n_dense_layers else 0,
-        "moe_nonrouted": tree_bytes({k: v for k, v in moe.items() if k != "experts"}),
-        "routed_experts": round(len(cfg.moe_layers) * unique * expert_bytes(cfg, expert_format)),
-        "lm_head": tree_bytes(params["lm_head"]),
-        "embedding_rows": batch * embed.shape[1] * np.dtype(embed.dtype).itemsize,
-        "norms_and_mix": tree_bytes(per_layer_small),
-        "kda_state": batch * kda_state,
-        "mla_cache": batch * context * cache_per_token,
-    }
-    written = {"kda_state": batch * kda_state, "mla_cache": batch * cache_per_token}
+    read: dict[str, int] = {}
+    for kind in kinds:  # each kind's weights, its routed experts apart
+        if kind.component is not None:
+            read[kind.component[0]] = tree_bytes(
+                {k: v for k, v in params[kind.name].items() if k not in kind.routed})
+    for kind in kinds:
+        if kind.routed:
+            read[kind.routed_component[0]] = round(
+                len(cfg.layers_of(kind.name)) * unique * expert_bytes(cfg, expert_format))
+    trunk = {"embed", "lm_head", *(kind.name for kind in kinds)}
+    read.update(lm_head=tree_bytes(params["lm_head"]),
+                embedding_rows=batch * embed.shape[1] * np.dtype(embed.dtype).itemsize,
+                norms_and_mix=tree_bytes([v for k, v in params.items() if k not in trunk]))
+    written: dict[str, int] = {}
+    states = []
+    for kind in kinds:
+        if kind.state_component is None:
+            continue
+        name = kind.state_component[0]
+        recurrent = _state_bytes(cfg, kind, spec.RECURRENT)
+        per_token = _state_bytes(cfg, kind, spec.CACHE)
+        read[name] = batch * (recurrent + context * per_token)
+        written[name] = batch * (recurrent + per_token)
+        states.append(name)
     return StepBytes(model=cfg.name, batch=batch, context=context, expert_format=expert_format,
                      mla_cache_layout=mla_cache_layout, unique_experts_per_layer=unique,
-                     read=read, written=written)
+                     read=read, written=written, components=spec.components(cfg),
+                     state_components=tuple(states))
 
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -284,8 +291,10 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     """
     params = _param_shapes(cfg.replace(expert_format="bf16"))  # one element per parameter
     total = tree_size(params)
-    per_expert = tree_size(params["moe"]["experts"]) // (len(cfg.moe_layers) * cfg.n_experts)
-    unselected = len(cfg.moe_layers) * (cfg.n_experts - cfg.top_k) * per_expert
+    unselected = 0
+    for kind in spec.stages_of(cfg):  # routed experts: a token uses top_k of n_experts
+        routed = tree_size([params[kind.name][key] for key in kind.routed])
+        unselected += routed // cfg.n_experts * (cfg.n_experts - cfg.top_k) if routed else 0
     active = total - tree_size(params["embed"]) - unselected
     return total, active
 
@@ -389,7 +398,7 @@ def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_
 
     steps = [step_bytes(cfg, batch, context) for batch in ROOFLINE_BATCHES]
     bottom = np.zeros(len(steps))
-    for name, label in COMPONENTS.items():
+    for name, label in steps[0].components.items():
         values = np.array([(s.read[name] + s.written.get(name, 0)) / 1e9 for s in steps])
         if values.max() < 0.005 * max(s.total for s in steps) / 1e9:
             continue  # too thin to see

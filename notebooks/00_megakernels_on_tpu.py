@@ -71,7 +71,7 @@ assert abs(total_params / 2.78e12 - 1) < 0.01 and abs(active_params / 104e9 - 1)
 # %%
 step = roofline.step_bytes(cfg, batch=1, context=0)
 rows = [(label, step.read[name] / 1e9, step.written.get(name, 0) / 1e9)
-        for name, label in roofline.COMPONENTS.items()]
+        for name, label in step.components.items()]
 
 # %%
 # NBVAL_CHECK_OUTPUT

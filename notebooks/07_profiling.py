@@ -86,7 +86,7 @@ def stage(name, per_step):
 def kda_stage():
     from mkresearch.kernels import kda
     p = layer(params["kda"], 0)
-    return lambda: kda.kda_attention(p, x, state["kda_conv"][0], state["kda_state"][0], cfg)
+    return lambda: kda.kda_attention(p, x, state["kda"]["conv"][0], state["kda"]["recurrent"][0], cfg)
 
 
 @stage("mla", per_step=len(cfg.mla_layers))
@@ -332,8 +332,8 @@ print(f"bandwidth-bound: guide_us {guide_add * 1e6:.3f}  model_us {model_add * 1
 # %%
 def reference_layer(x):
     with jax.named_scope("kda_attention"):
-        out, _, _ = reference.kda_attention(layer(params["kda"], 0), x, state["kda_conv"][0],
-                                            state["kda_state"][0], cfg)
+        out, _, _ = reference.kda_attention(layer(params["kda"], 0), x, state["kda"]["conv"][0],
+                                            state["kda"]["recurrent"][0], cfg)
     with jax.named_scope("moe_ffn"):
         return reference.moe_ffn(layer(params["moe"], 0), out, cfg)
 

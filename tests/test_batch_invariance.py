@@ -95,7 +95,8 @@ def test_stage_kernels_are_batch_invariant(race_checked, mini_params, stage):
         xs, pos = x[np.asarray(select)], jnp.asarray(positions[select])
         st = take_rows(state, select)
         if stage == "kda":
-            return kda.kda_attention(layer("kda"), xs, st["kda_conv"][0], st["kda_state"][0], MINI)
+            return kda.kda_attention(layer("kda"), xs, st["kda"]["conv"][0], st["kda"]["recurrent"][0],
+                                    MINI)
         if stage == "mla":
             cache = jax.tree.map(lambda leaf: leaf[0], st["mla"])
             return mla.mla_attention(layer("mla"), xs, cache, pos, MINI)

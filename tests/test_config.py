@@ -57,6 +57,9 @@ INVALID_VALUE = {
     "max_seq_len": 100,  # not a multiple of kv_tile
     "ring_depth": 1,  # no slot to prefetch into
     "ring_block_bytes": 100_000,  # not a whole number of 64 KiB
+    "attention": "kda mla",  # not a kind name
+    "ffn": "",
+    "residual": "post-norm",
 }
 
 FIELD_NAMES = [field.name for field in dataclasses.fields(ModelConfig)]

@@ -147,7 +147,7 @@ def assert_states_match(actual, expected, *, same_inputs=True):
         if not same_inputs:
             error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
             assert error <= STATE_REL_TOL, f"{name}: relative error {error:.3g} > {STATE_REL_TOL}"
-        elif name == "['kda_state']":
+        elif name == "['kda']['recurrent']":
             np.testing.assert_allclose(a, b, atol=STATE_ATOL, rtol=0, err_msg=name)
         else:
             scale = float(np.abs(b).max()) or 1.0

@@ -300,7 +300,7 @@ def test_first_snapshot_is_the_embedding_and_state_layout(params):
     np.testing.assert_array_equal(aux["snapshots"][0], params["embed"][tokens])
     assert jax.tree.map(lambda a: (a.shape, a.dtype), new_state) == jax.tree.map(
         lambda a: (a.shape, a.dtype), state)
-    assert new_state["kda_conv"].shape == (5, batch, 3, 3, 2, 128)
+    assert new_state["kda"]["conv"].shape == (5, batch, 3, 3, 2, 128)
     assert new_state["mla"]["k"].shape == (2, batch, 2, MINI.max_seq_len, 256)
     assert np.isfinite(np.asarray(logits)).all() and logits.shape == (batch, MINI.vocab_size)
 

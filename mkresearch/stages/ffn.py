@@ -1,0 +1,145 @@
+"""The FFN kinds (spec/kimi-k3.md §6): the dense gated MLP and the latent MoE layer.
+
+MoE: a sigmoid (or softmax) router with a correction bias for selection only, the top-k routed
+experts working in a latent (down-projected, RMS-normalised, up-projected), their weighted sum
+taken in ascending expert id, and always-on shared experts on the full d.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mkresearch import spec
+from mkresearch.config import ModelConfig
+from mkresearch.numerics import (activation, bf, f32, i32, matmul, ordered_sum, rms_norm,
+                                 rows_at_least_two, softmax)
+from mkresearch.formats import dequantize
+
+
+def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    d, hidden = cfg.d_model, cfg.dense_hidden
+    return {"w_gate": spec.matrix(d, hidden), "w_up": spec.matrix(d, hidden),
+            "w_down": spec.matrix(hidden, d)}
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, Any]:
+    d, n_experts, latent, hidden = cfg.d_model, cfg.n_experts, cfg.moe_latent, cfg.expert_hidden
+
+    def expert(n_in, n_out):
+        return spec.matrix(n_in, n_out, quantized=True).stacked(n_experts)
+
+    table: dict[str, Any] = {
+        "w_router": spec.matrix(d, n_experts),
+        # small correction bias: changes some selections, never dominates the scores
+        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05)),
+        "w_ld": spec.matrix(d, latent),
+        "latent_norm": spec.norm((latent,), jnp.float32),
+        "w_lu": spec.matrix(latent, d),
+        "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
+                    "w2": expert(hidden, latent)},
+    }
+    if cfg.n_shared_experts:
+        table.update(w_sg=spec.matrix(d, cfg.shared_hidden), w_su=spec.matrix(d, cfg.shared_hidden),
+                     w_sd=spec.matrix(cfg.shared_hidden, d))
+    return table
+
+
+def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Router: expert_ids [B, k] i32 and expert_weights [B, k] f32 (§6.1).
+
+    r = x W_r (f32); s = σ(r) (or softmax); top-k of s + bias by iterated argmax (lowest index
+    wins ties); weights = s / Σ_top s from the UNcorrected scores, times cfg.routed_scale.
+    """
+    logits = matmul(x, p["w_router"])  # [B, E]
+    if cfg.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = softmax(logits)
+    selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
+    chosen = []
+    for _ in range(cfg.top_k):
+        best = jnp.argmax(selection, axis=-1)  # first maximum: the lowest index wins a tie
+        chosen.append(best)
+        selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
+    expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
+    top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    expert_weights = top_scores / ordered_sum(top_scores, keepdims=True) * cfg.routed_scale
+    return expert_ids, expert_weights
+
+
+def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
+                   expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Latent routed experts (§6.2–6.5): latent down, each expert, weighted combine, latent norm,
+    up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
+    fmt = cfg.expert_format
+    z = bf(matmul(x, p["w_ld"]))  # [B, Lat]
+    chosen = jax.tree.map(lambda w: w[expert_ids], p["experts"])  # each leaf [B, k, ...]
+    w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
+    def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
+        return rows_at_least_two(
+            lambda v2: jnp.einsum(spec, v2, w, preferred_element_type=f32), v, axis=-2)
+    zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], w1.shape[1], 1, z.shape[-1]))
+    g = bf(per_expert("bkml,bklf->bkmf", zk, w1))[:, :, 0]  # [B, k, F_e]
+    u = bf(per_expert("bkml,bklf->bkmf", zk, w3))[:, :, 0]
+    y = bf(per_expert("bkmf,bkfl->bkml", activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, Lat]
+    # ρ = bf(Σ w_e y_e), the f32 sum taken in ascending expert id: a row's ρ depends neither on
+    # the router's ranking nor on the other rows of the batch (kernels fetch each distinct expert
+    # of the batch once, in id order, and add it to the rows that chose it)
+    order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
+    coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
+    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, Lat]
+    rho = bf(lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                           jnp.zeros(y.shape[::2], f32)))  # [B, Lat]
+    rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
+    return matmul(rho_hat, p["w_lu"])  # [B, d] f32
+
+
+def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """MoE layer (§6): m = bf(routed + shared) [B, d] bf16."""
+    expert_ids, expert_weights = route(p, x, cfg)
+    routed = routed_experts(p, x, expert_ids, expert_weights, cfg)
+    if not cfg.n_shared_experts:
+        return bf(routed)
+    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
+    return bf(routed + matmul(hidden, p["w_sd"]))
+
+
+def dense_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dense layer (§6): m = bf(SiTU(bf(x W_g), bf(x W_u)) W_d) [B, d] bf16."""
+    hidden = activation(bf(matmul(x, p["w_gate"])), bf(matmul(x, p["w_up"])), cfg)
+    return bf(matmul(hidden, p["w_down"]))
+
+
+def moe_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+                 cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    del positions
+    expert_ids = route(p, x, cfg)[0]  # for aux: moe_ffn routes again (XLA computes it once)
+    return moe_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids}
+
+
+def dense_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+                   cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    del positions
+    return dense_ffn(p, x, cfg), layer_state, {}
+
+
+def _dense_label(cfg: ModelConfig) -> str:
+    layers = cfg.dense_layers
+    where = (f"layer {layers[0]}" if len(layers) == 1
+             else f"layers {layers[0]}-{layers[-1]}")
+    return f"dense FFN ({where})"
+
+
+DENSE = spec.register(spec.Stage(
+    name="dense", role=spec.FFN, params=dense_params, sublayer=dense_sublayer,
+    component=("dense", _dense_label), description="dense gated MLP"))
+
+MOE = spec.register(spec.Stage(
+    name="moe", role=spec.FFN, params=moe_params, sublayer=moe_sublayer,
+    component=("moe_nonrouted", lambda cfg: "MoE non-routed (router, latent, shared)"),
+    routed=("experts",),
+    description="routed latent experts (top-k of a sigmoid/softmax router) + shared experts"))
