@@ -59,13 +59,16 @@ def timeline_end_us(timeline: tl.Timeline, measured: Sequence[tl.Span] = ()) -> 
 
 def gantt_bars(timeline: tl.Timeline, measured: Sequence[tl.Span] = (), *,
                window_us: tuple[float, float] | None = None, pixel_us: float = 0.0) -> list[dict]:
-    """What `plot_gantt` draws: one dict per (row, kind) with lane, row, kind and `xranges`, a
-    list of (start_us, width_us) bars.
+    """What `plot_gantt` draws: one dict per (row, kind) with lane, row, kind, `xranges` (a list
+    of (start_us, width_us) bars) and `opacity` (one value in (0, 1] per bar).
 
-    Bars are clipped to `window_us` (None: everything). At a resolution of `pixel_us` per pixel,
-    bars closer than a pixel merge into one and every bar is at least a pixel wide, so a dense
-    lane draws as a few solid bars instead of thousands of hairlines. Spans that take no time
-    (phases that declare no work) are left out.
+    Spans are clipped to `window_us` (None: everything); spans that take no time (phases that
+    declare no work) are left out. With `pixel_us` = 0 the bars are the spans, touching ones
+    merged, all opaque. With a resolution of `pixel_us` per pixel the lane is drawn pixel column
+    by column: a column with any span in it is drawn, its opacity the fraction of its time that
+    is covered (at least MIN_OPACITY, so a short phase stays visible), and neighbouring columns
+    of equal opacity form one bar. So 13k spans draw as at most a few hundred bars per lane, and
+    a dense lane shows how busy it is instead of a solid block or thousands of hairlines.
     """
     if not (isinstance(pixel_us, (int, float)) and pixel_us >= 0 and math.isfinite(pixel_us)):
         raise ValueError(f"pixel_us={pixel_us!r} is invalid: a finite number >= 0")
@@ -83,15 +86,56 @@ def gantt_bars(timeline: tl.Timeline, measured: Sequence[tl.Span] = (), *,
     bars = []
     for key in sorted(groups, key=lambda k: (k[0], _kind_rank(k[1]))):
         group = groups[key]
-        merged: list[list[float]] = []
-        for start, end in sorted(group.pop("intervals")):
-            end = max(end, start + pixel_us)
-            if merged and (start <= merged[-1][1] or start - merged[-1][1] < pixel_us):
-                merged[-1][1] = max(merged[-1][1], end)  # touching, or a gap under a pixel
-            else:
-                merged.append([start, end])
-        bars.append(group | {"xranges": [(a, b - a) for a, b in merged]})
+        merged = _merge_touching(group.pop("intervals"))
+        if pixel_us > 0:
+            xranges, opacity = _pixel_columns(merged, pixel_us)
+        else:
+            xranges, opacity = [(a, b - a) for a, b in merged], [1.0] * len(merged)
+        bars.append(group | {"xranges": xranges, "opacity": opacity})
     return bars
+
+
+MIN_OPACITY = 0.25  # a pixel column with a sliver of a span in it is still drawn this strongly
+_OPACITY_LEVELS = 8  # opacities are rounded up to eighths, so equal neighbours merge
+
+
+def _merge_touching(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:  # overlapping (several DMA engines) or touching
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _pixel_columns(merged: list[tuple[float, float]],
+                   pixel_us: float) -> tuple[list[tuple[float, float]], list[float]]:
+    """Disjoint sorted intervals -> bars over pixel columns with the covered fraction as
+    opacity (see gantt_bars)."""
+    import numpy as np
+
+    first = math.floor(merged[0][0] / pixel_us)
+    n_columns = max(1, math.ceil(merged[-1][1] / pixel_us) - first)
+    edges = (first + np.arange(n_columns + 1)) * pixel_us
+    # time covered below x, piecewise linear through the interval ends: exact per column
+    points = np.array(merged).ravel()
+    covered = np.concatenate([[0.0], np.cumsum(np.diff(points) * (np.arange(len(points) - 1) % 2
+                                                                  == 0))])
+    fraction = np.diff(np.interp(edges, points, covered)) / pixel_us
+    level = np.where(fraction > 0, np.ceil(np.maximum(fraction, MIN_OPACITY) * _OPACITY_LEVELS
+                                           - 1e-9), 0) / _OPACITY_LEVELS
+    xranges, opacity = [], []
+    column = 0
+    while column < n_columns:
+        run = column
+        while run + 1 < n_columns and level[run + 1] == level[column]:
+            run += 1
+        if level[column] > 0:
+            xranges.append((float(edges[column]), float(edges[run + 1] - edges[column])))
+            opacity.append(float(min(1.0, level[column])))
+        column = run + 1
+    return xranges, opacity
 
 
 def _kind_rank(kind: str) -> int:
@@ -131,6 +175,7 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
     """Bars per lane against time (µs): DMA engines, compute, the compute unit's idle time by
     cause (each with its fraction of the step in the legend), measured spans."""
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch
 
     if ax is None:
@@ -141,8 +186,10 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
     bars = gantt_bars(timeline, measured, window_us=window_us,
                       pixel_us=(hi - lo) / width_px if hi > lo else 0.0)
     for bar in bars:  # one collection per lane and kind, no edges
-        ax.broken_barh(bar["xranges"], (bar["row"] - 0.4, 0.8), facecolors=COLORS[bar["kind"]],
-                       edgecolors="none", linewidth=0)
+        rgb = to_rgb(COLORS[bar["kind"]])
+        ax.broken_barh(bar["xranges"], (bar["row"] - 0.4, 0.8),
+                       facecolors=[(*rgb, a) for a in bar["opacity"]], edgecolors="none",
+                       linewidth=0, antialiased=False)  # no seams between pixel columns
     lanes = gantt_lanes(timeline, measured)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)  # row 0 on top
@@ -151,7 +198,9 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
     handles = [Patch(facecolor=COLORS[k], label=_legend_label(timeline, k)) for k in kinds]
     if handles:
         legend_outside(ax, handles)
-    ax.set_xlabel("time (µs)")
+    shaded = any(a < 1 for bar in bars for a in bar["opacity"])
+    ax.set_xlabel("time (µs)" + ("; pale: spans denser than a pixel, shaded by the fraction of the "
+                                 "time they cover" if shaded else ""))
     if hi > lo:  # the whole step gets a 1% margin so its last bar is not cut by the frame
         ax.set_xlim(lo, hi + (0.01 * (hi - lo) if window_us is None else 0.0))
     default = (f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "

@@ -34,6 +34,7 @@ from mkresearch.timeline_plots import (  # noqa: F401 - the static views, re-exp
     COLORS,
     IDLE_LANES,
     LABELS,
+    MIN_OPACITY,
     gantt_bars,
     gantt_lanes,
     gantt_rows,
