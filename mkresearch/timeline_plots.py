@@ -179,9 +179,28 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3))
+        _, ax = plt.subplots(figsize=(10, 3), layout="constrained")
     end = timeline_end_us(timeline, measured)
     lo, hi = window_us if window_us is not None else (0.0, end)
+    rows = gantt_rows(timeline, measured)
+    lanes = gantt_lanes(timeline, measured)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)  # row 0 on top
+    kinds = [k for k in _KIND_ORDER if any(r["kind"] == k and r["end_us"] > r["start_us"]
+                                           for r in rows) or (k in IDLE_LANES and timeline.spans)]
+    if kinds:
+        legend_outside(ax, [Patch(facecolor=COLORS[k], label=_legend_label(timeline, k))
+                            for k in kinds])
+    if hi > lo:  # the whole step gets a 1% margin so its last bar is not cut by the frame
+        ax.set_xlim(lo, hi + (0.01 * (hi - lo) if window_us is None else 0.0))
+    default = (f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "
+               f"{timeline.roofline_fraction:.0%} of the HBM roofline")
+    if window_us is not None:
+        default += f" (window {lo:.4g}–{hi:.4g} µs)"
+    ax.set_title(title or default)
+    ax.set_xlabel("time (µs)")
+    if ax.figure.get_layout_engine() is not None:
+        ax.figure.draw_without_rendering()  # lays out ticks and legend: the axes' final width
     width_px = max(1.0, ax.get_window_extent().width)
     bars = gantt_bars(timeline, measured, window_us=window_us,
                       pixel_us=(hi - lo) / width_px if hi > lo else 0.0)
@@ -190,24 +209,9 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
         ax.broken_barh(bar["xranges"], (bar["row"] - 0.4, 0.8),
                        facecolors=[(*rgb, a) for a in bar["opacity"]], edgecolors="none",
                        linewidth=0, antialiased=False)  # no seams between pixel columns
-    lanes = gantt_lanes(timeline, measured)
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_ylim(len(lanes) - 0.5, -0.5)  # row 0 on top
-    kinds = [k for k in _KIND_ORDER if any(b["kind"] == k for b in bars)
-             or (k in IDLE_LANES and timeline.spans)]
-    handles = [Patch(facecolor=COLORS[k], label=_legend_label(timeline, k)) for k in kinds]
-    if handles:
-        legend_outside(ax, handles)
-    shaded = any(a < 1 for bar in bars for a in bar["opacity"])
-    ax.set_xlabel("time (µs)" + ("; pale: spans denser than a pixel, shaded by the fraction of the "
-                                 "time they cover" if shaded else ""))
-    if hi > lo:  # the whole step gets a 1% margin so its last bar is not cut by the frame
-        ax.set_xlim(lo, hi + (0.01 * (hi - lo) if window_us is None else 0.0))
-    default = (f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "
-               f"{timeline.roofline_fraction:.0%} of the HBM roofline")
-    if window_us is not None:
-        default += f" (window {lo:.4g}–{hi:.4g} µs)"
-    ax.set_title(title or default)
+    if any(a < 1 for bar in bars for a in bar["opacity"]):
+        ax.set_xlabel("time (µs); pale: spans denser than a pixel, shaded by the fraction of the "
+                      "time they cover")
     return ax
 
 
@@ -250,6 +254,7 @@ def timeline_figure(timeline: tl.Timeline, measured: Sequence[tl.Span] = (),
     plt.close(fig)
     plot_vmem(timeline, vmem)
     plot_gantt(timeline, gantt, measured, title, window_us)  # last: its x range wins
+    vmem.set_xlabel(gantt.get_xlabel())  # the shared time axis, with the Gantt's shading note
     gantt.set_xlabel("")
     return fig
 
