@@ -166,7 +166,7 @@ for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
 # %% [markdown]
 # Read the compute lane with care: a phase lasts `max(FLOPs / MXU peak, VMEM bytes / VMEM
 # bandwidth)` with the FLOPs and bytes *the kernel declares* in `dma.phase(...)`. Phases that
-# declare neither draw with zero width, so those stages' compute is not yet in the model.
+# declare neither take no time and are not drawn, so those stages' compute is not yet in the model.
 #
 # ## Idle time by cause
 #

@@ -161,16 +161,13 @@ def test_notebook_01_runs_and_its_chip_control_redraws(lab, browser, tmp_path):
 
     _wait(browser, finished, RUN_ALL_TIMEOUT_S, "every cell of notebook 01 to run")
 
-    def dropdown(label):
-        return browser.find_element(
-            By.XPATH, f"//div[contains(@class, 'widget-dropdown')][label[normalize-space()="
-                      f"'{label}']]//select")
+    def dropdowns(label):
+        return browser.find_elements(By.XPATH, "//div[contains(@class, 'widget-dropdown')]"
+                                               f"[label[normalize-space()='{label}']]//select")
 
-    chip = _wait(browser, lambda: browser.find_elements(
-        By.XPATH, "//div[contains(@class, 'widget-dropdown')][label[normalize-space()='chip']]"
-                  "//select"), 30, "the explorer's chip dropdown")[0]
+    chip = _wait(browser, lambda: dropdowns("chip"), 30, "the explorer's chip dropdown")[0]
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", chip)
-    assert Select(dropdown("buffers")).first_selected_option.text == "as recorded"
+    assert Select(dropdowns("buffers")[0]).first_selected_option.text == "as recorded"
     explorer = chip.find_element(By.XPATH, "ancestor::div[contains(@class, 'mkresearch-explorer-')]")
     summary = explorer.find_element(By.CSS_SELECTOR, ".widget-html-content")
     before = summary.text
