@@ -52,7 +52,7 @@ CHIP_CHOICES = ("v5e", "v6e", "v5p", "tpu7x")
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BUFFER_CHOICES = (1, 2, 3)
 AS_RECORDED = "as recorded"  # the buffers dropdown's first option: the log's own buffering
-ZOOM_MIN_SPANS = 200  # timelines with at least this many spans get a time-window slider
+ZOOM_MIN_SPANS = 50  # from this many spans on, bars get a few pixels wide: a time-window slider
 
 
 # ---- data functions (pure) -------------------------------------------------------------------
