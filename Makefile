@@ -1,5 +1,6 @@
-# make demo | test | test-fast | lab | figures | notebooks — each creates .venv and installs the package first.
-# Needs only Python 3.11 and make.
+# make demo | test | test-fast | lab | figures | notebooks | recorded — each creates .venv and
+# installs the package first. Needs only Python 3.11 and make (and, for the browser test, Debian's
+# chromium).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,6 +26,19 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
 
+# Headless Chromium and its driver for tests/test_browser.py, from Debian's packages when this is
+# a Debian machine and we are root (CI is); otherwise, or if apt fails, that test skips and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				chromium chromium-driver >/dev/null) \
+			|| echo "make browser: apt-get could not install chromium; the browser test will skip"; \
+		else \
+			echo "make browser: no chromium, and no apt-get as root; the browser test will skip"; \
+		fi; \
+	fi
+
 # A second XLA:CPU configuration that computes the floats in another way: YNNPACK dots (another
 # summation order), one Eigen thread, and on x86 no FMA in the vectorised exp/tanh (AVX without
 # AVX2). A checked notebook fact must come out the same under both, as on another machine.
@@ -34,9 +48,10 @@ OTHER_XLA_FLAGS += --xla_cpu_max_isa=AVX
 endif
 NBVAL := $(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
-# pytest over tests/, then nbval over every committed notebook (fact cells are compared) under
-# the default XLA:CPU configuration and under OTHER_XLA_FLAGS.
-test: venv
+# pytest over tests/, then nbval over every committed notebook (fact cells are compared, and each
+# notebook's run time against its budget: notebooks/conftest.py) under the default XLA:CPU
+# configuration and under OTHER_XLA_FLAGS.
+test: venv browser
 	$(BIN)/python -m pytest tests
 ifneq ($(NOTEBOOKS),)
 	$(NBVAL) $(NOTEBOOKS)
@@ -53,9 +68,14 @@ lab: venv
 figures: venv
 	$(BIN)/mkresearch figures --out figures
 
+# Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
+# megakernel compiled for TPU7x at kimi-k3-rank shapes.
+recorded: venv
+	$(BIN)/python -m mkresearch.recorded
+
 # Re-execute every notebook from its jupytext .py twin (the .py is the source of truth).
 notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
 		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
 
-.PHONY: venv demo test test-fast lab figures notebooks
+.PHONY: venv demo browser test test-fast lab figures recorded notebooks

@@ -1,10 +1,11 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, bench, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
         [--backend megakernel|reference] [--chip tpu7x] [--json]
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
         [--out figures]
+    mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
     mkresearch figures [--out figures] [--only roofline]
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -262,7 +263,7 @@ def _print_decode(result: dict) -> None:
 def _parser() -> _Parser:
     parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{info,decode,bench,figures}")
+                                     metavar="{info,decode,bench,compile,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
     p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
@@ -300,6 +301,14 @@ def _parser() -> _Parser:
                    help="TPU chip the megakernel is built for and of the predictions")
     p.add_argument("--out", default="figures",
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
+
+    p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
+                                            "shapes (libtpu, no TPU needed)")
+    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
+    p.add_argument("--record", action="store_true",
+                   help="write the result where notebooks read it (mkresearch/recorded/)")
 
     p = commands.add_parser("figures", help="write every registered figure as PNG")
     p.add_argument("--out", default="figures", help="output directory (default figures)")
@@ -386,6 +395,25 @@ def _run(argv: Sequence[str] | None) -> int:
                   f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
                   f"tokens/s ({p['label']})")
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
+        return 0
+
+    if args.command == "compile":
+        from mkresearch import recorded
+        from mkresearch.kernels import megakernel
+
+        cfg = _model(args.model)
+        _megakernel_batch("--batch", args.batch)
+        chip = _chip(args.chip)
+        try:
+            result, plan = megakernel.compile_step(cfg, args.batch, chip=chip)
+        except ValueError as error:  # a model the megakernel does not build, a plan over VMEM
+            raise UsageError(f"compile {cfg.name}: {str(error).splitlines()[0]}") from None
+        print(plan.vmem.table())
+        print(result)
+        if args.record:
+            path = recorded.record_compile(result, plan,
+                                           recorded.compile_path(cfg.name, args.batch, chip))
+            print(f"wrote {path}")
         return 0
 
     if args.command == "figures":

@@ -2,7 +2,7 @@
 
 Pure Python, no JAX: the input is the program-order log of `mkresearch.kernels.dma` (or its JSON
 records), the output a `Timeline` of per-lane spans, VMEM bytes in use over time, the step time,
-the HBM-roofline fraction and the bubbles. The simulation is event-driven:
+the HBM-roofline fraction and the times the compute unit is idle. The simulation is event-driven:
 
 * The program (the TensorCore's scalar unit) runs the log in order. `dma_start` issues a DMA and
   moves on; `dma_wait` blocks until that DMA has completed; a compute phase (`phase_start` ..
@@ -11,8 +11,10 @@ the HBM-roofline fraction and the bubbles. The simulation is event-driven:
 * DMAs: each becomes ready `dma_latency` after its issue, then takes a free DMA engine in issue
   order. The engines share the HBM bandwidth (each of the k engines moving bytes gets 1/k of it),
   so one engine alone gets the full bandwidth and k engines together never exceed it.
-* Bubbles are the times the compute unit is idle: `dma_wait` when a DMA is moving bytes meanwhile
-  (compute waits on HBM), `idle` when neither compute nor any DMA runs (DMA latency, issue gaps).
+* The compute unit's idle time has two causes, told apart because only one of them is waste:
+  `hbm_busy` when a DMA moves bytes meanwhile ("compute idle: HBM busy": the step is bound by
+  HBM there, which is what a bandwidth-bound step at the roofline looks like), and `bubble` when
+  nothing moves, neither compute nor any DMA ("bubble: nothing moves": DMA latency, issue gaps).
 
 Every chip parameter is a `TimelineChip` field whose source is in `TimelineChip.sources`: figures
 come from `mkresearch.chips.CHIPS` (per JAX device); what no public source gives is marked as an
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import json
 import math
 from collections import deque
@@ -35,7 +36,7 @@ from typing import Any
 from mkresearch.chips import CHIPS, get_chip
 
 DMA_KINDS = ("dma_start", "dma_wait", "phase_start", "phase_end")
-BUBBLE_CAUSES = ("dma_wait", "idle")
+IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
 COMPUTE_LANE = "MXU/VPU"
 
 # ---- assumptions (no public figure; each is a TimelineChip field that can be overridden) -------
@@ -207,10 +208,17 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Bubble:
+class Idle:
+    """An interval in which the compute unit is idle, with its cause (one of IDLE_CAUSES).
+
+    "hbm_busy": a DMA moves bytes meanwhile: compute waits on HBM, and HBM is busy, so the time
+    is not lost (a bandwidth-bound step at the roofline is compute-idle most of the time).
+    "bubble": nothing moves, no compute and no DMA: DMA latency or issue gaps, real waste.
+    """
+
     start: float
     end: float
-    cause: str  # "dma_wait": compute waits while a DMA moves bytes; "idle": nothing runs
+    cause: str
 
     @property
     def duration(self) -> float:
@@ -225,7 +233,7 @@ class Timeline:
     total_s: float
     dma_bytes: int
     flops: float
-    bubbles: tuple[Bubble, ...]
+    idle: tuple[Idle, ...]  # the compute unit's idle intervals, by cause
 
     @property
     def hbm_floor_s(self) -> float:
@@ -254,11 +262,18 @@ class Timeline:
         """Seconds during which at least one span of `kind` runs ("dma" or "compute")."""
         return _union_length([(s.start, s.end) for s in self.spans if s.kind == kind])
 
-    def bubble_s(self, cause: str | None = None) -> float:
-        return sum(b.duration for b in self.bubbles if cause is None or b.cause == cause)
+    def idle_s(self, cause: str | None = None) -> float:
+        """Seconds the compute unit is idle for `cause` ("hbm_busy" or "bubble"; None: both)."""
+        if cause is not None and cause not in IDLE_CAUSES:
+            raise ValueError(f"cause={cause!r} is invalid: None or one of {IDLE_CAUSES}")
+        return sum(i.duration for i in self.idle if cause is None or i.cause == cause)
 
-    def bubbles_by_cause(self) -> dict[str, float]:
-        return {cause: self.bubble_s(cause) for cause in BUBBLE_CAUSES}
+    def idle_by_cause(self) -> dict[str, float]:
+        return {cause: self.idle_s(cause) for cause in IDLE_CAUSES}
+
+    def step_fraction(self, seconds: float) -> float:
+        """`seconds` as a fraction of the step (0 for an empty step)."""
+        return seconds / self.total_s if self.total_s > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, for a table row."""
@@ -271,8 +286,10 @@ class Timeline:
             "flops": self.flops,
             "compute_busy_us": self.busy_s("compute") * 1e6,
             "dma_busy_us": self.busy_s("dma") * 1e6,
-            "bubble_dma_wait_us": self.bubble_s("dma_wait") * 1e6,
-            "bubble_idle_us": self.bubble_s("idle") * 1e6,
+            "idle_hbm_busy_us": self.idle_s("hbm_busy") * 1e6,
+            "bubble_us": self.idle_s("bubble") * 1e6,
+            "idle_hbm_busy_fraction": self.step_fraction(self.idle_s("hbm_busy")),
+            "bubble_fraction": self.step_fraction(self.idle_s("bubble")),
             "peak_vmem_bytes": self.peak_vmem_bytes,
         }
 
@@ -451,7 +468,7 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
     spans = tuple(sorted(dma_spans + compute, key=lambda s: (s.start, s.lane)))
     return Timeline(chip=chip, spans=spans, vmem=_vmem_curve(dmas), total_s=total,
                     dma_bytes=sum(d.event.nbytes for d in dmas), flops=flops_total,
-                    bubbles=tuple(_bubbles(compute, dma_spans, total)))
+                    idle=tuple(_compute_idle(compute, dma_spans, total)))
 
 
 def _match_keys(ev: LogEvent) -> list[tuple]:
@@ -497,7 +514,7 @@ def _vmem_curve(dmas: list[_Dma]) -> tuple[tuple[float, int], ...]:
     return tuple(curve)
 
 
-def _bubbles(compute: list[Span], dma_spans: list[Span], total: float) -> list[Bubble]:
+def _compute_idle(compute: list[Span], dma_spans: list[Span], total: float) -> list[Idle]:
     busy = _merge((s.start, s.end) for s in compute)
     moving = _merge((s.start, s.end) for s in dma_spans)
     idle_compute, cursor = [], 0.0
@@ -507,17 +524,25 @@ def _bubbles(compute: list[Span], dma_spans: list[Span], total: float) -> list[B
         cursor = max(cursor, b)
     if total > cursor:
         idle_compute.append((cursor, total))
-    bubbles = []
-    for a, b in idle_compute:  # split each compute gap by whether a DMA moves bytes meanwhile
-        cuts = sorted({a, b} | {x for m in moving for x in m if a < x < b})
-        for lo, hi in itertools.pairwise(cuts):
-            mid = (lo + hi) / 2
-            cause = "dma_wait" if any(m0 <= mid < m1 for m0, m1 in moving) else "idle"
-            if bubbles and bubbles[-1].cause == cause and bubbles[-1].end == lo:
-                bubbles[-1] = Bubble(bubbles[-1].start, hi, cause)
+    # Split each compute gap by whether a DMA moves bytes meanwhile: one sweep over both sorted
+    # lists (gaps and the merged, disjoint moving intervals), linear in the number of spans.
+    idle: list[Idle] = []
+    i = 0
+    for a, b in idle_compute:
+        cursor = a
+        while cursor < b:
+            while i < len(moving) and moving[i][1] <= cursor:
+                i += 1
+            if i < len(moving) and moving[i][0] <= cursor:
+                end, cause = min(b, moving[i][1]), "hbm_busy"
             else:
-                bubbles.append(Bubble(lo, hi, cause))
-    return bubbles
+                end, cause = (min(b, moving[i][0]) if i < len(moving) else b), "bubble"
+            if idle and idle[-1].cause == cause and idle[-1].end == cursor:
+                idle[-1] = Idle(idle[-1].start, end, cause)
+            else:
+                idle.append(Idle(cursor, end, cause))
+            cursor = end
+    return idle
 
 
 def vmem_at(timeline: Timeline, time: float) -> int:
@@ -653,7 +678,7 @@ def scale_batch(log: Any, factor: float) -> list[LogEvent]:
 # ---- closed forms to check the model against -------------------------------------------------
 def guide_compute_bound_s(alpha: float, x_bytes: float, beta: float, n: int, y_flops: float,
                           f: float) -> float:
-    """Pallas pipelining guide, compute-bound: (α + X/β) + N·Y/F (one bubble at the start)."""
+    """Pallas pipelining guide, compute-bound: (α + X/β) + N·Y/F (the first copy is exposed)."""
     return (alpha + x_bytes / beta) + n * (y_flops / f)
 
 

@@ -3,32 +3,56 @@
 Every view is a thin layer over a pure data function, which the tests cover:
 
     what_if(log, chip, batch, n_buffers, base_batch)  -> Timeline   (the control bar's data)
-    gantt_rows(timeline, measured)                   -> list of bars
+    gantt_rows(timeline, measured)                   -> list of bars, one per span
+    gantt_bars(timeline, measured, window, pixel)    -> what plot_gantt draws: one group per lane
+                                                        and kind, sub-pixel gaps merged
     vmem_steps(timeline)                             -> (times_us, bytes)
-    bubble_rows(timeline) / summary_rows({label: timeline})
+    idle_rows(timeline) / summary_rows({label: timeline}) / time_split_rows / summary_line
 
-`plot_gantt`, `plot_vmem` and `timeline_figure` draw them with matplotlib (a static figure: what a
-notebook keeps when it is rendered without a kernel, e.g. on GitHub). `TimelineExplorer` is the
-ipywidgets view: dropdowns for chip (v5e, v6e, v5p, TPU7x), batch size and buffer count redraw the
-figure from the same recorded log. It renders in JupyterLab and Colab; `show()` falls back to the
-static figure where ipywidgets is missing or there is no kernel to talk to.
+The static figures (`plot_gantt`, `plot_vmem`, `timeline_figure`, `plot_time_split`) live in
+`mkresearch.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
+dropdowns for chip (v5e, v6e, v5p, TPU7x), batch size and buffer count (and a time window for
+long timelines) redraw the figure from the same recorded log. Displayed, it leaves two outputs:
+the figure as a plain `image/png` (what GitHub, nbviewer, an untrusted or reopened notebook
+show) and the live controls. `show()` falls back to the static figure where ipywidgets is
+missing or there is no kernel to talk to.
+
+The compute unit's idle time has two causes (`mkresearch.timeline.Idle`): "compute idle: HBM
+busy" (a DMA moves bytes meanwhile: what a bandwidth-bound step looks like, not waste) and
+"bubble: nothing moves" (latency, issue gaps: waste). Both are drawn, labelled and summed apart.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mkresearch import timeline as tl
+from mkresearch.timeline_plots import (  # noqa: F401 - the static views, re-exported
+    COLORS,
+    IDLE_LANES,
+    LABELS,
+    MIN_OPACITY,
+    gantt_bars,
+    gantt_lanes,
+    gantt_rows,
+    legend_outside,
+    plot_gantt,
+    plot_time_split,
+    plot_vmem,
+    time_split_rows,
+    timeline_end_us,
+    timeline_figure,
+    vmem_steps,
+)
 
 CHIP_CHOICES = ("v5e", "v6e", "v5p", "tpu7x")
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 BUFFER_CHOICES = (1, 2, 3)
-_COLORS = {"dma": "#4C72B0", "compute": "#DD8452", "measured": "#55A868"}
-_BUBBLE_COLORS = {"dma_wait": "#C44E52", "idle": "#BBBBBB"}
-_LEGEND = {"dma": "DMA moving bytes", "compute": "compute phase",
-           "dma_wait": "bubble: compute waits on DMA", "idle": "bubble: nothing runs",
-           "measured": "measured (trace)"}
+AS_RECORDED = "as recorded"  # the buffers dropdown's first option: the log's own buffering
+ZOOM_MIN_SPANS = 50  # from this many spans on, bars get a few pixels wide: a time-window slider
 
 
 # ---- data functions (pure) -------------------------------------------------------------------
@@ -52,45 +76,26 @@ def what_if(log: Any, chip: str | tl.TimelineChip = "tpu7x", *, batch: int | Non
     return tl.simulate(events, chip, vpu_phases=vpu_phases)
 
 
-def gantt_rows(timeline: tl.Timeline, measured: Sequence[tl.Span] = ()) -> list[dict]:
-    """One dict per bar: lane, row (0 = top), name, kind, start_us, end_us. DMA lanes first, then
-    compute, then bubbles, then one row per measured scope (spans from a trace, see profiling)."""
-    lanes = timeline.lanes + ["bubbles"]
-    # measured spans get one row per scope name (their own lane is a profiler thread)
-    measured_lanes = list(dict.fromkeys(f"measured: {s.name}" for s in measured))
-    order = {lane: i for i, lane in enumerate(lanes + measured_lanes)}
-    rows = [{"lane": s.lane, "row": order[s.lane], "name": s.name, "kind": s.kind,
-             "start_us": s.start * 1e6, "end_us": s.end * 1e6} for s in timeline.spans]
-    rows += [{"lane": "bubbles", "row": order["bubbles"], "name": b.cause, "kind": b.cause,
-              "start_us": b.start * 1e6, "end_us": b.end * 1e6} for b in timeline.bubbles]
-    rows += [{"lane": f"measured: {s.name}", "row": order[f"measured: {s.name}"], "name": s.name,
-              "kind": "measured", "start_us": s.start * 1e6, "end_us": s.end * 1e6}
-             for s in measured]
-    return rows
-
-
-def vmem_steps(timeline: tl.Timeline) -> tuple[list[float], list[int]]:
-    """The VMEM occupancy step function as (times in µs, bytes from that time on), closed at the
-    end of the step."""
-    times = [t * 1e6 for t, _ in timeline.vmem]
-    values = [b for _, b in timeline.vmem]
-    end = timeline.total_s * 1e6
-    if not times or times[-1] < end:
-        times.append(end)
-        values.append(values[-1] if values else 0)
-    return times, values
-
-
-def bubble_rows(timeline: tl.Timeline) -> list[dict]:
-    """Bubble time by cause, in µs and as a fraction of the step."""
-    total = timeline.total_s or 1.0
-    return [{"cause": cause, "us": seconds * 1e6, "fraction": seconds / total}
-            for cause, seconds in timeline.bubbles_by_cause().items()]
+def idle_rows(timeline: tl.Timeline) -> list[dict]:
+    """The compute unit's idle time by cause: label, µs and fraction of the step."""
+    return [{"cause": cause, "label": LABELS[cause], "us": seconds * 1e6,
+             "fraction": timeline.step_fraction(seconds)}
+            for cause, seconds in timeline.idle_by_cause().items()]
 
 
 def summary_rows(timelines: Mapping[str, tl.Timeline]) -> list[dict]:
-    """One row per labelled timeline: step time, HBM floor, roofline fraction, bubbles, VMEM."""
+    """One row per labelled timeline: step time, HBM floor, roofline fraction, compute idle by
+    cause (µs and fraction of the step), VMEM."""
     return [{"label": label, **timeline.summary()} for label, timeline in timelines.items()]
+
+
+def summary_line(timeline: tl.Timeline) -> str:
+    """One line of headline numbers (the control bar shows it above the figure)."""
+    s = timeline.summary()
+    return (f"step {s['total_us']:.2f} µs · HBM floor {s['hbm_floor_us']:.2f} µs · "
+            f"{s['roofline_fraction']:.0%} of roofline · {LABELS['hbm_busy']} "
+            f"{s['idle_hbm_busy_fraction']:.0%} of the step · {LABELS['bubble']} "
+            f"{s['bubble_fraction']:.0%} · peak VMEM {s['peak_vmem_bytes'] / 2**20:.2f} MiB")
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
@@ -106,75 +111,12 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
 
 
-# ---- static figures (matplotlib) -------------------------------------------------------------
-def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
-               title: str | None = None):
-    """Bars per lane against time (µs): DMA engines, compute, bubbles, measured spans."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3))
-    rows = gantt_rows(timeline, measured)
-    labels: dict[int, str] = {}
-    for r in rows:
-        color = _COLORS.get(r["kind"]) or _BUBBLE_COLORS.get(r["kind"], "#888888")
-        ax.broken_barh([(r["start_us"], r["end_us"] - r["start_us"])], (r["row"] - 0.4, 0.8),
-                       facecolors=color, edgecolors="white", linewidth=0.3,
-                       hatch="//" if r["kind"] == "measured" else None)
-        labels[r["row"]] = r["lane"]
-    ax.set_yticks(sorted(labels), [labels[i] for i in sorted(labels)])
-    kinds = dict.fromkeys(r["kind"] for r in rows)
-    handles = [Patch(facecolor=_COLORS.get(k) or _BUBBLE_COLORS.get(k, "#888888"),
-                     label=_LEGEND.get(k, k)) for k in kinds]
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
-                  frameon=False)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (µs)")
-    end = max(timeline.total_s * 1e6, max((r["end_us"] for r in rows), default=0))
-    if end > 0:
-        ax.set_xlim(0, end)
-    ax.set_title(title or f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "
-                 f"{timeline.roofline_fraction:.0%} of the HBM roofline")
-    return ax
-
-
-def plot_vmem(timeline: tl.Timeline, ax=None):
-    """VMEM bytes in use (MiB) against time, with the chip's VMEM capacity in the title."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2))
-    times, values = vmem_steps(timeline)
-    ax.step(times, [v / 2**20 for v in values], where="post", color=_COLORS["dma"])
-    ax.fill_between(times, [v / 2**20 for v in values], step="post", alpha=0.3,
-                    color=_COLORS["dma"])
-    ax.set_ylabel("VMEM (MiB)")
-    ax.set_xlabel("time (µs)")
-    if timeline.total_s > 0:
-        ax.set_xlim(0, timeline.total_s * 1e6)
-    ax.set_title(f"VMEM in use: peak {timeline.peak_vmem_bytes / 2**20:.2f} MiB of "
-                 f"{timeline.chip.vmem_capacity / 2**20:.0f} MiB")
-    return ax
-
-
-def timeline_figure(timeline: tl.Timeline, measured: Sequence[tl.Span] = (),
-                    title: str | None = None):
-    """Gantt chart over VMEM occupancy, one figure, returned and not shown: a notebook cell that
-    ends with it (or `display(fig)`) shows it once. It is made by pyplot, which sets up the
-    notebook's figure display, and closed there at once so that pyplot does not show it again."""
-    import matplotlib.pyplot as plt
-
-    n_lanes = len(timeline.lanes) + 1 + len({s.name for s in measured})
-    fig, (gantt, vmem) = plt.subplots(2, 1, figsize=(10, 1.2 + 0.45 * n_lanes + 1.8),
-                                      height_ratios=[max(2, n_lanes), 2], sharex=True,
-                                      layout="constrained")
-    plt.close(fig)
-    plot_vmem(timeline, vmem)
-    plot_gantt(timeline, gantt, measured, title)  # last: its x range (measured spans too) wins
-    gantt.set_xlabel("")
-    return fig
+def png_bundle(fig, text: str) -> dict[str, str]:
+    """A figure as a display bundle of its PNG (base64) and a one-line text, for
+    `display(bundle, raw=True)`: the same picture under any matplotlib backend."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    return {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": text}
 
 
 # ---- the interactive view --------------------------------------------------------------------
@@ -190,10 +132,15 @@ def widgets_available() -> bool:
 
 
 class TimelineExplorer:
-    """A control bar (chip, batch, buffers) over a Gantt + VMEM figure of one recorded log.
+    """A control bar (chip, batch, buffers, and a time window for long timelines) over a Gantt +
+    VMEM figure of one recorded log.
 
-    `explorer.widget` is the ipywidgets box; displaying the explorer displays it. `timeline` is
-    the current data; `redraw()` recomputes it from the log (the dropdowns call it).
+    Displaying the explorer shows the current figure as a static `image/png` output, then
+    `explorer.widget`: the controls, the summary line and an output area. The first change of a
+    control draws the new figure into that area and puts in a style rule that hides the static
+    output above it, so a live notebook shows one figure; where the widget cannot render (GitHub,
+    nbviewer, an untrusted or reopened notebook) the static figure stays. `timeline` is the
+    current data; `redraw()` recomputes it from the log (the controls call it).
     """
 
     def __init__(self, log: Any, *, chip: str = "tpu7x", batch: int = 1, n_buffers: int | None = None,
@@ -212,50 +159,85 @@ class TimelineExplorer:
         self.base_batch, self.measured, self.vpu_phases = base_batch, tuple(measured), vpu_phases
         self.chip = w.Dropdown(options=list(chips), value=chip, description="chip")
         self.batch = w.Dropdown(options=list(batches), value=batch, description="batch")
-        self.buffers = w.Dropdown(options=[("as recorded", None)] + [(str(b), b) for b in buffers],
-                                  value=n_buffers, description="buffers")
+        # a real option for "as recorded": a None value would show as an empty dropdown
+        self.buffers = w.Dropdown(options=[AS_RECORDED, *buffers],
+                                  value=AS_RECORDED if n_buffers is None else n_buffers,
+                                  description="buffers")
+        self.window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5,
+                                         description="window %", continuous_update=False,
+                                         readout_format=".1f")
         self.summary = w.HTML()
         self.output = w.Output()
-        for control in (self.chip, self.batch, self.buffers):
-            control.observe(lambda _change: self.redraw(), names="value")
-        self.widget = w.VBox([w.HBox([self.chip, self.batch, self.buffers]), self.summary,
-                              self.output])
+        self._live_style = w.HTML()  # empty until the first redraw after display
+        self._displayed = False
         self.timeline: tl.Timeline | None = None
         self.figure = None
+        self.timeline = self.compute()
+        controls = [self.chip, self.batch, self.buffers]
+        if len(self.timeline.spans) >= ZOOM_MIN_SPANS:
+            controls.append(self.window)
+        for control in controls:
+            control.observe(lambda _change: self.redraw(), names="value")
+        self.widget = w.VBox([w.HBox(controls), self.summary, self.output, self._live_style])
+        self._css_class = f"mkresearch-explorer-{self.widget.model_id}"
+        self.widget.add_class(self._css_class)
         self.redraw()
+
+    @property
+    def n_buffers(self) -> int | None:
+        """The buffers dropdown as `what_if` reads it: None keeps the log's own buffering."""
+        return None if self.buffers.value == AS_RECORDED else self.buffers.value
+
+    @property
+    def window_us(self) -> tuple[float, float] | None:
+        """The time window (µs) the figure shows; None for the whole step."""
+        lo, hi = self.window.value
+        if (lo, hi) == (self.window.min, self.window.max):
+            return None
+        end = timeline_end_us(self.timeline, self.measured)
+        return lo / 100 * end, max(hi, lo + self.window.step) / 100 * end
 
     def compute(self) -> tl.Timeline:
         return what_if(self.events, self.chip.value, batch=self.batch.value,
-                       n_buffers=self.buffers.value, base_batch=self.base_batch,
+                       n_buffers=self.n_buffers, base_batch=self.base_batch,
                        vpu_phases=self.vpu_phases)
 
     def redraw(self) -> None:
         self.timeline = self.compute()
-        s = self.timeline.summary()
-        self.summary.value = (
-            f"step <b>{s['total_us']:.2f} µs</b> · HBM floor {s['hbm_floor_us']:.2f} µs · "
-            f"<b>{s['roofline_fraction']:.0%}</b> of roofline · bubbles: compute waits on DMA "
-            f"{s['bubble_dma_wait_us']:.2f} µs, idle {s['bubble_idle_us']:.2f} µs · "
-            f"peak VMEM {s['peak_vmem_bytes'] / 2**20:.2f} MiB")
-        self.figure = timeline_figure(self.timeline, self.measured)
+        self.summary.value = summary_line(self.timeline)
+        self.figure = timeline_figure(self.timeline, self.measured, window_us=self.window_us)
+        if not self._displayed:
+            return  # the figure is shown as the static output when the explorer is displayed
+        # From now on the figure lives in the widget: hide the (stale) static output before it.
+        # Only a rendered widget puts the rule in, so where widgets do not render nothing hides.
+        self._live_style.value = (f"<style>.jp-OutputArea-child:has(+ .jp-OutputArea-child "
+                                  f".{self._css_class}) {{display: none;}}</style>")
         self.output.clear_output(wait=True)
         with self.output:
-            _display(self.figure)
+            _display(png_bundle(self.figure, self._figure_text()), raw=True)
+
+    def _figure_text(self) -> str:
+        return f"<timeline figure: {summary_line(self.timeline)}>"
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        _display(png_bundle(self.figure, self._figure_text()), raw=True)
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = (f"{self!r}: live controls (they need a running kernel); the "
+                                "figure above is their view as first drawn")
+        _display(bundle, raw=True)
+        self._displayed = True
 
     def __repr__(self) -> str:
         return (f"TimelineExplorer(chip={self.chip.value!r}, batch={self.batch.value}, "
-                f"buffers={self.buffers.value})")
+                f"buffers={self.buffers.value!r})")
 
 
-def _display(obj) -> None:
+def _display(obj, **kwargs: Any) -> None:
     try:
         from IPython.display import display
     except ImportError:
         return
-    display(obj)
+    display(obj, **kwargs)
 
 
 def show(log: Any, **kwargs: Any):

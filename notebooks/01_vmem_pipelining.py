@@ -198,6 +198,12 @@ print(f"BlockSpec (modelled pipeline): W + x + output = {blockspec_bytes:,d} byt
 # phase is done, lasting `max(FLOPs / MXU peak, VMEM bytes / VMEM bandwidth)`. Below: TPU7x and v5e.
 # The BlockSpec pipeline is the two-slot ring plus a small `x` block per step and the output
 # writeback, which the manual kernels leave to Pallas outside their logs (`x` whole in VMEM).
+#
+# Below the compute lane, the compute unit's idle time is split by what happens meanwhile:
+# **compute idle: HBM busy** (a DMA moves bytes: the step is bound by HBM there — a
+# bandwidth-bound kernel at the roofline spends most of its step like this, and that is not
+# waste) and **bubble: nothing moves** (no compute and no DMA: latency and issue gaps, the time a
+# better pipeline wins back). The legend gives each one's share of the step.
 
 # %%
 timelines = {(n, chip): tl.simulate(logs[n], chip) for n in (1, 2, 3) for chip in CHIPS}
@@ -215,22 +221,25 @@ plt.show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "bubble_dma_wait_us",
-           "bubble_idle_us", "peak_vmem_bytes"]
+columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "idle_hbm_busy_fraction",
+           "bubble_fraction", "peak_vmem_bytes"]
 rows = widgets.summary_rows({f"{chip} {n if n == 'BlockSpec' else f'x{n}'}": t
                              for (n, chip), t in timelines.items()})
 print(widgets.format_table(rows, columns))
 for chip in CHIPS:
     totals = [timelines[n, chip].total_s for n in (1, 2, 3)]
     assert totals[0] > totals[1] >= totals[2]  # more buffers never hurt
+# v5e, two buffers: near the roofline, the compute unit idles while HBM is busy; few bubbles
+v5e_x2 = timelines[2, "v5e"].summary()
+assert v5e_x2["roofline_fraction"] > 0.9 and v5e_x2["bubble_fraction"] < 0.1
 
 # %%
-fig, ax = plt.subplots(figsize=(10, 2.5))
+fig, ax = plt.subplots(figsize=(10, 2.5), layout="constrained")
 for n in (1, 2, 3):
     times, values = widgets.vmem_steps(timelines[n, "tpu7x"])
     ax.step(times, np.array(values) / 2**20, where="post", label=f"{n} buffer(s)")
 ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)", title="TPU7x: VMEM occupancy")
-ax.legend()
+widgets.legend_outside(ax)
 plt.show()
 
 # %% [markdown]
@@ -320,7 +329,7 @@ for name, (n, x_bytes, y_flops, n_buffers, guide) in examples.items():
 # ## 7 · Explore
 #
 # The control bar replays the two-buffer log on another chip, batch or buffer count (it needs a
-# live kernel; a rendered notebook shows the static figures above instead).
+# live kernel; a notebook rendered without one shows the figure as first drawn, a picture).
 
 # %%
 widgets.show(logs[2], chip="tpu7x", batch=8, base_batch=B)

@@ -41,10 +41,11 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 4. **sampling in the same call**: the final mix, norm, LM head tiles and the sampler.
 #
 # At each step we check against the plain-JAX reference and look at the timeline the DMA log
-# predicts for a TPU7x. Then we decode 16 tokens, and compile the megakernel for TPU7x at the
+# predicts for a TPU7x. Then we decode 8 tokens, and compile the megakernel for TPU7x at the
 # per-rank shapes of the full model.
 
 # %%
+import os
 import time
 
 import jax
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import reference, sampling, timeline, weights, widgets
+from mkresearch import recorded, reference, sampling, timeline, weights, widgets
 from mkresearch.cli import layer_pattern
 from mkresearch.config import get_config
 from mkresearch.kernels import dma, megakernel
@@ -105,7 +106,7 @@ assert one_layer["tokens_equal"] and one_layer["logits_ok"]
 # %%
 def show_timeline(log, title, chip="tpu7x"):
     simulated = timeline.simulate(log, chip)
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     widgets.plot_gantt(simulated, ax, title=f"{title}: {simulated.total_s * 1e6:.1f} µs on "
                        f"{chip} (predicted), {simulated.roofline_fraction:.0%} of the HBM roofline")
     plt.show()
@@ -214,15 +215,15 @@ ring_timeline = show_timeline(ring["log"], "7 layers, global ring")
 # NBVAL_CHECK_OUTPUT
 rows = widgets.summary_rows({"stage rings": no_ring_timeline, "global ring": ring_timeline})
 print(widgets.format_table(rows, ["label", "total_us", "hbm_floor_us", "roofline_fraction",
-                                  "bubble_dma_wait_us", "bubble_idle_us", "dma_bytes"]))
+                                  "idle_hbm_busy_us", "bubble_us", "dma_bytes"]))
 assert ring_timeline.total_s < no_ring_timeline.total_s
 
 # %% [markdown]
-# ## 4 · Sampling in the same call: 16 tokens
+# ## 4 · Sampling in the same call: 8 tokens
 #
 # The last stage of the call is the sampling body of notebook 05: final mix, RMSNorm, the LM head
 # streamed in vocab tiles, greedy (or Gumbel-max) sampling — the logits never reach HBM. We feed
-# a 4-token prompt through the megakernel one token per call, then generate 16 greedy tokens, and
+# a 3-token prompt through the megakernel one token per call, then generate 8 greedy tokens, and
 # compare with `reference.generate`.
 #
 # This free-running decode can only match if the kernels compute what the reference computes in
@@ -235,12 +236,13 @@ assert ring_timeline.total_s < no_ring_timeline.total_s
 # top-2 gap under 0.1, reported).
 
 # %%
-prompt = jax.random.randint(jax.random.key(0), (1, 4), 0, mini.vocab_size)
-expected, _ = reference.generate(mini_params, reference.init_state(mini, 1), prompt, 16, mini)
+N_TOKENS = 8  # each call is ≈1 s of TPU interpret mode here: enough tokens to run free for a while
+prompt = jax.random.randint(jax.random.key(0), (1, 3), 0, mini.vocab_size)
+expected, _ = reference.generate(mini_params, reference.init_state(mini, 1), prompt, N_TOKENS, mini)
 prepared = megakernel.prepare_weights(mini_params, mini)
 state, token, generated = reference.init_state(mini, 1), prompt[:, 0], []
 started = time.perf_counter()
-for t in range(prompt.shape[1] + 15):
+for t in range(prompt.shape[1] + N_TOKENS - 1):
     next_token, state, _ = megakernel.decode_step(prepared, state, token, np.array([t]), mini)
     if t >= prompt.shape[1] - 1:
         generated.append(int(next_token[0]))
@@ -256,7 +258,7 @@ print(f"same tokens: {generated == np.asarray(expected[0]).tolist()}")
 assert generated == np.asarray(expected[0]).tolist()
 
 # %%
-print(f"{prompt.shape[1] + 15} calls in {seconds:.1f} s on this machine "
+print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machine "
       f"({tpu.describe_backend()}: a simulator, not a TPU timing)")
 
 # %% [markdown]
@@ -267,17 +269,23 @@ print(f"{prompt.shape[1] + 15} calls in {seconds:.1f} s on this machine "
 # (spec §9; the collectives are left out on one device). `kimi-k3-rank` has those shapes. The
 # VMEM plan is computed first — every buffer with its bytes — and checked against the chip; then
 # libtpu's Mosaic compiler builds the kernel from shapes alone (no weights are allocated).
+#
+# That compile takes half a minute to a minute on two CPU cores, so this notebook shows the result
+# recorded by `mkresearch compile kimi-k3-rank --record` (`mkresearch.recorded`), as long as it
+# was recorded for this very plan and JAX version; otherwise, or with `MKRESEARCH_COMPILE_RANK=1`
+# in the environment, it compiles here. The VMEM plan is always computed here.
 
 # %%
 rank = get_config("kimi-k3-rank")
-result, rank_plan = megakernel.compile_step(rank, 1, chip="tpu7x")
+result, rank_plan, result_source = recorded.compile_or_recorded(
+    rank, 1, chip="tpu7x", recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(rank_plan.vmem.table())
 
 # %%
-print(result)
+print(f"{result} [{result_source}]")
 print(f"Mosaic kernels in the compiled program: {result.n_mosaic_kernels}")
 assert result.n_mosaic_kernels == 1
 assert rank_plan.vmem.fits()

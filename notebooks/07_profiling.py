@@ -26,7 +26,7 @@ from mkresearch import tpu
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
-# # 07 · Profiling whole stages: timelines, VMEM, bubbles, and the HBM floor
+# # 07 · Profiling whole stages: timelines, VMEM, idle time and bubbles, and the HBM floor
 #
 # Notebook 01 drew the pipeline of one GEMV. Here the same tools look at the **stage kernels** of
 # a Kimi K3 decode step — KDA and MLA attention, the MoE stage (router included) and the dense FFN,
@@ -36,8 +36,9 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # * the **timeline**: DMA lanes against the compute lane, per stage;
 # * **VMEM occupancy** over time;
-# * **bubbles by cause**: the compute unit waits on a DMA that is moving bytes (`dma_wait`), or
-#   nothing at all moves (`idle`: DMA latency, a serial chain of small copies);
+# * the compute unit's **idle time by cause**: a DMA moves bytes meanwhile ("compute idle: HBM
+#   busy", `hbm_busy`: the step is bound by HBM there, not wasted), or nothing at all moves
+#   ("bubble: nothing moves", `bubble`: DMA latency, a serial chain of small copies: waste);
 # * the **predicted step time against the HBM floor**, and at full scale the model's floor for one
 #   rank next to the published measurement.
 #
@@ -143,7 +144,7 @@ print("skipped: ", ", ".join(f"{k} ({v})" for k, v in skipped.items()) or "none"
 timelines = {name: tl.simulate(log, "tpu7x") for name, log in logs.items()}
 for name, timeline in timelines.items():
     assert timeline.dma_bytes == logs[name].dma_bytes()  # every logged byte is on a DMA lane
-    assert abs(timeline.bubble_s() + timeline.busy_s("compute") - timeline.total_s) < 1e-12
+    assert abs(timeline.idle_s() + timeline.busy_s("compute") - timeline.total_s) < 1e-12
     print(f"{name:9s} {len(logs[name].events):4d} events, {logs[name].dma_bytes():>9,d} DMA bytes, "
           f"timeline bytes match PASS")
 
@@ -151,8 +152,8 @@ for name, timeline in timelines.items():
 # ## The timeline of each stage (and of the megakernel) on TPU7x
 
 # %%
-columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "bubble_dma_wait_us",
-           "bubble_idle_us", "compute_busy_us", "peak_vmem_bytes"]
+columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "idle_hbm_busy_us",
+           "bubble_us", "compute_busy_us", "peak_vmem_bytes"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -165,34 +166,24 @@ for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
 # %% [markdown]
 # Read the compute lane with care: a phase lasts `max(FLOPs / MXU peak, VMEM bytes / VMEM
 # bandwidth)` with the FLOPs and bytes *the kernel declares* in `dma.phase(...)`. Phases that
-# declare neither draw with zero width, so those stages' compute is not yet in the model.
+# declare neither take no time and are not drawn, so those stages' compute is not yet in the model.
 #
-# ## Bubbles by cause
+# ## Idle time by cause
 #
 # At `kimi-k3-mini` sizes each weight is a few hundred KiB: on TPU7x it moves in a fraction of a
 # microsecond, less than the (assumed) 0.5 µs DMA latency. A stage that waits for each small copy
-# before issuing the next one is therefore mostly `idle` — latency, not bandwidth. That is the
+# before issuing the next one is therefore mostly in bubbles — latency, not bandwidth. That is the
 # bubble a megakernel removes: it issues the next stage's weights while the current stage
 # computes, so the latency of one hides behind the other.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rows = [{"stage": name, **{f"{b['cause']}_fraction": b["fraction"]
-                            for b in widgets.bubble_rows(t)}} for name, t in timelines.items()]
-print(widgets.format_table(rows, ["stage", "dma_wait_fraction", "idle_fraction"], digits=2))
+rows = [{"stage": name, **{f"{i['cause']}_fraction": i["fraction"]
+                            for i in widgets.idle_rows(t)}} for name, t in timelines.items()]
+print(widgets.format_table(rows, ["stage", "hbm_busy_fraction", "bubble_fraction"], digits=2))
 
 # %%
-fig, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
-names = list(timelines)
-busy = [timelines[n].busy_s("compute") * 1e6 for n in names]
-wait = [timelines[n].bubble_s("dma_wait") * 1e6 for n in names]
-idle = [timelines[n].bubble_s("idle") * 1e6 for n in names]
-ax.barh(names, busy, color="#DD8452", label="compute")
-ax.barh(names, wait, left=busy, color="#C44E52", label="compute waits on DMA")
-ax.barh(names, idle, left=np.add(busy, wait), color="#BBBBBB", label="idle (latency)")
-ax.set(xlabel="µs on TPU7x (model)", title="where each stage's time goes")
-ax.invert_yaxis()
-ax.legend(loc="lower right")
+ax = widgets.plot_time_split(timelines, title="where each stage's time goes (TPU7x, the model)")
 plt.show()
 
 # %% [markdown]
@@ -204,7 +195,7 @@ for name, timeline in timelines.items():
     times, values = widgets.vmem_steps(timeline)
     ax.step(times, np.array(values) / 2**20, where="post", label=name)
 ax.set(xlabel="time (µs)", ylabel="VMEM (MiB)", title="DMA'd bytes held in VMEM, per stage")
-ax.legend(ncols=3)
+widgets.legend_outside(ax)
 plt.show()
 
 # %% [markdown]
@@ -293,7 +284,7 @@ if "megakernel" in logs:
 
 # %%
 if "megakernel" in logs:
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     widgets.plot_gantt(rank_mega, ax, title=f"megakernel, {rank.name} shapes on tpu7x "
                        f"(scaled from the mini log): {rank_mega.total_s * 1e3:.2f} ms predicted")
     plt.show()

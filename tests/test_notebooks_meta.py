@@ -1,6 +1,10 @@
 """Every notebook is committed with outputs, has its jupytext twin, and starts with the setup cell."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +81,47 @@ def test_check_markers_are_lines_of_their_own(notebook):
             if "NBVAL_" in line:
                 assert line.strip().startswith("#"), (
                     f"{notebook.name}: {line.strip()!r}: put the marker on a line of its own")
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_widget_cell_also_holds_its_figure_as_png(notebook):
+    """Where a widget cannot render (GitHub, nbviewer, an untrusted or reopened notebook) its
+    cell must still show a figure: a widget output comes with an image/png output, and its text
+    says what it is rather than `VBox(children=...`."""
+    for index, cell in enumerate(load(notebook)["cells"]):
+        outputs = cell.get("outputs", [])
+        widgets = [o for o in outputs if WIDGET_VIEW in o.get("data", {})]
+        if not widgets:
+            continue
+        assert any("image/png" in o.get("data", {}) for o in outputs), (
+            f"{notebook.name} cell {index}: a widget output without an image/png figure")
+        for output in widgets:
+            text = "".join(output["data"].get("text/plain", ""))
+            assert not text.startswith(("VBox(", "HBox(")), (
+                f"{notebook.name} cell {index}: the widget's text is its raw repr {text[:40]!r}")
+
+
+TINY_NOTEBOOK = {"cells": [{"cell_type": "code", "execution_count": None, "id": "a1",
+                            "metadata": {}, "outputs": [], "source": "print(6 * 7)"}],
+                 "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                             "name": "python3"}},
+                 "nbformat": 4, "nbformat_minor": 5}
+
+
+@pytest.mark.parametrize("budget, passes", [("1000", True), ("0.001", False)])
+def test_nbval_run_fails_a_notebook_over_its_time_budget(tmp_path, budget, passes):
+    """notebooks/conftest.py times each notebook's nbval run (no second run) and fails its last
+    cell over the budget."""
+    shutil.copy(NOTEBOOKS_DIR / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "tiny.ipynb").write_text(json.dumps(TINY_NOTEBOOK))
+    done = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path / "tiny.ipynb")],
+                          check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=os.environ | {"MKRESEARCH_NOTEBOOK_BUDGET_S": budget})
+    assert (done.returncode == 0) == passes, done.stdout[-2000:]
+    assert "notebook run times" in done.stdout and "tiny.ipynb:" in done.stdout
+    if not passes:
+        assert "over the 0 s budget of one notebook" in done.stdout

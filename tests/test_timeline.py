@@ -64,16 +64,31 @@ def test_spans_of_the_two_buffer_bandwidth_bound_stream(chip):
                                             (4.5, 5.5, 3.5, 1)]))
     compute = [(s.start / US, s.end / US) for s in timeline.spans_on(tl.COMPUTE_LANE)]
     assert flat(compute) == pytest.approx(flat([(2, 2.5), (3, 3.5), (4.5, 5), (5.5, 6)]))
-    # bubbles: [0,1] nothing moves (α); [1,2] [2.5,3] [3.5,4.5] [5,5.5] compute waits on a DMA
-    assert timeline.bubble_s("idle") == pytest.approx(1 * US)
-    assert timeline.bubble_s("dma_wait") == pytest.approx(3 * US)
-    assert timeline.bubble_s() + timeline.busy_s("compute") == pytest.approx(timeline.total_s)
+    # compute idle: [0,1] nothing moves (α: a bubble); [1,2] [2.5,3] [3.5,4.5] [5,5.5] a DMA
+    # moves bytes meanwhile (compute idle, HBM busy)
+    assert timeline.idle_s("bubble") == pytest.approx(1 * US)
+    assert timeline.idle_s("hbm_busy") == pytest.approx(3 * US)
+    assert timeline.idle_s() + timeline.busy_s("compute") == pytest.approx(timeline.total_s)
+    summary = timeline.summary()
+    assert summary["bubble_fraction"] == pytest.approx(1 / 6)
+    assert summary["idle_hbm_busy_fraction"] == pytest.approx(3 / 6)
 
 
-def test_one_buffer_bubbles_are_latency_and_transfer(chip):
+def test_one_buffer_idle_is_latency_and_transfer(chip):
     timeline = run(chip, 1, COMPUTE_BOUND)
-    assert timeline.bubbles_by_cause() == pytest.approx({"dma_wait": 4 * US, "idle": 4 * US})
+    assert timeline.idle_by_cause() == pytest.approx({"hbm_busy": 4 * US, "bubble": 4 * US})
     assert timeline.roofline_fraction == pytest.approx(4 / 20)
+
+
+def test_a_bandwidth_bound_stream_at_the_roofline_is_hbm_busy_not_bubbles(chip):
+    """Three buffers, little compute: the copies run back to back after the first α. The compute
+    unit is idle most of the step, but HBM is busy all that time: only α is a bubble."""
+    timeline = run(chip, 3, BANDWIDTH_BOUND, n_blocks=64)
+    assert timeline.roofline_fraction > 0.95
+    assert timeline.step_fraction(timeline.idle_s("hbm_busy")) > 0.45
+    assert timeline.idle_s("bubble") == pytest.approx(1 * US)  # the first DMA's latency only
+    with pytest.raises(ValueError, match="cause='dma_wait'"):
+        timeline.idle_s("dma_wait")
 
 
 def test_vmem_curve_holds_a_block_from_issue_to_the_end_of_its_phase(chip):
