@@ -23,7 +23,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig, get_config
+from mkresearch.config import (
+    EXPERT_FORMATS,
+    MLA_CACHE_LAYOUTS,
+    PRESETS,
+    ModelConfig,
+    get_config,
+    layer_pattern,
+)
 
 # Backends `decode` can run; the first is the default. Planned ones are refused clearly.
 BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.megakernel",
@@ -99,14 +106,6 @@ def _human_count(n: float) -> str:
 
 
 # ---- info ------------------------------------------------------------------------------------
-def layer_pattern(cfg: ModelConfig) -> str:
-    """'K' (KDA) or 'M' (MLA) per layer, attention-residual blocks separated by spaces."""
-    letters = ["M" if cfg.is_mla(layer) else "K" for layer in range(cfg.n_layers)]
-    blocks = ["".join(letters[i:i + cfg.attn_res_block])
-              for i in range(0, cfg.n_layers, cfg.attn_res_block)]
-    return " ".join(blocks)
-
-
 def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout: str) -> dict:
     from mkresearch import roofline
     from mkresearch.chips import CHIPS

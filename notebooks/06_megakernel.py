@@ -53,8 +53,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from mkresearch import reference, sampling, timeline, weights, widgets
-from mkresearch.cli import layer_pattern
-from mkresearch.config import get_config
+from mkresearch.config import get_config, layer_pattern
 from mkresearch.kernels import dma, megakernel
 
 LOGIT_TOL = 5e-2  # spec §11: whole-step interpret-mode runs
