@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import reference, sampling, timeline, weights, widgets
+from mkresearch import logs, reference, sampling, timeline, weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.kernels import dma, megakernel
 
@@ -187,7 +187,7 @@ no_ring_timeline = show_timeline(no_ring["log"], "7 layers, stage rings")
 
 # %%
 ring = run_step(mini, mini_params, batch=2)
-late = megakernel.late_prefetches(ring["log"], mini.n_layers)  # layers where a prefetch came late
+late = logs.late_prefetches(ring["log"], mini.n_layers)  # layers where a prefetch came late
 ffn_early, next_early = not late["ffn"], not late["next_layer"]
 
 # %%

@@ -31,7 +31,7 @@ import pytest
 from mkresearch.kernels import dma, experts, gemv, kda, mla, quant, router, sampling
 from mkresearch.kernels import megakernel as mk
 
-from mkresearch import config, reference, tpu, weights
+from mkresearch import config, logs, reference, tpu, weights
 from mkresearch import timeline as tl
 
 MINI = config.get_config("kimi-k3-mini")
@@ -197,7 +197,7 @@ def test_declared_cost_is_what_the_stage_moves(race_checked, mini_params, stage)
     run, args, around = STAGES[stage](mini_params)
     with dma.recording() as log:
         out = jax.block_until_ready(run(*args))
-    moved = mk.hbm_bytes(log) + around(args, out, log)
+    moved = logs.hbm_bytes(log) + around(args, out, log)
     check_declared(stage, tpu.compile_for(run, *args, chip="tpu7x"), moved, log)
 
 
@@ -213,7 +213,7 @@ def test_declared_cost_is_what_the_megakernel_moves(race_checked, mini_params):
     # tokens, positions, seed [1], the layer table; sample positions, temperature, top_k, top_p
     # [1, 1]; tokens and overflow [1, 1]: 4 bytes each
     around = 4 * (1 + 1 + 1 + len(plan.layer_table) + 4 + 2)
-    check_declared("megakernel", compiled, mk.hbm_bytes(log) + around, log)
+    check_declared("megakernel", compiled, logs.hbm_bytes(log) + around, log)
 
 
 @pytest.mark.slow
