@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, gemv, kda, mla, quant, router, sampling
+from mkresearch.kernels import dma, experts, gemv, kda, mla, mla_sharded, quant, router, sampling
 from mkresearch.kernels import megakernel as mk
 
 from mkresearch import config, logs, reference, tpu, weights
@@ -85,7 +85,7 @@ def mla_partial_stage(params):
     q_x = jax.random.normal(keys[1], (B, cfg.n_heads, cfg.mla_qk_extra)).astype(jnp.bfloat16)
     shard = {name: a[:, :32] for name, a in random_cache(cfg, B, 5).items()}  # tokens 0..31
     positions = jnp.array([40, 100], jnp.int32)  # past the shard: every row reads all of it
-    return (lambda q, q_x, c, pos: mla.mla_latent_partial(q, q_x, c, pos, 0, cfg),
+    return (lambda q, q_x, c, pos: mla_sharded.mla_latent_partial(q, q_x, c, pos, 0, cfg),
             (q, q_x, shard, positions),
             lambda a, out, log: size(a[0], a[1], a[3], out))  # queries, counts, the states
 
