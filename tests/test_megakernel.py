@@ -35,10 +35,11 @@ from mkresearch.kernels import dma, experts, kda, mla, quant
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels.megakernel_plan import VmemPlanError
 
-from mkresearch import bench, config, reference, sampling, timeline, weights
+from mkresearch import config, reference, sampling, timeline, weights
 from mkresearch.chips import CHIPS
 from mkresearch.hlo import count_xla_kernels
 from mkresearch.logs import hbm_bytes, late_prefetches, minimum_step_bytes
+from mkresearch.scaling import scale_log
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
@@ -191,7 +192,7 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     assert_prefetch_order(logs[-1], MINI)
     # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
     rank = config.get_config("kimi-k3-rank")
-    scaled = bench.scale_log(logs[-1], MINI, rank, 4)
+    scaled = scale_log(logs[-1], MINI, rank, 4)
     layers = [e for e in scaled if e.kind == "dma_start" and e.name == "mix_attn"]
     assert [dict(e.indices)["layer"] for e in layers] == list(range(rank.n_layers))
     predicted = timeline.simulate(scaled, "tpu7x")
