@@ -106,7 +106,7 @@ def mla(plan: Any, weights: dict, cache: dict) -> Cost:
     """MLA body (kernels/mla.py); weights: one layer's by name; cache: the layer's two cache
     arrays [B, (H,) S, n]. Assumes every row at the last position (module docstring): the whole
     cache is read, plus the 16-row block around each new entry read and written."""
-    from mkresearch.kernels.mla import UPDATE_ROWS
+    from mkresearch.kernels.mla import UPDATE_ROWS  # here: mla imports costs (an import cycle)
 
     kv = nbytes(cache)
     update = 2 * kv * UPDATE_ROWS // plan.seq_len  # per row and array: 16 rows in, 16 out
@@ -191,7 +191,8 @@ def megakernel(plan: Any, weights: dict, state: dict) -> Cost:
     """The whole step (kernels/megakernel.py): every stage body over its layers, the embedding
     rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
     (stacked per kind), state: the decode state, both arrays or shape structs."""
-    from mkresearch.kernels.megakernel import EMBED_ROWS
+    # here: megakernel_plan and mla import costs (an import cycle)
+    from mkresearch.kernels.megakernel_plan import EMBED_ROWS
     from mkresearch.kernels.mla import CACHE_NAMES
 
     cfg, batch = plan.cfg, plan.batch

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, tpu
-from mkresearch.config import ACTIVATIONS, ModelConfig, get_config
+from mkresearch.config import ACTIVATIONS, ModelConfig
 from mkresearch.kernels import blocks, costs, dma, quant, router
 
 PLANS = ("all", "routed", "unique")
@@ -453,54 +453,3 @@ def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return _stage_call(x, None, None, None, always_on, options=dense_options(cfg),
                        out_dtype=jnp.bfloat16,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())
-
-
-
-# ---- bytes vs batch (notebook 04 and `make figures`) -------------------------------------------
-def expert_bytes_by_batch(cfg: ModelConfig, batches=(1, 2, 4, 8), seed: int = 0) -> list[dict]:
-    """Run the routed stage (router kernel -> plan "unique", 2 slots) for each batch size on
-    random normalised rows; per batch: unique experts and the expert bytes of the DMA log."""
-    from mkresearch import weights  # only here: the kernels themselves never build weights
-
-    p = reference.layer_params(weights.init_params(cfg, seed)["moe"], 0)
-    rows = []
-    for batch in batches:
-        x = jnp.asarray(np.random.default_rng(seed + batch).standard_normal((batch, cfg.d_model)),
-                        jnp.bfloat16)
-        ids, w = router.route(p, x, cfg)
-        with dma.recording() as log:
-            routed_experts(p, x, ids, w, cfg, plan="unique", n_slots=2)
-        rows.append({"batch": batch, "unique": len(np.unique(np.asarray(ids))),
-                     "choices": batch * cfg.top_k,
-                     "expert_bytes": log.dma_bytes(EXPERT_DMA_PREFIX)})
-    return rows
-
-
-def plot_expert_bytes(path, cfg: ModelConfig | None = None, batches=(1, 2, 4, 8, 16)) -> None:
-    """Figure: routed-expert bytes per MoE layer vs batch (DMA log of the mini model), against
-    fetching every (row, k) choice and fetching all experts, and the uniform-routing estimate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mkresearch import roofline, weights
-
-    cfg = cfg or get_config("kimi-k3-mini")
-    one = weights.expert_nbytes(cfg)
-    rows = expert_bytes_by_batch(cfg, batches)
-    b = [r["batch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(b, [r["expert_bytes"] / 1e6 for r in rows], "o-", label="unique experts (DMA log)")
-    ax.plot(b, [r["choices"] * one / 1e6 for r in rows], "s--", label="every (row, k) choice")
-    ax.plot(b, [cfg.n_experts * one / 1e6] * len(b), ":", label=f"all {cfg.n_experts} experts")
-    ax.plot(b, [roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, x) * one / 1e6
-                for x in b], "k-", alpha=0.4, label="uniform-routing estimate")
-    ax.set_xlabel("batch B")
-    ax.set_ylabel("expert MB per MoE layer")
-    ax.set_title(f"{cfg.name}: routed-expert bytes per layer ({cfg.expert_format}, "
-                 f"top-{cfg.top_k} of {cfg.n_experts})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -5,10 +5,11 @@ One call does, for a batch of B rows each at its own position p_b:
   projections   c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb); [c_kv | k^X] = bf(x W_kva);
                 ĉ = RMSNorm(c_kv); gate = bf(σ(bf(x W_g)))             (weights stream by DMA)
   attention     scores over the p_b cached tokens + the new one, f32 online softmax over KV tiles
-                of T tokens read from HBM with a double-buffered DMA ring; only tokens
-                0..p_b-1 are read, rounded up to whole 16-row HBM tiles (the last KV tile in
-                runs of 16-row groups, `_tile_reads`). The new token never goes through HBM
-                on the read side: it seeds the softmax (m = its score, norm = 1, acc = its value).
+                of T tokens read from HBM with a double-buffered DMA ring (`kv_tiles.py`); only
+                tokens 0..p_b-1 are read, rounded up to whole 16-row HBM tiles (the last KV tile
+                in runs of 16-row groups, `kv_tiles._tile_reads`). The new token never goes
+                through HBM on the read side: it seeds the softmax (m = its score, norm = 1,
+                acc = its value).
   output        y_h = bf(bf(o_h) ⊙ gate_h); out = y W_o                    (W_o streams by DMA)
   cache update  the new token's entry is written in place (input_output_aliases). HBM arrays are
                 tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
@@ -22,9 +23,11 @@ Cache layouts (`cfg.mla_cache_layout`, spec §5):
             side o_h = (Σ α ĉ) W_kvbV_h. One tile serves every head, at 64x fewer bytes per token.
 
 Per rank (3 of 96 heads) the head-sharded latent layout saves only 2x: each rank still reads the
-whole latent. `mla_latent_partial` shards the latent cache by sequence instead: each rank computes
-the online-softmax state of all heads over its 1/32 of the tokens (the same tile loop), and
-`combine_partials` merges the states (log-sum-exp): 64x fewer KV bytes per rank.
+whole latent. `mla_sharded.mla_latent_partial` shards the latent cache by sequence instead: each
+rank computes the online-softmax state of all heads over its 1/32 of the tokens (the same tile
+loop, `latent_partial`), and `mla_sharded.combine_partials` merges the states (log-sum-exp): 64x
+fewer KV bytes per rank. KV bytes are counted by `mkresearch.kv_cache` (shapes) and
+`mkresearch.logs` (DMA logs).
 
 `mla_attention_body` works on Refs and allocates its own scratch (`pl.run_scoped`), so the
 megakernel calls it as it is; `mla_attention` is the thin `pallas_call` wrapper with the reference's
@@ -42,17 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import blocks, costs, dma
+from mkresearch.kernels.blocks import bf16, f32
+from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop
 
 from mkresearch import tpu
 from mkresearch.config import BF16_SUBLANE, MLA_CACHE_LAYOUTS, ModelConfig
-from mkresearch.kernels import blocks, costs, dma
-from mkresearch.kernels.blocks import bf16, f32
 
 # Rows of the aligned HBM block patched to write one new cache entry (bf16 HBM tiling).
 UPDATE_ROWS = BF16_SUBLANE
-# The KV tiles are read in groups of this many rows: a DMA window of a bf16 HBM array starts and
-# ends on its 16-row tiles, so the last tile's tail past the position is skipped group by group.
-KV_ROW_GROUP = BF16_SUBLANE
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")
 CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
@@ -185,104 +186,6 @@ def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, 
     pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
 
 
-def _tile_count(p: MlaPlan, position):
-    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1 (lax.div: no sign op)."""
-    return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
-
-
-def rows_read(count: int) -> int:
-    """Cache rows the kernels read for `count` tokens: whole 16-row HBM tiles (bf16), the least
-    a DMA window can cover. Tiles of T tokens add nothing: T is a multiple of 16."""
-    return -(-count // KV_ROW_GROUP) * KV_ROW_GROUP
-
-
-def _tile_reads(p: MlaPlan, t, count):
-    """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
-    token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
-    tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
-    binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
-    n_groups = p.kv_tile // KV_ROW_GROUP
-    tokens = jnp.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
-    groups = jax.lax.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
-    reads = [(groups == n_groups, 0, p.kv_tile)]
-    for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
-        run = 2 ** i
-        has_run = (groups < n_groups) & (jax.lax.rem(jax.lax.div(groups, run), 2) == 1)
-        first = jax.lax.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
-        reads.append((has_run, pl.multiple_of(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
-    return reads
-
-
-def _token_rows(ref, rows):
-    """ref[..., rows, :]: a window of the token axis (the second-to-last) of a cache ref."""
-    return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
-
-
-def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices):
-    """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
-    tile t is used. The last tile reads only the 16-row groups holding tokens < count
-    (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
-
-    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
-    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
-    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
-    """
-    n_tiles = _tile_count(p, count)
-
-    def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
-        part = pl.ds(first, rows)
-        for ring, window in zip(rings, windows(t)):
-            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
-                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
-                            **indices)
-            getattr(copy, action)()
-
-    def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
-        for condition, first, rows in _tile_reads(p, t, count):
-            pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
-
-    @pl.when(n_tiles > 0)
-    def _():
-        each_read(0, 0, "start")
-
-    def step(t, carry):
-        slot = jax.lax.rem(t, 2)
-
-        @pl.when(t + 1 < n_tiles)
-        def _():
-            each_read(t + 1, 1 - slot, "start")
-
-        each_read(t, slot, "wait")
-        tiles = [ring.buffer(slot)[...] for ring in rings]
-        with dma.phase("mla.attend", row=b, tile=t, **indices):
-            return update(t, tiles, carry)
-
-    return jax.lax.fori_loop(0, n_tiles, step, carry)
-
-
-def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
-    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc)."""
-    m, norm, acc = carry
-    token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-    valid = token < position  # the tile's tail past the cached tokens is stale: masked
-    scores = jnp.where(valid, scores, -jnp.inf)
-    # rows past the cached tokens may be unread (uninitialised, even NaN): 0 · NaN = NaN, so the
-    # values are selected too; a valid row is unchanged and a masked one added 0 before as well
-    row_token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
-    values = jnp.where(row_token < position, values, 0.0)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
-    correction = jnp.exp(m - m_new)
-    weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
-    norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
-    acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
-    return m_new, norm, acc
-
-
-def dot_t(a, b):
-    """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, indices):
     """Per head: scores over the cached expanded K, V tiles [H, T, ·] plus the new token."""
     nope, qk = p.qk_nope, p.qk_dim
@@ -347,7 +250,7 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
 
     q_lat [H, kv_rank], q_x [H, extra]: the absorbed queries (bf16-exact f32); ckv_hbm
     [B, S, kv_rank], kx_hbm [B, S, extra] in HBM; carry (m [H, 1], norm [H, 1], acc [H, kv_rank])
-    to continue from. Reads those tokens' rows (`rows_read`) tile by tile, double-buffered.
+    to continue from. Reads those tokens' rows (`kv_cache.rows_read`) tile by tile, double-buffered.
     """
 
     def windows(t):
@@ -538,269 +441,3 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
         cost_estimate=cost.estimate(positions, x, out),
         interpret=interpret,
     )(positions, x, *operands)
-
-
-# ---- the latent cache sharded by sequence --------------------------------------------------------
-#
-# The latent cache has no head axis, so with heads sharded (3 per rank) every rank would read the
-# whole latent: only 2x fewer bytes than its 3 heads of expanded K, V. Sharding the latent cache by
-# SEQUENCE over the ranks instead gives each rank 1/n of the tokens, for all heads:
-#   1. each head's owner absorbs its queries (q̃ = bf(q^C W_kvbKᵀ), q^X) and all ranks all-gather
-#      them: [B, H_all, kv_rank + extra], a few KB;
-#   2. every rank runs `mla_latent_partial` over its shard: the online-softmax state (m, norm, acc)
-#      of all heads over the shard's tokens <= the row's position (the shard holding the position
-#      has written the new entry first, as `mla_attention` does);
-#   3. the states are merged across ranks (`combine_partials`, a log-sum-exp merge) and each head's
-#      owner finishes: o_h = bf(bf(acc / norm) W_kvbV_h), the gate and W_o.
-# On one device the collectives are left out: the shards are run one after the other and merged in
-# plain JAX.
-
-# m of a state that has seen no token: finite (so exp(m - m_new) is 0, not NaN) and below any score
-EMPTY_MAX = -1e30
-
-
-def mla_latent_partial_body(plan: MlaPlan, counts_ref, q_lat_ref, q_x_ref, ckv_hbm, kx_hbm,
-                            m_ref, norm_ref, acc_ref, **indices: Any) -> None:
-    """Partial attention state of all heads over one shard of the latent cache, for B rows.
-
-    counts_ref [B] i32 (SMEM): tokens of this shard each row attends to; q_lat_ref [B, H, kv_rank],
-    q_x_ref [B, H, extra] bf16 (VMEM); ckv_hbm [B, S_shard, kv_rank], kx_hbm [B, S_shard, extra]
-    in HBM; out m_ref, norm_ref [B, H, 1] and acc_ref [B, H, kv_rank] f32 (VMEM).
-    """
-    p = plan
-
-    def row_step(b, _):
-        q_lat, q_x = f32(q_lat_ref[b]), f32(q_x_ref[b])  # [H, kv_rank], [H, extra]
-        empty = (jnp.full((p.n_heads, 1), EMPTY_MAX, jnp.float32),
-                 jnp.zeros((p.n_heads, 1), jnp.float32),
-                 jnp.zeros((p.n_heads, p.kv_rank), jnp.float32))
-        m, norm, acc = latent_partial(p, b, counts_ref[b], q_lat, q_x, ckv_hbm, kx_hbm, empty,
-                                      indices)
-        m_ref[b], norm_ref[b], acc_ref[b] = m, norm, acc
-        return 0
-
-    jax.lax.fori_loop(0, p.batch, row_step, 0)
-
-
-def mla_latent_partial(q_absorbed: jax.Array, q_extra: jax.Array, cache_shard: dict,
-                       positions: jax.Array, shard_start: Any, cfg: ModelConfig, *,
-                       kv_tile: int | None = None, **indices: int):
-    """One rank's part of sequence-sharded latent attention, as a Pallas kernel.
-
-    q_absorbed [B, H, kv_rank] bf16 (q̃ of all H heads, gathered), q_extra [B, H, extra] bf16,
-    cache_shard {"ckv": [B, S_shard, kv_rank], "kx": [B, S_shard, extra]} bf16 holding global
-    tokens shard_start .. shard_start + S_shard - 1, positions [B] i32 (global; the entry at each
-    position already written). Returns the state over the shard's tokens <= position:
-    (m [B, H, 1], norm [B, H, 1], acc [B, H, kv_rank]) f32 — merge them with `combine_partials`.
-    shard_start may be traced (a rank's index times S_shard inside shard_map).
-    """
-    batch, n_heads = _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions,
-                                           shard_start, cfg)
-    shard_len = cache_shard["ckv"].shape[1]
-    plan = make_plan(cfg.replace(n_heads=n_heads, mla_cache_layout="latent"), batch, shard_len,
-                     kv_tile=kv_tile)
-    return _partial_call(plan, tpu.interpret_params(), dma.is_recording(),
-                         tuple(sorted(indices.items())), positions, jnp.asarray(shard_start),
-                         q_absorbed, q_extra, cache_shard["ckv"], cache_shard["kx"])
-
-
-def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_start, cfg):
-    """ValueError naming the parameter; returns (B, H)."""
-    if getattr(q_absorbed, "ndim", None) != 3 or q_absorbed.shape[2] != cfg.mla_kv_rank:
-        raise ValueError(f"q_absorbed has shape {getattr(q_absorbed, 'shape', None)}: expected "
-                         f"[B, H, kv_rank={cfg.mla_kv_rank}]")
-    batch, n_heads = q_absorbed.shape[:2]
-    if getattr(q_extra, "shape", None) != (batch, n_heads, cfg.mla_qk_extra):
-        raise ValueError(f"q_extra has shape {getattr(q_extra, 'shape', None)}: expected "
-                         f"{(batch, n_heads, cfg.mla_qk_extra)}")
-    for name, value in (("q_absorbed", q_absorbed), ("q_extra", q_extra)):
-        if value.dtype != jnp.bfloat16:
-            raise ValueError(f"{name}.dtype={value.dtype} is invalid: bfloat16")
-    _check_cache(cache_shard, "cache_shard", cfg.replace(mla_cache_layout="latent"), batch)
-    if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
-        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)} and dtype "
-                         f"{getattr(positions, 'dtype', None)}: expected [B={batch}] int32")
-    if not isinstance(shard_start, jax.core.Tracer) and (
-            np.ndim(shard_start) != 0 or int(shard_start) < 0):
-        raise ValueError(f"shard_start={shard_start!r} is invalid: an int >= 0 (the global index "
-                         f"of the shard's first token)")
-    return batch, n_heads
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions,
-                  shard_start, q_absorbed, q_extra, ckv, kx):
-    del recording  # static only so recorded and silent traces are cached apart
-    # tokens of this shard each row attends to: global tokens shard_start..position
-    counts = jnp.clip(positions + 1 - shard_start, 0, plan.seq_len).astype(jnp.int32)
-    vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
-    stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
-    out_shape = (stat, stat,
-                 jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
-    # KV bytes for every row attending to the whole shard (kernels/costs.py)
-    cost = costs.mla_partial(plan, (ckv, kx))
-    return pl.pallas_call(
-        functools.partial(mla_latent_partial_body, plan, **dict(indices)),
-        out_shape=out_shape,
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, hbm, hbm],
-        out_specs=(vmem, vmem, vmem),
-        cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape),
-        interpret=interpret,
-    )(counts, q_absorbed, q_extra, ckv, kx)
-
-
-def combine_partials(partials):
-    """Merge partial online-softmax states [(m, norm, acc), ...] of disjoint token sets into one.
-
-    The log-sum-exp merge: with M = max_i m_i, norm = Σ_i e^(m_i - M) norm_i and
-    acc = Σ_i e^(m_i - M) acc_i. An empty shard (m = EMPTY_MAX, norm = acc = 0) adds nothing.
-    On a pod this is the collective across the ranks; here it is plain JAX.
-    """
-    ms, norms, accs = zip(*partials)
-    m = functools.reduce(jnp.maximum, ms)
-    weights = [jnp.exp(m_i - m) for m_i in ms]
-    return (m, sum(w * n for w, n in zip(weights, norms)),
-            sum(w * a for w, a in zip(weights, accs)))
-
-
-# ---- KV traffic ---------------------------------------------------------------------------------
-
-
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """Bytes of one cached token of one layer, as this kernel reads it (all heads of cfg)."""
-    if cfg.mla_cache_layout == "expanded":
-        return cfg.n_heads * (cfg.mla_k_padded + cfg.mla_v_dim) * 2
-    return cfg.mla_latent_cache_dim * 2
-
-
-def kv_tile_bytes_needed(positions: Any, cfg: ModelConfig) -> int:
-    """KV bytes the cached tokens 0..p_b-1 of every row take, in the 16-row HBM tiles a DMA
-    reads: Σ_b ⌈p_b / 16⌉ · 16 tokens (what `mla_attention` reads, whatever cfg.kv_tile)."""
-    tokens = sum(rows_read(int(position)) for position in np.asarray(positions))
-    return tokens * kv_bytes_per_token(cfg)
-
-
-def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> int:
-    """The KV tile bytes of a recorded run, rescaled to another config's per-token bytes.
-
-    The log counts the tokens read (its KV tile bytes over `recorded`'s bytes per token); the
-    same tokens at `target`'s shapes (heads, ranks, layout) cost `target`'s bytes per token.
-    """
-    return tokens_read(log, recorded) * kv_bytes_per_token(target)
-
-
-def tokens_read(log: dma.DmaLog, recorded: ModelConfig, row: int | None = None) -> int:
-    """The tokens whose KV tiles a recorded run read (all rows, or batch row `row`): its KV tile
-    bytes over `recorded`'s bytes per token; ValueError if that is not a whole number."""
-    nbytes = log.dma_bytes("mla.kv.") if row is None else kv_bytes_by_row(log).get(row, 0)
-    tokens, remainder = divmod(nbytes, kv_bytes_per_token(recorded))
-    if remainder:
-        raise ValueError(f"recorded={recorded.name!r} does not match the log: its KV bytes are not "
-                         f"a whole number of {recorded.mla_cache_layout} tokens")
-    return tokens
-
-
-def kv_bytes_by_row(log: dma.DmaLog) -> dict[int, int]:
-    """KV tile bytes each batch row read, from the log's `row` index."""
-    by_row: dict[int, int] = {}
-    for event in log.select("dma_start", "mla.kv."):
-        by_row[event.indices["row"]] = by_row.get(event.indices["row"], 0) + event.nbytes
-    return by_row
-
-
-def kv_bytes_per_rank(logs: dict, recorded: ModelConfig, target: ModelConfig, n_ranks: int,
-                      row: int) -> dict[str, int]:
-    """KV bytes one rank reads per MLA layer per step at `target` (per-rank shapes, context
-    target.max_seq_len), scaled from the DMA logs of a run at `recorded` (mini) shapes.
-
-    logs: "expanded" and "latent" — `mla_attention` runs (heads sharded: a rank reads every token
-    for its heads); "latent-sequence" — a list of `mla_latent_partial` runs, one per shard. `row`
-    is a batch row at the last position, so it attends to the whole recorded context. Each log
-    gives the share of that context one rank reads (its busiest shard for "latent-sequence", as a
-    share of len(shards) shards rescaled to n_ranks); `target` prices that share of its context
-    at its bytes per token (heads of target.n_heads for expanded, the whole latent otherwise).
-    """
-    from fractions import Fraction
-
-    def share(log, layout):
-        return Fraction(tokens_read(log, recorded.replace(mla_cache_layout=layout), row),
-                        recorded.max_seq_len)
-
-    shards = logs["latent-sequence"]
-    shares = {"expanded": share(logs["expanded"], "expanded"),
-              "latent": share(logs["latent"], "latent"),
-              "latent-sequence": max(share(log, "latent") for log in shards)
-              * Fraction(len(shards), n_ranks)}
-    tokens = {name: value * target.max_seq_len for name, value in shares.items()}
-    if any(value.denominator != 1 for value in tokens.values()):
-        raise ValueError(f"target.max_seq_len={target.max_seq_len} is invalid: the shares "
-                         f"{ {k: str(v) for k, v in shares.items()} } of it must be whole tokens")
-    return {name: int(tokens[name]) * kv_bytes_per_token(
-        target.replace(mla_cache_layout="expanded" if name == "expanded" else "latent"))
-        for name in tokens}
-
-
-FIGURE_POSITIONS = (0, 17, 32, 45, 64, 90, 100, 127)  # 0, tile boundaries and in-between
-
-
-def record_kv_logs(cfg: ModelConfig, positions=FIGURE_POSITIONS, seed: int = 0) -> dict:
-    """Run both layouts once at `cfg` (mini) shapes, one row per position; their DMA logs."""
-    from mkresearch import reference, weights
-
-    params = reference.layer_params(weights.init_params(cfg, seed)["mla"], 0)
-    batch = len(positions)
-    x = jax.random.normal(jax.random.key(seed), (batch, cfg.d_model)).astype(jnp.bfloat16)
-    logs = {}
-    for layout in MLA_CACHE_LAYOUTS:
-        layout_cfg = cfg.replace(mla_cache_layout=layout)
-        cache = {name: jnp.zeros(shape, jnp.bfloat16)
-                 for name, shape in cache_shapes(layout_cfg, batch, cfg.max_seq_len).items()}
-        with dma.recording() as logs[layout]:
-            jax.block_until_ready(mla_attention(params, x, cache, jnp.asarray(positions, jnp.int32),
-                                                layout_cfg))
-    return logs
-
-
-def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | None = None,
-                  positions=FIGURE_POSITIONS):
-    """KV bytes read per MLA layer per step against context, both layouts, at Kimi K3 shapes.
-
-    Dots: the tokens each row of a recorded mini run read (from its DMA log), priced at Kimi K3's
-    bytes per token. Solid lines: the rule ⌈p / 16⌉ · 16 tokens (16-row HBM tiles) out to 32768;
-    dashed: whole KV tiles of Kimi K3's 256 tokens, what reading the last tile whole would cost.
-    """
-    import matplotlib
-
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mkresearch.config import get_config
-
-    recorded = recorded or get_config("kimi-k3-mini")
-    logs = logs or record_kv_logs(recorded, positions)
-    full = get_config("kimi-k3")
-    context = np.unique(np.geomspace(1, full.max_seq_len, 400).astype(int))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for layout, color in zip(MLA_CACHE_LAYOUTS, ("tab:red", "tab:blue")):
-        source, target = recorded.replace(mla_cache_layout=layout), full.replace(
-            mla_cache_layout=layout)
-        per_token = kv_bytes_per_token(target)
-        for tile, style, rule in ((KV_ROW_GROUP, "-", "16-row groups (read)"),
-                                  (full.kv_tile, "--", f"whole tiles of {full.kv_tile}")):
-            ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
-                    label=f"{layout}: {per_token:,} B/token, {rule}")
-        measured = [(positions[r], tokens_read(logs[layout], source, r) * per_token)
-                    for r in range(len(positions))]
-        xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])
-        ax.scatter(xs, ys, color=color, zorder=3, s=18,
-                   label=f"{layout}: DMA log of a mini run, priced at Kimi K3")
-    ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
-           ylabel="KV bytes read per MLA layer per step",
-           title="MLA KV traffic at Kimi K3 shapes (96 heads): latent reads 64x less")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    return fig

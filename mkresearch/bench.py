@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
-from mkresearch.config import ModelConfig
+from mkresearch import reference, roofline, timeline, weights
+from mkresearch.config import ModelConfig, get_config
+from mkresearch.kernels import dma, megakernel
+from mkresearch.scaling import scale_log
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
@@ -41,8 +44,6 @@ def _backend_label(backend: str) -> str:
 
 def predict(log: Any, chip: str, batch: int) -> dict:
     """The timeline model's step time for one recorded megakernel step on `chip`."""
-    from mkresearch import timeline
-
     simulated = timeline.simulate(log, chip)
     return {"chip": chip, "step_s": simulated.total_s, "tokens_per_s": batch / simulated.total_s,
             "hbm_floor_s": simulated.hbm_floor_s,
@@ -55,8 +56,6 @@ def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, 
     routed experts to that rank's expected share (its local experts hit by B tokens choosing
     top_k of the full model's experts) -> (rank config, events, unique experts per MoE layer).
     ValueError for a config that has no full-size rank (FULL_SIZE_RANK)."""
-    from mkresearch.config import get_config
-
     if cfg.name not in FULL_SIZE_RANK:
         raise ValueError(f"cfg={cfg.name!r} has no full-size rank to scale to: one of "
                          f"{', '.join(FULL_SIZE_RANK)}")
@@ -69,8 +68,6 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
     """The timeline model's step for one rank of the full model (the recorded mini step scaled
     by `scale_to_rank`), beside the release's published step at this batch (16 TPU7x chips).
     None when cfg has no full-size rank."""
-    from mkresearch import roofline, timeline
-
     if cfg.name not in FULL_SIZE_RANK:
         return None
     rank, events, unique = scale_to_rank(log, cfg, batch)
@@ -92,9 +89,6 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
-
-    from mkresearch import reference, weights
-    from mkresearch.kernels import dma, megakernel
 
     options = megakernel.MegakernelOptions(chip=chip)
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
@@ -215,9 +209,6 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
     import jax
     import numpy as np
 
-    from mkresearch import reference
-    from mkresearch.kernels import dma, megakernel
-
     options = megakernel.MegakernelOptions(chip=chip)
     prepared = megakernel.prepare_weights(params, cfg)
     tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
@@ -252,9 +243,6 @@ def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str
     """Decode steps for each batch size on both backends (the megakernel built for `chip`); JSON
     and figure if paths are given. A batch `chip` cannot run is refused before any work."""
     import jax
-
-    from mkresearch import weights
-    from mkresearch.kernels import megakernel
 
     for batch in batches:
         megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
@@ -314,144 +302,9 @@ def plot_bench(result: dict, path: str | Path) -> None:
 def plot_decode_bench(path: str | Path) -> None:
     """figures/decode_bench.png (the figure registry): from decode_bench.json beside it when it
     exists (`mkresearch bench` writes both), else from a short bench of kimi-k3-mini."""
-    from mkresearch.config import get_config
-
     path = Path(path)
     data = path.with_suffix(".json")
     if data.exists():
         plot_bench(json.loads(data.read_text()), path)
     else:
         run_bench(get_config("kimi-k3-mini"), steps=1, out_json=data, figure=path)
-
-
-# ---- a recorded step's log, scaled to another config's shapes ----------------------------------
-def _per_layer_bytes(tree: Any) -> int:
-    import math
-
-    import numpy as np
-
-    return math.prod(tree.shape[1:]) * np.dtype(tree.dtype).itemsize
-
-
-def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
-    """DMA-log name -> bytes one event of that name moves in a step of `cfg` (one layer's matrix,
-    one KV token, one expert's part, one row of a vector...)."""
-    import jax
-    import numpy as np
-
-    from mkresearch import reference, weights
-    from mkresearch.kernels import mla, quant, weight_stream
-
-    params = weights.param_shapes(cfg)
-    table: dict[str, float] = {}
-    for group, prefix in (("kda", "kda."), ("mla", "mla.")):
-        for key, leaf in params[group].items():
-            table[prefix + key] = _per_layer_bytes(leaf)
-    streamed = weight_stream._stage_matrices(cfg)  # the FFN matrices' DMA-log names
-    for group, key, name, _ in streamed["moe"] + streamed["dense"]:
-        table[name] = _per_layer_bytes(params[group][key])
-    table["router/bias"] = _per_layer_bytes(params["moe"]["router_bias"])
-    table["latent/norm"] = _per_layer_bytes(params["moe"]["latent_norm"])
-    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
-    table["kda.conv_state"] = _per_layer_bytes(state["kda"]["conv"])
-    table["kda.state"] = _per_layer_bytes(state["kda"]["recurrent"])
-    table["mla.kv"] = mla.kv_bytes_per_token(cfg)
-    table["mla.kv_update"] = mla.kv_bytes_per_token(cfg)
-    for m, (k, n) in zip(("w1", "w3", "w2"), ((cfg.moe_latent, cfg.expert_hidden),) * 2
-                         + ((cfg.expert_hidden, cfg.moe_latent),)):
-        for part, struct in zip(quant.part_names(cfg.expert_format),
-                                quant.part_structs(cfg.expert_format, k, n)):
-            table[f"expert/{m}/{part}"] = struct.size * np.dtype(struct.dtype).itemsize
-    for name in ("embed", "mix_attn", "attn_norm", "mix_mlp", "mlp_norm", "mix_out",
-                 "final_norm"):
-        table[name] = cfg.d_model
-    table["lm_head"] = cfg.d_model * cfg.vocab_size
-    table["router/ids_to_smem"] = table["router/weights_to_smem"] = cfg.top_k
-    return table
-
-
-def _table_key(name: str, table: dict) -> str | None:
-    if name in table:
-        return name
-    for prefix in ("kda.conv_state", "kda.state", "mla.kv_update", "mla.kv"):
-        if name.startswith(prefix + "."):
-            return prefix
-    return None
-
-
-def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
-              unique_experts: float | None = None) -> list:
-    """The megakernel step recorded at `recorded`'s shapes (its DMA log), as it would run at
-    `target`'s: every DMA's bytes scaled by its matrix / vector / state / KV-token ratio, the
-    layer segments repeated and re-tagged along `target`'s layer pattern (a recorded layer of the
-    same attention and FFN kind stands for each target layer), routed-expert DMAs scaled to
-    `unique_experts` per MoE layer (default: uniform routing over target.n_experts with
-    target.top_k; for one rank of an expert-parallel layout pass that rank's share, e.g.
-    kimi-k3-rank at B: 112 · (1 − (1 − 16/896)^B)). Blocks keep the recorded count: a
-    target matrix moves in as many (larger) blocks as the recorded one. For `timeline.simulate`.
-    """
-    import dataclasses
-
-    from mkresearch import roofline, timeline
-    from mkresearch.kernels import weight_stream
-
-    events = timeline.events_of(log)
-    rec_bytes, tgt_bytes = _byte_table(recorded, batch), _byte_table(target, batch)
-    if unique_experts is None:
-        unique_experts = roofline.expected_unique_experts(target.n_experts, target.top_k, batch)
-    starts = [i for i, e in enumerate(events) if e.kind == "dma_start" and e.name == "mix_attn"]
-    tail = next(i for i, e in enumerate(events) if e.name == "mix_out")
-    if len(starts) != recorded.n_layers:
-        raise ValueError(f"log has {len(starts)} layers, recorded={recorded.name!r} has "
-                         f"{recorded.n_layers}: pass the config the log was recorded at")
-    bounds = starts + [tail]
-
-    def kinds(cfg, layer):
-        if layer >= cfg.n_layers:
-            return None
-        return ("mla" if cfg.is_mla(layer) else "kda",
-                "moe" if layer >= cfg.n_dense_layers else "dense")
-
-    first_names = {kind: [e.name for e in weight_stream.make_stream_plan(recorded)
-                          .entries(kind)] for kind in ("kda", "mla")}
-
-    def scaled(ev, ratio_extra=1.0, layer_map=None, rename=None):
-        name = rename.get(ev.name, ev.name) if rename else ev.name
-        base = name.removesuffix("/matmul")  # a streamed block's matmul: FLOPs scale like bytes
-        key_rec = _table_key(ev.name.removesuffix("/matmul"), rec_bytes)
-        key_tgt = _table_key(base, tgt_bytes)
-        ratio = (tgt_bytes[key_tgt] / rec_bytes[key_rec]) if key_rec and key_tgt else 1.0
-        indices = tuple((k, layer_map.get(v, v) if layer_map and k == "layer" else v)
-                        for k, v in ev.indices)
-        if ev.kind.startswith("phase"):
-            factor = ratio if base != name else 1.0
-            return dataclasses.replace(ev, name=name, indices=indices, flops=ev.flops * factor,
-                                       vmem_bytes=round(ev.vmem_bytes * factor))
-        nbytes = round(ev.nbytes * ratio * ratio_extra)
-        return dataclasses.replace(ev, name=name, nbytes=nbytes, indices=indices)
-
-    out = [scaled(ev) for ev in events[:bounds[0]]]
-    recorded_layers = {}
-    for layer in range(recorded.n_layers):
-        key = (kinds(recorded, layer), (kinds(recorded, layer + 1) or (None,))[0])
-        recorded_layers.setdefault(key, layer)
-        recorded_layers.setdefault((kinds(recorded, layer), "any"), layer)
-    for layer in range(target.n_layers):
-        this, after = kinds(target, layer), (kinds(target, layer + 1) or (None,))[0]
-        source = recorded_layers.get((this, after), recorded_layers[(this, "any")])
-        rec_after = (kinds(recorded, source + 1) or (None,))[0]
-        rename = {}
-        if rec_after != after and rec_after and after:  # prefetch the other attention kind
-            rename = dict(zip(first_names[rec_after], first_names[after]))
-        segment = events[bounds[source]:bounds[source + 1]]
-        experts = sum(1 for e in segment
-                      if e.kind == "dma_start" and e.name.startswith("expert/w1/")
-                      and e.name.endswith(("weight", "values", "codes")))
-        expert_ratio = unique_experts / experts if experts else 1.0
-        layer_map = {source: layer, source + 1: layer + 1}
-        for ev in segment:
-            is_next = dict(ev.indices).get("layer") == source + 1
-            out.append(scaled(ev, expert_ratio if ev.name.startswith("expert/") else 1.0,
-                              layer_map, rename if is_next else None))
-    out += [scaled(ev) for ev in events[tail:]]
-    return out

@@ -24,7 +24,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, PRESETS, ModelConfig, get_config
+from mkresearch import bench, figures, recorded, reference, roofline, sampling, weights
+from mkresearch.chips import CHIPS
+from mkresearch.config import (
+    EXPERT_FORMATS,
+    MLA_CACHE_LAYOUTS,
+    PRESETS,
+    ModelConfig,
+    get_config,
+    layer_pattern,
+)
+from mkresearch.kernels import megakernel
+from mkresearch.kernels.megakernel_plan import MAX_BATCH
+from mkresearch.roofline import tree_bytes
+from mkresearch.weights import param_shapes
 
 # Backends `decode` can run; the first is the default. Planned ones are refused clearly.
 BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.megakernel",
@@ -60,8 +73,6 @@ def _in_range(option: str, value: int, low: int, high: int, why: str) -> None:
 
 
 def _chip(name: str) -> str:
-    from mkresearch.chips import CHIPS
-
     if name not in CHIPS:
         raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
     return name
@@ -78,8 +89,6 @@ def _refusals() -> Iterator[None]:
 
 
 def _megakernel_batch(option: str, value: int) -> None:
-    from mkresearch.kernels.megakernel import MAX_BATCH
-
     if not 1 <= value <= MAX_BATCH:
         raise UsageError(f"{option} {value} is invalid: each in [1, {MAX_BATCH}] (the megakernel "
                          "backend)")
@@ -100,18 +109,7 @@ def _human_count(n: float) -> str:
 
 
 # ---- info ------------------------------------------------------------------------------------
-def layer_pattern(cfg: ModelConfig) -> str:
-    """'K' (KDA) or 'M' (MLA) per layer, attention-residual blocks separated by spaces."""
-    letters = ["M" if cfg.is_mla(layer) else "K" for layer in range(cfg.n_layers)]
-    blocks = ["".join(letters[i:i + cfg.attn_res_block])
-              for i in range(0, cfg.n_layers, cfg.attn_res_block)]
-    return " ".join(blocks)
-
-
 def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout: str) -> dict:
-    from mkresearch import roofline
-    from mkresearch.chips import CHIPS
-
     total, active = roofline.parameter_counts(cfg)
     step = roofline.step_bytes(cfg, batch, context, expert_format, layout)
     per_token = {name: roofline.mla_cache_bytes_per_token(cfg, name) for name in MLA_CACHE_LAYOUTS}
@@ -178,8 +176,6 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     import numpy as np
     from tqdm import tqdm
 
-    from mkresearch import reference, sampling, weights
-
     params = weights.init_params(cfg, seed)
     prompt = jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0, cfg.vocab_size,
                                 dtype=jnp.int32)  # [B, T]
@@ -230,8 +226,6 @@ def _teacher_forced_parity(cfg: ModelConfig, params: Any, prompt, generated, ste
     """Compare step-by-step greedy decoding with teacher-forced `reference.prefill`."""
     import numpy as np
 
-    from mkresearch import reference
-
     batch, prompt_len = prompt.shape
     tokens = np.concatenate([prompt, generated], axis=1)  # [B, T+N]
     logits, _ = reference.prefill(params, reference.init_state(cfg, batch), tokens, cfg)
@@ -245,8 +239,6 @@ def _teacher_forced_parity(cfg: ModelConfig, params: Any, prompt, generated, ste
 
 
 def _print_decode(result: dict) -> None:
-    from mkresearch import bench
-
     bench.print_run(result, result["backend"])
     parity = result["parity"]
     print(f"parity: {parity['check']}: {parity['tokens_equal']}/{parity['tokens']} tokens equal, "
@@ -345,17 +337,12 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.prompt_len + args.steps > cfg.max_seq_len:
             raise UsageError(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds "
                              f"max_seq_len={cfg.max_seq_len} of {cfg.name}")
-        from mkresearch.roofline import tree_bytes
-        from mkresearch.weights import param_shapes
-
         weight_bytes = tree_bytes(param_shapes(cfg))
         if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
             raise UsageError(f"--model {cfg.name} has {_human_bytes(weight_bytes)} of weights, too "
                              f"many to decode here: use kimi-k3-mini (or `mkresearch info`)")
         progress = not args.json and sys.stderr.isatty()
         if args.backend == "megakernel":
-            from mkresearch import bench
-
             _megakernel_batch("--batch", args.batch)
             with _refusals():
                 result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
@@ -375,8 +362,6 @@ def _run(argv: Sequence[str] | None) -> int:
 
     if args.command == "bench":
         from pathlib import Path
-
-        from mkresearch import bench
 
         cfg = _model(args.model)
         _at_least("--steps", args.steps, 1)
@@ -398,9 +383,6 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "compile":
-        from mkresearch import recorded
-        from mkresearch.kernels import megakernel
-
         cfg = _model(args.model)
         _megakernel_batch("--batch", args.batch)
         chip = _chip(args.chip)
@@ -417,8 +399,6 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "figures":
-        from mkresearch import figures
-
         for name in args.only or ():
             if name not in figures.FIGURES:
                 raise UsageError(f"--only {name!r} is unknown: choose from "

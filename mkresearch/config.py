@@ -359,3 +359,11 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
     config = PRESETS[name]
     return config.replace(**overrides) if overrides else config
+
+
+def layer_pattern(cfg: ModelConfig) -> str:
+    """'K' (KDA) or 'M' (MLA) per layer, attention-residual blocks separated by spaces."""
+    letters = ["M" if cfg.is_mla(layer) else "K" for layer in range(cfg.n_layers)]
+    blocks = ["".join(letters[i:i + cfg.attn_res_block])
+              for i in range(0, cfg.n_layers, cfg.attn_res_block)]
+    return " ".join(blocks)

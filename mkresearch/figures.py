@@ -1,21 +1,22 @@
-"""The figures `make figures` writes: a registry of name -> "module:function".
+"""The figures `make figures` writes: a registry of name -> drawing function.
 
 Each function takes one argument, the output path of a PNG, and draws with matplotlib's Agg
-backend. Modules are imported only when their figure is drawn, so one broken figure does not stop
-the others and `import mkresearch.figures` stays cheap. To add a figure, add one line to FIGURES.
+backend. To add a figure, add one line to FIGURES.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-FIGURES: dict[str, str] = {
-    "roofline": "mkresearch.roofline:plot_roofline",
-    "decode_bench": "mkresearch.bench:plot_decode_bench",
-    "expert_bytes": "mkresearch.kernels.experts:plot_expert_bytes",
-    "mla_kv_bytes": "mkresearch.kernels.mla:plot_kv_bytes",
+from mkresearch.bench import plot_decode_bench
+from mkresearch.plots import plot_expert_bytes, plot_kv_bytes, plot_roofline
+
+FIGURES: dict[str, Callable[[Path], None]] = {
+    "roofline": plot_roofline,
+    "decode_bench": plot_decode_bench,
+    "expert_bytes": plot_expert_bytes,
+    "mla_kv_bytes": plot_kv_bytes,
 }
 
 
@@ -23,8 +24,7 @@ def figure_function(name: str) -> Callable[[Path], None]:
     """The drawing function registered as `name`."""
     if name not in FIGURES:
         raise ValueError(f"unknown figure {name!r}: choose one of {', '.join(FIGURES)}")
-    module_name, function_name = FIGURES[name].split(":")
-    return getattr(importlib.import_module(module_name), function_name)
+    return FIGURES[name]
 
 
 def write_figure(name: str, out_dir: str | Path = "figures") -> Path:

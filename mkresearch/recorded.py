@@ -21,6 +21,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from mkresearch.kernels import megakernel
+from mkresearch.tpu import CompileResult
+
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
 # The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each.
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),)
@@ -33,8 +38,6 @@ def compile_path(model: str, batch: int, chip: str) -> Path:
 def plan_fingerprint(plan: Any) -> str:
     """A digest of a megakernel plan (its repr: config, sizes, options, VMEM buffers) and the JAX
     version: what a recorded compile result is valid for."""
-    import jax
-
     return hashlib.sha256(f"{plan!r}|jax {jax.__version__}".encode()).hexdigest()[:16]
 
 
@@ -53,8 +56,6 @@ def record_compile(result: Any, plan: Any, path: str | Path) -> Path:
 def load_compile(plan: Any, path: str | Path) -> Any | None:
     """The recorded `tpu.CompileResult` for `plan`, or None if there is no record at `path` or it
     was recorded for another plan or JAX version."""
-    from mkresearch.tpu import CompileResult
-
     path = Path(path)
     if not path.exists():
         return None
@@ -69,8 +70,6 @@ def compile_or_recorded(cfg: Any, batch: int = 1, *, chip: str = "tpu7x",
     """(CompileResult, plan, where the result comes from) for one megakernel step of `cfg` on
     `chip`: the committed record when it matches the plan, else a compile here (also when
     `recompile`). The plan is always computed here (it is cheap)."""
-    from mkresearch.kernels import megakernel
-
     options = megakernel.MegakernelOptions(chip=chip)
     plan = megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     path = compile_path(cfg.name, batch, chip)
@@ -84,7 +83,7 @@ def compile_or_recorded(cfg: Any, batch: int = 1, *, chip: str = "tpu7x",
 
 def main() -> int:
     """`python -m mkresearch.recorded`: compile and record every entry of RECORDED_COMPILES."""
-    from mkresearch import cli
+    from mkresearch import cli  # cli imports this module: importing it at the top is a cycle
 
     for model, batch, chip in RECORDED_COMPILES:
         status = cli.main(["compile", model, "--batch", str(batch), "--chip", chip, "--record"])

@@ -367,47 +367,6 @@ def roofline_table(cfg: ModelConfig, chips: Sequence[str] = ROOFLINE_CHIPS,
     return rows
 
 
-# ---- the figure ------------------------------------------------------------------------------
+# ---- the figure's setting (drawn by mkresearch.plots.plot_roofline) ----------------------------
 ROOFLINE_CONTEXT = 512  # ≈ mean context of the published 1-in / 1000-out benchmark
 ROOFLINE_N_CHIPS = 16  # the published deployment
-
-
-def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_CONTEXT,
-                  n_chips: int = ROOFLINE_N_CHIPS) -> None:
-    """figures/roofline.png: floor tokens/s vs batch per chip, and step bytes by component."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mkresearch.config import get_config
-
-    cfg = cfg or get_config("kimi-k3")
-    fig, (ax_rate, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in ROOFLINE_CHIPS:
-        rows = roofline_table(cfg, (name,), ROOFLINE_BATCHES, context, n_chips=n_chips)
-        ax_rate.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
-                     label=f"{n_chips}× {name} floor")
-    published = sorted(PUBLISHED_TPU7X_16_CHIPS.items())
-    ax_rate.plot(*zip(*published), "k*", markersize=10, label="published, 16× TPU7x")
-    ax_rate.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="tokens/s",
-                title=f"{cfg.name} decode floor, context {context}, weights split evenly")
-    ax_rate.set_xticks(ROOFLINE_BATCHES, [str(b) for b in ROOFLINE_BATCHES])
-    ax_rate.grid(True, which="both", alpha=0.3)
-    ax_rate.legend(fontsize=8)
-
-    steps = [step_bytes(cfg, batch, context) for batch in ROOFLINE_BATCHES]
-    bottom = np.zeros(len(steps))
-    for name, label in steps[0].components.items():
-        values = np.array([(s.read[name] + s.written.get(name, 0)) / 1e9 for s in steps])
-        if values.max() < 0.005 * max(s.total for s in steps) / 1e9:
-            continue  # too thin to see
-        ax_bytes.bar(range(len(steps)), values, bottom=bottom, label=label)
-        bottom += values
-    ax_bytes.set_xticks(range(len(steps)), [str(b) for b in ROOFLINE_BATCHES])
-    ax_bytes.set(xlabel="batch (sequences)", ylabel="GB per step (read + written)",
-                 title=f"bytes per step by component ({cfg.expert_format} experts)")
-    ax_bytes.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

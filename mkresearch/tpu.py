@@ -28,6 +28,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from mkresearch import _fast_interpret as fast  # both import without jax (see above)
+from mkresearch.chips import CHIPS, get_chip
+
 # ---- platform -----------------------------------------------------------------------------------
 
 
@@ -115,8 +118,6 @@ def target_chip() -> str | None:
     if on_tpu():
         import jax
 
-        from mkresearch.chips import CHIPS
-
         kind = jax.devices()[0].device_kind
         return next((chip.name for chip in CHIPS.values() if chip.device_kind == kind), None)
     return None
@@ -186,8 +187,6 @@ def _build_interpret_params(items: tuple[tuple[str, Any], ...]):
 def set_fast_interpret(enabled: bool) -> None:
     """Turn the io_callback speed-up (mkresearch._fast_interpret) on or off for later calls."""
     global _fast_interpret
-    from mkresearch import _fast_interpret as fast
-
     _fast_interpret = bool(enabled)
     if not enabled:
         fast.remove()
@@ -199,8 +198,6 @@ def interpret_params():
     if _compiling() or on_tpu():
         return None
     if _fast_interpret:
-        from mkresearch import _fast_interpret as fast
-
         fast.apply()  # no-op unless the pinned jax version; idempotent
     _latch_races()
     return _build_interpret_params(tuple(sorted(_options.items())))
@@ -357,8 +354,6 @@ def _topology(topology_name: str):
 
 def tpu_device(chip: str = "tpu7x"):
     """The first device of `chip`'s topology (a TPU device on this machine, for lowering only)."""
-    from mkresearch.chips import get_chip
-
     return _topology(get_chip(chip).topology).devices[0]
 
 
@@ -403,8 +398,6 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
     VmemOverflowError (a ValueError) saying how much the kernel needs and the chip has.
     """
     import jax
-
-    from mkresearch.chips import get_chip
 
     spec = get_chip(chip)  # ValueError listing the chips
     if isinstance(static_argnums, int):

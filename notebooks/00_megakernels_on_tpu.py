@@ -43,8 +43,7 @@ import matplotlib.pyplot as plt
 
 from mkresearch import roofline
 from mkresearch.chips import CHIPS
-from mkresearch.cli import layer_pattern
-from mkresearch.config import get_config
+from mkresearch.config import get_config, layer_pattern
 from mkresearch.weights import param_shapes
 
 cfg = get_config("kimi-k3")

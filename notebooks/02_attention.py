@@ -45,9 +45,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import dma, kda, mla
+from mkresearch.kernels import dma, kda, kv_tiles, mla, mla_sharded
 
-from mkresearch import config, facts, reference, weights
+from mkresearch import config, facts, kv_cache, plots, reference, weights
+from mkresearch.logs import kv_bytes_at, kv_bytes_per_rank
 
 tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
 cfg = config.get_config("kimi-k3-mini")
@@ -99,7 +100,7 @@ def check(name, got, want, tol=2e-3):
 # %%
 # NBVAL_CHECK_OUTPUT
 def naive_kernel(position_ref, q_ref, k_ref, v_ref, o_ref):
-    scores = mla.dot_t(q_ref[...], k_ref[...]) * scale  # [1, S]
+    scores = kv_tiles.dot_t(q_ref[...], k_ref[...]) * scale  # [1, S]
     token = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     scores = jnp.where(token <= position_ref[0], scores, -jnp.inf)
     weights_ = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
@@ -119,7 +120,7 @@ check("step 1 naive (whole cache in VMEM)", run_naive(q1, k1, v1, position), exp
 # %% [markdown]
 # ### Step 2 · tiles and an online softmax
 # Walk the cache in tiles of `T` tokens and keep a running max `m`, normaliser `l` and
-# accumulator: `mla.online_softmax_step` — the very function the MLA kernel uses. Only the
+# accumulator: `kv_tiles.online_softmax_step` — the very function the MLA kernel uses. Only the
 # `⌈(p+1)/T⌉` tiles holding visible tokens are touched; the loop bound is dynamic. The cache is
 # still all in VMEM.
 
@@ -134,9 +135,9 @@ def tiled_kernel(position_ref, q_ref, k_ref, v_ref, o_ref):
 
     def step(t, carry):
         tokens = pl.ds(pl.multiple_of(t * T, T), T)
-        scores = mla.dot_t(q, k_ref[tokens, :]) * scale  # [1, T]
-        return mla.online_softmax_step(plan1, t, visible, scores,
-                                       v_ref[tokens, :].astype(jnp.float32), carry)
+        scores = kv_tiles.dot_t(q, k_ref[tokens, :]) * scale  # [1, T]
+        return kv_tiles.online_softmax_step(plan1, t, visible, scores,
+                                            v_ref[tokens, :].astype(jnp.float32), carry)
 
     start = (jnp.full((1, 1), -jnp.inf), jnp.zeros((1, 1)), jnp.zeros((1, DV)))
     _, l, acc = jax.lax.fori_loop(0, jax.lax.div(visible + T - 1, T), step, start)
@@ -155,9 +156,9 @@ check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_c
 # %% [markdown]
 # ### Step 3 · the cache stays in HBM: double-buffered DMA
 # Now K and V stay in HBM (`memory_space=pl.ANY`) and each tile is copied into one of two VMEM
-# slots by DMA: tile `t+1` flies while tile `t` is used. `mla.tile_loop` is the kernel's loop; its
-# rings go through `mkresearch.kernels.dma`, so the DMA log shows every tile it read — and only
-# those.
+# slots by DMA: tile `t+1` flies while tile `t` is used. `kv_tiles.tile_loop` is the kernel's loop;
+# its rings go through `mkresearch.kernels.dma`, so the DMA log shows every tile it read — and
+# only those.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -171,14 +172,14 @@ def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):
 
     def update(t, tiles, carry):
         k_tile, v_tile = tiles  # [T, DK], [T, DV] in VMEM
-        return mla.online_softmax_step(plan1, t, visible, mla.dot_t(q, k_tile) * scale,
-                                       v_tile.astype(jnp.float32), carry)
+        return kv_tiles.online_softmax_step(plan1, t, visible, kv_tiles.dot_t(q, k_tile) * scale,
+                                            v_tile.astype(jnp.float32), carry)
 
     def scoped(k_slots, v_slots, sems):
         rings = (dma.Ring(k_slots, sems.at[0], name="mla.kv.k"),
                  dma.Ring(v_slots, sems.at[1], name="mla.kv.v"))
         start = (jnp.full((1, 1), -jnp.inf), jnp.zeros((1, 1)), jnp.zeros((1, DV)))
-        _, l, acc = mla.tile_loop(plan1, 0, visible, rings, windows, update, start, {})
+        _, l, acc = kv_tiles.tile_loop(plan1, 0, visible, rings, windows, update, start, {})
         o_ref[...] = acc / l
 
     pl.run_scoped(scoped, pltpu.VMEM((2, T, DK), jnp.bfloat16), pltpu.VMEM((2, T, DV), jnp.bfloat16),
@@ -243,7 +244,7 @@ for layout in ("expanded", "latent"):
     check(f"step 4 MLA sublayer, {layout} cache: output (bf16 tolerance 2^-7 of max)", out,
           ref_out, tol=2 ** -7)
     assert all(bool(jnp.array_equal(new_cache[n], ref_cache[n])) for n in ref_cache)
-    assert logs[layout].dma_bytes("mla.kv.") == mla.kv_tile_bytes_needed(positions, lcfg)
+    assert logs[layout].dma_bytes("mla.kv.") == kv_cache.kv_tile_bytes_needed(positions, lcfg)
     print(f"PASS {layout}: cache after the step equals the reference's; KV tiles read "
           f"{logs[layout].dma_bytes('mla.kv.'):,} B = the tiles needed")
 assert not tpu.races_found()
@@ -318,19 +319,19 @@ assert not tpu.races_found()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-fig = mla.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
+fig = plots.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
 full = config.get_config("kimi-k3")
 rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
 for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):
-    e = mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
-                        target.replace(mla_cache_layout="expanded"))
-    lat = mla.kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
-                          target.replace(mla_cache_layout="latent"))
+    e = kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
+                    target.replace(mla_cache_layout="expanded"))
+    lat = kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
+                      target.replace(mla_cache_layout="latent"))
     print(f"{name:13s} step-4 tokens priced: expanded {e:>11,} B  latent {lat:>9,} B  "
           f"ratio {e / lat:.0f}x")
-assert mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"), full) >= \
-    50 * mla.kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
-                         full.replace(mla_cache_layout="latent"))
+assert kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"), full) >= \
+    50 * kv_bytes_at(logs["latent"], cfg.replace(mla_cache_layout="latent"),
+                     full.replace(mla_cache_layout="latent"))
 
 # %% [markdown]
 # ## Per rank: the latent cache sharded by sequence
@@ -339,11 +340,11 @@ assert mla.kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"
 #
 # 1. each head's owner absorbs its queries, `q̃_h = q^C_h W_kvbK_hᵀ` and `q^X_h`, and all ranks
 #    all-gather them (`[B, 96, 512 + 64]` bf16: about 110 KB at B = 1);
-# 2. every rank runs `mla.mla_latent_partial` over its shard — the same double-buffered tile loop
-#    and online softmax as above (`mla.latent_partial`), for all heads — and keeps the softmax state
-#    `(m, l, acc)` instead of normalising;
-# 3. the states are merged across ranks by a log-sum-exp (`mla.combine_partials`) and each head's
-#    owner finishes: `o_h = (acc / l) W_kvbV_h`, the gate and `W_o`.
+# 2. every rank runs `mla_sharded.mla_latent_partial` over its shard — the same double-buffered
+#    tile loop and online softmax as above (`mla.latent_partial`), for all heads — and keeps the
+#    softmax state `(m, l, acc)` instead of normalising;
+# 3. the states are merged across ranks by a log-sum-exp (`mla_sharded.combine_partials`) and each
+#    head's owner finishes: `o_h = (acc / l) W_kvbV_h`, the gate and `W_o`.
 #
 # On one device the collectives are left out: the four shards of the mini cache run one after the
 # other and merge in plain JAX. The new entries are already in the cache (the shard holding each
@@ -366,13 +367,13 @@ partials, shard_logs = [], []
 for i in range(n_shards):
     shard = {n: a[:, i * shard_len:(i + 1) * shard_len] for n, a in latent_cache.items()}
     with dma.recording() as shard_log:
-        partials.append(jax.block_until_ready(mla.mla_latent_partial(
+        partials.append(jax.block_until_ready(mla_sharded.mla_latent_partial(
             q_absorbed, q_extra, shard, positions, i * shard_len, lcfg, kv_tile=shard_tile,
             shard=i)))
     shard_logs.append(shard_log)
-m_all, l_all, acc_all = mla.combine_partials(partials)
-whole = mla.mla_latent_partial(q_absorbed, q_extra, latent_cache, positions, 0, lcfg,
-                               kv_tile=shard_tile)
+m_all, l_all, acc_all = mla_sharded.combine_partials(partials)
+whole = mla_sharded.mla_latent_partial(q_absorbed, q_extra, latent_cache, positions, 0, lcfg,
+                                       kv_tile=shard_tile)
 scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, latent_cache["ckv"],
                      preferred_element_type=jnp.float32)
           + jnp.einsum("bhe,bse->bhs", q_extra, latent_cache["kx"],
@@ -403,8 +404,8 @@ for i, shard_log in enumerate(shard_logs):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-per_rank = mla.kv_bytes_per_rank({**logs, "latent-sequence": shard_logs}, cfg, rank, n_ranks=32,
-                                 row=2)
+per_rank = kv_bytes_per_rank({**logs, "latent-sequence": shard_logs}, cfg, rank, n_ranks=32,
+                             row=2)
 for layout, nbytes in per_rank.items():
     print(f"{layout:16s} {nbytes:>11,} B per rank per MLA layer per step   "
           f"{per_rank['expanded'] / nbytes:3.0f}x fewer than expanded")
@@ -442,8 +443,8 @@ shard_structs = (S_((1, 96, rank.mla_kv_rank), jnp.bfloat16),
                   "kx": S_((1, 32768 // 32, rank.mla_qk_extra), jnp.bfloat16)},
                  S_((1,), jnp.int32), S_((), jnp.int32))
 results["MLA partial"] = tpu.compile_for(
-    lambda q, qx, c, pos, start: mla.mla_latent_partial(q, qx, c, pos, start,
-                                                        rank.replace(mla_cache_layout="latent")),
+    lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(
+        q, qx, c, pos, start, rank.replace(mla_cache_layout="latent")),
     *shard_structs, chip="tpu7x")
 results["KDA"] = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, rank),
                                  *kda_structs, chip="tpu7x")

@@ -56,6 +56,7 @@ import numpy as np
 
 from mkresearch import config, facts, reference, roofline, timeline, weights
 from mkresearch.kernels import dma, experts, quant, router
+from mkresearch.logs import expert_bytes_by_batch
 
 cfg = config.get_config("kimi-k3-mini", expert_format="bf16")
 params = weights.init_params(cfg, seed=0)
@@ -241,7 +242,7 @@ assert abs(per_expert["mxfp4"] / 17.55e6 - 1) < 1e-3 and abs(saving / 15e9 - 1) 
 
 # %%
 mxfp4_cfg = quantised["mxfp4"][0]
-sweep = experts.expert_bytes_by_batch(mxfp4_cfg, batches=(1, 2, 4, 8))
+sweep = expert_bytes_by_batch(mxfp4_cfg, batches=(1, 2, 4, 8))
 
 # %%
 # NBVAL_CHECK_OUTPUT

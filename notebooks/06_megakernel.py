@@ -53,9 +53,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import recorded, reference, sampling, timeline, weights, widgets
-from mkresearch.cli import layer_pattern
-from mkresearch.config import get_config
+from mkresearch import logs, recorded, reference, sampling, timeline, weights, widgets
+from mkresearch.config import get_config, layer_pattern
 from mkresearch.kernels import dma, megakernel
 
 LOGIT_TOL = 5e-2  # spec §11: whole-step interpret-mode runs
@@ -189,7 +188,7 @@ no_ring_timeline = show_timeline(no_ring["log"], "7 layers, stage rings")
 
 # %%
 ring = run_step(mini, mini_params, batch=2)
-late = megakernel.late_prefetches(ring["log"], mini.n_layers)  # layers where a prefetch came late
+late = logs.late_prefetches(ring["log"], mini.n_layers)  # layers where a prefetch came late
 ffn_early, next_early = not late["ffn"], not late["next_layer"]
 
 # %%

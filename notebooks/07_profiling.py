@@ -257,7 +257,7 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 # ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (predicted)
 #
 # The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, spec §9)
-# by `mkresearch.bench.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
+# by `mkresearch.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
 # the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
 # rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
 # count, so the timeline is coarse; the bytes and the order (what is in flight while what
@@ -266,12 +266,12 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from mkresearch import bench
+from mkresearch import scaling
 
 if "megakernel" in logs:
     rank = get_config("kimi-k3-rank")
     rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
-    rank_events = bench.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
+    rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
     rank_mega = tl.simulate(rank_events, "tpu7x")
     print(f"megakernel at {rank.name} shapes, B={B}, routed experts per MoE layer "
           f"{rank_unique:.1f}: {rank_mega.dma_bytes / 1e9:.2f} GB per step")

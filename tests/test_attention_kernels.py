@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels import dma, kda, mla, mla_sharded
 
-from mkresearch import config, reference, tpu, weights
-from mkresearch.kernels import dma, kda, mla
+from mkresearch import config, kv_cache, reference, tpu, weights
+from mkresearch.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
 
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-5
@@ -96,13 +97,13 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
         assert_state_equal(new_cache[name], ref_cache[name], batch, f"cache[{name!r}]")
     # KV: each row's tokens 0..p-1 in 16-row groups, nothing past them; at T = 32 a tile is one
     # DMA per cache array (whole, or its first 16 rows)
-    needed = mla.kv_tile_bytes_needed(positions, cfg)
-    assert needed == sum(-(-p // 16) * 16 for p in POSITIONS[batch]) * mla.kv_bytes_per_token(cfg)
+    needed = kv_cache.kv_tile_bytes_needed(positions, cfg)
+    assert needed == sum(-(-p // 16) * 16 for p in POSITIONS[batch]) * kv_cache.kv_bytes_per_token(cfg)
     assert log.dma_bytes("mla.kv.") == needed
     tiles = sum(-(-p // T) for p in POSITIONS[batch])
     assert len(log.select("dma_start", "mla.kv.")) == 2 * tiles  # two cache arrays per tile
     # the in-place write: one aligned 16-row block read and written per row and cache array
-    entry = mla.kv_bytes_per_token(cfg)
+    entry = kv_cache.kv_bytes_per_token(cfg)
     assert log.dma_bytes("mla.kv_update") == batch * 2 * mla.UPDATE_ROWS * entry
     # every weight byte of the layer went through the DMA log exactly once
     weight_bytes = sum(int(np.prod(p[name].shape)) * 2 for name in mla.WEIGHT_NAMES)
@@ -127,7 +128,7 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
             jax.block_until_ready(out)
     full = config.get_config("kimi-k3")
     rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
-    at = {(name, layout): mla.kv_bytes_at(logs[layout], MINI.replace(mla_cache_layout=layout),
+    at = {(name, layout): kv_bytes_at(logs[layout], MINI.replace(mla_cache_layout=layout),
                                           target.replace(mla_cache_layout=layout))
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
           for layout in ("expanded", "latent")}
@@ -164,7 +165,7 @@ def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, min
     rows read past them are masked: a cache holding NaN from each row's first unneeded token on
     gives the very same bits."""
     cfg = SHORT_CFG.replace(mla_cache_layout=kernel.split("-")[0])
-    batch, per_token = len(SHORT_TOKENS), mla.kv_bytes_per_token(cfg)
+    batch, per_token = len(SHORT_TOKENS), kv_cache.kv_bytes_per_token(cfg)
     cache = random_cache(cfg, batch, seed=41)
     if kernel == "latent-partial":  # one shard holding the whole cache: tokens 0..position
         q_absorbed, q_extra = absorbed_queries(reference.layer_params(mini_params["mla"], 0),
@@ -172,7 +173,7 @@ def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, min
         positions = jnp.array(SHORT_TOKENS, jnp.int32) - 1
 
         def run(cache):
-            _, norm, acc = mla.mla_latent_partial(q_absorbed, q_extra, cache, positions, 0, cfg)
+            _, norm, acc = mla_sharded.mla_latent_partial(q_absorbed, q_extra, cache, positions, 0, cfg)
             return acc / norm  # [B, H, kv_rank]: Σ α ĉ over tokens 0..position
 
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"],
@@ -198,10 +199,10 @@ def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, min
         out = jax.block_until_ready(run(cache))
     check(out, expected)
     np.testing.assert_array_equal(run(nan_past(cache, SHORT_TOKENS)), out)
-    by_row = mla.kv_bytes_by_row(log)
+    by_row = kv_bytes_by_row(log)
     read = [by_row[b] // per_token for b in range(batch)]
     assert read == [16, 16, 16, 32, 128, 128, 144]  # ⌈tokens / 16⌉ · 16, never 256
-    assert read == [mla.rows_read(tokens) for tokens in SHORT_TOKENS]
+    assert read == [kv_cache.rows_read(tokens) for tokens in SHORT_TOKENS]
     # the last tile in runs of 2^i 16-row groups, one DMA per run and cache array: 144 rows are
     # a run of 128 and one of 16
     dmas = [sum(e.indices["row"] == b for e in log.select("dma_start", "mla.kv.")) // 2
@@ -247,7 +248,7 @@ def run_shards(q_absorbed, q_extra, cache, positions, cfg, n_shards):
     for i in range(n_shards):
         shard = {name: array[:, i * length:(i + 1) * length] for name, array in cache.items()}
         with dma.recording() as log:
-            partials.append(jax.block_until_ready(mla.mla_latent_partial(
+            partials.append(jax.block_until_ready(mla_sharded.mla_latent_partial(
                 q_absorbed, q_extra, shard, positions, i * length, cfg, kv_tile=SHARD_TILE,
                 shard=i)))
         logs.append(log)
@@ -268,21 +269,21 @@ def test_mla_latent_sequence_shards_combine_to_the_reference(race_checked, mini_
     # the cache after the step holds the new entries (each position's shard wrote its own)
     (whole,), _ = run_shards(q_absorbed, q_extra, ref_cache, positions, cfg, n_shards=1)
     partials, logs = run_shards(q_absorbed, q_extra, ref_cache, positions, cfg, n_shards=4)
-    _, norm, acc = mla.combine_partials(partials)
+    _, norm, acc = mla_sharded.combine_partials(partials)
     context = acc / norm  # [B, H, kv_rank]
     np.testing.assert_allclose(np.asarray(context), np.asarray(whole[2] / whole[1]), rtol=1e-5,
                                atol=1e-6)
     assert_bf16_close(finish_heads(p, x, context, cfg), ref_out, "sequence-sharded latent output")
 
     # each shard reads exactly its own tiles holding tokens <= the row's position
-    length, per_token = MINI.max_seq_len // 4, mla.kv_bytes_per_token(cfg)
+    length, per_token = MINI.max_seq_len // 4, kv_cache.kv_bytes_per_token(cfg)
     for i, log in enumerate(logs):
         for b, position in enumerate(SHARD_POSITIONS):
             tokens = min(max(position + 1 - i * length, 0), length)
             tiles = [e.indices["tile"] for e in log.select("dma_start", "mla.kv.ckv")
                      if e.indices["row"] == b]
             assert tiles == list(range(-(-tokens // SHARD_TILE))), (i, b, tiles)
-            assert mla.kv_bytes_by_row(log).get(b, 0) == len(tiles) * SHARD_TILE * per_token
+            assert kv_bytes_by_row(log).get(b, 0) == len(tiles) * SHARD_TILE * per_token
         assert all(e.indices["shard"] == i for e in log.select("dma_start", "mla.kv."))
     # the last row reads every shard whole: the ring alternates slots within a shard
     assert [e.slot for e in logs[3].select("dma_start", "mla.kv.ckv")] == [0, 1]
@@ -306,7 +307,7 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
                                             positions, cfg, n_shards=4)
 
     rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
-    per_rank = mla.kv_bytes_per_rank(logs, MINI, rank, n_ranks=32, row=0)
+    per_rank = kv_bytes_per_rank(logs, MINI, rank, n_ranks=32, row=0)
     assert per_rank == {"expanded": 32768 * 3 * (256 + 128) * 2,  # 3 heads of K, V: 2,304 B/token
                         "latent": 32768 * 1_152,  # the whole latent: 1,152 B/token
                         "latent-sequence": 32768 // 32 * 1_152}  # 1/32 of the tokens
@@ -407,7 +408,7 @@ def test_compiles_for_tpu7x(name, overrides, batch, kernel):
     if kernel == "mla-latent-partial":
         cfg = config.get_config(name, mla_cache_layout="latent", **overrides)
         result = tpu.compile_for(
-            lambda q, qx, c, pos, start: mla.mla_latent_partial(q, qx, c, pos, start, cfg),
+            lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(q, qx, c, pos, start, cfg),
             # a rank of kimi-k3-rank: 1/32 of the context, all 96 heads; mini: 4 shards, 2 heads
             *(_partial_structs(cfg, batch, 32, cfg.n_heads * 32) if name == "kimi-k3-rank"
               else _partial_structs(cfg, batch, 4, cfg.n_heads)), chip="tpu7x")
@@ -488,6 +489,6 @@ def test_mla_latent_partial_rejects_bad_input(change, match):
              "kx": jnp.zeros((2, 32, cfg.mla_qk_extra), jnp.bfloat16)}
     positions = jnp.array([3, 40], jnp.int32)
     with pytest.raises(ValueError, match=match):
-        mla.mla_latent_partial(*change(q, qx, cache, positions, 32), cfg)
+        mla_sharded.mla_latent_partial(*change(q, qx, cache, positions, 32), cfg)
     with pytest.raises(ValueError, match="kv_tile"):
-        mla.mla_latent_partial(q, qx, cache, positions, 32, cfg, kv_tile=24)
+        mla_sharded.mla_latent_partial(q, qx, cache, positions, 32, cfg, kv_tile=24)

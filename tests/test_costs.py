@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, gemv, kda, mla, quant, router, sampling
+from mkresearch.kernels import dma, experts, gemv, kda, mla, mla_sharded, quant, router, sampling
 from mkresearch.kernels import megakernel as mk
 
-from mkresearch import config, reference, tpu, weights
+from mkresearch import config, logs, reference, tpu, weights
 from mkresearch import timeline as tl
 
 MINI = config.get_config("kimi-k3-mini")
@@ -85,7 +85,7 @@ def mla_partial_stage(params):
     q_x = jax.random.normal(keys[1], (B, cfg.n_heads, cfg.mla_qk_extra)).astype(jnp.bfloat16)
     shard = {name: a[:, :32] for name, a in random_cache(cfg, B, 5).items()}  # tokens 0..31
     positions = jnp.array([40, 100], jnp.int32)  # past the shard: every row reads all of it
-    return (lambda q, q_x, c, pos: mla.mla_latent_partial(q, q_x, c, pos, 0, cfg),
+    return (lambda q, q_x, c, pos: mla_sharded.mla_latent_partial(q, q_x, c, pos, 0, cfg),
             (q, q_x, shard, positions),
             lambda a, out, log: size(a[0], a[1], a[3], out))  # queries, counts, the states
 
@@ -197,7 +197,7 @@ def test_declared_cost_is_what_the_stage_moves(race_checked, mini_params, stage)
     run, args, around = STAGES[stage](mini_params)
     with dma.recording() as log:
         out = jax.block_until_ready(run(*args))
-    moved = mk.hbm_bytes(log) + around(args, out, log)
+    moved = logs.hbm_bytes(log) + around(args, out, log)
     check_declared(stage, tpu.compile_for(run, *args, chip="tpu7x"), moved, log)
 
 
@@ -213,7 +213,7 @@ def test_declared_cost_is_what_the_megakernel_moves(race_checked, mini_params):
     # tokens, positions, seed [1], the layer table; sample positions, temperature, top_k, top_p
     # [1, 1]; tokens and overflow [1, 1]: 4 bytes each
     around = 4 * (1 + 1 + 1 + len(plan.layer_table) + 4 + 2)
-    check_declared("megakernel", compiled, mk.hbm_bytes(log) + around, log)
+    check_declared("megakernel", compiled, logs.hbm_bytes(log) + around, log)
 
 
 @pytest.mark.slow

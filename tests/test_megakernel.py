@@ -33,9 +33,13 @@ import numpy as np
 import pytest
 from mkresearch.kernels import dma, experts, kda, mla, quant
 from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels.megakernel_plan import VmemPlanError
 
-from mkresearch import bench, config, reference, sampling, timeline, weights
+from mkresearch import config, reference, sampling, timeline, weights
 from mkresearch.chips import CHIPS
+from mkresearch.hlo import count_xla_kernels
+from mkresearch.logs import hbm_bytes, late_prefetches, minimum_step_bytes
+from mkresearch.scaling import scale_log
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
@@ -180,15 +184,15 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
         expert_ids = aux["expert_ids"]
         tokens = sampling.sample(logits, seed=0, positions=pos + 1)
         pos = pos + 1
-    moved = mk.hbm_bytes(logs[-1])
-    minimum = mk.minimum_step_bytes(MINI, 4, positions, np.asarray(expert_ids))
+    moved = hbm_bytes(logs[-1])
+    minimum = minimum_step_bytes(MINI, 4, positions, np.asarray(expert_ids))
     print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
           f"({moved / minimum.total:.4f}x)\n{minimum}")
     assert moved <= BYTES_SLACK * minimum.total
     assert_prefetch_order(logs[-1], MINI)
     # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
     rank = config.get_config("kimi-k3-rank")
-    scaled = bench.scale_log(logs[-1], MINI, rank, 4)
+    scaled = scale_log(logs[-1], MINI, rank, 4)
     layers = [e for e in scaled if e.kind == "dma_start" and e.name == "mix_attn"]
     assert [dict(e.indices)["layer"] for e in layers] == list(range(rank.n_layers))
     predicted = timeline.simulate(scaled, "tpu7x")
@@ -202,7 +206,7 @@ def assert_prefetch_order(log, cfg):
     """The global weight stream in the DMA log: the FFN's first block is issued before the
     attention's last block is waited for, the next layer's first block before this layer's FFN
     ends, and expert DMAs right after routing, before the latent down-projection is waited for."""
-    assert mk.late_prefetches(log, cfg.n_layers) == {"ffn": [], "next_layer": [], "experts": []}
+    assert late_prefetches(log, cfg.n_layers) == {"ffn": [], "next_layer": [], "experts": []}
 
 
 def test_late_prefetches_are_found():
@@ -216,7 +220,7 @@ def test_late_prefetches_are_found():
               event("dma_wait", "router/weights_to_smem", 0), event("dma_wait", "latent/w_ld", 0),
               event("dma_start", "expert/w1", 0), event("dma_wait", "shared/w_down", 0),
               event("dma_start", "latent/w_ld", 1), event("dma_wait", "mla.w_o", 1)]
-    assert mk.late_prefetches(dma.DmaLog(events), 2) == {"ffn": [0], "next_layer": [],
+    assert late_prefetches(dma.DmaLog(events), 2) == {"ffn": [0], "next_layer": [],
                                                          "experts": [0]}
 
 
@@ -236,13 +240,13 @@ def test_compiles_to_one_mosaic_kernel(name):
     cfg = config.get_config(name)
     result, plan = mk.compile_step(cfg, 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB; "
-          f"{mk.count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
+          f"{count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
     assert result.n_mosaic_kernels == 1
     if name == "kimi-k3-mini":
         ref = mk.compile_reference_step(cfg, 1, chip="tpu7x")
         print(f"reference backend for tpu7x: {ref.n_mosaic_kernels} Mosaic kernels, "
-              f"{mk.count_xla_kernels(ref.hlo_text)} XLA kernels per step")
-        assert mk.count_xla_kernels(ref.hlo_text) > 1
+              f"{count_xla_kernels(ref.hlo_text)} XLA kernels per step")
+        assert count_xla_kernels(ref.hlo_text) > 1
 
 
 @pytest.mark.parametrize("chip, decode_path", [("v5e", "integer"), ("v6e", "integer"),
@@ -312,7 +316,7 @@ def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
     # 24 of the 93 layers: the bf16 experts of all of them would not fit v5p's HBM (refused
     # first, see test_hbm_over_the_chip_is_refused_before_compiling); VMEM is per layer
     cfg = config.get_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
-    with pytest.raises(mk.VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
+    with pytest.raises(VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
         mk.make_plan(cfg, 8, cfg.max_seq_len, options)
 
 
@@ -321,7 +325,7 @@ def test_ring_config_over_the_chip_is_refused():
     fits = config.get_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
     assert mk.make_plan(fits, 1, fits.max_seq_len).stream.slot_shape == (512, 7168)
     cfg = fits.replace(ring_depth=8)
-    with pytest.raises(mk.VmemPlanError, match=r"(?s)lower the config's ring_depth, "
+    with pytest.raises(VmemPlanError, match=r"(?s)lower the config's ring_depth, "
                                                r"ring_block_bytes.*weight ring +\[8, 512, 7168\]"):
         mk.make_plan(cfg, 1, cfg.max_seq_len)
 

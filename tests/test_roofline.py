@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from mkresearch import roofline
+from mkresearch import plots, roofline
 from mkresearch.chips import CHIPS
 from mkresearch.config import get_config
 
@@ -174,7 +174,7 @@ def test_bad_chip_and_n_chips():
 
 def test_plot_roofline(tmp_path):
     path = tmp_path / "roofline.png"
-    roofline.plot_roofline(path)
+    plots.plot_roofline(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 

@@ -1,0 +1,115 @@
+"""The KV tile loop of the attention kernels: tiles of T cached tokens read from HBM by a
+double-buffered DMA ring, and the f32 online softmax over them.
+
+`tile_loop` reads only the 16-row groups of the last tile that hold cached tokens (`_tile_reads`,
+`mkresearch.kv_cache.rows_read` in bytes); `online_softmax_step` masks what lies past the
+position. MLA's expanded and latent layouts (`mla.py`) and the sequence-sharded latent prototype
+(`mla_sharded.py`) all run them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from mkresearch.kernels import blocks, dma
+
+from mkresearch.kv_cache import KV_ROW_GROUP
+
+if TYPE_CHECKING:
+    from mkresearch.kernels.mla import MlaPlan
+
+
+def _tile_count(p: MlaPlan, position):
+    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1 (lax.div: no sign op)."""
+    return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
+
+
+def _tile_reads(p: MlaPlan, t, count):
+    """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
+    token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
+    tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
+    binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
+    n_groups = p.kv_tile // KV_ROW_GROUP
+    tokens = jnp.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
+    groups = jax.lax.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
+    reads = [(groups == n_groups, 0, p.kv_tile)]
+    for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
+        run = 2 ** i
+        has_run = (groups < n_groups) & (jax.lax.rem(jax.lax.div(groups, run), 2) == 1)
+        first = jax.lax.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
+        reads.append((has_run, pl.multiple_of(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
+    return reads
+
+
+def _token_rows(ref, rows):
+    """ref[..., rows, :]: a window of the token axis (the second-to-last) of a cache ref."""
+    return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
+
+
+def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices):
+    """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
+    tile t is used. The last tile reads only the 16-row groups holding tokens < count
+    (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
+
+    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
+    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
+    """
+    n_tiles = _tile_count(p, count)
+
+    def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
+        part = pl.ds(first, rows)
+        for ring, window in zip(rings, windows(t)):
+            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
+                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
+                            **indices)
+            getattr(copy, action)()
+
+    def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
+        for condition, first, rows in _tile_reads(p, t, count):
+            pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
+
+    @pl.when(n_tiles > 0)
+    def _():
+        each_read(0, 0, "start")
+
+    def step(t, carry):
+        slot = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            each_read(t + 1, 1 - slot, "start")
+
+        each_read(t, slot, "wait")
+        tiles = [ring.buffer(slot)[...] for ring in rings]
+        with dma.phase("mla.attend", row=b, tile=t, **indices):
+            return update(t, tiles, carry)
+
+    return jax.lax.fori_loop(0, n_tiles, step, carry)
+
+
+def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
+    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc)."""
+    m, norm, acc = carry
+    token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    valid = token < position  # the tile's tail past the cached tokens is stale: masked
+    scores = jnp.where(valid, scores, -jnp.inf)
+    # rows past the cached tokens may be unread (uninitialised, even NaN): 0 · NaN = NaN, so the
+    # values are selected too; a valid row is unchanged and a masked one added 0 before as well
+    row_token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    values = jnp.where(row_token < position, values, 0.0)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
+    correction = jnp.exp(m - m_new)
+    weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
+    norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
+    acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+    return m_new, norm, acc
+
+
+def dot_t(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -1,0 +1,203 @@
+"""What a recorded DMA log says (`mkresearch.kernels.dma.recording`): the megakernel's schedule,
+the bytes a step moved against the least it could, the KV tokens an MLA run read (rescaled to
+other shapes and to one rank of a pod), and the runs that record the logs of notebooks 02 and 04
+and of the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mkresearch import kv_cache, reference, roofline, weights
+from mkresearch.config import MLA_CACHE_LAYOUTS, ModelConfig
+from mkresearch.kernels import dma, router
+from mkresearch.kernels.experts import EXPERT_DMA_PREFIX, routed_experts
+from mkresearch.kernels.mla import cache_shapes, mla_attention
+from mkresearch.kv_cache import kv_bytes_per_token
+
+
+# ---- the schedule, read back from a recorded step ---------------------------------------------
+def late_prefetches(log: dma.DmaLog, n_layers: int) -> dict[str, list[int]]:
+    """Where the global weight stream did NOT run ahead in a recorded step (empty lists: it always did).
+
+    ffn: layers whose FFN's first weight block was not issued before attention's last block was
+    waited for; next_layer: layers l whose layer l+1's first block was not issued before l's FFN
+    ends; experts: MoE calls (in order) whose first expert DMA did not come right after routing,
+    before the latent down-projection was waited for."""
+    events = log.events
+
+    def first(kind, names, layer):
+        return next(i for i, e in enumerate(events) if e.kind == kind and e.name in names
+                    and e.indices.get("layer") == layer)
+
+    def last(kind, names, layer):
+        return max(i for i, e in enumerate(events) if e.kind == kind and e.name in names
+                   and e.indices.get("layer") == layer)
+
+    late = {"ffn": [], "next_layer": [], "experts": []}
+    for layer in range(n_layers):
+        if first("dma_start", {"latent/w_ld", "dense/w_gate"}, layer) > last(
+                "dma_wait", {"kda.w_o", "mla.w_o"}, layer):
+            late["ffn"].append(layer)
+        if layer + 1 < n_layers and first("dma_start", {"kda.w_fa", "mla.w_qa"}, layer + 1) > last(
+                "dma_wait", {"shared/w_down", "dense/w_down"}, layer):
+            late["next_layer"].append(layer)
+    routed = [i for i, e in enumerate(events)
+              if e.name == "router/weights_to_smem" and e.kind == "dma_wait"]
+    for call, i in enumerate(routed):
+        expert = next(j for j in range(i, len(events)) if events[j].name.startswith("expert/"))
+        latent = next(j for j in range(i, len(events))
+                      if events[j].name == "latent/w_ld" and events[j].kind == "dma_wait")
+        if events[expert].kind != "dma_start" or expert > latent:
+            late["experts"].append(call)
+    return late
+
+
+# ---- bytes: what a step moves against the least it could ----------------------------------------
+def hbm_bytes(log: dma.DmaLog) -> int:
+    """Bytes of the DMAs of a recorded step that touch HBM (VMEM->SMEM copies excluded)."""
+    return sum(e.nbytes for e in log.select("dma_start") if "hbm" in (e.src, e.dst))
+
+
+@dataclass(frozen=True)
+class MinimumBytes:
+    """The least HBM traffic of one step: each weight once, each unique routed expert once, the
+    cached tokens' KV rows in whole 16-row HBM tiles (`kv_cache.kv_tile_bytes_needed`), the
+    recurrent/conv state read and written, the new KV entries written, one embedding row per
+    sequence."""
+
+    weights: int
+    embedding_rows: int
+    routed_experts: int
+    kv_tiles: int
+    kda_state: int
+    kv_entries: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.embedding_rows + self.routed_experts + self.kv_tiles
+                + self.kda_state + self.kv_entries)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k):,d}" for k in
+                          ("weights", "embedding_rows", "routed_experts", "kv_tiles", "kda_state",
+                           "kv_entries"))
+        return f"minimum {self.total:,d} B = {parts}"
+
+
+def minimum_step_bytes(cfg: ModelConfig, batch: int, positions: Any,
+                       expert_ids: Any) -> MinimumBytes:
+    """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux)."""
+    step = roofline.step_bytes(cfg, batch)  # every weight but the routed experts and embedding
+    weights = sum(step.read[name] for name in ("kda", "mla", "dense", "moe_nonrouted", "lm_head",
+                                               "norms_and_mix"))
+    unique = sum(len(np.unique(layer)) for layer in np.asarray(expert_ids))
+    n_mla = len(cfg.mla_layers)
+    return MinimumBytes(
+        weights=weights, embedding_rows=step.read["embedding_rows"],
+        routed_experts=unique * roofline.expert_bytes(cfg),
+        kv_tiles=n_mla * kv_cache.kv_tile_bytes_needed(positions, cfg),
+        kda_state=step.read["kda_state"] + step.written["kda_state"],
+        kv_entries=n_mla * batch * kv_cache.kv_bytes_per_token(cfg))
+
+
+# ---- MLA KV traffic --------------------------------------------------------------------------
+def kv_bytes_at(log: dma.DmaLog, recorded: ModelConfig, target: ModelConfig) -> int:
+    """The KV tile bytes of a recorded run, rescaled to another config's per-token bytes.
+
+    The log counts the tokens read (its KV tile bytes over `recorded`'s bytes per token); the
+    same tokens at `target`'s shapes (heads, ranks, layout) cost `target`'s bytes per token.
+    """
+    return tokens_read(log, recorded) * kv_bytes_per_token(target)
+
+
+def tokens_read(log: dma.DmaLog, recorded: ModelConfig, row: int | None = None) -> int:
+    """The tokens whose KV tiles a recorded run read (all rows, or batch row `row`): its KV tile
+    bytes over `recorded`'s bytes per token; ValueError if that is not a whole number."""
+    nbytes = log.dma_bytes("mla.kv.") if row is None else kv_bytes_by_row(log).get(row, 0)
+    tokens, remainder = divmod(nbytes, kv_bytes_per_token(recorded))
+    if remainder:
+        raise ValueError(f"recorded={recorded.name!r} does not match the log: its KV bytes are not "
+                         f"a whole number of {recorded.mla_cache_layout} tokens")
+    return tokens
+
+
+def kv_bytes_by_row(log: dma.DmaLog) -> dict[int, int]:
+    """KV tile bytes each batch row read, from the log's `row` index."""
+    by_row: dict[int, int] = {}
+    for event in log.select("dma_start", "mla.kv."):
+        by_row[event.indices["row"]] = by_row.get(event.indices["row"], 0) + event.nbytes
+    return by_row
+
+
+def kv_bytes_per_rank(logs: dict, recorded: ModelConfig, target: ModelConfig, n_ranks: int,
+                      row: int) -> dict[str, int]:
+    """KV bytes one rank reads per MLA layer per step at `target` (per-rank shapes, context
+    target.max_seq_len), scaled from the DMA logs of a run at `recorded` (mini) shapes.
+
+    logs: "expanded" and "latent" — `mla_attention` runs (heads sharded: a rank reads every token
+    for its heads); "latent-sequence" — a list of `mla_latent_partial` runs, one per shard. `row`
+    is a batch row at the last position, so it attends to the whole recorded context. Each log
+    gives the share of that context one rank reads (its busiest shard for "latent-sequence", as a
+    share of len(shards) shards rescaled to n_ranks); `target` prices that share of its context
+    at its bytes per token (heads of target.n_heads for expanded, the whole latent otherwise).
+    """
+    def share(log, layout):
+        return Fraction(tokens_read(log, recorded.replace(mla_cache_layout=layout), row),
+                        recorded.max_seq_len)
+
+    shards = logs["latent-sequence"]
+    shares = {"expanded": share(logs["expanded"], "expanded"),
+              "latent": share(logs["latent"], "latent"),
+              "latent-sequence": max(share(log, "latent") for log in shards)
+              * Fraction(len(shards), n_ranks)}
+    tokens = {name: value * target.max_seq_len for name, value in shares.items()}
+    if any(value.denominator != 1 for value in tokens.values()):
+        raise ValueError(f"target.max_seq_len={target.max_seq_len} is invalid: the shares "
+                         f"{ {k: str(v) for k, v in shares.items()} } of it must be whole tokens")
+    return {name: int(tokens[name]) * kv_bytes_per_token(
+        target.replace(mla_cache_layout="expanded" if name == "expanded" else "latent"))
+        for name in tokens}
+
+
+FIGURE_POSITIONS = (0, 17, 32, 45, 64, 90, 100, 127)  # 0, tile boundaries and in-between
+
+
+def record_kv_logs(cfg: ModelConfig, positions=FIGURE_POSITIONS, seed: int = 0) -> dict:
+    """Run both layouts once at `cfg` (mini) shapes, one row per position; their DMA logs."""
+    params = reference.layer_params(weights.init_params(cfg, seed)["mla"], 0)
+    batch = len(positions)
+    x = jax.random.normal(jax.random.key(seed), (batch, cfg.d_model)).astype(jnp.bfloat16)
+    logs = {}
+    for layout in MLA_CACHE_LAYOUTS:
+        layout_cfg = cfg.replace(mla_cache_layout=layout)
+        cache = {name: jnp.zeros(shape, jnp.bfloat16)
+                 for name, shape in cache_shapes(layout_cfg, batch, cfg.max_seq_len).items()}
+        with dma.recording() as logs[layout]:
+            jax.block_until_ready(mla_attention(params, x, cache, jnp.asarray(positions, jnp.int32),
+                                                layout_cfg))
+    return logs
+
+
+# ---- routed-expert bytes vs batch (notebook 04 and `make figures`) -----------------------------
+def expert_bytes_by_batch(cfg: ModelConfig, batches=(1, 2, 4, 8), seed: int = 0) -> list[dict]:
+    """Run the routed stage (router kernel -> plan "unique", 2 slots) for each batch size on
+    random normalised rows; per batch: unique experts and the expert bytes of the DMA log."""
+    p = reference.layer_params(weights.init_params(cfg, seed)["moe"], 0)
+    rows = []
+    for batch in batches:
+        x = jnp.asarray(np.random.default_rng(seed + batch).standard_normal((batch, cfg.d_model)),
+                        jnp.bfloat16)
+        ids, w = router.route(p, x, cfg)
+        with dma.recording() as log:
+            routed_experts(p, x, ids, w, cfg, plan="unique", n_slots=2)
+        rows.append({"batch": batch, "unique": len(np.unique(np.asarray(ids))),
+                     "choices": batch * cfg.top_k,
+                     "expert_bytes": log.dma_bytes(EXPERT_DMA_PREFIX)})
+    return rows

@@ -1,0 +1,181 @@
+"""Imports point down the layers of `mkresearch.layers` (core <- kernels <- analysis <- app), and no
+module of mkresearch/ or kernels/ is over MAX_LINES lines.
+
+Every import is checked, at module level and inside functions (`import x`, `from x import y`,
+relative imports): a function-level import does not hide an upward dependency. Importing by string
+(`importlib.import_module`, `__import__`) is refused for the same reason, and matplotlib belongs to
+the app layer only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from mkresearch.layers import LAYERS, layer_of, rank
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"mkresearch": ROOT / "mkresearch", "mkresearch.kernels": ROOT / "kernels"}
+MAX_LINES = 500
+# Over MAX_LINES, allowed until the issue named splits them (other branches edit them now).
+TOO_LONG_ALLOWED = {
+    "mkresearch/timeline.py": "issue 12: being split (timeline model / plots) on another branch",
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Module name -> file, for every module of mkresearch/ and kernels/."""
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imported_modules(node: ast.AST, importer: str, is_package: bool) -> list[str]:
+    """The module names an import statement loads (for `from a import b`: a.b if it is a module
+    of this repository, else a)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = (_resolve_relative(importer, is_package, node.level, node.module) if node.level
+            else node.module or "")
+    return [f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base
+            for alias in node.names]
+
+
+def _is_module(name: str) -> bool:
+    """A module of this repository, or one that mkresearch/layers.py names."""
+    return name in MODULES or any(name in patterns for patterns in LAYERS.values())
+
+
+def _function_level(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside a function (or lambda) body."""
+    inside = set()
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(func) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return inside
+
+
+def violations(importer: str, source: str, label: str, is_package: bool = False) -> list[str]:
+    """Every import of `source` (the module `importer`, shown as `label`) that breaks the layering."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    own = layer_of(importer)
+    if own is None:
+        return [f"{label}: module {importer} is in no layer: add it to mkresearch/layers.py"]
+    inside = _function_level(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in ("import_module", "__import__"):
+                found.append(f"{label}:{node.lineno}: imports by string ({name}): import the "
+                             "module itself, so the layering test sees the dependency")
+            continue
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        where = "inside a function" if id(node) in inside else "at module level"
+        for module in imported_modules(node, importer, is_package):
+            if module == "kernels" or module.startswith("kernels."):
+                found.append(f"{label}:{node.lineno}: imports the top-level `kernels` (a PyPI "
+                             "package of that name exists): import mkresearch.kernels")
+            elif module.split(".")[0] == "matplotlib" and own != "app":
+                found.append(f"{label}:{node.lineno}: imports matplotlib in the {own} layer: "
+                             "plots belong to the app layer (mkresearch/plots.py)")
+            elif module == "mkresearch" or module.startswith("mkresearch."):
+                theirs = layer_of(module)
+                if theirs is None:
+                    found.append(f"{label}:{node.lineno}: imports {module}, which is in no layer: "
+                                 "add it to mkresearch/layers.py")
+                elif rank(theirs) > rank(own):
+                    found.append(f"{label}:{node.lineno}: {importer} ({own}) imports {module} "
+                                 f"({theirs}) {where}: {own} may import only "
+                                 f"{' / '.join(list(LAYERS)[:rank(own) + 1])}")
+                elif id(node) in inside and not _commented(lines, node.lineno):
+                    found.append(f"{label}:{node.lineno}: {importer} imports {module} inside a "
+                                 "function without a comment saying why (an import cycle, or "
+                                 "no jax before the platform is chosen): import it at the top")
+    return found
+
+
+def _commented(lines: list[str], lineno: int) -> bool:
+    """A `#` comment on the import's line, or on a line above it within its group of imports."""
+    if "#" in lines[lineno - 1]:
+        return True
+    for line in reversed(lines[:lineno - 1]):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            return True
+        if not stripped.startswith(("import ", "from ")):
+            return False
+    return False
+
+
+def test_every_module_is_in_a_layer():
+    assert not [m for m in MODULES if layer_of(m) is None], (
+        "modules in no layer (add them to mkresearch/layers.py): "
+        f"{[m for m in MODULES if layer_of(m) is None]}")
+    stale = [name for patterns in LAYERS.values() for name in patterns
+             if "*" not in name and name not in MODULES]
+    assert not stale, f"mkresearch/layers.py names modules that do not exist: {stale}"
+
+
+def test_imports_point_down_the_layers():
+    found = []
+    for module, path in MODULES.items():
+        found += violations(module, path.read_text(), str(path.relative_to(ROOT)),
+                            is_package=path.name == "__init__.py")
+    assert not found, "imports against the layering (mkresearch/layers.py):\n" + "\n".join(found)
+
+
+def test_no_module_over_max_lines():
+    counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+              for path in MODULES.values()}
+    too_long = {name: n for name, n in counts.items()
+                if n > MAX_LINES and name not in TOO_LONG_ALLOWED}
+    assert not too_long, (f"modules over {MAX_LINES} lines (split them): "
+                          + ", ".join(f"{name} ({n})" for name, n in sorted(too_long.items())))
+    no_longer = [name for name in TOO_LONG_ALLOWED if counts.get(name, 0) <= MAX_LINES]
+    assert not no_longer, f"no longer over {MAX_LINES} lines: drop from TOO_LONG_ALLOWED {no_longer}"
+
+
+@pytest.mark.parametrize("importer, source, expected", [
+    ("mkresearch.kernels.mla", "def f():\n    from mkresearch import logs\n",
+     "mkresearch.kernels.mla (kernels) imports mkresearch.logs (analysis) inside a function"),
+    ("mkresearch.kernels.mla", "from mkresearch.bench import scale_to_rank\n",
+     "(kernels) imports mkresearch.bench (app) at module level"),
+    ("mkresearch.config", "import mkresearch.kernels.dma\n", "imports mkresearch.kernels.dma"),
+    ("mkresearch.kernels.mla", "from .. import figures\n", "imports mkresearch.figures (app)"),
+    ("mkresearch.timeline", "import matplotlib.pyplot as plt\n", "matplotlib in the analysis"),
+    ("mkresearch.figures", "import importlib\nimportlib.import_module('mkresearch.plots')\n",
+     "imports by string"),
+    ("mkresearch.bench", "def f():\n    from mkresearch import logs\n", "without a comment"),
+    ("mkresearch.nowhere", "", "in no layer"),
+])
+def test_the_checker_finds(importer, source, expected):
+    found = violations(importer, source, "x.py")
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_the_checker_allows_downward_and_commented_imports():
+    source = ("from mkresearch import reference\nfrom mkresearch.kernels import dma\n"
+              "def f():\n    # inside: an import cycle\n    from mkresearch import logs\n"
+              "    from mkresearch.kernels import mla  # an import cycle\n")
+    assert violations("mkresearch.scaling", source, "x.py") == []
