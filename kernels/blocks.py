@@ -12,7 +12,6 @@ multiple of 8 (f32) or 16 (bf16) sublanes; interpret mode would accept anything 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -72,32 +71,35 @@ def weight_block_rows(shape: tuple[int, int], dtype: Any, block_rows: int | None
     return best
 
 
-# The megakernel's global weight stream while it traces (kernels/weight_stream.py): one ring
-# across stage and layer boundaries. Empty for every stand-alone stage kernel.
-_global_streams: list[Any] = []
+class LocalStream:
+    """Where a stage kernel that runs alone gets its weight blocks: each matrix streams through a
+    two-slot VMEM ring of its own (the next block flies while this one is multiplied). The
+    megakernel gives its bodies the global ring instead (`weight_stream.GlobalStream.stage`),
+    which falls back to this for the matrices it does not stream."""
+
+    def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
+               **indices: Any) -> jax.Array:
+        """x [M, K] (VMEM value) @ w_hbm [K, N] (HBM ref) -> [M, N] f32, double-buffered row blocks.
+
+        The block loop is a static Python loop: K / rows is small (4 blocks for a 7168-row matrix
+        at 2 MiB), and static lane slices of x need no dynamic relayout."""
+        return _ring_matmul(x, w_hbm, rows=rows, name=name, **indices)
+
+    def __repr__(self) -> str:
+        return "LocalStream()"
 
 
-@contextlib.contextmanager
-def global_weight_stream(stream: Any):
-    """While active, `stream_matmul` asks `stream.matmul(...)` first (None = not in the stream)."""
-    _global_streams.append(stream)
-    try:
-        yield stream
-    finally:
-        _global_streams.remove(stream)
+LOCAL_STREAM = LocalStream()
 
 
-def stream_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> jax.Array:
-    """x [M, K] (VMEM value) @ w_hbm [K, N] (HBM ref) -> [M, N] f32, double-buffered row blocks.
+def stream_matmul(stream: Any, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
+                  **indices: Any) -> jax.Array:
+    """x [M, K] @ w_hbm [K, N] -> [M, N] f32, the blocks of W drawn from `stream`: LOCAL_STREAM
+    for a stage kernel alone, the megakernel's global ring inside it."""
+    return stream.matmul(x, w_hbm, rows=rows, name=name, **indices)
 
-    The block loop is a static Python loop: K / rows is small (4 blocks for a 7168-row matrix at
-    2 MiB), and static lane slices of x need no dynamic relayout. Inside the megakernel, an
-    active global weight stream serves the blocks instead (already in flight from its ring).
-    """
-    if _global_streams:
-        out = _global_streams[-1].matmul(x, w_hbm, rows=rows, name=name, **indices)
-        if out is not None:
-            return out
+
+def _ring_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> jax.Array:
     k, n = w_hbm.shape
     m = x.shape[0]
     n_blocks = k // rows

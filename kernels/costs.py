@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from mkresearch.kernels import residuals
 
 # Transcendentals per hidden unit of a gated MLP: SiTU = 4·tanh(g/4)·σ(g)·25·tanh(u/25); SiLU σ.
 ACTIVATION_TRANSCENDENTALS = {"situ": 3, "swiglu": 1}
@@ -191,28 +192,20 @@ def megakernel(plan: Any, weights: dict, state: dict) -> Cost:
     """The whole step (kernels/megakernel.py): every stage body over its layers, the embedding
     rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
     (stacked per kind), state: the decode state, both arrays or shape structs."""
-    # here: megakernel_plan and mla import costs (an import cycle)
+    # here: megakernel_plan imports costs (an import cycle)
     from mkresearch.kernels.megakernel_plan import EMBED_ROWS
-    from mkresearch.kernels.mla import CACHE_NAMES
+    from mkresearch.kernels.registry import kernel_stage
 
-    cfg, batch = plan.cfg, plan.batch
-    w = weights
-    kda_cost = kda(plan.kda_plan, per_layer(w["kda"]))
-    mla_cost = mla(plan.mla_plan, per_layer(w["mla"]),
-                   per_layer({n: state["mla"][n] for n in CACHE_NAMES[cfg.mla_cache_layout]}))
-    moe = per_layer(w["moe"])
-    routed = {"w_ld": moe["w_ld"], "latent_norm": moe["latent_norm"], "w_lu": moe["w_lu"],
-              "experts": moe["experts"]}
-    shared = ({"w_gate": moe["w_sg"], "w_up": moe["w_su"], "w_down": moe["w_sd"]}
-              if cfg.n_shared_experts else None)
-    moe_cost = (router(batch, moe["w_router"], moe["router_bias"] if cfg.router_bias else None)
-                + ffn(plan.stage_options, batch, cfg.top_k, routed, shared))
-    dense_cost = ffn(plan.dense_options, batch, cfg.top_k, None, per_layer(w["dense"]))
-    vectors = sum(nbytes(per_layer(w[n])) for n in ("mix_attn", "attn_norm", "mix_mlp",
-                                                    "mlp_norm"))  # one row each per layer
+    cfg, batch, w = plan.cfg, plan.batch, weights
+    total = Cost()
+    for kind in cfg.kinds:  # every stage body over its layers
+        layer_cost = kernel_stage(kind).cost(plan.stage_plan(kind), per_layer(w[kind]),
+                                             per_layer(state.get(kind, {})), cfg, batch)
+        total += len(cfg.layers_of(kind)) * layer_cost
+    vectors = sum(nbytes(per_layer(w[name]))  # a [1, d] row each per layer
+                  for name in residuals.RESIDUALS[cfg.residual].vectors)
     embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
-    return (len(cfg.kda_layers) * kda_cost + len(cfg.mla_layers) * mla_cost
-            + len(cfg.moe_layers) * moe_cost + len(cfg.dense_layers) * dense_cost
-            + sampling(batch, w["lm_head"], cfg.n_blocks + 1)
+    n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
+    return (total + sampling(batch, w["lm_head"], n_mixed)
             + Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
-                   + nbytes(w["mix_out"], w["final_norm"])))
+                   + nbytes(w.get("mix_out"), w["final_norm"])))

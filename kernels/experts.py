@@ -44,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch import reference, tpu
 from mkresearch.config import ACTIVATIONS, ModelConfig
 from mkresearch.kernels import blocks, costs, dma, quant, router
+from mkresearch.kernels.registry import StageRefs
 
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
@@ -60,16 +61,16 @@ def activation(g: jax.Array, u: jax.Array, kind: str) -> jax.Array:
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, kind: str,
+def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, stream: Any, kind: str,
               name: str) -> jax.Array:
     """x [B, d] bf16 -> f32 [B, d]: act(bf(x Wg), bf(x Wu)) Wd, each weight streamed from HBM."""
-    def stream(v, w, part):
+    def project(v, w, part):
         rows = blocks.weight_block_rows(tuple(w.shape), w.dtype)
-        return blocks.stream_matmul(v, w, rows=rows, name=f"{name}/{part}")
+        return blocks.stream_matmul(stream, v, w, rows=rows, name=f"{name}/{part}")
 
-    g = stream(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
-    u = stream(x, w_up, "w_up").astype(jnp.bfloat16)
-    return stream(activation(g, u, kind), w_down, "w_down")  # [B, d]
+    g = project(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
+    u = project(x, w_up, "w_up").astype(jnp.bfloat16)
+    return project(activation(g, u, kind), w_down, "w_down")  # [B, d]
 
 
 # ---- the work list: which expert each loop step fetches ---------------------------------------
@@ -114,7 +115,7 @@ def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
 
 
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
-                latent_norm: Any, w_lu: Any, experts: dict, *, expert_format: str,
+                latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
                 eps: float, kind: str) -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
@@ -123,7 +124,7 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
     n_experts = experts["w1"][0].shape[0]
     # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
     run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
-                            w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
+                            stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
                             expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
                             n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
     if plan == "all":
@@ -139,7 +140,7 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
                          pltpu.SMEM((n_experts,), jnp.int32))
 
 
-def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_norm, w_lu,
+def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
                  experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
                  kind):
     """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
@@ -170,7 +171,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
-        z = blocks.stream_matmul(x, w_ld, rows=blocks.weight_block_rows(
+        z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
             tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)  # [B, Lat]
 
         hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
@@ -207,7 +208,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, w_ld, latent_
             functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
             pltpu.VMEM((batch, latent_padded), jnp.float32),
             pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
-        return blocks.stream_matmul(rho_hat, w_lu, rows=blocks.weight_block_rows(
+        return blocks.stream_matmul(stream, rho_hat, w_lu, rows=blocks.weight_block_rows(
             tuple(w_lu.shape), w_lu.dtype), name="latent/w_lu")  # [B, d] f32
 
     return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
@@ -242,21 +243,32 @@ class StageOptions:
     always_on_name: str = "shared"  # DMA-log prefix of the always-on MLP: "shared" or "dense"
 
 
-def ffn_stage_body(ids_smem: Any, x_ref: Any, ids_ref: Any, weights_ref: Any,
-                   routed: dict | None, always_on: dict | None, out_ref: Any, *,
-                   options: StageOptions) -> None:
+@dataclass(frozen=True)
+class MoePlan:
+    """The static options of a whole MoE layer: the expert stage and the router."""
+
+    stage: StageOptions
+    router: tuple  # router_options(cfg): (name, value) pairs
+    batch: int = 1
+
+
+def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptions,
+                   routed: dict | None = None, routing: router.Routing | None = None,
+                   always_on: dict | None = None) -> None:
     """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
-             "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs)
+             "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs), with the
+             choices of the router in `routing`
     always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
-    ids_smem [B, k] i32 (SMEM), ids_ref / weights_ref [B, k] i32 / f32 (VMEM), x_ref [B, d] bf16.
+    x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks.
     """
     x = x_ref[...]  # [B, d] bf16
     total = jnp.zeros(out_ref.shape, jnp.float32)
     if routed is not None:
-        total += routed_part(ids_smem, x, ids_ref[...], weights_ref[...], routed["w_ld"],
-                             routed["latent_norm"], routed["w_lu"], routed["experts"],
+        total += routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
+                             routed["w_ld"], routed["latent_norm"], routed["w_lu"],
+                             routed["experts"], stream=stream,
                              expert_format=options.expert_format,
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
@@ -264,20 +276,30 @@ def ffn_stage_body(ids_smem: Any, x_ref: Any, ids_ref: Any, weights_ref: Any,
                              kind=options.activation)
     if always_on is not None:
         total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
-                           kind=options.activation, name=options.always_on_name)
+                           stream=stream, kind=options.activation, name=options.always_on_name)
     out_ref[...] = total.astype(out_ref.dtype)
 
 
-def moe_layer_body(x_ref: Any, w_router: Any, router_bias: Any, routed: dict,
-                   always_on: dict | None, out_ref: Any, ids_ref: Any, weights_ref: Any,
-                   ids_smem: Any, weights_smem: Any, *, options: StageOptions,
-                   router_options: dict) -> None:
-    """A whole MoE layer in one kernel: the router leaves ids/weights in VMEM and SMEM scratch,
-    the stage reads them there (no round trip through HBM)."""
-    router.router_body(x_ref, w_router, router_bias, ids_ref, weights_ref, ids_smem, weights_smem,
-                       **router_options)
-    ffn_stage_body(ids_smem, x_ref, ids_ref, weights_ref, routed, always_on, out_ref,
-                   options=options)
+ROUTED_KEYS = ("w_ld", "latent_norm", "w_lu", "experts")
+SHARED_KEYS = {"w_gate": "w_sg", "w_up": "w_su", "w_down": "w_sd"}  # always-on MLP <- MoE weights
+
+
+def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
+    """A whole MoE layer in one kernel: the router leaves ids/weights in the routing scratch
+    (refs.scratch, VMEM and SMEM), the expert stage reads them there (no round trip through HBM).
+    refs.weights: {"w_router", "router_bias" [1, E] f32, *ROUTED_KEYS, [w_sg, w_su, w_sd]}."""
+    w, routing = refs.weights, refs.scratch
+    router.router_body(refs.x, w["w_router"], w["router_bias"], routing, stream=refs.stream,
+                       **dict(plan.router))
+    shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
+    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
+                   routed={key: w[key] for key in ROUTED_KEYS}, routing=routing,
+                   always_on=shared)
+
+
+def dense_body(plan: StageOptions, refs: StageRefs) -> None:
+    """The dense FFN: the stage with one always-on expert. refs.weights: w_gate, w_up, w_down."""
+    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan, always_on=refs.weights)
 
 
 _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
@@ -301,8 +323,14 @@ def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, inter
     out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
     top_k = 0 if ids is None else ids.shape[1]
     cost = costs.ffn(options, x.shape[0], top_k, routed, always_on)
+
+    def kernel(ids_smem, x_ref, ids_ref, weights_ref, routed_refs, always_on_refs, out_ref):
+        routing = None if ids_ref is None else router.Routing(ids_ref, weights_ref, ids_smem, None)
+        ffn_stage_body(x_ref, out_ref, stream=blocks.LOCAL_STREAM, options=options,
+                       routed=routed_refs, routing=routing, always_on=always_on_refs)
+
     return pl.pallas_call(
-        functools.partial(ffn_stage_body, options=options),
+        kernel,
         out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
         cost_estimate=cost.estimate(ids, x, ids, weights, out_shape),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
@@ -318,20 +346,25 @@ def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rou
     out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     cost = (costs.router(batch, w_router, router_bias if dict(router_options)["use_bias"] else None)
             + costs.ffn(options, batch, top_k, routed, always_on))
+    plan = MoePlan(options, router_options, batch)
+    weights = {"w_router": w_router, "router_bias": router_bias, **routed,
+               **({SHARED_KEYS[part]: ref for part, ref in always_on.items()} if always_on
+                  else {})}
+
+    def kernel(x_ref, weight_refs, out_ref, *scratch):
+        moe_layer_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
+                                       stream=blocks.LOCAL_STREAM, scratch=router.Routing(*scratch)))
+
     return pl.pallas_call(
-        functools.partial(moe_layer_body, options=options, router_options=dict(router_options)),
+        kernel,
         out_shape=out_shape,
-        in_specs=(_spec(_VMEM), _spec(pl.ANY), _spec(pl.ANY), _hbm_specs(routed),
-                  _hbm_specs(always_on)),
+        in_specs=(_spec(_VMEM), _hbm_specs(weights)),
         out_specs=_spec(_VMEM),
-        scratch_shapes=[pltpu.VMEM((batch, top_k), jnp.int32),
-                        pltpu.VMEM((batch, top_k), jnp.float32),
-                        pltpu.SMEM((batch, top_k), jnp.int32),
-                        pltpu.SMEM((batch, top_k), jnp.float32)],
+        scratch_shapes=router.routing_scratch(batch, top_k),
         cost_estimate=cost.estimate(x, out_shape),
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
-    )(x, w_router, router_bias, routed, always_on)
+    )(x, weights)
 
 
 # ---- checks (Python, before tracing) ----------------------------------------------------------

@@ -38,6 +38,7 @@ from mkresearch import tpu
 from mkresearch.config import ModelConfig
 from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
+from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
 
 # Weights in the order the body takes them (vectors are passed as [1, n]).
 WEIGHT_NAMES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "conv_w", "a_log", "dt_bias",
@@ -90,15 +91,19 @@ def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = N
 # ---- the body -----------------------------------------------------------------------------------
 
 
-def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, conv_w, a_log,
-                       dt_bias, o_norm, w_o, conv_in, state_in, out_ref, conv_out, state_out,
-                       **indices: Any) -> None:
+def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     """One KDA sublayer for B rows.
 
-    x_ref [B, d] bf16 (VMEM); weights in HBM (a_log [1, H], dt_bias [1, H·D], o_norm [1, D]);
-    conv_in [B, conv-1, 3, H, D] bf16 and state_in [B, H, D, D] f32 in HBM, conv_out/state_out
-    the same buffers (aliased); out_ref [B, d] bf16 (VMEM). `indices` tag the DMA log.
+    refs.x [B, d] bf16 (VMEM); refs.weights by WEIGHT_NAMES in HBM (a_log [1, H], dt_bias
+    [1, H·D], o_norm [1, D]); refs.state_in {"conv" [B, conv-1, 3, H, D] bf16, "recurrent"
+    [B, H, D, D] f32} in HBM, refs.state_out the same buffers (aliased); refs.out [B, d] bf16
+    (VMEM). refs.indices tag the DMA log.
     """
+    x_ref, out_ref, indices = refs.x, refs.out, refs.indices
+    w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, conv_w, a_log, dt_bias, o_norm, w_o = (
+        refs.weights[name] for name in WEIGHT_NAMES)
+    conv_in, state_in = refs.state_in["conv"], refs.state_in["recurrent"]
+    conv_out, state_out = refs.state_out["conv"], refs.state_out["recurrent"]
     p = plan
 
     def scoped(conv_vmem, state_vmem, current_vmem, sems):
@@ -111,7 +116,7 @@ def kda_attention_body(plan: KdaPlan, x_ref, w_fa, w_fb, w_q, w_k, w_v, w_g, w_b
 
         with dma.phase("kda.project", **indices):
             x = x_ref[...]  # [B, d] bf16
-            stream = functools.partial(blocks.stream_matmul, **indices)
+            stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
 
             def project(inputs, weight, name):
                 return bf16(stream(inputs, weight, rows=p.block_rows(name), name=f"kda.{name}"))
@@ -248,26 +253,66 @@ def kda_attention(p: dict, x: jax.Array, conv: jax.Array, state: jax.Array, cfg:
     """
     check_inputs(p, x, conv, state, cfg)
     plan = make_plan(cfg, x.shape[0], weight_block_rows=weight_block_rows)
-    weights = [p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in WEIGHT_NAMES]
-    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
-                 x, *weights, conv, state)
+    out, state = _call(plan, tpu.interpret_params(), dma.is_recording(),
+                       tuple(sorted(indices.items())), x, prepare_layer(p),
+                       {"conv": conv, "recurrent": state})
+    return out, state["conv"], state["recurrent"]
+
+
+def prepare_layer(p: dict) -> dict:
+    """One layer's weights as the body reads them: vectors as [1, n] rows (a VMEM row)."""
+    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
+            for name in WEIGHT_NAMES}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, *operands):
+def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, weights, state):
     del recording  # a static argument only so recorded and silent traces are cached apart
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    n_in = 1 + len(operands)
-    conv, state = operands[-2:]
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-    cost = costs.kda(plan, dict(zip(WEIGHT_NAMES, operands[:-2])))
+    state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    n_in = 1 + len(jax.tree.leaves(weights))  # then conv, recurrent (a dict flattens sorted)
+
+    def kernel(x_ref, weight_refs, state_in, out_ref, state_out):
+        kda_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
+                                           state_in=state_in, state_out=state_out,
+                                           stream=blocks.LOCAL_STREAM, indices=dict(indices)))
+
     return pl.pallas_call(
-        functools.partial(kda_attention_body, plan, **dict(indices)),
-        out_shape=(out, jax.ShapeDtypeStruct(conv.shape, conv.dtype),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype)),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [hbm] * len(operands),
-        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
-        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
-        cost_estimate=cost.estimate(x, out),
+        kernel,
+        out_shape=(out, state_shapes),
+        in_specs=(vmem, jax.tree.map(lambda _: hbm, weights), jax.tree.map(lambda _: hbm, state)),
+        out_specs=(vmem, jax.tree.map(lambda _: hbm, state)),
+        input_output_aliases={n_in: 1, n_in + 1: 2},
+        cost_estimate=costs.kda(plan, weights).estimate(x, out),
         interpret=interpret,
-    )(x, *operands)
+    )(x, weights, state)
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The KDA layers' stacked weights as the body reads them: vectors as [n, 1, x] rows."""
+    return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
+            else stack[name] for name in WEIGHT_NAMES}
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    shapes = weight_shapes(cfg)
+    return tuple(Streamed(name, f"kda.{name}", shapes[name]) for name in MATRICES)
+
+
+def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
+    b, h, dk, hd = plan.batch, plan.n_heads, plan.head_dim, plan.n_heads * plan.head_dim
+    return [("conv state", (b, plan.conv_size - 1, 3, h, dk), jnp.bfloat16),
+            ("recurrent state", (b, h, dk, dk), jnp.float32),
+            ("pre-conv q/k/v", (b, 3, h, dk), jnp.float32),
+            ("y", (b, hd), jnp.float32),
+            ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
+
+
+KERNEL = register(KernelStage(
+    name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
+    prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
+    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights)))
+

@@ -14,11 +14,22 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from mkresearch.kernels import blocks, experts, kda, mla, quant, sampling, weight_stream
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register their kinds
+    blocks,
+    experts,
+    ffn_kinds,
+    kda,
+    mla,
+    registry,
+    residuals,
+    sampling,
+    weight_stream,
+)
 
-from mkresearch import roofline
+from mkresearch import roofline, spec
 from mkresearch.chips import get_chip
-from mkresearch.config import BF16_SUBLANE, ModelConfig
+from mkresearch.config import BF16_SUBLANE, LANE, ModelConfig
 
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
@@ -142,19 +153,42 @@ class MegaPlan:
     batch: int
     seq_len: int
     options: MegakernelOptions
-    kda_plan: Any
-    mla_plan: Any
-    stage_options: experts.StageOptions
-    dense_options: experts.StageOptions
-    router_options: tuple
+    stage_plans: tuple[tuple[str, Any], ...]  # kind -> its body's plan, for every kind used
     vocab_tile: int
     layer_table: tuple[int, ...]
     stream: Any  # weight_stream.StreamPlan or None
     vmem: VmemPlan = field(compare=False, hash=False)
 
+    def stage_plan(self, kind: str) -> Any:
+        return dict(self.stage_plans)[kind]
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        return weight_stream.stage_kinds(self.cfg)[0]
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        return weight_stream.stage_kinds(self.cfg)[1]
+
+
+def check_model(cfg: ModelConfig) -> ModelConfig:
+    """ValueError naming the field when the megakernel cannot compose the model: a kind without
+    a kernel, or a residual strategy it does not run."""
+    spec.check(cfg)
+    for field_name, kinds in (("attention", cfg.attention_kinds), ("ffn", cfg.ffn_kinds)):
+        for kind in dict.fromkeys(kinds):
+            if kind not in registry.registered():
+                raise ValueError(f"ModelConfig.{field_name}={getattr(cfg, field_name)!r} is "
+                                 f"invalid for the megakernel: layer kind {kind!r} has no kernel "
+                                 f"(kinds with one: {', '.join(registry.registered())})")
+    if cfg.residual not in residuals.RESIDUALS:
+        raise ValueError(f"ModelConfig.residual={cfg.residual!r} is invalid for the megakernel: "
+                         f"one of {', '.join(residuals.RESIDUALS)}")
+    return cfg
+
 
 def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
-              options: MegakernelOptions = MegakernelOptions()) -> MegaPlan:
+              options: MegakernelOptions = MegakernelOptions()) -> MegaPlan:  # noqa: B008
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
 
     Raises a ValueError naming the bytes when weights, caches and states do not fit the HBM of
@@ -166,96 +200,60 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
         raise ValueError(f"batch={batch!r} is invalid: an int in [1, {MAX_BATCH}] (the megakernel "
                          f"holds the [B, d] activations in one {BF16_SUBLANE}-row bf16 tile; split "
                          "larger batches into several calls)")
-    if not cfg.kda_layers or not cfg.mla_layers or not cfg.moe_layers or not cfg.dense_layers:
-        raise ValueError(f"cfg={cfg.name!r} is not supported: the megakernel needs KDA, MLA, dense "
-                         "and MoE layers (every Kimi K3 preset has all four)")
+    check_model(cfg)
     options = check_options(options, cfg)
     batch = int(batch)
     # weights, caches and states must fit the device's HBM: refused here, not by the compiler
     roofline.check_fits_hbm(cfg, options.chip, batch, seq_len)
-    kv_tile = cfg.kv_tile if options.kv_tile is None else options.kv_tile
-    kda_plan = kda.make_plan(cfg, batch)
-    mla_plan = mla.make_plan(cfg, batch, seq_len, kv_tile=kv_tile)
-    stage_options = experts._options(cfg, options.expert_plan, options.expert_slots,
-                                     chip=options.chip)
-    dense_options, router_options = experts.dense_options(cfg), experts.router_options(cfg)
+    stage_plans = tuple((kind, registry.kernel_stage(kind).plan(cfg, batch, seq_len, options))
+                        for kind in cfg.kinds)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
-    vmem = plan_vmem(cfg, batch, mla_plan, stage_options, vocab_tile, stream, chip)
+    vmem = plan_vmem(cfg, batch, stage_plans, vocab_tile, stream, chip)
     if not vmem.fits():
         raise VmemPlanError(
             f"the megakernel's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} "
             f"has {vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower the config's "
             f"ring_depth, ring_block_bytes or kv_tile, the option expert_slots, or the batch.\n{vmem.table()}")
-    return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options, kda_plan=kda_plan,
-                    mla_plan=mla_plan, stage_options=stage_options, dense_options=dense_options,
-                    router_options=router_options, vocab_tile=vocab_tile,
+    return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options,
+                    stage_plans=stage_plans, vocab_tile=vocab_tile,
                     layer_table=weight_stream.layer_table(cfg), stream=stream, vmem=vmem)
 
 
-def plan_vmem(cfg: ModelConfig, batch: int, mla_plan: Any, stage_options: Any, vocab_tile: int,
-              stream: Any, chip: Any) -> VmemPlan:
-    """Every VMEM buffer of the megakernel (the stage bodies' scoped buffers included)."""
-    b, d, h = batch, cfg.d_model, cfg.n_heads
-    bf, f4, i4 = jnp.bfloat16, jnp.float32, jnp.int32
-    out = [_buf("snapshots R", (cfg.n_blocks, b, d), bf, "kernel"),
-           _buf("partial P", (b, d), bf, "kernel"),
-           _buf("stage input x", (b, d), bf, "kernel"),
-           _buf("stage output", (b, d), bf, "kernel"),
-           _buf("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
-           _buf("mix/norm weights", (4, 1, d), f4, "kernel"),
-           _buf("router ids", (b, cfg.top_k), i4, "kernel"),
-           _buf("router weights", (b, cfg.top_k), f4, "kernel"),
-           _buf("sampling outputs", (2, b, 1), i4, "kernel")]
+def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,
+              chip: Any) -> VmemPlan:
+    """Every VMEM buffer of the megakernel: the kernel-wide ones (the residual strategy's hidden
+    state, the stage input and output, the embedding blocks, per-layer vectors, each kind's
+    scratch, the weight ring) and each stage body's scoped ones (its registry entry's, plus a
+    local two-slot ring for the matrices the global ring does not stream)."""
+    b, d, bf = batch, cfg.d_model, jnp.bfloat16
+    residual = residuals.RESIDUALS[cfg.residual]
+    out = [_buf(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
+    out += [_buf("stage input x", (b, d), bf, "kernel"),
+            _buf("stage output", (b, d), bf, "kernel"),
+            _buf("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
+            _buf(f"{residual.vectors_label} weights", (len(residual.vectors), 1, d), jnp.float32,
+                 "kernel")]
+    for kind, _ in stage_plans:
+        for label, shape in registry.kernel_stage(kind).scratch(cfg, b):
+            if getattr(shape, "memory_space", None) == pltpu.VMEM:
+                out.append(_buf(label, shape.shape, shape.dtype, "kernel"))
+    out.append(_buf("sampling outputs", (2, b, 1), jnp.int32, "kernel"))
     if stream is not None:
         out.append(_buf("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
-
-    def max_block(shapes, scope):  # a stage body's own two-slot ring for what is not streamed
-        if stream is not None:
-            shapes = [s for s in shapes if s[1] % 128]
-        if not shapes:
-            return []
-        rows_n = [(blocks.weight_block_rows(s, bf), s[1]) for s in shapes]
-        biggest = max(rows_n, key=lambda r: r[0] * r[1])
-        return [_buf(f"{scope} own weight ring", (2, *biggest), bf, scope)]
-
-    hd, dk = cfg.kda_width, cfg.kda_head_dim
-    kda_scope = "KDA"
-    out += [_buf("conv state", (b, cfg.kda_conv_size - 1, 3, h, dk), bf, kda_scope),
-            _buf("recurrent state", (b, h, dk, dk), f4, kda_scope),
-            _buf("pre-conv q/k/v", (b, 3, h, dk), f4, kda_scope),
-            _buf("y", (b, hd), f4, kda_scope),
-            _buf("conv taps", (3, cfg.kda_conv_size, hd), bf, kda_scope)]
-    out += max_block([s for n, s in kda.weight_shapes(cfg).items() if n in kda.MATRICES],
-                     kda_scope)
-    p = mla_plan
-    mla_scope = f"MLA ({p.layout})"
-    out += [_buf("y", (b, h * p.v_dim), f4, mla_scope)]
-    if p.layout == "expanded":
-        out += [_buf("K tiles", (2, h, p.kv_tile, p.k_padded), bf, mla_scope),
-                _buf("V tiles", (2, h, p.kv_tile, p.v_dim), bf, mla_scope),
-                _buf("update block K+V", (h, mla.UPDATE_ROWS, p.k_padded + p.v_dim), bf, mla_scope)]
-    else:
-        out += [_buf("W_kvb (absorbed)", (p.kv_rank, h * (p.qk_nope + p.v_dim)), bf, mla_scope),
-                _buf("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf, mla_scope),
-                _buf("k^X tiles", (2, p.kv_tile, p.qk_extra), bf, mla_scope),
-                _buf("q latent", (h, p.kv_rank + p.qk_extra), f4, mla_scope)]
-    out += max_block([s for n, s in mla.weight_shapes(cfg).items() if len(s) == 2], mla_scope)
-    moe_scope = "MoE"
-    n_slots = stage_options.n_slots
-    for m, (k, n) in zip(experts.EXPERT_MATRICES,
-                         ((cfg.moe_latent, cfg.expert_hidden), (cfg.moe_latent, cfg.expert_hidden),
-                          (cfg.expert_hidden, cfg.moe_latent))):
-        for name, s in zip(quant.part_names(cfg.expert_format),
-                           quant.part_structs(cfg.expert_format, k, n)):
-            out.append(_buf(f"expert {m}/{name} slots", (n_slots, *s.shape), s.dtype, moe_scope))
-    out += [_buf("latent ρ (padded)", (b, cfg.moe_latent_padded), f4, moe_scope),
-            _buf("dedupe lists (SMEM)", (0,), i4, moe_scope)]
-    out += max_block([(d, cfg.n_experts), (d, cfg.moe_latent), (cfg.moe_latent, d),
-                      (d, cfg.shared_hidden), (cfg.shared_hidden, d)], moe_scope)
-    out += max_block([(d, cfg.dense_hidden), (cfg.dense_hidden, d)], "dense")
+    for kind, plan in stage_plans:
+        stage = registry.kernel_stage(kind)
+        scope = stage.scope(plan)
+        out += [_buf(name, shape, dtype, scope) for name, shape, dtype in stage.vmem(plan, cfg)]
+        local = [m.shape for m in stage.streamed(cfg)
+                 if stream is None or m.shape[1] % LANE]  # off the global ring
+        if local:
+            rows_n = [(blocks.weight_block_rows(shape, bf), shape[1]) for shape in local]
+            out.append(_buf(f"{scope} own weight ring", (2, *max(rows_n, key=lambda r: r[0] * r[1])),
+                            bf, scope))
     out += [_buf("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
-            _buf("final mix inputs", (cfg.n_blocks + 1, b, d), f4, "sampling")]
+            _buf("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
+                 "sampling")]
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
     return VmemPlan(tuple(out), limit, chip.name)

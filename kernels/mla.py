@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
+from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
 from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop
 
 from mkresearch import tpu
@@ -96,13 +97,9 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
     kv_tile = cfg.kv_tile if kv_tile is None else kv_tile
     blocks.check_kv_tile(kv_tile, seq_len)
     blocks.check_block_rows(weight_block_rows)
-    h, qk, v = cfg.n_heads, cfg.mla_qk_dim, cfg.mla_v_dim
-    shapes = {"w_qa": (cfg.d_model, cfg.mla_q_rank), "w_qb": (cfg.mla_q_rank, h * qk),
-              "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
-              "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
-              "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+    h, v = cfg.n_heads, cfg.mla_v_dim
     rows = tuple((name, blocks.weight_block_rows(shape, jnp.bfloat16, weight_block_rows))
-                 for name, shape in shapes.items())
+                 for name, shape in weight_shapes(cfg).items() if len(shape) == 2)
     return MlaPlan(batch=batch, n_heads=h, d_model=cfg.d_model, q_rank=cfg.mla_q_rank,
                    kv_rank=cfg.mla_kv_rank, qk_nope=cfg.mla_qk_nope, qk_extra=cfg.mla_qk_extra,
                    v_dim=v, k_padded=cfg.mla_k_padded, seq_len=seq_len, kv_tile=kv_tile,
@@ -112,22 +109,25 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
 # ---- the body -----------------------------------------------------------------------------------
 
 
-def mla_attention_body(plan: MlaPlan, positions_ref, x_ref, w_qa, q_norm, w_qb, w_kva, kv_norm,
-                       w_kvb, w_g, w_o, cache_a, cache_b, out_ref, cache_a_out, cache_b_out,
-                       **indices: Any) -> None:
+def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     """One MLA sublayer for B rows.
 
-    positions_ref [B] i32 (SMEM); x_ref [B, d] bf16 (VMEM); weights in HBM, norms as [1, n];
-    cache_a/cache_b the layer's cache in HBM (k, v or ckv, kx) and cache_*_out the same buffers
-    (aliased) for the in-place write; out_ref [B, d] bf16 (VMEM). `indices` (e.g. layer=3) tag
-    the DMA log.
+    refs.positions [B] i32 (SMEM); refs.x [B, d] bf16 (VMEM); refs.weights by WEIGHT_NAMES in
+    HBM, norms as [1, n]; refs.state_in the layer's cache in HBM ({"k", "v"} or {"ckv", "kx"})
+    and refs.state_out the same buffers (aliased) for the in-place write; refs.out [B, d] bf16
+    (VMEM). refs.indices (e.g. layer=3) tag the DMA log.
     """
+    positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
+    w_qa, q_norm, w_qb, w_kva, kv_norm, w_kvb, w_g, w_o = (refs.weights[name]
+                                                           for name in WEIGHT_NAMES)
+    cache_a, cache_b = (refs.state_in[name] for name in CACHE_NAMES[plan.layout])
+    cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
     p = plan
     h_count, nope, v_dim = p.n_heads, p.qk_nope, p.v_dim
 
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
-        stream = functools.partial(blocks.stream_matmul, **indices)
+        stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
         c_q = blocks.rms_norm(
             bf16(stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa")),
             blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
@@ -414,30 +414,81 @@ def mla_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
     plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
                      weight_block_rows=weight_block_rows)
     names = CACHE_NAMES[plan.layout]
-    weights = [p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in WEIGHT_NAMES]
-    out, cache_a, cache_b = _call(plan, tpu.interpret_params(), dma.is_recording(),
-                                  tuple(sorted(indices.items())), positions, x, *weights,
-                                  cache[names[0]], cache[names[1]])
-    return out, {names[0]: cache_a, names[1]: cache_b}
+    out, new_cache = _call(plan, tpu.interpret_params(), dma.is_recording(),
+                           tuple(sorted(indices.items())), positions, x, prepare_layer(p),
+                           {name: cache[name] for name in names})
+    return out, new_cache
+
+
+def prepare_layer(p: dict) -> dict:
+    """One layer's weights as the body reads them: vectors as [1, n] rows (a VMEM row)."""
+    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
+            for name in WEIGHT_NAMES}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, *operands):
+def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, weights,
+          cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    n_in = 2 + len(operands)
-    cache_a, cache_b = operands[-2:]
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    n_in = 2 + len(jax.tree.leaves(weights))  # then the two cache arrays (a dict flattens sorted)
+    names = sorted(cache)
     # KV bytes for every row at the cache's last position: the whole cache (kernels/costs.py)
-    cost = costs.mla(plan, dict(zip(WEIGHT_NAMES, operands[:-2])), (cache_a, cache_b))
+    cost = costs.mla(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
+
+    def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
+        mla_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
+                                           state_in=cache_in, state_out=cache_out,
+                                           positions=positions_ref, stream=blocks.LOCAL_STREAM,
+                                           indices=dict(indices)))
+
     return pl.pallas_call(
-        functools.partial(mla_attention_body, plan, **dict(indices)),
-        out_shape=(out, jax.ShapeDtypeStruct(cache_a.shape, cache_a.dtype),
-                   jax.ShapeDtypeStruct(cache_b.shape, cache_b.dtype)),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)]
-        + [hbm] * len(operands),
-        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), hbm, hbm),
-        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        kernel,
+        out_shape=(out, {name: jax.ShapeDtypeStruct(cache[name].shape, cache[name].dtype)
+                         for name in names}),
+        in_specs=(pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
+                  jax.tree.map(lambda _: hbm, weights), {name: hbm for name in names}),
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), {name: hbm for name in names}),
+        input_output_aliases={n_in: 1, n_in + 1: 2},
         cost_estimate=cost.estimate(positions, x, out),
         interpret=interpret,
-    )(positions, x, *operands)
+    )(positions, x, weights, cache)
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The MLA layers' stacked weights as the body reads them: norm gains as [n, 1, x] rows."""
+    return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
+            and name in ("q_norm", "kv_norm") else stack[name] for name in WEIGHT_NAMES}
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    """In the body's order; the latent layout keeps W_kvb whole in VMEM (not streamed)."""
+    shapes = weight_shapes(cfg)
+    names = ("w_qa", "w_qb", "w_kva", "w_g") + (
+        ("w_kvb",) if cfg.mla_cache_layout == "expanded" else ()) + ("w_o",)
+    return tuple(Streamed(name, f"mla.{name}", shapes[name]) for name in names)
+
+
+def _vmem(p: MlaPlan, cfg: ModelConfig) -> list:
+    b, h, bf = p.batch, p.n_heads, jnp.bfloat16
+    out = [("y", (b, h * p.v_dim), jnp.float32)]
+    if p.layout == "expanded":
+        return out + [("K tiles", (2, h, p.kv_tile, p.k_padded), bf),
+                      ("V tiles", (2, h, p.kv_tile, p.v_dim), bf),
+                      ("update block K+V", (h, UPDATE_ROWS, p.k_padded + p.v_dim), bf)]
+    return out + [("W_kvb (absorbed)", (p.kv_rank, h * (p.qk_nope + p.v_dim)), bf),
+                  ("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf),
+                  ("k^X tiles", (2, p.kv_tile, p.qk_extra), bf),
+                  ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
+
+
+KERNEL = register(KernelStage(
+    name="mla",
+    plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
+                                                        kv_tile=options.kv_tile),
+    prepare=_prepare, streamed=_streamed, body=mla_attention_body, vmem=_vmem,
+    scope=lambda plan: f"MLA ({plan.layout})",
+    cost=lambda plan, weights, state, cfg, batch: costs.mla(
+        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))

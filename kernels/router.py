@@ -17,6 +17,7 @@ router reads is in the DMA log.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -29,14 +30,33 @@ from mkresearch.config import ROUTER_SCORES, ModelConfig
 from mkresearch.kernels import blocks, costs, dma
 
 
-def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any,
-                ids_ref: Any, weights_ref: Any, ids_smem: Any, weights_smem: Any, *,
+@dataclass(frozen=True)
+class Routing:
+    """Where the router leaves its choices for the expert stage: ids [B, k] i32 and weights
+    [B, k] f32 in VMEM (vector compares) and in SMEM (scalars that address the expert DMAs)."""
+
+    ids: Any
+    weights: Any
+    ids_smem: Any
+    weights_smem: Any
+
+
+def routing_scratch(batch: int, top_k: int) -> tuple:
+    """The scratch shapes of a Routing (VMEM ids, weights; SMEM ids, weights)."""
+    return (pltpu.VMEM((batch, top_k), jnp.int32), pltpu.VMEM((batch, top_k), jnp.float32),
+            pltpu.SMEM((batch, top_k), jnp.int32), pltpu.SMEM((batch, top_k), jnp.float32))
+
+
+def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, stream: Any,
                 top_k: int, router_score: str, use_bias: bool, routed_scale: float,
                 block_rows: int) -> None:
     """x_ref [B, d] bf16 (VMEM); w_router_hbm [d, E] bf16, bias_hbm [1, E] f32 (HBM).
-    Writes ids_ref [B, k] i32 and weights_ref [B, k] f32 (VMEM) and their SMEM copies."""
+    Writes routing.ids [B, k] i32 and routing.weights [B, k] f32 (VMEM) and their SMEM copies
+    (routing: a Routing)."""
+    ids_ref, weights_ref = routing.ids, routing.weights
+    ids_smem, weights_smem = routing.ids_smem, routing.weights_smem
     batch, n_experts = x_ref.shape[0], w_router_hbm.shape[1]
-    logits = blocks.stream_matmul(x_ref[...], w_router_hbm, rows=block_rows,
+    logits = blocks.stream_matmul(stream, x_ref[...], w_router_hbm, rows=block_rows,
                                   name="router/w_router")  # [B, E] f32
     bias = blocks.load_whole(bias_hbm, name="router/bias") if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
@@ -104,8 +124,11 @@ def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, 
     bias = (router_bias if use_bias else jnp.zeros((n_experts,), jnp.float32))
     bias = bias.astype(jnp.float32).reshape(1, n_experts)
     rows = blocks.weight_block_rows(w_router.shape, w_router.dtype)
-    body = functools.partial(router_body, top_k=top_k, router_score=router_score,
-                             use_bias=use_bias, routed_scale=routed_scale, block_rows=rows)
+    def body(x_ref, w_router_ref, bias_ref, ids_ref, weights_ref, ids_smem, weights_smem):
+        router_body(x_ref, w_router_ref, bias_ref,
+                    Routing(ids_ref, weights_ref, ids_smem, weights_smem),
+                    stream=blocks.LOCAL_STREAM, top_k=top_k, router_score=router_score,
+                    use_bias=use_bias, routed_scale=routed_scale, block_rows=rows)
     vmem, smem = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
     out_shape = (jax.ShapeDtypeStruct((batch, top_k), jnp.int32),
                  jax.ShapeDtypeStruct((batch, top_k), jnp.float32))

@@ -193,10 +193,15 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
 
     ring.start(lm_head_tile(0), 0, tile=0)  # flies while the mix and norm run
 
-    n_candidates = snapshots_ref.shape[0] + 1
+    # attention residuals mix the snapshots and the partial sum first (spec §3.3); a residual
+    # stream (snapshots_ref None) is normalised as it is
+    n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
     with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):
-        mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
-        h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
+        if snapshots_ref is None:
+            h = partial_ref[...]  # [B, d] bf16
+        else:
+            mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
+            h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
         x = reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
 
     temperature = temperature_ref[...]  # [B, 1]

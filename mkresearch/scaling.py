@@ -30,9 +30,10 @@ def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
     for group, prefix in (("kda", "kda."), ("mla", "mla.")):
         for key, leaf in params[group].items():
             table[prefix + key] = _per_layer_bytes(leaf)
-    streamed = weight_stream._stage_matrices(cfg)  # the FFN matrices' DMA-log names
-    for group, key, name, _ in streamed["moe"] + streamed["dense"]:
-        table[name] = _per_layer_bytes(params[group][key])
+    streamed = weight_stream.streamed_matrices(cfg)  # the FFN matrices' DMA-log names
+    for kind in ("moe", "dense"):
+        for matrix in streamed.get(kind, ()):
+            table[matrix.name] = _per_layer_bytes(params[kind][matrix.key])
     table["router/bias"] = _per_layer_bytes(params["moe"]["router_bias"])
     table["latent/norm"] = _per_layer_bytes(params["moe"]["latent_norm"])
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))

@@ -256,9 +256,9 @@ def test_mxfp4_compiles_for_every_chip(chip, decode_path):
     operations where Mosaic has no float4 vectors."""
     assert MINI.expert_format == "mxfp4"
     result, plan = mk.compile_step(MINI, 1, chip=chip)
-    print(f"kimi-k3-mini on {chip}: {result}; MXFP4 decode {plan.stage_options.mxfp4_decode}")
+    print(f"kimi-k3-mini on {chip}: {result}; MXFP4 decode {plan.stage_plan('moe').stage.mxfp4_decode}")
     assert result.n_mosaic_kernels == 1 and result.chip == chip
-    assert plan.stage_options.mxfp4_decode == decode_path
+    assert plan.stage_plan("moe").stage.mxfp4_decode == decode_path
 
 
 def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
@@ -272,7 +272,7 @@ def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
         out, new_state, aux = mk.decode_step(prepared, copy_state(state), tokens, positions, MINI,
                                              options=mk.MegakernelOptions(chip=chip),
                                              return_logits=True)
-        assert aux["plan"].stage_options.mxfp4_decode == quant.mxfp4_decode_path(chip)
+        assert aux["plan"].stage_plan("moe").stage.mxfp4_decode == quant.mxfp4_decode_path(chip)
         steps[chip] = (np.asarray(out), np.asarray(aux["logits"]).view(np.uint32), new_state)
     (tokens_a, logits_a, state_a), (tokens_b, logits_b, state_b) = steps.values()
     np.testing.assert_array_equal(tokens_a, tokens_b)

@@ -1,0 +1,101 @@
+"""The FFN kinds in the kernel registry: the dense MLP and the MoE layer (router + routed latent
+experts + shared experts), composed from the bodies of `kernels/experts.py` and `router.py`.
+
+What the megakernel needs of each kind beyond its body: its plan, how it takes its stacked weights,
+the matrices its body streams (in the body's order), its VMEM buffers, its scratch (the MoE
+routing, allocated once for every layer) and its cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from mkresearch.kernels import costs, quant, router
+from mkresearch.kernels.experts import (
+    EXPERT_MATRICES,
+    ROUTED_KEYS,
+    SHARED_KEYS,
+    MoePlan,
+    _options,
+    dense_body,
+    dense_options,
+    moe_layer_body,
+    router_options,
+)
+from mkresearch.kernels.registry import KernelStage, Streamed, register
+
+from mkresearch.config import ModelConfig
+
+
+def _moe_plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any) -> MoePlan:
+    return MoePlan(_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
+                   router_options(cfg), batch)
+
+
+def _moe_prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The MoE layers' stacked weights as the body reads them: the router bias and latent norm
+    as [n, 1, x] rows in f32, each expert matrix as the tuple of its stored parts."""
+    def rows(v):
+        return v.astype(jnp.float32).reshape(v.shape[0], 1, -1)
+
+    out = {"w_router": stack["w_router"], "router_bias": rows(stack["router_bias"]),
+           "w_ld": stack["w_ld"], "latent_norm": rows(stack["latent_norm"]), "w_lu": stack["w_lu"],
+           "experts": {m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
+                       for m in EXPERT_MATRICES}}
+    if cfg.n_shared_experts:
+        out.update({key: stack[key] for key in SHARED_KEYS.values()})
+    return out
+
+
+def _moe_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    """In the body's order: router, latent down and up, then the shared experts."""
+    d, lat = cfg.d_model, cfg.moe_latent
+    out = [Streamed("w_router", "router/w_router", (d, cfg.n_experts)),
+           Streamed("w_ld", "latent/w_ld", (d, lat)), Streamed("w_lu", "latent/w_lu", (lat, d))]
+    if cfg.n_shared_experts:
+        shapes = {"w_gate": (d, cfg.shared_hidden), "w_up": (d, cfg.shared_hidden),
+                  "w_down": (cfg.shared_hidden, d)}
+        out += [Streamed(key, f"shared/{part}", shapes[part]) for part, key in SHARED_KEYS.items()]
+    return tuple(out)
+
+
+def _moe_vmem(plan: MoePlan, cfg: ModelConfig) -> list:
+    out = []
+    for m, (k, n) in zip(EXPERT_MATRICES, ((cfg.moe_latent, cfg.expert_hidden),) * 2
+                         + ((cfg.expert_hidden, cfg.moe_latent),)):
+        for name, part in zip(quant.part_names(cfg.expert_format),
+                              quant.part_structs(cfg.expert_format, k, n)):
+            out.append((f"expert {m}/{name} slots", (plan.stage.n_slots, *part.shape), part.dtype))
+    return out + [("latent ρ (padded)", (plan.batch, cfg.moe_latent_padded), jnp.float32),
+                  ("dedupe lists (SMEM)", (0,), jnp.int32)]
+
+
+def _dense_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    d, hidden = cfg.d_model, cfg.dense_hidden
+    return (Streamed("w_gate", "dense/w_gate", (d, hidden)),
+            Streamed("w_up", "dense/w_up", (d, hidden)),
+            Streamed("w_down", "dense/w_down", (hidden, d)))
+
+
+def _moe_cost(plan: MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int) -> Any:
+    routed = {key: weights[key] for key in ROUTED_KEYS}
+    shared = ({part: weights[key] for part, key in SHARED_KEYS.items()}
+              if cfg.n_shared_experts else None)
+    bias = weights["router_bias"] if cfg.router_bias else None
+    return (costs.router(plan.batch, weights["w_router"], bias)
+            + costs.ffn(plan.stage, plan.batch, cfg.top_k, routed, shared))
+
+
+MOE_KERNEL = register(KernelStage(
+    name="moe", plan=_moe_plan, prepare=_moe_prepare, streamed=_moe_streamed,
+    body=moe_layer_body, vmem=_moe_vmem, scope=lambda plan: "MoE", cost=_moe_cost,
+    scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
+                                          "router weights (SMEM)"),
+                                         router.routing_scratch(batch, cfg.top_k))),
+    scratch_bundle=lambda refs: router.Routing(*refs)))
+DENSE_KERNEL = register(KernelStage(
+    name="dense", plan=lambda cfg, batch, seq_len, options: dense_options(cfg),
+    prepare=lambda stack, cfg: dict(stack), streamed=_dense_streamed, body=dense_body,
+    vmem=lambda plan, cfg: [], scope=lambda plan: "dense",
+    cost=lambda plan, weights, state, cfg, batch: costs.ffn(plan, batch, 0, None, weights)))
