@@ -249,11 +249,16 @@ for t in range(prompt.shape[1] + N_TOKENS - 1):
 seconds = time.perf_counter() - started
 
 # %%
-# NBVAL_CHECK_OUTPUT
+# The tokens themselves are this machine's: at a near-tie another summation order (another
+# processor) can pick the other token, in both backends alike. The checked fact is the agreement.
 print(f"prompt {np.asarray(prompt[0]).tolist()}")
 print(f"megakernel: {generated}")
 print(f"reference:  {np.asarray(expected[0]).tolist()}")
-print(f"same tokens: {generated == np.asarray(expected[0]).tolist()}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{len(generated)} tokens, megakernel = reference: "
+      f"{generated == np.asarray(expected[0]).tolist()}")
 assert generated == np.asarray(expected[0]).tolist()
 
 # %%
