@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # Transcendentals per hidden unit of a gated MLP: SiTU = 4·tanh(g/4)·σ(g)·25·tanh(u/25); SiLU σ.
-ACTIVATION_TRANSCENDENTALS = {"situ": 3, "swiglu": 1}
+ACTIVATION_TRANSCENDENTALS = {"situ": 3, "silu": 1, "swiglu": 1}
 
 
 @dataclass(frozen=True)
@@ -149,11 +149,13 @@ def ffn(options: Any, batch: int, top_k: int, routed: dict | None,
     if routed is not None:
         w1, w3, w2 = (routed["experts"][m] for m in ("w1", "w3", "w2"))
         n_experts, hidden = w1[0].shape[0], w1[0].shape[-1]  # E, F
-        latent = routed["w_ld"].shape[1]
+        latent = options.latent  # the width the experts work on: the latent, or d without one
         fetched = experts_fetched(options.plan, n_experts, batch, top_k)
         one_expert = nbytes(w1, w3, w2) // n_experts  # every stored part of W1, W3, W2
-        cost += Cost(flops=matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
-                     bytes_accessed=nbytes(routed["w_ld"], routed["latent_norm"], routed["w_lu"]))
+        if "w_ld" in routed:  # the latent down and up projections and norm
+            cost += Cost(flops=matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
+                         bytes_accessed=nbytes(routed["w_ld"], routed["latent_norm"],
+                                               routed["w_lu"]))
         # each fetched expert runs for all B rows (rows that did not choose it weigh 0)
         cost += fetched * Cost(flops=6 * batch * latent * hidden,
                                transcendentals=per_unit * batch * hidden,
