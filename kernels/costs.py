@@ -120,6 +120,28 @@ def mla(plan: Any, weights: dict, cache: dict) -> Cost:
                    bytes_accessed=nbytes(weights) + kv + update))
 
 
+def gqa(plan: Any, weights: dict, cache: Any) -> Cost:
+    """GQA body (kernels/gqa.py); weights: one layer's by name; cache: the layer's K and V
+    [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
+    block around each new entry read and written. Scores and Σ α v per query head; RoPE's
+    cos and sin per row."""
+    from mkresearch.kernels.mla import UPDATE_ROWS  # here: mla imports costs (an import cycle)
+
+    kv = nbytes(cache)
+    update = 2 * kv * UPDATE_ROWS // plan.seq_len
+    return (_attention(plan, plan.seq_len, plan.head_dim, plan.head_dim)
+            + Cost(flops=matmul_flops(plan.batch, *_matrices(weights)),
+                   transcendentals=plan.batch * plan.rope.dim,
+                   bytes_accessed=nbytes(weights) + kv + update))
+
+
+def mla_rope(plan: Any, weights: dict, cache: Any) -> Cost:
+    """MLA-with-RoPE body (kernels/mla_rope.py): the latent MLA's cost without the output gate,
+    with RoPE's cos and sin per row."""
+    gate = plan.batch * plan.n_heads * plan.v_dim
+    return mla(plan, weights, cache) + Cost(transcendentals=plan.batch * plan.qk_extra - gate)
+
+
 def mla_partial(plan: Any, cache: dict) -> Cost:
     """`mla_latent_partial` body over its shard: every row attends to the whole shard."""
     return (_attention(plan, plan.seq_len, plan.kv_rank + plan.qk_extra, plan.kv_rank)

@@ -124,7 +124,18 @@ def inverse_frequencies(rope: Rope) -> jax.Array:
 def cos_sin(positions: Any, rope: Rope) -> tuple[jax.Array, jax.Array]:
     """cos and sin of p·θ_i, f32 [..., R/2] for positions [...] (ints), YaRN-scaled when on."""
     positions = jnp.asarray(positions)
-    angle = positions[..., None].astype(f32) * inverse_frequencies(rope)[0]
+    return _trig(positions[..., None].astype(f32) * inverse_frequencies(rope)[0], rope)
+
+
+def cos_sin_row(position: Any, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """`cos_sin` of one position (a scalar, e.g. read from SMEM in a kernel) as [1, R/2]: the
+    same f32 values, built from 2-D vectors only (what a TPU kernel lowers)."""
+    inverse = inverse_frequencies(rope)  # [1, R/2]
+    angle = jnp.broadcast_to(jnp.asarray(position, jnp.int32), inverse.shape).astype(f32) * inverse
+    return _trig(angle, rope)
+
+
+def _trig(angle: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     scale = rope.cos_sin_scale
     if scale != 1.0:
