@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from mkresearch import rope, tpu
-from mkresearch.config import ModelConfig
 from mkresearch.kernels import blocks, costs, dma
 from mkresearch.kernels.blocks import bf16, f32
 from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop
 from mkresearch.kernels.mla import UPDATE_ROWS, _patch_block, _update_window
+
+from mkresearch import rope, tpu
+from mkresearch.config import ModelConfig
 from mkresearch.stages import gqa as gqa_stage
 
 MATRICES = ("w_q", "w_k", "w_v", "w_o")

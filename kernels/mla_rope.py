@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import blocks, costs, dma, mla
+from mkresearch.kernels.blocks import bf16, f32
 
 from mkresearch import rope, tpu
 from mkresearch.config import ModelConfig
-from mkresearch.kernels import blocks, costs, dma, mla
-from mkresearch.kernels.blocks import bf16, f32
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_o")
 CACHE_NAMES = ("ckv", "kpe")

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels import costs, dma, experts, router
 
 from mkresearch import tpu
 from mkresearch.config import ModelConfig
-from mkresearch.kernels import costs, dma, experts, router
 
 _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
 

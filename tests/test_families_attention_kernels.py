@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels import costs, dma, gqa, mla_rope
 
 from mkresearch import config, kv_cache, reference, tpu, weights
-from mkresearch.kernels import costs, dma, gqa, mla_rope
 from mkresearch.stages import gqa as gqa_ref
 from mkresearch.stages import mla_rope as mla_rope_ref
 
