@@ -1,6 +1,7 @@
 """The families' router and MoE kernels (kernels/router.py with the group-limited first stage,
 kernels/moe_full.py) against the reference (mkresearch.stages.ffn.route, stages.moe_full), in
-TPU interpret mode with races checked.
+TPU interpret mode with races checked; and Kimi's LM head + sampling stage reused as it is for a
+pre-norm model's last step.
 
 Tolerances (spec/kimi-k3.md §11): router ids exact, engineered ties and the group-limited
 selection included; weights rtol 1e-6. MoE outputs within a bf16 ulp of the output's scale
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mkresearch.kernels import costs, dma, experts, moe_full, router
+from mkresearch.kernels import sampling as sampling_kernel
 
 from mkresearch import config, reference, tpu, weights
 from mkresearch.stages import ffn
@@ -146,6 +148,22 @@ def test_moe_full_routed_part_and_batch_invariance(race_checked, layers):
     for rows in ([3], [4, 0, 2]):
         part = moe_full.moe_full_ffn(p, x[np.array(rows)], cfg)
         np.testing.assert_array_equal(np.asarray(part), whole[rows])
+
+
+# ---- the LM head and sampling stage, reused -----------------------------------------------------------
+def test_sampling_stage_gives_a_prenorm_models_logits(race_checked):
+    """The sampling body mixes candidates before RMSNorm and the LM head; given the final hidden
+    state h twice (a snapshot and the partial sum), the mix is h exactly (α = ½, ½ and ½h + ½h =
+    h), so the body computes a pre-norm model's RMSNorm(h) W_lm and its greedy token unchanged."""
+    cfg = config.get_config("qwen3-235b-a22b-mini")
+    params = weights.init_params(cfg, 0)
+    h = activations(3, seed=6) * 3  # the residual stream: not normalised
+    out = sampling_kernel.sample_stage(h[None], h, jnp.zeros((cfg.d_model,), jnp.float32),
+                                       params["final_norm"], params["lm_head"], cfg=cfg, seed=0,
+                                       positions=jnp.zeros(3, jnp.int32), return_logits=True)
+    want = reference.head_logits(params, h, cfg)
+    np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(jnp.argmax(want, -1)))
 
 
 # ---- compilation for TPU7x ----------------------------------------------------------------------------
