@@ -263,7 +263,7 @@ def test_reference_step_is_batch_invariant(name):
     logits, new_state, _ = reference.decode_step(params, state, tokens, positions, cfg)
     for rows in ([5], [2, 7, 0]):
         idx = np.array(rows)
-        part = jax.tree.map(lambda leaf: leaf[:, idx], state)
+        part = jax.tree.map(lambda leaf, idx=idx: leaf[:, idx], state)
         got, got_state, _ = reference.decode_step(params, part, tokens[idx], positions[idx], cfg)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(logits)[idx])
         for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(new_state)):
