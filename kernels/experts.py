@@ -171,8 +171,11 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
-        z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
-            tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)  # [B, Lat]
+        if w_ld is None:  # experts on the full d (stages.moe_full): no latent
+            z = x  # [B, d] bf16
+        else:
+            z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
+                tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)
 
         hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
@@ -204,6 +207,8 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
                 return acc + coef * y
 
         acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
+        if w_ld is None:
+            return acc  # [B, d] f32: Σ w_e y_e is the routed output
         rho_hat = pl.run_scoped(
             functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
             pltpu.VMEM((batch, latent_padded), jnp.float32),
@@ -259,7 +264,8 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
              "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs), with the
-             choices of the router in `routing`
+             choices of the router in `routing`; without "w_ld" the experts work on the full d
+             (options.latent = d) and their weighted sum is the routed output (stages.moe_full)
     always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
     x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks.
     """
@@ -267,7 +273,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
     total = jnp.zeros(out_ref.shape, jnp.float32)
     if routed is not None:
         total += routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
-                             routed["w_ld"], routed["latent_norm"], routed["w_lu"],
+                             routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
                              routed["experts"], stream=stream,
                              expert_format=options.expert_format,
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
@@ -293,7 +299,7 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
                        **dict(plan.router))
     shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
-                   routed={key: w[key] for key in ROUTED_KEYS}, routing=routing,
+                   routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
                    always_on=shared)
 
 
@@ -400,9 +406,10 @@ def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: i
                              f"[{values.min()}, {values.max()}]")
 
 
-def _expert_parts(experts: dict, cfg: ModelConfig) -> dict:
-    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked."""
-    fmt, lat, hidden = cfg.expert_format, cfg.moe_latent, cfg.expert_hidden
+def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
+    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked.
+    width: what the experts work on (default the latent cfg.moe_latent)."""
+    fmt, lat, hidden = cfg.expert_format, width or cfg.moe_latent, cfg.expert_hidden
     out = {}
     for m, (k, n) in zip(EXPERT_MATRICES, ((lat, hidden), (lat, hidden), (hidden, lat))):
         parts = quant.split_parts(experts[m], fmt)

@@ -50,14 +50,16 @@ def _token_rows(ref, rows):
     return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
 
 
-def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices):
+def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices, *,
+              phase: str = "mla.attend"):
     """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
 
     rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
     tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
-    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
+    compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
     """
     n_tiles = _tile_count(p, count)
 
@@ -86,7 +88,7 @@ def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices)
 
         each_read(t, slot, "wait")
         tiles = [ring.buffer(slot)[...] for ring in rings]
-        with dma.phase("mla.attend", row=b, tile=t, **indices):
+        with dma.phase(phase, row=b, tile=t, **indices):
             return update(t, tiles, carry)
 
     return jax.lax.fori_loop(0, n_tiles, step, carry)

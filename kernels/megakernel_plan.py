@@ -19,8 +19,11 @@ from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register thei
     blocks,
     experts,
     ffn_kinds,
+    gqa,
     kda,
     mla,
+    mla_rope,
+    moe_full,
     registry,
     residuals,
     sampling,
@@ -67,6 +70,13 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
     if not isinstance(options.global_stream, bool):
         raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
+    stream = weight_stream.make_stream_plan(cfg)
+    empty = [kind for kind, _ in stream.stages if not stream.blocks(kind)]
+    if options.global_stream and empty and not stream.ffn_transparent:
+        raise ValueError(f"cfg={cfg.name!r} is not supported with global_stream=True: the "
+                         f"stage kinds {empty} stream no block through the weight ring, so its "
+                         "lookahead would cross two stage boundaries (allowed only when every "
+                         "FFN kind streams none); use MegakernelOptions(global_stream=False)")
     max_depth = weight_stream.max_ring_depth(cfg)
     if options.global_stream and cfg.ring_depth > max_depth:
         raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for the megakernel: "

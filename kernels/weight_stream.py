@@ -94,6 +94,13 @@ class StreamPlan:
     def slot_bytes(self) -> int:
         return self.slot_shape[0] * self.slot_shape[1] * 2
 
+    @property
+    def ffn_transparent(self) -> bool:
+        """Every FFN kind streams nothing through the ring (e.g. a MoE whose router is narrower
+        than 128 lanes and has no shared experts): attention's lookahead runs on into the next
+        layer's attention."""
+        return all(not self.blocks(kind) for kind in self.ffn)
+
 
 def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
     """kind -> the matrices its body streams (registry.Streamed), for every kind of the model."""
@@ -125,7 +132,8 @@ def max_ring_depth(cfg: ModelConfig) -> int:
     """The deepest ring (at cfg.ring_block_bytes) whose lookahead, ring_depth - 1 blocks, crosses
     at most one stage boundary: 1 + the fewest blocks any stage streams."""
     plan = make_stream_plan(cfg.replace(ring_depth=2))
-    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages)
+    skip = plan.ffn if plan.ffn_transparent else ()
+    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages if kind not in skip)
 
 
 class GlobalStream:
@@ -203,7 +211,7 @@ class StageStream:
             return
         position = target - length
         base = lax.rem(stream.base[0] + length, self.plan.depth)
-        if kind in self.plan.attention:  # next: this layer's FFN
+        if kind in self.plan.attention and not self.plan.ffn_transparent:  # next: this FFN
             layer, guard = self.layer, True
             options = stream._kinds(layer, attention=False)
         else:  # next: the next layer's attention (none after the last layer)

@@ -19,11 +19,13 @@ import fnmatch
 
 # layer -> module names (fnmatch patterns), in order from the bottom up
 LAYERS: dict[str, tuple[str, ...]] = {
-    "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.reference",
+    "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.config_rules",
+             "mkresearch.reference",
              "mkresearch.weights", "mkresearch.chips", "mkresearch.sampling",
              "mkresearch.facts", "mkresearch.tpu", "mkresearch._fast_interpret",
              "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
-             "mkresearch.numerics", "mkresearch.formats", "mkresearch.stages",
+             "mkresearch.numerics", "mkresearch.formats", "mkresearch.rope",
+             "mkresearch.stages",
              "mkresearch.stages.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.profiling", "mkresearch.hlo",

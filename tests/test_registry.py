@@ -49,7 +49,7 @@ def toy_kind():
 
 def test_a_toy_kind_runs_through_the_composer(race_checked, toy_kind):
     # one stage's lookahead may not cross two stage boundaries: the toy streams one block
-    cfg = config.get_config("kimi-k3-mini", ffn=TOY, ring_depth=2)
+    cfg = config.get_config("kimi-k3-mini", ffn=TOY, n_dense_layers=0, ring_depth=2)
     assert cfg.ffn_kinds == (TOY,) * cfg.n_layers and cfg.kinds == ("kda", "mla", TOY)
     params = weights.init_params(cfg, 0)
     assert params[TOY]["w"].shape == (cfg.n_layers, cfg.d_model, cfg.d_model)
@@ -70,7 +70,7 @@ def test_a_toy_kind_runs_through_the_composer(race_checked, toy_kind):
 
 
 def test_an_unregistered_kind_is_refused_naming_the_field():
-    cfg = config.get_config("kimi-k3-mini", ffn="no_such_kind")
+    cfg = config.get_config("kimi-k3-mini", ffn="no_such_kind", n_dense_layers=0)
     with pytest.raises(ValueError, match=r"ModelConfig.ffn='no_such_kind' is invalid: layer kind "
                                          r"'no_such_kind' is not a registered ffn kind"):
         weights.param_shapes(cfg)
