@@ -25,8 +25,9 @@ KV tiles and the KDA state their own double buffers.
 Options and plan live in `kernels/megakernel_plan.py`: `plan_vmem` computes every VMEM buffer
 with its bytes before the kernel is built, and `decode_step` refuses a plan over the chip's VMEM
 with a message listing it — and, first, a config whose weights, caches and states exceed the
-chip's HBM per device (`roofline.check_fits_hbm`). What a recorded step says (late prefetches,
-bytes against the minimum) is read by `mkresearch.logs`; HLO kernel counts by `mkresearch.hlo`.
+chip's HBM per device (`roofline.check_fits_hbm`). Every DMA a step issues is data before it is
+traced (`kernels/schedule.py`: the trunk below has its twin there); what a recorded step says
+(bytes against the minimum) is read by `mkresearch.logs`, HLO kernel counts by `mkresearch.hlo`.
 """
 
 from __future__ import annotations

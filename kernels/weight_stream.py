@@ -22,6 +22,9 @@ the largest multiple of 128 dividing K and at most R. At the default 2 MiB these
 stand-alone stage kernels' blocks (at mini sizes every matrix is one block), so the f32
 accumulation order is theirs. The lookahead may cross at most one stage boundary:
 ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
+
+`RingSchedule` states the ring's DMAs as data (`kernels/schedule.py`) from the same StreamPlan
+and layer table: change GlobalStream / StageStream and it together (tests/test_schedule.py).
 """
 
 from __future__ import annotations
