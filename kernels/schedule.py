@@ -110,11 +110,11 @@ def schedule(plan: MegaPlan, positions: Any = None, expert_ids: Any = None) -> S
     def trunk(stage, layer=None):
         return StageCall(stage, layer, 0, batch, prepared, {}, rows, None, None)
 
-    # 1. each token's aligned 16-row embedding block, all started, then waited for
-    embed = prepared["embed"]
-    started = [trunk("embedding").start("embed", planned.nbytes((EMBED_ROWS, embed.shape[1]),
-                                                                embed.dtype),
-                                        buffer=planned.EMBEDDING, row=b) for b in range(batch)]
+    # 1. each token's aligned 16-row embedding block, all started, then waited for; the ring's
+    # first blocks
+    embed, call = prepared["embed"], trunk("embedding")  # embed [V, d]
+    block = planned.nbytes((EMBED_ROWS, embed.shape[1]), embed.dtype)
+    started = [call.start("embed", block, buffer=planned.EMBEDDING, row=b) for b in range(batch)]
     events = started + [dma.waited() for dma in started] + (ring.prologue() if ring else [])
     # 2. the layers: the residual strategy's vectors, then the two stages the table selects
     kinds = {kind: (costs.per_layer(prepared[kind]), costs.per_layer(state.get(kind, {})))
