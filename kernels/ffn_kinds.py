@@ -127,16 +127,19 @@ def _routed_dmas(options: StageOptions, call: planned.StageCall, items: list[int
                 for name, size in parts]
 
     out = [dma for i in range(min(n_slots - 1, len(items))) for dma in start(i)]
-    out += _stream(call, LATENT_DOWN, w["w_ld"])
+    latent = "w_ld" in w  # experts on the full d (moe_full) have no latent projections
+    out += _stream(call, LATENT_DOWN, w["w_ld"]) if latent else []
     for i in range(len(items)):
         ahead = i if n_slots == 1 else i + n_slots - 1
         out += start(ahead) if ahead < len(items) else []
         out += [dma.waited() for dma in start(i)]
+    if not latent:
+        return out
     out += call.copy(LATENT_NORM, planned.nbytes(w["latent_norm"]), buffer=planned.WHOLE)
     return out + _stream(call, LATENT_UP, w["w_lu"])
 
 
-def _moe_schedule(plan: MoePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+def moe_schedule(plan: MoePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     """`experts.moe_layer_body`: the router (its matrix, its bias, its choices to SMEM), the
     routed experts of the layer's routing (call.expert_ids), the shared experts."""
     w, options = call.weights, dict(plan.router)
@@ -161,7 +164,7 @@ MOE_KERNEL = register(KernelStage(
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
-    scratch_bundle=lambda refs: router.Routing(*refs), schedule=_moe_schedule))
+    scratch_bundle=lambda refs: router.Routing(*refs), schedule=moe_schedule))
 DENSE_KERNEL = register(KernelStage(
     name="dense", plan=lambda cfg, batch, seq_len, options: dense_options(cfg),
     prepare=lambda stack, cfg: dict(stack), streamed=_dense_streamed, body=dense_body,

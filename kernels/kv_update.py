@@ -85,14 +85,15 @@ def update_latent(p, b, position, c_hat, k_extra, ckv_in, kx_in, ckv_out, kx_out
                   pltpu.SemaphoreType.DMA((2,)))
 
 
-def update_dmas(call: Any, b: int, arrays: list[tuple[str, Any]]) -> list[planned.PlannedDma]:
+def update_dmas(call: Any, b: int, arrays: list[tuple[str, Any]],
+                prefix: str = KV_UPDATE_NAME) -> list[planned.PlannedDma]:
     """The DMAs of `update_expanded` / `update_latent` for row b, as data: per cache array (its
     name and shape struct [B, (H,) S, n], in the kernel's order) the block read, then written."""
     out = []
     for name, cache in arrays:
         block = UPDATE_ROWS * planned.token_bytes(cache)
-        out += call.copy(f"{KV_UPDATE_NAME}.{name}.read", block, buffer=planned.KV_UPDATE, row=b,
+        out += call.copy(f"{prefix}.{name}.read", block, buffer=planned.KV_UPDATE, row=b,
                          **call.indices)
-        out += call.copy(f"{KV_UPDATE_NAME}.{name}.write", block, buffer=planned.KV_UPDATE,
+        out += call.copy(f"{prefix}.{name}.write", block, buffer=planned.KV_UPDATE,
                          src="vmem", dst="hbm", row=b, **call.indices)
     return out

@@ -252,7 +252,7 @@ class StepSchedule:
         """Where the weight stream does NOT run ahead (empty lists: it always does).
 
         ffn: layers whose FFN's first weight block is not started before the attention's last
-        weight block is waited for; next_layer: layers l whose layer l+1's first attention
+        weight block is waited for (an FFN with no block on the global ring is not checked); next_layer: layers l whose layer l+1's first attention
         block is not started before l's FFN waits for its last one; experts: routed layers
         whose first expert DMA does not come right after routing, before the stage waits for
         its next weight block (the latent down-projection)."""
@@ -268,9 +268,12 @@ class StepSchedule:
         layers = self.plan.cfg.layers
         never = len(self.events)
         late = {"ffn": [], "next_layer": [], "experts": []}
+        stream = self.plan.stream
         for layer, (attention, ffn) in enumerate(layers):
             ffn_first = first.get(("dma_start", ffn, layer, "weights"), never)
-            if ffn_first > last.get(("dma_wait", attention, layer, "weights"), never):
+            # an FFN with no block on the global ring cannot be prefetched (its ring is local)
+            on_ring = stream is None or bool(stream.blocks(ffn))
+            if on_ring and ffn_first > last.get(("dma_wait", attention, layer, "weights"), never):
                 late["ffn"].append(layer)
             if layer + 1 < len(layers):
                 next_first = first.get(("dma_start", layers[layer + 1][0], layer + 1, "weights"),

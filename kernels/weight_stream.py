@@ -303,7 +303,7 @@ class StageRingSchedule:
         if target < self.length:
             return [ring._start(self.kind, target, ring.base, self.layer)]
         base = (ring.base + self.length) % ring.plan.depth
-        if self.kind in ring.plan.attention:  # next: this layer's FFN
+        if self.kind in ring.plan.attention and not ring.plan.ffn_transparent:  # this FFN
             layer, attention = self.layer, False
         elif self.layer + 1 < ring.n_layers:  # next: the next layer's attention
             layer, attention = self.layer + 1, True

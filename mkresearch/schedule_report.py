@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch import roofline
+from mkresearch import roofline, spec
 from mkresearch.config import ModelConfig
 from mkresearch.kernels import schedule as step_schedule
 from mkresearch.kernels.megakernel_plan import MegakernelOptions, make_plan
@@ -21,11 +21,18 @@ DIFFERENCES = {
                       "roofline counts one row",
     "norms_and_mix": "the per-layer norm gains are DMA'd as f32 rows (megakernel.prepare_weights), "
                      "the roofline counts them as stored (bf16)",
-    "mla_cache": "KV rows are read in whole 16-row groups, and each new entry's aligned 16-row "
-                 "block is read and written back; the roofline counts the context's rows read "
-                 "and one row written",
+    "kv_cache": "KV rows are read in whole 16-row groups, and each new entry's aligned 16-row "
+                "block is read and written back; the roofline counts the context's rows read "
+                "and one row written",
     "moe_nonrouted": "the router bias is DMA'd only when cfg.router_bias; the roofline counts it",
 }
+
+
+def _why(component: str, cfg: ModelConfig) -> str:
+    """The reason a component differs (DIFFERENCES); every kind's cache shares the KV one."""
+    caches = {kind.state_component[0] for kind in spec.stages_of(cfg)
+              if kind.state_component and roofline._state_bytes(cfg, kind, spec.CACHE)}
+    return DIFFERENCES.get("kv_cache" if component in caches else component, "unexplained")
 
 
 def roofline_comparison(sched: step_schedule.StepSchedule) -> dict[str, Any]:
@@ -56,7 +63,7 @@ def roofline_comparison(sched: step_schedule.StepSchedule) -> dict[str, Any]:
         rows.append({"component": name, "label": label,
                      "schedule": {"read": tally.read, "written": tally.written},
                      "roofline": {"read": read, "written": written}, "difference": difference,
-                     "why": (DIFFERENCES.get(name, "unexplained") if difference else None)})
+                     "why": (_why(name, plan.cfg) if difference else None)})
     total = sched.total.read + sched.total.written
     return {"context": context, "unique_experts_per_layer": unique, "components": rows,
             "schedule_total": total, "roofline_total": step.total,

@@ -91,6 +91,14 @@ def test_recorded_log_is_the_schedule(race_checked, layout, expert_format, batch
     assert sched.late_prefetches() == NOT_LATE
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini"])
+def test_recorded_log_is_the_schedule_of_other_families(race_checked, name):
+    """GQA (bias, QK-norm, partial RoPE), MLA with the rope key, full-d MoE with group-limited or
+    softmax routing, dense first layers, a pre-norm residual stream: each kind's schedule."""
+    sched = check(config.get_config(name), POSITIONS[4])
+    assert sched.late_prefetches()["experts"] == []
+
+
 @pytest.mark.slow
 def test_recorded_log_is_the_schedule_off_the_global_ring(race_checked):
     """Every matrix on its own two-slot ring, KV tiles of 64 (runs of 2 and 1 row groups), three
