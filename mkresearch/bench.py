@@ -30,7 +30,11 @@ BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
 # mini preset -> (the per-rank shapes of its full model's released layout, the full model): where
 # a recorded mini step is scaled to for a full-size prediction (spec §9)
-FULL_SIZE_RANK = {"kimi-k3-mini": ("kimi-k3-rank", "kimi-k3")}
+FULL_SIZE_RANK = {"kimi-k3-mini": ("kimi-k3-rank", "kimi-k3"),
+                  **{f"{full}-mini": (f"{full}-rank", full)  # config.rank_shapes of the full model
+                     for full in ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}}
+# full model -> its published decode throughput on TPU7x by batch (tok/s), where there is one
+PUBLISHED_TPU7X = {"kimi-k3": roofline.PUBLISHED_TPU7X_16_CHIPS}
 
 
 def _backend_label(backend: str) -> str:
@@ -72,7 +76,7 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
         return None
     rank, events, unique = scale_to_rank(log, cfg, batch)
     simulated = timeline.simulate(events, chip)
-    published = roofline.PUBLISHED_TPU7X_16_CHIPS.get(batch)
+    published = PUBLISHED_TPU7X.get(FULL_SIZE_RANK[cfg.name][1], {}).get(batch)
     return {"model": rank.name, "chip": chip, "batch": batch, "unique_experts": unique,
             "step_s": simulated.total_s, "hbm_floor_s": simulated.hbm_floor_s,
             "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
