@@ -115,3 +115,50 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "does not fit the HBM of one v5e device" in lines[0]
+
+
+# ---- the other families (spec/families.md) -----------------------------------------------------
+FAMILY_MINIS = ["deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini"]
+
+
+# the reference backend for each family; the megakernel's decode path is the same for every model
+# (tests/test_families_megakernel.py runs each mini through the megakernel), so one family here
+@pytest.mark.parametrize("model, backend", [(model, "reference") for model in FAMILY_MINIS]
+                         + [("deepseek-v3-mini", "megakernel")])
+def test_decode_family_minis(capsys, model, backend):
+    """`decode --model <family mini>`: tokens, parity (reference) or agreement (megakernel), and
+    for the megakernel one rank of the full model predicted on TPU7x."""
+    from mkresearch import cli
+
+    assert cli.main(["decode", "--model", model, "--prompt-len", "2", "--steps", "2", "--batch",
+                     "2", "--backend", backend, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == model and result["backend"] == backend
+    assert [len(row) for row in result["generated"]] == [2, 2]
+    if backend == "reference":
+        assert result["parity"]["passed"]
+        return
+    assert result["agreement"]["passed"] and result["agreement"]["max_abs_logit_diff"] <= 5e-2
+    full = result["full_size"]
+    assert full["model"] == model.replace("-mini", "-rank") and full["step_s"] > 0
+    assert full["published_step_s"] is None  # only Kimi K3's release has a published number
+
+
+def test_bench_a_family_mini(tmp_path, capsys):
+    from mkresearch import cli
+
+    assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
+                     "--out", str(tmp_path)]) == 0
+    assert "B=1: megakernel" in capsys.readouterr().out
+    result = json.loads((tmp_path / "decode_bench.json").read_text())
+    assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "glm-4.5", "qwen3-235b-a22b", "deepseek-v3-rank",
+                                   "glm-4.5-rank", "qwen3-235b-a22b-rank"])
+def test_info_full_presets_and_their_ranks(capsys, model):
+    from mkresearch import cli
+
+    assert cli.main(["info", model, "--context", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{model}: ") and "routed experts" in text and "tokens/s" in text
