@@ -84,6 +84,20 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
             "label": "timeline model prediction for one rank (not measured)"}
 
 
+def near_tie_rows(ref_logits: Any, tokens: Any, gap: float = NEAR_TIE_GAP) -> list[tuple]:
+    """(row, reference top-2 logit gap, token differs) for every row whose greedy token differs
+    from the reference's (argmax of ref_logits [B, V]) or whose gap is under `gap`: a near-tie,
+    the only place two logit vectors within gap / 2 of each other may pick different tokens."""
+    import numpy as np
+
+    ref_logits = np.asarray(ref_logits)
+    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+    gaps = top2[:, 1] - top2[:, 0]  # [B]
+    differ = np.asarray(tokens) != ref_logits.argmax(-1)
+    return [(int(row), float(gaps[row]), bool(differ[row]))
+            for row in np.flatnonzero((gaps < gap) | differ)]
+
+
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                       chip: str = "tpu7x", progress: bool = False) -> dict:
     """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
@@ -122,13 +136,11 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         next_token = np.asarray(next_token)
         if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
             ref_logits = np.asarray(logits)
-            ref_token = ref_logits.argmax(-1)
             worst = max(worst, float(np.abs(np.asarray(aux["logits"]) - ref_logits).max()))
-            equal += int((ref_token == next_token).sum())
-            top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-            for row in np.flatnonzero(ref_token != next_token):
-                near_ties.append({"step": t - prompt_len + 1, "row": int(row),
-                                  "top2_gap": float(top2[row, 1] - top2[row, 0])})
+            equal += int((ref_logits.argmax(-1) == next_token).sum())
+            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
+                          for row, gap, differs in near_tie_rows(ref_logits, next_token)
+                          if differs]
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import bench, logs, recorded, reference, roofline, sampling, spec, timeline
+from mkresearch import bench, hlo, logs, recorded, reference, roofline, sampling, spec, timeline
 from mkresearch import weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.facts import bound
@@ -210,19 +210,7 @@ def pallas_calls(cfg, batch=1):
     """pallas_call equations in one traced megakernel step (nested jaxprs included)."""
     plan = megakernel.make_plan(cfg, batch, cfg.max_seq_len)
     closed = jax.make_jaxpr(megakernel.step_fn(plan))(*megakernel.step_shapes(plan))
-
-    def count(jaxpr):
-        total = 0
-        for eqn in jaxpr.eqns:
-            total += eqn.primitive.name == "pallas_call"
-            for value in eqn.params.values():
-                for sub in (value if isinstance(value, (tuple, list)) else [value]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        total += count(inner)
-        return total
-
-    return count(closed.jaxpr)
+    return list(hlo.jaxpr_primitives(closed)).count("pallas_call")
 
 
 def mini_step(cfg, seed=0):

@@ -26,6 +26,7 @@ from mkresearch.kernels import dma
 from mkresearch.kernels import megakernel as mk
 
 from mkresearch import bench, config, reference, sampling, timeline, weights
+from mkresearch.hlo import jaxpr_primitives
 from mkresearch.logs import hbm_bytes, minimum_step_bytes
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
@@ -79,14 +80,11 @@ def run_steps(cfg, params, batch, n_steps):
             f"{cfg.name} step {step}: logits differ by {diff.max():.4g} > {LOGIT_TOL} in rows "
             f"{np.flatnonzero(diff > LOGIT_TOL).tolist()}")
         states_equal += assert_states_match(mk_state, next_state, f"{cfg.name} step {step}")
-        top2 = np.sort(np.asarray(logits), axis=-1)[:, -2:]
-        gaps = top2[:, 1] - top2[:, 0]  # [B]
-        differ = np.asarray(mk_tokens) != ref_tokens
-        for row in np.flatnonzero((gaps < NEAR_TIE_GAP) | differ):
-            near_ties.append((step, int(row), round(float(gaps[row]), 4), bool(differ[row])))
-        assert not np.any(differ & (gaps >= NEAR_TIE_GAP)), (
+        rows = bench.near_tie_rows(logits, mk_tokens, NEAR_TIE_GAP)  # (row, top-2 gap, differs)
+        near_ties += [(step, row, round(gap, 4), differs) for row, gap, differs in rows]
+        assert all(gap < NEAR_TIE_GAP for _, gap, differs in rows if differs), (
             f"{cfg.name} step {step}: tokens {np.asarray(mk_tokens).tolist()} != reference "
-            f"{ref_tokens.tolist()} off near-ties (top-2 gaps {gaps.round(4).tolist()})")
+            f"{ref_tokens.tolist()} off near-ties {rows}")
         last = {"log": log, "positions": positions, "expert_ids": np.asarray(aux_ref["expert_ids"])}
         ref_state, tokens, positions = next_state, jnp.asarray(ref_tokens), positions + 1
     return {"near_ties": near_ties, "worst": worst, "bit_equal": bit_equal,
@@ -171,46 +169,33 @@ def test_greedy_16_steps_batch_4_and_bytes(race_checked, mini_params, name):
     check_bytes(cfg, 4, result["last"])
 
 
-# ---- one pallas_call per step ----------------------------------------------------------------------
-def primitives(jaxpr):
-    """Every primitive name in a jaxpr, nested jaxprs included."""
-    for eqn in jaxpr.eqns:
-        yield eqn.primitive.name
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (tuple, list)) else [value]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from primitives(inner)
-
-
+# ---- one pallas_call per step --------------------------------------------------------------------
 @pytest.mark.parametrize("name", MINIS)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_one_pallas_call_per_step(name, batch):
     cfg = config.get_config(name)
     plan = mk.make_plan(cfg, batch, cfg.max_seq_len)
     closed = jax.make_jaxpr(mk.step_fn(plan))(*mk.step_shapes(plan))
-    assert list(primitives(closed.jaxpr)).count("pallas_call") == 1
+    assert list(jaxpr_primitives(closed)).count("pallas_call") == 1
 
 
-# ---- compiling for TPU7x ----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", MINIS)
-def test_mini_compiles_to_one_mosaic_kernel(name):
-    result, plan = mk.compile_step(config.get_config(name), 1, chip="tpu7x")
-    print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB")
-    assert result.n_mosaic_kernels == 1
+# ---- compiling for TPU7x -------------------------------------------------------------------------
+# the ranks: 20-25 s each for DeepSeek-V3 and GLM-4.5 on 2 cores (Qwen3: ~3 s); notebook 10 shows
+# the records of `make recorded`, which tests/test_recorded.py holds to their plans
+RANK_COMPILES = [pytest.param(name, marks=pytest.mark.slow)
+                 for name in ("deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank")]
 
 
-@pytest.mark.slow  # 20-25 s each for DeepSeek-V3 and GLM-4.5 on 2 cores (Qwen3: ~3 s); notebook 10
-# shows the records of `make recorded`, which tests/test_recorded.py holds to their plans
-@pytest.mark.parametrize("name", ["deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"])
-def test_rank_compiles_to_one_mosaic_kernel(name):
-    """One rank of each full model (`config.rank_shapes`), its whole context: one Mosaic kernel."""
+@pytest.mark.parametrize("name", [*MINIS, *RANK_COMPILES])
+def test_compiles_to_one_mosaic_kernel(name):
+    """Each mini, and one rank of each full model (`config.rank_shapes`) with its whole context:
+    one Mosaic kernel per step, its VMEM plan within the chip's."""
     result, plan = mk.compile_step(config.get_config(name), 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB")
     assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
 
 
-# ---- one rank's shapes and the minimum bytes, by hand ---------------------------------------------
+# ---- one rank's shapes and the minimum bytes, by hand --------------------------------------------
 def test_rank_shapes_divide_as_the_release_divides_kimi():
     """rank_shapes(kimi-k3) is kimi-k3-rank (spec §9); the families' ranks by hand: heads / 32,
     GQA's one K/V head, experts / 8 x hidden / 4, shared, dense and vocab / 32 padded to 128."""
