@@ -49,6 +49,7 @@ from mkresearch.kernels.registry import StageRefs
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
 EXPERT_DMA_PREFIX = "expert/"
+LATENT_DOWN, LATENT_UP, LATENT_NORM = "latent/w_ld", "latent/w_lu", "latent/norm"  # DMA-log names
 # Mosaic's default scoped-VMEM limit is far below the chip's VMEM; two bf16 expert slots at the
 # per-rank shapes (2 x 16.5 MB) need more. 60 MiB fits TPU7x's 64 MiB per TensorCore.
 VMEM_LIMIT_BYTES = 60 * 2**20
@@ -71,6 +72,11 @@ def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, stream: Any,
     g = project(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
     u = project(x, w_up, "w_up").astype(jnp.bfloat16)
     return project(activation(g, u, kind), w_down, "w_down")  # [B, d]
+
+
+def expert_dma_name(matrix: str, part: str) -> str:
+    """The DMA-log name of one stored part of one expert matrix, e.g. "expert/w1/codes"."""
+    return f"{EXPERT_DMA_PREFIX}{matrix}/{part}"
 
 
 # ---- the work list: which expert each loop step fetches ---------------------------------------
@@ -155,7 +161,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
         rings, sources = {}, {}
         for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
-            rings[m, j] = dma.Ring(buffers[r], sems[r], name=f"{EXPERT_DMA_PREFIX}{m}/{names[j]}")
+            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]))
             sources[m, j] = experts[m][j]
 
         def start(i):
@@ -175,7 +181,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
             z = x  # [B, d] bf16
         else:
             z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
-                tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)
+                tuple(w_ld.shape), w_ld.dtype), name=LATENT_DOWN).astype(jnp.bfloat16)
 
         hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
@@ -214,7 +220,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
             pltpu.VMEM((batch, latent_padded), jnp.float32),
             pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
         return blocks.stream_matmul(stream, rho_hat, w_lu, rows=blocks.weight_block_rows(
-            tuple(w_lu.shape), w_lu.dtype), name="latent/w_lu")  # [B, d] f32
+            tuple(w_lu.shape), w_lu.dtype), name=LATENT_UP)  # [B, d] f32
 
     return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
 
@@ -223,7 +229,7 @@ def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
     (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
     copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
-                    name="latent/norm").start()
+                    name=LATENT_NORM).start()
     rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
     rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
     if gamma_ref.shape[1] > latent:

@@ -15,7 +15,7 @@ One call does, for a batch of B rows each at its own position p_b:
                 every K/V head of the row
   output        out = bf(bf(o) W_o) (streamed)
   cache update  the roped k and v of the new token: the aligned 16-row block around p_b is read,
-                patched in VMEM and written back (`mla._patch_block`; input_output_aliases)
+                patched in VMEM and written back (`kv_update.patch_block`; input_output_aliases)
 
 `gqa_attention_body` works on Refs (weights as a dict) and allocates its own scratch, so a
 megakernel can call it as it is; `gqa_attention` is the thin `pallas_call` wrapper.
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import blocks, costs, dma
+from mkresearch.kernels import blocks, costs, dma, kv_update, planned
 from mkresearch.kernels.blocks import bf16, f32
-from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop
-from mkresearch.kernels.mla import UPDATE_ROWS, _patch_block, _update_window
+from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop, tile_loop_dmas
+from mkresearch.kernels.kv_update import UPDATE_ROWS, patch_block, update_window
 from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
 
 from mkresearch import rope, tpu
@@ -197,7 +197,7 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
 
 def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices):
     """Write the new token's roped k and v at `position` for every K/V head."""
-    start, rows = _update_window(position)
+    start, rows = update_window(position)
     k_entry = jnp.stack([k_new[g:g + 1, :] for g in range(p.n_kv_heads)])  # [KV, 1, D]
     v_entry = jnp.stack(v_new)  # [KV, 1, D]
 
@@ -207,9 +207,9 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
                 block[...] = jnp.where(is_new, entry, block[...])
             return write
 
-        _patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
+        patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
                      k_block, sems.at[0], patch(k_block, k_entry), "gqa.kv_update.k", indices)
-        _patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
+        patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
                      v_block, sems.at[1], patch(v_block, v_entry), "gqa.kv_update.v", indices)
 
     block = (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
@@ -332,6 +332,26 @@ def _vmem(p: GqaPlan, cfg: ModelConfig) -> list:
             ("update blocks K, V", (2, *block), jnp.bfloat16)]
 
 
+def _schedule(p: GqaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer, in its order: q, k, v each streamed then its bias loaded
+    whole, the QK-norm gains, then per row its KV tiles and its entry's update blocks, then W_o."""
+    w, indices = call.weights, call.indices
+    out = []
+    for name in ("q", "k", "v"):
+        out += call.matmul(f"gqa.w_{name}", w[f"w_{name}"], p.block_rows(f"w_{name}"), **indices)
+        if p.bias:
+            out += blocks.load_whole_dmas(call, f"gqa.b_{name}", w[f"b_{name}"], **indices)
+    if p.qk_norm:
+        out += [dma for name in ("q_norm", "k_norm")
+                for dma in blocks.load_whole_dmas(call, f"gqa.{name}", w[name], **indices)]
+    caches = [(name, call.state[name]) for name in CACHE_NAMES]
+    for b, position in enumerate(call.positions):
+        out += tile_loop_dmas(p, call, b, position,
+                              [(f"gqa.kv.{name}", cache) for name, cache in caches])
+        out += kv_update.update_dmas(call, b, caches, prefix="gqa.kv_update")
+    return out + call.matmul("gqa.w_o", w["w_o"], p.block_rows("w_o"), **indices)
+
+
 KERNEL = register(KernelStage(
     name="gqa",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -339,4 +359,5 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=gqa_attention_body, vmem=_vmem,
     scope=lambda plan: "GQA",
     cost=lambda plan, weights, state, cfg, batch: costs.gqa(plan, weights,
-                                                            (state["k"], state["v"]))))
+                                                            (state["k"], state["v"])),
+    schedule=_schedule))

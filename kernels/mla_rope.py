@@ -9,7 +9,7 @@ Kimi K3's latent MLA kernel (`kernels/mla.py`) with three changes, reusing its p
   no gate   o_h = bf(bf(Σ α ĉ) W_vb_h) goes straight to W_o
 The latent cache {ckv [B, S, kv_rank] = ĉ, kpe [B, S, rope] = roped k^R} is read in KV tiles by
 `mla.latent_partial` (absorbed queries, online softmax seeded by the new token, only the 16-row
-groups holding cached tokens) and the new entry written by `mla._update_latent`; their DMAs keep
+groups holding cached tokens) and the new entry written by `kv_update.update_latent`; their DMAs keep
 MLA's names ("mla.kv.ckv", "mla.kv.kx" for the rope key, "mla.kv_update.*").
 """
 
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import blocks, costs, dma, mla
+from mkresearch.kernels import blocks, costs, dma, kv_update, mla, planned
+from mkresearch.kernels.kv_tiles import tile_loop_dmas
 from mkresearch.kernels.blocks import bf16, f32
 from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
 
@@ -101,8 +102,9 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
             c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
             outs = mla._attend_latent(p, b, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
                                       ckv_in, kpe_in, indices)  # per head [1, v] f32
-            mla._update_latent(p, b, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
-                               kpe_out, indices)
+            # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
+            kv_update.update_latent(p, b, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
+                                    kpe_out, mla.CACHE_NAMES["latent"], indices)
             return tuple(blocks.put_row(y_h, b, f32(bf16(o_h))) for y_h, o_h in zip(y, outs))
 
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * heads)
@@ -225,6 +227,27 @@ def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
             ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
+def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer: MLA's latent layout without its gate (the rope key's DMAs
+    keep the latent layout's names)."""
+    w, indices = call.weights, call.indices
+
+    def stream(name):
+        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
+
+    def load(name):
+        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
+
+    out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
+    out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
+    caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
+    for b, position in enumerate(call.positions):
+        out += tile_loop_dmas(p, call, b, position,
+                              [(f"{mla.KV_TILE_NAME}.{name}", cache) for name, cache in caches])
+        out += kv_update.update_dmas(call, b, caches)
+    return out + stream("w_o")
+
+
 KERNEL = register(KernelStage(
     name="mla_rope",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -232,4 +255,4 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
     scope=lambda plan: "MLA (rope, latent)",
     cost=lambda plan, weights, state, cfg, batch: costs.mla_rope(
-        plan, weights, (state["ckv"], state["kpe"]))))
+        plan, weights, (state["ckv"], state["kpe"])), schedule=_schedule))

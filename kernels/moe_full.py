@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import costs, dma, experts, quant, router
+from mkresearch.kernels import costs, dma, experts, ffn_kinds, quant, router
 from mkresearch.kernels.registry import KernelStage, Streamed, register
 
 from mkresearch import tpu
@@ -135,5 +135,6 @@ KERNEL = register(KernelStage(
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
-    scratch_bundle=lambda refs: router.Routing(*refs)))
+    scratch_bundle=lambda refs: router.Routing(*refs),
+    schedule=ffn_kinds.moe_schedule))  # experts.moe_layer_body's DMAs: the same body, no latent
 

@@ -33,6 +33,11 @@ from mkresearch.config import ROUTER_SCORES, ModelConfig
 from mkresearch.kernels import blocks, costs, dma
 
 
+# DMA-log names of the router's matrix, its bias, and its choices copied VMEM -> SMEM (ids, weights)
+W_ROUTER, BIAS = "router/w_router", "router/bias"
+TO_SMEM = ("router/ids_to_smem", "router/weights_to_smem")
+
+
 @dataclass(frozen=True)
 class Routing:
     """Where the router leaves its choices for the expert stage: ids [B, k] i32 and weights
@@ -63,8 +68,8 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
     ids_smem, weights_smem = routing.ids_smem, routing.weights_smem
     batch, n_experts = x_ref.shape[0], w_router_hbm.shape[1]
     logits = blocks.stream_matmul(stream, x_ref[...], w_router_hbm, rows=block_rows,
-                                  name="router/w_router")  # [B, E] f32
-    bias = blocks.load_whole(bias_hbm, name="router/bias") if use_bias else None  # [1, E] f32
+                                  name=W_ROUTER)  # [B, E] f32
+    bias = blocks.load_whole(bias_hbm, name=BIAS) if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
         if router_score == "sigmoid":
             scores = jax.nn.sigmoid(logits)
@@ -96,8 +101,8 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
         weights_ref[...] = weights
 
     def to_smem(sems):
-        copies = [dma.Copy(ids_ref, ids_smem, sems.at[0], name="router/ids_to_smem"),
-                  dma.Copy(weights_ref, weights_smem, sems.at[1], name="router/weights_to_smem")]
+        copies = [dma.Copy(vmem, smem, sems.at[i], name=name) for i, (vmem, smem, name) in
+                  enumerate(zip((ids_ref, weights_ref), (ids_smem, weights_smem), TO_SMEM))]
         for copy in copies:
             copy.start()
         for copy in copies:

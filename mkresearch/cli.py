@@ -1,4 +1,4 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
@@ -6,6 +6,8 @@
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
         [--out figures]
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
+    mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
+        [--json]
     mkresearch figures [--out figures] [--only roofline]
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -24,7 +26,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch import bench, figures, recorded, reference, roofline, sampling, weights
+from mkresearch import (
+    bench,
+    figures,
+    recorded,
+    reference,
+    roofline,
+    sampling,
+    schedule_report,
+    weights,
+)
 from mkresearch.chips import CHIPS
 from mkresearch.config import (
     EXPERT_FORMATS,
@@ -274,7 +285,7 @@ def _print_decode(result: dict) -> None:
 def _parser() -> _Parser:
     parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{info,decode,bench,compile,figures}")
+                                     metavar="{info,decode,bench,compile,plan,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
     p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
@@ -320,6 +331,20 @@ def _parser() -> _Parser:
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",
                    help="write the result where notebooks read it (mkresearch/recorded/)")
+
+    p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
+                                         "and bytes per stage and layer kind, the ring, the VMEM "
+                                         "plan, HBM bytes against the roofline")
+    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
+    p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
+                   help="MLA cache layout (default: the model's)")
+    p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
+                   help="routed-expert format (default: the model's)")
+    p.add_argument("--context", type=int, default=None,
+                   help="every row's position (default: the last one, the worst case)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = commands.add_parser("figures", help="write every registered figure as PNG")
     p.add_argument("--out", default="figures", help="output directory (default figures)")
@@ -416,6 +441,21 @@ def _run(argv: Sequence[str] | None) -> int:
             path = recorded.record_compile(result, plan,
                                            recorded.compile_path(cfg.name, args.batch, chip))
             print(f"wrote {path}")
+        return 0
+
+    if args.command == "plan":
+        cfg = _model(args.model)
+        _megakernel_batch("--batch", args.batch)
+        chip = _chip(args.chip)
+        if args.context is not None:
+            _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+                      f"a position in the MLA cache of {cfg.name}, max_seq_len={cfg.max_seq_len}")
+        with _refusals():
+            cfg = cfg.replace(mla_cache_layout=args.layout or cfg.mla_cache_layout,
+                              expert_format=args.expert_format or cfg.expert_format)
+            sched = schedule_report.plan_schedule(cfg, args.batch, chip, args.context)
+            report = schedule_report.report(sched)
+        print(json.dumps(report) if args.json else schedule_report.format_report(sched, report))
         return 0
 
     if args.command == "figures":

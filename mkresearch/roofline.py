@@ -244,21 +244,29 @@ class StepBytes:
 
 
 def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
-               mla_cache_layout: str | None = None) -> StepBytes:
+               mla_cache_layout: str | None = None, *,
+               unique_experts: float | None = None) -> StepBytes:
     """Bytes one decode step reads and writes, by component (see StepBytes.components).
 
     `context` is the number of tokens already in each sequence's MLA cache. Weights are read once
-    per step for the whole batch (routed experts: the expected unique ones under uniform routing);
+    per step for the whole batch (routed experts: the expected unique ones under uniform routing,
+    or `unique_experts` per MoE layer when given, e.g. a schedule's worst case min(E, B·k));
     the embedding is read one row per sequence; KDA state is read and written per sequence; the
     MLA cache is read for `context` tokens and written for one, per sequence.
     """
     expert_format = expert_format or cfg.expert_format
     mla_cache_layout = mla_cache_layout or cfg.mla_cache_layout
     _check(cfg, batch, context, expert_format, mla_cache_layout)
+    if unique_experts is not None and (
+            isinstance(unique_experts, bool) or not isinstance(unique_experts, (int, float, np.number))
+            or not 0 <= unique_experts <= cfg.n_experts):
+        raise ValueError(f"unique_experts={unique_experts!r} is invalid: a number in [0, "
+                         f"n_experts={cfg.n_experts}] (distinct experts one MoE layer reads)")
     cfg = cfg.replace(mla_cache_layout=mla_cache_layout)
     params = _param_shapes(cfg)
     kinds = spec.stages_of(cfg)
-    unique = expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
+    unique = (expected_unique_experts(cfg.n_experts, cfg.top_k, batch) if unique_experts is None
+              else unique_experts)
     embed = params["embed"]
     read: dict[str, int] = {}
     for kind in kinds:  # each kind's weights, its routed experts apart
