@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, tpu
-from mkresearch.config import ACTIVATIONS, ModelConfig
+from mkresearch.config import ModelConfig
 from mkresearch.kernels import blocks, costs, dma, quant, router
 from mkresearch.kernels.registry import StageRefs
 
@@ -431,9 +431,7 @@ def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> 
 def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
              chip: Any = None):
     """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
-    check_stage_options(plan, n_slots, cfg.expert_format)
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(f"activation={cfg.activation!r} is invalid: one of {ACTIVATIONS}")
+    check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
     return StageOptions(expert_format=cfg.expert_format,
                         mxfp4_decode=quant.mxfp4_decode_path(chip), plan=plan, n_slots=n_slots,
                         latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
