@@ -158,6 +158,15 @@ def test_bench_a_family_mini(tmp_path, capsys):
     assert "B=1: megakernel" in capsys.readouterr().out
     result = json.loads((tmp_path / "decode_bench.json").read_text())
     assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
+    prediction = result["rows"][0]["prediction"]  # bench's prediction: one rank of the full model
+    assert prediction["model"] == "qwen3-235b-a22b-rank" and prediction["published_step_s"] is None
+
+
+def test_compile_a_family_mini(capsys):
+    from mkresearch import cli
+
+    assert cli.main(["compile", "glm-4.5-mini"]) == 0
+    assert "1 Mosaic kernel(s)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "glm-4.5", "qwen3-235b-a22b", "deepseek-v3-rank",
