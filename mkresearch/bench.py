@@ -6,7 +6,8 @@
   per step: the same greedy token, and the max |logit difference|.
 * `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
   both backends on this machine, and the timeline model's prediction for a TPU chip from one
-  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log).
+  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log), and for a mini
+  that step scaled to one rank of its full model (`predict_full_size`, as `decode` reports it).
 
 Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
 mode (a simulator: its seconds say nothing about a TPU) and the reference is plain XLA on the
@@ -193,7 +194,11 @@ def print_decode(result: dict) -> None:
     print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
           f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "
           f"({p['dma_bytes'] / 1e6:.1f} MB per step)")
-    full = result.get("full_size")
+    _print_full_size(result.get("full_size"))
+
+
+def _print_full_size(full: dict | None) -> None:
+    """The full-size prediction's line (predict_full_size), if the model has one."""
     if full:
         published = (f"; published release on 16 TPU7x chips: {full['published_step_s'] * 1e3:.2f}"
                      f" ms/step" if full["published_step_s"] else "")
@@ -201,6 +206,16 @@ def print_decode(result: dict) -> None:
               f"({full['label']}): {full['step_s'] * 1e3:.2f} ms/step, "
               f"{full['dma_bytes'] / 1e9:.2f} GB per step, {full['roofline_fraction']:.0%} of "
               f"the HBM roofline{published}")
+
+
+def print_bench_row(row: dict) -> None:
+    """What `mkresearch bench` prints for one batch size (a row of run_bench)."""
+    mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
+    print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
+          f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
+          f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
+          f"tokens/s ({p['label']})")
+    _print_full_size(row.get("full_size"))
 
 
 # ---- mkresearch bench --------------------------------------------------------------------------
@@ -250,7 +265,8 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
                            "label": _backend_label("megakernel")},
             "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
                           "label": _backend_label("reference")},
-            "prediction": predict(log, chip, batch)}
+            "prediction": predict(log, chip, batch),
+            "full_size": predict_full_size(log, cfg, batch, chip)}
 
 
 def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",

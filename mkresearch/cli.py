@@ -432,11 +432,7 @@ def _run(argv: Sequence[str] | None) -> int:
                                      out_json=out / "decode_bench.json",
                                      figure=out / "decode_bench.png")
         for row in result["rows"]:
-            mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
-            print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
-                  f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
-                  f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
-                  f"tokens/s ({p['label']})")
+            bench.print_bench_row(row)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
         return 0
 

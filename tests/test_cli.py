@@ -155,11 +155,13 @@ def test_bench_a_family_mini(tmp_path, capsys):
 
     assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
                      "--out", str(tmp_path)]) == 0
-    assert "B=1: megakernel" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "B=1: megakernel" in out and "full size, one rank (qwen3-235b-a22b-rank, B=1)" in out
     result = json.loads((tmp_path / "decode_bench.json").read_text())
     assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
-    prediction = result["rows"][0]["prediction"]  # bench's prediction: one rank of the full model
-    assert prediction["model"] == "qwen3-235b-a22b-rank" and prediction["published_step_s"] is None
+    full = result["rows"][0]["full_size"]  # the mini's step scaled to one rank of the full model
+    assert full["model"] == "qwen3-235b-a22b-rank" and full["published_step_s"] is None
+    assert full["step_s"] >= full["hbm_floor_s"] > 0
 
 
 def test_compile_a_family_mini(capsys):
