@@ -70,7 +70,7 @@ figures: venv
 	$(BIN)/mkresearch figures --out figures
 
 # Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
-# megakernel compiled for TPU7x at kimi-k3-rank shapes.
+# megakernel compiled for TPU7x at kimi-k3-rank shapes and at one rank of each other family.
 recorded: venv
 	$(BIN)/python -m mkresearch.recorded
 

@@ -141,7 +141,7 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
         "dense_layers": list(cfg.dense_layers),
         "moe_layers": list(cfg.layers_of(routed.name)) if routed else [],
         "parameters": {"total": total, "active": active,
-                       "mtp_modules": roofline.mtp_parameters(cfg)},
+                       "mtp_modules": roofline.mtp_parameters(cfg), **_as_published(cfg)},
         "step_bytes": step.as_dict(),
         "cache_bytes_per_token": roofline.cache_bytes_per_token(
             cfg.replace(mla_cache_layout=step.mla_cache_layout)),
@@ -153,6 +153,13 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
         report["mla_cache_bytes_per_token"] = {
             **per_token, "ratio": per_token["expanded"] / per_token["latent"]}
     return report
+
+
+def _as_published(cfg: ModelConfig) -> dict:
+    """The parameters as the model's publisher counts them (roofline.PARAMETER_RULES), if any."""
+    rule = roofline.counting_rule(cfg)
+    counts = dict(zip(("total", "active"), roofline.published_counts(cfg, rule))) if rule else {}
+    return {"publisher_rule": {**counts, **vars(rule)}} if rule else {}
 
 
 def _print_info(report: dict) -> None:
@@ -173,6 +180,12 @@ def _print_info(report: dict) -> None:
            "part of the step)" if params["mtp_modules"] else "")
     print(f"parameters: total {_human_count(params['total'])}, "
           f"active per token {_human_count(params['active'])}{mtp}")
+    if "publisher_rule" in params:  # the publisher's figures, counted its way
+        rule, n = params["publisher_rule"], _human_count
+        print(f"  as published (embedding {'in' if rule['embedding_active'] else 'out'}, LM head "
+              f"{'in' if rule['lm_head_active'] else 'out'} of active): total {n(rule['total'])}, "
+              f"active {n(rule['active'])} (published {n(rule['published'][0])} / "
+              f"{n(rule['published'][1])})")
     print(f"bytes per decode step: batch {step['batch']}, context {step['context']}, experts "
           f"{step['expert_format']}" + (f", MLA cache {step['mla_cache_layout']}"
                                         if "mla_cache_bytes_per_token" in report else "")
@@ -419,11 +432,7 @@ def _run(argv: Sequence[str] | None) -> int:
                                      out_json=out / "decode_bench.json",
                                      figure=out / "decode_bench.png")
         for row in result["rows"]:
-            mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
-            print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
-                  f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
-                  f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
-                  f"tokens/s ({p['label']})")
+            bench.print_bench_row(row)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
         return 0
 

@@ -438,9 +438,37 @@ GLM_4_5_MINI = GLM_4_5.replace(
 QWEN3_235B_MINI = QWEN3_235B.replace(
     name="qwen3-235b-a22b-mini", **_MINI_SIZES, n_heads=4, n_kv_heads=1, shared_hidden=256)
 
+def rank_shapes(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` as one of 32 ranks sees it, divided as the release divides Kimi K3 (spec §9; this
+    gives kimi-k3-rank from kimi-k3): query heads / 32 (GQA: the K/V heads those heads read, one
+    when fewer than 32); experts over 8 ranks x their hidden over 4; shared, dense hidden and vocab
+    / 32, rounded up to whole 128 lanes (the shard padded). Shapes only, for compiling: a stand-in
+    for the sharded layout, which replaces it."""
+    def split(field: str, parts: int) -> int:
+        if getattr(cfg, field) % parts:
+            raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)} is invalid for "
+                             f"rank_shapes: a multiple of {parts}")
+        return getattr(cfg, field) // parts
+
+    heads, kv_heads = split("n_heads", 32), cfg.n_kv_heads
+    if "gqa" in cfg.kinds:  # a rank's query heads must read the same K/V head
+        kv_heads = split("n_kv_heads", 32) if cfg.n_kv_heads >= 32 else 1
+        if cfg.n_kv_heads < 32 and (cfg.n_heads // cfg.n_kv_heads) % heads:
+            raise ValueError(f"ModelConfig.n_kv_heads={cfg.n_kv_heads} is invalid for "
+                             f"rank_shapes: {heads} query heads per rank span two K/V heads")
+    shard = {f: _round_up(-(-getattr(cfg, f) // 32), LANE)
+             for f in ("vocab_size", "shared_hidden", "dense_hidden")}
+    return cfg.replace(name=f"{cfg.name}-rank", n_heads=heads, n_kv_heads=kv_heads, **shard,
+                       n_experts=split("n_experts", 8), expert_hidden=split("expert_hidden", 4))
+
+
+# One rank of each family's full model: compile only (like kimi-k3-rank)
+DEEPSEEK_V3_RANK, GLM_4_5_RANK, QWEN3_235B_RANK = map(rank_shapes,
+                                                      (DEEPSEEK_V3, GLM_4_5, QWEN3_235B))
+
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
-    KIMI_K3, KIMI_K3_MINI, KIMI_K3_RANK, DEEPSEEK_V3, DEEPSEEK_V3_MINI, GLM_4_5, GLM_4_5_MINI,
-    QWEN3_235B, QWEN3_235B_MINI)}
+    KIMI_K3, KIMI_K3_MINI, KIMI_K3_RANK, DEEPSEEK_V3, DEEPSEEK_V3_MINI, DEEPSEEK_V3_RANK, GLM_4_5,
+    GLM_4_5_MINI, GLM_4_5_RANK, QWEN3_235B, QWEN3_235B_MINI, QWEN3_235B_RANK)}
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
