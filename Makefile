@@ -46,11 +46,11 @@ OTHER_XLA_FLAGS := --xla_cpu_experimental_ynn_fusion_type=dot --xla_cpu_multi_th
 ifeq ($(shell uname -m),x86_64)
 OTHER_XLA_FLAGS += --xla_cpu_max_isa=AVX
 endif
-NBVAL := $(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
-# thread; each test file stays in one worker, so module fixtures are shared), then nbval over
-# every committed notebook (fact cells are compared, and each notebook's run time against its
+# thread; each test file stays in one worker, so module fixtures are shared), then nbval, also
+# in two workers, over every committed notebook (fact cells are compared, and each notebook's run time against its
 # budget: notebooks/conftest.py) under the default XLA:CPU configuration and under OTHER_XLA_FLAGS.
 test: venv browser
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests

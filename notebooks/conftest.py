@@ -51,13 +51,21 @@ def pytest_runtest_makereport(item, call):
     if call.when != "call" or item.nodeid not in _last_cells:
         return
     notebook = _notebook(item)
-    seconds = _seconds[notebook] = time.perf_counter() - _started[notebook]
+    seconds = time.perf_counter() - _started[notebook]
     report = outcome.get_result()
+    report.user_properties.append(("notebook_seconds", seconds))  # reaches xdist's controller
     if report.passed and seconds > NOTEBOOK_BUDGET_S:
         report.outcome = "failed"
         report.longrepr = (f"{os.path.basename(notebook)} ran for {seconds:.0f} s, over the "
                            f"{NOTEBOOK_BUDGET_S:.0f} s budget of one notebook (DEVELOPERS.md): "
                            "record slow results (see mkresearch.recorded) or shorten the run")
+
+
+def pytest_runtest_logreport(report):
+    """Runs where the terminal is (in this process, or in xdist's controller for its workers)."""
+    for name, seconds in report.user_properties:
+        if name == "notebook_seconds":
+            _seconds[report.fspath] = seconds
 
 
 def pytest_terminal_summary(terminalreporter):
