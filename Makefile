@@ -69,7 +69,7 @@ figures: venv
 	$(BIN)/mkresearch figures --out figures
 
 # Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
-# megakernel compiled for TPU7x at kimi-k3-rank shapes.
+# megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout).
 recorded: venv
 	$(BIN)/python -m mkresearch.recorded
 

@@ -1,6 +1,7 @@
 """`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
+    mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
         [--backend megakernel|reference] [--chip tpu7x] [--json]
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
@@ -24,14 +25,23 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch import bench, figures, recorded, reference, roofline, sampling, weights
+from mkresearch import (
+    bench,
+    figures,
+    layout,
+    layout_bytes,
+    recorded,
+    reference,
+    roofline,
+    sampling,
+    weights,
+)
 from mkresearch.chips import CHIPS
 from mkresearch.config import (
     EXPERT_FORMATS,
     MLA_CACHE_LAYOUTS,
     PRESETS,
     ModelConfig,
-    get_config,
     layer_pattern,
 )
 from mkresearch.kernels import megakernel
@@ -57,9 +67,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UsageError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
-    return get_config(name)
+    """A preset, or '<preset>-rank': one rank of its release layout (`layout.named_config`)."""
+    if name not in layout.config_names():
+        raise UsageError(f"unknown model {name!r}: choose one of "
+                         f"{', '.join(layout.config_names())}")
+    return layout.named_config(name)
 
 
 def _at_least(option: str, value: int, minimum: int) -> None:
@@ -258,7 +270,7 @@ def _parser() -> _Parser:
                                      metavar="{info,decode,bench,compile,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--context", type=int, default=0,
                    help="tokens already in each sequence's MLA cache (default 0)")
@@ -268,6 +280,9 @@ def _parser() -> _Parser:
                         "MXFP4 down)")
     p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
                    help="MLA cache layout (default: the model's)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks (devices) the model is sharded across: the per-rank byte table, "
+                        "ours beside the release's layout (default 1: the whole model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = commands.add_parser("decode", help="prefill + greedy decode of a random prompt")
@@ -296,7 +311,7 @@ def _parser() -> _Parser:
 
     p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
                                             "shapes (libtpu, no TPU needed)")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",
@@ -317,10 +332,17 @@ def _run(argv: Sequence[str] | None) -> int:
                   f"the MLA cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
                   "new one included")
         report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
+        if args.ranks != 1:
+            with _refusals():
+                layout.check_ranks(cfg, args.ranks)
+                mla = cfg.replace(mla_cache_layout=args.layout) if args.layout else cfg
+                report["ranks"] = layout_bytes.compare(mla, args.ranks, args.batch, args.context)
         if args.json:
             print(json.dumps(report, indent=1))
         else:
             _print_info(report)
+            if "ranks" in report:
+                print(layout_bytes.format_table(report["ranks"]))
         return 0
 
     if args.command == "decode":

@@ -3,8 +3,8 @@
 The `kimi-k3` preset carries exactly the values of spec/kimi-k3.md §1. `kimi-k3-mini` keeps every
 Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padded latent MoE,
 shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
-in TPU interpret mode in seconds. `kimi-k3-rank` is the shapes one of the 32 ranks of the released
-layout sees (spec §9): what the kernels are compiled at for TPU7x.
+in TPU interpret mode in seconds. The shapes one rank of a sharded model sees come from
+`mkresearch.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks).
 """
 
 from __future__ import annotations
@@ -337,20 +337,7 @@ KIMI_K3_MINI = KIMI_K3.replace(
     max_seq_len=128,
 )
 
-# One of the 32 ranks of the released layout (spec §9): 3 heads, 112 local experts with a 768-wide
-# slice of the expert hidden, 192 of the shared hidden (padded to 256) and 1056 of the dense
-# hidden (padded to 1152), a 5120-row vocab shard. Shapes only: for compiling, not for decoding.
-KIMI_K3_RANK = KIMI_K3.replace(
-    name="kimi-k3-rank",
-    n_heads=3,
-    vocab_size=5120,
-    n_experts=112,
-    expert_hidden=768,
-    shared_hidden=256,
-    dense_hidden=1152,
-)
-
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in (KIMI_K3, KIMI_K3_MINI, KIMI_K3_RANK)}
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (KIMI_K3, KIMI_K3_MINI)}
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:

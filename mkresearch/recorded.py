@@ -27,7 +27,8 @@ from mkresearch.kernels import megakernel
 from mkresearch.tpu import CompileResult
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
-# The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each.
+# The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
+# a preset or '<preset>-rank', one rank of its release layout (`mkresearch.layout.named_config`).
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),)
 
 

@@ -101,12 +101,11 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     """A ValueError the library raises before running (here: a config over the chip's HBM) is
     one line on stderr and exit status 2, like bad input. No preset the CLI decodes is refused,
     so the megakernel entry points are swapped for the HBM check of kimi-k3-rank on --chip."""
-    from mkresearch import bench, cli, roofline
-    from mkresearch.config import get_config
+    from mkresearch import bench, cli, layout, roofline
 
     def refuse(cfg, *args, **kwargs):
         assert "v5e" in args  # --chip reaches the megakernel
-        roofline.check_fits_hbm(get_config("kimi-k3-rank"), "v5e")
+        roofline.check_fits_hbm(layout.named_config("kimi-k3-rank"), "v5e")
 
     monkeypatch.setattr(bench, "decode_megakernel", refuse)
     monkeypatch.setattr(bench, "run_bench", refuse)

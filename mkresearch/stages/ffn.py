@@ -15,36 +15,57 @@ from jax import lax
 
 from mkresearch import spec
 from mkresearch.config import ModelConfig
-from mkresearch.numerics import (activation, bf, f32, i32, matmul, ordered_sum, rms_norm,
-                                 rows_at_least_two, softmax)
 from mkresearch.formats import dequantize
+from mkresearch.numerics import (
+    activation,
+    bf,
+    f32,
+    i32,
+    matmul,
+    ordered_sum,
+    rms_norm,
+    rows_at_least_two,
+    softmax,
+)
+
+
+def _gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
+    """W_gate, W_up [d, F] and W_down [F, d], split by the hidden F (partial sums of W_down)."""
+    cols, rows = spec.split(1, spec.FFN_HIDDEN), spec.split(0, spec.FFN_HIDDEN)
+    return {"w_gate": spec.matrix(d, hidden, shard=cols), "w_up": spec.matrix(d, hidden, shard=cols),
+            "w_down": spec.matrix(hidden, d, shard=rows)}
 
 
 def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    d, hidden = cfg.d_model, cfg.dense_hidden
-    return {"w_gate": spec.matrix(d, hidden), "w_up": spec.matrix(d, hidden),
-            "w_down": spec.matrix(hidden, d)}
+    return _gated_mlp(cfg.d_model, cfg.dense_hidden)
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, Any]:
+    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and by their hidden (ETP);
+    the shared experts by their hidden; the router by its d rows, the latent down-projection by
+    its d rows and the up-projection by its latent rows (partial sums); norms and bias whole."""
     d, n_experts, latent, hidden = cfg.d_model, cfg.n_experts, cfg.moe_latent, cfg.expert_hidden
 
-    def expert(n_in, n_out):
-        return spec.matrix(n_in, n_out, quantized=True).stacked(n_experts)
+    def expert(n_in, n_out, hidden_axis):
+        return spec.matrix(n_in, n_out, quantized=True,
+                           shard=spec.split(hidden_axis, spec.EXPERT_HIDDEN)).stacked(
+                               n_experts, by=spec.EXPERTS)
 
+    latent_rows = spec.split(0, spec.MOE_LATENT)
     table: dict[str, Any] = {
-        "w_router": spec.matrix(d, n_experts),
+        "w_router": spec.matrix(d, n_experts, shard=spec.split(0, spec.MODEL_ROWS)),
         # small correction bias: changes some selections, never dominates the scores
-        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05)),
-        "w_ld": spec.matrix(d, latent),
+        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
+                                  shard=spec.REPLICATED),
+        "w_ld": spec.matrix(d, latent, shard=latent_rows),  # its rows are d
         "latent_norm": spec.norm((latent,), jnp.float32),
-        "w_lu": spec.matrix(latent, d),
-        "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
-                    "w2": expert(hidden, latent)},
+        "w_lu": spec.matrix(latent, d, shard=latent_rows),
+        "experts": {"w1": expert(latent, hidden, 1), "w3": expert(latent, hidden, 1),
+                    "w2": expert(hidden, latent, 0)},
     }
     if cfg.n_shared_experts:
-        table.update(w_sg=spec.matrix(d, cfg.shared_hidden), w_su=spec.matrix(d, cfg.shared_hidden),
-                     w_sd=spec.matrix(cfg.shared_hidden, d))
+        shared = _gated_mlp(d, cfg.shared_hidden)
+        table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
     return table
 
 
