@@ -80,10 +80,12 @@ def _choice(i: Any, top_k: int) -> tuple[Any, Any]:
     return lax.div(i, top_k), lax.rem(i, top_k)
 
 
-def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
+def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any, first: Any = 0,
+                   n_local: int | None = None) -> jax.Array:
     """Distinct expert ids of the batch, in ascending order, into unique_ref [B*k] (SMEM);
     returns their count. seen_ref [E] (SMEM) is a scratch table. Scalar work: about 3E + 2·B·k
-    SMEM accesses, done before any expert DMA is issued.
+    SMEM accesses, done before any expert DMA is issued. On a rank of a sharded model only its
+    experts, ids first..first+n_local-1, are kept, as local ids (id - first).
 
     Ascending order, not the order of first use: each row then adds its experts' contributions
     in id order whatever the other rows of the batch chose, so a row's f32 sum (and its bf16
@@ -103,7 +105,7 @@ def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
     lax.fori_loop(0, batch * top_k, mark, 0)
 
     def compact(e, count):
-        used = seen_ref[e] != 0
+        used = seen_ref[e if n_local is None else first + e] != 0
 
         @pl.when(used)
         def _():
@@ -111,38 +113,43 @@ def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
 
         return count + used.astype(jnp.int32)
 
-    return lax.fori_loop(0, seen_ref.shape[0], compact, jnp.int32(0))
+    return lax.fori_loop(0, seen_ref.shape[0] if n_local is None else n_local, compact,
+                         jnp.int32(0))
 
 
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
-                eps: float, kind: str) -> jax.Array:
+                eps: float, kind: str, shard: Any = None) -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
-    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k]."""
+    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
+    shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice)."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
     # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
     run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
                             stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
                             expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
-                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind,
+                            shard=shard)
     if plan == "all":
         return run(n_experts, lambda i: i)
     if plan == "routed":
         return run(batch * top_k, lambda i: ids_smem[_choice(i, top_k)])
+    local = () if shard is None else shard.expert_range(n_experts)
 
     def with_unique(unique_ref, seen_ref):
-        n_unique = dedupe_experts(ids_smem, unique_ref, seen_ref)
+        n_unique = dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
         return run(n_unique, lambda i: unique_ref[i])
 
+    n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
     return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
-                         pltpu.SMEM((n_experts,), jnp.int32))
+                         pltpu.SMEM((n_ids,), jnp.int32))
 
 
 def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
                  experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
-                 kind):
+                 kind, shard=None):
     """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
     batch, top_k = ids.shape
     names = quant.part_names(expert_format)
@@ -168,6 +175,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
             for key, ring in rings.items():
                 ring.wait(sources[key].at[e], slot, item=i)
 
+        local_first = 0 if shard is None else shard.expert_range(experts["w1"][0].shape[0])[0]
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
@@ -195,15 +203,19 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
                 g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
                 u = matmul(z, part["w3"]).astype(jnp.bfloat16)
                 y = matmul(activation(g, u, kind), part["w2"])
+                if shard is not None and shard.layout.etp > 1:  # over the whole expert hidden
+                    y = shard.expert_partial_sum(y, "expert/w2")
                 y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
                 if plan == "routed":  # this item is one (row, k) choice
                     hit = flat_choice == i
                 else:  # every choice of this expert, in every row
-                    hit = ids == expert_of(i)
+                    hit = ids == expert_of(i) + (0 if shard is None else local_first)
                 coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
                 return acc + coef * y
 
         acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
+        if shard is not None:  # + the other expert groups' sums (rank order)
+            acc = shard.expert_groups_sum(acc, "expert/combine")
         rho_hat = pl.run_scoped(
             functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
             pltpu.VMEM((batch, latent_padded), jnp.float32),
@@ -254,7 +266,7 @@ class MoePlan:
 
 def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptions,
                    routed: dict | None = None, routing: router.Routing | None = None,
-                   always_on: dict | None = None) -> None:
+                   always_on: dict | None = None, shard: Any = None) -> None:
     """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
@@ -273,7 +285,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
                              latent_padded=options.latent_padded, eps=options.eps,
-                             kind=options.activation)
+                             kind=options.activation, shard=shard)
     if always_on is not None:
         total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
                            stream=stream, kind=options.activation, name=options.always_on_name)
@@ -294,7 +306,7 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
     shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
                    routed={key: w[key] for key in ROUTED_KEYS}, routing=routing,
-                   always_on=shared)
+                   always_on=shared, shard=refs.shard)
 
 
 def dense_body(plan: StageOptions, refs: StageRefs) -> None:
