@@ -202,20 +202,20 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
                                            mxfp4_decode=mxfp4_decode)
                 g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
                 u = matmul(z, part["w3"]).astype(jnp.bfloat16)
-                y = matmul(activation(g, u, kind), part["w2"])
-                if shard is not None and shard.layout.etp > 1:  # over the whole expert hidden
-                    y = shard.expert_partial_sum(y, "expert/w2")
+                h = activation(g, u, kind)  # on a rank: its hidden slice, then the whole
+                y = matmul(h if shard is None else shard.expert_hidden(h), part["w2"])
                 y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
                 if plan == "routed":  # this item is one (row, k) choice
                     hit = flat_choice == i
                 else:  # every choice of this expert, in every row
-                    hit = ids == expert_of(i) + (0 if shard is None else local_first)
+                    hit = ids == (expert_of(i) if shard is None else expert_of(i) + local_first)
                 coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
-                return acc + coef * y
+                # on a rank: kept, and added in id order across the expert groups after the loop
+                return acc + coef * y if shard is None else shard.keep_item(i, coef, y, acc)
 
         acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
-        if shard is not None:  # + the other expert groups' sums (rank order)
-            acc = shard.expert_groups_sum(acc, "expert/combine")
+        if shard is not None:
+            acc = shard.combine_items(n_items, latent, name="expert")
         rho_hat = pl.run_scoped(
             functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
             pltpu.VMEM((batch, latent_padded), jnp.float32),

@@ -2,26 +2,27 @@
 per rank under `jax.shard_map`, the collectives inside the kernel.
 
 Each rank runs the megakernel's own body (`megakernel.megakernel_body` with a `shard` plan) on
-its slice of every weight and state (`mkresearch.layout`): its heads, vocabulary rows, experts
-and hidden slices, and (the `ours` layout) its rows of the down-projections of x. What differs
-from one device is in three places, all in the kernel:
+its slice of every weight and state (`mkresearch.layout`): its heads, vocabulary rows, experts,
+hidden slices and column chunks. What differs from one device is in three places, all in the
+kernel:
 
-  weight stream   a matrix split by its rows multiplies this rank's slice of its input and its
-                  f32 partial product is all-reduced before the body rounds it (the reference
-                  rounds the full contraction once): W_o of the attention kinds (heads), W_down
-                  of the dense FFN and the shared experts (hidden), the router, W_fa, W_qa, W_kva,
-                  W_ld, W_lu (rows) — `collectives.ShardedStream`
-  routed experts  each rank its expert group's experts (EP) and hidden slice (ETP): an expert's
-                  output is all-reduced over the ETP group before its bf16 rounding, each group's
-                  weighted sum over the groups (`kernels/experts.py` with `StageRefs.shard`)
+  weight stream   a matrix whose input arrives split (the heads' outputs before W_o, a hidden
+                  slice before W_down) gets it all-gathered first; a matrix split by its output
+                  columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router) gives this
+                  rank's column chunk, and the chunks are all-gathered (`collectives.ShardedStream`)
+  routed experts  each rank its expert group's experts (EP) and their TP slice (ETP: W1, W3
+                  hidden columns, W2 latent columns, the hidden all-gathered in the group); the
+                  weighted sum runs down the chain of expert groups in ascending id
+                  (`kernels/experts.py` with `StageRefs.shard`, `Collectives.combine_items`)
   embedding, LM   the owner's embedding row all-reduced; each rank's best sampling candidates
   head            and log-sum-exp merged (`kernels/sharded_stages.py`): the token is the unsharded
                   one for greedy and sampled rows alike
 
-Numbers: every partial sum is added in f32 in one fixed rank order and rounded once, so the
-ranks agree to the bit and a row's result does not depend on the batch; against one device the
-association of those sums differs (rank partials vs one contraction), which flips a bf16 rounding
-now and then: logits agree within the spec's 5e-2, tokens except at near-ties.
+Numbers: no rank adds partial products of a contraction; every value is computed whole on one
+rank in the single-device kernel's order, so a step equals the single-device megakernel's to the
+bit (on XLA:CPU, whose dot gives a column chunk the bits of the whole product's columns). Only
+the sampling stage's log-sum-exp is combined across vocab shards (top-p cuts, module
+`sharded_stages`).
 
 `make_sharded_plan` fixes every static size (a rank's `MegaPlan`, the collectives' `ShardPlan`,
 the VMEM plan with the collectives' buffers, the HBM check of one rank); `decode_step` runs a
@@ -63,6 +64,9 @@ from mkresearch.chips import get_chip
 from mkresearch.config import ModelConfig
 
 AXIS = collectives.AXIS
+# column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
+# heads, FFN hidden and expert columns stay this rank's
+GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (spec §9)
 
 
@@ -80,13 +84,13 @@ class ShardedPlan:
 
 
 def kernel_config(lay: layouts.Layout) -> ModelConfig:
-    """The shapes one rank's kernels see: its heads, vocabulary rows, expert hidden slice and FFN
-    hidden chunks; n_experts and top_k stay the model's (routing is over all experts, the rank
+    """The shapes one rank's kernels see: its heads, vocabulary rows, experts' hidden slice and
+    FFN hidden chunks; n_experts and top_k stay the model's (routing is over all experts, the rank
     then keeps its own, `StageRefs.shard`)."""
     cfg, n = lay.cfg, lay.n_ranks
     return cfg.replace(name=f"{cfg.name}-rank-of-{n}", n_heads=cfg.n_heads // lay.ways(spec.HEADS),
                        vocab_size=cfg.vocab_size // n,
-                       expert_hidden=cfg.expert_hidden // lay.etp,
+                       expert_hidden=lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
                        dense_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
                        shared_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden))
 
@@ -95,14 +99,19 @@ def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
     return spec.stage(kind).params(cfg)[key]
 
 
-def _rules(lay: layouts.Layout) -> tuple[tuple[str, str, bool], ...]:
-    """Every streamed matrix split by its rows (K): (DMA-log name, group, replicated input)."""
+def _rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
+    """Every streamed matrix with a collective around it: its input gathered (Param.gather) or
+    its output's column chunks gathered (split by a padded group)."""
     cfg, rules = lay.cfg, []
     for kind in cfg.kinds:
         for m in registry.kernel_stage(kind).streamed(cfg):
-            for axis, group in layouts.active_shard(lay, _layer_param(cfg, kind, m.key).shard):
-                if axis == 0:
-                    rules.append((m.name, group, group in collectives.REPLICATED_INPUT_GROUPS))
+            p = _layer_param(cfg, kind, m.key)
+            k, n = m.shape
+            out = next((group for axis, group in layouts.active_shard(lay, p.shard, p.shape)
+                        if axis == 1 and group in GATHERED_COLUMNS), None)
+            gather = p.gather if p.gather is not None and lay.divides(p.gather, k) else None
+            if out is not None or gather is not None:
+                rules.append(collectives.Rule(m.name, out, n, gather, k))
     return tuple(rules)
 
 
@@ -152,13 +161,18 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
                              f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
                              f"streams {shortest} blocks)")
     rules = _rules(lay)
-    matrices = {m.name: m.shape for kind in cfg.kinds
-                for m in registry.kernel_stage(kind).streamed(cfg)}
-    widths = {"all": tuple({cfg.d_model, cfg.moe_latent} | {matrices[r[0]][1] for r in rules}),
-              "etp": (cfg.moe_latent,)}
-    row_inputs = tuple({matrices[name][0] for name, _, replicated in rules if replicated})
-    shard = collectives.make_shard_plan(lay, batch, widths, rules, row_inputs,
-                                        sharded_stages.STATE_LANES)
+    pieces = {"all": [sharded_stages.STATE_LANES],
+              "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
+    for rule in rules:
+        if rule.gather is not None and rule.gather != spec.EXPERT_TP:
+            pieces["all"].append(lay.local_length(rule.gather, rule.k))
+        if rule.out is not None:
+            pieces["all"].append(lay.local_length(rule.out, rule.n))
+    expert_latent = lay.local_length(spec.EXPERT_TP, cfg.moe_latent)
+    pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
+    shard = collectives.make_shard_plan(
+        lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
+        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(

@@ -5,32 +5,37 @@ TensorCore = one JAX device), from the sharding rules the stage kinds declare ne
 parameters (`spec.Param.shard`: which axis splits by which group, or REPLICATED) and the number of
 ways the layout splits each group:
 
-    heads          attention heads, tensor parallel (every per-head axis; partial sums of W_o)
-    vocab          embedding rows and LM head columns
-    experts        routed experts, expert parallel (EP)
-    expert_hidden  each routed expert's hidden, expert-tensor parallel (ETP): EP x ETP = n_ranks
-    ffn_hidden     the dense FFN's and the shared experts' hidden (partial sums of W_down)
-    model_rows     the d rows of the small down-projections of x (KDA's W_fa, MLA's W_qa and W_kva,
-                   the router): each rank multiplies its slice of x, partial sums
-    moe_latent     the MoE latent projections: W_ld by its d rows, W_lu by its latent rows
+    heads       attention heads, tensor parallel (every per-head axis, state and cache)
+    vocab       embedding rows and LM head columns
+    experts     routed experts, expert parallel (EP)
+    expert_tp   inside each routed expert, expert-tensor parallel (ETP; EP x ETP = n_ranks): W1
+                and W3 by their hidden columns, W2 by its latent columns
+    ffn_hidden  the hidden of the dense FFN and of the shared experts (W_gate, W_up columns)
+    model_cols  the d columns of the projections back to the model dim (W_o, W_down, W_lu)
+    down_cols   the columns of the small down-projections of x (KDA's W_fa, MLA's W_qa and
+                W_kva, the router)
+    moe_latent  the latent columns of the MoE latent down-projection W_ld
+
+Every matrix splits by its output columns, never by its contraction: a rank computes whole dot
+products for its columns (its input all-gathered first where it arrives split, `Param.gather`)
+and the columns are all-gathered, so every value is the single-device one, bit for bit.
 
 Rank r holds slice (r // stride) % ways of a group (`Split`): experts (r // ETP) % EP and expert
-hidden r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas
-when a model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on
-n / 2 consecutive ranks, which compute the same values; the partial sums then add one rank of
-each head, `Split.stride`). Heads, vocab, experts and the expert hidden split exactly
-(ValueError naming the field and the allowed rank counts otherwise); the other groups split in
-chunks of 128 lanes: rank i holds [i·chunk, (i+1)·chunk) of the axis zero-padded to ways·chunk
-(so its slice of a replicated input vector starts on a lane tile).
+TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas when a
+model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on n / 2
+consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
+exactly (ValueError naming the field and the allowed rank counts otherwise); the other groups
+split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
+ways·c, and an axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router).
 
 Two layouts:
     release  spec §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
              FFN hidden sliced (dense 1056 -> 1152, shared 192 -> 256), the MoE latent sliced;
-             the router and the attention's latent down-projections (model_rows) replicated on
-             every rank; routed experts in the released format (FP8 gate/up, MXFP4 down, spec
-             §7). At full size that is 7.0 GB of weights per rank at B = 1 (the spec: ≈ 6.97).
-    ours     the same, plus the model_rows split (each rank reads 1/n of them, in lane tiles), and
-             the experts in the checkpoint's MXFP4 decoded in VMEM (cfg.expert_format)
+             the router and the attention's latent down-projections (down_cols) whole on every
+             rank; routed experts in the released format (FP8 gate/up, MXFP4 down, spec §7).
+             At full size: 7.0 GB of weights per rank at B = 1 (the spec: ≈ 6.97).
+    ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
+             decoded in VMEM (cfg.expert_format)
 
 Per-rank shapes (`rank_param_shapes`, `rank_state_shapes`), the per-rank slices of real arrays
 (`shard_params`, `shard_state`) and a single-device stand-in config of one rank (`rank_config`)
@@ -56,9 +61,9 @@ OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
 RELEASE_ETP = 4  # spec §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
-PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_ROWS, spec.MOE_LATENT)
+PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 # groups the release keeps whole on every rank (spec §9: the router and latent projections)
-RELEASE_REPLICATED = (spec.MODEL_ROWS,)
+RELEASE_REPLICATED = (spec.DOWN_COLS,)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
 MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
 
@@ -97,15 +102,23 @@ class Layout:
 
     @property
     def etp(self) -> int:
-        return self.ways(spec.EXPERT_HIDDEN)
+        return self.ways(spec.EXPERT_TP)
 
     @property
     def head_replicas(self) -> int:
         """Ranks holding the same heads (> 1 only when the model has fewer heads than ranks)."""
         return self.split(spec.HEADS).stride
 
+    def divides(self, group: str, length: int) -> bool:
+        """Whether an axis of `length` splits by `group` here (more than one way, and for a
+        padded group a chunk shorter than the axis)."""
+        ways = self.ways(group)
+        return ways > 1 and (group not in PADDED_GROUPS or chunk_length(length, ways) < length)
+
     def local_length(self, group: str, length: int) -> int:
         """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
+        if not self.divides(group, length):
+            return length
         ways = self.ways(group)
         if group in PADDED_GROUPS:
             return chunk_length(length, ways)
@@ -115,7 +128,7 @@ class Layout:
         """(start, stop, per-rank length) of rank's slice of an axis of `length`: the real
         elements [start, stop), zero-padded to the per-rank length."""
         local = self.local_length(group, length)
-        start = self.split(group).index(rank) * local
+        start = self.split(group).index(rank) * local if local < length else 0
         return min(start, length), min(start + local, length), local
 
     def describe(self) -> str:
@@ -148,8 +161,9 @@ def _vocab_ok(cfg: ModelConfig, n: int) -> bool:
 
 
 def _expert_ways(cfg: ModelConfig, n: int, etp: int) -> bool:
+    """EP = n / etp divides the experts; etp splits the hidden and the latent in lane tiles."""
     return (n % etp == 0 and cfg.n_experts % (n // etp) == 0
-            and cfg.expert_hidden % (etp * LANE) == 0)
+            and cfg.expert_hidden % (etp * LANE) == 0 and cfg.moe_latent % (etp * LANE) == 0)
 
 
 def default_etp(cfg: ModelConfig, n: int, name: str = OURS) -> int:
@@ -187,13 +201,14 @@ def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
         if not any(_expert_ways(cfg, n, e) for e in _divisors(n)):
             raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
                              f"must split into EP = n_ranks / ETP groups with expert_hidden="
-                             f"{cfg.expert_hidden} in ETP whole {LANE}-lane slices (allowed rank "
-                             f"counts: {allowed})")
+                             f"{cfg.expert_hidden} and moe_latent={cfg.moe_latent} in ETP whole "
+                             f"{LANE}-lane slices (allowed rank counts: {allowed})")
     elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp):
         good = [e for e in _divisors(n) if _expert_ways(cfg, n, e)]
         raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
                          f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
-                         f"expert_hidden={cfg.expert_hidden} by etp x {LANE} (allowed: {good})")
+                         f"expert_hidden={cfg.expert_hidden}, moe_latent={cfg.moe_latent} by etp "
+                         f"x {LANE} (allowed: {good})")
 
 
 def _listed(values: list[int]) -> str:
@@ -216,7 +231,7 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
         _check_rules(cfg)
     heads = min(n, cfg.n_heads)
     splits = [Split(spec.HEADS, heads, n // heads), Split(spec.VOCAB, n),
-              Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_HIDDEN, etp)]
+              Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
     for group in PADDED_GROUPS:
         whole = name == RELEASE and group in RELEASE_REPLICATED
         splits.append(Split(group, 1 if whole else n))
@@ -248,14 +263,15 @@ def leaves_with_path(tree: Any) -> list[tuple[str, Any]]:
 
 
 # ---- per-rank shapes ------------------------------------------------------------------------
-def active_shard(lay: Layout, shard: Any) -> tuple[tuple[int, str], ...]:
-    """The (axis, group) pairs of a rule that this layout splits (more than one way)."""
-    return tuple((axis, group) for axis, group in (shard or ()) if lay.ways(group) > 1)
+def active_shard(lay: Layout, shard: Any, shape: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
+    """The (axis, group) pairs of a rule that this layout splits for a leaf of `shape`."""
+    return tuple((axis, group) for axis, group in (shard or ())
+                 if lay.divides(group, shape[axis]))
 
 
 def local_shape(lay: Layout, shape: tuple[int, ...], shard: Any) -> tuple[int, ...]:
     out = list(shape)
-    for axis, group in active_shard(lay, shard):
+    for axis, group in active_shard(lay, shard, shape):
         out[axis] = lay.local_length(group, shape[axis])
     return tuple(out)
 
@@ -297,7 +313,7 @@ def rank_state_shapes(lay: Layout, batch: int, seq_len: int | None = None) -> di
 def _slice(lay: Layout, array: Any, logical: tuple[int, ...], shard: Any, rank: int) -> np.ndarray:
     """rank's slice of one stored array (a quantized part packs an axis: same slice, scaled)."""
     out = np.asarray(array)
-    for axis, group in active_shard(lay, shard):
+    for axis, group in active_shard(lay, shard, logical):
         factor = logical[axis] // out.shape[axis]  # 1, or the values per stored element
         start, stop, local = lay.bounds(group, logical[axis], rank)
         part = np.take(out, np.arange(start // factor, stop // factor), axis=axis)
@@ -343,20 +359,21 @@ def _seq_len(state: dict, cfg: ModelConfig, batch: int) -> int:
 def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
                 **overrides: Any) -> ModelConfig:
     """A single-device stand-in for one rank of the `name` layout: a ModelConfig with one rank's
-    heads, vocabulary shard, local experts (top_k capped at their count), expert hidden slice and
-    FFN hidden chunks, for compiling and scaling a one-device megakernel at per-rank shapes (the
-    collectives left out). A ModelConfig cannot say that a matrix splits by its d rows, so the
-    model_rows and moe_latent matrices stay whole: for the release layout (which keeps the former
-    whole, and the MoE latent too: its ModelConfig keeps the full moe_latent) the stand-in has one
-    rank's shapes but for W_ld and W_lu; `rank_bytes` counts any layout exactly.
-    Named '<model>-rank' (release) or '<model>-rank-<layout>'."""
+    heads, vocabulary shard, local experts (top_k capped at their count) and FFN hidden chunks,
+    for compiling and scaling a one-device megakernel at per-rank shapes (the collectives left
+    out). A ModelConfig says a rank's share only through its sizes: an expert's ETP slice is taken
+    on its hidden (W2's rows, not its latent columns: the same bytes), and the matrices the layout
+    splits by their d or latent columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router)
+    stay whole: `layout_bytes.rank_bytes` counts any layout exactly. For the release layout on 32
+    ranks it is the hand-made `kimi-k3-rank` of before. Named '<model>-rank' (release) or
+    '<model>-rank-<layout>'."""
     lay = layout(cfg, n_ranks, name)
     experts = cfg.n_experts // lay.ep
-    fields = {
+    fields = {  # one rank's expert hidden: W1/W3 columns (its W2 latent slice is not expressible)
         "name": f"{cfg.name}-rank" if name == RELEASE else f"{cfg.name}-rank-{name}",
         "n_heads": cfg.n_heads // lay.ways(spec.HEADS), "vocab_size": cfg.vocab_size // n_ranks,
         "n_experts": experts, "top_k": min(cfg.top_k, experts),
-        "expert_hidden": cfg.expert_hidden // lay.etp,
+        "expert_hidden": lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
         "dense_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
         "shared_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden)}
     fields.update(overrides)

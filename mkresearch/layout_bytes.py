@@ -86,7 +86,7 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0) -> RankBytes:
     replicated: dict[str, int] = {}
 
     def add(component: str, param: spec.Param, value: int) -> None:
-        target = sharded if active_shard(lay, param.shard) else replicated
+        target = sharded if active_shard(lay, param.shard, param.shape) else replicated
         target[component] = target.get(component, 0) + int(value)
 
     kinds = spec.stages_of(cfg)
@@ -120,7 +120,7 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0) -> RankBytes:
             one = math.prod(shape) * np.dtype(leaf.dtype).itemsize  # one row, one token if cache
             moved = (batch * (one + context * one + one) if leaf.kind == spec.CACHE
                      else batch * 2 * one)
-            target = sharded if active_shard(lay, leaf.shard) else replicated
+            target = sharded if active_shard(lay, leaf.shard, leaf.shape) else replicated
             target[name] = target.get(name, 0) + moved
     return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
                      context=context, sharded=sharded, replicated=replicated,

@@ -35,16 +35,20 @@ ATTENTION, FFN = "attention", "ffn"
 RECURRENT, CACHE = "recurrent", "cache"
 
 # Sharding groups (`mkresearch.layout`): what splits one axis of a parameter or state leaf across
-# ranks. A kind declares, per Param, which axis splits by which group (`Param.shard`); how many
-# ways each group splits is the layout's choice (the release's, or ours).
+# ranks. A kind declares, per Param, which axis splits by which group (`Param.shard`) and, for a
+# matrix whose input arrives split across ranks, by which group (`Param.gather`: the input is
+# all-gathered first, so every output element is one whole contraction, as on one device). How
+# many ways each group splits is the layout's choice (the release's, or ours).
 HEADS = "heads"  # attention heads (tensor parallel): an axis of H x per-head width
 VOCAB = "vocab"  # vocabulary rows of the embedding and LM head
 EXPERTS = "experts"  # routed experts (expert parallel)
-EXPERT_HIDDEN = "expert_hidden"  # the routed experts' hidden (expert-tensor parallel)
+EXPERT_TP = "expert_tp"  # inside an expert (expert-tensor parallel): W1, W3 by their hidden
+#                          columns, W2 by its latent columns
 FFN_HIDDEN = "ffn_hidden"  # the hidden of the dense FFN and the shared experts
-MODEL_ROWS = "model_rows"  # the d rows of a small down-projection of x (W_fa, W_qa, W_kva, router)
-MOE_LATENT = "moe_latent"  # the MoE latent projections: W_ld by its d rows, W_lu by its latent rows
-SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_HIDDEN, FFN_HIDDEN, MODEL_ROWS, MOE_LATENT)
+MODEL_COLS = "model_cols"  # the d columns of a projection back to the model dim (W_o, W_down)
+DOWN_COLS = "down_cols"  # the columns of a small down-projection of x (W_fa, W_qa, W_kva, router)
+MOE_LATENT = "moe_latent"  # the latent columns of the MoE latent down-projection W_ld
+SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_TP, FFN_HIDDEN, MODEL_COLS, DOWN_COLS, MOE_LATENT)
 REPLICATED: tuple = ()  # Param.shard of a parameter every rank holds whole
 
 
@@ -64,6 +68,8 @@ class Param:
     shard: how it splits across ranks (`mkresearch.layout`): ((axis, group), ...) with a group of
     SHARD_GROUPS, REPLICATED (every rank holds it whole), or None: no rule given (a layout over
     more than one rank refuses the kind, naming the parameter).
+    gather: for a matrix whose input arrives split across ranks by a group (the heads' outputs,
+    a hidden slice), that group: the kernel all-gathers the input before multiplying.
     """
 
     shape: tuple[int, ...]
@@ -71,6 +77,7 @@ class Param:
     init: tuple
     quantized: bool = False
     shard: tuple[tuple[int, str], ...] | None = None
+    gather: str | None = None
 
     def stacked(self, count: int, by: str | None = None) -> Param:
         """The same parameter for `count` layers (or experts: `by` the group that splits the new
@@ -79,13 +86,14 @@ class Param:
         if shard is not None:
             shard = tuple((axis + 1, group) for axis, group in shard)
             shard = (split(0, by) + shard) if by is not None else shard
-        return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard)
+        return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard,
+                     self.gather)
 
 
 def matrix(n_in: int, n_out: int, *, quantized: bool = False,
-           shard: tuple[tuple[int, str], ...] | None = None) -> Param:
+           shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None) -> Param:
     """A [in, out] bf16 matrix ~ N(0, 1/in): every projection keeps an O(1) RMS."""
-    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard)
+    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather)
 
 
 def norm(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Param:

@@ -30,10 +30,12 @@ from mkresearch.numerics import (
 
 
 def _gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
-    """W_gate, W_up [d, F] and W_down [F, d], split by the hidden F (partial sums of W_down)."""
-    cols, rows = spec.split(1, spec.FFN_HIDDEN), spec.split(0, spec.FFN_HIDDEN)
+    """W_gate, W_up [d, F] split by the hidden F; W_down [F, d] by its d columns, the hidden
+    gathered first."""
+    cols = spec.split(1, spec.FFN_HIDDEN)
     return {"w_gate": spec.matrix(d, hidden, shard=cols), "w_up": spec.matrix(d, hidden, shard=cols),
-            "w_down": spec.matrix(hidden, d, shard=rows)}
+            "w_down": spec.matrix(hidden, d, shard=spec.split(1, spec.MODEL_COLS),
+                                  gather=spec.FFN_HIDDEN)}
 
 
 def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
@@ -41,27 +43,26 @@ def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, Any]:
-    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and by their hidden (ETP);
-    the shared experts by their hidden; the router by its d rows, the latent down-projection by
-    its d rows and the up-projection by its latent rows (partial sums); norms and bias whole."""
+    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    their hidden columns, W2 by its latent columns, the hidden gathered first); the shared experts
+    as a gated MLP; the router and the latent down-projection by their columns, the latent
+    up-projection by its d columns; norms and bias whole."""
     d, n_experts, latent, hidden = cfg.d_model, cfg.n_experts, cfg.moe_latent, cfg.expert_hidden
 
-    def expert(n_in, n_out, hidden_axis):
-        return spec.matrix(n_in, n_out, quantized=True,
-                           shard=spec.split(hidden_axis, spec.EXPERT_HIDDEN)).stacked(
-                               n_experts, by=spec.EXPERTS)
+    def expert(n_in, n_out, gather=None):
+        return spec.matrix(n_in, n_out, quantized=True, shard=spec.split(1, spec.EXPERT_TP),
+                           gather=gather).stacked(n_experts, by=spec.EXPERTS)
 
-    latent_rows = spec.split(0, spec.MOE_LATENT)
     table: dict[str, Any] = {
-        "w_router": spec.matrix(d, n_experts, shard=spec.split(0, spec.MODEL_ROWS)),
+        "w_router": spec.matrix(d, n_experts, shard=spec.split(1, spec.DOWN_COLS)),
         # small correction bias: changes some selections, never dominates the scores
         "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
                                   shard=spec.REPLICATED),
-        "w_ld": spec.matrix(d, latent, shard=latent_rows),  # its rows are d
+        "w_ld": spec.matrix(d, latent, shard=spec.split(1, spec.MOE_LATENT)),
         "latent_norm": spec.norm((latent,), jnp.float32),
-        "w_lu": spec.matrix(latent, d, shard=latent_rows),
-        "experts": {"w1": expert(latent, hidden, 1), "w3": expert(latent, hidden, 1),
-                    "w2": expert(hidden, latent, 0)},
+        "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS)),
+        "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
+                    "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
     }
     if cfg.n_shared_experts:
         shared = _gated_mlp(d, cfg.shared_hidden)

@@ -28,12 +28,13 @@ from mkresearch.numerics import (
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    """Sharding (`mkresearch.layout`): every per-head axis splits by heads (columns of the
-    projections, rows of W_o: partial sums); the low-rank gate's W_fa by its d rows."""
+    """Sharding (`mkresearch.layout`): every per-head axis splits by heads; W_o by its d columns,
+    the heads' outputs gathered first; the low-rank gate's W_fa by its columns (a single lane
+    tile: whole on every rank)."""
     d, h, hd, rank = cfg.d_model, cfg.n_heads, cfg.kda_width, cfg.kda_gate_rank
     cols, rows = spec.split(1, spec.HEADS), spec.split(0, spec.HEADS)
     return {
-        "w_fa": spec.matrix(d, rank, shard=spec.split(0, spec.MODEL_ROWS)),
+        "w_fa": spec.matrix(d, rank, shard=spec.split(1, spec.DOWN_COLS)),
         "w_fb": spec.matrix(rank, hd, shard=cols),
         "w_q": spec.matrix(d, hd, shard=cols), "w_k": spec.matrix(d, hd, shard=cols),
         "w_v": spec.matrix(d, hd, shard=cols), "w_g": spec.matrix(d, hd, shard=cols),
@@ -44,7 +45,7 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
         "a_log": spec.Param((h,), f32, ("log_uniform", 1.0, 4.0), shard=rows),
         "dt_bias": spec.Param((hd,), f32, ("uniform", -1.0, 1.0), shard=rows),
         "o_norm": spec.norm((cfg.kda_head_dim,)),
-        "w_o": spec.matrix(hd, d, shard=rows),
+        "w_o": spec.matrix(hd, d, shard=spec.split(1, spec.MODEL_COLS), gather=spec.HEADS),
     }
 
 

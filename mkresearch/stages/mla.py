@@ -20,10 +20,11 @@ from mkresearch.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_sum, rms
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    """Sharding (`mkresearch.layout`): per-head columns (W_qb, W_kvb, W_g) and rows (W_o) split by
-    heads; the latent down-projections W_qa, W_kva by their d rows (partial sums)."""
+    """Sharding (`mkresearch.layout`): per-head columns (W_qb, W_kvb, W_g) split by heads; W_o by
+    its d columns, the heads' outputs gathered first; the latent down-projections W_qa, W_kva by
+    their columns."""
     d, h = cfg.d_model, cfg.n_heads
-    cols, d_rows = spec.split(1, spec.HEADS), spec.split(0, spec.MODEL_ROWS)
+    cols, d_rows = spec.split(1, spec.HEADS), spec.split(1, spec.DOWN_COLS)
     return {
         "w_qa": spec.matrix(d, cfg.mla_q_rank, shard=d_rows),
         "q_norm": spec.norm((cfg.mla_q_rank,)),
@@ -32,7 +33,8 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
         "kv_norm": spec.norm((cfg.mla_kv_rank,)),
         "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim), shard=cols),
         "w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols),
-        "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(0, spec.HEADS)),
+        "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(1, spec.MODEL_COLS),
+                           gather=spec.HEADS),
     }
 
 
