@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from mkresearch.kernels import residuals
 
 # Transcendentals per hidden unit of a gated MLP: SiTU = 4·tanh(g/4)·σ(g)·25·tanh(u/25); SiLU σ.
-ACTIVATION_TRANSCENDENTALS = {"situ": 3, "swiglu": 1}
+ACTIVATION_TRANSCENDENTALS = {"situ": 3, "silu": 1, "swiglu": 1}
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,28 @@ def mla(plan: Any, weights: dict, cache: dict) -> Cost:
                    bytes_accessed=nbytes(weights) + kv + update))
 
 
+def gqa(plan: Any, weights: dict, cache: Any) -> Cost:
+    """GQA body (kernels/gqa.py); weights: one layer's by name; cache: the layer's K and V
+    [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
+    block around each new entry read and written. Scores and Σ α v per query head; RoPE's
+    cos and sin per row."""
+    from mkresearch.kernels.mla import UPDATE_ROWS  # here: mla imports costs (an import cycle)
+
+    kv = nbytes(cache)
+    update = 2 * kv * UPDATE_ROWS // plan.seq_len
+    return (_attention(plan, plan.seq_len, plan.head_dim, plan.head_dim)
+            + Cost(flops=matmul_flops(plan.batch, *_matrices(weights)),
+                   transcendentals=plan.batch * plan.rope.dim,
+                   bytes_accessed=nbytes(weights) + kv + update))
+
+
+def mla_rope(plan: Any, weights: dict, cache: Any) -> Cost:
+    """MLA-with-RoPE body (kernels/mla_rope.py): the latent MLA's cost without the output gate,
+    with RoPE's cos and sin per row."""
+    gate = plan.batch * plan.n_heads * plan.v_dim
+    return mla(plan, weights, cache) + Cost(transcendentals=plan.batch * plan.qk_extra - gate)
+
+
 def mla_partial(plan: Any, cache: dict) -> Cost:
     """`mla_latent_partial` body over its shard: every row attends to the whole shard."""
     return (_attention(plan, plan.seq_len, plan.kv_rank + plan.qk_extra, plan.kv_rank)
@@ -150,11 +172,13 @@ def ffn(options: Any, batch: int, top_k: int, routed: dict | None,
     if routed is not None:
         w1, w3, w2 = (routed["experts"][m] for m in ("w1", "w3", "w2"))
         n_experts, hidden = w1[0].shape[0], w1[0].shape[-1]  # E, F
-        latent = routed["w_ld"].shape[1]
+        latent = options.latent  # the width the experts work on: the latent, or d without one
         fetched = experts_fetched(options.plan, n_experts, batch, top_k)
         one_expert = nbytes(w1, w3, w2) // n_experts  # every stored part of W1, W3, W2
-        cost += Cost(flops=matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
-                     bytes_accessed=nbytes(routed["w_ld"], routed["latent_norm"], routed["w_lu"]))
+        if "w_ld" in routed:  # the latent down and up projections and norm
+            cost += Cost(flops=matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
+                         bytes_accessed=nbytes(routed["w_ld"], routed["latent_norm"],
+                                               routed["w_lu"]))
         # each fetched expert runs for all B rows (rows that did not choose it weigh 0)
         cost += fetched * Cost(flops=6 * batch * latent * hidden,
                                transcendentals=per_unit * batch * hidden,

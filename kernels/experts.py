@@ -42,13 +42,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, tpu
-from mkresearch.config import ACTIVATIONS, ModelConfig
+from mkresearch.config import ModelConfig
 from mkresearch.kernels import blocks, costs, dma, quant, router
 from mkresearch.kernels.registry import StageRefs
 
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
 EXPERT_DMA_PREFIX = "expert/"
+LATENT_DOWN, LATENT_UP, LATENT_NORM = "latent/w_ld", "latent/w_lu", "latent/norm"  # DMA-log names
 # Mosaic's default scoped-VMEM limit is far below the chip's VMEM; two bf16 expert slots at the
 # per-rank shapes (2 x 16.5 MB) need more. 60 MiB fits TPU7x's 64 MiB per TensorCore.
 VMEM_LIMIT_BYTES = 60 * 2**20
@@ -73,48 +74,9 @@ def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, stream: Any,
     return project(activation(g, u, kind), w_down, "w_down")  # [B, d]
 
 
-# ---- the work list: which expert each loop step fetches ---------------------------------------
-def _choice(i: Any, top_k: int) -> tuple[Any, Any]:
-    """Flat choice index i -> (row, k). lax.div/rem: i >= 0, and jnp's floor // and % lower
-    through a sign op that needs a TPU device to lower."""
-    return lax.div(i, top_k), lax.rem(i, top_k)
-
-
-def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any, first: Any = 0,
-                   n_local: int | None = None) -> jax.Array:
-    """Distinct expert ids of the batch, in ascending order, into unique_ref [B*k] (SMEM);
-    returns their count. seen_ref [E] (SMEM) is a scratch table. Scalar work: about 3E + 2·B·k
-    SMEM accesses, done before any expert DMA is issued. On a rank of a sharded model only its
-    experts, ids first..first+n_local-1, are kept, as local ids (id - first).
-
-    Ascending order, not the order of first use: each row then adds its experts' contributions
-    in id order whatever the other rows of the batch chose, so a row's f32 sum (and its bf16
-    rounding) is batch-invariant and is the reference's (`reference.routed_experts`)."""
-    batch, top_k = ids_smem.shape
-
-    def clear(e, carry):
-        seen_ref[e] = 0
-        return carry
-
-    lax.fori_loop(0, seen_ref.shape[0], clear, 0)
-
-    def mark(i, carry):
-        seen_ref[ids_smem[_choice(i, top_k)]] = 1
-        return carry
-
-    lax.fori_loop(0, batch * top_k, mark, 0)
-
-    def compact(e, count):
-        used = seen_ref[e if n_local is None else first + e] != 0
-
-        @pl.when(used)
-        def _():
-            unique_ref[count] = e
-
-        return count + used.astype(jnp.int32)
-
-    return lax.fori_loop(0, seen_ref.shape[0] if n_local is None else n_local, compact,
-                         jnp.int32(0))
+def expert_dma_name(matrix: str, part: str) -> str:
+    """The DMA-log name of one stored part of one expert matrix, e.g. "expert/w1/codes"."""
+    return f"{EXPERT_DMA_PREFIX}{matrix}/{part}"
 
 
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
@@ -135,11 +97,11 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
     if plan == "all":
         return run(n_experts, lambda i: i)
     if plan == "routed":
-        return run(batch * top_k, lambda i: ids_smem[_choice(i, top_k)])
+        return run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
     local = () if shard is None else shard.expert_range(n_experts)
 
     def with_unique(unique_ref, seen_ref):
-        n_unique = dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
+        n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
         return run(n_unique, lambda i: unique_ref[i])
 
     n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
@@ -162,7 +124,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
         rings, sources = {}, {}
         for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
-            rings[m, j] = dma.Ring(buffers[r], sems[r], name=f"{EXPERT_DMA_PREFIX}{m}/{names[j]}")
+            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]))
             sources[m, j] = experts[m][j]
 
         def start(i):
@@ -179,8 +141,11 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
-        z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
-            tuple(w_ld.shape), w_ld.dtype), name="latent/w_ld").astype(jnp.bfloat16)  # [B, Lat]
+        if w_ld is None:  # experts on the full d (stages.moe_full): no latent
+            z = x  # [B, d] bf16
+        else:
+            z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
+                tuple(w_ld.shape), w_ld.dtype), name=LATENT_DOWN).astype(jnp.bfloat16)
 
         hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
@@ -216,12 +181,14 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
         if shard is not None:
             acc = shard.combine_items(n_items, latent, name="expert")
+        if w_ld is None:
+            return acc  # [B, d] f32: Σ w_e y_e is the routed output
         rho_hat = pl.run_scoped(
             functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
             pltpu.VMEM((batch, latent_padded), jnp.float32),
             pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
         return blocks.stream_matmul(stream, rho_hat, w_lu, rows=blocks.weight_block_rows(
-            tuple(w_lu.shape), w_lu.dtype), name="latent/w_lu")  # [B, d] f32
+            tuple(w_lu.shape), w_lu.dtype), name=LATENT_UP)  # [B, d] f32
 
     return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
 
@@ -230,7 +197,7 @@ def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
     (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
     copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
-                    name="latent/norm").start()
+                    name=LATENT_NORM).start()
     rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
     rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
     if gamma_ref.shape[1] > latent:
@@ -271,7 +238,8 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
              "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs), with the
-             choices of the router in `routing`
+             choices of the router in `routing`; without "w_ld" the experts work on the full d
+             (options.latent = d) and their weighted sum is the routed output (stages.moe_full)
     always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
     x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks.
     """
@@ -279,7 +247,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
     total = jnp.zeros(out_ref.shape, jnp.float32)
     if routed is not None:
         total += routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
-                             routed["w_ld"], routed["latent_norm"], routed["w_lu"],
+                             routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
                              routed["experts"], stream=stream,
                              expert_format=options.expert_format,
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
@@ -305,7 +273,7 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
                        **dict(plan.router))
     shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
-                   routed={key: w[key] for key in ROUTED_KEYS}, routing=routing,
+                   routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
                    always_on=shared, shard=refs.shard)
 
 
@@ -412,9 +380,10 @@ def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: i
                              f"[{values.min()}, {values.max()}]")
 
 
-def _expert_parts(experts: dict, cfg: ModelConfig) -> dict:
-    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked."""
-    fmt, lat, hidden = cfg.expert_format, cfg.moe_latent, cfg.expert_hidden
+def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
+    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked.
+    width: what the experts work on (default the latent cfg.moe_latent)."""
+    fmt, lat, hidden = cfg.expert_format, width or cfg.moe_latent, cfg.expert_hidden
     out = {}
     for m, (k, n) in zip(EXPERT_MATRICES, ((lat, hidden), (lat, hidden), (hidden, lat))):
         parts = quant.split_parts(experts[m], fmt)
@@ -430,9 +399,7 @@ def _expert_parts(experts: dict, cfg: ModelConfig) -> dict:
 def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
              chip: Any = None):
     """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
-    check_stage_options(plan, n_slots, cfg.expert_format)
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(f"activation={cfg.activation!r} is invalid: one of {ACTIVATIONS}")
+    check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
     return StageOptions(expert_format=cfg.expert_format,
                         mxfp4_decode=quant.mxfp4_decode_path(chip), plan=plan, n_slots=n_slots,
                         latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,

@@ -36,14 +36,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
 from mkresearch.config import ModelConfig
-from mkresearch.kernels import blocks, costs, dma
+from mkresearch.kernels import blocks, costs, dma, planned
 from mkresearch.kernels.blocks import bf16, f32
 from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
 
 # Weights in the order the body takes them (vectors are passed as [1, n]).
 WEIGHT_NAMES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "conv_w", "a_log", "dt_bias",
                 "o_norm", "w_o")
-MATRICES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "w_o")
+MATRICES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "w_o")  # streamed, in body order
+LOADED_WHOLE = ("conv_w", "a_log", "dt_bias", "o_norm")  # DMA'd whole after the projections
+# DMA-log names of the states' reads and writes (<name>.read, <name>.write), state leaf -> name
+STATE_DMAS = {"conv": "kda.conv_state", "recurrent": "kda.state"}
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,7 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     (VMEM). refs.indices tag the DMA log.
     """
     x_ref, out_ref, indices = refs.x, refs.out, refs.indices
-    w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, conv_w, a_log, dt_bias, o_norm, w_o = (
-        refs.weights[name] for name in WEIGHT_NAMES)
+    w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, w_o = (refs.weights[name] for name in MATRICES)
     conv_in, state_in = refs.state_in["conv"], refs.state_in["recurrent"]
     conv_out, state_out = refs.state_out["conv"], refs.state_out["recurrent"]
     p = plan
@@ -109,10 +111,10 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     def scoped(conv_vmem, state_vmem, current_vmem, sems):
         # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
         # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v, head h in sublane h)
-        conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name="kda.conv_state.read",
+        conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name=f"{STATE_DMAS['conv']}.read",
                              **indices).start()
-        state_copy = dma.Copy(state_in, state_vmem, sems.at[1], name="kda.state.read",
-                              **indices).start()
+        state_copy = dma.Copy(state_in, state_vmem, sems.at[1],
+                              name=f"{STATE_DMAS['recurrent']}.read", **indices).start()
 
         with dma.phase("kda.project", **indices):
             x = x_ref[...]  # [B, d] bf16
@@ -126,10 +128,12 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
                 (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"))]  # 3 x [B, H·D], bf16 values
             u = f32(project(x, w_g, "w_g"))  # [B, H·D]
             b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
-            taps = f32(blocks.load_whole(conv_w, name="kda.conv_w", **indices))  # [3, conv, H·D]
-            decay_rate = jnp.exp(blocks.load_whole(a_log, name="kda.a_log", **indices))  # [1, H]
-            bias = blocks.load_whole(dt_bias, name="kda.dt_bias", **indices)  # [1, H·D] f32
-            gamma = blocks.load_whole(o_norm, name="kda.o_norm", **indices)  # [1, D]
+            loaded = {name: blocks.load_whole(refs.weights[name], name=f"kda.{name}", **indices)
+                      for name in LOADED_WHOLE}
+            taps = f32(loaded["conv_w"])  # [3, conv, H·D]
+            decay_rate = jnp.exp(loaded["a_log"])  # [1, H]
+            bias = loaded["dt_bias"]  # [1, H·D] f32
+            gamma = loaded["o_norm"]  # [1, D]
 
         conv_copy.wait()
         state_copy.wait()
@@ -152,10 +156,10 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
         y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
 
-        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0], name="kda.conv_state.write",
-                             **indices).start()
-        state_copy = dma.Copy(state_vmem, state_out, sems.at[1], name="kda.state.write",
-                              **indices).start()
+        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0],
+                             name=f"{STATE_DMAS['conv']}.write", **indices).start()
+        state_copy = dma.Copy(state_vmem, state_out, sems.at[1],
+                              name=f"{STATE_DMAS['recurrent']}.write", **indices).start()
         with dma.phase("kda.output", **indices):
             out_ref[...] = bf16(stream(bf16(y), w_o, rows=p.block_rows("w_o"),
                                        name="kda.w_o"))
@@ -311,8 +315,31 @@ def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
             ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
 
 
+def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer, in its order: both states' reads started, the projections
+    streamed, the small weights loaded whole, the reads waited for; after the delta rule the
+    write-backs started, W_o streamed, the writes waited for."""
+    w, indices = call.weights, call.indices
+
+    def state_copies(direction, src, dst):
+        return [call.start(f"{STATE_DMAS[leaf]}.{direction}", planned.nbytes(call.state[leaf]),
+                           buffer=planned.STATE, src=src, dst=dst, **indices)
+                for leaf in STATE_DMAS]
+
+    def stream(names):
+        return [dma for name in names for dma in call.matmul(
+            f"kda.{name}", w[name], plan.block_rows(name), **indices)]
+
+    reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
+    loads = [dma for name in LOADED_WHOLE
+             for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
+    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + writes
+            + stream(MATRICES[-1:]) + [write.waited() for write in writes])
+
+
 KERNEL = register(KernelStage(
     name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
     prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
-    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights)))
+    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights),
+    schedule=_schedule))
 

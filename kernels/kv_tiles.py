@@ -10,12 +10,13 @@ position. MLA's expanded and latent layouts (`mla.py`) and the sequence-sharded 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import operator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, dma, planned
 
 from mkresearch.kv_cache import KV_ROW_GROUP
 
@@ -23,25 +24,41 @@ if TYPE_CHECKING:
     from mkresearch.kernels.mla import MlaPlan
 
 
-def _tile_count(p: MlaPlan, position):
-    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1 (lax.div: no sign op)."""
-    return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
+class _Traced:
+    """Arithmetic on traced int32 scalars: lax.div / lax.rem (jnp's // and % lower through a
+    sign op), pl.multiple_of alignment hints."""
+
+    div, rem = staticmethod(jax.lax.div), staticmethod(jax.lax.rem)
+    minimum, aligned = staticmethod(jnp.minimum), staticmethod(pl.multiple_of)
 
 
-def _tile_reads(p: MlaPlan, t, count):
+class _Ints:
+    """The same arithmetic on Python ints (non-negative: lax.div and // agree), for the
+    schedule: `tile_loop_dmas` states the kernel's reads with the very same formulas."""
+
+    div, rem = staticmethod(operator.floordiv), staticmethod(operator.mod)
+    minimum, aligned = staticmethod(min), staticmethod(lambda value, multiple: value)
+
+
+def _tile_count(p: MlaPlan, position, ops=_Traced):
+    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1."""
+    return ops.div(position + p.kv_tile - 1, p.kv_tile)
+
+
+def _tile_reads(p: MlaPlan, t, count, ops=_Traced):
     """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
     token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
     tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
     binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
     n_groups = p.kv_tile // KV_ROW_GROUP
-    tokens = jnp.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
-    groups = jax.lax.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
+    tokens = ops.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
+    groups = ops.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
     reads = [(groups == n_groups, 0, p.kv_tile)]
     for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
         run = 2 ** i
-        has_run = (groups < n_groups) & (jax.lax.rem(jax.lax.div(groups, run), 2) == 1)
-        first = jax.lax.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
-        reads.append((has_run, pl.multiple_of(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
+        has_run = (groups < n_groups) & (ops.rem(ops.div(groups, run), 2) == 1)
+        first = ops.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
+        reads.append((has_run, ops.aligned(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
     return reads
 
 
@@ -50,14 +67,16 @@ def _token_rows(ref, rows):
     return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
 
 
-def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices):
+def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices, *,
+              phase: str = "mla.attend"):
     """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
 
     rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
     tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
-    VMEM values of tile t ([.., T, ..] whole, rows past count unread).
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
+    compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
     """
     n_tiles = _tile_count(p, count)
 
@@ -86,10 +105,24 @@ def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices)
 
         each_read(t, slot, "wait")
         tiles = [ring.buffer(slot)[...] for ring in rings]
-        with dma.phase("mla.attend", row=b, tile=t, **indices):
+        with dma.phase(phase, row=b, tile=t, **indices):
             return update(t, tiles, carry)
 
     return jax.lax.fori_loop(0, n_tiles, step, carry)
+
+
+def tile_loop_dmas(p: MlaPlan, call: Any, b: int, count: int,
+                   arrays: list[tuple[str, Any]]) -> list[planned.PlannedDma]:
+    """`tile_loop`'s DMAs as data, for row b with `count` cached tokens: arrays are (ring name,
+    the cache array's shape struct [B, (H,) S, n]) in the order of the rings; the reads of each
+    tile are `_tile_reads`' on ints (the same formulas)."""
+    def reads(t):  # the DMAs of tile t (started in slot t mod 2)
+        return [call.start(name, rows * planned.token_bytes(cache), buffer=planned.KV_TILES,
+                           slot=t % 2, row=b, tile=t, **call.indices)
+                for condition, _, rows in _tile_reads(p, t, count, _Ints) if condition
+                for name, cache in arrays]  # a window of `rows` tokens of every head
+
+    return planned.double_buffered([reads(t) for t in range(_tile_count(p, count, _Ints))])
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):

@@ -25,8 +25,9 @@ KV tiles and the KDA state their own double buffers.
 Options and plan live in `kernels/megakernel_plan.py`: `plan_vmem` computes every VMEM buffer
 with its bytes before the kernel is built, and `decode_step` refuses a plan over the chip's VMEM
 with a message listing it — and, first, a config whose weights, caches and states exceed the
-chip's HBM per device (`roofline.check_fits_hbm`). What a recorded step says (late prefetches,
-bytes against the minimum) is read by `mkresearch.logs`; HLO kernel counts by `mkresearch.hlo`.
+chip's HBM per device (`roofline.check_fits_hbm`). Every DMA a step issues is data before it is
+traced (`kernels/schedule.py`: the trunk below has its twin there); what a recorded step says
+(bytes against the minimum) is read by `mkresearch.logs`, HLO kernel counts by `mkresearch.hlo`.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register thei
     dma,
     experts,
     ffn_kinds,
+    gqa,
     kda,
     mla,
+    mla_rope,
+    moe_full,
     registry,
     residuals,
     sampling,
@@ -220,10 +224,9 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
         snapshots, last = residual.head_inputs(hidden)
 
         def with_head(final_norm_ref, tile_slots, tile_sems, *mix_out):
-            copies = ([dma.Copy(w["mix_out"], mix_out[0], sems.at[0], name="mix_out")]
-                      if mix_out else [])
-            copies.append(dma.Copy(w["final_norm"], final_norm_ref, sems.at[len(copies)],
-                                   name="final_norm"))
+            targets = {"final_norm": final_norm_ref, **({"mix_out": mix_out[0]} if mix_out else {})}
+            copies = [dma.Copy(w[name], targets[name], sems.at[i], name=name)
+                      for i, name in enumerate(residual.head_vectors)]
             for copy in copies:
                 copy.start()
             for copy in copies:
@@ -242,7 +245,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                                    use_gumbel=use_gumbel, use_candidates=use_candidates,
                                    return_logits=outputs.logits is not None, **shard)
 
-        mix_out = [pltpu.VMEM((1, d), jnp.float32)] if snapshots is not None else []
+        mix_out = [pltpu.VMEM((1, d), jnp.float32)] if "mix_out" in residual.head_vectors else []
         pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
                       pltpu.VMEM((2, d, plan.vocab_tile), jnp.bfloat16),
                       pltpu.SemaphoreType.DMA((2,)), *mix_out)

@@ -19,8 +19,11 @@ from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register thei
     blocks,
     experts,
     ffn_kinds,
+    gqa,
     kda,
     mla,
+    mla_rope,
+    moe_full,
     registry,
     residuals,
     sampling,
@@ -67,6 +70,13 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
     if not isinstance(options.global_stream, bool):
         raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
+    stream = weight_stream.make_stream_plan(cfg)
+    empty = [kind for kind, _ in stream.stages if not stream.blocks(kind)]
+    if options.global_stream and empty and not stream.ffn_transparent:
+        raise ValueError(f"cfg={cfg.name!r} is not supported with global_stream=True: the "
+                         f"stage kinds {empty} stream no block through the weight ring, so its "
+                         "lookahead would cross two stage boundaries (allowed only when every "
+                         "FFN kind streams none); use MegakernelOptions(global_stream=False)")
     max_depth = weight_stream.max_ring_depth(cfg)
     if options.global_stream and cfg.ring_depth > max_depth:
         raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for the megakernel: "
@@ -188,12 +198,14 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
 
 
 def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
-              options: MegakernelOptions = MegakernelOptions()) -> MegaPlan:  # noqa: B008
+              options: MegakernelOptions = MegakernelOptions(),  # noqa: B008
+              *, check_fits: bool = True) -> MegaPlan:
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
 
     Raises a ValueError naming the bytes when weights, caches and states do not fit the HBM of
     one options.chip device, and VmemPlanError (a ValueError) listing the plan when it does not
-    fit the chip's VMEM."""
+    fit the chip's VMEM. check_fits=False skips those two refusals (a plan to look at, e.g. the
+    schedule of the full model on one device: `mkresearch plan`; never one to build)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
@@ -204,14 +216,15 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     options = check_options(options, cfg)
     batch = int(batch)
     # weights, caches and states must fit the device's HBM: refused here, not by the compiler
-    roofline.check_fits_hbm(cfg, options.chip, batch, seq_len)
+    if check_fits:
+        roofline.check_fits_hbm(cfg, options.chip, batch, seq_len)
     stage_plans = tuple((kind, registry.kernel_stage(kind).plan(cfg, batch, seq_len, options))
                         for kind in cfg.kinds)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
     vmem = plan_vmem(cfg, batch, stage_plans, vocab_tile, stream, chip)
-    if not vmem.fits():
+    if check_fits and not vmem.fits():
         raise VmemPlanError(
             f"the megakernel's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} "
             f"has {vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower the config's "

@@ -45,19 +45,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import blocks, costs, dma
+from mkresearch.kernels import blocks, costs, dma, planned
 from mkresearch.kernels.blocks import bf16, f32
 from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
-from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop
+from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop, tile_loop_dmas
+from mkresearch.kernels.kv_update import UPDATE_ROWS, update_dmas, update_expanded, update_latent
 
 from mkresearch import tpu
-from mkresearch.config import BF16_SUBLANE, MLA_CACHE_LAYOUTS, ModelConfig
-
-# Rows of the aligned HBM block patched to write one new cache entry (bf16 HBM tiling).
-UPDATE_ROWS = BF16_SUBLANE
+from mkresearch.config import MLA_CACHE_LAYOUTS, ModelConfig
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")
 CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
+KV_TILE_NAME = "mla.kv"  # DMA-log name prefix of the KV tile reads: <prefix>.<cache array>
 
 
 @dataclass(frozen=True)
@@ -161,14 +160,14 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                          for h in range(h_count)]  # [1, v] each
                 heads = _attend_expanded(p, b, position, q_row, k_c, k_extra_b, v_new,
                                          cache_a, cache_b, indices)
-                _update_expanded(p, b, position, k_c, k_extra_b, v_new, cache_a, cache_b,
-                                 cache_a_out, cache_b_out, indices)
+                update_expanded(p, b, position, k_c, k_extra_b, v_new, cache_a, cache_b,
+                                cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             else:
                 c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
                 heads = _attend_latent(p, b, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
                                        cache_a, cache_b, indices)
-                _update_latent(p, b, position, c_hat_b, k_extra_b, cache_a, cache_b,
-                               cache_a_out, cache_b_out, indices)
+                update_latent(p, b, position, c_hat_b, k_extra_b, cache_a, cache_b,
+                              cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
                 gate_h = blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)
@@ -209,8 +208,9 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
         return new
 
     def scoped(k_buffers, v_buffers, sems):
-        rings = (dma.Ring(k_buffers, sems.at[0], name="mla.kv.k"),
-                 dma.Ring(v_buffers, sems.at[1], name="mla.kv.v"))
+        k_name, v_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["expanded"])
+        rings = (dma.Ring(k_buffers, sems.at[0], name=k_name),
+                 dma.Ring(v_buffers, sems.at[1], name=v_name))
         return tile_loop(p, b, position, rings, windows, update, carry, indices)
 
     final = pl.run_scoped(scoped, pltpu.VMEM((2, p.n_heads, p.kv_tile, p.k_padded), jnp.bfloat16),
@@ -263,73 +263,14 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
         return online_softmax_step(p, t, count, scores, f32(c_tile), carry)
 
     def scoped(c_buffers, x_buffers, sems):
-        rings = (dma.Ring(c_buffers, sems.at[0], name="mla.kv.ckv"),
-                 dma.Ring(x_buffers, sems.at[1], name="mla.kv.kx"))
+        c_name, x_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["latent"])
+        rings = (dma.Ring(c_buffers, sems.at[0], name=c_name),
+                 dma.Ring(x_buffers, sems.at[1], name=x_name))
         return tile_loop(p, b, count, rings, windows, update, carry, indices)
 
     return pl.run_scoped(scoped, pltpu.VMEM((2, p.kv_tile, p.kv_rank), jnp.bfloat16),
                          pltpu.VMEM((2, p.kv_tile, p.qk_extra), jnp.bfloat16),
                          pltpu.SemaphoreType.DMA((2, 2)))
-
-
-def _patch_block(b, row_in_block, window_in, window_out, buffer, sem, patch, name, indices):
-    """Read the aligned UPDATE_ROWS block around the new position, patch its row, write it back."""
-    dma.Copy(window_in, buffer, sem, name=f"{name}.read", row=b, **indices).start().wait()
-    rows = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, len(buffer.shape) - 2)
-    patch(rows == row_in_block)
-    dma.Copy(buffer, window_out, sem, name=f"{name}.write", row=b, **indices).start().wait()
-
-
-def _update_window(position):
-    start = pl.multiple_of(jax.lax.div(position, UPDATE_ROWS) * UPDATE_ROWS, UPDATE_ROWS)
-    return start, pl.ds(start, UPDATE_ROWS)
-
-
-def _update_expanded(p, b, position, k_c, k_extra, v_new, k_in, v_in, k_out, v_out, indices):
-    """Write K = [k^C | k^X | 0] and V of the new token at `position` for every head."""
-    start, rows = _update_window(position)
-    pad = p.k_padded - p.qk_dim
-
-    def scoped(k_block, v_block, sems):  # [H, 16, k_padded], [H, 16, v]
-        def patch_k(is_new):
-            parts = [k_c, [k_extra] * p.n_heads]
-            if pad:
-                parts.append([jnp.zeros((1, pad), jnp.bfloat16)] * p.n_heads)
-            entry = jnp.stack([jnp.concatenate(row, axis=-1) for row in zip(*parts)])  # [H,1,kp]
-            k_block[...] = jnp.where(is_new, entry, k_block[...])
-
-        def patch_v(is_new):
-            v_block[...] = jnp.where(is_new, jnp.stack(v_new), v_block[...])  # [H, 1, v]
-
-        _patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
-                     k_block, sems.at[0], patch_k, "mla.kv_update.k", indices)
-        _patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
-                     v_block, sems.at[1], patch_v, "mla.kv_update.v", indices)
-
-    pl.run_scoped(scoped, pltpu.VMEM((p.n_heads, UPDATE_ROWS, p.k_padded), jnp.bfloat16),
-                  pltpu.VMEM((p.n_heads, UPDATE_ROWS, p.v_dim), jnp.bfloat16),
-                  pltpu.SemaphoreType.DMA((2,)))
-
-
-def _update_latent(p, b, position, c_hat, k_extra, ckv_in, kx_in, ckv_out, kx_out, indices):
-    """Write ĉ and k^X of the new token at `position` (one entry for all heads)."""
-    start, rows = _update_window(position)
-
-    def scoped(c_block, x_block, sems):  # [16, kv_rank], [16, extra]
-        def patch_c(is_new):
-            c_block[...] = jnp.where(is_new, c_hat, c_block[...])
-
-        def patch_x(is_new):
-            x_block[...] = jnp.where(is_new, k_extra, x_block[...])
-
-        _patch_block(b, position - start, ckv_in.at[b, rows, :], ckv_out.at[b, rows, :],
-                     c_block, sems.at[0], patch_c, "mla.kv_update.ckv", indices)
-        _patch_block(b, position - start, kx_in.at[b, rows, :], kx_out.at[b, rows, :],
-                     x_block, sems.at[1], patch_x, "mla.kv_update.kx", indices)
-
-    pl.run_scoped(scoped, pltpu.VMEM((UPDATE_ROWS, p.kv_rank), jnp.bfloat16),
-                  pltpu.VMEM((UPDATE_ROWS, p.qk_extra), jnp.bfloat16),
-                  pltpu.SemaphoreType.DMA((2,)))
 
 
 # ---- the wrapper --------------------------------------------------------------------------------
@@ -484,6 +425,30 @@ def _vmem(p: MlaPlan, cfg: ModelConfig) -> list:
                   ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
+def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer, in its order: the projections (the norm gains loaded whole
+    after their matrix), W_kvb streamed (expanded) or loaded whole (latent), then per row its KV
+    tiles (the tokens before its position) and its entry's update block, then W_o."""
+    w, indices = call.weights, call.indices
+
+    def stream(name):
+        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
+
+    def load(name):
+        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
+
+    out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
+    out += stream("w_g")
+    out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
+        call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
+    caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]
+    for b, position in enumerate(call.positions):
+        out += tile_loop_dmas(p, call, b, position,
+                              [(f"{KV_TILE_NAME}.{name}", cache) for name, cache in caches])
+        out += update_dmas(call, b, caches)
+    return out + stream("w_o")
+
+
 KERNEL = register(KernelStage(
     name="mla",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -491,4 +456,5 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=mla_attention_body, vmem=_vmem,
     scope=lambda plan: f"MLA ({plan.layout})",
     cost=lambda plan, weights, state, cfg, batch: costs.mla(
-        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))
+        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout])),
+    schedule=_schedule))

@@ -9,6 +9,9 @@ its `KernelStage` here owns what the kernel needs on top, keyed by the same name
               (weights key, DMA-log name, (K, N)); the megakernel's global ring streams these
     body      body(plan, refs: StageRefs): one layer of the kind, on Refs
     vmem      the VMEM buffers the body allocates (its scope of the megakernel's VMEM plan)
+    schedule  schedule(plan, call: planned.StageCall) -> [PlannedDma]: the DMAs the body issues
+              for one layer, in its order, as data (`kernels/schedule.py`); written beside the
+              body, held equal to its recorded DMA log by tests/test_schedule.py
 
 The body reads its inputs from a typed bundle (`StageRefs`), never from positional Refs: the
 stand-alone `pallas_call` wrapper of a kind builds one from its own refs (with a local weight
@@ -79,6 +82,9 @@ class KernelStage:
     # pairs, and how the body wants the refs bundled (refs.scratch)
     scratch: Callable[[ModelConfig, int], tuple] = lambda cfg, batch: ()
     scratch_bundle: Callable[[tuple], Any] = lambda refs: refs
+    # (plan, planned.StageCall) -> list[planned.PlannedDma]; None: the kind states no schedule
+    # (the megakernel runs it, `schedule.schedule` refuses it, naming the kind)
+    schedule: Callable[[Any, Any], list] | None = None
 
 
 _KERNELS: dict[str, KernelStage] = {}

@@ -3,7 +3,7 @@
 The kernel twins of the reference's decode loops (`mkresearch.reference`, strategies named by
 `ModelConfig.residual`). Each strategy says which VMEM buffers hold its hidden state, which
 per-layer vectors it loads (in this order, one DMA each, at the start of every layer), and what
-runs around the two stages of a layer:
+runs around the two stages of a layer, and which trunk vectors the head loads (`head_vectors`):
 
     attention_mix  Kimi K3 (spec §3): block snapshots R and the block's partial sum P; each stage's
                    input is a softmax mix of them (`numerics.mix`), its output added to P
@@ -49,6 +49,7 @@ class AttentionMix:
     name: str = "attention_mix"
     vectors: tuple[str, ...] = ("mix_attn", "attn_norm", "mix_mlp", "mlp_norm")
     vectors_label: str = "mix/norm"
+    head_vectors: tuple[str, ...] = ("mix_out", "final_norm")  # DMA'd before the LM head
 
     def vmem(self, cfg: ModelConfig, batch: int) -> list:
         return [("snapshots R", (cfg.n_blocks, batch, cfg.d_model), jnp.bfloat16),
@@ -107,6 +108,7 @@ class Prenorm:
     name: str = "prenorm"
     vectors: tuple[str, ...] = ("attn_norm", "mlp_norm")
     vectors_label: str = "norm"
+    head_vectors: tuple[str, ...] = ("final_norm",)
 
     def vmem(self, cfg: ModelConfig, batch: int) -> list:
         return [("hidden h", (batch, cfg.d_model), jnp.bfloat16)]

@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import reference, sampling, tpu
 from mkresearch.config import LANE, ModelConfig
-from mkresearch.kernels import blocks, costs, dma
+from mkresearch.kernels import blocks, costs, dma, planned
 
 MAX_CANDIDATES = LANE  # the candidate list is one vreg row of lanes per batch row
 TILE_BYTES = 4 * 1024 * 1024  # one LM head tile in VMEM (two are in flight); at most this
@@ -240,6 +240,16 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                                            candidates=candidates)
     tokens_ref[...] = tokens
     overflow_ref[...] = overflow
+
+
+def lm_head_dmas(call: Any, lm_head: Any, vocab_tile: int) -> list[planned.PlannedDma]:
+    """`sampling_body`'s DMAs as data (lm_head: the [d, V] shape struct): the vocab tiles through
+    two slots, tile 0 started before the final mix."""
+    d, vocab = lm_head.shape
+    size = planned.nbytes((d, vocab_tile), lm_head.dtype)
+    return planned.double_buffered([[call.start(LM_HEAD, size, buffer=planned.LM_HEAD_TILES,
+                                                slot=t % 2, tile=t)]
+                                    for t in range(vocab // vocab_tile)])
 
 
 # ---- the wrapper -----------------------------------------------------------------------------

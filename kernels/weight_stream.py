@@ -22,6 +22,9 @@ the largest multiple of 128 dividing K and at most R. At the default 2 MiB these
 stand-alone stage kernels' blocks (at mini sizes every matrix is one block), so the f32
 accumulation order is theirs. The lookahead may cross at most one stage boundary:
 ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
+
+`RingSchedule` states the ring's DMAs as data (`kernels/schedule.py`) from the same StreamPlan
+and layer table: change GlobalStream / StageStream and it together (tests/test_schedule.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from mkresearch.kernels import blocks, dma
+from mkresearch.kernels import blocks, dma, planned
 from mkresearch.kernels.registry import kernel_stage
 
 from mkresearch.config import LANE, ModelConfig
@@ -94,6 +97,13 @@ class StreamPlan:
     def slot_bytes(self) -> int:
         return self.slot_shape[0] * self.slot_shape[1] * 2
 
+    @property
+    def ffn_transparent(self) -> bool:
+        """Every FFN kind streams nothing through the ring (e.g. a MoE whose router is narrower
+        than 128 lanes and has no shared experts): attention's lookahead runs on into the next
+        layer's attention."""
+        return all(not self.blocks(kind) for kind in self.ffn)
+
 
 def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
     """kind -> the matrices its body streams (registry.Streamed), for every kind of the model."""
@@ -128,7 +138,8 @@ def max_ring_depth(cfg: ModelConfig) -> int:
     """The deepest ring (at cfg.ring_block_bytes) whose lookahead, ring_depth - 1 blocks, crosses
     at most one stage boundary: 1 + the fewest blocks any stage streams."""
     plan = make_stream_plan(cfg.replace(ring_depth=2))
-    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages)
+    skip = plan.ffn if plan.ffn_transparent else ()
+    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages if kind not in skip)
 
 
 class GlobalStream:
@@ -206,7 +217,7 @@ class StageStream:
             return
         position = target - length
         base = lax.rem(stream.base[0] + length, self.plan.depth)
-        if kind in self.plan.attention:  # next: this layer's FFN
+        if kind in self.plan.attention and not self.plan.ffn_transparent:  # next: this FFN
             layer, guard = self.layer, True
             options = stream._kinds(layer, attention=False)
         else:  # next: the next layer's attention (none after the last layer)
@@ -244,3 +255,87 @@ class StageStream:
                 acc += blocks.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block)
             self.position += 1
         return acc
+
+
+# ---- the same ring as data: the DMAs GlobalStream issues, before anything is traced ----------
+class RingSchedule:
+    """The global ring's DMAs as data (`kernels/schedule.py`), from the StreamPlan the kernel
+    runs and the same layer table: block g of the step's sequence waits in slot g mod depth, and
+    block g + depth - 1 is started first — across the stage boundary (this layer's FFN after its
+    attention) and the layer boundary (the next layer's attention after the FFN, none after the
+    last layer), of the one kind the table selects. The twin of GlobalStream / StageStream."""
+
+    def __init__(self, plan: StreamPlan, table: tuple[int, ...], n_layers: int) -> None:
+        self.plan, self.table, self.n_layers = plan, table, n_layers
+        self.base = 0  # the ring slot of the current stage's block 0
+
+    def _kind(self, layer: int, attention: bool) -> str:
+        """The kind the table selects for the attention or the FFN of `layer`."""
+        kinds, column = (self.plan.attention, ATTN_KIND) if attention else (self.plan.ffn, FFN_KIND)
+        return kinds[self.table[layer * len(TABLE_FIELDS) + column]]
+
+    def _start(self, kind: str, position: int, base: int, layer: int) -> planned.PlannedDma:
+        entry, block = self.plan.blocks(kind)[position]
+        return planned.PlannedDma(
+            "dma_start", entry.name, "hbm", "vmem", entry.rows * entry.n * 2,
+            (base + position) % self.plan.depth, layer, kind, planned.WEIGHT_RING,
+            (("block", block), ("layer", layer)))
+
+    def prologue(self) -> list[planned.PlannedDma]:
+        """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
+        kind = self._kind(0, attention=True)
+        return [self._start(kind, position, 0, 0) for position in range(self.plan.depth - 1)]
+
+    def stage(self, kind: str, layer: int) -> StageRingSchedule:
+        return StageRingSchedule(self, kind, layer)
+
+
+class StageRingSchedule:
+    """One stage of one layer on the ring, as data: `matmul` gives the DMAs of the body's next
+    streamed matrix (a matrix not on the ring: its local ring's), `close` checks that the stage
+    streamed all its blocks and moves the ring's base past them (StageStream.__exit__)."""
+
+    def __init__(self, ring: RingSchedule, kind: str, layer: int) -> None:
+        self.ring, self.kind, self.layer = ring, kind, layer
+        self.entries = ring.plan.entries(kind)
+        self.length = len(ring.plan.blocks(kind))
+        self.entry = self.position = 0
+
+    def _start_ahead(self, target: int) -> list[planned.PlannedDma]:
+        ring = self.ring
+        if target < self.length:
+            return [ring._start(self.kind, target, ring.base, self.layer)]
+        base = (ring.base + self.length) % ring.plan.depth
+        if self.kind in ring.plan.attention and not ring.plan.ffn_transparent:  # this FFN
+            layer, attention = self.layer, False
+        elif self.layer + 1 < ring.n_layers:  # next: the next layer's attention
+            layer, attention = self.layer + 1, True
+        else:
+            return []
+        return [ring._start(ring._kind(layer, attention), target - self.length, base, layer)]
+
+    def matmul(self, call: Any, name: str, weight: Any, rows: int,
+               indices: dict) -> list[planned.PlannedDma]:
+        if name not in {e.name for e in self.entries}:
+            return blocks.ring_matmul_dmas(call, name, weight, rows, indices)
+        entry = self.entries[self.entry]
+        if name != entry.name or tuple(weight.shape) != (entry.k, entry.n):
+            raise ValueError(f"the {self.kind} stage schedule streams {name!r} "
+                             f"{tuple(weight.shape)} where the global weight stream expects "
+                             f"{entry.name!r} {(entry.k, entry.n)}: its KernelStage.schedule "
+                             "must list the matrices in the body's order")
+        self.entry += 1
+        out = []
+        for _ in range(entry.n_blocks):
+            out += self._start_ahead(self.position + self.ring.plan.depth - 1)
+            out.append(self.ring._start(self.kind, self.position, self.ring.base,
+                                        self.layer).waited())
+            self.position += 1
+        return out
+
+    def close(self) -> None:
+        if self.position != self.length:
+            raise ValueError(f"the {self.kind} stage schedule streamed {self.position} of its "
+                             f"{self.length} blocks: the global weight stream and the schedule "
+                             "disagree")
+        self.ring.base = (self.ring.base + self.length) % self.ring.plan.depth

@@ -1,4 +1,4 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
@@ -7,6 +7,8 @@
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
         [--out figures]
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
+    mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
+        [--json]
     mkresearch figures [--out figures] [--only roofline]
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -34,6 +36,7 @@ from mkresearch import (
     reference,
     roofline,
     sampling,
+    schedule_report,
     weights,
 )
 from mkresearch.chips import CHIPS
@@ -124,51 +127,70 @@ def _human_count(n: float) -> str:
 def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout: str) -> dict:
     total, active = roofline.parameter_counts(cfg)
     step = roofline.step_bytes(cfg, batch, context, expert_format, layout)
-    per_token = {name: roofline.mla_cache_bytes_per_token(cfg, name) for name in MLA_CACHE_LAYOUTS}
+    routed = roofline.routed_kind(cfg)  # the FFN kind with routed experts
     floors = {}
     for name in CHIPS:
         floor = roofline.decode_floor(cfg, name, batch, context, expert_format=expert_format,
                                       mla_cache_layout=layout)
         floors[name] = {"ms": floor.seconds * 1e3, "tokens_per_s": floor.tokens_per_s,
                         "memory_bound": floor.memory_bound}
-    return {
+    report = {
         "model": cfg.name,
         "layers": cfg.n_layers,
         "layer_pattern": layer_pattern(cfg),
+        "residual": cfg.residual,
+        "layers_by_kind": {kind: list(cfg.layers_of(kind)) for kind in cfg.kinds},
         "kda_layers": list(cfg.kda_layers),
         "mla_layers": list(cfg.mla_layers),
         "dense_layers": list(cfg.dense_layers),
-        "moe_layers": list(cfg.moe_layers),
-        "parameters": {"total": total, "active": active},
+        "moe_layers": list(cfg.layers_of(routed.name)) if routed else [],
+        "parameters": {"total": total, "active": active,
+                       "mtp_modules": roofline.mtp_parameters(cfg)},
         "step_bytes": step.as_dict(),
-        "mla_cache_bytes_per_token": {**per_token,
-                                      "ratio": per_token["expanded"] / per_token["latent"]},
+        "cache_bytes_per_token": roofline.cache_bytes_per_token(
+            cfg.replace(mla_cache_layout=step.mla_cache_layout)),
         "floor_one_chip": floors,
     }
+    if cfg.mla_layers:  # Kimi's MLA caches either layout: both, side by side
+        per_token = {name: roofline.mla_cache_bytes_per_token(cfg, name)
+                     for name in MLA_CACHE_LAYOUTS}
+        report["mla_cache_bytes_per_token"] = {
+            **per_token, "ratio": per_token["expanded"] / per_token["latent"]}
+    return report
 
 
 def _print_info(report: dict) -> None:
     step = report["step_bytes"]
-    print(f"{report['model']}: {report['layers']} layers, pattern (K = KDA, M = MLA; "
-          f"attention-residual blocks):")
+    kinds = report["layers_by_kind"]
+    if report["residual"] == "attention_mix":
+        print(f"{report['model']}: {report['layers']} layers, pattern (K = KDA, M = MLA; "
+              f"attention-residual blocks):")
+    else:
+        print(f"{report['model']}: {report['layers']} layers, {report['residual']} residual "
+              f"stream, pattern (G = GQA, R = MLA with RoPE):")
     print(f"  {report['layer_pattern']}")
-    print(f"  KDA {len(report['kda_layers'])} layers, MLA {len(report['mla_layers'])} "
-          f"(layers {', '.join(map(str, report['mla_layers']))}); dense FFN at "
-          f"{report['dense_layers']}, MoE at {len(report['moe_layers'])} layers")
+    print("  " + "; ".join(f"{kind} {len(layers)} layers" + (
+        f" ({', '.join(map(str, layers))})" if len(layers) < min(8, report["layers"]) else "")
+        for kind, layers in kinds.items()))
     params = report["parameters"]
+    mtp = (f" (+ {_human_count(params['mtp_modules'])} in multi-token-prediction modules, not "
+           "part of the step)" if params["mtp_modules"] else "")
     print(f"parameters: total {_human_count(params['total'])}, "
-          f"active per token {_human_count(params['active'])}")
+          f"active per token {_human_count(params['active'])}{mtp}")
     print(f"bytes per decode step: batch {step['batch']}, context {step['context']}, experts "
-          f"{step['expert_format']}, MLA cache {step['mla_cache_layout']} "
-          f"({step['unique_experts_per_layer']:.1f} unique experts per MoE layer):")
+          f"{step['expert_format']}" + (f", MLA cache {step['mla_cache_layout']}"
+                                        if "mla_cache_bytes_per_token" in report else "")
+          + f" ({step['unique_experts_per_layer']:.1f} unique experts per MoE layer):")
     for name, label in step["components"].items():
         read, written = step["read"][name], step["written"].get(name, 0)
         extra = f"  (+ {_human_bytes(written)} written)" if written else ""
         print(f"  {label:42s} {_human_bytes(read):>10}{extra}")
     print(f"  {'total read + written':42s} {_human_bytes(step['total']):>10}")
-    cache = report["mla_cache_bytes_per_token"]
-    print(f"MLA cache per context token: expanded {cache['expanded']:,} B, latent "
-          f"{cache['latent']:,} B ({cache['ratio']:.0f}x fewer)")
+    print(f"KV cache per context token (all layers): {report['cache_bytes_per_token']:,} B")
+    if "mla_cache_bytes_per_token" in report:
+        cache = report["mla_cache_bytes_per_token"]
+        print(f"MLA cache per context token: expanded {cache['expanded']:,} B, latent "
+              f"{cache['latent']:,} B ({cache['ratio']:.0f}x fewer)")
     print("HBM floor on one chip (bytes / bandwidth):")
     for chip, floor in report["floor_one_chip"].items():
         print(f"  {chip:6s} {floor['ms']:10.2f} ms/step  {floor['tokens_per_s']:10.1f} tokens/s")
@@ -267,13 +289,13 @@ def _print_decode(result: dict) -> None:
 def _parser() -> _Parser:
     parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{info,decode,bench,compile,figures}")
+                                     metavar="{info,decode,bench,compile,plan,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
     p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--context", type=int, default=0,
-                   help="tokens already in each sequence's MLA cache (default 0)")
+                   help="tokens already in each sequence's KV cache (default 0)")
     p.add_argument("--format", dest="expert_format", default=None,
                    choices=EXPERT_FORMATS + ("released",),
                    help="routed-expert format (default: the model's; released = FP8 gate/up + "
@@ -317,6 +339,20 @@ def _parser() -> _Parser:
     p.add_argument("--record", action="store_true",
                    help="write the result where notebooks read it (mkresearch/recorded/)")
 
+    p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
+                                         "and bytes per stage and layer kind, the ring, the VMEM "
+                                         "plan, HBM bytes against the roofline")
+    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
+    p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
+                   help="MLA cache layout (default: the model's)")
+    p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
+                   help="routed-expert format (default: the model's)")
+    p.add_argument("--context", type=int, default=None,
+                   help="every row's position (default: the last one, the worst case)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = commands.add_parser("figures", help="write every registered figure as PNG")
     p.add_argument("--out", default="figures", help="output directory (default figures)")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="just these figures")
@@ -329,9 +365,10 @@ def _run(argv: Sequence[str] | None) -> int:
         cfg = _model(args.model)
         _at_least("--batch", args.batch, 1)
         _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
-                  f"the MLA cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
+                  f"the KV cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
                   "new one included")
-        report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
+        with _refusals():  # e.g. --layout expanded for a model whose MLA caches the latent
+            report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
         if args.ranks != 1:
             with _refusals():
                 layout.check_ranks(cfg, args.ranks)
@@ -418,6 +455,21 @@ def _run(argv: Sequence[str] | None) -> int:
             path = recorded.record_compile(result, plan,
                                            recorded.compile_path(cfg.name, args.batch, chip))
             print(f"wrote {path}")
+        return 0
+
+    if args.command == "plan":
+        cfg = _model(args.model)
+        _megakernel_batch("--batch", args.batch)
+        chip = _chip(args.chip)
+        if args.context is not None:
+            _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+                      f"a position in the MLA cache of {cfg.name}, max_seq_len={cfg.max_seq_len}")
+        with _refusals():
+            cfg = cfg.replace(mla_cache_layout=args.layout or cfg.mla_cache_layout,
+                              expert_format=args.expert_format or cfg.expert_format)
+            sched = schedule_report.plan_schedule(cfg, args.batch, chip, args.context)
+            report = schedule_report.report(sched)
+        print(json.dumps(report) if args.json else schedule_report.format_report(sched, report))
         return 0
 
     if args.command == "figures":

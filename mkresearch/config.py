@@ -5,6 +5,12 @@ Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padd
 shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
 in TPU interpret mode in seconds. The shapes one rank of a sharded model sees come from
 `mkresearch.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks).
+
+Other MoE families (spec/families.md): `deepseek-v3`, `glm-4.5` and `qwen3-235b-a22b` carry the
+public config.json values, each with a `-mini` sibling that keeps every feature of its family
+(groups of the group-limited router, partial RoPE, QK-norm, attention bias, dense first layers,
+shared experts, YaRN) at mini sizes. Fields of stage kinds a model does not use keep Kimi K3's
+values and are ignored (e.g. the KDA fields of a GQA model).
 """
 
 from __future__ import annotations
@@ -14,23 +20,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-MLA_CACHE_LAYOUTS = ("expanded", "latent")
-# Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
-# kind (registered in mkresearch.spec) used by every layer.
-KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
-DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
-RESIDUALS = ("attention_mix", "prenorm")  # Kimi's attention residuals; a classic residual stream
-EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
-ROUTER_SCORES = ("sigmoid", "softmax")
-ACTIVATIONS = ("situ", "silu")
-
-RING_MAX_DEPTH = 8  # slots of the megakernel's global weight ring, at most
-RING_BLOCK_MULTIPLE = 64 * 1024  # one ring slot is a whole number of 64 KiB
-
-LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it
-BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
-FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (spec §7)
-MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (spec §7)
+from mkresearch.config_rules import (  # noqa: F401 - the allowed values, re-exported
+    ACTIVATIONS,
+    BF16_SUBLANE,
+    DENSE_THEN,
+    DENSE_THEN_MOE,
+    EXPERT_FORMATS,
+    FP8_BLOCK,
+    KIMI_ATTENTION,
+    LANE,
+    MLA_CACHE_LAYOUTS,
+    MXFP4_BLOCK,
+    RESIDUALS,
+    RING_BLOCK_MULTIPLE,
+    RING_MAX_DEPTH,
+    ROUTER_SCORES,
+    validate,
+)
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,35 @@ class ModelConfig:
     attention: str = KIMI_ATTENTION
     ffn: str = DENSE_THEN_MOE
     residual: str = "attention_mix"
+    # GQA attention (kind "gqa": GLM-4.5, Qwen3): n_heads query heads share n_kv_heads K/V heads
+    # in groups of n_heads / n_kv_heads, each of head_dim
+    n_kv_heads: int = 1
+    head_dim: int = 128
+    attention_bias: bool = False  # a bias on the q, k and v projections (GLM-4.5)
+    qk_norm: bool = False  # RMSNorm per head on q and k, before RoPE (GLM-4.5, Qwen3)
+    # rotary position embedding (kinds "gqa" and "mla_rope", mkresearch.rope): the first
+    # rope_partial of a head's dims rotate (HF partial_rotary_factor); MLA rotates its
+    # mla_qk_extra dims (DeepSeek's qk_rope_head_dim)
+    rope_theta: float = 10000.0
+    rope_partial: float = 1.0
+    # YaRN context extension (DeepSeek-V3's rope_scaling), on when yarn_factor > 1
+    yarn_factor: float = 1.0
+    yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    # group-limited routing (DeepSeek's noaux_tc): experts in router_groups groups of equal size;
+    # only the router_topk_groups groups whose two best biased scores sum highest are eligible
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_normalize: bool = True  # top-k weights divided by their sum (HF norm_topk_prob)
+    # multi-token-prediction modules (DeepSeek's num_nextn_predict_layers): a draft for
+    # speculative decoding, not part of the decode step; counted apart (roofline.mtp_parameters)
+    n_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     # ---- the layers: (attention kind, FFN kind) each ---------------------------------------
     @property
@@ -112,9 +144,12 @@ class ModelConfig:
 
     @property
     def ffn_kinds(self) -> tuple[str, ...]:
-        if self.ffn != DENSE_THEN_MOE:
+        """One kind for every layer, or "dense+<kind>" (Kimi K3's "dense+moe"): dense in the
+        first n_dense_layers, <kind> after."""
+        if not self.ffn.startswith(DENSE_THEN):
             return (self.ffn,) * self.n_layers
-        return tuple("dense" if layer < self.n_dense_layers else "moe"
+        after = self.ffn[len(DENSE_THEN):]
+        return tuple("dense" if layer < self.n_dense_layers else after
                      for layer in range(self.n_layers))
 
     @property
@@ -179,6 +214,15 @@ class ModelConfig:
     def mla_latent_cache_dim(self) -> int:
         return self.mla_kv_rank + self.mla_qk_extra
 
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dims of a GQA head: the first rope_partial of head_dim."""
+        return round(self.head_dim * self.rope_partial)
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.n_experts // self.router_groups
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -186,88 +230,6 @@ class ModelConfig:
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-# ---- validation ------------------------------------------------------------------------------
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
-
-
-def _positive_int(cfg: ModelConfig, field: str, multiple: int = 1) -> None:
-    value = getattr(cfg, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % multiple:
-        allowed = "a positive int" + (f" that is a multiple of {multiple}" if multiple > 1 else "")
-        _fail(field, value, allowed)
-
-
-def _choice(cfg: ModelConfig, field: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, field)
-    if value not in choices:
-        _fail(field, value, f"one of {', '.join(map(repr, choices))}")
-
-
-def _positive_float(cfg: ModelConfig, field: str) -> None:
-    value = getattr(cfg, field)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        _fail(field, value, "a finite number > 0")
-
-
-def _validate(cfg: ModelConfig) -> None:
-    if not isinstance(cfg.name, str) or not cfg.name:
-        _fail("name", cfg.name, "a non-empty string")
-    # lane dims of weight blocks: multiples of 128
-    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_q_rank",
-                  "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
-                  "moe_latent", "moe_latent_padded", "shared_hidden"):
-        _positive_int(cfg, field, LANE)
-    for field in ("n_layers", "n_heads", "mla_every", "n_experts", "top_k", "attn_res_block",
-                  "kda_conv_size", "mla_qk_extra"):
-        _positive_int(cfg, field)
-    _positive_int(cfg, "kv_tile", BF16_SUBLANE)
-    _positive_int(cfg, "max_seq_len", cfg.kv_tile)
-    if (isinstance(cfg.ring_depth, bool) or not isinstance(cfg.ring_depth, int)
-            or not 2 <= cfg.ring_depth <= RING_MAX_DEPTH):
-        _fail("ring_depth", cfg.ring_depth, f"an int in [2, {RING_MAX_DEPTH}] (2 = double buffering)")
-    _positive_int(cfg, "ring_block_bytes", RING_BLOCK_MULTIPLE)
-    if not isinstance(cfg.mla_first, int) or not 0 <= cfg.mla_first < cfg.n_layers:
-        _fail("mla_first", cfg.mla_first, f"an int in [0, n_layers={cfg.n_layers})")
-    if not isinstance(cfg.mla_last_layer, bool):
-        _fail("mla_last_layer", cfg.mla_last_layer, "True or False")
-    if not isinstance(cfg.router_bias, bool):
-        _fail("router_bias", cfg.router_bias, "True or False")
-    if (isinstance(cfg.kda_decay_bound, bool) or not isinstance(cfg.kda_decay_bound, (int, float))
-            or not cfg.kda_decay_bound < 0):
-        _fail("kda_decay_bound", cfg.kda_decay_bound, "a negative number (Kimi K3: -5)")
-    _choice(cfg, "mla_cache_layout", MLA_CACHE_LAYOUTS)
-    _choice(cfg, "expert_format", EXPERT_FORMATS)
-    _choice(cfg, "router_score", ROUTER_SCORES)
-    _choice(cfg, "activation", ACTIVATIONS)
-    if not isinstance(cfg.n_dense_layers, int) or not 0 <= cfg.n_dense_layers < cfg.n_layers:
-        _fail("n_dense_layers", cfg.n_dense_layers, f"an int in [0, n_layers={cfg.n_layers})")
-    if cfg.top_k > cfg.n_experts:
-        _fail("top_k", cfg.top_k, f"at most n_experts={cfg.n_experts}")
-    if cfg.moe_latent_padded < cfg.moe_latent:
-        _fail("moe_latent_padded", cfg.moe_latent_padded, f">= moe_latent={cfg.moe_latent}")
-    # quantised experts are blocked along K (the input dim): latent for W1/W3, hidden for W2
-    block = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}.get(cfg.expert_format, 1)
-    for field in ("moe_latent", "expert_hidden"):
-        if getattr(cfg, field) % block:
-            _fail(field, getattr(cfg, field),
-                  f"a multiple of {block} for {cfg.expert_format} scale blocks")
-    if not isinstance(cfg.n_shared_experts, int) or cfg.n_shared_experts < 0:
-        _fail("n_shared_experts", cfg.n_shared_experts, "an int >= 0")
-    _positive_float(cfg, "routed_scale")
-    _positive_float(cfg, "rms_eps")
-    _positive_float(cfg, "l2_eps")
-    if cfg.logit_softcap is not None:
-        _positive_float(cfg, "logit_softcap")
-    # stage kinds are checked against the registry where the model is built (mkresearch.spec)
-    for field in ("attention", "ffn"):
-        value = getattr(cfg, field)
-        if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
-            _fail(field, value, "a stage kind registered in mkresearch.spec, or the pattern "
-                  f"{KIMI_ATTENTION!r} / {DENSE_THEN_MOE!r}")
-    _choice(cfg, "residual", RESIDUALS)
 
 
 # ---- presets ---------------------------------------------------------------------------------
@@ -337,7 +299,135 @@ KIMI_K3_MINI = KIMI_K3.replace(
     max_seq_len=128,
 )
 
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in (KIMI_K3, KIMI_K3_MINI)}
+# ---- other MoE families (spec/families.md): the public config.json values ----------------------
+# Fields of kinds these models do not use (KDA, the Kimi pattern, the MoE latent, the attention-
+# residual block) keep Kimi K3's values and are ignored. max_seq_len is each config's
+# max_position_embeddings.
+DEEPSEEK_V3 = KIMI_K3.replace(
+    name="deepseek-v3",
+    d_model=7168,
+    n_layers=61,
+    vocab_size=129280,
+    n_heads=128,
+    mla_q_rank=1536,
+    mla_kv_rank=512,
+    mla_qk_nope=128,
+    mla_qk_extra=64,  # qk_rope_head_dim: the decoupled rope dims
+    mla_v_dim=128,
+    mla_cache_layout="latent",  # ĉ (512) + the roped key (64) per token, shared by all heads
+    n_dense_layers=3,
+    dense_hidden=18432,
+    n_experts=256,
+    top_k=8,
+    router_score="sigmoid",
+    router_bias=True,  # e_score_correction_bias (noaux_tc)
+    routed_scale=2.5,
+    expert_hidden=2048,
+    n_shared_experts=1,
+    shared_hidden=2048,
+    activation="silu",
+    expert_format="fp8",  # the release is FP8 e4m3 (128x128 block scales; here 256-row blocks)
+    rms_eps=1e-6,
+    max_seq_len=163840,
+    attention="mla_rope",
+    ffn="dense+moe_full",
+    residual="prenorm",
+    rope_theta=10000.0,
+    yarn_factor=40.0,
+    yarn_original_max_positions=4096,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=1.0,
+    router_groups=8,
+    router_topk_groups=4,
+    router_normalize=True,
+    n_mtp_layers=1,
+)
+
+GLM_4_5 = KIMI_K3.replace(
+    name="glm-4.5",
+    d_model=5120,
+    n_layers=92,
+    vocab_size=151552,
+    n_heads=96,
+    n_kv_heads=8,
+    head_dim=128,
+    attention_bias=True,
+    qk_norm=True,
+    rope_theta=1e6,
+    rope_partial=0.5,
+    n_dense_layers=3,
+    dense_hidden=12288,
+    n_experts=160,
+    top_k=8,
+    router_score="sigmoid",
+    router_bias=True,
+    routed_scale=2.5,
+    router_groups=1,
+    router_topk_groups=1,
+    router_normalize=True,
+    expert_hidden=1536,
+    n_shared_experts=1,
+    shared_hidden=1536,
+    activation="silu",
+    expert_format="bf16",
+    rms_eps=1e-5,
+    max_seq_len=131072,
+    attention="gqa",
+    ffn="dense+moe_full",
+    residual="prenorm",
+    n_mtp_layers=1,  # config.json num_nextn_predict_layers
+)
+
+QWEN3_235B = KIMI_K3.replace(
+    name="qwen3-235b-a22b",
+    d_model=4096,
+    n_layers=94,
+    vocab_size=151936,
+    n_heads=64,
+    n_kv_heads=4,
+    head_dim=128,
+    attention_bias=False,
+    qk_norm=True,
+    rope_theta=1e6,
+    rope_partial=1.0,
+    n_dense_layers=0,
+    n_experts=128,
+    top_k=8,
+    router_score="softmax",
+    router_bias=False,
+    routed_scale=1.0,
+    router_normalize=True,  # norm_topk_prob
+    expert_hidden=1536,
+    n_shared_experts=0,
+    shared_hidden=1536,  # unused: no shared expert
+    activation="silu",
+    expert_format="bf16",
+    rms_eps=1e-6,
+    max_seq_len=40960,
+    attention="gqa",
+    ffn="moe_full",
+    residual="prenorm",
+)
+
+# Minis: every feature of the family at mini sizes (d 512, 4 layers, vocab 2048, KV tiles of 32
+# over a 128-token cache). Head dims stay 128 (a lane width); the rope dims stay the family's.
+_MINI_SIZES = {"d_model": 512, "n_layers": 4, "vocab_size": 2048, "n_experts": 16, "top_k": 4,
+               "expert_hidden": 256, "dense_hidden": 1024, "kv_tile": 32, "max_seq_len": 128}
+DEEPSEEK_V3_MINI = DEEPSEEK_V3.replace(
+    name="deepseek-v3-mini", **_MINI_SIZES, n_dense_layers=1, n_heads=2, mla_q_rank=256,
+    mla_kv_rank=256, shared_hidden=256,
+    router_groups=4, router_topk_groups=2)  # 4 groups of 4 experts, the best 2 groups eligible
+GLM_4_5_MINI = GLM_4_5.replace(
+    name="glm-4.5-mini", **_MINI_SIZES, n_dense_layers=1, n_heads=4, n_kv_heads=2,
+    shared_hidden=256)
+QWEN3_235B_MINI = QWEN3_235B.replace(
+    name="qwen3-235b-a22b-mini", **_MINI_SIZES, n_heads=4, n_kv_heads=1, shared_hidden=256)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
+    KIMI_K3, KIMI_K3_MINI, DEEPSEEK_V3, DEEPSEEK_V3_MINI, GLM_4_5, GLM_4_5_MINI,
+    QWEN3_235B, QWEN3_235B_MINI)}
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
@@ -348,9 +438,16 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     return config.replace(**overrides) if overrides else config
 
 
+# One letter per attention kind in `layer_pattern` (another kind: its first letter, upper case).
+PATTERN_LETTERS = {"kda": "K", "mla": "M", "gqa": "G", "mla_rope": "R"}
+
+
 def layer_pattern(cfg: ModelConfig) -> str:
-    """'K' (KDA) or 'M' (MLA) per layer, attention-residual blocks separated by spaces."""
-    letters = ["M" if cfg.is_mla(layer) else "K" for layer in range(cfg.n_layers)]
+    """One letter per layer's attention kind ('K' KDA, 'M' MLA, 'G' GQA, 'R' MLA with RoPE);
+    with attention residuals, blocks separated by spaces."""
+    letters = [PATTERN_LETTERS.get(kind, kind[:1].upper()) for kind in cfg.attention_kinds]
+    if cfg.residual != "attention_mix":
+        return "".join(letters)
     blocks = ["".join(letters[i:i + cfg.attn_res_block])
               for i in range(0, cfg.n_layers, cfg.attn_res_block)]
     return " ".join(blocks)

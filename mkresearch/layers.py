@@ -5,7 +5,7 @@
     kernels    Pallas TPU kernels (kernels/, installed as mkresearch.kernels)
       ^
     analysis   what recorded runs and compiled programs say: timeline model, profiles, HLO,
-      ^        DMA logs, a log scaled to another config
+      ^        DMA logs, a log scaled to another config, a step's schedule against the roofline
     app        what a user runs: bench, CLI, figures, plots, widgets
 
 `tests/test_layering.py` checks every import of `mkresearch/` and `kernels/` (module-level and
@@ -19,16 +19,17 @@ import fnmatch
 
 # layer -> module names (fnmatch patterns), in order from the bottom up
 LAYERS: dict[str, tuple[str, ...]] = {
-    "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.reference",
+    "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.config_rules",
+             "mkresearch.reference",
              "mkresearch.weights", "mkresearch.chips", "mkresearch.sampling",
              "mkresearch.facts", "mkresearch.tpu", "mkresearch._fast_interpret",
              "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
-             "mkresearch.numerics", "mkresearch.formats", "mkresearch.layout",
-             "mkresearch.layout_bytes", "mkresearch.stages",
+             "mkresearch.numerics", "mkresearch.formats", "mkresearch.rope",
+             "mkresearch.layout", "mkresearch.layout_bytes", "mkresearch.stages",
              "mkresearch.stages.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.profiling", "mkresearch.hlo",
-                 "mkresearch.logs", "mkresearch.scaling"),
+                 "mkresearch.logs", "mkresearch.scaling", "mkresearch.schedule_report"),
     "app": ("mkresearch.bench", "mkresearch.cli", "mkresearch.figures", "mkresearch.plots",
             "mkresearch.*_plots", "mkresearch.widgets", "mkresearch.recorded",
             "mkresearch.__main__"),

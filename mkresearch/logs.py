@@ -1,7 +1,8 @@
-"""What a recorded DMA log says (`mkresearch.kernels.dma.recording`): the megakernel's schedule,
-the bytes a step moved against the least it could, the KV tokens an MLA run read (rescaled to
-other shapes and to one rank of a pod), and the runs that record the logs of notebooks 02 and 04
-and of the figures.
+"""What a recorded DMA log says (`mkresearch.kernels.dma.recording`): the bytes a step moved
+against the least it could, the KV tokens an MLA run read (rescaled to other shapes and to one
+rank of a pod), and the runs that record the logs of notebooks 02 and 04 and of the figures.
+The megakernel's schedule (its DMA order, the prefetch checks) is data before the step runs:
+`mkresearch.kernels.schedule`, which a recorded step equals event for event.
 """
 
 from __future__ import annotations
@@ -20,43 +21,6 @@ from mkresearch.kernels import dma, router
 from mkresearch.kernels.experts import EXPERT_DMA_PREFIX, routed_experts
 from mkresearch.kernels.mla import cache_shapes, mla_attention
 from mkresearch.kv_cache import kv_bytes_per_token
-
-
-# ---- the schedule, read back from a recorded step ---------------------------------------------
-def late_prefetches(log: dma.DmaLog, n_layers: int) -> dict[str, list[int]]:
-    """Where the global weight stream did NOT run ahead in a recorded step (empty lists: it always did).
-
-    ffn: layers whose FFN's first weight block was not issued before attention's last block was
-    waited for; next_layer: layers l whose layer l+1's first block was not issued before l's FFN
-    ends; experts: MoE calls (in order) whose first expert DMA did not come right after routing,
-    before the latent down-projection was waited for."""
-    events = log.events
-
-    def first(kind, names, layer):
-        return next(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-                    and e.indices.get("layer") == layer)
-
-    def last(kind, names, layer):
-        return max(i for i, e in enumerate(events) if e.kind == kind and e.name in names
-                   and e.indices.get("layer") == layer)
-
-    late = {"ffn": [], "next_layer": [], "experts": []}
-    for layer in range(n_layers):
-        if first("dma_start", {"latent/w_ld", "dense/w_gate"}, layer) > last(
-                "dma_wait", {"kda.w_o", "mla.w_o"}, layer):
-            late["ffn"].append(layer)
-        if layer + 1 < n_layers and first("dma_start", {"kda.w_fa", "mla.w_qa"}, layer + 1) > last(
-                "dma_wait", {"shared/w_down", "dense/w_down"}, layer):
-            late["next_layer"].append(layer)
-    routed = [i for i, e in enumerate(events)
-              if e.name == "router/weights_to_smem" and e.kind == "dma_wait"]
-    for call, i in enumerate(routed):
-        expert = next(j for j in range(i, len(events)) if events[j].name.startswith("expert/"))
-        latent = next(j for j in range(i, len(events))
-                      if events[j].name == "latent/w_ld" and events[j].kind == "dma_wait")
-        if events[expert].kind != "dma_start" or expert > latent:
-            late["experts"].append(call)
-    return late
 
 
 # ---- bytes: what a step moves against the least it could ----------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from mkresearch import spec, weights
@@ -38,16 +39,12 @@ PUBLISHED_TPU7X_16_CHIPS = {1: 249, 2: 392, 4: 515, 8: 865}
 # ---- shapes -> bytes -------------------------------------------------------------------------
 def tree_bytes(tree: Any) -> int:
     """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree."""
-    import jax
-
     return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
                for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def tree_size(tree: Any) -> int:
     """Number of elements of every leaf of a pytree."""
-    import jax
-
     return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
 
 
@@ -84,18 +81,28 @@ def _check(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: st
                          f"{', '.join(map(repr, MLA_CACHE_LAYOUTS))}")
 
 
+def routed_kind(cfg: ModelConfig) -> spec.Stage | None:
+    """The model's FFN kind with routed experts (Kimi K3 "moe", the families "moe_full"), if any."""
+    return next((kind for kind in spec.stages_of(cfg) if kind.routed), None)
+
+
 def expert_bytes(cfg: ModelConfig, expert_format: str | None = None) -> int:
     """HBM bytes of one routed expert (W1, W3, W2 with their scales) in `expert_format`."""
     expert_format = expert_format or cfg.expert_format
     _check(cfg, expert_format=expert_format)
+    kind = routed_kind(cfg)
+    if kind is None:
+        return 0
+
+    def routed(fmt: str) -> dict:
+        return _param_shapes(cfg.replace(expert_format=fmt))[kind.name]["experts"]
+
     if expert_format == "released":  # FP8 gate/up + MXFP4 down
-        fp8 = _param_shapes(cfg.replace(expert_format="fp8"))["moe"]["experts"]
-        mxfp4 = _param_shapes(cfg.replace(expert_format="mxfp4"))["moe"]["experts"]
+        fp8, mxfp4 = routed("fp8"), routed("mxfp4")
         experts_bytes = tree_bytes([fp8["w1"], fp8["w3"], mxfp4["w2"]])
     else:
-        experts_bytes = tree_bytes(
-            _param_shapes(cfg.replace(expert_format=expert_format))["moe"]["experts"])
-    return experts_bytes // (len(cfg.moe_layers) * cfg.n_experts)
+        experts_bytes = tree_bytes(routed(expert_format))
+    return experts_bytes // (len(cfg.layers_of(kind.name)) * cfg.n_experts)
 
 
 def expected_unique_experts(n_experts: int, top_k: int, batch: int) -> float:
@@ -237,21 +244,29 @@ class StepBytes:
 
 
 def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
-               mla_cache_layout: str | None = None) -> StepBytes:
+               mla_cache_layout: str | None = None, *,
+               unique_experts: float | None = None) -> StepBytes:
     """Bytes one decode step reads and writes, by component (see StepBytes.components).
 
     `context` is the number of tokens already in each sequence's MLA cache. Weights are read once
-    per step for the whole batch (routed experts: the expected unique ones under uniform routing);
+    per step for the whole batch (routed experts: the expected unique ones under uniform routing,
+    or `unique_experts` per MoE layer when given, e.g. a schedule's worst case min(E, B·k));
     the embedding is read one row per sequence; KDA state is read and written per sequence; the
     MLA cache is read for `context` tokens and written for one, per sequence.
     """
     expert_format = expert_format or cfg.expert_format
     mla_cache_layout = mla_cache_layout or cfg.mla_cache_layout
     _check(cfg, batch, context, expert_format, mla_cache_layout)
+    if unique_experts is not None and (
+            isinstance(unique_experts, bool) or not isinstance(unique_experts, (int, float, np.number))
+            or not 0 <= unique_experts <= cfg.n_experts):
+        raise ValueError(f"unique_experts={unique_experts!r} is invalid: a number in [0, "
+                         f"n_experts={cfg.n_experts}] (distinct experts one MoE layer reads)")
     cfg = cfg.replace(mla_cache_layout=mla_cache_layout)
     params = _param_shapes(cfg)
     kinds = spec.stages_of(cfg)
-    unique = expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
+    unique = (expected_unique_experts(cfg.n_experts, cfg.top_k, batch) if unique_experts is None
+              else unique_experts)
     embed = params["embed"]
     read: dict[str, int] = {}
     for kind in kinds:  # each kind's weights, its routed experts apart
@@ -284,26 +299,53 @@ def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format
 
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active per token) parameters.
+    """(total, active per token) parameters of the decode step (MTP modules apart:
+    `mtp_parameters`).
 
     Active = every weight one token's step multiplies with: all but the embedding table (a lookup
     of one row) and the routed experts it does not select (n_moe · (E − k) experts).
     """
+    counts = parameter_breakdown(cfg)
+    return counts["total"], counts["active"]
+
+
+def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """total and active (as `parameter_counts`), and the parts publications count differently:
+    embedding, lm_head, routed (all routed experts) and routed_active (top_k of them per layer)."""
     params = _param_shapes(cfg.replace(expert_format="bf16"))  # one element per parameter
     total = tree_size(params)
-    unselected = 0
+    routed = unselected = 0
     for kind in spec.stages_of(cfg):  # routed experts: a token uses top_k of n_experts
-        routed = tree_size([params[kind.name][key] for key in kind.routed])
-        unselected += routed // cfg.n_experts * (cfg.n_experts - cfg.top_k) if routed else 0
-    active = total - tree_size(params["embed"]) - unselected
-    return total, active
+        size = tree_size([params[kind.name][key] for key in kind.routed])
+        routed += size
+        unselected += size // cfg.n_experts * (cfg.n_experts - cfg.top_k) if size else 0
+    embedding = tree_size(params["embed"])
+    return {"total": total, "active": total - embedding - unselected, "embedding": embedding,
+            "lm_head": tree_size(params["lm_head"]), "routed": routed,
+            "routed_active": routed - unselected}
+
+
+def mtp_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the model's multi-token-prediction modules (DeepSeek-V3: 1), not counted in
+    `parameter_counts`. One module (DeepSeek-V3 §2.2) is a layer of the last layer's kinds with
+    its two norms, the projection of [RMSNorm(h); RMSNorm(embedding)] (2d x d) with those two
+    norms, and a final norm; it shares the embedding and the LM head with the main model."""
+    if not cfg.n_mtp_layers:
+        return 0
+    params = _param_shapes(cfg.replace(expert_format="bf16"))
+    last = cfg.n_layers - 1
+    layer = sum(tree_size(params[kind]) // len(cfg.layers_of(kind))  # one layer of each
+                for kind in cfg.layers[last])
+    d = cfg.d_model
+    return cfg.n_mtp_layers * (layer + 2 * d + 2 * d * d + 2 * d + d)
 
 
 def step_flops(cfg: ModelConfig, batch: int = 1, context: int = 0) -> float:
-    """Matmul FLOPs of one step: 2 per active weight per sequence, plus MLA attention over context."""
+    """Matmul FLOPs of one step: 2 per active weight per sequence, plus attention over context
+    (each attention kind's `Stage.context_flops` per cached token and layer)."""
     _, active = parameter_counts(cfg)
-    per_head = cfg.mla_qk_dim + cfg.mla_v_dim  # q·K and α·V per context token
-    attention = 2 * len(cfg.mla_layers) * cfg.n_heads * per_head * context
+    attention = context * sum(kind.context_flops(cfg) * len(cfg.layers_of(kind.name))
+                              for kind in spec.stages_of(cfg) if kind.role == spec.ATTENTION)
     return float(batch * (2 * active + attention))
 
 

@@ -16,7 +16,8 @@ are derived from it; none restates a shape. The kernel side of a kind (its body,
 weight stream) is registered next to its kernel, keyed by the same name
 (`mkresearch.kernels.registry`).
 
-The built-in kinds live in `mkresearch.stages` (kda, mla, dense, moe); a new kind is one
+The built-in kinds live in `mkresearch.stages` (Kimi K3: kda, mla, dense, moe; DeepSeek-V3, GLM-4.5
+and Qwen3: gqa, mla_rope, moe_full, with dense); a new kind is one
 `register(Stage(...))` call (see tests/test_registry.py for a toy kind added that way).
 """
 
@@ -133,6 +134,10 @@ class Stage:
     routed: tuple[str, ...] = ()  # param keys read only for the chosen experts
     routed_component: tuple[str, str] = ("routed_experts", "routed experts")
     description: str = ""
+    # ValueError naming the ModelConfig field when cfg asks this kind for what it cannot do
+    check: Callable[[ModelConfig], None] = lambda cfg: None
+    # attention: matmul FLOPs per row, head set and cached token of one layer (scores + values)
+    context_flops: Callable[[ModelConfig], int] = lambda cfg: 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,8 @@ def check(cfg: ModelConfig) -> ModelConfig:
     if cfg.residual not in _RESIDUALS:
         raise ValueError(f"ModelConfig.residual={cfg.residual!r} is invalid: one of "
                          f"{', '.join(_RESIDUALS)}")
+    for kind in cfg.kinds:  # what a kind cannot run with (e.g. MLA with RoPE: latent cache only)
+        _STAGES[kind].check(cfg)
     return cfg
 
 

@@ -106,8 +106,8 @@ def n_values(tree: Any) -> int:
 
 def expert_nbytes(cfg: ModelConfig) -> int:
     """Bytes of ONE routed expert (w1 + w3 + w2) in cfg.expert_format, scales included."""
-    spec.check(cfg)
-    experts = param_shapes(cfg).get("moe", {}).get("experts")
-    if experts is None:
+    routed = [kind for kind in spec.stages_of(cfg) if kind.routed]
+    if not routed:
         return 0
-    return nbytes(experts) // (len(cfg.moe_layers) * cfg.n_experts)
+    experts = param_shapes(cfg)[routed[0].name]["experts"]
+    return nbytes(experts) // (len(cfg.layers_of(routed[0].name)) * cfg.n_experts)

@@ -119,19 +119,19 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
     the logs to Kimi K3 shapes."""
     positions = jnp.array(POSITIONS[1], jnp.int32)
     logs = {}
-    for layout in ("expanded", "latent"):
-        cfg = MINI.replace(mla_cache_layout=layout)
+    for cache in ("expanded", "latent"):
+        cfg = MINI.replace(mla_cache_layout=cache)
         p = reference.layer_params(mini_params["mla"], 0)
-        with dma.recording() as logs[layout]:
+        with dma.recording() as logs[cache]:
             out, _ = mla.mla_attention(p, normalised_input(cfg, 1, 1), random_cache(cfg, 1, 11),
                                        positions, cfg)
             jax.block_until_ready(out)
     full = config.get_config("kimi-k3")
     rank = layout.named_config("kimi-k3-rank", max_seq_len=32768)
-    at = {(name, layout): kv_bytes_at(logs[layout], MINI.replace(mla_cache_layout=layout),
-                                          target.replace(mla_cache_layout=layout))
+    at = {(name, cache): kv_bytes_at(logs[cache], MINI.replace(mla_cache_layout=cache),
+                                         target.replace(mla_cache_layout=cache))
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
-          for layout in ("expanded", "latent")}
+          for cache in ("expanded", "latent")}
     tokens = 48  # position 45: 16-row groups, one tile of 32 and 16 rows of the next (not 64)
     # spec §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
     assert at[("kimi-k3", "expanded")] == tokens * 73_728
@@ -296,9 +296,9 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
     p = reference.layer_params(mini_params["mla"], 0)
     positions = jnp.array([MINI.max_seq_len - 1], jnp.int32)
     logs = {}
-    for layout in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
-        cfg = MINI.replace(mla_cache_layout=layout)
-        with dma.recording() as logs[layout]:
+    for cache in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
+        cfg = MINI.replace(mla_cache_layout=cache)
+        with dma.recording() as logs[cache]:
             jax.block_until_ready(mla.mla_attention(p, normalised_input(cfg, 1, 1),
                                                     random_cache(cfg, 1, 11), positions, cfg))
     cfg = MINI.replace(mla_cache_layout="latent")

@@ -51,6 +51,12 @@ def test_decode_json_and_text(capsys):
     (["info", "kimi-k3", "--format", "int4"], "--format"),
     (["info", "kimi-k3", "--layout", "paged"], "--layout"),
     (["figures", "--only", "nope"], "--only"),
+    (["plan", "llama"], "kimi-k3, kimi-k3-mini"),
+    (["plan", "kimi-k3", "--batch", "17"], "--batch 17 is invalid: each in [1, 16]"),
+    (["plan", "kimi-k3", "--chip", "h100"], "--chip 'h100' is unknown"),
+    (["plan", "kimi-k3-mini", "--context", "128"], "--context 128 is invalid: an int in [0, 127]"),
+    (["plan", "kimi-k3", "--format", "released"], "--format"),
+    (["plan", "kimi-k3", "--layout", "paged"], "--layout"),
     (["frobnicate"], "frobnicate"),
     ([], "required"),
 ])
@@ -114,3 +120,86 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "does not fit the HBM of one v5e device" in lines[0]
+
+
+# ---- mkresearch plan: the schedule of one step, against the roofline -------------------------------
+def expected_differences(cfg, batch, context):
+    """What the kernel moves beyond roofline.step_bytes, by component (schedule_report.DIFFERENCES):
+    each token's 16-row embedding block, not one row; the two norm gains of every layer as f32
+    rows, not bf16; per MLA layer and row the KV rows rounded up to 16-row groups plus the new
+    entry's 16-row block read, and that block written, not one row."""
+    from mkresearch.kernels.kv_update import UPDATE_ROWS
+    from mkresearch.kernels.megakernel_plan import EMBED_ROWS
+
+    from mkresearch import kv_cache
+
+    from mkresearch import roofline, spec
+
+    tokens = kv_cache.rows_read(context) - context + UPDATE_ROWS + (UPDATE_ROWS - 1)
+    out = {"embedding_rows": batch * (EMBED_ROWS - 1) * cfg.d_model * 2,
+           "norms_and_mix": cfg.n_layers * 2 * cfg.d_model * (4 - 2)}
+    for kind in spec.stages_of(cfg):  # every kind with a cache: its bytes per token of a row
+        per_token = roofline._state_bytes(cfg, kind, spec.CACHE)
+        if per_token:
+            out[kind.state_component[0]] = batch * tokens * per_token
+        if "router_bias" in kind.params(cfg) and not cfg.router_bias:  # stored, never read
+            out[kind.component[0]] = -len(cfg.layers_of(kind.name)) * cfg.n_experts * 4
+    return out
+
+
+def assert_plan_matches_the_roofline(report, cfg, batch, context):
+    from mkresearch import roofline
+
+    comparison = report["roofline"]
+    unique = min(cfg.n_experts, batch * cfg.top_k)
+    assert comparison["context"] == context and comparison["unique_experts_per_layer"] == unique
+    step = roofline.step_bytes(cfg, batch, context, unique_experts=unique)
+    assert comparison["roofline_total"] == step.total
+    assert comparison["schedule_total"] == report["hbm_bytes"]["total"]
+    differing = {row["component"]: row["difference"] for row in comparison["components"]
+                 if row["difference"]}
+    assert differing == expected_differences(cfg, batch, context)  # every other one: equal
+    assert all(row["why"] not in (None, "unexplained") for row in comparison["components"]
+               if row["difference"])
+    assert comparison["difference"] == sum(differing.values())
+
+
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.config").config.PRESETS))
+def test_plan_on_every_preset(name):
+    """`mkresearch plan MODEL --json` from shapes (the full model too): one JSON object whose
+    HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
+    experts) plus the named differences, and no late prefetch."""
+    from mkresearch.config import get_config
+
+    done = run("plan", name, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    cfg = get_config(name)
+    assert report["model"] == name and not report["exact"] and len(report["assumptions"]) == 2
+    assert_plan_matches_the_roofline(report, cfg, 1, cfg.max_seq_len - 1)
+    assert report["late_prefetches"] == {"ffn": [], "next_layer": [], "experts": []}
+    assert report["ring"]["depth"] == cfg.ring_depth and report["kv_tile"] == cfg.kv_tile
+    assert {b["name"] for b in report["vmem"]["buffers"]} >= {"weight ring", "LM head tiles"}
+    from mkresearch import roofline
+
+    assert report["hbm_footprint"]["fits"] == roofline.hbm_footprint(cfg, "tpu7x").fits()
+
+
+def test_plan_options_and_text():
+    from mkresearch.config import get_config
+
+    args = ("plan", "kimi-k3-mini", "--batch", "4", "--layout", "latent", "--format", "fp8",
+            "--context", "40")
+    done = run(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    cfg = get_config("kimi-k3-mini", mla_cache_layout="latent", expert_format="fp8")
+    assert report["positions"] == [40] * 4 and report["mla_cache_layout"] == "latent"
+    assert_plan_matches_the_roofline(report, cfg, 4, 40)
+    assert report["by_layer_kind"]["mla+moe"]["layers"] == 2
+    text = run(*args).stdout
+    for line in ("kimi-k3-mini on tpu7x, B=4, MLA cache latent, experts fp8", "by stage",
+                 "by layer kind", "by buffer", "weight ring: 3 slots",
+                 "HBM bytes against roofline.step_bytes (context 40, 16 unique experts",
+                 "VMEM plan for tpu7x"):
+        assert line in text, line

@@ -60,6 +60,22 @@ INVALID_VALUE = {
     "attention": "kda mla",  # not a kind name
     "ffn": "",
     "residual": "post-norm",
+    "n_kv_heads": 5,  # divides neither 96 nor 2 query heads
+    "head_dim": 96,
+    "attention_bias": 1,
+    "qk_norm": "yes",
+    "rope_theta": 0.0,
+    "rope_partial": 0.3,  # 38.4 of 128 dims: not an even number of dims
+    "yarn_factor": 0.5,
+    "yarn_original_max_positions": 0,
+    "yarn_beta_fast": 0.5,  # not above yarn_beta_slow
+    "yarn_beta_slow": -1.0,
+    "yarn_mscale": -1.0,
+    "yarn_mscale_all_dim": float("inf"),
+    "router_groups": 3,  # divides neither 896 nor 16 experts
+    "router_topk_groups": 2,  # more than router_groups
+    "router_normalize": None,
+    "n_mtp_layers": -1,
 }
 
 FIELD_NAMES = [field.name for field in dataclasses.fields(ModelConfig)]

@@ -125,7 +125,7 @@ def test_a_kind_without_sharding_rules_is_refused():
                      params=lambda cfg: {"w": spec.matrix(cfg.d_model, cfg.d_model)})
     spec.register(toy)
     try:
-        cfg = MINI.replace(ffn="toy_unsharded")
+        cfg = MINI.replace(ffn="dense+toy_unsharded")
         layout.layout(cfg, 1)  # one rank: nothing to split
         with pytest.raises(ValueError, match=r"parameter \['toy_unsharded'\]\['w'\] of "
                                              r"kimi-k3-mini has no sharding rule"):

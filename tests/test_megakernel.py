@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, kda, mla, quant
+from mkresearch.kernels import dma, experts, kda, mla, quant, schedule
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels.megakernel_plan import VmemPlanError
 
 from mkresearch import config, layout, reference, sampling, timeline, weights
 from mkresearch.chips import CHIPS
 from mkresearch.hlo import count_xla_kernels
-from mkresearch.logs import hbm_bytes, late_prefetches, minimum_step_bytes
+from mkresearch.logs import hbm_bytes, minimum_step_bytes
 from mkresearch.scaling import scale_log
 
 COMPOSE_TOL = 1e-3
@@ -189,7 +189,11 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
           f"({moved / minimum.total:.4f}x)\n{minimum}")
     assert moved <= BYTES_SLACK * minimum.total
-    assert_prefetch_order(logs[-1], MINI)
+    # the step ran its schedule (kernels/schedule.py), whose prefetches run ahead
+    step = schedule.schedule(mk.make_plan(MINI, 4, MINI.max_seq_len), positions,
+                             np.asarray(expert_ids))
+    assert step.mismatch(logs[-1]) is None, step.mismatch(logs[-1])
+    assert_prefetch_order(step)
     # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
     rank = layout.named_config("kimi-k3-rank")
     scaled = scale_log(logs[-1], MINI, rank, 4)
@@ -202,26 +206,12 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     assert 0 < predicted.roofline_fraction <= 1
 
 
-def assert_prefetch_order(log, cfg):
-    """The global weight stream in the DMA log: the FFN's first block is issued before the
-    attention's last block is waited for, the next layer's first block before this layer's FFN
-    ends, and expert DMAs right after routing, before the latent down-projection is waited for."""
-    assert late_prefetches(log, cfg.n_layers) == {"ffn": [], "next_layer": [], "experts": []}
-
-
-def test_late_prefetches_are_found():
-    """late_prefetches on a hand-made two-layer log: layer 0's FFN weights issued only after its
-    attention ended, and the expert DMA after the latent down-projection was waited for."""
-    def event(kind, name, layer):
-        return dma.Event(kind, name, indices={"layer": layer})
-
-    events = [event("dma_start", "kda.w_o", 0), event("dma_wait", "kda.w_o", 0),
-              event("dma_start", "latent/w_ld", 0), event("dma_start", "mla.w_qa", 1),
-              event("dma_wait", "router/weights_to_smem", 0), event("dma_wait", "latent/w_ld", 0),
-              event("dma_start", "expert/w1", 0), event("dma_wait", "shared/w_down", 0),
-              event("dma_start", "latent/w_ld", 1), event("dma_wait", "mla.w_o", 1)]
-    assert late_prefetches(dma.DmaLog(events), 2) == {"ffn": [0], "next_layer": [],
-                                                         "experts": [0]}
+def assert_prefetch_order(step):
+    """The global weight stream in the step's schedule: the FFN's first block is issued before
+    the attention's last block is waited for, the next layer's first block before this layer's
+    FFN ends, and expert DMAs right after routing, before the latent down-projection is waited
+    for (tests/test_schedule.py finds late ones)."""
+    assert step.late_prefetches() == {"ffn": [], "next_layer": [], "experts": []}
 
 
 # ---- the format / layout matrix (fewer steps) -----------------------------------------------------

@@ -186,3 +186,18 @@ def test_unique_experts_formula_is_not_typed_in():
     assert step.read["routed_experts"] == round(
         len(cfg.moe_layers) * expected * roofline.expert_bytes(cfg))
     assert math.isclose(step.read["embedding_rows"], 8 * cfg.d_model * 2)
+
+
+def test_step_bytes_at_a_given_count_of_unique_experts():
+    """unique_experts prices that many distinct experts per MoE layer (a schedule's worst case,
+    min(E, B·k)) instead of the expectation under uniform routing; the rest is unchanged."""
+    cfg = get_config("kimi-k3")
+    uniform, worst = roofline.step_bytes(cfg, 4), roofline.step_bytes(cfg, 4, unique_experts=64)
+    assert worst.unique_experts_per_layer == 64 < cfg.n_experts
+    assert worst.read["routed_experts"] == len(cfg.moe_layers) * 64 * roofline.expert_bytes(cfg)
+    assert {k: v for k, v in worst.read.items() if k != "routed_experts"} == {
+        k: v for k, v in uniform.read.items() if k != "routed_experts"}
+    for bad in (-1, cfg.n_experts + 1, "16", True):
+        with pytest.raises(ValueError, match=r"unique_experts=.* is invalid: a number in \[0, "
+                                             r"n_experts=896\]"):
+            roofline.step_bytes(cfg, 4, unique_experts=bad)

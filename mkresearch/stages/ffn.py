@@ -74,7 +74,9 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     """Router: expert_ids [B, k] i32 and expert_weights [B, k] f32 (§6.1).
 
     r = x W_r (f32); s = σ(r) (or softmax); top-k of s + bias by iterated argmax (lowest index
-    wins ties); weights = s / Σ_top s from the UNcorrected scores, times cfg.routed_scale.
+    wins ties), within the router_topk_groups best groups when cfg.router_groups > 1
+    (`limit_to_groups`); weights = s / Σ_top s (cfg.router_normalize) from the UNcorrected scores,
+    times cfg.routed_scale.
     """
     logits = matmul(x, p["w_router"])  # [B, E]
     if cfg.router_score == "sigmoid":
@@ -82,6 +84,8 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     else:
         scores = softmax(logits)
     selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
+    if cfg.router_groups > 1:
+        selection = limit_to_groups(selection, cfg.router_groups, cfg.router_topk_groups)
     chosen = []
     for _ in range(cfg.top_k):
         best = jnp.argmax(selection, axis=-1)  # first maximum: the lowest index wins a tie
@@ -89,17 +93,35 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
         selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
     expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
     top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    expert_weights = top_scores / ordered_sum(top_scores, keepdims=True) * cfg.routed_scale
-    return expert_ids, expert_weights
+    if cfg.router_normalize:
+        top_scores = top_scores / ordered_sum(top_scores, keepdims=True)
+    return expert_ids, top_scores * cfg.routed_scale
 
 
-def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
-                   expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Latent routed experts (§6.2–6.5): latent down, each expert, weighted combine, latent norm,
-    up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
+def limit_to_groups(selection: jax.Array, n_groups: int, keep: int) -> jax.Array:
+    """Group-limited selection (DeepSeek-V3's noaux_tc): selection [B, E] with every expert
+    outside the `keep` best of n_groups equal groups set to −inf. A group's score is the sum of
+    its two largest entries (first + second); the best groups are taken by iterated argmax, the
+    lower group index winning a tie."""
+    batch, n_experts = selection.shape
+    grouped = selection.reshape(batch, n_groups, n_experts // n_groups)
+    top_two = lax.top_k(grouped, 2)[0]  # [B, G, 2], descending
+    group_scores = top_two[..., 0] + top_two[..., 1]  # [B, G]
+    kept = jnp.zeros((batch, n_groups), bool)
+    for _ in range(keep):
+        best = jnp.argmax(group_scores, axis=-1)  # the lowest group index wins a tie
+        hit = jax.nn.one_hot(best, n_groups, dtype=bool)
+        kept, group_scores = kept | hit, jnp.where(hit, -jnp.inf, group_scores)
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(batch, n_experts)
+
+
+def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array,
+                    expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Σ_e w_e y_e in f32 [B, n], y_e = bf(act(bf(z W1_e), bf(z W3_e)) W2_e), for the chosen
+    experts of each row (z [B, n] bf16; experts: w1, w3 [E, n, F], w2 [E, F, n] stored in
+    cfg.expert_format). The sum runs in ascending expert id."""
     fmt = cfg.expert_format
-    z = bf(matmul(x, p["w_ld"]))  # [B, Lat]
-    chosen = jax.tree.map(lambda w: w[expert_ids], p["experts"])  # each leaf [B, k, ...]
+    chosen = jax.tree.map(lambda w: w[expert_ids], experts)  # each leaf [B, k, ...]
     w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
     def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
         return rows_at_least_two(
@@ -107,17 +129,31 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], w1.shape[1], 1, z.shape[-1]))
     g = bf(per_expert("bkml,bklf->bkmf", zk, w1))[:, :, 0]  # [B, k, F_e]
     u = bf(per_expert("bkml,bklf->bkmf", zk, w3))[:, :, 0]
-    y = bf(per_expert("bkmf,bkfl->bkml", activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, Lat]
-    # ρ = bf(Σ w_e y_e), the f32 sum taken in ascending expert id: a row's ρ depends neither on
-    # the router's ranking nor on the other rows of the batch (kernels fetch each distinct expert
-    # of the batch once, in id order, and add it to the rows that chose it)
+    y = bf(per_expert("bkmf,bkfl->bkml", activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, n]
+    # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
+    # ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
+    # once, in id order, and add it to the rows that chose it)
     order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
     coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
-    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, Lat]
-    rho = bf(lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
-                           jnp.zeros(y.shape[::2], f32)))  # [B, Lat]
+    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, n]
+    return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                         jnp.zeros(y.shape[::2], f32))  # [B, n]
+
+
+def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
+                   expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Latent routed experts (§6.2–6.5): latent down, each expert, weighted combine, latent norm,
+    up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
+    z = bf(matmul(x, p["w_ld"]))  # [B, Lat]
+    rho = bf(combine_experts(p["experts"], z, expert_ids, expert_weights, cfg))  # [B, Lat]
     rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
     return matmul(rho_hat, p["w_lu"])  # [B, d] f32
+
+
+def shared_experts(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The always-on shared experts on the full x: act(bf(x W_sg), bf(x W_su)) W_sd, f32 [B, d]."""
+    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
+    return matmul(hidden, p["w_sd"])
 
 
 def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -126,8 +162,7 @@ def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
     routed = routed_experts(p, x, expert_ids, expert_weights, cfg)
     if not cfg.n_shared_experts:
         return bf(routed)
-    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
-    return bf(routed + matmul(hidden, p["w_sd"]))
+    return bf(routed + shared_experts(p, x, cfg))
 
 
 def dense_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -182,4 +182,5 @@ def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.
 STAGE = spec.register(spec.Stage(
     name="mla", role=spec.ATTENTION, params=params, state=state, sublayer=sublayer,
     component=("mla", lambda cfg: "MLA weights"), state_component=("mla_cache", "MLA KV cache"),
+    context_flops=lambda cfg: 2 * cfg.n_heads * (cfg.mla_qk_dim + cfg.mla_v_dim),  # q·K, α·V
     description="multi-head latent attention, expanded or latent KV cache, output-gated"))

@@ -98,7 +98,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MKRESEARCH_SHARDED_FULL") != "1",
+                    reason="waits HANG_SECONDS for a step that never finishes: opt-in with "
+                           "MKRESEARCH_SHARDED_FULL=1")
 def test_skipped_remote_copy_never_finishes():
     """Skipping the embedding all-reduce's sends leaves every receiver waiting: the step does not
     finish (on a TPU it would hang the same way); the child is stopped at the deadline."""

@@ -15,11 +15,12 @@ Each step starts from the single-device megakernel's state and token (teacher-fo
 
 Interpret-mode time per sharded step (2 CPU cores, race detector on) grows with the ranks (the
 simulator runs every device's memory operations behind one lock): measured in the report lines.
-The fast set runs 16 steps on 2 ranks and fewer on 4 and 8; the whole matrix of the issue (16
-steps x B in {1, 3, 4} x {2, 4, 8} ranks) is marked slow.
+The fast set (in `make test`) runs one step on 8 ranks with every check; the whole matrix of the
+issue (16 steps x B in {1, 3, 4} x {2, 4, 8} ranks, greedy and sampled) is opt-in.
 """
 
 import contextlib
+import os
 import time
 
 import jax
@@ -141,45 +142,43 @@ def show(label, report):
           f"{np.median(seconds):.2f} s (first call {report['seconds'][0]:.1f} s)")
 
 
-# ---- the fast set ----------------------------------------------------------------------------
-def test_2_ranks_16_greedy_steps(race_checked, params):
-    report, _ = run(params, 2, 3, 16)
-    show("2 ranks", report)
-
-
-def test_4_ranks_bytes_and_overlap(race_checked, params):
-    """Recorded: each rank's DMA'd bytes per component equal the layout's (weights once per rank;
-    the routed experts those of its group the step chose; remote copies counted apart), and the
-    next stage's weight blocks are in flight while each collective runs."""
-    report, recorded = run(params, 4, 3, 2, record=True)
-    show("4 ranks", report)
-    lay = layout.layout(MINI, 4)
+# ---- the fast set (run by `make test`: one step, 8 ranks, every check) ------------------------
+def test_8_ranks_sampled_bytes_and_overlap(race_checked, params):
+    """8 ranks as EP 4 x ETP 2 (an expert's W1/W3 hidden and W2 latent columns split over 2
+    ranks), the 2 heads on 4 ranks each; temperature, greedy and top-p rows in one batch (the
+    token is the unsharded one for the same seed: the vocab shards' sampling states merged
+    exactly); recorded: each rank's DMA'd HBM bytes per component equal the layout's, every remote
+    copy carries its source and destination rank, and the next stage's weight blocks are in
+    flight while each sublayer's collective runs."""
+    sample = {"temperature": [0.8, None, 1.0], "top_p": [1.0, 1.0, 0.9]}
+    report, recorded = run(params, 8, 3, 1, etp=2, sample=sample, record=True)
+    show("8 ranks, sampled", report)
+    lay = layout.layout(MINI, 8, etp=2)
     check_bytes(params, lay, 3, recorded[0])
+    check_remote_copies(recorded[0], lay)
     check_overlap(recorded[0], lay)
 
 
-def test_8_ranks_expert_tensor_parallel(race_checked, params):
-    """8 ranks as EP 4 x ETP 2 (an expert's hidden split over 2 ranks), the 2 heads on 4 ranks
-    each."""
-    report, _ = run(params, 8, 3, 1, etp=2)
-    show("8 ranks", report)
+# ---- the whole matrix of the issue (opt-in: MKRESEARCH_SHARDED_FULL=1, ~1 h here) ------------
+full = pytest.mark.skipif(os.environ.get("MKRESEARCH_SHARDED_FULL") != "1",
+                          reason="the whole matrix takes ~1 h of interpret mode on 2 cores: "
+                                 "MKRESEARCH_SHARDED_FULL=1 pytest tests/test_sharded.py")
 
 
-def test_sampled_tokens_equal_the_unsharded(race_checked, params):
-    """Temperature, greedy and top-p rows in one batch: the token is the unsharded stage's for
-    the same seed (the vocab shards' states merged exactly)."""
-    sample = {"temperature": [0.8, None, 1.0], "top_p": [1.0, 1.0, 0.9]}
-    report, _ = run(params, 2, 3, 2, sample=sample)
-    show("2 ranks, sampled", report)
-
-
-# ---- the whole matrix (slow) -----------------------------------------------------------------
-@pytest.mark.slow
+@full
 @pytest.mark.parametrize("batch", [1, 3, 4])
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 def test_16_greedy_steps(race_checked, params, n_ranks, batch):
     report, _ = run(params, n_ranks, batch, 16)
     show(f"{n_ranks} ranks, B={batch}", report)
+
+
+@full
+@pytest.mark.parametrize("n_ranks", [2, 4, 8])
+def test_16_sampled_steps(race_checked, params, n_ranks):
+    sample = {"temperature": [0.8, None, 1.0], "top_p": [1.0, 1.0, 0.9]}
+    report, _ = run(params, n_ranks, 3, 16, sample=sample)
+    show(f"{n_ranks} ranks, sampled", report)
 
 
 # ---- bytes and order from the DMA log ----------------------------------------------------------
@@ -211,6 +210,20 @@ def check_bytes(params, lay, batch, log):
               f"norm gains the kernel reads as f32; routed experts {sum(mine)} x {per_expert:,d} "
               f"B; remote copies sent {remote:,d} B (counted apart)")
         assert remote > 0
+
+
+def check_remote_copies(log, lay):
+    """Every remote copy is logged with its source and destination rank and its bytes: each
+    rank's sends are another rank's receives, byte for byte."""
+    sent = {}
+    for e in log.select("dma_start"):
+        if e.remote:
+            assert e.src_rank != e.dst_rank and 0 <= e.dst_rank < lay.n_ranks and e.nbytes > 0
+            key = (e.src_rank, e.dst_rank)
+            sent[key] = sent.get(key, 0) + e.nbytes
+    assert {src for src, _ in sent} == set(range(lay.n_ranks))
+    print(f"remote copies: {len(sent)} (source, destination) pairs, "
+          f"{sum(sent.values()):,d} B in all")
 
 
 def rank_expert_bytes(lay):

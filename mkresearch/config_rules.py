@@ -1,0 +1,162 @@
+"""What a valid `mkresearch.config.ModelConfig` is: the allowed values and the checks that
+`ModelConfig.__post_init__` runs (ValueError naming the field and the allowed values).
+
+Kept apart from the dataclass and its presets so each file stays readable; `mkresearch.config`
+re-exports the constants.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MLA_CACHE_LAYOUTS = ("expanded", "latent")
+# Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
+# kind (registered in mkresearch.spec) used by every layer.
+KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
+DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
+DENSE_THEN = "dense+"  # "dense+<kind>": dense FFN in the first n_dense_layers, <kind> after
+RESIDUALS = ("attention_mix", "prenorm")  # Kimi's attention residuals; a classic residual stream
+EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
+ROUTER_SCORES = ("sigmoid", "softmax")
+ACTIVATIONS = ("situ", "silu")
+
+RING_MAX_DEPTH = 8  # slots of the megakernel's global weight ring, at most
+RING_BLOCK_MULTIPLE = 64 * 1024  # one ring slot is a whole number of 64 KiB
+
+LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it
+BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
+FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (spec §7)
+MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (spec §7)
+
+
+# ---- the checks ------------------------------------------------------------------------------
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(cfg: Any, field: str, multiple: int = 1) -> None:
+    value = getattr(cfg, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % multiple:
+        allowed = "a positive int" + (f" that is a multiple of {multiple}" if multiple > 1 else "")
+        _fail(field, value, allowed)
+
+
+def _choice(cfg: Any, field: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, field)
+    if value not in choices:
+        _fail(field, value, f"one of {', '.join(map(repr, choices))}")
+
+
+def _positive_float(cfg: Any, field: str) -> None:
+    value = getattr(cfg, field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        _fail(field, value, "a finite number > 0")
+
+
+def _boolean(cfg: Any, field: str) -> None:
+    if not isinstance(getattr(cfg, field), bool):
+        _fail(field, getattr(cfg, field), "True or False")
+
+
+def _validate_families(cfg: Any) -> None:
+    """The fields of the GQA, RoPE/YaRN and group-limited routing options (spec/families.md)."""
+    _positive_int(cfg, "n_kv_heads")
+    if cfg.n_heads % cfg.n_kv_heads:
+        _fail("n_kv_heads", cfg.n_kv_heads, f"a divisor of n_heads={cfg.n_heads} (query heads "
+              "share K/V heads in equal groups)")
+    _positive_int(cfg, "head_dim", LANE)
+    for field in ("attention_bias", "qk_norm", "router_normalize"):
+        _boolean(cfg, field)
+    _positive_float(cfg, "rope_theta")
+    partial = cfg.rope_partial
+    if (isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1
+            or cfg.head_dim * partial != cfg.rope_dim or cfg.rope_dim % 2):
+        _fail("rope_partial", partial, f"a fraction in (0, 1] of head_dim={cfg.head_dim} that is "
+              "an even number of dims (rotated in pairs)")
+    factor = cfg.yarn_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor < math.inf:
+        _fail("yarn_factor", factor, "a finite number >= 1 (1 = no YaRN)")
+    _positive_int(cfg, "yarn_original_max_positions")
+    for field in ("yarn_beta_fast", "yarn_beta_slow"):
+        _positive_float(cfg, field)
+    if cfg.yarn_beta_fast <= cfg.yarn_beta_slow:
+        _fail("yarn_beta_fast", cfg.yarn_beta_fast, f"> yarn_beta_slow={cfg.yarn_beta_slow}")
+    for field in ("yarn_mscale", "yarn_mscale_all_dim"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            _fail(field, value, "a finite number >= 0")
+    _positive_int(cfg, "router_groups")
+    if cfg.n_experts % cfg.router_groups or (cfg.router_groups > 1 and cfg.experts_per_group < 2):
+        _fail("router_groups", cfg.router_groups, f"a divisor of n_experts={cfg.n_experts} "
+              "leaving at least 2 experts per group (a group scores its two best)")
+    topk_groups = cfg.router_topk_groups
+    if (isinstance(topk_groups, bool) or not isinstance(topk_groups, int)
+            or not 1 <= topk_groups <= cfg.router_groups):
+        _fail("router_topk_groups", topk_groups, f"an int in [1, router_groups={cfg.router_groups}]")
+    if cfg.top_k > topk_groups * cfg.experts_per_group:
+        _fail("router_topk_groups", topk_groups, f"enough groups for top_k={cfg.top_k}: at least "
+              f"{-(-cfg.top_k // cfg.experts_per_group)} of {cfg.experts_per_group} experts")
+    if isinstance(cfg.n_mtp_layers, bool) or not isinstance(cfg.n_mtp_layers, int) or cfg.n_mtp_layers < 0:
+        _fail("n_mtp_layers", cfg.n_mtp_layers, "an int >= 0")
+
+
+def validate(cfg: Any) -> None:
+    """Every field of cfg (a ModelConfig), in declaration order of what each check needs."""
+    if not isinstance(cfg.name, str) or not cfg.name:
+        _fail("name", cfg.name, "a non-empty string")
+    # lane dims of weight blocks: multiples of 128
+    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_q_rank",
+                  "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
+                  "moe_latent", "moe_latent_padded", "shared_hidden"):
+        _positive_int(cfg, field, LANE)
+    for field in ("n_layers", "n_heads", "mla_every", "n_experts", "top_k", "attn_res_block",
+                  "kda_conv_size", "mla_qk_extra"):
+        _positive_int(cfg, field)
+    _positive_int(cfg, "kv_tile", BF16_SUBLANE)
+    _positive_int(cfg, "max_seq_len", cfg.kv_tile)
+    if (isinstance(cfg.ring_depth, bool) or not isinstance(cfg.ring_depth, int)
+            or not 2 <= cfg.ring_depth <= RING_MAX_DEPTH):
+        _fail("ring_depth", cfg.ring_depth, f"an int in [2, {RING_MAX_DEPTH}] (2 = double buffering)")
+    _positive_int(cfg, "ring_block_bytes", RING_BLOCK_MULTIPLE)
+    if not isinstance(cfg.mla_first, int) or not 0 <= cfg.mla_first < cfg.n_layers:
+        _fail("mla_first", cfg.mla_first, f"an int in [0, n_layers={cfg.n_layers})")
+    _boolean(cfg, "mla_last_layer")
+    _boolean(cfg, "router_bias")
+    if (isinstance(cfg.kda_decay_bound, bool) or not isinstance(cfg.kda_decay_bound, (int, float))
+            or not cfg.kda_decay_bound < 0):
+        _fail("kda_decay_bound", cfg.kda_decay_bound, "a negative number (Kimi K3: -5)")
+    _choice(cfg, "mla_cache_layout", MLA_CACHE_LAYOUTS)
+    _choice(cfg, "expert_format", EXPERT_FORMATS)
+    _choice(cfg, "router_score", ROUTER_SCORES)
+    _choice(cfg, "activation", ACTIVATIONS)
+    if not isinstance(cfg.n_dense_layers, int) or not 0 <= cfg.n_dense_layers < cfg.n_layers:
+        _fail("n_dense_layers", cfg.n_dense_layers, f"an int in [0, n_layers={cfg.n_layers})")
+    if cfg.top_k > cfg.n_experts:
+        _fail("top_k", cfg.top_k, f"at most n_experts={cfg.n_experts}")
+    if cfg.moe_latent_padded < cfg.moe_latent:
+        _fail("moe_latent_padded", cfg.moe_latent_padded, f">= moe_latent={cfg.moe_latent}")
+    # quantised experts are blocked along K (the input dim): latent for W1/W3, hidden for W2
+    block = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}.get(cfg.expert_format, 1)
+    for field in ("moe_latent", "expert_hidden"):
+        if getattr(cfg, field) % block:
+            _fail(field, getattr(cfg, field),
+                  f"a multiple of {block} for {cfg.expert_format} scale blocks")
+    if not isinstance(cfg.n_shared_experts, int) or cfg.n_shared_experts < 0:
+        _fail("n_shared_experts", cfg.n_shared_experts, "an int >= 0")
+    _positive_float(cfg, "routed_scale")
+    _positive_float(cfg, "rms_eps")
+    _positive_float(cfg, "l2_eps")
+    if cfg.logit_softcap is not None:
+        _positive_float(cfg, "logit_softcap")
+    # stage kinds are checked against the registry where the model is built (mkresearch.spec)
+    for field in ("attention", "ffn"):
+        value = getattr(cfg, field)
+        if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
+            _fail(field, value, "a stage kind registered in mkresearch.spec, or the pattern "
+                  f"{KIMI_ATTENTION!r} / {DENSE_THEN!r}<kind>")
+    if cfg.n_dense_layers and not cfg.ffn.startswith(DENSE_THEN):
+        _fail("n_dense_layers", cfg.n_dense_layers, f"0 with ffn={cfg.ffn!r} (one kind for every "
+              f"layer); dense first layers need an ffn pattern {DENSE_THEN!r}<kind>")
+    _choice(cfg, "residual", RESIDUALS)
+    _validate_families(cfg)

@@ -1,0 +1,270 @@
+"""DeepSeek-V3, GLM-4.5 and Qwen3-235B-A22B (spec/families.md): presets carry the public values,
+the minis keep every feature, `mkresearch info` numbers equal hand arithmetic from the public
+configs (parameters against the published totals), configs the composer cannot run are refused
+naming the field, and the pre-norm decode step composes the registry's sublayers."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mkresearch import cli, reference, roofline, spec, weights
+from mkresearch.config import LANE, get_config
+
+FAMILIES = ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
+MINIS = tuple(f"{name}-mini" for name in FAMILIES)
+
+
+# ---- presets ------------------------------------------------------------------------------------
+def test_deepseek_v3_is_the_public_config():
+    c = get_config("deepseek-v3")
+    assert (c.n_layers, c.d_model, c.vocab_size, c.n_heads) == (61, 7168, 129280, 128)
+    assert (c.mla_q_rank, c.mla_kv_rank, c.mla_qk_nope, c.mla_qk_extra, c.mla_v_dim) == (
+        1536, 512, 128, 64, 128)
+    assert c.attention_kinds == ("mla_rope",) * 61 and c.mla_cache_layout == "latent"
+    assert (c.rope_theta, c.yarn_factor, c.yarn_original_max_positions) == (10000, 40, 4096)
+    assert (c.yarn_mscale, c.yarn_mscale_all_dim, c.yarn_beta_fast, c.yarn_beta_slow) == (
+        1, 1, 32, 1)
+    assert c.dense_layers == (0, 1, 2) and c.dense_hidden == 18432
+    assert c.layers_of("moe_full") == tuple(range(3, 61))
+    assert (c.n_experts, c.expert_hidden, c.n_shared_experts, c.shared_hidden, c.top_k) == (
+        256, 2048, 1, 2048, 8)
+    assert (c.router_score, c.router_bias, c.router_groups, c.router_topk_groups) == (
+        "sigmoid", True, 8, 4)
+    assert (c.router_normalize, c.routed_scale, c.activation, c.rms_eps) == (True, 2.5, "silu", 1e-6)
+    assert c.residual == "prenorm" and c.logit_softcap is None and c.n_mtp_layers == 1
+
+
+def test_glm_4_5_is_the_public_config():
+    c = get_config("glm-4.5")
+    assert (c.n_layers, c.d_model, c.vocab_size) == (92, 5120, 151552)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.attention_bias, c.qk_norm) == (
+        96, 8, 128, True, True)
+    assert (c.rope_partial, c.rope_dim, c.rope_theta, c.yarn_factor) == (0.5, 64, 1e6, 1)
+    assert c.attention_kinds == ("gqa",) * 92
+    assert c.dense_layers == (0, 1, 2) and c.dense_hidden == 12288
+    assert (c.n_experts, c.expert_hidden, c.n_shared_experts, c.shared_hidden, c.top_k) == (
+        160, 1536, 1, 1536, 8)
+    assert (c.router_score, c.router_bias, c.router_groups, c.router_topk_groups) == (
+        "sigmoid", True, 1, 1)
+    assert (c.router_normalize, c.routed_scale, c.rms_eps, c.residual) == (True, 2.5, 1e-5, "prenorm")
+
+
+def test_qwen3_235b_is_the_public_config():
+    c = get_config("qwen3-235b-a22b")
+    assert (c.n_layers, c.d_model, c.vocab_size) == (94, 4096, 151936)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.attention_bias, c.qk_norm) == (
+        64, 4, 128, False, True)
+    assert (c.rope_partial, c.rope_theta, c.yarn_factor) == (1.0, 1e6, 1)
+    assert c.attention_kinds == ("gqa",) * 94 and c.ffn_kinds == ("moe_full",) * 94
+    assert (c.n_experts, c.expert_hidden, c.n_shared_experts, c.top_k) == (128, 1536, 0, 8)
+    assert (c.router_score, c.router_bias, c.router_normalize, c.routed_scale) == (
+        "softmax", False, True, 1.0)
+    assert (c.rms_eps, c.residual) == (1e-6, "prenorm")
+
+
+@pytest.mark.parametrize("name", MINIS)
+def test_mini_keeps_every_feature_of_its_family(name):
+    mini, full = get_config(name), get_config(name.removesuffix("-mini"))
+    assert mini.d_model <= 512 and mini.n_layers <= 4 and mini.vocab_size <= 2048
+    assert (mini.kv_tile, mini.max_seq_len) == (32, 128)
+    same = ("attention", "ffn", "residual", "activation", "router_score", "router_bias",
+            "router_normalize", "routed_scale", "attention_bias", "qk_norm", "rope_partial",
+            "rope_theta", "yarn_factor", "yarn_mscale_all_dim", "mla_qk_extra", "head_dim",
+            "mla_cache_layout", "expert_format", "rms_eps")
+    assert {f: getattr(mini, f) for f in same} == {f: getattr(full, f) for f in same}
+    assert bool(mini.dense_layers) == bool(full.dense_layers)
+    assert bool(mini.n_shared_experts) == bool(full.n_shared_experts)
+    assert 1 < mini.top_k < mini.n_experts
+    if full.router_groups > 1:  # several groups, only some eligible
+        assert 1 < mini.router_topk_groups < mini.router_groups
+    if "gqa" in mini.kinds:  # heads share K/V heads in groups
+        assert mini.n_heads > mini.n_kv_heads and mini.head_dim % LANE == 0
+    assert mini.d_model % LANE == 0 and mini.max_seq_len % mini.kv_tile == 0
+
+
+# ---- parameters and info: hand arithmetic from the public configs ---------------------------------
+def hand_counts(name):
+    """(total, active) from the config.json values, written out: per layer attention + FFN, the
+    embedding and LM head, norms; active = all but the embedding table and unselected experts."""
+    if name == "deepseek-v3":
+        d, vocab, layers, dense = 7168, 129280, 61, 3
+        attention = (d * 1536 + 1536 + 1536 * 128 * 192 + d * (512 + 64) + 512
+                     + 512 * 128 * (128 + 128) + 128 * 128 * d)
+        dense_ffn, expert, shared, n_experts = 3 * d * 18432, 3 * d * 2048, 3 * d * 2048, 256
+    elif name == "glm-4.5":
+        d, vocab, layers, dense = 5120, 151552, 92, 3
+        q, kv = 96 * 128, 8 * 128
+        attention = d * q + q + 2 * (d * kv + kv) + 2 * 128 + q * d  # + q/k/v bias, QK-norm
+        dense_ffn, expert, shared, n_experts = 3 * d * 12288, 3 * d * 1536, 3 * d * 1536, 160
+    else:
+        d, vocab, layers, dense = 4096, 151936, 94, 0
+        q, kv = 64 * 128, 4 * 128
+        attention = d * q + 2 * d * kv + 2 * 128 + q * d
+        dense_ffn, expert, shared, n_experts = 0, 3 * d * 1536, 0, 128
+    router = d * n_experts + n_experts  # W_r, correction bias (stored for every router)
+    moe_layers = layers - dense
+    norms = 2 * layers * d + d
+    total = (2 * vocab * d + layers * attention + dense * dense_ffn + norms
+             + moe_layers * (router + shared + n_experts * expert))
+    active = total - vocab * d - moe_layers * (n_experts - 8) * expert
+    return total, active
+
+
+# Published totals (spec/families.md, in whole billions) and how each publication counts active
+# parameters: active = ours (embedding table excluded, LM head included) plus or minus those.
+# GLM-4.5's 32 B counts neither the embedding nor the LM head (with the head: 32.86 B, +2.7 %).
+PUBLISHED = {"deepseek-v3": (671e9, 37e9, ("lm_head",)),
+             "glm-4.5": (355e9, 32e9, ()),
+             "qwen3-235b-a22b": (235e9, 22e9, ("lm_head",))}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_parameters_are_hand_arithmetic_and_the_published_totals(name):
+    counts = roofline.parameter_breakdown(get_config(name))
+    assert (counts["total"], counts["active"]) == hand_counts(name)
+    total, active, counted = PUBLISHED[name]
+    assert counts["total"] == pytest.approx(total, rel=0.01)
+    ours = counts["active"] - (0 if "lm_head" in counted else counts["lm_head"])
+    # 1 %, or the rounding of a figure published in whole billions: DeepSeek-V3 36.63 B (-1.01 %)
+    # and Qwen3 21.57 B (-2.0 %) round to the published 37 B and 22 B
+    assert abs(ours - active) <= max(0.01 * active, 0.5e9), (ours, active)
+
+
+def test_deepseek_mtp_module_is_counted_apart():
+    cfg = get_config("deepseek-v3")
+    d = 7168
+    layer = roofline.parameter_breakdown(cfg)  # the main model: 671 B, no MTP
+    attention = 187_107_328  # one MLA layer (hand_counts)
+    moe = 256 * 3 * d * 2048 + 3 * d * 2048 + d * 256 + 256
+    assert roofline.mtp_parameters(cfg) == attention + moe + 2 * d + 2 * d * d + 3 * d
+    assert layer["total"] + roofline.mtp_parameters(cfg) == pytest.approx(682.6e9, rel=1e-3)
+    assert roofline.mtp_parameters(get_config("qwen3-235b-a22b")) == 0
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {name: cli.info(get_config(name), 1, 0, None, None) for name in FAMILIES}
+
+
+def test_info_kv_bytes_per_token_and_bytes_per_step(reports):
+    # families.md: 2 x n_kv_heads x head_dim x 2 B per layer for GQA, (512 + 64) x 2 B for MLA
+    assert reports["glm-4.5"]["cache_bytes_per_token"] == 92 * 4096
+    assert reports["qwen3-235b-a22b"]["cache_bytes_per_token"] == 94 * 2048
+    assert reports["deepseek-v3"]["cache_bytes_per_token"] == 61 * 1152
+    for name, report in reports.items():
+        cfg, step = get_config(name), report["step_bytes"]
+        params = weights.param_shapes(cfg)
+        experts = params["moe_full"]["experts"]
+        one_expert = roofline.tree_bytes(experts) // (len(report["moe_layers"]) * cfg.n_experts)
+        # B = 1: top_k experts per MoE layer, every other weight once, one embedding row
+        expected = (roofline.tree_bytes(params) - roofline.tree_bytes(params["embed"])
+                    - len(report["moe_layers"]) * (cfg.n_experts - cfg.top_k) * one_expert
+                    + cfg.d_model * 2)
+        assert step["weights"] == expected
+        assert report["parameters"]["total"] == roofline.parameter_counts(cfg)[0]
+        assert report["floor_one_chip"]["tpu7x"]["ms"] == pytest.approx(
+            step["total"] / 7.37e12 * 1e3, rel=0.02)
+        assert "mla_cache_bytes_per_token" not in report  # Kimi's two MLA layouts only
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5-mini"])
+def test_info_command_prints_each_family(name):
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", name, "--json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["model"] == name and report["cache_bytes_per_token"] > 0
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", name, "--context", "64"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert "KV cache per context token" in done.stdout and "tokens/s" in done.stdout
+
+
+# ---- configs the composer cannot run ----------------------------------------------------------------
+@pytest.mark.parametrize("name, changes, field", [
+    ("deepseek-v3-mini", {"mla_cache_layout": "expanded"}, "mla_cache_layout"),
+    ("deepseek-v3-mini", {"mla_qk_extra": 63}, "mla_qk_extra"),
+    ("glm-4.5-mini", {"attention": "moe_full"}, "attention"),
+    ("glm-4.5-mini", {"ffn": "dense+gqa"}, "ffn"),
+    ("qwen3-235b-a22b-mini", {"ffn": "moe_full", "expert_format": "fp8", "d_model": 640},
+     "expert_format"),
+    ("kimi-k3-mini", {"attention": "gqa", "ffn": "moe_full"}, "n_dense_layers"),
+])
+def test_configs_the_composer_cannot_run_are_refused(name, changes, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        spec.check(get_config(name).replace(**changes))  # init_params, decode_step call it
+
+
+def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", "deepseek-v3", "--layout",
+                           "expanded"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "mla_cache_layout" in done.stderr
+
+
+# ---- the pre-norm decode step -------------------------------------------------------------------
+@pytest.mark.parametrize("name", MINIS)
+def test_prenorm_step_composes_the_registry_sublayers(name):
+    """decode_step = h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h))) layer by layer
+    with the kinds of cfg.layers (dense first layers), logits = RMSNorm(h) W_lm: written out here
+    with each kind's sublayer, bit for bit."""
+    cfg = get_config(name)
+    params = weights.init_params(cfg, seed=1)
+    state = jax.tree.map(lambda s: jnp.asarray(
+        np.random.default_rng(2).standard_normal(s.shape) * 0.5, s.dtype),
+        jax.eval_shape(lambda: reference.init_state(cfg, 3)))
+    tokens, positions = jnp.array([5, 700, 2047], jnp.int32), jnp.array([0, 40, 127], jnp.int32)
+    logits, new_state, aux = reference.decode_step(params, state, tokens, positions, cfg)
+
+    h, expect_state, ids = params["embed"][tokens], state, []
+    for layer, kinds in enumerate(cfg.layers):
+        for kind, norm in zip(kinds, ("attn_norm", "mlp_norm")):
+            i = cfg.kind_index(layer, kind)
+            x = reference.rms_norm(h, params[norm][layer], cfg.rms_eps)
+            layer_state = (reference.layer_params(expect_state[kind], i)
+                           if kind in expect_state else {})
+            out, layer_state, extra = spec.stage(kind).sublayer(
+                reference.layer_params(params[kind], i), x, layer_state, positions, cfg)
+            if kind in expect_state:
+                expect_state = {**expect_state, kind: jax.tree.map(
+                    lambda whole, part, i=i: whole.at[i].set(part), expect_state[kind],
+                    layer_state)}
+            ids += [extra["expert_ids"]] if "expert_ids" in extra else []
+            h = reference.bf(h.astype(jnp.float32) + out.astype(jnp.float32))
+    expected = reference.matmul(reference.rms_norm(h, params["final_norm"], cfg.rms_eps),
+                                params["lm_head"])
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(aux["hidden"]), np.asarray(h))
+    np.testing.assert_array_equal(np.asarray(aux["expert_ids"]), np.asarray(jnp.stack(ids)))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(new_state),
+                                 jax.tree.leaves(expect_state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                      err_msg=jax.tree_util.keystr(path))
+    assert [kinds for kinds in cfg.layers][:len(cfg.dense_layers)] == [
+        (cfg.attention_kinds[0], "dense")] * len(cfg.dense_layers)
+
+
+@pytest.mark.parametrize("name", MINIS)
+def test_reference_step_is_batch_invariant(name):
+    """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three
+    (rows at other indices): per-(row, head) attention, ordered sums, experts combined in id
+    order."""
+    cfg = get_config(name)
+    params = weights.init_params(cfg, 3)
+    rng = np.random.default_rng(11)
+    state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.5, s.dtype),
+                         jax.eval_shape(lambda: reference.init_state(cfg, 8)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, 8), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, cfg.max_seq_len - 1, 8), jnp.int32)
+    logits, new_state, _ = reference.decode_step(params, state, tokens, positions, cfg)
+    for rows in ([5], [2, 7, 0]):
+        idx = np.array(rows)
+        part = jax.tree.map(lambda leaf, idx=idx: leaf[:, idx], state)
+        got, got_state, _ = reference.decode_step(params, part, tokens[idx], positions[idx], cfg)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(logits)[idx])
+        for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(new_state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, idx])
