@@ -294,6 +294,16 @@ def prepare_weights(params: dict, cfg: ModelConfig) -> dict:
 def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use_candidates: bool,
           return_logits: bool, inputs: StepInputs, weights: dict, state: dict):
     del recording  # static only so recorded and silent traces never share a jit cache entry
+    return step_call(plan, interpret, use_gumbel, use_candidates, return_logits, inputs, weights,
+                     state)
+
+
+def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
+              return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
+              shard: Any = None) -> tuple:
+    """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
+    rank's collectives plan (`collectives.ShardPlan`, kernels/megakernel_sharded.py): its
+    buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
     cfg, batch = plan.cfg, plan.batch
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -305,15 +315,17 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
     n_out = len(jax.tree.leaves(outputs))
+    sharded = {} if shard is None else {"collective_id": 0}
     outs, new_state = pl.pallas_call(
-        functools.partial(megakernel_body, plan, use_gumbel, use_candidates),
+        functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard),
         out_shape=(outputs, state_shapes),
         in_specs=(StepInputs.specs(), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),
         out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None),
                    jax.tree.map(lambda _: hbm, state)),
+        scratch_shapes=() if shard is None else [shape for _, shape in shard.scratch()],
         input_output_aliases={n_in + i: n_out + i for i in range(len(jax.tree.leaves(state)))},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem.limit_bytes),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem.limit_bytes, **sharded),
         cost_estimate=cost,
         interpret=interpret,
     )(inputs, weights, state)

@@ -40,13 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mkresearch.kernels import (
     collectives,
-    costs,
     dma,
     megakernel,
     registry,
@@ -55,7 +52,7 @@ from mkresearch.kernels import (
     weight_stream,
 )
 from mkresearch.kernels import megakernel_plan as mplan
-from mkresearch.kernels.megakernel import StepInputs, StepOutputs
+from mkresearch.kernels.megakernel import StepInputs
 
 from mkresearch import layout as layouts
 from mkresearch import roofline, spec, tpu
@@ -223,33 +220,8 @@ def make_mesh(n_ranks: int) -> Any:
 # ---- the call --------------------------------------------------------------------------------
 def _rank_call(plan: ShardedPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
                return_logits: bool, inputs: StepInputs, weights: dict, state: dict):
-    mega = plan.mega
-    cfg, batch = mega.cfg, mega.batch
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)
-    logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
-    outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits)
-    cost = costs.megakernel(mega, weights, state).estimate(inputs, outputs)
-    state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
-    n_out = len(jax.tree.leaves(outputs))
-    outs, new_state = pl.pallas_call(
-        functools.partial(megakernel.megakernel_body, mega, use_gumbel, use_candidates,
-                          shard=plan.shard),
-        out_shape=(outputs, state_shapes),
-        in_specs=(StepInputs.specs(), jax.tree.map(lambda _: hbm, weights),
-                  jax.tree.map(lambda _: hbm, state)),
-        out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None),
-                   jax.tree.map(lambda _: hbm, state)),
-        scratch_shapes=[shape for _, shape in plan.shard.scratch()],
-        input_output_aliases={n_in + i: n_out + i for i in range(len(jax.tree.leaves(state)))},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=mega.vmem.limit_bytes,
-                                             collective_id=0),
-        cost_estimate=cost,
-        interpret=interpret,
-    )(inputs, weights, state)
-    return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state
+    return megakernel.step_call(plan.mega, interpret, use_gumbel, use_candidates, return_logits,
+                                inputs, weights, state, shard=plan.shard)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnums=(9,))
