@@ -253,6 +253,15 @@ def _check_rules(cfg: ModelConfig) -> None:
                                  "rule: give its spec.StateLeaf a shard=")
 
 
+def has_rules(cfg: ModelConfig) -> bool:
+    """Whether every kind of cfg says how its parameters and states shard (`_check_rules`)."""
+    try:
+        _check_rules(cfg)
+    except ValueError:
+        return False
+    return True
+
+
 def is_param(x: Any) -> bool:
     return isinstance(x, spec.Param)
 
@@ -396,5 +405,5 @@ def named_config(name: str, **overrides: Any) -> ModelConfig:
 def config_names() -> tuple[str, ...]:
     """Every name `named_config` takes: the presets and one rank of each full-size one."""
     ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items()
-                  if RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS))
+                  if RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS) and has_rules(cfg))
     return (*PRESETS, *ranks)

@@ -142,3 +142,12 @@ def test_info_ranks_prints_the_table(capsys):
     assert cli.main(["info", "kimi-k3-mini", "--ranks", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "n_ranks=3 is invalid" in err[0]
+
+
+def test_rank_presets_only_for_models_whose_kinds_shard():
+    """'<preset>-rank' is offered for the full-size presets that split 32 ways and whose kinds
+    all declare sharding rules (the other families' kinds do not yet)."""
+    names = layout.config_names()
+    assert "kimi-k3-rank" in names and "glm-4.5-rank" not in names
+    with pytest.raises(ValueError, match=r"\['gqa'\]\['.*'\] of glm-4.5 has no sharding rule"):
+        layout.layout(get_config("glm-4.5"), 2)

@@ -4,6 +4,7 @@ plain-JAX reference; its DMA log per rank against the layout's bytes.
 
 Each step starts from the single-device megakernel's state and token (teacher-forced) and checks:
 
+* one pallas_call per step in each rank's program (`jax.shard_map` over the mesh);
 * every rank chose the same token;
 * the logits, the token and every rank's slice of the caches and states EQUAL the single-device
   megakernel's, to the bit: no rank adds partial products of a contraction (every matrix splits
@@ -22,11 +23,13 @@ issue (16 steps x B in {1, 3, 4} x {2, 4, 8} ranks, greedy and sampled) is opt-i
 import contextlib
 import os
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from mkresearch.kernels import dma
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels import megakernel_sharded as ms
@@ -85,21 +88,27 @@ def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False)
     kw = sample or {}
     report = {"layout": lay.describe(), "worst_vs_reference": 0.0, "worst_vs_single": 0.0,
               "slices": 0, "equal_slices": 0, "worst_state": 0.0,
-              "seconds": [], "steps": n_steps, "batch": batch}
+              "seconds": [], "steps": n_steps, "batch": batch, "pallas_calls": 0}
     recorded = []
     for step in range(n_steps):
-        ref_logits, _, _ = _reference_step(params, state, jnp.asarray(tokens),
-                                           jnp.asarray(positions), cfg=MINI)
+        ref_logits, _, ref_aux = _reference_step(params, state, jnp.asarray(tokens),
+                                                 jnp.asarray(positions), cfg=MINI)
+        report.setdefault("expert_ids", np.asarray(ref_aux["expert_ids"]))  # step 0's routing
         mk_tokens, mk_state, mk_aux = mk.decode_step(
             single, jax.tree.map(jnp.copy, state), tokens, positions, MINI, seed=SEED,
             return_logits=True, **kw)
         sharded_state = ms.shard_state(state, lay, mesh)
         started = time.perf_counter()
-        with dma.recording() if record else contextlib.nullcontext() as log:
+        # the pallas_calls traced for one rank's program (shard_map traces it once for all)
+        spy = mock.patch.object(pl, "pallas_call", wraps=pl.pallas_call)
+        with dma.recording() if record else contextlib.nullcontext() as log, spy as calls:
             sh_tokens, sh_state, sh_aux = ms.decode_step(
                 prepared, sharded_state, tokens, positions, plan, mesh=mesh, seed=SEED,
                 return_logits=True, **kw)
             jax.block_until_ready(sh_tokens)
+        # 1 when this step traced the program, 0 when a previous run's trace was reused
+        assert calls.call_count <= 1, f"{calls.call_count} pallas_calls per rank and step"
+        report["pallas_calls"] = max(report["pallas_calls"], calls.call_count)
         report["seconds"].append(time.perf_counter() - started)
         recorded.append(log)
         per_rank = np.asarray(sh_aux["tokens_per_rank"])
@@ -153,8 +162,9 @@ def test_8_ranks_sampled_bytes_and_overlap(race_checked, params):
     sample = {"temperature": [0.8, None, 1.0], "top_p": [1.0, 1.0, 0.9]}
     report, recorded = run(params, 8, 3, 1, etp=2, sample=sample, record=True)
     show("8 ranks, sampled", report)
+    assert report["pallas_calls"] == 1  # traced here: one pallas_call per rank and step
     lay = layout.layout(MINI, 8, etp=2)
-    check_bytes(params, lay, 3, recorded[0])
+    check_bytes(lay, 3, recorded[0], report["expert_ids"])
     check_remote_copies(recorded[0], lay)
     check_overlap(recorded[0], lay)
 
@@ -182,13 +192,10 @@ def test_16_sampled_steps(race_checked, params, n_ranks):
 
 
 # ---- bytes and order from the DMA log ----------------------------------------------------------
-def check_bytes(params, lay, batch, log):
-    """Per rank: the log's HBM bytes by component against `layout_bytes.rank_bytes`."""
+def check_bytes(lay, batch, log, expert_ids):
+    """Per rank: the log's HBM bytes by component against `layout_bytes.rank_bytes`; expert_ids
+    [n_moe, B, k]: the step's routing (the reference's)."""
     counted = layout_bytes.rank_bytes(lay, batch)
-    state, tokens = prefilled(params, batch)
-    _, _, aux = reference.decode_step(params, state, tokens,
-                                      np.full(batch, PROMPT_LEN - 1, np.int32), MINI)
-    expert_ids = np.asarray(aux["expert_ids"])  # [n_moe, B, k] the step's routing
     per_expert = rank_expert_bytes(lay)
     local = MINI.n_experts // lay.ep
     norms = widened_norm_bytes(lay)
@@ -203,10 +210,11 @@ def check_bytes(params, lay, batch, log):
                 for layer in expert_ids]
         assert moved["routed_experts"] == sum(mine) * per_expert, (rank, mine)
         remote = log.of_rank(rank).remote_bytes()
-        weights_moved = sum(moved[n] for n in ("kda", "mla", "dense", "moe_nonrouted", "lm_head",
-                                               "norms_and_mix"))
+        parts = ("kda", "mla", "dense", "moe_nonrouted", "lm_head", "norms_and_mix")
+        weights_moved = sum(moved[n] for n in parts)
+        weights_layout = sum(counted.component(n) for n in parts)
         print(f"rank {rank}: weights {weights_moved:,d} B = the layout's "
-              f"{counted.weights - counted.component('routed_experts'):,d} B + {norms:,d} B of "
+              f"{weights_layout:,d} B + {norms:,d} B of "
               f"norm gains the kernel reads as f32; routed experts {sum(mine)} x {per_expert:,d} "
               f"B; remote copies sent {remote:,d} B (counted apart)")
         assert remote > 0
