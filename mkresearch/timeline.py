@@ -21,169 +21,37 @@ come from `mkresearch.chips.CHIPS` (per JAX device); what no public source gives
 ASSUMPTION. Calibrate them on a TPU with `mkresearch.profiling` and `timeline_chip(name, **fields)`.
 """
 
+
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import json
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from mkresearch.chips import CHIPS, get_chip
+from mkresearch.timeline_chip import (  # noqa: F401
+    DMA_LATENCY_S,
+    N_DMA_ENGINES,
+    VMEM_OVER_HBM,
+    VPU_OVER_MXU,
+    TimelineChip,
+    hbm_floor_s,
+    timeline_chip,
+)
+from mkresearch.timeline_events import DMA_KINDS, LogEvent, events_of, match_keys, to_records  # noqa: F401
+from mkresearch.timeline_whatif import (  # noqa: F401
+    blockspec_log,
+    guide_bandwidth_bound_s,
+    guide_compute_bound_s,
+    rebuffer,
+    scale_batch,
+    stream_log,
+)
 
-DMA_KINDS = ("dma_start", "dma_wait", "phase_start", "phase_end")
 IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
 COMPUTE_LANE = "MXU/VPU"
-
-# ---- assumptions (no public figure; each is a TimelineChip field that can be overridden) -------
-# Latency from issuing a DMA to its first byte moving. The Pallas pipelining guide names it (α)
-# but gives no number; on-chip DMA descriptors take on the order of a microsecond. ASSUMPTION.
-DMA_LATENCY_S = 0.5e-6
-# DMA engines moving bytes for one TensorCore at once. Not published. ASSUMPTION: 1, i.e. the DMAs
-# of a kernel are served one after another in issue order at the full HBM bandwidth, which is what
-# the Pallas pipelining guide's α + N·X/β assumes. With k engines, up to k DMAs move bytes at once
-# and share the bandwidth: the total rate is the same, but a deep prefetch delays the first block.
-N_DMA_ENGINES = 1
-# VMEM -> vector registers / MXU bandwidth. Not published; VMEM is on-die SRAM an order of
-# magnitude faster than HBM. ASSUMPTION: 16x the device's HBM bandwidth.
-VMEM_OVER_HBM = 16.0
-# VPU (elementwise f32) peak. Not published per chip in a comparable form. ASSUMPTION: 1/16 of the
-# bf16 MXU peak (8 x 128 lanes x a few VALU slots per cycle against 4 MXUs of 128^2 or 256^2).
-VPU_OVER_MXU = 1.0 / 16.0
-
-
-@dataclass(frozen=True)
-class TimelineChip:
-    """The few numbers the timeline needs for one JAX device (see `sources` for each)."""
-
-    name: str
-    hbm_bandwidth: float  # bytes/s per JAX device: the rate all DMA engines share
-    mxu_flops: float  # peak dense bf16 FLOP/s: phases run at this rate (matmul work)
-    vpu_flops: float  # peak elementwise FLOP/s: phases named in `vpu_phases` run at this rate
-    vmem_bandwidth: float  # bytes/s a phase can read from VMEM: the floor on a phase's duration
-    dma_latency: float  # seconds from issuing a DMA to its first byte moving (α of the guide)
-    n_dma_engines: int  # DMAs that move bytes at once, sharing `hbm_bandwidth`
-    vmem_capacity: int  # bytes of VMEM per TensorCore: the ceiling of the occupancy curve
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        for name in ("hbm_bandwidth", "mxu_flops", "vpu_flops", "vmem_bandwidth"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"TimelineChip.{name}={value!r} is invalid: a finite number > 0")
-        if not (isinstance(self.dma_latency, (int, float)) and self.dma_latency >= 0):
-            raise ValueError(f"TimelineChip.dma_latency={self.dma_latency!r} is invalid: "
-                             "a number of seconds >= 0")
-        if not (isinstance(self.n_dma_engines, int) and self.n_dma_engines >= 1):
-            raise ValueError(f"TimelineChip.n_dma_engines={self.n_dma_engines!r} is invalid: "
-                             "an int >= 1")
-
-
-def timeline_chip(chip: str | TimelineChip = "tpu7x", **overrides: Any) -> TimelineChip:
-    """The timeline parameters of `chip` ("v5e", "v6e", "v5p", "tpu7x"), optionally overridden.
-
-    Overridden fields get the source "override". Unknown chips or fields raise ValueError.
-    """
-    if isinstance(chip, TimelineChip):
-        base = chip
-    else:
-        if chip not in CHIPS:
-            raise ValueError(f"chip={chip!r} is invalid: choose one of {', '.join(map(repr, CHIPS))}")
-        base = _from_chips(get_chip(chip))
-    if not overrides:
-        return base
-    allowed = [f.name for f in dataclasses.fields(TimelineChip) if f.name not in ("name", "sources")]
-    for key in overrides:
-        if key not in allowed:
-            raise ValueError(f"timeline_chip override {key!r} is invalid: choose from {allowed}")
-    sources = dict(base.sources) | {key: "override" for key in overrides}
-    return dataclasses.replace(base, **overrides, sources=MappingProxyType(sources))
-
-
-def _from_chips(chip) -> TimelineChip:
-    src = chip.sources
-    return TimelineChip(
-        name=chip.name,
-        hbm_bandwidth=chip.hbm_bandwidth,
-        mxu_flops=chip.bf16_flops,
-        vpu_flops=chip.bf16_flops * VPU_OVER_MXU,
-        vmem_bandwidth=chip.hbm_bandwidth * VMEM_OVER_HBM,
-        dma_latency=DMA_LATENCY_S,
-        n_dma_engines=N_DMA_ENGINES,
-        vmem_capacity=chip.vmem_bytes,
-        sources=MappingProxyType({
-            "hbm_bandwidth": f"mkresearch.chips.CHIPS[{chip.name!r}].hbm_bandwidth <- "
-                             + src.get("hbm_bandwidth", "?"),
-            "mxu_flops": f"mkresearch.chips.CHIPS[{chip.name!r}].bf16_flops <- "
-                         + src.get("bf16_flops", "?"),
-            "vpu_flops": f"ASSUMPTION: bf16_flops x {VPU_OVER_MXU:g}",
-            "vmem_bandwidth": f"ASSUMPTION: hbm_bandwidth x {VMEM_OVER_HBM:g}",
-            "dma_latency": f"ASSUMPTION: {DMA_LATENCY_S * 1e6:g} us",
-            "n_dma_engines": f"ASSUMPTION: {N_DMA_ENGINES}",
-            "vmem_capacity": f"mkresearch.chips.CHIPS[{chip.name!r}].vmem_bytes <- "
-                             + src.get("vmem_bytes", "?"),
-        }),
-    )
-
-
-# ---- the log, normalised -------------------------------------------------------------------
-@dataclass(frozen=True)
-class LogEvent:
-    """One entry of the DMA/phase log, as the timeline reads it (mirrors `dma.Event`)."""
-
-    kind: str
-    name: str
-    src: str = ""
-    dst: str = ""
-    nbytes: int = 0
-    slot: int | None = None
-    indices: tuple = ()
-    flops: float = 0.0
-    vmem_bytes: int = 0
-
-
-def events_of(log: Any) -> list[LogEvent]:
-    """The events of a `dma.recording()` log, a list of `dma.Event`s, or their JSON records.
-
-    Accepts an object with `.events`, a JSON string, or a sequence of objects/dicts with the
-    `Event` fields. Raises ValueError naming the bad field.
-    """
-    if isinstance(log, str):
-        log = json.loads(log)
-    if isinstance(log, Mapping) and "events" in log:
-        log = log["events"]
-    events = getattr(log, "events", log)
-    out = []
-    for i, ev in enumerate(events):
-        if isinstance(ev, LogEvent):
-            out.append(ev)
-            continue
-        get = ev.get if isinstance(ev, Mapping) else (lambda k, d=None, ev=ev: getattr(ev, k, d))
-        kind = get("kind")
-        if kind not in DMA_KINDS:
-            raise ValueError(f"event {i}: kind={kind!r} is invalid: one of {DMA_KINDS}")
-        indices = get("indices", ()) or ()
-        if isinstance(indices, Mapping):
-            indices = tuple(sorted(indices.items()))
-        else:
-            indices = tuple(tuple(x) if isinstance(x, list) else x for x in indices)
-        out.append(LogEvent(kind=kind, name=str(get("name", "") or ""), src=str(get("src", "") or ""),
-                            dst=str(get("dst", "") or ""), nbytes=int(get("nbytes", 0) or 0),
-                            slot=get("slot", None), indices=indices,
-                            flops=float(get("flops", 0) or 0),
-                            vmem_bytes=int(get("vmem_bytes", 0) or 0)))
-    return out
-
-
-def to_records(log: Any) -> list[dict]:
-    """JSON-ready dicts of a log's events (what `events_of` reads back)."""
-    return [dataclasses.asdict(ev) | {"indices": [list(i) if isinstance(i, tuple) else i
-                                                  for i in ev.indices]}
-            for ev in events_of(log)]
 
 
 # ---- the result ------------------------------------------------------------------------------
@@ -417,7 +285,7 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
         if ev.kind == "dma_start":
             d = _Dma(ev, t, chip.dma_latency)
             dmas.append(d)
-            for key in _match_keys(ev):
+            for key in match_keys(ev):
                 in_flight.setdefault(key, deque()).append(d)
             engines.issue(d)
         elif ev.kind == "dma_wait":
@@ -471,17 +339,12 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
                     idle=tuple(_compute_idle(compute, dma_spans, total)))
 
 
-def _match_keys(ev: LogEvent) -> list[tuple]:
-    # a wait names its DMA like the start did; fall back to coarser keys if it carries less
-    return [("exact", ev.name, ev.slot, ev.indices), ("slot", ev.name, ev.slot), ("name", ev.name)]
-
-
 def _take_match(in_flight: dict, ev: LogEvent, i: int) -> _Dma:
-    for key in _match_keys(ev):
+    for key in match_keys(ev):
         queue = in_flight.get(key)
         if queue:
             d = queue.popleft()
-            for other in _match_keys(d.event):  # remove it from the other keys' queues too
+            for other in match_keys(d.event):  # remove it from the other keys' queues too
                 q = in_flight.get(other)
                 if q and d in q:
                     q.remove(d)
@@ -550,144 +413,3 @@ def vmem_at(timeline: Timeline, time: float) -> int:
     times = [t for t, _ in timeline.vmem]
     i = bisect.bisect_right(times, time) - 1
     return timeline.vmem[i][1] if i >= 0 else 0
-
-
-# ---- log transforms: what-if without re-running the kernel ------------------------------------
-def stream_log(n_blocks: int, block_bytes: int, block_flops: float, n_buffers: int, *,
-               name: str = "w", block_vmem_bytes: int | None = None) -> list[LogEvent]:
-    """The log of the canonical streaming loop with `n_buffers` VMEM slots (a ring):
-
-    issue the first n_buffers-1 blocks; then for each block i: issue block i+n_buffers-1 (into the
-    slot block i-1 just freed), wait for block i, compute on it. One buffer = no overlap.
-    """
-    for pname, value in (("n_blocks", n_blocks), ("n_buffers", n_buffers)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{pname}={value!r} is invalid: an int >= 1")
-    vmem = block_bytes if block_vmem_bytes is None else block_vmem_bytes
-    steps = [[LogEvent("dma_start", name, "hbm", "vmem", block_bytes, i % n_buffers, (("k", i),))]
-             for i in range(n_blocks)]
-    events: list[LogEvent] = []
-    issued = 0
-    for i in range(n_blocks):
-        while issued < n_blocks and issued <= i + n_buffers - 1:
-            events += steps[issued]
-            issued += 1
-        events.append(dataclasses.replace(steps[i][0], kind="dma_wait"))
-        events.append(LogEvent("phase_start", f"{name}_block", flops=block_flops, vmem_bytes=vmem,
-                               indices=(("k", i),)))
-        events.append(LogEvent("phase_end", f"{name}_block", indices=(("k", i),)))
-    return events
-
-
-def rebuffer(log: Any, n_buffers: int) -> list[LogEvent]:
-    """The same log replayed with `n_buffers` slots per stream: what the kernel would record.
-
-    The log is cut into steps: the DMAs waited before a top-level phase are that phase's inputs.
-    Replayed, the inputs of step k are issued before the waits of step k - (n_buffers - 1), in
-    their original order, and go to slot k % n_buffers. DMAs waited after the last phase (output
-    writebacks) keep their place at the end. Valid for streaming kernels, where each block feeds
-    the phase right after its wait; the control bar of `mkresearch.widgets` uses it.
-    """
-    if not isinstance(n_buffers, int) or n_buffers < 1:
-        raise ValueError(f"n_buffers={n_buffers!r} is invalid: an int >= 1")
-    events = events_of(log)
-    steps: list[tuple[list[tuple[LogEvent, LogEvent]], list[LogEvent]]] = []
-    waits: list[tuple[LogEvent, LogEvent]] = []
-    phase: list[LogEvent] = []
-    depth = 0
-    unmatched: list[LogEvent] = []
-    for ev in events:
-        if ev.kind == "dma_start":
-            unmatched.append(ev)
-        elif ev.kind == "dma_wait":
-            start = next((s for level in range(3) for s in unmatched
-                          if _match_keys(s)[level] == _match_keys(ev)[level]), None)
-            if start is None:
-                raise ValueError(f"dma_wait {ev.name!r} has no matching dma_start")
-            unmatched.remove(start)
-            waits.append((start, ev))
-        else:
-            phase.append(ev)
-            depth += 1 if ev.kind == "phase_start" else -1
-            if depth == 0:
-                steps.append((waits, phase))
-                waits, phase = [], []
-    tail_waits = waits
-    out: list[LogEvent] = []
-    issued = 0
-
-    def slotted(ev: LogEvent, k: int) -> LogEvent:
-        return dataclasses.replace(ev, slot=k % n_buffers) if ev.slot is not None else ev
-
-    for k, (step_waits, step_phase) in enumerate(steps):
-        while issued < len(steps) and issued <= k + n_buffers - 1:
-            out += [slotted(s, issued) for s, _ in steps[issued][0]]
-            issued += 1
-        out += [slotted(w, k) for _, w in step_waits]
-        out += step_phase
-    out += [s for s, _ in tail_waits] + [w for _, w in tail_waits] + unmatched
-    return out
-
-
-def blockspec_log(log: Any, block_bytes: Mapping[str, int], *, out_bytes: int = 0,
-                  out_name: str = "out") -> list[LogEvent]:
-    """The DMAs a BlockSpec + grid pipeline issues, put around a BlockSpec kernel's phases.
-
-    Pallas emits those copies itself, so a BlockSpec kernel's log holds only its phases (one
-    top-level phase per grid step). Its TPU pipeline double-buffers each input whose block changes:
-    at step k it starts the copies of step k+1's blocks, waits for step k's, runs the body. This
-    puts those events in: one DMA per name in `block_bytes` (bytes of that input's block) per
-    step, and, if `out_bytes`, the writeback of a resident output block after the last step.
-    """
-    steps: list[list[LogEvent]] = []
-    depth = 0
-    for ev in events_of(log):
-        if ev.kind not in ("phase_start", "phase_end"):
-            raise ValueError(f"log is invalid: a BlockSpec kernel's log has only phases, got "
-                             f"{ev.kind} {ev.name!r}")
-        if depth == 0:
-            steps.append([])
-        steps[-1].append(ev)
-        depth += 1 if ev.kind == "phase_start" else -1
-
-    def copies(k: int, kind: str) -> list[LogEvent]:
-        return [LogEvent(kind, name, "hbm", "vmem", int(nbytes), k % 2, (("k", k),))
-                for name, nbytes in block_bytes.items()]
-
-    serial = [ev for k, phase_events in enumerate(steps)
-              for ev in copies(k, "dma_start") + copies(k, "dma_wait") + phase_events]
-    out = rebuffer(serial, 2)
-    if out_bytes:
-        writeback = LogEvent("dma_start", out_name, "vmem", "hbm", int(out_bytes))
-        out += [writeback, dataclasses.replace(writeback, kind="dma_wait")]
-    return out
-
-
-def scale_batch(log: Any, factor: float) -> list[LogEvent]:
-    """The log with every phase's FLOPs multiplied by `factor` (batch B -> factor * B).
-
-    Weight bytes do not depend on the batch; activation bytes are small at decode batch sizes and
-    are left as recorded.
-    """
-    if not (isinstance(factor, (int, float)) and factor > 0):
-        raise ValueError(f"factor={factor!r} is invalid: a number > 0")
-    return [dataclasses.replace(ev, flops=ev.flops * factor) if ev.kind.startswith("phase") else ev
-            for ev in events_of(log)]
-
-
-# ---- closed forms to check the model against -------------------------------------------------
-def guide_compute_bound_s(alpha: float, x_bytes: float, beta: float, n: int, y_flops: float,
-                          f: float) -> float:
-    """Pallas pipelining guide, compute-bound: (α + X/β) + N·Y/F (the first copy is exposed)."""
-    return (alpha + x_bytes / beta) + n * (y_flops / f)
-
-
-def guide_bandwidth_bound_s(alpha: float, x_bytes: float, beta: float, n: int) -> float:
-    """Pallas pipelining guide, bandwidth-bound: α + N·X/β (copies back to back)."""
-    return alpha + n * (x_bytes / beta)
-
-
-def hbm_floor_s(nbytes: float, chip: str | TimelineChip = "tpu7x") -> float:
-    """Seconds to move `nbytes` at `chip`'s HBM bandwidth (per JAX device)."""
-    chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
-    return nbytes / chip.hbm_bandwidth

@@ -282,8 +282,8 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 # The released kernels run Kimi K3 on 32 ranks (16 TPU7x chips × 2 TensorCores): 3 attention
 # heads, 112 local experts with a 768-wide slice of the expert hidden, a 5120-row vocab shard
 # (spec §9; the collectives are left out on one device). `kimi-k3-rank`, one rank of the release
-# layout (`mkresearch.layout.rank_config`), has those shapes; notebook 08 compiles the sharded
-# kernel with its collectives on all 32 devices. The
+# layout (`mkresearch.layout.rank_config`), has those shapes (the sharded kernel with its
+# collectives, on all 32 devices, is compiled by `make recorded`). The
 # VMEM plan is computed first — every buffer with its bytes — and checked against the chip; then
 # libtpu's Mosaic compiler builds the kernel from shapes alone (no weights are allocated).
 #
