@@ -48,11 +48,12 @@ OTHER_XLA_FLAGS += --xla_cpu_max_isa=AVX
 endif
 NBVAL := $(BIN)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
-# pytest over tests/, then nbval over every committed notebook (fact cells are compared, and each
-# notebook's run time against its budget: notebooks/conftest.py) under the default XLA:CPU
-# configuration and under OTHER_XLA_FLAGS.
+# pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
+# thread; each test file stays in one worker, so module fixtures are shared), then nbval over
+# every committed notebook (fact cells are compared, and each notebook's run time against its
+# budget: notebooks/conftest.py) under the default XLA:CPU configuration and under OTHER_XLA_FLAGS.
 test: venv browser
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 ifneq ($(NOTEBOOKS),)
 	$(NBVAL) $(NOTEBOOKS)
 	XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
@@ -60,7 +61,7 @@ endif
 
 # Day-to-day: every test not marked slow (no nbval), a few minutes.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow" tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 lab: venv
 	$(BIN)/jupyter lab --notebook-dir=notebooks
@@ -69,7 +70,8 @@ figures: venv
 	$(BIN)/mkresearch figures --out figures
 
 # Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
-# megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout).
+# megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout), at one
+# rank of each other family (config.rank_shapes) and sharded over 32 ranks.
 recorded: venv
 	$(BIN)/python -m mkresearch.recorded
 

@@ -6,7 +6,8 @@
   per step: the same greedy token, and the max |logit difference|.
 * `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
   both backends on this machine, and the timeline model's prediction for a TPU chip from one
-  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log).
+  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log), and for a mini
+  that step scaled to one rank of its full model (`predict_full_size`, as `decode` reports it).
 
 Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
 mode (a simulator: its seconds say nothing about a TPU) and the reference is plain XLA on the
@@ -28,9 +29,13 @@ from mkresearch.scaling import scale_log
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
-# mini preset -> (one rank of its full model's released layout, `layout.named_config`, the full
+# mini preset -> (one rank of its full model, `layout.named_config`: the release layout's for Kimi
+# K3, `config.rank_shapes` for the families, whose kinds have no sharding rules yet; the full
 # model): where a recorded mini step is scaled to for a full-size prediction (spec §9)
-FULL_SIZE_RANK = {"kimi-k3-mini": ("kimi-k3-rank", "kimi-k3")}
+FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
+                  for full in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}
+# full model -> its published decode throughput on TPU7x by batch (tok/s), where there is one
+PUBLISHED_TPU7X = {"kimi-k3": roofline.PUBLISHED_TPU7X_16_CHIPS}
 
 
 def _backend_label(backend: str) -> str:
@@ -72,12 +77,26 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
         return None
     rank, events, unique = scale_to_rank(log, cfg, batch)
     simulated = timeline.simulate(events, chip)
-    published = roofline.PUBLISHED_TPU7X_16_CHIPS.get(batch)
+    published = PUBLISHED_TPU7X.get(FULL_SIZE_RANK[cfg.name][1], {}).get(batch)
     return {"model": rank.name, "chip": chip, "batch": batch, "unique_experts": unique,
             "step_s": simulated.total_s, "hbm_floor_s": simulated.hbm_floor_s,
             "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
             "published_step_s": batch / published if published and chip == "tpu7x" else None,
             "label": "timeline model prediction for one rank (not measured)"}
+
+
+def near_tie_rows(ref_logits: Any, tokens: Any, gap: float = NEAR_TIE_GAP) -> list[tuple]:
+    """(row, reference top-2 logit gap, token differs) for every row whose greedy token differs
+    from the reference's (argmax of ref_logits [B, V]) or whose gap is under `gap`: a near-tie,
+    the only place two logit vectors within gap / 2 of each other may pick different tokens."""
+    import numpy as np
+
+    ref_logits = np.asarray(ref_logits)
+    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+    gaps = top2[:, 1] - top2[:, 0]  # [B]
+    differ = np.asarray(tokens) != ref_logits.argmax(-1)
+    return [(int(row), float(gaps[row]), bool(differ[row]))
+            for row in np.flatnonzero((gaps < gap) | differ)]
 
 
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
@@ -118,13 +137,11 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         next_token = np.asarray(next_token)
         if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
             ref_logits = np.asarray(logits)
-            ref_token = ref_logits.argmax(-1)
             worst = max(worst, float(np.abs(np.asarray(aux["logits"]) - ref_logits).max()))
-            equal += int((ref_token == next_token).sum())
-            top2 = np.sort(ref_logits, axis=-1)[:, -2:]
-            for row in np.flatnonzero(ref_token != next_token):
-                near_ties.append({"step": t - prompt_len + 1, "row": int(row),
-                                  "top2_gap": float(top2[row, 1] - top2[row, 0])})
+            equal += int((ref_logits.argmax(-1) == next_token).sum())
+            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
+                          for row, gap, differs in near_tie_rows(ref_logits, next_token)
+                          if differs]
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()
@@ -177,7 +194,11 @@ def print_decode(result: dict) -> None:
     print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
           f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "
           f"({p['dma_bytes'] / 1e6:.1f} MB per step)")
-    full = result.get("full_size")
+    _print_full_size(result.get("full_size"))
+
+
+def _print_full_size(full: dict | None) -> None:
+    """The full-size prediction's line (predict_full_size), if the model has one."""
     if full:
         published = (f"; published release on 16 TPU7x chips: {full['published_step_s'] * 1e3:.2f}"
                      f" ms/step" if full["published_step_s"] else "")
@@ -185,6 +206,16 @@ def print_decode(result: dict) -> None:
               f"({full['label']}): {full['step_s'] * 1e3:.2f} ms/step, "
               f"{full['dma_bytes'] / 1e9:.2f} GB per step, {full['roofline_fraction']:.0%} of "
               f"the HBM roofline{published}")
+
+
+def print_bench_row(row: dict) -> None:
+    """What `mkresearch bench` prints for one batch size (a row of run_bench)."""
+    mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
+    print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
+          f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
+          f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
+          f"tokens/s ({p['label']})")
+    _print_full_size(row.get("full_size"))
 
 
 # ---- mkresearch bench --------------------------------------------------------------------------
@@ -234,7 +265,8 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
                            "label": _backend_label("megakernel")},
             "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
                           "label": _backend_label("reference")},
-            "prediction": predict(log, chip, batch)}
+            "prediction": predict(log, chip, batch),
+            "full_size": predict_full_size(log, cfg, batch, chip)}
 
 
 def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",

@@ -40,13 +40,7 @@ from mkresearch import (
     weights,
 )
 from mkresearch.chips import CHIPS
-from mkresearch.config import (
-    EXPERT_FORMATS,
-    MLA_CACHE_LAYOUTS,
-    PRESETS,
-    ModelConfig,
-    layer_pattern,
-)
+from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.kernels import megakernel
 from mkresearch.kernels.megakernel_plan import MAX_BATCH
 from mkresearch.roofline import tree_bytes
@@ -145,7 +139,7 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
         "dense_layers": list(cfg.dense_layers),
         "moe_layers": list(cfg.layers_of(routed.name)) if routed else [],
         "parameters": {"total": total, "active": active,
-                       "mtp_modules": roofline.mtp_parameters(cfg)},
+                       "mtp_modules": roofline.mtp_parameters(cfg), **roofline.as_published(cfg)},
         "step_bytes": step.as_dict(),
         "cache_bytes_per_token": roofline.cache_bytes_per_token(
             cfg.replace(mla_cache_layout=step.mla_cache_layout)),
@@ -177,6 +171,12 @@ def _print_info(report: dict) -> None:
            "part of the step)" if params["mtp_modules"] else "")
     print(f"parameters: total {_human_count(params['total'])}, "
           f"active per token {_human_count(params['active'])}{mtp}")
+    if "publisher_rule" in params:  # the publisher's figures, counted its way
+        rule, n = params["publisher_rule"], _human_count
+        print(f"  as published (embedding {'in' if rule['embedding_active'] else 'out'}, LM head "
+              f"{'in' if rule['lm_head_active'] else 'out'} of active): total {n(rule['total'])}, "
+              f"active {n(rule['active'])} (published {n(rule['published'][0])} / "
+              f"{n(rule['published'][1])})")
     print(f"bytes per decode step: batch {step['batch']}, context {step['context']}, experts "
           f"{step['expert_format']}" + (f", MLA cache {step['mla_cache_layout']}"
                                         if "mla_cache_bytes_per_token" in report else "")
@@ -308,7 +308,7 @@ def _parser() -> _Parser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = commands.add_parser("decode", help="prefill + greedy decode of a random prompt")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     p.add_argument("--batch", type=int, default=1)
@@ -323,7 +323,7 @@ def _parser() -> _Parser:
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="B")
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
     p.add_argument("--chip", default="tpu7x",
@@ -342,7 +342,7 @@ def _parser() -> _Parser:
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "
                                          "plan, HBM bytes against the roofline")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
     p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
@@ -433,11 +433,7 @@ def _run(argv: Sequence[str] | None) -> int:
                                      out_json=out / "decode_bench.json",
                                      figure=out / "decode_bench.png")
         for row in result["rows"]:
-            mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
-            print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
-                  f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
-                  f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
-                  f"tokens/s ({p['label']})")
+            bench.print_bench_row(row)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
         return 0
 

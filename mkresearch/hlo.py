@@ -1,8 +1,11 @@
-"""Reading compiled XLA programs: how many kernels one step launches (HLO text of a CompileResult)."""
+"""Reading compiled XLA programs: how many kernels one step launches (HLO text of a CompileResult),
+and what a traced step is made of (the primitives of its jaxpr)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import Any
 
 _HLO_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _HLO_CALLS = re.compile(r"(?:body|condition|true_computation|false_computation|to_apply_loop)=%?([\w.\-]+)"
@@ -39,3 +42,15 @@ def count_xla_kernels(hlo_text: str) -> int:
             for single, branches in _HLO_CALLS.findall(line):
                 todo += [single] if single else [b.strip().lstrip("%") for b in branches.split(",")]
     return count
+
+
+def jaxpr_primitives(jaxpr: Any) -> Iterator[str]:
+    """The name of every equation's primitive in a (closed) jaxpr, nested jaxprs included (a
+    megakernel step: `list(...).count("pallas_call") == 1`)."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn.primitive.name
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else [value]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_primitives(inner)

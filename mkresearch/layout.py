@@ -54,7 +54,7 @@ import numpy as np
 
 import mkresearch.stages  # noqa: F401 - registers the built-in stage kinds and their rules
 from mkresearch import spec
-from mkresearch.config import LANE, PRESETS, ModelConfig, get_config
+from mkresearch.config import LANE, PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
 from mkresearch.formats import quantized_shapes
 
 OURS, RELEASE = "ours", "release"
@@ -390,20 +390,35 @@ def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
 
 
 RELEASE_RANKS = 32  # spec §9: 16 TPU7x chips x 2 TensorCores
-RANK_SUFFIX = "-rank"
 
 
 def named_config(name: str, **overrides: Any) -> ModelConfig:
-    """A preset (`config.get_config`), or '<preset>-rank': one rank of the preset's release
-    layout on RELEASE_RANKS ranks (`rank_config`), derived from the layout, not typed in."""
-    if name.endswith(RANK_SUFFIX) and name[:-len(RANK_SUFFIX)] in PRESETS:
-        return rank_config(get_config(name[:-len(RANK_SUFFIX)]), RELEASE, RELEASE_RANKS,
-                           **overrides)
-    return get_config(name, **overrides)
+    """A preset (`config.get_config`), or '<preset>-rank': one of RELEASE_RANKS ranks of the preset,
+    derived, not typed in: from its release layout (`rank_config`) when every kind declares
+    sharding rules; otherwise (the families' gqa, mla_rope, moe_full) from `config.rank_shapes`,
+    the pre-sharding stand-in issue 15 allows ("before it, at one rank's shapes"): the release's
+    division of Kimi K3 (equal to `rank_config` there), until those kinds declare rules."""
+    base = name[:-len(RANK_SUFFIX)]
+    if not (name.endswith(RANK_SUFFIX) and base in PRESETS):
+        return get_config(name, **overrides)
+    full = get_config(base)
+    if has_rules(full):
+        return rank_config(full, RELEASE, RELEASE_RANKS, **overrides)
+    rank = rank_shapes(full)
+    return rank.replace(**overrides) if overrides else rank
+
+
+def _has_rank(cfg: ModelConfig) -> bool:
+    if has_rules(cfg):
+        return RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS)
+    try:
+        rank_shapes(cfg)
+    except ValueError:  # a mini: its heads or experts do not split 32 ways
+        return False
+    return True
 
 
 def config_names() -> tuple[str, ...]:
     """Every name `named_config` takes: the presets and one rank of each full-size one."""
-    ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items()
-                  if RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS) and has_rules(cfg))
+    ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
     return (*PRESETS, *ranks)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkresearch import kv_cache, reference, roofline, weights
+from mkresearch import kv_cache, reference, roofline, spec, weights
 from mkresearch.config import MLA_CACHE_LAYOUTS, ModelConfig
 from mkresearch.kernels import dma, router
 from mkresearch.kernels.experts import EXPERT_DMA_PREFIX, routed_experts
@@ -54,43 +54,50 @@ def hbm_bytes_by_component(log: dma.DmaLog) -> dict[str, int]:
 @dataclass(frozen=True)
 class MinimumBytes:
     """The least HBM traffic of one step: each weight once, each unique routed expert once, the
-    cached tokens' KV rows in whole 16-row HBM tiles (`kv_cache.kv_tile_bytes_needed`), the
-    recurrent/conv state read and written, the new KV entries written, one embedding row per
-    sequence."""
+    cached tokens' KV rows of every cache kind in whole 16-row HBM tiles
+    (`kv_cache.rows_read`), the recurrent state (KDA's) read and written, the new KV entries
+    written, one embedding row per sequence."""
 
     weights: int
     embedding_rows: int
     routed_experts: int
     kv_tiles: int
-    kda_state: int
+    recurrent_state: int
     kv_entries: int
 
     @property
     def total(self) -> int:
         return (self.weights + self.embedding_rows + self.routed_experts + self.kv_tiles
-                + self.kda_state + self.kv_entries)
+                + self.recurrent_state + self.kv_entries)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {getattr(self, k):,d}" for k in
-                          ("weights", "embedding_rows", "routed_experts", "kv_tiles", "kda_state",
-                           "kv_entries"))
+                          ("weights", "embedding_rows", "routed_experts", "kv_tiles",
+                           "recurrent_state", "kv_entries"))
         return f"minimum {self.total:,d} B = {parts}"
 
 
 def minimum_step_bytes(cfg: ModelConfig, batch: int, positions: Any,
                        expert_ids: Any) -> MinimumBytes:
-    """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux)."""
-    step = roofline.step_bytes(cfg, batch)  # every weight but the routed experts and embedding
-    weights = sum(step.read[name] for name in ("kda", "mla", "dense", "moe_nonrouted", "lm_head",
-                                               "norms_and_mix"))
+    """positions [B] of the step; expert_ids [n_moe, B, k] its routing (reference aux).
+
+    Any model of the stage registry: the weights are every component of `roofline.step_bytes`
+    but the routed experts, the embedding rows and the states; each cache kind (MLA expanded or
+    latent, MLA with RoPE, GQA) reads Σ_b rows_read(p_b) tokens at its bytes per token
+    (`roofline.cache_bytes_per_token`, every layer with a cache) and writes one per row."""
+    step = roofline.step_bytes(cfg, batch)  # context 0: the states read are the recurrent ones
+    routed = {kind.routed_component[0] for kind in spec.stages_of(cfg) if kind.routed}
+    apart = routed | set(step.state_components) | {"embedding_rows"}
     unique = sum(len(np.unique(layer)) for layer in np.asarray(expert_ids))
-    n_mla = len(cfg.mla_layers)
+    per_token = roofline.cache_bytes_per_token(cfg)
+    tokens = sum(kv_cache.rows_read(int(position)) for position in np.asarray(positions))
     return MinimumBytes(
-        weights=weights, embedding_rows=step.read["embedding_rows"],
+        weights=sum(v for name, v in step.read.items() if name not in apart),
+        embedding_rows=step.read["embedding_rows"],
         routed_experts=unique * roofline.expert_bytes(cfg),
-        kv_tiles=n_mla * kv_cache.kv_tile_bytes_needed(positions, cfg),
-        kda_state=step.read["kda_state"] + step.written["kda_state"],
-        kv_entries=n_mla * batch * kv_cache.kv_bytes_per_token(cfg))
+        kv_tiles=tokens * per_token,
+        recurrent_state=2 * batch * roofline.recurrent_state_bytes(cfg),
+        kv_entries=batch * per_token)
 
 
 # ---- MLA KV traffic --------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Compile results recorded by a command and committed, so that a notebook can show them
 instead of spending most of its time budget compiling.
 
-Compiling the megakernel for TPU7x at `kimi-k3-rank` shapes takes 25-55 s on two CPU cores;
-notebook 06 shows the recorded result unless asked to compile (or the record does not match):
+Compiling the megakernel for TPU7x at `kimi-k3-rank` shapes takes 25-55 s on two CPU cores (one
+rank of DeepSeek-V3 or GLM-4.5 20-25 s); notebooks 06 and 10 show the recorded results unless asked
+to compile (or a record does not match):
 
     mkresearch compile kimi-k3-rank --chip tpu7x --record     # (re)writes the record
     make recorded        # python -m mkresearch.recorded: the same, for every record
@@ -35,8 +36,11 @@ from mkresearch.tpu import CompileResult
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
 # The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
-# a preset or '<preset>-rank', one rank of its release layout (`mkresearch.layout.named_config`).
-RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),)
+# a preset or '<preset>-rank', one rank of it (`mkresearch.layout.named_config`).
+RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
+                     # notebook 10: one rank of each other family (config.rank_shapes)
+                     ("deepseek-v3-rank", 1, "tpu7x"), ("glm-4.5-rank", 1, "tpu7x"),
+                     ("qwen3-235b-a22b-rank", 1, "tpu7x"))
 
 
 # (model, ranks, layout, batch, chip): the sharded step on `sharded.FULL_TOPOLOGY`

@@ -325,6 +325,59 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
             "routed_active": routed - unselected}
 
 
+@dataclass(frozen=True)
+class CountingRule:
+    """How a publisher counts its "total" and "active" parameters, beside `parameter_breakdown`
+    (total: every weight of the decode step, MTP modules apart; active: all but the embedding
+    table and the routed experts a token does not choose, the LM head included). Each rule is
+    read off the publisher's own figures for a sibling model too (`checked_on`)."""
+
+    embedding_active: bool  # the input embedding table counted as active (a one-row lookup)
+    lm_head_active: bool  # the LM head counted as active
+    published: tuple[float, float]  # (total, active) as published: quoted, never computed
+    checked_on: str  # a sibling model's published figures the same rule reproduces, by hand
+
+
+# The totals are the main model's (MTP apart) under every rule. DeepSeek's 37 B is this rule's
+# 36.63 B rounded to whole billions: 1.01 % under the published figure (no natural rule lands
+# within 1 %: with the embedding table it is 37.55 B, +1.5 %).
+PARAMETER_RULES = {
+    "deepseek-v3": CountingRule(
+        embedding_active=False, lm_head_active=True, published=(671e9, 37e9),
+        checked_on="DeepSeek-V2 (236 B / 21 B published): 235.74 B / 20.85 B"),
+    "glm-4.5": CountingRule(  # with its MTP layer the total would be 356.8 B (+0.5 %)
+        embedding_active=False, lm_head_active=False, published=(355e9, 32e9),
+        checked_on="GLM-4.5-Air (106 B / 12 B published): 106.85 B / 12.18 B"),
+    "qwen3-235b-a22b": CountingRule(
+        embedding_active=True, lm_head_active=True, published=(235e9, 22e9),
+        checked_on="Qwen3-30B-A3B (30.5 B / 3.3 B published): 30.53 B / 3.35 B"),
+}
+
+
+def counting_rule(cfg: ModelConfig) -> CountingRule | None:
+    """The publisher's rule for a full preset (its -mini and -rank are not published models)."""
+    return PARAMETER_RULES.get(cfg.name)
+
+
+def published_counts(cfg: ModelConfig, rule: CountingRule) -> tuple[int, int]:
+    """(total, active) of `cfg` counted by `rule`: ours, with the embedding table and the LM head
+    in or out of the active count as the publisher counts them."""
+    counts = parameter_breakdown(cfg)
+    active = (counts["active"] + rule.embedding_active * counts["embedding"]
+              - (not rule.lm_head_active) * counts["lm_head"])
+    return counts["total"], active
+
+
+def as_published(cfg: ModelConfig) -> dict:
+    """{"publisher_rule": the parameters as the model's publisher counts them, with its rule}
+    (`mkresearch info`), or {} for a model with no rule in PARAMETER_RULES."""
+    rule = counting_rule(cfg)
+    if rule is None:
+        return {}
+    total, active = published_counts(cfg, rule)
+    return {"publisher_rule": {"total": total, "active": active, **vars(rule)}}
+
+
 def mtp_parameters(cfg: ModelConfig) -> int:
     """Parameters of the model's multi-token-prediction modules (DeepSeek-V3: 1), not counted in
     `parameter_counts`. One module (DeepSeek-V3 §2.2) is a layer of the last layer's kinds with

@@ -12,40 +12,55 @@ from typing import Any
 import jax
 import numpy as np
 
-from mkresearch import reference, roofline, timeline, weights
+from mkresearch import reference, roofline, spec, timeline, weights
 from mkresearch.config import ModelConfig
-from mkresearch.kernels import quant, weight_stream
-from mkresearch.kv_cache import kv_bytes_per_token
+from mkresearch.kernels import quant, residuals, weight_stream
 
 
 def _per_layer_bytes(tree: Any) -> int:
     return math.prod(tree.shape[1:]) * np.dtype(tree.dtype).itemsize
 
 
+def _dma_prefix(streamed: tuple) -> str | None:
+    """An attention kind's DMA-log prefix ('kda.', 'mla.', 'gqa.'): its streamed matrices are
+    logged as prefix + weights key."""
+    return next((m.name[:-len(m.key)] for m in streamed if m.name.endswith(m.key)), None)
+
+
 def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
-    """DMA-log name -> bytes one event of that name moves in a step of `cfg` (one layer's matrix,
-    one KV token, one expert's part, one row of a vector...)."""
+    """DMA-log name (or name prefix) -> bytes one event of that name moves in a step of `cfg`
+    (one layer's matrix, one KV token, one expert's part, one row of a vector...), for every
+    stage kind of the model (`spec.stages_of`)."""
     params = weights.param_shapes(cfg)
+    logical = spec.param_table(cfg)
+    streamed = weight_stream.streamed_matrices(cfg)  # the matrices' DMA-log names
+    caches = spec.state_table(cfg, 1, 1)  # one row, one token
     table: dict[str, float] = {}
-    for group, prefix in (("kda", "kda."), ("mla", "mla.")):
-        for key, leaf in params[group].items():
-            table[prefix + key] = _per_layer_bytes(leaf)
-    streamed = weight_stream.streamed_matrices(cfg)  # the FFN matrices' DMA-log names
-    for kind in ("moe", "dense"):
+    for stage in spec.stages_of(cfg):
+        kind = stage.name
         for matrix in streamed.get(kind, ()):
             table[matrix.name] = _per_layer_bytes(params[kind][matrix.key])
-    table["router/bias"] = _per_layer_bytes(params["moe"]["router_bias"])
-    table["latent/norm"] = _per_layer_bytes(params["moe"]["latent_norm"])
-    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
-    table["kda.conv_state"] = _per_layer_bytes(state["kda"]["conv"])
-    table["kda.state"] = _per_layer_bytes(state["kda"]["recurrent"])
-    table["mla.kv"] = kv_bytes_per_token(cfg)
-    table["mla.kv_update"] = kv_bytes_per_token(cfg)
-    for m, (k, n) in zip(("w1", "w3", "w2"), ((cfg.moe_latent, cfg.expert_hidden),) * 2
-                         + ((cfg.expert_hidden, cfg.moe_latent),)):
-        for part, struct in zip(quant.part_names(cfg.expert_format),
-                                quant.part_structs(cfg.expert_format, k, n)):
-            table[f"expert/{m}/{part}"] = struct.size * np.dtype(struct.dtype).itemsize
+        prefix = _dma_prefix(streamed.get(kind, ())) if stage.role == spec.ATTENTION else None
+        if prefix:  # every weight of an attention kind, streamed or loaded whole
+            for key, leaf in params[kind].items():
+                table[prefix + key] = _per_layer_bytes(leaf)
+            cache = sum(_per_layer_bytes(leaf) for leaf in caches.get(kind, {}).values()
+                        if leaf.kind == spec.CACHE)
+            if cache:  # KV tiles and the new token's entry: per token
+                table[prefix + "kv"] = table[prefix + "kv_update"] = cache
+        for key, name in (("router_bias", "router/bias"), ("latent_norm", "latent/norm")):
+            if key in params[kind]:
+                table[name] = _per_layer_bytes(params[kind][key])
+        if stage.routed:
+            for m in ("w1", "w3", "w2"):
+                k, n = logical[kind]["experts"][m].shape[-2:]
+                for part, struct in zip(quant.part_names(cfg.expert_format),
+                                        quant.part_structs(cfg.expert_format, k, n)):
+                    table[f"expert/{m}/{part}"] = struct.size * np.dtype(struct.dtype).itemsize
+    if "kda" in cfg.kinds:
+        state = jax.eval_shape(lambda: reference.init_state(cfg, batch, 1))
+        table["kda.conv_state"] = _per_layer_bytes(state["kda"]["conv"])
+        table["kda.state"] = _per_layer_bytes(state["kda"]["recurrent"])
     for name in ("embed", "mix_attn", "attn_norm", "mix_mlp", "mlp_norm", "mix_out",
                  "final_norm"):
         table[name] = cfg.d_model
@@ -55,12 +70,12 @@ def _byte_table(cfg: ModelConfig, batch: int) -> dict[str, float]:
 
 
 def _table_key(name: str, table: dict) -> str | None:
+    """`name` if the table has it, else the longest table name it extends ('gqa.kv.k' -> 'gqa.kv',
+    'mla.kv_update.ckv.read' -> 'mla.kv_update')."""
     if name in table:
         return name
-    for prefix in ("kda.conv_state", "kda.state", "mla.kv_update", "mla.kv"):
-        if name.startswith(prefix + "."):
-            return prefix
-    return None
+    prefixes = [key for key in table if name.startswith(key + ".")]
+    return max(prefixes, key=len) if prefixes else None
 
 
 def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
@@ -78,21 +93,20 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
     rec_bytes, tgt_bytes = _byte_table(recorded, batch), _byte_table(target, batch)
     if unique_experts is None:
         unique_experts = roofline.expected_unique_experts(target.n_experts, target.top_k, batch)
-    starts = [i for i, e in enumerate(events) if e.kind == "dma_start" and e.name == "mix_attn"]
-    tail = next(i for i, e in enumerate(events) if e.name == "mix_out")
+    first_vector = residuals.RESIDUALS[recorded.residual].vectors[0]  # loaded first, every layer
+    starts = [i for i, e in enumerate(events) if e.kind == "dma_start" and e.name == first_vector]
+    tail = next(i for i, e in enumerate(events) if e.name in ("mix_out", "final_norm"))
     if len(starts) != recorded.n_layers:
         raise ValueError(f"log has {len(starts)} layers, recorded={recorded.name!r} has "
                          f"{recorded.n_layers}: pass the config the log was recorded at")
     bounds = starts + [tail]
 
-    def kinds(cfg, layer):
-        if layer >= cfg.n_layers:
-            return None
-        return ("mla" if cfg.is_mla(layer) else "kda",
-                "moe" if layer >= cfg.n_dense_layers else "dense")
+    def kinds(cfg, layer):  # (attention kind, FFN kind)
+        return cfg.layers[layer] if layer < cfg.n_layers else None
 
-    first_names = {kind: [e.name for e in weight_stream.make_stream_plan(recorded)
-                          .entries(kind)] for kind in ("kda", "mla")}
+    stream = weight_stream.make_stream_plan(recorded)
+    first_names = {kind: [e.name for e in stream.entries(kind)]
+                   for kind in dict.fromkeys(recorded.attention_kinds)}
 
     def scaled(ev, ratio_extra=1.0, layer_map=None, rename=None):
         name = rename.get(ev.name, ev.name) if rename else ev.name

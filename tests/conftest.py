@@ -4,6 +4,8 @@ Keep this generic: fixtures of one kernel live in that kernel's test module.
 """
 
 
+import gc
+
 import pytest
 
 from mkresearch import tpu as _tpu
@@ -28,3 +30,17 @@ def race_checked():
         _tpu.reset_interpret_options()
         _tpu.interpret_options(**previous)
     assert not raced, "the race detector found a race (see 'RACE DETECTED' above)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test module, drop JAX's compiled executables. Each XLA:CPU executable keeps its
+    JIT code in its own memory mappings, and the interpret-mode kernels of one run of tests/ made
+    more than Linux's default 65,530 mappings per process (vm.max_map_count): the next compile's
+    mmap failed and the process died of a segmentation fault inside XLA."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

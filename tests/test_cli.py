@@ -122,6 +122,62 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     assert len(lines) == 1 and "does not fit the HBM of one v5e device" in lines[0]
 
 
+# ---- the other families (spec/families.md) -----------------------------------------------------
+# The CLI's decode path is the same for every model (tests/test_families.py and
+# tests/test_families_megakernel.py check each family's step): one family per backend here, and
+# the third through `bench` below
+@pytest.mark.parametrize("model, backend", [("glm-4.5-mini", "reference"),
+                                            ("deepseek-v3-mini", "megakernel")])
+def test_decode_family_minis(capsys, model, backend):
+    """`decode --model <family mini>`: tokens, parity (reference) or agreement (megakernel), and
+    for the megakernel one rank of the full model predicted on TPU7x."""
+    from mkresearch import cli
+
+    assert cli.main(["decode", "--model", model, "--prompt-len", "2", "--steps", "2", "--batch",
+                     "2", "--backend", backend, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == model and result["backend"] == backend
+    assert [len(row) for row in result["generated"]] == [2, 2]
+    if backend == "reference":
+        assert result["parity"]["passed"]
+        return
+    assert result["agreement"]["passed"] and result["agreement"]["max_abs_logit_diff"] <= 5e-2
+    full = result["full_size"]
+    assert full["model"] == model.replace("-mini", "-rank") and full["step_s"] > 0
+    assert full["published_step_s"] is None  # only Kimi K3's release has a published number
+
+
+def test_bench_a_family_mini(tmp_path, capsys):
+    from mkresearch import cli
+
+    assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "B=1: megakernel" in out and "full size, one rank (qwen3-235b-a22b-rank, B=1)" in out
+    result = json.loads((tmp_path / "decode_bench.json").read_text())
+    assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
+    full = result["rows"][0]["full_size"]  # the mini's step scaled to one rank of the full model
+    assert full["model"] == "qwen3-235b-a22b-rank" and full["published_step_s"] is None
+    assert full["step_s"] >= full["hbm_floor_s"] > 0
+
+
+def test_compile_a_family_mini(capsys):
+    from mkresearch import cli
+
+    assert cli.main(["compile", "glm-4.5-mini"]) == 0
+    assert "1 Mosaic kernel(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "glm-4.5", "qwen3-235b-a22b", "deepseek-v3-rank",
+                                   "glm-4.5-rank", "qwen3-235b-a22b-rank"])
+def test_info_full_presets_and_their_ranks(capsys, model):
+    from mkresearch import cli
+
+    assert cli.main(["info", model, "--context", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{model}: ") and "routed experts" in text and "tokens/s" in text
+
+
 # ---- mkresearch plan: the schedule of one step, against the roofline -------------------------------
 def expected_differences(cfg, batch, context):
     """What the kernel moves beyond roofline.step_bytes, by component (schedule_report.DIFFERENCES):
@@ -164,16 +220,17 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
     assert comparison["difference"] == sum(differing.values())
 
 
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.config").config.PRESETS))
-def test_plan_on_every_preset(name):
-    """`mkresearch plan MODEL --json` from shapes (the full model too): one JSON object whose
-    HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
-    experts) plus the named differences, and no late prefetch."""
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.layout").layout.config_names()))
+def test_plan_on_every_preset(capsys, name):
+    """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
+    object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
+    experts) plus the named differences, and no late prefetch. In this process (a subprocess
+    per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
+    from mkresearch import cli
     from mkresearch.config import get_config
 
-    done = run("plan", name, "--json")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    assert cli.main(["plan", name, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     cfg = get_config(name)
     assert report["model"] == name and not report["exact"] and len(report["assumptions"]) == 2
     assert_plan_matches_the_roofline(report, cfg, 1, cfg.max_seq_len - 1)

@@ -36,6 +36,7 @@ from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels.megakernel_plan import VmemPlanError
 
 from mkresearch import config, layout, reference, sampling, timeline, weights
+from mkresearch.bench import near_tie_rows
 from mkresearch.chips import CHIPS
 from mkresearch.hlo import count_xla_kernels
 from mkresearch.logs import hbm_bytes, minimum_step_bytes
@@ -126,14 +127,11 @@ def run_steps(cfg, params, batch, n_steps, *, record=False):
             f"step {step}: logits differ by {diff.max():.4g} > {LOGIT_TOL} in rows "
             f"{np.flatnonzero(diff > LOGIT_TOL).tolist()}")
         assert_states_match(mk_state, next_state, same_inputs=False)
-        top2 = np.sort(np.asarray(logits), axis=-1)[:, -2:]
-        gaps = top2[:, 1] - top2[:, 0]  # [B]
-        differ = np.asarray(mk_tokens) != ref_tokens
-        for row in np.flatnonzero((gaps < NEAR_TIE_GAP) | differ):
-            near_ties.append((step, int(row), round(float(gaps[row]), 4), bool(differ[row])))
-        assert not np.any(differ & (gaps >= NEAR_TIE_GAP)), (
+        rows = near_tie_rows(logits, mk_tokens, NEAR_TIE_GAP)
+        near_ties += [(step, row, round(gap, 4), differs) for row, gap, differs in rows]
+        assert all(gap < NEAR_TIE_GAP for _, gap, differs in rows if differs), (
             f"step {step}: tokens {np.asarray(mk_tokens).tolist()} != reference "
-            f"{ref_tokens.tolist()} off near-ties (top-2 gaps {gaps.round(4).tolist()})")
+            f"{ref_tokens.tolist()} off near-ties {rows}")
         ref_state, tokens, positions = next_state, jnp.asarray(ref_tokens), positions + 1
     return near_ties, worst, logs
 
