@@ -70,7 +70,8 @@ figures: venv
 	$(BIN)/mkresearch figures --out figures
 
 # Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
-# megakernel compiled for TPU7x at kimi-k3-rank shapes and at one rank of each other family.
+# megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout), at one
+# rank of each other family (config.rank_shapes) and sharded over 32 ranks.
 recorded: venv
 	$(BIN)/python -m mkresearch.recorded
 

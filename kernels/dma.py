@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkresearch import tpu
@@ -55,6 +56,15 @@ class Event:
     indices: dict[str, int] = field(default_factory=dict)  # loop indices given by the kernel
     flops: int = 0  # declared FLOPs of a phase
     vmem_bytes: int = 0  # declared VMEM working set of a phase
+    # in a sharded kernel (`on_rank`): the rank that executed the event; for a remote copy
+    # (`RemoteCopy`) the ranks it goes from and to (None for a copy within one rank)
+    rank: int | None = None
+    src_rank: int | None = None
+    dst_rank: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.dst_rank is not None
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,8 +98,22 @@ class DmaLog:
                 if (kind is None or e.kind == kind) and (name is None or e.name.startswith(name))]
 
     def dma_bytes(self, name: str | None = None) -> int:
-        """Total bytes of dma_start events, optionally only those whose name starts with `name`."""
-        return sum(e.nbytes for e in self.select("dma_start", name))
+        """Total bytes of dma_start events, optionally only those whose name starts with `name`.
+        Remote copies between ranks are counted apart (`remote_bytes`)."""
+        return sum(e.nbytes for e in self.select("dma_start", name) if not e.remote)
+
+    def remote_bytes(self, name: str | None = None) -> int:
+        """Bytes of the remote copies started (rank to rank), optionally one name prefix."""
+        return sum(e.nbytes for e in self.select("dma_start", name) if e.remote)
+
+    def of_rank(self, rank: int) -> DmaLog:
+        """The events one rank executed, in its order (a sharded kernel's log holds every
+        rank's events, `Event.rank`)."""
+        return DmaLog([e for e in self.events if e.rank == rank])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.rank for e in self.events if e.rank is not None}))
 
     def to_records(self) -> list[dict[str, Any]]:
         return [e.to_record() for e in self.events]
@@ -107,6 +131,18 @@ class DmaLog:
 
 
 _active: list[DmaLog] = []  # stack of logs being recorded (innermost last)
+_ranks: list[Any] = []  # trace time: the (traced) rank of the sharded kernel being traced
+
+
+@contextlib.contextmanager
+def on_rank(rank: Any) -> Iterator[None]:
+    """While a sharded kernel is traced: every event it emits carries `rank` (a traced scalar,
+    `lax.axis_index`), so one log holds every rank's events apart (`DmaLog.of_rank`)."""
+    _ranks.append(rank)
+    try:
+        yield
+    finally:
+        _ranks.pop()
 
 
 @contextlib.contextmanager
@@ -131,18 +167,24 @@ def _emitting() -> bool:
     return bool(_active) and tpu.interpret_params() is not None
 
 
-def _emit(kind: str, name: str, slot: Any, indices: dict[str, Any], **static: Any) -> None:
-    """Append an Event to the active log when this point of the kernel executes."""
-    keys = tuple(indices)
+def _emit(kind: str, name: str, slot: Any, indices: dict[str, Any],
+          ranks: dict[str, Any] | None = None, **static: Any) -> None:
+    """Append an Event to the active log when this point of the kernel executes. ranks: the
+    Event's rank fields (traced values), beside the rank of `on_rank`."""
+    ranks = {**({"rank": _ranks[-1]} if _ranks else {}), **(ranks or {})}
+    keys, rank_keys = tuple(indices), tuple(ranks)
 
-    def record(slot_value, *index_values):
+    def record(slot_value, *values):
         if _active:
+            index_values, rank_values = values[:len(keys)], values[len(keys):]
             _active[-1]._append(Event(
                 kind=kind, name=name, slot=None if slot is None else int(slot_value),
-                indices={k: int(v) for k, v in zip(keys, index_values)}, **static))
+                indices={k: int(v) for k, v in zip(keys, index_values)},
+                **{k: int(v) for k, v in zip(rank_keys, rank_values)}, **static))
 
     slot_operand = jnp.asarray(-1 if slot is None else slot, jnp.int32)
     operands = [jnp.asarray(indices[k], jnp.int32) for k in keys]
+    operands += [jnp.asarray(ranks[k], jnp.int32) for k in rank_keys]
     io_callback(record, None, slot_operand, *operands, ordered=True)
 
 
@@ -197,6 +239,55 @@ class Copy:
     def wait(self) -> Copy:
         self._descriptor().wait()
         self._log("dma_wait")
+        return self
+
+
+class RemoteCopy:
+    """One async copy from this rank's `src_ref` to `dst_ref` on rank `peer` (the same buffer
+    there, e.g. a receive slot of a collective), signalling `send_sem` here and `recv_sem` there
+    (`pltpu.make_async_remote_copy`). Logged with its source and destination rank: the sender
+    logs dma_start and the wait for its send (`wait_send`), the receiver the wait for the data
+    (`wait_recv`, built with the sender as `peer`). `rank` is this rank (traced)."""
+
+    def __init__(self, src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any, *, peer: Any,
+                 rank: Any, name: str, log_peer: Any = None, **indices: Any) -> None:
+        _check_name(name)
+        if tuple(src_ref.shape) != tuple(dst_ref.shape):
+            raise ValueError(f"RemoteCopy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
+                             f"{tuple(dst_ref.shape)}")
+        self.src_ref, self.dst_ref, self.send_sem, self.recv_sem = src_ref, dst_ref, send_sem, recv_sem
+        self.peer, self.rank, self.name, self.indices = peer, rank, name, indices
+        # the other rank in the log: `peer`, or -1 for a wait that covers the copies of several
+        # (a semaphore counts bytes: one wait for all of them)
+        self.log_peer = peer if log_peer is None else log_peer
+        self.nbytes = _nbytes(dst_ref)
+
+    def _descriptor(self):
+        return pltpu.make_async_remote_copy(self.src_ref, self.dst_ref, self.send_sem,
+                                            self.recv_sem, device_id=(self.peer,),
+                                            device_id_type=pl.DeviceIdType.MESH)
+
+    def _log(self, kind: str, src_rank: Any, dst_rank: Any) -> None:
+        if _emitting():
+            _emit(kind, self.name, None, self.indices,
+                  {"rank": self.rank, "src_rank": src_rank, "dst_rank": dst_rank},
+                  src=_memory_space(self.src_ref), dst=_memory_space(self.dst_ref),
+                  nbytes=self.nbytes)
+
+    def start(self) -> RemoteCopy:
+        self._descriptor().start()
+        self._log("dma_start", self.rank, self.log_peer)
+        return self
+
+    def wait_send(self) -> RemoteCopy:
+        self._descriptor().wait_send()
+        self._log("dma_wait", self.rank, self.log_peer)
+        return self
+
+    def wait_recv(self) -> RemoteCopy:
+        """On the receiver, with `peer` the sender: wait until its data has landed here."""
+        self._descriptor().wait_recv()
+        self._log("dma_wait", self.log_peer, self.rank)
         return self
 
 

@@ -79,76 +79,39 @@ def expert_dma_name(matrix: str, part: str) -> str:
     return f"{EXPERT_DMA_PREFIX}{matrix}/{part}"
 
 
-# ---- the work list: which expert each loop step fetches ---------------------------------------
-def _choice(i: Any, top_k: int) -> tuple[Any, Any]:
-    """Flat choice index i -> (row, k). lax.div/rem: i >= 0, and jnp's floor // and % lower
-    through a sign op that needs a TPU device to lower."""
-    return lax.div(i, top_k), lax.rem(i, top_k)
-
-
-def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any) -> jax.Array:
-    """Distinct expert ids of the batch, in ascending order, into unique_ref [B*k] (SMEM);
-    returns their count. seen_ref [E] (SMEM) is a scratch table. Scalar work: about 3E + 2·B·k
-    SMEM accesses, done before any expert DMA is issued.
-
-    Ascending order, not the order of first use: each row then adds its experts' contributions
-    in id order whatever the other rows of the batch chose, so a row's f32 sum (and its bf16
-    rounding) is batch-invariant and is the reference's (`reference.routed_experts`)."""
-    batch, top_k = ids_smem.shape
-
-    def clear(e, carry):
-        seen_ref[e] = 0
-        return carry
-
-    lax.fori_loop(0, seen_ref.shape[0], clear, 0)
-
-    def mark(i, carry):
-        seen_ref[ids_smem[_choice(i, top_k)]] = 1
-        return carry
-
-    lax.fori_loop(0, batch * top_k, mark, 0)
-
-    def compact(e, count):
-        used = seen_ref[e] != 0
-
-        @pl.when(used)
-        def _():
-            unique_ref[count] = e
-
-        return count + used.astype(jnp.int32)
-
-    return lax.fori_loop(0, seen_ref.shape[0], compact, jnp.int32(0))
-
-
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
-                eps: float, kind: str) -> jax.Array:
+                eps: float, kind: str, shard: Any = None) -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
-    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k]."""
+    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
+    shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice)."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
     # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
     run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
                             stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
                             expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
-                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind)
+                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind,
+                            shard=shard)
     if plan == "all":
         return run(n_experts, lambda i: i)
     if plan == "routed":
-        return run(batch * top_k, lambda i: ids_smem[_choice(i, top_k)])
+        return run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
+    local = () if shard is None else shard.expert_range(n_experts)
 
     def with_unique(unique_ref, seen_ref):
-        n_unique = dedupe_experts(ids_smem, unique_ref, seen_ref)
+        n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
         return run(n_unique, lambda i: unique_ref[i])
 
+    n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
     return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
-                         pltpu.SMEM((n_experts,), jnp.int32))
+                         pltpu.SMEM((n_ids,), jnp.int32))
 
 
 def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
                  experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
-                 kind):
+                 kind, shard=None):
     """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
     batch, top_k = ids.shape
     names = quant.part_names(expert_format)
@@ -174,6 +137,7 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
             for key, ring in rings.items():
                 ring.wait(sources[key].at[e], slot, item=i)
 
+        local_first = 0 if shard is None else shard.expert_range(experts["w1"][0].shape[0])[0]
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
@@ -203,16 +167,20 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
                                            mxfp4_decode=mxfp4_decode)
                 g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
                 u = matmul(z, part["w3"]).astype(jnp.bfloat16)
-                y = matmul(activation(g, u, kind), part["w2"])
+                h = activation(g, u, kind)  # on a rank: its hidden slice, then the whole
+                y = matmul(h if shard is None else shard.expert_hidden(h), part["w2"])
                 y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
                 if plan == "routed":  # this item is one (row, k) choice
                     hit = flat_choice == i
                 else:  # every choice of this expert, in every row
-                    hit = ids == expert_of(i)
+                    hit = ids == (expert_of(i) if shard is None else expert_of(i) + local_first)
                 coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
-                return acc + coef * y
+                # on a rank: kept, and added in id order across the expert groups after the loop
+                return acc + coef * y if shard is None else shard.keep_item(i, coef, y, acc)
 
         acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
+        if shard is not None:
+            acc = shard.combine_items(n_items, latent, name="expert")
         if w_ld is None:
             return acc  # [B, d] f32: Σ w_e y_e is the routed output
         rho_hat = pl.run_scoped(
@@ -265,7 +233,7 @@ class MoePlan:
 
 def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptions,
                    routed: dict | None = None, routing: router.Routing | None = None,
-                   always_on: dict | None = None) -> None:
+                   always_on: dict | None = None, shard: Any = None) -> None:
     """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
@@ -285,7 +253,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
                              latent_padded=options.latent_padded, eps=options.eps,
-                             kind=options.activation)
+                             kind=options.activation, shard=shard)
     if always_on is not None:
         total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
                            stream=stream, kind=options.activation, name=options.always_on_name)
@@ -306,7 +274,7 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
     shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
                    routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
-                   always_on=shared)
+                   always_on=shared, shard=refs.shard)
 
 
 def dense_body(plan: StageOptions, refs: StageRefs) -> None:

@@ -106,7 +106,7 @@ def _gated_mlp_dmas(call: planned.StageCall, prefix: str, weights: dict) -> list
 
 def work_list(plan: str, n_experts: int, expert_ids) -> list[int]:
     """The experts the expert loop fetches for a routing [B, k], in its order: "unique" each
-    distinct expert of the batch in ascending id (`experts.dedupe_experts`), "routed" every
+    distinct expert of the batch in ascending id (`router.dedupe_experts`), "routed" every
     (row, k) choice, "all" every expert."""
     choices = np.asarray(expert_ids).reshape(-1).tolist()
     return {"all": list(range(n_experts)), "routed": choices,

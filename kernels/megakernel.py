@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register their kinds
     blocks,
+    collectives,
     costs,
     dma,
     experts,
@@ -57,6 +58,7 @@ from mkresearch.kernels import (  # noqa: F401 - kda, mla, experts register thei
     registry,
     residuals,
     sampling,
+    sharded_stages,
     weight_stream,
 )
 from mkresearch.kernels.megakernel_plan import (  # the plan's names are the megakernel's API too
@@ -68,7 +70,7 @@ from mkresearch.kernels.megakernel_plan import (  # the plan's names are the meg
 )
 from mkresearch.kernels.weight_stream import ATTN_INDEX, ATTN_KIND, FFN_INDEX, FFN_KIND, TABLE_FIELDS
 
-from mkresearch import reference, roofline, tpu, weights
+from mkresearch import reference, roofline, spec, tpu, weights
 from mkresearch import sampling as sampling_ref
 from mkresearch.config import BF16_SUBLANE, ModelConfig
 
@@ -116,9 +118,22 @@ def _layer_refs(tree: Any, index: Any) -> Any:
 
 def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                     inputs: StepInputs, w: dict, state_in: dict, outputs: StepOutputs,
-                    state_out: dict) -> None:
+                    state_out: dict, *scratch: Any, shard: Any = None) -> None:
     """The whole decode step, on Refs: the step's inputs (SMEM scalars and VMEM rows), the
-    prepared weights and the state (HBM; the state's outputs are the same buffers)."""
+    prepared weights and the state (HBM; the state's outputs are the same buffers). On a rank of
+    a sharded model (`shard`: a collectives.ShardPlan, its buffers in `scratch`): this rank's
+    weights and state, the collectives inside (`kernels/megakernel_sharded.py`)."""
+    if shard is None:
+        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out)
+    coll = collectives.Collectives(shard, scratch)
+    with dma.on_rank(coll.rank):
+        coll.barrier()
+        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out,
+                     coll)
+
+
+def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepInputs, w: dict,
+          state_in: dict, outputs: StepOutputs, state_out: dict, coll: Any = None) -> None:
     cfg, batch = plan.cfg, plan.batch
     d = cfg.d_model
     residual = residuals.RESIDUALS[cfg.residual]
@@ -137,6 +152,10 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
         def gather(blocks_vmem):  # [B, 16, d] bf16
+            if coll is not None:  # a vocab shard: the owner's row, all-reduced
+                embedded = sharded_stages.embed(coll, w["embed"], inputs.tokens, blocks_vmem,
+                                                sems, batch)
+                return residual.start(hidden, embedded.astype(jnp.bfloat16))
             copies = []
             for b in range(batch):
                 token = inputs.tokens[b]
@@ -172,12 +191,14 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                     context = (stream.stage(kind, layer, index) if stream is not None
                                else contextlib.nullcontext(blocks.LOCAL_STREAM))
                     with context as stage_stream:
+                        if coll is not None:  # row-split matrices: partial sums all-reduced
+                            stage_stream = coll.stream(stage_stream)
                         stage.body(plan.stage_plan(kind), registry.StageRefs(
                             x=x_ref, out=out_ref, weights=_layer_refs(w[kind], index),
                             state_in=_layer_refs(state_in.get(kind, {}), index),
                             state_out=_layer_refs(state_out.get(kind, {}), index),
                             positions=inputs.positions, stream=stage_stream,
-                            scratch=scratch[kind], indices={"layer": layer}))
+                            scratch=scratch[kind], indices={"layer": layer}, shard=coll))
                 return run
 
             if len(stage_kinds) == 1:
@@ -212,6 +233,9 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                 copy.wait()
             rest = ([outputs.logits] if outputs.logits is not None else []) + [tile_slots,
                                                                                 tile_sems]
+            shard = {} if coll is None else {  # a vocab shard: global indices, states merged
+                "index_offset": coll.index(spec.VOCAB) * cfg.vocab_size,
+                "merge": sharded_stages.merge_shards(coll, use_candidates)}
             sampling.sampling_body(inputs.seed, inputs.sample_positions, inputs.temperature,
                                    inputs.top_k, inputs.top_p, snapshots, last,
                                    mix_out[0] if mix_out else None, final_norm_ref,
@@ -219,7 +243,7 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                                    vocab_tile=plan.vocab_tile, candidates=sampling.MAX_CANDIDATES,
                                    eps=cfg.rms_eps, softcap=cfg.logit_softcap,
                                    use_gumbel=use_gumbel, use_candidates=use_candidates,
-                                   return_logits=outputs.logits is not None)
+                                   return_logits=outputs.logits is not None, **shard)
 
         mix_out = [pltpu.VMEM((1, d), jnp.float32)] if "mix_out" in residual.head_vectors else []
         pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
@@ -270,6 +294,16 @@ def prepare_weights(params: dict, cfg: ModelConfig) -> dict:
 def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use_candidates: bool,
           return_logits: bool, inputs: StepInputs, weights: dict, state: dict):
     del recording  # static only so recorded and silent traces never share a jit cache entry
+    return step_call(plan, interpret, use_gumbel, use_candidates, return_logits, inputs, weights,
+                     state)
+
+
+def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
+              return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
+              shard: Any = None) -> tuple:
+    """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
+    rank's collectives plan (`collectives.ShardPlan`, kernels/megakernel_sharded.py): its
+    buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
     cfg, batch = plan.cfg, plan.batch
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -281,15 +315,17 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
     n_out = len(jax.tree.leaves(outputs))
+    sharded = {} if shard is None else {"collective_id": 0}
     outs, new_state = pl.pallas_call(
-        functools.partial(megakernel_body, plan, use_gumbel, use_candidates),
+        functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard),
         out_shape=(outputs, state_shapes),
         in_specs=(StepInputs.specs(), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),
         out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None),
                    jax.tree.map(lambda _: hbm, state)),
+        scratch_shapes=() if shard is None else [shape for _, shape in shard.scratch()],
         input_output_aliases={n_in + i: n_out + i for i in range(len(jax.tree.leaves(state)))},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem.limit_bytes),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=plan.vmem.limit_bytes, **sharded),
         cost_estimate=cost,
         interpret=interpret,
     )(inputs, weights, state)

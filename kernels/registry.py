@@ -41,6 +41,7 @@ class StageRefs:
     stream     where the body's matmuls get weight blocks (blocks.LOCAL_STREAM, or the global ring)
     scratch    the kind's scratch shared across layers (e.g. the MoE routing in VMEM and SMEM)
     indices    tags of the DMA log (layer=...)
+    shard      on a rank of a sharded model, its collectives (`kernels/collectives.py`), else None
     """
 
     x: Any
@@ -52,6 +53,7 @@ class StageRefs:
     stream: Any = None
     scratch: Any = None
     indices: dict = field(default_factory=dict)
+    shard: Any = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -66,9 +67,9 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
     scores)."""
     ids_ref, weights_ref = routing.ids, routing.weights
     ids_smem, weights_smem = routing.ids_smem, routing.weights_smem
-    batch, n_experts = x_ref.shape[0], w_router_hbm.shape[1]
     logits = blocks.stream_matmul(stream, x_ref[...], w_router_hbm, rows=block_rows,
-                                  name=W_ROUTER)  # [B, E] f32
+                                  name=W_ROUTER)  # [B, E] f32 (on a rank: its columns gathered)
+    batch, n_experts = logits.shape
     bias = blocks.load_whole(bias_hbm, name=BIAS) if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
         if router_score == "sigmoid":
@@ -229,3 +230,47 @@ def check_groups(n_experts: int, top_k: int, groups: Any, topk_groups: Any,
                          f" whose groups hold at least top_k={top_k} experts")
     if not isinstance(normalize, bool):
         raise ValueError(f"normalize={normalize!r} is invalid: True or False")
+
+
+# ---- the experts' work list (kernels/experts.py): which expert each loop step fetches ----------
+def choice(i: Any, top_k: int) -> tuple[Any, Any]:
+    """Flat choice index i -> (row, k). lax.div/rem: i >= 0, and jnp's floor // and % lower
+    through a sign op that needs a TPU device to lower."""
+    return lax.div(i, top_k), lax.rem(i, top_k)
+
+
+def dedupe_experts(ids_smem: Any, unique_ref: Any, seen_ref: Any, first: Any = 0,
+                   n_local: int | None = None) -> jax.Array:
+    """Distinct expert ids of the batch, in ascending order, into unique_ref [B*k] (SMEM);
+    returns their count. seen_ref [E] (SMEM) is a scratch table. Scalar work: about 3E + 2·B·k
+    SMEM accesses, done before any expert DMA is issued. On a rank of a sharded model only its
+    experts, ids first..first+n_local-1, are kept, as local ids (id - first).
+
+    Ascending order, not the order of first use: each row then adds its experts' contributions
+    in id order whatever the other rows of the batch chose, so a row's f32 sum (and its bf16
+    rounding) is batch-invariant and is the reference's (`reference.routed_experts`)."""
+    batch, top_k = ids_smem.shape
+
+    def clear(e, carry):
+        seen_ref[e] = 0
+        return carry
+
+    lax.fori_loop(0, seen_ref.shape[0], clear, 0)
+
+    def mark(i, carry):
+        seen_ref[ids_smem[choice(i, top_k)]] = 1
+        return carry
+
+    lax.fori_loop(0, batch * top_k, mark, 0)
+
+    def compact(e, count):
+        used = seen_ref[e if n_local is None else first + e] != 0
+
+        @pl.when(used)
+        def _():
+            unique_ref[count] = e
+
+        return count + used.astype(jnp.int32)
+
+    return lax.fori_loop(0, seen_ref.shape[0] if n_local is None else n_local, compact,
+                         jnp.int32(0))

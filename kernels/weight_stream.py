@@ -110,12 +110,15 @@ def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
     return {kind: kernel_stage(kind).streamed(cfg) for kind in cfg.kinds}
 
 
-def make_stream_plan(cfg: ModelConfig) -> StreamPlan:
+def make_stream_plan(cfg: ModelConfig, local: Any = None) -> StreamPlan:
     """The ring (cfg.ring_depth slots of [R, C], R · C · 2 <= cfg.ring_block_bytes unless R is the
-    minimum 128) and every stage's blocks."""
+    minimum 128) and every stage's blocks. local(kind, Streamed) -> Streamed: one rank's shape of
+    each matrix (the sharded megakernel)."""
     depth, block_bytes = cfg.ring_depth, cfg.ring_block_bytes
-    streamed = {kind: [m for m in ms if m.shape[1] % LANE == 0]
-                for kind, ms in streamed_matrices(cfg).items()}
+    matrices = streamed_matrices(cfg)
+    if local is not None:
+        matrices = {kind: tuple(local(kind, m) for m in ms) for kind, ms in matrices.items()}
+    streamed = {kind: [m for m in ms if m.shape[1] % LANE == 0] for kind, ms in matrices.items()}
     width = max(m.shape[1] for ms in streamed.values() for m in ms)  # C
     slot_rows = max(LANE, block_bytes // (2 * width) // LANE * LANE)  # R
     stages = []

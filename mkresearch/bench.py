@@ -22,18 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
-from mkresearch import reference, roofline, timeline, weights
+from mkresearch import layout, reference, roofline, timeline, weights
 from mkresearch.config import ModelConfig, get_config
 from mkresearch.kernels import dma, megakernel
 from mkresearch.scaling import scale_log
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
-# mini preset -> (the per-rank shapes of its full model's released layout, the full model): where
-# a recorded mini step is scaled to for a full-size prediction (spec §9)
-FULL_SIZE_RANK = {"kimi-k3-mini": ("kimi-k3-rank", "kimi-k3"),
-                  **{f"{full}-mini": (f"{full}-rank", full)  # config.rank_shapes of the full model
-                     for full in ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}}
+# mini preset -> (one rank of its full model, `layout.named_config`: the release layout's for Kimi
+# K3, `config.rank_shapes` for the families, whose kinds have no sharding rules yet; the full
+# model): where a recorded mini step is scaled to for a full-size prediction (spec §9)
+FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
+                  for full in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}
 # full model -> its published decode throughput on TPU7x by batch (tok/s), where there is one
 PUBLISHED_TPU7X = {"kimi-k3": roofline.PUBLISHED_TPU7X_16_CHIPS}
 
@@ -64,7 +64,7 @@ def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, 
     if cfg.name not in FULL_SIZE_RANK:
         raise ValueError(f"cfg={cfg.name!r} has no full-size rank to scale to: one of "
                          f"{', '.join(FULL_SIZE_RANK)}")
-    rank, full = (get_config(name) for name in FULL_SIZE_RANK[cfg.name])
+    rank, full = (layout.named_config(name) for name in FULL_SIZE_RANK[cfg.name])
     unique = rank.n_experts * (1 - (1 - rank.top_k / full.n_experts) ** batch)
     return rank, scale_log(log, cfg, rank, batch, unique_experts=unique), unique
 

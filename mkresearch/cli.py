@@ -1,6 +1,7 @@
 """`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
+    mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
         [--backend megakernel|reference] [--chip tpu7x] [--json]
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
@@ -29,6 +30,8 @@ import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TP
 from mkresearch import (
     bench,
     figures,
+    layout,
+    layout_bytes,
     recorded,
     reference,
     roofline,
@@ -37,14 +40,7 @@ from mkresearch import (
     weights,
 )
 from mkresearch.chips import CHIPS
-from mkresearch.config import (
-    EXPERT_FORMATS,
-    MLA_CACHE_LAYOUTS,
-    PRESETS,
-    ModelConfig,
-    get_config,
-    layer_pattern,
-)
+from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.kernels import megakernel
 from mkresearch.kernels.megakernel_plan import MAX_BATCH
 from mkresearch.roofline import tree_bytes
@@ -68,9 +64,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UsageError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
-    return get_config(name)
+    """A preset, or '<preset>-rank': one rank of its release layout (`layout.named_config`)."""
+    if name not in layout.config_names():
+        raise UsageError(f"unknown model {name!r}: choose one of "
+                         f"{', '.join(layout.config_names())}")
+    return layout.named_config(name)
 
 
 def _at_least(option: str, value: int, minimum: int) -> None:
@@ -141,7 +139,7 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
         "dense_layers": list(cfg.dense_layers),
         "moe_layers": list(cfg.layers_of(routed.name)) if routed else [],
         "parameters": {"total": total, "active": active,
-                       "mtp_modules": roofline.mtp_parameters(cfg), **_as_published(cfg)},
+                       "mtp_modules": roofline.mtp_parameters(cfg), **roofline.as_published(cfg)},
         "step_bytes": step.as_dict(),
         "cache_bytes_per_token": roofline.cache_bytes_per_token(
             cfg.replace(mla_cache_layout=step.mla_cache_layout)),
@@ -153,13 +151,6 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str, layout:
         report["mla_cache_bytes_per_token"] = {
             **per_token, "ratio": per_token["expanded"] / per_token["latent"]}
     return report
-
-
-def _as_published(cfg: ModelConfig) -> dict:
-    """The parameters as the model's publisher counts them (roofline.PARAMETER_RULES), if any."""
-    rule = roofline.counting_rule(cfg)
-    counts = dict(zip(("total", "active"), roofline.published_counts(cfg, rule))) if rule else {}
-    return {"publisher_rule": {**counts, **vars(rule)}} if rule else {}
 
 
 def _print_info(report: dict) -> None:
@@ -301,7 +292,7 @@ def _parser() -> _Parser:
                                      metavar="{info,decode,bench,compile,plan,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--context", type=int, default=0,
                    help="tokens already in each sequence's KV cache (default 0)")
@@ -311,10 +302,13 @@ def _parser() -> _Parser:
                         "MXFP4 down)")
     p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
                    help="MLA cache layout (default: the model's)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks (devices) the model is sharded across: the per-rank byte table, "
+                        "ours beside the release's layout (default 1: the whole model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = commands.add_parser("decode", help="prefill + greedy decode of a random prompt")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     p.add_argument("--batch", type=int, default=1)
@@ -329,7 +323,7 @@ def _parser() -> _Parser:
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="B")
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
     p.add_argument("--chip", default="tpu7x",
@@ -339,7 +333,7 @@ def _parser() -> _Parser:
 
     p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
                                             "shapes (libtpu, no TPU needed)")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",
@@ -348,7 +342,7 @@ def _parser() -> _Parser:
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "
                                          "plan, HBM bytes against the roofline")
-    p.add_argument("model", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
     p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,
@@ -375,10 +369,17 @@ def _run(argv: Sequence[str] | None) -> int:
                   "new one included")
         with _refusals():  # e.g. --layout expanded for a model whose MLA caches the latent
             report = info(cfg, args.batch, args.context, args.expert_format, args.layout)
+        if args.ranks != 1:
+            with _refusals():
+                layout.check_ranks(cfg, args.ranks)
+                mla = cfg.replace(mla_cache_layout=args.layout) if args.layout else cfg
+                report["ranks"] = layout_bytes.compare(mla, args.ranks, args.batch, args.context)
         if args.json:
             print(json.dumps(report, indent=1))
         else:
             _print_info(report)
+            if "ranks" in report:
+                print(layout_bytes.format_table(report["ranks"]))
         return 0
 
     if args.command == "decode":

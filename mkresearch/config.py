@@ -3,8 +3,9 @@
 The `kimi-k3` preset carries exactly the values of spec/kimi-k3.md §1. `kimi-k3-mini` keeps every
 Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padded latent MoE,
 shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
-in TPU interpret mode in seconds. `kimi-k3-rank` is the shapes one of the 32 ranks of the released
-layout sees (spec §9): what the kernels are compiled at for TPU7x.
+in TPU interpret mode in seconds. The shapes one rank of a sharded model sees come from
+`mkresearch.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks,
+named `kimi-k3-rank`); `rank_shapes` stands in for models whose kinds have no sharding rules yet.
 
 Other MoE families (spec/families.md): `deepseek-v3`, `glm-4.5` and `qwen3-235b-a22b` carry the
 public config.json values, each with a `-mini` sibling that keeps every feature of its family
@@ -299,19 +300,6 @@ KIMI_K3_MINI = KIMI_K3.replace(
     max_seq_len=128,
 )
 
-# One of the 32 ranks of the released layout (spec §9): 3 heads, 112 local experts with a 768-wide
-# slice of the expert hidden, 192 of the shared hidden (padded to 256) and 1056 of the dense
-# hidden (padded to 1152), a 5120-row vocab shard. Shapes only: for compiling, not for decoding.
-KIMI_K3_RANK = KIMI_K3.replace(
-    name="kimi-k3-rank",
-    n_heads=3,
-    vocab_size=5120,
-    n_experts=112,
-    expert_hidden=768,
-    shared_hidden=256,
-    dense_hidden=1152,
-)
-
 # ---- other MoE families (spec/families.md): the public config.json values ----------------------
 # Fields of kinds these models do not use (KDA, the Kimi pattern, the MoE latent, the attention-
 # residual block) keep Kimi K3's values and are ignored. max_seq_len is each config's
@@ -438,12 +426,16 @@ GLM_4_5_MINI = GLM_4_5.replace(
 QWEN3_235B_MINI = QWEN3_235B.replace(
     name="qwen3-235b-a22b-mini", **_MINI_SIZES, n_heads=4, n_kv_heads=1, shared_hidden=256)
 
+
 def rank_shapes(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` as one of 32 ranks sees it, divided as the release divides Kimi K3 (spec §9; this
-    gives kimi-k3-rank from kimi-k3): query heads / 32 (GQA: the K/V heads those heads read, one
-    when fewer than 32); experts over 8 ranks x their hidden over 4; shared, dense hidden and vocab
-    / 32, rounded up to whole 128 lanes (the shard padded). Shapes only, for compiling: a stand-in
-    for the sharded layout, which replaces it."""
+    """`cfg` as one of 32 ranks sees it, divided as the release divides Kimi K3 (spec §9): query
+    heads / 32 (GQA: the K/V heads those heads read, one when fewer than 32); experts over 8 ranks
+    x their hidden over 4; shared, dense hidden and vocab / 32, rounded up to whole 128 lanes (the
+    shard padded). Shapes only, for compiling: the pre-sharding stand-in issue 15 allows ("before
+    it, at one rank's shapes") for models whose kinds declare no sharding rules yet (gqa,
+    mla_rope, moe_full). `layout.named_config('<preset>-rank')` uses it for those alone; a model
+    whose kinds all shard gets its rank from the layout (`layout.rank_config`), and for Kimi K3
+    the two agree (tests/test_families_megakernel.py)."""
     def split(field: str, parts: int) -> int:
         if getattr(cfg, field) % parts:
             raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)} is invalid for "
@@ -462,19 +454,22 @@ def rank_shapes(cfg: ModelConfig) -> ModelConfig:
                        n_experts=split("n_experts", 8), expert_hidden=split("expert_hidden", 4))
 
 
-# One rank of each family's full model: compile only (like kimi-k3-rank)
-DEEPSEEK_V3_RANK, GLM_4_5_RANK, QWEN3_235B_RANK = map(rank_shapes,
-                                                      (DEEPSEEK_V3, GLM_4_5, QWEN3_235B))
-
+RANK_SUFFIX = "-rank"  # '<preset>-rank': one of the release's 32 ranks (`layout.named_config`)
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
-    KIMI_K3, KIMI_K3_MINI, KIMI_K3_RANK, DEEPSEEK_V3, DEEPSEEK_V3_MINI, DEEPSEEK_V3_RANK, GLM_4_5,
-    GLM_4_5_MINI, GLM_4_5_RANK, QWEN3_235B, QWEN3_235B_MINI, QWEN3_235B_RANK)}
+    KIMI_K3, KIMI_K3_MINI, DEEPSEEK_V3, DEEPSEEK_V3_MINI, GLM_4_5, GLM_4_5_MINI,
+    QWEN3_235B, QWEN3_235B_MINI)}
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """The preset called `name`, with optional field overrides (validated)."""
+    """The preset called `name`, with optional field overrides (validated); '<preset>-rank' is one
+    rank of the preset, derived by `layout.named_config` (no preset of its own)."""
+    if name.endswith(RANK_SUFFIX) and name[:-len(RANK_SUFFIX)] in PRESETS:
+        # inside: mkresearch.layout imports this module (an import cycle)
+        from mkresearch import layout
+        return layout.named_config(name, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)} "
+                         f"(or '<preset>{RANK_SUFFIX}' of a full-size one)")
     config = PRESETS[name]
     return config.replace(**overrides) if overrides else config
 

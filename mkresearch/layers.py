@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "mkresearch.facts", "mkresearch.tpu", "mkresearch._fast_interpret",
              "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
              "mkresearch.numerics", "mkresearch.formats", "mkresearch.rope",
-             "mkresearch.stages",
+             "mkresearch.layout", "mkresearch.layout_bytes", "mkresearch.stages",
              "mkresearch.stages.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",

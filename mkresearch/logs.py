@@ -29,6 +29,28 @@ def hbm_bytes(log: dma.DmaLog) -> int:
     return sum(e.nbytes for e in log.select("dma_start") if "hbm" in (e.src, e.dst))
 
 
+# DMA-log names -> the roofline component (`spec.components`) they read, first match wins
+COMPONENT_PREFIXES = (
+    ("kda_state", ("kda.conv_state.", "kda.state.")), ("kda", ("kda.",)),
+    ("mla_cache", ("mla.kv.", "mla.kv_update.")), ("mla", ("mla.",)), ("dense", ("dense/",)),
+    ("routed_experts", ("expert/",)), ("moe_nonrouted", ("router/", "latent/", "shared/")),
+    ("lm_head", ("lm_head",)), ("embedding_rows", ("embed",)),
+    ("norms_and_mix", ("mix_", "attn_norm", "mlp_norm", "final_norm")))
+
+
+def hbm_bytes_by_component(log: dma.DmaLog) -> dict[str, int]:
+    """The HBM bytes of a recorded step (or of one rank's events, `DmaLog.of_rank`) by roofline
+    component, from the DMA names; anything else under "other"."""
+    out: dict[str, int] = {}
+    for e in log.select("dma_start"):
+        if "hbm" not in (e.src, e.dst) or e.remote:
+            continue
+        name = next((component for component, prefixes in COMPONENT_PREFIXES
+                     if e.name.startswith(prefixes)), "other")
+        out[name] = out.get(name, 0) + e.nbytes
+    return out
+
+
 @dataclass(frozen=True)
 class MinimumBytes:
     """The least HBM traffic of one step: each weight once, each unique routed expert once, the

@@ -12,6 +12,10 @@ A record is keyed by the megakernel's plan (every static size, the VMEM plan inc
 JAX version: `compile_or_recorded` uses it only when both match the current ones, and compiles
 otherwise. It does not see a kernel change that keeps the plan: re-record after such changes
 (`tests/test_recorded.py` checks that every record matches its plan).
+
+The sharded megakernel of a full-size model on a TPU topology (`RECORDED_SHARDED`: kimi-k3 on
+the 32 cores of tpu7x:2x2x4, one Mosaic kernel per rank) is recorded the same way, keyed by its
+`ShardedPlan` (`sharded_compile_or_recorded`; `make recorded` re-records it).
 """
 
 from __future__ import annotations
@@ -24,15 +28,23 @@ from typing import Any
 
 import jax
 
+from mkresearch import layout
+from mkresearch.config import get_config
 from mkresearch.kernels import megakernel
+from mkresearch.kernels import megakernel_sharded as sharded
 from mkresearch.tpu import CompileResult
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
-# The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each.
+# The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
+# a preset or '<preset>-rank', one rank of it (`mkresearch.layout.named_config`).
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
                      # notebook 10: one rank of each other family (config.rank_shapes)
                      ("deepseek-v3-rank", 1, "tpu7x"), ("glm-4.5-rank", 1, "tpu7x"),
                      ("qwen3-235b-a22b-rank", 1, "tpu7x"))
+
+
+# (model, ranks, layout, batch, chip): the sharded step on `sharded.FULL_TOPOLOGY`
+RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),)
 
 
 def compile_path(model: str, batch: int, chip: str) -> Path:
@@ -46,10 +58,12 @@ def plan_fingerprint(plan: Any) -> str:
 
 
 def record_compile(result: Any, plan: Any, path: str | Path) -> Path:
-    """Write a `tpu.CompileResult` (without its HLO text) and its plan's fingerprint as JSON."""
+    """Write a `tpu.CompileResult` (without its HLO text) and its plan's fingerprint as JSON (a
+    megakernel plan or a sharded one)."""
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
               if f.name != "hlo_text"}
-    record = {"model": plan.cfg.name, "batch": plan.batch, "fingerprint": plan_fingerprint(plan),
+    step = getattr(plan, "mega", plan)  # a ShardedPlan: one rank's megakernel plan
+    record = {"model": step.cfg.name, "batch": step.batch, "fingerprint": plan_fingerprint(plan),
               "result": {k: dict(v) if hasattr(v, "items") else v for k, v in fields.items()}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +99,29 @@ def compile_or_recorded(cfg: Any, batch: int = 1, *, chip: str = "tpu7x",
     return result, plan, "compiled here"
 
 
+def sharded_path(model: str, n_ranks: int, name: str, batch: int, chip: str) -> Path:
+    return RECORDED_DIR / f"compile_{model}_{n_ranks}ranks_{name}_b{batch}_{chip}.json"
+
+
+def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int = 1,
+                                chip: str = "tpu7x", *, record: bool = False,
+                                recompile: bool = False) -> tuple[Any, Any, str]:
+    """(CompileResult of one rank's program, ShardedPlan, where it comes from) for the sharded
+    step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`: the committed record
+    when it matches the plan, else a compile here (recorded with `record`)."""
+    cfg = get_config(model)
+    plan = sharded.make_sharded_plan(layout.layout(cfg, n_ranks, name), batch, None,
+                                     megakernel.MegakernelOptions(chip=chip))
+    path = sharded_path(model, n_ranks, name, batch, chip)
+    result = None if recompile or record else load_compile(plan, path)
+    if result is not None:
+        return result, plan, f"recorded ({path.name}; `make recorded` re-records it)"
+    result, plan = sharded.compile_sharded_step(cfg, n_ranks, name, batch, chip=chip)
+    if record:
+        record_compile(result, plan, path)
+    return result, plan, "compiled here"
+
+
 def main() -> int:
     """`python -m mkresearch.recorded`: compile and record every entry of RECORDED_COMPILES."""
     from mkresearch import cli  # cli imports this module: importing it at the top is a cycle
@@ -93,6 +130,10 @@ def main() -> int:
         status = cli.main(["compile", model, "--batch", str(batch), "--chip", chip, "--record"])
         if status:
             return status
+    for model, n_ranks, name, batch, chip in RECORDED_SHARDED:
+        result, _, _ = sharded_compile_or_recorded(model, n_ranks, name, batch, chip, record=True)
+        print(f"{model} on {n_ranks} {chip} cores ({name} layout): {result.n_mosaic_kernels} "
+              f"Mosaic kernel(s) per rank, compiled in {result.seconds:.1f} s")
     return 0
 
 

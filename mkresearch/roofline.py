@@ -368,6 +368,16 @@ def published_counts(cfg: ModelConfig, rule: CountingRule) -> tuple[int, int]:
     return counts["total"], active
 
 
+def as_published(cfg: ModelConfig) -> dict:
+    """{"publisher_rule": the parameters as the model's publisher counts them, with its rule}
+    (`mkresearch info`), or {} for a model with no rule in PARAMETER_RULES."""
+    rule = counting_rule(cfg)
+    if rule is None:
+        return {}
+    total, active = published_counts(cfg, rule)
+    return {"publisher_rule": {"total": total, "active": active, **vars(rule)}}
+
+
 def mtp_parameters(cfg: ModelConfig) -> int:
     """Parameters of the model's multi-token-prediction modules (DeepSeek-V3: 1), not counted in
     `parameter_counts`. One module (DeepSeek-V3 §2.2) is a layer of the last layer's kinds with

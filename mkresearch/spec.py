@@ -35,6 +35,30 @@ from mkresearch.config import ModelConfig
 ATTENTION, FFN = "attention", "ffn"
 RECURRENT, CACHE = "recurrent", "cache"
 
+# Sharding groups (`mkresearch.layout`): what splits one axis of a parameter or state leaf across
+# ranks. A kind declares, per Param, which axis splits by which group (`Param.shard`) and, for a
+# matrix whose input arrives split across ranks, by which group (`Param.gather`: the input is
+# all-gathered first, so every output element is one whole contraction, as on one device). How
+# many ways each group splits is the layout's choice (the release's, or ours).
+HEADS = "heads"  # attention heads (tensor parallel): an axis of H x per-head width
+VOCAB = "vocab"  # vocabulary rows of the embedding and LM head
+EXPERTS = "experts"  # routed experts (expert parallel)
+EXPERT_TP = "expert_tp"  # inside an expert (expert-tensor parallel): W1, W3 by their hidden
+#                          columns, W2 by its latent columns
+FFN_HIDDEN = "ffn_hidden"  # the hidden of the dense FFN and the shared experts
+MODEL_COLS = "model_cols"  # the d columns of a projection back to the model dim (W_o, W_down)
+DOWN_COLS = "down_cols"  # the columns of a small down-projection of x (W_fa, W_qa, W_kva, router)
+MOE_LATENT = "moe_latent"  # the latent columns of the MoE latent down-projection W_ld
+SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_TP, FFN_HIDDEN, MODEL_COLS, DOWN_COLS, MOE_LATENT)
+REPLICATED: tuple = ()  # Param.shard of a parameter every rank holds whole
+
+
+def split(axis: int, by: str) -> tuple[tuple[int, str], ...]:
+    """Param.shard of a parameter whose `axis` splits by the group `by` (one of SHARD_GROUPS)."""
+    if by not in SHARD_GROUPS:
+        raise ValueError(f"by={by!r} is invalid: one of {', '.join(SHARD_GROUPS)}")
+    return ((axis, by),)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -42,26 +66,41 @@ class Param:
 
     init: ("normal", std) | ("uniform", low, high) | ("log_uniform", low, high) (stores log x).
     quantized: a routed-expert matrix, stored in cfg.expert_format (weights.quantize).
+    shard: how it splits across ranks (`mkresearch.layout`): ((axis, group), ...) with a group of
+    SHARD_GROUPS, REPLICATED (every rank holds it whole), or None: no rule given (a layout over
+    more than one rank refuses the kind, naming the parameter).
+    gather: for a matrix whose input arrives split across ranks by a group (the heads' outputs,
+    a hidden slice), that group: the kernel all-gathers the input before multiplying.
     """
 
     shape: tuple[int, ...]
     dtype: Any
     init: tuple
     quantized: bool = False
+    shard: tuple[tuple[int, str], ...] | None = None
+    gather: str | None = None
 
-    def stacked(self, count: int) -> Param:
-        """The same parameter for `count` layers, stacked along a leading axis."""
-        return Param((count, *self.shape), self.dtype, self.init, self.quantized)
+    def stacked(self, count: int, by: str | None = None) -> Param:
+        """The same parameter for `count` layers (or experts: `by` the group that splits the new
+        leading axis), stacked along a leading axis."""
+        shard = self.shard
+        if shard is not None:
+            shard = tuple((axis + 1, group) for axis, group in shard)
+            shard = (split(0, by) + shard) if by is not None else shard
+        return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard,
+                     self.gather)
 
 
-def matrix(n_in: int, n_out: int, *, quantized: bool = False) -> Param:
+def matrix(n_in: int, n_out: int, *, quantized: bool = False,
+           shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None) -> Param:
     """A [in, out] bf16 matrix ~ N(0, 1/in): every projection keeps an O(1) RMS."""
-    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized)
+    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather)
 
 
 def norm(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Param:
-    """A norm gain near 1 (not exactly 1, so a kernel that forgets it fails its test)."""
-    return Param(shape, dtype, ("uniform", 0.8, 1.2))
+    """A norm gain near 1 (not exactly 1, so a kernel that forgets it fails its test); every rank
+    holds it whole."""
+    return Param(shape, dtype, ("uniform", 0.8, 1.2), shard=REPLICATED)
 
 
 @dataclass(frozen=True)
@@ -72,6 +111,7 @@ class StateLeaf:
     dtype: Any
     kind: str = RECURRENT
     token_axis: int | None = None
+    shard: tuple[tuple[int, str], ...] | None = None  # as Param.shard
 
 
 @dataclass(frozen=True)
@@ -181,8 +221,8 @@ def trunk_params(cfg: ModelConfig) -> dict[str, Param]:
     strategy's own parameters."""
     d, n_layers, vocab = cfg.d_model, cfg.n_layers, cfg.vocab_size
     table = {
-        "embed": Param((vocab, d), jnp.bfloat16, ("normal", 1.0)),  # rows of RMS 1
-        "lm_head": matrix(d, vocab),
+        "embed": Param((vocab, d), jnp.bfloat16, ("normal", 1.0), shard=split(0, VOCAB)),  # RMS 1
+        "lm_head": matrix(d, vocab, shard=split(1, VOCAB)),
         "final_norm": norm((d,)),
     }
     table.update(residual(cfg).params(cfg))
@@ -210,7 +250,9 @@ def state_table(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dict[st
             count = len(cfg.layers_of(kind.name))
             out[kind.name] = {
                 name: StateLeaf((count, batch, *leaf.shape), leaf.dtype, leaf.kind,
-                                None if leaf.token_axis is None else leaf.token_axis + 2)
+                                None if leaf.token_axis is None else leaf.token_axis + 2,
+                                None if leaf.shard is None
+                                else tuple((axis + 2, group) for axis, group in leaf.shard))
                 for name, leaf in leaves.items()}
     return out
 

@@ -357,6 +357,12 @@ def tpu_device(chip: str = "tpu7x"):
     return _topology(get_chip(chip).topology).devices[0]
 
 
+def topology_devices(topology_name: str) -> list:
+    """The devices of a TPU topology, e.g. 'tpu7x:2x2x4' (16 chips, 32 devices), for lowering and
+    compiling a multi-device program on this machine (jax.experimental.topologies)."""
+    return list(_topology(topology_name).devices)
+
+
 # Two ways libtpu reports a VMEM overflow (both RESOURCE_EXHAUSTED):
 _VMEM_OOM_PATTERNS = (
     re.compile(r"Ran out of memory in memory space vmem.*?Used ([\d.]+[KMG]?) of ([\d.]+[KMG]?)", re.DOTALL),
@@ -388,7 +394,8 @@ def _as_struct(x, sharding):
 
 
 def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
-                static_argnums: tuple[int, ...] | int = ()) -> CompileResult:
+                static_argnums: tuple[int, ...] | int = (),
+                shardings: tuple | None = None) -> CompileResult:
     """Compile `fn(*shape_structs)` for one device of `chip` with the real Mosaic compiler.
 
     `shape_structs` are pytrees of jax.ShapeDtypeStruct (or arrays: only shape/dtype are used);
@@ -396,15 +403,19 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
     so interpret_params() is None, target_chip() is `chip` and kernels are built for Mosaic (for
     that chip: e.g. how MXFP4 is decoded). A VMEM overflow raises
     VmemOverflowError (a ValueError) saying how much the kernel needs and the chip has.
+    shardings: one jax Sharding per argument (over devices of `topology_devices`) for a program
+    on several devices (a `jax.shard_map`); its HLO is one device's, so `n_mosaic_kernels`
+    counts the kernels one device launches.
     """
     import jax
 
     spec = get_chip(chip)  # ValueError listing the chips
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
-    device = tpu_device(spec.name)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    args = [arg if i in static_argnums else jax.tree.map(lambda x: _as_struct(x, sharding), arg)
+    if shardings is None:
+        shardings = (jax.sharding.SingleDeviceSharding(tpu_device(spec.name)),) * len(shape_structs)
+    args = [arg if i in static_argnums
+            else jax.tree.map(lambda x, s=shardings[i]: _as_struct(x, s), arg)
             for i, arg in enumerate(shape_structs)]
     start = time.perf_counter()
     with compiling(spec.name), _quiet_libtpu():

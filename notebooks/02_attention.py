@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import dma, kda, kv_tiles, mla, mla_sharded
 
 from mkresearch import config, facts, kv_cache, plots, reference, weights
+from mkresearch.layout import named_config
 from mkresearch.logs import kv_bytes_at, kv_bytes_per_rank
 
 tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
@@ -321,7 +322,7 @@ assert not tpu.races_found()
 # NBVAL_CHECK_OUTPUT
 fig = plots.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
 full = config.get_config("kimi-k3")
-rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
+rank = named_config("kimi-k3-rank", max_seq_len=32768)  # one rank of the release layout
 for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):
     e = kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
                     target.replace(mla_cache_layout="expanded"))

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import config, facts, reference, weights
+from mkresearch import config, facts, layout, reference, weights
 from mkresearch.kernels import dma, router
 
 cfg = config.get_config("kimi-k3-mini")
@@ -198,7 +198,7 @@ print("PASS softmax router equals the reference")
 # %%
 # NBVAL_CHECK_OUTPUT
 for name in ("kimi-k3-mini", "kimi-k3-rank", "kimi-k3"):
-    c = config.get_config(name)
+    c = layout.named_config(name)  # kimi-k3-rank: one rank of the release layout
     moe = weights.param_shapes(c)["moe"]
     shapes = {k: jax.ShapeDtypeStruct(moe[k].shape[1:], moe[k].dtype) for k in ("w_router", "router_bias")}
     xs = jax.ShapeDtypeStruct((8, c.d_model), jnp.bfloat16)

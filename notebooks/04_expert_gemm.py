@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import config, facts, reference, roofline, timeline, weights
+from mkresearch import config, facts, layout, reference, roofline, timeline, weights
 from mkresearch.kernels import dma, experts, quant, router
 from mkresearch.logs import expert_bytes_by_batch
 
@@ -297,7 +297,7 @@ print(f"moe_ffn (router + experts + shared, one kernel) vs reference: "
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rank = config.get_config("kimi-k3-rank")
+rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
 x_rank = jax.ShapeDtypeStruct((8, rank.d_model), jnp.bfloat16)

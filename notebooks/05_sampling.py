@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import facts, reference, sampling
+from mkresearch import facts, layout, reference, sampling
 from mkresearch.config import get_config
 from mkresearch.kernels import dma
 from mkresearch.kernels import sampling as stage
@@ -309,7 +309,7 @@ plt.show()
 # tile is ≤ 4 MiB (256 columns: 20 tiles, two in flight).
 
 # %%
-rank = get_config("kimi-k3-rank")
+rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
 shape = jax.ShapeDtypeStruct
 rank_args = (shape((rank.n_blocks, B, rank.d_model), jnp.bfloat16), shape((B, rank.d_model), jnp.bfloat16),
              shape((rank.d_model,), jnp.float32), shape((rank.d_model,), jnp.bfloat16),

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import recorded, reference, sampling, timeline, weights, widgets
+from mkresearch import layout, recorded, reference, sampling, timeline, weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.kernels import dma, megakernel, schedule
 
@@ -281,7 +281,9 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 #
 # The released kernels run Kimi K3 on 32 ranks (16 TPU7x chips × 2 TensorCores): 3 attention
 # heads, 112 local experts with a 768-wide slice of the expert hidden, a 5120-row vocab shard
-# (spec §9; the collectives are left out on one device). `kimi-k3-rank` has those shapes. The
+# (spec §9; the collectives are left out on one device). `kimi-k3-rank`, one rank of the release
+# layout (`mkresearch.layout.rank_config`), has those shapes (the sharded kernel with its
+# collectives, on all 32 devices, is compiled by `make recorded`). The
 # VMEM plan is computed first — every buffer with its bytes — and checked against the chip; then
 # libtpu's Mosaic compiler builds the kernel from shapes alone (no weights are allocated).
 #
@@ -291,7 +293,7 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 # in the environment, it compiles here. The VMEM plan is always computed here.
 
 # %%
-rank = get_config("kimi-k3-rank")
+rank = layout.named_config("kimi-k3-rank")  # = layout.rank_config(get_config("kimi-k3"))
 result, rank_plan, result_source = recorded.compile_or_recorded(
     rank, 1, chip="tpu7x", recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
 

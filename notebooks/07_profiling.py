@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import profiling, reference, weights, widgets
+from mkresearch import layout, profiling, reference, weights, widgets
 from mkresearch import timeline as tl
 from mkresearch.config import get_config
 from mkresearch.kernels import dma
@@ -269,7 +269,7 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 from mkresearch import scaling
 
 if "megakernel" in logs:
-    rank = get_config("kimi-k3-rank")
+    rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout
     rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
     rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
     rank_mega = tl.simulate(rank_events, "tpu7x")

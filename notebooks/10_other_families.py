@@ -325,8 +325,9 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # One rank of each full model, divided as the release divides Kimi K3 over 32 ranks (16 TPU7x
 # chips × 2 TensorCores, spec §9): query heads / 32 (GQA: each rank keeps the one K/V head its
 # query heads read), experts over 8 ranks × their hidden over 4, shared and dense hidden and the
-# vocab / 32 rounded up to 128 lanes (`config.rank_shapes`: it gives `kimi-k3-rank` from
-# `kimi-k3`; a stand-in for the sharded layout, collectives left out). Two predictions per model:
+# vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: Kimi K3's from its
+# release layout, `layout.rank_config`; the families' from `config.rank_shapes`, the same division,
+# a stand-in until their kinds declare sharding rules). Two predictions per model:
 #
 # * **the floor**: the full model's step bytes split evenly over 32 TPU7x cores
 #   (`roofline.decode_floor` on 16 chips);

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mkresearch.kernels import dma, kda, mla, mla_sharded
 
-from mkresearch import config, kv_cache, reference, tpu, weights
+from mkresearch import config, kv_cache, layout, reference, tpu, weights
 from mkresearch.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
 
 BF16_TOL = 2.0 ** -7
@@ -119,19 +119,19 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
     the logs to Kimi K3 shapes."""
     positions = jnp.array(POSITIONS[1], jnp.int32)
     logs = {}
-    for layout in ("expanded", "latent"):
-        cfg = MINI.replace(mla_cache_layout=layout)
+    for cache in ("expanded", "latent"):
+        cfg = MINI.replace(mla_cache_layout=cache)
         p = reference.layer_params(mini_params["mla"], 0)
-        with dma.recording() as logs[layout]:
+        with dma.recording() as logs[cache]:
             out, _ = mla.mla_attention(p, normalised_input(cfg, 1, 1), random_cache(cfg, 1, 11),
                                        positions, cfg)
             jax.block_until_ready(out)
     full = config.get_config("kimi-k3")
-    rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
-    at = {(name, layout): kv_bytes_at(logs[layout], MINI.replace(mla_cache_layout=layout),
-                                          target.replace(mla_cache_layout=layout))
+    rank = layout.named_config("kimi-k3-rank", max_seq_len=32768)
+    at = {(name, cache): kv_bytes_at(logs[cache], MINI.replace(mla_cache_layout=cache),
+                                         target.replace(mla_cache_layout=cache))
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
-          for layout in ("expanded", "latent")}
+          for cache in ("expanded", "latent")}
     tokens = 48  # position 45: 16-row groups, one tile of 32 and 16 rows of the next (not 64)
     # spec §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
     assert at[("kimi-k3", "expanded")] == tokens * 73_728
@@ -296,9 +296,9 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
     p = reference.layer_params(mini_params["mla"], 0)
     positions = jnp.array([MINI.max_seq_len - 1], jnp.int32)
     logs = {}
-    for layout in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
-        cfg = MINI.replace(mla_cache_layout=layout)
-        with dma.recording() as logs[layout]:
+    for cache in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
+        cfg = MINI.replace(mla_cache_layout=cache)
+        with dma.recording() as logs[cache]:
             jax.block_until_ready(mla.mla_attention(p, normalised_input(cfg, 1, 1),
                                                     random_cache(cfg, 1, 11), positions, cfg))
     cfg = MINI.replace(mla_cache_layout="latent")
@@ -306,7 +306,7 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
     _, logs["latent-sequence"] = run_shards(q_absorbed, q_extra, random_cache(cfg, 1, 11),
                                             positions, cfg, n_shards=4)
 
-    rank = config.get_config("kimi-k3-rank", max_seq_len=32768)
+    rank = layout.named_config("kimi-k3-rank", max_seq_len=32768)
     per_rank = kv_bytes_per_rank(logs, MINI, rank, n_ranks=32, row=0)
     assert per_rank == {"expanded": 32768 * 3 * (256 + 128) * 2,  # 3 heads of K, V: 2,304 B/token
                         "latent": 32768 * 1_152,  # the whole latent: 1,152 B/token
@@ -406,18 +406,18 @@ COMPILE_CASES = [("kimi-k3-mini", {}, 3), ("kimi-k3-rank", {"max_seq_len": 32768
                                     "kda"])
 def test_compiles_for_tpu7x(name, overrides, batch, kernel):
     if kernel == "mla-latent-partial":
-        cfg = config.get_config(name, mla_cache_layout="latent", **overrides)
+        cfg = layout.named_config(name, mla_cache_layout="latent", **overrides)
         result = tpu.compile_for(
             lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(q, qx, c, pos, start, cfg),
             # a rank of kimi-k3-rank: 1/32 of the context, all 96 heads; mini: 4 shards, 2 heads
             *(_partial_structs(cfg, batch, 32, cfg.n_heads * 32) if name == "kimi-k3-rank"
               else _partial_structs(cfg, batch, 4, cfg.n_heads)), chip="tpu7x")
     elif kernel == "kda":
-        cfg = config.get_config(name, **overrides)
+        cfg = layout.named_config(name, **overrides)
         result = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, cfg),
                                  *_kda_structs(cfg, batch), chip="tpu7x")
     else:
-        cfg = config.get_config(name, mla_cache_layout=kernel.split("-")[1], **overrides)
+        cfg = layout.named_config(name, mla_cache_layout=kernel.split("-")[1], **overrides)
         result = tpu.compile_for(lambda p, x, c, pos: mla.mla_attention(p, x, c, pos, cfg),
                                  *_mla_structs(cfg, batch), chip="tpu7x")
     print(f"{kernel} at {name} (B={batch}, context {cfg.max_seq_len}): {result}")

@@ -107,12 +107,11 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     """A ValueError the library raises before running (here: a config over the chip's HBM) is
     one line on stderr and exit status 2, like bad input. No preset the CLI decodes is refused,
     so the megakernel entry points are swapped for the HBM check of kimi-k3-rank on --chip."""
-    from mkresearch import bench, cli, roofline
-    from mkresearch.config import get_config
+    from mkresearch import bench, cli, layout, roofline
 
     def refuse(cfg, *args, **kwargs):
         assert "v5e" in args  # --chip reaches the megakernel
-        roofline.check_fits_hbm(get_config("kimi-k3-rank"), "v5e")
+        roofline.check_fits_hbm(layout.named_config("kimi-k3-rank"), "v5e")
 
     monkeypatch.setattr(bench, "decode_megakernel", refuse)
     monkeypatch.setattr(bench, "run_bench", refuse)
@@ -221,10 +220,10 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
     assert comparison["difference"] == sum(differing.values())
 
 
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.config").config.PRESETS))
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.layout").layout.config_names()))
 def test_plan_on_every_preset(capsys, name):
-    """`mkresearch plan MODEL --json` from shapes (the full model too): one JSON object whose
-    HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
+    """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
+    object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
     experts) plus the named differences, and no late prefetch. In this process (a subprocess
     per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
     from mkresearch import cli

@@ -105,7 +105,7 @@ def test_bool_is_not_an_int(field):
 
 
 def test_presets_by_name():
-    assert set(PRESETS) >= {"kimi-k3", "kimi-k3-mini", "kimi-k3-rank"}
+    assert set(PRESETS) >= {"kimi-k3", "kimi-k3-mini"}
     for name, config in PRESETS.items():
         assert get_config(name) is config
         assert config.name == name

@@ -31,7 +31,7 @@ import pytest
 from mkresearch.kernels import dma, experts, gemv, kda, mla, mla_sharded, quant, router, sampling
 from mkresearch.kernels import megakernel as mk
 
-from mkresearch import config, logs, reference, tpu, weights
+from mkresearch import config, layout, logs, reference, tpu, weights
 from mkresearch import timeline as tl
 
 MINI = config.get_config("kimi-k3-mini")
@@ -222,7 +222,7 @@ def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
     every one of the rank's 112 experts can be routed (min(112, 8·16)), so the declared bytes
     are exactly one MoE layer's parameters (mkresearch.weights.param_shapes) plus x and the
     output; the compiled program's bytes_accessed, a few kB before, holds them."""
-    cfg = config.get_config("kimi-k3-rank")
+    cfg = layout.named_config("kimi-k3-rank")
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                          weights.param_shapes(cfg)["moe"])
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import config, reference, tpu, weights
+from mkresearch import config, layout, reference, tpu, weights
 from mkresearch.chips import CHIPS
 from mkresearch.kernels import dma, experts, quant
 
@@ -325,7 +325,7 @@ def test_compiles_for_every_chip_mini(fmt, chip):
 def test_compiles_for_tpu7x_full_rank():
     """Kimi K3 per-rank shapes (112 local experts, a 768-wide slice of the expert hidden), MXFP4
     as in the checkpoint: the whole MoE layer and the dense layer 0, B = 8."""
-    cfg = config.get_config("kimi-k3-rank")
+    cfg = layout.named_config("kimi-k3-rank")
     assert (cfg.n_experts, cfg.expert_hidden, cfg.expert_format) == (112, 768, "mxfp4")
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)
     moe = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)

@@ -35,7 +35,7 @@ from mkresearch.kernels import dma, experts, kda, mla, quant, schedule
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels.megakernel_plan import VmemPlanError
 
-from mkresearch import config, reference, sampling, timeline, weights
+from mkresearch import config, layout, reference, sampling, timeline, weights
 from mkresearch.bench import near_tie_rows
 from mkresearch.chips import CHIPS
 from mkresearch.hlo import count_xla_kernels
@@ -193,7 +193,7 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     assert step.mismatch(logs[-1]) is None, step.mismatch(logs[-1])
     assert_prefetch_order(step)
     # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
-    rank = config.get_config("kimi-k3-rank")
+    rank = layout.named_config("kimi-k3-rank")
     scaled = scale_log(logs[-1], MINI, rank, 4)
     layers = [e for e in scaled if e.kind == "dma_start" and e.name == "mix_attn"]
     assert [dict(e.indices)["layer"] for e in layers] == list(range(rank.n_layers))
@@ -225,7 +225,7 @@ def test_layouts_and_formats(race_checked, layout, expert_format, batch):
 # ---- compiling for TPU7x ----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3-rank"])
 def test_compiles_to_one_mosaic_kernel(name):
-    cfg = config.get_config(name)
+    cfg = layout.named_config(name)
     result, plan = mk.compile_step(cfg, 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB; "
           f"{count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
@@ -280,14 +280,14 @@ def test_fp8_experts_compile_on_a_chip_without_fp8():
 def test_hbm_over_the_chip_is_refused_before_compiling(chip):
     """kimi-k3-rank (61 GB for B = 1) on a 17 / 34 GB device: a ValueError naming the chip, the
     bytes needed and available and what to change, before anything is traced."""
-    cfg = config.get_config("kimi-k3-rank")
+    cfg = layout.named_config("kimi-k3-rank")
     with mock.patch.object(mk.tpu, "compile_for", side_effect=AssertionError("compiled")):
         with pytest.raises(ValueError, match=rf"kimi-k3-rank does not fit the HBM of one {chip} "
                                              r"device: it needs [\d,]+ B .* but "
                                              rf"{chip} has [\d,]+ B .*shard the model across more "
                                              r"ranks / devices.*expert_format='mxfp4'"):
             mk.compile_step(cfg, 1, chip=chip)
-    needed = config.get_config("kimi-k3-rank", expert_format="bf16")
+    needed = layout.named_config("kimi-k3-rank", expert_format="bf16")
     with pytest.raises(ValueError, match=r"use expert_format='mxfp4' \(.* needed\) instead of "
                                          r"'bf16'"):
         mk.make_plan(needed, 1, needed.max_seq_len, mk.MegakernelOptions(chip="v5p"))
@@ -303,14 +303,14 @@ def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
     options = mk.MegakernelOptions(expert_slots=8, chip="v5p")
     # 24 of the 93 layers: the bf16 experts of all of them would not fit v5p's HBM (refused
     # first, see test_hbm_over_the_chip_is_refused_before_compiling); VMEM is per layer
-    cfg = config.get_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
+    cfg = layout.named_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
     with pytest.raises(VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
         mk.make_plan(cfg, 8, cfg.max_seq_len, options)
 
 
 def test_ring_config_over_the_chip_is_refused():
     """The ring's depth and slot bytes are config fields; the plan checks them against VMEM."""
-    fits = config.get_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
+    fits = layout.named_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
     assert mk.make_plan(fits, 1, fits.max_seq_len).stream.slot_shape == (512, 7168)
     cfg = fits.replace(ring_depth=8)
     with pytest.raises(VmemPlanError, match=r"(?s)lower the config's ring_depth, "

@@ -6,12 +6,11 @@ import dataclasses
 import pytest
 from mkresearch.kernels import megakernel
 
-from mkresearch import cli, recorded, tpu
-from mkresearch.config import get_config
+from mkresearch import cli, layout, recorded, tpu
 
 
 def plan_of(model, batch, chip):
-    cfg = get_config(model)
+    cfg = layout.named_config(model)
     return megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
 
 

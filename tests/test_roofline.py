@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from mkresearch import plots, roofline
+from mkresearch import layout, plots, roofline
 from mkresearch.chips import CHIPS
 from mkresearch.config import get_config
 
@@ -143,7 +143,7 @@ def test_hbm_footprint_counts_every_weight_cache_and_state():
 def test_one_rank_fits_the_hbm_of_v5p_and_tpu7x_only(chip, fits):
     """kimi-k3-rank holds ≈ 61 GB at B = 1 (MXFP4 experts, 32768-token cache): over the 17 / 34 GB
     of a v5e / v6e device, under the ≈ 103 GB of a v5p / TPU7x device."""
-    cfg = get_config("kimi-k3-rank")
+    cfg = layout.named_config("kimi-k3-rank")
     footprint = roofline.hbm_footprint(cfg, chip)
     assert 60 * GB < footprint.needed < 62 * GB and footprint.fits() == fits
     if fits:

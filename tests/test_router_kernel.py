@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import config, reference, tpu, weights
+from mkresearch import config, layout, reference, tpu, weights
 from mkresearch.kernels import dma, router
 
 
@@ -111,7 +111,7 @@ def test_bad_shapes(layer):
 
 @pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3-rank"])
 def test_compiles_for_tpu7x(name):
-    cfg = config.get_config(name)
+    cfg = layout.named_config(name)
     moe = weights.param_shapes(cfg)["moe"]
     p = {k: jax.ShapeDtypeStruct(moe[k].shape[1:], moe[k].dtype)
          for k in ("w_router", "router_bias")}

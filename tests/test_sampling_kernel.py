@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import reference, sampling, tpu
+from mkresearch import layout, reference, sampling, tpu
 from mkresearch.config import get_config
 from mkresearch.kernels import dma
 from mkresearch.kernels import sampling as stage
@@ -257,7 +257,7 @@ def test_dma_log_reads_lm_head_exactly_once(race_checked):
     ("kimi-k3-rank", 8, MODES),
 ])
 def test_compiles_for_tpu7x(name, batch, mode):
-    cfg = get_config(name)
+    cfg = layout.named_config(name)
     d, vocab = cfg.d_model, cfg.vocab_size
     shape = jax.ShapeDtypeStruct
     args = (shape((cfg.n_blocks, batch, d), jnp.bfloat16), shape((batch, d), jnp.bfloat16),

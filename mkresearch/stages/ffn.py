@@ -15,36 +15,58 @@ from jax import lax
 
 from mkresearch import spec
 from mkresearch.config import ModelConfig
-from mkresearch.numerics import (activation, bf, f32, i32, matmul, ordered_sum, rms_norm,
-                                 rows_at_least_two, softmax)
 from mkresearch.formats import dequantize
+from mkresearch.numerics import (
+    activation,
+    bf,
+    f32,
+    i32,
+    matmul,
+    ordered_sum,
+    rms_norm,
+    rows_at_least_two,
+    softmax,
+)
+
+
+def _gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
+    """W_gate, W_up [d, F] split by the hidden F; W_down [F, d] by its d columns, the hidden
+    gathered first."""
+    cols = spec.split(1, spec.FFN_HIDDEN)
+    return {"w_gate": spec.matrix(d, hidden, shard=cols), "w_up": spec.matrix(d, hidden, shard=cols),
+            "w_down": spec.matrix(hidden, d, shard=spec.split(1, spec.MODEL_COLS),
+                                  gather=spec.FFN_HIDDEN)}
 
 
 def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    d, hidden = cfg.d_model, cfg.dense_hidden
-    return {"w_gate": spec.matrix(d, hidden), "w_up": spec.matrix(d, hidden),
-            "w_down": spec.matrix(hidden, d)}
+    return _gated_mlp(cfg.d_model, cfg.dense_hidden)
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, Any]:
+    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    their hidden columns, W2 by its latent columns, the hidden gathered first); the shared experts
+    as a gated MLP; the router and the latent down-projection by their columns, the latent
+    up-projection by its d columns; norms and bias whole."""
     d, n_experts, latent, hidden = cfg.d_model, cfg.n_experts, cfg.moe_latent, cfg.expert_hidden
 
-    def expert(n_in, n_out):
-        return spec.matrix(n_in, n_out, quantized=True).stacked(n_experts)
+    def expert(n_in, n_out, gather=None):
+        return spec.matrix(n_in, n_out, quantized=True, shard=spec.split(1, spec.EXPERT_TP),
+                           gather=gather).stacked(n_experts, by=spec.EXPERTS)
 
     table: dict[str, Any] = {
-        "w_router": spec.matrix(d, n_experts),
+        "w_router": spec.matrix(d, n_experts, shard=spec.split(1, spec.DOWN_COLS)),
         # small correction bias: changes some selections, never dominates the scores
-        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05)),
-        "w_ld": spec.matrix(d, latent),
+        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
+                                  shard=spec.REPLICATED),
+        "w_ld": spec.matrix(d, latent, shard=spec.split(1, spec.MOE_LATENT)),
         "latent_norm": spec.norm((latent,), jnp.float32),
-        "w_lu": spec.matrix(latent, d),
+        "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS)),
         "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
-                    "w2": expert(hidden, latent)},
+                    "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
     }
     if cfg.n_shared_experts:
-        table.update(w_sg=spec.matrix(d, cfg.shared_hidden), w_su=spec.matrix(d, cfg.shared_hidden),
-                     w_sd=spec.matrix(cfg.shared_hidden, d))
+        shared = _gated_mlp(d, cfg.shared_hidden)
+        table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
     return table
 
 

@@ -15,31 +15,47 @@ from jax import lax
 
 from mkresearch import spec
 from mkresearch.config import ModelConfig
-from mkresearch.numerics import (bf, bf16, einsum_f32, f32, matmul, ordered_sum, rms_norm,
-                                 sequence_sum)
+from mkresearch.numerics import (
+    bf,
+    bf16,
+    einsum_f32,
+    f32,
+    matmul,
+    ordered_sum,
+    rms_norm,
+    sequence_sum,
+)
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """Sharding (`mkresearch.layout`): every per-head axis splits by heads; W_o by its d columns,
+    the heads' outputs gathered first; the low-rank gate's W_fa by its columns (a single lane
+    tile: whole on every rank)."""
     d, h, hd, rank = cfg.d_model, cfg.n_heads, cfg.kda_width, cfg.kda_gate_rank
+    cols, rows = spec.split(1, spec.HEADS), spec.split(0, spec.HEADS)
     return {
-        "w_fa": spec.matrix(d, rank), "w_fb": spec.matrix(rank, hd),
-        "w_q": spec.matrix(d, hd), "w_k": spec.matrix(d, hd), "w_v": spec.matrix(d, hd),
-        "w_g": spec.matrix(d, hd), "w_b": spec.matrix(d, h),
+        "w_fa": spec.matrix(d, rank, shard=spec.split(1, spec.DOWN_COLS)),
+        "w_fb": spec.matrix(rank, hd, shard=cols),
+        "w_q": spec.matrix(d, hd, shard=cols), "w_k": spec.matrix(d, hd, shard=cols),
+        "w_v": spec.matrix(d, hd, shard=cols), "w_g": spec.matrix(d, hd, shard=cols),
+        "w_b": spec.matrix(d, h, shard=cols),
         "conv_w": spec.Param((3, cfg.kda_conv_size, hd), bf16,
-                             ("normal", cfg.kda_conv_size ** -0.5)),
+                             ("normal", cfg.kda_conv_size ** -0.5), shard=spec.split(2, spec.HEADS)),
         # exp(a_log) in [1, 4]: the decay gate responds to g_raw without saturating
-        "a_log": spec.Param((h,), f32, ("log_uniform", 1.0, 4.0)),
-        "dt_bias": spec.Param((hd,), f32, ("uniform", -1.0, 1.0)),
+        "a_log": spec.Param((h,), f32, ("log_uniform", 1.0, 4.0), shard=rows),
+        "dt_bias": spec.Param((hd,), f32, ("uniform", -1.0, 1.0), shard=rows),
         "o_norm": spec.norm((cfg.kda_head_dim,)),
-        "w_o": spec.matrix(hd, d),
+        "w_o": spec.matrix(hd, d, shard=spec.split(1, spec.MODEL_COLS), gather=spec.HEADS),
     }
 
 
 def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
-    """conv: the last conv_size-1 pre-conv q/k/v, oldest first; recurrent: S[key, value] per head."""
+    """conv: the last conv_size-1 pre-conv q/k/v, oldest first; recurrent: S[key, value] per head.
+    Both split by heads."""
     h, dk = cfg.n_heads, cfg.kda_head_dim
-    return {"conv": spec.StateLeaf((cfg.kda_conv_size - 1, 3, h, dk), bf16),
-            "recurrent": spec.StateLeaf((h, dk, dk), f32)}
+    return {"conv": spec.StateLeaf((cfg.kda_conv_size - 1, 3, h, dk), bf16,
+                                   shard=spec.split(2, spec.HEADS)),
+            "recurrent": spec.StateLeaf((h, dk, dk), f32, shard=spec.split(0, spec.HEADS))}
 
 
 def kda_projections(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:

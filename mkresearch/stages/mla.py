@@ -20,27 +20,35 @@ from mkresearch.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_sum, rms
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """Sharding (`mkresearch.layout`): per-head columns (W_qb, W_kvb, W_g) split by heads; W_o by
+    its d columns, the heads' outputs gathered first; the latent down-projections W_qa, W_kva by
+    their columns."""
     d, h = cfg.d_model, cfg.n_heads
+    cols, d_rows = spec.split(1, spec.HEADS), spec.split(1, spec.DOWN_COLS)
     return {
-        "w_qa": spec.matrix(d, cfg.mla_q_rank), "q_norm": spec.norm((cfg.mla_q_rank,)),
-        "w_qb": spec.matrix(cfg.mla_q_rank, h * cfg.mla_qk_dim),
-        "w_kva": spec.matrix(d, cfg.mla_kv_rank + cfg.mla_qk_extra),
+        "w_qa": spec.matrix(d, cfg.mla_q_rank, shard=d_rows),
+        "q_norm": spec.norm((cfg.mla_q_rank,)),
+        "w_qb": spec.matrix(cfg.mla_q_rank, h * cfg.mla_qk_dim, shard=cols),
+        "w_kva": spec.matrix(d, cfg.mla_kv_rank + cfg.mla_qk_extra, shard=d_rows),
         "kv_norm": spec.norm((cfg.mla_kv_rank,)),
-        "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim)),
-        "w_g": spec.matrix(d, h * cfg.mla_v_dim),
-        "w_o": spec.matrix(h * cfg.mla_v_dim, d),
+        "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim), shard=cols),
+        "w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols),
+        "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(1, spec.MODEL_COLS),
+                           gather=spec.HEADS),
     }
 
 
 def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
-    """The KV cache of one row: expanded {"k" [H, S, k_padded], "v" [H, S, v]} or latent
-    {"ckv" [S, kv_rank], "kx" [S, extra]}, bf16."""
+    """The KV cache of one row: expanded {"k" [H, S, k_padded], "v" [H, S, v]} (split by heads)
+    or latent {"ckv" [S, kv_rank], "kx" [S, extra]} (shared by all heads: every rank holds it
+    whole), bf16."""
     h, cache = cfg.n_heads, spec.CACHE
     if cfg.mla_cache_layout == "expanded":
-        return {"k": spec.StateLeaf((h, seq_len, cfg.mla_k_padded), bf16, cache, 1),
-                "v": spec.StateLeaf((h, seq_len, cfg.mla_v_dim), bf16, cache, 1)}
-    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, cache, 0),
-            "kx": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, cache, 0)}
+        heads = spec.split(0, spec.HEADS)
+        return {"k": spec.StateLeaf((h, seq_len, cfg.mla_k_padded), bf16, cache, 1, heads),
+                "v": spec.StateLeaf((h, seq_len, cfg.mla_v_dim), bf16, cache, 1, heads)}
+    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, cache, 0, spec.REPLICATED),
+            "kx": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, cache, 0, spec.REPLICATED)}
 
 
 def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:

@@ -20,9 +20,10 @@ from mkresearch.config import ModelConfig
 def _mix_params(cfg: ModelConfig) -> dict[str, spec.Param]:
     d, n_layers = cfg.d_model, cfg.n_layers
     std = d ** -0.5  # <v/rms(v), w> ~ N(0, 1): softmax over candidates neither flat nor one-hot
-    return {"mix_out": spec.Param((d,), jnp.float32, ("normal", std)),
-            "mix_attn": spec.Param((n_layers, d), jnp.float32, ("normal", std)),
-            "mix_mlp": spec.Param((n_layers, d), jnp.float32, ("normal", std))}
+    replicated = spec.REPLICATED  # every rank mixes the same [B, d] candidates
+    return {"mix_out": spec.Param((d,), jnp.float32, ("normal", std), shard=replicated),
+            "mix_attn": spec.Param((n_layers, d), jnp.float32, ("normal", std), shard=replicated),
+            "mix_mlp": spec.Param((n_layers, d), jnp.float32, ("normal", std), shard=replicated)}
 
 
 ATTENTION_MIX = spec.register_residual(spec.Residual(
