@@ -262,7 +262,8 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 #
 # | module | what it is |
 # |---|---|
-# | `mkresearch.config` | `ModelConfig` and the presets `kimi-k3`, `kimi-k3-mini`, `kimi-k3-rank` |
+# | `mkresearch.config` | `ModelConfig` and the presets `kimi-k3`, `kimi-k3-mini` (and the other families') |
+# | `mkresearch.layout` | weights, caches and states over N ranks; `kimi-k3-rank` is one of 32 |
 # | `mkresearch.weights` | parameter shapes, deterministic weights, MXFP4 / FP8 formats |
 # | `mkresearch.reference` | the decode step in plain JAX: the oracle every kernel is tested against |
 # | `mkresearch.sampling` | the sampling reference (counter-based random numbers a kernel can reproduce) |
