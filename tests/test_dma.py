@@ -132,7 +132,8 @@ def test_json_round_trip(race_checked):
     assert back.to_records() == log.to_records()
     assert back.dma_bytes("w") == K * N * 2
     assert set(log.to_records()[0]) == {"kind", "name", "src", "dst", "nbytes", "slot", "indices",
-                                        "flops", "vmem_bytes"}
+                                        "flops", "vmem_bytes", "rank", "src_rank", "dst_rank"}
+    assert {log.to_records()[0][key] for key in ("rank", "src_rank", "dst_rank")} == {None}
 
 
 def test_nothing_is_emitted_when_compiling_for_a_tpu():
