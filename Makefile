@@ -59,7 +59,7 @@ ifneq ($(NOTEBOOKS),)
 	XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
 endif
 
-# Day-to-day: every test not marked slow (no nbval), a few minutes.
+# Day-to-day: every test not marked slow (no nbval), about 2.5 minutes on 2 cores.
 test-fast: venv
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow" tests
 

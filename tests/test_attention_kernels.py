@@ -76,6 +76,7 @@ def normalised_input(cfg, batch, seed):
 # ---- MLA ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_params, layout,
@@ -159,6 +160,7 @@ def nan_past(cache, counts):
                             jnp.nan, array).astype(array.dtype) for name, array in cache.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["expanded", "latent", "latent-partial"])
 def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, mini_params, kernel):
     """Each row reads its tokens rounded up to 16 rows (never the whole 256-token tile), and the
@@ -319,6 +321,7 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
 # ---- KDA ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_kda_matches_reference(race_checked, mini_params, batch):
     cfg = MINI

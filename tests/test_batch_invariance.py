@@ -59,6 +59,7 @@ def reference_steps(params, state, tokens, positions, cfg, n_steps=1):
     return jnp.stack(all_logits, axis=1), state  # [B, steps, V]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, expert_format", LAYOUTS_AND_FORMATS)
 def test_reference_is_batch_invariant(layout, expert_format):
     cfg = MINI.replace(mla_cache_layout=layout, expert_format=expert_format)
@@ -85,6 +86,7 @@ def _x(batch, seed):
     return jnp.asarray(rng.standard_normal((batch, MINI.d_model)), jnp.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["kda", "mla", "moe", "dense", "sampling"])
 def test_stage_kernels_are_batch_invariant(race_checked, mini_params, stage):
     x = _x(FULL_BATCH, seed=5)
@@ -118,6 +120,7 @@ def test_stage_kernels_are_batch_invariant(race_checked, mini_params, stage):
 
 
 # ---- the megakernel ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, expert_format", [("expanded", "mxfp4"), ("latent", "fp8")])
 def test_megakernel_is_batch_invariant(race_checked, layout, expert_format):
     cfg = MINI.replace(mla_cache_layout=layout, expert_format=expert_format)

@@ -31,6 +31,7 @@ def test_decode_json_and_text(capsys):
     assert "generated" in text and "parity:" in text and "PASS" in text and "tokens/s" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, reason", [
     (["decode", "--backend", "stages"], "--backend 'stages' is not available yet"),
     (["decode", "--backend", "cuda"], "--backend 'cuda' is unknown"),
@@ -82,6 +83,7 @@ def test_figures(tmp_path):
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_demo_decodes_with_the_megakernel():
     """`make demo`: the product — megakernel tokens, agreement with the reference, the step time
     here labelled as a simulator, and the full model's predicted TPU7x step beside the release's."""
@@ -126,6 +128,7 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
 # The CLI's decode path is the same for every model (tests/test_families.py and
 # tests/test_families_megakernel.py check each family's step): one family per backend here, and
 # the third through `bench` below
+@pytest.mark.slow
 @pytest.mark.parametrize("model, backend", [("glm-4.5-mini", "reference"),
                                             ("deepseek-v3-mini", "megakernel")])
 def test_decode_family_minis(capsys, model, backend):

@@ -192,6 +192,7 @@ def check_declared(name, compiled, moved, log):
     assert logged_flops <= declared["flops"] <= compiled.flops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_declared_cost_is_what_the_stage_moves(race_checked, mini_params, stage):
     run, args, around = STAGES[stage](mini_params)

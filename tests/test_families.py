@@ -236,6 +236,7 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 
 
 # ---- the pre-norm decode step -------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MINIS)
 def test_prenorm_step_composes_the_registry_sublayers(name):
     """decode_step = h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h))) layer by layer
@@ -277,6 +278,7 @@ def test_prenorm_step_composes_the_registry_sublayers(name):
         (cfg.attention_kinds[0], "dense")] * len(cfg.dense_layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MINIS)
 def test_reference_step_is_batch_invariant(name):
     """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three

@@ -75,6 +75,7 @@ def kv_per_token(kind, cfg):
     return (cfg.mla_kv_rank + cfg.mla_qk_extra) * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [*CASES, "deepseek"])
 def test_matches_reference_and_reads_only_needed_kv(race_checked, case):
     kind = "mla_rope" if case == "deepseek" else "gqa"

@@ -180,6 +180,7 @@ def report(cfg, batch, result):
 
 
 # ---- 16 greedy steps at B = 1 and B = 4, and the bytes of the last -------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MINIS)
 def test_greedy_16_steps_batch_1_and_bytes(race_checked, mini_params, reference_runs, name):
     """B = 1, and the last step scaled to one rank of the full model (`bench.scale_to_rank`): it
@@ -205,6 +206,7 @@ def test_greedy_16_steps_batch_1_and_bytes(race_checked, mini_params, reference_
     assert 0 < predicted.roofline_fraction <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MINIS)
 def test_greedy_16_steps_batch_4_and_bytes(race_checked, mini_params, reference_runs, name):
     cfg = config.get_config(name)

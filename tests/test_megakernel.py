@@ -164,11 +164,13 @@ def report(label, near_ties, worst):
           f"{len(differ)} of them {differ}: {[(step, row, gap) for step, row, gap, _ in near_ties]}")
 
 
+@pytest.mark.slow
 def test_greedy_32_steps_batch_1(race_checked, mini_params):
     near_ties, worst, _ = run_steps(MINI, mini_params, 1, 32)
     report("B=1, 32 steps", near_ties, worst)
 
 
+@pytest.mark.slow
 def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     """B = 4, recorded: tokens, states, and the bytes each step moves against the minimum."""
     near_ties, worst, logs = run_steps(MINI, mini_params, 4, 32, record=True)
@@ -213,6 +215,7 @@ def assert_prefetch_order(step):
 
 
 # ---- the format / layout matrix (fewer steps) -----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, expert_format, batch",
                          [("latent", "fp8", 2), ("expanded", "bf16", 8)])
 def test_layouts_and_formats(race_checked, layout, expert_format, batch):
@@ -223,6 +226,7 @@ def test_layouts_and_formats(race_checked, layout, expert_format, batch):
 
 
 # ---- compiling for TPU7x ----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3-rank"])
 def test_compiles_to_one_mosaic_kernel(name):
     cfg = layout.named_config(name)
@@ -249,6 +253,7 @@ def test_mxfp4_compiles_for_every_chip(chip, decode_path):
     assert plan.stage_plan("moe").stage.mxfp4_decode == decode_path
 
 
+@pytest.mark.slow
 def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
     """The megakernel built for v5e (integer MXFP4 decode) and for TPU7x (native), interpreted:
     the same logits to the bit, the same tokens and state."""

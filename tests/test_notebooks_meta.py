@@ -111,6 +111,7 @@ TINY_NOTEBOOK = {"cells": [{"cell_type": "code", "execution_count": None, "id": 
                  "nbformat": 4, "nbformat_minor": 5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, passes", [("1000", True), ("0.001", False)])
 def test_nbval_run_fails_a_notebook_over_its_time_budget(tmp_path, budget, passes):
     """notebooks/conftest.py times each notebook's nbval run (no second run) and fails its last

@@ -93,6 +93,7 @@ def test_recorded_log_is_the_schedule(race_checked, layout, expert_format, batch
     assert sched.late_prefetches() == NOT_LATE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini"])
 def test_recorded_log_is_the_schedule_of_other_families(race_checked, name):
     """GQA (bias, QK-norm, partial RoPE), MLA with the rope key, full-d MoE with group-limited or
@@ -116,6 +117,7 @@ def test_recorded_log_is_the_schedule_off_the_global_ring(race_checked):
     assert late["next_layer"] == list(range(cfg.n_layers - 1)) and late["experts"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, batch", [(name, 1) for name in config.PRESETS]
                          + [("kimi-k3-mini", 4), ("kimi-k3-mini", mk.MAX_BATCH)])
 def test_worst_case_is_the_cost_estimate(name, batch):

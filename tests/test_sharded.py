@@ -27,6 +27,7 @@ def run_sharded(timeout: float) -> None:
     assert result.returncode == 0, f"{result.stdout[-8000:]}\n{result.stderr[-8000:]}"
 
 
+@pytest.mark.slow
 def test_sharded_on_8_simulated_devices():
     """tests/sharded: one step on 8 ranks with every check, and a broken collective caught. The
     whole matrix of the issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here)."""
