@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch import reference
 from mkresearch.config import BF16_SUBLANE, LANE
 from mkresearch.kernels import dma, planned
+from mkresearch.kernels.registry import StageRefs
 
 # The public release keeps weight banks of 2 MiB in flight; one block of a streamed matrix is at
 # most this many bytes unless the caller asks for other block rows.
@@ -228,3 +229,29 @@ def f32(v: jax.Array) -> jax.Array:
 
 def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def cache_stage_call(body, plan, cost, interpret, indices: tuple, positions, x, weights, cache):
+    """A standalone attention stage over a KV cache as one pallas_call: positions in SMEM, x and
+    the output in VMEM, weights and the cache in HBM (pl.ANY; the cache updated in place), weight
+    blocks drawn from LOCAL_STREAM. `body(plan, refs)` is the stage's kernel body."""
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    n_in = 2 + len(weights)  # then the cache leaves (a dict flattens sorted)
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    cache_specs = {name: hbm for name in cache}
+
+    def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
+        body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs, state_in=cache_in,
+                             state_out=cache_out, positions=positions_ref, stream=LOCAL_STREAM,
+                             indices=dict(indices)))
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=(out, {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in cache.items()}),
+        in_specs=(pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
+                  {name: hbm for name in weights}, cache_specs),
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), cache_specs),
+        input_output_aliases={n_in + i: 1 + i for i in range(len(cache))},
+        cost_estimate=cost.estimate(positions, x, out),
+        interpret=interpret,
+    )(positions, x, weights, cache)

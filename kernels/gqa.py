@@ -288,28 +288,10 @@ def gqa_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
 def _call(plan: GqaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, weights,
           cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    n_in = 2 + len(weights)  # then k, v (a dict flattens sorted)
-    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     # every row at the last position: the whole cache
     cost = costs.gqa(plan, weights, (cache["k"], cache["v"]))
-
-    def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
-        gqa_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
-                                           state_in=cache_in, state_out=cache_out,
-                                           positions=positions_ref, stream=blocks.LOCAL_STREAM,
-                                           indices=dict(indices)))
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=(out, {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in cache.items()}),
-        in_specs=(pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
-                  {name: hbm for name in weights}, {"k": hbm, "v": hbm}),
-        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), {"k": hbm, "v": hbm}),
-        input_output_aliases={n_in: 1, n_in + 1: 2},
-        cost_estimate=cost.estimate(positions, x, out),
-        interpret=interpret,
-    )(positions, x, weights, cache)
+    return blocks.cache_stage_call(gqa_attention_body, plan, cost, interpret, indices, positions, x,
+                                   weights, cache)
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
