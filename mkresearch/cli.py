@@ -17,13 +17,11 @@ option and exits with status 2 — never a traceback.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import functools
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
@@ -42,7 +40,6 @@ from mkresearch import (
 from mkresearch.chips import CHIPS
 from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.kernels import megakernel
-from mkresearch.kernels.megakernel_plan import MAX_BATCH
 from mkresearch.roofline import tree_bytes
 from mkresearch.weights import param_shapes
 
@@ -54,67 +51,18 @@ PLANNED_BACKENDS = ("stages",)
 MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-def _model(name: str) -> ModelConfig:
-    """A preset, or '<preset>-rank': one rank of its release layout (`layout.named_config`)."""
-    if name not in layout.config_names():
-        raise UsageError(f"unknown model {name!r}: choose one of "
-                         f"{', '.join(layout.config_names())}")
-    return layout.named_config(name)
-
-
-def _at_least(option: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
-
-
-def _in_range(option: str, value: int, low: int, high: int, why: str) -> None:
-    if not low <= value <= high:
-        raise UsageError(f"{option} {value} is invalid: an int in [{low}, {high}] ({why})")
-
-
-def _chip(name: str) -> str:
-    if name not in CHIPS:
-        raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
-    return name
-
-
-@contextlib.contextmanager
-def _refusals() -> Iterator[None]:
-    """A ValueError of the library (a config the chip cannot run: VMEM plan, HBM; bad input it
-    checks before tracing) -> a UsageError of its first line: one line, exit status 2."""
-    try:
-        yield
-    except ValueError as error:
-        raise UsageError(str(error).splitlines()[0]) from None
-
-
-def _megakernel_batch(option: str, value: int) -> None:
-    if not 1 <= value <= MAX_BATCH:
-        raise UsageError(f"{option} {value} is invalid: each in [1, {MAX_BATCH}] (the megakernel "
-                         "backend)")
-
-
-def _human_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f}"
+from mkresearch.cli_common import (
+    UsageError,
+    _at_least,
+    _chip,
+    _human_bytes,
+    _human_count,
+    _in_range,
+    _megakernel_batch,
+    _model,
+    _Parser,
+    _refusals,
+)
 
 
 # ---- info ------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",
                  "mkresearch.timeline_whatif", "mkresearch.profiling", "mkresearch.hlo",
                  "mkresearch.logs", "mkresearch.scaling", "mkresearch.schedule_report"),
-    "app": ("mkresearch.bench", "mkresearch.cli", "mkresearch.figures", "mkresearch.plots",
+    "app": ("mkresearch.bench", "mkresearch.cli", "mkresearch.cli_*", "mkresearch.figures",
+            "mkresearch.plots",
             "mkresearch.*_plots", "mkresearch.widgets", "mkresearch.recorded",
             "mkresearch.__main__"),
 }
