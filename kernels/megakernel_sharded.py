@@ -96,7 +96,7 @@ def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
     return spec.stage(kind).params(cfg)[key]
 
 
-def _rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
+def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
     """Every streamed matrix with a collective around it: its input gathered (Param.gather) or
     its output's column chunks gathered (split by a padded group)."""
     cfg, rules = lay.cfg, []
@@ -157,7 +157,7 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
             raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
                              f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
                              f"streams {shortest} blocks)")
-    rules = _rules(lay)
+    rules = collective_rules(lay)
     pieces = {"all": [sharded_stages.STATE_LANES],
               "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
     for rule in rules:

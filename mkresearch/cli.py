@@ -1,4 +1,4 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, predict, figures.
 
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
@@ -9,6 +9,8 @@
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
         [--json]
+    mkresearch predict kimi-k3 --ranks 32 [--chip tpu7x] [--batch 1,2,4,8] [--layout ours|release] \
+        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -27,6 +29,7 @@ from typing import Any
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
 from mkresearch import (
     bench,
+    cli_predict,
     figures,
     layout,
     layout_bytes,
@@ -47,6 +50,8 @@ from mkresearch.weights import param_shapes
 BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.megakernel",
             "reference": "plain-JAX oracle, mkresearch.reference"}
 PLANNED_BACKENDS = ("stages",)
+# Commands that live in a module of their own (`add_parser(subparsers)`, `run(args) -> status`).
+COMMANDS = {"predict": cli_predict}
 # Beyond this many weight bytes a decode would not fit in a laptop's memory.
 MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
 
@@ -237,7 +242,7 @@ def _print_decode(result: dict) -> None:
 def _parser() -> _Parser:
     parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{info,decode,bench,compile,plan,figures}")
+                                     metavar="{info,decode,bench,compile,plan,predict,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
     p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
@@ -301,6 +306,9 @@ def _parser() -> _Parser:
                    help="every row's position (default: the last one, the worst case)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    for command in COMMANDS.values():  # the commands with a module of their own
+        command.add_parser(commands)
+
     p = commands.add_parser("figures", help="write every registered figure as PNG")
     p.add_argument("--out", default="figures", help="output directory (default figures)")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="just these figures")
@@ -309,6 +317,8 @@ def _parser() -> _Parser:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in COMMANDS:
+        return COMMANDS[args.command].run(args)
     if args.command == "info":
         cfg = _model(args.model)
         _at_least("--batch", args.batch, 1)

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from mkresearch.bench import plot_decode_bench
 from mkresearch.plots import plot_expert_bytes, plot_kv_bytes, plot_roofline
+from mkresearch.scale_out_plots import plot_scale_out
 
 FIGURES: dict[str, Callable[[Path], None]] = {
     "roofline": plot_roofline,
     "decode_bench": plot_decode_bench,
     "expert_bytes": plot_expert_bytes,
     "mla_kv_bytes": plot_kv_bytes,
+    "scale_out": plot_scale_out,
 }
 
 

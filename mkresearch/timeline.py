@@ -40,7 +40,14 @@ from mkresearch.timeline_chip import (  # noqa: F401
     hbm_floor_s,
     timeline_chip,
 )
-from mkresearch.timeline_events import DMA_KINDS, LogEvent, events_of, match_keys, to_records  # noqa: F401
+from mkresearch.timeline_events import (  # noqa: F401
+    DMA_KINDS,
+    CollectiveEvent,
+    LogEvent,
+    events_of,
+    match_keys,
+    to_records,
+)
 from mkresearch.timeline_whatif import (  # noqa: F401
     blockspec_log,
     guide_bandwidth_bound_s,
@@ -52,6 +59,7 @@ from mkresearch.timeline_whatif import (  # noqa: F401
 
 IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
 COMPUTE_LANE = "MXU/VPU"
+COLLECTIVE_LANE = "ICI"  # a rank's collectives: from its arrival to the collective's end
 
 
 # ---- the result ------------------------------------------------------------------------------
@@ -63,7 +71,7 @@ class Span:
     name: str
     start: float
     end: float
-    kind: str  # "dma" | "compute" | "measured"
+    kind: str  # "dma" | "compute" | "collective" | "measured"
     nbytes: int = 0
     flops: float = 0.0
     slot: int | None = None
@@ -264,25 +272,49 @@ class _DmaEngines:
 
 # ---- the simulation ------------------------------------------------------------------------
 def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
-             vpu_phases: Sequence[str] = ()) -> Timeline:
+             vpu_phases: Sequence[str] = (), collective_s: Any = None) -> Timeline:
     """The timeline of `log` (a `dma.recording()` log, its events or JSON records) on `chip`.
 
     Phases whose name starts with one of `vpu_phases` run at the VPU peak, all others at the MXU
-    peak; either way a phase lasts at least `vmem_bytes / vmem_bandwidth`.
+    peak; either way a phase lasts at least `vmem_bytes / vmem_bandwidth`. A `CollectiveEvent`
+    blocks the program for `collective_s(event)` seconds (its peers taken to arrive with it; the
+    ranks together: `mkresearch.timeline_ranks.simulate_ranks`).
     """
+    program = rank_program(events_of(log), chip, vpu_phases)
+    try:
+        request = next(program)
+        while True:
+            if collective_s is None:
+                raise ValueError(f"collective {request[0].name!r} in the log: pass collective_s "
+                                 "(seconds of a CollectiveEvent) or use simulate_ranks")
+            event, arrival = request
+            request = program.send(arrival + collective_s(event))
+    except StopIteration as done:
+        return done.value
+
+
+def rank_program(events: list, chip: str | TimelineChip, vpu_phases: Sequence[str]):
+    """The simulation of one rank's program as a generator: at each collective it yields
+    (event, arrival time) and is sent the time the collective completes; it returns the
+    Timeline."""
     chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
-    events = events_of(log)
     engines = _DmaEngines(chip)
     t = 0.0  # the program's clock
     in_flight: dict[Any, deque[_Dma]] = {}  # match key -> DMAs issued, not yet waited (FIFO)
     dmas: list[_Dma] = []
     waited_unconsumed: list[_Dma] = []  # waited into VMEM, not yet read by a phase
     compute: list[Span] = []
+    collectives: list[Span] = []
     open_phases: list[dict] = []
     flops_total = 0.0
 
     for i, ev in enumerate(events):
-        if ev.kind == "dma_start":
+        if ev.kind == "collective":
+            done = yield ev, t
+            collectives.append(Span(lane=COLLECTIVE_LANE, name=ev.name, start=t, end=done,
+                                    kind="collective", nbytes=ev.nbytes))
+            t = max(t, done)
+        elif ev.kind == "dma_start":
             d = _Dma(ev, t, chip.dma_latency)
             dmas.append(d)
             for key in match_keys(ev):
@@ -333,7 +365,7 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
     dma_spans = [Span(lane=f"DMA {d.engine}", name=d.event.name, start=d.start, end=d.end,
                       kind="dma", nbytes=d.event.nbytes, slot=d.event.slot, issue=d.issue)
                  for d in dmas]
-    spans = tuple(sorted(dma_spans + compute, key=lambda s: (s.start, s.lane)))
+    spans = tuple(sorted(dma_spans + compute + collectives, key=lambda s: (s.start, s.lane)))
     return Timeline(chip=chip, spans=spans, vmem=_vmem_curve(dmas), total_s=total,
                     dma_bytes=sum(d.event.nbytes for d in dmas), flops=flops_total,
                     idle=tuple(_compute_idle(compute, dma_spans, total)))

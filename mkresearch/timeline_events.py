@@ -26,6 +26,21 @@ class LogEvent:
     vmem_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """A collective in a rank's program (`mkresearch.timeline_ranks`): the program waits until
+    every member of `group` has arrived and the messages of `op` (`mkresearch.interconnect`,
+    priced over `path`: the members in message order, default the group) have arrived.
+    nbytes: all_gather, one member's piece; all_reduce, the vector; chain, the running sum."""
+
+    name: str
+    op: str
+    group: tuple[int, ...]
+    nbytes: int
+    path: tuple[int, ...] = ()
+    kind: str = "collective"
+
+
 def events_of(log: Any) -> list[LogEvent]:
     """The events of a `dma.recording()` log, a list of `dma.Event`s, or their JSON records.
 
@@ -39,7 +54,7 @@ def events_of(log: Any) -> list[LogEvent]:
     events = getattr(log, "events", log)
     out = []
     for i, ev in enumerate(events):
-        if isinstance(ev, LogEvent):
+        if isinstance(ev, (LogEvent, CollectiveEvent)):
             out.append(ev)
             continue
         get = ev.get if isinstance(ev, Mapping) else (lambda k, d=None, ev=ev: getattr(ev, k, d))

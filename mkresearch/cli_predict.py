@@ -1,0 +1,114 @@
+"""`mkresearch predict MODEL --ranks N`: the full-size step on N ranks, predicted by the scale-out
+timeline model (`mkresearch.scale_out`), beside the published numbers where there are some.
+
+    mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
+        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json]
+
+Without --layout both layouts are predicted, each with its own schedule unless --schedule says.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from mkresearch import interconnect as links
+from mkresearch import layout, scale_out
+from mkresearch.cli_common import UsageError, _at_least, _chip, _model, _refusals
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--batch {text!r} is invalid: comma-separated ints >= 1, e.g. "
+                         "1,2,4,8") from None
+    for batch in batches:
+        _at_least("--batch", batch, 1)
+    return batches
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("predict", help="the full-size step on N ranks, predicted (timeline "
+                                            "model with the interconnect), beside the published")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())} with sharding rules")
+    p.add_argument("--ranks", type=int, default=32, help="ranks (devices) to shard across "
+                                                         "(default 32: the release's 16 TPU7x)")
+    p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")
+    p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated "
+                                                      "(default 1,2,4,8)")
+    p.add_argument("--layout", default=None, choices=layout.LAYOUTS,
+                   help="whose layout (default: both)")
+    p.add_argument("--schedule", default=None, choices=scale_out.SCHEDULES,
+                   help="whose schedule: ring, expert slots, collectives (default: the layout's)")
+    p.add_argument("--algorithm", default="two-level", choices=links.ALGORITHMS,
+                   help="collective algorithm (default two-level: sibling core, then ICI)")
+    p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: Any) -> int:
+    cfg = _model(args.model)
+    chip = _chip(args.chip)
+    batches = _batches(args.batch)
+    _at_least("--ranks", args.ranks, 2)
+    _at_least("--context", args.context, 0)
+    names = (args.layout,) if args.layout else layout.LAYOUTS
+    if chip not in links.INTERCONNECTS:
+        raise UsageError(f"--chip {chip!r} is invalid for predict: one of "
+                         f"{', '.join(links.INTERCONNECTS)} (spec/tpu.md has link figures for "
+                         "no other chip)")
+    with _refusals():
+        if not layout.has_rules(cfg):
+            raise ValueError(f"--model {cfg.name} has no sharding rules yet (its stage kinds do "
+                             "not say how they split): predict runs kimi-k3 and kimi-k3-mini")
+        layout.check_ranks(cfg, args.ranks)
+    rows = []
+    todo = [(name, batch) for name in names for batch in batches]
+    progress = not args.json and sys.stderr.isatty() and len(todo) > 1
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="predict", unit="step", file=sys.stderr)
+    with _refusals():
+        for name, batch in todo:
+            result = scale_out.predict(cfg, args.ranks, name, batch, chip=chip,
+                                       schedule=args.schedule, algorithm=args.algorithm,
+                                       context=args.context)
+            rows.append(result)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    if args.json:
+        print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
+                          "predictions": rows}))
+    else:
+        print(format_rows(rows))
+    return 0
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
+    first = rows[0]
+    lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
+             f"({first['algorithm']} collectives): {first['label']}"),
+             (f"  {'layout':8s} {'schedule':8s} {'B':>2s} {'step ms':>8s} {'tok/s':>7s} "
+             f"{'floor':>6s} {'peers':>6s} {'coll.':>6s} {'comp.':>6s} {'bubble':>6s} "
+             f"{'colls':>5s} {'published':>14s} {'16xGB200':>9s}")]
+    for r in rows:
+        parts = r["parts_s"]
+        published = r.get("published_step_s")
+        pub = (f"{published * 1e3:5.2f} ms {r['batch'] / published:4.0f}/s" if published
+               else "-")
+        gb200 = f"{r['gb200_tok_s']:5d}/s" if r.get("gb200_tok_s") else "-"
+        lines.append(
+            f"  {r['layout']:8s} {r['schedule']['name']:8s} {r['batch']:2d} "
+            f"{r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:7.0f} "
+            + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
+            + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
+    lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
+                 "messages, compute, bubbles; colls: collectives per rank per step")
+    return "\n".join(lines)

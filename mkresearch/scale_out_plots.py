@@ -1,0 +1,209 @@
+"""Pictures of the scale-out prediction: figures/scale_out.png, the ranks' timeline, and the
+`ScaleOutExplorer` widget (batch, ranks, layout, schedule, link bandwidth and latency).
+
+Data functions (pure, tested): `ranks_rows` (the bars of a multi-rank timeline), `figure_rows`
+(tok/s per batch per series), `parts_rows` (the decomposition of one step per series).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mkresearch import calibration, scale_out
+from mkresearch import interconnect as links
+from mkresearch.config import get_config
+from mkresearch.timeline import _merge
+from mkresearch.timeline_ranks import PARTS, RanksTimeline
+from mkresearch.widgets import _display, png_bundle
+
+KINDS = ("hbm", "waiting", "collective")  # a rank's bars: HBM moving, waiting for peers, messages
+COLORS = {"hbm": "#4C72B0", "waiting": "#DD8452", "collective": "#C44E52",
+          "hbm_floor": "#4C72B0", "waiting_for_peers": "#DD8452",
+          "collective_messages": "#C44E52", "compute": "#55A868", "bubble": "#8C8C8C"}
+PART_LABELS = {"hbm_floor": "HBM floor", "waiting_for_peers": "waiting for peers",
+               "collective_messages": "collective messages", "compute": "compute (HBM idle)",
+               "bubble": "bubbles"}
+
+
+def ranks_rows(ranks: RanksTimeline, window_us: tuple[float, float] | None = None) -> list[dict]:
+    """One row per bar: rank, kind (KINDS), start_us, end_us; clipped to the window (µs)."""
+    lo, hi = window_us if window_us is not None else (0.0, ranks.total_s * 1e6)
+    rows = []
+    for rank, tl in zip(ranks.ranks, ranks.timelines, strict=True):
+        bars = [("hbm", a, b) for a, b in _merge((s.start, s.end) for s in tl.spans
+                                                  if s.kind == "dma")]
+        for run in ranks.collectives:
+            if rank in run.group:
+                bars += [("waiting", run.arrivals[run.group.index(rank)], run.start),
+                         ("collective", run.start, run.end)]
+        for kind, a, b in bars:
+            a, b = max(a * 1e6, lo), min(b * 1e6, hi)
+            if b > a:
+                rows.append({"rank": rank, "kind": kind, "start_us": a, "end_us": b})
+    return rows
+
+
+def plot_ranks(ranks: RanksTimeline, ax, window_us: tuple[float, float] | None = None) -> None:
+    rows = ranks_rows(ranks, window_us)
+    for y, rank in enumerate(ranks.ranks):
+        for kind in KINDS:
+            bars = [(r["start_us"], r["end_us"] - r["start_us"]) for r in rows
+                    if r["rank"] == rank and r["kind"] == kind]
+            height = 0.8 if kind == "hbm" else 0.4
+            ax.broken_barh(bars, (y - height / 2, height), color=COLORS[kind],
+                           label={"hbm": "HBM moving weights", "waiting": "waiting for peers",
+                                  "collective": "collective messages"}[kind] if y == 0 else None)
+    ax.set_yticks(range(len(ranks.ranks)), [f"rank {r}" for r in ranks.ranks])
+    ax.set_xlabel("µs from the start of the step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def parts_rows(predictions: dict[str, dict]) -> list[dict]:
+    """label -> a prediction (`scale_out.predict`) as rows: label, part, ms."""
+    return [{"label": label, "part": part, "ms": p["parts_s"][part] * 1e3}
+            for label, p in predictions.items() for part in PARTS]
+
+
+def plot_parts(predictions: dict[str, dict], ax, published_ms: float | None = None) -> None:
+    rows = parts_rows(predictions)
+    labels = list(predictions)
+    bottoms = [0.0] * len(labels)
+    for part in PARTS:
+        values = [next(r["ms"] for r in rows if r["label"] == lab and r["part"] == part)
+                  for lab in labels]
+        ax.barh(labels, values, left=bottoms, color=COLORS[part], label=PART_LABELS[part])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    if published_ms:
+        ax.axvline(published_ms, color="black", ls="--", label=f"published {published_ms:.2f} ms")
+    ax.set_xlabel("ms per step (the slowest rank)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def figure_rows(release: Sequence[dict], ours: Sequence[dict]) -> list[dict]:
+    """tok/s per batch: published TPU7x and 16x GB200, and the three predictions."""
+    rows = []
+    for rel, our in zip(release, ours, strict=True):
+        b = rel["batch"]
+        rows += [{"series": "published, 16 TPU7x (the release)", "batch": b,
+                  "tok_s": our["published_tok_s"]},
+                 {"series": "published, 16x GB200", "batch": b, "tok_s": our["gb200_tok_s"]},
+                 {"series": "predicted: the release's layout + schedule", "batch": b,
+                  "tok_s": b / rel["predicted_ms"] * 1e3},
+                 {"series": "predicted: ours as built (exact collectives)", "batch": b,
+                  "tok_s": our["ours"]["tok_s"]},
+                 {"series": "predicted: our layout + the release's schedule", "batch": b,
+                  "tok_s": our["ours_release_schedule"]["tok_s"]}]
+    return rows
+
+
+def plot_scale_out(path) -> None:
+    """figures/scale_out.png: predicted vs published tok/s per batch, and the B = 1 parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = get_config("kimi-k3")
+    release, ours = calibration.release_table(cfg), calibration.ours_table(cfg)
+    fig, (ax_rate, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.8))
+    rows = figure_rows(release, ours)
+    styles = {"published": {"ls": "-", "marker": "s", "lw": 2.5}, "predicted": {"ls": "--", "marker": "o"}}
+    for series in dict.fromkeys(r["series"] for r in rows):
+        points = [r for r in rows if r["series"] == series]
+        ax_rate.plot([p["batch"] for p in points], [p["tok_s"] for p in points], label=series,
+                     **styles[series.split(",")[0].split(":")[0]])
+    ax_rate.set_xscale("log", base=2)
+    ax_rate.set_xlabel("batch (sequences)")
+    ax_rate.set_ylabel("tokens/s, 32 ranks")
+    ax_rate.set_title("Kimi K3 decode on 16 TPU7x: predicted vs published")
+    ax_rate.legend(fontsize=8)
+    one = {"release (layout + schedule)": {"parts_s": {k: v / 1e3 for k, v in
+                                                       release[0]["parts_ms"].items()}},
+           "ours as built": {"parts_s": {k: v / 1e3 for k, v in
+                                         ours[0]["ours"]["parts_ms"].items()}},
+           "our layout, release schedule": {"parts_s": {
+               k: v / 1e3 for k, v in ours[0]["ours_release_schedule"]["parts_ms"].items()}}}
+    plot_parts(one, ax_parts, release[0]["published_ms"])
+    ax_parts.set_title("B = 1: where the step goes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class ScaleOutExplorer:
+    """Controls (batch, ranks, layout, schedule, ICI bandwidth and latency) over the multi-rank
+    timeline of kimi-k3 and its parts. Displayed: the figure as a static image/png, then the live
+    controls (they need a running kernel). `prediction` is the current data."""
+
+    def __init__(self, *, batch: int = 1, n_ranks: int = 32, layout: str = "ours",
+                 schedule: str | None = None, window_us: tuple[float, float] = (0.0, 200.0)):
+        import ipywidgets as w
+
+        self.cfg = get_config("kimi-k3")
+        self.window_us = window_us
+        base = links.interconnect("tpu7x")
+        self.batch = w.Dropdown(options=[1, 2, 4, 8], value=batch, description="batch")
+        self.ranks = w.Dropdown(options=[8, 16, 32], value=n_ranks, description="ranks")
+        self.layout = w.Dropdown(options=["ours", "release"], value=layout, description="layout")
+        self.schedule = w.Dropdown(options=list(scale_out.SCHEDULES),
+                                   value=schedule or layout, description="schedule")
+        self.bandwidth = w.Dropdown(options=[22.5, 45.0, 90.0, 180.0],
+                                    value=base.ici_bandwidth / 1e9, description="ICI GB/s")
+        self.latency = w.Dropdown(options=[0.5, 1.0, round(base.ici_latency * 1e6, 1), 5.0],
+                                  value=round(base.ici_latency * 1e6, 1), description="ICI µs")
+        self.summary, self.output = w.HTML(), w.Output()
+        controls = [self.batch, self.ranks, self.layout, self.schedule, self.bandwidth,
+                    self.latency]
+        for control in controls:
+            control.observe(lambda _change: self.redraw(), names="value")
+        self.widget = w.VBox([w.HBox(controls[:3]), w.HBox(controls[3:]), self.summary,
+                              self.output])
+        self._displayed = False
+        self.redraw()
+
+    def compute(self) -> dict:
+        inter = links.interconnect("tpu7x", ici_bandwidth=self.bandwidth.value * 1e9,
+                                   ici_latency=self.latency.value * 1e-6)
+        return scale_out.predict(self.cfg, self.ranks.value, self.layout.value, self.batch.value,
+                                 schedule=self.schedule.value, interconnect=inter,
+                                 keep_timeline=True)
+
+    def summary_line(self) -> str:
+        p = self.prediction
+        parts = ", ".join(f"{PART_LABELS[k]} {v * 1e3:.2f}" for k, v in p["parts_s"].items())
+        return (f"{p['step_s'] * 1e3:.2f} ms per step, {p['tokens_per_s']:.0f} tok/s "
+                f"(ms: {parts}); {p['collectives_per_rank']} collectives per rank")
+
+    def redraw(self) -> None:
+        import matplotlib.pyplot as plt
+
+        self.prediction = self.compute()
+        self.summary.value = self.summary_line()
+        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=(12, 6.5),
+                                                 gridspec_kw={"height_ratios": [3, 1]})
+        plot_ranks(self.prediction["timeline"], ax_ranks, self.window_us)
+        ax_ranks.set_title(f"the first {self.window_us[1]:.0f} µs of the step, one rank per "
+                           "expert-parallel group")
+        published = self.prediction.get("published_step_s")
+        plot_parts({"this prediction": self.prediction}, ax_parts,
+                   published * 1e3 if published else None)
+        fig.tight_layout()
+        plt.close(fig)
+        self.figure = fig
+        if self._displayed:
+            self.output.clear_output(wait=True)
+            with self.output:
+                _display(png_bundle(fig, self.summary_line()), raw=True)
+
+    def _ipython_display_(self) -> None:
+        _display(png_bundle(self.figure, self.summary_line()), raw=True)
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = "ScaleOutExplorer: live controls (they need a running kernel)"
+        _display(bundle, raw=True)
+        self._displayed = True
+
+
+def explorer(**kwargs: Any):
+    """The explorer where ipywidgets is installed; it needs a kernel to redraw."""
+    return ScaleOutExplorer(**kwargs)
