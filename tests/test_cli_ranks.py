@@ -77,3 +77,24 @@ def test_decode_on_2_ranks_in_a_child_json():
         assert row["remote_bytes"] > 0 and row["remote_copies"] > 0
         assert row["predicted_step_s"] > 0
     assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
+
+
+@pytest.mark.slow
+def test_bench_on_2_ranks_adds_per_rank_rows(tmp_path):
+    """bench --ranks 2: the single device's rows as before, then the sharded rows (printed and in
+    decode_bench.json) with one entry per rank."""
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "bench", "--ranks", "2",
+                           "--batches", "1", "--steps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "B=1, 2 ranks: sharded megakernel" in done.stdout
+    assert "rank 0: HBM" in done.stdout and "rank 1: HBM" in done.stdout
+    result = json.loads((tmp_path / "decode_bench.json").read_text())
+    assert [row["batch"] for row in result["rows"]] == [1]
+    sharded = result["sharded"]
+    assert sharded["ranks"] == 2 and [row["batch"] for row in sharded["rows"]] == [1]
+    ranks = sharded["rows"][0]["per_rank"]
+    assert [row["rank"] for row in ranks] == [0, 1]
+    assert all(row["remote_bytes"] > 0 and row["weight_bytes"] > 0 for row in ranks)
+    assert (tmp_path / "decode_bench.png").exists()
