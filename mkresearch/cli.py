@@ -3,15 +3,18 @@
     mkresearch info kimi-k3 --batch 8 --context 4096 [--format mxfp4] [--layout latent] [--json]
     mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
-        [--backend megakernel|reference] [--chip tpu7x] [--json]
+        [--backend megakernel|reference] [--chip tpu7x] [--ranks 1] [--json]
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
-        [--out figures]
+        [--ranks 1] [--out figures]
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
         [--json]
     mkresearch predict kimi-k3 --ranks 32 [--chip tpu7x] [--batch 1,2,4,8] [--layout ours|release] \
         [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
+
+--ranks N > 1 runs the sharded megakernel on N devices (`mkresearch.cli_ranks`): on CPU N
+simulated ones, in a child process started with them when this one has fewer.
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
 option and exits with status 2 — never a traceback.
@@ -30,6 +33,7 @@ import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TP
 from mkresearch import (
     bench,
     cli_predict,
+    cli_ranks,
     figures,
     layout,
     layout_bytes,
@@ -272,6 +276,9 @@ def _parser() -> _Parser:
     p.add_argument("--chip", default="tpu7x",
                    help="TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 "
                         "decode path) and of the timeline model's prediction")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="devices the megakernel is sharded across (default 1); on CPU that many "
+                        "simulated devices, in a child process when needed")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
@@ -281,6 +288,9 @@ def _parser() -> _Parser:
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
     p.add_argument("--chip", default="tpu7x",
                    help="TPU chip the megakernel is built for and of the predictions")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="also the sharded megakernel on this many devices, per-rank rows "
+                        "(default 1: none)")
     p.add_argument("--out", default="figures",
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
 
@@ -316,6 +326,7 @@ def _parser() -> _Parser:
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)  # a --ranks child runs the same argv
     args = _parser().parse_args(argv)
     if args.command in COMMANDS:
         return COMMANDS[args.command].run(args)
@@ -358,9 +369,12 @@ def _run(argv: Sequence[str] | None) -> int:
         if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
             raise UsageError(f"--model {cfg.name} has {_human_bytes(weight_bytes)} of weights, too "
                              f"many to decode here: use kimi-k3-mini (or `mkresearch info`)")
+        cli_ranks.check_ranks(cfg, args.ranks, args.backend)
         progress = not args.json and sys.stderr.isatty()
         if args.backend == "megakernel":
             _megakernel_batch("--batch", args.batch)
+            if args.ranks > 1:
+                return cli_ranks.run_decode(args, cfg, argv, progress)
             with _refusals():
                 result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
                                                  args.seed, args.chip, progress)
@@ -385,13 +399,22 @@ def _run(argv: Sequence[str] | None) -> int:
         for batch in args.batches:
             _megakernel_batch("--batches", batch)
         _chip(args.chip)
+        cli_ranks.check_ranks(cfg, args.ranks)
+        if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, argv)) is not None:
+            return status
         out = Path(args.out)
         with _refusals():
             result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
                                      out_json=out / "decode_bench.json",
                                      figure=out / "decode_bench.png")
+            if args.ranks > 1:  # the sharded rows, beside the single device's in the JSON
+                result["sharded"] = cli_ranks.bench_sharded(cfg, tuple(args.batches), args.steps,
+                                                            args.chip, args.ranks)
+                (out / "decode_bench.json").write_text(json.dumps(result, indent=1))
         for row in result["rows"]:
             bench.print_bench_row(row)
+        for row in result.get("sharded", {}).get("rows", ()):
+            cli_ranks.print_bench_row(row)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
         return 0
 

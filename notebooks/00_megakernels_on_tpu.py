@@ -257,6 +257,7 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 # | 05_sampling | greedy, temperature, top-k and top-p inside a kernel |
 # | 06_megakernel | the whole decode step in one kernel |
 # | 07_profiling | timelines and profiles on CPU and on a TPU |
+# | 08_scale_out | the megakernel sharded across ranks: collectives inside the kernel, bytes per rank |
 #
 # ## Map of the package
 #

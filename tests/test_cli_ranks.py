@@ -1,0 +1,100 @@
+"""`mkresearch decode --ranks N` / `bench --ranks N`: bad input is one line and exit 2 before
+anything runs; on CPU with one device the command re-runs itself in a child with N simulated
+devices (`mkresearch.cli_ranks`), whose sharded decode equals the single-device megakernel."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mkresearch import cli, cli_ranks
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["decode", "--ranks", "3"], ("--ranks 3: n_ranks=3 is invalid for kimi-k3-mini: it must "
+                                  "divide n_heads=2")),
+    (["decode", "--ranks", "32"], "vocab_size=2048"),
+    (["decode", "--ranks", "0"], "--ranks must be an int >= 1, got 0"),
+    (["decode", "--ranks", "-1"], "--ranks must be an int >= 1"),
+    (["decode", "--backend", "reference", "--ranks", "2"], "--ranks 2 needs --backend megakernel"),
+    (["decode", "--ranks", "x"], "--ranks"),
+    (["bench", "--ranks", "3"], "--ranks 3: n_ranks=3 is invalid"),
+    (["bench", "--ranks", "0"], "--ranks must be an int >= 1"),
+])
+def test_bad_ranks_are_one_line_exit_2(capsys, args, reason):
+    """Checked before any device is asked for or any child started: in this process."""
+    assert cli.main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and reason in lines[0], captured.err
+    assert captured.out == ""
+
+
+def test_child_xla_flags_replace_an_earlier_device_count():
+    assert cli_ranks.child_xla_flags("", 4) == "--xla_force_host_platform_device_count=4"
+    flags = "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=1"
+    assert cli_ranks.child_xla_flags(flags, 2) == ("--xla_cpu_max_isa=AVX2 "
+                                                   "--xla_force_host_platform_device_count=2")
+
+
+def test_too_few_devices_in_a_child_is_refused(monkeypatch, capsys):
+    """A child that still has too few devices (XLA ignored the flag) refuses: no second child."""
+    monkeypatch.setenv(cli_ranks.CHILD_ENV, "1")
+    assert cli.main(["decode", "--ranks", "2", "--prompt-len", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ranks 2 needs 2 devices but this cpu backend has 1" in err[0]
+
+
+@pytest.mark.slow
+def test_decode_on_2_ranks_in_a_child_json():
+    """One device here: the command re-runs itself with 2 simulated devices; its sharded tokens
+    and logits equal the single-device megakernel's at every step and agree with the reference;
+    per-rank bytes from the recorded step."""
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--ranks", "2",
+                           "--prompt-len", "2", "--steps", "2", "--batch", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)  # one JSON object: no progress bar, the child's stdout
+    assert result["ranks"] == 2 and result["devices"] == 2 and result["backend"] == "megakernel"
+    assert len(result["generated"]) == 2 and all(len(row) == 2 for row in result["generated"])
+    agree, single = result["agreement"], result["single_device"]
+    print(f"2 ranks: {agree['tokens_equal']}/{agree['tokens']} tokens equal to the reference, "
+          f"max |logit diff| {agree['max_abs_logit_diff']:.3g}; single device: "
+          f"{single['tokens_equal']}/{single['tokens']} tokens, logits bit-equal at "
+          f"{single['logits_bit_equal_steps']}/{single['steps']} steps")
+    assert agree["passed"] and agree["max_abs_logit_diff"] <= 5e-2
+    assert agree["tokens_equal"] + len(agree["near_ties"]) == agree["tokens"] == 4
+    assert single["passed"] and single["tokens_equal"] == single["tokens"] == 6
+    assert single["logits_bit_equal_steps"] == single["steps"] == 3
+    assert single["max_abs_logit_diff"] == 0.0 and result["passed"]
+    ranks = result["per_rank"]
+    assert [row["rank"] for row in ranks] == [0, 1]
+    for row in ranks:
+        assert row["hbm_bytes"] >= row["weight_bytes"] + row["routed_expert_bytes"] > 0
+        assert row["remote_bytes"] > 0 and row["remote_copies"] > 0
+        assert row["predicted_step_s"] > 0
+    assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
+
+
+@pytest.mark.slow
+def test_bench_on_2_ranks_adds_per_rank_rows(tmp_path):
+    """bench --ranks 2: the single device's rows as before, then the sharded rows (printed and in
+    decode_bench.json) with one entry per rank."""
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "bench", "--ranks", "2",
+                           "--batches", "1", "--steps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "B=1, 2 ranks: sharded megakernel" in done.stdout
+    assert "rank 0: HBM" in done.stdout and "rank 1: HBM" in done.stdout
+    result = json.loads((tmp_path / "decode_bench.json").read_text())
+    assert [row["batch"] for row in result["rows"]] == [1]
+    sharded = result["sharded"]
+    assert sharded["ranks"] == 2 and [row["batch"] for row in sharded["rows"]] == [1]
+    ranks = sharded["rows"][0]["per_rank"]
+    assert [row["rank"] for row in ranks] == [0, 1]
+    assert all(row["remote_bytes"] > 0 and row["weight_bytes"] > 0 for row in ranks)
+    assert (tmp_path / "decode_bench.png").exists()
