@@ -70,10 +70,10 @@ def release_table(cfg: ModelConfig | None = None, batches=BATCHES, *, chip: str 
     return rows
 
 
-def solve(step_s: Any, target_s: float, low: float, high: float, iterations: int = 8) -> float:
-    """The value v in [low, high] (geometric bisection) at which step_s(v), increasing in v or
-    decreasing, meets target_s."""
-    rising = step_s(high) > step_s(low)
+def solve(step_s: Any, target_s: float, low: float, high: float, *, rising: bool,
+          iterations: int = 8) -> float:
+    """The value v in [low, high] (geometric bisection) at which step_s(v), increasing in v
+    (rising) or decreasing, meets target_s."""
     for _ in range(iterations):
         mid = (low * high) ** 0.5
         if (step_s(mid) > target_s) == rising:
@@ -85,7 +85,7 @@ def solve(step_s: Any, target_s: float, low: float, high: float, iterations: int
 
 def needed_ici_bandwidth(cfg: ModelConfig, batch: int, *, chip: str = "tpu7x") -> float:
     """The ICI bandwidth (bytes/s per core) at which the release's predicted step at `batch`
-    equals the published one (45 GB/s .. 64x that)."""
+    equals the published one (45 GB/s .. 16x that)."""
     base = links.interconnect(chip)
 
     def step(bandwidth: float) -> float:
@@ -93,8 +93,9 @@ def needed_ici_bandwidth(cfg: ModelConfig, batch: int, *, chip: str = "tpu7x") -
         return scale_out.predict(cfg, 32, layouts.RELEASE, batch, chip=chip,
                                  interconnect=inter)["step_s"]
 
-    published = scale_out.predict(cfg, 32, layouts.RELEASE, batch, chip=chip)["published_step_s"]
-    return solve(step, published, base.ici_bandwidth, base.ici_bandwidth * 64, iterations=6)
+    published = scale_out.published_step_s(cfg, 32, chip, batch)
+    return solve(step, published, base.ici_bandwidth, base.ici_bandwidth * 16, rising=False,
+                 iterations=5)
 
 
 def uniform_logs(n_layers: int, rank_bytes: float, fixed_bytes: float, n_ranks: int,
@@ -157,7 +158,8 @@ def second_model(*, chip: str = "tpu7x", interconnect: links.Interconnect | None
             inter = links.interconnect(base, ici_latency=latency, sibling_latency=latency)
             return _second_model_step(m["n_layers"], chip, inter, algorithm).total_s
 
-        latency = solve(step, m["step_s"], base.ici_latency, 100e-6, iterations=7)
+        latency = solve(step, m["step_s"], base.ici_latency, 40e-6, rising=True,
+                        iterations=5)
         out["needed_latency_us"] = latency * 1e6
         out["assumption"] = (
             f"latency per message: {base.ici_latency * 1e6:.1f} us (the sibling fit; ICI an "

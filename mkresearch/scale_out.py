@@ -27,6 +27,7 @@ floor, waiting for peers, collective messages, compute and bubbles (they sum to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,14 @@ def schedule_for(cfg: ModelConfig, name: str | Schedule) -> Schedule:
 
 
 # ---- one rank's program ------------------------------------------------------------------------
+@functools.cache
+def _event(kind: str, name: str, src: str = "", dst: str = "", nbytes: int = 0,
+           slot: int | None = None, *, flops: float = 0.0, vmem_bytes: int = 0) -> LogEvent:
+    # one object per distinct event: a step repeats the same few thousand (ring slots, not DMA
+    # serial numbers: a wait matches the oldest start of its name and slot, as the ring does)
+    return LogEvent(kind, name, src, dst, nbytes, slot=slot, flops=flops, vmem_bytes=vmem_bytes)
+
+
 class RankProgram:
     """Events of one rank, with the ring: `blocks` issued `banks` ahead of the one consumed."""
 
@@ -117,17 +126,19 @@ class RankProgram:
     def _fill(self) -> None:
         while self.issued < len(self.blocks) and self.issued - self.consumed < self.sched.banks:
             name, nbytes = self.blocks[self.issued]
-            self.events.append(LogEvent("dma_start", name, "hbm", "vmem", nbytes, slot=self.issued))
+            self.events.append(_event("dma_start", name, "hbm", "vmem", nbytes,
+                                      self.issued % self.sched.banks))
             self.issued += 1
 
     def _multiply(self, name: str, nbytes: int) -> None:
         # decode is HBM-bound: 2 FLOP per weight element per row, each element read from VMEM once
-        self.events += [LogEvent("phase_start", name, flops=self.batch * nbytes, vmem_bytes=nbytes),
-                        LogEvent("phase_end", name)]
+        self.events += [_event("phase_start", name, flops=self.batch * nbytes, vmem_bytes=nbytes),
+                        _event("phase_end", name)]
 
     def block(self) -> None:
         name, nbytes = self.blocks[self.consumed]
-        self.events.append(LogEvent("dma_wait", name, "hbm", "vmem", nbytes, slot=self.consumed))
+        self.events.append(_event("dma_wait", name, "hbm", "vmem", nbytes,
+                                  self.consumed % self.sched.banks))
         self.consumed += 1
         self._fill()
         self._multiply(name, nbytes)
@@ -135,19 +146,19 @@ class RankProgram:
     def fetch(self, name: str, nbytes: int, count: int, slots: int) -> None:
         """`count` DMAs of nbytes, `slots` in flight, each multiplied when it lands."""
         for i in range(min(slots, count)):
-            self.events.append(LogEvent("dma_start", name, "hbm", "vmem", nbytes, slot=i))
+            self.events.append(_event("dma_start", name, "hbm", "vmem", nbytes, i % slots))
         for i in range(count):
-            self.events.append(LogEvent("dma_wait", name, "hbm", "vmem", nbytes, slot=i))
+            self.events.append(_event("dma_wait", name, "hbm", "vmem", nbytes, i % slots))
             self._multiply(name, nbytes)
             if i + slots < count:
-                self.events.append(LogEvent("dma_start", name, "hbm", "vmem", nbytes,
-                                            slot=i + slots))
+                self.events.append(_event("dma_start", name, "hbm", "vmem", nbytes,
+                                          (i + slots) % slots))
 
     def write(self, name: str, nbytes: int) -> None:
         if nbytes:
-            event = LogEvent("dma_start", name, "vmem", "hbm", nbytes)
+            event = _event("dma_start", name, "vmem", "hbm", nbytes)
             self.events.append(event)
-            self.late.append(LogEvent("dma_wait", name, "vmem", "hbm", nbytes))
+            self.late.append(_event("dma_wait", name, "vmem", "hbm", nbytes))
 
     def collective(self, event: CollectiveEvent) -> None:
         self.events.append(event)
@@ -205,6 +216,7 @@ def _group(lay: layouts.Layout, rank: int, size: int) -> tuple[int, ...]:
     return tuple(range(first, first + size))
 
 
+@functools.lru_cache(maxsize=16)
 def rank_logs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
               schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
               ) -> list[list]:
@@ -316,27 +328,34 @@ def _experts(prog: RankProgram, lay, sched, cfg, rank, routed, expert_bytes) -> 
                                     tuple(range(lay.n_ranks))))
 
 
-def lay_etp(cfg: ModelConfig, n_ranks: int, name: str) -> int:
-    return layouts.layout(cfg, n_ranks, name).etp
-
-
 # ---- predictions -------------------------------------------------------------------------------
 def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
             chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
             algorithm: str = "two-level", schedule: str | Schedule | None = None, context: int = 0,
             seed: int = 0, keep_timeline: bool = False) -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
-    with keep_timeline the RanksTimeline under "timeline")."""
+    with keep_timeline the RanksTimeline under "timeline"). Results are cached per arguments:
+    the model is deterministic (pure Python, seeded routing)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     inter = links.interconnect(chip) if interconnect is None else interconnect
     sched = schedule_for(cfg, name if schedule is None else schedule)
+    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm, sched, context, seed))
+    if not keep_timeline:
+        del out["timeline"]
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
+             inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
+             seed: int) -> dict:
     logs = rank_logs(cfg, n_ranks, name, batch, schedule=sched, context=context, seed=seed)
+    lay = layouts.layout(cfg, n_ranks, name)
     ranks: RanksTimeline = simulate_ranks(logs, chip, interconnect=inter, algorithm=algorithm,
-                                          ranks=tuple(range(0, n_ranks, lay_etp(cfg, n_ranks,
-                                                                                name))))
+                                          ranks=tuple(range(0, n_ranks, lay.etp)))
     parts = ranks.decomposition()
-    counted = layout_bytes.rank_bytes(layouts.layout(cfg, n_ranks, name), batch, context)
+    counted = layout_bytes.rank_bytes(lay, batch, context)
     slowest = ranks.slowest_rank
     out = {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,
            "algorithm": algorithm, "schedule": dataclasses.asdict(sched),
@@ -347,13 +366,18 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
            "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
            "interconnect": {k: getattr(inter, k) for k in ("sibling_latency", "sibling_bandwidth",
                                                            "ici_latency", "ici_bandwidth")},
-           "label": "timeline model prediction (mkresearch.scale_out), not measured"}
-    published = PUBLISHED.get(cfg.name)
-    if published and published["n_ranks"] == n_ranks and published["chip"] == chip:
-        tok_s = published["tok_s"].get(batch)
-        out["published_step_s"] = batch / tok_s if tok_s else None
-        gb200 = published["gb200_tok_s"].get(batch)
-        out["gb200_tok_s"] = gb200
-    if keep_timeline:
-        out["timeline"] = ranks
+           "label": "timeline model prediction (mkresearch.scale_out), not measured",
+           "published_step_s": published_step_s(cfg, n_ranks, chip, batch),
+           "gb200_tok_s": PUBLISHED.get(cfg.name, {}).get("gb200_tok_s", {}).get(batch)
+           if published_step_s(cfg, n_ranks, chip, batch) else None,
+           "timeline": ranks}
     return out
+
+
+def published_step_s(cfg: ModelConfig, n_ranks: int, chip: str, batch: int) -> float | None:
+    """The release's published step for this model, ranks, chip and batch (None: none)."""
+    published = PUBLISHED.get(cfg.name)
+    if not published or published["n_ranks"] != n_ranks or published["chip"] != chip:
+        return None
+    tok_s = published["tok_s"].get(batch)
+    return batch / tok_s if tok_s else None

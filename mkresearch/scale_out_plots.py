@@ -50,8 +50,9 @@ def plot_ranks(ranks: RanksTimeline, ax, window_us: tuple[float, float] | None =
         for kind in KINDS:
             bars = [(r["start_us"], r["end_us"] - r["start_us"]) for r in rows
                     if r["rank"] == rank and r["kind"] == kind]
-            height = 0.8 if kind == "hbm" else 0.4
-            ax.broken_barh(bars, (y - height / 2, height), color=COLORS[kind],
+            # HBM on the upper half of a rank's row, collectives on the lower: they overlap
+            # where the ring streams weights while the program waits in a collective
+            ax.broken_barh(bars, (y, 0.4) if kind == "hbm" else (y - 0.4, 0.4), color=COLORS[kind],
                            label={"hbm": "HBM moving weights", "waiting": "waiting for peers",
                                   "collective": "collective messages"}[kind] if y == 0 else None)
     ax.set_yticks(range(len(ranks.ranks)), [f"rank {r}" for r in ranks.ranks])
@@ -97,15 +98,10 @@ def figure_rows(release: Sequence[dict], ours: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def plot_scale_out(path) -> None:
-    """figures/scale_out.png: predicted vs published tok/s per batch, and the B = 1 parts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
+    """Predicted vs published tok/s per batch, and the B = 1 parts (`calibration` tables)."""
     import matplotlib.pyplot as plt
 
-    cfg = get_config("kimi-k3")
-    release, ours = calibration.release_table(cfg), calibration.ours_table(cfg)
     fig, (ax_rate, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.8))
     rows = figure_rows(release, ours)
     styles = {"published": {"ls": "-", "marker": "s", "lw": 2.5}, "predicted": {"ls": "--", "marker": "o"}}
@@ -118,15 +114,28 @@ def plot_scale_out(path) -> None:
     ax_rate.set_ylabel("tokens/s, 32 ranks")
     ax_rate.set_title("Kimi K3 decode on 16 TPU7x: predicted vs published")
     ax_rate.legend(fontsize=8)
-    one = {"release (layout + schedule)": {"parts_s": {k: v / 1e3 for k, v in
-                                                       release[0]["parts_ms"].items()}},
-           "ours as built": {"parts_s": {k: v / 1e3 for k, v in
-                                         ours[0]["ours"]["parts_ms"].items()}},
-           "our layout, release schedule": {"parts_s": {
-               k: v / 1e3 for k, v in ours[0]["ours_release_schedule"]["parts_ms"].items()}}}
+
+    def seconds(parts_ms: dict) -> dict:
+        return {"parts_s": {k: v / 1e3 for k, v in parts_ms.items()}}
+
+    one = {"release (layout + schedule)": seconds(release[0]["parts_ms"]),
+           "ours as built": seconds(ours[0]["ours"]["parts_ms"]),
+           "our layout, release schedule": seconds(ours[0]["ours_release_schedule"]["parts_ms"])}
     plot_parts(one, ax_parts, release[0]["published_ms"])
     ax_parts.set_title("B = 1: where the step goes")
     fig.tight_layout()
+    return fig
+
+
+def plot_scale_out(path) -> None:
+    """figures/scale_out.png: `scale_out_figure` of the calibration tables."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = get_config("kimi-k3")
+    fig = scale_out_figure(calibration.release_table(cfg), calibration.ours_table(cfg))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -258,6 +258,8 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 # | 06_megakernel | the whole decode step in one kernel |
 # | 07_profiling | timelines and profiles on CPU and on a TPU |
 # | 08_scale_out | the megakernel sharded across ranks: collectives inside the kernel, bytes per rank |
+# | 09_predicting_the_release | all 32 ranks on one timeline with the interconnect: the release's published steps explained, ours beside them |
+# | 10_other_families | DeepSeek-V3, GLM-4.5 and Qwen3-235B through the same megakernel |
 #
 # ## Map of the package
 #
