@@ -85,6 +85,34 @@ def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x
             "label": "timeline model prediction for one rank (not measured)"}
 
 
+class StepClock:
+    """Times decode steps: the first call is compile + step, the others are steps."""
+
+    def __init__(self) -> None:
+        self.compile_seconds: float | None = None
+        self.step_seconds: list[float] = []
+
+    def run(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        import jax
+
+        started = time.perf_counter()
+        out = step(*args, **kwargs)
+        jax.block_until_ready(out[0])
+        elapsed = time.perf_counter() - started
+        if self.compile_seconds is None:
+            self.compile_seconds = elapsed
+        else:
+            self.step_seconds.append(elapsed)
+        return out
+
+    @property
+    def step_s(self) -> float | None:
+        """The median step (the compile + first step when there was one call)."""
+        import numpy as np
+
+        return float(np.median(self.step_seconds)) if self.step_seconds else self.compile_seconds
+
+
 def near_tie_rows(ref_logits: Any, tokens: Any, gap: float = NEAR_TIE_GAP) -> list[tuple]:
     """(row, reference top-2 logit gap, token differs) for every row whose greedy token differs
     from the reference's (argmax of ref_logits [B, V]) or whose gap is under `gap`: a near-tie,
@@ -120,19 +148,12 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} megakernel", unit="step",
                disable=not progress, leave=False)
     generated, equal, near_ties, worst = [], 0, [], 0.0
-    step_seconds, compile_seconds = [], None
+    clock = StepClock()
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
         positions = np.full(batch, t, np.int32)
-        started = time.perf_counter()
-        next_token, state, aux = megakernel.decode_step(prepared, state, token, positions, cfg,
-                                                        options=options, return_logits=True)
-        jax.block_until_ready(next_token)
-        elapsed = time.perf_counter() - started
-        if compile_seconds is None:
-            compile_seconds = elapsed
-        else:
-            step_seconds.append(elapsed)
+        next_token, state, aux = clock.run(megakernel.decode_step, prepared, state, token,
+                                           positions, cfg, options=options, return_logits=True)
         logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
         next_token = np.asarray(next_token)
         if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
@@ -152,7 +173,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
                                            options=options)
         jax.block_until_ready(out)
     generated_ids = np.stack(generated, axis=1)  # [B, N]
-    step_s = float(np.median(step_seconds)) if step_seconds else compile_seconds
+    step_s = clock.step_s
     total = int(generated_ids.size)
     return {
         "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
@@ -162,7 +183,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
                                "state, greedy", "tokens_equal": equal, "tokens": total,
                       "max_abs_logit_diff": worst, "near_ties": near_ties,
                       "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in near_ties)},
-        "seconds": {"compile_and_first_step": compile_seconds, "step": step_s},
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": step_s},
         "step_label": _backend_label("megakernel"),
         "prediction": predict(log, chip, batch),
         "full_size": predict_full_size(log, cfg, batch, chip),

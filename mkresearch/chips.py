@@ -14,6 +14,7 @@ prints the table with sources.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -152,3 +153,17 @@ if __name__ == "__main__":
         print(chip)
         for key, src in chip.sources.items():
             print(f"    {key:24s} {getattr(chip, key)!s:>22}  <- {src}")
+
+
+def with_overrides(base, overrides: Mapping, what: str, fixed: tuple[str, ...] = ("name",)):
+    """A copy of a frozen record with `sources` (a Chip, a TimelineChip, an Interconnect) with
+    some fields overridden, each marked "override" in its sources (ValueError naming an unknown
+    field and the allowed ones)."""
+    if not overrides:
+        return base
+    allowed = [f.name for f in dataclasses.fields(base) if f.name not in (*fixed, "sources")]
+    for key in overrides:
+        if key not in allowed:
+            raise ValueError(f"{what} override {key!r} is invalid: choose from {allowed}")
+    sources = dict(base.sources) | {key: "override" for key in overrides}
+    return dataclasses.replace(base, **overrides, sources=MappingProxyType(sources))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,19 +134,12 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                disable=not progress, leave=False)
     generated, equal, near_ties, worst = [], 0, [], 0.0
     single_tokens_equal, single_bit_equal, worst_single = 0, 0, 0.0
-    step_seconds, compile_seconds = [], None
+    clock = bench.StepClock()
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
         positions = np.full(batch, t, np.int32)
-        started = time.perf_counter()
-        next_token, state, aux = sharded.decode_step(prepared, state, token, positions, plan,
-                                                     mesh=mesh, return_logits=True)
-        jax.block_until_ready(next_token)
-        elapsed = time.perf_counter() - started
-        if compile_seconds is None:
-            compile_seconds = elapsed
-        else:
-            step_seconds.append(elapsed)
+        next_token, state, aux = clock.run(sharded.decode_step, prepared, state, token,
+                                           positions, plan, mesh=mesh, return_logits=True)
         one_token, single_state, one_aux = megakernel.decode_step(
             single, single_state, token, positions, cfg, options=options, return_logits=True)
         ref_logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
@@ -191,8 +183,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                           "logits_bit_equal_steps": single_bit_equal, "steps": n_steps,
                           "max_abs_logit_diff": worst_single, "passed": single_ok},
         "passed": reference_ok and single_ok,
-        "seconds": {"compile_and_first_step": compile_seconds,
-                    "step": float(np.median(step_seconds)) if step_seconds else compile_seconds},
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
         "step_label": bench._backend_label("megakernel"),
         "per_rank": rank_rows(log, lay, batch, chip),
         "vmem_plan_bytes": plan.mega.vmem.total_bytes,

@@ -27,12 +27,13 @@ cost, the same engine). Override any field with `interconnect(chip, **fields)`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from mkresearch.chips import with_overrides
 
 ALGORITHMS = ("one-shot", "ring", "two-level")
 OPS = ("all_gather", "all_reduce", "chain")
@@ -132,14 +133,7 @@ def interconnect(chip: str | Interconnect = "tpu7x", **overrides: Any) -> Interc
         raise ValueError(f"chip={chip!r} is invalid: the interconnect is known for "
                          f"{', '.join(INTERCONNECTS)} only (spec/tpu.md has no link figures for "
                          "the others)")
-    if not overrides:
-        return base
-    allowed = [f.name for f in dataclasses.fields(Interconnect) if f.name not in ("chip", "sources")]
-    for key in overrides:
-        if key not in allowed:
-            raise ValueError(f"interconnect override {key!r} is invalid: choose from {allowed}")
-    sources = dict(base.sources) | {key: "override" for key in overrides}
-    return dataclasses.replace(base, **overrides, sources=MappingProxyType(sources))
+    return with_overrides(base, overrides, "interconnect", fixed=("chip",))
 
 
 # ---- collectives ------------------------------------------------------------------------------

@@ -6,14 +6,13 @@ Figures come from `mkresearch.chips.CHIPS`; what no public source gives is an AS
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from mkresearch.chips import CHIPS, get_chip
+from mkresearch.chips import CHIPS, get_chip, with_overrides
 
 # ---- assumptions (no public figure; each is a TimelineChip field that can be overridden) -------
 # Latency from issuing a DMA to its first byte moving. The Pallas pipelining guide names it (α)
@@ -70,14 +69,7 @@ def timeline_chip(chip: str | TimelineChip = "tpu7x", **overrides: Any) -> Timel
         if chip not in CHIPS:
             raise ValueError(f"chip={chip!r} is invalid: choose one of {', '.join(map(repr, CHIPS))}")
         base = _from_chips(get_chip(chip))
-    if not overrides:
-        return base
-    allowed = [f.name for f in dataclasses.fields(TimelineChip) if f.name not in ("name", "sources")]
-    for key in overrides:
-        if key not in allowed:
-            raise ValueError(f"timeline_chip override {key!r} is invalid: choose from {allowed}")
-    sources = dict(base.sources) | {key: "override" for key in overrides}
-    return dataclasses.replace(base, **overrides, sources=MappingProxyType(sources))
+    return with_overrides(base, overrides, "timeline_chip")
 
 
 def _from_chips(chip) -> TimelineChip:
