@@ -200,14 +200,18 @@ def print_run(result: dict, backend: str) -> None:
         print(f"  row {row}: prompt {prompt} -> generated {ids}")
 
 
-def print_decode(result: dict) -> None:
-    print_run(result, "megakernel (one pallas_call per step)")
-    agree = result["agreement"]
+def print_agreement(agree: dict) -> None:
+    """One line: a decode's tokens and logits against the reference backend, near-ties named."""
     ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
                    for t in agree["near_ties"])
     print(f"agreement with the reference backend: {agree['tokens_equal']}/{agree['tokens']} tokens "
           f"equal, max |logit diff| {agree['max_abs_logit_diff']:.2e}{ties} -> "
           f"{'PASS' if agree['passed'] else 'FAIL'}")
+
+
+def print_decode(result: dict) -> None:
+    print_run(result, "megakernel (one pallas_call per step)")
+    print_agreement(result["agreement"])
     seconds = result["seconds"]
     print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}); compile + first "
           f"step {seconds['compile_and_first_step']:.1f} s")

@@ -194,12 +194,7 @@ def print_decode(result: dict) -> None:
     bench.print_run(result, f"megakernel sharded over {result['ranks']} ranks (one pallas_call "
                             "per step per rank)")
     print(f"layout: {result['layout']}")
-    agree = result["agreement"]
-    ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
-                   for t in agree["near_ties"])
-    print(f"agreement with the reference backend: {agree['tokens_equal']}/{agree['tokens']} tokens "
-          f"equal, max |logit diff| {agree['max_abs_logit_diff']:.2e}{ties} -> "
-          f"{'PASS' if agree['passed'] else 'FAIL'}")
+    bench.print_agreement(result["agreement"])
     one = result["single_device"]
     print(f"equal to the single-device megakernel: {one['tokens_equal']}/{one['tokens']} tokens, "
           f"logits bit-equal at {one['logits_bit_equal_steps']}/{one['steps']} steps (max |diff| "
