@@ -44,8 +44,12 @@ def _check_drafts(drafts: Any, target: Any) -> tuple[int, int]:
 def accept_matching(drafts: Any, target_tokens: Any) -> tuple[jax.Array, jax.Array]:
     """Accept while drafts [B, K] equal the target's tokens [B, K + 1]; next = target at n."""
     _check_drafts(drafts, target_tokens)
-    target_tokens = jnp.asarray(target_tokens, jnp.int32)
-    match = jnp.asarray(drafts, jnp.int32) == target_tokens[:, :-1]  # [B, K]
+    return _accept_matching(jnp.asarray(drafts, jnp.int32), jnp.asarray(target_tokens, jnp.int32))
+
+
+@jax.jit
+def _accept_matching(drafts, target_tokens):
+    match = drafts == target_tokens[:, :-1]  # [B, K]
     n_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [B]
     next_token = jnp.take_along_axis(target_tokens, n_accepted[:, None], axis=1)[:, 0]
     return n_accepted.astype(jnp.int32), next_token
@@ -54,7 +58,13 @@ def accept_matching(drafts: Any, target_tokens: Any) -> tuple[jax.Array, jax.Arr
 def accept_greedy(drafts: Any, target_logits: Any) -> tuple[jax.Array, jax.Array]:
     """Greedy: accept while the draft is the argmax (lowest index among ties, as
     `sampling.sample`); next = the argmax at the first mismatch (or the bonus position K)."""
-    return accept_matching(drafts, jnp.argmax(jnp.asarray(target_logits), axis=-1))
+    _check_drafts(drafts, target_logits)
+    return _accept_greedy(jnp.asarray(drafts, jnp.int32), jnp.asarray(target_logits))
+
+
+@jax.jit
+def _accept_greedy(drafts, target_logits):
+    return _accept_matching(drafts, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
 
 
 def in_call_tokens(target_logits: Any, positions: Any, *, seed: Any, temperature: Any = None,

@@ -30,6 +30,7 @@ numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,12 @@ def _check_verify_inputs(state, tokens, positions, cfg: ModelConfig) -> tuple[in
     check_rows(batch, k)
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    reference._check_step_inputs(state, tokens[:, 0], np.asarray(positions) + k, cfg)
+    seq = reference.check_state(state, cfg, batch)
+    reference._check_step_inputs(state, tokens[:, 0], positions, cfg)
+    last = np.asarray(positions) + k
+    if seq is not None and last.max() >= seq:
+        raise ValueError(f"positions + K = {last.tolist()} is invalid: ints in [0, {seq}) (the "
+                         "cache length; the last draft goes there)")
     return batch, k
 
 
@@ -85,8 +91,12 @@ def final_hidden(params: dict, aux: dict, cfg: ModelConfig) -> jax.Array:
     stream, or Kimi's output mix over the block snapshots and the partial sum."""
     if HIDDEN in aux:
         return aux[HIDDEN]
-    candidates = jnp.concatenate([aux["snapshots"], aux["partial"][None]], axis=0)
-    return mix(candidates, params["mix_out"], cfg.rms_eps)
+    return _output_mix(aux["snapshots"], aux["partial"], params["mix_out"], cfg.rms_eps)
+
+
+@functools.partial(jax.jit, static_argnames="eps")
+def _output_mix(snapshots, partial, w, eps):
+    return mix(jnp.concatenate([snapshots, partial[None]], axis=0), w, eps)
 
 
 def feed(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig,
@@ -202,7 +212,11 @@ def per_position_bytes(cfg: ModelConfig, k: int) -> dict[str, int]:
 # ---- the loop --------------------------------------------------------------------------------
 def _select_rows(active: np.ndarray, new: dict, old: dict) -> dict:
     """new for the active rows [B], old for the others; every state leaf is [n, B, ...]."""
-    keep = jnp.asarray(active)
+    return _select_rows_jit(jnp.asarray(active), new, old)
+
+
+@jax.jit
+def _select_rows_jit(keep, new, old):
     return jax.tree.map(lambda a, b: jnp.where(keep.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b),
                         new, old)
 
