@@ -22,10 +22,13 @@ rollback only zeroes the rows of rejected tokens (slot >= position + kept): plai
 wrote them, and later steps never see them. What keeping per-position states costs is
 `per_position_bytes`: for Kimi K3 at full size one KDA layer holds, per row and per position,
 6,291,456 B of recurrent state (96 heads x 128 x 128 f32) plus 221,184 B of conv window
-(3 x 3 x 96 x 128 bf16) = 6,512,640 B; K = 6 keeps 7 of them, 45,588,480 B per layer and row —
-more than fits beside the weight ring in a TPU7x core's VMEM for all 69 KDA layers, so a kernel
-writes them to HBM (or recomputes the rejected suffix); tests/test_speculative.py holds the
-numbers.
+(3 x 3 x 96 x 128 bf16) = 6,512,640 B; K = 6 keeps 7 of them, 45,588,480 B per layer and row,
+3.15 GB per row over the 69 KDA layers. One rank of the release's layout (3 heads) keeps 203,520 B
+per layer, row and position: 1.42 MB per layer and row at K = 6, 98.3 MB per row over the layers
+— more than a TPU7x core's 64 MiB of VMEM for one row, since acceptance is known only after the
+last layer. So a kernel either writes them to HBM (the per-layer K + 1 states pass through VMEM
+one layer at a time) or keeps only the state before the step and recomputes the kept prefix;
+tests/test_speculative.py holds these numbers.
 """
 
 from __future__ import annotations
@@ -247,9 +250,12 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
     drafter = drafters.get_drafter(drafter)
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1:
         raise ValueError(f"n_tokens={n_tokens!r} is invalid: an int >= 1")
-    # the furthest verify feeds the pending token of the (n-1)-th emitted one plus k drafts
-    reference._check_step_inputs(state, prompt[:, 0], np.full(batch, length + n_tokens - 2 + k),
-                                 cfg)
+    seq = reference.check_state(state, cfg, batch)
+    last = length + n_tokens - 2 + k  # the last verify: the (n-1)-th emitted token + k drafts
+    if seq is not None and max(last, length - 1) >= seq:
+        raise ValueError(f"n_tokens={n_tokens} is invalid with a prompt of {length} and k={k}: "
+                         f"the last verify reaches position {last}, past the cache ({seq} "
+                         "tokens)")
     sampled = temperature is not None
     sampling.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
                           top_p=top_p)

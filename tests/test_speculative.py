@@ -112,9 +112,9 @@ def test_greedy_forced_is_lossless(layout, batch, k, accepts):
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_forced_is_lossless_every_length(layout, batch, k):
+def test_greedy_forced_is_lossless_every_combination(layout, batch, k):
     run = plain(layout, batch)
-    for accept in range(k + 1):
+    for accept in sorted({0, 1, k // 2, k}):
         _check_lossless(run, k, drafters.ForcedDrafter(accept, run.oracle), accepted=accept)
 
 
@@ -184,6 +184,10 @@ def test_per_position_bytes_of_kimi_k3():
     assert cost["per_layer_per_position"] == 96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 2 == 6_512_640
     assert cost["per_layer"] == 7 * 6_512_640 == 45_588_480
     assert len(cfg.kda_layers) == 69 and cost["per_row"] == 69 * 45_588_480 == 3_145_605_120
+    rank = get_config("kimi-k3-rank")  # one of the release's 32 ranks: 3 of the 96 heads
+    assert speculative.per_position_bytes(rank, 6) == {
+        "per_layer_per_position": 3 * (128 * 128 * 4 + 3 * 3 * 128 * 2) == 203_520,
+        "per_layer": 7 * 203_520 == 1_424_640, "per_row": 69 * 1_424_640 == 98_300_160}
     assert speculative.per_position_bytes(get_config("deepseek-v3"), 3)["per_row"] == 0  # no KDA
 
 
@@ -291,11 +295,18 @@ def test_mtp_weights_are_counted_and_leave_the_step_unchanged():
     (3, 1, "mtp", r"drafter='mtp' is invalid for kimi-k3-mini-2l: it has n_mtp_layers=0"),
 ])
 def test_bad_input_is_one_line(k, batch, drafter, message):
+    _raises_one_line(k, batch, drafter, message)
+
+
+def test_past_the_cache_is_one_line():
+    _raises_one_line(3, 1, "ngram", r"n_tokens=60 is invalid with a prompt of 6 and k=3: the last "
+                     r"verify reaches position 67, past the cache \(64 tokens\)", n_tokens=60)
+def _raises_one_line(k, batch, drafter, message, n_tokens=4):
     run = plain("expanded", 2)
     state = reference.init_state(SMALL, batch)
     prompt = np.zeros((batch, PROMPT_LEN), np.int32)
     with pytest.raises(ValueError, match=message) as error:
-        speculative.speculative_generate(run.params, state, prompt, 4, SMALL, k=k,
+        speculative.speculative_generate(run.params, state, prompt, n_tokens, SMALL, k=k,
                                          drafter=drafter)
     assert "\n" not in str(error.value)
 
