@@ -113,18 +113,17 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
 def print_decode(result: dict) -> None:
     bench.print_run(result, f"{result['backend']}, speculative (K={result['speculate']}, "
                             f"drafter {result['drafter']})")
-    print(f"speculative: {result['verify_steps']} verify steps, "
-          f"{result['tokens_per_step']:.2f} tokens per step, {result['mean_accepted']:.2f} of "
-          f"K={result['speculate']} drafts accepted per step "
-          f"({result['acceptance_rate']:.0%})")
-    lossless = result["lossless"]
-    print(f"lossless: {lossless['check']}: {lossless['tokens_equal']}/{lossless['tokens']} tokens "
-          f"equal -> {'PASS' if lossless['passed'] else 'FAIL'}")
-    seconds = result["seconds"]
-    print(f"verify step time here: {seconds['verify_step']:.3f} s ({result['step_label']}; "
-          f"K + 1 = {result['speculate'] + 1} tokens per row), "
-          f"{result['tokens_per_s']:.1f} tokens/s; first verify step "
-          f"{seconds['compile_and_first_step']:.1f} s")
+    lossless, seconds, k = result["lossless"], result["seconds"], result["speculate"]
+    verdict = "PASS" if lossless["passed"] else "FAIL"
+    print("\n".join([
+        (f"speculative: {result['verify_steps']} verify steps, {result['tokens_per_step']:.2f} "
+         f"tokens per step, {result['mean_accepted']:.2f} of K={k} drafts accepted per step "
+         f"({result['acceptance_rate']:.0%})"),
+        (f"lossless: {lossless['check']}: {lossless['tokens_equal']}/{lossless['tokens']} tokens "
+         f"equal -> {verdict}"),
+        (f"verify step time here: {seconds['verify_step']:.3f} s ({result['step_label']}; K + 1 = "
+         f"{k + 1} tokens per row), {result['tokens_per_s']:.1f} tokens/s; first verify step "
+         f"{seconds['compile_and_first_step']:.1f} s")]))
 
 
 def run_decode(args: argparse.Namespace, cfg: ModelConfig) -> int:
