@@ -185,9 +185,9 @@ def test_per_position_bytes_of_kimi_k3():
     assert cost["per_layer"] == 7 * 6_512_640 == 45_588_480
     assert len(cfg.kda_layers) == 69 and cost["per_row"] == 69 * 45_588_480 == 3_145_605_120
     rank = get_config("kimi-k3-rank")  # one of the release's 32 ranks: 3 of the 96 heads
+    assert 3 * (128 * 128 * 4 + 3 * 3 * 128 * 2) == 203_520
     assert speculative.per_position_bytes(rank, 6) == {
-        "per_layer_per_position": 3 * (128 * 128 * 4 + 3 * 3 * 128 * 2) == 203_520,
-        "per_layer": 7 * 203_520 == 1_424_640, "per_row": 69 * 1_424_640 == 98_300_160}
+        "per_layer_per_position": 203_520, "per_layer": 7 * 203_520, "per_row": 69 * 7 * 203_520}
     assert speculative.per_position_bytes(get_config("deepseek-v3"), 3)["per_row"] == 0  # no KDA
 
 
