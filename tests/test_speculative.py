@@ -53,14 +53,18 @@ class Plain:
                                                 self.cfg, k=k, drafter=drafter, **kw)
 
 
-_PLAIN: dict = {}
+@pytest.fixture(scope="module")
+def plain():
+    """plain(layout, batch) -> one Plain per (layout, batch) for the whole module (each is one
+    decode-step compile)."""
+    runs = {}
 
+    def get(layout, batch) -> Plain:
+        if (layout, batch) not in runs:
+            runs[layout, batch] = Plain(SMALL.replace(mla_cache_layout=layout), batch)
+        return runs[layout, batch]
 
-def plain(layout, batch) -> Plain:
-    """One Plain per (layout, batch) for the whole module (each is one decode-step compile)."""
-    if (layout, batch) not in _PLAIN:
-        _PLAIN[layout, batch] = Plain(SMALL.replace(mla_cache_layout=layout), batch)
-    return _PLAIN[layout, batch]
+    return get
 
 
 class RowwiseForced(drafters.Drafter):
@@ -102,7 +106,7 @@ SLOW_LATENT = pytest.param("latent", marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("layout, batch, k, accepts", FAST_CASES)
-def test_greedy_forced_is_lossless(layout, batch, k, accepts):
+def test_greedy_forced_is_lossless(plain, layout, batch, k, accepts):
     run = plain(layout, batch)
     for accept in accepts:
         _check_lossless(run, k, drafters.ForcedDrafter(accept, run.oracle), accepted=accept)
@@ -112,14 +116,14 @@ def test_greedy_forced_is_lossless(layout, batch, k, accepts):
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_forced_is_lossless_every_combination(layout, batch, k):
+def test_greedy_forced_is_lossless_every_combination(plain, layout, batch, k):
     run = plain(layout, batch)
     for accept in sorted({0, 1, k // 2, k}):
         _check_lossless(run, k, drafters.ForcedDrafter(accept, run.oracle), accepted=accept)
 
 
 @pytest.mark.parametrize("layout", ["expanded", SLOW_LATENT])
-def test_rows_at_different_positions_and_ngram_are_lossless(layout):
+def test_rows_at_different_positions_and_ngram_are_lossless(plain, layout):
     run = plain(layout, 2)
     stats = _check_lossless(run, 3, RowwiseForced(run.oracle))
     accepted = stats["accepted"]
@@ -127,14 +131,14 @@ def test_rows_at_different_positions_and_ngram_are_lossless(layout):
     _check_lossless(run, 3, "ngram")
 
 
-def test_forced_by_name_computes_its_oracle():
+def test_forced_by_name_computes_its_oracle(plain):
     run = plain("latent", 1)
     stats = _check_lossless(run, 3, "forced:2", accepted=2)
     assert stats["tokens_per_step"] == pytest.approx(31 / 11)  # 10 steps of 3, one of 1
     assert stats["mean_accepted"] == 2 and stats["acceptance_rate"] == pytest.approx(2 / 3)
 
 
-def test_sampled_in_call_rule_emits_the_tokens_of_plain_sampled_decoding():
+def test_sampled_in_call_rule_emits_the_tokens_of_plain_sampled_decoding(plain):
     """For a one-hot q the rejection rule is "sample y_j ~ p_j, accept while y_j is the draft"; with
     the decode step's own sampler at positions p + j + 1 the tokens are those of plain sampled
     decoding with the same seed, token for token, and so is the end state."""
@@ -154,7 +158,7 @@ def test_sampled_in_call_rule_emits_the_tokens_of_plain_sampled_decoding():
 
 # ---- rollback ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["expanded", SLOW_LATENT])
-def test_rollback_equals_decoding_the_kept_tokens(layout):
+def test_rollback_equals_decoding_the_kept_tokens(plain, layout):
     run = plain(layout, 2)
     start = np.array([PROMPT_LEN, PROMPT_LEN + 3], np.int32)  # the rows at different positions
     _, state = reference.prefill(run.params, run.fresh(), run.oracle[:, :PROMPT_LEN + 3], run.cfg)
@@ -294,15 +298,14 @@ def test_mtp_weights_are_counted_and_leave_the_step_unchanged():
     (3, 1, "forced:4", r"drafter='forced:4' is invalid for k=3: forced:A with A in \[0, 3\]"),
     (3, 1, "mtp", r"drafter='mtp' is invalid for kimi-k3-mini-2l: it has n_mtp_layers=0"),
 ])
-def test_bad_input_is_one_line(k, batch, drafter, message):
-    _raises_one_line(k, batch, drafter, message)
+def test_bad_input_is_one_line(plain, k, batch, drafter, message):
+    _raises_one_line(plain("expanded", 2), k, batch, drafter, message)
 
 
-def test_past_the_cache_is_one_line():
-    _raises_one_line(3, 1, "ngram", r"n_tokens=60 is invalid with a prompt of 6 and k=3: the last "
+def test_past_the_cache_is_one_line(plain):
+    _raises_one_line(plain("expanded", 2), 3, 1, "ngram", r"n_tokens=60 is invalid with a prompt of 6 and k=3: the last "
                      r"verify reaches position 67, past the cache \(64 tokens\)", n_tokens=60)
-def _raises_one_line(k, batch, drafter, message, n_tokens=4):
-    run = plain("expanded", 2)
+def _raises_one_line(run, k, batch, drafter, message, n_tokens=4):
     state = reference.init_state(SMALL, batch)
     prompt = np.zeros((batch, PROMPT_LEN), np.int32)
     with pytest.raises(ValueError, match=message) as error:
@@ -311,7 +314,7 @@ def _raises_one_line(k, batch, drafter, message, n_tokens=4):
     assert "\n" not in str(error.value)
 
 
-def test_verify_bad_input():
+def test_verify_bad_input(plain):
     run = plain("expanded", 2)
     for tokens, message in ((np.zeros(2), r"tokens has shape \(2,\): allowed \[B, K \+ 1\]"),
                             (np.zeros((2, 9)), r"k=8 is invalid: an int in \[1, 7\]")):
