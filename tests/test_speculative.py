@@ -156,6 +156,32 @@ def test_sampled_in_call_rule_emits_the_tokens_of_plain_sampled_decoding(plain):
     assert np.all(stats["accepted"] == 2)
 
 
+class MixtureDrafter(drafters.Drafter):
+    """A stochastic drafter: q = half on the greedy oracle's next token, half uniform."""
+
+    deterministic = False
+
+    def __init__(self, oracle, vocab):
+        self.oracle, self.vocab = oracle, vocab
+
+    def propose_probs(self, history, lengths, k, key):
+        follow = np.stack([self.oracle[b, n:n + k] for b, n in enumerate(lengths)])  # [B, k]
+        q = 0.5 * jax.nn.one_hot(follow, self.vocab) + 0.5 / self.vocab  # [B, k, V]
+        return np.asarray(jax.random.categorical(key, jnp.log(q), axis=-1)), q
+
+
+def test_stochastic_drafter_takes_the_rejection_rule_and_keeps_the_state_exact(plain):
+    """Sampled with a non-one-hot q (`accept_sampled`): whatever is emitted, the end state is the
+    state of decoding the emitted tokens one by one."""
+    run = plain("expanded", 2)
+    tokens, state, stats = run.speculate(3, MixtureDrafter(run.oracle, SMALL.vocab_size),
+                                         temperature=1.0, seed=2)
+    assert tokens.shape == (2, N_TOKENS) and stats["steps"] < N_TOKENS - 1  # some accepted
+    consumed = np.concatenate([run.prompt, np.asarray(tokens)[:, :-1]], axis=1)
+    _, expected = reference.prefill(run.params, run.fresh(), consumed, SMALL)
+    assert _same_tree(state, expected)
+
+
 # ---- rollback ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["expanded", SLOW_LATENT])
 def test_rollback_equals_decoding_the_kept_tokens(plain, layout):
