@@ -72,8 +72,8 @@ def _check_verify_inputs(state, tokens, positions, cfg: ModelConfig) -> tuple[in
     check_rows(batch, k)
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    seq = reference.check_state(state, cfg, batch)
     reference._check_step_inputs(state, tokens[:, 0], positions, cfg)
+    seq = reference.cache_length(state, cfg)
     last = np.asarray(positions) + k
     if seq is not None and last.max() >= seq:
         raise ValueError(f"positions + K = {last.tolist()} is invalid: ints in [0, {seq}) (the "
@@ -234,7 +234,8 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
     drafter: a name of `drafters.get_drafter` ('forced:A', 'ngram', 'mtp') or a Drafter. Greedy
     (temperature None): `accept_greedy`; sampled with a deterministic drafter: `accept_in_call`
     (the same tokens as plain sampled decoding with this seed); with a stochastic drafter:
-    `accept_sampled`. verify: `verify_step` or a drop-in (the megakernel's) with its contract.
+    `accept_sampled`. verify: `verify_step` or a drop-in (the megakernel's) with its contract; the
+prompt is prefilled by the reference's decode step (`feed`) whichever verify runs.
 
     Returns (tokens [B, n_tokens] i32, state, stats): the state has consumed the prompt and all
     emitted tokens but the last, exactly as `reference.generate` leaves it. stats: "steps" (verify
