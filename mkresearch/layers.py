@@ -26,6 +26,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
              "mkresearch.numerics", "mkresearch.formats", "mkresearch.rope",
              "mkresearch.layout", "mkresearch.layout_bytes", "mkresearch.interconnect", "mkresearch.stages",
+             "mkresearch.speculative", "mkresearch.acceptance", "mkresearch.drafters",
+             "mkresearch.mtp",
              "mkresearch.stages.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",
