@@ -234,8 +234,11 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
     drafter: a name of `drafters.get_drafter` ('forced:A', 'ngram', 'mtp') or a Drafter. Greedy
     (temperature None): `accept_greedy`; sampled with a deterministic drafter: `accept_in_call`
     (the same tokens as plain sampled decoding with this seed); with a stochastic drafter:
-    `accept_sampled`. verify: `verify_step` or a drop-in (the megakernel's) with its contract; the
-prompt is prefilled by the reference's decode step (`feed`) whichever verify runs.
+    `accept_sampled`. verify: `verify_step` or a drop-in with its contract; a verify with
+    `samples_in_call = True` (the megakernel's, `megakernel_verify.as_verify`) also takes seed,
+    temperature, top_k, top_p and returns a 4th item, the tokens [B, K + 1] it drew in the call
+    (accepted by matching for a deterministic drafter). The prompt is prefilled by the
+    reference's decode step (`feed`) whichever verify runs.
 
     Returns (tokens [B, n_tokens] i32, state, stats): the state has consumed the prompt and all
     emitted tokens but the last, exactly as `reference.generate` leaves it. stats: "steps" (verify
@@ -282,8 +285,18 @@ prompt is prefilled by the reference's decode step (`feed`) whichever verify run
             drafts, draft_probs = drafter.propose_probs(history, lengths, k, draft_key)
             drafts = np.asarray(drafts, np.int32)
         fed = np.concatenate([history[np.arange(batch), lengths - 1][:, None], drafts], axis=1)
-        logits, state_all, per_position = verify(params, state, fed, positions, cfg)
-        if not sampled:
+        if getattr(verify, "samples_in_call", False):
+            # the verify call draws the target's token at every position itself (greedy, or
+            # the decode step's seed rule): for a one-hot q the rejection rule is matching
+            logits, state_all, per_position, in_call = verify(
+                params, state, fed, positions, cfg, seed=seed, temperature=temperature,
+                top_k=top_k, top_p=top_p)
+        else:
+            logits, state_all, per_position = verify(params, state, fed, positions, cfg)
+            in_call = None
+        if in_call is not None and drafter.deterministic:
+            n_accepted, next_token = acceptance.accept_matching(drafts, in_call)
+        elif not sampled:
             n_accepted, next_token = acceptance.accept_greedy(drafts, logits)
         elif drafter.deterministic:
             n_accepted, next_token = acceptance.accept_in_call(
