@@ -352,10 +352,18 @@ def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma
         return [dma for name in names for dma in call.matmul(
             f"kda.{name}", w[name], plan.block_rows(name), **indices)]
 
+    def row_steps(b):  # a verify row's per-token states, started together, then waited for
+        started = [call.start(f"{STATE_DMAS[leaf]}.step", planned.nbytes(call.state[leaf])
+                              // call.state[leaf].shape[0], buffer=planned.STATE, src="vmem",
+                              dst="hbm", row=b, **indices) for leaf in STATE_DMAS]
+        return started + [copy.waited() for copy in started]
+
     reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
     loads = [dma for name in LOADED_WHOLE
              for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
-    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + writes
+    steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
+             if plan.rows_per_state > 1 else [])
+    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + steps + writes
             + stream(MATRICES[-1:]) + [write.waited() for write in writes])
 
 

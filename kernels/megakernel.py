@@ -428,7 +428,8 @@ def step_shapes(plan: MegaPlan) -> tuple:
     cfg, batch = plan.cfg, plan.batch
     params = weights.param_shapes(cfg)
     prepared = jax.eval_shape(lambda p: prepare_weights(p, cfg), params)
-    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, plan.seq_len))
+    # the state's rows: a verify step's R rows share B = R / (K + 1) of them
+    state = jax.eval_shape(lambda: reference.init_state(cfg, plan.state_batch, plan.seq_len))
     s = jax.ShapeDtypeStruct
     column = lambda dtype: s((batch, 1), dtype)  # noqa: E731
     inputs = StepInputs(s((batch,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32),

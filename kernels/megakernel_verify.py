@@ -23,13 +23,16 @@ wrapper from the targets (a [B, K] compare outside the kernel).
 
 Rollback: per-position states are KEPT, written to HBM as outputs (not recomputed): after each
 row the body DMAs its batch row's KDA conv and recurrent states to `per_position[kind][leaf]`
-[K+1, n_layers, B, ...] at [j, layer, b] (`kda.kda_attention_body`, refs.steps_out). Bytes per
-KDA layer per verify row: the recurrent state H·D·D·4 + the conv state (conv-1)·3·H·D·2; at full
-size (Kimi K3: H = 64, D = 128, conv 4) 4,194,304 + 98,304 = 4,292,608 B (4.1 MiB), i.e. R x that
-per KDA layer per call. `state_all` is the state after all K + 1 tokens (caches with all K + 1
+[K+1, n_layers, B, ...] at [j, layer, b]
+(`kda.kda_attention_body`, refs.steps_out). Bytes per KDA layer per verify row
+(`per_position_bytes`): the recurrent state H·D·D·4 + the conv state (conv-1)·3·H·D·2. Kimi K3
+at full size (H = 96, D = 128, conv 4): 6,291,456 + 221,184 = 6,512,640 B (6.2 MiB), x 69 KDA
+layers = 449 MB per verify row; one of the release's 32 ranks (3 heads): 203,520 B per layer,
+14.0 MB per verify row (98 MB for B = 1, K = 6), written once each, never read in the call.
+`state_all` is the state after all K + 1 tokens (caches with all K + 1
 entries written); the rollback (`mkresearch.speculative`) takes per_position[n_kept - 1] and
-clears the cache entries of rejected tokens. The verify plan is refused by `schedule.schedule`
-(the schedule twin covers decode steps only).
+clears the cache entries of rejected tokens. `schedule.schedule(plan, positions [R], expert_ids)`
+states a verify step's DMAs too (the KDA rows' state copies, the MLA rows' shared cache row).
 """
 
 from __future__ import annotations
@@ -139,20 +142,12 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
 
 
 # ---- compiling for a TPU on this machine -------------------------------------------------------
-def verify_shapes(plan: MegaPlan) -> tuple:
-    """Shape structs of every argument of `mk.step_fn(plan)` for a verify plan: R rows of inputs,
-    the state of B = R / (K + 1) rows (no allocation: full size is safe)."""
-    inputs, prepared, _ = mk.step_shapes(plan)
-    state = jax.eval_shape(lambda: reference.init_state(plan.cfg, plan.state_batch, plan.seq_len))
-    return inputs, prepared, state
-
-
 def compile_verify(cfg: ModelConfig, batch: int, drafts: int, *, chip: str = "tpu7x",
                    seq_len: int | None = None):
     """Compile one greedy verify step for `chip` from shapes only -> (CompileResult, plan)."""
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     plan = verify_plan(cfg, batch, drafts, seq_len, MegakernelOptions(chip=chip))
-    return tpu.compile_for(mk.step_fn(plan), *verify_shapes(plan), chip=chip), plan
+    return tpu.compile_for(mk.step_fn(plan), *mk.step_shapes(plan), chip=chip), plan
 
 
 def per_position_bytes(cfg: ModelConfig) -> dict[str, int]:

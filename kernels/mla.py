@@ -450,10 +450,11 @@ def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
         call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
     caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]
-    for b, position in enumerate(call.positions):
-        out += tile_loop_dmas(p, call, b, position,
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
                               [(f"{KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += update_dmas(call, b, caches)
+        out += update_dmas(call, row, caches)
     return out + stream("w_o")
 
 
