@@ -44,7 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from mkresearch.kernels import dma, sampling
 from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels.megakernel_plan import MAX_VERIFY_ROWS, MegakernelOptions, MegaPlan, make_plan
+from mkresearch.kernels.megakernel_plan import (
+    MAX_VERIFY_ROWS,
+    MegakernelOptions,
+    MegaPlan,
+    make_plan,
+)
 
 from mkresearch import reference, spec, tpu
 from mkresearch import sampling as sampling_ref
@@ -124,7 +129,7 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     # row r = b (K + 1) + j: batch row b's token j at position p_b + j
     rows = (jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32))
     rows = rows.reshape(-1)  # [R]
-    per_row = lambda values: jnp.asarray(np.repeat(values, width))[:, None]  # noqa: E731
+    per_row = lambda values: jnp.asarray(np.repeat(values, width))[:, None]
     inputs = mk.StepInputs(jnp.asarray(tokens, jnp.int32).reshape(-1), rows,
                            jnp.asarray(seed_i32), jnp.asarray(plan.layer_table, jnp.int32),
                            (rows + 1)[:, None], per_row(sp.temperature), per_row(sp.top_k),
