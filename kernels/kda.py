@@ -26,7 +26,7 @@ of an [8, D] block — one vreg — instead of two [D, D] transposes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -64,8 +64,9 @@ class KdaPlan:
     l2_eps: float
     rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
     # rows sharing one state row (a verify step's K + 1 tokens, in order): row r advances state
-    # row r // rows_per_state, and each row's states are also written to refs.steps_out
-    rows_per_state: int = 1
+    # row r // rows_per_state, and each row's states are also written to refs.steps_out (not in
+    # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.recorded`)
+    rows_per_state: int = field(default=1, repr=False)
 
     def block_rows(self, name: str) -> int:
         return dict(self.rows)[name]

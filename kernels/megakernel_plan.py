@@ -173,7 +173,9 @@ class MegaPlan:
     vmem: VmemPlan = field(compare=False, hash=False)
     # rows sharing one state row: 1 for a decode step; K + 1 for a verify step, whose row r is
     # token r mod (K + 1) of batch row r // (K + 1) (its cache and recurrent state)
-    rows_per_state: int = 1
+    # (not in the repr: a decode plan's repr, the key of the recorded compiles, `mkresearch.recorded`,
+    # stays what it was; a verify plan's differs anyway, by its rows and its VMEM plan)
+    rows_per_state: int = field(default=1, repr=False)
 
     @property
     def state_batch(self) -> int:

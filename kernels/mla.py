@@ -37,7 +37,7 @@ signature (`mkresearch.reference.mla_attention`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -79,7 +79,8 @@ class MlaPlan:
     rows: tuple[tuple[str, int], ...]  # weight name -> rows of one streamed block
     # rows sharing one cache row (a verify step's K + 1 tokens, in order): row r attends to and
     # writes cache row r // rows_per_state at its own position, so later rows see earlier ones
-    rows_per_state: int = 1
+    # (not in the repr: the recorded compiles are keyed by a decode plan's repr)
+    rows_per_state: int = field(default=1, repr=False)
 
     @property
     def qk_dim(self) -> int:
