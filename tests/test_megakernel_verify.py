@@ -27,6 +27,7 @@ import pytest
 from mkresearch.kernels import dma, schedule
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels import megakernel_verify as mv
+from mkresearch.kernels.sampling import MAX_CANDIDATES
 
 from mkresearch import config, layout, reference, roofline, sampling, spec, tpu, weights
 from mkresearch.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
@@ -64,8 +65,9 @@ def reference_drafts(cfg, params, state, last, positions, drafts, accept, sample
     for j in range(drafts):
         logits, state, _ = _reference_step(params, state, jnp.asarray(tokens[-1]),
                                            jnp.asarray(positions + j), cfg=cfg)
-        tokens.append(np.asarray(sampling.sample(logits, seed=SEED, positions=positions + j + 1,
-                                                 **sample), np.int32))
+        tokens.append(np.asarray(sampling.sample(  # the kernel's capacity of top-p candidates
+            logits, seed=SEED, positions=positions + j + 1, candidates=MAX_CANDIDATES, **sample),
+            np.int32))
     if accept < drafts:
         tokens[accept + 1] = (tokens[accept + 1] + 1) % cfg.vocab_size
     return np.stack(tokens, axis=1)
