@@ -29,8 +29,19 @@ from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels import megakernel_verify as mv
 from mkresearch.kernels.sampling import MAX_CANDIDATES
 
-from mkresearch import config, layout, reference, roofline, sampling, spec, tpu, weights
+from mkresearch import (
+    config,
+    layout,
+    reference,
+    roofline,
+    sampling,
+    spec,
+    timeline,
+    tpu,
+    weights,
+)
 from mkresearch.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
+from mkresearch.scaling import scale_log
 
 LOGIT_TOL = 5e-2  # spec §11
 STATE_REL_TOL = 2.0 ** -7
@@ -182,6 +193,19 @@ def test_weights_read_once_for_all_rows(recorded_case):
     # the step ran its schedule (kernels/schedule.py), event for event
     step = schedule.schedule(plan, rows, expert_ids)
     assert step.mismatch(log) is None, step.mismatch(log)
+
+
+def test_recorded_verify_scales_to_a_rank(recorded_case):
+    """The recorded verify step, scaled to one rank of Kimi K3 (the release's 32) and replayed by
+    the timeline model: one weight pass for the R rows (the timeline of notebook 07, per call)."""
+    cfg, _, (log, tokens, _, _, _) = recorded_case
+    rows = tokens.size
+    rank = layout.named_config("kimi-k3-rank")
+    predicted = timeline.simulate(scale_log(log, cfg, rank, rows), "tpu7x")
+    print(f"verify B={tokens.shape[0]} K={tokens.shape[1] - 1} scaled to {rank.name}: "
+          f"{predicted.dma_bytes / 1e9:.2f} GB, {predicted.total_s * 1e3:.2f} ms predicted on "
+          f"tpu7x, {predicted.roofline_fraction:.0%} of the HBM roofline")
+    assert 0 < predicted.roofline_fraction <= 1
 
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
