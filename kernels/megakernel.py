@@ -391,25 +391,37 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
         if tok.min() < 0 or tok.max() >= cfg.vocab_size:
             raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
     plan = make_plan(cfg, batch, seq_len, options)
-    sampling_ref._check_seed(seed)
-    sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, candidates=sampling.MAX_CANDIDATES)
-    sampled = sp.temperature > 0
-    truncated = (sp.top_k > 0) | (sp.top_p < 1)
-    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
-    positions = jnp.asarray(positions, jnp.int32)
-    inputs = StepInputs(jnp.asarray(tokens, jnp.int32), positions, jnp.asarray(seed_i32),
-                        jnp.asarray(plan.layer_table, jnp.int32), (positions + 1)[:, None],
-                        jnp.asarray(sp.temperature)[:, None], jnp.asarray(sp.top_k)[:, None],
-                        jnp.asarray(sp.top_p)[:, None])
+    inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
+                                                     top_k, top_p)
     tokens_out, overflow, logits, new_state = _call(
-        plan, tpu.interpret_params(), dma.is_recording(), bool(np.any(sampled & ~truncated)),
-        bool(np.any(sampled & truncated)), bool(return_logits), inputs,
-        prepare_weights(params, cfg), state)
+        plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
+        bool(return_logits), inputs, prepare_weights(params, cfg), state)
     aux = {"nucleus_overflow": overflow, "plan": plan}
     if return_logits:
         aux["logits"] = logits
     return tokens_out, new_state, aux
+
+
+def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperature: Any,
+                top_k: Any, top_p: Any) -> tuple[StepInputs, bool, bool]:
+    """The step's inputs for tokens and positions [rows] (checked), the sampling arguments given
+    per state row (ValueError naming the bad one) and each repeated for the plan.rows_per_state
+    rows that share it -> (StepInputs, use_gumbel, use_candidates): the static sampling paths."""
+    sampling_ref._check_seed(seed)
+    sp = sampling_ref.check_params(plan.state_batch, plan.cfg.vocab_size, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, candidates=sampling.MAX_CANDIDATES)
+    sampled = sp.temperature > 0
+    truncated = (sp.top_k > 0) | (sp.top_p < 1)
+    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
+    positions = jnp.asarray(positions, jnp.int32)
+
+    def per_row(values):  # [rows, 1]
+        return jnp.asarray(np.repeat(values, plan.rows_per_state))[:, None]
+
+    inputs = StepInputs(jnp.asarray(tokens, jnp.int32), positions, jnp.asarray(seed_i32),
+                        jnp.asarray(plan.layer_table, jnp.int32), (positions + 1)[:, None],
+                        per_row(sp.temperature), per_row(sp.top_k), per_row(sp.top_p))
+    return inputs, bool(np.any(sampled & ~truncated)), bool(np.any(sampled & truncated))
 
 
 # ---- compiling for a TPU on this machine -------------------------------------------------------

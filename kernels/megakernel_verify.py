@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mkresearch.kernels import dma, sampling
+from mkresearch.kernels import dma
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels.megakernel_plan import (
     MAX_VERIFY_ROWS,
@@ -52,7 +52,6 @@ from mkresearch.kernels.megakernel_plan import (
 )
 
 from mkresearch import reference, spec, tpu
-from mkresearch import sampling as sampling_ref
 from mkresearch.config import ModelConfig
 
 MAX_DRAFTS = 7  # K: draft tokens per batch row
@@ -120,24 +119,14 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     batch, drafts = check_tokens(tokens, positions, cfg, seq_len)
     width = drafts + 1
     plan = verify_plan(cfg, batch, drafts, seq_len, options)
-    sampling_ref._check_seed(seed)
-    sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, candidates=sampling.MAX_CANDIDATES)
-    sampled = sp.temperature > 0
-    truncated = (sp.top_k > 0) | (sp.top_p < 1)
-    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
     # row r = b (K + 1) + j: batch row b's token j at position p_b + j
     rows = (jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32))
-    rows = rows.reshape(-1)  # [R]
-    per_row = lambda values: jnp.asarray(np.repeat(values, width))[:, None]
-    inputs = mk.StepInputs(jnp.asarray(tokens, jnp.int32).reshape(-1), rows,
-                           jnp.asarray(seed_i32), jnp.asarray(plan.layer_table, jnp.int32),
-                           (rows + 1)[:, None], per_row(sp.temperature), per_row(sp.top_k),
-                           per_row(sp.top_p))
+    inputs, use_gumbel, use_candidates = mk.step_inputs(
+        plan, jnp.asarray(tokens, jnp.int32).reshape(-1), rows.reshape(-1), seed, temperature,
+        top_k, top_p)
     targets, overflow, logits, state_all, per_position = mk._call(
-        plan, tpu.interpret_params(), dma.is_recording(), bool(np.any(sampled & ~truncated)),
-        bool(np.any(sampled & truncated)), bool(return_logits), inputs,
-        mk.prepare_weights(params, cfg), state)
+        plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
+        bool(return_logits), inputs, mk.prepare_weights(params, cfg), state)
     targets = targets.reshape(batch, width)
     aux = {"n_accepted": n_accepted(tokens, targets),
            "nucleus_overflow": overflow.reshape(batch, width), "plan": plan}
