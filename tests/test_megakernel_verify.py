@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, schedule
+from mkresearch.kernels import dma, registry, schedule
 from mkresearch.kernels import megakernel as mk
 from mkresearch.kernels import megakernel_verify as mv
 from mkresearch.kernels.sampling import MAX_CANDIDATES
@@ -136,7 +136,7 @@ def run_case(cfg, params, batch, drafts, accept, sample, *, record=False):
         assert error <= STATE_REL_TOL, f"{jax.tree_util.keystr(path)}: {error:.3g} vs reference"
     accepted = np.asarray(aux["n_accepted"])
     np.testing.assert_array_equal(accepted, mv.n_accepted(tokens, np.stack(singles, axis=1)))
-    print(f"{cfg.mla_cache_layout} B={batch} K={drafts} {sample or 'greedy'}: targets = the "
+    print(f"{cfg.name} {cfg.mla_cache_layout} B={batch} K={drafts} {sample or 'greedy'}: targets = the "
           f"decode step's, logits bit-equal to it and within {worst:.3g} of the reference; "
           f"n_accepted {accepted.tolist()} (forced {accept})")
     # routing of every verify row (row b(K+1)+j): [n_moe, R, k]
@@ -224,6 +224,14 @@ def test_64_rows(race_checked, mini_params):
     run_case(MINI.replace(mla_cache_layout="latent"), mini_params, 8, 7, 4, {})
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek-v3-mini", "qwen3-235b-a22b-mini"])
+def test_other_families(race_checked, name):
+    """MLA with RoPE (DeepSeek-V3: the MTP drafter's family) and GQA rows on a shared cache row."""
+    cfg = config.get_config(name)
+    run_case(cfg, weights.init_params(cfg, 0), 2, 3, 2, {})
+
+
 # ---- compiling for TPU7x ---------------------------------------------------------------------
 def test_compiles_to_one_mosaic_kernel_mini():
     result, plan = mv.compile_verify(MINI, 2, 3, chip="tpu7x")
@@ -282,8 +290,17 @@ def test_state_of_another_batch(mini_params):
                        MINI)
 
 
-def test_kind_without_verify_support_is_refused():
-    """GQA keeps a cache but its body runs one row per cache row: refused, naming the field."""
+def test_kind_without_verify_support_is_refused(monkeypatch):
+    """A kind that keeps state but whose plan has no rows_per_state (its body runs one row per
+    state row): refused, naming the field."""
+
+    @dataclasses.dataclass(frozen=True)
+    class OneRowPlan:
+        batch: int
+
+    stage = registry.kernel_stage("gqa")
+    monkeypatch.setitem(registry._KERNELS, "gqa", dataclasses.replace(
+        stage, plan=lambda cfg, batch, seq_len, options: OneRowPlan(batch)))
     cfg = config.get_config("qwen3-235b-a22b-mini")
     with pytest.raises(ValueError, match=r"^ModelConfig.attention='gqa' is invalid for a verify "
                                          r"step: layer kind 'gqa' keeps state"):
