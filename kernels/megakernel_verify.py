@@ -9,7 +9,8 @@ rows, its last accepted token and K draft tokens (K in 1..7), causally, against 
            of the global ring; the MoE routes R rows and fetches the union of their experts).
       MLA  rows run in order; each writes its cache entry (position p_b + j) before the next row
            attends, and a row attends to the cache up to its own position (length masking):
-           causal within the batch row. All K + 1 entries are written.
+           causal within the batch row. All K + 1 entries are written. (MLA with RoPE and GQA,
+           the other families' caches, the same way.)
       KDA  rows run in order on the shared state row: the conv window and the recurrent state
            advance token by token inside the call.
     head   targets[b, j] = the token the decode step would emit after token (b, j): the greedy
