@@ -212,6 +212,13 @@ def select_row(values: jax.Array, row) -> jax.Array:
     return jnp.sum(picked, axis=0, keepdims=True).astype(values.dtype)
 
 
+def state_row(row, rows_per_state: int):
+    """The state row (cache and recurrent state) of traced row `row` when rows_per_state
+    consecutive rows share one (a verify step's K + 1 tokens of a batch row); the row itself in a
+    decode step (rows_per_state 1), so that step traces as before."""
+    return row if rows_per_state == 1 else jax.lax.div(row, rows_per_state)
+
+
 def put_row(values: jax.Array, row, new_row: jax.Array) -> jax.Array:
     """values [M, N] with values[row] = new_row [1, N] for a traced row (a masked select)."""
     rows = jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)

@@ -24,7 +24,7 @@ megakernel can call it as it is; `gqa_attention` is the thin `pallas_call` wrapp
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -63,6 +63,9 @@ class GqaPlan:
     scale: float  # the softmax scale
     rope: rope.Rope
     rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
+    # rows sharing one cache row (a verify step's K + 1 tokens, in order, as in mla.py); not in
+    # the repr: the recorded compiles are keyed by a decode plan's repr
+    rows_per_state: int = field(default=1, repr=False)
 
     @property
     def group(self) -> int:
@@ -143,8 +146,9 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
             q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
             k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
             v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(kv_heads)]  # [1, D] bf16 each
-            outs = _attend(p, b, position, q_heads, k_new, v_new, k_in, v_in, indices)
-            _update_cache(p, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices)
+            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
+            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices)
+            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices)
             y = list(y)  # per head [B, D]
             for h in range(heads):
                 g, j = divmod(h, group)
@@ -327,10 +331,11 @@ def _schedule(p: GqaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
         out += [dma for name in ("q_norm", "k_norm")
                 for dma in blocks.load_whole_dmas(call, f"gqa.{name}", w[name], **indices)]
     caches = [(name, call.state[name]) for name in CACHE_NAMES]
-    for b, position in enumerate(call.positions):
-        out += tile_loop_dmas(p, call, b, position,
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
                               [(f"gqa.kv.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, b, caches, prefix="gqa.kv_update")
+        out += kv_update.update_dmas(call, row, caches, prefix="gqa.kv_update")
     return out + call.matmul("gqa.w_o", w["w_o"], p.block_rows("w_o"), **indices)
 
 

@@ -26,7 +26,7 @@ of an [8, D] block — one vreg — instead of two [D, D] transposes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -63,6 +63,10 @@ class KdaPlan:
     rms_eps: float
     l2_eps: float
     rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
+    # rows sharing one state row (a verify step's K + 1 tokens, in order): row r advances state
+    # row r // rows_per_state, and each row's states are also written to refs.steps_out (not in
+    # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.recorded`)
+    rows_per_state: int = field(default=1, repr=False)
 
     def block_rows(self, name: str) -> int:
         return dict(self.rows)[name]
@@ -101,6 +105,11 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     [1, H·D], o_norm [1, D]); refs.state_in {"conv" [B, conv-1, 3, H, D] bf16, "recurrent"
     [B, H, D, D] f32} in HBM, refs.state_out the same buffers (aliased); refs.out [B, d] bf16
     (VMEM). refs.indices tag the DMA log.
+
+    A verify step (plan.rows_per_state = K + 1 > 1): x holds R = B (K + 1) rows, row r the token
+    r mod (K + 1) of state row r // (K + 1); the rows run in order, so each state row advances
+    token by token, and after each row its conv and recurrent states are DMA'd to
+    refs.steps_out {"conv" [K+1, B, ...], "recurrent" [K+1, B, ...]} at [r mod (K + 1), b].
     """
     x_ref, out_ref, indices = refs.x, refs.out, refs.indices
     w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, w_o = (refs.weights[name] for name in MATRICES)
@@ -140,18 +149,30 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
 
         def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
             y = list(y)  # per head [B, D]
-            conv_old = f32(conv_vmem[b])  # [conv-1, 3, H, D]
+            s = blocks.state_row(b, p.rows_per_state)  # the row's state row
+            conv_old = f32(conv_vmem[s])  # [conv-1, 3, H, D]
             rows = [blocks.select_row(v, b) for v in (*pre_conv, g_raw, u, b_logit)]
             for h in range(p.n_heads):
                 with dma.phase("kda.delta_rule", row=b, head=h, **indices):
-                    y_h = _head_step(p, b, h, conv_old, rows, taps, decay_rate, bias, gamma,
+                    y_h = _head_step(p, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma,
                                      current_vmem, state_vmem)
                 y[h] = blocks.put_row(y[h], b, y_h)
             # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
             for j in range(p.conv_size - 2):
-                conv_vmem[b, j] = conv_vmem[b, j + 1]
-            conv_vmem[b, p.conv_size - 2] = bf16(current_vmem[b])
+                conv_vmem[s, j] = conv_vmem[s, j + 1]
+            conv_vmem[s, p.conv_size - 2] = bf16(current_vmem[b])
+            if p.rows_per_state > 1:  # a verify row: its states, kept for the rollback
+                write_steps(b, s)
             return tuple(y)
+
+        def write_steps(b, s):  # waited for at once: the next row updates the same buffers
+            token = jax.lax.rem(b, p.rows_per_state)
+            copies = [dma.Copy(source.at[s], refs.steps_out[leaf].at[token, s], sems.at[i],
+                               name=f"{STATE_DMAS[leaf]}.step", row=b, **indices).start()
+                      for i, (leaf, source) in enumerate((("conv", conv_vmem),
+                                                          ("recurrent", state_vmem)))]
+            for copy in copies:
+                copy.wait()
 
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
         y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
@@ -172,9 +193,10 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
                   pltpu.SemaphoreType.DMA((2,)))
 
 
-def _head_step(p: KdaPlan, b, h, conv_old, rows, taps, decay_rate, bias, gamma, current_vmem,
+def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma, current_vmem,
                state_vmem) -> jax.Array:
-    """Conv, norms, gated delta rule, output norm and gate for row b, head h -> y [1, D].
+    """Conv, norms, gated delta rule, output norm and gate for row b (state row s), head h
+    -> y [1, D].
 
     rows: this batch row of the projections (q̃, k̃, ṽ, g_raw, u [1, H·D]; b [1, H]).
     """
@@ -205,11 +227,11 @@ def _head_step(p: KdaPlan, b, h, conv_old, rows, taps, decay_rate, bias, gamma, 
     columns = stacked.T  # [D, 8]
     decay_col, k_col = columns[:, 0:1], columns[:, 1:2]  # [D, 1] each
 
-    state = state_vmem[b, h]  # [D (key), D (value)] f32
+    state = state_vmem[s, h]  # [D (key), D (value)] f32
     decayed = decay_col * state  # S̄ = Diag(e^λ) S
     predicted = jnp.dot(k, decayed, preferred_element_type=jnp.float32)  # S̄ᵀk  [1, D]
     state = decayed + k_col * (beta * (v - predicted))  # S̄ + β k (v − S̄ᵀk)ᵀ
-    state_vmem[b, h] = state
+    state_vmem[s, h] = state
     o = jnp.dot(q, state, preferred_element_type=jnp.float32)  # Sᵀq  [1, D]
 
     gate = f32(bf16(jax.nn.sigmoid(u[:, lanes])))
@@ -308,8 +330,9 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
 
 def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
     b, h, dk, hd = plan.batch, plan.n_heads, plan.head_dim, plan.n_heads * plan.head_dim
-    return [("conv state", (b, plan.conv_size - 1, 3, h, dk), jnp.bfloat16),
-            ("recurrent state", (b, h, dk, dk), jnp.float32),
+    states = b // plan.rows_per_state  # rows sharing a state row share its buffers
+    return [("conv state", (states, plan.conv_size - 1, 3, h, dk), jnp.bfloat16),
+            ("recurrent state", (states, h, dk, dk), jnp.float32),
             ("pre-conv q/k/v", (b, 3, h, dk), jnp.float32),
             ("y", (b, hd), jnp.float32),
             ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
@@ -330,10 +353,18 @@ def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma
         return [dma for name in names for dma in call.matmul(
             f"kda.{name}", w[name], plan.block_rows(name), **indices)]
 
+    def row_steps(b):  # a verify row's per-token states, started together, then waited for
+        started = [call.start(f"{STATE_DMAS[leaf]}.step", planned.nbytes(call.state[leaf])
+                              // call.state[leaf].shape[0], buffer=planned.STATE, src="vmem",
+                              dst="hbm", row=b, **indices) for leaf in STATE_DMAS]
+        return started + [copy.waited() for copy in started]
+
     reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
     loads = [dma for name in LOADED_WHOLE
              for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
-    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + writes
+    steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
+             if plan.rows_per_state > 1 else [])
+    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + steps + writes
             + stream(MATRICES[-1:]) + [write.waited() for write in writes])
 
 

@@ -100,20 +100,34 @@ class StepInputs:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "overflow", "logits"], meta_fields=[])
+                   data_fields=["tokens", "overflow", "logits", "per_position"], meta_fields=[])
 @dataclass(frozen=True)
 class StepOutputs:
-    """tokens, nucleus overflow [B, 1] i32 and, for checking only, logits [B, V] f32 (VMEM)."""
+    """tokens, nucleus overflow [B, 1] i32 and, for checking only, logits [B, V] f32 (VMEM); a
+    verify step's per-token states {kind: {leaf: [K+1, n_layers, B, ...]}} (HBM), else None."""
 
     tokens: Any
     overflow: Any
     logits: Any = None
+    per_position: Any = None
 
 
 # ---- the body ----------------------------------------------------------------------------------
 def _layer_refs(tree: Any, index: Any) -> Any:
     """One layer's view `.at[index]` of every stacked Ref of a kind."""
     return jax.tree.map(lambda ref: ref.at[index], tree)
+
+
+def per_position_shapes(plan: MegaPlan, state: Any) -> dict | None:
+    """A verify step's per-token states: every non-cache leaf [n, B, ...] of `state` (shape
+    structs) as [K+1, n, B, ...]; None for a decode step (plan.rows_per_state 1)."""
+    if plan.rows_per_state == 1:
+        return None
+    table = spec.state_table(plan.cfg, plan.state_batch, plan.seq_len)
+    return {kind: {leaf: jax.ShapeDtypeStruct((plan.rows_per_state, *a.shape), a.dtype)
+                   for leaf, a in leaves.items() if table[kind][leaf].kind != spec.CACHE}
+            for kind, leaves in state.items()
+            if any(table[kind][leaf].kind != spec.CACHE for leaf in leaves)}
 
 
 def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
@@ -198,7 +212,9 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                             state_in=_layer_refs(state_in.get(kind, {}), index),
                             state_out=_layer_refs(state_out.get(kind, {}), index),
                             positions=inputs.positions, stream=stage_stream,
-                            scratch=scratch[kind], indices={"layer": layer}, shard=coll))
+                            scratch=scratch[kind], indices={"layer": layer}, shard=coll,
+                            steps_out=jax.tree.map(lambda ref: ref.at[:, index],
+                                                   (outputs.per_position or {}).get(kind, {}))))
                 return run
 
             if len(stage_kinds) == 1:
@@ -243,7 +259,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                                    vocab_tile=plan.vocab_tile, candidates=sampling.MAX_CANDIDATES,
                                    eps=cfg.rms_eps, softcap=cfg.logit_softcap,
                                    use_gumbel=use_gumbel, use_candidates=use_candidates,
-                                   return_logits=outputs.logits is not None, **shard)
+                                   return_logits=outputs.logits is not None,
+                                   rows_per_key=plan.rows_per_state, **shard)
 
         mix_out = [pltpu.VMEM((1, d), jnp.float32)] if "mix_out" in residual.head_vectors else []
         pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
@@ -309,7 +326,8 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)  # noqa: E731
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
-    outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits)
+    per_position = per_position_shapes(plan, state)
+    outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
     # every stage body over its layers (kernels/costs.py); + the SMEM/VMEM operands and results
     cost = costs.megakernel(plan, weights, state).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
@@ -321,7 +339,8 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
         out_shape=(outputs, state_shapes),
         in_specs=(StepInputs.specs(), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),
-        out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None),
+        out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None,
+                               jax.tree.map(lambda _: hbm, per_position)),
                    jax.tree.map(lambda _: hbm, state)),
         scratch_shapes=() if shard is None else [shape for _, shape in shard.scratch()],
         input_output_aliases={n_in + i: n_out + i for i in range(len(jax.tree.leaves(state)))},
@@ -329,6 +348,9 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
         cost_estimate=cost,
         interpret=interpret,
     )(inputs, weights, state)
+    if per_position is not None:  # a verify step (kernels/megakernel_verify.py)
+        return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state, (
+            outs.per_position)
     return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state
 
 
@@ -369,25 +391,37 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
         if tok.min() < 0 or tok.max() >= cfg.vocab_size:
             raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
     plan = make_plan(cfg, batch, seq_len, options)
-    sampling_ref._check_seed(seed)
-    sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, candidates=sampling.MAX_CANDIDATES)
-    sampled = sp.temperature > 0
-    truncated = (sp.top_k > 0) | (sp.top_p < 1)
-    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
-    positions = jnp.asarray(positions, jnp.int32)
-    inputs = StepInputs(jnp.asarray(tokens, jnp.int32), positions, jnp.asarray(seed_i32),
-                        jnp.asarray(plan.layer_table, jnp.int32), (positions + 1)[:, None],
-                        jnp.asarray(sp.temperature)[:, None], jnp.asarray(sp.top_k)[:, None],
-                        jnp.asarray(sp.top_p)[:, None])
+    inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
+                                                     top_k, top_p)
     tokens_out, overflow, logits, new_state = _call(
-        plan, tpu.interpret_params(), dma.is_recording(), bool(np.any(sampled & ~truncated)),
-        bool(np.any(sampled & truncated)), bool(return_logits), inputs,
-        prepare_weights(params, cfg), state)
+        plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
+        bool(return_logits), inputs, prepare_weights(params, cfg), state)
     aux = {"nucleus_overflow": overflow, "plan": plan}
     if return_logits:
         aux["logits"] = logits
     return tokens_out, new_state, aux
+
+
+def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperature: Any,
+                top_k: Any, top_p: Any) -> tuple[StepInputs, bool, bool]:
+    """The step's inputs for tokens and positions [rows] (checked), the sampling arguments given
+    per state row (ValueError naming the bad one) and each repeated for the plan.rows_per_state
+    rows that share it -> (StepInputs, use_gumbel, use_candidates): the static sampling paths."""
+    sampling_ref._check_seed(seed)
+    sp = sampling_ref.check_params(plan.state_batch, plan.cfg.vocab_size, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, candidates=sampling.MAX_CANDIDATES)
+    sampled = sp.temperature > 0
+    truncated = (sp.top_k > 0) | (sp.top_p < 1)
+    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
+    positions = jnp.asarray(positions, jnp.int32)
+
+    def per_row(values):  # [rows, 1]
+        return jnp.asarray(np.repeat(values, plan.rows_per_state))[:, None]
+
+    inputs = StepInputs(jnp.asarray(tokens, jnp.int32), positions, jnp.asarray(seed_i32),
+                        jnp.asarray(plan.layer_table, jnp.int32), (positions + 1)[:, None],
+                        per_row(sp.temperature), per_row(sp.top_k), per_row(sp.top_p))
+    return inputs, bool(np.any(sampled & ~truncated)), bool(np.any(sampled & truncated))
 
 
 # ---- compiling for a TPU on this machine -------------------------------------------------------
@@ -406,7 +440,8 @@ def step_shapes(plan: MegaPlan) -> tuple:
     cfg, batch = plan.cfg, plan.batch
     params = weights.param_shapes(cfg)
     prepared = jax.eval_shape(lambda p: prepare_weights(p, cfg), params)
-    state = jax.eval_shape(lambda: reference.init_state(cfg, batch, plan.seq_len))
+    # the state's rows: a verify step's R rows share B = R / (K + 1) of them
+    state = jax.eval_shape(lambda: reference.init_state(cfg, plan.state_batch, plan.seq_len))
     s = jax.ShapeDtypeStruct
     column = lambda dtype: s((batch, 1), dtype)  # noqa: E731
     inputs = StepInputs(s((batch,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32),

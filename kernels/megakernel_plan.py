@@ -9,7 +9,7 @@ first, a config whose weights, caches and states exceed the chip's HBM per devic
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import jax.numpy as jnp
@@ -37,6 +37,9 @@ from mkresearch.config import BF16_SUBLANE, LANE, ModelConfig
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
 MAX_BATCH = BF16_SUBLANE
+# A verify step (`kernels/megakernel_verify.py`) scores B rows x (K + 1) tokens: its activation
+# block [R, d] spans up to four 16-row tiles (the stage bodies loop over rows; nothing needs one).
+MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
 # Rows of the aligned embedding block fetched per token (the HBM tiling of a bf16 [V, d] array).
@@ -168,6 +171,16 @@ class MegaPlan:
     layer_table: tuple[int, ...]
     stream: Any  # weight_stream.StreamPlan or None
     vmem: VmemPlan = field(compare=False, hash=False)
+    # rows sharing one state row: 1 for a decode step; K + 1 for a verify step, whose row r is
+    # token r mod (K + 1) of batch row r // (K + 1) (its cache and recurrent state)
+    # (not in the repr: a decode plan's repr, the key of the recorded compiles, `mkresearch.recorded`,
+    # stays what it was; a verify plan's differs anyway, by its rows and its VMEM plan)
+    rows_per_state: int = field(default=1, repr=False)
+
+    @property
+    def state_batch(self) -> int:
+        """Rows of the caches and states (the batch of `init_state`)."""
+        return self.batch // self.rows_per_state
 
     def stage_plan(self, kind: str) -> Any:
         return dict(self.stage_plans)[kind]
@@ -199,27 +212,59 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
 
 def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
               options: MegakernelOptions = MegakernelOptions(),  # noqa: B008
-              *, check_fits: bool = True) -> MegaPlan:
+              *, check_fits: bool = True, rows_per_state: int = 1) -> MegaPlan:
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
 
     Raises a ValueError naming the bytes when weights, caches and states do not fit the HBM of
     one options.chip device, and VmemPlanError (a ValueError) listing the plan when it does not
     fit the chip's VMEM. check_fits=False skips those two refusals (a plan to look at, e.g. the
-    schedule of the full model on one device: `mkresearch plan`; never one to build)."""
+    schedule of the full model on one device: `mkresearch plan`; never one to build).
+    rows_per_state > 1: a verify step's plan (batch = its rows, each state row shared by
+    rows_per_state consecutive rows; `kernels/megakernel_verify.py` checks its arguments)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+    if rows_per_state > 1:
+        return _verify_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch={batch!r} is invalid: an int in [1, {MAX_BATCH}] (the megakernel "
                          f"holds the [B, d] activations in one {BF16_SUBLANE}-row bf16 tile; split "
                          "larger batches into several calls)")
+    return _plan(cfg, int(batch), seq_len, options, check_fits, 1)
+
+
+def _verify_plan(cfg: ModelConfig, rows: int, seq_len: int, options: Any, check_fits: bool,
+                 rows_per_state: int) -> MegaPlan:
+    """A verify step's plan: every kind with state runs its rows in order on a shared state row,
+    which its plan says (a `rows_per_state` field); other kinds are refused, naming the field."""
+    if not 1 <= rows <= MAX_VERIFY_ROWS or rows % rows_per_state:
+        raise ValueError(f"rows={rows} is invalid for a verify step: a multiple of "
+                         f"rows_per_state={rows_per_state} in [1, {MAX_VERIFY_ROWS}]")
+    check_model(cfg)
+    for field_name, kinds in (("attention", cfg.attention_kinds), ("ffn", cfg.ffn_kinds)):
+        for kind in dict.fromkeys(kinds):
+            stateful = bool(spec.stage(kind).state(cfg, seq_len))
+            plan = registry.kernel_stage(kind).plan(cfg, rows, seq_len, options)
+            if stateful and "rows_per_state" not in {f.name for f in fields(plan)}:
+                raise ValueError(f"ModelConfig.{field_name}={getattr(cfg, field_name)!r} is "
+                                 f"invalid for a verify step: layer kind {kind!r} keeps state but "
+                                 "its body does not run several rows on one state row")
+    return _plan(cfg, rows, seq_len, options, check_fits, rows_per_state)
+
+
+def _plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any, check_fits: bool,
+          rows_per_state: int) -> MegaPlan:
     check_model(cfg)
     options = check_options(options, cfg)
-    batch = int(batch)
     # weights, caches and states must fit the device's HBM: refused here, not by the compiler
     if check_fits:
-        roofline.check_fits_hbm(cfg, options.chip, batch, seq_len)
-    stage_plans = tuple((kind, registry.kernel_stage(kind).plan(cfg, batch, seq_len, options))
-                        for kind in cfg.kinds)
+        roofline.check_fits_hbm(cfg, options.chip, batch // rows_per_state, seq_len)
+
+    def stage_plan(kind):
+        plan = registry.kernel_stage(kind).plan(cfg, batch, seq_len, options)
+        return replace(plan, rows_per_state=rows_per_state) if rows_per_state > 1 and (
+            "rows_per_state" in {f.name for f in fields(plan)}) else plan
+
+    stage_plans = tuple((kind, stage_plan(kind)) for kind in cfg.kinds)
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
@@ -231,7 +276,8 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
             f"ring_depth, ring_block_bytes or kv_tile, the option expert_slots, or the batch.\n{vmem.table()}")
     return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options,
                     stage_plans=stage_plans, vocab_tile=vocab_tile,
-                    layer_table=weight_stream.layer_table(cfg), stream=stream, vmem=vmem)
+                    layer_table=weight_stream.layer_table(cfg), stream=stream, vmem=vmem,
+                    rows_per_state=rows_per_state)
 
 
 def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,

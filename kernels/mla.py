@@ -37,7 +37,7 @@ signature (`mkresearch.reference.mla_attention`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -77,6 +77,10 @@ class MlaPlan:
     layout: str  # "expanded" | "latent"
     eps: float
     rows: tuple[tuple[str, int], ...]  # weight name -> rows of one streamed block
+    # rows sharing one cache row (a verify step's K + 1 tokens, in order): row r attends to and
+    # writes cache row r // rows_per_state at its own position, so later rows see earlier ones
+    # (not in the repr: the recorded compiles are keyed by a decode plan's repr)
+    rows_per_state: int = field(default=1, repr=False)
 
     @property
     def qk_dim(self) -> int:
@@ -115,6 +119,10 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     HBM, norms as [1, n]; refs.state_in the layer's cache in HBM ({"k", "v"} or {"ckv", "kx"})
     and refs.state_out the same buffers (aliased) for the in-place write; refs.out [B, d] bf16
     (VMEM). refs.indices (e.g. layer=3) tag the DMA log.
+
+    A verify step (plan.rows_per_state = K + 1 > 1): row r is at position positions[r] of cache
+    row r // (K + 1); rows run in order and each writes its entry before the next one attends, so
+    row (b, j) sees the cache up to p_b + j: causal within the batch row by length masking.
     """
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
     w_qa, q_norm, w_qb, w_kva, kv_norm, w_kvb, w_g, w_o = (refs.weights[name]
@@ -149,6 +157,7 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
 
         def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
             position = positions_ref[b]
+            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
             q_b = blocks.select_row(q, b)  # [1, H*qk]
             q_row = [q_b[:, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
             k_extra_b = blocks.select_row(k_extra, b)  # [1, extra] bf16
@@ -158,15 +167,15 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                        for h in range(h_count)]  # [1, nope] each
                 v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
                          for h in range(h_count)]  # [1, v] each
-                heads = _attend_expanded(p, b, position, q_row, k_c, k_extra_b, v_new,
+                heads = _attend_expanded(p, s, position, q_row, k_c, k_extra_b, v_new,
                                          cache_a, cache_b, indices)
-                update_expanded(p, b, position, k_c, k_extra_b, v_new, cache_a, cache_b,
+                update_expanded(p, s, position, k_c, k_extra_b, v_new, cache_a, cache_b,
                                 cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             else:
                 c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
-                heads = _attend_latent(p, b, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
+                heads = _attend_latent(p, s, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
                                        cache_a, cache_b, indices)
-                update_latent(p, b, position, c_hat_b, k_extra_b, cache_a, cache_b,
+                update_latent(p, s, position, c_hat_b, k_extra_b, cache_a, cache_b,
                               cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
@@ -442,10 +451,11 @@ def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
         call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
     caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]
-    for b, position in enumerate(call.positions):
-        out += tile_loop_dmas(p, call, b, position,
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
                               [(f"{KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += update_dmas(call, b, caches)
+        out += update_dmas(call, row, caches)
     return out + stream("w_o")
 
 

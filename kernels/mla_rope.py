@@ -92,6 +92,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 
         def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
             position = positions_ref[b]
+            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row (mla.py: verify)
             cos, sin = rope.cos_sin_row(position, p.rope)  # [1, rope/2]
             q_b = blocks.select_row(q, b)  # [1, H·qk]
             q_row = [jnp.concatenate(  # per head [q^C | RoPE(q^R)], bf16 values
@@ -100,10 +101,10 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
                 for h in range(heads)]
             k_rope = bf16(rope.rotate(blocks.select_row(k_rope_raw, b), cos, sin))  # [1, rope]
             c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
-            outs = mla._attend_latent(p, b, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
+            outs = mla._attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
                                       ckv_in, kpe_in, indices)  # per head [1, v] f32
             # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
-            kv_update.update_latent(p, b, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
+            kv_update.update_latent(p, s, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
                                     kpe_out, mla.CACHE_NAMES["latent"], indices)
             return tuple(blocks.put_row(y_h, b, f32(bf16(o_h))) for y_h, o_h in zip(y, outs))
 
@@ -223,10 +224,11 @@ def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDm
     out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
     out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
     caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
-    for b, position in enumerate(call.positions):
-        out += tile_loop_dmas(p, call, b, position,
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
                               [(f"{mla.KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, b, caches)
+        out += kv_update.update_dmas(call, row, caches)
     return out + stream("w_o")
 
 

@@ -42,6 +42,8 @@ class StageRefs:
     scratch    the kind's scratch shared across layers (e.g. the MoE routing in VMEM and SMEM)
     indices    tags of the DMA log (layer=...)
     shard      on a rank of a sharded model, its collectives (`kernels/collectives.py`), else None
+    steps_out  a verify step's per-token states {leaf: [K+1, B, ...] HBM ref} (kinds whose plan
+               has rows_per_state; `kernels/megakernel_verify.py`), else empty
     """
 
     x: Any
@@ -54,6 +56,7 @@ class StageRefs:
     scratch: Any = None
     indices: dict = field(default_factory=dict)
     shard: Any = None
+    steps_out: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -176,14 +176,16 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                   snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, lm_head_hbm,
                   tokens_ref, overflow_ref, *rest, vocab_tile: int, candidates: int, eps: float,
                   softcap: float | None, use_gumbel: bool, use_candidates: bool,
-                  return_logits: bool, index_offset: Any = 0, merge: Any = None):
+                  return_logits: bool, index_offset: Any = 0, merge: Any = None,
+                  rows_per_key: int = 1):
     # seed_ref [1] i32 (SMEM); positions_ref, top_k_ref [B, 1] i32; temperature_ref (0 = greedy
     # row), top_p_ref [B, 1] f32; snapshots_ref [N-1, B, d] bf16; partial_ref [B, d] bf16; mix_out_ref [1, d] f32;
     # final_norm_ref [1, d] bf16; lm_head_hbm [d, V] bf16 (HBM); tokens_ref, overflow_ref [B, 1]
     # i32; rest = ([logits_ref [B, V] f32] if return_logits) + (tile_slots [2, d, TV] bf16, sems [2]).
     # A vocab shard (the sharded megakernel): lm_head_hbm holds columns index_offset.. of the
     # vocabulary (the uniforms are keyed by the global index) and merge(RunningState) -> the
-    # state over every shard, before the token is chosen.
+    # state over every shard, before the token is chosen. rows_per_key > 1 (a verify step): row r
+    # is keyed as batch row r // rows_per_key (its position, p + 1, comes per row).
     logits_ref = rest[0] if return_logits else None
     tile_slots, sems = rest[-2:]
     d, vocab = lm_head_hbm.shape
@@ -209,7 +211,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
 
     temperature = temperature_ref[...]  # [B, 1]
     inverse_scale = jnp.where(temperature > 0, temperature, 1.0)  # greedy rows: z = logits
-    rows = lax.broadcasted_iota(jnp.int32, (batch, 1), 0)
+    rows = blocks.state_row(lax.broadcasted_iota(jnp.int32, (batch, 1), 0), rows_per_key)
     key = sampling.counter_key(seed_ref[0], rows, positions_ref[...])  # [B, 1] uint32
 
     def tile_step(t, state):
