@@ -6,7 +6,12 @@ parameters (`spec.Param.shard`: which axis splits by which group, or REPLICATED)
 ways the layout splits each group:
 
     heads       attention heads, tensor parallel (every per-head axis, state and cache)
-    vocab       embedding rows and LM head columns
+    kv_heads    GQA's K/V heads, with the query heads that read them: each rank holds the K/V
+                heads of its query heads (one K/V head replicated on several ranks when the
+                model has fewer K/V heads than head slices, as serving systems replicate them)
+    vocab       embedding rows and LM head columns (in whole lane tiles per rank, the last
+                rank's padded when the vocabulary does not split evenly: DeepSeek-V3's 129280,
+                Qwen3's 151936 rows; the padded logits are masked out of sampling)
     experts     routed experts, expert parallel (EP)
     expert_tp   inside each routed expert, expert-tensor parallel (ETP; EP x ETP = n_ranks): W1
                 and W3 by their hidden columns, W2 by its latent columns
@@ -24,8 +29,8 @@ Rank r holds slice (r // stride) % ways of a group (`Split`): experts (r // ETP)
 TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas when a
 model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on n / 2
 consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
-exactly (ValueError naming the field and the allowed rank counts otherwise); the other groups
-split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
+exactly (ValueError naming the field and the allowed rank counts otherwise); the vocabulary and
+the other groups split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
 ways·c, and an axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router).
 
 Two layouts:
@@ -46,6 +51,7 @@ come from it; per-rank bytes of one step (sharded vs replicated, by component) f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +68,7 @@ LAYOUTS = (OURS, RELEASE)
 RELEASE_ETP = 4  # spec §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
 # groups the release keeps whole on every rank (spec §9: the router and latent projections)
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
@@ -113,14 +120,14 @@ class Layout:
         """Whether an axis of `length` splits by `group` here (more than one way, and for a
         padded group a chunk shorter than the axis)."""
         ways = self.ways(group)
-        return ways > 1 and (group not in PADDED_GROUPS or chunk_length(length, ways) < length)
+        return ways > 1 and (group not in CHUNKED_GROUPS or chunk_length(length, ways) < length)
 
     def local_length(self, group: str, length: int) -> int:
         """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
         if not self.divides(group, length):
             return length
         ways = self.ways(group)
-        if group in PADDED_GROUPS:
+        if group in CHUNKED_GROUPS:
             return chunk_length(length, ways)
         return length // ways
 
@@ -132,10 +139,10 @@ class Layout:
         return min(start, length), min(start + local, length), local
 
     def describe(self) -> str:
-        parts = []
-        for s in self.splits:
+        parts, used = [], groups_used(self.cfg)
+        for s in (s for s in self.splits if s.group in used):
             how = "whole" if s.ways == 1 else f"{s.ways} ways"
-            if s.stride > 1 and s.group == spec.HEADS:
+            if s.stride > 1 and s.group in (spec.HEADS, spec.KV_HEADS):
                 how += f" x {s.stride} replicas"
             parts.append(f"{s.group} {how}")
         return f"{self.name} layout of {self.cfg.name} on {self.n_ranks} ranks: " + ", ".join(parts)
@@ -152,18 +159,65 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=64)
+def groups_used(cfg: ModelConfig) -> frozenset[str]:
+    """The sharding groups some parameter or state leaf of cfg splits by."""
+    leaves = [leaf for _, leaf in leaves_with_path(spec.param_table(cfg))]
+    leaves += [leaf for kind in spec.state_table(cfg, 1, cfg.kv_tile).values()
+               for leaf in kind.values()]
+    return frozenset(group for leaf in leaves for _, group in (leaf.shard or ()))
+
+
+@functools.lru_cache(maxsize=64)
+def expert_widths(cfg: ModelConfig) -> tuple[int, ...]:
+    """The lengths of the routed experts' axes split by expert TP (the hidden of W1 and W3, the
+    output columns of W2: the latent, or d on the full d), from the kinds' rules."""
+    return tuple(sorted({leaf.shape[axis] for _, leaf in leaves_with_path(spec.param_table(cfg))
+                         for axis, group in (leaf.shard or ()) if group == spec.EXPERT_TP}))
+
+
+def expert_output_width(cfg: ModelConfig) -> int:
+    """The columns of an expert's output (W2's, split by expert TP): the latent (Kimi K3's moe)
+    or d (moe_full): what the experts' weighted sum runs over."""
+    outputs = {leaf.shape[-1] for _, leaf in leaves_with_path(spec.param_table(cfg))
+               if leaf.gather == spec.EXPERT_TP}
+    return max(outputs) if outputs else cfg.moe_latent
+
+
 def _heads_ok(cfg: ModelConfig, n: int) -> bool:
     return cfg.n_heads % n == 0 or n % cfg.n_heads == 0
 
 
+def _head_ways(cfg: ModelConfig, n: int) -> int:
+    return min(n, cfg.n_heads)
+
+
+def _kv_heads_ok(cfg: ModelConfig, n: int) -> bool:
+    """Each rank's query heads read K/V heads it holds whole: the head slices split the K/V heads
+    evenly, or each K/V head's query heads are whole head slices (it is then replicated)."""
+    if spec.KV_HEADS not in groups_used(cfg):
+        return True
+    ways, kv = _head_ways(cfg, n), cfg.n_kv_heads
+    return kv % ways == 0 or ways % kv == 0
+
+
 def _vocab_ok(cfg: ModelConfig, n: int) -> bool:
-    return cfg.vocab_size % (n * LANE) == 0
+    """Whole lane tiles per rank, and every rank holds real rows (the last one's tail padded)."""
+    return n == 1 or (n - 1) * chunk_length(cfg.vocab_size, n) < cfg.vocab_size
 
 
 def _expert_ways(cfg: ModelConfig, n: int, etp: int) -> bool:
-    """EP = n / etp divides the experts; etp splits the hidden and the latent in lane tiles."""
+    """EP = n / etp divides the experts; etp splits the hidden and the experts' output columns
+    in lane tiles."""
     return (n % etp == 0 and cfg.n_experts % (n // etp) == 0
-            and cfg.expert_hidden % (etp * LANE) == 0 and cfg.moe_latent % (etp * LANE) == 0)
+            and all(width % (etp * LANE) == 0 for width in expert_widths(cfg)))
+
+
+def _expert_fields(cfg: ModelConfig) -> str:
+    out = expert_output_width(cfg)
+    name = "moe_latent" if out == cfg.moe_latent and spec.MOE_LATENT in groups_used(cfg) \
+        else "d_model"
+    return f"expert_hidden={cfg.expert_hidden} and {name}={out} (W2's columns)"
 
 
 def default_etp(cfg: ModelConfig, n: int, name: str = OURS) -> int:
@@ -179,7 +233,7 @@ def default_etp(cfg: ModelConfig, n: int, name: str = OURS) -> int:
 def allowed_ranks(cfg: ModelConfig, limit: int = MAX_LISTED_RANKS) -> list[int]:
     """Rank counts in [1, limit] that split cfg's heads, vocabulary and experts."""
     return [n for n in range(1, limit + 1)
-            if _heads_ok(cfg, n) and _vocab_ok(cfg, n)
+            if _heads_ok(cfg, n) and _kv_heads_ok(cfg, n) and _vocab_ok(cfg, n)
             and any(_expert_ways(cfg, n, etp) for etp in _divisors(n))]
 
 
@@ -193,22 +247,26 @@ def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
     if not _heads_ok(cfg, n):
         raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: it must divide n_heads="
                          f"{cfg.n_heads} or be a multiple of it (allowed rank counts: {allowed})")
+    if not _kv_heads_ok(cfg, n):
+        raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_kv_heads={cfg.n_kv_heads} "
+                         f"must split evenly over the {_head_ways(cfg, n)} head slices or each "
+                         f"K/V head's query heads be whole slices (allowed rank counts: "
+                         f"{allowed})")
     if not _vocab_ok(cfg, n):
         raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: vocab_size={cfg.vocab_size} must "
-                         f"split into whole {LANE}-lane tiles per rank (allowed rank counts: "
-                         f"{allowed})")
+                         f"split into whole {LANE}-lane tiles per rank with real rows on every "
+                         f"rank (allowed rank counts: {allowed})")
     if etp is None:
         if not any(_expert_ways(cfg, n, e) for e in _divisors(n)):
             raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
-                             f"must split into EP = n_ranks / ETP groups with expert_hidden="
-                             f"{cfg.expert_hidden} and moe_latent={cfg.moe_latent} in ETP whole "
-                             f"{LANE}-lane slices (allowed rank counts: {allowed})")
+                             f"must split into EP = n_ranks / ETP groups with "
+                             f"{_expert_fields(cfg)} in ETP whole {LANE}-lane slices (allowed "
+                             f"rank counts: {allowed})")
     elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp):
         good = [e for e in _divisors(n) if _expert_ways(cfg, n, e)]
         raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
                          f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
-                         f"expert_hidden={cfg.expert_hidden}, moe_latent={cfg.moe_latent} by etp "
-                         f"x {LANE} (allowed: {good})")
+                         f"{_expert_fields(cfg)} by etp x {LANE} (allowed: {good})")
 
 
 def _listed(values: list[int]) -> str:
@@ -229,8 +287,10 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
     etp = default_etp(cfg, n, name) if etp is None else etp
     if n > 1:
         _check_rules(cfg)
-    heads = min(n, cfg.n_heads)
-    splits = [Split(spec.HEADS, heads, n // heads), Split(spec.VOCAB, n),
+    heads = _head_ways(cfg, n)
+    kv_heads = min(heads, cfg.n_kv_heads)  # with fewer K/V heads than head slices: replicated
+    splits = [Split(spec.HEADS, heads, n // heads), Split(spec.KV_HEADS, kv_heads, n // kv_heads),
+              Split(spec.VOCAB, n),
               Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
     for group in PADDED_GROUPS:
         whole = name == RELEASE and group in RELEASE_REPLICATED
@@ -380,7 +440,9 @@ def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
     experts = cfg.n_experts // lay.ep
     fields = {  # one rank's expert hidden: W1/W3 columns (its W2 latent slice is not expressible)
         "name": f"{cfg.name}-rank" if name == RELEASE else f"{cfg.name}-rank-{name}",
-        "n_heads": cfg.n_heads // lay.ways(spec.HEADS), "vocab_size": cfg.vocab_size // n_ranks,
+        "n_heads": cfg.n_heads // lay.ways(spec.HEADS),
+        "n_kv_heads": lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
+        "vocab_size": lay.local_length(spec.VOCAB, cfg.vocab_size),
         "n_experts": experts, "top_k": min(cfg.top_k, experts),
         "expert_hidden": lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
         "dense_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
