@@ -15,13 +15,17 @@ from mkresearch import recorded
 SHARDED = Path(__file__).resolve().parent / "sharded"
 
 
-def run_sharded(timeout: float) -> None:
+KIMI_FILES = ("test_sharded_decode.py", "test_faults.py")  # test_families_decode.py: its own test
+
+
+def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
+    """pytest over `files` of tests/sharded in a child process with 8 simulated CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "MKRESEARCH_SHARDED": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip()}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--durations=5",
-         "--rootdir", str(SHARDED.parent.parent), str(SHARDED)],
+         "--rootdir", str(SHARDED.parent.parent), *(str(SHARDED / name) for name in files)],
         env=env, capture_output=True, text=True, timeout=timeout, check=False)
     print(result.stdout[-30000:])
     assert result.returncode == 0, f"{result.stdout[-8000:]}\n{result.stderr[-8000:]}"
