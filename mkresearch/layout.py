@@ -98,7 +98,9 @@ class Layout:
     expert_format: str = ""  # the routed experts' format its bytes are counted in
 
     def split(self, group: str) -> Split:
-        return next(s for s in self.splits if s.group == group)
+        """How `group` splits (whole when the layout has no split for it: a group no leaf of the
+        model uses, e.g. kv_heads without GQA)."""
+        return next((s for s in self.splits if s.group == group), Split(group, 1))
 
     def ways(self, group: str) -> int:
         return self.split(group).ways
@@ -289,7 +291,9 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
         _check_rules(cfg)
     heads = _head_ways(cfg, n)
     kv_heads = min(heads, cfg.n_kv_heads)  # with fewer K/V heads than head slices: replicated
-    splits = [Split(spec.HEADS, heads, n // heads), Split(spec.KV_HEADS, kv_heads, n // kv_heads),
+    splits = [Split(spec.HEADS, heads, n // heads),
+              *([Split(spec.KV_HEADS, kv_heads, n // kv_heads)]
+                if spec.KV_HEADS in groups_used(cfg) else []),
               Split(spec.VOCAB, n),
               Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
     for group in PADDED_GROUPS:
