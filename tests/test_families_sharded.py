@@ -6,8 +6,7 @@ mini against the single-device one (tests/sharded/test_families_decode.py, in a 
 import json
 
 import pytest
-from mkresearch.kernels import megakernel_sharded as ms
-from test_sharded import run_sharded
+from test_sharded import check_recorded_compile, run_sharded
 
 from mkresearch import cli, config, layout, layout_bytes, recorded
 
@@ -28,14 +27,7 @@ def test_full_size_compile_one_mosaic_kernel_per_rank(model, n_ranks, name, batc
     """Each full preset sharded over the 32 TPU7x cores of tpu7x:2x2x4 with our layout: one Mosaic
     kernel per rank, a VMEM plan within the core's limit (the committed record, checked against
     the plan; `make recorded` re-records it)."""
-    result, plan, where = recorded.sharded_compile_or_recorded(model, n_ranks, name, batch, chip)
-    print(f"{model} on {n_ranks} cores of {ms.FULL_TOPOLOGY} ({name} layout, B={batch}): "
-          f"{result.n_mosaic_kernels} Mosaic kernel per rank, compiled in {result.seconds:.1f} s, "
-          f"VMEM {plan.mega.vmem.total_bytes / 2**20:.2f} of {plan.mega.vmem.limit_bytes / 2**20:.2f}"
-          f" MiB; {where}")
-    assert where.startswith("recorded"), "the record does not match the plan: `make recorded`"
-    assert result.chip == chip and result.n_mosaic_kernels == 1
-    assert plan.mega.vmem.fits()
+    check_recorded_compile(model, n_ranks, name, batch, chip)
 
 
 def test_every_family_is_recorded_on_32_cores():

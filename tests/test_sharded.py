@@ -44,6 +44,12 @@ def test_full_size_compile_one_mosaic_kernel_per_rank(model, n_ranks, name, batc
     """kimi-k3 sharded over the 32 TPU7x cores of tpu7x:2x2x4: one Mosaic kernel per rank, a VMEM
     plan within the core's limit. The committed record is used when it matches the plan (the
     compile takes ~25-60 s here; `make recorded` re-records it)."""
+    check_recorded_compile(model, n_ranks, name, batch, chip)
+
+
+def check_recorded_compile(model, n_ranks, name, batch, chip):
+    """The committed record of a sharded compile matches its plan: one Mosaic kernel per rank,
+    the VMEM plan within the core's limit."""
     result, plan, where = recorded.sharded_compile_or_recorded(model, n_ranks, name, batch, chip)
     print(f"{model} on {n_ranks} cores of {ms.FULL_TOPOLOGY} ({name} layout, B={batch}): "
           f"{result.n_mosaic_kernels} Mosaic kernel per rank, compiled in {result.seconds:.1f} s, "
