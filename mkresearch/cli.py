@@ -4,6 +4,7 @@
     mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
     mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \
         [--backend megakernel|reference] [--chip tpu7x] [--ranks 1] [--json]
+        [--speculate K [--drafter forced:A|ngram|mtp]]   # speculative decoding (cli_speculative)
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
         [--ranks 1] [--out figures]
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
@@ -34,6 +35,7 @@ from mkresearch import (
     bench,
     cli_predict,
     cli_ranks,
+    cli_speculative,
     figures,
     layout,
     layout_bytes,
@@ -270,9 +272,9 @@ def _parser() -> _Parser:
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="megakernel",
-                   help=f"one of {', '.join(BACKENDS)} (default megakernel; planned: "
-                        f"{', '.join(PLANNED_BACKENDS)})")
+    p.add_argument("--backend", default=None,
+                   help=f"one of {', '.join(BACKENDS)} (default megakernel; with --speculate "
+                        f"the first with a verify call; planned: {', '.join(PLANNED_BACKENDS)})")
     p.add_argument("--chip", default="tpu7x",
                    help="TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 "
                         "decode path) and of the timeline model's prediction")
@@ -280,6 +282,7 @@ def _parser() -> _Parser:
                    help="devices the megakernel is sharded across (default 1); on CPU that many "
                         "simulated devices, in a child process when needed")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
+    cli_speculative.add_arguments(p)
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
@@ -293,6 +296,7 @@ def _parser() -> _Parser:
                         "(default 1: none)")
     p.add_argument("--out", default="figures",
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
+    cli_speculative.add_bench_arguments(p)
 
     p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
                                             "shapes (libtpu, no TPU needed)")
@@ -352,7 +356,11 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "decode":
-        if args.backend not in BACKENDS:
+        if args.speculate is None and args.backend is None:
+            args.backend = next(iter(BACKENDS))
+        if args.drafter is not None and args.speculate is None:
+            raise UsageError("--drafter is an option of --speculate K: give both")
+        if args.backend is not None and args.backend not in BACKENDS:
             planned = " is not available yet" if args.backend in PLANNED_BACKENDS else ""
             raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
                              f"of {', '.join(BACKENDS)}")
@@ -369,6 +377,8 @@ def _run(argv: Sequence[str] | None) -> int:
         if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
             raise UsageError(f"--model {cfg.name} has {_human_bytes(weight_bytes)} of weights, too "
                              f"many to decode here: use kimi-k3-mini (or `mkresearch info`)")
+        if args.speculate is not None:  # speculative decoding: verify K drafts per row and step
+            return cli_speculative.run_decode(args, cfg)
         cli_ranks.check_ranks(cfg, args.ranks, args.backend)
         progress = not args.json and sys.stderr.isatty()
         if args.backend == "megakernel":
@@ -399,6 +409,7 @@ def _run(argv: Sequence[str] | None) -> int:
         for batch in args.batches:
             _megakernel_batch("--batches", batch)
         _chip(args.chip)
+        cli_speculative.check_bench(args)
         cli_ranks.check_ranks(cfg, args.ranks)
         if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, argv)) is not None:
             return status
@@ -407,6 +418,7 @@ def _run(argv: Sequence[str] | None) -> int:
             result = bench.run_bench(cfg, tuple(args.batches), args.steps, args.chip,
                                      out_json=out / "decode_bench.json",
                                      figure=out / "decode_bench.png")
+            cli_speculative.add_bench_rows(result, cfg, args, out / "decode_bench.json")
             if args.ranks > 1:  # the sharded rows, beside the single device's in the JSON
                 result["sharded"] = cli_ranks.bench_sharded(cfg, tuple(args.batches), args.steps,
                                                             args.chip, args.ranks)
@@ -415,6 +427,7 @@ def _run(argv: Sequence[str] | None) -> int:
             bench.print_bench_row(row)
         for row in result.get("sharded", {}).get("rows", ()):
             cli_ranks.print_bench_row(row)
+        cli_speculative.print_bench_rows(result)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
         return 0
 

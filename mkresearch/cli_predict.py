@@ -2,7 +2,11 @@
 timeline model (`mkresearch.scale_out`), beside the published numbers where there are some.
 
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
-        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json]
+        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
+        [--speculate K --acceptance 3,6]
+
+With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
+at each acceptance length (`mkresearch.speculative_predict`).
 
 Without --layout both layouts are predicted, each with its own schedule unless --schedule says.
 """
@@ -15,18 +19,25 @@ from typing import Any
 
 from mkresearch import interconnect as links
 from mkresearch import layout, scale_out
+from mkresearch import speculative_predict as speculative
 from mkresearch.cli_common import UsageError, _at_least, _chip, _model, _refusals
 
 
-def _batches(text: str) -> tuple[int, ...]:
+def _batches(text: str, flag: str = "--batch") -> tuple[int, ...]:
     try:
         batches = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise UsageError(f"--batch {text!r} is invalid: comma-separated ints >= 1, e.g. "
+        raise UsageError(f"{flag} {text!r} is invalid: comma-separated ints >= 1, e.g. "
                          "1,2,4,8") from None
     for batch in batches:
-        _at_least("--batch", batch, 1)
+        _at_least(flag, batch, 1)
     return batches
+
+
+def _acceptances(args: Any) -> tuple[int, ...]:
+    if args.acceptance is not None:
+        return _batches(args.acceptance, "--acceptance")
+    return tuple(a for a in (3, 6) if a <= args.speculate + 1) or (args.speculate + 1,)
 
 
 def add_parser(commands: Any) -> None:
@@ -45,6 +56,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--algorithm", default="two-level", choices=links.ALGORITHMS,
                    help="collective algorithm (default two-level: sibling core, then ICI)")
     p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
+    p.add_argument("--speculate", type=int, default=0,
+                   help="drafts per verify step, 1..7 (default 0: plain decoding)")
+    p.add_argument("--acceptance", default=None,
+                   help="with --speculate K: acceptance lengths (tokens per verify step, 1..K+1), "
+                        "comma-separated (default: those of 3,6 — the release's published modes "
+                        "— that K allows, else K+1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -54,6 +71,7 @@ def run(args: Any) -> int:
     batches = _batches(args.batch)
     _at_least("--ranks", args.ranks, 2)
     _at_least("--context", args.context, 0)
+    _at_least("--speculate", args.speculate, 0)
     names = (args.layout,) if args.layout else layout.LAYOUTS
     if chip not in links.INTERCONNECTS:
         raise UsageError(f"--chip {chip!r} is invalid for predict: one of "
@@ -74,10 +92,14 @@ def run(args: Any) -> int:
         bar = tqdm(total=len(todo), desc="predict", unit="step", file=sys.stderr)
     with _refusals():
         for name, batch in todo:
-            result = scale_out.predict(cfg, args.ranks, name, batch, chip=chip,
-                                       schedule=args.schedule, algorithm=args.algorithm,
-                                       context=args.context)
-            rows.append(result)
+            common = {"chip": chip, "schedule": args.schedule, "algorithm": args.algorithm,
+                          "context": args.context}
+            if args.speculate:
+                rows += speculative.predict_speculative(
+                    cfg, args.ranks, name, batch=batch, drafts=args.speculate,
+                    acceptances=_acceptances(args), **common)
+            else:
+                rows.append(scale_out.predict(cfg, args.ranks, name, batch, **common))
             if bar is not None:
                 bar.update()
     if bar is not None:
@@ -86,8 +108,26 @@ def run(args: Any) -> int:
         print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
                           "predictions": rows}))
     else:
-        print(format_rows(rows))
+        print(format_speculative(rows) if args.speculate else format_rows(rows))
     return 0
+
+
+def format_speculative(rows: list[dict]) -> str:
+    """Speculative predictions as a table: verify rows and step, tok/s, beside the published."""
+    first = rows[0]
+    lines = [(f"{first['model']} on {first['n_ranks']} ranks, speculative decoding with "
+             f"{first['drafts']} drafts per verify step: {first['label']}"),
+             (f"  {'layout':8s} {'B':>2s} {'rows':>4s} {'accept':>6s} {'verify ms':>9s} "
+             f"{'tok/s':>6s} {'plain':>6s} {'speedup':>7s} {'published':>9s}")]
+    for r in rows:
+        pub = f"{r['published_tok_s']:5d}/s" if r["published_tok_s"] else "-"
+        lines.append(f"  {r['layout']:8s} {r['batch']:2d} {r['verify_rows']:4d} "
+                     f"{r['acceptance']:6d} {r['verify_step_s'] * 1e3:9.2f} "
+                     f"{r['tokens_per_s']:6.0f} {r['plain_tokens_per_s']:6.0f} "
+                     f"{r['speedup']:6.2f}x {pub:>9s}")
+    lines.append("  acceptance: tokens emitted per verify step (accepted drafts and the bonus "
+                 "token); rows: B x (drafts + 1) verify rows through one weight pass")
+    return "\n".join(lines)
 
 
 def format_rows(rows: list[dict]) -> str:

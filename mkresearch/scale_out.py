@@ -298,8 +298,7 @@ def _stage(prog: RankProgram, lay, sched, cfg, kind, stage, rules, rank, layer, 
             prog.collective(CollectiveEvent(matrix, "all_gather", reps,
                                             prog.batch * F32 * lay.local_length(rule.out, rule.n),
                                             everyone))
-        if routed is not None and matrix.endswith(("w_ld", "w_router")) and \
-                matrix == _routing_point(stage):
+        if routed is not None and matrix == _routing_point(stage):
             _experts(prog, lay, sched, cfg, rank, routed, expert_bytes)
 
 

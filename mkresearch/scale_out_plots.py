@@ -13,7 +13,7 @@ from typing import Any
 from mkresearch import calibration, scale_out
 from mkresearch import interconnect as links
 from mkresearch.config import get_config
-from mkresearch.timeline import _merge
+from mkresearch.timeline import merge_intervals
 from mkresearch.timeline_ranks import PARTS, RanksTimeline
 from mkresearch.widgets import _display, png_bundle
 
@@ -31,7 +31,7 @@ def ranks_rows(ranks: RanksTimeline, window_us: tuple[float, float] | None = Non
     lo, hi = window_us if window_us is not None else (0.0, ranks.total_s * 1e6)
     rows = []
     for rank, tl in zip(ranks.ranks, ranks.timelines, strict=True):
-        bars = [("hbm", a, b) for a, b in _merge((s.start, s.end) for s in tl.spans
+        bars = [("hbm", a, b) for a, b in merge_intervals((s.start, s.end) for s in tl.spans
                                                   if s.kind == "dma")]
         for run in ranks.collectives:
             if rank in run.group:

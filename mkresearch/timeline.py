@@ -185,7 +185,8 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if b <= a:
@@ -410,8 +411,8 @@ def _vmem_curve(dmas: list[_Dma]) -> tuple[tuple[float, int], ...]:
 
 
 def _compute_idle(compute: list[Span], dma_spans: list[Span], total: float) -> list[Idle]:
-    busy = _merge((s.start, s.end) for s in compute)
-    moving = _merge((s.start, s.end) for s in dma_spans)
+    busy = merge_intervals((s.start, s.end) for s in compute)
+    moving = merge_intervals((s.start, s.end) for s in dma_spans)
     idle_compute, cursor = [], 0.0
     for a, b in busy:
         if a > cursor:

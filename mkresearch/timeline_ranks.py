@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkresearch import interconnect as links
-from mkresearch.timeline import Timeline, TimelineChip, _merge, rank_program
+from mkresearch.timeline import Timeline, TimelineChip, merge_intervals, rank_program
 from mkresearch.timeline_events import events_of
 
 PARTS = ("hbm_floor", "waiting_for_peers", "collective_messages", "compute", "bubble")
@@ -66,14 +66,16 @@ class RanksTimeline:
         """Seconds of `rank`'s step (default the slowest) by PARTS; they sum to its total."""
         rank = self.slowest_rank if rank is None else rank
         tl = self.timeline(rank)
-        moving = _merge((s.start, s.end) for s in tl.spans if s.kind == "dma")
+        moving = merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma")
         waiting, messages = [], []
         for run in self.collectives:
             if rank in run.group:
                 waiting.append((run.arrivals[run.group.index(rank)], run.start))
                 messages.append((run.start, run.end))
-        layers = (("waiting_for_peers", _merge(waiting)), ("collective_messages", _merge(messages)),
-                  ("compute", _merge((s.start, s.end) for s in tl.spans if s.kind == "compute")))
+        layers = (("waiting_for_peers", merge_intervals(waiting)),
+                  ("collective_messages", merge_intervals(messages)),
+                  ("compute", merge_intervals((s.start, s.end) for s in tl.spans
+                                              if s.kind == "compute")))
         out = {"hbm_floor": sum(b - a for a, b in moving)}
         free = _subtract([(0.0, tl.total_s)], moving)
         for name, busy in layers:

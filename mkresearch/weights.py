@@ -13,6 +13,7 @@ rows RMS 1. Experts are generated at full precision, then quantised into the for
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mkresearch.stages  # noqa: F401 - registers the built-in stage kinds
-from mkresearch import spec
+from mkresearch import mtp, spec
 from mkresearch.config import ModelConfig
 from mkresearch.formats import (  # noqa: F401 - the formats, re-exported where they were
     E2M1_VALUES,
@@ -42,14 +43,15 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, spec.Param)
 
 
+def _shape_of(cfg: ModelConfig, leaf: spec.Param) -> Any:
+    if leaf.quantized:
+        return quantized_shapes(leaf.shape, cfg.expert_format)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The parameter pytree as jax.ShapeDtypeStruct leaves: no allocation, safe at full size."""
-    def shape_of(leaf: spec.Param) -> Any:
-        if leaf.quantized:
-            return quantized_shapes(leaf.shape, cfg.expert_format)
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-
-    return jax.tree.map(shape_of, spec.param_table(cfg), is_leaf=_is_leaf)
+    return jax.tree.map(functools.partial(_shape_of, cfg), spec.param_table(cfg), is_leaf=_is_leaf)
 
 
 def _draw(leaf: spec.Param, rng: np.random.Generator) -> np.ndarray:
@@ -66,21 +68,44 @@ def _draw(leaf: spec.Param, rng: np.random.Generator) -> np.ndarray:
 _quantize_jit = jax.jit(quantize, static_argnames="fmt")
 
 
-def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
-    """The parameter pytree of `param_shapes(cfg)`, filled deterministically from (cfg, seed)."""
-    spec.check(cfg)
+def _fill(table: Any, cfg: ModelConfig, seed: int, prefix: str = "") -> dict[str, Any]:
+    """Arrays for a table of spec.Param, each leaf from its own stream seeded by (seed, prefix +
+    leaf path)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed={seed!r} is invalid: an int >= 0")
 
     def fill(path: tuple, leaf: spec.Param) -> Any:
-        name = jax.tree_util.keystr(path)
+        name = prefix + jax.tree_util.keystr(path)
         rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
         values = _draw(leaf, rng)
         if leaf.quantized:
             return _quantize_jit(values, fmt=cfg.expert_format)
         return jnp.asarray(values, leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(fill, spec.param_table(cfg), is_leaf=_is_leaf)
+    return jax.tree_util.tree_map_with_path(fill, table, is_leaf=_is_leaf)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """The parameter pytree of `param_shapes(cfg)`, filled deterministically from (cfg, seed)."""
+    spec.check(cfg)
+    return _fill(spec.param_table(cfg), cfg, seed)
+
+
+# ---- multi-token-prediction modules (DeepSeek-V3): a draft model, apart from the step ----------
+MTP_PREFIX = "mtp"  # their leaves' streams: distinct from every step weight's, which stay as they are
+
+
+def mtp_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The MTP modules' parameters (`mkresearch.mtp.param_table`) as ShapeDtypeStructs; a config
+    with n_mtp_layers = 0 is a ValueError."""
+    return jax.tree.map(functools.partial(_shape_of, cfg), mtp.param_table(cfg), is_leaf=_is_leaf)
+
+
+def init_mtp_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """The MTP modules' weights [n_mtp_layers, ...], drawn as `init_params` draws the step's (their
+    own streams: `init_params` is unchanged by them)."""
+    spec.check(cfg)
+    return _fill(mtp.param_table(cfg), cfg, seed, MTP_PREFIX)
 
 
 # ---- sizes -----------------------------------------------------------------------------------
