@@ -173,6 +173,13 @@ class Collectives:
         split = self.layout.split(group)
         return lax.rem(lax.div(self.rank, split.stride), split.ways)
 
+    def vocab_limit(self) -> int | None:
+        """The vocabulary size when the vocab shards are padded (the last one's tail), else
+        None: what the sampling stage masks beyond."""
+        vocab, lay = self.layout.cfg.vocab_size, self.layout
+        padded = lay.ways(spec.VOCAB) * lay.local_length(spec.VOCAB, vocab) > vocab
+        return vocab if padded else None
+
     def barrier(self) -> None:
         """Every rank signals every other on the kernel's barrier semaphore and waits for all:
         after it, every peer is inside this kernel (its receive slots exist)."""

@@ -251,6 +251,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                                                                                 tile_sems]
             shard = {} if coll is None else {  # a vocab shard: global indices, states merged
                 "index_offset": coll.index(spec.VOCAB) * cfg.vocab_size,
+                "vocab_limit": coll.vocab_limit(),
                 "merge": sharded_stages.merge_shards(coll, use_candidates)}
             sampling.sampling_body(inputs.seed, inputs.sample_positions, inputs.temperature,
                                    inputs.top_k, inputs.top_p, snapshots, last,

@@ -81,12 +81,13 @@ class ShardedPlan:
 
 
 def kernel_config(lay: layouts.Layout) -> ModelConfig:
-    """The shapes one rank's kernels see: its heads, vocabulary rows, experts' hidden slice and
-    FFN hidden chunks; n_experts and top_k stay the model's (routing is over all experts, the rank
-    then keeps its own, `StageRefs.shard`)."""
+    """The shapes one rank's kernels see: its heads (and GQA's K/V heads), vocabulary rows (the
+    last rank's padded), experts' hidden slice and FFN hidden chunks; n_experts and top_k stay the
+    model's (routing is over all experts, the rank then keeps its own, `StageRefs.shard`)."""
     cfg, n = lay.cfg, lay.n_ranks
     return cfg.replace(name=f"{cfg.name}-rank-of-{n}", n_heads=cfg.n_heads // lay.ways(spec.HEADS),
-                       vocab_size=cfg.vocab_size // n,
+                       n_kv_heads=lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
+                       vocab_size=lay.local_length(spec.VOCAB, cfg.vocab_size),
                        expert_hidden=lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
                        dense_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
                        shared_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden))
@@ -152,7 +153,7 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
 
     stream = weight_stream.make_stream_plan(cfg, local) if options.global_stream else None
     if stream is not None:
-        shortest = min(len(stream.blocks(kind)) for kind, _ in stream.stages)
+        shortest = stream.shortest()
         if cfg.ring_depth - 1 > shortest:
             raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
                              f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
@@ -165,7 +166,8 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
         if rule.out is not None:
             pieces["all"].append(lay.local_length(rule.out, rule.n))
-    expert_latent = lay.local_length(spec.EXPERT_TP, cfg.moe_latent)
+    # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
+    expert_latent = lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
     pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
     shard = collectives.make_shard_plan(
         lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
@@ -281,7 +283,8 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
         bool(np.any(sampled & truncated)), bool(return_logits), inputs, prepared, state)
     aux = {"tokens_per_rank": tokens_out, "nucleus_overflow": overflow[0], "plan": plan}
     if return_logits:
-        aux["logits"] = jnp.moveaxis(logits, 0, 1).reshape(batch, -1)  # vocab shards in order
+        # vocab shards in order, the last one's padding cut
+        aux["logits"] = jnp.moveaxis(logits, 0, 1).reshape(batch, -1)[:, :cfg.vocab_size]
     return tokens_out[0], new_state, aux
 
 

@@ -177,15 +177,17 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                   tokens_ref, overflow_ref, *rest, vocab_tile: int, candidates: int, eps: float,
                   softcap: float | None, use_gumbel: bool, use_candidates: bool,
                   return_logits: bool, index_offset: Any = 0, merge: Any = None,
-                  rows_per_key: int = 1):
+                  rows_per_key: int = 1, vocab_limit: int | None = None):
     # seed_ref [1] i32 (SMEM); positions_ref, top_k_ref [B, 1] i32; temperature_ref (0 = greedy
     # row), top_p_ref [B, 1] f32; snapshots_ref [N-1, B, d] bf16; partial_ref [B, d] bf16; mix_out_ref [1, d] f32;
     # final_norm_ref [1, d] bf16; lm_head_hbm [d, V] bf16 (HBM); tokens_ref, overflow_ref [B, 1]
     # i32; rest = ([logits_ref [B, V] f32] if return_logits) + (tile_slots [2, d, TV] bf16, sems [2]).
     # A vocab shard (the sharded megakernel): lm_head_hbm holds columns index_offset.. of the
     # vocabulary (the uniforms are keyed by the global index) and merge(RunningState) -> the
-    # state over every shard, before the token is chosen. rows_per_key > 1 (a verify step): row r
-    # is keyed as batch row r // rows_per_key (its position, p + 1, comes per row).
+    # state over every shard, before the token is chosen; vocab_limit (static): the vocabulary
+    # size when the last shard is padded (its padding columns are masked out: never chosen, no
+    # mass). rows_per_key > 1 (a verify step): row r is keyed as batch row r // rows_per_key (its
+    # position, p + 1, comes per row).
     logits_ref = rest[0] if return_logits else None
     tile_slots, sems = rest[-2:]
     d, vocab = lm_head_hbm.shape
@@ -231,7 +233,10 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
             indices = t * vocab_tile + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             if not isinstance(index_offset, int) or index_offset:  # a vocab shard
                 indices = indices + index_offset
-            return update_running_state(state, logits / inverse_scale, indices, key,
+            z = logits / inverse_scale
+            if vocab_limit is not None:  # a padded vocab shard: padding is never a token
+                z = jnp.where(indices < vocab_limit, z, -jnp.inf)
+            return update_running_state(state, z, indices, key,
                                         use_gumbel=use_gumbel, use_candidates=use_candidates)
 
     state = lax.fori_loop(0, n_tiles, tile_step, initial_state(batch))

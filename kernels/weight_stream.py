@@ -104,6 +104,12 @@ class StreamPlan:
         layer's attention."""
         return all(not self.blocks(kind) for kind in self.ffn)
 
+    def shortest(self) -> int:
+        """The fewest blocks a stage the lookahead crosses streams (FFN kinds left out when
+        transparent): ring_depth - 1 may not exceed it."""
+        skip = self.ffn if self.ffn_transparent else ()
+        return min(len(self.blocks(kind)) for kind, _ in self.stages if kind not in skip)
+
 
 def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
     """kind -> the matrices its body streams (registry.Streamed), for every kind of the model."""
@@ -137,9 +143,7 @@ def make_stream_plan(cfg: ModelConfig, local: Any = None) -> StreamPlan:
 def max_ring_depth(cfg: ModelConfig) -> int:
     """The deepest ring (at cfg.ring_block_bytes) whose lookahead, ring_depth - 1 blocks, crosses
     at most one stage boundary: 1 + the fewest blocks any stage streams."""
-    plan = make_stream_plan(cfg.replace(ring_depth=2))
-    skip = plan.ffn if plan.ffn_transparent else ()
-    return 1 + min(len(plan.blocks(kind)) for kind, _ in plan.stages if kind not in skip)
+    return 1 + make_stream_plan(cfg.replace(ring_depth=2)).shortest()
 
 
 class GlobalStream:

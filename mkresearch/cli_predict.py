@@ -79,8 +79,8 @@ def run(args: Any) -> int:
                          "no other chip)")
     with _refusals():
         if not layout.has_rules(cfg):
-            raise ValueError(f"--model {cfg.name} has no sharding rules yet (its stage kinds do "
-                             "not say how they split): predict runs kimi-k3 and kimi-k3-mini")
+            raise ValueError(f"--model {cfg.name} has no sharding rules (its stage kinds do not "
+                             "say how they split: spec.Param.shard)")
         layout.check_ranks(cfg, args.ranks)
     rows = []
     todo = [(name, batch) for name in names for batch in batches]

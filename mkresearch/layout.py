@@ -6,7 +6,12 @@ parameters (`spec.Param.shard`: which axis splits by which group, or REPLICATED)
 ways the layout splits each group:
 
     heads       attention heads, tensor parallel (every per-head axis, state and cache)
-    vocab       embedding rows and LM head columns
+    kv_heads    GQA's K/V heads, with the query heads that read them: each rank holds the K/V
+                heads of its query heads (one K/V head replicated on several ranks when the
+                model has fewer K/V heads than head slices, as serving systems replicate them)
+    vocab       embedding rows and LM head columns (in whole lane tiles per rank, the last
+                rank's padded when the vocabulary does not split evenly: DeepSeek-V3's 129280,
+                Qwen3's 151936 rows; the padded logits are masked out of sampling)
     experts     routed experts, expert parallel (EP)
     expert_tp   inside each routed expert, expert-tensor parallel (ETP; EP x ETP = n_ranks): W1
                 and W3 by their hidden columns, W2 by its latent columns
@@ -24,8 +29,8 @@ Rank r holds slice (r // stride) % ways of a group (`Split`): experts (r // ETP)
 TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas when a
 model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on n / 2
 consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
-exactly (ValueError naming the field and the allowed rank counts otherwise); the other groups
-split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
+exactly (ValueError naming the field and the allowed rank counts otherwise); the vocabulary and
+the other groups split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
 ways·c, and an axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router).
 
 Two layouts:
@@ -54,18 +59,31 @@ import numpy as np
 
 import mkresearch.stages  # noqa: F401 - registers the built-in stage kinds and their rules
 from mkresearch import spec
-from mkresearch.config import LANE, PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
+from mkresearch.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
 from mkresearch.formats import quantized_shapes
+from mkresearch.layout_ranks import (  # noqa: F401 - re-exported: layout's API
+    MAX_LISTED_RANKS,
+    RELEASE_ETP,
+    _head_ways,
+    allowed_ranks,
+    check_ranks,
+    chunk_length,
+    default_etp,
+    expert_output_width,
+    expert_widths,
+    groups_used,
+    is_param,
+    leaves_with_path,
+)
 
 OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
-RELEASE_ETP = 4  # spec §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
 # groups the release keeps whole on every rank (spec §9: the router and latent projections)
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
-MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
 
 
 @dataclass(frozen=True)
@@ -91,7 +109,9 @@ class Layout:
     expert_format: str = ""  # the routed experts' format its bytes are counted in
 
     def split(self, group: str) -> Split:
-        return next(s for s in self.splits if s.group == group)
+        """How `group` splits (whole when the layout has no split for it: a group no leaf of the
+        model uses, e.g. kv_heads without GQA)."""
+        return next((s for s in self.splits if s.group == group), Split(group, 1))
 
     def ways(self, group: str) -> int:
         return self.split(group).ways
@@ -113,14 +133,14 @@ class Layout:
         """Whether an axis of `length` splits by `group` here (more than one way, and for a
         padded group a chunk shorter than the axis)."""
         ways = self.ways(group)
-        return ways > 1 and (group not in PADDED_GROUPS or chunk_length(length, ways) < length)
+        return ways > 1 and (group not in CHUNKED_GROUPS or chunk_length(length, ways) < length)
 
     def local_length(self, group: str, length: int) -> int:
         """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
         if not self.divides(group, length):
             return length
         ways = self.ways(group)
-        if group in PADDED_GROUPS:
+        if group in CHUNKED_GROUPS:
             return chunk_length(length, ways)
         return length // ways
 
@@ -132,87 +152,13 @@ class Layout:
         return min(start, length), min(start + local, length), local
 
     def describe(self) -> str:
-        parts = []
-        for s in self.splits:
+        parts, used = [], groups_used(self.cfg)
+        for s in (s for s in self.splits if s.group in used):
             how = "whole" if s.ways == 1 else f"{s.ways} ways"
-            if s.stride > 1 and s.group == spec.HEADS:
+            if s.stride > 1 and s.group in (spec.HEADS, spec.KV_HEADS):
                 how += f" x {s.stride} replicas"
             parts.append(f"{s.group} {how}")
         return f"{self.name} layout of {self.cfg.name} on {self.n_ranks} ranks: " + ", ".join(parts)
-
-
-def chunk_length(length: int, ways: int) -> int:
-    """Per-rank chunk of a padded group: ceil(length / ways) rounded up to whole lane tiles."""
-    per_rank = -(-length // ways)
-    return -(-per_rank // LANE) * LANE
-
-
-# ---- building and checking a layout ------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _heads_ok(cfg: ModelConfig, n: int) -> bool:
-    return cfg.n_heads % n == 0 or n % cfg.n_heads == 0
-
-
-def _vocab_ok(cfg: ModelConfig, n: int) -> bool:
-    return cfg.vocab_size % (n * LANE) == 0
-
-
-def _expert_ways(cfg: ModelConfig, n: int, etp: int) -> bool:
-    """EP = n / etp divides the experts; etp splits the hidden and the latent in lane tiles."""
-    return (n % etp == 0 and cfg.n_experts % (n // etp) == 0
-            and cfg.expert_hidden % (etp * LANE) == 0 and cfg.moe_latent % (etp * LANE) == 0)
-
-
-def default_etp(cfg: ModelConfig, n: int, name: str = OURS) -> int:
-    """Expert-tensor parallel ways: the release's 4 when n_ranks allows (EP >= 8 and the hidden
-    splits in whole lane tiles), else the largest such divisor of n with EP = n / ETP >= 8;
-    1 (pure expert parallel) when n <= 8."""
-    del name  # both layouts split experts as the release does (spec §9)
-    options = [etp for etp in _divisors(n) if etp <= RELEASE_ETP and n // etp >= min(n, 8)
-               and _expert_ways(cfg, n, etp)]
-    return max(options) if options else 1
-
-
-def allowed_ranks(cfg: ModelConfig, limit: int = MAX_LISTED_RANKS) -> list[int]:
-    """Rank counts in [1, limit] that split cfg's heads, vocabulary and experts."""
-    return [n for n in range(1, limit + 1)
-            if _heads_ok(cfg, n) and _vocab_ok(cfg, n)
-            and any(_expert_ways(cfg, n, etp) for etp in _divisors(n))]
-
-
-def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
-    """ValueError naming the field that n_ranks does not divide, with the allowed rank counts."""
-    if isinstance(n_ranks, bool) or not isinstance(n_ranks, (int, np.integer)) or n_ranks < 1:
-        raise ValueError(f"n_ranks={n_ranks!r} is invalid: an int >= 1 (allowed for {cfg.name}: "
-                         f"{_listed(allowed_ranks(cfg))})")
-    n = int(n_ranks)
-    allowed = _listed(allowed_ranks(cfg))
-    if not _heads_ok(cfg, n):
-        raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: it must divide n_heads="
-                         f"{cfg.n_heads} or be a multiple of it (allowed rank counts: {allowed})")
-    if not _vocab_ok(cfg, n):
-        raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: vocab_size={cfg.vocab_size} must "
-                         f"split into whole {LANE}-lane tiles per rank (allowed rank counts: "
-                         f"{allowed})")
-    if etp is None:
-        if not any(_expert_ways(cfg, n, e) for e in _divisors(n)):
-            raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
-                             f"must split into EP = n_ranks / ETP groups with expert_hidden="
-                             f"{cfg.expert_hidden} and moe_latent={cfg.moe_latent} in ETP whole "
-                             f"{LANE}-lane slices (allowed rank counts: {allowed})")
-    elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp):
-        good = [e for e in _divisors(n) if _expert_ways(cfg, n, e)]
-        raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
-                         f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
-                         f"expert_hidden={cfg.expert_hidden}, moe_latent={cfg.moe_latent} by etp "
-                         f"x {LANE} (allowed: {good})")
-
-
-def _listed(values: list[int]) -> str:
-    return ", ".join(map(str, values)) or "none"
 
 
 def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None = None) -> Layout:
@@ -229,8 +175,12 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
     etp = default_etp(cfg, n, name) if etp is None else etp
     if n > 1:
         _check_rules(cfg)
-    heads = min(n, cfg.n_heads)
-    splits = [Split(spec.HEADS, heads, n // heads), Split(spec.VOCAB, n),
+    heads = _head_ways(cfg, n)
+    kv_heads = min(heads, cfg.n_kv_heads)  # with fewer K/V heads than head slices: replicated
+    splits = [Split(spec.HEADS, heads, n // heads),
+              *([Split(spec.KV_HEADS, kv_heads, n // kv_heads)]
+                if spec.KV_HEADS in groups_used(cfg) else []),
+              Split(spec.VOCAB, n),
               Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
     for group in PADDED_GROUPS:
         whole = name == RELEASE and group in RELEASE_REPLICATED
@@ -260,15 +210,6 @@ def has_rules(cfg: ModelConfig) -> bool:
     except ValueError:
         return False
     return True
-
-
-def is_param(x: Any) -> bool:
-    return isinstance(x, spec.Param)
-
-
-def leaves_with_path(tree: Any) -> list[tuple[str, Any]]:
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in
-            jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_param)]
 
 
 # ---- per-rank shapes ------------------------------------------------------------------------
@@ -380,7 +321,9 @@ def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
     experts = cfg.n_experts // lay.ep
     fields = {  # one rank's expert hidden: W1/W3 columns (its W2 latent slice is not expressible)
         "name": f"{cfg.name}-rank" if name == RELEASE else f"{cfg.name}-rank-{name}",
-        "n_heads": cfg.n_heads // lay.ways(spec.HEADS), "vocab_size": cfg.vocab_size // n_ranks,
+        "n_heads": cfg.n_heads // lay.ways(spec.HEADS),
+        "n_kv_heads": lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
+        "vocab_size": lay.local_length(spec.VOCAB, cfg.vocab_size),
         "n_experts": experts, "top_k": min(cfg.top_k, experts),
         "expert_hidden": lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
         "dense_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),

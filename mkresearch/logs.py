@@ -32,7 +32,8 @@ def hbm_bytes(log: dma.DmaLog) -> int:
 # DMA-log names -> the roofline component (`spec.components`) they read, first match wins
 COMPONENT_PREFIXES = (
     ("kda_state", ("kda.conv_state.", "kda.state.")), ("kda", ("kda.",)),
-    ("mla_cache", ("mla.kv.", "mla.kv_update.")), ("mla", ("mla.",)), ("dense", ("dense/",)),
+    ("mla_cache", ("mla.kv.", "mla.kv_update.")), ("mla", ("mla.",)),
+    ("gqa_cache", ("gqa.kv.", "gqa.kv_update.")), ("gqa", ("gqa.",)), ("dense", ("dense/",)),
     ("routed_experts", ("expert/",)), ("moe_nonrouted", ("router/", "latent/", "shared/")),
     ("lm_head", ("lm_head",)), ("embedding_rows", ("embed",)),
     ("norms_and_mix", ("mix_", "attn_norm", "mlp_norm", "final_norm")))

@@ -13,8 +13,8 @@ JAX version: `compile_or_recorded` uses it only when both match the current ones
 otherwise. It does not see a kernel change that keeps the plan: re-record after such changes
 (`tests/test_recorded.py` checks that every record matches its plan).
 
-The sharded megakernel of a full-size model on a TPU topology (`RECORDED_SHARDED`: kimi-k3 on
-the 32 cores of tpu7x:2x2x4, one Mosaic kernel per rank) is recorded the same way, keyed by its
+The sharded megakernel of a full-size model on a TPU topology (`RECORDED_SHARDED`: kimi-k3 and
+the other families on the 32 cores of tpu7x:2x2x4, one Mosaic kernel per rank) is recorded the same way, keyed by its
 `ShardedPlan` (`sharded_compile_or_recorded`; `make recorded` re-records it).
 """
 
@@ -44,7 +44,14 @@ RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
 
 
 # (model, ranks, layout, batch, chip): the sharded step on `sharded.FULL_TOPOLOGY`
-RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),)
+RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),
+                    # notebook 10: the other families with their sharding rules
+                    ("deepseek-v3", 32, "ours", 1, "tpu7x"), ("glm-4.5", 32, "ours", 1, "tpu7x"),
+                    ("qwen3-235b-a22b", 32, "ours", 1, "tpu7x"))
+# Config overrides of a sharded record: on 32 ranks Qwen3's FFN streams one block (its router,
+# [4096, 128], whole on every rank; no shared expert), so the ring's lookahead (ring_depth - 1
+# blocks) may be 1 at most there: make_sharded_plan refuses its preset depth 3
+SHARDED_OVERRIDES = {"qwen3-235b-a22b": {"ring_depth": 2}}
 
 
 def compile_path(model: str, batch: int, chip: str) -> Path:
@@ -109,7 +116,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     """(CompileResult of one rank's program, ShardedPlan, where it comes from) for the sharded
     step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`: the committed record
     when it matches the plan, else a compile here (recorded with `record`)."""
-    cfg = get_config(model)
+    cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     plan = sharded.make_sharded_plan(layout.layout(cfg, n_ranks, name), batch, None,
                                      megakernel.MegakernelOptions(chip=chip))
     path = sharded_path(model, n_ranks, name, batch, chip)

@@ -320,7 +320,8 @@ def _experts(prog: RankProgram, lay, sched, cfg, rank, routed, expert_bytes) -> 
                                         prog.batch * F32 * lay.local_length(spec.EXPERT_TP,
                                                                             cfg.expert_hidden),
                                         _group(lay, rank, lay.etp)))
-    latent = prog.batch * F32 * lay.local_length(spec.EXPERT_TP, cfg.moe_latent)
+    # the experts' weighted sum: W2's output columns on a rank (the latent, or d on the full d)
+    latent = prog.batch * F32 * lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
     reps = tuple(range(0, lay.n_ranks, lay.etp))  # one rank per expert group: the chain's path
     prog.collective(CollectiveEvent("experts/chain", "chain", reps, latent, reps))
     prog.collective(CollectiveEvent("experts/sum", "all_gather", reps, latent,

@@ -41,15 +41,19 @@ RECURRENT, CACHE = "recurrent", "cache"
 # all-gathered first, so every output element is one whole contraction, as on one device). How
 # many ways each group splits is the layout's choice (the release's, or ours).
 HEADS = "heads"  # attention heads (tensor parallel): an axis of H x per-head width
+KV_HEADS = "kv_heads"  # GQA's K/V heads, split with the query heads that read them (replicated
+#                        on the ranks of one K/V head's query heads when there are fewer K/V
+#                        heads than head slices)
 VOCAB = "vocab"  # vocabulary rows of the embedding and LM head
 EXPERTS = "experts"  # routed experts (expert parallel)
 EXPERT_TP = "expert_tp"  # inside an expert (expert-tensor parallel): W1, W3 by their hidden
-#                          columns, W2 by its latent columns
+#                          columns, W2 by its output columns (the latent, or d for moe_full)
 FFN_HIDDEN = "ffn_hidden"  # the hidden of the dense FFN and the shared experts
 MODEL_COLS = "model_cols"  # the d columns of a projection back to the model dim (W_o, W_down)
 DOWN_COLS = "down_cols"  # the columns of a small down-projection of x (W_fa, W_qa, W_kva, router)
 MOE_LATENT = "moe_latent"  # the latent columns of the MoE latent down-projection W_ld
-SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_TP, FFN_HIDDEN, MODEL_COLS, DOWN_COLS, MOE_LATENT)
+SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_TP, FFN_HIDDEN, MODEL_COLS, DOWN_COLS, MOE_LATENT,
+                KV_HEADS)
 REPLICATED: tuple = ()  # Param.shard of a parameter every rank holds whole
 
 

@@ -45,7 +45,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # All three use a classic pre-norm residual stream, where Kimi K3 mixes attention residuals. Side
 # by side with Kimi K3: what one decode step reads from HBM and where, what a context token
-# costs, the megakernel's timeline for each mini, and the predicted TPU7x step for each full model.
+# costs, the megakernel's timeline for each mini, and the predicted TPU7x step for each full model
+# (sharded over 32 cores with its sharding rules).
 
 # %%
 import os
@@ -55,8 +56,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import bench, hlo, logs, recorded, reference, roofline, sampling, spec, timeline
-from mkresearch import weights, widgets
+from mkresearch import bench, hlo, layout, layout_bytes, logs, recorded, reference, roofline
+from mkresearch import sampling, scale_out, spec, timeline, weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.facts import bound
 from mkresearch.kernels import dma, megakernel
@@ -325,9 +326,9 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # One rank of each full model, divided as the release divides Kimi K3 over 32 ranks (16 TPU7x
 # chips × 2 TensorCores, spec §9): query heads / 32 (GQA: each rank keeps the one K/V head its
 # query heads read), experts over 8 ranks × their hidden over 4, shared and dense hidden and the
-# vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: Kimi K3's from its
-# release layout, `layout.rank_config`; the families' from `config.rank_shapes`, the same division,
-# a stand-in until their kinds declare sharding rules). Two predictions per model:
+# vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: the release layout's
+# rank, `layout.rank_config`, now that every family's kinds declare sharding rules; the same
+# division as the pre-sharding stand-in `config.rank_shapes`). Three predictions per model:
 #
 # * **the floor**: the full model's step bytes split evenly over 32 TPU7x cores
 #   (`roofline.decode_floor` on 16 chips);
@@ -336,9 +337,15 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 #   repeated along the full pattern, the routed experts scaled to the rank's expected share, one
 #   expert per MoE layer at B = 1), replayed by the timeline model. A rank reads more than 1/32 of
 #   the model: replicated weights (the MLA down-projections, the router, the norms) and padded
-#   shards (DeepSeek-V3's 2048-wide shared expert is 64 columns per rank, padded to 128).
+#   shards (DeepSeek-V3's 2048-wide shared expert is 64 columns per rank, padded to 128);
+# * **sharded over 32 cores** (`mkresearch predict MODEL --ranks 32`, `mkresearch.scale_out`):
+#   every rank's program from our layout (each kind's rules: heads and GQA's K/V heads with their
+#   query heads, replicated when fewer; MLA's latent cache whole; experts as EP 8 x ETP 4; shared and
+#   dense hidden slices; the router whole) and our schedule, the collectives the sharded megakernel
+#   runs priced on the TPU7x links, a collective waiting for its slowest peer (notebook 09). This is
+#   the predicted step of each full model.
 #
-# Both at B = 1 and the mini's context (20 tokens). Kimi K3 is shown with its floor and the
+# All at B = 1 and the mini's context (20 tokens). Kimi K3 is shown with its floor and the
 # release's published step; its mini's log scaled the same way is notebook 07's.
 
 # %%
@@ -363,12 +370,36 @@ for p in predictions.values():
     assert p["floor"].seconds <= p["timeline"].hbm_floor_s <= p["timeline"].total_s
 
 # %%
+sharded = {name: scale_out.predict(cfg, 32, "ours", 1, chip="tpu7x", context=PROMPT_LEN)
+           for name, cfg in MODELS.items()}
+rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32), 1, PROMPT_LEN).floor_s("tpu7x")
+               for name, cfg in MODELS.items()}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name, cfg in MODELS.items():
+    print(f"{layout.layout(cfg, 32).describe()}\n  " + bound(
+        rank_floors[name] / sharded[name]["step_s"], 1,
+        name="its slowest rank's HBM floor / the predicted sharded step"))
+    assert floors[name].seconds <= rank_floors[name] < sharded[name]["step_s"]
+
+# %%
+rows = [{"model": name, "rank GB/step": r["rank_bytes"] / GB,
+         "floor ms": rank_floors[name] * 1e3, "step ms": r["step_s"] * 1e3,
+         **{f"{part} ms": r["parts_s"][part] * 1e3 for part in scale_out.PARTS},
+         "collectives": r["collectives_per_rank"], "tokens/s": r["tokens_per_s"]}
+        for name, r in sharded.items()]
+print(widgets.format_table(rows, list(rows[0]), digits=3))
+
+# %%
 fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
 y = np.arange(len(MODELS))
-ax.barh(y - 0.2, [floor.seconds * 1e3 for floor in floors.values()], 0.4,
+ax.barh(y - 0.27, [floor.seconds * 1e3 for floor in floors.values()], 0.27,
         label="floor: model bytes / 32 cores")
-ax.barh(y[1:] + 0.2, [p["timeline"].total_s * 1e3 for p in predictions.values()], 0.4,
+ax.barh(y[1:], [p["timeline"].total_s * 1e3 for p in predictions.values()], 0.27,
         label="timeline model, one rank (scaled mini log)")
+ax.barh(y + 0.27, [r["step_s"] * 1e3 for r in sharded.values()], 0.27,
+        label="sharded over 32 cores (every rank, collectives)")
 ax.scatter([1e3 / roofline.PUBLISHED_TPU7X_16_CHIPS[1]], [0], marker="*", s=120, color="k",
            zorder=3, label="Kimi K3 release, published (16 TPU7x chips)")
 ax.set_yticks(y, list(MODELS))
@@ -382,14 +413,18 @@ print(f"kimi-k3: floor {floors['kimi-k3'].seconds * 1e3:.2f} ms; the release's p
 for name, p in predictions.items():
     print(f"{name}: floor {p['floor'].seconds * 1e3:.2f} ms; one rank predicted "
           f"{p['timeline'].total_s * 1e3:.2f} ms ({p['timeline'].roofline_fraction:.0%} of its HBM "
-          f"roofline) = {1 / p['timeline'].total_s:.0f} tokens/s per sequence")
+          f"roofline); sharded over 32 cores {sharded[name]['step_s'] * 1e3:.2f} ms = "
+          f"{sharded[name]['tokens_per_s']:.0f} tokens/s per sequence")
 
 # %% [markdown]
 # Compiled for TPU7x at those rank shapes (libtpu's Mosaic compiler, from shapes: no weights),
 # the whole context of each model in HBM: one Mosaic kernel per step for every family. The
 # compiles take up to half a minute each on two CPU cores, so the results recorded by
 # `make recorded` (`mkresearch.recorded`) are shown while they match the current plan; with
-# `MKRESEARCH_COMPILE_RANK=1` in the environment they are compiled here.
+# `MKRESEARCH_COMPILE_RANK=1` in the environment they are compiled here. The sharded step of
+# each full model, one `pallas_call` per rank with its collectives, compiles for the 32 cores of
+# tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way; Qwen3's with a ring of depth
+# 2: on 32 ranks its FFN streams a single block, the router it keeps whole).
 
 # %%
 compiles = {}
@@ -406,5 +441,20 @@ for name, (result, plan, _) in compiles.items():
     assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
 
 # %%
-for name, (result, _, source) in compiles.items():
+sharded_compiles = {
+    model: recorded.sharded_compile_or_recorded(
+        model, n_ranks, name, batch, chip,
+        recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
+    for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for model, (result, plan, _) in sharded_compiles.items():
+    print(f"{model} on {plan.n_ranks} cores ({plan.layout.name} layout): "
+          f"{result.n_mosaic_kernels} Mosaic kernel per rank on {result.chip}; VMEM plan "
+          f"{plan.mega.vmem.total_bytes / 2**20:.2f} MiB, fits: {plan.mega.vmem.fits()}")
+    assert result.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
+
+# %%
+for name, (result, _, source) in {**compiles, **sharded_compiles}.items():
     print(f"{result} [{source}]")

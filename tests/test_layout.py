@@ -144,20 +144,18 @@ def test_info_ranks_prints_the_table(capsys):
     assert len(err) == 1 and "n_ranks=3 is invalid" in err[0]
 
 
-def test_rank_names_from_the_layout_or_the_stand_in():
+def test_rank_names_from_the_layout():
     """'<preset>-rank' is offered for every full-size preset, never a preset of its own: from the
-    release layout when every kind declares sharding rules (Kimi K3), else from
-    `config.rank_shapes`, the pre-sharding stand-in (the families' kinds have no rules yet; for
-    Kimi K3 the two agree). get_config takes the same names."""
+    release layout now that every kind declares sharding rules (the families' too); it equals
+    `config.rank_shapes`, the pre-sharding stand-in, for every family. get_config takes the same
+    names."""
     names = layout.config_names()
     ranks = {"kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"}
     assert set(names) - set(config.PRESETS) == ranks and not ranks & set(config.PRESETS)
     assert layout.named_config("kimi-k3-rank") == layout.rank_config(FULL)
     assert layout.rank_config(FULL) == config.rank_shapes(FULL)
     glm = get_config("glm-4.5")
-    assert not layout.has_rules(glm)
-    assert layout.named_config("glm-4.5-rank") == config.rank_shapes(glm)
+    assert layout.has_rules(glm)
+    assert layout.named_config("glm-4.5-rank") == layout.rank_config(glm) == config.rank_shapes(glm)
     assert get_config("glm-4.5-rank", max_seq_len=4096) == config.rank_shapes(glm).replace(
         max_seq_len=4096)
-    with pytest.raises(ValueError, match=r"\['gqa'\]\['.*'\] of glm-4.5 has no sharding rule"):
-        layout.layout(get_config("glm-4.5"), 2)

@@ -228,7 +228,7 @@ def test_predict_command_table(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["predict", "deepseek-v3"], "has no sharding rules yet"),
+    (["predict", "deepseek-v3", "--ranks", "3"], "n_ranks=3 is invalid for deepseek-v3"),
     (["predict", "kimi-k3", "--ranks", "7"], "n_ranks=7 is invalid"),
     (["predict", "kimi-k3", "--chip", "v5e"], "--chip 'v5e' is invalid for predict"),
     (["predict", "kimi-k3", "--batch", "1,x"], "--batch '1,x' is invalid"),

@@ -29,7 +29,7 @@ from mkresearch.numerics import (
 )
 
 
-def _gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
+def gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
     """W_gate, W_up [d, F] split by the hidden F; W_down [F, d] by its d columns, the hidden
     gathered first."""
     cols = spec.split(1, spec.FFN_HIDDEN)
@@ -39,7 +39,7 @@ def _gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
 
 
 def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    return _gated_mlp(cfg.d_model, cfg.dense_hidden)
+    return gated_mlp(cfg.d_model, cfg.dense_hidden)
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def moe_params(cfg: ModelConfig) -> dict[str, Any]:
                     "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
     }
     if cfg.n_shared_experts:
-        shared = _gated_mlp(d, cfg.shared_hidden)
+        shared = gated_mlp(d, cfg.shared_hidden)
         table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
     return table
 

@@ -32,23 +32,33 @@ from mkresearch.stages.mla import _dot_exact, _online_softmax, _write_slot
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """Sharding (`mkresearch.layout`): W_q (and b_q) by the query heads, W_k, W_v (b_k, b_v) by
+    the K/V heads, which split with the query heads that read them (with fewer K/V heads than head
+    slices, each K/V head is replicated on the ranks of its query heads, as serving systems do);
+    W_o by its d columns, the heads' outputs gathered first; the QK-norm gains whole."""
     d, heads, kv, dim = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    table = {"w_q": spec.matrix(d, heads * dim), "w_k": spec.matrix(d, kv * dim),
-             "w_v": spec.matrix(d, kv * dim)}
+    q_cols, kv_cols = spec.split(1, spec.HEADS), spec.split(1, spec.KV_HEADS)
+    table = {"w_q": spec.matrix(d, heads * dim, shard=q_cols),
+             "w_k": spec.matrix(d, kv * dim, shard=kv_cols),
+             "w_v": spec.matrix(d, kv * dim, shard=kv_cols)}
     if cfg.attention_bias:  # O(1) like the projections, so a kernel that drops it fails its test
-        table.update({f"b_{n}": spec.Param((width,), bf16, ("normal", 0.5))
-                      for n, width in (("q", heads * dim), ("k", kv * dim), ("v", kv * dim))})
+        table.update({f"b_{n}": spec.Param((width,), bf16, ("normal", 0.5), shard=spec.split(0, by))
+                      for n, width, by in (("q", heads * dim, spec.HEADS),
+                                           ("k", kv * dim, spec.KV_HEADS),
+                                           ("v", kv * dim, spec.KV_HEADS))})
     if cfg.qk_norm:
         table.update(q_norm=spec.norm((dim,)), k_norm=spec.norm((dim,)))
-    table["w_o"] = spec.matrix(heads * dim, d)
+    table["w_o"] = spec.matrix(heads * dim, d, shard=spec.split(1, spec.MODEL_COLS),
+                               gather=spec.HEADS)
     return table
 
 
 def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
-    """The KV cache of one row: {"k", "v"} [n_kv_heads, S, head_dim] bf16 (k roped)."""
-    shape = (cfg.n_kv_heads, seq_len, cfg.head_dim)
-    return {"k": spec.StateLeaf(shape, bf16, spec.CACHE, 1),
-            "v": spec.StateLeaf(shape, bf16, spec.CACHE, 1)}
+    """The KV cache of one row: {"k", "v"} [n_kv_heads, S, head_dim] bf16 (k roped), split by
+    the K/V heads."""
+    shape, kv_heads = (cfg.n_kv_heads, seq_len, cfg.head_dim), spec.split(0, spec.KV_HEADS)
+    return {"k": spec.StateLeaf(shape, bf16, spec.CACHE, 1, kv_heads),
+            "v": spec.StateLeaf(shape, bf16, spec.CACHE, 1, kv_heads)}
 
 
 def projections(p: dict[str, Any], x: jax.Array, positions: jax.Array,

@@ -30,15 +30,19 @@ from mkresearch.stages.mla import _dot_exact, _online_softmax, _write_slot
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """MLA's weights and sharding rules (`stages.mla.params`: heads tensor parallel, W_o by its d
+    columns, the latent down-projections by their columns) without the gate."""
     table = mla.params(cfg)
     del table["w_g"]  # DeepSeek's MLA has no output gate
     return table
 
 
 def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
-    """The latent cache of one row: {"ckv" [S, kv_rank] (ĉ), "kpe" [S, rope] (k^R, roped)}."""
-    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, spec.CACHE, 0),
-            "kpe": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, spec.CACHE, 0)}
+    """The latent cache of one row: {"ckv" [S, kv_rank] (ĉ), "kpe" [S, rope] (k^R, roped)},
+    shared by all heads: every rank holds it whole (as Kimi K3's latent MLA cache)."""
+    whole = spec.REPLICATED
+    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, spec.CACHE, 0, whole),
+            "kpe": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, spec.CACHE, 0, whole)}
 
 
 def queries_and_keys(p: dict[str, Any], x: jax.Array, positions: jax.Array,

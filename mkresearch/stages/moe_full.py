@@ -29,24 +29,31 @@ import jax.numpy as jnp
 from mkresearch import spec
 from mkresearch.config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
 from mkresearch.numerics import bf
-from mkresearch.stages.ffn import combine_experts, route, shared_experts
+from mkresearch.stages.ffn import combine_experts, gated_mlp, route, shared_experts
 
 
 def params(cfg: ModelConfig) -> dict[str, Any]:
+    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    their hidden columns, W2 by its d columns, the hidden gathered first), as Kimi K3's; the
+    shared expert as a gated MLP (hidden slices, W_sd by its d columns); the router (softmax or
+    group-limited) and its bias whole on every rank."""
     d, n_experts, hidden = cfg.d_model, cfg.n_experts, cfg.expert_hidden
 
-    def expert(n_in, n_out):
-        return spec.matrix(n_in, n_out, quantized=True).stacked(n_experts)
+    def expert(n_in, n_out, gather=None):
+        return spec.matrix(n_in, n_out, quantized=True, shard=spec.split(1, spec.EXPERT_TP),
+                           gather=gather).stacked(n_experts, by=spec.EXPERTS)
 
     table: dict[str, Any] = {
-        "w_router": spec.matrix(d, n_experts),
+        "w_router": spec.matrix(d, n_experts, shard=spec.REPLICATED),
         # small correction bias: changes some selections, never dominates the scores
-        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05)),
-        "experts": {"w1": expert(d, hidden), "w3": expert(d, hidden), "w2": expert(hidden, d)},
+        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
+                                  shard=spec.REPLICATED),
+        "experts": {"w1": expert(d, hidden), "w3": expert(d, hidden),
+                    "w2": expert(hidden, d, gather=spec.EXPERT_TP)},
     }
     if cfg.n_shared_experts:
-        table.update(w_sg=spec.matrix(d, cfg.shared_hidden), w_su=spec.matrix(d, cfg.shared_hidden),
-                     w_sd=spec.matrix(cfg.shared_hidden, d))
+        shared = gated_mlp(d, cfg.shared_hidden)
+        table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
     return table
 
 

@@ -50,10 +50,10 @@ def params():
     return weights.init_params(MINI, 0)
 
 
-def prefilled(params, batch):
-    prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, MINI.vocab_size)
-    state = reference.init_state(MINI, batch)
-    _, state = reference.prefill(params, state, prompt[:, :-1], MINI)
+def prefilled(params, batch, cfg=MINI):
+    prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, cfg.vocab_size)
+    state = reference.init_state(cfg, batch)
+    _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
     return state, np.asarray(prompt[:, -1], np.int32)
 
 
@@ -64,10 +64,10 @@ def weights_for(params, lay, mesh):
     return _prepared[key]
 
 
-def single_weights(params):
+def single_weights(params, cfg=MINI):
     key = ("single", id(params))
     if key not in _prepared:
-        _prepared[key] = mk.prepare_weights(params, MINI)
+        _prepared[key] = mk.prepare_weights(params, cfg)
     return _prepared[key]
 
 
@@ -76,14 +76,14 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False):
-    """n_steps teacher-forced on the single-device megakernel (module docstring). Returns a
-    report dict and the DMA logs (record=True)."""
-    lay = layout.layout(MINI, n_ranks, etp=etp)
-    plan = ms.make_sharded_plan(lay, batch, MINI.max_seq_len)
+def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False, cfg=MINI):
+    """n_steps of cfg teacher-forced on the single-device megakernel (module docstring). Returns
+    a report dict and the DMA logs (record=True)."""
+    lay = layout.layout(cfg, n_ranks, etp=etp)
+    plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len)
     mesh = ms.make_mesh(n_ranks)
-    prepared, single = weights_for(params, lay, mesh), single_weights(params)
-    state, tokens = prefilled(params, batch)
+    prepared, single = weights_for(params, lay, mesh), single_weights(params, cfg)
+    state, tokens = prefilled(params, batch, cfg)
     positions = np.full(batch, PROMPT_LEN - 1, np.int32)
     kw = sample or {}
     report = {"layout": lay.describe(), "worst_vs_reference": 0.0, "worst_vs_single": 0.0,
@@ -92,10 +92,10 @@ def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False)
     recorded = []
     for step in range(n_steps):
         ref_logits, _, ref_aux = _reference_step(params, state, jnp.asarray(tokens),
-                                                 jnp.asarray(positions), cfg=MINI)
+                                                 jnp.asarray(positions), cfg=cfg)
         report.setdefault("expert_ids", np.asarray(ref_aux["expert_ids"]))  # step 0's routing
         mk_tokens, mk_state, mk_aux = mk.decode_step(
-            single, jax.tree.map(jnp.copy, state), tokens, positions, MINI, seed=SEED,
+            single, jax.tree.map(jnp.copy, state), tokens, positions, cfg, seed=SEED,
             return_logits=True, **kw)
         sharded_state = ms.shard_state(state, lay, mesh)
         started = time.perf_counter()
