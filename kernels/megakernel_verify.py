@@ -136,6 +136,23 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     return targets, state_all, per_position, aux
 
 
+def as_verify(options: MegakernelOptions = MegakernelOptions()):  # noqa: B008 - frozen
+    """`verify_step` as the verify of `speculative.speculative_generate` (its samples_in_call
+    contract): (params, state, tokens, positions, cfg, *, seed, temperature, top_k, top_p) ->
+    (None, state_all, per_position, targets). The targets are drawn in the call, so no logits
+    leave the kernel; the state is copied first (the call donates it, and the loop still reads
+    the old state's rows of finished sequences)."""
+    def verify(params, state, tokens, positions, cfg, *, seed=0, temperature=None, top_k=0,
+               top_p=1.0):
+        targets, state_all, per_position, _ = verify_step(
+            params, jax.tree.map(jnp.copy, state), tokens, positions, cfg, seed=seed,
+            temperature=temperature, top_k=top_k, top_p=top_p, options=options)
+        return None, state_all, per_position, targets
+
+    verify.samples_in_call = True
+    return verify
+
+
 # ---- compiling for a TPU on this machine -------------------------------------------------------
 def compile_verify(cfg: ModelConfig, batch: int, drafts: int, *, chip: str = "tpu7x",
                    seq_len: int | None = None):

@@ -21,11 +21,19 @@ from typing import Any
 from mkresearch import bench, drafters, mtp, reference, speculative, weights
 from mkresearch.cli_common import UsageError, _refusals
 from mkresearch.config import ModelConfig
+from mkresearch.kernels import megakernel, megakernel_verify
 
-# Backend -> the verify call `speculative_generate` runs (the contract of
-# `speculative.verify_step`). THE ONE PLACE the megakernel's verify plugs in (issue 16): add
-# "megakernel": kernels/megakernel_verify.py's verify, first, to make it the default.
-VERIFIES = {"reference": speculative.verify_step}
+# The backends with a verify call for `speculative_generate` (the contract of
+# `speculative.verify_step`): the megakernel's (one pallas_call per verify step, the default)
+# and the reference's.
+BACKENDS = ("megakernel", "reference")
+
+
+def verify_call(name: str) -> Any:
+    """The verify of backend `name` (the kernels are imported only when asked for)."""
+    if name == "megakernel":
+        return megakernel_verify.as_verify()
+    return speculative.verify_step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +50,10 @@ def backend(requested: str | None) -> str:
     """The backend a speculative decode runs on: the one asked for if it has a verify call, by
     default the first that has one."""
     if requested is None:
-        return next(iter(VERIFIES))
-    if requested not in VERIFIES:
+        return BACKENDS[0]
+    if requested not in BACKENDS:
         raise UsageError(f"--backend {requested!r} has no verify call for --speculate yet: "
-                         f"choose one of {', '.join(VERIFIES)}")
+                         f"choose one of {', '.join(BACKENDS)}")
     return requested
 
 
@@ -87,7 +95,9 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     plain = np.asarray(plain)
     oracle = np.concatenate([prompt, plain], axis=1)
     clock = bench.StepClock()
-    verify = functools.partial(clock.run, VERIFIES[backend_name])
+    call = verify_call(backend_name)
+    verify = functools.partial(clock.run, call)
+    verify.samples_in_call = getattr(call, "samples_in_call", False)
     tokens, _, stats = speculative.speculative_generate(
         params, reference.init_state(cfg, batch), prompt, steps, cfg, k=k,
         drafter=drafters.get_drafter(drafter, oracle=oracle, seed=seed), verify=verify)
@@ -129,6 +139,11 @@ def print_decode(result: dict) -> None:
 def run_decode(args: argparse.Namespace, cfg: ModelConfig) -> int:
     """`decode --speculate K`: checks, run, print (JSON with --json); 0 when lossless."""
     name = backend(args.backend)
+    if args.drafter == "mtp":  # it reads the target's hidden states, which only the reference's
+        if args.backend == "megakernel":  # verify returns (per_position["hidden"])
+            raise UsageError("--drafter mtp runs with --backend reference: the megakernel's "
+                             "verify does not return the final hidden states the MTP module reads")
+        name = "reference"
     if args.ranks != 1:
         raise UsageError("--speculate runs on one device: --ranks 1")
     k, drafter = check(args, cfg)
@@ -145,8 +160,8 @@ def run_decode(args: argparse.Namespace, cfg: ModelConfig) -> int:
 # ---- bench --speculate K ------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculate", type=int, default=None, metavar="K",
-                        help="also speculative rows: the reference's verify step of K drafts per "
-                             "row (default off)")
+                        help="also speculative rows: the verify step of K drafts per row on both "
+                             "backends (default off)")
 
 
 def check_bench(args: argparse.Namespace) -> None:
@@ -168,31 +183,46 @@ def print_bench_rows(result: dict) -> None:
         print_bench_row(row)
 
 
+def _plain_step(name: str) -> Any:
+    """The plain decode step of backend `name` on a copy of the state (the megakernel donates)."""
+    if name == "reference":
+        return reference.decode_step
+    import jax
+    import jax.numpy as jnp
+
+    def step(params, state, tokens, positions, cfg):
+        return megakernel.decode_step(params, jax.tree.map(jnp.copy, state), tokens, positions,
+                                      cfg)
+    return step
+
+
 def bench_rows(cfg: ModelConfig, batches: tuple[int, ...], k: int, steps: int,
                seed: int = 0) -> list[dict]:
-    """Per batch size with B x (K + 1) <= 64: the reference's verify step of K + 1 tokens per row
-    beside its plain decode step (median of `steps` after a first call), and the tokens per
+    """Per backend and batch size with B x (K + 1) <= 64: the verify step of K + 1 tokens per row
+    beside the plain decode step (median of `steps` after a first call), and the tokens per
     second each makes here at forced acceptance K (K + 1 tokens per verify step)."""
     import numpy as np
 
     params = weights.init_params(cfg, seed)
     rows = []
-    for batch in batches:
-        if batch * (k + 1) > speculative.MAX_ROWS:
-            continue
-        state = reference.init_state(cfg, batch)
-        tokens = (np.arange(batch * (k + 1), dtype=np.int32).reshape(batch, k + 1) * 31 + 7
-                  ) % cfg.vocab_size
-        positions = np.full(batch, 3, np.int32)
-        verify_clock, plain_clock = bench.StepClock(), bench.StepClock()
-        for _ in range(steps + 1):
-            plain_clock.run(reference.decode_step, params, state, tokens[:, 0], positions, cfg)
-            verify_clock.run(VERIFIES["reference"], params, state, tokens, positions, cfg)
-        rows.append({"batch": batch, "k": k, "backend": "reference",
-                     "verify_step_s": verify_clock.step_s, "plain_step_s": plain_clock.step_s,
-                     "tokens_per_s": batch * (k + 1) / verify_clock.step_s,
-                     "plain_tokens_per_s": batch / plain_clock.step_s,
-                     "label": bench._backend_label("reference")})
+    for name in BACKENDS:
+        verify, plain = verify_call(name), _plain_step(name)
+        for batch in batches:
+            if batch * (k + 1) > speculative.MAX_ROWS:
+                continue
+            state = reference.init_state(cfg, batch)
+            tokens = (np.arange(batch * (k + 1), dtype=np.int32).reshape(batch, k + 1) * 31 + 7
+                      ) % cfg.vocab_size
+            positions = np.full(batch, 3, np.int32)
+            verify_clock, plain_clock = bench.StepClock(), bench.StepClock()
+            for _ in range(steps + 1):
+                plain_clock.run(plain, params, state, tokens[:, 0], positions, cfg)
+                verify_clock.run(verify, params, state, tokens, positions, cfg)
+            rows.append({"batch": batch, "k": k, "backend": name,
+                         "verify_step_s": verify_clock.step_s, "plain_step_s": plain_clock.step_s,
+                         "tokens_per_s": batch * (k + 1) / verify_clock.step_s,
+                         "plain_tokens_per_s": batch / plain_clock.step_s,
+                         "label": bench._backend_label(name)})
     return rows
 
 
@@ -200,6 +230,6 @@ def print_bench_row(row: dict) -> None:
     print(f"B={row['batch']}, speculative K={row['k']} ({row['backend']}, {row['label']}): verify "
           f"step {row['verify_step_s']:.4f} s for K + 1 = {row['k'] + 1} tokens per row, plain "
           f"step {row['plain_step_s']:.4f} s; at forced acceptance K {row['tokens_per_s']:.1f} "
-          f"tokens/s vs {row['plain_tokens_per_s']:.1f} plain (the reference verifies token by "
-          "token: no speed-up is expected here, the megakernel's one weight pass is where it "
-          "comes from)")
+          f"tokens/s vs {row['plain_tokens_per_s']:.1f} plain"
+          + (" (the reference verifies token by token: no speed-up is expected from it)"
+             if row["backend"] == "reference" else ""))

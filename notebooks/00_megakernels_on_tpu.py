@@ -260,6 +260,7 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 # | 08_scale_out | the megakernel sharded across ranks: collectives inside the kernel, bytes per rank |
 # | 09_predicting_the_release | all 32 ranks on one timeline with the interconnect: the release's published steps explained, ours beside them |
 # | 10_other_families | DeepSeek-V3, GLM-4.5 and Qwen3-235B through the same megakernel |
+# | 11_speculative | speculative decoding: k + 1 tokens per row verified in one weight pass, rolled back exactly |
 #
 # ## Map of the package
 #
@@ -270,9 +271,10 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 # | `mkresearch.weights` | parameter shapes, deterministic weights, MXFP4 / FP8 formats |
 # | `mkresearch.reference` | the decode step in plain JAX: the oracle every kernel is tested against |
 # | `mkresearch.sampling` | the sampling reference (counter-based random numbers a kernel can reproduce) |
+# | `mkresearch.speculative` | speculative decoding's reference: verify, rollback, acceptance, drafters |
 # | `mkresearch.chips`, `mkresearch.tpu` | chip figures; compile for a TPU on CPU, interpret mode elsewhere |
 # | `mkresearch.roofline` | the byte counts and floors of this notebook |
-# | `mkresearch.kernels` | Pallas TPU kernels: the DMA recorder, the stages, the megakernel |
+# | `mkresearch.kernels` | Pallas TPU kernels: the DMA recorder, the stages, the megakernel (and its verify step) |
 # | `mkresearch.cli` | `mkresearch info / decode / figures` |
 
 # %%

@@ -10,10 +10,11 @@ from mkresearch import cli
 
 
 def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
-    """deepseek-v3-mini (the quickest mini to compile) at forced acceptance 2 of K = 3: every step
-    emits 3 tokens, and the tokens are plain greedy decoding's."""
+    """deepseek-v3-mini (the quickest mini to compile) at forced acceptance 2 of K = 3 on the
+    reference's verify: every step emits 3 tokens, and the tokens are plain greedy decoding's."""
     assert cli.main(["decode", "--model", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "7",
-                     "--batch", "2", "--speculate", "3", "--drafter", "forced:2", "--json"]) == 0
+                     "--batch", "2", "--speculate", "3", "--drafter", "forced:2", "--backend",
+                     "reference", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["backend"] == "reference" and result["speculate"] == 3
     assert result["verify_steps"] == 2 and result["mean_accepted"] == 2  # 1 + 3 + 3 tokens
@@ -29,6 +30,16 @@ def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
     assert "PASS" in text and "verify step time here" in text
 
 
+def test_decode_speculate_on_the_megakernel_by_default(capsys):
+    """The default backend: one megakernel pallas_call per verify step (kimi-k3-mini: KDA, MLA,
+    MoE), forced acceptance 2 of K = 3, lossless against plain greedy decoding."""
+    assert cli.main(["decode", "--model", "kimi-k3-mini", "--prompt-len", "3", "--steps", "7",
+                     "--batch", "1", "--speculate", "3", "--drafter", "forced:2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "megakernel" and result["verify_steps"] == 2
+    assert result["tokens_per_step"] == 3 and result["lossless"]["tokens_equal"] == 7
+
+
 def test_decode_speculate_mtp(capsys):
     assert cli.main(["decode", "--model", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "4",
                      "--batch", "2", "--speculate", "2", "--drafter", "mtp"]) == 0
@@ -37,8 +48,9 @@ def test_decode_speculate_mtp(capsys):
 
 
 def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
-    """`bench --speculate K` adds the reference's verify rows (B x (K + 1) <= 64 only) to the
-    bench's output and JSON; the megakernel rows are stubbed out (tests/test_cli.py runs them)."""
+    """`bench --speculate K` adds verify rows of both backends (B x (K + 1) <= 64 only) to the
+    bench's output and JSON; the plain megakernel bench rows are stubbed out (tests/test_cli.py
+    runs them)."""
     from mkresearch import bench
 
     def stub(cfg, batches, steps, chip, out_json, figure):
@@ -51,8 +63,11 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
                      "1", "--speculate", "4", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "B=2, speculative K=4 (reference" in text and "B=16" not in text  # 16 x 5 > 64
+    assert "B=2, speculative K=4 (megakernel" in text
     rows = json.loads((tmp_path / "decode_bench.json").read_text())["speculative"]
-    assert [row["batch"] for row in rows] == [2] and rows[0]["verify_step_s"] > 0
+    assert [(row["backend"], row["batch"]) for row in rows] == [("megakernel", 2),
+                                                                  ("reference", 2)]
+    assert all(row["verify_step_s"] > 0 for row in rows)
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -67,8 +82,9 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
     (["decode", "--speculate", "3", "--drafter", "mtp"],
      "drafter='mtp' is invalid for kimi-k3-mini: it has n_mtp_layers=0"),
     (["decode", "--drafter", "ngram"], "--drafter is an option of --speculate K"),
-    (["decode", "--speculate", "3", "--backend", "megakernel"],
-     "--backend 'megakernel' has no verify call for --speculate yet: choose one of reference"),
+    (["decode", "--model", "deepseek-v3-mini", "--speculate", "3", "--drafter", "mtp",
+      "--backend", "megakernel"], "--drafter mtp runs with --backend reference"),
+    (["decode", "--speculate", "3", "--backend", "mine"], "--backend 'mine'"),
     (["decode", "--speculate", "3", "--prompt-len", "120", "--steps", "8"],
      "--prompt-len + --steps - 1 + --speculate = 130 exceeds max_seq_len=128"),
     (["bench", "--speculate", "9"], "--speculate 9 is invalid: an int in [1, 7]"),
