@@ -209,6 +209,47 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
 
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
+@pytest.mark.parametrize("sample, n_tokens", [
+    ({}, 32), pytest.param(SAMPLED, 16, marks=pytest.mark.slow)], ids=["greedy", "sampled"])
+def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens):
+    """n_tokens x 2 rows through `speculative.speculative_generate` with the megakernel's verify
+    (`as_verify`, K = 6, forced acceptance 5 from plain decoding's own continuation): the tokens
+    and the final caches and states are those of plain decoding with the megakernel decode step,
+    bit for bit — greedy, and sampled with the same seed (the targets drawn in the call by the
+    decode step's rule)."""
+    from mkresearch import drafters, speculative
+
+    batch, drafts, prompt_len = 2, 6, 8
+    prompt = np.asarray(jax.random.randint(jax.random.key(3), (batch, prompt_len), 0,
+                                           MINI.vocab_size))
+    # plain decoding: the prompt on the reference (as speculative_generate), then the megakernel
+    logits, plain_state = reference.prefill(mini_params, reference.init_state(MINI, batch),
+                                            prompt, MINI)
+    token = sampling.sample(logits[:, -1], seed=SEED, positions=np.full(batch, prompt_len),
+                            **sample)
+    plain = [np.asarray(token)]
+    for i in range(n_tokens - 1 + drafts):  # drafts further: the forced drafter's oracle
+        token, state, _ = mk.decode_step(mini_params, copy_state(plain_state), plain[-1],
+                                         np.full(batch, prompt_len + i, np.int32), MINI,
+                                         seed=SEED, **sample)
+        if i < n_tokens - 1:
+            plain_state = state
+        plain.append(np.asarray(token))
+    plain = np.stack(plain, axis=1)
+    drafter = drafters.get_drafter("forced:5", oracle=np.concatenate([prompt, plain], axis=1))
+    tokens, state, stats = speculative.speculative_generate(
+        mini_params, reference.init_state(MINI, batch), prompt, n_tokens, MINI, k=drafts,
+        drafter=drafter, seed=SEED, verify=mv.as_verify(), **sample)
+    np.testing.assert_array_equal(np.asarray(tokens), plain[:, :n_tokens])
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      np.asarray(want).view(np.uint8))
+    # 1 token from the prefill, then 6 per verify step (5 drafts accepted and the bonus)
+    assert stats["steps"] == -(-(n_tokens - 1) // (drafts))
+    print(f"{sample or 'greedy'}: {stats['steps']} verify steps, {stats['tokens_per_step']:.2f} "
+          f"tokens per row and step; {n_tokens} x {batch} tokens and every state leaf equal")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout_name, batch, drafts, accept, sampled", [
     ("expanded", 1, 1, 1, False), ("expanded", 1, 6, 3, False), ("expanded", 2, 3, 0, False),
