@@ -52,6 +52,11 @@ NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-saniti
 # thread; each test file stays in one worker, so module fixtures are shared), then nbval, also
 # in two workers, over every committed notebook (fact cells are compared, and each notebook's run time against its
 # budget: notebooks/conftest.py) under the default XLA:CPU configuration and under OTHER_XLA_FLAGS.
+# The sweeps marked `exhaustive` (every combination of cases whose named ones `make test` runs),
+# the whole sharded matrix of tests/test_sharded.py, and the rest: over an hour here.
+test-exhaustive: venv
+	MKRESEARCH_EXHAUSTIVE=1 MKRESEARCH_SHARDED_FULL=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests
+
 test: venv browser
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 ifneq ($(NOTEBOOKS),)
@@ -80,4 +85,4 @@ notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
 		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
 
-.PHONY: venv demo browser test test-fast lab figures recorded notebooks
+.PHONY: venv demo browser test test-exhaustive test-fast lab figures recorded notebooks

@@ -5,6 +5,7 @@ Keep this generic: fixtures of one kernel live in that kernel's test module.
 
 
 import gc
+import os
 
 import pytest
 
@@ -44,3 +45,18 @@ def pytest_runtest_teardown(item, nextitem):
 
         jax.clear_caches()
         gc.collect()
+
+
+EXHAUSTIVE = os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """`exhaustive` tests (every combination of a sweep whose named cases run anyway) are opt-in:
+    MKRESEARCH_EXHAUSTIVE=1 (`make test-exhaustive`). `make test` stays within its time budget."""
+    if EXHAUSTIVE:
+        return
+    skip = pytest.mark.skip(reason="exhaustive sweep: MKRESEARCH_EXHAUSTIVE=1 (make "
+                                   "test-exhaustive) runs it")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)

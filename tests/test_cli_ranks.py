@@ -80,6 +80,7 @@ def test_decode_on_2_ranks_in_a_child_json():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the child's decode path runs in test_decode_on_2_ranks_in_a_child_json
 def test_bench_on_2_ranks_adds_per_rank_rows(tmp_path):
     """bench --ranks 2: the single device's rows as before, then the sharded rows (printed and in
     decode_bench.json) with one entry per rank."""

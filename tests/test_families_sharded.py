@@ -14,6 +14,7 @@ FAMILIES = ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_families_sharded_on_simulated_devices():
     """Each family's mini: 2 greedy steps sharded (2 or 8 ranks) equal the single-device
     megakernel's tokens, logits and cache slices to the bit; per-rank DMA bytes = the layout's

@@ -251,6 +251,7 @@ def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample,
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("layout_name, batch, drafts, accept, sampled", [
     ("expanded", 1, 1, 1, False), ("expanded", 1, 6, 3, False), ("expanded", 2, 3, 0, False),
     ("expanded", 2, 3, 3, True), ("latent", 1, 3, 1, True)])
@@ -266,6 +267,7 @@ def test_64_rows(race_checked, mini_params):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", ["deepseek-v3-mini", "qwen3-235b-a22b-mini"])
 def test_other_families(race_checked, name):
     """MLA with RoPE (DeepSeek-V3: the MTP drafter's family) and GQA rows on a shared cache row."""

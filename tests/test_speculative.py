@@ -113,6 +113,7 @@ def test_greedy_forced_is_lossless(plain, layout, batch, k, accepts):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -294,6 +295,7 @@ def test_ngram_lookup():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # test_cli_speculative decodes deepseek-v3-mini with mtp, lossless
 def test_mtp_drafter_is_lossless_on_deepseek():
     cfg = get_config("deepseek-v3-mini").replace(name="deepseek-v3-mini-2l", n_layers=2,
                                                  mla_first=1, max_seq_len=64)
