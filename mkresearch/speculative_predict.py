@@ -109,14 +109,14 @@ def release_rows(cfg: ModelConfig, *, calibrated: bool = False, chip: str = "tpu
 
 def acceptance_curve(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELEASE, *,
                      batch: int = 1, chip: str = "tpu7x",
-                     interconnect: links.Interconnect | None = None) -> list[dict]:
-    """tok/s against acceptance length a = 1 .. 8 under two draft policies: k = 7 drafts always
-    (the release's forced-acceptance benchmark), and k = a - 1 (draft only what is accepted: the
-    fewest verify rows; a = 1 is plain decoding)."""
+                     interconnect: links.Interconnect | None = None,
+                     acceptances: tuple[int, ...] = tuple(range(1, MAX_DRAFTS + 2))) -> list[dict]:
+    """tok/s against acceptance length a (default 1 .. 8) under two draft policies: k = 7 drafts
+    always (the release's forced-acceptance benchmark), and k = a - 1 (draft only what is
+    accepted: the fewest verify rows; a = 1 is plain decoding)."""
     points = []
     fixed = predict_speculative(cfg, n_ranks, name, batch=batch, drafts=MAX_DRAFTS,
-                                acceptances=tuple(range(1, MAX_DRAFTS + 2)), chip=chip,
-                                interconnect=interconnect)
+                                acceptances=acceptances, chip=chip, interconnect=interconnect)
     for row in fixed:
         a = row["acceptance"]
         if a == 1:
