@@ -52,10 +52,10 @@ from mkresearch.kernels.megakernel_plan import (
     make_plan,
 )
 
-from mkresearch import reference, spec, tpu
+from mkresearch import reference, spec, speculative, tpu
 from mkresearch.config import ModelConfig
 
-MAX_DRAFTS = 7  # K: draft tokens per batch row
+MAX_DRAFTS = speculative.MAX_DRAFTS  # K: draft tokens per batch row (the reference's limit)
 
 
 def check_tokens(tokens: Any, positions: Any, cfg: ModelConfig, seq_len: int) -> tuple[int, int]:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch import calibration, scale_out
+from mkresearch import calibration, scale_out, speculative
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
 from mkresearch.config import ModelConfig
 
-MAX_DRAFTS = 7
-MAX_VERIFY_ROWS = 64
+MAX_DRAFTS = speculative.MAX_DRAFTS  # the verify call's limits (one source: the reference's)
+MAX_VERIFY_ROWS = speculative.MAX_ROWS
 RELEASE_DRAFTS = 7  # ASSUMPTION (see the module docstring)
 
 
