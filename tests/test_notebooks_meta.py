@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+# Subprocess timeouts only guard against a hang; they are far above any run time, not speed limits.
+HANG_GUARD_S = 1800
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
 SOURCES = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"))
 SETUP_FIRST_LINE = ("# Setup: works on Colab, on a TPU VM and on a laptop. "
@@ -112,17 +114,23 @@ TINY_NOTEBOOK = {"cells": [{"cell_type": "code", "execution_count": None, "id": 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget, passes", [("1000", True), ("0.001", False)])
-def test_nbval_run_fails_a_notebook_over_its_time_budget(tmp_path, budget, passes):
-    """notebooks/conftest.py times each notebook's nbval run (no second run) and fails its last
-    cell over the budget."""
+@pytest.mark.parametrize("budget, over", [("1000", False), ("0.001", True)])
+def test_nbval_run_reports_notebook_times_and_never_fails_on_time(tmp_path, budget, over):
+    """notebooks/conftest.py times each notebook's nbval run (no second run) and its cells; a
+    notebook over the budget gets a warning naming it and its slowest cells, and the run still
+    passes (a wall-clock limit on a shared machine is a coin toss). The table can go to a file."""
     shutil.copy(NOTEBOOKS_DIR / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "tiny.ipynb").write_text(json.dumps(TINY_NOTEBOOK))
+    table = tmp_path / "times.md"
     done = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), str(tmp_path / "tiny.ipynb")],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=os.environ | {"MKRESEARCH_NOTEBOOK_BUDGET_S": budget})
-    assert (done.returncode == 0) == passes, done.stdout[-2000:]
+                          check=False, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          cwd=tmp_path, env=os.environ | {"MKRESEARCH_NOTEBOOK_BUDGET_S": budget,
+                                                          "MKRESEARCH_NOTEBOOK_TIMES": str(table)})
+    assert done.returncode == 0, done.stdout[-2000:]
     assert "notebook run times" in done.stdout and "tiny.ipynb:" in done.stdout
-    if not passes:
+    assert ("WARNING: tiny.ipynb ran for" in done.stdout) == over
+    if over:
         assert "over the 0 s budget of one notebook" in done.stdout
+        assert "slowest cells: Cell 0" in done.stdout
+    assert table.read_text().splitlines()[2].startswith("| tiny.ipynb |")

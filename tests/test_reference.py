@@ -3,7 +3,6 @@ cache layouts, the attention-residual mix formula, engineered router ties, the �
 decoding vs teacher forcing. Tolerances are spec/kimi-k3.md §11 unless stated."""
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -351,18 +350,6 @@ def test_latent_layout_step_shapes():
     assert logits.shape == (2, cfg.vocab_size)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), new_state) == jax.tree.map(
         lambda a: (a.shape, a.dtype), state)
-
-
-def test_mini_step_is_well_under_a_second(params):
-    state, tokens = R.init_state(MINI, 2), np.array([1, 2])  # B=2: reuses the compiled step
-    positions = np.array([0, 3], np.int32)
-    jax.block_until_ready(R.decode_step(params, state, tokens, positions, MINI))  # compile
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(R.decode_step(params, state, tokens, positions, MINI))
-        times.append(time.perf_counter() - start)
-    assert min(times) < 1.0, times  # measured ≈0.03 s (B=2, 2 busy cores)
 
 
 def test_bad_inputs_raise_value_error(params):

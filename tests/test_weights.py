@@ -1,7 +1,6 @@
 """Parameters: shapes without allocation, deterministic init, healthy activations and routing,
 exact MXFP4 / FP8 round trips, and the byte counts of spec/kimi-k3.md §7 and §10."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +44,6 @@ def test_init_matches_param_shapes(fmt):
     for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(params)):
         assert (s.shape, s.dtype) == (p.shape, p.dtype)
     assert weights.nbytes(shapes) == weights.nbytes(params)
-
-
-def test_init_is_fast():
-    start = time.perf_counter()
-    jax.block_until_ready(weights.init_params(MINI, seed=5))
-    assert time.perf_counter() - start < 5.0  # measured ≈0.7 s (first call, compile included)
 
 
 def test_activations_stay_order_one_and_every_expert_is_chosen(mini_params):
@@ -156,9 +149,7 @@ def test_dequantize_is_exact_in_bf16(fmt):
 
 # ---- sizes (spec §7, §10) ---------------------------------------------------------------------
 def test_full_size_param_shapes_do_not_allocate_and_match_the_spec_counts():
-    start = time.perf_counter()
-    shapes = weights.param_shapes(FULL)  # 2.78 T parameters: must not allocate
-    assert time.perf_counter() - start < 2.0
+    shapes = weights.param_shapes(FULL)  # 2.78 T parameters: must not allocate (time: bench-speed)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
     total = weights.n_values(shapes)
     routed = weights.n_values(shapes["moe"]["experts"])
