@@ -39,6 +39,12 @@ class CollectiveRun:
     start: float  # the last arrival
     end: float
     price: links.Price
+    waited: tuple[float, ...] = ()  # per member, when it began to wait (default its arrival;
+    # later for a collective started early and waited after other work: overlap)
+
+    def wait_from(self, rank: int) -> float:
+        i = self.group.index(rank)
+        return self.waited[i] if self.waited else self.arrivals[i]
 
 
 @dataclass(frozen=True)
@@ -66,25 +72,34 @@ class RanksTimeline:
         """Seconds of `rank`'s step (default the slowest) by PARTS; they sum to its total."""
         rank = self.slowest_rank if rank is None else rank
         tl = self.timeline(rank)
-        moving = merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma")
-        waiting, messages = [], []
-        for run in self.collectives:
-            if rank in run.group:
-                waiting.append((run.arrivals[run.group.index(rank)], run.start))
-                messages.append((run.start, run.end))
-        layers = (("waiting_for_peers", merge_intervals(waiting)),
-                  ("collective_messages", merge_intervals(messages)),
-                  ("compute", merge_intervals((s.start, s.end) for s in tl.spans
-                                              if s.kind == "compute")))
-        out = {"hbm_floor": sum(b - a for a, b in moving)}
-        free = _subtract([(0.0, tl.total_s)], moving)
-        for name, busy in layers:
-            taken = _intersect(free, busy)
-            out[name] = sum(b - a for a, b in taken)
-            free = _subtract(free, taken)
-        out["bubble"] = sum(b - a for a, b in free)
-        out["total"] = tl.total_s
-        return out
+        return decompose(tl.total_s,
+                         merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma"),
+                         merge_intervals((s.start, s.end) for s in tl.spans
+                                         if s.kind == "compute"), self.collectives, rank)
+
+
+def decompose(total_s: float, moving: list, compute: list, collectives, rank: int
+              ) -> dict[str, float]:
+    """A rank's step by PARTS from its HBM-busy and compute intervals (sorted, disjoint) and the
+    collectives it is in: the HBM floor first, then of the time HBM idles waiting for peers,
+    collective messages, compute, and the rest (bubbles)."""
+    waiting, messages = [], []
+    for run in collectives:
+        if rank in run.group:  # the part of the collective the rank waits for
+            since = run.wait_from(rank)
+            waiting.append((since, run.start))
+            messages.append((max(since, run.start), run.end))
+    layers = (("waiting_for_peers", merge_intervals(waiting)),
+              ("collective_messages", merge_intervals(messages)), ("compute", compute))
+    out = {"hbm_floor": sum(b - a for a, b in moving)}
+    free = _subtract([(0.0, total_s)], moving)
+    for name, busy in layers:
+        taken = _intersect(free, busy)
+        out[name] = sum(b - a for a, b in taken)
+        free = _subtract(free, taken)
+    out["bubble"] = sum(b - a for a, b in free)
+    out["total"] = total_s
+    return out
 
 
 def _intersect(a: list, b: list) -> list:
@@ -101,15 +116,17 @@ def _intersect(a: list, b: list) -> list:
 
 
 def _subtract(a: list, b: list) -> list:
-    out = []
+    """a minus b, both sorted and disjoint: one sweep."""
+    out, j = [], 0
     for lo, hi in a:
-        cursor = lo
-        for blo, bhi in b:
-            if bhi <= cursor or blo >= hi:
-                continue
-            if blo > cursor:
-                out.append((cursor, blo))
-            cursor = max(cursor, bhi)
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        cursor, k = lo, j
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
         if cursor < hi:
             out.append((cursor, hi))
     return out
