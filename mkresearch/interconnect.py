@@ -56,9 +56,6 @@ SIBLING_MEASURED = ((256 * KIB, 101e9), (16 * MIB, 610e9))
 COLLECTIVE_MEASURED = ((8 * 8192 * 2, 7.3 * US), (8 * 8192 * 4, 9.4 * US),
                        (64 * 4096 * 2, 14.5 * US), (64 * 4096 * 4, 25.4 * US))
 COLLECTIVE_MEASURED_ON = "tpu7x:2x2x1"
-# spec/collectives.md: chip-hierarchical all-reduce (4 phases) on the same 8 cores: not fitted, a
-# check of the phase model out of sample
-HIERARCHICAL_MEASURED = ((64 * 4096 * 2, 13.5 * US), (8 * 8192 * 2, 9.3 * US))
 ICI_PER_CORE = 45e9  # spec/collectives.md: one cross-chip link, per core per direction, measured
 INJECTION_MEASURED = 134e9  # spec/collectives.md: three links together, one core, measured
 HOP_LATENCY = 0.5 * US  # spec/collectives.md: "~0.5-1 us per hop is the usual estimate": ASSUMPTION
@@ -80,9 +77,9 @@ def fit_phases(points, phases: int = 2) -> tuple[float, float]:
     """(phase latency s, link bandwidth B/s): least squares of t = phases (latency + bytes /
     bandwidth) through measured (bytes on the busiest link per phase, seconds) points."""
     xs, ys = [b for b, _ in points], [t / phases for _, t in points]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    del n
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / \
+        sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, 1.0 / slope
 
 
@@ -167,9 +164,9 @@ def _figures(chip: str) -> tuple[dict, dict]:
                "hop_latency": f"ASSUMPTION: {HOP_LATENCY / US:g} us per hop beyond the 2 of the "
                               "measured 4-chip slice (spec/collectives.md: ~0.5-1 us usual)"}
     if chip != "tpu7x":  # no measured collective on these chips: their link is the published one
+        axes = len(get_slice(DEFAULT_SLICE[chip]).dims)
         values |= {"ici_bandwidth": PUBLISHED_LINK[chip],
-                   "injection_bandwidth": PUBLISHED_LINK[chip] * 2 * len(DEFAULT_SLICE[chip]
-                                                                       .split(":")[1].split("x"))}
+                   "injection_bandwidth": PUBLISHED_LINK[chip] * 2 * axes}
         sources |= {"ici_bandwidth": "PUBLISHED: architecture figure per link one way "
                                      "(spec/collectives.md)",
                     "injection_bandwidth": "ASSUMPTION: every link of the chip at once",

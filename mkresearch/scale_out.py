@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -273,6 +274,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     return blocks, programs
 
 
+@functools.lru_cache(maxsize=256)
 def _ordered(matrices, sched: Schedule):
     """The release computes the shared expert before the routed ones (its reduction hides
     behind their stream: spec/collectives.md): the shared matrices move before W_lu."""
@@ -408,6 +410,19 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
 def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
              inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
              seed: int, timeline: str | TimelineChip) -> dict:
+    collecting = gc.isenabled()
+    gc.disable()  # a step allocates ~10^5 small objects and frees none: no cycles to look for
+    try:
+        return _predict_uncollected(cfg, n_ranks, name, batch, chip, inter, algorithm, sched,
+                                    context, seed, timeline)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
+                         inter: links.Interconnect, algorithm: str, sched: Schedule,
+                         context: int, seed: int, timeline: str | TimelineChip) -> dict:
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
                                      seed=seed)
     lay = layouts.layout(cfg, n_ranks, name)

@@ -135,11 +135,21 @@ class _Rank:
             elif kind == "fetch":
                 _, nbytes, count, slots = op
                 ends = [self._dma(nbytes) for _ in range(min(slots, count))]
+                duration = nbytes * max(self.batch * self.per_flop, self.per_vmem)
+                compute, t = self.compute, self.t
                 for i in range(count):
-                    self.t = max(self.t, ends[i])
-                    self._multiply(nbytes)
+                    if t < ends[i]:
+                        t = ends[i]
+                    if compute and t <= compute[-1][1]:
+                        compute[-1][1] = t + duration
+                    else:
+                        compute.append([t, t + duration])
+                    t += duration
                     if i + slots < count:
+                        self.t = t
                         ends.append(self._dma(nbytes))
+                self.t = t
+                self.flops += self.batch * nbytes * count
             elif kind == "write":
                 self.writes.append(self._dma(op[1]))
             elif kind == "start":
@@ -258,14 +268,8 @@ class SimulatedRanks(RanksTimeline):
         object.__setattr__(self, "timelines", tuple(timelines))
         return self.timelines
 
-    @property
-    def total_s(self) -> float:
-        return max(s.total for s in self._sims)
-
-    @property
-    def slowest_rank(self) -> int:
-        i = max(range(len(self._sims)), key=lambda i: (self._sims[i].total, -i))
-        return self.ranks[i]
+    def rank_totals(self) -> list[float]:
+        return [s.total for s in self._sims]
 
     def dma_bytes(self, rank: int) -> float:
         return self._sims[self.ranks.index(rank)].dma_bytes

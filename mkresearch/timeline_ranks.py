@@ -55,15 +55,19 @@ class RanksTimeline:
     algorithm: str
     ranks: tuple[int, ...]  # the rank id of each timeline
 
+    def rank_totals(self) -> list[float]:
+        """Each rank's step, in `ranks` order."""
+        return [t.total_s for t in self.timelines]
+
     @property
     def total_s(self) -> float:
-        return max(t.total_s for t in self.timelines)
+        return max(self.rank_totals())
 
     @property
     def slowest_rank(self) -> int:
         """The id of the rank whose step ends last (the lowest id of a tie)."""
-        i = max(range(len(self.timelines)), key=lambda i: (self.timelines[i].total_s, -i))
-        return self.ranks[i]
+        totals = self.rank_totals()
+        return self.ranks[max(range(len(totals)), key=lambda i: (totals[i], -i))]
 
     def timeline(self, rank: int) -> Timeline:
         return self.timelines[self.ranks.index(rank)]
