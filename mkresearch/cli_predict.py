@@ -177,8 +177,8 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
     """Every constant the prediction uses, with its label and source."""
     inter = links.interconnect(chip, n_ranks=n_ranks)
     tl = timeline_chip(chip)
-    lines = [f"constants of the scale-out model ({chip}, slice {inter.slice.name}); labels: "
-             "MEASURED (source), PUBLISHED architecture figure, ASSUMPTION"]
+    lines = [(f"constants of the scale-out model ({chip}, slice {inter.slice.name}); labels: "
+              "MEASURED (source), PUBLISHED architecture figure, ASSUMPTION")]
     for name, value, source in inter.explain():
         lines.append(f"  interconnect.{name:20s} {value:12.4g}  {source}")
     for name in ("hbm_bandwidth", "mxu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines"):
@@ -199,11 +199,11 @@ def format_validation() -> str:
     """The validation table, the leave-one-out of the collective fit, the sensitivity."""
     sens = calibration.sensitivity()
     loo = calibration.leave_one_out()
-    lines = [f"validation: every published point, predicted out of sample (within "
-             f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
-             "assumption x0.5 and x2; LOO: the collective fit without each measurement",
-             f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
-             f"{'within':>6s} {'range':>13s} {'LOO range':>13s}"]
+    lines = [(f"validation: every published point, predicted out of sample (within "
+              f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
+              "assumption x0.5 and x2; LOO: the collective fit without each measurement"),
+             (f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
+              f"{'within':>6s} {'range':>13s} {'LOO range':>13s}")]
     for r in sens["base"]:
         low, high = sens["ranges"][r["point"]]
         llow, lhigh = loo["ranges"][r["point"]]

@@ -116,8 +116,9 @@ class Interconnect:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < 1e-3):
                 raise ValueError(f"Interconnect.{name}={value!r} is invalid: seconds in [0, 1e-3)")
-        if not isinstance(self.slice, Slice):
-            raise ValueError(f"Interconnect.slice={self.slice!r} is invalid: a topology.Slice")
+        if not isinstance(self.slice, Slice):  # bad input: a ValueError, the house rule
+            raise ValueError(  # noqa: TRY004
+                f"Interconnect.slice={self.slice!r} is invalid: a topology.Slice")
 
     @property
     def cores_per_chip(self) -> int:

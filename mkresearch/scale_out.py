@@ -36,7 +36,6 @@ import functools
 import gc
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -137,14 +136,13 @@ class Program:
     """One rank's ops for `scale_out_sim` over the shared ring of weight `blocks`."""
 
     def __init__(self, blocks: list[int], batch: int) -> None:
-        self.blocks, self.batch, self.ops, self.at = blocks, batch, [], 0
+        self.blocks, self.batch, self.ops = blocks, batch, []
 
     def block(self, count: int = 1) -> None:
         if self.ops and self.ops[-1][0] == "blocks":
             self.ops[-1] = ("blocks", self.ops[-1][1] + count)
         else:
             self.ops.append(("blocks", count))
-        self.at += count
 
     def fetch(self, nbytes: float, count: int, slots: int) -> None:
         if count:

@@ -27,19 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from mkresearch import interconnect as links
-from mkresearch.timeline import COMPUTE_LANE, Span, Timeline, TimelineChip, timeline_chip
+from mkresearch.timeline import (COMPUTE_LANE, Span, Timeline, TimelineChip, append_interval,
+                                 timeline_chip)
 from mkresearch.timeline_ranks import CollectiveRun, RanksTimeline, decompose
-
-
-def _add(intervals: list, a: float, b: float) -> None:
-    """Append [a, b) to a sorted, merged list whose intervals start no later than a."""
-    if b <= a:
-        return
-    if intervals and a <= intervals[-1][1]:
-        if b > intervals[-1][1]:
-            intervals[-1][1] = b
-    else:
-        intervals.append([a, b])
 
 
 class _Rank:
@@ -72,15 +62,8 @@ class _Rank:
         end = start + nbytes / self.bw
         self.free = end
         self.dma_bytes += nbytes
-        _add(self.dma, start, end)
+        append_interval(self.dma, start, end)
         return end
-
-    def _multiply(self, nbytes: float) -> None:
-        flops = self.batch * nbytes  # 2 FLOP per bf16 weight element per row
-        duration = max(flops * self.per_flop, nbytes * self.per_vmem)
-        _add(self.compute, self.t, self.t + duration)
-        self.t += duration
-        self.flops += flops
 
     def _fill(self) -> None:
         limit = min(self.consumed + self.banks, self.barriers[self.next_barrier])
@@ -94,27 +77,23 @@ class _Rank:
         self._fill()
         for op in self.ops:
             kind = op[0]
-            if kind == "blocks":  # the hot loop: _fill, _dma and _multiply inlined
+            if kind == "blocks":  # the hot loop: _fill and _dma inlined, then the multiply
                 blocks, ends, dma, compute = self.blocks, self.ends, self.dma, self.compute
                 lat, per_byte, banks = self.lat, 1.0 / self.bw, self.banks
                 per_block = self.batch * self.per_flop
-                if per_block < self.per_vmem:
-                    per_block = self.per_vmem
+                per_block = max(per_block, self.per_vmem)
                 t, free, issued, consumed = self.t, self.free, self.issued, self.consumed
                 horizon = self.barriers[self.next_barrier]
                 issued_bytes = 0.0
                 for _ in range(op[1]):
-                    if t < ends[consumed]:
-                        t = ends[consumed]
+                    t = max(t, ends[consumed])
                     nbytes = blocks[consumed]
                     consumed += 1
                     limit = consumed + banks
-                    if limit > horizon:
-                        limit = horizon
+                    limit = min(limit, horizon)
                     while issued < limit:
                         start = t + lat
-                        if start < free:
-                            start = free
+                        start = max(start, free)
                         free = start + blocks[issued] * per_byte
                         ends[issued] = free
                         issued_bytes += blocks[issued]
@@ -138,8 +117,7 @@ class _Rank:
                 duration = nbytes * max(self.batch * self.per_flop, self.per_vmem)
                 compute, t = self.compute, self.t
                 for i in range(count):
-                    if t < ends[i]:
-                        t = ends[i]
+                    t = max(t, ends[i])
                     if compute and t <= compute[-1][1]:
                         compute[-1][1] = t + duration
                     else:
@@ -255,6 +233,8 @@ class SimulatedRanks(RanksTimeline):
         object.__setattr__(self, "ranks", ranks)
 
     def __getattr__(self, name: str):
+        # called only for attributes not set: `timelines` is built here on first use (the
+        # explorer draws spans; a prediction reads the intervals), then set like a field
         if name != "timelines":
             raise AttributeError(name)
         timelines = []
@@ -263,7 +243,7 @@ class SimulatedRanks(RanksTimeline):
             spans += [Span(lane=COMPUTE_LANE, name="compute", start=a, end=b, kind="compute")
                       for a, b in s.compute]
             timelines.append(Timeline(chip=self._chip, spans=tuple(spans), vmem=((0.0, 0),),
-                                      total_s=s.total, dma_bytes=int(round(s.dma_bytes)),
+                                      total_s=s.total, dma_bytes=round(s.dma_bytes),
                                       flops=s.flops, idle=()))
         object.__setattr__(self, "timelines", tuple(timelines))
         return self.timelines

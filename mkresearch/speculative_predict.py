@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch import scale_out, speculative
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
+from mkresearch import scale_out, speculative
 from mkresearch.config import ModelConfig
 
 MAX_DRAFTS = speculative.MAX_DRAFTS  # the verify call's limits (one source: the reference's)
