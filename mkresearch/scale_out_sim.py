@@ -27,8 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mkresearch import interconnect as links
-from mkresearch.timeline import (COMPUTE_LANE, Span, Timeline, TimelineChip, append_interval,
-                                 timeline_chip)
+from mkresearch.timeline import (
+    COMPUTE_LANE,
+    Span,
+    Timeline,
+    TimelineChip,
+    append_interval,
+    timeline_chip,
+)
 from mkresearch.timeline_ranks import CollectiveRun, RanksTimeline, decompose
 
 
