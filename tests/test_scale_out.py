@@ -369,6 +369,15 @@ def test_predict_command_explains_validates_and_profiles(capsys):
     assert "profile: one 8-rank prediction" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_predict_command_validates(capsys):
+    assert cli.main(["predict", "kimi-k3", "--validate"]) == 0
+    out = capsys.readouterr().out
+    for point in ("Kimi K3 B=1", "Kimi K3 B=8", "816B-A42B B=1", "speculative a=6"):
+        assert point in out
+    assert "leave-one-out" in out and "sensitivity" in out and out.count(" NO ") == 1
+
+
 def test_predict_command_table(capsys):
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "2", "--batch", "1",
                      "--layout", "release", "--schedule", "ours", "--algorithm", "ring"]) == 0
