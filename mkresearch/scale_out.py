@@ -244,6 +244,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     wire = PARTIAL_SUM_BYTES if sched.combine == "partial-sum" else F32
     programs = []
     moe_layers = set(cfg.moe_layers)
+    stage_ops: dict[tuple, list] = {}
     for rank in reps:
         prog = Program(blocks, batch)
         prog.fetch(counted.component("embedding_rows"), 1, 1)
@@ -259,9 +260,16 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                 if sched.combine == "exact":
                     _exact_stage(prog, lay, sched, cfg, kind, stages[kind], rules, rank,
                                  routed_here if kind == ffn else None, expert_bytes)
-                else:
-                    _release_stage(prog, lay, sched, cfg, kind, stages[kind], rank,
-                                   routed_here if kind == ffn else None, expert_bytes)
+                else:  # a stage's ops depend on the rank and its expert count only: built once
+                    routed_stage = routed_here if kind == ffn else None
+                    key = (kind, rank, None if routed_stage is None
+                           else int(routed_stage[_expert_group(lay, rank)]))
+                    if key not in stage_ops:
+                        scratch = Program(blocks, batch)
+                        _release_stage(scratch, lay, sched, cfg, kind, stages[kind], rank,
+                                       routed_stage, expert_bytes)
+                        stage_ops[key] = scratch.ops
+                    prog.ops += stage_ops[key]
                 if kind == attention:
                     prog.write(state / 2)
             moe_index += layer in moe_layers

@@ -72,10 +72,19 @@ class _Rank:
         return end
 
     def _fill(self) -> None:
+        blocks, ends, dma, lat, per_byte = self.blocks, self.ends, self.dma, self.lat, 1 / self.bw
+        t, free, issued = self.t, self.free, self.issued
         limit = min(self.consumed + self.banks, self.barriers[self.next_barrier])
-        while self.issued < limit:
-            self.ends[self.issued] = self._dma(self.blocks[self.issued])
-            self.issued += 1
+        while issued < limit:  # _dma inlined: the ring refills a dozen blocks at once
+            start = t + lat
+            if start < free:
+                start = free
+            free = start + blocks[issued] * per_byte
+            ends[issued] = free
+            self.dma_bytes += blocks[issued]
+            append_interval(dma, start, free)
+            issued += 1
+        self.free, self.issued = free, issued
 
     def run(self):
         """A generator: yields ("start", op, t) and ("wait", name, t); a wait is sent the time

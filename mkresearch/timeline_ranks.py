@@ -6,7 +6,9 @@ starts when the last member arrives (a collective waits for its slowest peer) an
 messages of its algorithm (`mkresearch.interconnect.price`). The weight DMAs a rank issued before
 it keep moving meanwhile: a collective hides behind HBM traffic only as far as the stream runs
 ahead. The logs are SPMD: every rank meets the same collectives in the same order (groups may
-differ, e.g. each expert group its own).
+differ, e.g. each expert group its own). `scale_out`'s programs run in `scale_out_sim` instead:
+the same model with one DMA engine in closed form, and collectives that may be started early
+and waited later (overlap); tests hold the two equal on a blocking program.
 
 `RanksTimeline.decomposition()` splits the slowest rank's step exactly: the HBM floor (its DMA
 bytes at full bandwidth: HBM moves bytes in exactly that much time) plus the time HBM is idle,
