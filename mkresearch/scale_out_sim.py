@@ -77,8 +77,7 @@ class _Rank:
         limit = min(self.consumed + self.banks, self.barriers[self.next_barrier])
         while issued < limit:  # _dma inlined: the ring refills a dozen blocks at once
             start = t + lat
-            if start < free:
-                start = free
+            start = max(start, free)
             free = start + blocks[issued] * per_byte
             ends[issued] = free
             self.dma_bytes += blocks[issued]
