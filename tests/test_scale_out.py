@@ -274,6 +274,12 @@ def test_bad_schedule_and_batch_are_refused():
         scale_out.predict(cfg, 2, batch=0)
     with pytest.raises(ValueError, match="Schedule.banks=0 is invalid"):
         scale_out.Schedule("x", 2**21, 0, 1, "exact", "")
+    with pytest.raises(ValueError, match="Schedule.all_reduce='tree' is invalid"):
+        scale_out.Schedule("x", 2**21, 1, 1, "exact", "", all_reduce="tree")
+    with pytest.raises(ValueError, match="algorithm='tree' is invalid"):
+        scale_out.predict(cfg, 2, algorithm="tree")
+    with pytest.raises(ValueError, match="slice='tpu7x:9x9' is invalid"):
+        topology.get_slice("tpu7x:9x9")
 
 
 # ---- validation and ours ----------------------------------------------------------------------
