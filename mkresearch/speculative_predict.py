@@ -18,7 +18,8 @@ acceptance 3: 350"), with B = 1 (ASSUMPTION: the release's headline batch):
     a step that shrinks as more is accepted, which forced acceptance cannot explain.
 So: a = tokens per verify step, and one draft length for both, k = 7 (ASSUMPTION: the largest
 our verify call takes, 8 verify rows; the implied 8.5 ms sits beside the release's own 9.25 ms
-plain step at B = 8 rows).
+plain step at B = 8 rows). A verify step of 8 rows runs the schedule's collectives for 8 rows
+(the release's reduce-scatter variant from 6: ASSUMPTION, rows rather than sequences decide).
 """
 
 from __future__ import annotations
