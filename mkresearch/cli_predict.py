@@ -5,6 +5,12 @@ timeline model (`mkresearch.scale_out`), beside the published numbers where ther
         [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
         [--speculate K --acceptance 3,6]
 
+--explain lists every constant the model uses with its label (MEASURED with its source,
+PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
+the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
+every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
+a test).
+
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.speculative_predict`).
 
@@ -15,12 +21,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
+from mkresearch import calibration, layout, scale_out
 from mkresearch import interconnect as links
-from mkresearch import layout, scale_out
 from mkresearch import speculative_predict as speculative
 from mkresearch.cli_common import UsageError, _at_least, _chip, _model, _refusals
+from mkresearch.timeline_chip import timeline_chip
 
 
 def _batches(text: str, flag: str = "--batch") -> tuple[int, ...]:
@@ -53,8 +61,8 @@ def add_parser(commands: Any) -> None:
                    help="whose layout (default: both)")
     p.add_argument("--schedule", default=None, choices=scale_out.SCHEDULES,
                    help="whose schedule: ring, expert slots, collectives (default: the layout's)")
-    p.add_argument("--algorithm", default="two-level", choices=links.ALGORITHMS,
-                   help="collective algorithm (default two-level: sibling core, then ICI)")
+    p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
+                   help="all-reduce algorithm (default: the schedule's at each batch)")
     p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
     p.add_argument("--speculate", type=int, default=0,
                    help="drafts per verify step, 1..7 (default 0: plain decoding)")
@@ -63,25 +71,34 @@ def add_parser(commands: Any) -> None:
                         "comma-separated (default: those of 3,6 — the release's published modes "
                         "— that K allows, else K+1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--explain", action="store_true",
+                   help="list every constant of the model: measured (source), published, assumed")
+    p.add_argument("--validate", action="store_true",
+                   help="the published points beside the predictions, leave-one-out, sensitivity")
+    p.add_argument("--profile", action="store_true",
+                   help="print the seconds one prediction takes (uncached)")
 
 
 def run(args: Any) -> int:
     cfg = _model(args.model)
     chip = _chip(args.chip)
+    if args.explain:
+        print(format_explain(cfg, args.ranks, chip))
+        return 0
+    if args.validate:
+        print(format_validation())
+        return 0
     batches = _batches(args.batch)
     _at_least("--ranks", args.ranks, 2)
     _at_least("--context", args.context, 0)
     _at_least("--speculate", args.speculate, 0)
     names = (args.layout,) if args.layout else layout.LAYOUTS
-    if chip not in links.INTERCONNECTS:
-        raise UsageError(f"--chip {chip!r} is invalid for predict: one of "
-                         f"{', '.join(links.INTERCONNECTS)} (spec/tpu.md has link figures for "
-                         "no other chip)")
     with _refusals():
         if not layout.has_rules(cfg):
             raise ValueError(f"--model {cfg.name} has no sharding rules (its stage kinds do not "
                              "say how they split: spec.Param.shard)")
         layout.check_ranks(cfg, args.ranks)
+        links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks
     rows = []
     todo = [(name, batch) for name in names for batch in batches]
     progress = not args.json and sys.stderr.isatty() and len(todo) > 1
@@ -104,6 +121,8 @@ def run(args: Any) -> int:
                 bar.update()
     if bar is not None:
         bar.close()
+    if args.profile:
+        print(format_profile(cfg, args.ranks, names[0], batches[0], chip))
     if args.json:
         print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
                           "predictions": rows}))
@@ -152,3 +171,64 @@ def format_rows(rows: list[dict]) -> str:
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
                  "messages, compute, bubbles; colls: collectives per rank per step")
     return "\n".join(lines)
+
+
+def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
+    """Every constant the prediction uses, with its label and source."""
+    inter = links.interconnect(chip, n_ranks=n_ranks)
+    tl = timeline_chip(chip)
+    lines = [(f"constants of the scale-out model ({chip}, slice {inter.slice.name}); labels: "
+              "MEASURED (source), PUBLISHED architecture figure, ASSUMPTION")]
+    for name, value, source in inter.explain():
+        lines.append(f"  interconnect.{name:20s} {value:12.4g}  {source}")
+    for name in ("hbm_bandwidth", "mxu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines"):
+        lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
+                     f"{tl.sources.get(name, '')}")
+    for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg)):
+        lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
+                     f"{sched.expert_slots} expert slots, {sched.combine}, all-reduce "
+                     f"{sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
+                     f"{sched.all_reduce_large}), prefetch past collectives "
+                     f"{sched.prefetch_across}; {sched.source}")
+    lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
+    lines.append("  no constant is set from a published step time (calibration.validation)")
+    return "\n".join(lines)
+
+
+def format_validation() -> str:
+    """The validation table, the leave-one-out of the collective fit, the sensitivity."""
+    sens = calibration.sensitivity()
+    loo = calibration.leave_one_out()
+    lines = [(f"validation: every published point, predicted out of sample (within "
+              f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
+              "assumption x0.5 and x2; LOO: the collective fit without each measurement"),
+             (f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
+              f"{'within':>6s} {'range':>13s} {'LOO range':>13s}")]
+    for r in sens["base"]:
+        low, high = sens["ranges"][r["point"]]
+        llow, lhigh = loo["ranges"][r["point"]]
+        lines.append(f"  {r['point']:26s} {r['published']:7.2f} {r['unit']:>2s} "
+                     f"{r['predicted']:7.2f} {r['unit']:>2s} {r['ratio']:6.2f} "
+                     f"{'yes' if r['within'] else 'NO':>6s}   {low:4.2f} .. {high:4.2f}"
+                     f"   {llow:4.2f} .. {lhigh:4.2f}")
+    lines.append("  ratio: predicted / published time per token (step; 1 / tok/s)")
+    lines.append("collective fit, leave-one-out (rs-ag on 8 cores):")
+    for h in loo["held_out"]:
+        lines.append(f"  {h['nbytes']:8d} B: measured {h['measured_us']:5.1f} us, predicted "
+                     f"{h['predicted_us']:5.1f} us from the other three")
+    lines.append("sensitivity (ratio per point):")
+    points = [r["point"] for r in sens["base"]]
+    for row in sens["rows"]:
+        lines.append(f"  {row['assumption']:40s} x{row['factor']:<4g}" + " ".join(
+            f"{row['ratios'][p]:5.2f}" for p in points))
+    return "\n".join(lines)
+
+
+def format_profile(cfg: Any, n_ranks: int, name: str, batch: int, chip: str) -> str:
+    """Seconds (CPU and wall) of one uncached prediction: the programs and their simulation."""
+    scale_out.clear_caches()
+    cpu, wall = time.process_time(), time.perf_counter()
+    scale_out.predict(cfg, n_ranks, name, batch, chip=chip)
+    return (f"profile: one {n_ranks}-rank prediction ({name} layout, B = {batch}, uncached) "
+            f"took {time.process_time() - cpu:.3f} s CPU, {time.perf_counter() - wall:.3f} s "
+            "wall (a benchmark: never asserted)")

@@ -37,7 +37,7 @@ Two layouts:
     release  spec §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
              FFN hidden sliced (dense 1056 -> 1152, shared 192 -> 256), the MoE latent sliced;
              the router and the attention's latent down-projections (down_cols) whole on every
-             rank; routed experts in the released format (FP8 gate/up, MXFP4 down, spec §7).
+             rank (an ASSUMPTION: §9 does not say); routed experts in the released format (FP8 gate/up, MXFP4 down, spec §7).
              At full size: 7.0 GB of weights per rank at B = 1 (the spec: ≈ 6.97).
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
@@ -81,7 +81,9 @@ LAYOUTS = (OURS, RELEASE)
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
-# groups the release keeps whole on every rank (spec §9: the router and latent projections)
+# groups the release keeps whole on every rank: the router and the latent down-projections.
+# ASSUMPTION: spec §9 does not say how they split (spec/collectives.md splits the router's scores
+# between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
 

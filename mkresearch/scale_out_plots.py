@@ -157,8 +157,9 @@ class ScaleOutExplorer:
         self.layout = w.Dropdown(options=["ours", "release"], value=layout, description="layout")
         self.schedule = w.Dropdown(options=list(scale_out.SCHEDULES),
                                    value=schedule or layout, description="schedule")
-        self.bandwidth = w.Dropdown(options=[22.5, 45.0, 90.0, 180.0],
-                                    value=base.ici_bandwidth / 1e9, description="ICI GB/s")
+        link = round(base.ici_bandwidth / 1e9)  # the measured per-link figure, x0.5 .. x2
+        self.bandwidth = w.Dropdown(options=[link / 4, link / 2, link, 2 * link],
+                                    value=link, description="ICI GB/s")
         self.latency = w.Dropdown(options=[0.5, 1.0, round(base.ici_latency * 1e6, 1), 5.0],
                                   value=round(base.ici_latency * 1e6, 1), description="ICI µs")
         self.summary, self.output = w.HTML(), w.Output()

@@ -18,16 +18,17 @@ acceptance 3: 350"), with B = 1 (ASSUMPTION: the release's headline batch):
     a step that shrinks as more is accepted, which forced acceptance cannot explain.
 So: a = tokens per verify step, and one draft length for both, k = 7 (ASSUMPTION: the largest
 our verify call takes, 8 verify rows; the implied 8.5 ms sits beside the release's own 9.25 ms
-plain step at B = 8 rows).
+plain step at B = 8 rows). A verify step of 8 rows runs the schedule's collectives for 8 rows
+(the release's reduce-scatter variant from 6: ASSUMPTION, rows rather than sequences decide).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mkresearch import calibration, scale_out, speculative
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
+from mkresearch import scale_out, speculative
 from mkresearch.config import ModelConfig
 
 MAX_DRAFTS = speculative.MAX_DRAFTS  # the verify call's limits (one source: the reference's)
@@ -64,8 +65,8 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                         batch: int = 1, drafts: int = RELEASE_DRAFTS,
                         acceptances: tuple[int, ...] = (3, 6), chip: str = "tpu7x",
                         interconnect: links.Interconnect | None = None,
-                        algorithm: str = "two-level", schedule: Any = None,
-                        context: int = 0) -> list[dict]:
+                        algorithm: str | None = None, schedule: Any = None,
+                        context: int = 0, timeline_chip: Any = None) -> list[dict]:
     """One row per acceptance length a (1 <= a <= drafts + 1): the verify step of B (k + 1) rows,
     tok/s = B a / step, beside the plain step at `batch` and the published tok/s where there is
     one (JSON-able dicts)."""
@@ -73,7 +74,7 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
     for acceptance in acceptances:
         _int_in("acceptance", acceptance, 1, drafts + 1)
     common = {"chip": chip, "interconnect": interconnect, "algorithm": algorithm,
-              "schedule": schedule, "context": context}
+              "schedule": schedule, "context": context, "timeline_chip": timeline_chip}
     verify = scale_out.predict(cfg, n_ranks, name, rows, **common)
     plain = scale_out.predict(cfg, n_ranks, name, batch, **common)
     published = scale_out.PUBLISHED.get(cfg.name, {})
@@ -96,15 +97,9 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
     return out
 
 
-def release_rows(cfg: ModelConfig, *, calibrated: bool = False, chip: str = "tpu7x") -> list[dict]:
-    """The release's layout and schedule at acceptance 3 and 6 (k = 7, B = 1); `calibrated` uses
-    the ICI bandwidth at which the release's plain B = 8 step meets its published 9.25 ms
-    (`calibration.needed_ici_bandwidth`: a step of 8 rows, like a verify step of 8 rows)."""
-    inter = None
-    if calibrated:
-        inter = links.interconnect(
-            chip, ici_bandwidth=calibration.needed_ici_bandwidth(cfg, 8, chip=chip))
-    return predict_speculative(cfg, 32, layouts.RELEASE, chip=chip, interconnect=inter)
+def release_rows(cfg: ModelConfig, *, chip: str = "tpu7x") -> list[dict]:
+    """The release's layout and schedule at acceptance 3 and 6 (k = 7, B = 1)."""
+    return predict_speculative(cfg, 32, layouts.RELEASE, chip=chip)
 
 
 def acceptance_curve(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELEASE, *,

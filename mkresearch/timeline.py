@@ -185,16 +185,22 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def append_interval(merged: list[list[float]], a: float, b: float) -> None:
+    """Add [a, b) to sorted, disjoint [start, end] lists whose starts are all <= a (empty
+    intervals dropped, an overlapping one merged into the last)."""
+    if b <= a:
+        return
+    if merged and a <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], b)
+    else:
+        merged.append([a, b])
+
+
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of [start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+        append_interval(merged, a, b)
     return [(a, b) for a, b in merged]
 
 

@@ -6,7 +6,9 @@ starts when the last member arrives (a collective waits for its slowest peer) an
 messages of its algorithm (`mkresearch.interconnect.price`). The weight DMAs a rank issued before
 it keep moving meanwhile: a collective hides behind HBM traffic only as far as the stream runs
 ahead. The logs are SPMD: every rank meets the same collectives in the same order (groups may
-differ, e.g. each expert group its own).
+differ, e.g. each expert group its own). `scale_out`'s programs run in `scale_out_sim` instead:
+the same model with one DMA engine in closed form, and collectives that may be started early
+and waited later (overlap); tests hold the two equal on a blocking program.
 
 `RanksTimeline.decomposition()` splits the slowest rank's step exactly: the HBM floor (its DMA
 bytes at full bandwidth: HBM moves bytes in exactly that much time) plus the time HBM is idle,
@@ -39,6 +41,12 @@ class CollectiveRun:
     start: float  # the last arrival
     end: float
     price: links.Price
+    waited: tuple[float, ...] = ()  # per member, when it began to wait (default its arrival;
+    # later for a collective started early and waited after other work: overlap)
+
+    def wait_from(self, rank: int) -> float:
+        i = self.group.index(rank)
+        return self.waited[i] if self.waited else self.arrivals[i]
 
 
 @dataclass(frozen=True)
@@ -49,15 +57,19 @@ class RanksTimeline:
     algorithm: str
     ranks: tuple[int, ...]  # the rank id of each timeline
 
+    def rank_totals(self) -> list[float]:
+        """Each rank's step, in `ranks` order."""
+        return [t.total_s for t in self.timelines]
+
     @property
     def total_s(self) -> float:
-        return max(t.total_s for t in self.timelines)
+        return max(self.rank_totals())
 
     @property
     def slowest_rank(self) -> int:
         """The id of the rank whose step ends last (the lowest id of a tie)."""
-        i = max(range(len(self.timelines)), key=lambda i: (self.timelines[i].total_s, -i))
-        return self.ranks[i]
+        totals = self.rank_totals()
+        return self.ranks[max(range(len(totals)), key=lambda i: (totals[i], -i))]
 
     def timeline(self, rank: int) -> Timeline:
         return self.timelines[self.ranks.index(rank)]
@@ -66,25 +78,34 @@ class RanksTimeline:
         """Seconds of `rank`'s step (default the slowest) by PARTS; they sum to its total."""
         rank = self.slowest_rank if rank is None else rank
         tl = self.timeline(rank)
-        moving = merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma")
-        waiting, messages = [], []
-        for run in self.collectives:
-            if rank in run.group:
-                waiting.append((run.arrivals[run.group.index(rank)], run.start))
-                messages.append((run.start, run.end))
-        layers = (("waiting_for_peers", merge_intervals(waiting)),
-                  ("collective_messages", merge_intervals(messages)),
-                  ("compute", merge_intervals((s.start, s.end) for s in tl.spans
-                                              if s.kind == "compute")))
-        out = {"hbm_floor": sum(b - a for a, b in moving)}
-        free = _subtract([(0.0, tl.total_s)], moving)
-        for name, busy in layers:
-            taken = _intersect(free, busy)
-            out[name] = sum(b - a for a, b in taken)
-            free = _subtract(free, taken)
-        out["bubble"] = sum(b - a for a, b in free)
-        out["total"] = tl.total_s
-        return out
+        return decompose(tl.total_s,
+                         merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma"),
+                         merge_intervals((s.start, s.end) for s in tl.spans
+                                         if s.kind == "compute"), self.collectives, rank)
+
+
+def decompose(total_s: float, moving: list, compute: list, collectives, rank: int
+              ) -> dict[str, float]:
+    """A rank's step by PARTS from its HBM-busy and compute intervals (sorted, disjoint) and the
+    collectives it is in: the HBM floor first, then of the time HBM idles waiting for peers,
+    collective messages, compute, and the rest (bubbles)."""
+    waiting, messages = [], []
+    for run in collectives:
+        if rank in run.group:  # the part of the collective the rank waits for
+            since = run.wait_from(rank)
+            waiting.append((since, run.start))
+            messages.append((max(since, run.start), run.end))
+    layers = (("waiting_for_peers", merge_intervals(waiting)),
+              ("collective_messages", merge_intervals(messages)), ("compute", compute))
+    out = {"hbm_floor": sum(b - a for a, b in moving)}
+    free = _subtract([(0.0, total_s)], moving)
+    for name, busy in layers:
+        taken = _intersect(free, busy)
+        out[name] = sum(b - a for a, b in taken)
+        free = _subtract(free, taken)
+    out["bubble"] = sum(b - a for a, b in free)
+    out["total"] = total_s
+    return out
 
 
 def _intersect(a: list, b: list) -> list:
@@ -101,15 +122,17 @@ def _intersect(a: list, b: list) -> list:
 
 
 def _subtract(a: list, b: list) -> list:
-    out = []
+    """a minus b, both sorted and disjoint: one sweep."""
+    out, j = [], 0
     for lo, hi in a:
-        cursor = lo
-        for blo, bhi in b:
-            if bhi <= cursor or blo >= hi:
-                continue
-            if blo > cursor:
-                out.append((cursor, blo))
-            cursor = max(cursor, bhi)
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        cursor, k = lo, j
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
         if cursor < hi:
             out.append((cursor, hi))
     return out

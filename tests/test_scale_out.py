@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mkresearch import calibration, cli, layout_bytes, scale_out
+from mkresearch import calibration, cli, layout_bytes, scale_out, scale_out_sim, topology
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
 from mkresearch.config import get_config
@@ -17,65 +17,117 @@ from mkresearch.timeline_ranks import PARTS, simulate_ranks
 US = 1e-6
 
 
-def _one_link(latency: float, bandwidth: float, cores_per_chip: int) -> links.Interconnect:
-    # cores_per_chip 1: every peer across ICI; 64: every peer a sibling. Both links the same.
-    return links.interconnect("tpu7x", cores_per_chip=cores_per_chip, ici_latency=latency,
+def _links(slice_name: str, latency: float, bandwidth: float) -> links.Interconnect:
+    # one latency for the sibling path and ICI, per-link bandwidth; injection never the limit
+    return links.interconnect(slice_name.split(":")[0], slice=slice_name, ici_latency=latency,
                               sibling_latency=latency, ici_bandwidth=bandwidth,
-                              sibling_bandwidth=bandwidth)
+                              sibling_bandwidth=bandwidth, injection_bandwidth=1e18,
+                              hop_latency=0.0)
 
 
-@pytest.mark.parametrize("n, nbytes, latency, bandwidth", [
-    (2, 1024, 1 * US, 10e9), (8, 14336, 2.2 * US, 45e9), (32, 229376, 0.5 * US, 100e9),
-    (16, 1, 5 * US, 1e9)])
-@pytest.mark.parametrize("cores_per_chip", [1, 64])
-def test_collective_prices_match_their_closed_forms(n, nbytes, latency, bandwidth, cores_per_chip):
-    inter, group = _one_link(latency, bandwidth, cores_per_chip), tuple(range(n))
-    one_shot = latency + (n - 1) * nbytes / bandwidth
+# (slice, group, busiest-link bytes per one-shot message of m, counted by hand)
+# v5p:2x2x2, one core per chip, x fastest: ranks 0-3 are the z = 0 plane. One-shot in the plane:
+# chip 0's +x link carries its messages to chips 1 and 3 (x first), its +y link its own to 2 and
+# chip 1's to 2 (forwarded after 1 -> 0): 2 m on the busiest link.
+# tpu7x:2x2x1, two cores per chip: ranks 0, 2 are core 0 of chips 0 and 1 (one x hop);
+# ranks 0..3: chips 0 and 1 whole: 2 cores x 2 peers cross the one x link each way, 4 m.
+ONE_SHOT_CASES = [("v5p:2x2x2", (0, 1), 1), ("v5p:2x2x2", (0, 1, 2, 3), 2),
+                  ("tpu7x:2x2x1", (0, 2), 1), ("tpu7x:2x2x1", (0, 1, 2, 3), 4)]
+
+
+@pytest.mark.parametrize("slice_name, group, per_message", ONE_SHOT_CASES)
+@pytest.mark.parametrize("nbytes, latency, bandwidth", [
+    (1024, 1 * US, 10e9), (14336, 2.2 * US, 45e9), (229376, 0.5 * US, 100e9)])
+def test_collective_prices_match_their_closed_forms(slice_name, group, per_message, nbytes,
+                                                    latency, bandwidth):
+    inter, n = _links(slice_name, latency, bandwidth), len(group)
+    siblings_only = all(inter.chip_of(r) == inter.chip_of(group[0]) for r in group)
+    assert not siblings_only
     for op in ("all_gather", "all_reduce"):
         price = links.price(inter, op, "one-shot", group, nbytes)
-        assert price.seconds == pytest.approx(one_shot, rel=1e-12)
-        assert (price.rounds, price.messages) == (1, n - 1)
-    gather = links.price(inter, "all_gather", "ring", group, nbytes)
-    assert gather.seconds == pytest.approx((n - 1) * (latency + nbytes / bandwidth), rel=1e-12)
-    reduce = links.price(inter, "all_reduce", "ring", group, nbytes)
-    assert reduce.seconds == pytest.approx(2 * (n - 1) * (latency + nbytes / n / bandwidth),
-                                           rel=1e-12)
-    assert (reduce.rounds, reduce.messages) == (2 * (n - 1), 2 * (n - 1))
-    chain = links.price(inter, "chain", "one-shot", group, nbytes)
-    assert chain.seconds == pytest.approx((n - 1) * (latency + nbytes / bandwidth), rel=1e-12)
+        assert (price.phases, price.messages) == (1, n - 1)
+        assert price.link_bytes == per_message * nbytes
+        assert price.seconds == pytest.approx(latency + per_message * nbytes / bandwidth,
+                                              rel=1e-12)
+    # rs-ag: two one-shot phases of m / n (one host: the second model's 2 (n - 1) messages)
+    rs = links.price(inter, "all_reduce", "rs-ag", group, nbytes)
+    assert (rs.phases, rs.messages) == (2, 2 * (n - 1))
+    assert rs.seconds == pytest.approx(2 * (latency + per_message * nbytes / n / bandwidth),
+                                       rel=1e-12)
+    if n == 2:  # a ring of two: one neighbour, one link
+        gather = links.price(inter, "all_gather", "ring", group, nbytes)
+        assert gather.seconds == pytest.approx(latency + nbytes / bandwidth, rel=1e-12)
+        reduce = links.price(inter, "all_reduce", "ring", group, nbytes)
+        assert reduce.phases == 2
+        assert reduce.seconds == pytest.approx(2 * (latency + nbytes / 2 / bandwidth), rel=1e-12)
+    chain = links.price(inter, "chain", "one-shot", (0, 1), nbytes)
+    route = len(inter.slice.route(0, 1))
+    assert chain.seconds == pytest.approx(latency + nbytes / bandwidth, rel=1e-12) and route <= 1
 
 
-def test_two_level_prices_sibling_then_ici():
-    inter = links.interconnect("tpu7x")
-    sib, ici, m = inter.sibling, inter.ici, 28672
-    group = tuple(range(32))  # 16 chips of 2 cores
+def test_the_sibling_path_is_its_own():
+    inter = links.interconnect("tpu7x", slice="tpu7x:2x2x1")
+    sib = inter.sibling
+    price = links.price(inter, "all_gather", "one-shot", (4, 5), 4096)
+    assert price.link_bytes == 0 and price.seconds == pytest.approx(sib.seconds(4096), rel=1e-12)
+    # sibling and ICI messages of one phase run in parallel: the phase is the longer one
+    both = links.price(inter, "all_gather", "one-shot", (0, 1, 2), 4096)
+    ici = inter.ici_latency + 2 * 4096 / inter.ici_bandwidth
+    assert both.seconds == pytest.approx(max(ici, sib.seconds(4096)), rel=1e-12)
+
+
+def test_two_level_is_a_host_phase_then_one_across_hosts():
+    inter = _links("tpu7x:2x2x4", 2 * US, 100e9)
+    m = 28672
+    group = tuple(range(32))  # 4 hosts of 8 cores
     reduce = links.price(inter, "all_reduce", "two-level", group, m)
-    # siblings add their vectors, each core sends its half to 15 chips, siblings swap halves
-    assert reduce.seconds == pytest.approx(sib.seconds(m) + ici.seconds(15 * m / 2)
-                                           + sib.seconds(m / 2), rel=1e-12)
-    gather = links.price(inter, "all_gather", "two-level", group, m)
-    assert gather.seconds == pytest.approx(ici.seconds(15 * m) + sib.seconds(16 * m), rel=1e-12)
-    # a ring is as slow as its slowest hop: ICI, though rank 0's own neighbour is its sibling
-    ring = links.price(inter, "all_gather", "ring", group, m)
-    assert ring.seconds == pytest.approx(31 * ici.seconds(m), rel=1e-12)
+    assert reduce.phases == 2 and reduce.messages == 7 + 3
+    # in a host (a 2x2 plane), a chip's x link carries both cores' vectors to the 2 cores of its
+    # x neighbour and the 2 of its diagonal (x first): 8 m. Across hosts (a line of 4 chips along
+    # z, no wraparound), the busiest link (z = 1 -> 2) carries the vectors of both cores of the
+    # chips at z = 0 and z = 1 to their counterparts at z = 2 and 3: 2 x (2 + 2) = 8 m.
+    assert reduce.seconds == pytest.approx(2 * (2 * US) + 8 * m / 100e9 + 8 * m / 100e9,
+                                           rel=1e-12)
 
 
-def test_the_sibling_link_goes_through_the_release_measurements():
+def test_links_by_direction_and_routes_without_wraparound():
+    sl = topology.get_slice("tpu7x:2x2x4")
+    assert sl.n_ranks == 32 and sl.host_of(8) == 1 and sl.chip_of(9) == 4
+    assert set(sl.links_of(0)) == {(0, 0, +1), (0, 1, +1), (0, 2, +1)}  # a corner: 3 links
+    assert len(sl.links_of(sl.chip_at((1, 1, 1)))) == 4  # x, y and both ways along z
+    assert sl.route(0, 1) == ()  # the sibling core: no chip link
+    far = sl.route(0, 31)  # chip 0 -> chip 15 = (1, 1, 3): x, then y, then 3 hops along z
+    assert [axis for _, axis, _ in far] == [0, 1, 2, 2, 2]
+    ring = topology.get_slice("v5p:4x4x4")  # wraparound: the shorter way round
+    assert len(ring.route(0, 3)) == 1 and ring.route(0, 3)[0] == (0, 0, -1)
+
+
+def test_the_interconnect_figures_are_the_release_measurements():
     inter = links.interconnect("tpu7x")
     for nbytes, rate in links.SIBLING_MEASURED:
         assert nbytes / inter.sibling.seconds(nbytes) == pytest.approx(rate, rel=1e-9)
-    assert 2.1 * US < inter.sibling_latency < 2.3 * US
-    assert inter.ici_bandwidth == 45e9
-    assert "ASSUMPTION" in inter.sources["ici_latency"]
+    # the line through the measured all-reduces: within 0.5 us of each, ~100 GB/s per link
+    small = links.interconnect(inter, slice=links.COLLECTIVE_MEASURED_ON)
+    for nbytes, seconds in links.COLLECTIVE_MEASURED:
+        price = links.price(small, "all_reduce", "rs-ag", tuple(range(8)), nbytes)
+        assert price.link_bytes == 2 * nbytes
+        assert abs(price.seconds - seconds) < 0.5 * US
+    assert 2.1 * US < inter.ici_latency < 2.3 * US and 95e9 < inter.ici_bandwidth < 105e9
+    labels = {name: source.split(":")[0] for name, _, source in inter.explain()}
+    assert labels["hop_latency"] == "ASSUMPTION"
+    assert {labels[k] for k in ("sibling_latency", "ici_latency", "ici_bandwidth",
+                                "injection_bandwidth")} == {"MEASURED"}
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: links.interconnect("v5e"), "chip='v5e' is invalid"),
+    (lambda: links.interconnect("v4"), "chip='v4' is invalid"),
+    (lambda: links.interconnect("tpu7x", n_ranks=12), "n_ranks=12 is invalid for chip='tpu7x'"),
     (lambda: links.interconnect("tpu7x", ici_speed=1), "override 'ici_speed' is invalid"),
     (lambda: links.interconnect("tpu7x", ici_bandwidth=0), "ici_bandwidth=0 is invalid"),
     (lambda: links.price(links.interconnect(), "broadcast", "ring", (0, 1), 8), "op='broadcast'"),
     (lambda: links.price(links.interconnect(), "all_gather", "tree", (0, 1), 8), "algorithm='tree'"),
     (lambda: links.price(links.interconnect(), "all_gather", "ring", (0, 0), 8), "group="),
+    (lambda: links.price(links.interconnect(), "all_gather", "ring", (0, 40), 8), "ranks < 32"),
 ])
 def test_bad_interconnect_input_is_refused(call, match):
     with pytest.raises(ValueError, match=match):
@@ -90,7 +142,7 @@ def _rank_log(nbytes: int, group=(0, 1)) -> list:
 
 
 def test_a_collective_waits_for_its_slowest_peer_and_the_parts_sum_to_the_step():
-    inter = _one_link(1 * US, 10e9, 1)
+    inter = _links("v5p:2x2x2", 1 * US, 10e9)  # ranks 0 and 1: neighbouring chips
     ranks = simulate_ranks([_rank_log(10**6), _rank_log(10**7)], "tpu7x", interconnect=inter,
                            algorithm="one-shot")
     (run,) = ranks.collectives
@@ -111,14 +163,84 @@ def test_logs_that_disagree_on_their_collectives_are_refused():
         simulate_ranks([_rank_log(100, (0, 5))], "tpu7x")
 
 
-# ---- every rank's program ----------------------------------------------------------------------
-def test_the_release_program_reads_the_layout_bytes_and_combines_188_times():
+def _ring_log(blocks, banks, collective_after: int, first: list) -> list:
+    """The DMA log of a ring of `banks` blocks in flight (as scale_out_sim runs it: filled at the
+    start of the step), the events `first` after that, one blocking all-reduce after block
+    `collective_after`."""
+    events, issued = [], 0
+
+    def fill(consumed):
+        nonlocal issued
+        while issued < min(consumed + banks, len(blocks)):
+            events.append(LogEvent("dma_start", "w", "hbm", "vmem", blocks[issued], issued % banks))
+            issued += 1
+
+    fill(0)
+    events += first
+    for i, nbytes in enumerate(blocks):
+        events.append(LogEvent("dma_wait", "w", "hbm", "vmem", nbytes, i % banks))
+        fill(i + 1)
+        events += [LogEvent("phase_start", "w", flops=2 * nbytes, vmem_bytes=nbytes),
+                   LogEvent("phase_end", "w")]
+        if i == collective_after:
+            events.append(CollectiveEvent("sum", "all_reduce", (0, 1), 8192))
+    return events
+
+
+def test_the_fast_simulation_equals_the_dma_log_simulation():
+    inter = links.interconnect("tpu7x", slice="tpu7x:2x2x1")
+    blocks = [2**21] * 6 + [3 * 2**20] * 5
+    programs = []
+    for extra in (0, 2**22):  # rank 1 fetches more first: rank 0 waits for it
+        ops = [("fetch", 2**20 + extra, 1, 1), ("blocks", 4),
+               ("start", "sum", "all_reduce", (0, 1), (), 8192, True), ("blocks", 7)]
+        programs.append(ops)
+    fast = scale_out_sim.simulate(programs, blocks, 3, 2, (0, 1), inter, "one-shot")
+    logs = [_ring_log(blocks, 3, 3, [
+        LogEvent("dma_start", "f", "hbm", "vmem", 2**20 + extra, 0),
+        LogEvent("dma_wait", "f", "hbm", "vmem", 2**20 + extra, 0),
+        LogEvent("phase_start", "f", flops=2 * (2**20 + extra), vmem_bytes=2**20 + extra),
+        LogEvent("phase_end", "f")]) for extra in (0, 2**22)]
+    slow = simulate_ranks(logs, "tpu7x", interconnect=inter, algorithm="one-shot")
+    assert fast.total_s == pytest.approx(slow.total_s, rel=1e-12)
+    for rank in (0, 1):
+        a, b = fast.decomposition(rank), slow.decomposition(rank)
+        assert all(a[p] == pytest.approx(b[p], rel=1e-9, abs=1e-15) for p in PARTS)
+
+
+def test_a_collective_started_early_hides_behind_the_weight_stream():
+    inter = links.interconnect("tpu7x", slice="tpu7x:2x2x1")
+    blocks = [2**21] * 40
+    start = ("start", "sum", "all_reduce", (0,), tuple(range(8)), 2**16, True)
+    blocking = [("blocks", 20), start, ("blocks", 20)]
+    early = [("blocks", 20), start[:6] + (False,), ("blocks", 20), ("wait", "sum")]
+    steps = {}
+    for label, ops in (("blocking", blocking), ("early", early)):
+        for across in (False, True):
+            ranks = scale_out_sim.simulate([ops], blocks, 4, 1, (0,), inter, "rs-ag",
+                                           prefetch_across=across)
+            parts = ranks.decomposition()
+            assert sum(parts[p] for p in PARTS) == pytest.approx(ranks.total_s, rel=1e-12)
+            steps[label, across] = (ranks.total_s, parts["collective_messages"])
+    price = links.price(inter, "all_reduce", "rs-ag", tuple(range(8)), 2**16).seconds
+    # blocking without prefetch: the whole collective is exposed; with the ring running ahead
+    # only what its 4 banks do not cover; started early and waited after 20 blocks: hidden
+    assert steps["blocking", False][1] == pytest.approx(price, rel=1e-9)
+    assert steps["blocking", True][1] < price
+    assert steps["early", False][1] == 0 and steps["early", False][0] < steps["blocking", True][0]
+
+
+def test_the_release_program_reads_the_layout_bytes_and_its_collectives():
     cfg = get_config("kimi-k3")
     p = scale_out.predict(cfg, 32, layouts.RELEASE, 1)
     counted = layout_bytes.rank_bytes(layouts.layout(cfg, 32, layouts.RELEASE), 1)
-    # 2 all-reduces per layer (93 layers), the embedding and the sampling merge
-    assert p["collectives_per_rank"] == 2 * 93 + 2
-    assert p["rank_bytes"] == counted.total
+    # attention: features from the sibling, the parity all-reduce, the halves swapped (93
+    # layers); MoE: router scores, latent gather, shared and routed sums (92); the dense FFN's
+    # sum; the embedding and the sampling merge
+    assert p["collectives_per_rank"] == 3 * 93 + 4 * 92 + 1 + 2
+    assert p["rank_bytes"] == counted.total and p["slice"] == "tpu7x:2x2x4"
+    assert p["algorithm"] == "two-level"
+    assert scale_out.predict(cfg, 32, layouts.RELEASE, 8)["algorithm"] == "rs-ag"
     # the slowest rank reads the layout's bytes but for its routed experts (a seeded routing)
     routed = counted.component("routed_experts")
     assert abs(p["dma_bytes_slowest_rank"] - counted.total) < routed
@@ -152,45 +274,68 @@ def test_bad_schedule_and_batch_are_refused():
         scale_out.predict(cfg, 2, batch=0)
     with pytest.raises(ValueError, match="Schedule.banks=0 is invalid"):
         scale_out.Schedule("x", 2**21, 0, 1, "exact", "")
+    with pytest.raises(ValueError, match="Schedule.all_reduce='tree' is invalid"):
+        scale_out.Schedule("x", 2**21, 1, 1, "exact", "", all_reduce="tree")
+    with pytest.raises(ValueError, match="algorithm='tree' is invalid"):
+        scale_out.predict(cfg, 2, algorithm="tree")
+    with pytest.raises(ValueError, match="slice='tpu7x:9x9' is invalid"):
+        topology.get_slice("tpu7x:9x9")
 
 
-# ---- calibration and ours ----------------------------------------------------------------------
-def _print_release(rows):
-    print("release layout + schedule on 32 TPU7x cores, predicted vs published:")
-    print("   B  published  predicted   miss   floor  peers  coll.  comp. bubble  unexplained")
+# ---- validation and ours ----------------------------------------------------------------------
+# The points an honest model (nothing fitted to a step time) does not bring within the 15 % of the
+# issue, with what it gives: named, not tuned. Kimi K3 at B = 4: predicted 6.58 ms against 7.77
+# (0.85); the model lacks whatever makes the published step grow 2.7 ms from B = 2 to 4 (it
+# grows 1.4 ms).
+HONEST_MISSES = {"Kimi K3 B=4": (0.83, 0.86)}
+
+
+def _print_validation(rows):
+    print("point                       published  predicted  ratio")
     for r in rows:
-        parts = " ".join(f"{r['parts_ms'][p]:6.2f}" for p in PARTS)
-        print(f"  {r['batch']:2d}  {r['published_ms']:7.2f}    {r['predicted_ms']:7.2f}  "
-              f"{r['miss']:+6.1%} {parts}  {r['unexplained_ms']:+6.2f}  {r.get('assumption', '')}")
+        print(f"{r['point']:26s} {r['published']:9.2f} {r['predicted']:9.2f}  {r['ratio']:.3f} "
+              f"{r['unit']}")
 
 
-@pytest.mark.slow
-def test_calibration_table_against_the_published_steps():
-    rows = calibration.release_table()
-    _print_release(rows)
-    assert [r["batch"] for r in rows] == [1, 2, 4, 8]
-    first = rows[0]
-    assert first["within"] and abs(first["miss"]) <= calibration.MISS_FRACTION  # B = 1: 4.0 ms
+def test_validation_against_every_published_point():
+    rows = calibration.validation()
+    _print_validation(rows)
+    assert [r["point"] for r in rows] == [
+        "Kimi K3 B=1", "Kimi K3 B=2", "Kimi K3 B=4", "Kimi K3 B=8", "816B-A42B B=1 (8 cores)",
+        "speculative a=3 (k=7)", "speculative a=6 (k=7)"]
     for r in rows:
-        # a miss over 20 % names the assumption that would have to change, and by how much
-        assert r["within"] == ("assumption" not in r)
-        if not r["within"]:
-            assert r["assumption"].startswith("ici_bandwidth") and r["needed_ici_bandwidth"] > 45e9
+        if r["point"] in HONEST_MISSES:
+            low, high = HONEST_MISSES[r["point"]]
+            assert not r["within"] and low < r["ratio"] < high
+        else:
+            assert r["within"] and abs(r["ratio"] - 1) <= calibration.TOLERANCE
+    assert sum(r["goal"] for r in rows) >= 4  # within 10 %: B = 2, the second model, both
+    # speculative points
 
 
-def test_release_b1_is_within_20_percent_of_4_ms():
-    (row,) = calibration.release_table(batches=(1,))
-    _print_release([row])
-    assert row["within"] and row["parts_ms"]["hbm_floor"] < row["predicted_ms"]
-
-
-@pytest.mark.slow
-def test_second_model_per_layer_and_fixed():
+def test_the_second_model_collectives_match_its_measured_14_us_per_layer():
     out = calibration.second_model()
     print(json.dumps({k: v for k, v in out.items() if k != "source"}, indent=1))
-    assert out["within"] == ("assumption" not in out)
-    if not out["within"]:
-        assert out["needed_latency_us"] > 2.2 and "latency per message" in out["assumption"]
+    # out of sample: the release measured ~14 us for its 4 collectives per layer at B = 1
+    assert 12 < out["collectives_per_layer_us"] < 16
+    assert out["within"] and out["per_layer_us"] < out["published_per_layer_us"]
+
+
+@pytest.mark.slow
+def test_sensitivity_and_leave_one_out():
+    sens = calibration.sensitivity()
+    assert len(sens["rows"]) == 2 * len(calibration.ASSUMPTIONS)
+    for point, (low, high) in sens["ranges"].items():
+        print(f"{point:26s} {low:.3f} .. {high:.3f}")
+        assert low <= next(r["ratio"] for r in sens["base"] if r["point"] == point) <= high
+    # the B = 2 / 4 agreement with its range: B = 2 stays within 10 %, B = 4 within 20 %
+    assert 0.9 < sens["ranges"]["Kimi K3 B=2"][0] and sens["ranges"]["Kimi K3 B=2"][1] < 1.1
+    assert 0.8 < sens["ranges"]["Kimi K3 B=4"][0] and sens["ranges"]["Kimi K3 B=4"][1] < 0.9
+    loo = calibration.leave_one_out()
+    for held in loo["held_out"]:  # each measured all-reduce predicted from the other three
+        assert abs(held["predicted_us"] / held["measured_us"] - 1) < 0.1
+    for point, (low, high) in loo["ranges"].items():
+        assert high - low < 0.05, point
 
 
 def test_ours_beside_the_release_at_b1():
@@ -219,6 +364,26 @@ def test_predict_command_json(capsys):
     assert all(set(p["parts_s"]) == set(PARTS) for p in out["predictions"])
 
 
+def test_predict_command_explains_validates_and_profiles(capsys):
+    assert cli.main(["predict", "kimi-k3", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for name in links.FIGURES:
+        assert f"interconnect.{name}" in out
+    assert "ASSUMPTION" in out and "MEASURED" in out and "slice tpu7x:2x2x4" in out
+    assert cli.main(["predict", "kimi-k3-mini", "--ranks", "8", "--batch", "1", "--layout",
+                     "release", "--profile"]) == 0
+    assert "profile: one 8-rank prediction" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_predict_command_validates(capsys):
+    assert cli.main(["predict", "kimi-k3", "--validate"]) == 0
+    out = capsys.readouterr().out
+    for point in ("Kimi K3 B=1", "Kimi K3 B=8", "816B-A42B B=1", "speculative a=6"):
+        assert point in out
+    assert "leave-one-out" in out and "sensitivity" in out and out.count(" NO ") == 1
+
+
 def test_predict_command_table(capsys):
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "2", "--batch", "1",
                      "--layout", "release", "--schedule", "ours", "--algorithm", "ring"]) == 0
@@ -230,7 +395,7 @@ def test_predict_command_table(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["predict", "deepseek-v3", "--ranks", "3"], "n_ranks=3 is invalid for deepseek-v3"),
     (["predict", "kimi-k3", "--ranks", "7"], "n_ranks=7 is invalid"),
-    (["predict", "kimi-k3", "--chip", "v5e"], "--chip 'v5e' is invalid for predict"),
+    (["predict", "kimi-k3", "--chip", "v5e"], "n_ranks=32 is invalid for chip='v5e'"),
     (["predict", "kimi-k3", "--batch", "1,x"], "--batch '1,x' is invalid"),
     (["predict", "kimi-k3", "--batch", "0"], "--batch must be an int >= 1"),
     (["predict", "kimi-k3", "--layout", "mine"], "invalid choice"),

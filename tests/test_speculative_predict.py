@@ -41,20 +41,13 @@ def test_a_verify_step_is_the_step_of_b_times_k_plus_1_rows(mini_rows):
 
 def test_release_rows_beside_the_published_350_and_709():
     cfg = get_config("kimi-k3")
-    as_assumed = speculative.release_rows(cfg)
-    assert [(r["acceptance"], r["verify_rows"], r["published_tok_s"]) for r in as_assumed] == [
+    rows = speculative.release_rows(cfg)
+    assert [(r["acceptance"], r["verify_rows"], r["published_tok_s"]) for r in rows] == [
         (3, 8, 350), (6, 8, 709)]
-    # the 45 GB/s ICI assumption that misses the plain B = 8 step misses here too (8 rows)
-    assert all(r["ratio"] < 1 - 0.20 for r in as_assumed)
+    # out of sample (nothing fitted to a step time): both within 10 % of the published tok/s
+    assert all(abs(r["ratio"] - 1) < 0.10 for r in rows)
     plain_b8 = scale_out.predict(cfg, 32, layouts.RELEASE, 8)
-    assert as_assumed[0]["verify_step_s"] == plain_b8["step_s"]
-
-
-@pytest.mark.slow
-def test_release_rows_with_the_ici_bandwidth_that_meets_the_b8_step():
-    # out of sample: the link is fitted to the plain B = 8 step only
-    calibrated = speculative.release_rows(get_config("kimi-k3"), calibrated=True)
-    assert all(abs(r["ratio"] - 1) < 0.10 for r in calibrated)
+    assert rows[0]["verify_step_s"] == plain_b8["step_s"]
 
 
 def test_acceptance_curve_has_both_draft_policies():
