@@ -37,6 +37,9 @@ if _lacking:
           f"{'this checkout' if _local else _repo}: {', '.join(_new) or 'nothing new'}")
 else:
     print("setup: nothing to install (mkresearch, matplotlib and ipywidgets are here)")
+if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom widget manager
+    from google.colab import output as _colab_output
+    _colab_output.enable_custom_widget_manager()
 # 8 simulated CPU devices for the sharded step: XLA fixes the count when JAX starts, so the flag
 # goes in before jax is imported (on a TPU the real devices are used; the flag only shapes CPU)
 _flags = os.environ.get("XLA_FLAGS", "")

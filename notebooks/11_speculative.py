@@ -37,6 +37,9 @@ if _lacking:
           f"{'this checkout' if _local else _repo}: {', '.join(_new) or 'nothing new'}")
 else:
     print("setup: nothing to install (mkresearch, matplotlib and ipywidgets are here)")
+if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom widget manager
+    from google.colab import output as _colab_output
+    _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
 from mkresearch import tpu
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
