@@ -95,6 +95,16 @@ figures: venv
 recorded: venv
 	$(BIN)/python -m mkresearch.recorded
 
+# The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from the
+# repository, installed non-editable into a clean virtualenv under Python 3.11 and again under
+# 3.12 (skipped, saying why, where it is missing); notebook 00's first cell installing into a
+# runtime without mkresearch; every module imported, `mkresearch info kimi-k3`, notebook 00.
+# About 3 minutes per Python here (each a fresh install of JAX).
+wheel-check: venv
+	bash .ci/wheel-check
+
+.PHONY: wheel-check
+
 # Re-execute every notebook from its jupytext .py twin (the .py is the source of truth).
 notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \

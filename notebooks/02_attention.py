@@ -15,12 +15,31 @@
 
 # %%
 # Setup: works on Colab, on a TPU VM and on a laptop. Installs mkresearch if it is missing.
-import importlib.util, os, subprocess, sys
+# Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
+# unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
+# runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
+import importlib.metadata, importlib.util, os, subprocess, sys
+_lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
-    root = os.path.abspath("..")
-    source = (f"file://{root}" if os.path.exists(os.path.join(root, "pyproject.toml"))
-              else "git+" + os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch"))
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"mkresearch[notebooks] @ {source}"])
+    _lacking.insert(0, "mkresearch")
+if _lacking:
+    _root = os.path.abspath("..")
+    _local = os.path.exists(os.path.join(_root, "pyproject.toml"))
+    _repo = os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch")
+    _source = f"file://{_root}" if _local else f"git+{_repo}"
+    _before = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           f"mkresearch[plots] @ {_source}"])
+    importlib.invalidate_caches()
+    _new = sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
+                  if _before.get(d.metadata["Name"]) != d.version)
+    print(f"setup: {', '.join(_lacking)} lacking; installed from "
+          f"{'this checkout' if _local else _repo}: {', '.join(_new) or 'nothing new'}")
+else:
+    print("setup: nothing to install (mkresearch, matplotlib and ipywidgets are here)")
+if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom widget manager
+    from google.colab import output as _colab_output
+    _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
 from mkresearch import tpu
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
