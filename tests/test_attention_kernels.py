@@ -257,6 +257,7 @@ def run_shards(q_absorbed, q_extra, cache, positions, cfg, n_shards):
     return partials, logs
 
 
+@pytest.mark.slow
 def test_mla_latent_sequence_shards_combine_to_the_reference(race_checked, mini_params):
     """4 shards of the latent cache, merged, = the unsharded partial (f32, 1e-5) and, finished by
     the heads' owner, = the reference output (the stated bf16 tolerance)."""
@@ -291,6 +292,7 @@ def test_mla_latent_sequence_shards_combine_to_the_reference(race_checked, mini_
     assert [e.slot for e in logs[3].select("dma_start", "mla.kv.ckv")] == [0, 1]
 
 
+@pytest.mark.slow
 def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_checked, mini_params):
     """A mini run with the row at the last position, scaled to a Kimi K3 rank (3 heads, 32 ranks,
     context 32768): head-sharded latent reads 2x fewer KV bytes than expanded, sequence-sharded

@@ -12,6 +12,7 @@ def run(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_decode_json_and_text(capsys):
     done = run("decode", "--model", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3",
                "--batch", "2", "--seed", "1", "--backend", "reference", "--json")
@@ -150,6 +151,7 @@ def test_decode_family_minis(capsys, model, backend):
     assert full["published_step_s"] is None  # only Kimi K3's release has a published number
 
 
+@pytest.mark.slow
 def test_bench_a_family_mini(tmp_path, capsys):
     from mkresearch import cli
 
@@ -223,6 +225,7 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
     assert comparison["difference"] == sum(differing.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(__import__("mkresearch.layout").layout.config_names()))
 def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
@@ -245,6 +248,7 @@ def test_plan_on_every_preset(capsys, name):
     assert report["hbm_footprint"]["fits"] == roofline.hbm_footprint(cfg, "tpu7x").fits()
 
 
+@pytest.mark.slow
 def test_plan_options_and_text():
     from mkresearch.config import get_config
 

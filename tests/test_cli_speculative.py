@@ -9,6 +9,7 @@ import pytest
 from mkresearch import cli
 
 
+@pytest.mark.slow
 def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
     """deepseek-v3-mini (the quickest mini to compile) at forced acceptance 2 of K = 3 on the
     reference's verify: every step emits 3 tokens, and the tokens are plain greedy decoding's."""
@@ -30,6 +31,7 @@ def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
     assert "PASS" in text and "verify step time here" in text
 
 
+@pytest.mark.slow
 def test_decode_speculate_on_the_megakernel_by_default(capsys):
     """The default backend: one megakernel pallas_call per verify step (kimi-k3-mini: KDA, MLA,
     MoE), forced acceptance 2 of K = 3, lossless against plain greedy decoding."""
@@ -47,6 +49,7 @@ def test_decode_speculate_mtp(capsys):
     assert "drafter mtp" in text and "8/8 tokens equal -> PASS" in text
 
 
+@pytest.mark.slow
 def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
     """`bench --speculate K` adds verify rows of both backends (B x (K + 1) <= 64 only) to the
     bench's output and JSON; the plain megakernel bench rows are stubbed out (tests/test_cli.py

@@ -202,6 +202,7 @@ def test_declared_cost_is_what_the_stage_moves(race_checked, mini_params, stage)
     check_declared(stage, tpu.compile_for(run, *args, chip="tpu7x"), moved, log)
 
 
+@pytest.mark.slow
 def test_declared_cost_is_what_the_megakernel_moves(race_checked, mini_params):
     """One greedy step at B = 1 with the row at the cache's last position: the sum of the stage
     estimates over the layers, the embedding rows and the per-layer vectors."""

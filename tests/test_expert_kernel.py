@@ -66,6 +66,7 @@ def expert_bytes_of(cfg):
     return 2 * quant.matrix_nbytes(fmt, lat, hidden) + quant.matrix_nbytes(fmt, hidden, lat)
 
 
+@pytest.mark.slow
 # ---- outputs -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 4, 8])
 def test_routed_matches_reference_bf16(race_checked, layers, batch):
@@ -160,6 +161,7 @@ def test_ring_overlaps_dma_with_compute(race_checked, layers):
     assert slots == {0, 1}
 
 
+@pytest.mark.slow
 def test_moe_layer_one_kernel(race_checked, layers):
     cfg = mini("mxfp4")
     p, _ = layers["mxfp4"]

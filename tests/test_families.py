@@ -237,7 +237,9 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 
 # ---- the pre-norm decode step -------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MINIS)
+@pytest.mark.parametrize("name", [  # MLA with RoPE, and GQA with its biases and partial RoPE;
+    "deepseek-v3-mini", "glm-4.5-mini",  # Qwen3's plain GQA is the exhaustive tier's
+    pytest.param("qwen3-235b-a22b-mini", marks=pytest.mark.exhaustive)])
 def test_prenorm_step_composes_the_registry_sublayers(name):
     """decode_step = h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h))) layer by layer
     with the kinds of cfg.layers (dense first layers), logits = RMSNorm(h) W_lm: written out here
@@ -279,7 +281,9 @@ def test_prenorm_step_composes_the_registry_sublayers(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MINIS)
+@pytest.mark.parametrize("name", [  # one MLA-with-RoPE and one GQA family; GLM's GQA: exhaustive
+    "deepseek-v3-mini", pytest.param("glm-4.5-mini", marks=pytest.mark.exhaustive),
+    "qwen3-235b-a22b-mini"])
 def test_reference_step_is_batch_invariant(name):
     """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three
     (rows at other indices): per-(row, head) attention, ordered sums, experts combined in id

@@ -105,6 +105,7 @@ def test_matches_reference_and_reads_only_needed_kv(race_checked, case):
         assert len(log.select("dma_start", "gqa.kv.k")) >= tiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gqa", "mla_rope"])
 def test_rows_past_the_position_are_masked_and_cost_is_the_worst_case(race_checked, kind):
     """A cache holding NaN from each row's first unneeded token on gives the same bits; a row at
@@ -132,6 +133,7 @@ def test_rows_past_the_position_are_masked_and_cost_is_the_worst_case(race_check
     assert cost.bytes_accessed == log.dma_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gqa", "mla_rope"])
 def test_batch_invariant(race_checked, kind):
     """Each row alone gives the bits it gets in a batch of three (another order)."""

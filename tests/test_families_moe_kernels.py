@@ -135,6 +135,7 @@ def test_moe_full_matches_reference_one_kernel(race_checked, layers, name):
         "router/ids_to_smem") - log.dma_bytes("router/weights_to_smem")
 
 
+@pytest.mark.slow
 def test_moe_full_routed_part_and_batch_invariance(race_checked, layers):
     cfg, p = DEEPSEEK, layers["deepseek-v3-mini"]  # FP8 experts, decoded in VMEM
     x = activations(5, seed=5)

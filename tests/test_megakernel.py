@@ -164,7 +164,7 @@ def report(label, near_ties, worst):
           f"{len(differ)} of them {differ}: {[(step, row, gap) for step, row, gap, _ in near_ties]}")
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # make test runs the same 32 steps at B = 4; batch invariance, B = 1 vs 4
 def test_greedy_32_steps_batch_1(race_checked, mini_params):
     near_ties, worst, _ = run_steps(MINI, mini_params, 1, 32)
     report("B=1, 32 steps", near_ties, worst)

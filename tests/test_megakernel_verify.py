@@ -163,6 +163,7 @@ def recorded_case(mini_params):
     return cfg, raced, result
 
 
+@pytest.mark.slow
 def test_verify_equals_one_by_one_latent_greedy(recorded_case):
     _, raced, _ = recorded_case
     assert not raced, "the race detector found a race (see 'RACE DETECTED' above)"

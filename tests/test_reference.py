@@ -264,6 +264,7 @@ def _spec_candidate_counts(cfg):
     return counts + [cfg.n_blocks + 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3"])
 def test_step_skeleton_mixes_the_spec_candidates(name, monkeypatch):
     """Trace one step (no compile, no allocation at full size) and count the Mix candidates."""
@@ -291,6 +292,7 @@ def _traced_step(cfg):
                                                                    positions, cfg)
 
 
+@pytest.mark.slow
 def test_first_snapshot_is_the_embedding_and_state_layout(params):
     batch = 2
     state = R.init_state(MINI, batch)

@@ -54,6 +54,7 @@ def toy_kind():
         registry.unregister(TOY)
 
 
+@pytest.mark.slow
 def test_a_toy_kind_runs_through_the_composer(race_checked, toy_kind):
     # one stage's lookahead may not cross two stage boundaries: the toy streams one block
     cfg = config.get_config("kimi-k3-mini", ffn=TOY, n_dense_layers=0, ring_depth=2)

@@ -60,6 +60,7 @@ def tv_bound(probs, n_draws, failure=1e-6):
     return mean + math.sqrt(math.log(1 / failure) / (2 * n_draws))
 
 
+@pytest.mark.slow
 # ---- greedy ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_equals_reference_with_engineered_ties(race_checked, batch):
@@ -125,6 +126,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 def test_mixed_modes_equal_reference_sampler(race_checked):
     inputs = make_inputs(MINI, 8, seed=2, head_scale=0.15)
     positions = np.arange(8) + 17
@@ -166,6 +168,7 @@ def many_rows():
     return inputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     {"temperature": 1.0},
     {"temperature": 0.7, "top_k": 6},

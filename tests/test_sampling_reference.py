@@ -161,6 +161,7 @@ def test_top_k_and_nucleus_sets():
                                   [False, True, True, False])
 
 
+@pytest.mark.slow
 def test_nucleus_overflow_flag():
     flat = jnp.zeros((1, 256))  # uniform: the 0.9-nucleus needs 231 tokens
     peaked = jnp.asarray(np.r_[[20.0], np.zeros(255)], jnp.float32)[None]

@@ -105,6 +105,7 @@ FAST_CASES = [("expanded", 2, 1, (0, 1)), ("expanded", 2, 3, (0, 1, 3)),
 SLOW_LATENT = pytest.param("latent", marks=pytest.mark.slow)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, batch, k, accepts", FAST_CASES)
 def test_greedy_forced_is_lossless(plain, layout, batch, k, accepts):
     run = plain(layout, batch)

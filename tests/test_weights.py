@@ -46,6 +46,7 @@ def test_init_matches_param_shapes(fmt):
     assert weights.nbytes(shapes) == weights.nbytes(params)
 
 
+@pytest.mark.slow
 def test_activations_stay_order_one_and_every_expert_is_chosen(mini_params):
     """64 random tokens through one reference step: no layer's hidden RMS leaves [0.1, 10] and
     every expert of every MoE layer is picked at least once."""
