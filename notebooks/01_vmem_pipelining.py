@@ -50,7 +50,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from mkresearch import timeline as tl
-from mkresearch import facts, widgets
+from mkresearch import facts, label_plots, widgets
 from mkresearch.kernels import dma, gemv
 
 CHIPS = ("tpu7x", "v5e")  # the newest chip and the smallest: 3.7 TB/s vs 0.82 TB/s per core
@@ -218,6 +218,7 @@ for (n, chip), timeline in timelines.items():
                        f"{timeline.roofline_fraction:.0%} of roofline")
     if CHIPS.index(chip) == 0:
         ax.get_legend().remove()  # one legend per row is enough
+assert not label_plots.label_problems(fig)  # no label runs into another
 plt.show()
 
 # %%
