@@ -189,7 +189,12 @@ class FigureExplorer:
         raise NotImplementedError
 
     def figure_bundle(self) -> dict[str, str]:
-        return png_bundle(self.figure, f"{figure_title(self.figure)}. {self.summary_line()}")
+        """The figure as a display bundle described by its title and the summary (the summary
+        alone where it already starts with the title's settings)."""
+        title, summary = figure_title(self.figure), self.summary_line()
+        settings = title.split(":")[0]
+        return png_bundle(self.figure, summary if summary.startswith(settings)
+                          else f"{title}. {summary}")
 
     def redraw(self) -> None:
         self.update()
