@@ -134,3 +134,29 @@ def test_acceptance_figure_reads():
     speculative_plots.plot_acceptance(points, ax, plain_tok_s=120.0,
                                       title="kimi-k3 on 32 ranks: tok/s against acceptance")
     check(fig)
+
+
+def test_rank_timelines_figure_reads():
+    """Notebook 08's per-rank chart, of a synthetic 4-rank log: per rank a weight block, its
+    compute, an all-gather to the next rank."""
+    from mkresearch import ranks_plots
+    from mkresearch.kernels import dma
+
+    events = []
+    for rank in range(4):
+        peer = (rank + 1) % 4
+        for block in range(3):
+            events += [dma.Event("dma_start", "mla.w_o", "hbm", "vmem", 1 << 20, rank=rank),
+                       dma.Event("dma_wait", "mla.w_o", "hbm", "vmem", 1 << 20, rank=rank),
+                       dma.Event("phase_start", "mla.w_o/matmul", flops=2e7, rank=rank),
+                       dma.Event("phase_end", "mla.w_o/matmul", flops=2e7, rank=rank)]
+        send = {"src": "vmem", "dst": "vmem", "nbytes": 1 << 16, "rank": rank,
+                "src_rank": rank, "dst_rank": peer}
+        events += [dma.Event("dma_start", "mla.w_o/all_gather", **send),
+                   dma.Event("dma_wait", "mla.w_o/all_gather", **send)]
+    log = dma.DmaLog(events)
+    fig = ranks_plots.plot_rank_timelines(
+        log, ranks_plots.rank_timelines(log, "tpu7x"),
+        title="kimi-k3-mini, 1 layer, on 4 ranks, B=2: one step per rank on tpu7x (timeline "
+              "model, not measured)")
+    check(fig)
