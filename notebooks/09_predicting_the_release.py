@@ -215,7 +215,10 @@ assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"
 # as figures/scale_out.png):
 
 # %%
+from mkresearch.label_plots import label_problems
+
 figure = scale_out_plots.scale_out_figure(release, ours)
+assert not label_problems(figure)  # no label runs into another, none is cut
 
 # %% [markdown]
 # ## 5 · Explorer
