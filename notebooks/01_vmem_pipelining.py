@@ -242,6 +242,7 @@ for n in (1, 2, 3):
     ax.step(times, np.array(values) / 2**20, where="post", label=f"{n} buffer(s)")
 ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)", title="TPU7x: VMEM occupancy")
 widgets.legend_outside(ax)
+assert not label_plots.label_problems(fig)
 plt.show()
 
 # %% [markdown]
