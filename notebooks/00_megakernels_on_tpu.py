@@ -94,7 +94,9 @@ ax.set_xlabel("GB per decode step (batch 1, read + written)")
 ax.set_title("Kimi K3: HBM bytes of one decode step by component")
 for i, (_, r, w) in enumerate(rows):
     ax.text(r + w + 0.5, i, f"{r + w:.2f}", va="center", fontsize=8)
+ax.set_xlim(right=max(r + w for _, r, w in rows) * 1.12)  # room for the longest bar's value
 fig.tight_layout()
+assert not label_problems(fig)  # no label runs into another, none is cut
 plt.show()
 
 # %% [markdown]
