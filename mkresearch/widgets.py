@@ -127,6 +127,16 @@ def png_bundle(fig, text: str) -> dict[str, str]:
             "text/html": f'<img src="data:image/png;base64,{png}" alt="{html.escape(text)}">'}
 
 
+def show_figure(fig, description: str | None = None) -> None:
+    """Display a figure as `png_bundle` (its alt text `description`, else its title: an HTML
+    export describes the picture) and close it in pyplot, which would otherwise show it again,
+    bare, at the end of the cell. What a notebook calls instead of `plt.show()`."""
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    _display(png_bundle(fig, description or figure_title(fig)), raw=True)
+
+
 def hide_static_outputs_rule(css_class: str, n_outputs: int) -> str:
     """A style rule hiding the `n_outputs` cell outputs right before the widget carrying
     `css_class` (JupyterLab / Notebook 7 and classic Notebook class names). Only a rendered

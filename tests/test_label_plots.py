@@ -139,8 +139,9 @@ def test_acceptance_figure_reads():
 def test_rank_timelines_figure_reads():
     """Notebook 08's per-rank chart, of a synthetic 4-rank log: per rank a weight block, its
     compute, an all-gather to the next rank."""
-    from mkresearch import ranks_plots
     from mkresearch.kernels import dma
+
+    from mkresearch import ranks_plots
 
     events = []
     for rank in range(4):

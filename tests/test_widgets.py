@@ -312,3 +312,16 @@ def test_scale_out_explorer_titles_and_summarises_its_settings(monkeypatch):
     assert 'alt="B = 2, 8 ranks' in shown[-1]["text/html"] and len(shown) == 4
     assert explorer.summary.value.startswith("B = 2, 8 ranks")
     assert explorer.figure.get_size_inches().tolist() == size
+
+
+def test_show_figure_displays_it_described_by_its_title_and_closes_it(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    shown = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kwargs: shown.append(obj))
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.set_title("bytes per step")
+    widgets.show_figure(fig)
+    assert not plt.fignum_exists(fig.number)  # pyplot will not show it a second time
+    (bundle,) = shown
+    assert bundle["image/png"] and 'alt="bytes per step"' in bundle["text/html"]
