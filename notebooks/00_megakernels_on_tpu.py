@@ -43,6 +43,7 @@ import matplotlib.pyplot as plt
 
 from mkresearch import roofline
 from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 from mkresearch.chips import CHIPS
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.weights import param_shapes
@@ -97,7 +98,7 @@ for i, (_, r, w) in enumerate(rows):
 ax.set_xlim(right=max(r + w for _, r, w in rows) * 1.12)  # room for the longest bar's value
 fig.tight_layout()
 assert not label_problems(fig)  # no label runs into another, none is cut
-plt.show()
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # Attention weights (KDA, 69 layers) are nearly half the step; the non-routed MoE part (router,
@@ -166,7 +167,7 @@ ax.minorticks_off()
 ax.grid(True, which="both", alpha=0.3)
 ax.legend(fontsize=8)
 assert not label_problems(fig)  # no label runs into another, none is cut
-plt.show()
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT

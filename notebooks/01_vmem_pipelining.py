@@ -219,7 +219,7 @@ for (n, chip), timeline in timelines.items():
     if CHIPS.index(chip) == 0:
         ax.get_legend().remove()  # one legend per row is enough
 assert not label_plots.label_problems(fig)  # no label runs into another
-plt.show()
+widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -243,7 +243,7 @@ for n in (1, 2, 3):
 ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)", title="TPU7x: VMEM occupancy")
 widgets.legend_outside(ax)
 assert not label_plots.label_problems(fig)
-plt.show()
+widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## 5 · Why double buffering reaches the roofline only sometimes

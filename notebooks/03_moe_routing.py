@@ -56,6 +56,7 @@ import numpy as np
 from mkresearch import config, facts, layout, reference, weights
 from mkresearch.kernels import dma, router
 from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 cfg = config.get_config("kimi-k3-mini")
 params = weights.init_params(cfg, seed=0)
@@ -160,7 +161,7 @@ ax.set_title("Load per expert, layer 1 of kimi-k3-mini")
 # beside the axes: inside, it covered the tallest bars
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 assert not label_problems(fig)  # no label runs into another, none is cut
-plt.show()
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## Ties and the other router families

@@ -57,6 +57,7 @@ import numpy as np
 from mkresearch import config, facts, layout, plots, reference, roofline, timeline, weights
 from mkresearch.kernels import dma, experts, quant, router
 from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 from mkresearch.logs import expert_bytes_by_batch
 
 cfg = config.get_config("kimi-k3-mini", expert_format="bf16")
@@ -260,7 +261,7 @@ assert sweep[-1]["unique"] < sweep[-1]["choices"]
 # estimate is the pale band the measured line runs along
 fig = plots.expert_bytes_figure(sweep, mxfp4_cfg)
 assert not label_problems(fig)  # no label runs into another, none is cut
-plt.show()
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # At full size the same curve is E·(1 − (1 − k/E)^B) experts of 17.55 MB: 16 at B = 1, ≈ 120 at

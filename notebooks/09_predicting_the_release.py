@@ -219,6 +219,7 @@ from mkresearch.label_plots import label_problems
 
 figure = scale_out_plots.scale_out_figure(release, ours)
 assert not label_problems(figure)  # no label runs into another, none is cut
+widgets.show_figure(figure)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## 5 · Explorer
