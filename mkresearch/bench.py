@@ -324,36 +324,49 @@ def plot_bench(result: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = bench_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_figure(result: dict):
+    """The bench's rows: seconds per step here (both backends), and the predicted TPU step with
+    its tok/s written under each point."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     rows = result["rows"]
     batches = [r["batch"] for r in rows]
-    fig, (here, tpu) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (here, tpu) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     for backend, marker in (("megakernel", "o"), ("reference", "s")):
         label = f"{backend}: {rows[0][backend]['label']}"
         here.plot(batches, [r[backend]["step_s"] for r in rows], marker=marker, label=label)
     here.set(xscale="log", yscale="log", xlabel="batch B", ylabel="seconds per step",
              title=f"{result['model']}: measured on {result['platform']}")
-    here.set_xticks(batches, [str(b) for b in batches])
     here.legend(fontsize=8)
     predicted = [r["prediction"] for r in rows]
-    tpu.plot(batches, [p["step_s"] * 1e6 for p in predicted], marker="o",
-             label="megakernel step (timeline model prediction)")
+    steps_us = [p["step_s"] * 1e6 for p in predicted]
+    tpu.plot(batches, steps_us, marker="o", label="megakernel step (timeline model prediction)")
     tpu.plot(batches, [p["hbm_floor_s"] * 1e6 for p in predicted], linestyle="--",
              label="HBM floor of the same bytes")
     tpu.set(xscale="log", xlabel="batch B", ylabel="microseconds per step",
             title=f"{result['model']} on {result['chip']}: predicted, not measured")
-    tpu.set_xticks(batches, [str(b) for b in batches])
-    tpu.set_ylim(bottom=0)
-    for b, p in zip(batches, predicted):
-        tpu.annotate(f"{p['tokens_per_s']:,.0f} tok/s", (b, p["step_s"] * 1e6), fontsize=7,
-                     textcoords="offset points", xytext=(0, 6), ha="center")
-    tpu.legend(fontsize=8)
-    from matplotlib.ticker import NullFormatter
-
+    tpu.set_ylim(0, max(steps_us) * 1.3)  # room above the line for the legend
+    for i, (b, p, y) in enumerate(zip(batches, predicted, steps_us, strict=True)):
+        # off the rising line: below and right of each point, the last one above and left
+        last = i == len(batches) - 1
+        tpu.annotate(f"{p['tokens_per_s']:,.0f} tok/s", (b, y), fontsize=7,
+                     textcoords="offset points", xytext=(-6, 6) if last else (5, -10),
+                     ha="right" if last else "left", va="bottom" if last else "top")
+    tpu.legend(fontsize=8, loc="upper left")
     for ax in (here, tpu):
+        ax.set_xticks(batches, [str(b) for b in batches])
         ax.xaxis.set_minor_formatter(NullFormatter())
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # plain numbers at 1, 2, 5 per decade instead of 10^-1 and labelled minor ticks (6x10^-1)
+    here.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    here.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    here.yaxis.set_minor_formatter(NullFormatter())
+    return fig
 
 
 def plot_decode_bench(path: str | Path) -> None:

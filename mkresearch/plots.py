@@ -24,12 +24,34 @@ from mkresearch.roofline import (
 )
 
 
-def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_CONTEXT,
-                  n_chips: int = ROOFLINE_N_CHIPS) -> None:
-    """figures/roofline.png: floor tokens/s vs batch per chip, and step bytes by component."""
+def _save(fig, path, dpi: int = 120) -> None:
+    """Write a figure drawn under the Agg backend and let it go."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def _agg():
+    """pyplot under the Agg backend (a figure written to a file, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_CONTEXT,
+                  n_chips: int = ROOFLINE_N_CHIPS) -> None:
+    """figures/roofline.png: `roofline_figure`."""
+    _agg()
+    _save(roofline_figure(cfg, context, n_chips), path)
+
+
+def roofline_figure(cfg: ModelConfig | None = None, context: int = ROOFLINE_CONTEXT,
+                    n_chips: int = ROOFLINE_N_CHIPS):
+    """Floor tokens/s vs batch per chip, and step bytes by component (from shapes alone)."""
     import matplotlib.pyplot as plt
 
     cfg = cfg or get_config("kimi-k3")
@@ -59,36 +81,43 @@ def plot_roofline(path, cfg: ModelConfig | None = None, context: int = ROOFLINE_
                  title=f"bytes per step by component ({cfg.expert_format} experts)")
     ax_bytes.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_expert_bytes(path, cfg: ModelConfig | None = None, batches=(1, 2, 4, 8, 16)) -> None:
-    """Figure: routed-expert bytes per MoE layer vs batch (DMA log of the mini model), against
-    fetching every (row, k) choice and fetching all experts, and the uniform-routing estimate."""
-    import matplotlib
+    """figures/expert_bytes.png: `expert_bytes_figure` of the mini model's DMA logs."""
+    _agg()
+    cfg = cfg or get_config("kimi-k3-mini")
+    _save(expert_bytes_figure(expert_bytes_by_batch(cfg, batches), cfg), path)
 
-    matplotlib.use("Agg")
+
+def expert_bytes_figure(rows, cfg: ModelConfig):
+    """Routed-expert bytes per MoE layer vs batch (rows of `logs.expert_bytes_by_batch`), against
+    fetching every (row, k) choice and fetching all experts, and the uniform-routing estimate.
+    The estimate is a wide pale band under the measured line: where they agree both show."""
     import matplotlib.pyplot as plt
 
-    cfg = cfg or get_config("kimi-k3-mini")
     one = weights.expert_nbytes(cfg)
-    rows = expert_bytes_by_batch(cfg, batches)
     b = [r["batch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(b, [r["expert_bytes"] / 1e6 for r in rows], "o-", label="unique experts (DMA log)")
-    ax.plot(b, [r["choices"] * one / 1e6 for r in rows], "s--", label="every (row, k) choice")
-    ax.plot(b, [cfg.n_experts * one / 1e6] * len(b), ":", label=f"all {cfg.n_experts} experts")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), layout="constrained")
     ax.plot(b, [roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, x) * one / 1e6
-                for x in b], "k-", alpha=0.4, label="uniform-routing estimate")
+                for x in b], "-", color="0.6", lw=7, alpha=0.45, solid_capstyle="round",
+            label="uniform-routing estimate", zorder=1)
+    ax.plot(b, [r["expert_bytes"] / 1e6 for r in rows], "o-", zorder=3,
+            label="unique experts (DMA log)")
+    ax.plot(b, [r["choices"] * one / 1e6 for r in rows], "s--", zorder=2,
+            label="every (row, k) choice")
+    ax.plot(b, [cfg.n_experts * one / 1e6] * len(b), ":", zorder=2,
+            label=f"all {cfg.n_experts} experts")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(b, [str(x) for x in b])
+    ax.minorticks_off()
     ax.set_xlabel("batch B")
     ax.set_ylabel("expert MB per MoE layer")
     ax.set_title(f"{cfg.name}: routed-expert bytes per layer ({cfg.expert_format}, "
-                 f"top-{cfg.top_k} of {cfg.n_experts})")
+                 f"top-{cfg.top_k} of {cfg.n_experts})", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | None = None,
@@ -99,28 +128,38 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
     bytes per token. Solid lines: the rule ⌈p / 16⌉ · 16 tokens (16-row HBM tiles) out to 32768;
     dashed: whole KV tiles of Kimi K3's 256 tokens, what reading the last tile whole would cost.
     """
-    import matplotlib
-
     if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        _agg()
     recorded = recorded or get_config("kimi-k3-mini")
     logs = logs or record_kv_logs(recorded, positions)
+    tokens = {layout: [(positions[r], tokens_read(logs[layout],
+                                                  recorded.replace(mla_cache_layout=layout), r))
+                       for r in range(len(positions))] for layout in MLA_CACHE_LAYOUTS}
+    fig = kv_bytes_figure(tokens)
+    if path is not None:
+        _save(fig, path)
+    return fig
+
+
+def kv_bytes_figure(tokens: dict):
+    """`plot_kv_bytes` drawn from `tokens`: layout -> [(position, tokens read)] of a recorded
+    run (position 0 reads nothing and is left out of the log axes)."""
+    import matplotlib.pyplot as plt
+
     full = get_config("kimi-k3")
     context = np.unique(np.geomspace(1, full.max_seq_len, 400).astype(int))
     fig, ax = plt.subplots(figsize=(7, 4))
     for layout, color in zip(MLA_CACHE_LAYOUTS, ("tab:red", "tab:blue")):
-        source, target = recorded.replace(mla_cache_layout=layout), full.replace(
-            mla_cache_layout=layout)
-        per_token = kv_bytes_per_token(target)
-        for tile, style, rule in ((KV_ROW_GROUP, "-", "16-row groups (read)"),
-                                  (full.kv_tile, "--", f"whole tiles of {full.kv_tile}")):
-            ax.plot(context, -(-context // tile) * tile * per_token, style, color=color, lw=1,
+        per_token = kv_bytes_per_token(full.replace(mla_cache_layout=layout))
+        # the rule read is a wide pale band, whole tiles a thin dashed line over it: past a few
+        # tiles the two meet, and both stay visible
+        for tile, style, rule in ((KV_ROW_GROUP, {"ls": "-", "lw": 3.5, "alpha": 0.35},
+                                   "16-row groups (read)"),
+                                  (full.kv_tile, {"ls": "--", "lw": 1},
+                                   f"whole tiles of {full.kv_tile}")):
+            ax.plot(context, -(-context // tile) * tile * per_token, color=color, **style,
                     label=f"{layout}: {per_token:,} B/token, {rule}")
-        measured = [(positions[r], tokens_read(logs[layout], source, r) * per_token)
-                    for r in range(len(positions))]
-        xs, ys = zip(*[(pos, y) for pos, y in measured if pos > 0])
+        xs, ys = zip(*[(pos, n * per_token) for pos, n in tokens[layout] if pos > 0])
         ax.scatter(xs, ys, color=color, zorder=3, s=18,
                    label=f"{layout}: DMA log of a mini run, priced at Kimi K3")
     ax.set(xscale="log", yscale="log", xlabel="context (cached tokens)",
@@ -128,7 +167,4 @@ def plot_kv_bytes(path=None, logs: dict | None = None, recorded: ModelConfig | N
            title="MLA KV traffic at Kimi K3 shapes (96 heads): latent reads 64x less")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
     return fig

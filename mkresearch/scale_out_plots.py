@@ -15,7 +15,7 @@ from mkresearch import interconnect as links
 from mkresearch.config import get_config
 from mkresearch.timeline import merge_intervals
 from mkresearch.timeline_ranks import PARTS, RanksTimeline
-from mkresearch.widgets import _display, png_bundle
+from mkresearch.widgets import FigureExplorer
 
 KINDS = ("hbm", "waiting", "collective")  # a rank's bars: HBM moving, waiting for peers, messages
 COLORS = {"hbm": "#4C72B0", "waiting": "#DD8452", "collective": "#C44E52",
@@ -102,17 +102,26 @@ def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
     """Predicted vs published tok/s per batch, and the B = 1 parts (`calibration` tables)."""
     import matplotlib.pyplot as plt
 
-    fig, (ax_rate, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.8))
+    fig, (ax_rate, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.8), layout="constrained")
     rows = figure_rows(release, ours)
-    styles = {"published": {"ls": "-", "marker": "s", "lw": 2.5}, "predicted": {"ls": "--", "marker": "o"}}
+    # published: wide pale lines with open squares, drawn first; predicted: dashed lines with
+    # small dots on top. Where a prediction equals the published number (the release at
+    # B = 2 and 4) both still show: the dot inside the square, the dashes over the wide line.
+    styles = {"published": {"ls": "-", "marker": "s", "lw": 5, "alpha": 0.45, "ms": 11,
+                            "markerfacecolor": "none", "markeredgewidth": 2, "zorder": 2},
+              "predicted": {"ls": "--", "marker": "o", "lw": 1.5, "ms": 5, "zorder": 3}}
     for series in dict.fromkeys(r["series"] for r in rows):
         points = [r for r in rows if r["series"] == series]
         ax_rate.plot([p["batch"] for p in points], [p["tok_s"] for p in points], label=series,
                      **styles[series.split(",")[0].split(":")[0]])
+    batches = sorted({r["batch"] for r in rows})
     ax_rate.set_xscale("log", base=2)
+    ax_rate.set_xticks(batches, [str(b) for b in batches])  # 1, 2, 4, 8 as in every figure
+    ax_rate.minorticks_off()
     ax_rate.set_xlabel("batch (sequences)")
-    ax_rate.set_ylabel("tokens/s, 32 ranks")
-    ax_rate.set_title("Kimi K3 decode on 16 TPU7x: predicted vs published")
+    ax_rate.set_ylabel("tokens/s")
+    ax_rate.set_title("Kimi K3 decode, predicted vs published: 16 TPU7x chips\n"
+                      "= 32 ranks (one per core, 2 cores per chip)", fontsize=10)
     ax_rate.legend(fontsize=8)
 
     def seconds(parts_ms: dict) -> dict:
@@ -122,8 +131,7 @@ def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
            "ours as built": seconds(ours[0]["ours"]["parts_ms"]),
            "our layout, release schedule": seconds(ours[0]["ours_release_schedule"]["parts_ms"])}
     plot_parts(one, ax_parts, release[0]["published_ms"])
-    ax_parts.set_title("B = 1: where the step goes")
-    fig.tight_layout()
+    ax_parts.set_title("B = 1: where the step goes (the slowest of 32 ranks)", fontsize=10)
     return fig
 
 
@@ -140,10 +148,10 @@ def plot_scale_out(path) -> None:
     plt.close(fig)
 
 
-class ScaleOutExplorer:
-    """Controls (batch, ranks, layout, schedule, ICI bandwidth and latency) over the multi-rank
-    timeline of kimi-k3 and its parts. Displayed: the figure as a static image/png, then the live
-    controls (they need a running kernel). `prediction` is the current data."""
+class ScaleOutExplorer(FigureExplorer):
+    """Controls (batch, ranks, layout, schedule, ICI bandwidth and latency) under the multi-rank
+    timeline of kimi-k3 and its parts, a figure titled with the settings it shows (displayed
+    as every `widgets.FigureExplorer` is). `prediction` is the current data."""
 
     def __init__(self, *, batch: int = 1, n_ranks: int = 32, layout: str = "ours",
                  schedule: str | None = None, window_us: tuple[float, float] = (0.0, 200.0)):
@@ -162,15 +170,8 @@ class ScaleOutExplorer:
                                     value=link, description="ICI GB/s")
         self.latency = w.Dropdown(options=[0.5, 1.0, round(base.ici_latency * 1e6, 1), 5.0],
                                   value=round(base.ici_latency * 1e6, 1), description="ICI µs")
-        self.summary, self.output = w.HTML(), w.Output()
-        controls = [self.batch, self.ranks, self.layout, self.schedule, self.bandwidth,
-                    self.latency]
-        for control in controls:
-            control.observe(lambda _change: self.redraw(), names="value")
-        self.widget = w.VBox([w.HBox(controls[:3]), w.HBox(controls[3:]), self.summary,
-                              self.output])
-        self._displayed = False
-        self.redraw()
+        self._build([[self.batch, self.ranks, self.layout],
+                     [self.schedule, self.bandwidth, self.latency]])
 
     def compute(self) -> dict:
         inter = links.interconnect("tpu7x", ici_bandwidth=self.bandwidth.value * 1e9,
@@ -179,39 +180,41 @@ class ScaleOutExplorer:
                                  schedule=self.schedule.value, interconnect=inter,
                                  keep_timeline=True)
 
+    def update(self) -> None:
+        self.prediction = self.compute()
+
+    def settings(self) -> str:
+        """The settings the figure shows, as its title names them."""
+        return (f"B = {self.batch.value}, {self.ranks.value} ranks, {self.layout.value} layout, "
+                f"{self.schedule.value} schedule, ICI {self.bandwidth.value:g} GB/s and "
+                f"{self.latency.value:g} µs")
+
     def summary_line(self) -> str:
         p = self.prediction
         parts = ", ".join(f"{PART_LABELS[k]} {v * 1e3:.2f}" for k, v in p["parts_s"].items())
-        return (f"{p['step_s'] * 1e3:.2f} ms per step, {p['tokens_per_s']:.0f} tok/s "
-                f"(ms: {parts}); {p['collectives_per_rank']} collectives per rank")
+        return (f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step, "
+                f"{p['tokens_per_s']:.0f} tok/s (ms: {parts}); {p['collectives_per_rank']} "
+                "collectives per rank")
 
-    def redraw(self) -> None:
+    def draw(self):
         import matplotlib.pyplot as plt
 
-        self.prediction = self.compute()
-        self.summary.value = self.summary_line()
-        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=(12, 6.5),
-                                                 gridspec_kw={"height_ratios": [3, 1]})
-        plot_ranks(self.prediction["timeline"], ax_ranks, self.window_us)
+        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=(12, 7),
+                                                 gridspec_kw={"height_ratios": [3, 1]},
+                                                 layout="constrained")
+        plt.close(fig)  # shown through the explorer's outputs, never by pyplot
+        p = self.prediction
+        fig.suptitle(f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step")
+        plot_ranks(p["timeline"], ax_ranks, self.window_us)
         ax_ranks.set_title(f"the first {self.window_us[1]:.0f} µs of the step, one rank per "
-                           "expert-parallel group")
-        published = self.prediction.get("published_step_s")
-        plot_parts({"this prediction": self.prediction}, ax_parts,
-                   published * 1e3 if published else None)
-        fig.tight_layout()
-        plt.close(fig)
-        self.figure = fig
-        if self._displayed:
-            self.output.clear_output(wait=True)
-            with self.output:
-                _display(png_bundle(fig, self.summary_line()), raw=True)
+                           "expert-parallel group", fontsize=10)
+        published = p.get("published_step_s")
+        plot_parts({"this prediction": p}, ax_parts, published * 1e3 if published else None)
+        return fig
 
-    def _ipython_display_(self) -> None:
-        _display(png_bundle(self.figure, self.summary_line()), raw=True)
-        bundle = self.widget._repr_mimebundle_()
-        bundle["text/plain"] = "ScaleOutExplorer: live controls (they need a running kernel)"
-        _display(bundle, raw=True)
-        self._displayed = True
+    def __repr__(self) -> str:
+        return (f"ScaleOutExplorer(batch={self.batch.value}, n_ranks={self.ranks.value}, "
+                f"layout={self.layout.value!r}, schedule={self.schedule.value!r})")
 
 
 def explorer(**kwargs: Any):

@@ -210,8 +210,8 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
                        facecolors=[(*rgb, a) for a in bar["opacity"]], edgecolors="none",
                        linewidth=0, antialiased=False)  # no seams between pixel columns
     if any(a < 1 for bar in bars for a in bar["opacity"]):
-        ax.set_xlabel("time (µs); pale: spans denser than a pixel, shaded by the fraction of the "
-                      "time they cover")
+        # short enough to stay under its own panel in a grid of Gantt charts (notebook 01)
+        ax.set_xlabel("time (µs); paler: a pixel only partly covered by spans")
     return ax
 
 

@@ -12,9 +12,11 @@ Every view is a thin layer over a pure data function, which the tests cover:
 The static figures (`plot_gantt`, `plot_vmem`, `timeline_figure`, `plot_time_split`) live in
 `mkresearch.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
 dropdowns for chip (v5e, v6e, v5p, TPU7x), batch size and buffer count (and a time window for
-long timelines) redraw the figure from the same recorded log. Displayed, it leaves two outputs:
-the figure as a plain `image/png` (what GitHub, nbviewer, an untrusted or reopened notebook
-show) and the live controls. `show()` falls back to the static figure where ipywidgets is
+long timelines) redraw the figure from the same recorded log, titled with those settings. Like
+every explorer (`FigureExplorer`, shared with `scale_out_plots.ScaleOutExplorer`) it leaves the
+figure and its summary as static outputs (what GitHub, nbviewer, an HTML export, an untrusted
+or reopened notebook show), then the live widget, which hides them and redraws its own figure
+in place above the controls. `show()` falls back to the static figure where ipywidgets is
 missing or there is no kernel to talk to.
 
 The compute unit's idle time has two causes (`mkresearch.timeline.Idle`): "compute idle: HBM
@@ -25,6 +27,7 @@ busy" (a DMA moves bytes meanwhile: what a bandwidth-bound step looks like, not 
 from __future__ import annotations
 
 import base64
+import html
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -112,14 +115,39 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
 
 
 def png_bundle(fig, text: str) -> dict[str, str]:
-    """A figure as a display bundle of its PNG (base64) and a one-line text, for
-    `display(bundle, raw=True)`: the same picture under any matplotlib backend."""
+    """A figure as a display bundle for `display(bundle, raw=True)`: its PNG (base64), the same
+    PNG as an HTML <img> whose alt text is `text` (JupyterLab and an HTML export pick the HTML,
+    so the image is described; nbconvert gives a bare PNG no alt text), and `text` as the
+    plain-text form. Saved at the figure's own size, not cropped to its contents, so each
+    redraw of an explorer has the same pixel size and the controls under it stay put."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", bbox_inches="tight")
-    return {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": text}
+    fig.savefig(buffer, format="png")
+    png = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return {"image/png": png, "text/plain": text,
+            "text/html": f'<img src="data:image/png;base64,{png}" alt="{html.escape(text)}">'}
 
 
-# ---- the interactive view --------------------------------------------------------------------
+def show_figure(fig, description: str | None = None) -> None:
+    """Display a figure as `png_bundle` (its alt text `description`, else its title: an HTML
+    export describes the picture) and close it in pyplot, which would otherwise show it again,
+    bare, at the end of the cell. What a notebook calls instead of `plt.show()`."""
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    _display(png_bundle(fig, description or figure_title(fig)), raw=True)
+
+
+def hide_static_outputs_rule(css_class: str, n_outputs: int) -> str:
+    """A style rule hiding the `n_outputs` cell outputs right before the widget carrying
+    `css_class` (JupyterLab / Notebook 7 and classic Notebook class names). Only a rendered
+    widget puts the rule in the page, so where widgets do not render the static outputs stay."""
+    selectors = [f".{area}:has(+ {f'.{area} + ' * skipped}.{area} .{css_class})"
+                 for area in ("jp-OutputArea-child", "output_area")
+                 for skipped in range(n_outputs)]
+    return f"<style>{', '.join(selectors)} {{display: none;}}</style>"
+
+
+# ---- the interactive views -------------------------------------------------------------------
 def widgets_available() -> bool:
     """True if ipywidgets imports and an IPython kernel is there to render widgets."""
     try:
@@ -131,16 +159,86 @@ def widgets_available() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-class TimelineExplorer:
-    """A control bar (chip, batch, buffers, and a time window for long timelines) over a Gantt +
-    VMEM figure of one recorded log.
+class FigureExplorer:
+    """What every explorer shares: a figure above rows of controls, a summary line under them.
 
-    Displaying the explorer shows the current figure as a static `image/png` output, then
-    `explorer.widget`: the controls, the summary line and an output area. The first change of a
-    control draws the new figure into that area and puts in a style rule that hides the static
-    output above it, so a live notebook shows one figure; where the widget cannot render (GitHub,
-    nbviewer, an untrusted or reopened notebook) the static figure stays. `timeline` is the
-    current data; `redraw()` recomputes it from the log (the controls call it).
+    Displayed, an explorer leaves three outputs: its figure as a static picture, its summary as
+    plain text (what GitHub, nbviewer, an HTML export or a reopened notebook show), then the
+    widget. The widget holds its own copy of the figure in an output area ABOVE its controls and
+    a style rule that hides the two static outputs, so a live notebook shows one figure; a
+    redraw replaces the picture in that output area, in place: the controls never move.
+    Subclasses build their controls, then call `_build(rows)`, and define `update()` (recompute
+    the data), `draw()` (a Figure whose title names the settings shown), `summary_line()`.
+    """
+
+    STATIC_OUTPUTS = 2  # the figure and the summary displayed before the widget
+
+    def _build(self, control_rows: Sequence[Sequence[Any]]) -> None:
+        import ipywidgets as w
+
+        self.summary, self.output = w.HTML(), w.Output()
+        self.widget = w.VBox([self.output, *(w.HBox(list(row)) for row in control_rows),
+                              self.summary])
+        self._css_class = f"mkresearch-explorer-{self.widget.model_id}"
+        self.widget.add_class(self._css_class)
+        self._hide_static = w.HTML(hide_static_outputs_rule(self._css_class, self.STATIC_OUTPUTS))
+        self.widget.children += (self._hide_static,)
+        for row in control_rows:
+            for control in row:
+                control.observe(lambda _change: self.redraw(), names="value")
+        self.figure = None
+        self.redraw()
+
+    def update(self) -> None:
+        raise NotImplementedError
+
+    def draw(self):
+        raise NotImplementedError
+
+    def summary_line(self) -> str:
+        raise NotImplementedError
+
+    def figure_bundle(self) -> dict[str, str]:
+        """The figure as a display bundle described by its title and the summary (the summary
+        alone where it already starts with the title's settings)."""
+        title, summary = figure_title(self.figure), self.summary_line()
+        settings = title.split(":")[0]
+        return png_bundle(self.figure, summary if summary.startswith(settings)
+                          else f"{title}. {summary}")
+
+    def redraw(self) -> None:
+        self.update()
+        self.summary.value = html.escape(self.summary_line())
+        self.figure = self.draw()
+        if widgets_available():  # a kernel: the picture goes into the widget's output area
+            self.output.clear_output(wait=True)  # the old one stays until the new one arrives
+            with self.output:
+                _display(self.figure_bundle(), raw=True)
+
+    def _fallback_text(self) -> str:
+        return (f"{self!r}: live controls. Run this cell to use them; the figure above is what "
+                "they first drew")
+
+    def _ipython_display_(self) -> None:
+        _display(self.figure_bundle(), raw=True)
+        _display({"text/plain": self.summary_line()}, raw=True)
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = self._fallback_text()
+        _display(bundle, raw=True)
+
+
+def figure_title(fig) -> str:
+    """A figure's title: its suptitle, else its axes' titles joined."""
+    if fig._suptitle is not None and fig._suptitle.get_text():
+        return fig._suptitle.get_text()
+    return "; ".join(t for ax in fig.axes if (t := ax.get_title()))
+
+
+class TimelineExplorer(FigureExplorer):
+    """A control bar (chip, batch, buffers, and a time window for long timelines) under a Gantt
+    + VMEM figure of one recorded log (see `FigureExplorer` for what is displayed where).
+    `timeline` is the current data; `redraw()` recomputes it from the log (the controls call
+    it). The figure's title names the chip, batch and buffers it shows.
     """
 
     def __init__(self, log: Any, *, chip: str = "tpu7x", batch: int = 1, n_buffers: int | None = None,
@@ -166,22 +264,16 @@ class TimelineExplorer:
         self.window = w.FloatRangeSlider(value=(0.0, 100.0), min=0.0, max=100.0, step=0.5,
                                          description="window %", continuous_update=False,
                                          readout_format=".1f")
-        self.summary = w.HTML()
-        self.output = w.Output()
-        self._live_style = w.HTML()  # empty until the first redraw after display
-        self._displayed = False
-        self.timeline: tl.Timeline | None = None
-        self.figure = None
-        self.timeline = self.compute()
+        self.timeline: tl.Timeline = self.compute()
         controls = [self.chip, self.batch, self.buffers]
         if len(self.timeline.spans) >= ZOOM_MIN_SPANS:
             controls.append(self.window)
-        for control in controls:
-            control.observe(lambda _change: self.redraw(), names="value")
-        self.widget = w.VBox([w.HBox(controls), self.summary, self.output, self._live_style])
-        self._css_class = f"mkresearch-explorer-{self.widget.model_id}"
-        self.widget.add_class(self._css_class)
-        self.redraw()
+        self._build([controls])
+
+    @property
+    def controls(self) -> tuple:
+        """The control bar's widgets, left to right."""
+        return self.widget.children[1].children
 
     @property
     def n_buffers(self) -> int | None:
@@ -202,30 +294,23 @@ class TimelineExplorer:
                        n_buffers=self.n_buffers, base_batch=self.base_batch,
                        vpu_phases=self.vpu_phases)
 
-    def redraw(self) -> None:
+    def update(self) -> None:
         self.timeline = self.compute()
-        self.summary.value = summary_line(self.timeline)
-        self.figure = timeline_figure(self.timeline, self.measured, window_us=self.window_us)
-        if not self._displayed:
-            return  # the figure is shown as the static output when the explorer is displayed
-        # From now on the figure lives in the widget: hide the (stale) static output before it.
-        # Only a rendered widget puts the rule in, so where widgets do not render nothing hides.
-        self._live_style.value = (f"<style>.jp-OutputArea-child:has(+ .jp-OutputArea-child "
-                                  f".{self._css_class}) {{display: none;}}</style>")
-        self.output.clear_output(wait=True)
-        with self.output:
-            _display(png_bundle(self.figure, self._figure_text()), raw=True)
 
-    def _figure_text(self) -> str:
-        return f"<timeline figure: {summary_line(self.timeline)}>"
+    def settings(self) -> str:
+        """The settings the figure shows, as its title names them."""
+        return f"{self.chip.value}, batch {self.batch.value}, buffers {self.buffers.label}"
 
-    def _ipython_display_(self) -> None:
-        _display(png_bundle(self.figure, self._figure_text()), raw=True)
-        bundle = self.widget._repr_mimebundle_()
-        bundle["text/plain"] = (f"{self!r}: live controls (they need a running kernel); the "
-                                "figure above is their view as first drawn")
-        _display(bundle, raw=True)
-        self._displayed = True
+    def draw(self):
+        t, window = self.timeline, self.window_us
+        title = (f"{self.settings()}: step {t.total_s * 1e6:.2f} µs, "
+                 f"{t.roofline_fraction:.0%} of the HBM roofline")
+        if window is not None:
+            title += f" (window {window[0]:.4g}–{window[1]:.4g} µs)"
+        return timeline_figure(t, self.measured, title=title, window_us=window)
+
+    def summary_line(self) -> str:
+        return f"{self.settings()}: {summary_line(self.timeline)}"
 
     def __repr__(self) -> str:
         return (f"TimelineExplorer(chip={self.chip.value!r}, batch={self.batch.value}, "

@@ -61,6 +61,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 import matplotlib.pyplot as plt
 
 from mkresearch import roofline
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 from mkresearch.chips import CHIPS
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.weights import param_shapes
@@ -112,8 +114,10 @@ ax.set_xlabel("GB per decode step (batch 1, read + written)")
 ax.set_title("Kimi K3: HBM bytes of one decode step by component")
 for i, (_, r, w) in enumerate(rows):
     ax.text(r + w + 0.5, i, f"{r + w:.2f}", va="center", fontsize=8)
+ax.set_xlim(right=max(r + w for _, r, w in rows) * 1.12)  # room for the longest bar's value
 fig.tight_layout()
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # Attention weights (KDA, 69 layers) are nearly half the step; the non-routed MoE part (router,
@@ -174,11 +178,15 @@ for chip in roofline.ROOFLINE_CHIPS:
             label=f"{N_CHIPS}× {chip} floor")
 ax.plot(*zip(*sorted(roofline.PUBLISHED_TPU7X_16_CHIPS.items())), "k*", markersize=10,
         label="published, 16× TPU7x")
-ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (aggregate)",
+ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="tokens/s (aggregate)",
        title=f"Kimi K3 decode floor, {N_CHIPS} chips, context {CONTEXT}")
+batches = sorted({r["batch"] for r in table})
+ax.set_xticks(batches, [str(b) for b in batches])  # 1, 2, 4 … 256, not 10^0, 10^1, 10^2
+ax.minorticks_off()
 ax.grid(True, which="both", alpha=0.3)
 ax.legend(fontsize=8)
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT

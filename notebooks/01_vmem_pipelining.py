@@ -69,7 +69,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from mkresearch import timeline as tl
-from mkresearch import facts, widgets
+from mkresearch import facts, label_plots, widgets
 from mkresearch.kernels import dma, gemv
 
 CHIPS = ("tpu7x", "v5e")  # the newest chip and the smallest: 3.7 TB/s vs 0.82 TB/s per core
@@ -237,7 +237,8 @@ for (n, chip), timeline in timelines.items():
                        f"{timeline.roofline_fraction:.0%} of roofline")
     if CHIPS.index(chip) == 0:
         ax.get_legend().remove()  # one legend per row is enough
-plt.show()
+assert not label_plots.label_problems(fig)  # no label runs into another
+widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -260,7 +261,8 @@ for n in (1, 2, 3):
     ax.step(times, np.array(values) / 2**20, where="post", label=f"{n} buffer(s)")
 ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)", title="TPU7x: VMEM occupancy")
 widgets.legend_outside(ax)
-plt.show()
+assert not label_plots.label_problems(fig)
+widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## 5 · Why double buffering reaches the roofline only sometimes

@@ -74,6 +74,8 @@ import numpy as np
 
 from mkresearch import config, facts, layout, reference, weights
 from mkresearch.kernels import dma, router
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 cfg = config.get_config("kimi-k3-mini")
 params = weights.init_params(cfg, seed=0)
@@ -164,7 +166,7 @@ assert changed.any() and load_nudged[coldest] > load_bias[coldest]
 np.testing.assert_array_equal(np.asarray(reference.route(nudged, rows, cfg)[0]), ids_nudged)
 
 # %%
-fig, ax = plt.subplots(figsize=(8, 3))
+fig, ax = plt.subplots(figsize=(9.5, 3), layout="constrained")
 experts_axis = np.arange(cfg.n_experts)
 ax.bar(experts_axis - 0.27, load_plain, 0.27, label="no bias")
 ax.bar(experts_axis, load_bias, 0.27, label="layer's bias")
@@ -175,9 +177,10 @@ ax.set_xticks(experts_axis)
 ax.set_xlabel("expert")
 ax.set_ylabel("tokens routed (of 256)")
 ax.set_title("Load per expert, layer 1 of kimi-k3-mini")
-ax.legend(fontsize=8, ncol=4)
-fig.tight_layout()
-plt.show()
+# beside the axes: inside, it covered the tallest bars
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## Ties and the other router families

@@ -73,8 +73,10 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from mkresearch import config, facts, layout, reference, roofline, timeline, weights
+from mkresearch import config, facts, layout, plots, reference, roofline, timeline, weights
 from mkresearch.kernels import dma, experts, quant, router
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 from mkresearch.logs import expert_bytes_by_batch
 
 cfg = config.get_config("kimi-k3-mini", expert_format="bf16")
@@ -274,19 +276,11 @@ for r in sweep:
 assert sweep[-1]["unique"] < sweep[-1]["choices"]
 
 # %%
-b = [r["batch"] for r in sweep]
-fig, ax = plt.subplots(figsize=(6, 3.6))
-ax.plot(b, [r["expert_bytes"] / 1e6 for r in sweep], "o-", label="unique experts (DMA log)")
-ax.plot(b, [r["choices"] * one_mx / 1e6 for r in sweep], "s--", label="every (row, k) choice")
-ax.axhline(mxfp4_cfg.n_experts * one_mx / 1e6, ls=":", color="g", label="all experts")
-ax.plot(b, [roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, v) * one_mx / 1e6 for v in b],
-        "k-", alpha=0.4, label="uniform-routing estimate")
-ax.set_xlabel("batch B")
-ax.set_ylabel("expert MB per MoE layer")
-ax.set_title("Routed-expert bytes per layer, kimi-k3-mini, MXFP4")
-ax.legend(fontsize=8)
-fig.tight_layout()
-plt.show()
+# the figure `make figures` writes as figures/expert_bytes.png, of this sweep: the uniform-routing
+# estimate is the pale band the measured line runs along
+fig = plots.expert_bytes_figure(sweep, mxfp4_cfg)
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # At full size the same curve is E·(1 − (1 − k/E)^B) experts of 17.55 MB: 16 at B = 1, ≈ 120 at

@@ -76,6 +76,8 @@ from mkresearch import facts, layout, reference, sampling
 from mkresearch.config import get_config
 from mkresearch.kernels import dma
 from mkresearch.kernels import sampling as stage
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 cfg = get_config("kimi-k3-mini")
 B, d, V = 8, cfg.d_model, cfg.vocab_size
@@ -318,7 +320,8 @@ ax.set_ylabel("probability")
 ax.set_title("top-p 0.9 sampling in the fused stage vs the exact distribution")
 ax.legend()
 plt.tight_layout()
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## Compiling for TPU7x at the full per-rank vocab shard

@@ -75,6 +75,8 @@ import numpy as np
 from mkresearch import layout, recorded, reference, sampling, timeline, weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.kernels import dma, megakernel, schedule
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 LOGIT_TOL = 5e-2  # spec §11: whole-step interpret-mode runs
 
@@ -130,7 +132,8 @@ def show_timeline(log, title, chip="tpu7x"):
     fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     widgets.plot_gantt(simulated, ax, title=f"{title}: {simulated.total_s * 1e6:.1f} µs on "
                        f"{chip} (predicted), {simulated.roofline_fraction:.0%} of the HBM roofline")
-    plt.show()
+    assert not label_problems(fig)  # no label runs into another, none is cut
+    show_figure(fig)  # described: an HTML export gives the picture its title
     return simulated
 
 

@@ -180,7 +180,8 @@ print(widgets.format_table(widgets.summary_rows(timelines), columns))
 
 # %%
 for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
-    display(widgets.timeline_figure(timelines[name], title=f"{name} on TPU7x (kimi-k3-mini, B={B})"))
+    widgets.show_figure(widgets.timeline_figure(timelines[name],
+                                                title=f"{name} on TPU7x (kimi-k3-mini, B={B})"))
 
 # %% [markdown]
 # Read the compute lane with care: a phase lasts `max(FLOPs / MXU peak, VMEM bytes / VMEM
@@ -203,7 +204,7 @@ print(widgets.format_table(rows, ["stage", "hbm_busy_fraction", "bubble_fraction
 
 # %%
 ax = widgets.plot_time_split(timelines, title="where each stage's time goes (TPU7x, the model)")
-plt.show()
+widgets.show_figure(ax.figure)
 
 # %% [markdown]
 # ## VMEM occupancy
@@ -215,7 +216,7 @@ for name, timeline in timelines.items():
     ax.step(times, np.array(values) / 2**20, where="post", label=name)
 ax.set(xlabel="time (µs)", ylabel="VMEM (MiB)", title="DMA'd bytes held in VMEM, per stage")
 widgets.legend_outside(ax)
-plt.show()
+widgets.show_figure(fig)
 
 # %% [markdown]
 # ## Predicted step time against the HBM floor (kimi-k3-mini)
@@ -306,7 +307,7 @@ if "megakernel" in logs:
     fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
     widgets.plot_gantt(rank_mega, ax, title=f"megakernel, {rank.name} shapes on tpu7x "
                        f"(scaled from the mini log): {rank_mega.total_s * 1e3:.2f} ms predicted")
-    plt.show()
+    widgets.show_figure(fig)
 
 # %% [markdown]
 # And the Pallas pipelining guide's α/β/F arithmetic, reproduced by the model (notebook 01 shows
@@ -365,7 +366,7 @@ assert set(found) == {"kda_attention", "moe_ffn", "reference_layer"}
 fig, ax = plt.subplots(figsize=(10, 2.2), layout="constrained")
 widgets.plot_gantt(tl.simulate([], "tpu7x"), ax, measured=measured,
                    title="CPU trace of the reference layer: measured spans by named scope")
-plt.show()
+widgets.show_figure(fig)
 
 # %%
 if tpu.on_tpu() and "kda" in STAGES:  # measured kernel phases over the model, on a real TPU

@@ -83,6 +83,8 @@ from mkresearch.config import get_config, layer_pattern
 from mkresearch.facts import bound
 from mkresearch.kernels import dma, megakernel
 from mkresearch.kernels import megakernel_sharded as sharded
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 LOGIT_TOL = 5e-2  # spec §11
 NEAR_TIE_GAP = 2 * LOGIT_TOL
@@ -267,7 +269,8 @@ timelines = ranks_plots.rank_timelines(log, "tpu7x")
 fig = ranks_plots.plot_rank_timelines(
     log, timelines, title=f"{CFG.name}, {CFG.n_layers} layer, on 8 ranks, B={BATCH}: one step "
                           "per rank on tpu7x (timeline model, not measured)")
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 steps_us = [tl.total_s * 1e6 for tl in timelines.values()]
 print(f"predicted step per rank (each alone): {min(steps_us):.1f} to {max(steps_us):.1f} us")
 assert all(s > 0 for s in steps_us)

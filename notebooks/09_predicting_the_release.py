@@ -281,7 +281,11 @@ assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"
 # figures/scale_out.png):
 
 # %%
+from mkresearch.label_plots import label_problems
+
 figure = scale_out_plots.scale_out_figure(release, ours)
+assert not label_problems(figure)  # no label runs into another, none is cut
+widgets.show_figure(figure)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## 5 · Explorer

@@ -80,6 +80,8 @@ from mkresearch import sampling, scale_out, spec, timeline, weights, widgets
 from mkresearch.config import get_config, layer_pattern
 from mkresearch.facts import bound
 from mkresearch.kernels import dma, megakernel
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 FULL = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 MODELS = {name: get_config(name) for name in FULL}
@@ -187,7 +189,8 @@ ax.invert_yaxis()
 ax.set(xlabel=f"GB read + written per decode step (B = 1, context {CONTEXT})",
        title="where one decode step's HBM traffic goes")
 widgets.legend_outside(ax)
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # At B = 1 a step reads every active weight once. The routed experts are the largest part of
@@ -331,7 +334,8 @@ fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs)), layout="co
 for ax, (name, simulated) in zip(axes, mini_timelines.items()):
     widgets.plot_gantt(simulated, ax, title=f"{name}: {simulated.total_s * 1e6:.1f} µs on tpu7x "
                        f"(predicted), {simulated.roofline_fraction:.0%} of the HBM roofline")
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 print(widgets.format_table(widgets.summary_rows(mini_timelines),
@@ -426,7 +430,8 @@ ax.invert_yaxis()
 ax.set(xlabel="ms per decode step, B = 1 (predicted, not measured)",
        title="the full models on TPU7x")
 widgets.legend_outside(ax)
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 print(f"kimi-k3: floor {floors['kimi-k3'].seconds * 1e3:.2f} ms; the release's published step "
       f"{1e3 / roofline.PUBLISHED_TPU7X_16_CHIPS[1]:.2f} ms")
 for name, p in predictions.items():

@@ -77,6 +77,8 @@ from mkresearch.kernels import megakernel_verify as mv
 from mkresearch import (layout, logs, reference, scale_out, scale_out_plots, speculative,
                         spec, speculative_plots, speculative_predict, weights, widgets)
 from mkresearch.config import get_config
+from mkresearch.label_plots import label_problems
+from mkresearch.widgets import show_figure
 
 # kimi-k3-mini cut to its first 2 layers (a KDA + dense layer, an MLA + MoE layer, two residual
 # blocks): every feature of the family, at a third of the interpret-mode time per call
@@ -259,7 +261,8 @@ plain_1 = scale_out.predict(full, 32, layout.RELEASE, 1)
 fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
 scale_out_plots.plot_ranks(verify_8["timeline"], ax, window_us=(0, 400))
 ax.set_title("one verify step (8 rows), predicted: the first 400 µs of the release's ranks")
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -305,7 +308,8 @@ points = speculative_predict.acceptance_curve(full, 32, layout.RELEASE,
 fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
 speculative_plots.plot_acceptance(points, ax, plain_tok_s=points[0]["exact_tokens_per_s"],
                                   title="Kimi K3 on 32 TPU7x cores, release layout (predicted)")
-plt.show()
+assert not label_problems(fig)  # no label runs into another, none is cut
+show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -1,12 +1,15 @@
-"""Notebook 01 as a reader meets it: JupyterLab in headless Chromium, run all, change the chip.
+"""Notebooks 01 and 09 as a reader meets them: JupyterLab in headless Chromium, run all, change
+an explorer's control.
 
 The test starts JupyterLab on 127.0.0.1 (a free port, a token, settings and runtime files in the
-test's tmp dir) over a copy of notebook 01, opens it in headless Chromium through Selenium, runs
-every cell, then picks another chip in the timeline explorer and checks that the summary line
-changes, that the redrawn figure replaces the static one and that no widget failed to render.
-Then it saves the notebook, shuts the kernel down and reopens the page: the widget's model is
-gone, and the figure must still show (the static PNG). Screenshots: <tmp dir>/notebook01.png
-and notebook01_reopened.png.
+test's tmp dir) over copies of the notebooks, opens one in headless Chromium through Selenium,
+runs every cell, then changes a control of its explorer (01: the timeline explorer's chip, 09:
+the scale-out explorer's batch) and checks what the reader sees: the summary line changes,
+exactly one figure shows in the cell, above the controls, titled (its alt text) with the new
+setting, and the controls stay where they were on the page. Notebook 01 is then saved, its
+kernel shut down and the page reopened: the widget's model is gone, and the figure must still
+show (the static PNG) with a line telling the reader to run the cell. Screenshots: <tmp
+dir>/01_explorer.png, 09_explorer.png and notebook01_reopened.png.
 
 Chromium and chromedriver are Debian's packages (`make browser` installs them as root); where
 they, or Python's selenium, are missing the test skips and says which.
@@ -25,7 +28,7 @@ from pathlib import Path
 import pytest
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_vmem_pipelining.ipynb"
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 TOKEN = "mkresearch-browser-test"
 RUN_ALL_TIMEOUT_S = 300
 
@@ -53,10 +56,11 @@ def _free_port() -> int:
 
 @pytest.fixture
 def lab(tmp_path):
-    """JupyterLab serving a copy of notebook 01 (autosave must not touch the committed one)."""
+    """JupyterLab serving copies of the notebooks (autosave must not touch the committed ones)."""
     root = tmp_path / "root"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    for notebook in EXPLORERS:
+        shutil.copy(NOTEBOOKS_DIR / notebook, root / notebook)
     settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     # every cell stays in the page, so the test sees all of them without scrolling
@@ -139,19 +143,27 @@ def _wait(driver, condition, timeout, what):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
-def _command(driver, name):
-    driver.execute_script(f"return window.jupyterapp.commands.execute({name!r});")
+def _command(driver, name, wait=True):
+    """Run a JupyterLab command; with wait=False, do not await its promise (running every cell
+    of notebook 09 outlasts the driver's script timeout: _run_all polls instead)."""
+    call = f"window.jupyterapp.commands.execute({name!r})"
+    driver.execute_script(f"return {call};" if wait else f"{call}; return null;")
 
 
-def test_notebook_01_runs_and_its_chip_control_redraws(lab, browser, tmp_path):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+# notebook -> (the control changed, its new value, what the new figure's title then starts with,
+# the call that makes the explorer in the cell's source)
+EXPLORERS = {"01_vmem_pipelining.ipynb": ("chip", "v5e", "v5e, batch 8, ", "widgets.show("),
+             "09_predicting_the_release.ipynb": ("batch", "2", "B = 2, 32 ranks, release layout",
+                                                 "ScaleOutExplorer(")}
+CONTROL_DRIFT_PX = 4  # how far the controls may move on the page when the figure is redrawn
 
-    browser.get(f"{lab}/lab/tree/{NOTEBOOK.name}?token={TOKEN}")
+
+def _run_all(browser, notebook):
+    browser.get(f"{browser.lab_url}/lab/tree/{notebook}?token={TOKEN}")
     _wait(browser, lambda: (browser.execute_script(_NOTEBOOK_STATE) or {}).get("kernel") == "idle",
           120, "the notebook to open with an idle kernel")
     _command(browser, "notebook:clear-all-cell-outputs")
-    _command(browser, "notebook:run-all-cells")
+    _command(browser, "notebook:run-all-cells", wait=False)
 
     def finished():
         state = browser.execute_script(_NOTEBOOK_STATE)
@@ -159,39 +171,76 @@ def test_notebook_01_runs_and_its_chip_control_redraws(lab, browser, tmp_path):
             pytest.fail("a cell failed: " + "\n\n".join(state["errors"]))
         return state["kernel"] == "idle" and all(c is not None for c in state["counts"])
 
-    _wait(browser, finished, RUN_ALL_TIMEOUT_S, "every cell of notebook 01 to run")
+    _wait(browser, finished, RUN_ALL_TIMEOUT_S, f"every cell of {notebook} to run")
 
-    def dropdowns(label):
+
+def _visible_images(cell):
+    from selenium.webdriver.common.by import By
+
+    return [img for img in cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img")
+            if img.is_displayed()]
+
+
+def _top_in_cell(browser, element, cell) -> float:
+    """An element's top relative to its cell's top: its place on the page, whatever the scroll."""
+    return browser.execute_script("return arguments[0].getBoundingClientRect().top - "
+                                  "arguments[1].getBoundingClientRect().top;", element, cell)
+
+
+def _change_the_explorer(browser, notebook, tmp_path):
+    """Change the explorer's control and check what the reader then sees: exactly one figure,
+    above or beside the controls, titled with the new setting; the summary changed; the
+    controls where they were."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    label, value, title, _ = EXPLORERS[notebook]
+
+    def dropdowns(name):
         return browser.find_elements(By.XPATH, "//div[contains(@class, 'widget-dropdown')]"
-                                               f"[label[normalize-space()='{label}']]//select")
+                                               f"[label[normalize-space()='{name}']]//select")
 
-    chip = _wait(browser, lambda: dropdowns("chip"), 30, "the explorer's chip dropdown")[0]
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", chip)
-    assert Select(dropdowns("buffers")[0]).first_selected_option.text == "as recorded"
-    explorer = chip.find_element(By.XPATH, "ancestor::div[contains(@class, 'mkresearch-explorer-')]")
+    control = _wait(browser, lambda: dropdowns(label), 30, f"the explorer's {label} dropdown")[0]
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", control)
+    explorer = control.find_element(By.XPATH,
+                                    "ancestor::div[contains(@class, 'mkresearch-explorer-')]")
+    cell = control.find_element(By.XPATH, "ancestor::div[contains(@class, 'jp-CodeCell')]")
     summary = explorer.find_element(By.CSS_SELECTOR, ".widget-html-content")
     before = summary.text
-    assert "of roofline" in before and "compute idle: HBM busy" in before
-    # before any change the figure is the static output above the widget
-    output_children = explorer.find_elements(
-        By.XPATH, "ancestor::div[contains(@class, 'jp-OutputArea-child')]/"
-                  "preceding-sibling::div[contains(@class, 'jp-OutputArea-child')][1]//img")
-    assert output_children and output_children[0].is_displayed()
+    # live, the widget has hidden the static figure and summary: its own figure is the one shown
+    images = _wait(browser, lambda: _visible_images(cell), 30, "the explorer's figure")
+    assert len(images) == 1, f"{len(images)} figures shown in the explorer's cell"
+    top_before = _top_in_cell(browser, control, cell)
 
-    Select(chip).select_by_visible_text("v5e")
-    _wait(browser, lambda: summary.text != before, 60, "the summary line to change")
-    _wait(browser, lambda: explorer.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img"),
-          60, "the redrawn figure inside the widget")
-    assert not output_children[0].is_displayed()  # the stale static figure is hidden
-    page = browser.find_element(By.TAG_NAME, "body").text
-    assert "Error displaying widget" not in page
-    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", explorer)
+    Select(control).select_by_visible_text(value)
+    _wait(browser, lambda: summary.text != before, 120, "the summary line to change")
+    redrawn = _wait(browser, lambda: [img for img in _visible_images(cell)
+                                      if (img.get_attribute("alt") or "").startswith(title)],
+                    120, f"a figure titled {title!r}")
     time.sleep(1)  # let the new image paint
-    screenshot = tmp_path / "notebook01.png"
+    images = _visible_images(cell)
+    assert images == redrawn, [img.get_attribute("alt")[:60] for img in images]
+    figure, controls = images[0].rect, control.rect
+    assert (figure["y"] + figure["height"] <= controls["y"] + 1  # above the controls
+            or figure["x"] >= controls["x"] + controls["width"] - 1), (figure, controls)  # beside
+    assert abs(_top_in_cell(browser, control, cell) - top_before) <= CONTROL_DRIFT_PX
+    assert title.split(":")[0].rstrip(", ") in summary.text or value in summary.text
+    assert "Error displaying widget" not in browser.find_element(By.TAG_NAME, "body").text
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", cell)
+    time.sleep(1)
+    screenshot = tmp_path / f"{notebook.split('_')[0]}_explorer.png"
     browser.save_screenshot(str(screenshot))
     assert screenshot.stat().st_size > 10_000
     print(f"summary before: {before}\nsummary after:  {summary.text}\nscreenshot: {screenshot}")
 
+
+@pytest.mark.parametrize("notebook", list(EXPLORERS))
+def test_notebook_runs_and_its_explorer_redraws_in_place(lab, browser, tmp_path, notebook):
+    browser.lab_url = lab
+    _run_all(browser, notebook)
+    _change_the_explorer(browser, notebook, tmp_path)
+    if not notebook.startswith("01"):
+        return
     # Saved, kernel gone, reopened: the widget's model is lost, the figure must still show.
     _command(browser, "docmanager:save")
     _wait(browser, lambda: browser.execute_script(
@@ -200,14 +249,23 @@ def test_notebook_01_runs_and_its_chip_control_redraws(lab, browser, tmp_path):
     browser.refresh()
     _wait(browser, lambda: (browser.execute_script(_NOTEBOOK_STATE) or {}).get("kernel") == "idle",
           120, "the reopened notebook")
+    call = EXPLORERS[notebook][3]
     explorer_cell = _wait(browser, lambda: browser.execute_script(
         "return window.jupyterapp.shell.currentWidget.content.widgets"
-        ".find(c => c.model.sharedModel.getSource().includes('widgets.show(')).node;"),
+        f".find(c => c.model.sharedModel.getSource().includes({call!r})).node;"),
         30, "the explorer's cell")
-    images = _wait(browser, lambda: [img for img in explorer_cell.find_elements(
-        By.CSS_SELECTOR, ".jp-OutputArea-output img") if img.is_displayed()],
-        30, "the explorer's figure in the reopened notebook")
+    images = _wait(browser, lambda: _visible_images(explorer_cell), 30,
+                   "the explorer's figure in the reopened notebook")
     assert len(images) == 1
+    # the widget's text fallback (what a page that cannot render widgets shows; JupyterLab
+    # itself says "Loading widget...") tells the reader what to do
+    fallbacks = browser.execute_script(
+        "const cell = window.jupyterapp.shell.currentWidget.content.widgets"
+        f".find(c => c.model.sharedModel.getSource().includes({call!r}));"
+        "return Array.from({length: cell.model.outputs.length}, (_, i) => cell.model.outputs"
+        ".get(i).toJSON()).filter(o => o.data && o.data['application/vnd.jupyter.widget-view"
+        "+json']).map(o => [].concat(o.data['text/plain']).join(''));")
+    assert fallbacks and all("Run this cell to use them" in text for text in fallbacks), fallbacks
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", images[0])
     time.sleep(1)
     browser.save_screenshot(str(tmp_path / "notebook01_reopened.png"))

@@ -198,7 +198,10 @@ def test_explorer_widget_without_a_browser(log):
     assert explorer.timeline.flops == pytest.approx(8 * 8 * 2e6)
     assert "roofline" in explorer.summary.value and "compute idle: HBM busy" in explorer.summary.value
     assert repr(explorer) == "TimelineExplorer(chip='tpu7x', batch=8, buffers=1)"
-    assert explorer.widget.children[0].children == (explorer.chip, explorer.batch, explorer.buffers)
+    assert explorer.controls == (explorer.chip, explorer.batch, explorer.buffers)
+    # the figure's title names the settings it shows, and so does the summary
+    assert widgets.figure_title(explorer.figure).startswith("tpu7x, batch 8, buffers 1: step ")
+    assert explorer.summary_line().startswith("tpu7x, batch 8, buffers 1: step ")
 
 
 def test_buffers_dropdown_starts_on_a_real_option(log):
@@ -222,23 +225,51 @@ def test_long_timelines_get_a_time_window(log, long_timeline):
 
 
 def explorer_controls(explorer):
-    return [control.description for control in explorer.widget.children[0].children]
+    return [control.description for control in explorer.controls]
 
 
-def test_displayed_explorer_leaves_a_static_png_then_the_live_widget(log, monkeypatch):
+def test_displayed_explorer_leaves_its_figure_and_summary_then_the_live_widget(log, monkeypatch):
+    """Static outputs first (the figure with its title as alt text, the summary as plain text:
+    what an export or a page without widgets shows), then the widget: its own figure in an
+    output area above the controls, and the rule hiding the two static outputs."""
     shown = []
     monkeypatch.setattr(widgets, "_display", lambda obj, **kwargs: shown.append(obj))
     explorer = widgets.TimelineExplorer(log)
     explorer._ipython_display_()
-    static, live = shown
-    assert set(static) == {"image/png", "text/plain"} and static["image/png"]
+    figure, summary, live = shown
+    assert set(figure) == {"image/png", "text/html", "text/plain"} and figure["image/png"]
+    assert 'alt="tpu7x, batch 1, buffers as recorded: step ' in figure["text/html"]
+    assert summary == {"text/plain": explorer.summary_line()}
     assert "application/vnd.jupyter.widget-view+json" in live
     assert live["text/plain"].startswith("TimelineExplorer(") and "VBox" not in live["text/plain"]
-    assert explorer._live_style.value == ""  # nothing hidden until the widget draws
-    explorer.chip.value = "v5e"
-    assert "image/png" in shown[-1]  # the redraw, into the widget's output area
-    assert explorer._css_class in explorer._live_style.value
+    assert "Run this cell" in live["text/plain"]
+    children = explorer.widget.children
+    assert children[0] is explorer.output and children[1].children == explorer.controls
     assert explorer._css_class in explorer.widget._dom_classes
+    rule = explorer._hide_static.value
+    assert rule.count(f".{explorer._css_class}") == 2 * widgets.FigureExplorer.STATIC_OUTPUTS
+    assert ".jp-OutputArea-child:has(+ .jp-OutputArea-child + .jp-OutputArea-child ." in rule
+
+    size = explorer.figure.get_size_inches().tolist()
+    monkeypatch.setattr(widgets, "widgets_available", lambda: True)  # as in a kernel
+    explorer.chip.value = "v5e"
+    redrawn = shown[-1]  # the redraw, into the widget's output area
+    assert len(shown) == 4 and 'alt="v5e, batch 1, buffers as recorded: step ' in redrawn["text/html"]
+    assert explorer.figure.get_size_inches().tolist() == size  # the controls under it stay put
+
+
+def test_png_bundle_keeps_the_figure_size_and_escapes_its_text():
+    import base64
+    import struct
+
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(4, 2), dpi=50)
+    bundle = widgets.png_bundle(fig, 'a "quoted" <title>')
+    png = base64.b64decode(bundle["image/png"])
+    assert struct.unpack(">II", png[16:24]) == (200, 100)  # not cropped: every redraw alike
+    assert 'alt="a &quot;quoted&quot; &lt;title&gt;"' in bundle["text/html"]
+    plt.close(fig)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -256,3 +287,41 @@ def test_what_if_bad_input(log):
         widgets.what_if(log, batch=0)
     with pytest.raises(ValueError, match="base_batch"):
         widgets.what_if(log, base_batch=0)
+
+
+@pytest.mark.slow
+def test_scale_out_explorer_titles_and_summarises_its_settings(monkeypatch):
+    """Notebook 09's explorer, on 8 ranks (cached predictions of the pure-Python model): a change
+    redraws in place, the new figure's title and the summary name the new setting."""
+    from mkresearch import scale_out_plots
+
+    shown = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kwargs: shown.append(obj))
+    explorer = scale_out_plots.ScaleOutExplorer(batch=1, n_ranks=8, layout="release")
+    explorer._ipython_display_()
+    figure, summary, live = shown
+    assert 'alt="B = 1, 8 ranks, release layout, release schedule, ICI ' in figure["text/html"]
+    assert summary["text/plain"].startswith("B = 1, 8 ranks, release layout")
+    assert " ms per step, " in summary["text/plain"] and "collectives per rank" in summary["text/plain"]
+    assert live["text/plain"].startswith("ScaleOutExplorer(batch=1, n_ranks=8, layout='release'")
+    assert explorer.widget.children[0] is explorer.output  # the figure above the controls
+    size = explorer.figure.get_size_inches().tolist()
+    monkeypatch.setattr(widgets, "widgets_available", lambda: True)
+    explorer.batch.value = 2
+    assert widgets.figure_title(explorer.figure).startswith("B = 2, 8 ranks, release layout")
+    assert 'alt="B = 2, 8 ranks' in shown[-1]["text/html"] and len(shown) == 4
+    assert explorer.summary.value.startswith("B = 2, 8 ranks")
+    assert explorer.figure.get_size_inches().tolist() == size
+
+
+def test_show_figure_displays_it_described_by_its_title_and_closes_it(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    shown = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kwargs: shown.append(obj))
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.set_title("bytes per step")
+    widgets.show_figure(fig)
+    assert not plt.fignum_exists(fig.number)  # pyplot will not show it a second time
+    (bundle,) = shown
+    assert bundle["image/png"] and 'alt="bytes per step"' in bundle["text/html"]
