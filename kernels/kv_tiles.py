@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from mkresearch.kernels import blocks, dma, planned
 
+from mkresearch import reference
 from mkresearch.kv_cache import KV_ROW_GROUP
 
 if TYPE_CHECKING:
@@ -125,8 +126,13 @@ def tile_loop_dmas(p: MlaPlan, call: Any, b: int, count: int,
     return planned.double_buffered([reads(t) for t in range(_tile_count(p, count, _Ints))])
 
 
-def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
-    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc)."""
+def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
+                        rows_at_least_two: bool = False):
+    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc).
+
+    rows_at_least_two: the R rows are heads whose count differs between one device and a rank
+    (the latent layout's all-heads-at-once product): a lone row is multiplied as two, so that it
+    sums in the order of a row of the multi-row product (`reference.rows_at_least_two`)."""
     m, norm, acc = carry
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     valid = token < position  # the tile's tail past the cached tokens is stale: masked
@@ -139,10 +145,20 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry):
     correction = jnp.exp(m - m_new)
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
     norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
-    acc = correction * acc + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+    weighted = (blocks.dot(weights, values) if rows_at_least_two
+                else jnp.dot(weights, values, preferred_element_type=jnp.float32))  # [R, n]
+    acc = correction * acc + weighted
     return m_new, norm, acc
 
 
 def dot_t(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def rows_dot_t(a, b):
+    """`dot_t` with a lone row of a multiplied as two (`reference.rows_at_least_two`): a row's
+    bits do not depend on how many rows a has. XLA:CPU sums a one-row product in another order,
+    so without it the latent layout's scores of a rank's one head differ from that head's row of
+    the two-head product on one device (issue 22)."""
+    return reference.rows_at_least_two(lambda rows: dot_t(rows, b), a)

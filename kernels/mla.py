@@ -48,7 +48,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels import blocks, costs, dma, planned
 from mkresearch.kernels.blocks import bf16, f32
 from mkresearch.kernels.registry import KernelStage, StageRefs, Streamed, register
-from mkresearch.kernels.kv_tiles import dot_t, online_softmax_step, tile_loop, tile_loop_dmas
+from mkresearch.kernels.kv_tiles import (dot_t, online_softmax_step, rows_dot_t, tile_loop,
+                                         tile_loop_dmas)
 from mkresearch.kernels.kv_update import UPDATE_ROWS, update_dmas, update_expanded, update_latent
 
 from mkresearch import tpu
@@ -268,8 +269,12 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
 
     def update(t, tiles, carry):
         c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
-        scores = (dot_t(bf16(q_lat), c_tile) + dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
-        return online_softmax_step(p, t, count, scores, f32(c_tile), carry)
+        # H rows: 2 heads on one device of the mini, 1 on each of its ranks; a lone row is
+        # multiplied as two, so a head gets the same bits either way (rows_dot_t)
+        scores = (rows_dot_t(bf16(q_lat), c_tile)
+                  + rows_dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
+        return online_softmax_step(p, t, count, scores, f32(c_tile), carry,
+                                   rows_at_least_two=True)
 
     def scoped(c_buffers, x_buffers, sems):
         c_name, x_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["latent"])

@@ -61,8 +61,10 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # per rank, under `jax.shard_map` (`kernels/megakernel_sharded.py`).
 #
 # No rank adds partial products of a contraction: every matrix splits by its output columns, and
-# a split input (the heads' outputs before W_o) is all-gathered first. So a sharded step is not
-# merely close to the single device's: it is **equal to the bit**.
+# a split input (the heads' outputs before W_o) is all-gathered first. A product over a rank's
+# fewer heads gives each head the single device's bits (a lone head is multiplied as two rows, as
+# a lone batch row is). So a sharded step is not merely close to the single device's: it is
+# **equal to the bit**, with either MLA cache layout.
 #
 # 1. one layer (MLA attention + routed experts) sharded 2, 4 and 8 ways, each step checked
 #    against the reference and the single-device megakernel;

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import experts, kda, mla, sampling as sampling_kernel
+from mkresearch.kernels import experts, kda, mla, mla_sharded
 from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels import sampling as sampling_kernel
 
 from mkresearch import config, reference, weights
 
@@ -121,6 +122,33 @@ def test_stage_kernels_are_batch_invariant(race_checked, mini_params, stage):
         select = SUBSETS[size]
         # states come back [B, ...] from the stage kernels: batch on axis 0 everywhere
         assert_rows_equal(every, run(select), select, f"{stage} B={size}")
+
+
+# ---- heads: one head alone vs beside another (a rank of the sharded model vs one device) -----------
+def test_latent_attention_is_head_count_invariant(race_checked):
+    """The latent layout attends with all of a device's heads at once ([H, T] scores, [H, kv_rank]
+    sums): 2 heads on one device of the mini, 1 on each of its ranks. Each head's online-softmax
+    state must be the same bits either way (issue 22: a one-head product summed in another order,
+    so the sharded step left the single-device one after a latent MLA layer)."""
+    cfg = MINI.replace(mla_cache_layout="latent")
+    rng = np.random.default_rng(21)
+    batch, heads = 2, 2
+
+    def bf16_normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    q_absorbed = bf16_normal(batch, heads, cfg.mla_kv_rank)
+    q_extra = bf16_normal(batch, heads, cfg.mla_qk_extra)
+    cache = {"ckv": bf16_normal(batch, cfg.max_seq_len, cfg.mla_kv_rank),
+             "kx": bf16_normal(batch, cfg.max_seq_len, cfg.mla_qk_extra)}
+    positions = jnp.asarray([45, 77], jnp.int32)  # 2 and 3 KV tiles, the last one partly read
+    both = mla_sharded.mla_latent_partial(q_absorbed, q_extra, cache, positions, 0, cfg)
+    for h in range(heads):
+        alone = mla_sharded.mla_latent_partial(q_absorbed[:, h:h + 1], q_extra[:, h:h + 1], cache,
+                                               positions, 0, cfg)
+        for name, a, b in zip(("m", "norm", "acc"), both, alone):
+            assert_rows_equal([np.asarray(a)[:, h:h + 1]], [b], list(range(batch)),
+                              f"head {h} {name}")
 
 
 # ---- the megakernel ---------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from mkresearch import recorded
 SHARDED = Path(__file__).resolve().parent / "sharded"
 
 
-KIMI_FILES = ("test_sharded_decode.py", "test_faults.py")  # test_families_decode.py: its own test
+# test_families_decode.py: its own test
+KIMI_FILES = ("test_sharded_decode.py", "test_cache_layouts.py", "test_faults.py")
 
 
 def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
@@ -33,9 +34,16 @@ def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
 
 @pytest.mark.slow
 def test_sharded_on_8_simulated_devices():
-    """tests/sharded: one step on 8 ranks with every check, and a broken collective caught. The
-    whole matrix of the issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here)."""
-    run_sharded(timeout=3 * 3600 if os.environ.get("MKRESEARCH_SHARDED_FULL") == "1" else 900)
+    """tests/sharded: one step on 8 ranks with every check, both MLA cache layouts on 2 and 4
+    ranks (one cheap case each), and a broken collective caught. The whole matrix of the sharded
+    issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here), the cache layouts' sweep with
+    MKRESEARCH_EXHAUSTIVE=1 (the child inherits it)."""
+    timeout = 900
+    if os.environ.get("MKRESEARCH_SHARDED_FULL") == "1":
+        timeout += 3 * 3600
+    if os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1":
+        timeout += 3 * 3600
+    run_sharded(timeout=timeout)
 
 
 @pytest.mark.parametrize("model, n_ranks, name, batch, chip",  # the families: test_families_sharded

@@ -50,25 +50,28 @@ def params():
     return weights.init_params(MINI, 0)
 
 
-def prefilled(params, batch, cfg=MINI):
-    prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, cfg.vocab_size)
+def prefilled(params, batch, cfg=MINI, prompt_seed=0, prompt_len=PROMPT_LEN):
+    prompt = jax.random.randint(jax.random.key(prompt_seed), (batch, prompt_len), 0,
+                                cfg.vocab_size)
     state = reference.init_state(cfg, batch)
     _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
     return state, np.asarray(prompt[:, -1], np.int32)
 
 
 def weights_for(params, lay, mesh):
-    key = (lay, id(params))
-    if key not in _prepared:
-        _prepared[key] = ms.prepare_weights(params, lay, mesh)
-    return _prepared[key]
+    return _cached((lay, id(params)), params, lambda: ms.prepare_weights(params, lay, mesh))
 
 
 def single_weights(params, cfg=MINI):
-    key = ("single", id(params))
+    return _cached(("single", id(params)), params, lambda: mk.prepare_weights(params, cfg))
+
+
+def _cached(key, params, prepare):
+    """Prepared weights per (layout, parameters); the entry keeps its parameters alive, so that
+    their id is never reused by another seed's parameters."""
     if key not in _prepared:
-        _prepared[key] = mk.prepare_weights(params, cfg)
-    return _prepared[key]
+        _prepared[key] = (params, prepare())
+    return _prepared[key][1]
 
 
 def relative_error(a, b) -> float:
@@ -76,15 +79,17 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False, cfg=MINI):
-    """n_steps of cfg teacher-forced on the single-device megakernel (module docstring). Returns
-    a report dict and the DMA logs (record=True)."""
+def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False, cfg=MINI,
+        prompt_seed=0, prompt_len=PROMPT_LEN):
+    """n_steps of cfg teacher-forced on the single-device megakernel (module docstring) after a
+    prompt of prompt_len random tokens (key prompt_seed). Returns a report dict and the DMA logs
+    (record=True)."""
     lay = layout.layout(cfg, n_ranks, etp=etp)
     plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len)
     mesh = ms.make_mesh(n_ranks)
     prepared, single = weights_for(params, lay, mesh), single_weights(params, cfg)
-    state, tokens = prefilled(params, batch, cfg)
-    positions = np.full(batch, PROMPT_LEN - 1, np.int32)
+    state, tokens = prefilled(params, batch, cfg, prompt_seed, prompt_len)
+    positions = np.full(batch, prompt_len - 1, np.int32)
     kw = sample or {}
     report = {"layout": lay.describe(), "worst_vs_reference": 0.0, "worst_vs_single": 0.0,
               "slices": 0, "equal_slices": 0, "worst_state": 0.0,
