@@ -134,9 +134,16 @@ return {kernel: kernel ? kernel.status : null, counts: cells.map(c => c.executio
 
 
 def _wait(driver, condition, timeout, what):
+    """Poll condition() until it is truthy. An element that JupyterLab replaced between finding it
+    and reading it (a redrawn figure) is stale: that poll counts as not yet, not as a failure."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         time.sleep(0.5)
@@ -218,8 +225,9 @@ def _change_the_explorer(browser, notebook, tmp_path):
                                       if (img.get_attribute("alt") or "").startswith(title)],
                     120, f"a figure titled {title!r}")
     time.sleep(1)  # let the new image paint
-    images = _visible_images(cell)
-    assert images == redrawn, [img.get_attribute("alt")[:60] for img in images]
+    images = _wait(browser, lambda: _visible_images(cell), 30, "the redrawn figure, painted")
+    alts = [img.get_attribute("alt") or "" for img in images]
+    assert len(redrawn) == 1 and len(images) == 1 and alts[0].startswith(title), alts
     figure, controls = images[0].rect, control.rect
     assert (figure["y"] + figure["height"] <= controls["y"] + 1  # above the controls
             or figure["x"] >= controls["x"] + controls["width"] - 1), (figure, controls)  # beside
