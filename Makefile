@@ -89,11 +89,11 @@ lab: venv
 figures: venv
 	$(BIN)/mkresearch figures --out figures
 
-# Re-record the slow results notebooks show instead of recomputing (mkresearch.recorded): the
+# Re-record the slow results notebooks show instead of recomputing (mkresearch.measurement.recorded): the
 # megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout), at one
 # rank of each other family (config.rank_shapes) and sharded over 32 ranks.
 recorded: venv
-	$(BIN)/python -m mkresearch.recorded
+	$(BIN)/python -m mkresearch.measurement.recorded
 
 # The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from the
 # repository, installed non-editable into a clean virtualenv under Python 3.11 and again under

@@ -13,12 +13,14 @@ import time
 import jax
 import numpy as np
 
-from mkresearch import tpu
+from mkresearch.hardware import tpu
 
 tpu.select_platform()
 
-from mkresearch import reference, timeline, weights, widgets  # noqa: E402
-from mkresearch.config import get_config  # noqa: E402
+from mkresearch.model import reference, weights  # noqa: E402
+from mkresearch.model.config import get_config  # noqa: E402
+from mkresearch.prediction import timeline  # noqa: E402
+from mkresearch.views import widgets  # noqa: E402
 
 MINI, FULL = get_config("kimi-k3-mini"), get_config("kimi-k3")
 BLOCK = 256 * 1024

@@ -1,6 +1,6 @@
 """mkresearch: TPU decode megakernels for giant Mixture-of-Experts models, taught and tested."""
 
-from mkresearch import tpu as _tpu
+from mkresearch.hardware import tpu as _tpu
 
 _tpu.select_platform()  # before jax is imported anywhere: CPU unless this machine has a TPU
 

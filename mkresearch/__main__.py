@@ -2,6 +2,6 @@
 
 import sys
 
-from mkresearch.cli import main
+from mkresearch.cli.main import main
 
 sys.exit(main())

@@ -19,33 +19,33 @@ import fnmatch
 
 # layer -> module names (fnmatch patterns), in order from the bottom up
 LAYERS: dict[str, tuple[str, ...]] = {
-    "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.config_rules",
-             "mkresearch.reference",
-             "mkresearch.weights", "mkresearch.chips", "mkresearch.sampling",
-             "mkresearch.facts", "mkresearch.tpu", "mkresearch._fast_interpret",
-             "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
-             "mkresearch.numerics", "mkresearch.formats", "mkresearch.rope",
-             "mkresearch.layout", "mkresearch.layout_ranks", "mkresearch.layout_bytes",
-             "mkresearch.interconnect", "mkresearch.topology", "mkresearch.stages",
-             "mkresearch.speculative", "mkresearch.acceptance", "mkresearch.drafters",
-             "mkresearch.mtp",
-             "mkresearch.stages.*"),
+    "core": ("mkresearch", "mkresearch.layers", "mkresearch.model.config", "mkresearch.model.config_rules",
+             "mkresearch.model.reference",
+             "mkresearch.model.weights", "mkresearch.hardware.chips", "mkresearch.model.sampling",
+             "mkresearch.views.facts", "mkresearch.hardware.tpu", "mkresearch.hardware._fast_interpret",
+             "mkresearch.model.roofline", "mkresearch.model.kv_cache", "mkresearch.model.spec",
+             "mkresearch.model.numerics", "mkresearch.model.formats", "mkresearch.model.rope",
+             "mkresearch.sharding.layout", "mkresearch.sharding.layout_ranks", "mkresearch.sharding.layout_bytes",
+             "mkresearch.prediction.interconnect", "mkresearch.prediction.topology", "mkresearch.model.stages",
+             "mkresearch.decoding.speculative", "mkresearch.decoding.acceptance", "mkresearch.decoding.drafters",
+             "mkresearch.model.mtp",
+             "mkresearch.model.stages.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
-    "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",
-                 "mkresearch.timeline_whatif", "mkresearch.profiling", "mkresearch.hlo",
-                 "mkresearch.logs", "mkresearch.scaling", "mkresearch.schedule_report",
-                 "mkresearch.timeline_ranks", "mkresearch.scale_out", "mkresearch.scale_out_sim",
-                 "mkresearch.calibration",
-                 "mkresearch.speculative_predict"),
-    "app": ("mkresearch.bench", "mkresearch.cli", "mkresearch.cli_*", "mkresearch.figures",
-            "mkresearch.plots",
-            "mkresearch.*_plots", "mkresearch.widgets", "mkresearch.recorded",
+    "analysis": ("mkresearch.prediction.timeline", "mkresearch.prediction.timeline_chip", "mkresearch.prediction.timeline_events",
+                 "mkresearch.prediction.timeline_whatif", "mkresearch.measurement.profiling", "mkresearch.measurement.hlo",
+                 "mkresearch.measurement.logs", "mkresearch.prediction.scaling", "mkresearch.prediction.schedule_report",
+                 "mkresearch.prediction.timeline_ranks", "mkresearch.prediction.scale_out", "mkresearch.prediction.scale_out_sim",
+                 "mkresearch.prediction.calibration",
+                 "mkresearch.prediction.speculative_predict"),
+    "app": ("mkresearch.cli.bench", "mkresearch.cli.main", "mkresearch.cli_*", "mkresearch.cli.figures",
+            "mkresearch.views.plots",
+            "mkresearch.*_plots", "mkresearch.views.widgets", "mkresearch.measurement.recorded",
             "mkresearch.__main__"),
 }
 
 
 def layer_of(module: str) -> str | None:
-    """The layer of a module name (e.g. "mkresearch.kernels.mla" -> "kernels"); None if none."""
+    """The layer of a module name (e.g. "mkresearch.kernels.stages.mla" -> "kernels"); None if none."""
     for layer, patterns in LAYERS.items():
         if module in patterns:
             return layer

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -54,18 +60,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # gets to that floor.
 #
 # This notebook computes the floor for Kimi K3 from the package itself: the byte counts come from
-# `mkresearch.weights.param_shapes` (shapes only, no allocation), the chip figures from
-# `mkresearch.chips`. Nothing below needs a TPU.
+# `mkresearch.model.weights.param_shapes` (shapes only, no allocation), the chip figures from
+# `mkresearch.hardware.chips`. Nothing below needs a TPU.
 
 # %%
 import matplotlib.pyplot as plt
 
-from mkresearch import roofline
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
-from mkresearch.chips import CHIPS
-from mkresearch.config import get_config, layer_pattern
-from mkresearch.weights import param_shapes
+from mkresearch.hardware.chips import CHIPS
+from mkresearch.model import roofline
+from mkresearch.model.config import get_config, layer_pattern
+from mkresearch.model.weights import param_shapes
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 cfg = get_config("kimi-k3")
 total_params, active_params = roofline.parameter_counts(cfg)
@@ -166,7 +172,7 @@ assert roofline.step_bytes(cfg, 256).unique_experts_per_layer > 0.98 * cfg.n_exp
 # here on 16 chips, as in the published deployment, with the bytes split evenly — an ideal that
 # ignores replication — at a context of 512 tokens (about the mean of the published 1-in /
 # 1000-out benchmark). Chip bandwidths come from `pltpu.get_tpu_info_for_chip` where it answers,
-# else from spec/tpu.md (`mkresearch.chips` records which).
+# else from spec/tpu.md (`mkresearch.hardware.chips` records which).
 
 # %%
 N_CHIPS, CONTEXT = roofline.ROOFLINE_N_CHIPS, roofline.ROOFLINE_CONTEXT
@@ -293,22 +299,22 @@ assert launches * LAUNCH_SECONDS > rank_floor  # launches alone would exceed the
 #
 # | module | what it is |
 # |---|---|
-# | `mkresearch.config` | `ModelConfig` and the presets `kimi-k3`, `kimi-k3-mini` (and the other families') |
-# | `mkresearch.layout` | weights, caches and states over N ranks; `kimi-k3-rank` is one of 32 |
-# | `mkresearch.weights` | parameter shapes, deterministic weights, MXFP4 / FP8 formats |
-# | `mkresearch.reference` | the decode step in plain JAX: the oracle every kernel is tested against |
-# | `mkresearch.sampling` | the sampling reference (counter-based random numbers a kernel can reproduce) |
-# | `mkresearch.speculative` | speculative decoding's reference: verify, rollback, acceptance, drafters |
-# | `mkresearch.chips`, `mkresearch.tpu` | chip figures; compile for a TPU on CPU, interpret mode elsewhere |
-# | `mkresearch.roofline` | the byte counts and floors of this notebook |
+# | `mkresearch.model.config` | `ModelConfig` and the presets `kimi-k3`, `kimi-k3-mini` (and the other families') |
+# | `mkresearch.sharding.layout` | weights, caches and states over N ranks; `kimi-k3-rank` is one of 32 |
+# | `mkresearch.model.weights` | parameter shapes, deterministic weights, MXFP4 / FP8 formats |
+# | `mkresearch.model.reference` | the decode step in plain JAX: the oracle every kernel is tested against |
+# | `mkresearch.model.sampling` | the sampling reference (counter-based random numbers a kernel can reproduce) |
+# | `mkresearch.decoding.speculative` | speculative decoding's reference: verify, rollback, acceptance, drafters |
+# | `mkresearch.hardware.chips`, `mkresearch.hardware.tpu` | chip figures; compile for a TPU on CPU, interpret mode elsewhere |
+# | `mkresearch.model.roofline` | the byte counts and floors of this notebook |
 # | `mkresearch.kernels` | Pallas TPU kernels: the DMA recorder, the stages, the megakernel (and its verify step) |
-# | `mkresearch.cli` | `mkresearch info / decode / figures` |
+# | `mkresearch.cli.main` | `mkresearch info / decode / figures` |
 
 # %%
 # NBVAL_CHECK_OUTPUT
-core_modules = ["mkresearch.config", "mkresearch.weights", "mkresearch.reference",
-                "mkresearch.sampling", "mkresearch.chips", "mkresearch.tpu", "mkresearch.roofline",
-                "mkresearch.kernels", "mkresearch.kernels.dma", "mkresearch.cli"]
+core_modules = ["mkresearch.model.config", "mkresearch.model.weights", "mkresearch.model.reference",
+                "mkresearch.model.sampling", "mkresearch.hardware.chips", "mkresearch.hardware.tpu", "mkresearch.model.roofline",
+                "mkresearch.kernels", "mkresearch.kernels.base.dma", "mkresearch.cli.main"]
 missing = [name for name in core_modules if importlib.util.find_spec(name) is None]
 print("package modules present:", "all" if not missing else f"missing {missing}")
 assert not missing

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -67,10 +73,10 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma, gemv
 
-from mkresearch import timeline as tl
-from mkresearch import facts, label_plots, widgets
-from mkresearch.kernels import dma, gemv
+from mkresearch.prediction import timeline as tl
+from mkresearch.views import facts, label_plots, widgets
 
 CHIPS = ("tpu7x", "v5e")  # the newest chip and the smallest: 3.7 TB/s vs 0.82 TB/s per core
 
@@ -89,7 +95,7 @@ for field, source in tl.timeline_chip("tpu7x").sources.items():
     print(f"{field:15s} <- {source}")
 
 # %% [markdown]
-# The HBM and MXU figures come from `pltpu.get_tpu_info_for_chip` (via `mkresearch.chips`); the
+# The HBM and MXU figures come from `pltpu.get_tpu_info_for_chip` (via `mkresearch.hardware.chips`); the
 # DMA latency, the number of DMA engines, the VMEM bandwidth and the VPU peak are not published
 # and are marked **ASSUMPTION**: change them with `tl.timeline_chip("tpu7x", dma_latency=...)`
 # and every timeline below changes with them.
@@ -126,7 +132,7 @@ print(f"FLOPs per weight byte: {2 * B * K * N / WEIGHT_BYTES:.0f} "
 # reduction axis must be the last, "arbitrary" grid axis). Pallas double-buffers every input:
 # block `k+1` is copied while the body works on block `k`.
 #
-# The body (imported from `mkresearch.kernels.gemv`, not pasted):
+# The body (imported from `mkresearch.kernels.base.gemv`, not pasted):
 
 # %%
 print(inspect.getsource(gemv.gemv_blockspec_body))
@@ -163,7 +169,7 @@ for n_buffers in (1, 2, 3):
 # `dma.Ring`: a ring of `n_buffers` VMEM slots with one DMA semaphore each. Step `k` first refills
 # the slot block `k-1` just freed with block `k + n_buffers - 1`, then waits for block `k` and
 # computes on it. With one buffer that is "copy, wait, compute": nothing overlaps. Every copy and
-# every compute phase goes through `mkresearch.kernels.dma`, so `dma.recording()` logs them with
+# every compute phase goes through `mkresearch.kernels.base.dma`, so `dma.recording()` logs them with
 # their bytes, slot and block index — in interpret mode, in the order they execute.
 
 # %%
@@ -213,7 +219,7 @@ print(f"BlockSpec (modelled pipeline): W + x + output = {blockspec_bytes:,d} byt
 #
 # ## 4 · The timelines
 #
-# `mkresearch.timeline.simulate(log, chip)` replays the log on a chip: DMAs in issue order at the
+# `mkresearch.prediction.timeline.simulate(log, chip)` replays the log on a chip: DMAs in issue order at the
 # HBM bandwidth after a fixed latency, each compute phase when its DMA has landed and the previous
 # phase is done, lasting `max(FLOPs / MXU peak, VMEM bytes / VMEM bandwidth)`. Below: TPU7x and v5e.
 # The BlockSpec pipeline is the two-slot ring plus a small `x` block per step and the output
@@ -360,13 +366,13 @@ widgets.show(logs[2], chip="tpu7x", batch=8, base_batch=B)
 # ## 8 · On a real TPU
 #
 # There the kernels are compiled, not interpreted, and record no log. Every `dma.phase` is also a
-# `jax.named_scope`, which Mosaic turns into trace events: `mkresearch.profiling` captures an xprof
+# `jax.named_scope`, which Mosaic turns into trace events: `mkresearch.measurement.profiling` captures an xprof
 # trace and parses the phases into spans that overlay the model. To browse a trace by hand:
 # `python -m xprof.server --logdir DIR --port 8791` (`profiling.open_xprof(DIR)` starts it).
 
 # %%
 if tpu.on_tpu():
-    from mkresearch import profiling
+    from mkresearch.measurement import profiling
 
     trace = profiling.capture(lambda a, b: gemv.gemv_stream(a, b, block_k=BLOCK_K, n_buffers=2),
                               x, w, logdir=tempfile.mkdtemp(prefix="mkresearch-01-"))

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -52,9 +58,9 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # (Kimi delta attention): a fixed-size f32 state per head, read and written every step.
 #
 # This notebook builds the MLA decode kernel in four steps, each checked against the plain-JAX
-# reference (`mkresearch.reference`), then the KDA step, then measures KV bytes from the DMA log
+# reference (`mkresearch.model.reference`), then the KDA step, then measures KV bytes from the DMA log
 # and compiles both kernels for TPU7x at the shapes of one of the 32 ranks of the released layout.
-# The kernels themselves live in `kernels/mla.py` and `kernels/kda.py`; the steps below import
+# The kernels themselves live in `kernels/stages/mla.py` and `kernels/stages/kda.py`; the steps below import
 # their pieces rather than copy them.
 
 # %%
@@ -64,11 +70,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import dma, kda, kv_tiles, mla, mla_sharded
+from mkresearch.kernels.base import dma, kv_tiles
+from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.stages import kda, mla
 
-from mkresearch import config, facts, kv_cache, plots, reference, weights
-from mkresearch.layout import named_config
-from mkresearch.logs import kv_bytes_at, kv_bytes_per_rank
+from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_per_rank
+from mkresearch.model import config, kv_cache, reference, weights
+from mkresearch.sharding.layout import named_config
+from mkresearch.views import facts, plots
 
 tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
 cfg = config.get_config("kimi-k3-mini")
@@ -177,7 +186,7 @@ check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_c
 # ### Step 3 · the cache stays in HBM: double-buffered DMA
 # Now K and V stay in HBM (`memory_space=pl.ANY`) and each tile is copied into one of two VMEM
 # slots by DMA: tile `t+1` flies while tile `t` is used. `kv_tiles.tile_loop` is the kernel's loop;
-# its rings go through `mkresearch.kernels.dma`, so the DMA log shows every tile it read — and
+# its rings go through `mkresearch.kernels.base.dma`, so the DMA log shows every tile it read — and
 # only those.
 
 # %%
@@ -296,7 +305,7 @@ g_raw = reference.bf(reference.bf(xk @ p_kda["w_fa"]) @ p_kda["w_fb"]).astype(jn
 log_decay = cfg.kda_decay_bound * jax.nn.sigmoid(
     jnp.exp(p_kda["a_log"]).repeat(cfg.kda_head_dim) * (g_raw + p_kda["dt_bias"]))
 assert float(log_decay.min()) > cfg.kda_decay_bound and float(log_decay.max()) < 0
-# printed digits that no other summation order can change (mkresearch.facts.stable): λ moves by
+# printed digits that no other summation order can change (mkresearch.views.facts.stable): λ moves by
 # about an f32 ulp of the gate's matmul from machine to machine
 print(f"λ in ({cfg.kda_decay_bound:g}, 0): min {facts.stable(log_decay.min(), '.2f', 1e-4)}, "
       f"max {facts.stable(log_decay.max(), '.1e', 1e-7)}")

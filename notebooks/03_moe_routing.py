@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -57,7 +63,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # The correction bias $b$ only *selects*: it is how the model balances expert load without
 # distorting the mixture. The weights come from the uncorrected scores.
 #
-# The kernel (`mkresearch.kernels.router.router_body`) does all of it in VMEM: $W_r$ streams from
+# The kernel (`mkresearch.kernels.stages.router.router_body`) does all of it in VMEM: $W_r$ streams from
 # HBM through a two-slot ring, the top-k is k rounds of "max, lowest index holding it, mask it
 # out" over the whole $[B, E]$ tile (vector work, no sort), and the result is DMA'd from VMEM to
 # **SMEM**, where the expert stage reads the ids as scalars to address its weight DMAs
@@ -71,11 +77,14 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.stages import router
 
-from mkresearch import config, facts, layout, reference, weights
-from mkresearch.kernels import dma, router
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.model import config, reference, weights
+from mkresearch.sharding import layout
+from mkresearch.views import facts
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 cfg = config.get_config("kimi-k3-mini")
 params = weights.init_params(cfg, seed=0)

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -56,8 +62,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # At decode batch sizes every expert weight byte is used for a handful of rows, so the layer costs
 # its **bytes**, and the expert weights are most of them. This notebook builds the stage kernel
-# (`mkresearch.kernels.experts`) in five steps, each a static option of the same body and each
-# checked against `mkresearch.reference.routed_experts`, with the bytes read counted from the
+# (`mkresearch.kernels.stages.experts`) in five steps, each a static option of the same body and each
+# checked against `mkresearch.model.reference.routed_experts`, with the bytes read counted from the
 # kernel's own DMA log:
 #
 # 1. a gather of **all** experts; 2. DMA of the **routed** experts only; 3. **dedupe** across
@@ -72,12 +78,16 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma, quant
+from mkresearch.kernels.stages import experts, router
 
-from mkresearch import config, facts, layout, plots, reference, roofline, timeline, weights
-from mkresearch.kernels import dma, experts, quant, router
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
-from mkresearch.logs import expert_bytes_by_batch
+from mkresearch.measurement.logs import expert_bytes_by_batch
+from mkresearch.model import config, reference, roofline, weights
+from mkresearch.prediction import timeline
+from mkresearch.sharding import layout
+from mkresearch.views import facts, plots
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 cfg = config.get_config("kimi-k3-mini", expert_format="bf16")
 params = weights.init_params(cfg, seed=0)
@@ -188,7 +198,7 @@ assert order.index(("dma_start", "expert", 0)) < order.index(("dma_wait", "laten
 assert order.index(("dma_start", "expert", 1)) < order.index(("phase_start", "expert", 0))
 
 # %% [markdown]
-# What the overlap is worth is a question for a TPU; the timeline model of `mkresearch.timeline`
+# What the overlap is worth is a question for a TPU; the timeline model of `mkresearch.prediction.timeline`
 # replays the two logs on TPU7x figures (mini shapes, so DMA latency weighs more than it would at
 # full size):
 
@@ -202,7 +212,7 @@ print(f"modelled stage time, 2 slots / 1 slot: {t2.total_s / t1.total_s:.2f}; "
 #
 # The checkpoint stores experts in MXFP4: 4-bit E2M1 codes, 8 per uint32, plus one E8M0 scale per
 # 32 K values. The kernel DMAs codes and scales as they are and decodes them in VMEM, chunk by
-# chunk along K, right before the MXU dot (`mkresearch.kernels.quant`): a `pltpu.bitcast` of the
+# chunk along K, right before the MXU dot (`mkresearch.kernels.base.quant`): a `pltpu.bitcast` of the
 # uint32 codes to `float4_e2m1fn` unpacks 8 consecutive K rows per word — the checkpoint's own
 # packing — and the scale is built from its exponent bits. FP8 (e4m3 values, a power-of-two bf16
 # scale per 256 K values) works the same way. First: the decode alone is exact.

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -54,7 +60,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # kernels do greedy inside the kernel but top-p outside it.
 #
 # This notebook builds the fused stage in four steps, each checked against the plain-JAX reference
-# (`mkresearch.sampling`), then runs the Pallas kernel (`mkresearch.kernels.sampling`):
+# (`mkresearch.model.sampling`), then runs the Pallas kernel (`mkresearch.kernels.stages.sampling`):
 #
 # 1. greedy over materialised logits;
 # 2. streamed greedy: the LM head arrives tile by tile, only a running best survives a tile;
@@ -71,13 +77,15 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.stages import sampling as stage
 
-from mkresearch import facts, layout, reference, sampling
-from mkresearch.config import get_config
-from mkresearch.kernels import dma
-from mkresearch.kernels import sampling as stage
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.model import reference, sampling
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout
+from mkresearch.views import facts
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 cfg = get_config("kimi-k3-mini")
 B, d, V = 8, cfg.d_model, cfg.vocab_size

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -49,7 +55,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # Notebooks 02–05 built one kernel per stage: KDA and MLA attention, the router, the expert FFN,
 # the final mix + LM head + sampling. Each is a **body function over Refs** plus a thin
-# `pallas_call` wrapper. The megakernel (`mkresearch.kernels.megakernel`) calls those same bodies
+# `pallas_call` wrapper. The megakernel (`mkresearch.kernels.compose.megakernel`) calls those same bodies
 # — it rewrites none of them — inside ONE grid-less `pallas_call` per decode step:
 #
 # 1. **one layer of each kind** (KDA + dense FFN, MLA + MoE FFN): the bodies composed on Refs;
@@ -71,12 +77,17 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel, schedule
 
-from mkresearch import layout, recorded, reference, sampling, timeline, weights, widgets
-from mkresearch.config import get_config, layer_pattern
-from mkresearch.kernels import dma, megakernel, schedule
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.measurement import recorded
+from mkresearch.model import reference, sampling, weights
+from mkresearch.model.config import get_config, layer_pattern
+from mkresearch.prediction import timeline
+from mkresearch.sharding import layout
+from mkresearch.views import widgets
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 LOGIT_TOL = 5e-2  # spec §11: whole-step interpret-mode runs
 
@@ -123,7 +134,7 @@ print(f"greedy tokens equal the reference: {one_layer['tokens_equal']}; logits w
 assert one_layer["tokens_equal"] and one_layer["logits_ok"]
 
 # %% [markdown]
-# The DMA log of that call, replayed on a TPU7x by the timeline model (`mkresearch.timeline`):
+# The DMA log of that call, replayed on a TPU7x by the timeline model (`mkresearch.prediction.timeline`):
 # every weight block, state read/write and KV tile is one span, the compute phases below them.
 
 # %%
@@ -304,13 +315,13 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 # The released kernels run Kimi K3 on 32 ranks (16 TPU7x chips × 2 TensorCores): 3 attention
 # heads, 112 local experts with a 768-wide slice of the expert hidden, a 5120-row vocab shard
 # (spec §9; the collectives are left out on one device). `kimi-k3-rank`, one rank of the release
-# layout (`mkresearch.layout.rank_config`), has those shapes (the sharded kernel with its
+# layout (`mkresearch.sharding.layout.rank_config`), has those shapes (the sharded kernel with its
 # collectives, on all 32 devices, is compiled by `make recorded`). The
 # VMEM plan is computed first — every buffer with its bytes — and checked against the chip; then
 # libtpu's Mosaic compiler builds the kernel from shapes alone (no weights are allocated).
 #
 # That compile takes half a minute to a minute on two CPU cores, so this notebook shows the result
-# recorded by `mkresearch compile kimi-k3-rank --record` (`mkresearch.recorded`), as long as it
+# recorded by `mkresearch compile kimi-k3-rank --record` (`mkresearch.measurement.recorded`), as long as it
 # was recorded for this very plan and JAX version; otherwise, or with `MKRESEARCH_COMPILE_RANK=1`
 # in the environment, it compiles here. The VMEM plan is always computed here.
 

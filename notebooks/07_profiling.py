@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -51,7 +57,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # a Kimi K3 decode step — KDA and MLA attention, the MoE stage (router included) and the dense FFN,
 # the final sampling stage — and at the **megakernel** that runs a whole step in one call, each run
 # once in TPU interpret mode at `kimi-k3-mini` shapes with the DMA log recording, then replayed on
-# TPU7x by `mkresearch.timeline`:
+# TPU7x by `mkresearch.prediction.timeline`:
 #
 # * the **timeline**: DMA lanes against the compute lane, per stage;
 # * **VMEM occupancy** over time;
@@ -72,11 +78,14 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
 
-from mkresearch import layout, profiling, reference, weights, widgets
-from mkresearch import timeline as tl
-from mkresearch.config import get_config
-from mkresearch.kernels import dma
+from mkresearch.measurement import profiling
+from mkresearch.model import reference, weights
+from mkresearch.model.config import get_config
+from mkresearch.prediction import timeline as tl
+from mkresearch.sharding import layout
+from mkresearch.views import widgets
 
 cfg = get_config("kimi-k3-mini")
 B = 2
@@ -104,33 +113,33 @@ def stage(name, per_step):
 
 @stage("kda", per_step=len(cfg.kda_layers))
 def kda_stage():
-    from mkresearch.kernels import kda
+    from mkresearch.kernels.stages import kda
     p = layer(params["kda"], 0)
     return lambda: kda.kda_attention(p, x, state["kda"]["conv"][0], state["kda"]["recurrent"][0], cfg)
 
 
 @stage("mla", per_step=len(cfg.mla_layers))
 def mla_stage():
-    from mkresearch.kernels import mla
+    from mkresearch.kernels.stages import mla
     p, cache = layer(params["mla"], 0), layer(state["mla"], 0)
     return lambda: mla.mla_attention(p, x, cache, positions, cfg)
 
 
 @stage("moe", per_step=len(cfg.moe_layers))
 def moe_stage():
-    from mkresearch.kernels import experts
+    from mkresearch.kernels.stages import experts
     return lambda: experts.moe_ffn(layer(params["moe"], 0), x, cfg)
 
 
 @stage("dense", per_step=len(cfg.dense_layers))
 def dense_stage():
-    from mkresearch.kernels import experts
+    from mkresearch.kernels.stages import experts
     return lambda: experts.dense_ffn(layer(params["dense"], 0), x, cfg)
 
 
 @stage("sampling", per_step=1)
 def sampling_stage():
-    from mkresearch.kernels import sampling
+    from mkresearch.kernels.stages import sampling
     snapshots = jnp.stack([x] * cfg.n_blocks)
     return lambda: sampling.sample_stage(snapshots, x, params["mix_out"], params["final_norm"],
                                          params["lm_head"], cfg=cfg, seed=0, positions=positions)
@@ -138,7 +147,7 @@ def sampling_stage():
 
 @stage("megakernel", per_step=0)  # a whole decode step in one kernel: compared, not summed
 def megakernel_stage():
-    from mkresearch.kernels import megakernel
+    from mkresearch.kernels.compose import megakernel
     tokens = jnp.array([3, 5], jnp.int32)
     return lambda: megakernel.decode_step(params, reference.init_state(cfg, B), tokens,
                                           positions, cfg)[0]
@@ -277,7 +286,7 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 # ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (predicted)
 #
 # The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, spec §9)
-# by `mkresearch.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
+# by `mkresearch.prediction.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
 # the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
 # rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
 # count, so the timeline is coarse; the bytes and the order (what is in flight while what
@@ -286,7 +295,7 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from mkresearch import scaling
+from mkresearch.prediction import scaling
 
 if "megakernel" in logs:
     rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout

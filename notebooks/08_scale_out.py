@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -46,7 +51,8 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -55,10 +61,10 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # The release decodes Kimi K3 on 16 TPU7x chips, 32 TensorCores (spec §9): each core is a
 # *rank* that holds a slice of every weight and runs one persistent kernel per step. Ours so far
 # ran one device. Here the same megakernel (notebook 06) runs on every rank of a layout
-# (`mkresearch.layout`): attention heads, vocabulary rows, experts (EP × ETP), hidden slices and
+# (`mkresearch.sharding.layout`): attention heads, vocabulary rows, experts (EP × ETP), hidden slices and
 # output columns split across ranks, and what a rank needs from its peers arrives by **remote
 # DMAs inside the kernel** (`pltpu.make_async_remote_copy`): still one `pallas_call` per step
-# per rank, under `jax.shard_map` (`kernels/megakernel_sharded.py`).
+# per rank, under `jax.shard_map` (`kernels/compose/megakernel_sharded.py`).
 #
 # No rank adds partial products of a contraction: every matrix splits by its output columns, and
 # a split input (the heads' outputs before W_o) is all-gathered first. A product over a rank's
@@ -79,14 +85,18 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel_sharded as sharded
 
-from mkresearch import layout, layout_bytes, logs, ranks_plots, recorded, reference, weights
-from mkresearch.config import get_config, layer_pattern
-from mkresearch.facts import bound
-from mkresearch.kernels import dma, megakernel
-from mkresearch.kernels import megakernel_sharded as sharded
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.measurement import logs, recorded
+from mkresearch.model import reference, weights
+from mkresearch.model.config import get_config, layer_pattern
+from mkresearch.sharding import layout, layout_bytes
+from mkresearch.views import ranks_plots
+from mkresearch.views.facts import bound
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 LOGIT_TOL = 5e-2  # spec §11
 NEAR_TIE_GAP = 2 * LOGIT_TOL
@@ -260,7 +270,7 @@ assert all(log.of_rank(rank).remote_bytes() > 0 for rank in log.ranks)
 assert all(e.src_rank != e.dst_rank for e in log.select("dma_start") if e.remote)
 
 # %% [markdown]
-# The timeline model (`mkresearch.timeline`, notebook 07) models one device. Run on each rank's
+# The timeline model (`mkresearch.prediction.timeline`, notebook 07) models one device. Run on each rank's
 # events alone (`cli_ranks.rank_events`: what a rank receives is taken as ready; its remote copies
 # are priced like its DMAs), it shows where in the step each collective sits and what runs beside
 # it: the next stage's weight blocks are already streaming while a sublayer's output is being

@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -53,11 +59,11 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # (notebook 08: 4.9 GB per rank) reach on the same 16 chips?
 #
 # The timeline model of notebooks 01 and 07 simulates one core from its DMA log. Here it runs
-# **every rank's program together** (`mkresearch.scale_out_sim`): each rank streams its weights
+# **every rank's program together** (`mkresearch.prediction.scale_out_sim`): each rank streams its weights
 # through its own HBM, and at a collective it waits for its slowest peer, then for the *phases*
-# of the collective's messages over the links of the slice's torus (`mkresearch.topology`,
-# `mkresearch.interconnect`). The programs come from a layout and a schedule
-# (`mkresearch.scale_out`): the bytes of each rank's slice, a ring of weight blocks in flight,
+# of the collective's messages over the links of the slice's torus (`mkresearch.prediction.topology`,
+# `mkresearch.prediction.interconnect`). The programs come from a layout and a schedule
+# (`mkresearch.prediction.scale_out`): the bytes of each rank's slice, a ring of weight blocks in flight,
 # the routed experts fetched after routing (counted from a seeded routing: ranks differ), and the
 # release's collectives as its source describes them (spec/collectives.md), the ones it overlaps
 # started early and waited later.
@@ -73,11 +79,12 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 5. an explorer: batch, ranks, layout, schedule, link bandwidth and latency.
 
 # %%
-from mkresearch import calibration, scale_out, scale_out_plots, widgets
-from mkresearch import interconnect as links
-from mkresearch.config import get_config
-from mkresearch.facts import stable
-from mkresearch.timeline_ranks import PARTS
+from mkresearch.model.config import get_config
+from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.views import scale_out_plots, widgets
+from mkresearch.views.facts import stable
 
 cfg = get_config("kimi-k3")
 
@@ -281,7 +288,7 @@ assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"
 # figures/scale_out.png):
 
 # %%
-from mkresearch.label_plots import label_problems
+from mkresearch.views.label_plots import label_problems
 
 figure = scale_out_plots.scale_out_figure(release, ours)
 assert not label_problems(figure)  # no label runs into another, none is cut

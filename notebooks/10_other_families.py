@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
@@ -74,14 +80,19 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel
 
-from mkresearch import bench, hlo, layout, layout_bytes, logs, recorded, reference, roofline
-from mkresearch import sampling, scale_out, spec, timeline, weights, widgets
-from mkresearch.config import get_config, layer_pattern
-from mkresearch.facts import bound
-from mkresearch.kernels import dma, megakernel
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.cli import bench
+from mkresearch.measurement import hlo, logs, recorded
+from mkresearch.model import reference, roofline, sampling, spec, weights
+from mkresearch.model.config import get_config, layer_pattern
+from mkresearch.prediction import scale_out, timeline
+from mkresearch.sharding import layout, layout_bytes
+from mkresearch.views import widgets
+from mkresearch.views.facts import bound
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 FULL = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 MODELS = {name: get_config(name) for name in FULL}
@@ -323,7 +334,7 @@ for name, run in runs.items():
     assert sum(log_bytes[name].values()) == logs.hbm_bytes(run["log"])
 
 # %% [markdown]
-# The timeline model (`mkresearch.timeline`) replays each DMA log on a TPU7x: every weight
+# The timeline model (`mkresearch.prediction.timeline`) replays each DMA log on a TPU7x: every weight
 # block, KV tile and state transfer is a span, the compute phases below them. All three minis
 # stream their weights and KV tiles; at these tiny shapes most of the step is latency (issue
 # gaps, "bubbles"), which full-size blocks amortise (section 5).
@@ -356,12 +367,12 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # * **the floor**: the full model's step bytes split evenly over 32 TPU7x cores
 #   (`roofline.decode_floor` on 16 chips);
 # * **the timeline**: the mini's recorded step scaled to the rank's shapes
-#   (`mkresearch.scaling.scale_log`: every DMA's bytes by its matrix / KV-token ratio, the layers
+#   (`mkresearch.prediction.scaling.scale_log`: every DMA's bytes by its matrix / KV-token ratio, the layers
 #   repeated along the full pattern, the routed experts scaled to the rank's expected share, one
 #   expert per MoE layer at B = 1), replayed by the timeline model. A rank reads more than 1/32 of
 #   the model: replicated weights (the MLA down-projections, the router, the norms) and padded
 #   shards (DeepSeek-V3's 2048-wide shared expert is 64 columns per rank, padded to 128);
-# * **sharded over 32 cores** (`mkresearch predict MODEL --ranks 32`, `mkresearch.scale_out`):
+# * **sharded over 32 cores** (`mkresearch predict MODEL --ranks 32`, `mkresearch.prediction.scale_out`):
 #   every rank's program from our layout (each kind's rules: heads and GQA's K/V heads with their
 #   query heads, replicated when fewer; MLA's latent cache whole; experts as EP 8 x ETP 4; shared and
 #   dense hidden slices; the router whole) and our schedule, the collectives the sharded megakernel
@@ -444,7 +455,7 @@ for name, p in predictions.items():
 # Compiled for TPU7x at those rank shapes (libtpu's Mosaic compiler, from shapes: no weights),
 # the whole context of each model in HBM: one Mosaic kernel per step for every family. The
 # compiles take up to half a minute each on two CPU cores, so the results recorded by
-# `make recorded` (`mkresearch.recorded`) are shown while they match the current plan; with
+# `make recorded` (`mkresearch.measurement.recorded`) are shown while they match the current plan; with
 # `MKRESEARCH_COMPILE_RANK=1` in the environment they are compiled here. The sharded step of
 # each full model, one `pallas_call` per rank with its collectives, compiles for the 32 cores of
 # tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way; Qwen3's with a ring of depth

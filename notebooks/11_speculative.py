@@ -18,7 +18,12 @@
 # Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
 # unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
 # runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
-import importlib.metadata, importlib.util, os, subprocess, sys
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
 _lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
 if importlib.util.find_spec("mkresearch") is None:
     _lacking.insert(0, "mkresearch")
@@ -41,7 +46,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     from google.colab import output as _colab_output
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
-from mkresearch import tpu
+from mkresearch.hardware import tpu
+
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 
@@ -70,15 +76,19 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
-from mkresearch.kernels import dma
-from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels import megakernel_verify as mv
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_verify as mv
 
-from mkresearch import (layout, logs, reference, scale_out, scale_out_plots, speculative,
-                        spec, speculative_plots, speculative_predict, weights, widgets)
-from mkresearch.config import get_config
-from mkresearch.label_plots import label_problems
-from mkresearch.widgets import show_figure
+from mkresearch.decoding import speculative
+from mkresearch.measurement import logs
+from mkresearch.model import reference, spec, weights
+from mkresearch.model.config import get_config
+from mkresearch.prediction import scale_out, speculative_predict
+from mkresearch.sharding import layout
+from mkresearch.views import scale_out_plots, speculative_plots, widgets
+from mkresearch.views.label_plots import label_problems
+from mkresearch.views.widgets import show_figure
 
 # kimi-k3-mini cut to its first 2 layers (a KDA + dense layer, an MLA + MoE layer, two residual
 # blocks): every feature of the family, at a third of the interpret-mode time per call
@@ -275,7 +285,7 @@ assert ratio < 8
 # %% [markdown]
 # ## 5 · The full model: tok/s against acceptance length
 #
-# `mkresearch.speculative_predict` predicts a verify step of B (k + 1) rows with the scale-out
+# `mkresearch.prediction.speculative_predict` predicts a verify step of B (k + 1) rows with the scale-out
 # timeline of notebook 09 (32 TPU7x cores, the release's layout and schedule). **Reading the
 # published numbers**: with acceptance length a = tokens per verify step (accepted drafts and the
 # bonus token), both published points imply the same step, 3 / 350 = 8.57 ms and 6 / 709 =

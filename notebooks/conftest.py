@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from mkresearch import tpu as _tpu
+from mkresearch.hardware import tpu as _tpu
 
 _tpu.select_platform()
 
@@ -105,7 +105,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"WARNING: {row['notebook']} ran for {row['seconds']:.0f} s, over the "
             f"{NOTEBOOK_BUDGET_S:.0f} s budget of one notebook (DEVELOPERS.md); its slowest "
-            f"cells: {_slowest_text(row)}. Record slow results (mkresearch.recorded) or shorten "
+            f"cells: {_slowest_text(row)}. Record slow results (mkresearch.measurement.recorded) or shorten "
             "the run; this is a warning, not a failure", yellow=True)
     path = os.environ.get("MKRESEARCH_NOTEBOOK_TIMES")
     if path:

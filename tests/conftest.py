@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from mkresearch import tpu as _tpu
+from mkresearch.hardware import tpu as _tpu
 
 # Before jax is imported by any test module: CPU (TPU interpret mode) unless this machine has a TPU.
 _tpu.select_platform()

@@ -16,10 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, kda, mla, mla_sharded
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.stages import kda, mla
 
-from mkresearch import config, kv_cache, layout, reference, tpu, weights
-from mkresearch.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
+from mkresearch.hardware import tpu
+from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
+from mkresearch.model import config, kv_cache, reference, weights
+from mkresearch.sharding import layout
 
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-5

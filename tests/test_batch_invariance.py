@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import experts, kda, mla, mla_sharded
-from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels import sampling as sampling_kernel
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.stages import experts, kda, mla
+from mkresearch.kernels.stages import sampling as sampling_kernel
 
-from mkresearch import config, reference, weights
+from mkresearch.model import config, reference, weights
 
 MINI = config.get_config("kimi-k3-mini")
 FULL_BATCH = 8

@@ -25,7 +25,7 @@ def test_decode_json_and_text(capsys):
     assert result["parity"]["passed"] and result["parity"]["tokens_equal"] == 6
     assert result["tokens_per_s"] > 0
     # the text form of the same result: tokens, parity, timing
-    from mkresearch.cli import _print_decode
+    from mkresearch.cli.main import _print_decode
 
     _print_decode(result)
     text = capsys.readouterr().out
@@ -110,7 +110,10 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     """A ValueError the library raises before running (here: a config over the chip's HBM) is
     one line on stderr and exit status 2, like bad input. No preset the CLI decodes is refused,
     so the megakernel entry points are swapped for the HBM check of kimi-k3-rank on --chip."""
-    from mkresearch import bench, cli, layout, roofline
+    from mkresearch.cli import bench
+    from mkresearch.cli import main as cli
+    from mkresearch.model import roofline
+    from mkresearch.sharding import layout
 
     def refuse(cfg, *args, **kwargs):
         assert "v5e" in args  # --chip reaches the megakernel
@@ -135,7 +138,7 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
 def test_decode_family_minis(capsys, model, backend):
     """`decode --model <family mini>`: tokens, parity (reference) or agreement (megakernel), and
     for the megakernel one rank of the full model predicted on TPU7x."""
-    from mkresearch import cli
+    from mkresearch.cli import main as cli
 
     assert cli.main(["decode", "--model", model, "--prompt-len", "2", "--steps", "2", "--batch",
                      "2", "--backend", backend, "--json"]) == 0
@@ -153,7 +156,7 @@ def test_decode_family_minis(capsys, model, backend):
 
 @pytest.mark.slow
 def test_bench_a_family_mini(tmp_path, capsys):
-    from mkresearch import cli
+    from mkresearch.cli import main as cli
 
     assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
                      "--out", str(tmp_path)]) == 0
@@ -167,7 +170,7 @@ def test_bench_a_family_mini(tmp_path, capsys):
 
 
 def test_compile_a_family_mini(capsys):
-    from mkresearch import cli
+    from mkresearch.cli import main as cli
 
     assert cli.main(["compile", "glm-4.5-mini"]) == 0
     assert "1 Mosaic kernel(s)" in capsys.readouterr().out
@@ -176,7 +179,7 @@ def test_compile_a_family_mini(capsys):
 @pytest.mark.parametrize("model", ["deepseek-v3", "glm-4.5", "qwen3-235b-a22b", "deepseek-v3-rank",
                                    "glm-4.5-rank", "qwen3-235b-a22b-rank"])
 def test_info_full_presets_and_their_ranks(capsys, model):
-    from mkresearch import cli
+    from mkresearch.cli import main as cli
 
     assert cli.main(["info", model, "--context", "4096"]) == 0
     text = capsys.readouterr().out
@@ -189,12 +192,10 @@ def expected_differences(cfg, batch, context):
     each token's 16-row embedding block, not one row; the two norm gains of every layer as f32
     rows, not bf16; per MLA layer and row the KV rows rounded up to 16-row groups plus the new
     entry's 16-row block read, and that block written, not one row."""
-    from mkresearch.kernels.kv_update import UPDATE_ROWS
-    from mkresearch.kernels.megakernel_plan import EMBED_ROWS
+    from mkresearch.kernels.base.kv_update import UPDATE_ROWS
+    from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS
 
-    from mkresearch import kv_cache
-
-    from mkresearch import roofline, spec
+    from mkresearch.model import kv_cache, roofline, spec
 
     tokens = kv_cache.rows_read(context) - context + UPDATE_ROWS + (UPDATE_ROWS - 1)
     out = {"embedding_rows": batch * (EMBED_ROWS - 1) * cfg.d_model * 2,
@@ -209,7 +210,7 @@ def expected_differences(cfg, batch, context):
 
 
 def assert_plan_matches_the_roofline(report, cfg, batch, context):
-    from mkresearch import roofline
+    from mkresearch.model import roofline
 
     comparison = report["roofline"]
     unique = min(cfg.n_experts, batch * cfg.top_k)
@@ -226,14 +227,14 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.layout").layout.config_names()))
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.sharding.layout").layout.config_names()))
 def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
     object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
     experts) plus the named differences, and no late prefetch. In this process (a subprocess
     per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
-    from mkresearch import cli
-    from mkresearch.config import get_config
+    from mkresearch.cli import main as cli
+    from mkresearch.model.config import get_config
 
     assert cli.main(["plan", name, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -243,14 +244,14 @@ def test_plan_on_every_preset(capsys, name):
     assert report["late_prefetches"] == {"ffn": [], "next_layer": [], "experts": []}
     assert report["ring"]["depth"] == cfg.ring_depth and report["kv_tile"] == cfg.kv_tile
     assert {b["name"] for b in report["vmem"]["buffers"]} >= {"weight ring", "LM head tiles"}
-    from mkresearch import roofline
+    from mkresearch.model import roofline
 
     assert report["hbm_footprint"]["fits"] == roofline.hbm_footprint(cfg, "tpu7x").fits()
 
 
 @pytest.mark.slow
 def test_plan_options_and_text():
-    from mkresearch.config import get_config
+    from mkresearch.model.config import get_config
 
     args = ("plan", "kimi-k3-mini", "--batch", "4", "--layout", "latent", "--format", "fp8",
             "--context", "40")

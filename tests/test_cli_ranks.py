@@ -1,6 +1,6 @@
 """`mkresearch decode --ranks N` / `bench --ranks N`: bad input is one line and exit 2 before
 anything runs; on CPU with one device the command re-runs itself in a child with N simulated
-devices (`mkresearch.cli_ranks`), whose sharded decode equals the single-device megakernel."""
+devices (`mkresearch.cli.ranks`), whose sharded decode equals the single-device megakernel."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from mkresearch import cli, cli_ranks
+from mkresearch.cli import main as cli
+from mkresearch.cli import ranks as cli_ranks
 
 
 @pytest.mark.parametrize("args, reason", [

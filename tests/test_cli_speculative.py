@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mkresearch import cli
+from mkresearch.cli import main as cli
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
     assert result["tokens_per_step"] == 3 and result["acceptance_rate"] == pytest.approx(2 / 3)
     assert result["lossless"]["passed"] and result["lossless"]["tokens_equal"] == 14
     assert result["seconds"]["verify_step"] > 0
-    from mkresearch.cli_speculative import print_decode
+    from mkresearch.cli.speculative import print_decode
 
     print_decode(result)
     text = capsys.readouterr().out
@@ -54,7 +54,7 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
     """`bench --speculate K` adds verify rows of both backends (B x (K + 1) <= 64 only) to the
     bench's output and JSON; the plain megakernel bench rows are stubbed out (tests/test_cli.py
     runs them)."""
-    from mkresearch import bench
+    from mkresearch.cli import bench
 
     def stub(cfg, batches, steps, chip, out_json, figure):
         out_json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,11 @@
-"""mkresearch.config: every field validates itself; the presets match spec/kimi-k3.md §1."""
+"""mkresearch.model.config: every field validates itself; the presets match spec/kimi-k3.md §1."""
 
 import dataclasses
 import re
 
 import pytest
 
-from mkresearch.config import (
+from mkresearch.model.config import (
     EXPERT_FORMATS,
     LANE,
     MLA_CACHE_LAYOUTS,

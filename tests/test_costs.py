@@ -1,4 +1,4 @@
-"""The cost every kernel declares to XLA (`pallas_call(cost_estimate=...)`, kernels/costs.py)
+"""The cost every kernel declares to XLA (`pallas_call(cost_estimate=...)`, kernels/base/costs.py)
 against the bytes it moves, at mini shapes, compiled for TPU7x.
 
 What is compared, per stage and for the megakernel:
@@ -18,7 +18,7 @@ program's FLOPs are the kernel's declared FLOPs (plus a handful of XLA's own), w
 the FLOPs the body logs for its phases (the streamed matmuls, experts, LM head tiles, final mix;
 attention and the delta rule log none).
 
-Each run is in the worst case its estimate assumes (kernels/costs.py): every MLA row at the
+Each run is in the worst case its estimate assumes (kernels/base/costs.py): every MLA row at the
 cache's last position; every row of the sequence-sharded partial past its shard; no expert shared
 by two rows, so min(E, B·k) distinct experts (engineered router weights for the MoE layer; at
 B = 1 a row's k choices are always distinct, which covers the megakernel's MoE layers).
@@ -28,11 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, gemv, kda, mla, mla_sharded, quant, router, sampling
-from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels.base import dma, gemv, quant
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 
-from mkresearch import config, layout, logs, reference, tpu, weights
-from mkresearch import timeline as tl
+from mkresearch.hardware import tpu
+from mkresearch.measurement import logs
+from mkresearch.model import config, reference, weights
+from mkresearch.prediction import timeline as tl
+from mkresearch.sharding import layout
 
 MINI = config.get_config("kimi-k3-mini")
 TOLERANCE = 0.05  # declared bytes within 5% of the bytes moved
@@ -222,7 +227,7 @@ def test_declared_cost_is_what_the_megakernel_moves(race_checked, mini_params):
 def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
     """The issue's example, at kimi-k3-rank shapes (no interpret run: GBs of weights). At B = 8
     every one of the rank's 112 experts can be routed (min(112, 8·16)), so the declared bytes
-    are exactly one MoE layer's parameters (mkresearch.weights.param_shapes) plus x and the
+    are exactly one MoE layer's parameters (mkresearch.model.weights.param_shapes) plus x and the
     output; the compiled program's bytes_accessed, a few kB before, holds them."""
     cfg = layout.named_config("kimi-k3-rank")
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels import dma
+from mkresearch.kernels.base import dma
 
-from mkresearch import tpu
+from mkresearch.hardware import tpu
 
 BATCH, K, N, TILE_K = 8, 512, 256, 128  # x [B, K] @ w [K, N], w streamed in [TILE_K, N] tiles
 N_TILES = K // TILE_K

@@ -1,6 +1,6 @@
-"""FFN stage kernel (mkresearch.kernels.experts) and in-VMEM decode (mkresearch.kernels.quant).
+"""FFN stage kernel (mkresearch.kernels.stages.experts) and in-VMEM decode (mkresearch.kernels.base.quant).
 
-Against mkresearch.reference (routed_experts, moe_ffn, dense_ffn) and mkresearch.weights
+Against mkresearch.model.reference (routed_experts, moe_ffn, dense_ffn) and mkresearch.model.weights
 (mxfp4_unpack, fp8_unpack), in TPU interpret mode with the race detector on:
 - outputs within a bf16 tolerance (they are in fact bit-equal on these shapes) for B in {1, 4, 8},
   all three weight formats, duplicate experts across rows, every fetch plan / slot count;
@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels.base import dma, quant
+from mkresearch.kernels.stages import experts
 
-from mkresearch import config, layout, reference, tpu, weights
-from mkresearch.chips import CHIPS
-from mkresearch.kernels import dma, experts, quant
-
+from mkresearch.hardware import tpu
+from mkresearch.hardware.chips import CHIPS
+from mkresearch.model import config, reference, weights
+from mkresearch.sharding import layout
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 # a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)

@@ -1,8 +1,8 @@
-"""mkresearch.facts: printed numbers that no other machine prints differently."""
+"""mkresearch.views.facts: printed numbers that no other machine prints differently."""
 
 import pytest
 
-from mkresearch import facts
+from mkresearch.views import facts
 
 
 def test_stable_prints_a_rounding_far_from_a_flip():

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import cli, reference, roofline, spec, weights
-from mkresearch.config import LANE, get_config
+from mkresearch.cli import main as cli
+from mkresearch.model import reference, roofline, spec, weights
+from mkresearch.model.config import LANE, get_config
 
 FAMILIES = ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 MINIS = tuple(f"{name}-mini" for name in FAMILIES)

@@ -1,5 +1,5 @@
-"""GQA and MLA-with-RoPE decode kernels (kernels/gqa.py, kernels/mla_rope.py) against the
-reference sublayers (mkresearch.stages.gqa, mla_rope), in TPU interpret mode with races checked:
+"""GQA and MLA-with-RoPE decode kernels (kernels/stages/gqa.py, kernels/stages/mla_rope.py) against the
+reference sublayers (mkresearch.model.stages.gqa, mla_rope), in TPU interpret mode with races checked:
 outputs, cache writes, KV bytes from the DMA log (only the 16-row groups holding cached tokens),
 every weight byte once, the declared cost, batch invariance, TPU7x compiles and bad input.
 
@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import costs, dma, gqa, mla_rope
+from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.stages import gqa, mla_rope
 
-from mkresearch import config, kv_cache, reference, tpu, weights
-from mkresearch.stages import gqa as gqa_ref
-from mkresearch.stages import mla_rope as mla_rope_ref
+from mkresearch.hardware import tpu
+from mkresearch.model import config, kv_cache, reference, weights
+from mkresearch.model.stages import gqa as gqa_ref
+from mkresearch.model.stages import mla_rope as mla_rope_ref
 
 BF16_TOL = 2.0 ** -7
 GLM, QWEN, DEEPSEEK = (config.get_config(n) for n in (

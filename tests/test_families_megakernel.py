@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma
-from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel as mk
 
-from mkresearch import bench, config, reference, sampling, timeline, weights
-from mkresearch.hlo import jaxpr_primitives
-from mkresearch.logs import hbm_bytes, minimum_step_bytes
+from mkresearch.cli import bench
+from mkresearch.measurement.hlo import jaxpr_primitives
+from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
+from mkresearch.model import config, reference, sampling, weights
+from mkresearch.prediction import timeline
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 N_STEPS = 16

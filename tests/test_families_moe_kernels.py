@@ -1,5 +1,5 @@
-"""The families' router and MoE kernels (kernels/router.py with the group-limited first stage,
-kernels/moe_full.py) against the reference (mkresearch.stages.ffn.route, stages.moe_full), in
+"""The families' router and MoE kernels (kernels/stages/router.py with the group-limited first stage,
+kernels/stages/moe_full.py) against the reference (mkresearch.model.stages.ffn.route, stages.moe_full), in
 TPU interpret mode with races checked; and Kimi's LM head + sampling stage reused as it is for a
 pre-norm model's last step.
 
@@ -13,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import costs, dma, experts, moe_full, router
-from mkresearch.kernels import sampling as sampling_kernel
+from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.stages import experts, moe_full, router
+from mkresearch.kernels.stages import sampling as sampling_kernel
 
-from mkresearch import config, reference, tpu, weights
-from mkresearch.stages import ffn
-from mkresearch.stages import moe_full as moe_full_ref
+from mkresearch.hardware import tpu
+from mkresearch.model import config, reference, weights
+from mkresearch.model.stages import ffn
+from mkresearch.model.stages import moe_full as moe_full_ref
 
 MINIS = {name: config.get_config(name) for name in (
     "deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")}

@@ -1,5 +1,5 @@
-"""The families' reference sublayers (mkresearch.stages.gqa, mla_rope, moe_full, the routers,
-mkresearch.rope) against independent float64 NumPy implementations written from the public model
+"""The families' reference sublayers (mkresearch.model.stages.gqa, mla_rope, moe_full, the routers,
+mkresearch.model.rope) against independent float64 NumPy implementations written from the public model
 code, with bf16 roundings where the reference rounds. The NumPy side calls none of the
 reference's functions (only its weights and inputs are shared).
 
@@ -22,9 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkresearch import reference, rope, weights
-from mkresearch.config import get_config
-from mkresearch.stages import ffn, gqa, mla_rope, moe_full
+from mkresearch.model import reference, rope, weights
+from mkresearch.model.config import get_config
+from mkresearch.model.stages import ffn, gqa, mla_rope, moe_full
 
 OUT_TOL, MEAN_TOL = 2.0 ** -6, 2.0 ** -9
 

@@ -8,7 +8,10 @@ import json
 import pytest
 from test_sharded import check_recorded_compile, run_sharded
 
-from mkresearch import cli, config, layout, layout_bytes, recorded
+from mkresearch.cli import main as cli
+from mkresearch.measurement import recorded
+from mkresearch.model import config
+from mkresearch.sharding import layout, layout_bytes
 
 FAMILIES = ("deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, gemv
+from mkresearch.kernels.base import dma, gemv
 
-from mkresearch import timeline as tl
+from mkresearch.prediction import timeline as tl
 
 B, K, N, BLOCK_K = 8, 1024, 256, 256  # 4 row blocks of 128 KiB
 
@@ -87,7 +87,7 @@ def test_bad_operands_raise(operands):
 @pytest.mark.parametrize("n_buffers", [0, 1, 3])
 def test_compiles_for_tpu7x(n_buffers):
     """The real Mosaic compiler accepts both kernels (layout, tiling, VMEM); 0 = BlockSpec."""
-    from mkresearch import tpu
+    from mkresearch.hardware import tpu
 
     def f(x, w):
         if n_buffers == 0:

@@ -1,6 +1,6 @@
 """No two text labels of a chart overlap, none is cut by the figure's edge, no data label leaves
 its axes or sits on a line: every figure `make figures` writes (each function of
-`mkresearch.figures.FIGURES`) and the plot functions notebooks draw with, on small recorded or
+`mkresearch.cli.figures.FIGURES`) and the plot functions notebooks draw with, on small recorded or
 synthetic data (no kernel runs here)."""
 
 import json
@@ -15,17 +15,11 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.figure import Figure
 
-from mkresearch import (
-    calibration,
-    figures,
-    label_plots,
-    plots,
-    scale_out_plots,
-    speculative_plots,
-    widgets,
-)
-from mkresearch import timeline as tl
-from mkresearch.logs import FIGURE_POSITIONS
+from mkresearch.cli import figures
+from mkresearch.measurement.logs import FIGURE_POSITIONS
+from mkresearch.prediction import calibration
+from mkresearch.prediction import timeline as tl
+from mkresearch.views import label_plots, plots, scale_out_plots, speculative_plots, widgets
 
 FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
 
@@ -92,7 +86,7 @@ def test_every_committed_figure_reads(name, tmp_path, monkeypatch):
 
 
 def test_the_bench_figure_of_the_committed_bench():
-    from mkresearch.bench import bench_figure
+    from mkresearch.cli.bench import bench_figure
 
     check(bench_figure(json.loads((FIGURES_DIR / "decode_bench.json").read_text())))
 
@@ -139,9 +133,9 @@ def test_acceptance_figure_reads():
 def test_rank_timelines_figure_reads():
     """Notebook 08's per-rank chart, of a synthetic 4-rank log: per rank a weight block, its
     compute, an all-gather to the next rank."""
-    from mkresearch.kernels import dma
+    from mkresearch.kernels.base import dma
 
-    from mkresearch import ranks_plots
+    from mkresearch.views import ranks_plots
 
     events = []
     for rank in range(4):

@@ -96,7 +96,7 @@ def violations(importer: str, source: str, label: str, is_package: bool = False)
                              "package of that name exists): import mkresearch.kernels")
             elif module.split(".")[0] == "matplotlib" and own != "app":
                 found.append(f"{label}:{node.lineno}: imports matplotlib in the {own} layer: "
-                             "plots belong to the app layer (mkresearch/plots.py)")
+                             "plots belong to the app layer (mkresearch/views/plots.py)")
             elif module == "mkresearch" or module.startswith("mkresearch."):
                 theirs = layer_of(module)
                 if theirs is None:
@@ -155,16 +155,16 @@ def test_no_module_over_max_lines():
 
 
 @pytest.mark.parametrize("importer, source, expected", [
-    ("mkresearch.kernels.mla", "def f():\n    from mkresearch import logs\n",
-     "mkresearch.kernels.mla (kernels) imports mkresearch.logs (analysis) inside a function"),
-    ("mkresearch.kernels.mla", "from mkresearch.bench import scale_to_rank\n",
-     "(kernels) imports mkresearch.bench (app) at module level"),
-    ("mkresearch.config", "import mkresearch.kernels.dma\n", "imports mkresearch.kernels.dma"),
-    ("mkresearch.kernels.mla", "from .. import figures\n", "imports mkresearch.figures (app)"),
-    ("mkresearch.timeline", "import matplotlib.pyplot as plt\n", "matplotlib in the analysis"),
-    ("mkresearch.figures", "import importlib\nimportlib.import_module('mkresearch.plots')\n",
+    ("mkresearch.kernels.stages.mla", "def f():\n    from mkresearch import logs\n",
+     "mkresearch.kernels.stages.mla (kernels) imports mkresearch.measurement.logs (analysis) inside a function"),
+    ("mkresearch.kernels.stages.mla", "from mkresearch.cli.bench import scale_to_rank\n",
+     "(kernels) imports mkresearch.cli.bench (app) at module level"),
+    ("mkresearch.model.config", "import mkresearch.kernels.base.dma\n", "imports mkresearch.kernels.base.dma"),
+    ("mkresearch.kernels.stages.mla", "from .. import figures\n", "imports mkresearch.cli.figures (app)"),
+    ("mkresearch.prediction.timeline", "import matplotlib.pyplot as plt\n", "matplotlib in the analysis"),
+    ("mkresearch.cli.figures", "import importlib\nimportlib.import_module('mkresearch.views.plots')\n",
      "imports by string"),
-    ("mkresearch.bench", "def f():\n    from mkresearch import logs\n", "without a comment"),
+    ("mkresearch.cli.bench", "def f():\n    from mkresearch import logs\n", "without a comment"),
     ("mkresearch.nowhere", "", "in no layer"),
 ])
 def test_the_checker_finds(importer, source, expected):
@@ -176,4 +176,4 @@ def test_the_checker_allows_downward_and_commented_imports():
     source = ("from mkresearch import reference\nfrom mkresearch.kernels import dma\n"
               "def f():\n    # inside: an import cycle\n    from mkresearch import logs\n"
               "    from mkresearch.kernels import mla  # an import cycle\n")
-    assert violations("mkresearch.scaling", source, "x.py") == []
+    assert violations("mkresearch.prediction.scaling", source, "x.py") == []

@@ -1,4 +1,4 @@
-"""The layout (`mkresearch.layout`): per-rank shapes and slices from the kinds' sharding rules,
+"""The layout (`mkresearch.sharding.layout`): per-rank shapes and slices from the kinds' sharding rules,
 per-rank bytes at full size (ours vs the release's, spec §9), the one-rank stand-in config, the
 CLI table, and bad rank counts."""
 
@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import cli, config, layout, layout_bytes, reference, spec, weights
-from mkresearch.config import get_config
+from mkresearch.cli import main as cli
+from mkresearch.model import config, reference, spec, weights
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout, layout_bytes
 
 MINI = get_config("kimi-k3-mini")
 FULL = get_config("kimi-k3")

@@ -31,16 +31,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, experts, kda, mla, quant, schedule
-from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels.megakernel_plan import VmemPlanError
+from mkresearch.kernels.base import dma, quant
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import schedule
+from mkresearch.kernels.compose.megakernel_plan import VmemPlanError
+from mkresearch.kernels.stages import experts, kda, mla
 
-from mkresearch import config, layout, reference, sampling, timeline, weights
-from mkresearch.bench import near_tie_rows
-from mkresearch.chips import CHIPS
-from mkresearch.hlo import count_xla_kernels
-from mkresearch.logs import hbm_bytes, minimum_step_bytes
-from mkresearch.scaling import scale_log
+from mkresearch.cli.bench import near_tie_rows
+from mkresearch.hardware.chips import CHIPS
+from mkresearch.measurement.hlo import count_xla_kernels
+from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
+from mkresearch.model import config, reference, sampling, weights
+from mkresearch.prediction import timeline
+from mkresearch.prediction.scaling import scale_log
+from mkresearch.sharding import layout
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
@@ -189,7 +193,7 @@ def test_greedy_32_steps_batch_4_and_bytes(race_checked, mini_params):
     print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
           f"({moved / minimum.total:.4f}x)\n{minimum}")
     assert moved <= BYTES_SLACK * minimum.total
-    # the step ran its schedule (kernels/schedule.py), whose prefetches run ahead
+    # the step ran its schedule (kernels/compose/schedule.py), whose prefetches run ahead
     step = schedule.schedule(mk.make_plan(MINI, 4, MINI.max_seq_len), positions,
                              np.asarray(expert_ids))
     assert step.mismatch(logs[-1]) is None, step.mismatch(logs[-1])

@@ -24,24 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import dma, registry, schedule
-from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels import megakernel_verify as mv
-from mkresearch.kernels.sampling import MAX_CANDIDATES
+from mkresearch.kernels.base import dma, registry
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_verify as mv
+from mkresearch.kernels.compose import schedule
+from mkresearch.kernels.stages.sampling import MAX_CANDIDATES
 
-from mkresearch import (
-    config,
-    layout,
-    reference,
-    roofline,
-    sampling,
-    spec,
-    timeline,
-    tpu,
-    weights,
-)
-from mkresearch.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
-from mkresearch.scaling import scale_log
+from mkresearch.hardware import tpu
+from mkresearch.measurement.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
+from mkresearch.model import config, reference, roofline, sampling, spec, weights
+from mkresearch.prediction import timeline
+from mkresearch.prediction.scaling import scale_log
+from mkresearch.sharding import layout
 
 LOGIT_TOL = 5e-2  # spec §11
 STATE_REL_TOL = 2.0 ** -7
@@ -191,7 +185,7 @@ def test_weights_read_once_for_all_rows(recorded_case):
     assert parts["kda_state"] == minimum.recurrent_state
     assert parts["routed_experts"] == minimum.routed_experts  # each expert of the union once
     assert moved <= BYTES_SLACK * minimum.total
-    # the step ran its schedule (kernels/schedule.py), event for event
+    # the step ran its schedule (kernels/compose/schedule.py), event for event
     step = schedule.schedule(plan, rows, expert_ids)
     assert step.mismatch(log) is None, step.mismatch(log)
 
@@ -218,7 +212,7 @@ def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample,
     and the final caches and states are those of plain decoding with the megakernel decode step,
     bit for bit — greedy, and sampled with the same seed (the targets drawn in the call by the
     decode step's rule)."""
-    from mkresearch import drafters, speculative
+    from mkresearch.decoding import drafters, speculative
 
     batch, drafts, prompt_len = 2, 6, 8
     prompt = np.asarray(jax.random.randint(jax.random.key(3), (batch, prompt_len), 0,

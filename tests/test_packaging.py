@@ -1,7 +1,7 @@
 """The wheel holds every module, and the notebooks install only what a hosted runtime lacks.
 
 An editable install reads the source tree and hides a package missing from the wheel (issue 23:
-`mkresearch.stages` was); here the wheel is built from a copy of the repository with the pinned
+`mkresearch.model.stages` was); here the wheel is built from a copy of the repository with the pinned
 build backend (offline: `--no-build-isolation --no-index`) and its file list is compared with
 the source tree. New subpackages are added to the copy first: they must land in the wheel
 without an edit of pyproject.toml. `.ci/wheel-check` installs the wheel itself (clean virtualenvs,
@@ -77,7 +77,7 @@ def test_wheel_holds_every_module_and_the_recorded_compiles(built):
     names, tree = built
     installed = {n for n in names if not n.startswith("mkresearch-0.1.0.dist-info/")}
     wanted = source_files(tree)
-    assert len(wanted) > 90 and any(n.startswith("mkresearch/stages/") for n in wanted)
+    assert len(wanted) > 90 and any(n.startswith("mkresearch/model/stages/") for n in wanted)
     assert not wanted - installed, f"missing from the wheel: {sorted(wanted - installed)}"
     assert not installed - wanted, f"in the wheel, not in the source tree: {sorted(installed - wanted)}"
 

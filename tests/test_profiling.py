@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mkresearch import profiling, widgets
-from mkresearch import timeline as tl
+from mkresearch.measurement import profiling
+from mkresearch.prediction import timeline as tl
+from mkresearch.views import widgets
 
 
 def two_phase_step(x, w):

@@ -4,9 +4,12 @@ minute instead of showing it), records round-trip, stale ones are not used."""
 import dataclasses
 
 import pytest
-from mkresearch.kernels import megakernel
+from mkresearch.kernels.compose import megakernel
 
-from mkresearch import cli, layout, recorded, tpu
+from mkresearch.cli import main as cli
+from mkresearch.hardware import tpu
+from mkresearch.measurement import recorded
+from mkresearch.sharding import layout
 
 
 def plan_of(model, batch, chip):

@@ -10,9 +10,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkresearch import reference as R
-from mkresearch import weights
-from mkresearch.config import get_config
+from mkresearch.model import reference as R
+from mkresearch.model import weights
+from mkresearch.model.config import get_config
 
 MINI = get_config("kimi-k3-mini")
 BF16 = ml_dtypes.bfloat16
@@ -327,7 +327,7 @@ def test_decoding_equals_teacher_forced_stepping(params, temperature):
     forced = np.concatenate([prompt, np.asarray(tokens)[:, :-1]], axis=1)
     logits, forced_state = R.prefill(params, R.init_state(MINI, batch), forced, MINI)
     # the logits after token t predict token t+1: resample them at the same positions
-    from mkresearch.sampling import sample
+    from mkresearch.model.sampling import sample
     for i in range(n_steps):
         position = prompt.shape[1] + i
         again = sample(logits[:, position - 1], seed=7, positions=np.full(batch, position),

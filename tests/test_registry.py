@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import blocks, costs, dma, registry, schedule
-from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels.base import blocks, costs, dma, registry
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import schedule
 
-from mkresearch import config, numerics, reference, roofline, spec, weights
+from mkresearch.model import config, numerics, reference, roofline, spec, weights
 
 TOY = "toy_ffn"
 

@@ -1,4 +1,4 @@
-"""mkresearch.roofline and `mkresearch info`: bytes per decode step against spec/kimi-k3.md §10."""
+"""mkresearch.model.roofline and `mkresearch info`: bytes per decode step against spec/kimi-k3.md §10."""
 
 import json
 import math
@@ -8,9 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from mkresearch import layout, plots, roofline
-from mkresearch.chips import CHIPS
-from mkresearch.config import get_config
+from mkresearch.hardware.chips import CHIPS
+from mkresearch.model import roofline
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout
+from mkresearch.views import plots
 
 GB = 1e9
 # spec §10: HBM bytes per token at B = 1, whole model, routed experts MXFP4
@@ -94,7 +96,7 @@ def test_expected_unique_experts():
 
 def test_shapes_are_the_real_arrays():
     """The byte counts use param_shapes; the arrays init_params builds have the same bytes."""
-    from mkresearch.weights import init_params
+    from mkresearch.model.weights import init_params
 
     cfg = get_config("kimi-k3-mini")
     params = init_params(cfg, 0)
@@ -127,8 +129,8 @@ def test_decode_floor_and_table():
 
 def test_hbm_footprint_counts_every_weight_cache_and_state():
     """Bytes from param_shapes and init_state shapes, which the arrays really have (mini)."""
-    from mkresearch.reference import init_state
-    from mkresearch.weights import init_params
+    from mkresearch.model.reference import init_state
+    from mkresearch.model.weights import init_params
 
     cfg = get_config("kimi-k3-mini")
     footprint = roofline.check_fits_hbm(cfg, "v5e", batch=2, seq_len=64)

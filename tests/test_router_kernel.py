@@ -1,4 +1,4 @@
-"""Router kernel (mkresearch.kernels.router) against mkresearch.reference.route (spec §6.1).
+"""Router kernel (mkresearch.kernels.stages.router) against mkresearch.model.reference.route (spec §6.1).
 
 ids exact (engineered ties included), weights within 1e-6 relative, the correction bias moves the
 selection but never the weights, ids/weights end in SMEM, bad input -> ValueError, and the kernel
@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.stages import router
 
-from mkresearch import config, layout, reference, tpu, weights
-from mkresearch.kernels import dma, router
-
+from mkresearch.hardware import tpu
+from mkresearch.model import config, reference, weights
+from mkresearch.sharding import layout
 
 MINI = config.get_config("kimi-k3-mini")
 

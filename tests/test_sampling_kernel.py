@@ -1,6 +1,6 @@
 """The fused final mix + norm + LM head + sampling stage vs the reference (interpret mode, races on).
 
-Tokens are compared exactly with `mkresearch.sampling.sample` run on the logits the stage
+Tokens are compared exactly with `mkresearch.model.sampling.sample` run on the logits the stage
 computed (`return_logits=True`): same logits, same counter noise, so the same token. Those logits
 match `reference.final_logits` to a tolerance (XLA on CPU may skip the bf16 rounding of the mix
 output when it is fused into the norm: `xla_allow_excess_precision`, 1 bf16 ulp of the normalised
@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.stages import sampling as stage
 
-from mkresearch import layout, reference, sampling, tpu
-from mkresearch.config import get_config
-from mkresearch.kernels import dma
-from mkresearch.kernels import sampling as stage
+from mkresearch.hardware import tpu
+from mkresearch.model import reference, sampling
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout
 
 MINI = get_config("kimi-k3-mini")
 LOGITS_ATOL = 3e-2  # kernel vs reference logits (|logits| ~ 1-10): a few bf16 ulps of x

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import sampling
+from mkresearch.model import sampling
 
 DRAWS = 2**17  # draws per distribution test, all in one vectorised call
 VOCAB = 16

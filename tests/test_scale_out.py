@@ -6,13 +6,15 @@ import json
 
 import pytest
 
-from mkresearch import calibration, cli, layout_bytes, scale_out, scale_out_sim, topology
-from mkresearch import interconnect as links
-from mkresearch import layout as layouts
-from mkresearch.config import get_config
-from mkresearch.scale_out_plots import KINDS, figure_rows, parts_rows, ranks_rows
-from mkresearch.timeline_events import CollectiveEvent, LogEvent
-from mkresearch.timeline_ranks import PARTS, simulate_ranks
+from mkresearch.cli import main as cli
+from mkresearch.model.config import get_config
+from mkresearch.prediction import calibration, scale_out, scale_out_sim, topology
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction.timeline_events import CollectiveEvent, LogEvent
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_ranks
+from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
+from mkresearch.views.scale_out_plots import KINDS, figure_rows, parts_rows, ranks_rows
 
 US = 1e-6
 

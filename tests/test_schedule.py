@@ -1,10 +1,10 @@
-"""The schedule as data (`kernels/schedule.py`) is the step the megakernel runs.
+"""The schedule as data (`kernels/compose/schedule.py`) is the step the megakernel runs.
 
 A recorded DMA log equals the schedule event for event (kind, name, src, dst, bytes, slot and the
 log's tags: layer, block, row, tile, item), for both MLA layouts, every expert format and B in
 {1, 4} (every pair of the three), from a non-trivial state (random caches and states, rows at
 positions on both sides of KV tile boundaries) with the routing of the reference step; the worst case the schedule assumes
-without positions and routing is `kernels/costs.py`'s, byte for byte, on every preset; the
+without positions and routing is `kernels/base/costs.py`'s, byte for byte, on every preset; the
 prefetch checks read the schedule.
 """
 
@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels import costs, dma, planned, schedule
-from mkresearch.kernels import megakernel as mk
+from mkresearch.kernels.base import costs, dma, planned
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import schedule
 
-from mkresearch import config, reference, weights
-from mkresearch.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS
+from mkresearch.model import config, reference, weights
+from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS
 
 MINI = config.get_config("kimi-k3-mini")
 # kv_tile 32: whole tiles; the last tile's 16-row groups (20, 31: one tile; 33, 47: two, the

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from mkresearch.kernels import megakernel_sharded as ms
+from mkresearch.kernels.compose import megakernel_sharded as ms
 
-from mkresearch import recorded
+from mkresearch.measurement import recorded
 
 SHARDED = Path(__file__).resolve().parent / "sharded"
 

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import acceptance, drafters, reference, roofline, sampling, speculative, weights
-from mkresearch.config import get_config
+from mkresearch.decoding import acceptance, drafters, speculative
+from mkresearch.model import reference, roofline, sampling, weights
+from mkresearch.model.config import get_config
 
 SMALL = get_config("kimi-k3-mini").replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1,
                                            attn_res_block=1, max_seq_len=64)

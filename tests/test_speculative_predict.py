@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from mkresearch import cli, scale_out
-from mkresearch import layout as layouts
-from mkresearch import speculative_predict as speculative
-from mkresearch.config import get_config
+from mkresearch.cli import main as cli
+from mkresearch.model.config import get_config
+from mkresearch.prediction import scale_out
+from mkresearch.prediction import speculative_predict as speculative
+from mkresearch.sharding import layout as layouts
 
 
 def test_the_published_numbers_imply_one_verify_step_when_acceptance_counts_tokens():

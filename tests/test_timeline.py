@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from mkresearch import timeline as tl
+from mkresearch.prediction import timeline as tl
 
 US = 1e-6
 BLOCK = 1000  # bytes: 1 µs at 1 GB/s

@@ -12,8 +12,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkresearch import _fast_interpret, tpu
-from mkresearch.chips import CHIPS, Chip, get_chip
+from mkresearch.hardware import _fast_interpret, tpu
+from mkresearch.hardware.chips import CHIPS, Chip, get_chip
 
 
 def add(x, y):

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch import reference, weights
-from mkresearch.config import get_config
+from mkresearch.model import reference, weights
+from mkresearch.model.config import get_config
 
 MINI = get_config("kimi-k3-mini")
 FULL = get_config("kimi-k3")

@@ -7,8 +7,8 @@ matplotlib.use("Agg")
 
 import pytest
 
-from mkresearch import timeline as tl
-from mkresearch import widgets
+from mkresearch.prediction import timeline as tl
+from mkresearch.views import widgets
 
 BLOCK = 1 << 20  # 1 MiB blocks
 
@@ -293,7 +293,7 @@ def test_what_if_bad_input(log):
 def test_scale_out_explorer_titles_and_summarises_its_settings(monkeypatch):
     """Notebook 09's explorer, on 8 ranks (cached predictions of the pure-Python model): a change
     redraws in place, the new figure's title and the summary name the new setting."""
-    from mkresearch import scale_out_plots
+    from mkresearch.views import scale_out_plots
 
     shown = []
     monkeypatch.setattr(widgets, "_display", lambda obj, **kwargs: shown.append(obj))

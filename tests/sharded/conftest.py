@@ -3,7 +3,7 @@
 XLA fixes the number of CPU devices when its first backend starts, so these tests run in their
 own process: `tests/test_sharded.py` starts `pytest tests/sharded` with MKRESEARCH_SHARDED=1 and
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (beside the project's
---xla_allow_excess_precision=false, `mkresearch.tpu.select_platform`). Collected in the main
+--xla_allow_excess_precision=false, `mkresearch.hardware.tpu.select_platform`). Collected in the main
 test run they are ignored (one device there). The `race_checked` fixture is the one of
 tests/conftest.py.
 """

@@ -21,7 +21,7 @@ import pytest
 import test_sharded_decode
 from test_sharded_decode import run, show
 
-from mkresearch import config, weights
+from mkresearch.model import config, weights
 
 LAYOUTS = config.MLA_CACHE_LAYOUTS
 RANKS = (2, 4)

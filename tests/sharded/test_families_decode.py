@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from test_sharded_decode import PROMPT_LEN, run, show  # noqa: F401 - the same steps and checks
 
-from mkresearch import config, layout, layout_bytes, logs, spec, weights
+from mkresearch.measurement import logs
+from mkresearch.model import config, spec, weights
+from mkresearch.sharding import layout, layout_bytes
 
 CASES = {  # name: (config, ranks, batch, etp)
     "deepseek-v3": (config.get_config("deepseek-v3-mini"), 2, 2, None),

@@ -1,7 +1,7 @@
 """A broken collective is caught: the sharded megakernel with one semaphore wait skipped (the race
 detector flags the read of a receive slot before the data landed), and with one remote copy
 skipped (the receiver waits forever: the step never finishes; run in a child process with a
-deadline). Test helpers patch `kernels/collectives.py` at trace time; nothing in the library
+deadline). Test helpers patch `kernels/sharded/collectives.py` at trace time; nothing in the library
 knows about them."""
 
 import os
@@ -14,10 +14,12 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from mkresearch.kernels import collectives
-from mkresearch.kernels import megakernel_sharded as ms
+from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.sharded import collectives
 
-from mkresearch import config, layout, reference, tpu, weights
+from mkresearch.hardware import tpu
+from mkresearch.model import config, reference, weights
+from mkresearch.sharding import layout
 
 MINI = config.get_config("kimi-k3-mini")
 # the broken step is given this long: a working 2-rank step (trace, compile, run) takes ~35 s here

@@ -1,4 +1,4 @@
-"""The sharded megakernel (`kernels/megakernel_sharded.py`) on 2, 4 and 8 simulated devices, in
+"""The sharded megakernel (`kernels/compose/megakernel_sharded.py`) on 2, 4 and 8 simulated devices, in
 TPU interpret mode with the race detector on, against the single-device megakernel and the
 plain-JAX reference; its DMA log per rank against the layout's bytes.
 
@@ -30,12 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from mkresearch.kernels import dma
-from mkresearch.kernels import megakernel as mk
-from mkresearch.kernels import megakernel_sharded as ms
-from mkresearch.kernels.sampling import MAX_CANDIDATES
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.stages.sampling import MAX_CANDIDATES
 
-from mkresearch import config, layout, layout_bytes, logs, reference, sampling, spec, weights
+from mkresearch.measurement import logs
+from mkresearch.model import config, reference, sampling, spec, weights
+from mkresearch.sharding import layout, layout_bytes
 
 MINI = config.get_config("kimi-k3-mini")
 LOGIT_TOL = 5e-2

@@ -1,0 +1,336 @@
+"""The DMA log: every HBM<->VMEM copy and compute phase of a kernel, recorded as it executes.
+
+Kernels move weights with `Copy` / `Ring` (thin wrappers over `pltpu.make_async_copy`) and mark
+compute with `phase(...)`. Under `with recording() as log:` in TPU interpret mode, each start, wait
+and phase edge appends an `Event` to `log.events` *while the kernel runs*, in execution order, with
+the dynamic slot and loop indices. The bytes-moved tests and the pipeline timelines are built on it.
+
+    with dma.recording() as log:
+        out = some_wrapper(x, w)             # the wrapper passes dma.is_recording() as a static arg
+    log.dma_bytes("w")                       # bytes of dma_start events whose name starts with "w"
+
+Static facts (bytes, memory spaces, flops, VMEM bytes) are fixed at trace time; only slot and
+indices travel through the callback. On a real TPU, inside `tpu.compiling()`, or when not
+recording, nothing extra is emitted; `phase` always wraps its body in `jax.named_scope(name)`,
+which on a TPU becomes a trace event in the profile.
+
+Events are emitted with an *ordered* `io_callback` (jax.debug.callback is unordered: in interpret
+mode its calls come out of order relative to each other, and its ordered form does not lower in
+interpret mode with this jax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkresearch.hardware import tpu
+
+KINDS = ("dma_start", "dma_wait", "phase_start", "phase_end")
+
+
+# ---- the log ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """One edge of a kernel's execution. nbytes/src/dst for DMAs, flops/vmem_bytes for phases."""
+
+    kind: str  # one of KINDS
+    name: str  # what moves or computes, e.g. "w_up" or "expert.w1"
+    src: str | None = None  # memory space of the source ("hbm", "vmem", "smem", ...)
+    dst: str | None = None  # memory space of the destination
+    nbytes: int = 0  # bytes one DMA moves (0 for phases)
+    slot: int | None = None  # ring slot / buffer index, if any
+    indices: dict[str, int] = field(default_factory=dict)  # loop indices given by the kernel
+    flops: int = 0  # declared FLOPs of a phase
+    vmem_bytes: int = 0  # declared VMEM working set of a phase
+    # in a sharded kernel (`on_rank`): the rank that executed the event; for a remote copy
+    # (`RemoteCopy`) the ranks it goes from and to (None for a copy within one rank)
+    rank: int | None = None
+    src_rank: int | None = None
+    dst_rank: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.dst_rank is not None
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DmaLog:
+    """Events of every kernel executed while recording, in execution order."""
+
+    def __init__(self, events: list[Event] | None = None) -> None:
+        self.events: list[Event] = list(events or [])
+        self._lock = threading.Lock()  # simulated cores run on threads
+
+    def _append(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __repr__(self) -> str:
+        return f"DmaLog({len(self.events)} events, {self.dma_bytes()} DMA bytes)"
+
+    def select(self, kind: str | None = None, name: str | None = None) -> list[Event]:
+        """Events of one kind (any if None) whose name starts with `name` (any if None)."""
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is invalid: one of {', '.join(KINDS)}")
+        return [e for e in self.events
+                if (kind is None or e.kind == kind) and (name is None or e.name.startswith(name))]
+
+    def dma_bytes(self, name: str | None = None) -> int:
+        """Total bytes of dma_start events, optionally only those whose name starts with `name`.
+        Remote copies between ranks are counted apart (`remote_bytes`)."""
+        return sum(e.nbytes for e in self.select("dma_start", name) if not e.remote)
+
+    def remote_bytes(self, name: str | None = None) -> int:
+        """Bytes of the remote copies started (rank to rank), optionally one name prefix."""
+        return sum(e.nbytes for e in self.select("dma_start", name) if e.remote)
+
+    def of_rank(self, rank: int) -> DmaLog:
+        """The events one rank executed, in its order (a sharded kernel's log holds every
+        rank's events, `Event.rank`)."""
+        return DmaLog([e for e in self.events if e.rank == rank])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.rank for e in self.events if e.rank is not None}))
+
+    def to_records(self) -> list[dict[str, Any]]:
+        return [e.to_record() for e in self.events]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_records())
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> DmaLog:
+        return cls([Event(**{**r, "indices": dict(r.get("indices") or {})}) for r in records])
+
+    @classmethod
+    def from_json(cls, text: str) -> DmaLog:
+        return cls.from_records(json.loads(text))
+
+
+_active: list[DmaLog] = []  # stack of logs being recorded (innermost last)
+_ranks: list[Any] = []  # trace time: the (traced) rank of the sharded kernel being traced
+
+
+@contextlib.contextmanager
+def on_rank(rank: Any) -> Iterator[None]:
+    """While a sharded kernel is traced: every event it emits carries `rank` (a traced scalar,
+    `lax.axis_index`), so one log holds every rank's events apart (`DmaLog.of_rank`)."""
+    _ranks.append(rank)
+    try:
+        yield
+    finally:
+        _ranks.pop()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[DmaLog]:
+    """Record the events of kernels traced and run inside the block into a fresh DmaLog."""
+    log = DmaLog()
+    _active.append(log)
+    try:
+        yield log
+    finally:
+        jax.effects_barrier()  # async dispatch: let the kernels' callbacks land before we stop
+        _active.remove(log)
+
+
+def is_recording() -> bool:
+    """Python-side, at call time: wrappers pass it to jit as a static argument."""
+    return bool(_active)
+
+
+def _emitting() -> bool:
+    """At trace time inside a kernel: emit callbacks only when recording an interpreted run."""
+    return bool(_active) and tpu.interpret_params() is not None
+
+
+def _emit(kind: str, name: str, slot: Any, indices: dict[str, Any],
+          ranks: dict[str, Any] | None = None, **static: Any) -> None:
+    """Append an Event to the active log when this point of the kernel executes. ranks: the
+    Event's rank fields (traced values), beside the rank of `on_rank`."""
+    ranks = {**({"rank": _ranks[-1]} if _ranks else {}), **(ranks or {})}
+    keys, rank_keys = tuple(indices), tuple(ranks)
+
+    def record(slot_value, *values):
+        if _active:
+            index_values, rank_values = values[:len(keys)], values[len(keys):]
+            _active[-1]._append(Event(
+                kind=kind, name=name, slot=None if slot is None else int(slot_value),
+                indices={k: int(v) for k, v in zip(keys, index_values)},
+                **{k: int(v) for k, v in zip(rank_keys, rank_values)}, **static))
+
+    slot_operand = jnp.asarray(-1 if slot is None else slot, jnp.int32)
+    operands = [jnp.asarray(indices[k], jnp.int32) for k in keys]
+    operands += [jnp.asarray(ranks[k], jnp.int32) for k in rank_keys]
+    io_callback(record, None, slot_operand, *operands, ordered=True)
+
+
+def _memory_space(ref: Any) -> str:
+    space = getattr(getattr(ref, "aval", None), "memory_space", None)
+    if space is None:
+        return "vmem"  # pallas_call block refs without an explicit space live in VMEM
+    name = str(getattr(space, "value", space)).lower()
+    return "hbm" if name == "any" else name  # pl.ANY operands of a pallas_call stay in HBM
+
+
+def _nbytes(ref: Any) -> int:
+    dtype = jnp.dtype(ref.dtype)
+    bits = getattr(jax.dtypes, "itemsize_bits", lambda d: jnp.dtype(d).itemsize * 8)(dtype)
+    return math.prod(ref.shape) * bits // 8
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name={name!r} is invalid: a non-empty string naming what is moved")
+
+
+# ---- inside kernels -----------------------------------------------------------------------------
+
+
+class Copy:
+    """One async copy `src_ref -> dst_ref` signalling `sem`, logged as `name` (+ slot, indices)."""
+
+    def __init__(self, src_ref: Any, dst_ref: Any, sem: Any, *, name: str, slot: Any = None,
+                 **indices: Any) -> None:
+        _check_name(name)
+        if tuple(src_ref.shape) != tuple(dst_ref.shape):
+            raise ValueError(f"Copy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
+                             f"{tuple(dst_ref.shape)}; slice both to the block being moved")
+        self.src_ref, self.dst_ref, self.sem = src_ref, dst_ref, sem
+        self.name, self.slot, self.indices = name, slot, indices
+        self.nbytes = _nbytes(dst_ref)
+
+    def _descriptor(self):
+        return pltpu.make_async_copy(self.src_ref, self.dst_ref, self.sem)
+
+    def _log(self, kind: str) -> None:
+        if _emitting():
+            _emit(kind, self.name, self.slot, self.indices, src=_memory_space(self.src_ref),
+                  dst=_memory_space(self.dst_ref), nbytes=self.nbytes)
+
+    def start(self) -> Copy:
+        self._descriptor().start()
+        self._log("dma_start")
+        return self
+
+    def wait(self) -> Copy:
+        self._descriptor().wait()
+        self._log("dma_wait")
+        return self
+
+
+class RemoteCopy:
+    """One async copy from this rank's `src_ref` to `dst_ref` on rank `peer` (the same buffer
+    there, e.g. a receive slot of a collective), signalling `send_sem` here and `recv_sem` there
+    (`pltpu.make_async_remote_copy`). Logged with its source and destination rank: the sender
+    logs dma_start and the wait for its send (`wait_send`), the receiver the wait for the data
+    (`wait_recv`, built with the sender as `peer`). `rank` is this rank (traced)."""
+
+    def __init__(self, src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any, *, peer: Any,
+                 rank: Any, name: str, log_peer: Any = None, **indices: Any) -> None:
+        _check_name(name)
+        if tuple(src_ref.shape) != tuple(dst_ref.shape):
+            raise ValueError(f"RemoteCopy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
+                             f"{tuple(dst_ref.shape)}")
+        self.src_ref, self.dst_ref, self.send_sem, self.recv_sem = src_ref, dst_ref, send_sem, recv_sem
+        self.peer, self.rank, self.name, self.indices = peer, rank, name, indices
+        # the other rank in the log: `peer`, or -1 for a wait that covers the copies of several
+        # (a semaphore counts bytes: one wait for all of them)
+        self.log_peer = peer if log_peer is None else log_peer
+        self.nbytes = _nbytes(dst_ref)
+
+    def _descriptor(self):
+        return pltpu.make_async_remote_copy(self.src_ref, self.dst_ref, self.send_sem,
+                                            self.recv_sem, device_id=(self.peer,),
+                                            device_id_type=pl.DeviceIdType.MESH)
+
+    def _log(self, kind: str, src_rank: Any, dst_rank: Any) -> None:
+        if _emitting():
+            _emit(kind, self.name, None, self.indices,
+                  {"rank": self.rank, "src_rank": src_rank, "dst_rank": dst_rank},
+                  src=_memory_space(self.src_ref), dst=_memory_space(self.dst_ref),
+                  nbytes=self.nbytes)
+
+    def start(self) -> RemoteCopy:
+        self._descriptor().start()
+        self._log("dma_start", self.rank, self.log_peer)
+        return self
+
+    def wait_send(self) -> RemoteCopy:
+        self._descriptor().wait_send()
+        self._log("dma_wait", self.rank, self.log_peer)
+        return self
+
+    def wait_recv(self) -> RemoteCopy:
+        """On the receiver, with `peer` the sender: wait until its data has landed here."""
+        self._descriptor().wait_recv()
+        self._log("dma_wait", self.log_peer, self.rank)
+        return self
+
+
+class Ring:
+    """A ring of VMEM slots `buffers_ref [n_slots, ...]` with one DMA semaphore per slot."""
+
+    def __init__(self, buffers_ref: Any, sems_ref: Any, *, name: str) -> None:
+        _check_name(name)
+        if sems_ref.shape[:1] != buffers_ref.shape[:1]:
+            raise ValueError(f"Ring {name!r}: sems_ref shape {tuple(sems_ref.shape)} must be "
+                             f"[n_slots={buffers_ref.shape[0]}] like buffers_ref's leading dim")
+        self.buffers_ref, self.sems_ref, self.name = buffers_ref, sems_ref, name
+
+    @property
+    def n_slots(self) -> int:
+        return self.buffers_ref.shape[0]
+
+    def buffer(self, slot: Any) -> Any:
+        """The VMEM ref of one slot: `[...]` (slot may be traced)."""
+        return self.buffers_ref.at[slot]
+
+    def copy(self, src_ref: Any, slot: Any, **indices: Any) -> Copy:
+        return Copy(src_ref, self.buffers_ref.at[slot], self.sems_ref.at[slot], name=self.name,
+                    slot=slot, **indices)
+
+    def start(self, src_ref: Any, slot: Any, **indices: Any) -> Copy:
+        """Start copying `src_ref` (an HBM block) into `slot`."""
+        return self.copy(src_ref, slot, **indices).start()
+
+    def wait(self, src_ref: Any, slot: Any, **indices: Any) -> Copy:
+        """Wait for the copy of `src_ref` into `slot` (same arguments as its start)."""
+        return self.copy(src_ref, slot, **indices).wait()
+
+
+@contextlib.contextmanager
+def phase(name: str, *, flops: int = 0, vmem_bytes: int = 0, **indices: Any) -> Iterator[None]:
+    """Mark a compute phase: logged edges when recording, a named scope (TPU trace event) always."""
+    _check_name(name)
+    emitting = _emitting()
+    static = {"flops": int(flops), "vmem_bytes": int(vmem_bytes)}
+    if emitting:
+        _emit("phase_start", name, None, indices, **static)
+    with jax.named_scope(name):
+        yield
+    if emitting:
+        _emit("phase_end", name, None, indices, **static)

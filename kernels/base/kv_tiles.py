@@ -1,0 +1,164 @@
+"""The KV tile loop of the attention kernels: tiles of T cached tokens read from HBM by a
+double-buffered DMA ring, and the f32 online softmax over them.
+
+`tile_loop` reads only the 16-row groups of the last tile that hold cached tokens (`_tile_reads`,
+`mkresearch.kv_cache.rows_read` in bytes); `online_softmax_step` masks what lies past the
+position. MLA's expanded and latent layouts (`mla.py`) and the sequence-sharded latent prototype
+(`mla_sharded.py`) all run them.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from mkresearch.kernels.base import blocks, dma, planned
+
+from mkresearch.model import reference
+from mkresearch.model.kv_cache import KV_ROW_GROUP
+
+if TYPE_CHECKING:
+    from mkresearch.kernels.stages.mla import MlaPlan
+
+
+class _Traced:
+    """Arithmetic on traced int32 scalars: lax.div / lax.rem (jnp's // and % lower through a
+    sign op), pl.multiple_of alignment hints."""
+
+    div, rem = staticmethod(jax.lax.div), staticmethod(jax.lax.rem)
+    minimum, aligned = staticmethod(jnp.minimum), staticmethod(pl.multiple_of)
+
+
+class _Ints:
+    """The same arithmetic on Python ints (non-negative: lax.div and // agree), for the
+    schedule: `tile_loop_dmas` states the kernel's reads with the very same formulas."""
+
+    div, rem = staticmethod(operator.floordiv), staticmethod(operator.mod)
+    minimum, aligned = staticmethod(min), staticmethod(lambda value, multiple: value)
+
+
+def _tile_count(p: MlaPlan, position, ops=_Traced):
+    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1."""
+    return ops.div(position + p.kv_tile - 1, p.kv_tile)
+
+
+def _tile_reads(p: MlaPlan, t, count, ops=_Traced):
+    """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
+    token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
+    tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
+    binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
+    n_groups = p.kv_tile // KV_ROW_GROUP
+    tokens = ops.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
+    groups = ops.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
+    reads = [(groups == n_groups, 0, p.kv_tile)]
+    for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
+        run = 2 ** i
+        has_run = (groups < n_groups) & (ops.rem(ops.div(groups, run), 2) == 1)
+        first = ops.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
+        reads.append((has_run, ops.aligned(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
+    return reads
+
+
+def _token_rows(ref, rows):
+    """ref[..., rows, :]: a window of the token axis (the second-to-last) of a cache ref."""
+    return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
+
+
+def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices, *,
+              phase: str = "mla.attend"):
+    """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
+    tile t is used. The last tile reads only the 16-row groups holding tokens < count
+    (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
+
+    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
+    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
+    VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
+    compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
+    """
+    n_tiles = _tile_count(p, count)
+
+    def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
+        part = pl.ds(first, rows)
+        for ring, window in zip(rings, windows(t)):
+            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
+                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
+                            **indices)
+            getattr(copy, action)()
+
+    def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
+        for condition, first, rows in _tile_reads(p, t, count):
+            pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
+
+    @pl.when(n_tiles > 0)
+    def _():
+        each_read(0, 0, "start")
+
+    def step(t, carry):
+        slot = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            each_read(t + 1, 1 - slot, "start")
+
+        each_read(t, slot, "wait")
+        tiles = [ring.buffer(slot)[...] for ring in rings]
+        with dma.phase(phase, row=b, tile=t, **indices):
+            return update(t, tiles, carry)
+
+    return jax.lax.fori_loop(0, n_tiles, step, carry)
+
+
+def tile_loop_dmas(p: MlaPlan, call: Any, b: int, count: int,
+                   arrays: list[tuple[str, Any]]) -> list[planned.PlannedDma]:
+    """`tile_loop`'s DMAs as data, for row b with `count` cached tokens: arrays are (ring name,
+    the cache array's shape struct [B, (H,) S, n]) in the order of the rings; the reads of each
+    tile are `_tile_reads`' on ints (the same formulas)."""
+    def reads(t):  # the DMAs of tile t (started in slot t mod 2)
+        return [call.start(name, rows * planned.token_bytes(cache), buffer=planned.KV_TILES,
+                           slot=t % 2, row=b, tile=t, **call.indices)
+                for condition, _, rows in _tile_reads(p, t, count, _Ints) if condition
+                for name, cache in arrays]  # a window of `rows` tokens of every head
+
+    return planned.double_buffered([reads(t) for t in range(_tile_count(p, count, _Ints))])
+
+
+def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
+                        rows_at_least_two: bool = False):
+    """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc).
+
+    rows_at_least_two: the R rows are heads whose count differs between one device and a rank
+    (the latent layout's all-heads-at-once product): a lone row is multiplied as two, so that it
+    sums in the order of a row of the multi-row product (`reference.rows_at_least_two`)."""
+    m, norm, acc = carry
+    token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    valid = token < position  # the tile's tail past the cached tokens is stale: masked
+    scores = jnp.where(valid, scores, -jnp.inf)
+    # rows past the cached tokens may be unread (uninitialised, even NaN): 0 · NaN = NaN, so the
+    # values are selected too; a valid row is unchanged and a masked one added 0 before as well
+    row_token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, values.shape, 0)
+    values = jnp.where(row_token < position, values, 0.0)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))  # finite: m starts finite
+    correction = jnp.exp(m - m_new)
+    weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
+    norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
+    weighted = (blocks.dot(weights, values) if rows_at_least_two
+                else jnp.dot(weights, values, preferred_element_type=jnp.float32))  # [R, n]
+    acc = correction * acc + weighted
+    return m_new, norm, acc
+
+
+def dot_t(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def rows_dot_t(a, b):
+    """`dot_t` with a lone row of a multiplied as two (`reference.rows_at_least_two`): a row's
+    bits do not depend on how many rows a has. XLA:CPU sums a one-row product in another order,
+    so without it the latent layout's scores of a rank's one head differ from that head's row of
+    the two-head product on one device (issue 22)."""
+    return reference.rows_at_least_two(lambda rows: dot_t(rows, b), a)

@@ -1,0 +1,116 @@
+"""The kernel side of the stage registry: for each sublayer kind of `mkresearch.spec`, its body.
+
+A stage kind's core entry (`mkresearch.spec.Stage`) owns its weight schema, state and reference;
+its `KernelStage` here owns what the kernel needs on top, keyed by the same name:
+
+    plan      the body's static sizes for a config and batch (a hashable dataclass)
+    prepare   one kind's stacked parameters -> the pytree its body reads (stays in HBM)
+    streamed  the matrices the body multiplies through its weight stream, in the body's order:
+              (weights key, DMA-log name, (K, N)); the megakernel's global ring streams these
+    body      body(plan, refs: StageRefs): one layer of the kind, on Refs
+    vmem      the VMEM buffers the body allocates (its scope of the megakernel's VMEM plan)
+    schedule  schedule(plan, call: planned.StageCall) -> [PlannedDma]: the DMAs the body issues
+              for one layer, in its order, as data (`kernels/schedule.py`); written beside the
+              body, held equal to its recorded DMA log by tests/test_schedule.py
+
+The body reads its inputs from a typed bundle (`StageRefs`), never from positional Refs: the
+stand-alone `pallas_call` wrapper of a kind builds one from its own refs (with a local weight
+stream), the megakernel builds one per layer (with the global ring). So one body serves both.
+Each kernel module registers its kinds at import (`kernels/kda.py`, `mla.py`, `experts.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mkresearch.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StageRefs:
+    """What one layer's stage body works on (all Refs are of that layer).
+
+    x          [B, d] bf16 VMEM: the normalised input
+    out        [B, d] bf16 VMEM: the sublayer's output
+    weights    the kind's prepared weights (HBM refs, the layout of KernelStage.prepare)
+    state_in   {leaf: [B, ...] HBM ref} this layer's state (empty for a stateless kind)
+    state_out  the same buffers, aliased, for in-place writes
+    positions  [B] i32 SMEM: each row's position (its cache slot)
+    stream     where the body's matmuls get weight blocks (blocks.LOCAL_STREAM, or the global ring)
+    scratch    the kind's scratch shared across layers (e.g. the MoE routing in VMEM and SMEM)
+    indices    tags of the DMA log (layer=...)
+    shard      on a rank of a sharded model, its collectives (`kernels/collectives.py`), else None
+    steps_out  a verify step's per-token states {leaf: [K+1, B, ...] HBM ref} (kinds whose plan
+               has rows_per_state; `kernels/megakernel_verify.py`), else empty
+    """
+
+    x: Any
+    out: Any
+    weights: Any
+    state_in: dict = field(default_factory=dict)
+    state_out: dict = field(default_factory=dict)
+    positions: Any = None
+    stream: Any = None
+    scratch: Any = None
+    indices: dict = field(default_factory=dict)
+    shard: Any = None
+    steps_out: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One matrix a body multiplies through its weight stream: where it is in the kind's prepared
+    weights, its DMA-log name and its shape [K, N]."""
+
+    key: str
+    name: str
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class KernelStage:
+    name: str
+    plan: Callable[..., Any]  # (cfg, batch, seq_len, options) -> the body's static plan
+    prepare: Callable[[Any, ModelConfig], Any]  # (params[kind], cfg) -> the body's weights
+    streamed: Callable[[ModelConfig], tuple[Streamed, ...]]
+    body: Callable[[Any, StageRefs], None]
+    vmem: Callable[[Any, ModelConfig], list]  # (plan, cfg) -> [(name, shape, dtype)] scoped
+    scope: Callable[[Any], str] = lambda plan: ""  # the VMEM plan's label of the body's scope
+    # the body's cost for one layer (kernels/costs.py): (plan, weights, state, cfg, batch) -> Cost,
+    # with weights and state one layer's (shape structs)
+    cost: Callable[..., Any] = lambda plan, weights, state, cfg, batch: None
+    # scratch the megakernel allocates once for every layer of the kind: (label, pltpu shape)
+    # pairs, and how the body wants the refs bundled (refs.scratch)
+    scratch: Callable[[ModelConfig, int], tuple] = lambda cfg, batch: ()
+    scratch_bundle: Callable[[tuple], Any] = lambda refs: refs
+    # (plan, planned.StageCall) -> list[planned.PlannedDma]; None: the kind states no schedule
+    # (the megakernel runs it, `schedule.schedule` refuses it, naming the kind)
+    schedule: Callable[[Any, Any], list] | None = None
+
+
+_KERNELS: dict[str, KernelStage] = {}
+
+
+def register(stage: KernelStage) -> KernelStage:
+    if stage.name in _KERNELS and _KERNELS[stage.name] is not stage:
+        raise ValueError(f"a kernel stage {stage.name!r} is registered already")
+    _KERNELS[stage.name] = stage
+    return stage
+
+
+def unregister(name: str) -> None:
+    _KERNELS.pop(name, None)
+
+
+def kernel_stage(name: str) -> KernelStage:
+    """The kernel of stage kind `name` (ValueError naming the kinds that have one)."""
+    if name not in _KERNELS:
+        raise ValueError(f"stage kind {name!r} has no kernel: the megakernel runs "
+                         f"{', '.join(_KERNELS)}")
+    return _KERNELS[name]
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(_KERNELS)

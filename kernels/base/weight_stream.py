@@ -1,0 +1,345 @@
+"""The megakernel's global weight stream: one sequence of weight blocks through one VMEM ring,
+across stage and layer boundaries.
+
+Every layer streams a static sequence of weight blocks per stage kind: the matrices its body
+multiplies, in the body's order, as its kernel registry entry lists them (`KernelStage.streamed`):
+
+    attention  KDA: w_fa w_fb w_q w_k w_v w_g [w_b] w_o      MLA: w_qa w_qb w_kva w_g [w_kvb] w_o
+    FFN        dense: w_gate w_up w_down                     MoE: w_router w_ld w_lu w_sg w_su w_sd
+
+Matrices whose N is not a multiple of 128 lanes (KDA's w_b [d, H], the router at mini sizes) stay
+on a local two-slot ring. A stage body draws its blocks from the stream it is given
+(`GlobalStream.stage(kind, layer, index)`): block g of the stage is waited for in ring slot
+(base + g) mod depth, and block g + depth - 1 of the *continued* sequence is started first. When
+that block lies past the end of the stage, it is the next stage's: the FFN of this layer after
+attention, the attention of the next layer after the FFN. Which kind is read from the SMEM layer
+table, so the prefetch is a `pl.when` per kind. So while a stage computes, the next stage's and
+the next layer's first blocks are already in flight.
+
+The ring is `cfg.ring_depth` slots of [R, C] bf16: C the widest streamed N, R = cfg.ring_block_bytes
+/ (2 C) rows (a multiple of 128, at least 128). A block of a [K, N] matrix is [rows, N] with rows
+the largest multiple of 128 dividing K and at most R. At the default 2 MiB these are the
+stand-alone stage kernels' blocks (at mini sizes every matrix is one block), so the f32
+accumulation order is theirs. The lookahead may cross at most one stage boundary:
+ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
+
+`RingSchedule` states the ring's DMAs as data (`kernels/schedule.py`) from the same StreamPlan
+and layer table: change GlobalStream / StageStream and it together (tests/test_schedule.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from mkresearch.kernels.base import blocks, dma, planned
+from mkresearch.kernels.base.registry import kernel_stage
+
+from mkresearch.model.config import LANE, ModelConfig
+
+# The SMEM layer table, a row per layer: what the megakernel's traced layer index selects. A kind
+# id indexes the model's attention (or FFN) kinds in `stage_kinds` order.
+ATTN_KIND, ATTN_INDEX, FFN_KIND, FFN_INDEX = TABLE_FIELDS = range(4)
+
+
+def stage_kinds(cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention kinds, FFN kinds) of the model, each in the order of first use."""
+    return tuple(dict.fromkeys(cfg.attention_kinds)), tuple(dict.fromkeys(cfg.ffn_kinds))
+
+
+def layer_table(cfg: ModelConfig) -> tuple[int, ...]:
+    """The flattened [n_layers, len(TABLE_FIELDS)] table of int32 for SMEM."""
+    attention, ffn = stage_kinds(cfg)
+    rows = []
+    for layer, (attn_kind, ffn_kind) in enumerate(cfg.layers):
+        rows += [attention.index(attn_kind), cfg.kind_index(layer, attn_kind),
+                 ffn.index(ffn_kind), cfg.kind_index(layer, ffn_kind)]
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One streamed matrix of a stage: where it lives in the kernel's weight pytree, its DMA-log
+    name (the stage body's), its shape and its row blocks."""
+
+    group: str  # the stage kind
+    key: str
+    name: str
+    k: int
+    n: int
+    rows: int
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k // self.rows
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    depth: int
+    slot_shape: tuple[int, int]  # [R, C]
+    stages: tuple[tuple[str, tuple[Entry, ...]], ...]  # kind -> entries, in body call order
+    attention: tuple[str, ...] = ()  # the model's attention kinds (table kind ids)
+    ffn: tuple[str, ...] = ()  # and FFN kinds
+
+    def entries(self, kind: str) -> tuple[Entry, ...]:
+        return dict(self.stages)[kind]
+
+    def blocks(self, kind: str) -> tuple[tuple[Entry, int], ...]:
+        """The stage's block sequence: (entry, row block) in streaming order."""
+        return tuple((e, i) for e in self.entries(kind) for i in range(e.n_blocks))
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_shape[0] * self.slot_shape[1] * 2
+
+    @property
+    def ffn_transparent(self) -> bool:
+        """Every FFN kind streams nothing through the ring (e.g. a MoE whose router is narrower
+        than 128 lanes and has no shared experts): attention's lookahead runs on into the next
+        layer's attention."""
+        return all(not self.blocks(kind) for kind in self.ffn)
+
+    def shortest(self) -> int:
+        """The fewest blocks a stage the lookahead crosses streams (FFN kinds left out when
+        transparent): ring_depth - 1 may not exceed it."""
+        skip = self.ffn if self.ffn_transparent else ()
+        return min(len(self.blocks(kind)) for kind, _ in self.stages if kind not in skip)
+
+
+def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
+    """kind -> the matrices its body streams (registry.Streamed), for every kind of the model."""
+    return {kind: kernel_stage(kind).streamed(cfg) for kind in cfg.kinds}
+
+
+def make_stream_plan(cfg: ModelConfig, local: Any = None) -> StreamPlan:
+    """The ring (cfg.ring_depth slots of [R, C], R · C · 2 <= cfg.ring_block_bytes unless R is the
+    minimum 128) and every stage's blocks. local(kind, Streamed) -> Streamed: one rank's shape of
+    each matrix (the sharded megakernel)."""
+    depth, block_bytes = cfg.ring_depth, cfg.ring_block_bytes
+    matrices = streamed_matrices(cfg)
+    if local is not None:
+        matrices = {kind: tuple(local(kind, m) for m in ms) for kind, ms in matrices.items()}
+    streamed = {kind: [m for m in ms if m.shape[1] % LANE == 0] for kind, ms in matrices.items()}
+    width = max(m.shape[1] for ms in streamed.values() for m in ms)  # C
+    slot_rows = max(LANE, block_bytes // (2 * width) // LANE * LANE)  # R
+    stages = []
+    for kind, ms in streamed.items():
+        entries = []
+        for m in ms:
+            rows = blocks.weight_block_rows(m.shape, jnp.bfloat16, block_rows=slot_rows)
+            entries.append(Entry(kind, m.key, m.name, *m.shape, rows))
+        stages.append((kind, tuple(entries)))
+    max_rows = max(e.rows for _, es in stages for e in es)
+    attention, ffn = stage_kinds(cfg)
+    return StreamPlan(depth=depth, slot_shape=(max_rows, width), stages=tuple(stages),
+                      attention=attention, ffn=ffn)
+
+
+def max_ring_depth(cfg: ModelConfig) -> int:
+    """The deepest ring (at cfg.ring_block_bytes) whose lookahead, ring_depth - 1 blocks, crosses
+    at most one stage boundary: 1 + the fewest blocks any stage streams."""
+    return 1 + make_stream_plan(cfg.replace(ring_depth=2)).shortest()
+
+
+class GlobalStream:
+    """The ring while the megakernel traces. `stage(kind, layer, index)` is the weight stream one
+    stage body is given: its `matmul` draws the stage's streamed matrices from the ring (and the
+    others from a local ring, blocks.LOCAL_STREAM)."""
+
+    def __init__(self, plan: StreamPlan, ring_ref: Any, sems_ref: Any, base_smem: Any,
+                 weights: dict, table_smem: Any, n_layers: int) -> None:
+        self.plan, self.ring, self.sems, self.base = plan, ring_ref, sems_ref, base_smem
+        self.weights, self.table, self.n_layers = weights, table_smem, n_layers
+
+    # -- the layer table: kind and index within its kind of a (traced) layer ---------------------
+    def _row(self, layer, column):
+        return self.table[layer * len(TABLE_FIELDS) + column]
+
+    def _kinds(self, layer, attention: bool):
+        """((kind, predicate, index within kind), ...) for the attention or the FFN of `layer`."""
+        kinds, kind_col, index_col = ((self.plan.attention, ATTN_KIND, ATTN_INDEX) if attention
+                                      else (self.plan.ffn, FFN_KIND, FFN_INDEX))
+        kind_id, index = self._row(layer, kind_col), self._row(layer, index_col)
+        return tuple((kind, kind_id == i, index) for i, kind in enumerate(kinds))
+
+    # -- DMAs ------------------------------------------------------------------------------------
+    def _copy(self, kind: str, position: int, index, base, layer) -> dma.Copy:
+        entry, block = self.plan.blocks(kind)[position]
+        source = self.weights[entry.group][entry.key].at[index]  # [K, N] of this layer
+        window = source.at[pl.ds(block * entry.rows, entry.rows), :]
+        slot = lax.rem(base + position, self.plan.depth)
+        target = self.ring.at[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]
+        return dma.Copy(window, target, self.sems.at[slot], name=entry.name, slot=slot,
+                        block=block, layer=layer)
+
+    def prologue(self) -> None:
+        """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
+        self.base[0] = 0
+        for kind, predicate, index in self._kinds(0, attention=True):
+            for position in range(self.plan.depth - 1):
+                @pl.when(predicate)
+                def _(kind=kind, position=position, index=index):
+                    self._copy(kind, position, index, 0, 0).start()
+
+    def stage(self, kind: str, layer, index) -> StageStream:
+        return StageStream(self, kind, layer, index)
+
+
+class StageStream:
+    """The weight stream of one stage of one layer (a context: it checks on exit that the body
+    streamed exactly the stage's blocks, then moves the ring's base past them)."""
+
+    def __init__(self, stream: GlobalStream, kind: str, layer, index) -> None:
+        self.stream, self.kind, self.layer, self.index = stream, kind, layer, index
+        self.plan = stream.plan
+        self.entries = self.plan.entries(kind)
+        self.entry = self.position = 0
+
+    def __enter__(self) -> StageStream:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        if exc[0] is None:
+            length = len(self.plan.blocks(self.kind))
+            if self.position != length:
+                raise ValueError(f"the {self.kind} stage streamed {self.position} of its {length} "
+                                 "blocks: the global weight stream and the body disagree")
+            base = self.stream.base
+            base[0] = lax.rem(base[0] + length, self.plan.depth)
+        return False
+
+    def _start_ahead(self, target: int) -> None:
+        """Start block `target` of the sequence continuing from this stage's block 0."""
+        stream, kind, length = self.stream, self.kind, len(self.plan.blocks(self.kind))
+        if target < length:
+            stream._copy(kind, target, self.index, stream.base[0], self.layer).start()
+            return
+        position = target - length
+        base = lax.rem(stream.base[0] + length, self.plan.depth)
+        if kind in self.plan.attention and not self.plan.ffn_transparent:  # next: this FFN
+            layer, guard = self.layer, True
+            options = stream._kinds(layer, attention=False)
+        else:  # next: the next layer's attention (none after the last layer)
+            layer = jnp.minimum(self.layer + 1, stream.n_layers - 1)
+            guard = self.layer + 1 < stream.n_layers
+            options = stream._kinds(layer, attention=True)
+        for next_kind, predicate, index in options:
+            @pl.when(jnp.logical_and(guard, predicate))
+            def _(next_kind=next_kind, index=index):
+                stream._copy(next_kind, position, index, base, layer).start()
+
+    def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
+               **indices: Any) -> jax.Array:
+        """x [M, K] @ the next streamed matrix -> [M, N] f32 (a matrix not in the stream: from
+        a local ring)."""
+        if name not in {e.name for e in self.entries}:
+            return blocks.LOCAL_STREAM.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        entry = self.entries[self.entry]
+        if name != entry.name or tuple(w_hbm.shape) != (entry.k, entry.n):
+            raise ValueError(f"the {self.kind} stage body streamed {name!r} {tuple(w_hbm.shape)} "
+                             f"where the global weight stream expects {entry.name!r} "
+                             f"{(entry.k, entry.n)}: its KernelStage.streamed must list the "
+                             "matrices in the body's order")
+        self.entry += 1
+        stream, depth = self.stream, self.plan.depth
+        acc = jnp.zeros((x.shape[0], entry.n), jnp.float32)
+        for block in range(entry.n_blocks):
+            position = self.position
+            self._start_ahead(position + depth - 1)
+            stream._copy(self.kind, position, self.index, stream.base[0], self.layer).wait()
+            slot = lax.rem(stream.base[0] + position, depth)
+            w_block = stream.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]
+            with dma.phase(f"{entry.name}/matmul", flops=2 * x.shape[0] * entry.rows * entry.n,
+                           vmem_bytes=entry.rows * entry.n * 2, block=block, layer=self.layer):
+                acc += blocks.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block)
+            self.position += 1
+        return acc
+
+
+# ---- the same ring as data: the DMAs GlobalStream issues, before anything is traced ----------
+class RingSchedule:
+    """The global ring's DMAs as data (`kernels/schedule.py`), from the StreamPlan the kernel
+    runs and the same layer table: block g of the step's sequence waits in slot g mod depth, and
+    block g + depth - 1 is started first — across the stage boundary (this layer's FFN after its
+    attention) and the layer boundary (the next layer's attention after the FFN, none after the
+    last layer), of the one kind the table selects. The twin of GlobalStream / StageStream."""
+
+    def __init__(self, plan: StreamPlan, table: tuple[int, ...], n_layers: int) -> None:
+        self.plan, self.table, self.n_layers = plan, table, n_layers
+        self.base = 0  # the ring slot of the current stage's block 0
+
+    def _kind(self, layer: int, attention: bool) -> str:
+        """The kind the table selects for the attention or the FFN of `layer`."""
+        kinds, column = (self.plan.attention, ATTN_KIND) if attention else (self.plan.ffn, FFN_KIND)
+        return kinds[self.table[layer * len(TABLE_FIELDS) + column]]
+
+    def _start(self, kind: str, position: int, base: int, layer: int) -> planned.PlannedDma:
+        entry, block = self.plan.blocks(kind)[position]
+        return planned.PlannedDma(
+            "dma_start", entry.name, "hbm", "vmem", entry.rows * entry.n * 2,
+            (base + position) % self.plan.depth, layer, kind, planned.WEIGHT_RING,
+            (("block", block), ("layer", layer)))
+
+    def prologue(self) -> list[planned.PlannedDma]:
+        """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
+        kind = self._kind(0, attention=True)
+        return [self._start(kind, position, 0, 0) for position in range(self.plan.depth - 1)]
+
+    def stage(self, kind: str, layer: int) -> StageRingSchedule:
+        return StageRingSchedule(self, kind, layer)
+
+
+class StageRingSchedule:
+    """One stage of one layer on the ring, as data: `matmul` gives the DMAs of the body's next
+    streamed matrix (a matrix not on the ring: its local ring's), `close` checks that the stage
+    streamed all its blocks and moves the ring's base past them (StageStream.__exit__)."""
+
+    def __init__(self, ring: RingSchedule, kind: str, layer: int) -> None:
+        self.ring, self.kind, self.layer = ring, kind, layer
+        self.entries = ring.plan.entries(kind)
+        self.length = len(ring.plan.blocks(kind))
+        self.entry = self.position = 0
+
+    def _start_ahead(self, target: int) -> list[planned.PlannedDma]:
+        ring = self.ring
+        if target < self.length:
+            return [ring._start(self.kind, target, ring.base, self.layer)]
+        base = (ring.base + self.length) % ring.plan.depth
+        if self.kind in ring.plan.attention and not ring.plan.ffn_transparent:  # this FFN
+            layer, attention = self.layer, False
+        elif self.layer + 1 < ring.n_layers:  # next: the next layer's attention
+            layer, attention = self.layer + 1, True
+        else:
+            return []
+        return [ring._start(ring._kind(layer, attention), target - self.length, base, layer)]
+
+    def matmul(self, call: Any, name: str, weight: Any, rows: int,
+               indices: dict) -> list[planned.PlannedDma]:
+        if name not in {e.name for e in self.entries}:
+            return blocks.ring_matmul_dmas(call, name, weight, rows, indices)
+        entry = self.entries[self.entry]
+        if name != entry.name or tuple(weight.shape) != (entry.k, entry.n):
+            raise ValueError(f"the {self.kind} stage schedule streams {name!r} "
+                             f"{tuple(weight.shape)} where the global weight stream expects "
+                             f"{entry.name!r} {(entry.k, entry.n)}: its KernelStage.schedule "
+                             "must list the matrices in the body's order")
+        self.entry += 1
+        out = []
+        for _ in range(entry.n_blocks):
+            out += self._start_ahead(self.position + self.ring.plan.depth - 1)
+            out.append(self.ring._start(self.kind, self.position, self.ring.base,
+                                        self.layer).waited())
+            self.position += 1
+        return out
+
+    def close(self) -> None:
+        if self.position != self.length:
+            raise ValueError(f"the {self.kind} stage schedule streamed {self.position} of its "
+                             f"{self.length} blocks: the global weight stream and the schedule "
+                             "disagree")
+        self.ring.base = (self.ring.base + self.length) % self.ring.plan.depth

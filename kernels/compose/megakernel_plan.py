@@ -1,0 +1,316 @@
+"""What is static about one megakernel build: its options, the plan, and the VMEM plan.
+
+`make_plan` checks the sizes and options (ValueError naming them) and fixes every static size;
+`plan_vmem` computes every VMEM buffer with its bytes before the kernel is built, so that
+`megakernel.decode_step` refuses a plan over the chip's VMEM with a message listing it — and,
+first, a config whose weights, caches and states exceed the chip's HBM per device
+(`roofline.check_fits_hbm`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, registry, weight_stream
+from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
+    experts,
+    ffn_kinds,
+    gqa,
+    kda,
+    mla,
+    mla_rope,
+    moe_full,
+    residuals,
+    sampling,
+)
+
+from mkresearch.hardware.chips import get_chip
+from mkresearch.model import roofline, spec
+from mkresearch.model.config import BF16_SUBLANE, LANE, ModelConfig
+
+# The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
+# a batch grid, which a single grid-less call does not have.
+MAX_BATCH = BF16_SUBLANE
+# A verify step (`kernels/megakernel_verify.py`) scores B rows x (K + 1) tokens: its activation
+# block [R, d] spans up to four 16-row tiles (the stage bodies loop over rows; nothing needs one).
+MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
+# VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
+VMEM_HEADROOM_BYTES = 4 * 2**20
+# Rows of the aligned embedding block fetched per token (the HBM tiling of a bf16 [V, d] array).
+EMBED_ROWS = BF16_SUBLANE
+
+
+# ---- options and plan --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MegakernelOptions:
+    """How the megakernel streams (config-like, validated by `check_options`).
+
+    The global weight ring's depth and slot bytes are config fields (cfg.ring_depth,
+    cfg.ring_block_bytes): they are part of the model's schedule, like cfg.kv_tile.
+
+    expert_slots     VMEM slots per expert matrix (the first ones issued right after routing)
+    expert_plan      which experts are fetched: "unique" (each distinct expert of the batch once)
+    kv_tile          tokens per MLA KV tile (None: cfg.kv_tile)
+    chip             the chip whose VMEM the plan must fit
+    """
+
+    expert_slots: int = 2
+    expert_plan: str = "unique"
+    kv_tile: int | None = None
+    chip: str = "tpu7x"
+    global_stream: bool = True
+
+
+def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
+    """ValueError naming the option and its allowed values."""
+    if not isinstance(options, MegakernelOptions):
+        raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
+    if not isinstance(options.global_stream, bool):
+        raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
+    stream = weight_stream.make_stream_plan(cfg)
+    empty = [kind for kind, _ in stream.stages if not stream.blocks(kind)]
+    if options.global_stream and empty and not stream.ffn_transparent:
+        raise ValueError(f"cfg={cfg.name!r} is not supported with global_stream=True: the "
+                         f"stage kinds {empty} stream no block through the weight ring, so its "
+                         "lookahead would cross two stage boundaries (allowed only when every "
+                         "FFN kind streams none); use MegakernelOptions(global_stream=False)")
+    max_depth = weight_stream.max_ring_depth(cfg)
+    if options.global_stream and cfg.ring_depth > max_depth:
+        raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for the megakernel: "
+                         f"an int in [2, {max_depth}] (the lookahead, ring_depth - 1 blocks, may "
+                         f"cross at most one stage boundary; with ring_block_bytes="
+                         f"{cfg.ring_block_bytes} the shortest stage of {cfg.name} streams "
+                         f"{max_depth - 1} blocks)")
+    experts.check_stage_options(options.expert_plan, options.expert_slots, cfg.expert_format)
+    if options.expert_slots < 2:
+        raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
+                         "megakernel issues expert DMAs right after routing, ahead of their use)")
+    get_chip(options.chip)  # ValueError listing the chips
+    return options
+
+
+@dataclass(frozen=True)
+class VmemBuffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    scope: str  # "kernel" (whole call) or the stage whose scoped buffers it is
+
+
+@dataclass(frozen=True)
+class VmemPlan:
+    """Every VMEM buffer of the megakernel with its bytes. Stage-scoped buffers of different
+    stages are never live together (each stage body allocates and frees its own), so the peak is
+    the kernel-wide buffers plus the largest stage."""
+
+    buffers: tuple[VmemBuffer, ...]
+    limit_bytes: int
+    chip: str
+
+    def stage_bytes(self, scope: str) -> int:
+        return sum(b.nbytes for b in self.buffers if b.scope == scope)
+
+    @property
+    def scopes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.scope for b in self.buffers))
+
+    @property
+    def peak_stage(self) -> str:
+        stages = [s for s in self.scopes if s != "kernel"]
+        return max(stages, key=self.stage_bytes) if stages else "kernel"
+
+    @property
+    def total_bytes(self) -> int:
+        peak = 0 if self.peak_stage == "kernel" else self.stage_bytes(self.peak_stage)
+        return self.stage_bytes("kernel") + peak
+
+    def fits(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+    def table(self) -> str:
+        lines = [(f"VMEM plan for {self.chip}: {self.total_bytes / 2**20:.2f} MiB peak (kernel-wide "
+                  f"+ {self.peak_stage}) of {self.limit_bytes / 2**20:.2f} MiB usable")]
+        for scope in self.scopes:
+            lines.append(f"  [{scope}] {self.stage_bytes(scope) / 2**20:.3f} MiB")
+            for b in self.buffers:
+                if b.scope == scope:
+                    lines.append(f"    {b.name:28s} {list(b.shape)!s:28s} {b.dtype:9s} "
+                                 f"{b.nbytes:>12,d} B")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class VmemPlanError(ValueError):
+    """The megakernel's VMEM plan does not fit the chip."""
+
+
+def _buf(name, shape, dtype, scope) -> VmemBuffer:
+    shape = tuple(int(s) for s in shape)
+    return VmemBuffer(name, shape, jnp.dtype(dtype).name, blocks.nbytes(shape, dtype), scope)
+
+
+@dataclass(frozen=True)
+class MegaPlan:
+    """Everything static about one megakernel build (hashable: a jit static argument)."""
+
+    cfg: ModelConfig
+    batch: int
+    seq_len: int
+    options: MegakernelOptions
+    stage_plans: tuple[tuple[str, Any], ...]  # kind -> its body's plan, for every kind used
+    vocab_tile: int
+    layer_table: tuple[int, ...]
+    stream: Any  # weight_stream.StreamPlan or None
+    vmem: VmemPlan = field(compare=False, hash=False)
+    # rows sharing one state row: 1 for a decode step; K + 1 for a verify step, whose row r is
+    # token r mod (K + 1) of batch row r // (K + 1) (its cache and recurrent state)
+    # (not in the repr: a decode plan's repr, the key of the recorded compiles, `mkresearch.recorded`,
+    # stays what it was; a verify plan's differs anyway, by its rows and its VMEM plan)
+    rows_per_state: int = field(default=1, repr=False)
+
+    @property
+    def state_batch(self) -> int:
+        """Rows of the caches and states (the batch of `init_state`)."""
+        return self.batch // self.rows_per_state
+
+    def stage_plan(self, kind: str) -> Any:
+        return dict(self.stage_plans)[kind]
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        return weight_stream.stage_kinds(self.cfg)[0]
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        return weight_stream.stage_kinds(self.cfg)[1]
+
+
+def check_model(cfg: ModelConfig) -> ModelConfig:
+    """ValueError naming the field when the megakernel cannot compose the model: a kind without
+    a kernel, or a residual strategy it does not run."""
+    spec.check(cfg)
+    for field_name, kinds in (("attention", cfg.attention_kinds), ("ffn", cfg.ffn_kinds)):
+        for kind in dict.fromkeys(kinds):
+            if kind not in registry.registered():
+                raise ValueError(f"ModelConfig.{field_name}={getattr(cfg, field_name)!r} is "
+                                 f"invalid for the megakernel: layer kind {kind!r} has no kernel "
+                                 f"(kinds with one: {', '.join(registry.registered())})")
+    if cfg.residual not in residuals.RESIDUALS:
+        raise ValueError(f"ModelConfig.residual={cfg.residual!r} is invalid for the megakernel: "
+                         f"one of {', '.join(residuals.RESIDUALS)}")
+    return cfg
+
+
+def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
+              options: MegakernelOptions = MegakernelOptions(),  # noqa: B008
+              *, check_fits: bool = True, rows_per_state: int = 1) -> MegaPlan:
+    """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
+
+    Raises a ValueError naming the bytes when weights, caches and states do not fit the HBM of
+    one options.chip device, and VmemPlanError (a ValueError) listing the plan when it does not
+    fit the chip's VMEM. check_fits=False skips those two refusals (a plan to look at, e.g. the
+    schedule of the full model on one device: `mkresearch plan`; never one to build).
+    rows_per_state > 1: a verify step's plan (batch = its rows, each state row shared by
+    rows_per_state consecutive rows; `kernels/megakernel_verify.py` checks its arguments)."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+    if rows_per_state > 1:
+        return _verify_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch={batch!r} is invalid: an int in [1, {MAX_BATCH}] (the megakernel "
+                         f"holds the [B, d] activations in one {BF16_SUBLANE}-row bf16 tile; split "
+                         "larger batches into several calls)")
+    return _plan(cfg, int(batch), seq_len, options, check_fits, 1)
+
+
+def _verify_plan(cfg: ModelConfig, rows: int, seq_len: int, options: Any, check_fits: bool,
+                 rows_per_state: int) -> MegaPlan:
+    """A verify step's plan: every kind with state runs its rows in order on a shared state row,
+    which its plan says (a `rows_per_state` field); other kinds are refused, naming the field."""
+    if not 1 <= rows <= MAX_VERIFY_ROWS or rows % rows_per_state:
+        raise ValueError(f"rows={rows} is invalid for a verify step: a multiple of "
+                         f"rows_per_state={rows_per_state} in [1, {MAX_VERIFY_ROWS}]")
+    check_model(cfg)
+    for field_name, kinds in (("attention", cfg.attention_kinds), ("ffn", cfg.ffn_kinds)):
+        for kind in dict.fromkeys(kinds):
+            stateful = bool(spec.stage(kind).state(cfg, seq_len))
+            plan = registry.kernel_stage(kind).plan(cfg, rows, seq_len, options)
+            if stateful and "rows_per_state" not in {f.name for f in fields(plan)}:
+                raise ValueError(f"ModelConfig.{field_name}={getattr(cfg, field_name)!r} is "
+                                 f"invalid for a verify step: layer kind {kind!r} keeps state but "
+                                 "its body does not run several rows on one state row")
+    return _plan(cfg, rows, seq_len, options, check_fits, rows_per_state)
+
+
+def _plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any, check_fits: bool,
+          rows_per_state: int) -> MegaPlan:
+    check_model(cfg)
+    options = check_options(options, cfg)
+    # weights, caches and states must fit the device's HBM: refused here, not by the compiler
+    if check_fits:
+        roofline.check_fits_hbm(cfg, options.chip, batch // rows_per_state, seq_len)
+
+    def stage_plan(kind):
+        plan = registry.kernel_stage(kind).plan(cfg, batch, seq_len, options)
+        return replace(plan, rows_per_state=rows_per_state) if rows_per_state > 1 and (
+            "rows_per_state" in {f.name for f in fields(plan)}) else plan
+
+    stage_plans = tuple((kind, stage_plan(kind)) for kind in cfg.kinds)
+    vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
+    stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
+    chip = get_chip(options.chip)
+    vmem = plan_vmem(cfg, batch, stage_plans, vocab_tile, stream, chip)
+    if check_fits and not vmem.fits():
+        raise VmemPlanError(
+            f"the megakernel's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} "
+            f"has {vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower the config's "
+            f"ring_depth, ring_block_bytes or kv_tile, the option expert_slots, or the batch.\n{vmem.table()}")
+    return MegaPlan(cfg=cfg, batch=batch, seq_len=seq_len, options=options,
+                    stage_plans=stage_plans, vocab_tile=vocab_tile,
+                    layer_table=weight_stream.layer_table(cfg), stream=stream, vmem=vmem,
+                    rows_per_state=rows_per_state)
+
+
+def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,
+              chip: Any) -> VmemPlan:
+    """Every VMEM buffer of the megakernel: the kernel-wide ones (the residual strategy's hidden
+    state, the stage input and output, the embedding blocks, per-layer vectors, each kind's
+    scratch, the weight ring) and each stage body's scoped ones (its registry entry's, plus a
+    local two-slot ring for the matrices the global ring does not stream)."""
+    b, d, bf = batch, cfg.d_model, jnp.bfloat16
+    residual = residuals.RESIDUALS[cfg.residual]
+    out = [_buf(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
+    out += [_buf("stage input x", (b, d), bf, "kernel"),
+            _buf("stage output", (b, d), bf, "kernel"),
+            _buf("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
+            _buf(f"{residual.vectors_label} weights", (len(residual.vectors), 1, d), jnp.float32,
+                 "kernel")]
+    for kind, _ in stage_plans:
+        for label, shape in registry.kernel_stage(kind).scratch(cfg, b):
+            if getattr(shape, "memory_space", None) == pltpu.VMEM:
+                out.append(_buf(label, shape.shape, shape.dtype, "kernel"))
+    out.append(_buf("sampling outputs", (2, b, 1), jnp.int32, "kernel"))
+    if stream is not None:
+        out.append(_buf("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
+    for kind, plan in stage_plans:
+        stage = registry.kernel_stage(kind)
+        scope = stage.scope(plan)
+        out += [_buf(name, shape, dtype, scope) for name, shape, dtype in stage.vmem(plan, cfg)]
+        local = [m.shape for m in stage.streamed(cfg)
+                 if stream is None or m.shape[1] % LANE]  # off the global ring
+        if local:
+            rows_n = [(blocks.weight_block_rows(shape, bf), shape[1]) for shape in local]
+            out.append(_buf(f"{scope} own weight ring", (2, *max(rows_n, key=lambda r: r[0] * r[1])),
+                            bf, scope))
+    out += [_buf("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
+            _buf("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
+                 "sampling")]
+    limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
+    return VmemPlan(tuple(out), limit, chip.name)

@@ -1,0 +1,321 @@
+"""The sharded megakernel: the decode step on every rank of a layout, one `pallas_call` per step
+per rank under `jax.shard_map`, the collectives inside the kernel.
+
+Each rank runs the megakernel's own body (`megakernel.megakernel_body` with a `shard` plan) on
+its slice of every weight and state (`mkresearch.layout`): its heads, vocabulary rows, experts,
+hidden slices and column chunks. What differs from one device is in three places, all in the
+kernel:
+
+  weight stream   a matrix whose input arrives split (the heads' outputs before W_o, a hidden
+                  slice before W_down) gets it all-gathered first; a matrix split by its output
+                  columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router) gives this
+                  rank's column chunk, and the chunks are all-gathered (`collectives.ShardedStream`)
+  routed experts  each rank its expert group's experts (EP) and their TP slice (ETP: W1, W3
+                  hidden columns, W2 latent columns, the hidden all-gathered in the group); the
+                  weighted sum runs down the chain of expert groups in ascending id
+                  (`kernels/experts.py` with `StageRefs.shard`, `Collectives.combine_items`)
+  embedding, LM   the owner's embedding row all-reduced; each rank's best sampling candidates
+  head            and log-sum-exp merged (`kernels/sharded_stages.py`): the token is the unsharded
+                  one for greedy and sampled rows alike
+
+Numbers: no rank adds partial products of a contraction; every value is computed whole on one
+rank in the single-device kernel's order, so a step equals the single-device megakernel's to the
+bit (on XLA:CPU, whose dot gives a column chunk the bits of the whole product's columns, and a
+row of a multi-row product the same bits whatever the row count: a rank's lone head in the latent
+MLA's all-heads products is multiplied as two rows, `kv_tiles.rows_dot_t`). Only
+the sampling stage's log-sum-exp is combined across vocab shards (top-p cuts, module
+`sharded_stages`).
+
+`make_sharded_plan` fixes every static size (a rank's `MegaPlan`, the collectives' `ShardPlan`,
+the VMEM plan with the collectives' buffers, the HBM check of one rank); `decode_step` runs a
+step on a mesh of n_ranks devices (on CPU: n simulated devices, XLA_FLAGS=
+--xla_force_host_platform_device_count=n before JAX starts); `compile_sharded_step` compiles it
+for a TPU topology (e.g. 32 TPU7x devices) from shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mkresearch.kernels.base import dma, registry, weight_stream
+from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel_plan as mplan
+from mkresearch.kernels.compose.megakernel import StepInputs
+from mkresearch.kernels.sharded import collectives, sharded_stages
+from mkresearch.kernels.stages import sampling
+
+from mkresearch.hardware import tpu
+from mkresearch.hardware.chips import get_chip
+from mkresearch.model import roofline, spec
+from mkresearch.model import sampling as sampling_ref
+from mkresearch.model.config import ModelConfig
+from mkresearch.sharding import layout as layouts
+
+AXIS = collectives.AXIS
+# column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
+# heads, FFN hidden and expert columns stay this rank's
+GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (spec §9)
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    """Everything static about one sharded megakernel build (hashable: a jit static argument)."""
+
+    layout: layouts.Layout
+    mega: mplan.MegaPlan  # one rank's (its config holds one rank's shapes, `kernel_config`)
+    shard: collectives.ShardPlan
+
+    @property
+    def n_ranks(self) -> int:
+        return self.layout.n_ranks
+
+
+def kernel_config(lay: layouts.Layout) -> ModelConfig:
+    """The shapes one rank's kernels see: its heads (and GQA's K/V heads), vocabulary rows (the
+    last rank's padded), experts' hidden slice and FFN hidden chunks; n_experts and top_k stay the
+    model's (routing is over all experts, the rank then keeps its own, `StageRefs.shard`)."""
+    cfg, n = lay.cfg, lay.n_ranks
+    return cfg.replace(name=f"{cfg.name}-rank-of-{n}", n_heads=cfg.n_heads // lay.ways(spec.HEADS),
+                       n_kv_heads=lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
+                       vocab_size=lay.local_length(spec.VOCAB, cfg.vocab_size),
+                       expert_hidden=lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
+                       dense_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
+                       shared_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden))
+
+
+def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
+    return spec.stage(kind).params(cfg)[key]
+
+
+def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
+    """Every streamed matrix with a collective around it: its input gathered (Param.gather) or
+    its output's column chunks gathered (split by a padded group)."""
+    cfg, rules = lay.cfg, []
+    for kind in cfg.kinds:
+        for m in registry.kernel_stage(kind).streamed(cfg):
+            p = _layer_param(cfg, kind, m.key)
+            k, n = m.shape
+            out = next((group for axis, group in layouts.active_shard(lay, p.shard, p.shape)
+                        if axis == 1 and group in GATHERED_COLUMNS), None)
+            gather = p.gather if p.gather is not None and lay.divides(p.gather, k) else None
+            if out is not None or gather is not None:
+                rules.append(collectives.Rule(m.name, out, n, gather, k))
+    return tuple(rules)
+
+
+def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> int:
+    """One rank's weights, caches and states against one device's HBM (ValueError if over)."""
+    needed = (roofline.tree_bytes(layouts.rank_param_shapes(lay))
+              + roofline.tree_bytes(layouts.rank_state_shapes(lay, batch, seq_len)))
+    available = int(get_chip(chip).hbm_bytes)
+    if needed > available:
+        raise ValueError(f"one rank of {lay.cfg.name} on {lay.n_ranks} ranks does not fit the HBM "
+                         f"of one {chip} device: it needs {needed:,d} B but {chip} has "
+                         f"{available:,d} B: shard across more ranks or lower the batch or the "
+                         "cache length (max_seq_len)")
+    return needed
+
+
+def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = None,
+                      options: mplan.MegakernelOptions = mplan.MegakernelOptions()  # noqa: B008
+                      ) -> ShardedPlan:
+    """Check sizes and options (ValueError naming them) and fix every static size of one rank."""
+    if not isinstance(lay, layouts.Layout):
+        raise ValueError(f"layout={lay!r} is invalid: a mkresearch.layout.Layout")  # noqa: TRY004
+    cfg = lay.cfg
+    seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= mplan.MAX_BATCH:
+        raise ValueError(f"batch={batch!r} is invalid: an int in [1, {mplan.MAX_BATCH}]")
+    options = mplan.check_options(options, cfg)
+    if options.expert_plan != "unique":
+        raise ValueError(f"expert_plan={options.expert_plan!r} is invalid for a sharded model: "
+                         "'unique' (each rank fetches the distinct experts of its group)")
+    kcfg = mplan.check_model(kernel_config(lay))
+    batch = int(batch)
+    check_fits_hbm(lay, options.chip, batch, seq_len)
+    stage_plans = tuple((kind, registry.kernel_stage(kind).plan(kcfg, batch, seq_len, options))
+                        for kind in kcfg.kinds)
+    vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
+
+    def local(kind, m):
+        shape = layouts.local_shape(lay, m.shape, _layer_param(cfg, kind, m.key).shard)
+        return registry.Streamed(m.key, m.name, shape)
+
+    stream = weight_stream.make_stream_plan(cfg, local) if options.global_stream else None
+    if stream is not None:
+        shortest = stream.shortest()
+        if cfg.ring_depth - 1 > shortest:
+            raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
+                             f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
+                             f"streams {shortest} blocks)")
+    rules = collective_rules(lay)
+    pieces = {"all": [sharded_stages.STATE_LANES],
+              "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
+    for rule in rules:
+        if rule.gather is not None and rule.gather != spec.EXPERT_TP:
+            pieces["all"].append(lay.local_length(rule.gather, rule.k))
+        if rule.out is not None:
+            pieces["all"].append(lay.local_length(rule.out, rule.n))
+    # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
+    expert_latent = lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
+    pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
+    shard = collectives.make_shard_plan(
+        lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
+        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
+    chip = get_chip(options.chip)
+    vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
+    vmem = mplan.VmemPlan(vmem.buffers + tuple(
+        mplan._buf(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
+        vmem.limit_bytes, vmem.chip)
+    if not vmem.fits():
+        raise mplan.VmemPlanError(
+            f"a rank's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} has "
+            f"{vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower ring_depth, "
+            f"ring_block_bytes, kv_tile, expert_slots or the batch.\n{vmem.table()}")
+    mega = mplan.MegaPlan(cfg=kcfg, batch=batch, seq_len=seq_len, options=options,
+                          stage_plans=stage_plans, vocab_tile=vocab_tile,
+                          layer_table=weight_stream.layer_table(kcfg), stream=stream, vmem=vmem)
+    return ShardedPlan(layout=lay, mega=mega, shard=shard)
+
+
+# ---- weights and state ---------------------------------------------------------------------
+def prepare_weights(params: dict, lay: layouts.Layout, mesh: Any = None) -> dict:
+    """The parameters as every rank's prepared weights (`megakernel.prepare_weights` of its
+    slice), stacked on a leading rank axis and, given a mesh, placed one slice per device."""
+    kcfg = kernel_config(lay)
+    prepared = jax.vmap(lambda p: megakernel.prepare_weights(p, kcfg))(
+        layouts.shard_params(params, lay))
+    return prepared if mesh is None else place(prepared, mesh)
+
+
+def shard_state(state: dict, lay: layouts.Layout, mesh: Any = None) -> dict:
+    """A decode state of the whole model as every rank's slice [n_ranks, ...] (on the mesh)."""
+    sliced = jax.tree.map(jnp.asarray, layouts.shard_state(state, lay))
+    return sliced if mesh is None else place(sliced, mesh)
+
+
+def place(tree: Any, mesh: Any) -> Any:
+    """Leaves [n_ranks, ...] one slice per device of the mesh."""
+    return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
+
+
+def make_mesh(n_ranks: int) -> Any:
+    """A 1-D mesh of the first n_ranks devices (ValueError if there are fewer)."""
+    devices = jax.devices()
+    if len(devices) < n_ranks:
+        raise ValueError(f"n_ranks={n_ranks} needs {n_ranks} devices but JAX has {len(devices)}: "
+                         f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_ranks} "
+                         "before JAX starts")
+    return jax.sharding.Mesh(np.array(devices[:n_ranks]), (AXIS,))
+
+
+# ---- the call --------------------------------------------------------------------------------
+def _rank_call(plan: ShardedPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
+               return_logits: bool, inputs: StepInputs, weights: dict, state: dict):
+    return megakernel.step_call(plan.mega, interpret, use_gumbel, use_candidates, return_logits,
+                                inputs, weights, state, shard=plan.shard)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnums=(9,))
+def _call(plan: ShardedPlan, mesh: Any, interpret: Any, recording: bool, use_gumbel: bool,
+          use_candidates: bool, return_logits: bool, inputs: StepInputs, weights: dict,
+          state: dict):
+    del recording  # static only so recorded and silent traces never share a jit cache entry
+
+    def per_rank(inputs, weights, state):
+        first = functools.partial(jax.tree.map, lambda a: a[0])
+        tokens, overflow, logits, new_state = _rank_call(
+            plan, interpret, use_gumbel, use_candidates, return_logits, inputs, first(weights),
+            first(state))
+        lead = functools.partial(jax.tree.map, lambda a: a[None])
+        return lead((tokens, overflow, logits)), lead(new_state)
+
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
+                         out_specs=(P(AXIS), P(AXIS)), check_vma=False)(inputs, weights, state)
+
+
+def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: ShardedPlan, *,
+                mesh: Any = None, seed: int = 0, temperature: Any = None, top_k: Any = 0,
+                top_p: Any = 1.0, return_logits: bool = False) -> tuple[jax.Array, dict, dict]:
+    """One decode step on every rank -> (next tokens [B], the state of every rank, aux).
+
+    prepared: `prepare_weights(params, plan.layout)`; state: `shard_state(...)` of a whole-model
+    state (leaves [n_ranks, ...]), donated and updated in place; same contract otherwise as
+    `megakernel.decode_step`. aux: "tokens_per_rank" [n_ranks, B] (every rank's choice: they
+    agree), "nucleus_overflow" [B], "logits" [B, V] (the ranks' shards side by side) when
+    return_logits, "plan"."""
+    if not isinstance(plan, ShardedPlan):
+        raise ValueError(f"plan={plan!r} is invalid: a ShardedPlan (make_sharded_plan)")  # noqa: TRY004
+    cfg, batch = plan.layout.cfg, plan.mega.batch
+    if np.shape(tokens) != (batch,) or np.shape(positions) != (batch,):
+        raise ValueError(f"tokens and positions have shapes {np.shape(tokens)}, "
+                         f"{np.shape(positions)}: allowed ({batch},) each (the plan's batch)")
+    tok, pos = np.asarray(tokens), np.asarray(positions)
+    if tok.min() < 0 or tok.max() >= cfg.vocab_size:
+        raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
+    if pos.min() < 0 or pos.max() >= plan.mega.seq_len:
+        raise ValueError(f"positions={pos.tolist()} is invalid: each in [0, "
+                         f"{plan.mega.seq_len})")
+    mesh = make_mesh(plan.n_ranks) if mesh is None else mesh
+    sampling_ref._check_seed(seed)
+    sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, candidates=sampling.MAX_CANDIDATES)
+    sampled, truncated = sp.temperature > 0, (sp.top_k > 0) | (sp.top_p < 1)
+    seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
+    inputs = StepInputs(jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32),
+                        jnp.asarray(seed_i32), jnp.asarray(plan.mega.layer_table, jnp.int32),
+                        jnp.asarray(pos + 1, jnp.int32)[:, None],
+                        jnp.asarray(sp.temperature)[:, None], jnp.asarray(sp.top_k)[:, None],
+                        jnp.asarray(sp.top_p)[:, None])
+    inputs = jax.device_put(inputs, NamedSharding(mesh, P()))
+    (tokens_out, overflow, logits), new_state = _call(
+        plan, mesh, tpu.interpret_params(), dma.is_recording(), bool(np.any(sampled & ~truncated)),
+        bool(np.any(sampled & truncated)), bool(return_logits), inputs, prepared, state)
+    aux = {"tokens_per_rank": tokens_out, "nucleus_overflow": overflow[0], "plan": plan}
+    if return_logits:
+        # vocab shards in order, the last one's padding cut
+        aux["logits"] = jnp.moveaxis(logits, 0, 1).reshape(batch, -1)[:, :cfg.vocab_size]
+    return tokens_out[0], new_state, aux
+
+
+# ---- compiling for a TPU topology on this machine -----------------------------------------
+def step_shapes(plan: ShardedPlan) -> tuple:
+    """Shape structs of (inputs, weights [n, ...], state [n, ...]): nothing allocated."""
+    lay, n, batch = plan.layout, plan.n_ranks, plan.mega.batch
+    kcfg = plan.mega.cfg
+    lead = functools.partial(jax.tree.map, lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype))
+    weights = jax.eval_shape(jax.vmap(lambda p: megakernel.prepare_weights(p, kcfg)),
+                             lead(layouts.rank_param_shapes(lay)))
+    state = lead(layouts.rank_state_shapes(lay, batch, plan.mega.seq_len))
+    inputs = megakernel.step_shapes(plan.mega)[0]
+    return inputs, weights, state
+
+
+def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layouts.OURS,
+                         batch: int = 1, *, chip: str = "tpu7x", topology: str = FULL_TOPOLOGY,
+                         seq_len: int | None = None) -> tuple[Any, ShardedPlan]:
+    """Compile the sharded step of `cfg` for n_ranks devices of a TPU `topology` from shapes only
+    -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan)."""
+    lay = layouts.layout(cfg, n_ranks, name)
+    plan = make_sharded_plan(lay, batch, seq_len, mplan.MegakernelOptions(chip=chip))
+    devices = tpu.topology_devices(topology)
+    if len(devices) < n_ranks:
+        raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "
+                         "needs as many")
+    mesh = jax.sharding.Mesh(np.array(devices[:n_ranks]), (AXIS,))
+
+    def step(inputs, weights, state):
+        return _call(plan, mesh, tpu.interpret_params(), False, False, False, False, inputs,
+                     weights, state)
+
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS)),
+                 NamedSharding(mesh, P(AXIS)))
+    return tpu.compile_for(step, *step_shapes(plan), chip=chip, shardings=shardings), plan

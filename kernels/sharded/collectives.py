@@ -1,0 +1,380 @@
+"""Collectives inside the sharded megakernel: remote DMAs between ranks, and semaphores.
+
+One `pallas_call` per step runs on every rank (`jax.shard_map` over a 1-D mesh axis `AXIS`);
+ranks exchange data through remote DMAs into each other's VMEM (`pltpu.make_async_remote_copy`,
+logged by `dma.RemoteCopy` with source and destination rank). Every matrix splits by its output
+columns (`mkresearch.layout`), so ranks never add partial products of one contraction: each value
+is computed whole on one rank, in the single-device kernel's order, and then moved.
+
+  all_gather     x [B, w] of every member of a group (all n ranks, or an ETP group) -> every
+                 member's x: each sends its x into slot `me` of every other member's inbox
+  gather         the pieces of a vector split by a group, put together in order (the heads'
+                 outputs before W_o, a hidden slice before W_down, a matrix's column chunks after
+                 it, `ShardedStream`)
+  all_reduce     x [B, W] f32 summed over the ranks, as a reduce-scatter (member j receives every
+                 member's chunk j and adds them in member order) then an all-gather: the
+                 embedding (one rank holds a row, the others add zeros: exact)
+  combine_items  the routed experts' weighted sum Σ_e w_e y_e in ascending expert id: each expert
+                 group adds its experts to the running sum of the groups before it, passed down
+                 the chain of groups by remote DMA (the single-device order, bit for bit), and
+                 the last group's sum is all-gathered
+
+Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
+collective: data of collective k + 2 can only arrive once its sender has finished collective
+k + 1, which needs this rank's data of k + 1, sent after it finished reading collective k's slots.
+A semaphore counts bytes, so one wait covers all of a collective's receives (and one its sends);
+every collective waits for both before it returns, so buffers are free and semaphores back at
+zero. A barrier (the kernel's barrier semaphore, `collective_id`) opens the kernel: no rank writes
+into a peer's VMEM before the peer is in. The next stage's weight blocks, issued by the global
+ring ahead of a stage's last block, stay in flight while a collective runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, dma
+
+from mkresearch.model import spec
+from mkresearch.model.config import LANE
+from mkresearch.sharding.layout import Layout, chunk_length
+
+AXIS = "ranks"  # the mesh axis the sharded megakernel runs over
+SUBLANES = 8  # f32 rows of a VMEM tile: a [B, c] f32 buffer takes whole tiles
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Ranks that reduce together: groups of `size` consecutive ranks; `chunk` lanes of the
+    widest member chunk, `width` lanes of the widest padded vector."""
+
+    name: str
+    size: int
+    chunk: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one streamed matrix runs on a rank: its input gathered over `gather` first (to its
+    whole `k` columns), its output's column chunks gathered over `out` after (to `n`)."""
+
+    name: str  # DMA-log name
+    out: str | None
+    n: int
+    gather: str | None
+    k: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Everything static about the collectives of one sharded megakernel build (hashable)."""
+
+    layout: Layout
+    batch: int
+    channels: tuple[Channel, ...]
+    rules: tuple[Rule, ...]
+    expert_items: int  # the most routed experts a rank computes in one layer: min(E_loc, B·k)
+    expert_latent: int  # a rank's columns of an expert's output (the latent / ETP)
+
+    @property
+    def n_ranks(self) -> int:
+        return self.layout.n_ranks
+
+    def channel(self, name: str) -> Channel:
+        return next(c for c in self.channels if c.name == name)
+
+    def rule(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.name == name), None)
+
+    def scratch(self) -> list[tuple[str, Any]]:
+        """(label, pltpu shape) of every buffer and semaphore, in the order `Collectives` takes
+        them (pallas_call scratch_shapes: allocated before the body, the same on every rank)."""
+        b, out = self.batch, []
+        for ch in self.channels:
+            out += [(f"{ch.name}: send", pltpu.VMEM((b, ch.width), jnp.float32)),
+                    (f"{ch.name}: reduce-scatter in", pltpu.VMEM((2, ch.size, b, ch.chunk),
+                                                                 jnp.float32)),
+                    (f"{ch.name}: chunk", pltpu.VMEM((b, ch.chunk), jnp.float32)),
+                    (f"{ch.name}: all-gather in", pltpu.VMEM((2, ch.size, b, ch.chunk),
+                                                             jnp.float32)),
+                    (f"{ch.name}: send sems", pltpu.SemaphoreType.DMA((2,))),  # per phase
+                    (f"{ch.name}: receive sems", pltpu.SemaphoreType.DMA((2, 2))),  # x parity
+                    (f"{ch.name}: parity", pltpu.SMEM((1,), jnp.int32))]
+        lat = self.expert_latent
+        return out + [
+            ("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
+            ("expert weights", pltpu.VMEM((self.expert_items, b, 1), jnp.float32)),
+            ("expert sum in", pltpu.VMEM((b, lat), jnp.float32)),
+            ("expert sum out", pltpu.VMEM((b, lat), jnp.float32)),
+            ("expert sum sems", pltpu.SemaphoreType.DMA((2,)))]
+
+    def vmem_buffers(self) -> list[tuple[str, tuple[int, ...], Any]]:
+        """(name, shape, dtype) of the VMEM buffers, rows padded to whole f32 tiles."""
+        out = []
+        for label, shape in self.scratch():
+            if getattr(shape, "memory_space", None) == pltpu.VMEM:
+                dims = list(shape.shape)
+                dims[-2] = max(dims[-2], SUBLANES)
+                dims[-1] = max(dims[-1], LANE)
+                out.append((f"collectives {label}", tuple(dims), shape.dtype))
+        return out
+
+
+def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: dict,
+                    reduced: tuple[int, ...], expert_items: int, expert_latent: int) -> ShardPlan:
+    """pieces: channel name -> the widths of the pieces it all-gathers; reduced: the widths it
+    all-reduces (channel "all")."""
+    n = lay.n_ranks
+    channels = []
+    for name, size in (("all", n), ("etp", lay.etp)):
+        widths = tuple(pieces.get(name, ()))
+        if size == 1 or not widths:
+            continue
+        chunk = max([-(-w // LANE) * LANE for w in widths]
+                    + [chunk_length(w, size) for w in (reduced if name == "all" else ())])
+        width = max([size * chunk_length(w, size) for w in reduced] + [(size - 1) * chunk]
+                    if name == "all" else [(size - 1) * chunk])
+        channels.append(Channel(name, size, chunk, width))
+    return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
+                     expert_items=expert_items, expert_latent=expert_latent)
+
+
+class _Buffers:
+    def __init__(self, channel: Channel, refs: tuple) -> None:
+        self.channel = channel
+        (self.send, self.scatter_in, self.chunk_sum, self.gather_in, self.send_sems,
+         self.recv_sems, self.parity) = refs
+
+
+class Collectives:
+    """The collectives of one rank while the sharded megakernel traces (see the module
+    docstring). `scratch`: the refs of `ShardPlan.scratch()`, in order."""
+
+    def __init__(self, plan: ShardPlan, scratch: tuple) -> None:
+        self.plan, self.layout = plan, plan.layout
+        self.rank = lax.axis_index(AXIS)
+        per_channel = 7
+        self.buffers = {ch.name: _Buffers(ch, tuple(scratch[i * per_channel:(i + 1) * per_channel]))
+                        for i, ch in enumerate(plan.channels)}
+        (self.items_y, self.items_coef, self.sum_in, self.sum_out,
+         self.sum_sems) = scratch[len(plan.channels) * per_channel:]
+
+    # -- where this rank sits --------------------------------------------------------------------
+    def index(self, group: str) -> Any:
+        """This rank's slice of `group` (traced)."""
+        split = self.layout.split(group)
+        return lax.rem(lax.div(self.rank, split.stride), split.ways)
+
+    def vocab_limit(self) -> int | None:
+        """The vocabulary size when the vocab shards are padded (the last one's tail), else
+        None: what the sampling stage masks beyond."""
+        vocab, lay = self.layout.cfg.vocab_size, self.layout
+        padded = lay.ways(spec.VOCAB) * lay.local_length(spec.VOCAB, vocab) > vocab
+        return vocab if padded else None
+
+    def barrier(self) -> None:
+        """Every rank signals every other on the kernel's barrier semaphore and waits for all:
+        after it, every peer is inside this kernel (its receive slots exist)."""
+        n = self.plan.n_ranks
+        if n > 1:
+            barrier = pltpu.get_barrier_semaphore()
+
+            def signal(k, carry):
+                pl.semaphore_signal(barrier, 1, device_id=(lax.rem(self.rank + k, n),),
+                                    device_id_type=pl.DeviceIdType.MESH)
+                return carry
+
+            lax.fori_loop(1, n, signal, 0)
+            pl.semaphore_wait(barrier, n - 1)
+        for buffers in self.buffers.values():
+            buffers.parity[0] = 0
+        self.sum_in[...] = jnp.zeros(self.sum_in.shape, jnp.float32)  # the first group's start
+
+    # -- the collectives -----------------------------------------------------------------------
+    def _flip(self, buffers: _Buffers) -> Any:
+        parity = buffers.parity[0]
+        buffers.parity[0] = 1 - parity
+        return parity
+
+    def _copy(self, buffers, phase, src, slot, parity, peer, base, name):
+        """The remote copy of `phase` (0: reduce-scatter, 1: all-gather) of `src` (a [B, c] ref
+        here) into slot `slot` of the inbox of member `peer`."""
+        inbox = buffers.scatter_in if phase == 0 else buffers.gather_in
+        c = src.shape[-1]
+        return dma.RemoteCopy(src, inbox.at[parity, slot, :, pl.ds(0, c)],
+                              buffers.send_sems.at[phase], buffers.recv_sems.at[phase, parity],
+                              peer=base + peer, rank=self.rank, name=self._name(name, phase))
+
+    @staticmethod
+    def _name(name: str, phase: int) -> str:
+        return f"{name}/{'reduce_scatter' if phase == 0 else 'all_gather'}"
+
+    def _wait_all(self, buffers, phase, parity, received, sent, c, name) -> None:
+        """Wait for `received` copies of [B, c] into this rank's inbox of `phase` and for `sent`
+        copies of [B, c] sent by it: a semaphore counts bytes, so one wait covers them all."""
+        args = {"peer": self.rank, "rank": self.rank, "name": self._name(name, phase),
+                "log_peer": -1}
+        sems = (buffers.send_sems.at[phase], buffers.recv_sems.at[phase, parity])
+        if received:
+            inbox = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
+                parity, pl.ds(0, received), :, pl.ds(0, c)]  # [received, B, c]
+            dma.RemoteCopy(inbox, inbox, *sems, **args).wait_recv()
+        if sent:
+            out = buffers.send.at[:, pl.ds(0, sent * c)]  # [B, sent·c]: as many bytes
+            dma.RemoteCopy(out, out, *sems, **args).wait_send()
+
+    @staticmethod
+    def _each_peer(size, member, fn) -> None:
+        """fn(peer) for the other members, from member + 1 on (a loop, not unrolled)."""
+        def body(k, carry):
+            fn(lax.rem(member + k, size))
+            return carry
+
+        lax.fori_loop(1, size, body, 0)
+
+    def all_reduce(self, x: Any, *, name: str) -> Any:
+        """Σ over all ranks of x [B, W] f32, added in rank order -> [B, W] f32 on every rank."""
+        if "all" not in self.buffers:  # one rank
+            return x
+        buffers = self.buffers["all"]
+        size, (batch, width) = buffers.channel.size, x.shape
+        c = chunk_length(width, size)
+        padded, member = size * c, self.rank
+        parity = self._flip(buffers)
+
+        def chunk_of(j):
+            return buffers.send.at[:, pl.ds(pl.multiple_of(j * c, LANE), c)]
+
+        with dma.phase(f"{name}/all_reduce"):
+            # reduce-scatter: my chunk j -> slot `member` of rank j; rank j adds its slots in order
+            buffers.send[:, :width] = x
+            if padded > width:
+                buffers.send[:, width:padded] = jnp.zeros((batch, padded - width), jnp.float32)
+            self._each_peer(size, member, lambda j: self._copy(
+                buffers, 0, chunk_of(j), member, parity, j, 0, name).start())
+            buffers.scatter_in[parity, member, :, :c] = buffers.send[:, pl.ds(
+                pl.multiple_of(member * c, LANE), c)]
+            self._wait_all(buffers, 0, parity, size - 1, size - 1, c, name)
+            total = buffers.scatter_in[parity, 0, :, :c]
+            for src in range(1, size):  # one fixed order: rank 0, 1, ..
+                total = total + buffers.scatter_in[parity, src, :, :c]
+            buffers.chunk_sum[:, :c] = total
+            # all-gather: the sum of chunk `member` -> slot `member` of every rank
+            self._broadcast(buffers, parity, member, 0, c, name)
+            return jnp.concatenate([buffers.gather_in[parity, src, :, :c] for src in range(size)],
+                                   axis=1)[:, :width]
+
+    def _broadcast(self, buffers, parity, member, base, c, name) -> None:
+        """buffers.chunk_sum[:, :c] to slot `member` of every member; wait for all of them."""
+        size = buffers.channel.size
+        source = buffers.chunk_sum.at[:, pl.ds(0, c)]
+        self._each_peer(size, member, lambda j: self._copy(buffers, 1, source, member, parity, j,
+                                                           base, name).start())
+        buffers.gather_in[parity, member, :, :c] = buffers.chunk_sum[:, :c]
+        self._wait_all(buffers, 1, parity, size - 1, size - 1, c, name)
+
+    def all_gather(self, x: Any, *, name: str, channel: str = "all") -> list:
+        """x [B, w] of every member of the channel's group -> [x of member 0, .., member G-1]
+        (values [B, w], x's dtype; moved through f32 slots, exactly)."""
+        if channel not in self.buffers:
+            return [x]
+        buffers = self.buffers[channel]
+        size, width = buffers.channel.size, x.shape[1]
+        c = -(-width // LANE) * LANE
+        member = lax.rem(self.rank, size)
+        parity = self._flip(buffers)
+        buffers.chunk_sum[:, :width] = x.astype(jnp.float32)
+        with dma.phase(f"{name}/all_gather"):
+            self._broadcast(buffers, parity, member, self.rank - member, c, name)
+            return [buffers.gather_in[parity, m, :, :width].astype(x.dtype) for m in range(size)]
+
+    def gather(self, piece: Any, group: str, full: int, *, name: str) -> Any:
+        """The vector [B, full] split by `group` into pieces [B, w] (this rank's is `piece`): the
+        pieces of the slices 0, 1, .. in order (one rank of each, `Split.stride`), cut to full."""
+        split = self.layout.split(group)
+        if group == spec.EXPERT_TP:  # within this rank's expert group
+            pieces = self.all_gather(piece, name=name, channel="etp")
+        else:
+            everyone = self.all_gather(piece, name=name)
+            pieces = [everyone[i * split.stride] for i in range(split.ways)]
+        return jnp.concatenate(pieces, axis=1)[:, :full]
+
+    # -- the routed experts (kernels/experts.py) ------------------------------------------------
+    def expert_range(self, n_local: int) -> tuple[Any, int]:
+        """(first global id, count) of this rank's experts."""
+        return self.index(spec.EXPERTS) * n_local, n_local
+
+    def expert_hidden(self, h: Any) -> Any:
+        """An expert's activations over this rank's hidden slice -> the whole hidden (ETP)."""
+        if self.layout.etp == 1:
+            return h
+        return self.gather(h, spec.EXPERT_TP, h.shape[1] * self.layout.etp, name="expert/h")
+
+    def keep_item(self, i: Any, coef: Any, y: Any, acc: Any) -> Any:
+        """Keep expert item i's weight [B, 1] and output [B, Lat / ETP] for `combine_items`."""
+        self.items_y[i] = y
+        self.items_coef[i] = coef
+        return acc
+
+    def combine_items(self, n_items: Any, latent: int, *, name: str) -> Any:
+        """Σ over the batch's experts, in ascending id, of weight x output -> [B, latent] f32 on
+        every rank: this group continues the sum of the groups before it (received from the rank
+        ETP below), passes it on, and the last group's sum is all-gathered."""
+        ep, etp = self.layout.ep, self.layout.etp
+        group = self.index(spec.EXPERTS)
+        link = functools.partial(dma.RemoteCopy, self.sum_out, self.sum_in, self.sum_sems.at[0],
+                                 self.sum_sems.at[1], rank=self.rank, name=f"{name}/chain")
+        with dma.phase(f"{name}/combine"):
+            if ep > 1:
+                @pl.when(group > 0)
+                def _():
+                    link(peer=self.rank - etp).wait_recv()
+
+            acc = lax.fori_loop(0, n_items, lambda i, acc: acc + self.items_coef[i]
+                                * self.items_y[i], self.sum_in[...])
+            if ep > 1:
+                @pl.when(group < ep - 1)
+                def _():
+                    self.sum_out[...] = acc
+                    link(peer=self.rank + etp).start().wait_send()
+
+            everyone = self.all_gather(acc, name=f"{name}/sum")
+            last = (ep - 1) * etp
+            return jnp.concatenate(everyone[last:last + etp], axis=1)[:, :latent]
+
+    def stream(self, inner: Any) -> ShardedStream:
+        return ShardedStream(inner, self)
+
+
+class ShardedStream:
+    """A stage's weight stream on one rank: a matrix whose input arrives split across ranks gets
+    it gathered first; one split by its output columns gives its column chunk, then the chunks
+    are gathered (`ShardPlan.rules`). The body sees whole f32 products, as on one device."""
+
+    def __init__(self, inner: Any, collectives: Collectives) -> None:
+        self.inner, self.collectives = inner, collectives
+
+    def matmul(self, x: Any, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> Any:
+        rule = self.collectives.plan.rule(name)
+        if rule is None:
+            return self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        if rule.gather is not None:
+            x = self.collectives.gather(x, rule.gather, rule.k, name=f"{name}/input")
+        rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)  # this rank's [K, N]
+        out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        if rule.out is not None:
+            out = self.collectives.gather(out, rule.out, rule.n, name=name)
+        return out
+
+
+def vmem_bytes(plan: ShardPlan) -> int:
+    return sum(math.prod(shape) * jnp.dtype(dtype).itemsize
+               for _, shape, dtype in plan.vmem_buffers())

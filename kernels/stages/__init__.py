@@ -1,0 +1,6 @@
+"""One stage body per kind (kda, mla, gqa, mla_rope; router, experts, ffn_kinds, moe_full;
+sampling, residuals), each a body over Refs plus a thin `pallas_call` wrapper, registered with
+`kernels.base.registry` on import.
+
+Imports: mkresearch.kernels.base and the packages below mkresearch.kernels.
+"""

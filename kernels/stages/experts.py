@@ -1,0 +1,469 @@
+"""The FFN stage as one Pallas TPU kernel: routed latent experts + always-on experts (spec §6.2–6.6).
+
+    z  = bf(x W_ld)                                   latent down          x [B, d] -> z [B, Lat]
+    for each expert e in the work list:               weights DMA'd from HBM into a slot ring
+        h   = SiTU(bf(z W1_e), bf(z W3_e))            [B, F]
+        acc += coef_e · bf(h W2_e)                    f32, coef_e [B, 1] = this row's weight of e
+    ρ̂  = RMSNorm_γ(bf(acc)) over moe_latent          (acc is [B, moe_latent_padded], zero padding)
+    routed = ρ̂ W_lu (f32);  always-on = SiTU(bf(x Wg), bf(x Wu)) Wd (f32)
+    m = bf(routed + always-on)
+
+The always-on part is the shared experts of an MoE layer, or — with no routed part at all — the
+dense MLP of layer 0: "the same stage with one always-on expert".
+
+Which experts are fetched (`plan`, the steps of notebook 04):
+  "all"     every expert of the layer (a gather of all; unselected ones get coefficient 0)
+  "routed"  each (row, k) choice, duplicates fetched again (B·k DMAs)
+  "unique"  each distinct expert of the batch once: a scalar dedupe over the SMEM ids
+and how: `n_slots` VMEM slots per expert matrix. One slot: copy, wait, compute. Two or more: the
+next expert's weights stream while the current one computes, and the first ones are issued before
+the latent down-projection, right after routing, so they fly behind it.
+
+Expert weights stay in HBM (`pl.ANY`) in their stored format (bf16 / fp8 / mxfp4, see
+`mkresearch.kernels.quant`), are DMA'd as stored and decoded in VMEM. Every DMA goes through
+`mkresearch.kernels.dma`; expert DMAs are named "expert/<matrix>/<part>", so
+`log.dma_bytes("expert/")` is the routed-expert bytes of a step.
+
+The ids are read twice: as SMEM scalars (to address the DMAs and build the work list) and as a
+VMEM tile [B, k] (to build each expert's per-row coefficient with vector compares).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, costs, dma, quant
+from mkresearch.kernels.base.registry import StageRefs
+from mkresearch.kernels.stages import router
+
+from mkresearch.hardware import tpu
+from mkresearch.model import reference
+from mkresearch.model.config import ModelConfig
+
+PLANS = ("all", "routed", "unique")
+EXPERT_MATRICES = ("w1", "w3", "w2")
+EXPERT_DMA_PREFIX = "expert/"
+LATENT_DOWN, LATENT_UP, LATENT_NORM = "latent/w_ld", "latent/w_lu", "latent/norm"  # DMA-log names
+# Mosaic's default scoped-VMEM limit is far below the chip's VMEM; two bf16 expert slots at the
+# per-rank shapes (2 x 16.5 MB) need more. 60 MiB fits TPU7x's 64 MiB per TensorCore.
+VMEM_LIMIT_BYTES = 60 * 2**20
+
+
+def activation(g: jax.Array, u: jax.Array, kind: str) -> jax.Array:
+    """bf16 [B, F] from the bf16 gate and up projections: SiTU (Kimi K3) or SwiGLU."""
+    if kind == "situ":
+        return reference.situ(g, u)
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, stream: Any, kind: str,
+              name: str) -> jax.Array:
+    """x [B, d] bf16 -> f32 [B, d]: act(bf(x Wg), bf(x Wu)) Wd, each weight streamed from HBM."""
+    def project(v, w, part):
+        rows = blocks.weight_block_rows(tuple(w.shape), w.dtype)
+        return blocks.stream_matmul(stream, v, w, rows=rows, name=f"{name}/{part}")
+
+    g = project(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
+    u = project(x, w_up, "w_up").astype(jnp.bfloat16)
+    return project(activation(g, u, kind), w_down, "w_down")  # [B, d]
+
+
+def expert_dma_name(matrix: str, part: str) -> str:
+    """The DMA-log name of one stored part of one expert matrix, e.g. "expert/w1/codes"."""
+    return f"{EXPERT_DMA_PREFIX}{matrix}/{part}"
+
+
+def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
+                latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
+                mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
+                eps: float, kind: str, shard: Any = None) -> jax.Array:
+    """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
+    [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
+    shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice)."""
+    batch, top_k = ids.shape
+    n_experts = experts["w1"][0].shape[0]
+    # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
+    run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
+                            stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
+                            expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
+                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind,
+                            shard=shard)
+    if plan == "all":
+        return run(n_experts, lambda i: i)
+    if plan == "routed":
+        return run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
+    local = () if shard is None else shard.expert_range(n_experts)
+
+    def with_unique(unique_ref, seen_ref):
+        n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
+        return run(n_unique, lambda i: unique_ref[i])
+
+    n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
+    return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
+                         pltpu.SMEM((n_ids,), jnp.int32))
+
+
+def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
+                 experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
+                 kind, shard=None):
+    """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
+    batch, top_k = ids.shape
+    names = quant.part_names(expert_format)
+    # one ring per (matrix, part): slot buffers [n_slots, *part shape], one semaphore per slot
+    slot_shapes = [pltpu.VMEM((n_slots, *experts[m][j].shape[1:]), experts[m][j].dtype)
+                   for m in EXPERT_MATRICES for j in range(len(names))]
+    sem_shapes = [pltpu.SemaphoreType.DMA((n_slots,))] * len(slot_shapes)
+
+    def scoped(*refs):
+        buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
+        rings, sources = {}, {}
+        for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
+            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]))
+            sources[m, j] = experts[m][j]
+
+        def start(i):
+            e, slot = expert_of(i), lax.rem(i, n_slots)
+            for key, ring in rings.items():
+                ring.start(sources[key].at[e], slot, item=i)
+
+        def wait(i):
+            e, slot = expert_of(i), lax.rem(i, n_slots)
+            for key, ring in rings.items():
+                ring.wait(sources[key].at[e], slot, item=i)
+
+        local_first = 0 if shard is None else shard.expert_range(experts["w1"][0].shape[0])[0]
+        # issue the first experts now: they fly behind the latent down-projection
+        for i in range(n_slots - 1):
+            pl.when(i < n_items)(functools.partial(start, i))
+        if w_ld is None:  # experts on the full d (stages.moe_full): no latent
+            z = x  # [B, d] bf16
+        else:
+            z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
+                tuple(w_ld.shape), w_ld.dtype), name=LATENT_DOWN).astype(jnp.bfloat16)
+
+        hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
+        flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
+                       + lax.broadcasted_iota(jnp.int32, (batch, top_k), 1))  # [B, k]: b·k + j
+
+        def step(i, acc):  # acc [B, Lat] f32
+            if n_slots == 1:
+                start(i)
+            else:
+                ahead = i + n_slots - 1
+                pl.when(ahead < n_items)(functools.partial(start, ahead))
+            wait(i)
+            slot = lax.rem(i, n_slots)
+            part = {m: tuple(rings[m, j].buffer(slot) for j in range(len(names)))
+                    for m in EXPERT_MATRICES}
+            with dma.phase("expert/compute", item=i, flops=6 * batch * latent * hidden,
+                           vmem_bytes=3 * latent * hidden * 2):  # decoded bf16 W1, W3, W2
+                matmul = functools.partial(quant.matmul, expert_format=expert_format,
+                                           mxfp4_decode=mxfp4_decode)
+                g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
+                u = matmul(z, part["w3"]).astype(jnp.bfloat16)
+                h = activation(g, u, kind)  # on a rank: its hidden slice, then the whole
+                y = matmul(h if shard is None else shard.expert_hidden(h), part["w2"])
+                y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
+                if plan == "routed":  # this item is one (row, k) choice
+                    hit = flat_choice == i
+                else:  # every choice of this expert, in every row
+                    hit = ids == (expert_of(i) if shard is None else expert_of(i) + local_first)
+                coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
+                # on a rank: kept, and added in id order across the expert groups after the loop
+                return acc + coef * y if shard is None else shard.keep_item(i, coef, y, acc)
+
+        acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
+        if shard is not None:
+            acc = shard.combine_items(n_items, latent, name="expert")
+        if w_ld is None:
+            return acc  # [B, d] f32: Σ w_e y_e is the routed output
+        rho_hat = pl.run_scoped(
+            functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
+            pltpu.VMEM((batch, latent_padded), jnp.float32),
+            pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
+        return blocks.stream_matmul(stream, rho_hat, w_lu, rows=blocks.weight_block_rows(
+            tuple(w_lu.shape), w_lu.dtype), name=LATENT_UP)  # [B, d] f32
+
+    return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
+
+
+def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
+    """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
+    (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
+    copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
+                    name=LATENT_NORM).start()
+    rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
+    rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
+    if gamma_ref.shape[1] > latent:
+        gamma_ref[:, latent:] = jnp.zeros((1, gamma_ref.shape[1] - latent), jnp.float32)
+    copy.wait()
+    return blocks.rms_norm(rho_ref[...], gamma_ref[...], eps, n=latent)[:, :latent]
+
+
+# ---- the stage body and its wrappers -----------------------------------------------------------
+@dataclass(frozen=True)
+class StageOptions:
+    """Static choices of one FFN stage (hashable: part of the jit cache key)."""
+
+    expert_format: str = "bf16"
+    mxfp4_decode: str = "integer"  # how MXFP4 codes are decoded (quant.MXFP4_DECODES), per chip
+    plan: str = "unique"
+    n_slots: int = 2
+    latent: int = 0  # cfg.moe_latent: the checkpoint width, what the norm divides by
+    latent_padded: int = 0  # cfg.moe_latent_padded: the latent's width in VMEM
+    eps: float = 1e-5
+    activation: str = "situ"
+    always_on_name: str = "shared"  # DMA-log prefix of the always-on MLP: "shared" or "dense"
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """The static options of a whole MoE layer: the expert stage and the router."""
+
+    stage: StageOptions
+    router: tuple  # router_options(cfg): (name, value) pairs
+    batch: int = 1
+
+
+def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptions,
+                   routed: dict | None = None, routing: router.Routing | None = None,
+                   always_on: dict | None = None, shard: Any = None) -> None:
+    """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
+
+    routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
+             "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs), with the
+             choices of the router in `routing`; without "w_ld" the experts work on the full d
+             (options.latent = d) and their weighted sum is the routed output (stages.moe_full)
+    always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
+    x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks.
+    """
+    x = x_ref[...]  # [B, d] bf16
+    total = jnp.zeros(out_ref.shape, jnp.float32)
+    if routed is not None:
+        total += routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
+                             routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
+                             routed["experts"], stream=stream,
+                             expert_format=options.expert_format,
+                             mxfp4_decode=options.mxfp4_decode, plan=options.plan,
+                             n_slots=options.n_slots, latent=options.latent,
+                             latent_padded=options.latent_padded, eps=options.eps,
+                             kind=options.activation, shard=shard)
+    if always_on is not None:
+        total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
+                           stream=stream, kind=options.activation, name=options.always_on_name)
+    out_ref[...] = total.astype(out_ref.dtype)
+
+
+ROUTED_KEYS = ("w_ld", "latent_norm", "w_lu", "experts")
+SHARED_KEYS = {"w_gate": "w_sg", "w_up": "w_su", "w_down": "w_sd"}  # always-on MLP <- MoE weights
+
+
+def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
+    """A whole MoE layer in one kernel: the router leaves ids/weights in the routing scratch
+    (refs.scratch, VMEM and SMEM), the expert stage reads them there (no round trip through HBM).
+    refs.weights: {"w_router", "router_bias" [1, E] f32, *ROUTED_KEYS, [w_sg, w_su, w_sd]}."""
+    w, routing = refs.weights, refs.scratch
+    router.router_body(refs.x, w["w_router"], w["router_bias"], routing, stream=refs.stream,
+                       **dict(plan.router))
+    shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
+    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
+                   routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
+                   always_on=shared, shard=refs.shard)
+
+
+def dense_body(plan: StageOptions, refs: StageRefs) -> None:
+    """The dense FFN: the stage with one always-on expert. refs.weights: w_gate, w_up, w_down."""
+    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan, always_on=refs.weights)
+
+
+_VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
+
+
+def _spec(space):
+    return pl.BlockSpec(memory_space=space)
+
+
+def _hbm_specs(tree):
+    return jax.tree.map(lambda _: _spec(pl.ANY), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("options", "out_dtype", "interpret", "recording"))
+def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
+    del recording  # static only so recorded and silent traces never share a jit cache entry
+    args = (ids, x, ids, weights, routed, always_on)
+    in_specs = (None if ids is None else _spec(_SMEM), _spec(_VMEM),
+                None if ids is None else _spec(_VMEM), None if weights is None else _spec(_VMEM),
+                _hbm_specs(routed), _hbm_specs(always_on))
+    out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
+    top_k = 0 if ids is None else ids.shape[1]
+    cost = costs.ffn(options, x.shape[0], top_k, routed, always_on)
+
+    def kernel(ids_smem, x_ref, ids_ref, weights_ref, routed_refs, always_on_refs, out_ref):
+        routing = None if ids_ref is None else router.Routing(ids_ref, weights_ref, ids_smem, None)
+        ffn_stage_body(x_ref, out_ref, stream=blocks.LOCAL_STREAM, options=options,
+                       routed=routed_refs, routing=routing, always_on=always_on_refs)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
+        cost_estimate=cost.estimate(ids, x, ids, weights, out_shape),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
+                                             "recording"))
+def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
+                    interpret, recording):
+    del recording
+    batch, top_k = x.shape[0], dict(router_options)["top_k"]
+    out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    cost = (costs.router(batch, w_router, router_bias if dict(router_options)["use_bias"] else None)
+            + costs.ffn(options, batch, top_k, routed, always_on))
+    plan = MoePlan(options, router_options, batch)
+    weights = {"w_router": w_router, "router_bias": router_bias, **routed,
+               **({SHARED_KEYS[part]: ref for part, ref in always_on.items()} if always_on
+                  else {})}
+
+    def kernel(x_ref, weight_refs, out_ref, *scratch):
+        moe_layer_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
+                                       stream=blocks.LOCAL_STREAM, scratch=router.Routing(*scratch)))
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        in_specs=(_spec(_VMEM), _hbm_specs(weights)),
+        out_specs=_spec(_VMEM),
+        scratch_shapes=router.routing_scratch(batch, top_k),
+        cost_estimate=cost.estimate(x, out_shape),
+        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
+    )(x, weights)
+
+
+# ---- checks (Python, before tracing) ----------------------------------------------------------
+def check_stage_options(plan: Any, n_slots: Any, expert_format: Any) -> None:
+    quant.check_format(expert_format)
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r} is invalid: one of {', '.join(map(repr, PLANS))}")
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or not 1 <= n_slots <= 8:
+        raise ValueError(f"n_slots={n_slots!r} is invalid: an int in [1, 8] (VMEM slots per "
+                         "expert matrix; 1 = no overlap, 2 = double buffering)")
+
+
+def _check_x(x: Any, d_model: int) -> None:
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != d_model or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [B, d={d_model}], got {getattr(x, 'shape', x)} "
+                         f"{getattr(x, 'dtype', '')}")
+
+
+def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: int) -> None:
+    """ids [B, k] int32 with 1 <= k <= n_experts and values in [0, n_experts); weights [B, k]."""
+    shape = getattr(expert_ids, "shape", None)
+    if (shape is None or len(shape) != 2 or shape[0] != batch or not 1 <= shape[1] <= n_experts
+            or expert_ids.dtype != jnp.int32):
+        raise ValueError(f"expert_ids must be int32 [B={batch}, k] with 1 <= k <= "
+                         f"n_experts={n_experts}, got {shape} {getattr(expert_ids, 'dtype', '')}")
+    if getattr(expert_weights, "shape", None) != shape:
+        raise ValueError(f"expert_weights must be [B, k]={shape} like expert_ids, got "
+                         f"{getattr(expert_weights, 'shape', None)}")
+    if not isinstance(expert_ids, jax.core.Tracer):
+        values = np.asarray(expert_ids)
+        if values.min() < 0 or values.max() >= n_experts:
+            raise ValueError(f"expert_ids values must be in [0, n_experts={n_experts}), got "
+                             f"[{values.min()}, {values.max()}]")
+
+
+def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
+    """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked.
+    width: what the experts work on (default the latent cfg.moe_latent)."""
+    fmt, lat, hidden = cfg.expert_format, width or cfg.moe_latent, cfg.expert_hidden
+    out = {}
+    for m, (k, n) in zip(EXPERT_MATRICES, ((lat, hidden), (lat, hidden), (hidden, lat))):
+        parts = quant.split_parts(experts[m], fmt)
+        for name, got, want in zip(quant.part_names(fmt), parts, quant.part_structs(fmt, k, n)):
+            if got.shape[1:] != want.shape or got.dtype != want.dtype:
+                raise ValueError(f"experts[{m!r}] part {name!r} is {got.shape} {got.dtype}: "
+                                 f"expected [E, {', '.join(map(str, want.shape))}] {want.dtype} "
+                                 f"for expert_format={fmt!r}")
+        out[m] = tuple(parts)
+    return out
+
+
+def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
+             chip: Any = None):
+    """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
+    check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
+    return StageOptions(expert_format=cfg.expert_format,
+                        mxfp4_decode=quant.mxfp4_decode_path(chip), plan=plan, n_slots=n_slots,
+                        latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
+                        eps=float(cfg.rms_eps), activation=cfg.activation,
+                        always_on_name=always_on_name)
+
+
+def _routed_tree(p: dict, cfg: ModelConfig) -> dict:
+    return {"w_ld": p["w_ld"], "latent_norm": p["latent_norm"].reshape(1, cfg.moe_latent),
+            "w_lu": p["w_lu"], "experts": _expert_parts(p["experts"], cfg)}
+
+
+def _shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
+    if not cfg.n_shared_experts:
+        return None
+    return {"w_gate": p["w_sg"], "w_up": p["w_su"], "w_down": p["w_sd"]}
+
+
+# ---- public wrappers: kernel twins of the reference sublayers ----------------------------------
+def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
+                   cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2,
+                   chip: Any = None) -> jax.Array:
+    """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared).
+    chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    options = _options(cfg, plan, n_slots, chip=chip)
+    _check_x(x, cfg.d_model)
+    check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
+    return _stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
+                       None, options=options, out_dtype=jnp.float32,
+                       interpret=tpu.interpret_params(), recording=dma.is_recording())
+
+
+def router_options(cfg: ModelConfig) -> tuple:
+    """The router body's static options for cfg (hashable: part of a jit cache key)."""
+    w_router = (cfg.d_model, cfg.n_experts)
+    return (("top_k", cfg.top_k), ("router_score", cfg.router_score),
+            ("use_bias", cfg.router_bias), ("routed_scale", float(cfg.routed_scale)),
+            ("block_rows", blocks.weight_block_rows(w_router, jnp.bfloat16)))
+
+
+def dense_options(cfg: ModelConfig) -> StageOptions:
+    """The FFN stage as the dense layer: one always-on expert, no routing."""
+    return StageOptions(eps=float(cfg.rms_eps), activation=cfg.activation, always_on_name="dense")
+
+
+def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
+            n_slots: int = 2, chip: Any = None) -> jax.Array:
+    """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel.
+    chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    options = _options(cfg, plan, n_slots, chip=chip)
+    _check_x(x, cfg.d_model)
+    router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
+    bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
+    return _moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
+                           options=options, router_options=router_options(cfg),
+                           interpret=tpu.interpret_params(), recording=dma.is_recording())
+
+
+def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
+    _check_x(x, cfg.d_model)
+    always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
+    return _stage_call(x, None, None, None, always_on, options=dense_options(cfg),
+                       out_dtype=jnp.bfloat16,
+                       interpret=tpu.interpret_params(), recording=dma.is_recording())

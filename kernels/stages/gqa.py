@@ -1,0 +1,351 @@
+"""GQA decode attention (kind "gqa": GLM-4.5, Qwen3) as one Pallas TPU kernel: x -> sublayer
+output + in-place KV cache write. Same contract and arithmetic as `mkresearch.stages.gqa`.
+
+One call does, for a batch of B rows each at its own position p_b:
+
+  projections   q = bf(x W_q + b_q), k = bf(x W_k + b_k), v = bf(x W_v + b_v)  (weights streamed
+                by DMA, `blocks.stream_matmul`; biases when the model has them)
+  per row b     this row's heads go to VMEM scratch [H, D] / [KV, D] (head h in sublane h):
+                QK-norm per head (RMSNorm over the lanes), RoPE at p_b with cos/sin computed in
+                the kernel from the SMEM position (`rope.cos_sin_row`), bf16
+  attention     per K/V head g, its G = H / KV query heads together: scores [G, D] x [T, D]ᵀ
+                per KV tile, f32 online softmax seeded by the new token, tiles of T cached
+                tokens read by a double-buffered DMA ring (`kv_tiles.tile_loop`: only the
+                16-row groups of the last tile holding tokens < p_b); one DMA per tile carries
+                every K/V head of the row
+  output        out = bf(bf(o) W_o) (streamed)
+  cache update  the roped k and v of the new token: the aligned 16-row block around p_b is read,
+                patched in VMEM and written back (`kv_update.patch_block`; input_output_aliases)
+
+`gqa_attention_body` works on Refs (weights as a dict) and allocates its own scratch, so a
+megakernel can call it as it is; `gqa_attention` is the thin `pallas_call` wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
+from mkresearch.kernels.base.blocks import bf16, f32
+from mkresearch.kernels.base.kv_tiles import dot_t, online_softmax_step, tile_loop, tile_loop_dmas
+from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_block, update_window
+from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
+
+from mkresearch.hardware import tpu
+from mkresearch.model import rope
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.stages import gqa as gqa_stage
+
+MATRICES = ("w_q", "w_k", "w_v", "w_o")
+CACHE_NAMES = ("k", "v")
+
+
+@dataclass(frozen=True)
+class GqaPlan:
+    """Everything static about one GQA kernel: shapes, options, block sizes."""
+
+    batch: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    seq_len: int  # S: cache length
+    kv_tile: int  # T: tokens per KV tile
+    bias: bool
+    qk_norm: bool
+    eps: float
+    scale: float  # the softmax scale
+    rope: rope.Rope
+    rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
+    # rows sharing one cache row (a verify step's K + 1 tokens, in order, as in mla.py); not in
+    # the repr: the recorded compiles are keyed by a decode plan's repr
+    rows_per_state: int = field(default=1, repr=False)
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def block_rows(self, name: str) -> int:
+        return dict(self.rows)[name]
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's weights by name (the stage's table; all bf16)."""
+    return {name: param.shape for name, param in gqa_stage.params(cfg).items()}
+
+
+def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None = None,
+              weight_block_rows: int | None = None) -> GqaPlan:
+    """Check block sizes (ValueError naming the parameter) and fix every static size."""
+    kv_tile = cfg.kv_tile if kv_tile is None else kv_tile
+    blocks.check_kv_tile(kv_tile, seq_len)
+    blocks.check_block_rows(weight_block_rows)
+    shapes = weight_shapes(cfg)
+    rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
+                 for name in MATRICES)
+    return GqaPlan(batch=batch, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   head_dim=cfg.head_dim, d_model=cfg.d_model, seq_len=seq_len, kv_tile=kv_tile,
+                   bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=float(cfg.rms_eps),
+                   scale=rope.attention_scale(cfg, cfg.head_dim),
+                   rope=rope.of(cfg, cfg.rope_dim), rows=rows)
+
+
+# ---- the body -----------------------------------------------------------------------------------
+
+
+def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
+    """One GQA sublayer for B rows.
+
+    refs.positions [B] i32 (SMEM); refs.x [B, d] bf16 (VMEM); refs.weights {name: HBM ref}
+    (matrices [in, out], biases and norms as [1, n]); refs.state_in {"k", "v"} [B, KV, S, D]
+    bf16 in HBM and refs.state_out the same buffers (aliased); refs.out [B, d] bf16 (VMEM).
+    refs.indices tag the DMA log.
+    """
+    p = plan
+    positions_ref, x_ref, out_ref, weights, indices = (refs.positions, refs.x, refs.out,
+                                                        refs.weights, refs.indices)
+    k_in, v_in = refs.state_in["k"], refs.state_in["v"]
+    k_out, v_out = refs.state_out["k"], refs.state_out["v"]
+    heads, kv_heads, dim, group = p.n_heads, p.n_kv_heads, p.head_dim, p.group
+    stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
+
+    with dma.phase("gqa.project", **indices):
+        x = x_ref[...]  # [B, d] bf16
+
+        def project(name: str) -> jax.Array:  # bf(x W + b)
+            y = stream(x, weights[f"w_{name}"], rows=p.block_rows(f"w_{name}"),
+                       name=f"gqa.w_{name}")
+            if p.bias:
+                y = y + f32(blocks.load_whole(weights[f"b_{name}"], name=f"gqa.b_{name}",
+                                              **indices))
+            return bf16(y)
+
+        q, k, v = project("q"), project("k"), project("v")  # [B, H·D], [B, KV·D] x 2
+        gammas = ([blocks.load_whole(weights[n], name=f"gqa.{n}", **indices)
+                   for n in ("q_norm", "k_norm")] if p.qk_norm else None)  # [1, D] each
+
+    def scoped(q_scratch, k_scratch):  # [H, D], [KV, D] f32: one row's heads, one per sublane
+        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
+            position = positions_ref[b]
+            q_b, k_b, v_b = (blocks.select_row(t, b) for t in (q, k, v))  # [1, ··D]
+            for h in range(heads):
+                q_scratch[h:h + 1, :] = f32(q_b[:, h * dim:(h + 1) * dim])
+            for g in range(kv_heads):
+                k_scratch[g:g + 1, :] = f32(k_b[:, g * dim:(g + 1) * dim])
+            q_heads, k_heads = q_scratch[...], k_scratch[...]
+            if p.qk_norm:  # RMSNorm per head over its D lanes, before RoPE
+                q_heads = f32(blocks.rms_norm(q_heads, gammas[0], p.eps))
+                k_heads = f32(blocks.rms_norm(k_heads, gammas[1], p.eps))
+            cos, sin = rope.cos_sin_row(position, p.rope)  # [1, R/2]
+            q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
+            k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
+            v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(kv_heads)]  # [1, D] bf16 each
+            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
+            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices)
+            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices)
+            y = list(y)  # per head [B, D]
+            for h in range(heads):
+                g, j = divmod(h, group)
+                y[h] = blocks.put_row(y[h], b, f32(bf16(outs[g][j:j + 1, :])))
+            return tuple(y)
+
+        return jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, dim)),) * heads)
+
+    y = pl.run_scoped(scoped, pltpu.VMEM((heads, dim), jnp.float32),
+                      pltpu.VMEM((kv_heads, dim), jnp.float32))
+    with dma.phase("gqa.output", **indices):
+        out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), weights["w_o"],
+                                   rows=p.block_rows("w_o"), name="gqa.w_o"))
+
+
+def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indices):
+    """Per K/V head g: its G query heads q_heads[gG:(g+1)G] [G, D] over the new token and the
+    cached tiles [KV, T, D]. Returns o_g = Σ α v [G, D] f32 per K/V head."""
+    group = p.group
+    carry = []
+    for g in range(p.n_kv_heads):  # the new token seeds the softmax: m = its score, norm = 1
+        q_g = q_heads[g * group:(g + 1) * group, :]
+        score = blocks.ordered_sum(q_g * f32(k_new[g:g + 1, :]), keepdims=True) * p.scale
+        carry.append((score, jnp.ones_like(score), jnp.broadcast_to(f32(v_new[g]), q_g.shape)))
+
+    def windows(t):
+        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
+        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]  # [KV, T, D] each
+
+    def update(t, tiles, carry):
+        k_tile, v_tile = tiles
+        new = []
+        for g in range(p.n_kv_heads):  # [G, D] x [T, D]ᵀ: the group shares the tile
+            q_g = bf16(q_heads[g * group:(g + 1) * group, :])
+            scores = dot_t(q_g, k_tile[g]) * p.scale  # [G, T]
+            new.append(online_softmax_step(p, t, position, scores, f32(v_tile[g]), carry[g]))
+        return new
+
+    def scoped(k_buffers, v_buffers, sems):
+        rings = (dma.Ring(k_buffers, sems.at[0], name="gqa.kv.k"),
+                 dma.Ring(v_buffers, sems.at[1], name="gqa.kv.v"))
+        return tile_loop(p, b, position, rings, windows, update, carry, indices,
+                         phase="gqa.attend")
+
+    tile = (2, p.n_kv_heads, p.kv_tile, p.head_dim)
+    final = pl.run_scoped(scoped, pltpu.VMEM(tile, jnp.bfloat16), pltpu.VMEM(tile, jnp.bfloat16),
+                          pltpu.SemaphoreType.DMA((2, 2)))
+    return [acc / norm for _, norm, acc in final]
+
+
+def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices):
+    """Write the new token's roped k and v at `position` for every K/V head."""
+    start, rows = update_window(position)
+    k_entry = jnp.stack([k_new[g:g + 1, :] for g in range(p.n_kv_heads)])  # [KV, 1, D]
+    v_entry = jnp.stack(v_new)  # [KV, 1, D]
+
+    def scoped(k_block, v_block, sems):  # [KV, 16, D] each
+        def patch(block, entry):
+            def write(is_new):
+                block[...] = jnp.where(is_new, entry, block[...])
+            return write
+
+        patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
+                     k_block, sems.at[0], patch(k_block, k_entry), "gqa.kv_update.k", indices)
+        patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
+                     v_block, sems.at[1], patch(v_block, v_entry), "gqa.kv_update.v", indices)
+
+    block = (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
+    pl.run_scoped(scoped, pltpu.VMEM(block, jnp.bfloat16), pltpu.VMEM(block, jnp.bfloat16),
+                  pltpu.SemaphoreType.DMA((2,)))
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+    shape = (batch, cfg.n_kv_heads, seq_len, cfg.head_dim)
+    return {"k": shape, "v": shape}
+
+
+def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
+    """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
+    length."""
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
+    batch = x.shape[0]
+    expected = weight_shapes(cfg)
+    if not isinstance(p, dict) or set(p) != set(expected):
+        raise ValueError(f"p has keys {sorted(p) if isinstance(p, dict) else p!r}: expected "
+                         f"{sorted(expected)} (attention_bias={cfg.attention_bias}, "
+                         f"qk_norm={cfg.qk_norm})")
+    for name, shape in expected.items():
+        if tuple(p[name].shape) != shape:
+            raise ValueError(f"p[{name!r}] has shape {tuple(p[name].shape)}: expected {shape}")
+        if p[name].dtype != jnp.bfloat16:
+            raise ValueError(f"p[{name!r}].dtype={p[name].dtype} is invalid: bfloat16")
+    if not isinstance(cache, dict) or set(cache) != set(CACHE_NAMES):
+        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
+                         f": expected {CACHE_NAMES}")
+    seq_len = cache["k"].shape[-2] if cache["k"].ndim == 4 else 0
+    for name, shape in cache_shapes(cfg, batch, seq_len).items():
+        if tuple(cache[name].shape) != shape:
+            raise ValueError(f"cache[{name!r}] has shape {tuple(cache[name].shape)}: expected "
+                             f"{shape} (batch {batch}, length {seq_len})")
+        if cache[name].dtype != jnp.bfloat16:
+            raise ValueError(f"cache[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
+    if getattr(positions, "shape", None) != (batch,):
+        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
+                         f"expected [B={batch}]")
+    if positions.dtype != jnp.int32:
+        raise ValueError(f"positions.dtype={positions.dtype} is invalid: int32")
+    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
+        values = np.asarray(positions)
+        if values.min() < 0 or values.max() >= seq_len:
+            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) "
+                             f"(the cache length)")
+    return seq_len
+
+
+def gqa_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg: ModelConfig, *,
+                  kv_tile: int | None = None, weight_block_rows: int | None = None,
+                  **indices: int) -> tuple[jax.Array, dict]:
+    """The GQA sublayer as a Pallas kernel; same contract as `stages.gqa.gqa_attention`.
+
+    x [B, d] bf16 (normalised), one layer's weights, the layer's cache {"k", "v"}
+    [B, KV, S, D] bf16, positions [B] i32 -> (out [B, d] bf16, updated cache), in place when the
+    caller donates it. kv_tile overrides cfg.kv_tile (a multiple of 16 dividing S);
+    weight_block_rows caps the rows of one streamed weight block (a multiple of 128).
+    """
+    seq_len = check_inputs(p, x, cache, positions, cfg)
+    plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
+                     weight_block_rows=weight_block_rows)
+    weights = {name: w.reshape(1, -1) if w.ndim == 1 else w for name, w in p.items()}
+    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
+                 positions, x, weights, {"k": cache["k"], "v": cache["v"]})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _call(plan: GqaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, weights,
+          cache):
+    del recording  # a static argument only so recorded and silent traces are cached apart
+    # every row at the last position: the whole cache
+    cost = costs.gqa(plan, weights, (cache["k"], cache["v"]))
+    return blocks.cache_stage_call(gqa_attention_body, plan, cost, interpret, indices, positions, x,
+                                   weights, cache)
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The GQA layers' stacked weights as the body reads them: biases and norms as [n, 1, x]."""
+    return {name: w.reshape(w.shape[0], 1, -1) if w.ndim == 2 and name not in MATRICES else w
+            for name, w in stack.items()}
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    shapes = weight_shapes(cfg)
+    return tuple(Streamed(name, f"gqa.{name}", shapes[name]) for name in MATRICES)
+
+
+def _vmem(p: GqaPlan, cfg: ModelConfig) -> list:
+    tile, block = (2, p.n_kv_heads, p.kv_tile, p.head_dim), (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
+    return [("q heads", (p.n_heads, p.head_dim), jnp.float32),
+            ("k heads", (p.n_kv_heads, p.head_dim), jnp.float32),
+            ("K tiles", tile, jnp.bfloat16), ("V tiles", tile, jnp.bfloat16),
+            ("update blocks K, V", (2, *block), jnp.bfloat16)]
+
+
+def _schedule(p: GqaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer, in its order: q, k, v each streamed then its bias loaded
+    whole, the QK-norm gains, then per row its KV tiles and its entry's update blocks, then W_o."""
+    w, indices = call.weights, call.indices
+    out = []
+    for name in ("q", "k", "v"):
+        out += call.matmul(f"gqa.w_{name}", w[f"w_{name}"], p.block_rows(f"w_{name}"), **indices)
+        if p.bias:
+            out += blocks.load_whole_dmas(call, f"gqa.b_{name}", w[f"b_{name}"], **indices)
+    if p.qk_norm:
+        out += [dma for name in ("q_norm", "k_norm")
+                for dma in blocks.load_whole_dmas(call, f"gqa.{name}", w[name], **indices)]
+    caches = [(name, call.state[name]) for name in CACHE_NAMES]
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
+                              [(f"gqa.kv.{name}", cache) for name, cache in caches])
+        out += kv_update.update_dmas(call, row, caches, prefix="gqa.kv_update")
+    return out + call.matmul("gqa.w_o", w["w_o"], p.block_rows("w_o"), **indices)
+
+
+KERNEL = register(KernelStage(
+    name="gqa",
+    plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
+                                                        kv_tile=options.kv_tile),
+    prepare=_prepare, streamed=_streamed, body=gqa_attention_body, vmem=_vmem,
+    scope=lambda plan: "GQA",
+    cost=lambda plan, weights, state, cfg, batch: costs.gqa(plan, weights,
+                                                            (state["k"], state["v"])),
+    schedule=_schedule))

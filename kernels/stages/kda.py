@@ -1,0 +1,376 @@
+"""KDA decode attention (spec §4) as one Pallas TPU kernel: x -> sublayer output + state update.
+
+One call does, for a batch of B rows:
+
+  state in      the conv state [B, conv-1, 3, H, D] bf16 and the recurrent state [B, H, D, D] f32
+                start flying HBM->VMEM first, so their DMAs hide behind the projections.
+  projections   f = bf(x W_fa); g_raw = bf(f W_fb); q̃ k̃ ṽ u = bf(x W_{q,k,v,g}); b = bf(x W_b)
+                (every weight streams HBM->VMEM in row blocks through the DMA log)
+  per (row, head), all in VMEM:
+                λ = bound·σ(exp(A_log_h)·(g_raw + dt_bias))  ∈ (bound, 0), bound = −5
+                û = bf(SiLU(Σ_j w_j ⊙ ũ_{t−3+j}))  for q, k, v (causal depthwise conv, size 4)
+                q = q̂/‖q̂‖·D^−½, k = k̂/‖k̂‖ (L2, eps 1e-6), β = σ(b)
+                S̄ = Diag(e^λ) S; S ← S̄ + β k (v − S̄ᵀk)ᵀ; o = Sᵀ q       (gated delta rule, f32)
+                y = bf(RMSNorm_γo(bf(o)) ⊙ bf(σ(u)))
+  output        out = y W_o (streamed)
+  state out     both states are written back in place (input_output_aliases).
+
+Row vectors are [1, D] (a head's lanes of a [B, H·D] projection). The two column vectors the
+delta rule needs (e^λ to scale S's key rows, βk for the rank-1 update) come from one transpose
+of an [8, D] block — one vreg — instead of two [D, D] transposes.
+
+`kda_attention_body` works on Refs and allocates its own scratch; `kda_attention` is the thin
+`pallas_call` wrapper with the reference's signature (`mkresearch.reference.kda_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, costs, dma, planned
+from mkresearch.kernels.base.blocks import bf16, f32
+from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
+
+from mkresearch.hardware import tpu
+from mkresearch.model.config import ModelConfig
+
+# Weights in the order the body takes them (vectors are passed as [1, n]).
+WEIGHT_NAMES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "conv_w", "a_log", "dt_bias",
+                "o_norm", "w_o")
+MATRICES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "w_o")  # streamed, in body order
+LOADED_WHOLE = ("conv_w", "a_log", "dt_bias", "o_norm")  # DMA'd whole after the projections
+# DMA-log names of the states' reads and writes (<name>.read, <name>.write), state leaf -> name
+STATE_DMAS = {"conv": "kda.conv_state", "recurrent": "kda.state"}
+
+
+@dataclass(frozen=True)
+class KdaPlan:
+    """Everything static about one KDA kernel."""
+
+    batch: int
+    n_heads: int
+    head_dim: int
+    d_model: int
+    gate_rank: int
+    conv_size: int
+    decay_bound: float
+    rms_eps: float
+    l2_eps: float
+    rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
+    # rows sharing one state row (a verify step's K + 1 tokens, in order): row r advances state
+    # row r // rows_per_state, and each row's states are also written to refs.steps_out (not in
+    # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.recorded`)
+    rows_per_state: int = field(default=1, repr=False)
+
+    def block_rows(self, name: str) -> int:
+        return dict(self.rows)[name]
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, hd = cfg.d_model, cfg.n_heads, cfg.kda_width
+    return {"w_fa": (d, cfg.kda_gate_rank), "w_fb": (cfg.kda_gate_rank, hd), "w_q": (d, hd),
+            "w_k": (d, hd), "w_v": (d, hd), "w_g": (d, hd), "w_b": (d, h),
+            "conv_w": (3, cfg.kda_conv_size, hd), "a_log": (h,), "dt_bias": (hd,),
+            "o_norm": (cfg.kda_head_dim,), "w_o": (hd, d)}
+
+
+WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are bf16
+
+
+def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = None) -> KdaPlan:
+    """Check block sizes (ValueError naming the parameter) and fix every static size."""
+    blocks.check_block_rows(weight_block_rows)
+    shapes = weight_shapes(cfg)
+    rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
+                 for name in MATRICES)
+    return KdaPlan(batch=batch, n_heads=cfg.n_heads, head_dim=cfg.kda_head_dim,
+                   d_model=cfg.d_model, gate_rank=cfg.kda_gate_rank, conv_size=cfg.kda_conv_size,
+                   decay_bound=float(cfg.kda_decay_bound), rms_eps=cfg.rms_eps,
+                   l2_eps=cfg.l2_eps, rows=rows)
+
+
+# ---- the body -----------------------------------------------------------------------------------
+
+
+def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
+    """One KDA sublayer for B rows.
+
+    refs.x [B, d] bf16 (VMEM); refs.weights by WEIGHT_NAMES in HBM (a_log [1, H], dt_bias
+    [1, H·D], o_norm [1, D]); refs.state_in {"conv" [B, conv-1, 3, H, D] bf16, "recurrent"
+    [B, H, D, D] f32} in HBM, refs.state_out the same buffers (aliased); refs.out [B, d] bf16
+    (VMEM). refs.indices tag the DMA log.
+
+    A verify step (plan.rows_per_state = K + 1 > 1): x holds R = B (K + 1) rows, row r the token
+    r mod (K + 1) of state row r // (K + 1); the rows run in order, so each state row advances
+    token by token, and after each row its conv and recurrent states are DMA'd to
+    refs.steps_out {"conv" [K+1, B, ...], "recurrent" [K+1, B, ...]} at [r mod (K + 1), b].
+    """
+    x_ref, out_ref, indices = refs.x, refs.out, refs.indices
+    w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, w_o = (refs.weights[name] for name in MATRICES)
+    conv_in, state_in = refs.state_in["conv"], refs.state_in["recurrent"]
+    conv_out, state_out = refs.state_out["conv"], refs.state_out["recurrent"]
+    p = plan
+
+    def scoped(conv_vmem, state_vmem, current_vmem, sems):
+        # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
+        # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v, head h in sublane h)
+        conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name=f"{STATE_DMAS['conv']}.read",
+                             **indices).start()
+        state_copy = dma.Copy(state_in, state_vmem, sems.at[1],
+                              name=f"{STATE_DMAS['recurrent']}.read", **indices).start()
+
+        with dma.phase("kda.project", **indices):
+            x = x_ref[...]  # [B, d] bf16
+            stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
+
+            def project(inputs, weight, name):
+                return bf16(stream(inputs, weight, rows=p.block_rows(name), name=f"kda.{name}"))
+
+            g_raw = f32(project(project(x, w_fa, "w_fa"), w_fb, "w_fb"))  # [B, H·D]
+            pre_conv = [f32(project(x, w, name)) for w, name in (
+                (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"))]  # 3 x [B, H·D], bf16 values
+            u = f32(project(x, w_g, "w_g"))  # [B, H·D]
+            b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
+            loaded = {name: blocks.load_whole(refs.weights[name], name=f"kda.{name}", **indices)
+                      for name in LOADED_WHOLE}
+            taps = f32(loaded["conv_w"])  # [3, conv, H·D]
+            decay_rate = jnp.exp(loaded["a_log"])  # [1, H]
+            bias = loaded["dt_bias"]  # [1, H·D] f32
+            gamma = loaded["o_norm"]  # [1, D]
+
+        conv_copy.wait()
+        state_copy.wait()
+
+        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
+            y = list(y)  # per head [B, D]
+            s = blocks.state_row(b, p.rows_per_state)  # the row's state row
+            conv_old = f32(conv_vmem[s])  # [conv-1, 3, H, D]
+            rows = [blocks.select_row(v, b) for v in (*pre_conv, g_raw, u, b_logit)]
+            for h in range(p.n_heads):
+                with dma.phase("kda.delta_rule", row=b, head=h, **indices):
+                    y_h = _head_step(p, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma,
+                                     current_vmem, state_vmem)
+                y[h] = blocks.put_row(y[h], b, y_h)
+            # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
+            for j in range(p.conv_size - 2):
+                conv_vmem[s, j] = conv_vmem[s, j + 1]
+            conv_vmem[s, p.conv_size - 2] = bf16(current_vmem[b])
+            if p.rows_per_state > 1:  # a verify row: its states, kept for the rollback
+                write_steps(b, s)
+            return tuple(y)
+
+        def write_steps(b, s):  # waited for at once: the next row updates the same buffers
+            token = jax.lax.rem(b, p.rows_per_state)
+            copies = [dma.Copy(source.at[s], refs.steps_out[leaf].at[token, s], sems.at[i],
+                               name=f"{STATE_DMAS[leaf]}.step", row=b, **indices).start()
+                      for i, (leaf, source) in enumerate((("conv", conv_vmem),
+                                                          ("recurrent", state_vmem)))]
+            for copy in copies:
+                copy.wait()
+
+        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
+        y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
+
+        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0],
+                             name=f"{STATE_DMAS['conv']}.write", **indices).start()
+        state_copy = dma.Copy(state_vmem, state_out, sems.at[1],
+                              name=f"{STATE_DMAS['recurrent']}.write", **indices).start()
+        with dma.phase("kda.output", **indices):
+            out_ref[...] = bf16(stream(bf16(y), w_o, rows=p.block_rows("w_o"),
+                                       name="kda.w_o"))
+        conv_copy.wait()
+        state_copy.wait()
+
+    pl.run_scoped(scoped, pltpu.VMEM(conv_in.shape, conv_in.dtype),
+                  pltpu.VMEM(state_in.shape, state_in.dtype),
+                  pltpu.VMEM((p.batch, 3, p.n_heads, p.head_dim), jnp.float32),
+                  pltpu.SemaphoreType.DMA((2,)))
+
+
+def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma, current_vmem,
+               state_vmem) -> jax.Array:
+    """Conv, norms, gated delta rule, output norm and gate for row b (state row s), head h
+    -> y [1, D].
+
+    rows: this batch row of the projections (q̃, k̃, ṽ, g_raw, u [1, H·D]; b [1, H]).
+    """
+    d = p.head_dim
+    lanes = slice(h * d, (h + 1) * d)
+    *pre_conv, g_raw, u, b_logit = rows
+
+    # short causal depthwise conv for q, k, v: window = [3 cached (oldest first) ; current]
+    conv_outs = []
+    for c in range(3):
+        current = pre_conv[c][:, lanes]  # [1, D]
+        current_vmem[b, c, h:h + 1, :] = current
+        window = [conv_old[j, c, h:h + 1, :] for j in range(p.conv_size - 1)] + [current]
+        mixed = sum(taps[c, j:j + 1, lanes] * window[j] for j in range(p.conv_size))
+        conv_outs.append(f32(bf16(jax.nn.silu(mixed))))
+    q_hat, k_hat, v = conv_outs
+
+    # L2 norms (q also scaled by D^-½), β = σ(b), log decay λ ∈ (bound, 0) per key channel
+    q = q_hat * jax.lax.rsqrt(blocks.ordered_sum(q_hat * q_hat, keepdims=True) + p.l2_eps) * d ** -0.5
+    k = k_hat * jax.lax.rsqrt(blocks.ordered_sum(k_hat * k_hat, keepdims=True) + p.l2_eps)
+    beta = jax.nn.sigmoid(b_logit[:, h:h + 1])  # [1, 1]
+    log_decay = p.decay_bound * jax.nn.sigmoid(
+        decay_rate[:, h:h + 1] * (g_raw[:, lanes] + bias[:, lanes]))  # [1, D]
+
+    # column vectors e^λ and k from one [8, D] -> [D, 8] transpose (rows 0 and 1, rest zero)
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (8, d), 0)
+    stacked = jnp.where(sublane == 0, jnp.exp(log_decay), jnp.where(sublane == 1, k, 0.0))
+    columns = stacked.T  # [D, 8]
+    decay_col, k_col = columns[:, 0:1], columns[:, 1:2]  # [D, 1] each
+
+    state = state_vmem[s, h]  # [D (key), D (value)] f32
+    decayed = decay_col * state  # S̄ = Diag(e^λ) S
+    predicted = jnp.dot(k, decayed, preferred_element_type=jnp.float32)  # S̄ᵀk  [1, D]
+    state = decayed + k_col * (beta * (v - predicted))  # S̄ + β k (v − S̄ᵀk)ᵀ
+    state_vmem[s, h] = state
+    o = jnp.dot(q, state, preferred_element_type=jnp.float32)  # Sᵀq  [1, D]
+
+    gate = f32(bf16(jax.nn.sigmoid(u[:, lanes])))
+    normed = f32(blocks.rms_norm(f32(bf16(o)), gamma, p.rms_eps))
+    return f32(bf16(normed * gate))
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+def check_inputs(p: dict, x: Any, conv: Any, state: Any, cfg: ModelConfig) -> None:
+    """ValueError naming the parameter for bad shapes or dtypes."""
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
+    batch, h, d = x.shape[0], cfg.n_heads, cfg.kda_head_dim
+    for name, shape in weight_shapes(cfg).items():
+        w = p.get(name) if isinstance(p, dict) else None
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
+        dtype = WEIGHT_DTYPES.get(name, jnp.bfloat16)
+        if w.dtype != dtype:
+            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: {jnp.dtype(dtype).name}")
+    conv_shape = (batch, cfg.kda_conv_size - 1, 3, h, d)
+    if tuple(getattr(conv, "shape", ())) != conv_shape:
+        raise ValueError(f"conv has shape {getattr(conv, 'shape', None)}: expected {conv_shape}")
+    if conv.dtype != jnp.bfloat16:
+        raise ValueError(f"conv.dtype={conv.dtype} is invalid: bfloat16")
+    state_shape = (batch, h, d, d)
+    if tuple(getattr(state, "shape", ())) != state_shape:
+        raise ValueError(f"state has shape {getattr(state, 'shape', None)}: expected {state_shape}")
+    if state.dtype != jnp.float32:
+        raise ValueError(f"state.dtype={state.dtype} is invalid: float32")
+
+
+def kda_attention(p: dict, x: jax.Array, conv: jax.Array, state: jax.Array, cfg: ModelConfig, *,
+                  weight_block_rows: int | None = None,
+                  **indices: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The KDA sublayer as a Pallas kernel; same contract as `reference.kda_attention`.
+
+    x [B, d] bf16 (normalised), one layer's weights, conv [B, conv-1, 3, H, D] bf16, state
+    [B, H, D, D] f32 -> (out [B, d] bf16, new conv, new state), the states updated in place when
+    the caller donates them. weight_block_rows caps the rows of one streamed weight block.
+    """
+    check_inputs(p, x, conv, state, cfg)
+    plan = make_plan(cfg, x.shape[0], weight_block_rows=weight_block_rows)
+    out, state = _call(plan, tpu.interpret_params(), dma.is_recording(),
+                       tuple(sorted(indices.items())), x, prepare_layer(p),
+                       {"conv": conv, "recurrent": state})
+    return out, state["conv"], state["recurrent"]
+
+
+def prepare_layer(p: dict) -> dict:
+    """One layer's weights as the body reads them: vectors as [1, n] rows (a VMEM row)."""
+    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
+            for name in WEIGHT_NAMES}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, weights, state):
+    del recording  # a static argument only so recorded and silent traces are cached apart
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    n_in = 1 + len(jax.tree.leaves(weights))  # then conv, recurrent (a dict flattens sorted)
+
+    def kernel(x_ref, weight_refs, state_in, out_ref, state_out):
+        kda_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
+                                           state_in=state_in, state_out=state_out,
+                                           stream=blocks.LOCAL_STREAM, indices=dict(indices)))
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=(out, state_shapes),
+        in_specs=(vmem, jax.tree.map(lambda _: hbm, weights), jax.tree.map(lambda _: hbm, state)),
+        out_specs=(vmem, jax.tree.map(lambda _: hbm, state)),
+        input_output_aliases={n_in: 1, n_in + 1: 2},
+        cost_estimate=costs.kda(plan, weights).estimate(x, out),
+        interpret=interpret,
+    )(x, weights, state)
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The KDA layers' stacked weights as the body reads them: vectors as [n, 1, x] rows."""
+    return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
+            else stack[name] for name in WEIGHT_NAMES}
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    shapes = weight_shapes(cfg)
+    return tuple(Streamed(name, f"kda.{name}", shapes[name]) for name in MATRICES)
+
+
+def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
+    b, h, dk, hd = plan.batch, plan.n_heads, plan.head_dim, plan.n_heads * plan.head_dim
+    states = b // plan.rows_per_state  # rows sharing a state row share its buffers
+    return [("conv state", (states, plan.conv_size - 1, 3, h, dk), jnp.bfloat16),
+            ("recurrent state", (states, h, dk, dk), jnp.float32),
+            ("pre-conv q/k/v", (b, 3, h, dk), jnp.float32),
+            ("y", (b, hd), jnp.float32),
+            ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
+
+
+def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer, in its order: both states' reads started, the projections
+    streamed, the small weights loaded whole, the reads waited for; after the delta rule the
+    write-backs started, W_o streamed, the writes waited for."""
+    w, indices = call.weights, call.indices
+
+    def state_copies(direction, src, dst):
+        return [call.start(f"{STATE_DMAS[leaf]}.{direction}", planned.nbytes(call.state[leaf]),
+                           buffer=planned.STATE, src=src, dst=dst, **indices)
+                for leaf in STATE_DMAS]
+
+    def stream(names):
+        return [dma for name in names for dma in call.matmul(
+            f"kda.{name}", w[name], plan.block_rows(name), **indices)]
+
+    def row_steps(b):  # a verify row's per-token states, started together, then waited for
+        started = [call.start(f"{STATE_DMAS[leaf]}.step", planned.nbytes(call.state[leaf])
+                              // call.state[leaf].shape[0], buffer=planned.STATE, src="vmem",
+                              dst="hbm", row=b, **indices) for leaf in STATE_DMAS]
+        return started + [copy.waited() for copy in started]
+
+    reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
+    loads = [dma for name in LOADED_WHOLE
+             for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
+    steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
+             if plan.rows_per_state > 1 else [])
+    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + steps + writes
+            + stream(MATRICES[-1:]) + [write.waited() for write in writes])
+
+
+KERNEL = register(KernelStage(
+    name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
+    prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
+    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights),
+    schedule=_schedule))
+

@@ -1,0 +1,244 @@
+"""DeepSeek-V3's MLA (kind "mla_rope") as one Pallas TPU kernel: x -> sublayer output + in-place
+latent cache write. Same contract and arithmetic as `mkresearch.stages.mla_rope`.
+
+Kimi K3's latent MLA kernel (`kernels/mla.py`) with three changes, reusing its pieces:
+  RoPE      per row, cos/sin of the row's position computed in the kernel from SMEM
+            (`rope.cos_sin_row`, YaRN frequencies), applied to each head's q^R (the last
+            mla_qk_extra dims of its query) and to the shared rope key k^R, then bf16
+  scale     the softmax scale times YaRN's mscale² (`rope.attention_scale`), via the plan
+  no gate   o_h = bf(bf(Σ α ĉ) W_vb_h) goes straight to W_o
+The latent cache {ckv [B, S, kv_rank] = ĉ, kpe [B, S, rope] = roped k^R} is read in KV tiles by
+`mla.latent_partial` (absorbed queries, online softmax seeded by the new token, only the 16-row
+groups holding cached tokens) and the new entry written by `kv_update.update_latent`; their DMAs keep
+MLA's names ("mla.kv.ckv", "mla.kv.kx" for the rope key, "mla.kv_update.*").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
+from mkresearch.kernels.base.blocks import bf16, f32
+from mkresearch.kernels.base.kv_tiles import tile_loop_dmas
+from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
+from mkresearch.kernels.stages import mla
+
+from mkresearch.hardware import tpu
+from mkresearch.model import rope
+from mkresearch.model.config import ModelConfig
+
+WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_o")
+CACHE_NAMES = ("ckv", "kpe")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaRopePlan(mla.MlaPlan):
+    """MLA's plan (layout "latent") plus the RoPE and the YaRN-scaled softmax scale."""
+
+    softmax_scale: float = 0.0
+    rope: rope.Rope | None = None
+
+    @property
+    def scale(self) -> float:  # what mla.latent_partial multiplies the scores by
+        return self.softmax_scale
+
+
+def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None = None,
+              weight_block_rows: int | None = None) -> MlaRopePlan:
+    """Check block sizes (ValueError naming the parameter) and fix every static size."""
+    base = mla.make_plan(cfg.replace(mla_cache_layout="latent"), batch, seq_len, kv_tile=kv_tile,
+                         weight_block_rows=weight_block_rows)
+    return MlaRopePlan(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                       softmax_scale=rope.attention_scale(cfg, cfg.mla_qk_dim),
+                       rope=rope.of(cfg, cfg.mla_qk_extra))
+
+
+def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
+    """One MLA-with-RoPE sublayer for B rows.
+
+    refs.positions [B] i32 (SMEM); refs.x [B, d] bf16 (VMEM); refs.weights by WEIGHT_NAMES in HBM,
+    norms as [1, n]; refs.state_in {"ckv" [B, S, kv_rank], "kpe" [B, S, rope]} in HBM and
+    refs.state_out the same buffers (aliased); refs.out [B, d] bf16 (VMEM). refs.indices tag the
+    DMA log.
+    """
+    p = plan
+    positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
+    w_qa, q_norm, w_qb, w_kva, kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES)
+    ckv_in, kpe_in = refs.state_in["ckv"], refs.state_in["kpe"]
+    ckv_out, kpe_out = refs.state_out["ckv"], refs.state_out["kpe"]
+    heads, nope, qk, rank, v_dim = p.n_heads, p.qk_nope, p.qk_dim, p.kv_rank, p.v_dim
+    stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
+
+    with dma.phase("mla.project", **indices):
+        x = x_ref[...]  # [B, d] bf16
+        c_q = blocks.rms_norm(
+            bf16(stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa")),
+            blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
+        q = f32(bf16(stream(c_q, w_qb, rows=p.block_rows("w_qb"), name="mla.w_qb")))  # [B, H·qk]
+        ckv_kpe = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
+        c_hat = blocks.rms_norm(f32(ckv_kpe[:, :rank]),
+                                blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
+                                p.eps)  # [B, kv_rank] bf16
+        k_rope_raw = f32(ckv_kpe[:, rank:])  # [B, rope], bf16 values: roped per row below
+
+    def with_scratch(w_kvb_vmem):  # W_kvb whole in VMEM: both absorbed sides use it
+        blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
+                         **indices)
+
+        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
+            position = positions_ref[b]
+            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row (mla.py: verify)
+            cos, sin = rope.cos_sin_row(position, p.rope)  # [1, rope/2]
+            q_b = blocks.select_row(q, b)  # [1, H·qk]
+            q_row = [jnp.concatenate(  # per head [q^C | RoPE(q^R)], bf16 values
+                [q_b[:, h * qk:h * qk + nope],
+                 f32(bf16(rope.rotate(q_b[:, h * qk + nope:(h + 1) * qk], cos, sin)))], axis=1)
+                for h in range(heads)]
+            k_rope = bf16(rope.rotate(blocks.select_row(k_rope_raw, b), cos, sin))  # [1, rope]
+            c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
+            outs = mla._attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
+                                      ckv_in, kpe_in, indices)  # per head [1, v] f32
+            # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
+            kv_update.update_latent(p, s, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
+                                    kpe_out, mla.CACHE_NAMES["latent"], indices)
+            return tuple(blocks.put_row(y_h, b, f32(bf16(o_h))) for y_h, o_h in zip(y, outs))
+
+        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * heads)
+        with dma.phase("mla.output", **indices):
+            out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), w_o,
+                                       rows=p.block_rows("w_o"), name="mla.w_o"))
+
+    pl.run_scoped(with_scratch, pltpu.VMEM((rank, heads * (nope + v_dim)), jnp.bfloat16))
+
+
+# ---- the wrapper --------------------------------------------------------------------------------
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = mla.weight_shapes(cfg)
+    return {name: shapes[name] for name in WEIGHT_NAMES}
+
+
+def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+    return {"ckv": (batch, seq_len, cfg.mla_kv_rank), "kpe": (batch, seq_len, cfg.mla_qk_extra)}
+
+
+def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
+    """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
+    length."""
+    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
+    batch = x.shape[0]
+    for name, shape in weight_shapes(cfg).items():
+        w = p.get(name) if isinstance(p, dict) else None
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
+        if w.dtype != jnp.bfloat16:
+            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
+    if not isinstance(cache, dict) or set(cache) != set(CACHE_NAMES):
+        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
+                         f": expected {CACHE_NAMES}")
+    seq_len = cache["ckv"].shape[1] if cache["ckv"].ndim == 3 else 0
+    for name, shape in cache_shapes(cfg, batch, seq_len).items():
+        if tuple(cache[name].shape) != shape or cache[name].dtype != jnp.bfloat16:
+            raise ValueError(f"cache[{name!r}] is {tuple(cache[name].shape)} {cache[name].dtype}"
+                             f": expected {shape} bfloat16 (batch {batch}, length {seq_len})")
+    if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
+        raise ValueError(f"positions is {getattr(positions, 'shape', None)} "
+                         f"{getattr(positions, 'dtype', '')}: expected [B={batch}] int32")
+    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
+        values = np.asarray(positions)
+        if values.min() < 0 or values.max() >= seq_len:
+            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) "
+                             "(the cache length)")
+    return seq_len
+
+
+def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
+                       cfg: ModelConfig, *, kv_tile: int | None = None,
+                       weight_block_rows: int | None = None,
+                       **indices: int) -> tuple[jax.Array, dict]:
+    """The MLA-with-RoPE sublayer as a Pallas kernel; same contract as
+    `stages.mla_rope.mla_rope_attention`: x [B, d] bf16 (normalised), one layer's weights, the
+    layer's cache {"ckv" [B, S, kv_rank], "kpe" [B, S, rope]} bf16, positions [B] i32 ->
+    (out [B, d] bf16, updated cache), in place when the caller donates it."""
+    seq_len = check_inputs(p, x, cache, positions, cfg)
+    plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
+                     weight_block_rows=weight_block_rows)
+    weights = {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
+               for name in WEIGHT_NAMES}
+    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
+                 positions, x, weights, {"ckv": cache["ckv"], "kpe": cache["kpe"]})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _call(plan: MlaRopePlan, interpret: Any, recording: bool, indices: tuple, positions, x,
+          weights, cache):
+    del recording  # a static argument only so recorded and silent traces are cached apart
+    cost = costs.mla_rope(plan, weights, (cache["ckv"], cache["kpe"]))
+    return blocks.cache_stage_call(mla_rope_body, plan, cost, interpret, indices, positions, x,
+                                   weights, cache)
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The layers' stacked weights as the body reads them: norm gains as [n, 1, x] rows."""
+    return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
+            else stack[name] for name in WEIGHT_NAMES}
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    """In the body's order; W_kvb is loaded whole into VMEM (both absorbed sides use it)."""
+    shapes = weight_shapes(cfg)
+    return tuple(Streamed(name, f"mla.{name}", shapes[name])
+                 for name in ("w_qa", "w_qb", "w_kva", "w_o"))
+
+
+def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
+    h, bf = p.n_heads, jnp.bfloat16
+    return [("y", (p.batch, h * p.v_dim), jnp.float32),
+            ("W_kvb (absorbed)", (p.kv_rank, h * (p.qk_nope + p.v_dim)), bf),
+            ("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf),
+            ("k^R tiles", (2, p.kv_tile, p.qk_extra), bf),
+            ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
+
+
+def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
+    """The body's DMAs for one layer: MLA's latent layout without its gate (the rope key's DMAs
+    keep the latent layout's names)."""
+    w, indices = call.weights, call.indices
+
+    def stream(name):
+        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
+
+    def load(name):
+        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
+
+    out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
+    out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
+    caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
+    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
+        row = b // p.rows_per_state
+        out += tile_loop_dmas(p, call, row, position,
+                              [(f"{mla.KV_TILE_NAME}.{name}", cache) for name, cache in caches])
+        out += kv_update.update_dmas(call, row, caches)
+    return out + stream("w_o")
+
+
+KERNEL = register(KernelStage(
+    name="mla_rope",
+    plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
+                                                        kv_tile=options.kv_tile),
+    prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
+    scope=lambda plan: "MLA (rope, latent)",
+    cost=lambda plan, weights, state, cfg, batch: costs.mla_rope(
+        plan, weights, (state["ckv"], state["kpe"])), schedule=_schedule))

@@ -1,0 +1,141 @@
+"""The MoE layer on the full d (kind "moe_full": DeepSeek-V3, GLM-4.5, Qwen3) as one Pallas TPU
+kernel: kernel twins of `mkresearch.stages.moe_full` (moe_full_ffn, routed_experts).
+
+No new body: `experts.moe_layer_body` runs the router (`router.router_body`, with the group-limited
+first stage and the renormalise switch of the family) and the FFN stage (`experts.ffn_stage_body`)
+whose routed part, given no latent weights, runs the experts on x itself and returns their
+weighted sum in ascending expert id; the shared experts are its always-on MLP. Expert weights
+stream from HBM in their stored format through the same slot ring as Kimi K3's ("expert/" DMAs),
+each distinct expert of the batch once (plan "unique").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import costs, dma, quant
+from mkresearch.kernels.base.registry import KernelStage, Streamed, register
+from mkresearch.kernels.stages import experts, ffn_kinds, router
+
+from mkresearch.hardware import tpu
+from mkresearch.model.config import ModelConfig
+
+_VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
+
+
+def stage_options(cfg: ModelConfig, plan: str = "unique", n_slots: int = 2,
+                  chip: Any = None) -> experts.StageOptions:
+    """The FFN stage's static options for a full-d MoE: the experts' width is d_model."""
+    options = experts._options(cfg, plan, n_slots, chip=chip)
+    return experts.StageOptions(**{**options.__dict__, "latent": cfg.d_model,
+                                   "latent_padded": cfg.d_model})
+
+
+def router_options(cfg: ModelConfig) -> tuple:
+    """The router body's static options for cfg, the family's grouping and normalising included
+    (hashable: part of a jit cache key)."""
+    return experts.router_options(cfg) + (
+        ("groups", cfg.router_groups), ("topk_groups", cfg.router_topk_groups),
+        ("normalize", cfg.router_normalize))
+
+
+def routed_tree(p: dict, cfg: ModelConfig) -> dict:
+    """The routed part of one layer's weights for `experts.ffn_stage_body`: experts only."""
+    return {"experts": experts._expert_parts(p["experts"], cfg, width=cfg.d_model)}
+
+
+def shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
+    if not cfg.n_shared_experts:
+        return None
+    return {"w_gate": p["w_sg"], "w_up": p["w_su"], "w_down": p["w_sd"]}
+
+
+def moe_full_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
+                 n_slots: int = 2, chip: Any = None) -> jax.Array:
+    """Kernel twin of stages.moe_full.moe_full_ffn -> bf16 [B, d]: router + experts on the full
+    d + shared experts, one kernel. chip: the kernel is built for it (None: tpu.target_chip())."""
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    experts._check_x(x, cfg.d_model)
+    router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
+    bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
+    return experts._moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
+                                   shared_tree(p, cfg), options=options,
+                                   router_options=router_options(cfg),
+                                   interpret=tpu.interpret_params(), recording=dma.is_recording())
+
+
+def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
+                   cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2,
+                   chip: Any = None) -> jax.Array:
+    """Kernel twin of stages.moe_full.routed_experts -> f32 [B, d] (no shared experts)."""
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    experts._check_x(x, cfg.d_model)
+    experts.check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
+    return experts._stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
+                               routed_tree(p, cfg), None, options=options,
+                               out_dtype=jnp.float32, interpret=tpu.interpret_params(),
+                               recording=dma.is_recording())
+
+
+# ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
+def _prepare(stack: dict, cfg: ModelConfig) -> dict:
+    """The layers' stacked weights as the MoE body reads them: the router bias as [n, 1, E] f32,
+    each expert matrix as the tuple of its stored parts."""
+    out = {"w_router": stack["w_router"],
+           "router_bias": stack["router_bias"].astype(jnp.float32).reshape(
+               stack["router_bias"].shape[0], 1, -1),
+           "experts": {m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
+                       for m in experts.EXPERT_MATRICES}}
+    if cfg.n_shared_experts:
+        out.update({key: stack[key] for key in experts.SHARED_KEYS.values()})
+    return out
+
+
+def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
+    """In the body's order: the router, then the shared experts."""
+    d = cfg.d_model
+    out = [Streamed("w_router", "router/w_router", (d, cfg.n_experts))]
+    if cfg.n_shared_experts:
+        shapes = {"w_gate": (d, cfg.shared_hidden), "w_up": (d, cfg.shared_hidden),
+                  "w_down": (cfg.shared_hidden, d)}
+        out += [Streamed(key, f"shared/{part}", shapes[part])
+                for part, key in experts.SHARED_KEYS.items()]
+    return tuple(out)
+
+
+def _vmem(plan: experts.MoePlan, cfg: ModelConfig) -> list:
+    out = []
+    for m, (k, n) in zip(experts.EXPERT_MATRICES, ((cfg.d_model, cfg.expert_hidden),) * 2
+                         + ((cfg.expert_hidden, cfg.d_model),)):
+        for name, part in zip(quant.part_names(cfg.expert_format),
+                              quant.part_structs(cfg.expert_format, k, n)):
+            out.append((f"expert {m}/{name} slots", (plan.stage.n_slots, *part.shape), part.dtype))
+    return out + [("routed sum", (plan.batch, cfg.d_model), jnp.float32),
+                  ("dedupe lists (SMEM)", (0,), jnp.int32)]
+
+
+def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
+    shared = ({part: weights[key] for part, key in experts.SHARED_KEYS.items()}
+              if cfg.n_shared_experts else None)
+    bias = weights["router_bias"] if cfg.router_bias else None
+    return (costs.router(plan.batch, weights["w_router"], bias)
+            + costs.ffn(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
+                        shared))
+
+
+KERNEL = register(KernelStage(
+    name="moe_full",
+    plan=lambda cfg, batch, seq_len, options: experts.MoePlan(
+        stage_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
+        router_options(cfg), batch),
+    prepare=_prepare, streamed=_streamed, body=experts.moe_layer_body, vmem=_vmem,
+    scope=lambda plan: "MoE (full d)", cost=_cost,
+    scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
+                                          "router weights (SMEM)"),
+                                         router.routing_scratch(batch, cfg.top_k))),
+    scratch_bundle=lambda refs: router.Routing(*refs),
+    schedule=ffn_kinds.moe_schedule))  # experts.moe_layer_body's DMAs: the same body, no latent
+

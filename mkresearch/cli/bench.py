@@ -1,0 +1,383 @@
+"""Decode with the megakernel, check it against the reference, time it and predict it on a TPU.
+
+* `decode_megakernel(...)`: what `mkresearch decode --backend megakernel` runs: a random prompt is
+  fed step by step (one megakernel call per token), then greedy tokens are generated. The
+  reference (`reference.decode_step`) is stepped over the same tokens and state, so agreement is
+  per step: the same greedy token, and the max |logit difference|.
+* `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
+  both backends on this machine, and the timeline model's prediction for a TPU chip from one
+  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log), and for a mini
+  that step scaled to one rank of its full model (`predict_full_size`, as `decode` reports it).
+
+Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
+mode (a simulator: its seconds say nothing about a TPU) and the reference is plain XLA on the
+CPU; the TPU numbers are the timeline model's predictions. On a TPU both are measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import mkresearch  # noqa: F401 - selects the platform before jax is imported
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel
+from mkresearch.model import reference, roofline, weights
+from mkresearch.model.config import ModelConfig, get_config
+from mkresearch.prediction import timeline
+from mkresearch.prediction.scaling import scale_log
+from mkresearch.sharding import layout
+
+BENCH_BATCHES = (1, 2, 4, 8)
+NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
+# mini preset -> (one rank of its full model, `layout.named_config`: the release layout's for Kimi
+# K3, `config.rank_shapes` for the families, whose kinds have no sharding rules yet; the full
+# model): where a recorded mini step is scaled to for a full-size prediction (spec §9)
+FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
+                  for full in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}
+# full model -> its published decode throughput on TPU7x by batch (tok/s), where there is one
+PUBLISHED_TPU7X = {"kimi-k3": roofline.PUBLISHED_TPU7X_16_CHIPS}
+
+
+def _backend_label(backend: str) -> str:
+    import jax
+
+    on_tpu = jax.default_backend() == "tpu"
+    if backend == "megakernel":
+        return "measured on a TPU" if on_tpu else "TPU interpret mode on CPU (a simulator)"
+    return "measured on a TPU" if on_tpu else "plain XLA on CPU"
+
+
+def predict(log: Any, chip: str, batch: int) -> dict:
+    """The timeline model's step time for one recorded megakernel step on `chip`."""
+    simulated = timeline.simulate(log, chip)
+    return {"chip": chip, "step_s": simulated.total_s, "tokens_per_s": batch / simulated.total_s,
+            "hbm_floor_s": simulated.hbm_floor_s,
+            "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
+            "label": "timeline model prediction (mkresearch.timeline)"}
+
+
+def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, list, float]:
+    """A recorded step of a mini preset scaled to one rank of its full model (`scale_log`), the
+    routed experts to that rank's expected share (its local experts hit by B tokens choosing
+    top_k of the full model's experts) -> (rank config, events, unique experts per MoE layer).
+    ValueError for a config that has no full-size rank (FULL_SIZE_RANK)."""
+    if cfg.name not in FULL_SIZE_RANK:
+        raise ValueError(f"cfg={cfg.name!r} has no full-size rank to scale to: one of "
+                         f"{', '.join(FULL_SIZE_RANK)}")
+    rank, full = (layout.named_config(name) for name in FULL_SIZE_RANK[cfg.name])
+    unique = rank.n_experts * (1 - (1 - rank.top_k / full.n_experts) ** batch)
+    return rank, scale_log(log, cfg, rank, batch, unique_experts=unique), unique
+
+
+def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x") -> dict | None:
+    """The timeline model's step for one rank of the full model (the recorded mini step scaled
+    by `scale_to_rank`), beside the release's published step at this batch (16 TPU7x chips).
+    None when cfg has no full-size rank."""
+    if cfg.name not in FULL_SIZE_RANK:
+        return None
+    rank, events, unique = scale_to_rank(log, cfg, batch)
+    simulated = timeline.simulate(events, chip)
+    published = PUBLISHED_TPU7X.get(FULL_SIZE_RANK[cfg.name][1], {}).get(batch)
+    return {"model": rank.name, "chip": chip, "batch": batch, "unique_experts": unique,
+            "step_s": simulated.total_s, "hbm_floor_s": simulated.hbm_floor_s,
+            "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
+            "published_step_s": batch / published if published and chip == "tpu7x" else None,
+            "label": "timeline model prediction for one rank (not measured)"}
+
+
+class StepClock:
+    """Times decode steps: the first call is compile + step, the others are steps."""
+
+    def __init__(self) -> None:
+        self.compile_seconds: float | None = None
+        self.step_seconds: list[float] = []
+
+    def run(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        import jax
+
+        started = time.perf_counter()
+        out = step(*args, **kwargs)
+        jax.block_until_ready(out[0])
+        elapsed = time.perf_counter() - started
+        if self.compile_seconds is None:
+            self.compile_seconds = elapsed
+        else:
+            self.step_seconds.append(elapsed)
+        return out
+
+    @property
+    def step_s(self) -> float | None:
+        """The median step (the compile + first step when there was one call)."""
+        import numpy as np
+
+        return float(np.median(self.step_seconds)) if self.step_seconds else self.compile_seconds
+
+
+def near_tie_rows(ref_logits: Any, tokens: Any, gap: float = NEAR_TIE_GAP) -> list[tuple]:
+    """(row, reference top-2 logit gap, token differs) for every row whose greedy token differs
+    from the reference's (argmax of ref_logits [B, V]) or whose gap is under `gap`: a near-tie,
+    the only place two logit vectors within gap / 2 of each other may pick different tokens."""
+    import numpy as np
+
+    ref_logits = np.asarray(ref_logits)
+    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+    gaps = top2[:, 1] - top2[:, 0]  # [B]
+    differ = np.asarray(tokens) != ref_logits.argmax(-1)
+    return [(int(row), float(gaps[row]), bool(differ[row]))
+            for row in np.flatnonzero((gaps < gap) | differ)]
+
+
+def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
+                      chip: str = "tpu7x", progress: bool = False) -> dict:
+    """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
+    with the reference; interpret-mode step time; the timeline model's prediction for `chip`.
+    A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    options = megakernel.MegakernelOptions(chip=chip)
+    megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
+    params = weights.init_params(cfg, seed)
+    prepared = megakernel.prepare_weights(params, cfg)
+    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
+                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+    state = reference.init_state(cfg, batch)
+    ref_state = reference.init_state(cfg, batch)
+    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} megakernel", unit="step",
+               disable=not progress, leave=False)
+    generated, equal, near_ties, worst = [], 0, [], 0.0
+    clock = StepClock()
+    token = prompt[:, 0]
+    for t in range(prompt_len + steps - 1):
+        positions = np.full(batch, t, np.int32)
+        next_token, state, aux = clock.run(megakernel.decode_step, prepared, state, token,
+                                           positions, cfg, options=options, return_logits=True)
+        logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
+        next_token = np.asarray(next_token)
+        if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
+            ref_logits = np.asarray(logits)
+            worst = max(worst, float(np.abs(np.asarray(aux["logits"]) - ref_logits).max()))
+            equal += int((ref_logits.argmax(-1) == next_token).sum())
+            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
+                          for row, gap, differs in near_tie_rows(ref_logits, next_token)
+                          if differs]
+            generated.append(next_token)
+        token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
+        bar.update()
+    bar.close()
+    with dma.recording() as log:  # one more step, recorded, for the timeline model
+        out, _, _ = megakernel.decode_step(prepared, state, token,
+                                           np.full(batch, prompt_len + steps - 1, np.int32), cfg,
+                                           options=options)
+        jax.block_until_ready(out)
+    generated_ids = np.stack(generated, axis=1)  # [B, N]
+    step_s = clock.step_s
+    total = int(generated_ids.size)
+    return {
+        "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
+        "steps": steps, "seed": seed, "platform": jax.default_backend(),
+        "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
+        "agreement": {"check": "megakernel vs reference.decode_step on the same tokens and "
+                               "state, greedy", "tokens_equal": equal, "tokens": total,
+                      "max_abs_logit_diff": worst, "near_ties": near_ties,
+                      "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in near_ties)},
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": step_s},
+        "step_label": _backend_label("megakernel"),
+        "prediction": predict(log, chip, batch),
+        "full_size": predict_full_size(log, cfg, batch, chip),
+        "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
+    }
+
+
+def print_run(result: dict, backend: str) -> None:
+    """The lines every decode backend prints first: the run, then each row's prompt and tokens."""
+    print(f"{result['model']}, backend {backend} on {result['platform']}: batch "
+          f"{result['batch']}, random prompt of {result['prompt_len']} tokens (seed "
+          f"{result['seed']}), {result['steps']} greedy steps")
+    for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
+        print(f"  row {row}: prompt {prompt} -> generated {ids}")
+
+
+def print_agreement(agree: dict) -> None:
+    """One line: a decode's tokens and logits against the reference backend, near-ties named."""
+    ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
+                   for t in agree["near_ties"])
+    print(f"agreement with the reference backend: {agree['tokens_equal']}/{agree['tokens']} tokens "
+          f"equal, max |logit diff| {agree['max_abs_logit_diff']:.2e}{ties} -> "
+          f"{'PASS' if agree['passed'] else 'FAIL'}")
+
+
+def print_decode(result: dict) -> None:
+    print_run(result, "megakernel (one pallas_call per step)")
+    print_agreement(result["agreement"])
+    seconds = result["seconds"]
+    print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}); compile + first "
+          f"step {seconds['compile_and_first_step']:.1f} s")
+    p = result["prediction"]
+    print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
+          f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "
+          f"({p['dma_bytes'] / 1e6:.1f} MB per step)")
+    _print_full_size(result.get("full_size"))
+
+
+def _print_full_size(full: dict | None) -> None:
+    """The full-size prediction's line (predict_full_size), if the model has one."""
+    if full:
+        published = (f"; published release on 16 TPU7x chips: {full['published_step_s'] * 1e3:.2f}"
+                     f" ms/step" if full["published_step_s"] else "")
+        print(f"full size, one rank ({full['model']}, B={full['batch']}) on {full['chip']} "
+              f"({full['label']}): {full['step_s'] * 1e3:.2f} ms/step, "
+              f"{full['dma_bytes'] / 1e9:.2f} GB per step, {full['roofline_fraction']:.0%} of "
+              f"the HBM roofline{published}")
+
+
+def print_bench_row(row: dict) -> None:
+    """What `mkresearch bench` prints for one batch size (a row of run_bench)."""
+    mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
+    print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
+          f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
+          f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
+          f"tokens/s ({p['label']})")
+    _print_full_size(row.get("full_size"))
+
+
+# ---- mkresearch bench --------------------------------------------------------------------------
+def _time_steps(step, n_steps: int) -> tuple[float, float]:
+    """(first call seconds (compiles), median seconds of the next n_steps calls)."""
+    import jax
+    import numpy as np
+
+    started = time.perf_counter()
+    jax.block_until_ready(step())
+    first = time.perf_counter() - started
+    times = []
+    for _ in range(n_steps):
+        started = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - started)
+    return first, float(np.median(times))
+
+
+def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: str) -> dict:
+    """Both backends at one batch size: seconds per step here, and the megakernel's prediction."""
+    import jax
+    import numpy as np
+
+    options = megakernel.MegakernelOptions(chip=chip)
+    prepared = megakernel.prepare_weights(params, cfg)
+    tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
+    positions = np.full(batch, 3, np.int32)
+    holder = {"state": reference.init_state(cfg, batch)}
+
+    def mk_step():
+        out, holder["state"], _ = megakernel.decode_step(prepared, holder["state"], tokens,
+                                                         positions, cfg, options=options)
+        return out
+
+    ref_state = reference.init_state(cfg, batch)
+
+    def ref_step():
+        return reference.decode_step(params, ref_state, tokens, positions, cfg)[0]
+
+    mk_first, mk_step_s = _time_steps(mk_step, steps)
+    ref_first, ref_step_s = _time_steps(ref_step, steps)
+    with dma.recording() as log:
+        jax.block_until_ready(mk_step())
+    return {"batch": batch,
+            "megakernel": {"step_s": mk_step_s, "first_call_s": mk_first,
+                           "label": _backend_label("megakernel")},
+            "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
+                          "label": _backend_label("reference")},
+            "prediction": predict(log, chip, batch),
+            "full_size": predict_full_size(log, cfg, batch, chip)}
+
+
+def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",
+              seed: int = 0, out_json: str | Path | None = None,
+              figure: str | Path | None = None) -> dict:
+    """Decode steps for each batch size on both backends (the megakernel built for `chip`); JSON
+    and figure if paths are given. A batch `chip` cannot run is refused before any work."""
+    import jax
+
+    for batch in batches:
+        megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
+    params = weights.init_params(cfg, seed)
+    rows = [bench_batch(cfg, params, batch, steps, chip) for batch in batches]
+    result = {"model": cfg.name, "platform": jax.default_backend(), "chip": chip,
+              "steps_timed": steps, "rows": rows,
+              "note": ("seconds per step measured on this machine; on a CPU the megakernel runs in "
+                       "TPU interpret mode, a simulator whose times say nothing about a TPU. TPU "
+                       "times are the timeline model's predictions from a recorded DMA log.")}
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=1))
+    if figure is not None:
+        plot_bench(result, figure)
+    return result
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = bench_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_figure(result: dict):
+    """The bench's rows: seconds per step here (both backends), and the predicted TPU step with
+    its tok/s written under each point."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    rows = result["rows"]
+    batches = [r["batch"] for r in rows]
+    fig, (here, tpu) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    for backend, marker in (("megakernel", "o"), ("reference", "s")):
+        label = f"{backend}: {rows[0][backend]['label']}"
+        here.plot(batches, [r[backend]["step_s"] for r in rows], marker=marker, label=label)
+    here.set(xscale="log", yscale="log", xlabel="batch B", ylabel="seconds per step",
+             title=f"{result['model']}: measured on {result['platform']}")
+    here.legend(fontsize=8)
+    predicted = [r["prediction"] for r in rows]
+    steps_us = [p["step_s"] * 1e6 for p in predicted]
+    tpu.plot(batches, steps_us, marker="o", label="megakernel step (timeline model prediction)")
+    tpu.plot(batches, [p["hbm_floor_s"] * 1e6 for p in predicted], linestyle="--",
+             label="HBM floor of the same bytes")
+    tpu.set(xscale="log", xlabel="batch B", ylabel="microseconds per step",
+            title=f"{result['model']} on {result['chip']}: predicted, not measured")
+    tpu.set_ylim(0, max(steps_us) * 1.3)  # room above the line for the legend
+    for i, (b, p, y) in enumerate(zip(batches, predicted, steps_us, strict=True)):
+        # off the rising line: below and right of each point, the last one above and left
+        last = i == len(batches) - 1
+        tpu.annotate(f"{p['tokens_per_s']:,.0f} tok/s", (b, y), fontsize=7,
+                     textcoords="offset points", xytext=(-6, 6) if last else (5, -10),
+                     ha="right" if last else "left", va="bottom" if last else "top")
+    tpu.legend(fontsize=8, loc="upper left")
+    for ax in (here, tpu):
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    # plain numbers at 1, 2, 5 per decade instead of 10^-1 and labelled minor ticks (6x10^-1)
+    here.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    here.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    here.yaxis.set_minor_formatter(NullFormatter())
+    return fig
+
+
+def plot_decode_bench(path: str | Path) -> None:
+    """figures/decode_bench.png (the figure registry): from decode_bench.json beside it when it
+    exists (`mkresearch bench` writes both), else from a short bench of kimi-k3-mini."""
+    path = Path(path)
+    data = path.with_suffix(".json")
+    if data.exists():
+        plot_bench(json.loads(data.read_text()), path)
+    else:
+        run_bench(get_config("kimi-k3-mini"), steps=1, out_json=data, figure=path)

@@ -1,0 +1,235 @@
+"""`mkresearch predict MODEL --ranks N`: the full-size step on N ranks, predicted by the scale-out
+timeline model (`mkresearch.scale_out`), beside the published numbers where there are some.
+
+    mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
+        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
+        [--speculate K --acceptance 3,6]
+
+--explain lists every constant the model uses with its label (MEASURED with its source,
+PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
+the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
+every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
+a test).
+
+With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
+at each acceptance length (`mkresearch.speculative_predict`).
+
+Without --layout both layouts are predicted, each with its own schedule unless --schedule says.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from mkresearch.cli.common import UsageError, _at_least, _chip, _model, _refusals
+from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction import speculative_predict as speculative
+from mkresearch.prediction.timeline_chip import timeline_chip
+from mkresearch.sharding import layout
+
+
+def _batches(text: str, flag: str = "--batch") -> tuple[int, ...]:
+    try:
+        batches = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is invalid: comma-separated ints >= 1, e.g. "
+                         "1,2,4,8") from None
+    for batch in batches:
+        _at_least(flag, batch, 1)
+    return batches
+
+
+def _acceptances(args: Any) -> tuple[int, ...]:
+    if args.acceptance is not None:
+        return _batches(args.acceptance, "--acceptance")
+    return tuple(a for a in (3, 6) if a <= args.speculate + 1) or (args.speculate + 1,)
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("predict", help="the full-size step on N ranks, predicted (timeline "
+                                            "model with the interconnect), beside the published")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())} with sharding rules")
+    p.add_argument("--ranks", type=int, default=32, help="ranks (devices) to shard across "
+                                                         "(default 32: the release's 16 TPU7x)")
+    p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")
+    p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated "
+                                                      "(default 1,2,4,8)")
+    p.add_argument("--layout", default=None, choices=layout.LAYOUTS,
+                   help="whose layout (default: both)")
+    p.add_argument("--schedule", default=None, choices=scale_out.SCHEDULES,
+                   help="whose schedule: ring, expert slots, collectives (default: the layout's)")
+    p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
+                   help="all-reduce algorithm (default: the schedule's at each batch)")
+    p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
+    p.add_argument("--speculate", type=int, default=0,
+                   help="drafts per verify step, 1..7 (default 0: plain decoding)")
+    p.add_argument("--acceptance", default=None,
+                   help="with --speculate K: acceptance lengths (tokens per verify step, 1..K+1), "
+                        "comma-separated (default: those of 3,6 — the release's published modes "
+                        "— that K allows, else K+1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--explain", action="store_true",
+                   help="list every constant of the model: measured (source), published, assumed")
+    p.add_argument("--validate", action="store_true",
+                   help="the published points beside the predictions, leave-one-out, sensitivity")
+    p.add_argument("--profile", action="store_true",
+                   help="print the seconds one prediction takes (uncached)")
+
+
+def run(args: Any) -> int:
+    cfg = _model(args.model)
+    chip = _chip(args.chip)
+    if args.explain:
+        print(format_explain(cfg, args.ranks, chip))
+        return 0
+    if args.validate:
+        print(format_validation())
+        return 0
+    batches = _batches(args.batch)
+    _at_least("--ranks", args.ranks, 2)
+    _at_least("--context", args.context, 0)
+    _at_least("--speculate", args.speculate, 0)
+    names = (args.layout,) if args.layout else layout.LAYOUTS
+    with _refusals():
+        if not layout.has_rules(cfg):
+            raise ValueError(f"--model {cfg.name} has no sharding rules (its stage kinds do not "
+                             "say how they split: spec.Param.shard)")
+        layout.check_ranks(cfg, args.ranks)
+        links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks
+    rows = []
+    todo = [(name, batch) for name in names for batch in batches]
+    progress = not args.json and sys.stderr.isatty() and len(todo) > 1
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="predict", unit="step", file=sys.stderr)
+    with _refusals():
+        for name, batch in todo:
+            common = {"chip": chip, "schedule": args.schedule, "algorithm": args.algorithm,
+                          "context": args.context}
+            if args.speculate:
+                rows += speculative.predict_speculative(
+                    cfg, args.ranks, name, batch=batch, drafts=args.speculate,
+                    acceptances=_acceptances(args), **common)
+            else:
+                rows.append(scale_out.predict(cfg, args.ranks, name, batch, **common))
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    if args.profile:
+        print(format_profile(cfg, args.ranks, names[0], batches[0], chip))
+    if args.json:
+        print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
+                          "predictions": rows}))
+    else:
+        print(format_speculative(rows) if args.speculate else format_rows(rows))
+    return 0
+
+
+def format_speculative(rows: list[dict]) -> str:
+    """Speculative predictions as a table: verify rows and step, tok/s, beside the published."""
+    first = rows[0]
+    lines = [(f"{first['model']} on {first['n_ranks']} ranks, speculative decoding with "
+             f"{first['drafts']} drafts per verify step: {first['label']}"),
+             (f"  {'layout':8s} {'B':>2s} {'rows':>4s} {'accept':>6s} {'verify ms':>9s} "
+             f"{'tok/s':>6s} {'plain':>6s} {'speedup':>7s} {'published':>9s}")]
+    for r in rows:
+        pub = f"{r['published_tok_s']:5d}/s" if r["published_tok_s"] else "-"
+        lines.append(f"  {r['layout']:8s} {r['batch']:2d} {r['verify_rows']:4d} "
+                     f"{r['acceptance']:6d} {r['verify_step_s'] * 1e3:9.2f} "
+                     f"{r['tokens_per_s']:6.0f} {r['plain_tokens_per_s']:6.0f} "
+                     f"{r['speedup']:6.2f}x {pub:>9s}")
+    lines.append("  acceptance: tokens emitted per verify step (accepted drafts and the bonus "
+                 "token); rows: B x (drafts + 1) verify rows through one weight pass")
+    return "\n".join(lines)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
+    first = rows[0]
+    lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
+             f"({first['algorithm']} collectives): {first['label']}"),
+             (f"  {'layout':8s} {'schedule':8s} {'B':>2s} {'step ms':>8s} {'tok/s':>7s} "
+             f"{'floor':>6s} {'peers':>6s} {'coll.':>6s} {'comp.':>6s} {'bubble':>6s} "
+             f"{'colls':>5s} {'published':>14s} {'16xGB200':>9s}")]
+    for r in rows:
+        parts = r["parts_s"]
+        published = r.get("published_step_s")
+        pub = (f"{published * 1e3:5.2f} ms {r['batch'] / published:4.0f}/s" if published
+               else "-")
+        gb200 = f"{r['gb200_tok_s']:5d}/s" if r.get("gb200_tok_s") else "-"
+        lines.append(
+            f"  {r['layout']:8s} {r['schedule']['name']:8s} {r['batch']:2d} "
+            f"{r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:7.0f} "
+            + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
+            + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
+    lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
+                 "messages, compute, bubbles; colls: collectives per rank per step")
+    return "\n".join(lines)
+
+
+def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
+    """Every constant the prediction uses, with its label and source."""
+    inter = links.interconnect(chip, n_ranks=n_ranks)
+    tl = timeline_chip(chip)
+    lines = [(f"constants of the scale-out model ({chip}, slice {inter.slice.name}); labels: "
+              "MEASURED (source), PUBLISHED architecture figure, ASSUMPTION")]
+    for name, value, source in inter.explain():
+        lines.append(f"  interconnect.{name:20s} {value:12.4g}  {source}")
+    for name in ("hbm_bandwidth", "mxu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines"):
+        lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
+                     f"{tl.sources.get(name, '')}")
+    for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg)):
+        lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
+                     f"{sched.expert_slots} expert slots, {sched.combine}, all-reduce "
+                     f"{sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
+                     f"{sched.all_reduce_large}), prefetch past collectives "
+                     f"{sched.prefetch_across}; {sched.source}")
+    lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
+    lines.append("  no constant is set from a published step time (calibration.validation)")
+    return "\n".join(lines)
+
+
+def format_validation() -> str:
+    """The validation table, the leave-one-out of the collective fit, the sensitivity."""
+    sens = calibration.sensitivity()
+    loo = calibration.leave_one_out()
+    lines = [(f"validation: every published point, predicted out of sample (within "
+              f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
+              "assumption x0.5 and x2; LOO: the collective fit without each measurement"),
+             (f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
+              f"{'within':>6s} {'range':>13s} {'LOO range':>13s}")]
+    for r in sens["base"]:
+        low, high = sens["ranges"][r["point"]]
+        llow, lhigh = loo["ranges"][r["point"]]
+        lines.append(f"  {r['point']:26s} {r['published']:7.2f} {r['unit']:>2s} "
+                     f"{r['predicted']:7.2f} {r['unit']:>2s} {r['ratio']:6.2f} "
+                     f"{'yes' if r['within'] else 'NO':>6s}   {low:4.2f} .. {high:4.2f}"
+                     f"   {llow:4.2f} .. {lhigh:4.2f}")
+    lines.append("  ratio: predicted / published time per token (step; 1 / tok/s)")
+    lines.append("collective fit, leave-one-out (rs-ag on 8 cores):")
+    for h in loo["held_out"]:
+        lines.append(f"  {h['nbytes']:8d} B: measured {h['measured_us']:5.1f} us, predicted "
+                     f"{h['predicted_us']:5.1f} us from the other three")
+    lines.append("sensitivity (ratio per point):")
+    points = [r["point"] for r in sens["base"]]
+    for row in sens["rows"]:
+        lines.append(f"  {row['assumption']:40s} x{row['factor']:<4g}" + " ".join(
+            f"{row['ratios'][p]:5.2f}" for p in points))
+    return "\n".join(lines)
+
+
+def format_profile(cfg: Any, n_ranks: int, name: str, batch: int, chip: str) -> str:
+    """Seconds (CPU and wall) of one uncached prediction: the programs and their simulation."""
+    scale_out.clear_caches()
+    cpu, wall = time.process_time(), time.perf_counter()
+    scale_out.predict(cfg, n_ranks, name, batch, chip=chip)
+    return (f"profile: one {n_ranks}-rank prediction ({name} layout, B = {batch}, uncached) "
+            f"took {time.process_time() - cpu:.3f} s CPU, {time.perf_counter() - wall:.3f} s "
+            "wall (a benchmark: never asserted)")

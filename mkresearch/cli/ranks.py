@@ -1,0 +1,285 @@
+"""`mkresearch decode --ranks N` and `mkresearch bench --ranks N`: the sharded megakernel
+(`kernels/megakernel_sharded.py`) on a mesh of N devices, against the reference and the
+single-device megakernel.
+
+Devices. XLA fixes the number of CPU devices when its backend starts, so N simulated devices
+cannot be had in a process that already has fewer. `devices_or_rerun` asks JAX how many devices
+there are; on CPU, when there are fewer than N, it runs the same command again in a child process
+with `--xla_force_host_platform_device_count=N` in XLA_FLAGS (the child's stdout and stderr are
+this process's: its progress bar sees the same terminal) and returns the child's exit status.
+Why a child and not the flag set in `__main__` before jax loads: the console script `mkresearch`
+does not go through `__main__`, `cli.main(argv)` is called in-process by tests and notebooks
+after jax started, and an argv pre-parse would duplicate the parser. The child is marked
+(`CHILD_ENV`), so a flag XLA ignores ends in a one-line refusal, never in a loop. On a TPU the
+real devices are used; too few of them is a one-line refusal naming --ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import mkresearch  # noqa: F401 - selects the platform before jax is imported
+from mkresearch.cli import bench
+from mkresearch.cli.common import UsageError, _at_least, _human_bytes, _refusals
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel_sharded as sharded
+from mkresearch.measurement import logs
+from mkresearch.model import reference, weights
+from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import timeline
+from mkresearch.sharding import layout
+
+CHILD_ENV = "MKRESEARCH_RANKS_CHILD"  # set in the child started with N simulated devices
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
+    """--ranks before anything runs: an int >= 1, only the megakernel backend shards, and a
+    count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`)."""
+    _at_least("--ranks", n_ranks, 1)
+    if n_ranks > 1 and backend != "megakernel":
+        raise UsageError(f"--ranks {n_ranks} needs --backend megakernel: the {backend} backend "
+                         "runs one device (use --ranks 1)")
+    if n_ranks > 1:
+        try:
+            layout.check_ranks(cfg, n_ranks)
+        except ValueError as error:
+            raise UsageError(f"--ranks {n_ranks}: {str(error).splitlines()[0]}") from None
+
+
+def child_xla_flags(flags: str, n_ranks: int) -> str:
+    """XLA_FLAGS with the CPU device count set to n_ranks (an earlier count dropped)."""
+    kept = [flag for flag in flags.split() if not flag.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={n_ranks}"])
+
+
+def devices_or_rerun(n_ranks: int, argv: Sequence[str]) -> int | None:
+    """None when JAX has n_ranks devices here; else, on CPU, the exit status of the same command
+    run in a child with n_ranks simulated devices (module docstring). UsageError on a TPU (or
+    GPU) with fewer devices, and in a child that still has too few."""
+    import jax
+
+    have, platform = len(jax.devices()), jax.default_backend()
+    if have >= n_ranks:
+        return None
+    if platform != "cpu" or os.environ.get(CHILD_ENV) == "1":
+        raise UsageError(f"--ranks {n_ranks} needs {n_ranks} devices but this {platform} backend "
+                         f"has {have}: choose --ranks <= {have}")
+    env = {**os.environ, CHILD_ENV: "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": child_xla_flags(os.environ.get("XLA_FLAGS", ""), n_ranks)}
+    return subprocess.run([sys.executable, "-m", "mkresearch", *argv], env=env,
+                          check=False).returncode
+
+
+# ---- one recorded step, per rank ---------------------------------------------------------------
+RANK_TIMELINE_LABEL = ("timeline model of this rank's events alone: what it receives taken as "
+                       "ready, its remote copies priced as local DMAs (not measured)")
+
+
+def rank_events(log: dma.DmaLog, rank: int) -> list[dma.Event]:
+    """One rank's events for `timeline.simulate`, which models one device: its waits for copies
+    a peer sends it are dropped (their start is in the peer's program, so one rank's timeline
+    cannot place them); its own sends and their waits stay."""
+    return [e for e in log.of_rank(rank).events
+            if not (e.kind == "dma_wait" and e.remote and e.dst_rank == rank
+                    and e.src_rank != rank)]
+
+
+def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> list[dict]:
+    """Per rank of a recorded sharded step: HBM bytes DMA'd (weights apart from caches, states,
+    embedding rows and routed experts), remote bytes sent to peers, and the timeline model's step
+    for that rank's events alone (`rank_events`, RANK_TIMELINE_LABEL)."""
+    rows = []
+    for rank in log.ranks:
+        events = log.of_rank(rank)
+        moved = logs.hbm_bytes_by_component(events)
+        weight_bytes = sum(moved.get(name, 0) for name in
+                           ("kda", "mla", "dense", "moe_nonrouted", "lm_head", "norms_and_mix"))
+        simulated = timeline.simulate(rank_events(log, rank), chip)
+        rows.append({"rank": rank, "hbm_bytes": events.dma_bytes(), "weight_bytes": weight_bytes,
+                     "routed_expert_bytes": moved.get("routed_experts", 0),
+                     "remote_bytes": events.remote_bytes(),
+                     "remote_copies": sum(1 for e in events.select("dma_start") if e.remote),
+                     "predicted_step_s": simulated.total_s, "chip": chip,
+                     "label": RANK_TIMELINE_LABEL})
+    return rows
+
+
+# ---- decode ----------------------------------------------------------------------------------
+def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
+                   n_ranks: int, chip: str = "tpu7x", progress: bool = False) -> dict:
+    """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
+    tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
+    step over the same tokens with states of their own: per step the sharded tokens and logits
+    must EQUAL the single device's (bit for bit), and agree with the reference (same greedy token
+    but at near-ties, logits within 5e-2). One more step is recorded for per-rank bytes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    options = megakernel.MegakernelOptions(chip=chip)
+    lay = layout.layout(cfg, n_ranks)
+    plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, options)  # refuses first
+    megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
+    mesh = sharded.make_mesh(n_ranks)
+    params = weights.init_params(cfg, seed)
+    prepared = sharded.prepare_weights(params, lay, mesh)
+    single = megakernel.prepare_weights(params, cfg)
+    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
+                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+    state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
+    single_state, ref_state = reference.init_state(cfg, batch), reference.init_state(cfg, batch)
+    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
+               disable=not progress, leave=False)
+    generated, equal, near_ties, worst = [], 0, [], 0.0
+    single_tokens_equal, single_bit_equal, worst_single = 0, 0, 0.0
+    clock = bench.StepClock()
+    token = prompt[:, 0]
+    for t in range(prompt_len + steps - 1):
+        positions = np.full(batch, t, np.int32)
+        next_token, state, aux = clock.run(sharded.decode_step, prepared, state, token,
+                                           positions, plan, mesh=mesh, return_logits=True)
+        one_token, single_state, one_aux = megakernel.decode_step(
+            single, single_state, token, positions, cfg, options=options, return_logits=True)
+        ref_logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
+        next_token, logits = np.asarray(next_token), np.asarray(aux["logits"])  # [B], [B, V]
+        one_logits = np.asarray(one_aux["logits"])
+        single_tokens_equal += int((np.asarray(one_token) == next_token).sum())
+        single_bit_equal += int(np.array_equal(logits.view(np.uint32), one_logits.view(np.uint32)))
+        worst_single = max(worst_single, float(np.abs(logits - one_logits).max()))
+        if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
+            ref_logits = np.asarray(ref_logits)
+            worst = max(worst, float(np.abs(logits - ref_logits).max()))
+            equal += int((ref_logits.argmax(-1) == next_token).sum())
+            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
+                          for row, gap, differs in bench.near_tie_rows(ref_logits, next_token)
+                          if differs]
+            generated.append(next_token)
+        token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
+        bar.update()
+    bar.close()
+    with dma.recording() as log:  # one more step, recorded: per-rank bytes
+        out, _, _ = sharded.decode_step(prepared, state, token,
+                                        np.full(batch, prompt_len + steps - 1, np.int32), plan,
+                                        mesh=mesh)
+        jax.block_until_ready(out)
+    generated_ids = np.stack(generated, axis=1)  # [B, N]
+    n_steps = prompt_len + steps - 1
+    reference_ok = all(tie["top2_gap"] < bench.NEAR_TIE_GAP for tie in near_ties)
+    single_ok = single_bit_equal == n_steps and single_tokens_equal == batch * n_steps
+    return {
+        "model": cfg.name, "backend": "megakernel", "ranks": n_ranks, "layout": lay.describe(),
+        "batch": batch, "prompt_len": prompt_len, "steps": steps, "seed": seed,
+        "platform": jax.default_backend(), "devices": len(jax.devices()),
+        "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
+        "agreement": {"check": "sharded megakernel vs reference.decode_step on the same tokens, "
+                               "greedy", "tokens_equal": equal, "tokens": int(generated_ids.size),
+                      "max_abs_logit_diff": worst, "near_ties": near_ties,
+                      "passed": reference_ok},
+        "single_device": {"check": "sharded vs single-device megakernel on the same tokens, "
+                                   "every step (prompt included): tokens and logits bit-equal",
+                          "tokens_equal": single_tokens_equal, "tokens": batch * n_steps,
+                          "logits_bit_equal_steps": single_bit_equal, "steps": n_steps,
+                          "max_abs_logit_diff": worst_single, "passed": single_ok},
+        "passed": reference_ok and single_ok,
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
+        "step_label": bench._backend_label("megakernel"),
+        "per_rank": rank_rows(log, lay, batch, chip),
+        "vmem_plan_bytes": plan.mega.vmem.total_bytes,
+    }
+
+
+def print_decode(result: dict) -> None:
+    bench.print_run(result, f"megakernel sharded over {result['ranks']} ranks (one pallas_call "
+                            "per step per rank)")
+    print(f"layout: {result['layout']}")
+    bench.print_agreement(result["agreement"])
+    one = result["single_device"]
+    print(f"equal to the single-device megakernel: {one['tokens_equal']}/{one['tokens']} tokens, "
+          f"logits bit-equal at {one['logits_bit_equal_steps']}/{one['steps']} steps (max |diff| "
+          f"{one['max_abs_logit_diff']:.2e}) -> {'PASS' if one['passed'] else 'FAIL'}")
+    print_rank_rows(result["per_rank"])
+    seconds = result["seconds"]
+    print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}, {result['ranks']} "
+          f"simulated devices); compile + first step {seconds['compile_and_first_step']:.1f} s")
+
+
+def print_rank_rows(rows: list[dict]) -> None:
+    """One line per rank of a recorded step (rank_rows), then what the prediction is."""
+    for row in rows:
+        print(f"  rank {row['rank']}: HBM {_human_bytes(row['hbm_bytes'])} per step (weights "
+              f"{_human_bytes(row['weight_bytes'])}, routed experts "
+              f"{_human_bytes(row['routed_expert_bytes'])}); remote copies sent "
+              f"{row['remote_copies']} = {_human_bytes(row['remote_bytes'])}; predicted on "
+              f"{row['chip']}: {row['predicted_step_s'] * 1e6:.1f} us/step")
+    if rows:
+        print(f"  (per-rank prediction: {rows[0]['label']})")
+
+
+# ---- bench -----------------------------------------------------------------------------------
+def bench_sharded(cfg: ModelConfig, batches: Sequence[int], steps: int, chip: str, n_ranks: int,
+                  seed: int = 0) -> dict:
+    """`mkresearch bench --ranks N`: per batch size, seconds per step of the sharded megakernel
+    here (interpret mode on CPU) and one recorded step's per-rank rows (rank_rows)."""
+    import jax
+    import numpy as np
+
+    options = megakernel.MegakernelOptions(chip=chip)
+    lay = layout.layout(cfg, n_ranks)
+    plans = {batch: sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, options)
+             for batch in batches}  # every batch refused (VMEM, HBM) before any work
+    mesh = sharded.make_mesh(n_ranks)
+    params = weights.init_params(cfg, seed)
+    prepared = sharded.prepare_weights(params, lay, mesh)
+    rows = []
+    for batch in batches:
+        tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
+        positions = np.full(batch, 3, np.int32)
+        holder = {"state": sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)}
+
+        def step(batch=batch, tokens=tokens, positions=positions, holder=holder):
+            out, holder["state"], _ = sharded.decode_step(prepared, holder["state"], tokens,
+                                                          positions, plans[batch], mesh=mesh)
+            return out
+
+        first, step_s = bench._time_steps(step, steps)
+        with dma.recording() as log:
+            jax.block_until_ready(step())
+        rows.append({"batch": batch, "ranks": n_ranks,
+                     "megakernel": {"step_s": step_s, "first_call_s": first,
+                                    "label": bench._backend_label("megakernel")},
+                     "per_rank": rank_rows(log, lay, batch, chip)})
+    return {"model": cfg.name, "platform": jax.default_backend(), "chip": chip, "ranks": n_ranks,
+            "layout": lay.describe(), "steps_timed": steps, "rows": rows,
+            "note": "sharded megakernel on simulated devices (interpret mode on CPU): seconds say "
+                    "nothing about a TPU; per-rank TPU times are the timeline model's."}
+
+
+def print_bench_row(row: dict) -> None:
+    mk = row["megakernel"]
+    print(f"B={row['batch']}, {row['ranks']} ranks: sharded megakernel {mk['step_s']:.3f} s/step "
+          f"({mk['label']})")
+    print_rank_rows(row["per_rank"])
+
+
+def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool) -> int:
+    """decode --ranks N > 1 (checked): here with N devices, or in a child that has them."""
+    status = devices_or_rerun(args.ranks, argv)
+    if status is not None:
+        return status
+    import json
+
+    with _refusals():
+        result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
+                                args.ranks, args.chip, progress)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_decode(result)
+    return 0 if result["passed"] else 1

@@ -1,0 +1,136 @@
+"""The arithmetic every sublayer of the reference (and every kernel) shares: bf16 rounding, the
+matmul, reductions in one written-out order, RMSNorm, the activations and the attention-residual
+mix (spec/kimi-k3.md §2–§3).
+
+Conventions:
+- `bf(x)` rounds to bf16 exactly where the spec writes bf(...);
+- every matmul takes bf16 inputs and accumulates in f32 (`matmul`); f32 x f32 contractions (the KDA
+  recurrence, softmax-weighted sums) use Precision.HIGHEST so a TPU computes them in full f32 too;
+- batch invariance: every reduction is `ordered_sum` (one written-out order) and no matmul runs
+  with a single row (`rows_at_least_two`), so a row's result is the same bits whatever the batch.
+
+The kernels call these same functions on VMEM values (`kernels/blocks.py`), so they round and sum
+exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mkresearch.model.config import LANE, ModelConfig
+
+f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def bf(x: jax.Array) -> jax.Array:
+    """Round to bf16 (the spec's bf(...))."""
+    return x.astype(bf16)
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [K, N] with bf16 inputs and f32 accumulation (how every matmul of the model
+    runs), batch-invariant: see `rows_at_least_two`."""
+    return rows_at_least_two(
+        lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
+
+
+def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:
+    """product(a) computed with at least two rows along `axis`, so that a row's result never
+    depends on how many rows there are (batch invariance).
+
+    XLA:CPU runs a one-row product as a matrix-vector kernel, which sums K in another order than
+    the matrix-matrix kernel it uses from two rows up; every row of the latter sums in one order
+    whatever the row count and the row's place (checked for 2..64 rows, AVX-512 and AVX2; the
+    batch-invariance tests keep checking it). A lone row is doubled and the copy dropped. On a
+    TPU both are one MXU tile.
+    """
+    axis = axis % a.ndim
+    if a.shape[axis] != 1:
+        return product(a)
+    doubled = jnp.broadcast_to(a, a.shape[:axis] + (2,) + a.shape[axis + 1:])
+    return lax.slice_in_dim(product(doubled), 0, 1, axis=axis)
+
+
+def ordered_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Σ over `axis` in one fixed order, whatever the other axes (the batch rows) or the host.
+
+    XLA:CPU picks a reduction's summation order from the whole shape, so a row's sum would change
+    with the batch size. Here the order is written out as element-wise adds, which no compiler
+    reorders: 128-wide chunks are added in sequence (one vreg column group at a time on a TPU),
+    then the remaining width is folded in halves while it is even, and the rest added in sequence.
+    The kernels call this same function, so they sum in the same order as the reference.
+    """
+    axis = axis % v.ndim
+    width = v.shape[axis]
+
+    def columns(start: int, stop: int) -> jax.Array:
+        return lax.slice_in_dim(v, start, stop, axis=axis)
+
+    if width > LANE and width % LANE == 0:
+        chunks = [columns(c, c + LANE) for c in range(0, width, LANE)]
+        v, width = functools.reduce(jnp.add, chunks), LANE
+    while width > 1 and width % 2 == 0:
+        width //= 2
+        v = columns(0, width) + columns(width, 2 * width)
+    if width > 1:
+        v = functools.reduce(jnp.add, [columns(i, i + 1) for i in range(width)])
+    return v if keepdims else jnp.squeeze(v, axis)
+
+
+def sequence_sum(terms) -> jax.Array:
+    """t_0 + t_1 + ... added in this order (a short static sum: candidates, conv taps)."""
+    return functools.reduce(jnp.add, terms)
+
+
+def softmax(v: jax.Array, axis: int = -1) -> jax.Array:
+    """exp(v − max) / Σ exp(v − max) over `axis`, summed by `ordered_sum` (batch-invariant)."""
+    shifted = jnp.exp(v - jnp.max(v, axis=axis, keepdims=True))
+    return shifted / ordered_sum(shifted, axis=axis, keepdims=True)
+
+
+def einsum_f32(spec: str, *operands: jax.Array) -> jax.Array:
+    """A contraction in full f32 (also on a TPU, whose default f32 matmul uses bf16 passes)."""
+    return jnp.einsum(spec, *(o.astype(f32) for o in operands), precision=HIGHEST)
+
+
+# ---- §2 norms and activation -----------------------------------------------------------------
+def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -> jax.Array:
+    """RMSNorm_γ(v) = bf(v · (mean(v²) + eps)^-½ · γ) in f32 over the last axis.
+
+    n: the width the mean divides by (default v.shape[-1]); the MoE latent norm passes
+    cfg.moe_latent so zero padding columns do not change the result.
+    """
+    v32 = v.astype(f32)
+    width = v.shape[-1] if n is None else n
+    mean_square = ordered_sum(v32 * v32, keepdims=True) / width
+    return bf(v32 * lax.rsqrt(mean_square + eps) * gamma.astype(f32))
+
+
+def situ(g: jax.Array, u: jax.Array) -> jax.Array:
+    """SiTU(g, u) = bf(4·tanh(g/4) · σ(g) · 25·tanh(u/25)); g and u are bf16 projections."""
+    g32, u32 = g.astype(f32), u.astype(f32)
+    return bf(4 * jnp.tanh(g32 / 4) * jax.nn.sigmoid(g32) * 25 * jnp.tanh(u32 / 25))
+
+
+def activation(g: jax.Array, u: jax.Array, cfg: ModelConfig) -> jax.Array:
+    if cfg.activation == "situ":
+        return situ(g, u)
+    return bf(jax.nn.silu(g.astype(f32)) * u.astype(f32))  # "silu": SwiGLU, for comparison
+
+
+# ---- §3 attention residuals --------------------------------------------------------------------
+def mix(candidates: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Mix over candidates [N, B, d] with the folded weight w [d] (f32) -> [B, d] bf16.
+
+    s_i = <v_i, w> · (mean(v_i²) + eps)^-½; α = softmax_i(s); out = bf(Σ α_i v_i).
+    """
+    v = candidates.astype(f32)  # [N, B, d]
+    d = v.shape[-1]
+    scores = ordered_sum(v * w.astype(f32)) * lax.rsqrt(ordered_sum(v * v) / d + eps)  # [N, B]
+    alpha = softmax(scores, axis=0)  # [N, B]
+    return bf(sequence_sum(alpha[i, :, None] * v[i] for i in range(v.shape[0])))

@@ -1,0 +1,202 @@
+"""The FFN kinds (spec/kimi-k3.md §6): the dense gated MLP and the latent MoE layer.
+
+MoE: a sigmoid (or softmax) router with a correction bias for selection only, the top-k routed
+experts working in a latent (down-projected, RMS-normalised, up-projected), their weighted sum
+taken in ascending expert id, and always-on shared experts on the full d.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mkresearch.model import spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.formats import dequantize
+from mkresearch.model.numerics import (
+    activation,
+    bf,
+    f32,
+    i32,
+    matmul,
+    ordered_sum,
+    rms_norm,
+    rows_at_least_two,
+    softmax,
+)
+
+
+def gated_mlp(d: int, hidden: int) -> dict[str, spec.Param]:
+    """W_gate, W_up [d, F] split by the hidden F; W_down [F, d] by its d columns, the hidden
+    gathered first."""
+    cols = spec.split(1, spec.FFN_HIDDEN)
+    return {"w_gate": spec.matrix(d, hidden, shard=cols), "w_up": spec.matrix(d, hidden, shard=cols),
+            "w_down": spec.matrix(hidden, d, shard=spec.split(1, spec.MODEL_COLS),
+                                  gather=spec.FFN_HIDDEN)}
+
+
+def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    return gated_mlp(cfg.d_model, cfg.dense_hidden)
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, Any]:
+    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    their hidden columns, W2 by its latent columns, the hidden gathered first); the shared experts
+    as a gated MLP; the router and the latent down-projection by their columns, the latent
+    up-projection by its d columns; norms and bias whole."""
+    d, n_experts, latent, hidden = cfg.d_model, cfg.n_experts, cfg.moe_latent, cfg.expert_hidden
+
+    def expert(n_in, n_out, gather=None):
+        return spec.matrix(n_in, n_out, quantized=True, shard=spec.split(1, spec.EXPERT_TP),
+                           gather=gather).stacked(n_experts, by=spec.EXPERTS)
+
+    table: dict[str, Any] = {
+        "w_router": spec.matrix(d, n_experts, shard=spec.split(1, spec.DOWN_COLS)),
+        # small correction bias: changes some selections, never dominates the scores
+        "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
+                                  shard=spec.REPLICATED),
+        "w_ld": spec.matrix(d, latent, shard=spec.split(1, spec.MOE_LATENT)),
+        "latent_norm": spec.norm((latent,), jnp.float32),
+        "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS)),
+        "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
+                    "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
+    }
+    if cfg.n_shared_experts:
+        shared = gated_mlp(d, cfg.shared_hidden)
+        table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
+    return table
+
+
+def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Router: expert_ids [B, k] i32 and expert_weights [B, k] f32 (§6.1).
+
+    r = x W_r (f32); s = σ(r) (or softmax); top-k of s + bias by iterated argmax (lowest index
+    wins ties), within the router_topk_groups best groups when cfg.router_groups > 1
+    (`limit_to_groups`); weights = s / Σ_top s (cfg.router_normalize) from the UNcorrected scores,
+    times cfg.routed_scale.
+    """
+    logits = matmul(x, p["w_router"])  # [B, E]
+    if cfg.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = softmax(logits)
+    selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
+    if cfg.router_groups > 1:
+        selection = limit_to_groups(selection, cfg.router_groups, cfg.router_topk_groups)
+    chosen = []
+    for _ in range(cfg.top_k):
+        best = jnp.argmax(selection, axis=-1)  # first maximum: the lowest index wins a tie
+        chosen.append(best)
+        selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
+    expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
+    top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if cfg.router_normalize:
+        top_scores = top_scores / ordered_sum(top_scores, keepdims=True)
+    return expert_ids, top_scores * cfg.routed_scale
+
+
+def limit_to_groups(selection: jax.Array, n_groups: int, keep: int) -> jax.Array:
+    """Group-limited selection (DeepSeek-V3's noaux_tc): selection [B, E] with every expert
+    outside the `keep` best of n_groups equal groups set to −inf. A group's score is the sum of
+    its two largest entries (first + second); the best groups are taken by iterated argmax, the
+    lower group index winning a tie."""
+    batch, n_experts = selection.shape
+    grouped = selection.reshape(batch, n_groups, n_experts // n_groups)
+    top_two = lax.top_k(grouped, 2)[0]  # [B, G, 2], descending
+    group_scores = top_two[..., 0] + top_two[..., 1]  # [B, G]
+    kept = jnp.zeros((batch, n_groups), bool)
+    for _ in range(keep):
+        best = jnp.argmax(group_scores, axis=-1)  # the lowest group index wins a tie
+        hit = jax.nn.one_hot(best, n_groups, dtype=bool)
+        kept, group_scores = kept | hit, jnp.where(hit, -jnp.inf, group_scores)
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(batch, n_experts)
+
+
+def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array,
+                    expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Σ_e w_e y_e in f32 [B, n], y_e = bf(act(bf(z W1_e), bf(z W3_e)) W2_e), for the chosen
+    experts of each row (z [B, n] bf16; experts: w1, w3 [E, n, F], w2 [E, F, n] stored in
+    cfg.expert_format). The sum runs in ascending expert id."""
+    fmt = cfg.expert_format
+    chosen = jax.tree.map(lambda w: w[expert_ids], experts)  # each leaf [B, k, ...]
+    w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
+    def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
+        return rows_at_least_two(
+            lambda v2: jnp.einsum(spec, v2, w, preferred_element_type=f32), v, axis=-2)
+    zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], w1.shape[1], 1, z.shape[-1]))
+    g = bf(per_expert("bkml,bklf->bkmf", zk, w1))[:, :, 0]  # [B, k, F_e]
+    u = bf(per_expert("bkml,bklf->bkmf", zk, w3))[:, :, 0]
+    y = bf(per_expert("bkmf,bkfl->bkml", activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, n]
+    # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
+    # ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
+    # once, in id order, and add it to the rows that chose it)
+    order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
+    coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
+    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, n]
+    return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                         jnp.zeros(y.shape[::2], f32))  # [B, n]
+
+
+def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
+                   expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Latent routed experts (§6.2–6.5): latent down, each expert, weighted combine, latent norm,
+    up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
+    z = bf(matmul(x, p["w_ld"]))  # [B, Lat]
+    rho = bf(combine_experts(p["experts"], z, expert_ids, expert_weights, cfg))  # [B, Lat]
+    rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
+    return matmul(rho_hat, p["w_lu"])  # [B, d] f32
+
+
+def shared_experts(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The always-on shared experts on the full x: act(bf(x W_sg), bf(x W_su)) W_sd, f32 [B, d]."""
+    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
+    return matmul(hidden, p["w_sd"])
+
+
+def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """MoE layer (§6): m = bf(routed + shared) [B, d] bf16."""
+    expert_ids, expert_weights = route(p, x, cfg)
+    routed = routed_experts(p, x, expert_ids, expert_weights, cfg)
+    if not cfg.n_shared_experts:
+        return bf(routed)
+    return bf(routed + shared_experts(p, x, cfg))
+
+
+def dense_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dense layer (§6): m = bf(SiTU(bf(x W_g), bf(x W_u)) W_d) [B, d] bf16."""
+    hidden = activation(bf(matmul(x, p["w_gate"])), bf(matmul(x, p["w_up"])), cfg)
+    return bf(matmul(hidden, p["w_down"]))
+
+
+def moe_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+                 cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    del positions
+    expert_ids = route(p, x, cfg)[0]  # for aux: moe_ffn routes again (XLA computes it once)
+    return moe_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids}
+
+
+def dense_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+                   cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    del positions
+    return dense_ffn(p, x, cfg), layer_state, {}
+
+
+def _dense_label(cfg: ModelConfig) -> str:
+    layers = cfg.dense_layers
+    where = (f"layer {layers[0]}" if len(layers) == 1
+             else f"layers {layers[0]}-{layers[-1]}")
+    return f"dense FFN ({where})"
+
+
+DENSE = spec.register(spec.Stage(
+    name="dense", role=spec.FFN, params=dense_params, sublayer=dense_sublayer,
+    component=("dense", _dense_label), description="dense gated MLP"))
+
+MOE = spec.register(spec.Stage(
+    name="moe", role=spec.FFN, params=moe_params, sublayer=moe_sublayer,
+    component=("moe_nonrouted", lambda cfg: "MoE non-routed (router, latent, shared)"),
+    routed=("experts",),
+    description="routed latent experts (top-k of a sigmoid/softmax router) + shared experts"))

@@ -1,0 +1,186 @@
+"""MLA decode attention, no RoPE, output-gated (spec/kimi-k3.md §5): weights, KV cache, reference.
+
+Two cache layouts (`cfg.mla_cache_layout`): expanded per-head K and V, as the released kernels
+cache them, or the latent ĉ and k^X shared by all heads with W_kvb absorbed (64x fewer bytes per
+token). The softmax runs online in f32, seeded by the new token, then the cache `cfg.kv_tile`
+slots at a time: the order a decode kernel streams in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mkresearch.model import spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_sum, rms_norm
+
+
+def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """Sharding (`mkresearch.layout`): per-head columns (W_qb, W_kvb, W_g) split by heads; W_o by
+    its d columns, the heads' outputs gathered first; the latent down-projections W_qa, W_kva by
+    their columns."""
+    d, h = cfg.d_model, cfg.n_heads
+    cols, d_rows = spec.split(1, spec.HEADS), spec.split(1, spec.DOWN_COLS)
+    return {
+        "w_qa": spec.matrix(d, cfg.mla_q_rank, shard=d_rows),
+        "q_norm": spec.norm((cfg.mla_q_rank,)),
+        "w_qb": spec.matrix(cfg.mla_q_rank, h * cfg.mla_qk_dim, shard=cols),
+        "w_kva": spec.matrix(d, cfg.mla_kv_rank + cfg.mla_qk_extra, shard=d_rows),
+        "kv_norm": spec.norm((cfg.mla_kv_rank,)),
+        "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim), shard=cols),
+        "w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols),
+        "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(1, spec.MODEL_COLS),
+                           gather=spec.HEADS),
+    }
+
+
+def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
+    """The KV cache of one row: expanded {"k" [H, S, k_padded], "v" [H, S, v]} (split by heads)
+    or latent {"ckv" [S, kv_rank], "kx" [S, extra]} (shared by all heads: every rank holds it
+    whole), bf16."""
+    h, cache = cfg.n_heads, spec.CACHE
+    if cfg.mla_cache_layout == "expanded":
+        heads = spec.split(0, spec.HEADS)
+        return {"k": spec.StateLeaf((h, seq_len, cfg.mla_k_padded), bf16, cache, 1, heads),
+                "v": spec.StateLeaf((h, seq_len, cfg.mla_v_dim), bf16, cache, 1, heads)}
+    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, cache, 0, spec.REPLICATED),
+            "kx": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, cache, 0, spec.REPLICATED)}
+
+
+def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """cache with row b's slot positions[b] (along `axis` of one row) set to new[b].
+
+    A select against the slot index rather than a scatter: same result, and XLA compiles it fast.
+    """
+    slot_axis = axis + 1  # in the batched cache
+    slots = jnp.arange(cache.shape[slot_axis]).reshape(
+        (-1,) + (1,) * (cache.ndim - slot_axis - 1))
+    hit = slots == positions.reshape((-1,) + (1,) * (cache.ndim - 1))  # broadcasts like cache
+    return jnp.where(hit, jnp.expand_dims(new, slot_axis).astype(cache.dtype), cache)
+
+
+def _dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Σ a·b over the last axis of bf16 vectors: each product is exact in f32, summed in f32."""
+    return ordered_sum(a.astype(f32) * b.astype(f32))
+
+
+def _online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
+                    values: jax.Array, positions: jax.Array, tile: int) -> jax.Array:
+    """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
+
+    new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
+    and values [B, H, S, n] or [B, S, n] (shared by the heads): the cache. The order is the one a
+    decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
+    then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
+    e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
+    row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
+    """
+    B, H, S = scores.shape
+    slots = jnp.arange(tile)
+    slot_axis, spec = (1, "bht,btn->bhn") if values.ndim == 3 else (2, "bht,bhtn->bhn")
+    n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))
+    values = jnp.pad(values, [(0, n_tiles * tile - S) if axis == slot_axis else (0, 0)
+                              for axis in range(values.ndim)])
+
+    def one_tile(t, carry):
+        m, norm, acc = carry  # [B, H, 1], [B, H, 1], [B, H, n]
+        tile_scores = lax.dynamic_slice_in_dim(scores, t * tile, tile, axis=2)  # [B, H, T]
+        tile_values = lax.dynamic_slice_in_dim(values, t * tile, tile, slot_axis).astype(f32)
+        valid = (t * tile + slots)[None, None, :] < positions[:, None, None]  # [B, 1, T]
+        tile_scores = jnp.where(valid, tile_scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
+        correction = jnp.exp(m - m_new)
+        weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
+        norm = correction * norm + ordered_sum(weights, keepdims=True)
+        acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
+        return m_new, norm, acc
+
+    m = new_score[..., None]
+    acc = jnp.broadcast_to(new_value.astype(f32)[:, None] if new_value.ndim == 2
+                           else new_value.astype(f32), (B, H, new_value.shape[-1]))
+    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, jnp.ones_like(m), acc))
+    return acc / norm
+
+
+def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
+                  positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One MLA decode step (no RoPE, output-gated). x [B, d] bf16 (normalised); positions [B] i32.
+
+    cache (this layer, batch-major), by cfg.mla_cache_layout:
+      expanded: {"k": [B, H, S, mla_k_padded] ([k^C | k^X | 0]), "v": [B, H, S, v]} bf16
+      latent:   {"ckv": [B, S, kv_rank] (ĉ), "kx": [B, S, extra]} bf16
+    The latent layout absorbs W_kvb: score_h = q̃_h·ĉ + q^X_h·k^X with q̃_h = bf(q^C_h W_kb_hᵀ),
+    and o_h = bf(bf(Σ α ĉ) W_vb_h). Rounding differs from expanded only there: expanded rounds
+    k^C = bf(ĉ W_kb) and V = bf(ĉ W_vb) per cached token, latent rounds q̃ and Σαĉ instead.
+    Returns (out [B, d] bf16, updated cache).
+    """
+    B = x.shape[0]
+    H, nope, extra, v_dim = cfg.n_heads, cfg.mla_qk_nope, cfg.mla_qk_extra, cfg.mla_v_dim
+    rank, eps = cfg.mla_kv_rank, cfg.rms_eps
+    # queries: c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C | q^X]
+    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], eps)
+    q = bf(matmul(c_q, p["w_qb"])).reshape(B, H, nope + extra)
+    q_nope, q_extra = q[..., :nope], q[..., nope:]
+    # keys/values: [c_kv | k^X] = bf(x W_kva); ĉ = RMSNorm(c_kv); k^X shared, not normalised
+    kv = bf(matmul(x, p["w_kva"]))
+    c_kv, k_extra = kv[:, :rank], kv[:, rank:]  # [B, rank], [B, extra]
+    c_hat = rms_norm(c_kv, p["kv_norm"], eps)
+    w_kvb = p["w_kvb"].reshape(rank, H, nope + v_dim)  # head h: [k^C | v]
+    w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
+    scale = cfg.mla_qk_dim ** -0.5
+    # scores over slots 0..p: the new token's (slot p) and the cache's (slot p is masked there)
+
+    if cfg.mla_cache_layout == "expanded":
+        kvb = bf(matmul(c_hat, p["w_kvb"])).reshape(B, H, nope + v_dim)
+        k_nope, v_new = kvb[..., :nope], kvb[..., nope:]  # [B, H, nope], [B, H, v]
+        pad = jnp.zeros((B, H, cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
+        k_new = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
+        cache = {"k": _write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
+                 "v": _write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
+        # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
+        new_score = (_dot_exact(q_nope, k_nope) + _dot_exact(q_extra, k_extra[:, None])) * scale
+        scores = (jnp.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope],
+                             preferred_element_type=f32)
+                  + jnp.einsum("bhe,bhse->bhs", q_extra, cache["k"][..., nope:nope + extra],
+                               preferred_element_type=f32)) * scale  # [B, H, S]
+        o = bf(_online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
+    else:
+        cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+                 "kx": _write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
+        # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
+        w_kb_rows = jnp.broadcast_to(w_kb, (B, *w_kb.shape))  # [B, rank, H, nope]
+        q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, w_kb_rows,
+                                   preferred_element_type=f32))
+        new_score = (_dot_exact(q_absorbed, c_hat[:, None])
+                     + _dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
+        scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
+                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
+                               preferred_element_type=f32)) * scale  # [B, H, S]
+        context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+                                     cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
+        w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
+        o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))
+
+    # output gate: y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = y W_o
+    gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [B, H*v]
+    y = bf(o.reshape(B, H * v_dim).astype(f32) * gate.astype(f32))
+    return bf(matmul(y, p["w_o"])), cache
+
+
+def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+             cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    out, cache = mla_attention(p, x, layer_state, positions, cfg)
+    return out, cache, {}
+
+
+STAGE = spec.register(spec.Stage(
+    name="mla", role=spec.ATTENTION, params=params, state=state, sublayer=sublayer,
+    component=("mla", lambda cfg: "MLA weights"), state_component=("mla_cache", "MLA KV cache"),
+    context_flops=lambda cfg: 2 * cfg.n_heads * (cfg.mla_qk_dim + cfg.mla_v_dim),  # q·K, α·V
+    description="multi-head latent attention, expanded or latent KV cache, output-gated"))

@@ -1,0 +1,110 @@
+"""DeepSeek-V3's MLA (kind "mla_rope"; spec/families.md): multi-head latent attention with the
+decoupled rope key, YaRN, no output gate, the latent cache.
+
+    c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C nope | q^R rope]
+    [c_kv | k^R] = bf(x W_kva); ĉ = RMSNorm(c_kv)             k^R: one rope key shared by heads
+    q^R_h = bf(RoPE_p(q^R_h)), k^R = bf(RoPE_p(k^R))           the mla_qk_extra dims, YaRN
+    cache[p] = (ĉ, k^R)                                        [kv_rank] + [rope] per token
+    score_hj = (q̃_h · ĉ_j + q^R_h · k^R_j) · scale             q̃_h = bf(q^C_h W_kb_hᵀ) (absorbed)
+    o_h = bf(bf(Σ_j α_hj ĉ_j) W_vb_h); out = bf(bf(o) W_o)     α = softmax (f32, online)
+
+scale = (nope + rope)^-½ · mscale(factor, mscale_all_dim)² (`rope.attention_scale`: DeepSeek-V3
+192^-½ · 1.3689²). The cache holds the rope key already rotated (DeepSeek's pe_cache), in the
+rotate-half convention of `mkresearch.rope` (the released W_qb / W_kva rope columns are
+de-interleaved once at load). W_kvb is absorbed as in Kimi's latent layout (`stages.mla`, whose
+online softmax and cache write this reuses); the weights are MLA's without the gate W_g.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mkresearch.model import rope, spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
+from mkresearch.model.stages import mla
+from mkresearch.model.stages.mla import _dot_exact, _online_softmax, _write_slot
+
+
+def params(cfg: ModelConfig) -> dict[str, spec.Param]:
+    """MLA's weights and sharding rules (`stages.mla.params`: heads tensor parallel, W_o by its d
+    columns, the latent down-projections by their columns) without the gate."""
+    table = mla.params(cfg)
+    del table["w_g"]  # DeepSeek's MLA has no output gate
+    return table
+
+
+def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
+    """The latent cache of one row: {"ckv" [S, kv_rank] (ĉ), "kpe" [S, rope] (k^R, roped)},
+    shared by all heads: every rank holds it whole (as Kimi K3's latent MLA cache)."""
+    whole = spec.REPLICATED
+    return {"ckv": spec.StateLeaf((seq_len, cfg.mla_kv_rank), bf16, spec.CACHE, 0, whole),
+            "kpe": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, spec.CACHE, 0, whole)}
+
+
+def queries_and_keys(p: dict[str, Any], x: jax.Array, positions: jax.Array,
+                     cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """q^C [B, H, nope], q^R [B, H, rope] (roped), ĉ [B, kv_rank], k^R [B, rope] (roped), bf16."""
+    batch, heads, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
+    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], cfg.rms_eps)
+    q = bf(matmul(c_q, p["w_qb"])).reshape(batch, heads, cfg.mla_qk_dim)
+    kv = bf(matmul(x, p["w_kva"]))  # [B, rank + rope]
+    c_hat = rms_norm(kv[:, :rank], p["kv_norm"], cfg.rms_eps)
+    cos, sin = rope.cos_sin(positions, rope.of(cfg, cfg.mla_qk_extra))  # [B, rope/2]
+    q_rope = bf(rope.rotate(q[..., nope:], cos[:, None], sin[:, None]))
+    k_rope = bf(rope.rotate(kv[:, rank:], cos, sin))
+    return q[..., :nope], q_rope, c_hat, k_rope
+
+
+def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
+                       positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict]:
+    """One decode step. x [B, d] bf16 (normalised); cache {"ckv" [B, S, kv_rank], "kpe"
+    [B, S, rope]} bf16; positions [B] i32. Returns (out [B, d] bf16, updated cache)."""
+    batch, heads, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
+    q_nope, q_rope, c_hat, k_rope = queries_and_keys(p, x, positions, cfg)
+    cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+             "kpe": _write_slot(cache["kpe"], k_rope, positions, axis=0)}  # [B, S, rope]
+    w_kvb = p["w_kvb"].reshape(rank, heads, nope + cfg.mla_v_dim)
+    w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
+    # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
+    q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, jnp.broadcast_to(w_kb, (batch, *w_kb.shape)),
+                               preferred_element_type=f32))  # [B, H, rank]
+    scale = rope.attention_scale(cfg, cfg.mla_qk_dim)
+    new_score = (_dot_exact(q_absorbed, c_hat[:, None])
+                 + _dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
+    scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
+              + jnp.einsum("bhe,bse->bhs", q_rope, cache["kpe"], preferred_element_type=f32)
+              ) * scale  # [B, H, S]
+    context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+                                 cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
+    o = bf(jnp.einsum("bhr,brhv->bhv", context, jnp.broadcast_to(w_vb, (batch, *w_vb.shape)),
+                      preferred_element_type=f32))  # [B, H, v]
+    return bf(matmul(o.reshape(batch, heads * cfg.mla_v_dim), p["w_o"])), cache
+
+
+def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
+             cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
+    out, cache = mla_rope_attention(p, x, layer_state, positions, cfg)
+    return out, cache, {}
+
+
+def check(cfg: ModelConfig) -> None:
+    if cfg.mla_cache_layout != "latent":
+        raise ValueError(f"ModelConfig.mla_cache_layout={cfg.mla_cache_layout!r} is invalid with "
+                         f"attention={cfg.attention!r}: MLA with RoPE caches the latent "
+                         "(mla_cache_layout='latent')")
+    if cfg.mla_qk_extra % 2:
+        raise ValueError(f"ModelConfig.mla_qk_extra={cfg.mla_qk_extra} is invalid with "
+                         f"attention={cfg.attention!r}: the rope dims rotate in pairs (even)")
+
+
+STAGE = spec.register(spec.Stage(
+    name="mla_rope", role=spec.ATTENTION, params=params, state=state, sublayer=sublayer,
+    check=check, component=("mla_rope", lambda cfg: "MLA weights"),
+    state_component=("mla_rope_cache", "MLA latent cache (ĉ + rope key)"),
+    # absorbed: q̃·ĉ + q^R·k^R, then Σ α ĉ, per head and cached token
+    context_flops=lambda cfg: 2 * cfg.n_heads * (2 * cfg.mla_kv_rank + cfg.mla_qk_extra),
+    description="DeepSeek MLA: latent cache + decoupled rope key, YaRN, no output gate"))

@@ -1,0 +1,138 @@
+"""Parameters of one decode-step model: shapes and deterministic initialisation.
+
+Layout (DEVELOPERS.md "Parameters"): matrices are [in, out]; per-layer weights are stacked by kind
+along a leading axis (`params[kind][name][i]` belongs to layer `cfg.layers_of(kind)[i]`), beside
+the trunk (embedding, LM head, norms, the residual strategy's weights). What each kind stores is
+declared once, in the stage registry (`mkresearch.spec`, kinds in `mkresearch.stages`); routed
+experts are stored in `cfg.expert_format` (`mkresearch.formats`, spec §7).
+
+Initialisation: every leaf is drawn from its own numpy stream seeded by (seed, leaf path), at f32,
+with matrices ~ N(0, 1/in) so every projection keeps an O(1) RMS; norm weights near 1; embedding
+rows RMS 1. Experts are generated at full precision, then quantised into the format.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds
+from mkresearch.model import mtp, spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.formats import (  # noqa: F401 - the formats, re-exported where they were
+    E2M1_VALUES,
+    EXPERT_MATRICES,
+    NIBBLES_PER_WORD,
+    dequantize,
+    expert_format_of,
+    fp8_pack,
+    fp8_unpack,
+    mxfp4_pack,
+    mxfp4_unpack,
+    quantize,
+    quantized_shapes,
+)
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, spec.Param)
+
+
+def _shape_of(cfg: ModelConfig, leaf: spec.Param) -> Any:
+    if leaf.quantized:
+        return quantized_shapes(leaf.shape, cfg.expert_format)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The parameter pytree as jax.ShapeDtypeStruct leaves: no allocation, safe at full size."""
+    return jax.tree.map(functools.partial(_shape_of, cfg), spec.param_table(cfg), is_leaf=_is_leaf)
+
+
+def _draw(leaf: spec.Param, rng: np.random.Generator) -> np.ndarray:
+    kind, *args = leaf.init
+    if kind == "normal":
+        return rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(args[0])
+    if kind == "uniform":
+        return rng.uniform(args[0], args[1], leaf.shape).astype(np.float32)
+    if kind == "log_uniform":
+        return np.log(rng.uniform(args[0], args[1], leaf.shape)).astype(np.float32)
+    raise AssertionError(kind)
+
+
+_quantize_jit = jax.jit(quantize, static_argnames="fmt")
+
+
+def _fill(table: Any, cfg: ModelConfig, seed: int, prefix: str = "") -> dict[str, Any]:
+    """Arrays for a table of spec.Param, each leaf from its own stream seeded by (seed, prefix +
+    leaf path)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} is invalid: an int >= 0")
+
+    def fill(path: tuple, leaf: spec.Param) -> Any:
+        name = prefix + jax.tree_util.keystr(path)
+        rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+        values = _draw(leaf, rng)
+        if leaf.quantized:
+            return _quantize_jit(values, fmt=cfg.expert_format)
+        return jnp.asarray(values, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, table, is_leaf=_is_leaf)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """The parameter pytree of `param_shapes(cfg)`, filled deterministically from (cfg, seed)."""
+    spec.check(cfg)
+    return _fill(spec.param_table(cfg), cfg, seed)
+
+
+# ---- multi-token-prediction modules (DeepSeek-V3): a draft model, apart from the step ----------
+MTP_PREFIX = "mtp"  # their leaves' streams: distinct from every step weight's, which stay as they are
+
+
+def mtp_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The MTP modules' parameters (`mkresearch.mtp.param_table`) as ShapeDtypeStructs; a config
+    with n_mtp_layers = 0 is a ValueError."""
+    return jax.tree.map(functools.partial(_shape_of, cfg), mtp.param_table(cfg), is_leaf=_is_leaf)
+
+
+def init_mtp_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """The MTP modules' weights [n_mtp_layers, ...], drawn as `init_params` draws the step's (their
+    own streams: `init_params` is unchanged by them)."""
+    spec.check(cfg)
+    return _fill(mtp.param_table(cfg), cfg, seed, MTP_PREFIX)
+
+
+# ---- sizes -----------------------------------------------------------------------------------
+def nbytes(tree: Any) -> int:
+    """Total bytes of a pytree of arrays or ShapeDtypeStructs."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def n_values(tree: Any) -> int:
+    """Number of logical values (parameters) in a parameter pytree of any expert format.
+
+    MXFP4 codes count 8 values per uint32; quantisation scales are not parameters.
+    """
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        key = getattr(path[-1], "key", None)
+        size = int(np.prod(x.shape))
+        if key == "scales":
+            continue
+        total += size * (NIBBLES_PER_WORD if key == "codes" else 1)
+    return total
+
+
+def expert_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of ONE routed expert (w1 + w3 + w2) in cfg.expert_format, scales included."""
+    routed = [kind for kind in spec.stages_of(cfg) if kind.routed]
+    if not routed:
+        return 0
+    experts = param_shapes(cfg)[routed[0].name]["experts"]
+    return nbytes(experts) // (len(cfg.layers_of(routed[0].name)) * cfg.n_experts)

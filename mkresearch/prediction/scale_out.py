@@ -1,0 +1,472 @@
+"""The full-size decode step on n ranks, predicted: every rank's program from a layout and a
+schedule, simulated together with the interconnect (`mkresearch.timeline_ranks`).
+
+A rank's program, in layer order (`cfg.layers`): its weight bytes (`layout_bytes.rank_bytes`, per
+component, split over each stage's matrices by their per-rank sizes) stream in blocks through a
+ring of `banks` blocks in flight; each block is waited, then multiplied. After a MoE layer's
+routing, the rank fetches the routed experts of its expert group (counted from a seeded uniform
+routing of the batch: ranks differ, and a collective waits for the slowest) through
+`expert_slots` DMAs in flight. KDA states are read before the layer and written after it; an MLA
+layer reads its cache at `context` tokens. The programs run in `scale_out_sim` (overlap: a
+collective started early and waited later). The collectives between stages are the schedule's:
+
+  partial-sum  (the release, spec/collectives.md) attention: the sibling's attended features
+               gathered before W_o, an all-reduce over the 16 cores of one parity, the halves
+               swapped with the sibling; MoE: router scores swapped with the sibling, the latent
+               all-gathered behind routing, the shared expert's sum started before the routed
+               experts and waited after them, then the routed sum; bf16 partial sums; two-level
+               all-reduces below B = 6, reduce-scatter + all-gather from it; the ring does not run
+               past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
+               router kept whole (the spec splits its scores between siblings), one routed and one
+               shared reduction per MoE layer (the spec's "about two reductions per layer")
+  exact        (ours: `kernels/megakernel_sharded.py`, bit-equal to one device) the kernel's own
+               collective rules (`collective_rules`): a matrix's input gathered before it, its
+               output's column chunks gathered after it; each routed expert's hidden slice
+               gathered in its ETP group; the experts' sum passed down the chain of expert groups
+               and all-gathered; the embedding all-reduced, the sampling states all-gathered
+
+`predict(...)` returns the step, tok/s and the decomposition of the slowest rank's step into HBM
+floor, waiting for peers, collective messages, compute and bubbles (they sum to the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+import mkresearch.model.stages  # noqa: F401 - registers the stage kinds spec.stage looks up
+from mkresearch.kernels.compose import megakernel_sharded
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.model import roofline, spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction.scale_out_sim import simulate
+from mkresearch.prediction.timeline_chip import TimelineChip
+from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
+
+MIB = 2**20
+COMBINES = ("partial-sum", "exact")
+F32 = 4
+# spec/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
+PARTIAL_SUM_BYTES = 2
+# spec/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
+RS_FROM_BATCH = 6
+SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
+# spec/tpu.md "Published decode numbers": Kimi K3 on 16 TPU7x chips (32 cores), tok/s by batch
+PUBLISHED = {
+    "kimi-k3": {"chip": "tpu7x", "n_ranks": 32, "tok_s": dict(roofline.PUBLISHED_TPU7X_16_CHIPS),
+                "gb200_tok_s": {1: 127, 2: 227, 4: 373, 8: 636},
+                "speculative_tok_s": {3: 350, 6: 709}},
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a rank streams and combines: block size, blocks and expert DMAs in flight, collectives."""
+
+    name: str
+    block_bytes: int
+    banks: int  # weight blocks in flight ahead of the one multiplied
+    expert_slots: int  # routed-expert DMAs in flight, the first issued right after routing
+    combine: str  # one of COMBINES
+    source: str
+    # the ring runs ahead past a blocking collective (as far as its banks); else the blocks after
+    # it are issued once the rank is past it. Collectives started early overlap either way.
+    prefetch_across: bool = True
+    all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
+    all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
+    gather_algorithm: str = "two-level"
+
+    def algorithm(self, batch: int) -> str:
+        return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
+
+    def __post_init__(self) -> None:
+        for name in ("block_bytes", "banks", "expert_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Schedule.{name}={value!r} is invalid: an int >= 1")
+        if self.combine not in COMBINES:
+            raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
+        for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
+            if getattr(self, name) not in links.ALGORITHMS:
+                raise ValueError(f"Schedule.{name}={getattr(self, name)!r} is invalid: one of "
+                                 f"{links.ALGORITHMS}")
+
+
+RELEASE_SCHEDULE = Schedule(
+    "release", block_bytes=2 * MIB, banks=12, expert_slots=4, combine="partial-sum",
+    source="spec/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
+           "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
+           "for Kimi K3); spec/collectives.md: one-shot collectives, two-level all-reduces of "
+           "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
+           "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
+    prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",
+    gather_algorithm="one-shot")
+
+
+def our_schedule(cfg: ModelConfig) -> Schedule:
+    """Our megakernel's: cfg.ring_depth slots of cfg.ring_block_bytes (depth - 1 blocks fly
+    ahead), MegakernelOptions.expert_slots, the exact (bit-equal) collectives."""
+    return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=cfg.ring_depth - 1,
+                    expert_slots=MegakernelOptions().expert_slots, combine="exact",
+                    source="the megakernel's plan (cfg.ring_depth, cfg.ring_block_bytes, "
+                           "MegakernelOptions.expert_slots) and kernels/megakernel_sharded.py")
+
+
+SCHEDULES = ("release", "ours")
+
+
+def schedule_for(cfg: ModelConfig, name: str | Schedule) -> Schedule:
+    """A schedule by name ("release": the release's, "ours": our megakernel's), or as given."""
+    if isinstance(name, Schedule):
+        return name
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is invalid: one of {SCHEDULES} or a Schedule")
+    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg)
+
+
+# ---- one rank's program ------------------------------------------------------------------------
+class Program:
+    """One rank's ops for `scale_out_sim` over the shared ring of weight `blocks`."""
+
+    def __init__(self, blocks: list[int], batch: int) -> None:
+        self.blocks, self.batch, self.ops = blocks, batch, []
+
+    def block(self, count: int = 1) -> None:
+        if self.ops and self.ops[-1][0] == "blocks":
+            self.ops[-1] = ("blocks", self.ops[-1][1] + count)
+        else:
+            self.ops.append(("blocks", count))
+
+    def fetch(self, nbytes: float, count: int, slots: int) -> None:
+        if count:
+            self.ops.append(("fetch", nbytes, count, slots))
+
+    def write(self, nbytes: float) -> None:
+        if nbytes:
+            self.ops.append(("write", nbytes))
+
+    def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
+                   path: tuple[int, ...] = (), *, blocking: bool = True) -> None:
+        self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking))
+
+    def wait(self, name: str) -> None:
+        self.ops.append(("wait", name))
+
+
+@dataclass(frozen=True)
+class _Stage:
+    kind: str
+    matrices: tuple[tuple[str, int], ...]  # (DMA name, bytes of one layer on this rank)
+
+
+def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[str, _Stage]:
+    """Each kind's matrices with one layer's bytes on a rank: the kind's component bytes split
+    by the matrices' per-rank element counts."""
+    cfg = lay.cfg
+    out = {}
+    for kind in cfg.kinds:
+        stage = spec.stage(kind)
+        params = stage.params(cfg)
+        matrices = megakernel_sharded.registry.kernel_stage(kind).streamed(cfg)
+        sizes = [math.prod(layouts.local_shape(lay, m.shape, params[m.key].shard))
+                 for m in matrices]
+        per_layer = counted.component(stage.component[0]) / len(cfg.layers_of(kind))
+        out[kind] = _Stage(kind, tuple((m.name, per_layer * s / sum(sizes))
+                                       for m, s in zip(matrices, sizes, strict=True)))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def weight_blocks(nbytes: float, block_bytes: int) -> tuple[int, ...]:
+    """nbytes in blocks of at most block_bytes, as equal as whole bytes allow."""
+    n = max(1, math.ceil(nbytes / block_bytes))
+    whole = round(nbytes)
+    return tuple(whole // n + (1 if i < whole % n else 0) for i in range(n))
+
+
+def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int = 0) -> np.ndarray:
+    """[MoE layers, EP groups] distinct experts each expert group fetches: every row picks top_k
+    of n_experts uniformly (seeded; ASSUMPTION: uniform routing, as roofline's expected count)."""
+    rng = np.random.default_rng(seed)
+    per_group = cfg.n_experts // lay.ep
+    counts = np.zeros((len(cfg.moe_layers), lay.ep), np.int64)
+    for i in range(len(cfg.moe_layers)):
+        chosen = set()
+        for _ in range(batch):
+            chosen.update(rng.choice(cfg.n_experts, cfg.top_k, replace=False).tolist())
+        for expert in chosen:
+            counts[i, expert // per_group] += 1
+    return counts
+
+
+def _group(lay: layouts.Layout, rank: int, size: int) -> tuple[int, ...]:
+    first = rank // size * size
+    return tuple(range(first, first + size))
+
+
+@functools.lru_cache(maxsize=16)
+def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
+                  schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
+                  ) -> tuple[list[int], list[list]]:
+    """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
+    stands for its group (ranks 0, etp, 2 etp, ...; `scale_out_sim.simulate`)."""
+    lay = layouts.layout(cfg, n_ranks, name)
+    sched = schedule_for(cfg, name if schedule is None else schedule)
+    counted = layout_bytes.rank_bytes(lay, batch, context)
+    stages = _stage_bytes(lay, counted)
+    routed = routed_experts(cfg, lay, batch, seed)
+    unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
+    expert_bytes = counted.component("routed_experts") / len(cfg.moe_layers) / unique_1 \
+        if cfg.moe_layers else 0
+    rules = {r.name: r for r in megakernel_sharded.collective_rules(lay)} \
+        if sched.combine == "exact" else {}
+    reps = tuple(range(0, n_ranks, lay.etp))
+    everyone = tuple(range(n_ranks))
+    mix = counted.component("norms_and_mix") / len(cfg.layers)
+    blocks: list[int] = []
+    layers = cfg.layers
+    for attention, ffn in layers:
+        blocks += weight_blocks(mix, sched.block_bytes)
+        for kind in (attention, ffn):
+            for matrix, nbytes in _ordered(stages[kind].matrices, sched):
+                blocks += weight_blocks(nbytes, sched.block_bytes)
+    head = weight_blocks(counted.component("lm_head"), sched.block_bytes)
+    blocks += head
+    states = {kind: counted.component(spec.stage(kind).state_component[0]) / len(cfg.layers_of(kind))
+              for kind in cfg.attention_kinds if spec.stage(kind).state_component}
+    wire = PARTIAL_SUM_BYTES if sched.combine == "partial-sum" else F32
+    programs = []
+    moe_layers = set(cfg.moe_layers)
+    stage_ops: dict[tuple, list] = {}
+    for rank in reps:
+        prog = Program(blocks, batch)
+        prog.fetch(counted.component("embedding_rows"), 1, 1)
+        prog.collective("embed", "all_reduce", reps, batch * cfg.d_model * wire, everyone)
+        moe_index = 0
+        for layer, (attention, ffn) in enumerate(layers):
+            prog.block(len(weight_blocks(mix, sched.block_bytes)))  # norms and mix
+            state = states.get(attention, 0)
+            if state:  # read before the layer, written after it (half each)
+                prog.fetch(state / 2, 1, 1)
+            routed_here = routed[moe_index] if layer in moe_layers else None
+            for kind in (attention, ffn):
+                if sched.combine == "exact":
+                    _exact_stage(prog, lay, sched, cfg, kind, stages[kind], rules, rank,
+                                 routed_here if kind == ffn else None, expert_bytes)
+                else:  # a stage's ops depend on the rank and its expert count only: built once
+                    routed_stage = routed_here if kind == ffn else None
+                    key = (kind, rank, None if routed_stage is None
+                           else int(routed_stage[_expert_group(lay, rank)]))
+                    if key not in stage_ops:
+                        scratch = Program(blocks, batch)
+                        _release_stage(scratch, lay, sched, cfg, kind, stages[kind], rank,
+                                       routed_stage, expert_bytes)
+                        stage_ops[key] = scratch.ops
+                    prog.ops += stage_ops[key]
+                if kind == attention:
+                    prog.write(state / 2)
+            moe_index += layer in moe_layers
+        prog.block(len(head))
+        prog.collective("sampling_state", "all_gather", reps, batch * SAMPLING_LANES * F32,
+                        everyone)
+        programs.append(prog.ops)
+    return blocks, programs
+
+
+@functools.lru_cache(maxsize=256)
+def _ordered(matrices, sched: Schedule):
+    """The release computes the shared expert before the routed ones (its reduction hides
+    behind their stream: spec/collectives.md): the shared matrices move before W_lu."""
+    if sched.combine != "partial-sum":
+        return matrices
+    shared = [m for m in matrices if m[0].startswith("shared/")]
+    return [m for m in matrices if m not in shared and not m[0].endswith("w_lu")] + shared + \
+        [m for m in matrices if m[0].endswith("w_lu")]
+
+
+def _blocks_of(prog: Program, nbytes: float, sched: Schedule) -> None:
+    prog.block(len(weight_blocks(nbytes, sched.block_bytes)))
+
+
+def _release_stage(prog: Program, lay, sched, cfg, kind, stage, rank, routed, expert_bytes
+                   ) -> None:
+    """The release's collectives (spec/collectives.md), partial sums as bf16 on the wire:
+    attention: the sibling's attended features gathered before W_o, each core half the hidden
+    width, an all-reduce over the 16 cores of its parity, the halves swapped with the sibling;
+    MoE: router scores swapped with the sibling, the latent all-gathered behind routing, the
+    shared expert's sum started before the routed experts and waited after them, the routed
+    sum reduced last; a dense FFN's sum reduced at its end."""
+    n, b = lay.n_ranks, prog.batch
+    reps = tuple(range(0, n, _ways(lay)[0]))
+    pair = (rank, rank ^ 1)
+    vector = b * cfg.d_model * PARTIAL_SUM_BYTES
+    matrices = _ordered(stage.matrices, sched)
+    role = spec.stage(kind).role
+    for matrix, nbytes in matrices:
+        if role == "attention" and matrix.endswith("w_o"):
+            features = b * nbytes / cfg.d_model  # W_o's rows on this rank, bf16
+            prog.collective(f"{kind}/features", "all_gather", (rank,), features, pair)
+        _blocks_of(prog, nbytes, sched)
+        if matrix.endswith("w_router"):
+            prog.collective("router/scores", "all_gather", (rank,),
+                            b * cfg.n_experts * F32 / 2, pair)
+        if routed is not None and matrix.endswith("w_ld"):
+            prog.collective("latent", "all_gather", reps, b * cfg.moe_latent * 2 / n,
+                            tuple(range(n)), blocking=False)
+        if routed is not None and matrix.endswith("shared/w_down"):
+            prog.collective("shared_sum", "all_reduce", reps, vector, tuple(range(n)),
+                            blocking=False)
+            prog.wait("latent")
+            _experts(prog, lay, sched, rank, routed, expert_bytes)
+    if role == "attention":
+        parity = tuple(r for r in range(n) if r % 2 == rank % 2)
+        prog.collective(f"{kind}_sum", "all_reduce", reps, vector / 2, parity)
+        prog.collective(f"{kind}/halves", "all_gather", (rank,), vector / 2, pair)
+    elif routed is not None:
+        prog.wait("shared_sum")
+        prog.collective(f"{kind}_sum", "all_reduce", reps, vector, tuple(range(n)))
+    else:
+        prog.collective(f"{kind}_sum", "all_reduce", reps, vector, tuple(range(n)))
+
+
+def _exact_stage(prog: Program, lay, sched, cfg, kind, stage, rules, rank, routed,
+                 expert_bytes) -> None:
+    everyone, reps = tuple(range(lay.n_ranks)), tuple(range(0, lay.n_ranks, lay.etp))
+    b = prog.batch
+    for matrix, nbytes in stage.matrices:
+        rule = rules.get(matrix)
+        if rule is not None and rule.gather is not None:
+            etp = rule.gather == spec.EXPERT_TP
+            prog.collective(f"{matrix}/input", "all_gather", (rank,) if etp else reps,
+                            b * F32 * lay.local_length(rule.gather, rule.k),
+                            _group(lay, rank, lay.etp) if etp else everyone)
+        _blocks_of(prog, nbytes, sched)
+        if rule is not None and rule.out is not None:
+            prog.collective(matrix, "all_gather", reps,
+                            b * F32 * lay.local_length(rule.out, rule.n), everyone)
+        if routed is not None and matrix == _routing_point(stage):
+            _experts(prog, lay, sched, rank, routed, expert_bytes)
+            count = int(routed[_expert_group(lay, rank)])
+            for _ in range(count):  # each expert's hidden slice gathered in its ETP group
+                prog.collective("experts/hidden", "all_gather", (rank,),
+                                b * F32 * lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
+                                _group(lay, rank, lay.etp))
+            # the experts' weighted sum: W2's output columns on a rank (the latent, or d)
+            latent = b * F32 * lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
+            prog.collective("experts/chain", "chain", reps, latent, reps)
+            prog.collective("experts/sum", "all_gather", reps, latent, everyone)
+
+
+def _routing_point(stage: _Stage) -> str:
+    """The matrix after which the experts run: the latent down-projection, else the router."""
+    names = [m for m, _ in stage.matrices]
+    return next((m for m in names if m.endswith("w_ld")), next(m for m in names
+                                                               if m.endswith("w_router")))
+
+
+def _expert_group(lay, rank: int) -> int:
+    etp, ep = _ways(lay)
+    return rank // etp % ep if etp > 1 else rank % ep
+
+
+@functools.lru_cache(maxsize=64)
+def _ways(lay: layouts.Layout) -> tuple[int, int]:
+    return lay.etp, lay.ep  # (computed from the layout's splits: once per layout)
+
+
+def _experts(prog: Program, lay, sched, rank, routed, expert_bytes) -> None:
+    prog.fetch(expert_bytes, int(routed[_expert_group(lay, rank)]), sched.expert_slots)
+
+
+# ---- predictions -------------------------------------------------------------------------------
+def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
+            chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
+            algorithm: str | None = None, schedule: str | Schedule | None = None,
+            context: int = 0, seed: int = 0, keep_timeline: bool = False,
+            timeline_chip: TimelineChip | None = None) -> dict:
+    """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
+    with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
+    at this batch) prices every all-reduce; `timeline_chip` overrides the chip's timeline
+    figures (`timeline_chip.timeline_chip(chip, **fields)`). Cached per arguments: the model is deterministic
+    (pure Python, seeded routing)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
+    if algorithm is not None and algorithm not in links.ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is invalid: one of {links.ALGORITHMS}")
+    inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
+    if inter.slice.n_ranks < n_ranks:
+        inter = links.interconnect(inter, n_ranks=n_ranks)
+    sched = schedule_for(cfg, name if schedule is None else schedule)
+    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter,
+                        algorithm or sched.algorithm(batch), sched, context, seed,
+                        timeline_chip or chip))
+    if not keep_timeline:
+        del out["timeline"]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
+             inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
+             seed: int, timeline: str | TimelineChip) -> dict:
+    collecting = gc.isenabled()
+    gc.disable()  # a step allocates ~10^5 small objects and frees none: no cycles to look for
+    try:
+        return _predict_uncollected(cfg, n_ranks, name, batch, chip, inter, algorithm, sched,
+                                    context, seed, timeline)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
+                         inter: links.Interconnect, algorithm: str, sched: Schedule,
+                         context: int, seed: int, timeline: str | TimelineChip) -> dict:
+    blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
+                                     seed=seed)
+    lay = layouts.layout(cfg, n_ranks, name)
+    ranks = simulate(
+        programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
+        {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
+        timeline, prefetch_across=sched.prefetch_across)
+    parts = ranks.decomposition()
+    counted = layout_bytes.rank_bytes(lay, batch, context)
+    slowest = ranks.slowest_rank
+    published = published_step_s(cfg, n_ranks, chip, batch)
+    return {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,
+            "algorithm": algorithm, "schedule": dataclasses.asdict(sched),
+            "slice": inter.slice.name,
+            "step_s": ranks.total_s, "tokens_per_s": batch / ranks.total_s,
+            "parts_s": {p: parts[p] for p in PARTS}, "slowest_rank": slowest,
+            "rank_bytes": counted.total,
+            "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
+            "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
+            "interconnect": {k: getattr(inter, k) for k in links.FIGURES},
+            "label": "timeline model prediction (mkresearch.scale_out), not measured",
+            "published_step_s": published,
+            "gb200_tok_s": PUBLISHED.get(cfg.name, {}).get("gb200_tok_s", {}).get(batch)
+            if published else None,
+            "timeline": ranks}
+
+
+def clear_caches() -> None:
+    """Forget every cached program, prediction and collective price (for a fair timing)."""
+    for cached in (rank_programs, _predict, weight_blocks, links.price):
+        cached.cache_clear()
+
+
+def published_step_s(cfg: ModelConfig, n_ranks: int, chip: str, batch: int) -> float | None:
+    """The release's published step for this model, ranks, chip and batch (None: none)."""
+    published = PUBLISHED.get(cfg.name)
+    if not published or published["n_ranks"] != n_ranks or published["chip"] != chip:
+        return None
+    tok_s = published["tok_s"].get(batch)
+    return batch / tok_s if tok_s else None

@@ -1,0 +1,454 @@
+"""A TPU timeline model: a recorded DMA/phase log plus a chip -> who does what, when.
+
+Pure Python, no JAX: the input is the program-order log of `mkresearch.kernels.dma` (or its JSON
+records), the output a `Timeline` of per-lane spans, VMEM bytes in use over time, the step time,
+the HBM-roofline fraction and the times the compute unit is idle. The simulation is event-driven:
+
+* The program (the TensorCore's scalar unit) runs the log in order. `dma_start` issues a DMA and
+  moves on; `dma_wait` blocks until that DMA has completed; a compute phase (`phase_start` ..
+  `phase_end`) occupies the compute unit for `max(flops / peak, vmem_bytes / vmem_bandwidth)`.
+  So a phase starts when the DMAs it waited on are done and the previous phase has finished.
+* DMAs: each becomes ready `dma_latency` after its issue, then takes a free DMA engine in issue
+  order. The engines share the HBM bandwidth (each of the k engines moving bytes gets 1/k of it),
+  so one engine alone gets the full bandwidth and k engines together never exceed it.
+* The compute unit's idle time has two causes, told apart because only one of them is waste:
+  `hbm_busy` when a DMA moves bytes meanwhile ("compute idle: HBM busy": the step is bound by
+  HBM there, which is what a bandwidth-bound step at the roofline looks like), and `bubble` when
+  nothing moves, neither compute nor any DMA ("bubble: nothing moves": DMA latency, issue gaps).
+
+Every chip parameter is a `TimelineChip` field whose source is in `TimelineChip.sources`: figures
+come from `mkresearch.chips.CHIPS` (per JAX device); what no public source gives is marked as an
+ASSUMPTION. Calibrate them on a TPU with `mkresearch.profiling` and `timeline_chip(name, **fields)`.
+"""
+
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mkresearch.prediction.timeline_chip import (  # noqa: F401
+    DMA_LATENCY_S,
+    N_DMA_ENGINES,
+    VMEM_OVER_HBM,
+    VPU_OVER_MXU,
+    TimelineChip,
+    hbm_floor_s,
+    timeline_chip,
+)
+from mkresearch.prediction.timeline_events import (  # noqa: F401
+    DMA_KINDS,
+    CollectiveEvent,
+    LogEvent,
+    events_of,
+    match_keys,
+    to_records,
+)
+from mkresearch.prediction.timeline_whatif import (  # noqa: F401
+    blockspec_log,
+    guide_bandwidth_bound_s,
+    guide_compute_bound_s,
+    rebuffer,
+    scale_batch,
+    stream_log,
+)
+
+IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
+COMPUTE_LANE = "MXU/VPU"
+COLLECTIVE_LANE = "ICI"  # a rank's collectives: from its arrival to the collective's end
+
+
+# ---- the result ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    """One busy interval on one lane. Times in seconds from the start of the step."""
+
+    lane: str  # "DMA 0".."DMA k-1", COMPUTE_LANE, or a measured lane from a trace
+    name: str
+    start: float
+    end: float
+    kind: str  # "dma" | "compute" | "collective" | "measured"
+    nbytes: int = 0
+    flops: float = 0.0
+    slot: int | None = None
+    issue: float | None = None  # DMAs: when the program issued it (start - issue = latency + queue)
+    bound: str = ""  # compute: "flops" or "vmem", whichever set the duration
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Idle:
+    """An interval in which the compute unit is idle, with its cause (one of IDLE_CAUSES).
+
+    "hbm_busy": a DMA moves bytes meanwhile: compute waits on HBM, and HBM is busy, so the time
+    is not lost (a bandwidth-bound step at the roofline is compute-idle most of the time).
+    "bubble": nothing moves, no compute and no DMA: DMA latency or issue gaps, real waste.
+    """
+
+    start: float
+    end: float
+    cause: str
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    chip: TimelineChip
+    spans: tuple[Span, ...]
+    vmem: tuple[tuple[float, int], ...]  # (time, bytes in use from then on), a step function
+    total_s: float
+    dma_bytes: int
+    flops: float
+    idle: tuple[Idle, ...]  # the compute unit's idle intervals, by cause
+
+    @property
+    def hbm_floor_s(self) -> float:
+        """Time to move `dma_bytes` at the HBM bandwidth: the roofline for this log."""
+        return self.dma_bytes / self.chip.hbm_bandwidth
+
+    @property
+    def roofline_fraction(self) -> float:
+        """hbm_floor / total: 1.0 means the step runs at the HBM roofline."""
+        return self.hbm_floor_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def peak_vmem_bytes(self) -> int:
+        return max((b for _, b in self.vmem), default=0)
+
+    @property
+    def lanes(self) -> list[str]:
+        dma = sorted({s.lane for s in self.spans if s.kind == "dma"}, key=_lane_key)
+        rest = [lane for lane in dict.fromkeys(s.lane for s in self.spans) if lane not in dma]
+        return dma + rest
+
+    def spans_on(self, lane: str) -> list[Span]:
+        return [s for s in self.spans if s.lane == lane]
+
+    def busy_s(self, kind: str) -> float:
+        """Seconds during which at least one span of `kind` runs ("dma" or "compute")."""
+        return _union_length([(s.start, s.end) for s in self.spans if s.kind == kind])
+
+    def idle_s(self, cause: str | None = None) -> float:
+        """Seconds the compute unit is idle for `cause` ("hbm_busy" or "bubble"; None: both)."""
+        if cause is not None and cause not in IDLE_CAUSES:
+            raise ValueError(f"cause={cause!r} is invalid: None or one of {IDLE_CAUSES}")
+        return sum(i.duration for i in self.idle if cause is None or i.cause == cause)
+
+    def idle_by_cause(self) -> dict[str, float]:
+        return {cause: self.idle_s(cause) for cause in IDLE_CAUSES}
+
+    def step_fraction(self, seconds: float) -> float:
+        """`seconds` as a fraction of the step (0 for an empty step)."""
+        return seconds / self.total_s if self.total_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, for a table row."""
+        return {
+            "chip": self.chip.name,
+            "total_us": self.total_s * 1e6,
+            "hbm_floor_us": self.hbm_floor_s * 1e6,
+            "roofline_fraction": self.roofline_fraction,
+            "dma_bytes": self.dma_bytes,
+            "flops": self.flops,
+            "compute_busy_us": self.busy_s("compute") * 1e6,
+            "dma_busy_us": self.busy_s("dma") * 1e6,
+            "idle_hbm_busy_us": self.idle_s("hbm_busy") * 1e6,
+            "bubble_us": self.idle_s("bubble") * 1e6,
+            "idle_hbm_busy_fraction": self.step_fraction(self.idle_s("hbm_busy")),
+            "bubble_fraction": self.step_fraction(self.idle_s("bubble")),
+            "peak_vmem_bytes": self.peak_vmem_bytes,
+        }
+
+
+def _lane_key(lane: str):
+    head, _, tail = lane.rpartition(" ")
+    return (head, int(tail)) if tail.isdigit() else (lane, -1)
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def append_interval(merged: list[list[float]], a: float, b: float) -> None:
+    """Add [a, b) to sorted, disjoint [start, end] lists whose starts are all <= a (empty
+    intervals dropped, an overlapping one merged into the last)."""
+    if b <= a:
+        return
+    if merged and a <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], b)
+    else:
+        merged.append([a, b])
+
+
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        append_interval(merged, a, b)
+    return [(a, b) for a, b in merged]
+
+
+# ---- the DMA engines: FIFO admission, bandwidth shared by the engines moving bytes --------------
+class _Dma:
+    __slots__ = ("consumed", "end", "engine", "event", "issue", "ready", "remaining", "start")
+
+    def __init__(self, event: LogEvent, issue: float, latency: float):
+        self.event, self.issue, self.ready = event, issue, issue + latency
+        self.start = self.end = self.consumed = None
+        self.engine = -1
+        self.remaining = float(event.nbytes)
+
+
+class _DmaEngines:
+    def __init__(self, chip: TimelineChip):
+        self.bandwidth, self.n_engines = chip.hbm_bandwidth, chip.n_dma_engines
+        self.now = 0.0
+        self.queue: deque[_Dma] = deque()  # issued, not yet on an engine (issue order)
+        self.active: dict[int, _Dma] = {}  # engine -> DMA moving bytes
+
+    def issue(self, dma: _Dma) -> None:
+        self.advance_to(dma.issue)
+        self.queue.append(dma)
+        self._step(self.now)  # a zero-latency DMA may start at once
+
+    def _next_event(self) -> float:
+        t = math.inf
+        if self.active:
+            rate = self.bandwidth / len(self.active)
+            t = self.now + min(d.remaining for d in self.active.values()) / rate
+        if self.queue and len(self.active) < self.n_engines:
+            t = min(t, max(self.now, self.queue[0].ready))
+        return t
+
+    def _step(self, t: float) -> bool:
+        """Move time to t (no event strictly before it), then retire and admit DMAs.
+        Returns whether anything happened (time moved, a DMA finished or started)."""
+        before = (self.now, len(self.active), len(self.queue))
+        if self.active and t > self.now:
+            moved = (t - self.now) * self.bandwidth / len(self.active)
+            for d in self.active.values():
+                d.remaining -= moved
+        self.now = max(self.now, t)
+        rate = self.bandwidth / max(1, len(self.active))
+        for engine, d in list(self.active.items()):
+            # done: no bytes left, or too few to move the clock (float rounding must not loop)
+            if d.remaining <= 1e-9 * max(1.0, d.event.nbytes) or \
+                    self.now + d.remaining / rate <= self.now:
+                d.remaining, d.end = 0.0, self.now
+                del self.active[engine]
+        while self.queue and len(self.active) < self.n_engines and self.queue[0].ready <= self.now:
+            d = self.queue.popleft()
+            d.engine = min(set(range(self.n_engines)) - set(self.active))
+            d.start = self.now
+            self.active[d.engine] = d
+            if d.remaining <= 0:  # zero-byte DMA: done as it starts
+                d.end = self.now
+                del self.active[d.engine]
+        return (self.now, len(self.active), len(self.queue)) != before
+
+    def _event(self, te: float) -> None:
+        if not self._step(te):  # a model bug, never an input error: fail instead of spinning
+            raise RuntimeError(f"DMA simulation made no progress at t={self.now!r}")
+
+    def advance_to(self, t: float) -> None:
+        while (te := self._next_event()) <= t:
+            self._event(te)
+        self._step(t)
+
+    def finish(self, dma: _Dma) -> float:
+        while dma.end is None:
+            self._event(self._next_event())
+        return dma.end
+
+
+# ---- the simulation ------------------------------------------------------------------------
+def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
+             vpu_phases: Sequence[str] = (), collective_s: Any = None) -> Timeline:
+    """The timeline of `log` (a `dma.recording()` log, its events or JSON records) on `chip`.
+
+    Phases whose name starts with one of `vpu_phases` run at the VPU peak, all others at the MXU
+    peak; either way a phase lasts at least `vmem_bytes / vmem_bandwidth`. A `CollectiveEvent`
+    blocks the program for `collective_s(event)` seconds (its peers taken to arrive with it; the
+    ranks together: `mkresearch.timeline_ranks.simulate_ranks`).
+    """
+    program = rank_program(events_of(log), chip, vpu_phases)
+    try:
+        request = next(program)
+        while True:
+            if collective_s is None:
+                raise ValueError(f"collective {request[0].name!r} in the log: pass collective_s "
+                                 "(seconds of a CollectiveEvent) or use simulate_ranks")
+            event, arrival = request
+            request = program.send(arrival + collective_s(event))
+    except StopIteration as done:
+        return done.value
+
+
+def rank_program(events: list, chip: str | TimelineChip, vpu_phases: Sequence[str]):
+    """The simulation of one rank's program as a generator: at each collective it yields
+    (event, arrival time) and is sent the time the collective completes; it returns the
+    Timeline."""
+    chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
+    engines = _DmaEngines(chip)
+    t = 0.0  # the program's clock
+    in_flight: dict[Any, deque[_Dma]] = {}  # match key -> DMAs issued, not yet waited (FIFO)
+    dmas: list[_Dma] = []
+    waited_unconsumed: list[_Dma] = []  # waited into VMEM, not yet read by a phase
+    compute: list[Span] = []
+    collectives: list[Span] = []
+    open_phases: list[dict] = []
+    flops_total = 0.0
+
+    for i, ev in enumerate(events):
+        if ev.kind == "collective":
+            done = yield ev, t
+            collectives.append(Span(lane=COLLECTIVE_LANE, name=ev.name, start=t, end=done,
+                                    kind="collective", nbytes=ev.nbytes))
+            t = max(t, done)
+        elif ev.kind == "dma_start":
+            d = _Dma(ev, t, chip.dma_latency)
+            dmas.append(d)
+            for key in match_keys(ev):
+                in_flight.setdefault(key, deque()).append(d)
+            engines.issue(d)
+        elif ev.kind == "dma_wait":
+            d = _take_match(in_flight, ev, i)
+            t = max(t, engines.finish(d))
+            if _to_vmem(d.event):
+                waited_unconsumed.append(d)
+            else:
+                d.consumed = d.end
+        elif ev.kind == "phase_start":
+            if open_phases:
+                open_phases[-1]["children"] = True
+            open_phases.append({"event": ev, "start": t, "children": False})
+        else:  # phase_end
+            if not open_phases:
+                raise ValueError(f"event {i}: phase_end {ev.name!r} without a phase_start")
+            opened = open_phases.pop()
+            if opened["children"]:
+                continue  # an enclosing phase: its leaves carry the time
+            start_ev = opened["event"]
+            flops = start_ev.flops or ev.flops
+            vmem_bytes = start_ev.vmem_bytes or ev.vmem_bytes
+            peak = chip.vpu_flops if start_ev.name.startswith(tuple(vpu_phases)) else chip.mxu_flops
+            flop_time, vmem_time = flops / peak, vmem_bytes / chip.vmem_bandwidth
+            duration = max(flop_time, vmem_time)
+            start = max(t, opened["start"])
+            compute.append(Span(lane=COMPUTE_LANE, name=start_ev.name, start=start,
+                                end=start + duration, kind="compute", flops=flops,
+                                bound="flops" if flop_time >= vmem_time else "vmem"))
+            t = start + duration
+            flops_total += flops
+            for d in waited_unconsumed:  # the phase after a wait is the one that reads the block
+                d.consumed = t
+            waited_unconsumed.clear()
+    if open_phases:
+        raise ValueError(f"phase {open_phases[-1]['event'].name!r} has no phase_end")
+
+    for d in dmas:  # DMAs never waited still finish: the step ends when they do
+        engines.finish(d)
+    total = max([t] + [d.end for d in dmas])
+    for d in dmas:
+        if d.consumed is None:
+            d.consumed = max(d.end, t)
+
+    dma_spans = [Span(lane=f"DMA {d.engine}", name=d.event.name, start=d.start, end=d.end,
+                      kind="dma", nbytes=d.event.nbytes, slot=d.event.slot, issue=d.issue)
+                 for d in dmas]
+    spans = tuple(sorted(dma_spans + compute + collectives, key=lambda s: (s.start, s.lane)))
+    return Timeline(chip=chip, spans=spans, vmem=_vmem_curve(dmas), total_s=total,
+                    dma_bytes=sum(d.event.nbytes for d in dmas), flops=flops_total,
+                    idle=tuple(_compute_idle(compute, dma_spans, total)))
+
+
+def _take_match(in_flight: dict, ev: LogEvent, i: int) -> _Dma:
+    for key in match_keys(ev):
+        queue = in_flight.get(key)
+        if queue:
+            d = queue.popleft()
+            for other in match_keys(d.event):  # remove it from the other keys' queues too
+                q = in_flight.get(other)
+                if q and d in q:
+                    q.remove(d)
+            return d
+    raise ValueError(f"event {i}: dma_wait {ev.name!r} (slot {ev.slot}) has no matching dma_start")
+
+
+def _to_vmem(ev: LogEvent) -> bool:
+    """Does this DMA land in VMEM? Yes unless its destination is another memory (HBM for a
+    writeback, SMEM for scalars); an unnamed destination counts as VMEM."""
+    dst = ev.dst.lower()
+    return dst in ("", "vmem") or "vmem" in dst
+
+
+def _vmem_curve(dmas: list[_Dma]) -> tuple[tuple[float, int], ...]:
+    # a block holds VMEM from its issue (the slot is reserved) until the phase that reads it ends
+    deltas: dict[float, int] = {}
+    for d in dmas:
+        if not _to_vmem(d.event):
+            continue
+        deltas[d.issue] = deltas.get(d.issue, 0) + d.event.nbytes
+        deltas[d.consumed] = deltas.get(d.consumed, 0) - d.event.nbytes
+    curve, level = [(0.0, 0)], 0
+    for time in sorted(deltas):
+        level += deltas[time]
+        if curve[-1][0] == time:
+            curve[-1] = (time, level)
+        else:
+            curve.append((time, level))
+    return tuple(curve)
+
+
+def _compute_idle(compute: list[Span], dma_spans: list[Span], total: float) -> list[Idle]:
+    busy = merge_intervals((s.start, s.end) for s in compute)
+    moving = merge_intervals((s.start, s.end) for s in dma_spans)
+    idle_compute, cursor = [], 0.0
+    for a, b in busy:
+        if a > cursor:
+            idle_compute.append((cursor, a))
+        cursor = max(cursor, b)
+    if total > cursor:
+        idle_compute.append((cursor, total))
+    # Split each compute gap by whether a DMA moves bytes meanwhile: one sweep over both sorted
+    # lists (gaps and the merged, disjoint moving intervals), linear in the number of spans.
+    idle: list[Idle] = []
+    i = 0
+    for a, b in idle_compute:
+        cursor = a
+        while cursor < b:
+            while i < len(moving) and moving[i][1] <= cursor:
+                i += 1
+            if i < len(moving) and moving[i][0] <= cursor:
+                end, cause = min(b, moving[i][1]), "hbm_busy"
+            else:
+                end, cause = (min(b, moving[i][0]) if i < len(moving) else b), "bubble"
+            if idle and idle[-1].cause == cause and idle[-1].end == cursor:
+                idle[-1] = Idle(idle[-1].start, end, cause)
+            else:
+                idle.append(Idle(cursor, end, cause))
+            cursor = end
+    return idle
+
+
+def vmem_at(timeline: Timeline, time: float) -> int:
+    """VMEM bytes in use at `time` (the step function of `timeline.vmem`)."""
+    times = [t for t, _ in timeline.vmem]
+    i = bisect.bisect_right(times, time) - 1
+    return timeline.vmem[i][1] if i >= 0 else 0

@@ -1,0 +1,369 @@
+"""Sharded decode across ranks: which rank holds which slice of every weight, cache and state.
+
+A layout assigns every parameter and state leaf of a model to `n_ranks` ranks (one rank = one
+TensorCore = one JAX device), from the sharding rules the stage kinds declare next to their
+parameters (`spec.Param.shard`: which axis splits by which group, or REPLICATED) and the number of
+ways the layout splits each group:
+
+    heads       attention heads, tensor parallel (every per-head axis, state and cache)
+    kv_heads    GQA's K/V heads, with the query heads that read them: each rank holds the K/V
+                heads of its query heads (one K/V head replicated on several ranks when the
+                model has fewer K/V heads than head slices, as serving systems replicate them)
+    vocab       embedding rows and LM head columns (in whole lane tiles per rank, the last
+                rank's padded when the vocabulary does not split evenly: DeepSeek-V3's 129280,
+                Qwen3's 151936 rows; the padded logits are masked out of sampling)
+    experts     routed experts, expert parallel (EP)
+    expert_tp   inside each routed expert, expert-tensor parallel (ETP; EP x ETP = n_ranks): W1
+                and W3 by their hidden columns, W2 by its latent columns
+    ffn_hidden  the hidden of the dense FFN and of the shared experts (W_gate, W_up columns)
+    model_cols  the d columns of the projections back to the model dim (W_o, W_down, W_lu)
+    down_cols   the columns of the small down-projections of x (KDA's W_fa, MLA's W_qa and
+                W_kva, the router)
+    moe_latent  the latent columns of the MoE latent down-projection W_ld
+
+Every matrix splits by its output columns, never by its contraction: a rank computes whole dot
+products for its columns (its input all-gathered first where it arrives split, `Param.gather`)
+and the columns are all-gathered, so every value is the single-device one, bit for bit.
+
+Rank r holds slice (r // stride) % ways of a group (`Split`): experts (r // ETP) % EP and expert
+TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas when a
+model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on n / 2
+consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
+exactly (ValueError naming the field and the allowed rank counts otherwise); the vocabulary and
+the other groups split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
+ways·c, and an axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router).
+
+Two layouts:
+    release  spec §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
+             FFN hidden sliced (dense 1056 -> 1152, shared 192 -> 256), the MoE latent sliced;
+             the router and the attention's latent down-projections (down_cols) whole on every
+             rank (an ASSUMPTION: §9 does not say); routed experts in the released format (FP8 gate/up, MXFP4 down, spec §7).
+             At full size: 7.0 GB of weights per rank at B = 1 (the spec: ≈ 6.97).
+    ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
+             decoded in VMEM (cfg.expert_format)
+
+Per-rank shapes (`rank_param_shapes`, `rank_state_shapes`), the per-rank slices of real arrays
+(`shard_params`, `shard_state`) and a single-device stand-in config of one rank (`rank_config`)
+come from it; per-rank bytes of one step (sharded vs replicated, by component) from
+`mkresearch.layout_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds and their rules
+from mkresearch.model import spec
+from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
+from mkresearch.model.formats import quantized_shapes
+from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layout's API
+    MAX_LISTED_RANKS,
+    RELEASE_ETP,
+    _head_ways,
+    allowed_ranks,
+    check_ranks,
+    chunk_length,
+    default_etp,
+    expert_output_width,
+    expert_widths,
+    groups_used,
+    is_param,
+    leaves_with_path,
+)
+
+OURS, RELEASE = "ours", "release"
+LAYOUTS = (OURS, RELEASE)
+# groups split in chunks of whole lane tiles (zero-padded), not exactly
+PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
+# groups the release keeps whole on every rank: the router and the latent down-projections.
+# ASSUMPTION: spec §9 does not say how they split (spec/collectives.md splits the router's scores
+# between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
+RELEASE_REPLICATED = (spec.DOWN_COLS,)
+RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one group splits: rank r holds slice (r // stride) % ways."""
+
+    group: str
+    ways: int
+    stride: int = 1
+
+    def index(self, rank: int) -> int:
+        return (rank // self.stride) % self.ways
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which slice of every group each of `n_ranks` ranks holds (hashable: a static argument)."""
+
+    name: str
+    cfg: ModelConfig
+    n_ranks: int
+    splits: tuple[Split, ...]
+    expert_format: str = ""  # the routed experts' format its bytes are counted in
+
+    def split(self, group: str) -> Split:
+        """How `group` splits (whole when the layout has no split for it: a group no leaf of the
+        model uses, e.g. kv_heads without GQA)."""
+        return next((s for s in self.splits if s.group == group), Split(group, 1))
+
+    def ways(self, group: str) -> int:
+        return self.split(group).ways
+
+    @property
+    def ep(self) -> int:
+        return self.ways(spec.EXPERTS)
+
+    @property
+    def etp(self) -> int:
+        return self.ways(spec.EXPERT_TP)
+
+    @property
+    def head_replicas(self) -> int:
+        """Ranks holding the same heads (> 1 only when the model has fewer heads than ranks)."""
+        return self.split(spec.HEADS).stride
+
+    def divides(self, group: str, length: int) -> bool:
+        """Whether an axis of `length` splits by `group` here (more than one way, and for a
+        padded group a chunk shorter than the axis)."""
+        ways = self.ways(group)
+        return ways > 1 and (group not in CHUNKED_GROUPS or chunk_length(length, ways) < length)
+
+    def local_length(self, group: str, length: int) -> int:
+        """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
+        if not self.divides(group, length):
+            return length
+        ways = self.ways(group)
+        if group in CHUNKED_GROUPS:
+            return chunk_length(length, ways)
+        return length // ways
+
+    def bounds(self, group: str, length: int, rank: int) -> tuple[int, int, int]:
+        """(start, stop, per-rank length) of rank's slice of an axis of `length`: the real
+        elements [start, stop), zero-padded to the per-rank length."""
+        local = self.local_length(group, length)
+        start = self.split(group).index(rank) * local if local < length else 0
+        return min(start, length), min(start + local, length), local
+
+    def describe(self) -> str:
+        parts, used = [], groups_used(self.cfg)
+        for s in (s for s in self.splits if s.group in used):
+            how = "whole" if s.ways == 1 else f"{s.ways} ways"
+            if s.stride > 1 and s.group in (spec.HEADS, spec.KV_HEADS):
+                how += f" x {s.stride} replicas"
+            parts.append(f"{s.group} {how}")
+        return f"{self.name} layout of {self.cfg.name} on {self.n_ranks} ranks: " + ", ".join(parts)
+
+
+def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None = None) -> Layout:
+    """The `name` layout (LAYOUTS) of cfg on n_ranks ranks; etp: expert-tensor parallel ways
+    (default `default_etp`). ValueError naming the field for a rank count that does not split
+    heads, vocabulary or experts, and for a kind whose parameters have no sharding rule."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+    if name not in LAYOUTS:
+        raise ValueError(f"layout name={name!r} is invalid: one of {', '.join(LAYOUTS)}")
+    spec.check(cfg)
+    check_ranks(cfg, n_ranks, etp)
+    n = int(n_ranks)
+    etp = default_etp(cfg, n, name) if etp is None else etp
+    if n > 1:
+        _check_rules(cfg)
+    heads = _head_ways(cfg, n)
+    kv_heads = min(heads, cfg.n_kv_heads)  # with fewer K/V heads than head slices: replicated
+    splits = [Split(spec.HEADS, heads, n // heads),
+              *([Split(spec.KV_HEADS, kv_heads, n // kv_heads)]
+                if spec.KV_HEADS in groups_used(cfg) else []),
+              Split(spec.VOCAB, n),
+              Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
+    for group in PADDED_GROUPS:
+        whole = name == RELEASE and group in RELEASE_REPLICATED
+        splits.append(Split(group, 1 if whole else n))
+    expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
+    return Layout(name=name, cfg=cfg, n_ranks=n, splits=tuple(splits),
+                  expert_format=expert_format)
+
+
+def _check_rules(cfg: ModelConfig) -> None:
+    """Every parameter and state leaf of every kind says how it shards (spec.Param.shard)."""
+    for path, leaf in leaves_with_path(spec.param_table(cfg)):
+        if leaf.shard is None:
+            raise ValueError(f"parameter {path} of {cfg.name} has no sharding rule: give its "
+                             "spec.Param a shard= (spec.split(axis, group) or spec.REPLICATED)")
+    for kind, leaves in spec.state_table(cfg, 1, cfg.kv_tile).items():
+        for name, leaf in leaves.items():
+            if leaf.shard is None:
+                raise ValueError(f"state leaf [{kind!r}][{name!r}] of {cfg.name} has no sharding "
+                                 "rule: give its spec.StateLeaf a shard=")
+
+
+def has_rules(cfg: ModelConfig) -> bool:
+    """Whether every kind of cfg says how its parameters and states shard (`_check_rules`)."""
+    try:
+        _check_rules(cfg)
+    except ValueError:
+        return False
+    return True
+
+
+# ---- per-rank shapes ------------------------------------------------------------------------
+def active_shard(lay: Layout, shard: Any, shape: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
+    """The (axis, group) pairs of a rule that this layout splits for a leaf of `shape`."""
+    return tuple((axis, group) for axis, group in (shard or ())
+                 if lay.divides(group, shape[axis]))
+
+
+def local_shape(lay: Layout, shape: tuple[int, ...], shard: Any) -> tuple[int, ...]:
+    out = list(shape)
+    for axis, group in active_shard(lay, shard, shape):
+        out[axis] = lay.local_length(group, shape[axis])
+    return tuple(out)
+
+
+def rank_params(lay: Layout) -> dict:
+    """The parameter table (spec.Param leaves) with one rank's shapes."""
+    return jax.tree.map(lambda p: dataclasses.replace(p, shape=local_shape(lay, p.shape, p.shard)),
+                        spec.param_table(lay.cfg), is_leaf=is_param)
+
+
+def storage(cfg: ModelConfig, param: spec.Param, expert_format: str | None = None) -> Any:
+    if param.quantized:
+        return quantized_shapes(param.shape, expert_format or cfg.expert_format)
+    return jax.ShapeDtypeStruct(param.shape, param.dtype)
+
+
+def count_format(lay: Layout, key: str) -> str:
+    """The format a routed-expert matrix's bytes are counted in: the layout's (the release's:
+    FP8 gate/up W1, W3 and MXFP4 down W2)."""
+    if lay.expert_format == RELEASE_EXPERT_FORMAT:
+        return "mxfp4" if key.endswith("['w2']") else "fp8"
+    return lay.expert_format or lay.cfg.expert_format
+
+
+def rank_param_shapes(lay: Layout) -> dict:
+    """One rank's parameter pytree as jax.ShapeDtypeStruct leaves (stored formats)."""
+    return jax.tree.map(lambda p: storage(lay.cfg, p), rank_params(lay), is_leaf=is_param)
+
+
+def rank_state_shapes(lay: Layout, batch: int, seq_len: int | None = None) -> dict:
+    """One rank's decode state {kind: {leaf: ShapeDtypeStruct}}."""
+    seq_len = lay.cfg.max_seq_len if seq_len is None else seq_len
+    return {kind: {name: jax.ShapeDtypeStruct(local_shape(lay, leaf.shape, leaf.shard), leaf.dtype)
+                   for name, leaf in leaves.items()}
+            for kind, leaves in spec.state_table(lay.cfg, batch, seq_len).items()}
+
+
+# ---- per-rank slices of real arrays -----------------------------------------------------------
+def _slice(lay: Layout, array: Any, logical: tuple[int, ...], shard: Any, rank: int) -> np.ndarray:
+    """rank's slice of one stored array (a quantized part packs an axis: same slice, scaled)."""
+    out = np.asarray(array)
+    for axis, group in active_shard(lay, shard, logical):
+        factor = logical[axis] // out.shape[axis]  # 1, or the values per stored element
+        start, stop, local = lay.bounds(group, logical[axis], rank)
+        part = np.take(out, np.arange(start // factor, stop // factor), axis=axis)
+        pad = [(0, 0)] * out.ndim
+        pad[axis] = (0, local // factor - part.shape[axis])
+        out = np.pad(part, pad)
+    return out
+
+
+def _shard_tree(lay: Layout, table: Any, tree: Any, shard_of) -> Any:
+    """Every leaf of `tree` (matching `table`'s Param / StateLeaf leaves) as [n_ranks, ...]."""
+    def one(entry, value):
+        def stack(part):
+            return np.stack([_slice(lay, part, entry.shape, shard_of(entry), r)
+                             for r in range(lay.n_ranks)])
+        return jax.tree.map(stack, value)
+
+    return jax.tree.map(one, table, tree, is_leaf=lambda x: isinstance(x, (spec.Param,
+                                                                           spec.StateLeaf)))
+
+
+def shard_params(params: dict, lay: Layout) -> dict:
+    """The parameters as every rank's slice stacked along a leading rank axis: [n_ranks, ...]
+    (numpy; what `jax.shard_map` over the rank axis hands each rank)."""
+    return _shard_tree(lay, spec.param_table(lay.cfg), params, lambda p: p.shard)
+
+
+def shard_state(state: dict, lay: Layout) -> dict:
+    """A decode state {kind: {leaf: [n_layers, B, ...]}} as each rank's slice, [n_ranks, ...]."""
+    batch = next(iter(next(iter(state.values())).values())).shape[1]
+    seq_len = _seq_len(state, lay.cfg, batch)
+    return _shard_tree(lay, spec.state_table(lay.cfg, batch, seq_len), state, lambda s: s.shard)
+
+
+def _seq_len(state: dict, cfg: ModelConfig, batch: int) -> int:
+    for kind, leaves in spec.state_table(cfg, batch, 1).items():
+        for name, leaf in leaves.items():
+            if leaf.token_axis is not None:
+                return state[kind][name].shape[leaf.token_axis]
+    return cfg.max_seq_len
+
+
+def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
+                **overrides: Any) -> ModelConfig:
+    """A single-device stand-in for one rank of the `name` layout: a ModelConfig with one rank's
+    heads, vocabulary shard, local experts (top_k capped at their count) and FFN hidden chunks,
+    for compiling and scaling a one-device megakernel at per-rank shapes (the collectives left
+    out). A ModelConfig says a rank's share only through its sizes: an expert's ETP slice is taken
+    on its hidden (W2's rows, not its latent columns: the same bytes), and the matrices the layout
+    splits by their d or latent columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router)
+    stay whole: `layout_bytes.rank_bytes` counts any layout exactly. For the release layout on 32
+    ranks it is the hand-made `kimi-k3-rank` of before. Named '<model>-rank' (release) or
+    '<model>-rank-<layout>'."""
+    lay = layout(cfg, n_ranks, name)
+    experts = cfg.n_experts // lay.ep
+    fields = {  # one rank's expert hidden: W1/W3 columns (its W2 latent slice is not expressible)
+        "name": f"{cfg.name}-rank" if name == RELEASE else f"{cfg.name}-rank-{name}",
+        "n_heads": cfg.n_heads // lay.ways(spec.HEADS),
+        "n_kv_heads": lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
+        "vocab_size": lay.local_length(spec.VOCAB, cfg.vocab_size),
+        "n_experts": experts, "top_k": min(cfg.top_k, experts),
+        "expert_hidden": lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
+        "dense_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
+        "shared_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden)}
+    fields.update(overrides)
+    return cfg.replace(**fields)
+
+
+RELEASE_RANKS = 32  # spec §9: 16 TPU7x chips x 2 TensorCores
+
+
+def named_config(name: str, **overrides: Any) -> ModelConfig:
+    """A preset (`config.get_config`), or '<preset>-rank': one of RELEASE_RANKS ranks of the preset,
+    derived, not typed in: from its release layout (`rank_config`) when every kind declares
+    sharding rules; otherwise (the families' gqa, mla_rope, moe_full) from `config.rank_shapes`,
+    the pre-sharding stand-in issue 15 allows ("before it, at one rank's shapes"): the release's
+    division of Kimi K3 (equal to `rank_config` there), until those kinds declare rules."""
+    base = name[:-len(RANK_SUFFIX)]
+    if not (name.endswith(RANK_SUFFIX) and base in PRESETS):
+        return get_config(name, **overrides)
+    full = get_config(base)
+    if has_rules(full):
+        return rank_config(full, RELEASE, RELEASE_RANKS, **overrides)
+    rank = rank_shapes(full)
+    return rank.replace(**overrides) if overrides else rank
+
+
+def _has_rank(cfg: ModelConfig) -> bool:
+    if has_rules(cfg):
+        return RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS)
+    try:
+        rank_shapes(cfg)
+    except ValueError:  # a mini: its heads or experts do not split 32 ways
+        return False
+    return True
+
+
+def config_names() -> tuple[str, ...]:
+    """Every name `named_config` takes: the presets and one rank of each full-size one."""
+    ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
+    return (*PRESETS, *ranks)

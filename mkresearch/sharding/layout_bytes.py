@@ -1,0 +1,182 @@
+"""Per-rank HBM bytes of one decode step under a layout (`mkresearch.layout`), sharded vs replicated.
+
+`rank_bytes(layout, batch, context)` counts, by roofline component (`spec.components`, the same
+names `roofline.step_bytes` and `mkresearch info` use), what one rank reads and writes in one
+step, from the per-rank shapes of the layout; `compare(cfg, n_ranks, ...)` puts ours beside the
+release's with each chip's per-rank floor (what `mkresearch info MODEL --ranks N` prints).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from mkresearch.hardware.chips import CHIPS, get_chip
+from mkresearch.model import roofline, spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.sharding.layout import (
+    LAYOUTS,
+    Layout,
+    active_shard,
+    count_format,
+    is_param,
+    layout,
+    leaves_with_path,
+    local_shape,
+    rank_params,
+    storage,
+)
+
+
+# ---- per-rank bytes of one step --------------------------------------------------------------
+@dataclass(frozen=True)
+class RankBytes:
+    """HBM bytes one rank reads and writes in one decode step, by roofline component
+    (`spec.components`), split into the bytes of sharded leaves (each rank its slice) and of
+    replicated ones (every rank the whole leaf)."""
+
+    layout: str
+    model: str
+    n_ranks: int
+    batch: int
+    context: int
+    sharded: dict
+    replicated: dict
+    components: dict  # name -> label, display order
+    state_components: tuple[str, ...]
+
+    def component(self, name: str) -> int:
+        return self.sharded.get(name, 0) + self.replicated.get(name, 0)
+
+    @property
+    def weights(self) -> int:
+        """Weight bytes (states and caches left out): the release's '≈ 6.97 GB per rank'."""
+        return sum(self.component(n) for n in self.components if n not in self.state_components)
+
+    @property
+    def replicated_weights(self) -> int:
+        return sum(v for n, v in self.replicated.items() if n not in self.state_components)
+
+    @property
+    def total(self) -> int:
+        return sum(self.component(n) for n in self.components)
+
+    def floor_s(self, chip: Any) -> float:
+        """The rank's HBM floor: its bytes over one device's bandwidth (a rank is one device)."""
+        return self.total / get_chip(chip).hbm_bandwidth
+
+
+def _bytes(struct_tree: Any) -> int:
+    return roofline.tree_bytes(struct_tree)
+
+
+def rank_bytes(lay: Layout, batch: int = 1, context: int = 0) -> RankBytes:
+    """One rank's bytes of one step (see `roofline.step_bytes` for what a step reads): weights
+    once, the routed experts of its expert group (the expected share of the batch's distinct
+    experts, `roofline.expected_unique_experts` / EP, each its ETP slice), one embedding row per
+    sequence (the owner's), its states and caches (read at `context` tokens, written once)."""
+    cfg = lay.cfg
+    table = spec.param_table(cfg)
+    local = rank_params(lay)
+    sharded: dict[str, int] = {}
+    replicated: dict[str, int] = {}
+
+    def add(component: str, param: spec.Param, value: int) -> None:
+        target = sharded if active_shard(lay, param.shard, param.shape) else replicated
+        target[component] = target.get(component, 0) + int(value)
+
+    kinds = spec.stages_of(cfg)
+    unique = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
+    for kind in kinds:
+        for key, sub in table[kind.name].items():
+            pairs = zip(leaves_with_path(sub), jax.tree.leaves(local[kind.name][key],
+                                                                is_leaf=is_param))
+            for (path, param), mine in pairs:
+                stored = _bytes(storage(cfg, mine, count_format(lay, path)))
+                if key in kind.routed:  # the expected experts of this rank's expert group
+                    # [layers, local experts, ...]: unique / EP of the group's experts per layer
+                    add(kind.routed_component[0], param, stored / mine.shape[1] * unique / lay.ep)
+                elif kind.component is not None:
+                    add(kind.component[0], param, stored)
+    add("lm_head", table["lm_head"], _bytes(storage(cfg, local["lm_head"])))
+    embed = local["embed"]
+    add("embedding_rows", table["embed"], batch * embed.shape[1] * np.dtype(embed.dtype).itemsize)
+    trunk = {"embed", "lm_head", *(kind.name for kind in kinds)}
+    for key in table:
+        if key not in trunk:
+            add("norms_and_mix", table[key], _bytes(storage(cfg, local[key])))
+    states = []
+    for kind in kinds:
+        if kind.state_component is None:
+            continue
+        name = kind.state_component[0]
+        states.append(name)
+        for leaf in spec.state_table(cfg, 1, 1).get(kind.name, {}).values():
+            shape = local_shape(lay, leaf.shape, leaf.shard)
+            one = math.prod(shape) * np.dtype(leaf.dtype).itemsize  # one row, one token if cache
+            moved = (batch * (one + context * one + one) if leaf.kind == spec.CACHE
+                     else batch * 2 * one)
+            target = sharded if active_shard(lay, leaf.shard, leaf.shape) else replicated
+            target[name] = target.get(name, 0) + moved
+    return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
+                     context=context, sharded=sharded, replicated=replicated,
+                     components=dict(spec.components(cfg)), state_components=tuple(states))
+
+
+def compare(cfg: ModelConfig, n_ranks: int, batch: int = 1, context: int = 0) -> dict:
+    """Per-rank bytes of one step under every layout (LAYOUTS: ours first, the release's) with
+    each chip's per-rank floor: a JSON-able report."""
+    report = {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "context": context,
+              "layouts": {}}
+    for name in LAYOUTS:
+        lay = layout(cfg, n_ranks, name)
+        counted = rank_bytes(lay, batch, context)
+        report["layouts"][name] = {
+            "describe": lay.describe(), "expert_format": lay.expert_format,
+            "components": counted.components,
+            "sharded": counted.sharded, "replicated": counted.replicated,
+            "weights": counted.weights, "replicated_weights": counted.replicated_weights,
+            "total": counted.total,
+            "floor_ms": {chip: counted.floor_s(chip) * 1e3 for chip in CHIPS}}
+    ours, release = (report["layouts"][name]["weights"] for name in LAYOUTS)
+    report["ours_saves_bytes"] = release - ours
+    report["ours_saves_fraction"] = (release - ours) / release if release else 0.0
+    return report
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:8.3f} GB"
+
+
+def format_table(report: dict) -> str:
+    """The per-rank byte table of `compare`: each component's sharded and replicated bytes under
+    ours, beside the release's, then the totals and each chip's per-rank floor."""
+    ours, release = (report["layouts"][name] for name in LAYOUTS)
+    lines = [(f"{report['model']} on {report['n_ranks']} ranks, per rank and step (batch "
+             f"{report['batch']}, context {report['context']}):"),
+             f"  {ours['describe']}", f"  {release['describe']}",
+             (f"  experts counted in: ours {ours['expert_format']}, release "
+             f"{release['expert_format']} (FP8 gate/up + MXFP4 down, spec §7)"),
+             (f"  {'component':42s} {'ours sharded':>13} {'replicated':>12} {'ours total':>12} "
+             f"{'release':>12}")]
+    for name, label in ours["components"].items():
+        sharded, whole = ours["sharded"].get(name, 0), ours["replicated"].get(name, 0)
+        theirs = release["sharded"].get(name, 0) + release["replicated"].get(name, 0)
+        lines.append(f"  {label:42s} {_gb(sharded):>13} {_gb(whole):>12} "
+                     f"{_gb(sharded + whole):>12} {_gb(theirs):>12}")
+    lines.append(f"  {'weights (states left out)':42s} {'':>13} "
+                 f"{_gb(ours['replicated_weights']):>12} {_gb(ours['weights']):>12} "
+                 f"{_gb(release['weights']):>12}")
+    lines.append(f"  {'total read + written':42s} {'':>13} {'':>12} {_gb(ours['total']):>12} "
+                 f"{_gb(release['total']):>12}")
+    lines.append(f"ours reads {report['ours_saves_bytes'] / 1e9:.3f} GB of weights per rank less "
+                 f"than the release's layout ({report['ours_saves_fraction']:.1%} fewer)")
+    lines.append("per-rank HBM floor (a rank's bytes / one device's bandwidth):")
+    for chip in ours["floor_ms"]:
+        lines.append(f"  {chip:6s} ours {ours['floor_ms'][chip]:8.3f} ms/step   release "
+                     f"{release['floor_ms'][chip]:8.3f} ms/step")
+    return "\n".join(lines)

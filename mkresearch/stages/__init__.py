@@ -1,5 +1,0 @@
-"""The built-in stage kinds and residual strategies, registered in `mkresearch.spec` on import."""
-
-from mkresearch.stages import ffn, gqa, kda, mla, mla_rope, moe_full, residuals
-
-__all__ = ["ffn", "gqa", "kda", "mla", "mla_rope", "moe_full", "residuals"]

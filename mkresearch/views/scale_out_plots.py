@@ -1,0 +1,222 @@
+"""Pictures of the scale-out prediction: figures/scale_out.png, the ranks' timeline, and the
+`ScaleOutExplorer` widget (batch, ranks, layout, schedule, link bandwidth and latency).
+
+Data functions (pure, tested): `ranks_rows` (the bars of a multi-rank timeline), `figure_rows`
+(tok/s per batch per series), `parts_rows` (the decomposition of one step per series).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mkresearch.model.config import get_config
+from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction.timeline import merge_intervals
+from mkresearch.prediction.timeline_ranks import PARTS, RanksTimeline
+from mkresearch.views.widgets import FigureExplorer
+
+KINDS = ("hbm", "waiting", "collective")  # a rank's bars: HBM moving, waiting for peers, messages
+COLORS = {"hbm": "#4C72B0", "waiting": "#DD8452", "collective": "#C44E52",
+          "hbm_floor": "#4C72B0", "waiting_for_peers": "#DD8452",
+          "collective_messages": "#C44E52", "compute": "#55A868", "bubble": "#8C8C8C"}
+PART_LABELS = {"hbm_floor": "HBM floor", "waiting_for_peers": "waiting for peers",
+               "collective_messages": "collective messages", "compute": "compute (HBM idle)",
+               "bubble": "bubbles"}
+
+
+def ranks_rows(ranks: RanksTimeline, window_us: tuple[float, float] | None = None) -> list[dict]:
+    """One row per bar: rank, kind (KINDS), start_us, end_us; clipped to the window (µs)."""
+    lo, hi = window_us if window_us is not None else (0.0, ranks.total_s * 1e6)
+    rows = []
+    for rank, tl in zip(ranks.ranks, ranks.timelines, strict=True):
+        bars = [("hbm", a, b) for a, b in merge_intervals((s.start, s.end) for s in tl.spans
+                                                  if s.kind == "dma")]
+        for run in ranks.collectives:
+            if rank in run.group:
+                bars += [("waiting", run.arrivals[run.group.index(rank)], run.start),
+                         ("collective", run.start, run.end)]
+        for kind, a, b in bars:
+            a, b = max(a * 1e6, lo), min(b * 1e6, hi)
+            if b > a:
+                rows.append({"rank": rank, "kind": kind, "start_us": a, "end_us": b})
+    return rows
+
+
+def plot_ranks(ranks: RanksTimeline, ax, window_us: tuple[float, float] | None = None) -> None:
+    rows = ranks_rows(ranks, window_us)
+    for y, rank in enumerate(ranks.ranks):
+        for kind in KINDS:
+            bars = [(r["start_us"], r["end_us"] - r["start_us"]) for r in rows
+                    if r["rank"] == rank and r["kind"] == kind]
+            # HBM on the upper half of a rank's row, collectives on the lower: they overlap
+            # where the ring streams weights while the program waits in a collective
+            ax.broken_barh(bars, (y, 0.4) if kind == "hbm" else (y - 0.4, 0.4), color=COLORS[kind],
+                           label={"hbm": "HBM moving weights", "waiting": "waiting for peers",
+                                  "collective": "collective messages"}[kind] if y == 0 else None)
+    ax.set_yticks(range(len(ranks.ranks)), [f"rank {r}" for r in ranks.ranks])
+    ax.set_xlabel("µs from the start of the step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def parts_rows(predictions: dict[str, dict]) -> list[dict]:
+    """label -> a prediction (`scale_out.predict`) as rows: label, part, ms."""
+    return [{"label": label, "part": part, "ms": p["parts_s"][part] * 1e3}
+            for label, p in predictions.items() for part in PARTS]
+
+
+def plot_parts(predictions: dict[str, dict], ax, published_ms: float | None = None) -> None:
+    rows = parts_rows(predictions)
+    labels = list(predictions)
+    bottoms = [0.0] * len(labels)
+    for part in PARTS:
+        values = [next(r["ms"] for r in rows if r["label"] == lab and r["part"] == part)
+                  for lab in labels]
+        ax.barh(labels, values, left=bottoms, color=COLORS[part], label=PART_LABELS[part])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    if published_ms:
+        ax.axvline(published_ms, color="black", ls="--", label=f"published {published_ms:.2f} ms")
+    ax.set_xlabel("ms per step (the slowest rank)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def figure_rows(release: Sequence[dict], ours: Sequence[dict]) -> list[dict]:
+    """tok/s per batch: published TPU7x and 16x GB200, and the three predictions."""
+    rows = []
+    for rel, our in zip(release, ours, strict=True):
+        b = rel["batch"]
+        rows += [{"series": "published, 16 TPU7x (the release)", "batch": b,
+                  "tok_s": our["published_tok_s"]},
+                 {"series": "published, 16x GB200", "batch": b, "tok_s": our["gb200_tok_s"]},
+                 {"series": "predicted: the release's layout + schedule", "batch": b,
+                  "tok_s": b / rel["predicted_ms"] * 1e3},
+                 {"series": "predicted: ours as built (exact collectives)", "batch": b,
+                  "tok_s": our["ours"]["tok_s"]},
+                 {"series": "predicted: our layout + the release's schedule", "batch": b,
+                  "tok_s": our["ours_release_schedule"]["tok_s"]}]
+    return rows
+
+
+def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
+    """Predicted vs published tok/s per batch, and the B = 1 parts (`calibration` tables)."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_parts) = plt.subplots(1, 2, figsize=(14, 4.8), layout="constrained")
+    rows = figure_rows(release, ours)
+    # published: wide pale lines with open squares, drawn first; predicted: dashed lines with
+    # small dots on top. Where a prediction equals the published number (the release at
+    # B = 2 and 4) both still show: the dot inside the square, the dashes over the wide line.
+    styles = {"published": {"ls": "-", "marker": "s", "lw": 5, "alpha": 0.45, "ms": 11,
+                            "markerfacecolor": "none", "markeredgewidth": 2, "zorder": 2},
+              "predicted": {"ls": "--", "marker": "o", "lw": 1.5, "ms": 5, "zorder": 3}}
+    for series in dict.fromkeys(r["series"] for r in rows):
+        points = [r for r in rows if r["series"] == series]
+        ax_rate.plot([p["batch"] for p in points], [p["tok_s"] for p in points], label=series,
+                     **styles[series.split(",")[0].split(":")[0]])
+    batches = sorted({r["batch"] for r in rows})
+    ax_rate.set_xscale("log", base=2)
+    ax_rate.set_xticks(batches, [str(b) for b in batches])  # 1, 2, 4, 8 as in every figure
+    ax_rate.minorticks_off()
+    ax_rate.set_xlabel("batch (sequences)")
+    ax_rate.set_ylabel("tokens/s")
+    ax_rate.set_title("Kimi K3 decode, predicted vs published: 16 TPU7x chips\n"
+                      "= 32 ranks (one per core, 2 cores per chip)", fontsize=10)
+    ax_rate.legend(fontsize=8)
+
+    def seconds(parts_ms: dict) -> dict:
+        return {"parts_s": {k: v / 1e3 for k, v in parts_ms.items()}}
+
+    one = {"release (layout + schedule)": seconds(release[0]["parts_ms"]),
+           "ours as built": seconds(ours[0]["ours"]["parts_ms"]),
+           "our layout, release schedule": seconds(ours[0]["ours_release_schedule"]["parts_ms"])}
+    plot_parts(one, ax_parts, release[0]["published_ms"])
+    ax_parts.set_title("B = 1: where the step goes (the slowest of 32 ranks)", fontsize=10)
+    return fig
+
+
+def plot_scale_out(path) -> None:
+    """figures/scale_out.png: `scale_out_figure` of the calibration tables."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = get_config("kimi-k3")
+    fig = scale_out_figure(calibration.release_table(cfg), calibration.ours_table(cfg))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class ScaleOutExplorer(FigureExplorer):
+    """Controls (batch, ranks, layout, schedule, ICI bandwidth and latency) under the multi-rank
+    timeline of kimi-k3 and its parts, a figure titled with the settings it shows (displayed
+    as every `widgets.FigureExplorer` is). `prediction` is the current data."""
+
+    def __init__(self, *, batch: int = 1, n_ranks: int = 32, layout: str = "ours",
+                 schedule: str | None = None, window_us: tuple[float, float] = (0.0, 200.0)):
+        import ipywidgets as w
+
+        self.cfg = get_config("kimi-k3")
+        self.window_us = window_us
+        base = links.interconnect("tpu7x")
+        self.batch = w.Dropdown(options=[1, 2, 4, 8], value=batch, description="batch")
+        self.ranks = w.Dropdown(options=[8, 16, 32], value=n_ranks, description="ranks")
+        self.layout = w.Dropdown(options=["ours", "release"], value=layout, description="layout")
+        self.schedule = w.Dropdown(options=list(scale_out.SCHEDULES),
+                                   value=schedule or layout, description="schedule")
+        link = round(base.ici_bandwidth / 1e9)  # the measured per-link figure, x0.5 .. x2
+        self.bandwidth = w.Dropdown(options=[link / 4, link / 2, link, 2 * link],
+                                    value=link, description="ICI GB/s")
+        self.latency = w.Dropdown(options=[0.5, 1.0, round(base.ici_latency * 1e6, 1), 5.0],
+                                  value=round(base.ici_latency * 1e6, 1), description="ICI µs")
+        self._build([[self.batch, self.ranks, self.layout],
+                     [self.schedule, self.bandwidth, self.latency]])
+
+    def compute(self) -> dict:
+        inter = links.interconnect("tpu7x", ici_bandwidth=self.bandwidth.value * 1e9,
+                                   ici_latency=self.latency.value * 1e-6)
+        return scale_out.predict(self.cfg, self.ranks.value, self.layout.value, self.batch.value,
+                                 schedule=self.schedule.value, interconnect=inter,
+                                 keep_timeline=True)
+
+    def update(self) -> None:
+        self.prediction = self.compute()
+
+    def settings(self) -> str:
+        """The settings the figure shows, as its title names them."""
+        return (f"B = {self.batch.value}, {self.ranks.value} ranks, {self.layout.value} layout, "
+                f"{self.schedule.value} schedule, ICI {self.bandwidth.value:g} GB/s and "
+                f"{self.latency.value:g} µs")
+
+    def summary_line(self) -> str:
+        p = self.prediction
+        parts = ", ".join(f"{PART_LABELS[k]} {v * 1e3:.2f}" for k, v in p["parts_s"].items())
+        return (f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step, "
+                f"{p['tokens_per_s']:.0f} tok/s (ms: {parts}); {p['collectives_per_rank']} "
+                "collectives per rank")
+
+    def draw(self):
+        import matplotlib.pyplot as plt
+
+        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=(12, 7),
+                                                 gridspec_kw={"height_ratios": [3, 1]},
+                                                 layout="constrained")
+        plt.close(fig)  # shown through the explorer's outputs, never by pyplot
+        p = self.prediction
+        fig.suptitle(f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step")
+        plot_ranks(p["timeline"], ax_ranks, self.window_us)
+        ax_ranks.set_title(f"the first {self.window_us[1]:.0f} µs of the step, one rank per "
+                           "expert-parallel group", fontsize=10)
+        published = p.get("published_step_s")
+        plot_parts({"this prediction": p}, ax_parts, published * 1e3 if published else None)
+        return fig
+
+    def __repr__(self) -> str:
+        return (f"ScaleOutExplorer(batch={self.batch.value}, n_ranks={self.ranks.value}, "
+                f"layout={self.layout.value!r}, schedule={self.schedule.value!r})")
+
+
+def explorer(**kwargs: Any):
+    """The explorer where ipywidgets is installed; it needs a kernel to redraw."""
+    return ScaleOutExplorer(**kwargs)
