@@ -3,7 +3,7 @@
 `stream_matmul` is how a stage kernel multiplies a small VMEM activation by a weight matrix that
 stays in HBM: the matrix streams through a two-slot VMEM ring in row blocks (each a whole
 `[rows, N]` slab, so every DMA is one contiguous HBM window) while the MXU works on the previous
-block. Every block goes through `mkresearch.kernels.dma`, so the DMA log counts every weight byte.
+block. Every block goes through `mkresearch.kernels.base.dma`, so the DMA log counts every weight byte.
 
 Block sizes are checked in Python (ValueError naming the parameter) before a kernel is built:
 TPU tiling wants the last dim of a VMEM block to be a multiple of 128 lanes and the second-last a

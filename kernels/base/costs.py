@@ -85,7 +85,7 @@ def _matrices(weights: dict) -> list:
 
 # ---- stage bodies -------------------------------------------------------------------------------
 def kda(plan: Any, weights: dict) -> Cost:
-    """KDA body (kernels/kda.py) for plan.batch rows; weights: one layer's, by name (vectors as
+    """KDA body (kernels/stages/kda.py) for plan.batch rows; weights: one layer's, by name (vectors as
     [n] or [1, n]). The conv and recurrent states are read and written whole."""
     b, h, d = plan.batch, plan.n_heads, plan.head_dim
     conv = b * (plan.conv_size - 1) * 3 * h * d * 2  # [B, conv-1, 3, H, D] bf16
@@ -104,7 +104,7 @@ def _attention(plan: Any, tokens: int, key_dims: int, value_dims: int) -> Cost:
 
 
 def mla(plan: Any, weights: dict, cache: dict) -> Cost:
-    """MLA body (kernels/mla.py); weights: one layer's by name; cache: the layer's two cache
+    """MLA body (kernels/stages/mla.py); weights: one layer's by name; cache: the layer's two cache
     arrays [B, (H,) S, n]. Assumes every row at the last position (module docstring): the whole
     cache is read, plus the 16-row block around each new entry read and written."""
     from mkresearch.kernels.stages.mla import (
@@ -124,7 +124,7 @@ def mla(plan: Any, weights: dict, cache: dict) -> Cost:
 
 
 def gqa(plan: Any, weights: dict, cache: Any) -> Cost:
-    """GQA body (kernels/gqa.py); weights: one layer's by name; cache: the layer's K and V
+    """GQA body (kernels/stages/gqa.py); weights: one layer's by name; cache: the layer's K and V
     [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
     block around each new entry read and written. Scores and Σ α v per query head; RoPE's
     cos and sin per row."""
@@ -141,7 +141,7 @@ def gqa(plan: Any, weights: dict, cache: Any) -> Cost:
 
 
 def mla_rope(plan: Any, weights: dict, cache: Any) -> Cost:
-    """MLA-with-RoPE body (kernels/mla_rope.py): the latent MLA's cost without the output gate,
+    """MLA-with-RoPE body (kernels/stages/mla_rope.py): the latent MLA's cost without the output gate,
     with RoPE's cos and sin per row."""
     gate = plan.batch * plan.n_heads * plan.v_dim
     return mla(plan, weights, cache) + Cost(transcendentals=plan.batch * plan.qk_extra - gate)
@@ -154,7 +154,7 @@ def mla_partial(plan: Any, cache: dict) -> Cost:
 
 
 def router(batch: int, w_router: Any, bias: Any | None) -> Cost:
-    """Router body (kernels/router.py): x W_r streamed, the bias if used, one score per logit.
+    """Router body (kernels/stages/router.py): x W_r streamed, the bias if used, one score per logit.
     (The ids' VMEM -> SMEM copy is not HBM traffic.)"""
     return Cost(flops=matmul_flops(batch, w_router), transcendentals=batch * w_router.shape[1],
                 bytes_accessed=nbytes(w_router, bias))
@@ -169,7 +169,7 @@ def experts_fetched(plan: str, n_experts: int, batch: int, top_k: int) -> int:
 
 def ffn(options: Any, batch: int, top_k: int, routed: dict | None,
         always_on: dict | None) -> Cost:
-    """FFN stage body (kernels/experts.py): routed latent experts (experts stacked [E, ...] in
+    """FFN stage body (kernels/stages/experts.py): routed latent experts (experts stacked [E, ...] in
     their stored parts) and/or the always-on gated MLP; one layer's weights."""
     per_unit = ACTIVATION_TRANSCENDENTALS[options.activation]
     cost = Cost()
@@ -196,7 +196,7 @@ def ffn(options: Any, batch: int, top_k: int, routed: dict | None,
 
 
 def sampling(batch: int, lm_head: Any, n_mixed: int) -> Cost:
-    """Sampling stage body (kernels/sampling.py): the final mix of n_mixed candidates (the FLOPs
+    """Sampling stage body (kernels/stages/sampling.py): the final mix of n_mixed candidates (the FLOPs
     its phase logs), the LM head streamed once with the logits kept in VMEM; an exp
     (log-sum-exp) and the Gumbel noise's log per logit."""
     mix = 6 * n_mixed * batch * lm_head.shape[0]
@@ -205,7 +205,7 @@ def sampling(batch: int, lm_head: Any, n_mixed: int) -> Cost:
 
 
 def gemv(batch: int, w: Any) -> Cost:
-    """x [B, K] @ w [K, N] (kernels/gemv.py): w read once."""
+    """x [B, K] @ w [K, N] (kernels/base/gemv.py): w read once."""
     return Cost(flops=matmul_flops(batch, w), bytes_accessed=nbytes(w))
 
 
@@ -217,7 +217,7 @@ def decode(parts: tuple, expert_format: str) -> Cost:
 
 # ---- the megakernel -----------------------------------------------------------------------------
 def megakernel(plan: Any, weights: dict, state: dict) -> Cost:
-    """The whole step (kernels/megakernel.py): every stage body over its layers, the embedding
+    """The whole step (kernels/compose/megakernel.py): every stage body over its layers, the embedding
     rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
     (stacked per kind), state: the decode state, both arrays or shape structs."""
     # here: megakernel_plan imports costs (an import cycle)

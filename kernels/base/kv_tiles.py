@@ -2,7 +2,7 @@
 double-buffered DMA ring, and the f32 online softmax over them.
 
 `tile_loop` reads only the 16-row groups of the last tile that hold cached tokens (`_tile_reads`,
-`mkresearch.kv_cache.rows_read` in bytes); `online_softmax_step` masks what lies past the
+`mkresearch.model.kv_cache.rows_read` in bytes); `online_softmax_step` masks what lies past the
 position. MLA's expanded and latent layouts (`mla.py`) and the sequence-sharded latent prototype
 (`mla_sharded.py`) all run them.
 """

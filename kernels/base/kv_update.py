@@ -3,7 +3,7 @@
 HBM arrays are tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
 the aligned 16-row block around the position is read, patched in VMEM and written back, for each
 of the layer's two cache arrays (expanded: k, v per head; latent: ĉ, k^X shared by the heads).
-`update_dmas` states those DMAs as data for the schedule (`kernels/schedule.py`).
+`update_dmas` states those DMAs as data for the schedule (`kernels/compose/schedule.py`).
 """
 
 from __future__ import annotations

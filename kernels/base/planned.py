@@ -1,6 +1,6 @@
 """One DMA of a megakernel step as data, known before anything is traced: the schedule's event.
 
-`kernels/schedule.py` lists every DMA a step will issue, in order, as `PlannedDma`s. Each piece of
+`kernels/compose/schedule.py` lists every DMA a step will issue, in order, as `PlannedDma`s. Each piece of
 kernel code that issues DMAs has its twin beside it, a function that states the same DMAs as data
 from the same static plan (`blocks.ring_matmul_dmas` beside `blocks._ring_matmul`,
 `weight_stream.RingSchedule` beside `GlobalStream`, `kv_tiles.tile_loop_dmas` beside `tile_loop`,
@@ -22,13 +22,13 @@ import numpy as np
 DMA_KINDS = ("dma_start", "dma_wait")
 
 # The VMEM buffer a DMA fills (or a write drains): what the schedule's summaries group DMAs by.
-WEIGHT_RING = "weight ring"  # the megakernel's global ring (kernels/weight_stream.py)
+WEIGHT_RING = "weight ring"  # the megakernel's global ring (kernels/base/weight_stream.py)
 LOCAL_RING = "local ring"  # a matrix's own two-slot ring (blocks.LOCAL_STREAM)
 WHOLE = "whole weight"  # a small weight copied whole (blocks.load_whole, load_into)
 STATE = "recurrent state"  # a layer's recurrent state, read and written whole
-KV_TILES = "KV tiles"  # the MLA cache read tile by tile (kernels/kv_tiles.py)
+KV_TILES = "KV tiles"  # the MLA cache read tile by tile (kernels/base/kv_tiles.py)
 KV_UPDATE = "KV update block"  # the new entry's aligned 16-row block, read and written back
-EXPERT_SLOTS = "expert slots"  # the routed experts' slot ring (kernels/experts.py)
+EXPERT_SLOTS = "expert slots"  # the routed experts' slot ring (kernels/stages/experts.py)
 ROUTING = "routing"  # the router's choices VMEM -> SMEM (not HBM traffic)
 EMBEDDING = "embedding blocks"  # each token's aligned 16-row block of E
 LAYER_VECTORS = "layer vectors"  # the residual strategy's per-layer weights and norm gains

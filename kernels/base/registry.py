@@ -1,6 +1,6 @@
-"""The kernel side of the stage registry: for each sublayer kind of `mkresearch.spec`, its body.
+"""The kernel side of the stage registry: for each sublayer kind of `mkresearch.model.spec`, its body.
 
-A stage kind's core entry (`mkresearch.spec.Stage`) owns its weight schema, state and reference;
+A stage kind's core entry (`mkresearch.model.spec.Stage`) owns its weight schema, state and reference;
 its `KernelStage` here owns what the kernel needs on top, keyed by the same name:
 
     plan      the body's static sizes for a config and batch (a hashable dataclass)
@@ -10,13 +10,13 @@ its `KernelStage` here owns what the kernel needs on top, keyed by the same name
     body      body(plan, refs: StageRefs): one layer of the kind, on Refs
     vmem      the VMEM buffers the body allocates (its scope of the megakernel's VMEM plan)
     schedule  schedule(plan, call: planned.StageCall) -> [PlannedDma]: the DMAs the body issues
-              for one layer, in its order, as data (`kernels/schedule.py`); written beside the
+              for one layer, in its order, as data (`kernels/compose/schedule.py`); written beside the
               body, held equal to its recorded DMA log by tests/test_schedule.py
 
 The body reads its inputs from a typed bundle (`StageRefs`), never from positional Refs: the
 stand-alone `pallas_call` wrapper of a kind builds one from its own refs (with a local weight
 stream), the megakernel builds one per layer (with the global ring). So one body serves both.
-Each kernel module registers its kinds at import (`kernels/kda.py`, `mla.py`, `experts.py`).
+Each kernel module registers its kinds at import (`kernels/stages/kda.py`, `mla.py`, `experts.py`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class StageRefs:
     stream     where the body's matmuls get weight blocks (blocks.LOCAL_STREAM, or the global ring)
     scratch    the kind's scratch shared across layers (e.g. the MoE routing in VMEM and SMEM)
     indices    tags of the DMA log (layer=...)
-    shard      on a rank of a sharded model, its collectives (`kernels/collectives.py`), else None
+    shard      on a rank of a sharded model, its collectives (`kernels/sharded/collectives.py`), else None
     steps_out  a verify step's per-token states {leaf: [K+1, B, ...] HBM ref} (kinds whose plan
-               has rows_per_state; `kernels/megakernel_verify.py`), else empty
+               has rows_per_state; `kernels/compose/megakernel_verify.py`), else empty
     """
 
     x: Any
@@ -78,7 +78,7 @@ class KernelStage:
     body: Callable[[Any, StageRefs], None]
     vmem: Callable[[Any, ModelConfig], list]  # (plan, cfg) -> [(name, shape, dtype)] scoped
     scope: Callable[[Any], str] = lambda plan: ""  # the VMEM plan's label of the body's scope
-    # the body's cost for one layer (kernels/costs.py): (plan, weights, state, cfg, batch) -> Cost,
+    # the body's cost for one layer (kernels/base/costs.py): (plan, weights, state, cfg, batch) -> Cost,
     # with weights and state one layer's (shape structs)
     cost: Callable[..., Any] = lambda plan, weights, state, cfg, batch: None
     # scratch the megakernel allocates once for every layer of the kind: (label, pltpu shape)

@@ -23,7 +23,7 @@ stand-alone stage kernels' blocks (at mini sizes every matrix is one block), so 
 accumulation order is theirs. The lookahead may cross at most one stage boundary:
 ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
 
-`RingSchedule` states the ring's DMAs as data (`kernels/schedule.py`) from the same StreamPlan
+`RingSchedule` states the ring's DMAs as data (`kernels/compose/schedule.py`) from the same StreamPlan
 and layer table: change GlobalStream / StageStream and it together (tests/test_schedule.py).
 """
 
@@ -263,7 +263,7 @@ class StageStream:
 
 # ---- the same ring as data: the DMAs GlobalStream issues, before anything is traced ----------
 class RingSchedule:
-    """The global ring's DMAs as data (`kernels/schedule.py`), from the StreamPlan the kernel
+    """The global ring's DMAs as data (`kernels/compose/schedule.py`), from the StreamPlan the kernel
     runs and the same layer table: block g of the step's sequence waits in slot g mod depth, and
     block g + depth - 1 is started first — across the stage boundary (this layer's FFN after its
     attention) and the layer boundary (the next layer's attention after the FFN, none after the

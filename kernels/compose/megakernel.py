@@ -11,23 +11,23 @@
         P  = bf(P + m)
     tokens = sampling body (final mix, norm, LM head tiles, greedy / Gumbel sampling)
 
-Every stage is the stage kernel's own body function (`kernels/kda.py`, `mla.py`, `router.py`,
+Every stage is the stage kernel's own body function (`kernels/stages/kda.py`, `mla.py`, `router.py`,
 `experts.py`, `sampling.py`), called on Refs: per-layer weights are views `stack.at[i]` of the
 stacked HBM arrays, with `i` the layer's index within its kind, read from an SMEM layer table.
 Caches and states are updated in place (input_output_aliases); activations never leave VMEM.
 
-Weights stream HBM->VMEM through ONE global ring (`kernels/weight_stream.py`) that runs across
+Weights stream HBM->VMEM through ONE global ring (`kernels/base/weight_stream.py`) that runs across
 stage and layer boundaries: the bodies' `blocks.stream_matmul` calls draw from it while it is
 active, so the next stage's and the next layer's first blocks are already in flight while the
 current stage computes. Expert weights keep their own slot ring (issued right after routing),
 KV tiles and the KDA state their own double buffers.
 
-Options and plan live in `kernels/megakernel_plan.py`: `plan_vmem` computes every VMEM buffer
+Options and plan live in `kernels/compose/megakernel_plan.py`: `plan_vmem` computes every VMEM buffer
 with its bytes before the kernel is built, and `decode_step` refuses a plan over the chip's VMEM
 with a message listing it — and, first, a config whose weights, caches and states exceed the
 chip's HBM per device (`roofline.check_fits_hbm`). Every DMA a step issues is data before it is
-traced (`kernels/schedule.py`: the trunk below has its twin there); what a recorded step says
-(bytes against the minimum) is read by `mkresearch.logs`, HLO kernel counts by `mkresearch.hlo`.
+traced (`kernels/compose/schedule.py`: the trunk below has its twin there); what a recorded step says
+(bytes against the minimum) is read by `mkresearch.measurement.logs`, HLO kernel counts by `mkresearch.measurement.hlo`.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
     """The whole decode step, on Refs: the step's inputs (SMEM scalars and VMEM rows), the
     prepared weights and the state (HBM; the state's outputs are the same buffers). On a rank of
     a sharded model (`shard`: a collectives.ShardPlan, its buffers in `scratch`): this rank's
-    weights and state, the collectives inside (`kernels/megakernel_sharded.py`)."""
+    weights and state, the collectives inside (`kernels/compose/megakernel_sharded.py`)."""
     if shard is None:
         return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out)
     coll = collectives.Collectives(shard, scratch)
@@ -324,7 +324,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
               return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
               shard: Any = None) -> tuple:
     """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
-    rank's collectives plan (`collectives.ShardPlan`, kernels/megakernel_sharded.py): its
+    rank's collectives plan (`collectives.ShardPlan`, kernels/compose/megakernel_sharded.py): its
     buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
     cfg, batch = plan.cfg, plan.batch
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -333,7 +333,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
-    # every stage body over its layers (kernels/costs.py); + the SMEM/VMEM operands and results
+    # every stage body over its layers (kernels/base/costs.py); + the SMEM/VMEM operands and results
     cost = costs.megakernel(plan, weights, state).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
@@ -353,7 +353,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
         cost_estimate=cost,
         interpret=interpret,
     )(inputs, weights, state)
-    if per_position is not None:  # a verify step (kernels/megakernel_verify.py)
+    if per_position is not None:  # a verify step (kernels/compose/megakernel_verify.py)
         return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state, (
             outs.per_position)
     return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state

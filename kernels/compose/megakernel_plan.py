@@ -35,7 +35,7 @@ from mkresearch.model.config import BF16_SUBLANE, LANE, ModelConfig
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
 MAX_BATCH = BF16_SUBLANE
-# A verify step (`kernels/megakernel_verify.py`) scores B rows x (K + 1) tokens: its activation
+# A verify step (`kernels/compose/megakernel_verify.py`) scores B rows x (K + 1) tokens: its activation
 # block [R, d] spans up to four 16-row tiles (the stage bodies loop over rows; nothing needs one).
 MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
@@ -171,7 +171,7 @@ class MegaPlan:
     vmem: VmemPlan = field(compare=False, hash=False)
     # rows sharing one state row: 1 for a decode step; K + 1 for a verify step, whose row r is
     # token r mod (K + 1) of batch row r // (K + 1) (its cache and recurrent state)
-    # (not in the repr: a decode plan's repr, the key of the recorded compiles, `mkresearch.recorded`,
+    # (not in the repr: a decode plan's repr, the key of the recorded compiles, `mkresearch.measurement.recorded`,
     # stays what it was; a verify plan's differs anyway, by its rows and its VMEM plan)
     rows_per_state: int = field(default=1, repr=False)
 
@@ -218,9 +218,9 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     fit the chip's VMEM. check_fits=False skips those two refusals (a plan to look at, e.g. the
     schedule of the full model on one device: `mkresearch plan`; never one to build).
     rows_per_state > 1: a verify step's plan (batch = its rows, each state row shared by
-    rows_per_state consecutive rows; `kernels/megakernel_verify.py` checks its arguments)."""
+    rows_per_state consecutive rows; `kernels/compose/megakernel_verify.py` checks its arguments)."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     if rows_per_state > 1:
         return _verify_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:

@@ -2,7 +2,7 @@
 per rank under `jax.shard_map`, the collectives inside the kernel.
 
 Each rank runs the megakernel's own body (`megakernel.megakernel_body` with a `shard` plan) on
-its slice of every weight and state (`mkresearch.layout`): its heads, vocabulary rows, experts,
+its slice of every weight and state (`mkresearch.sharding.layout`): its heads, vocabulary rows, experts,
 hidden slices and column chunks. What differs from one device is in three places, all in the
 kernel:
 
@@ -13,9 +13,9 @@ kernel:
   routed experts  each rank its expert group's experts (EP) and their TP slice (ETP: W1, W3
                   hidden columns, W2 latent columns, the hidden all-gathered in the group); the
                   weighted sum runs down the chain of expert groups in ascending id
-                  (`kernels/experts.py` with `StageRefs.shard`, `Collectives.combine_items`)
+                  (`kernels/stages/experts.py` with `StageRefs.shard`, `Collectives.combine_items`)
   embedding, LM   the owner's embedding row all-reduced; each rank's best sampling candidates
-  head            and log-sum-exp merged (`kernels/sharded_stages.py`): the token is the unsharded
+  head            and log-sum-exp merged (`kernels/sharded/sharded_stages.py`): the token is the unsharded
                   one for greedy and sampled rows alike
 
 Numbers: no rank adds partial products of a contraction; every value is computed whole on one
@@ -129,7 +129,7 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
                       ) -> ShardedPlan:
     """Check sizes and options (ValueError naming them) and fix every static size of one rank."""
     if not isinstance(lay, layouts.Layout):
-        raise ValueError(f"layout={lay!r} is invalid: a mkresearch.layout.Layout")  # noqa: TRY004
+        raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
     cfg = lay.cfg
     seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= mplan.MAX_BATCH:

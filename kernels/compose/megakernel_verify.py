@@ -3,7 +3,7 @@ rows, its last accepted token and K draft tokens (K in 1..7), causally, against 
 
     tokens [B, K+1]  (b, 0) the last accepted token at position p_b, (b, j) the j-th draft at p_b + j
     rows   R = B (K + 1) <= 64 verify rows, row r = b (K + 1) + j: the activation block [R, d]
-    per layer: the stage bodies of the decode step (`kernels/megakernel.py`), run on R rows with
+    per layer: the stage bodies of the decode step (`kernels/compose/megakernel.py`), run on R rows with
            plan.rows_per_state = K + 1: row r uses the cache and recurrent state of batch row
            r // (K + 1) and its own position. Every weight is read ONCE for all R rows (one pass
            of the global ring; the MoE routes R rows and fetches the union of their experts).
@@ -31,7 +31,7 @@ at full size (H = 96, D = 128, conv 4): 6,291,456 + 221,184 = 6,512,640 B (6.2 M
 layers = 449 MB per verify row; one of the release's 32 ranks (3 heads): 203,520 B per layer,
 14.0 MB per verify row (98 MB for B = 1, K = 6), written once each, never read in the call.
 `state_all` is the state after all K + 1 tokens (caches with all K + 1
-entries written); the rollback (`mkresearch.speculative`) takes per_position[n_kept - 1] and
+entries written); the rollback (`mkresearch.decoding.speculative`) takes per_position[n_kept - 1] and
 clears the cache entries of rejected tokens. `schedule.schedule(plan, positions [R], expert_ids)`
 states a verify step's DMAs too (the KDA rows' state copies, the MLA rows' shared cache row).
 """
@@ -116,7 +116,7 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     [B, K+1, V] f32 when return_logits (checking only).
     """
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     batch = np.shape(tokens)[0] if np.ndim(tokens) == 2 else 0
     seq_len = reference.check_state(state, cfg, batch) if batch else 0
     batch, drafts = check_tokens(tokens, positions, cfg, seq_len)

@@ -11,7 +11,7 @@
 The DMAs depend on data in two places only: the MLA KV tiles a row reads (from its position) and
 the routed experts a MoE layer fetches (the distinct experts of the batch, ascending id). Given
 the step's positions and routing (`expert_ids` [n_routed_layers, B, k], e.g. the reference's
-aux["expert_ids"]) the schedule is exact; without them it takes `kernels/costs.py`'s worst case
+aux["expert_ids"]) the schedule is exact; without them it takes `kernels/base/costs.py`'s worst case
 and says so in `assumptions`: every row at the last position, min(E, B·k) distinct experts.
 
 Data and code. The schedule is composed from the same static data the kernel runs: the plan

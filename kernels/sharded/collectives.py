@@ -3,7 +3,7 @@
 One `pallas_call` per step runs on every rank (`jax.shard_map` over a 1-D mesh axis `AXIS`);
 ranks exchange data through remote DMAs into each other's VMEM (`pltpu.make_async_remote_copy`,
 logged by `dma.RemoteCopy` with source and destination rank). Every matrix splits by its output
-columns (`mkresearch.layout`), so ranks never add partial products of one contraction: each value
+columns (`mkresearch.sharding.layout`), so ranks never add partial products of one contraction: each value
 is computed whole on one rank, in the single-device kernel's order, and then moved.
 
   all_gather     x [B, w] of every member of a group (all n ranks, or an ETP group) -> every
@@ -307,7 +307,7 @@ class Collectives:
             pieces = [everyone[i * split.stride] for i in range(split.ways)]
         return jnp.concatenate(pieces, axis=1)[:, :full]
 
-    # -- the routed experts (kernels/experts.py) ------------------------------------------------
+    # -- the routed experts (kernels/stages/experts.py) ------------------------------------------------
     def expert_range(self, n_local: int) -> tuple[Any, int]:
         """(first global id, count) of this rank's experts."""
         return self.index(spec.EXPERTS) * n_local, n_local

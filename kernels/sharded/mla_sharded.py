@@ -113,7 +113,7 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
     out_shape = (stat, stat,
                  jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
-    # KV bytes for every row attending to the whole shard (kernels/costs.py)
+    # KV bytes for every row attending to the whole shard (kernels/base/costs.py)
     cost = costs.mla_partial(plan, (ckv, kx))
     return pl.pallas_call(
         functools.partial(mla_latent_partial_body, plan, **dict(indices)),

@@ -20,8 +20,8 @@ next expert's weights stream while the current one computes, and the first ones 
 the latent down-projection, right after routing, so they fly behind it.
 
 Expert weights stay in HBM (`pl.ANY`) in their stored format (bf16 / fp8 / mxfp4, see
-`mkresearch.kernels.quant`), are DMA'd as stored and decoded in VMEM. Every DMA goes through
-`mkresearch.kernels.dma`; expert DMAs are named "expert/<matrix>/<part>", so
+`mkresearch.kernels.base.quant`), are DMA'd as stored and decoded in VMEM. Every DMA goes through
+`mkresearch.kernels.base.dma`; expert DMAs are named "expert/<matrix>/<part>", so
 `log.dma_bytes("expert/")` is the routed-expert bytes of a step.
 
 The ids are read twice: as SMEM scalars (to address the DMAs and build the work list) and as a

@@ -1,5 +1,5 @@
 """The FFN kinds in the kernel registry: the dense MLP and the MoE layer (router + routed latent
-experts + shared experts), composed from the bodies of `kernels/experts.py` and `router.py`.
+experts + shared experts), composed from the bodies of `kernels/stages/experts.py` and `router.py`.
 
 What the megakernel needs of each kind beyond its body: its plan, how it takes its stacked weights,
 the matrices its body streams (in the body's order), its VMEM buffers, its scratch (the MoE

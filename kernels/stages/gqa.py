@@ -1,5 +1,5 @@
 """GQA decode attention (kind "gqa": GLM-4.5, Qwen3) as one Pallas TPU kernel: x -> sublayer
-output + in-place KV cache write. Same contract and arithmetic as `mkresearch.stages.gqa`.
+output + in-place KV cache write. Same contract and arithmetic as `mkresearch.model.stages.gqa`.
 
 One call does, for a batch of B rows each at its own position p_b:
 

@@ -20,7 +20,7 @@ delta rule needs (e^λ to scale S's key rows, βk for the rank-1 update) come fr
 of an [8, D] block — one vreg — instead of two [D, D] transposes.
 
 `kda_attention_body` works on Refs and allocates its own scratch; `kda_attention` is the thin
-`pallas_call` wrapper with the reference's signature (`mkresearch.reference.kda_attention`).
+`pallas_call` wrapper with the reference's signature (`mkresearch.model.reference.kda_attention`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class KdaPlan:
     rows: tuple[tuple[str, int], ...]  # matrix name -> rows of one streamed block
     # rows sharing one state row (a verify step's K + 1 tokens, in order): row r advances state
     # row r // rows_per_state, and each row's states are also written to refs.steps_out (not in
-    # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.recorded`)
+    # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.measurement.recorded`)
     rows_per_state: int = field(default=1, repr=False)
 
     def block_rows(self, name: str) -> int:

@@ -26,12 +26,12 @@ Per rank (3 of 96 heads) the head-sharded latent layout saves only 2x: each rank
 whole latent. `mla_sharded.mla_latent_partial` shards the latent cache by sequence instead: each
 rank computes the online-softmax state of all heads over its 1/32 of the tokens (the same tile
 loop, `latent_partial`), and `mla_sharded.combine_partials` merges the states (log-sum-exp): 64x
-fewer KV bytes per rank. KV bytes are counted by `mkresearch.kv_cache` (shapes) and
-`mkresearch.logs` (DMA logs).
+fewer KV bytes per rank. KV bytes are counted by `mkresearch.model.kv_cache` (shapes) and
+`mkresearch.measurement.logs` (DMA logs).
 
 `mla_attention_body` works on Refs and allocates its own scratch (`pl.run_scoped`), so the
 megakernel calls it as it is; `mla_attention` is the thin `pallas_call` wrapper with the reference's
-signature (`mkresearch.reference.mla_attention`).
+signature (`mkresearch.model.reference.mla_attention`).
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     n_in = 2 + len(jax.tree.leaves(weights))  # then the two cache arrays (a dict flattens sorted)
     names = sorted(cache)
-    # KV bytes for every row at the cache's last position: the whole cache (kernels/costs.py)
+    # KV bytes for every row at the cache's last position: the whole cache (kernels/base/costs.py)
     cost = costs.mla(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
 
     def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):

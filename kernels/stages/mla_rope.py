@@ -1,7 +1,7 @@
 """DeepSeek-V3's MLA (kind "mla_rope") as one Pallas TPU kernel: x -> sublayer output + in-place
-latent cache write. Same contract and arithmetic as `mkresearch.stages.mla_rope`.
+latent cache write. Same contract and arithmetic as `mkresearch.model.stages.mla_rope`.
 
-Kimi K3's latent MLA kernel (`kernels/mla.py`) with three changes, reusing its pieces:
+Kimi K3's latent MLA kernel (`kernels/stages/mla.py`) with three changes, reusing its pieces:
   RoPE      per row, cos/sin of the row's position computed in the kernel from SMEM
             (`rope.cos_sin_row`, YaRN frequencies), applied to each head's q^R (the last
             mla_qk_extra dims of its query) and to the shared rope key k^R, then bf16

@@ -1,5 +1,5 @@
 """The MoE layer on the full d (kind "moe_full": DeepSeek-V3, GLM-4.5, Qwen3) as one Pallas TPU
-kernel: kernel twins of `mkresearch.stages.moe_full` (moe_full_ffn, routed_experts).
+kernel: kernel twins of `mkresearch.model.stages.moe_full` (moe_full_ffn, routed_experts).
 
 No new body: `experts.moe_layer_body` runs the router (`router.router_body`, with the group-limited
 first stage and the renormalise switch of the family) and the FFN stage (`experts.ffn_stage_body`)

@@ -1,6 +1,6 @@
 """The megakernel's residual strategies: the hidden state between stages, kept in VMEM.
 
-The kernel twins of the reference's decode loops (`mkresearch.reference`, strategies named by
+The kernel twins of the reference's decode loops (`mkresearch.model.reference`, strategies named by
 `ModelConfig.residual`). Each strategy says which VMEM buffers hold its hidden state, which
 per-layer vectors it loads (in this order, one DMA each, at the start of every layer), and what
 runs around the two stages of a layer, and which trunk vectors the head loads (`head_vectors`):

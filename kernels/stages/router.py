@@ -231,7 +231,7 @@ def check_groups(n_experts: int, top_k: int, groups: Any, topk_groups: Any,
         raise ValueError(f"normalize={normalize!r} is invalid: True or False")
 
 
-# ---- the experts' work list (kernels/experts.py): which expert each loop step fetches ----------
+# ---- the experts' work list (kernels/stages/experts.py): which expert each loop step fetches ----------
 def choice(i: Any, top_k: int) -> tuple[Any, Any]:
     """Flat choice index i -> (row, k). lax.div/rem: i >= 0, and jnp's floor // and % lower
     through a sign op that needs a TPU device to lower."""

@@ -22,9 +22,9 @@ winner; top-k / top-p rows Gumbel-max over the kept candidates. A candidate j is
 top_k (if set) and the softmax mass before it, p_i = exp(z_i - lse), is < top_p (the first always
 kept). **Top-p is exact whenever the nucleus fits in the candidates.** When it needs more (the
 128 candidates hold less than top_p of the mass) the stage samples from the candidates and sets
-that row's `nucleus_overflow` flag: exactly `mkresearch.sampling.nucleus_overflow`.
+that row's `nucleus_overflow` flag: exactly `mkresearch.model.sampling.nucleus_overflow`.
 
-Every number is the reference's (`mkresearch.sampling` with `candidates=...`): the same mix and
+Every number is the reference's (`mkresearch.model.sampling` with `candidates=...`): the same mix and
 norm functions, the same uint32 hash computed on VMEM values, so a row's token depends only on its
 logits and (seed, row, position), on CPU and on a TPU. The softmax mass is a triangular f32 matmul
 (HIGHEST precision) instead of a cumsum: it can differ from the reference's cumsum in the last
@@ -284,7 +284,7 @@ def check_stage_args(snapshots, partial, mix_out, final_norm, lm_head, cfg: Mode
                      vocab_tile: Any, candidates: Any) -> None:
     """ValueError naming the bad parameter, before anything is traced."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     d, vocab = cfg.d_model, cfg.vocab_size
     if getattr(partial, "ndim", None) != 2:
         raise ValueError(f"partial has shape {getattr(partial, 'shape', None)}: allowed [B, d={d}]")
@@ -354,7 +354,7 @@ def sample_stage(snapshots: jax.Array, partial: jax.Array, mix_out: jax.Array,
     final_norm [d] bf16, lm_head [d, V] bf16 (params); seed an int, positions [B] ints;
     temperature (None = greedy, else finite and > 0; T <= 0 is a ValueError), top_k
     (0..candidates, 0 = off), top_p ((0, 1], 1 = off): scalars or per row (a temperature list may
-    mix None rows with numbers). Equals `mkresearch.sampling.sample(final_logits(...), ...,
+    mix None rows with numbers). Equals `mkresearch.model.sampling.sample(final_logits(...), ...,
     candidates=candidates)`; `return_logits=True` also returns the logits, for checking only.
     """
     if vocab_tile is None and isinstance(cfg, ModelConfig):

@@ -6,7 +6,7 @@
   per step: the same greedy token, and the max |logit difference|.
 * `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
   both backends on this machine, and the timeline model's prediction for a TPU chip from one
-  recorded megakernel step (`mkresearch.timeline.simulate` over the DMA log), and for a mini
+  recorded megakernel step (`mkresearch.prediction.timeline.simulate` over the DMA log), and for a mini
   that step scaled to one rank of its full model (`predict_full_size`, as `decode` reports it).
 
 Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
@@ -56,7 +56,7 @@ def predict(log: Any, chip: str, batch: int) -> dict:
     return {"chip": chip, "step_s": simulated.total_s, "tokens_per_s": batch / simulated.total_s,
             "hbm_floor_s": simulated.hbm_floor_s,
             "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
-            "label": "timeline model prediction (mkresearch.timeline)"}
+            "label": "timeline model prediction (mkresearch.prediction.timeline)"}
 
 
 def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, list, float]:

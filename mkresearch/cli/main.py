@@ -14,7 +14,7 @@
         [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
 
---ranks N > 1 runs the sharded megakernel on N devices (`mkresearch.cli_ranks`): on CPU N
+--ranks N > 1 runs the sharded megakernel on N devices (`mkresearch.cli.ranks`): on CPU N
 simulated ones, in a child process started with them when this one has fewer.
 
 Bad input (unknown model, backend or figure, a number out of range) prints one line naming the
@@ -55,8 +55,8 @@ from mkresearch.prediction import schedule_report
 from mkresearch.sharding import layout, layout_bytes
 
 # Backends `decode` can run; the first is the default. Planned ones are refused clearly.
-BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.megakernel",
-            "reference": "plain-JAX oracle, mkresearch.reference"}
+BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.compose.megakernel",
+            "reference": "plain-JAX oracle, mkresearch.model.reference"}
 PLANNED_BACKENDS = ("stages",)
 # Commands that live in a module of their own (`add_parser(subparsers)`, `run(args) -> status`).
 COMMANDS = {"predict": cli_predict}
@@ -306,7 +306,7 @@ def _parser() -> _Parser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",
-                   help="write the result where notebooks read it (mkresearch/recorded/)")
+                   help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
 
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "

@@ -1,5 +1,5 @@
 """`mkresearch predict MODEL --ranks N`: the full-size step on N ranks, predicted by the scale-out
-timeline model (`mkresearch.scale_out`), beside the published numbers where there are some.
+timeline model (`mkresearch.prediction.scale_out`), beside the published numbers where there are some.
 
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
         [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
@@ -12,7 +12,7 @@ every assumption (x0.5, x2); --profile prints the seconds one prediction takes (
 a test).
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
-at each acceptance length (`mkresearch.speculative_predict`).
+at each acceptance length (`mkresearch.prediction.speculative_predict`).
 
 Without --layout both layouts are predicted, each with its own schedule unless --schedule says.
 """

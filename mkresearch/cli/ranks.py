@@ -1,5 +1,5 @@
 """`mkresearch decode --ranks N` and `mkresearch bench --ranks N`: the sharded megakernel
-(`kernels/megakernel_sharded.py`) on a mesh of N devices, against the reference and the
+(`kernels/compose/megakernel_sharded.py`) on a mesh of N devices, against the reference and the
 single-device megakernel.
 
 Devices. XLA fixes the number of CPU devices when its backend starts, so N simulated devices

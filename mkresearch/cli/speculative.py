@@ -1,7 +1,7 @@
 """`mkresearch decode --speculate K [--drafter forced:A|ngram|mtp]`: speculative decoding.
 
 A random prompt (from --seed, as `decode`) is prefilled, then --steps tokens per row are emitted
-by verify steps of K drafts each (`mkresearch.speculative.speculative_generate`), greedy. It
+by verify steps of K drafts each (`mkresearch.decoding.speculative.speculative_generate`), greedy. It
 reports the tokens per step, the drafts accepted per step (and that over K), the verify step's time
 here (`bench.StepClock`: the first call compiles) and the tokens per second that makes here, and
 checks losslessness: the tokens against plain greedy decoding of the same prompt

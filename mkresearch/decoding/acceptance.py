@@ -11,7 +11,7 @@ rejection, the bonus token when all K are accepted).
   first rejection sample from norm(max(0, p_n - q_n)); when all K are accepted sample the bonus
   from p_K. The emitted tokens are then distributed exactly as the target's own samples.
   p comes from the package's sampling transform (`target_probs`: temperature, top-k, top-p of
-  `mkresearch.sampling`), so the output distribution equals plain sampled decoding's.
+  `mkresearch.model.sampling`), so the output distribution equals plain sampled decoding's.
 * `accept_in_call`: for a one-hot q (a deterministic drafter) the rule above is exactly "sample
   y_j ~ p_j and accept while y_j equals the draft": accepting with probability p_j(d_j) and else
   drawing from p_j with d_j removed is one draw y_j ~ p_j. This is what the megakernel does in

@@ -14,7 +14,7 @@ By name (`get_drafter`):
 * `ngram` — prompt lookup: find the last n tokens of the history earlier in it (n = 3, 2, 1, the
   latest occurrence) and propose what followed; pad with a repeat of the last proposed token, and
   with the last token when nothing matches. No second model.
-* `mtp` — DeepSeek-V3's multi-token-prediction module (`mkresearch.mtp`) as the draft model, for
+* `mtp` — DeepSeek-V3's multi-token-prediction module (`mkresearch.model.mtp`) as the draft model, for
   configs with n_mtp_layers > 0: drafts greedily, k tokens by chaining the module on its own output.
 """
 
@@ -124,7 +124,7 @@ class NgramDrafter(Drafter):
 
 
 class MtpDrafter(Drafter):
-    """DeepSeek-V3's MTP module (`mkresearch.mtp`, weights from `weights.init_mtp_params`),
+    """DeepSeek-V3's MTP module (`mkresearch.model.mtp`, weights from `weights.init_mtp_params`),
     greedy, chained: draft j + 1 comes from the module's own hidden state at draft j.
 
     Its cache slot j holds the module's entry for (h_j, t_{j+1}): the target's final hidden state
@@ -195,4 +195,4 @@ def get_drafter(name: Any, **options: Any) -> Drafter:
     elif name == "mtp":
         return MtpDrafter(options.get("seed", 0))
     raise ValueError(f"drafter={name!r} is unknown: one of {', '.join(DRAFTERS)} (A an int >= 0) "
-                     "or a mkresearch.drafters.Drafter")
+                     "or a mkresearch.decoding.drafters.Drafter")

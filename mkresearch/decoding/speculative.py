@@ -1,6 +1,6 @@
 """Speculative decoding, the reference: verify K drafts per row in one step, accept, roll back.
 
-One speculative step for B rows: a drafter (`mkresearch.drafters`) proposes K tokens after each
+One speculative step for B rows: a drafter (`mkresearch.decoding.drafters`) proposes K tokens after each
 row's last accepted token; the target model scores the K + 1 tokens [last accepted, d_1..d_K]
 causally (`verify_step`), an acceptance rule keeps a prefix of the drafts plus one token of the
 target's own (`accept_greedy`, `accept_in_call`, `accept_sampled`), and the state is rolled back

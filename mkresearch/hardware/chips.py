@@ -8,7 +8,7 @@ each of its two TensorCores as its own device), the two-TensorCore megacore on v
 - `spec`: the table of spec/tpu.md (public chip pages), used where tpu_info has no figure (0) and
   for what tpu_info does not model (topology names, HBM per chip on megacore, MXU shape check).
 
-Each `Chip` carries `sources`: field name -> where its value came from. `python -m mkresearch.chips`
+Each `Chip` carries `sources`: field name -> where its value came from. `python -m mkresearch.hardware.chips`
 prints the table with sources.
 """
 

@@ -88,7 +88,7 @@ def on_tpu() -> bool:
 _DEFAULT_OPTIONS: dict[str, Any] = {"detect_races": False, "vector_clock_size": None}
 _options: dict[str, Any] = dict(_DEFAULT_OPTIONS)
 _state = threading.local()  # .compiling: depth of `with compiling():`
-_fast_interpret = True  # use mkresearch._fast_interpret when the jax version allows it
+_fast_interpret = True  # use mkresearch.hardware._fast_interpret when the jax version allows it
 
 
 def _compiling() -> bool:
@@ -98,7 +98,7 @@ def _compiling() -> bool:
 @contextlib.contextmanager
 def compiling(chip: str | None = None) -> Iterator[None]:
     """Inside: interpret_params() is None, so kernels traced here are built for Mosaic (a TPU),
-    and target_chip() is `chip` (a mkresearch.chips name; None: not said)."""
+    and target_chip() is `chip` (a mkresearch.hardware.chips name; None: not said)."""
     outer_chip = getattr(_state, "chip", None)
     _state.compiling = getattr(_state, "compiling", 0) + 1
     _state.chip = chip
@@ -110,7 +110,7 @@ def compiling(chip: str | None = None) -> Iterator[None]:
 
 
 def target_chip() -> str | None:
-    """The chip kernels traced now are built for, as a mkresearch.chips name: compile_for's chip
+    """The chip kernels traced now are built for, as a mkresearch.hardware.chips name: compile_for's chip
     inside it; on a TPU, this TPU (None if it is not one of CHIPS); in interpret mode None.
     Wrappers read it at call time, like interpret_params(), for chip-dependent code paths."""
     if _compiling():
@@ -185,7 +185,7 @@ def _build_interpret_params(items: tuple[tuple[str, Any], ...]):
 
 
 def set_fast_interpret(enabled: bool) -> None:
-    """Turn the io_callback speed-up (mkresearch._fast_interpret) on or off for later calls."""
+    """Turn the io_callback speed-up (mkresearch.hardware._fast_interpret) on or off for later calls."""
     global _fast_interpret
     _fast_interpret = bool(enabled)
     if not enabled:

@@ -1,8 +1,8 @@
-"""What a recorded DMA log says (`mkresearch.kernels.dma.recording`): the bytes a step moved
+"""What a recorded DMA log says (`mkresearch.kernels.base.dma.recording`): the bytes a step moved
 against the least it could, the KV tokens an MLA run read (rescaled to other shapes and to one
 rank of a pod), and the runs that record the logs of notebooks 02 and 04 and of the figures.
 The megakernel's schedule (its DMA order, the prefetch checks) is data before the step runs:
-`mkresearch.kernels.schedule`, which a recorded step equals event for event.
+`mkresearch.kernels.compose.schedule`, which a recorded step equals event for event.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 On a TPU (`jax.default_backend() == "tpu"`) every `dma.phase(name)` of a kernel is also a
 `jax.named_scope(name)`, which Mosaic lowers to trace events on the TensorCore: `capture` a
 kernel call, `parse_trace(path, scopes=[phase names])` gives one measured `Span` per phase, and
-`mkresearch.widgets` draws them under the model's lanes.
+`mkresearch.views.widgets` draws them under the model's lanes.
 
 On CPU the same path runs, with two differences: an interpret-mode kernel shows up as host
 callbacks (simulator time, not kernel structure: there the DMA log is the source of truth), and a

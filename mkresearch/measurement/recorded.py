@@ -6,7 +6,7 @@ rank of DeepSeek-V3 or GLM-4.5 20-25 s); notebooks 06 and 10 show the recorded r
 to compile (or a record does not match):
 
     mkresearch compile kimi-k3-rank --chip tpu7x --record     # (re)writes the record
-    make recorded        # python -m mkresearch.recorded: the same, for every record
+    make recorded        # python -m mkresearch.measurement.recorded: the same, for every record
 
 A record is keyed by the megakernel's plan (every static size, the VMEM plan included) and the
 JAX version: `compile_or_recorded` uses it only when both match the current ones, and compiles
@@ -36,7 +36,7 @@ from mkresearch.sharding import layout
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
 # The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
-# a preset or '<preset>-rank', one rank of it (`mkresearch.layout.named_config`).
+# a preset or '<preset>-rank', one rank of it (`mkresearch.sharding.layout.named_config`).
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
                      # notebook 10: one rank of each other family (config.rank_shapes)
                      ("deepseek-v3-rank", 1, "tpu7x"), ("glm-4.5-rank", 1, "tpu7x"),
@@ -130,7 +130,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
 
 
 def main() -> int:
-    """`python -m mkresearch.recorded`: compile and record every entry of RECORDED_COMPILES."""
+    """`python -m mkresearch.measurement.recorded`: compile and record every entry of RECORDED_COMPILES."""
     from mkresearch.cli import (  # cli imports this module: importing it at the top is a cycle
         main as cli,
     )

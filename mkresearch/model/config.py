@@ -4,7 +4,7 @@ The `kimi-k3` preset carries exactly the values of spec/kimi-k3.md §1. `kimi-k3
 Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padded latent MoE,
 shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
 in TPU interpret mode in seconds. The shapes one rank of a sharded model sees come from
-`mkresearch.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks,
+`mkresearch.sharding.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks,
 named `kimi-k3-rank`); `rank_shapes` stands in for models whose kinds have no sharding rules yet.
 
 Other MoE families (spec/families.md): `deepseek-v3`, `glm-4.5` and `qwen3-235b-a22b` carry the
@@ -89,12 +89,12 @@ class ModelConfig:
     # kernel blocking
     kv_tile: int
     max_seq_len: int
-    # the megakernel's global weight ring (kernels/weight_stream.py): ring_depth VMEM slots of
+    # the megakernel's global weight ring (kernels/base/weight_stream.py): ring_depth VMEM slots of
     # ring_block_bytes each; ring_depth - 1 weight blocks fly ahead of the one being multiplied
     ring_depth: int
     ring_block_bytes: int
     # the model spec: which stage kind each layer's attention and FFN is (a pattern or one kind
-    # for every layer), and how sublayer outputs join (mkresearch.spec)
+    # for every layer), and how sublayer outputs join (mkresearch.model.spec)
     attention: str = KIMI_ATTENTION
     ffn: str = DENSE_THEN_MOE
     residual: str = "attention_mix"
@@ -104,7 +104,7 @@ class ModelConfig:
     head_dim: int = 128
     attention_bias: bool = False  # a bias on the q, k and v projections (GLM-4.5)
     qk_norm: bool = False  # RMSNorm per head on q and k, before RoPE (GLM-4.5, Qwen3)
-    # rotary position embedding (kinds "gqa" and "mla_rope", mkresearch.rope): the first
+    # rotary position embedding (kinds "gqa" and "mla_rope", mkresearch.model.rope): the first
     # rope_partial of a head's dims rotate (HF partial_rotary_factor); MLA rotates its
     # mla_qk_extra dims (DeepSeek's qk_rope_head_dim)
     rope_theta: float = 10000.0
@@ -464,7 +464,7 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     """The preset called `name`, with optional field overrides (validated); '<preset>-rank' is one
     rank of the preset, derived by `layout.named_config` (no preset of its own)."""
     if name.endswith(RANK_SUFFIX) and name[:-len(RANK_SUFFIX)] in PRESETS:
-        # inside: mkresearch.layout imports this module (an import cycle)
+        # inside: mkresearch.sharding.layout imports this module (an import cycle)
         from mkresearch.sharding import layout
         return layout.named_config(name, **overrides)
     if name not in PRESETS:

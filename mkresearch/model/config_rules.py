@@ -1,7 +1,7 @@
-"""What a valid `mkresearch.config.ModelConfig` is: the allowed values and the checks that
+"""What a valid `mkresearch.model.config.ModelConfig` is: the allowed values and the checks that
 `ModelConfig.__post_init__` runs (ValueError naming the field and the allowed values).
 
-Kept apart from the dataclass and its presets so each file stays readable; `mkresearch.config`
+Kept apart from the dataclass and its presets so each file stays readable; `mkresearch.model.config`
 re-exports the constants.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 MLA_CACHE_LAYOUTS = ("expanded", "latent")
 # Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
-# kind (registered in mkresearch.spec) used by every layer.
+# kind (registered in mkresearch.model.spec) used by every layer.
 KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
 DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
 DENSE_THEN = "dense+"  # "dense+<kind>": dense FFN in the first n_dense_layers, <kind> after
@@ -149,11 +149,11 @@ def validate(cfg: Any) -> None:
     _positive_float(cfg, "l2_eps")
     if cfg.logit_softcap is not None:
         _positive_float(cfg, "logit_softcap")
-    # stage kinds are checked against the registry where the model is built (mkresearch.spec)
+    # stage kinds are checked against the registry where the model is built (mkresearch.model.spec)
     for field in ("attention", "ffn"):
         value = getattr(cfg, field)
         if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
-            _fail(field, value, "a stage kind registered in mkresearch.spec, or the pattern "
+            _fail(field, value, "a stage kind registered in mkresearch.model.spec, or the pattern "
                   f"{KIMI_ATTENTION!r} / {DENSE_THEN!r}<kind>")
     if cfg.n_dense_layers and not cfg.ffn.startswith(DENSE_THEN):
         _fail("n_dense_layers", cfg.n_dense_layers, f"0 with ffn={cfg.ffn!r} (one kind for every "

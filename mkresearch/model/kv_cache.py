@@ -1,7 +1,7 @@
 """How the MLA KV cache is read, in bytes: shape arithmetic only (config shapes, no kernel).
 
 A DMA window of a bf16 HBM array starts and ends on its 16-row tiles, so the kernels
-(`mkresearch.kernels.kv_tiles`) read the cached tokens of a row in whole 16-row groups.
+(`mkresearch.kernels.base.kv_tiles`) read the cached tokens of a row in whole 16-row groups.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module in plain JAX: a draft model for speculative
-decoding (`mkresearch.drafters`, drafter "mtp"), for configs with n_mtp_layers > 0.
+decoding (`mkresearch.decoding.drafters`, drafter "mtp"), for configs with n_mtp_layers > 0.
 
 One module (DeepSeek-V3 paper §2.2), at position i of the sequence, given the target's final
 hidden state h_i (before its final norm) and the next token t_{i+1}:

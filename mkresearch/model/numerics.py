@@ -9,7 +9,7 @@ Conventions:
 - batch invariance: every reduction is `ordered_sum` (one written-out order) and no matmul runs
   with a single row (`rows_at_least_two`), so a row's result is the same bits whatever the batch.
 
-The kernels call these same functions on VMEM values (`kernels/blocks.py`), so they round and sum
+The kernels call these same functions on VMEM values (`kernels/base/blocks.py`), so they round and sum
 exactly as the reference does.
 """
 

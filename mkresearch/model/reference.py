@@ -2,8 +2,8 @@
 
 This module and the sublayers it composes ARE the spec (spec/kimi-k3.md §2–§6): read them side by
 side with it. A model is its layers, each (attention kind, FFN kind), joined by a residual strategy
-(`mkresearch.spec`); each kind's reference sublayer lives with its weights in `mkresearch.stages`
-(KDA, MLA, dense and MoE for Kimi K3), the arithmetic they share in `mkresearch.numerics`.
+(`mkresearch.model.spec`); each kind's reference sublayer lives with its weights in `mkresearch.model.stages`
+(KDA, MLA, dense and MoE for Kimi K3), the arithmetic they share in `mkresearch.model.numerics`.
 
 Choices where the spec is silent (documented, used by the kernels too):
 - Sublayer outputs that feed the bf16 partial sum P are rounded once: attention `a = bf(y W_o)`;
@@ -291,7 +291,7 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
              cfg: ModelConfig, *, seed: int = 0, temperature: Any = None, top_k: Any = 0,
              top_p: Any = 1.0) -> tuple[jax.Array, dict]:
     """Prefill prompt [B, T] at positions 0..T-1, then sample n_steps tokens with
-    mkresearch.sampling.sample (temperature None = greedy, else > 0, per row or scalar); token i
+    mkresearch.model.sampling.sample (temperature None = greedy, else > 0, per row or scalar); token i
     is drawn with position T + i.
 
     Returns (tokens [B, n_steps] i32, state). The state has consumed the prompt and all generated

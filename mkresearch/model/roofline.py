@@ -4,8 +4,8 @@ Decode reads every weight it uses once per step, whatever the batch, and does ~2
 per sequence: far below a TPU's critical intensity (≈166–560 FLOP/byte), so a step is memory-bound
 and its floor is (bytes read + bytes written) / HBM bandwidth.
 
-All byte counts come from `mkresearch.weights.param_shapes(cfg)` and the shapes of
-`mkresearch.reference.init_state` (via `jax.eval_shape`: nothing is allocated, so the full-size
+All byte counts come from `mkresearch.model.weights.param_shapes(cfg)` and the shapes of
+`mkresearch.model.reference.init_state` (via `jax.eval_shape`: nothing is allocated, so the full-size
 model is fine); nothing here is typed in except the published anchor throughputs, which are quoted
 from spec/tpu.md and only ever drawn next to the computed floor.
 """
@@ -68,7 +68,7 @@ def _state_bytes(cfg: ModelConfig, kind: spec.Stage, leaf_kind: str) -> int:
 def _check(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format: str | None = None,
            mla_cache_layout: str | None = None) -> None:
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 0:
@@ -462,6 +462,6 @@ def roofline_table(cfg: ModelConfig, chips: Sequence[str] = ROOFLINE_CHIPS,
     return rows
 
 
-# ---- the figure's setting (drawn by mkresearch.plots.plot_roofline) ----------------------------
+# ---- the figure's setting (drawn by mkresearch.views.plots.plot_roofline) ----------------------------
 ROOFLINE_CONTEXT = 512  # ≈ mean context of the published 1-in / 1000-out benchmark
 ROOFLINE_N_CHIPS = 16  # the published deployment

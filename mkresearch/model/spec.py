@@ -14,9 +14,9 @@ and the roofline components its bytes are reported under. `weights.param_shapes`
 `reference.init_state`, the reference decode step, `roofline.step_bytes` and `mkresearch info`
 are derived from it; none restates a shape. The kernel side of a kind (its body, VMEM buffers and
 weight stream) is registered next to its kernel, keyed by the same name
-(`mkresearch.kernels.registry`).
+(`mkresearch.kernels.base.registry`).
 
-The built-in kinds live in `mkresearch.stages` (Kimi K3: kda, mla, dense, moe; DeepSeek-V3, GLM-4.5
+The built-in kinds live in `mkresearch.model.stages` (Kimi K3: kda, mla, dense, moe; DeepSeek-V3, GLM-4.5
 and Qwen3: gqa, mla_rope, moe_full, with dense); a new kind is one
 `register(Stage(...))` call (see tests/test_registry.py for a toy kind added that way).
 """
@@ -35,7 +35,7 @@ from mkresearch.model.config import ModelConfig
 ATTENTION, FFN = "attention", "ffn"
 RECURRENT, CACHE = "recurrent", "cache"
 
-# Sharding groups (`mkresearch.layout`): what splits one axis of a parameter or state leaf across
+# Sharding groups (`mkresearch.sharding.layout`): what splits one axis of a parameter or state leaf across
 # ranks. A kind declares, per Param, which axis splits by which group (`Param.shard`) and, for a
 # matrix whose input arrives split across ranks, by which group (`Param.gather`: the input is
 # all-gathered first, so every output element is one whole contraction, as on one device). How
@@ -70,7 +70,7 @@ class Param:
 
     init: ("normal", std) | ("uniform", low, high) | ("log_uniform", low, high) (stores log x).
     quantized: a routed-expert matrix, stored in cfg.expert_format (weights.quantize).
-    shard: how it splits across ranks (`mkresearch.layout`): ((axis, group), ...) with a group of
+    shard: how it splits across ranks (`mkresearch.sharding.layout`): ((axis, group), ...) with a group of
     SHARD_GROUPS, REPLICATED (every rank holds it whole), or None: no rule given (a layout over
     more than one rank refuses the kind, naming the parameter).
     gather: for a matrix whose input arrives split across ranks by a group (the heads' outputs,
@@ -147,7 +147,7 @@ class Stage:
 @dataclass(frozen=True)
 class Residual:
     """How sublayer outputs join: the trunk parameters it needs beyond embedding, norms and head;
-    the decode loop itself is in `mkresearch.reference` (it is the spec)."""
+    the decode loop itself is in `mkresearch.model.reference` (it is the spec)."""
 
     name: str
     params: Callable[[ModelConfig], dict]
@@ -196,7 +196,7 @@ def residual(cfg: ModelConfig) -> Residual:
 def check(cfg: ModelConfig) -> ModelConfig:
     """ValueError naming the field when a layer's kind is not registered or has the wrong role."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     for field_name, kinds, role in (("attention", cfg.attention_kinds, ATTENTION),
                                     ("ffn", cfg.ffn_kinds, FFN)):
         for kind in dict.fromkeys(kinds):

@@ -3,8 +3,8 @@
 Layout (DEVELOPERS.md "Parameters"): matrices are [in, out]; per-layer weights are stacked by kind
 along a leading axis (`params[kind][name][i]` belongs to layer `cfg.layers_of(kind)[i]`), beside
 the trunk (embedding, LM head, norms, the residual strategy's weights). What each kind stores is
-declared once, in the stage registry (`mkresearch.spec`, kinds in `mkresearch.stages`); routed
-experts are stored in `cfg.expert_format` (`mkresearch.formats`, spec §7).
+declared once, in the stage registry (`mkresearch.model.spec`, kinds in `mkresearch.model.stages`); routed
+experts are stored in `cfg.expert_format` (`mkresearch.model.formats`, spec §7).
 
 Initialisation: every leaf is drawn from its own numpy stream seeded by (seed, leaf path), at f32,
 with matrices ~ N(0, 1/in) so every projection keeps an O(1) RMS; norm weights near 1; embedding
@@ -96,7 +96,7 @@ MTP_PREFIX = "mtp"  # their leaves' streams: distinct from every step weight's, 
 
 
 def mtp_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The MTP modules' parameters (`mkresearch.mtp.param_table`) as ShapeDtypeStructs; a config
+    """The MTP modules' parameters (`mkresearch.model.mtp.param_table`) as ShapeDtypeStructs; a config
     with n_mtp_layers = 0 is a ValueError."""
     return jax.tree.map(functools.partial(_shape_of, cfg), mtp.param_table(cfg), is_leaf=_is_leaf)
 

@@ -3,7 +3,7 @@ sensitivity, and our layout beside them.
 
 Nothing here is fitted to a step time. The only fitted figures are the interconnect's (a line
 through the release's measured all-reduces, one through its measured sibling copies:
-`mkresearch.interconnect`); `leave_one_out()` refits the collective line without each of its
+`mkresearch.prediction.interconnect`); `leave_one_out()` refits the collective line without each of its
 measurements and predicts the one left out, and reports how far every validation point moves.
 
 `validation()`: the seven published points, each predicted out of sample: Kimi K3 at B = 1 / 2 /

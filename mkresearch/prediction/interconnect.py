@@ -1,6 +1,6 @@
 """The links between TPU cores and what a collective costs on them, priced by phases of messages.
 
-A rank is one JAX device (one TensorCore on TPU7x). Its links (`mkresearch.topology`): the
+A rank is one JAX device (one TensorCore on TPU7x). Its links (`mkresearch.prediction.topology`): the
 sibling path to the other core of its chip, and the chip's ICI links by direction in the slice's
 torus. A collective is a sequence of *phases*; in a phase every member pushes its messages at once
 (one-shot: to every peer, farthest first, then waits on semaphores), each message routed over the

@@ -1,5 +1,5 @@
 """The full-size decode step on n ranks, predicted: every rank's program from a layout and a
-schedule, simulated together with the interconnect (`mkresearch.timeline_ranks`).
+schedule, simulated together with the interconnect (`mkresearch.prediction.timeline_ranks`).
 
 A rank's program, in layer order (`cfg.layers`): its weight bytes (`layout_bytes.rank_bytes`, per
 component, split over each stage's matrices by their per-rank sizes) stream in blocks through a
@@ -19,7 +19,7 @@ collective started early and waited later). The collectives between stages are t
                past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
                router kept whole (the spec splits its scores between siblings), one routed and one
                shared reduction per MoE layer (the spec's "about two reductions per layer")
-  exact        (ours: `kernels/megakernel_sharded.py`, bit-equal to one device) the kernel's own
+  exact        (ours: `kernels/compose/megakernel_sharded.py`, bit-equal to one device) the kernel's own
                collective rules (`collective_rules`): a matrix's input gathered before it, its
                output's column chunks gathered after it; each routed expert's hidden slice
                gathered in its ETP group; the experts' sum passed down the chain of expert groups
@@ -117,7 +117,7 @@ def our_schedule(cfg: ModelConfig) -> Schedule:
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=cfg.ring_depth - 1,
                     expert_slots=MegakernelOptions().expert_slots, combine="exact",
                     source="the megakernel's plan (cfg.ring_depth, cfg.ring_block_bytes, "
-                           "MegakernelOptions.expert_slots) and kernels/megakernel_sharded.py")
+                           "MegakernelOptions.expert_slots) and kernels/compose/megakernel_sharded.py")
 
 
 SCHEDULES = ("release", "ours")
@@ -450,7 +450,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
             "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
             "interconnect": {k: getattr(inter, k) for k in links.FIGURES},
-            "label": "timeline model prediction (mkresearch.scale_out), not measured",
+            "label": "timeline model prediction (mkresearch.prediction.scale_out), not measured",
             "published_step_s": published,
             "gb200_tok_s": PUBLISHED.get(cfg.name, {}).get("gb200_tok_s", {}).get(batch)
             if published else None,

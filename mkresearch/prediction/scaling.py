@@ -1,6 +1,6 @@
 """A recorded megakernel step (its DMA log) scaled to another config's shapes, for
 `timeline.simulate`: what the mini model's step would move at full size, or on one rank of a pod
-(`mkresearch.bench.scale_to_rank`).
+(`mkresearch.cli.bench.scale_to_rank`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a step's schedule says (`mkresearch.kernels.schedule`), for `mkresearch plan`: its summary,
+"""What a step's schedule says (`mkresearch.kernels.compose.schedule`), for `mkresearch plan`: its summary,
 its HBM bytes against the roofline's component by component, and the text the CLI prints.
 
 The schedule and `roofline.step_bytes` count the same components, but not always the same bytes:

@@ -93,7 +93,7 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                     "speedup": tok_s / plain["tokens_per_s"], "published_tok_s": pub,
                     "ratio": tok_s / pub if pub else None,
                     "parts_s": verify["parts_s"], "interconnect": verify["interconnect"],
-                    "label": "timeline model prediction (mkresearch.speculative_predict), "
+                    "label": "timeline model prediction (mkresearch.prediction.speculative_predict), "
                              "not measured"})
     return out
 

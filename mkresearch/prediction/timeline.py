@@ -1,6 +1,6 @@
 """A TPU timeline model: a recorded DMA/phase log plus a chip -> who does what, when.
 
-Pure Python, no JAX: the input is the program-order log of `mkresearch.kernels.dma` (or its JSON
+Pure Python, no JAX: the input is the program-order log of `mkresearch.kernels.base.dma` (or its JSON
 records), the output a `Timeline` of per-lane spans, VMEM bytes in use over time, the step time,
 the HBM-roofline fraction and the times the compute unit is idle. The simulation is event-driven:
 
@@ -17,8 +17,8 @@ the HBM-roofline fraction and the times the compute unit is idle. The simulation
   nothing moves, neither compute nor any DMA ("bubble: nothing moves": DMA latency, issue gaps).
 
 Every chip parameter is a `TimelineChip` field whose source is in `TimelineChip.sources`: figures
-come from `mkresearch.chips.CHIPS` (per JAX device); what no public source gives is marked as an
-ASSUMPTION. Calibrate them on a TPU with `mkresearch.profiling` and `timeline_chip(name, **fields)`.
+come from `mkresearch.hardware.chips.CHIPS` (per JAX device); what no public source gives is marked as an
+ASSUMPTION. Calibrate them on a TPU with `mkresearch.measurement.profiling` and `timeline_chip(name, **fields)`.
 """
 
 
@@ -285,7 +285,7 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
     Phases whose name starts with one of `vpu_phases` run at the VPU peak, all others at the MXU
     peak; either way a phase lasts at least `vmem_bytes / vmem_bandwidth`. A `CollectiveEvent`
     blocks the program for `collective_s(event)` seconds (its peers taken to arrive with it; the
-    ranks together: `mkresearch.timeline_ranks.simulate_ranks`).
+    ranks together: `mkresearch.prediction.timeline_ranks.simulate_ranks`).
     """
     program = rank_program(events_of(log), chip, vpu_phases)
     try:

@@ -1,6 +1,6 @@
-"""The timeline model's chip: the few numbers `mkresearch.timeline` needs for one JAX device.
+"""The timeline model's chip: the few numbers `mkresearch.prediction.timeline` needs for one JAX device.
 
-Figures come from `mkresearch.chips.CHIPS`; what no public source gives is an ASSUMPTION, named in
+Figures come from `mkresearch.hardware.chips.CHIPS`; what no public source gives is an ASSUMPTION, named in
 `TimelineChip.sources` and overridable with `timeline_chip(name, **fields)`.
 """
 
@@ -84,15 +84,15 @@ def _from_chips(chip) -> TimelineChip:
         n_dma_engines=N_DMA_ENGINES,
         vmem_capacity=chip.vmem_bytes,
         sources=MappingProxyType({
-            "hbm_bandwidth": f"mkresearch.chips.CHIPS[{chip.name!r}].hbm_bandwidth <- "
+            "hbm_bandwidth": f"mkresearch.hardware.chips.CHIPS[{chip.name!r}].hbm_bandwidth <- "
                              + src.get("hbm_bandwidth", "?"),
-            "mxu_flops": f"mkresearch.chips.CHIPS[{chip.name!r}].bf16_flops <- "
+            "mxu_flops": f"mkresearch.hardware.chips.CHIPS[{chip.name!r}].bf16_flops <- "
                          + src.get("bf16_flops", "?"),
             "vpu_flops": f"ASSUMPTION: bf16_flops x {VPU_OVER_MXU:g}",
             "vmem_bandwidth": f"ASSUMPTION: hbm_bandwidth x {VMEM_OVER_HBM:g}",
             "dma_latency": f"ASSUMPTION: {DMA_LATENCY_S * 1e6:g} us",
             "n_dma_engines": f"ASSUMPTION: {N_DMA_ENGINES}",
-            "vmem_capacity": f"mkresearch.chips.CHIPS[{chip.name!r}].vmem_bytes <- "
+            "vmem_capacity": f"mkresearch.hardware.chips.CHIPS[{chip.name!r}].vmem_bytes <- "
                              + src.get("vmem_bytes", "?"),
         }),
     )

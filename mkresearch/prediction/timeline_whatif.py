@@ -1,6 +1,6 @@
 """What-if logs without re-running a kernel: the canonical streaming loop, the same log with
 another buffer count, a BlockSpec pipeline's implicit copies, another batch; and the Pallas
-pipelining guide's closed forms that `mkresearch.timeline.simulate` is checked against."""
+pipelining guide's closed forms that `mkresearch.prediction.timeline.simulate` is checked against."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def rebuffer(log: Any, n_buffers: int) -> list[LogEvent]:
     Replayed, the inputs of step k are issued before the waits of step k - (n_buffers - 1), in
     their original order, and go to slot k % n_buffers. DMAs waited after the last phase (output
     writebacks) keep their place at the end. Valid for streaming kernels, where each block feeds
-    the phase right after its wait; the control bar of `mkresearch.widgets` uses it.
+    the phase right after its wait; the control bar of `mkresearch.views.widgets` uses it.
     """
     if not isinstance(n_buffers, int) or n_buffers < 1:
         raise ValueError(f"n_buffers={n_buffers!r} is invalid: an int >= 1")

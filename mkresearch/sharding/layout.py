@@ -45,7 +45,7 @@ Two layouts:
 Per-rank shapes (`rank_param_shapes`, `rank_state_shapes`), the per-rank slices of real arrays
 (`shard_params`, `shard_state`) and a single-device stand-in config of one rank (`rank_config`)
 come from it; per-rank bytes of one step (sharded vs replicated, by component) from
-`mkresearch.layout_bytes`.
+`mkresearch.sharding.layout_bytes`.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
     (default `default_etp`). ValueError naming the field for a rank count that does not split
     heads, vocabulary or experts, and for a kind whose parameters have no sharding rule."""
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.config.ModelConfig")  # noqa: TRY004
+        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     if name not in LAYOUTS:
         raise ValueError(f"layout name={name!r} is invalid: one of {', '.join(LAYOUTS)}")
     spec.check(cfg)

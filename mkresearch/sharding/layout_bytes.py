@@ -1,4 +1,4 @@
-"""Per-rank HBM bytes of one decode step under a layout (`mkresearch.layout`), sharded vs replicated.
+"""Per-rank HBM bytes of one decode step under a layout (`mkresearch.sharding.layout`), sharded vs replicated.
 
 `rank_bytes(layout, batch, context)` counts, by roofline component (`spec.components`, the same
 names `roofline.step_bytes` and `mkresearch info` use), what one rank reads and writes in one

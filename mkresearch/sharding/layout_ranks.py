@@ -1,4 +1,4 @@
-"""Which rank counts split a model (`mkresearch.layout`'s checks): the heads (and GQA's K/V heads
+"""Which rank counts split a model (`mkresearch.sharding.layout`'s checks): the heads (and GQA's K/V heads
 with their query heads), the vocabulary in whole lane tiles with real rows on every rank, the
 routed experts as EP x ETP with every axis an expert's TP splits in whole lane tiles; the groups a
 model's parameters use and its experts' widths, read from the kinds' rules (`spec.Param.shard`).

@@ -1,6 +1,6 @@
-"""The figures drawn from the lower layers: the decode roofline (`mkresearch.roofline`), the
+"""The figures drawn from the lower layers: the decode roofline (`mkresearch.model.roofline`), the
 routed-expert bytes by batch and the MLA KV bytes by context (recorded DMA logs,
-`mkresearch.logs`). `mkresearch.figures` registers them; notebooks call them too.
+`mkresearch.measurement.logs`). `mkresearch.cli.figures` registers them; notebooks call them too.
 
 matplotlib is imported inside each function: importing this module stays cheap.
 """

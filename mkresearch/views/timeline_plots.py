@@ -7,7 +7,7 @@
     time_split_rows({label: timeline})             -> compute / idle, HBM busy / bubble µs
 
 `plot_gantt` draws one collection per lane and kind (13k spans draw as fast as 100), no bar
-edges, every bar at least a pixel wide, the legend outside the axes. `mkresearch.widgets`
+edges, every bar at least a pixel wide, the legend outside the axes. `mkresearch.views.widgets`
 re-exports all of it next to the interactive view.
 """
 

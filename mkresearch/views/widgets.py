@@ -10,7 +10,7 @@ Every view is a thin layer over a pure data function, which the tests cover:
     idle_rows(timeline) / summary_rows({label: timeline}) / time_split_rows / summary_line
 
 The static figures (`plot_gantt`, `plot_vmem`, `timeline_figure`, `plot_time_split`) live in
-`mkresearch.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
+`mkresearch.views.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
 dropdowns for chip (v5e, v6e, v5p, TPU7x), batch size and buffer count (and a time window for
 long timelines) redraw the figure from the same recorded log, titled with those settings. Like
 every explorer (`FigureExplorer`, shared with `scale_out_plots.ScaleOutExplorer`) it leaves the
@@ -19,7 +19,7 @@ or reopened notebook show), then the live widget, which hides them and redraws i
 in place above the controls. `show()` falls back to the static figure where ipywidgets is
 missing or there is no kernel to talk to.
 
-The compute unit's idle time has two causes (`mkresearch.timeline.Idle`): "compute idle: HBM
+The compute unit's idle time has two causes (`mkresearch.prediction.timeline.Idle`): "compute idle: HBM
 busy" (a DMA moves bytes meanwhile: what a bandwidth-bound step looks like, not waste) and
 "bubble: nothing moves" (latency, issue gaps: waste). Both are drawn, labelled and summed apart.
 """

@@ -1,4 +1,4 @@
-"""The built-in stage kinds and residual strategies, registered in `mkresearch.spec` on import."""
+"""The built-in stage kinds and residual strategies, registered in `mkresearch.model.spec` on import."""
 
 from mkresearch.model.stages import ffn, gqa, kda, mla, mla_rope, moe_full, residuals
 

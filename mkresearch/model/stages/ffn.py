@@ -43,7 +43,7 @@ def dense_params(cfg: ModelConfig) -> dict[str, spec.Param]:
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, Any]:
-    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    """Sharding (`mkresearch.sharding.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
     their hidden columns, W2 by its latent columns, the hidden gathered first); the shared experts
     as a gated MLP; the router and the latent down-projection by their columns, the latent
     up-projection by its d columns; norms and bias whole."""

@@ -7,7 +7,7 @@ h reads K/V head h // G), each head_dim wide. One decode step per row at positio
     q = bf(x W_q + b_q) [H, D], k = bf(x W_k + b_k), v = bf(x W_v + b_v) [KV, D]
                                              (biases when cfg.attention_bias, added in f32)
     q_h = RMSNorm_γq(q_h), k_g = RMSNorm_γk(k_g)   per head, when cfg.qk_norm (before RoPE)
-    q_h = bf(RoPE_p(q_h)), k_g = bf(RoPE_p(k_g))   the first cfg.rope_dim dims (`mkresearch.rope`)
+    q_h = bf(RoPE_p(q_h)), k_g = bf(RoPE_p(k_g))   the first cfg.rope_dim dims (`mkresearch.model.rope`)
     cache[g, p] = (k_g, v_g)                       the roped key is cached
     o_h = Σ_j α_hj v_{g,j} over slots 0..p, α = softmax(q_h · k_{g,j} · D^-½) (f32, online)
     out = bf(bf(o) W_o)
@@ -32,7 +32,7 @@ from mkresearch.model.stages.mla import _dot_exact, _online_softmax, _write_slot
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    """Sharding (`mkresearch.layout`): W_q (and b_q) by the query heads, W_k, W_v (b_k, b_v) by
+    """Sharding (`mkresearch.sharding.layout`): W_q (and b_q) by the query heads, W_k, W_v (b_k, b_v) by
     the K/V heads, which split with the query heads that read them (with fewer K/V heads than head
     slices, each K/V head is replicated on the ranks of its query heads, as serving systems do);
     W_o by its d columns, the heads' outputs gathered first; the QK-norm gains whole."""

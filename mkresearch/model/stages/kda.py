@@ -28,7 +28,7 @@ from mkresearch.model.numerics import (
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    """Sharding (`mkresearch.layout`): every per-head axis splits by heads; W_o by its d columns,
+    """Sharding (`mkresearch.sharding.layout`): every per-head axis splits by heads; W_o by its d columns,
     the heads' outputs gathered first; the low-rank gate's W_fa by its columns (a single lane
     tile: whole on every rank)."""
     d, h, hd, rank = cfg.d_model, cfg.n_heads, cfg.kda_width, cfg.kda_gate_rank

@@ -20,7 +20,7 @@ from mkresearch.model.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_su
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
-    """Sharding (`mkresearch.layout`): per-head columns (W_qb, W_kvb, W_g) split by heads; W_o by
+    """Sharding (`mkresearch.sharding.layout`): per-head columns (W_qb, W_kvb, W_g) split by heads; W_o by
     its d columns, the heads' outputs gathered first; the latent down-projections W_qa, W_kva by
     their columns."""
     d, h = cfg.d_model, cfg.n_heads

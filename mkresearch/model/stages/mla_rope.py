@@ -10,7 +10,7 @@ decoupled rope key, YaRN, no output gate, the latent cache.
 
 scale = (nope + rope)^-½ · mscale(factor, mscale_all_dim)² (`rope.attention_scale`: DeepSeek-V3
 192^-½ · 1.3689²). The cache holds the rope key already rotated (DeepSeek's pe_cache), in the
-rotate-half convention of `mkresearch.rope` (the released W_qb / W_kva rope columns are
+rotate-half convention of `mkresearch.model.rope` (the released W_qb / W_kva rope columns are
 de-interleaved once at load). W_kvb is absorbed as in Kimi's latent layout (`stages.mla`, whose
 online softmax and cache write this reuses); the weights are MLA's without the gate W_g.
 """

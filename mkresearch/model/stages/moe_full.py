@@ -33,7 +33,7 @@ from mkresearch.model.stages.ffn import combine_experts, gated_mlp, route, share
 
 
 def params(cfg: ModelConfig) -> dict[str, Any]:
-    """Sharding (`mkresearch.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
+    """Sharding (`mkresearch.sharding.layout`): routed experts by expert (EP) and inside (ETP: W1, W3 by
     their hidden columns, W2 by its d columns, the hidden gathered first), as Kimi K3's; the
     shared expert as a gated MLP (hidden slices, W_sd by its d columns); the router (softmax or
     group-limited) and its bias whole on every rank."""

@@ -6,7 +6,7 @@ attention_mix  Kimi K3 (spec §3): no classic residual stream; each sublayer's i
 prenorm        a classic pre-norm residual stream h ← bf(h + sublayer(RMSNorm(h))), as DeepSeek,
                GLM and Qwen use. No parameters beyond the norms.
 
-The decode loops are in `mkresearch.reference` (the spec); this declares their parameters.
+The decode loops are in `mkresearch.model.reference` (the spec); this declares their parameters.
 """
 
 from __future__ import annotations
