@@ -93,7 +93,7 @@ figures: venv
 # megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout), at one
 # rank of each other family (config.rank_shapes) and sharded over 32 ranks.
 recorded: venv
-	$(BIN)/python -m mkresearch.measurement.recorded
+	$(BIN)/python -m mkresearch.cli.record
 
 # The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from the
 # repository, installed non-editable into a clean virtualenv under Python 3.11 and again under

@@ -1,51 +1,67 @@
-"""The layers of mkresearch, lowest first; a module imports only its own layer or lower ones.
+"""The layers of mkresearch, lowest first: a module imports only its own layer or lower ones, and
+the imports of all modules together form no cycle. Each layer is one subpackage:
 
-    core       shapes, the reference oracle, weights, chips, how kernels run: plain JAX
+    cli                 what a user runs: `mkresearch` and its commands, the bench, make figures
       ^
-    kernels    Pallas TPU kernels (kernels/, installed as mkresearch.kernels)
+    views               plots, widgets, printed facts (matplotlib lives here and in cli only)
       ^
-    analysis   what recorded runs and compiled programs say: timeline model, profiles, HLO,
-      ^        DMA logs, a log scaled to another config, a step's schedule against the roofline
-    app        what a user runs: bench, CLI, figures, plots, widgets
+    measurement         DMA logs and the runs that record them, profiles, HLO counts, records
+      ^
+    prediction          timeline model, interconnect, scale-out, calibration: what a step costs
+      ^
+    kernels.compose     the megakernel: plan, composer, schedule, the step on n ranks, verify
+      ^
+    kernels.sharded     collectives between ranks and the sharded pieces of stages
+      ^
+    kernels.stages      one Pallas body per stage kind (mkresearch.kernels, from kernels/)
+      ^
+    kernels.base        DMAs, blocks, the registry's kernel side, costs, the weight stream
+      ^
+    decoding            speculative decoding in plain JAX: verify, acceptance, drafters
+      ^
+    sharding            layouts: which rank holds what, rank counts, per-rank bytes
+      ^
+    model               configs, the stage registry and kinds, the reference, weights, roofline
+      ^
+    hardware            chips and how a kernel runs (interpret mode off a TPU); the package root
 
-`tests/test_layering.py` checks every import of `mkresearch/` and `kernels/` (module-level and
-inside functions) against this map, and fails on a module that is in no layer: a new module is
-added here, to the lowest layer it fits.
+`tests/test_layering.py` checks every import of `mkresearch/` and `kernels/` (module level and
+inside functions) against this map, fails on a module that is in no layer, and fails on any
+cycle of imports. A new module goes into the subpackage of its concern; a new subpackage is added
+here, at the lowest layer it fits, with a docstring naming its job and what it may import.
 """
 
 from __future__ import annotations
 
 import fnmatch
 
+
+def _package(name: str) -> tuple[str, str]:
+    return (name, f"{name}.*")
+
+
 # layer -> module names (fnmatch patterns), in order from the bottom up
 LAYERS: dict[str, tuple[str, ...]] = {
-    "core": ("mkresearch", "mkresearch.layers", "mkresearch.model.config", "mkresearch.model.config_rules",
-             "mkresearch.model.reference",
-             "mkresearch.model.weights", "mkresearch.hardware.chips", "mkresearch.model.sampling",
-             "mkresearch.views.facts", "mkresearch.hardware.tpu", "mkresearch.hardware._fast_interpret",
-             "mkresearch.model.roofline", "mkresearch.model.kv_cache", "mkresearch.model.spec",
-             "mkresearch.model.numerics", "mkresearch.model.formats", "mkresearch.model.rope",
-             "mkresearch.sharding.layout", "mkresearch.sharding.layout_ranks", "mkresearch.sharding.layout_bytes",
-             "mkresearch.prediction.interconnect", "mkresearch.prediction.topology", "mkresearch.model.stages",
-             "mkresearch.decoding.speculative", "mkresearch.decoding.acceptance", "mkresearch.decoding.drafters",
-             "mkresearch.model.mtp",
-             "mkresearch.model.stages.*"),
-    "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
-    "analysis": ("mkresearch.prediction.timeline", "mkresearch.prediction.timeline_chip", "mkresearch.prediction.timeline_events",
-                 "mkresearch.prediction.timeline_whatif", "mkresearch.measurement.profiling", "mkresearch.measurement.hlo",
-                 "mkresearch.measurement.logs", "mkresearch.prediction.scaling", "mkresearch.prediction.schedule_report",
-                 "mkresearch.prediction.timeline_ranks", "mkresearch.prediction.scale_out", "mkresearch.prediction.scale_out_sim",
-                 "mkresearch.prediction.calibration",
-                 "mkresearch.prediction.speculative_predict"),
-    "app": ("mkresearch.cli.bench", "mkresearch.cli.main", "mkresearch.cli_*", "mkresearch.cli.figures",
-            "mkresearch.views.plots",
-            "mkresearch.*_plots", "mkresearch.views.widgets", "mkresearch.measurement.recorded",
-            "mkresearch.__main__"),
+    # the package root only selects the platform (hardware.tpu) before jax loads
+    "hardware": ("mkresearch", "mkresearch.layers", *_package("mkresearch.hardware")),
+    "model": _package("mkresearch.model"),
+    "sharding": _package("mkresearch.sharding"),
+    "decoding": _package("mkresearch.decoding"),
+    "kernels.base": ("mkresearch.kernels", *_package("mkresearch.kernels.base")),
+    "kernels.stages": _package("mkresearch.kernels.stages"),
+    "kernels.sharded": _package("mkresearch.kernels.sharded"),
+    "kernels.compose": _package("mkresearch.kernels.compose"),
+    "prediction": _package("mkresearch.prediction"),
+    "measurement": _package("mkresearch.measurement"),
+    "views": _package("mkresearch.views"),
+    "cli": ("mkresearch.__main__", *_package("mkresearch.cli")),
 }
+# the layers that may import matplotlib
+DRAWING = ("views", "cli")
 
 
 def layer_of(module: str) -> str | None:
-    """The layer of a module name (e.g. "mkresearch.kernels.stages.mla" -> "kernels"); None if none."""
+    """The layer of a module name (e.g. "mkresearch.kernels.stages.mla" -> "kernels.stages")."""
     for layer, patterns in LAYERS.items():
         if module in patterns:
             return layer
@@ -56,5 +72,5 @@ def layer_of(module: str) -> str | None:
 
 
 def rank(layer: str) -> int:
-    """0 for core, 1 for kernels, ...: an import may go from a rank to the same or a lower one."""
+    """0 for hardware, 1 for model, ...: an import may go from a rank to the same or a lower one."""
     return list(LAYERS).index(layer)

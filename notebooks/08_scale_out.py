@@ -271,7 +271,7 @@ assert all(e.src_rank != e.dst_rank for e in log.select("dma_start") if e.remote
 
 # %% [markdown]
 # The timeline model (`mkresearch.prediction.timeline`, notebook 07) models one device. Run on each rank's
-# events alone (`cli_ranks.rank_events`: what a rank receives is taken as ready; its remote copies
+# events alone (`timeline_ranks.rank_events`: what a rank receives is taken as ready; its remote copies
 # are priced like its DMAs), it shows where in the step each collective sits and what runs beside
 # it: the next stage's weight blocks are already streaming while a sublayer's output is being
 # all-gathered. Waiting on peers is not in this picture: that needs a model of all ranks at once.

@@ -465,7 +465,7 @@ for name, p in predictions.items():
 compiles = {}
 for name in ("kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"):
     compiles[name] = recorded.compile_or_recorded(
-        get_config(name), 1, chip="tpu7x",
+        layout.named_config(name), 1, chip="tpu7x",
         recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
 
 # %%

@@ -227,18 +227,18 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.sharding.layout").layout.config_names()))
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.sharding.layout").sharding.layout.config_names()))
 def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
     object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
     experts) plus the named differences, and no late prefetch. In this process (a subprocess
     per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
     from mkresearch.cli import main as cli
-    from mkresearch.model.config import get_config
+    from mkresearch.sharding.layout import named_config
 
     assert cli.main(["plan", name, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    cfg = get_config(name)
+    cfg = named_config(name)
     assert report["model"] == name and not report["exact"] and len(report["assumptions"]) == 2
     assert_plan_matches_the_roofline(report, cfg, 1, cfg.max_seq_len - 1)
     assert report["late_prefetches"] == {"ffn": [], "next_layer": [], "experts": []}

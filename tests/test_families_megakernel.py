@@ -33,6 +33,7 @@ from mkresearch.measurement.hlo import jaxpr_primitives
 from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
 from mkresearch.model import config, reference, sampling, weights
 from mkresearch.prediction import timeline
+from mkresearch.sharding import layout
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 N_STEPS = 16
@@ -241,7 +242,7 @@ RANK_COMPILES = ["qwen3-235b-a22b-rank"]
 def test_compiles_to_one_mosaic_kernel(name):
     """Each mini, and Qwen3's rank (`config.rank_shapes`) with its whole context: one Mosaic
     kernel per step, its VMEM plan within the chip's."""
-    result, plan = mk.compile_step(config.get_config(name), 1, chip="tpu7x")
+    result, plan = mk.compile_step(layout.named_config(name), 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB")
     assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
 
@@ -251,13 +252,13 @@ def test_rank_shapes_divide_as_the_release_divides_kimi():
     """rank_shapes(kimi-k3) is kimi-k3-rank (spec §9); the families' ranks by hand: heads / 32,
     GQA's one K/V head, experts / 8 x hidden / 4, shared, dense and vocab / 32 padded to 128."""
     kimi = config.rank_shapes(config.get_config("kimi-k3"))
-    assert kimi.replace(name="kimi-k3-rank") == config.get_config("kimi-k3-rank")
+    assert kimi.replace(name="kimi-k3-rank") == layout.named_config("kimi-k3-rank")
     expected = {  # n_heads, n_kv_heads, vocab, experts, expert hidden, shared, dense
         "deepseek-v3-rank": (128 // 32, 1, 4096, 256 // 8, 2048 // 4, 128, 640),  # 4040, 64, 576
         "glm-4.5-rank": (96 // 32, 1, 151552 // 32, 160 // 8, 1536 // 4, 128, 12288 // 32),
         "qwen3-235b-a22b-rank": (64 // 32, 1, 4864, 128 // 8, 1536 // 4, 128, 1152)}  # 4748
     for name, values in expected.items():
-        rank = config.get_config(name)
+        rank = layout.named_config(name)
         assert (rank.n_heads, rank.n_kv_heads, rank.vocab_size, rank.n_experts, rank.expert_hidden,
                 rank.shared_hidden, rank.dense_hidden) == values, name
         full = config.get_config(name.removesuffix("-rank"))

@@ -1,10 +1,12 @@
-"""Imports point down the layers of `mkresearch.layers` (core <- kernels <- analysis <- app), and no
-module of mkresearch/ or kernels/ is over MAX_LINES lines.
+"""Imports point down the layers of `mkresearch.layers` (hardware <- model <- sharding <- decoding
+<- kernels <- prediction <- measurement <- views <- cli), the imports of all modules form no cycle,
+every subpackage says what it is for and what it may import, and no module of mkresearch/ or
+kernels/ is over MAX_LINES lines.
 
-Every import is checked, at module level and inside functions (`import x`, `from x import y`,
-relative imports): a function-level import does not hide an upward dependency. Importing by string
-(`importlib.import_module`, `__import__`) is refused for the same reason, and matplotlib belongs to
-the app layer only.
+Every import is checked, at module level, inside functions and under `if TYPE_CHECKING:` (`import
+x`, `from x import y`, relative imports): none of them hides a dependency, so none may close a
+cycle. Importing by string (`importlib.import_module`, `__import__`) is refused for the same
+reason, and matplotlib belongs to the drawing layers only (views, cli). No allow-list.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mkresearch.layers import LAYERS, layer_of, rank
+from mkresearch.layers import DRAWING, LAYERS, layer_of, rank
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mkresearch": ROOT / "mkresearch", "mkresearch.kernels": ROOT / "kernels"}
@@ -94,9 +96,9 @@ def violations(importer: str, source: str, label: str, is_package: bool = False)
             if module == "kernels" or module.startswith("kernels."):
                 found.append(f"{label}:{node.lineno}: imports the top-level `kernels` (a PyPI "
                              "package of that name exists): import mkresearch.kernels")
-            elif module.split(".")[0] == "matplotlib" and own != "app":
+            elif module.split(".")[0] == "matplotlib" and own not in DRAWING:
                 found.append(f"{label}:{node.lineno}: imports matplotlib in the {own} layer: "
-                             "plots belong to the app layer (mkresearch/views/plots.py)")
+                             f"plots belong to {' / '.join(DRAWING)} (mkresearch/views/)")
             elif module == "mkresearch" or module.startswith("mkresearch."):
                 theirs = layer_of(module)
                 if theirs is None:
@@ -108,8 +110,8 @@ def violations(importer: str, source: str, label: str, is_package: bool = False)
                                  f"{' / '.join(list(LAYERS)[:rank(own) + 1])}")
                 elif id(node) in inside and not _commented(lines, node.lineno):
                     found.append(f"{label}:{node.lineno}: {importer} imports {module} inside a "
-                                 "function without a comment saying why (an import cycle, or "
-                                 "no jax before the platform is chosen): import it at the top")
+                                 "function without a comment saying why (no jax before the "
+                                 "platform is chosen): import it at the top")
     return found
 
 
@@ -143,6 +145,75 @@ def test_imports_point_down_the_layers():
     assert not found, "imports against the layering (mkresearch/layers.py):\n" + "\n".join(found)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this repository it imports (anywhere in its source)."""
+    graph = {}
+    for module, path in MODULES.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in imported_modules(node, module, path.name == "__init__.py"):
+                    while name not in MODULES and "." in name:  # a name from a module
+                        name = name.rsplit(".", 1)[0]
+                    if name in MODULES and name != module:
+                        deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) == len(MODULES) > 90  # every module of mkresearch/ and kernels/
+    found = cycles(graph)
+    assert not found, "import cycles (every import counts, inside functions too):\n" + "\n".join(
+        " <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a])
+                                           if b in c) for c in found)
+
+
+def test_every_subpackage_names_its_job_and_what_it_may_import():
+    """Each subpackage's __init__.py is a docstring (its job, then `Imports: ...`) and nothing
+    else: the tree reads as the architecture, and importing one module loads no other."""
+    for module, path in MODULES.items():
+        if path.name != "__init__.py" or module in PACKAGES or module == "mkresearch.model.stages":
+            continue  # the roots, and the built-in kinds (which register on import)
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and "Imports:" in doc, f"{path.relative_to(ROOT)}: a docstring with 'Imports:'"
+        assert len(tree.body) == 1, f"{path.relative_to(ROOT)}: only its docstring"
+
+
 def test_no_module_over_max_lines():
     counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
               for path in MODULES.values()}
@@ -155,16 +226,21 @@ def test_no_module_over_max_lines():
 
 
 @pytest.mark.parametrize("importer, source, expected", [
-    ("mkresearch.kernels.stages.mla", "def f():\n    from mkresearch import logs\n",
-     "mkresearch.kernels.stages.mla (kernels) imports mkresearch.measurement.logs (analysis) inside a function"),
+    ("mkresearch.kernels.stages.mla", "def f():\n    from mkresearch.measurement import logs\n",
+     "mkresearch.kernels.stages.mla (kernels.stages) imports mkresearch.measurement.logs "
+     "(measurement) inside a function"),
     ("mkresearch.kernels.stages.mla", "from mkresearch.cli.bench import scale_to_rank\n",
-     "(kernels) imports mkresearch.cli.bench (app) at module level"),
-    ("mkresearch.model.config", "import mkresearch.kernels.base.dma\n", "imports mkresearch.kernels.base.dma"),
-    ("mkresearch.kernels.stages.mla", "from .. import figures\n", "imports mkresearch.cli.figures (app)"),
-    ("mkresearch.prediction.timeline", "import matplotlib.pyplot as plt\n", "matplotlib in the analysis"),
-    ("mkresearch.cli.figures", "import importlib\nimportlib.import_module('mkresearch.views.plots')\n",
-     "imports by string"),
-    ("mkresearch.cli.bench", "def f():\n    from mkresearch import logs\n", "without a comment"),
+     "(kernels.stages) imports mkresearch.cli.bench (cli) at module level"),
+    ("mkresearch.model.config", "import mkresearch.kernels.base.dma\n",
+     "imports mkresearch.kernels.base.dma"),
+    ("mkresearch.kernels.base.costs", "from ..compose import megakernel_plan\n",
+     "imports mkresearch.kernels.compose.megakernel_plan (kernels.compose)"),
+    ("mkresearch.prediction.timeline", "import matplotlib.pyplot as plt\n",
+     "matplotlib in the prediction"),
+    ("mkresearch.cli.figures",
+     "import importlib\nimportlib.import_module('mkresearch.views.plots')\n", "imports by string"),
+    ("mkresearch.cli.bench", "def f():\n    from mkresearch.measurement import logs\n",
+     "without a comment"),
     ("mkresearch.nowhere", "", "in no layer"),
 ])
 def test_the_checker_finds(importer, source, expected):
@@ -173,7 +249,14 @@ def test_the_checker_finds(importer, source, expected):
 
 
 def test_the_checker_allows_downward_and_commented_imports():
-    source = ("from mkresearch import reference\nfrom mkresearch.kernels import dma\n"
-              "def f():\n    # inside: an import cycle\n    from mkresearch import logs\n"
-              "    from mkresearch.kernels import mla  # an import cycle\n")
-    assert violations("mkresearch.prediction.scaling", source, "x.py") == []
+    source = ("from mkresearch.model import reference\nfrom mkresearch.kernels.base import dma\n"
+              "def f():\n    # inside: no jax before the platform is chosen\n"
+              "    from mkresearch.prediction import timeline\n"
+              "    from mkresearch.kernels.stages import mla  # the same\n")
+    assert violations("mkresearch.measurement.logs", source, "x.py") == []
+
+
+def test_the_cycle_finder_finds_every_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+    assert cycles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -159,5 +159,5 @@ def test_rank_names_from_the_layout():
     glm = get_config("glm-4.5")
     assert layout.has_rules(glm)
     assert layout.named_config("glm-4.5-rank") == layout.rank_config(glm) == config.rank_shapes(glm)
-    assert get_config("glm-4.5-rank", max_seq_len=4096) == config.rank_shapes(glm).replace(
+    assert layout.named_config("glm-4.5-rank", max_seq_len=4096) == config.rank_shapes(glm).replace(
         max_seq_len=4096)

@@ -38,7 +38,7 @@ def source_files(tree: Path) -> set[str]:
     wanted |= {f"mkresearch/kernels/{p.relative_to(tree / 'kernels')}"
                for p in (tree / "kernels").rglob("*.py")}
     wanted |= {f"mkresearch/{p.relative_to(tree / 'mkresearch')}"
-               for p in (tree / "mkresearch" / "recorded").glob("*.json")}
+               for p in (tree / "mkresearch" / "measurement" / "recorded").glob("*.json")}
     return wanted
 
 

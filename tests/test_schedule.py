@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import costs, dma, planned
+from mkresearch.kernels.base import dma, planned
 from mkresearch.kernels.compose import megakernel as mk
-from mkresearch.kernels.compose import schedule
+from mkresearch.kernels.compose import megakernel_plan, schedule
 
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS
@@ -137,7 +137,7 @@ def test_worst_case_is_the_cost_estimate(name, batch):
     assert sched.positions == (cfg.max_seq_len - 1,) * batch
     assert set(sched.experts_fetched().values()) == {min(cfg.n_experts, batch * cfg.top_k)}
     _, prepared, state = mk.step_shapes(plan)
-    estimate = costs.megakernel(plan, prepared, state).bytes_accessed
+    estimate = megakernel_plan.step_cost(plan, prepared, state).bytes_accessed
     assert sched.total.read + sched.total.written == estimate
     assert sched.late_prefetches() == NOT_LATE
     assert_tags_agree(sched)

@@ -28,6 +28,8 @@ from mkresearch.model.config import BF16_SUBLANE, LANE
 # The public release keeps weight banks of 2 MiB in flight; one block of a streamed matrix is at
 # most this many bytes unless the caller asks for other block rows.
 WEIGHT_BLOCK_BYTES = 2 * 1024 * 1024
+# Rows of the aligned embedding block fetched per token (the HBM tiling of a bf16 [V, d] array).
+EMBED_ROWS = BF16_SUBLANE
 
 
 def check_positive_multiple(name: str, value: Any, multiple: int, why: str) -> None:

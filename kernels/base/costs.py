@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from mkresearch.kernels.stages import residuals
+from mkresearch.kernels.base.kv_update import UPDATE_ROWS
 
 # Transcendentals per hidden unit of a gated MLP: SiTU = 4·tanh(g/4)·σ(g)·25·tanh(u/25); SiLU σ.
 ACTIVATION_TRANSCENDENTALS = {"situ": 3, "silu": 1, "swiglu": 1}
@@ -107,10 +107,6 @@ def mla(plan: Any, weights: dict, cache: dict) -> Cost:
     """MLA body (kernels/stages/mla.py); weights: one layer's by name; cache: the layer's two cache
     arrays [B, (H,) S, n]. Assumes every row at the last position (module docstring): the whole
     cache is read, plus the 16-row block around each new entry read and written."""
-    from mkresearch.kernels.stages.mla import (
-        UPDATE_ROWS,  # here: mla imports costs (an import cycle)
-    )
-
     kv = nbytes(cache)
     update = 2 * kv * UPDATE_ROWS // plan.seq_len  # per row and array: 16 rows in, 16 out
     if plan.layout == "expanded":  # per head q·[k^C | k^X], Σ α v
@@ -128,10 +124,6 @@ def gqa(plan: Any, weights: dict, cache: Any) -> Cost:
     [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
     block around each new entry read and written. Scores and Σ α v per query head; RoPE's
     cos and sin per row."""
-    from mkresearch.kernels.stages.mla import (
-        UPDATE_ROWS,  # here: mla imports costs (an import cycle)
-    )
-
     kv = nbytes(cache)
     update = 2 * kv * UPDATE_ROWS // plan.seq_len
     return (_attention(plan, plan.seq_len, plan.head_dim, plan.head_dim)
@@ -213,27 +205,3 @@ def decode(parts: tuple, expert_format: str) -> Cost:
     """quant.decode_body: the stored parts read once, one scale multiply per decoded value."""
     values = math.prod(parts[0].shape) * (8 if expert_format == "mxfp4" else 1)  # K·N
     return Cost(flops=0 if expert_format == "bf16" else values, bytes_accessed=nbytes(parts))
-
-
-# ---- the megakernel -----------------------------------------------------------------------------
-def megakernel(plan: Any, weights: dict, state: dict) -> Cost:
-    """The whole step (kernels/compose/megakernel.py): every stage body over its layers, the embedding
-    rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
-    (stacked per kind), state: the decode state, both arrays or shape structs."""
-    # here: megakernel_plan imports costs (an import cycle)
-    from mkresearch.kernels.base.registry import kernel_stage
-    from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS
-
-    cfg, batch, w = plan.cfg, plan.batch, weights
-    total = Cost()
-    for kind in cfg.kinds:  # every stage body over its layers
-        layer_cost = kernel_stage(kind).cost(plan.stage_plan(kind), per_layer(w[kind]),
-                                             per_layer(state.get(kind, {})), cfg, batch)
-        total += len(cfg.layers_of(kind)) * layer_cost
-    vectors = sum(nbytes(per_layer(w[name]))  # a [1, d] row each per layer
-                  for name in residuals.RESIDUALS[cfg.residual].vectors)
-    embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
-    n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
-    return (total + sampling(batch, w["lm_head"], n_mixed)
-            + Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
-                   + nbytes(w.get("mix_out"), w["final_norm"])))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,9 @@ from mkresearch.kernels.base import blocks, dma, planned
 from mkresearch.model import reference
 from mkresearch.model.kv_cache import KV_ROW_GROUP
 
-if TYPE_CHECKING:
-    from mkresearch.kernels.stages.mla import MlaPlan
+# An attention stage's plan (kernels/stages/mla.py's MlaPlan; the tile loop reads its fields): named,
+# not imported, since the stages stand on this module.
+MlaPlan = Any
 
 
 class _Traced:

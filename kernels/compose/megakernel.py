@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, registry, weight_stream
+from mkresearch.kernels.base import blocks, dma, registry, weight_stream
 from mkresearch.kernels.base.weight_stream import (
     ATTN_INDEX,
     ATTN_KIND,
@@ -59,6 +59,7 @@ from mkresearch.kernels.compose.megakernel_plan import (
     MegakernelOptions,
     MegaPlan,
     make_plan,
+    step_cost,
 )
 from mkresearch.kernels.sharded import collectives, sharded_stages
 from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
@@ -334,7 +335,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
     # every stage body over its layers (kernels/base/costs.py); + the SMEM/VMEM operands and results
-    cost = costs.megakernel(plan, weights, state).estimate(inputs, outputs)
+    cost = step_cost(plan, weights, state).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
     n_out = len(jax.tree.leaves(outputs))

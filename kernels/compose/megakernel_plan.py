@@ -15,7 +15,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, registry, weight_stream
+from mkresearch.kernels.base import blocks, costs, registry, weight_stream
+from mkresearch.kernels.base.blocks import EMBED_ROWS
 from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
     experts,
     ffn_kinds,
@@ -40,8 +41,6 @@ MAX_BATCH = BF16_SUBLANE
 MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
-# Rows of the aligned embedding block fetched per token (the HBM tiling of a bf16 [V, d] array).
-EMBED_ROWS = BF16_SUBLANE
 
 
 # ---- options and plan --------------------------------------------------------------------------
@@ -314,3 +313,24 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
                  "sampling")]
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
     return VmemPlan(tuple(out), limit, chip.name)
+
+
+# ---- the step's cost estimate ------------------------------------------------------------------
+def step_cost(plan: MegaPlan, weights: dict, state: dict) -> costs.Cost:
+    """The whole step's cost (kernels/compose/megakernel.py): every stage body over its layers, the
+    embedding rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
+    (stacked per kind), state: the decode state, both arrays or shape structs."""
+    cfg, batch, w = plan.cfg, plan.batch, weights
+    total = costs.Cost()
+    for kind in cfg.kinds:  # every stage body over its layers
+        layer_cost = registry.kernel_stage(kind).cost(
+            plan.stage_plan(kind), costs.per_layer(w[kind]),
+            costs.per_layer(state.get(kind, {})), cfg, batch)
+        total += len(cfg.layers_of(kind)) * layer_cost
+    vectors = sum(costs.nbytes(costs.per_layer(w[name]))  # a [1, d] row each per layer
+                  for name in residuals.RESIDUALS[cfg.residual].vectors)
+    embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
+    n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
+    return (total + costs.sampling(batch, w["lm_head"], n_mixed)
+            + costs.Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
+                         + costs.nbytes(w.get("mix_out"), w["final_norm"])))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from mkresearch.kernels.base import blocks, dma
-from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS
+from mkresearch.kernels.base.blocks import EMBED_ROWS
 from mkresearch.kernels.stages import sampling
 
 from mkresearch.model import spec

@@ -32,6 +32,7 @@ from mkresearch.measurement import logs
 from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import timeline
+from mkresearch.prediction.timeline_ranks import rank_events
 from mkresearch.sharding import layout
 
 CHILD_ENV = "MKRESEARCH_RANKS_CHILD"  # set in the child started with N simulated devices
@@ -79,15 +80,6 @@ def devices_or_rerun(n_ranks: int, argv: Sequence[str]) -> int | None:
 # ---- one recorded step, per rank ---------------------------------------------------------------
 RANK_TIMELINE_LABEL = ("timeline model of this rank's events alone: what it receives taken as "
                        "ready, its remote copies priced as local DMAs (not measured)")
-
-
-def rank_events(log: dma.DmaLog, rank: int) -> list[dma.Event]:
-    """One rank's events for `timeline.simulate`, which models one device: its waits for copies
-    a peer sends it are dropped (their start is in the peer's program, so one rank's timeline
-    cannot place them); its own sends and their waits stay."""
-    return [e for e in log.of_rank(rank).events
-            if not (e.kind == "dma_wait" and e.remote and e.dst_rank == rank
-                    and e.src_rank != rank)]
 
 
 def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> list[dict]:

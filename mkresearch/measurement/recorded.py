@@ -6,7 +6,7 @@ rank of DeepSeek-V3 or GLM-4.5 20-25 s); notebooks 06 and 10 show the recorded r
 to compile (or a record does not match):
 
     mkresearch compile kimi-k3-rank --chip tpu7x --record     # (re)writes the record
-    make recorded        # python -m mkresearch.measurement.recorded: the same, for every record
+    make recorded        # python -m mkresearch.cli.record: the same, for every record
 
 A record is keyed by the megakernel's plan (every static size, the VMEM plan included) and the
 JAX version: `compile_or_recorded` uses it only when both match the current ones, and compiles
@@ -128,23 +128,3 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
         record_compile(result, plan, path)
     return result, plan, "compiled here"
 
-
-def main() -> int:
-    """`python -m mkresearch.measurement.recorded`: compile and record every entry of RECORDED_COMPILES."""
-    from mkresearch.cli import (  # cli imports this module: importing it at the top is a cycle
-        main as cli,
-    )
-
-    for model, batch, chip in RECORDED_COMPILES:
-        status = cli.main(["compile", model, "--batch", str(batch), "--chip", chip, "--record"])
-        if status:
-            return status
-    for model, n_ranks, name, batch, chip in RECORDED_SHARDED:
-        result, _, _ = sharded_compile_or_recorded(model, n_ranks, name, batch, chip, record=True)
-        print(f"{model} on {n_ranks} {chip} cores ({name} layout): {result.n_mosaic_kernels} "
-              f"Mosaic kernel(s) per rank, compiled in {result.seconds:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -461,15 +461,16 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """The preset called `name`, with optional field overrides (validated); '<preset>-rank' is one
-    rank of the preset, derived by `layout.named_config` (no preset of its own)."""
+    """The preset called `name`, with optional field overrides (validated). '<preset>-rank' (one
+    rank of the preset, derived from its layout) is `mkresearch.sharding.layout.named_config`'s:
+    a layout sits above the model, so the model's own configs do not know it."""
     if name.endswith(RANK_SUFFIX) and name[:-len(RANK_SUFFIX)] in PRESETS:
-        # inside: mkresearch.sharding.layout imports this module (an import cycle)
-        from mkresearch.sharding import layout
-        return layout.named_config(name, **overrides)
+        raise ValueError(f"model {name!r} is one rank of a layout, not a preset: "
+                         "mkresearch.sharding.layout.named_config derives it")
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)} "
-                         f"(or '<preset>{RANK_SUFFIX}' of a full-size one)")
+                         f"(or '<preset>{RANK_SUFFIX}' of a full-size one, "
+                         "mkresearch.sharding.layout.named_config)")
     config = PRESETS[name]
     return config.replace(**overrides) if overrides else config
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mkresearch.kernels.base import dma
 from mkresearch.prediction import interconnect as links
 from mkresearch.prediction.timeline import Timeline, TimelineChip, merge_intervals, rank_program
 from mkresearch.prediction.timeline_events import events_of
@@ -202,3 +203,12 @@ def simulate_ranks(logs: Sequence[Any], chip: str | TimelineChip = "tpu7x", *,
         raise ValueError("a rank's program did not finish")
     return RanksTimeline(timelines=tuple(done), collectives=tuple(runs), interconnect=inter,
                          algorithm=algorithm, ranks=ids)
+
+
+def rank_events(log: dma.DmaLog, rank: int) -> list[dma.Event]:
+    """One rank's events for `timeline.simulate`, which models one device: its waits for copies
+    a peer sends it are dropped (their start is in the peer's program, so one rank's timeline
+    cannot place them); its own sends and their waits stay."""
+    return [e for e in log.of_rank(rank).events
+            if not (e.kind == "dma_wait" and e.remote and e.dst_rank == rank
+                    and e.src_rank != rank)]

@@ -1,7 +1,7 @@
 """Figures of a sharded step (notebook 08): every rank's timeline with its collectives.
 
 `rank_timelines(log, chip)` runs the timeline model on each rank's events of one recorded sharded
-step (`cli_ranks.rank_events`: one device's model, what a rank receives taken as ready, its remote
+step (`timeline_ranks.rank_events`: one device's model, what a rank receives taken as ready, its remote
 copies priced as DMAs); `plot_rank_timelines` draws them one lane per rank: compute, the rank's
 HBM DMAs, and its remote copies coloured by collective (the suffix of the DMA name:
 all_gather, reduce_scatter, chain, ...).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.cli.ranks import rank_events
 from mkresearch.kernels.base import dma
 from mkresearch.prediction import timeline
+from mkresearch.prediction.timeline_ranks import rank_events
 
 COLLECTIVE_COLORS = {"all_gather": "tab:red", "reduce_scatter": "tab:purple",
                      "chain": "tab:orange"}

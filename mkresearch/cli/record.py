@@ -1,0 +1,28 @@
+"""`make recorded` (`python -m mkresearch.cli.record`): compile and record every entry of
+`recorded.RECORDED_COMPILES` (through `mkresearch compile ... --record`) and of
+`recorded.RECORDED_SHARDED`."""
+
+from __future__ import annotations
+
+from mkresearch.cli import main as cli
+from mkresearch.measurement.recorded import (
+    RECORDED_COMPILES,
+    RECORDED_SHARDED,
+    sharded_compile_or_recorded,
+)
+
+
+def main() -> int:
+    for model, batch, chip in RECORDED_COMPILES:
+        status = cli.main(["compile", model, "--batch", str(batch), "--chip", chip, "--record"])
+        if status:
+            return status
+    for model, n_ranks, name, batch, chip in RECORDED_SHARDED:
+        result, _, _ = sharded_compile_or_recorded(model, n_ranks, name, batch, chip, record=True)
+        print(f"{model} on {n_ranks} {chip} cores ({name} layout): {result.n_mosaic_kernels} "
+              f"Mosaic kernel(s) per rank, compiled in {result.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
