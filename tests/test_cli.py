@@ -101,8 +101,11 @@ def test_demo_decodes_with_the_megakernel():
     assert "backend megakernel (one pallas_call per step)" in text
     assert "agreement with the reference backend: 2/2 tokens equal" in text and "PASS" in text
     assert "TPU interpret mode on CPU (a simulator)" in text
-    assert re.search(r"full size, one rank \(kimi-k3-rank, B=1\) on tpu7x .*: [\d.]+ ms/step.*"
-                     r"published release on 16 TPU7x chips: 4\.02 ms/step", text), text
+    # the last line: the full-size step (full_size.full_size_step), as info and predict print it
+    assert re.fullmatch(r"full-size step \(kimi-k3 on 32 ranks of tpu7x, ours layout, exact "
+                        r"collectives \(two-level\), B=1\): [\d.]+ ms/step, [\d.]+ GB per rank "
+                        r"per step \(timeline model prediction, not measured\); the release "
+                        r"publishes 4\.02 ms", text.splitlines()[-1]), text
 
 
 @pytest.mark.parametrize("command", [["decode"], ["bench", "--batches", "1"]])
@@ -149,8 +152,9 @@ def test_decode_family_minis(capsys, model, backend):
         assert result["parity"]["passed"]
         return
     assert result["agreement"]["passed"] and result["agreement"]["max_abs_logit_diff"] <= 5e-2
-    full = result["full_size"]
-    assert full["model"] == model.replace("-mini", "-rank") and full["step_s"] > 0
+    full = result["full_size"]  # full_size.full_size_step: the full model on 32 ranks, ours
+    assert full["model"] == model.removesuffix("-mini") and full["step_s"] > 0
+    assert (full["n_ranks"], full["layout"], full["collectives"]) == (32, "ours", "exact")
     assert full["published_step_s"] is None  # only Kimi K3's release has a published number
 
 
@@ -161,12 +165,13 @@ def test_bench_a_family_mini(tmp_path, capsys):
     assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
                      "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "B=1: megakernel" in out and "full size, one rank (qwen3-235b-a22b-rank, B=1)" in out
+    assert "B=1: megakernel" in out
+    assert "full-size step (qwen3-235b-a22b on 32 ranks of tpu7x, ours layout, exact" in out
     result = json.loads((tmp_path / "decode_bench.json").read_text())
     assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
-    full = result["rows"][0]["full_size"]  # the mini's step scaled to one rank of the full model
-    assert full["model"] == "qwen3-235b-a22b-rank" and full["published_step_s"] is None
-    assert full["step_s"] >= full["hbm_floor_s"] > 0
+    full = result["rows"][0]["full_size"]  # the full model's step (full_size.full_size_step)
+    assert full["model"] == "qwen3-235b-a22b" and full["published_step_s"] is None
+    assert full["step_s"] > 0 and full["rank_bytes"] > 0
 
 
 def test_compile_a_family_mini(capsys):

@@ -7,7 +7,8 @@
 * `run_bench(...)`: what `mkresearch bench` runs: for B in {1, 2, 4, 8}, seconds per step of
   both backends on this machine, and the timeline model's prediction for a TPU chip from one
   recorded megakernel step (`mkresearch.prediction.timeline.simulate` over the DMA log), and for a mini
-  that step scaled to one rank of its full model (`predict_full_size`, as `decode` reports it).
+  the full-size step of its full model (`predict_full_size`: `full_size.full_size_step`, the
+  figures `info` and `predict` print).
 
 Labels say what each number is: on a machine without a TPU the megakernel runs in TPU interpret
 mode (a simulator: its seconds say nothing about a TPU) and the reference is plain XLA on the
@@ -24,21 +25,20 @@ from typing import Any
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
-from mkresearch.model import reference, roofline, weights
+from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig, get_config
 from mkresearch.prediction import timeline
+from mkresearch.prediction.full_size import full_size_of, full_size_step
 from mkresearch.prediction.scaling import scale_log
 from mkresearch.sharding import layout
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
-# mini preset -> (one rank of its full model, `layout.named_config`: the release layout's for Kimi
-# K3, `config.rank_shapes` for the families, whose kinds have no sharding rules yet; the full
-# model): where a recorded mini step is scaled to for a full-size prediction (spec §9)
+# mini preset -> (the one-device stand-in for one rank of its full model, `layout.named_config`;
+# the full model): where `scale_to_rank` scales a recorded mini step (notebooks 07 and 10). Not
+# the full-size step (`full_size.STAND_IN_LABEL`): that is `predict_full_size`'s.
 FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
                   for full in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}
-# full model -> its published decode throughput on TPU7x by batch (tok/s), where there is one
-PUBLISHED_TPU7X = {"kimi-k3": roofline.PUBLISHED_TPU7X_16_CHIPS}
 
 
 def _backend_label(backend: str) -> str:
@@ -72,20 +72,14 @@ def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, 
     return rank, scale_log(log, cfg, rank, batch, unique_experts=unique), unique
 
 
-def predict_full_size(log: Any, cfg: ModelConfig, batch: int, chip: str = "tpu7x") -> dict | None:
-    """The timeline model's step for one rank of the full model (the recorded mini step scaled
-    by `scale_to_rank`), beside the release's published step at this batch (16 TPU7x chips).
-    None when cfg has no full-size rank."""
-    if cfg.name not in FULL_SIZE_RANK:
+def predict_full_size(cfg: ModelConfig, batch: int) -> dict | None:
+    """The full-size step of the model a mini stands for (`full_size.full_size_step`: its full
+    preset on 32 TPU7x ranks in our layout with our exact collectives, the kernel as built),
+    as `info` and `predict` print it. None when cfg stands for no full preset with sharding rules."""
+    full = full_size_of(cfg.name)
+    if full is None or not layout.has_rules(get_config(full)):
         return None
-    rank, events, unique = scale_to_rank(log, cfg, batch)
-    simulated = timeline.simulate(events, chip)
-    published = PUBLISHED_TPU7X.get(FULL_SIZE_RANK[cfg.name][1], {}).get(batch)
-    return {"model": rank.name, "chip": chip, "batch": batch, "unique_experts": unique,
-            "step_s": simulated.total_s, "hbm_floor_s": simulated.hbm_floor_s,
-            "roofline_fraction": simulated.roofline_fraction, "dma_bytes": simulated.dma_bytes,
-            "published_step_s": batch / published if published and chip == "tpu7x" else None,
-            "label": "timeline model prediction for one rank (not measured)"}
+    return full_size_step(full, batch=batch).as_dict()
 
 
 class StepClock:
@@ -189,7 +183,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         "seconds": {"compile_and_first_step": clock.compile_seconds, "step": step_s},
         "step_label": _backend_label("megakernel"),
         "prediction": predict(log, chip, batch),
-        "full_size": predict_full_size(log, cfg, batch, chip),
+        "full_size": predict_full_size(cfg, batch),
         "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
     }
 
@@ -226,14 +220,9 @@ def print_decode(result: dict) -> None:
 
 
 def _print_full_size(full: dict | None) -> None:
-    """The full-size prediction's line (predict_full_size), if the model has one."""
+    """The full-size step's line (predict_full_size), if the model has one."""
     if full:
-        published = (f"; published release on 16 TPU7x chips: {full['published_step_s'] * 1e3:.2f}"
-                     f" ms/step" if full["published_step_s"] else "")
-        print(f"full size, one rank ({full['model']}, B={full['batch']}) on {full['chip']} "
-              f"({full['label']}): {full['step_s'] * 1e3:.2f} ms/step, "
-              f"{full['dma_bytes'] / 1e9:.2f} GB per step, {full['roofline_fraction']:.0%} of "
-              f"the HBM roofline{published}")
+        print(full["line"])
 
 
 def print_bench_row(row: dict) -> None:
@@ -294,7 +283,7 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
             "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
                           "label": _backend_label("reference")},
             "prediction": predict(log, chip, batch),
-            "full_size": predict_full_size(log, cfg, batch, chip)}
+            "full_size": predict_full_size(cfg, batch)}
 
 
 def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",

@@ -52,6 +52,7 @@ from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConf
 from mkresearch.model.roofline import tree_bytes
 from mkresearch.model.weights import param_shapes
 from mkresearch.prediction import schedule_report
+from mkresearch.prediction.full_size import full_size_steps, stand_in_note
 from mkresearch.sharding import layout, layout_bytes
 
 # Backends `decode` can run; the first is the default. Planned ones are refused clearly.
@@ -124,6 +125,8 @@ def _print_info(report: dict) -> None:
         print(f"{report['model']}: {report['layers']} layers, {report['residual']} residual "
               f"stream, pattern (G = GQA, R = MLA with RoPE):")
     print(f"  {report['layer_pattern']}")
+    if stand_in_note(report["model"]):
+        print(f"  {stand_in_note(report['model'])}")
     print("  " + "; ".join(f"{kind} {len(layers)} layers" + (
         f" ({', '.join(map(str, layers))})" if len(layers) < min(8, report["layers"]) else "")
         for kind, layers in kinds.items()))
@@ -349,12 +352,16 @@ def _run(argv: Sequence[str] | None) -> int:
                 layout.check_ranks(cfg, args.ranks)
                 mla = cfg.replace(mla_cache_layout=args.layout) if args.layout else cfg
                 report["ranks"] = layout_bytes.compare(mla, args.ranks, args.batch, args.context)
+                report["full_size"] = [step.as_dict() for step in full_size_steps(
+                    mla, args.ranks, args.batch, args.context)]
         if args.json:
             print(json.dumps(report, indent=1))
         else:
             _print_info(report)
             if "ranks" in report:
                 print(layout_bytes.format_table(report["ranks"]))
+            for step in report.get("full_size", ()):
+                print(step["line"])
         return 0
 
     if args.command == "decode":

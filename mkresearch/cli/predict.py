@@ -28,6 +28,7 @@ from mkresearch.cli.common import UsageError, _at_least, _chip, _model, _refusal
 from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import speculative_predict as speculative
+from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout
 
@@ -100,7 +101,7 @@ def run(args: Any) -> int:
                              "say how they split: spec.Param.shard)")
         layout.check_ranks(cfg, args.ranks)
         links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks
-    rows = []
+    rows, steps = [], []
     todo = [(name, batch) for name in names for batch in batches]
     progress = not args.json and sys.stderr.isatty() and len(todo) > 1
     bar = None
@@ -117,7 +118,8 @@ def run(args: Any) -> int:
                     cfg, args.ranks, name, batch=batch, drafts=args.speculate,
                     acceptances=_acceptances(args), **common)
             else:
-                rows.append(scale_out.predict(cfg, args.ranks, name, batch, **common))
+                steps.append(full_size_step(cfg, args.ranks, name, batch, **common))
+                rows.append(steps[-1].prediction)
             if bar is not None:
                 bar.update()
     if bar is not None:
@@ -129,6 +131,7 @@ def run(args: Any) -> int:
                           "predictions": rows}))
     else:
         print(format_speculative(rows) if args.speculate else format_rows(rows))
+        print("\n".join(step.line() for step in steps))
     return 0
 
 
