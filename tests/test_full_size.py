@@ -62,8 +62,9 @@ def test_info_and_predict_print_the_same_full_size_lines(capsys, kimi_32):
     assert [s["line"] for s in report["full_size"]] == [s.line() for s in kimi_32.values()]
 
 
-def test_the_stand_in_is_labelled_where_info_prints_it(capsys):
-    text = run(capsys, "info", "kimi-k3-rank")
+@pytest.mark.parametrize("command", ["info", pytest.param("plan", marks=pytest.mark.slow)])
+def test_the_stand_in_is_labelled_where_its_bytes_print(capsys, command):
+    text = run(capsys, command, "kimi-k3-rank")
     assert STAND_IN_LABEL in text and "mkresearch info kimi-k3 --ranks 32" in text
 
 

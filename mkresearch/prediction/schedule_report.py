@@ -14,6 +14,7 @@ from mkresearch.kernels.compose import schedule as step_schedule
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions, make_plan
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
+from mkresearch.prediction.full_size import stand_in_note
 
 # component -> why the kernel moves other bytes than the roofline counts (when it does)
 DIFFERENCES = {
@@ -116,6 +117,8 @@ def format_report(sched: step_schedule.StepSchedule, report: dict) -> str:
               else "  assumed: " + "; ".join(r["assumptions"])),
              f"  HBM {_mb(r['hbm_bytes']['read'])} read + {_mb(r['hbm_bytes']['written'])} "
              f"written = {_mb(r['hbm_bytes']['total'])}"]
+    if stand_in_note(r["model"]):  # one device's bytes, not a rank's of the sharded step
+        lines.insert(1, f"  {stand_in_note(r['model'])}")
     if not fit["fits"]:
         lines.append(f"  weights, caches and states need {fit['needed'] / 1e9:,.1f} GB, more than "
                      f"one {r['chip']} device's {fit['available'] / 1e9:,.1f} GB: this is the "
