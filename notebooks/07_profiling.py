@@ -291,17 +291,22 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 # rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
 # count, so the timeline is coarse; the bytes and the order (what is in flight while what
 # computes) are the megakernel's. `kimi-k3-rank` keeps the full latent projections and the full
-# d on every rank, so it reads more than the ≈ 6.97 GB of the released layout.
+# d on every rank, so it reads more than the ≈ 6.97 GB of the released layout. It is a one-device
+# stand-in (one rank's shapes, no collectives), NOT our full-size step: that is the last line,
+# `mkresearch.prediction.full_size.full_size_step` (Kimi K3 on 32 ranks in our layout with our exact
+# collectives), the line `decode`, `bench`, `info --ranks 32` and `predict` print.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from mkresearch.prediction import scaling
+from mkresearch.prediction.full_size import STAND_IN_LABEL, full_size_step
 
 if "megakernel" in logs:
     rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout
     rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
     rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
     rank_mega = tl.simulate(rank_events, "tpu7x")
+    print(f"{rank.name}, the {STAND_IN_LABEL}:")
     print(f"megakernel at {rank.name} shapes, B={B}, routed experts per MoE layer "
           f"{rank_unique:.1f}: {rank_mega.dma_bytes / 1e9:.2f} GB per step")
     print(f"predicted on tpu7x: step_ms {rank_mega.total_s * 1e3:.2f}, HBM floor of those bytes "
@@ -309,6 +314,7 @@ if "megakernel" in logs:
           f"the HBM roofline (the model; not measured)")
     print(f"published release: step_ms {measured_ms:.2f} at {floor_ms / measured_ms:.0%} of its "
           f"roofline (6.97 GB per rank)")
+    print(full_size_step("kimi-k3", 32, "ours", B).line())
     assert 0 < rank_mega.roofline_fraction <= 1
 
 # %%

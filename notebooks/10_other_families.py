@@ -88,6 +88,7 @@ from mkresearch.measurement import hlo, logs, recorded
 from mkresearch.model import reference, roofline, sampling, spec, weights
 from mkresearch.model.config import get_config, layer_pattern
 from mkresearch.prediction import scale_out, timeline
+from mkresearch.prediction.full_size import full_size_step
 from mkresearch.sharding import layout, layout_bytes
 from mkresearch.views import widgets
 from mkresearch.views.facts import bound
@@ -404,7 +405,7 @@ for p in predictions.values():
     assert p["floor"].seconds <= p["timeline"].hbm_floor_s <= p["timeline"].total_s
 
 # %%
-sharded = {name: scale_out.predict(cfg, 32, "ours", 1, chip="tpu7x", context=PROMPT_LEN)
+sharded = {name: full_size_step(cfg, 32, "ours", 1, context=PROMPT_LEN).prediction
            for name, cfg in MODELS.items()}
 rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32), 1, PROMPT_LEN).floor_s("tpu7x")
                for name, cfg in MODELS.items()}
