@@ -204,8 +204,9 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
 
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
-@pytest.mark.parametrize("sample, n_tokens", [
-    ({}, 32), pytest.param(SAMPLED, 16, marks=pytest.mark.slow)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sample, n_tokens", [  # 13 tokens: the prefill's and 2 verify steps
+    ({}, 13), pytest.param(SAMPLED, 16, marks=pytest.mark.slow),
+    pytest.param({}, 32, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled", "greedy-32"])
 def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens):
     """n_tokens x 2 rows through `speculative.speculative_generate` with the megakernel's verify
     (`as_verify`, K = 6, forced acceptance 5 from plain decoding's own continuation): the tokens
@@ -256,9 +257,13 @@ def test_verify_matrix(race_checked, mini_params, layout_name, batch, drafts, ac
 
 
 @pytest.mark.slow
-def test_64_rows(race_checked, mini_params):
-    """The most rows one call takes: B = 8, K = 7 (activations [64, d], four 16-row tiles)."""
-    run_case(MINI.replace(mla_cache_layout="latent"), mini_params, 8, 7, 4, {})
+def test_64_rows(race_checked):
+    """The most rows one call takes: B = 8, K = 7 (activations [64, d], four 16-row tiles), on
+    kimi-k3-mini cut to its first KDA + dense and MLA + MoE layers (every kind of layer, 2 of the
+    7 layers' interpret-mode time; the whole mini runs B = 2 in the recorded case)."""
+    cfg = MINI.replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1, attn_res_block=1,
+                       mla_cache_layout="latent")
+    run_case(cfg, weights.init_params(cfg, 0), 8, 7, 4, {})
 
 
 @pytest.mark.slow
@@ -278,8 +283,9 @@ def test_compiles_to_one_mosaic_kernel_mini():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # make test compiles the same verify kernel at mini shapes (above)
 def test_compiles_to_one_mosaic_kernel_rank():
-    """One rank of Kimi K3 (the release's 32), B = 1, K = 6 (~50 s here); B = 8, K = 7 (64 rows)
+    """One rank of Kimi K3 (the release's 32), B = 1, K = 6 (~45 s here); B = 8, K = 7 (64 rows)
     also compiles to one Mosaic kernel (VMEM plan 51.7 MiB) but takes ~3.5 min: not a test."""
     cfg = layout.named_config("kimi-k3-rank")
     result, plan = mv.compile_verify(cfg, 1, 6, chip="tpu7x")
