@@ -91,11 +91,14 @@ def _common(f: _Fields) -> dict[str, Any]:
     return {"d_model": int(f.get("hidden_size")), "n_layers": int(f.get("num_hidden_layers")),
             "vocab_size": int(f.get("vocab_size")), "n_heads": int(f.get("num_attention_heads")),
             "rms_eps": float(f.get("rms_norm_eps")), "residual": "prenorm", "activation": "silu",
-            "rope_theta": f.rope()["theta"]}
+            "rope_theta": f.rope()["theta"], "mla_first": 0}  # mla_first: unused (Kimi pattern)
 
 
 def _routed(f: _Fields, experts: str) -> dict[str, Any]:
-    return {"n_experts": int(f.get(experts)), "top_k": int(f.get("num_experts_per_tok")),
+    """`experts`: the family's name of the routed expert count (transformers 5 writes
+    `num_local_experts` instead)."""
+    count = f.get(experts, None) or f.get("num_local_experts", None) or f.get(experts)
+    return {"n_experts": int(count), "top_k": int(f.get("num_experts_per_tok")),
             "expert_hidden": int(f.get("moe_intermediate_size")),
             "router_normalize": bool(f.get("norm_topk_prob", True))}
 
