@@ -9,8 +9,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing touches the network
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 # Shapes our configs accept (lane dims multiples of 128) with every family feature: group-limited
 # routing, shared experts, dense first layer, YaRN, QK-norm, q/k/v bias, partial RoPE.

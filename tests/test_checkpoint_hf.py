@@ -26,10 +26,10 @@ import pytest
 pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 pytest.importorskip("transformers", reason="the hf extra (torch, transformers) is not installed")
 
-import hf_tiny  # noqa: E402  (tests/: imports torch)
-from mkresearch.kernels import megakernel as mk  # noqa: E402
+import hf_tiny
+from mkresearch.kernels import megakernel as mk
 
-from mkresearch import checkpoint, reference, sampling  # noqa: E402
+from mkresearch import checkpoint, reference, sampling
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
 SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 2
