@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "mkresearch.interconnect", "mkresearch.topology", "mkresearch.stages",
              "mkresearch.speculative", "mkresearch.acceptance", "mkresearch.drafters",
              "mkresearch.mtp", "mkresearch.prefill",
-             "mkresearch.stages.*"),
+             "mkresearch.stages.*", "mkresearch.checkpoint", "mkresearch.checkpoint.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",
                  "mkresearch.timeline_whatif", "mkresearch.profiling", "mkresearch.hlo",
