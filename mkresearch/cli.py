@@ -33,6 +33,7 @@ from typing import Any
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
 from mkresearch import (
     bench,
+    cli_checkpoint,
     cli_predict,
     cli_ranks,
     cli_speculative,
@@ -283,6 +284,7 @@ def _parser() -> _Parser:
                         "simulated devices, in a child process when needed")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
     cli_speculative.add_arguments(p)
+    cli_checkpoint.add_arguments(p)
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
@@ -356,6 +358,9 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "decode":
+        cli_checkpoint.check(args)
+        if args.checkpoint is not None:  # text from a checkpoint on disk
+            return cli_checkpoint.run_decode(args)
         if args.speculate is None and args.backend is None:
             args.backend = next(iter(BACKENDS))
         if args.drafter is not None and args.speculate is None:

@@ -63,16 +63,18 @@ class TextStream:
         self.prompt_ids = [int(i) for i in prompt_ids]
         self._stream = DecodeStream(ids=self.prompt_ids or None, skip_special_tokens=False)
         self.ids: list[int] = []
+        self.pieces: list[str] = []
 
     def push(self, token_id: int) -> str:
         token_id = int(token_id)
         self.ids.append(token_id)
         if token_id >= self.known:
-            return f"<{token_id}>"
-        return self._stream.step(self.tokenizer, token_id) or ""
+            piece = f"<{token_id}>"
+        else:
+            piece = self._stream.step(self.tokenizer, token_id) or ""
+        self.pieces.append(piece)
+        return piece
 
     def text(self) -> str:
-        """Everything generated so far, decoded at once (the pushes' texts joined, for ids the
-        tokenizer knows)."""
-        return self.tokenizer.decode([i for i in self.ids if i < self.known],
-                                     skip_special_tokens=False)
+        """Everything pushed so far: the pieces `push` returned, joined."""
+        return "".join(self.pieces)
