@@ -75,7 +75,8 @@ def test_same_logits_and_fp8_block_scales(tmp_path, family_params):
     cfg, params = config.get_config(name), family_params[name]
     bf16_dir = _written(tmp_path, name, params, "-bf16", shards=2)
     fp8_dir = _written(tmp_path, name, params, "-fp8", shards=2, fp8=True)
-    raw = json.load(open(os.path.join(fp8_dir, "config.json")))
+    with open(os.path.join(fp8_dir, "config.json")) as handle:
+        raw = json.load(handle)
     assert raw["quantization_config"]["weight_block_size"] == [128, 128]
     shards = safetensors_io.Shards(fp8_dir)
     name_q = "model.layers.1.self_attn.q_b_proj.weight"
@@ -173,9 +174,11 @@ def test_bad_inputs_each_one_line(tmp_path, family_params):
     os.remove(os.path.join(directory, "model-00002-of-00002.safetensors"))
     _refused(directory, cfg, r"model-00002-of-00002\.safetensors: missing shard")
     directory = _written(tmp_path, name, params, "-quant")
-    raw = json.load(open(os.path.join(directory, "config.json")))
+    with open(os.path.join(directory, "config.json")) as handle:
+        raw = json.load(handle)
     raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    json.dump(raw, open(os.path.join(directory, "config.json"), "w"))
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(raw, handle)
     _refused(directory, cfg, r"quantization_config\.quant_method='gptq' is not supported")
 
 
@@ -209,5 +212,48 @@ def test_hf_extra_is_pinned_in_the_constraints():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as handle:
         extras = tomllib.load(handle)["project"]["optional-dependencies"]
-    constraints = open(os.path.join(root, "requirements", "constraints.txt")).read().split()
+    with open(os.path.join(root, "requirements", "constraints.txt")) as handle:
+        constraints = handle.read().split()
     assert extras["hf"] and all(r in constraints for r in extras["hf"])
+
+
+def test_small_real_model_presets():
+    """Qwen3-30B-A3B and GLM-4.5-Air from their published config.json fields: the totals the
+    model cards give (30.5 B / 106 B; active 3.3 B with the embedding / 12 B without the head)."""
+    from mkresearch import roofline
+    qwen, glm = config.get_config("qwen3-30b-a3b"), config.get_config("glm-4.5-air")
+    assert (qwen.attention, qwen.n_kv_heads, qwen.router_score, qwen.n_shared_experts) == (
+        "gqa", 4, "softmax", 0)
+    assert (glm.rope_dim, glm.attention_bias, glm.qk_norm, glm.n_dense_layers) == (64, True, False, 1)
+    assert glm.dense_hidden == 11008  # 10944 rounded up to 128 lanes, zero-padded at load
+    total, active = roofline.parameter_counts(qwen)
+    embed = qwen.vocab_size * qwen.d_model
+    assert round(total / 1e9, 1) == 30.5 and round((active + embed) / 1e9, 1) == 3.4
+    total, active = roofline.parameter_counts(glm)
+    assert round(total / 1e9) == 107 and round((active - glm.vocab_size * glm.d_model) / 1e9) == 12
+
+
+def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):
+    """A published intermediate_size that is no multiple of 128 (GLM-4.5-Air's 10944) loads into
+    the next multiple, the extra hidden units zero: the layer's output is unchanged."""
+    name, published = "glm-4.5-mini", 1000
+    directory = _written(tmp_path, name, family_params[name])
+    with open(os.path.join(directory, "config.json")) as handle:
+        raw = json.load(handle)
+    raw["intermediate_size"] = published
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(raw, handle)
+    prefix = "model.layers.0.mlp."
+
+    def cut(tensors):
+        for proj in ("gate_proj", "up_proj"):
+            tensors[f"{prefix}{proj}.weight"] = tensors[f"{prefix}{proj}.weight"][:published]
+        tensors[f"{prefix}down_proj.weight"] = tensors[f"{prefix}down_proj.weight"][:, :published]
+    _rewrite(directory, cut)
+    cfg = checkpoint.read_config(directory)
+    assert cfg.dense_hidden == 1024
+    loaded = checkpoint.load_params(directory, cfg, progress=False)
+    want = np.asarray(family_params[name]["dense"]["w_gate"][0])
+    got = np.asarray(loaded["dense"]["w_gate"][0])
+    assert np.array_equal(got[:, :published], want[:, :published]) and not got[:, published:].any()
+    assert not np.asarray(loaded["dense"]["w_down"][0])[published:].any()

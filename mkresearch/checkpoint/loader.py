@@ -41,14 +41,17 @@ from mkresearch.config import ModelConfig
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-def _entries(cfg: ModelConfig, interleaved: bool) -> list[list[names_module.Entry]]:
-    """The trunk's entries, then each layer's."""
+def _entries(cfg: ModelConfig, raw: dict[str, Any]) -> list[list[names_module.Entry]]:
+    """The trunk's entries, then each layer's (`raw`: config.json, for the rope order and the
+    published dense hidden)."""
+    interleaved = bool(raw.get("rope_interleave", True))
+    dense = raw.get("intermediate_size") if cfg.n_dense_layers else None
     try:
         names_module.check_supported(cfg)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     return [names_module.trunk_entries(cfg)] + [
-        names_module.layer_entries(cfg, layer, interleaved=interleaved)
+        names_module.layer_entries(cfg, layer, interleaved=interleaved, dense_published=dense)
         for layer in range(cfg.n_layers)]
 
 
@@ -142,7 +145,7 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
         raise CheckpointError(str(error)) from None
     raw = _read_raw_config(directory)
     fp8 = fp8_quantized(raw)
-    groups = _entries(cfg, bool(raw.get("rope_interleave", True)))
+    groups = _entries(cfg, raw)
     shards = Shards(directory)
     _check(shards, groups, fp8)
     stats = {} if stats is None else stats
@@ -199,7 +202,7 @@ def write_checkpoint(directory: str | os.PathLike, params: dict[str, Any], cfg: 
     where ours are f32), or with `fp8` every projection FP8 e4m3 with 128x128 `_scale_inv` block
     scales as DeepSeek-V3 ships them (the embedding, LM head, router and norms stay bf16)."""
     directory = os.fspath(directory)
-    groups = _entries(cfg, True)
+    groups = _entries(cfg, {})
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as handle:
         json.dump(config_dict(cfg, fp8=fp8), handle, indent=1)
