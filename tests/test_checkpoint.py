@@ -152,8 +152,20 @@ def test_missing_or_extra_tensor_fails(tmp_path, family_params, name):
     _rewrite(directory, lambda t: t.pop(victim))
     _refused(directory, cfg, rf"tensor {re.escape(victim)} is missing: expected \[")
     directory = _written(tmp_path, name, family_params[name], "-extra")
-    _rewrite(directory, lambda t: t.update({"model.layers.9.mlp.bogus.weight": np.zeros(4, np.float32)}))
-    _refused(directory, cfg, r"tensor model\.layers\.9\.mlp\.bogus\.weight is unexpected")
+    _rewrite(directory, lambda t: t.update({"model.layers.1.mlp.bogus.weight": np.zeros(4, np.float32)}))
+    _refused(directory, cfg, r"tensor model\.layers\.1\.mlp\.bogus\.weight is unexpected")
+
+
+def test_mtp_module_tensors_are_left_unread(tmp_path, family_params):
+    """DeepSeek-V3 publishes its MTP module as the layer after the last: not an extra tensor."""
+    name = "deepseek-v3-mini"
+    cfg = config.get_config(name)
+    directory = _written(tmp_path, name, family_params[name])
+    mtp = f"model.layers.{cfg.n_layers}.eh_proj.weight"
+    _rewrite(directory, lambda t: t.update({mtp: np.zeros((4, 4), np.float32)}))
+    assert _equal(checkpoint.load_params(directory, cfg, progress=False), family_params[name])
+    _rewrite(directory, lambda t: t.update({f"model.layers.{cfg.n_layers + 1}.x": np.zeros(1, np.float32)}))
+    _refused(directory, cfg, rf"tensor model\.layers\.{cfg.n_layers + 1}\.x is unexpected")
 
 
 def test_bad_inputs_each_one_line(tmp_path, family_params):

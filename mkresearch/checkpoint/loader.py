@@ -63,9 +63,19 @@ def _read_raw_config(directory: str) -> dict[str, Any]:
         return json.load(handle)
 
 
-def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool) -> None:
-    """Every expected tensor present with its shape and dtype, and nothing else."""
-    expected: set[str] = set()
+def mtp_tensors(names: set[str], cfg: ModelConfig) -> set[str]:
+    """The multi-token-prediction modules' tensors (DeepSeek-V3, GLM-4.5 publish them as the
+    layers after the last: `model.layers.{n_layers + i}.*`, i < n_mtp_layers): not part of the
+    decode step, left unread (`weights.init_mtp_params` is the drafter's stand-in)."""
+    prefixes = tuple(f"model.layers.{cfg.n_layers + i}." for i in range(cfg.n_mtp_layers))
+    return {name for name in names if prefixes and name.startswith(prefixes)}
+
+
+def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
+           cfg: ModelConfig) -> None:
+    """Every expected tensor present with its shape and dtype, and nothing else (bar the MTP
+    modules' tensors)."""
+    expected: set[str] = mtp_tensors(shards.names(), cfg)
     for entry in (e for group in groups for e in group):
         for name, shape in zip(entry.names, entry.shapes):
             expected.add(name)
@@ -147,7 +157,7 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
     fp8 = fp8_quantized(raw)
     groups = _entries(cfg, raw)
     shards = Shards(directory)
-    _check(shards, groups, fp8)
+    _check(shards, groups, fp8, cfg)
     stats = {} if stats is None else stats
     table = spec.param_table(cfg)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), weights.param_shapes(cfg))
