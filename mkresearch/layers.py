@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "mkresearch.layout", "mkresearch.layout_ranks", "mkresearch.layout_bytes",
              "mkresearch.interconnect", "mkresearch.topology", "mkresearch.stages",
              "mkresearch.speculative", "mkresearch.acceptance", "mkresearch.drafters",
-             "mkresearch.mtp",
+             "mkresearch.mtp", "mkresearch.prefill", "mkresearch.tokenizer",
              "mkresearch.stages.*", "mkresearch.checkpoint", "mkresearch.checkpoint.*"),
     "kernels": ("mkresearch.kernels", "mkresearch.kernels.*"),
     "analysis": ("mkresearch.timeline", "mkresearch.timeline_chip", "mkresearch.timeline_events",
