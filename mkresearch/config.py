@@ -467,8 +467,13 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
         # inside: mkresearch.layout imports this module (an import cycle)
         from mkresearch import layout
         return layout.named_config(name, **overrides)
+    # inside: the checkpoint presets read config.json fields into this module's ModelConfig (a cycle)
+    from mkresearch.checkpoint import presets as published
+    if name in published.PUBLISHED:
+        return published.published_config(name, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)} "
+        raise ValueError(f"unknown model {name!r}: choose one of "
+                         f"{', '.join([*PRESETS, *published.PUBLISHED])} "
                          f"(or '<preset>{RANK_SUFFIX}' of a full-size one)")
     config = PRESETS[name]
     return config.replace(**overrides) if overrides else config

@@ -103,6 +103,12 @@ def _routed(f: _Fields, experts: str) -> dict[str, Any]:
             "router_normalize": bool(f.get("norm_topk_prob", True))}
 
 
+def lane_multiple(width: int) -> int:
+    """A dense FFN hidden rounded up to 128 lanes (GLM-4.5-Air's 10944 -> 11008): the loader
+    zero-pads the published weights, which changes no output (SiLU(0) * 0 = 0)."""
+    return -(-width // config_module.LANE) * config_module.LANE
+
+
 def _group_limited(f: _Fields) -> dict[str, Any]:
     """DeepSeek-V3's / GLM-4.5's sigmoid router with correction bias and groups."""
     f.require("scoring_func", ("sigmoid",), "sigmoid")
@@ -114,7 +120,7 @@ def _group_limited(f: _Fields) -> dict[str, Any]:
             "routed_scale": float(f.get("routed_scaling_factor", 1.0)),
             "router_groups": int(f.get("n_group", 1)), "router_topk_groups": int(f.get("topk_group", 1)),
             "n_dense_layers": dense, "ffn": "dense+moe_full" if dense else "moe_full",
-            "dense_hidden": int(f.get("intermediate_size")),
+            "dense_hidden": lane_multiple(int(f.get("intermediate_size"))),
             "n_shared_experts": shared,
             "shared_hidden": shared * int(f.get("moe_intermediate_size")) if shared else 128,
             "n_mtp_layers": int(f.get("num_nextn_predict_layers", 0))}

@@ -41,14 +41,17 @@ from mkresearch.config import ModelConfig
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-def _entries(cfg: ModelConfig, interleaved: bool) -> list[list[names_module.Entry]]:
-    """The trunk's entries, then each layer's."""
+def _entries(cfg: ModelConfig, raw: dict[str, Any]) -> list[list[names_module.Entry]]:
+    """The trunk's entries, then each layer's (`raw`: config.json, for the rope order and the
+    published dense hidden)."""
+    interleaved = bool(raw.get("rope_interleave", True))
+    dense = raw.get("intermediate_size") if cfg.n_dense_layers else None
     try:
         names_module.check_supported(cfg)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     return [names_module.trunk_entries(cfg)] + [
-        names_module.layer_entries(cfg, layer, interleaved=interleaved)
+        names_module.layer_entries(cfg, layer, interleaved=interleaved, dense_published=dense)
         for layer in range(cfg.n_layers)]
 
 
@@ -60,9 +63,19 @@ def _read_raw_config(directory: str) -> dict[str, Any]:
         return json.load(handle)
 
 
-def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool) -> None:
-    """Every expected tensor present with its shape and dtype, and nothing else."""
-    expected: set[str] = set()
+def mtp_tensors(names: set[str], cfg: ModelConfig) -> set[str]:
+    """The multi-token-prediction modules' tensors (DeepSeek-V3, GLM-4.5 publish them as the
+    layers after the last: `model.layers.{n_layers + i}.*`, i < n_mtp_layers): not part of the
+    decode step, left unread (`weights.init_mtp_params` is the drafter's stand-in)."""
+    prefixes = tuple(f"model.layers.{cfg.n_layers + i}." for i in range(cfg.n_mtp_layers))
+    return {name for name in names if prefixes and name.startswith(prefixes)}
+
+
+def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
+           cfg: ModelConfig) -> None:
+    """Every expected tensor present with its shape and dtype, and nothing else (bar the MTP
+    modules' tensors)."""
+    expected: set[str] = mtp_tensors(shards.names(), cfg)
     for entry in (e for group in groups for e in group):
         for name, shape in zip(entry.names, entry.shapes):
             expected.add(name)
@@ -142,9 +155,9 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
         raise CheckpointError(str(error)) from None
     raw = _read_raw_config(directory)
     fp8 = fp8_quantized(raw)
-    groups = _entries(cfg, bool(raw.get("rope_interleave", True)))
+    groups = _entries(cfg, raw)
     shards = Shards(directory)
-    _check(shards, groups, fp8)
+    _check(shards, groups, fp8, cfg)
     stats = {} if stats is None else stats
     table = spec.param_table(cfg)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), weights.param_shapes(cfg))
@@ -199,7 +212,7 @@ def write_checkpoint(directory: str | os.PathLike, params: dict[str, Any], cfg: 
     where ours are f32), or with `fp8` every projection FP8 e4m3 with 128x128 `_scale_inv` block
     scales as DeepSeek-V3 ships them (the embedding, LM head, router and norms stay bf16)."""
     directory = os.fspath(directory)
-    groups = _entries(cfg, True)
+    groups = _entries(cfg, {})
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as handle:
         json.dump(config_dict(cfg, fp8=fp8), handle, indent=1)

@@ -54,6 +54,18 @@ def _linear(key, index, name, n_in, n_out, permute=None) -> Entry:
                  lambda w: [np.ascontiguousarray(w[:, inverse].T)], linear=True)
 
 
+def _padded(key, index, name, n_in, n_out, published_in, published_out) -> Entry:
+    """A published [published_out, published_in] weight as our [n_in, n_out] (a lane multiple),
+    zero-padded at load and cut when written. Exact for a gated MLP's hidden: SiLU(0) * 0 = 0."""
+    def to_ours(arrays):
+        ours = np.zeros((n_in, n_out), np.float32)
+        ours[:published_in, :published_out] = arrays[0].T
+        return ours
+
+    return Entry(key, index, (name,), ((published_out, published_in),), to_ours,
+                 lambda w: [np.ascontiguousarray(w[:published_in, :published_out].T)], linear=True)
+
+
 def _experts(key, index, names, n_in, n_out) -> Entry:
     return Entry(key, index, tuple(names), ((n_out, n_in),) * len(names),
                  lambda a: np.stack([w.T for w in a]),
@@ -105,14 +117,14 @@ def _attention(cfg: ModelConfig, layer: int, interleaved: bool) -> list[Entry]:
     raise NotImplementedError(f"attention kind {kind!r} has no published tensor names")
 
 
-def _ffn(cfg: ModelConfig, layer: int) -> list[Entry]:
+def _ffn(cfg: ModelConfig, layer: int, dense_published: int | None) -> list[Entry]:
     kind = cfg.ffn_kinds[layer]
     i, p, d = cfg.ffn_index(layer), f"model.layers.{layer}.mlp.", cfg.d_model
     if kind == "dense":
-        f = cfg.dense_hidden
-        return [_linear((kind, "w_gate"), i, p + "gate_proj.weight", d, f),
-                _linear((kind, "w_up"), i, p + "up_proj.weight", d, f),
-                _linear((kind, "w_down"), i, p + "down_proj.weight", f, d)]
+        f, g = cfg.dense_hidden, dense_published or cfg.dense_hidden
+        return [_padded((kind, "w_gate"), i, p + "gate_proj.weight", d, f, d, g),
+                _padded((kind, "w_up"), i, p + "up_proj.weight", d, f, d, g),
+                _padded((kind, "w_down"), i, p + "down_proj.weight", f, d, g, d)]
     if kind != "moe_full":
         raise NotImplementedError(f"FFN kind {kind!r} has no published tensor names")
     e, f = cfg.n_experts, cfg.expert_hidden
@@ -132,12 +144,14 @@ def _ffn(cfg: ModelConfig, layer: int) -> list[Entry]:
     return out
 
 
-def layer_entries(cfg: ModelConfig, layer: int, *, interleaved: bool = True) -> list[Entry]:
-    """Every entry of one layer: its two norms, its attention and its FFN."""
+def layer_entries(cfg: ModelConfig, layer: int, *, interleaved: bool = True,
+                  dense_published: int | None = None) -> list[Entry]:
+    """Every entry of one layer: its two norms, its attention and its FFN. `dense_published`: the
+    checkpoint's dense hidden (`intermediate_size`) when ours is it rounded up to 128 lanes."""
     p, d = f"model.layers.{layer}.", cfg.d_model
     return [_copy(("attn_norm",), layer, p + "input_layernorm.weight", (d,)),
             _copy(("mlp_norm",), layer, p + "post_attention_layernorm.weight", (d,)),
-            *_attention(cfg, layer, interleaved), *_ffn(cfg, layer)]
+            *_attention(cfg, layer, interleaved), *_ffn(cfg, layer, dense_published)]
 
 
 def trunk_entries(cfg: ModelConfig) -> list[Entry]:
