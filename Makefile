@@ -21,6 +21,10 @@ $(BIN)/.installed: pyproject.toml requirements/constraints.txt
 
 venv: $(BIN)/.installed
 
+# venv plus the optional `hf` extra (torch CPU, transformers) for tests/test_checkpoint_hf.py; CI runs it
+venv-hf: venv
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt -e ".[dev,hf]"
+
 # The product: a short greedy decode of kimi-k3-mini with the megakernel (one pallas_call per
 # step), checked against the reference, and the full model's predicted TPU7x step.
 demo: venv
@@ -110,5 +114,5 @@ notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
 		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
 
-.PHONY: venv demo browser test test-exhaustive test-fast bench-notebooks bench-speed lab figures \
+.PHONY: venv venv-hf demo browser test test-exhaustive test-fast bench-notebooks bench-speed lab figures \
 	recorded notebooks

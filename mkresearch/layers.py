@@ -19,6 +19,8 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     decoding            speculative decoding in plain JAX: verify, acceptance, drafters
       ^
+    checkpoint          published checkpoints from disk: safetensors, tensor names, tokenizer
+      ^
     sharding            layouts: which rank holds what, rank counts, per-rank bytes
       ^
     model               configs, the stage registry and kinds, the reference, weights, roofline
@@ -46,6 +48,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "hardware": ("mkresearch", "mkresearch.layers", *_package("mkresearch.hardware")),
     "model": _package("mkresearch.model"),
     "sharding": _package("mkresearch.sharding"),
+    "checkpoint": _package("mkresearch.checkpoint"),
     "decoding": _package("mkresearch.decoding"),
     "kernels.base": ("mkresearch.kernels", *_package("mkresearch.kernels.base")),
     "kernels.stages": _package("mkresearch.kernels.stages"),

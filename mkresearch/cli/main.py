@@ -36,6 +36,9 @@ from mkresearch.cli import (
     figures,
 )
 from mkresearch.cli import (
+    checkpoint as cli_checkpoint,
+)
+from mkresearch.cli import (
     predict as cli_predict,
 )
 from mkresearch.cli import (
@@ -288,6 +291,7 @@ def _parser() -> _Parser:
                         "simulated devices, in a child process when needed")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
     cli_speculative.add_arguments(p)
+    cli_checkpoint.add_arguments(p)
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
@@ -365,6 +369,9 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "decode":
+        cli_checkpoint.check(args)
+        if args.checkpoint is not None:  # text from a checkpoint on disk
+            return cli_checkpoint.run_decode(args)
         if args.speculate is None and args.backend is None:
             args.backend = next(iter(BACKENDS))
         if args.drafter is not None and args.speculate is None:

@@ -88,13 +88,13 @@ def cache_length(state: dict[str, Any], cfg: ModelConfig) -> int | None:
 
 
 # ---- the decode step -------------------------------------------------------------------------
-def _sublayer(params, state, layer: int, kind: str, x, positions, cfg):
-    """Run `layer`'s sublayer of `kind` on x; returns (out, state with that layer updated, aux)."""
-    stage = spec.stage(kind)
+def _sublayer(params, state, layer: int, kind: str, x, positions, cfg, sublayers=None):
+    """Run `layer`'s sublayer of `kind` on x; returns (out, state with that layer updated, aux).
+    sublayers: {kind: function} run instead of the kind's decode sublayer (`mkresearch.model.prefill`)."""
+    run = (sublayers or {}).get(kind, spec.stage(kind).sublayer)
     index = cfg.kind_index(layer, kind)
     layer_state = layer_params(state[kind], index) if kind in state else {}
-    out, layer_state, aux = stage.sublayer(layer_params(params[kind], index), x, layer_state,
-                                           positions, cfg)
+    out, layer_state, aux = run(layer_params(params[kind], index), x, layer_state, positions, cfg)
     if kind in state:
         state = {**state, kind: _set_layer(state[kind], index, layer_state)}
     return out, state, aux
@@ -137,7 +137,7 @@ def head_logits(params: dict[str, Any], h: jax.Array, cfg: ModelConfig) -> jax.A
     return logits
 
 
-def _attention_mix_step(params, state, tokens, positions, cfg):
+def _attention_mix_step(params, state, tokens, positions, cfg, sublayers=None):
     """Kimi K3's step skeleton (§3): no classic residual stream; attention residual mixes over
     block snapshots R and the block's partial sum P."""
     eps = cfg.rms_eps
@@ -156,14 +156,15 @@ def _attention_mix_step(params, state, tokens, positions, cfg):
             snapshots[block] = partial
         # 2.3 a = Attn_ℓ(RMSNorm(h))
         x = rms_norm(h, params["attn_norm"][layer], eps)
-        a, state, attention_aux = _sublayer(params, state, layer, attention, x, positions, cfg)
+        a, state, attention_aux = _sublayer(params, state, layer, attention, x, positions, cfg,
+                                             sublayers)
         # 2.4 P ← a at a block start, else bf(P + a)
         partial = a if offset == 0 else _add(partial, a)
         # 2.5 h′ = Mix({R_0..R_n, P}; w_mlp[ℓ])
         h_ffn = mix(jnp.stack([*snapshots[:block + 1], partial]), params["mix_mlp"][layer], eps)
         # 2.6 m = FFN_ℓ(RMSNorm(h′))
         x = rms_norm(h_ffn, params["mlp_norm"][layer], eps)
-        m, state, ffn_aux = _sublayer(params, state, layer, ffn, x, positions, cfg)
+        m, state, ffn_aux = _sublayer(params, state, layer, ffn, x, positions, cfg, sublayers)
         aux += [attention_aux, ffn_aux]
         # 2.7 P ← bf(P + m)
         partial = _add(partial, m)
@@ -174,7 +175,7 @@ def _attention_mix_step(params, state, tokens, positions, cfg):
                            "hidden_rms": jnp.stack(hidden_rms), **_stack_aux(aux)}
 
 
-def _prenorm_step(params, state, tokens, positions, cfg):
+def _prenorm_step(params, state, tokens, positions, cfg, sublayers=None):
     """A classic pre-norm residual stream: h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h)))
     with the stream in bf16, then logits = RMSNorm(h) W_lm (DeepSeek, GLM, Qwen)."""
     eps = cfg.rms_eps
@@ -184,10 +185,11 @@ def _prenorm_step(params, state, tokens, positions, cfg):
         hidden_rms.append(_rms(h))
         a, state, attention_aux = _sublayer(params, state, layer, attention,
                                             rms_norm(h, params["attn_norm"][layer], eps),
-                                            positions, cfg)
+                                            positions, cfg, sublayers)
         h = _add(h, a)
         m, state, ffn_aux = _sublayer(params, state, layer, ffn,
-                                      rms_norm(h, params["mlp_norm"][layer], eps), positions, cfg)
+                                      rms_norm(h, params["mlp_norm"][layer], eps), positions, cfg,
+                                      sublayers)
         h = _add(h, m)
         aux += [attention_aux, ffn_aux]
     return head_logits(params, h, cfg), state, {"hidden": h, "hidden_rms": jnp.stack(hidden_rms),

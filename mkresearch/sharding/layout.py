@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds and their rules
-from mkresearch.model import spec
+from mkresearch.model import published, spec
 from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
 from mkresearch.model.formats import quantized_shapes
 from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layout's API
@@ -343,6 +343,8 @@ def named_config(name: str, **overrides: Any) -> ModelConfig:
     sharding rules; otherwise (the families' gqa, mla_rope, moe_full) from `config.rank_shapes`,
     the pre-sharding stand-in issue 15 allows ("before it, at one rank's shapes"): the release's
     division of Kimi K3 (equal to `rank_config` there), until those kinds declare rules."""
+    if name in published.PUBLISHED:  # a small real model's published config.json fields
+        return published.published_config(name, **overrides)
     base = name[:-len(RANK_SUFFIX)]
     if not (name.endswith(RANK_SUFFIX) and base in PRESETS):
         return get_config(name, **overrides)
@@ -364,6 +366,7 @@ def _has_rank(cfg: ModelConfig) -> bool:
 
 
 def config_names() -> tuple[str, ...]:
-    """Every name `named_config` takes: the presets and one rank of each full-size one."""
+    """Every name `named_config` takes: the presets, the small real models' published configs, and
+    one rank of each full-size preset."""
     ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
-    return (*PRESETS, *ranks)
+    return (*PRESETS, *published.PUBLISHED, *ranks)

@@ -120,27 +120,14 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     Returns (out [B, d] bf16, updated cache).
     """
     B = x.shape[0]
-    H, nope, extra, v_dim = cfg.n_heads, cfg.mla_qk_nope, cfg.mla_qk_extra, cfg.mla_v_dim
-    rank, eps = cfg.mla_kv_rank, cfg.rms_eps
-    # queries: c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C | q^X]
-    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], eps)
-    q = bf(matmul(c_q, p["w_qb"])).reshape(B, H, nope + extra)
-    q_nope, q_extra = q[..., :nope], q[..., nope:]
-    # keys/values: [c_kv | k^X] = bf(x W_kva); ĉ = RMSNorm(c_kv); k^X shared, not normalised
-    kv = bf(matmul(x, p["w_kva"]))
-    c_kv, k_extra = kv[:, :rank], kv[:, rank:]  # [B, rank], [B, extra]
-    c_hat = rms_norm(c_kv, p["kv_norm"], eps)
-    w_kvb = p["w_kvb"].reshape(rank, H, nope + v_dim)  # head h: [k^C | v]
-    w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
+    nope, extra = cfg.mla_qk_nope, cfg.mla_qk_extra
+    q_nope, q_extra, c_hat, k_extra = mla_inputs(p, x, cfg)
+    w_kb, w_vb = split_kvb(p, cfg)  # [rank, H, nope], [rank, H, v]
     scale = cfg.mla_qk_dim ** -0.5
     # scores over slots 0..p: the new token's (slot p) and the cache's (slot p is masked there)
 
     if cfg.mla_cache_layout == "expanded":
-        kvb = bf(matmul(c_hat, p["w_kvb"])).reshape(B, H, nope + v_dim)
-        k_nope, v_new = kvb[..., :nope], kvb[..., nope:]  # [B, H, nope], [B, H, v]
-        pad = jnp.zeros((B, H, cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
-        k_new = jnp.concatenate(
-            [k_nope, jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
+        k_nope, v_new, k_new = expanded_entry(p, c_hat, k_extra, cfg)
         cache = {"k": _write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
                  "v": _write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
         # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
@@ -166,11 +153,46 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
         w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
         o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))
+    return gated_output(p, x, o, cfg), cache
 
-    # output gate: y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = y W_o
-    gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [B, H*v]
-    y = bf(o.reshape(B, H * v_dim).astype(f32) * gate.astype(f32))
-    return bf(matmul(y, p["w_o"])), cache
+
+def mla_inputs(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """The per-token projections of rows x [N, d] bf16: q^C [N, H, nope], q^X [N, H, extra],
+    ĉ [N, kv_rank], k^X [N, extra] (bf16)."""
+    B = x.shape[0]
+    H, nope, rank, eps = cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank, cfg.rms_eps
+    # queries: c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C | q^X]
+    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], eps)
+    q = bf(matmul(c_q, p["w_qb"])).reshape(B, H, nope + cfg.mla_qk_extra)
+    # keys/values: [c_kv | k^X] = bf(x W_kva); ĉ = RMSNorm(c_kv); k^X shared, not normalised
+    kv = bf(matmul(x, p["w_kva"]))
+    c_hat = rms_norm(kv[:, :rank], p["kv_norm"], eps)
+    return q[..., :nope], q[..., nope:], c_hat, kv[:, rank:]
+
+
+def split_kvb(p: dict[str, Any], cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """W_kvb per head: W_kb [rank, H, nope] and W_vb [rank, H, v]."""
+    w_kvb = p["w_kvb"].reshape(cfg.mla_kv_rank, cfg.n_heads, cfg.mla_qk_nope + cfg.mla_v_dim)
+    return w_kvb[..., :cfg.mla_qk_nope], w_kvb[..., cfg.mla_qk_nope:]
+
+
+def expanded_entry(p: dict[str, Any], c_hat: jax.Array, k_extra: jax.Array,
+                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The expanded cache entry of rows ĉ [N, rank], k^X [N, extra]: k^C [N, H, nope], v [N, H, v]
+    and the cached key [k^C | k^X | 0] [N, H, mla_k_padded] (bf16)."""
+    B, H, nope, extra = c_hat.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_qk_extra
+    kvb = bf(matmul(c_hat, p["w_kvb"])).reshape(B, H, nope + cfg.mla_v_dim)
+    k_nope, v_new = kvb[..., :nope], kvb[..., nope:]  # [B, H, nope], [B, H, v]
+    pad = jnp.zeros((B, H, cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
+    k_new = jnp.concatenate([k_nope, jnp.broadcast_to(k_extra[:, None], (B, H, extra)), pad], -1)
+    return k_nope, v_new, k_new
+
+
+def gated_output(p: dict[str, Any], x: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = bf(y W_o) [N, d]: x [N, d], o [N, H, v] bf16."""
+    gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [N, H*v]
+    y = bf(o.reshape(x.shape[0], cfg.n_heads * cfg.mla_v_dim).astype(f32) * gate.astype(f32))
+    return bf(matmul(y, p["w_o"]))
 
 
 def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,

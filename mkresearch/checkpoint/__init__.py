@@ -1,0 +1,21 @@
+"""From a published checkpoint on disk to our parameters (issue 29, spec/checkpoints.md).
+
+    read_config(dir, *, name=None, **overrides) -> ModelConfig     config.json, validated
+    load_params(dir, cfg, *, expert_format=None, ranks=None, progress=True, stats=None) -> params
+    write_checkpoint(dir, params, cfg, *, fp8=False, shards=1)     the published layout
+    CheckpointError                                                 bad input, one line
+    config_from_dict(raw, name) / config_dict(cfg)                  config.json <-> ModelConfig
+
+Modules: `safetensors_io` (lazy shards, FP8 block scales, writing), `names` (published tensor
+names <-> our leaves), `loader` (load and write), `tokenizer` (tokenizer.json). config.json itself
+is read by `mkresearch.model.hf_config` and the small real models' presets are
+`mkresearch.model.published`: configs belong to the model, below the layouts that name them.
+
+Imports: mkresearch.hardware, mkresearch.model, mkresearch.sharding.
+"""
+
+from mkresearch.model.hf_config import CheckpointError, config_dict, config_from_dict, read_config
+from mkresearch.checkpoint.loader import load_params, write_checkpoint
+
+__all__ = ["CheckpointError", "config_dict", "config_from_dict", "load_params", "read_config",
+           "write_checkpoint"]

@@ -1,0 +1,80 @@
+"""Text in, text out: a checkpoint's `tokenizer.json` through Hugging Face's `tokenizers` package.
+
+    load_tokenizer(dir) -> Tokenizer          DIR/tokenizer.json (CheckpointError: one line)
+    encode(tokenizer, text, vocab_size) -> [ids]   the prompt's ids, each checked < vocab_size
+    TextStream(tokenizer, prompt_ids).push(id) -> text   the text a new token adds, as it
+                                                         arrives (multi-byte characters split
+                                                         over tokens come out whole, later)
+
+Nothing touches the network: the file is read from disk (`Tokenizer.from_file`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from mkresearch.checkpoint import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (its tokenizer.json); CheckpointError naming the
+    file when it is missing or not a tokenizer."""
+    path = Path(directory) / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no {TOKENIZER_FILE} in the checkpoint directory (the "
+                              "tokenizer is needed for --prompt text)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path}: not a tokenizers tokenizer.json ({first})") from None
+
+
+def encode(tokenizer: Tokenizer, text: str, vocab_size: int) -> list[int]:
+    """The ids of `text` (with the tokenizer's own special tokens, e.g. a BOS), each checked
+    against the model's vocabulary; CheckpointError when empty or out of range."""
+    if not isinstance(text, str) or not text:
+        raise CheckpointError(f"prompt={text!r} is invalid: a non-empty string")
+    ids = tokenizer.encode(text).ids
+    if not ids:
+        raise CheckpointError(f"prompt={text!r} encodes to no tokens")
+    if max(ids) >= vocab_size:
+        raise CheckpointError(f"{TOKENIZER_FILE}: token id {max(ids)} of the prompt is outside "
+                              f"the model's vocab_size={vocab_size}")
+    return ids
+
+
+class TextStream:
+    """Detokenises generated ids one at a time: `push(id)` returns the text the id adds ("" while
+    a character split over several tokens is incomplete). The prompt's ids give the context (a
+    leading space, a word piece's joiner). An id the tokenizer does not know (a model vocabulary
+    padded past the tokenizer's) comes out as `<id>`."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.known = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self._stream = DecodeStream(ids=self.prompt_ids or None, skip_special_tokens=False)
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        if token_id >= self.known:
+            piece = f"<{token_id}>"
+        else:
+            piece = self._stream.step(self.tokenizer, token_id) or ""
+        self.pieces.append(piece)
+        return piece
+
+    def text(self) -> str:
+        """Everything pushed so far: the pieces `push` returned, joined."""
+        return "".join(self.pieces)

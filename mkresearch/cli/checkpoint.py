@@ -1,0 +1,139 @@
+"""`mkresearch decode --checkpoint DIR --prompt "..." --steps N`: a published checkpoint from disk
+to text. Its config.json and weights through `mkresearch.checkpoint`, the prompt through its
+tokenizer.json (`mkresearch.checkpoint.tokenizer`), one jitted prefill call per chunk (`mkresearch.model.prefill`),
+then greedy decoding with the megakernel (or the reference, `--backend reference`), each token's
+text printed as it is decoded. Bad input (a missing file, a bad tensor, an unknown model type,
+a prompt the vocabulary cannot hold) is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from mkresearch.model import prefill
+from mkresearch.model import reference
+from mkresearch.checkpoint import CheckpointError, load_params, read_config
+from mkresearch.cli.common import UsageError, _at_least, _refusals
+from mkresearch.kernels.compose import megakernel
+from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+
+CACHE_ROUND = 128  # the cache is allocated for prompt + steps tokens, rounded up to this
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="a checkpoint directory (config.json, safetensors, tokenizer.json): "
+                             "decode --prompt text with its weights instead of a random model")
+    parser.add_argument("--prompt", default=None, metavar="TEXT",
+                        help="with --checkpoint: the prompt text (tokenized by its "
+                             "tokenizer.json); the generated text is printed as it is decoded")
+
+
+def check(args: argparse.Namespace) -> None:
+    """One-line refusals of option combinations, before anything is read."""
+    if args.checkpoint is None:
+        if args.prompt is not None:
+            raise UsageError("--prompt TEXT needs --checkpoint DIR (the tokenizer and weights)")
+        return
+    if args.prompt is None:
+        raise UsageError("--checkpoint needs --prompt TEXT (the text to continue)")
+    _at_least("--steps", args.steps, 1)
+    if args.batch != 1:
+        raise UsageError(f"--batch {args.batch} is invalid with --checkpoint: one prompt, 1 row")
+    if args.ranks != 1:
+        raise UsageError("--ranks with --checkpoint is not supported yet: decode on one device "
+                         "(mkresearch info --ranks N shows how the model would split)")
+    if args.speculate is not None:
+        raise UsageError("--speculate with --checkpoint is not supported yet: decode without it")
+
+
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """CheckpointError (and a library ValueError) -> one line, exit status 2."""
+    try:
+        with _refusals():
+            yield
+    except CheckpointError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    """Load, prefill, decode; stream the text to stdout (or one JSON object with --json)."""
+    import jax
+    import numpy as np
+
+    backend = args.backend or "megakernel"
+    if backend not in ("megakernel", "reference"):
+        raise UsageError(f"--backend {backend!r} is unknown: choose one of megakernel, reference")
+    progress = not args.json and sys.stderr.isatty()
+    with _checkpoint_errors():
+        cfg = read_config(args.checkpoint)
+        tokenizer = load_tokenizer(args.checkpoint)
+        prompt_ids = encode(tokenizer, args.prompt, cfg.vocab_size)
+        length = len(prompt_ids) + args.steps
+        if length > cfg.max_seq_len:
+            raise UsageError(f"the prompt's {len(prompt_ids)} tokens + --steps {args.steps} exceed "
+                             f"max_seq_len={cfg.max_seq_len} of the checkpoint")
+        cache_len = min(-(-length // CACHE_ROUND) * CACHE_ROUND, cfg.max_seq_len)
+        cfg = cfg.replace(max_seq_len=cache_len)
+        options = megakernel.MegakernelOptions(chip=args.chip)
+        if backend == "megakernel":  # refuses (VMEM plan, HBM) before any weight is read
+            megakernel.make_plan(cfg, 1, cache_len, options)
+        started = time.perf_counter()
+        params = load_params(args.checkpoint, cfg, progress=progress)
+        load_seconds = time.perf_counter() - started
+        state = reference.init_state(cfg, 1, cache_len)
+        started = time.perf_counter()
+        logits, state = prefill.prefill(params, state, np.asarray([prompt_ids]), cfg,
+                                        progress=progress)
+        token = int(np.asarray(logits[0, -1]).argmax())
+        prefill_seconds = time.perf_counter() - started
+    stream = TextStream(tokenizer, prompt_ids)
+    write = (lambda text: None) if args.json else (
+        lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    write(args.prompt)
+    write(stream.push(token))
+    generated = [token]
+    prepared = megakernel.prepare_weights(params, cfg) if backend == "megakernel" else None
+    started = time.perf_counter()
+    with _checkpoint_errors():
+        for i in range(args.steps - 1):
+            tokens, positions = np.asarray([token], np.int32), np.asarray([len(prompt_ids) + i],
+                                                                          np.int32)
+            if prepared is not None:
+                next_token, state, _ = megakernel.decode_step(prepared, state, tokens, positions,
+                                                              cfg, options=options)
+            else:
+                step_logits, state, _ = reference.decode_step(params, state, tokens, positions,
+                                                              cfg)
+                next_token = np.asarray(step_logits).argmax(-1)
+            token = int(np.asarray(next_token)[0])
+            generated.append(token)
+            write(stream.push(token))
+        jax.block_until_ready(state)
+    decode_seconds = time.perf_counter() - started
+    result = _result(cfg, backend, args, prompt_ids, generated, stream,
+                     {"load": load_seconds, "prefill": prefill_seconds, "decode": decode_seconds})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        write("\n")
+        print(f"{cfg.name}, backend {backend} on {jax.default_backend()}: prompt "
+              f"{len(prompt_ids)} tokens prefilled in {prefill_seconds:.2f} s (one call per "
+              f"{prefill.DEFAULT_CHUNK}-token chunk, compile included), {args.steps} greedy tokens "
+              f"in {decode_seconds:.2f} s; weights loaded in {load_seconds:.2f} s",
+              file=sys.stderr)
+    return 0
+
+
+def _result(cfg: Any, backend: str, args: argparse.Namespace, prompt_ids: list[int],
+            generated: list[int], stream: TextStream, seconds: dict) -> dict:
+    return {"model": cfg.name, "backend": backend, "checkpoint": str(args.checkpoint),
+            "prompt": args.prompt, "prompt_ids": prompt_ids, "generated": generated,
+            "text": stream.text(), "steps": args.steps, "seconds": seconds}

@@ -1,0 +1,54 @@
+"""Presets of the small real models (spec/checkpoints.md): each one's published `config.json`
+fields, read by `hf_config.config_from_dict` like a checkpoint's, with where they come from.
+
+`mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's --model) find
+them; `config.get_config` knows only the presets typed in `mkresearch.model.config`.
+Each value was transcribed from the spec table and checked against a second public copy of the
+config (noted per model); where copies disagree the note says which value was kept and why.
+
+Not here: Moonlight-16B-A3B (`deepseek_v3` with `q_lora_rank: null`) and Kimi-Linear-48B-A3B
+(`kimi_linear`): our MLA kinds run the W_qa / q_a_layernorm path and our KDA a full-rank output
+gate, so their weights have no place yet; `read_config` refuses them naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkresearch.model.hf_config import config_from_dict
+from mkresearch.model.config import ModelConfig
+
+PUBLISHED: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-30B-A3B config.json. Second copies: several public loaders' test fixtures
+    # (hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim 128, 128 experts of 768, top-8,
+    # norm_topk_prob true, theta 1e6, 40960 positions); one fixture's 8 kv heads is a typo
+    # against the others and the spec's 4.
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+        "vocab_size": 151936, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "rope_scaling": None, "max_position_embeddings": 40960,
+        "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False},
+    # zai-org/GLM-4.5-Air config.json. The spec's row came from training arguments; checked
+    # against a public conversion script's Glm4MoeForCausalLM config (hidden 4096, 46 layers,
+    # 96 q / 8 kv heads, head_dim 128, q/k/v bias, partial RoPE 0.5, 128 experts of 1408 + 1
+    # shared, top-8, first layer dense 10944, n_group 1, routed_scaling_factor 1.0, eps 1e-5,
+    # no QK-norm). That copy says rope_theta 10000; the spec and GLM-4.5's config say 1e6, kept.
+    "glm-4.5-air": {
+        "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
+        "vocab_size": 151552, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "attention_bias": True, "use_qk_norm": False,
+        "partial_rotary_factor": 0.5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "rms_norm_eps": 1e-5,
+        "num_nextn_predict_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False},
+}
+
+
+def published_config(name: str, **overrides: Any) -> ModelConfig:
+    """The preset `name` of PUBLISHED as a ModelConfig (KeyError for another name)."""
+    return config_from_dict(PUBLISHED[name], name, **overrides)

@@ -1,0 +1,58 @@
+"""The checkpoint tokenizer (`mkresearch.checkpoint.tokenizer`): a tiny tokenizer.json built here (a BPE
+trained on a few sentences, byte-level, so any text encodes), no network."""
+
+import pytest
+from mkresearch.checkpoint import CheckpointError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+
+CORPUS = ["the megakernel decodes one token per step", "a prompt fills every cache at once",
+          "Kimi Delta Attention keeps a recurrent state", "héllo wörld ✓ naïve café"]
+
+
+def tiny_tokenizer_json(directory, vocab_size=300):
+    """Write DIR/tokenizer.json: byte-level BPE trained on CORPUS (vocab_size ids)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return tokenizer
+
+
+def test_prompt_round_trips_and_streams_token_by_token(tmp_path):
+    tiny_tokenizer_json(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    prompt = "a prompt fills"
+    text = " every cache héllo ✓ café"
+    ids = encode(tokenizer, prompt + text, vocab_size=2048)
+    prompt_ids = encode(tokenizer, prompt, vocab_size=2048)
+    assert ids[:len(prompt_ids)] == prompt_ids
+    stream = TextStream(tokenizer, prompt_ids)
+    pieces = [stream.push(i) for i in ids[len(prompt_ids):]]
+    assert "".join(pieces) == text  # multi-byte characters come out whole, once
+    assert stream.text() == text
+    assert len([p for p in pieces if p]) > 3  # streamed, not all at the end
+
+
+def test_ids_past_the_tokenizer_come_out_as_ids(tmp_path):
+    tokenizer = tiny_tokenizer_json(tmp_path, vocab_size=280)
+    stream = TextStream(load_tokenizer(tmp_path))
+    assert stream.push(tokenizer.get_vocab_size() + 5) == f"<{tokenizer.get_vocab_size() + 5}>"
+
+
+def test_bad_tokenizer_input_is_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a tokenizers tokenizer.json") as error:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(error.value)
+    tokenizer = tiny_tokenizer_json(tmp_path)
+    with pytest.raises(CheckpointError, match="outside the model's vocab_size=10"):
+        encode(tokenizer, "the megakernel", vocab_size=10)
+    with pytest.raises(CheckpointError, match="non-empty string"):
+        encode(tokenizer, "", vocab_size=2048)
