@@ -233,7 +233,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     `collectives` takes every collective from the kernel's own schedule (`scale_out_contract`)."""
     lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
-    counted = layout_bytes.rank_bytes(lay, batch, context)
+    counted = rank_bytes(lay, sched, batch, context)
     stages = _stage_bytes(lay, counted)
     routed = routed_experts(cfg, lay, batch, seed)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
@@ -318,6 +318,13 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                             everyone)
         programs.append(prog.ops)
     return blocks, programs
+
+
+def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
+               ) -> layout_bytes.RankBytes:
+    """A rank's bytes under the schedule: our partial-sum mode streams no zeros (`layout_split`)."""
+    return layout_bytes.rank_bytes(lay, batch, context, "partial-sum" if sched.collectives ==
+                                   "partial-sum" else "exact")
 
 
 def _actions(lay, sched: Schedule, kind: str, matrices) -> list[tuple[str, float]]:
@@ -452,7 +459,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
         timeline, prefetch_across=sched.prefetch_across)
     parts = ranks.decomposition()
-    counted = layout_bytes.rank_bytes(lay, batch, context)
+    counted = rank_bytes(lay, sched, batch, context)
     slowest = ranks.slowest_rank
     published = published_step_s(cfg, n_ranks, chip, batch)
     return {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,
