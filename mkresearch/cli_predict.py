@@ -197,11 +197,12 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
         lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
                      f"{tl.sources.get(name, '')}")
     for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg)):
+        algorithms = "each collective's algorithm from collective_choice" if sched.collectives \
+            else (f"all-reduce {sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
+                  f"{sched.all_reduce_large})")
         lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
-                     f"{sched.expert_slots} expert slots, {sched.combine}, all-reduce "
-                     f"{sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
-                     f"{sched.all_reduce_large}), prefetch past collectives "
-                     f"{sched.prefetch_across}; {sched.source}")
+                     f"{sched.expert_slots} expert slots, {sched.combine}, {algorithms}, "
+                     f"prefetch past collectives {sched.prefetch_across}; {sched.source}")
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
     lines.append("  no constant is set from a published step time (calibration.validation)")
     return "\n".join(lines)

@@ -4,7 +4,9 @@ price and why (`collective_choice`), and what it overlaps.
 
 `collective_plan(cfg, n_ranks, batch, ...)` returns the rows (JSON-able) and the count;
 `format_plan` prints them. The count is the schedule's (an op run `count` times counts that often),
-the number `mkresearch predict` reports as collectives per rank per step.
+the number `mkresearch predict` reports as collectives per rank per step. For notebook 08:
+`modes_table` (exact vs partial-sum: collectives, bytes, predicted step, parts) and `overlap`
+(HBM busy while a collective is outstanding, from the predicted timeline).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 from mkresearch import collective_choice as choice
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
+from mkresearch import scale_out
 from mkresearch.config import ModelConfig
 from mkresearch.kernels import collective_schedule as contract
+from mkresearch.timeline import merge_intervals
 
 US = 1e-6
 
@@ -81,3 +85,58 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"path; priced {plan['priced_us'] / 1e3:.2f} ms in all, "
                  f"{plan['critical_us'] / 1e3:.2f} ms of it not overlapped by the schedule")
     return "\n".join(lines)
+
+
+# ---- exact vs partial-sum, side by side (notebook 08) ------------------------------------------
+def modes_table(cfg: ModelConfig, n_ranks: int = 32, batches=(1, 2, 4, 8), *,
+                chip: str = "tpu7x") -> list[dict[str, Any]]:
+    """One row per collectives mode and batch: collectives per rank, per-rank bytes, the
+    predicted step and its parts (ms, the slowest rank), the release's published step."""
+    rows = []
+    for mode in contract.MODES:
+        for batch in batches:
+            p = scale_out.predict(cfg, n_ranks, layouts.OURS, batch, chip=chip, collectives=mode)
+            published = p["published_step_s"]
+            rows.append({"mode": mode, "batch": batch, "collectives": p["collectives_per_rank"],
+                         "rank_gb": p["rank_bytes"] / 1e9, "step_ms": p["step_s"] * 1e3,
+                         "published_ms": published * 1e3 if published else None,
+                         "parts_ms": {k: v * 1e3 for k, v in p["parts_s"].items()}})
+    return rows
+
+
+def _overlap_s(xs, ys) -> float:
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += min(b, ys[k][1]) - max(a, ys[k][0])
+            k += 1
+    return total
+
+
+def overlap(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, mode: str = "partial-sum", *,
+            chip: str = "tpu7x", window_us: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Rank 0's predicted step: when HBM streams and when a collective is outstanding (issued,
+    not yet complete), and how much of the outstanding time HBM stays busy (the whole step);
+    `rows` are the intervals inside `window_us` (default 100 us from the step's middle)."""
+    p = scale_out.predict(cfg, n_ranks, layouts.OURS, batch, chip=chip, collectives=mode,
+                          keep_timeline=True)
+    t = p["timeline"]
+    hbm = merge_intervals((s.start, s.end) for s in t.timelines[0].spans if s.kind == "dma")
+    rank = t.ranks[0]
+    outstanding = [(run.arrivals[run.group.index(rank)], run.end, run.name)
+                   for run in t.collectives if rank in run.group]
+    pending = merge_intervals((a, b) for a, b, _ in outstanding)
+    busy = _overlap_s(pending, hbm)
+    lo, hi = window_us or (p["step_s"] * 0.5e6, p["step_s"] * 0.5e6 + 100)
+    rows = [{"lane": "HBM", "name": "weights", "start_us": a * 1e6, "end_us": b * 1e6}
+            for a, b in hbm if b * 1e6 > lo and a * 1e6 < hi]
+    rows += [{"lane": "collective", "name": name, "start_us": a * 1e6, "end_us": b * 1e6}
+             for a, b, name in outstanding if b * 1e6 > lo and a * 1e6 < hi]
+    outstanding_s = sum(b - a for a, b in pending)
+    return {"mode": mode, "batch": batch, "step_ms": p["step_s"] * 1e3,
+            "outstanding_ms": outstanding_s * 1e3, "hbm_busy_ms": busy * 1e3,
+            "hbm_busy_fraction": busy / outstanding_s if outstanding_s else 0.0,
+            "window_us": (lo, hi), "rows": rows}

@@ -223,3 +223,27 @@ class ScaleOutExplorer(FigureExplorer):
 def explorer(**kwargs: Any):
     """The explorer where ipywidgets is installed; it needs a kernel to redraw."""
     return ScaleOutExplorer(**kwargs)
+
+
+def overlap_figure(overlaps: Sequence[dict]):
+    """One panel per `collective_plan.overlap` result: HBM streaming (blue) above the
+    collectives outstanding (red) in its window, titled with the share of outstanding time
+    HBM stays busy over the whole step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(overlaps), 1, figsize=(12, 1.9 * len(overlaps) + 0.6),
+                             layout="constrained", squeeze=False)
+    for ax, data in zip(axes[:, 0], overlaps, strict=True):
+        lo, hi = data["window_us"]
+        lanes = {"HBM": (1, "tab:blue"), "collective": (0, "tab:red")}
+        for r in data["rows"]:
+            y, color = lanes[r["lane"]]
+            start, end = max(r["start_us"], lo), min(r["end_us"], hi)
+            ax.broken_barh([(start - lo, end - start)], (y - 0.35, 0.7), color=color, alpha=0.8)
+        ax.set_yticks([1, 0], ["HBM streams", "collective outstanding"])
+        ax.set_xlim(0, hi - lo)
+        ax.set_xlabel(f"µs after {lo:.0f} µs into the step (rank 0)")
+        ax.set_title(f"{data['mode']}, B = {data['batch']}: step {data['step_ms']:.2f} ms; HBM "
+                     f"busy {data['hbm_busy_fraction']:.0%} of the "
+                     f"{data['outstanding_ms']:.2f} ms a collective is outstanding", fontsize=10)
+    return fig

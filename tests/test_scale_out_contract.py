@@ -6,7 +6,7 @@ import json
 import pytest
 from mkresearch.kernels import collective_schedule as cs
 
-from mkresearch import cli, layout_bytes, scale_out, spec
+from mkresearch import cli, collective_plan, layout_bytes, scale_out, spec
 from mkresearch import collective_choice as choice
 from mkresearch import interconnect as links
 from mkresearch import layout as layouts
@@ -159,3 +159,22 @@ def test_plan_lists_every_collective_of_the_schedule(mode, capsys):
     text = capsys.readouterr().out
     assert f"{plan['count']} collectives per rank per step" in text
     assert text.count("why: ") == len(plan["rows"])
+
+
+def test_modes_side_by_side_and_the_overlap_picture():
+    """Notebook 08's data: exact vs partial-sum per batch (fewer collectives, fewer bytes, a
+    shorter step); HBM busy for part of the time a collective is outstanding, more so with
+    partial sums (the shared expert's sum under the routed experts' stream)."""
+    cfg = get_config("kimi-k3")
+    rows = collective_plan.modes_table(cfg, 32, (1,))
+    part, exact = (next(r for r in rows if r["mode"] == m) for m in ("partial-sum", "exact"))
+    assert part["collectives"] < exact["collectives"] and part["rank_gb"] < exact["rank_gb"]
+    assert part["step_ms"] < part["published_ms"] < exact["step_ms"]
+    assert sum(part["parts_ms"].values()) == pytest.approx(part["step_ms"], rel=1e-9)
+    overlaps = [collective_plan.overlap(cfg, 32, 1, m) for m in ("partial-sum", "exact")]
+    for o in overlaps:
+        assert 0 < o["hbm_busy_ms"] <= o["outstanding_ms"] <= o["step_ms"]
+        lo, hi = o["window_us"]
+        assert o["rows"] and all(r["end_us"] > lo and r["start_us"] < hi for r in o["rows"])
+        assert {r["lane"] for r in o["rows"]} == {"HBM", "collective"}
+    assert overlaps[0]["hbm_busy_fraction"] > overlaps[1]["hbm_busy_fraction"]
