@@ -395,7 +395,9 @@ for p in predictions.values():
 # %%
 sharded = {name: scale_out.predict(cfg, 32, "ours", 1, chip="tpu7x", context=PROMPT_LEN)
            for name, cfg in MODELS.items()}
-rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32), 1, PROMPT_LEN).floor_s("tpu7x")
+# the bytes the prediction streams: partial-sum mode, the default (no streamed zeros)
+rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32), 1, PROMPT_LEN,
+                                             "partial-sum").floor_s("tpu7x")
                for name, cfg in MODELS.items()}
 
 # %%
