@@ -65,8 +65,16 @@ def stage_program(prog, kind: str, actions: list[tuple[str, float]], ops, *,
     starts: dict[int, list] = {}
     waits: dict[int, list] = {}
     for op in ops:
-        issue = _position(op.issue_after, kind, names, False)
-        wait = _position(op.wait_before, kind, names, True)
+        try:
+            issue = _position(op.issue_after, kind, names, False)
+        except ValueError:  # a label of no step here: after the matrix it serves, if it names one
+            if op.matrix not in names:
+                raise
+            issue = names.index(op.matrix)
+        try:
+            wait = _position(op.wait_before, kind, names, True)
+        except ValueError:  # waited for right after it is issued
+            wait = issue + 1
         blocking = op.critical and wait <= issue + 1
         for k in range(op.count):
             name = f"{op.name}#{k}" if op.count > 1 else op.name
