@@ -23,6 +23,7 @@ The collective schedule of the sharded megakernel (`kernels/collective_schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -106,3 +107,9 @@ def choose_for(inter: links.Interconnect, ops) -> tuple[tuple[object, Choice], .
     kind, group and payload_bytes)."""
     return tuple((op, choose(inter, op.kind, tuple(op.group), float(op.payload_bytes)))
                  for op in ops)
+
+
+def assign(inter: links.Interconnect, ops) -> tuple:
+    """The schedule's ops with each `algorithm` field set to its choice (dataclasses with kind,
+    group, payload_bytes and algorithm: `collective_schedule.CollectiveOp`)."""
+    return tuple(dataclasses.replace(op, algorithm=c.algorithm) for op, c in choose_for(inter, ops))

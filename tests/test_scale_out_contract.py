@@ -178,3 +178,15 @@ def test_modes_side_by_side_and_the_overlap_picture():
         assert o["rows"] and all(r["end_us"] > lo and r["start_us"] < hi for r in o["rows"])
         assert {r["lane"] for r in o["rows"]} == {"HBM", "collective"}
     assert overlaps[0]["hbm_busy_fraction"] > overlaps[1]["hbm_busy_fraction"]
+
+
+def test_the_schedule_takes_its_algorithms_from_the_choice(inter):
+    lay = layouts.layout(get_config("kimi-k3"), 32)
+    for batch in (1, 8):
+        ops = choice.assign(inter, cs.collective_schedule(lay, batch))
+        assert {op.algorithm for op in ops} <= {"one-shot", "two-level", "rs-ag", "chain"}
+        for op in ops[:20]:
+            assert op.algorithm == choice.choose(inter, op.kind, op.group,
+                                                 op.payload_bytes).algorithm
+    # B = 8's f32 partial sums over 32 ranks are large: reduce-scatter + all-gather
+    assert {op.algorithm for op in ops if op.kind == "all-reduce"} == {"rs-ag"}
