@@ -323,6 +323,57 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
     print(f"  compile seconds: {compiled.seconds:.1f}")
     assert compiled.n_mosaic_kernels == 1 and vmem.fits()
 
+# %% [markdown]
+# ## 6 · Exact vs partial-sum collectives, predicted at full size
+#
+# The kernel's collective schedule (`kernels/compose/collective_schedule.py`) comes in two modes. *Exact*
+# splits every matrix by its output columns and gathers around it (bit-equal to one device; the
+# experts' sum runs down a chain of expert groups). *Partial-sum* splits a matrix that contracts
+# over a split dimension (W_o over the heads, a W_down over the hidden) by those rows and
+# all-reduces the partial sums; the shared expert's reduction is issued before the routed
+# experts' stream and waited after it, and no rank streams zero columns (`layout_split`). The
+# prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
+# every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
+# --ranks 32` lists them with the reason).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from mkresearch.prediction import collective_plan
+from mkresearch.views import scale_out_plots
+
+modes = collective_plan.modes_table(full, 32)
+print(f"{'mode':12s} {'B':>2s} {'colls':>5s} {'GB/rank':>7s} {'step ms':>7s} {'published':>9s}  "
+      "HBM floor / peers / messages / compute / bubble (ms)")
+for r in modes:
+    parts = " / ".join(f"{v:.2f}" for v in r["parts_ms"].values())
+    print(f"{r['mode']:12s} {r['batch']:2d} {r['collectives']:5d} {r['rank_gb']:7.2f} "
+          f"{r['step_ms']:7.2f} {r['published_ms']:9.2f}  {parts}")
+by_mode = {(r["mode"], r["batch"]): r for r in modes}
+for b in (1, 2, 4, 8):
+    part, exact = by_mode["partial-sum", b], by_mode["exact", b]
+    assert part["collectives"] < exact["collectives"] and part["step_ms"] < exact["step_ms"]
+    assert part["step_ms"] < part["published_ms"]  # below the release's published step
+assert by_mode["partial-sum", 1]["rank_gb"] <= 4.6 < by_mode["exact", 1]["rank_gb"]
+
+# %% [markdown]
+# **The overlap picture.** 100 µs from the middle of rank 0's predicted step at B = 1: where HBM
+# streams weights (blue) and where a collective is outstanding (red, from its issue to its
+# completion). HBM should stay busy under the red; with our 3-slot ring it mostly does not.
+
+# %%
+overlaps = [collective_plan.overlap(full, 32, 1, mode) for mode in ("partial-sum", "exact")]
+figure = scale_out_plots.overlap_figure(overlaps)
+assert not label_problems(figure)
+show_figure(figure)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for o in overlaps:
+    print(f"{o['mode']}: a collective is outstanding {o['outstanding_ms']:.1f} ms of the "
+          f"{o['step_ms']:.1f} ms step; HBM busy during {o['hbm_busy_fraction']:.0%} of it")
+    assert 0 < o["hbm_busy_ms"] <= o["outstanding_ms"] <= o["step_ms"]
+assert overlaps[0]["hbm_busy_fraction"] > overlaps[1]["hbm_busy_fraction"]
+
 # %%
 elapsed = time.perf_counter() - started
 print(f"notebook body: {elapsed:.0f} s")

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from test_tokenizer import tiny_tokenizer_json
 
-from mkresearch.cli.main import main as cli
-from mkresearch.model import prefill
-from mkresearch.model import reference, weights
 from mkresearch.checkpoint import read_config, write_checkpoint
-from mkresearch.model.config import get_config
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+from mkresearch.cli.main import main as cli
+from mkresearch.model import prefill, reference, weights
+from mkresearch.model.config import get_config
 
 PROMPT = "a prompt fills every cache"
 

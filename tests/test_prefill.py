@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch.model import prefill
-from mkresearch.model import reference, weights
+from mkresearch.model import prefill, reference, weights
 from mkresearch.model.config import get_config
 
 STATE_TOL, LOGIT_TOL = 2.0 ** -5, 2.0 ** -5

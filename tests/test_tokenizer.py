@@ -2,9 +2,9 @@
 trained on a few sentences, byte-level, so any text encodes), no network."""
 
 import pytest
-from mkresearch.checkpoint import CheckpointError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mkresearch.checkpoint import CheckpointError
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 
 CORPUS = ["the megakernel decodes one token per step", "a prompt fills every cache at once",

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mkresearch.kernels.base import dma, registry, weight_stream
-from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import collective_schedule, megakernel
 from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose.megakernel import StepInputs
 from mkresearch.kernels.sharded import collectives, sharded_stages
@@ -59,9 +59,9 @@ from mkresearch.model.config import ModelConfig
 from mkresearch.sharding import layout as layouts
 
 AXIS = collectives.AXIS
-# column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
-# heads, FFN hidden and expert columns stay this rank's
-GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+# every streamed matrix with a collective around it: the step's collective schedule's (one source
+# for the kernel and the prediction, `kernels/compose/collective_schedule.py`)
+collective_rules = collective_schedule.collective_rules
 FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (spec §9)
 
 
@@ -93,22 +93,6 @@ def kernel_config(lay: layouts.Layout) -> ModelConfig:
 
 def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
     return spec.stage(kind).params(cfg)[key]
-
-
-def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
-    """Every streamed matrix with a collective around it: its input gathered (Param.gather) or
-    its output's column chunks gathered (split by a padded group)."""
-    cfg, rules = lay.cfg, []
-    for kind in cfg.kinds:
-        for m in registry.kernel_stage(kind).streamed(cfg):
-            p = _layer_param(cfg, kind, m.key)
-            k, n = m.shape
-            out = next((group for axis, group in layouts.active_shard(lay, p.shard, p.shape)
-                        if axis == 1 and group in GATHERED_COLUMNS), None)
-            gather = p.gather if p.gather is not None and lay.divides(p.gather, k) else None
-            if out is not None or gather is not None:
-                rules.append(collectives.Rule(m.name, out, n, gather, k))
-    return tuple(rules)
 
 
 def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> int:

@@ -14,8 +14,8 @@ is read by `mkresearch.model.hf_config` and the small real models' presets are
 Imports: mkresearch.hardware, mkresearch.model, mkresearch.sharding.
 """
 
-from mkresearch.model.hf_config import CheckpointError, config_dict, config_from_dict, read_config
 from mkresearch.checkpoint.loader import load_params, write_checkpoint
+from mkresearch.model.hf_config import CheckpointError, config_dict, config_from_dict, read_config
 
 __all__ = ["CheckpointError", "config_dict", "config_from_dict", "load_params", "read_config",
            "write_checkpoint"]

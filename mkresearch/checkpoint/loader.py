@@ -26,12 +26,18 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from mkresearch.model import formats, spec, weights
-from mkresearch.sharding import layout
 from mkresearch.checkpoint import names as names_module
-from mkresearch.model.hf_config import CONFIG_FILE, CheckpointError, config_dict, fp8_quantized
-from mkresearch.checkpoint.safetensors_io import SCALE_SUFFIX, Shards, fp8_quantize, fp8_scale_shape, write_shards
+from mkresearch.checkpoint.safetensors_io import (
+    SCALE_SUFFIX,
+    Shards,
+    fp8_quantize,
+    fp8_scale_shape,
+    write_shards,
+)
+from mkresearch.model import formats, spec, weights
 from mkresearch.model.config import ModelConfig
+from mkresearch.model.hf_config import CONFIG_FILE, CheckpointError, config_dict, fp8_quantized
+from mkresearch.sharding import layout
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 

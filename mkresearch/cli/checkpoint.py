@@ -16,12 +16,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mkresearch.model import prefill
-from mkresearch.model import reference
 from mkresearch.checkpoint import CheckpointError, load_params, read_config
+from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli.common import UsageError, _at_least, _refusals
 from mkresearch.kernels.compose import megakernel
-from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+from mkresearch.model import prefill, reference
 
 CACHE_ROUND = 128  # the cache is allocated for prompt + steps tokens, rounded up to this
 

@@ -10,6 +10,7 @@
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
         [--json]
+    mkresearch plan kimi-k3 --ranks 32 [--batch 1] [--collectives partial-sum|exact] [--wire f32]
     mkresearch predict kimi-k3 --ranks 32 [--chip tpu7x] [--batch 1,2,4,8] [--layout ours|release] \
         [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
@@ -37,6 +38,9 @@ from mkresearch.cli import (
 )
 from mkresearch.cli import (
     checkpoint as cli_checkpoint,
+)
+from mkresearch.cli import (
+    plan_ranks as cli_plan_ranks,
 )
 from mkresearch.cli import (
     predict as cli_predict,
@@ -328,6 +332,7 @@ def _parser() -> _Parser:
     p.add_argument("--context", type=int, default=None,
                    help="every row's position (default: the last one, the worst case)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    cli_plan_ranks.add_arguments(p)
 
     for command in COMMANDS.values():  # the commands with a module of their own
         command.add_parser(commands)
@@ -464,6 +469,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "plan":
+        if args.ranks is not None:  # every collective of a sharded step
+            return cli_plan_ranks.run(args)
         cfg = _model(args.model)
         _megakernel_batch("--batch", args.batch)
         chip = _chip(args.chip)

@@ -2,7 +2,8 @@
 timeline model (`mkresearch.prediction.scale_out`), beside the published numbers where there are some.
 
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
-        [--schedule ours|release] [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
+        [--schedule ours|release] [--collectives partial-sum|exact] \\
+        [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
         [--speculate K --acceptance 3,6]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
@@ -65,6 +66,9 @@ def add_parser(commands: Any) -> None:
                    help="whose schedule: ring, expert slots, collectives (default: the layout's)")
     p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
                    help="all-reduce algorithm (default: the schedule's at each batch)")
+    p.add_argument("--collectives", default="partial-sum", choices=scale_out.contract.MODES,
+                   help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
+                        "to one device); the release's schedule has its own")
     p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
     p.add_argument("--speculate", type=int, default=0,
                    help="drafts per verify step, 1..7 (default 0: plain decoding)")
@@ -112,7 +116,7 @@ def run(args: Any) -> int:
     with _refusals():
         for name, batch in todo:
             common = {"chip": chip, "schedule": args.schedule, "algorithm": args.algorithm,
-                          "context": args.context}
+                          "context": args.context, "collectives": args.collectives}
             if args.speculate:
                 rows += speculative.predict_speculative(
                     cfg, args.ranks, name, batch=batch, drafts=args.speculate,
@@ -156,8 +160,10 @@ def format_speculative(rows: list[dict]) -> str:
 def format_rows(rows: list[dict]) -> str:
     """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
     first = rows[0]
+    algorithm = "each collective's own algorithm (collective_choice)" \
+        if first["algorithm"] == "auto" else f"{first['algorithm']} collectives"
     lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
-             f"({first['algorithm']} collectives): {first['label']}"),
+             f"({algorithm}): {first['label']}"),
              (f"  {'layout':8s} {'schedule':8s} {'B':>2s} {'step ms':>8s} {'tok/s':>7s} "
              f"{'floor':>6s} {'peers':>6s} {'coll.':>6s} {'comp.':>6s} {'bubble':>6s} "
              f"{'colls':>5s} {'published':>14s} {'16xGB200':>9s}")]
@@ -168,13 +174,19 @@ def format_rows(rows: list[dict]) -> str:
                else "-")
         gb200 = f"{r['gb200_tok_s']:5d}/s" if r.get("gb200_tok_s") else "-"
         lines.append(
-            f"  {r['layout']:8s} {r['schedule']['name']:8s} {r['batch']:2d} "
+            f"  {r['layout']:8s} {_schedule_name(r['schedule']):8s} {r['batch']:2d} "
             f"{r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:7.0f} "
             + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
             + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
                  "messages, compute, bubbles; colls: collectives per rank per step")
     return "\n".join(lines)
+
+
+def _schedule_name(schedule: dict) -> str:
+    """"release", or ours with its collectives: "ours/ps" (partial-sum), "ours/ex" (exact)."""
+    mode = schedule.get("collectives")
+    return schedule["name"] + ({"partial-sum": "/ps", "exact": "/ex"}.get(mode, ""))
 
 
 def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
@@ -189,11 +201,12 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
         lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
                      f"{tl.sources.get(name, '')}")
     for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg)):
+        algorithms = "each collective's algorithm from collective_choice" if sched.collectives \
+            else (f"all-reduce {sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
+                  f"{sched.all_reduce_large})")
         lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
-                     f"{sched.expert_slots} expert slots, {sched.combine}, all-reduce "
-                     f"{sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
-                     f"{sched.all_reduce_large}), prefetch past collectives "
-                     f"{sched.prefetch_across}; {sched.source}")
+                     f"{sched.expert_slots} expert slots, {sched.combine}, {algorithms}, "
+                     f"prefetch past collectives {sched.prefetch_across}; {sched.source}")
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
     lines.append("  no constant is set from a published step time (calibration.validation)")
     return "\n".join(lines)

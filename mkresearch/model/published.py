@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.model.hf_config import config_from_dict
 from mkresearch.model.config import ModelConfig
+from mkresearch.model.hf_config import config_from_dict
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B config.json. Second copies: several public loaders' test fixtures

@@ -10,7 +10,8 @@ routing of the batch: ranks differ, and a collective waits for the slowest) thro
 layer reads its cache at `context` tokens. The programs run in `scale_out_sim` (overlap: a
 collective started early and waited later). The collectives between stages are the schedule's:
 
-  partial-sum  (the release, spec/collectives.md) attention: the sibling's attended features
+  release      (a hand-kept program of partial sums, spec/collectives.md) attention: the
+               sibling's attended features
                gathered before W_o, an all-reduce over the 16 cores of one parity, the halves
                swapped with the sibling; MoE: router scores swapped with the sibling, the latent
                all-gathered behind routing, the shared expert's sum started before the routed
@@ -19,11 +20,12 @@ collective started early and waited later). The collectives between stages are t
                past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
                router kept whole (the spec splits its scores between siblings), one routed and one
                shared reduction per MoE layer (the spec's "about two reductions per layer")
-  exact        (ours: `kernels/compose/megakernel_sharded.py`, bit-equal to one device) the kernel's own
-               collective rules (`collective_rules`): a matrix's input gathered before it, its
-               output's column chunks gathered after it; each routed expert's hidden slice
-               gathered in its ETP group; the experts' sum passed down the chain of expert groups
-               and all-gathered; the embedding all-reduced, the sampling states all-gathered
+  ours         (`our_schedule(cfg, collectives)`) every collective read from our kernel's own
+               schedule (`kernels/compose/collective_schedule.py`, `scale_out_contract`): "partial-sum"
+               (the default: matrices contracting over a split dimension reduce their partial
+               sums, the shared expert's sum hidden behind the routed experts' stream) or
+               "exact" (bit-equal to one device: gathers around split matrices, the experts'
+               chain); each collective priced by the algorithm `collective_choice` picks for it
 
 `predict(...)` returns the step, tok/s and the decomposition of the slowest rank's step into HBM
 floor, waiting for peers, collective messages, compute and bubbles (they sum to the step).
@@ -39,17 +41,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import mkresearch.model.stages  # noqa: F401 - registers the stage kinds spec.stage looks up
+import mkresearch.model.stages
+from mkresearch.prediction import interconnect as links
+from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
+from mkresearch.model import roofline, spec
+from mkresearch.prediction import scale_out_contract as contract
+from mkresearch.model.config import ModelConfig
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
-from mkresearch.model import roofline, spec
-from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import TimelineChip
 from mkresearch.prediction.timeline_ranks import PARTS
-from mkresearch.sharding import layout as layouts
-from mkresearch.sharding import layout_bytes
 
 MIB = 2**20
 COMBINES = ("partial-sum", "exact")
@@ -83,6 +86,10 @@ class Schedule:
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
     gather_algorithm: str = "two-level"
+    # our kernel's collective schedule (`kernels/compose/collective_schedule.py`, "exact" or
+    # "partial-sum"), each collective priced by `collective_choice`; None: the hand-kept programs
+    collectives: str | None = None
+    wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -111,25 +118,31 @@ RELEASE_SCHEDULE = Schedule(
     gather_algorithm="one-shot")
 
 
-def our_schedule(cfg: ModelConfig) -> Schedule:
+def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum") -> Schedule:
     """Our megakernel's: cfg.ring_depth slots of cfg.ring_block_bytes (depth - 1 blocks fly
-    ahead), MegakernelOptions.expert_slots, the exact (bit-equal) collectives."""
+    ahead), MegakernelOptions.expert_slots, the collectives its own schedule issues in mode
+    `collectives` ("partial-sum" or "exact": `kernels/compose/collective_schedule.py`)."""
+    if collectives not in contract.MODES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=cfg.ring_depth - 1,
-                    expert_slots=MegakernelOptions().expert_slots, combine="exact",
+                    expert_slots=MegakernelOptions().expert_slots, combine=collectives,
                     source="the megakernel's plan (cfg.ring_depth, cfg.ring_block_bytes, "
-                           "MegakernelOptions.expert_slots) and kernels/compose/megakernel_sharded.py")
+                           "MegakernelOptions.expert_slots) and its collective schedule "
+                           "(kernels/compose/collective_schedule.py)", collectives=collectives)
 
 
 SCHEDULES = ("release", "ours")
 
 
-def schedule_for(cfg: ModelConfig, name: str | Schedule) -> Schedule:
-    """A schedule by name ("release": the release's, "ours": our megakernel's), or as given."""
+def schedule_for(cfg: ModelConfig, name: str | Schedule, collectives: str = "partial-sum"
+                 ) -> Schedule:
+    """A schedule by name ("release": the release's, "ours": our megakernel's in mode
+    `collectives`), or as given."""
     if isinstance(name, Schedule):
         return name
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is invalid: one of {SCHEDULES} or a Schedule")
-    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg)
+    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg, collectives)
 
 
 # ---- one rank's program ------------------------------------------------------------------------
@@ -217,27 +230,28 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                   schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
                   ) -> tuple[list[int], list[list]]:
     """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
-    stands for its group (ranks 0, etp, 2 etp, ...; `scale_out_sim.simulate`)."""
+    stands for its group (ranks 0, etp, 2 etp, ...; `scale_out_sim.simulate`). A schedule with
+    `collectives` takes every collective from the kernel's own schedule (`scale_out_contract`)."""
     lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
-    counted = layout_bytes.rank_bytes(lay, batch, context)
+    counted = rank_bytes(lay, sched, batch, context)
     stages = _stage_bytes(lay, counted)
     routed = routed_experts(cfg, lay, batch, seed)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
     expert_bytes = counted.component("routed_experts") / len(cfg.moe_layers) / unique_1 \
         if cfg.moe_layers else 0
-    rules = {r.name: r for r in megakernel_sharded.collective_rules(lay)} \
-        if sched.combine == "exact" else {}
     reps = tuple(range(0, n_ranks, lay.etp))
     everyone = tuple(range(n_ranks))
     mix = counted.component("norms_and_mix") / len(cfg.layers)
+    actions = {kind: _actions(lay, sched, kind, stages[kind].matrices) for kind in cfg.kinds}
     blocks: list[int] = []
     layers = cfg.layers
     for attention, ffn in layers:
         blocks += weight_blocks(mix, sched.block_bytes)
         for kind in (attention, ffn):
-            for matrix, nbytes in _ordered(stages[kind].matrices, sched):
-                blocks += weight_blocks(nbytes, sched.block_bytes)
+            for matrix, nbytes in actions[kind]:
+                if matrix != contract.EXPERTS:
+                    blocks += weight_blocks(nbytes, sched.block_bytes)
     head = weight_blocks(counted.component("lm_head"), sched.block_bytes)
     blocks += head
     states = {kind: counted.component(spec.stage(kind).state_component[0]) / len(cfg.layers_of(kind))
@@ -246,10 +260,24 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     programs = []
     moe_layers = set(cfg.moe_layers)
     stage_ops: dict[tuple, list] = {}
+
+    def among(group):  # the stand-in ranks of a group
+        return tuple(r for r in group if r % lay.etp == 0) or (group[0],)
+
     for rank in reps:
         prog = Program(blocks, batch)
+        # the experts this rank's group computes per MoE layer (the kinds with a routed fetch
+        # here; otherwise the schedule's worst case)
+        counts = tuple(int(c) for c in routed[:, _expert_group(lay, rank)]) \
+            if len(routed) == contract.n_routed_layers(lay) else None
+        ops = contract.schedule_ops(lay, batch, sched.collectives, sched.wire, rank, counts) \
+            if sched.collectives else None
         prog.fetch(counted.component("embedding_rows"), 1, 1)
-        prog.collective("embed", "all_reduce", reps, batch * cfg.d_model * wire, everyone)
+        if ops:
+            for op in ops[0]:
+                contract.collective(prog, op, op.name, among)
+        else:
+            prog.collective("embed", "all_reduce", reps, batch * cfg.d_model * wire, everyone)
         moe_index = 0
         for layer, (attention, ffn) in enumerate(layers):
             prog.block(len(weight_blocks(mix, sched.block_bytes)))  # norms and mix
@@ -258,27 +286,54 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                 prog.fetch(state / 2, 1, 1)
             routed_here = routed[moe_index] if layer in moe_layers else None
             for kind in (attention, ffn):
-                if sched.combine == "exact":
-                    _exact_stage(prog, lay, sched, cfg, kind, stages[kind], rules, rank,
-                                 routed_here if kind == ffn else None, expert_bytes)
+                routed_stage = routed_here if kind == ffn else None
+                count = None if routed_stage is None else int(
+                    routed_stage[_expert_group(lay, rank)])
+                if ops:
+                    stage_key = (kind, rank, count, tuple(dataclasses.replace(op, layer=0)
+                                                       for op in ops[1].get((layer, kind), ())))
                 else:  # a stage's ops depend on the rank and its expert count only: built once
-                    routed_stage = routed_here if kind == ffn else None
-                    key = (kind, rank, None if routed_stage is None
-                           else int(routed_stage[_expert_group(lay, rank)]))
-                    if key not in stage_ops:
-                        scratch = Program(blocks, batch)
+                    stage_key = (kind, rank, count)
+                if stage_key not in stage_ops:
+                    scratch = Program(blocks, batch)
+                    if ops:
+                        contract.stage_program(
+                            scratch, kind, actions[kind], stage_key[3], group_of=among,
+                            blocks=functools.partial(_blocks_of, scratch, sched=sched),
+                            experts=functools.partial(scratch.fetch, expert_bytes, count or 0,
+                                                      sched.expert_slots))
+                    else:
                         _release_stage(scratch, lay, sched, cfg, kind, stages[kind], rank,
                                        routed_stage, expert_bytes)
-                        stage_ops[key] = scratch.ops
-                    prog.ops += stage_ops[key]
+                    stage_ops[stage_key] = scratch.ops
+                prog.ops += stage_ops[stage_key]
                 if kind == attention:
                     prog.write(state / 2)
             moe_index += layer in moe_layers
         prog.block(len(head))
-        prog.collective("sampling_state", "all_gather", reps, batch * SAMPLING_LANES * F32,
-                        everyone)
+        if ops:
+            for op in ops[2]:
+                contract.collective(prog, op, op.name, among)
+        else:
+            prog.collective("sampling_state", "all_gather", reps, batch * SAMPLING_LANES * F32,
+                            everyone)
         programs.append(prog.ops)
     return blocks, programs
+
+
+def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
+               ) -> layout_bytes.RankBytes:
+    """A rank's bytes under the schedule: our partial-sum mode streams no zeros (`layout_split`)."""
+    return layout_bytes.rank_bytes(lay, batch, context, "partial-sum" if sched.collectives ==
+                                   "partial-sum" else "exact")
+
+
+def _actions(lay, sched: Schedule, kind: str, matrices) -> list[tuple[str, float]]:
+    """A stage's matrices (and the routed experts' point) in the order the rank streams them."""
+    if sched.collectives:
+        return contract.stage_actions(kind, matrices, sched.collectives,
+                                      contract.routing_point(lay, kind))
+    return list(_ordered(matrices, sched))
 
 
 @functools.lru_cache(maxsize=256)
@@ -337,41 +392,6 @@ def _release_stage(prog: Program, lay, sched, cfg, kind, stage, rank, routed, ex
         prog.collective(f"{kind}_sum", "all_reduce", reps, vector, tuple(range(n)))
 
 
-def _exact_stage(prog: Program, lay, sched, cfg, kind, stage, rules, rank, routed,
-                 expert_bytes) -> None:
-    everyone, reps = tuple(range(lay.n_ranks)), tuple(range(0, lay.n_ranks, lay.etp))
-    b = prog.batch
-    for matrix, nbytes in stage.matrices:
-        rule = rules.get(matrix)
-        if rule is not None and rule.gather is not None:
-            etp = rule.gather == spec.EXPERT_TP
-            prog.collective(f"{matrix}/input", "all_gather", (rank,) if etp else reps,
-                            b * F32 * lay.local_length(rule.gather, rule.k),
-                            _group(lay, rank, lay.etp) if etp else everyone)
-        _blocks_of(prog, nbytes, sched)
-        if rule is not None and rule.out is not None:
-            prog.collective(matrix, "all_gather", reps,
-                            b * F32 * lay.local_length(rule.out, rule.n), everyone)
-        if routed is not None and matrix == _routing_point(stage):
-            _experts(prog, lay, sched, rank, routed, expert_bytes)
-            count = int(routed[_expert_group(lay, rank)])
-            for _ in range(count):  # each expert's hidden slice gathered in its ETP group
-                prog.collective("experts/hidden", "all_gather", (rank,),
-                                b * F32 * lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
-                                _group(lay, rank, lay.etp))
-            # the experts' weighted sum: W2's output columns on a rank (the latent, or d)
-            latent = b * F32 * lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
-            prog.collective("experts/chain", "chain", reps, latent, reps)
-            prog.collective("experts/sum", "all_gather", reps, latent, everyone)
-
-
-def _routing_point(stage: _Stage) -> str:
-    """The matrix after which the experts run: the latent down-projection, else the router."""
-    names = [m for m, _ in stage.matrices]
-    return next((m for m in names if m.endswith("w_ld")), next(m for m in names
-                                                               if m.endswith("w_router")))
-
-
 def _expert_group(lay, rank: int) -> int:
     etp, ep = _ways(lay)
     return rank // etp % ep if etp > 1 else rank % ep
@@ -391,10 +411,11 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
             chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
             algorithm: str | None = None, schedule: str | Schedule | None = None,
             context: int = 0, seed: int = 0, keep_timeline: bool = False,
-            timeline_chip: TimelineChip | None = None) -> dict:
+            timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum") -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
-    at this batch) prices every all-reduce; `timeline_chip` overrides the chip's timeline
+    at this batch; our schedules: each collective's own, `collective_choice`) prices every
+    all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
     figures (`timeline_chip.timeline_chip(chip, **fields)`). Cached per arguments: the model is deterministic
     (pure Python, seeded routing)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -404,10 +425,10 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
     if inter.slice.n_ranks < n_ranks:
         inter = links.interconnect(inter, n_ranks=n_ranks)
-    sched = schedule_for(cfg, name if schedule is None else schedule)
-    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter,
-                        algorithm or sched.algorithm(batch), sched, context, seed,
-                        timeline_chip or chip))
+    sched = schedule_for(cfg, name if schedule is None else schedule, collectives)
+    auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: collective_choice's
+    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
+                        context, seed, timeline_chip or chip))
     if not keep_timeline:
         del out["timeline"]
     return out
@@ -435,10 +456,11 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
     lay = layouts.layout(cfg, n_ranks, name)
     ranks = simulate(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
+        "auto" if algorithm == "auto" else
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
         timeline, prefetch_across=sched.prefetch_across)
     parts = ranks.decomposition()
-    counted = layout_bytes.rank_bytes(lay, batch, context)
+    counted = rank_bytes(lay, sched, batch, context)
     slowest = ranks.slowest_rank
     published = published_step_s(cfg, n_ranks, chip, batch)
     return {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,

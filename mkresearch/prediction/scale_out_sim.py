@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import interconnect as links
 from mkresearch.prediction.timeline import (
     COMPUTE_LANE,
@@ -161,7 +162,8 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
              chip: str | TimelineChip = "tpu7x", *, prefetch_across: bool = True
              ) -> RanksTimeline:
     """Every rank's program together (programs[i] is rank ranks[i]); see the module docstring.
-    `algorithm`: one for every collective, or a dict by op (all_reduce, all_gather, chain)."""
+    `algorithm`: one for every collective, a dict by op (all_reduce, all_gather, chain), or
+    "auto": each collective's `collective_choice.choose`."""
     chip = chip if isinstance(chip, TimelineChip) else timeline_chip(chip)
     sims = [_Rank(p, blocks, banks, batch, chip, prefetch_across) for p in programs]
     gens = [s.run() for s in sims]
@@ -172,7 +174,10 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
     parked: dict[tuple, list[int]] = {}
     runs: list[dict] = []
 
-    def algo(op: str) -> str:
+    def algo(op: str, group: tuple[int, ...] = (), nbytes: float = 0.0) -> str:
+        if algorithm == "auto":  # each collective's own choice (chain: any, its price is one)
+            return "one-shot" if op == "chain" or not group else \
+                choice.choose(inter, op, group, nbytes).algorithm
         return algorithm if isinstance(algorithm, str) else algorithm[op]
 
     def drive(i: int, value: float | None) -> None:
@@ -204,8 +209,8 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
                 inst["arrivals"][ranks[i]] = t
                 if len(inst["arrivals"]) == len(group):
                     inst["start"] = max(inst["arrivals"].values())
-                    inst["price"] = links.price(inter, op, algo(op), tuple(inst["path"]),
-                                                nbytes)
+                    path = tuple(inst["path"])
+                    inst["price"] = links.price(inter, op, algo(op, path, nbytes), path, nbytes)
                     inst["end"] = inst["start"] + inst["price"].seconds
                     for j in parked.pop(key, []):
                         ready.append((j, inst["end"]))
@@ -231,7 +236,8 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
         tuple(inst["arrivals"][r] for r in inst["group"]), inst["start"], inst["end"],
         inst["price"], tuple(inst["waited"].get(r, inst["arrivals"][r]) for r in inst["group"]))
         for inst in runs)
-    return SimulatedRanks(sims, collectives, inter, algo("all_reduce"), tuple(ranks), chip)
+    return SimulatedRanks(sims, collectives, inter, algorithm if algorithm == "auto"
+                          else algo("all_reduce"), tuple(ranks), chip)
 
 
 class SimulatedRanks(RanksTimeline):

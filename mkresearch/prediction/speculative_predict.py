@@ -67,7 +67,8 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                         acceptances: tuple[int, ...] = (3, 6), chip: str = "tpu7x",
                         interconnect: links.Interconnect | None = None,
                         algorithm: str | None = None, schedule: Any = None,
-                        context: int = 0, timeline_chip: Any = None) -> list[dict]:
+                        context: int = 0, timeline_chip: Any = None,
+                        collectives: str = "partial-sum") -> list[dict]:
     """One row per acceptance length a (1 <= a <= drafts + 1): the verify step of B (k + 1) rows,
     tok/s = B a / step, beside the plain step at `batch` and the published tok/s where there is
     one (JSON-able dicts)."""
@@ -75,7 +76,8 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
     for acceptance in acceptances:
         _int_in("acceptance", acceptance, 1, drafts + 1)
     common = {"chip": chip, "interconnect": interconnect, "algorithm": algorithm,
-              "schedule": schedule, "context": context, "timeline_chip": timeline_chip}
+              "schedule": schedule, "context": context, "timeline_chip": timeline_chip,
+              "collectives": collectives}
     verify = scale_out.predict(cfg, n_ranks, name, rows, **common)
     plain = scale_out.predict(cfg, n_ranks, name, batch, **common)
     published = scale_out.PUBLISHED.get(cfg.name, {})

@@ -8,6 +8,7 @@ release's with each chip's per-rank floor (what `mkresearch info MODEL --ranks N
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from mkresearch.hardware.chips import CHIPS, get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
+from mkresearch.sharding import layout_split
 from mkresearch.sharding.layout import (
     LAYOUTS,
     Layout,
@@ -74,14 +76,20 @@ def _bytes(struct_tree: Any) -> int:
     return roofline.tree_bytes(struct_tree)
 
 
-def rank_bytes(lay: Layout, batch: int = 1, context: int = 0) -> RankBytes:
+def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
+               collectives: str = "exact") -> RankBytes:
     """One rank's bytes of one step (see `roofline.step_bytes` for what a step reads): weights
     once, the routed experts of its expert group (the expected share of the batch's distinct
     experts, `roofline.expected_unique_experts` / EP, each its ETP slice), one embedding row per
-    sequence (the owner's), its states and caches (read at `context` tokens, written once)."""
+    sequence (the owner's), its states and caches (read at `context` tokens, written once).
+    collectives "partial-sum": the largest rank's shapes without streamed zeros (`layout_split`)."""
+    if collectives not in ("exact", "partial-sum"):
+        raise ValueError(f"collectives={collectives!r} is invalid: exact or partial-sum")
     cfg = lay.cfg
     table = spec.param_table(cfg)
-    local = rank_params(lay)
+    local = rank_params(lay) if collectives == "exact" else jax.tree.map(
+        lambda p: dataclasses.replace(p, shape=layout_split.partial_sum_shape(lay, p)), table,
+        is_leaf=is_param)
     sharded: dict[str, int] = {}
     replicated: dict[str, int] = {}
 

@@ -82,7 +82,7 @@ def plot_parts(predictions: dict[str, dict], ax, published_ms: float | None = No
 
 
 def figure_rows(release: Sequence[dict], ours: Sequence[dict]) -> list[dict]:
-    """tok/s per batch: published TPU7x and 16x GB200, and the three predictions."""
+    """tok/s per batch: published TPU7x and 16x GB200, and the four predictions."""
     rows = []
     for rel, our in zip(release, ours, strict=True):
         b = rel["batch"]
@@ -91,8 +91,10 @@ def figure_rows(release: Sequence[dict], ours: Sequence[dict]) -> list[dict]:
                  {"series": "published, 16x GB200", "batch": b, "tok_s": our["gb200_tok_s"]},
                  {"series": "predicted: the release's layout + schedule", "batch": b,
                   "tok_s": b / rel["predicted_ms"] * 1e3},
-                 {"series": "predicted: ours as built (exact collectives)", "batch": b,
+                 {"series": "predicted: ours, partial-sum collectives", "batch": b,
                   "tok_s": our["ours"]["tok_s"]},
+                 {"series": "predicted: ours, exact (bit-equal) collectives", "batch": b,
+                  "tok_s": our["ours_exact"]["tok_s"]},
                  {"series": "predicted: our layout + the release's schedule", "batch": b,
                   "tok_s": our["ours_release_schedule"]["tok_s"]}]
     return rows
@@ -128,7 +130,8 @@ def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
         return {"parts_s": {k: v / 1e3 for k, v in parts_ms.items()}}
 
     one = {"release (layout + schedule)": seconds(release[0]["parts_ms"]),
-           "ours as built": seconds(ours[0]["ours"]["parts_ms"]),
+           "ours, partial sums": seconds(ours[0]["ours"]["parts_ms"]),
+           "ours, exact": seconds(ours[0]["ours_exact"]["parts_ms"]),
            "our layout, release schedule": seconds(ours[0]["ours_release_schedule"]["parts_ms"])}
     plot_parts(one, ax_parts, release[0]["published_ms"])
     ax_parts.set_title("B = 1: where the step goes (the slowest of 32 ranks)", fontsize=10)
@@ -220,3 +223,27 @@ class ScaleOutExplorer(FigureExplorer):
 def explorer(**kwargs: Any):
     """The explorer where ipywidgets is installed; it needs a kernel to redraw."""
     return ScaleOutExplorer(**kwargs)
+
+
+def overlap_figure(overlaps: Sequence[dict]):
+    """One panel per `collective_plan.overlap` result: HBM streaming (blue) above the
+    collectives outstanding (red) in its window, titled with the share of outstanding time
+    HBM stays busy over the whole step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(overlaps), 1, figsize=(12, 1.9 * len(overlaps) + 0.6),
+                             layout="constrained", squeeze=False)
+    for ax, data in zip(axes[:, 0], overlaps, strict=True):
+        lo, hi = data["window_us"]
+        lanes = {"HBM": (1, "tab:blue"), "collective": (0, "tab:red")}
+        for r in data["rows"]:
+            y, color = lanes[r["lane"]]
+            start, end = max(r["start_us"], lo), min(r["end_us"], hi)
+            ax.broken_barh([(start - lo, end - start)], (y - 0.35, 0.7), color=color, alpha=0.8)
+        ax.set_yticks([1, 0], ["HBM streams", "collective outstanding"])
+        ax.set_xlim(0, hi - lo)
+        ax.set_xlabel(f"µs after {lo:.0f} µs into the step (rank 0)")
+        ax.set_title(f"{data['mode']}, B = {data['batch']}: step {data['step_ms']:.2f} ms; HBM "
+                     f"busy {data['hbm_busy_fraction']:.0%} of the "
+                     f"{data['outstanding_ms']:.2f} ms a collective is outstanding", fontsize=10)
+    return fig

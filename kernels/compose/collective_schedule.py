@@ -1,0 +1,345 @@
+"""Every collective of one sharded decode step, as data: what the kernel issues and the
+prediction prices, from one description (`collective_schedule`).
+
+A rank's step, in issue order, is a tuple of `CollectiveOp`: the layer and stage it belongs to,
+its kind (all-gather, all-reduce, chain), the ranks taking part, the bytes it moves, what it is
+issued after and what waits for it. Two modes:
+
+  exact        the kernel as built (`kernels/megakernel_sharded.py`, bit-equal to one device):
+               every matrix split by its output columns, so a matrix whose input arrives split
+               gets it all-gathered first (the heads' outputs before W_o, a hidden slice before
+               W_down) and a matrix split by padded column chunks has its chunks all-gathered
+               after; each routed expert's hidden gathered in its ETP group; the experts' weighted
+               sum passed down the chain of expert groups and the last group's sum all-gathered;
+               the embedding all-reduced, the vocab shards' sampling states all-gathered. Values
+               move as f32 (`wire` does not apply: nothing is added on the wire's behalf).
+  partial-sum  a matrix contracting over a split dimension (its `Param.gather` group) is split
+               by its ROWS instead: each rank multiplies its slice and the partial sums [B, N]
+               are all-reduced, every rank adding the same partials in one fixed order (`summed`)
+               so all ranks hold the same bits. Per layer: the attention's W_o partials reduced
+               (one all-reduce); the small down-projections that share x (W_qa | W_kva, router |
+               W_ld) gathered together, one all-gather each; the routed experts' weighted sum
+               over the latent reduced (the experts' W2 split by its hidden rows: no gather of an
+               expert's hidden, no chain), then W_lu's column chunks gathered; the shared expert's
+               (or dense FFN's) W_down partials reduced, issued before the routed experts' stream
+               and waited for after it (`critical=False`). Experts on the full d (moe_full): the
+               routed and shared partials added locally and reduced once. Partial sums travel as
+               `wire` (f32 or bf16: bf16 rounds each rank's partial once more before the sum).
+
+Names follow the kernel's DMA log: a collective named N logs its remote copies as
+`N/all_gather` (and `N/reduce_scatter` for the exact mode's reduce-scatter + all-gather, `N/chain`
+for the chain). `payload_bytes` is `interconnect.price`'s nbytes: an all-gather's piece per member,
+an all-reduce's whole vector, a chain's running sum. `algorithm` is "one-shot" for every
+collective until the prediction's choice (per payload and group) replaces it.
+
+Pure Python over the layout and the kinds' streamed matrices: the full Kimi K3 on 32 ranks takes
+milliseconds, nothing is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from mkresearch.kernels.base import registry
+from mkresearch.kernels.compose import megakernel_plan
+from mkresearch.kernels.sharded import collectives
+
+from mkresearch.model import spec
+from mkresearch.model.config import LANE
+from mkresearch.sharding import layout as layouts
+
+MODES = ("partial-sum", "exact")
+WIRES = ("f32", "bf16")
+WIRE_BYTES = {"f32": 4, "bf16": 2}
+KINDS = ("all-gather", "all-reduce", "chain")
+F32 = 4
+SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
+# column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
+# heads, FFN hidden and expert columns stay this rank's
+GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective of one rank's step."""
+
+    layer: int  # -1: the embedding; cfg.n_layers: the sampling stage
+    stage: str  # the stage kind ("kda", "moe", ...), "embed" or "sampling"
+    name: str  # the kernel's DMA-log name of its remote copies (before "/all_gather", ...)
+    kind: str  # one of KINDS
+    group: tuple[int, ...]  # the ranks taking part (this rank among them)
+    payload_bytes: int  # all-gather: one member's piece; all-reduce: the vector; chain: the sum
+    dtype: str  # on the wire: "f32" | "bf16"
+    issue_after: str  # the step it follows
+    wait_before: str  # the step that needs its result
+    algorithm: str = "one-shot"
+    count: int = 1  # times per step (an expert's hidden: once per expert computed, worst case)
+    critical: bool = True  # False: overlapped with other work between issue and wait
+    summed: tuple[int, ...] = ()  # all-reduce: the ranks whose partials are added, in order
+    matrix: str = ""  # the streamed matrix it serves (DMA-log name), if any
+    role: str = ""  # "input" (gathered before the matrix), "output" (after), "sum", ""
+
+    @property
+    def op(self) -> str:
+        """`interconnect.price`'s name of the kind."""
+        return self.kind.replace("-", "_")
+
+
+def _check(lay: layouts.Layout, batch: int, mode: str, wire: str) -> None:
+    if not isinstance(lay, layouts.Layout):
+        raise ValueError(f"lay={lay!r} is invalid: a mkresearch.layout.Layout")  # noqa: TRY004
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: one of {MODES}")
+    if wire not in WIRES:
+        raise ValueError(f"wire={wire!r} is invalid: one of {WIRES}")
+
+
+def _lanes(width: int) -> int:
+    return -(-width // LANE) * LANE
+
+
+@functools.lru_cache(maxsize=64)
+def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
+    """Exact mode: every streamed matrix with a collective around it, its input gathered
+    (Param.gather) or its output's column chunks gathered (split by a padded group)."""
+    cfg, rules = lay.cfg, []
+    for kind in cfg.kinds:
+        params = spec.stage(kind).params(cfg)
+        for m in registry.kernel_stage(kind).streamed(cfg):
+            p = params[m.key]
+            k, n = m.shape
+            out = next((group for axis, group in layouts.active_shard(lay, p.shard, p.shape)
+                        if axis == 1 and group in GATHERED_COLUMNS), None)
+            gather = p.gather if p.gather is not None and lay.divides(p.gather, k) else None
+            if out is not None or gather is not None:
+                rules.append(collectives.Rule(m.name, out, n, gather, k))
+    return tuple(rules)
+
+
+def _slice_firsts(lay: layouts.Layout, group: str) -> tuple[int, ...]:
+    """One rank per slice of `group`, slice 0 first: whose partials an all-reduce adds."""
+    split = lay.split(group)
+    return tuple(i * split.stride for i in range(split.ways))
+
+
+def collective_schedule(lay: layouts.Layout, batch: int, mode: str = "partial-sum",
+                        wire: str = "f32", *, rank: int = 0,
+                        expert_counts: tuple[int, ...] | None = None
+                        ) -> tuple[CollectiveOp, ...]:
+    """One step's collectives of `rank` in issue order (see the module docstring).
+    expert_counts: per MoE layer, the experts this rank's group computes (data: the batch's
+    distinct experts of the group); default the worst case min(E / EP, B·k)."""
+    _check(lay, batch, mode, wire)
+    if not 0 <= rank < lay.n_ranks:
+        raise ValueError(f"rank={rank!r} is invalid: an int in [0, {lay.n_ranks})")
+    if lay.n_ranks == 1:
+        return ()
+    return _schedule(lay, batch, mode, wire, rank, expert_counts)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(lay, batch, mode, wire, rank, expert_counts) -> tuple[CollectiveOp, ...]:
+    cfg, n = lay.cfg, lay.n_ranks
+    worst_items = min(cfg.n_experts // lay.ep, batch * cfg.top_k)
+    moe_layers = [ly for ly, (_, ffn) in enumerate(cfg.layers) if _routing_point(lay, ffn)]
+    if expert_counts is not None and len(expert_counts) != len(moe_layers):
+        raise ValueError(f"expert_counts has {len(expert_counts)} entries: one per MoE layer "
+                         f"({len(moe_layers)})")
+    counts = dict(zip(moe_layers, expert_counts or [worst_items] * len(moe_layers), strict=True))
+    ops = [_embed(cfg, batch, tuple(range(n)), mode, wire)]
+    for layer, kinds in enumerate(cfg.layers):
+        for kind in kinds:
+            ops += [dataclasses.replace(op, layer=layer) for op in _stage(
+                lay, batch, mode, wire, rank, kind, counts.get(layer, 0))]
+    ops.append(CollectiveOp(cfg.n_layers, "sampling", "sampling_state", "all-gather",
+                            tuple(range(n)), batch * SAMPLING_LANES * F32, "f32",
+                            "LM head (last block)", "sampling merge"))
+    return tuple(ops)
+
+
+def _embed(cfg, batch, everyone, mode, wire) -> CollectiveOp:
+    """The owner's embedding row, zeros elsewhere, all-reduced (exact: one non-zero term; bf16
+    on the wire is exact too, the table is bf16)."""
+    exact = mode == "exact"
+    return CollectiveOp(-1, "embed", "embed", "all-reduce", everyone,
+                        batch * cfg.d_model * (F32 if exact else WIRE_BYTES[wire]),
+                        "f32" if exact else wire, "embedding row DMA", "layer 0",
+                        algorithm="reduce-scatter+all-gather" if exact else "one-shot",
+                        summed=everyone)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...]:
+    """One stage's collectives (layer -2: the caller sets it)."""
+    streamed = registry.kernel_stage(kind).streamed(lay.cfg)
+    ctx = _Ctx(lay, batch, wire, kind, rank, tuple(m.name for m in streamed))
+    if mode == "exact":
+        return tuple(_exact_stage(ctx, items))
+    return tuple(_partial_stage(ctx, streamed))
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    lay: layouts.Layout
+    batch: int
+    wire: str
+    kind: str
+    rank: int
+    names: tuple[str, ...]
+
+    @property
+    def everyone(self) -> tuple[int, ...]:
+        return tuple(range(self.lay.n_ranks))
+
+    @property
+    def etp_group(self) -> tuple[int, ...]:
+        first = self.rank // self.lay.etp * self.lay.etp
+        return tuple(range(first, first + self.lay.etp))
+
+    def after(self, i: int) -> str:
+        """What follows streamed matrix i."""
+        return self.names[i + 1] if i + 1 < len(self.names) else f"{self.kind} end"
+
+    def op(self, name, kind, group, nbytes, **fields) -> CollectiveOp:
+        fields.setdefault("dtype", "f32")
+        return CollectiveOp(-2, self.kind, name, kind, group, int(nbytes), **fields)
+
+
+def _exact_stage(ctx: _Ctx, items: int) -> list[CollectiveOp]:
+    """The exact mode's collectives of one stage, as `collectives.ShardedStream` and
+    `Collectives.combine_items` issue them."""
+    lay, b = ctx.lay, ctx.batch
+    rules = {r.name: r for r in collective_rules(lay)}
+    routing = _routing_point(lay, ctx.kind)
+    out = []
+    for i, name in enumerate(ctx.names):
+        rule = rules.get(name)
+        if rule is not None and rule.gather is not None:
+            etp = rule.gather == spec.EXPERT_TP
+            out.append(ctx.op(f"{name}/input", "all-gather", ctx.etp_group if etp else ctx.everyone,
+                              b * F32 * _lanes(lay.local_length(rule.gather, rule.k)),
+                              issue_after=ctx.names[i - 1] if i else f"{ctx.kind} start",
+                              wait_before=name, matrix=name, role="input"))
+        if rule is not None and rule.out is not None:
+            out.append(ctx.op(name, "all-gather", ctx.everyone,
+                              b * F32 * _lanes(lay.local_length(rule.out, rule.n)),
+                              issue_after=name, wait_before=ctx.after(i), matrix=name,
+                              role="output"))
+        if name == routing:
+            out += _exact_experts(ctx, items, ctx.after(i))
+    return out
+
+
+def _exact_experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
+    lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
+    out = []
+    if lay.etp > 1 and items:
+        out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,
+                          b * F32 * _lanes(lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)),
+                          issue_after="expert W1, W3", wait_before="expert W2", count=items,
+                          role="input"))
+    latent = lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
+    if lay.ep > 1:
+        chain = tuple(range(ctx.rank % lay.etp, lay.n_ranks, lay.etp))
+        out.append(ctx.op("expert/chain", "chain", chain, b * F32 * latent,
+                          issue_after="the group's experts", wait_before="expert/sum",
+                          algorithm="chain", summed=chain, role="sum"))
+    out.append(ctx.op("expert/sum", "all-gather", ctx.everyone, b * F32 * _lanes(latent),
+                      issue_after="the last group's sum", wait_before=before, role="output"))
+    return out
+
+
+def _partial_stage(ctx: _Ctx, streamed) -> list[CollectiveOp]:
+    """The partial-sum mode's collectives of one stage (see the module docstring)."""
+    lay, b, wire = ctx.lay, ctx.batch, ctx.wire
+    params = spec.stage(ctx.kind).params(lay.cfg)
+    routing = _routing_point(lay, ctx.kind)
+    pending: list[tuple[str, int]] = []
+    gathers, sums = [], []
+
+    def flush(before):
+        """The column chunks of the matrices since the last flush, gathered together."""
+        if pending:
+            gathers.append(ctx.op("+".join(n for n, _ in pending), "all-gather", ctx.everyone,
+                                  b * F32 * sum(_lanes(w) for _, w in pending),
+                                  issue_after=pending[-1][0], wait_before=before,
+                                  matrix=pending[-1][0], role="output"))
+            pending.clear()
+
+    for i, m in enumerate(streamed):
+        p = params[m.key]
+        k, n = m.shape
+        if p.gather is not None and p.gather != spec.EXPERT_TP and lay.divides(p.gather, k):
+            flush(m.name)
+            sums.append(ctx.op(f"{m.name}/sum", "all-reduce", ctx.everyone,
+                               b * n * WIRE_BYTES[wire], dtype=wire, issue_after=m.name,
+                               wait_before=ctx.after(i), summed=_slice_firsts(lay, p.gather),
+                               matrix=m.name, role="sum"))
+            continue
+        cols = next((g for axis, g in layouts.active_shard(lay, p.shard, p.shape)
+                     if axis == 1 and g in GATHERED_COLUMNS), None)
+        if cols is not None:
+            pending.append((m.name, lay.local_length(cols, n)))
+        if m.name == routing:
+            flush("routed experts")
+        elif i + 1 == len(streamed) or streamed[i + 1].shape[0] != k:
+            flush(ctx.after(i))  # the next matrix reads another input: this one's is needed
+    flush(f"{ctx.kind} end")
+    if routing is None:
+        return [*gathers, *sums]
+    return _partial_moe(ctx, routing, gathers, sums)
+
+
+def _partial_moe(ctx: _Ctx, routing: str, gathers: list, sums: list) -> list[CollectiveOp]:
+    """A MoE stage: the routed experts' partial sums (over the latent, or d) reduced in rank
+    order; the shared expert's sum issued before the routed experts and waited for at the end;
+    experts on the full d add the shared partials to theirs and reduce once."""
+    lay, b, wire = ctx.lay, ctx.batch, ctx.wire
+    width = layouts.expert_output_width(lay.cfg)
+    latent = "w_ld" in routing
+    before_experts = [g for g in gathers if g.wait_before == "routed experts"]
+    after_experts = [g for g in gathers if g not in before_experts]
+    if not latent and sums:  # routed + shared partials on d: one reduction
+        both = dataclasses.replace(sums[0], name=f"{ctx.kind}/sum", issue_after="routed experts",
+                                   wait_before=f"{ctx.kind} end", summed=ctx.everyone, matrix="")
+        return [*before_experts, both, *after_experts]
+    routed = ctx.op(f"{ctx.kind}/expert/sum", "all-reduce", ctx.everyone,
+                    b * width * WIRE_BYTES[wire], dtype=wire, issue_after="routed experts",
+                    wait_before=ctx.after(ctx.names.index(routing)) if latent
+                    else f"{ctx.kind} end", summed=ctx.everyone, role="sum")
+    shared = [dataclasses.replace(s, issue_after="shared expert W_down",
+                                  wait_before=f"{ctx.kind} end", critical=False) for s in sums]
+    if shared:  # the shared expert streams before the routed ones: W_lu's output ends the stage
+        after_experts = [dataclasses.replace(g, wait_before=f"{ctx.kind} end")
+                         for g in after_experts]
+    return [*before_experts, *shared, routed, *after_experts]
+
+
+def _routing_point(lay: layouts.Layout, kind: str) -> str | None:
+    """The streamed matrix after which a MoE kind runs its routed experts (the latent
+    down-projection, else the router), None for a kind without experts."""
+    if kind not in lay.cfg.kinds or spec.stage(kind).role != "ffn":
+        return None
+    names = [m.name for m in registry.kernel_stage(kind).streamed(lay.cfg)]
+    if not any(n.endswith("w_router") for n in names):
+        return None
+    return next((n for n in names if n.endswith("w_ld")),
+                next(n for n in names if n.endswith("w_router")))
+
+
+def summary(ops: tuple[CollectiveOp, ...]) -> dict:
+    """Counts of one step: collectives (an op run `count` times counts that often), per kind,
+    on the critical path, and the largest per layer."""
+    per_layer: dict[int, int] = {}
+    for op in ops:
+        per_layer[op.layer] = per_layer.get(op.layer, 0) + op.count
+    return {"collectives": sum(op.count for op in ops),
+            "by_kind": {k: sum(op.count for op in ops if op.kind == k) for k in KINDS},
+            "reductions_critical_max": max(
+                (sum(op.count for op in ops if op.layer == ly and op.kind == "all-reduce"
+                     and op.critical) for ly in per_layer if ly >= 0), default=0),
+            "max_per_layer": max((c for ly, c in per_layer.items() if ly >= 0), default=0)}

@@ -1,0 +1,35 @@
+"""`mkresearch plan MODEL --ranks N`: every collective of one sharded step, listed
+(`mkresearch.prediction.collective_plan`): kind, group, bytes, phases, algorithm and why, what it overlaps,
+and their count."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mkresearch.cli.common import _at_least, _chip, _model, _refusals
+from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.prediction import collective_plan
+from mkresearch.sharding import layout
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--ranks", type=int, default=None,
+                   help="list the collectives of one step on N ranks (our layout) instead")
+    p.add_argument("--collectives", default="partial-sum", choices=contract.MODES,
+                   help="with --ranks: the kernel's collectives (default partial-sum)")
+    p.add_argument("--wire", default="f32", choices=contract.WIRES,
+                   help="with --ranks: partial sums on the wire (default f32)")
+
+
+def run(args: Any) -> int:
+    cfg = _model(args.model)
+    chip = _chip(args.chip)
+    _at_least("--ranks", args.ranks, 2)
+    _at_least("--batch", args.batch, 1)
+    with _refusals():
+        layout.check_ranks(cfg, args.ranks)
+        plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
+                                               mode=args.collectives, wire=args.wire, chip=chip)
+    print(json.dumps(plan) if args.json else collective_plan.format_plan(plan))
+    return 0

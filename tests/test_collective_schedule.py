@@ -1,0 +1,88 @@
+"""The step's collective schedule as data (`kernels/compose/collective_schedule.py`): every collective
+of one rank's step, for the exact mode the kernel builds and the partial-sum mode, from shapes
+alone, for every preset (minis on 8 ranks, full size on 32)."""
+
+import pytest
+from mkresearch.kernels.compose import collective_schedule as cs
+from mkresearch.kernels.compose import megakernel_sharded as ms
+
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout
+
+FAMILIES = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
+CASES = [(f"{m}-mini", 8) for m in FAMILIES] + [(m, 32) for m in FAMILIES]
+
+
+def _layout(model, n):
+    return layout.layout(get_config(model), n, layout.OURS)
+
+
+@pytest.mark.parametrize("model, n_ranks", CASES)
+def test_every_preset_both_modes(model, n_ranks):
+    """Each op is well formed (its kind, a group holding the rank, bytes, a wire dtype), layers in
+    order; partial-sum: no chain, at most 2 reductions per layer on the critical path, fewer
+    collectives than exact; the exact mode's matrices are the kernel's own rules."""
+    lay = _layout(model, n_ranks)
+    counts = {}
+    for mode in cs.MODES:
+        for batch in (1, 3):
+            for rank in (0, n_ranks - 1):
+                ops = cs.collective_schedule(lay, batch, mode, rank=rank)
+                assert [op.layer for op in ops] == sorted(op.layer for op in ops)
+                for op in ops:
+                    assert op.kind in cs.KINDS and rank in op.group and op.payload_bytes > 0
+                    assert op.dtype in cs.WIRES and op.count >= 1
+                    assert set(op.summed) <= set(op.group)
+                counts[mode] = cs.summary(ops)
+    part = cs.collective_schedule(lay, 1, "partial-sum")
+    assert not [op for op in part if op.kind == "chain"]
+    assert counts["partial-sum"]["reductions_critical_max"] <= 2
+    assert counts["partial-sum"]["collectives"] < counts["exact"]["collectives"]
+    exact = cs.collective_schedule(lay, 1, "exact")
+    rules = {r.name for r in ms.collective_rules(lay)}
+    assert {op.matrix for op in exact if op.matrix} == rules
+    print(f"{model} on {n_ranks}: exact {counts['exact']}, partial-sum {counts['partial-sum']}")
+
+
+def test_full_kimi_k3_partial_sum_counts():
+    """Kimi K3 on 32 ranks: per layer the attention's W_o partials reduced; per MoE layer the
+    router | W_ld chunks gathered together, the shared expert's sum overlapped (issued before
+    the routed experts, waited for at the stage's end), the experts' latent reduced, W_lu's
+    chunks gathered; MLA's W_qa and W_kva chunks gathered."""
+    cfg = get_config("kimi-k3")
+    ops = cs.collective_schedule(_layout("kimi-k3", 32), 1)
+    moe = [op for op in ops if op.stage == "moe" and op.layer == cfg.moe_layers[0]]
+    assert [op.name for op in moe] == ["router/w_router+latent/w_ld", "shared/w_down/sum",
+                                       "moe/expert/sum", "latent/w_lu"]
+    assert [op.critical for op in moe] == [True, False, True, True]
+    attention = [op for op in ops if op.layer == cfg.mla_layers[0] and op.stage == "mla"]
+    assert [op.name for op in attention] == ["mla.w_qa", "mla.w_kva", "mla.w_o/sum"]
+    n_layers = len(cfg.layers)
+    expected = 2 + n_layers + len(cfg.dense_layers) + 2 * len(cfg.mla_layers) \
+        + 4 * len(cfg.moe_layers)
+    summary = cs.summary(ops)
+    print(f"kimi-k3 on 32 ranks, partial-sum: {summary}")
+    assert summary["collectives"] == expected == 512
+
+
+def test_wire_and_expert_counts():
+    """bf16 on the wire halves every partial sum's bytes (gathers move values: f32 both ways);
+    the exact mode's expert hidden gathers run once per expert the group computes."""
+    lay = layout.layout(get_config("kimi-k3"), 32, layout.OURS)
+    f32, bf16 = (cs.collective_schedule(lay, 2, wire=w) for w in cs.WIRES)
+    for a, b in zip(f32, bf16, strict=True):
+        halved = a.kind == "all-reduce"
+        assert b.payload_bytes * (2 if halved else 1) == a.payload_bytes
+        assert b.dtype == ("bf16" if halved else "f32")
+    n_moe = len(lay.cfg.moe_layers)
+    ops = cs.collective_schedule(lay, 1, "exact", expert_counts=(3,) * n_moe)
+    hidden = [op for op in ops if op.name == "expert/h"]
+    assert len(hidden) == n_moe and {op.count for op in hidden} == {3}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"mode": "ring"}, "mode"), ({"wire": "fp8"}, "wire"),
+                                          ({"batch": 0}, "batch"), ({"rank": 8}, "rank")])
+def test_bad_arguments(kwargs, field):
+    args = {"lay": _layout("kimi-k3-mini", 8), "batch": 1, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        cs.collective_schedule(**args)

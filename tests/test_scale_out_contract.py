@@ -1,0 +1,195 @@
+"""The prediction reads the kernel's collective schedule (`scale_out_contract`), each collective
+priced by the algorithm `collective_choice` picks for it, and says why."""
+
+import json
+
+import pytest
+from mkresearch.kernels.compose import collective_schedule as cs
+
+from mkresearch.cli import main as cli
+from mkresearch.model import spec
+from mkresearch.model.config import get_config
+from mkresearch.prediction import collective_choice as choice
+from mkresearch.prediction import collective_plan, scale_out
+from mkresearch.prediction import interconnect as links
+from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
+from mkresearch.sharding import layout_split as split
+
+US = 1e-6
+
+
+@pytest.fixture(scope="module")
+def inter():
+    return links.interconnect("tpu7x", n_ranks=32)
+
+
+@pytest.mark.parametrize("kind, group, nbytes, algorithm, why", [
+    # a few hundred bytes over 4 hosts: one phase beats two
+    ("all-reduce", tuple(range(32)), 1024, "one-shot", "latency"),
+    # B = 1's hidden vector in bf16 over 4 hosts: 31 messages per core cost more than a phase
+    ("all-reduce", tuple(range(32)), 7168 * 2, "two-level", "injection"),
+    # B = 8's in f32: each message a 1/n piece
+    ("all-reduce", tuple(range(32)), 8 * 7168 * 4, "rs-ag", "large payload"),
+    # an all-gather has nothing to scatter: one phase, whatever the size
+    ("all-gather", tuple(range(32)), 8 * 7168 * 4, "one-shot", "latency"),
+    # inside one host, two-level is one-shot: the tie goes to one-shot
+    ("all-reduce", tuple(range(8)), 7168 * 2, "one-shot", "one host"),
+    ("all_gather", (0, 1), 4096, "one-shot", "one host"),
+    ("chain", (0, 4, 8), 4096, "chain", "serial"),
+])
+def test_each_algorithm_is_chosen_where_the_model_says(inter, kind, group, nbytes, algorithm,
+                                                       why):
+    c = choice.choose(inter, kind, group, nbytes)
+    print(f"{kind} over {len(group)} ranks, {nbytes} B: {c.reason}")
+    assert c.algorithm == algorithm and why in c.reason
+    # the choice is the cheapest candidate, priced by interconnect.price
+    assert c.seconds == min(s for _, s in c.candidates)
+    if kind != "chain":
+        assert c.seconds == pytest.approx(links.price(
+            inter, choice.KIND_ALIASES.get(kind, kind), algorithm, group, nbytes).seconds)
+
+
+def test_bad_kind_is_refused(inter):
+    with pytest.raises(ValueError, match="kind"):
+        choice.choose(inter, "broadcast", (0, 1), 8)
+
+
+@pytest.mark.parametrize("mode", cs.MODES)
+def test_the_program_is_the_kernels_collective_schedule(mode):
+    """Rank 0's program starts exactly the contract's collectives, in its order, over its groups
+    (an op run `count` times started that often); the prediction counts them."""
+    cfg = get_config("kimi-k3")
+    lay = layouts.layout(cfg, 32)
+    _, programs = scale_out.rank_programs(cfg, 32, "ours", 1,
+                                          schedule=scale_out.our_schedule(cfg, mode))
+    started = [(op[1].split("#")[0], op[4]) for op in programs[0] if op[0] == "start"]
+    counts = tuple(int(c) for c in scale_out.routed_experts(cfg, lay, 1)[:, 0])
+    ops = cs.collective_schedule(lay, 1, mode, rank=0, expert_counts=counts)
+    assert started == [(op.name, op.group) for op in ops for _ in range(op.count)]
+    p = scale_out.predict(cfg, 32, "ours", 1, collectives=mode)
+    assert p["collectives_per_rank"] == len(started)
+
+
+def test_kimi_k3_partial_sum_beats_the_release_at_every_batch():
+    """Partial sums: fewer collectives than the exact mode, every batch below the release's
+    published step, as the model stands (the parts sum to the step)."""
+    cfg = get_config("kimi-k3")
+    for batch in (1, 2, 4, 8):
+        part = scale_out.predict(cfg, 32, "ours", batch)
+        exact = scale_out.predict(cfg, 32, "ours", batch, collectives="exact")
+        print(f"B={batch}: partial-sum {part['step_s'] * 1e3:.2f} ms "
+              f"({part['collectives_per_rank']} collectives), exact {exact['step_s'] * 1e3:.2f} "
+              f"ms ({exact['collectives_per_rank']}), published "
+              f"{part['published_step_s'] * 1e3:.2f} ms")
+        assert part["algorithm"] == "auto" and part["schedule"]["collectives"] == "partial-sum"
+        assert part["step_s"] < part["published_step_s"] < exact["step_s"]
+        assert part["collectives_per_rank"] < exact["collectives_per_rank"] / 2
+        assert sum(part["parts_s"].values()) == pytest.approx(part["step_s"], rel=1e-9)
+    b1 = scale_out.predict(cfg, 32, "ours", 1)
+    assert 3.0e-3 < b1["step_s"] < 4.0e-3  # the goal (2.5 ms) is not reached: see the issue
+
+
+FAMILIES = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_no_rank_streams_only_padding(model):
+    """Every family's hidden size over 32 ranks: the lane-tile chunks leave ranks empty unless
+    the size is 32 x 128 (7,168: ranks 28-31; GLM's 5,120: 12 ranks); the balanced split gives every rank real
+    columns, the pieces one apart and summing to the size."""
+    cfg = get_config(model)
+    d = cfg.d_model
+    pieces = split.balanced(d, 32)
+    assert sum(pieces) == d and min(pieces) > 0 and max(pieces) - min(pieces) <= 1
+    chunk = layouts.chunk_length(d, 32)
+    empty = sum(1 for r in range(32) if r * chunk >= d)
+    print(f"{model}: d = {d}: lane chunks of {chunk} leave {empty} ranks empty; balanced "
+          f"{max(pieces)} / {min(pieces)}")
+    assert empty == {7168: 4, 5120: 12, 4096: 0}[d]
+    # in partial-sum mode no matrix's split leaves a rank all zeros: every split axis of every
+    # parameter is the balanced one or an exact split
+    lay = layouts.layout(cfg, 32)
+    table = layouts.leaves_with_path(spec.param_table(cfg))
+    for path, param in table:
+        shape = split.partial_sum_shape(lay, param)
+        assert all(0 < n <= m for n, m in zip(shape, param.shape, strict=True)), path
+
+
+def test_kimi_k3_per_rank_bytes_in_partial_sum_mode():
+    """Kimi K3 on 32 ranks at B = 1: per-rank bytes <= 4.6 GB in partial-sum mode (4.96 GB with
+    the exact mode's lane-tile chunks), and predict reads the same count."""
+    cfg = get_config("kimi-k3")
+    lay = layouts.layout(cfg, 32)
+    exact = layout_bytes.rank_bytes(lay, 1)
+    part = layout_bytes.rank_bytes(lay, 1, collectives="partial-sum")
+    print(f"per-rank bytes: exact {exact.total / 1e9:.2f} GB, partial-sum {part.total / 1e9:.2f}")
+    assert part.total <= 4.6e9 < exact.total
+    assert round(exact.total / 1e9, 2) == 4.96
+    # the routed experts, the LM head and the states are the same either way
+    for name in ("routed_experts", "lm_head", "kda_state"):
+        assert part.component(name) == exact.component(name)
+    assert scale_out.predict(cfg, 32, "ours", 1)["rank_bytes"] == part.total
+    assert scale_out.predict(cfg, 32, "ours", 1, collectives="exact")["rank_bytes"] == exact.total
+
+
+@pytest.mark.parametrize("length, ways, unit, pieces", [
+    (7168, 32, 1, (224,) * 32), (896, 32, 1, (28,) * 32), (10, 4, 1, (3, 3, 2, 2)),
+    (7168, 32, 128, (256,) * 24 + (128,) * 8), (100, 3, 16, (48, 32, 20))])
+def test_balanced_pieces(length, ways, unit, pieces):
+    assert split.balanced(length, ways, unit) == pieces
+
+
+def test_balanced_refuses_an_empty_rank():
+    with pytest.raises(ValueError, match="length"):
+        split.balanced(100, 32, 16)
+
+
+@pytest.mark.parametrize("mode", cs.MODES)
+def test_plan_lists_every_collective_of_the_schedule(mode, capsys):
+    """`mkresearch plan kimi-k3 --ranks 32`: one row per collective of the kernel's schedule,
+    each with its algorithm and reason; the count is the schedule's and predict's."""
+    cfg = get_config("kimi-k3")
+    assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--collectives", mode, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    ops = cs.collective_schedule(layouts.layout(cfg, 32), 1, mode)
+    assert [r["name"] for r in plan["rows"]] == [op.name for op in ops]
+    assert plan["count"] == cs.summary(ops)["collectives"] == sum(op.count for op in ops)
+    assert all(r["reason"].startswith(r["algorithm"]) and r["phases"] >= 1 for r in plan["rows"])
+    if mode == "partial-sum":  # predict's count is the listed one (exact: routing-dependent)
+        assert scale_out.predict(cfg, 32, "ours", 1)["collectives_per_rank"] == plan["count"]
+    assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--collectives", mode]) == 0
+    text = capsys.readouterr().out
+    assert f"{plan['count']} collectives per rank per step" in text
+    assert text.count("why: ") == len(plan["rows"])
+
+
+def test_modes_side_by_side_and_the_overlap_picture():
+    """Notebook 08's data: exact vs partial-sum per batch (fewer collectives, fewer bytes, a
+    shorter step); HBM busy for part of the time a collective is outstanding, more so with
+    partial sums (the shared expert's sum under the routed experts' stream)."""
+    cfg = get_config("kimi-k3")
+    rows = collective_plan.modes_table(cfg, 32, (1,))
+    part, exact = (next(r for r in rows if r["mode"] == m) for m in ("partial-sum", "exact"))
+    assert part["collectives"] < exact["collectives"] and part["rank_gb"] < exact["rank_gb"]
+    assert part["step_ms"] < part["published_ms"] < exact["step_ms"]
+    assert sum(part["parts_ms"].values()) == pytest.approx(part["step_ms"], rel=1e-9)
+    overlaps = [collective_plan.overlap(cfg, 32, 1, m) for m in ("partial-sum", "exact")]
+    for o in overlaps:
+        assert 0 < o["hbm_busy_ms"] <= o["outstanding_ms"] <= o["step_ms"]
+        lo, hi = o["window_us"]
+        assert o["rows"] and all(r["end_us"] > lo and r["start_us"] < hi for r in o["rows"])
+        assert {r["lane"] for r in o["rows"]} == {"HBM", "collective"}
+    assert overlaps[0]["hbm_busy_fraction"] > overlaps[1]["hbm_busy_fraction"]
+
+
+def test_the_schedule_takes_its_algorithms_from_the_choice(inter):
+    lay = layouts.layout(get_config("kimi-k3"), 32)
+    for batch in (1, 8):
+        ops = choice.assign(inter, cs.collective_schedule(lay, batch))
+        assert {op.algorithm for op in ops} <= {"one-shot", "two-level", "rs-ag", "chain"}
+        for op in ops[:20]:
+            assert op.algorithm == choice.choose(inter, op.kind, op.group,
+                                                 op.payload_bytes).algorithm
+    # B = 8's f32 partial sums over 32 ranks are large: reduce-scatter + all-gather
+    assert {op.algorithm for op in ops if op.kind == "all-reduce"} == {"rs-ag"}
