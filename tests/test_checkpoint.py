@@ -272,3 +272,12 @@ def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):
     got = np.asarray(loaded["dense"]["w_gate"][0])
     assert np.array_equal(got[:, :published], want[:, :published]) and not got[:, published:].any()
     assert not np.asarray(loaded["dense"]["w_down"][0])[published:].any()
+
+
+def test_kimi_k3_config_round_trip_and_kimi_linear_refused():
+    """Kimi K3 has no public config.json: ours (`model_type: kimi_k3`) reads back to every field;
+    Kimi Linear's is refused naming model_type (its MLA has no q_lora_rank)."""
+    cfg = config.get_config("kimi-k3-mini")
+    assert checkpoint.config_from_dict(checkpoint.config_dict(cfg), cfg.name) == cfg
+    with pytest.raises(checkpoint.CheckpointError, match="model_type='kimi_linear'"):
+        checkpoint.config_from_dict({"model_type": "kimi_linear", "hidden_size": 2304})
