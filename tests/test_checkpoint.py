@@ -281,3 +281,14 @@ def test_kimi_k3_config_round_trip_and_kimi_linear_refused():
     assert checkpoint.config_from_dict(checkpoint.config_dict(cfg), cfg.name) == cfg
     with pytest.raises(checkpoint.CheckpointError, match="model_type='kimi_linear'"):
         checkpoint.config_from_dict({"model_type": "kimi_linear", "hidden_size": 2304})
+
+
+def test_command_line_check_exits_non_zero_with_one_line(tmp_path, family_params, capsys):
+    from mkresearch.checkpoint.__main__ import main
+    name = "qwen3-235b-a22b-mini"
+    directory = _written(tmp_path, name, family_params[name], shards=2)
+    assert main([directory]) == 0 and capsys.readouterr().out.startswith("ok: ")
+    os.remove(os.path.join(directory, "model-00001-of-00002.safetensors"))
+    assert main([directory]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model-00001-of-00002.safetensors: missing shard" in err
