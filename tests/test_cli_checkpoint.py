@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_tokenizer import tiny_tokenizer_json
 
-from mkresearch.checkpoint import read_config, write_checkpoint
+from mkresearch.checkpoint.loader import read_config, write_checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli.main import main as cli
 from mkresearch.model import prefill, reference, weights

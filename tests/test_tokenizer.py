@@ -4,8 +4,8 @@ trained on a few sentences, byte-level, so any text encodes), no network."""
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mkresearch.checkpoint import CheckpointError
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+from mkresearch.model.hf_config import CheckpointError
 
 CORPUS = ["the megakernel decodes one token per step", "a prompt fills every cache at once",
           "Kimi Delta Attention keeps a recurrent state", "héllo wörld ✓ naïve café"]

@@ -1,8 +1,11 @@
-"""From a published checkpoint on disk to our parameters (issue 29, spec/checkpoints.md).
+"""From a published checkpoint on disk to our parameters (issue 29, spec/checkpoints.md). The API
+is `mkresearch.checkpoint.loader`'s:
 
     read_config(dir, *, name=None, **overrides) -> ModelConfig     config.json, validated
     load_params(dir, cfg, *, expert_format=None, ranks=None, progress=True, stats=None) -> params
     write_checkpoint(dir, params, cfg, *, fp8=False, shards=1)     the published layout
+    check_checkpoint(dir, cfg=None) -> ModelConfig                  every check, no weight read
+    python -m mkresearch.checkpoint DIR                             that check: one line, exit 1
     CheckpointError                                                 bad input, one line
     config_from_dict(raw, name) / config_dict(cfg)                  config.json <-> ModelConfig
 
@@ -14,8 +17,3 @@ is read by `mkresearch.model.hf_config` and the small real models' presets are
 Imports: mkresearch.hardware, mkresearch.model, mkresearch.sharding.
 """
 
-from mkresearch.checkpoint.loader import load_params, write_checkpoint
-from mkresearch.model.hf_config import CheckpointError, config_dict, config_from_dict, read_config
-
-__all__ = ["CheckpointError", "config_dict", "config_from_dict", "load_params", "read_config",
-           "write_checkpoint"]

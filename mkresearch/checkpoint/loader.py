@@ -36,7 +36,16 @@ from mkresearch.checkpoint.safetensors_io import (
 )
 from mkresearch.model import formats, spec, weights
 from mkresearch.model.config import ModelConfig
-from mkresearch.model.hf_config import CONFIG_FILE, CheckpointError, config_dict, fp8_quantized
+
+# the API of mkresearch.checkpoint is this module's: config.json's half comes from the model's reader
+from mkresearch.model.hf_config import (  # noqa: F401 - re-exported
+    CONFIG_FILE,
+    CheckpointError,
+    config_dict,
+    config_from_dict,
+    fp8_quantized,
+    read_config,
+)
 from mkresearch.sharding import layout
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -108,6 +117,17 @@ def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"tensor {extra[0]} is unexpected{more}: not a weight of this "
                               "config's model")
+
+
+def check_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None) -> ModelConfig:
+    """Everything `load_params` checks before reading a weight (config.json, every shard's header,
+    every tensor's name, shape and dtype), reading none: the config, or `CheckpointError`."""
+    directory = os.fspath(directory)
+    if cfg is None:
+        cfg = read_config(directory)
+    raw = _read_raw_config(directory)
+    _check(Shards(directory), _entries(cfg, raw), fp8_quantized(raw), cfg)
+    return cfg
 
 
 @functools.partial(jax.jit, donate_argnums=0)

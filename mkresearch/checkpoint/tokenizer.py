@@ -18,7 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from mkresearch.checkpoint import CheckpointError
+from mkresearch.model.hf_config import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mkresearch.checkpoint import CheckpointError, load_params, read_config
+from mkresearch.checkpoint.loader import CheckpointError, load_params, read_config
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli.common import UsageError, _at_least, _refusals
 from mkresearch.kernels.compose import megakernel
