@@ -32,25 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch.cli import (
-    bench,
-    figures,
-)
-from mkresearch.cli import (
-    checkpoint as cli_checkpoint,
-)
-from mkresearch.cli import (
-    plan_ranks as cli_plan_ranks,
-)
-from mkresearch.cli import (
-    predict as cli_predict,
-)
-from mkresearch.cli import (
-    ranks as cli_ranks,
-)
-from mkresearch.cli import (
-    speculative as cli_speculative,
-)
+from mkresearch.cli import bench, figures
+from mkresearch.cli import checkpoint as cli_checkpoint
+from mkresearch.cli import plan_ranks as cli_plan_ranks
+from mkresearch.cli import predict as cli_predict
+from mkresearch.cli import ranks as cli_ranks
+from mkresearch.cli import speculative as cli_speculative
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose import megakernel
 from mkresearch.measurement import recorded
