@@ -364,6 +364,9 @@ def _has_rank(cfg: ModelConfig) -> bool:
 
 
 def config_names() -> tuple[str, ...]:
-    """Every name `named_config` takes: the presets and one rank of each full-size one."""
+    """Every name `named_config` takes: the presets, one rank of each full-size one, and the
+    small real models' presets (`mkresearch.checkpoint.presets`)."""
+    # inside: mkresearch.checkpoint imports this module (an import cycle)
+    from mkresearch.checkpoint import presets as published
     ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
-    return (*PRESETS, *ranks)
+    return (*PRESETS, *ranks, *published.PUBLISHED)
