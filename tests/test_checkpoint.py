@@ -104,7 +104,10 @@ def test_same_logits_and_fp8_block_scales(tmp_path, family_params):
     assert 0 < stats["expert_rel_rms"] < 0.05
 
 
-@pytest.mark.parametrize("fmt, bound", [("bf16", 2.0 ** -8), ("fp8", 0.05), ("mxfp4", 0.2)])
+# fp8's error is also stated by test_same_logits_and_fp8_block_scales; bf16's is a rounding
+@pytest.mark.parametrize("fmt, bound", [pytest.param("bf16", 2.0 ** -8, marks=pytest.mark.exhaustive),
+                                        pytest.param("fp8", 0.05, marks=pytest.mark.exhaustive),
+                                        ("mxfp4", 0.2)])
 def test_expert_conversion_error_is_stated(tmp_path, family_params, fmt, bound):
     """FP8 release experts into each of our formats: the error measured against the checkpoint's
     own values (f32, block scales applied)."""
@@ -269,3 +272,23 @@ def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):
     got = np.asarray(loaded["dense"]["w_gate"][0])
     assert np.array_equal(got[:, :published], want[:, :published]) and not got[:, published:].any()
     assert not np.asarray(loaded["dense"]["w_down"][0])[published:].any()
+
+
+def test_kimi_k3_config_round_trip_and_kimi_linear_refused():
+    """Kimi K3 has no public config.json: ours (`model_type: kimi_k3`) reads back to every field;
+    Kimi Linear's is refused naming model_type (its MLA has no q_lora_rank)."""
+    cfg = config.get_config("kimi-k3-mini")
+    assert checkpoint.config_from_dict(checkpoint.config_dict(cfg), cfg.name) == cfg
+    with pytest.raises(checkpoint.CheckpointError, match="model_type='kimi_linear'"):
+        checkpoint.config_from_dict({"model_type": "kimi_linear", "hidden_size": 2304})
+
+
+def test_command_line_check_exits_non_zero_with_one_line(tmp_path, family_params, capsys):
+    from mkresearch.checkpoint.__main__ import main
+    name = "qwen3-235b-a22b-mini"
+    directory = _written(tmp_path, name, family_params[name], shards=2)
+    assert main([directory]) == 0 and capsys.readouterr().out.startswith("ok: ")
+    os.remove(os.path.join(directory, "model-00001-of-00002.safetensors"))
+    assert main([directory]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model-00001-of-00002.safetensors: missing shard" in err

@@ -2,8 +2,8 @@
 
 Tiny random DeepSeek-V3, Qwen3-MoE and GLM-4.5 models (tests/hf_tiny.py: built from small
 configs, weights redrawn at O(1) scale, saved with `save_pretrained`; nothing downloaded) load
-through `mkresearch.checkpoint`. Our reference over a 12-token sequence (`reference.prefill` over
-the first PROMPT_LEN tokens, then `decode_step` for the rest) gives logits within LOGIT_BOUND of
+through `mkresearch.checkpoint`. Our reference over a 12-token sequence (`mkresearch.prefill`, one
+jitted call over the first PROMPT_LEN tokens, then `reference.decode_step` for the rest) gives logits within LOGIT_BOUND of
 transformers' own forward pass over the whole sequence (bf16 weights and activations on both
 sides, logits of RMS ~1: the two round in different places, ~0.03-0.07 apart measured). Then the
 megakernel, from the reference's state after the prompt, decodes greedy tokens equal to the
@@ -30,9 +30,10 @@ import hf_tiny
 from mkresearch.kernels import megakernel as mk
 
 from mkresearch import checkpoint, reference, sampling
+from mkresearch import prefill as chunked
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
-SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 2
+SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 1  # one megakernel step each: make test's budget
 SEEDS = {"deepseek_v3": 2, "qwen3_moe": 0, "glm4_moe": 0}  # module docstring: no routing near-tie
 
 
@@ -51,7 +52,7 @@ def _ours(params, cfg, tokens):
     """Prefill over the prompt, then one decode step per remaining token: logits [T, V], and the
     state after the prompt."""
     prompt = jnp.asarray([tokens[:PROMPT_LEN]])
-    logits, state = reference.prefill(params, reference.init_state(cfg, 1), prompt, cfg)
+    logits, state = chunked.prefill(params, reference.init_state(cfg, 1), prompt, cfg)
     after_prompt = state
     rows = [np.asarray(logits[0])]
     for t in range(PROMPT_LEN, len(tokens)):

@@ -28,7 +28,13 @@ from tqdm.auto import tqdm
 
 from mkresearch import formats, layout, spec, weights
 from mkresearch.checkpoint import names as names_module
-from mkresearch.checkpoint.hf_config import CONFIG_FILE, CheckpointError, config_dict, fp8_quantized
+from mkresearch.checkpoint.hf_config import (
+    CONFIG_FILE,
+    CheckpointError,
+    config_dict,
+    fp8_quantized,
+    read_config,
+)
 from mkresearch.checkpoint.safetensors_io import (
     SCALE_SUFFIX,
     Shards,
@@ -107,6 +113,17 @@ def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"tensor {extra[0]} is unexpected{more}: not a weight of this "
                               "config's model")
+
+
+def check_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None) -> ModelConfig:
+    """Everything `load_params` checks before reading a weight (config.json, every shard's header,
+    every tensor's name, shape and dtype), reading none: the config, or `CheckpointError`."""
+    directory = os.fspath(directory)
+    if cfg is None:
+        cfg = read_config(directory)
+    raw = _read_raw_config(directory)
+    _check(Shards(directory), _entries(cfg, raw), fp8_quantized(raw), cfg)
+    return cfg
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -202,6 +202,7 @@ def write_shards(directory: str, groups: Iterable[dict[str, np.ndarray]], n_grou
     current: dict[str, np.ndarray] = {}
     shard = 0
     per_shard = -(-n_groups // shards)
+    shards = -(-n_groups // per_shard)  # the files actually written (fewer groups than shards)
     for i, group in enumerate(groups):
         current.update(group)
         if (i + 1) % per_shard == 0 or i + 1 == n_groups:
