@@ -2,7 +2,7 @@
 
 Tiny random DeepSeek-V3, Qwen3-MoE and GLM-4.5 models (tests/hf_tiny.py: built from small
 configs, weights redrawn at O(1) scale, saved with `save_pretrained`; nothing downloaded) load
-through `mkresearch.checkpoint`. Our reference over a 12-token sequence (`mkresearch.prefill`, one
+through `mkresearch.checkpoint`. Our reference over a 12-token sequence (`mkresearch.model.prefill`, one
 jitted call over the first PROMPT_LEN tokens, then `reference.decode_step` for the rest) gives logits within LOGIT_BOUND of
 transformers' own forward pass over the whole sequence (bf16 weights and activations on both
 sides, logits of RMS ~1: the two round in different places, ~0.03-0.07 apart measured). Then the

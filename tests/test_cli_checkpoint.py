@@ -11,7 +11,7 @@ from test_tokenizer import tiny_tokenizer_json
 
 from mkresearch.checkpoint.loader import read_config, write_checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
-from mkresearch.cli.main import main as cli
+from mkresearch.cli import main as cli
 from mkresearch.model import prefill, reference, weights
 from mkresearch.model.config import get_config
 

@@ -9,8 +9,8 @@ What must hold:
   decode step's online one: a bf16 ulp or two in the attention outputs, carried into the
   next layers' cache entries);
 - the logits after each prompt token within LOGIT_TOL · max|step-by-step|.
-The prompt runs as two chunks (5 tokens, then 4: two jitted calls, the second after cached
-tokens), row 1 starting at slot 5.
+The prompt runs as two chunks of 5 tokens (two jitted calls, the second after cached tokens),
+row 1 starting at slot 5.
 Measured maxima are printed (pytest -s).
 """
 
@@ -27,7 +27,7 @@ STEPS = 4
 
 # `make test` runs two cases (KDA's scan, the latent MLA, the residual mix; GQA with its bias,
 # partial RoPE and the pre-norm stream); the other three are exhaustive (each ~30 s of CPU:
-# a decode step and two chunk shapes compiled), the same chunk forms on other shapes.
+# a decode step and a chunk compiled), the same chunk forms on other shapes.
 EXHAUSTIVE = pytest.mark.exhaustive
 CASES = {  # id: (preset, overrides, marks)
     "kimi-k3-mini-latent": ("kimi-k3-mini", {"mla_cache_layout": "latent"}, ()),
@@ -60,12 +60,12 @@ def test_prefill_equals_step_by_step(case):
     cfg = get_config(preset, **overrides)
     params = weights.init_params(cfg, seed=3)
     # two rows starting at different slots (one mid-cache: a chunk after cached tokens)
-    batch, length, start = 2, 9, np.array([0, 5], np.int32)
+    batch, length, start = 2, 10, np.array([0, 5], np.int32)
     prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, length))
     fresh = reference.init_state(cfg, batch)
     want_logits, want_state = reference.prefill(params, fresh, prompt, cfg, start=start)
     got_logits, got_state = prefill.prefill(params, fresh, prompt, cfg, start=start,
-                                            chunk=5)  # two calls: 5 tokens, then 4
+                                            chunk=5)  # two calls of 5 tokens: one compile
     differences = {f"{kind}.{leaf}": relative(got_state[kind][leaf], want)
                    for kind, leaves in want_state.items() for leaf, want in leaves.items()}
     print(f"{case}: state max |chunked - stepwise| / max|stepwise| {differences}; logits "

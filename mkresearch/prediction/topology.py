@@ -120,6 +120,9 @@ SLICES = {
     "v5p:4x4x4": Slice("v5p:4x4x4", (4, 4, 4), (True, True, True), 1, 4),
     "v6e:4x4": Slice("v6e:4x4", (4, 4), (False, False), 1, 8),
     "v5e:4x4": Slice("v5e:4x4", (4, 4), (False, False), 1, 8),
+    # one TPU VM (v6e-8 / v5e-8: one host, 8 chips as 2x4): the small real models' slices
+    "v6e:2x4": Slice("v6e:2x4", (2, 4), (False, False), 1, 8),
+    "v5e:2x4": Slice("v5e:2x4", (2, 4), (False, False), 1, 8),
 }
 
 

@@ -366,7 +366,7 @@ def _has_rank(cfg: ModelConfig) -> bool:
 
 
 def config_names() -> tuple[str, ...]:
-    """Every name `named_config` takes: the presets, the small real models' published configs, and
-    one rank of each full-size preset."""
+    """Every name `named_config` takes: the presets, one rank of each full-size one, and the
+    small real models' presets (`mkresearch.model.published`)."""
     ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
-    return (*PRESETS, *published.PUBLISHED, *ranks)
+    return (*PRESETS, *ranks, *published.PUBLISHED)
