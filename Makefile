@@ -93,9 +93,10 @@ lab: venv
 figures: venv
 	$(BIN)/mkresearch figures --out figures
 
-# Re-record the slow results notebooks show instead of recomputing (mkresearch.measurement.recorded): the
-# megakernel compiled for TPU7x at kimi-k3-rank shapes (one rank of the release layout), at one
-# rank of each other family (config.rank_shapes) and sharded over 32 ranks.
+# Re-record the slow results notebooks show instead of recomputing (mkresearch.cli.record writes
+# mkresearch.measurement.recorded's records): the megakernel compiled for TPU7x at kimi-k3-rank
+# shapes (the one-device stand-in for one rank of the release layout), at one rank of each other
+# family (config.rank_shapes) and sharded over 32 ranks.
 recorded: venv
 	$(BIN)/python -m mkresearch.cli.record
 

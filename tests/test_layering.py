@@ -21,8 +21,6 @@ from mkresearch.layers import DRAWING, LAYERS, layer_of, rank
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mkresearch": ROOT / "mkresearch", "mkresearch.kernels": ROOT / "kernels"}
 MAX_LINES = 500
-# Over MAX_LINES, allowed until the issue named splits them (none now).
-TOO_LONG_ALLOWED: dict[str, str] = {}
 
 
 def module_files() -> dict[str, Path]:
@@ -217,12 +215,9 @@ def test_every_subpackage_names_its_job_and_what_it_may_import():
 def test_no_module_over_max_lines():
     counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
               for path in MODULES.values()}
-    too_long = {name: n for name, n in counts.items()
-                if n > MAX_LINES and name not in TOO_LONG_ALLOWED}
+    too_long = {name: n for name, n in counts.items() if n > MAX_LINES}
     assert not too_long, (f"modules over {MAX_LINES} lines (split them): "
                           + ", ".join(f"{name} ({n})" for name, n in sorted(too_long.items())))
-    no_longer = [name for name in TOO_LONG_ALLOWED if counts.get(name, 0) <= MAX_LINES]
-    assert not no_longer, f"no longer over {MAX_LINES} lines: drop from TOO_LONG_ALLOWED {no_longer}"
 
 
 @pytest.mark.parametrize("importer, source, expected", [

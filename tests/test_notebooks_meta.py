@@ -61,7 +61,7 @@ def test_first_cell_installs_and_selects_backend(notebook):
     source = "".join(first["source"])
     assert source.startswith(SETUP_FIRST_LINE), f"{notebook.name}: first cell is not the setup cell"
     for needed in ('find_spec("mkresearch")', "pip", "import mkresearch",
-                   "from mkresearch import tpu", "tpu.describe_backend()"):
+                   "from mkresearch.hardware import tpu", "tpu.describe_backend()"):
         assert needed in source, f"{notebook.name}: setup cell lacks {needed!r}"
 
 
