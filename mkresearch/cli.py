@@ -281,6 +281,9 @@ def _parser() -> _Parser:
     p.add_argument("--ranks", type=int, default=1,
                    help="devices the megakernel is sharded across (default 1); on CPU that many "
                         "simulated devices, in a child process when needed")
+    p.add_argument("--collectives", default="partial-sum", choices=("exact", "partial-sum"),
+                   help="with --ranks: partial sums reduced in one fixed order (default), or the "
+                        "exact schedule (every value whole on one rank: the single device's bits)")
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
     cli_speculative.add_arguments(p)
 

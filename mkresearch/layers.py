@@ -20,7 +20,7 @@ import fnmatch
 # layer -> module names (fnmatch patterns), in order from the bottom up
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("mkresearch", "mkresearch.layers", "mkresearch.config", "mkresearch.config_rules",
-             "mkresearch.reference",
+             "mkresearch.reference", "mkresearch.reference_sharded",
              "mkresearch.weights", "mkresearch.chips", "mkresearch.sampling",
              "mkresearch.facts", "mkresearch.tpu", "mkresearch._fast_interpret",
              "mkresearch.roofline", "mkresearch.kv_cache", "mkresearch.spec",
