@@ -11,6 +11,7 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.cli import ranks as cli_ranks
+from mkresearch.sharding import reference_sharded
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -50,9 +51,10 @@ def test_too_few_devices_in_a_child_is_refused(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_decode_on_2_ranks_in_a_child_json():
-    """One device here: the command re-runs itself with 2 simulated devices; its sharded tokens
-    and logits equal the single-device megakernel's at every step and agree with the reference;
-    per-rank bytes from the recorded step."""
+    """One device here: the command re-runs itself with 2 simulated devices; with the default
+    partial-sum collectives its logits lie within `reference_sharded.BOUND` of the single-device
+    megakernel's at every step (the exact schedule's bit-equality: tests/sharded) and agree with
+    the reference; per-rank bytes from the recorded step."""
     env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
     done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--ranks", "2",
                            "--prompt-len", "2", "--steps", "2", "--batch", "2", "--json"],
@@ -68,9 +70,9 @@ def test_decode_on_2_ranks_in_a_child_json():
           f"{single['logits_bit_equal_steps']}/{single['steps']} steps")
     assert agree["passed"] and agree["max_abs_logit_diff"] <= 5e-2
     assert agree["tokens_equal"] + len(agree["near_ties"]) == agree["tokens"] == 4
-    assert single["passed"] and single["tokens_equal"] == single["tokens"] == 6
-    assert single["logits_bit_equal_steps"] == single["steps"] == 3
-    assert single["max_abs_logit_diff"] == 0.0 and result["passed"]
+    assert result["collectives"] == "partial-sum" and single["steps"] == 3
+    assert single["passed"] and single["max_abs_logit_diff"] <= reference_sharded.BOUND["f32"]
+    assert result["passed"]
     ranks = result["per_rank"]
     assert [row["rank"] for row in ranks] == [0, 1]
     for row in ranks:

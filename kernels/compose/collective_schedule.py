@@ -5,7 +5,7 @@ A rank's step, in issue order, is a tuple of `CollectiveOp`: the layer and stage
 its kind (all-gather, all-reduce, chain), the ranks taking part, the bytes it moves, what it is
 issued after and what waits for it. Two modes:
 
-  exact        the kernel as built (`kernels/megakernel_sharded.py`, bit-equal to one device):
+  exact        the kernel as built (`kernels/compose/megakernel_sharded.py`, bit-equal to one device):
                every matrix split by its output columns, so a matrix whose input arrives split
                gets it all-gathered first (the heads' outputs before W_o, a hidden slice before
                W_down) and a matrix split by padded column chunks has its chunks all-gathered
@@ -13,18 +13,21 @@ issued after and what waits for it. Two modes:
                sum passed down the chain of expert groups and the last group's sum all-gathered;
                the embedding all-reduced, the vocab shards' sampling states all-gathered. Values
                move as f32 (`wire` does not apply: nothing is added on the wire's behalf).
-  partial-sum  a matrix contracting over a split dimension (its `Param.gather` group) is split
-               by its ROWS instead: each rank multiplies its slice and the partial sums [B, N]
-               are all-reduced, every rank adding the same partials in one fixed order (`summed`)
-               so all ranks hold the same bits. Per layer: the attention's W_o partials reduced
-               (one all-reduce); the small down-projections that share x (W_qa | W_kva, router |
-               W_ld) gathered together, one all-gather each; the routed experts' weighted sum
-               over the latent reduced (the experts' W2 split by its hidden rows: no gather of an
-               expert's hidden, no chain), then W_lu's column chunks gathered; the shared expert's
-               (or dense FFN's) W_down partials reduced, issued before the routed experts' stream
-               and waited for after it (`critical=False`). Experts on the full d (moe_full): the
-               routed and shared partials added locally and reduced once. Partial sums travel as
-               `wire` (f32 or bf16: bf16 rounds each rank's partial once more before the sum).
+  partial-sum  a matrix contracting over a split dimension (its `Param.gather` group: W_o over
+               the heads, W_down over the FFN hidden, an expert's W2 over its ETP hidden slice) is
+               split by its ROWS instead (`layout.param_shard`): each rank multiplies its slice
+               and the partial sums are all-reduced one-shot (every rank's partial to every peer),
+               every rank adding the same partials in one fixed order (`summed`: one rank per
+               slice, slice 0 first), so all ranks hold the same bits. The routed experts'
+               weighted sum is such a reduction over every rank in rank order (no chain, no
+               gather of an expert's hidden). The column gathers of the small down-projections
+               (W_qa, W_kva, the router, W_ld) and of W_lu stay: the model needs those vectors
+               whole (a norm or top-k follows). Partial sums travel as `wire` (f32, or bf16:
+               each rank's partial rounded once before the sum). Per MoE layer three
+               reductions (attention, routed, shared) and three gathers, all waited for at once
+               (`critical`); not yet: the shared expert's sum hidden behind the routed experts'
+               stream, the router and W_ld chunks gathered together, ETP > 1 numerics (each
+               expert's partial output is rounded to bf16 before the sum).
 
 Names follow the kernel's DMA log: a collective named N logs its remote copies as
 `N/all_gather` (and `N/reduce_scatter` for the exact mode's reduce-scatter + all-gather, `N/chain`
@@ -104,26 +107,25 @@ def _lanes(width: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
-    """Exact mode: every streamed matrix with a collective around it, its input gathered
-    (Param.gather) or its output's column chunks gathered (split by a padded group)."""
+    """Every streamed matrix with a collective around it: exact, its input gathered
+    (Param.gather) or its output's column chunks gathered (split by a padded group); partial-sum,
+    a matrix split by its rows (`layout.param_shard`) has its products reduced instead."""
     cfg, rules = lay.cfg, []
     for kind in cfg.kinds:
         params = spec.stage(kind).params(cfg)
         for m in registry.kernel_stage(kind).streamed(cfg):
             p = params[m.key]
             k, n = m.shape
-            out = next((group for axis, group in layouts.active_shard(lay, p.shard, p.shape)
+            active = layouts.active_shard(lay, layouts.param_shard(lay, p), p.shape)
+            out = next((group for axis, group in active
                         if axis == 1 and group in GATHERED_COLUMNS), None)
-            gather = p.gather if p.gather is not None and lay.divides(p.gather, k) else None
-            if out is not None or gather is not None:
-                rules.append(collectives.Rule(m.name, out, n, gather, k))
+            reduce = next((group for axis, group in active if axis == 0 and group == p.gather),
+                          None)
+            gather = (p.gather if reduce is None and p.gather is not None
+                      and lay.divides(p.gather, k) else None)
+            if out is not None or gather is not None or reduce is not None:
+                rules.append(collectives.Rule(m.name, out, n, gather, k, reduce))
     return tuple(rules)
-
-
-def _slice_firsts(lay: layouts.Layout, group: str) -> tuple[int, ...]:
-    """One rank per slice of `group`, slice 0 first: whose partials an all-reduce adds."""
-    split = lay.split(group)
-    return tuple(i * split.stride for i in range(split.ways))
 
 
 def collective_schedule(lay: layouts.Layout, batch: int, mode: str = "partial-sum",
@@ -150,7 +152,7 @@ def _schedule(lay, batch, mode, wire, rank, expert_counts) -> tuple[CollectiveOp
         raise ValueError(f"expert_counts has {len(expert_counts)} entries: one per MoE layer "
                          f"({len(moe_layers)})")
     counts = dict(zip(moe_layers, expert_counts or [worst_items] * len(moe_layers), strict=True))
-    ops = [_embed(cfg, batch, tuple(range(n)), mode, wire)]
+    ops = [_embed(cfg, batch, tuple(range(n)))]
     for layer, kinds in enumerate(cfg.layers):
         for kind in kinds:
             ops += [dataclasses.replace(op, layer=layer) for op in _stage(
@@ -161,25 +163,43 @@ def _schedule(lay, batch, mode, wire, rank, expert_counts) -> tuple[CollectiveOp
     return tuple(ops)
 
 
-def _embed(cfg, batch, everyone, mode, wire) -> CollectiveOp:
-    """The owner's embedding row, zeros elsewhere, all-reduced (exact: one non-zero term; bf16
-    on the wire is exact too, the table is bf16)."""
-    exact = mode == "exact"
-    return CollectiveOp(-1, "embed", "embed", "all-reduce", everyone,
-                        batch * cfg.d_model * (F32 if exact else WIRE_BYTES[wire]),
-                        "f32" if exact else wire, "embedding row DMA", "layer 0",
-                        algorithm="reduce-scatter+all-gather" if exact else "one-shot",
-                        summed=everyone)
+def _embed(cfg, batch, everyone) -> CollectiveOp:
+    """The owner's embedding row, zeros elsewhere, all-reduced as a reduce-scatter + all-gather
+    in f32, either mode (exact: one non-zero term)."""
+    return CollectiveOp(-1, "embed", "embed", "all-reduce", everyone, batch * cfg.d_model * F32,
+                        "f32", "embedding row DMA", "layer 0",
+                        algorithm="reduce-scatter+all-gather", summed=everyone)
 
 
 @functools.lru_cache(maxsize=1024)
 def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...]:
-    """One stage's collectives (layer -2: the caller sets it)."""
-    streamed = registry.kernel_stage(kind).streamed(lay.cfg)
-    ctx = _Ctx(lay, batch, wire, kind, rank, tuple(m.name for m in streamed))
-    if mode == "exact":
-        return tuple(_exact_stage(ctx, items))
-    return tuple(_partial_stage(ctx, streamed))
+    """One stage's collectives (layer -2: the caller sets it), as `collectives.ShardedStream`
+    and `Collectives.combine_items` issue them."""
+    lay = dataclasses.replace(lay, collectives=mode)
+    names = tuple(m.name for m in registry.kernel_stage(kind).streamed(lay.cfg))
+    ctx = _Ctx(lay, batch, wire, kind, rank, names)
+    rules = {r.name: r for r in collective_rules(lay)}
+    routing = _routing_point(lay, kind)
+    out, b = [], batch
+    for i, name in enumerate(names):
+        rule = rules.get(name)
+        if rule is not None and rule.gather is not None:
+            etp = rule.gather == spec.EXPERT_TP
+            out.append(ctx.op(f"{name}/input", "all-gather", ctx.etp_group if etp else ctx.everyone,
+                              b * F32 * _lanes(lay.local_length(rule.gather, rule.k)),
+                              issue_after=names[i - 1] if i else f"{kind} start",
+                              wait_before=name, matrix=name, role="input"))
+        if rule is not None and rule.reduce is not None:
+            out.append(ctx.sum(f"{name}/sum", b * rule.n, name, ctx.after(i),
+                               lay.slice_firsts(rule.reduce), matrix=name))
+        if rule is not None and rule.out is not None:
+            out.append(ctx.op(name, "all-gather", ctx.everyone,
+                              b * F32 * _lanes(lay.local_length(rule.out, rule.n)),
+                              issue_after=name, wait_before=ctx.after(i), matrix=name,
+                              role="output"))
+        if name == routing:
+            out += _experts(ctx, items, ctx.after(i))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -208,34 +228,22 @@ class _Ctx:
         fields.setdefault("dtype", "f32")
         return CollectiveOp(-2, self.kind, name, kind, group, int(nbytes), **fields)
 
-
-def _exact_stage(ctx: _Ctx, items: int) -> list[CollectiveOp]:
-    """The exact mode's collectives of one stage, as `collectives.ShardedStream` and
-    `Collectives.combine_items` issue them."""
-    lay, b = ctx.lay, ctx.batch
-    rules = {r.name: r for r in collective_rules(lay)}
-    routing = _routing_point(lay, ctx.kind)
-    out = []
-    for i, name in enumerate(ctx.names):
-        rule = rules.get(name)
-        if rule is not None and rule.gather is not None:
-            etp = rule.gather == spec.EXPERT_TP
-            out.append(ctx.op(f"{name}/input", "all-gather", ctx.etp_group if etp else ctx.everyone,
-                              b * F32 * _lanes(lay.local_length(rule.gather, rule.k)),
-                              issue_after=ctx.names[i - 1] if i else f"{ctx.kind} start",
-                              wait_before=name, matrix=name, role="input"))
-        if rule is not None and rule.out is not None:
-            out.append(ctx.op(name, "all-gather", ctx.everyone,
-                              b * F32 * _lanes(lay.local_length(rule.out, rule.n)),
-                              issue_after=name, wait_before=ctx.after(i), matrix=name,
-                              role="output"))
-        if name == routing:
-            out += _exact_experts(ctx, items, ctx.after(i))
-    return out
+    def sum(self, name, values, after, before, summed, matrix="") -> CollectiveOp:
+        """A partial-sum all-reduce of `values` numbers (one-shot: `Collectives.reduce`)."""
+        return self.op(name, "all-reduce", self.everyone, values * WIRE_BYTES[self.wire],
+                       dtype=self.wire, issue_after=after, wait_before=before, summed=summed,
+                       matrix=matrix, role="sum")
 
 
-def _exact_experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
+def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
+    """The routed experts' collectives. Exact: an expert's hidden gathered in its ETP group, the
+    weighted sum down the chain of expert groups, the last group's sum all-gathered.
+    Partial-sum: W2's rows split by ETP, every rank's Σ w_e y_e over its experts and hidden slice
+    all-reduced in rank order."""
     lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
+    if lay.collectives != "exact":
+        width = layouts.expert_output_width(cfg)
+        return [ctx.sum("expert/sum", b * width, "routed experts", before, ctx.everyone)]
     out = []
     if lay.etp > 1 and items:
         out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,
@@ -251,72 +259,6 @@ def _exact_experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
     out.append(ctx.op("expert/sum", "all-gather", ctx.everyone, b * F32 * _lanes(latent),
                       issue_after="the last group's sum", wait_before=before, role="output"))
     return out
-
-
-def _partial_stage(ctx: _Ctx, streamed) -> list[CollectiveOp]:
-    """The partial-sum mode's collectives of one stage (see the module docstring)."""
-    lay, b, wire = ctx.lay, ctx.batch, ctx.wire
-    params = spec.stage(ctx.kind).params(lay.cfg)
-    routing = _routing_point(lay, ctx.kind)
-    pending: list[tuple[str, int]] = []
-    gathers, sums = [], []
-
-    def flush(before):
-        """The column chunks of the matrices since the last flush, gathered together."""
-        if pending:
-            gathers.append(ctx.op("+".join(n for n, _ in pending), "all-gather", ctx.everyone,
-                                  b * F32 * sum(_lanes(w) for _, w in pending),
-                                  issue_after=pending[-1][0], wait_before=before,
-                                  matrix=pending[-1][0], role="output"))
-            pending.clear()
-
-    for i, m in enumerate(streamed):
-        p = params[m.key]
-        k, n = m.shape
-        if p.gather is not None and p.gather != spec.EXPERT_TP and lay.divides(p.gather, k):
-            flush(m.name)
-            sums.append(ctx.op(f"{m.name}/sum", "all-reduce", ctx.everyone,
-                               b * n * WIRE_BYTES[wire], dtype=wire, issue_after=m.name,
-                               wait_before=ctx.after(i), summed=_slice_firsts(lay, p.gather),
-                               matrix=m.name, role="sum"))
-            continue
-        cols = next((g for axis, g in layouts.active_shard(lay, p.shard, p.shape)
-                     if axis == 1 and g in GATHERED_COLUMNS), None)
-        if cols is not None:
-            pending.append((m.name, lay.local_length(cols, n)))
-        if m.name == routing:
-            flush("routed experts")
-        elif i + 1 == len(streamed) or streamed[i + 1].shape[0] != k:
-            flush(ctx.after(i))  # the next matrix reads another input: this one's is needed
-    flush(f"{ctx.kind} end")
-    if routing is None:
-        return [*gathers, *sums]
-    return _partial_moe(ctx, routing, gathers, sums)
-
-
-def _partial_moe(ctx: _Ctx, routing: str, gathers: list, sums: list) -> list[CollectiveOp]:
-    """A MoE stage: the routed experts' partial sums (over the latent, or d) reduced in rank
-    order; the shared expert's sum issued before the routed experts and waited for at the end;
-    experts on the full d add the shared partials to theirs and reduce once."""
-    lay, b, wire = ctx.lay, ctx.batch, ctx.wire
-    width = layouts.expert_output_width(lay.cfg)
-    latent = "w_ld" in routing
-    before_experts = [g for g in gathers if g.wait_before == "routed experts"]
-    after_experts = [g for g in gathers if g not in before_experts]
-    if not latent and sums:  # routed + shared partials on d: one reduction
-        both = dataclasses.replace(sums[0], name=f"{ctx.kind}/sum", issue_after="routed experts",
-                                   wait_before=f"{ctx.kind} end", summed=ctx.everyone, matrix="")
-        return [*before_experts, both, *after_experts]
-    routed = ctx.op(f"{ctx.kind}/expert/sum", "all-reduce", ctx.everyone,
-                    b * width * WIRE_BYTES[wire], dtype=wire, issue_after="routed experts",
-                    wait_before=ctx.after(ctx.names.index(routing)) if latent
-                    else f"{ctx.kind} end", summed=ctx.everyone, role="sum")
-    shared = [dataclasses.replace(s, issue_after="shared expert W_down",
-                                  wait_before=f"{ctx.kind} end", critical=False) for s in sums]
-    if shared:  # the shared expert streams before the routed ones: W_lu's output ends the stage
-        after_experts = [dataclasses.replace(g, wait_before=f"{ctx.kind} end")
-                         for g in after_experts]
-    return [*before_experts, *shared, routed, *after_experts]
 
 
 def _routing_point(lay: layouts.Layout, kind: str) -> str | None:

@@ -109,9 +109,13 @@ def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> 
 
 
 def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = None,
-                      options: mplan.MegakernelOptions = mplan.MegakernelOptions()  # noqa: B008
-                      ) -> ShardedPlan:
-    """Check sizes and options (ValueError naming them) and fix every static size of one rank."""
+                      options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
+                      wire: str = "f32") -> ShardedPlan:
+    """Check sizes and options (ValueError naming them) and fix every static size of one rank.
+    The layout's `collectives` picks the schedule (`kernels/compose/collective_schedule.py`); wire: the
+    partial sums' format on the wire (collective_schedule.WIRES)."""
+    if wire not in collective_schedule.WIRES:
+        raise ValueError(f"wire={wire!r} is invalid: one of {collective_schedule.WIRES}")
     if not isinstance(lay, layouts.Layout):
         raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
     cfg = lay.cfg
@@ -130,7 +134,8 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
     vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
 
     def local(kind, m):
-        shape = layouts.local_shape(lay, m.shape, _layer_param(cfg, kind, m.key).shard)
+        shape = layouts.local_shape(lay, m.shape,
+                                    layouts.param_shard(lay, _layer_param(cfg, kind, m.key)))
         return registry.Streamed(m.key, m.name, shape)
 
     stream = weight_stream.make_stream_plan(cfg, local) if options.global_stream else None
@@ -148,12 +153,16 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
         if rule.out is not None:
             pieces["all"].append(lay.local_length(rule.out, rule.n))
+        if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank
+            pieces["all"].append(rule.n)
     # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
-    expert_latent = lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
+    expert_latent = (lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
+                     if lay.collectives == layouts.EXACT else layouts.expert_output_width(cfg))
     pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
     shard = collectives.make_shard_plan(
         lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
-        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
+        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent,
+        wire=wire)
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(

@@ -18,6 +18,9 @@ is computed whole on one rank, in the single-device kernel's order, and then mov
                  group adds its experts to the running sum of the groups before it, passed down
                  the chain of groups by remote DMA (the single-device order, bit for bit), and
                  the last group's sum is all-gathered
+  reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products [B, N] of
+                 a matrix split by its rows, every rank's sent to every peer (one-shot) and
+                 added in one fixed order on every rank; the routed experts' sum is one too
 
 Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
 collective: data of collective k + 2 can only arrive once its sender has finished collective
@@ -71,6 +74,7 @@ class Rule:
     n: int
     gather: str | None
     k: int
+    reduce: str | None = None  # partial-sum: rows split by this group, the products all-reduced
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class ShardPlan:
     rules: tuple[Rule, ...]
     expert_items: int  # the most routed experts a rank computes in one layer: min(E_loc, B·k)
     expert_latent: int  # a rank's columns of an expert's output (the latent / ETP)
+    mode: str = "exact"  # or "partial-sum" (`kernels/compose/collective_schedule.py`)
+    wire: str = "f32"  # partial sums on the wire: "f32" or "bf16" (rounded once before the sum)
 
     @property
     def n_ranks(self) -> int:
@@ -129,7 +135,8 @@ class ShardPlan:
 
 
 def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: dict,
-                    reduced: tuple[int, ...], expert_items: int, expert_latent: int) -> ShardPlan:
+                    reduced: tuple[int, ...], expert_items: int, expert_latent: int,
+                    wire: str = "f32") -> ShardPlan:
     """pieces: channel name -> the widths of the pieces it all-gathers; reduced: the widths it
     all-reduces (channel "all")."""
     n = lay.n_ranks
@@ -144,7 +151,8 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
                     if name == "all" else [(size - 1) * chunk])
         channels.append(Channel(name, size, chunk, width))
     return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
-                     expert_items=expert_items, expert_latent=expert_latent)
+                     expert_items=expert_items, expert_latent=expert_latent,
+                     mode=lay.collectives, wire=wire)
 
 
 class _Buffers:
@@ -307,14 +315,26 @@ class Collectives:
             pieces = [everyone[i * split.stride] for i in range(split.ways)]
         return jnp.concatenate(pieces, axis=1)[:, :full]
 
-    # -- the routed experts (kernels/stages/experts.py) ------------------------------------------------
+    def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str) -> Any:
+        """Σ of the partial sums [B, N] f32 of the ranks `summed`, added in that order on every
+        rank (the same bits everywhere): one-shot, every rank's partial to every peer. A bf16
+        wire rounds each partial once before the sum."""
+        if self.plan.wire == "bf16":
+            partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
+        everyone = self.all_gather(partial, name=name)
+        total = everyone[summed[0]]
+        for r in summed[1:]:
+            total = total + everyone[r]
+        return total
+
+    # -- the routed experts (kernels/stages/experts.py) -----------------------------------------
     def expert_range(self, n_local: int) -> tuple[Any, int]:
         """(first global id, count) of this rank's experts."""
         return self.index(spec.EXPERTS) * n_local, n_local
 
     def expert_hidden(self, h: Any) -> Any:
         """An expert's activations over this rank's hidden slice -> the whole hidden (ETP)."""
-        if self.layout.etp == 1:
+        if self.layout.etp == 1 or self.plan.mode != "exact":  # partial-sum: W2's rows split
             return h
         return self.gather(h, spec.EXPERT_TP, h.shape[1] * self.layout.etp, name="expert/h")
 
@@ -328,6 +348,11 @@ class Collectives:
         """Σ over the batch's experts, in ascending id, of weight x output -> [B, latent] f32 on
         every rank: this group continues the sum of the groups before it (received from the rank
         ETP below), passes it on, and the last group's sum is all-gathered."""
+        if self.plan.mode != "exact":  # partial sums over this rank's experts and hidden slice
+            with dma.phase(f"{name}/combine"):
+                acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
+                return self.reduce(acc, tuple(range(self.plan.n_ranks)),
+                                   name=f"{name}/sum")[:, :latent]
         ep, etp = self.layout.ep, self.layout.etp
         group = self.index(spec.EXPERTS)
         link = functools.partial(dma.RemoteCopy, self.sum_out, self.sum_in, self.sum_sems.at[0],
@@ -338,8 +363,7 @@ class Collectives:
                 def _():
                     link(peer=self.rank - etp).wait_recv()
 
-            acc = lax.fori_loop(0, n_items, lambda i, acc: acc + self.items_coef[i]
-                                * self.items_y[i], self.sum_in[...])
+            acc = self._items_sum(n_items, self.sum_in[...])
             if ep > 1:
                 @pl.when(group < ep - 1)
                 def _():
@@ -349,6 +373,11 @@ class Collectives:
             everyone = self.all_gather(acc, name=f"{name}/sum")
             last = (ep - 1) * etp
             return jnp.concatenate(everyone[last:last + etp], axis=1)[:, :latent]
+
+    def _items_sum(self, n_items: Any, start: Any) -> Any:
+        """start + Σ over the kept items, in order, of weight x output [B, Lat / ETP] f32."""
+        return lax.fori_loop(0, n_items, lambda i, acc: acc + self.items_coef[i] * self.items_y[i],
+                             start)
 
     def stream(self, inner: Any) -> ShardedStream:
         return ShardedStream(inner, self)
@@ -366,6 +395,11 @@ class ShardedStream:
         rule = self.collectives.plan.rule(name)
         if rule is None:
             return self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        if rule.reduce is not None:  # this rank's rows: a partial sum, reduced
+            rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
+            out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+            coll = self.collectives
+            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")
         if rule.gather is not None:
             x = self.collectives.gather(x, rule.gather, rule.k, name=f"{name}/input")
         rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)  # this rank's [K, N]

@@ -277,9 +277,7 @@ def _parser() -> _Parser:
     p.add_argument("--chip", default="tpu7x",
                    help="TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 "
                         "decode path) and of the timeline model's prediction")
-    p.add_argument("--ranks", type=int, default=1,
-                   help="devices the megakernel is sharded across (default 1); on CPU that many "
-                        "simulated devices, in a child process when needed")
+    cli_ranks.add_decode_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object, no progress bar")
     cli_speculative.add_arguments(p)
     cli_checkpoint.add_arguments(p)

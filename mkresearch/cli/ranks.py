@@ -33,10 +33,20 @@ from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import timeline
 from mkresearch.prediction.timeline_ranks import rank_events
-from mkresearch.sharding import layout
+from mkresearch.sharding import layout, reference_sharded
 
 CHILD_ENV = "MKRESEARCH_RANKS_CHILD"  # set in the child started with N simulated devices
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def add_decode_arguments(p: Any) -> None:
+    """`decode`'s options for the sharded megakernel."""
+    p.add_argument("--ranks", type=int, default=1,
+                   help="devices the megakernel is sharded across (default 1); on CPU that many "
+                        "simulated devices, in a child process when needed")
+    p.add_argument("--collectives", default="partial-sum", choices=("exact", "partial-sum"),
+                   help="with --ranks: partial sums reduced in one fixed order (default), or the "
+                        "exact schedule (every value whole on one rank: the single device's bits)")
 
 
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
@@ -104,19 +114,22 @@ def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> lis
 
 # ---- decode ----------------------------------------------------------------------------------
 def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
-                   n_ranks: int, chip: str = "tpu7x", progress: bool = False) -> dict:
+                   n_ranks: int, chip: str = "tpu7x", progress: bool = False,
+                   collectives: str = layout.PARTIAL_SUM) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
-    step over the same tokens with states of their own: per step the sharded tokens and logits
-    must EQUAL the single device's (bit for bit), and agree with the reference (same greedy token
-    but at near-ties, logits within 5e-2). One more step is recorded for per-rank bytes."""
+    step over the same tokens with states of their own: per step the sharded logits must EQUAL
+    the single device's (bit for bit) with the exact collectives, or lie within
+    `reference_sharded.BOUND` of them with partial sums (`layout.COLLECTIVES`), and agree with
+    the reference (same greedy token but at near-ties, logits within 5e-2). One more step is
+    recorded for per-rank bytes."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
 
     options = megakernel.MegakernelOptions(chip=chip)
-    lay = layout.layout(cfg, n_ranks)
+    lay = layout.layout(cfg, n_ranks, collectives=collectives)
     plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, options)  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
@@ -164,7 +177,9 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     generated_ids = np.stack(generated, axis=1)  # [B, N]
     n_steps = prompt_len + steps - 1
     reference_ok = all(tie["top2_gap"] < bench.NEAR_TIE_GAP for tie in near_ties)
-    single_ok = single_bit_equal == n_steps and single_tokens_equal == batch * n_steps
+    exact = collectives == layout.EXACT
+    single_ok = (single_bit_equal == n_steps and single_tokens_equal == batch * n_steps if exact
+                 else worst_single <= reference_sharded.BOUND["f32"])
     return {
         "model": cfg.name, "backend": "megakernel", "ranks": n_ranks, "layout": lay.describe(),
         "batch": batch, "prompt_len": prompt_len, "steps": steps, "seed": seed,
@@ -174,8 +189,12 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                                "greedy", "tokens_equal": equal, "tokens": int(generated_ids.size),
                       "max_abs_logit_diff": worst, "near_ties": near_ties,
                       "passed": reference_ok},
+        "collectives": collectives,
         "single_device": {"check": "sharded vs single-device megakernel on the same tokens, "
-                                   "every step (prompt included): tokens and logits bit-equal",
+                                   "every step (prompt included): " + (
+                                       "tokens and logits bit-equal" if exact else
+                                       "partial sums, logits within "
+                                       f"{reference_sharded.BOUND['f32']}"),
                           "tokens_equal": single_tokens_equal, "tokens": batch * n_steps,
                           "logits_bit_equal_steps": single_bit_equal, "steps": n_steps,
                           "max_abs_logit_diff": worst_single, "passed": single_ok},
@@ -269,7 +288,8 @@ def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool)
 
     with _refusals():
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
-                                args.ranks, args.chip, progress)
+                                args.ranks, args.chip, progress,
+                                getattr(args, "collectives", layout.PARTIAL_SUM))
     if args.json:
         print(json.dumps(result))
     else:

@@ -16,6 +16,8 @@ exactly as the reference does.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +34,54 @@ def bf(x: jax.Array) -> jax.Array:
     return x.astype(bf16)
 
 
-def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+def matmul(a: jax.Array, b: Any) -> jax.Array:
     """a [M, K] @ b [K, N] with bf16 inputs and f32 accumulation (how every matmul of the model
-    runs), batch-invariant: see `rows_at_least_two`."""
+    runs), batch-invariant: see `rows_at_least_two`. b may be `Partials` (a sharded reference)."""
+    if isinstance(b, Partials):
+        return b.contract(a)
     return rows_at_least_two(
         lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
+                   meta_fields=["bounds", "wire"])
+@dataclass(frozen=True)
+class Partials:
+    """A matrix split by its rows across ranks (`mkresearch.sharding.reference_sharded`): pieces[i]
+    [K_i, N] multiplies columns bounds[i] = (start, stop) of the input (zero rows beyond stop,
+    as a rank's padded slice), and the partial products are added in piece order, each rounded
+    to bf16 first when `wire` is "bf16": the sum a partial-sum all-reduce computes on every rank.
+    A pytree: a per-layer stack's pieces carry the layer axis in front."""
+
+    pieces: tuple
+    bounds: tuple
+    wire: str = "f32"
+
+    def contract(self, a: jax.Array) -> jax.Array:
+        total = None
+        for piece, (start, stop) in zip(self.pieces, self.bounds, strict=True):
+            x = a[..., start:stop]
+            rows = piece.shape[-2]
+            if rows > stop - start:  # the rank's zero padding: zero inputs too
+                x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rows - (stop - start))])
+            part = matmul(x, piece)
+            if self.wire == "bf16":
+                part = bf(part).astype(f32)
+            total = part if total is None else total + part
+        return total
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
+                   meta_fields=["groups", "wire"])
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The routed experts split into `groups` expert groups of consecutive ids (expert
+    parallel): each group's weighted sum taken apart (ascending id), the groups' sums added in
+    group order (rounded to bf16 first with a bf16 wire): a partial-sum all-reduce's result."""
+
+    experts: Any
+    groups: int
+    wire: str = "f32"
 
 
 def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:

@@ -78,6 +78,8 @@ from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layo
 
 OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
+EXACT, PARTIAL_SUM = "exact", "partial-sum"
+COLLECTIVES = (EXACT, PARTIAL_SUM)  # how matrices split: by output columns, or by contraction
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
@@ -109,6 +111,9 @@ class Layout:
     n_ranks: int
     splits: tuple[Split, ...]
     expert_format: str = ""  # the routed experts' format its bytes are counted in
+    # "exact": every matrix split by its output columns; "partial-sum": a matrix whose input
+    # arrives split (Param.gather) split by its rows instead, its products partial sums
+    collectives: str = "exact"
 
     def split(self, group: str) -> Split:
         """How `group` splits (whole when the layout has no split for it: a group no leaf of the
@@ -137,6 +142,11 @@ class Layout:
         ways = self.ways(group)
         return ways > 1 and (group not in CHUNKED_GROUPS or chunk_length(length, ways) < length)
 
+    def slice_firsts(self, group: str) -> tuple[int, ...]:
+        """One rank per slice of `group`, slice 0 first (whose partial sums a reduction adds)."""
+        split = self.split(group)
+        return tuple(i * split.stride for i in range(split.ways))
+
     def local_length(self, group: str, length: int) -> int:
         """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
         if not self.divides(group, length):
@@ -163,14 +173,18 @@ class Layout:
         return f"{self.name} layout of {self.cfg.name} on {self.n_ranks} ranks: " + ", ".join(parts)
 
 
-def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None = None) -> Layout:
+def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None = None,
+           collectives: str = "exact") -> Layout:
     """The `name` layout (LAYOUTS) of cfg on n_ranks ranks; etp: expert-tensor parallel ways
-    (default `default_etp`). ValueError naming the field for a rank count that does not split
-    heads, vocabulary or experts, and for a kind whose parameters have no sharding rule."""
+    (default `default_etp`); collectives: one of COLLECTIVES (`param_shard`). ValueError naming
+    the field for a rank count that does not split heads, vocabulary or experts, and for a kind
+    whose parameters have no sharding rule."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     if name not in LAYOUTS:
         raise ValueError(f"layout name={name!r} is invalid: one of {', '.join(LAYOUTS)}")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
     spec.check(cfg)
     check_ranks(cfg, n_ranks, etp)
     n = int(n_ranks)
@@ -189,7 +203,7 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
         splits.append(Split(group, 1 if whole else n))
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
     return Layout(name=name, cfg=cfg, n_ranks=n, splits=tuple(splits),
-                  expert_format=expert_format)
+                  expert_format=expert_format, collectives=collectives)
 
 
 def _check_rules(cfg: ModelConfig) -> None:
@@ -221,6 +235,17 @@ def active_shard(lay: Layout, shard: Any, shape: tuple[int, ...]) -> tuple[tuple
                  if lay.divides(group, shape[axis]))
 
 
+def param_shard(lay: Layout, p: Any) -> Any:
+    """The split a layout gives parameter p: its rule, or in the partial-sum layout, for a matrix
+    whose input arrives split by a group (Param.gather: W_o, W_down, an expert's W2), its rows
+    by that group instead (each rank multiplies its slice of the contraction: partial sums)."""
+    rows = len(p.shape) - 2
+    if (lay.collectives != PARTIAL_SUM or p.gather is None or rows < 0
+            or not lay.divides(p.gather, p.shape[rows])):
+        return p.shard
+    return tuple((axis, group) for axis, group in p.shard if axis < rows) + ((rows, p.gather),)
+
+
 def local_shape(lay: Layout, shape: tuple[int, ...], shard: Any) -> tuple[int, ...]:
     out = list(shape)
     for axis, group in active_shard(lay, shard, shape):
@@ -230,7 +255,8 @@ def local_shape(lay: Layout, shape: tuple[int, ...], shard: Any) -> tuple[int, .
 
 def rank_params(lay: Layout) -> dict:
     """The parameter table (spec.Param leaves) with one rank's shapes."""
-    return jax.tree.map(lambda p: dataclasses.replace(p, shape=local_shape(lay, p.shape, p.shard)),
+    return jax.tree.map(lambda p: dataclasses.replace(
+        p, shape=local_shape(lay, p.shape, param_shard(lay, p))),
                         spec.param_table(lay.cfg), is_leaf=is_param)
 
 
@@ -290,7 +316,7 @@ def _shard_tree(lay: Layout, table: Any, tree: Any, shard_of) -> Any:
 def shard_params(params: dict, lay: Layout) -> dict:
     """The parameters as every rank's slice stacked along a leading rank axis: [n_ranks, ...]
     (numpy; what `jax.shard_map` over the rank axis hands each rank)."""
-    return _shard_tree(lay, spec.param_table(lay.cfg), params, lambda p: p.shard)
+    return _shard_tree(lay, spec.param_table(lay.cfg), params, lambda p: param_shard(lay, p))
 
 
 def shard_state(state: dict, lay: Layout) -> dict:

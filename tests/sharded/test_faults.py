@@ -38,15 +38,15 @@ def one_step(n_ranks=2, batch=1):
     return np.asarray(jax.block_until_ready(out))
 
 
-def test_skipped_semaphore_wait_is_a_race():
-    """The merge of the vocab shards' sampling states reads its receive slots without waiting
-    for them: a race. (A wait skipped earlier in the step feeds unlanded values to the router:
-    the kernel then fails on an out-of-range expert id before the race is reported.)"""
+def skipped_wait_races(wait_name, run):
+    """run() with the receive wait of the collective `wait_name` skipped (at trace time) and DMAs
+    executed when they start -> (the waits skipped, whether a race was found, the error the
+    broken kernel raised or None)."""
     original = collectives.Collectives._wait_all
     calls = []
 
     def skip_first_receive(self, buffers, phase, parity, received, sent, c, name):
-        if name == "sampling_state":  # trace time: that all-gather's wait for its receives
+        if name == wait_name:  # trace time: that collective's wait for its receives
             calls.append(name)
             received = 0
         return original(self, buffers, phase, parity, received, sent, c, name)
@@ -60,7 +60,7 @@ def test_skipped_semaphore_wait_is_a_race():
     error = None
     try:
         with mock.patch.object(collectives.Collectives, "_wait_all", skip_first_receive):
-            one_step()
+            run()
     except Exception as raised:  # noqa: BLE001 - what the broken kernel does is the point
         error = raised
     finally:
@@ -68,8 +68,16 @@ def test_skipped_semaphore_wait_is_a_race():
         tpu.reset_interpret_state()
         tpu.reset_interpret_options()
         tpu.interpret_options(**previous)
-    print(f"skipped wait: race detected {raced}; the step "
+    print(f"skipped wait of {wait_name}: race detected {raced}; the step "
           f"{'raised ' + str(error).splitlines()[-1][:200] if error else 'finished'}")
+    return calls, raced, error
+
+
+def test_skipped_semaphore_wait_is_a_race():
+    """The merge of the vocab shards' sampling states reads its receive slots without waiting
+    for them: a race. (A wait skipped earlier in the step feeds unlanded values to the router:
+    the kernel then fails on an out-of-range expert id before the race is reported.)"""
+    calls, raced, _ = skipped_wait_races("sampling_state", one_step)
     assert calls == ["sampling_state"]
     assert raced, "the race detector did not see the read before the remote copy landed"
 

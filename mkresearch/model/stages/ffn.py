@@ -17,6 +17,7 @@ from mkresearch.model import spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.model.formats import dequantize
 from mkresearch.model.numerics import (
+    ExpertGroups,
     activation,
     bf,
     f32,
@@ -119,7 +120,11 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
                     expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Σ_e w_e y_e in f32 [B, n], y_e = bf(act(bf(z W1_e), bf(z W3_e)) W2_e), for the chosen
     experts of each row (z [B, n] bf16; experts: w1, w3 [E, n, F], w2 [E, F, n] stored in
-    cfg.expert_format). The sum runs in ascending expert id."""
+    cfg.expert_format). The sum runs in ascending expert id; experts given as
+    `numerics.ExpertGroups` (a sharded reference): each group's sum apart, then the groups'."""
+    groups = None
+    if isinstance(experts, ExpertGroups):
+        groups, experts = experts, experts.experts
     fmt = cfg.expert_format
     chosen = jax.tree.map(lambda w: w[expert_ids], experts)  # each leaf [B, k, ...]
     w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
@@ -136,8 +141,21 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
     coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
     y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, n]
-    return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
-                         jnp.zeros(y.shape[::2], f32))  # [B, n]
+    if groups is None:
+        return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                             jnp.zeros(y.shape[::2], f32))  # [B, n]
+    per_group = jax.tree.leaves(experts)[0].shape[0] // groups.groups
+    group = jnp.take_along_axis(expert_ids, order, axis=-1) // per_group  # [B, k]
+    total = None
+    for g in range(groups.groups):  # each group's experts in ascending id, then the groups
+        mine = (group == g)[..., None]  # [B, k, 1]
+        part = lax.fori_loop(0, y.shape[1], lambda j, acc, mine=mine: jnp.where(
+            mine[:, j], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
+        if groups.wire == "bf16":
+            part = bf(part).astype(f32)
+        total = part if total is None else total + part
+    return total  # [B, n]
+
 
 
 def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,

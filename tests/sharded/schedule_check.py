@@ -1,0 +1,63 @@
+"""A recorded sharded step against the collective schedule (`kernels/compose/collective_schedule.py`,
+which the prediction reads): every rank's remote copies, collective by collective."""
+
+from mkresearch.kernels.compose import collective_schedule
+
+from mkresearch.model import spec
+
+
+def check(log, lay, batch, expert_ids) -> int:
+    """Each rank's remote copies in the log are its schedule's collectives in order (the exact
+    mode's per-expert gathers counted from the step's routing `expert_ids` [n_moe, B, k])
+    -> the number of collectives of rank 0."""
+    for rank in range(lay.n_ranks):
+        ops = collective_schedule.collective_schedule(
+            lay, batch, lay.collectives, rank=rank,
+            expert_counts=expert_counts(lay, expert_ids, rank))
+        assert recorded_collectives(log, rank) == expected_collectives(ops, rank), rank
+        if rank == 0:
+            count = sum(op.count for op in ops)
+    return count
+
+
+def expert_counts(lay, ids, rank):
+    """Per MoE layer, the distinct experts of the batch in rank's expert group."""
+    per_group = lay.cfg.n_experts // lay.ep
+    group = lay.split(spec.EXPERTS).index(rank)
+    return tuple(len({int(e) for e in layer.ravel() if int(e) // per_group == group})
+                 for layer in ids)
+
+
+def recorded_collectives(log, rank):
+    """[name, copies sent] of rank's remote copies, consecutive copies of one name together."""
+    runs = []
+    for e in log.of_rank(rank).events:
+        if e.kind == "dma_start" and e.remote:
+            if runs and runs[-1][0] == e.name:
+                runs[-1][1] += 1
+            else:
+                runs.append([e.name, 1])
+    return runs
+
+
+def expected_collectives(ops, rank):
+    """The same from the schedule: a one-shot collective sends to every other member; the
+    exact mode's all-reduce is a reduce-scatter then an all-gather; a chain sends down the
+    chain but from its last member."""
+    runs = []
+    for op in ops:
+        peers = len(op.group) - 1
+        if op.kind == "chain":
+            sent = [(f"{op.name}", int(rank != op.group[-1]))]
+        elif op.algorithm.startswith("reduce-scatter"):
+            sent = [(f"{op.name}/reduce_scatter", peers), (f"{op.name}/all_gather", peers)]
+        else:
+            sent = [(f"{op.name}/all_gather", peers * op.count)]
+        for name, n in sent:
+            if not n:
+                continue
+            if runs and runs[-1][0] == name:
+                runs[-1][1] += n
+            else:
+                runs.append([name, n])
+    return runs
