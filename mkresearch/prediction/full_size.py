@@ -23,10 +23,12 @@ from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_confi
 from mkresearch.prediction import scale_out, topology
 from mkresearch.sharding import layout as layouts
 
-# The collectives a full-size step can combine partial results with: "exact" (our megakernel's:
-# inputs gathered, every product on the rank that owns its columns, bit-equal to one device) and
-# "partial-sum" (the release's: bf16 partial sums all-reduced), each the combine of one schedule.
-COLLECTIVES = {"exact": "ours", "partial-sum": "release"}  # collectives -> scale_out schedule
+# The collectives our sharded megakernel is built with (`decode --ranks N --collectives`):
+# "partial-sum" (its default: split contractions reduced in one fixed order) or "exact" (inputs
+# gathered, every product on the rank that owns its columns: bit-equal to one device). The
+# release's schedule has its own partial sums.
+COLLECTIVES = ("partial-sum", "exact")
+DEFAULT_COLLECTIVES = "partial-sum"
 DEFAULT_RANKS = layouts.RELEASE_RANKS
 STAND_IN_LABEL = ("one-device stand-in (one rank's shapes on one device, no collectives): "
                   "not the full-size step")
@@ -78,18 +80,19 @@ def full_size_step(cfg: ModelConfig | str, n_ranks: int = DEFAULT_RANKS,
                    context: int = 0) -> FullSizeStep:
     """The full-size step of `cfg` (a full preset, or its name) on n_ranks under `layout`.
 
-    collectives: None = the layout's own (ours: "exact", as our kernel is built; release:
-    "partial-sum"), else one of COLLECTIVES; `schedule` / `algorithm` override scale_out's
-    schedule and all-reduce algorithm (`predict --schedule/--algorithm`)."""
+    collectives: None = the kernel as built ("partial-sum", the sharded megakernel's default), else
+    one of COLLECTIVES for our schedule; the release's schedule has its own partial sums.
+    `schedule` / `algorithm` override scale_out's schedule and all-reduce algorithm (`predict
+    --schedule/--algorithm`)."""
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    if collectives is not None and collectives not in COLLECTIVES:
-        raise ValueError(f"collectives={collectives!r} is invalid: one of {tuple(COLLECTIVES)}")
-    if schedule is None and collectives is not None:
-        schedule = COLLECTIVES[collectives]
+    collectives = DEFAULT_COLLECTIVES if collectives is None else collectives
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
     row = scale_out.predict(cfg, n_ranks, layout, batch, chip=chip, algorithm=algorithm,
-                            schedule=schedule, context=context)
+                            schedule=schedule, context=context, collectives=collectives)
     return FullSizeStep(model=cfg.name, n_ranks=n_ranks, layout=layout,
-                        collectives=row["schedule"]["combine"], algorithm=row["algorithm"],
+                        collectives=row["schedule"].get("collectives") or "partial-sum",
+                        algorithm=row["algorithm"],
                         chip=chip, batch=batch, context=context, step_s=row["step_s"],
                         rank_bytes=row["rank_bytes"], published_step_s=row["published_step_s"],
                         prediction=row)
