@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mkresearch import cli
+from mkresearch.cli import main as cli
 
 
 def run(*args, timeout=300):

@@ -137,11 +137,14 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
 
 def compare(cfg: ModelConfig, n_ranks: int, batch: int = 1, context: int = 0) -> dict:
     """Per-rank bytes of one step under every layout (LAYOUTS: ours first, the release's) with
-    each chip's per-rank floor: a JSON-able report."""
+    each chip's per-rank floor: a JSON-able report. Ours in the shapes our sharded megakernel
+    streams by default (partial sums: W_o, W_down, the experts' W2 split by rows), as the
+    full-size step counts them (`prediction.full_size`)."""
     report = {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "context": context,
               "layouts": {}}
     for name in LAYOUTS:
-        lay = layout(cfg, n_ranks, name)
+        lay = layout(cfg, n_ranks, name, collectives="partial-sum" if name == LAYOUTS[0]
+                     else "exact")
         counted = rank_bytes(lay, batch, context)
         report["layouts"][name] = {
             "describe": lay.describe(), "expert_format": lay.expert_format,
