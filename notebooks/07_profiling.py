@@ -293,8 +293,8 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 # computes) are the megakernel's. `kimi-k3-rank` keeps the full latent projections and the full
 # d on every rank, so it reads more than the ≈ 6.97 GB of the released layout. It is a one-device
 # stand-in (one rank's shapes, no collectives), NOT our full-size step: that is the last line,
-# `mkresearch.prediction.full_size.full_size_step` (Kimi K3 on 32 ranks in our layout with our exact
-# collectives), the line `decode`, `bench`, `info --ranks 32` and `predict` print.
+# `mkresearch.prediction.full_size.full_size_step` (Kimi K3 on 32 ranks in our layout with the
+# partial-sum collectives our sharded kernel issues by default), the line `decode`, `bench`, `info --ranks 32` and `predict` print.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -329,9 +329,11 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # The kernel's collective schedule (`kernels/compose/collective_schedule.py`) comes in two modes. *Exact*
 # splits every matrix by its output columns and gathers around it (bit-equal to one device; the
 # experts' sum runs down a chain of expert groups). *Partial-sum* splits a matrix that contracts
-# over a split dimension (W_o over the heads, a W_down over the hidden) by those rows and
-# all-reduces the partial sums; the shared expert's reduction is issued before the routed
-# experts' stream and waited after it, and no rank streams zero columns (`layout_split`). The
+# over a split dimension (W_o over the heads, a W_down over the hidden, an expert's W2 over its
+# hidden slice) by those rows and all-reduces the partial sums in one fixed order; the routed
+# experts' sum is one reduction, not a chain. Not built yet: hiding the shared expert's
+# reduction under the routed experts' stream, and a split with no streamed zero columns
+# (`layout_split` designs one: 4.44 GB per rank at B = 1 against the 4.94 GB below). The
 # prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
 # every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
 # --ranks 32` lists them with the reason).
@@ -352,8 +354,9 @@ by_mode = {(r["mode"], r["batch"]): r for r in modes}
 for b in (1, 2, 4, 8):
     part, exact = by_mode["partial-sum", b], by_mode["exact", b]
     assert part["collectives"] < exact["collectives"] and part["step_ms"] < exact["step_ms"]
-    assert part["step_ms"] < part["published_ms"]  # below the release's published step
-assert by_mode["partial-sum", 1]["rank_gb"] <= 4.6 < by_mode["exact", 1]["rank_gb"]
+    # below the release's published step from B = 4 on, not yet at B = 1 and 2
+    assert (part["step_ms"] < part["published_ms"]) == (b >= 4)
+assert by_mode["partial-sum", 1]["rank_gb"] < by_mode["exact", 1]["rank_gb"]
 
 # %% [markdown]
 # **The overlap picture.** 100 µs from the middle of rank 0's predicted step at B = 1: where HBM
@@ -372,7 +375,6 @@ for o in overlaps:
     print(f"{o['mode']}: a collective is outstanding {o['outstanding_ms']:.1f} ms of the "
           f"{o['step_ms']:.1f} ms step; HBM busy during {o['hbm_busy_fraction']:.0%} of it")
     assert 0 < o["hbm_busy_ms"] <= o["outstanding_ms"] <= o["step_ms"]
-assert overlaps[0]["hbm_busy_fraction"] > overlaps[1]["hbm_busy_fraction"]
 
 # %%
 elapsed = time.perf_counter() - started

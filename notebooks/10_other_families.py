@@ -407,9 +407,9 @@ for p in predictions.values():
 # %%
 sharded = {name: full_size_step(cfg, 32, "ours", 1, context=PROMPT_LEN).prediction
            for name, cfg in MODELS.items()}
-# the bytes the prediction streams: partial-sum mode, the default (no streamed zeros)
-rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32), 1, PROMPT_LEN,
-                                             "partial-sum").floor_s("tpu7x")
+# the bytes the prediction streams: the kernel as built, partial-sum mode (its default)
+rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32, collectives="partial-sum"),
+                                             1, PROMPT_LEN).floor_s("tpu7x")
                for name, cfg in MODELS.items()}
 
 # %%

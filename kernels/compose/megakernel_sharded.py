@@ -294,10 +294,12 @@ def step_shapes(plan: ShardedPlan) -> tuple:
 
 def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layouts.OURS,
                          batch: int = 1, *, chip: str = "tpu7x", topology: str = FULL_TOPOLOGY,
-                         seq_len: int | None = None) -> tuple[Any, ShardedPlan]:
+                         seq_len: int | None = None, collectives: str = "partial-sum"
+                         ) -> tuple[Any, ShardedPlan]:
     """Compile the sharded step of `cfg` for n_ranks devices of a TPU `topology` from shapes only
-    -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan)."""
-    lay = layouts.layout(cfg, n_ranks, name)
+    -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan); `collectives` as
+    `decode --ranks N --collectives` (partial sums by default)."""
+    lay = layouts.layout(cfg, n_ranks, name, collectives=collectives)
     plan = make_sharded_plan(lay, batch, seq_len, mplan.MegakernelOptions(chip=chip))
     devices = tpu.topology_devices(topology)
     if len(devices) < n_ranks:

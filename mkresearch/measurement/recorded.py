@@ -52,6 +52,15 @@ RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),
 # [4096, 128], whole on every rank; no shared expert), so the ring's lookahead (ring_depth - 1
 # blocks) may be 1 at most there: make_sharded_plan refuses its preset depth 3
 SHARDED_OVERRIDES = {"qwen3-235b-a22b": {"ring_depth": 2}}
+# The collectives a sharded record is compiled with: the kernel's default, partial sums, where its
+# VMEM plan fits; DeepSeek-V3's partial-sum plan needs 64.29 MiB of TPU7x's 60 MiB (the f32
+# reduce buffers of its 7,168-wide partial sums beside its MLA and expert slots), so its record
+# stays the exact schedule until those buffers shrink (bf16 on the wire, or fewer slots).
+SHARDED_COLLECTIVES = {"deepseek-v3": "exact"}
+
+
+def sharded_collectives(model: str) -> str:
+    return SHARDED_COLLECTIVES.get(model, "partial-sum")
 
 
 def compile_path(model: str, batch: int, chip: str) -> Path:
@@ -114,16 +123,19 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
                                 chip: str = "tpu7x", *, record: bool = False,
                                 recompile: bool = False) -> tuple[Any, Any, str]:
     """(CompileResult of one rank's program, ShardedPlan, where it comes from) for the sharded
-    step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`: the committed record
-    when it matches the plan, else a compile here (recorded with `record`)."""
+    step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`, with the kernel's
+    default partial-sum collectives (`sharded_collectives`): the committed record when it matches
+    the plan, else a compile here (recorded with `record`)."""
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
-    plan = sharded.make_sharded_plan(layout.layout(cfg, n_ranks, name), batch, None,
-                                     megakernel.MegakernelOptions(chip=chip))
+    mode = sharded_collectives(model)
+    plan = sharded.make_sharded_plan(layout.layout(cfg, n_ranks, name, collectives=mode),
+                                     batch, None, megakernel.MegakernelOptions(chip=chip))
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)
     if result is not None:
         return result, plan, f"recorded ({path.name}; `make recorded` re-records it)"
-    result, plan = sharded.compile_sharded_step(cfg, n_ranks, name, batch, chip=chip)
+    result, plan = sharded.compile_sharded_step(cfg, n_ranks, name, batch, chip=chip,
+                                                collectives=mode)
     if record:
         record_compile(result, plan, path)
     return result, plan, "compiled here"

@@ -55,8 +55,9 @@ class FullSizeStep:
 
     @property
     def label(self) -> str:
+        algorithm = "each its own algorithm" if self.algorithm == "auto" else self.algorithm
         return (f"{self.model} on {self.n_ranks} ranks of {self.chip}, {self.layout} layout, "
-                f"{self.collectives} collectives ({self.algorithm}), B={self.batch}"
+                f"{self.collectives} collectives ({algorithm}), B={self.batch}"
                 + (f", context {self.context}" if self.context else ""))
 
     def line(self) -> str:
