@@ -47,8 +47,8 @@ if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom
     _colab_output.enable_custom_widget_manager()
 import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU
 from mkresearch.hardware import tpu
-print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
+print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
 # # 12 · From a checkpoint on disk to text

@@ -114,8 +114,9 @@ def test_demo_decodes_with_the_megakernel():
     assert "agreement with the reference backend: 2/2 tokens equal" in text and "PASS" in text
     assert "TPU interpret mode on CPU (a simulator)" in text
     # the last line: the full-size step (full_size.full_size_step), as info and predict print it
-    assert re.fullmatch(r"full-size step \(kimi-k3 on 32 ranks of tpu7x, ours layout, exact "
-                        r"collectives \(two-level\), B=1\): [\d.]+ ms/step, [\d.]+ GB per rank "
+    assert re.fullmatch(r"full-size step \(kimi-k3 on 32 ranks of tpu7x, ours layout, partial-sum "
+                        r"collectives \(each its own algorithm\), B=1\): [\d.]+ ms/step, [\d.]+ GB "
+                        r"per rank "
                         r"per step \(timeline model prediction, not measured\); the release "
                         r"publishes 4\.02 ms", text.splitlines()[-1]), text
 
@@ -166,7 +167,7 @@ def test_decode_family_minis(capsys, model, backend):
     assert result["agreement"]["passed"] and result["agreement"]["max_abs_logit_diff"] <= 5e-2
     full = result["full_size"]  # full_size.full_size_step: the full model on 32 ranks, ours
     assert full["model"] == model.removesuffix("-mini") and full["step_s"] > 0
-    assert (full["n_ranks"], full["layout"], full["collectives"]) == (32, "ours", "exact")
+    assert (full["n_ranks"], full["layout"], full["collectives"]) == (32, "ours", "partial-sum")
     assert full["published_step_s"] is None  # only Kimi K3's release has a published number
 
 
@@ -178,7 +179,8 @@ def test_bench_a_family_mini(tmp_path, capsys):
                      "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "B=1: megakernel" in out
-    assert "full-size step (qwen3-235b-a22b on 32 ranks of tpu7x, ours layout, exact" in out
+    assert ("full-size step (qwen3-235b-a22b on 32 ranks of tpu7x, ours layout, partial-sum"
+            in out)
     result = json.loads((tmp_path / "decode_bench.json").read_text())
     assert result["model"] == "qwen3-235b-a22b-mini" and result["rows"][0]["prediction"]["step_s"] > 0
     full = result["rows"][0]["full_size"]  # the full model's step (full_size.full_size_step)
