@@ -163,9 +163,14 @@ def relative(a, b):
 
 worst = max(relative(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(step_state)))
 same_next = int(np.asarray(logits)[0, -1].argmax()) == int(np.asarray(step_logits)[0, -1].argmax())
-print(f"caches vs one step at a time: max |diff| / max <= 2^-5: {worst <= 2 ** -5}; "
-      f"the next token is the same: {same_next}")
-assert worst <= 2 ** -5 and same_next
+print(f"the next token is the same as one step at a time: {same_next}")
+assert same_next
+
+# %%
+# Measured, not a checked fact: summed in another order (another CPU, XLA's YNNPACK dots), a
+# bf16 rounding can flip one routing choice, which moves the later layers' caches (0.33 of their
+# range seen that way, against 0 here); tests/test_prefill.py bounds them on this machine.
+print(f"caches vs one step at a time: max |diff| / max = {worst:.1e}")
 
 # %% [markdown]
 # ## 4 · Decode with the megakernel
