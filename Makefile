@@ -55,6 +55,9 @@ endif
 # pure-Python predictions, which no summation order of XLA can change.
 HOST_INDEPENDENT_NOTEBOOKS := $(wildcard notebooks/00_*.ipynb notebooks/07_*.ipynb notebooks/09_*.ipynb)
 FLOAT_FACT_NOTEBOOKS := $(filter-out $(HOST_INDEPENDENT_NOTEBOOKS),$(NOTEBOOKS))
+# pytest over tests/ without the nbval plugin: importing it (jsonschema's format grammars) costs
+# each pytest process seconds of CPU, and tests/ has no notebook
+PYTEST := $(BIN)/python -m pytest -p no:nbval -n 2 --dist loadfile
 NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
@@ -64,10 +67,10 @@ NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-saniti
 # The sweeps marked `exhaustive` (every combination of cases whose named ones `make test` runs),
 # the whole sharded matrix of tests/test_sharded.py, and the rest: over an hour here.
 test-exhaustive: venv
-	MKRESEARCH_EXHAUSTIVE=1 MKRESEARCH_SHARDED_FULL=1 $(BIN)/python -m pytest -n 2 --dist loadfile tests
+	MKRESEARCH_EXHAUSTIVE=1 MKRESEARCH_SHARDED_FULL=1 $(PYTEST) tests
 
 test: venv browser
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=30 tests
+	$(PYTEST) --durations=30 tests
 ifneq ($(NOTEBOOKS),)
 	$(NBVAL) $(NOTEBOOKS)
 	XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(FLOAT_FACT_NOTEBOOKS)
@@ -75,7 +78,7 @@ endif
 
 # Day-to-day: every test not marked slow (no nbval), about 2.5 minutes on 2 cores.
 test-fast: venv
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # Speed is measured here, never asserted in a test: each notebook's nbval run time and its slowest
 # cells (build/notebook-times.md), and the speed targets the tests once asserted (benchmarks/speed.py).

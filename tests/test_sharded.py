@@ -26,7 +26,8 @@ def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
     env = {**os.environ, "MKRESEARCH_SHARDED": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip()}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--durations=5",
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "no:nbval",
+         "--durations=5",
          "--rootdir", str(SHARDED.parent.parent), *(str(SHARDED / name) for name in files)],
         env=env, capture_output=True, text=True, timeout=timeout, check=False)
     print(result.stdout[-30000:])
