@@ -213,7 +213,7 @@ def test_missing_block_scales(tmp_path, family_params):
     ({"model_type": "kimi_linear"}, r"model_type='kimi_linear' is not supported: its MLA"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported: one of 'silu'"),
     ({"tie_word_embeddings": True}, r"tie_word_embeddings=True is not supported"),
-    ({"q_lora_rank": None}, r"q_lora_rank=None is not supported"),
+    ({"q_lora_rank": 100}, r"ModelConfig.mla_q_rank=100 is invalid: 0 \(no query LoRA\)"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling.type='dynamic'"),
     ({"n_group": 3}, r"config.json \(model_type 'deepseek_v3'\): ModelConfig.router_groups=3"),
 ])
@@ -235,8 +235,9 @@ def test_hf_extra_is_pinned_in_the_constraints():
 
 
 def test_small_real_model_presets():
-    """Qwen3-30B-A3B and GLM-4.5-Air from their published config.json fields: the totals the
-    model cards give (30.5 B / 106 B; active 3.3 B with the embedding / 12 B without the head)."""
+    """Qwen3-30B-A3B, GLM-4.5-Air and Moonlight-16B-A3B from their published config.json fields:
+    the totals the model cards give (30.5 B / 106 B / 16 B; active 3.3 B with the embedding / 12 B
+    without the head / 3 B with the embedding)."""
     from mkresearch.model import roofline
     qwen, glm = layout.named_config("qwen3-30b-a3b"), layout.named_config("glm-4.5-air")
     assert (qwen.attention, qwen.n_kv_heads, qwen.router_score, qwen.n_shared_experts) == (
@@ -248,6 +249,31 @@ def test_small_real_model_presets():
     assert round(total / 1e9, 1) == 30.5 and round((active + embed) / 1e9, 1) == 3.4
     total, active = roofline.parameter_counts(glm)
     assert round(total / 1e9) == 107 and round((active - glm.vocab_size * glm.d_model) / 1e9) == 12
+    moonlight = layout.named_config("moonlight-16b-a3b")
+    assert (moonlight.attention, moonlight.mla_q_rank, moonlight.router_groups,
+            moonlight.n_mtp_layers, moonlight.yarn_factor) == ("mla_rope", 0, 1, 0, 1.0)
+    total, active = roofline.parameter_counts(moonlight)
+    embed = moonlight.vocab_size * moonlight.d_model
+    assert round(total / 1e9) == 16 and round((active + embed) / 1e9) == 3  # 15.96 B, 2.91 B
+
+
+def test_no_query_lora_round_trip(tmp_path):
+    """Moonlight's MLA (q_lora_rank null): W_q as q_proj, its rope columns interleaved on disk,
+    two shards, read back bit-equal; config.json says q_lora_rank null."""
+    cfg = config.get_config("deepseek-v3-mini").replace(name="moonlight-mini", mla_q_rank=0,
+                                                       n_layers=2, mla_first=0, expert_format="bf16")
+    params = weights.init_params(cfg, 0)
+    directory = str(tmp_path / cfg.name)
+    checkpoint.write_checkpoint(directory, params, cfg, shards=2)
+    with open(os.path.join(directory, "config.json")) as handle:
+        assert json.load(handle)["q_lora_rank"] is None
+    names = safetensors_io.Shards(directory).names()
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("q_a_proj" in n or "q_b_proj" in n for n in names)
+    read = checkpoint.read_config(directory, kv_tile=cfg.kv_tile, max_seq_len=cfg.max_seq_len,
+                                  expert_format=cfg.expert_format)
+    assert read.mla_q_rank == 0
+    assert _equal(checkpoint.load_params(directory, read, progress=False), params)
 
 
 def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):

@@ -4,7 +4,7 @@ Published linear weights are [out, in] (PyTorch); ours are [in, out] (DEVELOPERS
 "Parameters"), so every matrix is transposed. DeepSeek-V3's rope columns are stored interleaved
 (pairs 2i, 2i+1, `rope_interleave` in transformers' config, true by default); ours rotate halves
 (`mkresearch.rope`), so the rope columns of W_qb (each head) and W_kva are de-interleaved at load
-(`rope.deinterleave`) and interleaved again when written. Routed experts, one tensor per expert
+(`rope.deinterleave`; Moonlight's W_q likewise) and interleaved again when written. Routed experts, one tensor per expert
 as published, are stacked into [E, in, out] and quantised into our expert format.
 
 `layer_entries(cfg, layer)` lists one layer's entries, `trunk_entries(cfg)` the embedding, LM
@@ -103,11 +103,16 @@ def _attention(cfg: ModelConfig, layer: int, interleaved: bool) -> list[Entry]:
         heads, rank = cfg.n_heads, cfg.mla_kv_rank
         qb = cfg.n_heads * cfg.mla_qk_dim
         kva = rank + cfg.mla_qk_extra
+        q_columns = _rope_columns(cfg, qb, cfg.mla_qk_nope, cfg.mla_qk_dim, interleaved)
+        if cfg.mla_q_rank == 0:  # Moonlight: the query projected directly, no q LoRA
+            queries = [_linear((kind, "w_q"), i, p + "q_proj.weight", d, qb, q_columns)]
+        else:
+            queries = [
+                _linear((kind, "w_qa"), i, p + "q_a_proj.weight", d, cfg.mla_q_rank),
+                _copy((kind, "q_norm"), i, p + "q_a_layernorm.weight", (cfg.mla_q_rank,)),
+                _linear((kind, "w_qb"), i, p + "q_b_proj.weight", cfg.mla_q_rank, qb, q_columns)]
         return [
-            _linear((kind, "w_qa"), i, p + "q_a_proj.weight", d, cfg.mla_q_rank),
-            _copy((kind, "q_norm"), i, p + "q_a_layernorm.weight", (cfg.mla_q_rank,)),
-            _linear((kind, "w_qb"), i, p + "q_b_proj.weight", cfg.mla_q_rank, qb,
-                    _rope_columns(cfg, qb, cfg.mla_qk_nope, cfg.mla_qk_dim, interleaved)),
+            *queries,
             _linear((kind, "w_kva"), i, p + "kv_a_proj_with_mqa.weight", d, kva,
                     _rope_columns(cfg, kva, rank, kva, interleaved)),
             _copy((kind, "kv_norm"), i, p + "kv_a_layernorm.weight", (rank,)),

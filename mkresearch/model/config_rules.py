@@ -106,10 +106,12 @@ def validate(cfg: Any) -> None:
     if not isinstance(cfg.name, str) or not cfg.name:
         _fail("name", cfg.name, "a non-empty string")
     # lane dims of weight blocks: multiples of 128
-    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_q_rank",
-                  "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
+    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
                   "moe_latent", "moe_latent_padded", "shared_hidden"):
         _positive_int(cfg, field, LANE)
+    q_rank = cfg.mla_q_rank  # 0: no query LoRA, q = bf(x W_q) (Moonlight, Kimi Linear)
+    if not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank < 0 or q_rank % LANE:
+        _fail("mla_q_rank", q_rank, f"0 (no query LoRA) or a positive multiple of {LANE}")
     for field in ("n_layers", "n_heads", "mla_every", "n_experts", "top_k", "attn_res_block",
                   "kda_conv_size", "mla_qk_extra"):
         _positive_int(cfg, field)

@@ -5,7 +5,7 @@ Model types read: `deepseek_v3` (DeepSeek-V3, Moonlight, Kimi K2), `qwen3_moe`, 
 attention-residual model, which has no public config.json). Fields a config.json does not carry
 (the KV tile, the weight ring, the MLA cache layout, the expert format) come from the family's
 preset (`mkresearch.config`). A model type we do not read, or a field value our stage kinds cannot
-run (e.g. `q_lora_rank: null`, `hidden_act: gelu`), is a `CheckpointError`: one line naming the
+run (e.g. `hidden_act: gelu`), is a `CheckpointError`: one line naming the
 field, its value and what is supported.
 
 Both spellings of the RoPE fields are read: `rope_theta` / `rope_scaling` /
@@ -127,14 +127,12 @@ def _group_limited(f: _Fields) -> dict[str, Any]:
 
 
 def _deepseek_v3(f: _Fields) -> dict[str, Any]:
-    if f.get("q_lora_rank", None) is None:
-        raise _unsupported("q_lora_rank", None, "an int (our MLA runs the W_qa / q_a_layernorm "
-                           "path; Moonlight's direct q_proj is not supported yet)")
     if f.get("attention_bias", False):
         raise _unsupported("attention_bias", True, "false for deepseek_v3")
     return {**_common(f), **_routed(f, "n_routed_experts"), **_group_limited(f), **_yarn(f),
             "attention": "mla_rope", "mla_cache_layout": "latent",
-            "mla_q_rank": int(f.get("q_lora_rank")), "mla_kv_rank": int(f.get("kv_lora_rank")),
+            # q_lora_rank null (Moonlight): the query projected directly, our mla_q_rank 0
+            "mla_q_rank": int(f.get("q_lora_rank", 0)), "mla_kv_rank": int(f.get("kv_lora_rank")),
             "mla_qk_nope": int(f.get("qk_nope_head_dim")),
             "mla_qk_extra": int(f.get("qk_rope_head_dim")), "mla_v_dim": int(f.get("v_head_dim"))}
 
@@ -263,7 +261,7 @@ def config_dict(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, Any]:
                    num_nextn_predict_layers=cfg.n_mtp_layers)
     if cfg.attention == "mla_rope":
         raw.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                   num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.mla_q_rank,
+                   num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.mla_q_rank or None,
                    kv_lora_rank=cfg.mla_kv_rank, qk_nope_head_dim=cfg.mla_qk_nope,
                    qk_rope_head_dim=cfg.mla_qk_extra, v_head_dim=cfg.mla_v_dim,
                    attention_bias=False, rope_interleave=True)
