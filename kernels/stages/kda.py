@@ -86,6 +86,11 @@ WEIGHT_DTYPES = {"a_log": jnp.float32, "dt_bias": jnp.float32}  # the rest are b
 def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = None) -> KdaPlan:
     """Check block sizes (ValueError naming the parameter) and fix every static size."""
     blocks.check_block_rows(weight_block_rows)
+    if cfg.kda_output_gate_rank or cfg.kda_decay != "bounded":  # Kimi Linear's KDA
+        field = "kda_output_gate_rank" if cfg.kda_output_gate_rank else "kda_decay"
+        raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)!r} is invalid for the KDA "
+                         "kernel: it runs Kimi K3's full-rank output gate and bounded decay "
+                         "(kda_output_gate_rank=0, kda_decay='bounded'); the reference runs both")
     shapes = weight_shapes(cfg)
     rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
                  for name in MATRICES)

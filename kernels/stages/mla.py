@@ -115,6 +115,9 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
               weight_block_rows: int | None = None) -> MlaPlan:
     """Check block sizes (ValueError naming the parameter) and fix every static size."""
     kv_tile = cfg.kv_tile if kv_tile is None else kv_tile
+    if not cfg.mla_output_gate and cfg.attention != "mla_rope":  # Kimi Linear's MLA
+        raise ValueError("ModelConfig.mla_output_gate=False is invalid for the MLA kernel: it "
+                         "runs Kimi K3's gated output (the reference runs both)")
     blocks.check_kv_tile(kv_tile, seq_len)
     blocks.check_block_rows(weight_block_rows)
     h, v = cfg.n_heads, cfg.mla_v_dim

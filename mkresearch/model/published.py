@@ -6,8 +6,8 @@ them; `config.get_config` knows only the presets typed in `mkresearch.model.conf
 Each value was transcribed from the spec table and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
-Not here: Kimi-Linear-48B-A3B (`kimi_linear`): our KDA runs a full-rank output gate, so its
-low-rank g_a_proj / g_b_proj have no place yet; `read_config` refuses it naming the model type.
+Kimi-Linear-48B-A3B runs in the reference only: its KDA's low-rank output gate and softplus
+decay and its ungated MLA are refused by the kernels (one line naming the field).
 """
 
 from __future__ import annotations
@@ -61,6 +61,26 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
         "rope_scaling": None, "max_position_embeddings": 8192, "hidden_act": "silu",
         "tie_word_embeddings": False},
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: KDA + MLA (no RoPE: mla_use_nope, no
+    # q LoRA), MLA on layers 4, 8, ..., 24 and 27 (1-based). Second copies: two public loaders'
+    # pinned field lists (the same values; both say num_key_value_heads 32, which MLA does not
+    # read; the spec's caveat had a copy with 1). No max_position_embeddings: model_max_length.
+    "kimi-linear-48b-a3b": {
+        "model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27,
+        "vocab_size": 163840, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+        "linear_attn_config": {
+            "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]},
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_experts": 256,
+        "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.446, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "rope_scaling": None, "model_max_length": 1048576,
+        "hidden_act": "silu", "tie_word_embeddings": False},
 }
 
 

@@ -36,7 +36,7 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
         "w_kva": spec.matrix(d, cfg.mla_kv_rank + cfg.mla_qk_extra, shard=d_rows),
         "kv_norm": spec.norm((cfg.mla_kv_rank,)),
         "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim), shard=cols),
-        "w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols),
+        **({"w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols)} if cfg.mla_output_gate else {}),
         "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(1, spec.MODEL_COLS),
                            gather=spec.HEADS),
     }
@@ -200,9 +200,12 @@ def expanded_entry(p: dict[str, Any], c_hat: jax.Array, k_extra: jax.Array,
 
 
 def gated_output(p: dict[str, Any], x: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = bf(y W_o) [N, d]: x [N, d], o [N, H, v] bf16."""
-    gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [N, H*v]
-    y = bf(o.reshape(x.shape[0], cfg.n_heads * cfg.mla_v_dim).astype(f32) * gate.astype(f32))
+    """y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = bf(y W_o) [N, d]: x [N, d], o [N, H, v] bf16.
+    Without the gate (mla_output_gate False: Kimi Linear) y = o."""
+    y = o.reshape(x.shape[0], cfg.n_heads * cfg.mla_v_dim)  # [N, H*v]
+    if cfg.mla_output_gate:
+        gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [N, H*v]
+        y = bf(y.astype(f32) * gate.astype(f32))
     return bf(matmul(y, p["w_o"]))
 
 

@@ -34,7 +34,7 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
     """MLA's weights and sharding rules (`stages.mla.params`: heads tensor parallel, W_o by its d
     columns, the latent down-projections by their columns) without the gate."""
     table = mla.params(cfg)
-    del table["w_g"]  # DeepSeek's MLA has no output gate
+    table.pop("w_g", None)  # DeepSeek's MLA has no output gate
     return table
 
 
