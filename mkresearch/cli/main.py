@@ -361,7 +361,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "decode":
         cli_checkpoint.check(args)
         if args.checkpoint is not None:  # text from a checkpoint on disk
-            return cli_checkpoint.run_decode(args)
+            return cli_checkpoint.run_decode(args, argv)
         if args.speculate is None and args.backend is None:
             args.backend = next(iter(BACKENDS))
         if args.drafter is not None and args.speculate is None:
