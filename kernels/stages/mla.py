@@ -70,8 +70,10 @@ WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w
 
 
 def weight_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """WEIGHT_NAMES with the query weights of cfg (`mla_queries`: W_q alone at mla_q_rank 0)."""
-    return mla_queries.weight_names(cfg.mla_q_rank) + WEIGHT_NAMES[3:]
+    """WEIGHT_NAMES with the query weights of cfg (`mla_queries`: W_q alone at mla_q_rank 0),
+    without W_g when the output is not gated (mla_output_gate False: Kimi Linear)."""
+    return mla_queries.weight_names(cfg.mla_q_rank) + tuple(
+        name for name in WEIGHT_NAMES[3:] if cfg.mla_output_gate or name != "w_g")
 CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
 KV_TILE_NAME = "mla.kv"  # DMA-log name prefix of the KV tile reads: <prefix>.<cache array>
 
@@ -98,6 +100,7 @@ class MlaPlan:
     # writes cache row r // rows_per_state at its own position, so later rows see earlier ones
     # (not in the repr: the recorded compiles are keyed by a decode plan's repr)
     rows_per_state: int = field(default=1, repr=False)
+    output_gate: bool = field(default=True, repr=False)  # False: Kimi Linear's MLA, y = o
 
     @property
     def qk_dim(self) -> int:
@@ -115,9 +118,6 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
               weight_block_rows: int | None = None) -> MlaPlan:
     """Check block sizes (ValueError naming the parameter) and fix every static size."""
     kv_tile = cfg.kv_tile if kv_tile is None else kv_tile
-    if not cfg.mla_output_gate and cfg.attention != "mla_rope":  # Kimi Linear's MLA
-        raise ValueError("ModelConfig.mla_output_gate=False is invalid for the MLA kernel: it "
-                         "runs Kimi K3's gated output (the reference runs both)")
     blocks.check_kv_tile(kv_tile, seq_len)
     blocks.check_block_rows(weight_block_rows)
     h, v = cfg.n_heads, cfg.mla_v_dim
@@ -126,7 +126,8 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
     return MlaPlan(batch=batch, n_heads=h, d_model=cfg.d_model, q_rank=cfg.mla_q_rank,
                    kv_rank=cfg.mla_kv_rank, qk_nope=cfg.mla_qk_nope, qk_extra=cfg.mla_qk_extra,
                    v_dim=v, k_padded=cfg.mla_k_padded, seq_len=seq_len, kv_tile=kv_tile,
-                   layout=cfg.mla_cache_layout, eps=cfg.rms_eps, rows=rows)
+                   layout=cfg.mla_cache_layout, eps=cfg.rms_eps, rows=rows,
+                   output_gate=cfg.mla_output_gate)
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     row (b, j) sees the cache up to p_b + j: causal within the batch row by length masking.
     """
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
-    w_kva, kv_norm, w_kvb, w_g, w_o = (refs.weights[name] for name in WEIGHT_NAMES[3:])
+    w_kva, kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("w_kva", "kv_norm", "w_kvb", "w_o"))
     cache_a, cache_b = (refs.state_in[name] for name in CACHE_NAMES[plan.layout])
     cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
     p = plan
@@ -160,8 +161,8 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
                                 p.eps)  # [B, kv_rank] bf16
         k_extra = ckv_kx[:, p.kv_rank:]  # [B, extra] bf16, shared by all heads, not normalised
-        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(
-            stream(x, w_g, rows=p.block_rows("w_g"), name="mla.w_g"))))))  # [B, H*v]
+        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(stream(  # [B, H*v]; None: Kimi Linear's
+            x, refs.weights["w_g"], rows=p.block_rows("w_g"), name="mla.w_g")))))) if p.output_gate else None
 
     def with_scratch(w_kvb_vmem):
         if p.layout == "expanded":
@@ -195,8 +196,10 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                               cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
-                gate_h = blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)
-                y[h] = blocks.put_row(y[h], b, f32(bf16(f32(bf16(o_h)) * gate_h)))
+                y_h = f32(bf16(o_h))
+                if gate is not None:
+                    y_h = f32(bf16(y_h * blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)))
+                y[h] = blocks.put_row(y[h], b, y_h)
             return tuple(y)
 
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * h_count)
@@ -314,9 +317,10 @@ def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, v = cfg.n_heads, cfg.mla_v_dim
+    gate = {"w_g": (cfg.d_model, h * v)} if cfg.mla_output_gate else {}  # Kimi Linear: none
     return {**mla_queries.shapes(cfg), "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
             "kv_norm": (cfg.mla_kv_rank,), "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
-            "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+            **gate, "w_o": (h * v, cfg.d_model)}
 
 
 def _check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
@@ -435,7 +439,8 @@ def _prepare(stack: dict, cfg: ModelConfig) -> dict:
 def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     """In the body's order; the latent layout keeps W_kvb whole in VMEM (not streamed)."""
     shapes = weight_shapes(cfg)
-    names = mla_queries.streamed_names(cfg.mla_q_rank) + ("w_kva", "w_g") + (
+    names = mla_queries.streamed_names(cfg.mla_q_rank) + ("w_kva",) + (
+        ("w_g",) if cfg.mla_output_gate else ()) + (
         ("w_kvb",) if cfg.mla_cache_layout == "expanded" else ()) + ("w_o",)
     return tuple(Streamed(name, f"mla.{name}", shapes[name]) for name in names)
 
@@ -465,7 +470,8 @@ def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     def load(name):
         return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
 
-    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm") + stream("w_g")
+    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm")
+    out += stream("w_g") if p.output_gate else []
     out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
         call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
     caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]

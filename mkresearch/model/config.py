@@ -127,10 +127,11 @@ class ModelConfig:
     n_mtp_layers: int = 0
     # Kimi Linear (spec/checkpoints.md) beside Kimi K3: KDA's output gate through a rank-r
     # bottleneck (W_ga [d, r], W_gb [r, H·D]; 0 = K3's full-rank W_g), its decay form
-    # (config_rules.KDA_DECAYS), and MLA without K3's sigmoid output gate W_g
-    kda_output_gate_rank: int = 0
-    kda_decay: str = "bounded"
-    mla_output_gate: bool = True
+    # (config_rules.KDA_DECAYS), and MLA without K3's sigmoid output gate W_g. Out of the repr:
+    # recorded compiles are keyed by a plan's repr, which holds the config (measurement.recorded)
+    kda_output_gate_rank: int = dataclasses.field(default=0, repr=False)
+    kda_decay: str = dataclasses.field(default="bounded", repr=False)
+    mla_output_gate: bool = dataclasses.field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -6,8 +6,8 @@ them; `config.get_config` knows only the presets typed in `mkresearch.model.conf
 Each value was transcribed from the spec table and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
-Kimi-Linear-48B-A3B runs in the reference only: its KDA's low-rank output gate and softplus
-decay and its ungated MLA are refused by the kernels (one line naming the field).
+Moonlight's MLA has no query LoRA (mla_q_rank 0); Kimi Linear's KDA a low-rank output gate and
+fla's softplus decay, its MLA no RoPE and no output gate (`hf_config._kimi_linear`).
 """
 
 from __future__ import annotations
