@@ -90,6 +90,7 @@ def test_published_layout_round_trip(tmp_path, mini):
         lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), loaded, params)))
 
 
+@pytest.mark.slow
 def test_megakernel_tokens_equal_the_reference(race_checked, mini):
     """MK_STEPS greedy steps, teacher-forced on the reference's token from the reference's state
     after the prompt: the low-rank output gate, the softplus decay and the ungated MLA in the
