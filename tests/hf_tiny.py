@@ -13,7 +13,8 @@ import torch
 import transformers
 
 # Shapes our configs accept (lane dims multiples of 128) with every family feature: group-limited
-# routing, shared experts, dense first layer, YaRN, QK-norm, q/k/v bias, partial RoPE.
+# routing, shared experts, dense first layer, YaRN, QK-norm, q/k/v bias, partial RoPE, MLA's
+# query with and without its LoRA (DeepSeek-V3 / Moonlight).
 COMMON = {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 3, "intermediate_size": 512,
           "moe_intermediate_size": 128, "num_experts_per_tok": 2, "max_position_embeddings": 256,
           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"}
@@ -26,6 +27,13 @@ CONFIGS = {
         "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         "rope_theta": 10000.0}),
+    # Moonlight-16B-A3B's reading of DeepSeek-V3: q_lora_rank None (q_proj), one group, no YaRN
+    "moonlight": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **COMMON, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "q_lora_rank": None, "kv_lora_rank": 256, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 8, "n_group": 1,
+        "topk_group": 1, "n_shared_experts": 2, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446, "norm_topk_prob": True, "rope_theta": 50000.0}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         **COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
         "num_experts": 8, "norm_topk_prob": True, "rope_theta": 1e6}),
@@ -63,7 +71,7 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 def build(model_type: str, directory: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model of `model_type`, saved to `directory`; returns it (bf16, eval mode)."""
+    """The tiny model of `model_type` (a key of CONFIGS), saved to `directory`; returns it (bf16, eval mode)."""
     config_class, model_class, values = CONFIGS[model_type]
     config = getattr(transformers, config_class)(**values)
     torch.manual_seed(seed)

@@ -210,10 +210,10 @@ def test_missing_block_scales(tmp_path, family_params):
 
 @pytest.mark.parametrize("change, pattern", [
     ({"model_type": "llama"}, r"model_type='llama' is not supported: one of 'deepseek_v3'"),
-    ({"model_type": "kimi_linear"}, r"model_type='kimi_linear' is not supported: its MLA"),
+    ({"model_type": "kimi_linear"}, r"field 'linear_attn_config' is missing \(model_type 'kimi_li"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported: one of 'silu'"),
     ({"tie_word_embeddings": True}, r"tie_word_embeddings=True is not supported"),
-    ({"q_lora_rank": None}, r"q_lora_rank=None is not supported"),
+    ({"q_lora_rank": 100}, r"ModelConfig.mla_q_rank=100 is invalid: 0 \(no query LoRA\)"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling.type='dynamic'"),
     ({"n_group": 3}, r"config.json \(model_type 'deepseek_v3'\): ModelConfig.router_groups=3"),
 ])
@@ -235,8 +235,9 @@ def test_hf_extra_is_pinned_in_the_constraints():
 
 
 def test_small_real_model_presets():
-    """Qwen3-30B-A3B and GLM-4.5-Air from their published config.json fields: the totals the
-    model cards give (30.5 B / 106 B; active 3.3 B with the embedding / 12 B without the head)."""
+    """Qwen3-30B-A3B, GLM-4.5-Air and Moonlight-16B-A3B from their published config.json fields:
+    the totals the model cards give (30.5 B / 106 B / 16 B; active 3.3 B with the embedding / 12 B
+    without the head / 3 B with the embedding)."""
     from mkresearch.model import roofline
     qwen, glm = layout.named_config("qwen3-30b-a3b"), layout.named_config("glm-4.5-air")
     assert (qwen.attention, qwen.n_kv_heads, qwen.router_score, qwen.n_shared_experts) == (
@@ -248,6 +249,15 @@ def test_small_real_model_presets():
     assert round(total / 1e9, 1) == 30.5 and round((active + embed) / 1e9, 1) == 3.4
     total, active = roofline.parameter_counts(glm)
     assert round(total / 1e9) == 107 and round((active - glm.vocab_size * glm.d_model) / 1e9) == 12
+    moonlight = layout.named_config("moonlight-16b-a3b")
+    assert (moonlight.attention, moonlight.mla_q_rank, moonlight.router_groups,
+            moonlight.n_mtp_layers, moonlight.yarn_factor) == ("mla_rope", 0, 1, 0, 1.0)
+    total, active = roofline.parameter_counts(moonlight)
+    embed = moonlight.vocab_size * moonlight.d_model
+    assert round(total / 1e9) == 16 and round((active + embed) / 1e9) == 3  # 15.96 B, 2.91 B
+    raw = checkpoint.config_dict(moonlight)  # q_lora_rank null, as published, and back
+    assert raw["q_lora_rank"] is None
+    assert checkpoint.config_from_dict(raw, moonlight.name, kv_tile=moonlight.kv_tile) == moonlight
 
 
 def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):
@@ -276,13 +286,11 @@ def test_dense_hidden_off_the_lane_grid_is_zero_padded(tmp_path, family_params):
     assert not np.asarray(loaded["dense"]["w_down"][0])[published:].any()
 
 
-def test_kimi_k3_config_round_trip_and_kimi_linear_refused():
-    """Kimi K3 has no public config.json: ours (`model_type: kimi_k3`) reads back to every field;
-    Kimi Linear's is refused naming model_type (its MLA has no q_lora_rank)."""
+def test_kimi_k3_config_round_trip():
+    """Kimi K3 has no public config.json: ours (`model_type: kimi_k3`) reads back to every field
+    (Kimi Linear's published one: tests/test_kimi_linear.py)."""
     cfg = config.get_config("kimi-k3-mini")
     assert checkpoint.config_from_dict(checkpoint.config_dict(cfg), cfg.name) == cfg
-    with pytest.raises(checkpoint.CheckpointError, match="model_type='kimi_linear'"):
-        checkpoint.config_from_dict({"model_type": "kimi_linear", "hidden_size": 2304})
 
 
 def test_command_line_check_exits_non_zero_with_one_line(tmp_path, family_params, capsys):

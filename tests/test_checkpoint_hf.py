@@ -1,6 +1,7 @@
 """Our loader and reference against an independent implementation: Hugging Face `transformers`.
 
-Tiny random DeepSeek-V3, Qwen3-MoE and GLM-4.5 models (tests/hf_tiny.py: built from small
+Tiny random DeepSeek-V3 (with its query LoRA, and without it as Moonlight-16B-A3B configures it:
+`q_lora_rank` None), Qwen3-MoE and GLM-4.5 models (tests/hf_tiny.py: built from small
 configs, weights redrawn at O(1) scale, saved with `save_pretrained`; nothing downloaded) load
 through `mkresearch.checkpoint`. Our reference over a 12-token sequence (`mkresearch.model.prefill`, one
 jitted call over the first PROMPT_LEN tokens, then `reference.decode_step` for the rest) gives logits within LOGIT_BOUND of
@@ -35,7 +36,7 @@ from mkresearch.model import reference, sampling
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
 SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 1  # one megakernel step each: make test's budget
-SEEDS = {"deepseek_v3": 2, "qwen3_moe": 0, "glm4_moe": 0}  # module docstring: no routing near-tie
+SEEDS = {"deepseek_v3": 2, "moonlight": 0, "qwen3_moe": 0, "glm4_moe": 0}  # module docstring: no routing near-tie
 
 
 @pytest.fixture(scope="module", params=sorted(SEEDS))
@@ -68,7 +69,9 @@ def test_reads_the_saved_config(loaded):
     hf = model.config
     assert (cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.top_k) == (
         hf.hidden_size, hf.num_hidden_layers, hf.vocab_size, hf.num_experts_per_tok)
-    assert cfg.attention == ("mla_rope" if model_type == "deepseek_v3" else "gqa")
+    assert cfg.attention == ("mla_rope" if hf.model_type == "deepseek_v3" else "gqa")
+    if hf.model_type == "deepseek_v3":  # q_lora_rank None (Moonlight): W_q, our mla_q_rank 0
+        assert cfg.mla_q_rank == (hf.q_lora_rank or 0)
 
 
 @pytest.mark.slow

@@ -1,9 +1,13 @@
 """`mkresearch decode --checkpoint DIR --prompt TEXT --steps N` (mkresearch.cli.checkpoint): a
 checkpoint written here in the published layout (qwen3-235b-a22b-mini, two shards, a tiny
-tokenizer.json built in the test), decoded from text to text; bad input is one line, exit 2.
-No network."""
+tokenizer.json built in the test), decoded from text to text, also with --speculate K and
+--ranks N (the latter on 2 simulated devices in a child process: opt-in tier, ~90 s here); bad
+input is one line, exit 2. No network."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from test_tokenizer import tiny_tokenizer_json
 from mkresearch.checkpoint.loader import read_config, write_checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli import main as cli
+from mkresearch.cli import ranks as cli_ranks
 from mkresearch.model import prefill, reference, weights
 from mkresearch.model.config import get_config
 
@@ -59,7 +64,9 @@ def test_decode_streams_the_reference_greedy_text(checkpoint, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", "x"], "--checkpoint needs"),  # the checkpoint dropped below
     (["--checkpoint", "{dir}"], "--checkpoint needs --prompt TEXT"),
-    (["--checkpoint", "{dir}", "--prompt", "x", "--ranks", "2"], "--ranks with --checkpoint"),
+    (["--checkpoint", "{dir}", "--prompt", "x", "--ranks", "2", "--speculate", "1"],
+     "--speculate runs on one device: --ranks 1"),
+    (["--checkpoint", "{dir}", "--prompt", "x", "--ranks", "0"], "--ranks must be an int >= 1"),
     (["--checkpoint", "{dir}", "--prompt", "x", "--batch", "2"], "--batch 2 is invalid"),
     (["--checkpoint", "{dir}", "--prompt", "x", "--steps", "0"], "--steps must be"),
     (["--checkpoint", "{missing}", "--prompt", "x"], "config.json"),
@@ -79,3 +86,54 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, extra, message):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def _text(directory, cfg, generated):
+    tokenizer = load_tokenizer(directory)
+    stream = TextStream(tokenizer, encode(tokenizer, PROMPT, cfg.vocab_size))
+    return PROMPT + "".join(stream.push(t) for t in generated)
+
+
+@pytest.mark.slow
+def test_speculate_with_checkpoint_weights(checkpoint, capsys):
+    """--speculate 2 on the checkpoint's weights and tokenized prompt (the reference's verify:
+    the megakernel's verify is the same code path with a random model, tests/test_cli_speculative.py):
+    lossless against plain greedy decoding, and the text of the tokens."""
+    directory, cfg, _ = checkpoint
+    status = cli.main(["decode", "--checkpoint", str(directory), "--prompt", PROMPT, "--steps",
+                       "3", "--speculate", "2", "--backend", "reference", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0 and result["lossless"]["passed"] and result["speculate"] == 2
+    ids = encode(load_tokenizer(directory), PROMPT, cfg.vocab_size)
+    assert result["prompt"] == [ids] and len(result["generated"][0]) == 3
+    assert result["text"] == _text(directory, cfg, result["generated"][0])
+
+
+def test_ranks_with_checkpoint_goes_to_the_sharded_run(checkpoint, monkeypatch, capsys):
+    """--ranks 2 with --checkpoint takes the sharded run's road: in a child that still has one
+    device it is refused there, in one line, before any weight is read."""
+    directory, _, _ = checkpoint
+    monkeypatch.setenv(cli_ranks.CHILD_ENV, "1")
+    assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", "a", "--steps", "2",
+                     "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--ranks 2 needs 2 devices but this cpu backend has 1" in err
+
+
+@pytest.mark.exhaustive
+def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint):
+    """The checkpoint's weights onto 2 simulated ranks by the layout (`decode_sharded`): each
+    step's logits within the partial-sum bound of the single device and agreeing with the
+    reference; the text of the tokens. ~90 s here (a child compiling the sharded, single-device
+    and reference steps), so opt-in; the random model's 2-rank child runs by default
+    (tests/test_cli_ranks.py)."""
+    directory, cfg, _ = checkpoint
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--checkpoint",
+                           str(directory), "--prompt", PROMPT, "--steps", "2", "--ranks", "2",
+                           "--json"], capture_output=True, text=True, timeout=600, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    assert result["ranks"] == 2 and result["devices"] == 2 and result["passed"]
+    assert result["text"] == _text(directory, cfg, result["generated"][0])

@@ -76,6 +76,9 @@ INVALID_VALUE = {
     "router_topk_groups": 2,  # more than router_groups
     "router_normalize": None,
     "n_mtp_layers": -1,
+    "kda_output_gate_rank": 100,  # not a multiple of 128
+    "kda_decay": "exp",
+    "mla_output_gate": "no",
 }
 
 FIELD_NAMES = [field.name for field in dataclasses.fields(ModelConfig)]

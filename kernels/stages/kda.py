@@ -44,6 +44,18 @@ from mkresearch.model.config import ModelConfig
 WEIGHT_NAMES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "conv_w", "a_log", "dt_bias",
                 "o_norm", "w_o")
 MATRICES = ("w_fa", "w_fb", "w_q", "w_k", "w_v", "w_g", "w_b", "w_o")  # streamed, in body order
+
+
+def matrices(output_gate_rank: int) -> tuple[str, ...]:
+    """MATRICES with the output gate of the config: W_g, or W_ga, W_gb through a rank-r
+    bottleneck (Kimi Linear, kda_output_gate_rank > 0)."""
+    gate = ("w_ga", "w_gb") if output_gate_rank else ("w_g",)
+    return MATRICES[:5] + gate + MATRICES[6:]
+
+
+def weight_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """WEIGHT_NAMES with the output gate of cfg (`matrices`)."""
+    return matrices(cfg.kda_output_gate_rank)[:-1] + WEIGHT_NAMES[7:]
 LOADED_WHOLE = ("conv_w", "a_log", "dt_bias", "o_norm")  # DMA'd whole after the projections
 # DMA-log names of the states' reads and writes (<name>.read, <name>.write), state leaf -> name
 STATE_DMAS = {"conv": "kda.conv_state", "recurrent": "kda.state"}
@@ -67,6 +79,10 @@ class KdaPlan:
     # row r // rows_per_state, and each row's states are also written to refs.steps_out (not in
     # the repr: the recorded compiles are keyed by a decode plan's repr, `mkresearch.measurement.recorded`)
     rows_per_state: int = field(default=1, repr=False)
+    # Kimi Linear's KDA (ModelConfig.kda_output_gate_rank, kda_decay), not in the repr for the
+    # same reason: Kimi K3's plans keep their keys
+    output_gate_rank: int = field(default=0, repr=False)
+    decay: str = field(default="bounded", repr=False)
 
     def block_rows(self, name: str) -> int:
         return dict(self.rows)[name]
@@ -74,8 +90,10 @@ class KdaPlan:
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, h, hd = cfg.d_model, cfg.n_heads, cfg.kda_width
+    r = cfg.kda_output_gate_rank
+    gate = {"w_ga": (d, r), "w_gb": (r, hd)} if r else {"w_g": (d, hd)}
     return {"w_fa": (d, cfg.kda_gate_rank), "w_fb": (cfg.kda_gate_rank, hd), "w_q": (d, hd),
-            "w_k": (d, hd), "w_v": (d, hd), "w_g": (d, hd), "w_b": (d, h),
+            "w_k": (d, hd), "w_v": (d, hd), **gate, "w_b": (d, h),
             "conv_w": (3, cfg.kda_conv_size, hd), "a_log": (h,), "dt_bias": (hd,),
             "o_norm": (cfg.kda_head_dim,), "w_o": (hd, d)}
 
@@ -88,11 +106,12 @@ def make_plan(cfg: ModelConfig, batch: int, *, weight_block_rows: int | None = N
     blocks.check_block_rows(weight_block_rows)
     shapes = weight_shapes(cfg)
     rows = tuple((name, blocks.weight_block_rows(shapes[name], jnp.bfloat16, weight_block_rows))
-                 for name in MATRICES)
+                 for name in matrices(cfg.kda_output_gate_rank))
     return KdaPlan(batch=batch, n_heads=cfg.n_heads, head_dim=cfg.kda_head_dim,
                    d_model=cfg.d_model, gate_rank=cfg.kda_gate_rank, conv_size=cfg.kda_conv_size,
                    decay_bound=float(cfg.kda_decay_bound), rms_eps=cfg.rms_eps,
-                   l2_eps=cfg.l2_eps, rows=rows)
+                   l2_eps=cfg.l2_eps, rows=rows, output_gate_rank=cfg.kda_output_gate_rank,
+                   decay=cfg.kda_decay)
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -112,7 +131,7 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     refs.steps_out {"conv" [K+1, B, ...], "recurrent" [K+1, B, ...]} at [r mod (K + 1), b].
     """
     x_ref, out_ref, indices = refs.x, refs.out, refs.indices
-    w_fa, w_fb, w_q, w_k, w_v, w_g, w_b, w_o = (refs.weights[name] for name in MATRICES)
+    w_fa, w_fb, w_q, w_k, w_v, w_b, w_o = (refs.weights[name] for name in MATRICES if name != "w_g")
     conv_in, state_in = refs.state_in["conv"], refs.state_in["recurrent"]
     conv_out, state_out = refs.state_out["conv"], refs.state_out["recurrent"]
     p = plan
@@ -135,7 +154,11 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
             g_raw = f32(project(project(x, w_fa, "w_fa"), w_fb, "w_fb"))  # [B, H·D]
             pre_conv = [f32(project(x, w, name)) for w, name in (
                 (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"))]  # 3 x [B, H·D], bf16 values
-            u = f32(project(x, w_g, "w_g"))  # [B, H·D]
+            if p.output_gate_rank:  # Kimi Linear: u = bf(bf(x W_ga) W_gb)
+                u = f32(project(project(x, refs.weights["w_ga"], "w_ga"), refs.weights["w_gb"],
+                                "w_gb"))  # [B, H·D]
+            else:
+                u = f32(project(x, refs.weights["w_g"], "w_g"))  # [B, H·D]
             b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
             loaded = {name: blocks.load_whole(refs.weights[name], name=f"kda.{name}", **indices)
                       for name in LOADED_WHOLE}
@@ -218,8 +241,11 @@ def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamm
     q = q_hat * jax.lax.rsqrt(blocks.ordered_sum(q_hat * q_hat, keepdims=True) + p.l2_eps) * d ** -0.5
     k = k_hat * jax.lax.rsqrt(blocks.ordered_sum(k_hat * k_hat, keepdims=True) + p.l2_eps)
     beta = jax.nn.sigmoid(b_logit[:, h:h + 1])  # [1, 1]
-    log_decay = p.decay_bound * jax.nn.sigmoid(
-        decay_rate[:, h:h + 1] * (g_raw[:, lanes] + bias[:, lanes]))  # [1, D]
+    g = g_raw[:, lanes] + bias[:, lanes]  # [1, D]
+    if p.decay == "softplus":  # Kimi Linear: λ = −e^A softplus(g) < 0
+        log_decay = -decay_rate[:, h:h + 1] * jax.nn.softplus(g)
+    else:  # Kimi K3: λ = bound·σ(e^A g) ∈ (bound, 0)
+        log_decay = p.decay_bound * jax.nn.sigmoid(decay_rate[:, h:h + 1] * g)
 
     # column vectors e^λ and k from one [8, D] -> [D, 8] transpose (rows 0 and 1, rest zero)
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, d), 0)
@@ -287,8 +313,8 @@ def kda_attention(p: dict, x: jax.Array, conv: jax.Array, state: jax.Array, cfg:
 
 def prepare_layer(p: dict) -> dict:
     """One layer's weights as the body reads them: vectors as [1, n] rows (a VMEM row)."""
-    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
-            for name in WEIGHT_NAMES}
+    names = [name for name in ("w_ga", "w_gb", *WEIGHT_NAMES) if name in p]  # W_g or W_ga, W_gb
+    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in names}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -320,12 +346,13 @@ def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, wei
 def _prepare(stack: dict, cfg: ModelConfig) -> dict:
     """The KDA layers' stacked weights as the body reads them: vectors as [n, 1, x] rows."""
     return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
-            else stack[name] for name in WEIGHT_NAMES}
+            else stack[name] for name in weight_names(cfg)}
 
 
 def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     shapes = weight_shapes(cfg)
-    return tuple(Streamed(name, f"kda.{name}", shapes[name]) for name in MATRICES)
+    return tuple(Streamed(name, f"kda.{name}", shapes[name])
+                 for name in matrices(cfg.kda_output_gate_rank))
 
 
 def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
@@ -364,8 +391,9 @@ def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma
              for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
     steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
              if plan.rows_per_state > 1 else [])
-    return (reads + stream(MATRICES[:-1]) + loads + [r.waited() for r in reads] + steps + writes
-            + stream(MATRICES[-1:]) + [write.waited() for write in writes])
+    names = matrices(plan.output_gate_rank)
+    return (reads + stream(names[:-1]) + loads + [r.waited() for r in reads] + steps + writes
+            + stream(names[-1:]) + [write.waited() for write in writes])
 
 
 KERNEL = register(KernelStage(

@@ -61,11 +61,19 @@ from mkresearch.kernels.base.kv_update import (
     update_latent,
 )
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
+from mkresearch.kernels.stages import mla_queries
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import MLA_CACHE_LAYOUTS, ModelConfig
 
-WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")
+WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")  # q LoRA
+
+
+def weight_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """WEIGHT_NAMES with the query weights of cfg (`mla_queries`: W_q alone at mla_q_rank 0),
+    without W_g when the output is not gated (mla_output_gate False: Kimi Linear)."""
+    return mla_queries.weight_names(cfg.mla_q_rank) + tuple(
+        name for name in WEIGHT_NAMES[3:] if cfg.mla_output_gate or name != "w_g")
 CACHE_NAMES = {"expanded": ("k", "v"), "latent": ("ckv", "kx")}
 KV_TILE_NAME = "mla.kv"  # DMA-log name prefix of the KV tile reads: <prefix>.<cache array>
 
@@ -92,6 +100,7 @@ class MlaPlan:
     # writes cache row r // rows_per_state at its own position, so later rows see earlier ones
     # (not in the repr: the recorded compiles are keyed by a decode plan's repr)
     rows_per_state: int = field(default=1, repr=False)
+    output_gate: bool = field(default=True, repr=False)  # False: Kimi Linear's MLA, y = o
 
     @property
     def qk_dim(self) -> int:
@@ -117,7 +126,8 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
     return MlaPlan(batch=batch, n_heads=h, d_model=cfg.d_model, q_rank=cfg.mla_q_rank,
                    kv_rank=cfg.mla_kv_rank, qk_nope=cfg.mla_qk_nope, qk_extra=cfg.mla_qk_extra,
                    v_dim=v, k_padded=cfg.mla_k_padded, seq_len=seq_len, kv_tile=kv_tile,
-                   layout=cfg.mla_cache_layout, eps=cfg.rms_eps, rows=rows)
+                   layout=cfg.mla_cache_layout, eps=cfg.rms_eps, rows=rows,
+                   output_gate=cfg.mla_output_gate)
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -136,8 +146,7 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     row (b, j) sees the cache up to p_b + j: causal within the batch row by length masking.
     """
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
-    w_qa, q_norm, w_qb, w_kva, kv_norm, w_kvb, w_g, w_o = (refs.weights[name]
-                                                           for name in WEIGHT_NAMES)
+    w_kva, kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("w_kva", "kv_norm", "w_kvb", "w_o"))
     cache_a, cache_b = (refs.state_in[name] for name in CACHE_NAMES[plan.layout])
     cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
     p = plan
@@ -146,17 +155,14 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
         stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-        c_q = blocks.rms_norm(
-            bf16(stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa")),
-            blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
-        q = f32(bf16(stream(c_q, w_qb, rows=p.block_rows("w_qb"), name="mla.w_qb")))  # [B, H*qk]
+        q = mla_queries.project(p, refs.weights, x, stream, indices)  # [B, H*qk]
         ckv_kx = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
         c_hat = blocks.rms_norm(f32(ckv_kx[:, :p.kv_rank]),
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
                                 p.eps)  # [B, kv_rank] bf16
         k_extra = ckv_kx[:, p.kv_rank:]  # [B, extra] bf16, shared by all heads, not normalised
-        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(
-            stream(x, w_g, rows=p.block_rows("w_g"), name="mla.w_g"))))))  # [B, H*v]
+        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(stream(  # [B, H*v]; None: Kimi Linear's
+            x, refs.weights["w_g"], rows=p.block_rows("w_g"), name="mla.w_g")))))) if p.output_gate else None
 
     def with_scratch(w_kvb_vmem):
         if p.layout == "expanded":
@@ -190,8 +196,10 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                               cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
             y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
-                gate_h = blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)
-                y[h] = blocks.put_row(y[h], b, f32(bf16(f32(bf16(o_h)) * gate_h)))
+                y_h = f32(bf16(o_h))
+                if gate is not None:
+                    y_h = f32(bf16(y_h * blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)))
+                y[h] = blocks.put_row(y[h], b, y_h)
             return tuple(y)
 
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * h_count)
@@ -308,11 +316,11 @@ def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, qk, v = cfg.n_heads, cfg.mla_qk_dim, cfg.mla_v_dim
-    return {"w_qa": (cfg.d_model, cfg.mla_q_rank), "q_norm": (cfg.mla_q_rank,),
-            "w_qb": (cfg.mla_q_rank, h * qk), "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
+    h, v = cfg.n_heads, cfg.mla_v_dim
+    gate = {"w_g": (cfg.d_model, h * v)} if cfg.mla_output_gate else {}  # Kimi Linear: none
+    return {**mla_queries.shapes(cfg), "w_kva": (cfg.d_model, cfg.mla_latent_cache_dim),
             "kv_norm": (cfg.mla_kv_rank,), "w_kvb": (cfg.mla_kv_rank, h * (cfg.mla_qk_nope + v)),
-            "w_g": (cfg.d_model, h * v), "w_o": (h * v, cfg.d_model)}
+            **gate, "w_o": (h * v, cfg.d_model)}
 
 
 def _check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
@@ -387,8 +395,8 @@ def mla_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
 
 def prepare_layer(p: dict) -> dict:
     """One layer's weights as the body reads them: vectors as [1, n] rows (a VMEM row)."""
-    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
-            for name in WEIGHT_NAMES}
+    names = [name for name in ("w_q", *WEIGHT_NAMES) if name in p]  # q LoRA or W_q
+    return {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name] for name in names}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -425,13 +433,14 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
 def _prepare(stack: dict, cfg: ModelConfig) -> dict:
     """The MLA layers' stacked weights as the body reads them: norm gains as [n, 1, x] rows."""
     return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
-            and name in ("q_norm", "kv_norm") else stack[name] for name in WEIGHT_NAMES}
+            and name in ("q_norm", "kv_norm") else stack[name] for name in weight_names(cfg)}
 
 
 def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     """In the body's order; the latent layout keeps W_kvb whole in VMEM (not streamed)."""
     shapes = weight_shapes(cfg)
-    names = ("w_qa", "w_qb", "w_kva", "w_g") + (
+    names = mla_queries.streamed_names(cfg.mla_q_rank) + ("w_kva",) + (
+        ("w_g",) if cfg.mla_output_gate else ()) + (
         ("w_kvb",) if cfg.mla_cache_layout == "expanded" else ()) + ("w_o",)
     return tuple(Streamed(name, f"mla.{name}", shapes[name]) for name in names)
 
@@ -461,8 +470,8 @@ def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     def load(name):
         return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
 
-    out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
-    out += stream("w_g")
+    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm")
+    out += stream("w_g") if p.output_gate else []
     out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
         call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
     caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]

@@ -28,13 +28,18 @@ from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import tile_loop_dmas
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
-from mkresearch.kernels.stages import mla
+from mkresearch.kernels.stages import mla, mla_queries
 
 from mkresearch.hardware import tpu
 from mkresearch.model import rope
 from mkresearch.model.config import ModelConfig
 
-WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_o")
+WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_o")  # with the q LoRA
+
+
+def weight_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """WEIGHT_NAMES with the query weights of cfg (`mla_queries`: W_q alone at mla_q_rank 0)."""
+    return mla_queries.weight_names(cfg.mla_q_rank) + WEIGHT_NAMES[3:]
 CACHE_NAMES = ("ckv", "kpe")
 
 
@@ -70,7 +75,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
     """
     p = plan
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
-    w_qa, q_norm, w_qb, w_kva, kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES)
+    w_kva, kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES[3:])
     ckv_in, kpe_in = refs.state_in["ckv"], refs.state_in["kpe"]
     ckv_out, kpe_out = refs.state_out["ckv"], refs.state_out["kpe"]
     heads, nope, qk, rank, v_dim = p.n_heads, p.qk_nope, p.qk_dim, p.kv_rank, p.v_dim
@@ -78,10 +83,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
-        c_q = blocks.rms_norm(
-            bf16(stream(x, w_qa, rows=p.block_rows("w_qa"), name="mla.w_qa")),
-            blocks.load_whole(q_norm, name="mla.q_norm", **indices), p.eps)  # [B, q_rank]
-        q = f32(bf16(stream(c_q, w_qb, rows=p.block_rows("w_qb"), name="mla.w_qb")))  # [B, H·qk]
+        q = mla_queries.project(p, refs.weights, x, stream, indices)  # [B, H·qk]
         ckv_kpe = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
         c_hat = blocks.rms_norm(f32(ckv_kpe[:, :rank]),
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
@@ -123,7 +125,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = mla.weight_shapes(cfg)
-    return {name: shapes[name] for name in WEIGHT_NAMES}
+    return {name: shapes[name] for name in weight_names(cfg)}
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
@@ -175,7 +177,7 @@ def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
     plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
                      weight_block_rows=weight_block_rows)
     weights = {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
-               for name in WEIGHT_NAMES}
+               for name in weight_names(cfg)}
     return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
                  positions, x, weights, {"ckv": cache["ckv"], "kpe": cache["kpe"]})
 
@@ -193,14 +195,14 @@ def _call(plan: MlaRopePlan, interpret: Any, recording: bool, indices: tuple, po
 def _prepare(stack: dict, cfg: ModelConfig) -> dict:
     """The layers' stacked weights as the body reads them: norm gains as [n, 1, x] rows."""
     return {name: stack[name].reshape(stack[name].shape[0], 1, -1) if stack[name].ndim == 2
-            else stack[name] for name in WEIGHT_NAMES}
+            else stack[name] for name in weight_names(cfg)}
 
 
 def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     """In the body's order; W_kvb is loaded whole into VMEM (both absorbed sides use it)."""
     shapes = weight_shapes(cfg)
     return tuple(Streamed(name, f"mla.{name}", shapes[name])
-                 for name in ("w_qa", "w_qb", "w_kva", "w_o"))
+                 for name in (*mla_queries.streamed_names(cfg.mla_q_rank), "w_kva", "w_o"))
 
 
 def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
@@ -223,7 +225,7 @@ def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDm
     def load(name):
         return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
 
-    out = stream("w_qa") + load("q_norm") + stream("w_qb") + stream("w_kva") + load("kv_norm")
+    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm")
     out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
     caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
     for b, position in enumerate(call.positions):  # rows in order, each on its cache row

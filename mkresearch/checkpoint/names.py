@@ -4,7 +4,7 @@ Published linear weights are [out, in] (PyTorch); ours are [in, out] (DEVELOPERS
 "Parameters"), so every matrix is transposed. DeepSeek-V3's rope columns are stored interleaved
 (pairs 2i, 2i+1, `rope_interleave` in transformers' config, true by default); ours rotate halves
 (`mkresearch.rope`), so the rope columns of W_qb (each head) and W_kva are de-interleaved at load
-(`rope.deinterleave`) and interleaved again when written. Routed experts, one tensor per expert
+(`rope.deinterleave`; Moonlight's W_q likewise) and interleaved again when written. Routed experts, one tensor per expert
 as published, are stacked into [E, in, out] and quantised into our expert format.
 
 `layer_entries(cfg, layer)` lists one layer's entries, `trunk_entries(cfg)` the embedding, LM
@@ -99,15 +99,25 @@ def _attention(cfg: ModelConfig, layer: int, interleaved: bool) -> list[Entry]:
             out += [_copy((kind, f"{n}_norm"), i, p + f"{n}_norm.weight", (cfg.head_dim,))
                     for n in ("q", "k")]
         return out
-    if kind == "mla_rope":
+    if kind == "kda":
+        return _kda(cfg, i, p)
+    if kind == "mla" and cfg.mla_output_gate:
+        raise NotImplementedError("Kimi K3's gated MLA has no published tensor names")
+    if kind in ("mla_rope", "mla"):  # Kimi Linear's MLA: no RoPE (mla_use_nope), no gate
+        interleaved = interleaved and kind == "mla_rope"
         heads, rank = cfg.n_heads, cfg.mla_kv_rank
         qb = cfg.n_heads * cfg.mla_qk_dim
         kva = rank + cfg.mla_qk_extra
+        q_columns = _rope_columns(cfg, qb, cfg.mla_qk_nope, cfg.mla_qk_dim, interleaved)
+        if cfg.mla_q_rank == 0:  # Moonlight: the query projected directly, no q LoRA
+            queries = [_linear((kind, "w_q"), i, p + "q_proj.weight", d, qb, q_columns)]
+        else:
+            queries = [
+                _linear((kind, "w_qa"), i, p + "q_a_proj.weight", d, cfg.mla_q_rank),
+                _copy((kind, "q_norm"), i, p + "q_a_layernorm.weight", (cfg.mla_q_rank,)),
+                _linear((kind, "w_qb"), i, p + "q_b_proj.weight", cfg.mla_q_rank, qb, q_columns)]
         return [
-            _linear((kind, "w_qa"), i, p + "q_a_proj.weight", d, cfg.mla_q_rank),
-            _copy((kind, "q_norm"), i, p + "q_a_layernorm.weight", (cfg.mla_q_rank,)),
-            _linear((kind, "w_qb"), i, p + "q_b_proj.weight", cfg.mla_q_rank, qb,
-                    _rope_columns(cfg, qb, cfg.mla_qk_nope, cfg.mla_qk_dim, interleaved)),
+            *queries,
             _linear((kind, "w_kva"), i, p + "kv_a_proj_with_mqa.weight", d, kva,
                     _rope_columns(cfg, kva, rank, kva, interleaved)),
             _copy((kind, "kv_norm"), i, p + "kv_a_layernorm.weight", (rank,)),
@@ -115,6 +125,30 @@ def _attention(cfg: ModelConfig, layer: int, interleaved: bool) -> list[Entry]:
                     heads * (cfg.mla_qk_nope + cfg.mla_v_dim)),
             _linear((kind, "w_o"), i, p + "o_proj.weight", heads * cfg.mla_v_dim, d)]
     raise NotImplementedError(f"attention kind {kind!r} has no published tensor names")
+
+
+def _kda(cfg: ModelConfig, i: int, p: str) -> list[Entry]:
+    """Kimi Linear's KDA (fla's KimiDeltaAttention): short convs [H·D, 1, K] (tap K-1 the current
+    token, as ours), A_log [1, 1, H, 1], the low-rank decay and output gates."""
+    kind, d, hd, heads = "kda", cfg.d_model, cfg.kda_width, cfg.n_heads
+    convs = tuple(p + f"{n}_conv1d.weight" for n in "qkv")
+    if cfg.kda_output_gate_rank:
+        gate = [_linear((kind, "w_ga"), i, p + "g_a_proj.weight", d, cfg.kda_output_gate_rank),
+                _linear((kind, "w_gb"), i, p + "g_b_proj.weight", cfg.kda_output_gate_rank, hd)]
+    else:
+        gate = [_linear((kind, "w_g"), i, p + "g_proj.weight", d, hd)]
+    return [*(_linear((kind, f"w_{n}"), i, p + f"{n}_proj.weight", d, hd) for n in "qkv"),
+            Entry((kind, "conv_w"), i, convs, ((hd, 1, cfg.kda_conv_size),) * 3,
+                  lambda a: np.stack([w[:, 0, :].T for w in a]),
+                  lambda w: [np.ascontiguousarray(m.T[:, None, :]) for m in w]),
+            _linear((kind, "w_fa"), i, p + "f_a_proj.weight", d, cfg.kda_gate_rank),
+            _linear((kind, "w_fb"), i, p + "f_b_proj.weight", cfg.kda_gate_rank, hd),
+            *gate, _linear((kind, "w_b"), i, p + "b_proj.weight", d, heads),
+            Entry((kind, "a_log"), i, (p + "A_log",), ((1, 1, heads, 1),),
+                  lambda a: a[0].reshape(heads), lambda w: [w.reshape(1, 1, heads, 1)]),
+            _copy((kind, "dt_bias"), i, p + "dt_bias", (hd,)),
+            _copy((kind, "o_norm"), i, p + "o_norm.weight", (cfg.kda_head_dim,)),
+            _linear((kind, "w_o"), i, p + "o_proj.weight", hd, d)]
 
 
 def _ffn(cfg: ModelConfig, layer: int, dense_published: int | None) -> list[Entry]:
@@ -128,12 +162,16 @@ def _ffn(cfg: ModelConfig, layer: int, dense_published: int | None) -> list[Entr
     if kind != "moe_full":
         raise NotImplementedError(f"FFN kind {kind!r} has no published tensor names")
     e, f = cfg.n_experts, cfg.expert_hidden
+    kimi = "kda" in cfg.kinds  # Kimi Linear: block_sparse_moe, experts w1 (gate) w3 (up) w2
+    if kimi:
+        p = f"model.layers.{layer}.block_sparse_moe."
     router = _linear((kind, "w_router"), i, p + "gate.weight", d, e)
     out = [Entry(router.key, i, router.names, router.shapes, router.to_ours, router.to_published)]
     if cfg.router_bias:
         out.append(_copy((kind, "router_bias"), i, p + "gate.e_score_correction_bias", (e,)))
     out += [_experts((kind, "experts", ours), i,
-                     [f"{p}experts.{x}.{theirs}.weight" for x in range(e)], *dims)
+                     [f"{p}experts.{x}.{ours if kimi else theirs}.weight" for x in range(e)],
+                     *dims)
             for ours, theirs, dims in (("w1", "gate_proj", (d, f)), ("w3", "up_proj", (d, f)),
                                        ("w2", "down_proj", (f, d)))]
     if cfg.n_shared_experts:
@@ -166,8 +204,12 @@ def check_supported(cfg: ModelConfig) -> None:
     """ValueError naming the field when cfg has a kind without published names."""
     if cfg.residual != "prenorm":
         raise ValueError(f"ModelConfig.residual={cfg.residual!r} has no published tensor names: "
-                         "'prenorm' (DeepSeek-V3, Qwen3-MoE, GLM-4.5)")
-    for field, kinds, allowed in (("attention", cfg.attention_kinds, ("gqa", "mla_rope")),
+                         "'prenorm' (DeepSeek-V3, Qwen3-MoE, GLM-4.5, Kimi Linear)")
+    if "mla" in cfg.attention_kinds and cfg.mla_output_gate:
+        raise ValueError("ModelConfig.mla_output_gate=True has no published tensor names: False "
+                         "(Kimi Linear's MLA)")
+    for field, kinds, allowed in (("attention", cfg.attention_kinds,
+                                   ("gqa", "mla_rope", "kda", "mla")),
                                   ("ffn", cfg.ffn_kinds, ("dense", "moe_full"))):
         for kind in set(kinds) - set(allowed):
             raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)!r} has no published tensor "

@@ -190,9 +190,10 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
 
 def print_run(result: dict, backend: str) -> None:
     """The lines every decode backend prints first: the run, then each row's prompt and tokens."""
+    prompt = (f"the checkpoint's prompt of {result['prompt_len']} tokens" if "text" in result
+              else f"random prompt of {result['prompt_len']} tokens (seed {result['seed']})")
     print(f"{result['model']}, backend {backend} on {result['platform']}: batch "
-          f"{result['batch']}, random prompt of {result['prompt_len']} tokens (seed "
-          f"{result['seed']}), {result['steps']} greedy steps")
+          f"{result['batch']}, {prompt}, {result['steps']} greedy steps")
     for row, (prompt, ids) in enumerate(zip(result["prompt"], result["generated"])):
         print(f"  row {row}: prompt {prompt} -> generated {ids}")
 

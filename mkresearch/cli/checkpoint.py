@@ -4,6 +4,13 @@ tokenizer.json (`mkresearch.checkpoint.tokenizer`), one jitted prefill call per 
 then greedy decoding with the megakernel (or the reference, `--backend reference`), each token's
 text printed as it is decoded. Bad input (a missing file, a bad tensor, an unknown model type,
 a prompt the vocabulary cannot hold) is one line and exit status 2.
+
+With `--ranks N` or `--speculate K` the checkpoint's weights and tokenized prompt go through the
+same runs as a random model's (`cli.ranks.decode_sharded`: the weights onto the ranks by
+`mkresearch.sharding.layout`, the prompt stepped through the sharded megakernel, each step checked
+against the single device and the reference; `cli.speculative.decode`: verify steps of K drafts,
+checked lossless against plain greedy decoding), and the text of the tokens is printed after
+their report.
 """
 
 from __future__ import annotations
@@ -13,11 +20,14 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mkresearch.checkpoint.loader import CheckpointError, load_params, read_config
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
+from mkresearch.cli import ranks as cli_ranks
+from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import UsageError, _at_least, _refusals
 from mkresearch.kernels.compose import megakernel
 from mkresearch.model import prefill, reference
@@ -45,11 +55,19 @@ def check(args: argparse.Namespace) -> None:
     _at_least("--steps", args.steps, 1)
     if args.batch != 1:
         raise UsageError(f"--batch {args.batch} is invalid with --checkpoint: one prompt, 1 row")
-    if args.ranks != 1:
-        raise UsageError("--ranks with --checkpoint is not supported yet: decode on one device "
-                         "(mkresearch info --ranks N shows how the model would split)")
-    if args.speculate is not None:
-        raise UsageError("--speculate with --checkpoint is not supported yet: decode without it")
+    _at_least("--ranks", args.ranks, 1)
+    if args.ranks != 1 and args.speculate is not None:
+        raise UsageError("--speculate runs on one device: --ranks 1")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What --ranks and --speculate take from a checkpoint: `params()` reads the weights (in the
+    process that decodes: a --ranks child), `prompt` [1, T] int32, `text(ids)` the ids' text."""
+
+    params: Callable[[], dict]
+    prompt: Any
+    text: Callable[[Sequence[int]], str]
 
 
 @contextlib.contextmanager
@@ -62,7 +80,7 @@ def _checkpoint_errors() -> Iterator[None]:
         raise UsageError(str(error).splitlines()[0]) from None
 
 
-def run_decode(args: argparse.Namespace) -> int:
+def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Load, prefill, decode; stream the text to stdout (or one JSON object with --json)."""
     import jax
     import numpy as np
@@ -81,6 +99,9 @@ def run_decode(args: argparse.Namespace) -> int:
                              f"max_seq_len={cfg.max_seq_len} of the checkpoint")
         cache_len = min(-(-length // CACHE_ROUND) * CACHE_ROUND, cfg.max_seq_len)
         cfg = cfg.replace(max_seq_len=cache_len)
+    if args.ranks > 1 or args.speculate is not None:
+        return _run_on_ranks_or_speculative(args, argv, cfg, tokenizer, prompt_ids, progress)
+    with _checkpoint_errors():
         options = megakernel.MegakernelOptions(chip=args.chip)
         if backend == "megakernel":  # refuses (VMEM plan, HBM) before any weight is read
             megakernel.make_plan(cfg, 1, cache_len, options)
@@ -129,6 +150,25 @@ def run_decode(args: argparse.Namespace) -> int:
               f"in {decode_seconds:.2f} s; weights loaded in {load_seconds:.2f} s",
               file=sys.stderr)
     return 0
+
+
+def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], cfg: Any,
+                                 tokenizer: Any, prompt_ids: list[int], progress: bool) -> int:
+    """--ranks N or --speculate K with the checkpoint's weights and prompt (module docstring)."""
+    import numpy as np
+
+    def text(ids: Sequence[int]) -> str:
+        stream = TextStream(tokenizer, prompt_ids)
+        return args.prompt + "".join(stream.push(i) for i in ids)
+
+    loaded = Loaded(lambda: load_params(args.checkpoint, cfg, progress=progress),
+                    np.asarray([prompt_ids], np.int32), text)
+    args.prompt_len = len(prompt_ids)  # what the random-prompt runs check their lengths by
+    with _checkpoint_errors():
+        if args.speculate is not None:
+            return cli_speculative.run_decode(args, cfg, loaded)
+        cli_ranks.check_ranks(cfg, args.ranks, args.backend or "megakernel")
+        return cli_ranks.run_decode(args, cfg, argv, progress, loaded)
 
 
 def _result(cfg: Any, backend: str, args: argparse.Namespace, prompt_ids: list[int],

@@ -7,7 +7,8 @@
         [--speculate K [--drafter forced:A|ngram|mtp]]   # speculative decoding (cli_speculative)
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
         [--ranks 1] [--out figures]
-    mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record]
+    mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record] \
+        [--ranks 8 [--topology v5e:2x4] [--seq-len S]]   # a sharded step (cli_compile_check)
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
         [--json]
     mkresearch plan kimi-k3 --ranks 32 [--batch 1] [--collectives partial-sum|exact] [--wire f32]
@@ -34,13 +35,12 @@ from typing import Any
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
 from mkresearch.cli import bench, figures
 from mkresearch.cli import checkpoint as cli_checkpoint
+from mkresearch.cli import compile_check as cli_compile_check
 from mkresearch.cli import plan_ranks as cli_plan_ranks
 from mkresearch.cli import predict as cli_predict
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.hardware.chips import CHIPS
-from mkresearch.kernels.compose import megakernel
-from mkresearch.measurement import recorded
 from mkresearch.model import reference, roofline, sampling, weights
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.model.roofline import tree_bytes
@@ -54,7 +54,7 @@ BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.c
             "reference": "plain-JAX oracle, mkresearch.model.reference"}
 PLANNED_BACKENDS = ("stages",)
 # Commands that live in a module of their own (`add_parser(subparsers)`, `run(args) -> status`).
-COMMANDS = {"predict": cli_predict}
+COMMANDS = {"predict": cli_predict, "compile": cli_compile_check}
 # Beyond this many weight bytes a decode would not fit in a laptop's memory.
 MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
 
@@ -296,14 +296,6 @@ def _parser() -> _Parser:
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
     cli_speculative.add_bench_arguments(p)
 
-    p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
-                                            "shapes (libtpu, no TPU needed)")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
-    p.add_argument("--record", action="store_true",
-                   help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
-
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "
                                          "plan, HBM bytes against the roofline")
@@ -361,7 +353,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "decode":
         cli_checkpoint.check(args)
         if args.checkpoint is not None:  # text from a checkpoint on disk
-            return cli_checkpoint.run_decode(args)
+            return cli_checkpoint.run_decode(args, argv)
         if args.speculate is None and args.backend is None:
             args.backend = next(iter(BACKENDS))
         if args.drafter is not None and args.speculate is None:
@@ -435,22 +427,6 @@ def _run(argv: Sequence[str] | None) -> int:
             cli_ranks.print_bench_row(row)
         cli_speculative.print_bench_rows(result)
         print(f"wrote {out / 'decode_bench.json'} and {out / 'decode_bench.png'}")
-        return 0
-
-    if args.command == "compile":
-        cfg = _model(args.model)
-        _megakernel_batch("--batch", args.batch)
-        chip = _chip(args.chip)
-        try:
-            result, plan = megakernel.compile_step(cfg, args.batch, chip=chip)
-        except ValueError as error:  # a model the megakernel does not build, a plan over VMEM
-            raise UsageError(f"compile {cfg.name}: {str(error).splitlines()[0]}") from None
-        print(plan.vmem.table())
-        print(result)
-        if args.record:
-            path = recorded.record_compile(result, plan,
-                                           recorded.compile_path(cfg.name, args.batch, chip))
-            print(f"wrote {path}")
         return 0
 
     if args.command == "plan":

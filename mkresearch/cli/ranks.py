@@ -115,14 +115,16 @@ def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> lis
 # ---- decode ----------------------------------------------------------------------------------
 def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                    n_ranks: int, chip: str = "tpu7x", progress: bool = False,
-                   collectives: str = layout.PARTIAL_SUM) -> dict:
+                   collectives: str = layout.PARTIAL_SUM, params: dict | None = None,
+                   prompt: Any = None) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
     step over the same tokens with states of their own: per step the sharded logits must EQUAL
     the single device's (bit for bit) with the exact collectives, or lie within
     `reference_sharded.BOUND` of them with partial sums (`layout.COLLECTIVES`), and agree with
     the reference (same greedy token but at near-ties, logits within 5e-2). One more step is
-    recorded for per-rank bytes."""
+    recorded for per-rank bytes. `params` and `prompt` [B, T] (a checkpoint's weights and its
+    tokenized prompt: `mkresearch.cli.checkpoint`) replace the random ones."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -133,11 +135,12 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, options)  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
-    params = weights.init_params(cfg, seed)
-    prepared = sharded.prepare_weights(params, lay, mesh)
+    params = weights.init_params(cfg, seed) if params is None else params
+    prepared = sharded.prepare_weights(params, lay, mesh)  # onto the ranks by the layout
     single = megakernel.prepare_weights(params, cfg)
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+                                           cfg.vocab_size, dtype=jnp.int32)  # [B, T]
+                        if prompt is None else prompt)
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
     single_state, ref_state = reference.init_state(cfg, batch), reference.init_state(cfg, batch)
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
@@ -209,6 +212,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
 def print_decode(result: dict) -> None:
     bench.print_run(result, f"megakernel sharded over {result['ranks']} ranks (one pallas_call "
                             "per step per rank)")
+    if "text" in result:  # --checkpoint: the prompt and what followed it
+        print(f"text: {result['text']!r}")
     print(f"layout: {result['layout']}")
     bench.print_agreement(result["agreement"])
     one = result["single_device"]
@@ -279,17 +284,23 @@ def print_bench_row(row: dict) -> None:
     print_rank_rows(row["per_rank"])
 
 
-def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool) -> int:
-    """decode --ranks N > 1 (checked): here with N devices, or in a child that has them."""
+def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
+               loaded: Any = None) -> int:
+    """decode --ranks N > 1 (checked): here with N devices, or in a child that has them.
+    `loaded` (--checkpoint: `cli.checkpoint.Loaded`) gives the weights, read only here (in the
+    child), the prompt and the text of the tokens."""
     status = devices_or_rerun(args.ranks, argv)
     if status is not None:
         return status
     import json
 
     with _refusals():
+        params, prompt = (None, None) if loaded is None else (loaded.params(), loaded.prompt)
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
                                 args.ranks, args.chip, progress,
-                                getattr(args, "collectives", layout.PARTIAL_SUM))
+                                getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt)
+    if loaded is not None:
+        result["text"] = loaded.text(result["generated"][0])
     if args.json:
         print(json.dumps(result))
     else:

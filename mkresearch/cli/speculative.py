@@ -83,15 +83,19 @@ def check(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
 
 
 def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int, k: int,
-           drafter: str, backend_name: str = "reference") -> dict:
-    """Greedy speculative decoding of a random prompt; the plain greedy decode beside it."""
+           drafter: str, backend_name: str = "reference", params: dict | None = None,
+           prompt: Any = None) -> dict:
+    """Greedy speculative decoding of a random prompt; the plain greedy decode beside it.
+    `params` and `prompt` [B, T] (a checkpoint's: `mkresearch.cli.checkpoint`) replace the
+    random ones."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    params = weights.init_params(cfg, seed)
+    params = weights.init_params(cfg, seed) if params is None else params
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+                                           cfg.vocab_size, dtype=jnp.int32)  # [B, T]
+                        if prompt is None else prompt)
     plain, _ = reference.generate(params, reference.init_state(cfg, batch), prompt, steps + k,
                                   cfg)  # k further: the forced drafter's oracle
     plain = np.asarray(plain)
@@ -127,6 +131,8 @@ def print_decode(result: dict) -> None:
                             f"drafter {result['drafter']})")
     lossless, seconds, k = result["lossless"], result["seconds"], result["speculate"]
     verdict = "PASS" if lossless["passed"] else "FAIL"
+    if "text" in result:  # --checkpoint: the prompt and what followed it
+        print(f"text: {result['text']!r}")
     print("\n".join([
         (f"speculative: {result['verify_steps']} verify steps, {result['tokens_per_step']:.2f} "
          f"tokens per step, {result['mean_accepted']:.2f} of K={k} drafts accepted per step "
@@ -138,8 +144,9 @@ def print_decode(result: dict) -> None:
          f"{seconds['compile_and_first_step']:.1f} s")]))
 
 
-def run_decode(args: argparse.Namespace, cfg: ModelConfig) -> int:
-    """`decode --speculate K`: checks, run, print (JSON with --json); 0 when lossless."""
+def run_decode(args: argparse.Namespace, cfg: ModelConfig, loaded: Any = None) -> int:
+    """`decode --speculate K`: checks, run, print (JSON with --json); 0 when lossless. `loaded`
+    (--checkpoint: `cli.checkpoint.Loaded`) gives the weights, the prompt and the text."""
     name = backend(args.backend)
     if args.drafter == "mtp":  # it reads the target's hidden states, which only the reference's
         if args.backend == "megakernel":  # verify returns (per_position["hidden"])
@@ -150,8 +157,11 @@ def run_decode(args: argparse.Namespace, cfg: ModelConfig) -> int:
         raise UsageError("--speculate runs on one device: --ranks 1")
     k, drafter = check(args, cfg)
     with _refusals():
+        params, prompt = (None, None) if loaded is None else (loaded.params(), loaded.prompt)
         result: Any = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, k, drafter,
-                             name)
+                             name, params, prompt)
+    if loaded is not None:
+        result["text"] = loaded.text(result["generated"][0])
     if args.json:
         print(json.dumps(result))
     else:

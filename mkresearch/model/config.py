@@ -28,6 +28,7 @@ from mkresearch.model.config_rules import (  # noqa: F401 - the allowed values, 
     DENSE_THEN_MOE,
     EXPERT_FORMATS,
     FP8_BLOCK,
+    KDA_DECAYS,
     KIMI_ATTENTION,
     LANE,
     MLA_CACHE_LAYOUTS,
@@ -124,6 +125,13 @@ class ModelConfig:
     # multi-token-prediction modules (DeepSeek's num_nextn_predict_layers): a draft for
     # speculative decoding, not part of the decode step; counted apart (roofline.mtp_parameters)
     n_mtp_layers: int = 0
+    # Kimi Linear (spec/checkpoints.md) beside Kimi K3: KDA's output gate through a rank-r
+    # bottleneck (W_ga [d, r], W_gb [r, H·D]; 0 = K3's full-rank W_g), its decay form
+    # (config_rules.KDA_DECAYS), and MLA without K3's sigmoid output gate W_g. Out of the repr:
+    # recorded compiles are keyed by a plan's repr, which holds the config (measurement.recorded)
+    kda_output_gate_rank: int = dataclasses.field(default=0, repr=False)
+    kda_decay: str = dataclasses.field(default="bounded", repr=False)
+    mla_output_gate: bool = dataclasses.field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -11,6 +11,9 @@ import math
 from typing import Any
 
 MLA_CACHE_LAYOUTS = ("expanded", "latent")
+# KDA's log decay from g = g_raw + dt_bias: "bounded" bound·σ(e^A g) (Kimi K3, spec §4),
+# "softplus" −e^A·softplus(g) (Kimi Linear, fla's fused_kda_gate without a lower bound)
+KDA_DECAYS = ("bounded", "softplus")
 # Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
 # kind (registered in mkresearch.model.spec) used by every layer.
 KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
@@ -106,10 +109,12 @@ def validate(cfg: Any) -> None:
     if not isinstance(cfg.name, str) or not cfg.name:
         _fail("name", cfg.name, "a non-empty string")
     # lane dims of weight blocks: multiples of 128
-    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_q_rank",
-                  "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
+    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
                   "moe_latent", "moe_latent_padded", "shared_hidden"):
         _positive_int(cfg, field, LANE)
+    q_rank = cfg.mla_q_rank  # 0: no query LoRA, q = bf(x W_q) (Moonlight, Kimi Linear)
+    if not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank < 0 or q_rank % LANE:
+        _fail("mla_q_rank", q_rank, f"0 (no query LoRA) or a positive multiple of {LANE}")
     for field in ("n_layers", "n_heads", "mla_every", "n_experts", "top_k", "attn_res_block",
                   "kda_conv_size", "mla_qk_extra"):
         _positive_int(cfg, field)
@@ -127,6 +132,11 @@ def validate(cfg: Any) -> None:
             or not cfg.kda_decay_bound < 0):
         _fail("kda_decay_bound", cfg.kda_decay_bound, "a negative number (Kimi K3: -5)")
     _choice(cfg, "mla_cache_layout", MLA_CACHE_LAYOUTS)
+    _choice(cfg, "kda_decay", KDA_DECAYS)
+    _boolean(cfg, "mla_output_gate")
+    gate_rank = cfg.kda_output_gate_rank  # 0: a full-rank W_g (Kimi K3)
+    if not isinstance(gate_rank, int) or isinstance(gate_rank, bool) or gate_rank < 0 or gate_rank % LANE:
+        _fail("kda_output_gate_rank", gate_rank, f"0 (a full-rank W_g) or a positive multiple of {LANE}")
     _choice(cfg, "expert_format", EXPERT_FORMATS)
     _choice(cfg, "router_score", ROUTER_SCORES)
     _choice(cfg, "activation", ACTIVATIONS)

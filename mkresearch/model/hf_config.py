@@ -5,7 +5,7 @@ Model types read: `deepseek_v3` (DeepSeek-V3, Moonlight, Kimi K2), `qwen3_moe`, 
 attention-residual model, which has no public config.json). Fields a config.json does not carry
 (the KV tile, the weight ring, the MLA cache layout, the expert format) come from the family's
 preset (`mkresearch.config`). A model type we do not read, or a field value our stage kinds cannot
-run (e.g. `q_lora_rank: null`, `hidden_act: gelu`), is a `CheckpointError`: one line naming the
+run (e.g. `hidden_act: gelu`), is a `CheckpointError`: one line naming the
 field, its value and what is supported.
 
 Both spellings of the RoPE fields are read: `rope_theta` / `rope_scaling` /
@@ -28,9 +28,9 @@ class CheckpointError(ValueError):
 
 CONFIG_FILE = "config.json"
 FAMILY_PRESETS = {"deepseek_v3": config_module.DEEPSEEK_V3, "qwen3_moe": config_module.QWEN3_235B,
-                  "glm4_moe": config_module.GLM_4_5, "kimi_k3": config_module.KIMI_K3}
-UNSUPPORTED_TYPES = {"kimi_linear": "its MLA has no q_lora_rank and its KDA a low-rank output "
-                                    "gate (g_a_proj/g_b_proj), which our kinds do not run yet"}
+                  "glm4_moe": config_module.GLM_4_5, "kimi_k3": config_module.KIMI_K3,
+                  "kimi_linear": config_module.KIMI_K3}
+UNSUPPORTED_TYPES: dict[str, str] = {}
 MODEL_TYPES = (*FAMILY_PRESETS, *UNSUPPORTED_TYPES)
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
@@ -127,14 +127,12 @@ def _group_limited(f: _Fields) -> dict[str, Any]:
 
 
 def _deepseek_v3(f: _Fields) -> dict[str, Any]:
-    if f.get("q_lora_rank", None) is None:
-        raise _unsupported("q_lora_rank", None, "an int (our MLA runs the W_qa / q_a_layernorm "
-                           "path; Moonlight's direct q_proj is not supported yet)")
     if f.get("attention_bias", False):
         raise _unsupported("attention_bias", True, "false for deepseek_v3")
     return {**_common(f), **_routed(f, "n_routed_experts"), **_group_limited(f), **_yarn(f),
             "attention": "mla_rope", "mla_cache_layout": "latent",
-            "mla_q_rank": int(f.get("q_lora_rank")), "mla_kv_rank": int(f.get("kv_lora_rank")),
+            # q_lora_rank null (Moonlight): the query projected directly, our mla_q_rank 0
+            "mla_q_rank": int(f.get("q_lora_rank", 0)), "mla_kv_rank": int(f.get("kv_lora_rank")),
             "mla_qk_nope": int(f.get("qk_nope_head_dim")),
             "mla_qk_extra": int(f.get("qk_rope_head_dim")), "mla_v_dim": int(f.get("v_head_dim"))}
 
@@ -175,8 +173,61 @@ def _kimi_k3(f: _Fields) -> dict[str, Any]:
     return {k: v for k, v in f.get("mkresearch", {}).items() if k in fields}
 
 
+def _kimi_pattern(f: _Fields, n_layers: int) -> dict[str, Any]:
+    """linear_attn_config's 1-based MLA layers as our Kimi pattern: every mla_every-th layer from
+    mla_first, and the last; the KDA layers the rest."""
+    linear = f.get("linear_attn_config")
+    full = sorted(int(layer) - 1 for layer in linear.get("full_attn_layers") or ())
+    kda = sorted(int(layer) - 1 for layer in linear.get("kda_layers") or ())
+    every = full[1] - full[0] if len(full) > 1 else n_layers
+    pattern = set(range(full[0], n_layers, every)) | {n_layers - 1} if full else set()
+    if not full or set(full) != pattern and set(full) != pattern - {n_layers - 1} or (
+            sorted(set(range(n_layers)) - set(full)) != kda):
+        raise _unsupported("linear_attn_config.full_attn_layers", [x + 1 for x in full],
+                           "MLA on every k-th layer from one (1-based), optionally the last, and "
+                           "KDA (kda_layers) on every other layer")
+    return {"mla_first": full[0], "mla_every": every, "mla_last_layer": n_layers - 1 in full,
+            "kda_head_dim": int(linear.get("head_dim")),
+            "kda_conv_size": int(linear.get("short_conv_kernel_size"))}
+
+
+def _kimi_linear(f: _Fields) -> dict[str, Any]:
+    """Kimi Linear: KDA (low-rank decay and output gates of rank head_dim, fla's softplus decay)
+    + MLA without RoPE (`mla_use_nope`), without a query LoRA and without an output gate; a dense
+    first layer, then sigmoid-routed experts with a correction bias."""
+    f.require("mla_use_nope", (True,), True)
+    f.require("moe_router_activation_func", ("sigmoid",), "sigmoid")
+    f.require("moe_layer_freq", (1,), 1)
+    heads = int(f.get("num_attention_heads"))
+    if int(f.get("linear_attn_config").get("num_heads", heads)) != heads:
+        raise _unsupported("linear_attn_config.num_heads", f.get("linear_attn_config")["num_heads"],
+                           f"num_attention_heads={heads} (KDA and MLA share n_heads)")
+    common = _common(f)
+    shared = int(f.get("num_shared_experts", 0) or 0)
+    head_dim = int(f.get("linear_attn_config").get("head_dim"))
+    dense = int(f.get("first_k_dense_replace", 0))
+    return {**common, **_kimi_pattern(f, common["n_layers"]), "attention": "kda+mla",
+            "kda_gate_rank": head_dim, "kda_output_gate_rank": head_dim, "kda_decay": "softplus",
+            "mla_output_gate": False, "mla_cache_layout": "latent",
+            "mla_q_rank": int(f.get("q_lora_rank", 0)), "mla_kv_rank": int(f.get("kv_lora_rank")),
+            "mla_qk_nope": int(f.get("qk_nope_head_dim")),
+            "mla_qk_extra": int(f.get("qk_rope_head_dim")), "mla_v_dim": int(f.get("v_head_dim")),
+            "n_experts": int(f.get("num_experts")), "top_k": int(f.get("num_experts_per_token")),
+            "expert_hidden": int(f.get("moe_intermediate_size")),
+            "router_normalize": bool(f.get("moe_renormalize", True)),
+            "router_score": "sigmoid", "router_bias": True,
+            "routed_scale": float(f.get("routed_scaling_factor", 1.0)),
+            "router_groups": int(f.get("num_expert_group", 1)),
+            "router_topk_groups": int(f.get("topk_group", 1)),
+            "n_dense_layers": dense, "ffn": "dense+moe_full" if dense else "moe_full",
+            "dense_hidden": lane_multiple(int(f.get("intermediate_size"))),
+            "n_shared_experts": shared,
+            "shared_hidden": shared * int(f.get("moe_intermediate_size")) if shared else 128,
+            "n_mtp_layers": int(f.get("num_nextn_predict_layers", 0))}
+
+
 READERS = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
-           "kimi_k3": _kimi_k3}
+           "kimi_k3": _kimi_k3, "kimi_linear": _kimi_linear}
 
 
 def fp8_quantized(raw: dict[str, Any]) -> bool:
@@ -212,7 +263,8 @@ def config_from_dict(raw: dict[str, Any], name: str = "checkpoint", **overrides:
     values = READERS[model_type](fields)
     preset = FAMILY_PRESETS[model_type]
     if model_type != "kimi_k3":
-        max_seq = int(fields.get("max_position_embeddings"))
+        max_seq = int(fields.get("max_position_embeddings", None)
+                      or fields.get("model_max_length"))  # Kimi Linear: model_max_length
         values.update(max_seq_len=max_seq, kv_tile=_kv_tile(max_seq, preset.kv_tile))
         fp8 = fp8_quantized(raw)
         hidden_ok = int(values["expert_hidden"]) % config_module.FP8_BLOCK == 0
@@ -240,6 +292,26 @@ def read_config(directory: str | os.PathLike, *, name: str | None = None,
     return config_from_dict(raw, name, **overrides)
 
 
+def _kimi_linear_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """Kimi Linear's spelling of cfg's fields (what `_kimi_linear` reads)."""
+    full = [layer + 1 for layer in cfg.mla_layers]
+    return {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+            "num_key_value_heads": cfg.n_heads, "q_lora_rank": cfg.mla_q_rank or None,
+            "kv_lora_rank": cfg.mla_kv_rank, "qk_nope_head_dim": cfg.mla_qk_nope,
+            "qk_rope_head_dim": cfg.mla_qk_extra, "v_head_dim": cfg.mla_v_dim,
+            "mla_use_nope": True, "num_experts": cfg.n_experts,
+            "num_experts_per_token": cfg.top_k, "moe_renormalize": cfg.router_normalize,
+            "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
+            "num_expert_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
+            "num_shared_experts": cfg.n_shared_experts and cfg.shared_hidden // cfg.expert_hidden,
+            "first_k_dense_replace": cfg.n_dense_layers, "intermediate_size": cfg.dense_hidden,
+            "moe_layer_freq": 1, "num_nextn_predict_layers": cfg.n_mtp_layers,
+            "linear_attn_config": {
+                "head_dim": cfg.kda_head_dim, "num_heads": cfg.n_heads,
+                "short_conv_kernel_size": cfg.kda_conv_size,
+                "kda_layers": [layer + 1 for layer in cfg.kda_layers], "full_attn_layers": full}}
+
+
 def config_dict(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, Any]:
     """The config.json of cfg in its family's published spelling (what `read_config` reads
     back to cfg's fields, bar name, kv_tile and the ring)."""
@@ -263,7 +335,7 @@ def config_dict(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, Any]:
                    num_nextn_predict_layers=cfg.n_mtp_layers)
     if cfg.attention == "mla_rope":
         raw.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                   num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.mla_q_rank,
+                   num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.mla_q_rank or None,
                    kv_lora_rank=cfg.mla_kv_rank, qk_nope_head_dim=cfg.mla_qk_nope,
                    qk_rope_head_dim=cfg.mla_qk_extra, v_head_dim=cfg.mla_v_dim,
                    attention_bias=False, rope_interleave=True)
@@ -283,6 +355,8 @@ def config_dict(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, Any]:
         else:
             raw.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
                        use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.rope_partial)
+    elif cfg.attention == config_module.KIMI_ATTENTION:  # Kimi Linear
+        raw.update(_kimi_linear_dict(cfg))
     if "model_type" not in raw:
         raise CheckpointError(f"ModelConfig {cfg.name!r}: no published config.json spelling for "
                               f"attention={cfg.attention!r}, ffn={cfg.ffn!r}")

@@ -6,9 +6,8 @@ them; `config.get_config` knows only the presets typed in `mkresearch.model.conf
 Each value was transcribed from the spec table and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
-Not here: Moonlight-16B-A3B (`deepseek_v3` with `q_lora_rank: null`) and Kimi-Linear-48B-A3B
-(`kimi_linear`): our MLA kinds run the W_qa / q_a_layernorm path and our KDA a full-rank output
-gate, so their weights have no place yet; `read_config` refuses them naming the field.
+Moonlight's MLA has no query LoRA (mla_q_rank 0); Kimi Linear's KDA a low-rank output gate and
+fla's softplus decay, its MLA no RoPE and no output gate (`hf_config._kimi_linear`).
 """
 
 from __future__ import annotations
@@ -46,6 +45,42 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
         "routed_scaling_factor": 1.0, "norm_topk_prob": True, "rms_norm_eps": 1e-5,
         "num_nextn_predict_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False},
+    # moonshotai/Moonlight-16B-A3B config.json: DeepSeek-V3's architecture with q_lora_rank null
+    # (the query projected directly: our mla_q_rank 0), one group, no MTP module. Second copy: a
+    # public loader's test fixture of the whole file (the same values, field for field, with
+    # eos 163586, max_position_embeddings 8192, no rope_scaling).
+    "moonlight-16b-a3b": {
+        "model_type": "deepseek_v3", "hidden_size": 2048, "num_hidden_layers": 27,
+        "vocab_size": 163840, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "attention_bias": False,
+        "intermediate_size": 11264, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "routed_scaling_factor": 2.446, "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+        "rope_scaling": None, "max_position_embeddings": 8192, "hidden_act": "silu",
+        "tie_word_embeddings": False},
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: KDA + MLA (no RoPE: mla_use_nope, no
+    # q LoRA), MLA on layers 4, 8, ..., 24 and 27 (1-based). Second copies: two public loaders'
+    # pinned field lists (the same values; both say num_key_value_heads 32, which MLA does not
+    # read; the spec's caveat had a copy with 1). No max_position_embeddings: model_max_length.
+    "kimi-linear-48b-a3b": {
+        "model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27,
+        "vocab_size": 163840, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+        "linear_attn_config": {
+            "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]},
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_experts": 256,
+        "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.446, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "rope_scaling": None, "model_max_length": 1048576,
+        "hidden_act": "silu", "tie_word_embeddings": False},
 }
 
 

@@ -33,11 +33,17 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
     tile: whole on every rank)."""
     d, h, hd, rank = cfg.d_model, cfg.n_heads, cfg.kda_width, cfg.kda_gate_rank
     cols, rows = spec.split(1, spec.HEADS), spec.split(0, spec.HEADS)
+    if cfg.kda_output_gate_rank:  # Kimi Linear: u = bf(bf(x W_ga) W_gb), W_ga whole per rank
+        gate = {"w_ga": spec.matrix(d, cfg.kda_output_gate_rank,
+                                    shard=spec.split(1, spec.DOWN_COLS)),
+                "w_gb": spec.matrix(cfg.kda_output_gate_rank, hd, shard=cols)}
+    else:
+        gate = {"w_g": spec.matrix(d, hd, shard=cols)}
     return {
         "w_fa": spec.matrix(d, rank, shard=spec.split(1, spec.DOWN_COLS)),
         "w_fb": spec.matrix(rank, hd, shard=cols),
         "w_q": spec.matrix(d, hd, shard=cols), "w_k": spec.matrix(d, hd, shard=cols),
-        "w_v": spec.matrix(d, hd, shard=cols), "w_g": spec.matrix(d, hd, shard=cols),
+        "w_v": spec.matrix(d, hd, shard=cols), **gate,
         "w_b": spec.matrix(d, h, shard=cols),
         "conv_w": spec.Param((3, cfg.kda_conv_size, hd), bf16,
                              ("normal", cfg.kda_conv_size ** -0.5), shard=spec.split(2, spec.HEADS)),
@@ -62,13 +68,29 @@ def kda_projections(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[
     """The matmuls of a KDA step, bf16: q̃, k̃, ṽ, u [B, H, D], b [B, H], g_raw [B, H, D]."""
     B = x.shape[0]
     H, D = cfg.n_heads, cfg.kda_head_dim
-    q_pre, k_pre, v_pre, u = (bf(matmul(x, p[name])).reshape(B, H, D)
-                              for name in ("w_q", "w_k", "w_v", "w_g"))
+    q_pre, k_pre, v_pre = (bf(matmul(x, p[name])).reshape(B, H, D)
+                           for name in ("w_q", "w_k", "w_v"))
+    if cfg.kda_output_gate_rank:  # low-rank output gate (Kimi Linear)
+        u = bf(matmul(bf(matmul(x, p["w_ga"])), p["w_gb"])).reshape(B, H, D)
+    else:
+        u = bf(matmul(x, p["w_g"])).reshape(B, H, D)
     b = bf(matmul(x, p["w_b"]))  # [B, H]
     # low-rank decay gate: f = bf(x W_fa), g_raw = bf(f W_fb)
     f = bf(matmul(x, p["w_fa"]))  # [B, R]
     g_raw = bf(matmul(f, p["w_fb"])).reshape(B, H, D)
     return q_pre, k_pre, v_pre, u, b, g_raw
+
+
+def kda_log_decay(p: dict[str, Any], g_raw: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Log decay per key channel λ [B, H, D] f32 of g_raw [B, H, D] f32: "bounded" (Kimi K3)
+    bound · σ(exp(A_log_h) · (g_raw + dt_bias)) ∈ (bound, 0); "softplus" (Kimi Linear)
+    −exp(A_log_h) · softplus(g_raw + dt_bias) < 0."""
+    H, D = cfg.n_heads, cfg.kda_head_dim
+    decay_rate = jnp.exp(p["a_log"].astype(f32))[:, None]  # [H, 1]
+    g = g_raw + p["dt_bias"].astype(f32).reshape(H, D)
+    if cfg.kda_decay == "softplus":
+        return -decay_rate * jax.nn.softplus(g)
+    return cfg.kda_decay_bound * jax.nn.sigmoid(decay_rate * g)
 
 
 def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.Array,
@@ -80,10 +102,7 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
     H, D = cfg.n_heads, cfg.kda_head_dim
     q_pre, k_pre, v_pre, u, b, g_raw = kda_projections(p, x, cfg)
     g_raw = g_raw.astype(f32)
-    # log-decay per key channel λ = bound · σ(exp(A_log_h) · (g_raw + dt_bias)) ∈ (bound, 0)
-    decay_rate = jnp.exp(p["a_log"].astype(f32))[:, None]  # [H, 1]
-    log_decay = cfg.kda_decay_bound * jax.nn.sigmoid(
-        decay_rate * (g_raw + p["dt_bias"].astype(f32).reshape(H, D)))  # [B, H, D]
+    log_decay = kda_log_decay(p, g_raw, cfg)  # [B, H, D]
 
     # short causal depthwise conv over [conv state (oldest first) ; current], tap -1 = current
     current = jnp.stack([q_pre, k_pre, v_pre], axis=1)  # [B, 3, H, D]

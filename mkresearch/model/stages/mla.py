@@ -25,14 +25,18 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
     their columns."""
     d, h = cfg.d_model, cfg.n_heads
     cols, d_rows = spec.split(1, spec.HEADS), spec.split(1, spec.DOWN_COLS)
+    if cfg.mla_q_rank == 0:  # no query LoRA (Moonlight, Kimi Linear): W_q [d, H·qk] by heads
+        queries = {"w_q": spec.matrix(d, h * cfg.mla_qk_dim, shard=cols)}
+    else:
+        queries = {"w_qa": spec.matrix(d, cfg.mla_q_rank, shard=d_rows),
+                   "q_norm": spec.norm((cfg.mla_q_rank,)),
+                   "w_qb": spec.matrix(cfg.mla_q_rank, h * cfg.mla_qk_dim, shard=cols)}
     return {
-        "w_qa": spec.matrix(d, cfg.mla_q_rank, shard=d_rows),
-        "q_norm": spec.norm((cfg.mla_q_rank,)),
-        "w_qb": spec.matrix(cfg.mla_q_rank, h * cfg.mla_qk_dim, shard=cols),
+        **queries,
         "w_kva": spec.matrix(d, cfg.mla_kv_rank + cfg.mla_qk_extra, shard=d_rows),
         "kv_norm": spec.norm((cfg.mla_kv_rank,)),
         "w_kvb": spec.matrix(cfg.mla_kv_rank, h * (cfg.mla_qk_nope + cfg.mla_v_dim), shard=cols),
-        "w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols),
+        **({"w_g": spec.matrix(d, h * cfg.mla_v_dim, shard=cols)} if cfg.mla_output_gate else {}),
         "w_o": spec.matrix(h * cfg.mla_v_dim, d, shard=spec.split(1, spec.MODEL_COLS),
                            gather=spec.HEADS),
     }
@@ -161,13 +165,20 @@ def mla_inputs(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.A
     ĉ [N, kv_rank], k^X [N, extra] (bf16)."""
     B = x.shape[0]
     H, nope, rank, eps = cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank, cfg.rms_eps
-    # queries: c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C | q^X]
-    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], eps)
-    q = bf(matmul(c_q, p["w_qb"])).reshape(B, H, nope + cfg.mla_qk_extra)
+    q = queries(p, x, cfg).reshape(B, H, nope + cfg.mla_qk_extra)  # per head [q^C | q^X]
     # keys/values: [c_kv | k^X] = bf(x W_kva); ĉ = RMSNorm(c_kv); k^X shared, not normalised
     kv = bf(matmul(x, p["w_kva"]))
     c_hat = rms_norm(kv[:, :rank], p["kv_norm"], eps)
     return q[..., :nope], q[..., nope:], c_hat, kv[:, rank:]
+
+
+def queries(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The queries of rows x [N, d] bf16, [N, H·qk] bf16: c_q = RMSNorm(bf(x W_qa)), q = bf(c_q
+    W_qb); without a query LoRA (mla_q_rank 0) q = bf(x W_q)."""
+    if cfg.mla_q_rank == 0:
+        return bf(matmul(x, p["w_q"]))
+    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], cfg.rms_eps)
+    return bf(matmul(c_q, p["w_qb"]))
 
 
 def split_kvb(p: dict[str, Any], cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -189,9 +200,12 @@ def expanded_entry(p: dict[str, Any], c_hat: jax.Array, k_extra: jax.Array,
 
 
 def gated_output(p: dict[str, Any], x: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = bf(y W_o) [N, d]: x [N, d], o [N, H, v] bf16."""
-    gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [N, H*v]
-    y = bf(o.reshape(x.shape[0], cfg.n_heads * cfg.mla_v_dim).astype(f32) * gate.astype(f32))
+    """y_h = bf(o_h ⊙ bf(σ(bf(x W_g)_h))); out = bf(y W_o) [N, d]: x [N, d], o [N, H, v] bf16.
+    Without the gate (mla_output_gate False: Kimi Linear) y = o."""
+    y = o.reshape(x.shape[0], cfg.n_heads * cfg.mla_v_dim)  # [N, H*v]
+    if cfg.mla_output_gate:
+        gate = bf(jax.nn.sigmoid(bf(matmul(x, p["w_g"])).astype(f32)))  # [N, H*v]
+        y = bf(y.astype(f32) * gate.astype(f32))
     return bf(matmul(y, p["w_o"]))
 
 

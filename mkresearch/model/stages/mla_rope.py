@@ -2,6 +2,7 @@
 decoupled rope key, YaRN, no output gate, the latent cache.
 
     c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C nope | q^R rope]
+                                                               (no query LoRA: q = bf(x W_q))
     [c_kv | k^R] = bf(x W_kva); ĉ = RMSNorm(c_kv)             k^R: one rope key shared by heads
     q^R_h = bf(RoPE_p(q^R_h)), k^R = bf(RoPE_p(k^R))           the mla_qk_extra dims, YaRN
     cache[p] = (ĉ, k^R)                                        [kv_rank] + [rope] per token
@@ -33,7 +34,7 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
     """MLA's weights and sharding rules (`stages.mla.params`: heads tensor parallel, W_o by its d
     columns, the latent down-projections by their columns) without the gate."""
     table = mla.params(cfg)
-    del table["w_g"]  # DeepSeek's MLA has no output gate
+    table.pop("w_g", None)  # DeepSeek's MLA has no output gate
     return table
 
 
@@ -49,8 +50,7 @@ def queries_and_keys(p: dict[str, Any], x: jax.Array, positions: jax.Array,
                      cfg: ModelConfig) -> tuple[jax.Array, ...]:
     """q^C [B, H, nope], q^R [B, H, rope] (roped), ĉ [B, kv_rank], k^R [B, rope] (roped), bf16."""
     batch, heads, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
-    c_q = rms_norm(bf(matmul(x, p["w_qa"])), p["q_norm"], cfg.rms_eps)
-    q = bf(matmul(c_q, p["w_qb"])).reshape(batch, heads, cfg.mla_qk_dim)
+    q = mla.queries(p, x, cfg).reshape(batch, heads, cfg.mla_qk_dim)
     kv = bf(matmul(x, p["w_kva"]))  # [B, rank + rope]
     c_hat = rms_norm(kv[:, :rank], p["kv_norm"], cfg.rms_eps)
     cos, sin = rope.cos_sin(positions, rope.of(cfg, cfg.mla_qk_extra))  # [B, rope/2]

@@ -1,0 +1,88 @@
+"""`mkresearch compile MODEL [--chip C] [--batch B] [--record]`: one megakernel step compiled for
+a TPU chip from shapes (libtpu, no TPU needed). With `--ranks N` the sharded step of the model on
+N devices of a TPU topology instead (`megakernel_sharded.compile_sharded_step`): by default the
+TPU VM slice of the chip, `v5e:2x4` / `v6e:2x4` (8 chips), or the release's `tpu7x:2x2x4` (32
+devices), where the small real models (Moonlight, Qwen3-30B-A3B, GLM-4.5-Air, Kimi Linear) and the
+big ones are meant to run. `--seq-len S` sets the cache length (default the model's
+max_seq_len: Kimi Linear's 1M-token latent cache alone outgrows a v5e's HBM). A plan over the
+VMEM or a rank over the HBM is one line naming what it needs and what the chip has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkresearch.cli.common import UsageError, _at_least, _chip, _megakernel_batch, _model
+from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel_sharded as sharded
+from mkresearch.measurement import recorded
+from mkresearch.sharding import layout
+
+# a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice
+DEFAULT_TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "v5p": "v5p:2x2x2",
+                    "tpu7x": sharded.FULL_TOPOLOGY}
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
+                                            "shapes (libtpu, no TPU needed)")
+    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
+    p.add_argument("--record", action="store_true",
+                   help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="the sharded step on N devices of a TPU topology instead")
+    p.add_argument("--topology", default=None,
+                   help="with --ranks: the TPU topology (default: v5e:2x4, v6e:2x4 or "
+                        "tpu7x:2x2x4 by --chip)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="cache length (default: the model's max_seq_len)")
+
+
+def run(args: Any) -> int:
+    cfg = _model(args.model)
+    _megakernel_batch("--batch", args.batch)
+    chip = _chip(args.chip)
+    if args.seq_len is not None:
+        _at_least("--seq-len", args.seq_len, 16)
+    if args.ranks is not None:
+        return _run_sharded(args, cfg, chip)
+    if args.topology is not None:
+        raise UsageError("--topology is an option of --ranks N: give both")
+    try:
+        result, plan = megakernel.compile_step(cfg, args.batch, chip=chip, seq_len=args.seq_len)
+    except ValueError as error:  # a model the megakernel does not build, a plan over VMEM
+        raise UsageError(f"compile {cfg.name}: {str(error).splitlines()[0]}") from None
+    print(plan.vmem.table())
+    print(result)
+    if args.record:
+        path = recorded.record_compile(result, plan,
+                                       recorded.compile_path(cfg.name, args.batch, chip))
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
+    _at_least("--ranks", args.ranks, 2)
+    if args.record:
+        raise UsageError("--record with --ranks: `make recorded` records the sharded compiles")
+    topology = args.topology or DEFAULT_TOPOLOGY[chip]
+    if not topology.startswith(f"{chip}:"):
+        raise UsageError(f"--topology {topology!r} is invalid with --chip {chip}: a {chip} "
+                         f"topology, e.g. {DEFAULT_TOPOLOGY[chip]}")
+    try:
+        result, plan = sharded.compile_sharded_step(cfg, args.ranks, batch=args.batch, chip=chip,
+                                                    topology=topology, seq_len=args.seq_len)
+    except (ValueError, RuntimeError) as error:  # ranks the layout cannot split, a rank over
+        # VMEM or HBM: our plan's refusal, or XLA's RESOURCE_EXHAUSTED (its HBM count of a rank
+        # runs a few GB over the plan's: GLM-4.5-Air's 131072-token cache on v6e)
+        if isinstance(error, RuntimeError) and "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise UsageError(f"compile {cfg.name} --ranks {args.ranks}: "
+                         f"{str(error).splitlines()[0]}") from None
+    print(f"{cfg.name} on {args.ranks} devices of {topology} ({plan.layout.describe()}), batch "
+          f"{args.batch}, cache {plan.mega.seq_len} tokens: one rank's program")
+    print(plan.mega.vmem.table())
+    print(result)
+    return 0
