@@ -39,6 +39,9 @@ from mkresearch.serve import trace
 from mkresearch.serve.pages import PageAllocator
 from mkresearch.serve.slots import EMPTY, SlotManager, install_row
 
+# Prompt tokens per jitted prefill call: 1 makes one compiled call serve every prompt length (a
+# longer chunk compiles once more for each new remainder of a prompt's length, ~10-30 s each here).
+PREFILL_CHUNK = 1
 POISON = 64.0  # what a finished row's pages are filled with (poison_freed): far off any entry
 
 
@@ -116,7 +119,7 @@ def draw(logits_row: Any, request: trace.Request, position: int) -> int:
 
 def prefill_row(params: dict, request: trace.Request, cfg: ModelConfig,
                 pages: paged_kv.PagedKVConfig, trace_seed: int = 0,
-                chunk: int = prefill.DEFAULT_CHUNK) -> tuple[jax.Array, dict]:
+                chunk: int = PREFILL_CHUNK) -> tuple[jax.Array, dict]:
     """A request's prompt prefilled alone into a contiguous state of one page table's length ->
     (logits [V] after its last prompt token, the one-row state)."""
     prompt = trace.prompt_tokens(request, cfg.vocab_size, trace_seed)
@@ -164,7 +167,7 @@ def check_requests(requests: Any, pages: paged_kv.PagedKVConfig) -> list[trace.R
 
 def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
           pages: paged_kv.PagedKVConfig, *, batch: int, step: str | Callable = "reference",
-          eos: int | None = None, trace_seed: int = 0, chunk: int = prefill.DEFAULT_CHUNK,
+          eos: int | None = None, trace_seed: int = 0, chunk: int = PREFILL_CHUNK,
           poison_freed: bool = False, progress: bool = False) -> ServeResult:
     """Serve `requests` with B = `batch` slots over the pool `pages` (see the module docstring);
     step "reference" (`paged_kv.paged_decode_step`) or "megakernel" (the paged megakernel), or a

@@ -81,7 +81,7 @@ def make_request(index: int, fields: dict, where: str | None = None) -> Request:
     """A Request from one record of a trace (a dict of its fields), checked."""
     where = where or f"workload request {index}"
     if not isinstance(fields, dict):
-        raise ValueError(f"{where}: {fields!r} is invalid: an object with fields "
+        raise ValueError(f"{where}: {fields!r} is invalid: an object with fields "  # noqa: TRY004
                          f"{', '.join(FIELDS)}")
     missing = [name for name in FIELDS if name not in fields]
     unknown = sorted(set(fields) - set(FIELDS) - set(OPTIONAL_FIELDS))
