@@ -278,6 +278,7 @@ def paged_from_contiguous(contiguous: dict[str, Any], page_table: Any, lengths: 
     validate_page_table(page_table, lengths, pages)
     batch = np.shape(page_table)[0]
     reference.check_state(contiguous, cfg, batch)
+    contiguous = jax.tree.map(jnp.copy, contiguous)  # its own buffers: a kernel step donates them
     return scatter_cache(init_paged_state(cfg, pages, batch), contiguous, page_table, lengths,
                          cfg, pages)
 
