@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mkresearch.kernels.compose import megakernel_paged
 from mkresearch.model import paged_kv, prefill, reference, sampling, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.serve import trace
@@ -93,7 +94,15 @@ def reference_step(params, state, tokens, positions, page_table, cfg, pages):
     return logits, state
 
 
-STEPS: dict[str, Callable] = {"reference": reference_step}
+def megakernel_step(params, state, tokens, positions, page_table, cfg, pages):
+    """The paged megakernel (`megakernel_paged.paged_decode_step`, one pallas_call) -> (logits
+    [B, V] f32, state): its logits, so each row draws with its own seed as on the reference."""
+    _, state, aux = megakernel_paged.paged_decode_step(params, state, tokens, positions,
+                                                       page_table, cfg, pages, return_logits=True)
+    return aux["logits"], state
+
+
+STEPS: dict[str, Callable] = {"reference": reference_step, "megakernel": megakernel_step}
 
 
 def _step_function(step: str | Callable) -> Callable:
