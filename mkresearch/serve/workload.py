@@ -65,13 +65,14 @@ def _platform_label(step: Any) -> str:
 def run_workload(params: dict, requests: list[trace.Request], cfg: ModelConfig,
                  pages: paged_kv.PagedKVConfig, *, batch: int, step: str = "reference",
                  full_size: str | None = "auto", chip: str = "tpu7x", trace_seed: int = 0,
-                 progress: bool = False) -> dict:
+                 poison_freed: bool = False, progress: bool = False) -> dict:
     """Serve `requests` (`loop.serve`) and report each request, each step and the totals (module
     docstring). full_size: the full preset the prediction is of ("auto": the one cfg stands for,
-    `full_size.full_size_of`; None: no prediction)."""
+    `full_size.full_size_of`; None: no prediction); poison_freed as `loop.serve`."""
     full = full_size_of(cfg.name) if full_size == "auto" else full_size
     result = loop.serve(params, requests, cfg, pages, batch=batch, step=step,
-                        trace_seed=trace_seed, progress=progress)
+                        trace_seed=trace_seed, poison_freed=poison_freed,
+                        progress=progress)
     predicted = (predicted_steps(result.steps, full, pages.page_size, chip) if full
                  else [None] * len(result.steps))
     capacity = pages.n_pages
