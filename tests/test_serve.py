@@ -162,3 +162,24 @@ def test_bad_trace_input_is_one_line(tmp_path, capsys, content, reason):
     assert cli.main(["bench", "--workload", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and reason in err, err
+
+
+@pytest.mark.slow
+def test_the_serving_views_draw_the_data(synthetic_data):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mkresearch.views import serve_plots
+    from mkresearch.views.label_plots import label_problems
+
+    _, data = synthetic_data
+    owners = serve_plots.owner_matrix(data)
+    assert owners.shape == (len(data["steps"]), PAGES.n_pages)
+    assert serve_plots.occupancy_series(data)["slots"] == [s["occupied"] for s in data["steps"]]
+    fig, (table_ax, occupancy_ax) = plt.subplots(2, 1, figsize=(10, 6.5), layout="constrained")
+    serve_plots.plot_page_table(data, table_ax)
+    serve_plots.plot_occupancy(data, occupancy_ax)
+    assert not label_problems(fig)
+    plt.close(fig)
