@@ -77,8 +77,9 @@ class PagedKVConfig:
     """The page pool of every attention layer: `n_pages` pages of `page_size` tokens, and page
     tables of `max_pages_per_row` columns (the longest row: max_pages_per_row · page_size).
 
-    page_size is a multiple of 16: a DMA window of a bf16 HBM array starts and ends on its 16-row
-    tiles, so a page is whole tiles (and a row's reads stay within its pages)."""
+    page_size is 16 · 2^j: a DMA window of a bf16 HBM array starts and ends on its 16-row tiles,
+    so a page is whole tiles, and the kernels' reads (runs of 2^i 16-row groups, aligned to
+    their size) each stay within one page."""
 
     page_size: int
     n_pages: int
@@ -89,9 +90,11 @@ class PagedKVConfig:
             value = getattr(self, field.name)
             if not _positive_int(value):
                 raise ValueError(f"PagedKVConfig.{field.name}={value!r} is invalid: an int >= 1")
-        if self.page_size % KV_ROW_GROUP:
-            raise ValueError(f"PagedKVConfig.page_size={self.page_size} is invalid: a multiple "
-                             f"of {KV_ROW_GROUP} (the bf16 HBM tile rows)")
+        groups, rest = divmod(self.page_size, KV_ROW_GROUP)
+        if rest or groups & (groups - 1):
+            raise ValueError(f"PagedKVConfig.page_size={self.page_size} is invalid: "
+                             f"{KV_ROW_GROUP} · 2^j (whole bf16 HBM tiles of {KV_ROW_GROUP} rows, "
+                             "so that the kernels' power-of-two reads never cross a page)")
 
     @property
     def max_context(self) -> int:
@@ -100,12 +103,17 @@ class PagedKVConfig:
 
     def check(self, cfg: ModelConfig) -> PagedKVConfig:
         """ValueError unless cfg.kv_tile and page_size are one a multiple of the other (the
-        kernels read a tile's tokens page by page, or a page tile by tile)."""
+        kernels read a tile's tokens page by page, or a page tile by tile) and a full table is
+        whole KV tiles."""
         spec.check(cfg)
         tile, size = cfg.kv_tile, self.page_size
         if tile % size and size % tile:
             raise ValueError(f"PagedKVConfig.page_size={size} is invalid for {cfg.name}: a "
                              f"divisor or a multiple of cfg.kv_tile={tile}")
+        if self.max_context % tile:
+            raise ValueError(f"PagedKVConfig.max_pages_per_row={self.max_pages_per_row} is "
+                             f"invalid for {cfg.name}: {self.max_pages_per_row} pages of {size} "
+                             f"tokens are not whole KV tiles of cfg.kv_tile={tile}")
         return self
 
 
