@@ -90,13 +90,27 @@ def test_the_allocator_hands_out_the_lowest_free_pages_and_refuses_what_never_fi
 
 
 @pytest.mark.slow
+def test_a_row_leaves_on_eos(params, served):
+    first = TRACE[0]
+    eos = served.tokens[0][2]
+    result = loop.serve(params, [first], CFG, PAGES, batch=BATCH, eos=eos)
+    assert result.tokens[0] == served.tokens[0][:served.tokens[0].index(eos) + 1]
+    assert result.left_at[0] == served.tokens[0].index(eos) - 1  # the step that drew it
+
+
+@pytest.mark.slow
 def test_megakernel_row_joining_at_step_k_decodes_as_alone(race_checked, params):
-    short = [Request(0, prompt_len=5, output_len=4, arrival=0),
-             Request(1, prompt_len=5, output_len=3, arrival=1)]
+    # A leaves after step 1; B (greedy) joins at 1 in slot 1; C (sampled) joins at 2 in slot 0 on
+    # A's freed, poisoned page, beside B: the kernel reads each row's pages below its length only
+    short = [Request(0, prompt_len=5, output_len=3, arrival=0),
+             Request(1, prompt_len=5, output_len=4, arrival=1),
+             Request(2, prompt_len=5, output_len=3, arrival=2, temperature=1.0, seed=5)]
     result = loop.serve(params, short, CFG, PAGES, batch=BATCH, step="megakernel",
                         poison_freed=True)
-    assert result.joined_at[1] == 1 and result.slot_of[1] == 1
-    assert result.tokens[1] == alone(params, short[1], step="megakernel")
+    assert result.joined_at == {0: 0, 1: 1, 2: 2} and result.slot_of == {0: 0, 1: 1, 2: 0}
+    assert result.pages_of == {0: [0], 1: [1], 2: [0]}
+    for request in short[1:]:
+        assert result.tokens[request.index] == alone(params, request, step="megakernel")
 
 
 @pytest.fixture(scope="module")
