@@ -221,8 +221,8 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
             started = time.perf_counter()
             last_logits, row_state = prefill_row(params, request, cfg, pages, trace_seed, chunk)
             table[slot, :len(got)] = got
-            state = write_row(state, row_state, slot, table[slot], request.prompt_len, cfg,
-                              pages)
+            state = write_row(state, row_state, slot, table[slot].copy(), request.prompt_len,
+                              cfg, pages)
             first = draw(last_logits, request, request.prompt_len)
             jax.block_until_ready(state)
             result.prefill_seconds += time.perf_counter() - started
@@ -242,7 +242,9 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
                 now = max(now + 1, waiting[0].arrival)
             continue
         started = time.perf_counter()
-        logits, state = run_step(params, state, tokens, positions, table, cfg, pages)
+        # copies: the arrays below change after the step, and a step may read its inputs late
+        logits, state = run_step(params, state, tokens.copy(), positions.copy(), table.copy(),
+                                 cfg, pages)
         logits = np.asarray(logits)  # [B, V]
         seconds = time.perf_counter() - started
         held, owner = [int(r) for r in slots.requests], [int(o) for o in allocator.owner]
