@@ -16,14 +16,19 @@ RoPE, GLM's and Qwen3's GQA, each at P in {16, 64}, and the reference paged step
 
 import contextlib
 import dataclasses
+import os
+
+# libtpu allows one process at a time by default; tests on a shared machine compile concurrently
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from mkresearch.kernels.base import dma
-from mkresearch.kernels.compose import megakernel, megakernel_paged
+from mkresearch.kernels.compose import megakernel, megakernel_paged, megakernel_verify
 
+from mkresearch.decoding import speculative
 from mkresearch.hardware import tpu
 from mkresearch.model import config, paged_kv, reference, spec, weights
 from mkresearch.model.kv_cache import rows_read
@@ -248,6 +253,60 @@ def test_megakernel_paged_equals_contiguous_gqa_p16(gqa_p16):
 def test_megakernel_paged_equals_contiguous_matrix(name, layout, page_size):
     cfg, pages = minis(name, layout), pool_for(page_size)
     check_run(megakernel_run(cfg, pages, seed=20 + page_size), cfg, pages)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, layout", [("qwen3-235b-a22b-mini", None), ("kimi-k3-mini", "latent")])
+def test_paged_verify_equals_contiguous_verify(name, layout):
+    """Speculative verify rows on pages (K = 3, a free slot): targets, logits, per-position KDA
+    states and the caches equal the contiguous verify step's, and so does the rollback."""
+    cfg, pages, drafts = minis(name, layout), pool_for(16), 3
+    params = weights.init_params(cfg, 0)
+    positions = POSITIONS.copy()
+    live = positions >= 0
+    state = random_state(cfg, BATCH, np.maximum(positions, 0), seed=30)
+    table = random_table(pages, np.where(live, positions + drafts + 1, 0), seed=31)
+    paged = paged_kv.paged_from_contiguous(state, table, np.maximum(positions, 0), cfg, pages)
+    tokens = np.array([[5, 6, 7, 8], [700, 3, 2, 1], [9, 9, 9, 9]], np.int32)
+    with races_checked():
+        targets_p, paged, per_position_p, aux_p = megakernel_paged.paged_verify_step(
+            params, paged, tokens, positions, table, cfg, pages, return_logits=True)
+        targets_c, state, per_position_c, aux_c = megakernel_verify.verify_step(
+            params, state, tokens, np.maximum(positions, 0), cfg, return_logits=True)
+    np.testing.assert_array_equal(np.asarray(targets_p)[live], np.asarray(targets_c)[live])
+    np.testing.assert_array_equal(np.asarray(aux_p["logits"])[live],
+                                  np.asarray(aux_c["logits"])[live])
+    for kind, leaves in (per_position_p or {}).items():
+        for leaf_name, leaf in leaves.items():  # [K+1, L, B, ...]
+            np.testing.assert_array_equal(np.asarray(leaf)[:, :, live],
+                                          np.asarray(per_position_c[kind][leaf_name])[:, :, live])
+    assert_caches_equal(paged, state, table, np.where(live, positions + drafts + 1, 0), cfg,
+                        pages)
+    kept = np.array([2, 4, 1])
+    assert_caches_equal(paged_kv.keep_positions(paged, per_position_p, kept, cfg),
+                        speculative.rollback(state, per_position_c, np.maximum(positions, 0),
+                                             kept, cfg),
+                        table, np.where(live, positions + kept, 0), cfg, pages)
+
+
+@pytest.mark.slow
+def test_paged_step_compiles_for_tpu7x():
+    """The real Mosaic compiler takes the paged step (the SMEM page table, a page's window of
+    the pool): one kernel. Qwen3's GQA mini at P = 16; every layout in the exhaustive tier."""
+    result, _ = megakernel_paged.compile_paged_step(minis("qwen3-235b-a22b-mini"), pool_for(16),
+                                                    batch=4)
+    assert result.n_mosaic_kernels == 1
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, layout, page_size", [("kimi-k3-mini", "latent", 16),
+                                                    ("kimi-k3-mini", "expanded", 64),
+                                                    ("deepseek-v3-mini", None, 64),
+                                                    ("glm-4.5-mini", None, 64)])
+def test_paged_step_compiles_for_tpu7x_every_layout(name, layout, page_size):
+    result, _ = megakernel_paged.compile_paged_step(minis(name, layout), pool_for(page_size),
+                                                    batch=4)
+    assert result.n_mosaic_kernels == 1
 
 
 # ---- bad input ----------------------------------------------------------------------------------
