@@ -150,6 +150,16 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
         for page in set(range(pages.n_pages)) - used:
             assert (leaf[:, page] == 7).all(), (leaf_name, page)
         assert (leaf[:, table[0, need - 1], ..., tail:, :] == 7).all(), leaf_name
+    # a joining row's slot: its recurrent leaves zeroed, every other leaf and row kept
+    cleared = paged_kv.clear_slots(paged, cfg, [1])
+    for kind, leaves in cleared.items():
+        for leaf_name, leaf in leaves.items():
+            before, after = np.asarray(paged[kind][leaf_name]), np.asarray(leaf)
+            if spec.state_table(cfg, 1, 1)[kind][leaf_name].kind == spec.CACHE:
+                np.testing.assert_array_equal(after, before)
+            else:  # [L, B, ...]
+                assert (after[:, 1] == 0).all()
+                np.testing.assert_array_equal(np.delete(after, 1, 1), np.delete(before, 1, 1))
 
 
 # ---- the megakernel ---------------------------------------------------------------------------
