@@ -10,21 +10,26 @@ before each row's position), within the pages each row uses, and no KV read cros
 
 Default tier (one case per behaviour, the budget of a step's compile): the megakernel on Qwen3's
 GQA at P = 16 (P < kv_tile: a tile spans two pages), the table round trip of every cache layout,
-the bad inputs. Exhaustive: the megakernel on both MLA layouts of Kimi K3, DeepSeek's MLA with
-RoPE, GLM's and Qwen3's GQA, each at P in {16, 64}, and the reference paged step.
+the bad inputs, the paged step's real Mosaic compile (slow). Exhaustive: the megakernel on both
+MLA layouts of Kimi K3, DeepSeek's MLA with RoPE, GLM's and Qwen3's GQA, each at P in {16, 64};
+speculative verify rows on pages (GQA, and Kimi K3's latent MLA with KDA's per-position states);
+the reference paged step; the compile of every layout.
 """
 
-import contextlib
 import dataclasses
+import os
+
+# libtpu allows one process at a time by default; tests on a shared machine compile concurrently
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from mkresearch.kernels.base import dma
-from mkresearch.kernels.compose import megakernel, megakernel_paged
+from mkresearch.kernels.compose import megakernel, megakernel_paged, megakernel_verify
 
-from mkresearch.hardware import tpu
+from mkresearch.decoding import speculative
 from mkresearch.model import config, paged_kv, reference, spec, weights
 from mkresearch.model.kv_cache import rows_read
 
@@ -96,22 +101,6 @@ def assert_caches_equal(paged, contiguous, page_table, lengths, cfg, pages):
                 np.testing.assert_array_equal(got, want, err_msg=f"{kind}.{name} row {b}")
 
 
-@contextlib.contextmanager
-def races_checked():
-    """The race detector on for a module fixture's runs (conftest's `race_checked`, module-wide)."""
-    previous = tpu.current_interpret_options()
-    tpu.interpret_options(detect_races=True, vector_clock_size=16)
-    tpu.reset_races()
-    try:
-        yield
-        raced = tpu.races_found()
-    finally:
-        tpu.reset_interpret_state()
-        tpu.reset_interpret_options()
-        tpu.interpret_options(**previous)
-    assert not raced, "the race detector found a race (see 'RACE DETECTED' above)"
-
-
 # ---- the reference ----------------------------------------------------------------------------
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("layout, page_size", [("latent", 16), ("expanded", 64)])
@@ -161,6 +150,16 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
         for page in set(range(pages.n_pages)) - used:
             assert (leaf[:, page] == 7).all(), (leaf_name, page)
         assert (leaf[:, table[0, need - 1], ..., tail:, :] == 7).all(), leaf_name
+    # a joining row's slot: its recurrent leaves zeroed, every other leaf and row kept
+    cleared = paged_kv.clear_slots(paged, cfg, [1])
+    for kind, leaves in cleared.items():
+        for leaf_name, leaf in leaves.items():
+            before, after = np.asarray(paged[kind][leaf_name]), np.asarray(leaf)
+            if spec.state_table(cfg, 1, 1)[kind][leaf_name].kind == spec.CACHE:
+                np.testing.assert_array_equal(after, before)
+            else:  # [L, B, ...]
+                assert (after[:, 1] == 0).all()
+                np.testing.assert_array_equal(np.delete(after, 1, 1), np.delete(before, 1, 1))
 
 
 # ---- the megakernel ---------------------------------------------------------------------------
@@ -174,19 +173,18 @@ def megakernel_run(cfg, pages, seed):
     paged = paged_kv.paged_from_contiguous(state, table, np.maximum(positions, 0), cfg, pages)
     tokens = np.array([5, 700, 9], np.int32)
     steps = []
-    with races_checked():
-        for _ in range(STEPS):
-            with dma.recording() as log:
-                tok_p, paged, aux_p = megakernel_paged.paged_decode_step(
-                    params, paged, tokens, positions, table, cfg, pages, return_logits=True)
-            tok_c, state, aux_c = megakernel.decode_step(params, state, tokens,
-                                                         np.maximum(positions, 0), cfg,
-                                                         return_logits=True)
-            steps.append({"positions": positions, "log": log,
-                          "paged": (np.asarray(tok_p), np.asarray(aux_p["logits"])),
-                          "contiguous": (np.asarray(tok_c), np.asarray(aux_c["logits"]))})
-            tokens = np.asarray(tok_c)
-            positions = np.where(positions >= 0, positions + 1, -1).astype(np.int32)
+    for _ in range(STEPS):
+        with dma.recording() as log:
+            tok_p, paged, aux_p = megakernel_paged.paged_decode_step(
+                params, paged, tokens, positions, table, cfg, pages, return_logits=True)
+        tok_c, state, aux_c = megakernel.decode_step(params, state, tokens,
+                                                     np.maximum(positions, 0), cfg,
+                                                     return_logits=True)
+        steps.append({"positions": positions, "log": log,
+                      "paged": (np.asarray(tok_p), np.asarray(aux_p["logits"])),
+                      "contiguous": (np.asarray(tok_c), np.asarray(aux_c["logits"]))})
+        tokens = np.asarray(tok_c)
+        positions = np.where(positions >= 0, positions + 1, -1).astype(np.int32)
     return {"steps": steps, "paged": paged, "contiguous": state, "table": table,
             "lengths": np.where(positions >= 0, positions, 0)}
 
@@ -225,17 +223,11 @@ def check_kv_bytes(log, positions, cfg, pages):
     assert not rows & set(np.flatnonzero(positions < 0).tolist())  # the free slot: no KV DMA
 
 
-@pytest.fixture(scope="module")
-def gqa_p16():
-    cfg, pages = minis("qwen3-235b-a22b-mini"), pool_for(16)
-    return cfg, pages, megakernel_run(cfg, pages, seed=10)
-
-
-def test_megakernel_paged_equals_contiguous_gqa_p16(gqa_p16):
+def test_megakernel_paged_equals_contiguous_gqa_p16(race_checked):
     """Qwen3's GQA at P = 16 (a KV tile of 32 spans two pages): tokens, logits and caches of the
     paged megakernel equal the contiguous one's, and its KV reads are the contiguous bytes."""
-    cfg, pages, run = gqa_p16
-    check_run(run, cfg, pages)
+    cfg, pages = minis("qwen3-235b-a22b-mini"), pool_for(16)
+    check_run(megakernel_run(cfg, pages, seed=10), cfg, pages)
 
 
 @pytest.mark.exhaustive
@@ -245,9 +237,62 @@ def test_megakernel_paged_equals_contiguous_gqa_p16(gqa_p16):
                                           ("qwen3-235b-a22b-mini", None),
                                           ("glm-4.5-mini", None),
                                           ("deepseek-v3-mini", None)])
-def test_megakernel_paged_equals_contiguous_matrix(name, layout, page_size):
+def test_megakernel_paged_equals_contiguous_matrix(race_checked, name, layout, page_size):
     cfg, pages = minis(name, layout), pool_for(page_size)
     check_run(megakernel_run(cfg, pages, seed=20 + page_size), cfg, pages)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, layout", [("qwen3-235b-a22b-mini", None), ("kimi-k3-mini", "latent")])
+def test_paged_verify_equals_contiguous_verify(race_checked, name, layout):
+    """Speculative verify rows on pages (K = 3, a free slot): targets, logits, per-position KDA
+    states and the caches equal the contiguous verify step's, and so does the rollback."""
+    cfg, pages, drafts = minis(name, layout), pool_for(16), 3
+    params = weights.init_params(cfg, 0)
+    positions = POSITIONS.copy()
+    live = positions >= 0
+    state = random_state(cfg, BATCH, np.maximum(positions, 0), seed=30)
+    table = random_table(pages, np.where(live, positions + drafts + 1, 0), seed=31)
+    paged = paged_kv.paged_from_contiguous(state, table, np.maximum(positions, 0), cfg, pages)
+    tokens = np.array([[5, 6, 7, 8], [700, 3, 2, 1], [9, 9, 9, 9]], np.int32)
+    targets_p, paged, per_position_p, aux_p = megakernel_paged.paged_verify_step(
+        params, paged, tokens, positions, table, cfg, pages, return_logits=True)
+    targets_c, state, per_position_c, aux_c = megakernel_verify.verify_step(
+        params, state, tokens, np.maximum(positions, 0), cfg, return_logits=True)
+    np.testing.assert_array_equal(np.asarray(targets_p)[live], np.asarray(targets_c)[live])
+    np.testing.assert_array_equal(np.asarray(aux_p["logits"])[live],
+                                  np.asarray(aux_c["logits"])[live])
+    for kind, leaves in (per_position_p or {}).items():
+        for leaf_name, leaf in leaves.items():  # [K+1, L, B, ...]
+            np.testing.assert_array_equal(np.asarray(leaf)[:, :, live],
+                                          np.asarray(per_position_c[kind][leaf_name])[:, :, live])
+    assert_caches_equal(paged, state, table, np.where(live, positions + drafts + 1, 0), cfg,
+                        pages)
+    kept = np.array([2, 4, 1])
+    assert_caches_equal(paged_kv.keep_positions(paged, per_position_p, kept, cfg),
+                        speculative.rollback(state, per_position_c, np.maximum(positions, 0),
+                                             kept, cfg),
+                        table, np.where(live, positions + kept, 0), cfg, pages)
+
+
+@pytest.mark.slow
+def test_paged_step_compiles_for_tpu7x():
+    """The real Mosaic compiler takes the paged step (the SMEM page table, a page's window of
+    the pool): one kernel. Qwen3's GQA mini at P = 16; every layout in the exhaustive tier."""
+    result, _ = megakernel_paged.compile_paged_step(minis("qwen3-235b-a22b-mini"), pool_for(16),
+                                                    batch=4)
+    assert result.n_mosaic_kernels == 1
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, layout, page_size", [("kimi-k3-mini", "latent", 16),
+                                                    ("kimi-k3-mini", "expanded", 64),
+                                                    ("deepseek-v3-mini", None, 64),
+                                                    ("glm-4.5-mini", None, 64)])
+def test_paged_step_compiles_for_tpu7x_every_layout(name, layout, page_size):
+    result, _ = megakernel_paged.compile_paged_step(minis(name, layout), pool_for(page_size),
+                                                    batch=4)
+    assert result.n_mosaic_kernels == 1
 
 
 # ---- bad input ----------------------------------------------------------------------------------

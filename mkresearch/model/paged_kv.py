@@ -50,6 +50,11 @@ Functions (cfg a ModelConfig, pages a PagedKVConfig):
         Returns (logits [B, V] f32, new paged state, aux), as `reference.decode_step`.
     clear_slots(state, cfg, slots) -> the state with the per-slot (recurrent) leaves of the
         given row slots zeroed: a joining row starts from the zero state a fresh batch has.
+    keep_positions(state_all, per_position, kept, cfg) -> a paged verify step's rollback: the
+        recurrent leaves after each row's first kept[b] tokens (caches need none).
+
+The kernel twins (`kernels/compose/megakernel_paged.py`): paged_decode_step and
+paged_verify_step, the megakernel's one pallas_call per step on this state and table.
 """
 
 from __future__ import annotations
@@ -304,9 +309,10 @@ _paged_step_jit = jax.jit(_paged_step, static_argnames=("cfg", "pages"))
 
 
 def check_paged_inputs(state: Any, tokens: Any, positions: Any, page_table: Any,
-                       cfg: ModelConfig, pages: PagedKVConfig) -> None:
+                       cfg: ModelConfig, pages: PagedKVConfig, *, width: int = 1) -> None:
     """The API boundary of a paged step: ValueError (one line) naming what is wrong with the
-    tokens, positions (-1 = free slot), page table (for positions + 1 tokens) or paged state."""
+    tokens [B], positions (-1 = free slot), page table (for positions + width tokens: a verify
+    step writes width = K + 1 per row) or paged state."""
     _check_pages(pages).check(cfg)
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens has shape {np.shape(tokens)}: allowed [B] (one token per row)")
@@ -321,7 +327,7 @@ def check_paged_inputs(state: Any, tokens: Any, positions: Any, page_table: Any,
     if np.shape(page_table)[:1] != (batch,):
         raise ValueError(f"page_table has shape {np.shape(page_table)}: allowed [{batch}, "
                          f"{pages.max_pages_per_row}] (one row per token)")
-    validate_page_table(page_table, positions + 1, pages)
+    validate_page_table(page_table, np.where(positions >= 0, positions + width, 0), pages)
     expected = paged_state_shapes(cfg, pages, batch)
     if not isinstance(state, dict) or set(state) != set(expected):
         raise ValueError(f"state is invalid: allowed the dict made by init_paged_state(cfg, "
@@ -347,3 +353,24 @@ def paged_decode_step(params: dict[str, Any], state: dict[str, Any], tokens: Any
     check_paged_inputs(state, tokens, positions, page_table, cfg, pages)
     return _paged_step_jit(params, state, jnp.asarray(tokens, i32), jnp.asarray(positions, i32),
                            jnp.asarray(page_table, i32), cfg=cfg, pages=pages)
+
+
+def keep_positions(state_all: dict[str, Any], per_position: dict[str, Any], kept: Any,
+                   cfg: ModelConfig) -> dict[str, Any]:
+    """A paged verify step's rollback: each slot's recurrent leaves after its first kept[b]
+    (1..K + 1) tokens, from per_position {kind: {leaf: [K+1, L, B, ...]}}. The caches are kept
+    as they are: entries past a row's new length are never read (each row attends below its
+    position) and the row's next tokens overwrite them."""
+    kept, per_position = np.asarray(kept), per_position or {}
+    widths = [leaf.shape[0] for leaves in per_position.values() for leaf in leaves.values()]
+    width = widths[0] if widths else None  # a model without recurrent leaves keeps none
+    if kept.ndim != 1 or np.any(kept < 1) or (width is not None and np.any(kept > width)):
+        raise ValueError(f"kept={kept.tolist()!r} is invalid: [B] ints in [1, K + 1"
+                         f"{'' if width is None else f' = {width}'}]")
+    rows = np.arange(kept.shape[0])
+    caches = _cache_leaves(cfg)
+    return {kind: {name: (jnp.swapaxes(per_position[kind][name][kept - 1, :, rows], 0, 1)
+                          if name not in caches.get(kind, {}) and kind in per_position
+                          else leaf)
+                   for name, leaf in leaves.items()}
+            for kind, leaves in state_all.items()}
