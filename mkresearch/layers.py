@@ -7,6 +7,8 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     measurement         DMA logs and the runs that record them, profiles, HLO counts, records
       ^
+    serve               continuous batching over paged KV: pages, slots, the loop, arrival traces
+      ^
     prediction          timeline model, interconnect, scale-out, calibration: what a step costs
       ^
     kernels.compose     the megakernel: plan, composer, schedule, the step on n ranks, verify
@@ -55,6 +57,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kernels.sharded": _package("mkresearch.kernels.sharded"),
     "kernels.compose": _package("mkresearch.kernels.compose"),
     "prediction": _package("mkresearch.prediction"),
+    "serve": _package("mkresearch.serve"),
     "measurement": _package("mkresearch.measurement"),
     "views": _package("mkresearch.views"),
     "cli": ("mkresearch.__main__", *_package("mkresearch.cli")),

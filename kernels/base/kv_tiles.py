@@ -3,14 +3,20 @@ double-buffered DMA ring, and the f32 online softmax over them.
 
 `tile_loop` reads only the 16-row groups of the last tile that hold cached tokens (`_tile_reads`,
 `mkresearch.model.kv_cache.rows_read` in bytes); `online_softmax_step` masks what lies past the
-position. MLA's expanded and latent layouts (`mla.py`) and the sequence-sharded latent prototype
-(`mla_sharded.py`) all run them.
+position. MLA's expanded and latent layouts (`mla.py`), GQA (`gqa.py`) and the sequence-sharded
+latent prototype (`mla_sharded.py`) all run them.
+
+Where a row's tokens are is a `KvRows`: contiguous (row b's slots of a cache [B, (H,) S, n]), or
+paged (`mkresearch.model.paged_kv`: a pool [N, (H,) P, n] and the page table in SMEM, token t of
+row b at slot t mod P of page table[b, t div P]). The paged reads are the contiguous ones (the
+same 16-row groups, the same bytes) split at page boundaries: a read never crosses a page.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -69,26 +75,85 @@ def _token_rows(ref, rows):
     return ref.at[(slice(None),) * (len(ref.shape) - 2) + (rows, slice(None))]
 
 
-def tile_loop(p: MlaPlan, b: int, count, rings, windows, update, carry, indices, *,
-              phase: str = "mla.attend"):
+def _row_window(cache, row, tokens):
+    """cache[row, ..., tokens, :]: a token window of one row (or page) of a cache ref
+    [B, (H,) S, n]."""
+    return cache.at[(row,) + (slice(None),) * (len(cache.shape) - 3) + (tokens, slice(None))]
+
+
+@dataclass(frozen=True)
+class KvRows:
+    """Where the cached tokens of a row are. Contiguous (table None): slots 0..S-1 of row b of a
+    cache ref [B, (H,) S, n]. Paged: table the page table [B · columns] i32 (SMEM, row-major),
+    the cache ref a pool [N, (H,) page_size, n]; token t of row b is slot t mod page_size of page
+    table[b · columns + t div page_size]. A paged row at position -1 is a free slot: it reads no
+    page (no tile) and writes none (`guard`)."""
+
+    table: Any = None
+    page_size: int = 0
+    columns: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.table is not None
+
+    def window(self, cache, b, start, rows: int):
+        """Tokens start..start+rows-1 of row b ([.., rows, n]); paged: inside one page (start a
+        multiple of 16, rows at most what is left of its page)."""
+        if not self.paged:
+            return _row_window(cache, b, pl.ds(start, rows))
+        page = self.table[b * self.columns + jax.lax.div(start, self.page_size)]
+        offset = pl.multiple_of(jax.lax.rem(start, self.page_size), KV_ROW_GROUP)
+        return _row_window(cache, page, pl.ds(offset, rows))
+
+    def tile_window(self, cache, b, t, kv_tile: int, first, rows: int):
+        """Rows first..first+rows-1 of KV tile t of row b (contiguous: a window of the tile's
+        window, as the kernels always read it)."""
+        if not self.paged:
+            tokens = pl.ds(pl.multiple_of(t * kv_tile, kv_tile), kv_tile)
+            return _token_rows(_row_window(cache, b, tokens), pl.ds(first, rows))
+        return self.window(cache, b, t * kv_tile + first, rows)
+
+    def pieces(self, rows: int) -> list[tuple[int, int]]:
+        """A read of `rows` rows as (offset, rows) pieces that each stay in one page: reads are
+        runs of 2^i 16-row groups aligned to their size (or whole tiles), pages 16 · 2^j rows."""
+        if not self.paged or rows <= self.page_size:
+            return [(0, rows)]
+        return [(k * self.page_size, self.page_size) for k in range(rows // self.page_size)]
+
+    def guard(self, position, write) -> None:
+        """write() for a row with a cache slot; paged, a free slot (position -1) writes none."""
+        if self.paged:
+            pl.when(position >= 0)(write)
+        else:
+            write()
+
+
+CONTIGUOUS = KvRows()
+
+
+def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, *,
+              phase: str = "mla.attend", kv_rows: KvRows = CONTIGUOUS):
     """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
 
-    rings: dma.Ring per cache array; windows(t) -> the HBM window [.., T, ..] of each array for
-    tile t (tokens on the second-to-last axis); update(t, tiles, carry) -> carry, with tiles the
-    VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
+    rings: dma.Ring per cache array; caches: the HBM refs of the arrays (tokens on the
+    second-to-last axis), read where `kv_rows` says (contiguous, or through the page table: a
+    read split at page boundaries, `KvRows.pieces`); update(t, tiles, carry) -> carry, with tiles
+    the VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
     compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
     """
     n_tiles = _tile_count(p, count)
 
     def read(t, slot, action, first, rows):  # start or wait rows first.. of tile t, each array
-        part = pl.ds(first, rows)
-        for ring, window in zip(rings, windows(t)):
-            copy = dma.Copy(_token_rows(window, part), _token_rows(ring.buffer(slot), part),
-                            ring.sems_ref.at[slot], name=ring.name, slot=slot, row=b, tile=t,
-                            **indices)
-            getattr(copy, action)()
+        for offset, piece in kv_rows.pieces(rows):
+            for ring, cache in zip(rings, caches):
+                source = kv_rows.tile_window(cache, b, t, p.kv_tile, first + offset, piece)
+                target = _token_rows(ring.buffer(slot), pl.ds(first + offset, piece))
+                copy = dma.Copy(source, target, ring.sems_ref.at[slot], name=ring.name,
+                                slot=slot, row=b, tile=t, **indices)
+                getattr(copy, action)()
 
     def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
         for condition, first, rows in _tile_reads(p, t, count):

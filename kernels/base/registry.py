@@ -44,6 +44,8 @@ class StageRefs:
     shard      on a rank of a sharded model, its collectives (`kernels/sharded/collectives.py`), else None
     steps_out  a verify step's per-token states {leaf: [K+1, B, ...] HBM ref} (kinds whose plan
                has rows_per_state; `kernels/compose/megakernel_verify.py`), else empty
+    kv_rows    a paged KV cache: where each row's tokens are (`kv_tiles.KvRows`: the page table
+               in SMEM; the cache leaves of state_in are pools), else None (contiguous caches)
     """
 
     x: Any
@@ -57,6 +59,7 @@ class StageRefs:
     indices: dict = field(default_factory=dict)
     shard: Any = None
     steps_out: dict = field(default_factory=dict)
+    kv_rows: Any = None
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, registry, weight_stream
+from mkresearch.kernels.base import blocks, dma, kv_tiles, registry, weight_stream
 from mkresearch.kernels.base.weight_stream import (
     ATTN_INDEX,
     ATTN_KIND,
@@ -83,11 +83,12 @@ from mkresearch.model.config import BF16_SUBLANE, ModelConfig
 # ---- the step's inputs and outputs (typed Ref bundles) -------------------------------------------
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "positions", "seed", "table", "sample_positions",
-                                "temperature", "top_k", "top_p"], meta_fields=[])
+                                "temperature", "top_k", "top_p", "page_table"], meta_fields=[])
 @dataclass(frozen=True)
 class StepInputs:
     """tokens, positions [B] i32, seed [1] i32 and the layer table [4L] i32 (SMEM scalars);
-    sample positions (p + 1), top_k [B, 1] i32, temperature, top_p [B, 1] f32 (VMEM rows)."""
+    sample positions (p + 1), top_k [B, 1] i32, temperature, top_p [B, 1] f32 (VMEM rows); a
+    paged step's page table [B · max_pages_per_row] i32 (SMEM, `megakernel_paged.py`), else None."""
 
     tokens: Any
     positions: Any
@@ -97,11 +98,12 @@ class StepInputs:
     temperature: Any
     top_k: Any
     top_p: Any
+    page_table: Any = None
 
     @staticmethod
-    def specs() -> StepInputs:
+    def specs(paged: bool = False) -> StepInputs:
         smem, vmem = pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)
-        return StepInputs(smem, smem, smem, smem, vmem, vmem, vmem, vmem)
+        return StepInputs(smem, smem, smem, smem, vmem, vmem, vmem, vmem, smem if paged else None)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -137,13 +139,15 @@ def per_position_shapes(plan: MegaPlan, state: Any) -> dict | None:
 
 def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                     inputs: StepInputs, w: dict, state_in: dict, outputs: StepOutputs,
-                    state_out: dict, *scratch: Any, shard: Any = None) -> None:
+                    state_out: dict, *scratch: Any, shard: Any = None, pages: Any = None) -> None:
     """The whole decode step, on Refs: the step's inputs (SMEM scalars and VMEM rows), the
     prepared weights and the state (HBM; the state's outputs are the same buffers). On a rank of
     a sharded model (`shard`: a collectives.ShardPlan, its buffers in `scratch`): this rank's
-    weights and state, the collectives inside (`kernels/compose/megakernel_sharded.py`)."""
+    weights and state, the collectives inside (`kernels/compose/megakernel_sharded.py`). pages: a
+    paged KV cache's PagedKVConfig (the cache leaves are pools, read through inputs.page_table)."""
     if shard is None:
-        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out)
+        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out,
+                     pages=pages)
     coll = collectives.Collectives(shard, scratch)
     with dma.on_rank(coll.rank):
         coll.barrier()
@@ -152,8 +156,11 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
 
 
 def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepInputs, w: dict,
-          state_in: dict, outputs: StepOutputs, state_out: dict, coll: Any = None) -> None:
+          state_in: dict, outputs: StepOutputs, state_out: dict, coll: Any = None,
+          pages: Any = None) -> None:
     cfg, batch = plan.cfg, plan.batch
+    kv_rows = None if pages is None else kv_tiles.KvRows(inputs.page_table, pages.page_size,
+                                                         pages.max_pages_per_row)
     d = cfg.d_model
     residual = residuals.RESIDUALS[cfg.residual]
     kinds = [(kind, registry.kernel_stage(kind)) for kind in cfg.kinds]
@@ -219,7 +226,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                             positions=inputs.positions, stream=stage_stream,
                             scratch=scratch[kind], indices={"layer": layer}, shard=coll,
                             steps_out=jax.tree.map(lambda ref: ref.at[:, index],
-                                                   (outputs.per_position or {}).get(kind, {}))))
+                                                   (outputs.per_position or {}).get(kind, {})),
+                            kv_rows=kv_rows))
                 return run
 
             if len(stage_kinds) == 1:
@@ -323,7 +331,7 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
 
 def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
               return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
-              shard: Any = None) -> tuple:
+              shard: Any = None, pages: Any = None) -> tuple:
     """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
     rank's collectives plan (`collectives.ShardPlan`, kernels/compose/megakernel_sharded.py): its
     buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
@@ -341,9 +349,10 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     n_out = len(jax.tree.leaves(outputs))
     sharded = {} if shard is None else {"collective_id": 0}
     outs, new_state = pl.pallas_call(
-        functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard),
+        functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard,
+                          pages=pages),
         out_shape=(outputs, state_shapes),
-        in_specs=(StepInputs.specs(), jax.tree.map(lambda _: hbm, weights),
+        in_specs=(StepInputs.specs(pages is not None), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),
         out_specs=(StepOutputs(vmem, vmem, vmem if return_logits else None,
                                jax.tree.map(lambda _: hbm, per_position)),

@@ -15,7 +15,7 @@ One call does, for a batch of B rows each at its own position p_b:
                 every K/V head of the row
   output        out = bf(bf(o) W_o) (streamed)
   cache update  the roped k and v of the new token: the aligned 16-row block around p_b is read,
-                patched in VMEM and written back (`kv_update.patch_block`; input_output_aliases)
+                patched in VMEM and written back (`kv_update.patch_blocks`; input_output_aliases)
 
 `gqa_attention_body` works on Refs (weights as a dict) and allocates its own scratch, so a
 megakernel can call it as it is; `gqa_attention` is the thin `pallas_call` wrapper.
@@ -34,8 +34,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import dot_t, online_softmax_step, tile_loop, tile_loop_dmas
-from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_block, update_window
+from mkresearch.kernels.base.kv_tiles import (
+    CONTIGUOUS,
+    dot_t,
+    online_softmax_step,
+    tile_loop,
+    tile_loop_dmas,
+)
+from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
 from mkresearch.hardware import tpu
@@ -106,11 +112,13 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
     refs.positions [B] i32 (SMEM); refs.x [B, d] bf16 (VMEM); refs.weights {name: HBM ref}
     (matrices [in, out], biases and norms as [1, n]); refs.state_in {"k", "v"} [B, KV, S, D]
     bf16 in HBM and refs.state_out the same buffers (aliased); refs.out [B, d] bf16 (VMEM).
-    refs.indices tag the DMA log.
+    refs.indices tag the DMA log. refs.kv_rows: a paged cache (pools [N, KV, P, D] read and
+    written through the page table, `kv_tiles.KvRows`), else None (contiguous).
     """
     p = plan
     positions_ref, x_ref, out_ref, weights, indices = (refs.positions, refs.x, refs.out,
                                                         refs.weights, refs.indices)
+    kv_rows = refs.kv_rows or CONTIGUOUS
     k_in, v_in = refs.state_in["k"], refs.state_in["v"]
     k_out, v_out = refs.state_out["k"], refs.state_out["v"]
     heads, kv_heads, dim, group = p.n_heads, p.n_kv_heads, p.head_dim, p.group
@@ -148,8 +156,9 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
             k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
             v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(kv_heads)]  # [1, D] bf16 each
             s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
-            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices)
-            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices)
+            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices, kv_rows)
+            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices,
+                          kv_rows)
             y = list(y)  # per head [B, D]
             for h in range(heads):
                 g, j = divmod(h, group)
@@ -165,7 +174,7 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
                                    rows=p.block_rows("w_o"), name="gqa.w_o"))
 
 
-def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indices):
+def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indices, kv_rows):
     """Per K/V head g: its G query heads q_heads[gG:(g+1)G] [G, D] over the new token and the
     cached tiles [KV, T, D]. Returns o_g = Σ α v [G, D] f32 per K/V head."""
     group = p.group
@@ -174,10 +183,6 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
         q_g = q_heads[g * group:(g + 1) * group, :]
         score = blocks.ordered_sum(q_g * f32(k_new[g:g + 1, :]), keepdims=True) * p.scale
         carry.append((score, jnp.ones_like(score), jnp.broadcast_to(f32(v_new[g]), q_g.shape)))
-
-    def windows(t):
-        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
-        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]  # [KV, T, D] each
 
     def update(t, tiles, carry):
         k_tile, v_tile = tiles
@@ -191,8 +196,8 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
     def scoped(k_buffers, v_buffers, sems):
         rings = (dma.Ring(k_buffers, sems.at[0], name="gqa.kv.k"),
                  dma.Ring(v_buffers, sems.at[1], name="gqa.kv.v"))
-        return tile_loop(p, b, position, rings, windows, update, carry, indices,
-                         phase="gqa.attend")
+        return tile_loop(p, b, position, rings, (k_hbm, v_hbm), update, carry, indices,
+                         phase="gqa.attend", kv_rows=kv_rows)  # tiles [KV, T, D] each
 
     tile = (2, p.n_kv_heads, p.kv_tile, p.head_dim)
     final = pl.run_scoped(scoped, pltpu.VMEM(tile, jnp.bfloat16), pltpu.VMEM(tile, jnp.bfloat16),
@@ -200,9 +205,9 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
     return [acc / norm for _, norm, acc in final]
 
 
-def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices):
+def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices,
+                  kv_rows):
     """Write the new token's roped k and v at `position` for every K/V head."""
-    start, rows = update_window(position)
     k_entry = jnp.stack([k_new[g:g + 1, :] for g in range(p.n_kv_heads)])  # [KV, 1, D]
     v_entry = jnp.stack(v_new)  # [KV, 1, D]
 
@@ -212,10 +217,9 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
                 block[...] = jnp.where(is_new, entry, block[...])
             return write
 
-        patch_block(b, position - start, k_in.at[b, :, rows, :], k_out.at[b, :, rows, :],
-                     k_block, sems.at[0], patch(k_block, k_entry), "gqa.kv_update.k", indices)
-        patch_block(b, position - start, v_in.at[b, :, rows, :], v_out.at[b, :, rows, :],
-                     v_block, sems.at[1], patch(v_block, v_entry), "gqa.kv_update.v", indices)
+        patch_blocks(b, position, ((k_in, k_out), (v_in, v_out)), (k_block, v_block), sems,
+                     (patch(k_block, k_entry), patch(v_block, v_entry)),
+                     ("gqa.kv_update.k", "gqa.kv_update.v"), indices, kv_rows)
 
     block = (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
     pl.run_scoped(scoped, pltpu.VMEM(block, jnp.bfloat16), pltpu.VMEM(block, jnp.bfloat16),

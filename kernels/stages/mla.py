@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, dma, planned
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import (
+    CONTIGUOUS,
     dot_t,
     online_softmax_step,
     rows_dot_t,
@@ -144,6 +145,9 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     A verify step (plan.rows_per_state = K + 1 > 1): row r is at position positions[r] of cache
     row r // (K + 1); rows run in order and each writes its entry before the next one attends, so
     row (b, j) sees the cache up to p_b + j: causal within the batch row by length masking.
+
+    A paged cache (refs.kv_rows, `kv_tiles.KvRows`): the cache refs are pools [N, (H,) P, ·],
+    read and written through the page table; a free slot (position -1) reads and writes none.
     """
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
     w_kva, kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("w_kva", "kv_norm", "w_kvb", "w_o"))
@@ -151,6 +155,7 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
     p = plan
     h_count, nope, v_dim = p.n_heads, p.qk_nope, p.v_dim
+    kv_rows = refs.kv_rows or CONTIGUOUS
 
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
@@ -185,15 +190,16 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
                 v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
                          for h in range(h_count)]  # [1, v] each
                 heads = _attend_expanded(p, s, position, q_row, k_c, k_extra_b, v_new,
-                                         cache_a, cache_b, indices)
+                                         cache_a, cache_b, indices, kv_rows)
                 update_expanded(p, s, position, k_c, k_extra_b, v_new, cache_a, cache_b,
-                                cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
+                                cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices,
+                                kv_rows)
             else:
                 c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
                 heads = _attend_latent(p, s, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
-                                       cache_a, cache_b, indices)
+                                       cache_a, cache_b, indices, kv_rows)
                 update_latent(p, s, position, c_hat_b, k_extra_b, cache_a, cache_b,
-                              cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices)
+                              cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices, kv_rows)
             y = list(y)  # per head [B, v]
             for h, o_h in enumerate(heads):  # o_h [1, v] f32
                 y_h = f32(bf16(o_h))
@@ -213,7 +219,8 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
 
 
-def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, indices):
+def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, indices,
+                     kv_rows=CONTIGUOUS):
     """Per head: scores over the cached expanded K, V tiles [H, T, ·] plus the new token."""
     nope, qk = p.qk_nope, p.qk_dim
     carry = []
@@ -221,10 +228,6 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
         score = (blocks.ordered_sum(q_row[h][:, :nope] * f32(k_c[h]), keepdims=True)
                  + blocks.ordered_sum(q_row[h][:, nope:qk] * f32(k_extra), keepdims=True))
         carry.append((score * p.scale, jnp.ones_like(score), f32(v_new[h])))
-
-    def windows(t):
-        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
-        return k_hbm.at[b, :, tokens, :], v_hbm.at[b, :, tokens, :]  # [H, T, k_padded], [H, T, v]
 
     def update(t, tiles, carry):
         k_tile, v_tile = tiles
@@ -239,7 +242,8 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
         k_name, v_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["expanded"])
         rings = (dma.Ring(k_buffers, sems.at[0], name=k_name),
                  dma.Ring(v_buffers, sems.at[1], name=v_name))
-        return tile_loop(p, b, position, rings, windows, update, carry, indices)
+        return tile_loop(p, b, position, rings, (k_hbm, v_hbm), update, carry, indices,
+                         kv_rows=kv_rows)  # tiles [H, T, k_padded], [H, T, v]
 
     final = pl.run_scoped(scoped, pltpu.VMEM((2, p.n_heads, p.kv_tile, p.k_padded), jnp.bfloat16),
                           pltpu.VMEM((2, p.n_heads, p.kv_tile, p.v_dim), jnp.bfloat16),
@@ -247,7 +251,8 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
     return [acc / norm for _, norm, acc in final]
 
 
-def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices):
+def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices,
+                   kv_rows=CONTIGUOUS):
     """All heads at once over latent tiles ĉ [T, kv_rank], k^X [T, extra], W_kvb absorbed."""
     nope, qk, width = p.qk_nope, p.qk_dim, p.qk_nope + p.v_dim
 
@@ -263,7 +268,8 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
         score = (blocks.ordered_sum(q_lat * c_new, keepdims=True)
                  + blocks.ordered_sum(q_x * f32(k_extra), keepdims=True)) * p.scale  # [H, 1]
         carry = (score, jnp.ones_like(score), jnp.broadcast_to(c_new, q_lat.shape))
-        _, norm, acc = latent_partial(p, b, position, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices)
+        _, norm, acc = latent_partial(p, b, position, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices,
+                                      kv_rows)
         context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
         return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
                         preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
@@ -273,17 +279,15 @@ def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, k
                          pltpu.VMEM((p.n_heads, p.qk_extra), jnp.float32))
 
 
-def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices):
+def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices,
+                   kv_rows=CONTIGUOUS):
     """The online-softmax state of all heads over latent cache tokens 0..count-1 of row b.
 
     q_lat [H, kv_rank], q_x [H, extra]: the absorbed queries (bf16-exact f32); ckv_hbm
     [B, S, kv_rank], kx_hbm [B, S, extra] in HBM; carry (m [H, 1], norm [H, 1], acc [H, kv_rank])
-    to continue from. Reads those tokens' rows (`kv_cache.rows_read`) tile by tile, double-buffered.
+    to continue from. Reads those tokens' rows (`kv_cache.rows_read`) tile by tile, double-buffered
+    (paged: pools [N, P, ·] through the page table, `kv_rows`).
     """
-
-    def windows(t):
-        tokens = pl.ds(pl.multiple_of(t * p.kv_tile, p.kv_tile), p.kv_tile)
-        return ckv_hbm.at[b, tokens, :], kx_hbm.at[b, tokens, :]  # [T, kv_rank], [T, extra]
 
     def update(t, tiles, carry):
         c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
@@ -298,7 +302,8 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
         c_name, x_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["latent"])
         rings = (dma.Ring(c_buffers, sems.at[0], name=c_name),
                  dma.Ring(x_buffers, sems.at[1], name=x_name))
-        return tile_loop(p, b, count, rings, windows, update, carry, indices)
+        return tile_loop(p, b, count, rings, (ckv_hbm, kx_hbm), update, carry, indices,
+                         kv_rows=kv_rows)  # tiles [T, kv_rank], [T, extra]
 
     return pl.run_scoped(scoped, pltpu.VMEM((2, p.kv_tile, p.kv_rank), jnp.bfloat16),
                          pltpu.VMEM((2, p.kv_tile, p.qk_extra), jnp.bfloat16),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
+from mkresearch.kernels.base import blocks, costs, dma, kv_tiles, kv_update, planned
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import tile_loop_dmas
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
@@ -75,6 +75,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
     """
     p = plan
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
+    kv_rows = refs.kv_rows or kv_tiles.CONTIGUOUS  # a paged cache: pools, through the table
     w_kva, kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES[3:])
     ckv_in, kpe_in = refs.state_in["ckv"], refs.state_in["kpe"]
     ckv_out, kpe_out = refs.state_out["ckv"], refs.state_out["kpe"]
@@ -106,10 +107,10 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
             k_rope = bf16(rope.rotate(blocks.select_row(k_rope_raw, b), cos, sin))  # [1, rope]
             c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
             outs = mla._attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
-                                      ckv_in, kpe_in, indices)  # per head [1, v] f32
+                                      ckv_in, kpe_in, indices, kv_rows)  # per head [1, v] f32
             # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
             kv_update.update_latent(p, s, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
-                                    kpe_out, mla.CACHE_NAMES["latent"], indices)
+                                    kpe_out, mla.CACHE_NAMES["latent"], indices, kv_rows)
             return tuple(blocks.put_row(y_h, b, f32(bf16(o_h))) for y_h, o_h in zip(y, outs))
 
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * heads)

@@ -6,7 +6,7 @@
         [--backend megakernel|reference] [--chip tpu7x] [--ranks 1] [--json]
         [--speculate K [--drafter forced:A|ngram|mtp]]   # speculative decoding (cli_speculative)
     mkresearch bench [--model kimi-k3-mini] [--batches 1 2 4 8] [--steps 3] [--chip tpu7x] \
-        [--ranks 1] [--out figures]
+        [--ranks 1] [--out figures] [--workload FILE|synthetic [--slots B] [--pages N]]
     mkresearch compile kimi-k3-rank [--batch 1] [--chip tpu7x] [--record] \
         [--ranks 8 [--topology v5e:2x4] [--seq-len S]]   # a sharded step (cli_compile_check)
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--layout L] [--format F] [--context C] \
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch.cli import bench, figures
+from mkresearch.cli import bench, figures, workload
 from mkresearch.cli import checkpoint as cli_checkpoint
 from mkresearch.cli import compile_check as cli_compile_check
 from mkresearch.cli import plan_ranks as cli_plan_ranks
@@ -55,8 +55,7 @@ BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.c
 PLANNED_BACKENDS = ("stages",)
 # Commands that live in a module of their own (`add_parser(subparsers)`, `run(args) -> status`).
 COMMANDS = {"predict": cli_predict, "compile": cli_compile_check}
-# Beyond this many weight bytes a decode would not fit in a laptop's memory.
-MAX_DECODE_WEIGHT_BYTES = 2 * 10**9
+MAX_DECODE_WEIGHT_BYTES = 2 * 10**9  # beyond this many weight bytes: not in a laptop's memory
 
 
 from mkresearch.cli.common import (
@@ -295,6 +294,7 @@ def _parser() -> _Parser:
     p.add_argument("--out", default="figures",
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
     cli_speculative.add_bench_arguments(p)
+    workload.add_bench_arguments(p)
 
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "
@@ -399,6 +399,8 @@ def _run(argv: Sequence[str] | None) -> int:
             _print_decode(result)
         return 0 if result["parity"]["passed"] else 1
 
+    if args.command == "bench" and args.workload is not None:  # a trace served: cli.workload
+        return workload.run(args)
     if args.command == "bench":
         from pathlib import Path
 

@@ -2,5 +2,5 @@
 HLO kernel counts, and compile results recorded for the notebooks (`recorded`, data in
 `recorded/`).
 
-Imports: every package below it (up to mkresearch.prediction).
+Imports: every package below it (up to mkresearch.serve).
 """

@@ -1,0 +1,105 @@
+"""`mkresearch bench --workload FILE|synthetic`: an arrival trace served with paged KV caches and
+continuous batching (`mkresearch.serve`), one line per decode step (occupied slots, pages held,
+who joined and left, seconds here, the predicted TPU step of the full model at that occupancy),
+then the totals. The data is `serve.workload.run_workload`'s; this module only prints it. Bad
+input (a trace that cannot be read, a field out of range, a pool too small) is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mkresearch.cli.common import (
+    UsageError,
+    _at_least,
+    _chip,
+    _megakernel_batch,
+    _model,
+    _refusals,
+)
+from mkresearch.model import paged_kv, weights
+from mkresearch.serve import loop, trace, workload
+
+DEFAULT_SLOTS = 4
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_PAGES = 24  # fewer than 4 slots x a whole table (4 x 8 at 128 tokens): rows may wait
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (--workload)")
+    group.add_argument("--workload", default=None, metavar="FILE|synthetic",
+                       help="serve an arrival trace (JSON or CSV: prompt_len, output_len, "
+                            "arrival per request; `synthetic`: drawn from --trace-seed) with "
+                            "paged KV and continuous batching, instead of the batch sweep")
+    group.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
+                       help=f"rows of every step (default {DEFAULT_SLOTS})")
+    group.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                       help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
+    group.add_argument("--pages", type=int, default=DEFAULT_PAGES,
+                       help=f"pages in the pool (default {DEFAULT_PAGES})")
+    group.add_argument("--step", default="reference", choices=tuple(loop.STEPS),
+                       help="the paged decode step (default reference)")
+    group.add_argument("--trace-seed", type=int, default=0,
+                       help="seed of the synthetic trace and of every prompt's tokens")
+    group.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, serve the trace, print the table (or the JSON)."""
+    if args.ranks != 1 or args.speculate is not None:
+        raise UsageError("--workload serves on one device without speculation: drop --ranks and "
+                         "--speculate")
+    cfg = _model(args.model)
+    _chip(args.chip)
+    _megakernel_batch("--slots", args.slots)
+    _at_least("--pages", args.pages, 1)
+    _at_least("--trace-seed", args.trace_seed, 0)
+    with _refusals():
+        requests = trace.load_trace(args.workload, args.trace_seed)
+        pages = paged_kv.PagedKVConfig(args.page_size, args.pages,
+                                       -(-cfg.max_seq_len // args.page_size)).check(cfg)
+        loop.check_requests(requests, pages)
+    params = weights.init_params(cfg, 0)
+    progress = not args.json and sys.stderr.isatty()
+    with _refusals():
+        result = workload.run_workload(params, requests, cfg, pages, batch=args.slots,
+                                       step=args.step, chip=args.chip,
+                                       trace_seed=args.trace_seed, progress=progress)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    """The step table and the totals of a run_workload result."""
+    pages, summary = result["pages"], result["summary"]
+    title = (f"{result['model']}: {summary['requests']} requests over {result['batch']} slots, "
+             f"{pages['n_pages']} pages of {pages['page_size']} tokens, step {result['step']}")
+    header = (f"{'step':>5} {'slots':>6} {'pages held':>10} {'filled':>6}  {'joined':<10} "
+              f"{'left':<10} {'s here':>7} {'TPU ms':>7}")
+    lines = [title, header]
+    for s in result["steps"]:
+        predicted = "-" if s["predicted_step_s"] is None else f"{s['predicted_step_s'] * 1e3:.2f}"
+        lines.append(f"{s['step']:>5} {s['occupied']:>3}/{result['batch']:<2} "
+                     f"{s['pages_held']:>6}/{pages['n_pages']:<3} {s['pages_filled']:>6}  "
+                     f"{_ids(s['joined']):<10} {_ids(s['left']):<10} {s['seconds']:>7.3f} "
+                     f"{predicted:>7}")
+    lines.append(f"{summary['tokens']} tokens in {summary['seconds_here']:.2f} s here "
+                 f"({summary['prefill_seconds_here']:.2f} s of it prefill, compiles included): "
+                 f"{summary['tokens_per_s_here']:.1f} tokens/s, median step "
+                 f"{summary['median_step_s_here']:.3f} s ({summary['platform_label']})")
+    lines.append(f"occupancy: slots {summary['mean_slot_occupancy']:.0%}, pages "
+                 f"{summary['mean_page_occupancy']:.0%} (mean over {summary['decode_steps']} "
+                 f"steps); longest wait {summary['max_wait_steps']} steps")
+    if "predicted_seconds" in summary:
+        lines.append(f"predicted on {summary['chip']}: {summary['full_size']} at each step's "
+                     f"occupancy, {summary['predicted_seconds'] * 1e3:.2f} ms for the "
+                     f"{summary['decode_steps']} steps, {summary['predicted_tokens_per_s']:,.0f} "
+                     f"tokens/s ({summary['prediction_label']})")
+    return "\n".join(lines)
+
+
+def _ids(ids: list[int]) -> str:
+    return ",".join(str(i) for i in ids) or "-"
+

@@ -1,0 +1,266 @@
+"""Continuous batching: rows join a running batch between decode steps and leave it when done.
+
+    result = serve(params, requests, cfg, pages, batch=4)             # the reference paged step
+    result = serve(..., step="megakernel")                           # the paged megakernel
+
+Before each step, the waiting requests that have arrived join in arrival order, each when a slot
+is empty and the pool has the pages of its whole cache (`PageAllocator`; a request that does not
+fit waits, and so do the ones behind it). A joining request is prefilled alone
+(`mkresearch.model.prefill`, one jitted call per chunk of its prompt, into a contiguous cache of
+one page table's length), its cache is written into its pages (`paged_kv.scatter_cache`) and its
+KDA state into its slot (replacing the slot's last request's whole), and its first token is drawn
+from the prefill's last logits. Then one paged decode step runs every slot (an empty slot at
+position -1: it reads and writes no page), rows of any length together; each row draws its next
+token; a row leaves after `output_len` tokens or on `eos`, and its slot and pages are free for
+the next request before the next step.
+
+Batch invariance: a row's tokens are the same bits whether it decodes alone or joins a running
+batch at any step, in any slot, on any pages. The steps are batch-invariant (tests/
+test_batch_invariance.py), the prefill sees the row alone, and each row draws its tokens with
+`sampling.sample` on its own logits with its request's seed and its own positions: the counter
+of a row's draw is (request seed, 0, position), never the slot it happens to hold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from mkresearch.kernels.compose import megakernel_paged
+from mkresearch.model import paged_kv, prefill, reference, sampling, spec
+from mkresearch.model.config import ModelConfig
+from mkresearch.serve import trace
+from mkresearch.serve.pages import PageAllocator
+from mkresearch.serve.slots import EMPTY, SlotManager, install_row
+
+# Prompt tokens per jitted prefill call: 1 makes one compiled call serve every prompt length (a
+# longer chunk compiles once more for each new remainder of a prompt's length, ~10-30 s each here).
+PREFILL_CHUNK = 1
+POISON = 64.0  # what a finished row's pages are filled with (poison_freed): far off any entry
+
+
+@dataclass
+class StepRecord:
+    """One decode step: who held each slot, how long each row's cache was after the step, who
+    owned each page, who joined before it and who left after it, and its seconds here."""
+
+    step: int
+    slots: list[int]  # [B] request index per slot, -1 empty
+    lengths: list[int]  # [B] tokens cached per slot after the step (0 empty)
+    page_owner: list[int]  # [n_pages] request index per page, -1 free
+    joined: list[int]
+    left: list[int]
+    seconds: float
+
+    @property
+    def occupied(self) -> int:
+        return sum(request != EMPTY for request in self.slots)
+
+
+@dataclass
+class ServeResult:
+    """What `serve` did: each request's tokens and where and when it ran, and every step."""
+
+    batch: int
+    pages: paged_kv.PagedKVConfig
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # request -> generated tokens
+    slot_of: dict[int, int] = field(default_factory=dict)
+    pages_of: dict[int, list[int]] = field(default_factory=dict)
+    joined_at: dict[int, int] = field(default_factory=dict)  # the step before which it joined
+    left_at: dict[int, int] = field(default_factory=dict)  # the step after which it left
+    steps: list[StepRecord] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(record.seconds for record in self.steps)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(tokens) for tokens in self.tokens.values())
+
+
+def reference_step(params, state, tokens, positions, page_table, cfg, pages):
+    """The reference paged step (`paged_kv.paged_decode_step`) -> (logits [B, V] f32, state)."""
+    logits, state, _ = paged_kv.paged_decode_step(params, state, tokens, positions, page_table,
+                                                  cfg, pages)
+    return logits, state
+
+
+def megakernel_step(params, state, tokens, positions, page_table, cfg, pages):
+    """The paged megakernel (`megakernel_paged.paged_decode_step`, one pallas_call) -> (logits
+    [B, V] f32, state): its logits, so each row draws with its own seed as on the reference."""
+    _, state, aux = megakernel_paged.paged_decode_step(params, state, tokens, positions,
+                                                       page_table, cfg, pages, return_logits=True)
+    return aux["logits"], state
+
+
+STEPS: dict[str, Callable] = {"reference": reference_step, "megakernel": megakernel_step}
+
+
+def _step_function(step: str | Callable) -> Callable:
+    if callable(step):
+        return step
+    if step not in STEPS:
+        raise ValueError(f"step={step!r} is invalid: one of {', '.join(STEPS)} or a function "
+                         "(params, state, tokens, positions, page_table, cfg, pages) -> "
+                         "(logits, state)")
+    return STEPS[step]
+
+
+def draw(logits_row: Any, request: trace.Request, position: int) -> int:
+    """The token a request draws from its logits [V] for `position`: greedy, or sampled with its
+    own seed and position (one-row call: the counter's row is 0 wherever the request sits)."""
+    if request.temperature is None:
+        return int(np.argmax(np.asarray(logits_row)))  # the first index among ties, as sample
+    token = sampling.sample(logits_row[None], seed=request.seed,
+                            positions=np.asarray([position], np.int32),
+                            temperature=request.temperature)
+    return int(token[0])
+
+
+def prefill_row(params: dict, request: trace.Request, cfg: ModelConfig,
+                pages: paged_kv.PagedKVConfig, trace_seed: int = 0,
+                chunk: int = PREFILL_CHUNK) -> tuple[jax.Array, dict]:
+    """A request's prompt prefilled alone into a contiguous state of one page table's length ->
+    (logits [V] after its last prompt token, the one-row state)."""
+    prompt = trace.prompt_tokens(request, cfg.vocab_size, trace_seed)
+    state = reference.init_state(cfg, 1, pages.max_context)
+    logits, state = prefill.prefill(params, state, prompt[None], cfg, chunk=chunk)
+    return logits[0, -1], state
+
+
+def write_row(state: dict, row_state: dict, slot: int, table_row: np.ndarray, length: int,
+              cfg: ModelConfig, pages: paged_kv.PagedKVConfig) -> dict:
+    """The paged state with a prefilled row's first `length` cached tokens written into its pages
+    (table_row [M]) and its per-row (recurrent) leaves installed in `slot`."""
+    scattered = paged_kv.scatter_cache(state, row_state, table_row[None], np.asarray([length]),
+                                       cfg, pages)
+    table = spec.state_table(cfg, 1, 1)
+    recurrent = {kind: {name: leaf for name, leaf in leaves.items()
+                        if table[kind][name].kind != spec.CACHE} for kind, leaves in state.items()}
+    row = {kind: {name: row_state[kind][name] for name in leaves}
+           for kind, leaves in recurrent.items()}
+    installed = install_row(recurrent, slot, row)
+    return {kind: {**scattered[kind], **installed[kind]} for kind in state}
+
+
+def poison_pages(state: dict, page_ids: list[int], cfg: ModelConfig) -> dict:
+    """The paged state with every cache leaf's pages `page_ids` set to POISON (a freed page's old
+    values made loud: a row that read a page it had not written would see them)."""
+    table = spec.state_table(cfg, 1, 1)
+    ids = np.asarray(page_ids, np.int64)
+    return {kind: {name: (leaf.at[:, ids].set(POISON) if table[kind][name].kind == spec.CACHE
+                          else leaf) for name, leaf in leaves.items()}
+            for kind, leaves in state.items()}
+
+
+def check_requests(requests: Any, pages: paged_kv.PagedKVConfig) -> list[trace.Request]:
+    """The requests, checked: a non-empty list of trace.Request with distinct indices, each one's
+    cache within a page table and within the pool."""
+    if not isinstance(requests, (list, tuple)) or not requests or not all(
+            isinstance(r, trace.Request) for r in requests):
+        raise ValueError("requests is invalid: a non-empty list of serve.trace.Request")
+    if len({r.index for r in requests}) != len(requests):
+        raise ValueError("requests is invalid: every Request.index distinct")
+    trace.check_fits(list(requests), min(pages.max_context, pages.n_pages * pages.page_size))
+    return list(requests)
+
+
+def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
+          pages: paged_kv.PagedKVConfig, *, batch: int, step: str | Callable = "reference",
+          eos: int | None = None, trace_seed: int = 0, chunk: int = PREFILL_CHUNK,
+          poison_freed: bool = False, progress: bool = False) -> ServeResult:
+    """Serve `requests` with B = `batch` slots over the pool `pages` (see the module docstring);
+    step "reference" (`paged_kv.paged_decode_step`) or "megakernel" (the paged megakernel), or a
+    function of the same contract. Returns every request's tokens and a StepRecord per step."""
+    if not isinstance(pages, paged_kv.PagedKVConfig):
+        raise ValueError(f"pages={pages!r} is invalid: a paged_kv.PagedKVConfig")  # noqa: TRY004
+    pages.check(cfg)
+    requests = check_requests(requests, pages)
+    run_step = _step_function(step)
+    slots = SlotManager(batch)
+    allocator = PageAllocator(pages.n_pages, pages.page_size)
+    state = paged_kv.init_paged_state(cfg, pages, slots.batch)
+    table = np.full((slots.batch, pages.max_pages_per_row), -1, np.int32)  # [B, M]
+    positions = np.full(slots.batch, -1, np.int32)  # [B] the slot of each row's next entry
+    tokens = np.zeros(slots.batch, np.int32)  # [B] each row's last token, fed next
+    by_index = {r.index: r for r in requests}
+    waiting = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
+    result = ServeResult(batch=slots.batch, pages=pages)
+    bar = tqdm(total=sum(r.output_len for r in requests), desc=f"{cfg.name} serve",
+               unit="token", disable=not progress, leave=False)
+    now = 0
+
+    def leave(request: int, slot: int | None) -> None:
+        nonlocal state
+        freed = allocator.free(request)
+        if poison_freed and freed:
+            state = poison_pages(state, freed, cfg)
+        result.left_at[request] = now
+        if slot is not None:
+            slots.release(slot)
+            table[slot], positions[slot], tokens[slot] = -1, -1, 0
+
+    while waiting or slots.occupied:
+        joined = []
+        while waiting and waiting[0].arrival <= now and slots.free_slot() is not None:
+            request = waiting[0]
+            got = allocator.allocate(request.index, request.length)
+            if got is None:  # the pool is full: it waits, and the ones behind it
+                break
+            waiting.popleft()
+            slot = slots.free_slot()
+            started = time.perf_counter()
+            last_logits, row_state = prefill_row(params, request, cfg, pages, trace_seed, chunk)
+            table[slot, :len(got)] = got
+            state = write_row(state, row_state, slot, table[slot].copy(), request.prompt_len,
+                              cfg, pages)
+            first = draw(last_logits, request, request.prompt_len)
+            jax.block_until_ready(state)
+            result.prefill_seconds += time.perf_counter() - started
+            result.tokens[request.index] = [first]
+            result.slot_of[request.index], result.pages_of[request.index] = slot, got
+            result.joined_at[request.index] = now
+            joined.append(request.index)
+            bar.update()
+            if request.output_len == 1 or first == eos:  # done at its prefill: no step
+                table[slot] = -1
+                leave(request.index, None)
+                continue
+            slots.take(slot, request.index)
+            positions[slot], tokens[slot] = request.prompt_len, first
+        if not slots.occupied:  # idle: the clock jumps to the next arrival
+            if waiting:
+                now = max(now + 1, waiting[0].arrival)
+            continue
+        started = time.perf_counter()
+        # copies: the arrays below change after the step, and a step may read its inputs late
+        logits, state = run_step(params, state, tokens.copy(), positions.copy(), table.copy(),
+                                 cfg, pages)
+        logits = np.asarray(logits)  # [B, V]
+        seconds = time.perf_counter() - started
+        held, owner = [int(r) for r in slots.requests], [int(o) for o in allocator.owner]
+        left, lengths = [], [int(n) for n in np.maximum(positions + 1, 0)]
+        for slot in slots.active():
+            request = by_index[int(slots.requests[slot])]
+            token = draw(logits[slot], request, int(positions[slot]) + 1)
+            result.tokens[request.index].append(token)
+            bar.update()
+            positions[slot] += 1
+            tokens[slot] = token
+            if len(result.tokens[request.index]) == request.output_len or token == eos:
+                left.append(request.index)
+                leave(request.index, slot)
+        result.steps.append(StepRecord(step=now, slots=held, lengths=lengths, page_owner=owner,
+                                       joined=joined, left=left, seconds=seconds))
+        now += 1
+    bar.close()
+    return result
