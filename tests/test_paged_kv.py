@@ -136,7 +136,7 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
     cfg, pages = minis(name, layout), pool_for(page_size)
     lengths = np.array([70, 3, 0], np.int32)
     table = random_table(pages, lengths, seed=3)
-    pool = jax.tree.map(lambda s: jnp.full(s.shape, 7, s.dtype),
+    pool = jax.tree.map(lambda s: jnp.asarray(np.full(s.shape, 7, s.dtype)),
                         paged_kv.paged_state_shapes(cfg, pages, BATCH))
     state = random_state(cfg, BATCH, lengths, seed=4)
     paged = _scatter(pool, state, table, lengths, cfg, pages)
@@ -150,6 +150,20 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
         for page in set(range(pages.n_pages)) - used:
             assert (leaf[:, page] == 7).all(), (leaf_name, page)
         assert (leaf[:, table[0, need - 1], ..., tail:, :] == 7).all(), leaf_name
+    if layout != "latent":  # the slot helpers once, on the model with recurrent leaves too
+        return
+    # a row prefilled alone, put into slot 2 and fresh pages: it reads back through its table row
+    row_state = random_state(cfg, 1, [40], seed=5)
+    free_pages = sorted(set(range(pages.n_pages)) - used)
+    page_row = np.full(pages.max_pages_per_row, -1, np.int32)
+    page_row[:paged_kv.pages_needed(40, page_size)] = free_pages[:paged_kv.pages_needed(
+        40, page_size)]
+    joined = paged_kv.insert_row(paged, row_state, 2, page_row, 40, cfg, pages)
+    table2 = table.copy()
+    table2[2] = page_row
+    both = jax.tree.map(lambda a, r: np.concatenate([np.asarray(a)[:, :2], np.asarray(r)], 1),
+                        state, row_state)
+    assert_caches_equal(joined, both, table2, np.array([70, 3, 40], np.int32), cfg, pages)
     # a joining row's slot: its recurrent leaves zeroed, every other leaf and row kept
     cleared = paged_kv.clear_slots(paged, cfg, [1])
     for kind, leaves in cleared.items():
