@@ -31,7 +31,7 @@ from mkresearch.kernels.compose import megakernel, megakernel_paged, megakernel_
 
 from mkresearch.decoding import speculative
 from mkresearch.model import config, paged_kv, reference, spec, weights
-from mkresearch.model.kv_cache import rows_read
+from mkresearch.model.kv_cache import KV_ROW_GROUP, rows_read
 
 BATCH = 3
 MAX_PAGES_TOKENS = 128  # the contiguous cache's length: max_pages_per_row · page_size
@@ -215,8 +215,8 @@ def check_run(run, cfg, pages):
 
 def check_kv_bytes(log, positions, cfg, pages):
     """The KV tile reads: the contiguous kernel's bytes (the 16-row groups of tokens before each
-    row's position), within the pages each row uses; none longer than a page; a free slot
-    reads nothing and writes nothing."""
+    row's position), within the pages each row uses; none longer than a page (pages of 16: one
+    DMA per page used and array); a free slot reads nothing and writes nothing."""
     shapes = paged_kv.paged_state_shapes(cfg, pages, BATCH)
     kind = next(k for k in cfg.attention_kinds if k in ("mla", "gqa", "mla_rope"))
     layers = shapes[kind][next(iter(shapes[kind]))].shape[0]
@@ -229,6 +229,8 @@ def check_kv_bytes(log, positions, cfg, pages):
     assert read == layers * sum(rows_read(int(p)) for p in live) * token_bytes
     pages_used = sum(paged_kv.pages_needed(int(p), pages.page_size) for p in live)
     assert read <= layers * pages_used * pages.page_size * token_bytes
+    if pages.page_size == KV_ROW_GROUP:  # a page is one 16-row group: one DMA per page used
+        assert len(reads) == layers * len(shapes[kind]) * pages_used
     largest_leaf_page = max(int(np.prod(leaf.shape[2:])) * leaf.dtype.itemsize
                             for leaf in shapes[kind].values())
     assert max(e.nbytes for e in reads) <= largest_leaf_page
