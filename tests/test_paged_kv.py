@@ -31,7 +31,7 @@ from mkresearch.kernels.compose import megakernel, megakernel_paged, megakernel_
 
 from mkresearch.decoding import speculative
 from mkresearch.model import config, paged_kv, reference, spec, weights
-from mkresearch.model.kv_cache import rows_read
+from mkresearch.model.kv_cache import KV_ROW_GROUP, rows_read
 
 BATCH = 3
 MAX_PAGES_TOKENS = 128  # the contiguous cache's length: max_pages_per_row · page_size
@@ -136,7 +136,7 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
     cfg, pages = minis(name, layout), pool_for(page_size)
     lengths = np.array([70, 3, 0], np.int32)
     table = random_table(pages, lengths, seed=3)
-    pool = jax.tree.map(lambda s: jnp.full(s.shape, 7, s.dtype),
+    pool = jax.tree.map(lambda s: jnp.asarray(np.full(s.shape, 7, s.dtype)),
                         paged_kv.paged_state_shapes(cfg, pages, BATCH))
     state = random_state(cfg, BATCH, lengths, seed=4)
     paged = _scatter(pool, state, table, lengths, cfg, pages)
@@ -150,6 +150,20 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
         for page in set(range(pages.n_pages)) - used:
             assert (leaf[:, page] == 7).all(), (leaf_name, page)
         assert (leaf[:, table[0, need - 1], ..., tail:, :] == 7).all(), leaf_name
+    if layout != "latent":  # the slot helpers once, on the model with recurrent leaves too
+        return
+    # a row prefilled alone, put into slot 2 and fresh pages: it reads back through its table row
+    row_state = random_state(cfg, 1, [40], seed=5)
+    free_pages = sorted(set(range(pages.n_pages)) - used)
+    page_row = np.full(pages.max_pages_per_row, -1, np.int32)
+    page_row[:paged_kv.pages_needed(40, page_size)] = free_pages[:paged_kv.pages_needed(
+        40, page_size)]
+    joined = paged_kv.insert_row(paged, row_state, 2, page_row, 40, cfg, pages)
+    table2 = table.copy()
+    table2[2] = page_row
+    both = jax.tree.map(lambda a, r: np.concatenate([np.asarray(a)[:, :2], np.asarray(r)], 1),
+                        state, row_state)
+    assert_caches_equal(joined, both, table2, np.array([70, 3, 40], np.int32), cfg, pages)
     # a joining row's slot: its recurrent leaves zeroed, every other leaf and row kept
     cleared = paged_kv.clear_slots(paged, cfg, [1])
     for kind, leaves in cleared.items():
@@ -201,8 +215,8 @@ def check_run(run, cfg, pages):
 
 def check_kv_bytes(log, positions, cfg, pages):
     """The KV tile reads: the contiguous kernel's bytes (the 16-row groups of tokens before each
-    row's position), within the pages each row uses; none longer than a page; a free slot
-    reads nothing and writes nothing."""
+    row's position), within the pages each row uses; none longer than a page (pages of 16: one
+    DMA per page used and array); a free slot reads nothing and writes nothing."""
     shapes = paged_kv.paged_state_shapes(cfg, pages, BATCH)
     kind = next(k for k in cfg.attention_kinds if k in ("mla", "gqa", "mla_rope"))
     layers = shapes[kind][next(iter(shapes[kind]))].shape[0]
@@ -215,6 +229,8 @@ def check_kv_bytes(log, positions, cfg, pages):
     assert read == layers * sum(rows_read(int(p)) for p in live) * token_bytes
     pages_used = sum(paged_kv.pages_needed(int(p), pages.page_size) for p in live)
     assert read <= layers * pages_used * pages.page_size * token_bytes
+    if pages.page_size == KV_ROW_GROUP:  # a page is one 16-row group: one DMA per page used
+        assert len(reads) == layers * len(shapes[kind]) * pages_used
     largest_leaf_page = max(int(np.prod(leaf.shape[2:])) * leaf.dtype.itemsize
                             for leaf in shapes[kind].values())
     assert max(e.nbytes for e in reads) <= largest_leaf_page

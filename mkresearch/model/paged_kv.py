@@ -5,7 +5,8 @@ attention) so that rows of any length share one pool and a finished row's pages 
 This module is the contract and the reference of that layout (plain JAX, no kernel):
 
     pages = PagedKVConfig(page_size=P, n_pages=N, max_pages_per_row=M)  # frozen, validated
-    pages.check(cfg)                          # P and cfg.kv_tile: one a multiple of the other
+    pages.check(cfg)                          # P and cfg.kv_tile: one a multiple of the
+                                              # other, M·P whole KV tiles
 
 The paged state has the contiguous state's structure (`reference.init_state`), with every CACHE
 leaf (MLA expanded k/v, MLA latent ckv/kx, MLA-RoPE ckv/kpe, GQA k/v) a pool and every recurrent
@@ -40,6 +41,10 @@ Functions (cfg a ModelConfig, pages a PagedKVConfig):
         recurrent leaves taken from `contiguous`
     paged_from_contiguous(contiguous, page_table, lengths, cfg, pages) -> paged state
         a fresh zero pool with the rows' tokens scattered in (recurrent leaves copied)
+    insert_row(state, row_state, slot, page_row, length, cfg, pages) -> paged state
+        a joining row prefilled on its own (a one-row contiguous state, e.g. from
+        `mkresearch.model.prefill.prefill`): its tokens 0..length-1 into the pages page_row
+        [M] (its table row), its recurrent leaves into row slot `slot`; nothing else changes
     paged_decode_step(params, state, tokens, positions, page_table, cfg, pages)
         the reference decode step on a paged state: gather, `reference`'s step, scatter. Equal
         to `reference.decode_step` on the contiguous cache to the bit (the online softmax masks
@@ -166,11 +171,17 @@ def _cache_leaves(cfg: ModelConfig) -> dict[str, dict[str, int]]:
 
 def clear_slots(state: dict[str, Any], cfg: ModelConfig, slots: Any) -> dict[str, Any]:
     """The paged state with the per-slot (recurrent) leaves of row slots `slots` zeroed."""
-    slots = np.asarray(slots, np.int64).reshape(-1)
+    return _clear_slots_jit(state, jnp.asarray(np.reshape(slots, -1), i32), cfg=cfg)
+
+
+def _clear_slots(state, slots, cfg):
     caches = _cache_leaves(cfg)
     return {kind: {name: (leaf if name in caches.get(kind, {}) else leaf.at[:, slots].set(0))
                    for name, leaf in leaves.items()}
             for kind, leaves in state.items()}
+
+
+_clear_slots_jit = jax.jit(_clear_slots, static_argnames="cfg")
 
 
 # ---- the page table -----------------------------------------------------------------------------
@@ -294,6 +305,33 @@ def paged_from_contiguous(contiguous: dict[str, Any], page_table: Any, lengths: 
     contiguous = jax.tree.map(jnp.copy, contiguous)  # its own buffers: a kernel step donates them
     return scatter_cache(init_paged_state(cfg, pages, batch), contiguous, page_table, lengths,
                          cfg, pages)
+
+
+def insert_row(state: dict[str, Any], row_state: dict[str, Any], slot: int, page_row: Any,
+               length: int, cfg: ModelConfig, pages: PagedKVConfig) -> dict[str, Any]:
+    """The paged state with a one-row contiguous state put in: its cache tokens 0..length-1 into
+    the pages of page_row [max_pages_per_row] (its entries checked against the pool; that no
+    live row holds them is the caller's page allocator's to ensure), its recurrent leaves into
+    row slot `slot`. The other rows' pages and slots are untouched."""
+    page_row = np.asarray(page_row, np.int32).reshape(1, -1)
+    validate_page_table(page_row, np.array([length]), pages)
+    reference.check_state(row_state, cfg, 1)
+    table, lengths = _tables(page_row, [length])
+    return _insert_row_jit(state, row_state, jnp.asarray(slot, i32), table, lengths, cfg=cfg,
+                           pages=pages)
+
+
+def _insert_row(state, row_state, slot, table, lengths, cfg, pages):
+    caches = _cache_leaves(cfg)
+    return {kind: {name: (_scatter_leaf(leaf, row_state[kind][name], table, lengths,
+                                        caches[kind][name], pages.page_size)
+                          if name in caches.get(kind, {})
+                          else leaf.at[:, slot].set(row_state[kind][name][:, 0]))
+                   for name, leaf in leaves.items()}
+            for kind, leaves in state.items()}
+
+
+_insert_row_jit = jax.jit(_insert_row, static_argnames=("cfg", "pages"))
 
 
 # ---- the reference paged decode step ----------------------------------------------------------
