@@ -75,6 +75,9 @@ class Rule:
     gather: str | None
     k: int
     reduce: str | None = None  # partial-sum: rows split by this group, the products all-reduced
+    # partial-sum: the output's column chunks travel in the messages of this later reduction of
+    # the stage (a matrix whose whole output is needed only at the stage's end: W_lu), not alone
+    rides: str | None = None
 
 
 @dataclass(frozen=True)
@@ -307,25 +310,61 @@ class Collectives:
     def gather(self, piece: Any, group: str, full: int, *, name: str) -> Any:
         """The vector [B, full] split by `group` into pieces [B, w] (this rank's is `piece`): the
         pieces of the slices 0, 1, .. in order (one rank of each, `Split.stride`), cut to full."""
-        split = self.layout.split(group)
         if group == spec.EXPERT_TP:  # within this rank's expert group
-            pieces = self.all_gather(piece, name=name, channel="etp")
-        else:
-            everyone = self.all_gather(piece, name=name)
-            pieces = [everyone[i * split.stride] for i in range(split.ways)]
+            return jnp.concatenate(self.all_gather(piece, name=name, channel="etp"),
+                                   axis=1)[:, :full]
+        return self._assemble(self.all_gather(piece, name=name), group, full)
+
+    def _assemble(self, everyone: list, group: str, full: int) -> Any:
+        """Every rank's piece of a vector split by `group` -> [B, full]: the pieces of the slices
+        0, 1, .. in order (one rank of each, `Split.stride`)."""
+        split = self.layout.split(group)
+        pieces = [everyone[i * split.stride] for i in range(split.ways)]
         return jnp.concatenate(pieces, axis=1)[:, :full]
 
-    def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str) -> Any:
+    def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str,
+               riders: tuple = ()) -> tuple[Any, list]:
         """Σ of the partial sums [B, N] f32 of the ranks `summed`, added in that order on every
         rank (the same bits everywhere): one-shot, every rank's partial to every peer. A bf16
-        wire rounds each partial once before the sum."""
+        wire rounds each partial once before the sum. riders: (rule, column chunk [B, c]) of
+        matrices whose chunks ride in the same messages, after the partial (`Rule.rides`): one
+        collective instead of one per matrix -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
-        everyone = self.all_gather(partial, name=name)
-        total = everyone[summed[0]]
+        width = partial.shape[1]
+        message = jnp.concatenate([partial, *(chunk.astype(jnp.float32) for _, chunk in riders)],
+                                  axis=1)
+        everyone = self.all_gather(message, name=name)
+        total = everyone[summed[0]][:, :width]
         for r in summed[1:]:
-            total = total + everyone[r]
-        return total
+            total = total + everyone[r][:, :width]
+        wholes, start = [], width
+        for rule, chunk in riders:
+            stop = start + chunk.shape[1]
+            wholes.append(self._assemble([m[:, start:stop] for m in everyone], rule.out,
+                                         rule.n).astype(chunk.dtype))
+            start = stop
+        return total, wholes
+
+    def settle(self, outputs: dict) -> dict:
+        """A stage's outputs {matrix name: value} with the collectives its stream left to the
+        stage's end done (`ShardedStream.matmul`): each reduction of a matrix that others ride
+        with, run once with their column chunks in its messages -> {name: the whole value}
+        (the other values as they were)."""
+        out = dict(outputs)
+        for rule in self.plan.rules:
+            riders = [r for r in self.plan.rules if r.rides == rule.name]
+            if not riders or rule.name not in out:
+                continue
+            missing = [r.name for r in riders if r.name not in out]
+            if missing:
+                raise ValueError(f"the stage's outputs lack {missing}, whose column chunks ride "
+                                 f"with the reduction of {rule.name}")
+            out[rule.name], wholes = self.reduce(
+                out[rule.name], self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
+                riders=tuple((r, out[r.name]) for r in riders))
+            out.update({r.name: whole for r, whole in zip(riders, wholes, strict=True)})
+        return out
 
     # -- the routed experts (kernels/stages/experts.py) -----------------------------------------
     def expert_range(self, n_local: int) -> tuple[Any, int]:
@@ -352,7 +391,7 @@ class Collectives:
             with dma.phase(f"{name}/combine"):
                 acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
-                                   name=f"{name}/sum")[:, :latent]
+                                   name=f"{name}/sum")[0][:, :latent]
         ep, etp = self.layout.ep, self.layout.etp
         group = self.index(spec.EXPERTS)
         link = functools.partial(dma.RemoteCopy, self.sum_out, self.sum_in, self.sum_sems.at[0],
@@ -399,11 +438,15 @@ class ShardedStream:
             rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
             out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
             coll = self.collectives
-            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")
+            if any(r.rides == name for r in coll.plan.rules):
+                return out  # reduced at the stage's end with its riders (`Collectives.settle`)
+            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
         if rule.gather is not None:
             x = self.collectives.gather(x, rule.gather, rule.k, name=f"{name}/input")
         rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)  # this rank's [K, N]
         out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        if rule.out is not None and rule.rides is not None:  # gathered with a later reduction
+            return out  # this rank's column chunk (`Collectives.settle`)
         if rule.out is not None:
             out = self.collectives.gather(out, rule.out, rule.n, name=name)
         return out
