@@ -56,12 +56,14 @@ SUBLANES = 8  # f32 rows of a VMEM tile: a [B, c] f32 buffer takes whole tiles
 @dataclass(frozen=True)
 class Channel:
     """Ranks that reduce together: groups of `size` consecutive ranks; `chunk` lanes of the
-    widest member chunk, `width` lanes of the widest padded vector."""
+    widest member piece (an all-gather's), `scatter_chunk` lanes of a member's chunk of the widest
+    vector a reduce-scatter splits (`all_reduce`), `width` lanes of that vector, padded."""
 
     name: str
     size: int
     chunk: int
     width: int
+    scatter_chunk: int = LANE
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ class ShardPlan:
         b, out = self.batch, []
         for ch in self.channels:
             out += [(f"{ch.name}: send", pltpu.VMEM((b, ch.width), jnp.float32)),
-                    (f"{ch.name}: reduce-scatter in", pltpu.VMEM((2, ch.size, b, ch.chunk),
-                                                                 jnp.float32)),
+                    (f"{ch.name}: reduce-scatter in", pltpu.VMEM(
+                        (2, ch.size, b, ch.scatter_chunk), jnp.float32)),
                     (f"{ch.name}: chunk", pltpu.VMEM((b, ch.chunk), jnp.float32)),
                     (f"{ch.name}: all-gather in", pltpu.VMEM((2, ch.size, b, ch.chunk),
                                                              jnp.float32)),
@@ -148,11 +150,12 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
         widths = tuple(pieces.get(name, ()))
         if size == 1 or not widths:
             continue
-        chunk = max([-(-w // LANE) * LANE for w in widths]
-                    + [chunk_length(w, size) for w in (reduced if name == "all" else ())])
-        width = max([size * chunk_length(w, size) for w in reduced] + [(size - 1) * chunk]
-                    if name == "all" else [(size - 1) * chunk])
-        channels.append(Channel(name, size, chunk, width))
+        scattered = reduced if name == "all" else ()
+        scatter_chunk = max([chunk_length(w, size) for w in scattered] + [LANE])
+        chunk = max([-(-w // LANE) * LANE for w in widths] + [scatter_chunk])
+        # the send buffer stages only an all-reduced vector (one-shot pieces go from their own
+        # buffers, and a wait counts its bytes on the inbox, `_wait_all`)
+        channels.append(Channel(name, size, chunk, size * scatter_chunk, scatter_chunk))
     return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
                      expert_items=expert_items, expert_latent=expert_latent,
                      mode=lay.collectives, wire=wire)
@@ -238,8 +241,9 @@ class Collectives:
             inbox = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
                 parity, pl.ds(0, received), :, pl.ds(0, c)]  # [received, B, c]
             dma.RemoteCopy(inbox, inbox, *sems, **args).wait_recv()
-        if sent:
-            out = buffers.send.at[:, pl.ds(0, sent * c)]  # [B, sent·c]: as many bytes
+        if sent:  # as many bytes as sent: `sent` slots of the inbox [sent, B, c]
+            out = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
+                parity, pl.ds(0, sent), :, pl.ds(0, c)]
             dma.RemoteCopy(out, out, *sems, **args).wait_send()
 
     @staticmethod
