@@ -57,7 +57,7 @@ def test_full_kimi_k3_partial_sum_counts():
     ops = cs.collective_schedule(lay, 1)
     moe = [op.name for op in ops if op.stage == "moe" and op.layer == cfg.moe_layers[0]]
     assert moe == ["router/w_router", "latent/w_ld", "expert/sum", "shared/w_down/sum"]
-    assert [op.carries for op in ops if op.name == "shared/w_down/sum"][0] == ("latent/w_lu",)
+    assert next(op.carries for op in ops if op.name == "shared/w_down/sum") == ("latent/w_lu",)
     attention = [op.name for op in ops if op.layer == cfg.mla_layers[0] and op.stage == "mla"]
     assert attention == ["mla.w_qa", "mla.w_kva", "mla.w_o/sum"]
     expected = 2 + len(cfg.layers) + len(cfg.dense_layers) + 2 * len(cfg.mla_layers) \

@@ -21,10 +21,12 @@ issued after and what waits for it. Two modes:
                slice, slice 0 first), so all ranks hold the same bits. The routed experts'
                weighted sum is such a reduction over every rank in rank order (no chain, no
                gather of an expert's hidden). The column gathers of the small down-projections
-               (W_qa, W_kva, the router, W_ld) and of W_lu stay: the model needs those vectors
-               whole (a norm or top-k follows). Partial sums travel as `wire` (f32, or bf16:
-               each rank's partial rounded once before the sum). Per MoE layer three
-               reductions (attention, routed, shared) and three gathers, all waited for at once
+               (W_qa, W_kva, the router, W_ld) stay: the model needs those vectors whole (a norm
+               or top-k follows). W_lu's column chunks (RIDERS: needed only at the stage's end)
+               travel in the messages of the shared expert's W_down reduction (`carries`), no
+               collective of their own. Partial sums travel as `wire` (f32, or bf16: each
+               rank's partial rounded once before the sum). Per MoE layer three reductions
+               (attention, routed, shared) and two gathers, all waited for at once
                (`critical`); not yet: the shared expert's sum hidden behind the routed experts'
                stream, the router and W_ld chunks gathered together, ETP > 1 numerics (each
                expert's partial output is rounded to bf16 before the sum).

@@ -20,7 +20,9 @@ is computed whole on one rank, in the single-device kernel's order, and then mov
                  the last group's sum is all-gathered
   reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products [B, N] of
                  a matrix split by its rows, every rank's sent to every peer (one-shot) and
-                 added in one fixed order on every rank; the routed experts' sum is one too
+                 added in one fixed order on every rank; the routed experts' sum is one too;
+                 column chunks of a matrix needed only at the stage's end (`Rule.rides`: W_lu)
+                 travel in the same messages as the stage's last reduction (`settle`)
 
 Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
 collective: data of collective k + 2 can only arrive once its sender has finished collective
