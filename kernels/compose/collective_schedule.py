@@ -21,10 +21,12 @@ issued after and what waits for it. Two modes:
                slice, slice 0 first), so all ranks hold the same bits. The routed experts'
                weighted sum is such a reduction over every rank in rank order (no chain, no
                gather of an expert's hidden). The column gathers of the small down-projections
-               (W_qa, W_kva, the router, W_ld) and of W_lu stay: the model needs those vectors
-               whole (a norm or top-k follows). Partial sums travel as `wire` (f32, or bf16:
-               each rank's partial rounded once before the sum). Per MoE layer three
-               reductions (attention, routed, shared) and three gathers, all waited for at once
+               (W_qa, W_kva, the router, W_ld) stay: the model needs those vectors whole (a norm
+               or top-k follows). W_lu's column chunks (RIDERS: needed only at the stage's end)
+               travel in the messages of the shared expert's W_down reduction (`carries`), no
+               collective of their own. Partial sums travel as `wire` (f32, or bf16: each
+               rank's partial rounded once before the sum). Per MoE layer three reductions
+               (attention, routed, shared) and two gathers, all waited for at once
                (`critical`); not yet: the shared expert's sum hidden behind the routed experts'
                stream, the router and W_ld chunks gathered together, ETP > 1 numerics (each
                expert's partial output is rounded to bf16 before the sum).
@@ -48,12 +50,13 @@ from dataclasses import dataclass
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.compose import megakernel_plan
 from mkresearch.kernels.sharded import collectives
+from mkresearch.kernels.stages import experts
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
 from mkresearch.sharding import layout as layouts
 
-MODES = ("partial-sum", "exact")
+MODES = layouts.COLLECTIVES  # the layout's mode names, partial-sum first (the default)
 WIRES = ("f32", "bf16")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 KINDS = ("all-gather", "all-reduce", "chain")
@@ -62,6 +65,9 @@ SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharde
 # column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
 # heads, FFN hidden and expert columns stay this rank's
 GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+# matrices whose whole output is needed only at their stage's end (it joins the stage's sum):
+# in partial-sum mode their column chunks ride with the stage's next reduction (`Rule.rides`)
+RIDERS = (experts.LATENT_UP,)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class CollectiveOp:
     summed: tuple[int, ...] = ()  # all-reduce: the ranks whose partials are added, in order
     matrix: str = ""  # the streamed matrix it serves (DMA-log name), if any
     role: str = ""  # "input" (gathered before the matrix), "output" (after), "sum", ""
+    carries: tuple[str, ...] = ()  # matrices whose column chunks ride in its messages
 
     @property
     def op(self) -> str:
@@ -112,6 +119,7 @@ def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
     a matrix split by its rows (`layout.param_shard`) has its products reduced instead."""
     cfg, rules = lay.cfg, []
     for kind in cfg.kinds:
+        first = len(rules)
         params = spec.stage(kind).params(cfg)
         for m in registry.kernel_stage(kind).streamed(cfg):
             p = params[m.key]
@@ -125,10 +133,22 @@ def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
                       and lay.divides(p.gather, k) else None)
             if out is not None or gather is not None or reduce is not None:
                 rules.append(collectives.Rule(m.name, out, n, gather, k, reduce))
+        rules[first:] = _riding(rules[first:])
     return tuple(rules)
 
 
-def collective_schedule(lay: layouts.Layout, batch: int, mode: str = "partial-sum",
+def _riding(rules: list[collectives.Rule]) -> list[collectives.Rule]:
+    """One stage's rules with the column gathers of RIDERS sent with the stage's next
+    reduction (`Rule.rides`) when it has one after them: one collective less per stage."""
+    out = list(rules)
+    for i, rule in enumerate(out):
+        later = next((r for r in out[i + 1:] if r.reduce is not None), None)
+        if rule.name in RIDERS and rule.out is not None and later is not None:
+            out[i] = dataclasses.replace(rule, rides=later.name)
+    return out
+
+
+def collective_schedule(lay: layouts.Layout, batch: int, mode: str = layouts.DEFAULT_COLLECTIVES,
                         wire: str = "f32", *, rank: int = 0,
                         expert_counts: tuple[int, ...] | None = None
                         ) -> tuple[CollectiveOp, ...]:
@@ -190,9 +210,14 @@ def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...
                               issue_after=names[i - 1] if i else f"{kind} start",
                               wait_before=name, matrix=name, role="input"))
         if rule is not None and rule.reduce is not None:
-            out.append(ctx.sum(f"{name}/sum", b * rule.n, name, ctx.after(i),
-                               lay.slice_firsts(rule.reduce), matrix=name))
-        if rule is not None and rule.out is not None:
+            riders = [r for r in rules.values() if r.rides == name]
+            out.append(dataclasses.replace(
+                ctx.sum(f"{name}/sum", b * rule.n, name, ctx.after(i),
+                        lay.slice_firsts(rule.reduce), matrix=name),
+                payload_bytes=b * rule.n * WIRE_BYTES[wire] + sum(
+                    b * F32 * _lanes(lay.local_length(r.out, r.n)) for r in riders),
+                carries=tuple(r.name for r in riders)))
+        if rule is not None and rule.out is not None and rule.rides is None:
             out.append(ctx.op(name, "all-gather", ctx.everyone,
                               b * F32 * _lanes(lay.local_length(rule.out, rule.n)),
                               issue_after=name, wait_before=ctx.after(i), matrix=name,
@@ -241,7 +266,7 @@ def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
     Partial-sum: W2's rows split by ETP, every rank's Σ w_e y_e over its experts and hidden slice
     all-reduced in rank order."""
     lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
-    if lay.collectives != "exact":
+    if lay.collectives != layouts.EXACT:
         width = layouts.expert_output_width(cfg)
         return [ctx.sum("expert/sum", b * width, "routed experts", before, ctx.everyone)]
     out = []

@@ -153,8 +153,10 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
         if rule.out is not None:
             pieces["all"].append(lay.local_length(rule.out, rule.n))
-        if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank
-            pieces["all"].append(rule.n)
+        if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank, and
+            # the column chunks riding with it (`Rule.rides`)
+            pieces["all"].append(rule.n + sum(lay.local_length(r.out, r.n) for r in rules
+                                              if r.rides == rule.name))
     # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
     expert_latent = (lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
                      if lay.collectives == layouts.EXACT else layouts.expert_output_width(cfg))
@@ -294,7 +296,7 @@ def step_shapes(plan: ShardedPlan) -> tuple:
 
 def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layouts.OURS,
                          batch: int = 1, *, chip: str = "tpu7x", topology: str = FULL_TOPOLOGY,
-                         seq_len: int | None = None, collectives: str = "partial-sum"
+                         seq_len: int | None = None, collectives: str = layouts.DEFAULT_COLLECTIVES
                          ) -> tuple[Any, ShardedPlan]:
     """Compile the sharded step of `cfg` for n_ranks devices of a TPU `topology` from shapes only
     -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan); `collectives` as

@@ -20,7 +20,9 @@ is computed whole on one rank, in the single-device kernel's order, and then mov
                  the last group's sum is all-gathered
   reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products [B, N] of
                  a matrix split by its rows, every rank's sent to every peer (one-shot) and
-                 added in one fixed order on every rank; the routed experts' sum is one too
+                 added in one fixed order on every rank; the routed experts' sum is one too;
+                 column chunks of a matrix needed only at the stage's end (`Rule.rides`: W_lu)
+                 travel in the same messages as the stage's last reduction (`settle`)
 
 Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
 collective: data of collective k + 2 can only arrive once its sender has finished collective
@@ -56,12 +58,14 @@ SUBLANES = 8  # f32 rows of a VMEM tile: a [B, c] f32 buffer takes whole tiles
 @dataclass(frozen=True)
 class Channel:
     """Ranks that reduce together: groups of `size` consecutive ranks; `chunk` lanes of the
-    widest member chunk, `width` lanes of the widest padded vector."""
+    widest member piece (an all-gather's), `scatter_chunk` lanes of a member's chunk of the widest
+    vector a reduce-scatter splits (`all_reduce`), `width` lanes of that vector, padded."""
 
     name: str
     size: int
     chunk: int
     width: int
+    scatter_chunk: int = LANE
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class Rule:
     gather: str | None
     k: int
     reduce: str | None = None  # partial-sum: rows split by this group, the products all-reduced
+    # partial-sum: the output's column chunks travel in the messages of this later reduction of
+    # the stage (a matrix whose whole output is needed only at the stage's end: W_lu), not alone
+    rides: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,8 @@ class ShardPlan:
         b, out = self.batch, []
         for ch in self.channels:
             out += [(f"{ch.name}: send", pltpu.VMEM((b, ch.width), jnp.float32)),
-                    (f"{ch.name}: reduce-scatter in", pltpu.VMEM((2, ch.size, b, ch.chunk),
-                                                                 jnp.float32)),
+                    (f"{ch.name}: reduce-scatter in", pltpu.VMEM(
+                        (2, ch.size, b, ch.scatter_chunk), jnp.float32)),
                     (f"{ch.name}: chunk", pltpu.VMEM((b, ch.chunk), jnp.float32)),
                     (f"{ch.name}: all-gather in", pltpu.VMEM((2, ch.size, b, ch.chunk),
                                                              jnp.float32)),
@@ -145,11 +152,12 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
         widths = tuple(pieces.get(name, ()))
         if size == 1 or not widths:
             continue
-        chunk = max([-(-w // LANE) * LANE for w in widths]
-                    + [chunk_length(w, size) for w in (reduced if name == "all" else ())])
-        width = max([size * chunk_length(w, size) for w in reduced] + [(size - 1) * chunk]
-                    if name == "all" else [(size - 1) * chunk])
-        channels.append(Channel(name, size, chunk, width))
+        scattered = reduced if name == "all" else ()
+        scatter_chunk = max([chunk_length(w, size) for w in scattered] + [LANE])
+        chunk = max([-(-w // LANE) * LANE for w in widths] + [scatter_chunk])
+        # the send buffer stages only an all-reduced vector (one-shot pieces go from their own
+        # buffers, and a wait counts its bytes on the inbox, `_wait_all`)
+        channels.append(Channel(name, size, chunk, size * scatter_chunk, scatter_chunk))
     return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
                      expert_items=expert_items, expert_latent=expert_latent,
                      mode=lay.collectives, wire=wire)
@@ -235,8 +243,9 @@ class Collectives:
             inbox = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
                 parity, pl.ds(0, received), :, pl.ds(0, c)]  # [received, B, c]
             dma.RemoteCopy(inbox, inbox, *sems, **args).wait_recv()
-        if sent:
-            out = buffers.send.at[:, pl.ds(0, sent * c)]  # [B, sent·c]: as many bytes
+        if sent:  # as many bytes as sent: `sent` slots of the inbox [sent, B, c]
+            out = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
+                parity, pl.ds(0, sent), :, pl.ds(0, c)]
             dma.RemoteCopy(out, out, *sems, **args).wait_send()
 
     @staticmethod
@@ -307,25 +316,61 @@ class Collectives:
     def gather(self, piece: Any, group: str, full: int, *, name: str) -> Any:
         """The vector [B, full] split by `group` into pieces [B, w] (this rank's is `piece`): the
         pieces of the slices 0, 1, .. in order (one rank of each, `Split.stride`), cut to full."""
-        split = self.layout.split(group)
         if group == spec.EXPERT_TP:  # within this rank's expert group
-            pieces = self.all_gather(piece, name=name, channel="etp")
-        else:
-            everyone = self.all_gather(piece, name=name)
-            pieces = [everyone[i * split.stride] for i in range(split.ways)]
+            return jnp.concatenate(self.all_gather(piece, name=name, channel="etp"),
+                                   axis=1)[:, :full]
+        return self._assemble(self.all_gather(piece, name=name), group, full)
+
+    def _assemble(self, everyone: list, group: str, full: int) -> Any:
+        """Every rank's piece of a vector split by `group` -> [B, full]: the pieces of the slices
+        0, 1, .. in order (one rank of each, `Split.stride`)."""
+        split = self.layout.split(group)
+        pieces = [everyone[i * split.stride] for i in range(split.ways)]
         return jnp.concatenate(pieces, axis=1)[:, :full]
 
-    def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str) -> Any:
+    def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str,
+               riders: tuple = ()) -> tuple[Any, list]:
         """Σ of the partial sums [B, N] f32 of the ranks `summed`, added in that order on every
         rank (the same bits everywhere): one-shot, every rank's partial to every peer. A bf16
-        wire rounds each partial once before the sum."""
+        wire rounds each partial once before the sum. riders: (rule, column chunk [B, c]) of
+        matrices whose chunks ride in the same messages, after the partial (`Rule.rides`): one
+        collective instead of one per matrix -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
-        everyone = self.all_gather(partial, name=name)
-        total = everyone[summed[0]]
+        width = partial.shape[1]
+        message = jnp.concatenate([partial, *(chunk.astype(jnp.float32) for _, chunk in riders)],
+                                  axis=1)
+        everyone = self.all_gather(message, name=name)
+        total = everyone[summed[0]][:, :width]
         for r in summed[1:]:
-            total = total + everyone[r]
-        return total
+            total = total + everyone[r][:, :width]
+        wholes, start = [], width
+        for rule, chunk in riders:
+            stop = start + chunk.shape[1]
+            wholes.append(self._assemble([m[:, start:stop] for m in everyone], rule.out,
+                                         rule.n).astype(chunk.dtype))
+            start = stop
+        return total, wholes
+
+    def settle(self, outputs: dict) -> dict:
+        """A stage's outputs {matrix name: value} with the collectives its stream left to the
+        stage's end done (`ShardedStream.matmul`): each reduction of a matrix that others ride
+        with, run once with their column chunks in its messages -> {name: the whole value}
+        (the other values as they were)."""
+        out = dict(outputs)
+        for rule in self.plan.rules:
+            riders = [r for r in self.plan.rules if r.rides == rule.name]
+            if not riders or rule.name not in out:
+                continue
+            missing = [r.name for r in riders if r.name not in out]
+            if missing:
+                raise ValueError(f"the stage's outputs lack {missing}, whose column chunks ride "
+                                 f"with the reduction of {rule.name}")
+            out[rule.name], wholes = self.reduce(
+                out[rule.name], self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
+                riders=tuple((r, out[r.name]) for r in riders))
+            out.update({r.name: whole for r, whole in zip(riders, wholes, strict=True)})
+        return out
 
     # -- the routed experts (kernels/stages/experts.py) -----------------------------------------
     def expert_range(self, n_local: int) -> tuple[Any, int]:
@@ -352,7 +397,7 @@ class Collectives:
             with dma.phase(f"{name}/combine"):
                 acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
-                                   name=f"{name}/sum")[:, :latent]
+                                   name=f"{name}/sum")[0][:, :latent]
         ep, etp = self.layout.ep, self.layout.etp
         group = self.index(spec.EXPERTS)
         link = functools.partial(dma.RemoteCopy, self.sum_out, self.sum_in, self.sum_sems.at[0],
@@ -399,11 +444,15 @@ class ShardedStream:
             rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
             out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
             coll = self.collectives
-            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")
+            if any(r.rides == name for r in coll.plan.rules):
+                return out  # reduced at the stage's end with its riders (`Collectives.settle`)
+            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
         if rule.gather is not None:
             x = self.collectives.gather(x, rule.gather, rule.k, name=f"{name}/input")
         rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)  # this rank's [K, N]
         out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        if rule.out is not None and rule.rides is not None:  # gathered with a later reduction
+            return out  # this rank's column chunk (`Collectives.settle`)
         if rule.out is not None:
             out = self.collectives.gather(out, rule.out, rule.n, name=name)
         return out

@@ -247,8 +247,9 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
     """
     x = x_ref[...]  # [B, d] bf16
     total = jnp.zeros(out_ref.shape, jnp.float32)
+    routed_out = shared_out = None
     if routed is not None:
-        total += routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
+        routed_out = routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
                              routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
                              routed["experts"], stream=stream,
                              expert_format=options.expert_format,
@@ -257,8 +258,20 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              latent_padded=options.latent_padded, eps=options.eps,
                              kind=options.activation, shard=shard)
     if always_on is not None:
-        total += gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
-                           stream=stream, kind=options.activation, name=options.always_on_name)
+        shared_out = gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
+                               stream=stream, kind=options.activation,
+                               name=options.always_on_name)
+    if shard is not None:  # a rank: the collectives its stream left to the stage's end
+        # (W_lu's column chunks riding with the always-on MLP's reduction, `Collectives.settle`)
+        down = f"{options.always_on_name}/w_down"
+        settled = shard.settle({name: value for name, value in ((LATENT_UP, routed_out),
+                                                               (down, shared_out))
+                                if value is not None})
+        routed_out, shared_out = settled.get(LATENT_UP), settled.get(down)
+    if routed_out is not None:  # added in the single-device order
+        total += routed_out
+    if shared_out is not None:
+        total += shared_out
     out_ref[...] = total.astype(out_ref.dtype)
 
 

@@ -52,11 +52,11 @@ RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),
 # [4096, 128], whole on every rank; no shared expert), so the ring's lookahead (ring_depth - 1
 # blocks) may be 1 at most there: make_sharded_plan refuses its preset depth 3
 SHARDED_OVERRIDES = {"qwen3-235b-a22b": {"ring_depth": 2}}
-# The collectives a sharded record is compiled with: the kernel's default, partial sums, where its
-# VMEM plan fits; DeepSeek-V3's partial-sum plan needs 64.29 MiB of TPU7x's 60 MiB (the f32
-# reduce buffers of its 7,168-wide partial sums beside its MLA and expert slots), so its record
-# stays the exact schedule until those buffers shrink (bf16 on the wire, or fewer slots).
-SHARDED_COLLECTIVES = {"deepseek-v3": "exact"}
+# The collectives a sharded record is compiled with: the kernel's default, partial sums, unless a
+# model is listed here with another mode (one whose partial-sum VMEM plan would not fit). None is:
+# with the reduce-scatter inbox at the reduce-scatter's chunk, DeepSeek-V3's partial-sum plan
+# needs 44.13 MiB of TPU7x's 60 MiB (64.29 before)
+SHARDED_COLLECTIVES: dict[str, str] = {}
 
 
 def sharded_collectives(model: str) -> str:

@@ -47,7 +47,9 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
     rows = []
     for op, c in choice.choose_for(inter, ops):
         overlaps = (f"issued after {op.issue_after}, waited before {op.wait_before}"
-                    + ("" if op.critical else " (overlapped)"))
+                    + ("" if op.critical else " (overlapped)")
+                    + (f"; carries the column chunks of {', '.join(op.carries)}"
+                       if op.carries else ""))
         rows.append({"layer": op.layer, "stage": op.stage, "name": op.name, "kind": op.kind,
                      "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
                      "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,

@@ -27,8 +27,8 @@ from mkresearch.sharding import layout as layouts
 # "partial-sum" (its default: split contractions reduced in one fixed order) or "exact" (inputs
 # gathered, every product on the rank that owns its columns: bit-equal to one device). The
 # release's schedule has its own partial sums.
-COLLECTIVES = ("partial-sum", "exact")
-DEFAULT_COLLECTIVES = "partial-sum"
+COLLECTIVES = layouts.COLLECTIVES
+DEFAULT_COLLECTIVES = layouts.DEFAULT_COLLECTIVES
 DEFAULT_RANKS = layouts.RELEASE_RANKS
 STAND_IN_LABEL = ("one-device stand-in (one rank's shapes on one device, no collectives): "
                   "not the full-size step")
@@ -92,7 +92,7 @@ def full_size_step(cfg: ModelConfig | str, n_ranks: int = DEFAULT_RANKS,
     row = scale_out.predict(cfg, n_ranks, layout, batch, chip=chip, algorithm=algorithm,
                             schedule=schedule, context=context, collectives=collectives)
     return FullSizeStep(model=cfg.name, n_ranks=n_ranks, layout=layout,
-                        collectives=row["schedule"].get("collectives") or "partial-sum",
+                        collectives=row["schedule"].get("collectives") or DEFAULT_COLLECTIVES,
                         algorithm=row["algorithm"],
                         chip=chip, batch=batch, context=context, step_s=row["step_s"],
                         rank_bytes=row["rank_bytes"], published_step_s=row["published_step_s"],

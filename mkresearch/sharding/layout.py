@@ -79,7 +79,10 @@ from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layo
 OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
 EXACT, PARTIAL_SUM = "exact", "partial-sum"
-COLLECTIVES = (EXACT, PARTIAL_SUM)  # how matrices split: by output columns, or by contraction
+# how matrices split: by their contraction (partial sums, the sharded megakernel's default) or by
+# output columns; the one list of mode names (the kernel's schedule and the prediction read it)
+COLLECTIVES = (PARTIAL_SUM, EXACT)
+DEFAULT_COLLECTIVES = PARTIAL_SUM
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
