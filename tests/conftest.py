@@ -9,7 +9,15 @@ import os
 
 import pytest
 
-from mkresearch.hardware import tpu as _tpu
+# XLA compiles with LLVM's cheap passes only (jax's own switch for programs that run less than they
+# take to compile): interpret-mode kernels are large programs whose run time is the interpreter's
+# Python callbacks, so the compile is a third of a kernel test's time and the optimisations buy
+# nothing. No float changes: without fast-math LLVM keeps IEEE semantics at every level. Set before
+# jax is imported (it reads the variable then); children (the CLI, the 8-device run) inherit it.
+# The notebooks run as users run them, without it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+from mkresearch.hardware import tpu as _tpu  # after the environment above
 
 # Before jax is imported by any test module: CPU (TPU interpret mode) unless this machine has a TPU.
 _tpu.select_platform()

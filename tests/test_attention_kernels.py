@@ -82,7 +82,8 @@ def normalised_input(cfg, batch, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["expanded", "latent"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [  # B = 3 here; B = 1 and 8 (the megakernel checks 8): exhaustive
+    pytest.param(1, marks=pytest.mark.exhaustive), 3, pytest.param(8, marks=pytest.mark.exhaustive)])
 def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_params, layout,
                                                            batch):
     cfg = MINI.replace(mla_cache_layout=layout)
@@ -328,7 +329,8 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [  # B = 3 here; B = 1 and 8 (the megakernel checks 8): exhaustive
+    pytest.param(1, marks=pytest.mark.exhaustive), 3, pytest.param(8, marks=pytest.mark.exhaustive)])
 def test_kda_matches_reference(race_checked, mini_params, batch):
     cfg = MINI
     h, d = cfg.n_heads, cfg.kda_head_dim
@@ -442,6 +444,7 @@ def mla_inputs(mini_params):
     return p, normalised_input(MINI, 2, 0), random_cache(MINI, 2, 1), jnp.array([3, 9], jnp.int32)
 
 
+@pytest.mark.slow
 def test_mla_rejects_a_position_past_the_cache(mla_inputs):
     p, x, cache, _ = mla_inputs
     with pytest.raises(ValueError, match=r"positions=.*too short"):
@@ -490,6 +493,7 @@ def test_kda_rejects_bad_dtype_and_block_rows(mini_params):
      r"cache_shard\['kx'\]\.dtype"),
     (lambda q, qx, c, pos, start: (q, qx, c, pos, -32), r"shard_start"),
 ])
+@pytest.mark.slow
 def test_mla_latent_partial_rejects_bad_input(change, match):
     cfg = MINI.replace(mla_cache_layout="latent")
     q = jnp.zeros((2, cfg.n_heads, cfg.mla_kv_rank), jnp.bfloat16)

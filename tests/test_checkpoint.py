@@ -51,6 +51,7 @@ def _equal(a, b):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.slow
 def test_published_layout_round_trip(tmp_path, family_params, name):
     cfg, params = config.get_config(name), family_params[name]
     directory = _written(tmp_path, name, params, shards=3)
@@ -72,6 +73,7 @@ def test_published_layout_round_trip(tmp_path, family_params, name):
     assert _equal(loaded, _expected(params, cfg)), name
 
 
+@pytest.mark.slow
 def test_same_logits_and_fp8_block_scales(tmp_path, family_params):
     name = "deepseek-v3-mini"
     cfg, params = config.get_config(name), family_params[name]

@@ -70,7 +70,8 @@ def expert_bytes_of(cfg):
 
 @pytest.mark.slow
 # ---- outputs -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("batch", [1, 4, 8])
+@pytest.mark.parametrize("batch", [  # B = 4 here; B = 1 and 8 (the megakernel checks both): exhaustive
+    pytest.param(1, marks=pytest.mark.exhaustive), 4, pytest.param(8, marks=pytest.mark.exhaustive)])
 def test_routed_matches_reference_bf16(race_checked, layers, batch):
     cfg = mini("bf16")
     p, _ = layers["bf16"]
@@ -84,6 +85,7 @@ def test_routed_matches_reference_bf16(race_checked, layers, batch):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.slow
 def test_routed_matches_reference_quantised(race_checked, layers, fmt):
     cfg = mini(fmt)
     p, _ = layers[fmt]
@@ -97,6 +99,7 @@ def test_routed_matches_reference_quantised(race_checked, layers, fmt):
 
 
 @pytest.mark.parametrize("path", DECODE_PATH_CHIPS)
+@pytest.mark.slow
 def test_mxfp4_both_decode_paths_bit_equal_to_reference(race_checked, layers, path):
     """The kernel built for either path gives the reference's bits: each decoded chunk is the
     whole bf16 [rows, N] weight block and the dot over it is the same as before."""
@@ -132,6 +135,7 @@ def test_duplicate_experts_loaded_once(race_checked, layers, fmt):
 
 @pytest.mark.parametrize("plan, n_slots, n_loads", [("all", 1, 16), ("routed", 1, 16),
                                                    ("routed", 3, 16), ("unique", 1, 6)])
+@pytest.mark.slow
 def test_every_plan_and_ring_depth(race_checked, layers, plan, n_slots, n_loads):
     cfg = mini("mxfp4")
     p, _ = layers["mxfp4"]
@@ -265,6 +269,7 @@ def test_mxfp4_decode_path_per_chip():
 
 
 # ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bad_input(layers):
     cfg = mini("bf16")
     p, _ = layers["bf16"]
@@ -314,6 +319,7 @@ def layer_shapes(cfg, kind="moe"):
 
 @pytest.mark.parametrize("chip", list(CHIPS))
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.slow
 def test_compiles_for_every_chip_mini(fmt, chip):
     """The whole MoE layer in every format for every chip: MXFP4 decodes by the chip's path
     (compile_for tells the wrapper which chip), FP8 e4m3 values lower everywhere."""

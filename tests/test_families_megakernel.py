@@ -239,6 +239,7 @@ RANK_COMPILES = ["qwen3-235b-a22b-rank"]
 
 
 @pytest.mark.parametrize("name", [*MINIS, *RANK_COMPILES])
+@pytest.mark.slow
 def test_compiles_to_one_mosaic_kernel(name):
     """Each mini, and Qwen3's rank (`config.rank_shapes`) with its whole context: one Mosaic
     kernel per step, its VMEM plan within the chip's."""

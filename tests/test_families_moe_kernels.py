@@ -50,6 +50,7 @@ ROUTER_CASES["deepseek-v3-mini unnormalised"] = DEEPSEEK.replace(router_normaliz
 
 
 @pytest.mark.parametrize("case", ROUTER_CASES)
+@pytest.mark.slow
 def test_router_matches_reference(race_checked, layers, case):
     cfg = ROUTER_CASES[case]
     p = layers[case.split()[0]]
@@ -86,6 +87,7 @@ def test_router_engineered_ties_and_groups(race_checked, layers):
     assert (ids[:, 0] == 1).all()  # ties: the lowest index first
 
 
+@pytest.mark.slow
 def test_group_limit_vector_form_equals_the_reference():
     """The kernel's vector form (no [B, G] array) against the reference's reshape + top_k, on
     random scores with ties inside and across groups, for every (groups, kept) of 16 experts."""
@@ -111,6 +113,7 @@ def test_router_rejects_bad_grouping(layers, kwargs, match):
 
 # ---- the MoE layer on the full d --------------------------------------------------------------------
 @pytest.mark.parametrize("name", MINIS)
+@pytest.mark.slow
 def test_moe_full_matches_reference_one_kernel(race_checked, layers, name):
     cfg, p = MINIS[name], layers[name]
     x = activations(4, seed=4)
@@ -154,6 +157,7 @@ def test_moe_full_routed_part_and_batch_invariance(race_checked, layers):
 
 
 # ---- the LM head and sampling stage, reused -----------------------------------------------------------
+@pytest.mark.slow
 def test_sampling_stage_gives_a_prenorm_models_logits(race_checked):
     """The sampling body mixes candidates before RMSNorm and the LM head; given the final hidden
     state h twice (a snapshot and the partial sum), the mix is h exactly (α = ½, ½ and ½h + ½h =

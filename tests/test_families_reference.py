@@ -181,6 +181,7 @@ GQA_CASES = {"glm-4.5-mini": {}, "qwen3-235b-a22b-mini": {},
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
+@pytest.mark.slow
 def test_gqa_matches_float64(case):
     cfg = get_config(case.split()[0], **GQA_CASES[case])
     p = reference.layer_params(weights.init_params(cfg, 3)["gqa"], 1)
@@ -238,6 +239,7 @@ def np_deepseek_mla(p, x, cache, positions, cfg):
     return bf(out.reshape(B, -1) @ f64(p["w_o"])), ckv_cache, kpe_cache
 
 
+@pytest.mark.slow
 def test_mla_rope_with_yarn_matches_deepseeks_interleaved_float64():
     cfg = get_config("deepseek-v3-mini")
     p = reference.layer_params(weights.init_params(cfg, 6)["mla_rope"], 2)

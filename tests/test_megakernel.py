@@ -261,6 +261,7 @@ def test_compiles_to_one_mosaic_kernel(name):
 
 @pytest.mark.parametrize("chip, decode_path", [("v5e", "integer"), ("v6e", "integer"),
                                                ("v5p", "integer"), ("tpu7x", "native")])
+@pytest.mark.slow
 def test_mxfp4_compiles_for_every_chip(chip, decode_path):
     """The default preset (MXFP4 experts) on every chip: one Mosaic kernel, MXFP4 decoded by bit
     operations where Mosaic has no float4 vectors."""
@@ -291,6 +292,7 @@ def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
 
 
+@pytest.mark.slow
 def test_fp8_experts_compile_on_a_chip_without_fp8():
     """FP8 e4m3 values are widened in VMEM, which Mosaic lowers on chips without an FP8 MXU too
     (every chip compiles the FP8 MoE layer: test_expert_kernel.py)."""
@@ -377,6 +379,7 @@ def test_bad_options(field, value, match):
         mk.make_plan(MINI, 1, MINI.max_seq_len, options)
 
 
+@pytest.mark.slow
 def test_state_of_the_other_layout(mini_params):
     state = reference.init_state(MINI.replace(mla_cache_layout="latent"), 1)
     with pytest.raises(ValueError, match=r"state\['mla'\] has keys"):

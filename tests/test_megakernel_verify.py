@@ -205,7 +205,7 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
 @pytest.mark.parametrize("sample, n_tokens", [  # 13 tokens: the prefill's and 2 verify steps
-    ({}, 13), pytest.param(SAMPLED, 16, marks=pytest.mark.slow),
+    pytest.param({}, 13, marks=pytest.mark.slow), pytest.param(SAMPLED, 16, marks=pytest.mark.slow),
     pytest.param({}, 32, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled", "greedy-32"])
 def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens):
     """n_tokens x 2 rows through `speculative.speculative_generate` with the megakernel's verify
@@ -334,6 +334,7 @@ def test_state_of_another_batch(mini_params):
                        MINI)
 
 
+@pytest.mark.slow
 def test_kind_without_verify_support_is_refused(monkeypatch):
     """A kind that keeps state but whose plan has no rows_per_state (its body runs one row per
     state row): refused, naming the field."""

@@ -87,6 +87,7 @@ def _naive_kda(p, x, conv, state, cfg):
     return out, new_conv, new_state
 
 
+@pytest.mark.slow
 def test_kda_step_matches_a_per_element_loop(params):
     cfg, rng = MINI, np.random.default_rng(0)
     p = R.layer_params(params["kda"], 1)
@@ -106,6 +107,7 @@ def test_kda_step_matches_a_per_element_loop(params):
 
 
 # ---- §5 MLA: both cache layouts --------------------------------------------------------------
+@pytest.mark.slow
 def test_mla_cache_layouts_agree(params):
     """Expanded and latent caches give the same output to bf16 precision: |Δ| ≤ 4 bf16 ulps of the
     output's scale (2^-8 · 4 · max|out|), at positions 1..9 with a filled cache (observed: 1 ulp)."""
@@ -306,6 +308,7 @@ def test_first_snapshot_is_the_embedding_and_state_layout(params):
     assert np.isfinite(np.asarray(logits)).all() and logits.shape == (batch, MINI.vocab_size)
 
 
+@pytest.mark.slow
 def test_softcap_bounds_the_logits(params):
     rng = np.random.default_rng(5)
     snapshots = _random_bf16(rng, (MINI.n_blocks, 2, MINI.d_model))
@@ -318,6 +321,7 @@ def test_softcap_bounds_the_logits(params):
 
 # ---- decoding vs teacher forcing -------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [None, 1.0])  # None = greedy
+@pytest.mark.slow
 def test_decoding_equals_teacher_forced_stepping(params, temperature):
     batch, n_steps = 2, 5
     prompt = np.random.default_rng(6).integers(0, MINI.vocab_size, (batch, 3))

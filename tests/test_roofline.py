@@ -33,6 +33,7 @@ def info_kimi_k3():
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_info_total_bytes_per_token_matches_spec(info_kimi_k3):
     step = info_kimi_k3["step_bytes"]
     assert (step["batch"], step["context"], step["expert_format"]) == (1, 0, "mxfp4")

@@ -133,6 +133,7 @@ def test_determinism_and_distinct_streams(small_logits):
     {"temperature": 1.0, "top_p": 0.7},
     {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
 ])
+@pytest.mark.slow
 def test_sampled_distribution_matches_exact(small_logits, kwargs):
     histogram = draw_histogram(small_logits, DRAWS, **kwargs)
     exact = np.asarray(sampling.truncated_distribution(jnp.asarray(small_logits)[None], **kwargs))[0]
@@ -222,6 +223,7 @@ def test_bad_input_names_the_parameter(kwargs, name):
         sampling.sample(logits, seed=0, positions=jnp.zeros(3, jnp.int32), **kwargs)
 
 
+@pytest.mark.slow
 def test_bad_shapes_and_seed():
     with pytest.raises(ValueError, match="logits"):
         sampling.sample(jnp.zeros(64), seed=0, positions=jnp.zeros(1, jnp.int32))

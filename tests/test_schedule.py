@@ -124,7 +124,9 @@ def test_recorded_log_is_the_schedule_off_the_global_ring(race_checked):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, batch", [(name, 1) for name in config.PRESETS]
+@pytest.mark.parametrize("name, batch", [  # the full-size families other than Kimi K3: exhaustive
+    pytest.param(name, 1, marks=pytest.mark.exhaustive if name != "kimi-k3" and not name.endswith(
+        ("-mini", "-rank")) else ()) for name in config.PRESETS]
                          + [("kimi-k3-mini", 4), ("kimi-k3-mini", mk.MAX_BATCH)])
 def test_worst_case_is_the_cost_estimate(name, batch):
     """Without positions and routing the schedule takes costs.py's worst case (every row at the

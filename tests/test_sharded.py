@@ -50,6 +50,7 @@ def test_sharded_on_8_simulated_devices():
 
 @pytest.mark.parametrize("model, n_ranks, name, batch, chip",  # the families: test_families_sharded
                          [r for r in recorded.RECORDED_SHARDED if r[0].startswith("kimi")])
+@pytest.mark.slow
 def test_full_size_compile_one_mosaic_kernel_per_rank(model, n_ranks, name, batch, chip):
     """kimi-k3 sharded over the 32 TPU7x cores of tpu7x:2x2x4: one Mosaic kernel per rank, a VMEM
     plan within the core's limit. The committed record is used when it matches the plan (the

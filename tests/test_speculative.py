@@ -142,6 +142,7 @@ def test_forced_by_name_computes_its_oracle(plain):
     assert stats["mean_accepted"] == 2 and stats["acceptance_rate"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.slow
 def test_sampled_in_call_rule_emits_the_tokens_of_plain_sampled_decoding(plain):
     """For a one-hot q the rejection rule is "sample y_j ~ p_j, accept while y_j is the draft"; with
     the decode step's own sampler at positions p + j + 1 the tokens are those of plain sampled
@@ -174,6 +175,7 @@ class MixtureDrafter(drafters.Drafter):
         return np.asarray(jax.random.categorical(key, jnp.log(q), axis=-1)), q
 
 
+@pytest.mark.slow
 def test_stochastic_drafter_takes_the_rejection_rule_and_keeps_the_state_exact(plain):
     """Sampled with a non-one-hot q (`accept_sampled`): whatever is emitted, the end state is the
     state of decoding the emitted tokens one by one."""
@@ -251,6 +253,7 @@ def _within_5_sigma(tokens, probs, what):
 
 
 @pytest.mark.parametrize("one_hot", [False, True])
+@pytest.mark.slow
 def test_rejection_sampling_reproduces_the_target_distribution(one_hot):
     p, q = _tables(3)
     keys = jax.random.split(jax.random.key(0), DRAWS)
@@ -274,6 +277,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(one_hot):
     assert 0.05 < took.mean() < 0.95  # both branches are exercised
 
 
+@pytest.mark.slow
 def test_greedy_and_in_call_rules():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, V)), jnp.float32)
     best = np.asarray(jnp.argmax(logits, axis=-1))  # [2, 4]

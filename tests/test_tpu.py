@@ -175,6 +175,7 @@ def test_fast_interpret_gives_equal_results(race_checked):
     np.testing.assert_array_equal(fast_out, np.asarray(x + y))
 
 
+@pytest.mark.slow
 def test_select_platform_respects_explicit_choice():
     code = "import os, mkresearch; print(os.environ.get('JAX_PLATFORMS'))"
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

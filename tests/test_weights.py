@@ -28,6 +28,7 @@ def mini_params():
 
 
 # ---- init -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_arrays(mini_params):
     assert _equal_trees(mini_params, weights.init_params(MINI, seed=0))
     other = weights.init_params(MINI, seed=1)
