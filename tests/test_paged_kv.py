@@ -265,8 +265,9 @@ def test_megakernel_paged_equals_contiguous_matrix(race_checked, name, layout, p
     check_run(megakernel_run(cfg, pages, seed=20 + page_size), cfg, pages)
 
 
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("name, layout", [("qwen3-235b-a22b-mini", None), ("kimi-k3-mini", "latent")])
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layout", [  # make test: GQA; Kimi K3's latent MLA + KDA: exhaustive
+    ("qwen3-235b-a22b-mini", None), pytest.param("kimi-k3-mini", "latent", marks=pytest.mark.exhaustive)])
 def test_paged_verify_equals_contiguous_verify(race_checked, name, layout):
     """Speculative verify rows on pages (K = 3, a free slot): targets, logits, per-position KDA
     states and the caches equal the contiguous verify step's, and so does the rollback."""
