@@ -185,19 +185,16 @@ check("step 2 tiled online softmax", run_tiled(q1, k1, v1, position), expected_c
 # %% [markdown]
 # ### Step 3 · the cache stays in HBM: double-buffered DMA
 # Now K and V stay in HBM (`memory_space=pl.ANY`) and each tile is copied into one of two VMEM
-# slots by DMA: tile `t+1` flies while tile `t` is used. `kv_tiles.tile_loop` is the kernel's loop;
-# its rings go through `mkresearch.kernels.base.dma`, so the DMA log shows every tile it read — and
-# only those.
+# slots by DMA: tile `t+1` flies while tile `t` is used. `kv_tiles.tile_loop` is the kernel's loop:
+# it reads tile t of row b of each cache ([B, S, n] here with B = 1; a paged cache goes through
+# its page table instead, notebook 13); its rings go through `mkresearch.kernels.base.dma`, so the
+# DMA log shows every tile it read — and only those.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):
+def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):  # k_hbm [1, S, DK], v_hbm [1, S, DV]
     visible = position_ref[0] + 1
     q = q_ref[...]
-
-    def windows(t):
-        tokens = pl.ds(pl.multiple_of(t * T, T), T)
-        return k_hbm.at[tokens, :], v_hbm.at[tokens, :]
 
     def update(t, tiles, carry):
         k_tile, v_tile = tiles  # [T, DK], [T, DV] in VMEM
@@ -208,7 +205,8 @@ def dma_kernel(position_ref, q_ref, k_hbm, v_hbm, o_ref):
         rings = (dma.Ring(k_slots, sems.at[0], name="mla.kv.k"),
                  dma.Ring(v_slots, sems.at[1], name="mla.kv.v"))
         start = (jnp.full((1, 1), -jnp.inf), jnp.zeros((1, 1)), jnp.zeros((1, DV)))
-        _, l, acc = kv_tiles.tile_loop(plan1, 0, visible, rings, windows, update, start, {})
+        _, l, acc = kv_tiles.tile_loop(plan1, 0, visible, rings, (k_hbm, v_hbm), update, start,
+                                       {})
         o_ref[...] = acc / l
 
     pl.run_scoped(scoped, pltpu.VMEM((2, T, DK), jnp.bfloat16), pltpu.VMEM((2, T, DV), jnp.bfloat16),
@@ -220,7 +218,7 @@ def run_dma(q, k, v, position):
     return pl.pallas_call(
         dma_kernel, out_shape=jax.ShapeDtypeStruct((1, DV), jnp.float32),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(), hbm, hbm],
-        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k, v)
+        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), q, k[None], v[None])
 
 
 with dma.recording() as log3:

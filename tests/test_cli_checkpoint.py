@@ -120,13 +120,12 @@ def test_ranks_with_checkpoint_goes_to_the_sharded_run(checkpoint, monkeypatch, 
     assert err.count("\n") == 1 and "--ranks 2 needs 2 devices but this cpu backend has 1" in err
 
 
-@pytest.mark.exhaustive
+@pytest.mark.slow
 def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint):
     """The checkpoint's weights onto 2 simulated ranks by the layout (`decode_sharded`): each
     step's logits within the partial-sum bound of the single device and agreeing with the
-    reference; the text of the tokens. ~90 s here (a child compiling the sharded, single-device
-    and reference steps), so opt-in; the random model's 2-rank child runs by default
-    (tests/test_cli_ranks.py)."""
+    reference; the text of the tokens. A child compiling the sharded, single-device and
+    reference steps (the slowest test of this module)."""
     directory, cfg, _ = checkpoint
     env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
     done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--checkpoint",
