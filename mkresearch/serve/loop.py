@@ -38,7 +38,7 @@ from mkresearch.model import paged_kv, prefill, reference, sampling, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.serve import trace
 from mkresearch.serve.pages import PageAllocator
-from mkresearch.serve.slots import EMPTY, SlotManager, install_row
+from mkresearch.serve.slots import EMPTY, SlotManager
 
 # Prompt tokens per jitted prefill call: 1 makes one compiled call serve every prompt length (a
 # longer chunk compiles once more for each new remainder of a prompt's length, ~10-30 s each here).
@@ -137,21 +137,6 @@ def prefill_row(params: dict, request: trace.Request, cfg: ModelConfig,
     return logits[0, -1], state
 
 
-def write_row(state: dict, row_state: dict, slot: int, table_row: np.ndarray, length: int,
-              cfg: ModelConfig, pages: paged_kv.PagedKVConfig) -> dict:
-    """The paged state with a prefilled row's first `length` cached tokens written into its pages
-    (table_row [M]) and its per-row (recurrent) leaves installed in `slot`."""
-    scattered = paged_kv.scatter_cache(state, row_state, table_row[None], np.asarray([length]),
-                                       cfg, pages)
-    table = spec.state_table(cfg, 1, 1)
-    recurrent = {kind: {name: leaf for name, leaf in leaves.items()
-                        if table[kind][name].kind != spec.CACHE} for kind, leaves in state.items()}
-    row = {kind: {name: row_state[kind][name] for name in leaves}
-           for kind, leaves in recurrent.items()}
-    installed = install_row(recurrent, slot, row)
-    return {kind: {**scattered[kind], **installed[kind]} for kind in state}
-
-
 def poison_pages(state: dict, page_ids: list[int], cfg: ModelConfig) -> dict:
     """The paged state with every cache leaf's pages `page_ids` set to POISON (a freed page's old
     values made loud: a row that read a page it had not written would see them)."""
@@ -221,8 +206,8 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
             started = time.perf_counter()
             last_logits, row_state = prefill_row(params, request, cfg, pages, trace_seed, chunk)
             table[slot, :len(got)] = got
-            state = write_row(state, row_state, slot, table[slot].copy(), request.prompt_len,
-                              cfg, pages)
+            state = paged_kv.insert_row(state, row_state, slot, table[slot].copy(),
+                                        request.prompt_len, cfg, pages)
             first = draw(last_logits, request, request.prompt_len)
             jax.block_until_ready(state)
             result.prefill_seconds += time.perf_counter() - started

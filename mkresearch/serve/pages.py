@@ -15,12 +15,9 @@ import heapq
 
 import numpy as np
 
+from mkresearch.model import paged_kv
+
 FREE = -1  # owner of a page no row holds
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages that hold `tokens` cached tokens: ⌈tokens / page_size⌉."""
-    return -(-int(tokens) // int(page_size))
 
 
 class PageAllocator:
@@ -63,7 +60,7 @@ class PageAllocator:
         ValueError (it would wait forever)."""
         if row in self._pages:
             raise ValueError(f"row {row} already holds pages {self._pages[row]}: free them first")
-        count = pages_for(tokens, self.page_size)
+        count = paged_kv.pages_needed(int(tokens), self.page_size)
         if count > self.capacity:
             raise ValueError(f"row {row} needs {count} pages of {self.page_size} tokens for "
                              f"{tokens} tokens: the pool holds {self.capacity}")

@@ -2,16 +2,13 @@
 
 A request takes the lowest empty slot when it joins and gives it back when it leaves. What lives
 in a slot besides its token and position is the per-row state of the kinds without a cache (KDA's
-convolution window and recurrent state: a fixed size per row, not paged): `install_row` replaces
-the slot's rows of those leaves whole when a request takes it (with the request's prefilled state,
+convolution window and recurrent state: a fixed size per row, not paged): `paged_kv.insert_row`
+replaces the slot's rows of those leaves whole when a request takes it (with the request's prefilled state,
 which started from zeros), so nothing of the slot's last request survives into the next.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
 import numpy as np
 
 EMPTY = -1  # the request id of an empty slot
@@ -52,10 +49,3 @@ class SlotManager:
         request = int(self.requests[slot])
         self.requests[slot] = EMPTY
         return request
-
-
-def install_row(per_slot: dict[str, Any], slot: int, row: dict[str, Any]) -> dict[str, Any]:
-    """The per-slot state {kind: {leaf: [n_layers_of_kind, B, ...]}} with slot `slot` replaced by
-    `row` (the same tree with one row, [n_layers_of_kind, 1, ...])."""
-    return jax.tree.map(lambda leaf, new: leaf.at[:, slot].set(new[:, 0].astype(leaf.dtype)),
-                        per_slot, row)

@@ -27,7 +27,6 @@ from mkresearch.model import paged_kv
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction.full_size import full_size_of, full_size_step
 from mkresearch.serve import loop, trace
-from mkresearch.serve.pages import pages_for
 
 PREDICTION_LABEL = "timeline model prediction of the full model at this occupancy, not measured"
 
@@ -36,7 +35,7 @@ def step_context(lengths: list[int], page_size: int) -> int:
     """The context one row of a step reads, for the prediction: the occupied rows' mean tokens
     rounded up to whole pages (a paged read is whole pages; rows of one step read their own)."""
     held = [n for n in lengths if n > 0]
-    mean_pages = sum(pages_for(n, page_size) for n in held) / len(held)
+    mean_pages = sum(paged_kv.pages_needed(n, page_size) for n in held) / len(held)
     return math.ceil(mean_pages) * page_size
 
 
@@ -78,7 +77,7 @@ def run_workload(params: dict, requests: list[trace.Request], cfg: ModelConfig,
     capacity = pages.n_pages
     steps = [{"step": r.step, "occupied": r.occupied, "slots": r.slots, "lengths": r.lengths,
               "pages_held": sum(owner >= 0 for owner in r.page_owner),
-              "pages_filled": sum(pages_for(n, pages.page_size) for n in r.lengths),
+              "pages_filled": sum(paged_kv.pages_needed(n, pages.page_size) for n in r.lengths),
               "page_owner": r.page_owner, "joined": r.joined, "left": r.left,
               "seconds": r.seconds, "predicted_step_s": p}
              for r, p in zip(result.steps, predicted, strict=True)]
