@@ -56,8 +56,11 @@ endif
 HOST_INDEPENDENT_NOTEBOOKS := $(wildcard notebooks/00_*.ipynb notebooks/07_*.ipynb notebooks/09_*.ipynb)
 FLOAT_FACT_NOTEBOOKS := $(filter-out $(HOST_INDEPENDENT_NOTEBOOKS),$(NOTEBOOKS))
 # pytest over tests/ without the nbval plugin: importing it (jsonschema's format grammars) costs
-# each pytest process seconds of CPU, and tests/ has no notebook
-PYTEST := $(BIN)/python -m pytest -p no:nbval -n 2 --dist loadfile
+# each pytest process seconds of CPU, and tests/ has no notebook. Test modules go to the two
+# workers in collection order, which tests/conftest.py makes the longest first (xdist would
+# otherwise hand out the modules with the most tests first, and a long module of few tests
+# handed out last leaves one worker idle while the other finishes it).
+PYTEST := $(BIN)/python -m pytest -p no:nbval -n 2 --dist loadfile --no-loadscope-reorder
 NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
@@ -67,9 +70,19 @@ NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-saniti
 # The sweeps marked `exhaustive` (every combination of cases whose named ones `make test` runs),
 # the whole sharded matrix of tests/test_sharded.py, and the rest: over an hour here.
 test-exhaustive: venv
+	rm -rf $(JAX_CACHE)
 	MKRESEARCH_EXHAUSTIVE=1 MKRESEARCH_SHARDED_FULL=1 $(PYTEST) tests
 
+# One run's XLA executables, shared by its processes (xdist workers, the 8-device child, the
+# notebooks' kernels): a program compiled once is read back by the next process that builds it
+# instead of compiled again (the reference's jitted steps; the interpret-mode kernels call back
+# into Python and are never written). Emptied at the start of each run, so a run is a cold run.
+JAX_CACHE := build/jax-cache
+test test-fast test-exhaustive bench-notebooks: export JAX_COMPILATION_CACHE_DIR = $(CURDIR)/$(JAX_CACHE)
+test test-fast test-exhaustive bench-notebooks: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS = 0.5
+
 test: venv browser
+	rm -rf $(JAX_CACHE)
 	$(PYTEST) --durations=30 tests
 ifneq ($(NOTEBOOKS),)
 	$(NBVAL) $(NOTEBOOKS)
@@ -78,11 +91,13 @@ endif
 
 # Day-to-day: every test not marked slow (no nbval), about 2.5 minutes on 2 cores.
 test-fast: venv
+	rm -rf $(JAX_CACHE)
 	$(PYTEST) -m "not slow" tests
 
 # Speed is measured here, never asserted in a test: each notebook's nbval run time and its slowest
 # cells (build/notebook-times.md), and the speed targets the tests once asserted (benchmarks/speed.py).
 bench-notebooks: venv
+	rm -rf $(JAX_CACHE)
 	mkdir -p build
 	MKRESEARCH_NOTEBOOK_TIMES=build/notebook-times.md $(NBVAL) $(NOTEBOOKS)
 	cat build/notebook-times.md

@@ -41,18 +41,36 @@ def race_checked():
     assert not raced, "the race detector found a race (see 'RACE DETECTED' above)"
 
 
+# Linux's default limit of memory mappings per process (vm.max_map_count) is 65,530; JAX's caches
+# are dropped well before it: one module of megakernel tests adds up to ~20,000 (measured), and
+# the executables kept also hold memory (a worker's peak ~6 GB at 30,000 here).
+MAPPINGS_BEFORE_CLEARING = 20_000
+
+
+def _mappings() -> int | None:
+    """This process's number of memory mappings, or None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After each test module, drop JAX's compiled executables. Each XLA:CPU executable keeps its
-    JIT code in its own memory mappings, and the interpret-mode kernels of one run of tests/ made
-    more than Linux's default 65,530 mappings per process (vm.max_map_count): the next compile's
-    mmap failed and the process died of a segmentation fault inside XLA."""
+    """After a test module, drop JAX's compiled executables when this process holds many memory
+    mappings. Each XLA:CPU executable keeps its JIT code in its own mappings, and the interpret-mode
+    kernels of one run of tests/ made more than Linux's default 65,530 per process: the next
+    compile's mmap failed and the process died of a segmentation fault inside XLA. Below the
+    threshold the executables stay, so a later module that builds the same program reuses it."""
     yield
     if nextitem is None or nextitem.module is not item.module:
-        import jax
+        mappings = _mappings()
+        if mappings is None or mappings > MAPPINGS_BEFORE_CLEARING:
+            import jax
 
-        jax.clear_caches()
-        gc.collect()
+            jax.clear_caches()
+            gc.collect()
 
 
 EXHAUSTIVE = os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1"

@@ -50,6 +50,8 @@ def test_too_few_devices_in_a_child_is_refused(monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # make test runs the same child path on a checkpoint's Qwen3 mini, with
+# these checks (tests/test_cli_checkpoint.py); Kimi K3 on simulated ranks: tests/sharded
 def test_decode_on_2_ranks_in_a_child_json():
     """One device here: the command re-runs itself with 2 simulated devices; with the default
     partial-sum collectives its logits lie within `reference_sharded.BOUND` of the single-device

@@ -36,8 +36,11 @@ from mkresearch.prediction import timeline
 from mkresearch.sharding import layout
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
-N_STEPS = 16
-PROMPT_LEN = 20  # prefilled by the reference: the 16 steps (positions 19..34) cross the tile at 32
+# Prefilled by the reference, then N_STEPS teacher-forced steps from position 27: make test runs 6
+# (27..32: the KV tile boundary at 32 is crossed); every step starts from the reference's state, so
+# more steps run the same code at more positions: the exhaustive tier runs 16 (27..42).
+N_STEPS = 16 if os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1" else 6
+PROMPT_LEN = 28
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
 NEAR_TIE_GAP = 2 * LOGIT_TOL
 BYTES_SLACK = 1.02
@@ -182,10 +185,10 @@ def report(cfg, batch, result):
           f"{result['step_s']:.2f} s per interpret-mode step")
 
 
-# ---- 16 greedy steps at B = 1 and B = 4, and the bytes of the last -------------------------------
+# ---- greedy steps at B = 1 and B = 4 across the KV tile boundary, and the bytes of the last -------
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MINIS)
-def test_greedy_16_steps_batch_1_and_bytes(race_checked, mini_params, reference_runs, name):
+def test_greedy_steps_batch_1_and_bytes(race_checked, mini_params, reference_runs, name):
     """B = 1, and the last step scaled to one rank of the full model (`bench.scale_to_rank`): it
     moves within BYTES_SLACK of that rank's minimum too, layer by layer along the rank's layers,
     and the timeline model predicts its TPU7x step."""
@@ -213,7 +216,7 @@ def test_greedy_16_steps_batch_1_and_bytes(race_checked, mini_params, reference_
 @pytest.mark.parametrize("name", [  # B = 1 runs every family; B = 4 one (the others: exhaustive)
     pytest.param("deepseek-v3-mini", marks=pytest.mark.exhaustive), "glm-4.5-mini",
     pytest.param("qwen3-235b-a22b-mini", marks=pytest.mark.exhaustive)])
-def test_greedy_16_steps_batch_4_and_bytes(race_checked, mini_params, reference_runs, name):
+def test_greedy_steps_batch_4_and_bytes(race_checked, mini_params, reference_runs, name):
     cfg = config.get_config(name)
     result = run_steps(cfg, mini_params[name], 4, reference_runs(name))
     report(cfg, 4, result)

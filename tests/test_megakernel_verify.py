@@ -204,18 +204,20 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
 
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
-@pytest.mark.parametrize("sample, n_tokens", [  # 13 tokens: the prefill's and 2 verify steps
-    pytest.param({}, 13, marks=pytest.mark.slow), pytest.param(SAMPLED, 16, marks=pytest.mark.slow),
-    pytest.param({}, 32, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled", "greedy-32"])
-def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens):
+@pytest.mark.parametrize("sample, n_tokens, drafts", [  # 7 tokens: the prefill's and 2 verify steps
+    pytest.param({}, 7, 3, marks=pytest.mark.slow),
+    pytest.param(SAMPLED, 10, 3, marks=pytest.mark.slow),
+    pytest.param({}, 32, 6, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled", "greedy-32"])
+def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens, drafts):
     """n_tokens x 2 rows through `speculative.speculative_generate` with the megakernel's verify
-    (`as_verify`, K = 6, forced acceptance 5 from plain decoding's own continuation): the tokens
+    (`as_verify`, K = drafts, forced acceptance K - 1 from plain decoding's own continuation; make
+    test runs K = 3 for 2 and 3 verify steps, the exhaustive tier K = 6 for 32 tokens): the tokens
     and the final caches and states are those of plain decoding with the megakernel decode step,
     bit for bit — greedy, and sampled with the same seed (the targets drawn in the call by the
     decode step's rule)."""
     from mkresearch.decoding import drafters, speculative
 
-    batch, drafts, prompt_len = 2, 6, 8
+    batch, prompt_len = 2, 8
     prompt = np.asarray(jax.random.randint(jax.random.key(3), (batch, prompt_len), 0,
                                            MINI.vocab_size))
     # plain decoding: the prompt on the reference (as speculative_generate), then the megakernel
@@ -232,7 +234,7 @@ def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample,
             plain_state = state
         plain.append(np.asarray(token))
     plain = np.stack(plain, axis=1)
-    drafter = drafters.get_drafter("forced:5", oracle=np.concatenate([prompt, plain], axis=1))
+    drafter = drafters.get_drafter(f"forced:{drafts - 1}", oracle=np.concatenate([prompt, plain], axis=1))
     tokens, state, stats = speculative.speculative_generate(
         mini_params, reference.init_state(MINI, batch), prompt, n_tokens, MINI, k=drafts,
         drafter=drafter, seed=SEED, verify=mv.as_verify(), **sample)
@@ -240,7 +242,7 @@ def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample,
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain_state), strict=True):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                       np.asarray(want).view(np.uint8))
-    # 1 token from the prefill, then 6 per verify step (5 drafts accepted and the bonus)
+    # 1 token from the prefill, then K per verify step (K - 1 drafts accepted and the bonus)
     assert stats["steps"] == -(-(n_tokens - 1) // (drafts))
     print(f"{sample or 'greedy'}: {stats['steps']} verify steps, {stats['tokens_per_step']:.2f} "
           f"tokens per row and step; {n_tokens} x {batch} tokens and every state leaf equal")
