@@ -9,7 +9,7 @@ kernel:
   weight stream   a matrix whose input arrives split (the heads' outputs before W_o, a hidden
                   slice before W_down) gets it all-gathered first; a matrix split by its output
                   columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router) gives this
-                  rank's column chunk, and the chunks are all-gathered (`collectives.ShardedStream`)
+                  rank's column chunk, and the chunks are all-gathered (`sharded_stream.ShardedStream`)
   routed experts  each rank its expert group's experts (EP) and their TP slice (ETP: W1, W3
                   hidden columns, W2 latent columns, the hidden all-gathered in the group); the
                   weighted sum runs down the chain of expert groups in ascending id
@@ -151,8 +151,9 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
     for rule in rules:
         if rule.gather is not None and rule.gather != spec.EXPERT_TP:
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
-        if rule.out is not None:
-            pieces["all"].append(lay.local_length(rule.out, rule.n))
+        if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
+            pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in rules
+                                     if r is rule or r.joins == rule.name))
         if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank, and
             # the column chunks riding with it (`Rule.rides`)
             pieces["all"].append(rule.n + sum(lay.local_length(r.out, r.n) for r in rules

@@ -179,7 +179,9 @@ def format_rows(rows: list[dict]) -> str:
             + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
             + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
-                 "messages, compute, bubbles; colls: collectives per rank per step")
+                 "messages, compute, bubbles; colls: collectives per rank per step, every one "
+                 "counted (gathers and sibling swaps too: the ~188 of spec/collectives.md count "
+                 "only the release's two reductions per layer)")
     return "\n".join(lines)
 
 
