@@ -197,8 +197,10 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                     embedded = blocks.put_row(embedded, b, row)
                 residual.start(hidden, embedded.astype(jnp.bfloat16))  # [B, d], exactly E[token]
 
+        if stream is not None and coll is not None:  # a rank: layer 0's first weight blocks
+            stream.prologue()  # fly while the embedding's all-reduce is waited for
         pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
-        if stream is not None:  # layer 0's first weight blocks fly from the start
+        if stream is not None and coll is None:  # layer 0's first weight blocks fly from the start
             stream.prologue()
 
         def load_vectors(layer):  # this layer's residual weights and norm gains, [1, d] each

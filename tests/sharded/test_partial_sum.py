@@ -22,6 +22,7 @@ import test_faults
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel_sharded as ms
 
+from mkresearch.measurement import collective_overlap
 from mkresearch.model import config, reference, weights
 from mkresearch.sharding import layout, reference_sharded
 
@@ -97,6 +98,16 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     count = schedule_check.check(log, lay, 3, routed_expert_ids("kimi-k3-mini", 3))
     print(f"the recorded remote copies of all {N_RANKS} ranks are the schedule's collectives "
           f"({count} on rank 0), in order")
+    # overlap: when a rank first waits for a collective, weight DMAs are in flight (the global
+    # ring's next blocks, the first experts' slots), but for the last ones of the step: the
+    # last layer's last reduction and the sampling merge (nothing left to stream)
+    for rank in range(N_RANKS):
+        seen = collective_overlap.collective_overlap(log, rank)
+        assert len(seen) == count + 1  # the embedding's all-reduce: two phases
+        idle = [c["name"] for c in seen if not c["hbm_in_flight"]]
+        assert idle == ["shared/w_down/sum/all_gather", "sampling_state/all_gather"], (rank, idle)
+    print(f"HBM busy (weight DMAs in flight) at {len(seen) - len(idle)} of the {len(seen)} "
+          f"collective waits of rank {rank}: all but {idle}")
 
 
 def routed_expert_ids(model, batch):
