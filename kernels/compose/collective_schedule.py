@@ -66,6 +66,12 @@ WIRES = ("f32", "bf16")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 KINDS = ("all-gather", "all-reduce", "chain")
 F32 = 4
+FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
+             "the second's last block, waited right away (its values are needed next)")
+RIDING_WHY = ("not issued before the routed experts' stream (where the release hides it): it "
+              "carries W_lu's chunks, which need the routed sum; streaming the shared expert "
+              "first would give W_lu a collective of its own on the critical path, 2 per MoE "
+              "layer either way, so no shorter predicted step")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 # column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
@@ -100,6 +106,7 @@ class CollectiveOp:
     matrix: str = ""  # the streamed matrix it serves (DMA-log name), if any
     role: str = ""  # "input" (gathered before the matrix), "output" (after), "sum", ""
     carries: tuple[str, ...] = ()  # matrices whose column chunks ride in its messages
+    why: str = ""  # why it is issued and waited where it is (the plan's listing says it)
 
     @property
     def op(self) -> str:
@@ -241,7 +248,7 @@ def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...
                         lay.slice_firsts(rule.reduce), matrix=name),
                 payload_bytes=b * rule.n * WIRE_BYTES[wire] + sum(
                     b * F32 * _lanes(lay.local_length(r.out, r.n)) for r in riders),
-                carries=tuple(r.name for r in riders)))
+                carries=tuple(r.name for r in riders), why=RIDING_WHY if riders else ""))
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
@@ -251,7 +258,8 @@ def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...
                               issue_after=name,
                               wait_before=EXPERTS if name == routing else ctx.after(i),
                               matrix=name, role="output",
-                              carries=tuple(r.name for r in joined)))
+                              carries=tuple(r.name for r in joined),
+                              why=FUSED_WHY if joined else ""))
         if name == routing:
             out += _experts(ctx, items, ctx.after(i))
     return tuple(out)

@@ -54,7 +54,8 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                      "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
                      "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,
                      "algorithm": c.algorithm, "phases": c.phases, "messages": c.messages,
-                     "us": c.seconds / US, "reason": c.reason, "critical": op.critical,
+                     "us": c.seconds / US, "critical": op.critical,
+                     "reason": f"{c.reason}; {op.why}" if op.why else c.reason,
                      "overlaps": overlaps})
     summary = contract.summary(ops)
     by_algorithm: dict[str, int] = {}
