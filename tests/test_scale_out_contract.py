@@ -62,7 +62,7 @@ def test_the_program_is_the_kernels_collective_schedule(mode):
     cfg = get_config("kimi-k3")
     lay = layouts.layout(cfg, 32)
     _, programs = scale_out.rank_programs(cfg, 32, "ours", 1,
-                                          schedule=scale_out.our_schedule(cfg, mode))
+                                          schedule=scale_out.our_schedule(cfg, mode, 32))
     started = [(op[1].split("#")[0], op[4]) for op in programs[0] if op[0] == "start"]
     counts = tuple(int(c) for c in scale_out.routed_experts(cfg, lay, 1)[:, 0])
     ops = cs.collective_schedule(lay, 1, mode, rank=0, expert_counts=counts)
@@ -73,9 +73,10 @@ def test_the_program_is_the_kernels_collective_schedule(mode):
 
 def test_kimi_k3_partial_sum_against_exact_and_the_release():
     """Partial sums, as the kernel is built: fewer collectives and a shorter step than the exact
-    mode at every batch; below the release's published step from B = 2 on, above it at B = 1
-    as the model stands (the issue's goals, <= 200 collectives and B = 1 <= 2.5 ms, are not
-    reached: 396 collectives and about 4.2 ms). The parts sum to the step."""
+    mode at every batch; below the release's published step at every batch as the model stands
+    (the 8-slot ring keeps 7 weight blocks in flight while a collective is waited for; the issue's
+    goals, <= 200 collectives and B = 1 <= 2.5 ms, are not reached: 396 collectives and about
+    3.7 ms). The parts sum to the step."""
     cfg = get_config("kimi-k3")
     for batch in (1, 2, 4, 8):
         part = scale_out.predict(cfg, 32, "ours", batch)
@@ -86,11 +87,11 @@ def test_kimi_k3_partial_sum_against_exact_and_the_release():
               f"{part['published_step_s'] * 1e3:.2f} ms")
         assert part["algorithm"] == "auto" and part["schedule"]["collectives"] == "partial-sum"
         assert part["step_s"] < exact["step_s"]
-        assert (part["step_s"] < part["published_step_s"]) == (batch >= 2)
+        assert part["step_s"] < part["published_step_s"]
         assert part["collectives_per_rank"] < exact["collectives_per_rank"]
         assert sum(part["parts_s"].values()) == pytest.approx(part["step_s"], rel=1e-9)
     b1 = scale_out.predict(cfg, 32, "ours", 1)
-    assert 4.0e-3 < b1["step_s"] < 5.5e-3 and b1["collectives_per_rank"] > 200
+    assert 3.0e-3 < b1["step_s"] < 4.02e-3 and b1["collectives_per_rank"] > 200
 
 
 FAMILIES = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
