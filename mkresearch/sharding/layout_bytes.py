@@ -82,7 +82,8 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
     once, the routed experts of its expert group (the expected share of the batch's distinct
     experts, `roofline.expected_unique_experts` / EP, each its ETP slice), one embedding row per
     sequence (the owner's), its states and caches (read at `context` tokens, written once).
-    collectives "partial-sum": the largest rank's shapes without streamed zeros (`layout_split`)."""
+    collectives "partial-sum": the shapes the partial-sum kernel streams
+    (`layout_split.partial_sum_shape`: the same count as for a partial-sum layout)."""
     if collectives not in ("exact", "partial-sum"):
         raise ValueError(f"collectives={collectives!r} is invalid: exact or partial-sum")
     cfg = lay.cfg

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import schedule_check
 import test_faults
-from mkresearch.kernels.base import dma
+import test_sharded_decode
+from mkresearch.kernels.base import dma, registry
 from mkresearch.kernels.compose import megakernel_sharded as ms
 
-from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout, reference_sharded
+from mkresearch.model import config, reference, spec, weights
+from mkresearch.sharding import layout, layout_split, reference_sharded
 
 N_RANKS = 8
 PROMPT_LEN = 20
@@ -94,9 +95,32 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     (`collective_schedule`, which the prediction reads), collective by collective."""
     _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True)
     lay = setup("kimi-k3-mini", 3)[1]
-    count = schedule_check.check(log, lay, 3, routed_expert_ids("kimi-k3-mini", 3))
+    expert_ids = routed_expert_ids("kimi-k3-mini", 3)
+    count = schedule_check.check(log, lay, 3, expert_ids)
     print(f"the recorded remote copies of all {N_RANKS} ranks are the schedule's collectives "
           f"({count} on rank 0), in order")
+    # one answer for the bytes: each rank's DMA'd HBM bytes per component are layout_bytes'
+    test_sharded_decode.check_bytes(lay, 3, log, expert_ids)
+    check_zero_only_slices(log, lay)
+
+
+def check_zero_only_slices(log, lay):
+    """The slices `layout_split.streamed_zeros` says are only padding are streamed whole by their
+    ranks (recorded): the lane-tile chunks' zeros are DMA'd, not skipped."""
+    names = {f"['{kind}']['{m.key}']": m.name for kind in lay.cfg.kinds
+             for m in registry.kernel_stage(kind).streamed(lay.cfg)}
+    checked = 0
+    for z in layout_split.streamed_zeros(lay):
+        param = dict(layout.leaves_with_path(spec.param_table(lay.cfg)))[z.path]
+        whole = int(np.prod(z.local)) * np.dtype(param.dtype).itemsize  # every layer's slice
+        for rank in z.zero_only:
+            moved = sum(e.nbytes for e in log.of_rank(rank).events
+                        if e.kind == "dma_start" and not e.remote and e.name == names[z.path])
+            assert moved == whole, (z.path, rank, moved, whole)
+            checked += 1
+    print(f"zero-only slices streamed (recorded): {checked} (matrix, rank) pairs, e.g. the shared "
+          "experts' hidden on ranks 4-7")
+    assert checked > 0
 
 
 def routed_expert_ids(model, batch):
