@@ -12,11 +12,17 @@ shape `layout_bytes.rank_bytes` counts and the sharded megakernel's planned DMAs
     down-projections' columns, the MoE latent, the FFN hidden) is in chunks of whole lane tiles
     (`layout_ranks.chunk_length`): rank i holds columns [i c, (i + 1) c), zero-padded.
 
-Every rank's arrays have the same shape (one SPMD program), so every rank streams the chunk's
-bytes, its zero padding included. `streamed_zeros` says how many of a rank's streamed bytes are
-padding and which ranks stream a slice that is only padding: on 32 ranks 7,168 columns are 28
-chunks of 256 (ranks 28-31 stream only zeros of W_lu), the router's 896 scores 7 chunks of 128
-(ranks 7-31), the shared experts' 6,144 hidden 24 chunks of 256 (ranks 24-31).
+Every rank's arrays have the same shape (one SPMD program), zero-padded in HBM. `streamed_zeros`
+says how much of each rank's slice is padding and which ranks hold a slice that is only padding:
+on 32 ranks 7,168 columns are 28 chunks of 256 (ranks 28-31 hold only zeros of W_lu), the
+router's 896 scores 7 chunks of 128 (ranks 7-31), the shared experts' 6,144 hidden 24 chunks of
+256 (ranks 24-31). A rank skips its slices of padding only (`zero_only`; the kernel's
+`Collectives.live`, the planned schedule's `schedule.rank_live`): it issues none of their DMAs and
+takes their products as zeros, so no rank streams a slice that is only padding, and a rank's bytes
+(`layout_bytes.rank_bytes(..., rank=r)`) are its real slices (a slice partly past its axis' end,
+e.g. W_kva's chunk 4 on 32 ranks, streams its tail of zeros). The bytes per rank the step is
+priced at are the most any rank reads: rank 0's, which holds real data of every matrix (4.94 GB
+for Kimi K3 on 32 ranks at B = 1; rank 31 reads 3.28 GB).
 
 Why the chunks are whole lane tiles: HBM stores a bf16 array in tiles of 16 rows x 128 lanes
 (`tiled_nbytes`), so a column slice narrower than a lane tile is not read for less. An even split
@@ -61,6 +67,27 @@ def partial_sum_shape(lay: Layout, param: spec.Param) -> tuple[int, ...]:
     """One rank's shape of `param` in partial-sum mode: the kernel's (every rank the same)."""
     ps = partial_layout(lay)
     return local_shape(ps, param.shape, param_shard(ps, param))
+
+
+def padded_splits(lay: Layout, param: spec.Param) -> tuple[tuple[str, int, int], ...]:
+    """(group, axis length, per-rank chunk) of each split of `param` in partial-sum mode that
+    leaves some rank only padding (a chunk starting past the axis' end): the sharded kernel
+    skips such a rank's DMAs of it (`Collectives.live`)."""
+    ps = partial_layout(lay)
+    out = []
+    for axis, group in active_shard(ps, param_shard(ps, param), param.shape):
+        length = param.shape[axis]
+        chunk = ps.local_length(group, length)
+        if (ps.ways(group) - 1) * chunk >= length:
+            out.append((group, length, chunk))
+    return tuple(out)
+
+
+def zero_only(lay: Layout, param: spec.Param, rank: int) -> bool:
+    """Whether `rank`'s partial-sum slice of `param` is only padding (what it skips)."""
+    ps = partial_layout(lay)
+    return any(ps.split(group).index(rank) * chunk >= length
+               for group, length, chunk in padded_splits(ps, param))
 
 
 def tiled_nbytes(shape: tuple[int, ...], dtype: Any) -> int:
@@ -111,8 +138,8 @@ def streamed_zeros(lay: Layout) -> list[Zeros]:
 
 
 def zero_bytes(lay: Layout) -> dict[str, int]:
-    """Per parameter path, the padding bytes the rank with the most padding streams in one step
-    (a routed expert's stack counted whole: its padding, if any, is in every expert)."""
+    """Per parameter path, the padding bytes of the rank whose slice holds the most padding (a
+    slice of padding only is skipped, `zero_only`: what skipping saves that rank)."""
     ps = partial_layout(lay)
     params = dict(leaves_with_path(spec.param_table(ps.cfg)))
     out = {}
