@@ -173,7 +173,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
         for kind, stage in kinds:
             count = len(stage.scratch(cfg, batch))
             scratch[kind], rest = stage.scratch_bundle(tuple(rest[:count])), rest[count:]
-        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers)
+        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers,
+                                             live=coll and coll.live(plan.stream))
                   if plan.stream is not None else None)
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).

@@ -54,6 +54,7 @@ from mkresearch.kernels.sharded import sharded_stream
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
+from mkresearch.sharding import layout_split
 from mkresearch.sharding.layout import Layout, chunk_length
 
 AXIS = "ranks"  # the mesh axis the sharded megakernel runs over
@@ -197,6 +198,22 @@ class Collectives:
         """This rank's slice of `group` (traced)."""
         split = self.layout.split(group)
         return lax.rem(lax.div(self.rank, split.stride), split.ways)
+
+    def live(self, stream: Any) -> dict:
+        """Partial-sum mode: {matrix name: (traced) whether this rank's slice of it holds real
+        data}, for every matrix of the global weight ring (`weight_stream.StreamPlan`) that some
+        rank holds only padding of (a lane-tile chunk past the end of its axis,
+        `layout_split.streamed_zeros`): that rank neither fetches nor multiplies it
+        (`GlobalStream.live`). The exact mode streams every chunk (its bytes are its tests')."""
+        if self.plan.mode == "exact" or stream is None:
+            return {}
+        out = {}
+        for entry in (e for _, entries in stream.stages for e in entries):
+            param = spec.stage(entry.group).params(self.layout.cfg)[entry.key]
+            for group, length, chunk in layout_split.padded_splits(self.layout, param):
+                real = self.index(group) * chunk < length  # the slice starts inside the axis
+                out[entry.name] = jnp.logical_and(out.get(entry.name, True), real)
+        return out
 
     def vocab_limit(self) -> int | None:
         """The vocabulary size when the vocab shards are padded (the last one's tail), else

@@ -326,9 +326,8 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
                ) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
-    partial-sum mode the layout's own row splits (`layout.param_shard`). The split without
-    streamed zeros that `layout_split` designs (`layout_bytes.rank_bytes(..., "partial-sum")`) is
-    not built yet, so it is no part of this answer."""
+    partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
+    bytes its planned DMAs stream, tests/test_layout_split.py)."""
     if sched.collectives == "partial-sum":
         lay = layouts.layout(lay.cfg, lay.n_ranks, lay.name, collectives="partial-sum")
     return layout_bytes.rank_bytes(lay, batch, context)
