@@ -336,9 +336,10 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
 # honestly, every collective: the ~188 of the release (spec/collectives.md) count only its two
 # reductions per layer; our model of its layout, gathers and sibling swaps included, issues 650
-# (`mkresearch predict kimi-k3 --ranks 32`, its colls column). Not built yet: hiding the shared expert's
-# reduction under the routed experts' stream, and a split with no streamed zero columns
-# (`layout_split` designs one: 4.44 GB per rank at B = 1 against the 4.94 GB below). The
+# (`mkresearch predict kimi-k3 --ranks 32`, its colls column). A rank whose lane-tile chunk of a
+# matrix is only padding skips it (`layout_split.streamed_zeros`); the 4.94 GB below are rank 0's,
+# which holds real data of every matrix. Not built yet: hiding the shared expert's reduction under
+# the routed experts' stream, and a split that gives rank 0 fewer bytes. The
 # prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
 # every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
 # --ranks 32` lists them with the reason).
