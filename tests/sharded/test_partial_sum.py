@@ -102,14 +102,21 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
           f"({count} on rank 0), in order")
     # overlap: when a rank first waits for a collective, weight DMAs are in flight (the global
     # ring's next blocks, the first experts' slots), but for the last ones of the step: the
-    # last layer's last reduction and the sampling merge (nothing left to stream)
+    # last layer's last reduction and the sampling merge (nothing left to stream). Held on the
+    # ranks with real data of every matrix (the step is priced at the busiest rank); a rank that
+    # skips slices of padding only (check_zero_only_slices) may have nothing left to fetch
+    skipping = {rank for z in layout_split.streamed_zeros(lay) for rank in z.zero_only}
+    busiest = [rank for rank in range(N_RANKS) if rank not in skipping]
+    assert busiest
     for rank in range(N_RANKS):
         seen = collective_overlap.collective_overlap(log, rank)
         assert len(seen) == count + 1  # the embedding's all-reduce: two phases
         idle = [c["name"] for c in seen if not c["hbm_in_flight"]]
-        assert idle == ["shared/w_down/sum/all_gather", "sampling_state/all_gather"], (rank, idle)
-    print(f"HBM busy (weight DMAs in flight) at {len(seen) - len(idle)} of the {len(seen)} "
-          f"collective waits of rank {rank}: all but {idle}")
+        if rank in busiest:
+            assert idle == ["shared/w_down/sum/all_gather", "sampling_state/all_gather"], \
+                (rank, idle)
+        print(f"rank {rank}: HBM busy (weight DMAs in flight) at {len(seen) - len(idle)} of the "
+              f"{len(seen)} collective waits")
     # one answer for the bytes: each rank's DMA'd HBM bytes per component are layout_bytes'
     test_sharded_decode.check_bytes(lay, 3, log, expert_ids)
     check_zero_only_slices(log, lay)
