@@ -48,25 +48,28 @@ def test_every_preset_both_modes(model, n_ranks):
 
 def test_full_kimi_k3_partial_sum_counts():
     """Kimi K3 on 32 ranks, partial-sum: per layer the attention's W_o partials reduced (MLA's
-    W_qa and W_kva chunks gathered first); per MoE layer the router's and W_ld's chunks
-    gathered, the experts' latent partials reduced (no chain, no expert hidden gathered), the
-    shared expert's W_down partials reduced with W_lu's chunks in the same messages (no gather
-    of their own): 3 reductions per MoE layer."""
+    W_qa and W_kva chunks gathered first, in one all-gather); per MoE layer the router's and
+    W_ld's chunks gathered in one all-gather before top-k, the experts' latent partials reduced
+    (no chain, no expert hidden gathered), the shared expert's W_down partials reduced with
+    W_lu's chunks in the same messages (no gather of their own): 3 reductions per MoE layer.
+    396 collectives per rank and step (512 before the two fused gathers)."""
     cfg = get_config("kimi-k3")
     lay = _layout("kimi-k3", 32)
     ops = cs.collective_schedule(lay, 1)
     moe = [op.name for op in ops if op.stage == "moe" and op.layer == cfg.moe_layers[0]]
-    assert moe == ["router/w_router", "latent/w_ld", "expert/sum", "shared/w_down/sum"]
+    assert moe == ["router/w_router+latent/w_ld", "expert/sum", "shared/w_down/sum"]
+    fused = next(op for op in ops if op.name == "router/w_router+latent/w_ld")
+    assert fused.carries == ("router/w_router",) and fused.wait_before == cs.EXPERTS
     assert next(op.carries for op in ops if op.name == "shared/w_down/sum") == ("latent/w_lu",)
     attention = [op.name for op in ops if op.layer == cfg.mla_layers[0] and op.stage == "mla"]
-    assert attention == ["mla.w_qa", "mla.w_kva", "mla.w_o/sum"]
-    expected = 2 + len(cfg.layers) + len(cfg.dense_layers) + 2 * len(cfg.mla_layers) \
-        + 4 * len(cfg.moe_layers)
+    assert attention == ["mla.w_qa+mla.w_kva", "mla.w_o/sum"]
+    expected = 2 + len(cfg.layers) + len(cfg.dense_layers) + len(cfg.mla_layers) \
+        + 3 * len(cfg.moe_layers)
     summary = cs.summary(ops)
     exact = cs.summary(cs.collective_schedule(lay, 1, "exact", expert_counts=(2,) * 92))
     print(f"kimi-k3 on 32 ranks: partial-sum {summary}; exact (2 experts per group and layer) "
           f"{exact}")
-    assert summary["collectives"] == expected == 512
+    assert summary["collectives"] == expected == 396
     assert summary["reductions_critical_max"] == 3
 
 

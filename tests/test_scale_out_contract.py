@@ -7,14 +7,11 @@ import pytest
 from mkresearch.kernels.compose import collective_schedule as cs
 
 from mkresearch.cli import main as cli
-from mkresearch.model import spec
 from mkresearch.model.config import get_config
 from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import collective_plan, scale_out
 from mkresearch.prediction import interconnect as links
 from mkresearch.sharding import layout as layouts
-from mkresearch.sharding import layout_bytes
-from mkresearch.sharding import layout_split as split
 
 US = 1e-6
 
@@ -62,7 +59,7 @@ def test_the_program_is_the_kernels_collective_schedule(mode):
     cfg = get_config("kimi-k3")
     lay = layouts.layout(cfg, 32)
     _, programs = scale_out.rank_programs(cfg, 32, "ours", 1,
-                                          schedule=scale_out.our_schedule(cfg, mode))
+                                          schedule=scale_out.our_schedule(cfg, mode, 32))
     started = [(op[1].split("#")[0], op[4]) for op in programs[0] if op[0] == "start"]
     counts = tuple(int(c) for c in scale_out.routed_experts(cfg, lay, 1)[:, 0])
     ops = cs.collective_schedule(lay, 1, mode, rank=0, expert_counts=counts)
@@ -73,9 +70,10 @@ def test_the_program_is_the_kernels_collective_schedule(mode):
 
 def test_kimi_k3_partial_sum_against_exact_and_the_release():
     """Partial sums, as the kernel is built: fewer collectives and a shorter step than the exact
-    mode at every batch; below the release's published step from B = 2 on, above it at B = 1
-    as the model stands (the issue's goals, <= 200 collectives and B = 1 <= 2.5 ms, are not
-    reached: 512 collectives and about 4.3 ms). The parts sum to the step."""
+    mode at every batch; below the release's published step at every batch as the model stands
+    (the 8-slot ring keeps 7 weight blocks in flight while a collective is waited for; the issue's
+    goals, <= 200 collectives and B = 1 <= 2.5 ms, are not reached: 396 collectives and about
+    3.7 ms). The parts sum to the step."""
     cfg = get_config("kimi-k3")
     for batch in (1, 2, 4, 8):
         part = scale_out.predict(cfg, 32, "ours", batch)
@@ -86,70 +84,11 @@ def test_kimi_k3_partial_sum_against_exact_and_the_release():
               f"{part['published_step_s'] * 1e3:.2f} ms")
         assert part["algorithm"] == "auto" and part["schedule"]["collectives"] == "partial-sum"
         assert part["step_s"] < exact["step_s"]
-        assert (part["step_s"] < part["published_step_s"]) == (batch >= 2)
+        assert part["step_s"] < part["published_step_s"]
         assert part["collectives_per_rank"] < exact["collectives_per_rank"]
         assert sum(part["parts_s"].values()) == pytest.approx(part["step_s"], rel=1e-9)
     b1 = scale_out.predict(cfg, 32, "ours", 1)
-    assert 4.0e-3 < b1["step_s"] < 5.5e-3 and b1["collectives_per_rank"] > 200
-
-
-FAMILIES = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
-
-
-@pytest.mark.parametrize("model", FAMILIES)
-def test_no_rank_streams_only_padding(model):
-    """Every family's hidden size over 32 ranks: the lane-tile chunks leave ranks empty unless
-    the size is 32 x 128 (7,168: ranks 28-31; GLM's 5,120: 12 ranks); the balanced split gives every rank real
-    columns, the pieces one apart and summing to the size."""
-    cfg = get_config(model)
-    d = cfg.d_model
-    pieces = split.balanced(d, 32)
-    assert sum(pieces) == d and min(pieces) > 0 and max(pieces) - min(pieces) <= 1
-    chunk = layouts.chunk_length(d, 32)
-    empty = sum(1 for r in range(32) if r * chunk >= d)
-    print(f"{model}: d = {d}: lane chunks of {chunk} leave {empty} ranks empty; balanced "
-          f"{max(pieces)} / {min(pieces)}")
-    assert empty == {7168: 4, 5120: 12, 4096: 0}[d]
-    # in partial-sum mode no matrix's split leaves a rank all zeros: every split axis of every
-    # parameter is the balanced one or an exact split
-    lay = layouts.layout(cfg, 32)
-    table = layouts.leaves_with_path(spec.param_table(cfg))
-    for path, param in table:
-        shape = split.partial_sum_shape(lay, param)
-        assert all(0 < n <= m for n, m in zip(shape, param.shape, strict=True)), path
-
-
-def test_kimi_k3_per_rank_bytes_in_partial_sum_mode():
-    """Kimi K3 on 32 ranks at B = 1. The kernel as built in partial-sum mode (W_o, W_down and the
-    experts' W2 split by rows, `layout.param_shard`) reads 4.94 GB per rank, and predict counts
-    that; the split without streamed zeros that `layout_split` designs (not built yet) would read
-    <= 4.6 GB; the exact mode's lane-tile chunks read 4.96 GB."""
-    cfg = get_config("kimi-k3")
-    lay = layouts.layout(cfg, 32)
-    exact = layout_bytes.rank_bytes(lay, 1)
-    built = layout_bytes.rank_bytes(layouts.layout(cfg, 32, collectives="partial-sum"), 1)
-    designed = layout_bytes.rank_bytes(lay, 1, collectives="partial-sum")
-    print(f"per-rank bytes: exact {exact.total / 1e9:.2f} GB, partial-sum as built "
-          f"{built.total / 1e9:.2f}, designed without zeros {designed.total / 1e9:.2f}")
-    assert designed.total <= 4.6e9 < built.total < exact.total
-    assert (round(exact.total / 1e9, 2), round(built.total / 1e9, 2)) == (4.96, 4.94)
-    # the routed experts, the LM head and the states are the same either way
-    for name in ("routed_experts", "lm_head", "kda_state"):
-        assert designed.component(name) == exact.component(name) == built.component(name)
-    assert scale_out.predict(cfg, 32, "ours", 1)["rank_bytes"] == built.total
-    assert scale_out.predict(cfg, 32, "ours", 1, collectives="exact")["rank_bytes"] == exact.total
-
-
-@pytest.mark.parametrize("length, ways, unit, pieces", [
-    (7168, 32, 1, (224,) * 32), (896, 32, 1, (28,) * 32), (10, 4, 1, (3, 3, 2, 2)),
-    (7168, 32, 128, (256,) * 24 + (128,) * 8), (100, 3, 16, (48, 32, 20))])
-def test_balanced_pieces(length, ways, unit, pieces):
-    assert split.balanced(length, ways, unit) == pieces
-
-
-def test_balanced_refuses_an_empty_rank():
-    with pytest.raises(ValueError, match="length"):
-        split.balanced(100, 32, 16)
+    assert 3.0e-3 < b1["step_s"] < 4.02e-3 and b1["collectives_per_rank"] > 200
 
 
 @pytest.mark.parametrize("mode", cs.MODES)

@@ -102,6 +102,15 @@ def stream_matmul(stream: Any, x: jax.Array, w_hbm: Any, *, rows: int, name: str
     return stream.matmul(x, w_hbm, rows=rows, name=name, **indices)
 
 
+def stream_matmuls(stream: Any, x: jax.Array, parts: tuple, **indices: Any) -> list:
+    """x [M, K] times each (w_hbm [K, N], rows, name) of `parts`, in order -> [[M, N] f32 each]:
+    the stream's own `matmuls` if it has one (a rank's: matrices of the same input whose column
+    chunks one all-gather carries, `sharded_stream.ShardedStream`), else one matmul after another."""
+    if hasattr(stream, "matmuls"):
+        return stream.matmuls(x, parts, **indices)
+    return [stream.matmul(x, w, rows=rows, name=name, **indices) for w, rows, name in parts]
+
+
 def _ring_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> jax.Array:
     k, n = w_hbm.shape
     m = x.shape[0]

@@ -152,9 +152,21 @@ class GlobalStream:
     others from a local ring, blocks.LOCAL_STREAM)."""
 
     def __init__(self, plan: StreamPlan, ring_ref: Any, sems_ref: Any, base_smem: Any,
-                 weights: dict, table_smem: Any, n_layers: int) -> None:
+                 weights: dict, table_smem: Any, n_layers: int, live: dict | None = None) -> None:
         self.plan, self.ring, self.sems, self.base = plan, ring_ref, sems_ref, base_smem
         self.weights, self.table, self.n_layers = weights, table_smem, n_layers
+        # matrix name -> (traced) whether this rank's slice holds real data: a slice that is only
+        # padding (a sharded rank's, `Collectives.live`) is neither fetched nor multiplied; its
+        # ring slots stay reserved, so every other block keeps its slot
+        self.live = live or {}
+
+    def when_live(self, kind: str, position: int, fn: Any) -> None:
+        """fn() for block `position` of the stage `kind`, only where its slice is real."""
+        live = self.live.get(self.plan.blocks(kind)[position][0].name)
+        if live is None:
+            fn()
+        else:
+            pl.when(live)(lambda: [fn(), None][1])  # a cond branch returns nothing
 
     # -- the layer table: kind and index within its kind of a (traced) layer ---------------------
     def _row(self, layer, column):
@@ -184,7 +196,8 @@ class GlobalStream:
             for position in range(self.plan.depth - 1):
                 @pl.when(predicate)
                 def _(kind=kind, position=position, index=index):
-                    self._copy(kind, position, index, 0, 0).start()
+                    self.when_live(kind, position,
+                                   lambda: self._copy(kind, position, index, 0, 0).start())
 
     def stage(self, kind: str, layer, index) -> StageStream:
         return StageStream(self, kind, layer, index)
@@ -217,7 +230,8 @@ class StageStream:
         """Start block `target` of the sequence continuing from this stage's block 0."""
         stream, kind, length = self.stream, self.kind, len(self.plan.blocks(self.kind))
         if target < length:
-            stream._copy(kind, target, self.index, stream.base[0], self.layer).start()
+            stream.when_live(kind, target, lambda: stream._copy(
+                kind, target, self.index, stream.base[0], self.layer).start())
             return
         position = target - length
         base = lax.rem(stream.base[0] + length, self.plan.depth)
@@ -231,7 +245,8 @@ class StageStream:
         for next_kind, predicate, index in options:
             @pl.when(jnp.logical_and(guard, predicate))
             def _(next_kind=next_kind, index=index):
-                stream._copy(next_kind, position, index, base, layer).start()
+                stream.when_live(next_kind, position, lambda: stream._copy(
+                    next_kind, position, index, base, layer).start())
 
     def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
                **indices: Any) -> jax.Array:
@@ -251,14 +266,18 @@ class StageStream:
         for block in range(entry.n_blocks):
             position = self.position
             self._start_ahead(position + depth - 1)
-            stream._copy(self.kind, position, self.index, stream.base[0], self.layer).wait()
+            stream.when_live(self.kind, position, lambda position=position: stream._copy(
+                self.kind, position, self.index, stream.base[0], self.layer).wait())
             slot = lax.rem(stream.base[0] + position, depth)
             w_block = stream.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]
             with dma.phase(f"{entry.name}/matmul", flops=2 * x.shape[0] * entry.rows * entry.n,
                            vmem_bytes=entry.rows * entry.n * 2, block=block, layer=self.layer):
                 acc += blocks.dot(x[:, block * entry.rows:(block + 1) * entry.rows], w_block)
             self.position += 1
-        return acc
+        live = stream.live.get(entry.name)
+        # a slice of padding only: zeros (the product of its zero rows or columns), not the
+        # stale slot it did not fetch
+        return acc if live is None else jnp.where(live, acc, 0.0)
 
 
 # ---- the same ring as data: the DMAs GlobalStream issues, before anything is traced ----------
@@ -269,9 +288,14 @@ class RingSchedule:
     attention) and the layer boundary (the next layer's attention after the FFN, none after the
     last layer), of the one kind the table selects. The twin of GlobalStream / StageStream."""
 
-    def __init__(self, plan: StreamPlan, table: tuple[int, ...], n_layers: int) -> None:
+    def __init__(self, plan: StreamPlan, table: tuple[int, ...], n_layers: int,
+                 live: dict | None = None) -> None:
         self.plan, self.table, self.n_layers = plan, table, n_layers
         self.base = 0  # the ring slot of the current stage's block 0
+        self.live = live or {}  # matrix name -> False: a rank's slice of padding (GlobalStream)
+
+    def is_live(self, kind: str, position: int) -> bool:
+        return self.live.get(self.plan.blocks(kind)[position][0].name, True)
 
     def _kind(self, layer: int, attention: bool) -> str:
         """The kind the table selects for the attention or the FFN of `layer`."""
@@ -288,7 +312,8 @@ class RingSchedule:
     def prologue(self) -> list[planned.PlannedDma]:
         """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
         kind = self._kind(0, attention=True)
-        return [self._start(kind, position, 0, 0) for position in range(self.plan.depth - 1)]
+        return [self._start(kind, position, 0, 0) for position in range(self.plan.depth - 1)
+                if self.is_live(kind, position)]
 
     def stage(self, kind: str, layer: int) -> StageRingSchedule:
         return StageRingSchedule(self, kind, layer)
@@ -308,7 +333,8 @@ class StageRingSchedule:
     def _start_ahead(self, target: int) -> list[planned.PlannedDma]:
         ring = self.ring
         if target < self.length:
-            return [ring._start(self.kind, target, ring.base, self.layer)]
+            return ([ring._start(self.kind, target, ring.base, self.layer)]
+                    if ring.is_live(self.kind, target) else [])
         base = (ring.base + self.length) % ring.plan.depth
         if self.kind in ring.plan.attention and not ring.plan.ffn_transparent:  # this FFN
             layer, attention = self.layer, False
@@ -316,7 +342,10 @@ class StageRingSchedule:
             layer, attention = self.layer + 1, True
         else:
             return []
-        return [ring._start(ring._kind(layer, attention), target - self.length, base, layer)]
+        kind = ring._kind(layer, attention)
+        if not ring.is_live(kind, target - self.length):
+            return []
+        return [ring._start(kind, target - self.length, base, layer)]
 
     def matmul(self, call: Any, name: str, weight: Any, rows: int,
                indices: dict) -> list[planned.PlannedDma]:
@@ -332,8 +361,9 @@ class StageRingSchedule:
         out = []
         for _ in range(entry.n_blocks):
             out += self._start_ahead(self.position + self.ring.plan.depth - 1)
-            out.append(self.ring._start(self.kind, self.position, self.ring.base,
-                                        self.layer).waited())
+            if self.ring.is_live(self.kind, self.position):
+                out.append(self.ring._start(self.kind, self.position, self.ring.base,
+                                            self.layer).waited())
             self.position += 1
         return out
 

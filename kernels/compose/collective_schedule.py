@@ -22,16 +22,21 @@ issued after and what waits for it. Two modes:
                weighted sum is such a reduction over every rank in rank order (no chain, no
                gather of an expert's hidden). The column gathers of the small down-projections
                (W_qa, W_kva, the router, W_ld) stay: the model needs those vectors whole (a norm
-               or top-k follows). W_lu's column chunks (RIDERS: needed only at the stage's end)
-               travel in the messages of the shared expert's W_down reduction (`carries`), no
-               collective of their own. Partial sums travel as `wire` (f32, or bf16: each
-               rank's partial rounded once before the sum). Per MoE layer three reductions
-               (attention, routed, shared) and two gathers, all waited for at once
-               (`critical`); not yet: the shared expert's sum hidden behind the routed experts'
-               stream, the router and W_ld chunks gathered together, ETP > 1 numerics (each
-               expert's partial output is rounded to bf16 before the sum).
+               or top-k follows), two of them fused (FUSED_GATHERS, `Rule.joins`): the
+               router's and W_ld's chunks (both of the normed x) travel in one all-gather, issued
+               right after W_ld's last block and waited for before top-k; W_qa's and W_kva's
+               likewise (the MLA body streams W_kva before W_qb). W_lu's column chunks (RIDERS:
+               needed only at the stage's end) travel in the messages of the shared expert's
+               W_down reduction (`carries`), no collective of their own. Partial sums travel as
+               `wire` (f32, or bf16: each rank's partial rounded once before the sum). Per MoE
+               layer three reductions (attention, routed, shared) and one gather, each waited
+               for right after it is issued (`critical`: only the weight blocks the global ring
+               has in flight overlap it); not yet: the shared expert's sum hidden behind the
+               routed experts' stream, ETP > 1 numerics (each expert's partial output is rounded
+               to bf16 before the sum).
 
-Names follow the kernel's DMA log: a collective named N logs its remote copies as
+Names follow the kernel's DMA log (a fused gather: its matrices' names joined by "+",
+`sharded_stream.fused_name`): a collective named N logs its remote copies as
 `N/all_gather` (and `N/reduce_scatter` for the exact mode's reduce-scatter + all-gather, `N/chain`
 for the chain). `payload_bytes` is `interconnect.price`'s nbytes: an all-gather's piece per member,
 an all-reduce's whole vector, a chain's running sum. `algorithm` is "one-shot" for every
@@ -49,8 +54,8 @@ from dataclasses import dataclass
 
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.compose import megakernel_plan
-from mkresearch.kernels.sharded import collectives
-from mkresearch.kernels.stages import experts
+from mkresearch.kernels.sharded import collectives, sharded_stream
+from mkresearch.kernels.stages import experts, router
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
@@ -61,6 +66,13 @@ WIRES = ("f32", "bf16")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 KINDS = ("all-gather", "all-reduce", "chain")
 F32 = 4
+FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
+             "the second's last block, waited right away (its values are needed next)")
+RIDING_WHY = ("not issued before the routed experts' stream (where the release hides it): it "
+              "carries W_lu's chunks, which need the routed sum; streaming the shared expert "
+              "first would give W_lu a collective of its own on the critical path, 2 per MoE "
+              "layer either way, so no shorter predicted step")
+EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 # column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
 # heads, FFN hidden and expert columns stay this rank's
@@ -68,6 +80,10 @@ GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 # matrices whose whole output is needed only at their stage's end (it joins the stage's sum):
 # in partial-sum mode their column chunks ride with the stage's next reduction (`Rule.rides`)
 RIDERS = (experts.LATENT_UP,)
+# (first, second): column-split matrices of one stage computed from the same input, whose chunks
+# one all-gather carries in partial-sum mode (`Rule.joins`): the router's logits with W_ld's
+# latent (both of the normed x), W_qa's columns with W_kva's
+FUSED_GATHERS = ((router.W_ROUTER, experts.LATENT_DOWN), ("mla.w_qa", "mla.w_kva"))
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ class CollectiveOp:
     matrix: str = ""  # the streamed matrix it serves (DMA-log name), if any
     role: str = ""  # "input" (gathered before the matrix), "output" (after), "sum", ""
     carries: tuple[str, ...] = ()  # matrices whose column chunks ride in its messages
+    why: str = ""  # why it is issued and waited where it is (the plan's listing says it)
 
     @property
     def op(self) -> str:
@@ -134,7 +151,22 @@ def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
             if out is not None or gather is not None or reduce is not None:
                 rules.append(collectives.Rule(m.name, out, n, gather, k, reduce))
         rules[first:] = _riding(rules[first:])
+        if lay.collectives == layouts.PARTIAL_SUM:
+            rules[first:] = _joining(rules[first:])
     return tuple(rules)
+
+
+def _joining(rules: list[collectives.Rule]) -> list[collectives.Rule]:
+    """One stage's rules with the first matrix of each FUSED_GATHERS pair whose both chunks are
+    gathered joining the second's gather (`Rule.joins`): one collective less per pair."""
+    by_name = {r.name: i for i, r in enumerate(rules)}
+    out = list(rules)
+    for first, second in FUSED_GATHERS:
+        if first in by_name and second in by_name and all(
+                out[by_name[m]].out is not None and out[by_name[m]].rides is None
+                and out[by_name[m]].gather is None for m in (first, second)):
+            out[by_name[first]] = dataclasses.replace(out[by_name[first]], joins=second)
+    return out
 
 
 def _riding(rules: list[collectives.Rule]) -> list[collectives.Rule]:
@@ -193,7 +225,7 @@ def _embed(cfg, batch, everyone) -> CollectiveOp:
 
 @functools.lru_cache(maxsize=1024)
 def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...]:
-    """One stage's collectives (layer -2: the caller sets it), as `collectives.ShardedStream`
+    """One stage's collectives (layer -2: the caller sets it), as `sharded_stream.ShardedStream`
     and `Collectives.combine_items` issue them."""
     lay = dataclasses.replace(lay, collectives=mode)
     names = tuple(m.name for m in registry.kernel_stage(kind).streamed(lay.cfg))
@@ -216,12 +248,18 @@ def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...
                         lay.slice_firsts(rule.reduce), matrix=name),
                 payload_bytes=b * rule.n * WIRE_BYTES[wire] + sum(
                     b * F32 * _lanes(lay.local_length(r.out, r.n)) for r in riders),
-                carries=tuple(r.name for r in riders)))
-        if rule is not None and rule.out is not None and rule.rides is None:
-            out.append(ctx.op(name, "all-gather", ctx.everyone,
-                              b * F32 * _lanes(lay.local_length(rule.out, rule.n)),
-                              issue_after=name, wait_before=ctx.after(i), matrix=name,
-                              role="output"))
+                carries=tuple(r.name for r in riders), why=RIDING_WHY if riders else ""))
+        if (rule is not None and rule.out is not None and rule.rides is None
+                and rule.joins is None):
+            joined = [r for r in rules.values() if r.joins == name]
+            width = sum(lay.local_length(r.out, r.n) for r in (*joined, rule))
+            out.append(ctx.op(sharded_stream.fused_name([*(r.name for r in joined), name]),
+                              "all-gather", ctx.everyone, b * F32 * _lanes(width),
+                              issue_after=name,
+                              wait_before=EXPERTS if name == routing else ctx.after(i),
+                              matrix=name, role="output",
+                              carries=tuple(r.name for r in joined),
+                              why=FUSED_WHY if joined else ""))
         if name == routing:
             out += _experts(ctx, items, ctx.after(i))
     return tuple(out)
@@ -268,7 +306,7 @@ def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
     lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
     if lay.collectives != layouts.EXACT:
         width = layouts.expert_output_width(cfg)
-        return [ctx.sum("expert/sum", b * width, "routed experts", before, ctx.everyone)]
+        return [ctx.sum("expert/sum", b * width, EXPERTS, before, ctx.everyone)]
     out = []
     if lay.etp > 1 and items:
         out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,

@@ -173,7 +173,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
         for kind, stage in kinds:
             count = len(stage.scratch(cfg, batch))
             scratch[kind], rest = stage.scratch_bundle(tuple(rest[:count])), rest[count:]
-        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers)
+        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers,
+                                             live=coll and coll.live(plan.stream))
                   if plan.stream is not None else None)
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
@@ -197,8 +198,10 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                     embedded = blocks.put_row(embedded, b, row)
                 residual.start(hidden, embedded.astype(jnp.bfloat16))  # [B, d], exactly E[token]
 
+        if stream is not None and coll is not None:  # a rank: layer 0's first weight blocks
+            stream.prologue()  # fly while the embedding's all-reduce is waited for
         pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
-        if stream is not None:  # layer 0's first weight blocks fly from the start
+        if stream is not None and coll is None:  # layer 0's first weight blocks fly from the start
             stream.prologue()
 
         def load_vectors(layer):  # this layer's residual weights and norm gains, [1, d] each

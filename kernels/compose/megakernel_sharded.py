@@ -9,7 +9,7 @@ kernel:
   weight stream   a matrix whose input arrives split (the heads' outputs before W_o, a hidden
                   slice before W_down) gets it all-gathered first; a matrix split by its output
                   columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router) gives this
-                  rank's column chunk, and the chunks are all-gathered (`collectives.ShardedStream`)
+                  rank's column chunk, and the chunks are all-gathered (`sharded_stream.ShardedStream`)
   routed experts  each rank its expert group's experts (EP) and their TP slice (ETP: W1, W3
                   hidden columns, W2 latent columns, the hidden all-gathered in the group); the
                   weighted sum runs down the chain of expert groups in ascending id
@@ -95,6 +95,29 @@ def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
     return spec.stage(kind).params(cfg)[key]
 
 
+# partial-sum mode: the global ring's slots on a rank (7 weight blocks in flight while the rank
+# waits for a collective, each one cfg.ring_block_bytes of VMEM: 10 MiB more than the preset's 3
+# slots at Kimi K3's 2 MiB blocks)
+PARTIAL_SUM_RING_DEPTH = 8
+
+
+def ring_depth(lay: layouts.Layout, local: Any = None) -> int:
+    """The global weight ring's depth on a rank of `lay`: exact mode, cfg.ring_depth (the kernel
+    as built); partial-sum mode, deepened to PARTIAL_SUM_RING_DEPTH so that the next weight blocks
+    keep HBM busy while a collective is waited for, as far as the lookahead (depth - 1 blocks)
+    stays within the rank's shortest stage. local: the rank's streamed matrices (`make_sharded_plan`;
+    default the layout's)."""
+    cfg = lay.cfg
+    if lay.collectives != layouts.PARTIAL_SUM:
+        return cfg.ring_depth
+    if local is None:
+        def local(kind, m):
+            shard = layouts.param_shard(lay, _layer_param(cfg, kind, m.key))
+            return registry.Streamed(m.key, m.name, layouts.local_shape(lay, m.shape, shard))
+    shortest = weight_stream.make_stream_plan(cfg.replace(ring_depth=2), local).shortest()
+    return max(2, min(max(cfg.ring_depth, PARTIAL_SUM_RING_DEPTH), shortest + 1))
+
+
 def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> int:
     """One rank's weights, caches and states against one device's HBM (ValueError if over)."""
     needed = (roofline.tree_bytes(layouts.rank_param_shapes(lay))
@@ -126,33 +149,36 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
     if options.expert_plan != "unique":
         raise ValueError(f"expert_plan={options.expert_plan!r} is invalid for a sharded model: "
                          "'unique' (each rank fetches the distinct experts of its group)")
-    kcfg = mplan.check_model(kernel_config(lay))
     batch = int(batch)
     check_fits_hbm(lay, options.chip, batch, seq_len)
-    stage_plans = tuple((kind, registry.kernel_stage(kind).plan(kcfg, batch, seq_len, options))
-                        for kind in kcfg.kinds)
-    vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
 
     def local(kind, m):
         shape = layouts.local_shape(lay, m.shape,
                                     layouts.param_shard(lay, _layer_param(cfg, kind, m.key)))
         return registry.Streamed(m.key, m.name, shape)
 
-    stream = weight_stream.make_stream_plan(cfg, local) if options.global_stream else None
+    depth = ring_depth(lay, local) if options.global_stream else cfg.ring_depth
+    stream = (weight_stream.make_stream_plan(cfg.replace(ring_depth=depth), local)
+              if options.global_stream else None)
     if stream is not None:
         shortest = stream.shortest()
-        if cfg.ring_depth - 1 > shortest:
+        if depth - 1 > shortest:
             raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
                              f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
                              f"streams {shortest} blocks)")
+    kcfg = mplan.check_model(kernel_config(lay).replace(ring_depth=depth))
+    stage_plans = tuple((kind, registry.kernel_stage(kind).plan(kcfg, batch, seq_len, options))
+                        for kind in kcfg.kinds)
+    vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
     rules = collective_rules(lay)
     pieces = {"all": [sharded_stages.STATE_LANES],
               "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
     for rule in rules:
         if rule.gather is not None and rule.gather != spec.EXPERT_TP:
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
-        if rule.out is not None:
-            pieces["all"].append(lay.local_length(rule.out, rule.n))
+        if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
+            pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in rules
+                                     if r is rule or r.joins == rule.name))
         if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank, and
             # the column chunks riding with it (`Rule.rides`)
             pieces["all"].append(rule.n + sum(lay.local_length(r.out, r.n) for r in rules

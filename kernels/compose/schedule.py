@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import jax
 import numpy as np
 from mkresearch.kernels.base import blocks, costs, planned, registry
 from mkresearch.kernels.base.planned import PlannedDma, StageCall
@@ -43,11 +44,12 @@ from mkresearch.kernels.base.weight_stream import (
     TABLE_FIELDS,
     RingSchedule,
 )
-from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel, megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS, MegaPlan
 from mkresearch.kernels.stages import residuals, sampling
 
 from mkresearch.model import spec
+from mkresearch.sharding import layout_split
 
 TRUNK_STAGES = ("embedding", "residual", "sampling")  # the stages of the trunk, in step order
 WEIGHT_BUFFERS = (planned.WEIGHT_RING, planned.LOCAL_RING)  # a stage's streamed weight blocks
@@ -96,17 +98,22 @@ def _routing(plan: MegaPlan, expert_ids: Any) -> tuple[dict[int, np.ndarray], tu
 
 
 # ---- the schedule --------------------------------------------------------------------------------
-def schedule(plan: MegaPlan, positions: Any = None, expert_ids: Any = None) -> StepSchedule:
+def schedule(plan: MegaPlan, positions: Any = None, expert_ids: Any = None, *,
+             operands: tuple | None = None, live: dict | None = None) -> StepSchedule:
     """Every DMA the megakernel step of `plan` issues, in order (see the module docstring).
-    positions [B]; expert_ids [n_routed_layers, B, k]; either None: the worst case."""
+    positions [B]; expert_ids [n_routed_layers, B, k]; either None: the worst case. operands:
+    (prepared weights, state) shape structs of the kernel's Refs when they are not those of
+    plan.cfg: one rank of the sharded megakernel (its slices of W_o, W_lu, ..., `rank_operands`);
+    live: that rank's ring matrices it skips, {name: False} (`rank_live`)."""
     if not isinstance(plan, MegaPlan):
         raise ValueError(f"plan={plan!r} is invalid: a MegaPlan (megakernel_plan.make_plan)")
     cfg, batch = plan.cfg, plan.batch
     rows, row_note = _positions(plan, positions)
     routing, routing_note = _routing(plan, expert_ids)
-    _, prepared, state = megakernel.step_shapes(plan)  # the kernel's operands, shapes only
+    # the kernel's operands, shapes only
+    prepared, state = megakernel.step_shapes(plan)[1:] if operands is None else operands
     residual = residuals.RESIDUALS[cfg.residual]
-    ring = (RingSchedule(plan.stream, plan.layer_table, cfg.n_layers)
+    ring = (RingSchedule(plan.stream, plan.layer_table, cfg.n_layers, live)
             if plan.stream is not None else None)
 
     def trunk(stage, layer=None):
@@ -148,6 +155,24 @@ def schedule(plan: MegaPlan, positions: Any = None, expert_ids: Any = None) -> S
     events += head + [dma.waited() for dma in head]
     events += sampling.lm_head_dmas(call, prepared["lm_head"], plan.vocab_tile)
     return StepSchedule(plan, tuple(events), rows, row_note + routing_note)
+
+
+def rank_operands(plan: Any) -> tuple:
+    """(prepared weights, state) shape structs of one rank of a sharded megakernel build
+    (`megakernel_sharded.ShardedPlan`): what `schedule(plan.mega, operands=...)` streams, every
+    rank's slices having one shape."""
+    _, weights, state = megakernel_sharded.step_shapes(plan)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), (weights, state))
+
+
+def rank_live(plan: Any, rank: int) -> dict:
+    """{ring matrix name: False} for the matrices of which `rank` of a sharded build holds only
+    padding in partial-sum mode: it skips their DMAs (`Collectives.live`)."""
+    lay = plan.layout
+    if lay.collectives == "exact" or plan.mega.stream is None:
+        return {}
+    return {e.name: False for _, entries in plan.mega.stream.stages for e in entries
+            if layout_split.zero_only(lay, spec.stage(e.group).params(lay.cfg)[e.key], rank)}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One `pallas_call` per step runs on every rank (`jax.shard_map` over a 1-D mesh axis `AXIS`);
 ranks exchange data through remote DMAs into each other's VMEM (`pltpu.make_async_remote_copy`,
-logged by `dma.RemoteCopy` with source and destination rank). Every matrix splits by its output
+logged by `dma.RemoteCopy` with source and destination rank); a stage's weight stream on a
+rank: `sharded_stream.ShardedStream`. Every matrix splits by its output
 columns (`mkresearch.sharding.layout`), so ranks never add partial products of one contraction: each value
 is computed whole on one rank, in the single-device kernel's order, and then moved.
 
@@ -22,7 +23,10 @@ is computed whole on one rank, in the single-device kernel's order, and then mov
                  a matrix split by its rows, every rank's sent to every peer (one-shot) and
                  added in one fixed order on every rank; the routed experts' sum is one too;
                  column chunks of a matrix needed only at the stage's end (`Rule.rides`: W_lu)
-                 travel in the same messages as the stage's last reduction (`settle`)
+                 travel in the same messages as the stage's last reduction (`settle`); the
+                 chunks of two matrices of the same input (`Rule.joins`: the router's with W_ld's,
+                 W_qa's with W_kva's) travel in one all-gather
+                 (`sharded_stream.ShardedStream.matmuls`)
 
 Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
 collective: data of collective k + 2 can only arrive once its sender has finished collective
@@ -45,10 +49,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma
+from mkresearch.kernels.base import dma
+from mkresearch.kernels.sharded import sharded_stream
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
+from mkresearch.sharding import layout_split
 from mkresearch.sharding.layout import Layout, chunk_length
 
 AXIS = "ranks"  # the mesh axis the sharded megakernel runs over
@@ -82,6 +88,10 @@ class Rule:
     # partial-sum: the output's column chunks travel in the messages of this later reduction of
     # the stage (a matrix whose whole output is needed only at the stage's end: W_lu), not alone
     rides: str | None = None
+    # partial-sum: the output's column chunks travel in the gather of this later matrix of the
+    # stage, computed from the same input (the router's with W_ld's, W_qa's with W_kva's): one
+    # all-gather carries both (`sharded_stream.ShardedStream.matmuls`)
+    joins: str | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,22 @@ class Collectives:
         """This rank's slice of `group` (traced)."""
         split = self.layout.split(group)
         return lax.rem(lax.div(self.rank, split.stride), split.ways)
+
+    def live(self, stream: Any) -> dict:
+        """Partial-sum mode: {matrix name: (traced) whether this rank's slice of it holds real
+        data}, for every matrix of the global weight ring (`weight_stream.StreamPlan`) that some
+        rank holds only padding of (a lane-tile chunk past the end of its axis,
+        `layout_split.streamed_zeros`): that rank neither fetches nor multiplies it
+        (`GlobalStream.live`). The exact mode streams every chunk (its bytes are its tests')."""
+        if self.plan.mode == "exact" or stream is None:
+            return {}
+        out = {}
+        for entry in (e for _, entries in stream.stages for e in entries):
+            param = spec.stage(entry.group).params(self.layout.cfg)[entry.key]
+            for group, length, chunk in layout_split.padded_splits(self.layout, param):
+                real = self.index(group) * chunk < length  # the slice starts inside the axis
+                out[entry.name] = jnp.logical_and(out.get(entry.name, True), real)
+        return out
 
     def vocab_limit(self) -> int | None:
         """The vocabulary size when the vocab shards are padded (the last one's tail), else
@@ -344,17 +370,25 @@ class Collectives:
         total = everyone[summed[0]][:, :width]
         for r in summed[1:]:
             total = total + everyone[r][:, :width]
-        wholes, start = [], width
-        for rule, chunk in riders:
-            stop = start + chunk.shape[1]
-            wholes.append(self._assemble([m[:, start:stop] for m in everyone], rule.out,
-                                         rule.n).astype(chunk.dtype))
+        wholes = self._unpack(everyone, [(rule, chunk.shape[1]) for rule, chunk in riders], width)
+        return total, [whole.astype(chunk.dtype) for whole, (_, chunk) in zip(wholes, riders,
+                                                                               strict=True)]
+
+    def _unpack(self, everyone: list, pieces: list, start: int) -> list:
+        """Every member's message [B, w] -> for each (rule, width) of `pieces`, laid side by
+        side from column `start` on: its whole output [B, rule.n] (the members' column chunks
+        put together by `rule.out`)."""
+        wholes = []
+        for rule, width in pieces:
+            stop = start + width
+            wholes.append(self._assemble([m[:, start:stop] for m in everyone], rule.out, rule.n))
             start = stop
-        return total, wholes
+        return wholes
 
     def settle(self, outputs: dict) -> dict:
         """A stage's outputs {matrix name: value} with the collectives its stream left to the
-        stage's end done (`ShardedStream.matmul`): each reduction of a matrix that others ride
+        stage's end done (`sharded_stream.ShardedStream.matmul`): each reduction of a matrix that
+        others ride
         with, run once with their column chunks in its messages -> {name: the whole value}
         (the other values as they were)."""
         out = dict(outputs)
@@ -424,38 +458,9 @@ class Collectives:
         return lax.fori_loop(0, n_items, lambda i, acc: acc + self.items_coef[i] * self.items_y[i],
                              start)
 
-    def stream(self, inner: Any) -> ShardedStream:
-        return ShardedStream(inner, self)
-
-
-class ShardedStream:
-    """A stage's weight stream on one rank: a matrix whose input arrives split across ranks gets
-    it gathered first; one split by its output columns gives its column chunk, then the chunks
-    are gathered (`ShardPlan.rules`). The body sees whole f32 products, as on one device."""
-
-    def __init__(self, inner: Any, collectives: Collectives) -> None:
-        self.inner, self.collectives = inner, collectives
-
-    def matmul(self, x: Any, w_hbm: Any, *, rows: int, name: str, **indices: Any) -> Any:
-        rule = self.collectives.plan.rule(name)
-        if rule is None:
-            return self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
-        if rule.reduce is not None:  # this rank's rows: a partial sum, reduced
-            rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
-            out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
-            coll = self.collectives
-            if any(r.rides == name for r in coll.plan.rules):
-                return out  # reduced at the stage's end with its riders (`Collectives.settle`)
-            return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
-        if rule.gather is not None:
-            x = self.collectives.gather(x, rule.gather, rule.k, name=f"{name}/input")
-        rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)  # this rank's [K, N]
-        out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
-        if rule.out is not None and rule.rides is not None:  # gathered with a later reduction
-            return out  # this rank's column chunk (`Collectives.settle`)
-        if rule.out is not None:
-            out = self.collectives.gather(out, rule.out, rule.n, name=name)
-        return out
+    def stream(self, inner: Any) -> Any:
+        """The stage's weight stream `inner` as this rank streams it (`sharded_stream`)."""
+        return sharded_stream.ShardedStream(inner, self)
 
 
 def vmem_bytes(plan: ShardPlan) -> int:

@@ -84,10 +84,11 @@ def expert_dma_name(matrix: str, part: str) -> str:
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
-                eps: float, kind: str, shard: Any = None) -> jax.Array:
+                eps: float, kind: str, shard: Any = None, z: Any = None) -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
-    shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice)."""
+    shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice);
+    z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
     # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
@@ -95,7 +96,7 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
                             stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
                             expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
                             n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind,
-                            shard=shard)
+                            shard=shard, latent_in=z)
     if plan == "all":
         return run(n_experts, lambda i: i)
     if plan == "routed":
@@ -113,7 +114,7 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
 
 def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
                  experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
-                 kind, shard=None):
+                 kind, shard=None, latent_in=None):
     """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
     batch, top_k = ids.shape
     names = quant.part_names(expert_format)
@@ -143,7 +144,9 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         # issue the first experts now: they fly behind the latent down-projection
         for i in range(n_slots - 1):
             pl.when(i < n_items)(functools.partial(start, i))
-        if w_ld is None:  # experts on the full d (stages.moe_full): no latent
+        if latent_in is not None:  # streamed before routing (a rank's fused gather)
+            z = latent_in  # [B, Lat] bf16
+        elif w_ld is None:  # experts on the full d (stages.moe_full): no latent
             z = x  # [B, d] bf16
         else:
             z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
@@ -235,7 +238,7 @@ class MoePlan:
 
 def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptions,
                    routed: dict | None = None, routing: router.Routing | None = None,
-                   always_on: dict | None = None, shard: Any = None) -> None:
+                   always_on: dict | None = None, shard: Any = None, z: Any = None) -> None:
     """out_ref [B, d] = routed experts (if `routed`) + always-on MLP (if `always_on`).
 
     routed: {"w_ld" [d, Lat], "latent_norm" [1, Lat] f32, "w_lu" [Lat, d],
@@ -243,7 +246,8 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
              choices of the router in `routing`; without "w_ld" the experts work on the full d
              (options.latent = d) and their weighted sum is the routed output (stages.moe_full)
     always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
-    x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks.
+    x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks; z: the latent
+    [B, Lat] bf16 if W_ld was streamed already (`moe_layer_body` on a rank).
     """
     x = x_ref[...]  # [B, d] bf16
     total = jnp.zeros(out_ref.shape, jnp.float32)
@@ -256,7 +260,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
                              latent_padded=options.latent_padded, eps=options.eps,
-                             kind=options.activation, shard=shard)
+                             kind=options.activation, shard=shard, z=z)
     if always_on is not None:
         shared_out = gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
                                stream=stream, kind=options.activation,
@@ -284,12 +288,22 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
     (refs.scratch, VMEM and SMEM), the expert stage reads them there (no round trip through HBM).
     refs.weights: {"w_router", "router_bias" [1, E] f32, *ROUTED_KEYS, [w_sg, w_su, w_sd]}."""
     w, routing = refs.weights, refs.scratch
+    logits = z = None
+    rule = None if refs.shard is None else refs.shard.plan.rule(router.W_ROUTER)
+    if rule is not None and rule.joins == LATENT_DOWN:
+        # a rank: the router's and W_ld's column chunks (both of x) gathered in one collective,
+        # before top-k; the first experts' DMAs then start after routing, as on one device
+        rows = dict(plan.router)["block_rows"]
+        ld_rows = blocks.weight_block_rows(tuple(w["w_ld"].shape), w["w_ld"].dtype)
+        logits, z = refs.stream.matmuls(refs.x[...], ((w["w_router"], rows, router.W_ROUTER),
+                                                      (w["w_ld"], ld_rows, LATENT_DOWN)))
+        z = z.astype(jnp.bfloat16)  # [B, Lat]
     router.router_body(refs.x, w["w_router"], w["router_bias"], routing, stream=refs.stream,
-                       **dict(plan.router))
+                       logits=logits, **dict(plan.router))
     shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
                    routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
-                   always_on=shared, shard=refs.shard)
+                   always_on=shared, shard=refs.shard, z=z)
 
 
 def dense_body(plan: StageOptions, refs: StageRefs) -> None:

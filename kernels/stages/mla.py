@@ -150,7 +150,7 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     read and written through the page table; a free slot (position -1) reads and writes none.
     """
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
-    w_kva, kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("w_kva", "kv_norm", "w_kvb", "w_o"))
+    kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("kv_norm", "w_kvb", "w_o"))
     cache_a, cache_b = (refs.state_in[name] for name in CACHE_NAMES[plan.layout])
     cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
     p = plan
@@ -160,8 +160,8 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
         stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-        q = mla_queries.project(p, refs.weights, x, stream, indices)  # [B, H*qk]
-        ckv_kx = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
+        q, ckv_kx = mla_queries.project(p, refs.weights, x, refs.stream, indices)  # [B, H*qk]
+        ckv_kx = bf16(ckv_kx)  # [B, kv_rank + extra]
         c_hat = blocks.rms_norm(f32(ckv_kx[:, :p.kv_rank]),
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
                                 p.eps)  # [B, kv_rank] bf16
@@ -444,7 +444,7 @@ def _prepare(stack: dict, cfg: ModelConfig) -> dict:
 def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     """In the body's order; the latent layout keeps W_kvb whole in VMEM (not streamed)."""
     shapes = weight_shapes(cfg)
-    names = mla_queries.streamed_names(cfg.mla_q_rank) + ("w_kva",) + (
+    names = mla_queries.streamed_names(cfg.mla_q_rank) + (
         ("w_g",) if cfg.mla_output_gate else ()) + (
         ("w_kvb",) if cfg.mla_cache_layout == "expanded" else ()) + ("w_o",)
     return tuple(Streamed(name, f"mla.{name}", shapes[name]) for name in names)
@@ -475,7 +475,7 @@ def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
     def load(name):
         return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
 
-    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm")
+    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
     out += stream("w_g") if p.output_gate else []
     out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
         call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))

@@ -1,6 +1,7 @@
 """The query projection of both MLA kernels (kinds "mla" and "mla_rope"), one body piece each
 kernel calls: through the query LoRA, c_q = RMSNorm(bf(x W_qa)), q = bf(c_q W_qb) (Kimi K3,
-DeepSeek-V3), or, with mla_q_rank 0, directly, q = bf(x W_q) (Moonlight, Kimi Linear). Same
+DeepSeek-V3), or, with mla_q_rank 0, directly, q = bf(x W_q) (Moonlight, Kimi Linear), and the
+KV down-projection x W_kva, streamed right after the query's first matrix (both of x). Same
 arithmetic as `mkresearch.model.stages.mla.queries`; the DMAs keep MLA's names ("mla.w_qa", ...).
 """
 
@@ -22,8 +23,10 @@ def weight_names(q_rank: int) -> tuple[str, ...]:
 
 
 def streamed_names(q_rank: int) -> tuple[str, ...]:
-    """The query matrices the body streams (the norm gain is loaded whole)."""
-    return ("w_q",) if q_rank == 0 else ("w_qa", "w_qb")
+    """The matrices `project` streams, in its order: the two of x first (W_qa or W_q, then W_kva:
+    on a rank one all-gather carries both's column chunks), then W_qb (the norm gain is loaded
+    whole)."""
+    return ("w_q", "w_kva") if q_rank == 0 else ("w_qa", "w_kva", "w_qb")
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -34,19 +37,25 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "w_qb": (cfg.mla_q_rank, q_width)}
 
 
-def project(plan: Any, weights: dict, x: jax.Array, stream: Callable, indices: dict) -> jax.Array:
-    """q [B, H·qk] f32 (bf16 values) of x [B, d] bf16; weights: the body's refs by name."""
+def project(plan: Any, weights: dict, x: jax.Array, stream: Any, indices: dict
+            ) -> tuple[jax.Array, jax.Array]:
+    """(q [B, H·qk] f32 (bf16 values), x W_kva [B, kv cache dim] f32) of x [B, d] bf16; weights:
+    the body's refs by name; stream: the stage's weight stream (`blocks.stream_matmuls`)."""
+    first = "w_q" if plan.q_rank == 0 else "w_qa"
+    down, kva = blocks.stream_matmuls(stream, x, tuple(
+        (weights[name], plan.block_rows(name), f"mla.{name}") for name in (first, "w_kva")),
+        **indices)
     if plan.q_rank == 0:
-        return f32(bf16(stream(x, weights["w_q"], rows=plan.block_rows("w_q"), name="mla.w_q")))
-    c_q = blocks.rms_norm(
-        bf16(stream(x, weights["w_qa"], rows=plan.block_rows("w_qa"), name="mla.w_qa")),
-        blocks.load_whole(weights["q_norm"], name="mla.q_norm", **indices), plan.eps)  # [B, q_rank]
-    return f32(bf16(stream(c_q, weights["w_qb"], rows=plan.block_rows("w_qb"), name="mla.w_qb")))
+        return f32(bf16(down)), kva
+    c_q = blocks.rms_norm(bf16(down), blocks.load_whole(weights["q_norm"], name="mla.q_norm",
+                                                        **indices), plan.eps)  # [B, q_rank]
+    return f32(bf16(blocks.stream_matmul(stream, c_q, weights["w_qb"], rows=plan.block_rows(
+        "w_qb"), name="mla.w_qb", **indices))), kva
 
 
 def dmas(plan: Any, stream: Callable[[str], list], load: Callable[[str], list]
          ) -> list[planned.PlannedDma]:
     """`project`'s DMAs in its order: `stream(name)` a streamed matrix's, `load(name)` a norm's."""
     if plan.q_rank == 0:
-        return stream("w_q")
-    return stream("w_qa") + load("q_norm") + stream("w_qb")
+        return stream("w_q") + stream("w_kva")
+    return stream("w_qa") + stream("w_kva") + load("q_norm") + stream("w_qb")

@@ -76,7 +76,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
     p = plan
     positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
     kv_rows = refs.kv_rows or kv_tiles.CONTIGUOUS  # a paged cache: pools, through the table
-    w_kva, kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES[3:])
+    kv_norm, w_kvb, w_o = (refs.weights[n] for n in WEIGHT_NAMES[4:])
     ckv_in, kpe_in = refs.state_in["ckv"], refs.state_in["kpe"]
     ckv_out, kpe_out = refs.state_out["ckv"], refs.state_out["kpe"]
     heads, nope, qk, rank, v_dim = p.n_heads, p.qk_nope, p.qk_dim, p.kv_rank, p.v_dim
@@ -84,8 +84,8 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 
     with dma.phase("mla.project", **indices):
         x = x_ref[...]  # [B, d] bf16
-        q = mla_queries.project(p, refs.weights, x, stream, indices)  # [B, H·qk]
-        ckv_kpe = bf16(stream(x, w_kva, rows=p.block_rows("w_kva"), name="mla.w_kva"))
+        q, ckv_kpe = mla_queries.project(p, refs.weights, x, refs.stream, indices)  # [B, H·qk]
+        ckv_kpe = bf16(ckv_kpe)  # [B, kv_rank + rope]
         c_hat = blocks.rms_norm(f32(ckv_kpe[:, :rank]),
                                 blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
                                 p.eps)  # [B, kv_rank] bf16
@@ -203,7 +203,7 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     """In the body's order; W_kvb is loaded whole into VMEM (both absorbed sides use it)."""
     shapes = weight_shapes(cfg)
     return tuple(Streamed(name, f"mla.{name}", shapes[name])
-                 for name in (*mla_queries.streamed_names(cfg.mla_q_rank), "w_kva", "w_o"))
+                 for name in (*mla_queries.streamed_names(cfg.mla_q_rank), "w_o"))
 
 
 def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
@@ -226,7 +226,7 @@ def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDm
     def load(name):
         return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
 
-    out = mla_queries.dmas(p, stream, load) + stream("w_kva") + load("kv_norm")
+    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
     out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
     caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
     for b, position in enumerate(call.positions):  # rows in order, each on its cache row

@@ -58,16 +58,18 @@ def routing_scratch(batch: int, top_k: int) -> tuple:
 def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, stream: Any,
                 top_k: int, router_score: str, use_bias: bool, routed_scale: float,
                 block_rows: int, groups: int = 1, topk_groups: int = 1,
-                normalize: bool = True) -> None:
+                normalize: bool = True, logits: Any = None) -> None:
     """x_ref [B, d] bf16 (VMEM); w_router_hbm [d, E] bf16, bias_hbm [1, E] f32 (HBM).
     Writes routing.ids [B, k] i32 and routing.weights [B, k] f32 (VMEM) and their SMEM copies
     (routing: a Routing). groups > 1: only the topk_groups best of `groups` equal groups are
     eligible (`limit_to_groups`); normalize: weights divided by their sum (else the plain
-    scores)."""
+    scores); logits: r [B, E] f32 when the caller streamed W_r already (a rank: gathered with
+    W_ld's columns, `experts.moe_layer_body`)."""
     ids_ref, weights_ref = routing.ids, routing.weights
     ids_smem, weights_smem = routing.ids_smem, routing.weights_smem
-    logits = blocks.stream_matmul(stream, x_ref[...], w_router_hbm, rows=block_rows,
-                                  name=W_ROUTER)  # [B, E] f32 (on a rank: its columns gathered)
+    if logits is None:
+        logits = blocks.stream_matmul(stream, x_ref[...], w_router_hbm, rows=block_rows,
+                                      name=W_ROUTER)  # [B, E] f32 (on a rank: columns gathered)
     batch, n_experts = logits.shape
     bias = blocks.load_whole(bias_hbm, name=BIAS) if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):

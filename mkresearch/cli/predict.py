@@ -179,7 +179,9 @@ def format_rows(rows: list[dict]) -> str:
             + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
             + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
-                 "messages, compute, bubbles; colls: collectives per rank per step")
+                 "messages, compute, bubbles; colls: collectives per rank per step, every one "
+                 "counted (gathers and sibling swaps too: the ~188 of spec/collectives.md count "
+                 "only the release's two reductions per layer)")
     return "\n".join(lines)
 
 
@@ -200,7 +202,7 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
     for name in ("hbm_bandwidth", "mxu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines"):
         lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
                      f"{tl.sources.get(name, '')}")
-    for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg)):
+    for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg, n_ranks=n_ranks)):
         algorithms = "each collective's algorithm from collective_choice" if sched.collectives \
             else (f"all-reduce {sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
                   f"{sched.all_reduce_large})")

@@ -241,6 +241,6 @@ def ours_table(cfg: ModelConfig | None = None, batches=BATCHES, *, chip: str = "
                                           key=lambda k: parts[k]),
                           "collectives_per_rank": p["collectives_per_rank"],
                           "schedule": dataclasses.asdict(scale_out.schedule_for(cfg, schedule,
-                                                                                mode))}
+                                                                                mode, 32))}
         rows.append(row)
     return rows

@@ -54,7 +54,8 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                      "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
                      "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,
                      "algorithm": c.algorithm, "phases": c.phases, "messages": c.messages,
-                     "us": c.seconds / US, "reason": c.reason, "critical": op.critical,
+                     "us": c.seconds / US, "critical": op.critical,
+                     "reason": f"{c.reason}; {op.why}" if op.why else c.reason,
                      "overlaps": overlaps})
     summary = contract.summary(ops)
     by_algorithm: dict[str, int] = {}
@@ -84,7 +85,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"{plan['count']} collectives per rank per step ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())}; "
                  f"by algorithm: {', '.join(f'{k} {v}' for k, v in plan['by_algorithm'].items())}); "
                  f"at most {s['reductions_critical_max']} reductions per layer on the critical "
-                 f"path; priced {plan['priced_us'] / 1e3:.2f} ms in all, "
+                 f"path; every collective counted (the release's ~188 of spec/collectives.md "
+                 f"count only its two reductions per layer, not its gathers and sibling swaps: "
+                 f"`predict` counts those too, its colls column); priced {plan['priced_us'] / 1e3:.2f} ms in all, "
                  f"{plan['critical_us'] / 1e3:.2f} ms of it not overlapped by the schedule")
     return "\n".join(lines)
 

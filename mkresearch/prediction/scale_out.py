@@ -118,31 +118,33 @@ RELEASE_SCHEDULE = Schedule(
     gather_algorithm="one-shot")
 
 
-def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum") -> Schedule:
-    """Our megakernel's: cfg.ring_depth slots of cfg.ring_block_bytes (depth - 1 blocks fly
-    ahead), MegakernelOptions.expert_slots, the collectives its own schedule issues in mode
-    `collectives` ("partial-sum" or "exact": `kernels/compose/collective_schedule.py`)."""
+def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1
+                 ) -> Schedule:
+    """Our megakernel's on n_ranks: its ring's slots of cfg.ring_block_bytes (depth - 1 blocks fly
+    ahead; `megakernel_sharded.ring_depth`: deeper in partial-sum mode), MegakernelOptions.
+    expert_slots, the collectives its own schedule issues in mode `collectives`."""
     if collectives not in contract.MODES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
-    return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=cfg.ring_depth - 1,
+    depth = cfg.ring_depth if n_ranks == 1 else megakernel_sharded.ring_depth(
+        layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives))
+    return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=depth - 1,
                     expert_slots=MegakernelOptions().expert_slots, combine=collectives,
-                    source="the megakernel's plan (cfg.ring_depth, cfg.ring_block_bytes, "
-                           "MegakernelOptions.expert_slots) and its collective schedule "
-                           "(kernels/compose/collective_schedule.py)", collectives=collectives)
+                    source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
+                           "Options.expert_slots) and its schedule", collectives=collectives)
 
 
 SCHEDULES = ("release", "ours")
 
 
-def schedule_for(cfg: ModelConfig, name: str | Schedule, collectives: str = "partial-sum"
-                 ) -> Schedule:
-    """A schedule by name ("release": the release's, "ours": our megakernel's in mode
-    `collectives`), or as given."""
+def schedule_for(cfg: ModelConfig, name: str | Schedule, collectives: str = "partial-sum",
+                 n_ranks: int = 1) -> Schedule:
+    """A schedule by name ("release", "ours": our megakernel's on n_ranks in mode `collectives`),
+    or as given."""
     if isinstance(name, Schedule):
         return name
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is invalid: one of {SCHEDULES} or a Schedule")
-    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg, collectives)
+    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg, collectives, n_ranks)
 
 
 # ---- one rank's program ------------------------------------------------------------------------
@@ -324,9 +326,8 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
                ) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
-    partial-sum mode the layout's own row splits (`layout.param_shard`). The split without
-    streamed zeros that `layout_split` designs (`layout_bytes.rank_bytes(..., "partial-sum")`) is
-    not built yet, so it is no part of this answer."""
+    partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
+    bytes its planned DMAs stream, tests/test_layout_split.py)."""
     if sched.collectives == "partial-sum":
         lay = layouts.layout(lay.cfg, lay.n_ranks, lay.name, collectives="partial-sum")
     return layout_bytes.rank_bytes(lay, batch, context)
@@ -429,7 +430,7 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
     if inter.slice.n_ranks < n_ranks:
         inter = links.interconnect(inter, n_ranks=n_ranks)
-    sched = schedule_for(cfg, name if schedule is None else schedule, collectives)
+    sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks)
     auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: collective_choice's
     out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
                         context, seed, timeline_chip or chip))

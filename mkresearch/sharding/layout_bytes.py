@@ -22,6 +22,7 @@ from mkresearch.model.config import ModelConfig
 from mkresearch.sharding import layout_split
 from mkresearch.sharding.layout import (
     LAYOUTS,
+    PARTIAL_SUM,
     Layout,
     active_shard,
     count_format,
@@ -77,14 +78,22 @@ def _bytes(struct_tree: Any) -> int:
 
 
 def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
-               collectives: str = "exact") -> RankBytes:
+               collectives: str = "exact", rank: int | None = None) -> RankBytes:
     """One rank's bytes of one step (see `roofline.step_bytes` for what a step reads): weights
     once, the routed experts of its expert group (the expected share of the batch's distinct
     experts, `roofline.expected_unique_experts` / EP, each its ETP slice), one embedding row per
     sequence (the owner's), its states and caches (read at `context` tokens, written once).
-    collectives "partial-sum": the largest rank's shapes without streamed zeros (`layout_split`)."""
+    collectives "partial-sum": the shapes the partial-sum kernel streams
+    (`layout_split.partial_sum_shape`: the same count as for a partial-sum layout). rank: that
+    rank's bytes, where partial-sum mode skips the slices that are only padding
+    (`layout_split.zero_only`); None: a rank holding real data of every matrix, the most any
+    rank reads (rank 0's)."""
     if collectives not in ("exact", "partial-sum"):
         raise ValueError(f"collectives={collectives!r} is invalid: exact or partial-sum")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                             or not 0 <= rank < lay.n_ranks):
+        raise ValueError(f"rank={rank!r} is invalid: None or an int in [0, {lay.n_ranks})")
+    skips = rank is not None and PARTIAL_SUM in (collectives, lay.collectives)
     cfg = lay.cfg
     table = spec.param_table(cfg)
     local = rank_params(lay) if collectives == "exact" else jax.tree.map(
@@ -109,7 +118,8 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
                     # [layers, local experts, ...]: unique / EP of the group's experts per layer
                     add(kind.routed_component[0], param, stored / mine.shape[1] * unique / lay.ep)
                 elif kind.component is not None:
-                    add(kind.component[0], param, stored)
+                    skipped = skips and layout_split.zero_only(lay, param, rank)
+                    add(kind.component[0], param, 0 if skipped else stored)
     add("lm_head", table["lm_head"], _bytes(storage(cfg, local["lm_head"])))
     embed = local["embed"]
     add("embedding_rows", table["embed"], batch * embed.shape[1] * np.dtype(embed.dtype).itemsize)

@@ -1,62 +1,150 @@
-"""Splits without streamed zeros: how the partial-sum mode shares a width among ranks.
+"""How the partial-sum mode shares each width among ranks, and where that streams zeros.
 
-The exact mode splits a padded group (`layout.PADDED_GROUPS`: d's columns, the latent, the FFN
-hidden) in chunks of whole lane tiles: 7,168 over 32 ranks is 28 chunks of 256, so ranks 28-31
-hold only zero columns of W_o, W_down and W_lu, and the router's 896 scores (28 per rank, padded
-to 128) are 78 % zeros. In partial-sum mode:
+One answer: `partial_sum_shape` is the shape the kernel builds and streams for one rank in
+partial-sum mode (`layout.layout(..., collectives="partial-sum")`, `layout.param_shard`), the
+shape `layout_bytes.rank_bytes` counts and the sharded megakernel's planned DMAs read
+(tests/test_layout_split.py holds them equal at full size, the recorded DMA log at mini scale):
 
   - a matrix whose input arrives split (`Param.gather`: W_o over the heads, a W_down over the
-    FFN hidden) is split by those ROWS, exactly (`balanced`): each rank multiplies its rows
-    into a partial sum [B, N] over every column: no output column is split at all;
-  - any other split of a padded group is `balanced` too: every rank ceil(length / ways) or one
-    unit less, never an empty or all-zero slice (HBM holds each rank's slice at its real width;
-    a VMEM block may pad lanes, but only real columns stream from HBM).
+    FFN hidden, an expert's W2 over its ETP slice) is split by those ROWS, in the pieces its input
+    arrives in: its product is a partial sum over every output column, reduced;
+  - any other split of a padded group (`layout.PADDED_GROUPS`: d's columns, the small
+    down-projections' columns, the MoE latent, the FFN hidden) is in chunks of whole lane tiles
+    (`layout_ranks.chunk_length`): rank i holds columns [i c, (i + 1) c), zero-padded.
 
-`partial_sum_shape` is one rank's shape of a parameter under these rules, which
-`layout_bytes.rank_bytes(..., collectives="partial-sum")` counts.
+Every rank's arrays have the same shape (one SPMD program), zero-padded in HBM. `streamed_zeros`
+says how much of each rank's slice is padding and which ranks hold a slice that is only padding:
+on 32 ranks 7,168 columns are 28 chunks of 256 (ranks 28-31 hold only zeros of W_lu), the
+router's 896 scores 7 chunks of 128 (ranks 7-31), the shared experts' 6,144 hidden 24 chunks of
+256 (ranks 24-31). A rank skips its slices of padding only (`zero_only`; the kernel's
+`Collectives.live`, the planned schedule's `schedule.rank_live`): it issues none of their DMAs and
+takes their products as zeros, so no rank streams a slice that is only padding, and a rank's bytes
+(`layout_bytes.rank_bytes(..., rank=r)`) are its real slices (a slice partly past its axis' end,
+e.g. W_kva's chunk 4 on 32 ranks, streams its tail of zeros). The bytes per rank the step is
+priced at are the most any rank reads: rank 0's, which holds real data of every matrix (4.94 GB
+for Kimi K3 on 32 ranks at B = 1; rank 31 reads 3.28 GB).
+
+Why the chunks are whole lane tiles: HBM stores a bf16 array in tiles of 16 rows x 128 lanes
+(`tiled_nbytes`), so a column slice narrower than a lane tile is not read for less. An even split
+of the router's 896 columns gives each rank [7168, 28], which HBM holds and a DMA reads as
+[7168, 128]: the bytes of today's chunk. A split finer than a lane tile saves HBM bytes only along
+rows (16-row tiles), i.e. for a matrix split by its rows (W_down over the FFN hidden).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
 from mkresearch.model import spec
-from mkresearch.sharding.layout import PADDED_GROUPS, Layout, active_shard
+from mkresearch.model.config import BF16_SUBLANE, LANE
+from mkresearch.sharding.layout import (
+    PARTIAL_SUM,
+    Layout,
+    active_shard,
+    leaves_with_path,
+    local_shape,
+    param_shard,
+)
+
+# HBM tile rows of a 4-, 2- and 1-byte element type (the lanes are LANE for all)
+SUBLANES = {4: BF16_SUBLANE // 2, 2: BF16_SUBLANE, 1: BF16_SUBLANE * 2}
 
 
-def balanced(length: int, ways: int, unit: int = 1) -> tuple[int, ...]:
-    """`length` split `ways` ways in multiples of `unit` (the last piece takes the remainder when
-    unit does not divide length), the pieces differing by at most one unit, the larger first;
-    every piece > 0 when length >= ways x unit. ValueError for a split that would leave a rank
-    empty."""
-    for name, value in (("length", length), ("ways", ways), ("unit", unit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is invalid: an int >= 1")
-    units = -(-length // unit)
-    if units < ways:
-        raise ValueError(f"length={length} is invalid for ways={ways}: {units} units of {unit}, "
-                         "fewer than the ranks (a rank would stream nothing)")
-    pieces = [unit * (units // ways + (1 if i < units % ways else 0)) for i in range(ways)]
-    pieces[-1] -= sum(pieces) - length  # a short last unit
-    return tuple(pieces)
-
-
-def reduced_rows(lay: Layout, param: spec.Param) -> str | None:
-    """The group by which the partial-sum mode splits a matrix's rows (its `gather` group, when
-    the layout splits it), or None: the matrix keeps its column split."""
-    if param.gather is None or param.gather == spec.EXPERT_TP or len(param.shape) < 2:
-        return None
-    rows = param.shape[-2]
-    return param.gather if lay.ways(param.gather) > 1 and rows >= lay.ways(param.gather) else None
+def partial_layout(lay: Layout) -> Layout:
+    """The same layout in partial-sum mode (what the sharded megakernel builds by default)."""
+    if not isinstance(lay, Layout):
+        raise ValueError(f"lay={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
+    return dataclasses.replace(lay, collectives=PARTIAL_SUM)
 
 
 def partial_sum_shape(lay: Layout, param: spec.Param) -> tuple[int, ...]:
-    """One rank's shape of `param` in partial-sum mode (the largest rank's: `balanced`)."""
-    shape = list(param.shape)
-    rows = reduced_rows(lay, param)
-    if rows is not None:
-        shape[-2] = balanced(shape[-2], lay.ways(rows))[0]
-        return tuple(shape)
-    for axis, group in active_shard(lay, param.shard, param.shape):
-        ways = lay.ways(group)
-        shape[axis] = balanced(shape[axis], ways)[0] if group in PADDED_GROUPS \
-            else lay.local_length(group, shape[axis])
-    return tuple(shape)
+    """One rank's shape of `param` in partial-sum mode: the kernel's (every rank the same)."""
+    ps = partial_layout(lay)
+    return local_shape(ps, param.shape, param_shard(ps, param))
+
+
+def padded_splits(lay: Layout, param: spec.Param) -> tuple[tuple[str, int, int], ...]:
+    """(group, axis length, per-rank chunk) of each split of `param` in partial-sum mode that
+    leaves some rank only padding (a chunk starting past the axis' end): the sharded kernel
+    skips such a rank's DMAs of it (`Collectives.live`)."""
+    ps = partial_layout(lay)
+    out = []
+    for axis, group in active_shard(ps, param_shard(ps, param), param.shape):
+        length = param.shape[axis]
+        chunk = ps.local_length(group, length)
+        if (ps.ways(group) - 1) * chunk >= length:
+            out.append((group, length, chunk))
+    return tuple(out)
+
+
+def zero_only(lay: Layout, param: spec.Param, rank: int) -> bool:
+    """Whether `rank`'s partial-sum slice of `param` is only padding (what it skips)."""
+    ps = partial_layout(lay)
+    return any(ps.split(group).index(rank) * chunk >= length
+               for group, length, chunk in padded_splits(ps, param))
+
+
+def tiled_nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes an array of `shape` takes in HBM tiles: the last axis in whole lanes (128), the one
+    before it in whole sublane rows (16 for bf16, 8 for f32, 32 for 8-bit types)."""
+    itemsize = np.dtype(dtype).itemsize
+    dims = list(shape)
+    if dims:
+        dims[-1] = -(-dims[-1] // LANE) * LANE
+    if len(dims) > 1:
+        sub = SUBLANES.get(itemsize, BF16_SUBLANE)
+        dims[-2] = -(-dims[-2] // sub) * sub
+    return math.prod(dims) * itemsize
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """One parameter's split in partial-sum mode: the fraction of a rank's streamed slice that is
+    real (per rank) and the ranks whose slice is only padding."""
+
+    path: str
+    shape: tuple[int, ...]  # the whole parameter's
+    local: tuple[int, ...]  # one rank's (every rank's)
+    real: tuple[float, ...]  # per rank: real elements / streamed elements
+    zero_only: tuple[int, ...]  # ranks streaming only padding of it
+
+
+def streamed_zeros(lay: Layout) -> list[Zeros]:
+    """Every parameter that some rank streams with zero padding in partial-sum mode (see the
+    module docstring), from the bounds the kernel's weights are sliced with (`Layout.bounds`,
+    `layout.shard_params`)."""
+    ps = partial_layout(lay)
+    out = []
+    for path, param in leaves_with_path(spec.param_table(ps.cfg)):
+        shard = param_shard(ps, param)
+        local = local_shape(ps, param.shape, shard)
+        real = []
+        for rank in range(ps.n_ranks):
+            fraction = 1.0
+            for axis, group in active_shard(ps, shard, param.shape):
+                start, stop, length = ps.bounds(group, param.shape[axis], rank)
+                fraction *= (stop - start) / length
+            real.append(fraction)
+        if min(real) < 1.0:
+            out.append(Zeros(path, tuple(param.shape), local, tuple(real),
+                             tuple(r for r, f in enumerate(real) if f == 0.0)))
+    return out
+
+
+def zero_bytes(lay: Layout) -> dict[str, int]:
+    """Per parameter path, the padding bytes of the rank whose slice holds the most padding (a
+    slice of padding only is skipped, `zero_only`: what skipping saves that rank)."""
+    ps = partial_layout(lay)
+    params = dict(leaves_with_path(spec.param_table(ps.cfg)))
+    out = {}
+    for z in streamed_zeros(ps):
+        local = jax.ShapeDtypeStruct(z.local, params[z.path].dtype)
+        out[z.path] = int(round(math.prod(local.shape) * np.dtype(local.dtype).itemsize
+                                * (1.0 - min(z.real))))
+    return out

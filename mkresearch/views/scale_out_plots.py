@@ -247,3 +247,21 @@ def overlap_figure(overlaps: Sequence[dict]):
                      f"busy {data['hbm_busy_fraction']:.0%} of the "
                      f"{data['outstanding_ms']:.2f} ms a collective is outstanding", fontsize=10)
     return fig
+
+
+def log_overlap_figure(rows: Sequence[dict], title: str):
+    """The recorded log's overlap (`measurement.collective_overlap.overlap_rows`): spans with a
+    weight DMA in flight (blue) above each collective from its first remote copy to its last
+    wait (red), on the axis of the rank's events in program order."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2.2), layout="constrained")
+    lanes = {"HBM": (1, "tab:blue"), "collective": (0, "tab:red")}
+    for r in rows:
+        y, color = lanes[r["lane"]]
+        ax.broken_barh([(r["start"], max(r["end"] - r["start"], 1))], (y - 0.35, 0.7),
+                       color=color, alpha=0.8)
+    ax.set_yticks([1, 0], ["weight DMA in flight", "collective outstanding"])
+    ax.set_xlabel("the rank's DMA-log events, in program order")
+    ax.set_title(title, fontsize=10)
+    return fig

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import schedule_check
 import test_faults
-from mkresearch.kernels.base import dma
+import test_sharded_decode
+from mkresearch.kernels.base import dma, registry
 from mkresearch.kernels.compose import megakernel_sharded as ms
 
+from mkresearch.measurement import collective_overlap
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout, reference_sharded
+from mkresearch.sharding import layout, layout_split, reference_sharded
 
 N_RANKS = 8
 PROMPT_LEN = 20
@@ -94,9 +96,48 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     (`collective_schedule`, which the prediction reads), collective by collective."""
     _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True)
     lay = setup("kimi-k3-mini", 3)[1]
-    count = schedule_check.check(log, lay, 3, routed_expert_ids("kimi-k3-mini", 3))
+    expert_ids = routed_expert_ids("kimi-k3-mini", 3)
+    count = schedule_check.check(log, lay, 3, expert_ids)
     print(f"the recorded remote copies of all {N_RANKS} ranks are the schedule's collectives "
           f"({count} on rank 0), in order")
+    # overlap: when a rank first waits for a collective, weight DMAs are in flight (the global
+    # ring's next blocks, the first experts' slots), but for the last ones of the step: the
+    # last layer's last reduction and the sampling merge (nothing left to stream). Held on the
+    # ranks with real data of every matrix (the step is priced at the busiest rank); a rank that
+    # skips slices of padding only (check_zero_only_slices) may have nothing left to fetch
+    skipping = {rank for z in layout_split.streamed_zeros(lay) for rank in z.zero_only}
+    busiest = [rank for rank in range(N_RANKS) if rank not in skipping]
+    assert busiest
+    for rank in range(N_RANKS):
+        seen = collective_overlap.collective_overlap(log, rank)
+        assert len(seen) == count + 1  # the embedding's all-reduce: two phases
+        idle = [c["name"] for c in seen if not c["hbm_in_flight"]]
+        if rank in busiest:
+            assert idle == ["shared/w_down/sum/all_gather", "sampling_state/all_gather"], \
+                (rank, idle)
+        print(f"rank {rank}: HBM busy (weight DMAs in flight) at {len(seen) - len(idle)} of the "
+              f"{len(seen)} collective waits")
+    # one answer for the bytes: each rank's DMA'd HBM bytes per component are layout_bytes'
+    test_sharded_decode.check_bytes(lay, 3, log, expert_ids)
+    check_zero_only_slices(log, lay)
+
+
+def check_zero_only_slices(log, lay):
+    """No rank streams a slice that is only padding (`layout_split.streamed_zeros`, recorded):
+    each such rank issues no DMA of that matrix (and its ring blocks of real slices are the
+    layout's bytes, `check_bytes`)."""
+    names = {f"['{kind}']['{m.key}']": m.name for kind in lay.cfg.kinds
+             for m in registry.kernel_stage(kind).streamed(lay.cfg)}
+    checked = 0
+    for z in layout_split.streamed_zeros(lay):
+        for rank in z.zero_only:
+            moved = sum(e.nbytes for e in log.of_rank(rank).events
+                        if e.kind == "dma_start" and not e.remote and e.name == names[z.path])
+            assert moved == 0, (z.path, rank, moved)
+            checked += 1
+    print(f"slices of padding only: {checked} (matrix, rank) pairs (e.g. the shared experts' "
+          "hidden on ranks 4-7), none streamed (recorded)")
+    assert checked > 0
 
 
 def routed_expert_ids(model, batch):

@@ -204,13 +204,14 @@ def test_16_sampled_steps(race_checked, params, n_ranks):
 
 # ---- bytes and order from the DMA log ----------------------------------------------------------
 def check_bytes(lay, batch, log, expert_ids):
-    """Per rank: the log's HBM bytes by component against `layout_bytes.rank_bytes`; expert_ids
-    [n_moe, B, k]: the step's routing (the reference's)."""
-    counted = layout_bytes.rank_bytes(lay, batch)
+    """Per rank: the log's HBM bytes by component against `layout_bytes.rank_bytes` of that rank
+    (in partial-sum mode without the slices of padding it skips); expert_ids [n_moe, B, k]: the
+    step's routing (the reference's)."""
     per_expert = rank_expert_bytes(lay)
     local = MINI.n_experts // lay.ep
     norms = widened_norm_bytes(lay)
     for rank in log.ranks:
+        counted = layout_bytes.rank_bytes(lay, batch, rank=rank)
         moved = logs.hbm_bytes_by_component(log.of_rank(rank))
         for name in ("kda", "mla", "dense", "moe_nonrouted", "lm_head"):
             assert moved[name] == counted.component(name), (rank, name, moved[name],
