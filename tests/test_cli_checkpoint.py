@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from test_cli_ranks import check_sharded_decode
 from test_tokenizer import tiny_tokenizer_json
 
 from mkresearch.checkpoint.loader import read_config, write_checkpoint
@@ -19,7 +20,6 @@ from mkresearch.cli import main as cli
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.model import prefill, reference, weights
 from mkresearch.model.config import get_config
-from mkresearch.sharding import reference_sharded
 
 PROMPT = "a prompt fills every cache"
 
@@ -137,14 +137,4 @@ def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint):
     result = json.loads(done.stdout)
     assert result["ranks"] == 2 and result["devices"] == 2 and result["passed"]
     assert result["text"] == _text(directory, cfg, result["generated"][0])
-    # the sharded decode's own checks (cli.ranks.decode_sharded, the path of every `--ranks` run)
-    agree, single = result["agreement"], result["single_device"]
-    assert agree["passed"] and agree["max_abs_logit_diff"] <= 5e-2
-    assert result["collectives"] == "partial-sum" and result["backend"] == "megakernel"
-    assert single["passed"] and single["max_abs_logit_diff"] <= reference_sharded.BOUND["f32"]
-    ranks = result["per_rank"]
-    assert [row["rank"] for row in ranks] == [0, 1]
-    for row in ranks:
-        assert row["hbm_bytes"] >= row["weight_bytes"] + row["routed_expert_bytes"] > 0
-        assert row["remote_bytes"] > 0 and row["remote_copies"] > 0
-        assert row["predicted_step_s"] > 0
+    check_sharded_decode(result)  # the checks of every `--ranks` run

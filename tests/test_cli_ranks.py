@@ -70,9 +70,20 @@ def test_decode_on_2_ranks_in_a_child_json():
           f"max |logit diff| {agree['max_abs_logit_diff']:.3g}; single device: "
           f"{single['tokens_equal']}/{single['tokens']} tokens, logits bit-equal at "
           f"{single['logits_bit_equal_steps']}/{single['steps']} steps")
-    assert agree["passed"] and agree["max_abs_logit_diff"] <= 5e-2
     assert agree["tokens_equal"] + len(agree["near_ties"]) == agree["tokens"] == 4
-    assert result["collectives"] == "partial-sum" and single["steps"] == 3
+    assert single["steps"] == 3
+    check_sharded_decode(result)
+    ranks = result["per_rank"]
+    assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
+
+
+def check_sharded_decode(result: dict) -> None:
+    """The checks of `decode --ranks 2 --json` (cli.ranks.decode_sharded, the path of every
+    `--ranks` run): agreement with the reference, the single device within the partial-sum bound,
+    and a row per rank whose bytes add up."""
+    agree, single = result["agreement"], result["single_device"]
+    assert agree["passed"] and agree["max_abs_logit_diff"] <= 5e-2
+    assert result["collectives"] == "partial-sum" and result["backend"] == "megakernel"
     assert single["passed"] and single["max_abs_logit_diff"] <= reference_sharded.BOUND["f32"]
     assert result["passed"]
     ranks = result["per_rank"]
@@ -81,7 +92,6 @@ def test_decode_on_2_ranks_in_a_child_json():
         assert row["hbm_bytes"] >= row["weight_bytes"] + row["routed_expert_bytes"] > 0
         assert row["remote_bytes"] > 0 and row["remote_copies"] > 0
         assert row["predicted_step_s"] > 0
-    assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
 
 
 @pytest.mark.slow
