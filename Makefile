@@ -61,7 +61,7 @@ FLOAT_FACT_NOTEBOOKS := $(filter-out $(HOST_INDEPENDENT_NOTEBOOKS),$(NOTEBOOKS))
 # otherwise hand out the modules with the most tests first, and a long module of few tests
 # handed out last leaves one worker idle while the other finishes it).
 PYTEST := $(BIN)/python -m pytest -p no:nbval -n 2 --dist loadfile --no-loadscope-reorder
-NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
 # thread; each test file stays in one worker, so module fixtures are shared), then nbval, also

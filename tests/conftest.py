@@ -8,13 +8,14 @@ import gc
 import os
 
 import pytest
+from tiers import EXHAUSTIVE  # the tier, read once (tests/tiers.py)
 
 # XLA compiles with LLVM's cheap passes only (jax's own switch for programs that run less than they
 # take to compile): interpret-mode kernels are large programs whose run time is the interpreter's
 # Python callbacks, so the compile is a third of a kernel test's time and the optimisations buy
 # nothing. No float changes: without fast-math LLVM keeps IEEE semantics at every level. Set before
 # jax is imported (it reads the variable then); children (the CLI, the 8-device run) inherit it.
-# The notebooks run as users run them, without it.
+# nbval sets it too (notebooks/conftest.py); the committed notebook outputs come from runs without it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 from mkresearch.hardware import tpu as _tpu  # after the environment above
@@ -71,9 +72,6 @@ def pytest_runtest_teardown(item, nextitem):
 
             jax.clear_caches()
             gc.collect()
-
-
-EXHAUSTIVE = os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1"
 
 
 # The modules that take longest (measured with --durations), first: xdist's loadfile hands modules

@@ -8,7 +8,6 @@ must be equal to the bit. How the model makes this hold on XLA:CPU is documented
 one written-out order); a TPU's MXU and VPU are row-independent by construction.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.sharded import mla_sharded
 from mkresearch.kernels.stages import experts, kda, mla
 from mkresearch.kernels.stages import sampling as sampling_kernel
+from tiers import EXHAUSTIVE
 
 from mkresearch.model import config, reference, weights
 
@@ -170,7 +170,7 @@ def test_megakernel_is_batch_invariant(race_checked, layout, expert_format):
     full = run(list(range(FULL_BATCH)))
     # one compile per batch size: make test runs B = 3 (expanded) and B = 1 (latent) against the
     # full batch; the exhaustive tier also B = 1 and 5 of the expanded layout
-    sizes = (1, 3, 5) if os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1" else (3,)
+    sizes = (1, 3, 5) if EXHAUSTIVE else (3,)
     for size in (sizes if layout == "expanded" else (1,)):
         rows = SUBSETS[size]
         part = run(rows)

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel as mk
+from tiers import EXHAUSTIVE
 
 from mkresearch.cli import bench
 from mkresearch.measurement.hlo import jaxpr_primitives
@@ -39,7 +40,7 @@ MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 # Prefilled by the reference, then N_STEPS teacher-forced steps from position 27: make test runs 6
 # (27..32: the KV tile boundary at 32 is crossed); every step starts from the reference's state, so
 # more steps run the same code at more positions: the exhaustive tier runs 16 (27..42).
-N_STEPS = 16 if os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1" else 6
+N_STEPS = 16 if EXHAUSTIVE else 6
 PROMPT_LEN = 28
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
 NEAR_TIE_GAP = 2 * LOGIT_TOL

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from mkresearch.kernels.compose import megakernel_sharded as ms
+from tiers import EXHAUSTIVE
 
 from mkresearch.measurement import recorded
 
@@ -43,7 +44,7 @@ def test_sharded_on_8_simulated_devices():
     timeout = 900
     if os.environ.get("MKRESEARCH_SHARDED_FULL") == "1":
         timeout += 3 * 3600
-    if os.environ.get("MKRESEARCH_EXHAUSTIVE") == "1":
+    if EXHAUSTIVE:
         timeout += 3 * 3600
     run_sharded(timeout=timeout)
 
