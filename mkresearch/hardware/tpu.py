@@ -266,6 +266,21 @@ def reset_interpret_state() -> None:
 
     pltpu.reset_tpu_interpret_mode_state()
     reset_races()
+    _drop_failed_runtime_tokens()
+
+
+def _drop_failed_runtime_tokens() -> None:
+    """Forget the effect tokens of the failed step. An interpreted kernel's callbacks are ordered
+    effects: jax keeps the last computation's token and blocks on it before the next effectful
+    call (and at exit), so the one exception would be raised again by every later kernel of this
+    thread. Private jax state (jax 0.10.2: `dispatch.runtime_tokens`); a no-op if it moved."""
+    try:
+        from jax._src import dispatch
+    except ImportError:
+        return
+    tokens = getattr(dispatch, "runtime_tokens", None)
+    if tokens is not None and hasattr(tokens, "clear"):
+        tokens.clear()
 
 
 # ---- compiling for a TPU on this machine --------------------------------------------------------
