@@ -319,6 +319,7 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
     print(f"{model} on {n_ranks} cores of {sharded.FULL_TOPOLOGY} ({name} layout, B={batch}): "
           f"{compiled.n_mosaic_kernels} Mosaic kernel per rank; VMEM plan "
           f"{vmem.total_bytes:,d} B within {vmem.limit_bytes:,d} B: {vmem.fits()}")
+    print(f"  {sharded.ring_depth(plan.layout, batch).describe()}")
     print(f"  {where}")
     print(f"  compile seconds: {compiled.seconds:.1f}")
     assert compiled.n_mosaic_kernels == 1 and vmem.fits()
@@ -367,10 +368,11 @@ assert by_mode["partial-sum", 1]["rank_gb"] < by_mode["exact", 1]["rank_gb"]
 # %% [markdown]
 # **The overlap picture.** 100 µs from the middle of rank 0's predicted step at B = 1: where HBM
 # streams weights (blue) and where a collective is outstanding (red, from its issue to its
-# completion). HBM should stay busy under the red. In partial-sum mode the ring has 8 slots
-# (`megakernel_sharded.ring_depth`: 7 weight blocks of 2 MiB in flight when a collective is waited
-# for, 10 MiB of VMEM more than the preset's 3 slots); the exact mode keeps 3. It covers about a
-# quarter of the outstanding time: the rest waits for the collectives' latency.
+# completion). HBM should stay busy under the red. In partial-sum mode a rank's ring is as deep as
+# its VMEM allows (`megakernel_sharded.ring_depth`: the deepest of at least 8 slots whose whole VMEM
+# plan leaves 2 MiB spare; 17 slots at B = 1, so 16 weight blocks of 2 MiB are in flight when a
+# collective is waited for; 9 at B = 8); the exact mode keeps the preset's 3. It covers about a
+# third of the outstanding time: the rest waits for the collectives' latency.
 
 # %%
 overlaps = [collective_plan.overlap(full, 32, 1, mode) for mode in ("partial-sum", "exact")]

@@ -81,7 +81,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 from mkresearch.kernels.base import dma
-from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel, megakernel_sharded
 
 from mkresearch.cli import bench
 from mkresearch.measurement import hlo, logs, recorded
@@ -461,8 +461,9 @@ for name, p in predictions.items():
 # `make recorded` (`mkresearch.measurement.recorded`) are shown while they match the current plan; with
 # `MKRESEARCH_COMPILE_RANK=1` in the environment they are compiled here. The sharded step of
 # each full model, one `pallas_call` per rank with its collectives, compiles for the 32 cores of
-# tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way; Qwen3's with a ring of depth
-# 2: on 32 ranks its FFN streams a single block, the router it keeps whole).
+# tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way), each rank's weight ring as
+# deep as its VMEM allows (`megakernel_sharded.ring_depth`: 2 MiB kept spare). Qwen3's config has a
+# ring of depth 2, which only the exact mode would use: there its FFN streams a single block.
 
 # %%
 compiles = {}
@@ -490,8 +491,10 @@ sharded_compiles = {
 for model, (result, plan, _) in sharded_compiles.items():
     print(f"{model} on {plan.n_ranks} cores ({plan.layout.name} layout): "
           f"{result.n_mosaic_kernels} Mosaic kernel per rank on {result.chip}; VMEM plan "
-          f"{plan.mega.vmem.total_bytes / 2**20:.2f} MiB, fits: {plan.mega.vmem.fits()}")
+          f"{plan.mega.vmem.total_bytes / 2**20:.2f} MiB, fits: {plan.mega.vmem.fits()}; "
+          f"ring {plan.mega.stream.depth} slots")
     assert result.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
+    assert plan.mega.stream.depth >= megakernel_sharded.PARTIAL_SUM_RING_DEPTH
 
 # %%
 for name, (result, _, source) in {**compiles, **sharded_compiles}.items():

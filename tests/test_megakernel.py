@@ -359,13 +359,13 @@ def test_batch_larger_than_supported(mini_params):
 
 
 def test_ring_deeper_than_the_shortest_stage():
-    """ring_depth is a config field (validated by ModelConfig itself: an int in [2, 8]); the
+    """ring_depth is a config field (validated by ModelConfig itself: an int in [2, 32]); the
     megakernel also refuses a lookahead that would cross two stage boundaries."""
     cfg = MINI.replace(ring_depth=5)
     with pytest.raises(ValueError, match=r"ModelConfig.ring_depth=5 is invalid for the "
                                          r"megakernel: an int in \[2, 4\]"):
         mk.make_plan(cfg, 1, cfg.max_seq_len)
-    with pytest.raises(ValueError, match=r"ModelConfig.ring_depth=1 is invalid: an int in \[2, 8\]"):
+    with pytest.raises(ValueError, match=r"ModelConfig.ring_depth=1 is invalid: an int in \[2, 32\]"):
         MINI.replace(ring_depth=1)
 
 

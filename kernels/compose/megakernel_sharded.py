@@ -55,7 +55,7 @@ from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model import sampling as sampling_ref
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.config import RING_MAX_DEPTH, ModelConfig
 from mkresearch.sharding import layout as layouts
 
 AXIS = collectives.AXIS
@@ -95,27 +95,86 @@ def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
     return spec.stage(kind).params(cfg)[key]
 
 
-# partial-sum mode: the global ring's slots on a rank (7 weight blocks in flight while the rank
-# waits for a collective, each one cfg.ring_block_bytes of VMEM: 10 MiB more than the preset's 3
-# slots at Kimi K3's 2 MiB blocks)
-PARTIAL_SUM_RING_DEPTH = 8
-
-
-def ring_depth(lay: layouts.Layout, local: Any = None) -> int:
-    """The global weight ring's depth on a rank of `lay`: exact mode, cfg.ring_depth (the kernel
-    as built); partial-sum mode, deepened to PARTIAL_SUM_RING_DEPTH so that the next weight blocks
-    keep HBM busy while a collective is waited for, as far as the lookahead (depth - 1 blocks)
-    stays within the rank's shortest stage. local: the rank's streamed matrices (`make_sharded_plan`;
-    default the layout's)."""
+def _local_streamed(lay: layouts.Layout) -> Any:
+    """local(kind, Streamed) -> Streamed with one rank's shape of the matrix (its layout slice)."""
     cfg = lay.cfg
-    if lay.collectives != layouts.PARTIAL_SUM:
-        return cfg.ring_depth
-    if local is None:
-        def local(kind, m):
-            shard = layouts.param_shard(lay, _layer_param(cfg, kind, m.key))
-            return registry.Streamed(m.key, m.name, layouts.local_shape(lay, m.shape, shard))
+
+    def local(kind, m):
+        shard = layouts.param_shard(lay, _layer_param(cfg, kind, m.key))
+        return registry.Streamed(m.key, m.name, layouts.local_shape(lay, m.shape, shard))
+    return local
+
+
+# partial-sum mode: the global ring's slots on a rank at least (7 weight blocks in flight while the
+# rank waits for a collective, 10 MiB more than the preset's 3 slots at Kimi K3's 2 MiB blocks),
+# and at most (the config's own bound): `ring_depth` picks the deepest in between that fits VMEM
+PARTIAL_SUM_RING_DEPTH = 8
+PARTIAL_SUM_MAX_RING_DEPTH = RING_MAX_DEPTH
+# VMEM a ring deepened past PARTIAL_SUM_RING_DEPTH leaves free, beyond plan_vmem's own headroom
+# for Mosaic's temporaries: the plan counts the buffers we declare, and only B = 1 is compiled and
+# recorded (`measurement/recorded.py`); Mosaic's temporaries grow with the batch, so an extra
+# slot is not worth a compile that might fail at a larger one
+RING_VMEM_SPARE_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class RingDepth:
+    """The global weight ring's depth on a rank of a layout, and why that depth."""
+
+    depth: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"ring {self.depth} slots: {self.reason}"
+
+
+@functools.lru_cache(maxsize=256)
+def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
+               options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
+               wire: str = "f32") -> RingDepth:
+    """The global weight ring's depth on a rank of `lay` at `batch` (one source: the kernel's plan,
+    `make_sharded_plan`, and the prediction, `scale_out_schedule.our_schedule`). Exact mode (or no
+    global stream): cfg.ring_depth, the kernel as built. Partial-sum mode: the deepest ring in
+    [PARTIAL_SUM_RING_DEPTH, cap] whose whole VMEM plan (`rank_vmem`: the shard buffers too)
+    fits the chip's usable VMEM less RING_VMEM_SPARE_BYTES, so that more weight blocks keep HBM
+    busy while a collective is waited for; cap: the lookahead (depth - 1 blocks) within the
+    rank's shortest stage, and PARTIAL_SUM_MAX_RING_DEPTH. If even the floor is over VMEM, the
+    floor (`make_sharded_plan` refuses it with the plan)."""
+    cfg = lay.cfg
+    if not options.global_stream or lay.collectives != layouts.PARTIAL_SUM:
+        return RingDepth(cfg.ring_depth, "the config's ring_depth ("
+                         + ("exact collectives)" if options.global_stream else "no global ring)"))
+    local = _local_streamed(lay)
     shortest = weight_stream.make_stream_plan(cfg.replace(ring_depth=2), local).shortest()
-    return max(2, min(max(cfg.ring_depth, PARTIAL_SUM_RING_DEPTH), shortest + 1))
+    lookahead_cap = f"the lookahead's cap (a rank's shortest stage streams {shortest} blocks)"
+    cap = min(shortest + 1, PARTIAL_SUM_MAX_RING_DEPTH)
+    floor = max(2, min(max(cfg.ring_depth, PARTIAL_SUM_RING_DEPTH), cap))
+    if floor == shortest + 1:
+        return RingDepth(floor, lookahead_cap)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) \
+            or not 1 <= batch <= mplan.MAX_BATCH:  # the prediction's larger batches: no kernel
+        return RingDepth(floor, f"the floor (no kernel plan at B = {batch}: at most "
+                                f"{mplan.MAX_BATCH} rows)")
+
+    def vmem(depth: int) -> mplan.VmemPlan:
+        return rank_vmem(lay, int(batch), depth, seq_len, options, wire)
+
+    floor_vmem = vmem(floor)
+    if not floor_vmem.fits():
+        return RingDepth(floor, "the floor, over VMEM (the plan is refused)")
+    budget = floor_vmem.limit_bytes - RING_VMEM_SPARE_BYTES
+    best, best_bytes = floor, floor_vmem.total_bytes
+    for depth in range(floor + 1, cap + 1):  # the plan grows by a slot per depth: first over ends
+        total = vmem(depth).total_bytes
+        if total > budget:
+            break
+        best, best_bytes = depth, total
+    if best == cap:
+        return RingDepth(best, lookahead_cap if cap == shortest + 1
+                         else f"the most slots allowed ({PARTIAL_SUM_MAX_RING_DEPTH})")
+    return RingDepth(best, f"the deepest within VMEM ({best_bytes / 2**20:.1f} of "
+                           f"{floor_vmem.limit_bytes / 2**20:.0f} MiB, "
+                           f"{RING_VMEM_SPARE_BYTES // 2**20} MiB kept spare)")
 
 
 def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> int:
@@ -131,41 +190,21 @@ def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> 
     return needed
 
 
-def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = None,
-                      options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
-                      wire: str = "f32") -> ShardedPlan:
-    """Check sizes and options (ValueError naming them) and fix every static size of one rank.
-    The layout's `collectives` picks the schedule (`kernels/compose/collective_schedule.py`); wire: the
-    partial sums' format on the wire (collective_schedule.WIRES)."""
-    if wire not in collective_schedule.WIRES:
-        raise ValueError(f"wire={wire!r} is invalid: one of {collective_schedule.WIRES}")
-    if not isinstance(lay, layouts.Layout):
-        raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
+def rank_vmem(lay: layouts.Layout, batch: int, depth: int, seq_len: int | None = None,
+              options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
+              wire: str = "f32") -> mplan.VmemPlan:
+    """A rank's whole VMEM plan (as `make_sharded_plan` builds it) with a ring of `depth` slots."""
+    seq_len = lay.cfg.max_seq_len if seq_len is None else int(seq_len)
+    return _rank_parts(lay, batch, seq_len, options, wire, depth, _local_streamed(lay))[-1]
+
+
+def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
+                options: mplan.MegakernelOptions, wire: str, depth: int, local: Any) -> tuple:
+    """(kcfg, stage plans, vocab tile, stream plan, ShardPlan, VmemPlan) of a rank with a global
+    ring of `depth` slots: the VMEM plan is `plan_vmem`'s plus the collectives' buffers."""
     cfg = lay.cfg
-    seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
-    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= mplan.MAX_BATCH:
-        raise ValueError(f"batch={batch!r} is invalid: an int in [1, {mplan.MAX_BATCH}]")
-    options = mplan.check_options(options, cfg)
-    if options.expert_plan != "unique":
-        raise ValueError(f"expert_plan={options.expert_plan!r} is invalid for a sharded model: "
-                         "'unique' (each rank fetches the distinct experts of its group)")
-    batch = int(batch)
-    check_fits_hbm(lay, options.chip, batch, seq_len)
-
-    def local(kind, m):
-        shape = layouts.local_shape(lay, m.shape,
-                                    layouts.param_shard(lay, _layer_param(cfg, kind, m.key)))
-        return registry.Streamed(m.key, m.name, shape)
-
-    depth = ring_depth(lay, local) if options.global_stream else cfg.ring_depth
     stream = (weight_stream.make_stream_plan(cfg.replace(ring_depth=depth), local)
               if options.global_stream else None)
-    if stream is not None:
-        shortest = stream.shortest()
-        if depth - 1 > shortest:
-            raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
-                             f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
-                             f"streams {shortest} blocks)")
     kcfg = mplan.check_model(kernel_config(lay).replace(ring_depth=depth))
     stage_plans = tuple((kind, registry.kernel_stage(kind).plan(kcfg, batch, seq_len, options))
                         for kind in kcfg.kinds)
@@ -196,9 +235,43 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
         mplan._buf(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
         vmem.limit_bytes, vmem.chip)
+    return kcfg, stage_plans, vocab_tile, stream, shard, vmem
+
+
+def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = None,
+                      options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
+                      wire: str = "f32") -> ShardedPlan:
+    """Check sizes and options (ValueError naming them) and fix every static size of one rank.
+    The layout's `collectives` picks the schedule (`kernels/compose/collective_schedule.py`); wire: the
+    partial sums' format on the wire (collective_schedule.WIRES)."""
+    if wire not in collective_schedule.WIRES:
+        raise ValueError(f"wire={wire!r} is invalid: one of {collective_schedule.WIRES}")
+    if not isinstance(lay, layouts.Layout):
+        raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
+    cfg = lay.cfg
+    seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= mplan.MAX_BATCH:
+        raise ValueError(f"batch={batch!r} is invalid: an int in [1, {mplan.MAX_BATCH}]")
+    options = mplan.check_options(options, cfg)
+    if options.expert_plan != "unique":
+        raise ValueError(f"expert_plan={options.expert_plan!r} is invalid for a sharded model: "
+                         "'unique' (each rank fetches the distinct experts of its group)")
+    batch = int(batch)
+    check_fits_hbm(lay, options.chip, batch, seq_len)
+
+    local = _local_streamed(lay)
+    depth = ring_depth(lay, batch, seq_len, options, wire).depth
+    if options.global_stream:
+        shortest = weight_stream.make_stream_plan(cfg.replace(ring_depth=2), local).shortest()
+        if depth - 1 > shortest:
+            raise ValueError(f"ModelConfig.ring_depth={cfg.ring_depth} is invalid for {lay.n_ranks}"
+                             f" ranks: an int in [2, {shortest + 1}] (a rank's shortest stage "
+                             f"streams {shortest} blocks)")
+    kcfg, stage_plans, vocab_tile, stream, shard, vmem = _rank_parts(
+        lay, batch, seq_len, options, wire, depth, local)
     if not vmem.fits():
         raise mplan.VmemPlanError(
-            f"a rank's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} has "
+            f"a rank's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {vmem.chip} has "
             f"{vmem.limit_bytes / 2**20:.2f} MiB usable per TensorCore: lower ring_depth, "
             f"ring_block_bytes, kv_tile, expert_slots or the batch.\n{vmem.table()}")
     mega = mplan.MegaPlan(cfg=kcfg, batch=batch, seq_len=seq_len, options=options,

@@ -178,6 +178,8 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['step_s'] * 1e3:8.2f} {r['tokens_per_s']:7.0f} "
             + " ".join(f"{parts[k] * 1e3:6.2f}" for k in scale_out.PARTS)
             + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
+    lines += [f"  {r['layout']} B={r['batch']}: {r['schedule']['ring']}" for r in rows
+              if r["schedule"].get("ring")]  # our kernel's ring: its depth at each batch and why
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
                  "messages, compute, bubbles; colls: collectives per rank per step, every one "
                  "counted (gathers and sibling swaps too: the ~188 of spec/collectives.md count "
@@ -208,7 +210,8 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
                   f"{sched.all_reduce_large})")
         lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
                      f"{sched.expert_slots} expert slots, {sched.combine}, {algorithms}, "
-                     f"prefetch past collectives {sched.prefetch_across}; {sched.source}")
+                     f"prefetch past collectives {sched.prefetch_across}; {sched.source}"
+                     + (f"; B = 1: {sched.ring}" if sched.ring else ""))
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
     lines.append("  no constant is set from a published step time (calibration.validation)")
     return "\n".join(lines)

@@ -24,7 +24,9 @@ EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 ROUTER_SCORES = ("sigmoid", "softmax")
 ACTIVATIONS = ("situ", "silu")
 
-RING_MAX_DEPTH = 8  # slots of the megakernel's global weight ring, at most
+# slots of the megakernel's global weight ring, at most: a rank in partial-sum mode deepens its ring
+# as far as VMEM allows (`megakernel_sharded.ring_depth`; Kimi K3 on 32 ranks at B = 1: 17)
+RING_MAX_DEPTH = 32
 RING_BLOCK_MULTIPLE = 64 * 1024  # one ring slot is a whole number of 64 KiB
 
 LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it

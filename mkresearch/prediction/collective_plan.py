@@ -15,6 +15,8 @@ import itertools
 from typing import Any
 
 from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.compose import megakernel_sharded
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import interconnect as links
@@ -61,8 +63,12 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
     by_algorithm: dict[str, int] = {}
     for row in rows:
         by_algorithm[row["algorithm"]] = by_algorithm.get(row["algorithm"], 0) + row["count"]
+    # the weight blocks in flight while a collective is waited for: the kernel's ring at this batch
+    ring = megakernel_sharded.ring_depth(layouts.layout(cfg, n_ranks, layouts.OURS, collectives=mode),
+                                         batch, options=MegakernelOptions(chip=chip), wire=wire)
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "mode": mode, "wire": wire,
             "chip": chip, "slice": inter.slice.name, "rank": rank, "rows": rows,
+            "ring_depth": ring.depth, "ring": ring.describe(),
             "count": sum(row["count"] for row in rows), "summary": summary,
             "by_algorithm": by_algorithm,
             "priced_us": sum(row["us"] * row["count"] for row in rows),
@@ -89,6 +95,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"count only its two reductions per layer, not its gathers and sibling swaps: "
                  f"`predict` counts those too, its colls column); priced {plan['priced_us'] / 1e3:.2f} ms in all, "
                  f"{plan['critical_us'] / 1e3:.2f} ms of it not overlapped by the schedule")
+    lines.append(f"{plan['ring']}; {plan['ring_depth'] - 1} weight blocks stay in flight while a "
+                 "collective is waited for")
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ collective started early and waited later). The collectives between stages are t
                past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
                router kept whole (the spec splits its scores between siblings), one routed and one
                shared reduction per MoE layer (the spec's "about two reductions per layer")
-  ours         (`our_schedule(cfg, collectives)`) every collective read from our kernel's own
+  ours         (`our_schedule(cfg, collectives, n_ranks, batch)`: its ring as deep as VMEM
+               allows at the batch) every collective read from our kernel's own
                schedule (`kernels/compose/collective_schedule.py`, `scale_out_contract`): "partial-sum"
                (the default: matrices contracting over a split dimension reduce their partial
                sums, the shared expert's sum hidden behind the routed experts' stream) or
@@ -49,18 +50,23 @@ from mkresearch.model import roofline, spec
 from mkresearch.prediction import scale_out_contract as contract
 from mkresearch.model.config import ModelConfig
 from mkresearch.kernels.compose import megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.prediction.scale_out_schedule import (  # noqa: F401 - scale_out.Schedule & co.
+    COMBINES,
+    MIB,
+    RELEASE_SCHEDULE,
+    RS_FROM_BATCH,
+    SCHEDULES,
+    Schedule,
+    our_schedule,
+    schedule_for,
+)
 from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import TimelineChip
 from mkresearch.prediction.timeline_ranks import PARTS
 
-MIB = 2**20
-COMBINES = ("partial-sum", "exact")
 F32 = 4
 # spec/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
 PARTIAL_SUM_BYTES = 2
-# spec/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
-RS_FROM_BATCH = 6
 SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
 # spec/tpu.md "Published decode numbers": Kimi K3 on 16 TPU7x chips (32 cores), tok/s by batch
 PUBLISHED = {
@@ -68,83 +74,6 @@ PUBLISHED = {
                 "gb200_tok_s": {1: 127, 2: 227, 4: 373, 8: 636},
                 "speculative_tok_s": {3: 350, 6: 709}},
 }
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How a rank streams and combines: block size, blocks and expert DMAs in flight, collectives."""
-
-    name: str
-    block_bytes: int
-    banks: int  # weight blocks in flight ahead of the one multiplied
-    expert_slots: int  # routed-expert DMAs in flight, the first issued right after routing
-    combine: str  # one of COMBINES
-    source: str
-    # the ring runs ahead past a blocking collective (as far as its banks); else the blocks after
-    # it are issued once the rank is past it. Collectives started early overlap either way.
-    prefetch_across: bool = True
-    all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
-    all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
-    gather_algorithm: str = "two-level"
-    # our kernel's collective schedule (`kernels/compose/collective_schedule.py`, "exact" or
-    # "partial-sum"), each collective priced by `collective_choice`; None: the hand-kept programs
-    collectives: str | None = None
-    wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
-
-    def algorithm(self, batch: int) -> str:
-        return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
-
-    def __post_init__(self) -> None:
-        for name in ("block_bytes", "banks", "expert_slots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Schedule.{name}={value!r} is invalid: an int >= 1")
-        if self.combine not in COMBINES:
-            raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
-        for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
-            if getattr(self, name) not in links.ALGORITHMS:
-                raise ValueError(f"Schedule.{name}={getattr(self, name)!r} is invalid: one of "
-                                 f"{links.ALGORITHMS}")
-
-
-RELEASE_SCHEDULE = Schedule(
-    "release", block_bytes=2 * MIB, banks=12, expert_slots=4, combine="partial-sum",
-    source="spec/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
-           "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
-           "for Kimi K3); spec/collectives.md: one-shot collectives, two-level all-reduces of "
-           "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
-           "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
-    prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",
-    gather_algorithm="one-shot")
-
-
-def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1
-                 ) -> Schedule:
-    """Our megakernel's on n_ranks: its ring's slots of cfg.ring_block_bytes (depth - 1 blocks fly
-    ahead; `megakernel_sharded.ring_depth`: deeper in partial-sum mode), MegakernelOptions.
-    expert_slots, the collectives its own schedule issues in mode `collectives`."""
-    if collectives not in contract.MODES:
-        raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
-    depth = cfg.ring_depth if n_ranks == 1 else megakernel_sharded.ring_depth(
-        layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives))
-    return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=depth - 1,
-                    expert_slots=MegakernelOptions().expert_slots, combine=collectives,
-                    source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
-                           "Options.expert_slots) and its schedule", collectives=collectives)
-
-
-SCHEDULES = ("release", "ours")
-
-
-def schedule_for(cfg: ModelConfig, name: str | Schedule, collectives: str = "partial-sum",
-                 n_ranks: int = 1) -> Schedule:
-    """A schedule by name ("release", "ours": our megakernel's on n_ranks in mode `collectives`),
-    or as given."""
-    if isinstance(name, Schedule):
-        return name
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is invalid: one of {SCHEDULES} or a Schedule")
-    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg, collectives, n_ranks)
 
 
 # ---- one rank's program ------------------------------------------------------------------------
@@ -430,7 +359,8 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
     if inter.slice.n_ranks < n_ranks:
         inter = links.interconnect(inter, n_ranks=n_ranks)
-    sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks)
+    sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks,
+                         batch, chip)
     auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: collective_choice's
     out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
                         context, seed, timeline_chip or chip))

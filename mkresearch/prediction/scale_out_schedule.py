@@ -1,0 +1,104 @@
+"""The schedules of the scale-out model (`scale_out`): how a rank streams and combines. The
+release's is hand-kept from the spec (`RELEASE_SCHEDULE`); ours is read from the megakernel's plan
+(`our_schedule`): its global ring's depth, chosen per layout and batch by
+`megakernel_sharded.ring_depth` (the kernel's plan reads the same function), its expert slots and
+its collective schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.compose import megakernel_sharded
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import interconnect as links
+from mkresearch.sharding import layout as layouts
+
+MIB = 2**20
+COMBINES = ("partial-sum", "exact")
+# spec/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
+RS_FROM_BATCH = 6
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a rank streams and combines: block size, blocks and expert DMAs in flight, collectives."""
+
+    name: str
+    block_bytes: int
+    banks: int  # weight blocks in flight ahead of the one multiplied
+    expert_slots: int  # routed-expert DMAs in flight, the first issued right after routing
+    combine: str  # one of COMBINES
+    source: str
+    # the ring runs ahead past a blocking collective (as far as its banks); else the blocks after
+    # it are issued once the rank is past it. Collectives started early overlap either way.
+    prefetch_across: bool = True
+    all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
+    all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
+    gather_algorithm: str = "two-level"
+    # our kernel's collective schedule (`kernels/compose/collective_schedule.py`, "exact" or
+    # "partial-sum"), each collective priced by `collective_choice`; None: the hand-kept programs
+    collectives: str | None = None
+    wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
+    ring: str = ""  # why `banks` (ours: `megakernel_sharded.RingDepth.describe`)
+
+    def algorithm(self, batch: int) -> str:
+        return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
+
+    def __post_init__(self) -> None:
+        for name in ("block_bytes", "banks", "expert_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Schedule.{name}={value!r} is invalid: an int >= 1")
+        if self.combine not in COMBINES:
+            raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
+        for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
+            if getattr(self, name) not in links.ALGORITHMS:
+                raise ValueError(f"Schedule.{name}={getattr(self, name)!r} is invalid: one of "
+                                 f"{links.ALGORITHMS}")
+
+
+RELEASE_SCHEDULE = Schedule(
+    "release", block_bytes=2 * MIB, banks=12, expert_slots=4, combine="partial-sum",
+    source="spec/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
+           "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
+           "for Kimi K3); spec/collectives.md: one-shot collectives, two-level all-reduces of "
+           "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
+           "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
+    prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",
+    gather_algorithm="one-shot")
+
+
+def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
+                 batch: int = 1, chip: str = "tpu7x") -> Schedule:
+    """Our megakernel's on n_ranks at `batch` on `chip`: its ring's slots of cfg.ring_block_bytes
+    (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in partial-sum mode the deepest
+    that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the collectives its
+    own schedule issues in mode `collectives`."""
+    if collectives not in contract.MODES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
+    ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
+        if n_ranks == 1 else megakernel_sharded.ring_depth(
+            layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives), batch,
+            options=MegakernelOptions(chip=chip))
+    return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
+                    expert_slots=MegakernelOptions().expert_slots, combine=collectives,
+                    source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
+                           "Options.expert_slots) and its schedule", collectives=collectives,
+                    ring=ring.describe())
+
+
+SCHEDULES = ("release", "ours")
+
+
+def schedule_for(cfg: ModelConfig, name: str | Schedule, collectives: str = "partial-sum",
+                 n_ranks: int = 1, batch: int = 1, chip: str = "tpu7x") -> Schedule:
+    """A schedule by name ("release", "ours": our megakernel's on n_ranks in mode `collectives`
+    at `batch` on `chip`), or as given."""
+    if isinstance(name, Schedule):
+        return name
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is invalid: one of {SCHEDULES} or a Schedule")
+    return RELEASE_SCHEDULE if name == "release" else our_schedule(cfg, collectives, n_ranks, batch, chip)
