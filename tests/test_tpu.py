@@ -50,6 +50,29 @@ def test_small_kernel_compiles_for_tpu_on_this_cpu(chip):
     assert "Mosaic kernel" in str(result)
 
 
+CACHED_COMPILE = """
+import jax, jax.numpy as jnp, warnings
+from mkresearch.hardware import tpu
+warnings.simplefilter("error")  # any warning fails the child
+block = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+print(tpu.compile_for(lambda x, y: x + y, block, block, chip="tpu7x").chip)
+"""
+
+
+def test_compiling_again_with_the_persistent_cache_is_quiet(tmp_path):
+    """`make test` turns JAX's persistent compilation cache on: a topology compile is written to
+    it, and a compile-only client cannot load it back. The second process compiling the same
+    program must neither warn (a notebook cell would show it on stderr) nor fail."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    runs = [subprocess.run([sys.executable, "-c", CACHED_COMPILE], env=env, capture_output=True,
+                           text=True, check=False, timeout=600) for _ in range(2)]
+    assert any(tmp_path.iterdir()), "the first compile wrote no cache entry"
+    for run in runs:
+        assert run.returncode == 0 and run.stdout.strip() == "tpu7x", run.stderr[-2000:]
+        assert "persistent compilation cache" not in run.stderr, run.stderr[-2000:]
+
+
 def test_static_argnums_pass_through():
     def scaled_add(x, y, scale):
         return add(x * scale, y)
