@@ -11,9 +11,9 @@ notebook's time, and a notebook over the budget gets a warning naming it and its
 A wall-clock limit on a shared machine is a coin toss, so the run never fails on time.
 `MKRESEARCH_NOTEBOOK_TIMES=FILE` also writes the table as Markdown (`make bench-notebooks`).
 
-XLA compiles with LLVM's cheap passes only (jax's switch, as tests/conftest.py sets it for pytest):
-the notebooks' interpret-mode kernels take longer to compile than to run. IEEE semantics are kept
-at every optimisation level, and a checked fact must not depend on how XLA compiles anyway: the
+XLA compiles as cheaply as it can (`cheap_compiles.cheap_cpu_compiles`: LLVM's cheap passes and
+XLA:CPU's legacy fusion emitters, as tests/conftest.py sets them for pytest): the notebooks'
+interpret-mode kernels take longer to compile than to run. IEEE semantics are kept, and a checked fact must not depend on how XLA compiles anyway: the
 committed outputs come from a run as users run them (optimised), nbval checks them here with the
 cheap passes, and `make test` again under a second XLA:CPU configuration (Makefile). The notebook
 kernels nbval starts inherit this process's environment.
@@ -22,12 +22,12 @@ kernels nbval starts inherit this process's environment.
 import os
 import time
 
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # before jax is imported
+import pytest
 
-import pytest  # noqa: E402
+from mkresearch.hardware import cheap_compiles
+from mkresearch.hardware import tpu as _tpu
 
-from mkresearch.hardware import tpu as _tpu  # noqa: E402
-
+cheap_compiles.cheap_cpu_compiles()  # the notebook kernels nbval starts inherit it
 _tpu.select_platform()
 
 NOTEBOOK_BUDGET_S = float(os.environ.get("MKRESEARCH_NOTEBOOK_BUDGET_S", "90"))

@@ -5,20 +5,17 @@ Keep this generic: fixtures of one kernel live in that kernel's test module.
 
 
 import gc
-import os
 
 import pytest
 from tiers import EXHAUSTIVE  # the tier, read once (tests/tiers.py)
 
-# XLA compiles with LLVM's cheap passes only (jax's own switch for programs that run less than they
-# take to compile): interpret-mode kernels are large programs whose run time is the interpreter's
-# Python callbacks, so the compile is a third of a kernel test's time and the optimisations buy
-# nothing. No float changes: without fast-math LLVM keeps IEEE semantics at every level. Set before
-# jax is imported (it reads the variable then); children (the CLI, the 8-device run) inherit it.
-# nbval sets it too (notebooks/conftest.py); the committed notebook outputs come from runs without it.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+from mkresearch.hardware import cheap_compiles
+from mkresearch.hardware import tpu as _tpu
 
-from mkresearch.hardware import tpu as _tpu  # after the environment above
+# XLA compiles as cheaply as it can (LLVM's cheap passes, the legacy CPU fusion emitters; IEEE
+# semantics kept): interpret-mode kernels take longer to compile than to run. Set before the first
+# compile; children (the CLI, the 8-device run) inherit it (`cheap_compiles.cheap_cpu_compiles`).
+cheap_compiles.cheap_cpu_compiles()
 
 # Before jax is imported by any test module: CPU (TPU interpret mode) unless this machine has a TPU.
 _tpu.select_platform()

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkresearch.hardware import _fast_interpret, tpu
+from mkresearch.hardware import _fast_interpret, cheap_compiles, tpu
 from mkresearch.hardware.chips import CHIPS, Chip, get_chip
 
 
@@ -249,3 +249,28 @@ def test_lower_for_tpu_checks_tiling_without_compiling():
 
     with pytest.raises(Exception, match="(?i)block shape|divisible|tiling"):
         tpu.lower_for_tpu(bad_block, jax.ShapeDtypeStruct((16, 200), jnp.float32))
+
+
+def test_cheap_cpu_compiles_adds_its_switches_once_and_keeps_explicit_ones(monkeypatch):
+    """What tests/conftest.py and notebooks/conftest.py call before any compile: jax's cheap
+    passes (its flag too, since jax is imported already here) and XLA:CPU's legacy fusion emitters
+    added to XLA_FLAGS once, after what is there; an explicit setting of either is kept."""
+    from jax._src import compiler
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+    previous = compiler._DISABLE_MOST_OPTIMIZATIONS.value
+    try:
+        cheap_compiles.cheap_cpu_compiles()
+        cheap_compiles.cheap_cpu_compiles()
+        assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
+                                           "--xla_cpu_use_fusion_emitters=false")
+        assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+        assert compiler._DISABLE_MOST_OPTIMIZATIONS.value is True
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+        cheap_compiles.cheap_cpu_compiles()
+        assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=true"
+        assert compiler._DISABLE_MOST_OPTIMIZATIONS.value is False
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)

@@ -1,0 +1,33 @@
+"""Compiling for the CPU as cheaply as XLA allows, for test runs (pytest and nbval).
+
+Imports no jax: the conftests call `cheap_cpu_compiles()` before anything is compiled.
+"""
+
+import os
+import sys
+
+# XLA:CPU's legacy fusion emitters instead of its MLIR ones: the same HLO, compiled about a third
+# faster (measured on the interpret-mode kernel tests: tests/test_attention_kernels.py 63 -> 41 s,
+# tests/test_megakernel.py 113 -> 85 s).
+_LEGACY_CPU_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def cheap_cpu_compiles() -> None:
+    """Before the first compile: compile for the CPU as cheaply as XLA allows, for test runs.
+
+    Interpret-mode kernels are large programs whose run time is the interpreter's Python
+    callbacks, so compiling is most of a kernel test's time (half of the pytest workers' CPU time
+    here) and XLA's optimisations buy nothing. Two switches, each keeping IEEE semantics (no
+    fast-math): jax's `JAX_DISABLE_MOST_OPTIMIZATIONS` (LLVM's cheap passes) and XLA:CPU's legacy
+    fusion emitters. Set by tests/conftest.py and notebooks/conftest.py; processes they start
+    inherit them. A checked result must not depend on how XLA compiles: the committed notebook
+    outputs come from runs as users run them, and `make test` checks them under these switches and
+    again under a second XLA:CPU configuration (Makefile). Explicit settings are kept.
+    """
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if "jax" in sys.modules:  # jax read the variable at import: set its flag too (no compile yet)
+        disable = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() not in ("0", "false", "")
+        sys.modules["jax"].config.update("jax_disable_most_optimizations", disable)
+    flags = os.environ.get("XLA_FLAGS", "")  # read when XLA's first backend starts
+    if "xla_cpu_use_fusion_emitters" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_CPU_EMITTERS_FLAG}".strip()
