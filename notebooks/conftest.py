@@ -13,10 +13,11 @@ A wall-clock limit on a shared machine is a coin toss, so the run never fails on
 
 XLA compiles as cheaply as it can (`cheap_compiles.cheap_cpu_compiles`: LLVM's cheap passes and
 XLA:CPU's legacy fusion emitters, as tests/conftest.py sets them for pytest): the notebooks'
-interpret-mode kernels take longer to compile than to run. IEEE semantics are kept, and a checked fact must not depend on how XLA compiles anyway: the
-committed outputs come from a run as users run them (optimised), nbval checks them here with the
-cheap passes, and `make test` again under a second XLA:CPU configuration (Makefile). The notebook
-kernels nbval starts inherit this process's environment.
+interpret-mode kernels take longer to compile than to run. IEEE semantics are kept, and a checked
+fact must not depend on how XLA compiles anyway: the committed outputs come from a run as users run
+them (default compiles), nbval checks them here with these switches, and `make test` again under a
+second XLA:CPU configuration (Makefile). The notebook kernels nbval starts inherit this process's
+environment.
 """
 
 import os

@@ -1,13 +1,15 @@
 """Compiling for the CPU as cheaply as XLA allows, for test runs (pytest and nbval).
 
-Imports no jax: the conftests call `cheap_cpu_compiles()` before anything is compiled.
+The conftests call `cheap_cpu_compiles()` before anything is compiled.
 """
 
 import os
 import sys
 
-# XLA:CPU's legacy fusion emitters instead of its MLIR ones: the same HLO, compiled about a third
-# faster (measured on the interpret-mode kernel tests: tests/test_attention_kernels.py 63 -> 41 s,
+from mkresearch.hardware.tpu import add_xla_flag
+
+# XLA:CPU's legacy fusion emitters instead of its MLIR ones: the same HLO, compiled a quarter to a
+# third faster (measured on the interpret-mode kernel tests: tests/test_attention_kernels.py 63 -> 41 s,
 # tests/test_megakernel.py 113 -> 85 s).
 _LEGACY_CPU_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
@@ -28,6 +30,4 @@ def cheap_cpu_compiles() -> None:
     if "jax" in sys.modules:  # jax read the variable at import: set its flag too (no compile yet)
         disable = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() not in ("0", "false", "")
         sys.modules["jax"].config.update("jax_disable_most_optimizations", disable)
-    flags = os.environ.get("XLA_FLAGS", "")  # read when XLA's first backend starts
-    if "xla_cpu_use_fusion_emitters" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_CPU_EMITTERS_FLAG}".strip()
+    add_xla_flag(_LEGACY_CPU_EMITTERS_FLAG)

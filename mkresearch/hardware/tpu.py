@@ -71,9 +71,15 @@ def _keep_bf16_roundings() -> None:
     in places and from the kernels, which round in VMEM as written. XLA reads XLA_FLAGS when its
     first backend starts, so this works even after `import jax`. An explicit setting is kept.
     """
+    add_xla_flag(_EXACT_ROUNDING_FLAG)
+
+
+def add_xla_flag(flag: str) -> None:
+    """Append `--name=value` to XLA_FLAGS unless the variable sets that name already (an explicit
+    setting is kept). XLA reads XLA_FLAGS when its first backend starts."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_allow_excess_precision" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_EXACT_ROUNDING_FLAG}".strip()
+    if flag.split("=")[0].lstrip("-") not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
 def on_tpu() -> bool:
