@@ -45,16 +45,14 @@ browser:
 
 # A second XLA:CPU configuration that computes the floats in another way: YNNPACK dots (another
 # summation order), one Eigen thread, and on x86 no FMA in the vectorised exp/tanh (AVX without
-# AVX2). A checked notebook fact must come out the same under both, as on another machine.
+# AVX2). The committed outputs come from runs as users run them; `make test` checks every notebook
+# whose facts come from XLA's float results under this configuration instead, so each such fact
+# must come out the same under both, as on another machine (notebooks/conftest.py picks the
+# notebooks: 00, 07 and 09 check shapes, byte counts, DMA logs and pure-Python predictions).
 OTHER_XLA_FLAGS := --xla_cpu_experimental_ynn_fusion_type=dot --xla_cpu_multi_thread_eigen=false
 ifeq ($(shell uname -m),x86_64)
 OTHER_XLA_FLAGS += --xla_cpu_max_isa=AVX
 endif
-# Notebooks whose checked facts come from float results of XLA (kernels, the reference): only they
-# are checked again under OTHER_XLA_FLAGS. The others' facts are shapes, byte counts, DMA logs and
-# pure-Python predictions, which no summation order of XLA can change.
-HOST_INDEPENDENT_NOTEBOOKS := $(wildcard notebooks/00_*.ipynb notebooks/07_*.ipynb notebooks/09_*.ipynb)
-FLOAT_FACT_NOTEBOOKS := $(filter-out $(HOST_INDEPENDENT_NOTEBOOKS),$(NOTEBOOKS))
 # pytest over tests/ without the nbval plugin: importing it (jsonschema's format grammars) costs
 # each pytest process seconds of CPU, and tests/ has no notebook. Test modules go to the two
 # workers in collection order, which tests/conftest.py makes the longest first (xdist would
@@ -63,16 +61,21 @@ FLOAT_FACT_NOTEBOOKS := $(filter-out $(HOST_INDEPENDENT_NOTEBOOKS),$(NOTEBOOKS))
 PYTEST := $(BIN)/python -m pytest -p no:nbval -n 2 --dist loadfile --no-loadscope-reorder
 NBVAL := $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --nbval-lax --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
-# pytest over tests/ in two worker processes (one per core: interpret mode is mostly one Python
-# thread; each test file stays in one worker, so module fixtures are shared), then nbval, also
-# in two workers, over every committed notebook (fact cells are compared; each notebook's run time
-# is reported, never asserted: notebooks/conftest.py), compiled as the conftests set it
-# (cheap_compiles.cheap_cpu_compiles) and again under OTHER_XLA_FLAGS.
-# The sweeps marked `exhaustive` (every combination of cases whose named ones `make test` runs),
-# the whole sharded matrix of tests/test_sharded.py, and the rest: over an hour here.
+# `make test`: pytest over tests/ in two worker processes (one per core: interpret mode is mostly
+# one Python thread; each test file stays in one worker, so module fixtures are shared), then
+# nbval, also in two workers, over every committed notebook (fact cells are compared; each
+# notebook's run time is reported, never asserted: notebooks/conftest.py), compiled as the
+# conftests set it (cheap_compiles.cheap_cpu_compiles), the float-fact notebooks under
+# OTHER_XLA_FLAGS too. `make test-exhaustive`: also the sweeps marked `exhaustive` (every
+# combination of cases whose named ones `make test` runs), the whole sharded matrix of
+# tests/test_sharded.py, and nbval over every notebook under this machine's switches alone (the
+# committed outputs' way of summing, which `make test` leaves to the commit): over an hour here.
 test-exhaustive: venv
 	rm -rf $(JAX_CACHE)
 	MKRESEARCH_EXHAUSTIVE=1 MKRESEARCH_SHARDED_FULL=1 $(PYTEST) tests
+ifneq ($(NOTEBOOKS),)
+	$(NBVAL) $(NOTEBOOKS)
+endif
 
 # One run's XLA executables, shared by its processes (xdist workers, the 8-device child, the
 # notebooks' kernels): a program compiled once is read back by the next process that builds it
@@ -86,8 +89,7 @@ test: venv browser
 	rm -rf $(JAX_CACHE)
 	$(PYTEST) --durations=30 tests
 ifneq ($(NOTEBOOKS),)
-	$(NBVAL) $(NOTEBOOKS)
-	XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(FLOAT_FACT_NOTEBOOKS)
+	MKRESEARCH_NBVAL_OTHER_XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
 endif
 
 # Day-to-day: every test not marked slow (no nbval), about 2.5 minutes on 2 cores.

@@ -95,14 +95,14 @@ def staged_step(params, state, tokens, positions, cfg):
 _staged_step = jax.jit(staged_step, static_argnames="cfg")
 
 
-def run_steps(cfg, params, batch, n_steps, *, record=False):
+def run_steps(cfg, params, batch, n_steps, *, record=False, prompt_len=PROMPT_LEN):
     """n_steps teacher-forced on the reference: each step, the megakernel (and the stage kernels,
     one call each) starts from the reference's state and token and is checked against both (see
     the module docstring). Returns (near-ties [(step, row, top-2 gap, tokens differ)], max |logit
     difference| over all row-steps, DMA logs)."""
-    ref_state, tokens = prefilled(cfg, params, batch, PROMPT_LEN)
+    ref_state, tokens = prefilled(cfg, params, batch, prompt_len)
     prepared = mk.prepare_weights(params, cfg)
-    positions = np.full(batch, PROMPT_LEN - 1, np.int32)
+    positions = np.full(batch, prompt_len - 1, np.int32)
     near_ties, worst, logs = [], 0.0, []
     for step in range(n_steps):
         start = jnp.asarray(tokens), jnp.asarray(positions)
@@ -168,10 +168,11 @@ def report(label, near_ties, worst):
           f"{len(differ)} of them {differ}: {[(step, row, gap) for step, row, gap, _ in near_ties]}")
 
 
-# make test: 6 steps at B = 4 (positions 27..32: the KV tile boundary at 32 is crossed); each step
-# starts from the reference's state, so more steps run the same checks at more positions: the
-# exhaustive tier runs 32 (27..58).
-GREEDY_STEPS = [6, pytest.param(32, marks=pytest.mark.exhaustive)]
+# make test: 2 steps at B = 4 after a prompt of 32 (positions 31 and 32: the KV tile boundary at 32
+# is crossed); each step starts from the reference's state, so more steps run the same checks at
+# more positions: the exhaustive tier runs 32 after the module's prompt of 28 (27..58).
+GREEDY_STEPS = [pytest.param(2, 32, id="2"),
+                pytest.param(32, PROMPT_LEN, id="32", marks=pytest.mark.exhaustive)]
 
 
 @pytest.mark.exhaustive  # make test runs the same steps at B = 4; batch invariance, B = 1 vs 4
@@ -181,15 +182,16 @@ def test_greedy_32_steps_batch_1(race_checked, mini_params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_steps", GREEDY_STEPS)
-def test_greedy_steps_batch_4_and_bytes(race_checked, mini_params, n_steps):
+@pytest.mark.parametrize("n_steps, prompt_len", GREEDY_STEPS)
+def test_greedy_steps_batch_4_and_bytes(race_checked, mini_params, n_steps, prompt_len):
     """B = 4, recorded: tokens, states, and the bytes each step moves against the minimum."""
-    assert PROMPT_LEN - 1 + n_steps > 32  # the steps cross the KV tile boundary
-    near_ties, worst, logs = run_steps(MINI, mini_params, 4, n_steps, record=True)
+    assert prompt_len - 1 < 32 < prompt_len - 1 + n_steps  # the steps cross the KV tile boundary
+    near_ties, worst, logs = run_steps(MINI, mini_params, 4, n_steps, record=True,
+                                       prompt_len=prompt_len)
     report(f"B=4, {n_steps} steps", near_ties, worst)
     # the bytes of the last step against the minimum of that step
-    ref_state, tokens = prefilled(MINI, mini_params, 4, PROMPT_LEN)
-    state, pos = ref_state, np.full(4, PROMPT_LEN - 1, np.int32)
+    ref_state, tokens = prefilled(MINI, mini_params, 4, prompt_len)
+    state, pos = ref_state, np.full(4, prompt_len - 1, np.int32)
     for _ in range(n_steps):  # replay the reference to get the last step's routing
         positions = pos
         logits, state, aux = reference.decode_step(mini_params, state, tokens, pos, MINI)

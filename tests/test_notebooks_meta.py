@@ -134,3 +134,32 @@ def test_nbval_run_reports_notebook_times_and_never_fails_on_time(tmp_path, budg
         assert "over the 0 s budget of one notebook" in done.stdout
         assert "slowest cells: Cell 0" in done.stdout
     assert table.read_text().splitlines()[2].startswith("| tiny.ipynb |")
+
+
+def _notebook_asserting(source: str) -> dict:
+    cell = dict(TINY_NOTEBOOK["cells"][0], source=source)
+    return dict(TINY_NOTEBOOK, cells=[cell])
+
+
+@pytest.mark.slow
+def test_float_fact_notebooks_run_under_the_second_xla_configuration(tmp_path):
+    """`make test` passes the Makefile's OTHER_XLA_FLAGS in MKRESEARCH_NBVAL_OTHER_XLA_FLAGS: the
+    kernel of a notebook whose facts come from floats runs under them (beside the cheap-compile
+    switches), a host-independent notebook's (00, 07, 09) under the switches alone; the summary
+    says which."""
+    shutil.copy(NOTEBOOKS_DIR / "conftest.py", tmp_path / "conftest.py")
+    other = "--xla_cpu_multi_thread_eigen=false"
+    flags = "import os; flags = os.environ['XLA_FLAGS']; "
+    (tmp_path / "05_floats.ipynb").write_text(json.dumps(_notebook_asserting(
+        f"{flags}assert '{other}' in flags and 'fusion_emitters=false' in flags, flags")))
+    (tmp_path / "09_predicting_the_release.ipynb").write_text(json.dumps(_notebook_asserting(
+        f"{flags}assert '{other}' not in flags and 'fusion_emitters=false' in flags, flags")))
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          cwd=tmp_path, env=env | {"MKRESEARCH_NBVAL_OTHER_XLA_FLAGS": other})
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "05_floats.ipynb: " in done.stdout and "2 passed" in done.stdout
+    assert "checked under the second XLA:CPU configuration" in done.stdout
+    assert "checked under this machine's switches" in done.stdout
