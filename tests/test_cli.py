@@ -146,11 +146,13 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
 
 # ---- the other families (spec/families.md) -----------------------------------------------------
 # The CLI's decode path is the same for every model (tests/test_families.py and
-# tests/test_families_megakernel.py check each family's step): one family per backend here, and
-# the third through `bench` below
+# tests/test_families_megakernel.py check each family's step): a family on the reference here, a
+# family on the megakernel through `bench` below (and kimi-k3-mini's `decode` on the megakernel
+# above); a family's `decode` on the megakernel is in the exhaustive tier
 @pytest.mark.slow
-@pytest.mark.parametrize("model, backend", [("glm-4.5-mini", "reference"),
-                                            ("deepseek-v3-mini", "megakernel")])
+@pytest.mark.parametrize("model, backend", [
+    ("glm-4.5-mini", "reference"),
+    pytest.param("deepseek-v3-mini", "megakernel", marks=pytest.mark.exhaustive)])
 def test_decode_family_minis(capsys, model, backend):
     """`decode --model <family mini>`: tokens, parity (reference) or agreement (megakernel), and
     for the megakernel one rank of the full model predicted on TPU7x."""

@@ -62,13 +62,21 @@ def mini_params():
     return weights.init_params(MINI, 0)
 
 
+_prefilled: dict = {}
+
+
 def prefilled(cfg, params, batch, length, seed=0):
-    """Reference state after teacher-forcing a random prompt, and the prompt's last tokens."""
-    prompt = jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
-    state = reference.init_state(cfg, batch)
-    if length > 1:
-        _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
-    return state, prompt[:, -1]
+    """Reference state after teacher-forcing a random prompt, and the prompt's last tokens (made
+    once per arguments: a test that replays the reference from it does not prefill again; the
+    entry keeps its parameters alive, so that their id is never reused)."""
+    key = (cfg, id(params), batch, length, seed)
+    if key not in _prefilled:
+        prompt = jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size)
+        state = reference.init_state(cfg, batch)
+        if length > 1:
+            _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
+        _prefilled[key] = (params, state, prompt[:, -1])
+    return _prefilled[key][1:]
 
 
 def copy_state(state):

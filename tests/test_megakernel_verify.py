@@ -204,8 +204,11 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
 
 
 # ---- the matrix (slow: one compile per case) ---------------------------------------------------
+# make test runs the sampled case: greedy speculative decoding on the megakernel is lossless by
+# tests/test_cli_speculative.py (the tokens, K = 3, forced acceptance 2) and the verify call's caches
+# and states are the one-by-one decode steps' to the bit (test_verify_equals_one_by_one_latent_greedy)
 @pytest.mark.parametrize("sample, n_tokens, drafts", [  # 7 tokens: the prefill's and 2 verify steps
-    pytest.param({}, 7, 3, marks=pytest.mark.slow),
+    pytest.param({}, 7, 3, marks=[pytest.mark.slow, pytest.mark.exhaustive]),
     pytest.param(SAMPLED, 10, 3, marks=pytest.mark.slow),
     pytest.param({}, 32, 6, marks=pytest.mark.exhaustive)], ids=["greedy", "sampled", "greedy-32"])
 def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample, n_tokens, drafts):
