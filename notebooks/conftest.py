@@ -15,8 +15,9 @@ XLA compiles as cheaply as it can (`cheap_compiles.cheap_cpu_compiles`: LLVM's c
 XLA:CPU's legacy fusion emitters, as tests/conftest.py sets them for pytest): the notebooks'
 interpret-mode kernels take longer to compile than to run. IEEE semantics are kept, and a checked
 fact must not depend on how XLA compiles anyway: the committed outputs come from a run as users run
-them (default compiles), nbval checks them here with these switches, and `make test` again under a
-second XLA:CPU configuration (Makefile). The notebook kernels nbval starts inherit this process's
+them (default compiles), and nbval checks them here with these switches, in `make test` with the
+Makefile's second XLA:CPU configuration on top for the notebooks whose facts come from floats
+(OTHER_XLA_FLAGS_VARIABLE below). The notebook kernels nbval starts inherit this process's
 environment.
 """
 
@@ -57,8 +58,9 @@ def _notebook(item) -> str | None:
 
 # The longest notebooks first (measured by `make bench-notebooks`), so the two xdist workers
 # (`--dist loadfile`, each notebook in one worker) do not end on a long notebook started last.
-LONGEST_NOTEBOOKS = ("06_megakernel", "08_scale_out", "02_attention", "10_other_families",
-                     "11_speculative", "04_expert_gemm", "07_profiling", "05_sampling")
+LONGEST_NOTEBOOKS = ("06_megakernel", "08_scale_out", "02_attention", "04_expert_gemm",
+                     "10_other_families", "11_speculative", "09_predicting_the_release",
+                     "07_profiling", "05_sampling", "12_checkpoints", "13_serving")
 
 
 def _notebook_rank(item) -> int:

@@ -23,8 +23,9 @@ def cheap_cpu_compiles() -> None:
     fast-math): jax's `JAX_DISABLE_MOST_OPTIMIZATIONS` (LLVM's cheap passes) and XLA:CPU's legacy
     fusion emitters. Set by tests/conftest.py and notebooks/conftest.py; processes they start
     inherit them. A checked result must not depend on how XLA compiles: the committed notebook
-    outputs come from runs as users run them, and `make test` checks them under these switches and
-    again under a second XLA:CPU configuration (Makefile). Explicit settings are kept.
+    outputs come from runs as users run them, and `make test` checks them under these switches, with
+    a second XLA:CPU configuration on top for the notebooks whose facts come from floats
+    (Makefile). Explicit settings are kept.
     """
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     if "jax" in sys.modules:  # jax read the variable at import: set its flag too (no compile yet)
