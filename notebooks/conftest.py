@@ -11,14 +11,14 @@ notebook's time, and a notebook over the budget gets a warning naming it and its
 A wall-clock limit on a shared machine is a coin toss, so the run never fails on time.
 `MKRESEARCH_NOTEBOOK_TIMES=FILE` also writes the table as Markdown (`make bench-notebooks`).
 
-XLA compiles as cheaply as it can (`cheap_compiles.cheap_cpu_compiles`: LLVM's cheap passes and
-XLA:CPU's legacy fusion emitters, as tests/conftest.py sets them for pytest): the notebooks'
-interpret-mode kernels take longer to compile than to run. IEEE semantics are kept, and a checked
-fact must not depend on how XLA compiles anyway: the committed outputs come from a run as users run
-them (default compiles), and nbval checks them here with these switches, in `make test` with the
-Makefile's second XLA:CPU configuration on top for the notebooks whose facts come from floats
-(OTHER_XLA_FLAGS_VARIABLE below). The notebook kernels nbval starts inherit this process's
-environment.
+XLA compiles as cheaply as it can (`cheap_compiles.cheap_cpu_compiles`: XLA's optimisation level 0
+with LLVM's cheap passes, and XLA:CPU's legacy fusion emitters, as tests/conftest.py sets them for
+pytest): the notebooks' interpret-mode kernels take longer to compile than to run. IEEE semantics
+are kept, and a checked fact must not depend on how XLA compiles anyway: the committed outputs come
+from a run as users run them (default compiles), and nbval checks them here with these switches, in
+`make test` with the Makefile's second XLA:CPU configuration on top for the notebooks whose facts
+come from floats (OTHER_XLA_FLAGS_VARIABLE below). The notebook kernels nbval starts inherit this
+process's environment.
 """
 
 import os
@@ -77,10 +77,15 @@ def pytest_collection_modifyitems(session, config, items):
     _last_cells.update(last.values())
 
 
+def under_other_configuration(notebook_stem: str, other: str) -> bool:
+    """Whether a notebook runs under the second configuration `other`: there is one, and the
+    notebook's facts are not host-independent (HOST_INDEPENDENT_NOTEBOOKS)."""
+    return bool(other.strip()) and notebook_stem not in HOST_INDEPENDENT_NOTEBOOKS
+
+
 def kernel_xla_flags(notebook_stem: str, base: str, other: str) -> str:
-    """XLA_FLAGS for a notebook's kernel: `base` plus `other` unless the notebook's facts are
-    host-independent (HOST_INDEPENDENT_NOTEBOOKS) or there is no other configuration."""
-    if not other.strip() or notebook_stem in HOST_INDEPENDENT_NOTEBOOKS:
+    """XLA_FLAGS for a notebook's kernel: `base`, plus `other` where it applies."""
+    if not under_other_configuration(notebook_stem, other):
         return base
     return f"{base} {other}".strip()
 
@@ -148,7 +153,7 @@ def pytest_terminal_summary(terminalreporter):
     other = os.environ.get(OTHER_XLA_FLAGS_VARIABLE, "").strip()
     for row in rows:
         stem = os.path.splitext(row["notebook"])[0]
-        under = ("the second XLA:CPU configuration" if kernel_xla_flags(stem, "", other)
+        under = ("the second XLA:CPU configuration" if under_other_configuration(stem, other)
                  else "this machine's switches")
         terminalreporter.write_line(f"{row['notebook']}: {row['seconds']:.1f} s "
                                     f"({row['share']:.0%} of the {NOTEBOOK_BUDGET_S:.0f} s budget; "

@@ -12,12 +12,13 @@ from tiers import EXHAUSTIVE  # the tier, read once (tests/tiers.py)
 from mkresearch.hardware import cheap_compiles
 from mkresearch.hardware import tpu as _tpu
 
-# XLA compiles as cheaply as it can (LLVM's cheap passes, the legacy CPU fusion emitters; IEEE
-# semantics kept): interpret-mode kernels take longer to compile than to run. Set before the first
-# compile; children (the CLI, the 8-device run) inherit it (`cheap_compiles.cheap_cpu_compiles`).
+# XLA compiles as cheaply as it can (level 0, LLVM's cheap passes, the legacy CPU fusion
+# emitters; IEEE semantics kept): interpret-mode kernels take longer to compile than to run. Set
+# before the first compile; children (the CLI, the 8-device run) inherit it
+# (`cheap_compiles.cheap_cpu_compiles`).
 cheap_compiles.cheap_cpu_compiles()
 
-# Before jax is imported by any test module: CPU (TPU interpret mode) unless this machine has a TPU.
+# Before the first compile: CPU (TPU interpret mode) unless this machine has a TPU.
 _tpu.select_platform()
 
 
