@@ -8,6 +8,7 @@ from mkresearch.kernels.compose.megakernel_plan import VmemPlanError
 
 from mkresearch.cli import main as cli
 from mkresearch.model.config import get_config
+from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
@@ -37,22 +38,27 @@ def test_the_ring_is_the_deepest_that_fits_vmem(model, batch):
 
 
 def test_kernel_plan_and_prediction_read_one_depth(capsys):
-    """At each batch the prediction's ring (banks + 1) is the kernel plan's, and `predict` and
-    `plan --ranks` say the depth and why."""
+    """At each batch the prediction's ring (banks + 1) is the kernel plan's, built with the
+    reductions the model chooses for the slice (`collective_choice.kernel_reductions`: their
+    level buffers take VMEM), and `predict` and `plan --ranks` say the depth and why."""
     cfg = get_config("kimi-k3")
     lay = _layout("kimi-k3")
+    rings = {}
     for batch in (1, 8):
-        depth = ms.make_sharded_plan(lay, batch).mega.stream.depth
+        options = choice.kernel_reductions(lay, batch).options()
+        rings[batch] = ms.ring_depth(lay, batch, options=options)
+        depth = ms.make_sharded_plan(lay, batch, options=options).mega.stream.depth
         row = scale_out.predict(cfg, 32, "ours", batch)
-        assert row["schedule"]["banks"] + 1 == depth == ms.ring_depth(lay, batch).depth
-        assert row["schedule"]["ring"] == ms.ring_depth(lay, batch).describe()
+        assert row["schedule"]["banks"] + 1 == depth == rings[batch].depth
+        assert row["schedule"]["ring"] == rings[batch].describe()
+        assert row["schedule"]["reductions"] == options.reductions
     assert scale_out.predict(cfg, 32, "ours", 1)["schedule"]["banks"] > \
         scale_out.predict(cfg, 32, "ours", 8)["schedule"]["banks"]  # less VMEM left at B = 8
     assert cli.main(["predict", "kimi-k3", "--ranks", "32", "--batch", "1", "--layout",
                      "ours"]) == 0
-    assert f"ours B=1: {ms.ring_depth(lay, 1).describe()}" in capsys.readouterr().out
+    assert f"ours B=1: {rings[1].describe()}" in capsys.readouterr().out
     assert cli.main(["plan", "kimi-k3", "--ranks", "32"]) == 0
-    assert f"{ms.ring_depth(lay, 1).describe()}; " in capsys.readouterr().out
+    assert f"{rings[1].describe()}; " in capsys.readouterr().out
 
 
 def test_exact_mode_and_mini_shapes_keep_their_depth():

@@ -16,9 +16,10 @@ issued after and what waits for it. Two modes:
   partial-sum  a matrix contracting over a split dimension (its `Param.gather` group: W_o over
                the heads, W_down over the FFN hidden, an expert's W2 over its ETP hidden slice) is
                split by its ROWS instead (`layout.param_shard`): each rank multiplies its slice
-               and the partial sums are all-reduced one-shot (every rank's partial to every peer),
-               every rank adding the same partials in one fixed order (`summed`: one rank per
-               slice, slice 0 first), so all ranks hold the same bits. The routed experts'
+               and the partial sums are all-reduced (one-shot, two-level or rs-ag: the kernel's
+               `reductions`), every rank adding the same partials in one fixed order (`summed`:
+               one rank per slice, slice 0 first; a host's first, then the hosts' sums), so all
+               ranks hold the same bits. The routed experts'
                weighted sum is such a reduction over every rank in rank order (no chain, no
                gather of an expert's hidden). The column gathers of the small down-projections
                (W_qa, W_kva, the router, W_ld) stay: the model needs those vectors whole (a norm
@@ -38,9 +39,11 @@ issued after and what waits for it. Two modes:
 Names follow the kernel's DMA log (a fused gather: its matrices' names joined by "+",
 `sharded_stream.fused_name`): a collective named N logs its remote copies as
 `N/all_gather` (and `N/reduce_scatter` for the exact mode's reduce-scatter + all-gather, `N/chain`
-for the chain). `payload_bytes` is `interconnect.price`'s nbytes: an all-gather's piece per member,
-an all-reduce's whole vector, a chain's running sum. `algorithm` is "one-shot" for every
-collective until the prediction's choice (per payload and group) replaces it.
+for the chain, `N/local`, `N/across`, `N/local_gather` for a reduction's levels). `payload_bytes`
+is `interconnect.price`'s nbytes: an all-gather's piece per member, an all-reduce's whole vector, a
+chain's running sum. `algorithm` is how the kernel sends it: "one-shot" for every all-gather, a
+partial-sum reduction's from the kernel's options (`reductions`: "two-level" or "rs-ag", chosen by
+`mkresearch.prediction.collective_choice.kernel_reductions`, which the prediction prices).
 
 Pure Python over the layout and the kinds' streamed matrices: the full Kimi K3 on 32 ranks takes
 milliseconds, nothing is traced.
@@ -182,21 +185,26 @@ def _riding(rules: list[collectives.Rule]) -> list[collectives.Rule]:
 
 def collective_schedule(lay: layouts.Layout, batch: int, mode: str = layouts.DEFAULT_COLLECTIVES,
                         wire: str = "f32", *, rank: int = 0,
-                        expert_counts: tuple[int, ...] | None = None
-                        ) -> tuple[CollectiveOp, ...]:
+                        expert_counts: tuple[int, ...] | None = None,
+                        reductions: tuple = ()) -> tuple[CollectiveOp, ...]:
     """One step's collectives of `rank` in issue order (see the module docstring).
     expert_counts: per MoE layer, the experts this rank's group computes (data: the batch's
-    distinct experts of the group); default the worst case min(E / EP, B·k)."""
+    distinct experts of the group); default the worst case min(E / EP, B·k). reductions: the
+    kernel's (`MegakernelOptions.reductions`: (name, algorithm) of the reductions not sent
+    one-shot), each such reduction's `algorithm`."""
+    if not isinstance(reductions, tuple):
+        raise ValueError(f"reductions={reductions!r} is invalid: a tuple of (name, algorithm)")  # noqa: TRY004
     _check(lay, batch, mode, wire)
     if not 0 <= rank < lay.n_ranks:
         raise ValueError(f"rank={rank!r} is invalid: an int in [0, {lay.n_ranks})")
     if lay.n_ranks == 1:
         return ()
-    return _schedule(lay, batch, mode, wire, rank, expert_counts)
+    return _schedule(lay, batch, mode, wire, rank, expert_counts, reductions)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(lay, batch, mode, wire, rank, expert_counts) -> tuple[CollectiveOp, ...]:
+def _schedule(lay, batch, mode, wire, rank, expert_counts, reductions=()
+              ) -> tuple[CollectiveOp, ...]:
     cfg, n = lay.cfg, lay.n_ranks
     worst_items = min(cfg.n_experts // lay.ep, batch * cfg.top_k)
     moe_layers = [ly for ly, (_, ffn) in enumerate(cfg.layers) if _routing_point(lay, ffn)]
@@ -208,7 +216,7 @@ def _schedule(lay, batch, mode, wire, rank, expert_counts) -> tuple[CollectiveOp
     for layer, kinds in enumerate(cfg.layers):
         for kind in kinds:
             ops += [dataclasses.replace(op, layer=layer) for op in _stage(
-                lay, batch, mode, wire, rank, kind, counts.get(layer, 0))]
+                lay, batch, mode, wire, rank, kind, counts.get(layer, 0), reductions)]
     ops.append(CollectiveOp(cfg.n_layers, "sampling", "sampling_state", "all-gather",
                             tuple(range(n)), batch * SAMPLING_LANES * F32, "f32",
                             "LM head (last block)", "sampling merge"))
@@ -224,12 +232,13 @@ def _embed(cfg, batch, everyone) -> CollectiveOp:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage(lay, batch, mode, wire, rank, kind, items) -> tuple[CollectiveOp, ...]:
+def _stage(lay, batch, mode, wire, rank, kind, items, reductions=()
+           ) -> tuple[CollectiveOp, ...]:
     """One stage's collectives (layer -2: the caller sets it), as `sharded_stream.ShardedStream`
     and `Collectives.combine_items` issue them."""
     lay = dataclasses.replace(lay, collectives=mode)
     names = tuple(m.name for m in registry.kernel_stage(kind).streamed(lay.cfg))
-    ctx = _Ctx(lay, batch, wire, kind, rank, names)
+    ctx = _Ctx(lay, batch, wire, kind, rank, names, reductions)
     rules = {r.name: r for r in collective_rules(lay)}
     routing = _routing_point(lay, kind)
     out, b = [], batch
@@ -273,6 +282,7 @@ class _Ctx:
     kind: str
     rank: int
     names: tuple[str, ...]
+    reductions: tuple = ()  # the kernel's (name, algorithm) of reductions not sent one-shot
 
     @property
     def everyone(self) -> tuple[int, ...]:
@@ -292,10 +302,12 @@ class _Ctx:
         return CollectiveOp(-2, self.kind, name, kind, group, int(nbytes), **fields)
 
     def sum(self, name, values, after, before, summed, matrix="") -> CollectiveOp:
-        """A partial-sum all-reduce of `values` numbers (one-shot: `Collectives.reduce`)."""
+        """A partial-sum all-reduce of `values` numbers (`Collectives.reduce`), sent as the
+        kernel's `reductions` say (default one-shot)."""
         return self.op(name, "all-reduce", self.everyone, values * WIRE_BYTES[self.wire],
                        dtype=self.wire, issue_after=after, wait_before=before, summed=summed,
-                       matrix=matrix, role="sum")
+                       matrix=matrix, role="sum",
+                       algorithm=dict(self.reductions).get(name, "one-shot"))
 
 
 def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
@@ -334,6 +346,11 @@ def _routing_point(lay: layouts.Layout, kind: str) -> str | None:
         return None
     return next((n for n in names if n.endswith("w_ld")),
                 next(n for n in names if n.endswith("w_router")))
+
+
+def has_routed_experts(lay: layouts.Layout) -> bool:
+    """Whether a step of the layout's model runs routed experts (sends "expert/sum")."""
+    return any(_routing_point(lay, ffn) for _, ffn in lay.cfg.layers)
 
 
 def summary(ops: tuple[CollectiveOp, ...]) -> dict:

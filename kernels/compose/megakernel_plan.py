@@ -41,6 +41,9 @@ MAX_BATCH = BF16_SUBLANE
 MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
+# how the sharded megakernel can send a partial-sum reduction (`kernels/sharded/collectives.py`):
+# the default one-shot first
+REDUCTION_ALGORITHMS = ("one-shot", "two-level", "rs-ag")
 
 
 # ---- options and plan --------------------------------------------------------------------------
@@ -55,6 +58,11 @@ class MegakernelOptions:
     expert_plan      which experts are fetched: "unique" (each distinct expert of the batch once)
     kv_tile          tokens per MLA KV tile (None: cfg.kv_tile)
     chip             the chip whose VMEM the plan must fit
+    reductions       sharded, partial-sum: (name, algorithm) of each reduction not sent one-shot
+                     ("two-level" or "rs-ag", `kernels/sharded/collectives.py`), e.g. the choice
+                     of `mkresearch.prediction.collective_choice.kernel_reductions`
+    ranks_per_host   sharded: consecutive ranks that share a host (0: every rank one host); every
+                     reduction adds a host's partials first, then the hosts' sums
     """
 
     expert_slots: int = 2
@@ -62,6 +70,10 @@ class MegakernelOptions:
     kv_tile: int | None = None
     chip: str = "tpu7x"
     global_stream: bool = True
+    # out of the repr (a plan's fingerprint, `measurement.recorded`): a sharded plan's ShardPlan
+    # carries both, and a single-device plan ignores them
+    reductions: tuple = field(default=(), repr=False)
+    ranks_per_host: int = field(default=0, repr=False)
 
 
 def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
@@ -89,6 +101,16 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
                          "megakernel issues expert DMAs right after routing, ahead of their use)")
     get_chip(options.chip)  # ValueError listing the chips
+    rph = options.ranks_per_host
+    if isinstance(rph, bool) or not isinstance(rph, int) or rph < 0:
+        raise ValueError(f"ranks_per_host={rph!r} is invalid: 0 (every rank one host) or an int "
+                         ">= 1")
+    pairs = options.reductions
+    if not isinstance(pairs, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+            and p[1] in REDUCTION_ALGORITHMS for p in pairs):
+        raise ValueError(f"reductions={pairs!r} is invalid: a tuple of (reduction name, "
+                         f"algorithm) pairs, the algorithm one of {REDUCTION_ALGORITHMS}")
     return options
 
 

@@ -198,6 +198,21 @@ def rank_vmem(lay: layouts.Layout, batch: int, depth: int, seq_len: int | None =
     return _rank_parts(lay, batch, seq_len, options, wire, depth, _local_streamed(lay))[-1]
 
 
+def reductions(lay: layouts.Layout) -> dict[str, tuple[int, int]]:
+    """Partial-sum mode: every reduction a rank sends, by name (`Collectives.reduce`: the
+    contract's "<matrix>/sum" and the routed experts' "expert/sum") -> (its width, the widths
+    of the column chunks riding in it); exact mode: none."""
+    if lay.collectives != layouts.PARTIAL_SUM:
+        return {}
+    rules = collective_rules(lay)
+    out = {f"{rule.name}/sum": (rule.n, sum(lay.local_length(r.out, r.n) for r in rules
+                                           if r.rides == rule.name))
+           for rule in rules if rule.reduce is not None}
+    if collective_schedule.has_routed_experts(lay):
+        out["expert/sum"] = (layouts.expert_output_width(lay.cfg), 0)
+    return out
+
+
 def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
                 options: mplan.MegakernelOptions, wire: str, depth: int, local: Any) -> tuple:
     """(kcfg, stage plans, vocab tile, stream plan, ShardPlan, VmemPlan) of a rank with a global
@@ -218,18 +233,20 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
         if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
             pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in rules
                                      if r is rule or r.joins == rule.name))
-        if rule.reduce is not None:  # a partial sum: the whole [B, n] from every rank, and
-            # the column chunks riding with it (`Rule.rides`)
-            pieces["all"].append(rule.n + sum(lay.local_length(r.out, r.n) for r in rules
-                                              if r.rides == rule.name))
+    in_levels = {name for name, a in options.reductions if a != collectives.ONE_SHOT}
+    for name, (width, riders) in reductions(lay).items():
+        if name not in in_levels:  # one-shot: the whole [B, n] from every rank, and the column
+            pieces["all"].append(width + riders)  # chunks riding with it (`Rule.rides`)
     # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
     expert_latent = (lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
                      if lay.collectives == layouts.EXACT else layouts.expert_output_width(cfg))
-    pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
+    if lay.collectives == layouts.EXACT:
+        pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
     shard = collectives.make_shard_plan(
         lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
         expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent,
-        wire=wire)
+        wire=wire, reductions=reductions(lay), algorithms=options.reductions,
+        ranks_per_host=options.ranks_per_host)
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
@@ -395,13 +412,15 @@ def step_shapes(plan: ShardedPlan) -> tuple:
 
 def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layouts.OURS,
                          batch: int = 1, *, chip: str = "tpu7x", topology: str = FULL_TOPOLOGY,
-                         seq_len: int | None = None, collectives: str = layouts.DEFAULT_COLLECTIVES
+                         seq_len: int | None = None, collectives: str = layouts.DEFAULT_COLLECTIVES,
+                         options: mplan.MegakernelOptions | None = None
                          ) -> tuple[Any, ShardedPlan]:
     """Compile the sharded step of `cfg` for n_ranks devices of a TPU `topology` from shapes only
     -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan); `collectives` as
-    `decode --ranks N --collectives` (partial sums by default)."""
+    `decode --ranks N --collectives` (partial sums by default); options: the kernel's (default
+    MegakernelOptions(chip=chip): every reduction one-shot)."""
     lay = layouts.layout(cfg, n_ranks, name, collectives=collectives)
-    plan = make_sharded_plan(lay, batch, seq_len, mplan.MegakernelOptions(chip=chip))
+    plan = make_sharded_plan(lay, batch, seq_len, options or mplan.MegakernelOptions(chip=chip))
     devices = tpu.topology_devices(topology)
     if len(devices) < n_ranks:
         raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "

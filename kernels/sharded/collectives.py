@@ -3,30 +3,24 @@
 One `pallas_call` per step runs on every rank (`jax.shard_map` over a 1-D mesh axis `AXIS`);
 ranks exchange data through remote DMAs into each other's VMEM (`pltpu.make_async_remote_copy`,
 logged by `dma.RemoteCopy` with source and destination rank); a stage's weight stream on a
-rank: `sharded_stream.ShardedStream`. Every matrix splits by its output
-columns (`mkresearch.sharding.layout`), so ranks never add partial products of one contraction: each value
-is computed whole on one rank, in the single-device kernel's order, and then moved.
+rank: `sharded_stream.ShardedStream`.
 
   all_gather     x [B, w] of every member of a group (all n ranks, or an ETP group) -> every
                  member's x: each sends its x into slot `me` of every other member's inbox
   gather         the pieces of a vector split by a group, put together in order (the heads'
                  outputs before W_o, a hidden slice before W_down, a matrix's column chunks after
                  it, `ShardedStream`)
-  all_reduce     x [B, W] f32 summed over the ranks, as a reduce-scatter (member j receives every
-                 member's chunk j and adds them in member order) then an all-gather: the
-                 embedding (one rank holds a row, the others add zeros: exact)
-  combine_items  the routed experts' weighted sum Σ_e w_e y_e in ascending expert id: each expert
-                 group adds its experts to the running sum of the groups before it, passed down
-                 the chain of groups by remote DMA (the single-device order, bit for bit), and
-                 the last group's sum is all-gathered
-  reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products [B, N] of
-                 a matrix split by its rows, every rank's sent to every peer (one-shot) and
-                 added in one fixed order on every rank; the routed experts' sum is one too;
-                 column chunks of a matrix needed only at the stage's end (`Rule.rides`: W_lu)
-                 travel in the same messages as the stage's last reduction (`settle`); the
-                 chunks of two matrices of the same input (`Rule.joins`: the router's with W_ld's,
-                 W_qa's with W_kva's) travel in one all-gather
-                 (`sharded_stream.ShardedStream.matmuls`)
+  all_reduce     the embedding: a reduce-scatter then an all-gather (one rank holds the row, the
+                 others add zeros: exact)
+  combine_items  exact mode: the routed experts' weighted sum in ascending expert id, passed down
+                 the chain of expert groups (the single-device order, bit for bit), the last
+                 group's sum all-gathered
+  reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products
+                 [B, N] of a matrix split by its rows (and the routed experts' sum) added in one
+                 fixed order on every rank, sent one-shot or in levels (`levels`: two-level,
+                 rs-ag); column chunks needed only at the stage's end (`Rule.rides`: W_lu) ride
+                 in the stage's last reduction (`settle`); the chunks of two matrices of one
+                 input (`Rule.joins`) travel in one all-gather (`ShardedStream.matmuls`)
 
 Receive slots are double-buffered by a parity bit per channel (SMEM), flipped at every
 collective: data of collective k + 2 can only arrive once its sender has finished collective
@@ -51,8 +45,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.sharded import sharded_stream
+from mkresearch.kernels.sharded.levels import (
+    ONE_SHOT,
+    LevelBuffers,
+    LevelReductions,
+    Levels,
+    plan_levels,
+)
 
-from mkresearch.model import spec
+from mkresearch.model import numerics, spec
 from mkresearch.model.config import LANE
 from mkresearch.sharding import layout_split
 from mkresearch.sharding.layout import Layout, chunk_length
@@ -106,10 +107,21 @@ class ShardPlan:
     expert_latent: int  # a rank's columns of an expert's output (the latent / ETP)
     mode: str = "exact"  # or "partial-sum" (`kernels/compose/collective_schedule.py`)
     wire: str = "f32"  # partial sums on the wire: "f32" or "bf16" (rounded once before the sum)
+    host_size: int = 0  # consecutive ranks of a host (every reduction adds theirs first); 0: all
+    algorithms: tuple = ()  # (reduction name, "two-level" | "rs-ag"): the rest go one-shot
+    levels: Levels | None = None  # the two-level and rs-ag reductions' buffers, if any
 
     @property
     def n_ranks(self) -> int:
         return self.layout.n_ranks
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.host_size or self.layout.n_ranks
+
+    def algorithm(self, name: str) -> str:
+        """How the reduction `name` is sent: "one-shot" unless `algorithms` says otherwise."""
+        return dict(self.algorithms).get(name, ONE_SHOT)
 
     def channel(self, name: str) -> Channel:
         return next(c for c in self.channels if c.name == name)
@@ -131,6 +143,8 @@ class ShardPlan:
                     (f"{ch.name}: send sems", pltpu.SemaphoreType.DMA((2,))),  # per phase
                     (f"{ch.name}: receive sems", pltpu.SemaphoreType.DMA((2, 2))),  # x parity
                     (f"{ch.name}: parity", pltpu.SMEM((1,), jnp.int32))]
+        if self.levels is not None:
+            out += self.levels.scratch(b)
         lat = self.expert_latent
         return out + [
             ("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
@@ -153,10 +167,14 @@ class ShardPlan:
 
 def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: dict,
                     reduced: tuple[int, ...], expert_items: int, expert_latent: int,
-                    wire: str = "f32") -> ShardPlan:
+                    wire: str = "f32", reductions: dict | None = None,
+                    algorithms: tuple = (), ranks_per_host: int = 0) -> ShardPlan:
     """pieces: channel name -> the widths of the pieces it all-gathers; reduced: the widths it
-    all-reduces (channel "all")."""
+    all-reduces (channel "all"); reductions: partial-sum mode, name -> (width, riders' width)
+    of every reduction a rank sends; algorithms: (name, algorithm) of those not sent one-shot;
+    ranks_per_host: consecutive ranks of a host (0: all)."""
     n = lay.n_ranks
+    levels, algorithms = plan_levels(n, ranks_per_host, reductions or {}, algorithms)
     channels = []
     for name, size in (("all", n), ("etp", lay.etp)):
         widths = tuple(pieces.get(name, ()))
@@ -170,7 +188,8 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
         channels.append(Channel(name, size, chunk, size * scatter_chunk, scatter_chunk))
     return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
                      expert_items=expert_items, expert_latent=expert_latent,
-                     mode=lay.collectives, wire=wire)
+                     mode=lay.collectives, wire=wire, host_size=ranks_per_host,
+                     algorithms=algorithms, levels=levels)
 
 
 class _Buffers:
@@ -190,8 +209,11 @@ class Collectives:
         per_channel = 7
         self.buffers = {ch.name: _Buffers(ch, tuple(scratch[i * per_channel:(i + 1) * per_channel]))
                         for i, ch in enumerate(plan.channels)}
-        (self.items_y, self.items_coef, self.sum_in, self.sum_out,
-         self.sum_sems) = scratch[len(plan.channels) * per_channel:]
+        rest = scratch[len(plan.channels) * per_channel:]
+        self.levels = None
+        if plan.levels is not None:  # the reductions sent in levels (`levels`)
+            self.levels, rest = LevelReductions(self, LevelBuffers(plan.levels, *rest[:9])), rest[9:]
+        (self.items_y, self.items_coef, self.sum_in, self.sum_out, self.sum_sems) = rest
 
     # -- where this rank sits --------------------------------------------------------------------
     def index(self, group: str) -> Any:
@@ -238,6 +260,8 @@ class Collectives:
             pl.semaphore_wait(barrier, n - 1)
         for buffers in self.buffers.values():
             buffers.parity[0] = 0
+        if self.levels is not None:
+            self.levels.buffers.parity[0] = 0
         self.sum_in[...] = jnp.zeros(self.sum_in.shape, jnp.float32)  # the first group's start
 
     # -- the collectives -----------------------------------------------------------------------
@@ -356,23 +380,31 @@ class Collectives:
 
     def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str,
                riders: tuple = ()) -> tuple[Any, list]:
-        """Σ of the partial sums [B, N] f32 of the ranks `summed`, added in that order on every
-        rank (the same bits everywhere): one-shot, every rank's partial to every peer. A bf16
-        wire rounds each partial once before the sum. riders: (rule, column chunk [B, c]) of
-        matrices whose chunks ride in the same messages, after the partial (`Rule.rides`): one
-        collective instead of one per matrix -> (the sum, [each rider's whole output])."""
+        """Σ of the partial sums [B, N] f32 of the ranks `summed`, the same bits on every rank
+        and under every algorithm (`numerics.host_ordered_sum`: a host's partials in rank order,
+        then the hosts' sums). Sent as `ShardPlan.algorithm(name)` says: one-shot (every rank's
+        partial to every peer), or two-level / rs-ag (`levels`). A bf16 wire rounds each partial
+        once. riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same
+        messages (`Rule.rides`) -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
         width = partial.shape[1]
-        message = jnp.concatenate([partial, *(chunk.astype(jnp.float32) for _, chunk in riders)],
-                                  axis=1)
-        everyone = self.all_gather(message, name=name)
-        total = everyone[summed[0]][:, :width]
-        for r in summed[1:]:
-            total = total + everyone[r][:, :width]
-        wholes = self._unpack(everyone, [(rule, chunk.shape[1]) for rule, chunk in riders], width)
+        chunks = [chunk.astype(jnp.float32) for _, chunk in riders]
+        pieces = [(rule, chunk.shape[1]) for (rule, _), chunk in zip(riders, chunks, strict=True)]
+        algorithm = self.plan.algorithm(name)
+        if algorithm == ONE_SHOT or "all" not in self.buffers or self.levels is None:
+            everyone = self.all_gather(jnp.concatenate([partial, *chunks], axis=1), name=name)
+            total = self._host_ordered([everyone[r][:, :width] for r in summed], summed)
+            wholes = self._unpack(everyone, pieces, width)
+        else:
+            total, everyone = self.levels.reduce(partial, chunks, summed, name, algorithm)
+            wholes = self._unpack(everyone, pieces, 0)
         return total, [whole.astype(chunk.dtype) for whole, (_, chunk) in zip(wholes, riders,
                                                                                strict=True)]
+
+    def _host_ordered(self, values: list, ranks: tuple[int, ...]) -> Any:
+        h = self.plan.ranks_per_host
+        return numerics.host_ordered_sum(values, tuple(r // h for r in ranks))
 
     def _unpack(self, everyone: list, pieces: list, start: int) -> list:
         """Every member's message [B, w] -> for each (rule, width) of `pieces`, laid side by

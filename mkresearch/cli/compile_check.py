@@ -16,6 +16,7 @@ from mkresearch.cli.common import UsageError, _at_least, _chip, _megakernel_batc
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
+from mkresearch.prediction import collective_choice
 from mkresearch.sharding import layout
 
 # a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice
@@ -71,9 +72,13 @@ def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
     if not topology.startswith(f"{chip}:"):
         raise UsageError(f"--topology {topology!r} is invalid with --chip {chip}: a {chip} "
                          f"topology, e.g. {DEFAULT_TOPOLOGY[chip]}")
-    try:
+    try:  # the reductions sent as the model chooses for the slice (`kernel_reductions`)
+        lay = layout.layout(cfg, args.ranks, collectives=layout.DEFAULT_COLLECTIVES)
+        options = collective_choice.kernel_reductions(lay, args.batch, "f32", chip).options(
+            chip=chip)
         result, plan = sharded.compile_sharded_step(cfg, args.ranks, batch=args.batch, chip=chip,
-                                                    topology=topology, seq_len=args.seq_len)
+                                                    topology=topology, seq_len=args.seq_len,
+                                                    options=options)
     except (ValueError, RuntimeError) as error:  # ranks the layout cannot split, a rank over
         # VMEM or HBM: our plan's refusal, or XLA's RESOURCE_EXHAUSTED (its HBM count of a rank
         # runs a few GB over the plan's: GLM-4.5-Air's 131072-token cache on v6e)

@@ -160,7 +160,7 @@ def format_speculative(rows: list[dict]) -> str:
 def format_rows(rows: list[dict]) -> str:
     """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
     first = rows[0]
-    algorithm = "each collective's own algorithm (collective_choice)" \
+    algorithm = "each collective as our kernel sends it (collective_choice.kernel_reductions)" \
         if first["algorithm"] == "auto" else f"{first['algorithm']} collectives"
     lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
              f"({algorithm}): {first['label']}"),

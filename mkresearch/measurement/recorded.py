@@ -32,6 +32,7 @@ from mkresearch.hardware.tpu import CompileResult
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.model.config import get_config
+from mkresearch.prediction import collective_choice
 from mkresearch.sharding import layout
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
@@ -129,14 +130,15 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     the plan, else a compile here (recorded with `record`)."""
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     mode = sharded_collectives(model)
-    plan = sharded.make_sharded_plan(layout.layout(cfg, n_ranks, name, collectives=mode),
-                                     batch, None, megakernel.MegakernelOptions(chip=chip))
+    lay = layout.layout(cfg, n_ranks, name, collectives=mode)
+    options = collective_choice.kernel_reductions(lay, batch, "f32", chip).options(chip=chip)
+    plan = sharded.make_sharded_plan(lay, batch, None, options)
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)
     if result is not None:
         return result, plan, f"recorded ({path.name}; `make recorded` re-records it)"
     result, plan = sharded.compile_sharded_step(cfg, n_ranks, name, batch, chip=chip,
-                                                collectives=mode)
+                                                collectives=mode, options=options)
     if record:
         record_compile(result, plan, path)
     return result, plan, "compiled here"

@@ -43,22 +43,42 @@ def matmul(a: jax.Array, b: Any) -> jax.Array:
         lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
 
 
+def host_ordered_sum(parts: list, hosts: tuple[int, ...] = ()) -> jax.Array:
+    """Σ of `parts` (one per rank, in rank order) in the one order every partial-sum reduction
+    of the sharded megakernel adds them, whatever its algorithm (`kernels/sharded/collectives.py`):
+    the parts of each host first (consecutive parts with the same entry of `hosts`, in order),
+    then the hosts' sums in host order. hosts () or all equal: one running sum in part order."""
+    if hosts and len(hosts) != len(parts):
+        raise ValueError(f"hosts={hosts!r} is invalid: one host per part ({len(parts)})")
+    sums, last = [], None
+    for i, part in enumerate(parts):
+        host = hosts[i] if hosts else 0
+        if sums and host == last:
+            sums[-1] = sums[-1] + part
+        else:
+            sums.append(part)
+        last = host
+    return functools.reduce(lambda a, b: a + b, sums)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
-                   meta_fields=["bounds", "wire"])
+                   meta_fields=["bounds", "wire", "hosts"])
 @dataclass(frozen=True)
 class Partials:
     """A matrix split by its rows across ranks (`mkresearch.sharding.reference_sharded`): pieces[i]
     [K_i, N] multiplies columns bounds[i] = (start, stop) of the input (zero rows beyond stop,
-    as a rank's padded slice), and the partial products are added in piece order, each rounded
-    to bf16 first when `wire` is "bf16": the sum a partial-sum all-reduce computes on every rank.
+    as a rank's padded slice), and the partial products are added as `host_ordered_sum` adds
+    them (`hosts`: the host of each piece's rank), each rounded to bf16 first when `wire` is
+    "bf16": the sum a partial-sum all-reduce computes on every rank.
     A pytree: a per-layer stack's pieces carry the layer axis in front."""
 
     pieces: tuple
     bounds: tuple
     wire: str = "f32"
+    hosts: tuple = ()
 
     def contract(self, a: jax.Array) -> jax.Array:
-        total = None
+        parts = []
         for piece, (start, stop) in zip(self.pieces, self.bounds, strict=True):
             x = a[..., start:stop]
             rows = piece.shape[-2]
@@ -67,21 +87,23 @@ class Partials:
             part = matmul(x, piece)
             if self.wire == "bf16":
                 part = bf(part).astype(f32)
-            total = part if total is None else total + part
-        return total
+            parts.append(part)
+        return host_ordered_sum(parts, self.hosts)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
-                   meta_fields=["groups", "wire"])
+                   meta_fields=["groups", "wire", "hosts"])
 @dataclass(frozen=True)
 class ExpertGroups:
     """The routed experts split into `groups` expert groups of consecutive ids (expert
-    parallel): each group's weighted sum taken apart (ascending id), the groups' sums added in
-    group order (rounded to bf16 first with a bf16 wire): a partial-sum all-reduce's result."""
+    parallel): each group's weighted sum taken apart (ascending id), the groups' sums added as
+    `host_ordered_sum` adds them (`hosts`: the host of each group's rank; rounded to bf16 first
+    with a bf16 wire): a partial-sum all-reduce's result."""
 
     experts: Any
     groups: int
     wire: str = "f32"
+    hosts: tuple = ()
 
 
 def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:

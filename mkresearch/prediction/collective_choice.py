@@ -27,7 +27,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.compose.megakernel_plan import REDUCTION_ALGORITHMS, MegakernelOptions
 from mkresearch.prediction import interconnect as links
+from mkresearch.sharding import layout as layouts
 
 # candidates per kind, in tie-break order (interconnect.ALGORITHMS names)
 CANDIDATES = {"all_gather": ("one-shot", "two-level"),
@@ -113,3 +116,45 @@ def assign(inter: links.Interconnect, ops) -> tuple:
     """The schedule's ops with each `algorithm` field set to its choice (dataclasses with kind,
     group, payload_bytes and algorithm: `collective_schedule.CollectiveOp`)."""
     return tuple(dataclasses.replace(op, algorithm=c.algorithm) for op, c in choose_for(inter, ops))
+
+
+@dataclass(frozen=True)
+class KernelReductions:
+    """How our sharded megakernel sends its partial-sum reductions on a slice: the options it is
+    built with (`MegakernelOptions.reductions`, `.ranks_per_host`) and each choice's reason."""
+
+    reductions: tuple[tuple[str, str], ...]  # (name, algorithm) of those not sent one-shot
+    ranks_per_host: int  # the slice's (0: every rank of the layout on one host)
+    reasons: tuple[tuple[str, str], ...]  # (name, why) of every reduction
+
+    def options(self, **fields) -> MegakernelOptions:
+        """The kernel's options with these reductions (`fields`: the other options)."""
+        return MegakernelOptions(reductions=self.reductions, ranks_per_host=self.ranks_per_host,
+                                 **fields)
+
+
+def ranks_per_host(inter: links.Interconnect, n_ranks: int) -> int:
+    """Consecutive ranks sharing a host on the slice (0 when all n_ranks fit in one)."""
+    per_host = inter.slice.cores_per_chip * inter.slice.chips_per_host
+    return per_host if per_host < n_ranks and n_ranks % per_host == 0 else 0
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_reductions(lay: layouts.Layout, batch: int, wire: str = "f32", chip: str = "tpu7x",
+                      inter: links.Interconnect | None = None) -> KernelReductions:
+    """Our kernel's partial-sum reductions on `chip`'s slice for `lay` at `batch`: each by the
+    algorithm `choose` prices fastest (every one the kernel can send: REDUCTION_ALGORITHMS), with
+    the slice's hosts (one source: the CLI builds the kernel with it, `scale_out` prices the
+    step with it). Exact mode, or one rank: none."""
+    if lay.collectives != layouts.PARTIAL_SUM or lay.n_ranks == 1:
+        return KernelReductions((), 0, ())
+    inter = inter or links.interconnect(chip, n_ranks=lay.n_ranks)
+    chosen: dict[str, Choice] = {}
+    for op in contract.collective_schedule(lay, batch, lay.collectives, wire):
+        if op.kind == "all-reduce" and op.role == "sum" and op.name not in chosen:
+            chosen[op.name] = choose(inter, op.kind, tuple(op.group), float(op.payload_bytes))
+    if any(c.algorithm not in REDUCTION_ALGORITHMS for c in chosen.values()):
+        raise ValueError(f"a reduction's choice is not one the kernel sends: {chosen}")
+    return KernelReductions(
+        tuple(sorted((n, c.algorithm) for n, c in chosen.items() if c.algorithm != "one-shot")),
+        ranks_per_host(inter, lay.n_ranks), tuple(sorted((n, c.reason) for n, c in chosen.items())))

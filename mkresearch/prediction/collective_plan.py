@@ -16,7 +16,6 @@ from typing import Any
 
 from mkresearch.kernels.compose import collective_schedule as contract
 from mkresearch.kernels.compose import megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import interconnect as links
@@ -43,31 +42,41 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                     rank: int = 0) -> dict[str, Any]:
     """Rank `rank`'s collectives of one step of our layout, in issue order, each with its
     algorithm, phases, price and reason, and what it overlaps."""
-    lay = layouts.layout(cfg, n_ranks, layouts.OURS)
+    lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=mode)
     inter = links.interconnect(chip, n_ranks=n_ranks)
-    ops = contract.collective_schedule(lay, batch, mode, wire, rank=rank)
+    sent = choice.kernel_reductions(lay, batch, wire, chip)
+    ops = contract.collective_schedule(lay, batch, mode, wire, rank=rank,
+                                       reductions=sent.reductions)
     rows = []
     for op, c in choice.choose_for(inter, ops):
         overlaps = (f"issued after {op.issue_after}, waited before {op.wait_before}"
                     + ("" if op.critical else " (overlapped)")
                     + (f"; carries the column chunks of {', '.join(op.carries)}"
                        if op.carries else ""))
+        how = choice.ALGORITHM_ALIASES.get(op.algorithm, op.algorithm)  # what the kernel sends
+        if op.kind == "chain" or how == c.algorithm:
+            how, price, reason = c.algorithm, c, c.reason
+        else:  # an all-gather: the kernel sends them one-shot
+            price = choice.price_algorithm(inter, op.kind, how, tuple(op.group), op.payload_bytes)
+            reason = (f"{how} {price.seconds / US:.3g} us in {price.phases} phase"
+                      f"{'s' if price.phases != 1 else ''}: the kernel sends every all-gather "
+                      f"{how}; {c.algorithm} would take {c.seconds / US:.3g} us")
         rows.append({"layer": op.layer, "stage": op.stage, "name": op.name, "kind": op.kind,
                      "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
                      "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,
-                     "algorithm": c.algorithm, "phases": c.phases, "messages": c.messages,
-                     "us": c.seconds / US, "critical": op.critical,
-                     "reason": f"{c.reason}; {op.why}" if op.why else c.reason,
+                     "algorithm": how, "phases": price.phases, "messages": price.messages,
+                     "us": price.seconds / US, "critical": op.critical,
+                     "reason": f"{reason}; {op.why}" if op.why else reason,
                      "overlaps": overlaps})
     summary = contract.summary(ops)
     by_algorithm: dict[str, int] = {}
     for row in rows:
         by_algorithm[row["algorithm"]] = by_algorithm.get(row["algorithm"], 0) + row["count"]
     # the weight blocks in flight while a collective is waited for: the kernel's ring at this batch
-    ring = megakernel_sharded.ring_depth(layouts.layout(cfg, n_ranks, layouts.OURS, collectives=mode),
-                                         batch, options=MegakernelOptions(chip=chip), wire=wire)
+    ring = megakernel_sharded.ring_depth(lay, batch, options=sent.options(chip=chip), wire=wire)
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "mode": mode, "wire": wire,
             "chip": chip, "slice": inter.slice.name, "rank": rank, "rows": rows,
+            "ranks_per_host": sent.ranks_per_host, "reductions": dict(sent.reductions),
             "ring_depth": ring.depth, "ring": ring.describe(),
             "count": sum(row["count"] for row in rows), "summary": summary,
             "by_algorithm": by_algorithm,

@@ -98,8 +98,10 @@ class Program:
             self.ops.append(("write", nbytes))
 
     def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
-                   path: tuple[int, ...] = (), *, blocking: bool = True) -> None:
-        self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking))
+                   path: tuple[int, ...] = (), *, blocking: bool = True,
+                   algorithm: str | None = None) -> None:
+        self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
+                         algorithm))
 
     def wait(self, name: str) -> None:
         self.ops.append(("wait", name))
@@ -201,8 +203,8 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
         # here; otherwise the schedule's worst case)
         counts = tuple(int(c) for c in routed[:, _expert_group(lay, rank)]) \
             if len(routed) == contract.n_routed_layers(lay) else None
-        ops = contract.schedule_ops(lay, batch, sched.collectives, sched.wire, rank, counts) \
-            if sched.collectives else None
+        ops = contract.schedule_ops(lay, batch, sched.collectives, sched.wire, rank, counts,
+                                    sched.reductions) if sched.collectives else None
         prog.fetch(counted.component("embedding_rows"), 1, 1)
         if ops:
             for op in ops[0]:

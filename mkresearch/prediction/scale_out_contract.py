@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.prediction import collective_choice as choice
 from mkresearch.sharding import layout as layouts
 
 EXPERTS = "routed experts"
@@ -91,17 +92,20 @@ def stage_program(prog, kind: str, actions: list[tuple[str, float]], ops, *,
 
 def collective(prog, op, name: str, group_of, *, blocking: bool = True) -> None:
     """One contract collective on `prog`: simulated among the stand-in ranks of its group, priced
-    over the whole group (`path`)."""
+    over the whole group (`path`) by the algorithm the kernel sends it with (a chain: its own
+    price)."""
+    how = "one-shot" if op.kind == "chain" else \
+        choice.ALGORITHM_ALIASES.get(op.algorithm, op.algorithm)
     prog.collective(name, op.op, group_of(op.group), op.payload_bytes, tuple(op.group),
-                    blocking=blocking)
+                    blocking=blocking, algorithm=how)
 
 
 def schedule_ops(lay: layouts.Layout, batch: int, mode: str, wire: str, rank: int,
-                 expert_counts: tuple[int, ...] | None):
+                 expert_counts: tuple[int, ...] | None, reductions: tuple = ()):
     """The contract's ops of `rank`'s step, grouped: (embedding ops, {(layer, stage): ops},
-    sampling ops)."""
+    sampling ops). reductions: the kernel's (`MegakernelOptions.reductions`)."""
     ops = contract.collective_schedule(lay, batch, mode, wire, rank=rank,
-                                       expert_counts=expert_counts)
+                                       expert_counts=expert_counts, reductions=reductions)
     n_layers = lay.cfg.n_layers
     by_stage: dict[tuple[int, str], list] = {}
     for op in ops:

@@ -13,6 +13,7 @@ from mkresearch.kernels.compose import collective_schedule as contract
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import interconnect as links
 from mkresearch.sharding import layout as layouts
 
@@ -43,6 +44,10 @@ class Schedule:
     collectives: str | None = None
     wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
     ring: str = ""  # why `banks` (ours: `megakernel_sharded.RingDepth.describe`)
+    # ours: how the kernel sends its reductions (`MegakernelOptions.reductions`, chosen by
+    # `collective_choice.kernel_reductions`) and the hosts whose partials it adds first
+    reductions: tuple = ()
+    ranks_per_host: int = 0
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -79,15 +84,17 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
     own schedule issues in mode `collectives`."""
     if collectives not in contract.MODES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
+    lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
+    sent = choice.kernel_reductions(lay, batch, "f32", chip)
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
-        if n_ranks == 1 else megakernel_sharded.ring_depth(
-            layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives), batch,
-            options=MegakernelOptions(chip=chip))
+        if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch,
+                                                           options=sent.options(chip=chip))
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
                     expert_slots=MegakernelOptions().expert_slots, combine=collectives,
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
-                           "Options.expert_slots) and its schedule", collectives=collectives,
-                    ring=ring.describe())
+                           "Options.expert_slots, its reductions' algorithms) and its schedule",
+                    collectives=collectives, ring=ring.describe(), reductions=sent.reductions,
+                    ranks_per_host=sent.ranks_per_host)
 
 
 SCHEDULES = ("release", "ours")

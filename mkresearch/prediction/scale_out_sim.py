@@ -10,8 +10,9 @@ latency), computed in closed form per DMA, so a 32-rank step takes a few hundred
                                       ring keeps `banks` blocks in flight ahead of the one consumed
   ("fetch", nbytes, count, slots)     count DMAs, `slots` in flight, each multiplied when it lands
   ("write", nbytes)                   a write back to HBM, waited at the end of the step
-  ("start", name, op, group, path, nbytes, blocking)
-                                      a collective; blocking: the rank waits for it here
+  ("start", name, op, group, path, nbytes, blocking[, algorithm])
+                                      a collective; blocking: the rank waits for it here;
+                                      algorithm: how the kernel sends it (priced so under "auto")
   ("wait", name)                      wait for the last collective started under that name
 
 Overlap: between a collective's start and its wait the rank goes on issuing and consuming weight
@@ -163,7 +164,8 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
              ) -> RanksTimeline:
     """Every rank's program together (programs[i] is rank ranks[i]); see the module docstring.
     `algorithm`: one for every collective, a dict by op (all_reduce, all_gather, chain), or
-    "auto": each collective's `collective_choice.choose`."""
+    "auto": each collective's own algorithm where its op names one (our kernel's, from its
+    collective schedule), else its `collective_choice.choose`."""
     chip = chip if isinstance(chip, TimelineChip) else timeline_chip(chip)
     sims = [_Rank(p, blocks, banks, batch, chip, prefetch_across) for p in programs]
     gens = [s.run() for s in sims]
@@ -189,7 +191,7 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
                 return
             value = None
             if what == "start":
-                _, name, op, group, path, nbytes, _blocking = arg
+                _, name, op, group, path, nbytes, _blocking, *own = arg
                 k = seen[i].get(group, 0)
                 seen[i][group] = k + 1
                 key = (group, k)
@@ -210,7 +212,9 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
                 if len(inst["arrivals"]) == len(group):
                     inst["start"] = max(inst["arrivals"].values())
                     path = tuple(inst["path"])
-                    inst["price"] = links.price(inter, op, algo(op, path, nbytes), path, nbytes)
+                    how = own[0] if own and own[0] and algorithm == "auto" else \
+                        algo(op, path, nbytes)
+                    inst["price"] = links.price(inter, op, how, path, nbytes)
                     inst["end"] = inst["start"] + inst["price"].seconds
                     for j in parked.pop(key, []):
                         ready.append((j, inst["end"]))

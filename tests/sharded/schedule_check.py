@@ -6,15 +6,18 @@ from mkresearch.kernels.compose import collective_schedule
 from mkresearch.model import spec
 
 
-def check(log, lay, batch, expert_ids) -> int:
+def check(log, lay, batch, expert_ids, options=None) -> int:
     """Each rank's remote copies in the log are its schedule's collectives in order (the exact
-    mode's per-expert gathers counted from the step's routing `expert_ids` [n_moe, B, k])
-    -> the number of collectives of rank 0."""
+    mode's per-expert gathers counted from the step's routing `expert_ids` [n_moe, B, k]; the
+    reductions sent as `options` (a MegakernelOptions) says) -> the number of collectives of
+    rank 0."""
+    reductions = options.reductions if options is not None else ()
+    host = (options.ranks_per_host if options is not None else 0) or lay.n_ranks
     for rank in range(lay.n_ranks):
         ops = collective_schedule.collective_schedule(
             lay, batch, lay.collectives, rank=rank,
-            expert_counts=expert_counts(lay, expert_ids, rank))
-        assert recorded_collectives(log, rank) == expected_collectives(ops, rank), rank
+            expert_counts=expert_counts(lay, expert_ids, rank), reductions=reductions)
+        assert recorded_collectives(log, rank) == expected_collectives(ops, rank, host), rank
         if rank == 0:
             count = sum(op.count for op in ops)
     return count
@@ -40,14 +43,20 @@ def recorded_collectives(log, rank):
     return runs
 
 
-def expected_collectives(ops, rank):
+def expected_collectives(ops, rank, ranks_per_host=0):
     """The same from the schedule: a one-shot collective sends to every other member; the
     exact mode's all-reduce is a reduce-scatter then an all-gather; a chain sends down the
-    chain but from its last member."""
+    chain but from its last member; a reduction in levels sends to the other members of its
+    host, then to the same member of the other hosts, then (rs-ag) to its host again."""
     runs = []
     for op in ops:
         peers = len(op.group) - 1
-        if op.kind == "chain":
+        host = ranks_per_host or len(op.group)
+        hosts = len(op.group) // host
+        if op.algorithm in ("two-level", "rs-ag"):
+            sent = [(f"{op.name}/local", host - 1), (f"{op.name}/across", hosts - 1)]
+            sent += [(f"{op.name}/local_gather", host - 1)] if op.algorithm == "rs-ag" else []
+        elif op.kind == "chain":
             sent = [(f"{op.name}", int(rank != op.group[-1]))]
         elif op.algorithm.startswith("reduce-scatter"):
             sent = [(f"{op.name}/reduce_scatter", peers), (f"{op.name}/all_gather", peers)]

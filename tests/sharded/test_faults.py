@@ -38,18 +38,21 @@ def one_step(n_ranks=2, batch=1):
     return np.asarray(jax.block_until_ready(out))
 
 
-def skipped_wait_races(wait_name, run):
+def skipped_wait_races(wait_name, run, method="_wait_all", owner=None):
     """run() with the receive wait of the collective `wait_name` skipped (at trace time) and DMAs
     executed when they start -> (the waits skipped, whether a race was found, the error the
-    broken kernel raised or None)."""
-    original = collectives.Collectives._wait_all
+    broken kernel raised or None). owner.method: what waits (default `Collectives._wait_all`;
+    `levels.LevelReductions.wait`: one level of a reduction, `wait_name` "<name>/<level>")."""
+    owner = owner or collectives.Collectives
+    original = getattr(owner, method)
     calls = []
 
-    def skip_first_receive(self, buffers, phase, parity, received, sent, c, name):
+    def skip_first_receive(self, *args):
+        *head, received, sent, c, name = args
         if name == wait_name:  # trace time: that collective's wait for its receives
             calls.append(name)
             received = 0
-        return original(self, buffers, phase, parity, received, sent, c, name)
+        return original(self, *head, received, sent, c, name)
 
     previous = tpu.current_interpret_options()
     # DMAs executed when they start (by default the simulator runs a DMA when its receive
@@ -59,7 +62,7 @@ def skipped_wait_races(wait_name, run):
     tpu.reset_races()
     error = None
     try:
-        with mock.patch.object(collectives.Collectives, "_wait_all", skip_first_receive):
+        with mock.patch.object(owner, method, skip_first_receive):
             run()
     except Exception as raised:  # noqa: BLE001 - what the broken kernel does is the point
         error = raised

@@ -21,7 +21,10 @@ import schedule_check
 import test_faults
 import test_sharded_decode
 from mkresearch.kernels.base import dma, registry
+from mkresearch.kernels.compose import collective_schedule
 from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded.levels import LEVEL_PHASES, LevelReductions
 
 from mkresearch.measurement import collective_overlap
 from mkresearch.model import config, reference, weights
@@ -30,17 +33,35 @@ from mkresearch.sharding import layout, layout_split, reference_sharded
 N_RANKS = 8
 PROMPT_LEN = 20
 SEED = 7
+# every algorithm a reduction can be sent by, on two simulated hosts of 4 ranks (each reduction
+# adds a host's partials first, then the hosts' sums): the shared experts' sum, which W_lu's
+# column chunks ride in, and the MLA output's as rs-ag (three levels), the routed experts' and
+# KDA's as two-level, the rest one-shot
+LEVELS = {"shared/w_down/sum": "rs-ag", "mla.w_o/sum": "rs-ag", "expert/sum": "two-level",
+          "kda.w_o/sum": "two-level"}
+RANKS_PER_HOST = 4
 _cache: dict = {}
 
 
-def setup(model, batch, wire="f32"):
+def options_for(lay, levels):
+    """The kernel's options: one-shot reductions on one host, or LEVELS on hosts of `levels`
+    ranks (True: RANKS_PER_HOST)."""
+    if not levels:
+        return MegakernelOptions()
+    names = ms.reductions(lay)
+    return MegakernelOptions(reductions=tuple((n, a) for n, a in LEVELS.items() if n in names),
+                             ranks_per_host=RANKS_PER_HOST if levels is True else levels)
+
+
+def setup(model, batch, wire="f32", levels=False):
     """(params, layout, plan, mesh, prepared weights, prefilled state, tokens, positions)."""
     cfg = config.get_config(model)
-    key = (model, batch, wire)
+    key = (model, batch, wire, levels)
     if key not in _cache:
         params = _cache.setdefault(model, weights.init_params(cfg, 0))
         lay = layout.layout(cfg, N_RANKS, collectives="partial-sum")
-        plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, wire=wire)
+        plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, wire=wire,
+                                    options=options_for(lay, levels))
         mesh = ms.make_mesh(N_RANKS)
         prepared = _cache.setdefault((model, "prepared"), ms.prepare_weights(params, lay, mesh))
         prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, cfg.vocab_size)
@@ -51,14 +72,17 @@ def setup(model, batch, wire="f32"):
     return _cache[key]
 
 
-def step(model, batch, wire="f32", temperature=None, rows=None, record=False):
+def step(model, batch, wire="f32", temperature=None, rows=None, record=False, levels=False):
     """One partial-sum step, checked against the sharded reference -> (tokens, logits, DMA log
-    or None). rows: run only these rows of the batch's inputs (a row alone)."""
-    params, lay, plan, mesh, prepared, state, tokens, positions = setup(model, batch, wire)
+    or None). rows: run only these rows of the batch's inputs (a row alone); levels: the
+    reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks."""
+    params, lay, plan, mesh, prepared, state, tokens, positions = setup(model, batch, wire,
+                                                                        levels)
     if rows is not None:
         state = jax.tree.map(lambda leaf: leaf[:, rows], state)
         tokens, positions = tokens[rows], positions[rows]
-        plan = ms.make_sharded_plan(lay, len(rows), lay.cfg.max_seq_len, wire=wire)
+        plan = ms.make_sharded_plan(lay, len(rows), lay.cfg.max_seq_len, wire=wire,
+                                    options=plan.mega.options)
         temperature = None if temperature is None else [temperature[r] for r in rows]
     kw = {"seed": SEED, "temperature": temperature}
     with dma.recording() if record else contextlib.nullcontext() as log:
@@ -68,8 +92,9 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False):
     per_rank = np.asarray(aux["tokens_per_rank"])
     assert (per_rank == per_rank[:1]).all(), f"the ranks disagree: {per_rank}"
     logits = np.asarray(aux["logits"])
-    want, want_state, _ = reference_sharded.decode_step(params, state, jnp.asarray(tokens),
-                                                        jnp.asarray(positions), lay, wire)
+    want, want_state, _ = reference_sharded.decode_step(
+        params, state, jnp.asarray(tokens), jnp.asarray(positions), lay, wire,
+        plan.mega.options.ranks_per_host)
     np.testing.assert_array_equal(logits.view(np.uint32), np.asarray(want).view(np.uint32),
                                   err_msg="logits != the sharded reference's")
     for got_leaf, want_leaf in zip(jax.tree.leaves(got_state),
@@ -80,7 +105,9 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False):
     single, _, _ = reference.decode_step(params, state, jnp.asarray(tokens),
                                          jnp.asarray(positions), lay.cfg)
     diff = float(np.abs(logits - np.asarray(single)).max())
-    print(f"{model} partial-sum on {N_RANKS} ranks, B={len(tokens)}, wire {wire}: logits and "
+    how = (f", reductions {dict(plan.mega.options.reductions)} on hosts of "
+           f"{plan.mega.options.ranks_per_host} ranks" if levels else "")
+    print(f"{model} partial-sum on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
           f"states equal to the sharded reference's to the bit, identical on every rank; max "
           f"|logit diff| vs the single-device reference {diff:.3g} (bound "
           f"{reference_sharded.BOUND[wire]})")
@@ -92,29 +119,38 @@ MIXED = [None, 0.8, None]  # greedy, sampled, greedy rows
 
 
 def test_kimi_b3_greedy_and_sampled_rows(race_checked):
-    """The fast case, recorded: every rank's remote copies are the collective schedule's
-    (`collective_schedule`, which the prediction reads), collective by collective."""
-    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True)
-    lay = setup("kimi-k3-mini", 3)[1]
+    """The fast case, recorded, with every reduction algorithm on two simulated hosts (LEVELS):
+    every rank's remote copies are the collective schedule's (`collective_schedule`, which the
+    prediction reads), collective by collective and level by level."""
+    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, levels=True)
+    _, lay, plan = setup("kimi-k3-mini", 3, levels=True)[:3]
+    options = plan.mega.options
     expert_ids = routed_expert_ids("kimi-k3-mini", 3)
-    count = schedule_check.check(log, lay, 3, expert_ids)
+    count = schedule_check.check(log, lay, 3, expert_ids, options)
+    ops = collective_schedule.collective_schedule(
+        lay, 3, lay.collectives, rank=0, reductions=options.reductions,
+        expert_counts=schedule_check.expert_counts(lay, expert_ids, 0))
+    runs = schedule_check.expected_collectives(ops, 0, options.ranks_per_host)
     print(f"the recorded remote copies of all {N_RANKS} ranks are the schedule's collectives "
-          f"({count} on rank 0), in order")
+          f"({count} on rank 0, {len(runs)} runs of copies: a reduction in levels one per "
+          "level), in order")
     # overlap: when a rank first waits for a collective, weight DMAs are in flight (the global
     # ring's next blocks, the first experts' slots), but for the last ones of the step: the
-    # last layer's last reduction and the sampling merge (nothing left to stream). Held on the
-    # ranks with real data of every matrix (the step is priced at the busiest rank); a rank that
-    # skips slices of padding only (check_zero_only_slices) may have nothing left to fetch
+    # last layer's last reduction (each of its levels) and the sampling merge (nothing left to
+    # stream). Held on the ranks with real data of every matrix (the step is priced at the
+    # busiest rank); a rank that skips slices of padding only (check_zero_only_slices) may have
+    # nothing left to fetch
     skipping = {rank for z in layout_split.streamed_zeros(lay) for rank in z.zero_only}
     busiest = [rank for rank in range(N_RANKS) if rank not in skipping]
     assert busiest
+    last = [f"shared/w_down/sum/{level}" for level in LEVEL_PHASES]
     for rank in range(N_RANKS):
         seen = collective_overlap.collective_overlap(log, rank)
-        assert len(seen) == count + 1  # the embedding's all-reduce: two phases
+        assert len(seen) == len(runs)  # the embedding's all-reduce: two phases
         idle = [c["name"] for c in seen if not c["hbm_in_flight"]]
         if rank in busiest:
-            assert idle == ["shared/w_down/sum/all_gather", "sampling_state/all_gather"], \
-                (rank, idle)
+            assert idle[-1] == "sampling_state/all_gather" and set(idle[:-1]) <= set(last) \
+                and idle[:-1], (rank, idle)
         print(f"rank {rank}: HBM busy (weight DMAs in flight) at {len(seen) - len(idle)} of the "
               f"{len(seen)} collective waits")
     # one answer for the bytes: each rank's DMA'd HBM bytes per component are layout_bytes'
@@ -168,6 +204,12 @@ def test_other_family_and_b1(race_checked, model, batch):
     step(model, batch, temperature=MIXED[:batch])
 
 
+@pytest.mark.exhaustive  # reductions in levels on 4 hosts of 2 ranks: two more steps (~2 min)
+@pytest.mark.parametrize("model, batch", [("deepseek-v3-mini", 3), ("kimi-k3-mini", 1)])
+def test_levels_on_hosts_of_2(race_checked, model, batch):
+    step(model, batch, temperature=MIXED[:batch], levels=2)
+
+
 @pytest.mark.exhaustive  # the bf16 wire: one more traced step (~1 min here)
 def test_bf16_wire(race_checked):
     step("kimi-k3-mini", 1, wire="bf16")
@@ -182,11 +224,22 @@ def test_skipped_wait_in_a_reduction_is_a_race():
     assert raced, "the race detector did not see the read before the partial sums landed"
 
 
-def step_raw(model, n_ranks=2, batch=1):
+def test_skipped_wait_in_a_level_is_a_race():
+    """A reduction sent in levels (rs-ag, 2 ranks on 2 hosts) whose last level reads its receive
+    slots without waiting for them is flagged by the race detector."""
+    options = MegakernelOptions(reductions=(("shared/w_down/sum", "rs-ag"),), ranks_per_host=1)
+    calls, raced, _ = test_faults.skipped_wait_races(
+        "shared/w_down/sum/across", lambda: step_raw("kimi-k3-mini", options=options),
+        method="wait", owner=LevelReductions)
+    assert calls, "the level's wait was not reached"
+    assert raced, "the race detector did not see the read before the host sums landed"
+
+
+def step_raw(model, n_ranks=2, batch=1, options=None):
     """One partial-sum step on n_ranks, unchecked (for a broken kernel)."""
     cfg = config.get_config(model)
     lay = layout.layout(cfg, n_ranks, collectives="partial-sum")
-    plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len)
+    plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, options=options or MegakernelOptions())
     mesh = ms.make_mesh(n_ranks)
     state = ms.shard_state(reference.init_state(cfg, batch), lay, mesh)
     params = weights.init_params(cfg, 0)

@@ -21,6 +21,7 @@ from mkresearch.model.numerics import (
     activation,
     bf,
     f32,
+    host_ordered_sum,
     i32,
     matmul,
     ordered_sum,
@@ -146,15 +147,15 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
                              jnp.zeros(y.shape[::2], f32))  # [B, n]
     per_group = jax.tree.leaves(experts)[0].shape[0] // groups.groups
     group = jnp.take_along_axis(expert_ids, order, axis=-1) // per_group  # [B, k]
-    total = None
+    parts = []
     for g in range(groups.groups):  # each group's experts in ascending id, then the groups
         mine = (group == g)[..., None]  # [B, k, 1]
         part = lax.fori_loop(0, y.shape[1], lambda j, acc, mine=mine: jnp.where(
             mine[:, j], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
         if groups.wire == "bf16":
             part = bf(part).astype(f32)
-        total = part if total is None else total + part
-    return total  # [B, n]
+        parts.append(part)
+    return host_ordered_sum(parts, groups.hosts)  # [B, n]
 
 
 

@@ -1,0 +1,230 @@
+"""Partial-sum reductions sent in levels, inside the sharded megakernel: two-level and rs-ag
+(`Collectives.reduce` sends the rest one-shot; `MegakernelOptions.reductions` says which).
+
+The ranks form hosts of `host_size` consecutive ranks (`MegakernelOptions.ranks_per_host`: a TPU
+slice's cores of one host). Every reduction, whatever its algorithm, adds the same partials in
+one order on every rank: a host's partials in rank order, then the hosts' sums in host order
+(`numerics.host_ordered_sum`, which the sharded reference uses too), so all ranks hold the same
+bits and the algorithm never changes them.
+
+  two-level  level 1: a rank's partial (and the column chunks riding with it) to every member of
+             its host, each member adds the host's; level 2: the host's sum (and the host's
+             riders) to the same member of every other host, each adds the hosts' sums. h - 1 +
+             H - 1 messages per rank instead of n - 1 (the release's all-reduce, spec/collectives.md)
+  rs-ag      level 1: member j of a host gets chunk j of every member's partial and adds them;
+             level 2: that summed chunk to member j of every other host, which add the hosts'
+             chunks; level 3: the summed chunks all-gathered in the host. Each message carries
+             1 / h of the vector (the release's B >= 6 variant)
+
+Each level has its own inbox and semaphores (a semaphore counts bytes: a level's wait must not
+count the next level's early arrivals), double-buffered by one parity bit flipped per reduction,
+as the channels of `collectives` are. DMA-log names: "<reduction>/<level>" (LEVEL_PHASES).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import dma
+
+from mkresearch.model.config import LANE
+from mkresearch.sharding.layout import chunk_length
+
+ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's algorithms
+LEVEL_PHASES = ("local", "across", "local_gather")  # DMA-log names of a reduction's levels
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The buffers of the reductions sent in levels (`Collectives.reduce`): `hosts` hosts of
+    `host_size` consecutive ranks. local: what a rank sends its host's members (two-level: its
+    partial; rs-ag: member j's chunk of it), its column chunks riding along; across: what it
+    sends its counterparts on the other hosts (the host's sum or summed chunk, the host's
+    riders); gather: rs-ag's summed chunk, all-gathered in the host. Widths in lanes."""
+
+    host_size: int
+    hosts: int
+    local_width: int
+    across_width: int
+    gather_width: int
+
+    def scratch(self, batch: int) -> list[tuple[str, Any]]:
+        h, f32 = self.host_size, jnp.float32
+        return [("levels: local out", pltpu.VMEM((h, batch, self.local_width), f32)),
+                ("levels: local in", pltpu.VMEM((2, h, batch, self.local_width), f32)),
+                ("levels: across out", pltpu.VMEM((batch, self.across_width), f32)),
+                ("levels: across in", pltpu.VMEM((2, self.hosts, batch, self.across_width), f32)),
+                ("levels: gather out", pltpu.VMEM((batch, self.gather_width), f32)),
+                ("levels: gather in", pltpu.VMEM((2, h, batch, self.gather_width), f32)),
+                ("levels: send sems", pltpu.SemaphoreType.DMA((3,))),  # per level
+                ("levels: receive sems", pltpu.SemaphoreType.DMA((3, 2))),  # x parity
+                ("levels: parity", pltpu.SMEM((1,), jnp.int32))]
+
+
+@dataclass(frozen=True)
+class LevelBuffers:
+    """The refs of `Levels.scratch`, in order (and the sizes)."""
+
+    sizes: Levels
+    local_out: Any
+    local_in: Any
+    across_out: Any
+    across_in: Any
+    gather_out: Any
+    gather_in: Any
+    send_sems: Any
+    recv_sems: Any
+    parity: Any
+
+
+def _lanes(width: int) -> int:
+    return -(-width // LANE) * LANE
+
+
+def make_levels(n_ranks: int, host_size: int, sent: list[tuple[str, int, int]]) -> Levels | None:
+    """The buffers of the reductions `sent` in levels: (algorithm, width N, riders' width per
+    rank) each; None if there are none."""
+    if not sent:
+        return None
+    h = host_size
+    local = across = gather = LANE
+    for algorithm, width, riders in sent:
+        piece = width if algorithm == TWO_LEVEL else chunk_length(width, h)
+        local = max(local, _lanes(piece + riders))
+        across = max(across, _lanes(piece + h * riders))
+        if algorithm == RS_AG:
+            gather = max(gather, piece)
+    return Levels(h, n_ranks // h, local, across, gather)
+
+
+def plan_levels(n_ranks: int, ranks_per_host: int, reductions: dict, algorithms: tuple
+                ) -> tuple[Levels | None, tuple]:
+    """(the level buffers, the (name, algorithm) pairs not one-shot) of a rank's reductions:
+    reductions: name -> (width, riders' width) of each; algorithms: the options' pairs."""
+    host = ranks_per_host or n_ranks
+    if n_ranks % host:
+        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid for {n_ranks} ranks: 0 "
+                         "or an int that divides the rank count")
+    unknown = sorted({name for name, _ in algorithms} - set(reductions))
+    if unknown:
+        raise ValueError(f"reductions={algorithms!r} is invalid: {unknown} are not reductions of "
+                         f"this step (those are {sorted(reductions)})")
+    sent = tuple((name, a) for name, a in algorithms if a != ONE_SHOT)
+    return make_levels(n_ranks, host, [(a, *reductions[name]) for name, a in sent]), sent
+
+
+class LevelReductions:
+    """The reductions sent in levels of one rank while the sharded megakernel traces: `coll` the
+    rank's `collectives.Collectives`, `buffers` its `LevelBuffers`."""
+
+    def __init__(self, coll: Any, buffers: LevelBuffers) -> None:
+        self.coll, self.buffers = coll, buffers
+
+    def reduce(self, partial: Any, chunks: list, summed: tuple[int, ...], name: str,
+               algorithm: str) -> tuple[Any, list]:
+        """`Collectives.reduce` as two-level or rs-ag -> (the sum [B, N], every rank's riders
+        [B, Σ c], in rank order)."""
+        lv, sizes = self.buffers, self.buffers.sizes
+        h, hosts = sizes.host_size, sizes.hosts
+        stride = summed[1] - summed[0] if len(summed) > 1 else 1
+        if tuple(summed) != tuple(range(0, stride * len(summed), stride)):
+            raise ValueError(f"{name}: summed={summed!r} is invalid for {algorithm}: ranks "
+                             "0, s, 2 s, .. (one per slice)")
+
+        def counted(rank):  # whether rank's partial is one of the summed (traced or static)
+            return (rank % stride == 0) & (rank < stride * len(summed))
+
+        width, rw = partial.shape[1], sum(c.shape[1] for c in chunks)
+        piece = width if algorithm == TWO_LEVEL else chunk_length(width, h)
+        member = lax.rem(self.coll.rank, h)
+        host = lax.div(self.coll.rank, h)
+        base = self.coll.rank - member
+        parity = lv.parity[0]
+        lv.parity[0] = 1 - parity
+        riders = jnp.concatenate(chunks, axis=1) if chunks else None
+        # level 1, in the host: two-level its whole partial to every member, rs-ag member j its
+        # chunk j; this rank's column chunks ride along
+        c1 = _lanes(piece + rw)
+        for j in range(1 if algorithm == TWO_LEVEL else h):
+            stop = min(width, (j + 1) * piece)
+            if j * piece < stop:
+                lv.local_out[j, :, :stop - j * piece] = partial[:, j * piece:stop]
+            if stop - j * piece < piece:
+                lv.local_out[j, :, max(0, stop - j * piece):piece] = jnp.zeros(
+                    (partial.shape[0], piece - max(0, stop - j * piece)), jnp.float32)
+            if rw:
+                lv.local_out[j, :, piece:piece + rw] = riders
+
+        def source(j):
+            return lv.local_out.at[0 if algorithm == TWO_LEVEL else j, :, pl.ds(0, c1)]
+
+        self.level(0, source, lv.local_in, member, parity, h, lambda j: base + j, c1, name)
+        if stride == 1 and len(summed) == self.coll.plan.n_ranks:
+            host_sum = functools.reduce(
+                lambda a, b: a + b, [lv.local_in[parity, j, :, :piece] for j in range(h)])
+        else:  # only the summed ranks' partials, still in rank order
+            host_sum, started = jnp.zeros((partial.shape[0], piece), jnp.float32), False
+            for j in range(h):
+                value, mine = lv.local_in[parity, j, :, :piece], counted(base + j)
+                host_sum = jnp.where(mine, jnp.where(started, host_sum + value, value), host_sum)
+                started = jnp.logical_or(started, mine)
+        local_riders = [lv.local_in[parity, j, :, piece:piece + rw] for j in range(h)] if rw \
+            else []
+        everyone = local_riders
+        total = host_sum
+        if hosts > 1:  # level 2: the host's sum (and riders) to the same member of every host
+            c2 = _lanes(piece + h * rw)
+            lv.across_out[:, :piece] = host_sum
+            for j, value in enumerate(local_riders):
+                lv.across_out[:, piece + j * rw:piece + (j + 1) * rw] = value
+            self.level(1, lambda k: lv.across_out.at[:, pl.ds(0, c2)], lv.across_in, host,
+                       parity, hosts, lambda k: k * h + member, c2, name)
+            summing = [k for k in range(hosts) if any(counted(k * h + j) for j in range(h))]
+            total = functools.reduce(lambda a, b: a + b,
+                                     [lv.across_in[parity, k, :, :piece] for k in summing])
+            everyone = [lv.across_in[parity, k, :, piece + j * rw:piece + (j + 1) * rw]
+                        for k in range(hosts) for j in range(h)] if rw else []
+        if algorithm == RS_AG:  # level 3: the summed chunks all-gathered in the host
+            lv.gather_out[:, :piece] = total
+            self.level(2, lambda j: lv.gather_out.at[:, pl.ds(0, piece)], lv.gather_in, member,
+                       parity, h, lambda j: base + j, piece, name)
+            total = jnp.concatenate([lv.gather_in[parity, j, :, :piece] for j in range(h)],
+                                    axis=1)[:, :width]
+        return total, everyone
+
+    def level(self, level: int, source, inbox: Any, me: Any, parity: Any, size: int,
+              rank_of, c: int, name: str) -> None:
+        """One phase of a reduction in levels: source(j) [B, c] (a ref) to slot `me` of the inbox
+        of each other member j of a group of `size` (rank_of(j) its rank), then wait for the
+        group's size - 1 pieces here and for this rank's sends."""
+        lv = self.buffers
+        label = f"{name}/{LEVEL_PHASES[level]}"
+        sems = (lv.send_sems.at[level], lv.recv_sems.at[level, parity])
+        with dma.phase(label):
+            def send(j):
+                dma.RemoteCopy(source(j), inbox.at[parity, me, :, pl.ds(0, c)], *sems,
+                               peer=rank_of(j), rank=self.coll.rank, name=label).start()
+
+            self.coll._each_peer(size, me, send)
+            inbox[parity, me, :, :c] = source(me)[...]
+            self.wait(level, inbox, parity, size - 1, size - 1, c, label)
+
+    def wait(self, level: int, inbox: Any, parity: Any, received: int, sent: int, c: int,
+             label: str) -> None:
+        """Wait for `received` pieces [B, c] of a level in this rank's inbox and for `sent` sent
+        by it (a semaphore counts bytes: one wait covers them all)."""
+        lv = self.buffers
+        sems = (lv.send_sems.at[level], lv.recv_sems.at[level, parity])
+        args = {"peer": self.coll.rank, "rank": self.coll.rank, "name": label, "log_peer": -1}
+        if received:
+            region = inbox.at[parity, pl.ds(0, received), :, pl.ds(0, c)]
+            dma.RemoteCopy(region, region, *sems, **args).wait_recv()
+        if sent:
+            region = inbox.at[parity, pl.ds(0, sent), :, pl.ds(0, c)]
+            dma.RemoteCopy(region, region, *sems, **args).wait_send()

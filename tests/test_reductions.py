@@ -1,0 +1,96 @@
+"""How the sharded megakernel sends its partial-sum reductions (`kernels/sharded/levels.py`): the
+one order every algorithm adds in, the options that choose the algorithms, and the choice the
+CLI, the recorded compiles and the prediction share (`collective_choice.kernel_reductions`).
+The kernel itself runs in tests/sharded/test_partial_sum.py (8 simulated devices)."""
+
+import jax.numpy as jnp
+import pytest
+from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+
+from mkresearch.model import numerics
+from mkresearch.model.config import get_config
+from mkresearch.prediction import collective_choice as choice
+from mkresearch.prediction import interconnect as links
+from mkresearch.prediction import scale_out
+from mkresearch.sharding import layout as layouts
+
+
+def test_host_ordered_sum_adds_each_host_first():
+    """A host's parts in order, then the hosts' sums: not the running sum of all parts (which
+    one host gives), as float adds show."""
+    parts = [jnp.float32(v) for v in (1e8, 1.0, -1e8, 1.0)]
+    flat = numerics.host_ordered_sum(parts)
+    by_two = numerics.host_ordered_sum(parts, (0, 0, 1, 1))
+    assert float(flat) == 1.0  # ((1e8 + 1) - 1e8) + 1 in f32: 1e8 + 1 rounds to 1e8
+    assert float(by_two) == 0.0  # (1e8 + 1) + (-1e8 + 1) in f32: each rounds to +-1e8
+    assert float(numerics.host_ordered_sum(parts, (3, 3, 3, 3))) == float(flat)
+    with pytest.raises(ValueError, match=r"hosts=\(0, 1\) is invalid: one host per part \(4\)"):
+        numerics.host_ordered_sum(parts, (0, 1))
+
+
+def _mini(n=8):
+    return layouts.layout(get_config("kimi-k3-mini"), n, collectives="partial-sum")
+
+
+def test_options_name_the_bad_value():
+    lay = _mini()
+    with pytest.raises(ValueError, match=r"reductions=.* is invalid: a tuple of \(reduction "
+                                         r"name, algorithm\) pairs, the algorithm one of "
+                                         r"\('one-shot', 'two-level', 'rs-ag'\)"):
+        ms.make_sharded_plan(lay, 1, options=MegakernelOptions(reductions=(("expert/sum",
+                                                                             "ring"),)))
+    with pytest.raises(ValueError, match=r"\['w_o/sum'\] are not reductions of this step \(those "
+                                         r"are \['dense/w_down/sum', 'expert/sum', "):
+        ms.make_sharded_plan(lay, 1, options=MegakernelOptions(reductions=(("w_o/sum",
+                                                                             "rs-ag"),)))
+    with pytest.raises(ValueError, match=r"ranks_per_host=3 is invalid for 8 ranks: 0 or an int "
+                                         "that divides the rank count"):
+        ms.make_sharded_plan(lay, 1, options=MegakernelOptions(ranks_per_host=3))
+    with pytest.raises(ValueError, match=r"ranks_per_host=-1 is invalid: 0 \(every rank one "
+                                         r"host\) or an int >= 1"):
+        ms.make_sharded_plan(lay, 1, options=MegakernelOptions(ranks_per_host=-1))
+
+
+def test_level_buffers_are_planned_only_for_reductions_in_levels():
+    """One-shot reductions need the whole partial from every rank in the channel's inbox; in
+    levels they need the level buffers instead (less VMEM on 32 ranks: a deeper ring)."""
+    lay = _mini()
+    flat = ms.make_sharded_plan(lay, 1)
+    assert flat.shard.levels is None and flat.shard.algorithms == ()
+    levels = ms.make_sharded_plan(lay, 1, options=MegakernelOptions(
+        reductions=(("expert/sum", "two-level"), ("shared/w_down/sum", "rs-ag"),
+                    ("kda.w_o/sum", "one-shot")), ranks_per_host=4))
+    assert levels.shard.algorithms == (("expert/sum", "two-level"), ("shared/w_down/sum", "rs-ag"))
+    assert levels.shard.algorithm("kda.w_o/sum") == "one-shot"
+    assert (levels.shard.levels.host_size, levels.shard.levels.hosts) == (4, 2)
+    assert any(name.startswith("collectives levels: ") for name, *_ in
+               levels.shard.vmem_buffers())
+
+
+def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way():
+    """kimi-k3 on 32 TPU7x cores: each reduction as `choose` prices fastest on the slice (hosts
+    of 8 cores); the prediction's schedule carries that choice, its ops name it, and `plan`
+    lists it."""
+    cfg = get_config("kimi-k3")
+    lay = layouts.layout(cfg, 32, collectives="partial-sum")
+    inter = links.interconnect("tpu7x", n_ranks=32)
+    for batch in (1, 8):
+        sent = choice.kernel_reductions(lay, batch)
+        assert sent.ranks_per_host == 8
+        ops = contract.collective_schedule(lay, batch, "partial-sum", reductions=sent.reductions)
+        sums = {op.name: op for op in ops if op.role == "sum"}
+        assert set(sums) == set(ms.reductions(lay))
+        for name, op in sums.items():
+            best = choice.choose(inter, op.kind, op.group, op.payload_bytes).algorithm
+            assert op.algorithm == best == dict(sent.reductions).get(name, "one-shot"), name
+        assert all(op.algorithm == "one-shot" for op in ops if op.kind == "all-gather")
+        row = scale_out.predict(cfg, 32, "ours", batch)
+        assert row["schedule"]["reductions"] == sent.reductions
+        assert row["schedule"]["ranks_per_host"] == 8
+    b1 = dict(choice.kernel_reductions(lay, 1).reductions)
+    print(f"kimi-k3 on 32 ranks, B = 1: {b1}")
+    assert b1["expert/sum"] == "two-level" and b1["shared/w_down/sum"] == "rs-ag"
+    assert choice.kernel_reductions(layouts.layout(cfg, 32, collectives="exact"), 1).reductions \
+        == ()
