@@ -9,6 +9,7 @@ from mkresearch.kernels.compose import collective_schedule as contract
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 
+from mkresearch.cli import main as cli
 from mkresearch.model import numerics
 from mkresearch.model.config import get_config
 from mkresearch.prediction import collective_choice as choice
@@ -69,7 +70,7 @@ def test_level_buffers_are_planned_only_for_reductions_in_levels():
                levels.shard.vmem_buffers())
 
 
-def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way():
+def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way(capsys):
     """kimi-k3 on 32 TPU7x cores: each reduction as `choose` prices fastest on the slice (hosts
     of 8 cores); the prediction's schedule carries that choice, its ops name it, and `plan`
     lists it."""
@@ -94,3 +95,9 @@ def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way():
     assert b1["expert/sum"] == "two-level" and b1["shared/w_down/sum"] == "rs-ag"
     assert choice.kernel_reductions(layouts.layout(cfg, 32, collectives="exact"), 1).reductions \
         == ()
+    assert cli.main(["plan", "kimi-k3", "--ranks", "32"]) == 0
+    out = capsys.readouterr().out
+    assert ("reductions in levels over hosts of 8 ranks: dense/w_down/sum rs-ag, expert/sum "
+            "two-level, kda.w_o/sum rs-ag") in out
+    assert " expert/sum                         all-reduce all 32              14336  1 two-level" \
+        in out

@@ -106,6 +106,14 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"{plan['critical_us'] / 1e3:.2f} ms of it not overlapped by the schedule")
     lines.append(f"{plan['ring']}; {plan['ring_depth'] - 1} weight blocks stay in flight while a "
                  "collective is waited for")
+    if plan["mode"] == "partial-sum":
+        hosts = (f"hosts of {plan['ranks_per_host']} ranks" if plan["ranks_per_host"]
+                 else "one host")
+        levels = ", ".join(f"{n} {a}" for n, a in plan["reductions"].items()) or "none"
+        lines.append(f"the kernel as built for {plan['chip']} (`collective_choice."
+                     f"kernel_reductions`): reductions in levels over {hosts}: {levels}; the "
+                     "rest one-shot; every algorithm adds a host's partials first, then the "
+                     "hosts' sums (the same bits)")
     return "\n".join(lines)
 
 
