@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, registry, weight_stream
 from mkresearch.kernels.base.blocks import EMBED_ROWS
+from mkresearch.kernels.sharded.levels import REDUCTION_ALGORITHMS
 from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
     experts,
     ffn_kinds,
@@ -41,9 +42,6 @@ MAX_BATCH = BF16_SUBLANE
 MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
-# how the sharded megakernel can send a partial-sum reduction (`kernels/sharded/collectives.py`):
-# the default one-shot first
-REDUCTION_ALGORITHMS = ("one-shot", "two-level", "rs-ag")
 
 
 # ---- options and plan --------------------------------------------------------------------------

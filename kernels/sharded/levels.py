@@ -37,6 +37,7 @@ from mkresearch.model.config import LANE
 from mkresearch.sharding.layout import chunk_length
 
 ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's algorithms
+REDUCTION_ALGORITHMS = (ONE_SHOT, TWO_LEVEL, RS_AG)  # the default first
 LEVEL_PHASES = ("local", "across", "local_gather")  # DMA-log names of a reduction's levels
 
 

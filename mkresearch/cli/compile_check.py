@@ -74,8 +74,7 @@ def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
                          f"topology, e.g. {DEFAULT_TOPOLOGY[chip]}")
     try:  # the reductions sent as the model chooses for the slice (`kernel_reductions`)
         lay = layout.layout(cfg, args.ranks, collectives=layout.DEFAULT_COLLECTIVES)
-        options = collective_choice.kernel_reductions(lay, args.batch, "f32", chip).options(
-            chip=chip)
+        options = collective_choice.kernel_options(lay, args.batch, chip)
         result, plan = sharded.compile_sharded_step(cfg, args.ranks, batch=args.batch, chip=chip,
                                                     topology=topology, seq_len=args.seq_len,
                                                     options=options)

@@ -133,8 +133,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     options = megakernel.MegakernelOptions(chip=chip)
     lay = layout.layout(cfg, n_ranks, collectives=collectives)
     # the reductions sent as the model chooses for the chip's slice (`kernel_reductions`)
-    plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, collective_choice.kernel_reductions(
-        lay, batch, "f32", chip).options(chip=chip))  # refuses first
+    plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, collective_choice.kernel_options(
+        lay, batch, chip))  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
     params = weights.init_params(cfg, seed) if params is None else params
@@ -250,8 +250,7 @@ def bench_sharded(cfg: ModelConfig, batches: Sequence[int], steps: int, chip: st
 
     lay = layout.layout(cfg, n_ranks)
     plans = {batch: sharded.make_sharded_plan(  # the reductions as the model chooses for the chip
-        lay, batch, cfg.max_seq_len, collective_choice.kernel_reductions(
-            lay, batch, "f32", chip).options(chip=chip))
+        lay, batch, cfg.max_seq_len, collective_choice.kernel_options(lay, batch, chip))
         for batch in batches}  # every batch refused (VMEM, HBM) before any work
     mesh = sharded.make_mesh(n_ranks)
     params = weights.init_params(cfg, seed)

@@ -131,7 +131,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     mode = sharded_collectives(model)
     lay = layout.layout(cfg, n_ranks, name, collectives=mode)
-    options = collective_choice.kernel_reductions(lay, batch, "f32", chip).options(chip=chip)
+    options = collective_choice.kernel_options(lay, batch, chip)
     plan = sharded.make_sharded_plan(lay, batch, None, options)
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)

@@ -28,7 +28,8 @@ import functools
 from dataclasses import dataclass
 
 from mkresearch.kernels.compose import collective_schedule as contract
-from mkresearch.kernels.compose.megakernel_plan import REDUCTION_ALGORITHMS, MegakernelOptions
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded.levels import REDUCTION_ALGORITHMS
 from mkresearch.prediction import interconnect as links
 from mkresearch.sharding import layout as layouts
 
@@ -158,3 +159,17 @@ def kernel_reductions(lay: layouts.Layout, batch: int, wire: str = "f32", chip: 
     return KernelReductions(
         tuple(sorted((n, c.algorithm) for n, c in chosen.items() if c.algorithm != "one-shot")),
         ranks_per_host(inter, lay.n_ranks), tuple(sorted((n, c.reason) for n, c in chosen.items())))
+
+
+def kernel_options(lay: layouts.Layout, batch: int, chip: str = "tpu7x",
+                   wire: str = "f32") -> MegakernelOptions:
+    """The sharded megakernel's options for `chip` with its reductions as `kernel_reductions`
+    chooses them (what the CLI and the recorded compiles build)."""
+    return kernel_reductions(lay, batch, wire, chip).options(chip=chip)
+
+
+def sent_algorithm(op) -> str:
+    """The `interconnect` algorithm a contract collective (`CollectiveOp`) is sent with by the
+    kernel (a chain: "one-shot", its price being the chain's)."""
+    return "one-shot" if op.kind == "chain" else ALGORITHM_ALIASES.get(op.algorithm,
+                                                                       op.algorithm)

@@ -53,7 +53,7 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                     + ("" if op.critical else " (overlapped)")
                     + (f"; carries the column chunks of {', '.join(op.carries)}"
                        if op.carries else ""))
-        how = choice.ALGORITHM_ALIASES.get(op.algorithm, op.algorithm)  # what the kernel sends
+        how = choice.sent_algorithm(op)  # what the kernel sends
         if op.kind == "chain" or how == c.algorithm:
             how, price, reason = c.algorithm, c, c.reason
         else:  # an all-gather: the kernel sends them one-shot

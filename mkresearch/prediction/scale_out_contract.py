@@ -94,10 +94,8 @@ def collective(prog, op, name: str, group_of, *, blocking: bool = True) -> None:
     """One contract collective on `prog`: simulated among the stand-in ranks of its group, priced
     over the whole group (`path`) by the algorithm the kernel sends it with (a chain: its own
     price)."""
-    how = "one-shot" if op.kind == "chain" else \
-        choice.ALGORITHM_ALIASES.get(op.algorithm, op.algorithm)
     prog.collective(name, op.op, group_of(op.group), op.payload_bytes, tuple(op.group),
-                    blocking=blocking, algorithm=how)
+                    blocking=blocking, algorithm=choice.sent_algorithm(op))
 
 
 def schedule_ops(lay: layouts.Layout, batch: int, mode: str, wire: str, rank: int,
