@@ -1,6 +1,7 @@
 """`mkresearch plan MODEL --ranks N`: every collective of one sharded step, listed
 (`mkresearch.prediction.collective_plan`): kind, group, bytes, phases, algorithm and why, what it overlaps,
-and their count."""
+and their count; in partial-sum mode also what fewer collectives would cost
+(`mkresearch.prediction.collective_floor`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from mkresearch.cli.common import _at_least, _chip, _model, _refusals
 from mkresearch.kernels.compose import collective_schedule as contract
-from mkresearch.prediction import collective_plan
+from mkresearch.prediction import collective_floor, collective_plan
 from mkresearch.sharding import layout
 
 
@@ -31,5 +32,12 @@ def run(args: Any) -> int:
         layout.check_ranks(cfg, args.ranks)
         plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
                                                mode=args.collectives, wire=args.wire, chip=chip)
-    print(json.dumps(plan) if args.json else collective_plan.format_plan(plan))
+        front = (collective_floor.frontier(cfg, args.ranks, args.batch, chip)
+                 if args.collectives == layout.PARTIAL_SUM else None)
+    if args.json:
+        print(json.dumps({**plan, "frontier": front}))
+        return 0
+    print(collective_plan.format_plan(plan))
+    if front is not None:
+        print(collective_floor.format_frontier(front))
     return 0
