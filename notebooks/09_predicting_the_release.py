@@ -295,7 +295,7 @@ assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"
 # **The honest answer.** Our kernel's exact mode would *not* beat the release at full size: its
 # bit-exact design pays a collective around every split matrix, ≈ 4.6 ms of exposed messages at
 # B = 1 against a 1.35 ms floor. Its partial-sum mode, as the kernel now builds it, is faster at
-# every batch and beats the published step at every batch (≈ 3.4 ms at B = 1, 4.94 GB per rank),
+# every batch and beats the published step at every batch (≈ 3.3 ms at B = 1, 4.51 GB per rank),
 # but not the 2.5 ms target: at 32 ranks the phases of ≈ 400 collectives, each waited for right
 # after it is issued with the ring's 16 blocks in flight, still dominate the step.
 # The picture (`make figures` writes it as figures/scale_out.png):

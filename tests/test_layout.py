@@ -80,7 +80,9 @@ def test_mini_slices_put_back_together(n_ranks):
     for r in range(n_ranks):
         h = heads.index(r)
         np.testing.assert_array_equal(sharded["kda"]["w_q"][r], full[..., h * width:(h + 1) * width])
-    cols = np.concatenate(list(sharded["kda"]["w_o"]), axis=-1)[..., :MINI.d_model]  # model_cols
+    model_cols = lay.split(spec.MODEL_COLS)  # in slice order (our layout rotates: `rotations`)
+    cols = np.concatenate([sharded["kda"]["w_o"][model_cols.rank_of(i)]
+                           for i in range(model_cols.ways)], axis=-1)[..., :MINI.d_model]
     np.testing.assert_array_equal(cols, np.asarray(params["kda"]["w_o"]))
     assert sharded["moe"]["w_router"].shape[-1] == MINI.n_experts  # one lane tile: whole
     for r in range(n_ranks):

@@ -60,15 +60,18 @@ def weight_block_rows(shape: tuple[int, int], dtype: Any, block_rows: int | None
 
     The largest such divisor with at most `WEIGHT_BLOCK_BYTES` per block, or at most `block_rows`
     rows when the caller gives it. K is a multiple of 128 for every matrix of the model (the config
-    validates it), so 128 always works.
+    validates it), so 128 always works. A rank's W_down slice of a hidden split in half-lane
+    chunks (`kernels/stages/gate_up.py`: K = 192 of Kimi K3's shared experts on 32 ranks) has K a
+    multiple of 16 only: its blocks are whole sublane tiles (16 rows), the largest such divisor.
     """
     k, n = shape
     if block_rows is None:
         limit = max(LANE, WEIGHT_BLOCK_BYTES // (n * jnp.dtype(dtype).itemsize))
     else:
         limit = block_rows
-    best = LANE
-    for rows in range(LANE, min(k, limit) + 1, LANE):
+    step = LANE if k % LANE == 0 else BF16_SUBLANE
+    best = step
+    for rows in range(step, min(k, limit) + 1, step):
         if k % rows == 0:
             best = rows
     return best

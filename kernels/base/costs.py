@@ -180,9 +180,9 @@ def ffn(options: Any, batch: int, top_k: int, routed: dict | None,
                                transcendentals=per_unit * batch * hidden,
                                bytes_accessed=one_expert)
     if always_on is not None:
-        mats = [always_on[n] for n in ("w_gate", "w_up", "w_down")]
+        mats = list(always_on.values())  # W_gate, W_up (or the two as one [d, 2 S]), W_down
         cost += Cost(flops=matmul_flops(batch, *mats),
-                     transcendentals=per_unit * batch * mats[0].shape[1],
+                     transcendentals=per_unit * batch * always_on["w_down"].shape[-2],
                      bytes_accessed=nbytes(mats))
     return cost
 

@@ -118,12 +118,12 @@ def streamed_matrices(cfg: ModelConfig) -> dict[str, tuple]:
 
 def make_stream_plan(cfg: ModelConfig, local: Any = None) -> StreamPlan:
     """The ring (cfg.ring_depth slots of [R, C], R · C · 2 <= cfg.ring_block_bytes unless R is the
-    minimum 128) and every stage's blocks. local(kind, Streamed) -> Streamed: one rank's shape of
-    each matrix (the sharded megakernel)."""
+    minimum 128) and every stage's blocks. local(kind, (Streamed, ...)) -> (Streamed, ...): the
+    matrices one rank streams, in its shapes (the sharded megakernel)."""
     depth, block_bytes = cfg.ring_depth, cfg.ring_block_bytes
     matrices = streamed_matrices(cfg)
     if local is not None:
-        matrices = {kind: tuple(local(kind, m) for m in ms) for kind, ms in matrices.items()}
+        matrices = {kind: tuple(local(kind, ms)) for kind, ms in matrices.items()}
     streamed = {kind: [m for m in ms if m.shape[1] % LANE == 0] for kind, ms in matrices.items()}
     width = max(m.shape[1] for ms in streamed.values() for m in ms)  # C
     slot_rows = max(LANE, block_bytes // (2 * width) // LANE * LANE)  # R

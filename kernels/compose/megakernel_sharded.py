@@ -49,13 +49,13 @@ from mkresearch.kernels.compose import collective_schedule, megakernel
 from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose.megakernel import StepInputs
 from mkresearch.kernels.sharded import collectives, sharded_stages
-from mkresearch.kernels.stages import sampling
+from mkresearch.kernels.stages import gate_up, sampling
 
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model import sampling as sampling_ref
-from mkresearch.model.config import RING_MAX_DEPTH, ModelConfig
+from mkresearch.model.config import LANE, RING_MAX_DEPTH, ModelConfig
 from mkresearch.sharding import layout as layouts
 
 AXIS = collectives.AXIS
@@ -87,8 +87,14 @@ def kernel_config(lay: layouts.Layout) -> ModelConfig:
                        n_kv_heads=lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
                        vocab_size=lay.local_length(spec.VOCAB, cfg.vocab_size),
                        expert_hidden=lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
-                       dense_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
-                       shared_hidden=lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden))
+                       dense_hidden=_lanes(lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden)),
+                       shared_hidden=_lanes(lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden)))
+
+
+def _lanes(width: int) -> int:
+    """A rank's hidden slice in whole lanes, as a config holds it (its validation): a slice in
+    half-lane chunks streams at its own shape (`_local_streamed`, `gate_up`), not the config's."""
+    return -(-width // LANE) * LANE
 
 
 def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
@@ -96,13 +102,14 @@ def _layer_param(cfg: ModelConfig, kind: str, key: str) -> spec.Param:
 
 
 def _local_streamed(lay: layouts.Layout) -> Any:
-    """local(kind, Streamed) -> Streamed with one rank's shape of the matrix (its layout slice)."""
+    """local(kind, matrices) -> the matrices with one rank's shapes (its layout slices), an
+    always-on MLP's gate and up as one where its hidden slice is under whole lanes (`gate_up`)."""
     cfg = lay.cfg
 
-    def local(kind, m):
+    def one(kind, m):
         shard = layouts.param_shard(lay, _layer_param(cfg, kind, m.key))
         return registry.Streamed(m.key, m.name, layouts.local_shape(lay, m.shape, shard))
-    return local
+    return lambda kind, ms: gate_up.fuse_streamed(tuple(one(kind, m) for m in ms))
 
 
 # partial-sum mode: the global ring's slots on a rank at least (7 weight blocks in flight while the

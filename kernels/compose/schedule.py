@@ -46,7 +46,7 @@ from mkresearch.kernels.base.weight_stream import (
 )
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS, MegaPlan
-from mkresearch.kernels.stages import residuals, sampling
+from mkresearch.kernels.stages import gate_up, residuals, sampling
 
 from mkresearch.model import spec
 from mkresearch.sharding import layout_split
@@ -172,7 +172,8 @@ def rank_live(plan: Any, rank: int) -> dict:
     if lay.collectives == "exact" or plan.mega.stream is None:
         return {}
     return {e.name: False for _, entries in plan.mega.stream.stages for e in entries
-            if layout_split.zero_only(lay, spec.stage(e.group).params(lay.cfg)[e.key], rank)}
+            if layout_split.zero_only(lay, spec.stage(e.group).params(lay.cfg)[
+                gate_up.UNFUSED_KEYS.get(e.key, e.key)], rank)}  # a fused gate + up: the gate
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,12 @@
 
 One `pallas_call` per step runs on every rank (`jax.shard_map` over a 1-D mesh axis `AXIS`);
 ranks exchange data through remote DMAs into each other's VMEM (`pltpu.make_async_remote_copy`,
-logged by `dma.RemoteCopy` with source and destination rank); a stage's weight stream on a
-rank: `sharded_stream.ShardedStream`.
+logged by `dma.RemoteCopy`); a stage's weight stream on a rank: `sharded_stream.ShardedStream`.
 
   all_gather     x [B, w] of every member of a group (all n ranks, or an ETP group) -> every
                  member's x: each sends its x into slot `me` of every other member's inbox
   gather         the pieces of a vector split by a group, put together in order (the heads'
-                 outputs before W_o, a hidden slice before W_down, a matrix's column chunks after
-                 it, `ShardedStream`)
+                 outputs before W_o, a matrix's column chunks after it, `ShardedStream`)
   all_reduce     the embedding: a reduce-scatter then an all-gather (one rank holds the row, the
                  others add zeros: exact)
   combine_items  exact mode: the routed experts' weighted sum in ascending expert id, passed down
@@ -52,6 +50,7 @@ from mkresearch.kernels.sharded.levels import (
     Levels,
     plan_levels,
 )
+from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
 from mkresearch.model.config import LANE
@@ -219,7 +218,7 @@ class Collectives:
     def index(self, group: str) -> Any:
         """This rank's slice of `group` (traced)."""
         split = self.layout.split(group)
-        return lax.rem(lax.div(self.rank, split.stride), split.ways)
+        return lax.rem(lax.div(self.rank, split.stride) + split.start, split.ways)
 
     def live(self, stream: Any) -> dict:
         """Partial-sum mode: {matrix name: (traced) whether this rank's slice of it holds real
@@ -231,7 +230,8 @@ class Collectives:
             return {}
         out = {}
         for entry in (e for _, entries in stream.stages for e in entries):
-            param = spec.stage(entry.group).params(self.layout.cfg)[entry.key]
+            param = spec.stage(entry.group).params(self.layout.cfg)[  # a fused gate + up: the gate
+                gate_up.UNFUSED_KEYS.get(entry.key, entry.key)]
             for group, length, chunk in layout_split.padded_splits(self.layout, param):
                 real = self.index(group) * chunk < length  # the slice starts inside the axis
                 out[entry.name] = jnp.logical_and(out.get(entry.name, True), real)
@@ -375,7 +375,7 @@ class Collectives:
         """Every rank's piece of a vector split by `group` -> [B, full]: the pieces of the slices
         0, 1, .. in order (one rank of each, `Split.stride`)."""
         split = self.layout.split(group)
-        pieces = [everyone[i * split.stride] for i in range(split.ways)]
+        pieces = [everyone[split.rank_of(i)] for i in range(split.ways)]
         return jnp.concatenate(pieces, axis=1)[:, :full]
 
     def reduce(self, partial: Any, summed: tuple[int, ...], *, name: str,

@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, dma, quant
 from mkresearch.kernels.base.registry import StageRefs
-from mkresearch.kernels.stages import router
+from mkresearch.kernels.stages import gate_up, router
+from mkresearch.kernels.stages.gate_up import SHARED_KEYS
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference
@@ -64,16 +65,20 @@ def activation(g: jax.Array, u: jax.Array, kind: str) -> jax.Array:
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, *, stream: Any, kind: str,
-              name: str) -> jax.Array:
-    """x [B, d] bf16 -> f32 [B, d]: act(bf(x Wg), bf(x Wu)) Wd, each weight streamed from HBM."""
+def gated_mlp(x: jax.Array, parts: dict, *, stream: Any, kind: str, name: str) -> jax.Array:
+    """x [B, d] bf16 -> f32 [B, d]: act(bf(x Wg), bf(x Wu)) Wd, each weight streamed from HBM.
+    parts: `gate_up.parts` (W_gate and W_up, or the two as one [d, 2 S], and W_down)."""
     def project(v, w, part):
         rows = blocks.weight_block_rows(tuple(w.shape), w.dtype)
         return blocks.stream_matmul(stream, v, w, rows=rows, name=f"{name}/{part}")
 
-    g = project(x, w_gate, "w_gate").astype(jnp.bfloat16)  # [B, S]
-    u = project(x, w_up, "w_up").astype(jnp.bfloat16)
-    return project(activation(g, u, kind), w_down, "w_down")  # [B, d]
+    if gate_up.GATE_UP in parts:  # a rank's hidden slice narrower than whole lanes
+        g, u = gate_up.split(project(x, parts[gate_up.GATE_UP], gate_up.GATE_UP),
+                             parts["w_down"].shape[0])
+    else:
+        g = project(x, parts["w_gate"], "w_gate").astype(jnp.bfloat16)  # [B, S]
+        u = project(x, parts["w_up"], "w_up").astype(jnp.bfloat16)
+    return project(activation(g, u, kind), parts["w_down"], "w_down")  # [B, d]
 
 
 def expert_dma_name(matrix: str, part: str) -> str:
@@ -245,7 +250,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
              "experts": {"w1"|"w3"|"w2": tuple of HBM parts [E, ...]}}  (HBM refs), with the
              choices of the router in `routing`; without "w_ld" the experts work on the full d
              (options.latent = d) and their weighted sum is the routed output (stages.moe_full)
-    always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]}  (HBM refs)
+    always_on: {"w_gate" [d, S], "w_up" [d, S], "w_down" [S, d]} or `gate_up.parts` (HBM refs)
     x_ref [B, d] bf16 (VMEM); stream: where the matmuls get their weight blocks; z: the latent
     [B, Lat] bf16 if W_ld was streamed already (`moe_layer_body` on a rank).
     """
@@ -262,8 +267,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              latent_padded=options.latent_padded, eps=options.eps,
                              kind=options.activation, shard=shard, z=z)
     if always_on is not None:
-        shared_out = gated_mlp(x, always_on["w_gate"], always_on["w_up"], always_on["w_down"],
-                               stream=stream, kind=options.activation,
+        shared_out = gated_mlp(x, always_on, stream=stream, kind=options.activation,
                                name=options.always_on_name)
     if shard is not None:  # a rank: the collectives its stream left to the stage's end
         # (W_lu's column chunks riding with the always-on MLP's reduction, `Collectives.settle`)
@@ -280,7 +284,6 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
 
 
 ROUTED_KEYS = ("w_ld", "latent_norm", "w_lu", "experts")
-SHARED_KEYS = {"w_gate": "w_sg", "w_up": "w_su", "w_down": "w_sd"}  # always-on MLP <- MoE weights
 
 
 def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
@@ -300,7 +303,7 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
         z = z.astype(jnp.bfloat16)  # [B, Lat]
     router.router_body(refs.x, w["w_router"], w["router_bias"], routing, stream=refs.stream,
                        logits=logits, **dict(plan.router))
-    shared = ({part: w[key] for part, key in SHARED_KEYS.items()} if "w_sg" in w else None)
+    shared = gate_up.parts(w, SHARED_KEYS)
     ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan.stage,
                    routed={key: w[key] for key in ROUTED_KEYS if key in w}, routing=routing,
                    always_on=shared, shard=refs.shard, z=z)
@@ -308,7 +311,8 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
 
 def dense_body(plan: StageOptions, refs: StageRefs) -> None:
     """The dense FFN: the stage with one always-on expert. refs.weights: w_gate, w_up, w_down."""
-    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan, always_on=refs.weights)
+    ffn_stage_body(refs.x, refs.out, stream=refs.stream, options=plan,
+                   always_on=gate_up.parts(refs.weights, gate_up.DENSE_KEYS))
 
 
 _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from mkresearch.kernels.base import blocks, costs, planned, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import router
+from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.experts import (
     EXPERT_MATRICES,
     LATENT_DOWN,
@@ -51,7 +51,7 @@ def _moe_prepare(stack: dict, cfg: ModelConfig) -> dict:
            "experts": {m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
                        for m in EXPERT_MATRICES}}
     if cfg.n_shared_experts:
-        out.update({key: stack[key] for key in SHARED_KEYS.values()})
+        out.update(gate_up.fuse({key: stack[key] for key in SHARED_KEYS.values()}, SHARED_KEYS))
     return out
 
 
@@ -87,8 +87,7 @@ def _dense_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
 
 def _moe_cost(plan: MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int) -> Any:
     routed = {key: weights[key] for key in ROUTED_KEYS}
-    shared = ({part: weights[key] for part, key in SHARED_KEYS.items()}
-              if cfg.n_shared_experts else None)
+    shared = gate_up.parts(weights, SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
     return (costs.router(plan.batch, weights["w_router"], bias)
             + costs.ffn(plan.stage, plan.batch, cfg.top_k, routed, shared))
@@ -100,9 +99,10 @@ def _stream(call: planned.StageCall, name: str, weight) -> list[planned.PlannedD
     return call.matmul(name, weight, blocks.weight_block_rows(tuple(weight.shape), weight.dtype))
 
 
-def _gated_mlp_dmas(call: planned.StageCall, prefix: str, weights: dict) -> list:
-    """`experts.gated_mlp`: W_gate, W_up, W_down streamed (the parts in SHARED_KEYS' order)."""
-    return [dma for part in SHARED_KEYS for dma in _stream(call, f"{prefix}/{part}", weights[part])]
+def _gated_mlp_dmas(call: planned.StageCall, prefix: str, parts: dict) -> list:
+    """`experts.gated_mlp`: W_gate, W_up (or the two as one, `gate_up`), W_down streamed, in
+    order; parts: `gate_up.parts`."""
+    return [dma for part, w in parts.items() for dma in _stream(call, f"{prefix}/{part}", w)]
 
 
 def work_list(plan: str, n_experts: int, expert_ids) -> list[int]:
@@ -153,9 +153,9 @@ def moe_schedule(plan: MoePlan, call: planned.StageCall) -> list[planned.Planned
     out += to_smem + [dma.waited() for dma in to_smem]
     items = work_list(plan.stage.plan, w["experts"]["w1"][0].shape[0], call.expert_ids)
     out += _routed_dmas(plan.stage, call, items)
-    if "w_sg" in w:
-        out += _gated_mlp_dmas(call, plan.stage.always_on_name,
-                               {part: w[key] for part, key in SHARED_KEYS.items()})
+    shared = gate_up.parts(w, SHARED_KEYS)
+    if shared is not None:
+        out += _gated_mlp_dmas(call, plan.stage.always_on_name, shared)
     return out
 
 
@@ -168,7 +168,10 @@ MOE_KERNEL = register(KernelStage(
     scratch_bundle=lambda refs: router.Routing(*refs), schedule=moe_schedule))
 DENSE_KERNEL = register(KernelStage(
     name="dense", plan=lambda cfg, batch, seq_len, options: dense_options(cfg),
-    prepare=lambda stack, cfg: dict(stack), streamed=_dense_streamed, body=dense_body,
-    vmem=lambda plan, cfg: [], scope=lambda plan: "dense",
-    cost=lambda plan, weights, state, cfg, batch: costs.ffn(plan, batch, 0, None, weights),
-    schedule=lambda plan, call: _gated_mlp_dmas(call, plan.always_on_name, call.weights)))
+    prepare=lambda stack, cfg: gate_up.fuse(dict(stack), gate_up.DENSE_KEYS),
+    streamed=_dense_streamed, body=dense_body, vmem=lambda plan, cfg: [],
+    scope=lambda plan: "dense",
+    cost=lambda plan, weights, state, cfg, batch: costs.ffn(
+        plan, batch, 0, None, gate_up.parts(weights, gate_up.DENSE_KEYS)),
+    schedule=lambda plan, call: _gated_mlp_dmas(call, plan.always_on_name,
+                                                gate_up.parts(call.weights, gate_up.DENSE_KEYS))))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import costs, dma, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import experts, ffn_kinds, router
+from mkresearch.kernels.stages import experts, ffn_kinds, gate_up, router
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ModelConfig
@@ -90,7 +90,8 @@ def _prepare(stack: dict, cfg: ModelConfig) -> dict:
            "experts": {m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
                        for m in experts.EXPERT_MATRICES}}
     if cfg.n_shared_experts:
-        out.update({key: stack[key] for key in experts.SHARED_KEYS.values()})
+        out.update(gate_up.fuse({key: stack[key] for key in experts.SHARED_KEYS.values()},
+                                experts.SHARED_KEYS))
     return out
 
 
@@ -118,8 +119,7 @@ def _vmem(plan: experts.MoePlan, cfg: ModelConfig) -> list:
 
 
 def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
-    shared = ({part: weights[key] for part, key in experts.SHARED_KEYS.items()}
-              if cfg.n_shared_experts else None)
+    shared = gate_up.parts(weights, experts.SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
     return (costs.router(plan.batch, weights["w_router"], bias)
             + costs.ffn(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},

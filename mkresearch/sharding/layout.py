@@ -25,13 +25,17 @@ Every matrix splits by its output columns, never by its contraction: a rank comp
 products for its columns (its input all-gathered first where it arrives split, `Param.gather`)
 and the columns are all-gathered, so every value is the single-device one, bit for bit.
 
-Rank r holds slice (r // stride) % ways of a group (`Split`): experts (r // ETP) % EP and expert
-TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas when a
-model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on n / 2
-consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
+Rank r holds slice (r // stride + start) % ways of a group (`Split`): experts (r // ETP) % EP and
+expert TP r % ETP (a group of ETP consecutive ranks owns the same experts), heads r // replicas
+when a model has fewer heads than ranks (the mini model: 2 heads on up to 8 ranks, each head on
+n / 2 consecutive ranks, which compute the same values). Heads, vocab, experts and expert TP split
 exactly (ValueError naming the field and the allowed rank counts otherwise); the vocabulary and
-the other groups split in chunks of 128 lanes: rank i holds columns [i·c, (i+1)·c) of the axis zero-padded to
-ways·c, and an axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router).
+the other groups split in chunks of 128 lanes (the FFN hidden in partial-sum mode: 64,
+`Layout._chunk`): slice i is columns [i·c, (i+1)·c) of the axis zero-padded to ways·c, and an
+axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router). Our layout
+rotates the chunks of model_cols, down_cols and moe_latent (`start`, `rotations`): the ranks
+holding only padding of one matrix hold real chunks of another (Kimi K3 on 32 ranks: 4.51 GB per
+rank at B = 1, not 4.68).
 
 Two layouts:
     release  spec §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
@@ -51,6 +55,8 @@ come from it; per-rank bytes of one step (sharded vs replicated, by component) f
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +65,14 @@ import numpy as np
 
 import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds and their rules
 from mkresearch.model import published, spec
-from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config, rank_shapes
+from mkresearch.model.config import (
+    LANE,
+    PRESETS,
+    RANK_SUFFIX,
+    ModelConfig,
+    get_config,
+    rank_shapes,
+)
 from mkresearch.model.formats import quantized_shapes
 from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layout's API
     MAX_LISTED_RANKS,
@@ -90,19 +103,27 @@ CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the 
 # ASSUMPTION: spec §9 does not say how they split (spec/collectives.md splits the router's scores
 # between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
+# our layout rotates these groups' column chunks (`rotations`): no reduction adds over them
+ROTATED_GROUPS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+HALF_LANE = LANE // 2  # the partial-sum FFN hidden's chunk unit (`Layout._chunk`)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
 
 
 @dataclass(frozen=True)
 class Split:
-    """How one group splits: rank r holds slice (r // stride) % ways."""
+    """How one group splits: rank r holds slice (r // stride + start) % ways."""
 
     group: str
     ways: int
     stride: int = 1
+    start: int = 0  # the slice rank 0 holds (a rotation: `ROTATIONS`)
 
     def index(self, rank: int) -> int:
-        return (rank // self.stride) % self.ways
+        return (rank // self.stride + self.start) % self.ways
+
+    def rank_of(self, index: int) -> int:
+        """The first rank holding slice `index`."""
+        return (index - self.start) % self.ways * self.stride
 
 
 @dataclass(frozen=True)
@@ -143,21 +164,29 @@ class Layout:
         """Whether an axis of `length` splits by `group` here (more than one way, and for a
         padded group a chunk shorter than the axis)."""
         ways = self.ways(group)
-        return ways > 1 and (group not in CHUNKED_GROUPS or chunk_length(length, ways) < length)
+        return ways > 1 and (group not in CHUNKED_GROUPS or self._chunk(group, length) < length)
+
+    def _chunk(self, group: str, length: int) -> int:
+        """A chunked group's per-rank chunk: whole lane tiles (`chunk_length`), except the FFN
+        hidden in partial-sum mode: half-lane chunks (64), so a rank's gate and up columns side
+        by side fill whole lanes (`kernels/stages/gate_up.py`) and its W_down rows whole sublane
+        tiles: Kimi K3's 6,144 shared hidden are 192 on each of 32 ranks, not 256 on 24."""
+        if group == spec.FFN_HIDDEN and self.collectives == PARTIAL_SUM:
+            return -(-length // (self.ways(group) * HALF_LANE)) * HALF_LANE
+        return chunk_length(length, self.ways(group))
 
     def slice_firsts(self, group: str) -> tuple[int, ...]:
         """One rank per slice of `group`, slice 0 first (whose partial sums a reduction adds)."""
         split = self.split(group)
-        return tuple(i * split.stride for i in range(split.ways))
+        return tuple(split.rank_of(i) for i in range(split.ways))
 
     def local_length(self, group: str, length: int) -> int:
         """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
         if not self.divides(group, length):
             return length
-        ways = self.ways(group)
         if group in CHUNKED_GROUPS:
-            return chunk_length(length, ways)
-        return length // ways
+            return self._chunk(group, length)
+        return length // self.ways(group)
 
     def bounds(self, group: str, length: int, rank: int) -> tuple[int, int, int]:
         """(start, stop, per-rank length) of rank's slice of an axis of `length`: the real
@@ -205,8 +234,50 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
         whole = name == RELEASE and group in RELEASE_REPLICATED
         splits.append(Split(group, 1 if whole else n))
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
-    return Layout(name=name, cfg=cfg, n_ranks=n, splits=tuple(splits),
-                  expert_format=expert_format, collectives=collectives)
+    lay = Layout(name=name, cfg=cfg, n_ranks=n, splits=tuple(splits),
+                 expert_format=expert_format, collectives=collectives)
+    if name != OURS or n == 1:
+        return lay
+    starts = rotations(dataclasses.replace(lay, collectives=PARTIAL_SUM))
+    return dataclasses.replace(lay, splits=tuple(
+        dataclasses.replace(s, start=starts.get(s.group, 0)) for s in splits))
+
+
+def _slice_bytes(lay: Layout, group: str) -> np.ndarray:
+    """[ways] the bytes of the slices of `group` by slice index: every parameter split by that
+    group alone, counted on the slices holding real data (a slice of padding only is skipped)."""
+    out = np.zeros(lay.ways(group))
+    for _, p in leaves_with_path(spec.param_table(lay.cfg)):
+        shard = param_shard(lay, p)
+        active = active_shard(lay, shard, p.shape)
+        if [g for _, g in active] != [group]:
+            continue
+        length = p.shape[active[0][0]]
+        nbytes = math.prod(local_shape(lay, p.shape, shard)) * np.dtype(p.dtype).itemsize
+        out[:-(-length // lay.local_length(group, length))] += nbytes
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def rotations(lay: Layout) -> dict[str, int]:
+    """{group: start} for ROTATED_GROUPS: which slice rank 0 holds (`Split.start`), chosen so that
+    the ranks holding only padding of one matrix hold the real column chunks of another: the
+    per-rank bytes of the partial-sum layout `lay` (start 0 everywhere) with the least maximum
+    (then the least sum of squares), each group's start in turn, three rounds. Kimi K3 on 32
+    ranks: W_lu's 28 chunks from rank 3 on, the router's, W_qa's and W_kva's from rank 28 on:
+    4.51 GB per rank at B = 1 (4.68 GB unrotated)."""
+    vectors = {g: _slice_bytes(lay, g) for g in ROTATED_GROUPS if lay.ways(g) == lay.n_ranks}
+    starts, ranks = dict.fromkeys(vectors, 0), np.arange(lay.n_ranks)
+
+    def cost(trial: dict) -> tuple[float, float]:
+        per_rank = sum(v[(ranks + trial[g]) % lay.n_ranks] for g, v in vectors.items())
+        return float(np.max(per_rank)), float(np.sum(per_rank * per_rank))
+
+    for _ in range(3):
+        for group in vectors:
+            starts[group] = min(range(lay.n_ranks),
+                                key=lambda s, g=group: (cost({**starts, g: s}), s))
+    return starts
 
 
 def _check_rules(cfg: ModelConfig) -> None:

@@ -86,14 +86,17 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
     collectives "partial-sum": the shapes the partial-sum kernel streams
     (`layout_split.partial_sum_shape`: the same count as for a partial-sum layout). rank: that
     rank's bytes, where partial-sum mode skips the slices that are only padding
-    (`layout_split.zero_only`); None: a rank holding real data of every matrix, the most any
-    rank reads (rank 0's)."""
+    (`layout_split.zero_only`); None: the most any rank reads (the lowest such rank's bytes;
+    exact mode: every rank's, each streaming all its slices)."""
     if collectives not in ("exact", "partial-sum"):
         raise ValueError(f"collectives={collectives!r} is invalid: exact or partial-sum")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                              or not 0 <= rank < lay.n_ranks):
         raise ValueError(f"rank={rank!r} is invalid: None or an int in [0, {lay.n_ranks})")
-    skips = rank is not None and PARTIAL_SUM in (collectives, lay.collectives)
+    skips = PARTIAL_SUM in (collectives, lay.collectives)
+    if rank is None and skips:
+        return max((rank_bytes(lay, batch, context, collectives, r) for r in range(lay.n_ranks)),
+                   key=lambda counted: counted.total)  # the first of the most, ties: lowest rank
     cfg = lay.cfg
     table = spec.param_table(cfg)
     local = rank_params(lay) if collectives == "exact" else jax.tree.map(

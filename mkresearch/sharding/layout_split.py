@@ -9,26 +9,33 @@ shape `layout_bytes.rank_bytes` counts and the sharded megakernel's planned DMAs
     FFN hidden, an expert's W2 over its ETP slice) is split by those ROWS, in the pieces its input
     arrives in: its product is a partial sum over every output column, reduced;
   - any other split of a padded group (`layout.PADDED_GROUPS`: d's columns, the small
-    down-projections' columns, the MoE latent, the FFN hidden) is in chunks of whole lane tiles
-    (`layout_ranks.chunk_length`): rank i holds columns [i c, (i + 1) c), zero-padded.
+    down-projections' columns, the MoE latent) is in chunks of whole lane tiles
+    (`layout_ranks.chunk_length`), zero-padded; the FFN hidden in half-lane chunks (64,
+    `Layout._chunk`): a rank's gate and up columns fused side by side fill whole lanes
+    (`kernels/stages/gate_up.py`), its W_down rows whole sublane tiles;
+  - rank r holds chunk `Split.index(r)`: our layout rotates the column chunks of d, of the small
+    down-projections and of the MoE latent (`layout.rotations`) so that a rank holding only
+    padding of one matrix holds real chunks of another.
 
 Every rank's arrays have the same shape (one SPMD program), zero-padded in HBM. `streamed_zeros`
 says how much of each rank's slice is padding and which ranks hold a slice that is only padding:
-on 32 ranks 7,168 columns are 28 chunks of 256 (ranks 28-31 hold only zeros of W_lu), the
-router's 896 scores 7 chunks of 128 (ranks 7-31), the shared experts' 6,144 hidden 24 chunks of
-256 (ranks 24-31). A rank skips its slices of padding only (`zero_only`; the kernel's
+on 32 ranks 7,168 columns are 28 chunks of 256 (W_lu's on ranks 3-30, ranks 0-2 and 31 hold only
+zeros), W_ld's 3,584 latent columns 28 chunks of 128 (ranks 28-31 only zeros), the router's 896
+scores 7 chunks of 128 (on ranks 28-31 and 0-2); the shared experts' 6,144 hidden are 192 on
+every rank. A rank skips its slices of padding only (`zero_only`; the kernel's
 `Collectives.live`, the planned schedule's `schedule.rank_live`): it issues none of their DMAs and
 takes their products as zeros, so no rank streams a slice that is only padding, and a rank's bytes
 (`layout_bytes.rank_bytes(..., rank=r)`) are its real slices (a slice partly past its axis' end,
 e.g. W_kva's chunk 4 on 32 ranks, streams its tail of zeros). The bytes per rank the step is
-priced at are the most any rank reads: rank 0's, which holds real data of every matrix (4.94 GB
-for Kimi K3 on 32 ranks at B = 1; rank 31 reads 3.28 GB).
+priced at are the most any rank reads (4.51 GB for Kimi K3 on 32 ranks at B = 1, ranks 0 and
+28-30; rank 31 reads 4.34 GB; 4.94 GB with whole-lane hidden chunks and no rotation).
 
-Why the chunks are whole lane tiles: HBM stores a bf16 array in tiles of 16 rows x 128 lanes
-(`tiled_nbytes`), so a column slice narrower than a lane tile is not read for less. An even split
-of the router's 896 columns gives each rank [7168, 28], which HBM holds and a DMA reads as
+Why the other chunks are whole lane tiles: HBM stores a bf16 array in tiles of 16 rows x 128
+lanes (`tiled_nbytes`), so a column slice narrower than a lane tile is not read for less. An even
+split of the router's 896 columns gives each rank [7168, 28], which HBM holds and a DMA reads as
 [7168, 128]: the bytes of today's chunk. A split finer than a lane tile saves HBM bytes only along
-rows (16-row tiles), i.e. for a matrix split by its rows (W_down over the FFN hidden).
+rows (16-row tiles), i.e. for a matrix split by its rows (W_down over the FFN hidden), or where
+two slices side by side fill whole lanes (the FFN hidden's gate and up).
 """
 
 from __future__ import annotations
