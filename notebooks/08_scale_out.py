@@ -337,10 +337,13 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
 # honestly, every collective: the ~188 of the release (spec/collectives.md) count only its two
 # reductions per layer; our model of its layout, gathers and sibling swaps included, issues 650
-# (`mkresearch predict kimi-k3 --ranks 32`, its colls column). A rank whose lane-tile chunk of a
-# matrix is only padding skips it (`layout_split.streamed_zeros`); the 4.94 GB below are rank 0's,
-# which holds real data of every matrix. Not built yet: hiding the shared expert's reduction under
-# the routed experts' stream, and a split that gives rank 0 fewer bytes. The
+# (`mkresearch predict kimi-k3 --ranks 32`, its colls column). The FFN hidden splits in
+# half-lane chunks (the shared experts' 192 columns on every rank, gate and up streamed as one
+# [d, 384] matrix: `kernels/stages/gate_up.py`), the column chunks of W_lu, the router, W_qa and
+# W_kva are rotated off the ranks holding W_ld's (`layout.rotations`), and a rank whose chunk of a
+# matrix is only padding skips it (`layout_split.streamed_zeros`): the 4.51 GB below are the most
+# any rank reads (4.94 GB before, with whole-lane chunks on rank 0). Not built yet: hiding the
+# shared expert's reduction under the routed experts' stream. The
 # prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
 # every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
 # --ranks 32` lists them with the reason).
@@ -370,9 +373,9 @@ assert by_mode["partial-sum", 1]["rank_gb"] < by_mode["exact", 1]["rank_gb"]
 # streams weights (blue) and where a collective is outstanding (red, from its issue to its
 # completion). HBM should stay busy under the red. In partial-sum mode a rank's ring is as deep as
 # its VMEM allows (`megakernel_sharded.ring_depth`: the deepest of at least 8 slots whose whole VMEM
-# plan leaves 2 MiB spare; 17 slots at B = 1, so 16 weight blocks of 2 MiB are in flight when a
-# collective is waited for; 9 at B = 8); the exact mode keeps the preset's 3. It covers about a
-# third of the outstanding time: the rest waits for the collectives' latency.
+# plan leaves 2 MiB spare; 23 slots at B = 1, so 22 weight blocks of 2 MiB are in flight when a
+# collective is waited for; 16 at B = 8); the exact mode keeps the preset's 3. It covers part of
+# the outstanding time: the rest waits for the collectives' latency.
 
 # %%
 overlaps = [collective_plan.overlap(full, 32, 1, mode) for mode in ("partial-sum", "exact")]
@@ -416,6 +419,44 @@ print(f"rank 0's recorded step: {len(waits)} collective waits (the embedding's a
       f"phases), weight DMAs in flight at {len(waits) - len(idle)}; none at {idle}")
 assert idle == [waits[-2]["name"], "sampling_state/all_gather"]  # the last reduction, the merge
 assert idle[0].startswith("shared/w_down") and all(c["hbm_in_flight"] > 0 for c in waits[:-2])
+
+# %% [markdown]
+# ## 7 · Fewer collectives, and what they cost
+#
+# A collective exists because a value computed in pieces across ranks is needed whole by a
+# non-linear step: top-k needs the router's scores and the experts need W_ld's latent (one
+# gather), ρ's RMSNorm needs the routed experts' sum, the next layer's residual mix needs the
+# MoE's output sum and the attention's; MLA's RMSNorms need W_qa's and W_kva's columns. It goes
+# away only if every rank computes the value whole, reading what the other ranks read for it.
+# `prediction.collective_floor` prices each avoidance in bytes per rank and lists the cheapest
+# design for every count (`mkresearch plan kimi-k3 --ranks 32` prints it too): Kimi K3 reaches
+# the release's ~188 only when every rank reads the whole router, W_ld and W_lu, three times the
+# bytes, an HBM floor above the release's measured step. Since every collective waits for the one
+# before it, their latencies add up: the larger of that sum and the HBM floor bounds the step
+# from below, whatever the overlap (`collective_floor.fastest` tries every combination). DeepSeek-V3 and GLM-4.5, whose experts
+# work on the full d, could add the shared experts' partial sums to the routed experts' before one
+# reduction at no cost in bytes (not what the kernel does yet).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from mkresearch.prediction import collective_floor
+
+fronts = [collective_floor.frontier(get_config(m), 32)
+          for m in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")]
+print(collective_floor.format_frontier(fronts[0]))
+limits = {"": {}, "within 4.6 GB per rank": {"max_rank_bytes": 4.6e9},
+          "with at most 200 collectives": {"max_collectives": 200}}
+best = {words: collective_floor.fastest(full, 32, **kw) for words, kw in limits.items()}
+for words, b in best.items():
+    print(collective_floor.format_fastest(b, words))
+# the issue's targets cannot hold together: 4.6 GB and 2.5 ms, or 200 collectives and 2.5 ms
+assert best["within 4.6 GB per rank"]["bound_ms"] > 2.5
+assert best["with at most 200 collectives"]["bound_ms"] > 4.02  # the release's measured step
+
+# %%
+figure = scale_out_plots.frontier_figure(fronts, max_collectives=200, max_floor_ms=2.5)
+assert not label_problems(figure)
+show_figure(figure)
 
 # %%
 elapsed = time.perf_counter() - started

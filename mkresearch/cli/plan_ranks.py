@@ -32,12 +32,15 @@ def run(args: Any) -> int:
         layout.check_ranks(cfg, args.ranks)
         plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
                                                mode=args.collectives, wire=args.wire, chip=chip)
-        front = (collective_floor.frontier(cfg, args.ranks, args.batch, chip)
-                 if args.collectives == layout.PARTIAL_SUM else None)
+        front = best = None
+        if args.collectives == layout.PARTIAL_SUM:
+            front = collective_floor.frontier(cfg, args.ranks, args.batch, chip)
+            best = collective_floor.fastest(cfg, args.ranks, args.batch, chip)
     if args.json:
-        print(json.dumps({**plan, "frontier": front}))
+        print(json.dumps({**plan, "frontier": front, "fastest": best}))
         return 0
     print(collective_plan.format_plan(plan))
     if front is not None:
         print(collective_floor.format_frontier(front))
+        print(collective_floor.format_fastest(best))
     return 0

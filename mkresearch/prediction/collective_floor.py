@@ -21,13 +21,19 @@ the value whole, i.e. reads what the other ranks read for it:
                            whole hidden. The routed experts do not fit one device's HBM at all.
 
 `frontier(cfg, n_ranks)` adds the cheapest of these first (bytes per collective removed) and says,
-for every count reached, the bytes per rank and the HBM floor (bytes over one device's
-bandwidth): e.g. whether "at most 200 collectives" and "at most 4.6 GB per rank" can both hold.
-Bytes are the per-rank bytes `layout_bytes.rank_bytes` counts (rank 0's, the most any rank reads).
+for every count reached, the bytes per rank, the HBM floor (bytes over one device's bandwidth)
+and the collectives' latency (each left priced as the kernel sends it, `collective_plan`). Every
+collective of the step waits for the one before it (each layer's value passes through them in
+turn), so their latencies add up along the step: the larger of the two is a lower bound on the
+step, whatever the overlap with the weight stream. E.g. whether "at most 200 collectives", "at
+most 4.6 GB per rank" and "at most 2.5 ms" can hold together. Bytes are the per-rank bytes
+`layout_bytes.rank_bytes` counts (the most any rank reads). A merged reduction (the shared
+experts' partial sums in the routed experts') is priced as the one it joins: a lower bound.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +43,7 @@ from mkresearch.kernels.compose import collective_schedule as contract
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import collective_choice as choice
+from mkresearch.prediction import collective_plan
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 
@@ -52,6 +59,7 @@ class Avoidance:
     stage: str
     count: int  # per step
     extra_bytes: float  # per rank per step, all `count` avoided
+    seconds: float  # the `count` collectives' price as the kernel sends them
     how: str  # what every rank would do instead
     fits_hbm: bool = True  # False: what every rank would hold exceeds one device's HBM
 
@@ -81,6 +89,9 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
     kinds = {k.name: k for k in spec.stages_of(cfg)}
     hbm = get_chip(chip).hbm_bytes
     counts = Counter(op.name for op in ops)
+    priced: Counter = Counter()
+    for row in collective_plan.collective_plan(cfg, n_ranks, batch, chip=chip)["rows"]:
+        priced[row["name"]] += row["us"] * row["count"] * 1e-6
     out, seen = [], set()
     for op in ops:
         if op.name in seen:
@@ -118,7 +129,8 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
             extra = sum(whole.read.get(c, 0) + whole.written.get(c, 0) - mine.component(c)
                         for c in names)
             how = f"every rank computes the whole {op.stage} stage (all heads / hidden)"
-        out.append(Avoidance(op.name, op.kind, op.stage, n, float(extra), how, fits))
+        out.append(Avoidance(op.name, op.kind, op.stage, n, float(extra), priced[op.name], how,
+                             fits))
     return out
 
 
@@ -130,13 +142,18 @@ def frontier(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7x"
     base = layout_bytes.rank_bytes(lay, batch, 0, layouts.PARTIAL_SUM).total
     found = avoidances(cfg, n_ranks, batch, chip)
     bandwidth = get_chip(chip).hbm_bandwidth
-    count, nbytes = sum(a.count for a in found), float(base)
-    rows = [{"avoided": "", "how": "as built", "collectives": count, "rank_bytes": nbytes,
-             "floor_ms": nbytes / bandwidth * 1e3}]
-    for a in sorted((a for a in found if a.fits_hbm), key=lambda a: (a.extra_bytes / a.count, -a.count)):
-        count, nbytes = count - a.count, nbytes + a.extra_bytes
-        rows.append({"avoided": a.name, "how": a.how, "collectives": count,
-                     "rank_bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3})
+    count, nbytes, seconds = sum(a.count for a in found), float(base), sum(a.seconds for a in found)
+
+    def row(avoided: str, how: str) -> dict:
+        floor_ms, coll_ms = nbytes / bandwidth * 1e3, seconds * 1e3
+        return {"avoided": avoided, "how": how, "collectives": count, "rank_bytes": nbytes,
+                "floor_ms": floor_ms, "collectives_ms": coll_ms, "bound_ms": max(floor_ms, coll_ms)}
+
+    rows = [row("", "as built")]
+    for a in sorted((a for a in found if a.fits_hbm),
+                    key=lambda a: (a.extra_bytes / a.count, -a.count)):
+        count, nbytes, seconds = count - a.count, nbytes + a.extra_bytes, seconds - a.seconds
+        rows.append(row(a.name, a.how))
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "chip": chip, "rows": rows,
             "unfit": [a.name for a in found if not a.fits_hbm]}
 
@@ -154,15 +171,60 @@ def bytes_for(front: dict[str, Any], max_collectives: int) -> dict[str, Any] | N
     return min(rows, key=lambda r: r["rank_bytes"]) if rows else None
 
 
+def fastest(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7x", *,
+            max_rank_bytes: float | None = None, max_collectives: int | None = None
+            ) -> dict[str, Any] | None:
+    """Of every combination of the avoidances that fit HBM (not only the frontier's order) within
+    `max_rank_bytes` per rank and `max_collectives` per step (None: any), the one with the lowest
+    bound on the step (the larger of its HBM floor and its collectives' latency): no such design
+    can be faster. JSON-able; None if no combination meets the limits."""
+    lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=layouts.PARTIAL_SUM)
+    base = float(layout_bytes.rank_bytes(lay, batch, 0, layouts.PARTIAL_SUM).total)
+    found = avoidances(cfg, n_ranks, batch, chip)
+    fit = [a for a in found if a.fits_hbm]
+    bandwidth = get_chip(chip).hbm_bandwidth
+    best = None
+    for k in range(len(fit) + 1):
+        for chosen in itertools.combinations(fit, k):
+            nbytes = base + sum(a.extra_bytes for a in chosen)
+            seconds = sum(a.seconds for a in found) - sum(a.seconds for a in chosen)
+            bound = max(nbytes / bandwidth, seconds) * 1e3
+            count = sum(a.count for a in found) - sum(a.count for a in chosen)
+            if (max_rank_bytes is not None and nbytes > max_rank_bytes) or \
+                    (max_collectives is not None and count > max_collectives):
+                continue
+            if best is None or bound < best["bound_ms"]:
+                best = {"avoided": [a.name for a in chosen], "rank_bytes": nbytes,
+                        "collectives": count,
+                        "floor_ms": nbytes / bandwidth * 1e3, "collectives_ms": seconds * 1e3,
+                        "bound_ms": bound}
+    return best
+
+
+def format_fastest(best: dict[str, Any] | None, limits: str = "") -> str:
+    """One line: the fastest any combination can be (`fastest`), under `limits` (words)."""
+    if best is None:
+        return f"  no combination of these avoidances meets {limits}"
+    avoided = ", ".join(best["avoided"]) or "none"
+    return (f"  the fastest any combination can be{' ' + limits if limits else ''}: "
+            f"{best['bound_ms']:.2f} ms (floor {best['floor_ms']:.2f}, collectives "
+            f"{best['collectives_ms']:.2f}) with {best['collectives']} collectives and "
+            f"{best['rank_bytes'] / 1e9:.2f} GB per rank, avoiding {avoided}")
+
+
 def format_frontier(front: dict[str, Any]) -> str:
     lines = [(f"fewer collectives, and what they cost ({front['model']} on {front['n_ranks']} "
-             f"ranks of {front['chip']}, B = {front['batch']}; bytes per rank, floor = bytes / "
-             "one device's HBM bandwidth):"),
-             f"  {'collectives':>11s} {'GB/rank':>8s} {'floor ms':>8s}  avoided: how"]
+              f"ranks of {front['chip']}, B = {front['batch']}; bytes per rank; floor = bytes / "
+              "one device's HBM bandwidth; coll = the collectives' latencies, one after another; "
+              "bound = the larger):"),
+             (f"  {'collectives':>11s} {'GB/rank':>8s} {'floor ms':>8s} {'coll ms':>8s} "
+              f"{'bound ms':>8s}  avoided: how")]
     for r in front["rows"]:
         what = f"{r['avoided']}: {r['how']}" if r["avoided"] else r["how"]
         lines.append(f"  {r['collectives']:11d} {r['rank_bytes'] / 1e9:8.2f} "
-                     f"{r['floor_ms']:8.2f}  {what}")
+                     f"{r['floor_ms']:8.2f} {r['collectives_ms']:8.2f} {r['bound_ms']:8.2f}  "
+                     f"{what}")
+
     if front["unfit"]:
         lines.append(f"  not listed: {', '.join(front['unfit'])} (every rank would hold more "
                      "than one device's HBM)")

@@ -265,3 +265,29 @@ def log_overlap_figure(rows: Sequence[dict], title: str):
     ax.set_xlabel("the rank's DMA-log events, in program order")
     ax.set_title(title, fontsize=10)
     return fig
+
+
+def frontier_figure(fronts: Sequence[dict], *, max_collectives: int | None = None,
+                    max_floor_ms: float | None = None):
+    """Each `collective_floor.frontier`: collectives per rank per step (x) against the HBM floor
+    of the bytes per rank (y), the step as built ringed; a target (at most `max_collectives`,
+    at most `max_floor_ms`) shaded where given: empty when no design reaches it."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
+    for front in fronts:
+        xs = [r["collectives"] for r in front["rows"]]
+        ys = [r["floor_ms"] for r in front["rows"]]
+        line, = ax.plot(xs, ys, marker="o", label=front["model"])
+        ax.plot(xs[:1], ys[:1], marker="o", markersize=13, fillstyle="none",
+                color=line.get_color())
+    if max_collectives is not None and max_floor_ms is not None:
+        ax.fill_between([0, max_collectives], 0, max_floor_ms, color="tab:green", alpha=0.15,
+                        label=f"≤ {max_collectives} collectives and ≤ {max_floor_ms:g} ms")
+    ax.set_yscale("log")
+    ax.set_xlabel("collectives per rank per step (every one counted)")
+    ax.set_ylabel("HBM floor of the bytes per rank (ms, log)")
+    ax.set_title("fewer collectives cost bytes: each point avoids the next cheapest collective "
+                 "(ringed: the step as built)", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
