@@ -433,9 +433,10 @@ assert idle[0].startswith("shared/w_down") and all(c["hbm_in_flight"] > 0 for c 
 # the release's ~188 only when every rank reads the whole router, W_ld and W_lu, three times the
 # bytes, an HBM floor above the release's measured step. Since every collective waits for the one
 # before it, their latencies add up: the larger of that sum and the HBM floor bounds the step
-# from below, whatever the overlap (`collective_floor.fastest` tries every combination). DeepSeek-V3 and GLM-4.5, whose experts
-# work on the full d, could add the shared experts' partial sums to the routed experts' before one
-# reduction at no cost in bytes (not what the kernel does yet).
+# from below, whatever the overlap (`collective_floor.fastest` tries every combination).
+# DeepSeek-V3 and GLM-4.5, whose experts work on the full d, add the shared experts' partial sums
+# to the routed experts' on each rank before one reduction, at no cost in bytes
+# (`layout.merges_shared_sum`): one collective a layer fewer than two reductions.
 
 # %%
 # NBVAL_CHECK_OUTPUT

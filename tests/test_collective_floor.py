@@ -38,8 +38,10 @@ def test_frontier_starts_at_the_step_as_built_and_only_trades_bytes_for_collecti
     assert all(r["bound_ms"] == max(r["floor_ms"], r["collectives_ms"]) for r in rows)
     best = floor.fastest(cfg, 32)
     assert best["bound_ms"] <= min(r["bound_ms"] for r in rows)  # every combination, not one order
-    # the routed experts' sum stays: every expert on every rank is more than one device's HBM
-    assert front["unfit"] == ["expert/sum"]
+    # the routed experts' sum stays (in the shared experts' reduction where they are on the full
+    # d): every expert on every rank is more than one device's HBM
+    merged = layouts.merges_shared_sum(lay, "moe_full") if "moe_full" in cfg.kinds else False
+    assert front["unfit"] == [floor.SHARED_SUM if merged else "expert/sum"]
     assert rows[1]["avoided"] in ("embed", floor.SHARED_SUM) and rows[1]["rank_bytes"] == \
         built["rank_bytes"]
 
@@ -79,12 +81,15 @@ def test_kimi_k3_no_design_meets_the_issue_targets_together():
 
 
 @pytest.mark.parametrize("name", ("deepseek-v3", "glm-4.5"))
-def test_experts_on_the_full_d_could_share_one_reduction_for_free(name):
-    """Routed and shared experts on the full d both give [B, d] partial sums: added before one
-    reduction, a layer sends one fewer collective at no extra bytes (not yet the kernel's)."""
-    found = {a.name: a for a in floor.avoidances(get_config(name), 32)}
+def test_experts_on_the_full_d_share_one_reduction(name):
+    """Routed and shared experts on the full d both give [B, d] partial sums: the kernel adds them
+    on each rank before one reduction (`layout.merges_shared_sum`), one collective a layer less
+    than two reductions; that reduction is the routed experts' sum too (unfit to avoid)."""
+    cfg = get_config(name)
+    found = {a.name: a for a in floor.avoidances(cfg, 32)}
+    assert "expert/sum" not in found
     shared = found[floor.SHARED_SUM]
-    assert shared.extra_bytes == 0 and shared.count == len(get_config(name).layers_of("moe_full"))
+    assert not shared.fits_hbm and shared.count == len(cfg.layers_of("moe_full"))
 
 
 def test_bad_input_is_named():

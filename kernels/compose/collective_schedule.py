@@ -75,7 +75,11 @@ RIDING_WHY = ("not issued before the routed experts' stream (where the release h
               "carries W_lu's chunks, which need the routed sum; streaming the shared expert "
               "first would give W_lu a collective of its own on the critical path, 2 per MoE "
               "layer either way, so no shorter predicted step")
+ADDING_WHY = ("the routed experts' partial sums added to the shared experts' on each rank: one "
+              "reduction for both, not two (experts on the full d, `layout.merges_shared_sum`)")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
+SHARED_DOWN = "shared/w_down"  # the shared experts' W_down (its reduction: "shared/w_down/sum")
+ROUTED_OUTPUT = experts.LATENT_UP  # the routed experts' output as `ffn_stage_body` settles it
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 # column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
 # heads, FFN hidden and expert columns stay this rank's
@@ -156,7 +160,16 @@ def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
         rules[first:] = _riding(rules[first:])
         if lay.collectives == layouts.PARTIAL_SUM:
             rules[first:] = _joining(rules[first:])
+        if layouts.merges_shared_sum(lay, kind):  # the routed experts' sum joins W_sd's
+            rules[first:] = [dataclasses.replace(r, adds=ROUTED_OUTPUT) if r.name == SHARED_DOWN
+                             else r for r in rules[first:]]
     return tuple(rules)
+
+
+def merged_expert_sum(lay: layouts.Layout) -> bool:
+    """Whether the routed experts' partial sums travel in the shared experts' reduction (one
+    reduction for both, `layout.merges_shared_sum`): no "expert/sum" of its own."""
+    return any(r.adds for r in collective_rules(lay))
 
 
 def _joining(rules: list[collectives.Rule]) -> list[collectives.Rule]:
@@ -257,7 +270,8 @@ def _stage(lay, batch, mode, wire, rank, kind, items, reductions=()
                         lay.slice_firsts(rule.reduce), matrix=name),
                 payload_bytes=b * rule.n * WIRE_BYTES[wire] + sum(
                     b * F32 * _lanes(lay.local_length(r.out, r.n)) for r in riders),
-                carries=tuple(r.name for r in riders), why=RIDING_WHY if riders else ""))
+                carries=tuple(r.name for r in riders),
+                why=RIDING_WHY if riders else ADDING_WHY if rule.adds else ""))
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
@@ -317,6 +331,8 @@ def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
     all-reduced in rank order."""
     lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
     if lay.collectives != layouts.EXACT:
+        if merged_expert_sum(lay):  # in the shared experts' reduction (`Rule.adds`)
+            return []
         width = layouts.expert_output_width(cfg)
         return [ctx.sum("expert/sum", b * width, EXPERTS, before, ctx.everyone)]
     out = []

@@ -215,8 +215,8 @@ def reductions(lay: layouts.Layout) -> dict[str, tuple[int, int]]:
     out = {f"{rule.name}/sum": (rule.n, sum(lay.local_length(r.out, r.n) for r in rules
                                            if r.rides == rule.name))
            for rule in rules if rule.reduce is not None}
-    if collective_schedule.has_routed_experts(lay):
-        out["expert/sum"] = (layouts.expert_output_width(lay.cfg), 0)
+    if collective_schedule.has_routed_experts(lay) and not any(r.adds for r in rules):
+        out["expert/sum"] = (layouts.expert_output_width(lay.cfg), 0)  # else in W_sd's
     return out
 
 

@@ -50,6 +50,7 @@ from mkresearch.kernels.sharded.levels import (
     Levels,
     plan_levels,
 )
+from mkresearch.kernels.sharded.rules import Rule
 from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
@@ -72,26 +73,6 @@ class Channel:
     chunk: int
     width: int
     scatter_chunk: int = LANE
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How one streamed matrix runs on a rank: its input gathered over `gather` first (to its
-    whole `k` columns), its output's column chunks gathered over `out` after (to `n`)."""
-
-    name: str  # DMA-log name
-    out: str | None
-    n: int
-    gather: str | None
-    k: int
-    reduce: str | None = None  # partial-sum: rows split by this group, the products all-reduced
-    # partial-sum: the output's column chunks travel in the messages of this later reduction of
-    # the stage (a matrix whose whole output is needed only at the stage's end: W_lu), not alone
-    rides: str | None = None
-    # partial-sum: the output's column chunks travel in the gather of this later matrix of the
-    # stage, computed from the same input (the router's with W_ld's, W_qa's with W_kva's): one
-    # all-gather carries both (`sharded_stream.ShardedStream.matmuls`)
-    joins: str | None = None
 
 
 @dataclass(frozen=True)
@@ -420,20 +401,22 @@ class Collectives:
     def settle(self, outputs: dict) -> dict:
         """A stage's outputs {matrix name: value} with the collectives its stream left to the
         stage's end done (`sharded_stream.ShardedStream.matmul`): each reduction of a matrix that
-        others ride
-        with, run once with their column chunks in its messages -> {name: the whole value}
-        (the other values as they were)."""
+        others ride with (their column chunks in its messages) or that adds another output's
+        partial sums (`Rule.adds`), run once -> {name: the whole value} (the others as were)."""
         out = dict(outputs)
         for rule in self.plan.rules:
             riders = [r for r in self.plan.rules if r.rides == rule.name]
-            if not riders or rule.name not in out:
+            if not (riders or rule.adds) or rule.name not in out:
                 continue
-            missing = [r.name for r in riders if r.name not in out]
+            missing = [n for n in [r.name for r in riders] + [rule.adds] if n and n not in out]
             if missing:
-                raise ValueError(f"the stage's outputs lack {missing}, whose column chunks ride "
-                                 f"with the reduction of {rule.name}")
+                raise ValueError(f"the stage's outputs lack {missing}, which travel with the "
+                                 f"reduction of {rule.name}")
+            partial = out[rule.name] + out[rule.adds] if rule.adds else out[rule.name]
+            if rule.adds:  # its partial sums are in this reduction: the stage adds zeros
+                out[rule.adds] = jnp.zeros_like(out[rule.adds])
             out[rule.name], wholes = self.reduce(
-                out[rule.name], self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
+                partial, self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
                 riders=tuple((r, out[r.name]) for r in riders))
             out.update({r.name: whole for r, whole in zip(riders, wholes, strict=True)})
         return out
@@ -462,6 +445,8 @@ class Collectives:
         if self.plan.mode != "exact":  # partial sums over this rank's experts and hidden slice
             with dma.phase(f"{name}/combine"):
                 acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
+                if any(r.adds for r in self.plan.rules):  # reduced with a later one (`settle`)
+                    return acc[:, :latent]
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
                                    name=f"{name}/sum")[0][:, :latent]
         ep, etp = self.layout.ep, self.layout.etp

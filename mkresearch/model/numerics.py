@@ -77,22 +77,24 @@ class Partials:
     wire: str = "f32"
     hosts: tuple = ()
 
-    def contract(self, a: jax.Array) -> jax.Array:
+    def products(self, a: jax.Array) -> list:
+        """Each piece's partial product [..., N] f32, as its rank computes it (not yet rounded
+        for the wire)."""
         parts = []
         for piece, (start, stop) in zip(self.pieces, self.bounds, strict=True):
             x = a[..., start:stop]
             rows = piece.shape[-2]
             if rows > stop - start:  # the rank's zero padding: zero inputs too
                 x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rows - (stop - start))])
-            part = matmul(x, piece)
-            if self.wire == "bf16":
-                part = bf(part).astype(f32)
-            parts.append(part)
-        return host_ordered_sum(parts, self.hosts)
+            parts.append(matmul(x, piece))
+        return parts
+
+    def contract(self, a: jax.Array) -> jax.Array:
+        return reduce_partials(self.products(a), self.hosts, self.wire)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
-                   meta_fields=["groups", "wire", "hosts"])
+                   meta_fields=["groups", "wire", "hosts", "merged"])
 @dataclass(frozen=True)
 class ExpertGroups:
     """The routed experts split into `groups` expert groups of consecutive ids (expert
@@ -104,6 +106,17 @@ class ExpertGroups:
     groups: int
     wire: str = "f32"
     hosts: tuple = ()
+    # the shared experts' partial sums added to each rank's before one reduction (experts on the
+    # full d, `layout.merges_shared_sum`): `stages.moe_full.moe_full_ffn` sums them so
+    merged: bool = False
+
+
+def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Array:
+    """A partial-sum all-reduce of the ranks' `parts` (in rank order): each rounded to bf16
+    first with a bf16 wire, then added as `host_ordered_sum` adds them."""
+    if wire == "bf16":
+        parts = [bf(part).astype(f32) for part in parts]
+    return host_ordered_sum(parts, hosts)
 
 
 def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:

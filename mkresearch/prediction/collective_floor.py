@@ -12,7 +12,9 @@ the value whole, i.e. reads what the other ranks read for it:
   column chunks            the whole W_lu, and the shared experts' partial sums travel in the
                            routed experts' reduction (they do not need ρ): one reduction, not two;
   the shared experts' sum  with routed experts on the full d (no latent: DeepSeek-V3, GLM-4.5),
-                           for free: both are partial sums of [B, d], added before one reduction;
+                           for free: both are partial sums of [B, d], added before one reduction
+                           (what the kernel does: `layout.merges_shared_sum`, then it is the
+                           routed experts' sum too);
   the embedding's sum      every rank holds the whole table: it still reads only its B rows, so
                            no bytes per step (HBM capacity only);
   the sampling merge       every rank reads the whole LM head;
@@ -89,6 +91,7 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
     kinds = {k.name: k for k in spec.stages_of(cfg)}
     hbm = get_chip(chip).hbm_bytes
     counts = Counter(op.name for op in ops)
+    merged = contract.merged_expert_sum(lay)  # the experts' sum in the shared experts' reduction
     priced: Counter = Counter()
     for row in collective_plan.collective_plan(cfg, n_ranks, batch, chip=chip)["rows"]:
         priced[row["name"]] += row["us"] * row["count"] * 1e-6
@@ -102,10 +105,9 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
             names = (op.matrix, *op.carries)
             extra = n * _matrix_extra(lay, rules, names)
             how = f"every rank reads the whole {' and '.join(sorted(names))}"
-        elif op.name == SHARED_SUM and not op.carries:  # experts on the full d: same width
+        elif op.name == SHARED_SUM and not op.carries and not merged:  # experts on the full d
             extra = 0.0
-            how = (f"{op.matrix}'s partial sums added to the routed experts' before one "
-                   "reduction (not yet what the kernel does)")
+            how = f"{op.matrix}'s partial sums added to the routed experts' before one reduction"
         elif op.role == "sum" and op.carries:
             extra = n * _matrix_extra(lay, rules, op.carries)
             how = (f"every rank reads the whole {' and '.join(op.carries)}; "
@@ -115,7 +117,7 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
         elif op.stage == "sampling":
             extra = whole.read["lm_head"] - mine.component("lm_head")
             how = "every rank reads the whole LM head"
-        elif op.name == "expert/sum":
+        elif op.name == "expert/sum" or (op.name == SHARED_SUM and merged):  # the experts' sum
             component = kinds[op.stage].routed_component[0]
             extra = whole.read[component] - mine.component(component)
             held = (roofline.expert_bytes(cfg) * cfg.n_experts

@@ -243,6 +243,17 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
         dataclasses.replace(s, start=starts.get(s.group, 0)) for s in splits))
 
 
+def merges_shared_sum(lay: Layout, kind: str) -> bool:
+    """Whether, in partial-sum mode, a kind's shared experts' partial sums join its routed
+    experts' in one reduction: experts on the full d (no latent projections: their sum and the
+    shared experts' are both partial sums of [B, d], added on each rank first), with shared
+    experts. The kernel (`collective_schedule.collective_rules`: `Rule.adds`) and the sharded
+    reference (`reference_sharded`) both ask here."""
+    params = spec.stage(kind).params(lay.cfg)
+    return (lay.collectives == PARTIAL_SUM and lay.n_ranks > 1 and "experts" in params
+            and "w_sd" in params and "w_ld" not in params)
+
+
 def _slice_bytes(lay: Layout, group: str) -> np.ndarray:
     """[ways] the bytes of the slices of `group` by slice index: every parameter split by that
     group alone, counted on the slices holding real data (a slice of padding only is skipped)."""

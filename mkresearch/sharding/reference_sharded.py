@@ -3,7 +3,9 @@ computes it (`kernels/compose/collective_schedule.py`, mode "partial-sum"), to t
 
 It is `reference.decode_step` with the weights that the partial-sum layout splits by their rows
 (`layout.param_shard`: W_o over the heads, W_down over the FFN hidden) given as
-`numerics.Partials`, and the routed experts as `numerics.ExpertGroups`: the same partial products
+`numerics.Partials`, and the routed experts as `numerics.ExpertGroups` (on the full d with shared
+experts: each rank's routed and shared partial sums added first, `layout.merges_shared_sum`,
+one reduction for both, as the kernel sends it): the same partial products
 (each rank's slice of the contraction, its zero padding included) added in the same fixed order
 (one rank per slice, slice 0 first; the expert groups in rank order; with the kernel's hosts,
 `ranks_per_host`, a host's partials first, then the hosts' sums: `numerics.host_ordered_sum`),
@@ -67,7 +69,8 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
         for key, p in entries.items():
             if key == "experts":  # group g: ranks g * ETP on (ETP = 1 here: rank g)
                 hosts = tuple(g * lay.etp // per_host for g in range(lay.ep))
-                stack[key] = ExpertGroups(params[kind][key], lay.ep, wire, hosts)
+                stack[key] = ExpertGroups(params[kind][key], lay.ep, wire, hosts,
+                                          layouts.merges_shared_sum(lay, kind))
             elif isinstance(p, spec.Param) and (group := _row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
         out[kind] = stack

@@ -21,10 +21,10 @@ from mkresearch.model.numerics import (
     activation,
     bf,
     f32,
-    host_ordered_sum,
     i32,
     matmul,
     ordered_sum,
+    reduce_partials,
     rms_norm,
     rows_at_least_two,
     softmax,
@@ -118,11 +118,12 @@ def limit_to_groups(selection: jax.Array, n_groups: int, keep: int) -> jax.Array
 
 
 def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array,
-                    expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+                    expert_weights: jax.Array, cfg: ModelConfig, *, parts: bool = False) -> Any:
     """Σ_e w_e y_e in f32 [B, n], y_e = bf(act(bf(z W1_e), bf(z W3_e)) W2_e), for the chosen
     experts of each row (z [B, n] bf16; experts: w1, w3 [E, n, F], w2 [E, F, n] stored in
     cfg.expert_format). The sum runs in ascending expert id; experts given as
-    `numerics.ExpertGroups` (a sharded reference): each group's sum apart, then the groups'."""
+    `numerics.ExpertGroups` (a sharded reference): each group's sum apart, then the groups'
+    (`parts`: the groups' sums, a list, not yet reduced)."""
     groups = None
     if isinstance(experts, ExpertGroups):
         groups, experts = experts, experts.experts
@@ -147,15 +148,10 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
                              jnp.zeros(y.shape[::2], f32))  # [B, n]
     per_group = jax.tree.leaves(experts)[0].shape[0] // groups.groups
     group = jnp.take_along_axis(expert_ids, order, axis=-1) // per_group  # [B, k]
-    parts = []
-    for g in range(groups.groups):  # each group's experts in ascending id, then the groups
-        mine = (group == g)[..., None]  # [B, k, 1]
-        part = lax.fori_loop(0, y.shape[1], lambda j, acc, mine=mine: jnp.where(
-            mine[:, j], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
-        if groups.wire == "bf16":
-            part = bf(part).astype(f32)
-        parts.append(part)
-    return host_ordered_sum(parts, groups.hosts)  # [B, n]
+    sums = [lax.fori_loop(0, y.shape[1], lambda j, acc, mine=(group == g)[..., None]: jnp.where(
+        mine[:, j], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
+        for g in range(groups.groups)]  # each group's experts in ascending id, then the groups
+    return sums if parts else reduce_partials(sums, groups.hosts, groups.wire)  # [B, n]
 
 
 

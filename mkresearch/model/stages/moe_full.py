@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from mkresearch.model import spec
 from mkresearch.model.config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
-from mkresearch.model.numerics import bf
+from mkresearch.model.numerics import ExpertGroups, activation, bf, matmul, reduce_partials
 from mkresearch.model.stages.ffn import combine_experts, gated_mlp, route, shared_experts
 
 
@@ -65,12 +65,31 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
 
 
 def moe_full_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The MoE layer on the full d: m = bf(routed + shared) [B, d] bf16 (x normalised, bf16)."""
+    """The MoE layer on the full d: m = bf(routed + shared) [B, d] bf16 (x normalised, bf16).
+    A sharded reference whose expert groups are `merged` (`numerics.ExpertGroups`): each rank's
+    routed and shared partial sums added first, then one reduction of the ranks' sums."""
     expert_ids, expert_weights = route(p, x, cfg)
+    if isinstance(p["experts"], ExpertGroups) and p["experts"].merged:
+        return bf(_merged_sum(p, x, expert_ids, expert_weights, cfg))
     routed = routed_experts(p, x, expert_ids, expert_weights, cfg)
     if not cfg.n_shared_experts:
         return bf(routed)
     return bf(routed + shared_experts(p, x, cfg))
+
+
+def _merged_sum(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
+                expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Σ over ranks of (rank's routed experts' sum + its shared experts' partial product), in the
+    reduction's order. Rank r holds shared slice r (`Partials` pieces, one per rank) and, every
+    ETP-th rank, an expert group's sum (ETP > 1 splits an expert's hidden too, which this
+    reference does not model, as `numerics.ExpertGroups` says)."""
+    groups, w_sd = p["experts"], p["w_sd"]
+    routed = combine_experts(groups, x, expert_ids, expert_weights, cfg, parts=True)
+    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
+    shared = w_sd.products(hidden)
+    etp = len(shared) // groups.groups
+    ranks = [part + routed[r // etp] if r % etp == 0 else part for r, part in enumerate(shared)]
+    return reduce_partials(ranks, w_sd.hosts, w_sd.wire)
 
 
 def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
