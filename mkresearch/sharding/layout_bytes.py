@@ -9,6 +9,7 @@ release's with each chip's per-rank floor (what `mkresearch info MODEL --ranks N
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,10 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
                              or not 0 <= rank < lay.n_ranks):
         raise ValueError(f"rank={rank!r} is invalid: None or an int in [0, {lay.n_ranks})")
     skips = PARTIAL_SUM in (collectives, lay.collectives)
-    if rank is None and skips:
-        return max((rank_bytes(lay, batch, context, collectives, r) for r in range(lay.n_ranks)),
-                   key=lambda counted: counted.total)  # the first of the most, ties: lowest rank
+    if rank is None and skips:  # the first of the most (ties: the lowest rank), each a copy
+        most = _busiest_rank(lay, batch, context, collectives)
+        return dataclasses.replace(most, sharded=dict(most.sharded),
+                                   replicated=dict(most.replicated))
     cfg = lay.cfg
     table = spec.param_table(cfg)
     local = rank_params(lay) if collectives == "exact" else jax.tree.map(
@@ -146,6 +148,14 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
     return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
                      context=context, sharded=sharded, replicated=replicated,
                      components=dict(spec.components(cfg)), state_components=tuple(states))
+
+
+@functools.lru_cache(maxsize=256)
+def _busiest_rank(lay: Layout, batch: int, context: int, collectives: str) -> RankBytes:
+    """`rank_bytes` of the rank that reads the most (computed once per layout and batch: every
+    prediction asks for it)."""
+    return max((rank_bytes(lay, batch, context, collectives, r) for r in range(lay.n_ranks)),
+               key=lambda counted: counted.total)
 
 
 def compare(cfg: ModelConfig, n_ranks: int, batch: int = 1, context: int = 0) -> dict:
