@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.compose import megakernel_plan
 from mkresearch.kernels.sharded import collectives, sharded_stream
+from mkresearch.kernels.sharded.rules import expert_sum_merged
 from mkresearch.kernels.stages import experts, router
 
 from mkresearch.model import spec
@@ -169,7 +170,7 @@ def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
 def merged_expert_sum(lay: layouts.Layout) -> bool:
     """Whether the routed experts' partial sums travel in the shared experts' reduction (one
     reduction for both, `layout.merges_shared_sum`): no "expert/sum" of its own."""
-    return any(r.adds for r in collective_rules(lay))
+    return expert_sum_merged(collective_rules(lay))
 
 
 def _joining(rules: list[collectives.Rule]) -> list[collectives.Rule]:
@@ -284,7 +285,7 @@ def _stage(lay, batch, mode, wire, rank, kind, items, reductions=()
                               carries=tuple(r.name for r in joined),
                               why=FUSED_WHY if joined else ""))
         if name == routing:
-            out += _experts(ctx, items, ctx.after(i))
+            out += _experts(ctx, items, ctx.after(i), expert_sum_merged(tuple(rules.values())))
     return tuple(out)
 
 
@@ -324,14 +325,14 @@ class _Ctx:
                        algorithm=dict(self.reductions).get(name, "one-shot"))
 
 
-def _experts(ctx: _Ctx, items: int, before: str) -> list[CollectiveOp]:
+def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[CollectiveOp]:
     """The routed experts' collectives. Exact: an expert's hidden gathered in its ETP group, the
     weighted sum down the chain of expert groups, the last group's sum all-gathered.
     Partial-sum: W2's rows split by ETP, every rank's Σ w_e y_e over its experts and hidden slice
     all-reduced in rank order."""
     lay, b, cfg = ctx.lay, ctx.batch, ctx.lay.cfg
     if lay.collectives != layouts.EXACT:
-        if merged_expert_sum(lay):  # in the shared experts' reduction (`Rule.adds`)
+        if merged:  # in the shared experts' reduction (`Rule.adds`)
             return []
         width = layouts.expert_output_width(cfg)
         return [ctx.sum("expert/sum", b * width, EXPERTS, before, ctx.everyone)]

@@ -49,6 +49,7 @@ from mkresearch.kernels.compose import collective_schedule, megakernel
 from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose.megakernel import StepInputs
 from mkresearch.kernels.sharded import collectives, sharded_stages
+from mkresearch.kernels.sharded.rules import expert_sum_merged
 from mkresearch.kernels.stages import gate_up, sampling
 
 from mkresearch.hardware import tpu
@@ -215,7 +216,7 @@ def reductions(lay: layouts.Layout) -> dict[str, tuple[int, int]]:
     out = {f"{rule.name}/sum": (rule.n, sum(lay.local_length(r.out, r.n) for r in rules
                                            if r.rides == rule.name))
            for rule in rules if rule.reduce is not None}
-    if collective_schedule.has_routed_experts(lay) and not any(r.adds for r in rules):
+    if collective_schedule.has_routed_experts(lay) and not expert_sum_merged(rules):
         out["expert/sum"] = (layouts.expert_output_width(lay.cfg), 0)  # else in W_sd's
     return out
 

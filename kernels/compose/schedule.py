@@ -173,7 +173,7 @@ def rank_live(plan: Any, rank: int) -> dict:
         return {}
     return {e.name: False for _, entries in plan.mega.stream.stages for e in entries
             if layout_split.zero_only(lay, spec.stage(e.group).params(lay.cfg)[
-                gate_up.UNFUSED_KEYS.get(e.key, e.key)], rank)}  # a fused gate + up: the gate
+                gate_up.param_key(e.key)], rank)}
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from mkresearch.kernels.sharded.levels import (
     Levels,
     plan_levels,
 )
-from mkresearch.kernels.sharded.rules import Rule
+from mkresearch.kernels.sharded.rules import Rule, expert_sum_merged
 from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
@@ -211,8 +211,7 @@ class Collectives:
             return {}
         out = {}
         for entry in (e for _, entries in stream.stages for e in entries):
-            param = spec.stage(entry.group).params(self.layout.cfg)[  # a fused gate + up: the gate
-                gate_up.UNFUSED_KEYS.get(entry.key, entry.key)]
+            param = spec.stage(entry.group).params(self.layout.cfg)[gate_up.param_key(entry.key)]
             for group, length, chunk in layout_split.padded_splits(self.layout, param):
                 real = self.index(group) * chunk < length  # the slice starts inside the axis
                 out[entry.name] = jnp.logical_and(out.get(entry.name, True), real)
@@ -445,7 +444,7 @@ class Collectives:
         if self.plan.mode != "exact":  # partial sums over this rank's experts and hidden slice
             with dma.phase(f"{name}/combine"):
                 acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
-                if any(r.adds for r in self.plan.rules):  # reduced with a later one (`settle`)
+                if expert_sum_merged(self.plan.rules):  # reduced with a later one (`settle`)
                     return acc[:, :latent]
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
                                    name=f"{name}/sum")[0][:, :latent]

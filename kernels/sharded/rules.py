@@ -30,3 +30,9 @@ class Rule:
     # partial-sum: the stage output (its `settle` key) whose partial sums are added to this
     # matrix's before its one reduction (routed experts on the full d into the shared experts')
     adds: str | None = None
+
+
+def expert_sum_merged(rules: tuple[Rule, ...] | list[Rule]) -> bool:
+    """Whether the routed experts' partial sums travel in another matrix's reduction
+    (`Rule.adds`): then they have no reduction ("expert/sum") of their own."""
+    return any(rule.adds for rule in rules)

@@ -30,8 +30,15 @@ PARTS = ("w_gate", "w_up", "w_down")  # an always-on MLP's parts, in the body's 
 SHARED_KEYS = {"w_gate": "w_sg", "w_up": "w_su", "w_down": "w_sd"}  # MoE weights' keys by part
 DENSE_KEYS = {part: part for part in PARTS}  # the dense FFN's
 FUSED_KEYS = {"w_sg": "w_sgu", "w_gate": "w_gate_up"}  # the fused matrix's key <- the gate's
-UNFUSED_KEYS = {fused: gate for gate, fused in FUSED_KEYS.items()}  # the parameter it comes from
-FUSED_FROM = {"w_sgu": ("w_sg", "w_su"), "w_gate_up": ("w_gate", "w_up")}  # both parameters
+# the fused matrix's key -> (the gate's, the up's): the parameters it comes from
+FUSED_FROM = {FUSED_KEYS[keys["w_gate"]]: (keys["w_gate"], keys["w_up"])
+              for keys in (SHARED_KEYS, DENSE_KEYS)}
+
+
+def param_key(key: str) -> str:
+    """The parameter a prepared weight's key reads its shard rule from (a fused gate + up: the
+    gate's, whose split the up shares)."""
+    return FUSED_FROM[key][0] if key in FUSED_FROM else key
 
 
 def fuses(hidden: int) -> bool:
@@ -67,11 +74,11 @@ def fuse_streamed(matrices: tuple[Streamed, ...]) -> tuple[Streamed, ...]:
     out, skip = [], set()
     for m in matrices:
         if m.key in FUSED_KEYS and fuses(m.shape[1]):
-            prefix = m.name.rsplit("/", 1)[0]
-            out.append(Streamed(FUSED_KEYS[m.key], f"{prefix}/{GATE_UP}", (m.shape[0],
-                                                                            2 * m.shape[1])))
-            skip.add(f"{prefix}/w_up")
-        elif m.name not in skip:
+            fused = FUSED_KEYS[m.key]
+            out.append(Streamed(fused, f"{m.name.rsplit('/', 1)[0]}/{GATE_UP}",
+                                (m.shape[0], 2 * m.shape[1])))
+            skip.add(FUSED_FROM[fused][1])  # the up it carries
+        elif m.key not in skip:
             out.append(m)
     return tuple(out)
 

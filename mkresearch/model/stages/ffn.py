@@ -165,10 +165,14 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     return matmul(rho_hat, p["w_lu"])  # [B, d] f32
 
 
+def shared_hidden(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The shared experts' hidden act(bf(x W_sg), bf(x W_su)), bf16 [B, S]."""
+    return activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)
+
+
 def shared_experts(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The always-on shared experts on the full x: act(bf(x W_sg), bf(x W_su)) W_sd, f32 [B, d]."""
-    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
-    return matmul(hidden, p["w_sd"])
+    return matmul(shared_hidden(p, x, cfg), p["w_sd"])
 
 
 def moe_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -28,8 +28,14 @@ import jax.numpy as jnp
 
 from mkresearch.model import spec
 from mkresearch.model.config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
-from mkresearch.model.numerics import ExpertGroups, activation, bf, matmul, reduce_partials
-from mkresearch.model.stages.ffn import combine_experts, gated_mlp, route, shared_experts
+from mkresearch.model.numerics import ExpertGroups, bf, reduce_partials
+from mkresearch.model.stages.ffn import (
+    combine_experts,
+    gated_mlp,
+    route,
+    shared_experts,
+    shared_hidden,
+)
 
 
 def params(cfg: ModelConfig) -> dict[str, Any]:
@@ -85,8 +91,7 @@ def _merged_sum(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     reference does not model, as `numerics.ExpertGroups` says)."""
     groups, w_sd = p["experts"], p["w_sd"]
     routed = combine_experts(groups, x, expert_ids, expert_weights, cfg, parts=True)
-    hidden = activation(bf(matmul(x, p["w_sg"])), bf(matmul(x, p["w_su"])), cfg)  # [B, S]
-    shared = w_sd.products(hidden)
+    shared = w_sd.products(shared_hidden(p, x, cfg))
     etp = len(shared) // groups.groups
     ranks = [part + routed[r // etp] if r % etp == 0 else part for r, part in enumerate(shared)]
     return reduce_partials(ranks, w_sd.hosts, w_sd.wire)
