@@ -108,8 +108,8 @@ print(f"{'total':42s} {step.total_read / 1e9:9.2f} {step.total_written / 1e9:11.
 print(f"weights alone: {step.weights / 1e9:.1f} GB; read + written: {step.total / 1e9:.1f} GB")
 released = roofline.step_bytes(cfg, expert_format="released")
 print(f"with the released FP8 gate/up repack: {released.weights / 1e9:.1f} GB of weights")
-assert abs(step.total / 137e9 - 1) < 0.01  # spec §10: ≈ 137 GB per token
-assert abs(released.weights / 152.4e9 - 1) < 0.01  # spec §10: ≈ 152.4 GB with the repack
+assert abs(step.total / 137e9 - 1) < 0.01  # docs/kimi-k3.md §10: ≈ 137 GB per token
+assert abs(released.weights / 152.4e9 - 1) < 0.01  # docs/kimi-k3.md §10: ≈ 152.4 GB with the repack
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -172,7 +172,7 @@ assert roofline.step_bytes(cfg, 256).unique_experts_per_layer > 0.98 * cfg.n_exp
 # here on 16 chips, as in the published deployment, with the bytes split evenly — an ideal that
 # ignores replication — at a context of 512 tokens (about the mean of the published 1-in /
 # 1000-out benchmark). Chip bandwidths come from `pltpu.get_tpu_info_for_chip` where it answers,
-# else from spec/tpu.md (`mkresearch.hardware.chips` records which).
+# else from docs/tpu.md (`mkresearch.hardware.chips` records which).
 
 # %%
 N_CHIPS, CONTEXT = roofline.ROOFLINE_N_CHIPS, roofline.ROOFLINE_CONTEXT
@@ -223,7 +223,7 @@ assert all(published < next(r["tokens_per_s"] for r in table if r["chip"] == "tp
 # ## Why kernel launches and pipeline bubbles dominate decode
 #
 # The published TPU7x release runs Kimi K3 at 249 tok/s at batch 1: **4.0 ms per step**. Each of
-# its 32 ranks (16 chips × 2 TensorCores) reads ≈ 6.97 GB of weights per step (spec §9; more than
+# its 32 ranks (16 chips × 2 TensorCores) reads ≈ 6.97 GB of weights per step (docs/kimi-k3.md §9; more than
 # 1/32 of the total because attention, latent and shared weights are replicated or sliced), which
 # at ≈ 3.69 TB/s per core is a **1.9 ms floor**. Half the step is not spent reading weights.
 #
@@ -249,9 +249,9 @@ layer_count = {"KDA attention": len(cfg.kda_layers), "MLA attention": len(cfg.ml
                "dense FFN": len(cfg.dense_layers), "MoE FFN": len(cfg.moe_layers), "head": 1}
 launches = sum(len(ops) * layer_count[kind] for kind, ops in KERNELS_PER_LAYER.items())
 
-LAUNCH_SECONDS = 1.3e-6  # spec/tpu.md: a dummy kernel launch with CUDA graphs
-PUBLISHED_STEP_SECONDS = 1 / 249  # spec/tpu.md: TPU7x, batch 1
-RANK_WEIGHT_BYTES = 6.97e9  # spec §9: weights one rank reads per step at batch 1
+LAUNCH_SECONDS = 1.3e-6  # docs/tpu.md: a dummy kernel launch with CUDA graphs
+PUBLISHED_STEP_SECONDS = 1 / 249  # docs/tpu.md: TPU7x, batch 1
+RANK_WEIGHT_BYTES = 6.97e9  # docs/kimi-k3.md §9: weights one rank reads per step at batch 1
 core_bandwidth = CHIPS["tpu7x"].hbm_bandwidth  # per TensorCore (one JAX device)
 rank_floor = RANK_WEIGHT_BYTES / core_bandwidth
 first_tile_bubble = 2 * 2**20 / core_bandwidth  # an un-overlapped 2 MiB weight tile per kernel

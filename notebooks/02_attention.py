@@ -286,7 +286,7 @@ for layout in ("expanded", "latent"):
 # %% [markdown]
 # ## KDA, step by step
 #
-# KDA keeps, per head, a `D × D` f32 state `S[key, value]`. One step (spec §4): project `x`,
+# KDA keeps, per head, a `D × D` f32 state `S[key, value]`. One step (docs/kimi-k3.md §4): project `x`,
 # run a causal depthwise conv of size 4 over the last 3 pre-conv vectors and this one, L2-normalise
 # `q` and `k`, then the gated delta rule
 #

@@ -54,7 +54,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # # 03 · MoE routing as a Pallas kernel
 #
 # Every MoE layer of Kimi K3 sends each token to 16 of its 896 experts. The router decides which,
-# and with what weight (spec §6.1):
+# and with what weight (docs/kimi-k3.md §6.1):
 #
 # $$r = x W_r \;(\text{f32}),\qquad s = \sigma(r),\qquad
 #   \text{ids} = \operatorname{top-}k(s + b),\qquad
@@ -110,7 +110,7 @@ print(f"x {tuple(x.shape)} {x.dtype}, W_r {tuple(p['w_router'].shape)} {p['w_rou
 # %% [markdown]
 # ## The kernel against the reference
 #
-# Ids must match exactly; weights within 1e-6 relative (the released tests' tolerance, spec §11).
+# Ids must match exactly; weights within 1e-6 relative (the released tests' tolerance, docs/kimi-k3.md §11).
 # The DMA log shows the kernel's traffic: the router weight and bias in, ids and weights out to
 # SMEM.
 
@@ -223,7 +223,7 @@ print("PASS softmax router equals the reference")
 #
 # Interpret mode accepts layouts a TPU would reject; the Mosaic compiler in libtpu does not.
 # `tpu.compile_for` compiles the router for TPU7x here, at the mini shapes and at one rank's
-# shapes of the full model (spec §9; the rank config's 112 experts stand in for the router's
+# shapes of the full model (docs/kimi-k3.md §9; the rank config's 112 experts stand in for the router's
 # width — the real router scores all 896, a [7168, 896] bf16 matrix, also fine).
 
 # %%

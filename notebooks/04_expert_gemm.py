@@ -53,7 +53,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 04 · The routed-expert GEMM: read exactly the experts you use
 #
-# A Kimi K3 MoE layer (spec §6) after routing:
+# A Kimi K3 MoE layer (docs/kimi-k3.md §6) after routing:
 #
 # $$z = \mathrm{bf}(x W_{ld}),\quad
 #   y_e = \mathrm{bf}\big(\mathrm{SiTU}(\mathrm{bf}(z W1_e), \mathrm{bf}(z W3_e))\, W2_e\big),\quad
@@ -314,13 +314,13 @@ print(f"moe_ffn (router + experts + shared, one kernel) vs reference: "
       f"{facts.bound(err, TOL, name='max rel err')}")
 
 # %% [markdown]
-# At one rank of the released layout (spec §9: 112 local experts, a 768-wide slice of the
+# At one rank of the released layout (docs/kimi-k3.md §9: 112 local experts, a 768-wide slice of the
 # expert hidden, 256 of the shared hidden, MXFP4 experts, B = 8) the layer compiles for TPU7x with
 # the real Mosaic compiler — tiling, layouts and the 64 MiB VMEM budget all checked:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
+rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
 x_rank = jax.ShapeDtypeStruct((8, rank.d_model), jnp.bfloat16)

@@ -334,12 +334,12 @@ show_figure(fig)  # described: an HTML export gives the picture its title
 # %% [markdown]
 # ## Compiling for TPU7x at the full per-rank vocab shard
 #
-# On a real chip each of the 32 ranks owns 5120 vocabulary rows of 7168 (spec §9). The stage is
+# On a real chip each of the 32 ranks owns 5120 vocabulary rows of 7168 (docs/kimi-k3.md §9). The stage is
 # compiled by libtpu's Mosaic compiler for TPU7x on this machine: the tile size is chosen so one
 # tile is ≤ 4 MiB (256 columns: 20 tiles, two in flight).
 
 # %%
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
+rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 shape = jax.ShapeDtypeStruct
 rank_args = (shape((rank.n_blocks, B, rank.d_model), jnp.bfloat16), shape((B, rank.d_model), jnp.bfloat16),
              shape((rank.d_model,), jnp.float32), shape((rank.d_model,), jnp.bfloat16),

@@ -89,7 +89,7 @@ from mkresearch.views import widgets
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
 
-LOGIT_TOL = 5e-2  # spec §11: whole-step interpret-mode runs
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11: whole-step interpret-mode runs
 
 
 def run_step(cfg, params, batch, options=megakernel.MegakernelOptions(), position=5, seed=0):
@@ -275,7 +275,7 @@ assert ring_timeline.total_s < no_ring_timeline.total_s
 # (the online softmax's tiles, the MoE combine, the KDA update), the reference takes the order
 # the kernels stream in — so here the megakernel reproduces it token for token.
 # `tests/test_megakernel.py` checks 16 teacher-forced steps at B = 4 across a KV tile boundary
-# (32, and B = 1, in its exhaustive tier): logits within the spec's 5e-2 on every row-step, the
+# (32, and B = 1, in its exhaustive tier): logits within docs/kimi-k3.md §11's 5e-2 on every row-step, the
 # same experts, tokens equal except at near-ties (a reference top-2 gap under 0.1, reported).
 
 # %%
@@ -314,7 +314,7 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 #
 # The released kernels run Kimi K3 on 32 ranks (16 TPU7x chips × 2 TensorCores): 3 attention
 # heads, 112 local experts with a 768-wide slice of the expert hidden, a 5120-row vocab shard
-# (spec §9; the collectives are left out on one device). `kimi-k3-rank`, one rank of the release
+# (docs/kimi-k3.md §9; the collectives are left out on one device). `kimi-k3-rank`, one rank of the release
 # layout (`mkresearch.sharding.layout.rank_config`), has those shapes (the sharded kernel with its
 # collectives, on all 32 devices, is compiled by `make recorded`). The
 # VMEM plan is computed first — every buffer with its bytes — and checked against the chip; then

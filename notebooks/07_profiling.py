@@ -263,18 +263,18 @@ if "megakernel" in timelines:
 # %% [markdown]
 # ## The model against published numbers (full size)
 #
-# One Kimi K3 rank (spec/tpu.md) reads ≈ 6.97 GB of weights per decode step at B = 1. At TPU7x's
+# One Kimi K3 rank (docs/tpu.md §3) reads ≈ 6.97 GB of weights per decode step at B = 1. At TPU7x's
 # HBM bandwidth per TensorCore that is the floor below; the public release measures 249 tok/s at
 # B = 1, i.e. 4.0 ms per step. The gap is reported as it is.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rank_bytes = 6.97e9  # spec/tpu.md: weights read per rank per step at B=1
+rank_bytes = 6.97e9  # docs/tpu.md: weights read per rank per step at B=1
 chip = tl.timeline_chip("tpu7x")
 floor_ms = tl.hbm_floor_s(rank_bytes, chip) * 1e3
 measured_ms = 1e3 / 249  # 249 tok/s aggregate at B=1: one token per step
 print(f"TPU7x HBM per TensorCore (model): {chip.hbm_bandwidth / 1e12:.2f} TB per second "
-      f"(spec/tpu.md: 3.69)")
+      f"(docs/tpu.md §1: 3.69)")
 print(f"HBM floor for one rank at B=1: floor_ms {floor_ms:.2f} (at 3.69 TB per second: "
       f"{rank_bytes / 3.69e12 * 1e3:.2f})")
 print(f"published: 249 tokens per second at B=1 -> step_ms {measured_ms:.2f}")
@@ -285,7 +285,7 @@ assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
 # %% [markdown]
 # ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (predicted)
 #
-# The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, spec §9)
+# The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, docs/kimi-k3.md §9)
 # by `mkresearch.prediction.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
 # the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
 # rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini

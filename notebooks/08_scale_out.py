@@ -58,7 +58,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 08 · Scale-out: the megakernel sharded across ranks, collectives inside the kernel
 #
-# The release decodes Kimi K3 on 16 TPU7x chips, 32 TensorCores (spec §9): each core is a
+# The release decodes Kimi K3 on 16 TPU7x chips, 32 TensorCores (docs/kimi-k3.md §9): each core is a
 # *rank* that holds a slice of every weight and runs one persistent kernel per step. Ours so far
 # ran one device. Here the same megakernel (notebook 06) runs on every rank of a layout
 # (`mkresearch.sharding.layout`): attention heads, vocabulary rows, experts (EP × ETP), hidden slices and
@@ -98,7 +98,7 @@ from mkresearch.views.facts import bound
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
 
-LOGIT_TOL = 5e-2  # spec §11
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 NEAR_TIE_GAP = 2 * LOGIT_TOL
 RANKS = (2, 4, 8)
 BATCH, PROMPT_LEN, STEPS = 2, 4, 2
@@ -291,7 +291,7 @@ assert all(s > 0 for s in steps_us)
 # ## 4 · The full model: bytes per rank, ours beside the release's
 #
 # At full size the layout decides the step: each rank reads its slice of the weights once per
-# step. The release (spec §9) keeps the latent MoE projections, the router and W_down's input
+# step. The release (docs/kimi-k3.md §9) keeps the latent MoE projections, the router and W_down's input
 # whole on every rank; ours splits them by output columns (gathered in the kernel), so a rank
 # reads fewer bytes.
 
@@ -335,7 +335,7 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # experts' sum is one reduction, not a chain; W_lu's column chunks ride in the messages of the
 # shared expert's reduction (no gather of their own); one all-gather carries the router's and
 # W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
-# honestly, every collective: the ~188 of the release (spec/collectives.md) count only its two
+# honestly, every collective: the ~188 of the release (docs/collectives.md) count only its two
 # reductions per layer; our model of its layout, gathers and sibling swaps included, issues 650
 # (`mkresearch predict kimi-k3 --ranks 32`, its colls column). The FFN hidden splits in
 # half-lane chunks (the shared experts' 192 columns on every rank, gate and up streamed as one

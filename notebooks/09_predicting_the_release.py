@@ -65,7 +65,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # `mkresearch.prediction.interconnect`). The programs come from a layout and a schedule
 # (`mkresearch.prediction.scale_out`): the bytes of each rank's slice, a ring of weight blocks in flight,
 # the routed experts fetched after routing (counted from a seeded routing: ranks differ), and the
-# release's collectives as its source describes them (spec/collectives.md), the ones it overlaps
+# release's collectives as its source describes them (docs/collectives.md), the ones it overlaps
 # started early and waited later.
 #
 # Everything here is pure Python arithmetic: no JAX, the same numbers on any machine. **No
@@ -122,7 +122,7 @@ for nbytes, seconds in links.COLLECTIVE_MEASURED:
 # %% [markdown]
 # What the release's [B, 7168] bf16 partial sums cost over all 32 cores, per algorithm: the
 # release runs **two-level** (a one-shot in each host, then one across the hosts) below B = 6 and
-# **reduce-scatter + all-gather** from B = 6 (spec/collectives.md); a ring pays 62 phases.
+# **reduce-scatter + all-gather** from B = 6 (docs/collectives.md); a ring pays 62 phases.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -148,7 +148,7 @@ assert by[1, "two-level"] < by[1, "one-shot"] < by[1, "ring"] and by[8, "rs-ag"]
 #
 # ## 2 · Validation: the seven published points, out of sample
 #
-# The release's program (`scale_out.RELEASE_SCHEDULE`): its layout's bytes per rank (spec §9,
+# The release's program (`scale_out.RELEASE_SCHEDULE`): its layout's bytes per rank (docs/kimi-k3.md §9,
 # EP 8 × ETP 4), 12 × 2 MiB weight banks and 4 expert slots (published for its second model,
 # assumed for K3), per layer the attention's sibling gather, parity all-reduce and sibling swap,
 # the MoE's router swap, latent gather, shared and routed sums. Its second model (816B-A42B on 8

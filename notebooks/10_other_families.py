@@ -57,7 +57,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # # 10 · Other families: DeepSeek-V3, GLM-4.5 and Qwen3-235B beside Kimi K3
 #
 # The megakernel is composed from a registry of stage kinds (notebook 06, `DEVELOPERS.md`), so it
-# decodes other giant MoE models too. Three public families (`spec/families.md`), each with a
+# decodes other giant MoE models too. Three public families (`docs/families.md`), each with a
 # `-mini` preset that keeps every feature of its family at small shapes:
 #
 # * **DeepSeek-V3** (671 B): MLA with a decoupled RoPE key and YaRN, a latent cache of 512 + 64
@@ -100,7 +100,7 @@ MODELS = {name: get_config(name) for name in FULL}
 FAMILIES = FULL[1:]  # Kimi K3 is here for reference: notebooks 06 and 07 run its mini
 MINIS = {name: get_config(f"{name}-mini") for name in FAMILIES}
 CONTEXT = 4096  # tokens already cached per sequence in the byte tables
-LOGIT_TOL = 5e-2  # spec §11
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 NEAR_TIE_GAP = 2 * LOGIT_TOL
 BYTES_SLACK = 1.02
 GB = 1e9
@@ -239,7 +239,7 @@ for name, cfg in MODELS.items():
                  "context where KV = weights": roofline.step_bytes(cfg, 1).weights // per_token})
 print(widgets.format_table(rows, list(rows[0])))
 per_layer = {row["model"]: row["B per token per layer"] for row in rows}
-assert per_layer["glm-4.5"] == 4096 and per_layer["qwen3-235b-a22b"] == 2048  # spec/families.md
+assert per_layer["glm-4.5"] == 4096 and per_layer["qwen3-235b-a22b"] == 2048  # docs/families.md
 assert per_layer["deepseek-v3"] == 1152
 
 # %% [markdown]
@@ -359,7 +359,7 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # ## 5 · The full models on TPU7x
 #
 # One rank of each full model, divided as the release divides Kimi K3 over 32 ranks (16 TPU7x
-# chips × 2 TensorCores, spec §9): query heads / 32 (GQA: each rank keeps the one K/V head its
+# chips × 2 TensorCores, docs/kimi-k3.md §9): query heads / 32 (GQA: each rank keeps the one K/V head its
 # query heads read), experts over 8 ranks × their hidden over 4, shared and dense hidden and the
 # vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: the release layout's
 # rank, `layout.rank_config`, now that every family's kinds declare sharding rules; the same

@@ -162,7 +162,7 @@ assert n_accepted.tolist() == forced.tolist() and plain_prefix
 # each writes its cache entry before the next attends, and a row sees the cache up to its own
 # position, so draft j never sees draft j + 1. KDA's rows advance the shared state token by
 # token. The targets equal plain decoding's tokens to the bit (the megakernel is
-# batch-invariant), and the reference's logits agree within the spec's tolerance:
+# batch-invariant), and the reference's logits agree within docs/kimi-k3.md §11's tolerance:
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -139,7 +139,7 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
           for cache in ("expanded", "latent")}
     tokens = 48  # position 45: 16-row groups, one tile of 32 and 16 rows of the next (not 64)
-    # spec §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
+    # docs/kimi-k3.md §5: 73,728 B (expanded, 96 heads) vs 1,152 B (latent) per token per layer
     assert at[("kimi-k3", "expanded")] == tokens * 73_728
     assert at[("kimi-k3", "latent")] == tokens * 1_152
     assert at[("kimi-k3", "expanded")] >= 50 * at[("kimi-k3", "latent")]  # 64x
@@ -225,7 +225,7 @@ SHARD_POSITIONS = [0, 32, 77, 127]  # first token, a shard boundary, mid-shard, 
 
 def absorbed_queries(p, x, cfg):
     """What each head's owner computes and all ranks gather: q̃ = bf(q^C W_kvbKᵀ) and q^X, the
-    reference's formulas (spec §5)."""
+    reference's formulas (docs/kimi-k3.md §5)."""
     batch, h, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
     c_q = reference.rms_norm(reference.bf(x @ p["w_qa"]), p["q_norm"], cfg.rms_eps)
     q = reference.bf(jnp.dot(c_q, p["w_qb"], preferred_element_type=jnp.float32)).reshape(

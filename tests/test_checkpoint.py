@@ -1,4 +1,4 @@
-"""Checkpoints in the published layouts (mkresearch.checkpoint, spec/checkpoints.md): written from
+"""Checkpoints in the published layouts (mkresearch.checkpoint, docs/checkpoints.md): written from
 `weights.init_params`, read back (names, dtypes, several shards with an index, FP8 128 x 128 block
 scales), and every bad input refused with one line naming the tensor or field.
 

@@ -144,7 +144,7 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     assert len(lines) == 1 and "does not fit the HBM of one v5e device" in lines[0]
 
 
-# ---- the other families (spec/families.md) -----------------------------------------------------
+# ---- the other families (docs/families.md) -----------------------------------------------------
 # The CLI's decode path is the same for every model (tests/test_families.py and
 # tests/test_families_megakernel.py check each family's step): a family on the reference here, a
 # family on the megakernel through `bench` below (and kimi-k3-mini's `decode` on the megakernel

@@ -1,6 +1,6 @@
 """What fewer collectives would cost (`mkresearch.prediction.collective_floor`): the frontier from
 the step as built, each avoided collective's bytes per rank, and what it says of issue targets
-such as "at most 200 collectives" beside "at most 2.5 ms" (spec/collectives.md's ~188)."""
+such as "at most 200 collectives" beside "at most 2.5 ms" (docs/collectives.md §1's ~188)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""mkresearch.model.config: every field validates itself; the presets match spec/kimi-k3.md §1."""
+"""mkresearch.model.config: every field validates itself; the presets match docs/kimi-k3.md §1."""
 
 import dataclasses
 import re
@@ -145,7 +145,7 @@ def test_kimi_k3_is_spec_section_1():
     assert (c.rms_eps, c.l2_eps) == (1e-5, 1e-6)
     assert c.attn_res_block == 12 and c.n_blocks == 8
     assert c.logit_softcap is None
-    assert c.expert_format == "mxfp4"  # the checkpoint format of the routed experts (spec §7)
+    assert c.expert_format == "mxfp4"  # the checkpoint format of the routed experts (docs/kimi-k3.md §7)
 
 
 def test_mini_exercises_every_feature():

@@ -208,7 +208,7 @@ def all_codes_mxfp4(k=256, n=128):
         codes |= nibbles[j::8] << np.uint32(4 * j)
     scales = rng.choice(np.array([2, 3, 64, 120, 127, 134, 200, 253, 254], np.uint8),
                         (k // 32, n))
-    # the spec's value (§7), in float64 then rounded once to bf16
+    # docs/kimi-k3.md §7's value, in float64 then rounded once to bf16
     magnitude = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[nibbles & 7]
     value = np.where(nibbles & 8, -magnitude, magnitude) * np.ldexp(
         1.0, np.repeat(scales, 32, axis=0).astype(int) - 127)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3, GLM-4.5 and Qwen3-235B-A22B (spec/families.md): presets carry the public values,
+"""DeepSeek-V3, GLM-4.5 and Qwen3-235B-A22B (docs/families.md): presets carry the public values,
 the minis keep every feature, `mkresearch info` numbers equal hand arithmetic from the public
 configs (parameters against the published totals), configs the composer cannot run are refused
 naming the field, and the pre-norm decode step composes the registry's sublayers."""
@@ -177,7 +177,7 @@ def reports():
 
 
 def test_info_kv_bytes_per_token_and_bytes_per_step(reports):
-    # families.md: 2 x n_kv_heads x head_dim x 2 B per layer for GQA, (512 + 64) x 2 B for MLA
+    # docs/families.md §4: 2 x n_kv_heads x head_dim x 2 B per layer for GQA, (512 + 64) x 2 B for MLA
     assert reports["glm-4.5"]["cache_bytes_per_token"] == 92 * 4096
     assert reports["qwen3-235b-a22b"]["cache_bytes_per_token"] == 94 * 2048
     assert reports["deepseek-v3"]["cache_bytes_per_token"] == 61 * 1152

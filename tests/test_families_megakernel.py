@@ -1,4 +1,4 @@
-"""The megakernel on the other families' minis (DeepSeek-V3, GLM-4.5, Qwen3-235B: spec/families.md)
+"""The megakernel on the other families' minis (DeepSeek-V3, GLM-4.5, Qwen3-235B: docs/families.md)
 against the reference, in TPU interpret mode with the race detector on; its bytes against the
 minimum; one pallas_call per step; its TPU7x compiles.
 
@@ -42,7 +42,7 @@ MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 # more steps run the same code at more positions: the exhaustive tier runs 16 (27..42).
 N_STEPS = 16 if EXHAUSTIVE else 6
 PROMPT_LEN = 28
-LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11, asserted for every row-step
 NEAR_TIE_GAP = 2 * LOGIT_TOL
 BYTES_SLACK = 1.02
 STATE_REL_TOL = 2.0 ** -7
@@ -256,7 +256,7 @@ def test_compiles_to_one_mosaic_kernel(name):
 
 # ---- one rank's shapes and the minimum bytes, by hand --------------------------------------------
 def test_rank_shapes_divide_as_the_release_divides_kimi():
-    """rank_shapes(kimi-k3) is kimi-k3-rank (spec §9); the families' ranks by hand: heads / 32,
+    """rank_shapes(kimi-k3) is kimi-k3-rank (docs/kimi-k3.md §9); the families' ranks by hand: heads / 32,
     GQA's one K/V head, experts / 8 x hidden / 4, shared, dense and vocab / 32 padded to 128."""
     kimi = config.rank_shapes(config.get_config("kimi-k3"))
     assert kimi.replace(name="kimi-k3-rank") == layout.named_config("kimi-k3-rank")

@@ -3,7 +3,7 @@ kernels/stages/moe_full.py) against the reference (mkresearch.model.stages.ffn.r
 TPU interpret mode with races checked; and Kimi's LM head + sampling stage reused as it is for a
 pre-norm model's last step.
 
-Tolerances (spec/kimi-k3.md §11): router ids exact, engineered ties and the group-limited
+Tolerances (docs/kimi-k3.md §11): router ids exact, engineered ties and the group-limited
 selection included; weights rtol 1e-6. MoE outputs within a bf16 ulp of the output's scale
 (|kernel − ref| ≤ 2^-7 · max|ref|); on these shapes they are in fact bit-equal. Expert bytes in
 the DMA log = distinct experts of the batch × bytes of one expert, to the byte.

@@ -1,4 +1,4 @@
-"""Kimi-Linear-48B-A3B (`kimi_linear`, spec/checkpoints.md): its config.json read into our config,
+"""Kimi-Linear-48B-A3B (`kimi_linear`, docs/checkpoints.md): its config.json read into our config,
 its published tensor names, a checkpoint-layout round trip, and the megakernel's tokens and
 logits against the reference's.
 
@@ -41,7 +41,7 @@ MINI_LINEAR = {"num_heads": 2, "kda_layers": [1], "full_attn_layers": [2]}
 PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 6)))
 PREFILL_LOGIT_BOUND = 2e-2
 MK_STEPS = 2
-LOGIT_TOL = 5e-2  # spec §11's megakernel-vs-reference bound  # chunked prefill vs step-by-step: MLA's one softmax vs the online one
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11's megakernel-vs-reference bound  # chunked prefill vs step-by-step: MLA's one softmax vs the online one
 
 
 def mini_raw() -> dict:

@@ -1,5 +1,5 @@
 """The layout (`mkresearch.sharding.layout`): per-rank shapes and slices from the kinds' sharding rules,
-per-rank bytes at full size (ours vs the release's, spec §9), the one-rank stand-in config, the
+per-rank bytes at full size (ours vs the release's, docs/kimi-k3.md §9), the one-rank stand-in config, the
 CLI table, and bad rank counts."""
 
 import jax
@@ -15,7 +15,7 @@ from mkresearch.model import published as presets
 
 MINI = get_config("kimi-k3-mini")
 FULL = get_config("kimi-k3")
-RELEASE_PER_RANK = 6.97e9  # spec §9: per-rank weight bytes per step at B = 1
+RELEASE_PER_RANK = 6.97e9  # docs/kimi-k3.md §9: per-rank weight bytes per step at B = 1
 GOAL_PER_RANK = 4.6e9  # the issue's goal for ours: not met by the exact layout (see below)
 PERFECT_PER_RANK = 137.9e9 / 32  # every byte split 32 ways
 
@@ -37,7 +37,7 @@ def test_full_size_per_rank_bytes_ours_vs_release():
     assert ours.weights >= PERFECT_PER_RANK  # padding to lane tiles costs a little
     # what ours shards that the release keeps whole on every rank
     assert release.replicated_weights > 0.8e9 and ours.replicated_weights < 0.15e9
-    # the tpu7x floor of the release's bytes is the spec's ≈ 1.9 ms (tpu.md)
+    # the tpu7x floor of the release's bytes is docs/tpu.md §3's ≈ 1.9 ms
     assert release.floor_s("tpu7x") * 1e3 == pytest.approx(1.9, rel=0.02)
     report = layout_bytes.compare(FULL, 32)
     table = layout_bytes.format_table(report)

@@ -4,7 +4,7 @@ with the race detector on; its bytes from the DMA log; its TPU7x compiles; bad i
 Every step is teacher-forced on the reference's token and starts from the reference's state (one
 near-tie cannot derail the steps after it), and is checked against two references:
 
-* the plain-JAX reference (spec §11, whole-step interpret-mode runs): logits within LOGIT_TOL =
+* the plain-JAX reference (docs/kimi-k3.md §11, whole-step interpret-mode runs): logits within LOGIT_TOL =
   5e-2 on EVERY row-step, the same experts in every MoE layer, greedy tokens equal except at
   near-ties, and each cache and state leaf after the step within a relative (Frobenius) error
   of STATE_REL_TOL = 2^-7 (see `assert_states_match`). A near-tie is a row whose reference top-2
@@ -47,7 +47,7 @@ from mkresearch.prediction.scaling import scale_log
 from mkresearch.sharding import layout
 
 COMPOSE_TOL = 1e-3
-LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11, asserted for every row-step
 NEAR_TIE_GAP = 2 * LOGIT_TOL  # a smaller reference top-2 gap may swap within LOGIT_TOL
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-4

@@ -37,7 +37,7 @@ from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
 from mkresearch.sharding import layout
 
-LOGIT_TOL = 5e-2  # spec §11
+LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 STATE_REL_TOL = 2.0 ** -7
 BYTES_SLACK = 1.02
 MINI = config.get_config("kimi-k3-mini")

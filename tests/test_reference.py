@@ -1,6 +1,6 @@
 """The reference decode step against independent formulations: a per-element KDA loop, the two MLA
 cache layouts, the attention-residual mix formula, engineered router ties, the §3 skeleton, and
-decoding vs teacher forcing. Tolerances are spec/kimi-k3.md §11 unless stated."""
+decoding vs teacher forcing. Tolerances are docs/kimi-k3.md §11 unless stated."""
 
 import math
 
@@ -41,7 +41,7 @@ def _sigmoid(t: float) -> float:
 
 
 def _naive_kda(p, x, conv, state, cfg):
-    """Spec §4 one element at a time in float64 (bf16 roundings where the spec says bf)."""
+    """docs/kimi-k3.md §4 one element at a time in float64 (bf16 roundings where the spec says bf)."""
     H, D, width = cfg.n_heads, cfg.kda_head_dim, cfg.kda_conv_size
     q_pre, k_pre, v_pre, u, b, g_raw = (np.asarray(a, np.float64)
                                         for a in R.kda_projections(p, x, cfg))

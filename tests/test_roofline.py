@@ -1,4 +1,4 @@
-"""mkresearch.model.roofline and `mkresearch info`: bytes per decode step against spec/kimi-k3.md §10."""
+"""mkresearch.model.roofline and `mkresearch info`: bytes per decode step against docs/kimi-k3.md §10."""
 
 import json
 import math
@@ -15,7 +15,7 @@ from mkresearch.sharding import layout
 from mkresearch.views import plots
 
 GB = 1e9
-# spec §10: HBM bytes per token at B = 1, whole model, routed experts MXFP4
+# docs/kimi-k3.md §10: HBM bytes per token at B = 1, whole model, routed experts MXFP4
 SPEC_GB = {"kda": 61.26, "mla": 11.15, "dense": 1.45, "moe_nonrouted": 34.95,
            "routed_experts": 25.83, "lm_head": 2.35}
 SPEC_TOTAL_GB = 137.0
@@ -78,7 +78,7 @@ def test_latent_cache_reads_64x_fewer_bytes_per_context_token():
 def test_released_repack_total():
     step = roofline.step_bytes(get_config("kimi-k3"), expert_format="released")
     assert step.weights / GB == pytest.approx(SPEC_RELEASED_TOTAL_GB, rel=0.01)
-    # spec §7: 28.04 MB per expert repacked vs 17.55 MB in MXFP4
+    # docs/kimi-k3.md §7: 28.04 MB per expert repacked vs 17.55 MB in MXFP4
     assert roofline.expert_bytes(get_config("kimi-k3"), "released") / 1e6 == pytest.approx(28.04, rel=0.005)
     assert roofline.expert_bytes(get_config("kimi-k3"), "mxfp4") / 1e6 == pytest.approx(17.55, rel=0.005)
 

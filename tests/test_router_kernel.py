@@ -1,4 +1,4 @@
-"""Router kernel (mkresearch.kernels.stages.router) against mkresearch.model.reference.route (spec §6.1).
+"""Router kernel (mkresearch.kernels.stages.router) against mkresearch.model.reference.route (docs/kimi-k3.md §6.1).
 
 ids exact (engineered ties included), weights within 1e-6 relative, the correction bias moves the
 selection but never the weights, ids/weights end in SMEM, bad input -> ValueError, and the kernel

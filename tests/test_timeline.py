@@ -220,7 +220,7 @@ def test_scale_batch_scales_flops_only(chip):
 
 
 def test_hbm_floor_of_one_kimi_k3_rank():
-    """spec/tpu.md: ≈6.97 GB per rank per step at ≈3.69 TB/s per TensorCore -> ≈1.9 ms, against
+    """docs/tpu.md: ≈6.97 GB per rank per step at ≈3.69 TB/s per TensorCore -> ≈1.9 ms, against
     4.0 ms measured (249 tok/s at B=1): the release runs at about half the roofline."""
     floor = tl.hbm_floor_s(6.97e9, "tpu7x")
     assert floor == pytest.approx(1.9e-3, rel=0.02)

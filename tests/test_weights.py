@@ -1,5 +1,5 @@
 """Parameters: shapes without allocation, deterministic init, healthy activations and routing,
-exact MXFP4 / FP8 round trips, and the byte counts of spec/kimi-k3.md §7 and §10."""
+exact MXFP4 / FP8 round trips, and the byte counts of docs/kimi-k3.md §7 and §10."""
 
 
 import jax
@@ -149,7 +149,7 @@ def test_dequantize_is_exact_in_bf16(fmt):
     np.testing.assert_array_equal(weights.dequantize(quantized), dense)
 
 
-# ---- sizes (spec §7, §10) ---------------------------------------------------------------------
+# ---- sizes (docs/kimi-k3.md §7, §10) ---------------------------------------------------------------------
 def test_full_size_param_shapes_do_not_allocate_and_match_the_spec_counts():
     shapes = weights.param_shapes(FULL)  # 2.78 T parameters: must not allocate (time: bench-speed)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))

@@ -1,7 +1,7 @@
 """Expert weight formats inside a kernel: what to DMA, and decoding MXFP4 / FP8 in VMEM.
 
 One [K, N] expert matrix (K = the input dim) is stored in HBM as a tuple of *parts*
-(DEVELOPERS.md "Parameters", spec §7):
+(DEVELOPERS.md "Parameters", docs/kimi-k3.md §7):
 
     bf16   (weight bf16 [K, N],)
     fp8    (values float8_e4m3fn [K, N], scales bf16 [K/256, N])   scales are powers of two

@@ -1,6 +1,6 @@
 """The megakernel: one grid-less `pallas_call` per decode step of a whole Kimi K3 stack.
 
-    tokens [B] --DMA row gather--> e = E[token]           R_0 = P = e, R_1.. = 0    (spec §3.1)
+    tokens [B] --DMA row gather--> e = E[token]           R_0 = P = e, R_1.. = 0    (docs/kimi-k3.md §3.1)
     for ℓ in fori_loop(0, L):                              one traced layer body, not L copies
         h  = Mix(𝒜_ℓ; w_attn[ℓ])                          lax.switch on the candidate count
         R_n ← P  if ℓ mod block == 0

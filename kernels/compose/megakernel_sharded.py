@@ -63,7 +63,7 @@ AXIS = collectives.AXIS
 # every streamed matrix with a collective around it: the step's collective schedule's (one source
 # for the kernel and the prediction, `kernels/compose/collective_schedule.py`)
 collective_rules = collective_schedule.collective_rules
-FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (spec §9)
+FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (docs/kimi-k3.md §9)
 
 
 @dataclass(frozen=True)

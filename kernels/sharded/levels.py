@@ -10,7 +10,7 @@ bits and the algorithm never changes them.
   two-level  level 1: a rank's partial (and the column chunks riding with it) to every member of
              its host, each member adds the host's; level 2: the host's sum (and the host's
              riders) to the same member of every other host, each adds the hosts' sums. h - 1 +
-             H - 1 messages per rank instead of n - 1 (the release's all-reduce, spec/collectives.md)
+             H - 1 messages per rank instead of n - 1 (the release's all-reduce, docs/collectives.md)
   rs-ag      level 1: member j of a host gets chunk j of every member's partial and adds them;
              level 2: that summed chunk to member j of every other host, which add the hosts'
              chunks; level 3: the summed chunks all-gathered in the host. Each message carries

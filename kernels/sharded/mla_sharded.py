@@ -1,4 +1,4 @@
-"""MLA over a latent cache sharded by sequence (a prototype of the pod layout, spec §9).
+"""MLA over a latent cache sharded by sequence (a prototype of the pod layout, docs/kimi-k3.md §9).
 
 The latent cache has no head axis, so with heads sharded (3 per rank) every rank would read the
 whole latent: only 2x fewer bytes than its 3 heads of expanded K, V. Sharding the latent cache by

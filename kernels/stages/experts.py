@@ -1,4 +1,4 @@
-"""The FFN stage as one Pallas TPU kernel: routed latent experts + always-on experts (spec §6.2–6.6).
+"""The FFN stage as one Pallas TPU kernel: routed latent experts + always-on experts (docs/kimi-k3.md §6.2–6.6).
 
     z  = bf(x W_ld)                                   latent down          x [B, d] -> z [B, Lat]
     for each expert e in the work list:               weights DMA'd from HBM into a slot ring

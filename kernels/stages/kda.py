@@ -1,4 +1,4 @@
-"""KDA decode attention (spec §4) as one Pallas TPU kernel: x -> sublayer output + state update.
+"""KDA decode attention (docs/kimi-k3.md §4) as one Pallas TPU kernel: x -> sublayer output + state update.
 
 One call does, for a batch of B rows:
 

@@ -1,4 +1,4 @@
-"""MLA decode attention (spec §5) as one Pallas TPU kernel: x -> sublayer output + cache update.
+"""MLA decode attention (docs/kimi-k3.md §5) as one Pallas TPU kernel: x -> sublayer output + cache update.
 
 One call does, for a batch of B rows each at its own position p_b:
 
@@ -15,7 +15,7 @@ One call does, for a batch of B rows each at its own position p_b:
                 tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
                 the aligned 16-row block around p_b is read, patched in VMEM, and written back.
 
-Cache layouts (`cfg.mla_cache_layout`, spec §5):
+Cache layouts (`cfg.mla_cache_layout`, docs/kimi-k3.md §5):
   expanded  k [B, H, S, k_padded] = [k^C | k^X | 0], v [B, H, S, v]: per head, what the released
             kernels cache. Scores q^C·k^C + q^X·k^X per head, o = Σ α v.
   latent    ckv [B, S, kv_rank] = ĉ, kx [B, S, extra]: shared by all heads. W_kvb is absorbed:

@@ -5,7 +5,7 @@ The kernel twins of the reference's decode loops (`mkresearch.model.reference`, 
 per-layer vectors it loads (in this order, one DMA each, at the start of every layer), and what
 runs around the two stages of a layer, and which trunk vectors the head loads (`head_vectors`):
 
-    attention_mix  Kimi K3 (spec §3): block snapshots R and the block's partial sum P; each stage's
+    attention_mix  Kimi K3 (docs/kimi-k3.md §3): block snapshots R and the block's partial sum P; each stage's
                    input is a softmax mix of them (`numerics.mix`), its output added to P
     prenorm        a classic residual stream h ← bf(h + stage(RMSNorm(h)))
 
@@ -59,7 +59,7 @@ class AttentionMix:
         return cfg.n_blocks + 1  # the final mix's candidates R_0..R_last, P
 
     def start(self, hidden: tuple, embedded: Any) -> None:
-        """R_0 = P = e, R_1.. = 0 (spec §3.1)."""
+        """R_0 = P = e, R_1.. = 0 (docs/kimi-k3.md §3.1)."""
         snapshots, partial = hidden
         partial[...] = embedded
         snapshots[...] = jnp.zeros(snapshots.shape, snapshots.dtype)

@@ -1,4 +1,4 @@
-"""MoE router as a Pallas TPU kernel (spec §6.1): which experts each row uses, and how much.
+"""MoE router as a Pallas TPU kernel (docs/kimi-k3.md §6.1): which experts each row uses, and how much.
 
     r = x · W_r                       f32 accumulation         x [B, d] bf16, W_r [d, E] bf16
     s = σ(r)            (sigmoid)     or softmax(r) over E     (cfg.router_score)

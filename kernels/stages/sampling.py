@@ -1,6 +1,6 @@
 """The last stage of a decode step in one Pallas TPU kernel: final mix, RMSNorm, LM head, sampling.
 
-    h = Mix({R_0..R_last, P}; w_out)        reference.mix       (spec §3.3)
+    h = Mix({R_0..R_last, P}; w_out)        reference.mix       (docs/kimi-k3.md §3.3)
     x = RMSNorm(h; final_norm)              reference.rms_norm
     for each vocab tile t (lm_head[:, t] streamed HBM -> VMEM through a two-slot dma.Ring):
         logits_t = x @ lm_head[:, t]  (f32; soft-capped if cfg.logit_softcap)
@@ -201,7 +201,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
 
     ring.start(lm_head_tile(0), 0, tile=0)  # flies while the mix and norm run
 
-    # attention residuals mix the snapshots and the partial sum first (spec §3.3); a residual
+    # attention residuals mix the snapshots and the partial sum first (docs/kimi-k3.md §3.3); a residual
     # stream (snapshots_ref None) is normalised as it is
     n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
     with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):

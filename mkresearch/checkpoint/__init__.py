@@ -1,4 +1,4 @@
-"""From a published checkpoint on disk to our parameters (issue 29, spec/checkpoints.md). The API
+"""From a published checkpoint on disk to our parameters (issue 29, docs/checkpoints.md). The API
 is `mkresearch.checkpoint.loader`'s:
 
     read_config(dir, *, name=None, **overrides) -> ModelConfig     config.json, validated

@@ -1,4 +1,4 @@
-"""Each published tensor name mapped to our parameters (spec/checkpoints.md "Tensor names").
+"""Each published tensor name mapped to our parameters (docs/checkpoints.md §1).
 
 Published linear weights are [out, in] (PyTorch); ours are [in, out] (DEVELOPERS.md
 "Parameters"), so every matrix is transposed. DeepSeek-V3's rope columns are stored interleaved

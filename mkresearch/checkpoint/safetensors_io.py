@@ -1,4 +1,4 @@
-"""Safetensors files read lazily and written, and DeepSeek's FP8 block scales (spec/checkpoints.md).
+"""Safetensors files read lazily and written, and DeepSeek's FP8 block scales (docs/checkpoints.md).
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}} (offsets into the data after the header),

@@ -33,7 +33,7 @@ from mkresearch.prediction.scaling import scale_log
 from mkresearch.sharding import layout
 
 BENCH_BATCHES = (1, 2, 4, 8)
-NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (spec §11 logits tolerance) is a near-tie
+NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (docs/kimi-k3.md §11 logits tolerance) is a near-tie
 # mini preset -> (the one-device stand-in for one rank of its full model, `layout.named_config`;
 # the full model): where `scale_to_rank` scales a recorded mini step (notebooks 07 and 10). Not
 # the full-size step (`full_size.STAND_IN_LABEL`): that is `predict_full_size`'s.

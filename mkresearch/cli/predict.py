@@ -182,7 +182,7 @@ def format_rows(rows: list[dict]) -> str:
               if r["schedule"].get("ring")]  # our kernel's ring: its depth at each batch and why
     lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
                  "messages, compute, bubbles; colls: collectives per rank per step, every one "
-                 "counted (gathers and sibling swaps too: the ~188 of spec/collectives.md count "
+                 "counted (gathers and sibling swaps too: the ~188 of docs/collectives.md count "
                  "only the release's two reductions per layer)")
     return "\n".join(lines)
 

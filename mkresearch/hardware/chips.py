@@ -5,7 +5,7 @@ each of its two TensorCores as its own device), the two-TensorCore megacore on v
 
 - `tpu_info`: `pltpu.get_tpu_info_for_chip(version, cores_per_device)` of the pinned jax, which
   answers without a TPU (its figures are per TensorCore; we multiply by the cores of one device).
-- `spec`: the table of spec/tpu.md (public chip pages), used where tpu_info has no figure (0) and
+- `spec`: the table of docs/tpu.md (public chip pages), used where tpu_info has no figure (0) and
   for what tpu_info does not model (topology names, HBM per chip on megacore, MXU shape check).
 
 Each `Chip` carries `sources`: field name -> where its value came from. `python -m mkresearch.hardware.chips`
@@ -54,7 +54,7 @@ class Chip:
                 f"{', native FP4' if self.native_fp4 else ''}")
 
 
-# spec/tpu.md, per chip. hbm_bytes here is per chip; per device it is divided by devices per chip.
+# docs/tpu.md, per chip. hbm_bytes here is per chip; per device it is divided by devices per chip.
 _SPEC_TABLE = {
     #         bw B/s     bf16 FLOP/s  fp8 FLOP/s  TCs  VMEM/TC    HBM/chip      MXU
     "v5e": (819 * GB, 1.97e14, 0.0, 1, 128 * MIB, 16 * GB, (128, 128)),
@@ -93,8 +93,8 @@ def _build(name: str) -> Chip:
     devices_per_chip = tcs // per_device
     info = _tpu_info(version_name, per_device)
     info_src = f"pltpu.get_tpu_info_for_chip(ChipVersion.{version_name}, {per_device})"
-    spec_src = "spec/tpu.md table"
-    sources = {"topology": "spec/tpu.md (get_topology_desc names)",
+    spec_src = "docs/tpu.md §1 table"
+    sources = {"topology": "docs/tpu.md §2 (get_topology_desc names)",
                "device_kind": "Device.device_kind of get_topology_desc(topology)",
                "tensorcores_per_chip": spec_src,
                "tensorcores_per_device": "JAX device layout (v5p megacore: 2; TPU7x: 1 per core)"}
@@ -124,7 +124,7 @@ def _build(name: str) -> Chip:
                         "hbm_bytes": "hbm_capacity_bytes"}[key]
                 spec_value = values[key][0]
                 differs = spec_value and abs(value / spec_value - 1) > 0.05
-                note = f" (spec/tpu.md says {spec_value:.4g})" if differs else ""
+                note = f" (docs/tpu.md §1 says {spec_value:.4g})" if differs else ""
                 values[key] = (float(value) if key.endswith(("bandwidth", "flops")) else int(value),
                                f"{info_src}.{attr}{scale}{note}")
     if name == "v6e":  # tpu_info lists v6e fp8 at the bf16 rate: no native fp8 MXU path, use spec

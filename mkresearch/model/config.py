@@ -1,13 +1,13 @@
 """Model configurations: one frozen, self-validating dataclass and named presets.
 
-The `kimi-k3` preset carries exactly the values of spec/kimi-k3.md §1. `kimi-k3-mini` keeps every
+The `kimi-k3` preset carries exactly the values of docs/kimi-k3.md §1. `kimi-k3-mini` keeps every
 Kimi K3 feature (KDA+MLA pattern, dense layer 0, attention-residual blocks, padded latent MoE,
 shared experts, sigmoid router with correction bias, SiTU) at sizes where a whole decode step runs
 in TPU interpret mode in seconds. The shapes one rank of a sharded model sees come from
 `mkresearch.sharding.layout` (`layout.rank_config(get_config("kimi-k3"))`: one of the release's 32 ranks,
 named `kimi-k3-rank`); `rank_shapes` stands in for models whose kinds have no sharding rules yet.
 
-Other MoE families (spec/families.md): `deepseek-v3`, `glm-4.5` and `qwen3-235b-a22b` carry the
+Other MoE families (docs/families.md): `deepseek-v3`, `glm-4.5` and `qwen3-235b-a22b` carry the
 public config.json values, each with a `-mini` sibling that keeps every feature of its family
 (groups of the group-limited router, partial RoPE, QK-norm, attention bias, dense first layers,
 shared experts, YaRN) at mini sizes. Fields of stage kinds a model does not use keep Kimi K3's
@@ -55,19 +55,19 @@ class ModelConfig:
     mla_first: int
     mla_every: int
     mla_last_layer: bool
-    # KDA (spec §4)
+    # KDA (docs/kimi-k3.md §4)
     kda_head_dim: int
     kda_gate_rank: int
     kda_conv_size: int
     kda_decay_bound: float  # lower bound of the per-channel log decay (−5 in Kimi K3)
-    # MLA (spec §5)
+    # MLA (docs/kimi-k3.md §5)
     mla_q_rank: int
     mla_kv_rank: int
     mla_qk_nope: int
     mla_qk_extra: int
     mla_v_dim: int
     mla_cache_layout: str
-    # FFN (spec §6)
+    # FFN (docs/kimi-k3.md §6)
     n_dense_layers: int
     dense_hidden: int
     n_experts: int
@@ -125,7 +125,7 @@ class ModelConfig:
     # multi-token-prediction modules (DeepSeek's num_nextn_predict_layers): a draft for
     # speculative decoding, not part of the decode step; counted apart (roofline.mtp_parameters)
     n_mtp_layers: int = 0
-    # Kimi Linear (spec/checkpoints.md) beside Kimi K3: KDA's output gate through a rank-r
+    # Kimi Linear (docs/checkpoints.md) beside Kimi K3: KDA's output gate through a rank-r
     # bottleneck (W_ga [d, r], W_gb [r, H·D]; 0 = K3's full-rank W_g), its decay form
     # (config_rules.KDA_DECAYS), and MLA without K3's sigmoid output gate W_g. Out of the repr:
     # recorded compiles are keyed by a plan's repr, which holds the config (measurement.recorded)
@@ -308,7 +308,7 @@ KIMI_K3_MINI = KIMI_K3.replace(
     max_seq_len=128,
 )
 
-# ---- other MoE families (spec/families.md): the public config.json values ----------------------
+# ---- other MoE families (docs/families.md): the public config.json values ----------------------
 # Fields of kinds these models do not use (KDA, the Kimi pattern, the MoE latent, the attention-
 # residual block) keep Kimi K3's values and are ignored. max_seq_len is each config's
 # max_position_embeddings.
@@ -436,7 +436,7 @@ QWEN3_235B_MINI = QWEN3_235B.replace(
 
 
 def rank_shapes(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` as one of 32 ranks sees it, divided as the release divides Kimi K3 (spec §9): query
+    """`cfg` as one of 32 ranks sees it, divided as the release divides Kimi K3 (docs/kimi-k3.md §9): query
     heads / 32 (GQA: the K/V heads those heads read, one when fewer than 32); experts over 8 ranks
     x their hidden over 4; shared, dense hidden and vocab / 32, rounded up to whole 128 lanes (the
     shard padded). Shapes only, for compiling: the pre-sharding stand-in issue 15 allows ("before

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 MLA_CACHE_LAYOUTS = ("expanded", "latent")
-# KDA's log decay from g = g_raw + dt_bias: "bounded" bound·σ(e^A g) (Kimi K3, spec §4),
+# KDA's log decay from g = g_raw + dt_bias: "bounded" bound·σ(e^A g) (Kimi K3, docs/kimi-k3.md §4),
 # "softplus" −e^A·softplus(g) (Kimi Linear, fla's fused_kda_gate without a lower bound)
 KDA_DECAYS = ("bounded", "softplus")
 # Layer patterns: a pattern spans two kinds by the pattern fields, any other value is one stage
@@ -31,8 +31,8 @@ RING_BLOCK_MULTIPLE = 64 * 1024  # one ring slot is a whole number of 64 KiB
 
 LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multiple of it
 BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
-FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (spec §7)
-MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (spec §7)
+FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (docs/kimi-k3.md §7)
+MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (docs/kimi-k3.md §7)
 
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _boolean(cfg: Any, field: str) -> None:
 
 
 def _validate_families(cfg: Any) -> None:
-    """The fields of the GQA, RoPE/YaRN and group-limited routing options (spec/families.md)."""
+    """The fields of the GQA, RoPE/YaRN and group-limited routing options (docs/families.md)."""
     _positive_int(cfg, "n_kv_heads")
     if cfg.n_heads % cfg.n_kv_heads:
         _fail("n_kv_heads", cfg.n_kv_heads, f"a divisor of n_heads={cfg.n_heads} (query heads "

@@ -1,4 +1,4 @@
-"""Expert weight formats (spec/kimi-k3.md §7): quantising routed-expert matrices and decoding them.
+"""Expert weight formats (docs/kimi-k3.md §7): quantising routed-expert matrices and decoding them.
 
 - bf16:  a bf16 array `[.., K, N]`
 - fp8:   {"values": float8_e4m3fn [.., K, N], "scales": bf16 [.., K/256, N]}, scales powers of two

@@ -1,4 +1,4 @@
-"""A published `config.json` -> our validated `ModelConfig`, and back (spec/checkpoints.md).
+"""A published `config.json` -> our validated `ModelConfig`, and back (docs/checkpoints.md).
 
 Model types read: `deepseek_v3` (DeepSeek-V3, Moonlight, Kimi K2), `qwen3_moe`, `glm4_moe`,
 `kimi_linear` (Kimi Linear: KDA + MLA) and `kimi_k3` (the name `write_config` gives Kimi K3's

@@ -1,6 +1,6 @@
 """The arithmetic every sublayer of the reference (and every kernel) shares: bf16 rounding, the
 matmul, reductions in one written-out order, RMSNorm, the activations and the attention-residual
-mix (spec/kimi-k3.md §2–§3).
+mix (docs/kimi-k3.md §2–§3).
 
 Conventions:
 - `bf(x)` rounds to bf16 exactly where the spec writes bf(...);

@@ -1,9 +1,9 @@
-"""Presets of the small real models (spec/checkpoints.md): each one's published `config.json`
+"""Presets of the small real models (docs/checkpoints.md): each one's published `config.json`
 fields, read by `hf_config.config_from_dict` like a checkpoint's, with where they come from.
 
 `mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's --model) find
 them; `config.get_config` knows only the presets typed in `mkresearch.model.config`.
-Each value was transcribed from the spec table and checked against a second public copy of the
+Each value was transcribed from a first public copy (docs/families.md §5) and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
 Moonlight's MLA has no query LoRA (mla_q_rank 0); Kimi Linear's KDA a low-rank output gate and
@@ -21,7 +21,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B config.json. Second copies: several public loaders' test fixtures
     # (hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim 128, 128 experts of 768, top-8,
     # norm_topk_prob true, theta 1e6, 40960 positions); one fixture's 8 kv heads is a typo
-    # against the others and the spec's 4.
+    # against the others and the first copy's 4.
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
         "vocab_size": 151936, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -30,11 +30,11 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
         "rope_theta": 1e6, "rope_scaling": None, "max_position_embeddings": 40960,
         "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False},
-    # zai-org/GLM-4.5-Air config.json. The spec's row came from training arguments; checked
+    # zai-org/GLM-4.5-Air config.json. Our first copy's row came from training arguments; checked
     # against a public conversion script's Glm4MoeForCausalLM config (hidden 4096, 46 layers,
     # 96 q / 8 kv heads, head_dim 128, q/k/v bias, partial RoPE 0.5, 128 experts of 1408 + 1
     # shared, top-8, first layer dense 10944, n_group 1, routed_scaling_factor 1.0, eps 1e-5,
-    # no QK-norm). That copy says rope_theta 10000; the spec and GLM-4.5's config say 1e6, kept.
+    # no QK-norm). That copy says rope_theta 10000; the first copy and GLM-4.5's config say 1e6, kept.
     "glm-4.5-air": {
         "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
         "vocab_size": 151552, "num_attention_heads": 96, "num_key_value_heads": 8,
@@ -64,7 +64,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: KDA + MLA (no RoPE: mla_use_nope, no
     # q LoRA), MLA on layers 4, 8, ..., 24 and 27 (1-based). Second copies: two public loaders'
     # pinned field lists (the same values; both say num_key_value_heads 32, which MLA does not
-    # read; the spec's caveat had a copy with 1). No max_position_embeddings: model_max_length.
+    # read; one earlier transcription had 1). No max_position_embeddings: model_max_length.
     "kimi-linear-48b-a3b": {
         "model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27,
         "vocab_size": 163840, "num_attention_heads": 32, "num_key_value_heads": 32,

@@ -1,6 +1,6 @@
 """The reference decode step in plain JAX: the oracle every kernel is tested against.
 
-This module and the sublayers it composes ARE the spec (spec/kimi-k3.md §2–§6): read them side by
+This module and the sublayers it composes ARE the spec (docs/kimi-k3.md §2–§6): read them side by
 side with it. A model is its layers, each (attention kind, FFN kind), joined by a residual strategy
 (`mkresearch.model.spec`); each kind's reference sublayer lives with its weights in `mkresearch.model.stages`
 (KDA, MLA, dense and MoE for Kimi K3), the arithmetic they share in `mkresearch.model.numerics`.
@@ -8,7 +8,7 @@ side with it. A model is its layers, each (attention kind, FFN kind), joined by 
 Choices where the spec is silent (documented, used by the kernels too):
 - Sublayer outputs that feed the bf16 partial sum P are rounded once: attention `a = bf(y W_o)`;
   `routed_experts` returns f32 so `moe_ffn` rounds `bf(routed + shared)` once, as §6.6 says.
-- `hidden_rms[ℓ]` is the RMS (f32) of h, the hidden state that enters layer ℓ (§3 step 2.1).
+- `hidden_rms[ℓ]` is the RMS (f32) of h, the hidden state that enters layer ℓ (docs/kimi-k3.md §3.2, step 1).
 - Latent MLA rounds its absorbed query q̃ and its latent context Σαĉ to bf16 (they feed the MXU);
   see `mla_attention` for where that differs from the expanded layout.
 - A token's position p is the cache slot it is written to; it attends to slots 0..p.

@@ -7,7 +7,7 @@ and its floor is (bytes read + bytes written) / HBM bandwidth.
 All byte counts come from `mkresearch.model.weights.param_shapes(cfg)` and the shapes of
 `mkresearch.model.reference.init_state` (via `jax.eval_shape`: nothing is allocated, so the full-size
 model is fine); nothing here is typed in except the published anchor throughputs, which are quoted
-from spec/tpu.md and only ever drawn next to the computed floor.
+from docs/tpu.md and only ever drawn next to the computed floor.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from mkresearch.hardware.chips import Chip, get_chip
 from mkresearch.model import spec, weights
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig
 
-# "released": the public kernels repack gate/up (W1, W3) to FP8 and keep down (W2) MXFP4 (spec §7).
+# "released": the public kernels repack gate/up (W1, W3) to FP8 and keep down (W2) MXFP4 (docs/kimi-k3.md §7).
 STEP_EXPERT_FORMATS = EXPERT_FORMATS + ("released",)
 ROOFLINE_CHIPS = ("v5e", "v6e", "v5p", "tpu7x")
 ROOFLINE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Published decode throughput of Kimi K3 on 16 TPU7x chips (32 devices), aggregate tok/s by batch,
-# 1 input token and 1000 output tokens (spec/tpu.md "Published decode numbers"). An anchor to plot
+# 1 input token and 1000 output tokens (docs/tpu.md §3). An anchor to plot
 # against the computed floor, never an input to it.
 PUBLISHED_TPU7X_16_CHIPS = {1: 249, 2: 392, 4: 515, 8: 865}
 

@@ -1,5 +1,5 @@
 """Rotary position embedding (RoPE), partial RoPE and YaRN, as the GQA and MLA-with-RoPE stages
-use it (spec/families.md). The reference and the kernels call these same functions (the kernels
+use it (docs/families.md). The reference and the kernels call these same functions (the kernels
 on VMEM values, with the position read from SMEM), so both round alike.
 
 One convention for every family: NeoX "rotate half" on the first R dims of a vector. Dims i and

@@ -1,6 +1,6 @@
 """Sampling reference: logits -> tokens, in plain JAX (the oracle the sampling kernel is tested against).
 
-Semantics (spec §8, plus the row in the random counter from issue 5), per row b of `logits [B, V]`:
+Semantics (docs/kimi-k3.md §8, plus the row in the random counter from issue 5), per row b of `logits [B, V]`:
 
 * **greedy** (`temperature=None`, the default): the argmax of the logits; the lowest index wins
   ties; top_k / top_p are ignored.
@@ -46,7 +46,7 @@ import numpy as np
 GOLDEN = 0x9E3779B9  # offsets keep seed/position/index streams apart (arbitrary odd constants)
 POSITION_OFFSET = 0x7F4A7C15
 INDEX_OFFSET = 0x5851F42D
-DEFAULT_CANDIDATES = 128  # top candidates per vocab shard kept by the released kernels (spec §8)
+DEFAULT_CANDIDATES = 128  # top candidates per vocab shard kept by the released kernels (docs/kimi-k3.md §8)
 
 
 # ---- counter-based randomness -----------------------------------------------------------------

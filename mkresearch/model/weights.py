@@ -4,7 +4,7 @@ Layout (DEVELOPERS.md "Parameters"): matrices are [in, out]; per-layer weights a
 along a leading axis (`params[kind][name][i]` belongs to layer `cfg.layers_of(kind)[i]`), beside
 the trunk (embedding, LM head, norms, the residual strategy's weights). What each kind stores is
 declared once, in the stage registry (`mkresearch.model.spec`, kinds in `mkresearch.model.stages`); routed
-experts are stored in `cfg.expert_format` (`mkresearch.model.formats`, spec §7).
+experts are stored in `cfg.expert_format` (`mkresearch.model.formats`, docs/kimi-k3.md §7).
 
 Initialisation: every leaf is drawn from its own numpy stream seeded by (seed, leaf path), at f32,
 with matrices ~ N(0, 1/in) so every projection keeps an O(1) RMS; norm weights near 1; embedding

@@ -7,7 +7,7 @@ through the release's measured all-reduces, one through its measured sibling cop
 measurements and predicts the one left out, and reports how far every validation point moves.
 
 `validation()`: the seven published points, each predicted out of sample: Kimi K3 at B = 1 / 2 /
-4 / 8 (4.02 / 5.10 / 7.77 / 9.25 ms, spec/tpu.md), the second model's 3.26 ms, and speculative
+4 / 8 (4.02 / 5.10 / 7.77 / 9.25 ms, docs/tpu.md), the second model's 3.26 ms, and speculative
 decoding at 350 / 709 tok/s. `sensitivity()`: every ASSUMPTION moved x0.5 and x2 and the range each
 prediction then spans. `second_model()`: the release's 816B-A42B on 8 cores, known only by its
 totals (3.26 ms at B = 1, ~55 us per layer + ~195 us fixed, HBM floor 2.19 ms), so its program is
@@ -38,7 +38,7 @@ GOAL = 0.10
 SECOND_MODEL = {"name": "816B-A42B MoE (the release's second model)", "n_layers": 62,
                 "n_ranks": 8, "step_s": 3.26e-3, "per_layer_s": 55e-6, "fixed_s": 195e-6,
                 "floor_s": 2.19e-3, "d_model": 7168, "vocab": 163840,
-                "source": "spec/tpu.md: 3.26 ms per step at B = 1 on 4 chips, ~55 us per layer + "
+                "source": "docs/tpu.md: 3.26 ms per step at B = 1 on 4 chips, ~55 us per layer + "
                           "~195 us fixed, HBM floor 2.19 ms (61 % of roofline)"}
 # the numeric ASSUMPTIONS the predictions rest on: (name, where it lives, field)
 ASSUMPTIONS = (("hop_latency", "interconnect", "hop_latency"),
@@ -120,7 +120,7 @@ def _second_model_step(n_layers: int, model: Model) -> Any:
         fixed_bytes, m["n_ranks"], m["d_model"], 1, sched)
     base = model.interconnect or links.interconnect("tpu7x")
     inter = links.interconnect(base, n_ranks=m["n_ranks"])
-    # spec/collectives.md: its all-reduce is one-shot reduce-scatter + all-gather
+    # docs/collectives.md: its all-reduce is one-shot reduce-scatter + all-gather
     return simulate(programs, blocks, sched.banks, 1, (0,), inter,
                     {"all_reduce": "rs-ag", "all_gather": "one-shot", "chain": "one-shot"},
                     model.timeline_chip or "tpu7x", prefetch_across=sched.prefetch_across)

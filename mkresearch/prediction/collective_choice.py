@@ -15,7 +15,7 @@ slice (`interconnect.price`: phases of one-shot messages over the routes) and ke
 
 A chain (the exact mode's experts' running sum) is serial by construction: "chain", its price
 the chain's. Ties go to fewer phases, then to the order above. Rings are not candidates: their
-n - 1 phases never win at decode payloads (spec/collectives.md: the release has none).
+n - 1 phases never win at decode payloads (docs/collectives.md: the release has none).
 The collective schedule of the sharded megakernel (`kernels/compose/collective_schedule.py`) takes its
 `algorithm` field from here; `scale_out` prices each collective by it and `mkresearch plan
 --ranks` prints the reason.

@@ -100,7 +100,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"{plan['count']} collectives per rank per step ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())}; "
                  f"by algorithm: {', '.join(f'{k} {v}' for k, v in plan['by_algorithm'].items())}); "
                  f"at most {s['reductions_critical_max']} reductions per layer on the critical "
-                 f"path; every collective counted (the release's ~188 of spec/collectives.md "
+                 f"path; every collective counted (the release's ~188 of docs/collectives.md "
                  f"count only its two reductions per layer, not its gathers and sibling swaps: "
                  f"`predict` counts those too, its colls column); priced {plan['priced_us'] / 1e3:.2f} ms in all, "
                  f"{plan['critical_us'] / 1e3:.2f} ms of it not overlapped by the schedule")

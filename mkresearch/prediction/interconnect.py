@@ -27,7 +27,7 @@ whichever is longer; phases run one after another (`price`). Algorithms (n membe
 
 Figures (`sources`, each labelled MEASURED, PUBLISHED or ASSUMPTION; `explain()` lists them):
 the ICI phase latency and link bandwidth are the least-squares line through the release's four
-measured all-reduces of its second model (8 cores, rs-ag; spec/collectives.md), whose busiest link
+measured all-reduces of its second model (8 cores, rs-ag; docs/collectives.md), whose busiest link
 carries the whole vector per phase on tpu7x:2x2x1; the sibling path is the line through the two
 measured sibling copies; a core's injection is the measured three-links-together figure. Nothing
 here is set from a decode step time.
@@ -49,17 +49,17 @@ ALGORITHMS = ("two-level", "one-shot", "rs-ag", "ring")
 OPS = ("all_gather", "all_reduce", "chain")
 KIB, MIB = 2**10, 2**20
 US = 1e-6
-# spec/tpu.md: the release's measured remote VMEM copy to the sibling core: (bytes, bytes/s)
+# docs/tpu.md: the release's measured remote VMEM copy to the sibling core: (bytes, bytes/s)
 SIBLING_MEASURED = ((256 * KIB, 101e9), (16 * MIB, 610e9))
-# spec/collectives.md: the second model's all-reduces on 8 cores (4 chips), one-shot reduce-scatter
+# docs/collectives.md: the second model's all-reduces on 8 cores (4 chips), one-shot reduce-scatter
 # + all-gather, measured: (payload bytes, seconds); [8, 8192] and [64, 4096] in bf16 and f32
 COLLECTIVE_MEASURED = ((8 * 8192 * 2, 7.3 * US), (8 * 8192 * 4, 9.4 * US),
                        (64 * 4096 * 2, 14.5 * US), (64 * 4096 * 4, 25.4 * US))
 COLLECTIVE_MEASURED_ON = "tpu7x:2x2x1"
-ICI_PER_CORE = 45e9  # spec/collectives.md: one cross-chip link, per core per direction, measured
-INJECTION_MEASURED = 134e9  # spec/collectives.md: three links together, one core, measured
-HOP_LATENCY = 0.5 * US  # spec/collectives.md: "~0.5-1 us per hop is the usual estimate": ASSUMPTION
-# published architecture figures, per link one way (spec/collectives.md "Links")
+ICI_PER_CORE = 45e9  # docs/collectives.md: one cross-chip link, per core per direction, measured
+INJECTION_MEASURED = 134e9  # docs/collectives.md: three links together, one core, measured
+HOP_LATENCY = 0.5 * US  # docs/collectives.md: "~0.5-1 us per hop is the usual estimate": ASSUMPTION
+# published architecture figures, per link one way (docs/collectives.md §3)
 PUBLISHED_LINK = {"tpu7x": 100e9, "v5p": 100e9, "v6e": 100e9, "v5e": 50e9}
 DEFAULT_SLICE = {"tpu7x": "tpu7x:2x2x4", "v5p": "v5p:2x2x2", "v6e": "v6e:4x4", "v5e": "v5e:4x4"}
 
@@ -150,10 +150,10 @@ def _figures(chip: str) -> tuple[dict, dict]:
     phase_latency, link_bandwidth = fit_phases(COLLECTIVE_MEASURED)
     (s1, r1), (s2, r2) = SIBLING_MEASURED
     sib = (f"MEASURED: line through the release's two sibling copies ({s1 // KIB} KiB at "
-           f"{r1 / 1e9:g} GB/s, {s2 // MIB} MiB at {r2 / 1e9:g} GB/s; spec/tpu.md)")
+           f"{r1 / 1e9:g} GB/s, {s2 // MIB} MiB at {r2 / 1e9:g} GB/s; docs/tpu.md)")
     coll = ("MEASURED: least-squares line through the release's 4 all-reduces on 8 cores "
             "([8, 8192] 7.3 / 9.4 us, [64, 4096] 14.5 / 25.4 us bf16 / f32; rs-ag, 2 phases, the "
-            "busiest link carrying the vector each phase; spec/collectives.md)")
+            "busiest link carrying the vector each phase; docs/collectives.md)")
     values = {"sibling_latency": sib_latency, "sibling_bandwidth": sib_bandwidth,
               "ici_latency": phase_latency, "ici_bandwidth": link_bandwidth,
               "injection_bandwidth": INJECTION_MEASURED, "hop_latency": HOP_LATENCY}
@@ -161,15 +161,15 @@ def _figures(chip: str) -> tuple[dict, dict]:
                "ici_bandwidth": coll + f"; cross-check: PUBLISHED ~100 GB/s per link, 2 cores x "
                                        f"{ICI_PER_CORE / 1e9:g} GB/s MEASURED per core",
                "injection_bandwidth": "MEASURED: one core over three links together, 134 GB/s "
-                                      "(spec/collectives.md)",
+                                      "(docs/collectives.md)",
                "hop_latency": f"ASSUMPTION: {HOP_LATENCY / US:g} us per hop beyond the 2 of the "
-                              "measured 4-chip slice (spec/collectives.md: ~0.5-1 us usual)"}
+                              "measured 4-chip slice (docs/collectives.md: ~0.5-1 us usual)"}
     if chip != "tpu7x":  # no measured collective on these chips: their link is the published one
         axes = len(get_slice(DEFAULT_SLICE[chip]).dims)
         values |= {"ici_bandwidth": PUBLISHED_LINK[chip],
                    "injection_bandwidth": PUBLISHED_LINK[chip] * 2 * axes}
         sources |= {"ici_bandwidth": "PUBLISHED: architecture figure per link one way "
-                                     "(spec/collectives.md)",
+                                     "(docs/collectives.md)",
                     "injection_bandwidth": "ASSUMPTION: every link of the chip at once",
                     "ici_latency": "ASSUMPTION: TPU7x's measured phase latency",
                     "sibling_latency": "ASSUMPTION: one core per device (unused)",
@@ -191,7 +191,7 @@ def interconnect(chip: str | Interconnect = "tpu7x", *, n_ranks: int | None = No
         sl = get_slice(slice) if slice is not None else \
             slice_for(chip, n_ranks) if n_ranks is not None else get_slice(DEFAULT_SLICE[chip])
         values, sources = _figures(chip)
-        sources["slice"] = f"{sl.name}: spec/collectives.md (torus, wraparound, cores per chip)"
+        sources["slice"] = f"{sl.name}: docs/collectives.md (torus, wraparound, cores per chip)"
         base = Interconnect(chip=chip, slice=sl, **values, sources=MappingProxyType(sources))
     else:
         raise ValueError(f"chip={chip!r} is invalid: the interconnect is known for "

@@ -10,7 +10,7 @@ routing of the batch: ranks differ, and a collective waits for the slowest) thro
 layer reads its cache at `context` tokens. The programs run in `scale_out_sim` (overlap: a
 collective started early and waited later). The collectives between stages are the schedule's:
 
-  release      (a hand-kept program of partial sums, spec/collectives.md) attention: the
+  release      (a hand-kept program of partial sums, docs/collectives.md) attention: the
                sibling's attended features
                gathered before W_o, an all-reduce over the 16 cores of one parity, the halves
                swapped with the sibling; MoE: router scores swapped with the sibling, the latent
@@ -18,8 +18,8 @@ collective started early and waited later). The collectives between stages are t
                experts and waited after them, then the routed sum; bf16 partial sums; two-level
                all-reduces below B = 6, reduce-scatter + all-gather from it; the ring does not run
                past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
-               router kept whole (the spec splits its scores between siblings), one routed and one
-               shared reduction per MoE layer (the spec's "about two reductions per layer")
+               router kept whole (the release splits its scores between siblings: docs/collectives.md §1), one routed and one
+               shared reduction per MoE layer (docs/collectives.md §1: "about two reductions per layer")
   ours         (`our_schedule(cfg, collectives, n_ranks, batch)`: its ring as deep as VMEM
                allows at the batch) every collective read from our kernel's own
                schedule (`kernels/compose/collective_schedule.py`, `scale_out_contract`): "partial-sum"
@@ -65,10 +65,10 @@ from mkresearch.prediction.timeline_chip import TimelineChip
 from mkresearch.prediction.timeline_ranks import PARTS
 
 F32 = 4
-# spec/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
+# docs/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
 PARTIAL_SUM_BYTES = 2
 SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
-# spec/tpu.md "Published decode numbers": Kimi K3 on 16 TPU7x chips (32 cores), tok/s by batch
+# docs/tpu.md §3: Kimi K3 on 16 TPU7x chips (32 cores), tok/s by batch
 PUBLISHED = {
     "kimi-k3": {"chip": "tpu7x", "n_ranks": 32, "tok_s": dict(roofline.PUBLISHED_TPU7X_16_CHIPS),
                 "gb200_tok_s": {1: 127, 2: 227, 4: 373, 8: 636},
@@ -275,7 +275,7 @@ def _actions(lay, sched: Schedule, kind: str, matrices) -> list[tuple[str, float
 @functools.lru_cache(maxsize=256)
 def _ordered(matrices, sched: Schedule):
     """The release computes the shared expert before the routed ones (its reduction hides
-    behind their stream: spec/collectives.md): the shared matrices move before W_lu."""
+    behind their stream: docs/collectives.md): the shared matrices move before W_lu."""
     if sched.combine != "partial-sum":
         return matrices
     shared = [m for m in matrices if m[0].startswith("shared/")]
@@ -289,7 +289,7 @@ def _blocks_of(prog: Program, nbytes: float, sched: Schedule) -> None:
 
 def _release_stage(prog: Program, lay, sched, cfg, kind, stage, rank, routed, expert_bytes
                    ) -> None:
-    """The release's collectives (spec/collectives.md), partial sums as bf16 on the wire:
+    """The release's collectives (docs/collectives.md), partial sums as bf16 on the wire:
     attention: the sibling's attended features gathered before W_o, each core half the hidden
     width, an all-reduce over the 16 cores of its parity, the halves swapped with the sibling;
     MoE: router scores swapped with the sibling, the latent all-gathered behind routing, the

@@ -1,5 +1,5 @@
 """The schedules of the scale-out model (`scale_out`): how a rank streams and combines. The
-release's is hand-kept from the spec (`RELEASE_SCHEDULE`); ours is read from the megakernel's plan
+release's is hand-kept from docs/collectives.md §1 (`RELEASE_SCHEDULE`); ours is read from the megakernel's plan
 (`our_schedule`): its global ring's depth, chosen per layout and batch by
 `megakernel_sharded.ring_depth` (the kernel's plan reads the same function), its expert slots and
 its collective schedule.
@@ -19,7 +19,7 @@ from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
 COMBINES = ("partial-sum", "exact")
-# spec/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
+# docs/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
 RS_FROM_BATCH = 6
 
 
@@ -67,9 +67,9 @@ class Schedule:
 
 RELEASE_SCHEDULE = Schedule(
     "release", block_bytes=2 * MIB, banks=12, expert_slots=4, combine="partial-sum",
-    source="spec/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
+    source="docs/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
            "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
-           "for Kimi K3); spec/collectives.md: one-shot collectives, two-level all-reduces of "
+           "for Kimi K3); docs/collectives.md: one-shot collectives, two-level all-reduces of "
            "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
            "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
     prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",

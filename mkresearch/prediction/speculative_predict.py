@@ -8,7 +8,7 @@ row, per-row compute and per-row collective messages, and the recurrent state of
 (the per-position KDA states a verify step keeps for rollback). With acceptance length a the step
 emits B a tokens, so tok/s = B a / step.
 
-Reading the published numbers (spec/tpu.md gives "forced acceptance length 6: 709 tok/s; at
+Reading the published numbers (docs/tpu.md gives "forced acceptance length 6: 709 tok/s; at
 acceptance 3: 350"), with B = 1 (ASSUMPTION: the release's headline batch):
   * acceptance length = tokens emitted per verify step (accepted drafts and the bonus token): the
     two published numbers then imply the same step, 3 / 350 = 8.57 ms and 6 / 709 = 8.46 ms, as

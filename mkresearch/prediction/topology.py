@@ -3,7 +3,7 @@ links a message crosses on its way to its destination.
 
 A slice is a grid of chips (`dims`, x fastest) with a link to each neighbour along every axis
 (+ and - directions, each one way); an axis wraps around (a link from its last chip back to its
-first) only where the slice says so: spec/collectives.md, "a 2x2x4 slice has no wraparound
+first) only where the slice says so: docs/collectives.md, "a 2x2x4 slice has no wraparound
 links" and "wraparound only on full axes". Rank r is core r % cores_per_chip of chip
 r // cores_per_chip; a chip's index is x + X (y + Y z). A host is `chips_per_host` consecutive
 chips (the release's Kimi K3: 4 hosts x 8 cores, so a host is one 2x2 plane of the 2x2x4 slice
@@ -106,7 +106,7 @@ def _route(sl: Slice, src: int, dst: int) -> tuple[Link, ...]:
     return tuple(hops)
 
 
-# spec/collectives.md "Links": Ironwood (TPU7x) is a 3D torus of chips with 2 cores each (each its
+# docs/collectives.md §3: Ironwood (TPU7x) is a 3D torus of chips with 2 cores each (each its
 # own JAX device); the release runs Kimi K3 on tpu7x:2x2x4 (no wraparound, 4 hosts x 8 cores) and
 # its second model on 4 chips (2x2x1). v5p: 3D torus, one JAX device per chip (megacore); v5e /
 # v6e: 2D torus, 4 neighbours, wraparound only on full axes (none of these small slices).

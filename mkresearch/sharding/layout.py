@@ -38,11 +38,11 @@ holding only padding of one matrix hold real chunks of another (Kimi K3 on 32 ra
 rank at B = 1, not 4.68).
 
 Two layouts:
-    release  spec §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
+    release  docs/kimi-k3.md §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
              FFN hidden sliced (dense 1056 -> 1152, shared 192 -> 256), the MoE latent sliced;
              the router and the attention's latent down-projections (down_cols) whole on every
-             rank (an ASSUMPTION: §9 does not say); routed experts in the released format (FP8 gate/up, MXFP4 down, spec §7).
-             At full size: 7.0 GB of weights per rank at B = 1 (the spec: ≈ 6.97).
+             rank (an ASSUMPTION: §9 does not say); routed experts in the released format (FP8 gate/up, MXFP4 down, docs/kimi-k3.md §7).
+             At full size: 7.0 GB of weights per rank at B = 1 (docs/kimi-k3.md §9: ≈ 6.97).
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
 
@@ -100,13 +100,13 @@ DEFAULT_COLLECTIVES = PARTIAL_SUM
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
 # groups the release keeps whole on every rank: the router and the latent down-projections.
-# ASSUMPTION: spec §9 does not say how they split (spec/collectives.md splits the router's scores
+# ASSUMPTION: docs/kimi-k3.md §9 does not say how they split (docs/collectives.md splits the router's scores
 # between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 # our layout rotates these groups' column chunks (`rotations`): no reduction adds over them
 ROTATED_GROUPS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
 HALF_LANE = LANE // 2  # the partial-sum FFN hidden's chunk unit (`Layout._chunk`)
-RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (spec §7)
+RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (docs/kimi-k3.md §7)
 
 
 @dataclass(frozen=True)
@@ -445,7 +445,7 @@ def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
     return cfg.replace(**fields)
 
 
-RELEASE_RANKS = 32  # spec §9: 16 TPU7x chips x 2 TensorCores
+RELEASE_RANKS = 32  # docs/kimi-k3.md §9: 16 TPU7x chips x 2 TensorCores
 
 
 def named_config(name: str, **overrides: Any) -> ModelConfig:

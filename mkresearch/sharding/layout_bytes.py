@@ -194,7 +194,7 @@ def format_table(report: dict) -> str:
              f"{report['batch']}, context {report['context']}):"),
              f"  {ours['describe']}", f"  {release['describe']}",
              (f"  experts counted in: ours {ours['expert_format']}, release "
-             f"{release['expert_format']} (FP8 gate/up + MXFP4 down, spec §7)"),
+             f"{release['expert_format']} (FP8 gate/up + MXFP4 down, docs/kimi-k3.md §7)"),
              (f"  {'component':42s} {'ours sharded':>13} {'replicated':>12} {'ours total':>12} "
              f"{'release':>12}")]
     for name, label in ours["components"].items():

@@ -17,7 +17,7 @@ import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kind
 from mkresearch.model import spec
 from mkresearch.model.config import LANE, ModelConfig
 
-RELEASE_ETP = 4  # spec §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
+RELEASE_ETP = 4  # docs/kimi-k3.md §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
 MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
 
 
@@ -105,7 +105,7 @@ def default_etp(cfg: ModelConfig, n: int, name: str = "ours") -> int:
     """Expert-tensor parallel ways: the release's 4 when n_ranks allows (EP >= 8 and the hidden
     splits in whole lane tiles), else the largest such divisor of n with EP = n / ETP >= 8;
     1 (pure expert parallel) when n <= 8."""
-    del name  # both layouts split experts as the release does (spec §9)
+    del name  # both layouts split experts as the release does (docs/kimi-k3.md §9)
     options = [etp for etp in _divisors(n) if etp <= RELEASE_ETP and n // etp >= min(n, 8)
                and _expert_ways(cfg, n, etp)]
     return max(options) if options else 1

@@ -29,7 +29,7 @@ from mkresearch.model import reference, spec
 from mkresearch.model.numerics import ExpertGroups, Partials
 from mkresearch.sharding import layout as layouts
 
-# |logits - single-device reference logits| (max over a row). f32 wire: the spec §11 whole-step
+# |logits - single-device reference logits| (max over a row). f32 wire: the docs/kimi-k3.md §11 whole-step
 # tolerance: partial sums re-associate f32 adds (~1e-7 relative) and a flipped bf16 rounding
 # downstream moves a mini model's logits by up to ~0.04 (measured 0 on the minis at 8 ranks).
 # bf16 wire: each partial rounded (2^-9 relative) flips many bf16 roundings, which the mini's

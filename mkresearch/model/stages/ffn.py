@@ -1,4 +1,4 @@
-"""The FFN kinds (spec/kimi-k3.md §6): the dense gated MLP and the latent MoE layer.
+"""The FFN kinds (docs/kimi-k3.md §6): the dense gated MLP and the latent MoE layer.
 
 MoE: a sigmoid (or softmax) router with a correction bias for selection only, the top-k routed
 experts working in a latent (down-projected, RMS-normalised, up-projected), their weighted sum

@@ -1,4 +1,4 @@
-"""GQA decode attention (kind "gqa": GLM-4.5, Qwen3; spec/families.md): weights, KV cache,
+"""GQA decode attention (kind "gqa": GLM-4.5, Qwen3; docs/families.md): weights, KV cache,
 reference sublayer.
 
 n_heads query heads share n_kv_heads K/V heads in groups of G = n_heads / n_kv_heads (query head

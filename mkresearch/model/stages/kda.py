@@ -1,4 +1,4 @@
-"""KDA, Kimi Delta Attention (spec/kimi-k3.md §4): weights, recurrent state, reference sublayer.
+"""KDA, Kimi Delta Attention (docs/kimi-k3.md §4): weights, recurrent state, reference sublayer.
 
 One decode step per row: low-rank decay gate, short causal depthwise conv on q, k, v, L2 norms,
 the gated delta rule on a [D, D] f32 state per head, output RMSNorm and sigmoid gate. Where the

@@ -1,4 +1,4 @@
-"""MLA decode attention, no RoPE, output-gated (spec/kimi-k3.md §5): weights, KV cache, reference.
+"""MLA decode attention, no RoPE, output-gated (docs/kimi-k3.md §5): weights, KV cache, reference.
 
 Two cache layouts (`cfg.mla_cache_layout`): expanded per-head K and V, as the released kernels
 cache them, or the latent ĉ and k^X shared by all heads with W_kvb absorbed (64x fewer bytes per

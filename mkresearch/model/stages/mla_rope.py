@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MLA (kind "mla_rope"; spec/families.md): multi-head latent attention with the
+"""DeepSeek-V3's MLA (kind "mla_rope"; docs/families.md): multi-head latent attention with the
 decoupled rope key, YaRN, no output gate, the latent cache.
 
     c_q = RMSNorm(bf(x W_qa)); q = bf(c_q W_qb), per head [q^C nope | q^R rope]

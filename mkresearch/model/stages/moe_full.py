@@ -1,5 +1,5 @@
 """The routed MoE on the full hidden width (kind "moe_full": DeepSeek-V3, GLM-4.5, Qwen3;
-spec/families.md): the experts work on x itself, with no latent down/up projection.
+docs/families.md): the experts work on x itself, with no latent down/up projection.
 
     expert_ids, w = route(x)                           `stages.ffn.route`: sigmoid + correction
                                                        bias + group-limited top-k (DeepSeek, GLM)
@@ -11,7 +11,7 @@ spec/families.md): the experts work on x itself, with no latent down/up projecti
                                                        (f32), when cfg.n_shared_experts
 
 Where the public implementations leave the arithmetic to the framework (bf16 sums in some order),
-this reads it as Kimi K3's MoE does (spec/kimi-k3.md §6): f32 sums in ascending expert id, one
+this reads it as Kimi K3's MoE does (docs/kimi-k3.md §6): f32 sums in ascending expert id, one
 rounding of routed + shared. DeepSeek's router divides by Σ + 1e-20; the 1e-20 is left out (it
 does not change an f32 sum of sigmoid scores). Masked experts of the group-limited selection are
 −inf (DeepSeek's inference code), never chosen: top_k <= router_topk_groups · group size is

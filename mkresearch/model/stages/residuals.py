@@ -1,6 +1,6 @@
 """Residual strategies: how a layer's attention and FFN outputs join the hidden state.
 
-attention_mix  Kimi K3 (spec §3): no classic residual stream; each sublayer's input is a learned
+attention_mix  Kimi K3 (docs/kimi-k3.md §3): no classic residual stream; each sublayer's input is a learned
                softmax mix (`numerics.mix`) of block snapshots R_0..R_n and the block's partial
                sum P. Parameters: the folded mix weights of every layer and of the output.
 prenorm        a classic pre-norm residual stream h ← bf(h + sublayer(RMSNorm(h))), as DeepSeek,
