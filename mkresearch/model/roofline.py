@@ -380,7 +380,7 @@ def as_published(cfg: ModelConfig) -> dict:
 
 def mtp_parameters(cfg: ModelConfig) -> int:
     """Parameters of the model's multi-token-prediction modules (DeepSeek-V3: 1), not counted in
-    `parameter_counts`. One module (DeepSeek-V3 §2.2) is a layer of the last layer's kinds with
+    `parameter_counts`. One module (DeepSeek-V3 paper §2.2) is a layer of the last layer's kinds with
     its two norms, the projection of [RMSNorm(h); RMSNorm(embedding)] (2d x d) with those two
     norms, and a final norm; it shares the embedding and the LM head with the main model."""
     if not cfg.n_mtp_layers:
