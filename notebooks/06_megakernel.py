@@ -59,8 +59,9 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # — it rewrites none of them — inside ONE grid-less `pallas_call` per decode step:
 #
 # 1. **one layer of each kind** (KDA + dense FFN, MLA + MoE FFN): the bodies composed on Refs;
-# 2. **the layer loop**: `lax.fori_loop` over layers, `lax.cond` on the layer's kind read from an
-#    SMEM table, per-layer weights as views `stack.at[i]` of the stacked HBM arrays;
+# 2. **the layer loop**: `lax.fori_loop` over layers, a `lax.switch` over the registered stage kinds
+#    on the layer's kind read from an SMEM table, per-layer weights as views `stack.at[i]` of the
+#    stacked HBM arrays;
 # 3. **the cross-layer prefetch ring**: one global weight stream through a ring of VMEM slots, so
 #    the next stage's and the next layer's first weight blocks fly while the current stage computes;
 # 4. **sampling in the same call**: the final mix, norm, LM head tiles and the sampler.
@@ -154,11 +155,12 @@ two_timeline = show_timeline(one_layer["log"], "2 layers, one call")
 # ## 2 · The layer loop
 #
 # The layers are not unrolled in Python: the kernel body is one `lax.fori_loop` whose step reads
-# the layer's kind and its index within the stacked weights from an SMEM table, then
-# `lax.cond`s between the KDA and MLA bodies and between the dense and MoE bodies. So the traced
-# kernel does not grow with the depth. Only the attention-residual mix grows a little with the
-# number of *blocks* (one `lax.switch` branch per possible candidate count, ⌈L / block⌉ + 1): at
-# the same block count, 7 and 9 layers trace to exactly the same kernel.
+# the layer's attention and FFN kinds and their indices within the stacked weights from an SMEM
+# table, then `lax.switch`es over the bodies of the kinds the model uses for each role (here KDA
+# or MLA, then dense or MoE; a model with one kind for a role calls its body directly). So the
+# traced kernel does not grow with the depth. Only the attention-residual mix grows a little with
+# the number of *blocks* (one `lax.switch` branch per possible candidate count, ⌈L / block⌉ + 1):
+# at the same block count, 7 and 9 layers trace to exactly the same kernel.
 
 # %%
 def kernel_equations(cfg, batch=1):

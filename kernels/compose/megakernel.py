@@ -1,19 +1,22 @@
-"""The megakernel: one grid-less `pallas_call` per decode step of a whole Kimi K3 stack.
+"""The megakernel: one grid-less `pallas_call` per decode step of a whole model.
 
-    tokens [B] --DMA row gather--> e = E[token]           R_0 = P = e, R_1.. = 0    (docs/kimi-k3.md §3.1)
+    tokens [B] --DMA row gather--> e = E[token]; the residual strategy starts from e
     for ℓ in fori_loop(0, L):                              one traced layer body, not L copies
-        h  = Mix(𝒜_ℓ; w_attn[ℓ])                          lax.switch on the candidate count
-        R_n ← P  if ℓ mod block == 0
-        a  = lax.cond(is_mla[ℓ], MLA body, KDA body)(RMSNorm(h))   weights: stack.at[index]
-        P  = a  or  bf(P + a)
-        h′ = Mix({R_0..R_n, P}; w_mlp[ℓ])
-        m  = lax.cond(is_moe[ℓ], router + FFN stage body, dense FFN stage body)(RMSNorm(h′))
-        P  = bf(P + m)
-    tokens = sampling body (final mix, norm, LM head tiles, greedy / Gumbel sampling)
+        x = residual.attention_input(ℓ)                    Kimi K3: Mix(𝒜_ℓ; w_attn[ℓ]), RMSNorm
+        lax.switch(attention kind of ℓ, registered attention bodies)(x)
+        x = residual.ffn_input(ℓ, attention output)        Kimi K3: P update, Mix, RMSNorm
+        lax.switch(FFN kind of ℓ, registered FFN bodies)(x)
+        residual.after_ffn(FFN output)                     Kimi K3: P = bf(P + m)
+    tokens = sampling body (the head's mix and norm, LM head tiles, greedy / Gumbel sampling)
 
-Every stage is the stage kernel's own body function (`kernels/stages/kda.py`, `mla.py`, `router.py`,
-`experts.py`, `sampling.py`), called on Refs: per-layer weights are views `stack.at[i]` of the
-stacked HBM arrays, with `i` the layer's index within its kind, read from an SMEM layer table.
+The layer's kinds and their indices come from an SMEM layer table (`weight_stream.TABLE_FIELDS`):
+a `lax.switch` over the kinds the model uses for that role (none when it uses one: its body is
+called directly), so the traced kernel does not grow with the depth. Each branch is the
+registered kind's own stage-kernel body (`kernels/stages/`: kda, mla, gqa, mla_rope, the FFN
+kinds, sampling; `kernels.base.registry`), called on Refs: per-layer weights are views
+`stack.at[i]` of the stacked HBM arrays, with `i` the layer's index within its kind. The residual
+strategy (`kernels/stages/residuals.py`: Kimi K3's attention residuals, docs/kimi-k3.md §3, or a
+pre-norm stream) owns the hidden state between the stages and loads its per-layer vectors first.
 Caches and states are updated in place (input_output_aliases); activations never leave VMEM.
 
 Weights stream HBM->VMEM through ONE global ring (`kernels/base/weight_stream.py`) that runs across
