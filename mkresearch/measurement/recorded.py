@@ -52,12 +52,12 @@ RECORDED_SHARDED = (("kimi-k3", 32, "ours", 1, "tpu7x"),
 # Config overrides of a sharded record: in exact mode on 32 ranks Qwen3's FFN streams one block
 # (its router, [4096, 128], whole on every rank; no shared expert), so the ring's lookahead
 # (ring_depth - 1 blocks) may be 1 at most there: make_sharded_plan refuses its preset depth 3
-# (partial-sum mode picks its own depth, `megakernel_sharded.ring_depth`: 14 slots)
+# (partial-sum mode picks its own depth, `megakernel_sharded.ring_depth`)
 SHARDED_OVERRIDES = {"qwen3-235b-a22b": {"ring_depth": 2}}
 # The collectives a sharded record is compiled with: the kernel's default, partial sums, unless a
 # model is listed here with another mode (one whose partial-sum VMEM plan would not fit). None is:
-# DeepSeek-V3's partial-sum plan needs 52.88 MiB of TPU7x's 60 MiB with the 8-slot ring, and its
-# ring is deepened to 10 slots within them (56.38 MiB: `megakernel_sharded.ring_depth`)
+# each model's ring is deepened within TPU7x's 60 MiB (`megakernel_sharded.ring_depth`); its VMEM
+# plan: `mkresearch compile MODEL --ranks 32`, or the record `make recorded` writes
 SHARDED_COLLECTIVES: dict[str, str] = {}
 
 

@@ -15,6 +15,8 @@ uniform (`uniform_programs`): equal layers, its 4 collectives per layer (o-proj 
 pre-MoE all-gather, expert all-reduce, post all-gather; all-reduces as one-shot reduce-scatter +
 all-gather), ASSUMPTIONS: d = 7168 and Kimi K3's vocabulary for the LM head (the fixed bytes).
 `ours_table()`: our layout with our schedule and with the release's, beside the published.
+The figures quoted here are the release's own; the predictions are printed, never typed in:
+`mkresearch predict kimi-k3 --validate` (validation, sensitivity, leave-one-out), notebook 09.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ step, whatever the overlap with the weight stream. E.g. whether "at most 200 col
 most 4.6 GB per rank" and "at most 2.5 ms" can hold together. Bytes are the per-rank bytes
 `layout_bytes.rank_bytes` counts (the most any rank reads). A merged reduction (the shared
 experts' partial sums in the routed experts') is priced as the one it joins: a lower bound.
+`mkresearch plan MODEL --ranks N` prints the collectives, the frontier and the bounds.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 each rank move", for the kernel as built (the sharded megakernel, `kernels/compose/
 megakernel_sharded.py`), naming its layout, collectives and rank count.
 
-`decode`, `bench`, `info` and `predict` print `FullSizeStep.line()` of `full_size_step(...)`, the
-README and the notebooks quote it; nothing else computes a full-size step time or per-rank bytes.
+`decode`, `bench`, `info` and `predict` print `FullSizeStep.line()` of `full_size_step(...)` and
+the notebooks print it (the README and docs/prediction.md §6 show the commands); nothing else
+computes a full-size step time or per-rank bytes.
 The step is the scale-out timeline model's (`scale_out.predict`: every rank's program simulated
 together, collectives priced on the slice's links), the bytes are the layout's per-rank bytes
 (`layout_bytes.rank_bytes`, what `info --ranks` tabulates). Both are predictions, not measured.

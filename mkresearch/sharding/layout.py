@@ -34,15 +34,16 @@ the other groups split in chunks of 128 lanes (the FFN hidden in partial-sum mod
 `Layout._chunk`): slice i is columns [i·c, (i+1)·c) of the axis zero-padded to ways·c, and an
 axis no longer than one chunk stays whole (W_fa's 128 columns, mini's router). Our layout
 rotates the chunks of model_cols, down_cols and moe_latent (`start`, `rotations`): the ranks
-holding only padding of one matrix hold real chunks of another (Kimi K3 on 32 ranks: 4.51 GB per
-rank at B = 1, not 4.68).
+holding only padding of one matrix hold real chunks of another (what each rank then reads:
+`mkresearch info kimi-k3 --ranks 32`).
 
 Two layouts:
     release  docs/kimi-k3.md §9, the public kernels: 3 heads and 5120 vocab rows per rank, EP 8 x ETP 4, the
              FFN hidden sliced (dense 1056 -> 1152, shared 192 -> 256), the MoE latent sliced;
              the router and the attention's latent down-projections (down_cols) whole on every
              rank (an ASSUMPTION: §9 does not say); routed experts in the released format (FP8 gate/up, MXFP4 down, docs/kimi-k3.md §7).
-             At full size: 7.0 GB of weights per rank at B = 1 (docs/kimi-k3.md §9: ≈ 6.97).
+             Its bytes per rank (`mkresearch info kimi-k3 --ranks 32`) stand beside the
+             release's own ≈ 6.97 GB (docs/kimi-k3.md §9).
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
 
@@ -101,7 +102,8 @@ PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATE
 CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
 # groups the release keeps whole on every rank: the router and the latent down-projections.
 # ASSUMPTION: docs/kimi-k3.md §9 does not say how they split (docs/collectives.md splits the router's scores
-# between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
+# between siblings); kept whole, a rank's bytes (`mkresearch info kimi-k3 --ranks 32`) come
+# closest to §9's ≈ 6.97 GB
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 # our layout rotates these groups' column chunks (`rotations`): no reduction adds over them
 ROTATED_GROUPS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
@@ -275,8 +277,8 @@ def rotations(lay: Layout) -> dict[str, int]:
     the ranks holding only padding of one matrix hold the real column chunks of another: the
     per-rank bytes of the partial-sum layout `lay` (start 0 everywhere) with the least maximum
     (then the least sum of squares), each group's start in turn, three rounds. Kimi K3 on 32
-    ranks: W_lu's 28 chunks from rank 3 on, the router's, W_qa's and W_kva's from rank 28 on:
-    4.51 GB per rank at B = 1 (4.68 GB unrotated)."""
+    ranks: W_lu's 28 chunks from rank 3 on, the router's, W_qa's and W_kva's from rank 28 on
+    (the bytes per rank: `mkresearch info kimi-k3 --ranks 32`)."""
     vectors = {g: _slice_bytes(lay, g) for g in ROTATED_GROUPS if lay.ways(g) == lay.n_ranks}
     starts, ranks = dict.fromkeys(vectors, 0), np.arange(lay.n_ranks)
 

@@ -27,8 +27,8 @@ every rank. A rank skips its slices of padding only (`zero_only`; the kernel's
 takes their products as zeros, so no rank streams a slice that is only padding, and a rank's bytes
 (`layout_bytes.rank_bytes(..., rank=r)`) are its real slices (a slice partly past its axis' end,
 e.g. W_kva's chunk 4 on 32 ranks, streams its tail of zeros). The bytes per rank the step is
-priced at are the most any rank reads (4.51 GB for Kimi K3 on 32 ranks at B = 1, ranks 0 and
-28-30; rank 31 reads 4.34 GB; 4.94 GB with whole-lane hidden chunks and no rotation).
+priced at are the most any rank reads (`layout_bytes.rank_bytes(..., rank=None)`; every rank's:
+`mkresearch info kimi-k3 --ranks 32`).
 
 Why the other chunks are whole lane tiles: HBM stores a bf16 array in tiles of 16 rows x 128
 lanes (`tiled_nbytes`), so a column slice narrower than a lane tile is not read for less. An even
