@@ -336,13 +336,13 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # shared expert's reduction (no gather of their own); one all-gather carries the router's and
 # W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
 # honestly, every collective: the ~188 of the release (docs/collectives.md) count only its two
-# reductions per layer; our model of its layout, gathers and sibling swaps included, issues 650
-# (`mkresearch predict kimi-k3 --ranks 32`, its colls column). The FFN hidden splits in
+# reductions per layer; our model of its layout, gathers and sibling swaps included, issues far
+# more (`mkresearch predict kimi-k3 --ranks 32` counts them in its colls column). The FFN hidden splits in
 # half-lane chunks (the shared experts' 192 columns on every rank, gate and up streamed as one
 # [d, 384] matrix: `kernels/stages/gate_up.py`), the column chunks of W_lu, the router, W_qa and
 # W_kva are rotated off the ranks holding W_ld's (`layout.rotations`), and a rank whose chunk of a
-# matrix is only padding skips it (`layout_split.streamed_zeros`): the 4.51 GB below are the most
-# any rank reads (4.94 GB before, with whole-lane chunks on rank 0). Not built yet: hiding the
+# matrix is only padding skips it (`layout_split.streamed_zeros`): the GB/rank column below is the
+# most any rank reads. Not built yet: hiding the
 # shared expert's reduction under the routed experts' stream. The
 # prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
 # every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
@@ -373,8 +373,9 @@ assert by_mode["partial-sum", 1]["rank_gb"] < by_mode["exact", 1]["rank_gb"]
 # streams weights (blue) and where a collective is outstanding (red, from its issue to its
 # completion). HBM should stay busy under the red. In partial-sum mode a rank's ring is as deep as
 # its VMEM allows (`megakernel_sharded.ring_depth`: the deepest of at least 8 slots whose whole VMEM
-# plan leaves 2 MiB spare; 23 slots at B = 1, so 22 weight blocks of 2 MiB are in flight when a
-# collective is waited for; 16 at B = 8); the exact mode keeps the preset's 3. It covers part of
+# plan leaves 2 MiB spare, so all its blocks but one are in flight when a collective is waited
+# for; `mkresearch predict kimi-k3 --explain` prints the depth at each batch); the exact mode keeps
+# the preset's 3. It covers part of
 # the outstanding time: the rest waits for the collectives' latency.
 
 # %%

@@ -56,7 +56,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # The release publishes Kimi K3 on 16 TPU7x chips (32 cores): 249 / 392 / 515 / 865 tok/s at
 # B = 1 / 2 / 4 / 8, i.e. 4.0 / 5.1 / 7.8 / 9.25 ms per step. Each core reads ≈ 6.97 GB per step
 # at B = 1: an HBM floor of ≈ 1.9 ms. **Where do the other 2.1 ms go?** And what would our layout
-# (notebook 08: 4.9 GB per rank) reach on the same 16 chips?
+# (notebook 08: fewer bytes per rank) reach on the same 16 chips?
 #
 # The timeline model of notebooks 01 and 07 simulates one core from its DMA log. Here it runs
 # **every rank's program together** (`mkresearch.prediction.scale_out_sim`): each rank streams its weights
@@ -173,10 +173,11 @@ assert sum(not r["within"] for r in validation) == 1  # Kimi K3 at B = 4 (below)
 
 # %% [markdown]
 # Six of seven points land within 15 % (four within 10 %) with nothing fitted to a step. The
-# miss is **Kimi K3 at B = 4**: 6.6 ms predicted against 7.77. The published step grows 2.7 ms
-# from B = 2 to B = 4 and only 1.5 ms from 4 to 8 (where the release switches to
-# reduce-scatter); the model grows 1.4 ms each time. Something that costs the release ≈ 1.2 ms
-# at B = 4 and is gone at B = 8 is missing from the model: per-row work the model does not
+# miss is **Kimi K3 at B = 4**: predicted well below the published 7.77 ms. The published step
+# grows 2.7 ms from B = 2 to B = 4 and only 1.5 ms from 4 to 8 (where the release switches to
+# reduce-scatter); the model's grows about as much from 2 to 4 as from 4 to 8 (the table above).
+# Something that costs the release time at B = 4 and is gone at B = 8 is missing from the
+# model: per-row work the model does not
 # price (top-k selection pick by pick, per-row issue of one-shot messages), or a link limit of
 # the one-shot's larger messages (45 GB/s per core and link, measured, against the fit's shared
 # 100 GB/s). It is named here, not tuned away. A what-if (not the model) shows the link alone is
@@ -190,8 +191,8 @@ print("what-if, every link at 45 GB/s (not the model): " + ", ".join(
 
 # %% [markdown]
 #
-# The second model's 4 collectives per layer cost 13.9 µs predicted; the release measured
-# "~14 µs of a ~55 µs layer" — a check the model was not fitted to:
+# The second model's 4 collectives per layer, predicted below, against the release's measured
+# "~14 µs of a ~55 µs layer": a check the model was not fitted to:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -247,13 +248,14 @@ assert sensitivity["ranges"]["Kimi K3 B=4"][1] < 0.9
 #
 # Our megakernel's exact mode (notebook 08) is **bit-equal** to one device: every matrix splits
 # by output columns and its chunks are all-gathered; each expert's hidden slice is gathered in its
-# ETP group; the experts' sum runs down the chain of expert groups. That is ≈ 1,071 collectives
-# per rank per step at B = 1 instead of the release's 650 (most of them sibling swaps and
-# gathers). Its partial-sum mode (the default; notebook 08 §6) splits W_o, W_down and the
+# ETP group; the experts' sum runs down the chain of expert groups: far more collectives per rank
+# and step than our model of the release's program, whose own are mostly sibling swaps and
+# gathers (`mkresearch predict kimi-k3 --ranks 32` counts both in its colls column). Its partial-sum mode (the default; notebook 08 §6) splits W_o, W_down and the
 # experts' W2 by rows and reduces their partial sums instead, W_lu's column chunks riding in the
 # shared expert's reduction, one all-gather for the router's and W_ld's chunks and one for
-# W_qa's and W_kva's: 396 collectives, and a weight ring as deep as VMEM allows (17 slots at
-# B = 1: 16 blocks in flight while a collective is waited for). Both are read from the kernel's
+# W_qa's and W_kva's: far fewer collectives, and a weight ring as deep as VMEM allows (all its
+# blocks but one in flight while a collective is waited for; `mkresearch predict kimi-k3
+# --explain` prints its depth). Both are read from the kernel's
 # own collective schedule, each collective priced by the algorithm the model picks for it.
 # Beside them: our layout under the release's schedule — bf16 partial sums, 12 banks, 4 expert
 # slots.
@@ -293,11 +295,11 @@ assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"
 
 # %% [markdown]
 # **The honest answer.** Our kernel's exact mode would *not* beat the release at full size: its
-# bit-exact design pays a collective around every split matrix, ≈ 4.6 ms of exposed messages at
-# B = 1 against a 1.35 ms floor. Its partial-sum mode, as the kernel now builds it, is faster at
-# every batch and beats the published step at every batch (≈ 3.3 ms at B = 1, 4.51 GB per rank),
-# but not the 2.5 ms target: at 32 ranks the phases of ≈ 400 collectives, each waited for right
-# after it is issued with the ring's 16 blocks in flight, still dominate the step.
+# bit-exact design pays a collective around every split matrix: at B = 1 its exposed messages
+# dominate its step beyond the HBM floor (the lines above). Its partial-sum mode, as the kernel now
+# builds it, is faster at every batch and beats the published step at every batch (the table
+# above), but not the 2.5 ms target: at 32 ranks the phases of its collectives, each waited for
+# right after it is issued with the ring's blocks in flight, still dominate the step.
 # The picture (`make figures` writes it as figures/scale_out.png):
 
 # %%

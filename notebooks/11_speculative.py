@@ -306,8 +306,8 @@ for r in speculative_predict.release_rows(full):
 print(widgets.format_table(table, list(table[0]), digits=1))
 
 # %% [markdown]
-# The verify step of 8 rows costs what the plain step of 8 rows costs (notebook 09: 7.9 ms
-# predicted against the published 9.25, nothing fitted to a step time). Both speculative points
+# The verify step of 8 rows costs what the plain step of 8 rows costs (notebook 09 predicts that
+# step against the published 9.25 ms, nothing fitted to a step time). Both speculative points
 # land within 10 % of the published tok/s: out of sample, the published speculative numbers
 # agree with "one 8-row verify step, one weight pass". How tok/s grows with the acceptance
 # length, under two draft policies:
