@@ -42,7 +42,7 @@ def test_both_checkers_are_pointed_at_it():
     mypy.read(ROOT / "mypy.ini")
     assert mypy["mypy"]["mypy_path"] == STATIC
     text = (ROOT / "pyrightconfig.json").read_text()
-    pyright = json.loads(re.sub(r"^\s*//.*$", "", text, flags=re.M))  # JSON with comments
+    pyright = json.loads(re.sub(r"^\s*//.*$", "", text, flags=re.MULTILINE))  # with comments
     assert pyright["extraPaths"] == [STATIC]
 
 

@@ -88,6 +88,7 @@ def _listed(values: Sequence[int]) -> str:
 def add_model(p: argparse.ArgumentParser, default: str | None = None) -> None:
     """MODEL, positional: a preset or '<preset>-rank' (`layout.named_config`)."""
     names = ", ".join(layout.config_names())
+    p.usage = f"{p.prog} {'[MODEL]' if default else 'MODEL'} [options]  (see the examples below)"
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help=f"one of {names}" + (f" (default {default})" if default else ""))
     p.add_argument("--model", dest=MODEL_OPTION, action=_OldSpelling, default=None,
