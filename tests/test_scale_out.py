@@ -403,7 +403,7 @@ def test_predict_command_table(capsys):
     (["predict", "kimi-k3", "--ranks", "7"], "n_ranks=7 is invalid"),
     (["predict", "kimi-k3", "--chip", "v5e"], "n_ranks=32 is invalid for chip='v5e'"),
     (["predict", "kimi-k3", "--batch", "1,x"], "--batch '1,x' is invalid"),
-    (["predict", "kimi-k3", "--batch", "0"], "--batch must be an int >= 1"),
+    (["predict", "kimi-k3", "--batch", "0"], "--batch 0 is invalid: an int >= 1"),
     (["predict", "kimi-k3", "--rank-layout", "mine"], "invalid choice"),
 ])
 def test_predict_command_refuses_bad_input(argv, message, capsys):
