@@ -145,6 +145,29 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, extra, message):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": "yarn"}, "config.json: rope_scaling='yarn' is invalid: a JSON object"),
+    ({"hidden_size": [256]}, "config.json: hidden_size=[256] is invalid: an int"),
+    ({"num_hidden_layers": "three"}, "config.json: num_hidden_layers='three' is invalid: an int"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling={'type': 'yarn', 'factor': "
+     "4.0} is not supported: none for GQA models"),
+])
+def test_bad_config_json_is_one_line_naming_the_field(checkpoint, tmp_path, capsys, change,
+                                                      message):
+    """config.json values of the wrong type: one line naming the file and the field, exit 2
+    (were a TypeError, an AttributeError and a ValueError naming neither). DeepSeek's YaRN
+    without original_max_position_embeddings reads as transformers reads it:
+    tests/test_checkpoint_hf.py."""
+    directory, _, _ = checkpoint
+    for path in directory.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((directory / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    assert cli.main(["decode", "--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 def _text(directory, cfg, generated):
     tokenizer = load_tokenizer(directory)
     stream = TextStream(tokenizer, encode(tokenizer, PROMPT, cfg.vocab_size))
