@@ -196,7 +196,7 @@ for i in range(N_TOKENS - 1):
     token = int(np.asarray(next_token)[0])
     tokens.append(token)
     print(stream.push(token), end="", flush=True)
-print()
+print(stream.end())  # a character the tokens stop inside comes out as replacement characters
 
 # %%
 # NBVAL_CHECK_OUTPUT

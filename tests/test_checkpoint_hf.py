@@ -38,6 +38,7 @@ import transformers
 from mkresearch.kernels.compose import megakernel as mk
 
 from mkresearch.checkpoint import loader as checkpoint
+from mkresearch.checkpoint.tokenizer import TextStream
 from mkresearch.model import hf_fields
 from mkresearch.model import prefill as chunked
 from mkresearch.model import reference, sampling
@@ -229,3 +230,26 @@ def test_fp8_qwen3_with_d_model_off_the_fp8_blocks_matches_transformers(tmp_path
     diff = np.abs(ours - theirs).max()
     print(f"\nqwen3_moe FP8, d_model 384: max |logit diff| vs transformers {diff:.3f}")
     assert diff <= LOGIT_BOUND
+
+
+@pytest.mark.parametrize("text, cut", [("a ✓", 2), ("a ✓", 3), ("x ✓ café", 7), ("x ✓ café", 9)])
+def test_text_stream_prints_what_transformers_prints(tmp_path, capsys, text, cut):
+    """Generated ids streamed through our TextStream and through transformers' TextStreamer
+    (the same tokenizer.json): the same text, also when the ids stop inside a multi-byte
+    character (replacement characters, and the space held with them)."""
+    import torch
+    from test_tokenizer import split_character_tokenizer
+
+    tokenizer = split_character_tokenizer()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    ids = tokenizer.encode(text).ids[:cut]
+    prompt, generated = ids[:1], ids[1:]
+    streamer = transformers.TextStreamer(fast, skip_prompt=True)
+    streamer.put(torch.tensor([prompt]))  # the prompt, skipped
+    for token in generated:
+        streamer.put(torch.tensor([token]))
+    streamer.end()
+    theirs = capsys.readouterr().out
+    stream = TextStream(tokenizer, prompt)
+    assert "".join(stream.push(t) for t in generated) + stream.end() + "\n" == theirs

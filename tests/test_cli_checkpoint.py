@@ -58,7 +58,7 @@ def test_decode_streams_the_reference_greedy_text(checkpoint, capsys):
         tokens.append(int(np.asarray(step)[0].argmax()))
     assert result["generated"] == tokens
     stream = TextStream(tokenizer, ids)
-    assert result["text"] == "".join(stream.push(t) for t in tokens)
+    assert result["text"] == "".join(stream.push(t) for t in tokens) + stream.end()
     # without --json: the prompt, then each token's text as it comes, on stdout
     assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", PROMPT, "--steps", "3",
                      "--backend", "reference"]) == 0
@@ -171,7 +171,7 @@ def test_bad_config_json_is_one_line_naming_the_field(checkpoint, tmp_path, caps
 def _text(directory, cfg, generated):
     tokenizer = load_tokenizer(directory)
     stream = TextStream(tokenizer, encode(tokenizer, PROMPT, cfg.vocab_size))
-    return PROMPT + "".join(stream.push(t) for t in generated)
+    return PROMPT + "".join(stream.push(t) for t in generated) + stream.end()
 
 
 @pytest.mark.slow

@@ -138,6 +138,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             generated.append(token)
             write(stream.push(token))
         jax.block_until_ready(state)
+    write(stream.end())  # a character the tokens stop inside: its replacement characters
     decode_seconds = time.perf_counter() - started
     result = _result(cfg, backend, args, prompt_ids, generated, stream,
                      {"load": load_seconds, "prefill": prefill_seconds, "decode": decode_seconds})
@@ -160,7 +161,7 @@ def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], 
 
     def text(ids: Sequence[int]) -> str:
         stream = TextStream(tokenizer, prompt_ids)
-        return args.prompt + "".join(stream.push(i) for i in ids)
+        return args.prompt + "".join(stream.push(i) for i in ids) + stream.end()
 
     loaded = Loaded(lambda: load_params(args.checkpoint, cfg, progress=progress),
                     np.asarray([prompt_ids], np.int32), text)
