@@ -39,9 +39,8 @@ from mkresearch.kernels.compose import megakernel as mk
 
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream
-from mkresearch.model import hf_fields
+from mkresearch.model import hf_fields, reference, sampling
 from mkresearch.model import prefill as chunked
-from mkresearch.model import reference, sampling
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
 SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 1  # one megakernel step each: make test's budget

@@ -149,8 +149,8 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, extra, message):
     ({"rope_scaling": "yarn"}, "config.json: rope_scaling='yarn' is invalid: a JSON object"),
     ({"hidden_size": [256]}, "config.json: hidden_size=[256] is invalid: an int"),
     ({"num_hidden_layers": "three"}, "config.json: num_hidden_layers='three' is invalid: an int"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling={'type': 'yarn', 'factor': "
-     "4.0} is not supported: none for GQA models"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "rope_scaling={'type': 'yarn', 'factor': 4.0} is not supported: none for GQA models"),
 ])
 def test_bad_config_json_is_one_line_naming_the_field(checkpoint, tmp_path, capsys, change,
                                                       message):

@@ -180,8 +180,8 @@ def test_bench_workload_prints_the_table(synthetic_data, monkeypatch, capsys, tm
     ("prompt_len,output_len,arrival\n5,3\n", "line 2 is invalid: 2 values, the header names 3"),
     ('[{"prompt_len": 5, "output_len": 3, "arrival": 0, "seed": 4294967296}]',
      "workload 'trace.json' request 0: seed=4294967296 is invalid: an int in [0, 4294967296)"),
-    (b"prompt_len,output_len,arrival\n5,3,0 \xe9\n", f"workload '{{path}}' is not UTF-8 text: "
-     "byte 36 is 0xe9"),
+    (b"prompt_len,output_len,arrival\n5,3,0 \xe9\n",
+     "workload '{path}' is not UTF-8 text: byte 36 is 0xe9"),
 ])
 def test_bad_trace_input_is_one_line(tmp_path, capsys, content, reason):
     path = tmp_path / "trace.json"

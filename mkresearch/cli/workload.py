@@ -80,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
 def title_lines(model: str, requests: int, batch: int, pages: paged_kv.PagedKVConfig,
                 step: str) -> list[str]:
     """The table's title and column header."""
-    return [f"{model}: {requests} requests over {batch} slots, {pages.n_pages} pages of "
-            f"{pages.page_size} tokens, step {step}",
-            f"{'step':>5} {'slots':>6} {'pages held':>10} {'filled':>6}  {'joined':<10} "
-            f"{'left':<10} {'s here':>7} {'TPU ms':>7}"]
+    title = (f"{model}: {requests} requests over {batch} slots, {pages.n_pages} pages of "
+             f"{pages.page_size} tokens, step {step}")
+    header = (f"{'step':>5} {'slots':>6} {'pages held':>10} {'filled':>6}  {'joined':<10} "
+              f"{'left':<10} {'s here':>7} {'TPU ms':>7}")
+    return [title, header]
 
 
 def step_line(s: dict, batch: int, n_pages: int) -> str:
@@ -94,20 +95,21 @@ def step_line(s: dict, batch: int, n_pages: int) -> str:
             f"{s['seconds']:>7.3f} {predicted:>7}")
 
 
-def _number(value: float | None, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def total_lines(summary: dict) -> list[str]:
     """The totals under the table (a run_workload summary); a run with no decode step (every
     request done at its prefill) says so."""
-    lines = [f"{summary['tokens']} tokens in {summary['seconds_here']:.2f} s here "
+    speed = (f"{summary['tokens']} tokens in {summary['seconds_here']:.2f} s here "
              f"({summary['prefill_seconds_here']:.2f} s of it prefill, compiles included): "
              f"{_number(summary['tokens_per_s_here'], '.1f')} tokens/s, median step "
-             f"{_number(summary['median_step_s_here'], '.3f')} s ({summary['platform_label']})",
-             f"occupancy: slots {summary['mean_slot_occupancy']:.0%}, pages "
-             f"{summary['mean_page_occupancy']:.0%} (mean over {summary['decode_steps']} "
-             f"steps); longest wait {summary['max_wait_steps']} steps"]
+             f"{_number(summary['median_step_s_here'], '.3f')} s ({summary['platform_label']})")
+    occupancy = (f"occupancy: slots {summary['mean_slot_occupancy']:.0%}, pages "
+                 f"{summary['mean_page_occupancy']:.0%} (mean over {summary['decode_steps']} "
+                 f"steps); longest wait {summary['max_wait_steps']} steps")
+    lines = [speed, occupancy]
     if summary["ended_at_prefill"]:
         lines.append(f"done at their prefill (one token, no decode step): "
                      f"{_ids(summary['ended_at_prefill'])}")

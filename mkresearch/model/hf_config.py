@@ -25,7 +25,7 @@ import mkresearch.model.stages  # noqa: F401 - registers the kinds whose checks 
 from mkresearch.model import config as config_module
 from mkresearch.model import spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.model.hf_fields import (  # noqa: F401 - CheckpointError re-exported
+from mkresearch.model.hf_fields import (  # CheckpointError: re-exported
     CONFIG_FILE,
     LINEAR_ATTN_DEFAULTS,
     CheckpointError,
