@@ -113,8 +113,8 @@ for field, source in tl.timeline_chip("tpu7x").sources.items():
 #
 # ## The problem
 #
-# `x [8, 4096] @ W [4096, 1024]` in bf16: an 8 MiB weight, a 64 KiB activation. We cut `W` into
-# row blocks of `block_k = 512` rows (1 MiB each, one contiguous HBM window) and accumulate
+# `x [8, 4096] @ W [4096, 1024]` in **bf16** (bfloat16: 16-bit floats with f32's exponent range): an
+# 8 MiB weight, a 64 KiB activation. We cut `W` into row blocks of `block_k = 512` rows (1 MiB each, one contiguous HBM window) and accumulate
 # `x[:, block] @ W[block, :]` into an f32 `[8, 1024]` accumulator that stays in VMEM.
 
 # %%

@@ -68,7 +68,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # write the in-place cache write. After each, the package's kernel (`kernels/stages/mla.py`,
 # `kernels/stages/kda.py`) is shown with what it adds, and run against the reference. Then it
 # measures KV bytes from the DMA log and compiles both kernels for TPU7x at the shapes of one of
-# the 32 ranks of the released layout. Terms are also in
+# the 32 **ranks** (TensorCores, each with its share of the weights) of the released layout. Terms
+# are also in
 # [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
 
 # %%
@@ -132,8 +133,9 @@ def check(name, got, want, tol=2e-3):
 
 # %% [markdown]
 # ### Step 1 · naive: the whole cache in VMEM
-# The simplest kernel: the default BlockSpecs copy all of K and V into VMEM before the body runs,
-# and the body does one masked softmax. It is correct, but it reads all `S` tokens whatever the
+# The simplest kernel: the default BlockSpecs copy all of K and V into VMEM before the body runs
+# (the position goes to **SMEM**, the scalar core's memory, where a kernel keeps loop bounds and
+# indices), and the body does one masked softmax. It is correct, but it reads all `S` tokens whatever the
 # position, and the cache must fit in VMEM: at Kimi K3 shapes one row's expanded cache for a 32k
 # context is 96 heads × 32768 × 384 × 2 B = 2.4 GB, against 64 MiB of VMEM.
 
@@ -316,8 +318,9 @@ assert not tpu.races_found()
 # an arbitrary position. Write `my_write_entry_kernel`: read the aligned 16-row block holding `p`
 # into the VMEM scratch `block`, replace its row `p mod 16` with `entry`, and write the block
 # back. The check runs it at positions 77, 127 and 0 against `cache.at[p].set(entry)`, race-checked,
-# and compiles it with the real Mosaic compiler for TPU7x (`tpu.compile_for`): interpret mode
-# accepts a one-row DMA at any position, the compiler refuses it as the chip would.
+# and compiles it for TPU7x with **Mosaic** (the compiler from a Pallas TPU kernel to TPU code, run
+# here on the CPU by `tpu.compile_for`): interpret mode accepts a one-row DMA at any position,
+# Mosaic refuses it as the chip would.
 
 # %%
 def my_write_entry_kernel(position_ref, entry_ref, cache_hbm, cache_out_hbm, block, sem):

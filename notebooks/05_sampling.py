@@ -53,9 +53,11 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 05 · The tail of a decode step: final norm, LM head and sampling in one kernel
 #
-# The last stage of a Kimi K3 decode step mixes the attention-residual snapshots one final time,
-# normalises, multiplies by the **LM head** — at 163840 × 7168 bf16 (2.35 GB) the largest single
-# matrix of the model — and turns the **logits** (one score per vocabulary token) into a token.
+# The last stage of a Kimi K3 decode step mixes the **attention-residual** snapshots one final time
+# (instead of a plain residual sum, Kimi K3 mixes the outputs of earlier blocks with softmax
+# weights computed from them; notebook 06), normalises, multiplies by the **LM head** — at
+# 163840 × 7168 bf16 (2.35 GB) the largest single matrix of the model — and turns the **logits**
+# (one score per vocabulary token) into a token.
 # Writing the `[B, V]` logits to HBM and sampling them in a separate XLA program costs a round
 # trip and a launch per step. The released kernels do greedy inside the kernel but top-p outside it.
 #

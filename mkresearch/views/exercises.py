@@ -22,25 +22,28 @@ HOLDS, FAILS = "✓", "✗"
 def check(name: str, verify: Callable[[], Any]) -> bool:
     """Run `verify()` and print whether the answer to exercise `name` holds; True if it does.
 
-    NotImplementedError: not written yet; AssertionError: the answer does not hold (its message
-    says why); any other exception: the answer crashed (its type and first line; the simulated
+    NotImplementedError: not written yet; AssertionError: the answer does not hold (the first
+    line of its message says why); any other exception: the answer crashed (its type and first line; the simulated
     TPU is reset, as after any failed interpreted kernel)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name={name!r} is invalid: a non-empty string naming the exercise")
     if not callable(verify):
-        raise ValueError(f"verify={verify!r} is invalid: a function of no arguments that asserts")
+        raise ValueError(f"verify={verify!r} is invalid: a function of no arguments that asserts")  # noqa: TRY004
     try:
         verify()
     except NotImplementedError:
         print(f"{FAILS} {name}: not written yet: fill in the cell above, run it, then run this one")
         return False
     except AssertionError as error:
-        print(f"{FAILS} {name}: does not hold yet: {error}")
+        print(f"{FAILS} {name}: does not hold yet: {_first_line(error) or 'an assert failed'}")
         return False
     except Exception as error:  # noqa: BLE001 - the reader's code: report it, never stop "Run all"
         tpu.reset_interpret_state()
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        print(f"{FAILS} {name}: raised {type(error).__name__}: {first_line}")
+        print(f"{FAILS} {name}: raised {type(error).__name__}: {_first_line(error)}")
         return False
     print(f"{HOLDS} {name}: holds")
     return True
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
