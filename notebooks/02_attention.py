@@ -386,9 +386,9 @@ assert exercises.check("the new entry in place", lambda: check_write_entry(write
 # The kernel `mla.mla_attention` does the whole sublayer from the normalised input `x`, with the
 # steps above as its core. What it adds around them:
 #
-# * **projections**: `q`, the latent `ĉ` and `k^X` (the 64 key values every head shares), the
-#   output gate, and after attention `W_o`: weights streamed HBM → VMEM in row blocks through
-#   `dma.Ring`s, logged;
+# * **projections**: `q`, the latent `ĉ` and `k^X` (the part of the key every head shares), the
+#   output gate, and after attention `W_o`: weights streamed HBM → VMEM in row blocks by DMA
+#   (`blocks.stream_matmul`; in the megakernel, one weight ring for the whole step), logged;
 # * **a batch**: a `fori_loop` over rows, each at its own position (its own tile count), and
 #   every head of a row over the same tiles;
 # * **the in-place write** of the new entry, your exercise (`kv_update.patch_block`), for both
