@@ -8,8 +8,9 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, scale_out, scale_out_sim, topology
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import topology
+from mkresearch.prediction import calibration, scale_out, scale_out_sim
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline_events import CollectiveEvent, LogEvent
 from mkresearch.prediction.timeline_ranks import PARTS, simulate_ranks
 from mkresearch.sharding import layout as layouts

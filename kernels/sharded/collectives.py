@@ -13,7 +13,7 @@ logged by `dma.RemoteCopy`); a stage's weight stream on a rank: `sharded_stream.
   combine_items  exact mode: the routed experts' weighted sum in ascending expert id, passed down
                  the chain of expert groups (the single-device order, bit for bit), the last
                  group's sum all-gathered
-  reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products
+  reduce         partial-sum mode (`kernels/sharded/plan.py`): partial products
                  [B, N] of a matrix split by its rows (and the routed experts' sum) added in one
                  fixed order on every rank, sent one-shot or in levels (`levels`: two-level,
                  rs-ag); column chunks needed only at the stage's end (`Rule.rides`: W_lu) ride
@@ -43,14 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.sharded import sharded_stream
-from mkresearch.kernels.sharded.levels import (
-    ONE_SHOT,
-    LevelBuffers,
-    LevelReductions,
-    Levels,
-    plan_levels,
-)
-from mkresearch.kernels.sharded.rules import Rule, expert_sum_merged
+from mkresearch.kernels.sharded.levels import LevelBuffers, LevelReductions, Levels, plan_levels
+from mkresearch.kernels.sharded.plan import ONE_SHOT, Rule, ShardingPlan, expert_sum_merged
 from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
@@ -82,10 +76,10 @@ class ShardPlan:
     layout: Layout
     batch: int
     channels: tuple[Channel, ...]
-    rules: tuple[Rule, ...]
+    rules: tuple[Rule, ...]  # the sharding plan's (`plan.collective_rules`)
     expert_items: int  # the most routed experts a rank computes in one layer: min(E_loc, B·k)
     expert_latent: int  # a rank's columns of an expert's output (the latent / ETP)
-    mode: str = "exact"  # or "partial-sum" (`kernels/compose/collective_schedule.py`)
+    mode: str = "exact"  # or "partial-sum" (the layout's `collectives`)
     wire: str = "f32"  # partial sums on the wire: "f32" or "bf16" (rounded once before the sum)
     host_size: int = 0  # consecutive ranks of a host (every reduction adds theirs first); 0: all
     algorithms: tuple = ()  # (reduction name, "two-level" | "rs-ag"): the rest go one-shot
@@ -145,18 +139,16 @@ class ShardPlan:
         return out
 
 
-def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: dict,
-                    reduced: tuple[int, ...], expert_items: int, expert_latent: int,
-                    wire: str = "f32", reductions: dict | None = None,
-                    algorithms: tuple = (), ranks_per_host: int = 0) -> ShardPlan:
-    """pieces: channel name -> the widths of the pieces it all-gathers; reduced: the widths it
-    all-reduces (channel "all"); reductions: partial-sum mode, name -> (width, riders' width)
-    of every reduction a rank sends; algorithms: (name, algorithm) of those not sent one-shot;
-    ranks_per_host: consecutive ranks of a host (0: all)."""
-    n = lay.n_ranks
-    levels, algorithms = plan_levels(n, ranks_per_host, reductions or {}, algorithms)
+def make_shard_plan(sharding: ShardingPlan, pieces: dict, reduced: tuple[int, ...],
+                    expert_items: int, expert_latent: int) -> ShardPlan:
+    """The kernel's collectives of a sharding plan (a flat copy of what they read: its repr is
+    the recorded compiles' fingerprint). pieces: channel name -> the widths of the pieces it
+    all-gathers; reduced: the widths it all-reduces (channel "all"); the plan's reductions sent
+    in levels get the level buffers (`levels.plan_levels`)."""
+    lay = sharding.layout
+    levels = plan_levels(sharding)
     channels = []
-    for name, size in (("all", n), ("etp", lay.etp)):
+    for name, size in (("all", lay.n_ranks), ("etp", lay.etp)):
         widths = tuple(pieces.get(name, ()))
         if size == 1 or not widths:
             continue
@@ -166,10 +158,10 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
         # the send buffer stages only an all-reduced vector (one-shot pieces go from their own
         # buffers, and a wait counts its bytes on the inbox, `_wait_all`)
         channels.append(Channel(name, size, chunk, size * scatter_chunk, scatter_chunk))
-    return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
-                     expert_items=expert_items, expert_latent=expert_latent,
-                     mode=lay.collectives, wire=wire, host_size=ranks_per_host,
-                     algorithms=algorithms, levels=levels)
+    return ShardPlan(layout=lay, batch=sharding.batch, channels=tuple(channels),
+                     rules=sharding.rules, expert_items=expert_items, expert_latent=expert_latent,
+                     mode=lay.collectives, wire=sharding.wire, host_size=sharding.ranks_per_host,
+                     algorithms=sharding.algorithms, levels=levels)
 
 
 class _Buffers:

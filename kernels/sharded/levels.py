@@ -32,12 +32,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
+from mkresearch.kernels.sharded.plan import (  # noqa: F401 - REDUCTION_ALGORITHMS: the options'
+    ONE_SHOT,
+    REDUCTION_ALGORITHMS,
+    RS_AG,
+    TWO_LEVEL,
+    ShardingPlan,
+    lanes,
+)
 
 from mkresearch.model.config import LANE
 from mkresearch.sharding.layout import chunk_length
 
-ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's algorithms
-REDUCTION_ALGORITHMS = (ONE_SHOT, TWO_LEVEL, RS_AG)  # the default first
 LEVEL_PHASES = ("local", "across", "local_gather")  # DMA-log names of a reduction's levels
 
 
@@ -84,40 +90,25 @@ class LevelBuffers:
     parity: Any
 
 
-def _lanes(width: int) -> int:
-    return -(-width // LANE) * LANE
-
-
-def make_levels(n_ranks: int, host_size: int, sent: list[tuple[str, int, int]]) -> Levels | None:
-    """The buffers of the reductions `sent` in levels: (algorithm, width N, riders' width per
-    rank) each; None if there are none."""
+def plan_levels(plan: ShardingPlan) -> Levels | None:
+    """The buffers of the plan's reductions sent in levels (None if there are none): the widest
+    piece each level sends, its riders along."""
+    n = plan.layout.n_ranks
+    h = plan.ranks_per_host or n
+    if n % h:
+        raise ValueError(f"ranks_per_host={plan.ranks_per_host!r} is invalid for {n} ranks: 0 "
+                         "or an int that divides the rank count")
+    sent = [r for r in plan.reductions if r.algorithm != ONE_SHOT]
     if not sent:
         return None
-    h = host_size
     local = across = gather = LANE
-    for algorithm, width, riders in sent:
-        piece = width if algorithm == TWO_LEVEL else chunk_length(width, h)
-        local = max(local, _lanes(piece + riders))
-        across = max(across, _lanes(piece + h * riders))
-        if algorithm == RS_AG:
+    for r in sent:
+        piece = r.width if r.algorithm == TWO_LEVEL else chunk_length(r.width, h)
+        local = max(local, lanes(piece + r.riders))
+        across = max(across, lanes(piece + h * r.riders))
+        if r.algorithm == RS_AG:
             gather = max(gather, piece)
-    return Levels(h, n_ranks // h, local, across, gather)
-
-
-def plan_levels(n_ranks: int, ranks_per_host: int, reductions: dict, algorithms: tuple
-                ) -> tuple[Levels | None, tuple]:
-    """(the level buffers, the (name, algorithm) pairs not one-shot) of a rank's reductions:
-    reductions: name -> (width, riders' width) of each; algorithms: the options' pairs."""
-    host = ranks_per_host or n_ranks
-    if n_ranks % host:
-        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid for {n_ranks} ranks: 0 "
-                         "or an int that divides the rank count")
-    unknown = sorted({name for name, _ in algorithms} - set(reductions))
-    if unknown:
-        raise ValueError(f"reductions={algorithms!r} is invalid: {unknown} are not reductions of "
-                         f"this step (those are {sorted(reductions)})")
-    sent = tuple((name, a) for name, a in algorithms if a != ONE_SHOT)
-    return make_levels(n_ranks, host, [(a, *reductions[name]) for name, a in sent]), sent
+    return Levels(h, n // h, local, across, gather)
 
 
 class LevelReductions:
@@ -151,7 +142,7 @@ class LevelReductions:
         riders = jnp.concatenate(chunks, axis=1) if chunks else None
         # level 1, in the host: two-level its whole partial to every member, rs-ag member j its
         # chunk j; this rank's column chunks ride along
-        c1 = _lanes(piece + rw)
+        c1 = lanes(piece + rw)
         for j in range(1 if algorithm == TWO_LEVEL else h):
             stop = min(width, (j + 1) * piece)
             if j * piece < stop:
@@ -180,7 +171,7 @@ class LevelReductions:
         everyone = local_riders
         total = host_sum
         if hosts > 1:  # level 2: the host's sum (and riders) to the same member of every host
-            c2 = _lanes(piece + h * rw)
+            c2 = lanes(piece + h * rw)
             lv.across_out[:, :piece] = host_sum
             for j, value in enumerate(local_riders):
                 lv.across_out[:, piece + j * rw:piece + (j + 1) * rw] = value

@@ -32,7 +32,6 @@ from mkresearch.hardware.tpu import CompileResult
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_choice
 from mkresearch.sharding import layout
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
@@ -131,7 +130,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     mode = sharded_collectives(model)
     lay = layout.layout(cfg, n_ranks, name, collectives=mode)
-    options = collective_choice.kernel_options(lay, batch, chip)
+    options = sharded.kernel_options(lay, batch, chip)
     plan = sharded.make_sharded_plan(lay, batch, None, options)
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)

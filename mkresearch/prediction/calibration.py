@@ -3,7 +3,7 @@ sensitivity, and our layout beside them.
 
 Nothing here is fitted to a step time. The only fitted figures are the interconnect's (a line
 through the release's measured all-reduces, one through its measured sibling copies:
-`mkresearch.prediction.interconnect`); `leave_one_out()` refits the collective line without each of its
+`mkresearch.hardware.interconnect`); `leave_one_out()` refits the collective line without each of its
 measurements and predicts the one left out, and reports how far every validation point moves.
 
 `validation()`: the seven published points, each predicted out of sample: Kimi K3 at B = 1 / 2 /
@@ -24,8 +24,8 @@ from typing import Any
 
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import ModelConfig, get_config
-from mkresearch.prediction import interconnect as links
-from mkresearch.prediction import scale_out
+from mkresearch.hardware import interconnect as links
+from mkresearch.prediction import program, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -91,11 +91,11 @@ def uniform_programs(n_layers: int, rank_bytes: float, fixed_bytes: float, n_ran
     FFN, half the layer's bytes each) with the second model's 4 collectives, the fixed bytes (LM
     head) last; one program stands for every rank (they are the same)."""
     layer = (rank_bytes - fixed_bytes) / n_layers
-    half = scale_out.weight_blocks(layer / 2, schedule.block_bytes)
-    head = scale_out.weight_blocks(fixed_bytes, schedule.block_bytes)
-    prog = scale_out.Program(list(half) * 2 * n_layers + list(head), batch)
+    half = program.weight_blocks(layer / 2, schedule.block_bytes)
+    head = program.weight_blocks(fixed_bytes, schedule.block_bytes)
+    prog = program.Program(list(half) * 2 * n_layers + list(head), batch)
     everyone = tuple(range(n_ranks))
-    vector = batch * d_model * scale_out.PARTIAL_SUM_BYTES
+    vector = batch * d_model * program.PARTIAL_SUM_BYTES
     for _ in range(n_layers):
         prog.block(len(half))
         prog.collective("o_proj", "all_reduce", (0,), vector, everyone)

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config
-from mkresearch.prediction import scale_out, topology
+from mkresearch.hardware import topology
+from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
 # The collectives our sharded megakernel is built with (`decode --ranks N --collectives`):

@@ -1,7 +1,7 @@
 """The scale-out programs simulated fast: every rank's weight ring, fetches and collectives, joined
 at collectives, with overlap (a collective started now, waited later).
 
-A rank's program (`scale_out.Program`) is a short list of ops over a shared list of weight
+A rank's program (`program.Program`) is a short list of ops over a shared list of weight
 blocks, not a DMA log: the same model as `timeline.rank_program` with one DMA engine (the
 timeline's assumption: DMAs served in issue order at the HBM bandwidth, each after the DMA
 latency), computed in closed form per DMA, so a 32-rank step takes a few hundredths of a second.
@@ -27,8 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mkresearch.prediction import collective_choice as choice
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline import (
     COMPUTE_LANE,
     Span,
@@ -165,7 +164,7 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
     """Every rank's program together (programs[i] is rank ranks[i]); see the module docstring.
     `algorithm`: one for every collective, a dict by op (all_reduce, all_gather, chain), or
     "auto": each collective's own algorithm where its op names one (our kernel's, from its
-    collective schedule), else its `collective_choice.choose`."""
+    sharding plan), else `interconnect.choose`'s."""
     chip = chip if isinstance(chip, TimelineChip) else timeline_chip(chip)
     sims = [_Rank(p, blocks, banks, batch, chip, prefetch_across) for p in programs]
     gens = [s.run() for s in sims]
@@ -179,7 +178,7 @@ def simulate(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch
     def algo(op: str, group: tuple[int, ...] = (), nbytes: float = 0.0) -> str:
         if algorithm == "auto":  # each collective's own choice (chain: any, its price is one)
             return "one-shot" if op == "chain" or not group else \
-                choice.choose(inter, op, group, nbytes).algorithm
+                links.choose(inter, op, group, nbytes).algorithm
         return algorithm if isinstance(algorithm, str) else algorithm[op]
 
     def drive(i: int, value: float | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from mkresearch.decoding import speculative
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 

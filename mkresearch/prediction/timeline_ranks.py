@@ -3,7 +3,7 @@
 Each rank runs its own program (`timeline.rank_program`: DMAs on its own HBM and DMA engines,
 phases on its own compute unit). A `CollectiveEvent` in the logs joins the ranks of its group: it
 starts when the last member arrives (a collective waits for its slowest peer) and ends after the
-messages of its algorithm (`mkresearch.prediction.interconnect.price`). The weight DMAs a rank issued before
+messages of its algorithm (`mkresearch.hardware.interconnect.price`). The weight DMAs a rank issued before
 it keep moving meanwhile: a collective hides behind HBM traffic only as far as the stream runs
 ahead. The logs are SPMD: every rank meets the same collectives in the same order (groups may
 differ, e.g. each expert group its own). `scale_out`'s programs run in `scale_out_sim` instead:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkresearch.kernels.base import dma
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline import Timeline, TimelineChip, merge_intervals, rank_program
 from mkresearch.prediction.timeline_events import events_of
 

@@ -247,7 +247,7 @@ def merges_shared_sum(lay: Layout, kind: str) -> bool:
     """Whether, in partial-sum mode, a kind's shared experts' partial sums join its routed
     experts' in one reduction: experts on the full d (no latent projections: their sum and the
     shared experts' are both partial sums of [B, d], added on each rank first), with shared
-    experts. The kernel (`collective_schedule.collective_rules`: `Rule.adds`) and the sharded
+    experts. The kernel (`kernels.sharded.plan.collective_rules`: `Rule.adds`) and the sharded
     reference (`reference_sharded`) both ask here."""
     params = spec.stage(kind).params(lay.cfg)
     return (lay.collectives == PARTIAL_SUM and lay.n_ranks > 1 and "experts" in params

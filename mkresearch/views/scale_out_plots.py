@@ -12,7 +12,7 @@ from typing import Any
 
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, scale_out
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline import merge_intervals
 from mkresearch.prediction.timeline_ranks import PARTS, RanksTimeline
 from mkresearch.views.widgets import FigureExplorer
