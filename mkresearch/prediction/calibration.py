@@ -27,7 +27,7 @@ from mkresearch.model.config import ModelConfig, get_config
 from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import program, scale_out
 from mkresearch.prediction import speculative_predict as speculative
-from mkresearch.prediction.scale_out_sim import simulate
+from mkresearch.prediction.timeline_ranks import simulate_programs
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.sharding import layout as layouts
@@ -121,9 +121,9 @@ def _second_model_step(n_layers: int, model: Model) -> Any:
     base = model.interconnect or links.interconnect("tpu7x")
     inter = links.interconnect(base, n_ranks=m["n_ranks"])
     # spec/collectives.md: its all-reduce is one-shot reduce-scatter + all-gather
-    return simulate(programs, blocks, sched.banks, 1, (0,), inter,
-                    {"all_reduce": "rs-ag", "all_gather": "one-shot", "chain": "one-shot"},
-                    model.timeline_chip or "tpu7x", prefetch_across=sched.prefetch_across)
+    return simulate_programs(programs, blocks, sched.banks, 1, (0,), inter,
+                             {"all_reduce": "rs-ag", "all_gather": "one-shot", "chain": "one-shot"},
+                             model.timeline_chip or "tpu7x", prefetch_across=sched.prefetch_across)
 
 
 def second_model(*, model: Model = Model()) -> dict:

@@ -1,5 +1,6 @@
 """A rank's program for the scale-out model, as data: the one representation both our kernel's
-step and the release's are written in, and that `scale_out_sim` runs.
+step and the release's are written in, and that `timeline_ranks.simulate_programs` runs
+(`timeline.RankSimulation`, the timeline model's one simulator).
 
 A program is a list of ops over a shared list of weight blocks (`Program`):
 

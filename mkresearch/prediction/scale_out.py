@@ -7,7 +7,7 @@ ring of `banks` blocks in flight; each block is waited, then multiplied. After a
 routing, the rank fetches the routed experts of its expert group (counted from a seeded uniform
 routing of the batch: ranks differ, and a collective waits for the slowest) through
 `expert_slots` DMAs in flight. KDA states are read before the layer and written after it; an MLA
-layer reads its cache at `context` tokens. The programs run in `scale_out_sim` (overlap: a
+layer reads its cache at `context` tokens. The programs run in `timeline_ranks.simulate_programs` (overlap: a
 collective started early and waited later). Every rank's program is data of one kind
 (`program`: blocks, fetches, writes, collectives started and waited); the collectives between
 stages are the schedule's:
@@ -69,9 +69,8 @@ from mkresearch.prediction.scale_out_schedule import (  # noqa: F401 - scale_out
     our_schedule,
     schedule_for,
 )
-from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import TimelineChip
-from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 
@@ -172,7 +171,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                   schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
                   ) -> tuple[list[int], list[list]]:
     """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
-    stands for its group (ranks 0, etp, 2 etp, ...; `scale_out_sim.simulate`). A schedule with
+    stands for its group (ranks 0, etp, 2 etp, ...; `timeline_ranks.simulate_programs`). A schedule with
     `collectives` takes every collective from the kernel's own (`program.our_collectives`), the
     release's from `program.release_collectives`."""
     lay = layouts.layout(cfg, n_ranks, name)
@@ -317,7 +316,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
                                      seed=seed)
     lay = layouts.layout(cfg, n_ranks, name)
-    ranks = simulate(
+    ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
         "auto" if algorithm == "auto" else
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
