@@ -76,7 +76,7 @@ from mkresearch.kernels.stages import kda, mla
 
 from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_per_rank
 from mkresearch.model import config, kv_cache, reference, weights
-from mkresearch.sharding.layout import named_config
+from mkresearch.model.config import get_config
 from mkresearch.views import facts, plots
 
 tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
@@ -348,7 +348,7 @@ assert not tpu.races_found()
 # NBVAL_CHECK_OUTPUT
 fig = plots.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
 full = config.get_config("kimi-k3")
-rank = named_config("kimi-k3-rank", max_seq_len=32768)  # one rank of the release layout
+rank = get_config("kimi-k3-rank", max_seq_len=32768)  # one rank of the release layout
 for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):
     e = kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
                     target.replace(mla_cache_layout="expanded"))

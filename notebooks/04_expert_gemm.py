@@ -320,7 +320,7 @@ print(f"moe_ffn (router + experts + shared, one kernel) vs reference: "
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
+rank = config.get_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
 x_rank = jax.ShapeDtypeStruct((8, rank.d_model), jnp.bfloat16)

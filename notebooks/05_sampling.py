@@ -339,7 +339,7 @@ show_figure(fig)  # described: an HTML export gives the picture its title
 # tile is ≤ 4 MiB (256 columns: 20 tiles, two in flight).
 
 # %%
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
+rank = get_config("kimi-k3-rank")  # one rank of the release layout (spec §9)
 shape = jax.ShapeDtypeStruct
 rank_args = (shape((rank.n_blocks, B, rank.d_model), jnp.bfloat16), shape((B, rank.d_model), jnp.bfloat16),
              shape((rank.d_model,), jnp.float32), shape((rank.d_model,), jnp.bfloat16),

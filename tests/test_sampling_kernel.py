@@ -266,7 +266,7 @@ def test_dma_log_reads_lm_head_exactly_once(race_checked):
     ("kimi-k3-rank", 8, MODES),
 ])
 def test_compiles_for_tpu7x(name, batch, mode):
-    cfg = layout.named_config(name)
+    cfg = get_config(name)
     d, vocab = cfg.d_model, cfg.vocab_size
     shape = jax.ShapeDtypeStruct
     args = (shape((cfg.n_blocks, batch, d), jnp.bfloat16), shape((batch, d), jnp.bfloat16),

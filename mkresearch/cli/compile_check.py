@@ -16,6 +16,7 @@ from mkresearch.cli.common import UsageError, _at_least, _chip, _megakernel_batc
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
+from mkresearch.model.config import config_names
 from mkresearch.sharding import layout
 
 # a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice
@@ -26,7 +27,7 @@ DEFAULT_TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "v5p": "v5p:2x2x2",
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
                                             "shapes (libtpu, no TPU needed)")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("model", help=f"one of {', '.join(config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",

@@ -42,7 +42,13 @@ from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import reference, roofline, sampling, weights
-from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
+from mkresearch.model.config import (
+    EXPERT_FORMATS,
+    MLA_CACHE_LAYOUTS,
+    ModelConfig,
+    config_names,
+    layer_pattern,
+)
 from mkresearch.model.roofline import tree_bytes
 from mkresearch.model.weights import param_shapes
 from mkresearch.prediction import schedule_report
@@ -249,7 +255,7 @@ def _parser() -> _Parser:
                                      metavar="{info,decode,bench,compile,plan,predict,figures}")
 
     p = commands.add_parser("info", help="layer pattern, parameters, bytes per decode step")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("model", help=f"one of {', '.join(config_names())}")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--context", type=int, default=0,
                    help="tokens already in each sequence's KV cache (default 0)")
@@ -265,7 +271,7 @@ def _parser() -> _Parser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = commands.add_parser("decode", help="prefill + greedy decode of a random prompt")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(config_names())}")
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     p.add_argument("--batch", type=int, default=1)
@@ -283,7 +289,7 @@ def _parser() -> _Parser:
 
     p = commands.add_parser("bench", help="decode steps per batch size on both backends, with "
                                           "the timeline model's TPU prediction")
-    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("--model", default="kimi-k3-mini", help=f"one of {', '.join(config_names())}")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], metavar="B")
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
     p.add_argument("--chip", default="tpu7x",
@@ -299,7 +305,7 @@ def _parser() -> _Parser:
     p = commands.add_parser("plan", help="the schedule of one megakernel step from shapes: DMAs "
                                          "and bytes per stage and layer kind, the ring, the VMEM "
                                          "plan, HBM bytes against the roofline")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
+    p.add_argument("model", help=f"one of {', '.join(config_names())}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
     p.add_argument("--layout", default=None, choices=MLA_CACHE_LAYOUTS,

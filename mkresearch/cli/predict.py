@@ -31,6 +31,7 @@ from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
+from mkresearch.model.config import config_names
 from mkresearch.sharding import layout
 
 
@@ -54,7 +55,7 @@ def _acceptances(args: Any) -> tuple[int, ...]:
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("predict", help="the full-size step on N ranks, predicted (timeline "
                                             "model with the interconnect), beside the published")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())} with sharding rules")
+    p.add_argument("model", help=f"one of {', '.join(config_names())} with sharding rules")
     p.add_argument("--ranks", type=int, default=32, help="ranks (devices) to shard across "
                                                          "(default 32: the release's 16 TPU7x)")
     p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")

@@ -36,9 +36,9 @@ from mkresearch.sharding import layout
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
 # The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
-# a preset or '<preset>-rank', one rank of it (`mkresearch.sharding.layout.named_config`).
+# a preset or '<preset>-rank', one rank of it (`mkresearch.model.config.get_config`).
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
-                     # notebook 10: one rank of each other family (config.rank_shapes)
+                     # notebook 10: one rank of each other family (`partition.rank_config`)
                      ("deepseek-v3-rank", 1, "tpu7x"), ("glm-4.5-rank", 1, "tpu7x"),
                      ("qwen3-235b-a22b-rank", 1, "tpu7x"))
 

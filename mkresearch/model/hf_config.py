@@ -18,8 +18,8 @@ import json
 import os
 from typing import Any
 
-from mkresearch.model import config as config_module
-from mkresearch.model.config import ModelConfig
+from mkresearch.model import model_config as config_module
+from mkresearch.model.model_config import ModelConfig
 
 
 class CheckpointError(ValueError):

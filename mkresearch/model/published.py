@@ -1,8 +1,7 @@
 """Presets of the small real models (spec/checkpoints.md): each one's published `config.json`
 fields, read by `hf_config.config_from_dict` like a checkpoint's, with where they come from.
 
-`mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's --model) find
-them; `config.get_config` knows only the presets typed in `mkresearch.model.config`.
+`mkresearch.model.config.get_config("qwen3-30b-a3b")` (and the command line's --model) find them.
 Each value was transcribed from the spec table and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.hf_config import config_from_dict
 
 PUBLISHED: dict[str, dict[str, Any]] = {

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mkresearch.model import spec
-from mkresearch.model.config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
+from mkresearch.model.model_config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
 from mkresearch.model.numerics import ExpertGroups, bf, reduce_partials
 from mkresearch.model.stages.ffn import (
     combine_experts,
