@@ -59,7 +59,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # (notebook 08: 4.9 GB per rank) reach on the same 16 chips?
 #
 # The timeline model of notebooks 01 and 07 simulates one core from its DMA log. Here it runs
-# **every rank's program together** (`mkresearch.prediction.scale_out_sim`): each rank streams its weights
+# **every rank's program together** (`mkresearch.prediction.timeline_ranks`): each rank streams its weights
 # through its own HBM, and at a collective it waits for its slowest peer, then for the *phases*
 # of the collective's messages over the links of the slice's torus (`mkresearch.hardware.topology`,
 # `mkresearch.hardware.interconnect`). The programs come from a layout and a schedule

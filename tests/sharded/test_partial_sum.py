@@ -23,6 +23,7 @@ import test_sharded_decode
 from mkresearch.kernels.base import dma, registry
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.sharded.levels import LEVEL_PHASES, LevelReductions
 from mkresearch.kernels.stages import gate_up
 
@@ -48,7 +49,7 @@ def options_for(lay, levels):
     ranks (True: RANKS_PER_HOST)."""
     if not levels:
         return MegakernelOptions()
-    names = ms.reductions(lay)
+    names = {r.name for r in sharding.reductions(lay)}
     return MegakernelOptions(reductions=tuple((n, a) for n, a in LEVELS.items() if n in names),
                              ranks_per_host=RANKS_PER_HOST if levels is True else levels)
 
