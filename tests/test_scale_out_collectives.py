@@ -54,7 +54,7 @@ def test_bad_kind_is_refused(inter):
 
 
 @pytest.mark.parametrize("mode", cs.MODES)
-def test_the_program_is_the_kernels_collective_schedule(mode):
+def test_the_program_is_the_kernels_collectives(mode):
     """Rank 0's program starts exactly the contract's collectives, in its order, over its groups
     (an op run `count` times started that often); the prediction counts them."""
     cfg = get_config("kimi-k3")

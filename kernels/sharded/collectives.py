@@ -43,7 +43,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.sharded import sharded_stream
-from mkresearch.kernels.sharded.levels import LevelBuffers, LevelReductions, Levels, plan_levels
+from mkresearch.kernels.sharded.levels import (
+    LevelBuffers,
+    LevelReductions,
+    Levels,
+    each_peer,
+    plan_levels,
+)
 from mkresearch.kernels.sharded.plan import ONE_SHOT, Rule, ShardingPlan, expert_sum_merged
 from mkresearch.kernels.stages import gate_up
 
@@ -270,15 +276,6 @@ class Collectives:
                 parity, pl.ds(0, sent), :, pl.ds(0, c)]
             dma.RemoteCopy(out, out, *sems, **args).wait_send()
 
-    @staticmethod
-    def _each_peer(size, member, fn) -> None:
-        """fn(peer) for the other members, from member + 1 on (a loop, not unrolled)."""
-        def body(k, carry):
-            fn(lax.rem(member + k, size))
-            return carry
-
-        lax.fori_loop(1, size, body, 0)
-
     def all_reduce(self, x: Any, *, name: str) -> Any:
         """Σ over all ranks of x [B, W] f32, added in rank order -> [B, W] f32 on every rank."""
         if "all" not in self.buffers:  # one rank
@@ -297,7 +294,7 @@ class Collectives:
             buffers.send[:, :width] = x
             if padded > width:
                 buffers.send[:, width:padded] = jnp.zeros((batch, padded - width), jnp.float32)
-            self._each_peer(size, member, lambda j: self._copy(
+            each_peer(size, member, lambda j: self._copy(
                 buffers, 0, chunk_of(j), member, parity, j, 0, name).start())
             buffers.scatter_in[parity, member, :, :c] = buffers.send[:, pl.ds(
                 pl.multiple_of(member * c, LANE), c)]
@@ -315,7 +312,7 @@ class Collectives:
         """buffers.chunk_sum[:, :c] to slot `member` of every member; wait for all of them."""
         size = buffers.channel.size
         source = buffers.chunk_sum.at[:, pl.ds(0, c)]
-        self._each_peer(size, member, lambda j: self._copy(buffers, 1, source, member, parity, j,
+        each_peer(size, member, lambda j: self._copy(buffers, 1, source, member, parity, j,
                                                            base, name).start())
         buffers.gather_in[parity, member, :, :c] = buffers.chunk_sum[:, :c]
         self._wait_all(buffers, 1, parity, size - 1, size - 1, c, name)

@@ -198,48 +198,47 @@ def _join(sims: list, ranks: tuple[int, ...], inter: links.Interconnect,
           algorithm: str | dict) -> RanksTimeline:
     """Run the ranks' simulations, each to its next wait, a collective starting at its last
     member's arrival and ending after its price (`interconnect.price`)."""
-    gens = [s.run() for s in sims]
-    index = {r: i for i, r in enumerate(ranks)}
-    seen: list[dict] = [{} for _ in sims]  # group -> collectives met
-    latest: list[dict] = [{} for _ in sims]  # name -> instance key
-    instances: dict[tuple, dict] = {}
-    parked: dict[tuple, list[int]] = {}
-    runs: list[dict] = []
+    joiner = _Joiner(sims, ranks, inter, algorithm)
+    joiner.run()
+    return RanksTimeline(sims, joiner.collectives(), inter, algorithm if algorithm == "auto"
+                         else joiner.algorithm_of("all_reduce"), ranks)
 
-    def algo(op: str, group: tuple[int, ...] = (), nbytes: float = 0.0) -> str:
-        if algorithm == "auto":  # each collective's own choice (chain: any, its price is one)
+
+class _Joiner:
+    """The ranks' generators (`RankSimulation.run`) driven together: the k-th collective of a
+    group on each member is one instance; a rank that waits for an instance not yet complete is
+    parked until its last member arrives."""
+
+    def __init__(self, sims: list, ranks: tuple[int, ...], inter: links.Interconnect,
+                 algorithm: str | dict) -> None:
+        self.gens = [s.run() for s in sims]
+        self.ranks, self.inter, self.algorithm = ranks, inter, algorithm
+        self.index = {r: i for i, r in enumerate(ranks)}
+        self.seen: list[dict] = [{} for _ in sims]  # group -> collectives met
+        self.latest: list[dict] = [{} for _ in sims]  # name -> instance key
+        self.instances: dict[tuple, dict] = {}
+        self.parked: dict[tuple, list[int]] = {}
+        self.runs: list[dict] = []
+        self.ready: list[tuple[int, float | None]] = [(i, None) for i in range(len(sims))]
+
+    def algorithm_of(self, op: str, group: tuple[int, ...] = (), nbytes: float = 0.0) -> str:
+        if self.algorithm == "auto":  # each collective's own choice (chain: any, its price is one)
             return "one-shot" if op == "chain" or not group else \
-                links.choose(inter, op, group, nbytes).algorithm
-        return algorithm if isinstance(algorithm, str) else algorithm[op]
+                links.choose(self.inter, op, group, nbytes).algorithm
+        return self.algorithm if isinstance(self.algorithm, str) else self.algorithm[op]
 
-    def arrive(i: int, arg: tuple, t: float) -> None:
-        _, name, op, group, path, nbytes, _blocking, *own = arg
-        k = seen[i].get(group, 0)
-        seen[i][group] = k + 1
-        key = latest[i][name] = (group, k)
-        inst = instances.get(key)
-        if inst is None:
-            if ranks[i] not in group or any(m not in index for m in group):
-                raise ValueError(f"collective {name!r}: group {group} does not hold rank "
-                                 f"{ranks[i]} or names ranks without a log or program")
-            inst = instances[key] = {"name": name, "op": op, "group": group,
-                                     "path": path or group, "nbytes": nbytes,
-                                     "arrivals": {}, "waited": {}, "end": None}
-            runs.append(inst)
-        elif inst["name"] != name:
-            raise ValueError(f"collective {k} of group {group}: the ranks disagree "
-                             f"({inst['name']!r}, {name!r})")
-        inst["arrivals"][ranks[i]] = t
-        if len(inst["arrivals"]) == len(group):
-            inst["start"] = max(inst["arrivals"].values())
-            how = own[0] if own and own[0] and algorithm == "auto" else \
-                algo(op, tuple(inst["path"]), nbytes)
-            inst["price"] = links.price(inter, op, how, tuple(inst["path"]), nbytes)
-            inst["end"] = inst["start"] + inst["price"].seconds
-            ready.extend((j, inst["end"]) for j in parked.pop(key, []))
+    def run(self) -> None:
+        while self.ready:
+            i, value = self.ready.pop()
+            self.drive(i, value)
+        if self.parked or any(inst["end"] is None for inst in self.runs):
+            inst = next(inst for inst in self.runs if inst["end"] is None)
+            raise ValueError(f"collective {inst['name']!r} of group {inst['group']}: only ranks "
+                             f"{sorted(inst['arrivals'])} arrive (the programs disagree)")
 
-    def drive(i: int, value: float | None) -> None:
-        gen = gens[i]
+    def drive(self, i: int, value: float | None) -> None:
+        """Rank i's generator to its next wait for an incomplete collective (or its end)."""
+        gen = self.gens[i]
         while True:
             try:
                 what, arg, t = gen.send(value)
@@ -247,31 +246,53 @@ def _join(sims: list, ranks: tuple[int, ...], inter: links.Interconnect,
                 return
             value = None
             if what == "start":
-                arrive(i, arg, t)
+                self.arrive(i, arg, t)
                 continue
-            key = latest[i][arg]
-            inst = instances[key]
-            inst["waited"][ranks[i]] = t
+            key = self.latest[i][arg]
+            inst = self.instances[key]
+            inst["waited"][self.ranks[i]] = t
             if inst["end"] is None:
-                parked.setdefault(key, []).append(i)
+                self.parked.setdefault(key, []).append(i)
                 return
             value = inst["end"]
 
-    ready: list[tuple[int, float | None]] = [(i, None) for i in range(len(sims))]
-    while ready:
-        i, value = ready.pop()
-        drive(i, value)
-    if parked or any(inst["end"] is None for inst in runs):
-        inst = next(inst for inst in runs if inst["end"] is None)
-        raise ValueError(f"collective {inst['name']!r} of group {inst['group']}: only ranks "
-                         f"{sorted(inst['arrivals'])} arrive (the programs disagree)")
-    collectives = tuple(CollectiveRun(
-        inst["name"], inst["op"], inst["group"], int(inst["nbytes"]),
-        tuple(inst["arrivals"][r] for r in inst["group"]), inst["start"], inst["end"],
-        inst["price"], tuple(inst["waited"].get(r, inst["arrivals"][r]) for r in inst["group"]))
-        for inst in runs)
-    return RanksTimeline(sims, collectives, inter, algorithm if algorithm == "auto"
-                         else algo("all_reduce"), ranks)
+    def arrive(self, i: int, arg: tuple, t: float) -> None:
+        """Rank i starts a collective at t: the instance starts when its last member does."""
+        _, name, op, group, path, nbytes, _blocking, *own = arg
+        k = self.seen[i].get(group, 0)
+        self.seen[i][group] = k + 1
+        key = self.latest[i][name] = (group, k)
+        inst = self.instances.get(key) or self._new(i, key, name, op, path, nbytes)
+        if inst["name"] != name:
+            raise ValueError(f"collective {k} of group {group}: the ranks disagree "
+                             f"({inst['name']!r}, {name!r})")
+        inst["arrivals"][self.ranks[i]] = t
+        if len(inst["arrivals"]) == len(group):
+            inst["start"] = max(inst["arrivals"].values())
+            how = own[0] if own and own[0] and self.algorithm == "auto" else \
+                self.algorithm_of(op, tuple(inst["path"]), nbytes)
+            inst["price"] = links.price(self.inter, op, how, tuple(inst["path"]), nbytes)
+            inst["end"] = inst["start"] + inst["price"].seconds
+            self.ready.extend((j, inst["end"]) for j in self.parked.pop(key, []))
+
+    def _new(self, i: int, key: tuple, name: str, op: str, path: tuple, nbytes: float) -> dict:
+        group = key[0]
+        if self.ranks[i] not in group or any(m not in self.index for m in group):
+            raise ValueError(f"collective {name!r}: group {group} does not hold rank "
+                             f"{self.ranks[i]} or names ranks without a log or program")
+        inst = self.instances[key] = {"name": name, "op": op, "group": group,
+                                      "path": path or group, "nbytes": nbytes,
+                                      "arrivals": {}, "waited": {}, "end": None}
+        self.runs.append(inst)
+        return inst
+
+    def collectives(self) -> tuple[CollectiveRun, ...]:
+        return tuple(CollectiveRun(
+            inst["name"], inst["op"], inst["group"], int(inst["nbytes"]),
+            tuple(inst["arrivals"][r] for r in inst["group"]), inst["start"], inst["end"],
+            inst["price"], tuple(inst["waited"].get(r, inst["arrivals"][r])
+                                 for r in inst["group"]))
+            for inst in self.runs)
 
 
 def rank_events(log: dma.DmaLog, rank: int) -> list[dma.Event]:
