@@ -23,7 +23,6 @@ from mkresearch.kernels.stages import kda, mla
 from mkresearch.hardware import tpu
 from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
 from mkresearch.model import config, kv_cache, reference, weights
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
 
 BF16_TOL = 2.0 ** -7

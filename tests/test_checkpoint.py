@@ -19,8 +19,8 @@ import pytest
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint import safetensors_io
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
+from mkresearch.sharding import layout
 
 FAMILIES = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 FP8_LOGIT_BOUND = 0.25  # relative RMS logit difference after every projection went through FP8

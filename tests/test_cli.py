@@ -129,7 +129,7 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     from mkresearch.cli import bench
     from mkresearch.cli import main as cli
     from mkresearch.model import roofline
-    from mkresearch.sharding import layout
+    from mkresearch.model.config import get_config
 
     def refuse(cfg, *args, **kwargs):
         assert "v5e" in args  # --chip reaches the megakernel

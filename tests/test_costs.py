@@ -36,9 +36,8 @@ from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 from mkresearch.hardware import tpu
 from mkresearch.measurement import logs
 from mkresearch.model import config, reference, weights
-from mkresearch.prediction import timeline as tl
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
+from mkresearch.prediction import timeline as tl
 
 MINI = config.get_config("kimi-k3-mini")
 TOLERANCE = 0.05  # declared bytes within 5% of the bytes moved

@@ -22,7 +22,6 @@ from mkresearch.kernels.stages import experts
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
 
 FORMATS = ("bf16", "fp8", "mxfp4")

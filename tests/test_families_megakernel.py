@@ -33,9 +33,8 @@ from mkresearch.cli import bench
 from mkresearch.measurement.hlo import jaxpr_primitives
 from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
 from mkresearch.model import config, partition, reference, sampling, weights
-from mkresearch.prediction import timeline
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
+from mkresearch.prediction import timeline
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 # Prefilled by the reference, then N_STEPS teacher-forced steps from position 27: make test runs 6

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from mkresearch.cli import main as cli
+from mkresearch.model.config import get_config
 from mkresearch.prediction import scale_out
 from mkresearch.prediction.full_size import (
     STAND_IN_LABEL,
@@ -18,7 +19,6 @@ from mkresearch.prediction.full_size import (
     full_size_steps,
 )
 from mkresearch.sharding import layout, layout_bytes
-from mkresearch.model.config import get_config
 
 
 @pytest.fixture(scope="module")

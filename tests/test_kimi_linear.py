@@ -27,9 +27,8 @@ import pytest
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint import safetensors_io
 from mkresearch.model import config, prefill, reference, weights
-from mkresearch.model.published import PUBLISHED
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
+from mkresearch.model.published import PUBLISHED
 
 # the published config at mini sizes: 2 layers (cheap to compile), KDA + dense FFN on the first,
 # MLA + MoE on the second (1-based 1 and 2)

@@ -9,9 +9,9 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.model import config, reference, spec, weights
+from mkresearch.model import published as presets
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout, layout_bytes
-from mkresearch.model import published as presets
 
 MINI = get_config("kimi-k3-mini")
 FULL = get_config("kimi-k3")

@@ -42,10 +42,9 @@ from mkresearch.hardware.chips import CHIPS
 from mkresearch.measurement.hlo import count_xla_kernels
 from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
 from mkresearch.model import config, reference, sampling, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
-from mkresearch.sharding import layout
-from mkresearch.model.config import get_config
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # spec §11, asserted for every row-step

@@ -33,10 +33,9 @@ from mkresearch.kernels.stages.sampling import MAX_CANDIDATES
 from mkresearch.hardware import tpu
 from mkresearch.measurement.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
 from mkresearch.model import config, reference, roofline, sampling, spec, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
-from mkresearch.sharding import layout
-from mkresearch.model.config import get_config
 
 LOGIT_TOL = 5e-2  # spec §11
 STATE_REL_TOL = 2.0 ** -7

@@ -9,7 +9,6 @@ from mkresearch.kernels.compose import megakernel
 from mkresearch.cli import main as cli
 from mkresearch.hardware import tpu
 from mkresearch.measurement import recorded
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
 
 

@@ -7,14 +7,14 @@ The kernel itself runs in tests/sharded/test_partial_sum.py (8 simulated devices
 import jax.numpy as jnp
 import pytest
 from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.sharded import collective_ops as step_collectives
 from mkresearch.kernels.sharded import plan as sharding
-from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 
 from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
 from mkresearch.model import numerics
 from mkresearch.model.config import get_config
-from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 

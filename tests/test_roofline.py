@@ -11,7 +11,6 @@ import pytest
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import roofline
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout
 from mkresearch.views import plots
 
 GB = 1e9

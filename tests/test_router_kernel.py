@@ -14,7 +14,6 @@ from mkresearch.kernels.stages import router
 
 from mkresearch.hardware import tpu
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout
 from mkresearch.model.config import get_config
 
 MINI = config.get_config("kimi-k3-mini")

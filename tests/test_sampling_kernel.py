@@ -19,7 +19,6 @@ from mkresearch.kernels.stages import sampling as stage
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout
 
 MINI = get_config("kimi-k3-mini")
 LOGITS_ATOL = 3e-2  # kernel vs reference logits (|logits| ~ 1-10): a few bf16 ulps of x

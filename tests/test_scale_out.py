@@ -7,10 +7,10 @@ import json
 import pytest
 
 from mkresearch.cli import main as cli
-from mkresearch.model.config import get_config
-from mkresearch.hardware import topology
-from mkresearch.prediction import calibration, scale_out
 from mkresearch.hardware import interconnect as links
+from mkresearch.hardware import topology
+from mkresearch.model.config import get_config
+from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction.timeline_events import CollectiveEvent, LogEvent
 from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs, simulate_ranks
 from mkresearch.sharding import layout as layouts

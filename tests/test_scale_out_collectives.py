@@ -9,9 +9,9 @@ from mkresearch.kernels.sharded import collective_ops as cs
 from mkresearch.kernels.sharded import plan as sharding
 
 from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import get_config
 from mkresearch.prediction import collective_plan, scale_out
-from mkresearch.hardware import interconnect as links
 from mkresearch.sharding import layout as layouts
 
 US = 1e-6

@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 from mkresearch.cli.common import UsageError, _at_least, _chip, _model, _refusals
-from mkresearch.prediction import calibration, scale_out
 from mkresearch.hardware import interconnect as links
+from mkresearch.model.config import config_names
+from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
-from mkresearch.model.config import config_names
 from mkresearch.sharding import layout
 
 

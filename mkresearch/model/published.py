@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.hf_config import config_from_dict
+from mkresearch.model.model_config import ModelConfig
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B config.json. Second copies: several public loaders' test fixtures

@@ -22,14 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import ModelConfig, get_config
-from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import program, scale_out
 from mkresearch.prediction import speculative_predict as speculative
-from mkresearch.prediction.timeline_ranks import simulate_programs
 from mkresearch.prediction.timeline_chip import timeline_chip
-from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs
 from mkresearch.sharding import layout as layouts
 
 BATCHES = (1, 2, 4, 8)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.sharded import collective_ops as step_collectives
 from mkresearch.kernels.sharded import plan as sharding
-
-from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import scale_out
 from mkresearch.prediction.timeline import merge_intervals

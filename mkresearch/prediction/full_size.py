@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mkresearch.hardware import topology
 from mkresearch.model import partition
 from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config
-from mkresearch.hardware import topology
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 

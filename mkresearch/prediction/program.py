@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.sharded.collective_ops import EXPERTS, CollectiveOp, collective_ops
-
 from mkresearch.model import spec
 from mkresearch.sharding import layout as layouts
 

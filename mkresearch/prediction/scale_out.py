@@ -44,11 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mkresearch.kernels.base import registry
-from mkresearch.kernels.sharded import plan as sharding
-
 import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.base import registry
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import program
@@ -190,7 +189,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
 
 def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> list:
     """One stand-in rank's ops: the embedding, every layer's stages, the LM head."""
-    cfg, sched, lay = step.cfg, step.sched, step.lay
+    cfg, sched = step.cfg, step.sched
     prog = Program(blocks, step.batch)
     ends = _step_collectives(step, rank)
     prog.fetch(step.counted.component("embedding_rows"), 1, 1)

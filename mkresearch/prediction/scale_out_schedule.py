@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.sharded import plan as sharding
-
-from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
 from mkresearch.sharding import layout as layouts
 

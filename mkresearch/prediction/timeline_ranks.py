@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mkresearch.kernels.base import dma
-
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.base import dma
 from mkresearch.prediction.timeline import (
     RankSimulation,
     Timeline,
