@@ -117,7 +117,7 @@ figures: venv
 # Re-record the slow results notebooks show instead of recomputing (mkresearch.cli.record writes
 # mkresearch.measurement.recorded's records): the megakernel compiled for TPU7x at kimi-k3-rank
 # shapes (the one-device stand-in for one rank of the release layout), at one rank of each other
-# family (config.rank_shapes) and sharded over 32 ranks.
+# family (get_config("<preset>-rank")) and sharded over 32 ranks.
 recorded: venv
 	$(BIN)/python -m mkresearch.cli.record
 

@@ -9,7 +9,7 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     serve               continuous batching over paged KV: pages, slots, the loop, arrival traces
       ^
-    prediction          timeline model, interconnect, scale-out, calibration: what a step costs
+    prediction          timeline model, scale-out, calibration: what a step costs
       ^
     kernels.compose     the megakernel: plan, composer, schedule, the step on n ranks, verify
       ^
@@ -27,7 +27,8 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     model               configs, the stage registry and kinds, the reference, weights, roofline
       ^
-    hardware            chips and how a kernel runs (interpret mode off a TPU); the package root
+    hardware            chips, how a kernel runs (interpret mode off a TPU), slices and their links;
+                        the package root
 
 `tests/test_layering.py` checks every import of `mkresearch/` and `kernels/` (module level and
 inside functions) against this map, fails on a module that is in no layer, and fails on any

@@ -88,7 +88,7 @@ from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_per_rank
 from mkresearch.model import config, kv_cache, reference, weights
 from mkresearch.model.numerics import ordered_sum, sequence_sum
 from mkresearch.model.stages.kda import kda_log_decay
-from mkresearch.sharding.layout import named_config
+from mkresearch.model.config import get_config
 from mkresearch.views import exercises, facts, plots
 
 tpu.interpret_options(detect_races=True, vector_clock_size=16)  # every run below is race-checked
@@ -612,7 +612,7 @@ assert not tpu.races_found()
 # Checks · KV bytes priced at Kimi K3 and at one rank: latent reads >= 50x less on the whole model
 fig = plots.plot_kv_bytes(logs=logs, recorded=cfg, positions=[int(v) for v in positions])
 full = config.get_config("kimi-k3")
-rank = named_config("kimi-k3-rank", max_seq_len=32768)  # one rank of the release layout
+rank = get_config("kimi-k3-rank", max_seq_len=32768)  # one rank of the release layout
 for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank)):
     e = kv_bytes_at(logs["expanded"], cfg.replace(mla_cache_layout="expanded"),
                     target.replace(mla_cache_layout="expanded"))

@@ -229,7 +229,7 @@ print("PASS softmax router equals the reference")
 # %%
 # NBVAL_CHECK_OUTPUT
 for name in ("kimi-k3-mini", "kimi-k3-rank", "kimi-k3"):
-    c = layout.named_config(name)  # kimi-k3-rank: one rank of the release layout
+    c = config.get_config(name)  # kimi-k3-rank: one rank of the release layout
     moe = weights.param_shapes(c)["moe"]
     shapes = {k: jax.ShapeDtypeStruct(moe[k].shape[1:], moe[k].dtype) for k in ("w_router", "router_bias")}
     xs = jax.ShapeDtypeStruct((8, c.d_model), jnp.bfloat16)

@@ -84,7 +84,6 @@ from mkresearch.kernels.stages import experts, router
 from mkresearch.measurement.logs import expert_bytes_by_batch
 from mkresearch.model import config, reference, roofline, weights
 from mkresearch.prediction import timeline
-from mkresearch.sharding import layout
 from mkresearch.views import facts, plots
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
@@ -320,7 +319,7 @@ print(f"moe_ffn (router + experts + shared, one kernel) vs reference: "
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
+rank = config.get_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
 x_rank = jax.ShapeDtypeStruct((8, rank.d_model), jnp.bfloat16)

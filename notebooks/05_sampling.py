@@ -86,7 +86,6 @@ from mkresearch.kernels.stages import sampling as stage
 
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout
 from mkresearch.views import exercises, facts
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
@@ -538,7 +537,7 @@ print(f"{DRAWS} draws, nucleus of {int((exact > 0).sum())} tokens: TV < bound "
 # tile is ≤ 4 MiB (256 columns: 20 tiles, two in flight).
 
 # %%
-rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
+rank = get_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 shape = jax.ShapeDtypeStruct
 rank_args = (shape((rank.n_blocks, B, rank.d_model), jnp.bfloat16), shape((B, rank.d_model), jnp.bfloat16),
              shape((rank.d_model,), jnp.float32), shape((rank.d_model,), jnp.bfloat16),

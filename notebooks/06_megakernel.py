@@ -328,7 +328,7 @@ print(f"{prompt.shape[1] + N_TOKENS - 1} calls in {seconds:.1f} s on this machin
 # in the environment, it compiles here. The VMEM plan is always computed here.
 
 # %%
-rank = layout.named_config("kimi-k3-rank")  # = layout.rank_config(get_config("kimi-k3"))
+rank = get_config("kimi-k3-rank")  # = layout.rank_config(get_config("kimi-k3"))
 result, rank_plan, result_source = recorded.compile_or_recorded(
     rank, 1, chip="tpu7x", recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
 

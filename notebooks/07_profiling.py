@@ -302,7 +302,7 @@ from mkresearch.prediction import scaling
 from mkresearch.prediction.full_size import STAND_IN_LABEL, full_size_step
 
 if "megakernel" in logs:
-    rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout
+    rank = get_config("kimi-k3-rank")  # one rank of the release layout
     rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
     rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
     rank_mega = tl.simulate(rank_events, "tpu7x")

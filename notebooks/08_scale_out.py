@@ -327,7 +327,8 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # %% [markdown]
 # ## 6 · Exact vs partial-sum collectives, predicted at full size
 #
-# The kernel's collective schedule (`kernels/compose/collective_schedule.py`) comes in two modes. *Exact*
+# The kernel's collectives, derived from one sharding plan (`kernels/sharded/plan.py`), come in two
+# modes. *Exact*
 # splits every matrix by its output columns and gathers around it (bit-equal to one device; the
 # experts' sum runs down a chain of expert groups). *Partial-sum* splits a matrix that contracts
 # over a split dimension (W_o over the heads, a W_down over the hidden, an expert's W2 over its
@@ -344,9 +345,9 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # matrix is only padding skips it (`layout_split.streamed_zeros`): the GB/rank column below is the
 # most any rank reads. Not built yet: hiding the
 # shared expert's reduction under the routed experts' stream. The
-# prediction (`scale_out.predict`) builds each rank's program from that same schedule and prices
-# every collective by the algorithm `collective_choice` picks for it (`mkresearch plan kimi-k3
-# --ranks 32` lists them with the reason).
+# prediction (`scale_out.predict`) builds each rank's program from that same plan and prices
+# every collective by the algorithm the plan sends it with, the interconnect model's choice
+# (`mkresearch plan kimi-k3 --ranks 32` lists them with the reason).
 
 # %%
 # NBVAL_CHECK_OUTPUT

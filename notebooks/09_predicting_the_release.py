@@ -59,10 +59,10 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # (notebook 08: fewer bytes per rank) reach on the same 16 chips?
 #
 # The timeline model of notebooks 01 and 07 simulates one core from its DMA log. Here it runs
-# **every rank's program together** (`mkresearch.prediction.scale_out_sim`): each rank streams its weights
+# **every rank's program together** (`mkresearch.prediction.timeline_ranks`): each rank streams its weights
 # through its own HBM, and at a collective it waits for its slowest peer, then for the *phases*
-# of the collective's messages over the links of the slice's torus (`mkresearch.prediction.topology`,
-# `mkresearch.prediction.interconnect`). The programs come from a layout and a schedule
+# of the collective's messages over the links of the slice's torus (`mkresearch.hardware.topology`,
+# `mkresearch.hardware.interconnect`). The programs come from a layout and a schedule
 # (`mkresearch.prediction.scale_out`): the bytes of each rank's slice, a ring of weight blocks in flight,
 # the routed experts fetched after routing (counted from a seeded routing: ranks differ), and the
 # release's collectives as its source describes them (docs/collectives.md), the ones it overlaps
@@ -81,7 +81,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %%
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, scale_out
-from mkresearch.prediction import interconnect as links
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.views import scale_out_plots, widgets
 from mkresearch.views.facts import stable

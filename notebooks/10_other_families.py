@@ -362,8 +362,8 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # chips × 2 TensorCores, docs/kimi-k3.md §9): query heads / 32 (GQA: each rank keeps the one K/V head its
 # query heads read), experts over 8 ranks × their hidden over 4, shared and dense hidden and the
 # vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: the release layout's
-# rank, `layout.rank_config`, now that every family's kinds declare sharding rules; the same
-# division as the pre-sharding stand-in `config.rank_shapes`). Three predictions per model:
+# rank, `get_config("<model>-rank")`, from every family's sharding rules). Three predictions
+# per model:
 #
 # * **the floor**: the full model's step bytes split evenly over 32 TPU7x cores
 #   (`roofline.decode_floor` on 16 chips);
@@ -469,7 +469,7 @@ for name, p in predictions.items():
 compiles = {}
 for name in ("kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"):
     compiles[name] = recorded.compile_or_recorded(
-        layout.named_config(name), 1, chip="tpu7x",
+        get_config(name), 1, chip="tpu7x",
         recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
 
 # %%

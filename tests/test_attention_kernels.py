@@ -23,7 +23,7 @@ from mkresearch.kernels.stages import kda, mla
 from mkresearch.hardware import tpu
 from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
 from mkresearch.model import config, kv_cache, reference, weights
-from mkresearch.sharding import layout
+from mkresearch.model.config import get_config
 
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-5
@@ -133,7 +133,7 @@ def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
                                        positions, cfg)
             jax.block_until_ready(out)
     full = config.get_config("kimi-k3")
-    rank = layout.named_config("kimi-k3-rank", max_seq_len=32768)
+    rank = get_config("kimi-k3-rank", max_seq_len=32768)
     at = {(name, cache): kv_bytes_at(logs[cache], MINI.replace(mla_cache_layout=cache),
                                          target.replace(mla_cache_layout=cache))
           for name, target in (("kimi-k3", full), ("kimi-k3-rank", rank))
@@ -315,7 +315,7 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
     _, logs["latent-sequence"] = run_shards(q_absorbed, q_extra, random_cache(cfg, 1, 11),
                                             positions, cfg, n_shards=4)
 
-    rank = layout.named_config("kimi-k3-rank", max_seq_len=32768)
+    rank = get_config("kimi-k3-rank", max_seq_len=32768)
     per_rank = kv_bytes_per_rank(logs, MINI, rank, n_ranks=32, row=0)
     assert per_rank == {"expanded": 32768 * 3 * (256 + 128) * 2,  # 3 heads of K, V: 2,304 B/token
                         "latent": 32768 * 1_152,  # the whole latent: 1,152 B/token
@@ -417,18 +417,18 @@ COMPILE_CASES = [("kimi-k3-mini", {}, 3), ("kimi-k3-rank", {"max_seq_len": 32768
                                     "kda"])
 def test_compiles_for_tpu7x(name, overrides, batch, kernel):
     if kernel == "mla-latent-partial":
-        cfg = layout.named_config(name, mla_cache_layout="latent", **overrides)
+        cfg = get_config(name, mla_cache_layout="latent", **overrides)
         result = tpu.compile_for(
             lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(q, qx, c, pos, start, cfg),
             # a rank of kimi-k3-rank: 1/32 of the context, all 96 heads; mini: 4 shards, 2 heads
             *(_partial_structs(cfg, batch, 32, cfg.n_heads * 32) if name == "kimi-k3-rank"
               else _partial_structs(cfg, batch, 4, cfg.n_heads)), chip="tpu7x")
     elif kernel == "kda":
-        cfg = layout.named_config(name, **overrides)
+        cfg = get_config(name, **overrides)
         result = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, cfg),
                                  *_kda_structs(cfg, batch), chip="tpu7x")
     else:
-        cfg = layout.named_config(name, mla_cache_layout=kernel.split("-")[1], **overrides)
+        cfg = get_config(name, mla_cache_layout=kernel.split("-")[1], **overrides)
         result = tpu.compile_for(lambda p, x, c, pos: mla.mla_attention(p, x, c, pos, cfg),
                                  *_mla_structs(cfg, batch), chip="tpu7x")
     print(f"{kernel} at {name} (B={batch}, context {cfg.max_seq_len}): {result}")

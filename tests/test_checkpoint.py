@@ -20,6 +20,7 @@ import pytest
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint import safetensors_io
 from mkresearch.model import config, reference, weights
+from mkresearch.model.config import get_config
 from mkresearch.sharding import layout
 
 FAMILIES = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
@@ -242,7 +243,7 @@ def test_small_real_model_presets():
     the totals the model cards give (30.5 B / 106 B / 16 B; active 3.3 B with the embedding / 12 B
     without the head / 3 B with the embedding)."""
     from mkresearch.model import roofline
-    qwen, glm = layout.named_config("qwen3-30b-a3b"), layout.named_config("glm-4.5-air")
+    qwen, glm = get_config("qwen3-30b-a3b"), get_config("glm-4.5-air")
     assert (qwen.attention, qwen.n_kv_heads, qwen.router_score, qwen.n_shared_experts) == (
         "gqa", 4, "softmax", 0)
     assert (glm.rope_dim, glm.attention_bias, glm.qk_norm, glm.n_dense_layers) == (64, True, False, 1)
@@ -252,7 +253,7 @@ def test_small_real_model_presets():
     assert round(total / 1e9, 1) == 30.5 and round((active + embed) / 1e9, 1) == 3.4
     total, active = roofline.parameter_counts(glm)
     assert round(total / 1e9) == 107 and round((active - glm.vocab_size * glm.d_model) / 1e9) == 12
-    moonlight = layout.named_config("moonlight-16b-a3b")
+    moonlight = get_config("moonlight-16b-a3b")
     assert (moonlight.attention, moonlight.mla_q_rank, moonlight.router_groups,
             moonlight.n_mtp_layers, moonlight.yarn_factor) == ("mla_rope", 0, 1, 0, 1.0)
     total, active = roofline.parameter_counts(moonlight)

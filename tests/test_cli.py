@@ -129,11 +129,11 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     from mkresearch.cli import bench
     from mkresearch.cli import main as cli
     from mkresearch.model import roofline
-    from mkresearch.sharding import layout
+    from mkresearch.model.config import get_config
 
     def refuse(cfg, *args, **kwargs):
         assert "v5e" in args  # --chip reaches the megakernel
-        roofline.check_fits_hbm(layout.named_config("kimi-k3-rank"), "v5e")
+        roofline.check_fits_hbm(get_config("kimi-k3-rank"), "v5e")
 
     monkeypatch.setattr(bench, "decode_megakernel", refuse)
     monkeypatch.setattr(bench, "run_bench", refuse)
@@ -222,7 +222,7 @@ def expected_differences(cfg, batch, context):
     out = {"embedding_rows": batch * (EMBED_ROWS - 1) * cfg.d_model * 2,
            "norms_and_mix": cfg.n_layers * 2 * cfg.d_model * (4 - 2)}
     for kind in spec.stages_of(cfg):  # every kind with a cache: its bytes per token of a row
-        per_token = roofline._state_bytes(cfg, kind, spec.CACHE)
+        per_token = roofline.state_bytes(cfg, kind, spec.CACHE)
         if per_token:
             out[kind.state_component[0]] = batch * tokens * per_token
         if "router_bias" in kind.params(cfg) and not cfg.router_bias:  # stored, never read
@@ -248,18 +248,18 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.sharding.layout").sharding.layout.config_names()))
+@pytest.mark.parametrize("name", sorted(__import__("mkresearch.model.config").model.config.config_names()))
 def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
     object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
     experts) plus the named differences, and no late prefetch. In this process (a subprocess
     per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
     from mkresearch.cli import main as cli
-    from mkresearch.sharding.layout import named_config
+    from mkresearch.model.config import get_config
 
     assert cli.main(["plan", name, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    cfg = named_config(name)
+    cfg = get_config(name)
     assert report["model"] == name and not report["exact"] and len(report["assumptions"]) == 2
     assert_plan_matches_the_roofline(report, cfg, 1, cfg.max_seq_len - 1)
     assert report["late_prefetches"] == {"ffn": [], "next_layer": [], "experts": []}

@@ -36,8 +36,8 @@ from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 from mkresearch.hardware import tpu
 from mkresearch.measurement import logs
 from mkresearch.model import config, reference, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline as tl
-from mkresearch.sharding import layout
 
 MINI = config.get_config("kimi-k3-mini")
 TOLERANCE = 0.05  # declared bytes within 5% of the bytes moved
@@ -229,7 +229,7 @@ def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
     every one of the rank's 112 experts can be routed (min(112, 8·16)), so the declared bytes
     are exactly one MoE layer's parameters (mkresearch.model.weights.param_shapes) plus x and the
     output; the compiled program's bytes_accessed, a few kB before, holds them."""
-    cfg = layout.named_config("kimi-k3-rank")
+    cfg = get_config("kimi-k3-rank")
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                          weights.param_shapes(cfg)["moe"])
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)

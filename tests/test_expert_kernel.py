@@ -22,7 +22,7 @@ from mkresearch.kernels.stages import experts
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout
+from mkresearch.model.config import get_config
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 # a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)
@@ -335,7 +335,7 @@ def test_compiles_for_every_chip_mini(fmt, chip):
 def test_compiles_for_tpu7x_full_rank():
     """Kimi K3 per-rank shapes (112 local experts, a 768-wide slice of the expert hidden), MXFP4
     as in the checkpoint: the whole MoE layer and the dense layer 0, B = 8."""
-    cfg = layout.named_config("kimi-k3-rank")
+    cfg = get_config("kimi-k3-rank")
     assert (cfg.n_experts, cfg.expert_hidden, cfg.expert_format) == (112, 768, "mxfp4")
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)
     moe = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)

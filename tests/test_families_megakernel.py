@@ -32,9 +32,9 @@ from tiers import EXHAUSTIVE
 from mkresearch.cli import bench
 from mkresearch.measurement.hlo import jaxpr_primitives
 from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
-from mkresearch.model import config, reference, sampling, weights
+from mkresearch.model import config, partition, reference, sampling, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
-from mkresearch.sharding import layout
 
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 # Prefilled by the reference, then N_STEPS teacher-forced steps from position 27: make test runs 6
@@ -247,37 +247,36 @@ RANK_COMPILES = ["qwen3-235b-a22b-rank"]
 @pytest.mark.parametrize("name", [*MINIS, *RANK_COMPILES])
 @pytest.mark.slow
 def test_compiles_to_one_mosaic_kernel(name):
-    """Each mini, and Qwen3's rank (`config.rank_shapes`) with its whole context: one Mosaic
+    """Each mini, and Qwen3's rank (`partition.rank_config`) with its whole context: one Mosaic
     kernel per step, its VMEM plan within the chip's."""
-    result, plan = mk.compile_step(layout.named_config(name), 1, chip="tpu7x")
+    result, plan = mk.compile_step(get_config(name), 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB")
     assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
 
 
 # ---- one rank's shapes and the minimum bytes, by hand --------------------------------------------
-def test_rank_shapes_divide_as_the_release_divides_kimi():
-    """rank_shapes(kimi-k3) is kimi-k3-rank (docs/kimi-k3.md §9); the families' ranks by hand: heads / 32,
-    GQA's one K/V head, experts / 8 x hidden / 4, shared, dense and vocab / 32 padded to 128."""
-    kimi = config.rank_shapes(config.get_config("kimi-k3"))
-    assert kimi.replace(name="kimi-k3-rank") == layout.named_config("kimi-k3-rank")
+def test_each_rank_divides_as_the_release_divides_kimi():
+    """The families' ranks (from their kinds' rules, `partition.rank_config`) by hand: heads /
+    32, GQA's one K/V head, experts / 8 x hidden / 4, shared, dense and vocab / 32 padded to 128;
+    a rank count that does not split a field is refused, naming it."""
     expected = {  # n_heads, n_kv_heads, vocab, experts, expert hidden, shared, dense
         "deepseek-v3-rank": (128 // 32, 1, 4096, 256 // 8, 2048 // 4, 128, 640),  # 4040, 64, 576
         "glm-4.5-rank": (96 // 32, 1, 151552 // 32, 160 // 8, 1536 // 4, 128, 12288 // 32),
         "qwen3-235b-a22b-rank": (64 // 32, 1, 4864, 128 // 8, 1536 // 4, 128, 1152)}  # 4748
     for name, values in expected.items():
-        rank = layout.named_config(name)
+        rank = get_config(name)
         assert (rank.n_heads, rank.n_kv_heads, rank.vocab_size, rank.n_experts, rank.expert_hidden,
                 rank.shared_hidden, rank.dense_hidden) == values, name
         full = config.get_config(name.removesuffix("-rank"))
-        assert rank == config.rank_shapes(full).replace(name=name)
         assert rank.replace(**{f: getattr(full, f) for f in (
             "name", "n_heads", "n_kv_heads", "vocab_size", "n_experts", "expert_hidden",
             "shared_hidden", "dense_hidden")}) == full  # nothing else changes
-    with pytest.raises(ValueError, match=r"ModelConfig.n_heads=48 is invalid for rank_shapes"):
-        config.rank_shapes(config.get_config("qwen3-235b-a22b", n_heads=48, n_kv_heads=4))
-    with pytest.raises(ValueError, match=r"n_kv_heads=24 is invalid for rank_shapes: 3 query heads "
-                                         r"per rank span two K/V heads"):  # groups of 4
-        config.rank_shapes(config.get_config("glm-4.5", n_kv_heads=24))
+    with pytest.raises(ValueError, match=r"n_ranks=32 is invalid for qwen3-235b-a22b: it must "
+                                         r"divide n_heads=48"):
+        partition.rank_config(config.get_config("qwen3-235b-a22b", n_heads=48, n_kv_heads=4))
+    with pytest.raises(ValueError, match=r"n_kv_heads=24 must split evenly over the 32 head "
+                                         r"slices"):  # 3 query heads per rank span two K/V heads
+        partition.rank_config(config.get_config("glm-4.5", n_kv_heads=24))
 
 
 @pytest.mark.parametrize("name, per_token", [

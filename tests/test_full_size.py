@@ -10,6 +10,7 @@ import json
 import pytest
 
 from mkresearch.cli import main as cli
+from mkresearch.model.config import get_config
 from mkresearch.prediction import scale_out
 from mkresearch.prediction.full_size import (
     STAND_IN_LABEL,
@@ -37,10 +38,10 @@ def test_the_step_names_what_it_is_and_takes_its_figures_from_the_models(kimi_32
     assert (ours.n_ranks, ours.layout, ours.collectives) == (32, "ours", "partial-sum")
     assert (release.layout, release.collectives) == ("release", "partial-sum")
     for step in kimi_32.values():  # the time: scale-out's; the bytes: the layout's (info's table)
-        row = scale_out.predict(layout.named_config("kimi-k3"), 32, step.layout, 1)
+        row = scale_out.predict(get_config("kimi-k3"), 32, step.layout, 1)
         assert step.step_s == row["step_s"] and step.prediction == row
         built = "partial-sum" if step.layout == "ours" else "exact"  # the shapes the kernel streams
-        counted = layout_bytes.rank_bytes(layout.layout(layout.named_config("kimi-k3"), 32,
+        counted = layout_bytes.rank_bytes(layout.layout(get_config("kimi-k3"), 32,
                                                         step.layout, collectives=built), 1, 0)
         assert step.rank_bytes == counted.total
         assert step.published_step_s == pytest.approx(1 / 249)  # the release: 249 tok/s at B = 1
@@ -48,8 +49,8 @@ def test_the_step_names_what_it_is_and_takes_its_figures_from_the_models(kimi_32
         assert f"{step.step_s * 1e3:.2f} ms/step" in line and "on 32 ranks of tpu7x" in line
         assert f"{step.layout} layout, {step.collectives} collectives" in line
         assert f"{step.rank_bytes / 1e9:.2f} GB per rank per step" in line
-    assert full_size_steps(layout.named_config("kimi-k3"), 32) == list(kimi_32.values())
-    assert full_size_steps(layout.named_config("kimi-k3"), 12) == []  # no slice of 12 ranks
+    assert full_size_steps(get_config("kimi-k3"), 32) == list(kimi_32.values())
+    assert full_size_steps(get_config("kimi-k3"), 12) == []  # no slice of 12 ranks
     assert full_size_of("kimi-k3-mini") == full_size_of("kimi-k3-rank") == "kimi-k3"
     with pytest.raises(ValueError, match="collectives='approximate' is invalid"):
         full_size_step("kimi-k3", collectives="approximate")

@@ -27,8 +27,8 @@ import pytest
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint import safetensors_io
 from mkresearch.model import config, prefill, reference, weights
+from mkresearch.model.config import get_config
 from mkresearch.model.published import PUBLISHED
-from mkresearch.sharding import layout
 
 # the published config at mini sizes: 2 layers (cheap to compile), KDA + dense FFN on the first,
 # MLA + MoE on the second (1-based 1 and 2)
@@ -58,7 +58,7 @@ def mini():
 
 
 def test_preset_reads_the_published_config():
-    cfg = layout.named_config("kimi-linear-48b-a3b")
+    cfg = get_config("kimi-linear-48b-a3b")
     assert config.layer_pattern(cfg) == "KKKMKKKMKKKMKKKMKKKMKKKMKKM"
     assert (cfg.residual, cfg.ffn, cfg.n_dense_layers, cfg.dense_hidden) == (
         "prenorm", "dense+moe_full", 1, 9216)

@@ -1,7 +1,8 @@
 """Imports point down the layers of `mkresearch.layers` (hardware <- model <- sharding <- decoding
 <- kernels <- prediction <- measurement <- views <- cli), the imports of all modules form no cycle,
-every subpackage says what it is for and what it may import, and no module of mkresearch/ or
-kernels/ is over MAX_LINES lines.
+every subpackage says what it is for and what it may import, and building a sharded kernel
+imports nothing of the prediction layer (its algorithms come from the sharding plan, passed in).
+Modules are cut by concept, not by a line count: no cap here.
 
 Every import is checked, at module level, inside functions and under `if TYPE_CHECKING:` (`import
 x`, `from x import y`, relative imports): none of them hides a dependency, so none may close a
@@ -12,6 +13,8 @@ reason, and matplotlib belongs to the drawing layers only (views, cli). No allow
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,6 @@ from mkresearch.layers import DRAWING, LAYERS, layer_of, rank
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mkresearch": ROOT / "mkresearch", "mkresearch.kernels": ROOT / "kernels"}
-MAX_LINES = 500
 
 
 def module_files() -> dict[str, Path]:
@@ -212,12 +214,48 @@ def test_every_subpackage_names_its_job_and_what_it_may_import():
         assert len(tree.body) == 1, f"{path.relative_to(ROOT)}: only its docstring"
 
 
-def test_no_module_over_max_lines():
-    counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-              for path in MODULES.values()}
-    too_long = {name: n for name, n in counts.items() if n > MAX_LINES}
-    assert not too_long, (f"modules over {MAX_LINES} lines (split them): "
-                          + ", ".join(f"{name} ({n})" for name, n in sorted(too_long.items())))
+# the modules that build the sharded megakernel: the plan (which reductions, which algorithm),
+# the kernel's options from it, the kernel (`megakernel_sharded.kernel_options`, `make_sharded_plan`)
+KERNEL_BUILD = ("mkresearch.kernels.compose.megakernel_sharded", "mkresearch.kernels.sharded.plan",
+                "mkresearch.kernels.sharded.collective_ops")
+
+
+def closure(graph: dict[str, set[str]], roots: tuple[str, ...]) -> set[str]:
+    """Every module `roots` import, directly or not (every import counts)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += sorted(graph.get(module, ()))
+    return seen
+
+
+def test_building_the_kernel_imports_no_prediction():
+    """The kernel build path reaches no module of mkresearch.prediction, by any import: the
+    algorithm of each reduction is chosen by the sharding plan (the interconnect model sits in
+    mkresearch.hardware) and passed to the kernel as an option."""
+    reached = closure(import_graph(), KERNEL_BUILD)
+    assert set(KERNEL_BUILD) <= reached
+    assert "mkresearch.hardware.interconnect" in reached
+    assert not sorted(m for m in reached if m.startswith("mkresearch.prediction"))
+
+
+@pytest.mark.slow
+def test_a_kernel_built_for_a_slice_loads_no_prediction():
+    """Run as the CLI builds it: the options chosen for tpu7x's slice, the sharded plan made;
+    mkresearch.prediction never loaded."""
+    code = ("import sys\nfrom mkresearch.kernels.compose import megakernel_sharded as ms\n"
+            "from mkresearch.model.config import get_config\n"
+            "from mkresearch.sharding import layout\n"
+            "lay = layout.layout(get_config('kimi-k3-mini'), 8, collectives='partial-sum')\n"
+            "options = ms.kernel_options(lay, 1)\n"
+            "plan = ms.make_sharded_plan(lay, 1, options=options)\n"
+            "assert plan.shard.algorithms == options.reductions\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mkresearch.prediction')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("importer, source, expected", [

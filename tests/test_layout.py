@@ -9,9 +9,10 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.model import config, reference, spec, weights
-from mkresearch.model.config import get_config
-from mkresearch.sharding import layout, layout_bytes, layout_ranks
 from mkresearch.model import published as presets
+from mkresearch.model import partition
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout, layout_bytes
 
 MINI = get_config("kimi-k3-mini")
 FULL = get_config("kimi-k3")
@@ -51,14 +52,14 @@ def test_full_size_per_rank_bytes_ours_vs_release():
 
 
 def test_stand_in_config_is_the_release_rank():
-    """rank_config(kimi-k3) (= named_config('kimi-k3-rank')) holds one release rank's shapes."""
+    """rank_config(kimi-k3) (= get_config('kimi-k3-rank')) holds one release rank's shapes."""
     rank = layout.rank_config(FULL)
-    assert layout.named_config("kimi-k3-rank") == rank and rank.name == "kimi-k3-rank"
+    assert get_config("kimi-k3-rank") == rank and rank.name == "kimi-k3-rank"
     assert (rank.n_heads, rank.vocab_size, rank.n_experts, rank.expert_hidden,
             rank.shared_hidden, rank.dense_hidden) == (3, 5120, 112, 768, 256, 1152)
     assert rank.d_model == FULL.d_model and rank.top_k == FULL.top_k
     with pytest.raises(ValueError, match="n_ranks=32 is invalid for kimi-k3-mini"):
-        layout.named_config("kimi-k3-mini-rank")  # mini does not split 32 ways
+        get_config("kimi-k3-mini-rank")  # mini does not split 32 ways
 
 
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
@@ -145,7 +146,7 @@ def test_every_default_layout_builds_its_ranks_in_every_expert_format(name):
             for mode in layout.COLLECTIVES:
                 lay = layout.layout(cfg, n_ranks, collectives=mode)
                 megakernel_sharded.kernel_config(lay)  # validated: raises on a bad share
-                assert cfg.expert_hidden // lay.etp % layout_ranks.hidden_unit(cfg) == 0
+                assert cfg.expert_hidden // lay.etp % partition.hidden_unit(cfg) == 0
 
 
 def test_fp8_experts_with_etp_pick_whole_scale_blocks():
@@ -189,20 +190,20 @@ def test_info_ranks_prints_the_table(capsys):
     assert len(err) == 1 and "n_ranks=3 is invalid" in err[0]
 
 
-def test_rank_names_from_the_layout():
-    """'<preset>-rank' is offered for every full-size preset, never a preset of its own: from the
-    release layout now that every kind declares sharding rules (the families' too); it equals
-    `config.rank_shapes`, the pre-sharding stand-in, for every family. get_config takes the same
-    names."""
-    names = layout.config_names()
+def test_rank_names_from_the_kinds_rules():
+    """'<preset>-rank' is offered for every full-size preset, never a preset of its own: one rank
+    of the release layout (every kind declares sharding rules, the families' too), had from
+    `get_config` like every other name."""
+    names = config.config_names()
     ranks = {"kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"}
     published = set(presets.PUBLISHED)  # the small real models' presets, no rank of their own
     assert set(names) - set(config.PRESETS) - published == ranks
     assert not ranks & set(config.PRESETS) and published <= set(names)
-    assert layout.named_config("kimi-k3-rank") == layout.rank_config(FULL)
-    assert layout.rank_config(FULL) == config.rank_shapes(FULL)
+    assert get_config("kimi-k3-rank") == layout.rank_config(FULL)
     glm = get_config("glm-4.5")
     assert layout.has_rules(glm)
-    assert layout.named_config("glm-4.5-rank") == layout.rank_config(glm) == config.rank_shapes(glm)
-    assert layout.named_config("glm-4.5-rank", max_seq_len=4096) == config.rank_shapes(glm).replace(
+    assert get_config("glm-4.5-rank") == layout.rank_config(glm)
+    assert get_config("glm-4.5-rank", max_seq_len=4096) == layout.rank_config(glm).replace(
         max_seq_len=4096)
+    with pytest.raises(ValueError, match=r"unknown model 'kimi-k9': choose one of kimi-k3, "):
+        get_config("kimi-k9")

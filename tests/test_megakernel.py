@@ -42,9 +42,9 @@ from mkresearch.hardware.chips import CHIPS
 from mkresearch.measurement.hlo import count_xla_kernels
 from mkresearch.measurement.logs import hbm_bytes, minimum_step_bytes
 from mkresearch.model import config, reference, sampling, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
-from mkresearch.sharding import layout
 
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11, asserted for every row-step
@@ -217,7 +217,7 @@ def test_greedy_steps_batch_4_and_bytes(race_checked, mini_params, n_steps, prom
     assert step.mismatch(logs[-1]) is None, step.mismatch(logs[-1])
     assert_prefetch_order(step)
     # the recorded step scaled to the per-rank shapes of Kimi K3 (notebook 07's timeline)
-    rank = layout.named_config("kimi-k3-rank")
+    rank = get_config("kimi-k3-rank")
     scaled = scale_log(logs[-1], MINI, rank, 4)
     layers = [e for e in scaled if e.kind == "dma_start" and e.name == "mix_attn"]
     assert [dict(e.indices)["layer"] for e in layers] == list(range(rank.n_layers))
@@ -258,7 +258,7 @@ def test_layouts_and_formats(race_checked, layout, expert_format, batch):
 @pytest.mark.parametrize("name", ["kimi-k3-mini",
                                   pytest.param("kimi-k3-rank", marks=pytest.mark.exhaustive)])
 def test_compiles_to_one_mosaic_kernel(name):
-    cfg = layout.named_config(name)
+    cfg = get_config(name)
     result, plan = mk.compile_step(cfg, 1, chip="tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB; "
           f"{count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
@@ -316,14 +316,14 @@ def test_fp8_experts_compile_on_a_chip_without_fp8():
 def test_hbm_over_the_chip_is_refused_before_compiling(chip):
     """kimi-k3-rank (61 GB for B = 1) on a 17 / 34 GB device: a ValueError naming the chip, the
     bytes needed and available and what to change, before anything is traced."""
-    cfg = layout.named_config("kimi-k3-rank")
+    cfg = get_config("kimi-k3-rank")
     with mock.patch.object(mk.tpu, "compile_for", side_effect=AssertionError("compiled")):
         with pytest.raises(ValueError, match=rf"kimi-k3-rank does not fit the HBM of one {chip} "
                                              r"device: it needs [\d,]+ B .* but "
                                              rf"{chip} has [\d,]+ B .*shard the model across more "
                                              r"ranks / devices.*expert_format='mxfp4'"):
             mk.compile_step(cfg, 1, chip=chip)
-    needed = layout.named_config("kimi-k3-rank", expert_format="bf16")
+    needed = get_config("kimi-k3-rank", expert_format="bf16")
     with pytest.raises(ValueError, match=r"use expert_format='mxfp4' \(.* needed\) instead of "
                                          r"'bf16'"):
         mk.make_plan(needed, 1, needed.max_seq_len, mk.MegakernelOptions(chip="v5p"))
@@ -339,14 +339,14 @@ def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
     options = mk.MegakernelOptions(expert_slots=8, chip="v5p")
     # 24 of the 93 layers: the bf16 experts of all of them would not fit v5p's HBM (refused
     # first, see test_hbm_over_the_chip_is_refused_before_compiling); VMEM is per layer
-    cfg = layout.named_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
+    cfg = get_config("kimi-k3-rank", expert_format="bf16", n_layers=24)
     with pytest.raises(VmemPlanError, match=r"(?s)VMEM plan needs.*expert_slots.*expert w1"):
         mk.make_plan(cfg, 8, cfg.max_seq_len, options)
 
 
 def test_ring_config_over_the_chip_is_refused():
     """The ring's depth and slot bytes are config fields; the plan checks them against VMEM."""
-    fits = layout.named_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
+    fits = get_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
     assert mk.make_plan(fits, 1, fits.max_seq_len).stream.slot_shape == (512, 7168)
     cfg = fits.replace(ring_depth=8)
     with pytest.raises(VmemPlanError, match=r"(?s)lower the config's ring_depth, "

@@ -33,9 +33,9 @@ from mkresearch.kernels.stages.sampling import MAX_CANDIDATES
 from mkresearch.hardware import tpu
 from mkresearch.measurement.logs import hbm_bytes, hbm_bytes_by_component, minimum_step_bytes
 from mkresearch.model import config, reference, roofline, sampling, spec, weights
+from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
-from mkresearch.sharding import layout
 
 LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 STATE_REL_TOL = 2.0 ** -7
@@ -195,7 +195,7 @@ def test_recorded_verify_scales_to_a_rank(recorded_case):
     the timeline model: one weight pass for the R rows (the timeline of notebook 07, per call)."""
     cfg, _, (log, tokens, _, _, _) = recorded_case
     rows = tokens.size
-    rank = layout.named_config("kimi-k3-rank")
+    rank = get_config("kimi-k3-rank")
     predicted = timeline.simulate(scale_log(log, cfg, rank, rows), "tpu7x")
     print(f"verify B={tokens.shape[0]} K={tokens.shape[1] - 1} scaled to {rank.name}: "
           f"{predicted.dma_bytes / 1e9:.2f} GB, {predicted.total_s * 1e3:.2f} ms predicted on "
@@ -292,7 +292,7 @@ def test_compiles_to_one_mosaic_kernel_mini():
 def test_compiles_to_one_mosaic_kernel_rank():
     """One rank of Kimi K3 (the release's 32), B = 1, K = 6 (~45 s here); B = 8, K = 7 (64 rows)
     also compiles to one Mosaic kernel (VMEM plan 51.7 MiB) but takes ~3.5 min: not a test."""
-    cfg = layout.named_config("kimi-k3-rank")
+    cfg = get_config("kimi-k3-rank")
     result, plan = mv.compile_verify(cfg, 1, 6, chip="tpu7x")
     print(f"kimi-k3-rank verify B=1 K=6: {result}; VMEM {plan.vmem.total_bytes / 2**20:.2f} MiB")
     assert result.n_mosaic_kernels == 1

@@ -9,11 +9,11 @@ from mkresearch.kernels.compose import megakernel
 from mkresearch.cli import main as cli
 from mkresearch.hardware import tpu
 from mkresearch.measurement import recorded
-from mkresearch.sharding import layout
+from mkresearch.model.config import get_config
 
 
 def plan_of(model, batch, chip):
-    cfg = layout.named_config(model)
+    cfg = get_config(model)
     return megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
 
 

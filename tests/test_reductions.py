@@ -1,19 +1,20 @@
 """How the sharded megakernel sends its partial-sum reductions (`kernels/sharded/levels.py`): the
-one order every algorithm adds in, the options that choose the algorithms, and the choice the
-CLI, the recorded compiles and the prediction share (`collective_choice.kernel_reductions`).
+one order every algorithm adds in, the options that choose the algorithms, and the sharding plan
+the CLI, the recorded compiles and the prediction share (`kernels/sharded/plan.py`: one list of
+reductions, each with the algorithm the interconnect model chooses, passed to the kernel).
 The kernel itself runs in tests/sharded/test_partial_sum.py (8 simulated devices)."""
 
 import jax.numpy as jnp
 import pytest
-from mkresearch.kernels.compose import collective_schedule as contract
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded import collective_ops as step_collectives
+from mkresearch.kernels.sharded import plan as sharding
 
 from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
 from mkresearch.model import numerics
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_choice as choice
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
@@ -71,29 +72,29 @@ def test_level_buffers_are_planned_only_for_reductions_in_levels():
 
 
 def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way(capsys):
-    """kimi-k3 on 32 TPU7x cores: each reduction as `choose` prices fastest on the slice (hosts
-    of 8 cores); the prediction's schedule carries that choice, its ops name it, and `plan`
-    lists it."""
+    """kimi-k3 on 32 TPU7x cores: each reduction of the sharding plan as `choose` prices fastest
+    on the slice (hosts of 8 cores); the kernel's options, the ops, the prediction's schedule
+    and `plan`'s listing all carry that choice."""
     cfg = get_config("kimi-k3")
     lay = layouts.layout(cfg, 32, collectives="partial-sum")
     inter = links.interconnect("tpu7x", n_ranks=32)
     for batch in (1, 8):
-        sent = choice.kernel_reductions(lay, batch)
-        assert sent.ranks_per_host == 8
-        ops = contract.collective_schedule(lay, batch, "partial-sum", reductions=sent.reductions)
-        sums = {op.name: op for op in ops if op.role == "sum"}
-        assert set(sums) == set(ms.reductions(lay))
-        for name, op in sums.items():
-            best = choice.choose(inter, op.kind, op.group, op.payload_bytes).algorithm
-            assert op.algorithm == best == dict(sent.reductions).get(name, "one-shot"), name
-        assert all(op.algorithm == "one-shot" for op in ops if op.kind == "all-gather")
+        plan = sharding.sharding_plan(lay, batch)
+        assert plan.ranks_per_host == 8
+        options = ms.kernel_options(lay, batch)
+        assert (options.reductions, options.ranks_per_host) == (plan.algorithms, 8)
+        sums = {op.name: op for op in step_collectives.collective_ops(plan) if op.role == "sum"}
+        for r in plan.reductions:
+            best = links.choose(inter, "all-reduce", sums[r.name].group,
+                                sums[r.name].payload_bytes).algorithm
+            assert sums[r.name].algorithm == r.algorithm == best, r.name
         row = scale_out.predict(cfg, 32, "ours", batch)
-        assert row["schedule"]["reductions"] == sent.reductions
+        assert row["schedule"]["reductions"] == plan.algorithms
         assert row["schedule"]["ranks_per_host"] == 8
-    b1 = dict(choice.kernel_reductions(lay, 1).reductions)
+    b1 = dict(sharding.sharding_plan(lay, 1).algorithms)
     print(f"kimi-k3 on 32 ranks, B = 1: {b1}")
     assert b1["expert/sum"] == "two-level" and b1["shared/w_down/sum"] == "rs-ag"
-    assert choice.kernel_reductions(layouts.layout(cfg, 32, collectives="exact"), 1).reductions \
+    assert sharding.sharding_plan(layouts.layout(cfg, 32, collectives="exact"), 1).algorithms \
         == ()
     assert cli.main(["plan", "kimi-k3", "--ranks", "32"]) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,6 @@ from mkresearch.kernels.compose.megakernel_plan import VmemPlanError
 
 from mkresearch.cli import main as cli
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
@@ -39,13 +38,13 @@ def test_the_ring_is_the_deepest_that_fits_vmem(model, batch):
 
 def test_kernel_plan_and_prediction_read_one_depth(capsys):
     """At each batch the prediction's ring (banks + 1) is the kernel plan's, built with the
-    reductions the model chooses for the slice (`collective_choice.kernel_reductions`: their
+    reductions its sharding plan chooses for the slice (`megakernel_sharded.kernel_options`: their
     level buffers take VMEM), and `predict` and `plan --ranks` say the depth and why."""
     cfg = get_config("kimi-k3")
     lay = _layout("kimi-k3")
     rings = {}
     for batch in (1, 8):
-        options = choice.kernel_reductions(lay, batch).options()
+        options = ms.kernel_options(lay, batch)
         rings[batch] = ms.ring_depth(lay, batch, options=options)
         depth = ms.make_sharded_plan(lay, batch, options=options).mega.stream.depth
         row = scale_out.predict(cfg, 32, "ours", batch)

@@ -11,7 +11,6 @@ import pytest
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import roofline
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout
 from mkresearch.views import plots
 
 GB = 1e9
@@ -146,7 +145,7 @@ def test_hbm_footprint_counts_every_weight_cache_and_state():
 def test_one_rank_fits_the_hbm_of_v5p_and_tpu7x_only(chip, fits):
     """kimi-k3-rank holds ≈ 61 GB at B = 1 (MXFP4 experts, 32768-token cache): over the 17 / 34 GB
     of a v5e / v6e device, under the ≈ 103 GB of a v5p / TPU7x device."""
-    cfg = layout.named_config("kimi-k3-rank")
+    cfg = get_config("kimi-k3-rank")
     footprint = roofline.hbm_footprint(cfg, chip)
     assert 60 * GB < footprint.needed < 62 * GB and footprint.fits() == fits
     if fits:

@@ -14,7 +14,7 @@ from mkresearch.kernels.stages import router
 
 from mkresearch.hardware import tpu
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout
+from mkresearch.model.config import get_config
 
 MINI = config.get_config("kimi-k3-mini")
 
@@ -113,7 +113,7 @@ def test_bad_shapes(layer):
 
 @pytest.mark.parametrize("name", ["kimi-k3-mini", "kimi-k3-rank"])
 def test_compiles_for_tpu7x(name):
-    cfg = layout.named_config(name)
+    cfg = get_config(name)
     moe = weights.param_shapes(cfg)["moe"]
     p = {k: jax.ShapeDtypeStruct(moe[k].shape[1:], moe[k].dtype)
          for k in ("w_router", "router_bias")}

@@ -19,7 +19,6 @@ from mkresearch.kernels.stages import sampling as stage
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout
 
 MINI = get_config("kimi-k3-mini")
 LOGITS_ATOL = 3e-2  # kernel vs reference logits (|logits| ~ 1-10): a few bf16 ulps of x
@@ -266,7 +265,7 @@ def test_dma_log_reads_lm_head_exactly_once(race_checked):
     ("kimi-k3-rank", 8, MODES),
 ])
 def test_compiles_for_tpu7x(name, batch, mode):
-    cfg = layout.named_config(name)
+    cfg = get_config(name)
     d, vocab = cfg.d_model, cfg.vocab_size
     shape = jax.ShapeDtypeStruct
     args = (shape((cfg.n_blocks, batch, d), jnp.bfloat16), shape((batch, d), jnp.bfloat16),

@@ -7,11 +7,12 @@ import json
 import pytest
 
 from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
+from mkresearch.hardware import topology
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, scale_out, scale_out_sim, topology
-from mkresearch.prediction import interconnect as links
+from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction.timeline_events import CollectiveEvent, LogEvent
-from mkresearch.prediction.timeline_ranks import PARTS, simulate_ranks
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs, simulate_ranks
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 from mkresearch.views.scale_out_plots import KINDS, figure_rows, parts_rows, ranks_rows
@@ -166,7 +167,7 @@ def test_logs_that_disagree_on_their_collectives_are_refused():
 
 
 def _ring_log(blocks, banks, collective_after: int, first: list) -> list:
-    """The DMA log of a ring of `banks` blocks in flight (as scale_out_sim runs it: filled at the
+    """The DMA log of a ring of `banks` blocks in flight (as a ("blocks", n) op runs it: filled at the
     start of the step), the events `first` after that, one blocking all-reduce after block
     `collective_after`."""
     events, issued = [], 0
@@ -189,7 +190,10 @@ def _ring_log(blocks, banks, collective_after: int, first: list) -> list:
     return events
 
 
-def test_the_fast_simulation_equals_the_dma_log_simulation():
+def test_the_rings_closed_form_is_its_dmas_one_by_one():
+    """One simulator (`timeline.RankSimulation`, joined by `timeline_ranks`): a program's ring
+    and fetch ops are their DMAs and phases in closed form, the same times as the same program
+    written DMA by DMA (a recorded log's ops)."""
     inter = links.interconnect("tpu7x", slice="tpu7x:2x2x1")
     blocks = [2**21] * 6 + [3 * 2**20] * 5
     programs = []
@@ -197,7 +201,7 @@ def test_the_fast_simulation_equals_the_dma_log_simulation():
         ops = [("fetch", 2**20 + extra, 1, 1), ("blocks", 4),
                ("start", "sum", "all_reduce", (0, 1), (), 8192, True), ("blocks", 7)]
         programs.append(ops)
-    fast = scale_out_sim.simulate(programs, blocks, 3, 2, (0, 1), inter, "one-shot")
+    fast = simulate_programs(programs, blocks, 3, 2, (0, 1), inter, "one-shot")
     logs = [_ring_log(blocks, 3, 3, [
         LogEvent("dma_start", "f", "hbm", "vmem", 2**20 + extra, 0),
         LogEvent("dma_wait", "f", "hbm", "vmem", 2**20 + extra, 0),
@@ -219,8 +223,8 @@ def test_a_collective_started_early_hides_behind_the_weight_stream():
     steps = {}
     for label, ops in (("blocking", blocking), ("early", early)):
         for across in (False, True):
-            ranks = scale_out_sim.simulate([ops], blocks, 4, 1, (0,), inter, "rs-ag",
-                                           prefetch_across=across)
+            ranks = simulate_programs([ops], blocks, 4, 1, (0,), inter, "rs-ag",
+                                       prefetch_across=across)
             parts = ranks.decomposition()
             assert sum(parts[p] for p in PARTS) == pytest.approx(ranks.total_s, rel=1e-12)
             steps[label, across] = (ranks.total_s, parts["collective_messages"])

@@ -15,7 +15,6 @@ import pytest
 from mkresearch.decoding import acceptance, drafters, speculative
 from mkresearch.model import reference, roofline, sampling, weights
 from mkresearch.model.config import get_config
-from mkresearch.sharding.layout import named_config
 
 SMALL = get_config("kimi-k3-mini").replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1,
                                            attn_res_block=1, max_seq_len=64)
@@ -220,7 +219,7 @@ def test_per_position_bytes_of_kimi_k3():
     assert cost["per_layer_per_position"] == 96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 2 == 6_512_640
     assert cost["per_layer"] == 7 * 6_512_640 == 45_588_480
     assert len(cfg.kda_layers) == 69 and cost["per_row"] == 69 * 45_588_480 == 3_145_605_120
-    rank = named_config("kimi-k3-rank")  # one of the release's 32 ranks: 3 of the 96 heads
+    rank = get_config("kimi-k3-rank")  # one of the release's 32 ranks: 3 of the 96 heads
     assert 3 * (128 * 128 * 4 + 3 * 3 * 128 * 2) == 203_520
     assert speculative.per_position_bytes(rank, 6) == {
         "per_layer_per_position": 203_520, "per_layer": 7 * 203_520, "per_row": 69 * 7 * 203_520}

@@ -58,7 +58,7 @@ class MegakernelOptions:
     chip             the chip whose VMEM the plan must fit
     reductions       sharded, partial-sum: (name, algorithm) of each reduction not sent one-shot
                      ("two-level" or "rs-ag", `kernels/sharded/collectives.py`), e.g. the choice
-                     of `mkresearch.prediction.collective_choice.kernel_reductions`
+                     of `megakernel_sharded.kernel_options` (the sharding plan's choice)
     ranks_per_host   sharded: consecutive ranks that share a host (0: every rank one host); every
                      reduction adds a host's partials first, then the hosts' sums
     """

@@ -45,11 +45,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mkresearch.kernels.base import dma, registry, weight_stream
-from mkresearch.kernels.compose import collective_schedule, megakernel
+from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose.megakernel import StepInputs
 from mkresearch.kernels.sharded import collectives, sharded_stages
-from mkresearch.kernels.sharded.rules import expert_sum_merged
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages import gate_up, sampling
 
 from mkresearch.hardware import tpu
@@ -60,9 +60,6 @@ from mkresearch.model.config import LANE, RING_MAX_DEPTH, ModelConfig
 from mkresearch.sharding import layout as layouts
 
 AXIS = collectives.AXIS
-# every streamed matrix with a collective around it: the step's collective schedule's (one source
-# for the kernel and the prediction, `kernels/compose/collective_schedule.py`)
-collective_rules = collective_schedule.collective_rules
 FULL_TOPOLOGY = "tpu7x:2x2x4"  # 16 TPU7x chips, 32 devices: the release's deployment (docs/kimi-k3.md §9)
 
 
@@ -206,19 +203,14 @@ def rank_vmem(lay: layouts.Layout, batch: int, depth: int, seq_len: int | None =
     return _rank_parts(lay, batch, seq_len, options, wire, depth, _local_streamed(lay))[-1]
 
 
-def reductions(lay: layouts.Layout) -> dict[str, tuple[int, int]]:
-    """Partial-sum mode: every reduction a rank sends, by name (`Collectives.reduce`: the
-    contract's "<matrix>/sum" and the routed experts' "expert/sum") -> (its width, the widths
-    of the column chunks riding in it); exact mode: none."""
-    if lay.collectives != layouts.PARTIAL_SUM:
-        return {}
-    rules = collective_rules(lay)
-    out = {f"{rule.name}/sum": (rule.n, sum(lay.local_length(r.out, r.n) for r in rules
-                                           if r.rides == rule.name))
-           for rule in rules if rule.reduce is not None}
-    if collective_schedule.has_routed_experts(lay) and not expert_sum_merged(rules):
-        out["expert/sum"] = (layouts.expert_output_width(lay.cfg), 0)  # else in W_sd's
-    return out
+def kernel_options(lay: layouts.Layout, batch: int, chip: str = "tpu7x", wire: str = "f32",
+                   **fields) -> mplan.MegakernelOptions:
+    """The kernel's options for `chip` with its reductions sent as the sharding plan of the
+    layout chooses them (`sharding.sharding_plan`: the interconnect model of the chip's slice):
+    what the CLI and the recorded compiles build. fields: the other options."""
+    chosen = sharding.sharding_plan(lay, batch, wire, chip)
+    return mplan.MegakernelOptions(chip=chip, reductions=chosen.algorithms,
+                                   ranks_per_host=chosen.ranks_per_host, **fields)
 
 
 def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
@@ -232,29 +224,26 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
     stage_plans = tuple((kind, registry.kernel_stage(kind).plan(kcfg, batch, seq_len, options))
                         for kind in kcfg.kinds)
     vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
-    rules = collective_rules(lay)
+    plan = sharding.with_algorithms(lay, batch, wire, options.reductions, options.ranks_per_host)
     pieces = {"all": [sharded_stages.STATE_LANES],
               "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
-    for rule in rules:
+    for rule in plan.rules:
         if rule.gather is not None and rule.gather != spec.EXPERT_TP:
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
         if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
-            pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in rules
+            pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in plan.rules
                                      if r is rule or r.joins == rule.name))
-    in_levels = {name for name, a in options.reductions if a != collectives.ONE_SHOT}
-    for name, (width, riders) in reductions(lay).items():
-        if name not in in_levels:  # one-shot: the whole [B, n] from every rank, and the column
-            pieces["all"].append(width + riders)  # chunks riding with it (`Rule.rides`)
+    for r in plan.reductions:
+        if r.algorithm == sharding.ONE_SHOT:  # the whole [B, n] from every rank, and the column
+            pieces["all"].append(r.width + r.riders)  # chunks riding with it (`Rule.rides`)
     # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
     expert_latent = (lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
                      if lay.collectives == layouts.EXACT else layouts.expert_output_width(cfg))
     if lay.collectives == layouts.EXACT:
         pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
     shard = collectives.make_shard_plan(
-        lay, batch, rules, pieces, reduced=(cfg.d_model,),  # the embedding
-        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent,
-        wire=wire, reductions=reductions(lay), algorithms=options.reductions,
-        ranks_per_host=options.ranks_per_host)
+        plan, pieces, reduced=(cfg.d_model,),  # the embedding
+        expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
@@ -267,10 +256,10 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
                       options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
                       wire: str = "f32") -> ShardedPlan:
     """Check sizes and options (ValueError naming them) and fix every static size of one rank.
-    The layout's `collectives` picks the schedule (`kernels/compose/collective_schedule.py`); wire: the
-    partial sums' format on the wire (collective_schedule.WIRES)."""
-    if wire not in collective_schedule.WIRES:
-        raise ValueError(f"wire={wire!r} is invalid: one of {collective_schedule.WIRES}")
+    The layout's `collectives` picks the collectives (`kernels/sharded/plan.py`); wire: the
+    partial sums' format on the wire (`plan.WIRES`); options.reductions and .ranks_per_host: how
+    the reductions are sent (`kernel_options`: as the sharding plan chooses for a chip)."""
+    sharding.check_wire(wire)
     if not isinstance(lay, layouts.Layout):
         raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
     cfg = lay.cfg

@@ -13,7 +13,7 @@ logged by `dma.RemoteCopy`); a stage's weight stream on a rank: `sharded_stream.
   combine_items  exact mode: the routed experts' weighted sum in ascending expert id, passed down
                  the chain of expert groups (the single-device order, bit for bit), the last
                  group's sum all-gathered
-  reduce         partial-sum mode (`kernels/compose/collective_schedule.py`): partial products
+  reduce         partial-sum mode (`kernels/sharded/plan.py`): partial products
                  [B, N] of a matrix split by its rows (and the routed experts' sum) added in one
                  fixed order on every rank, sent one-shot or in levels (`levels`: two-level,
                  rs-ag); column chunks needed only at the stage's end (`Rule.rides`: W_lu) ride
@@ -44,13 +44,13 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.sharded import sharded_stream
 from mkresearch.kernels.sharded.levels import (
-    ONE_SHOT,
     LevelBuffers,
     LevelReductions,
     Levels,
+    each_peer,
     plan_levels,
 )
-from mkresearch.kernels.sharded.rules import Rule, expert_sum_merged
+from mkresearch.kernels.sharded.plan import ONE_SHOT, Rule, ShardingPlan, expert_sum_merged
 from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
@@ -82,10 +82,10 @@ class ShardPlan:
     layout: Layout
     batch: int
     channels: tuple[Channel, ...]
-    rules: tuple[Rule, ...]
+    rules: tuple[Rule, ...]  # the sharding plan's (`plan.collective_rules`)
     expert_items: int  # the most routed experts a rank computes in one layer: min(E_loc, B·k)
     expert_latent: int  # a rank's columns of an expert's output (the latent / ETP)
-    mode: str = "exact"  # or "partial-sum" (`kernels/compose/collective_schedule.py`)
+    mode: str = "exact"  # or "partial-sum" (the layout's `collectives`)
     wire: str = "f32"  # partial sums on the wire: "f32" or "bf16" (rounded once before the sum)
     host_size: int = 0  # consecutive ranks of a host (every reduction adds theirs first); 0: all
     algorithms: tuple = ()  # (reduction name, "two-level" | "rs-ag"): the rest go one-shot
@@ -145,18 +145,16 @@ class ShardPlan:
         return out
 
 
-def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: dict,
-                    reduced: tuple[int, ...], expert_items: int, expert_latent: int,
-                    wire: str = "f32", reductions: dict | None = None,
-                    algorithms: tuple = (), ranks_per_host: int = 0) -> ShardPlan:
-    """pieces: channel name -> the widths of the pieces it all-gathers; reduced: the widths it
-    all-reduces (channel "all"); reductions: partial-sum mode, name -> (width, riders' width)
-    of every reduction a rank sends; algorithms: (name, algorithm) of those not sent one-shot;
-    ranks_per_host: consecutive ranks of a host (0: all)."""
-    n = lay.n_ranks
-    levels, algorithms = plan_levels(n, ranks_per_host, reductions or {}, algorithms)
+def make_shard_plan(sharding: ShardingPlan, pieces: dict, reduced: tuple[int, ...],
+                    expert_items: int, expert_latent: int) -> ShardPlan:
+    """The kernel's collectives of a sharding plan (a flat copy of what they read: its repr is
+    the recorded compiles' fingerprint). pieces: channel name -> the widths of the pieces it
+    all-gathers; reduced: the widths it all-reduces (channel "all"); the plan's reductions sent
+    in levels get the level buffers (`levels.plan_levels`)."""
+    lay = sharding.layout
+    levels = plan_levels(sharding)
     channels = []
-    for name, size in (("all", n), ("etp", lay.etp)):
+    for name, size in (("all", lay.n_ranks), ("etp", lay.etp)):
         widths = tuple(pieces.get(name, ()))
         if size == 1 or not widths:
             continue
@@ -166,10 +164,10 @@ def make_shard_plan(lay: Layout, batch: int, rules: tuple[Rule, ...], pieces: di
         # the send buffer stages only an all-reduced vector (one-shot pieces go from their own
         # buffers, and a wait counts its bytes on the inbox, `_wait_all`)
         channels.append(Channel(name, size, chunk, size * scatter_chunk, scatter_chunk))
-    return ShardPlan(layout=lay, batch=batch, channels=tuple(channels), rules=rules,
-                     expert_items=expert_items, expert_latent=expert_latent,
-                     mode=lay.collectives, wire=wire, host_size=ranks_per_host,
-                     algorithms=algorithms, levels=levels)
+    return ShardPlan(layout=lay, batch=sharding.batch, channels=tuple(channels),
+                     rules=sharding.rules, expert_items=expert_items, expert_latent=expert_latent,
+                     mode=lay.collectives, wire=sharding.wire, host_size=sharding.ranks_per_host,
+                     algorithms=sharding.algorithms, levels=levels)
 
 
 class _Buffers:
@@ -278,15 +276,6 @@ class Collectives:
                 parity, pl.ds(0, sent), :, pl.ds(0, c)]
             dma.RemoteCopy(out, out, *sems, **args).wait_send()
 
-    @staticmethod
-    def _each_peer(size, member, fn) -> None:
-        """fn(peer) for the other members, from member + 1 on (a loop, not unrolled)."""
-        def body(k, carry):
-            fn(lax.rem(member + k, size))
-            return carry
-
-        lax.fori_loop(1, size, body, 0)
-
     def all_reduce(self, x: Any, *, name: str) -> Any:
         """Σ over all ranks of x [B, W] f32, added in rank order -> [B, W] f32 on every rank."""
         if "all" not in self.buffers:  # one rank
@@ -305,7 +294,7 @@ class Collectives:
             buffers.send[:, :width] = x
             if padded > width:
                 buffers.send[:, width:padded] = jnp.zeros((batch, padded - width), jnp.float32)
-            self._each_peer(size, member, lambda j: self._copy(
+            each_peer(size, member, lambda j: self._copy(
                 buffers, 0, chunk_of(j), member, parity, j, 0, name).start())
             buffers.scatter_in[parity, member, :, :c] = buffers.send[:, pl.ds(
                 pl.multiple_of(member * c, LANE), c)]
@@ -323,7 +312,7 @@ class Collectives:
         """buffers.chunk_sum[:, :c] to slot `member` of every member; wait for all of them."""
         size = buffers.channel.size
         source = buffers.chunk_sum.at[:, pl.ds(0, c)]
-        self._each_peer(size, member, lambda j: self._copy(buffers, 1, source, member, parity, j,
+        each_peer(size, member, lambda j: self._copy(buffers, 1, source, member, parity, j,
                                                            base, name).start())
         buffers.gather_in[parity, member, :, :c] = buffers.chunk_sum[:, :c]
         self._wait_all(buffers, 1, parity, size - 1, size - 1, c, name)

@@ -32,12 +32,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
+from mkresearch.kernels.sharded.plan import (  # noqa: F401 - REDUCTION_ALGORITHMS: the options'
+    ONE_SHOT,
+    REDUCTION_ALGORITHMS,
+    RS_AG,
+    TWO_LEVEL,
+    ShardingPlan,
+    lanes,
+)
 
 from mkresearch.model.config import LANE
 from mkresearch.sharding.layout import chunk_length
 
-ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's algorithms
-REDUCTION_ALGORITHMS = (ONE_SHOT, TWO_LEVEL, RS_AG)  # the default first
 LEVEL_PHASES = ("local", "across", "local_gather")  # DMA-log names of a reduction's levels
 
 
@@ -84,40 +90,56 @@ class LevelBuffers:
     parity: Any
 
 
-def _lanes(width: int) -> int:
-    return -(-width // LANE) * LANE
-
-
-def make_levels(n_ranks: int, host_size: int, sent: list[tuple[str, int, int]]) -> Levels | None:
-    """The buffers of the reductions `sent` in levels: (algorithm, width N, riders' width per
-    rank) each; None if there are none."""
+def plan_levels(plan: ShardingPlan) -> Levels | None:
+    """The buffers of the plan's reductions sent in levels (None if there are none): the widest
+    piece each level sends, its riders along."""
+    n = plan.layout.n_ranks
+    h = plan.ranks_per_host or n
+    if n % h:
+        raise ValueError(f"ranks_per_host={plan.ranks_per_host!r} is invalid for {n} ranks: 0 "
+                         "or an int that divides the rank count")
+    sent = [r for r in plan.reductions if r.algorithm != ONE_SHOT]
     if not sent:
         return None
-    h = host_size
     local = across = gather = LANE
-    for algorithm, width, riders in sent:
-        piece = width if algorithm == TWO_LEVEL else chunk_length(width, h)
-        local = max(local, _lanes(piece + riders))
-        across = max(across, _lanes(piece + h * riders))
-        if algorithm == RS_AG:
+    for r in sent:
+        piece = r.width if r.algorithm == TWO_LEVEL else chunk_length(r.width, h)
+        local = max(local, lanes(piece + r.riders))
+        across = max(across, lanes(piece + h * r.riders))
+        if r.algorithm == RS_AG:
             gather = max(gather, piece)
-    return Levels(h, n_ranks // h, local, across, gather)
+    return Levels(h, n // h, local, across, gather)
 
 
-def plan_levels(n_ranks: int, ranks_per_host: int, reductions: dict, algorithms: tuple
-                ) -> tuple[Levels | None, tuple]:
-    """(the level buffers, the (name, algorithm) pairs not one-shot) of a rank's reductions:
-    reductions: name -> (width, riders' width) of each; algorithms: the options' pairs."""
-    host = ranks_per_host or n_ranks
-    if n_ranks % host:
-        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid for {n_ranks} ranks: 0 "
-                         "or an int that divides the rank count")
-    unknown = sorted({name for name, _ in algorithms} - set(reductions))
-    if unknown:
-        raise ValueError(f"reductions={algorithms!r} is invalid: {unknown} are not reductions of "
-                         f"this step (those are {sorted(reductions)})")
-    sent = tuple((name, a) for name, a in algorithms if a != ONE_SHOT)
-    return make_levels(n_ranks, host, [(a, *reductions[name]) for name, a in sent]), sent
+def each_peer(size: int, member: Any, fn: Any) -> None:
+    """fn(peer) for the other members of a group of `size`, from member + 1 on (a loop, not
+    unrolled)."""
+    def body(k, carry):
+        fn(lax.rem(member + k, size))
+        return carry
+
+    lax.fori_loop(1, size, body, 0)
+
+
+@dataclass(frozen=True)
+class _Reducing:
+    """One reduction in levels on this rank: its algorithm, the piece each message carries, the
+    riders' width, this rank's member index in its host and the buffers' parity."""
+
+    name: str
+    algorithm: str
+    host_size: int
+    piece: int
+    riders: int
+    member: Any
+    base: Any  # the first rank of this rank's host
+    parity: Any
+    stride: int  # the summed ranks are 0, stride, 2 stride, ..
+    n_summed: int
+
+    def counted(self, rank: Any) -> Any:
+        """Whether rank's partial is one of the summed (traced or static)."""
+        return (rank % self.stride == 0) & (rank < self.stride * self.n_summed)
 
 
 class LevelReductions:
@@ -131,28 +153,38 @@ class LevelReductions:
                algorithm: str) -> tuple[Any, list]:
         """`Collectives.reduce` as two-level or rs-ag -> (the sum [B, N], every rank's riders
         [B, Σ c], in rank order)."""
-        lv, sizes = self.buffers, self.buffers.sizes
-        h, hosts = sizes.host_size, sizes.hosts
         stride = summed[1] - summed[0] if len(summed) > 1 else 1
         if tuple(summed) != tuple(range(0, stride * len(summed), stride)):
             raise ValueError(f"{name}: summed={summed!r} is invalid for {algorithm}: ranks "
                              "0, s, 2 s, .. (one per slice)")
-
-        def counted(rank):  # whether rank's partial is one of the summed (traced or static)
-            return (rank % stride == 0) & (rank < stride * len(summed))
-
+        lv = self.buffers
+        h = lv.sizes.host_size
         width, rw = partial.shape[1], sum(c.shape[1] for c in chunks)
-        piece = width if algorithm == TWO_LEVEL else chunk_length(width, h)
         member = lax.rem(self.coll.rank, h)
-        host = lax.div(self.coll.rank, h)
-        base = self.coll.rank - member
-        parity = lv.parity[0]
-        lv.parity[0] = 1 - parity
-        riders = jnp.concatenate(chunks, axis=1) if chunks else None
-        # level 1, in the host: two-level its whole partial to every member, rs-ag member j its
-        # chunk j; this rank's column chunks ride along
-        c1 = _lanes(piece + rw)
-        for j in range(1 if algorithm == TWO_LEVEL else h):
+        at = _Reducing(name, algorithm, h, width if algorithm == TWO_LEVEL else chunk_length(width, h),
+                   rw, member, self.coll.rank - member, lv.parity[0], stride, len(summed))
+        lv.parity[0] = 1 - at.parity
+        self._local(at, partial, jnp.concatenate(chunks, axis=1) if chunks else None)
+        host_sum = self._host_sum(at, partial.shape[0])
+        everyone = [lv.local_in[at.parity, j, :, at.piece:at.piece + rw] for j in range(h)] \
+            if rw else []
+        total = host_sum
+        if lv.sizes.hosts > 1:
+            total, everyone = self._across(at, host_sum, everyone)
+        if algorithm == RS_AG:  # level 3: the summed chunks all-gathered in the host
+            lv.gather_out[:, :at.piece] = total
+            self.level(2, lambda j: lv.gather_out.at[:, pl.ds(0, at.piece)], lv.gather_in,
+                       at.member, at.parity, h, lambda j: at.base + j, at.piece, name)
+            total = jnp.concatenate([lv.gather_in[at.parity, j, :, :at.piece] for j in range(h)],
+                                    axis=1)[:, :width]
+        return total, everyone
+
+    def _local(self, at: _Reducing, partial: Any, riders: Any) -> None:
+        """Level 1, in the host: two-level its whole partial to every member, rs-ag member j its
+        chunk j; this rank's column chunks ride along."""
+        lv, piece, rw, width = self.buffers, at.piece, at.riders, partial.shape[1]
+        c1 = lanes(piece + rw)
+        for j in range(1 if at.algorithm == TWO_LEVEL else at.host_size):
             stop = min(width, (j + 1) * piece)
             if j * piece < stop:
                 lv.local_out[j, :, :stop - j * piece] = partial[:, j * piece:stop]
@@ -163,40 +195,41 @@ class LevelReductions:
                 lv.local_out[j, :, piece:piece + rw] = riders
 
         def source(j):
-            return lv.local_out.at[0 if algorithm == TWO_LEVEL else j, :, pl.ds(0, c1)]
+            return lv.local_out.at[0 if at.algorithm == TWO_LEVEL else j, :, pl.ds(0, c1)]
 
-        self.level(0, source, lv.local_in, member, parity, h, lambda j: base + j, c1, name)
-        if stride == 1 and len(summed) == self.coll.plan.n_ranks:
-            host_sum = functools.reduce(
-                lambda a, b: a + b, [lv.local_in[parity, j, :, :piece] for j in range(h)])
-        else:  # only the summed ranks' partials, still in rank order
-            host_sum, started = jnp.zeros((partial.shape[0], piece), jnp.float32), False
-            for j in range(h):
-                value, mine = lv.local_in[parity, j, :, :piece], counted(base + j)
-                host_sum = jnp.where(mine, jnp.where(started, host_sum + value, value), host_sum)
-                started = jnp.logical_or(started, mine)
-        local_riders = [lv.local_in[parity, j, :, piece:piece + rw] for j in range(h)] if rw \
-            else []
-        everyone = local_riders
-        total = host_sum
-        if hosts > 1:  # level 2: the host's sum (and riders) to the same member of every host
-            c2 = _lanes(piece + h * rw)
-            lv.across_out[:, :piece] = host_sum
-            for j, value in enumerate(local_riders):
-                lv.across_out[:, piece + j * rw:piece + (j + 1) * rw] = value
-            self.level(1, lambda k: lv.across_out.at[:, pl.ds(0, c2)], lv.across_in, host,
-                       parity, hosts, lambda k: k * h + member, c2, name)
-            summing = [k for k in range(hosts) if any(counted(k * h + j) for j in range(h))]
-            total = functools.reduce(lambda a, b: a + b,
-                                     [lv.across_in[parity, k, :, :piece] for k in summing])
-            everyone = [lv.across_in[parity, k, :, piece + j * rw:piece + (j + 1) * rw]
-                        for k in range(hosts) for j in range(h)] if rw else []
-        if algorithm == RS_AG:  # level 3: the summed chunks all-gathered in the host
-            lv.gather_out[:, :piece] = total
-            self.level(2, lambda j: lv.gather_out.at[:, pl.ds(0, piece)], lv.gather_in, member,
-                       parity, h, lambda j: base + j, piece, name)
-            total = jnp.concatenate([lv.gather_in[parity, j, :, :piece] for j in range(h)],
-                                    axis=1)[:, :width]
+        self.level(0, source, lv.local_in, at.member, at.parity, at.host_size,
+                   lambda j: at.base + j, c1, at.name)
+
+    def _host_sum(self, at: _Reducing, batch: int) -> Any:
+        """The host's summed partials (only the summed ranks', in rank order)."""
+        lv, h, piece = self.buffers, at.host_size, at.piece
+        if at.stride == 1 and at.n_summed == self.coll.plan.n_ranks:
+            return functools.reduce(
+                lambda a, b: a + b, [lv.local_in[at.parity, j, :, :piece] for j in range(h)])
+        host_sum, started = jnp.zeros((batch, piece), jnp.float32), False
+        for j in range(h):
+            value, mine = lv.local_in[at.parity, j, :, :piece], at.counted(at.base + j)
+            host_sum = jnp.where(mine, jnp.where(started, host_sum + value, value), host_sum)
+            started = jnp.logical_or(started, mine)
+        return host_sum
+
+    def _across(self, at: _Reducing, host_sum: Any, local_riders: list) -> tuple[Any, list]:
+        """Level 2: the host's sum (and riders) to the same member of every host -> (the sum,
+        every rank's riders)."""
+        lv, h, piece, rw = self.buffers, at.host_size, at.piece, at.riders
+        hosts = lv.sizes.hosts
+        c2 = lanes(piece + h * rw)
+        lv.across_out[:, :piece] = host_sum
+        for j, value in enumerate(local_riders):
+            lv.across_out[:, piece + j * rw:piece + (j + 1) * rw] = value
+        self.level(1, lambda k: lv.across_out.at[:, pl.ds(0, c2)], lv.across_in,
+                   lax.div(self.coll.rank, h), at.parity, hosts, lambda k: k * h + at.member,
+                   c2, at.name)
+        summing = [k for k in range(hosts) if any(at.counted(k * h + j) for j in range(h))]
+        total = functools.reduce(lambda a, b: a + b,
+                                 [lv.across_in[at.parity, k, :, :piece] for k in summing])
+        everyone = [lv.across_in[at.parity, k, :, piece + j * rw:piece + (j + 1) * rw]
+                    for k in range(hosts) for j in range(h)] if rw else []
         return total, everyone
 
     def level(self, level: int, source, inbox: Any, me: Any, parity: Any, size: int,
@@ -212,7 +245,7 @@ class LevelReductions:
                 dma.RemoteCopy(source(j), inbox.at[parity, me, :, pl.ds(0, c)], *sems,
                                peer=rank_of(j), rank=self.coll.rank, name=label).start()
 
-            self.coll._each_peer(size, me, send)
+            each_peer(size, me, send)
             inbox[parity, me, :, :c] = source(me)[...]
             self.wait(level, inbox, parity, size - 1, size - 1, c, label)
 

@@ -34,7 +34,7 @@ from mkresearch.sharding import layout
 
 BENCH_BATCHES = (1, 2, 4, 8)
 NEAR_TIE_GAP = 0.1  # a top-2 logit gap under 2 x 5e-2 (docs/kimi-k3.md §11 logits tolerance) is a near-tie
-# mini preset -> (the one-device stand-in for one rank of its full model, `layout.named_config`;
+# mini preset -> (the one-device stand-in for one rank of its full model, `config.get_config`;
 # the full model): where `scale_to_rank` scales a recorded mini step (notebooks 07 and 10). Not
 # the full-size step (`full_size.STAND_IN_LABEL`): that is `predict_full_size`'s.
 FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
@@ -67,7 +67,7 @@ def scale_to_rank(log: Any, cfg: ModelConfig, batch: int) -> tuple[ModelConfig, 
     if cfg.name not in FULL_SIZE_RANK:
         raise ValueError(f"cfg={cfg.name!r} has no full-size rank to scale to: one of "
                          f"{', '.join(FULL_SIZE_RANK)}")
-    rank, full = (layout.named_config(name) for name in FULL_SIZE_RANK[cfg.name])
+    rank, full = (get_config(name) for name in FULL_SIZE_RANK[cfg.name])
     unique = rank.n_experts * (1 - (1 - rank.top_k / full.n_experts) ** batch)
     return rank, scale_log(log, cfg, rank, batch, unique_experts=unique), unique
 

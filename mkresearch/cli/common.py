@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
-from mkresearch.model.config import ModelConfig
-from mkresearch.sharding import layout
+from mkresearch.model.config import ModelConfig, config_names, get_config
 
 
 class UsageError(Exception):
@@ -23,14 +22,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model(name: str | None) -> ModelConfig:
-    """A preset, or '<preset>-rank': one rank of its release layout (`layout.named_config`)."""
+    """A preset, or '<preset>-rank': one rank of its release layout (`config.get_config`)."""
     if name is None:
-        raise UsageError(f"MODEL is missing: name one of {', '.join(layout.config_names())} "
+        raise UsageError(f"MODEL is missing: name one of {', '.join(config_names())} "
                          "after the command")
-    if name not in layout.config_names():
+    if name not in config_names():
         raise UsageError(f"unknown model {name!r}: choose one of "
-                         f"{', '.join(layout.config_names())}")
-    return layout.named_config(name)
+                         f"{', '.join(config_names())}")
+    return get_config(name)
 
 
 def _at_least(option: str, value: int, minimum: int) -> None:

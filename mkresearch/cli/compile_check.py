@@ -24,7 +24,7 @@ from mkresearch.cli.options import (
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
-from mkresearch.prediction import collective_choice
+from mkresearch.model.config import config_names
 from mkresearch.sharding import layout
 
 # a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice
@@ -89,9 +89,9 @@ def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
     if not topology.startswith(f"{chip}:"):
         raise UsageError(f"--topology {topology!r} is invalid with --chip {chip}: a {chip} "
                          f"topology, e.g. {DEFAULT_TOPOLOGY[chip]}")
-    try:  # the reductions sent as the model chooses for the slice (`kernel_reductions`)
+    try:  # the reductions sent as the sharding plan chooses for the slice (`kernel_options`)
         lay = layout.layout(cfg, args.ranks, collectives=layout.DEFAULT_COLLECTIVES)
-        options = collective_choice.kernel_options(lay, args.batch, chip)
+        options = sharded.kernel_options(lay, args.batch, chip)
         result, plan = sharded.compile_sharded_step(cfg, args.ranks, batch=args.batch, chip=chip,
                                                     topology=topology, seq_len=args.context,
                                                     options=options)

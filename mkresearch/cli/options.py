@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mkresearch.cli.common import UsageError
-from mkresearch.model.config import MLA_CACHE_LAYOUTS
+from mkresearch.model.config import MLA_CACHE_LAYOUTS, config_names
 from mkresearch.sharding import layout
 
 NOTICES = "old_spellings"  # the namespace attribute listing the old spellings a command line used
@@ -86,8 +86,8 @@ def _listed(values: Sequence[int]) -> str:
 
 
 def add_model(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    """MODEL, positional: a preset or '<preset>-rank' (`layout.named_config`)."""
-    names = ", ".join(layout.config_names())
+    """MODEL, positional: a preset or '<preset>-rank' (`config.get_config`)."""
+    names = ", ".join(config_names())
     p.usage = f"{p.prog} {'[MODEL]' if default else 'MODEL'} [options]  (see the examples below)"
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help=f"one of {names}" + (f" (default {default})" if default else ""))

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from mkresearch.cli.common import _at_least, _chip, _model, _refusals
-from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.prediction import collective_floor, collective_plan
 from mkresearch.sharding import layout
 
@@ -17,9 +17,9 @@ from mkresearch.sharding import layout
 def add_arguments(p: Any) -> None:
     p.add_argument("--ranks", type=int, default=None,
                    help="list the collectives of one step on N ranks (our layout) instead")
-    p.add_argument("--collectives", default="partial-sum", choices=contract.MODES,
+    p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
                    help="with --ranks: the kernel's collectives (default partial-sum)")
-    p.add_argument("--wire", default="f32", choices=contract.WIRES,
+    p.add_argument("--wire", default="f32", choices=sharding.WIRES,
                    help="with --ranks: partial sums on the wire (default f32)")
 
 

@@ -36,7 +36,6 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.prediction import calibration, scale_out
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -67,7 +66,7 @@ def add_parser(commands: Any) -> None:
                    help="whose schedule: ring, expert slots, collectives (default: the layout's)")
     p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
                    help="all-reduce algorithm (default: the schedule's at each batch)")
-    p.add_argument("--collectives", default="partial-sum", choices=scale_out.contract.MODES,
+    p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
                    help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
                         "to one device); the release's schedule has its own")
     add_context(p, 0, "tokens already in each sequence's KV cache (default 0)")
@@ -161,7 +160,7 @@ def format_speculative(rows: list[dict]) -> str:
 def format_rows(rows: list[dict]) -> str:
     """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
     first = rows[0]
-    algorithm = "each collective as our kernel sends it (collective_choice.kernel_reductions)" \
+    algorithm = "each collective as our kernel sends it (its sharding plan: kernels.sharded.plan)" \
         if first["algorithm"] == "auto" else f"{first['algorithm']} collectives"
     lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
              f"({algorithm}): {first['label']}"),
@@ -206,7 +205,7 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
         lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
                      f"{tl.sources.get(name, '')}")
     for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg, n_ranks=n_ranks)):
-        algorithms = "each collective's algorithm from collective_choice" if sched.collectives \
+        algorithms = "each collective's algorithm from the sharding plan" if sched.collectives \
             else (f"all-reduce {sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
                   f"{sched.all_reduce_large})")
         lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "

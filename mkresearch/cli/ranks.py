@@ -31,7 +31,7 @@ from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import logs
 from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import collective_choice, timeline
+from mkresearch.prediction import timeline
 from mkresearch.prediction.timeline_ranks import rank_events
 from mkresearch.sharding import layout, reference_sharded
 
@@ -132,8 +132,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
 
     options = megakernel.MegakernelOptions(chip=chip)
     lay = layout.layout(cfg, n_ranks, collectives=collectives)
-    # the reductions sent as the model chooses for the chip's slice (`kernel_reductions`)
-    plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, collective_choice.kernel_options(
+    # the reductions sent as the sharding plan chooses for the chip's slice (`kernel_options`)
+    plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, sharded.kernel_options(
         lay, batch, chip))  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
@@ -250,7 +250,7 @@ def bench_sharded(cfg: ModelConfig, batches: Sequence[int], steps: int, chip: st
 
     lay = layout.layout(cfg, n_ranks)
     plans = {batch: sharded.make_sharded_plan(  # the reductions as the model chooses for the chip
-        lay, batch, cfg.max_seq_len, collective_choice.kernel_options(lay, batch, chip))
+        lay, batch, cfg.max_seq_len, sharded.kernel_options(lay, batch, chip))
         for batch in batches}  # every batch refused (VMEM, HBM) before any work
     mesh = sharded.make_mesh(n_ranks)
     params = weights.init_params(cfg, seed)

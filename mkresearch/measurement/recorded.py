@@ -32,14 +32,13 @@ from mkresearch.hardware.tpu import CompileResult
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_choice
 from mkresearch.sharding import layout
 
 RECORDED_DIR = Path(__file__).resolve().parent / "recorded"
 # The compiles the notebooks show, as (model, batch, chip): `make recorded` writes each. A model is
-# a preset or '<preset>-rank', one rank of it (`mkresearch.sharding.layout.named_config`).
+# a preset or '<preset>-rank', one rank of it (`mkresearch.model.config.get_config`).
 RECORDED_COMPILES = (("kimi-k3-rank", 1, "tpu7x"),
-                     # notebook 10: one rank of each other family (config.rank_shapes)
+                     # notebook 10: one rank of each other family (`partition.rank_config`)
                      ("deepseek-v3-rank", 1, "tpu7x"), ("glm-4.5-rank", 1, "tpu7x"),
                      ("qwen3-235b-a22b-rank", 1, "tpu7x"))
 
@@ -131,7 +130,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     mode = sharded_collectives(model)
     lay = layout.layout(cfg, n_ranks, name, collectives=mode)
-    options = collective_choice.kernel_options(lay, batch, chip)
+    options = sharded.kernel_options(lay, batch, chip)
     plan = sharded.make_sharded_plan(lay, batch, None, options)
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)

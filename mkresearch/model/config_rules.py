@@ -1,8 +1,8 @@
-"""What a valid `mkresearch.model.config.ModelConfig` is: the allowed values and the checks that
+"""What a valid `mkresearch.model.model_config.ModelConfig` is: the allowed values and the checks that
 `ModelConfig.__post_init__` runs (ValueError naming the field and the allowed values).
 
-Kept apart from the dataclass and its presets so each file stays readable; `mkresearch.model.config`
-re-exports the constants.
+Kept apart from the dataclass and its presets so each file stays readable;
+`mkresearch.model.model_config` and `mkresearch.model.config` re-export the constants.
 """
 
 from __future__ import annotations

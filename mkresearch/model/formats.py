@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.model.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
+from mkresearch.model.model_config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
 
 # E2M1 magnitudes indexed by the low 3 bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

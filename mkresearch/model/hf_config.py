@@ -22,9 +22,9 @@ import os
 from typing import Any
 
 import mkresearch.model.stages  # noqa: F401 - registers the kinds whose checks spec.check runs
-from mkresearch.model import config as config_module
+from mkresearch.model import model_config as config_module
 from mkresearch.model import spec
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.hf_fields import (  # CheckpointError: re-exported
     CONFIG_FILE,
     LINEAR_ATTN_DEFAULTS,

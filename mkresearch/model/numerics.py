@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mkresearch.model.config import LANE, ModelConfig
+from mkresearch.model.model_config import LANE, ModelConfig
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 HIGHEST = lax.Precision.HIGHEST

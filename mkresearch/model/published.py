@@ -1,8 +1,7 @@
 """Presets of the small real models (docs/checkpoints.md): each one's published `config.json`
 fields, read by `hf_config.config_from_dict` like a checkpoint's, with where they come from.
 
-`mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's MODEL) find
-them; `config.get_config` knows only the presets typed in `mkresearch.model.config`.
+`mkresearch.model.config.get_config("qwen3-30b-a3b")` (and the command line's MODEL) find them.
 Each value was transcribed from a first public copy (docs/families.md §5) and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.
 
@@ -14,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.model.config import ModelConfig
 from mkresearch.model.hf_config import config_from_dict
+from mkresearch.model.model_config import ModelConfig
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B config.json. Second copies: several public loaders' test fixtures

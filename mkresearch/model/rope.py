@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 
 f32 = jnp.float32
 

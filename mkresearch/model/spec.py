@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 
 ATTENTION, FFN = "attention", "ffn"
 RECURRENT, CACHE = "recurrent", "cache"

@@ -1,5 +1,5 @@
 """What a step costs on a chip and across chips, predicted: the timeline model over a DMA log
-(one chip, every rank), the interconnect and topology, scale-out programs and their simulation,
+(one chip, every rank), scale-out programs and their simulation,
 a log scaled to another config, a step's schedule against the roofline, calibration against the
 published numbers, and speculative decoding's prediction.
 

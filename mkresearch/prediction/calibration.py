@@ -3,7 +3,7 @@ sensitivity, and our layout beside them.
 
 Nothing here is fitted to a step time. The only fitted figures are the interconnect's (a line
 through the release's measured all-reduces, one through its measured sibling copies:
-`mkresearch.prediction.interconnect`); `leave_one_out()` refits the collective line without each of its
+`mkresearch.hardware.interconnect`); `leave_one_out()` refits the collective line without each of its
 measurements and predicts the one left out, and reports how far every validation point moves.
 
 `validation()`: the seven published points, each predicted out of sample: Kimi K3 at B = 1 / 2 /
@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import ModelConfig, get_config
-from mkresearch.prediction import interconnect as links
-from mkresearch.prediction import scale_out
+from mkresearch.prediction import program, scale_out
 from mkresearch.prediction import speculative_predict as speculative
-from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import timeline_chip
-from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs
 from mkresearch.sharding import layout as layouts
 
 BATCHES = (1, 2, 4, 8)
@@ -93,11 +92,11 @@ def uniform_programs(n_layers: int, rank_bytes: float, fixed_bytes: float, n_ran
     FFN, half the layer's bytes each) with the second model's 4 collectives, the fixed bytes (LM
     head) last; one program stands for every rank (they are the same)."""
     layer = (rank_bytes - fixed_bytes) / n_layers
-    half = scale_out.weight_blocks(layer / 2, schedule.block_bytes)
-    head = scale_out.weight_blocks(fixed_bytes, schedule.block_bytes)
-    prog = scale_out.Program(list(half) * 2 * n_layers + list(head), batch)
+    half = program.weight_blocks(layer / 2, schedule.block_bytes)
+    head = program.weight_blocks(fixed_bytes, schedule.block_bytes)
+    prog = program.Program(list(half) * 2 * n_layers + list(head), batch)
     everyone = tuple(range(n_ranks))
-    vector = batch * d_model * scale_out.PARTIAL_SUM_BYTES
+    vector = batch * d_model * program.PARTIAL_SUM_BYTES
     for _ in range(n_layers):
         prog.block(len(half))
         prog.collective("o_proj", "all_reduce", (0,), vector, everyone)
@@ -123,9 +122,9 @@ def _second_model_step(n_layers: int, model: Model) -> Any:
     base = model.interconnect or links.interconnect("tpu7x")
     inter = links.interconnect(base, n_ranks=m["n_ranks"])
     # docs/collectives.md: its all-reduce is one-shot reduce-scatter + all-gather
-    return simulate(programs, blocks, sched.banks, 1, (0,), inter,
-                    {"all_reduce": "rs-ag", "all_gather": "one-shot", "chain": "one-shot"},
-                    model.timeline_chip or "tpu7x", prefetch_across=sched.prefetch_across)
+    return simulate_programs(programs, blocks, sched.banks, 1, (0,), inter,
+                             {"all_reduce": "rs-ag", "all_gather": "one-shot", "chain": "one-shot"},
+                             model.timeline_chip or "tpu7x", prefetch_across=sched.prefetch_across)
 
 
 def second_model(*, model: Model = Model()) -> dict:

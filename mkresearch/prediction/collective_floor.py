@@ -1,7 +1,7 @@
 """What fewer collectives would cost: for each collective of our partial-sum step, the bytes per
 rank that avoiding it adds, and the cheapest design for every collective count (the frontier).
 
-A collective of the step (`kernels/compose/collective_schedule.py`) exists because a value
+A collective of the step (`kernels/sharded/collective_ops.py`) exists because a value
 computed in pieces across ranks is needed whole by a non-linear step (top-k, an RMSNorm, the
 next layer's residual mix) or by the rank that samples. It goes away only if every rank computes
 the value whole, i.e. reads what the other ranks read for it:
@@ -42,15 +42,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkresearch.hardware.chips import get_chip
-from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.kernels.sharded.collective_ops import collective_ops
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import collective_plan
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 
-SHARED_SUM = "shared/w_down/sum"  # the shared experts' reduction (`collective_schedule`)
+SHARED_SUM = f"{sharding.SHARED_DOWN}/sum"  # the shared experts' reduction
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,15 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch ModelConfig (get_config(name))")  # noqa: TRY004
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=layouts.PARTIAL_SUM)
-    sent = choice.kernel_reductions(lay, batch, "f32", chip)
-    ops = contract.collective_schedule(lay, batch, layouts.PARTIAL_SUM, "f32", rank=0,
-                                       reductions=sent.reductions)
-    rules = {r.name: r for r in contract.collective_rules(lay)}
+    plan = sharding.sharding_plan(lay, batch, "f32", chip)
+    ops = collective_ops(plan, rank=0)
+    rules = {r.name: r for r in plan.rules}
     whole = roofline.step_bytes(cfg, batch)
     mine = layout_bytes.rank_bytes(lay, batch, 0, layouts.PARTIAL_SUM)
     kinds = {k.name: k for k in spec.stages_of(cfg)}
     hbm = get_chip(chip).hbm_bytes
     counts = Counter(op.name for op in ops)
-    merged = contract.merged_expert_sum(lay)  # the experts' sum in the shared experts' reduction
+    merged = sharding.expert_sum_merged(plan.rules)  # the experts' sum in the shared experts'
     priced: Counter = Counter()
     for row in collective_plan.collective_plan(cfg, n_ranks, batch, chip=chip)["rows"]:
         priced[row["name"]] += row["us"] * row["count"] * 1e-6
@@ -118,7 +117,7 @@ def avoidances(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7
         elif op.stage == "sampling":
             extra = whole.read["lm_head"] - mine.component("lm_head")
             how = "every rank reads the whole LM head"
-        elif op.name == "expert/sum" or (op.name == SHARED_SUM and merged):  # the experts' sum
+        elif op.name == sharding.EXPERT_SUM or (op.name == SHARED_SUM and merged):  # the experts' sum
             component = kinds[op.stage].routed_component[0]
             extra = whole.read[component] - mine.component(component)
             held = (roofline.expert_bytes(cfg) * cfg.n_experts

@@ -1,6 +1,6 @@
 """Every collective of one sharded decode step, listed (`mkresearch plan MODEL --ranks N`): the
-kernel's own schedule (`kernels/compose/collective_schedule.py`) with each collective's algorithm, its
-price and why (`collective_choice`), and what it overlaps.
+kernel's own collectives (`kernels/sharded/collective_ops.py`, from the step's sharding plan) with
+each collective's algorithm, its price and why (`interconnect.choose`), and what it overlaps.
 
 `collective_plan(cfg, n_ranks, batch, ...)` returns the rows (JSON-able) and the count;
 `format_plan` prints them. The count is the schedule's (an op run `count` times counts that often),
@@ -14,11 +14,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.compose import megakernel_sharded
+from mkresearch.kernels.sharded import collective_ops as step_collectives
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import collective_choice as choice
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import scale_out
 from mkresearch.prediction.timeline import merge_intervals
 from mkresearch.sharding import layout as layouts
@@ -44,44 +44,46 @@ def collective_plan(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
     algorithm, phases, price and reason, and what it overlaps."""
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=mode)
     inter = links.interconnect(chip, n_ranks=n_ranks)
-    sent = choice.kernel_reductions(lay, batch, wire, chip)
-    ops = contract.collective_schedule(lay, batch, mode, wire, rank=rank,
-                                       reductions=sent.reductions)
-    rows = []
-    for op, c in choice.choose_for(inter, ops):
-        overlaps = (f"issued after {op.issue_after}, waited before {op.wait_before}"
-                    + ("" if op.critical else " (overlapped)")
-                    + (f"; carries the column chunks of {', '.join(op.carries)}"
-                       if op.carries else ""))
-        how = choice.sent_algorithm(op)  # what the kernel sends
-        if op.kind == "chain" or how == c.algorithm:
-            how, price, reason = c.algorithm, c, c.reason
-        else:  # an all-gather: the kernel sends them one-shot
-            price = choice.price_algorithm(inter, op.kind, how, tuple(op.group), op.payload_bytes)
-            reason = (f"{how} {price.seconds / US:.3g} us in {price.phases} phase"
-                      f"{'s' if price.phases != 1 else ''}: the kernel sends every all-gather "
-                      f"{how}; {c.algorithm} would take {c.seconds / US:.3g} us")
-        rows.append({"layer": op.layer, "stage": op.stage, "name": op.name, "kind": op.kind,
-                     "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
-                     "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,
-                     "algorithm": how, "phases": price.phases, "messages": price.messages,
-                     "us": price.seconds / US, "critical": op.critical,
-                     "reason": f"{reason}; {op.why}" if op.why else reason,
-                     "overlaps": overlaps})
-    summary = contract.summary(ops)
+    plan = sharding.sharding_plan(lay, batch, wire, chip)
+    ops = step_collectives.collective_ops(plan, rank=rank)
+    rows = [_row(inter, op, n_ranks) for op in ops]
+    summary = step_collectives.summary(ops)
     by_algorithm: dict[str, int] = {}
     for row in rows:
         by_algorithm[row["algorithm"]] = by_algorithm.get(row["algorithm"], 0) + row["count"]
     # the weight blocks in flight while a collective is waited for: the kernel's ring at this batch
-    ring = megakernel_sharded.ring_depth(lay, batch, options=sent.options(chip=chip), wire=wire)
+    ring = megakernel_sharded.ring_depth(
+        lay, batch, options=megakernel_sharded.kernel_options(lay, batch, chip, wire), wire=wire)
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "mode": mode, "wire": wire,
             "chip": chip, "slice": inter.slice.name, "rank": rank, "rows": rows,
-            "ranks_per_host": sent.ranks_per_host, "reductions": dict(sent.reductions),
+            "ranks_per_host": plan.ranks_per_host, "reductions": dict(plan.algorithms),
             "ring_depth": ring.depth, "ring": ring.describe(),
             "count": sum(row["count"] for row in rows), "summary": summary,
             "by_algorithm": by_algorithm,
             "priced_us": sum(row["us"] * row["count"] for row in rows),
             "critical_us": sum(row["us"] * row["count"] for row in rows if row["critical"])}
+
+
+def _row(inter: links.Interconnect, op: step_collectives.CollectiveOp, n_ranks: int) -> dict:
+    """One collective's listing: as the kernel sends it, its price and why."""
+    c = links.choose(inter, op.kind, tuple(op.group), float(op.payload_bytes))
+    overlaps = (f"issued after {op.issue_after}, waited before {op.wait_before}"
+                + ("" if op.critical else " (overlapped)")
+                + (f"; carries the column chunks of {', '.join(op.carries)}" if op.carries else ""))
+    how = op.sent_algorithm  # what the kernel sends
+    if op.kind == "chain" or how == c.algorithm:
+        how, price, reason = c.algorithm, c, c.reason
+    else:  # an all-gather: the kernel sends them one-shot
+        price = links.price_algorithm(inter, op.kind, how, tuple(op.group), op.payload_bytes)
+        reason = (f"{how} {price.seconds / US:.3g} us in {price.phases} phase"
+                  f"{'s' if price.phases != 1 else ''}: the kernel sends every all-gather "
+                  f"{how}; {c.algorithm} would take {c.seconds / US:.3g} us")
+    return {"layer": op.layer, "stage": op.stage, "name": op.name, "kind": op.kind,
+            "group": describe_group(op.group, n_ranks), "group_size": len(op.group),
+            "payload_bytes": op.payload_bytes, "dtype": op.dtype, "count": op.count,
+            "algorithm": how, "phases": price.phases, "messages": price.messages,
+            "us": price.seconds / US, "critical": op.critical,
+            "reason": f"{reason}; {op.why}" if op.why else reason, "overlaps": overlaps}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -110,8 +112,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         hosts = (f"hosts of {plan['ranks_per_host']} ranks" if plan["ranks_per_host"]
                  else "one host")
         levels = ", ".join(f"{n} {a}" for n, a in plan["reductions"].items()) or "none"
-        lines.append(f"the kernel as built for {plan['chip']} (`collective_choice."
-                     f"kernel_reductions`): reductions in levels over {hosts}: {levels}; the "
+        lines.append(f"the kernel as built for {plan['chip']} (its sharding "
+                     f"plan, `kernels.sharded.plan`): reductions in levels over {hosts}: {levels}; the "
                      "rest one-shot; every algorithm adds a host's partials first, then the "
                      "hosts' sums (the same bits)")
     return "\n".join(lines)
@@ -123,7 +125,7 @@ def modes_table(cfg: ModelConfig, n_ranks: int = 32, batches=(1, 2, 4, 8), *,
     """One row per collectives mode and batch: collectives per rank, per-rank bytes, the
     predicted step and its parts (ms, the slowest rank), the release's published step."""
     rows = []
-    for mode in contract.MODES:
+    for mode in step_collectives.MODES:
         for batch in batches:
             p = scale_out.predict(cfg, n_ranks, layouts.OURS, batch, chip=chip, collectives=mode)
             published = p["published_step_s"]

@@ -9,7 +9,7 @@ The step is the scale-out timeline model's (`scale_out.predict`: every rank's pr
 together, collectives priced on the slice's links), the bytes are the layout's per-rank bytes
 (`layout_bytes.rank_bytes`, what `info --ranks` tabulates). Both are predictions, not measured.
 
-The one-device stand-in `<preset>-rank` (`layout.named_config`: one rank's shapes compiled on one
+The one-device stand-in `<preset>-rank` (`config.get_config`: one rank's shapes compiled on one
 device, with no collectives and, in the release's layout, W_ld and W_lu whole) is NOT this: it is a
 compile target and a kernel-shape check, and every place that prints its figures labels it
 `STAND_IN_LABEL`.
@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mkresearch.hardware import topology
+from mkresearch.model import partition
 from mkresearch.model.config import PRESETS, RANK_SUFFIX, ModelConfig, get_config
-from mkresearch.prediction import scale_out, topology
+from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
 # The collectives our sharded megakernel is built with (`decode --ranks N --collectives`):
@@ -30,7 +32,7 @@ from mkresearch.sharding import layout as layouts
 # release's schedule has its own partial sums.
 COLLECTIVES = layouts.COLLECTIVES
 DEFAULT_COLLECTIVES = layouts.DEFAULT_COLLECTIVES
-DEFAULT_RANKS = layouts.RELEASE_RANKS
+DEFAULT_RANKS = partition.RELEASE_RANKS
 STAND_IN_LABEL = ("one-device stand-in (one rank's shapes on one device, no collectives): "
                   "not the full-size step")
 

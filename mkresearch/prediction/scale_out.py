@@ -7,11 +7,13 @@ ring of `banks` blocks in flight; each block is waited, then multiplied. After a
 routing, the rank fetches the routed experts of its expert group (counted from a seeded uniform
 routing of the batch: ranks differ, and a collective waits for the slowest) through
 `expert_slots` DMAs in flight. KDA states are read before the layer and written after it; an MLA
-layer reads its cache at `context` tokens. The programs run in `scale_out_sim` (overlap: a
-collective started early and waited later). The collectives between stages are the schedule's:
+layer reads its cache at `context` tokens. The programs run in `timeline_ranks.simulate_programs` (overlap: a
+collective started early and waited later). Every rank's program is data of one kind
+(`program`: blocks, fetches, writes, collectives started and waited); the collectives between
+stages are the schedule's:
 
-  release      (a hand-kept program of partial sums, docs/collectives.md) attention: the
-               sibling's attended features
+  release      (its program written as data from docs/collectives.md,
+               `program.release_collectives`) attention: the sibling's attended features
                gathered before W_o, an all-reduce over the 16 cores of one parity, the halves
                swapped with the sibling; MoE: router scores swapped with the sibling, the latent
                all-gathered behind routing, the shared expert's sum started before the routed
@@ -22,11 +24,11 @@ collective started early and waited later). The collectives between stages are t
                shared reduction per MoE layer (docs/collectives.md §1: "about two reductions per layer")
   ours         (`our_schedule(cfg, collectives, n_ranks, batch)`: its ring as deep as VMEM
                allows at the batch) every collective read from our kernel's own
-               schedule (`kernels/compose/collective_schedule.py`, `scale_out_contract`): "partial-sum"
+               (`kernels/sharded/collective_ops.py`, from the step's sharding plan): "partial-sum"
                (the default: matrices contracting over a split dimension reduce their partial
                sums, the shared expert's sum hidden behind the routed experts' stream) or
                "exact" (bit-equal to one device: gathers around split matrices, the experts'
-               chain); each collective priced by the algorithm `collective_choice` picks for it
+               chain); each collective priced by the algorithm its sharding plan sends it with
 
 `predict(...)` returns the step, tok/s and the decomposition of the slowest rank's step into HBM
 floor, waiting for peers, collective messages, compute and bubbles (they sum to the step).
@@ -42,14 +44,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import mkresearch.model.stages
-from mkresearch.prediction import interconnect as links
-from mkresearch.sharding import layout as layouts
-from mkresearch.sharding import layout_bytes
+import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds
+from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.base import registry
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model import roofline, spec
-from mkresearch.prediction import scale_out_contract as contract
 from mkresearch.model.config import ModelConfig
-from mkresearch.kernels.compose import megakernel_sharded
+from mkresearch.prediction import program
+from mkresearch.prediction.program import (  # noqa: F401 - scale_out.Program & co.
+    F32,
+    PARTIAL_SUM_BYTES,
+    SAMPLING_LANES,
+    Program,
+    weight_blocks,
+)
 from mkresearch.prediction.scale_out_schedule import (  # noqa: F401 - scale_out.Schedule & co.
     COMBINES,
     MIB,
@@ -60,14 +68,11 @@ from mkresearch.prediction.scale_out_schedule import (  # noqa: F401 - scale_out
     our_schedule,
     schedule_for,
 )
-from mkresearch.prediction.scale_out_sim import simulate
 from mkresearch.prediction.timeline_chip import TimelineChip
-from mkresearch.prediction.timeline_ranks import PARTS
+from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs
+from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
 
-F32 = 4
-# docs/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
-PARTIAL_SUM_BYTES = 2
-SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
 # docs/tpu.md §3: Kimi K3 on 16 TPU7x chips (32 cores), tok/s by batch
 PUBLISHED = {
     "kimi-k3": {"chip": "tpu7x", "n_ranks": 32, "tok_s": dict(roofline.PUBLISHED_TPU7X_16_CHIPS),
@@ -76,37 +81,7 @@ PUBLISHED = {
 }
 
 
-# ---- one rank's program ------------------------------------------------------------------------
-class Program:
-    """One rank's ops for `scale_out_sim` over the shared ring of weight `blocks`."""
-
-    def __init__(self, blocks: list[int], batch: int) -> None:
-        self.blocks, self.batch, self.ops = blocks, batch, []
-
-    def block(self, count: int = 1) -> None:
-        if self.ops and self.ops[-1][0] == "blocks":
-            self.ops[-1] = ("blocks", self.ops[-1][1] + count)
-        else:
-            self.ops.append(("blocks", count))
-
-    def fetch(self, nbytes: float, count: int, slots: int) -> None:
-        if count:
-            self.ops.append(("fetch", nbytes, count, slots))
-
-    def write(self, nbytes: float) -> None:
-        if nbytes:
-            self.ops.append(("write", nbytes))
-
-    def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
-                   path: tuple[int, ...] = (), *, blocking: bool = True,
-                   algorithm: str | None = None) -> None:
-        self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
-                         algorithm))
-
-    def wait(self, name: str) -> None:
-        self.ops.append(("wait", name))
-
-
+# ---- every stand-in rank's program ----------------------------------------------------------
 @dataclass(frozen=True)
 class _Stage:
     kind: str
@@ -121,21 +96,13 @@ def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[s
     for kind in cfg.kinds:
         stage = spec.stage(kind)
         params = stage.params(cfg)
-        matrices = megakernel_sharded.registry.kernel_stage(kind).streamed(cfg)
+        matrices = registry.kernel_stage(kind).streamed(cfg)
         sizes = [math.prod(layouts.local_shape(lay, m.shape, params[m.key].shard))
                  for m in matrices]
         per_layer = counted.component(stage.component[0]) / len(cfg.layers_of(kind))
         out[kind] = _Stage(kind, tuple((m.name, per_layer * s / sum(sizes))
                                        for m, s in zip(matrices, sizes, strict=True)))
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def weight_blocks(nbytes: float, block_bytes: int) -> tuple[int, ...]:
-    """nbytes in blocks of at most block_bytes, as equal as whole bytes allow."""
-    n = max(1, math.ceil(nbytes / block_bytes))
-    whole = round(nbytes)
-    return tuple(whole // n + (1 if i < whole % n else 0) for i in range(n))
 
 
 def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int = 0) -> np.ndarray:
@@ -153,9 +120,49 @@ def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int 
     return counts
 
 
-def _group(lay: layouts.Layout, rank: int, size: int) -> tuple[int, ...]:
-    first = rank // size * size
-    return tuple(range(first, first + size))
+@dataclass(frozen=True)
+class _Step:
+    """What every stand-in rank's program of one step is built from."""
+
+    lay: layouts.Layout
+    sched: Schedule
+    batch: int
+    counted: layout_bytes.RankBytes
+    stages: dict
+    routed: np.ndarray  # [MoE layers, EP groups] experts fetched
+    expert_bytes: float  # one routed expert's bytes on a rank
+    mix: float  # one layer's norms and mix
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.lay.cfg
+
+    def matrices(self, kind: str) -> list[tuple[str, float]]:
+        """A stage's matrices in the order the rank streams them."""
+        m = self.stages[kind].matrices
+        if self.sched.collectives:
+            return [a for a in program.our_actions(self.lay, kind, m) if a[0] != program.EXPERTS]
+        return program.release_actions(m, False, self.sched.combine == "partial-sum")
+
+    def blocks(self) -> list[int]:
+        """The step's weight blocks, in stream order (shared by every rank's program)."""
+        blocks: list[int] = []
+        for attention, ffn in self.cfg.layers:
+            blocks += weight_blocks(self.mix, self.sched.block_bytes)
+            for kind in (attention, ffn):
+                for _, nbytes in self.matrices(kind):
+                    blocks += weight_blocks(nbytes, self.sched.block_bytes)
+        return blocks + list(weight_blocks(self.counted.component("lm_head"),
+                                           self.sched.block_bytes))
+
+    def group(self, rank: int) -> int:
+        """The expert group a rank belongs to."""
+        etp, ep = self.lay.etp, self.lay.ep
+        return rank // etp % ep if etp > 1 else rank % ep
+
+    def among(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """The stand-in ranks of a group (the first rank of each ETP group)."""
+        return tuple(r for r in group if r % self.lay.etp == 0) or (group[0],)
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,95 +170,90 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
                   schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
                   ) -> tuple[list[int], list[list]]:
     """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
-    stands for its group (ranks 0, etp, 2 etp, ...; `scale_out_sim.simulate`). A schedule with
-    `collectives` takes every collective from the kernel's own schedule (`scale_out_contract`)."""
+    stands for its group (ranks 0, etp, 2 etp, ...; `timeline_ranks.simulate_programs`). A schedule with
+    `collectives` takes every collective from the kernel's own (`program.our_collectives`), the
+    release's from `program.release_collectives`."""
     lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
     counted = rank_bytes(lay, sched, batch, context)
-    stages = _stage_bytes(lay, counted)
-    routed = routed_experts(cfg, lay, batch, seed)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
-    expert_bytes = counted.component("routed_experts") / len(cfg.moe_layers) / unique_1 \
-        if cfg.moe_layers else 0
-    reps = tuple(range(0, n_ranks, lay.etp))
-    everyone = tuple(range(n_ranks))
-    mix = counted.component("norms_and_mix") / len(cfg.layers)
-    actions = {kind: _actions(lay, sched, kind, stages[kind].matrices) for kind in cfg.kinds}
-    blocks: list[int] = []
-    layers = cfg.layers
-    for attention, ffn in layers:
-        blocks += weight_blocks(mix, sched.block_bytes)
-        for kind in (attention, ffn):
-            for matrix, nbytes in actions[kind]:
-                if matrix != contract.EXPERTS:
-                    blocks += weight_blocks(nbytes, sched.block_bytes)
-    head = weight_blocks(counted.component("lm_head"), sched.block_bytes)
-    blocks += head
-    states = {kind: counted.component(spec.stage(kind).state_component[0]) / len(cfg.layers_of(kind))
+    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted),
+                 routed_experts(cfg, lay, batch, seed),
+                 counted.component("routed_experts") / len(cfg.moe_layers) / unique_1
+                 if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers))
+    blocks = step.blocks()
+    built: dict[tuple, list] = {}  # a stage's ops, by what they depend on: built once
+    return blocks, [_rank_program(step, blocks, rank, built)
+                    for rank in range(0, n_ranks, lay.etp)]
+
+
+def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> list:
+    """One stand-in rank's ops: the embedding, every layer's stages, the LM head."""
+    cfg, sched = step.cfg, step.sched
+    prog = Program(blocks, step.batch)
+    ends = _step_collectives(step, rank)
+    prog.fetch(step.counted.component("embedding_rows"), 1, 1)
+    for c in ends[0]:
+        program.start(prog, c, c.name, step.among)
+    states = {kind: step.counted.component(spec.stage(kind).state_component[0])
+              / len(cfg.layers_of(kind))
               for kind in cfg.attention_kinds if spec.stage(kind).state_component}
-    wire = PARTIAL_SUM_BYTES if sched.combine == "partial-sum" else F32
-    programs = []
-    moe_layers = set(cfg.moe_layers)
-    stage_ops: dict[tuple, list] = {}
+    moe_layers = list(cfg.moe_layers)
+    for layer, (attention, ffn) in enumerate(cfg.layers):
+        prog.block(len(weight_blocks(step.mix, sched.block_bytes)))  # norms and mix
+        state = states.get(attention, 0)
+        if state:  # read before the layer, written after it (half each)
+            prog.fetch(state / 2, 1, 1)
+        for kind in (attention, ffn):
+            count = None
+            if kind == ffn and layer in moe_layers:
+                count = int(step.routed[moe_layers.index(layer)][step.group(rank)])
+            prog.ops += _stage_ops(step, blocks, rank, layer, kind, count, ends[1], built)
+            if kind == attention:
+                prog.write(state / 2)
+    prog.block(len(weight_blocks(step.counted.component("lm_head"), sched.block_bytes)))
+    for c in ends[2]:
+        program.start(prog, c, c.name, step.among)
+    return prog.ops
 
-    def among(group):  # the stand-in ranks of a group
-        return tuple(r for r in group if r % lay.etp == 0) or (group[0],)
 
-    for rank in reps:
-        prog = Program(blocks, batch)
-        # the experts this rank's group computes per MoE layer (the kinds with a routed fetch
-        # here; otherwise the schedule's worst case)
-        counts = tuple(int(c) for c in routed[:, _expert_group(lay, rank)]) \
-            if len(routed) == contract.n_routed_layers(lay) else None
-        ops = contract.schedule_ops(lay, batch, sched.collectives, sched.wire, rank, counts,
-                                    sched.reductions) if sched.collectives else None
-        prog.fetch(counted.component("embedding_rows"), 1, 1)
-        if ops:
-            for op in ops[0]:
-                contract.collective(prog, op, op.name, among)
-        else:
-            prog.collective("embed", "all_reduce", reps, batch * cfg.d_model * wire, everyone)
-        moe_index = 0
-        for layer, (attention, ffn) in enumerate(layers):
-            prog.block(len(weight_blocks(mix, sched.block_bytes)))  # norms and mix
-            state = states.get(attention, 0)
-            if state:  # read before the layer, written after it (half each)
-                prog.fetch(state / 2, 1, 1)
-            routed_here = routed[moe_index] if layer in moe_layers else None
-            for kind in (attention, ffn):
-                routed_stage = routed_here if kind == ffn else None
-                count = None if routed_stage is None else int(
-                    routed_stage[_expert_group(lay, rank)])
-                if ops:
-                    stage_key = (kind, rank, count, tuple(dataclasses.replace(op, layer=0)
-                                                       for op in ops[1].get((layer, kind), ())))
-                else:  # a stage's ops depend on the rank and its expert count only: built once
-                    stage_key = (kind, rank, count)
-                if stage_key not in stage_ops:
-                    scratch = Program(blocks, batch)
-                    if ops:
-                        contract.stage_program(
-                            scratch, kind, actions[kind], stage_key[3], group_of=among,
-                            blocks=functools.partial(_blocks_of, scratch, sched=sched),
-                            experts=functools.partial(scratch.fetch, expert_bytes, count or 0,
-                                                      sched.expert_slots))
-                    else:
-                        _release_stage(scratch, lay, sched, cfg, kind, stages[kind], rank,
-                                       routed_stage, expert_bytes)
-                    stage_ops[stage_key] = scratch.ops
-                prog.ops += stage_ops[stage_key]
-                if kind == attention:
-                    prog.write(state / 2)
-            moe_index += layer in moe_layers
-        prog.block(len(head))
-        if ops:
-            for op in ops[2]:
-                contract.collective(prog, op, op.name, among)
-        else:
-            prog.collective("sampling_state", "all_gather", reps, batch * SAMPLING_LANES * F32,
-                            everyone)
-        programs.append(prog.ops)
-    return blocks, programs
+def _step_collectives(step: _Step, rank: int) -> tuple:
+    """(embedding ones, {(layer, stage): ones} or None for the release's, sampling ones)."""
+    lay, sched = step.lay, step.sched
+    if not sched.collectives:
+        wire = PARTIAL_SUM_BYTES if sched.combine == "partial-sum" else F32
+        embed, sampling = program.release_step_collectives(lay, step.batch, wire)
+        return (embed,), None, (sampling,)
+    # the experts this rank's group computes per MoE layer (the kinds with a routed fetch here;
+    # otherwise the worst case)
+    counts = tuple(int(c) for c in step.routed[:, step.group(rank)]) \
+        if len(step.routed) == program.n_routed_layers(lay) else None
+    plan = sharding.with_algorithms(dataclasses.replace(lay, collectives=sched.collectives),
+                                    step.batch, sched.wire, sched.reductions)
+    return program.our_collectives(plan, rank, counts)
+
+
+def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
+               count: int | None, ours: dict | None, built: dict) -> list:
+    """One stage's ops on `rank` (built once per rank, expert count and collectives)."""
+    if ours is not None:
+        collectives = tuple(ours.get((layer, kind), ()))
+        actions = program.our_actions(step.lay, kind, step.stages[kind].matrices)
+    else:
+        actions = program.release_actions(step.stages[kind].matrices, count is not None,
+                                          step.sched.combine == "partial-sum")
+        collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
+                                                  count is not None)
+    key = (kind, rank, count, collectives)
+    if key not in built:
+        scratch = Program(blocks, step.batch)
+        program.place(scratch, kind, actions, collectives, group_of=step.among,
+                      blocks=lambda nbytes: scratch.block(
+                          len(weight_blocks(nbytes, step.sched.block_bytes))),
+                      experts=lambda: scratch.fetch(step.expert_bytes, count or 0,
+                                                    step.sched.expert_slots))
+        built[key] = scratch.ops
+    return built[key]
 
 
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
@@ -264,84 +266,6 @@ def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
     return layout_bytes.rank_bytes(lay, batch, context)
 
 
-def _actions(lay, sched: Schedule, kind: str, matrices) -> list[tuple[str, float]]:
-    """A stage's matrices (and the routed experts' point) in the order the rank streams them."""
-    if sched.collectives:
-        return contract.stage_actions(kind, matrices, sched.collectives,
-                                      contract.routing_point(lay, kind))
-    return list(_ordered(matrices, sched))
-
-
-@functools.lru_cache(maxsize=256)
-def _ordered(matrices, sched: Schedule):
-    """The release computes the shared expert before the routed ones (its reduction hides
-    behind their stream: docs/collectives.md): the shared matrices move before W_lu."""
-    if sched.combine != "partial-sum":
-        return matrices
-    shared = [m for m in matrices if m[0].startswith("shared/")]
-    return [m for m in matrices if m not in shared and not m[0].endswith("w_lu")] + shared + \
-        [m for m in matrices if m[0].endswith("w_lu")]
-
-
-def _blocks_of(prog: Program, nbytes: float, sched: Schedule) -> None:
-    prog.block(len(weight_blocks(nbytes, sched.block_bytes)))
-
-
-def _release_stage(prog: Program, lay, sched, cfg, kind, stage, rank, routed, expert_bytes
-                   ) -> None:
-    """The release's collectives (docs/collectives.md), partial sums as bf16 on the wire:
-    attention: the sibling's attended features gathered before W_o, each core half the hidden
-    width, an all-reduce over the 16 cores of its parity, the halves swapped with the sibling;
-    MoE: router scores swapped with the sibling, the latent all-gathered behind routing, the
-    shared expert's sum started before the routed experts and waited after them, the routed
-    sum reduced last; a dense FFN's sum reduced at its end."""
-    n, b = lay.n_ranks, prog.batch
-    reps = tuple(range(0, n, _ways(lay)[0]))
-    pair = (rank, rank ^ 1)
-    vector = b * cfg.d_model * PARTIAL_SUM_BYTES
-    matrices = _ordered(stage.matrices, sched)
-    role = spec.stage(kind).role
-    for matrix, nbytes in matrices:
-        if role == "attention" and matrix.endswith("w_o"):
-            features = b * nbytes / cfg.d_model  # W_o's rows on this rank, bf16
-            prog.collective(f"{kind}/features", "all_gather", (rank,), features, pair)
-        _blocks_of(prog, nbytes, sched)
-        if matrix.endswith("w_router"):
-            prog.collective("router/scores", "all_gather", (rank,),
-                            b * cfg.n_experts * F32 / 2, pair)
-        if routed is not None and matrix.endswith("w_ld"):
-            prog.collective("latent", "all_gather", reps, b * cfg.moe_latent * 2 / n,
-                            tuple(range(n)), blocking=False)
-        if routed is not None and matrix.endswith("shared/w_down"):
-            prog.collective("shared_sum", "all_reduce", reps, vector, tuple(range(n)),
-                            blocking=False)
-            prog.wait("latent")
-            _experts(prog, lay, sched, rank, routed, expert_bytes)
-    if role == "attention":
-        parity = tuple(r for r in range(n) if r % 2 == rank % 2)
-        prog.collective(f"{kind}_sum", "all_reduce", reps, vector / 2, parity)
-        prog.collective(f"{kind}/halves", "all_gather", (rank,), vector / 2, pair)
-    elif routed is not None:
-        prog.wait("shared_sum")
-        prog.collective(f"{kind}_sum", "all_reduce", reps, vector, tuple(range(n)))
-    else:
-        prog.collective(f"{kind}_sum", "all_reduce", reps, vector, tuple(range(n)))
-
-
-def _expert_group(lay, rank: int) -> int:
-    etp, ep = _ways(lay)
-    return rank // etp % ep if etp > 1 else rank % ep
-
-
-@functools.lru_cache(maxsize=64)
-def _ways(lay: layouts.Layout) -> tuple[int, int]:
-    return lay.etp, lay.ep  # (computed from the layout's splits: once per layout)
-
-
-def _experts(prog: Program, lay, sched, rank, routed, expert_bytes) -> None:
-    prog.fetch(expert_bytes, int(routed[_expert_group(lay, rank)]), sched.expert_slots)
-
-
 # ---- predictions -------------------------------------------------------------------------------
 def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
             chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
@@ -350,7 +274,7 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
             timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum") -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
-    at this batch; our schedules: each collective's own, `collective_choice`) prices every
+    at this batch; our schedules: each collective's own, its sharding plan's) prices every
     all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
     figures (`timeline_chip.timeline_chip(chip, **fields)`). Cached per arguments: the model is deterministic
     (pure Python, seeded routing)."""
@@ -363,7 +287,7 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
         inter = links.interconnect(inter, n_ranks=n_ranks)
     sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks,
                          batch, chip)
-    auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: collective_choice's
+    auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: the plan's
     out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
                         context, seed, timeline_chip or chip))
     if not keep_timeline:
@@ -391,7 +315,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
                                      seed=seed)
     lay = layouts.layout(cfg, n_ranks, name)
-    ranks = simulate(
+    ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
         "auto" if algorithm == "auto" else
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mkresearch.kernels.compose import collective_schedule as contract
+from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import collective_choice as choice
-from mkresearch.prediction import interconnect as links
 from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
@@ -39,13 +38,13 @@ class Schedule:
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
     gather_algorithm: str = "two-level"
-    # our kernel's collective schedule (`kernels/compose/collective_schedule.py`, "exact" or
-    # "partial-sum"), each collective priced by `collective_choice`; None: the hand-kept programs
+    # our kernel's collectives (`kernels/sharded/collective_ops.py`, "exact" or "partial-sum"),
+    # each priced as the sharding plan sends it; None: the release's program (`release_program`)
     collectives: str | None = None
     wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
     ring: str = ""  # why `banks` (ours: `megakernel_sharded.RingDepth.describe`)
-    # ours: how the kernel sends its reductions (`MegakernelOptions.reductions`, chosen by
-    # `collective_choice.kernel_reductions`) and the hosts whose partials it adds first
+    # ours: how the kernel sends its reductions (`MegakernelOptions.reductions`, chosen by its
+    # sharding plan, `kernels.sharded.plan.sharding_plan`) and the hosts whose partials it adds first
     reductions: tuple = ()
     ranks_per_host: int = 0
 
@@ -82,18 +81,18 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
     (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in partial-sum mode the deepest
     that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the collectives its
     own schedule issues in mode `collectives`."""
-    if collectives not in contract.MODES:
-        raise ValueError(f"collectives={collectives!r} is invalid: one of {contract.MODES}")
+    if collectives not in layouts.COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
-    sent = choice.kernel_reductions(lay, batch, "f32", chip)
+    sent = sharding.sharding_plan(lay, batch, "f32", chip)
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
-        if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch,
-                                                           options=sent.options(chip=chip))
+        if n_ranks == 1 else megakernel_sharded.ring_depth(
+            lay, batch, options=megakernel_sharded.kernel_options(lay, batch, chip))
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
                     expert_slots=MegakernelOptions().expert_slots, combine=collectives,
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
-                    collectives=collectives, ring=ring.describe(), reductions=sent.reductions,
+                    collectives=collectives, ring=ring.describe(), reductions=sent.algorithms,
                     ranks_per_host=sent.ranks_per_host)
 
 

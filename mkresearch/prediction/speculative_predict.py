@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from mkresearch.decoding import speculative
+from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 

@@ -277,7 +277,7 @@ class _DmaEngines:
         return dma.end
 
 
-# ---- the simulation ------------------------------------------------------------------------
+# ---- the simulation: one rank's program on a chip ----------------------------------------------
 def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
              vpu_phases: Sequence[str] = (), collective_s: Any = None) -> Timeline:
     """The timeline of `log` (a `dma.recording()` log, its events or JSON records) on `chip`.
@@ -287,95 +287,295 @@ def simulate(log: Any, chip: str | TimelineChip = "tpu7x", *,
     blocks the program for `collective_s(event)` seconds (its peers taken to arrive with it; the
     ranks together: `mkresearch.prediction.timeline_ranks.simulate_ranks`).
     """
-    program = rank_program(events_of(log), chip, vpu_phases)
+    rank = RankSimulation(events_of(log), chip, vpu_phases=vpu_phases)
+    program = rank.run()
     try:
         request = next(program)
         while True:
+            what, op, arrival = request
+            if what == "start":
+                request = program.send(None)
+                continue
             if collective_s is None:
-                raise ValueError(f"collective {request[0].name!r} in the log: pass collective_s "
+                raise ValueError(f"collective {op!r} in the log: pass collective_s "
                                  "(seconds of a CollectiveEvent) or use simulate_ranks")
-            event, arrival = request
-            request = program.send(arrival + collective_s(event))
-    except StopIteration as done:
-        return done.value
+            request = program.send(arrival + collective_s(rank.waiting))
+    except StopIteration:
+        return rank.timeline()
 
 
-def rank_program(events: list, chip: str | TimelineChip, vpu_phases: Sequence[str]):
-    """The simulation of one rank's program as a generator: at each collective it yields
-    (event, arrival time) and is sent the time the collective completes; it returns the
-    Timeline."""
-    chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
-    engines = _DmaEngines(chip)
-    t = 0.0  # the program's clock
-    in_flight: dict[Any, deque[_Dma]] = {}  # match key -> DMAs issued, not yet waited (FIFO)
-    dmas: list[_Dma] = []
-    waited_unconsumed: list[_Dma] = []  # waited into VMEM, not yet read by a phase
-    compute: list[Span] = []
-    collectives: list[Span] = []
-    open_phases: list[dict] = []
-    flops_total = 0.0
+class RankSimulation:
+    """One rank's program run on a chip (`run`, then `timeline`): the one simulator of the
+    timeline model, for one chip's recorded log and for every rank of a scale-out prediction.
 
-    for i, ev in enumerate(events):
-        if ev.kind == "collective":
-            done = yield ev, t
-            collectives.append(Span(lane=COLLECTIVE_LANE, name=ev.name, start=t, end=done,
-                                    kind="collective", nbytes=ev.nbytes))
-            t = max(t, done)
-        elif ev.kind == "dma_start":
-            d = _Dma(ev, t, chip.dma_latency)
-            dmas.append(d)
+    A program is a sequence of ops (`mkresearch.prediction.program`):
+
+      LogEvent dma_start / dma_wait   one DMA, issued and waited (a recorded log's): DMA engines
+                                      in issue order sharing the HBM bandwidth (`_DmaEngines`)
+      LogEvent phase_start / _end     a compute phase: max(flops / peak, vmem_bytes / VMEM rate)
+      CollectiveEvent                 a blocking collective of a recorded log
+      ("blocks", n)                   the next n blocks of the shared weight ring `blocks`:
+                                      each waited, then multiplied; `banks` blocks in flight
+      ("fetch", nbytes, count, slots) count DMAs, `slots` in flight, each multiplied on landing
+      ("write", nbytes)               a write back to HBM, waited at the end of the step
+      ("start", name, op, group, path, nbytes, blocking[, algorithm])
+                                      a collective; blocking: the rank waits for it here
+      ("wait", name)                  wait for the last collective started under that name
+
+    The ring's ops are its DMAs in closed form: one DMA engine, each DMA after the one before it
+    at the full HBM bandwidth (what `_DmaEngines` does with one engine, the default; one DMA at a
+    time, so a 32-rank step takes a few hundredths of a second). A program uses one kind of DMA
+    op or the other. Without `prefetch_across` the ring does not run past a blocking collective
+    (its blocks after it are issued once the rank is past it).
+
+    `run()` is a generator: it yields ("start", op, t) for every collective (sent None back) and
+    ("wait", name, t) where the rank waits for one (sent the time it ends): the ranks are joined
+    by `timeline_ranks.simulate_programs`, or by `simulate` for one chip's log.
+    """
+
+    def __init__(self, ops: Sequence[Any], chip: str | TimelineChip = "tpu7x", *,
+                 blocks: Sequence[float] = (), banks: int = 1, batch: int = 1,
+                 prefetch_across: bool = True, vpu_phases: Sequence[str] = ()) -> None:
+        self.ops = ops
+        self.chip = chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
+        self.vpu_phases = tuple(vpu_phases)
+        self.t = 0.0  # the program's clock
+        self.waiting: Any = None  # the collective the rank waits for (its op or event)
+        self.collective_spans: list[Span] = []
+        # a recorded log's DMAs and phases
+        self.engines = _DmaEngines(chip)
+        self.in_flight: dict[Any, deque[_Dma]] = {}  # match key -> DMAs issued, not yet waited
+        self.dmas: list[_Dma] = []
+        self.waited_unconsumed: list[_Dma] = []  # waited into VMEM, not yet read by a phase
+        self.compute_spans: list[Span] = []
+        self.open_phases: list[dict] = []
+        # the weight ring, fetches and writes, in closed form
+        self.blocks, self.banks, self.batch = blocks, banks, batch
+        self.lat, self.bw = chip.dma_latency, chip.hbm_bandwidth
+        self.per_flop, self.per_vmem = 1.0 / chip.mxu_flops, 1.0 / chip.vmem_bandwidth
+        self.free = 0.0
+        self.issued = self.consumed = 0
+        self.ends = [0.0] * len(blocks)
+        self.dma: list = []  # merged busy intervals of the ring's DMAs
+        self.compute: list = []  # merged busy intervals of its compute
+        self.dma_bytes = 0.0
+        self.flops = 0.0
+        self.writes: list[float] = []
+        self.barriers = self._barriers(ops, len(blocks), prefetch_across)
+        self.next_barrier = 0
+        self.total = 0.0
+
+    @staticmethod
+    def _barriers(ops, n_blocks: int, prefetch_across: bool) -> list[int]:
+        """The ring's horizon: without prefetch_across, the block index of each blocking
+        collective (then the end of the ring)."""
+        out = []
+        if not prefetch_across:
+            at = 0
+            for op in ops:
+                if isinstance(op, tuple) and op[0] == "blocks":
+                    at += op[1]
+                elif isinstance(op, tuple) and op[0] == "start" and op[6]:
+                    out.append(at)
+        return out + [n_blocks]
+
+    # ---- the program ------------------------------------------------------------------------
+    def run(self):
+        """A generator over the program (see the class docstring)."""
+        if self.blocks:
+            self._fill()
+        for i, op in enumerate(self.ops):
+            if not isinstance(op, tuple):  # a recorded log's event
+                if op.kind == "collective":  # blocking, priced over its path
+                    yield "start", ("start", op.name, op.op, tuple(op.group), tuple(op.path),
+                                    op.nbytes, True, None), self.t
+                    self.waiting = op
+                    done = yield "wait", op.name, self.t
+                    self.collective_spans.append(Span(
+                        lane=COLLECTIVE_LANE, name=op.name, start=self.t, end=done,
+                        kind="collective", nbytes=op.nbytes))
+                    self.t = max(self.t, done)
+                else:
+                    self._event(op, i)
+                continue
+            kind = op[0]
+            if kind == "blocks":
+                self._blocks(op[1])
+            elif kind == "fetch":
+                self._fetch(*op[1:])
+            elif kind == "write":
+                self.writes.append(self._dma(op[1]))
+            elif kind == "start":
+                yield "start", op, self.t
+                if op[6]:
+                    self.waiting = op
+                    self.t = max(self.t, (yield "wait", op[1], self.t))
+                    if self.barriers[self.next_barrier] < len(self.blocks):
+                        self.next_barrier += 1
+                    self._fill()
+            else:  # wait
+                self.waiting = op
+                self.t = max(self.t, (yield "wait", op[1], self.t))
+        self._finish()
+
+    # ---- a recorded log's DMAs and phases ---------------------------------------------------
+    def _event(self, ev: LogEvent, i: int) -> None:
+        if ev.kind == "dma_start":
+            d = _Dma(ev, self.t, self.chip.dma_latency)
+            self.dmas.append(d)
             for key in match_keys(ev):
-                in_flight.setdefault(key, deque()).append(d)
-            engines.issue(d)
+                self.in_flight.setdefault(key, deque()).append(d)
+            self.engines.issue(d)
         elif ev.kind == "dma_wait":
-            d = _take_match(in_flight, ev, i)
-            t = max(t, engines.finish(d))
+            d = _take_match(self.in_flight, ev, i)
+            self.t = max(self.t, self.engines.finish(d))
             if _to_vmem(d.event):
-                waited_unconsumed.append(d)
+                self.waited_unconsumed.append(d)
             else:
                 d.consumed = d.end
         elif ev.kind == "phase_start":
-            if open_phases:
-                open_phases[-1]["children"] = True
-            open_phases.append({"event": ev, "start": t, "children": False})
+            if self.open_phases:
+                self.open_phases[-1]["children"] = True
+            self.open_phases.append({"event": ev, "start": self.t, "children": False})
         else:  # phase_end
-            if not open_phases:
-                raise ValueError(f"event {i}: phase_end {ev.name!r} without a phase_start")
-            opened = open_phases.pop()
-            if opened["children"]:
-                continue  # an enclosing phase: its leaves carry the time
-            start_ev = opened["event"]
-            flops = start_ev.flops or ev.flops
-            vmem_bytes = start_ev.vmem_bytes or ev.vmem_bytes
-            peak = chip.vpu_flops if start_ev.name.startswith(tuple(vpu_phases)) else chip.mxu_flops
-            flop_time, vmem_time = flops / peak, vmem_bytes / chip.vmem_bandwidth
-            duration = max(flop_time, vmem_time)
-            start = max(t, opened["start"])
-            compute.append(Span(lane=COMPUTE_LANE, name=start_ev.name, start=start,
-                                end=start + duration, kind="compute", flops=flops,
-                                bound="flops" if flop_time >= vmem_time else "vmem"))
-            t = start + duration
-            flops_total += flops
-            for d in waited_unconsumed:  # the phase after a wait is the one that reads the block
-                d.consumed = t
-            waited_unconsumed.clear()
-    if open_phases:
-        raise ValueError(f"phase {open_phases[-1]['event'].name!r} has no phase_end")
+            self._phase_end(ev, i)
 
-    for d in dmas:  # DMAs never waited still finish: the step ends when they do
-        engines.finish(d)
-    total = max([t] + [d.end for d in dmas])
-    for d in dmas:
-        if d.consumed is None:
-            d.consumed = max(d.end, t)
+    def _phase_end(self, ev: LogEvent, i: int) -> None:
+        if not self.open_phases:
+            raise ValueError(f"event {i}: phase_end {ev.name!r} without a phase_start")
+        opened = self.open_phases.pop()
+        if opened["children"]:
+            return  # an enclosing phase: its leaves carry the time
+        start_ev, chip = opened["event"], self.chip
+        flops = start_ev.flops or ev.flops
+        vmem_bytes = start_ev.vmem_bytes or ev.vmem_bytes
+        peak = chip.vpu_flops if start_ev.name.startswith(self.vpu_phases) else chip.mxu_flops
+        flop_time, vmem_time = flops / peak, vmem_bytes / chip.vmem_bandwidth
+        duration = max(flop_time, vmem_time)
+        start = max(self.t, opened["start"])
+        self.compute_spans.append(Span(lane=COMPUTE_LANE, name=start_ev.name, start=start,
+                                       end=start + duration, kind="compute", flops=flops,
+                                       bound="flops" if flop_time >= vmem_time else "vmem"))
+        self.t = start + duration
+        self.flops += flops
+        for d in self.waited_unconsumed:  # the phase after a wait is the one that reads the block
+            d.consumed = self.t
+        self.waited_unconsumed.clear()
 
-    dma_spans = [Span(lane=f"DMA {d.engine}", name=d.event.name, start=d.start, end=d.end,
-                      kind="dma", nbytes=d.event.nbytes, slot=d.event.slot, issue=d.issue)
-                 for d in dmas]
-    spans = tuple(sorted(dma_spans + compute + collectives, key=lambda s: (s.start, s.lane)))
-    return Timeline(chip=chip, spans=spans, vmem=_vmem_curve(dmas), total_s=total,
-                    dma_bytes=sum(d.event.nbytes for d in dmas), flops=flops_total,
-                    idle=tuple(_compute_idle(compute, dma_spans, total)))
+    # ---- the ring, fetches and writes in closed form ----------------------------------------
+    def _dma(self, nbytes: float) -> float:
+        start = max(self.t + self.lat, self.free)
+        end = start + nbytes / self.bw
+        self.free = end
+        self.dma_bytes += nbytes
+        append_interval(self.dma, start, end)
+        return end
+
+    def _fill(self) -> None:
+        blocks, ends, dma, lat, per_byte = self.blocks, self.ends, self.dma, self.lat, 1 / self.bw
+        t, free, issued = self.t, self.free, self.issued
+        limit = min(self.consumed + self.banks, self.barriers[self.next_barrier])
+        while issued < limit:  # _dma inlined: the ring refills a dozen blocks at once
+            start = t + lat
+            start = max(start, free)
+            free = start + blocks[issued] * per_byte
+            ends[issued] = free
+            self.dma_bytes += blocks[issued]
+            append_interval(dma, start, free)
+            issued += 1
+        self.free, self.issued = free, issued
+
+    def _blocks(self, n: int) -> None:
+        """The hot loop: n blocks waited and multiplied, the ring refilled (inlined)."""
+        blocks, ends, dma, compute = self.blocks, self.ends, self.dma, self.compute
+        lat, per_byte, banks = self.lat, 1.0 / self.bw, self.banks
+        per_block = self.batch * self.per_flop
+        per_block = max(per_block, self.per_vmem)
+        t, free, issued, consumed = self.t, self.free, self.issued, self.consumed
+        horizon = self.barriers[self.next_barrier]
+        issued_bytes = 0.0
+        for _ in range(n):
+            t = max(t, ends[consumed])
+            nbytes = blocks[consumed]
+            consumed += 1
+            limit = consumed + banks
+            limit = min(limit, horizon)
+            while issued < limit:
+                start = t + lat
+                start = max(start, free)
+                free = start + blocks[issued] * per_byte
+                ends[issued] = free
+                issued_bytes += blocks[issued]
+                if dma and start <= dma[-1][1]:
+                    dma[-1][1] = free
+                else:
+                    dma.append([start, free])
+                issued += 1
+            end = t + nbytes * per_block
+            if compute and t <= compute[-1][1]:
+                compute[-1][1] = end
+            else:
+                compute.append([t, end])
+            t = end
+        self.flops += self.batch * sum(blocks[self.consumed:consumed])
+        self.t, self.free, self.issued, self.consumed = t, free, issued, consumed
+        self.dma_bytes += issued_bytes
+
+    def _fetch(self, nbytes: float, count: int, slots: int) -> None:
+        ends = [self._dma(nbytes) for _ in range(min(slots, count))]
+        duration = nbytes * max(self.batch * self.per_flop, self.per_vmem)
+        compute, t = self.compute, self.t
+        for i in range(count):
+            t = max(t, ends[i])
+            if compute and t <= compute[-1][1]:
+                compute[-1][1] = t + duration
+            else:
+                compute.append([t, t + duration])
+            t += duration
+            if i + slots < count:
+                self.t = t
+                ends.append(self._dma(nbytes))
+        self.t = t
+        self.flops += self.batch * nbytes * count
+
+    # ---- the result ---------------------------------------------------------------------------
+    def _finish(self) -> None:
+        if self.open_phases:
+            raise ValueError(f"phase {self.open_phases[-1]['event'].name!r} has no phase_end")
+        for d in self.dmas:  # DMAs never waited still finish: the step ends when they do
+            self.engines.finish(d)
+        self.total = max([self.t, self.free] + self.writes + [d.end for d in self.dmas])
+        for d in self.dmas:
+            if d.consumed is None:
+                d.consumed = max(d.end, self.t)
+
+    def busy(self) -> tuple[list, list]:
+        """(HBM-busy, compute-busy) intervals, sorted and disjoint."""
+        if not self.dmas and not self.compute_spans:
+            return self.dma, self.compute
+        return (merge_intervals((d.start, d.end) for d in self.dmas),
+                merge_intervals((s.start, s.end) for s in self.compute_spans))
+
+    def timeline(self) -> Timeline:
+        """The rank's Timeline: a recorded log's DMAs each on its engine's lane, with the VMEM in
+        use and the compute unit's idle times; the ring's as its merged busy intervals."""
+        if not self.dmas and not self.compute_spans and not self.collective_spans:
+            spans = [Span(lane="DMA 0", name="hbm", start=a, end=b, kind="dma")
+                     for a, b in self.dma]
+            spans += [Span(lane=COMPUTE_LANE, name="compute", start=a, end=b, kind="compute")
+                      for a, b in self.compute]
+            return Timeline(chip=self.chip, spans=tuple(spans), vmem=((0.0, 0),),
+                            total_s=self.total, dma_bytes=round(self.dma_bytes),
+                            flops=self.flops, idle=())
+        dma_spans = [Span(lane=f"DMA {d.engine}", name=d.event.name, start=d.start, end=d.end,
+                          kind="dma", nbytes=d.event.nbytes, slot=d.event.slot, issue=d.issue)
+                     for d in self.dmas]
+        spans = tuple(sorted(dma_spans + self.compute_spans + self.collective_spans,
+                             key=lambda s: (s.start, s.lane)))
+        return Timeline(chip=self.chip, spans=spans, vmem=_vmem_curve(self.dmas),
+                        total_s=self.total, dma_bytes=sum(d.event.nbytes for d in self.dmas),
+                        flops=self.flops,
+                        idle=tuple(_compute_idle(self.compute_spans, dma_spans, self.total)))
 
 
 def _take_match(in_flight: dict, ev: LogEvent, i: int) -> _Dma:

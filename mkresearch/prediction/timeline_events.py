@@ -29,7 +29,7 @@ class LogEvent:
 @dataclass(frozen=True)
 class CollectiveEvent:
     """A collective in a rank's program (`mkresearch.prediction.timeline_ranks`): the program waits until
-    every member of `group` has arrived and the messages of `op` (`mkresearch.prediction.interconnect`,
+    every member of `group` has arrived and the messages of `op` (`mkresearch.hardware.interconnect`,
     priced over `path`: the members in message order, default the group) have arrived.
     nbytes: all_gather, one member's piece; all_reduce, the vector; chain, the running sum."""
 

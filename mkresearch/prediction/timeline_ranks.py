@@ -1,14 +1,16 @@
-"""The timeline model over many ranks: every rank's log simulated together, joined at collectives.
+"""The timeline model over many ranks: every rank's program simulated together, joined at its
+collectives: one simulator for a scale-out prediction's programs (`simulate_programs`) and for
+the recorded logs of a sharded step (`simulate_ranks`).
 
-Each rank runs its own program (`timeline.rank_program`: DMAs on its own HBM and DMA engines,
-phases on its own compute unit). A `CollectiveEvent` in the logs joins the ranks of its group: it
-starts when the last member arrives (a collective waits for its slowest peer) and ends after the
-messages of its algorithm (`mkresearch.prediction.interconnect.price`). The weight DMAs a rank issued before
-it keep moving meanwhile: a collective hides behind HBM traffic only as far as the stream runs
-ahead. The logs are SPMD: every rank meets the same collectives in the same order (groups may
-differ, e.g. each expert group its own). `scale_out`'s programs run in `scale_out_sim` instead:
-the same model with one DMA engine in closed form, and collectives that may be started early
-and waited later (overlap); tests hold the two equal on a blocking program.
+Each rank runs its own program (`timeline.RankSimulation`: DMAs on its own HBM, phases on its own
+compute unit). A collective joins the ranks of its group: it starts when the last member arrives
+(a collective waits for its slowest peer) and ends after the messages of its algorithm
+(`mkresearch.hardware.interconnect.price`, over its `path`: a rank may stand for others that run
+the same program). A collective started early and waited later overlaps the work between
+(a scale-out program's `("start", ..., blocking=False)` and `("wait", name)`); a recorded log's
+collectives block. The weight DMAs a rank issued before it keep moving meanwhile: a collective
+hides behind HBM traffic only as far as the stream runs ahead. The programs are SPMD: every rank
+meets the same collectives in the same order (groups may differ, e.g. each expert group its own).
 
 `RanksTimeline.decomposition()` splits the slowest rank's step exactly: the HBM floor (its DMA
 bytes at full bandwidth: HBM moves bytes in exactly that much time) plus the time HBM is idle,
@@ -22,9 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.base import dma
-from mkresearch.prediction import interconnect as links
-from mkresearch.prediction.timeline import Timeline, TimelineChip, merge_intervals, rank_program
+from mkresearch.prediction.timeline import (
+    RankSimulation,
+    Timeline,
+    TimelineChip,
+    merge_intervals,
+    timeline_chip,
+)
 from mkresearch.prediction.timeline_events import events_of
 
 PARTS = ("hbm_floor", "waiting_for_peers", "collective_messages", "compute", "bubble")
@@ -50,17 +58,27 @@ class CollectiveRun:
         return self.waited[i] if self.waited else self.arrivals[i]
 
 
-@dataclass(frozen=True)
 class RanksTimeline:
-    timelines: tuple[Timeline, ...]  # one per rank
-    collectives: tuple[CollectiveRun, ...]
-    interconnect: links.Interconnect
-    algorithm: str
-    ranks: tuple[int, ...]  # the rank id of each timeline
+    """Every rank's simulated step and the collectives that joined them. `timelines` (one per
+    rank, `timeline.Timeline`) are built when first asked for: a prediction reads the
+    simulations' merged busy intervals directly."""
+
+    def __init__(self, sims: list, collectives: tuple[CollectiveRun, ...],
+                 interconnect: links.Interconnect, algorithm: str, ranks: tuple[int, ...]) -> None:
+        self.sims, self.collectives, self.interconnect = sims, collectives, interconnect
+        self.algorithm, self.ranks = algorithm, ranks
+        self._timelines: tuple[Timeline, ...] | None = None
+
+    @property
+    def timelines(self) -> tuple[Timeline, ...]:
+        """One Timeline per rank, in `ranks` order."""
+        if self._timelines is None:
+            self._timelines = tuple(s.timeline() for s in self.sims)
+        return self._timelines
 
     def rank_totals(self) -> list[float]:
         """Each rank's step, in `ranks` order."""
-        return [t.total_s for t in self.timelines]
+        return [s.total for s in self.sims]
 
     @property
     def total_s(self) -> float:
@@ -75,14 +93,17 @@ class RanksTimeline:
     def timeline(self, rank: int) -> Timeline:
         return self.timelines[self.ranks.index(rank)]
 
+    def dma_bytes(self, rank: int) -> float:
+        """The bytes `rank`'s DMAs move in the step."""
+        sim = self.sims[self.ranks.index(rank)]
+        return sim.dma_bytes if not sim.dmas else sum(d.event.nbytes for d in sim.dmas)
+
     def decomposition(self, rank: int | None = None) -> dict[str, float]:
         """Seconds of `rank`'s step (default the slowest) by PARTS; they sum to its total."""
         rank = self.slowest_rank if rank is None else rank
-        tl = self.timeline(rank)
-        return decompose(tl.total_s,
-                         merge_intervals((s.start, s.end) for s in tl.spans if s.kind == "dma"),
-                         merge_intervals((s.start, s.end) for s in tl.spans
-                                         if s.kind == "compute"), self.collectives, rank)
+        sim = self.sims[self.ranks.index(rank)]
+        moving, compute = sim.busy()
+        return decompose(sim.total, moving, compute, self.collectives, rank)
 
 
 def decompose(total_s: float, moving: list, compute: list, collectives, rank: int
@@ -139,70 +160,138 @@ def _subtract(a: list, b: list) -> list:
     return out
 
 
+def simulate_programs(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch: int,
+                      ranks: Sequence[int], inter: links.Interconnect, algorithm: str | dict,
+                      chip: str | TimelineChip = "tpu7x", *, prefetch_across: bool = True
+                      ) -> RanksTimeline:
+    """Every rank's program together (programs[i] is rank ranks[i], over the shared weight ring
+    `blocks` with `banks` in flight, `timeline.RankSimulation`), joined at their collectives (see
+    the module docstring). `algorithm`: one for every collective, a dict by op (all_reduce,
+    all_gather, chain), or "auto": each collective's own algorithm where its op names one (our
+    kernel's, from its sharding plan), else `interconnect.choose`'s."""
+    chip = chip if isinstance(chip, TimelineChip) else timeline_chip(chip)
+    sims = [RankSimulation(p, chip, blocks=blocks, banks=banks, batch=batch,
+                           prefetch_across=prefetch_across) for p in programs]
+    return _join(sims, tuple(ranks), inter, algorithm)
+
+
 def simulate_ranks(logs: Sequence[Any], chip: str | TimelineChip = "tpu7x", *,
                    interconnect: links.Interconnect | None = None,
                    algorithm: str = "two-level", ranks: Sequence[int] | None = None
                    ) -> RanksTimeline:
-    """Simulate the ranks' logs together (logs[i] is rank ranks[i], default i); see the module
-    docstring. A collective's group names ranks; its `path` (default the group) the ranks its
-    messages are priced between: a rank may stand for others that run the same program."""
+    """The ranks' recorded logs together (logs[i] is rank ranks[i], default i), the same
+    simulation as `simulate_programs`: a collective's group names ranks; its `path` (default the
+    group) the ranks its messages are priced between: a rank may stand for others that run the
+    same program."""
     if algorithm not in links.ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is invalid: one of {links.ALGORITHMS}")
-    chip_name = chip.name if isinstance(chip, TimelineChip) else chip
-    inter = links.interconnect(chip_name) if interconnect is None else interconnect
-    programs = [rank_program(events_of(log), chip, ()) for log in logs]
-    n = len(programs)
-    ids = tuple(range(n)) if ranks is None else tuple(ranks)
-    if len(ids) != n or len(set(ids)) != n:
-        raise ValueError(f"ranks={ranks!r} is invalid: {n} distinct rank ids, one per log")
-    index = {rank: i for i, rank in enumerate(ids)}
-    done: list[Timeline | None] = [None] * n
-    seen: list[dict[tuple[int, ...], int]] = [{} for _ in range(n)]  # group -> collectives met
-    open_runs: dict[tuple, dict[int, tuple[Any, float]]] = {}  # (group, k) -> rank -> arrival
-    runs: list[CollectiveRun] = []
+    chip = chip if isinstance(chip, TimelineChip) else timeline_chip(chip)
+    inter = links.interconnect(chip.name) if interconnect is None else interconnect
+    ids = tuple(range(len(logs))) if ranks is None else tuple(ranks)
+    if len(ids) != len(logs) or len(set(ids)) != len(logs):
+        raise ValueError(f"ranks={ranks!r} is invalid: {len(logs)} distinct rank ids, one per log")
+    return _join([RankSimulation(events_of(log), chip) for log in logs], ids, inter, algorithm)
 
-    def advance(i: int, end: float | None = None) -> None:
-        """Run log i to its next collective (registered in open_runs) or to its end."""
-        try:
-            event, arrival = programs[i].send(end) if end is not None else next(programs[i])
-        except StopIteration as stop:
-            done[i] = stop.value
-            return
-        rank, group = ids[i], tuple(event.group)
-        if any(member not in index for member in group):
-            raise ValueError(f"collective {event.name!r}: group {group} names ranks without a log")
-        if rank not in group:
-            raise ValueError(f"rank {rank}: collective {event.name!r} of group {group} without it")
-        k = seen[i].get(group, 0)
-        seen[i][group] = k + 1
-        open_runs.setdefault((group, k), {})[rank] = (event, arrival)
 
-    for i in range(n):
-        advance(i)
-    while open_runs:
-        ready = [key for key, arrived in open_runs.items() if len(arrived) == len(key[0])]
-        if not ready:
-            key, arrived = next(iter(open_runs.items()))
-            raise ValueError(f"collective {next(iter(arrived.values()))[0].name!r} of group "
-                             f"{key[0]}: only ranks {sorted(arrived)} arrive (the logs disagree)")
-        for key in sorted(ready, key=lambda key: max(a for _, a in open_runs[key].values())):
-            group, arrived = key[0], open_runs.pop(key)
-            event = arrived[group[0]][0]
-            if {e.name for e, _ in arrived.values()} != {event.name}:
-                raise ValueError(f"collective {key[1]} of group {group}: the ranks disagree "
-                                 f"({sorted({e.name for e, _ in arrived.values()})})")
-            arrivals = tuple(arrived[r][1] for r in group)
-            price = links.price(inter, event.op, algorithm, tuple(event.path or group),
-                                event.nbytes)
-            start = max(arrivals)
-            runs.append(CollectiveRun(event.name, event.op, group, event.nbytes, arrivals, start,
-                                      start + price.seconds, price))
-            for rank in group:
-                advance(index[rank], start + price.seconds)
-    if any(t is None for t in done):
-        raise ValueError("a rank's program did not finish")
-    return RanksTimeline(timelines=tuple(done), collectives=tuple(runs), interconnect=inter,
-                         algorithm=algorithm, ranks=ids)
+def _join(sims: list, ranks: tuple[int, ...], inter: links.Interconnect,
+          algorithm: str | dict) -> RanksTimeline:
+    """Run the ranks' simulations, each to its next wait, a collective starting at its last
+    member's arrival and ending after its price (`interconnect.price`)."""
+    joiner = _Joiner(sims, ranks, inter, algorithm)
+    joiner.run()
+    return RanksTimeline(sims, joiner.collectives(), inter, algorithm if algorithm == "auto"
+                         else joiner.algorithm_of("all_reduce"), ranks)
+
+
+class _Joiner:
+    """The ranks' generators (`RankSimulation.run`) driven together: the k-th collective of a
+    group on each member is one instance; a rank that waits for an instance not yet complete is
+    parked until its last member arrives."""
+
+    def __init__(self, sims: list, ranks: tuple[int, ...], inter: links.Interconnect,
+                 algorithm: str | dict) -> None:
+        self.gens = [s.run() for s in sims]
+        self.ranks, self.inter, self.algorithm = ranks, inter, algorithm
+        self.index = {r: i for i, r in enumerate(ranks)}
+        self.seen: list[dict] = [{} for _ in sims]  # group -> collectives met
+        self.latest: list[dict] = [{} for _ in sims]  # name -> instance key
+        self.instances: dict[tuple, dict] = {}
+        self.parked: dict[tuple, list[int]] = {}
+        self.runs: list[dict] = []
+        self.ready: list[tuple[int, float | None]] = [(i, None) for i in range(len(sims))]
+
+    def algorithm_of(self, op: str, group: tuple[int, ...] = (), nbytes: float = 0.0) -> str:
+        if self.algorithm == "auto":  # each collective's own choice (chain: any, its price is one)
+            return "one-shot" if op == "chain" or not group else \
+                links.choose(self.inter, op, group, nbytes).algorithm
+        return self.algorithm if isinstance(self.algorithm, str) else self.algorithm[op]
+
+    def run(self) -> None:
+        while self.ready:
+            i, value = self.ready.pop()
+            self.drive(i, value)
+        if self.parked or any(inst["end"] is None for inst in self.runs):
+            inst = next(inst for inst in self.runs if inst["end"] is None)
+            raise ValueError(f"collective {inst['name']!r} of group {inst['group']}: only ranks "
+                             f"{sorted(inst['arrivals'])} arrive (the programs disagree)")
+
+    def drive(self, i: int, value: float | None) -> None:
+        """Rank i's generator to its next wait for an incomplete collective (or its end)."""
+        gen = self.gens[i]
+        while True:
+            try:
+                what, arg, t = gen.send(value)
+            except StopIteration:
+                return
+            value = None
+            if what == "start":
+                self.arrive(i, arg, t)
+                continue
+            key = self.latest[i][arg]
+            inst = self.instances[key]
+            inst["waited"][self.ranks[i]] = t
+            if inst["end"] is None:
+                self.parked.setdefault(key, []).append(i)
+                return
+            value = inst["end"]
+
+    def arrive(self, i: int, arg: tuple, t: float) -> None:
+        """Rank i starts a collective at t: the instance starts when its last member does."""
+        _, name, op, group, path, nbytes, _blocking, *own = arg
+        k = self.seen[i].get(group, 0)
+        self.seen[i][group] = k + 1
+        key = self.latest[i][name] = (group, k)
+        inst = self.instances.get(key) or self._new(i, key, name, op, path, nbytes)
+        if inst["name"] != name:
+            raise ValueError(f"collective {k} of group {group}: the ranks disagree "
+                             f"({inst['name']!r}, {name!r})")
+        inst["arrivals"][self.ranks[i]] = t
+        if len(inst["arrivals"]) == len(group):
+            inst["start"] = max(inst["arrivals"].values())
+            how = own[0] if own and own[0] and self.algorithm == "auto" else \
+                self.algorithm_of(op, tuple(inst["path"]), nbytes)
+            inst["price"] = links.price(self.inter, op, how, tuple(inst["path"]), nbytes)
+            inst["end"] = inst["start"] + inst["price"].seconds
+            self.ready.extend((j, inst["end"]) for j in self.parked.pop(key, []))
+
+    def _new(self, i: int, key: tuple, name: str, op: str, path: tuple, nbytes: float) -> dict:
+        group = key[0]
+        if self.ranks[i] not in group or any(m not in self.index for m in group):
+            raise ValueError(f"collective {name!r}: group {group} does not hold rank "
+                             f"{self.ranks[i]} or names ranks without a log or program")
+        inst = self.instances[key] = {"name": name, "op": op, "group": group,
+                                      "path": path or group, "nbytes": nbytes,
+                                      "arrivals": {}, "waited": {}, "end": None}
+        self.runs.append(inst)
+        return inst
+
+    def collectives(self) -> tuple[CollectiveRun, ...]:
+        return tuple(CollectiveRun(
+            inst["name"], inst["op"], inst["group"], int(inst["nbytes"]),
+            tuple(inst["arrivals"][r] for r in inst["group"]), inst["start"], inst["end"],
+            inst["price"], tuple(inst["waited"].get(r, inst["arrivals"][r])
+                                 for r in inst["group"]))
+            for inst in self.runs)
 
 
 def rank_events(log: dma.DmaLog, rank: int) -> list[dma.Event]:

@@ -47,9 +47,12 @@ Two layouts:
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
 
-Per-rank shapes (`rank_param_shapes`, `rank_state_shapes`), the per-rank slices of real arrays
-(`shard_params`, `shard_state`) and a single-device stand-in config of one rank (`rank_config`)
-come from it; per-rank bytes of one step (sharded vs replicated, by component) from
+How many ways each group splits, an axis's per-rank length and the rank counts that split a
+model are the model's (`mkresearch.model.partition`: `Split`, `Layout`, `splits`; one rank of a
+full-size preset as a config, `get_config("kimi-k3-rank")`, reads them too); this module adds our
+rotations, the partial-sum row splits (`param_shard`), per-rank shapes (`rank_param_shapes`,
+`rank_state_shapes`) and the per-rank slices of real arrays (`shard_params`, `shard_state`);
+per-rank bytes of one step (sharded vs replicated, by component) from
 `mkresearch.sharding.layout_bytes`.
 """
 
@@ -58,27 +61,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds and their rules
-from mkresearch.model import published, spec
-from mkresearch.model.config import (
-    LANE,
-    PRESETS,
-    RANK_SUFFIX,
-    ModelConfig,
-    get_config,
-    rank_shapes,
-)
+from mkresearch.model import spec
+from mkresearch.model.config import ModelConfig
 from mkresearch.model.formats import quantized_shapes
-from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layout's API
+from mkresearch.model.partition import (  # noqa: F401 - re-exported: the layout's API
+    CHUNKED_GROUPS,
+    COLLECTIVES,
+    DEFAULT_COLLECTIVES,
+    EXACT,
+    HALF_LANE,
+    LAYOUTS,
     MAX_LISTED_RANKS,
+    OURS,
+    PADDED_GROUPS,
+    PARTIAL_SUM,
+    RELEASE,
     RELEASE_ETP,
-    _head_ways,
+    RELEASE_EXPERT_FORMAT,
+    RELEASE_REPLICATED,
+    Layout,
+    Split,
     allowed_ranks,
     check_ranks,
     chunk_length,
@@ -86,170 +93,42 @@ from mkresearch.sharding.layout_ranks import (  # noqa: F401 - re-exported: layo
     expert_output_width,
     expert_widths,
     groups_used,
+    has_rules,
     is_param,
     leaves_with_path,
+    rank_config,
+    splits,
 )
 
-OURS, RELEASE = "ours", "release"
-LAYOUTS = (OURS, RELEASE)
-EXACT, PARTIAL_SUM = "exact", "partial-sum"
-# how matrices split: by their contraction (partial sums, the sharded megakernel's default) or by
-# output columns; the one list of mode names (the kernel's schedule and the prediction read it)
-COLLECTIVES = (PARTIAL_SUM, EXACT)
-DEFAULT_COLLECTIVES = PARTIAL_SUM
-# groups split in chunks of whole lane tiles (zero-padded), not exactly
-PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
-CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
-# groups the release keeps whole on every rank: the router and the latent down-projections.
-# ASSUMPTION: docs/kimi-k3.md §9 does not say how they split (docs/collectives.md splits the router's scores
-# between siblings); kept whole, a rank's bytes (`mkresearch info kimi-k3 --ranks 32`) come
-# closest to §9's ≈ 6.97 GB
-RELEASE_REPLICATED = (spec.DOWN_COLS,)
 # our layout rotates these groups' column chunks (`rotations`): no reduction adds over them
 ROTATED_GROUPS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
-HALF_LANE = LANE // 2  # the partial-sum FFN hidden's chunk unit (`Layout._chunk`)
-RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (docs/kimi-k3.md §7)
-
-
-@dataclass(frozen=True)
-class Split:
-    """How one group splits: rank r holds slice (r // stride + start) % ways."""
-
-    group: str
-    ways: int
-    stride: int = 1
-    start: int = 0  # the slice rank 0 holds (a rotation: `ROTATIONS`)
-
-    def index(self, rank: int) -> int:
-        return (rank // self.stride + self.start) % self.ways
-
-    def rank_of(self, index: int) -> int:
-        """The first rank holding slice `index`."""
-        return (index - self.start) % self.ways * self.stride
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which slice of every group each of `n_ranks` ranks holds (hashable: a static argument)."""
-
-    name: str
-    cfg: ModelConfig
-    n_ranks: int
-    splits: tuple[Split, ...]
-    expert_format: str = ""  # the routed experts' format its bytes are counted in
-    # "exact": every matrix split by its output columns; "partial-sum": a matrix whose input
-    # arrives split (Param.gather) split by its rows instead, its products partial sums
-    collectives: str = "exact"
-
-    def split(self, group: str) -> Split:
-        """How `group` splits (whole when the layout has no split for it: a group no leaf of the
-        model uses, e.g. kv_heads without GQA)."""
-        return next((s for s in self.splits if s.group == group), Split(group, 1))
-
-    def ways(self, group: str) -> int:
-        return self.split(group).ways
-
-    @property
-    def ep(self) -> int:
-        return self.ways(spec.EXPERTS)
-
-    @property
-    def etp(self) -> int:
-        return self.ways(spec.EXPERT_TP)
-
-    @property
-    def head_replicas(self) -> int:
-        """Ranks holding the same heads (> 1 only when the model has fewer heads than ranks)."""
-        return self.split(spec.HEADS).stride
-
-    def divides(self, group: str, length: int) -> bool:
-        """Whether an axis of `length` splits by `group` here (more than one way, and for a
-        padded group a chunk shorter than the axis)."""
-        ways = self.ways(group)
-        return ways > 1 and (group not in CHUNKED_GROUPS or self._chunk(group, length) < length)
-
-    def _chunk(self, group: str, length: int) -> int:
-        """A chunked group's per-rank chunk: whole lane tiles (`chunk_length`), except the FFN
-        hidden in partial-sum mode: half-lane chunks (64), so a rank's gate and up columns side
-        by side fill whole lanes (`kernels/stages/gate_up.py`) and its W_down rows whole sublane
-        tiles: Kimi K3's 6,144 shared hidden are 192 on each of 32 ranks, not 256 on 24."""
-        if group == spec.FFN_HIDDEN and self.collectives == PARTIAL_SUM:
-            return -(-length // (self.ways(group) * HALF_LANE)) * HALF_LANE
-        return chunk_length(length, self.ways(group))
-
-    def slice_firsts(self, group: str) -> tuple[int, ...]:
-        """One rank per slice of `group`, slice 0 first (whose partial sums a reduction adds)."""
-        split = self.split(group)
-        return tuple(split.rank_of(i) for i in range(split.ways))
-
-    def local_length(self, group: str, length: int) -> int:
-        """Per-rank length of an axis of `length` split by `group` (padded groups: the chunk)."""
-        if not self.divides(group, length):
-            return length
-        if group in CHUNKED_GROUPS:
-            return self._chunk(group, length)
-        return length // self.ways(group)
-
-    def bounds(self, group: str, length: int, rank: int) -> tuple[int, int, int]:
-        """(start, stop, per-rank length) of rank's slice of an axis of `length`: the real
-        elements [start, stop), zero-padded to the per-rank length."""
-        local = self.local_length(group, length)
-        start = self.split(group).index(rank) * local if local < length else 0
-        return min(start, length), min(start + local, length), local
-
-    def describe(self) -> str:
-        parts, used = [], groups_used(self.cfg)
-        for s in (s for s in self.splits if s.group in used):
-            how = "whole" if s.ways == 1 else f"{s.ways} ways"
-            if s.stride > 1 and s.group in (spec.HEADS, spec.KV_HEADS):
-                how += f" x {s.stride} replicas"
-            parts.append(f"{s.group} {how}")
-        return f"{self.name} layout of {self.cfg.name} on {self.n_ranks} ranks: " + ", ".join(parts)
 
 
 def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None = None,
            collectives: str = "exact") -> Layout:
-    """The `name` layout (LAYOUTS) of cfg on n_ranks ranks; etp: expert-tensor parallel ways
-    (default `default_etp`); collectives: one of COLLECTIVES (`param_shard`). ValueError naming
-    the field for a rank count that does not split heads, vocabulary or experts, and for a kind
-    whose parameters have no sharding rule."""
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
-    if name not in LAYOUTS:
-        raise ValueError(f"layout name={name!r} is invalid: one of {', '.join(LAYOUTS)}")
+    """The `name` layout (LAYOUTS) of cfg on n_ranks ranks: `partition.splits`, ours with its
+    chunks rotated (`rotations`); etp: expert-tensor parallel ways (default `default_etp`);
+    collectives: one of COLLECTIVES (`param_shard`). ValueError naming the field for a rank count
+    that does not split heads, vocabulary or experts, and for a kind whose parameters have no
+    sharding rule."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
-    spec.check(cfg)
-    check_ranks(cfg, n_ranks, etp)
-    n = int(n_ranks)
-    etp = default_etp(cfg, n, name) if etp is None else etp
-    if n > 1:
-        _check_rules(cfg)
-    heads = _head_ways(cfg, n)
-    kv_heads = min(heads, cfg.n_kv_heads)  # with fewer K/V heads than head slices: replicated
-    splits = [Split(spec.HEADS, heads, n // heads),
-              *([Split(spec.KV_HEADS, kv_heads, n // kv_heads)]
-                if spec.KV_HEADS in groups_used(cfg) else []),
-              Split(spec.VOCAB, n),
-              Split(spec.EXPERTS, n // etp, etp), Split(spec.EXPERT_TP, etp)]
-    for group in PADDED_GROUPS:
-        whole = name == RELEASE and group in RELEASE_REPLICATED
-        splits.append(Split(group, 1 if whole else n))
+    found = splits(cfg, n_ranks, name, etp)
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
-    lay = Layout(name=name, cfg=cfg, n_ranks=n, splits=tuple(splits),
+    lay = Layout(name=name, cfg=cfg, n_ranks=int(n_ranks), splits=found,
                  expert_format=expert_format, collectives=collectives)
-    if name != OURS or n == 1:
+    if name != OURS or lay.n_ranks == 1:
         return lay
     starts = rotations(dataclasses.replace(lay, collectives=PARTIAL_SUM))
     return dataclasses.replace(lay, splits=tuple(
-        dataclasses.replace(s, start=starts.get(s.group, 0)) for s in splits))
+        dataclasses.replace(s, start=starts.get(s.group, 0)) for s in found))
 
 
 def merges_shared_sum(lay: Layout, kind: str) -> bool:
     """Whether, in partial-sum mode, a kind's shared experts' partial sums join its routed
     experts' in one reduction: experts on the full d (no latent projections: their sum and the
     shared experts' are both partial sums of [B, d], added on each rank first), with shared
-    experts. The kernel (`collective_schedule.collective_rules`: `Rule.adds`) and the sharded
+    experts. The kernel (`kernels.sharded.plan.collective_rules`: `Rule.adds`) and the sharded
     reference (`reference_sharded`) both ask here."""
     params = spec.stage(kind).params(lay.cfg)
     return (lay.collectives == PARTIAL_SUM and lay.n_ranks > 1 and "experts" in params
@@ -291,28 +170,6 @@ def rotations(lay: Layout) -> dict[str, int]:
             starts[group] = min(range(lay.n_ranks),
                                 key=lambda s, g=group: (cost({**starts, g: s}), s))
     return starts
-
-
-def _check_rules(cfg: ModelConfig) -> None:
-    """Every parameter and state leaf of every kind says how it shards (spec.Param.shard)."""
-    for path, leaf in leaves_with_path(spec.param_table(cfg)):
-        if leaf.shard is None:
-            raise ValueError(f"parameter {path} of {cfg.name} has no sharding rule: give its "
-                             "spec.Param a shard= (spec.split(axis, group) or spec.REPLICATED)")
-    for kind, leaves in spec.state_table(cfg, 1, cfg.kv_tile).items():
-        for name, leaf in leaves.items():
-            if leaf.shard is None:
-                raise ValueError(f"state leaf [{kind!r}][{name!r}] of {cfg.name} has no sharding "
-                                 "rule: give its spec.StateLeaf a shard=")
-
-
-def has_rules(cfg: ModelConfig) -> bool:
-    """Whether every kind of cfg says how its parameters and states shard (`_check_rules`)."""
-    try:
-        _check_rules(cfg)
-    except ValueError:
-        return False
-    return True
 
 
 # ---- per-rank shapes ------------------------------------------------------------------------
@@ -421,65 +278,3 @@ def _seq_len(state: dict, cfg: ModelConfig, batch: int) -> int:
     return cfg.max_seq_len
 
 
-def rank_config(cfg: ModelConfig, name: str = RELEASE, n_ranks: int = 32,
-                **overrides: Any) -> ModelConfig:
-    """A single-device stand-in for one rank of the `name` layout: a ModelConfig with one rank's
-    heads, vocabulary shard, local experts (top_k capped at their count) and FFN hidden chunks,
-    for compiling and scaling a one-device megakernel at per-rank shapes (the collectives left
-    out). A ModelConfig says a rank's share only through its sizes: an expert's ETP slice is taken
-    on its hidden (W2's rows, not its latent columns: the same bytes), and the matrices the layout
-    splits by their d or latent columns (W_o, W_down, W_lu, W_ld; ours: W_qa, W_kva, the router)
-    stay whole: `layout_bytes.rank_bytes` counts any layout exactly. For the release layout on 32
-    ranks it is the hand-made `kimi-k3-rank` of before. Named '<model>-rank' (release) or
-    '<model>-rank-<layout>'."""
-    lay = layout(cfg, n_ranks, name)
-    experts = cfg.n_experts // lay.ep
-    fields = {  # one rank's expert hidden: W1/W3 columns (its W2 latent slice is not expressible)
-        "name": f"{cfg.name}-rank" if name == RELEASE else f"{cfg.name}-rank-{name}",
-        "n_heads": cfg.n_heads // lay.ways(spec.HEADS),
-        "n_kv_heads": lay.local_length(spec.KV_HEADS, cfg.n_kv_heads),
-        "vocab_size": lay.local_length(spec.VOCAB, cfg.vocab_size),
-        "n_experts": experts, "top_k": min(cfg.top_k, experts),
-        "expert_hidden": lay.local_length(spec.EXPERT_TP, cfg.expert_hidden),
-        "dense_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.dense_hidden),
-        "shared_hidden": lay.local_length(spec.FFN_HIDDEN, cfg.shared_hidden)}
-    fields.update(overrides)
-    return cfg.replace(**fields)
-
-
-RELEASE_RANKS = 32  # docs/kimi-k3.md §9: 16 TPU7x chips x 2 TensorCores
-
-
-def named_config(name: str, **overrides: Any) -> ModelConfig:
-    """A preset (`config.get_config`), or '<preset>-rank': one of RELEASE_RANKS ranks of the preset,
-    derived, not typed in: from its release layout (`rank_config`) when every kind declares
-    sharding rules; otherwise (the families' gqa, mla_rope, moe_full) from `config.rank_shapes`,
-    the pre-sharding stand-in issue 15 allows ("before it, at one rank's shapes"): the release's
-    division of Kimi K3 (equal to `rank_config` there), until those kinds declare rules."""
-    if name in published.PUBLISHED:  # a small real model's published config.json fields
-        return published.published_config(name, **overrides)
-    base = name[:-len(RANK_SUFFIX)]
-    if not (name.endswith(RANK_SUFFIX) and base in PRESETS):
-        return get_config(name, **overrides)
-    full = get_config(base)
-    if has_rules(full):
-        return rank_config(full, RELEASE, RELEASE_RANKS, **overrides)
-    rank = rank_shapes(full)
-    return rank.replace(**overrides) if overrides else rank
-
-
-def _has_rank(cfg: ModelConfig) -> bool:
-    if has_rules(cfg):
-        return RELEASE_RANKS in allowed_ranks(cfg, RELEASE_RANKS)
-    try:
-        rank_shapes(cfg)
-    except ValueError:  # a mini: its heads or experts do not split 32 ways
-        return False
-    return True
-
-
-def config_names() -> tuple[str, ...]:
-    """Every name `named_config` takes: the presets, one rank of each full-size one, and the
-    small real models' presets (`mkresearch.model.published`)."""
-    ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items() if _has_rank(cfg))
-    return (*PRESETS, *ranks, *published.PUBLISHED)

@@ -100,17 +100,37 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
         return dataclasses.replace(most, sharded=dict(most.sharded),
                                    replicated=dict(most.replicated))
     cfg = lay.cfg
+    tally = _Tally(lay)
+    _weights(tally, lay, batch, collectives, rank if skips else None)
+    states = _states(tally, lay, batch, context)
+    return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
+                     context=context, sharded=tally.sharded, replicated=tally.replicated,
+                     components=dict(spec.components(cfg)), state_components=tuple(states))
+
+
+class _Tally:
+    """A rank's bytes by component, sharded or replicated (by the leaf's rule in the layout)."""
+
+    def __init__(self, lay: Layout) -> None:
+        self.lay = lay
+        self.sharded: dict[str, int] = {}
+        self.replicated: dict[str, int] = {}
+
+    def add(self, component: str, leaf: Any, value: float) -> None:
+        target = self.sharded if active_shard(self.lay, leaf.shard, leaf.shape) \
+            else self.replicated
+        target[component] = target.get(component, 0) + int(value)
+
+
+def _weights(tally: _Tally, lay: Layout, batch: int, collectives: str,
+             skipping: int | None) -> None:
+    """Every weight once, the routed experts the expected share of the batch's (skipping: the
+    rank whose padding-only slices are skipped, partial-sum mode)."""
+    cfg = lay.cfg
     table = spec.param_table(cfg)
     local = rank_params(lay) if collectives == "exact" else jax.tree.map(
         lambda p: dataclasses.replace(p, shape=layout_split.partial_sum_shape(lay, p)), table,
         is_leaf=is_param)
-    sharded: dict[str, int] = {}
-    replicated: dict[str, int] = {}
-
-    def add(component: str, param: spec.Param, value: int) -> None:
-        target = sharded if active_shard(lay, param.shard, param.shape) else replicated
-        target[component] = target.get(component, 0) + int(value)
-
     kinds = spec.stages_of(cfg)
     unique = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch)
     for kind in kinds:
@@ -121,33 +141,36 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
                 stored = _bytes(storage(cfg, mine, count_format(lay, path)))
                 if key in kind.routed:  # the expected experts of this rank's expert group
                     # [layers, local experts, ...]: unique / EP of the group's experts per layer
-                    add(kind.routed_component[0], param, stored / mine.shape[1] * unique / lay.ep)
+                    tally.add(kind.routed_component[0], param,
+                              stored / mine.shape[1] * unique / lay.ep)
                 elif kind.component is not None:
-                    skipped = skips and layout_split.zero_only(lay, param, rank)
-                    add(kind.component[0], param, 0 if skipped else stored)
-    add("lm_head", table["lm_head"], _bytes(storage(cfg, local["lm_head"])))
+                    skipped = skipping is not None and layout_split.zero_only(lay, param, skipping)
+                    tally.add(kind.component[0], param, 0 if skipped else stored)
+    tally.add("lm_head", table["lm_head"], _bytes(storage(cfg, local["lm_head"])))
     embed = local["embed"]
-    add("embedding_rows", table["embed"], batch * embed.shape[1] * np.dtype(embed.dtype).itemsize)
+    tally.add("embedding_rows", table["embed"],
+              batch * embed.shape[1] * np.dtype(embed.dtype).itemsize)
     trunk = {"embed", "lm_head", *(kind.name for kind in kinds)}
     for key in table:
         if key not in trunk:
-            add("norms_and_mix", table[key], _bytes(storage(cfg, local[key])))
+            tally.add("norms_and_mix", table[key], _bytes(storage(cfg, local[key])))
+
+
+def _states(tally: _Tally, lay: Layout, batch: int, context: int) -> list[str]:
+    """The states and caches (read at `context` tokens, written once) -> their components."""
     states = []
-    for kind in kinds:
+    for kind in spec.stages_of(lay.cfg):
         if kind.state_component is None:
             continue
         name = kind.state_component[0]
         states.append(name)
-        for leaf in spec.state_table(cfg, 1, 1).get(kind.name, {}).values():
+        for leaf in spec.state_table(lay.cfg, 1, 1).get(kind.name, {}).values():
             shape = local_shape(lay, leaf.shape, leaf.shard)
             one = math.prod(shape) * np.dtype(leaf.dtype).itemsize  # one row, one token if cache
             moved = (batch * (one + context * one + one) if leaf.kind == spec.CACHE
                      else batch * 2 * one)
-            target = sharded if active_shard(lay, leaf.shard, leaf.shape) else replicated
-            target[name] = target.get(name, 0) + moved
-    return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
-                     context=context, sharded=sharded, replicated=replicated,
-                     components=dict(spec.components(cfg)), state_components=tuple(states))
+            tally.add(name, leaf, moved)
+    return states
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,7 +10,7 @@ shape `layout_bytes.rank_bytes` counts and the sharded megakernel's planned DMAs
     arrives in: its product is a partial sum over every output column, reduced;
   - any other split of a padded group (`layout.PADDED_GROUPS`: d's columns, the small
     down-projections' columns, the MoE latent) is in chunks of whole lane tiles
-    (`layout_ranks.chunk_length`), zero-padded; the FFN hidden in half-lane chunks (64,
+    (`partition.chunk_length`), zero-padded; the FFN hidden in half-lane chunks (64,
     `Layout._chunk`): a rank's gate and up columns fused side by side fill whole lanes
     (`kernels/stages/gate_up.py`), its W_down rows whole sublane tiles;
   - rank r holds chunk `Split.index(r)`: our layout rotates the column chunks of d, of the small

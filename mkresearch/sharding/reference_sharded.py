@@ -1,5 +1,5 @@
 """The sharded reference: the plain-JAX decode step as the partial-sum sharded megakernel
-computes it (`kernels/compose/collective_schedule.py`, mode "partial-sum"), to the bit.
+computes it (`kernels/sharded/plan.py`, mode "partial-sum"), to the bit.
 
 It is `reference.decode_step` with the weights that the partial-sum layout splits by their rows
 (`layout.param_shard`: W_o over the heads, W_down over the FFN hidden) given as

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, scale_out
-from mkresearch.prediction import interconnect as links
 from mkresearch.prediction.timeline import merge_intervals
 from mkresearch.prediction.timeline_ranks import PARTS, RanksTimeline
 from mkresearch.views.widgets import FigureExplorer

@@ -1,7 +1,7 @@
-"""A recorded sharded step against the collective schedule (`kernels/compose/collective_schedule.py`,
-which the prediction reads): every rank's remote copies, collective by collective."""
+"""A recorded sharded step against the step's collectives (`kernels/sharded/collective_ops.py`, from
+the sharding plan the prediction reads): every rank's remote copies, collective by collective."""
 
-from mkresearch.kernels.compose import collective_schedule
+from mkresearch.kernels.sharded import collective_ops, plan
 
 from mkresearch.model import spec
 
@@ -14,13 +14,17 @@ def check(log, lay, batch, expert_ids, options=None) -> int:
     reductions = options.reductions if options is not None else ()
     host = (options.ranks_per_host if options is not None else 0) or lay.n_ranks
     for rank in range(lay.n_ranks):
-        ops = collective_schedule.collective_schedule(
-            lay, batch, lay.collectives, rank=rank,
-            expert_counts=expert_counts(lay, expert_ids, rank), reductions=reductions)
+        ops = ops_of(lay, batch, reductions, rank, expert_counts(lay, expert_ids, rank))
         assert recorded_collectives(log, rank) == expected_collectives(ops, rank, host), rank
         if rank == 0:
             count = sum(op.count for op in ops)
     return count
+
+
+def ops_of(lay, batch, reductions, rank, counts):
+    """Rank's ops of the plan with the kernel's reductions ((name, algorithm) pairs)."""
+    sharding = plan.with_algorithms(lay, batch, "f32", reductions)
+    return collective_ops.collective_ops(sharding, rank=rank, expert_counts=counts)
 
 
 def expert_counts(lay, ids, rank):

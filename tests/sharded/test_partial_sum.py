@@ -1,5 +1,5 @@
 """The partial-sum sharded megakernel (`layout.layout(..., collectives="partial-sum")`,
-`kernels/compose/collective_schedule.py`) on 8 simulated devices, in TPU interpret mode with the race
+`kernels/sharded/collective_ops.py`) on 8 simulated devices, in TPU interpret mode with the race
 detector on, against the sharded reference (`mkresearch.sharding.reference_sharded`: the same partial
 sums added in the same order, plain JAX) and the single-device reference.
 
@@ -21,9 +21,9 @@ import schedule_check
 import test_faults
 import test_sharded_decode
 from mkresearch.kernels.base import dma, registry
-from mkresearch.kernels.compose import collective_schedule
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.sharded.levels import LEVEL_PHASES, LevelReductions
 from mkresearch.kernels.stages import gate_up
 
@@ -49,7 +49,7 @@ def options_for(lay, levels):
     ranks (True: RANKS_PER_HOST)."""
     if not levels:
         return MegakernelOptions()
-    names = ms.reductions(lay)
+    names = {r.name for r in sharding.reductions(lay)}
     return MegakernelOptions(reductions=tuple((n, a) for n, a in LEVELS.items() if n in names),
                              ranks_per_host=RANKS_PER_HOST if levels is True else levels)
 
@@ -121,16 +121,15 @@ MIXED = [None, 0.8, None]  # greedy, sampled, greedy rows
 
 def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     """The fast case, recorded, with every reduction algorithm on two simulated hosts (LEVELS):
-    every rank's remote copies are the collective schedule's (`collective_schedule`, which the
+    every rank's remote copies are the step's collectives (`collective_ops`, which the
     prediction reads), collective by collective and level by level."""
     _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, levels=True)
     _, lay, plan = setup("kimi-k3-mini", 3, levels=True)[:3]
     options = plan.mega.options
     expert_ids = routed_expert_ids("kimi-k3-mini", 3)
     count = schedule_check.check(log, lay, 3, expert_ids, options)
-    ops = collective_schedule.collective_schedule(
-        lay, 3, lay.collectives, rank=0, reductions=options.reductions,
-        expert_counts=schedule_check.expert_counts(lay, expert_ids, 0))
+    ops = schedule_check.ops_of(lay, 3, options.reductions, 0,
+                                schedule_check.expert_counts(lay, expert_ids, 0))
     runs = schedule_check.expected_collectives(ops, 0, options.ranks_per_host)
     print(f"the recorded remote copies of all {N_RANKS} ranks are the schedule's collectives "
           f"({count} on rank 0, {len(runs)} runs of copies: a reduction in levels one per "

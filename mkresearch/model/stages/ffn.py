@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from mkresearch.model import spec
-from mkresearch.model.config import ModelConfig
 from mkresearch.model.formats import dequantize
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
     ExpertGroups,
     activation,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mkresearch.model import spec
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_sum, rms_norm
 
 

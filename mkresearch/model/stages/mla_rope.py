@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mkresearch.model import rope, spec
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
 from mkresearch.model.stages import mla
 from mkresearch.model.stages.mla import _dot_exact, _online_softmax, _write_slot

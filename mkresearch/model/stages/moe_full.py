@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from mkresearch.model import spec
-from mkresearch.model.config import ModelConfig
 from mkresearch.model.config_rules import EXPERT_BLOCKS
+from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import ExpertGroups, bf, reduce_partials
 from mkresearch.model.stages.ffn import (
     combine_experts,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mkresearch.model import spec
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.model_config import ModelConfig
 
 
 def _mix_params(cfg: ModelConfig) -> dict[str, spec.Param]:

@@ -1,6 +1,6 @@
 """The links between TPU cores and what a collective costs on them, priced by phases of messages.
 
-A rank is one JAX device (one TensorCore on TPU7x). Its links (`mkresearch.prediction.topology`): the
+A rank is one JAX device (one TensorCore on TPU7x). Its links (`mkresearch.hardware.topology`): the
 sibling path to the other core of its chip, and the chip's ICI links by direction in the slice's
 torus. A collective is a sequence of *phases*; in a phase every member pushes its messages at once
 (one-shot: to every peer, farthest first, then waits on semaphores), each message routed over the
@@ -25,6 +25,15 @@ whichever is longer; phases run one after another (`price`). Algorithms (n membe
   ring       all_gather n - 1 phases of m to the next member; all_reduce 2 (n - 1) of m / n
   chain      (op) the running sum passed member to member: n - 1 phases of one message
 
+`choose(inter, kind, group, payload_bytes)` keeps the fastest of a kind's CANDIDATES, with the
+reason: one-shot wins when a phase's latency dominates (or the group sits in one host),
+two-level once the one-shot's injection outweighs a phase, rs-ag for large payloads (each message
+1 / n of the vector). A chain is serial by construction. Ties go to fewer phases, then to the
+order of CANDIDATES. Rings are not candidates: their n - 1 phases never win at decode payloads
+(the release has none). The sharding plan (`mkresearch.kernels.sharded.plan`) picks each
+reduction's algorithm here and passes it to the kernel: the choice sits with the prices, below the
+model's kernels, so building a kernel never imports the prediction layer.
+
 Figures (`sources`, each labelled MEASURED, PUBLISHED or ASSUMPTION; `explain()` lists them):
 the ICI phase latency and link bandwidth are the least-squares line through the release's four
 measured all-reduces of its second model (8 cores, rs-ag; docs/collectives.md), whose busiest link
@@ -43,7 +52,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mkresearch.hardware.chips import with_overrides
-from mkresearch.prediction.topology import Slice, get_slice, slice_for
+from mkresearch.hardware.topology import Slice, get_slice, slice_for
 
 ALGORITHMS = ("two-level", "one-shot", "rs-ag", "ring")
 OPS = ("all_gather", "all_reduce", "chain")
@@ -307,3 +316,87 @@ def price(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ...],
         seconds, busiest = seconds + s, busiest + b
     sent = sum(1 for phase in phases for src, _, _ in phase if src == me)
     return Price(len(phases), sent, busiest, seconds)
+
+
+# ---- the cheapest algorithm ------------------------------------------------------------------
+# candidates per op, in tie-break order
+CANDIDATES = {"all_gather": ("one-shot", "two-level"),
+              "all_reduce": ("one-shot", "two-level", "rs-ag"),
+              "chain": ("chain",)}
+# the collective ops' spellings (`kernels.sharded.collective_ops`) of an op and of an algorithm
+KIND_ALIASES = {"all-gather": "all_gather", "all-reduce": "all_reduce"}
+ALGORITHM_ALIASES = {"reduce-scatter+all-gather": "rs-ag"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The algorithm chosen for one collective, its price and why."""
+
+    algorithm: str  # one of CANDIDATES[op]
+    seconds: float
+    phases: int
+    messages: int  # messages one member sends
+    reason: str
+    candidates: tuple[tuple[str, float], ...]  # (algorithm, seconds) of every candidate priced
+
+
+def price_algorithm(inter: Interconnect, kind: str, algorithm: str, group: tuple[int, ...],
+                    payload_bytes: float) -> Price:
+    """`price` under either spelling of the kind and algorithm ("chain" for a chain, whose
+    price does not depend on the algorithm)."""
+    op = KIND_ALIASES.get(kind, kind)
+    algorithm = ALGORITHM_ALIASES.get(algorithm, algorithm)
+    return price(inter, op, "one-shot" if algorithm == "chain" else algorithm, tuple(group),
+                 float(payload_bytes))
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(inter: Interconnect, kind: str, group: tuple[int, ...], payload_bytes: float) -> Choice:
+    """The fastest candidate algorithm for `kind` ("all_gather" / "all-gather", "all_reduce" /
+    "all-reduce", "chain") over `group` with `payload_bytes` (an all-gather: one member's
+    piece; an all-reduce: the whole vector; `price`), with the reason."""
+    op = KIND_ALIASES.get(kind, kind)
+    if op not in CANDIDATES:
+        raise ValueError(f"kind={kind!r} is invalid: one of {', '.join(CANDIDATES)} "
+                         f"(or {', '.join(KIND_ALIASES)})")
+    group = tuple(group)
+    priced = [(a, price_algorithm(inter, op, a, group, payload_bytes)) for a in CANDIDATES[op]]
+    best, p = min(priced, key=lambda ap: (round(ap[1].seconds / US, 6), ap[1].phases))
+    return Choice(best, p.seconds, p.phases, p.messages,
+                  _reason(inter, op, best, group, payload_bytes, priced),
+                  tuple((a, q.seconds) for a, q in priced))
+
+
+def _where(inter: Interconnect, group: tuple[int, ...]) -> tuple[int, str]:
+    """(hosts, the group in words) of a group on the slice."""
+    hosts = len({inter.slice.host_of(r) for r in group})
+    chips = len({inter.slice.chip_of(r) for r in group})
+    where = (f"{len(group)} ranks on {hosts} hosts" if hosts > 1 else
+             f"{len(group)} ranks on {chips} chip{'s' if chips > 1 else ''} of one host")
+    return hosts, where
+
+
+WHY = {"two-level": "each core injects its host's peers then the other hosts' counterparts, not "
+                    "every peer at once: the one-shot's injection outweighs a phase",
+       "rs-ag": "large payload: each message carries 1/n of the vector", "chain": ""}
+
+
+def _reason(inter, op, best, group, payload_bytes, priced) -> str:
+    hosts, where = _where(inter, group)
+    if op == "chain" or len(group) == 1:
+        why = "serial by construction" if op == "chain" else "a group of one: nothing moves"
+        return f"{best}: {why} ({where})"
+    others = ", ".join(f"{a} {q.seconds / US:.3g} us" for a, q in priced if a != best)
+    costs = dict(priced)[best]
+    head = f"{best} {costs.seconds / US:.3g} us in {costs.phases} phase" \
+           f"{'s' if costs.phases != 1 else ''} ({where}, {payload_bytes / 1024:.3g} KiB)"
+    why = WHY.get(best) or ("the group sits in one host: two-level is one-shot here"
+                            if hosts == 1 else "one phase: a phase's latency outweighs what "
+                            "fewer messages per core save")
+    return f"{head}; {why}" + (f"; vs {others}" if others else "")
+
+
+def ranks_per_host(inter: Interconnect, n_ranks: int) -> int:
+    """Consecutive ranks sharing a host on the slice (0 when all n_ranks fit in one)."""
+    per_host = inter.slice.cores_per_chip * inter.slice.chips_per_host
+    return per_host if per_host < n_ranks and n_ranks % per_host == 0 else 0

@@ -1,5 +1,6 @@
 """Every collective of one sharded decode step, as data: what the kernel issues and the
-prediction prices, from one description (`collective_schedule`).
+prediction prices, derived from the step's sharding plan (`collective_ops(plan)`,
+`kernels/sharded/plan.py`).
 
 A rank's step, in issue order, is a tuple of `CollectiveOp`: the layer and stage it belongs to,
 its kind (all-gather, all-reduce, chain), the ranks taking part, the bytes it moves, what it is
@@ -16,8 +17,8 @@ issued after and what waits for it. Two modes:
   partial-sum  a matrix contracting over a split dimension (its `Param.gather` group: W_o over
                the heads, W_down over the FFN hidden, an expert's W2 over its ETP hidden slice) is
                split by its ROWS instead (`layout.param_shard`): each rank multiplies its slice
-               and the partial sums are all-reduced (one-shot, two-level or rs-ag: the kernel's
-               `reductions`), every rank adding the same partials in one fixed order (`summed`:
+               and the partial sums are all-reduced (one-shot, two-level or rs-ag: the plan's
+               `Reduction.algorithm`), every rank adding the same partials in one fixed order (`summed`:
                one rank per slice, slice 0 first; a host's first, then the hosts' sums), so all
                ranks hold the same bits. The routed experts'
                weighted sum is such a reduction over every rank in rank order (no chain, no
@@ -42,8 +43,8 @@ Names follow the kernel's DMA log (a fused gather: its matrices' names joined by
 for the chain, `N/local`, `N/across`, `N/local_gather` for a reduction's levels). `payload_bytes`
 is `interconnect.price`'s nbytes: an all-gather's piece per member, an all-reduce's whole vector, a
 chain's running sum. `algorithm` is how the kernel sends it: "one-shot" for every all-gather, a
-partial-sum reduction's from the kernel's options (`reductions`: "two-level" or "rs-ag", chosen by
-`mkresearch.prediction.collective_choice.kernel_reductions`, which the prediction prices).
+partial-sum reduction's the plan's (`Reduction.algorithm`: chosen by the interconnect model of
+the plan's chip, the kernel built with it, the prediction pricing it).
 
 Pure Python over the layout and the kinds' streamed matrices: the full Kimi K3 on 32 ranks takes
 milliseconds, nothing is traced.
@@ -56,20 +57,23 @@ import functools
 from dataclasses import dataclass
 
 from mkresearch.kernels.base import registry
-from mkresearch.kernels.compose import megakernel_plan
-from mkresearch.kernels.sharded import collectives, sharded_stream
-from mkresearch.kernels.sharded.rules import expert_sum_merged
-from mkresearch.kernels.stages import experts, router
+from mkresearch.kernels.sharded import sharded_stream
+from mkresearch.kernels.sharded.plan import (
+    EXPERT_SUM,
+    F32,
+    Reduction,
+    ShardingPlan,
+    expert_sum_merged,
+    lanes,
+    routing_point,
+)
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
 from mkresearch.sharding import layout as layouts
 
 MODES = layouts.COLLECTIVES  # the layout's mode names, partial-sum first (the default)
-WIRES = ("f32", "bf16")
-WIRE_BYTES = {"f32": 4, "bf16": 2}
 KINDS = ("all-gather", "all-reduce", "chain")
-F32 = 4
 FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
              "the second's last block, waited right away (its values are needed next)")
 RIDING_WHY = ("not issued before the routed experts' stream (where the release hides it): it "
@@ -79,19 +83,7 @@ RIDING_WHY = ("not issued before the routed experts' stream (where the release h
 ADDING_WHY = ("the routed experts' partial sums added to the shared experts' on each rank: one "
               "reduction for both, not two (experts on the full d, `layout.merges_shared_sum`)")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
-SHARED_DOWN = "shared/w_down"  # the shared experts' W_down (its reduction: "shared/w_down/sum")
-ROUTED_OUTPUT = experts.LATENT_UP  # the routed experts' output as `ffn_stage_body` settles it
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
-# column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
-# heads, FFN hidden and expert columns stay this rank's
-GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
-# matrices whose whole output is needed only at their stage's end (it joins the stage's sum):
-# in partial-sum mode their column chunks ride with the stage's next reduction (`Rule.rides`)
-RIDERS = (experts.LATENT_UP,)
-# (first, second): column-split matrices of one stage computed from the same input, whose chunks
-# one all-gather carries in partial-sum mode (`Rule.joins`): the router's logits with W_ld's
-# latent (both of the normed x), W_qa's columns with W_kva's
-FUSED_GATHERS = ((router.W_ROUTER, experts.LATENT_DOWN), ("mla.w_qa", "mla.w_kva"))
 
 
 @dataclass(frozen=True)
@@ -121,107 +113,37 @@ class CollectiveOp:
         """`interconnect.price`'s name of the kind."""
         return self.kind.replace("-", "_")
 
-
-def _check(lay: layouts.Layout, batch: int, mode: str, wire: str) -> None:
-    if not isinstance(lay, layouts.Layout):
-        raise ValueError(f"lay={lay!r} is invalid: a mkresearch.layout.Layout")  # noqa: TRY004
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: one of {MODES}")
-    if wire not in WIRES:
-        raise ValueError(f"wire={wire!r} is invalid: one of {WIRES}")
+    @property
+    def sent_algorithm(self) -> str:
+        """The `interconnect` algorithm the kernel sends it with (a chain: "one-shot", its price
+        being the chain's)."""
+        return "one-shot" if self.kind == "chain" else (
+            "rs-ag" if self.algorithm == "reduce-scatter+all-gather" else self.algorithm)
 
 
-def _lanes(width: int) -> int:
-    return -(-width // LANE) * LANE
-
-
-@functools.lru_cache(maxsize=64)
-def collective_rules(lay: layouts.Layout) -> tuple[collectives.Rule, ...]:
-    """Every streamed matrix with a collective around it: exact, its input gathered
-    (Param.gather) or its output's column chunks gathered (split by a padded group); partial-sum,
-    a matrix split by its rows (`layout.param_shard`) has its products reduced instead."""
-    cfg, rules = lay.cfg, []
-    for kind in cfg.kinds:
-        first = len(rules)
-        params = spec.stage(kind).params(cfg)
-        for m in registry.kernel_stage(kind).streamed(cfg):
-            p = params[m.key]
-            k, n = m.shape
-            active = layouts.active_shard(lay, layouts.param_shard(lay, p), p.shape)
-            out = next((group for axis, group in active
-                        if axis == 1 and group in GATHERED_COLUMNS), None)
-            reduce = next((group for axis, group in active if axis == 0 and group == p.gather),
-                          None)
-            gather = (p.gather if reduce is None and p.gather is not None
-                      and lay.divides(p.gather, k) else None)
-            if out is not None or gather is not None or reduce is not None:
-                rules.append(collectives.Rule(m.name, out, n, gather, k, reduce))
-        rules[first:] = _riding(rules[first:])
-        if lay.collectives == layouts.PARTIAL_SUM:
-            rules[first:] = _joining(rules[first:])
-        if layouts.merges_shared_sum(lay, kind):  # the routed experts' sum joins W_sd's
-            rules[first:] = [dataclasses.replace(r, adds=ROUTED_OUTPUT) if r.name == SHARED_DOWN
-                             else r for r in rules[first:]]
-    return tuple(rules)
-
-
-def merged_expert_sum(lay: layouts.Layout) -> bool:
-    """Whether the routed experts' partial sums travel in the shared experts' reduction (one
-    reduction for both, `layout.merges_shared_sum`): no "expert/sum" of its own."""
-    return expert_sum_merged(collective_rules(lay))
-
-
-def _joining(rules: list[collectives.Rule]) -> list[collectives.Rule]:
-    """One stage's rules with the first matrix of each FUSED_GATHERS pair whose both chunks are
-    gathered joining the second's gather (`Rule.joins`): one collective less per pair."""
-    by_name = {r.name: i for i, r in enumerate(rules)}
-    out = list(rules)
-    for first, second in FUSED_GATHERS:
-        if first in by_name and second in by_name and all(
-                out[by_name[m]].out is not None and out[by_name[m]].rides is None
-                and out[by_name[m]].gather is None for m in (first, second)):
-            out[by_name[first]] = dataclasses.replace(out[by_name[first]], joins=second)
-    return out
-
-
-def _riding(rules: list[collectives.Rule]) -> list[collectives.Rule]:
-    """One stage's rules with the column gathers of RIDERS sent with the stage's next
-    reduction (`Rule.rides`) when it has one after them: one collective less per stage."""
-    out = list(rules)
-    for i, rule in enumerate(out):
-        later = next((r for r in out[i + 1:] if r.reduce is not None), None)
-        if rule.name in RIDERS and rule.out is not None and later is not None:
-            out[i] = dataclasses.replace(rule, rides=later.name)
-    return out
-
-
-def collective_schedule(lay: layouts.Layout, batch: int, mode: str = layouts.DEFAULT_COLLECTIVES,
-                        wire: str = "f32", *, rank: int = 0,
-                        expert_counts: tuple[int, ...] | None = None,
-                        reductions: tuple = ()) -> tuple[CollectiveOp, ...]:
+def collective_ops(plan: ShardingPlan, *, rank: int = 0,
+                   expert_counts: tuple[int, ...] | None = None) -> tuple[CollectiveOp, ...]:
     """One step's collectives of `rank` in issue order (see the module docstring).
     expert_counts: per MoE layer, the experts this rank's group computes (data: the batch's
-    distinct experts of the group); default the worst case min(E / EP, B·k). reductions: the
-    kernel's (`MegakernelOptions.reductions`: (name, algorithm) of the reductions not sent
-    one-shot), each such reduction's `algorithm`."""
-    if not isinstance(reductions, tuple):
-        raise ValueError(f"reductions={reductions!r} is invalid: a tuple of (name, algorithm)")  # noqa: TRY004
-    _check(lay, batch, mode, wire)
+    distinct experts of the group); default the worst case min(E / EP, B·k)."""
+    if not isinstance(plan, ShardingPlan):
+        raise ValueError(f"plan={plan!r} is invalid: a ShardingPlan (`sharding_plan`)")  # noqa: TRY004
+    lay, batch = plan.layout, plan.batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if not 0 <= rank < lay.n_ranks:
         raise ValueError(f"rank={rank!r} is invalid: an int in [0, {lay.n_ranks})")
     if lay.n_ranks == 1:
         return ()
-    return _schedule(lay, batch, mode, wire, rank, expert_counts, reductions)
+    return _ops(plan, rank, expert_counts)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(lay, batch, mode, wire, rank, expert_counts, reductions=()
-              ) -> tuple[CollectiveOp, ...]:
+def _ops(plan: ShardingPlan, rank: int, expert_counts) -> tuple[CollectiveOp, ...]:
+    lay, batch = plan.layout, plan.batch
     cfg, n = lay.cfg, lay.n_ranks
     worst_items = min(cfg.n_experts // lay.ep, batch * cfg.top_k)
-    moe_layers = [ly for ly, (_, ffn) in enumerate(cfg.layers) if _routing_point(lay, ffn)]
+    moe_layers = [ly for ly, (_, ffn) in enumerate(cfg.layers) if routing_point(lay, ffn)]
     if expert_counts is not None and len(expert_counts) != len(moe_layers):
         raise ValueError(f"expert_counts has {len(expert_counts)} entries: one per MoE layer "
                          f"({len(moe_layers)})")
@@ -229,8 +151,8 @@ def _schedule(lay, batch, mode, wire, rank, expert_counts, reductions=()
     ops = [_embed(cfg, batch, tuple(range(n)))]
     for layer, kinds in enumerate(cfg.layers):
         for kind in kinds:
-            ops += [dataclasses.replace(op, layer=layer) for op in _stage(
-                lay, batch, mode, wire, rank, kind, counts.get(layer, 0), reductions)]
+            ops += [dataclasses.replace(op, layer=layer)
+                    for op in _stage(plan, rank, kind, counts.get(layer, 0))]
     ops.append(CollectiveOp(cfg.n_layers, "sampling", "sampling_state", "all-gather",
                             tuple(range(n)), batch * SAMPLING_LANES * F32, "f32",
                             "LM head (last block)", "sampling merge"))
@@ -246,44 +168,25 @@ def _embed(cfg, batch, everyone) -> CollectiveOp:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage(lay, batch, mode, wire, rank, kind, items, reductions=()
-           ) -> tuple[CollectiveOp, ...]:
+def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[CollectiveOp, ...]:
     """One stage's collectives (layer -2: the caller sets it), as `sharded_stream.ShardedStream`
     and `Collectives.combine_items` issue them."""
-    lay = dataclasses.replace(lay, collectives=mode)
-    names = tuple(m.name for m in registry.kernel_stage(kind).streamed(lay.cfg))
-    ctx = _Ctx(lay, batch, wire, kind, rank, names, reductions)
-    rules = {r.name: r for r in collective_rules(lay)}
-    routing = _routing_point(lay, kind)
-    out, b = [], batch
-    for i, name in enumerate(names):
+    ctx = _Ctx(plan, kind, rank,
+               tuple(m.name for m in registry.kernel_stage(kind).streamed(plan.layout.cfg)))
+    rules = {r.name: r for r in plan.rules}
+    routing = routing_point(plan.layout, kind)
+    out = []
+    for i, name in enumerate(ctx.names):
         rule = rules.get(name)
         if rule is not None and rule.gather is not None:
-            etp = rule.gather == spec.EXPERT_TP
-            out.append(ctx.op(f"{name}/input", "all-gather", ctx.etp_group if etp else ctx.everyone,
-                              b * F32 * _lanes(lay.local_length(rule.gather, rule.k)),
-                              issue_after=names[i - 1] if i else f"{kind} start",
-                              wait_before=name, matrix=name, role="input"))
+            out.append(ctx.input_gather(i, rule))
         if rule is not None and rule.reduce is not None:
-            riders = [r for r in rules.values() if r.rides == name]
-            out.append(dataclasses.replace(
-                ctx.sum(f"{name}/sum", b * rule.n, name, ctx.after(i),
-                        lay.slice_firsts(rule.reduce), matrix=name),
-                payload_bytes=b * rule.n * WIRE_BYTES[wire] + sum(
-                    b * F32 * _lanes(lay.local_length(r.out, r.n)) for r in riders),
-                carries=tuple(r.name for r in riders),
-                why=RIDING_WHY if riders else ADDING_WHY if rule.adds else ""))
+            out.append(ctx.sum(plan.reduction(f"{name}/sum"), ctx.after(i)))
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
-            width = sum(lay.local_length(r.out, r.n) for r in (*joined, rule))
-            out.append(ctx.op(sharded_stream.fused_name([*(r.name for r in joined), name]),
-                              "all-gather", ctx.everyone, b * F32 * _lanes(width),
-                              issue_after=name,
-                              wait_before=EXPERTS if name == routing else ctx.after(i),
-                              matrix=name, role="output",
-                              carries=tuple(r.name for r in joined),
-                              why=FUSED_WHY if joined else ""))
+            out.append(ctx.output_gather(i, rule, joined,
+                                         EXPERTS if name == routing else ctx.after(i)))
         if name == routing:
             out += _experts(ctx, items, ctx.after(i), expert_sum_merged(tuple(rules.values())))
     return tuple(out)
@@ -291,13 +194,18 @@ def _stage(lay, batch, mode, wire, rank, kind, items, reductions=()
 
 @dataclass(frozen=True)
 class _Ctx:
-    lay: layouts.Layout
-    batch: int
-    wire: str
+    plan: ShardingPlan
     kind: str
     rank: int
     names: tuple[str, ...]
-    reductions: tuple = ()  # the kernel's (name, algorithm) of reductions not sent one-shot
+
+    @property
+    def lay(self) -> layouts.Layout:
+        return self.plan.layout
+
+    @property
+    def batch(self) -> int:
+        return self.plan.batch
 
     @property
     def everyone(self) -> tuple[int, ...]:
@@ -316,13 +224,31 @@ class _Ctx:
         fields.setdefault("dtype", "f32")
         return CollectiveOp(-2, self.kind, name, kind, group, int(nbytes), **fields)
 
-    def sum(self, name, values, after, before, summed, matrix="") -> CollectiveOp:
-        """A partial-sum all-reduce of `values` numbers (`Collectives.reduce`), sent as the
-        kernel's `reductions` say (default one-shot)."""
-        return self.op(name, "all-reduce", self.everyone, values * WIRE_BYTES[self.wire],
-                       dtype=self.wire, issue_after=after, wait_before=before, summed=summed,
-                       matrix=matrix, role="sum",
-                       algorithm=dict(self.reductions).get(name, "one-shot"))
+    def input_gather(self, i: int, rule) -> CollectiveOp:
+        """Matrix i's input, arriving split by `rule.gather`, all-gathered before it."""
+        name, etp = self.names[i], rule.gather == spec.EXPERT_TP
+        return self.op(f"{name}/input", "all-gather", self.etp_group if etp else self.everyone,
+                       self.batch * F32 * lanes(self.lay.local_length(rule.gather, rule.k)),
+                       issue_after=self.names[i - 1] if i else f"{self.kind} start",
+                       wait_before=name, matrix=name, role="input")
+
+    def output_gather(self, i: int, rule, joined: list, before: str) -> CollectiveOp:
+        """Matrix i's column chunks (and those of the matrices joining it) all-gathered after it."""
+        width = sum(self.lay.local_length(r.out, r.n) for r in (*joined, rule))
+        return self.op(sharded_stream.fused_name([*(r.name for r in joined), rule.name]),
+                       "all-gather", self.everyone, self.batch * F32 * lanes(width),
+                       issue_after=rule.name, wait_before=before, matrix=rule.name,
+                       role="output", carries=tuple(r.name for r in joined),
+                       why=FUSED_WHY if joined else "")
+
+    def sum(self, r: Reduction, before: str) -> CollectiveOp:
+        """A partial-sum all-reduce of the plan (`Collectives.reduce`), sent as it says."""
+        wire = self.plan.wire
+        return self.op(r.name, "all-reduce", self.everyone, r.payload_bytes(self.batch, wire),
+                       dtype=wire, issue_after=r.matrix or EXPERTS, wait_before=before,
+                       summed=r.summed, matrix=r.matrix, role="sum", algorithm=r.algorithm,
+                       carries=r.carries,
+                       why=RIDING_WHY if r.carries else ADDING_WHY if r.adds else "")
 
 
 def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[CollectiveOp]:
@@ -334,40 +260,22 @@ def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[C
     if lay.collectives != layouts.EXACT:
         if merged:  # in the shared experts' reduction (`Rule.adds`)
             return []
-        width = layouts.expert_output_width(cfg)
-        return [ctx.sum("expert/sum", b * width, EXPERTS, before, ctx.everyone)]
+        return [ctx.sum(ctx.plan.reduction(EXPERT_SUM), before)]
     out = []
     if lay.etp > 1 and items:
         out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,
-                          b * F32 * _lanes(lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)),
+                          b * F32 * lanes(lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)),
                           issue_after="expert W1, W3", wait_before="expert W2", count=items,
                           role="input"))
     latent = lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
     if lay.ep > 1:
         chain = tuple(range(ctx.rank % lay.etp, lay.n_ranks, lay.etp))
         out.append(ctx.op("expert/chain", "chain", chain, b * F32 * latent,
-                          issue_after="the group's experts", wait_before="expert/sum",
+                          issue_after="the group's experts", wait_before=EXPERT_SUM,
                           algorithm="chain", summed=chain, role="sum"))
-    out.append(ctx.op("expert/sum", "all-gather", ctx.everyone, b * F32 * _lanes(latent),
+    out.append(ctx.op(EXPERT_SUM, "all-gather", ctx.everyone, b * F32 * lanes(latent),
                       issue_after="the last group's sum", wait_before=before, role="output"))
     return out
-
-
-def _routing_point(lay: layouts.Layout, kind: str) -> str | None:
-    """The streamed matrix after which a MoE kind runs its routed experts (the latent
-    down-projection, else the router), None for a kind without experts."""
-    if kind not in lay.cfg.kinds or spec.stage(kind).role != "ffn":
-        return None
-    names = [m.name for m in registry.kernel_stage(kind).streamed(lay.cfg)]
-    if not any(n.endswith("w_router") for n in names):
-        return None
-    return next((n for n in names if n.endswith("w_ld")),
-                next(n for n in names if n.endswith("w_router")))
-
-
-def has_routed_experts(lay: layouts.Layout) -> bool:
-    """Whether a step of the layout's model runs routed experts (sends "expert/sum")."""
-    return any(_routing_point(lay, ffn) for _, ffn in lay.cfg.layers)
 
 
 def summary(ops: tuple[CollectiveOp, ...]) -> dict:

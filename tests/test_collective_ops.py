@@ -1,10 +1,11 @@
-"""The step's collective schedule as data (`kernels/compose/collective_schedule.py`): every collective
-of one rank's step, for the exact mode the kernel builds and the partial-sum mode, from shapes
-alone, for every preset (minis on 8 ranks, full size on 32)."""
+"""The step's collectives as data (`kernels/sharded/collective_ops.py`, from the sharding plan,
+`kernels/sharded/plan.py`): every collective of one rank's step, for the exact mode the kernel
+builds and the partial-sum mode, from shapes alone, for every preset (minis on 8 ranks, full
+size on 32)."""
 
 import pytest
-from mkresearch.kernels.compose import collective_schedule as cs
-from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.sharded import collective_ops as cs
+from mkresearch.kernels.sharded import plan as sharding
 
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout
@@ -17,6 +18,12 @@ def _layout(model, n):
     return layout.layout(get_config(model), n, layout.OURS)
 
 
+def ops_of(lay, batch, mode="partial-sum", wire="f32", **fields):
+    """Rank `fields['rank']`'s ops of the layout's model in `mode`, every reduction one-shot."""
+    moded = layout.layout(lay.cfg, lay.n_ranks, lay.name, collectives=mode)
+    return cs.collective_ops(sharding.sharding_plan(moded, batch, wire, chip=None), **fields)
+
+
 @pytest.mark.parametrize("model, n_ranks", CASES)
 def test_every_preset_both_modes(model, n_ranks):
     """Each op is well formed (its kind, a group holding the rank, bytes, a wire dtype), layers in
@@ -27,20 +34,20 @@ def test_every_preset_both_modes(model, n_ranks):
     for mode in cs.MODES:
         for batch in (1, 3):
             for rank in (0, n_ranks - 1):
-                ops = cs.collective_schedule(lay, batch, mode, rank=rank)
+                ops = ops_of(lay, batch, mode, rank=rank)
                 assert [op.layer for op in ops] == sorted(op.layer for op in ops)
                 for op in ops:
                     assert op.kind in cs.KINDS and rank in op.group and op.payload_bytes > 0
-                    assert op.dtype in cs.WIRES and op.count >= 1
+                    assert op.dtype in sharding.WIRES and op.count >= 1
                     assert set(op.summed) <= set(op.group)
                 counts[mode] = cs.summary(ops)
-    part = cs.collective_schedule(lay, 1, "partial-sum")
+    part = ops_of(lay, 1, "partial-sum")
     assert not [op for op in part if op.kind == "chain"]
     assert counts["partial-sum"]["reductions_critical_max"] <= 3
     assert counts["partial-sum"]["collectives"] < counts["exact"]["collectives"]
     for mode in cs.MODES:
-        ops = cs.collective_schedule(lay, 1, mode)
-        rules = ms.collective_rules(layout.layout(lay.cfg, n_ranks, collectives=mode))
+        ops = ops_of(lay, 1, mode)
+        rules = sharding.collective_rules(layout.layout(lay.cfg, n_ranks, collectives=mode))
         served = {op.matrix for op in ops if op.matrix} | {m for op in ops for m in op.carries}
         assert served == {r.name for r in rules}
     print(f"{model} on {n_ranks}: exact {counts['exact']}, partial-sum {counts['partial-sum']}")
@@ -55,7 +62,7 @@ def test_full_kimi_k3_partial_sum_counts():
     396 collectives per rank and step (512 before the two fused gathers)."""
     cfg = get_config("kimi-k3")
     lay = _layout("kimi-k3", 32)
-    ops = cs.collective_schedule(lay, 1)
+    ops = ops_of(lay, 1)
     moe = [op.name for op in ops if op.stage == "moe" and op.layer == cfg.moe_layers[0]]
     assert moe == ["router/w_router+latent/w_ld", "expert/sum", "shared/w_down/sum"]
     fused = next(op for op in ops if op.name == "router/w_router+latent/w_ld")
@@ -66,7 +73,7 @@ def test_full_kimi_k3_partial_sum_counts():
     expected = 2 + len(cfg.layers) + len(cfg.dense_layers) + len(cfg.mla_layers) \
         + 3 * len(cfg.moe_layers)
     summary = cs.summary(ops)
-    exact = cs.summary(cs.collective_schedule(lay, 1, "exact", expert_counts=(2,) * 92))
+    exact = cs.summary(ops_of(lay, 1, "exact", expert_counts=(2,) * 92))
     print(f"kimi-k3 on 32 ranks: partial-sum {summary}; exact (2 experts per group and layer) "
           f"{exact}")
     assert summary["collectives"] == expected == 396
@@ -78,21 +85,22 @@ def test_wire_and_expert_counts():
     all-reduce adds zeros to one row, chunks riding with a reduction are values: f32 both ways);
     the exact mode's expert hidden gathers run once per expert the group computes."""
     lay = layout.layout(get_config("kimi-k3"), 32, layout.OURS)
-    f32, bf16 = (cs.collective_schedule(lay, 2, wire=w) for w in cs.WIRES)
+    f32, bf16 = (ops_of(lay, 2, wire=w) for w in sharding.WIRES)
     for a, b in zip(f32, bf16, strict=True):
         halved = a.role == "sum"
         riders = 2 * 4 * 256 * len(a.carries)  # B = 2, f32, W_lu's chunk of 7168 / 32 -> 256
         assert (b.payload_bytes - riders) * (2 if halved else 1) == a.payload_bytes - riders
         assert b.dtype == ("bf16" if halved else "f32")
     n_moe = len(lay.cfg.moe_layers)
-    ops = cs.collective_schedule(lay, 1, "exact", expert_counts=(3,) * n_moe)
+    ops = ops_of(lay, 1, "exact", expert_counts=(3,) * n_moe)
     hidden = [op for op in ops if op.name == "expert/h"]
     assert len(hidden) == n_moe and {op.count for op in hidden} == {3}
 
 
-@pytest.mark.parametrize("kwargs, field", [({"mode": "ring"}, "mode"), ({"wire": "fp8"}, "wire"),
+@pytest.mark.parametrize("kwargs, field", [({"mode": "ring"}, "collectives"),
+                                          ({"wire": "fp8"}, "wire"),
                                           ({"batch": 0}, "batch"), ({"rank": 8}, "rank")])
 def test_bad_arguments(kwargs, field):
     args = {"lay": _layout("kimi-k3-mini", 8), "batch": 1, **kwargs}
     with pytest.raises(ValueError, match=field):
-        cs.collective_schedule(**args)
+        ops_of(**args)

@@ -1,16 +1,17 @@
-"""The prediction reads the kernel's collective schedule (`scale_out_contract`), each collective
-priced by the algorithm `collective_choice` picks for it, and says why."""
+"""The prediction reads the kernel's collectives (`kernels/sharded/collective_ops.py`, from the
+step's sharding plan), each priced by the algorithm the plan sends it with
+(`interconnect.choose`), and says why."""
 
 import json
 
 import pytest
-from mkresearch.kernels.compose import collective_schedule as cs
+from mkresearch.kernels.sharded import collective_ops as cs
+from mkresearch.kernels.sharded import plan as sharding
 
 from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_choice as choice
 from mkresearch.prediction import collective_plan, scale_out
-from mkresearch.prediction import interconnect as links
 from mkresearch.sharding import layout as layouts
 
 US = 1e-6
@@ -37,23 +38,23 @@ def inter():
 ])
 def test_each_algorithm_is_chosen_where_the_model_says(inter, kind, group, nbytes, algorithm,
                                                        why):
-    c = choice.choose(inter, kind, group, nbytes)
+    c = links.choose(inter, kind, group, nbytes)
     print(f"{kind} over {len(group)} ranks, {nbytes} B: {c.reason}")
     assert c.algorithm == algorithm and why in c.reason
     # the choice is the cheapest candidate, priced by interconnect.price
     assert c.seconds == min(s for _, s in c.candidates)
     if kind != "chain":
         assert c.seconds == pytest.approx(links.price(
-            inter, choice.KIND_ALIASES.get(kind, kind), algorithm, group, nbytes).seconds)
+            inter, links.KIND_ALIASES.get(kind, kind), algorithm, group, nbytes).seconds)
 
 
 def test_bad_kind_is_refused(inter):
     with pytest.raises(ValueError, match="kind"):
-        choice.choose(inter, "broadcast", (0, 1), 8)
+        links.choose(inter, "broadcast", (0, 1), 8)
 
 
 @pytest.mark.parametrize("mode", cs.MODES)
-def test_the_program_is_the_kernels_collective_schedule(mode):
+def test_the_program_is_the_kernels_collectives(mode):
     """Rank 0's program starts exactly the contract's collectives, in its order, over its groups
     (an op run `count` times started that often); the prediction counts them."""
     cfg = get_config("kimi-k3")
@@ -62,7 +63,8 @@ def test_the_program_is_the_kernels_collective_schedule(mode):
                                           schedule=scale_out.our_schedule(cfg, mode, 32))
     started = [(op[1].split("#")[0], op[4]) for op in programs[0] if op[0] == "start"]
     counts = tuple(int(c) for c in scale_out.routed_experts(cfg, lay, 1)[:, 0])
-    ops = cs.collective_schedule(lay, 1, mode, rank=0, expert_counts=counts)
+    plan = sharding.sharding_plan(layouts.layout(cfg, 32, collectives=mode), 1)
+    ops = cs.collective_ops(plan, rank=0, expert_counts=counts)
     assert started == [(op.name, op.group) for op in ops for _ in range(op.count)]
     p = scale_out.predict(cfg, 32, "ours", 1, collectives=mode)
     assert p["collectives_per_rank"] == len(started)
@@ -98,7 +100,7 @@ def test_plan_lists_every_collective_of_the_schedule(mode, capsys):
     cfg = get_config("kimi-k3")
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--collectives", mode, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    ops = cs.collective_schedule(layouts.layout(cfg, 32), 1, mode)
+    ops = cs.collective_ops(sharding.sharding_plan(layouts.layout(cfg, 32, collectives=mode), 1))
     assert [r["name"] for r in plan["rows"]] == [op.name for op in ops]
     assert plan["count"] == cs.summary(ops)["collectives"] == sum(op.count for op in ops)
     assert all(r["reason"].startswith(r["algorithm"]) and r["phases"] >= 1 for r in plan["rows"])
@@ -127,13 +129,17 @@ def test_modes_side_by_side_and_the_overlap_picture():
         assert {r["lane"] for r in o["rows"]} == {"HBM", "collective"}
 
 
-def test_the_schedule_takes_its_algorithms_from_the_choice(inter):
-    lay = layouts.layout(get_config("kimi-k3"), 32)
+def test_the_plan_sends_each_reduction_as_the_interconnect_chooses(inter):
+    """Each reduction of the plan goes as `interconnect.choose` prices fastest for its payload on
+    the slice; every all-gather one-shot (the only way the kernel sends them)."""
+    lay = layouts.layout(get_config("kimi-k3"), 32, collectives="partial-sum")
     for batch in (1, 8):
-        ops = choice.assign(inter, cs.collective_schedule(lay, batch))
-        assert {op.algorithm for op in ops} <= {"one-shot", "two-level", "rs-ag", "chain"}
-        for op in ops[:20]:
-            assert op.algorithm == choice.choose(inter, op.kind, op.group,
-                                                 op.payload_bytes).algorithm
+        ops = cs.collective_ops(sharding.sharding_plan(lay, batch))
+        for op in ops:
+            if op.role == "sum" and op.kind == "all-reduce":
+                assert op.algorithm == links.choose(inter, op.kind, op.group,
+                                                    op.payload_bytes).algorithm, op.name
+            elif op.kind == "all-gather":
+                assert op.algorithm == "one-shot"
     # B = 8's f32 partial sums over 32 ranks are large: reduce-scatter + all-gather
-    assert {op.algorithm for op in ops if op.kind == "all-reduce"} == {"rs-ag"}
+    assert {op.algorithm for op in ops if op.role == "sum"} == {"rs-ag"}

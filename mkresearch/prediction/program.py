@@ -1,0 +1,276 @@
+"""A rank's program for the scale-out model, as data: the one representation both our kernel's
+step and the release's are written in, and that `timeline_ranks.simulate_programs` runs
+(`timeline.RankSimulation`, the timeline model's one simulator).
+
+A program is a list of ops over a shared list of weight blocks (`Program`):
+
+  ("blocks", n)                       the next n ring blocks: each waited, then multiplied
+  ("fetch", nbytes, count, slots)     count DMAs, `slots` in flight, each multiplied when it lands
+  ("write", nbytes)                   a write back to HBM, waited at the end of the step
+  ("start", name, op, group, path, nbytes, blocking, algorithm)
+                                      a collective among the stand-in ranks `group`, priced over
+                                      `path`; blocking: the rank waits for it here
+  ("wait", name)                      wait for the last collective started under that name
+
+A stage is a sequence of actions (its streamed matrices in the order the rank streams them, and
+the routed experts' fetch at their point, `EXPERTS`) and the `Collective`s around them: each is
+started after the action its `issue_after` names and waited before the one its `wait_before`
+names; with nothing between the two it blocks, otherwise it overlaps the actions between
+(`place`). Ours come from the kernel's own collectives (`kernels/sharded/collective_ops.py`,
+derived from the step's sharding plan: `our_collectives`); the release's are written here as the
+same data from docs/collectives.md (`release_collectives`): one placement for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.kernels.sharded.collective_ops import EXPERTS, CollectiveOp, collective_ops
+from mkresearch.model import spec
+from mkresearch.sharding import layout as layouts
+
+F32 = 4
+# docs/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
+PARTIAL_SUM_BYTES = 2
+SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
+# the collective ops' labels of the exact mode's expert steps, all at the experts' point
+EXPERT_LABELS = ("expert W1, W3", "expert W2", "the group's experts", "the last group's sum",
+                 sharding.EXPERT_SUM, EXPERTS)
+
+
+class Program:
+    """One rank's ops over the shared ring of weight `blocks` (see the module docstring)."""
+
+    def __init__(self, blocks: list[int], batch: int) -> None:
+        self.blocks, self.batch, self.ops = blocks, batch, []
+
+    def block(self, count: int = 1) -> None:
+        if self.ops and self.ops[-1][0] == "blocks":
+            self.ops[-1] = ("blocks", self.ops[-1][1] + count)
+        else:
+            self.ops.append(("blocks", count))
+
+    def fetch(self, nbytes: float, count: int, slots: int) -> None:
+        if count:
+            self.ops.append(("fetch", nbytes, count, slots))
+
+    def write(self, nbytes: float) -> None:
+        if nbytes:
+            self.ops.append(("write", nbytes))
+
+    def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
+                   path: tuple[int, ...] = (), *, blocking: bool = True,
+                   algorithm: str | None = None) -> None:
+        self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
+                         algorithm))
+
+    def wait(self, name: str) -> None:
+        self.ops.append(("wait", name))
+
+
+@functools.lru_cache(maxsize=1024)
+def weight_blocks(nbytes: float, block_bytes: int) -> tuple[int, ...]:
+    """nbytes in blocks of at most block_bytes, as equal as whole bytes allow."""
+    n = max(1, math.ceil(nbytes / block_bytes))
+    whole = round(nbytes)
+    return tuple(whole // n + (1 if i < whole % n else 0) for i in range(n))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a rank's program: priced over `path` (every rank taking part), started
+    after the action `issue_after` names, waited before the one `wait_before` names."""
+
+    name: str
+    op: str  # `interconnect.price`'s: all_gather, all_reduce, chain
+    path: tuple[int, ...]
+    nbytes: float
+    issue_after: str
+    wait_before: str
+    algorithm: str | None = None  # how it is sent (None: as the prediction's algorithm says)
+    count: int = 1  # times per step
+    critical: bool = True  # False: overlapped with the actions between issue and wait
+    matrix: str = ""  # the streamed matrix it serves, if any
+    group: tuple[int, ...] | None = None  # the stand-in ranks joined (None: those of `path`)
+
+
+def from_op(op: CollectiveOp) -> Collective:
+    """One of our kernel's collectives, as the kernel sends it."""
+    return Collective(op.name, op.op, tuple(op.group), op.payload_bytes, op.issue_after,
+                      op.wait_before, op.sent_algorithm, op.count, op.critical, op.matrix)
+
+
+# ---- placing a stage's collectives ------------------------------------------------------------
+def _position(label: str, kind: str, names: list[str]) -> int:
+    """The action index a label names: issue points are after it, wait points before it."""
+    if label == f"{kind} start":
+        return -1
+    if label == f"{kind} end":
+        return len(names)
+    if label == "shared expert W_down":
+        return next(i for i, n in enumerate(names) if n.endswith(sharding.SHARED_DOWN))
+    if label in EXPERT_LABELS:
+        return names.index(EXPERTS)
+    if label in names:
+        return names.index(label)
+    raise ValueError(f"collective label {label!r} of stage {kind!r} names no step of the stage "
+                     f"({', '.join(names)})")
+
+
+def _issue_and_wait(c: Collective, kind: str, names: list[str]) -> tuple[int, int]:
+    """(the action it is started after, the action it is waited before)."""
+    try:
+        issue = _position(c.issue_after, kind, names)
+    except ValueError:  # a label of no step here: after the matrix it serves, if it names one
+        if c.matrix not in names:
+            raise
+        issue = names.index(c.matrix)
+    try:
+        wait = _position(c.wait_before, kind, names)
+    except ValueError:  # waited for right after it is issued
+        wait = issue + 1
+    return issue, wait
+
+
+def place(prog: Program, kind: str, actions: list[tuple[str, float]], collectives, *,
+          group_of: Callable[[tuple[int, ...]], tuple[int, ...]],
+          blocks: Callable[[float], None], experts: Callable[[], None]) -> None:
+    """Append one stage's program to `prog`: blocks per matrix, the experts' fetches at EXPERTS,
+    and its `collectives` started and waited where they say."""
+    names = [n for n, _ in actions]
+    starts: dict[int, list] = {}
+    waits: dict[int, list] = {}
+    for c in collectives:
+        issue, wait = _issue_and_wait(c, kind, names)
+        blocking = c.critical and wait <= issue + 1
+        for k in range(c.count):
+            name = f"{c.name}#{k}" if c.count > 1 else c.name
+            starts.setdefault(issue, []).append((c, name, blocking))
+            if not blocking:
+                waits.setdefault(max(wait, issue + 1), []).append(name)
+    for i in range(-1, len(actions) + 1):
+        for name in waits.get(i, ()):
+            prog.wait(name)
+        if 0 <= i < len(actions):
+            matrix, nbytes = actions[i]
+            experts() if matrix == EXPERTS else blocks(nbytes)
+        for c, name, blocking in starts.get(i, ()):
+            start(prog, c, name, group_of, blocking=blocking)
+
+
+def start(prog: Program, c: Collective, name: str, group_of, *, blocking: bool = True) -> None:
+    """One collective on `prog`: simulated among the stand-in ranks of its path, priced over the
+    whole path by its algorithm."""
+    group = group_of(c.path) if c.group is None else c.group
+    prog.collective(name, c.op, group, c.nbytes, c.path, blocking=blocking,
+                    algorithm=c.algorithm)
+
+
+# ---- ours: the kernel's collectives ------------------------------------------------------------
+def our_actions(lay: layouts.Layout, kind: str, matrices) -> list[tuple[str, float]]:
+    """A stage's actions in the kernel's order, the routed experts right after the routing
+    point. The kernel does not yet move the shared expert ahead of the routed experts' stream
+    (the overlap issue 28 asks for), so the prediction does not assume it either."""
+    routing = sharding.routing_point(lay, kind)
+    if routing is None:
+        return list(matrices)
+    at = [m[0] for m in matrices].index(routing) + 1
+    return [*matrices[:at], (EXPERTS, 0), *matrices[at:]]
+
+
+def our_collectives(plan: sharding.ShardingPlan, rank: int,
+                    expert_counts: tuple[int, ...] | None):
+    """The plan's collectives of `rank`'s step, as program data, grouped: (embedding ones,
+    {(layer, stage): ones}, sampling ones)."""
+    n_layers = plan.layout.cfg.n_layers
+    embed, by_stage, sampling = [], {}, []
+    for op in collective_ops(plan, rank=rank, expert_counts=expert_counts):
+        c = from_op(op)
+        if op.layer < 0:
+            embed.append(c)
+        elif op.layer >= n_layers:
+            sampling.append(c)
+        else:
+            by_stage.setdefault((op.layer, op.stage), []).append(c)
+    return embed, by_stage, sampling
+
+
+def n_routed_layers(lay: layouts.Layout) -> int:
+    """The layers whose FFN runs routed experts (`collective_ops`'s `expert_counts` entries)."""
+    return sum(1 for _, ffn in lay.cfg.layers if sharding.routing_point(lay, ffn))
+
+
+# ---- the release's, from docs/collectives.md ---------------------------------------------------
+def release_actions(matrices, routed: bool, partial_sums: bool = True
+                    ) -> list[tuple[str, float]]:
+    """The release computes the shared expert before the routed ones, its reduction hiding
+    behind their stream (docs/collectives.md): with partial sums the shared matrices move before
+    W_lu; the routed experts are fetched right after the shared expert's W_down."""
+    shared = [m for m in matrices if m[0].startswith("shared/")] if partial_sums else []
+    out = list(matrices) if not partial_sums else (
+        [m for m in matrices if m not in shared and not m[0].endswith("w_lu")] + shared
+        + [m for m in matrices if m[0].endswith("w_lu")])
+    at = next((i for i, m in enumerate(out) if m[0].endswith(sharding.SHARED_DOWN)), None)
+    if routed and at is not None:
+        out.insert(at + 1, (EXPERTS, 0))
+    return out
+
+
+def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batch: int,
+                        routed: bool) -> tuple[Collective, ...]:
+    """The release's collectives of one stage (docs/collectives.md), partial sums as bf16 on the
+    wire: attention: the sibling's attended features gathered before W_o, each core half the
+    hidden width, an all-reduce over the 16 cores of its parity, the halves swapped with the
+    sibling; MoE: router scores swapped with the sibling, the latent all-gathered behind routing,
+    the shared expert's sum started before the routed experts and waited after them, the routed
+    sum reduced last; a dense FFN's sum reduced at its end."""
+    cfg, n = lay.cfg, lay.n_ranks
+    everyone, pair = tuple(range(n)), (rank, rank ^ 1)
+    vector = batch * cfg.d_model * PARTIAL_SUM_BYTES
+    alone, reps = (rank,), tuple(range(0, n, lay.etp))  # a sibling swap waits for no stand-in
+    names = [m for m, _ in actions]
+    end = f"{kind} end"
+    out = []
+    for i, (matrix, nbytes) in enumerate(actions):
+        if spec.stage(kind).role == "attention" and matrix.endswith("w_o"):
+            before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
+            out.append(Collective(f"{kind}/features", "all_gather", pair,
+                                  batch * nbytes / cfg.d_model, before, matrix, group=alone))
+        if matrix.endswith("w_router"):
+            out.append(Collective("router/scores", "all_gather", pair,
+                                  batch * cfg.n_experts * F32 / 2, matrix, matrix, group=alone))
+        if routed and matrix.endswith("w_ld"):
+            out.append(Collective("latent", "all_gather", everyone,
+                                  batch * cfg.moe_latent * 2 / n, matrix, EXPERTS, group=reps))
+        if routed and matrix.endswith(sharding.SHARED_DOWN):
+            out.append(Collective("shared_sum", "all_reduce", everyone, vector, matrix, end,
+                                  group=reps))
+    if spec.stage(kind).role == "attention":
+        parity = tuple(r for r in range(n) if r % 2 == rank % 2)
+        out += [Collective(f"{kind}_sum", "all_reduce", parity, vector / 2, end, end, group=reps),
+                Collective(f"{kind}/halves", "all_gather", pair, vector / 2, end, end,
+                           group=alone)]
+    else:
+        out.append(Collective(f"{kind}_sum", "all_reduce", everyone, vector, end, end,
+                              group=reps))
+    return tuple(out)
+
+
+def release_step_collectives(lay: layouts.Layout, batch: int, wire: int
+                             ) -> tuple[Collective, Collective]:
+    """The embedding's all-reduce and the vocab shards' sampling merge (blocking)."""
+    everyone, reps = tuple(range(lay.n_ranks)), tuple(range(0, lay.n_ranks, lay.etp))
+    return (Collective("embed", "all_reduce", everyone, batch * lay.cfg.d_model * wire,
+                       "", "", group=reps),
+            Collective("sampling_state", "all_gather", everyone,
+                       batch * SAMPLING_LANES * F32, "", "", group=reps))
+
+
+def with_layer(ops, layer: int):
+    """Collective ops with their layer set (a stage's ops, keyed apart from their layer)."""
+    return tuple(dataclasses.replace(op, layer=layer) for op in ops)
