@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch.cli import main as cli
+from mkresearch.cli import info as cli_info
 from mkresearch.model import reference, roofline, spec, weights
 from mkresearch.model.config import LANE, get_config
 
@@ -173,7 +173,7 @@ def test_deepseek_mtp_module_is_counted_apart():
 
 @pytest.fixture(scope="module")
 def reports():
-    return {name: cli.info(get_config(name), 1, 0, None, None) for name in FAMILIES}
+    return {name: cli_info.info(get_config(name), 1, 0, None, None) for name in FAMILIES}
 
 
 def test_info_kv_bytes_per_token_and_bytes_per_step(reports):

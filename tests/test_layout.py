@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from mkresearch.cli import main as cli
-from mkresearch.model import config, reference, spec, weights
+from mkresearch.model import config, partition, reference, spec, weights
 from mkresearch.model import published as presets
-from mkresearch.model import partition
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout, layout_bytes
 

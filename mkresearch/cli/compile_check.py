@@ -24,7 +24,6 @@ from mkresearch.cli.options import (
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
-from mkresearch.model.config import config_names
 from mkresearch.sharding import layout
 
 # a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice

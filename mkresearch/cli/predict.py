@@ -35,6 +35,7 @@ from mkresearch.cli.options import (
     add_rank_layout,
     int_list,
 )
+from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step

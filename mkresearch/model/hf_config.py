@@ -24,13 +24,13 @@ from typing import Any
 import mkresearch.model.stages  # noqa: F401 - registers the kinds whose checks spec.check runs
 from mkresearch.model import model_config as config_module
 from mkresearch.model import spec
-from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.hf_fields import (  # CheckpointError: re-exported
     CONFIG_FILE,
     LINEAR_ATTN_DEFAULTS,
     CheckpointError,
     Fields,
 )
+from mkresearch.model.model_config import ModelConfig
 
 FAMILY_PRESETS = {"deepseek_v3": config_module.DEEPSEEK_V3, "qwen3_moe": config_module.QWEN3_235B,
                   "glm4_moe": config_module.GLM_4_5, "kimi_k3": config_module.KIMI_K3,
