@@ -72,8 +72,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # router as a Pallas kernel, check it against the reference (`mkresearch.model.reference.route`,
 # plain JAX), add DeepSeek-V3's group-limited stage to it yourself, and then open the package's
 # router (`mkresearch.kernels.stages.router.router_body`) to see what it adds: the weight stream,
-# the fixed-order sum, and the copy of the picks to **SMEM**, where the expert stage of notebook 04
-# reads them as scalars. Everything runs on the `kimi-k3-mini` model (16 experts, top-4).
+# the fixed-order sum, and the copy of the picks to **SMEM** (the core's scalar memory), where the
+# expert stage of notebook 04 reads them as scalars. Everything runs on the `kimi-k3-mini` model (16 experts, top-4).
 
 # %%
 import functools
@@ -122,8 +122,9 @@ print(f"x {tuple(x.shape)} {x.dtype}, W_r {tuple(p['w_router'].shape)} {p['w_rou
 # grid and default `BlockSpec`s, `pallas_call` copies each input whole into VMEM before the body
 # runs and each output back to HBM after it, so the body reads and writes plain VMEM refs.
 #
-# The top-k is no sort. A TPU core computes on `[8, 128]` vector registers, and a sort across lanes
-# is slow; k rounds of three vector reductions over the `[B, E]` tile are fast:
+# The top-k is no sort. A TPU core computes on `[8, 128]` vector registers; k rounds of three
+# vector reductions over the `[B, E]` tile are a few instructions each, where a sort would move
+# values across lanes:
 #
 # 1. `best` = the row's largest `select` value;
 # 2. `index` = the **lowest** expert id holding it (a `min` over `where(select == best, id, E)`):
@@ -302,7 +303,7 @@ print(f"the group stage changes the picks of {group_changes.sum()} of 64 rows")
 # - **Other families**: softmax scores (`router_score="softmax"`), the group-limited stage you just
 #   wrote (`limit_to_groups`, the same vector loop), weights without renormalisation
 #   (`normalize=False`), and `logits` computed elsewhere (a rank of a sharded model gathers the
-#   router's columns together with `W_ld`'s, notebook 08).
+#   router's columns together with `W_ld`'s).
 # - **The wrapper** checks its arguments before anything is traced (a `ValueError` naming the
 #   parameter and the allowed values) and gives XLA a cost estimate.
 
