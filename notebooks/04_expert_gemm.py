@@ -379,8 +379,8 @@ print(f"expert loads: {loads['3 distinct experts']}, one per distinct expert")
 # `cfg.expert_hidden`); a bf16 weight is 2 bytes; an MXFP4 matrix `[K, N]` is K·N/2 bytes of 4-bit
 # codes plus one 1-byte scale per 32 values along K (step 5 below).
 #
-# The check measures: it runs the package's expert kernel (opened at the end of this notebook) on 8
-# new rows, in bf16 and in MXFP4, and reads the bytes it moved from its DMA log.
+# The check measures: it runs the package's expert kernel (opened at the end of this notebook) on
+# this batch in bf16 and on 8 other rows in MXFP4, and reads the bytes it moved from its DMA log.
 
 # %%
 def my_unique_bytes(ids, cfg):
@@ -397,18 +397,18 @@ rows8 = reference.rms_norm(params["embed"][np.arange(8) * 97 + 5], params["mlp_n
 
 @functools.cache
 def measured_unique_bytes(fmt):
-    """(ids [8, k], expert bytes in the DMA log) of the package's distinct-experts plan."""
-    c, lp = {"bf16": (cfg, p), "mxfp4": (mx_cfg, mx_p)}[fmt]
-    ids8, w8 = router.route(lp, rows8, c)
+    """(ids [B, k], expert bytes in the DMA log) of the package's distinct-experts plan."""
+    c, lp, rows = {"bf16": (cfg, p, x), "mxfp4": (mx_cfg, mx_p, rows8)}[fmt]
+    batch_ids, batch_weights = router.route(lp, rows, c)
     with dma.recording() as log:
-        experts.routed_experts(lp, rows8, ids8, w8, c, plan="unique")
-    return np.asarray(ids8), log.dma_bytes(experts.EXPERT_DMA_PREFIX)
+        experts.routed_experts(lp, rows, batch_ids, batch_weights, c, plan="unique")
+    return np.asarray(batch_ids), log.dma_bytes(experts.EXPERT_DMA_PREFIX)
 
 
 def check_unique_bytes(predict):
     for fmt, c in (("bf16", cfg), ("mxfp4", mx_cfg)):
-        ids8, measured = measured_unique_bytes(fmt)
-        predicted = predict(ids8, c)
+        batch_ids, measured = measured_unique_bytes(fmt)
+        predicted = predict(batch_ids, c)
         assert predicted == measured, f"{fmt}: predicted {predicted:,} B, measured {measured:,} B"
 
 
@@ -428,9 +428,9 @@ def unique_bytes_solution(ids, cfg):
 assert exercises.check("bytes of the distinct experts",
                        lambda: check_unique_bytes(unique_bytes_solution))
 for fmt in ("bf16", "mxfp4"):
-    ids8, measured = measured_unique_bytes(fmt)
-    print(f"{fmt:5s}: 8 rows, {len(np.unique(ids8))} distinct experts of {ids8.size} choices, "
-          f"{measured:,} B measured")
+    batch_ids, measured = measured_unique_bytes(fmt)
+    print(f"{fmt:5s}: {len(batch_ids)} rows, {len(np.unique(batch_ids))} distinct experts of "
+          f"{batch_ids.size} choices, {measured:,} B measured")
 
 # %% [markdown]
 # ## Step 4 · the same loop with a ring you write
@@ -850,17 +850,24 @@ assert not label_problems(fig)  # no label runs into another, none is cut
 # always-on MLP in the same stage (the dense layer 0 is that stage with no routed part). At one
 # rank of the released layout (docs/kimi-k3.md §9: 112 local experts, a 768-wide slice of the
 # expert hidden, 256 of the shared hidden, MXFP4 experts, B = 8) the layer compiles for TPU7x with
-# the real Mosaic compiler: tiling, layouts and the 64 MiB VMEM budget all checked.
+# the real Mosaic compiler: tiling, layouts and the 64 MiB VMEM budget all checked. Your step 5
+# compiles too, at the mini shapes: nothing in it works only in interpret mode.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# Checks · moe_ffn (router + experts + shared, one kernel) against the reference; the per-rank
-# compile for TPU7x
+# Checks · moe_ffn (router + experts + shared, one kernel) against the reference; your step 5 and
+# the per-rank layer compile for TPU7x
 got = np.asarray(experts.moe_ffn(mx_p, x, mx_cfg), np.float32)
 ref_m = np.asarray(reference.moe_ffn(mx_p, x, mx_cfg), np.float32)
 err = float(np.max(np.abs(got - ref_m)) / np.max(np.abs(ref_m)))
 assert err <= TOL
 print(f"moe_ffn vs reference.moe_ffn: {facts.bound(err, TOL, name='max rel err')}")
+step5_args = (latent_in(mx_p, x), mx_ids, mx_w, mx_p["experts"])
+mine = tpu.compile_for(quantised_ring, *jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), step5_args), chip="tpu7x")
+assert mine.n_mosaic_kernels == 1
+print(f"your step 5 (MXFP4 through a 2-slot ring), mini shapes: {mine.n_mosaic_kernels} Mosaic "
+      f"kernel compiled for {mine.chip}")
 rank = layout.named_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
@@ -875,4 +882,6 @@ print(f"one expert slice = {weights.expert_nbytes(rank):,} B; "
 assert compiled.n_mosaic_kernels == 1
 
 # %%
-print(compiled)  # compile time and buffer sizes of this machine's libtpu
+# compile time and sizes from this machine's libtpu; "buffers" are the call's HBM arguments and
+# result, mostly the rank's 112 experts of 4.39 MB each
+print(compiled)
