@@ -28,7 +28,7 @@ venv-hf: venv
 # The product: a short greedy decode of kimi-k3-mini with the megakernel (one pallas_call per
 # step), checked against the reference, and the full model's predicted TPU7x step.
 demo: venv
-	$(BIN)/mkresearch decode --model kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
+	$(BIN)/mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
 
 # Headless Chromium and its driver for tests/test_browser.py, from Debian's packages when this is
 # a Debian machine and we are root (CI is); otherwise, or if apt fails, that test skips and says why.

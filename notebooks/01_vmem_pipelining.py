@@ -53,17 +53,24 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 01 · VMEM pipelining: a GEMV that streams its weights
 #
-# One decode step of a giant MoE model is, byte for byte, mostly one operation: multiply a few
-# activation rows `x [B, K]` by a weight matrix `W [K, N]` that nobody else will read this step.
-# At decode batch sizes each weight byte feeds only `2·B` FLOPs, so the time is the time to move
-# `W` from HBM. This notebook builds that GEMV in Pallas from the ground up and then *looks* at
-# its pipeline: when the DMA engine moves bytes, when the MXU works, and where neither does.
+# One **decode step** of a giant **MoE** (mixture-of-experts) model is, byte for byte, mostly one
+# operation: a **GEMV**, a few activation rows `x [B, K]` times a weight matrix `W [K, N]` that
+# nobody else will read this step. At decode batch sizes each weight byte feeds only `2·B` FLOPs,
+# so the time is the time to move `W` from HBM. This notebook writes that GEMV in Pallas three
+# times (Pallas's own pipeline, then a ring of buffers with the DMA primitive itself, then a ring
+# of three as your turn), each checked against `jnp.dot`, and then *looks* at the pipeline: when
+# the DMA engine moves bytes, when the MXU works, and where neither does.
 #
 # **The memory hierarchy.** A TensorCore computes only on vector registers, loaded from **VMEM**
 # (tens of MiB of on-chip SRAM). Kernel inputs live in **HBM** (many GB, but ~1–4 TB/s per core).
 # Bytes get from HBM to VMEM by **DMA**: asynchronous copies that the scalar core *starts* and
-# later *waits* on, while the vector units and the MXU keep computing. Hiding those copies behind
-# compute is what "pipelining" means on a TPU.
+# later *waits* on, while the vector units and the **MXU** (the matrix unit) keep computing.
+# Hiding those copies behind compute is what "pipelining" means on a TPU, and a kernel is at the
+# **roofline** when it runs as fast as HBM can feed it. Every term is also in
+# [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+#
+# Every kernel here runs in TPU **interpret mode** off a TPU (`tpu.interpret_params()`: HBM, VMEM,
+# DMAs and semaphores simulated on the CPU, with its race detector on) and compiled on a TPU.
 
 # %%
 import inspect
@@ -73,11 +80,15 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma, gemv
 
 from mkresearch.prediction import timeline as tl
-from mkresearch.views import facts, label_plots, widgets
+from mkresearch.views import exercises, facts, label_plots, widgets
 
+# the kernels written below run race-checked: a DMA into a slot still being read is reported
+tpu.interpret_options(detect_races=True, vector_clock_size=16)
 CHIPS = ("tpu7x", "v5e")  # the newest chip and the smallest: 3.7 TB/s vs 0.82 TB/s per core
 
 # %%
@@ -102,8 +113,8 @@ for field, source in tl.timeline_chip("tpu7x").sources.items():
 #
 # ## The problem
 #
-# `x [8, 4096] @ W [4096, 1024]` in bf16: an 8 MiB weight, a 64 KiB activation. We cut `W` into
-# row blocks of `block_k = 512` rows (1 MiB each, one contiguous HBM window) and accumulate
+# `x [8, 4096] @ W [4096, 1024]` in **bf16** (bfloat16: 16-bit floats with f32's exponent range): an
+# 8 MiB weight, a 64 KiB activation. We cut `W` into row blocks of `block_k = 512` rows (1 MiB each, one contiguous HBM window) and accumulate
 # `x[:, block] @ W[block, :]` into an f32 `[8, 1024]` accumulator that stays in VMEM.
 
 # %%
@@ -130,9 +141,50 @@ print(f"FLOPs per weight byte: {2 * B * K * N / WEIGHT_BYTES:.0f} "
 # says which block: `lambda k: (k, 0)` is row block `k` of `W`. The output block index never
 # changes, so the output stays in VMEM across the grid and the body accumulates into it (the
 # reduction axis must be the last, "arbitrary" grid axis). Pallas double-buffers every input:
-# block `k+1` is copied while the body works on block `k`.
-#
-# The body (imported from `mkresearch.kernels.base.gemv`, not pasted):
+# block `k+1` is copied while the body works on block `k`. Write it (edit and rerun freely):
+
+# %%
+def my_blockspec_kernel(x_ref, w_ref, o_ref):
+    # x_ref [B, bk], w_ref [bk, N]: this grid step's blocks, already in VMEM; o_ref [B, N] f32:
+    # the same block at every step, so it stays in VMEM and accumulates
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    o_ref[...] += jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+
+def my_blockspec_gemv(x, w, block_k=BLOCK_K):
+    batch, k = x.shape
+    n = w.shape[1]
+    return pl.pallas_call(
+        my_blockspec_kernel,
+        grid=(k // block_k,),  # one step per row block of W
+        in_specs=[pl.BlockSpec((batch, block_k), lambda i: (0, i)),  # x[:, block i]
+                  pl.BlockSpec((block_k, n), lambda i: (i, 0))],  # W[block i, :]
+        out_specs=pl.BlockSpec((batch, n), lambda i: (0, 0)),  # one block: the accumulator
+        out_shape=jax.ShapeDtypeStruct((batch, n), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),  # a reduction
+        interpret=tpu.interpret_params(),  # None on a TPU (compiled), interpret mode elsewhere
+    )(x, w)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · your BlockSpec GEMV against jnp.dot
+y_mine = my_blockspec_gemv(x, w)
+np.testing.assert_allclose(y_mine, expected, rtol=1e-5, atol=1e-5)
+# the error's digits depend on the machine's summation order; the bound met does not
+print(f"my_blockspec_gemv {y_mine.shape} {y_mine.dtype}: matches jnp.dot, "
+      f"{facts.bound(float(jnp.max(jnp.abs(y_mine - expected))), 1e-5)}")
+
+# %% [markdown]
+# **What the package's kernel adds** (`mkresearch.kernels.base.gemv`, imported, not pasted): the
+# same body, with the block's work inside `dma.phase(...)`. In interpret mode a phase is an event in
+# the **DMA log** (below: it is what the timelines are drawn from), with the FLOPs and VMEM bytes
+# it declares; on a TPU it is a `jax.named_scope`, which becomes a trace event in a profile. Its
+# wrapper checks `block_k` before anything is traced (a `ValueError` naming it and the allowed
+# values) and gives XLA a cost estimate.
 
 # %%
 print(inspect.getsource(gemv.gemv_blockspec_body))
@@ -140,12 +192,13 @@ print(inspect.getsource(gemv.accumulate_block))
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the package's BlockSpec GEMV against jnp.dot
 with dma.recording() as blockspec_phases:  # the body's phases; Pallas's own copies are not logged
     y = gemv.gemv_blockspec(x, w, block_k=BLOCK_K)
 np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
-# the error's digits depend on the machine's summation order; the bound met does not
 print(f"BlockSpec GEMV {y.shape} {y.dtype}: matches jnp.dot, "
-      f"{facts.bound(float(jnp.max(jnp.abs(y - expected))), 1e-5)}")
+      f"{facts.bound(float(jnp.max(jnp.abs(y - expected))), 1e-5)}; "
+      f"{len(blockspec_phases.select('phase_start'))} phases logged")
 
 # %% [markdown]
 # ## 2 · VMEM: what the kernel holds
@@ -163,14 +216,96 @@ for n_buffers in (1, 2, 3):
           f"({vmem / tl.timeline_chip('tpu7x').vmem_capacity:.1%} of TPU7x)")
 
 # %% [markdown]
-# ## 3 · The same GEMV with manual DMA: 1, 2 and 3 buffers
+# ## 3 · The same GEMV with manual DMA: a ring of two slots
 #
-# Now `W` stays in HBM (`memory_space=pl.ANY`) and the kernel moves it itself, through
-# `dma.Ring`: a ring of `n_buffers` VMEM slots with one DMA semaphore each. Step `k` first refills
-# the slot block `k-1` just freed with block `k + n_buffers - 1`, then waits for block `k` and
-# computes on it. With one buffer that is "copy, wait, compute": nothing overlaps. Every copy and
-# every compute phase goes through `mkresearch.kernels.base.dma`, so `dma.recording()` logs them with
-# their bytes, slot and block index — in interpret mode, in the order they execute.
+# Now the kernel moves `W` itself. `W` stays in HBM (`memory_space=pl.ANY`: the kernel gets a
+# reference to HBM, not a VMEM block), and the kernel owns two VMEM **slots** and two **DMA
+# semaphores**, both *scratch*: allocated for the kernel's lifetime by `scratch_shapes`
+# (`pltpu.VMEM(shape, dtype)` and `pltpu.SemaphoreType.DMA((2,))`). The primitive is
+#
+# ```python
+# copy = pltpu.make_async_copy(src_ref, dst_ref, sem)   # a descriptor: HBM window -> VMEM slot
+# copy.start()   # the DMA engine starts moving; the kernel goes on at once
+# copy.wait()    # block until the semaphore says the bytes have landed
+# ```
+#
+# A wait needs the same descriptor as its start (the semaphore counts bytes), so the kernel
+# rebuilds it from the same arguments. With two slots, step `k` first starts block `k+1` into the
+# *other* slot (the one block `k-1` was read from: free again), then waits for block `k` and
+# computes on it. The DMA of block `k+1` flies while block `k` is multiplied.
+
+# %%
+def my_ring2_kernel(x_ref, w_hbm, o_ref, slots, sems):
+    # x_ref [n_blocks, B, bk] (VMEM: x cut into K slices), w_hbm [K, N] (HBM), o_ref [B, N] f32;
+    # scratch: slots [2, bk, N] bf16 (VMEM), sems: 2 DMA semaphores, one per slot
+    n_blocks, _, block_k = x_ref.shape
+
+    def copy(k, slot):  # W's row block k -> one slot, signalling that slot's semaphore
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        return pltpu.make_async_copy(w_hbm.at[rows], slots.at[slot], sems.at[slot])
+
+    copy(0, 0).start()  # prologue: block 0 on its way
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def step(k, carry):
+        slot = jax.lax.rem(k, 2)
+
+        @pl.when(k + 1 < n_blocks)  # block k+1 into the other slot, free since step k-1
+        def _():
+            copy(k + 1, 1 - slot).start()
+
+        copy(k, slot).wait()  # block k has landed
+        o_ref[...] += jnp.dot(x_ref[k], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
+def run_ring(kernel, n_slots, block_k=BLOCK_K):
+    """x @ w with `kernel` streaming W through `n_slots` VMEM slots."""
+    batch, k = x.shape
+    x_blocks = x.reshape(batch, k // block_k, block_k).transpose(1, 0, 2)  # [n_blocks, B, bk]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, N), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((n_slots, block_k, N), jnp.bfloat16),
+                        pltpu.SemaphoreType.DMA((n_slots,))],
+        interpret=tpu.interpret_params(),
+    )(x_blocks, w)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · your 2-slot ring against jnp.dot, with the race detector on
+tpu.reset_races()
+y_ring = run_ring(my_ring2_kernel, n_slots=2)
+np.testing.assert_allclose(y_ring, expected, rtol=1e-5, atol=1e-5)
+assert not tpu.races_found()  # no DMA wrote a slot while the MXU read it
+print(f"my_ring2_kernel: matches jnp.dot, "
+      f"{facts.bound(float(jnp.max(jnp.abs(y_ring - expected))), 1e-5)}; no race found")
+
+# %% [markdown]
+# ### `dma.Ring`: the same, plus the log
+#
+# The package's kernels never call `make_async_copy` directly: they go through
+# `mkresearch.kernels.base.dma`. A `dma.Copy` is exactly the descriptor above (`_descriptor`), and
+# its `start` / `wait` are the primitive's, each followed by `_log`: when a `dma.recording()` is
+# open and the kernel is interpreted, an ordered callback appends an event (what moved, its bytes,
+# memory spaces, slot and loop indices) to the log *while the kernel runs*, in execution order. On
+# a TPU, or when nothing is recording, `_log` emits nothing: the compiled kernel is the one you
+# wrote. `dma.Ring` is your two slots and semaphores with a name for the log.
+
+# %%
+print(inspect.getsource(dma.Copy))
+print(inspect.getsource(dma.Ring))
+
+# %% [markdown]
+# The package's GEMV (`gemv.gemv_stream_body`) is your ring with `n_buffers` slots instead of two:
+# a prologue that fills all slots but one, and each step refills the slot block `k-1` freed with
+# block `k + n_buffers - 1`. With one buffer that is "copy, wait, compute": nothing overlaps.
+# `dma.recording()` logs each copy and compute phase with its bytes, slot and block index.
 
 # %%
 print(inspect.getsource(gemv.gemv_stream_body))
@@ -200,6 +335,7 @@ blockspec_events = tl.blockspec_log(phases, gemv.blockspec_block_bytes(B, BLOCK_
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · every weight byte moved once; the programs the logs record
 for n_buffers, events in logs.items():
     dma_bytes = sum(e.nbytes for e in events if e.kind == "dma_start")
     assert dma_bytes == WEIGHT_BYTES  # every weight byte crossed HBM -> VMEM exactly once
@@ -210,6 +346,7 @@ for n_buffers, events in logs.items():
           f"program: {program} ...")
 blockspec_bytes = sum(e.nbytes for e in blockspec_events if e.kind == "dma_start")
 assert blockspec_bytes == WEIGHT_BYTES + x.size * 2 + B * N * 4
+assert not tpu.races_found()
 print(f"BlockSpec (modelled pipeline): W + x + output = {blockspec_bytes:,d} bytes")
 
 # %% [markdown]
@@ -217,11 +354,83 @@ print(f"BlockSpec (modelled pipeline): W + x + output = {blockspec_bytes:,d} byt
 # program is `S0 W0 ( S1 W1 ( …`; with two, block `k+1` is already on its way while block `k` is
 # computed; with three, two blocks are ahead.
 #
-# ## 4 · The timelines
+# ### Your turn: a ring of three slots
+#
+# Write `my_ring3_kernel`: the same GEMV with three slots, so that **two** blocks are in flight
+# while one is computed. Start blocks 0 and 1 before the loop; at step `k`, start block `k+2`
+# into the slot block `k-1` used (`(k+2) mod 3`), then wait for block `k` in slot `k mod 3`.
+# `run_ring(kernel, n_slots=3)` allocates three slots and three semaphores. The check below says
+# whether your kernel matches `jnp.dot`, runs without a race, and starts two copies before its loop.
+
+# %%
+def my_ring3_kernel(x_ref, w_hbm, o_ref, slots, sems):
+    # slots [3, bk, N] bf16, sems: 3 DMA semaphores. Your ring here (start from my_ring2_kernel).
+    raise NotImplementedError("write the 3-slot ring")
+
+
+# %%
+def copies_before_loop(kernel, n_slots):
+    """How many DMAs the kernel starts before its first loop (its prologue), from its jaxpr."""
+    outer = jax.make_jaxpr(lambda: run_ring(kernel, n_slots))()
+    body = next(e for e in outer.eqns if e.primitive.name == "pallas_call").params["jaxpr"]
+    loop = next(i for i, e in enumerate(body.eqns) if e.primitive.name in ("scan", "while"))
+    return sum(e.primitive.name == "dma_start" for e in body.eqns[:loop])
+
+
+def check_ring3(kernel):
+    tpu.reset_races()
+    got = np.asarray(run_ring(kernel, n_slots=3))
+    assert not tpu.races_found(), "the race detector saw a DMA write a slot while it was read"
+    assert np.isfinite(got).all(), "the output holds NaN or inf: is every block accumulated?"
+    assert np.allclose(got, expected, rtol=1e-5, atol=1e-5), (
+        f"max |error| against jnp.dot is {np.abs(got - expected).max():.3g}")
+    ahead = copies_before_loop(kernel, 3)
+    assert ahead == 2, f"{ahead} copies started before the loop; three slots keep two ahead"
+
+
+exercises.check("a 3-slot ring", lambda: check_ring3(my_ring3_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: a 3-slot ring (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def ring3_solution(x_ref, w_hbm, o_ref, slots, sems):
+    n_blocks, _, block_k = x_ref.shape
+    n_slots = slots.shape[0]  # 3: n_slots - 1 = 2 blocks ahead
+
+    def copy(k, slot):
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        return pltpu.make_async_copy(w_hbm.at[rows], slots.at[slot], sems.at[slot])
+
+    for k in range(n_slots - 1):  # prologue: blocks 0 and 1 on their way
+        copy(k, k).start()
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def step(k, carry):
+        ahead = k + n_slots - 1
+
+        @pl.when(ahead < n_blocks)  # into the slot block k-1 was read from
+        def _():
+            copy(ahead, jax.lax.rem(ahead, n_slots)).start()
+
+        slot = jax.lax.rem(k, n_slots)
+        copy(k, slot).wait()
+        o_ref[...] += jnp.dot(x_ref[k], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
+assert exercises.check("a 3-slot ring", lambda: check_ring3(ring3_solution))
+
+# %% [markdown]
+# ## 4 · The timelines (modelled)
 #
 # `mkresearch.prediction.timeline.simulate(log, chip)` replays the log on a chip: DMAs in issue order at the
 # HBM bandwidth after a fixed latency, each compute phase when its DMA has landed and the previous
-# phase is done, lasting `max(FLOPs / MXU peak, VMEM bytes / VMEM bandwidth)`. Below: TPU7x and v5e.
+# phase is done, lasting `max(FLOPs / MXU peak, VMEM bytes / VMEM bandwidth)`. These are **modelled**
+# timelines, not measurements: the log is real (it is what the kernel did), the durations come from
+# the chip figures above, some of them assumptions. Below: TPU7x and v5e.
 # The BlockSpec pipeline is the two-slot ring plus a small `x` block per step and the output
 # writeback, which the manual kernels leave to Pallas outside their logs (`x` whole in VMEM).
 #
@@ -235,19 +444,31 @@ print(f"BlockSpec (modelled pipeline): W + x + output = {blockspec_bytes:,d} byt
 timelines = {(n, chip): tl.simulate(logs[n], chip) for n in (1, 2, 3) for chip in CHIPS}
 timelines |= {("BlockSpec", chip): tl.simulate(blockspec_events, chip) for chip in CHIPS}
 VARIANTS = ("BlockSpec", 1, 2, 3)
-fig, axes = plt.subplots(4, 2, figsize=(14, 9.5), layout="constrained")
+gantt_fig, axes = plt.subplots(4, 2, figsize=(14, 9.5), layout="constrained")
 for (n, chip), timeline in timelines.items():
     ax = axes[VARIANTS.index(n), CHIPS.index(chip)]
     label = n if n == "BlockSpec" else f"{n} buffer(s)"
-    widgets.plot_gantt(timeline, ax, title=f"{chip}, {label}: {timeline.total_s * 1e6:.2f} µs, "
-                       f"{timeline.roofline_fraction:.0%} of roofline")
+    widgets.plot_gantt(timeline, ax, title=f"modelled: {chip}, {label}: "
+                       f"{timeline.total_s * 1e6:.2f} µs, {timeline.roofline_fraction:.0%} of roofline")
     if CHIPS.index(chip) == 0:
         ax.get_legend().remove()  # one legend per row is enough
-assert not label_plots.label_problems(fig)  # no label runs into another
-widgets.show_figure(fig)  # described: an HTML export gives the picture its title
+widgets.show_figure(gantt_fig)  # described: an HTML export gives the picture its title
+
+# %%
+vmem_fig, ax = plt.subplots(figsize=(10, 2.5), layout="constrained")
+for n in (1, 2, 3):
+    times, values = widgets.vmem_steps(timelines[n, "tpu7x"])
+    ax.step(times, np.array(values) / 2**20, where="post", label=f"{n} buffer(s)")
+ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)",
+       title="TPU7x: VMEM occupancy (modelled)")
+widgets.legend_outside(ax)
+widgets.show_figure(vmem_fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the modelled timelines: more buffers never hurt; v5e x2 is near the roofline
+assert not label_plots.label_problems(gantt_fig)  # no label runs into another
+assert not label_plots.label_problems(vmem_fig)
 columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "idle_hbm_busy_fraction",
            "bubble_fraction", "peak_vmem_bytes"]
 rows = widgets.summary_rows({f"{chip} {n if n == 'BlockSpec' else f'x{n}'}": t
@@ -259,16 +480,6 @@ for chip in CHIPS:
 # v5e, two buffers: near the roofline, the compute unit idles while HBM is busy; few bubbles
 v5e_x2 = timelines[2, "v5e"].summary()
 assert v5e_x2["roofline_fraction"] > 0.9 and v5e_x2["bubble_fraction"] < 0.1
-
-# %%
-fig, ax = plt.subplots(figsize=(10, 2.5), layout="constrained")
-for n in (1, 2, 3):
-    times, values = widgets.vmem_steps(timelines[n, "tpu7x"])
-    ax.step(times, np.array(values) / 2**20, where="post", label=f"{n} buffer(s)")
-ax.set(xlabel="time (µs)", ylabel="weight bytes in VMEM (MiB)", title="TPU7x: VMEM occupancy")
-widgets.legend_outside(ax)
-assert not label_plots.label_problems(fig)
-widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # ## 5 · Why double buffering reaches the roofline only sometimes
@@ -290,26 +501,82 @@ widgets.show_figure(fig)  # described: an HTML export gives the picture its titl
 # TPU7x moves it in 0.28 µs — less than the (assumed) 0.5 µs latency — so with two buffers the
 # engine waits after every other block, and a third buffer is needed. That is why the released
 # kernels keep many 2 MiB weight banks in flight. The model reproduces the formula exactly over a
-# long stream (the first check below); the batch sweep after it replays the recorded log with more
-# FLOPs per block (`widgets.what_if`): weight bytes stay, compute grows with `B`.
+# long stream (`modelled_period` below, the first check); the batch sweep after it replays the
+# recorded log with more FLOPs per block (`widgets.what_if`): weight bytes stay, compute grows
+# with `B`.
+
+# %%
+TPU7X = tl.timeline_chip("tpu7x")
+
+
+def modelled_period(n_buffers, block_k, chip=TPU7X):
+    """Seconds per block in the steady state of a long stream of [block_k, N] blocks (modelled)."""
+    long_stream = tl.stream_log(64, block_k * N * 2, gemv.block_flops(B, block_k, N), n_buffers,
+                                block_vmem_bytes=gemv.block_vmem_bytes(B, block_k, N))
+    ends = [s.end for s in tl.simulate(long_stream, chip).spans_on(tl.COMPUTE_LANE)]
+    return (ends[54] - ends[30]) / 24
+
+
+def formula_period(n_buffers, block_k, chip=TPU7X):
+    transfer = block_k * N * 2 / chip.hbm_bandwidth
+    compute = gemv.block_vmem_bytes(B, block_k, N) / chip.vmem_bandwidth  # VMEM-bound at B=8
+    return max(transfer, compute, (transfer + compute + chip.dma_latency) / n_buffers)
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
-chip = tl.timeline_chip("tpu7x")
-transfer = BLOCK_K * N * 2 / chip.hbm_bandwidth
-compute = gemv.block_vmem_bytes(B, BLOCK_K, N) / chip.vmem_bandwidth  # VMEM-bound at B=8
+# Checks · the model's period is the formula's
 for n in (1, 2, 3):
-    long_stream = tl.stream_log(64, BLOCK_K * N * 2, gemv.block_flops(B, BLOCK_K, N), n,
-                                block_vmem_bytes=gemv.block_vmem_bytes(B, BLOCK_K, N))
-    ends = [s.end for s in tl.simulate(long_stream, chip).spans_on(tl.COMPUTE_LANE)]
-    period = (ends[54] - ends[30]) / 24
-    formula = max(transfer, compute, (transfer + compute + chip.dma_latency) / n)
-    assert abs(period / formula - 1) < 1e-9
+    period = modelled_period(n, BLOCK_K)
+    assert abs(period / formula_period(n, BLOCK_K) - 1) < 1e-9
+    transfer = BLOCK_K * N * 2 / TPU7X.hbm_bandwidth
     print(f"TPU7x, {n} buffer(s): per-block period_us {period * 1e6:.3f} = formula, "
           f"{transfer / period:.0%} of the HBM roofline in steady state")
 
+# %% [markdown]
+# ### Your turn: the period at another block size
+#
+# Halve the blocks: `block_k = 256` (512 KiB each, twice as many). Predict, in seconds, the
+# steady-state time per block on TPU7x with two and with three buffers, from the figures of the
+# chip (`TPU7X.hbm_bandwidth`, `TPU7X.vmem_bandwidth`, `TPU7X.dma_latency`) and
+# `gemv.block_vmem_bytes(B, 256, N)`, without calling `formula_period`. Does a third buffer still
+# help, and does either reach the HBM roofline? The check replays the model.
+
+# %%
+def my_period(n_buffers, block_k=256):
+    # seconds per block in the steady state, TPU7x, B = 8, N = 1024
+    raise NotImplementedError("your prediction")
+
+
+# %%
+def check_period(period_of):
+    for n in (2, 3):
+        want, got = modelled_period(n, 256), period_of(n, 256)
+        assert abs(got / want - 1) < 1e-6, (
+            f"{n} buffers: you predict {got * 1e6:.4g} µs per block, the model gives "
+            f"{want * 1e6:.4g} µs")
+
+
+exercises.check("the period at block_k = 256", lambda: check_period(my_period))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the period at block_k = 256 (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def period_solution(n_buffers, block_k=256):
+    transfer = block_k * N * 2 / TPU7X.hbm_bandwidth  # 0.14 µs: half the latency
+    compute = gemv.block_vmem_bytes(B, block_k, N) / TPU7X.vmem_bandwidth
+    return max(transfer, compute, (transfer + compute + TPU7X.dma_latency) / n_buffers)
+
+
+assert exercises.check("the period at block_k = 256", lambda: check_period(period_solution))
+for n in (2, 3):  # smaller blocks: the latency weighs more, neither reaches the roofline
+    share = 256 * N * 2 / TPU7X.hbm_bandwidth / period_solution(n)
+    print(f"{n} buffers: {share:.0%} of the HBM roofline")
+
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the batch sweep: v5e reaches the roofline with two buffers, TPU7x needs three
 rows = []
 for chip in CHIPS:
     for batch in (1, 8, 64, 256, 1024):
@@ -336,6 +603,7 @@ assert by["tpu7x", 8]["roofline_x2"] < 0.7 < by["tpu7x", 8]["roofline_x3"]  # TP
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the model against the guide's formulas
 chip = tl.timeline_chip("tpu7x")
 alpha, beta, f = chip.dma_latency, chip.hbm_bandwidth, chip.mxu_flops
 examples = {  # name: (N, X bytes, Y FLOPs, buffers, guide formula)
@@ -356,8 +624,9 @@ for name, (n, x_bytes, y_flops, n_buffers, guide) in examples.items():
 # %% [markdown]
 # ## 7 · Explore
 #
-# The control bar replays the two-buffer log on another chip, batch or buffer count (it needs a
-# live kernel; a notebook rendered without one shows the figure as first drawn, a picture).
+# The control bar replays the two-buffer log on another chip, batch or buffer count: a modelled
+# timeline, as in section 4 (it needs a live kernel; a notebook rendered without one shows the
+# figure as first drawn, a picture).
 
 # %%
 widgets.show(logs[2], chip="tpu7x", batch=8, base_batch=B)

@@ -53,37 +53,41 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 05 · The tail of a decode step: final norm, LM head and sampling in one kernel
 #
-# The last stage of a Kimi K3 decode step mixes the attention-residual snapshots one final time,
-# normalises, multiplies by the LM head — at 163840 × 7168 bf16 (2.35 GB) the largest single
-# matrix of the model — and turns the logits into a token. Writing the `[B, V]` logits to HBM and
-# sampling them in a separate XLA program costs a round trip and a launch per step. The released
-# kernels do greedy inside the kernel but top-p outside it.
+# The last stage of a Kimi K3 decode step mixes the **attention-residual** snapshots one final time
+# (instead of a plain residual sum, Kimi K3 mixes the outputs of earlier blocks with softmax
+# weights computed from them; notebook 06), normalises, multiplies by the **LM head** — at
+# 163840 × 7168 bf16 (2.35 GB) the largest single matrix of the model — and turns the **logits**
+# (one score per vocabulary token) into a token.
+# Writing the `[B, V]` logits to HBM and sampling them in a separate XLA program costs a round
+# trip and a launch per step. The released kernels do greedy inside the kernel but top-p outside it.
 #
-# This notebook builds the fused stage in four steps, each checked against the plain-JAX reference
-# (`mkresearch.model.sampling`), then runs the Pallas kernel (`mkresearch.kernels.stages.sampling`):
+# Three ways to pick the token, each defined where it first appears below: **greedy** (the
+# highest logit), **temperature** sampling (a draw from `softmax(logits / T)`) and **top-p**
+# (a draw from the smallest set of most likely tokens holding a share `p` of the probability, the
+# *nucleus*). Terms are also in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
 #
-# 1. greedy over materialised logits;
-# 2. streamed greedy: the LM head arrives tile by tile, only a running best survives a tile;
-# 3. Gumbel-max: exact temperature sampling with the same one-pass streaming;
-# 4. top-k and top-p: a running list of 128 candidates and an exact running log-sum-exp.
-#
-# Every step calls the very functions the kernel body calls on its VMEM values
-# (`initial_state`, `update_running_state`, `finish_sampling`): nothing here is pasted.
+# This notebook **writes a sampling kernel** over vocab tiles in three steps (greedy, temperature,
+# top-p), each checked against the plain-JAX reference (`mkresearch.model.sampling`) in the next
+# cell; you then add top-k to it. After that, the package's stage
+# (`mkresearch.kernels.stages.sampling`) is shown with what it adds, and run.
 
 # %%
+import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.stages import sampling as stage
 
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout
-from mkresearch.views import facts
+from mkresearch.views import exercises, facts
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
 
@@ -125,7 +129,7 @@ print(inspect.getsource(sampling.uniform_from_key))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# Pinned values: any machine, kernel or reference, must give these bits.
+# Checks · pinned values: any machine, kernel or reference, must give these bits
 for counters in [(0, 0, 0, 0), (1, 2, 3, 4), (7, 0, 100, 163839)]:
     print(f"U{counters} = {float(sampling.counter_uniform(*counters)):.10f}")
 many = sampling.counter_uniform(SEED, jnp.arange(64)[:, None], 5, jnp.arange(4096)[None, :])
@@ -134,142 +138,324 @@ print(f"64 x 4096 uniforms: min > 0: {bool(many.min() > 0)}, max < 1: {bool(many
       " (1/12 = 0.0833)")
 
 # %% [markdown]
-# ## Step 1 · Greedy over materialised logits
+# ## Step 1 · A kernel over vocab tiles: greedy
 #
-# Greedy is an argmax where the **lower index wins ties**. It is spelled `temperature=None` (the
-# default); `temperature=0` is not greedy but a `ValueError`, like any T ≤ 0. The running state
-# starts empty (`initial_state`) and `update_running_state` folds a block of logits into it: row
-# max, then the lowest index attaining it. Given all V logits at once it is just an argmax.
+# The kernel never holds the whole LM head: it streams through VMEM in column tiles
+# `lm_head[:, t·TILE:(t+1)·TILE]` by a two-slot ring (notebook 01: `make_async_copy` into one
+# slot while the other is used), and each tile's logits `x @ tile` are folded into a small
+# **running state** and dropped. What the state is, and how a tile folds into it, is the sampler:
+# the loop below takes them as functions (`init`, `fold`, `finish`), so the three steps only
+# write those. The kernel also writes the logits it computes to an output, for checking only: a
+# sampler that writes them has lost the point of fusing.
+#
+# **Greedy** is an argmax where the **lower index wins ties**. Its state is the best logit so far
+# and its index; tiles come in vocabulary order, so on equal values the state (earlier tiles,
+# lower indices) keeps its index, and the result is the one-shot argmax.
 
 # %%
-print(inspect.getsource(stage._best))
-print(inspect.getsource(stage._take_better))
+NO_INDEX = np.iinfo(np.int32).max  # sorts after every vocab index
+
+
+def my_sampler_kernel(x_ref, key_ref, lm_head_hbm, tokens_ref, logits_ref, slots, sems, *,
+                      init, fold, finish):
+    # x_ref [B, d] bf16, key_ref [B, 1] uint32 (VMEM); lm_head_hbm [d, V] bf16 (HBM);
+    # tokens_ref [B, 1] i32, logits_ref [B, V] f32 (VMEM); slots [2, d, TILE] bf16, sems: 2 DMA
+    n_tiles = lm_head_hbm.shape[1] // TILE
+
+    def copy(t, slot):  # LM head columns of tile t -> one slot
+        columns = pl.ds(pl.multiple_of(t * TILE, TILE), TILE)
+        return pltpu.make_async_copy(lm_head_hbm.at[:, columns], slots.at[slot], sems.at[slot])
+
+    copy(0, 0).start()
+    x, key = x_ref[...], key_ref[...]
+
+    def step(t, state):
+        slot = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            copy(t + 1, 1 - slot).start()
+
+        copy(t, slot).wait()
+        tile_logits = jnp.dot(x, slots[slot], preferred_element_type=jnp.float32)  # [B, TILE]
+        logits_ref[:, pl.ds(pl.multiple_of(t * TILE, TILE), TILE)] = tile_logits  # checking only
+        indices = t * TILE + jax.lax.broadcasted_iota(jnp.int32, tile_logits.shape, 1)
+        return fold(state, tile_logits, indices, key)
+
+    state = jax.lax.fori_loop(0, n_tiles, step, init(x.shape[0]))
+    tokens_ref[...] = finish(state, key)
+
+
+def run_sampler(init, fold, finish, lm_head=inputs["lm_head"]):
+    """(tokens [B], logits [B, V]) of the kernel with this running state."""
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    rows = jnp.arange(B, dtype=jnp.uint32)
+    key = sampling.counter_key(SEED, rows, positions)[:, None]  # [B, 1]: (seed, row, position)
+    tokens, kernel_logits = pl.pallas_call(
+        functools.partial(my_sampler_kernel, init=init, fold=fold, finish=finish),
+        out_shape=(jax.ShapeDtypeStruct((B, 1), jnp.int32),
+                   jax.ShapeDtypeStruct((B, lm_head.shape[1]), jnp.float32)),
+        in_specs=[vmem, vmem, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=(vmem, vmem),
+        scratch_shapes=[pltpu.VMEM((2, d, TILE), jnp.bfloat16), pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params(),
+    )(x, key, lm_head)
+    return tokens[:, 0], kernel_logits
+
+
+def best(values, indices):
+    """Row max [B, 1] and the lowest index attaining it [B, 1]."""
+    top = jnp.max(values, axis=1, keepdims=True)
+    return top, jnp.min(jnp.where(values == top, indices, NO_INDEX), axis=1, keepdims=True)
+
+
+def better(value, index, new_value, new_index):
+    """Keep (value, index) unless the new one is larger, or equal with a lower index."""
+    take = (new_value > value) | ((new_value == value) & (new_index < index))
+    return jnp.where(take, new_value, value), jnp.where(take, new_index, index)
+
+
+def greedy_init(batch):
+    return jnp.full((batch, 1), -jnp.inf), jnp.full((batch, 1), NO_INDEX, jnp.int32)
+
+
+def greedy_fold(state, tile_logits, indices, key):
+    return better(*state, *best(tile_logits, indices))
+
+
+def greedy_finish(state, key):
+    return state[1]  # the best index
+
+
+greedy_tokens, greedy_logits = run_sampler(greedy_init, greedy_fold, greedy_finish)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-all_indices = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
-rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-key = sampling.counter_key(SEED, rows, positions[:, None])  # [B, 1] uint32
-state = stage.update_running_state(stage.initial_state(B), logits, all_indices, key,
-                                   use_gumbel=False, use_candidates=False)
-greedy_reference = sampling.sample(logits, seed=SEED, positions=positions)  # temperature=None
-assert np.array_equal(state.greedy_index[:, 0], greedy_reference)
-# engineered ties: three equal maxima, the first one wins
+# Checks · greedy against the reference: its logits, its tokens, ties to the lowest index
+logit_error = float(jnp.max(jnp.abs(greedy_logits - logits)))
+assert logit_error < 0.1  # a few bf16 ulps of x: XLA on CPU may skip one bf16 rounding when fusing
+assert np.array_equal(greedy_tokens, sampling.sample(greedy_logits, seed=SEED, positions=positions))
+# engineered ties across tiles: three equal maxima at 9, 700 and 1500, the first one wins
 tied = logits.at[:, [9, 700, 1500]].set(100.0)
-tied_state = stage.update_running_state(stage.initial_state(B), tied, all_indices, key,
-                                        use_gumbel=False, use_candidates=False)
-assert np.all(tied_state.greedy_index == 9)
+tied_state = greedy_init(B)
+for t in range(V // TILE):
+    columns = slice(t * TILE, (t + 1) * TILE)
+    indices = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32)[columns], (B, TILE))
+    tied_state = greedy_fold(tied_state, tied[:, columns], indices, None)
+assert np.all(greedy_finish(tied_state, None) == 9)
 assert np.all(sampling.sample(tied, seed=0, positions=positions) == 9)
-for bad_temperature in (0.0, -1.0):  # greedy is None, never 0: T <= 0 is a ValueError
+for bad_temperature in (0.0, -1.0):  # greedy is temperature=None, never 0: T <= 0 is a ValueError
     try:
         sampling.sample(logits, seed=SEED, positions=positions, temperature=bad_temperature)
         raise AssertionError(f"temperature={bad_temperature} was accepted")
     except ValueError as error:
         assert "use temperature=None for greedy" in str(error)
-print("step 1 greedy tokens:", state.greedy_index[:, 0].tolist())
-print("step 1 PASS: equals the reference; ties go to the lowest index")
+print(f"step 1 greedy tokens: {greedy_tokens.tolist()}")
+print(f"step 1 PASS: logits within 0.1 of the reference's, tokens = reference sample(temperature=None)"
+      f" on them; ties go to the lowest index; {V // TILE} tiles of {TILE} columns")
+print(f"running state: {B * 8} bytes for B={B} (logits would be {B * V * 4} bytes; at the full "
+      f"vocab {B * 163840 * 4} bytes written to HBM and read back per step)")
 
 # %% [markdown]
-# ## Step 2 · Streamed greedy
+# ## Step 2 · Temperature: Gumbel-max in the same pass
 #
-# The kernel never holds the `[B, V]` logits: the LM head streams through VMEM in column tiles
-# `lm_head[:, t·TILE:(t+1)·TILE]`, and each tile's logits `x @ tile` are folded into the running
-# state and dropped. Tiles come in vocabulary order, so on equal values the state (earlier tiles,
-# lower indices) keeps its index: the result is exactly the one-shot argmax.
+# Sampling with **temperature** `T` draws token `i` with probability `softmax(z)_i`, `z = logits / T`
+# (`T` → 0 is greedy, large `T` flattens the distribution). With independent **Gumbel** noise `G_i`,
+# `argmax_i (z_i + G_i)` is an exact sample of `softmax(z)`: the **Gumbel-max** trick. So sampling
+# is another running argmax, now of `z + G`, with `G` from the counter of `(seed, row, position,
+# index)`: one pass over the vocabulary, no normaliser needed. Only the fold changes.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-def stream(z_of_tile, **flags):
-    """Fold the logits of each LM head tile into the running state, in vocabulary order."""
-    state = stage.initial_state(B)
-    for t in range(V // TILE):
-        tile = inputs["lm_head"][:, t * TILE:(t + 1) * TILE]  # [d, TILE]: what one DMA brings
-        tile_logits = jnp.dot(x, tile, preferred_element_type=jnp.float32)  # [B, TILE]
-        indices = t * TILE + jnp.broadcast_to(jnp.arange(TILE, dtype=jnp.int32), (B, TILE))
-        state = stage.update_running_state(state, z_of_tile(tile_logits), indices, key, **flags)
-    return state
-
-streamed = stream(lambda l: l, use_gumbel=False, use_candidates=False)
-assert np.array_equal(streamed.greedy_index, state.greedy_index)
-state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
-print(f"step 2 PASS: streamed greedy over {V // TILE} tiles = one-shot greedy")
-print(f"running state: {state_bytes} bytes for B={B} (logits would be {B * V * 4} bytes; "
-      f"at the full vocab {B * 163840 * 4} bytes written to HBM and read back per step)")
-
-# %% [markdown]
-# ## Step 3 · Gumbel-max: exact temperature sampling in the same pass
-#
-# With `z = logits / T` and independent Gumbel noise `G_i`, `argmax_i (z_i + G_i)` is an exact
-# sample of `softmax(z)`. It is another running argmax, now of `z + G`, with `G` from the counter
-# of `(seed, row, position, index)`: one pass over the vocabulary, no normaliser needed.
-
-# %%
-# NBVAL_CHECK_OUTPUT
 T = 0.8
-gumbel_state = stream(lambda l: l / T, use_gumbel=True, use_candidates=False)
-gumbel_reference = sampling.sample(logits, seed=SEED, positions=positions, temperature=T)
-assert np.array_equal(gumbel_state.gumbel_index[:, 0], gumbel_reference)
-print("step 3 sampled tokens:", gumbel_state.gumbel_index[:, 0].tolist())
-print("step 3 PASS: streamed Gumbel-max = reference sample(temperature=0.8), token for token")
 
-# %% [markdown]
-# ## Step 4 · Top-k and top-p over 128 candidates
-#
-# Top-k and top-p need the *order* of the largest logits and the *total* mass. The running state
-# keeps the 128 best `(z, index)` pairs, sorted (z descending, index ascending: `merge_candidates`
-# inserts each tile element that beats the 128th candidate at its rank, best first, with a lane
-# roll), and an online log-sum-exp (running max `m`, running `Σ exp(z − m)` rescaled when `m`
-# grows) — exact, not an estimate.
-#
-# At the end (`finish_sampling`): `p_j = exp(z_j − lse)`, the mass before candidate `j` is one
-# triangular matmul, and candidate `j` is kept while `j < top_k` and the mass before it is
-# `< top_p` (the first always). Gumbel-max over the kept candidates samples the renormalised
-# truncated distribution. **Top-p is exact whenever the nucleus fits in the 128 candidates**; when
-# the candidates hold less than `top_p` of the mass, the row's `nucleus_overflow` flag is set.
 
-# %%
-print(inspect.getsource(stage.finish_sampling))
+def gumbel_fold(state, tile_logits, indices, key):
+    scores = tile_logits / T + sampling.gumbel_from_key(key, indices)  # z + G
+    return better(*state, *best(scores, indices))
+
+
+gumbel_tokens, gumbel_logits = run_sampler(greedy_init, gumbel_fold, greedy_finish)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · temperature sampling against the reference, token for token
+want = sampling.sample(gumbel_logits, seed=SEED, positions=positions, temperature=T)
+assert np.array_equal(gumbel_tokens, want)
+print(f"step 2 sampled tokens: {gumbel_tokens.tolist()}")
+print(f"step 2 PASS: Gumbel-max over the tiles = reference sample(temperature={T}), token for token")
+
+# %% [markdown]
+# ## Step 3 · Top-p over a running list of candidates
+#
+# **Top-p** (nucleus sampling) keeps the most likely tokens, best first, while the probability
+# of those before them is `< p` (the first always), and samples among them renormalised. That
+# needs the *order* of the largest `z` and the *total* mass, in one pass:
+#
+# * the total: an **online log-sum-exp**, a running max `m` and `Σ exp(z − m)`, rescaled when `m`
+#   grows (exact, as in 02's online softmax);
+# * the order: a running list of the `C = 32` best `(z, index)`, sorted. Each tile merges into it
+#   by `C` rounds of "take the better of the list's best and the tile's best": simple, and `C`
+#   rounds per tile whatever the tile holds.
+#
+# At the end `p_j = exp(z_j − lse)`; the mass before candidate `j` is one matmul with a strictly
+# upper-triangular matrix (Mosaic has no cumulative sum), and Gumbel-max over the kept candidates
+# samples the truncated distribution. It is exact when the nucleus fits in the `C` candidates:
+# the reference's `candidates=C` is the same sampler, and `sampling.nucleus_overflow` says when a
+# row's nucleus would not fit.
+
+# %%
+C, TOP_P = 32, 0.5
+
+
+def top_p_init(batch):
+    lane = jax.lax.broadcasted_iota(jnp.int32, (batch, C), 1)
+    return (jnp.full((batch, 1), -jnp.inf), jnp.zeros((batch, 1)),  # running max, Σ exp(z - max)
+            jnp.full((batch, C), -jnp.inf), NO_INDEX - C + lane)  # candidates, distinct indices
+
+
+def merge_best(cand_values, cand_indices, z, indices):
+    """The C best of the candidates and the tile, best first (ties: lower index)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, cand_values.shape, 1)
+
+    def take_one(j, carry):
+        cand_values, z, new_values, new_indices = carry
+        kept_value, kept_index = best(cand_values, cand_indices)
+        tile_value, tile_index = best(z, indices)
+        value, index = better(kept_value, kept_index, tile_value, tile_index)
+        from_tile = index == tile_index
+        cand_values = jnp.where(~from_tile & (cand_indices == index), -jnp.inf, cand_values)
+        z = jnp.where(from_tile & (indices == index), -jnp.inf, z)
+        return (cand_values, z, jnp.where(lane == j, value, new_values),
+                jnp.where(lane == j, index, new_indices))
+
+    _, _, values, new = jax.lax.fori_loop(0, C, take_one,
+                                          (cand_values, z, cand_values, cand_indices))
+    return values, new
+
+
+def top_p_fold(state, tile_logits, indices, key):
+    running_max, running_sum, cand_values, cand_indices = state
+    z = tile_logits / T
+    new_max = jnp.maximum(running_max, jnp.max(z, axis=1, keepdims=True))
+    running_sum = (running_sum * jnp.exp(running_max - new_max)
+                   + jnp.sum(jnp.exp(z - new_max), axis=1, keepdims=True))
+    return (new_max, running_sum, *merge_best(cand_values, cand_indices, z, indices))
+
+
+def mass_before(state):
+    """p_j = exp(z_j - lse) of each candidate, and the mass of the candidates before it."""
+    running_max, running_sum, cand_values, _ = state
+    probs = jnp.exp(cand_values - (running_max + jnp.log(running_sum)))  # [B, C]
+    row, column = (jax.lax.broadcasted_iota(jnp.int32, (C, C), axis) for axis in (0, 1))
+    upper = (row < column).astype(jnp.float32)  # mass before lane j = Σ_{i<j} p_i
+    return probs, jnp.dot(probs, upper, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+
+def sample_kept(state, key, keep):
+    """Gumbel-max over the kept candidates: the truncated distribution, renormalised."""
+    _, _, cand_values, cand_indices = state
+    scores = jnp.where(keep, cand_values + sampling.gumbel_from_key(key, cand_indices), -jnp.inf)
+    return best(scores, cand_indices)[1]
+
+
+def top_p_finish(state, key):
+    _, before = mass_before(state)
+    lane = jax.lax.broadcasted_iota(jnp.int32, before.shape, 1)
+    return sample_kept(state, key, (lane == 0) | (before < TOP_P))
+
+
+top_p_tokens, top_p_logits = run_sampler(top_p_init, top_p_fold, top_p_finish)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · top-p against the reference with the same capacity; every nucleus fits, so it is exact
+want = sampling.sample(top_p_logits, seed=SEED, positions=positions, temperature=T, top_p=TOP_P,
+                       candidates=C)
+assert np.array_equal(top_p_tokens, want)
+assert not np.any(sampling.nucleus_overflow(top_p_logits, temperature=T, top_p=TOP_P, candidates=C))
+sizes = sampling.nucleus_size(top_p_logits, temperature=T, top_p=TOP_P)
+print(f"step 3 top-p {TOP_P} at T = {T}: tokens {top_p_tokens.tolist()}, nucleus sizes "
+      f"{np.asarray(sizes).tolist()} (all <= {C})")
+print(f"step 3 PASS: = reference sample(top_p={TOP_P}, candidates={C}), token for token")
+
+# %% [markdown]
+# ### Your turn: top-k beside top-p
+#
+# **Top-k** keeps only the `k` most likely tokens. Write `my_top_k_finish(state, key)`: keep
+# candidate `j` while `j < TOP_K` **and** it is in the top-p nucleus (the mass before it
+# `< TOP_P`, the first always), then sample among the kept ones. The state is step 3's
+# (`top_p_init`, `top_p_fold` run unchanged); `mass_before(state)` and `sample_kept(state, key,
+# keep)` are there to use. The check runs your finish in the kernel against the reference sampler
+# with `top_k=TOP_K, top_p=TOP_P`.
+
+# %%
+TOP_K = 3
+
+
+def my_top_k_finish(state, key):
+    # tokens [B, 1] i32 from the running state of step 3
+    raise NotImplementedError("keep j < TOP_K and the top-p nucleus, then sample")
+
+
+# %%
+def check_top_k(finish):
+    tokens, kernel_logits = run_sampler(top_p_init, top_p_fold, finish)
+    want = sampling.sample(kernel_logits, seed=SEED, positions=positions, temperature=T,
+                           top_k=TOP_K, top_p=TOP_P, candidates=C)
+    wrong = np.flatnonzero(np.asarray(tokens) != np.asarray(want)).tolist()
+    assert not wrong, f"rows {wrong} draw other tokens than the reference: {tokens.tolist()} " \
+                      f"vs {np.asarray(want).tolist()}"
+
+
+exercises.check("top-k beside top-p", lambda: check_top_k(my_top_k_finish))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: top-k beside top-p (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def top_k_solution(state, key):
+    _, before = mass_before(state)
+    lane = jax.lax.broadcasted_iota(jnp.int32, before.shape, 1)
+    return sample_kept(state, key, (lane < TOP_K) & ((lane == 0) | (before < TOP_P)))
+
+
+assert exercises.check("top-k beside top-p", lambda: check_top_k(top_k_solution))
+
+# %% [markdown]
+# ## The package's stage, and what it adds
+#
+# `stage.sample_stage` is one `pallas_call` whose body, `sampling_body`, is your kernel with the
+# three steps in one running state (`RunningState`: greedy, Gumbel, log-sum-exp and candidates
+# side by side), plus what a decode step needs:
+#
+# * **the final mix and RMSNorm in the kernel**: the DMA of LM head tile 0 starts first and flies
+#   while `reference.mix` and `reference.rms_norm` run on the snapshots in VMEM, so `x` never goes
+#   through HBM either;
+# * **a batch of rows with their own settings**: greedy, temperature, top-k and top-p per row (the
+#   row's `T`, `k`, `p` are VMEM arrays, not Python constants), and static flags skip the Gumbel
+#   noise or the candidates when no row needs them;
+# * **128 candidates, one vreg row of lanes**: `merge_candidates` inserts each tile element that
+#   beats the 128th candidate at its rank with a lane roll, and stops as soon as no row has such an
+#   element left: the first tile costs 128 rounds, a later one only as many as it has new
+#   top-128 elements (about `128/(t+1)` for random logits), not 128 every time;
+# * **a `nucleus_overflow` flag** per row when the candidates hold less than `top_p` of the mass:
+#   the one case where top-p is not exact is reported, never silent;
+# * the key computed in the kernel from the seed in SMEM; soft-capped logits; vocab shards (the
+#   sharded megakernel: `index_offset`, `merge`, a padded last shard masked); a verify step's rows;
+# * the LM head through `dma.Ring`, so every byte is in the DMA log.
+
+# %%
+print(inspect.getsource(stage.sampling_body))
+print(inspect.getsource(stage.merge_candidates))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the package's stage on 8 rows of mixed settings: its tokens and overflow flags are the
+# reference sampler's on its logits; the LM head is read once, tile by tile
 modes = {"temperature": [None, 1.0, 0.7, 1.0, 0.8, 1.2, 1.0, 8.0],  # None: a greedy row
-             "top_k": [0, 0, 0, 1, 5, 128, 0, 0],
-             "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.95]}
-# the per-row arrays the kernel takes (validated; a greedy row's temperature is encoded as 0)
-row_params = sampling.check_params(B, V, candidates=128, **modes)
-scale = np.where(row_params.temperature > 0, row_params.temperature, 1.0)[:, None]  # [B, 1]
-candidate_state = stream(lambda l: l / scale, use_gumbel=True, use_candidates=True)
-tokens, overflow = stage.finish_sampling(
-    candidate_state, key, jnp.asarray(row_params.temperature)[:, None],
-    jnp.asarray(row_params.top_k)[:, None], jnp.asarray(row_params.top_p)[:, None], candidates=128)
-want = sampling.sample(logits, seed=SEED, positions=positions, candidates=128, **modes)
-want_overflow = sampling.nucleus_overflow(logits, candidates=128, **modes)
-sizes = sampling.nucleus_size(logits, temperature=modes["temperature"], top_p=modes["top_p"])
-assert np.array_equal(tokens[:, 0], want) and np.array_equal(overflow[:, 0] != 0, want_overflow)
-assert np.asarray(want_overflow).tolist() == [False] * 7 + [True]  # only row 7 (see below)
-# nucleus: tokens in the top_p nucleus of softmax(logits / T) (all V when top_p = 1)
-print(f"{'row':>3} {'T':>4} {'top_k':>5} {'top_p':>5} {'nucleus':>7} {'overflow':>8} {'token':>5}")
-for b in range(B):
-    print(f"{b:>3} {modes['temperature'][b]!s:>4} {modes['top_k'][b]:>5} {modes['top_p'][b]:>5} "
-          f"{int(sizes[b]):>7} {bool(overflow[b, 0])!s:>8} {int(tokens[b, 0]):>5}")
-print("step 4 PASS: candidates + exact lse = reference sample(candidates=128), overflow flags equal")
-
-# %% [markdown]
-# Row 7 (T = 8, top_p = 0.95) needs more than 128 tokens for its nucleus: the stage samples among
-# its 128 candidates and says so. The reference with `candidates=128` does the same; without a
-# capacity it would draw from the full nucleus. Greedy and pure-temperature rows never need
-# candidates, and `0 < top_k ≤ 128` rows always fit.
-#
-# ## The fused Pallas stage
-#
-# `sample_stage` is one `pallas_call`: the body (`sampling_body`) starts the DMA of LM head tile 0,
-# runs `reference.mix` and `reference.rms_norm` on the VMEM snapshots while it flies, then loops
-# over tiles with a two-slot `dma.Ring` (tile t+1 in flight while tile t is multiplied and folded
-# into the state), and writes only `tokens [B]` and `nucleus_overflow [B]`. `return_logits=True`
-# also writes the logits — for checking only.
-
-# %%
-# NBVAL_CHECK_OUTPUT
+         "top_k": [0, 0, 0, 1, 5, 128, 0, 0],
+         "top_p": [1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.95]}
 with dma.recording() as log:
     result = stage.sample_stage(**inputs, cfg=cfg, seed=SEED, positions=positions, vocab_tile=TILE,
                                 return_logits=True, **modes)
@@ -277,20 +463,31 @@ with dma.recording() as log:
 max_error = float(jnp.max(jnp.abs(result.logits - logits)))
 assert max_error < 0.1  # a few bf16 ulps of x (XLA on CPU may skip one bf16 rounding when fusing)
 kernel_want = sampling.sample(result.logits, seed=SEED, positions=positions, candidates=128, **modes)
+want_overflow = sampling.nucleus_overflow(result.logits, candidates=128, **modes)
 assert np.array_equal(result.tokens, kernel_want)
-assert np.array_equal(result.nucleus_overflow,
-                      sampling.nucleus_overflow(result.logits, candidates=128, **modes))
+assert np.array_equal(result.nucleus_overflow, want_overflow)
+assert np.asarray(want_overflow).tolist() == [False] * 7 + [True]  # only row 7 (see below)
 lm_head_bytes = log.dma_bytes(stage.LM_HEAD)
 assert lm_head_bytes == inputs["lm_head"].nbytes == log.dma_bytes()
 tiles = [e.indices["tile"] for e in log.select("dma_start", stage.LM_HEAD)]
 assert tiles == list(range(V // TILE))
-print(f"kernel tokens: {result.tokens.tolist()}")
-print(f"kernel overflow: {result.nucleus_overflow.tolist()}")
-print(f"logits vs reference: max |error| < 0.1: {max_error < 0.1}; tokens = reference sampler on them")
+sizes = sampling.nucleus_size(result.logits, temperature=modes["temperature"], top_p=modes["top_p"])
+# nucleus: tokens in the top_p nucleus of softmax(logits / T) (all V when top_p = 1)
+print(f"{'row':>3} {'T':>4} {'top_k':>5} {'top_p':>5} {'nucleus':>7} {'overflow':>8} {'token':>5}")
+for b in range(B):
+    print(f"{b:>3} {modes['temperature'][b]!s:>4} {modes['top_k'][b]:>5} {modes['top_p'][b]:>5} "
+          f"{int(sizes[b]):>7} {bool(result.nucleus_overflow[b])!s:>8} {int(result.tokens[b]):>5}")
+print(f"logits vs reference: max |error| < 0.1: {max_error < 0.1}; tokens and overflow flags = "
+      "reference sampler on them")
 print(f"DMA: {lm_head_bytes} bytes of lm_head (= its size, read once), tiles {tiles}, nothing else")
 print("phases:", [e.name for e in log.select("phase_start")])
 
 # %% [markdown]
+# Row 7 (T = 8, top_p = 0.95) needs more than 128 tokens for its nucleus: the stage samples among
+# its 128 candidates and says so. The reference with `candidates=128` does the same; without a
+# capacity it would draw from the full nucleus. Greedy and pure-temperature rows never need
+# candidates, and `0 < top_k ≤ 128` rows always fit.
+#
 # ## Many draws: the histogram against the exact distribution
 #
 # One kernel call with 4096 identical rows and positions 0..4095 draws 4096 independent samples
@@ -299,7 +496,6 @@ print("phases:", [e.name for e in log.select("phase_start")])
 # `E[TV] ≤ ½ Σ √(p(1−p)/n)`, plus `√(ln(10⁶)/2n)` since one draw moves TV by at most 1/n.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 small = cfg.replace(vocab_size=256)
 DRAWS = 4096
 head_small = inputs["lm_head"][:, :256]
@@ -311,13 +507,7 @@ draws = stage.sample_stage(**many_rows, cfg=small, seed=1, positions=np.arange(D
 exact = np.asarray(sampling.truncated_distribution(draws.logits[:1], temperature=1.0, top_p=0.9,
                                                    candidates=128))[0]
 histogram = np.bincount(np.asarray(draws.tokens), minlength=256) / DRAWS
-tv = 0.5 * np.abs(histogram - exact).sum()
-bound = 0.5 * np.sum(np.sqrt(exact * (1 - exact) / DRAWS)) + np.sqrt(np.log(1e6) / (2 * DRAWS))
-assert tv < bound and not np.any(histogram[exact == 0]) and not bool(draws.nucleus_overflow.any())
-print(f"{DRAWS} draws, nucleus of {int((exact > 0).sum())} tokens: TV < bound "
-      f"{facts.stable(bound, '.3f', 1e-4)}: PASS")
 
-# %%
 order = np.argsort(-exact, kind="stable")[:24]  # the nucleus and a few tokens outside it
 fig, ax = plt.subplots(figsize=(9, 3))
 ax.bar(np.arange(len(order)) - 0.2, exact[order], width=0.4, label="exact (renormalised nucleus)")
@@ -328,8 +518,17 @@ ax.set_ylabel("probability")
 ax.set_title("top-p 0.9 sampling in the fused stage vs the exact distribution")
 ax.legend()
 plt.tight_layout()
-assert not label_problems(fig)  # no label runs into another, none is cut
 show_figure(fig)  # described: an HTML export gives the picture its title
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the draws: total variation under the bound, nothing outside the nucleus
+assert not label_problems(fig)  # no label runs into another, none is cut
+tv = 0.5 * np.abs(histogram - exact).sum()
+bound = 0.5 * np.sum(np.sqrt(exact * (1 - exact) / DRAWS)) + np.sqrt(np.log(1e6) / (2 * DRAWS))
+assert tv < bound and not np.any(histogram[exact == 0]) and not bool(draws.nucleus_overflow.any())
+print(f"{DRAWS} draws, nucleus of {int((exact > 0).sum())} tokens: TV < bound "
+      f"{facts.stable(bound, '.3f', 1e-4)}: PASS")
 
 # %% [markdown]
 # ## Compiling for TPU7x at the full per-rank vocab shard
@@ -354,6 +553,7 @@ print(compiled)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · one Mosaic kernel for the whole stage at a rank's shapes
 assert compiled.n_mosaic_kernels == 1
 print(f"compiled for {compiled.chip}: {compiled.n_mosaic_kernels} Mosaic kernel, "
       f"LM head shard {rank.d_model} x {rank.vocab_size} bf16 = {rank.d_model * rank.vocab_size * 2} bytes, "

@@ -78,7 +78,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mkresearch.checkpoint.loader import load_params, read_config, write_checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.kernels.compose import megakernel as mk
-from mkresearch.model import prefill, reference, weights
+from mkresearch.model import kv_cache, prefill, reference, weights
 from mkresearch.model.config import get_config
 
 CHECKPOINT = os.environ.get("MKRESEARCH_CHECKPOINT")  # a real checkpoint's directory, if set
@@ -124,7 +124,7 @@ print("files:", sorted(p.name for p in Path(CHECKPOINT).iterdir()))
 cfg = read_config(CHECKPOINT)
 tokenizer = load_tokenizer(CHECKPOINT)
 prompt_ids = encode(tokenizer, PROMPT, cfg.vocab_size)
-cache_len = 128 if WRITTEN else -(-(len(prompt_ids) + N_TOKENS) // 128) * 128
+cache_len = kv_cache.cache_length(cfg, len(prompt_ids) + N_TOKENS)  # whole KV tiles, as the CLI
 cfg = cfg.replace(max_seq_len=cache_len)
 params = load_params(CHECKPOINT, cfg, progress=False)
 print(f"{cfg.n_layers} layers, attention {cfg.attention!r}, FFN {cfg.ffn!r}, d_model "
@@ -196,7 +196,7 @@ for i in range(N_TOKENS - 1):
     token = int(np.asarray(next_token)[0])
     tokens.append(token)
     print(stream.push(token), end="", flush=True)
-print()
+print(stream.end())  # a character the tokens stop inside comes out as replacement characters
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -7,6 +7,7 @@ formats' pack∘unpack∘pack = pack makes FP8 / MXFP4 experts round-trip too), 
 same; DeepSeek's FP8 release format loses what FP8 e4m3 loses: logits within FP8_LOGIT_BOUND.
 """
 
+import copy
 import json
 import os
 import re
@@ -304,3 +305,132 @@ def test_command_line_check_exits_non_zero_with_one_line(tmp_path, family_params
     assert main([directory]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model-00001-of-00002.safetensors: missing shard" in err
+
+
+# ---- config.json fields of the wrong type, or missing: a config or one line naming the field ----
+def _family_raws():
+    """A config.json of each model type we read (Kimi Linear's mini: tests/test_kimi_linear.py),
+    DeepSeek-V3's with YaRN and FP8 (the nested fields too)."""
+    from test_kimi_linear import mini_raw
+    raws = {name: checkpoint.config_dict(config.get_config(name)) for name in FAMILIES}
+    raws["deepseek-v3-mini"] = checkpoint.config_dict(config.get_config("deepseek-v3-mini"),
+                                                      fp8=True)
+    raws["kimi-linear-mini"] = mini_raw()
+    assert "rope_scaling" in raws["deepseek-v3-mini"]  # the mini's YaRN
+    return raws
+
+
+def _paths(raw, prefix=()):
+    """Every field of raw, nested objects' fields as (parent, field) paths too."""
+    for key, value in raw.items():
+        yield (*prefix, key)
+        if isinstance(value, dict):
+            yield from _paths(value, (*prefix, key))
+
+
+def _with(raw, path, value):
+    """A deep copy of raw with the field at `path` set to value (or removed: value is _DROP)."""
+    out = copy.deepcopy(raw)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DROP:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+_DROP = object()
+WRONG_TYPES = ("three", [256], {"x": 1}, True, 2.5)
+
+
+def _read_or_one_line(raw):
+    """config_from_dict's result, or its CheckpointError's message (one line); any other
+    exception fails the test."""
+    try:
+        return checkpoint.config_from_dict(raw)
+    except checkpoint.CheckpointError as error:
+        message = str(error)
+        assert "\n" not in message and message.startswith("config.json"), message
+        return message
+
+
+@pytest.mark.parametrize("name", sorted(_family_raws()))
+def test_wrong_typed_fields_are_one_line_naming_the_field(name):
+    """Every field (nested ones too) set to a string, a list, an object, a bool and a fraction in
+    turn: a config (the field is not read, or the value is one it takes) or one line that names
+    the file and the field; never a traceback. Before: `"hidden_size": [256]` a TypeError,
+    `"rope_scaling": "yarn"` an AttributeError, `"num_hidden_layers": "three"` a ValueError
+    naming neither."""
+    raw = _family_raws()[name]
+    for path in _paths(raw):
+        for wrong in WRONG_TYPES:
+            got = _read_or_one_line(_with(raw, path, wrong))
+            if isinstance(got, str) and path[-1] != "model_type":
+                assert ".".join(path) in got or "ModelConfig." in got, (path, wrong, got)
+
+
+@pytest.mark.parametrize("name", sorted(_family_raws()))
+def test_missing_fields_take_a_default_or_are_one_line(name):
+    """Each field (nested ones too) left out in turn: transformers' default for the model type
+    (`hf_fields.DEFAULTS`, held equal to transformers' in tests/test_checkpoint_hf.py) or one
+    line naming it."""
+    raw = _family_raws()[name]
+    for path in _paths(raw):
+        got = _read_or_one_line(_with(raw, path, _DROP))
+        if isinstance(got, str) and "is missing" in got:
+            assert repr(".".join(path)) in got, (path, got)
+
+
+def test_yarn_and_fp8_fields_as_transformers_reads_them():
+    """YaRN without original_max_position_embeddings: transformers' default, max_position_
+    embeddings (was a KeyError); a quantization_config without fmt, as transformers'
+    FineGrainedFP8Config writes it: DeepSeek's FP8."""
+    raw = checkpoint.config_dict(config.get_config("deepseek-v3-mini"), fp8=True)
+    del raw["rope_scaling"]["original_max_position_embeddings"]
+    cfg = checkpoint.config_from_dict(raw)
+    assert (cfg.yarn_original_max_positions, cfg.yarn_factor) == (raw["max_position_embeddings"],
+                                                                   raw["rope_scaling"]["factor"])
+    del raw["quantization_config"]["fmt"]
+    raw["quantization_config"].update(scale_fmt="float", dequantize=False,
+                                      weight_block_size=(128, 128))
+    assert checkpoint.fp8_quantized(raw)
+    raw["quantization_config"]["fmt"] = "e5m2"
+    with pytest.raises(checkpoint.CheckpointError, match="quantization_config.fmt='e5m2'"):
+        checkpoint.fp8_quantized(raw)
+
+
+def test_fp8_checkpoint_with_experts_on_a_d_model_off_the_fp8_blocks(tmp_path):
+    """qwen3_moe FP8 with d_model 384 and expert hidden 256: W1/W3 contract over d_model, no whole
+    256-value FP8 scale blocks, so the experts load into bf16 (was: fp8 chosen by the hidden
+    alone, then refused). The quantization_config as transformers writes it (no fmt) and a
+    leftover `rotary_emb.inv_freq` buffer: both read. Loads bit-equal to its dequantized twin."""
+    cfg = config.get_config("qwen3-235b-a22b-mini", d_model=384, expert_hidden=256,
+                            expert_format="bf16")
+    params = weights.init_params(cfg, 1)
+    fp8_dir, twin_dir = str(tmp_path / "fp8"), str(tmp_path / "twin")
+    checkpoint.write_checkpoint(fp8_dir, params, cfg, fp8=True)
+    with open(os.path.join(fp8_dir, "config.json")) as handle:
+        raw = json.load(handle)
+    del raw["quantization_config"]["fmt"]
+    with open(os.path.join(fp8_dir, "config.json"), "w") as handle:
+        json.dump(raw, handle)
+    inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    _rewrite(fp8_dir, lambda t: t.update({inv_freq: np.ones(64, np.float32)}))
+    read = checkpoint.read_config(fp8_dir)
+    assert read.expert_format == "bf16" and read.d_model == 384
+    shards = safetensors_io.Shards(fp8_dir)
+    os.makedirs(twin_dir)
+    safetensors_io.write_file(os.path.join(twin_dir, safetensors_io.SINGLE_FILE), {
+        name: shards.read_f32(name) for name in shards.names()
+        if not name.endswith("_scale_inv") and name != inv_freq})
+    del raw["quantization_config"]
+    with open(os.path.join(twin_dir, "config.json"), "w") as handle:
+        json.dump(raw, handle)
+    assert _equal(checkpoint.load_params(fp8_dir, read, progress=False),
+                  checkpoint.load_params(twin_dir, checkpoint.read_config(twin_dir),
+                                         progress=False))
+    # experts whose every contraction is whole FP8 blocks still load as fp8
+    assert checkpoint.config_from_dict({**raw, "hidden_size": 512, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}).expert_format == "fp8"

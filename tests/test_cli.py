@@ -16,7 +16,7 @@ def run(*args, timeout=300):
 
 @pytest.mark.slow
 def test_decode_json_and_text(capsys):
-    done = run("decode", "--model", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3",
+    done = run("decode", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3",
                "--batch", "2", "--seed", "1", "--backend", "reference", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # stdout is exactly one JSON object: no progress bar
@@ -27,9 +27,9 @@ def test_decode_json_and_text(capsys):
     assert result["parity"]["passed"] and result["parity"]["tokens_equal"] == 6
     assert result["tokens_per_s"] > 0
     # the text form of the same result: tokens, parity, timing
-    from mkresearch.cli.main import _print_decode
+    from mkresearch.cli.decode import print_decode
 
-    _print_decode(result)
+    print_decode(result)
     text = capsys.readouterr().out
     assert "generated" in text and "parity:" in text and "PASS" in text and "tokens/s" in text
 
@@ -37,7 +37,7 @@ def test_decode_json_and_text(capsys):
 @pytest.mark.parametrize("args, reason", [
     (["decode", "--backend", "stages"], "--backend 'stages' is not available yet"),
     (["decode", "--backend", "cuda"], "--backend 'cuda' is unknown"),
-    (["decode", "--model", "kimi-k4"], "kimi-k3-mini"),  # lists the presets
+    (["decode", "kimi-k4"], "kimi-k3-mini"),  # lists the presets
     (["info", "llama"], "kimi-k3, kimi-k3-mini"),
     (["decode", "--steps", "-2"], "--steps"),
     (["decode", "--batch", "0"], "--batch"),
@@ -49,17 +49,17 @@ def test_decode_json_and_text(capsys):
     (["decode", "--prompt-len", "0"], "--prompt-len"),
     (["decode", "--prompt-len", "200"], "max_seq_len"),
     (["decode", "--seed", "x"], "--seed"),
-    (["decode", "--model", "kimi-k3"], "too many to decode"),
+    (["decode", "kimi-k3"], "too many to decode"),
     (["info", "kimi-k3", "--batch", "0"], "--batch"),
     (["info", "kimi-k3", "--format", "int4"], "--format"),
-    (["info", "kimi-k3", "--layout", "paged"], "--layout"),
+    (["info", "kimi-k3", "--cache-layout", "paged"], "--cache-layout"),
     (["figures", "--only", "nope"], "--only"),
     (["plan", "llama"], "kimi-k3, kimi-k3-mini"),
     (["plan", "kimi-k3", "--batch", "17"], "--batch 17 is invalid: each in [1, 16]"),
     (["plan", "kimi-k3", "--chip", "h100"], "--chip 'h100' is unknown"),
     (["plan", "kimi-k3-mini", "--context", "128"], "--context 128 is invalid: an int in [0, 127]"),
     (["plan", "kimi-k3", "--format", "released"], "--format"),
-    (["plan", "kimi-k3", "--layout", "paged"], "--layout"),
+    (["plan", "kimi-k3", "--cache-layout", "paged"], "--cache-layout"),
     (["frobnicate"], "frobnicate"),
     ([], "required"),
 ])
@@ -106,7 +106,7 @@ def test_demo_decodes_with_the_megakernel():
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1)
     assert "mkresearch decode" in demo and "--backend reference" not in demo
-    done = run("decode", "--model", "kimi-k3-mini", "--prompt-len", "2", "--steps", "2",
+    done = run("decode", "kimi-k3-mini", "--prompt-len", "2", "--steps", "2",
                "--batch", "1", "--seed", "0")
     assert done.returncode == 0, done.stderr
     text = done.stdout
@@ -121,7 +121,7 @@ def test_demo_decodes_with_the_megakernel():
                         r"publishes 4\.02 ms", text.splitlines()[-1]), text
 
 
-@pytest.mark.parametrize("command", [["decode"], ["bench", "--batches", "1"]])
+@pytest.mark.parametrize("command", [["decode"], ["bench", "--batch", "1"]])
 def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     """A ValueError the library raises before running (here: a config over the chip's HBM) is
     one line on stderr and exit status 2, like bad input. No preset the CLI decodes is refused,
@@ -154,11 +154,11 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
     ("glm-4.5-mini", "reference"),
     pytest.param("deepseek-v3-mini", "megakernel", marks=pytest.mark.exhaustive)])
 def test_decode_family_minis(capsys, model, backend):
-    """`decode --model <family mini>`: tokens, parity (reference) or agreement (megakernel), and
+    """`decode <family mini>`: tokens, parity (reference) or agreement (megakernel), and
     for the megakernel one rank of the full model predicted on TPU7x."""
     from mkresearch.cli import main as cli
 
-    assert cli.main(["decode", "--model", model, "--prompt-len", "2", "--steps", "2", "--batch",
+    assert cli.main(["decode", model, "--prompt-len", "2", "--steps", "2", "--batch",
                      "2", "--backend", backend, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["model"] == model and result["backend"] == backend
@@ -177,7 +177,7 @@ def test_decode_family_minis(capsys, model, backend):
 def test_bench_a_family_mini(tmp_path, capsys):
     from mkresearch.cli import main as cli
 
-    assert cli.main(["bench", "--model", "qwen3-235b-a22b-mini", "--batches", "1", "--steps", "1",
+    assert cli.main(["bench", "qwen3-235b-a22b-mini", "--batch", "1", "--steps", "1",
                      "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "B=1: megakernel" in out
@@ -274,7 +274,7 @@ def test_plan_on_every_preset(capsys, name):
 def test_plan_options_and_text():
     from mkresearch.model.config import get_config
 
-    args = ("plan", "kimi-k3-mini", "--batch", "4", "--layout", "latent", "--format", "fp8",
+    args = ("plan", "kimi-k3-mini", "--batch", "4", "--cache-layout", "latent", "--format", "fp8",
             "--context", "40")
     done = run(*args, "--json")
     assert done.returncode == 0, done.stderr

@@ -5,6 +5,7 @@ tokenizer.json built in the test), decoded from text to text, also with --specul
 input is one line, exit 2. No network."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from mkresearch.checkpoint.loader import read_config, write_checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli import main as cli
 from mkresearch.cli import ranks as cli_ranks
-from mkresearch.model import prefill, reference, weights
+from mkresearch.model import kv_cache, prefill, reference, weights
 from mkresearch.model.config import get_config
+from mkresearch.model.published import PUBLISHED, published_config
 
 PROMPT = "a prompt fills every cache"
 
@@ -45,7 +47,8 @@ def test_decode_streams_the_reference_greedy_text(checkpoint, capsys):
     tokenizer = load_tokenizer(directory)
     ids = encode(tokenizer, PROMPT, cfg.vocab_size)
     assert result["prompt_ids"] == ids
-    small = read_config(directory).replace(max_seq_len=128)  # the CLI's: compiled already
+    read = read_config(directory)  # the CLI's cache: compiled already
+    small = read.replace(max_seq_len=kv_cache.cache_length(read, len(ids) + 3))
     logits, state = prefill.prefill(params, reference.init_state(small, 1), np.asarray([ids]),
                                     small)
     tokens = [int(np.asarray(logits)[0, -1].argmax())]
@@ -55,11 +58,62 @@ def test_decode_streams_the_reference_greedy_text(checkpoint, capsys):
         tokens.append(int(np.asarray(step)[0].argmax()))
     assert result["generated"] == tokens
     stream = TextStream(tokenizer, ids)
-    assert result["text"] == "".join(stream.push(t) for t in tokens)
+    assert result["text"] == "".join(stream.push(t) for t in tokens) + stream.end()
     # without --json: the prompt, then each token's text as it comes, on stdout
     assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", PROMPT, "--steps", "3",
                      "--backend", "reference"]) == 0
     assert capsys.readouterr().out == PROMPT + result["text"] + "\n"
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """The mini with max_position_embeddings 2048, as real configs have: read back, the family's
+    KV tile (256) is the config's, so the cache the CLI allocates must be whole 256-token tiles."""
+    directory = tmp_path_factory.mktemp("qwen3-mini-2048")
+    cfg = get_config("qwen3-235b-a22b-mini", max_seq_len=2048, n_layers=1,
+                     mla_first=0)  # one layer: cheap compiles (mla_first: unused by Qwen3)
+    write_checkpoint(directory, weights.init_params(cfg, seed=4), cfg)
+    tiny_tokenizer_json(directory)
+    assert read_config(directory).kv_tile == 256
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_tokens, backend", [(1, "reference"), (10, "reference"),
+                                                    (130, "reference"), (279, "megakernel")])
+def test_decode_at_prompt_lengths_of_a_2048_position_checkpoint(long_checkpoint, capsys,
+                                                                prompt_tokens, backend):
+    """Prompts of 1, 10, 130 and 279 tokens (caches of 256 and 512: one and two KV tiles) decode;
+    before, any cache not a multiple of 256 was refused (`max_seq_len=128 is invalid`)."""
+    prompt = "z" * prompt_tokens  # one token per "z" (no merge of it in the tiny tokenizer)
+    status = cli.main(["decode", "--checkpoint", str(long_checkpoint), "--prompt", prompt,
+                       "--steps", "2", "--backend", backend, "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    result = json.loads(captured.out)
+    assert len(result["prompt_ids"]) == prompt_tokens and len(result["generated"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_every_published_preset_accepts_every_cache_length_the_cli_asks_for(name):
+    """`kv_cache.cache_length` is the CLI's (and notebook 12's) cache for prompt + steps tokens:
+    for each published preset, at its own max_position_embeddings, every token count up to it
+    gets a cache the config accepts (the function is a step: its edges are checked, 1, k·step
+    and k·step + 1), holding the tokens, and too many tokens are one ValueError naming
+    max_seq_len."""
+    cfg = published_config(name)
+    step = math.lcm(kv_cache.CACHE_ROUND, cfg.kv_tile)
+    edges = {1, cfg.max_seq_len} | {t for k in range(1, cfg.max_seq_len // step + 1)
+                                    for t in (k * step, k * step + 1) if t <= cfg.max_seq_len}
+    lengths = set()
+    for tokens in sorted(edges):
+        length = kv_cache.cache_length(cfg, tokens)
+        assert tokens <= length <= cfg.max_seq_len and length % cfg.kv_tile == 0, tokens
+        lengths.add(length)
+    for length in lengths:
+        assert cfg.replace(max_seq_len=length).max_seq_len == length
+    with pytest.raises(ValueError, match=f"exceed max_seq_len={cfg.max_seq_len}"):
+        kv_cache.cache_length(cfg, cfg.max_seq_len + 1)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -73,6 +127,8 @@ def test_decode_streams_the_reference_greedy_text(checkpoint, capsys):
     (["--checkpoint", "{missing}", "--prompt", "x"], "config.json"),
     (["--checkpoint", "{no_tokenizer}", "--prompt", "x"], "no tokenizer.json"),
     (["--checkpoint", "{dir}", "--prompt", "x", "--steps", "200"], "exceed max_seq_len"),
+    (["--checkpoint", "{dir}", "--prompt", "x", "--steps", "127", "--speculate", "2"],
+     "+ --steps 127 - 1 + --speculate 2 = 129 exceed max_seq_len=128"),
 ])
 def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, extra, message):
     directory, _, _ = checkpoint
@@ -89,10 +145,33 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, extra, message):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": "yarn"}, "config.json: rope_scaling='yarn' is invalid: a JSON object"),
+    ({"hidden_size": [256]}, "config.json: hidden_size=[256] is invalid: an int"),
+    ({"num_hidden_layers": "three"}, "config.json: num_hidden_layers='three' is invalid: an int"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "rope_scaling={'type': 'yarn', 'factor': 4.0} is not supported: none for GQA models"),
+])
+def test_bad_config_json_is_one_line_naming_the_field(checkpoint, tmp_path, capsys, change,
+                                                      message):
+    """config.json values of the wrong type: one line naming the file and the field, exit 2
+    (were a TypeError, an AttributeError and a ValueError naming neither). DeepSeek's YaRN
+    without original_max_position_embeddings reads as transformers reads it:
+    tests/test_checkpoint_hf.py."""
+    directory, _, _ = checkpoint
+    for path in directory.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((directory / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    assert cli.main(["decode", "--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 def _text(directory, cfg, generated):
     tokenizer = load_tokenizer(directory)
     stream = TextStream(tokenizer, encode(tokenizer, PROMPT, cfg.vocab_size))
-    return PROMPT + "".join(stream.push(t) for t in generated)
+    return PROMPT + "".join(stream.push(t) for t in generated) + stream.end()
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def test_bench_on_2_ranks_adds_per_rank_rows(tmp_path):
     decode_bench.json) with one entry per rank."""
     env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
     done = subprocess.run([sys.executable, "-m", "mkresearch", "bench", "--ranks", "2",
-                           "--batches", "1", "--steps", "1", "--out", str(tmp_path)],
+                           "--batch", "1", "--steps", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "B=1, 2 ranks: sharded megakernel" in done.stdout

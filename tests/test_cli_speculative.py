@@ -13,7 +13,7 @@ from mkresearch.cli import main as cli
 def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
     """deepseek-v3-mini (the quickest mini to compile) at forced acceptance 2 of K = 3 on the
     reference's verify: every step emits 3 tokens, and the tokens are plain greedy decoding's."""
-    assert cli.main(["decode", "--model", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "7",
+    assert cli.main(["decode", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "7",
                      "--batch", "2", "--speculate", "3", "--drafter", "forced:2", "--backend",
                      "reference", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -35,7 +35,7 @@ def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
 def test_decode_speculate_on_the_megakernel_by_default(capsys):
     """The default backend: one megakernel pallas_call per verify step (kimi-k3-mini: KDA, MLA,
     MoE), forced acceptance 2 of K = 3, lossless against plain greedy decoding."""
-    assert cli.main(["decode", "--model", "kimi-k3-mini", "--prompt-len", "3", "--steps", "7",
+    assert cli.main(["decode", "kimi-k3-mini", "--prompt-len", "3", "--steps", "7",
                      "--batch", "1", "--speculate", "3", "--drafter", "forced:2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["backend"] == "megakernel" and result["verify_steps"] == 2
@@ -43,7 +43,7 @@ def test_decode_speculate_on_the_megakernel_by_default(capsys):
 
 
 def test_decode_speculate_mtp(capsys):
-    assert cli.main(["decode", "--model", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "4",
+    assert cli.main(["decode", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "4",
                      "--batch", "2", "--speculate", "2", "--drafter", "mtp"]) == 0
     text = capsys.readouterr().out
     assert "drafter mtp" in text and "8/8 tokens equal -> PASS" in text
@@ -62,7 +62,7 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
         return {"rows": []}
 
     monkeypatch.setattr(bench, "run_bench", stub)
-    assert cli.main(["bench", "--model", "deepseek-v3-mini", "--batches", "2", "16", "--steps",
+    assert cli.main(["bench", "deepseek-v3-mini", "--batch", "2,16", "--steps",
                      "1", "--speculate", "4", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "B=2, speculative K=4 (reference" in text and "B=16" not in text  # 16 x 5 > 64
@@ -85,7 +85,7 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
     (["decode", "--speculate", "3", "--drafter", "mtp"],
      "drafter='mtp' is invalid for kimi-k3-mini: it has n_mtp_layers=0"),
     (["decode", "--drafter", "ngram"], "--drafter is an option of --speculate K"),
-    (["decode", "--model", "deepseek-v3-mini", "--speculate", "3", "--drafter", "mtp",
+    (["decode", "deepseek-v3-mini", "--speculate", "3", "--drafter", "mtp",
       "--backend", "megakernel"], "--drafter mtp runs with --backend reference"),
     (["decode", "--speculate", "3", "--backend", "mine"], "--backend 'mine'"),
     (["decode", "--speculate", "3", "--prompt-len", "120", "--steps", "8"],

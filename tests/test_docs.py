@@ -160,14 +160,15 @@ def test_readme_setup_commands_are_what_ci_runs():
 
 
 def test_readme_quick_start_commands_parse():
-    from mkresearch.cli import main
+    from mkresearch.cli import main, options
 
     commands = _section_block(_readme(), "Quick start")
     assert len(commands) <= 5, commands
     cli = [shlex.split(c)[1:] for c in commands if c.startswith(".venv/bin/mkresearch ")]
     assert cli, commands
     for argv in cli:
-        main._parser().parse_args(argv)  # SystemExit (2) on a flag the CLI does not take
+        args = main._parser().parse_args(argv)  # SystemExit (2) on a flag the CLI does not take
+        assert not getattr(args, options.NOTICES, None), f"{argv}: an old spelling"
     make = [c for c in commands if c.startswith("make ")]
     targets = (ROOT / "Makefile").read_text(encoding="utf-8")
     for c in make:

@@ -230,8 +230,9 @@ def test_configs_the_composer_cannot_run_are_refused(name, changes, field):
 
 
 def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", "deepseek-v3", "--layout",
-                           "expanded"], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", "deepseek-v3",
+                           "--cache-layout", "expanded"], capture_output=True, text=True,
+                          timeout=300, check=False)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "mla_cache_layout" in done.stderr
 

@@ -67,7 +67,7 @@ def test_full_presets_split_32_ways_with_every_rule(model):
 def test_predict_a_family_above_its_hbm_floor(model, capsys):
     """`mkresearch predict MODEL --ranks 32`: the timeline over every rank predicts a step above
     the slowest rank's HBM floor (its bytes over one TPU7x core's bandwidth)."""
-    assert cli.main(["predict", model, "--ranks", "32", "--batch", "1", "--layout", "ours",
+    assert cli.main(["predict", model, "--ranks", "32", "--batch", "1", "--rank-layout", "ours",
                      "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["predictions"]
     cfg = config.get_config(model)

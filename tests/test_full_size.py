@@ -74,10 +74,10 @@ def test_the_stand_in_is_labelled_where_its_bytes_print(capsys, command):
 def test_decode_and_bench_print_the_full_size_line_of_info_and_predict(capsys, tmp_path, kimi_32):
     """`make demo`'s last line is the full-size step, not the stand-in's scaled one."""
     ours = kimi_32["ours"].line()
-    decode = run(capsys, "decode", "--model", "kimi-k3-mini", "--prompt-len", "1", "--steps", "1",
+    decode = run(capsys, "decode", "kimi-k3-mini", "--prompt-len", "1", "--steps", "1",
                  "--batch", "1")
     assert decode.splitlines()[-1] == ours and "kimi-k3-rank" not in decode
-    bench = run(capsys, "bench", "--model", "kimi-k3-mini", "--batches", "1", "--steps", "1",
+    bench = run(capsys, "bench", "kimi-k3-mini", "--batch", "1", "--steps", "1",
                 "--out", str(tmp_path))
     assert ours in bench.splitlines() and "kimi-k3-rank" not in bench
     saved = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]["full_size"]

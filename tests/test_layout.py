@@ -10,7 +10,7 @@ import pytest
 from mkresearch.cli import main as cli
 from mkresearch.model import config, reference, spec, weights
 from mkresearch.model.config import get_config
-from mkresearch.sharding import layout, layout_bytes
+from mkresearch.sharding import layout, layout_bytes, layout_ranks
 from mkresearch.model import published as presets
 
 MINI = get_config("kimi-k3-mini")
@@ -127,6 +127,42 @@ def test_bad_etp_and_name():
         layout.layout(MINI, 8, etp=4)
     with pytest.raises(ValueError, match="layout name='mine' is invalid: one of ours, release"):
         layout.layout(MINI, 2, "mine")
+
+
+@pytest.mark.parametrize("name", ["kimi-k3-mini", "deepseek-v3-mini", "glm-4.5-mini",
+                                  "qwen3-235b-a22b-mini", "kimi-k3"])
+def test_every_default_layout_builds_its_ranks_in_every_expert_format(name):
+    """For each expert format and every rank count the layout allows (up to 32), in both
+    collective modes: the default ETP gives a rank config its checks accept (fp8: each rank's
+    expert hidden whole 256-value scale blocks). Before, kimi-k3-mini with fp8 experts took
+    ETP 2 on 16 ranks and the sharded plan failed on a per-rank expert_hidden=128 the user never
+    set; lane tiles were the only unit checked."""
+    from mkresearch.kernels.compose import megakernel_sharded
+
+    for fmt in ("bf16", "fp8", "mxfp4"):
+        cfg = get_config(name, expert_format=fmt)
+        for n_ranks in layout.allowed_ranks(cfg, 32):
+            for mode in layout.COLLECTIVES:
+                lay = layout.layout(cfg, n_ranks, collectives=mode)
+                megakernel_sharded.kernel_config(lay)  # validated: raises on a bad share
+                assert cfg.expert_hidden // lay.etp % layout_ranks.hidden_unit(cfg) == 0
+
+
+def test_fp8_experts_with_etp_pick_whole_scale_blocks():
+    """kimi-k3-mini with fp8 experts on 16 ranks: ETP 1 (its hidden, 256, is one FP8 scale
+    block), and the sharded plan builds; ETP 2 asked for is one line naming etp and the scale
+    blocks."""
+    from mkresearch.kernels.compose import megakernel_sharded
+
+    cfg = get_config("kimi-k3-mini", expert_format="fp8")
+    lay = layout.layout(cfg, 16)
+    assert lay.etp == 1 and layout.layout(MINI, 16).etp == 2  # bf16: 128-lane slices allowed
+    megakernel_sharded.make_sharded_plan(lay, 1, cfg.max_seq_len)
+    with pytest.raises(ValueError, match=r"etp=2 is invalid for kimi-k3-mini on 16 ranks: .*"
+                                         r"expert_hidden=256 in ETP slices of whole 256-value "
+                                         r"fp8 scale blocks.*allowed: \[1\]") as caught:
+        layout.layout(cfg, 16, etp=2)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_kind_without_sharding_rules_is_refused():

@@ -54,7 +54,7 @@ def test_kernel_plan_and_prediction_read_one_depth(capsys):
         assert row["schedule"]["reductions"] == options.reductions
     assert scale_out.predict(cfg, 32, "ours", 1)["schedule"]["banks"] > \
         scale_out.predict(cfg, 32, "ours", 8)["schedule"]["banks"]  # less VMEM left at B = 8
-    assert cli.main(["predict", "kimi-k3", "--ranks", "32", "--batch", "1", "--layout",
+    assert cli.main(["predict", "kimi-k3", "--ranks", "32", "--batch", "1", "--rank-layout",
                      "ours"]) == 0
     assert f"ours B=1: {rings[1].describe()}" in capsys.readouterr().out
     assert cli.main(["plan", "kimi-k3", "--ranks", "32"]) == 0

@@ -376,7 +376,7 @@ def test_predict_command_explains_validates_and_profiles(capsys):
     for name in links.FIGURES:
         assert f"interconnect.{name}" in out
     assert "ASSUMPTION" in out and "MEASURED" in out and "slice tpu7x:2x2x4" in out
-    assert cli.main(["predict", "kimi-k3-mini", "--ranks", "8", "--batch", "1", "--layout",
+    assert cli.main(["predict", "kimi-k3-mini", "--ranks", "8", "--batch", "1", "--rank-layout",
                      "release", "--profile"]) == 0
     assert "profile: one 8-rank prediction" in capsys.readouterr().out
 
@@ -392,7 +392,7 @@ def test_predict_command_validates(capsys):
 
 def test_predict_command_table(capsys):
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "2", "--batch", "1",
-                     "--layout", "release", "--schedule", "ours", "--algorithm", "ring"]) == 0
+                     "--rank-layout", "release", "--schedule", "ours", "--algorithm", "ring"]) == 0
     out = capsys.readouterr().out
     assert "kimi-k3-mini on 2 ranks of tpu7x (ring collectives)" in out
     assert "release  ours" in out
@@ -403,8 +403,8 @@ def test_predict_command_table(capsys):
     (["predict", "kimi-k3", "--ranks", "7"], "n_ranks=7 is invalid"),
     (["predict", "kimi-k3", "--chip", "v5e"], "n_ranks=32 is invalid for chip='v5e'"),
     (["predict", "kimi-k3", "--batch", "1,x"], "--batch '1,x' is invalid"),
-    (["predict", "kimi-k3", "--batch", "0"], "--batch must be an int >= 1"),
-    (["predict", "kimi-k3", "--layout", "mine"], "invalid choice"),
+    (["predict", "kimi-k3", "--batch", "0"], "--batch 0 is invalid: an int >= 1"),
+    (["predict", "kimi-k3", "--rank-layout", "mine"], "invalid choice"),
 ])
 def test_predict_command_refuses_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2

@@ -146,36 +146,106 @@ def test_bench_workload_prints_the_table(synthetic_data, monkeypatch, capsys, tm
 
     def run_workload(params, requests, cfg, pages_config, **kwargs):
         served_args.update(requests=requests, pages=pages_config, **kwargs)
+        for s in data["steps"]:  # each step's line is out as soon as its step ran
+            kwargs["on_step"](s)
+            assert capsys.readouterr().out.splitlines()[-1].startswith(f"{s['step']:>5} ")
         return data  # the data function is tested above: this is the command around it
 
     monkeypatch.setattr(cli_workload.workload, "run_workload", run_workload)
     path = tmp_path / "trace.csv"
     path.write_text("prompt_len,output_len,arrival,temperature\n5,4,0,\n7,3,2,0.5\n")
     assert cli.main(["bench", "--workload", str(path), "--slots", "2", "--pages", "6"]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out  # the totals (the steps' lines were read as they came)
     assert served_args["batch"] == 2 and served_args["pages"].n_pages == 6
     assert [r.temperature for r in served_args["requests"]] == [None, 0.5]
-    assert "TPU ms" in out and "tokens/s" in out and "occupancy: slots" in out
-    assert len(out.splitlines()) == len(data["steps"]) + 5
+    assert "tokens/s" in out and "occupancy: slots" in out and len(out.splitlines()) == 3
+    table = cli_workload.format_table(data).splitlines()
+    assert "TPU ms" in table[1] and len(table) == len(data["steps"]) + 5
 
 
 @pytest.mark.parametrize("content, reason", [
     (None, "cannot be read"),
     ("{not json", "is not valid JSON"),
     ('{"requests": [{"prompt_len": 5, "output_len": 0, "arrival": 0}]}',
-     "workload request 0: output_len=0 is invalid: an int >= 1"),
-    ('[{"prompt_len": 5, "arrival": 0}]', "workload request 0 lacks output_len"),
+     "workload 'trace.json' request 0: output_len=0 is invalid: an int >= 1"),
+    ('[{"prompt_len": 5, "arrival": 0}]', "workload 'trace.json' request 0 lacks output_len"),
     ("prompt_len,output_len\n5,3\n", "CSV with a header naming prompt_len, output_len, arrival"),
-    ("prompt_len,output_len,arrival\n100,40,0\n", "exceeds 128 (the tokens one row's page table"),
+    ("prompt_len,output_len,arrival\n100,40,0\n",
+     "request 0: prompt_len + output_len = 140 exceeds max_seq_len=128 of the model"),
     ("prompt_len,output_len,arrival,temperature\n5,3,0,-1\n", "temperature='-1' is invalid"),
+    # the edges: a value more (or fewer) than the header, a seed past uint32 (was refused 55 s
+    # into the run, naming no request), a file that is not UTF-8
+    ("prompt_len,output_len,arrival\n5,3,0\n5,3,0,7\n",
+     "workload 'trace.json' line 3 is invalid: 4 values, the header names 3"),
+    ("prompt_len,output_len,arrival\n5,3\n", "line 2 is invalid: 2 values, the header names 3"),
+    ('[{"prompt_len": 5, "output_len": 3, "arrival": 0, "seed": 4294967296}]',
+     "workload 'trace.json' request 0: seed=4294967296 is invalid: an int in [0, 4294967296)"),
+    (b"prompt_len,output_len,arrival\n5,3,0 \xe9\n",
+     "workload '{path}' is not UTF-8 text: byte 36 is 0xe9"),
 ])
 def test_bad_trace_input_is_one_line(tmp_path, capsys, content, reason):
     path = tmp_path / "trace.json"
-    if content is not None:
+    if isinstance(content, str):
         path.write_text(content)
+    elif content is not None:
+        path.write_bytes(content)
     assert cli.main(["bench", "--workload", str(path)]) == 2
     err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and reason.format(path=path) in err, err
+
+
+@pytest.mark.parametrize("options, reason", [
+    (["--page-size", "0"], "--page-size must be an int >= 1"),  # was a ZeroDivisionError
+    (["--page-size", "256"], "prompt_len + output_len = 140 exceeds max_seq_len=128"),
+    (["--pages", "2", "--page-size", "32"],
+     "its cache of prompt_len + output_len - 1 = 119 tokens exceeds the pool (2 pages of 32)"),
+])
+def test_bad_pool_options_are_one_line(tmp_path, capsys, options, reason):
+    """--page-size 0, a row past the model's max_seq_len (a 256-token page table holds 140
+    tokens, but `decode` refuses them) and one past the pool: one line, exit 2, before anything
+    runs."""
+    path = tmp_path / "trace.csv"
+    output_len = 20 if "--pages" in options else 40
+    path.write_text(f"prompt_len,output_len,arrival\n100,{output_len},0\n")
+    assert cli.main(["bench", "--workload", str(path), *options]) == 2
+    err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and reason in err, err
+
+
+def test_trace_edges_read():
+    """A JSON trace with a UTF-8 byte-order mark is JSON (was read as CSV); the pool check
+    counts a request's cache as the allocator does (prompt + output - 1 tokens)."""
+    text = '\ufeff[{"prompt_len": 20, "output_len": 13, "arrival": 0}]'
+    (request,) = trace.parse_trace(text)
+    assert request.length == 32
+    loop.check_requests([request], paged_kv.PagedKVConfig(16, 2, 8), CFG)  # fills 2 pages
+    with pytest.raises(ValueError, match=r"request 0: its cache of prompt_len \+ output_len - 1 "
+                                         r"= 32 tokens exceeds one row's page table"):
+        loop.check_requests([request], paged_kv.PagedKVConfig(16, 4, 1), CFG)
+
+
+@pytest.mark.slow
+def test_edges_of_a_run(params):
+    """A request whose cache fills the pool exactly runs (was refused, the message blaming the
+    page table); requests of one token end at their prefill: beside a running row they are in
+    its step's joined and left lists (were joined only), and a trace of only such requests has
+    no decode step and prints its table (was a crash on the median of no steps)."""
+    full = paged_kv.PagedKVConfig(page_size=16, n_pages=2, max_pages_per_row=2)
+    result = loop.serve(params, [Request(0, prompt_len=20, output_len=13, arrival=0)], CFG,
+                        full, batch=BATCH)
+    assert len(result.tokens[0]) == 13 and result.pages_of[0] == [0, 1]
+    mixed = [Request(0, prompt_len=5, output_len=4, arrival=0),
+             Request(1, prompt_len=5, output_len=1, arrival=1)]
+    data = workload.run_workload(params, mixed, CFG, PAGES, batch=BATCH, full_size=None)
+    step = next(s for s in data["steps"] if 1 in s["joined"])
+    assert 1 in step["left"] and data["summary"]["ended_at_prefill"] == [1]
+    ones = [Request(0, prompt_len=5, output_len=1, arrival=0),
+            Request(1, prompt_len=3, output_len=1, arrival=2)]
+    data = workload.run_workload(params, ones, CFG, PAGES, batch=BATCH, full_size="kimi-k3")
+    assert data["steps"] == [] and data["summary"]["median_step_s_here"] is None
+    table = cli_workload.format_table(data)
+    assert "median step - s" in table and "done at their prefill (one token, no decode " \
+        "step): 0,1" in table
 
 
 @pytest.mark.slow

@@ -75,12 +75,12 @@ def test_bad_speculative_input_is_refused(kwargs, message):
 
 def test_predict_speculate_command(capsys):
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "2", "--batch", "1",
-                     "--layout", "ours", "--speculate", "3", "--acceptance", "2,4",
+                     "--rank-layout", "ours", "--speculate", "3", "--acceptance", "2,4",
                      "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["predictions"]
     assert [(r["acceptance"], r["verify_rows"]) for r in rows] == [(2, 4), (4, 4)]
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "2", "--batch", "1",
-                     "--layout", "ours", "--speculate", "3"]) == 0
+                     "--rank-layout", "ours", "--speculate", "3"]) == 0
     out = capsys.readouterr().out
     assert "speculative decoding with 3 drafts per verify step" in out
 

@@ -34,8 +34,40 @@ def test_prompt_round_trips_and_streams_token_by_token(tmp_path):
     stream = TextStream(tokenizer, prompt_ids)
     pieces = [stream.push(i) for i in ids[len(prompt_ids):]]
     assert "".join(pieces) == text  # multi-byte characters come out whole, once
-    assert stream.text() == text
+    assert stream.end() == "" and stream.text() == text  # nothing held back at the end
     assert len([p for p in pieces if p]) > 3  # streamed, not all at the end
+
+
+def split_character_tokenizer():
+    """Byte-level BPE with one merge, "Ġâ": a space and the first byte of a 3-byte character
+    (✓ is e2 9c 93) in one token, so a sequence can end inside the character in a token that
+    also holds the space before it."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {piece: i for i, piece in enumerate([*alphabet, "Ġâ"])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "â")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+@pytest.mark.parametrize("text, cut", [("a ✓", 2), ("a ✓", 3), ("a ✓ café", 2), ("é", 1)])
+def test_tokens_ending_inside_a_character_end_as_the_tokenizer_decodes_them(text, cut):
+    """Tokens that stop inside a multi-byte character: `end()` gives what decoding the whole
+    sequence gives, the U+FFFD replacement characters (what transformers prints), and the space
+    held with them; before, both were dropped. Prompt "" and a one-token prompt of context."""
+    tokenizer = split_character_tokenizer()
+    ids = tokenizer.encode(text).ids[:cut]
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    for prompt_len in (0, 1):
+        stream = TextStream(tokenizer, ids[:prompt_len])
+        pieces = "".join(stream.push(i) for i in ids[prompt_len:])
+        assert pieces + stream.end() == stream.text() == tokenizer.decode(ids)[
+            len(tokenizer.decode(ids[:prompt_len])):]
+        assert stream.end() == ""  # once
+    stream = TextStream(tokenizer)
+    assert [stream.push(i) for i in ids][-1] == "" and stream.end().endswith("\ufffd")
+    if text == "a ✓" and cut == 2:  # "Ġâ": the space came out only with the character's bytes
+        assert stream.pieces == ["a", "", " \ufffd"]
 
 
 def test_ids_past_the_tokenizer_come_out_as_ids(tmp_path):

@@ -199,8 +199,10 @@ def test_explorer_widget_without_a_browser(log):
     assert "roofline" in explorer.summary.value and "compute idle: HBM busy" in explorer.summary.value
     assert repr(explorer) == "TimelineExplorer(chip='tpu7x', batch=8, buffers=1)"
     assert explorer.controls == (explorer.chip, explorer.batch, explorer.buffers)
-    # the figure's title names the settings it shows, and so does the summary
+    # the figure's title names the settings it shows, and so does the summary; the title says
+    # the timeline is modelled, not measured
     assert widgets.figure_title(explorer.figure).startswith("tpu7x, batch 8, buffers 1: step ")
+    assert "of the HBM roofline (modelled)" in widgets.figure_title(explorer.figure)
     assert explorer.summary_line().startswith("tpu7x, batch 8, buffers 1: step ")
 
 

@@ -81,11 +81,21 @@ def mtp_tensors(names: set[str], cfg: ModelConfig) -> set[str]:
     return {name for name in names if prefixes and name.startswith(prefixes)}
 
 
+# A buffer older checkpoints saved with the weights (RoPE's inverse frequencies, which a model
+# computes from its config): left unread, as transformers leaves it.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def ignored_tensors(names: set[str]) -> set[str]:
+    """The tensors a checkpoint may carry that are not weights (IGNORED_SUFFIXES)."""
+    return {name for name in names if name.endswith(IGNORED_SUFFIXES)}
+
+
 def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
            cfg: ModelConfig) -> None:
     """Every expected tensor present with its shape and dtype, and nothing else (bar the MTP
-    modules' tensors)."""
-    expected: set[str] = mtp_tensors(shards.names(), cfg)
+    modules' tensors and the ignored buffers)."""
+    expected: set[str] = mtp_tensors(shards.names(), cfg) | ignored_tensors(shards.names())
     for entry in (e for group in groups for e in group):
         for name, shape in zip(entry.names, entry.shapes):
             expected.add(name)

@@ -5,6 +5,9 @@
     TextStream(tokenizer, prompt_ids).push(id) -> text   the text a new token adds, as it
                                                          arrives (multi-byte characters split
                                                          over tokens come out whole, later)
+    stream.end() -> text                     what is still held back when the tokens end (a
+                                             character left incomplete: the replacement
+                                             characters transformers prints)
 
 Nothing touches the network: the file is read from disk (`Tokenizer.from_file`).
 """
@@ -53,15 +56,18 @@ def encode(tokenizer: Tokenizer, text: str, vocab_size: int) -> list[int]:
 
 class TextStream:
     """Detokenises generated ids one at a time: `push(id)` returns the text the id adds ("" while
-    a character split over several tokens is incomplete). The prompt's ids give the context (a
-    leading space, a word piece's joiner). An id the tokenizer does not know (a model vocabulary
-    padded past the tokenizer's) comes out as `<id>`."""
+    a character split over several tokens is incomplete); `end()`, after the last id, the text
+    still held back. The prompt's ids give the context (a leading space, a word piece's joiner).
+    An id the tokenizer does not know (a model vocabulary padded past the tokenizer's) comes out
+    as `<id>`."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.known = tokenizer.get_vocab_size(with_added_tokens=True)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self._stream = DecodeStream(ids=self.prompt_ids or None, skip_special_tokens=False)
+        self._fed = list(self.prompt_ids)  # every id the DecodeStream has seen
+        self._held = 0  # how many of the last of them it holds back (an incomplete character)
         self.ids: list[int] = []
         self.pieces: list[str] = []
 
@@ -72,9 +78,26 @@ class TextStream:
             piece = f"<{token_id}>"
         else:
             piece = self._stream.step(self.tokenizer, token_id) or ""
+            self._fed.append(token_id)
+            self._held = 0 if piece else self._held + 1
+        self.pieces.append(piece)
+        return piece
+
+    def end(self) -> str:
+        """The text of the ids held back at the end (a multi-byte character the tokens stop
+        inside, and anything before it in the same tokens): as the tokenizer decodes the whole
+        sequence, i.e. with U+FFFD replacement characters, which is what transformers prints
+        (`TextStreamer.end`). "" when nothing is held; call once, after the last push."""
+        if not self._held:
+            return ""
+        before = self.tokenizer.decode(self._fed[:-self._held], skip_special_tokens=False)
+        whole = self.tokenizer.decode(self._fed, skip_special_tokens=False)
+        piece = whole[len(before):] if whole.startswith(before) else self.tokenizer.decode(
+            self._fed[-self._held:], skip_special_tokens=False)
+        self._held = 0
         self.pieces.append(piece)
         return piece
 
     def text(self) -> str:
-        """Everything pushed so far: the pieces `push` returned, joined."""
+        """Everything pushed so far (and `end()`'s text once called): the pieces, joined."""
         return "".join(self.pieces)

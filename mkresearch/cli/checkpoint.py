@@ -30,9 +30,7 @@ from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import UsageError, _at_least, _refusals
 from mkresearch.kernels.compose import megakernel
-from mkresearch.model import prefill, reference
-
-CACHE_ROUND = 128  # the cache is allocated for prompt + steps tokens, rounded up to this
+from mkresearch.model import kv_cache, prefill, reference
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +91,14 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         cfg = read_config(args.checkpoint)
         tokenizer = load_tokenizer(args.checkpoint)
         prompt_ids = encode(tokenizer, args.prompt, cfg.vocab_size)
-        length = len(prompt_ids) + args.steps
+        # a verify step of K drafts caches K - 1 tokens past the last one kept
+        drafts = f" - 1 + --speculate {args.speculate}" if args.speculate else ""
+        length = len(prompt_ids) + args.steps + (args.speculate - 1 if args.speculate else 0)
         if length > cfg.max_seq_len:
-            raise UsageError(f"the prompt's {len(prompt_ids)} tokens + --steps {args.steps} exceed "
-                             f"max_seq_len={cfg.max_seq_len} of the checkpoint")
-        cache_len = min(-(-length // CACHE_ROUND) * CACHE_ROUND, cfg.max_seq_len)
+            raise UsageError(f"the prompt's {len(prompt_ids)} tokens + --steps {args.steps}"
+                             f"{drafts} = {length} exceed max_seq_len={cfg.max_seq_len} of the "
+                             "checkpoint")
+        cache_len = kv_cache.cache_length(cfg, length)
         cfg = cfg.replace(max_seq_len=cache_len)
     if args.ranks > 1 or args.speculate is not None:
         return _run_on_ranks_or_speculative(args, argv, cfg, tokenizer, prompt_ids, progress)
@@ -137,6 +138,7 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             generated.append(token)
             write(stream.push(token))
         jax.block_until_ready(state)
+    write(stream.end())  # a character the tokens stop inside: its replacement characters
     decode_seconds = time.perf_counter() - started
     result = _result(cfg, backend, args, prompt_ids, generated, stream,
                      {"load": load_seconds, "prefill": prefill_seconds, "decode": decode_seconds})
@@ -159,7 +161,7 @@ def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], 
 
     def text(ids: Sequence[int]) -> str:
         stream = TextStream(tokenizer, prompt_ids)
-        return args.prompt + "".join(stream.push(i) for i in ids)
+        return args.prompt + "".join(stream.push(i) for i in ids) + stream.end()
 
     loaded = Loaded(lambda: load_params(args.checkpoint, cfg, progress=progress),
                     np.asarray([prompt_ids], np.int32), text)

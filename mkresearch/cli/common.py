@@ -22,8 +22,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _model(name: str) -> ModelConfig:
+def _model(name: str | None) -> ModelConfig:
     """A preset, or '<preset>-rank': one rank of its release layout (`layout.named_config`)."""
+    if name is None:
+        raise UsageError(f"MODEL is missing: name one of {', '.join(layout.config_names())} "
+                         "after the command")
     if name not in layout.config_names():
         raise UsageError(f"unknown model {name!r}: choose one of "
                          f"{', '.join(layout.config_names())}")

@@ -1,11 +1,12 @@
-"""`mkresearch compile MODEL [--chip C] [--batch B] [--record]`: one megakernel step compiled for
-a TPU chip from shapes (libtpu, no TPU needed). With `--ranks N` the sharded step of the model on
+"""`mkresearch compile MODEL [--chip C] [--batch B[,B...]] [--record]`: one megakernel step
+compiled for a TPU chip from shapes (libtpu, no TPU needed). With `--ranks N` the sharded step of the model on
 N devices of a TPU topology instead (`megakernel_sharded.compile_sharded_step`): by default the
 TPU VM slice of the chip, `v5e:2x4` / `v6e:2x4` (8 chips), or the release's `tpu7x:2x2x4` (32
 devices), where the small real models (Moonlight, Qwen3-30B-A3B, GLM-4.5-Air, Kimi Linear) and the
-big ones are meant to run. `--seq-len S` sets the cache length (default the model's
-max_seq_len: Kimi Linear's 1M-token latent cache alone outgrows a v5e's HBM). A plan over the
-VMEM or a rank over the HBM is one line naming what it needs and what the chip has.
+big ones are meant to run. `--context C` sets the length of the cache the step is compiled for
+(default the model's max_seq_len: Kimi Linear's 1M-token latent cache alone outgrows a v5e's
+HBM). `--batch 1,8` compiles at each batch size in turn. A plan over the VMEM or a rank over the
+HBM is one line naming what it needs and what the chip has.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from mkresearch.cli.common import UsageError, _at_least, _chip, _megakernel_batch, _model
+from mkresearch.cli.options import (
+    add_batch,
+    add_command,
+    add_context,
+    add_model,
+    each_batch,
+)
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
@@ -22,13 +30,16 @@ from mkresearch.sharding import layout
 # a chip's slice for --ranks: a TPU VM of 8 single-core chips, or the release's TPU7x pod slice
 DEFAULT_TOPOLOGY = {"v5e": "v5e:2x4", "v6e": "v6e:2x4", "v5p": "v5p:2x2x2",
                     "tpu7x": sharded.FULL_TOPOLOGY}
+EXAMPLES = ("mkresearch compile kimi-k3-rank --chip tpu7x --batch 1,8",
+            "mkresearch compile kimi-k3-mini --context 4096",
+            "mkresearch compile qwen3-30b-a3b --chip v5e --ranks 8 --context 4096")
 
 
 def add_parser(commands: Any) -> None:
-    p = commands.add_parser("compile", help="compile one megakernel step for a TPU chip from "
-                                            "shapes (libtpu, no TPU needed)")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())}")
-    p.add_argument("--batch", type=int, default=1)
+    p = add_command(commands, "compile", "compile one megakernel step for a TPU chip from shapes "
+                                         "(libtpu, no TPU needed)", EXAMPLES)
+    add_model(p)
+    add_batch(p)
     p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
     p.add_argument("--record", action="store_true",
                    help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
@@ -37,22 +48,30 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--topology", default=None,
                    help="with --ranks: the TPU topology (default: v5e:2x4, v6e:2x4 or "
                         "tpu7x:2x2x4 by --chip)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="cache length (default: the model's max_seq_len)")
+    add_context(p, None, "tokens of context the step is compiled for: the length of its cache "
+                         "(default: the model's max_seq_len)", old=True)
 
 
 def run(args: Any) -> int:
     cfg = _model(args.model)
-    _megakernel_batch("--batch", args.batch)
+    for batch in args.batch:
+        _megakernel_batch("--batch", batch)
     chip = _chip(args.chip)
-    if args.seq_len is not None:
-        _at_least("--seq-len", args.seq_len, 16)
+    if args.context is not None:
+        _at_least("--context", args.context, 16)
+    if args.ranks is None and args.topology is not None:
+        raise UsageError("--topology is an option of --ranks N: give both")
+    if args.ranks is not None and args.record:
+        raise UsageError("--record with --ranks: `make recorded` records the sharded compiles")
+    return each_batch(args, lambda one: _run_one(one, cfg, chip))
+
+
+def _run_one(args: Any, cfg: Any, chip: str) -> int:
+    """One batch size (args.batch an int)."""
     if args.ranks is not None:
         return _run_sharded(args, cfg, chip)
-    if args.topology is not None:
-        raise UsageError("--topology is an option of --ranks N: give both")
     try:
-        result, plan = megakernel.compile_step(cfg, args.batch, chip=chip, seq_len=args.seq_len)
+        result, plan = megakernel.compile_step(cfg, args.batch, chip=chip, seq_len=args.context)
     except ValueError as error:  # a model the megakernel does not build, a plan over VMEM
         raise UsageError(f"compile {cfg.name}: {str(error).splitlines()[0]}") from None
     print(plan.vmem.table())
@@ -66,8 +85,6 @@ def run(args: Any) -> int:
 
 def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
     _at_least("--ranks", args.ranks, 2)
-    if args.record:
-        raise UsageError("--record with --ranks: `make recorded` records the sharded compiles")
     topology = args.topology or DEFAULT_TOPOLOGY[chip]
     if not topology.startswith(f"{chip}:"):
         raise UsageError(f"--topology {topology!r} is invalid with --chip {chip}: a {chip} "
@@ -76,7 +93,7 @@ def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
         lay = layout.layout(cfg, args.ranks, collectives=layout.DEFAULT_COLLECTIVES)
         options = collective_choice.kernel_options(lay, args.batch, chip)
         result, plan = sharded.compile_sharded_step(cfg, args.ranks, batch=args.batch, chip=chip,
-                                                    topology=topology, seq_len=args.seq_len,
+                                                    topology=topology, seq_len=args.context,
                                                     options=options)
     except (ValueError, RuntimeError) as error:  # ranks the layout cannot split, a rank over
         # VMEM or HBM: our plan's refusal, or XLA's RESOURCE_EXHAUSTED (its HBM count of a rank

@@ -1,4 +1,4 @@
-"""The figures `make figures` writes: a registry of name -> drawing function.
+"""The figures `make figures` (`mkresearch figures`) writes: a registry of name -> drawing function.
 
 Each function takes one argument, the output path of a PNG, and draws with matplotlib's Agg
 backend. To add a figure, add one line to FIGURES.
@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from mkresearch.cli.bench import plot_decode_bench
+from mkresearch.cli.common import UsageError
+from mkresearch.cli.options import add_command
 from mkresearch.views.plots import plot_expert_bytes, plot_kv_bytes, plot_roofline
 from mkresearch.views.scale_out_plots import plot_scale_out
 
@@ -20,6 +23,24 @@ FIGURES: dict[str, Callable[[Path], None]] = {
     "mla_kv_bytes": plot_kv_bytes,
     "scale_out": plot_scale_out,
 }
+EXAMPLES = ("mkresearch figures --out figures",
+            "mkresearch figures --out build/figures --only roofline scale_out")
+
+
+def add_parser(commands: Any) -> None:
+    p = add_command(commands, "figures", "write every registered figure as PNG", EXAMPLES)
+    p.add_argument("--out", default="figures", help="output directory (default figures)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help=f"just these figures, of {', '.join(FIGURES)}")
+
+
+def run(args: Any) -> int:
+    for name in args.only or ():
+        if name not in FIGURES:
+            raise UsageError(f"--only {name!r} is unknown: choose from {', '.join(FIGURES)}")
+    for path in write_figures(args.out, args.only):
+        print(f"wrote {path}")
+    return 0
 
 
 def figure_function(name: str) -> Callable[[Path], None]:

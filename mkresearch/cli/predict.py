@@ -1,8 +1,8 @@
 """`mkresearch predict MODEL --ranks N`: the full-size step on N ranks, predicted by the scale-out
 timeline model (`mkresearch.prediction.scale_out`), beside the published numbers where there are some.
 
-    mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 [--layout ours|release] \\
-        [--schedule ours|release] [--collectives partial-sum|exact] \\
+    mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 \\
+        [--rank-layout ours|release] [--schedule ours|release] [--collectives partial-sum|exact] \\
         [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
         [--speculate K --acceptance 3,6]
 
@@ -15,7 +15,8 @@ a test).
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
 
-Without --layout both layouts are predicted, each with its own schedule unless --schedule says.
+Without --rank-layout both layouts are predicted, each with its own schedule unless --schedule
+says.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ import sys
 import time
 from typing import Any
 
-from mkresearch.cli.common import UsageError, _at_least, _chip, _model, _refusals
+from mkresearch.cli.common import _at_least, _chip, _model, _refusals
+from mkresearch.cli.options import (
+    add_batch,
+    add_command,
+    add_context,
+    add_model,
+    add_rank_layout,
+    int_list,
+)
 from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction import interconnect as links
 from mkresearch.prediction import speculative_predict as speculative
@@ -33,35 +42,27 @@ from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout
 
-
-def _batches(text: str, flag: str = "--batch") -> tuple[int, ...]:
-    try:
-        batches = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is invalid: comma-separated ints >= 1, e.g. "
-                         "1,2,4,8") from None
-    for batch in batches:
-        _at_least(flag, batch, 1)
-    return batches
+EXAMPLES = ("mkresearch predict kimi-k3 --ranks 32 --batch 1,2,4,8",
+            "mkresearch predict kimi-k3 --rank-layout release --batch 1 --context 4096",
+            "mkresearch predict kimi-k3 --speculate 7 --acceptance 3,6")
 
 
 def _acceptances(args: Any) -> tuple[int, ...]:
     if args.acceptance is not None:
-        return _batches(args.acceptance, "--acceptance")
+        return int_list("--acceptance", args.acceptance)
     return tuple(a for a in (3, 6) if a <= args.speculate + 1) or (args.speculate + 1,)
 
 
 def add_parser(commands: Any) -> None:
-    p = commands.add_parser("predict", help="the full-size step on N ranks, predicted (timeline "
-                                            "model with the interconnect), beside the published")
-    p.add_argument("model", help=f"one of {', '.join(layout.config_names())} with sharding rules")
+    p = add_command(commands, "predict", "the full-size step on N ranks, predicted (timeline "
+                                         "model with the interconnect), beside the published",
+                    EXAMPLES)
+    add_model(p)
     p.add_argument("--ranks", type=int, default=32, help="ranks (devices) to shard across "
                                                          "(default 32: the release's 16 TPU7x)")
     p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")
-    p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated "
-                                                      "(default 1,2,4,8)")
-    p.add_argument("--layout", default=None, choices=layout.LAYOUTS,
-                   help="whose layout (default: both)")
+    add_batch(p, (1, 2, 4, 8))
+    add_rank_layout(p, "whose layout spreads the model over the ranks (default: both)")
     p.add_argument("--schedule", default=None, choices=scale_out.SCHEDULES,
                    help="whose schedule: ring, expert slots, collectives (default: the layout's)")
     p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
@@ -69,7 +70,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--collectives", default="partial-sum", choices=scale_out.contract.MODES,
                    help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
                         "to one device); the release's schedule has its own")
-    p.add_argument("--context", type=int, default=0, help="tokens in each KV cache (default 0)")
+    add_context(p, 0, "tokens already in each sequence's KV cache (default 0)")
     p.add_argument("--speculate", type=int, default=0,
                    help="drafts per verify step, 1..7 (default 0: plain decoding)")
     p.add_argument("--acceptance", default=None,
@@ -94,14 +95,14 @@ def run(args: Any) -> int:
     if args.validate:
         print(format_validation())
         return 0
-    batches = _batches(args.batch)
+    batches = args.batch
     _at_least("--ranks", args.ranks, 2)
     _at_least("--context", args.context, 0)
     _at_least("--speculate", args.speculate, 0)
-    names = (args.layout,) if args.layout else layout.LAYOUTS
+    names = (args.rank_layout,) if args.rank_layout else layout.LAYOUTS
     with _refusals():
         if not layout.has_rules(cfg):
-            raise ValueError(f"--model {cfg.name} has no sharding rules (its stage kinds do not "
+            raise ValueError(f"{cfg.name} has no sharding rules (its stage kinds do not "
                              "say how they split: spec.Param.shard)")
         layout.check_ranks(cfg, args.ranks)
         links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks

@@ -186,7 +186,7 @@ def check_bench(args: argparse.Namespace) -> None:
 def add_bench_rows(result: dict, cfg: ModelConfig, args: argparse.Namespace, path: Any) -> None:
     """With --speculate: result["speculative"] = `bench_rows`, written to the bench's JSON too."""
     if args.speculate is not None:
-        result["speculative"] = bench_rows(cfg, tuple(args.batches), args.speculate, args.steps)
+        result["speculative"] = bench_rows(cfg, tuple(args.batch), args.speculate, args.steps)
         path.write_text(json.dumps(result, indent=1))
 
 

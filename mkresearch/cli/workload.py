@@ -47,59 +47,89 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check, serve the trace, print the table (or the JSON)."""
+    """Check, serve the trace, print the table as the steps run (or the JSON at the end)."""
     if args.ranks != 1 or args.speculate is not None:
         raise UsageError("--workload serves on one device without speculation: drop --ranks and "
                          "--speculate")
     cfg = _model(args.model)
     _chip(args.chip)
     _megakernel_batch("--slots", args.slots)
+    _at_least("--page-size", args.page_size, 1)
     _at_least("--pages", args.pages, 1)
     _at_least("--trace-seed", args.trace_seed, 0)
-    with _refusals():
+    with _refusals():  # everything a run could refuse, before it starts
         requests = trace.load_trace(args.workload, args.trace_seed)
         pages = paged_kv.PagedKVConfig(args.page_size, args.pages,
                                        -(-cfg.max_seq_len // args.page_size)).check(cfg)
-        loop.check_requests(requests, pages)
+        loop.check_requests(requests, pages, cfg)
     params = weights.init_params(cfg, 0)
     progress = not args.json and sys.stderr.isatty()
+    if not args.json:  # the table as it goes: a line per step, flushed (stdout may be a pipe)
+        print("\n".join(title_lines(cfg.name, len(requests), args.slots, pages, args.step)),
+              flush=True)
     with _refusals():
-        result = workload.run_workload(params, requests, cfg, pages, batch=args.slots,
-                                       step=args.step, chip=args.chip,
-                                       trace_seed=args.trace_seed, progress=progress)
-    print(json.dumps(result) if args.json else format_table(result))
+        result = workload.run_workload(
+            params, requests, cfg, pages, batch=args.slots, step=args.step, chip=args.chip,
+            trace_seed=args.trace_seed, progress=progress,
+            on_step=None if args.json else lambda s: print(
+                step_line(s, args.slots, pages.n_pages), flush=True))
+    print(json.dumps(result) if args.json else "\n".join(total_lines(result["summary"])))
     return 0
+
+
+def title_lines(model: str, requests: int, batch: int, pages: paged_kv.PagedKVConfig,
+                step: str) -> list[str]:
+    """The table's title and column header."""
+    title = (f"{model}: {requests} requests over {batch} slots, {pages.n_pages} pages of "
+             f"{pages.page_size} tokens, step {step}")
+    header = (f"{'step':>5} {'slots':>6} {'pages held':>10} {'filled':>6}  {'joined':<10} "
+              f"{'left':<10} {'s here':>7} {'TPU ms':>7}")
+    return [title, header]
+
+
+def step_line(s: dict, batch: int, n_pages: int) -> str:
+    """One step's row of the table (a run_workload step)."""
+    predicted = "-" if s["predicted_step_s"] is None else f"{s['predicted_step_s'] * 1e3:.2f}"
+    return (f"{s['step']:>5} {s['occupied']:>3}/{batch:<2} {s['pages_held']:>6}/{n_pages:<3} "
+            f"{s['pages_filled']:>6}  {_ids(s['joined']):<10} {_ids(s['left']):<10} "
+            f"{s['seconds']:>7.3f} {predicted:>7}")
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def total_lines(summary: dict) -> list[str]:
+    """The totals under the table (a run_workload summary); a run with no decode step (every
+    request done at its prefill) says so."""
+    speed = (f"{summary['tokens']} tokens in {summary['seconds_here']:.2f} s here "
+             f"({summary['prefill_seconds_here']:.2f} s of it prefill, compiles included): "
+             f"{_number(summary['tokens_per_s_here'], '.1f')} tokens/s, median step "
+             f"{_number(summary['median_step_s_here'], '.3f')} s ({summary['platform_label']})")
+    occupancy = (f"occupancy: slots {summary['mean_slot_occupancy']:.0%}, pages "
+                 f"{summary['mean_page_occupancy']:.0%} (mean over {summary['decode_steps']} "
+                 f"steps); longest wait {summary['max_wait_steps']} steps")
+    lines = [speed, occupancy]
+    if summary["ended_at_prefill"]:
+        lines.append(f"done at their prefill (one token, no decode step): "
+                     f"{_ids(summary['ended_at_prefill'])}")
+    if "predicted_seconds" in summary:
+        lines.append(f"predicted on {summary['chip']}: {summary['full_size']} at each step's "
+                     f"occupancy, {summary['predicted_seconds'] * 1e3:.2f} ms for the "
+                     f"{summary['decode_steps']} steps, "
+                     f"{_number(summary['predicted_tokens_per_s'], ',.0f')} tokens/s "
+                     f"({summary['prediction_label']})")
+    return lines
 
 
 def format_table(result: dict) -> str:
     """The step table and the totals of a run_workload result."""
-    pages, summary = result["pages"], result["summary"]
-    title = (f"{result['model']}: {summary['requests']} requests over {result['batch']} slots, "
-             f"{pages['n_pages']} pages of {pages['page_size']} tokens, step {result['step']}")
-    header = (f"{'step':>5} {'slots':>6} {'pages held':>10} {'filled':>6}  {'joined':<10} "
-              f"{'left':<10} {'s here':>7} {'TPU ms':>7}")
-    lines = [title, header]
-    for s in result["steps"]:
-        predicted = "-" if s["predicted_step_s"] is None else f"{s['predicted_step_s'] * 1e3:.2f}"
-        lines.append(f"{s['step']:>5} {s['occupied']:>3}/{result['batch']:<2} "
-                     f"{s['pages_held']:>6}/{pages['n_pages']:<3} {s['pages_filled']:>6}  "
-                     f"{_ids(s['joined']):<10} {_ids(s['left']):<10} {s['seconds']:>7.3f} "
-                     f"{predicted:>7}")
-    lines.append(f"{summary['tokens']} tokens in {summary['seconds_here']:.2f} s here "
-                 f"({summary['prefill_seconds_here']:.2f} s of it prefill, compiles included): "
-                 f"{summary['tokens_per_s_here']:.1f} tokens/s, median step "
-                 f"{summary['median_step_s_here']:.3f} s ({summary['platform_label']})")
-    lines.append(f"occupancy: slots {summary['mean_slot_occupancy']:.0%}, pages "
-                 f"{summary['mean_page_occupancy']:.0%} (mean over {summary['decode_steps']} "
-                 f"steps); longest wait {summary['max_wait_steps']} steps")
-    if "predicted_seconds" in summary:
-        lines.append(f"predicted on {summary['chip']}: {summary['full_size']} at each step's "
-                     f"occupancy, {summary['predicted_seconds'] * 1e3:.2f} ms for the "
-                     f"{summary['decode_steps']} steps, {summary['predicted_tokens_per_s']:,.0f} "
-                     f"tokens/s ({summary['prediction_label']})")
-    return "\n".join(lines)
+    pages = paged_kv.PagedKVConfig(**result["pages"])
+    return "\n".join([*title_lines(result["model"], result["summary"]["requests"],
+                                    result["batch"], pages, result["step"]),
+                      *(step_line(s, result["batch"], pages.n_pages) for s in result["steps"]),
+                      *total_lines(result["summary"])])
 
 
 def _ids(ids: list[int]) -> str:
     return ",".join(str(i) for i in ids) or "-"
-

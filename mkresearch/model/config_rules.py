@@ -33,6 +33,8 @@ LANE = 128  # TPU vreg lane width: the last dim of every VMEM block is a multipl
 BF16_SUBLANE = 16  # bf16 packs two rows per 32-bit sublane: 16 x 128 tiles
 FP8_BLOCK = 256  # K values sharing one power-of-two scale in the FP8 expert format (docs/kimi-k3.md §7)
 MXFP4_BLOCK = 32  # K values sharing one E8M0 scale in MXFP4 (docs/kimi-k3.md §7)
+# K values sharing one scale per expert format: an expert matrix's contraction is whole blocks
+EXPERT_BLOCKS = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}
 
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ def validate(cfg: Any) -> None:
     if cfg.moe_latent_padded < cfg.moe_latent:
         _fail("moe_latent_padded", cfg.moe_latent_padded, f">= moe_latent={cfg.moe_latent}")
     # quantised experts are blocked along K (the input dim): latent for W1/W3, hidden for W2
-    block = {"bf16": 1, "fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}.get(cfg.expert_format, 1)
+    block = EXPERT_BLOCKS.get(cfg.expert_format, 1)
     for field in ("moe_latent", "expert_hidden"):
         if getattr(cfg, field) % block:
             _fail(field, getattr(cfg, field),

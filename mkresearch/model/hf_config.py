@@ -4,9 +4,12 @@ Model types read: `deepseek_v3` (DeepSeek-V3, Moonlight, Kimi K2), `qwen3_moe`, 
 `kimi_linear` (Kimi Linear: KDA + MLA) and `kimi_k3` (the name `write_config` gives Kimi K3's
 attention-residual model, which has no public config.json). Fields a config.json does not carry
 (the KV tile, the weight ring, the MLA cache layout, the expert format) come from the family's
-preset (`mkresearch.config`). A model type we do not read, or a field value our stage kinds cannot
-run (e.g. `hidden_act: gelu`), is a `CheckpointError`: one line naming the
-field, its value and what is supported.
+preset (`mkresearch.config`). Fields are read by `hf_fields.Fields`: a missing one takes
+transformers' default for the model type, a value of the wrong type is refused. A model type we do
+not read, a value of the wrong type, or one our stage kinds cannot run (e.g. `hidden_act: gelu`),
+is a `CheckpointError`: one line naming the file, the field, its value and what is allowed.
+FP8 checkpoints (`quantization_config`) keep FP8 experts when every expert contraction is whole
+FP8 scale blocks (`spec.check` of the fp8 config), else their experts load into bf16.
 
 Both spellings of the RoPE fields are read: `rope_theta` / `rope_scaling` /
 `partial_rotary_factor` at the top (the published files) and transformers 5's `rope_parameters`.
@@ -18,89 +21,110 @@ import json
 import os
 from typing import Any
 
+import mkresearch.model.stages  # noqa: F401 - registers the kinds whose checks spec.check runs
 from mkresearch.model import config as config_module
+from mkresearch.model import spec
 from mkresearch.model.config import ModelConfig
+from mkresearch.model.hf_fields import (  # CheckpointError: re-exported
+    CONFIG_FILE,
+    LINEAR_ATTN_DEFAULTS,
+    CheckpointError,
+    Fields,
+)
 
-
-class CheckpointError(ValueError):
-    """Bad checkpoint input: one line naming the tensor, file or field and what was expected."""
-
-
-CONFIG_FILE = "config.json"
 FAMILY_PRESETS = {"deepseek_v3": config_module.DEEPSEEK_V3, "qwen3_moe": config_module.QWEN3_235B,
                   "glm4_moe": config_module.GLM_4_5, "kimi_k3": config_module.KIMI_K3,
                   "kimi_linear": config_module.KIMI_K3}
 UNSUPPORTED_TYPES: dict[str, str] = {}
 MODEL_TYPES = (*FAMILY_PRESETS, *UNSUPPORTED_TYPES)
+# DeepSeek's FP8 release; a missing fmt or weight_block_size takes transformers' FP8 defaults
+# (FineGrainedFP8Config writes no fmt: e4m3 is its only one; 128 x 128 blocks)
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+FP8_DEFAULTS = {"fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
 def _unsupported(field: str, value: Any, supported: str) -> CheckpointError:
     return CheckpointError(f"{CONFIG_FILE}: {field}={value!r} is not supported: {supported}")
 
 
-class _Fields:
-    """The config.json dict, read field by field with one-line errors."""
+def _rope(f: Fields) -> dict[str, Any]:
+    """theta, partial factor and scaling (a Fields) from either spelling: the top-level fields of
+    the published files, or transformers 5's `rope_parameters`."""
+    params = f.section("rope_parameters", default={})
+    scaling = f.section("rope_scaling") if f.present("rope_scaling") else params
 
-    def __init__(self, raw: dict[str, Any]) -> None:
-        self.raw = raw
+    def top_or_params(field: str) -> float:
+        return (params if params.present(field) and not f.present(field) else f).float(field)
 
-    def get(self, field: str, default: Any = ...) -> Any:
-        if field in self.raw and self.raw[field] is not None:
-            return self.raw[field]
-        if default is ...:
-            raise CheckpointError(f"{CONFIG_FILE}: field {field!r} is missing "
-                                  f"(model_type {self.raw.get('model_type')!r} needs it)")
-        return default
-
-    def require(self, field: str, allowed: tuple, default: Any = ...) -> Any:
-        value = self.get(field, default)
-        if value not in allowed:
-            raise _unsupported(field, value, f"one of {', '.join(map(repr, allowed))}")
-        return value
-
-    def rope(self) -> dict[str, Any]:
-        """theta, partial factor and scaling from either spelling."""
-        params = self.raw.get("rope_parameters") or {}
-        scaling = self.raw.get("rope_scaling") or dict(params)
-        theta = self.raw.get("rope_theta", params.get("rope_theta", 10000.0))
-        partial = self.raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-        return {"theta": float(theta), "partial": float(partial), "scaling": scaling}
+    return {"theta": top_or_params("rope_theta"), "partial": top_or_params("partial_rotary_factor"),
+            "scaling": scaling}
 
 
-def _yarn(fields: _Fields) -> dict[str, Any]:
-    scaling = fields.rope()["scaling"]
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
+def _rope_kind(scaling: Fields) -> str:
+    field = "rope_type" if scaling.present("rope_type") else "type"
+    kind = scaling.get(field, "default")
+    if not isinstance(kind, str):
+        raise scaling.invalid(field, kind, "a string ('default' or 'yarn')")
+    return kind
+
+
+def _yarn(f: Fields) -> dict[str, Any]:
+    """DeepSeek's YaRN as transformers reads it (`modeling_rope_utils._compute_yarn_parameters`):
+    original_max_position_embeddings defaults to max_position_embeddings, beta_fast / beta_slow
+    to 32 / 1, and cos and sin are scaled by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) only when both are set (else by mscale(factor, 1))."""
+    scaling = _rope(f)["scaling"]
+    kind = _rope_kind(scaling)
+    if kind == "default":
         return {"yarn_factor": 1.0}
     if kind != "yarn":
-        raise _unsupported("rope_scaling.type", kind, "'yarn' or none")
-    return {"yarn_factor": float(scaling["factor"]),
-            "yarn_original_max_positions": int(scaling["original_max_position_embeddings"]),
-            "yarn_beta_fast": float(scaling.get("beta_fast", 32)),
-            "yarn_beta_slow": float(scaling.get("beta_slow", 1)),
-            "yarn_mscale": float(scaling.get("mscale", 1)),
-            "yarn_mscale_all_dim": float(scaling.get("mscale_all_dim", 0))}
+        raise _unsupported(scaling.name("type"), kind, "'yarn' or none")
+    for field, wanted in (("attention_factor", None), ("truncate", True)):
+        if scaling.present(field) and scaling.get(field) != wanted:
+            raise _unsupported(scaling.name(field), scaling.get(field),
+                               "absent (the attention factor from mscale; a truncated ramp)")
+    max_positions = _max_positions(f)
+    original = scaling.int("original_max_position_embeddings", default=max_positions)
+    factor = scaling.float("factor")  # required by transformers' YaRN validation
+    mscale = scaling.float("mscale", default=0.0)
+    mscale_all_dim = scaling.float("mscale_all_dim", default=0.0)
+    if mscale_all_dim and not mscale:
+        raise _unsupported(scaling.name("mscale"), scaling.get("mscale", None),
+                           f"a number with mscale_all_dim={mscale_all_dim} (transformers then "
+                           "scales cos and sin by mscale(factor, 1), DeepSeek's code by the ratio)")
+    return {"yarn_factor": factor, "yarn_original_max_positions": original,
+            "yarn_beta_fast": scaling.float("beta_fast", default=0.0) or 32.0,
+            "yarn_beta_slow": scaling.float("beta_slow", default=0.0) or 1.0,
+            "yarn_mscale": mscale if mscale_all_dim else 1.0,
+            "yarn_mscale_all_dim": mscale_all_dim}
 
 
-def _common(f: _Fields) -> dict[str, Any]:
+def _max_positions(f: Fields) -> int:
+    """max_position_embeddings (Kimi Linear's published file: model_max_length)."""
+    if f.raw.get("model_type") == "kimi_linear" and not f.present("max_position_embeddings"):
+        return f.int("model_max_length")
+    return f.int("max_position_embeddings")
+
+
+def _common(f: Fields) -> dict[str, Any]:
     """Trunk fields every family spells alike."""
-    f.require("hidden_act", ("silu",), "silu")
-    if f.get("tie_word_embeddings", False):
+    f.choice("hidden_act", ("silu",))
+    if f.bool("tie_word_embeddings"):
         raise _unsupported("tie_word_embeddings", True, "false (a separate LM head)")
-    return {"d_model": int(f.get("hidden_size")), "n_layers": int(f.get("num_hidden_layers")),
-            "vocab_size": int(f.get("vocab_size")), "n_heads": int(f.get("num_attention_heads")),
-            "rms_eps": float(f.get("rms_norm_eps")), "residual": "prenorm", "activation": "silu",
-            "rope_theta": f.rope()["theta"], "mla_first": 0}  # mla_first: unused (Kimi pattern)
+    return {"d_model": f.int("hidden_size"), "n_layers": f.int("num_hidden_layers"),
+            "vocab_size": f.int("vocab_size"), "n_heads": f.int("num_attention_heads"),
+            "rms_eps": f.float("rms_norm_eps"), "residual": "prenorm", "activation": "silu",
+            "rope_theta": _rope(f)["theta"], "mla_first": 0}  # mla_first: unused (Kimi pattern)
 
 
-def _routed(f: _Fields, experts: str) -> dict[str, Any]:
+def _routed(f: Fields, experts: str) -> dict[str, Any]:
     """`experts`: the family's name of the routed expert count (transformers 5 writes
     `num_local_experts` instead)."""
-    count = f.get(experts, None) or f.get("num_local_experts", None) or f.get(experts)
-    return {"n_experts": int(count), "top_k": int(f.get("num_experts_per_tok")),
-            "expert_hidden": int(f.get("moe_intermediate_size")),
-            "router_normalize": bool(f.get("norm_topk_prob", True))}
+    count = f.int("num_local_experts") if f.present("num_local_experts") and not f.present(
+        experts) else f.int(experts)
+    return {"n_experts": count, "top_k": f.int("num_experts_per_tok"),
+            "expert_hidden": f.int("moe_intermediate_size"),
+            "router_normalize": f.bool("norm_topk_prob")}
 
 
 def lane_multiple(width: int) -> int:
@@ -109,51 +133,67 @@ def lane_multiple(width: int) -> int:
     return -(-width // config_module.LANE) * config_module.LANE
 
 
-def _group_limited(f: _Fields) -> dict[str, Any]:
+def _dense_and_shared(f: Fields, shared_field: str, mtp_field: str) -> dict[str, Any]:
+    """The dense first layers, the shared experts and the MTP layers of a sigmoid-routed MoE."""
+    dense = f.int("first_k_dense_replace")
+    shared = _null_is_zero(f, shared_field)
+    return {"n_dense_layers": dense, "ffn": "dense+moe_full" if dense else "moe_full",
+            "dense_hidden": lane_multiple(f.int("intermediate_size")), "n_shared_experts": shared,
+            "shared_hidden": shared * f.int("moe_intermediate_size") if shared else 128,
+            "n_mtp_layers": f.int(mtp_field)}
+
+
+def _group_limited(f: Fields) -> dict[str, Any]:
     """DeepSeek-V3's / GLM-4.5's sigmoid router with correction bias and groups."""
-    f.require("scoring_func", ("sigmoid",), "sigmoid")
-    f.require("topk_method", ("noaux_tc",), "noaux_tc")
-    f.require("moe_layer_freq", (1,), 1)
-    dense = int(f.get("first_k_dense_replace", 0))
-    shared = int(f.get("n_shared_experts", 0) or 0)
+    f.choice("scoring_func", ("sigmoid",))
+    f.choice("topk_method", ("noaux_tc",))
+    f.choice("moe_layer_freq", (1,))
     return {"router_score": "sigmoid", "router_bias": True,
-            "routed_scale": float(f.get("routed_scaling_factor", 1.0)),
-            "router_groups": int(f.get("n_group", 1)), "router_topk_groups": int(f.get("topk_group", 1)),
-            "n_dense_layers": dense, "ffn": "dense+moe_full" if dense else "moe_full",
-            "dense_hidden": lane_multiple(int(f.get("intermediate_size"))),
-            "n_shared_experts": shared,
-            "shared_hidden": shared * int(f.get("moe_intermediate_size")) if shared else 128,
-            "n_mtp_layers": int(f.get("num_nextn_predict_layers", 0))}
+            "routed_scale": f.float("routed_scaling_factor"),
+            "router_groups": f.int("n_group"), "router_topk_groups": f.int("topk_group"),
+            **_dense_and_shared(f, "n_shared_experts", "num_nextn_predict_layers")}
 
 
-def _deepseek_v3(f: _Fields) -> dict[str, Any]:
-    if f.get("attention_bias", False):
+def _null_is_zero(f: Fields, field: str) -> int:
+    """A field whose null means none (q_lora_rank null, Moonlight's and Kimi Linear's: the query
+    projected directly, our mla_q_rank 0; n_shared_experts null: no shared expert, as DeepSeek's
+    code reads it); missing: the model type's default."""
+    if field in f.raw and f.raw[field] is None:
+        return 0
+    return f.int(field, default=0)
+
+
+def _mla_dims(f: Fields) -> dict[str, Any]:
+    return {"mla_q_rank": _null_is_zero(f, "q_lora_rank"), "mla_kv_rank": f.int("kv_lora_rank"),
+            "mla_qk_nope": f.int("qk_nope_head_dim"), "mla_qk_extra": f.int("qk_rope_head_dim"),
+            "mla_v_dim": f.int("v_head_dim")}
+
+
+def _deepseek_v3(f: Fields) -> dict[str, Any]:
+    if f.bool("attention_bias"):
         raise _unsupported("attention_bias", True, "false for deepseek_v3")
+    f.bool("rope_interleave")  # read by the loader (`_entries`): checked here
     return {**_common(f), **_routed(f, "n_routed_experts"), **_group_limited(f), **_yarn(f),
-            "attention": "mla_rope", "mla_cache_layout": "latent",
-            # q_lora_rank null (Moonlight): the query projected directly, our mla_q_rank 0
-            "mla_q_rank": int(f.get("q_lora_rank", 0)), "mla_kv_rank": int(f.get("kv_lora_rank")),
-            "mla_qk_nope": int(f.get("qk_nope_head_dim")),
-            "mla_qk_extra": int(f.get("qk_rope_head_dim")), "mla_v_dim": int(f.get("v_head_dim"))}
+            **_mla_dims(f), "attention": "mla_rope", "mla_cache_layout": "latent"}
 
 
-def _gqa(f: _Fields) -> dict[str, Any]:
-    rope = f.rope()
-    if rope["scaling"].get("rope_type", rope["scaling"].get("type", "default")) not in ("default",):
-        raise _unsupported("rope_scaling", rope["scaling"], "none for GQA models")
-    if f.get("use_sliding_window", False):
+def _gqa(f: Fields) -> dict[str, Any]:
+    rope = _rope(f)
+    if _rope_kind(rope["scaling"]) != "default":
+        raise _unsupported("rope_scaling", rope["scaling"].raw, "none for GQA models")
+    if f.bool("use_sliding_window", default=False):
         raise _unsupported("use_sliding_window", True, "false")
-    heads = int(f.get("num_attention_heads"))
-    return {"attention": "gqa", "n_kv_heads": int(f.get("num_key_value_heads", heads)),
-            "head_dim": int(f.get("head_dim", int(f.get("hidden_size")) // heads)),
+    heads = f.int("num_attention_heads")
+    return {"attention": "gqa", "n_kv_heads": f.int("num_key_value_heads", default=heads),
+            "head_dim": f.int("head_dim", default=f.int("hidden_size") // heads),
             "rope_partial": rope["partial"]}
 
 
-def _qwen3_moe(f: _Fields) -> dict[str, Any]:
-    f.require("decoder_sparse_step", (1,), 1)
-    if f.get("mlp_only_layers", []):
+def _qwen3_moe(f: Fields) -> dict[str, Any]:
+    f.choice("decoder_sparse_step", (1,))
+    if f.ints("mlp_only_layers"):
         raise _unsupported("mlp_only_layers", f.get("mlp_only_layers"), "[] (MoE in every layer)")
-    if f.get("attention_bias", False):
+    if f.bool("attention_bias"):
         raise _unsupported("attention_bias", True, "false for qwen3_moe (its o_proj bias)")
     return {**_common(f), **_gqa(f), **_routed(f, "num_experts"), "qk_norm": True,
             "attention_bias": False, "router_score": "softmax", "router_bias": False,
@@ -161,69 +201,59 @@ def _qwen3_moe(f: _Fields) -> dict[str, Any]:
             "n_dense_layers": 0, "ffn": "moe_full", "n_shared_experts": 0}
 
 
-def _glm4_moe(f: _Fields) -> dict[str, Any]:
+def _glm4_moe(f: Fields) -> dict[str, Any]:
     return {**_common(f), **_gqa(f), **_routed(f, "n_routed_experts"), **_group_limited(f),
-            "qk_norm": bool(f.get("use_qk_norm", False)),
-            "attention_bias": bool(f.get("attention_bias", False))}
+            "qk_norm": f.bool("use_qk_norm"), "attention_bias": f.bool("attention_bias")}
 
 
-def _kimi_k3(f: _Fields) -> dict[str, Any]:
-    """Our own config.json for Kimi K3 (write_config): the ModelConfig fields by name."""
+def _kimi_k3(f: Fields) -> dict[str, Any]:
+    """Our own config.json for Kimi K3 (write_config): the ModelConfig fields by name (their
+    types checked by ModelConfig's validation)."""
     fields = {field.name for field in config_module.dataclasses.fields(ModelConfig)}
-    return {k: v for k, v in f.get("mkresearch", {}).items() if k in fields}
+    return {k: v for k, v in f.section("mkresearch", default={}).raw.items() if k in fields}
 
 
-def _kimi_pattern(f: _Fields, n_layers: int) -> dict[str, Any]:
+def _kimi_pattern(f: Fields, n_layers: int) -> dict[str, Any]:
     """linear_attn_config's 1-based MLA layers as our Kimi pattern: every mla_every-th layer from
     mla_first, and the last; the KDA layers the rest."""
-    linear = f.get("linear_attn_config")
-    full = sorted(int(layer) - 1 for layer in linear.get("full_attn_layers") or ())
-    kda = sorted(int(layer) - 1 for layer in linear.get("kda_layers") or ())
+    linear = f.section("linear_attn_config", LINEAR_ATTN_DEFAULTS)
+    full = sorted({layer - 1 for layer in linear.ints("full_attn_layers", default=[])})
+    kda = sorted(layer - 1 for layer in linear.ints("kda_layers", default=[]))
     every = full[1] - full[0] if len(full) > 1 else n_layers
     pattern = set(range(full[0], n_layers, every)) | {n_layers - 1} if full else set()
     if not full or set(full) != pattern and set(full) != pattern - {n_layers - 1} or (
             sorted(set(range(n_layers)) - set(full)) != kda):
         raise _unsupported("linear_attn_config.full_attn_layers", [x + 1 for x in full],
-                           "MLA on every k-th layer from one (1-based), optionally the last, and "
-                           "KDA (kda_layers) on every other layer")
+                           f"with linear_attn_config.kda_layers={[x + 1 for x in kda]}: MLA on "
+                           "every k-th layer from one (1-based), optionally the last, and KDA on "
+                           "every other layer")
     return {"mla_first": full[0], "mla_every": every, "mla_last_layer": n_layers - 1 in full,
-            "kda_head_dim": int(linear.get("head_dim")),
-            "kda_conv_size": int(linear.get("short_conv_kernel_size"))}
+            "kda_head_dim": linear.int("head_dim"),
+            "kda_conv_size": linear.int("short_conv_kernel_size")}
 
 
-def _kimi_linear(f: _Fields) -> dict[str, Any]:
+def _kimi_linear(f: Fields) -> dict[str, Any]:
     """Kimi Linear: KDA (low-rank decay and output gates of rank head_dim, fla's softplus decay)
     + MLA without RoPE (`mla_use_nope`), without a query LoRA and without an output gate; a dense
     first layer, then sigmoid-routed experts with a correction bias."""
-    f.require("mla_use_nope", (True,), True)
-    f.require("moe_router_activation_func", ("sigmoid",), "sigmoid")
-    f.require("moe_layer_freq", (1,), 1)
-    heads = int(f.get("num_attention_heads"))
-    if int(f.get("linear_attn_config").get("num_heads", heads)) != heads:
-        raise _unsupported("linear_attn_config.num_heads", f.get("linear_attn_config")["num_heads"],
-                           f"num_attention_heads={heads} (KDA and MLA share n_heads)")
+    f.choice("mla_use_nope", (True,))
+    f.choice("moe_router_activation_func", ("sigmoid",))
+    f.choice("moe_layer_freq", (1,))
     common = _common(f)
-    shared = int(f.get("num_shared_experts", 0) or 0)
-    head_dim = int(f.get("linear_attn_config").get("head_dim"))
-    dense = int(f.get("first_k_dense_replace", 0))
-    return {**common, **_kimi_pattern(f, common["n_layers"]), "attention": "kda+mla",
-            "kda_gate_rank": head_dim, "kda_output_gate_rank": head_dim, "kda_decay": "softplus",
-            "mla_output_gate": False, "mla_cache_layout": "latent",
-            "mla_q_rank": int(f.get("q_lora_rank", 0)), "mla_kv_rank": int(f.get("kv_lora_rank")),
-            "mla_qk_nope": int(f.get("qk_nope_head_dim")),
-            "mla_qk_extra": int(f.get("qk_rope_head_dim")), "mla_v_dim": int(f.get("v_head_dim")),
-            "n_experts": int(f.get("num_experts")), "top_k": int(f.get("num_experts_per_token")),
-            "expert_hidden": int(f.get("moe_intermediate_size")),
-            "router_normalize": bool(f.get("moe_renormalize", True)),
-            "router_score": "sigmoid", "router_bias": True,
-            "routed_scale": float(f.get("routed_scaling_factor", 1.0)),
-            "router_groups": int(f.get("num_expert_group", 1)),
-            "router_topk_groups": int(f.get("topk_group", 1)),
-            "n_dense_layers": dense, "ffn": "dense+moe_full" if dense else "moe_full",
-            "dense_hidden": lane_multiple(int(f.get("intermediate_size"))),
-            "n_shared_experts": shared,
-            "shared_hidden": shared * int(f.get("moe_intermediate_size")) if shared else 128,
-            "n_mtp_layers": int(f.get("num_nextn_predict_layers", 0))}
+    linear = f.section("linear_attn_config", LINEAR_ATTN_DEFAULTS)
+    if linear.int("num_heads") != common["n_heads"]:
+        raise _unsupported("linear_attn_config.num_heads", linear.get("num_heads"),
+                           f"num_attention_heads={common['n_heads']} (KDA and MLA share n_heads)")
+    head_dim = linear.int("head_dim")
+    return {**common, **_kimi_pattern(f, common["n_layers"]), **_mla_dims(f),
+            "attention": "kda+mla", "kda_gate_rank": head_dim, "kda_output_gate_rank": head_dim,
+            "kda_decay": "softplus", "mla_output_gate": False, "mla_cache_layout": "latent",
+            "n_experts": f.int("num_experts"), "top_k": f.int("num_experts_per_token"),
+            "expert_hidden": f.int("moe_intermediate_size"),
+            "router_normalize": f.bool("moe_renormalize"), "router_score": "sigmoid",
+            "router_bias": True, "routed_scale": f.float("routed_scaling_factor"),
+            "router_groups": f.int("num_expert_group"), "router_topk_groups": f.int("topk_group"),
+            **_dense_and_shared(f, "num_shared_experts", "num_nextn_predict_layers")}
 
 
 READERS = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
@@ -231,13 +261,17 @@ READERS = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "glm4_moe": _gl
 
 
 def fp8_quantized(raw: dict[str, Any]) -> bool:
-    """True for DeepSeek's FP8 release (`quantization_config`), False without one; any other
-    quantisation is a CheckpointError naming it."""
+    """True for DeepSeek's FP8 release (`quantization_config`, as DeepSeek or transformers'
+    FineGrainedFP8Config writes it), False without one; any other quantisation is a
+    CheckpointError naming it."""
     quant = raw.get("quantization_config")
     if not quant:
         return False
+    if not isinstance(quant, dict):
+        raise Fields(raw).invalid("quantization_config", quant, "a JSON object or null")
     for key, want in FP8_QUANTIZATION.items():
-        if quant.get(key) != want:
+        value = quant.get(key, FP8_DEFAULTS.get(key))
+        if (list(value) if isinstance(value, (list, tuple)) else value) != want:
             raise _unsupported(f"quantization_config.{key}", quant.get(key),
                                f"{want!r} (DeepSeek's FP8 e4m3 with 128x128 block scales)")
     return True
@@ -250,28 +284,39 @@ def _kv_tile(max_seq_len: int, preset_tile: int) -> int:
     raise _unsupported("max_position_embeddings", max_seq_len, "a multiple of 16")
 
 
+def _expert_format(cfg: ModelConfig) -> str:
+    """fp8 when the experts' every contraction dim is whole FP8 scale blocks (the config's own
+    checks and its FFN kind's: the hidden, the latent, d_model on the full d), else bf16 (the FP8
+    values dequantised)."""
+    try:
+        spec.check(cfg.replace(expert_format="fp8"))
+    except ValueError:
+        return "bf16"
+    return "fp8"
+
+
 def config_from_dict(raw: dict[str, Any], name: str = "checkpoint", **overrides: Any) -> ModelConfig:
     """`raw` (a parsed config.json) as a validated ModelConfig named `name`; overrides win."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{CONFIG_FILE}: a JSON object expected, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type in UNSUPPORTED_TYPES:
+    if isinstance(model_type, str) and model_type in UNSUPPORTED_TYPES:
         raise _unsupported("model_type", model_type, UNSUPPORTED_TYPES[model_type])
-    if model_type not in READERS:
+    if not isinstance(model_type, str) or model_type not in READERS:
         raise _unsupported("model_type", model_type, f"one of {', '.join(map(repr, READERS))}")
-    fields = _Fields(raw)
+    fields = Fields(raw)
     values = READERS[model_type](fields)
     preset = FAMILY_PRESETS[model_type]
+    fp8 = model_type != "kimi_k3" and fp8_quantized(raw)
     if model_type != "kimi_k3":
-        max_seq = int(fields.get("max_position_embeddings", None)
-                      or fields.get("model_max_length"))  # Kimi Linear: model_max_length
-        values.update(max_seq_len=max_seq, kv_tile=_kv_tile(max_seq, preset.kv_tile))
-        fp8 = fp8_quantized(raw)
-        hidden_ok = int(values["expert_hidden"]) % config_module.FP8_BLOCK == 0
-        values["expert_format"] = "fp8" if fp8 and hidden_ok else "bf16"
-    values.update(overrides)
+        max_seq = _max_positions(fields)
+        values.update(max_seq_len=max_seq, kv_tile=_kv_tile(max_seq, preset.kv_tile),
+                      expert_format="bf16")
     try:
-        return preset.replace(name=name, **values)
+        cfg = preset.replace(name=name, **values)
+        if fp8 and "expert_format" not in overrides:
+            cfg = cfg.replace(expert_format=_expert_format(cfg))
+        return cfg.replace(**overrides) if overrides else cfg
     except (ValueError, TypeError) as error:
         raise CheckpointError(f"{CONFIG_FILE} (model_type {model_type!r}): {error}") from None
 

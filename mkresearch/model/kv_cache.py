@@ -1,4 +1,5 @@
-"""How the MLA KV cache is read, in bytes: shape arithmetic only (config shapes, no kernel).
+"""How long a KV cache is, and how the MLA KV cache is read, in bytes: shape arithmetic only
+(config shapes, no kernel).
 
 A DMA window of a bf16 HBM array starts and ends on its 16-row tiles, so the kernels
 (`mkresearch.kernels.base.kv_tiles`) read the cached tokens of a row in whole 16-row groups.
@@ -6,6 +7,7 @@ A DMA window of a bf16 HBM array starts and ends on its 16-row tiles, so the ker
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,23 @@ from mkresearch.model.config import BF16_SUBLANE, ModelConfig
 # The KV tiles are read in groups of this many rows: a DMA window of a bf16 HBM array starts and
 # ends on its 16-row tiles, so the last tile's tail past the position is skipped group by group.
 KV_ROW_GROUP = BF16_SUBLANE
+
+
+# A cache for N tokens is allocated rounded up to this many: few distinct shapes, few compiles.
+CACHE_ROUND = 128
+
+
+def cache_length(cfg: ModelConfig, tokens: int, round_to: int = CACHE_ROUND) -> int:
+    """The cache length (a `max_seq_len` cfg accepts) that holds `tokens` tokens: rounded up to
+    a multiple of both `round_to` and cfg.kv_tile (the config's rule: whole KV tiles), never past
+    cfg.max_seq_len (itself whole tiles). ValueError naming max_seq_len when the tokens exceed
+    it."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 1:
+        raise ValueError(f"tokens={tokens!r} is invalid: an int >= 1")
+    if tokens > cfg.max_seq_len:
+        raise ValueError(f"{tokens} tokens exceed max_seq_len={cfg.max_seq_len} of {cfg.name}")
+    step = math.lcm(round_to, cfg.kv_tile)
+    return min(-(-int(tokens) // step) * step, cfg.max_seq_len)
 
 
 def rows_read(count: int) -> int:

@@ -1,7 +1,7 @@
 """Presets of the small real models (docs/checkpoints.md): each one's published `config.json`
 fields, read by `hf_config.config_from_dict` like a checkpoint's, with where they come from.
 
-`mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's --model) find
+`mkresearch.sharding.layout.named_config("qwen3-30b-a3b")` (and the command line's MODEL) find
 them; `config.get_config` knows only the presets typed in `mkresearch.model.config`.
 Each value was transcribed from a first public copy (docs/families.md §5) and checked against a second public copy of the
 config (noted per model); where copies disagree the note says which value was kept and why.

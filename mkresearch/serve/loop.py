@@ -147,29 +147,37 @@ def poison_pages(state: dict, page_ids: list[int], cfg: ModelConfig) -> dict:
             for kind, leaves in state.items()}
 
 
-def check_requests(requests: Any, pages: paged_kv.PagedKVConfig) -> list[trace.Request]:
+def check_requests(requests: Any, pages: paged_kv.PagedKVConfig,
+                   cfg: ModelConfig) -> list[trace.Request]:
     """The requests, checked: a non-empty list of trace.Request with distinct indices, each one's
-    cache within a page table and within the pool."""
+    positions within cfg.max_seq_len and its cache within a page table and within the pool."""
     if not isinstance(requests, (list, tuple)) or not requests or not all(
             isinstance(r, trace.Request) for r in requests):
         raise ValueError("requests is invalid: a non-empty list of serve.trace.Request")
     if len({r.index for r in requests}) != len(requests):
         raise ValueError("requests is invalid: every Request.index distinct")
-    trace.check_fits(list(requests), min(pages.max_context, pages.n_pages * pages.page_size))
+    trace.check_fits(list(requests), cfg.max_seq_len, {
+        f"one row's page table ({pages.max_pages_per_row} pages of {pages.page_size})":
+            pages.max_context,
+        f"the pool ({pages.n_pages} pages of {pages.page_size})": pages.n_pages * pages.page_size})
     return list(requests)
 
 
 def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
           pages: paged_kv.PagedKVConfig, *, batch: int, step: str | Callable = "reference",
           eos: int | None = None, trace_seed: int = 0, chunk: int = PREFILL_CHUNK,
-          poison_freed: bool = False, progress: bool = False) -> ServeResult:
+          poison_freed: bool = False, progress: bool = False,
+          on_step: Callable[[StepRecord], None] | None = None) -> ServeResult:
     """Serve `requests` with B = `batch` slots over the pool `pages` (see the module docstring);
     step "reference" (`paged_kv.paged_decode_step`) or "megakernel" (the paged megakernel), or a
-    function of the same contract. Returns every request's tokens and a StepRecord per step."""
+    function of the same contract. Returns every request's tokens and a StepRecord per step
+    (each also passed to `on_step` as soon as its step ran). A request done at its prefill
+    (output_len 1, or eos first) is in both the joined and the left list of the step it joined
+    before, when one runs then (`joined_at` / `left_at` hold it either way)."""
     if not isinstance(pages, paged_kv.PagedKVConfig):
         raise ValueError(f"pages={pages!r} is invalid: a paged_kv.PagedKVConfig")  # noqa: TRY004
     pages.check(cfg)
-    requests = check_requests(requests, pages)
+    requests = check_requests(requests, pages, cfg)
     run_step = _step_function(step)
     slots = SlotManager(batch)
     allocator = PageAllocator(pages.n_pages, pages.page_size)
@@ -195,7 +203,7 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
             table[slot], positions[slot], tokens[slot] = -1, -1, 0
 
     while waiting or slots.occupied:
-        joined = []
+        joined, done_at_prefill = [], []
         while waiting and waiting[0].arrival <= now and slots.free_slot() is not None:
             request = waiting[0]
             got = allocator.allocate(request.index, request.length)
@@ -219,6 +227,7 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
             if request.output_len == 1 or first == eos:  # done at its prefill: no step
                 table[slot] = -1
                 leave(request.index, None)
+                done_at_prefill.append(request.index)
                 continue
             slots.take(slot, request.index)
             positions[slot], tokens[slot] = request.prompt_len, first
@@ -233,7 +242,7 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
         logits = np.asarray(logits)  # [B, V]
         seconds = time.perf_counter() - started
         held, owner = [int(r) for r in slots.requests], [int(o) for o in allocator.owner]
-        left, lengths = [], [int(n) for n in np.maximum(positions + 1, 0)]
+        left, lengths = list(done_at_prefill), [int(n) for n in np.maximum(positions + 1, 0)]
         for slot in slots.active():
             request = by_index[int(slots.requests[slot])]
             token = draw(logits[slot], request, int(positions[slot]) + 1)
@@ -246,6 +255,8 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
                 leave(request.index, slot)
         result.steps.append(StepRecord(step=now, slots=held, lengths=lengths, page_owner=owner,
                                        joined=joined, left=left, seconds=seconds))
+        if on_step is not None:
+            on_step(result.steps[-1])
         now += 1
     bar.close()
     return result

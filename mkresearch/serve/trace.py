@@ -10,10 +10,11 @@ runs (if a slot and its pages are free; else it waits). Two file formats, one re
                5,8,0
 
 Optional fields: `temperature` (absent or empty: greedy; else a number > 0, sampled with the
-request's own counter seed) and `seed` (the sampling seed, default the request's index). A
-request's prompt tokens are drawn from its index and the trace's seed (`prompt_tokens`): a trace
-is lengths and times, not text. Bad input is a ValueError of one line naming the request and the
-field and what is allowed.
+request's own counter seed) and `seed` (the sampling seed, a uint32: default the request's
+index). A request's prompt tokens are drawn from its index and the trace's seed
+(`prompt_tokens`): a trace is lengths and times, not text. A file is UTF-8 (a byte-order mark is
+skipped). Bad input is a ValueError of one line naming the file, the request (or CSV line) and the
+field and what is allowed, raised before anything runs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 FIELDS = ("prompt_len", "output_len", "arrival")
 OPTIONAL_FIELDS = ("temperature", "seed")
 SYNTHETIC = "synthetic"
+SEED_LIMIT = 2**32  # a sampling seed is a uint32 counter (`sampling.counter_uniform`)
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,17 @@ class Request:
         return self.prompt_len + self.output_len - 1
 
 
-def _int_field(where: str, name: str, value: Any, minimum: int) -> int:
+def _int_field(where: str, name: str, value: Any, minimum: int, limit: int | None = None) -> int:
+    """An int >= minimum (and < limit when given), or a string of one."""
     if isinstance(value, str):
         try:
             value = int(value.strip())
         except ValueError:
             pass
     if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-            or value < minimum):
-        raise ValueError(f"{where}: {name}={value!r} is invalid: an int >= {minimum}")
+            or value < minimum or (limit is not None and value >= limit)):
+        allowed = f"an int >= {minimum}" if limit is None else f"an int in [{minimum}, {limit})"
+        raise ValueError(f"{where}: {name}={value!r} is invalid: {allowed}")
     return int(value)
 
 
@@ -95,13 +99,32 @@ def make_request(index: int, fields: dict, where: str | None = None) -> Request:
                    output_len=_int_field(where, "output_len", fields["output_len"], 1),
                    arrival=_int_field(where, "arrival", fields["arrival"], 0),
                    temperature=_temperature_field(where, fields.get("temperature")),
-                   seed=index if seed in (None, "") else _int_field(where, "seed", seed, 0))
+                   seed=index if seed in (None, "") else _int_field(where, "seed", seed, 0,
+                                                                   SEED_LIMIT))
+
+
+def _csv_records(text: str, name: str) -> list[dict]:
+    """The rows of a CSV trace as dicts of the header's fields (empty optional values left out);
+    a row with more or fewer values than the header is refused, naming its line."""
+    lines = [(number, row) for number, row in enumerate(csv.reader(io.StringIO(text)), 1) if row]
+    header = [field.strip() for field in lines[0][1]] if lines else []
+    if len(lines) < 2 or any(field not in header for field in FIELDS):
+        raise ValueError(f"{name} is invalid: CSV with a header naming {', '.join(FIELDS)} "
+                         "and one row per request (or JSON)")
+    records = []
+    for number, row in lines[1:]:
+        if len(row) != len(header):
+            raise ValueError(f"{name} line {number} is invalid: {len(row)} values, the header "
+                             f"names {len(header)} ({', '.join(header)})")
+        records.append({key: value for key, value in zip(header, row, strict=True)
+                        if value.strip() or key in FIELDS})
+    return records
 
 
 def parse_trace(text: str, name: str = "workload") -> list[Request]:
     """Requests from the text of a JSON or CSV trace (JSON when it starts with { or [)."""
-    stripped = text.lstrip()
-    if stripped[:1] in ("{", "["):
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark (a spreadsheet's export)
+    if text.lstrip()[:1] in ("{", "["):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -112,25 +135,24 @@ def parse_trace(text: str, name: str = "workload") -> list[Request]:
             raise ValueError(f"{name} is invalid: a JSON list of requests or "
                              '{"requests": [...]}')
     else:
-        records = list(csv.DictReader(io.StringIO(text)))
-        header = next(csv.reader(io.StringIO(stripped)), [])
-        if not records or any(field not in header for field in FIELDS):
-            raise ValueError(f"{name} is invalid: CSV with a header naming {', '.join(FIELDS)} "
-                             "and one row per request (or JSON)")
-        records = [{key: value for key, value in record.items() if value not in (None, "")
-                    or key in FIELDS} for record in records]
+        records = _csv_records(text, name)
     if not records:
         raise ValueError(f"{name} holds no request: at least one")
-    return [make_request(i, record) for i, record in enumerate(records)]
+    return [make_request(i, record, f"{name} request {i}") for i, record in enumerate(records)]
 
 
 def read_trace(path: str | Path) -> list[Request]:
-    """Requests from a trace file (JSON or CSV, see the module docstring)."""
+    """Requests from a trace file (JSON or CSV, UTF-8, see the module docstring)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as error:
         raise ValueError(f"workload {str(path)!r} cannot be read: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"workload {str(path)!r} is not UTF-8 text: byte {error.start} is "
+                         f"{data[error.start]:#04x} (a trace is JSON or CSV in UTF-8)") from None
     return parse_trace(text, name=f"workload {path.name!r}")
 
 
@@ -161,13 +183,21 @@ def load_trace(source: str | Path, seed: int = 0) -> list[Request]:
     return synthetic_trace(seed) if str(source) == SYNTHETIC else read_trace(source)
 
 
-def check_fits(requests: list[Request], max_length: int) -> None:
-    """ValueError naming the first request whose cache would not fit a row's page table."""
+def check_fits(requests: list[Request], max_seq_len: int, limits: dict[str, int]) -> None:
+    """ValueError naming the first request that could never run: its positions past the model's
+    max_seq_len (prompt_len + output_len, as `decode` counts --prompt-len + --steps), or its
+    cache (`Request.length`: the prompt and every generated token but the last) past one of
+    `limits` (what holds it -> tokens, e.g. one row's page table and the whole pool)."""
     for request in requests:
-        if request.prompt_len + request.output_len > max_length:
+        positions = request.prompt_len + request.output_len
+        if positions > max_seq_len:
             raise ValueError(f"workload request {request.index}: prompt_len + output_len = "
-                             f"{request.prompt_len + request.output_len} exceeds {max_length} "
-                             "(the tokens one row's page table holds)")
+                             f"{positions} exceeds max_seq_len={max_seq_len} of the model")
+        for what, tokens in limits.items():
+            if request.length > tokens:
+                raise ValueError(f"workload request {request.index}: its cache of prompt_len + "
+                                 f"output_len - 1 = {request.length} tokens exceeds {what}: "
+                                 f"{tokens} tokens")
 
 
 def prompt_tokens(request: Request, vocab_size: int, trace_seed: int = 0) -> np.ndarray:

@@ -18,6 +18,7 @@ Idle steps (no row held) are not run and have no row: the clock jumps to the nex
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,9 +41,10 @@ def step_context(lengths: list[int], page_size: int) -> int:
 
 
 def predicted_steps(records: list[loop.StepRecord], full: str, page_size: int,
-                    chip: str = "tpu7x") -> list[float]:
-    """The full-size step (seconds) of each record at its occupied batch and context."""
-    cache: dict[tuple[int, int], float] = {}
+                    chip: str = "tpu7x", cache: dict | None = None) -> list[float]:
+    """The full-size step (seconds) of each record at its occupied batch and context (`cache`:
+    (batch, context) -> seconds, kept across calls when given)."""
+    cache = {} if cache is None else cache
     out = []
     for record in records:
         key = (record.occupied, step_context(record.lengths, page_size))
@@ -61,26 +63,41 @@ def _platform_label(step: Any) -> str:
     return "plain XLA on CPU (the reference paged step)"
 
 
+def step_row(record: loop.StepRecord, page_size: int, predicted: float | None) -> dict:
+    """One step of the report (module docstring) from its StepRecord."""
+    return {"step": record.step, "occupied": record.occupied, "slots": record.slots,
+            "lengths": record.lengths,
+            "pages_held": sum(owner >= 0 for owner in record.page_owner),
+            "pages_filled": sum(paged_kv.pages_needed(n, page_size) for n in record.lengths),
+            "page_owner": record.page_owner, "joined": record.joined, "left": record.left,
+            "seconds": record.seconds, "predicted_step_s": predicted}
+
+
 def run_workload(params: dict, requests: list[trace.Request], cfg: ModelConfig,
                  pages: paged_kv.PagedKVConfig, *, batch: int, step: str = "reference",
                  full_size: str | None = "auto", chip: str = "tpu7x", trace_seed: int = 0,
-                 poison_freed: bool = False, progress: bool = False) -> dict:
+                 poison_freed: bool = False, progress: bool = False,
+                 on_step: Callable[[dict], None] | None = None) -> dict:
     """Serve `requests` (`loop.serve`) and report each request, each step and the totals (module
     docstring). full_size: the full preset the prediction is of ("auto": the one cfg stands for,
-    `full_size.full_size_of`; None: no prediction); poison_freed as `loop.serve`."""
+    `full_size.full_size_of`; None: no prediction); poison_freed as `loop.serve`; `on_step`
+    receives each step's row as soon as the step ran (a table printed as it goes)."""
     full = full_size_of(cfg.name) if full_size == "auto" else full_size
+    steps: list[dict] = []
+    cache: dict[tuple[int, int], float] = {}
+
+    def record_step(record: loop.StepRecord) -> None:
+        predicted = (predicted_steps([record], full, pages.page_size, chip, cache)[0] if full
+                     else None)
+        steps.append(step_row(record, pages.page_size, predicted))
+        if on_step is not None:
+            on_step(steps[-1])
+
     result = loop.serve(params, requests, cfg, pages, batch=batch, step=step,
                         trace_seed=trace_seed, poison_freed=poison_freed,
-                        progress=progress)
-    predicted = (predicted_steps(result.steps, full, pages.page_size, chip) if full
-                 else [None] * len(result.steps))
+                        progress=progress, on_step=record_step)
+    predicted = [s["predicted_step_s"] for s in steps]
     capacity = pages.n_pages
-    steps = [{"step": r.step, "occupied": r.occupied, "slots": r.slots, "lengths": r.lengths,
-              "pages_held": sum(owner >= 0 for owner in r.page_owner),
-              "pages_filled": sum(paged_kv.pages_needed(n, pages.page_size) for n in r.lengths),
-              "page_owner": r.page_owner, "joined": r.joined, "left": r.left,
-              "seconds": r.seconds, "predicted_step_s": p}
-             for r, p in zip(result.steps, predicted, strict=True)]
     rows = [{"index": q.index, "prompt_len": q.prompt_len, "output_len": q.output_len,
              "arrival": q.arrival, "temperature": q.temperature,
              "joined": result.joined_at[q.index], "left": result.left_at[q.index],
@@ -99,7 +116,8 @@ def run_workload(params: dict, requests: list[trace.Request], cfg: ModelConfig,
         if steps else 0.0,
         "mean_page_occupancy": sum(s["pages_held"] for s in steps) / (len(steps) * capacity)
         if steps else 0.0,
-        "max_wait_steps": max(row["wait"] for row in rows)}
+        "max_wait_steps": max(row["wait"] for row in rows),
+        "ended_at_prefill": [row["index"] for row in rows if len(row["tokens"]) == 1]}
     if full:
         tpu_seconds = sum(predicted)
         summary.update({"full_size": full, "chip": chip, "predicted_seconds": tpu_seconds,

@@ -8,6 +8,7 @@ A rank count that does not split is a ValueError naming the field and the allowe
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds and their rules
 from mkresearch.model import spec
 from mkresearch.model.config import LANE, ModelConfig
+from mkresearch.model.config_rules import EXPERT_BLOCKS
 
 RELEASE_ETP = 4  # docs/kimi-k3.md §9: expert-tensor parallel 4 (EP = n_ranks / 4, 8 at 32 ranks)
 MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
@@ -87,18 +89,30 @@ def _vocab_ok(cfg: ModelConfig, n: int) -> bool:
     return n == 1 or (n - 1) * chunk_length(cfg.vocab_size, n) < cfg.vocab_size
 
 
+def hidden_unit(cfg: ModelConfig) -> int:
+    """The least slice of an expert's hidden a rank may hold: whole lane tiles and whole scale
+    blocks of the expert format (the hidden is W2's contraction; a rank's config holds its
+    slice as expert_hidden, e.g. fp8: multiples of 256)."""
+    return math.lcm(LANE, EXPERT_BLOCKS.get(cfg.expert_format, 1))
+
+
 def _expert_ways(cfg: ModelConfig, n: int, etp: int) -> bool:
-    """EP = n / etp divides the experts; etp splits the hidden and the experts' output columns
-    in lane tiles."""
+    """EP = n / etp divides the experts; etp splits the experts' output columns in lane tiles
+    and the hidden in `hidden_unit`s."""
     return (n % etp == 0 and cfg.n_experts % (n // etp) == 0
-            and all(width % (etp * LANE) == 0 for width in expert_widths(cfg)))
+            and all(width % (etp * LANE) == 0 for width in expert_widths(cfg))
+            and cfg.expert_hidden % (etp * hidden_unit(cfg)) == 0)
 
 
 def _expert_fields(cfg: ModelConfig) -> str:
     out = expert_output_width(cfg)
     name = "moe_latent" if out == cfg.moe_latent and spec.MOE_LATENT in groups_used(cfg) \
         else "d_model"
-    return f"expert_hidden={cfg.expert_hidden} and {name}={out} (W2's columns)"
+    unit = hidden_unit(cfg)
+    hidden = (f"whole {unit}-value {cfg.expert_format} scale blocks" if unit != LANE
+              else f"whole {LANE}-lane tiles")
+    return (f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden}, and {name}={out} "
+            f"(W2's columns) in ETP whole {LANE}-lane slices")
 
 
 def default_etp(cfg: ModelConfig, n: int, name: str = "ours") -> int:
@@ -141,13 +155,12 @@ def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
         if not any(_expert_ways(cfg, n, e) for e in _divisors(n)):
             raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
                              f"must split into EP = n_ranks / ETP groups with "
-                             f"{_expert_fields(cfg)} in ETP whole {LANE}-lane slices (allowed "
-                             f"rank counts: {allowed})")
+                             f"{_expert_fields(cfg)} (allowed rank counts: {allowed})")
     elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp):
         good = [e for e in _divisors(n) if _expert_ways(cfg, n, e)]
         raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
                          f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
-                         f"{_expert_fields(cfg)} by etp x {LANE} (allowed: {good})")
+                         f"{_expert_fields(cfg)} (allowed: {good})")
 
 
 def _listed(values: list[int]) -> str:

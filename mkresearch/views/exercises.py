@@ -23,12 +23,13 @@ def check(name: str, verify: Callable[[], Any]) -> bool:
     """Run `verify()` and print whether the answer to exercise `name` holds; True if it does.
 
     NotImplementedError: not written yet; AssertionError: the answer does not hold (the first
-    line of its message says why); any other exception: the answer crashed (its type and first line; the simulated
-    TPU is reset, as after any failed interpreted kernel)."""
+    line of its message says why); any other exception: the answer crashed (its type and first
+    line; the simulated TPU is reset, as after any failed interpreted kernel)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name={name!r} is invalid: a non-empty string naming the exercise")
     if not callable(verify):
-        raise ValueError(f"verify={verify!r} is invalid: a function of no arguments that asserts")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004 - the project's rule: bad input is a ValueError
+            f"verify={verify!r} is invalid: a function of no arguments that asserts")
     try:
         verify()
     except NotImplementedError:

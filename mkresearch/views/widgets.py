@@ -238,7 +238,8 @@ class TimelineExplorer(FigureExplorer):
     """A control bar (chip, batch, buffers, and a time window for long timelines) under a Gantt
     + VMEM figure of one recorded log (see `FigureExplorer` for what is displayed where).
     `timeline` is the current data; `redraw()` recomputes it from the log (the controls call
-    it). The figure's title names the chip, batch and buffers it shows.
+    it). The figure's title names the chip, batch and buffers it shows, and says the timeline
+    is modelled (`timeline.simulate`), not measured.
     """
 
     def __init__(self, log: Any, *, chip: str = "tpu7x", batch: int = 1, n_buffers: int | None = None,
@@ -304,7 +305,7 @@ class TimelineExplorer(FigureExplorer):
     def draw(self):
         t, window = self.timeline, self.window_us
         title = (f"{self.settings()}: step {t.total_s * 1e6:.2f} µs, "
-                 f"{t.roofline_fraction:.0%} of the HBM roofline")
+                 f"{t.roofline_fraction:.0%} of the HBM roofline (modelled)")
         if window is not None:
             title += f" (window {window[0]:.4g}–{window[1]:.4g} µs)"
         return timeline_figure(t, self.measured, title=title, window_us=window)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from mkresearch.model import spec
-from mkresearch.model.config import FP8_BLOCK, MXFP4_BLOCK, ModelConfig
+from mkresearch.model.config import ModelConfig
+from mkresearch.model.config_rules import EXPERT_BLOCKS
 from mkresearch.model.numerics import ExpertGroups, bf, reduce_partials
 from mkresearch.model.stages.ffn import (
     combine_experts,
@@ -106,7 +107,7 @@ def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.
 
 def check(cfg: ModelConfig) -> None:
     """The experts' contraction dims (d_model for W1/W3) are whole scale blocks of the format."""
-    block = {"fp8": FP8_BLOCK, "mxfp4": MXFP4_BLOCK}.get(cfg.expert_format, 1)
+    block = EXPERT_BLOCKS.get(cfg.expert_format, 1)
     if cfg.d_model % block:
         raise ValueError(f"ModelConfig.expert_format={cfg.expert_format!r} is invalid with "
                          f"ffn={cfg.ffn!r}: experts on the full d_model={cfg.d_model} need it a "

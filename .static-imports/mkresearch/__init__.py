@@ -1,0 +1,1 @@
+../../mkresearch/__init__.py

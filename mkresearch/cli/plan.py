@@ -1,0 +1,66 @@
+"""`mkresearch plan MODEL`: the schedule of one megakernel step from shapes, without running it:
+DMAs and bytes per stage and layer kind, the weight ring, the VMEM plan, HBM bytes against the
+roofline (`mkresearch.prediction.schedule_report`). With `--ranks N` every collective of one
+sharded step instead (`cli.plan_ranks`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mkresearch.cli import plan_ranks as cli_plan_ranks
+from mkresearch.cli.common import _chip, _in_range, _megakernel_batch, _model, _refusals
+from mkresearch.cli.options import (
+    add_batch,
+    add_cache_layout,
+    add_command,
+    add_context,
+    add_model,
+    each_batch,
+)
+from mkresearch.model.config import EXPERT_FORMATS
+from mkresearch.prediction import schedule_report
+
+EXAMPLES = ("mkresearch plan kimi-k3",
+            ("mkresearch plan kimi-k3-mini --batch 1,4 --cache-layout latent --format fp8 "
+            "--context 40"),
+            "mkresearch plan kimi-k3 --ranks 32 --collectives exact   # every collective")
+
+
+def add_parser(commands: Any) -> None:
+    p = add_command(commands, "plan", "the schedule of one megakernel step from shapes: DMAs and "
+                                      "bytes per stage and layer kind, the ring, the VMEM plan, "
+                                      "HBM bytes against the roofline", EXAMPLES)
+    add_model(p)
+    add_batch(p)
+    p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
+    add_cache_layout(p)
+    p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
+                   help="routed-expert format (default: the model's)")
+    add_context(p, None, "every row's position (default: the last one, the worst case)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (per batch)")
+    cli_plan_ranks.add_arguments(p)
+
+
+def run(args: Any) -> int:
+    cfg = _model(args.model)
+    chip = _chip(args.chip)
+    if args.ranks is not None:  # every collective of a sharded step
+        return each_batch(args, cli_plan_ranks.run)
+    for batch in args.batch:
+        _megakernel_batch("--batch", batch)
+    if args.context is not None:
+        _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+                  f"a position in the MLA cache of {cfg.name}, max_seq_len={cfg.max_seq_len}")
+    with _refusals():
+        cfg = cfg.replace(mla_cache_layout=args.cache_layout or cfg.mla_cache_layout,
+                          expert_format=args.expert_format or cfg.expert_format)
+    return each_batch(args, lambda one: _run_one(cfg, chip, one))
+
+
+def _run_one(cfg: Any, chip: str, args: Any) -> int:
+    with _refusals():
+        sched = schedule_report.plan_schedule(cfg, args.batch, chip, args.context)
+        report = schedule_report.report(sched)
+    print(json.dumps(report) if args.json else schedule_report.format_report(sched, report))
+    return 0
