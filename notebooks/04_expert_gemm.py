@@ -51,43 +51,56 @@ from mkresearch.hardware import tpu
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
-# # 04 · The routed-expert GEMM: read exactly the experts you use
+# # 04 · The routed experts: write the expert kernel, read only the experts you use
 #
-# A Kimi K3 MoE layer (docs/kimi-k3.md §6) after routing:
+# After the router of notebook 03, a Kimi K3 MoE layer runs its chosen experts in a **latent**
+# (docs/kimi-k3.md §6; `W_ld`, `W_lu`, ρ in the glossary, docs/glossary.md):
 #
 # $$z = \mathrm{bf}(x W_{ld}),\quad
 #   y_e = \mathrm{bf}\big(\mathrm{SiTU}(\mathrm{bf}(z W1_e), \mathrm{bf}(z W3_e))\, W2_e\big),\quad
 #   \rho = \mathrm{bf}\Big(\sum_e w_e\, y_e\Big),\quad
-#   m = \mathrm{bf}\big(\mathrm{RMSNorm}(\rho) W_{lu} + \text{shared}(x)\big)$$
+#   \text{routed} = \mathrm{RMSNorm}(\rho)\, W_{lu}$$
 #
-# At decode batch sizes every expert weight byte is used for a handful of rows, so the layer costs
-# its **bytes**, and the expert weights are most of them. This notebook builds the stage kernel
-# (`mkresearch.kernels.stages.experts`) in five steps, each a static option of the same body and each
-# checked against `mkresearch.model.reference.routed_experts`, with the bytes read counted from the
-# kernel's own DMA log:
+# `bf(·)` rounds to bf16; **SiTU** is Kimi K3's gated activation,
+# `4·tanh(g/4)·σ(g)·25·tanh(u/25)`; the sum runs over the row's k chosen experts, with the
+# router's weights $w_e$, in f32 and in ascending expert id.
 #
-# 1. a gather of **all** experts; 2. DMA of the **routed** experts only; 3. **dedupe** across
-# rows; 4. a **slot ring** so the next expert streams while the current one computes;
-# 5. **quantised** weights (FP8, MXFP4) decoded in VMEM.
+# At decode batch sizes each expert weight byte is used by a handful of rows: the layer costs its
+# **bytes**, and the expert weights are most of them. You write the expert kernel here in five
+# steps, each a small change to the one before and each checked against
+# `mkresearch.model.reference.routed_experts`:
 #
-# Then the bytes per layer against batch size, and a compile for TPU7x at the full model's
-# per-rank shapes.
+# 1. a grid over **all** experts (Pallas copies each expert's weights into VMEM);
+# 2. only the **routed** experts: the router's ids are *scalar-prefetched* into the weights'
+#    `index_map`;
+# 3. each **distinct** expert of the batch once;
+# 4. the same loop with a hand-written **2-slot ring** of DMAs, the form a megakernel needs;
+# 5. **MXFP4** weights (a 4-bit format, defined there), 4.25 bits each, decoded in VMEM.
+#
+# Then you open the package's expert stage (`mkresearch.kernels.stages.experts`) to see what it
+# adds, measure the bytes from its DMA log, and compile the whole layer for TPU7x.
 
 # %%
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma, quant
 from mkresearch.kernels.stages import experts, router
 
 from mkresearch.measurement.logs import expert_bytes_by_batch
 from mkresearch.model import config, reference, roofline, weights
 from mkresearch.prediction import timeline
-from mkresearch.views import facts, plots
+from mkresearch.views import exercises, facts, plots, widgets
 from mkresearch.views.label_plots import label_problems
-from mkresearch.views.widgets import show_figure
 
+# every kernel below runs with the race detector of TPU interpret mode (docs/tpu.md §4)
+tpu.interpret_options(detect_races=True, vector_clock_size=16)
 cfg = config.get_config("kimi-k3-mini", expert_format="bf16")
 params = weights.init_params(cfg, seed=0)
 layer = 1  # the first MoE layer
@@ -95,152 +108,687 @@ p = reference.layer_params(params["moe"], cfg.ffn_index(layer))
 # three rows, the first and last the same token: a batch where rows share every expert
 tokens = np.array([11, 1500, 11])
 x = reference.rms_norm(params["embed"][tokens], params["mlp_norm"][layer], cfg.rms_eps)
-ids, w = router.route(p, x, cfg)  # the router kernel of notebook 03
-want = np.asarray(reference.routed_experts(p, x, ids, w, cfg))
-one_expert = weights.expert_nbytes(cfg)
+ids, w = router.route(p, x, cfg)  # the router kernel of notebook 03: ids [B, k], weights [B, k]
+want = np.asarray(reference.routed_experts(p, x, ids, w, cfg))  # [B, d] f32: every step's target
+B, TOP_K = ids.shape
+LAT, F = cfg.moe_latent, cfg.expert_hidden
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"{cfg.name}: {cfg.n_experts} experts of [{cfg.moe_latent} -> {cfg.expert_hidden} -> "
-      f"{cfg.moe_latent}], top-{cfg.top_k}; one expert = {one_expert:,} B in {cfg.expert_format}")
+print(f"{cfg.name}: {cfg.n_experts} experts of [{LAT} -> {F} -> {LAT}], top-{TOP_K}; "
+      f"one expert = {weights.expert_nbytes(cfg):,} B in {cfg.expert_format}")
 print("routing of the batch:", np.asarray(ids).tolist())
-print(f"{x.shape[0] * cfg.top_k} choices, {len(np.unique(np.asarray(ids)))} distinct experts")
+print(f"{B * TOP_K} choices, {len(np.unique(np.asarray(ids)))} distinct experts")
 
 # %% [markdown]
-# A helper runs one variant under `dma.recording()` and checks it against the reference. The
-# tolerance is bf16's: a few ulps of the output's largest entry (2⁻⁷ of it); in practice these
-# kernels match the reference bit for bit, because they round where the reference rounds.
+# ## The part you write, and the check
+#
+# Your kernels do the expert loop: from the latent `z [B, Lat]` to `acc = Σ w_e y_e [B, Lat]` f32.
+# The latent projections around it are plain GEMVs (matrix-vector products, notebook 01): here
+# `latent_in` and
+# `latent_out` do them in plain JAX, with the reference's own functions, so each step is checked
+# against `reference.routed_experts` whole. `expert_mlp` is one expert on every row, the same
+# jnp code inside a kernel and out. The steps round where the reference rounds and add in its
+# order, so they usually match it to the bit; the check allows bf16's tolerance, 2⁻⁷ of the
+# output's largest entry, because another machine may order a dot's sum differently.
 
 # %%
+def latent_in(p, x):
+    """z = bf(x W_ld) [B, Lat] bf16: once per row, shared by all its experts."""
+    return reference.bf(reference.matmul(x, p["w_ld"]))
+
+
+def latent_out(p, acc, cfg=cfg):
+    """acc = Σ w_e y_e [B, Lat] f32 -> routed [B, d] f32: ρ = bf(acc), RMSNorm, W_lu."""
+    rho_hat = reference.rms_norm(reference.bf(acc), p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
+    return reference.matmul(rho_hat, p["w_lu"])
+
+
+def expert_mlp(z, w1, w3, w2):
+    """One expert on every row: y = bf(SiTU(bf(z W1), bf(z W3)) W2), as f32 [B, Lat]."""
+    g = jnp.dot(z, w1, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [B, F]
+    u = jnp.dot(z, w3, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    h = reference.situ(g, u)  # plain jnp: it runs inside a kernel as it is
+    y = jnp.dot(h, w2, preferred_element_type=jnp.float32)  # [B, Lat]
+    return y.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 TOL = 2**-7
-results = []
+z = latent_in(p, x)
 
 
-def run_step(label, plan, n_slots, p=p, cfg=cfg, x=x, ids=ids, w=w, want=want):
+def check_step(name, acc, p=p, want=want, cfg=cfg):
+    """Assert a step's acc gives reference.routed_experts (and no race); print a PASS line."""
+    got = np.asarray(latent_out(p, acc, cfg))
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    assert err <= TOL, (name, err)
+    assert not tpu.races_found(), name
+    print(f"PASS {name}: equals reference.routed_experts within {TOL:g} of its largest entry; "
+          "no race")
+
+
+def block_loads(indices):
+    """Copies a BlockSpec pipeline makes of a block whose index runs through `indices`: Pallas
+    copies a block only when its index differs from the previous grid step's."""
+    indices = np.asarray(indices)
+    return 1 + int(np.sum(indices[1:] != indices[:-1]))
+
+
+# %% [markdown]
+# ## Step 1 · a grid over all experts
+#
+# The simplest correct kernel lets Pallas move the weights. The grid has one step per expert; the
+# `BlockSpec` of each expert matrix says which block step `e` needs: `index_map = lambda e: (e, 0,
+# 0)`, block shape `(None, Lat, F)` (`None` squeezes the expert axis out: the body sees `[Lat, F]`).
+# Before each step Pallas copies that block HBM → VMEM, and it double-buffers: expert `e+1`'s copy
+# runs while the body works on expert `e`. The output's block never changes, so it stays in VMEM
+# across the grid and accumulates (the grid axis is a reduction: "arbitrary").
+#
+# Every expert runs on every row; a row that did not pick expert `e` weights it by 0. Correct, and
+# it reads the whole layer.
+
+# %%
+def all_experts_kernel(z_ref, ids_ref, weights_ref, w1_ref, w3_ref, w2_ref, acc_ref):
+    # grid step e: expert e's W1, W3 [Lat, F] and W2 [F, Lat] are in VMEM; z_ref [B, Lat] bf16,
+    # ids_ref [B, k] i32, weights_ref [B, k] f32; acc_ref [B, Lat] f32 accumulates across steps
+    e = pl.program_id(0)
+
+    @pl.when(e == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    y = expert_mlp(z_ref[...], w1_ref[...], w3_ref[...], w2_ref[...])  # [B, Lat]: every row
+    hit = ids_ref[...] == e  # [B, k]: where a row picked expert e
+    coef = jnp.sum(jnp.where(hit, weights_ref[...], 0.0), axis=-1, keepdims=True)  # [B, 1]
+    acc_ref[...] += coef * y
+
+
+def all_experts(z, ids, weights_, experts_):
+    batch, top_k = ids.shape
+    n_experts, lat, hidden = experts_["w1"].shape
+    whole = lambda e: (0, 0)  # the same block at every step
+    expert = lambda e: (e, 0, 0)  # block e along the expert axis
+    return pl.pallas_call(
+        all_experts_kernel,
+        grid=(n_experts,),
+        in_specs=[pl.BlockSpec((batch, lat), whole),
+                  pl.BlockSpec((batch, top_k), whole), pl.BlockSpec((batch, top_k), whole),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, hidden, lat), expert)],
+        out_specs=pl.BlockSpec((batch, lat), whole),
+        out_shape=jax.ShapeDtypeStruct((batch, lat), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=tpu.interpret_params(),  # None on a TPU (compiled); interpret mode elsewhere
+    )(z, ids, weights_, experts_["w1"], experts_["w3"], experts_["w2"])
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · step 1 against the reference; its expert loads
+tpu.reset_races()
+check_step("step 1, all experts", all_experts(z, ids, w, p["experts"]))
+loads = {"1 all experts": block_loads(np.arange(cfg.n_experts))}
+print(f"expert loads: {loads['1 all experts']} (every expert of the layer)")
+
+# %% [markdown]
+# ## Step 2 · only the routed experts: scalar prefetch
+#
+# Now the grid runs over the B·k (row, pick) **choices**, and step `i` must get the weights of the
+# expert that choice names. An `index_map` runs *before* its grid step (Pallas issues the next
+# step's copy while the current one computes), so it cannot read a kernel input: it reads
+# **scalar-prefetched** operands. With `pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, ...)`
+# the first two operands of the call are copied to **SMEM** (the scalar memory) before the grid
+# starts; every `index_map` gets them after the grid indices, and so does the body, first. The
+# expert `index_map` becomes `lambda i, choice_ids, choice_weights: (choice_ids[i], 0, 0)`.
+#
+# Each row's picks are sorted by id first, so every row adds its experts in ascending id, as the
+# reference does. The body still runs the expert on the whole `[B, Lat]` tile (the MXU pads the
+# rows anyway) and keeps it for the choice's row only.
+
+# %%
+def routed_kernel(choice_ids_ref, choice_weights_ref, z_ref, w1_ref, w3_ref, w2_ref, acc_ref, *,
+                  top_k):
+    # choice_ids_ref, choice_weights_ref [B*k] (SMEM, prefetched); grid step i: choice i, that is
+    # row i // k, and its expert's W1, W3, W2 in VMEM
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    y = expert_mlp(z_ref[...], w1_ref[...], w3_ref[...], w2_ref[...])  # [B, Lat]
+    row = lax.broadcasted_iota(jnp.int32, (y.shape[0], 1), 0)  # [B, 1]
+    coef = jnp.where(row == lax.div(i, top_k), choice_weights_ref[i], 0.0)  # this choice's row
+    acc_ref[...] += coef * y
+
+
+def routed(z, ids, weights_, experts_):
+    batch, top_k = ids.shape
+    n_experts, lat, hidden = experts_["w1"].shape
+    by_id = jnp.argsort(ids, axis=-1)  # each row's picks in ascending id: the reference's order
+    choice_ids = jnp.take_along_axis(ids, by_id, axis=-1).reshape(-1)  # [B*k]
+    choice_weights = jnp.take_along_axis(weights_, by_id, axis=-1).reshape(-1)
+    whole = lambda i, choice_ids, choice_weights: (0, 0)
+    expert = lambda i, choice_ids, choice_weights: (choice_ids[i], 0, 0)  # the routed expert
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,  # choice_ids, choice_weights: to SMEM before the grid starts
+        grid=(batch * top_k,),
+        in_specs=[pl.BlockSpec((batch, lat), whole),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, hidden, lat), expert)],
+        out_specs=pl.BlockSpec((batch, lat), whole))
+    return pl.pallas_call(
+        functools.partial(routed_kernel, top_k=top_k),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, lat), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=tpu.interpret_params(),
+    )(choice_ids, choice_weights, z, experts_["w1"], experts_["w3"], experts_["w2"])
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · step 2 against the reference; its expert loads
+tpu.reset_races()
+check_step("step 2, routed choices (scalar prefetch)", routed(z, ids, w, p["experts"]))
+loads["2 routed choices"] = block_loads(np.sort(np.asarray(ids), axis=-1).ravel())
+print(f"expert loads: {loads['2 routed choices']} of {B * TOP_K} choices: rows 0 and 2 chose the "
+      "same experts and load them twice")
+
+# %% [markdown]
+# ## Step 3 · each distinct expert once
+#
+# Rows share experts. List the batch's **distinct** experts in ascending id, and run each once on
+# every row, with each row's weight for it: a vector compare of the `[B, k]` ids tile against the
+# expert's id, then a sum (0 for a row that did not pick it). Ascending order makes every row add
+# its experts in id order whatever the other rows chose, so a row's result does not depend on the
+# batch, and it is the reference's order.
+#
+# The grid is static, but the number of distinct experts is not: the list is padded to B·k with
+# its last entry and prefetched with its length. A padding step asks for the same block as the step
+# before, so Pallas copies nothing, and `pl.when` skips its work.
+
+# %%
+def unique_kernel(unique_ref, count_ref, z_ref, ids_ref, weights_ref, w1_ref, w3_ref, w2_ref,
+                  acc_ref):
+    # unique_ref [B*k]: the distinct experts in ascending id, padded with the last; count_ref [1]:
+    # how many are real (both SMEM, prefetched); grid step i: expert unique_ref[i] in VMEM
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(i < count_ref[0])  # a padding step: no copy (same block), no work
+    def _():
+        y = expert_mlp(z_ref[...], w1_ref[...], w3_ref[...], w2_ref[...])  # [B, Lat]
+        hit = ids_ref[...] == unique_ref[i]  # [B, k]: every row that picked this expert
+        coef = jnp.sum(jnp.where(hit, weights_ref[...], 0.0), axis=-1, keepdims=True)  # [B, 1]
+        acc_ref[...] += coef * y
+
+
+def unique_experts(ids):
+    """The distinct ids in ascending order, padded to B*k with the last one; their count [1]."""
+    flat = ids.reshape(-1)
+    distinct = jnp.unique(flat, size=flat.size, fill_value=flat.max())
+    return distinct, (1 + jnp.sum(distinct[1:] != distinct[:-1])).reshape(1).astype(jnp.int32)
+
+
+def unique(z, ids, weights_, experts_):
+    batch, top_k = ids.shape
+    n_experts, lat, hidden = experts_["w1"].shape
+    distinct, count = unique_experts(ids)
+    whole = lambda i, distinct, count: (0, 0)
+    expert = lambda i, distinct, count: (distinct[i], 0, 0)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,  # distinct, count
+        grid=(batch * top_k,),
+        in_specs=[pl.BlockSpec((batch, lat), whole),
+                  pl.BlockSpec((batch, top_k), whole), pl.BlockSpec((batch, top_k), whole),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, lat, hidden), expert),
+                  pl.BlockSpec((None, hidden, lat), expert)],
+        out_specs=pl.BlockSpec((batch, lat), whole))
+    return pl.pallas_call(
+        unique_kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, lat), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=tpu.interpret_params(),
+    )(distinct, count, z, ids, weights_, experts_["w1"], experts_["w3"], experts_["w2"])
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · step 3 against the reference; its expert loads
+tpu.reset_races()
+check_step("step 3, distinct experts", unique(z, ids, w, p["experts"]))
+loads["3 distinct experts"] = block_loads(unique_experts(ids)[0])
+assert loads["3 distinct experts"] == len(np.unique(np.asarray(ids)))
+print(f"expert loads: {loads['3 distinct experts']}, one per distinct expert")
+
+# %% [markdown]
+# ### Your turn: predict the bytes of the distinct-experts plan
+#
+# Write `my_unique_bytes(ids, cfg)`: the HBM bytes of expert weights that step 3 reads for a batch
+# whose router chose `ids` `[B, k]`, with the experts stored in `cfg.expert_format`. An expert is
+# three matrices, `W1` and `W3` `[Lat, F]` and `W2` `[F, Lat]` (`cfg.moe_latent`,
+# `cfg.expert_hidden`); a bf16 weight is 2 bytes; an MXFP4 matrix `[K, N]` is K·N/2 bytes of 4-bit
+# codes plus one 1-byte scale per 32 values along K (step 5 below).
+#
+# The check measures: it runs the package's expert kernel (opened at the end of this notebook) on
+# this batch in bf16 and on 8 other rows in MXFP4, and reads the bytes it moved from its DMA log.
+
+# %%
+def my_unique_bytes(ids, cfg):
+    # ids [B, k] int (numpy); cfg.expert_format "bf16" or "mxfp4". Your prediction here.
+    raise NotImplementedError("predict the bytes")
+
+
+# %%
+mx_cfg = cfg.replace(expert_format="mxfp4")
+mx_p = reference.layer_params(weights.init_params(mx_cfg, seed=0)["moe"], cfg.ffn_index(layer))
+rows8 = reference.rms_norm(params["embed"][np.arange(8) * 97 + 5], params["mlp_norm"][layer],
+                           cfg.rms_eps)  # 8 other tokens
+
+
+@functools.cache
+def measured_unique_bytes(fmt):
+    """(ids [B, k], expert bytes in the DMA log) of the package's distinct-experts plan."""
+    c, lp, rows = {"bf16": (cfg, p, x), "mxfp4": (mx_cfg, mx_p, rows8)}[fmt]
+    batch_ids, batch_weights = router.route(lp, rows, c)
+    with dma.recording() as log:
+        experts.routed_experts(lp, rows, batch_ids, batch_weights, c, plan="unique")
+    return np.asarray(batch_ids), log.dma_bytes(experts.EXPERT_DMA_PREFIX)
+
+
+def check_unique_bytes(predict):
+    for fmt, c in (("bf16", cfg), ("mxfp4", mx_cfg)):
+        batch_ids, measured = measured_unique_bytes(fmt)
+        predicted = predict(batch_ids, c)
+        assert predicted == measured, f"{fmt}: predicted {predicted:,} B, measured {measured:,} B"
+
+
+exercises.check("bytes of the distinct experts", lambda: check_unique_bytes(my_unique_bytes));
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the bytes of the distinct experts (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def unique_bytes_solution(ids, cfg):
+    lat, hidden = cfg.moe_latent, cfg.expert_hidden  # each matrix holds lat x hidden weights
+    per_matrix = {"bf16": lat * hidden * 2,
+                  "mxfp4": lat * hidden // 2 + lat * hidden // 32}  # codes + E8M0 scales
+    return len(np.unique(ids)) * 3 * per_matrix[cfg.expert_format]
+
+
+assert exercises.check("bytes of the distinct experts",
+                       lambda: check_unique_bytes(unique_bytes_solution))
+for fmt in ("bf16", "mxfp4"):
+    batch_ids, measured = measured_unique_bytes(fmt)
+    print(f"{fmt:5s}: {len(batch_ids)} rows, {len(np.unique(batch_ids))} distinct experts of "
+          f"{batch_ids.size} choices, {measured:,} B measured")
+
+# %% [markdown]
+# ## Step 4 · the same loop with a ring you write
+#
+# Pallas's pipeline already double-buffers step 3. Why write the copies by hand? Because a
+# megakernel has no grid per stage: the whole decode step is one kernel invocation, each stage a
+# loop inside it, and its weights must stream through a ring it drives itself (notebook 06). That
+# is what this step does: one call, no grid. The expert weights stay in HBM (`memory_space=pl.ANY`);
+# the distinct list and its count are plain SMEM inputs (no `index_map` reads them now); each
+# matrix gets two VMEM slots, and each slot a DMA semaphore, as in notebook 01's ring. The loop's
+# trip count is the count itself, read from SMEM: no padding steps. At step `i` the kernel starts
+# expert `i+1`'s copies into the other slot, waits for expert `i`'s, and computes.
+
+# %%
+def ring_kernel(unique_ref, count_ref, z_ref, ids_ref, weights_ref, w1_hbm, w3_hbm, w2_hbm,
+                acc_ref, w1_slots, w3_slots, w2_slots, sems):
+    # w*_hbm [E, ...] stay in HBM; w*_slots [2, ...] VMEM scratch; sems [3, 2]: one DMA
+    # semaphore per (matrix, slot)
+    n = count_ref[0]
+    matrices = ((w1_hbm, w1_slots), (w3_hbm, w3_slots), (w2_hbm, w2_slots))
+
+    def copies(i, slot):  # expert unique_ref[i]'s three matrices -> slot
+        e = unique_ref[i]
+        return [pltpu.make_async_copy(hbm.at[e], slots.at[slot], sems.at[m, slot])
+                for m, (hbm, slots) in enumerate(matrices)]
+
+    for copy in copies(0, 0):  # the first expert is on its way before the loop
+        copy.start()
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def step(i, carry):
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < n)  # the next expert into the other slot, free since step i-1
+        def _():
+            for copy in copies(i + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(i, slot):
+            copy.wait()
+        y = expert_mlp(z_ref[...], w1_slots[slot], w3_slots[slot], w2_slots[slot])  # [B, Lat]
+        hit = ids_ref[...] == unique_ref[i]
+        coef = jnp.sum(jnp.where(hit, weights_ref[...], 0.0), axis=-1, keepdims=True)
+        acc_ref[...] += coef * y
+        return carry
+
+    lax.fori_loop(0, n, step, 0)
+
+
+def ring(z, ids, weights_, experts_):
+    batch, top_k = ids.shape
+    lat = z.shape[1]
+    distinct, count = unique_experts(ids)
+    smem, vmem, hbm = (pl.BlockSpec(memory_space=space) for space in (pltpu.SMEM, pltpu.VMEM, pl.ANY))
+    matrices = [experts_[m] for m in ("w1", "w3", "w2")]
+    return pl.pallas_call(
+        ring_kernel,
+        in_specs=[smem, smem, vmem, vmem, vmem, hbm, hbm, hbm],
+        out_specs=vmem,
+        out_shape=jax.ShapeDtypeStruct((batch, lat), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((2, *a.shape[1:]), a.dtype) for a in matrices]
+        + [pltpu.SemaphoreType.DMA((3, 2))],
+        interpret=tpu.interpret_params(),
+    )(distinct, count, z, ids, weights_, *matrices)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · step 4 against the reference, with the race detector watching the slots
+tpu.reset_races()
+check_step("step 4, distinct experts through a 2-slot ring", ring(z, ids, w, p["experts"]))
+loads["4 ring of 2 slots"] = len(np.unique(np.asarray(ids)))  # one copy per expert in the list
+
+# %% [markdown]
+# ## Step 5 · MXFP4 weights, decoded in VMEM
+#
+# The published checkpoint stores the routed experts in **MXFP4** (docs/kimi-k3.md §7), a
+# microscaling format: each weight is a 4-bit **E2M1** code (a sign bit, 2 exponent bits, 1
+# mantissa bit: the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), and every 32 consecutive weights along
+# K share one **E8M0** scale (an 8-bit exponent, no sign, no mantissa: 2^(s − 127)). Eight codes
+# are packed in a uint32, the lowest nibble holding the lowest K. A matrix `[K, N]` is stored as
+# `codes` uint32 `[K/8, N]` and `scales` uint8 `[K/32, N]`: 4.25 bits a weight instead of bf16's 16.
+#
+# The kernel DMAs the codes and scales as they are (the bytes that matter are HBM's) and decodes
+# in VMEM, right before the dot. `decode_mxfp4` is plain jnp on values, so it runs in a kernel and
+# out: first, out of one, against the reference's unpacking.
+
+# %%
+def decode_mxfp4(codes, scales):
+    """codes uint32 [K/8, N], scales uint8 [K/32, N] -> bf16 [K, N]."""
+    words, n = codes.shape
+    nibble = jnp.broadcast_to(codes[:, None, :], (words, 8, n))  # each word once per nibble
+    shift = lax.broadcasted_iota(jnp.uint32, (words, 8, n), 1) * 4
+    code = ((nibble >> shift) & 0xF).astype(jnp.int32).reshape(words * 8, n)  # row 8r+j: nibble j
+    exponent, mantissa = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    magnitude = jnp.where(exponent == 0, 0.5 * mantissa,  # 0 or 0.5; else 2^(e-1) (1 + m/2)
+                          (2 + mantissa) * (1 << exponent).astype(jnp.float32) / 4)
+    value = jnp.where(code & 8, -magnitude, magnitude)
+    # E8M0: s is an f32 exponent field as it is, so 2^(s-127) is s shifted into place
+    scale = lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)  # [K/32, N]
+    blocks = scales.shape[0]
+    per_row = jnp.broadcast_to(scale[:, None, :], (blocks, 32, n)).reshape(blocks * 32, n)
+    return (value * per_row).astype(jnp.bfloat16)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · decode_mxfp4 equals the reference's unpacking exactly (expert 0's W1 and W2)
+for matrix in ("w1", "w2"):
+    stored = jax.tree.map(lambda a: a[0], mx_p["experts"][matrix])
+    np.testing.assert_array_equal(np.asarray(decode_mxfp4(stored["codes"], stored["scales"]), np.float32),
+                                  np.asarray(weights.dequantize(stored, "mxfp4"), np.float32))
+    print(f"PASS decode_mxfp4 == weights.dequantize, exactly: {matrix} codes "
+          f"{tuple(stored['codes'].shape)} {stored['codes'].dtype}, scales "
+          f"{tuple(stored['scales'].shape)} {stored['scales'].dtype}")
+
+# %% [markdown]
+# The kernel is step 4's with each matrix now a tuple of parts (`codes`, `scales`): one slot pair
+# and one semaphore pair per part, and a `decode` between the slots and the dot. `pallas_call`
+# takes inputs and scratch as pytrees, so the tuples pass through as they are. `quantised_ring`
+# takes the part names and the decoder, so another format is one more decoder.
+
+# %%
+def quantised_ring_kernel(unique_ref, count_ref, z_ref, ids_ref, weights_ref, w1_hbm, w3_hbm,
+                          w2_hbm, acc_ref, w1_slots, w3_slots, w2_slots, sems, *, decode):
+    # w*_hbm: a tuple of parts [E, ...] each; w*_slots: the same parts [2, ...] in VMEM;
+    # sems [3, n_parts, 2]: one DMA semaphore per (matrix, part, slot)
+    n = count_ref[0]
+    matrices = ((w1_hbm, w1_slots), (w3_hbm, w3_slots), (w2_hbm, w2_slots))
+
+    def copies(i, slot):  # every part of expert unique_ref[i]'s three matrices -> slot
+        e = unique_ref[i]
+        return [pltpu.make_async_copy(part.at[e], part_slots.at[slot], sems.at[m, j, slot])
+                for m, (hbm, slots) in enumerate(matrices)
+                for j, (part, part_slots) in enumerate(zip(hbm, slots))]
+
+    for copy in copies(0, 0):
+        copy.start()
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def step(i, carry):
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < n)
+        def _():
+            for copy in copies(i + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(i, slot):
+            copy.wait()
+        w1, w3, w2 = (decode(*(part_slots[slot] for part_slots in slots))  # bf16, in VMEM
+                      for _, slots in matrices)
+        y = expert_mlp(z_ref[...], w1, w3, w2)  # [B, Lat]
+        hit = ids_ref[...] == unique_ref[i]
+        coef = jnp.sum(jnp.where(hit, weights_ref[...], 0.0), axis=-1, keepdims=True)
+        acc_ref[...] += coef * y
+        return carry
+
+    lax.fori_loop(0, n, step, 0)
+
+
+def quantised_ring(z, ids, weights_, experts_, *, parts=("codes", "scales"), decode=decode_mxfp4):
+    batch, top_k = ids.shape
+    lat = z.shape[1]
+    distinct, count = unique_experts(ids)
+    smem, vmem, hbm = (pl.BlockSpec(memory_space=space) for space in (pltpu.SMEM, pltpu.VMEM, pl.ANY))
+    matrices = [tuple(experts_[m][part] for part in parts) for m in ("w1", "w3", "w2")]
+    return pl.pallas_call(
+        functools.partial(quantised_ring_kernel, decode=decode),
+        in_specs=[smem, smem, vmem, vmem, vmem] + [tuple(hbm for _ in parts)] * 3,
+        out_specs=vmem,
+        out_shape=jax.ShapeDtypeStruct((batch, lat), jnp.float32),
+        scratch_shapes=[tuple(pltpu.VMEM((2, *a.shape[1:]), a.dtype) for a in m) for m in matrices]
+        + [pltpu.SemaphoreType.DMA((3, len(parts), 2))],
+        interpret=tpu.interpret_params(),
+    )(distinct, count, z, ids, weights_, *matrices)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · step 5 against the reference of the MXFP4 layer (same rows; the router sees the same
+# router weights, the experts are the MXFP4 ones)
+mx_ids, mx_w = router.route(mx_p, x, mx_cfg)
+mx_want = np.asarray(reference.routed_experts(mx_p, x, mx_ids, mx_w, mx_cfg))
+tpu.reset_races()
+check_step("step 5, MXFP4 experts decoded in VMEM",
+           quantised_ring(latent_in(mx_p, x), mx_ids, mx_w, mx_p["experts"]),
+           p=mx_p, want=mx_want, cfg=mx_cfg)
+loads["5 MXFP4, ring of 2 slots"] = len(np.unique(np.asarray(mx_ids)))
+print(f"one expert: {weights.expert_nbytes(mx_cfg):,} B in MXFP4, "
+      f"{weights.expert_nbytes(cfg):,} B in bf16")
+
+# %% [markdown]
+# ### Your turn: the FP8 variant
+#
+# The release repacked the gate and up projections into **FP8 e4m3** (glossary): each weight an
+# 8-bit float (4 exponent bits, 3 mantissa bits), and one bf16 scale, a power of two, per 256
+# consecutive weights along K. A matrix `[K, N]` is stored as `values` float8_e4m3fn `[K, N]` and
+# `scales` bf16 `[K/256, N]`; a weight is its value times its block's scale.
+#
+# Write `my_decode_fp8(values, scales)` -> bf16 `[K, N]`. The check compares it with the
+# reference's unpacking, then runs step 5's kernel with it on the FP8 layer against
+# `reference.routed_experts`.
+
+# %%
+def my_decode_fp8(values, scales):
+    # values float8_e4m3fn [K, N], scales bf16 [K/256, N] -> bf16 [K, N]. Your decoder here.
+    raise NotImplementedError("write the FP8 decoder")
+
+
+# %%
+fp8_cfg = cfg.replace(expert_format="fp8")
+fp8_p = reference.layer_params(weights.init_params(fp8_cfg, seed=0)["moe"], cfg.ffn_index(layer))
+
+
+def check_fp8(decode):
+    stored = jax.tree.map(lambda a: a[0], fp8_p["experts"]["w2"])
+    decoded = np.asarray(decode(stored["values"], stored["scales"]), np.float32)
+    assert decoded.shape == (F, LAT), f"decoded shape {decoded.shape}, expected {(F, LAT)}"
+    assert np.array_equal(decoded, np.asarray(weights.dequantize(stored, "fp8"), np.float32)), \
+        "the decoded weights differ from weights.dequantize"
+    fp8_ids, fp8_w = router.route(fp8_p, x, fp8_cfg)
+    fp8_want = np.asarray(reference.routed_experts(fp8_p, x, fp8_ids, fp8_w, fp8_cfg))
+    tpu.reset_races()
+    acc = quantised_ring(latent_in(fp8_p, x), fp8_ids, fp8_w, fp8_p["experts"],
+                         parts=("values", "scales"), decode=decode)
+    got = np.asarray(latent_out(fp8_p, acc, fp8_cfg))
+    err = float(np.max(np.abs(got - fp8_want)) / np.max(np.abs(fp8_want)))
+    assert err <= TOL, f"the layer differs from the reference by {err:.3g} of its largest entry"
+    assert not tpu.races_found(), "the race detector flagged an access"
+
+
+exercises.check("the FP8 variant", lambda: check_fp8(my_decode_fp8));
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the FP8 decoder (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def decode_fp8_solution(values, scales):
+    blocks, n = scales.shape
+    per_row = jnp.broadcast_to(scales.astype(jnp.float32)[:, None, :], (blocks, 256, n))
+    return (values.astype(jnp.float32) * per_row.reshape(blocks * 256, n)).astype(jnp.bfloat16)
+
+
+assert exercises.check("the FP8 variant", lambda: check_fp8(decode_fp8_solution))
+
+# %% [markdown]
+# ## What the package's expert stage adds
+#
+# `experts.routed_part` picks the work list (its `plan`: all experts, the routed choices, or the
+# distinct ones) and `experts._run_experts` is the loop over it: your step 5, in the body the
+# megakernel runs for every MoE layer (imported here, not pasted). Around your loop it adds:
+#
+# - **The ids come from the router in the same kernel**, in SMEM (notebook 03's `Routing`), so the
+#   distinct list is built in the kernel too: `router.dedupe_experts` marks each id in a "seen"
+#   table in SMEM and compacts it in ascending id, a scalar loop of about 3E + 2·B·k SMEM accesses
+#   before any expert DMA.
+# - **The first experts' DMAs start before the latent down-projection**, right after routing, so
+#   they fly behind `W_ld`'s stream; `W_ld`, the latent RMSNorm's γ and `W_lu` stream through the
+#   kernel's weight ring as well (your `latent_in` and `latent_out`).
+# - **Any number of slots** (`n_slots`, 1 to 8; 1 is "copy, wait, compute") and the three plans,
+#   so tests and this notebook compare them.
+# - **Every copy through `dma.Ring`** (notebook 01: your `make_async_copy`, plus the log), so the
+#   bytes are measured, not computed, and the timeline model can replay the stage.
+# - **Decoding chunk by chunk along K** (`quant.matmul`): at full size a `[3584, 3072]` matrix
+#   decoded at once would be 44 MB of f32 temporaries. On TPU7x the E2M1 codes are decoded by
+#   `pltpu.bitcast` to `float4_e2m1fn`, a native type there; elsewhere by integer operations, like
+#   your `decode_mxfp4`. FP8 and bf16 too, each format's shapes checked before tracing.
+# - **Sharding**: on a rank of a sharded model (**EP × ETP**, glossary: experts split over EP
+#   groups of ETP ranks; inside a group each rank holds a slice of each of the group's experts), the
+#   loop runs over the rank's own experts (`shard.expert_range`) and their sums join across ranks
+#   (`shard.keep_item`, `shard.combine_items`; notebook 08).
+# - **The shared experts** run in the same stage (`experts.moe_ffn`: router, experts and shared
+#   experts in one kernel), with a cost estimate for XLA and a VMEM limit that fits two bf16
+#   expert slots at one rank's shapes.
+
+# %%
+print(inspect.getsource(experts.routed_part))
+print(inspect.getsource(experts._run_experts))
+print(inspect.getsource(router.dedupe_experts))
+
+# %% [markdown]
+# ### The package's stage, measured
+#
+# The package's kernel against the reference for each plan and format, with the loads and bytes
+# read from its DMA log, beside the loads your steps made. Then its DMA log's order of issue with
+# two slots: `S3` starts expert 3's copy, `W3` waits for it, `C3` computes it, `L` is the latent
+# down-projection. The first expert's copy is issued before the latent down-projection, and each
+# next expert's before the current one computes.
+
+# %%
+def run_package(label, plan, n_slots, p=p, cfg=cfg, ids=ids, w=w, want=want):
     with dma.recording() as log:
         out = experts.routed_experts(p, x, ids, w, cfg, plan=plan, n_slots=n_slots)
     err = float(np.max(np.abs(np.asarray(out) - want)) / np.max(np.abs(want)))
-    assert err <= TOL, (label, err)
-    first_part = f"{experts.EXPERT_DMA_PREFIX}w1/{quant.part_names(cfg.expert_format)[0]}"
-    loads = len(log.select("dma_start", first_part))  # one per expert load
+    first = experts.expert_dma_name("w1", quant.part_names(cfg.expert_format)[0])
+    n_loads = len(log.select("dma_start", first))  # one per expert load
     nbytes = log.dma_bytes(experts.EXPERT_DMA_PREFIX)
-    assert nbytes == loads * weights.expert_nbytes(cfg)  # every expert load is whole, to the byte
-    results.append((label, cfg.expert_format, loads, nbytes, err))
-    return log
+    return log, {"step": label, "plan": plan, "slots": n_slots, "format": cfg.expert_format,
+                 "loads": n_loads, "expert bytes": nbytes, "err": err}
 
 
-def show(rows):
-    # the error's digits depend on the machine's summation order; the bound met does not
-    print(f"{'step':28s} {'format':6s} {'expert loads':>12s} {'expert bytes':>13s} "
-          f"{'rel err <= ' + format(TOL, 'g'):>15s}")
-    for label, fmt, loads, nbytes, err in rows:
-        print(f"{label:28s} {fmt:6s} {loads:12d} {nbytes:13,d} {'PASS' if err <= TOL else 'FAIL':>15s}")
+tpu.reset_races()
+package = [run_package("1 all experts", "all", 1)[1],
+           run_package("2 routed choices", "routed", 1)[1]]
+log_one_slot, row = run_package("3 distinct experts", "unique", 1)
+package.append(row)
+log_ring, row = run_package("4 ring of 2 slots", "unique", 2)
+package.append(row)
+package.append(run_package("5 MXFP4, ring of 2 slots", "unique", 2, p=mx_p, cfg=mx_cfg, ids=mx_ids,
+                           w=mx_w, want=mx_want)[1])
 
 
-# %% [markdown]
-# ## Step 1 — gather all experts
-#
-# The simplest correct kernel: DMA every expert of the layer, run each on all rows, and weight it
-# by its routing weight (zero for rows that did not pick it). Correct, and it reads the whole layer.
+def program(log, n=16):
+    """The log's order of issue: S/W i = start/wait expert i's copies, C i its compute, L W_ld."""
+    marks = []
+    for e in log.events:
+        if e.name == experts.expert_dma_name("w1", "weight"):
+            marks.append(("S" if e.kind == "dma_start" else "W") + str(e.indices["item"]))
+        elif e.name == "expert/compute" and e.kind == "phase_start":
+            marks.append(f"C{e.indices['item']}")
+        elif e.name == experts.LATENT_DOWN and (not marks or marks[-1] != "L"):
+            marks.append("L")
+    return " ".join(marks[:n])
+
 
 # %%
 # NBVAL_CHECK_OUTPUT
-log_all = run_step("1 all experts", "all", 1)
-show(results[-1:])
-assert results[-1][2] == cfg.n_experts
-
-# %% [markdown]
-# ## Step 2 — only the routed experts
-#
-# The ids sit in SMEM; the kernel reads them as scalars and DMAs `W[e]` for each (row, k) choice:
-# B·k loads. Fewer than all, but a row pair that shares an expert loads it twice.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-run_step("2 routed (row, k) choices", "routed", 1)
-show(results[-1:])
-assert results[-1][2] == x.shape[0] * cfg.top_k
-
-# %% [markdown]
-# ## Step 3 — dedupe across rows
-#
-# Before any DMA the kernel marks the B·k ids in a "seen" table in SMEM and lists the distinct
-# experts in ascending id (scalar work, a few hundred cycles). Each is loaded once and applied to
-# every row with that row's summed weight for it — a vector compare of the `[B, k]` ids tile
-# against the expert id. Ascending, not first-use, order: every row then adds its experts in id
-# order whatever the other rows chose, so a row's ρ does not depend on the batch — and it is the
-# reference's order, so the f32 sums round the same way.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-log_one_slot = run_step("3 unique experts", "unique", 1)
-show(results[-1:])
-assert results[-1][2] == len(np.unique(np.asarray(ids)))
-
-# %% [markdown]
-# ## Step 4 — a ring of expert slots, with overlap
-#
-# With one slot the kernel copies, waits, computes, copies, … and the MXU idles during every DMA.
-# With two (or more) slots per matrix, expert i+1's weights stream into the other slot while
-# expert i computes; and the first expert's DMA is issued *before* the latent down-projection, so
-# it flies behind that too. The DMA log shows the order of issue:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-log_ring = run_step("4 unique, 2-slot ring", "unique", 2)
-show(results[-1:])
-for e in log_ring.events[:14]:
-    where = f"item {e.indices['item']} slot {e.slot}" if "item" in e.indices else ""
-    print(f"  {e.kind:12s} {e.name:22s} {where}")
+# Checks · the package's stage: each plan against the reference, its loads and bytes against
+# your steps' loads, its order of issue
+for row in package:
+    assert row["err"] <= TOL, row
+    assert row["loads"] == loads[row["step"]], (row, loads)
+    cfg_of = mx_cfg if row["format"] == "mxfp4" else cfg
+    assert row["expert bytes"] == row["loads"] * weights.expert_nbytes(cfg_of)  # whole experts
+    row["your loads"] = loads[row["step"]]
+    row["vs reference"] = "PASS" if row["err"] <= TOL else "FAIL"  # digits vary by machine
+assert not tpu.races_found()
+print(widgets.format_table(package, ["step", "plan", "slots", "format", "your loads", "loads",
+                                     "expert bytes", "vs reference"]))
+print("\nissue order, 2 slots:", program(log_ring), "...")
 order = [(e.kind, e.name.split("/")[0], e.indices.get("item")) for e in log_ring.events]
 assert order.index(("dma_start", "expert", 0)) < order.index(("dma_wait", "latent", None))
 assert order.index(("dma_start", "expert", 1)) < order.index(("phase_start", "expert", 0))
 
 # %% [markdown]
-# What the overlap is worth is a question for a TPU; the timeline model of `mkresearch.prediction.timeline`
-# replays the two logs on TPU7x figures (mini shapes, so DMA latency weighs more than it would at
-# full size):
+# What the overlap is worth is a question for a TPU; the timeline model of
+# `mkresearch.prediction.timeline` replays the two logs on TPU7x figures (modelled, not measured:
+# its DMA latency and engine count are assumptions, notebook 01; at mini shapes the latency weighs
+# more than it would at full size; the **HBM floor**, glossary, is the bytes over HBM bandwidth):
 
 # %%
+# NBVAL_CHECK_OUTPUT
+# Checks · modelled stage time with two slots against one (the model is pure Python over the
+# logs: the same on any machine)
 t1, t2 = timeline.simulate(log_one_slot, "tpu7x"), timeline.simulate(log_ring, "tpu7x")
-print(f"modelled stage time, 2 slots / 1 slot: {t2.total_s / t1.total_s:.2f}; "
-      f"2 slots reach {t2.hbm_floor_s / t2.total_s:.0%} of the HBM floor")
-
-# %% [markdown]
-# ## Step 5 — quantised experts, decoded in VMEM
-#
-# The checkpoint stores experts in MXFP4: 4-bit E2M1 codes, 8 per uint32, plus one E8M0 scale per
-# 32 K values. The kernel DMAs codes and scales as they are and decodes them in VMEM, chunk by
-# chunk along K, right before the MXU dot (`mkresearch.kernels.base.quant`): a `pltpu.bitcast` of the
-# uint32 codes to `float4_e2m1fn` unpacks 8 consecutive K rows per word — the checkpoint's own
-# packing — and the scale is built from its exponent bits. FP8 (e4m3 values, a power-of-two bf16
-# scale per 256 K values) works the same way. First: the decode alone is exact.
-
-# %%
-quantised = {}
-for fmt in ("fp8", "mxfp4"):
-    qcfg = cfg.replace(expert_format=fmt)
-    qp = reference.layer_params(weights.init_params(qcfg, seed=0)["moe"], cfg.ffn_index(layer))
-    quantised[fmt] = (qcfg, qp)
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for fmt, (qcfg, qp) in quantised.items():
-    stored = jax.tree.map(lambda a: a[0], qp["experts"]["w1"])  # expert 0's W1, as stored
-    decoded = np.asarray(quant.decode(stored, fmt), np.float32)
-    np.testing.assert_array_equal(decoded, np.asarray(weights.dequantize(stored, fmt), np.float32))
-    parts = ", ".join(f"{n} {tuple(a.shape)} {a.dtype}" for n, a in zip(
-        quant.part_names(fmt), quant.split_parts(stored, fmt)))
-    print(f"PASS {fmt:5s} decoded in VMEM == reference unpack, exactly; stored as {parts}")
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for fmt, (qcfg, qp) in quantised.items():
-    q_ids, q_w = router.route(qp, x, qcfg)
-    q_want = np.asarray(reference.routed_experts(qp, x, q_ids, q_w, qcfg))
-    run_step("5 unique, 2 slots, quantised", "unique", 2, p=qp, cfg=qcfg, ids=q_ids, w=q_w,
-             want=q_want)
-show(results)
+assert t2.total_s < t1.total_s
+print(f"modelled: 2 slots take {facts.stable(t2.total_s / t1.total_s, '.2f', 1e-9)} of 1 slot's "
+      f"time and reach {facts.stable(t2.hbm_floor_s / t2.total_s, '.0%', 1e-9)} of the HBM floor")
 
 # %% [markdown]
 # ### Bytes of one expert at full size
@@ -249,6 +797,7 @@ show(results)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · bytes per expert at full size, and what decoding MXFP4 in the kernel saves
 full = config.get_config("kimi-k3")
 lat, hid = full.moe_latent, full.expert_hidden
 per_expert = {fmt: 2 * quant.matrix_nbytes(fmt, lat, hid) + quant.matrix_nbytes(fmt, hid, lat)
@@ -268,28 +817,26 @@ assert abs(per_expert["mxfp4"] / 17.55e6 - 1) < 1e-3 and abs(saving / 15e9 - 1) 
 #
 # More rows pick more distinct experts, but sub-linearly: rows share experts, and a layer never
 # reads more than all of them. Measured from the DMA log of the MXFP4 stage (router kernel, then
-# plan "unique" with two slots) on random rows:
+# the distinct-experts plan with two slots) on random rows:
 
 # %%
-mxfp4_cfg = quantised["mxfp4"][0]
-sweep = expert_bytes_by_batch(mxfp4_cfg, batches=(1, 2, 4, 8))
+sweep = expert_bytes_by_batch(mx_cfg, batches=(1, 2, 4, 8))
+# the figure `make figures` writes as figures/expert_bytes.png, of this sweep: the uniform-routing
+# estimate is the pale band the measured line runs along
+fig = plots.expert_bytes_figure(sweep, mx_cfg)
+widgets.show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
-one_mx = weights.expert_nbytes(mxfp4_cfg)
-print(f"{'B':>3s} {'choices':>8s} {'unique':>7s} {'expert bytes':>13s} {'= unique x expert':>18s}")
+# Checks · every batch's expert bytes are its distinct experts, whole
+one_mx = weights.expert_nbytes(mx_cfg)
+print(widgets.format_table([{"B": r["batch"], "choices": r["choices"], "distinct": r["unique"],
+                             "expert bytes": r["expert_bytes"]} for r in sweep],
+                           ["B", "choices", "distinct", "expert bytes"]))
 for r in sweep:
-    print(f"{r['batch']:3d} {r['choices']:8d} {r['unique']:7d} {r['expert_bytes']:13,d} "
-          f"{str(r['expert_bytes'] == r['unique'] * one_mx):>18s}")
     assert r["expert_bytes"] == r["unique"] * one_mx
 assert sweep[-1]["unique"] < sweep[-1]["choices"]
-
-# %%
-# the figure `make figures` writes as figures/expert_bytes.png, of this sweep: the uniform-routing
-# estimate is the pale band the measured line runs along
-fig = plots.expert_bytes_figure(sweep, mxfp4_cfg)
 assert not label_problems(fig)  # no label runs into another, none is cut
-show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
 # At full size the same curve is E·(1 − (1 − k/E)^B) experts of 17.55 MB: 16 at B = 1, ≈ 120 at
@@ -299,26 +846,27 @@ show_figure(fig)  # described: an HTML export gives the picture its title
 #
 # `experts.moe_ffn` is one kernel for the MoE layer: the router body leaves ids and weights in
 # VMEM and SMEM scratch, the stage body reads them there, and the shared experts run as an
-# always-on MLP in the same stage (the dense layer 0 is that stage with no routed part). On the
-# mini model it matches `reference.moe_ffn`:
+# always-on MLP in the same stage (the dense layer 0 is that stage with no routed part). At one
+# rank of the released layout (docs/kimi-k3.md §9: 112 local experts, a 768-wide slice of the
+# expert hidden, 256 of the shared hidden, MXFP4 experts, B = 8) the layer compiles for TPU7x with
+# the real Mosaic compiler: tiling, layouts and the 64 MiB VMEM budget all checked. Your step 5
+# compiles too, at the mini shapes: nothing in it works only in interpret mode.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-qcfg, qp = quantised["mxfp4"]
-got = np.asarray(experts.moe_ffn(qp, x, qcfg), np.float32)
-ref_m = np.asarray(reference.moe_ffn(qp, x, qcfg), np.float32)
+# Checks · moe_ffn (router + experts + shared, one kernel) against the reference; your step 5 and
+# the per-rank layer compile for TPU7x
+got = np.asarray(experts.moe_ffn(mx_p, x, mx_cfg), np.float32)
+ref_m = np.asarray(reference.moe_ffn(mx_p, x, mx_cfg), np.float32)
 err = float(np.max(np.abs(got - ref_m)) / np.max(np.abs(ref_m)))
 assert err <= TOL
-print(f"moe_ffn (router + experts + shared, one kernel) vs reference: "
-      f"{facts.bound(err, TOL, name='max rel err')}")
-
-# %% [markdown]
-# At one rank of the released layout (docs/kimi-k3.md §9: 112 local experts, a 768-wide slice of the
-# expert hidden, 256 of the shared hidden, MXFP4 experts, B = 8) the layer compiles for TPU7x with
-# the real Mosaic compiler — tiling, layouts and the 64 MiB VMEM budget all checked:
-
-# %%
-# NBVAL_CHECK_OUTPUT
+print(f"moe_ffn vs reference.moe_ffn: {facts.bound(err, TOL, name='max rel err')}")
+step5_args = (latent_in(mx_p, x), mx_ids, mx_w, mx_p["experts"])
+mine = tpu.compile_for(quantised_ring, *jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), step5_args), chip="tpu7x")
+assert mine.n_mosaic_kernels == 1
+print(f"your step 5 (MXFP4 through a 2-slot ring), mini shapes: {mine.n_mosaic_kernels} Mosaic "
+      f"kernel compiled for {mine.chip}")
 rank = config.get_config("kimi-k3-rank")  # one rank of the release layout (docs/kimi-k3.md §9)
 rank_layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                           weights.param_shapes(rank)["moe"])
@@ -333,4 +881,6 @@ print(f"one expert slice = {weights.expert_nbytes(rank):,} B; "
 assert compiled.n_mosaic_kernels == 1
 
 # %%
-print(compiled)  # compile time and buffer sizes of this machine's libtpu
+# compile time and sizes from this machine's libtpu; "buffers" are the call's HBM arguments and
+# result, mostly the rank's 112 experts of 4.39 MB each
+print(compiled)
