@@ -18,12 +18,13 @@ from mkresearch.views import exercises
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 # notebook -> the primitives its own code cells write (every one also writes a pallas_call and
-# has a "Your turn" exercise). Notebooks 03, 04 (scalar prefetch), 06 and 08
-# (make_async_remote_copy) join as they are written.
+# has a "Your turn" exercise). Notebooks 03 and 04 (scalar prefetch) join as they are written.
 TEACHING = {
     "01_vmem_pipelining": ("make_async_copy", "DMA semaphore"),
     "02_attention": (),
     "05_sampling": (),
+    "06_megakernel": ("make_async_copy", "DMA semaphore", "scalar prefetch"),
+    "08_scale_out": ("make_async_remote_copy", "DMA semaphore"),
 }
 
 
