@@ -58,70 +58,351 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # %% [markdown]
 # # 08 · Scale-out: the megakernel sharded across ranks, collectives inside the kernel
 #
-# The release decodes Kimi K3 on 16 TPU7x chips, 32 TensorCores (docs/kimi-k3.md §9): each core is a
-# *rank* that holds a slice of every weight and runs one persistent kernel per step. Ours so far
-# ran one device. Here the same megakernel (notebook 06) runs on every rank of a layout
-# (`mkresearch.sharding.layout`): attention heads, vocabulary rows, experts (EP × ETP), hidden slices and
-# output columns split across ranks, and what a rank needs from its peers arrives by **remote
-# DMAs inside the kernel** (`pltpu.make_async_remote_copy`): still one `pallas_call` per step
-# per rank, under `jax.shard_map` (`kernels/compose/megakernel_sharded.py`).
+# The release decodes Kimi K3 on 16 TPU7x chips, 32 TensorCores (docs/kimi-k3.md §9): each core
+# is a *rank* that holds a slice of every weight and runs one persistent kernel per step. Ours so
+# far ran one device. Here the same megakernel (notebook 06) runs on every rank of a layout
+# (`mkresearch.sharding.layout`), and what a rank needs from its peers arrives by **remote DMAs
+# inside the kernel**: still one `pallas_call` per step per rank, under `jax.shard_map`
+# (`kernels/compose/megakernel_sharded.py`).
 #
-# No rank adds partial products of a contraction: every matrix splits by its output columns, and
-# a split input (the heads' outputs before W_o) is all-gathered first. A product over a rank's
-# fewer heads gives each head the single device's bits (a lone head is multiplied as two rows, as
-# a lone batch row is). So a sharded step is not merely close to the single device's: it is
-# **equal to the bit**, with either MLA cache layout.
+# First you write the smallest collective there is, an **all-reduce** (every rank ends with the
+# sum of every rank's vector) between two devices, with `pltpu.make_async_remote_copy` and
+# semaphores, run on this notebook's simulated devices; then 4 devices as your turn. Then the
+# package's collectives and what they add; then the sharded megakernel:
 #
-# 1. one layer (MLA attention + routed experts) sharded 2, 4 and 8 ways, each step checked
+# 1. an all-reduce written here; your turn: four devices, in rank order;
+# 2. the package's collectives (`kernels/sharded/`): what they add;
+# 3. who holds what: a layout;
+# 4. one layer (MLA attention + routed experts) sharded 2, 4 and 8 ways, each step checked
 #    against the reference and the single-device megakernel;
-# 2. the collectives on a timeline, per rank;
-# 3. the per-rank bytes of the full model, our layout beside the release's;
-# 4. the full model's sharded step compiled for the 32 cores of `tpu7x:2x2x4` (recorded).
+# 5. the collectives on a timeline, per rank;
+# 6. the per-rank bytes of the full model, our layout beside the release's;
+# 7. the full model's sharded step compiled for the 32 cores of `tpu7x:2x2x4` (recorded);
+# 8. exact vs partial-sum collectives, predicted at full size;
+# 9. fewer collectives, and what they cost.
+#
+# Terms (rank, all-gather, reduce-scatter, EP × ETP, one-shot, two-level, rs-ag, sibling swap, …)
+# are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
 
 # %%
+import contextlib
+import functools
+import inspect
+import io
 import time
 
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
+from mkresearch.kernels.sharded import collectives
 
 from mkresearch.measurement import logs, recorded
-from mkresearch.model import reference, weights
+from mkresearch.model import numerics, reference, weights
 from mkresearch.model.config import get_config, layer_pattern
 from mkresearch.sharding import layout, layout_bytes
-from mkresearch.views import ranks_plots
+from mkresearch.views import exercises, ranks_plots, widgets
 from mkresearch.views.facts import bound
 from mkresearch.views.label_plots import label_problems
 from mkresearch.views.widgets import show_figure
 
+started = time.perf_counter()
+print(f"devices: {len(jax.devices())} ({jax.default_backend()})")
+assert len(jax.devices()) >= 8, "the first cell sets XLA_FLAGS before jax starts"
+
+# %% [markdown]
+# ## 1 · An all-reduce, written here
+#
+# Two devices each hold a partial sum `x` `[B, W]` f32 of some vector (in the sharded megakernel:
+# the products of a matrix whose rows are split between them); both need the whole sum. On a
+# TPU each device sends its `x` straight into the other's VMEM by a **remote DMA**:
+#
+# ```python
+# copy = pltpu.make_async_remote_copy(src_ref, dst_ref, send_sem, recv_sem,
+#                                     device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+# copy.start()       # the DMA engine sends src_ref (here) into dst_ref (on `peer`)
+# copy.wait_recv()   # wait until the peer's copy into MY dst_ref has landed (my recv_sem)
+# copy.wait_send()   # wait until mine has left: src_ref may be written again (my send_sem)
+# ```
+#
+# `dst_ref` names a buffer of the *peer's* kernel: the same scratch buffer (the **inbox**) on
+# every device. Three kinds of semaphore keep it safe:
+#
+# - **DMA semaphores** (`pltpu.SemaphoreType.DMA`), one for sending and one for receiving: a
+#   remote copy signals the sender's when its bytes have left and the receiver's when they have
+#   landed; `wait_send` / `wait_recv` wait on them.
+# - the **barrier semaphore** (`pltpu.get_barrier_semaphore()`, which needs a `collective_id` in
+#   the kernel's `CompilerParams`): before anything is sent, each device signals its peer's and
+#   waits for its own (`pl.semaphore_signal` / `pl.semaphore_wait`). After it, the peer is inside
+#   this kernel, its inbox exists: nothing is written into a kernel that has not started.
+# - a **REGULAR semaphore** (`pltpu.SemaphoreType.REGULAR`): a plain counter the kernel signals
+#   and waits itself. The kernel below runs `n` all-reduces one after another through ONE inbox
+#   (as a megakernel runs one per layer), so before it sends the next partial it must know that
+#   the peer has *read* the last one: the peer signals this "inbox free" semaphore after reading.
+#
+# The kernel runs on each device under `jax.shard_map` over a 1-D mesh of devices;
+# `lax.axis_index` is this device's index on the mesh axis, and `device_id=(1 - me,)` the other.
+# With two terms the sum needs no order: `x + y` and `y + x` are the same bits in IEEE
+# arithmetic, so both devices hold the same sum.
+
+# %%
+AXIS = "devices"  # the mesh axis of the all-reduces below
+B, W, N_REDUCTIONS = 8, 128, 3  # one [8, 128] f32 tile per partial; 3 all-reduces in a row
+
+
+def my_all_reduce_kernel(x_ref, o_ref, inbox, send_sem, recv_sem, free_sem, *, handshake=True):
+    # x_ref, o_ref [n, B, W] f32 (VMEM): this device's n partials, their n sums; scratch: inbox
+    # [B, W] f32 (the peer writes into it), DMA semaphores send_sem, recv_sem, REGULAR free_sem
+    n = x_ref.shape[0]
+    me = lax.axis_index(AXIS)
+    peer = {"device_id": (1 - me,), "device_id_type": pl.DeviceIdType.MESH}
+
+    barrier = pltpu.get_barrier_semaphore()  # 1. both devices are inside this kernel
+    pl.semaphore_signal(barrier, 1, **peer)
+    pl.semaphore_wait(barrier, 1)
+
+    def one_reduction(i, carry):
+        if handshake:
+            @pl.when(i > 0)  # 2. the peer has read my last partial out of its inbox
+            def _():
+                pl.semaphore_wait(free_sem, 1)
+
+        copy = pltpu.make_async_remote_copy(x_ref.at[i], inbox, send_sem, recv_sem, **peer)
+        copy.start()  # 3. my partial into the peer's inbox
+        copy.wait_recv()  # the peer's partial has landed in mine
+        o_ref[i] = x_ref[i] + inbox[...]  # two terms: the same bits on both devices
+        copy.wait_send()  # mine has left x_ref
+        if handshake:
+            @pl.when(i < n - 1)  # 4. my inbox is read: the peer may send the next one
+            def _():
+                pl.semaphore_signal(free_sem, 1, **peer)
+        return carry
+
+    lax.fori_loop(0, n, one_reduction, 0)
+
+
+def on_devices(kernel, partials, scratch):
+    """Run `kernel` on each of the first len(partials) devices, partials[d] on device d ->
+    [devices, ...] of what each device's kernel wrote."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:partials.shape[0]]), (AXIS,))
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+
+    def per_device(x):  # x [1, ...]: this device's slice of `partials`
+        out = pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+            in_specs=[vmem], out_specs=vmem, scratch_shapes=scratch,
+            compiler_params=pltpu.CompilerParams(collective_id=0),  # the barrier semaphore's
+            interpret=tpu.interpret_params(),  # None on a TPU, interpret mode elsewhere
+        )(x[0])
+        return out[None]
+
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                 check_vma=False))(partials)
+
+
+PAIR_SCRATCH = [pltpu.VMEM((B, W), jnp.float32),  # the inbox
+                pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),  # send, receive
+                pltpu.SemaphoreType.REGULAR(())]  # "inbox free"
+pair = jax.random.normal(jax.random.key(0), (2, N_REDUCTIONS, B, W), jnp.float32)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the two-device all-reduce against a plain jnp sum, with the race detector on
+with tpu.interpret_options(detect_races=True, vector_clock_size=16):
+    tpu.reset_races()
+    summed = np.asarray(on_devices(my_all_reduce_kernel, pair, PAIR_SCRATCH))
+    raced = tpu.races_found()
+want = np.asarray(jnp.sum(pair, axis=0))  # [n, B, W]
+assert not raced
+assert all(np.array_equal(summed[d], want) for d in range(2))
+print(f"{N_REDUCTIONS} all-reduces of [{B}, {W}] f32 on 2 devices: each device's sums equal "
+      f"jnp.sum's, bit for bit: {all(np.array_equal(summed[d], want) for d in range(2))}; "
+      f"no race found: {not raced}")
+
+# %% [markdown]
+# Leave the handshake out and a device may send its next partial into an inbox the peer has not
+# read yet. The race detector of interpret mode sees it (it reports each race with the source
+# lines involved; the cell keeps only the verdict):
+
+# %%
+with tpu.interpret_options(detect_races=True, vector_clock_size=16), \
+        contextlib.redirect_stdout(io.StringIO()) as report:
+    tpu.reset_races()
+    unsafe = np.asarray(on_devices(functools.partial(my_all_reduce_kernel, handshake=False),
+                                   pair, PAIR_SCRATCH))
+    unsafe_raced = tpu.races_found()
+tpu.reset_races()
+print(f"without the handshake: races found {unsafe_raced} "
+      f"({report.getvalue().count('RACE DETECTED')} reports)")
+assert unsafe_raced
+
+# %% [markdown]
+# **With more than two devices the order matters.** Floating-point addition is not associative:
+# `(a + b) + c` and `a + (b + c)` can differ in the last bit. If each of 4 devices added its own
+# partial first and then the others as they arrive, the devices would hold *different* sums, and
+# the next layer would diverge across ranks. A deterministic all-reduce adds in one fixed order on
+# every device, rank 0's partial first. Here in plain numpy, 4 partials of `[8, 128]`:
+
+# %%
+quad = np.asarray(jax.random.normal(jax.random.key(1), (4, B, W), jnp.float32))
+own_first = [functools.reduce(np.add, [quad[(d + k) % 4] for k in range(4)]) for d in range(4)]
+rank_order = functools.reduce(np.add, list(quad))  # ((x0 + x1) + x2) + x3
+differ = int(sum((s != own_first[0]).sum() for s in own_first[1:]))
+# (the partials come from jax.random, whose floats depend on how XLA compiles: the count too)
+print(f"own partial first: the 4 devices' sums differ in {differ} elements (of {3 * B * W} "
+      f"compared against device 0's); in rank order: one sum, the same on every device")
+assert differ > 0
+
+# %% [markdown]
+# ### Your turn: four devices, one-shot, in rank order
+#
+# Write the all-reduce of ONE `[B, W]` partial on **4** devices, **one-shot**: every device sends
+# its partial to all 3 others at once (one phase of messages). Each device's inbox has a slot per
+# device, `inbox [4, B, W]`: device `me` writes into slot `me` of each peer's inbox (and copies its
+# own partial into its own slot `me`), so the sum can be taken in rank order,
+# `((inbox[0] + inbox[1]) + inbox[2]) + inbox[3]`, the same bits on every device. The barrier now
+# has 3 peers to signal and 3 signals to wait for; one `send_sem` and one `recv_sem` serve all
+# copies (a DMA semaphore counts bytes: wait once per copy, or once for all of them with a
+# descriptor of all their bytes). The check runs your kernel on 4 devices with the race detector
+# on and compares every device's sum, bit for bit, with the rank-order sum.
+
+# %%
+def my_all_reduce4_kernel(x_ref, o_ref, inbox, send_sem, recv_sem):
+    # x_ref, o_ref [B, W] f32; scratch: inbox [4, B, W] f32, DMA semaphores send_sem, recv_sem
+    raise NotImplementedError("the one-shot all-reduce on 4 devices, in rank order")
+
+
+# %%
+QUAD_SCRATCH = [pltpu.VMEM((4, B, W), jnp.float32),
+                pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())]
+
+
+def check_all_reduce4(kernel):
+    with tpu.interpret_options(detect_races=True, vector_clock_size=16):
+        tpu.reset_races()
+        got = np.asarray(on_devices(kernel, jnp.asarray(quad), QUAD_SCRATCH))
+        assert not tpu.races_found(), "the race detector saw a copy race with a read"
+    for d in range(4):
+        assert np.allclose(got[d], rank_order, atol=1e-5), f"device {d} does not hold the sum"
+        assert np.array_equal(got[d], rank_order), (
+            f"device {d} holds the sum, but not the rank-order sum's bits: another order")
+
+
+exercises.check("a 4-device all-reduce", lambda: check_all_reduce4(my_all_reduce4_kernel));
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: a 4-device all-reduce (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def all_reduce4_solution(x_ref, o_ref, inbox, send_sem, recv_sem):
+    n = inbox.shape[0]
+    me = lax.axis_index(AXIS)
+
+    def to(k):  # the k-th peer after me
+        return {"device_id": (lax.rem(me + k, n),), "device_id_type": pl.DeviceIdType.MESH}
+
+    barrier = pltpu.get_barrier_semaphore()
+    for k in range(1, n):
+        pl.semaphore_signal(barrier, 1, **to(k))
+    pl.semaphore_wait(barrier, n - 1)
+    copies = [pltpu.make_async_remote_copy(x_ref, inbox.at[me], send_sem, recv_sem, **to(k))
+              for k in range(1, n)]
+    for copy in copies:  # one phase: all peers at once
+        copy.start()
+    inbox[me] = x_ref[...]
+    for copy in copies:  # 3 partials of [B, W] received (each copy waits for one's bytes)
+        copy.wait_recv()
+    total = inbox[0]
+    for rank in range(1, n):  # rank order: the same bits on every device
+        total = total + inbox[rank]
+    o_ref[...] = total
+    for copy in copies:
+        copy.wait_send()
+
+
+assert exercises.check("a 4-device all-reduce", lambda: check_all_reduce4(all_reduce4_solution))
+
+# %% [markdown]
+# ## 2 · The package's collectives: what they add
+#
+# `mkresearch.kernels.sharded.collectives` holds every collective of the sharded megakernel,
+# built from the same primitive (through `dma.RemoteCopy`, which is `make_async_remote_copy`
+# plus the DMA log). What it adds to your kernels:
+#
+# - **one set of inboxes for the whole step**, allocated as the kernel's scratch from a plan
+#   (`ShardPlan.scratch()`): per channel (all ranks, or an ETP group) a reduce-scatter and an
+#   all-gather inbox `[2, members, B, chunk]`;
+# - **no handshake per collective**: the inboxes are double-buffered by a parity bit flipped at
+#   every collective. Data of collective `k + 2` can only arrive once its sender finished
+#   collective `k + 1`, which needed this rank's data of `k + 1`, sent after this rank read `k`'s
+#   slots: the "inbox free" round trip of your kernel is not needed, and a step has hundreds of
+#   collectives;
+# - **one wait for all receives**: a DMA semaphore counts bytes, so one `wait_recv` with a
+#   descriptor the size of all the inbox's slots covers every peer's copy;
+# - **a deterministic order**: `all_reduce` adds the ranks' chunks in rank order; `reduce` (the
+#   partial sums of a matrix split by its rows) adds a host's partials in rank order, then the
+#   hosts' sums (`numerics.host_ordered_sum`), the same bits on every rank and under every
+#   algorithm;
+# - **algorithms over hosts** (`kernels/sharded/levels.py`): **one-shot** (every rank's partial to
+#   every peer, one phase: your exercise), **two-level** (first within a host — the 8 cores, 4
+#   chips, that share one — then the hosts' sums across hosts: fewer messages on the slower
+#   links) and **rs-ag** (reduce-scatter then all-gather: each rank sums one chunk of the vector,
+#   then the chunks are gathered; smaller messages);
+# - **the DMA log**: every remote copy is logged with its source and destination rank, so the
+#   collectives appear in the step's log, its tables and timelines (section 5).
+#
+# The barrier and the all-reduce, as written there (the embedding's all-reduce: a reduce-scatter,
+# each rank summing its chunk in rank order, then an all-gather):
+
+# %%
+print(inspect.getsource(collectives.Collectives.barrier))
+print(inspect.getsource(collectives.Collectives.all_reduce))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the package's one order: numerics.host_ordered_sum on one host is your rank order
+one_host = np.asarray(numerics.host_ordered_sum([jnp.asarray(q) for q in quad]))
+two_hosts = np.asarray(numerics.host_ordered_sum([jnp.asarray(q) for q in quad], (0, 0, 1, 1)))
+print(f"one host: the rank-order sum, bit for bit: {np.array_equal(one_host, rank_order)}; "
+      f"two hosts of 2: (x0 + x1) + (x2 + x3), bit for bit: "
+      f"{np.array_equal(two_hosts, (quad[0] + quad[1]) + (quad[2] + quad[3]))}")
+assert np.array_equal(one_host, rank_order)
+assert np.array_equal(two_hosts, (quad[0] + quad[1]) + (quad[2] + quad[3]))
+
+# %% [markdown]
+# ## 3 · Who holds what
+#
+# From here on, the package's sharded megakernel on one layer of `kimi-k3-mini` (MLA attention +
+# the routed experts: the kinds with the most collectives: heads, latent columns, expert groups;
+# the 7-layer mini's sharded steps are tests/sharded's).
+#
+# `layout.layout(cfg, n)` says how many ways each group of weights splits. The mini has 2
+# attention heads: on 4 and 8 ranks each head is held by 2 and 4 ranks (replicated), while the
+# vocabulary, the experts and the column chunks keep splitting. The experts split **EP × ETP**
+# (expert parallel × expert-tensor parallel: the experts are dealt out to EP groups of ETP ranks,
+# and each expert's hidden columns are split over the ETP ranks of its group). On 8 ranks each
+# rank holds 2 of the 16 experts whole (EP 8, ETP 1; `layout(..., etp=2)` would split each
+# expert's hidden columns over 2 ranks instead, as the release's ETP 4 does at full size).
+# Replicated bytes are the norms' gains, the mixing vectors and the router bias, the same on
+# every rank.
+
+# %%
 LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 NEAR_TIE_GAP = 2 * LOGIT_TOL
 RANKS = (2, 4, 8)
 BATCH, PROMPT_LEN, STEPS = 2, 4, 2
-# one layer: MLA attention + the routed experts (the kinds with the most collectives: heads,
-# latent columns, expert groups); the 7-layer mini's sharded steps are tests/sharded's
 CFG = get_config("kimi-k3-mini", n_layers=1, mla_first=0, n_dense_layers=0)
-started = time.perf_counter()
 print(f"{CFG.name} with {CFG.n_layers} layers: {layer_pattern(CFG)} {CFG.layers}")
-print(f"devices: {len(jax.devices())} ({jax.default_backend()})")
-assert len(jax.devices()) >= max(RANKS), "the first cell sets XLA_FLAGS before jax starts"
-
-# %% [markdown]
-# ## 1 · Who holds what
-#
-# `layout.layout(cfg, n)` says how many ways each group of weights splits. The mini has 2
-# attention heads: on 4 and 8 ranks each head is held by 2 and 4 ranks (replicated), while the
-# vocabulary, the experts and the column chunks keep splitting. On 8 ranks each rank holds 2 of the
-# 16 experts whole (EP 8; `layout(..., etp=2)` would split each expert's hidden columns over 2
-# ranks instead, as the release's ETP 4 does at full size). Replicated bytes are the norms' gains,
-# the mixing vectors and the router bias, the same on every rank.
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · every layout splits: a rank holds fewer bytes than one device
 LAYOUTS = {n: layout.layout(CFG, n) for n in RANKS}
 for n, lay in LAYOUTS.items():
     print(lay.describe())
@@ -133,7 +414,7 @@ print(f"one device (no sharding): {full_weights:,d} B")
 assert all(layout_bytes.rank_bytes(lay, BATCH).weights < full_weights for lay in LAYOUTS.values())
 
 # %% [markdown]
-# ## 2 · Sharded steps, checked at each step
+# ## 4 · Sharded steps, checked at each step
 #
 # A random prompt is prefilled by the reference; then `STEPS` greedy steps run three ways from the
 # same state and tokens: the plain-JAX reference, the single-device megakernel, and the sharded
@@ -141,7 +422,7 @@ assert all(layout_bytes.rank_bytes(lay, BATCH).weights < full_weights for lay in
 # on the token; the sharded logits and token equal the single device's bit for bit; the logits are
 # within 5e-2 of the reference's and the greedy token is the reference's (or a near-tie); every
 # rank's slice of the caches and states equals the single device's. The 8-rank steps are recorded
-# (the DMA log of every rank, remote copies included) for section 3.
+# (the DMA log of every rank, remote copies included) for section 5.
 
 # %%
 params = weights.init_params(CFG, 0)
@@ -168,7 +449,7 @@ def single_device_steps():
 
 
 def sharded_steps(n_ranks, steps, record=False):
-    """The same steps on n_ranks devices, checked at each step (section 2's list)."""
+    """The same steps on n_ranks devices, checked at each step (section 4's list)."""
     lay = LAYOUTS[n_ranks]
     plan = sharded.make_sharded_plan(lay, BATCH, CFG.max_seq_len)
     mesh = sharded.make_mesh(n_ranks)
@@ -223,6 +504,7 @@ print("interpret-mode seconds per rank count (compile + steps): "
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · each sharded step against the single-device megakernel and the reference
 for n, run in runs.items():
     print(f"{n} ranks, {STEPS} steps at B={BATCH}: logits and tokens equal to the single-device "
           f"megakernel's (bit for bit): {run['single_diff'] == 0.0}; "
@@ -235,7 +517,7 @@ for n, run in runs.items():
     assert run["slices_equal"] == run["slices"] > 0
 
 # %% [markdown]
-# ## 3 · The collectives on a timeline
+# ## 5 · The collectives on a timeline
 #
 # Every remote copy is in the DMA log with its source and destination rank. Per rank of the last
 # 8-rank step: how many remote copies it starts and their bytes, by collective (the embedding's
@@ -246,6 +528,7 @@ for n, run in runs.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the 8-rank step's remote copies by collective, and each rank's bytes
 log = runs[max(RANKS)]["logs"][-1]
 # the weights' components of the log (routed experts, embedding rows and cache reads depend on the
 # tokens: the experts chosen, the owner of a token's row, the positions)
@@ -278,17 +561,20 @@ assert all(e.src_rank != e.dst_rank for e in log.select("dma_start") if e.remote
 
 # %%
 timelines = ranks_plots.rank_timelines(log, "tpu7x")
-fig = ranks_plots.plot_rank_timelines(
+ranks_fig = ranks_plots.plot_rank_timelines(
     log, timelines, title=f"{CFG.name}, {CFG.n_layers} layer, on 8 ranks, B={BATCH}: one step "
-                          "per rank on tpu7x (timeline model, not measured)")
-assert not label_problems(fig)  # no label runs into another, none is cut
-show_figure(fig)  # described: an HTML export gives the picture its title
+                          "per rank on tpu7x, MODELLED (timeline model, not measured)")
+show_figure(ranks_fig)  # described: an HTML export gives the picture its title
 steps_us = [tl.total_s * 1e6 for tl in timelines.values()]
 print(f"predicted step per rank (each alone): {min(steps_us):.1f} to {max(steps_us):.1f} us")
+
+# %%
+# Checks · every rank's modelled step; the figure's labels
 assert all(s > 0 for s in steps_us)
+assert not label_problems(ranks_fig)  # no label runs into another, none is cut
 
 # %% [markdown]
-# ## 4 · The full model: bytes per rank, ours beside the release's
+# ## 6 · The full model: bytes per rank, ours beside the release's
 #
 # At full size the layout decides the step: each rank reads its slice of the weights once per
 # step. The release (docs/kimi-k3.md §9) keeps the latent MoE projections, the router and W_down's input
@@ -297,6 +583,7 @@ assert all(s > 0 for s in steps_us)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · our layout reads fewer bytes per rank than the release's
 full = get_config("kimi-k3")
 report = layout_bytes.compare(full, 32)
 print(layout_bytes.format_table(report))
@@ -304,7 +591,7 @@ ours, release = (report["layouts"][name]["weights"] for name in ("ours", "releas
 assert ours < release and report["ours_saves_bytes"] == release - ours
 
 # %% [markdown]
-# ## 5 · Compiled for 32 TPU7x cores
+# ## 7 · Compiled for 32 TPU7x cores
 #
 # `compile_sharded_step` compiles the full model's sharded step for the 32 devices of the
 # `tpu7x:2x2x4` topology on this CPU (libtpu, no TPU needed): one rank's program, its VMEM plan
@@ -312,20 +599,31 @@ assert ours < release and report["ours_saves_bytes"] == release - ours
 # record (`make recorded` re-records it; a record that no longer matches the plan is recompiled).
 
 # %%
-# NBVAL_CHECK_OUTPUT
+compiles = {}
 for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
-    compiled, plan, where = recorded.sharded_compile_or_recorded(model, n_ranks, name, batch, chip)
-    vmem = plan.mega.vmem
-    print(f"{model} on {n_ranks} cores of {sharded.FULL_TOPOLOGY} ({name} layout, B={batch}): "
-          f"{compiled.n_mosaic_kernels} Mosaic kernel per rank; VMEM plan "
-          f"{vmem.total_bytes:,d} B within {vmem.limit_bytes:,d} B: {vmem.fits()}")
-    print(f"  {sharded.ring_depth(plan.layout, batch).describe()}")
-    print(f"  {where}")
-    print(f"  compile seconds: {compiled.seconds:.1f}")
-    assert compiled.n_mosaic_kernels == 1 and vmem.fits()
+    compiles[model, n_ranks, name, batch, chip] = recorded.sharded_compile_or_recorded(
+        model, n_ranks, name, batch, chip)
+print("compile seconds per rank's program, on the machine that recorded it: " + ", ".join(
+    f"{key[0]} {compiled.seconds:.0f} s" for key, (compiled, _, _) in compiles.items()))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · one Mosaic kernel per rank and a VMEM plan within the core's, for every recorded compile
+rows = [{"model": model, "cores": f"{n_ranks} of {sharded.FULL_TOPOLOGY}", "layout": name,
+         "B": batch, "Mosaic kernels": compiled.n_mosaic_kernels,
+         "VMEM plan B": f"{plan.mega.vmem.total_bytes:,d}",
+         "of B": f"{plan.mega.vmem.limit_bytes:,d}",
+         "ring slots": sharded.ring_depth(plan.layout, batch).depth,
+         "from": "recorded" if where.startswith("recorded") else where}
+        for (model, n_ranks, name, batch, _), (compiled, plan, where) in compiles.items()]
+print(widgets.format_table(rows, list(rows[0])))
+print("(recorded: mkresearch/measurement/recorded/compile_<model>_32ranks_*.json; "
+      "`make recorded` re-records them)")
+assert all(compiled.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
+           for compiled, plan, _ in compiles.values())
 
 # %% [markdown]
-# ## 6 · Exact vs partial-sum collectives, predicted at full size
+# ## 8 · Exact vs partial-sum collectives, predicted at full size
 #
 # The kernel's collectives, derived from one sharding plan (`kernels/sharded/plan.py`), come in two
 # modes. *Exact*
@@ -337,8 +635,8 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 # shared expert's reduction (no gather of their own); one all-gather carries the router's and
 # W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
 # honestly, every collective: the ~188 of the release (docs/collectives.md) count only its two
-# reductions per layer; our model of its layout, gathers and sibling swaps included, issues far
-# more (`mkresearch predict kimi-k3 --ranks 32` counts them in its colls column). The FFN hidden splits in
+# reductions per layer; our model of its layout, gathers and **sibling swaps** (exchanging halves with the other
+# TensorCore of the same chip) included, issues far more (`mkresearch predict kimi-k3 --ranks 32` counts them in its colls column). The FFN hidden splits in
 # half-lane chunks (the shared experts' 192 columns on every rank, gate and up streamed as one
 # [d, 384] matrix: `kernels/stages/gate_up.py`), the column chunks of W_lu, the router, W_qa and
 # W_kva are rotated off the ranks holding W_ld's (`layout.rotations`), and a rank whose chunk of a
@@ -351,6 +649,7 @@ for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED:
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · partial-sum beats exact, and the published step, at every batch (predicted)
 from mkresearch.prediction import collective_plan
 from mkresearch.views import scale_out_plots
 
@@ -381,20 +680,21 @@ assert by_mode["partial-sum", 1]["rank_gb"] < by_mode["exact", 1]["rank_gb"]
 
 # %%
 overlaps = [collective_plan.overlap(full, 32, 1, mode) for mode in ("partial-sum", "exact")]
-figure = scale_out_plots.overlap_figure(overlaps)
-assert not label_problems(figure)
-show_figure(figure)
+overlap_fig = scale_out_plots.overlap_figure(overlaps)
+show_figure(overlap_fig)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · how long a collective is outstanding, and HBM busy under it (predicted)
 for o in overlaps:
     print(f"{o['mode']}: a collective is outstanding {o['outstanding_ms']:.1f} ms of the "
           f"{o['step_ms']:.1f} ms step; HBM busy during {o['hbm_busy_fraction']:.0%} of it")
     assert 0 < o["hbm_busy_ms"] <= o["outstanding_ms"] <= o["step_ms"]
+assert not label_problems(overlap_fig)
 
 # %% [markdown]
-# **The overlap in the recorded log.** The 8-rank step recorded in section 2 (the one-layer
-# kimi-k3-mini in the layout's exact mode, the kernel section 2 checks bit for bit; the partial-sum
+# **The overlap in the recorded log.** The 8-rank step recorded in section 4 (the one-layer
+# kimi-k3-mini in the layout's exact mode, the kernel section 4 checks bit for bit; the partial-sum
 # step's log is checked the same way in tests/sharded/test_partial_sum.py), rank 0 in program order: blue where a weight DMA is in flight (started, not yet waited: the
 # global ring's next blocks, the first experts' slots), red from a collective's first remote copy
 # to its last wait. `measurement.collective_overlap` returns the data; at every wait but the
@@ -408,22 +708,23 @@ from mkresearch.measurement import collective_overlap
 waits = collective_overlap.collective_overlap(log, 0)
 idle = [c["name"] for c in waits if not c["hbm_in_flight"]]
 window = (waits[0]["start"] - 40, waits[-1]["end"] + 40)  # the whole one-layer step
-figure = scale_out_plots.log_overlap_figure(
+log_overlap_fig = scale_out_plots.log_overlap_figure(
     collective_overlap.overlap_rows(log, 0, *window),
     f"rank 0 of {max(RANKS)}, events {window[0]}-{window[1]}: weight DMAs in flight at "
     f"{len(waits) - len(idle)} of {len(waits)} collective waits")
-assert not label_problems(figure)
-show_figure(figure)
+show_figure(log_overlap_fig)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · weight DMAs in flight at the recorded step's collective waits
 print(f"rank 0's recorded step: {len(waits)} collective waits (the embedding's all-reduce in two "
       f"phases), weight DMAs in flight at {len(waits) - len(idle)}; none at {idle}")
 assert idle == [waits[-2]["name"], "sampling_state/all_gather"]  # the last reduction, the merge
 assert idle[0].startswith("shared/w_down") and all(c["hbm_in_flight"] > 0 for c in waits[:-2])
+assert not label_problems(log_overlap_fig)
 
 # %% [markdown]
-# ## 7 · Fewer collectives, and what they cost
+# ## 9 · Fewer collectives, and what they cost
 #
 # A collective exists because a value computed in pieces across ranks is needed whole by a
 # non-linear step: top-k needs the router's scores and the experts need W_ld's latent (one
@@ -442,6 +743,7 @@ assert idle[0].startswith("shared/w_down") and all(c["hbm_in_flight"] > 0 for c 
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the cost of fewer collectives, and the fastest designs within limits (predicted)
 from mkresearch.prediction import collective_floor
 
 fronts = [collective_floor.frontier(get_config(m), 32)
@@ -457,10 +759,11 @@ assert best["within 4.6 GB per rank"]["bound_ms"] > 2.5
 assert best["with at most 200 collectives"]["bound_ms"] > 4.02  # the release's measured step
 
 # %%
-figure = scale_out_plots.frontier_figure(fronts, max_collectives=200, max_floor_ms=2.5)
-assert not label_problems(figure)
-show_figure(figure)
+frontier_fig = scale_out_plots.frontier_figure(fronts, max_collectives=200, max_floor_ms=2.5)
+show_figure(frontier_fig)
 
 # %%
+# Checks · the frontier figure's labels; this notebook's run time on this machine
+assert not label_problems(frontier_fig)
 elapsed = time.perf_counter() - started
 print(f"notebook body: {elapsed:.0f} s")

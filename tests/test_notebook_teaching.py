@@ -18,14 +18,15 @@ from mkresearch.views import exercises
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 # notebook -> the primitives its own code cells write (every one also writes a pallas_call and
-# has a "Your turn" exercise). Notebooks 06 and 08
-# (make_async_remote_copy) join as they are written.
+# has a "Your turn" exercise).
 TEACHING = {
     "01_vmem_pipelining": ("make_async_copy", "DMA semaphore"),
     "02_attention": (),
     "03_moe_routing": (),
     "04_expert_gemm": ("scalar prefetch", "make_async_copy", "DMA semaphore"),
     "05_sampling": (),
+    "06_megakernel": ("make_async_copy", "DMA semaphore", "scalar prefetch"),
+    "08_scale_out": ("make_async_remote_copy", "DMA semaphore"),
 }
 
 
