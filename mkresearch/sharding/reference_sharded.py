@@ -34,8 +34,9 @@ Measured by `python -m mkresearch.sharding.partial_sum_sweep` over `partial_sum_
 bf16/fp8/mxfp4 experts, 11 steps per row), tested over it (tests/test_partial_sum_claim.py):
 of 132 rows, routing differed at some step in 28 with the f32 wire, 35 with the other order, 95
 with the bf16 wire; 63 % of the f32 row-steps are bit-equal to the single device's (the other
-order: 54 %). The minis' random weights put router scores within rounding of a tie often (in
-Kimi K3's mini 24 of 66 rows, DeepSeek-V3's 4 of 66); a trained model's margins are its own.
+order: 54 %; the single device on another XLA:CPU configuration: 69 rows, 0 %). The minis'
+random weights put router scores within rounding of a tie often (in Kimi K3's mini 24 of 66
+rows, DeepSeek-V3's 4 of 66); a trained model's margins are its own.
 Experts split by ETP too (EP x ETP > 1 on a rank group) round each partial expert output to bf16
 before the sum, which this reference does not model (the tests run ETP = 1: 8 ranks of a mini).
 """
@@ -53,8 +54,11 @@ from mkresearch.sharding import layout as layouts
 # max |logits - single-device reference logits| of a row at a step, while the row's routing has
 # not differed from the single device's. Measured over partial_sum_sweep.SWEEP (1,452 row-steps
 # per wire): f32 0.166 (p99 0.074; the single device with its sums in another order: 0.178, p99
-# 0.099), bf16 wire 0.265 (p99 0.19). Once routing differs: up to 3.7 (f32) and 5.4 (bf16)
-SAME_ROUTING_BOUND = {"f32": 0.25, "bf16": 0.4}
+# 0.099), bf16 wire 0.265 (p99 0.19). Once routing differs: up to 3.7 (f32) and 5.4 (bf16). The
+# single device on another XLA:CPU configuration (the Makefile's OTHER_XLA_FLAGS, measured once
+# over the same sweep) differs from itself by up to 0.255, its routing in 69 of 132 rows: f32
+# leaves room for another machine's sums
+SAME_ROUTING_BOUND = {"f32": 0.3, "bf16": 0.4}
 
 
 def routing_differs(expert_ids: Any, single_expert_ids: Any) -> np.ndarray:
