@@ -231,7 +231,7 @@ def summary(rows: list) -> dict:
 
 def format_table(table: dict) -> str:
     """The summary as printed rows, one per variant."""
-    head = (f"{'vs the single-device reference':<18} {'row-steps':>9} {'bit-equal':>9} "
+    head = (f"{'variant':<18} {'row-steps':>9} {'bit-equal':>9} "
             f"{'p50':>8} {'p90':>8} {'p99':>8} {'max*':>8} {'max':>7} {'route≠':>7} "
             f"{'rows':>9} {'greedy≠':>8} {'greedy≠*':>8}")
     lines = [head]
@@ -241,7 +241,9 @@ def format_table(table: dict) -> str:
             f"{s['p90']:>8.2g} {s['p99']:>8.2g} {s['max_unrouted']:>8.3g} {s['max_all']:>7.3g} "
             f"{s['routing_differs']:>7} {s['rows_routing_differed']:>4}/{s['rows']:<4} "
             f"{s['greedy_differs']:>8} {s['greedy_differs_unrouted']:>8}")
-    lines.append("p50..max*: |logit diff| over the row-steps whose routing never differed; "
+    lines.append("each against the single-device reference at the same step (reordered: the "
+                 "single device with its sums in another order); "
+                 "p50..max*: |logit diff| over the row-steps whose routing never differed; "
                  "route≠: row-steps whose routing differs; rows: rows whose routing ever did; "
                  "greedy≠*: argmax flips without a routing difference")
     return "\n".join(lines)
