@@ -125,8 +125,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     (`layout.COLLECTIVES`) they must EQUAL the sharded reference's (`PartialSumCheck`, its own
     state) and keep the partial-sum claim against the reference (`reference_sharded`: logits
     within SAME_ROUTING_BOUND until a row's routing differs from the reference's, another greedy
-    token only at a near-tie of twice that or after it); the single device's are reported. One more step is
-    recorded for per-rank bytes. `params` and `prompt` [B, T] (a checkpoint's weights and its
+    token only at a near-tie of twice that or after it); the single device's are reported. One
+    more step is recorded for per-rank bytes. `params` and `prompt` [B, T] (a checkpoint's weights and its
     tokenized prompt: `mkresearch.cli.checkpoint`) replace the random ones."""
     import jax
     import jax.numpy as jnp

@@ -54,11 +54,11 @@ from mkresearch.sharding import layout as layouts
 # max |logits - single-device reference logits| of a row at a step, while the row's routing has
 # not differed from the single device's. Measured over partial_sum_sweep.SWEEP (1,452 row-steps
 # per wire): f32 0.166 (p99 0.074; the single device with its sums in another order: 0.178, p99
-# 0.099), bf16 wire 0.265 (p99 0.19). Once routing differs: up to 3.7 (f32) and 5.4 (bf16). The
-# single device on another XLA:CPU configuration (the Makefile's OTHER_XLA_FLAGS, measured once
-# over the same sweep) differs from itself by up to 0.255, its routing in 69 of 132 rows: f32
-# leaves room for another machine's sums
-SAME_ROUTING_BOUND = {"f32": 0.3, "bf16": 0.4}
+# 0.099), bf16 wire 0.265 (p99 0.19; 0.322 on --quick's other seed pairs). Once routing
+# differs: up to 3.7 (f32) and 5.4 (bf16). The single device on another XLA:CPU configuration
+# (the Makefile's OTHER_XLA_FLAGS, measured once over the same sweep) differs from itself by up
+# to 0.255, its routing in 69 of 132 rows: the bounds leave room for another machine's sums
+SAME_ROUTING_BOUND = {"f32": 0.3, "bf16": 0.5}
 
 
 def routing_differs(expert_ids: Any, single_expert_ids: Any) -> np.ndarray:
