@@ -200,7 +200,8 @@ def print_run(result: dict, backend: str) -> None:
 
 def print_agreement(agree: dict) -> None:
     """One line: a decode's tokens and logits against the reference backend, near-ties named."""
-    ties = "".join(f"; near-tie at step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
+    ties = "".join(f"; {'routing differed' if t.get('routing_differed') else 'near-tie'} at "
+                   f"step {t['step']} row {t['row']} (top-2 gap {t['top2_gap']:.3f})"
                    for t in agree["near_ties"])
     print(f"agreement with the reference backend: {agree['tokens_equal']}/{agree['tokens']} tokens "
           f"equal, max |logit diff| {agree['max_abs_logit_diff']:.2e}{ties} -> "
