@@ -6,10 +6,12 @@ backend. To add a figure, add one line to FIGURES.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mkresearch.cli.bench import plot_decode_bench
+from mkresearch.cli.common import UsageError
 from mkresearch.views.plots import plot_expert_bytes, plot_kv_bytes, plot_roofline
 from mkresearch.views.scale_out_plots import plot_scale_out
 
@@ -20,6 +22,14 @@ FIGURES: dict[str, Callable[[Path], None]] = {
     "mla_kv_bytes": plot_kv_bytes,
     "scale_out": plot_scale_out,
 }
+
+
+def require_matplotlib(command: str) -> None:
+    """Before any work: a UsageError naming the `plots` extra when matplotlib is not installed
+    (it is an extra: the library and `decode` run without it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(f"{command} draws with matplotlib, which is not installed here: "
+                         'pip install "mkresearch[plots]"')
 
 
 def figure_function(name: str) -> Callable[[Path], None]:

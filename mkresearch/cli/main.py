@@ -411,6 +411,7 @@ def _run(argv: Sequence[str] | None) -> int:
         _chip(args.chip)
         cli_speculative.check_bench(args)
         cli_ranks.check_ranks(cfg, args.ranks)
+        figures.require_matplotlib("mkresearch bench")  # it draws decode_bench.png
         if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, argv)) is not None:
             return status
         out = Path(args.out)
@@ -449,6 +450,7 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
 
     if args.command == "figures":
+        figures.require_matplotlib("mkresearch figures")
         for name in args.only or ():
             if name not in figures.FIGURES:
                 raise UsageError(f"--only {name!r} is unknown: choose from "
