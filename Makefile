@@ -142,11 +142,11 @@ figures: venv
 recorded: venv
 	$(BIN)/python -m mkresearch.cli.record
 
-# The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from the
-# repository, installed non-editable into a clean virtualenv under Python 3.11 and again under
-# 3.12 (skipped, saying why, where it is missing); notebook 00's first cell installing into a
-# runtime without mkresearch; every module imported, `mkresearch info kimi-k3`, notebook 00.
-# About 3 minutes per Python here (each a fresh install of JAX).
+# The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from a clean
+# copy of the tree resolves for macOS arm64, Linux aarch64 and Windows; under Python 3.11 with
+# every runtime dependency at its floor it imports every module and decodes; a Colab-like runtime
+# (Python 3.12, Colab's pins) runs notebooks 00 and 06 on the first run, its first cell installing
+# from the git repository and keeping the runtime's jax and numpy; the cell's restart paths.
 wheel-check: venv
 	bash .ci/wheel-check
 
