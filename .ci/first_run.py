@@ -49,6 +49,9 @@ def main() -> int:
     args = parser.parse_args()
 
     nb = nbformat.read(args.notebook, as_version=4)
+    for cell in nb.cells:  # a first run: nothing of the committed run's counts and outputs
+        if cell.cell_type == "code":
+            cell.execution_count, cell.outputs = None, []
     folder = str(Path(args.notebook).resolve().parent)  # the kernel's working directory
     client = NotebookClient(nb, timeout=900, kernel_name="python3",
                             resources={"metadata": {"path": folder}})
