@@ -51,9 +51,10 @@ if _lacking:
         'name = "mkresearch"' in (_root / "pyproject.toml").read_text()
     _repo = os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch")
     _extras = "plots,tpu" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "plots"
-    _pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"mkresearch[{_extras}] @ "
-                           f"{_root.as_uri() if _local else 'git+' + _repo}"],
-                          capture_output=True, text=True)
+    _source = _root.as_uri() if _local else f"git+{_repo}"
+    _pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                           f"mkresearch[{_extras}] @ {_source}"],
+                          capture_output=True, text=True, check=False)
     if _pip.returncode:
         _errors = [line for line in _pip.stderr.splitlines() if line.startswith("ERROR")]
         raise _SetupStop(f"pip could not install mkresearch[{_extras}]: "

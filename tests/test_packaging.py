@@ -190,7 +190,7 @@ def test_every_notebook_installs_alike_and_only_what_a_runtime_lacks():
     split = reference.index("import mkresearch  # sets JAX_PLATFORMS=cpu when this machine has no TPU")
     install, imports = reference[:split], reference[split:]
     assert any('"pip", "install"' in line for line in install)
-    assert any('f"mkresearch[{_extras}] @ "' in line for line in install)
+    assert any('f"mkresearch[{_extras}] @ {_source}"' in line for line in install)
     assert any('_extras = "plots,tpu" if' in line for line in install)  # tpu only on a TPU
     assert not [line for line in install if not line.startswith("#")
                 and re.search(r"\[notebooks\]|jupyterlab|ipykernel|jupyter.server", line)]

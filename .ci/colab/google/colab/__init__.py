@@ -5,5 +5,4 @@ first cell might replace is then already imported. This stand-in does the same.
 """
 
 import numpy  # noqa: F401 - imported at kernel start, as Colab's own google.colab does
-
 from google.colab import output  # noqa: F401
