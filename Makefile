@@ -1,7 +1,10 @@
 # make demo | test | test-fast | lab | figures | notebooks | recorded — each creates .venv and
-# installs the package first. Needs only Python 3.11 and make (and, for the browser test, Debian's
-# chromium).
-PY ?= python3.11
+# installs the package first (pinned: requirements/constraints.txt). Needs only make and Python 3.11
+# or newer (and, for the browser test, Debian's chromium). The Python is PY: `make test
+# PY=/usr/bin/python3.12` names one; by default the first of python3.11, python3.12 and python3 on
+# PATH that is 3.11 or newer (3.11 first: the one CI and the pins were checked with).
+PY ?= $(firstword $(foreach python,python3.11 python3.12 python3,$(shell $(python) -c \
+	'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && command -v $(python))))
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -13,10 +16,24 @@ endif
 NOTEBOOK_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-$(BIN)/.installed: pyproject.toml requirements/constraints.txt
+define new_venv
+	@test -x $(BIN)/python || test -n "$(PY)" || { echo "make: no Python 3.11 or newer on PATH" \
+		"(python3.11, python3.12, python3): install one, or name it: make $(or $(MAKECMDGOALS),venv) PY=/path/to/python3"; \
+		exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip==26.3
+endef
+
+# Everything: the library, its extras (plots, notebooks, tpu, checkpoints) and the test tools.
+$(BIN)/.installed: pyproject.toml requirements/constraints.txt
+	$(new_venv)
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt -e ".[dev]"
+	touch $@ $(BIN)/.installed-core
+
+# The library alone with its runtime dependencies (JAX, NumPy, ml_dtypes, tqdm): `make demo`.
+$(BIN)/.installed-core: pyproject.toml requirements/constraints.txt
+	$(new_venv)
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt -e .
 	touch $@
 
 venv: $(BIN)/.installed
@@ -27,7 +44,8 @@ venv-hf: venv
 
 # The product: a short greedy decode of kimi-k3-mini with the megakernel (one pallas_call per
 # step), checked against the reference, and the full model's predicted TPU7x step.
-demo: venv
+# Installs only the library (no Jupyter, plots or test tools) unless .venv has everything already.
+demo: $(BIN)/.installed-core
 	$(BIN)/mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 1 --seed 0
 
 # Headless Chromium and its driver for tests/test_browser.py, from Debian's packages when this is
@@ -108,8 +126,11 @@ bench-notebooks: venv
 bench-speed: venv
 	$(BIN)/python benchmarks/speed.py
 
+# As root (a TPU VM's or a container's usual user) Jupyter refuses to start without --allow-root.
+# LAB_ARGS passes more options: make lab LAB_ARGS="--no-browser --port=8890".
+LAB_ARGS ?=
 lab: venv
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 figures: venv
 	$(BIN)/mkresearch figures --out figures
@@ -121,11 +142,11 @@ figures: venv
 recorded: venv
 	$(BIN)/python -m mkresearch.cli.record
 
-# The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from the
-# repository, installed non-editable into a clean virtualenv under Python 3.11 and again under
-# 3.12 (skipped, saying why, where it is missing); notebook 00's first cell installing into a
-# runtime without mkresearch; every module imported, `mkresearch info kimi-k3`, notebook 00.
-# About 3 minutes per Python here (each a fresh install of JAX).
+# The package as users install it (.ci/wheel-check, run by .ci/run): the wheel built from a clean
+# copy of the tree resolves for macOS arm64, Linux aarch64 and Windows; under Python 3.11 with
+# every runtime dependency at its floor it imports every module and decodes; a Colab-like runtime
+# (Python 3.12, Colab's pins) runs notebooks 00 and 06 on the first run, its first cell installing
+# from the git repository and keeping the runtime's jax and numpy; the cell's restart paths.
 wheel-check: venv
 	bash .ci/wheel-check
 

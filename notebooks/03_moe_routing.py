@@ -14,32 +14,75 @@
 # ---
 
 # %%
-# Setup: works on Colab, on a TPU VM and on a laptop. Installs mkresearch if it is missing.
-# Only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets
-# unless recent ones are here), never Jupyter, ipykernel or a notebook server, which a hosted
-# runtime brings and depends on. From this checkout, else the git URL in MKRESEARCH_REPO.
+# Setup: works on Colab, on a TPU VM and on a laptop. Installs mkresearch if it is missing, and
+# only what this runtime lacks: mkresearch[plots] (the library with JAX; matplotlib and ipywidgets 8
+# unless here; on a TPU also the tpu extra), never Jupyter, ipykernel or a notebook server, which a
+# hosted runtime brings and depends on. The runtime's own jax and numpy stay if recent enough.
+# From this checkout, else the git URL in MKRESEARCH_REPO. If the install replaces a package this
+# kernel has imported, the kernel must restart: on Colab this cell restarts it, elsewhere it stops
+# and says so; then run the notebook again.
+import glob
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
-_lacking = [name for name in ("matplotlib", "ipywidgets") if importlib.util.find_spec(name) is None]
-if importlib.util.find_spec("mkresearch") is None:
-    _lacking.insert(0, "mkresearch")
+
+class _SetupStop(Exception):  # ends the cell with one line instead of a traceback
+    def _render_traceback_(self):
+        return [f"setup: {self}"]
+
+
+def _versions():
+    return {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+            for d in importlib.metadata.distributions()}
+
+
+_had = _versions()
+_lacking = [name for name in ("mkresearch", "matplotlib") if importlib.util.find_spec(name) is None]
+if int(_had.get("ipywidgets", "0").split(".")[0]) < 8:  # the explorers' controls are ipywidgets 8
+    _lacking.append("ipywidgets 8")
 if _lacking:
-    _root = os.path.abspath("..")
-    _local = os.path.exists(os.path.join(_root, "pyproject.toml"))
+    _root = pathlib.Path("..").resolve()
+    _local = (_root / "pyproject.toml").is_file() and \
+        'name = "mkresearch"' in (_root / "pyproject.toml").read_text()
     _repo = os.environ.get("MKRESEARCH_REPO", "https://github.com/mkresearch/mkresearch")
-    _source = f"file://{_root}" if _local else f"git+{_repo}"
-    _before = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           f"mkresearch[plots] @ {_source}"])
+    _extras = "plots,tpu" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "plots"
+    _source = _root.as_uri() if _local else f"git+{_repo}"
+    _pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                           f"mkresearch[{_extras}] @ {_source}"],
+                          capture_output=True, text=True, check=False)
+    if _pip.returncode:
+        _errors = [line for line in _pip.stderr.splitlines() if line.startswith("ERROR")]
+        raise _SetupStop(f"pip could not install mkresearch[{_extras}]: "
+                         f"{(_errors or _pip.stderr.splitlines() or ['no message'])[0]}")
     importlib.invalidate_caches()
-    _new = sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
-                  if _before.get(d.metadata["Name"]) != d.version)
+    _now = _versions()
+    _new = [f"{name} {version}" for name, version in sorted(_now.items()) if name not in _had]
+    _replaced = {name: f"{name} {_had[name]} -> {version}" for name, version in sorted(_now.items())
+                 if _had.get(name, version) != version}
+    _kept = [f"{name} {_had[name]}" for name in ("jax", "numpy") if name in _had and name in _now
+             and name not in _replaced]
     print(f"setup: {', '.join(_lacking)} lacking; installed from "
-          f"{'this checkout' if _local else _repo}: {', '.join(_new) or 'nothing new'}")
+          f"{'this checkout' if _local else _repo}: {', '.join(_new) or 'nothing new'}"
+          + (f"; replaced {', '.join(_replaced.values())}" if _replaced else "")
+          + (f"; kept this runtime's {', '.join(_kept)}" if _kept else ""))
+    _imported = {re.sub(r"[-_.]+", "-", dist).lower() for module, dists
+                 in importlib.metadata.packages_distributions().items()
+                 if module in sys.modules for dist in dists}
+    _stale = [_replaced[name] for name in _replaced if name in _imported]
+    if _stale:  # only a new kernel imports the new versions
+        _colab = "google.colab" in sys.modules
+        if _colab:  # Colab brings a kernel that shut down this way back by itself
+            import IPython
+
+            IPython.Application.instance().kernel.do_shutdown(True)
+        raise _SetupStop(f"{', '.join(_stale)} replaced a package this kernel had imported: "
+                         f"{'restarting' if _colab else 'restart'} the kernel, then run the "
+                         "notebook again")
 else:
     print("setup: nothing to install (mkresearch, matplotlib and ipywidgets are here)")
 if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 through its custom widget manager

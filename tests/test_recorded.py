@@ -2,6 +2,7 @@
 minute instead of showing it), records round-trip, stale ones are not used."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from mkresearch.kernels.compose import megakernel
@@ -47,3 +48,18 @@ def test_compile_command_refuses_bad_input(capsys):
     assert "--chip 'tpu9' is unknown" in capsys.readouterr().err
     assert cli.main(["compile", "kimi-k3-rank", "--batch", "0"]) == 2
     assert "--batch 0 is invalid" in capsys.readouterr().err
+
+
+def test_records_are_shown_under_another_jax_in_the_range(monkeypatch):
+    """A runtime keeps its own jax when it is in pyproject's range (Colab's 0.9.2): the records
+    compiled with the pinned jax are still shown, saying which jax compiled them (compiling here
+    would need that jax's libtpu, the tpu extra)."""
+    constraints = (Path(__file__).parent.parent / "requirements" / "constraints.txt").read_text()
+    assert f"jax=={recorded.RECORDED_JAX}\n" in constraints, "re-record (make recorded) with the pin"
+    monkeypatch.setattr(recorded.jax, "__version__", "0.9.2")
+    model, batch, chip = recorded.RECORDED_COMPILES[0]
+    assert recorded.load_compile(plan_of(model, batch, chip), recorded.compile_path(model, batch, chip))
+    result, _, where = recorded.compile_or_recorded(layout.named_config(model), batch, chip=chip)
+    assert result.n_mosaic_kernels == 1
+    assert where.startswith(f"recorded (compile_{model}_b{batch}_{chip}.json, compiled with jax "
+                            f"{recorded.RECORDED_JAX}; ")

@@ -9,7 +9,9 @@
                                              character left incomplete: the replacement
                                              characters transformers prints)
 
-Nothing touches the network: the file is read from disk (`Tokenizer.from_file`).
+Nothing touches the network: the file is read from disk (`Tokenizer.from_file`). The
+`tokenizers` package is the `checkpoints` extra (`pip install "mkresearch[checkpoints]"`): without
+it, load_tokenizer raises a CheckpointError naming the extra, and nothing else here needs it.
 """
 
 from __future__ import annotations
@@ -17,24 +19,38 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-
-from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from typing import TYPE_CHECKING
 
 from mkresearch.model.hf_config import CheckpointError
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 TOKENIZER_FILE = "tokenizer.json"
+MISSING = ("a checkpoint's tokenizer.json needs the `tokenizers` package, the `checkpoints` extra: "
+           'pip install "mkresearch[checkpoints]"')
+
+
+def _tokenizers():
+    """The `tokenizers` package, or a one-line CheckpointError naming the extra that brings it."""
+    try:
+        import tokenizers  # the checkpoints extra: imported only where a tokenizer is read
+        import tokenizers.decoders
+    except ModuleNotFoundError:
+        raise CheckpointError(MISSING) from None
+    return tokenizers
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a checkpoint directory (its tokenizer.json); CheckpointError naming the
     file when it is missing or not a tokenizer."""
+    tokenizers = _tokenizers()
     path = Path(directory) / TOKENIZER_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: no {TOKENIZER_FILE} in the checkpoint directory (the "
                               "tokenizer is needed for --prompt text)")
     try:
-        return Tokenizer.from_file(str(path))
+        return tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"{path}: not a tokenizers tokenizer.json ({first})") from None
@@ -65,7 +81,8 @@ class TextStream:
         self.tokenizer = tokenizer
         self.known = tokenizer.get_vocab_size(with_added_tokens=True)
         self.prompt_ids = [int(i) for i in prompt_ids]
-        self._stream = DecodeStream(ids=self.prompt_ids or None, skip_special_tokens=False)
+        self._stream = _tokenizers().decoders.DecodeStream(ids=self.prompt_ids or None,
+                                                            skip_special_tokens=False)
         self._fed = list(self.prompt_ids)  # every id the DecodeStream has seen
         self._held = 0  # how many of the last of them it holds back (an incomplete character)
         self.ids: list[int] = []

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mkresearch.cli import bench, workload
+from mkresearch.cli import bench, figures, workload
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import _at_least, _chip, _megakernel_batch, _model, _refusals
@@ -48,6 +48,7 @@ def run(args: Any) -> int:
     for batch in args.batch:
         _megakernel_batch("--batch", batch)
     _chip(args.chip)
+    figures.require_matplotlib("mkresearch bench")  # it draws decode_bench.png
     cli_speculative.check_bench(args)
     cli_ranks.check_ranks(cfg, args.ranks)
     if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, args.argv)) is not None:

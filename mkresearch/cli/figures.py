@@ -6,6 +6,7 @@ backend. To add a figure, add one line to FIGURES.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,21 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: Any) -> int:
+    require_matplotlib("mkresearch figures")
     for name in args.only or ():
         if name not in FIGURES:
             raise UsageError(f"--only {name!r} is unknown: choose from {', '.join(FIGURES)}")
     for path in write_figures(args.out, args.only):
         print(f"wrote {path}")
     return 0
+
+
+def require_matplotlib(command: str) -> None:
+    """Before any work: a UsageError naming the `plots` extra when matplotlib is not installed
+    (it is an extra: the library and `decode` run without it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(f"{command} draws with matplotlib, which is not installed here: "
+                         'pip install "mkresearch[plots]"')
 
 
 def figure_function(name: str) -> Callable[[Path], None]:

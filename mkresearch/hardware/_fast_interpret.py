@@ -1,4 +1,4 @@
-"""Private-API speed-up of TPU interpret mode (jax 0.10.2 only), applied by tpu.interpret_params().
+"""Private-API speed-up of TPU interpret mode (jax 0.8.0 to 0.10.2), applied by tpu.interpret_params().
 
 Interpret mode simulates every memory op, DMA and semaphore of a kernel through `io_callback`.
 jax's `io_callback_impl` first `device_put`s every operand onto CPU device 0 and runs the callback
@@ -7,13 +7,16 @@ Passing the numpy operands straight through makes interpret mode several times f
 multi-device runs with large per-device operands finish instead of deadlocking). Results are
 identical: the interpreter's callbacks compute with numpy either way.
 
-Guarded by the exact jax version the replacement was written against; on any other version
-`apply()` does nothing and interpret mode runs at jax's own speed.
+Guarded by the exact jax versions it was checked against: written for 0.10.2, and jax's
+`io_callback_impl` is the same function in every release from 0.8.0 (the oldest jax mkresearch
+supports, pyproject.toml) to 0.10.2 (their sources compared). On any other version `apply()` does
+nothing and interpret mode runs at jax's own speed.
 """
 
 from __future__ import annotations
 
-SUPPORTED_JAX = ("0.10.2",)
+SUPPORTED_JAX = ("0.8.0", "0.8.1", "0.8.2", "0.8.3", "0.9.0", "0.9.0.1", "0.9.1", "0.9.2",
+                 "0.10.0", "0.10.1", "0.10.2")
 _original = None  # jax's io_callback_impl while ours is installed
 
 

@@ -3,8 +3,11 @@
 All figures are per *device as JAX sees it*: one TensorCore on v5e, v6e and TPU7x (TPU7x exposes
 each of its two TensorCores as its own device), the two-TensorCore megacore on v5p. Two sources:
 
-- `tpu_info`: `pltpu.get_tpu_info_for_chip(version, cores_per_device)` of the pinned jax, which
-  answers without a TPU (its figures are per TensorCore; we multiply by the cores of one device).
+- `tpu_info`: `pltpu.get_tpu_info_for_chip(version, cores_per_device)` of the pinned jax 0.10.2,
+  which answers without a TPU (its figures are per TensorCore; we multiply by the cores of one
+  device). Its answers are written down here (`_TPU_INFO`), so every figure, and every prediction
+  made from them, is the same under any jax in pyproject.toml's range (before 0.9.2 jax has no
+  get_tpu_info_for_chip); tests/test_chips.py holds the table equal to the pinned jax's.
 - `spec`: the table of docs/tpu.md (public chip pages), used where tpu_info has no figure (0) and
   for what tpu_info does not model (topology names, HBM per chip on megacore, MXU shape check).
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 GB = 10**9
 GIB = 2**30
@@ -77,14 +80,25 @@ _LAYOUT = {
 }
 
 
-def _tpu_info(version_name: str, cores_per_device: int):
-    """pltpu.get_tpu_info_for_chip, or None if this jax does not know the chip (or has no pallas)."""
-    try:
-        from jax.experimental.pallas import tpu as pltpu
+# pltpu.get_tpu_info_for_chip(ChipVersion.<name>, cores per device) of jax 0.10.2 (and 0.9.2):
+# (mem_bw_bytes_per_second, bf16_ops_per_second, fp8_ops_per_second, vmem_capacity_bytes,
+# hbm_capacity_bytes), per TensorCore
+TPU_INFO_FIELDS = ("mem_bw_bytes_per_second", "bf16_ops_per_second", "fp8_ops_per_second",
+                   "vmem_capacity_bytes", "hbm_capacity_bytes")
+_TPU_INFO = {
+    "TPU_V5E": (820_000_000_000, 197_000_000_000_000, 0, 134_217_728, 17_200_000_000),
+    "TPU_V6E": (1_640_000_000_000, 920_000_000_000_000, 920_000_000_000_000, 134_217_728,
+                34_400_000_000),
+    "TPU_V5P": (1_230_000_000_000, 229_500_000_000_000, 0, 67_108_864, 51_500_000_000),
+    "TPU_7X": (3_700_000_000_000, 1_155_000_000_000_000, 2_300_000_000_000_000, 67_108_864,
+               103_000_000_000),
+}
 
-        return pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), cores_per_device)
-    except Exception:  # noqa: BLE001 - any failure means: use the spec table
-        return None
+
+def _tpu_info(version_name: str, cores_per_device: int):
+    """What pltpu.get_tpu_info_for_chip answered in jax 0.10.2 (_TPU_INFO), as its attributes."""
+    del cores_per_device  # every entry is per TensorCore (v5p's device is two: scaled by _build)
+    return SimpleNamespace(**dict(zip(TPU_INFO_FIELDS, _TPU_INFO[version_name], strict=True)))
 
 
 def _build(name: str) -> Chip:

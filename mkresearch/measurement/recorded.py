@@ -68,10 +68,23 @@ def compile_path(model: str, batch: int, chip: str) -> Path:
     return RECORDED_DIR / f"compile_{model}_b{batch}_{chip}.json"
 
 
-def plan_fingerprint(plan: Any) -> str:
+# The jax whose libtpu compiled the committed records (`make recorded` under the pins of
+# requirements/constraints.txt; tests/test_recorded.py holds the two equal). Under another jax in
+# pyproject.toml's range (a runtime's own: Colab's) a record of the same plan is still what the
+# notebooks show, saying which jax compiled it: compiling here needs the tpu extra's libtpu.
+RECORDED_JAX = "0.10.2"
+
+
+def plan_fingerprint(plan: Any, jax_version: str | None = None) -> str:
     """A digest of a megakernel plan (its repr: config, sizes, options, VMEM buffers) and the JAX
-    version: what a recorded compile result is valid for."""
-    return hashlib.sha256(f"{plan!r}|jax {jax.__version__}".encode()).hexdigest()[:16]
+    version (this one unless given): what a recorded compile result is valid for."""
+    version = jax_version or jax.__version__
+    return hashlib.sha256(f"{plan!r}|jax {version}".encode()).hexdigest()[:16]
+
+
+def _recorded_with() -> str:
+    """What the where-from line adds when this jax is not the one that compiled the records."""
+    return "" if jax.__version__ == RECORDED_JAX else f", compiled with jax {RECORDED_JAX}"
 
 
 def record_compile(result: Any, plan: Any, path: str | Path) -> Path:
@@ -90,12 +103,13 @@ def record_compile(result: Any, plan: Any, path: str | Path) -> Path:
 
 def load_compile(plan: Any, path: str | Path) -> Any | None:
     """The recorded `tpu.CompileResult` for `plan`, or None if there is no record at `path` or it
-    was recorded for another plan or JAX version."""
+    was recorded for another plan, or by a JAX other than this one and RECORDED_JAX."""
     path = Path(path)
     if not path.exists():
         return None
     record = json.loads(path.read_text())
-    if record.get("fingerprint") != plan_fingerprint(plan):
+    valid = (plan_fingerprint(plan), plan_fingerprint(plan, RECORDED_JAX))
+    if record.get("fingerprint") not in valid:
         return None
     return CompileResult(**record["result"])
 
@@ -110,8 +124,8 @@ def compile_or_recorded(cfg: Any, batch: int = 1, *, chip: str = "tpu7x",
     path = compile_path(cfg.name, batch, chip)
     result = None if recompile else load_compile(plan, path)
     if result is not None:
-        return result, plan, (f"recorded ({path.name}; `mkresearch compile {cfg.name} --record` "
-                              "re-records it)")
+        return result, plan, (f"recorded ({path.name}{_recorded_with()}; `mkresearch compile "
+                              f"{cfg.name} --record` re-records it)")
     result, plan = megakernel.compile_step(cfg, batch, chip=chip, options=options)
     return result, plan, "compiled here"
 
@@ -135,7 +149,8 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     path = sharded_path(model, n_ranks, name, batch, chip)
     result = None if recompile or record else load_compile(plan, path)
     if result is not None:
-        return result, plan, f"recorded ({path.name}; `make recorded` re-records it)"
+        return result, plan, (f"recorded ({path.name}{_recorded_with()}; `make recorded` "
+                              "re-records it)")
     result, plan = sharded.compile_sharded_step(cfg, n_ranks, name, batch, chip=chip,
                                                 collectives=mode, options=options)
     if record:
