@@ -8,6 +8,7 @@ Every view is a thin layer over a pure data function, which the tests cover:
                                                         and kind, sub-pixel gaps merged
     vmem_steps(timeline)                             -> (times_us, bytes)
     idle_rows(timeline) / summary_rows({label: timeline}) / time_split_rows / summary_line
+    format_table(rows, columns) / TableView(rows, columns): rows as text, or as an HTML table
 
 The static figures (`plot_gantt`, `plot_vmem`, `timeline_figure`, `plot_time_split`) live in
 `mkresearch.views.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
@@ -101,17 +102,57 @@ def summary_line(timeline: tl.Timeline) -> str:
             f"{s['bubble_fraction']:.0%} · peak VMEM {s['peak_vmem_bytes'] / 2**20:.2f} MiB")
 
 
+def table_cell(value: Any, digits: int = 3) -> str:
+    """One cell of a table: big numbers in full, small ones to `digits` figures."""
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
+    return str(value)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
                  digits: int = 3) -> str:
     """Rows as a fixed-width text table (numbers rounded): stable output for checked cells."""
-    def cell(value):
-        if isinstance(value, float):  # big numbers in full, small ones to `digits` figures
-            return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
-        return str(value)
-
-    table = [list(columns)] + [[cell(row[c]) for c in columns] for row in rows]
+    table = [list(columns)] + [[table_cell(row[c], digits) for c in columns] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
+
+
+class TableView:
+    """Rows shown as a compact HTML table in a notebook, as `format_table`'s text elsewhere
+    (print, repr, an HTML export's plain-text form). Numbers are right-aligned and never wrap
+    (align="right"); prose columns wrap inside their cell (align="left"). `html_cell` turns a
+    cell's text into HTML (default: escaped)."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
+                 digits: int = 3, align: str = "right", html_cell: Any = None):
+        if align not in ("left", "right"):
+            raise ValueError(f"align={align!r} is invalid: 'left' or 'right'")
+        self.rows, self.columns, self.digits, self.align = list(rows), list(columns), digits, align
+        self.html_cell = html_cell or html.escape
+
+    def cells(self) -> list[list[str]]:
+        """The table's text, header first (the data the HTML and the text are drawn from)."""
+        return [list(self.columns)] + [[table_cell(row[c], self.digits) for c in self.columns]
+                                       for row in self.rows]
+
+    def __str__(self) -> str:
+        if self.align == "right":
+            return format_table(self.rows, self.columns, self.digits)
+        table = self.cells()
+        widths = [max(len(r[i]) for r in table) for i in range(len(self.columns))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        wrap = "normal" if self.align == "left" else "nowrap"
+        style = f"text-align:{self.align};white-space:{wrap};padding:1px 8px;vertical-align:top"
+        header, *body = self.cells()
+        head = "".join(f'<th style="{style}">{html.escape(c)}</th>' for c in header)
+        rows = "".join("<tr>" + "".join(f'<td style="{style}">{self.html_cell(c)}</td>'
+                                        for c in row) + "</tr>" for row in body)
+        return (f'<table style="border-collapse:collapse;font-size:12px"><thead><tr>{head}'
+                f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
 def png_bundle(fig, text: str) -> dict[str, str]:
