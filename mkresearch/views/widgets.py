@@ -17,7 +17,7 @@ long timelines) redraw the figure from the same recorded log, titled with those 
 every explorer (`FigureExplorer`, shared with `scale_out_plots.ScaleOutExplorer`) it leaves the
 figure and its summary as static outputs (what GitHub, nbviewer, an HTML export, an untrusted
 or reopened notebook show), then the live widget, which hides them and redraws its own figure
-in place above the controls. `show()` falls back to the static figure where ipywidgets is
+in place above (or beside) the controls. `show()` falls back to the static figure where ipywidgets is
 missing or there is no kernel to talk to.
 
 The compute unit's idle time has two causes (`mkresearch.prediction.timeline.Idle`): "compute idle: HBM
@@ -43,6 +43,7 @@ from mkresearch.views.timeline_plots import (  # noqa: F401 - the static views, 
     gantt_lanes,
     gantt_rows,
     legend_outside,
+    modelled,
     plot_gantt,
     plot_time_split,
     plot_vmem,
@@ -201,25 +202,35 @@ def widgets_available() -> bool:
 
 
 class FigureExplorer:
-    """What every explorer shares: a figure above rows of controls, a summary line under them.
+    """What every explorer shares: a figure above rows of controls (or beside a column of
+    them), a summary line under them.
 
     Displayed, an explorer leaves three outputs: its figure as a static picture, its summary as
     plain text (what GitHub, nbviewer, an HTML export or a reopened notebook show), then the
-    widget. The widget holds its own copy of the figure in an output area ABOVE its controls and
-    a style rule that hides the two static outputs, so a live notebook shows one figure; a
-    redraw replaces the picture in that output area, in place: the controls never move.
-    Subclasses build their controls, then call `_build(rows)`, and define `update()` (recompute
-    the data), `draw()` (a Figure whose title names the settings shown), `summary_line()`.
+    widget. The widget holds its own copy of the figure in an output area ABOVE its controls
+    (or right of them) and a style rule that hides the two static outputs, so a live notebook
+    shows one figure; a redraw replaces the picture in that output area, in place: the controls
+    never move. Subclasses build their controls, then call `_build(rows)` (`beside=True`: the
+    controls in one column left of the figure, so that a tall figure and its controls fit one
+    window), and define `update()` (recompute the data), `draw()` (a Figure whose title names
+    the settings shown), `summary_line()`.
     """
 
     STATIC_OUTPUTS = 2  # the figure and the summary displayed before the widget
+    CONTROLS_WIDTH_PX = 230  # the column of controls left of the figure (beside=True)
 
-    def _build(self, control_rows: Sequence[Sequence[Any]]) -> None:
+    def _build(self, control_rows: Sequence[Sequence[Any]], *, beside: bool = False) -> None:
         import ipywidgets as w
 
         self.summary, self.output = w.HTML(), w.Output()
-        self.widget = w.VBox([self.output, *(w.HBox(list(row)) for row in control_rows),
-                              self.summary])
+        if beside:  # the figure takes the room the column leaves, shrunk to it if need be
+            column = w.VBox([control for row in control_rows for control in row],
+                            layout=w.Layout(flex="0 0 auto", width=f"{self.CONTROLS_WIDTH_PX}px"))
+            self.output.layout = w.Layout(flex="1 1 auto", min_width="0")
+            parts = [w.HBox([column, self.output], layout=w.Layout(align_items="flex-start"))]
+        else:
+            parts = [self.output, *(w.HBox(list(row)) for row in control_rows)]
+        self.widget = w.VBox([*parts, self.summary])
         self._css_class = f"mkresearch-explorer-{self.widget.model_id}"
         self.widget.add_class(self._css_class)
         self._hide_static = w.HTML(hide_static_outputs_rule(self._css_class, self.STATIC_OUTPUTS))
