@@ -112,6 +112,9 @@ def test_views_show_html_and_text():
     view = guide.glossary_view("noaux_tc", entries=guide.glossary(GLOSSARY_SAMPLE))
     assert "<code>noaux_tc</code>" in view._repr_html_()
     assert str(view).splitlines()[1].startswith("Correction bias (`noaux_tc`)  a per-expert")
+    folded = guide.glossary_view(entries=guide.glossary(GLOSSARY_SAMPLE), folded=True)
+    assert folded._repr_html_().startswith(
+        "<details><summary>the glossary: 3 entries (click to open)</summary><table")
     html_map = guide.map_view()._repr_html_()
     assert html_map.count("<tr>") == len(NOTEBOOKS) + 1
     assert "<code>make_async_copy</code>" in html_map and "09_predicting_the_release" in html_map

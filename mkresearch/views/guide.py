@@ -129,9 +129,12 @@ def map_view(entries: list[NotebookEntry] | None = None) -> TableView:
     return TableView(rows, MAP_COLUMNS, html_cell=_inline, align="left")
 
 
-def glossary_view(*terms: str, entries: list[GlossaryEntry] | None = None) -> TableView:
-    """The glossary's entries as a table: all of them, or those defining `terms`."""
+def glossary_view(*terms: str, entries: list[GlossaryEntry] | None = None,
+                  folded: bool = False) -> TableView:
+    """The glossary's entries as a table: all of them, or those defining `terms`; `folded`:
+    shut until the reader opens it."""
     chosen = lookup(*terms, entries=entries) if terms else (
         glossary() if entries is None else entries)
     rows = [{"term": e.term, "meaning": e.text} for e in chosen]
-    return TableView(rows, ("term", "meaning"), html_cell=_inline, align="left")
+    fold = f"the glossary: {len(rows)} entries (click to open)" if folded else None
+    return TableView(rows, ("term", "meaning"), html_cell=_inline, align="left", folded=fold)

@@ -122,14 +122,16 @@ class TableView:
     """Rows shown as a compact HTML table in a notebook, as `format_table`'s text elsewhere
     (print, repr, an HTML export's plain-text form). Numbers are right-aligned and never wrap
     (align="right"); prose columns wrap inside their cell (align="left"). `html_cell` turns a
-    cell's text into HTML (default: escaped)."""
+    cell's text into HTML (default: escaped); `folded`, a line the reader clicks to unfold the
+    table (a long one), None to show it open."""
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
-                 digits: int = 3, align: str = "right", html_cell: Any = None):
+                 digits: int = 3, align: str = "right", html_cell: Any = None,
+                 folded: str | None = None):
         if align not in ("left", "right"):
             raise ValueError(f"align={align!r} is invalid: 'left' or 'right'")
         self.rows, self.columns, self.digits, self.align = list(rows), list(columns), digits, align
-        self.html_cell = html_cell or html.escape
+        self.html_cell, self.folded = html_cell or html.escape, folded
 
     def cells(self) -> list[list[str]]:
         """The table's text, header first (the data the HTML and the text are drawn from)."""
@@ -152,8 +154,11 @@ class TableView:
         head = "".join(f'<th style="{style}">{html.escape(c)}</th>' for c in header)
         rows = "".join("<tr>" + "".join(f'<td style="{style}">{self.html_cell(c)}</td>'
                                         for c in row) + "</tr>" for row in body)
-        return (f'<table style="border-collapse:collapse;font-size:12px"><thead><tr>{head}'
-                f"</tr></thead><tbody>{rows}</tbody></table>")
+        table = (f'<table style="border-collapse:collapse;font-size:12px"><thead><tr>{head}'
+                 f"</tr></thead><tbody>{rows}</tbody></table>")
+        if self.folded is None:
+            return table
+        return f"<details><summary>{html.escape(self.folded)}</summary>{table}</details>"
 
 
 def png_bundle(fig, text: str) -> dict[str, str]:
