@@ -1,7 +1,7 @@
 """Imports point down the layers of `mkresearch.layers` (hardware <- model <- sharding <- decoding
 <- kernels <- prediction <- measurement <- views <- cli), the imports of all modules form no cycle,
-every subpackage says what it is for and what it may import, and no module of mkresearch/ or
-kernels/ is over MAX_LINES lines.
+and every subpackage says what it is for and what it may import. (Modules are cut by concept, not
+by a line count: no cap is checked.)
 
 Every import is checked, at module level, inside functions and under `if TYPE_CHECKING:` (`import
 x`, `from x import y`, relative imports): none of them hides a dependency, so none may close a
@@ -20,7 +20,6 @@ from mkresearch.layers import DRAWING, LAYERS, layer_of, rank
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mkresearch": ROOT / "mkresearch", "mkresearch.kernels": ROOT / "kernels"}
-MAX_LINES = 500
 
 
 def module_files() -> dict[str, Path]:
@@ -210,14 +209,6 @@ def test_every_subpackage_names_its_job_and_what_it_may_import():
         doc = ast.get_docstring(tree)
         assert doc and "Imports:" in doc, f"{path.relative_to(ROOT)}: a docstring with 'Imports:'"
         assert len(tree.body) == 1, f"{path.relative_to(ROOT)}: only its docstring"
-
-
-def test_no_module_over_max_lines():
-    counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-              for path in MODULES.values()}
-    too_long = {name: n for name, n in counts.items() if n > MAX_LINES}
-    assert not too_long, (f"modules over {MAX_LINES} lines (split them): "
-                          + ", ".join(f"{name} ({n})" for name, n in sorted(too_long.items())))
 
 
 @pytest.mark.parametrize("importer, source, expected", [

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, kv_tiles, registry, weight_stream
+from mkresearch.kernels.base import blocks, dma, dry_run, kv_tiles, planned, registry, weight_stream
 from mkresearch.kernels.base.weight_stream import (
     ATTN_INDEX,
     ATTN_KIND,
@@ -139,15 +139,18 @@ def per_position_shapes(plan: MegaPlan, state: Any) -> dict | None:
 
 def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
                     inputs: StepInputs, w: dict, state_in: dict, outputs: StepOutputs,
-                    state_out: dict, *scratch: Any, shard: Any = None, pages: Any = None) -> None:
+                    state_out: dict, *scratch: Any, shard: Any = None, pages: Any = None,
+                    live: dict | None = None) -> None:
     """The whole decode step, on Refs: the step's inputs (SMEM scalars and VMEM rows), the
     prepared weights and the state (HBM; the state's outputs are the same buffers). On a rank of
     a sharded model (`shard`: a collectives.ShardPlan, its buffers in `scratch`): this rank's
     weights and state, the collectives inside (`kernels/compose/megakernel_sharded.py`). pages: a
-    paged KV cache's PagedKVConfig (the cache leaves are pools, read through inputs.page_table)."""
+    paged KV cache's PagedKVConfig (the cache leaves are pools, read through inputs.page_table).
+    live: {ring matrix name: False} for the matrices whose slice is only padding on the rank whose
+    shapes a dry run plans on one device (`schedule.rank_live`)."""
     if shard is None:
         return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out,
-                     pages=pages)
+                     pages=pages, live=live)
     coll = collectives.Collectives(shard, scratch)
     with dma.on_rank(coll.rank):
         coll.barrier()
@@ -157,7 +160,7 @@ def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
 
 def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepInputs, w: dict,
           state_in: dict, outputs: StepOutputs, state_out: dict, coll: Any = None,
-          pages: Any = None) -> None:
+          pages: Any = None, live: dict | None = None) -> None:
     cfg, batch = plan.cfg, plan.batch
     kv_rows = None if pages is None else kv_tiles.KvRows(inputs.page_table, pages.page_size,
                                                          pages.max_pages_per_row)
@@ -174,7 +177,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
             count = len(stage.scratch(cfg, batch))
             scratch[kind], rest = stage.scratch_bundle(tuple(rest[:count])), rest[count:]
         stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers,
-                                             live=coll and coll.live(plan.stream))
+                                             live=coll.live(plan.stream) if coll else live)
                   if plan.stream is not None else None)
         # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
         # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
@@ -188,7 +191,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                 token = inputs.tokens[b]
                 start = pl.multiple_of(lax.div(token, EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS)
                 copies.append(dma.Copy(w["embed"].at[pl.ds(start, EMBED_ROWS), :],
-                                       blocks_vmem.at[b], sems.at[b], name="embed", row=b))
+                                       blocks_vmem.at[b], sems.at[b], name="embed",
+                                       buffer=planned.EMBEDDING, row=b))
                 copies[-1].start()
             with dma.phase("embed"):
                 embedded = jnp.zeros((batch, d), jnp.float32)
@@ -200,12 +204,14 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
 
         if stream is not None and coll is not None:  # a rank: layer 0's first weight blocks
             stream.prologue()  # fly while the embedding's all-reduce is waited for
-        pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
+        with dry_run.owned_by("embedding"):
+            pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
         if stream is not None and coll is None:  # layer 0's first weight blocks fly from the start
             stream.prologue()
 
         def load_vectors(layer):  # this layer's residual weights and norm gains, [1, d] each
-            copies = [dma.Copy(w[n].at[layer], vectors.at[i], sems.at[i], name=n, layer=layer)
+            copies = [dma.Copy(w[n].at[layer], vectors.at[i], sems.at[i], name=n,
+                               buffer=planned.LAYER_VECTORS, layer=layer)
                       for i, n in enumerate(residual.vectors)]
             for copy in copies:
                 copy.start()
@@ -219,7 +225,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                     stage = registry.kernel_stage(kind)
                     context = (stream.stage(kind, layer, index) if stream is not None
                                else contextlib.nullcontext(blocks.LOCAL_STREAM))
-                    with context as stage_stream:
+                    with context as stage_stream, dry_run.owned_by(kind, layer):
                         if coll is not None:  # row-split matrices: partial sums all-reduced
                             stage_stream = coll.stream(stage_stream)
                         stage.body(plan.stage_plan(kind), registry.StageRefs(
@@ -240,7 +246,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
 
         def layer_step(layer, carry):
             row = layer * len(TABLE_FIELDS)
-            load_vectors(layer)
+            with dry_run.owned_by("residual", layer):
+                load_vectors(layer)
             x_ref[...] = residual.attention_input(hidden, layer, vectors, cfg)
             run_stage(layer, inputs.table[row + ATTN_KIND], inputs.table[row + ATTN_INDEX],
                       plan.attention_kinds)
@@ -257,7 +264,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
 
         def with_head(final_norm_ref, tile_slots, tile_sems, *mix_out):
             targets = {"final_norm": final_norm_ref, **({"mix_out": mix_out[0]} if mix_out else {})}
-            copies = [dma.Copy(w[name], targets[name], sems.at[i], name=name)
+            copies = [dma.Copy(w[name], targets[name], sems.at[i], name=name,
+                               buffer=planned.HEAD_VECTORS)
                       for i, name in enumerate(residual.head_vectors)]
             for copy in copies:
                 copy.start()
@@ -280,7 +288,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
                                    rows_per_key=plan.rows_per_state, **shard)
 
         mix_out = [pltpu.VMEM((1, d), jnp.float32)] if "mix_out" in residual.head_vectors else []
-        pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
+        with dry_run.owned_by("sampling"):
+            pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
                       pltpu.VMEM((2, d, plan.vocab_tile), jnp.bfloat16),
                       pltpu.SemaphoreType.DMA((2,)), *mix_out)
 
@@ -334,7 +343,7 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
 
 def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
               return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
-              shard: Any = None, pages: Any = None) -> tuple:
+              shard: Any = None, pages: Any = None, live: dict | None = None) -> tuple:
     """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
     rank's collectives plan (`collectives.ShardPlan`, kernels/compose/megakernel_sharded.py): its
     buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
@@ -353,7 +362,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     sharded = {} if shard is None else {"collective_id": 0}
     outs, new_state = pl.pallas_call(
         functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard,
-                          pages=pages),
+                          pages=pages, live=live),
         out_shape=(outputs, state_shapes),
         in_specs=(StepInputs.specs(pages is not None), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),

@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from mkresearch.kernels.base import blocks, dma
+from mkresearch.kernels.base import blocks, dma, planned
 from mkresearch.kernels.base.blocks import EMBED_ROWS
 from mkresearch.kernels.stages import sampling
 
@@ -46,7 +46,7 @@ def embed(collectives: Any, table_hbm: Any, tokens_smem: Any, blocks_vmem: Any, 
         local = jnp.clip(local, 0, rows - 1)
         start = pl.multiple_of(lax.div(local, EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS)
         copy = dma.Copy(table_hbm.at[pl.ds(start, EMBED_ROWS), :], blocks_vmem.at[b], sems.at[b],
-                        name="embed", row=b)
+                        name="embed", buffer=planned.EMBEDDING, row=b)
 
         @pl.when(owned)
         def _(copy=copy):

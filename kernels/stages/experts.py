@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, quant
+from mkresearch.kernels.base import blocks, costs, dma, planned, quant
 from mkresearch.kernels.base.registry import StageRefs
 from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.gate_up import SHARED_KEYS
@@ -132,7 +132,8 @@ def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld,
         buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
         rings, sources = {}, {}
         for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
-            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]))
+            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]),
+                                   buffer=planned.EXPERT_SLOTS)
             sources[m, j] = experts[m][j]
 
         def start(i):
@@ -207,7 +208,7 @@ def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
     (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
     copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
-                    name=LATENT_NORM).start()
+                    name=LATENT_NORM, buffer=planned.WHOLE).start()
     rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
     rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
     if gamma_ref.shape[1] > latent:

@@ -32,15 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
+from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import (
-    CONTIGUOUS,
-    dot_t,
-    online_softmax_step,
-    tile_loop,
-    tile_loop_dmas,
-)
+from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, dot_t, online_softmax_step, tile_loop
 from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
@@ -323,27 +317,6 @@ def _vmem(p: GqaPlan, cfg: ModelConfig) -> list:
             ("update blocks K, V", (2, *block), jnp.bfloat16)]
 
 
-def _schedule(p: GqaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: q, k, v each streamed then its bias loaded
-    whole, the QK-norm gains, then per row its KV tiles and its entry's update blocks, then W_o."""
-    w, indices = call.weights, call.indices
-    out = []
-    for name in ("q", "k", "v"):
-        out += call.matmul(f"gqa.w_{name}", w[f"w_{name}"], p.block_rows(f"w_{name}"), **indices)
-        if p.bias:
-            out += blocks.load_whole_dmas(call, f"gqa.b_{name}", w[f"b_{name}"], **indices)
-    if p.qk_norm:
-        out += [dma for name in ("q_norm", "k_norm")
-                for dma in blocks.load_whole_dmas(call, f"gqa.{name}", w[name], **indices)]
-    caches = [(name, call.state[name]) for name in CACHE_NAMES]
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"gqa.kv.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, row, caches, prefix="gqa.kv_update")
-    return out + call.matmul("gqa.w_o", w["w_o"], p.block_rows("w_o"), **indices)
-
-
 KERNEL = register(KernelStage(
     name="gqa",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -351,5 +324,4 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=gqa_attention_body, vmem=_vmem,
     scope=lambda plan: "GQA",
     cost=lambda plan, weights, state, cfg, batch: costs.gqa(plan, weights,
-                                                            (state["k"], state["v"])),
-    schedule=_schedule))
+                                                            (state["k"], state["v"]))))

@@ -140,9 +140,10 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
         # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
         # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v, head h in sublane h)
         conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name=f"{STATE_DMAS['conv']}.read",
-                             **indices).start()
+                             buffer=planned.STATE, **indices).start()
         state_copy = dma.Copy(state_in, state_vmem, sems.at[1],
-                              name=f"{STATE_DMAS['recurrent']}.read", **indices).start()
+                              name=f"{STATE_DMAS['recurrent']}.read", buffer=planned.STATE,
+                              **indices).start()
 
         with dma.phase("kda.project", **indices):
             x = x_ref[...]  # [B, d] bf16
@@ -191,7 +192,8 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
         def write_steps(b, s):  # waited for at once: the next row updates the same buffers
             token = jax.lax.rem(b, p.rows_per_state)
             copies = [dma.Copy(source.at[s], refs.steps_out[leaf].at[token, s], sems.at[i],
-                               name=f"{STATE_DMAS[leaf]}.step", row=b, **indices).start()
+                               name=f"{STATE_DMAS[leaf]}.step", buffer=planned.STATE, row=b,
+                               **indices).start()
                       for i, (leaf, source) in enumerate((("conv", conv_vmem),
                                                           ("recurrent", state_vmem)))]
             for copy in copies:
@@ -200,10 +202,11 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
         y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
         y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
 
-        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0],
-                             name=f"{STATE_DMAS['conv']}.write", **indices).start()
+        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0], name=f"{STATE_DMAS['conv']}.write",
+                             buffer=planned.STATE, **indices).start()
         state_copy = dma.Copy(state_vmem, state_out, sems.at[1],
-                              name=f"{STATE_DMAS['recurrent']}.write", **indices).start()
+                              name=f"{STATE_DMAS['recurrent']}.write", buffer=planned.STATE,
+                              **indices).start()
         with dma.phase("kda.output", **indices):
             out_ref[...] = bf16(stream(bf16(y), w_o, rows=p.block_rows("w_o"),
                                        name="kda.w_o"))
@@ -365,40 +368,8 @@ def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
             ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
 
 
-def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: both states' reads started, the projections
-    streamed, the small weights loaded whole, the reads waited for; after the delta rule the
-    write-backs started, W_o streamed, the writes waited for."""
-    w, indices = call.weights, call.indices
-
-    def state_copies(direction, src, dst):
-        return [call.start(f"{STATE_DMAS[leaf]}.{direction}", planned.nbytes(call.state[leaf]),
-                           buffer=planned.STATE, src=src, dst=dst, **indices)
-                for leaf in STATE_DMAS]
-
-    def stream(names):
-        return [dma for name in names for dma in call.matmul(
-            f"kda.{name}", w[name], plan.block_rows(name), **indices)]
-
-    def row_steps(b):  # a verify row's per-token states, started together, then waited for
-        started = [call.start(f"{STATE_DMAS[leaf]}.step", planned.nbytes(call.state[leaf])
-                              // call.state[leaf].shape[0], buffer=planned.STATE, src="vmem",
-                              dst="hbm", row=b, **indices) for leaf in STATE_DMAS]
-        return started + [copy.waited() for copy in started]
-
-    reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
-    loads = [dma for name in LOADED_WHOLE
-             for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
-    steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
-             if plan.rows_per_state > 1 else [])
-    names = matrices(plan.output_gate_rank)
-    return (reads + stream(names[:-1]) + loads + [r.waited() for r in reads] + steps + writes
-            + stream(names[-1:]) + [write.waited() for write in writes])
-
-
 KERNEL = register(KernelStage(
     name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
     prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
-    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights),
-    schedule=_schedule))
+    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights)))
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, planned
+from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import (
     CONTIGUOUS,
@@ -53,11 +53,9 @@ from mkresearch.kernels.base.kv_tiles import (
     online_softmax_step,
     rows_dot_t,
     tile_loop,
-    tile_loop_dmas,
 )
 from mkresearch.kernels.base.kv_update import (
     UPDATE_ROWS,
-    update_dmas,
     update_expanded,
     update_latent,
 )
@@ -463,31 +461,6 @@ def _vmem(p: MlaPlan, cfg: ModelConfig) -> list:
                   ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
-def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: the projections (the norm gains loaded whole
-    after their matrix), W_kvb streamed (expanded) or loaded whole (latent), then per row its KV
-    tiles (the tokens before its position) and its entry's update block, then W_o."""
-    w, indices = call.weights, call.indices
-
-    def stream(name):
-        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
-
-    def load(name):
-        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
-
-    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
-    out += stream("w_g") if p.output_gate else []
-    out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
-        call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
-    caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"{KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += update_dmas(call, row, caches)
-    return out + stream("w_o")
-
-
 KERNEL = register(KernelStage(
     name="mla",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -495,5 +468,4 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=mla_attention_body, vmem=_vmem,
     scope=lambda plan: f"MLA ({plan.layout})",
     cost=lambda plan, weights, state, cfg, batch: costs.mla(
-        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout])),
-    schedule=_schedule))
+        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))

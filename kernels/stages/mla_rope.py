@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, kv_tiles, kv_update, planned
+from mkresearch.kernels.base import blocks, costs, dma, kv_tiles, kv_update
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import tile_loop_dmas
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 from mkresearch.kernels.stages import mla, mla_queries
 
@@ -215,28 +214,6 @@ def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
             ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
-def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer: MLA's latent layout without its gate (the rope key's DMAs
-    keep the latent layout's names)."""
-    w, indices = call.weights, call.indices
-
-    def stream(name):
-        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
-
-    def load(name):
-        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
-
-    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
-    out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
-    caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"{mla.KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, row, caches)
-    return out + stream("w_o")
-
-
 KERNEL = register(KernelStage(
     name="mla_rope",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
@@ -244,4 +221,4 @@ KERNEL = register(KernelStage(
     prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
     scope=lambda plan: "MLA (rope, latent)",
     cost=lambda plan, weights, state, cfg, batch: costs.mla_rope(
-        plan, weights, (state["ckv"], state["kpe"])), schedule=_schedule))
+        plan, weights, (state["ckv"], state["kpe"]))))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import costs, dma, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import experts, ffn_kinds, gate_up, router
+from mkresearch.kernels.stages import experts, gate_up, router
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ModelConfig
@@ -136,6 +136,5 @@ KERNEL = register(KernelStage(
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
-    scratch_bundle=lambda refs: router.Routing(*refs),
-    schedule=ffn_kinds.moe_schedule))  # experts.moe_layer_body's DMAs: the same body, no latent
+    scratch_bundle=lambda refs: router.Routing(*refs)))
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma
+from mkresearch.kernels.base import blocks, costs, dma, dry_run, planned
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ROUTER_SCORES, ModelConfig
@@ -36,6 +36,7 @@ from mkresearch.model.config import ROUTER_SCORES, ModelConfig
 # DMA-log names of the router's matrix, its bias, and its choices copied VMEM -> SMEM (ids, weights)
 W_ROUTER, BIAS = "router/w_router", "router/bias"
 TO_SMEM = ("router/ids_to_smem", "router/weights_to_smem")
+ROUTING = "routing"  # what a dry run is given: a layer's expert ids [B, k] (`dry_run.given`)
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,18 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
         weights_ref[...] = weights
 
     def to_smem(sems):
-        copies = [dma.Copy(vmem, smem, sems.at[i], name=name) for i, (vmem, smem, name) in
+        copies = [dma.Copy(vmem, smem, sems.at[i], name=name, buffer=planned.ROUTING)
+                  for i, (vmem, smem, name) in
                   enumerate(zip((ids_ref, weights_ref), (ids_smem, weights_smem), TO_SMEM))]
         for copy in copies:
             copy.start()
         for copy in copies:
             copy.wait()
+        # a dry run fetches the experts of the routing it is given (`dry_run.given`)
+        given = dry_run.given(ROUTING, jax.ShapeDtypeStruct(ids_smem.shape, jnp.int32),
+                              dry_run.owner()[1])
+        if given is not None:
+            ids_smem[...] = given
 
     pl.run_scoped(to_smem, pltpu.SemaphoreType.DMA((2,)))
 

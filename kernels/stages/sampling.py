@@ -194,7 +194,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
     d, vocab = lm_head_hbm.shape
     batch = partial_ref.shape[0]
     n_tiles = vocab // vocab_tile
-    ring = dma.Ring(tile_slots, sems, name=LM_HEAD)
+    ring = dma.Ring(tile_slots, sems, name=LM_HEAD, buffer=planned.LM_HEAD_TILES)
 
     def lm_head_tile(t):  # [d, TV] columns of the HBM matrix
         return lm_head_hbm.at[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)]
@@ -248,16 +248,6 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                                            candidates=candidates)
     tokens_ref[...] = tokens
     overflow_ref[...] = overflow
-
-
-def lm_head_dmas(call: Any, lm_head: Any, vocab_tile: int) -> list[planned.PlannedDma]:
-    """`sampling_body`'s DMAs as data (lm_head: the [d, V] shape struct): the vocab tiles through
-    two slots, tile 0 started before the final mix."""
-    d, vocab = lm_head.shape
-    size = planned.nbytes((d, vocab_tile), lm_head.dtype)
-    return planned.double_buffered([[call.start(LM_HEAD, size, buffer=planned.LM_HEAD_TILES,
-                                                slot=t % 2, tile=t)]
-                                    for t in range(vocab // vocab_tile)])
 
 
 # ---- the wrapper -----------------------------------------------------------------------------
