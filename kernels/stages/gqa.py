@@ -109,63 +109,72 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
     refs.indices tag the DMA log. refs.kv_rows: a paged cache (pools [N, KV, P, D] read and
     written through the page table, `kv_tiles.KvRows`), else None (contiguous).
     """
-    p = plan
-    positions_ref, x_ref, out_ref, weights, indices = (refs.positions, refs.x, refs.out,
-                                                        refs.weights, refs.indices)
-    kv_rows = refs.kv_rows or CONTIGUOUS
-    k_in, v_in = refs.state_in["k"], refs.state_in["v"]
-    k_out, v_out = refs.state_out["k"], refs.state_out["v"]
-    heads, kv_heads, dim, group = p.n_heads, p.n_kv_heads, p.head_dim, p.group
-    stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-
+    p, indices = plan, refs.indices
     with dma.phase("gqa.project", **indices):
-        x = x_ref[...]  # [B, d] bf16
-
-        def project(name: str) -> jax.Array:  # bf(x W + b)
-            y = stream(x, weights[f"w_{name}"], rows=p.block_rows(f"w_{name}"),
-                       name=f"gqa.w_{name}")
-            if p.bias:
-                y = y + f32(blocks.load_whole(weights[f"b_{name}"], name=f"gqa.b_{name}",
-                                              **indices))
-            return bf16(y)
-
-        q, k, v = project("q"), project("k"), project("v")  # [B, H·D], [B, KV·D] x 2
-        gammas = ([blocks.load_whole(weights[n], name=f"gqa.{n}", **indices)
-                   for n in ("q_norm", "k_norm")] if p.qk_norm else None)  # [1, D] each
-
-    def scoped(q_scratch, k_scratch):  # [H, D], [KV, D] f32: one row's heads, one per sublane
-        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
-            position = positions_ref[b]
-            q_b, k_b, v_b = (blocks.select_row(t, b) for t in (q, k, v))  # [1, ··D]
-            for h in range(heads):
-                q_scratch[h:h + 1, :] = f32(q_b[:, h * dim:(h + 1) * dim])
-            for g in range(kv_heads):
-                k_scratch[g:g + 1, :] = f32(k_b[:, g * dim:(g + 1) * dim])
-            q_heads, k_heads = q_scratch[...], k_scratch[...]
-            if p.qk_norm:  # RMSNorm per head over its D lanes, before RoPE
-                q_heads = f32(blocks.rms_norm(q_heads, gammas[0], p.eps))
-                k_heads = f32(blocks.rms_norm(k_heads, gammas[1], p.eps))
-            cos, sin = rope.cos_sin_row(position, p.rope)  # [1, R/2]
-            q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
-            k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
-            v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(kv_heads)]  # [1, D] bf16 each
-            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
-            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices, kv_rows)
-            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices,
-                          kv_rows)
-            y = list(y)  # per head [B, D]
-            for h in range(heads):
-                g, j = divmod(h, group)
-                y[h] = blocks.put_row(y[h], b, f32(bf16(outs[g][j:j + 1, :])))
-            return tuple(y)
-
-        return jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, dim)),) * heads)
-
-    y = pl.run_scoped(scoped, pltpu.VMEM((heads, dim), jnp.float32),
-                      pltpu.VMEM((kv_heads, dim), jnp.float32))
+        qkv, gammas = _project(p, refs)
+    y = pl.run_scoped(functools.partial(_rows, p, refs, qkv, gammas),
+                      pltpu.VMEM((p.n_heads, p.head_dim), jnp.float32),
+                      pltpu.VMEM((p.n_kv_heads, p.head_dim), jnp.float32))
     with dma.phase("gqa.output", **indices):
-        out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), weights["w_o"],
-                                   rows=p.block_rows("w_o"), name="gqa.w_o"))
+        refs.out[...] = bf16(blocks.stream_matmul(
+            refs.stream, bf16(jnp.concatenate(y, axis=1)), refs.weights["w_o"],
+            rows=p.block_rows("w_o"), name="gqa.w_o", **indices))
+
+
+def _project(p: GqaPlan, refs: StageRefs) -> tuple[tuple, list | None]:
+    """((q [B, H·D], k, v [B, KV·D]) bf16 = bf(x W + b) each, the QK-norm gains [1, D] or None)."""
+    x, weights, indices = refs.x[...], refs.weights, refs.indices  # x [B, d] bf16
+
+    def project(name: str) -> jax.Array:  # bf(x W + b)
+        y = blocks.stream_matmul(refs.stream, x, weights[f"w_{name}"],
+                                 rows=p.block_rows(f"w_{name}"), name=f"gqa.w_{name}", **indices)
+        if p.bias:
+            y = y + f32(blocks.load_whole(weights[f"b_{name}"], name=f"gqa.b_{name}", **indices))
+        return bf16(y)
+
+    qkv = (project("q"), project("k"), project("v"))
+    gammas = ([blocks.load_whole(weights[n], name=f"gqa.{n}", **indices)
+               for n in ("q_norm", "k_norm")] if p.qk_norm else None)  # [1, D] each
+    return qkv, gammas
+
+
+def _rows(p: GqaPlan, refs: StageRefs, qkv: tuple, gammas: list | None, q_scratch: Any,
+          k_scratch: Any) -> tuple:
+    """Every row in turn (a loop, not unrolled: it keeps the kernel small) -> per query head
+    [B, D] f32. q_scratch [H, D], k_scratch [KV, D] f32: one row's heads, one per sublane."""
+    step = functools.partial(_row_step, p, refs, qkv, gammas, q_scratch, k_scratch)
+    return jax.lax.fori_loop(0, p.batch, step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
+
+
+def _row_step(p: GqaPlan, refs: StageRefs, qkv: tuple, gammas: list | None, q_scratch: Any,
+              k_scratch: Any, b: Any, y: tuple) -> tuple:
+    """Row b: its heads QK-normed and roped at its position, attending over its cache row, its
+    entry written."""
+    dim, position = p.head_dim, refs.positions[b]
+    q_b, k_b, v_b = (blocks.select_row(t, b) for t in qkv)  # [1, ··D]
+    for h in range(p.n_heads):
+        q_scratch[h:h + 1, :] = f32(q_b[:, h * dim:(h + 1) * dim])
+    for g in range(p.n_kv_heads):
+        k_scratch[g:g + 1, :] = f32(k_b[:, g * dim:(g + 1) * dim])
+    q_heads, k_heads = q_scratch[...], k_scratch[...]
+    if p.qk_norm:  # RMSNorm per head over its D lanes, before RoPE
+        q_heads = f32(blocks.rms_norm(q_heads, gammas[0], p.eps))
+        k_heads = f32(blocks.rms_norm(k_heads, gammas[1], p.eps))
+    cos, sin = rope.cos_sin_row(position, p.rope)  # [1, R/2]
+    q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
+    k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
+    v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(p.n_kv_heads)]  # [1, D] bf16 each
+    s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
+    k_in, v_in = refs.state_in["k"], refs.state_in["v"]
+    kv_rows = refs.kv_rows or CONTIGUOUS
+    outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, refs.indices, kv_rows)
+    _update_cache(p, s, position, k_new, v_new, k_in, v_in, refs.state_out["k"],
+                  refs.state_out["v"], refs.indices, kv_rows)
+    y = list(y)  # per head [B, D]
+    for h in range(p.n_heads):
+        g, j = divmod(h, p.group)
+        y[h] = blocks.put_row(y[h], b, f32(bf16(outs[g][j:j + 1, :])))
+    return tuple(y)
 
 
 def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indices, kv_rows):

@@ -105,7 +105,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
                 for h in range(heads)]
             k_rope = bf16(rope.rotate(blocks.select_row(k_rope_raw, b), cos, sin))  # [1, rope]
             c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
-            outs = mla._attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
+            outs = mla.attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
                                       ckv_in, kpe_in, indices, kv_rows)  # per head [1, v] f32
             # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
             kv_update.update_latent(p, s, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,

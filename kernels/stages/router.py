@@ -74,34 +74,8 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
     batch, n_experts = logits.shape
     bias = blocks.load_whole(bias_hbm, name=BIAS) if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
-        if router_score == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:
-            scores = blocks.softmax(logits)
-        select = scores  # [B, E] f32
-        if use_bias:  # the correction bias moves the selection only; weights use the plain scores
-            select = scores + bias
-        expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
-        if groups > 1:
-            select = limit_to_groups(select, expert_iota, groups, topk_groups)
-        k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
-        ids = jnp.zeros((batch, top_k), jnp.int32)
-        chosen = jnp.zeros((batch, top_k), jnp.float32)
-        for i in range(top_k):
-            best = jnp.max(select, axis=-1, keepdims=True)  # [B, 1]
-            # lowest index holding the max: ties go to the lower expert id, like the reference
-            index = jnp.min(jnp.where(select == best, expert_iota, n_experts), axis=-1,
-                            keepdims=True)  # [B, 1]
-            hit = expert_iota == index  # [B, E], one True per row
-            ids = jnp.where(k_iota == i, index, ids)
-            chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
-                                                     keepdims=True), chosen)
-            select = jnp.where(hit, -jnp.inf, select)
-        if normalize:
-            chosen = chosen / blocks.ordered_sum(chosen, keepdims=True)
-        weights = chosen * routed_scale
-        ids_ref[...] = ids
-        weights_ref[...] = weights
+        ids_ref[...], weights_ref[...] = _choose(logits, bias, top_k, router_score, routed_scale,
+                                                 groups, topk_groups, normalize)
 
     def to_smem(sems):
         copies = [dma.Copy(vmem, smem, sems.at[i], name=name, buffer=planned.ROUTING)
@@ -118,6 +92,39 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
             ids_smem[...] = given
 
     pl.run_scoped(to_smem, pltpu.SemaphoreType.DMA((2,)))
+
+
+def _choose(logits: jax.Array, bias: Any, top_k: int, router_score: str, routed_scale: float,
+            groups: int, topk_groups: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(ids [B, k] i32, weights [B, k] f32) from the logits [B, E] f32: k rounds of max, then
+    the lowest index holding it, then masked out; the weights from the uncorrected scores."""
+    batch, n_experts = logits.shape
+    if router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = blocks.softmax(logits)
+    select = scores  # [B, E] f32
+    if bias is not None:  # the correction bias moves the selection only
+        select = scores + bias
+    expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
+    if groups > 1:
+        select = limit_to_groups(select, expert_iota, groups, topk_groups)
+    k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
+    ids = jnp.zeros((batch, top_k), jnp.int32)
+    chosen = jnp.zeros((batch, top_k), jnp.float32)
+    for i in range(top_k):
+        best = jnp.max(select, axis=-1, keepdims=True)  # [B, 1]
+        # lowest index holding the max: ties go to the lower expert id, like the reference
+        index = jnp.min(jnp.where(select == best, expert_iota, n_experts), axis=-1,
+                        keepdims=True)  # [B, 1]
+        hit = expert_iota == index  # [B, E], one True per row
+        ids = jnp.where(k_iota == i, index, ids)
+        chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
+                                                 keepdims=True), chosen)
+        select = jnp.where(hit, -jnp.inf, select)
+    if normalize:
+        chosen = chosen / blocks.ordered_sum(chosen, keepdims=True)
+    return ids, chosen * routed_scale
 
 
 def limit_to_groups(select: jax.Array, expert_iota: jax.Array, groups: int,

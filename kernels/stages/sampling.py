@@ -34,6 +34,7 @@ bits, which matters only when the mass lands on top_p within ~1e-7.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -191,56 +192,19 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
     # position, p + 1, comes per row).
     logits_ref = rest[0] if return_logits else None
     tile_slots, sems = rest[-2:]
-    d, vocab = lm_head_hbm.shape
     batch = partial_ref.shape[0]
-    n_tiles = vocab // vocab_tile
-    ring = dma.Ring(tile_slots, sems, name=LM_HEAD, buffer=planned.LM_HEAD_TILES)
-
-    def lm_head_tile(t):  # [d, TV] columns of the HBM matrix
-        return lm_head_hbm.at[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)]
-
-    ring.start(lm_head_tile(0), 0, tile=0)  # flies while the mix and norm run
-
-    # attention residuals mix the snapshots and the partial sum first (spec §3.3); a residual
-    # stream (snapshots_ref None) is normalised as it is
-    n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
-    with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):
-        if snapshots_ref is None:
-            h = partial_ref[...]  # [B, d] bf16
-        else:
-            mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
-            h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
-        x = reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
-
+    tiles = _LmHeadTiles(dma.Ring(tile_slots, sems, name=LM_HEAD, buffer=planned.LM_HEAD_TILES),
+                         lm_head_hbm, vocab_tile, logits_ref, softcap, index_offset, vocab_limit,
+                         use_gumbel, use_candidates)
+    tiles.ring.start(tiles.tile(0), 0, tile=0)  # flies while the mix and norm run
+    x = _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps,
+                      lm_head_hbm.shape[0])
     temperature = temperature_ref[...]  # [B, 1]
     inverse_scale = jnp.where(temperature > 0, temperature, 1.0)  # greedy rows: z = logits
     rows = blocks.state_row(lax.broadcasted_iota(jnp.int32, (batch, 1), 0), rows_per_key)
     key = sampling.counter_key(seed_ref[0], rows, positions_ref[...])  # [B, 1] uint32
-
-    def tile_step(t, state):
-        slot = lax.rem(t, 2)
-
-        @pl.when(t + 1 < n_tiles)  # the next tile goes to the slot tile t-1 used (already read)
-        def _():
-            ring.start(lm_head_tile(t + 1), 1 - slot, tile=t + 1)
-
-        ring.wait(lm_head_tile(t), slot, tile=t)
-        with dma.phase("lm_head_tile", flops=2 * batch * d * vocab_tile, tile=t,
-                       vmem_bytes=2 * d * vocab_tile + 2 * batch * d + 4 * batch * vocab_tile):
-            logits = blocks.dot(x, ring.buffer(slot)[...])
-            logits = sampling.soft_cap(logits, softcap)  # [B, TV] f32
-            if logits_ref is not None:  # checking only: materialises what the stage avoids
-                logits_ref[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)] = logits
-            indices = t * vocab_tile + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-            if not isinstance(index_offset, int) or index_offset:  # a vocab shard
-                indices = indices + index_offset
-            z = logits / inverse_scale
-            if vocab_limit is not None:  # a padded vocab shard: padding is never a token
-                z = jnp.where(indices < vocab_limit, z, -jnp.inf)
-            return update_running_state(state, z, indices, key,
-                                        use_gumbel=use_gumbel, use_candidates=use_candidates)
-
-    state = lax.fori_loop(0, n_tiles, tile_step, initial_state(batch))
+    state = lax.fori_loop(0, tiles.count, functools.partial(tiles.step, x, inverse_scale, key),
+                          initial_state(batch))
     if merge is not None:
         state = merge(state)
     with dma.phase("sample"):
@@ -248,6 +212,72 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                                            candidates=candidates)
     tokens_ref[...] = tokens
     overflow_ref[...] = overflow
+
+
+def _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps: float,
+                  d: int) -> jax.Array:
+    """x = RMSNorm(h) [B, d] bf16: attention residuals mix the snapshots and the partial sum
+    first (spec §3.3); a residual stream (snapshots_ref None) is normalised as it is."""
+    batch = partial_ref.shape[0]
+    n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
+    with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):
+        if snapshots_ref is None:
+            h = partial_ref[...]  # [B, d] bf16
+        else:
+            mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
+            h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
+        return reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
+
+
+@dataclass(frozen=True)
+class _LmHeadTiles:
+    """The LM head's vocab tiles [d, TV] through a two-slot ring, each folded into the running
+    state as it arrives (`sampling_body`'s arguments of the same names)."""
+
+    ring: Any
+    lm_head_hbm: Any
+    vocab_tile: int
+    logits_ref: Any
+    softcap: float | None
+    index_offset: Any
+    vocab_limit: int | None
+    use_gumbel: bool
+    use_candidates: bool
+
+    @property
+    def count(self) -> int:
+        return self.lm_head_hbm.shape[1] // self.vocab_tile
+
+    def tile(self, t: Any) -> Any:
+        """[d, TV] columns of the HBM matrix."""
+        return self.lm_head_hbm.at[:, pl.ds(pl.multiple_of(t * self.vocab_tile, self.vocab_tile),
+                                            self.vocab_tile)]
+
+    def step(self, x: Any, inverse_scale: Any, key: Any, t: Any, state: Any) -> Any:
+        """Tile t: the next one started into the slot tile t-1 used (already read), this one
+        waited for, its logits folded into the state."""
+        slot = lax.rem(t, 2)
+
+        @pl.when(t + 1 < self.count)
+        def _():
+            self.ring.start(self.tile(t + 1), 1 - slot, tile=t + 1)
+
+        self.ring.wait(self.tile(t), slot, tile=t)
+        d, tile, batch = self.lm_head_hbm.shape[0], self.vocab_tile, x.shape[0]
+        with dma.phase("lm_head_tile", flops=2 * batch * d * tile, tile=t,
+                       vmem_bytes=2 * d * tile + 2 * batch * d + 4 * batch * tile):
+            logits = sampling.soft_cap(blocks.dot(x, self.ring.buffer(slot)[...]),
+                                       self.softcap)  # [B, TV] f32
+            if self.logits_ref is not None:  # checking only: materialises what the stage avoids
+                self.logits_ref[:, pl.ds(pl.multiple_of(t * tile, tile), tile)] = logits
+            indices = t * tile + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+            if not isinstance(self.index_offset, int) or self.index_offset:  # a vocab shard
+                indices = indices + self.index_offset
+            z = logits / inverse_scale
+            if self.vocab_limit is not None:  # a padded vocab shard: padding is never a token
+                z = jnp.where(indices < self.vocab_limit, z, -jnp.inf)
+            return update_running_state(state, z, indices, key, use_gumbel=self.use_gumbel,
+                                        use_candidates=self.use_candidates)
 
 
 # ---- the wrapper -----------------------------------------------------------------------------
