@@ -142,8 +142,8 @@ print(f"64 x 4096 uniforms: min > 0: {bool(many.min() > 0)}, max < 1: {bool(many
 # max, then the lowest index attaining it. Given all V logits at once it is just an argmax.
 
 # %%
-print(inspect.getsource(stage._best))
-print(inspect.getsource(stage._take_better))
+print(inspect.getsource(stage.row_best))
+print(inspect.getsource(stage.take_better))
 
 # %%
 # NBVAL_CHECK_OUTPUT

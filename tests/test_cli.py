@@ -222,7 +222,7 @@ def expected_differences(cfg, batch, context):
     out = {"embedding_rows": batch * (EMBED_ROWS - 1) * cfg.d_model * 2,
            "norms_and_mix": cfg.n_layers * 2 * cfg.d_model * (4 - 2)}
     for kind in spec.stages_of(cfg):  # every kind with a cache: its bytes per token of a row
-        per_token = roofline._state_bytes(cfg, kind, spec.CACHE)
+        per_token = roofline.state_bytes(cfg, kind, spec.CACHE)
         if per_token:
             out[kind.state_component[0]] = batch * tokens * per_token
         if "router_bias" in kind.params(cfg) and not cfg.router_bias:  # stored, never read

@@ -101,6 +101,11 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
                      state)
 
 
+# the jitted step, public for the verify step (`megakernel_verify.py`: one compile per plan); its
+# name `_call` is the one every compiled step's HLO holds (the recorded compiles')
+call_step = _call
+
+
 def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
               return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
               shard: Any = None, pages: Any = None, live: dict | None = None) -> tuple:
@@ -195,7 +200,7 @@ def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperat
     """The step's inputs for tokens and positions [rows] (checked), the sampling arguments given
     per state row (ValueError naming the bad one) and each repeated for the plan.rows_per_state
     rows that share it -> (StepInputs, use_gumbel, use_candidates): the static sampling paths."""
-    sampling_ref._check_seed(seed)
+    sampling_ref.check_seed(seed)
     sp = sampling_ref.check_params(plan.state_batch, plan.cfg.vocab_size, temperature=temperature,
                                    top_k=top_k, top_p=top_p, candidates=sampling.MAX_CANDIDATES)
     sampled = sp.temperature > 0
@@ -256,5 +261,5 @@ def compile_reference_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu
     roofline.check_fits_hbm(cfg, chip, batch)
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch))
     ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return tpu.compile_for(lambda p, s, t, q: reference._decode_step(p, s, t, q, cfg),
+    return tpu.compile_for(lambda p, s, t, q: reference.decode_step_unchecked(p, s, t, q, cfg),
                            weights.param_shapes(cfg), state, ids, ids, chip=chip)

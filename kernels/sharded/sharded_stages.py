@@ -104,9 +104,9 @@ def fold(states: list, use_candidates: bool) -> sampling.RunningState:
     """The running state over every shard, folded in rank (vocabulary) order."""
     acc = states[0]
     for st in states[1:]:
-        greedy = sampling._take_better(acc.greedy_value, acc.greedy_index, st.greedy_value,
+        greedy = sampling.take_better(acc.greedy_value, acc.greedy_index, st.greedy_value,
                                        st.greedy_index)
-        gumbel = sampling._take_better(acc.gumbel_value, acc.gumbel_index, st.gumbel_value,
+        gumbel = sampling.take_better(acc.gumbel_value, acc.gumbel_index, st.gumbel_value,
                                        st.gumbel_index)
         lse_max = jnp.maximum(acc.lse_max, st.lse_max)
         lse_sum = (acc.lse_sum * jnp.exp(acc.lse_max - lse_max)

@@ -383,7 +383,7 @@ def _hbm_specs(tree):
 
 
 @functools.partial(jax.jit, static_argnames=("options", "out_dtype", "interpret", "recording"))
-def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
+def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
     del recording  # static only so recorded and silent traces never share a jit cache entry
     args = (ids, x, ids, weights, routed, always_on)
     in_specs = (None if ids is None else _spec(_SMEM), _spec(_VMEM),
@@ -408,7 +408,7 @@ def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, inter
 
 @functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
                                              "recording"))
-def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
+def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
                     interpret, recording):
     del recording
     batch, top_k = x.shape[0], dict(router_options)["top_k"]
@@ -446,7 +446,7 @@ def check_stage_options(plan: Any, n_slots: Any, expert_format: Any) -> None:
                          "expert matrix; 1 = no overlap, 2 = double buffering)")
 
 
-def _check_x(x: Any, d_model: int) -> None:
+def check_input(x: Any, d_model: int) -> None:
     if getattr(x, "ndim", None) != 2 or x.shape[1] != d_model or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [B, d={d_model}], got {getattr(x, 'shape', x)} "
                          f"{getattr(x, 'dtype', '')}")
@@ -469,7 +469,7 @@ def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: i
                              f"[{values.min()}, {values.max()}]")
 
 
-def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
+def expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
     """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked.
     width: what the experts work on (default the latent cfg.moe_latent)."""
     fmt, lat, hidden = cfg.expert_format, width or cfg.moe_latent, cfg.expert_hidden
@@ -485,7 +485,7 @@ def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> 
     return out
 
 
-def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
+def stage_options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
              chip: Any = None):
     """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
     check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
@@ -498,7 +498,7 @@ def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "s
 
 def _routed_tree(p: dict, cfg: ModelConfig) -> dict:
     return {"w_ld": p["w_ld"], "latent_norm": p["latent_norm"].reshape(1, cfg.moe_latent),
-            "w_lu": p["w_lu"], "experts": _expert_parts(p["experts"], cfg)}
+            "w_lu": p["w_lu"], "experts": expert_parts(p["experts"], cfg)}
 
 
 def _shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
@@ -513,10 +513,10 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    chip: Any = None) -> jax.Array:
     """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared).
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
-    options = _options(cfg, plan, n_slots, chip=chip)
-    _check_x(x, cfg.d_model)
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    check_input(x, cfg.d_model)
     check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return _stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
+    return stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
                        None, options=options, out_dtype=jnp.float32,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())
 
@@ -538,19 +538,19 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
             n_slots: int = 2, chip: Any = None) -> jax.Array:
     """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel.
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
-    options = _options(cfg, plan, n_slots, chip=chip)
-    _check_x(x, cfg.d_model)
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return _moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
+    return moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
                            options=options, router_options=router_options(cfg),
                            interpret=tpu.interpret_params(), recording=dma.is_recording())
 
 
 def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
-    _check_x(x, cfg.d_model)
+    check_input(x, cfg.d_model)
     always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
-    return _stage_call(x, None, None, None, always_on, options=dense_options(cfg),
+    return stage_call(x, None, None, None, always_on, options=dense_options(cfg),
                        out_dtype=jnp.bfloat16,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())

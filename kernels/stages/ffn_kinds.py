@@ -21,18 +21,18 @@ from mkresearch.kernels.stages.experts import (
     ROUTED_KEYS,
     SHARED_KEYS,
     MoePlan,
-    _options,
     dense_body,
     dense_options,
     moe_layer_body,
     router_options,
+    stage_options,
 )
 
 from mkresearch.model.config import ModelConfig
 
 
 def _moe_plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any) -> MoePlan:
-    return MoePlan(_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
+    return MoePlan(stage_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
                    router_options(cfg), batch)
 
 

@@ -373,7 +373,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             **gate, "w_o": (h * v, cfg.d_model)}
 
 
-def _check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
+def check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
     """ValueError naming `label` for bad keys, shapes or dtypes of a (layout cfg) cache or cache
     shard; returns its length."""
     names = CACHE_NAMES[cfg.mla_cache_layout]
@@ -407,7 +407,7 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
             raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
-    seq_len = _check_cache(cache, "cache", cfg, batch)
+    seq_len = check_cache(cache, "cache", cfg, batch)
     if getattr(positions, "shape", None) != (batch,):
         raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
                          f"expected [B={batch}]")

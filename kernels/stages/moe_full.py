@@ -29,7 +29,7 @@ _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
 def stage_options(cfg: ModelConfig, plan: str = "unique", n_slots: int = 2,
                   chip: Any = None) -> experts.StageOptions:
     """The FFN stage's static options for a full-d MoE: the experts' width is d_model."""
-    options = experts._options(cfg, plan, n_slots, chip=chip)
+    options = experts.stage_options(cfg, plan, n_slots, chip=chip)
     return experts.StageOptions(**{**options.__dict__, "latent": cfg.d_model,
                                    "latent_padded": cfg.d_model})
 
@@ -44,7 +44,7 @@ def router_options(cfg: ModelConfig) -> tuple:
 
 def routed_tree(p: dict, cfg: ModelConfig) -> dict:
     """The routed part of one layer's weights for `experts.ffn_stage_body`: experts only."""
-    return {"experts": experts._expert_parts(p["experts"], cfg, width=cfg.d_model)}
+    return {"experts": experts.expert_parts(p["experts"], cfg, width=cfg.d_model)}
 
 
 def shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
@@ -58,10 +58,10 @@ def moe_full_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique
     """Kernel twin of stages.moe_full.moe_full_ffn -> bf16 [B, d]: router + experts on the full
     d + shared experts, one kernel. chip: the kernel is built for it (None: tpu.target_chip())."""
     options = stage_options(cfg, plan, n_slots, chip=chip)
-    experts._check_x(x, cfg.d_model)
+    experts.check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return experts._moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
+    return experts.moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
                                    shared_tree(p, cfg), options=options,
                                    router_options=router_options(cfg),
                                    interpret=tpu.interpret_params(), recording=dma.is_recording())
@@ -72,9 +72,9 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    chip: Any = None) -> jax.Array:
     """Kernel twin of stages.moe_full.routed_experts -> f32 [B, d] (no shared experts)."""
     options = stage_options(cfg, plan, n_slots, chip=chip)
-    experts._check_x(x, cfg.d_model)
+    experts.check_input(x, cfg.d_model)
     experts.check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return experts._stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
+    return experts.stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
                                routed_tree(p, cfg), None, options=options,
                                out_dtype=jnp.float32, interpret=tpu.interpret_params(),
                                recording=dma.is_recording())

@@ -78,13 +78,13 @@ def initial_state(batch: int) -> RunningState:
                         jnp.full((batch, MAX_CANDIDATES), -jnp.inf, jnp.float32), fake)
 
 
-def _best(values: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+def row_best(values: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Row max [B, 1] and the lowest index attaining it [B, 1]."""
     best = jnp.max(values, axis=1, keepdims=True)
     return best, jnp.min(jnp.where(values == best, indices, NO_INDEX), axis=1, keepdims=True)
 
 
-def _take_better(value, index, new_value, new_index):
+def take_better(value, index, new_value, new_index):
     """Keep (value, index) unless the new one is larger, or equal with a lower index."""
     better = (new_value > value) | ((new_value == value) & (new_index < index))
     return jnp.where(better, new_value, value), jnp.where(better, new_index, index)
@@ -106,7 +106,7 @@ def merge_candidates(cand_values, cand_indices, z, indices):
 
     def insert_one(carry):
         z, cand_values, cand_indices = carry
-        best, best_index = _best(z, indices)  # [B, 1]
+        best, best_index = row_best(z, indices)  # [B, 1]
         rank = jnp.sum((cand_values >= best).astype(jnp.int32), axis=1, keepdims=True)
         shifted_values = pltpu.roll(cand_values, 1, 1)  # lane j <- lane j-1
         shifted_indices = pltpu.roll(cand_indices, 1, 1)
@@ -129,11 +129,11 @@ def update_running_state(state: RunningState, z: jax.Array, indices: jax.Array, 
 
     key [B, 1] uint32 = sampling.counter_key(seed, row, position). Tiles come in vocab order, so
     on equal values the state (earlier, lower indices) wins."""
-    greedy = _take_better(state.greedy_value, state.greedy_index, *_best(z, indices))
+    greedy = take_better(state.greedy_value, state.greedy_index, *row_best(z, indices))
     gumbel = (state.gumbel_value, state.gumbel_index)
     if use_gumbel:
         scores = z + sampling.gumbel_from_key(key, indices)
-        gumbel = _take_better(*gumbel, *_best(scores, indices))
+        gumbel = take_better(*gumbel, *row_best(scores, indices))
     lse_max = jnp.maximum(state.lse_max, jnp.max(z, axis=1, keepdims=True))
     lse_sum = (state.lse_sum * jnp.exp(state.lse_max - lse_max)
                + jnp.sum(jnp.exp(z - lse_max), axis=1, keepdims=True))
@@ -163,7 +163,7 @@ def finish_sampling(state: RunningState, key, temperature, top_k, top_p, *, cand
     keep = in_capacity & (lane < k) & ((lane == 0) | (mass_before < top_p) | (top_p >= 1.0))
     scores = jnp.where(keep, state.cand_values + sampling.gumbel_from_key(key, state.cand_indices),
                        -jnp.inf)
-    _, candidate_token = _best(scores, state.cand_indices)
+    _, candidate_token = row_best(scores, state.cand_indices)
     sampled = temperature > 0
     truncated = (top_k > 0) | (top_p < 1.0)
     tokens = jnp.where(sampled, jnp.where(truncated, candidate_token, state.gumbel_index),
@@ -383,7 +383,7 @@ def sample_stage(snapshots: jax.Array, partial: jax.Array, mix_out: jax.Array,
     batch = partial.shape[0]
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    sampling._check_seed(seed)
+    sampling.check_seed(seed)
     params = sampling.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
                                    top_p=top_p, candidates=candidates)
     sampled = params.temperature > 0

@@ -58,7 +58,7 @@ def _state_shapes(cfg: ModelConfig, batch: int, seq_len: int | None = None) -> A
     return spec.state_shapes(cfg, batch, seq_len or cfg.max_seq_len)
 
 
-def _state_bytes(cfg: ModelConfig, kind: spec.Stage, leaf_kind: str) -> int:
+def state_bytes(cfg: ModelConfig, kind: spec.Stage, leaf_kind: str) -> int:
     """Bytes of one row's `leaf_kind` state of every layer of `kind` (a cache: per token)."""
     leaves = spec.state_table(cfg, 1, 1).get(kind.name, {})
     return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
@@ -116,24 +116,24 @@ def expected_unique_experts(n_experts: int, top_k: int, batch: int) -> float:
 
 def cache_bytes_per_token(cfg: ModelConfig) -> int:
     """KV-cache bytes per context token of one sequence, every layer with a cache."""
-    return sum(_state_bytes(cfg, kind, spec.CACHE) for kind in spec.stages_of(cfg))
+    return sum(state_bytes(cfg, kind, spec.CACHE) for kind in spec.stages_of(cfg))
 
 
 def recurrent_state_bytes(cfg: ModelConfig) -> int:
     """Recurrent state bytes of one sequence (read and written each step), every layer."""
-    return sum(_state_bytes(cfg, kind, spec.RECURRENT) for kind in spec.stages_of(cfg))
+    return sum(state_bytes(cfg, kind, spec.RECURRENT) for kind in spec.stages_of(cfg))
 
 
 def mla_cache_bytes_per_token(cfg: ModelConfig, layout: str | None = None) -> int:
     """MLA KV-cache bytes per context token of one sequence, all MLA layers, in `layout`."""
     layout = layout or cfg.mla_cache_layout
     _check(cfg, mla_cache_layout=layout)
-    return _state_bytes(cfg.replace(mla_cache_layout=layout), spec.stage("mla"), spec.CACHE)
+    return state_bytes(cfg.replace(mla_cache_layout=layout), spec.stage("mla"), spec.CACHE)
 
 
 def kda_state_bytes(cfg: ModelConfig) -> int:
     """KDA conv + recurrent state bytes of one sequence, all KDA layers (read and written each step)."""
-    return _state_bytes(cfg, spec.stage("kda"), spec.RECURRENT)
+    return state_bytes(cfg, spec.stage("kda"), spec.RECURRENT)
 
 
 # ---- does it fit one device? -----------------------------------------------------------------
@@ -287,8 +287,8 @@ def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format
         if kind.state_component is None:
             continue
         name = kind.state_component[0]
-        recurrent = _state_bytes(cfg, kind, spec.RECURRENT)
-        per_token = _state_bytes(cfg, kind, spec.CACHE)
+        recurrent = state_bytes(cfg, kind, spec.RECURRENT)
+        per_token = state_bytes(cfg, kind, spec.CACHE)
         read[name] = batch * (recurrent + context * per_token)
         written[name] = batch * (recurrent + per_token)
         states.append(name)

@@ -32,7 +32,7 @@ DIFFERENCES = {
 def _why(component: str, cfg: ModelConfig) -> str:
     """The reason a component differs (DIFFERENCES); every kind's cache shares the KV one."""
     caches = {kind.state_component[0] for kind in spec.stages_of(cfg)
-              if kind.state_component and roofline._state_bytes(cfg, kind, spec.CACHE)}
+              if kind.state_component and roofline.state_bytes(cfg, kind, spec.CACHE)}
     return DIFFERENCES.get("kv_cache" if component in caches else component, "unexplained")
 
 
