@@ -171,7 +171,8 @@ def _callback(eqn: core.JaxprEqn, mask: tuple, values: list) -> list:
     if not getattr(callback.callback_func, "dry_run", False):
         return [shape_run.UNKNOWN] * len(eqn.outvars)
     operands = [shape_run.known(v, "a planned DMA's slot, layer or tags") for v in values]
-    return [shape_run.scalar(out) for out in callback(*operands)]
+    out = callback.callback_func(*operands)  # flat operands: ours take them as they come
+    return [] if out is None else [shape_run.scalar(np.asarray(out))]
 
 
 def _axis_index(eqn: core.JaxprEqn, mask: tuple, values: list) -> list:

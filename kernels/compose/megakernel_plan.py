@@ -351,6 +351,6 @@ def step_cost(plan: MegaPlan, weights: dict, state: dict) -> costs.Cost:
                   for name in residuals.RESIDUALS[cfg.residual].vectors)
     embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
     n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
-    return (total + costs.sampling(batch, w["lm_head"], n_mixed)
+    return (total + sampling.cost(batch, w["lm_head"], n_mixed)
             + costs.Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
                          + costs.nbytes(w.get("mix_out"), w["final_norm"])))

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import dma
 from mkresearch.kernels.base.blocks import f32
+from mkresearch.kernels.stages import mla
 from mkresearch.kernels.stages.mla import MlaPlan, check_cache, latent_partial, make_plan
 
 from mkresearch.hardware import tpu
@@ -114,7 +115,7 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     out_shape = (stat, stat,
                  jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
     # KV bytes for every row attending to the whole shard (kernels/base/costs.py)
-    cost = costs.mla_partial(plan, (ckv, kx))
+    cost = mla.latent_partial_cost(plan, (ckv, kx))
     return pl.pallas_call(
         functools.partial(mla_latent_partial_body, plan, **dict(indices)),
         out_shape=out_shape,

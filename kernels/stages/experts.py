@@ -272,6 +272,41 @@ def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     return blocks.rms_norm(rho_ref[...], gamma_ref[...], eps, n=latent)[:, :latent]
 
 
+def experts_fetched(plan: str, n_experts: int, batch: int, top_k: int) -> int:
+    """Experts one call DMAs, at most (module docstring): 'unique' min(E, B·k), 'routed' B·k,
+    'all' E."""
+    return {"all": n_experts, "routed": batch * top_k,
+            "unique": min(n_experts, batch * top_k)}[plan]
+
+
+def cost(options: Any, batch: int, top_k: int, routed: dict | None,
+        always_on: dict | None) -> costs.Cost:
+    """The FFN stage body's cost: routed latent experts (experts stacked [E, ...] in
+    their stored parts) and/or the always-on gated MLP; one layer's weights."""
+    per_unit = costs.ACTIVATION_TRANSCENDENTALS[options.activation]
+    cost = costs.Cost()
+    if routed is not None:
+        w1, w3, w2 = (routed["experts"][m] for m in ("w1", "w3", "w2"))
+        n_experts, hidden = w1[0].shape[0], w1[0].shape[-1]  # E, F
+        latent = options.latent  # the width the experts work on: the latent, or d without one
+        fetched = experts_fetched(options.plan, n_experts, batch, top_k)
+        one_expert = costs.nbytes(w1, w3, w2) // n_experts  # every stored part of W1, W3, W2
+        if "w_ld" in routed:  # the latent down and up projections and norm
+            cost += costs.Cost(flops=costs.matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
+                         bytes_accessed=costs.nbytes(routed["w_ld"], routed["latent_norm"],
+                                               routed["w_lu"]))
+        # each fetched expert runs for all B rows (rows that did not choose it weigh 0)
+        cost += fetched * costs.Cost(flops=6 * batch * latent * hidden,
+                               transcendentals=per_unit * batch * hidden,
+                               bytes_accessed=one_expert)
+    if always_on is not None:
+        mats = list(always_on.values())  # W_gate, W_up (or the two as one [d, 2 S]), W_down
+        cost += costs.Cost(flops=costs.matmul_flops(batch, *mats),
+                     transcendentals=per_unit * batch * always_on["w_down"].shape[-2],
+                     bytes_accessed=costs.nbytes(mats))
+    return cost
+
+
 # ---- the stage body and its wrappers -----------------------------------------------------------
 @dataclass(frozen=True)
 class StageOptions:
@@ -391,7 +426,7 @@ def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interp
                 _hbm_specs(routed), _hbm_specs(always_on))
     out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
     top_k = 0 if ids is None else ids.shape[1]
-    cost = costs.ffn(options, x.shape[0], top_k, routed, always_on)
+    estimate = cost(options, x.shape[0], top_k, routed, always_on)
 
     def kernel(ids_smem, x_ref, ids_ref, weights_ref, routed_refs, always_on_refs, out_ref):
         routing = None if ids_ref is None else router.Routing(ids_ref, weights_ref, ids_smem, None)
@@ -401,7 +436,7 @@ def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interp
     return pl.pallas_call(
         kernel,
         out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
-        cost_estimate=cost.estimate(ids, x, ids, weights, out_shape),
+        cost_estimate=estimate.estimate(ids, x, ids, weights, out_shape),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(*args)
 
@@ -413,8 +448,9 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
     del recording
     batch, top_k = x.shape[0], dict(router_options)["top_k"]
     out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-    cost = (costs.router(batch, w_router, router_bias if dict(router_options)["use_bias"] else None)
-            + costs.ffn(options, batch, top_k, routed, always_on))
+    estimate = (router.cost(batch, w_router,
+                            router_bias if dict(router_options)["use_bias"] else None)
+                + cost(options, batch, top_k, routed, always_on))
     plan = MoePlan(options, router_options, batch)
     weights = {"w_router": w_router, "router_bias": router_bias, **routed,
                **({SHARED_KEYS[part]: ref for part, ref in always_on.items()} if always_on
@@ -430,7 +466,7 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
         in_specs=(_spec(_VMEM), _hbm_specs(weights)),
         out_specs=_spec(_VMEM),
         scratch_shapes=router.routing_scratch(batch, top_k),
-        cost_estimate=cost.estimate(x, out_shape),
+        cost_estimate=estimate.estimate(x, out_shape),
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(x, weights)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-from mkresearch.kernels.base import costs, quant
+from mkresearch.kernels.base import quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import gate_up, router
+from mkresearch.kernels.stages import experts, gate_up, router
 from mkresearch.kernels.stages.experts import (
     EXPERT_MATRICES,
     LATENT_DOWN,
@@ -85,8 +85,8 @@ def _moe_cost(plan: MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch
     routed = {key: weights[key] for key in ROUTED_KEYS}
     shared = gate_up.parts(weights, SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
-    return (costs.router(plan.batch, weights["w_router"], bias)
-            + costs.ffn(plan.stage, plan.batch, cfg.top_k, routed, shared))
+    return (router.cost(plan.batch, weights["w_router"], bias)
+            + experts.cost(plan.stage, plan.batch, cfg.top_k, routed, shared))
 
 
 MOE_KERNEL = register(KernelStage(
@@ -101,5 +101,5 @@ DENSE_KERNEL = register(KernelStage(
     prepare=lambda stack, cfg: gate_up.fuse(dict(stack), gate_up.DENSE_KEYS),
     streamed=_dense_streamed, body=dense_body, vmem=lambda plan, cfg: [],
     scope=lambda plan: "dense",
-    cost=lambda plan, weights, state, cfg, batch: costs.ffn(
+    cost=lambda plan, weights, state, cfg, batch: experts.cost(
         plan, batch, 0, None, gate_up.parts(weights, gate_up.DENSE_KEYS))))

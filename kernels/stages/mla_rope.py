@@ -123,6 +123,13 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
+def layer_cost(plan: Any, weights: dict, cache: Any) -> costs.Cost:
+    """The body's cost: the latent MLA's cost without the output gate,
+    with RoPE's cos and sin per row."""
+    gate = plan.batch * plan.n_heads * plan.v_dim
+    return mla.layer_cost(plan, weights, cache) + costs.Cost(transcendentals=plan.batch * plan.qk_extra - gate)
+
+
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = mla.weight_shapes(cfg)
     return {name: shapes[name] for name in weight_names(cfg)}
@@ -186,7 +193,7 @@ def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
 def _call(plan: MlaRopePlan, interpret: Any, recording: bool, indices: tuple, positions, x,
           weights, cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
-    cost = costs.mla_rope(plan, weights, (cache["ckv"], cache["kpe"]))
+    cost = layer_cost(plan, weights, (cache["ckv"], cache["kpe"]))
     return blocks.cache_stage_call(mla_rope_body, plan, cost, interpret, indices, positions, x,
                                    weights, cache)
 
@@ -220,5 +227,5 @@ KERNEL = register(KernelStage(
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
     scope=lambda plan: "MLA (rope, latent)",
-    cost=lambda plan, weights, state, cfg, batch: costs.mla_rope(
+    cost=lambda plan, weights, state, cfg, batch: layer_cost(
         plan, weights, (state["ckv"], state["kpe"]))))

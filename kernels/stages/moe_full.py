@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma, quant
+from mkresearch.kernels.base import dma, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
 from mkresearch.kernels.stages import experts, gate_up, router
 
@@ -121,8 +121,8 @@ def _vmem(plan: experts.MoePlan, cfg: ModelConfig) -> list:
 def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
     shared = gate_up.parts(weights, experts.SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
-    return (costs.router(plan.batch, weights["w_router"], bias)
-            + costs.ffn(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
+    return (router.cost(plan.batch, weights["w_router"], bias)
+            + experts.cost(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
                         shared))
 
 

@@ -280,6 +280,15 @@ class _LmHeadTiles:
                                         use_candidates=self.use_candidates)
 
 
+def cost(batch: int, lm_head: Any, n_mixed: int) -> costs.Cost:
+    """The sampling body's cost: the final mix of n_mixed candidates (the FLOPs
+    its phase logs), the LM head streamed once with the logits kept in VMEM; an exp
+    (log-sum-exp) and the Gumbel noise's log per logit."""
+    mix = 6 * n_mixed * batch * lm_head.shape[0]
+    return costs.Cost(flops=costs.matmul_flops(batch, lm_head) + mix,
+                transcendentals=2 * batch * lm_head.shape[1], bytes_accessed=costs.nbytes(lm_head))
+
+
 # ---- the wrapper -----------------------------------------------------------------------------
 class SampleResult(NamedTuple):
     tokens: jax.Array  # [B] i32
@@ -353,7 +362,7 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
         scratch_shapes=[pltpu.VMEM((2, d, vocab_tile), lm_head.dtype),
                         pltpu.SemaphoreType.DMA((2,))],
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=tile_bytes + 32 * 1024 * 1024),
-        cost_estimate=costs.sampling(batch, lm_head, snapshots.shape[0] + 1).estimate(
+        cost_estimate=cost(batch, lm_head, snapshots.shape[0] + 1).estimate(
             seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
             out_shape),
         interpret=interpret,
