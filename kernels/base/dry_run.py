@@ -80,16 +80,22 @@ def emit(kind: str, name: str, slot: Any, indices: dict[str, Any], *, src: str, 
     layer and the log's tags that are traced values when the run reaches it."""
     stage, layer = owner
     tags = {"slot": slot, "layer": layer, **{f"index:{k}": v for k, v in indices.items()}}
-    known = {k: v for k, v in tags.items() if _static(v)}
-    traced = tuple(k for k in tags if k not in known)
+    traced = tuple(k for k, v in tags.items() if not _static(v))
+    # each field: its static value, or the position of its traced value among the operands
+    where = {k: ("operand", traced.index(k)) if k in traced else ("static", v)
+             for k, v in tags.items()}
+    order = sorted(k for k in tags if k.startswith("index:"))
+
+    def value(k, values):
+        source, v = where[k]
+        return int(values[v]) if source == "operand" else v
 
     def record(*values):
-        got = {**known, **{k: int(v) for k, v in zip(traced, values)}}
-        slot_value, layer_value = got.pop("slot"), got.pop("layer")
+        slot_value, layer_value = value("slot", values), value("layer", values)
         _sinks[-1].append(PlannedDma(
             kind, name, src, dst, int(nbytes), None if slot_value is None else int(slot_value),
             None if layer_value is None else int(layer_value), stage, buffer,
-            tuple(sorted((k[6:], int(v)) for k, v in got.items()))))
+            tuple((k[6:], int(value(k, values))) for k in order)))
 
     record.dry_run = True
     io_callback(record, None, *(_int32(tags[k]) for k in traced), ordered=True)

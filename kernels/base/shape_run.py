@@ -57,7 +57,7 @@ class Ref:
         """The values at a numpy index (None: an unknown index), UNKNOWN unless all known."""
         if not self.smem or where is None:
             return UNKNOWN
-        if shape == () and all(type(i) is int for i in where):  # a scalar: most reads
+        if shape == () and _ints(where):  # a scalar: most reads
             return self.data[where].item() if self.known[where] else UNKNOWN
         if not np.all(self.known[where]):
             return UNKNOWN
@@ -70,9 +70,19 @@ class Ref:
             self.known[...] = False
         elif value is UNKNOWN:
             self.known[where] = False
+        elif _ints(where) and len(where) == self.data.ndim:  # a scalar: most writes
+            self.data[where] = value
+            self.known[where] = True
         else:
             self.data[where] = np.broadcast_to(np.asarray(value), self.data[where].shape)
             self.known[where] = True
+
+
+def _ints(where: tuple) -> bool:
+    for i in where:
+        if type(i) is not int:
+            return False
+    return True
 
 
 def split_ref(value: Any) -> tuple[Any, tuple]:
@@ -84,6 +94,8 @@ def split_ref(value: Any) -> tuple[Any, tuple]:
 
 def known(value: Any, what: str) -> int:
     """A scalar decision's value (DryRunError naming `what` if the run does not know it)."""
+    if type(value) is int:
+        return value
     if value is UNKNOWN:
         raise DryRunError(f"a dry run cannot decide {what}: it depends on data (vector values) "
                           "the run does not compute")
@@ -105,16 +117,16 @@ class Slicer:
 
     def __init__(self, extra: dict | None = None) -> None:
         self._memo: dict = {}
-        self._steps: dict = {}
+        self._programs: dict = {}
         self.rules = control_rules(dict(extra or {}), self)
 
-    def steps(self, jaxpr: core.Jaxpr, outs: tuple[bool, ...]) -> list:
-        """The compiled steps (`compile_step`) of the slice of `jaxpr` for `outs`."""
+    def program(self, jaxpr: core.Jaxpr, outs: tuple[bool, ...]) -> Any:
+        """The slice of `jaxpr` for `outs` as one Python function (consts, args) -> outputs
+        (`generate`)."""
         key = (jaxpr, outs)
-        if key not in self._steps:
-            self._steps[key] = [compile_step(eqn, mask, self.rules)
-                                for eqn, mask in self.slice_of(jaxpr, outs)[0]]
-        return self._steps[key]
+        if key not in self._programs:
+            self._programs[key] = generate(jaxpr, self.slice_of(jaxpr, outs)[0], self.rules)
+        return self._programs[key]
 
     def slice_of(self, jaxpr: core.Jaxpr, outs: tuple[bool, ...]) -> tuple[tuple, tuple]:
         """((eqn, its needed outputs), ...) of `jaxpr` that `outs` of its outputs need, and
@@ -207,28 +219,91 @@ class Slicer:
 # ---- the run ------------------------------------------------------------------------------------
 def evaluate(jaxpr: core.Jaxpr, consts: list, args: list, outs: tuple[bool, ...],
              slicer: Slicer) -> list:
-    """Run the slice of `jaxpr` that `outs` of its outputs need (`Slicer.steps`)."""
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = env.get
-    for reads, run, outvars in slicer.steps(jaxpr, outs):
-        results = run([value if literal else read(value, UNKNOWN) for literal, value in reads])
-        for var, result in zip(outvars, results):
-            env[var] = result
-    return [v.val if isinstance(v, core.Literal) else read(v, UNKNOWN) for v in jaxpr.outvars]
+    """Run the slice of `jaxpr` that `outs` of its outputs need (`Slicer.program`)."""
+    return slicer.program(jaxpr, outs)(consts, args)
 
 
-def compile_step(eqn: core.JaxprEqn, mask: tuple[bool, ...], rules: dict) -> tuple:
-    """(reads, run, outvars) of one equation: how to fetch its inputs, and the function that
-    computes its outputs from them."""
-    reads = tuple((True, scalar(v.val)) if isinstance(v, core.Literal) else (False, v)
-                  for v in eqn.invars)
+# how an equation on scalar ints and bools is written in Python (most of what a run computes:
+# indices, counters, conditions), {i} its i-th input
+_INLINE = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "neg": "-{0}",
+    "lt": "{0} < {1}", "le": "{0} <= {1}", "gt": "{0} > {1}", "ge": "{0} >= {1}",
+    "eq": "{0} == {1}", "ne": "{0} != {1}", "and": "{0} & {1}", "or": "{0} | {1}",
+    "xor": "{0} ^ {1}", "max": "max({0}, {1})", "min": "min({0}, {1})", "abs": "abs({0})",
+    "rem": "_crem({0}, {1})", "div": "_cdiv({0}, {1})", "clamp": "min(max({1}, {0}), {2})",
+    "multiple_of": "{0}", "squeeze": "{0}", "reshape": "{0}",
+}
+
+
+def _inline(eqn: core.JaxprEqn) -> str | None:
+    """The Python expression of a scalar int/bool equation (None if it is not one)."""
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    if len(eqn.outvars) != 1 or any(getattr(a, "shape", None) != () for a in avals):
+        return None
+    if not all(np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_ for a in avals):
+        return None
+    name, boolean = eqn.primitive.name, eqn.outvars[0].aval.dtype == np.bool_
+    if name == "convert_element_type":
+        return "bool({0})" if boolean else "int({0})"
+    if name == "not":
+        return "(not {0})" if boolean else "(~{0})"
+    if name == "select_n":
+        cases = ", ".join(f"{{{i}}}" for i in range(1, len(eqn.invars)))
+        return f"({cases},)[int({{0}})]"
+    return _INLINE.get(name)
+
+
+def generate(jaxpr: core.Jaxpr, steps: tuple, rules: dict) -> Any:
+    """The steps of a slice as the source of one Python function, compiled: scalar equations
+    inline (an unknown input makes the output UNKNOWN), every other one a call of its
+    `compile_step` function. Locals instead of an environment: a run is mostly such steps."""
+    names: dict = {}
+    calls: list = []
+    constants: list = []
+
+    def read(v: Any) -> str:
+        if isinstance(v, core.Literal):
+            constants.append(scalar(v.val))
+            return f"K[{len(constants) - 1}]"
+        return names.get(v, "U")
+
+    def bind(v: Any) -> str:
+        if isinstance(v, core.DropVar):
+            return "_"
+        names[v] = f"v{len(names)}"
+        return names[v]
+
+    lines = ["def program(consts, args):"]
+    lines += [f"    {bind(v)} = consts[{i}]" for i, v in enumerate(jaxpr.constvars)]
+    lines += [f"    {bind(v)} = args[{i}]" for i, v in enumerate(jaxpr.invars)]
+    for eqn, mask in steps:
+        ins = [read(v) for v in eqn.invars]
+        expr = _inline(eqn)
+        if expr is not None:
+            variables = [n for v, n in zip(eqn.invars, ins) if not isinstance(v, core.Literal)]
+            guard = " or ".join(f"{n} is U" for n in variables) or "False"
+            lines.append(f"    {bind(eqn.outvars[0])} = U if ({guard}) else ({expr.format(*ins)})")
+            continue
+        calls.append(compile_step(eqn, mask, rules))
+        call = f"S[{len(calls) - 1}]([{', '.join(ins)}])"
+        outs = [bind(v) for v in eqn.outvars]
+        lines.append(f"    {', '.join(outs)}{',' if len(outs) == 1 else ''} = {call}" if outs
+                     else f"    {call}")
+    lines.append(f"    return [{', '.join(read(v) for v in jaxpr.outvars)}]")
+    scope = {"S": calls, "K": constants, "U": UNKNOWN, "_crem": _crem, "_cdiv": _cdiv}
+    exec(compile("\n".join(lines), "<dry run>", "exec"), scope)  # noqa: S102 - our own source
+    return scope["program"]
+
+
+def compile_step(eqn: core.JaxprEqn, mask: tuple[bool, ...], rules: dict) -> Any:
+    """run(values) -> outputs of one equation that is not scalar arithmetic: its rule (refs,
+    DMAs, callbacks, control flow), or numpy on known values (UNKNOWN from unknown ones)."""
     rule = rules.get(eqn.primitive.name)
     if rule is not None:
-        return reads, functools.partial(rule, eqn, mask), eqn.outvars
+        return functools.partial(rule, eqn, mask)
     unknowns = [UNKNOWN] * len(eqn.outvars)
     if eqn.effects:  # semaphores, waits: nothing a decision reads
-        return reads, lambda values: unknowns, eqn.outvars
+        return lambda values: unknowns
     compute = _scalar_op(eqn) or functools.partial(_arithmetic, eqn)
 
     def run(values):
@@ -237,7 +312,7 @@ def compile_step(eqn: core.JaxprEqn, mask: tuple[bool, ...], rules: dict) -> tup
                 return unknowns
         return compute(values)
 
-    return reads, run, eqn.outvars
+    return run
 
 
 def scalar(value: Any) -> Any:
