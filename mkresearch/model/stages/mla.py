@@ -13,18 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.model import spec
+from mkresearch.model import numerics, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.model.numerics import (
-    bf,
-    bf16,
-    dot_exact,
-    f32,
-    matmul,
-    online_softmax,
-    rms_norm,
-    write_slot,
-)
+from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
@@ -84,28 +75,28 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
 
     if cfg.mla_cache_layout == "expanded":
         k_nope, v_new, k_new = expanded_entry(p, c_hat, k_extra, cfg)
-        cache = {"k": write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
-                 "v": write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
+        cache = {"k": numerics.write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
+                 "v": numerics.write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
         # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
-        new_score = (dot_exact(q_nope, k_nope) + dot_exact(q_extra, k_extra[:, None])) * scale
+        new_score = (numerics.dot_exact(q_nope, k_nope) + numerics.dot_exact(q_extra, k_extra[:, None])) * scale
         scores = (jnp.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope],
                              preferred_element_type=f32)
                   + jnp.einsum("bhe,bhse->bhs", q_extra, cache["k"][..., nope:nope + extra],
                                preferred_element_type=f32)) * scale  # [B, H, S]
-        o = bf(online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
+        o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
     else:
-        cache = {"ckv": write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
-                 "kx": write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
+        cache = {"ckv": numerics.write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+                 "kx": numerics.write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
         # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
         w_kb_rows = jnp.broadcast_to(w_kb, (B, *w_kb.shape))  # [B, rank, H, nope]
         q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, w_kb_rows,
                                    preferred_element_type=f32))
-        new_score = (dot_exact(q_absorbed, c_hat[:, None])
-                     + dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
+        new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
+                     + numerics.dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
                   + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
                                preferred_element_type=f32)) * scale  # [B, H, S]
-        context = bf(online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+        context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
         w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
         o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))
