@@ -46,17 +46,7 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     make_plan,
     step_cost,
 )
-from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
-    experts,
-    ffn_kinds,
-    gqa,
-    kda,
-    mla,
-    mla_rope,
-    moe_full,
-    residuals,
-    sampling,
-)
+from mkresearch.kernels.stages import residuals, sampling  # the kinds: megakernel_plan registers
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, roofline, weights
