@@ -82,7 +82,7 @@ class KernelStage:
     body: Callable[[Any, StageRefs], None]
     vmem: Callable[[Any, ModelConfig], list]  # (plan, cfg) -> [(name, shape, dtype)] scoped
     scope: Callable[[Any], str] = lambda plan: ""  # the VMEM plan's label of the body's scope
-    # the body's cost for one layer (kernels/base/costs.py): (plan, weights, state, cfg, batch) -> Cost,
+    # the body's cost for one layer (beside the body; costs.Cost): (plan, weights, state, cfg, batch) -> Cost,
     # with weights and state one layer's (shape structs)
     cost: Callable[..., Any] = lambda plan, weights, state, cfg, batch: None
     # scratch the megakernel allocates once for every layer of the kind: (label, pltpu shape)

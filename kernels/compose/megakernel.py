@@ -109,7 +109,7 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
-    # every stage body over its layers (kernels/base/costs.py); + the SMEM/VMEM operands and results
+    # every stage body over its layers (each kind's cost); + the SMEM/VMEM operands and results
     # (none in a dry run's trace: the schedule is not the cost's)
     cost = None if dry_run.tracing() else step_cost(plan, weights, state).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)

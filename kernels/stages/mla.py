@@ -480,7 +480,7 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     n_in = 2 + len(jax.tree.leaves(weights))  # then the two cache arrays (a dict flattens sorted)
     names = sorted(cache)
-    # KV bytes for every row at the cache's last position: the whole cache (kernels/base/costs.py)
+    # KV bytes for every row at the cache's last position: the whole cache (`layer_cost`)
     cost = layer_cost(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
 
     def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
