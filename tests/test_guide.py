@@ -100,7 +100,7 @@ def glossary_terms(notebook: Path) -> set[str]:
             continue
         source = "".join(cell["source"])
         source = "\n".join(line for line in source.splitlines()
-                           if not re.match(r"\s*[%!]", line))
+                           if not re.match(r"\s*(%|!(?!=))", line))  # magics, not a `!=` line
         for node in ast.walk(ast.parse(source)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
                     and getattr(node.func, "attr", getattr(node.func, "id", "")) == "glossary_view"):
