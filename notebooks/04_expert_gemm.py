@@ -723,7 +723,7 @@ assert exercises.check("the FP8 variant", lambda: check_fp8(decode_fp8_solution)
 # ## What the package's expert stage adds
 #
 # `experts.routed_part` picks the work list (its `plan`: all experts, the routed choices, or the
-# distinct ones) and `experts._run_experts` is the loop over it: your step 5, in the body the
+# distinct ones) and `experts._ExpertLoop` is the loop over it: your step 5, in the body the
 # megakernel runs for every MoE layer (imported here, not pasted). Around your loop it adds:
 #
 # - **The ids come from the router in the same kernel**, in SMEM (notebook 03's `Routing`), so the
@@ -751,7 +751,8 @@ assert exercises.check("the FP8 variant", lambda: check_fp8(decode_fp8_solution)
 
 # %%
 print(inspect.getsource(experts.routed_part))
-print(inspect.getsource(experts._run_experts))
+print(inspect.getsource(experts._ExpertLoop.run))
+print(inspect.getsource(experts._ExpertLoop._step))
 print(inspect.getsource(router.dedupe_experts))
 
 # %% [markdown]

@@ -133,7 +133,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma, weight_stream
-from mkresearch.kernels.compose import megakernel, schedule
+from mkresearch.kernels.compose import megakernel, megakernel_body, schedule
 
 from mkresearch.hardware import chips
 from mkresearch.measurement import recorded
@@ -469,7 +469,7 @@ assert exercises.check("a third kind", lambda: check_third_kind({**TOY_KINDS,
 # | the toy | the package |
 # |---|---|
 # | the table `[kind, index]` per layer, by scalar prefetch | `weight_stream.layer_table(cfg)`: four int32 per layer (attention kind, its index, FFN kind, its index) in `StepInputs.table`, an SMEM operand of the grid-less call |
-# | `lax.switch(table[2 l], branches)` | `run_stage`: per layer, a `lax.switch` over the kinds the model uses for attention, then one over its FFN kinds; each branch is the **registered** kind's stage body (`kernels.base.registry`): the bodies of notebooks 02–05, called on Refs |
+# | `lax.switch(table[2 l], branches)` | `_run_stage` (`kernels/compose/megakernel_body.py`): per layer, a `lax.switch` over the kinds the model uses for attention, then one over its FFN kinds; each branch is the **registered** kind's stage body (`kernels.base.registry`): the bodies of notebooks 02–05, called on Refs |
 # | `stacks[k].at[index, j]` | `_layer_refs(w[kind], index)`: every stacked weight of the kind viewed `.at[index]` |
 # | a ring of 2 slots, 1 block ahead, `g` in the loop's carry | `weight_stream.GlobalStream`: `cfg.ring_depth` slots of up to `cfg.ring_block_bytes`, `depth − 1` blocks ahead, the ring's position in SMEM; `StageStream._start_ahead` crosses into this layer's FFN or the next layer's attention with one `pl.when` per kind |
 #
@@ -478,22 +478,18 @@ assert exercises.check("a third kind", lambda: check_third_kind({**TOY_KINDS,
 # buffers (`pl.run_scoped`: a stage's buffers are freed for the next stage's); the experts'
 # weights in their own ring, started right after routing, KV tiles and the KDA state in double
 # buffers; the embedding gather (a DMA per row) and the LM head with sampling in the same call;
-# every DMA planned as data before anything is traced (`kernels.compose.schedule`) and logged as
-# it runs (`dma.recording()`); on several ranks, the collectives inside the kernel (notebook 08).
+# every DMA listed before the step runs, by running the kernel itself on shapes
+# (`kernels.compose.schedule`, section 5) and logged as it runs (`dma.recording()`); on several ranks, the collectives inside the kernel (notebook 08).
 #
 # The two pieces of the package that are the toy's loop and ring, as they are written there:
 
 # %%
-def show_lines(fn, first, last):
-    """Print the lines of fn's source from the one holding `first` to the one holding `last`."""
-    lines = inspect.getsource(fn).splitlines()
-    start = next(i for i, line in enumerate(lines) if first in line)
-    stop = next(i for i in range(start, len(lines)) if last in lines[i])
-    print(textwrap.dedent("\n".join(lines[start:stop + 1])))
-
-
-# kernels/compose/megakernel.py: a layer's two stages, each a switch over its role's kinds
-show_lines(megakernel._step, "def run_stage(", "lax.fori_loop(0, cfg.n_layers, layer_step, 0)")
+# kernels/compose/megakernel_body.py: the loop over layers, a layer's two stages, each a switch
+# over its role's kinds, and a kind's body on its Refs with its blocks from the ring (the step
+# runs `lax.fori_loop(0, cfg.n_layers, trunk.layer_step, 0)`)
+for piece in (megakernel_body._Trunk.layer_step, megakernel_body._Trunk._run_stage,
+              megakernel_body._Trunk._run_body):
+    print(textwrap.dedent(inspect.getsource(piece)))
 
 # %%
 # kernels/base/weight_stream.py: the block `depth - 1` ahead, in this stage or past its end
@@ -614,9 +610,10 @@ assert sizes["kimi-k3-mini, 7 layers"] == sizes["kimi-k3-mini with 9 layers"]
 # toy's ring, `depth − 1` blocks ahead instead of one. Expert weights keep their own slots,
 # issued right after routing; KV tiles and the KDA state their own double buffers.
 #
-# That order is data before anything is traced: `schedule.schedule(plan, positions,
-# expert_ids)` lists every DMA the step will issue (name, bytes, slot, layer, stage), from the
-# same plan the kernel runs (`mkresearch plan MODEL` prints its summary). The recorded DMA log of
+# That order is known before the step runs: `schedule.schedule(plan, positions, expert_ids)`
+# lists every DMA the step will issue (name, bytes, slot, layer, stage) by running the kernel
+# itself on shapes, only its scalar work computed (`kernels/base/dry_run.py`), from the same plan
+# the kernel runs (`mkresearch plan MODEL` prints its summary). The recorded DMA log of
 # the step equals it event for event, and the prefetch checks below read it.
 
 # %%
