@@ -7,9 +7,11 @@ A program is a list of ops over a shared list of weight blocks (`Program`):
   ("blocks", n)                       the next n ring blocks: each waited, then multiplied
   ("fetch", nbytes, count, slots)     count DMAs, `slots` in flight, each multiplied when it lands
   ("write", nbytes)                   a write back to HBM, waited at the end of the step
-  ("start", name, op, group, path, nbytes, blocking, algorithm)
+  ("start", name, op, group, path, nbytes, blocking, algorithm, streams)
                                       a collective among the stand-in ranks `group`, priced over
-                                      `path`; blocking: the rank waits for it here
+                                      `path`; blocking: the rank waits for it here; streams: the
+                                      weight ring runs ahead past it meanwhile (the kernel has
+                                      issued the weights after it before waiting)
   ("wait", name)                      wait for the last collective started under that name
 
 A stage is a sequence of actions (its streamed matrices in the order the rank streams them, and
@@ -65,9 +67,9 @@ class Program:
 
     def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
                    path: tuple[int, ...] = (), *, blocking: bool = True,
-                   algorithm: str | None = None) -> None:
+                   algorithm: str | None = None, streams: bool = True) -> None:
         self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
-                         algorithm))
+                         algorithm, streams))
 
     def wait(self, name: str) -> None:
         self.ops.append(("wait", name))
@@ -97,12 +99,16 @@ class Collective:
     critical: bool = True  # False: overlapped with the actions between issue and wait
     matrix: str = ""  # the streamed matrix it serves, if any
     group: tuple[int, ...] | None = None  # the stand-in ranks joined (None: those of `path`)
+    # the weight stream runs ahead past it while it is waited for: the kernel has issued the
+    # weights that follow it before waiting (`timeline.RankSimulation`: the ring's horizon)
+    streams: bool = True
 
 
 def from_op(op: CollectiveOp) -> Collective:
     """One of our kernel's collectives, as the kernel sends it."""
     return Collective(op.name, op.op, tuple(op.group), op.payload_bytes, op.issue_after,
-                      op.wait_before, op.sent_algorithm, op.count, op.critical, op.matrix)
+                      op.wait_before, op.sent_algorithm, op.count, op.critical, op.matrix,
+                      streams=op.streams)
 
 
 # ---- placing a stage's collectives ------------------------------------------------------------
@@ -168,7 +174,7 @@ def start(prog: Program, c: Collective, name: str, group_of, *, blocking: bool =
     whole path by its algorithm."""
     group = group_of(c.path) if c.group is None else c.group
     prog.collective(name, c.op, group, c.nbytes, c.path, blocking=blocking,
-                    algorithm=c.algorithm)
+                    algorithm=c.algorithm, streams=c.streams)
 
 
 # ---- ours: the kernel's collectives ------------------------------------------------------------
@@ -228,7 +234,16 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
     hidden width, an all-reduce over the 16 cores of its parity, the halves swapped with the
     sibling; MoE: router scores swapped with the sibling, the latent all-gathered behind routing,
     the shared expert's sum started before the routed experts and waited after them, the routed
-    sum reduced last; a dense FFN's sum reduced at its end."""
+    sum reduced last; a dense FFN's sum reduced at its end.
+
+    Where its weight stream runs past a collective (`Collective.streams`, the release's
+    `kimi/decode_megakernel.py`, docs/collectives.md §1): right after a MoE layer's (or the dense
+    FFN's) routed experts it issues the next layer's norms, attention projections, KDA state and
+    router (`after_experts`), and W_lu's copy before its routed reduction, so its stream runs
+    past the FFN's output reductions; W_ld and the shared expert's matrices are issued when the
+    MoE starts, before routing, so they stream while the router scores are swapped; nothing of
+    the MoE is issued before the attention's output collectives are done (W_o is prefetched with
+    the layer's projections), so the stream does not run past those."""
     cfg, n = lay.cfg, lay.n_ranks
     everyone, pair = tuple(range(n)), (rank, rank ^ 1)
     vector = batch * cfg.d_model * PARTIAL_SUM_BYTES
@@ -240,7 +255,8 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
         if spec.stage(kind).role == "attention" and matrix.endswith("w_o"):
             before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
             out.append(Collective(f"{kind}/features", "all_gather", pair,
-                                  batch * nbytes / cfg.d_model, before, matrix, group=alone))
+                                  batch * nbytes / cfg.d_model, before, matrix, group=alone,
+                                  streams=False))
         if matrix.endswith("w_router"):
             out.append(Collective("router/scores", "all_gather", pair,
                                   batch * cfg.n_experts * F32 / 2, matrix, matrix, group=alone))
@@ -252,9 +268,10 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
                                   group=reps))
     if spec.stage(kind).role == "attention":
         parity = tuple(r for r in range(n) if r % 2 == rank % 2)
-        out += [Collective(f"{kind}_sum", "all_reduce", parity, vector / 2, end, end, group=reps),
+        out += [Collective(f"{kind}_sum", "all_reduce", parity, vector / 2, end, end, group=reps,
+                           streams=False),
                 Collective(f"{kind}/halves", "all_gather", pair, vector / 2, end, end,
-                           group=alone)]
+                           group=alone, streams=False)]
     else:
         out.append(Collective(f"{kind}_sum", "all_reduce", everyone, vector, end, end,
                               group=reps))

@@ -32,9 +32,12 @@ class Schedule:
     expert_slots: int  # routed-expert DMAs in flight, the first issued right after routing
     combine: str  # one of COMBINES
     source: str
-    # the ring runs ahead past a blocking collective (as far as its banks); else the blocks after
-    # it are issued once the rank is past it. Collectives started early overlap either way.
-    prefetch_across: bool = True
+    # whether the ring runs ahead past a blocking collective (as far as its banks; else the
+    # blocks after it are issued once the rank is past it): None, as each collective of the
+    # program says (`program.Collective.streams`: how that kernel issues its weights around it);
+    # True / False, every collective alike (a what-if, the same for both sides). Collectives
+    # started early overlap either way.
+    prefetch_across: bool | None = None
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
     gather_algorithm: str = "two-level"
@@ -70,8 +73,10 @@ RELEASE_SCHEDULE = Schedule(
            "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
            "for Kimi K3); docs/collectives.md: one-shot collectives, two-level all-reduces of "
            "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
-           "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
-    prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",
+           "shared expert's sum overlapped (its own open items: the o-proj reduction is not); "
+           "its stream runs past the MoE's output reductions and router swap, not past the "
+           "attention's output collectives (`program.release_collectives`)",
+    all_reduce="two-level", all_reduce_large="rs-ag",
     gather_algorithm="one-shot")
 
 

@@ -57,7 +57,10 @@ from mkresearch.prediction.timeline_whatif import (  # noqa: F401
     stream_log,
 )
 
-IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
+IDLE_CAUSES = ("hbm_busy", "bubble")
+# a program's ("start", name, op, group, path, nbytes, blocking, algorithm, streams): the index of
+# `streams`, whether the weight ring keeps running ahead past this collective while it is waited
+STREAMS = 8  # why the compute unit is idle: see `Idle`
 COMPUTE_LANE = "MXU/VPU"
 COLLECTIVE_LANE = "ICI"  # a rank's collectives: from its arrival to the collective's end
 
@@ -318,15 +321,19 @@ class RankSimulation:
                                       each waited, then multiplied; `banks` blocks in flight
       ("fetch", nbytes, count, slots) count DMAs, `slots` in flight, each multiplied on landing
       ("write", nbytes)               a write back to HBM, waited at the end of the step
-      ("start", name, op, group, path, nbytes, blocking[, algorithm])
-                                      a collective; blocking: the rank waits for it here
+      ("start", name, op, group, path, nbytes, blocking[, algorithm[, streams]])
+                                      a collective; blocking: the rank waits for it here;
+                                      streams (default True): the ring runs ahead past it
       ("wait", name)                  wait for the last collective started under that name
 
     The ring's ops are its DMAs in closed form: one DMA engine, each DMA after the one before it
     at the full HBM bandwidth (what `_DmaEngines` does with one engine, the default; one DMA at a
     time, so a 32-rank step takes a few hundredths of a second). A program uses one kind of DMA
-    op or the other. Without `prefetch_across` the ring does not run past a blocking collective
-    (its blocks after it are issued once the rank is past it).
+    op or the other. The ring runs past a blocking collective (its blocks after it issued while
+    the rank waits, as far as its banks) where the program says so (the op's `streams`: how the
+    kernel issues its weights around that collective); `prefetch_across` True / False overrides
+    every collective alike (the model's what-if and sensitivity switch); where it does not, its
+    blocks after the collective are issued once the rank is past it.
 
     `run()` is a generator: it yields ("start", op, t) for every collective (sent None back) and
     ("wait", name, t) where the rank waits for one (sent the time it ends): the ranks are joined
@@ -335,7 +342,7 @@ class RankSimulation:
 
     def __init__(self, ops: Sequence[Any], chip: str | TimelineChip = "tpu7x", *,
                  blocks: Sequence[float] = (), banks: int = 1, batch: int = 1,
-                 prefetch_across: bool = True, vpu_phases: Sequence[str] = ()) -> None:
+                 prefetch_across: bool | None = None, vpu_phases: Sequence[str] = ()) -> None:
         self.ops = ops
         self.chip = chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
         self.vpu_phases = tuple(vpu_phases)
@@ -362,22 +369,31 @@ class RankSimulation:
         self.flops = 0.0
         self.writes: list[float] = []
         self.barriers = self._barriers(ops, len(blocks), prefetch_across)
+        self.prefetch_across = prefetch_across
         self.next_barrier = 0
         self.total = 0.0
 
     @staticmethod
-    def _barriers(ops, n_blocks: int, prefetch_across: bool) -> list[int]:
-        """The ring's horizon: without prefetch_across, the block index of each blocking
-        collective (then the end of the ring)."""
-        out = []
-        if not prefetch_across:
-            at = 0
-            for op in ops:
-                if isinstance(op, tuple) and op[0] == "blocks":
-                    at += op[1]
-                elif isinstance(op, tuple) and op[0] == "start" and op[6]:
-                    out.append(at)
+    def _barriers(ops, n_blocks: int, prefetch_across: bool | None) -> list[int]:
+        """The ring's horizon: the block index of each blocking collective the stream does not
+        run past (then the end of the ring). prefetch_across None: each collective's own
+        `STREAMS` field (default True); True / False: every blocking collective alike."""
+        out, at = [], 0
+        for op in ops:
+            if isinstance(op, tuple) and op[0] == "blocks":
+                at += op[1]
+            elif RankSimulation._holds_ring(op, prefetch_across):
+                out.append(at)
         return out + [n_blocks]
+
+    @staticmethod
+    def _holds_ring(op, prefetch_across: bool | None) -> bool:
+        """Is op a blocking collective the ring does not run past?"""
+        if not (isinstance(op, tuple) and op[0] == "start" and op[6]):
+            return False
+        streams = (op[STREAMS] if len(op) > STREAMS else True) \
+            if prefetch_across is None else prefetch_across
+        return not streams
 
     # ---- the program ------------------------------------------------------------------------
     def run(self):
@@ -410,7 +426,7 @@ class RankSimulation:
                 if op[6]:
                     self.waiting = op
                     self.t = max(self.t, (yield "wait", op[1], self.t))
-                    if self.barriers[self.next_barrier] < len(self.blocks):
+                    if self._holds_ring(op, self.prefetch_across):
                         self.next_barrier += 1
                     self._fill()
             else:  # wait
