@@ -250,8 +250,10 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
         program.place(scratch, kind, actions, collectives, group_of=step.among,
                       blocks=lambda nbytes: scratch.block(
                           len(weight_blocks(nbytes, step.sched.block_bytes))),
-                      experts=lambda: scratch.fetch(step.expert_bytes, count or 0,
-                                                    step.sched.expert_slots))
+                      experts=lambda: scratch.fetch(
+                          step.expert_bytes, count or 0, step.sched.expert_slots,
+                          program.expert_mix(step.lay, step.sched.mxu_fp8),
+                          step.sched.expert_order))
         built[key] = scratch.ops
     return built[key]
 
@@ -271,13 +273,16 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
             chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
             algorithm: str | None = None, schedule: str | Schedule | None = None,
             context: int = 0, seed: int = 0, keep_timeline: bool = False,
-            timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum") -> dict:
+            timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum",
+            prefetch_across: bool | None = None) -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
     at this batch; our schedules: each collective's own, its sharding plan's) prices every
     all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
-    figures (`timeline_chip.timeline_chip(chip, **fields)`). Cached per arguments: the model is deterministic
-    (pure Python, seeded routing)."""
+    figures (`timeline_chip.timeline_chip(chip, **fields)`); `prefetch_across` True / False: the
+    ring runs past every collective, or none (default: as each collective of the program says,
+    `program.Collective.streams`). Cached per arguments: the model is deterministic (pure
+    Python, seeded routing)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if algorithm is not None and algorithm not in links.ALGORITHMS:
@@ -287,8 +292,11 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
         inter = links.interconnect(inter, n_ranks=n_ranks)
     sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks,
                          batch, chip)
-    auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: the plan's
-    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
+    if prefetch_across is not None:  # a what-if for every collective of either side's program
+        sched = dataclasses.replace(sched, prefetch_across=prefetch_across)
+    # auto: each collective as its kernel sends it (ours: its sharding plan's; the release's: its
+    # program's, `program.release_collectives`)
+    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or "auto", sched,
                         context, seed, timeline_chip or chip))
     if not keep_timeline:
         del out["timeline"]

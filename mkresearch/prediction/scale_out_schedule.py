@@ -10,16 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.base import quant
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import program
+from mkresearch.prediction.timeline import FETCH_ORDERS
 from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
 COMBINES = ("partial-sum", "exact")
 # docs/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
-RS_FROM_BATCH = 6
+RS_FROM_BATCH = program.RS_FROM_BATCH
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class Schedule:
     # sharding plan, `kernels.sharded.plan.sharding_plan`) and the hosts whose partials it adds first
     reductions: tuple = ()
     ranks_per_host: int = 0
+    # the kernel hands the MXU its routed experts as fp8 (else decoded to bf16): what a weight tile
+    # costs the MXU (`program.expert_mix`)
+    mxu_fp8: bool = False
+    # how the routed experts' reads meet the ring's blocks already issued
+    # (`timeline.FETCH_ORDERS`): ours, its sharding plan's `expert_reads`; the release's "held"
+    expert_order: str = "queued"
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -59,6 +68,9 @@ class Schedule:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Schedule.{name}={value!r} is invalid: an int >= 1")
+        if self.expert_order not in FETCH_ORDERS:
+            raise ValueError(f"Schedule.expert_order={self.expert_order!r} is invalid: one of "
+                             f"{FETCH_ORDERS}")
         if self.combine not in COMBINES:
             raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
         for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
@@ -77,7 +89,8 @@ RELEASE_SCHEDULE = Schedule(
            "its stream runs past the MoE's output reductions and router swap, not past the "
            "attention's output collectives (`program.release_collectives`)",
     all_reduce="two-level", all_reduce_large="rs-ag",
-    gather_algorithm="one-shot")
+    gather_algorithm="one-shot", mxu_fp8=program.RELEASE_MXU_TAKES_FP8,
+    expert_order=program.RELEASE_EXPERT_ORDER)
 
 
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
@@ -98,7 +111,8 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
                     collectives=collectives, ring=ring.describe(), reductions=sent.algorithms,
-                    ranks_per_host=sent.ranks_per_host)
+                    ranks_per_host=sent.ranks_per_host, mxu_fp8=quant.MXU_TAKES_FP8,
+                    expert_order=sent.expert_reads)
 
 
 SCHEDULES = ("release", "ours")

@@ -68,7 +68,8 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                         interconnect: links.Interconnect | None = None,
                         algorithm: str | None = None, schedule: Any = None,
                         context: int = 0, timeline_chip: Any = None,
-                        collectives: str = "partial-sum") -> list[dict]:
+                        collectives: str = "partial-sum",
+                        prefetch_across: bool | None = None) -> list[dict]:
     """One row per acceptance length a (1 <= a <= drafts + 1): the verify step of B (k + 1) rows,
     tok/s = B a / step, beside the plain step at `batch` and the published tok/s where there is
     one (JSON-able dicts)."""
@@ -77,7 +78,7 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
         _int_in("acceptance", acceptance, 1, drafts + 1)
     common = {"chip": chip, "interconnect": interconnect, "algorithm": algorithm,
               "schedule": schedule, "context": context, "timeline_chip": timeline_chip,
-              "collectives": collectives}
+              "collectives": collectives, "prefetch_across": prefetch_across}
     verify = scale_out.predict(cfg, n_ranks, name, rows, **common)
     plain = scale_out.predict(cfg, n_ranks, name, batch, **common)
     published = scale_out.PUBLISHED.get(cfg.name, {})
