@@ -132,6 +132,17 @@ class _Step:
     routed: np.ndarray  # [MoE layers, EP groups] experts fetched
     expert_bytes: float  # one routed expert's bytes on a rank
     mix: float  # one layer's norms and mix
+    sequences: int  # the sequences the rows belong to (a verify step: one)
+    context: int
+
+    def read_share(self, kind: str) -> float:
+        """The share of a stage's state or cache bytes read before it (the rest is written
+        after it): a state read once per sequence and written once per row; a cache read at the
+        context once per sequence, its new token written (and read) once per row."""
+        cache = any(leaf.kind == spec.CACHE for leaf in
+                    spec.state_table(self.cfg, 1, 1).get(kind, {}).values())
+        read = self.sequences * (self.context if cache else 1) + (self.batch if cache else 0)
+        return read / (read + self.batch)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -167,20 +178,21 @@ class _Step:
 
 @functools.lru_cache(maxsize=16)
 def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
-                  schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
-                  ) -> tuple[list[int], list[list]]:
+                  schedule: str | Schedule | None = None, context: int = 0, seed: int = 0,
+                  sequences: int | None = None) -> tuple[list[int], list[list]]:
     """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
     stands for its group (ranks 0, etp, 2 etp, ...; `timeline_ranks.simulate_programs`). A schedule with
     `collectives` takes every collective from the kernel's own (`program.our_collectives`), the
     release's from `program.release_collectives`."""
     lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
-    counted = rank_bytes(lay, sched, batch, context)
+    counted = rank_bytes(lay, sched, batch, context, sequences)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
     step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted),
                  routed_experts(cfg, lay, batch, seed),
                  counted.component("routed_experts") / len(cfg.moe_layers) / unique_1
-                 if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers))
+                 if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers),
+                 batch if sequences is None else sequences, context)
     blocks = step.blocks()
     built: dict[tuple, list] = {}  # a stage's ops, by what they depend on: built once
     return blocks, [_rank_program(step, blocks, rank, built)
@@ -202,15 +214,16 @@ def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> lis
     for layer, (attention, ffn) in enumerate(cfg.layers):
         prog.block(len(weight_blocks(step.mix, sched.block_bytes)))  # norms and mix
         state = states.get(attention, 0)
-        if state:  # read before the layer, written after it (half each)
-            prog.fetch(state / 2, 1, 1)
+        share = step.read_share(attention) if state else 0.0
+        if state:  # read before the layer, written after it
+            prog.fetch(state * share, 1, 1)
         for kind in (attention, ffn):
             count = None
             if kind == ffn and layer in moe_layers:
                 count = int(step.routed[moe_layers.index(layer)][step.group(rank)])
             prog.ops += _stage_ops(step, blocks, rank, layer, kind, count, ends[1], built)
             if kind == attention:
-                prog.write(state / 2)
+                prog.write(state * (1 - share))
     prog.block(len(weight_blocks(step.counted.component("lm_head"), sched.block_bytes)))
     for c in ends[2]:
         program.start(prog, c, c.name, step.among)
@@ -258,14 +271,14 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     return built[key]
 
 
-def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
-               ) -> layout_bytes.RankBytes:
+def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
+               sequences: int | None = None) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
     partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
     bytes its planned DMAs stream, tests/test_layout_split.py)."""
     if sched.collectives == "partial-sum":
         lay = layouts.layout(lay.cfg, lay.n_ranks, lay.name, collectives="partial-sum")
-    return layout_bytes.rank_bytes(lay, batch, context)
+    return layout_bytes.rank_bytes(lay, batch, context, sequences=sequences)
 
 
 # ---- predictions -------------------------------------------------------------------------------
@@ -274,15 +287,16 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
             algorithm: str | None = None, schedule: str | Schedule | None = None,
             context: int = 0, seed: int = 0, keep_timeline: bool = False,
             timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum",
-            prefetch_across: bool | None = None) -> dict:
+            prefetch_across: bool | None = None, sequences: int | None = None) -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
     at this batch; our schedules: each collective's own, its sharding plan's) prices every
     all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
     figures (`timeline_chip.timeline_chip(chip, **fields)`); `prefetch_across` True / False: the
     ring runs past every collective, or none (default: as each collective of the program says,
-    `program.Collective.streams`). Cached per arguments: the model is deterministic (pure
-    Python, seeded routing)."""
+    `program.Collective.streams`); `sequences` (default `batch`): the sequences the rows belong
+    to, whose states and cached tokens are read once each (a verify step: one sequence's k + 1
+    rows). Cached per arguments: the model is deterministic (pure Python, seeded routing)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if algorithm is not None and algorithm not in links.ALGORITHMS:
@@ -297,7 +311,7 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     # auto: each collective as its kernel sends it (ours: its sharding plan's; the release's: its
     # program's, `program.release_collectives`)
     out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or "auto", sched,
-                        context, seed, timeline_chip or chip))
+                        context, seed, timeline_chip or chip, sequences))
     if not keep_timeline:
         del out["timeline"]
     return out
@@ -306,12 +320,12 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
 @functools.lru_cache(maxsize=64)
 def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
              inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
-             seed: int, timeline: str | TimelineChip) -> dict:
+             seed: int, timeline: str | TimelineChip, sequences: int | None = None) -> dict:
     collecting = gc.isenabled()
     gc.disable()  # a step allocates ~10^5 small objects and frees none: no cycles to look for
     try:
         return _predict_uncollected(cfg, n_ranks, name, batch, chip, inter, algorithm, sched,
-                                    context, seed, timeline)
+                                    context, seed, timeline, sequences)
     finally:
         if collecting:
             gc.enable()
@@ -319,9 +333,10 @@ def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
 
 def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
                          inter: links.Interconnect, algorithm: str, sched: Schedule,
-                         context: int, seed: int, timeline: str | TimelineChip) -> dict:
+                         context: int, seed: int, timeline: str | TimelineChip,
+                         sequences: int | None) -> dict:
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
-                                     seed=seed)
+                                     seed=seed, sequences=sequences)
     lay = layouts.layout(cfg, n_ranks, name)
     ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
@@ -329,7 +344,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
         timeline, prefetch_across=sched.prefetch_across)
     parts = ranks.decomposition()
-    counted = rank_bytes(lay, sched, batch, context)
+    counted = rank_bytes(lay, sched, batch, context, sequences)
     slowest = ranks.slowest_rank
     published = published_step_s(cfg, n_ranks, chip, batch)
     return {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,
