@@ -343,7 +343,7 @@ def test_the_second_model_from_its_report():
 
 
 @pytest.mark.slow
-def test_sensitivity_and_leave_one_out():
+def test_sensitivity_and_leave_one_out(capsys):
     sens = calibration.sensitivity()
     assert len(sens["rows"]) == sum(len(v) for *_, v in calibration.ASSUMPTIONS)
     named = {row["assumption"] for row in sens["rows"]}
@@ -357,10 +357,19 @@ def test_sensitivity_and_leave_one_out():
         assert abs(held["predicted_us"] / held["measured_us"] - 1) < 0.1
     for point, (low, high) in loo["ranges"].items():
         assert high - low < 0.08, point
+    # with a progress bar (notebook 09): the same results, the bar on stderr (predictions cached)
+    capsys.readouterr()
+    assert calibration.sensitivity(progress=True) == sens
+    assert calibration.leave_one_out(progress=True) == loo
+    bars = capsys.readouterr().err
+    assert f"{len(sens['rows'])}/{len(sens['rows'])}" in bars
+    assert "leave-one-out" in bars and "4/4" in bars
 
 
-def test_ours_beside_the_release_under_the_same_assumptions():
+def test_ours_beside_the_release_under_the_same_assumptions(capsys):
     (row,) = calibration.ours_table(batches=(1,))
+    assert calibration.ours_table(batches=(1,), progress=True) == [row]  # a bar, the same row
+    assert "our layout" in capsys.readouterr().err
     published_ms = 1e3 / row["published_tok_s"]
     built, exact, release = row["ours"], row["ours_exact"], row["release"]
     print(f"B=1: published {published_ms:.2f} ms; the release modelled {release['step_ms']:.2f}; "
