@@ -10,7 +10,8 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
 PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
-a test).
+a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
+(`prediction.design_table`).
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -36,7 +37,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
-from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import calibration, design_table, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -83,6 +84,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--explain", action="store_true",
                    help="list every constant of the model: measured (source), published, assumed")
+    p.add_argument("--designs", action="store_true",
+                   help="ours as built, then each design the kernel does not run yet (expert "
+                        "reads first, rho by reduce-scatter, the router placement, bf16 partial "
+                        "sums) added in turn, beside the release's modelled step")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -97,6 +102,15 @@ def run(args: Any) -> int:
         return 0
     if args.validate:
         print(format_validation())
+        return 0
+    if args.designs:
+        _at_least("--ranks", args.ranks, 2)
+        with _refusals():
+            layout.check_ranks(cfg, args.ranks)
+            model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
+                                      timeline_chip=timeline_chip(chip), context=args.context)
+            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+        print(json.dumps(table) if args.json else design_table.format_designs(table))
         return 0
     batches = args.batch
     _at_least("--ranks", args.ranks, 2)

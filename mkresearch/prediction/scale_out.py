@@ -48,9 +48,10 @@ import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kind
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import program
+from mkresearch.prediction import designs, program
 from mkresearch.prediction.program import (  # noqa: F401 - scale_out.Program & co.
     F32,
     PARTIAL_SUM_BYTES,
@@ -88,9 +89,12 @@ class _Stage:
     matrices: tuple[tuple[str, int], ...]  # (DMA name, bytes of one layer on this rank)
 
 
-def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[str, _Stage]:
+def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes,
+                 router_group: int = 0) -> dict[str, _Stage]:
     """Each kind's matrices with one layer's bytes on a rank: the kind's component bytes split
-    by the matrices' per-rank element counts."""
+    by the matrices' per-rank element counts; router_group > 0: the router's columns split over
+    that many ranks instead (a design's placement, `designs.router_group`), the columns it adds
+    at the router's dtype (`_router_extra`)."""
     cfg = lay.cfg
     out = {}
     for kind in cfg.kinds:
@@ -100,8 +104,10 @@ def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[s
         sizes = [math.prod(layouts.local_shape(lay, m.shape, params[m.key].shard))
                  for m in matrices]
         per_layer = counted.component(stage.component[0]) / len(cfg.layers_of(kind))
-        out[kind] = _Stage(kind, tuple((m.name, per_layer * s / sum(sizes))
-                                       for m, s in zip(matrices, sizes, strict=True)))
+        out[kind] = _Stage(kind, tuple(
+            (m.name, per_layer * s / sum(sizes)
+             + (_router_extra(lay, params[m.key], router_group) if m.name == W_ROUTER else 0))
+            for m, s in zip(matrices, sizes, strict=True)))
     return out
 
 
@@ -188,7 +194,7 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     sched = schedule_for(cfg, name if schedule is None else schedule)
     counted = rank_bytes(lay, sched, batch, context, sequences)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
-    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted),
+    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted, _router_group(lay, sched)),
                  routed_experts(cfg, lay, batch, seed),
                  counted.component("routed_experts") / len(cfg.moe_layers) / unique_1
                  if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers),
@@ -257,6 +263,13 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                                           step.sched.combine == "partial-sum")
         collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
                                                   count is not None)
+    if step.sched.designs:
+        lay, wire = step.lay, sharding.WIRE_BYTES[step.sched.wire]
+        collectives = designs.apply(step.sched.designs, actions, collectives, rank=rank,
+                                    n_ranks=lay.n_ranks,
+                                    ranks_per_host=step.sched.ranks_per_host or lay.n_ranks,
+                                    batch=step.batch, n_experts=lay.cfg.n_experts,
+                                    d_model=lay.cfg.d_model, wire_bytes=wire)
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
@@ -269,6 +282,35 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                           step.sched.expert_order))
         built[key] = scratch.ops
     return built[key]
+
+
+def _router_extra(lay: layouts.Layout, param: spec.Param, group: int) -> float:
+    """The bytes one layer's router adds on a rank split over `group` ranks instead of the
+    layout's: its extra columns, padded to whole lanes as the layout pads them."""
+    if not group:
+        return 0.0
+    rows, columns = param.shape
+    mine = layouts.local_shape(lay, param.shape, param.shard)[1]
+    return rows * (sharding.lanes(-(-columns // group)) - mine) * np.dtype(param.dtype).itemsize
+
+
+def _router_group(lay: layouts.Layout, sched: Schedule) -> int:
+    """The ranks the router's columns split over under the schedule's designs (0: as laid out)."""
+    placement = designs.router_placement(sched.designs)
+    return 0 if placement == designs.SPLIT else len(designs.router_group(
+        placement, 0, lay.n_ranks, sched.ranks_per_host or lay.n_ranks))
+
+
+def design_extra_bytes(lay: layouts.Layout, sched: Schedule, counted: layout_bytes.RankBytes
+                       ) -> float:
+    """The bytes per rank per step the schedule's designs add (a router placement's columns)."""
+    group = _router_group(lay, sched)
+    if not group:
+        return 0.0
+    built, placed = _stage_bytes(lay, counted), _stage_bytes(lay, counted, group)
+    return sum((b[1] - a[1]) * len(lay.cfg.layers_of(kind))
+               for kind in built for a, b in zip(built[kind].matrices, placed[kind].matrices,
+                                                 strict=True))
 
 
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
@@ -352,9 +394,13 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "slice": inter.slice.name,
             "step_s": ranks.total_s, "tokens_per_s": batch / ranks.total_s,
             "parts_s": {p: parts[p] for p in PARTS}, "slowest_rank": slowest,
-            "rank_bytes": counted.total,
+            "rank_bytes": counted.total + design_extra_bytes(lay, sched, counted),
             "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
             "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
+            # rank 0's collectives' prices one after another (each layer's value passes through
+            # them in turn): what no overlap with the weight stream can hide
+            "serial_chain_s": sum(run.price.seconds for run in ranks.collectives
+                                  if 0 in run.group),
             "interconnect": {k: getattr(inter, k) for k in links.FIGURES},
             "label": "timeline model prediction (mkresearch.prediction.scale_out), not measured",
             "published_step_s": published,

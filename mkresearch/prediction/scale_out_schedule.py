@@ -15,7 +15,7 @@ from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import program
+from mkresearch.prediction import designs, program
 from mkresearch.prediction.timeline import FETCH_ORDERS
 from mkresearch.sharding import layout as layouts
 
@@ -59,6 +59,8 @@ class Schedule:
     # how the routed experts' reads meet the ring's blocks already issued
     # (`timeline.FETCH_ORDERS`): ours, its sharding plan's `expert_reads`; the release's "held"
     expert_order: str = "queued"
+    # ours: designs the kernel does not run, priced as changes to its program (`designs.DESIGNS`)
+    designs: tuple[str, ...] = ()
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -71,6 +73,10 @@ class Schedule:
         if self.expert_order not in FETCH_ORDERS:
             raise ValueError(f"Schedule.expert_order={self.expert_order!r} is invalid: one of "
                              f"{FETCH_ORDERS}")
+        designs.check(self.designs)
+        if self.designs and not self.collectives:
+            raise ValueError(f"Schedule.designs={self.designs!r} is invalid: only our kernel's "
+                             "program takes designs (a schedule with collectives)")
         if self.combine not in COMBINES:
             raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
         for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
