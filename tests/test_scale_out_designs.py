@@ -27,7 +27,7 @@ def _runs(p, prefix):
 
 
 def test_rho_by_reduce_scatter_is_one_phase_and_the_shared_sum_carries_nothing():
-    built, rho = _ours(), _ours(designs=(designs.RHO_REDUCE_SCATTER,))
+    built, rho = _ours(), _ours(designs=(designs.RESTRUCTURED,))
     before, after = _runs(built, sharding.EXPERT_SUM), _runs(rho, sharding.EXPERT_SUM)
     assert len(before) == len(after) == 92
     assert after[0].price.phases == 1 < before[0].price.phases

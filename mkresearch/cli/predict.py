@@ -37,7 +37,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
-from mkresearch.prediction import calibration, design_table, scale_out
+from mkresearch.prediction import calibration, design_table, designs, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -256,6 +256,8 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
                      f"{streams[sched.prefetch_across]}; {sched.source}"
                      + (f"; B = 1: {sched.ring}" if sched.ring else ""))
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
+    lines.append(f"  designs the kernel does not run (none assumed; `--designs` prices them): "
+                 f"{', '.join(designs.DESIGNS)}, expert reads first")
     lines.append(f"  context: the release's benchmark averages {calibration.BENCHMARK_CONTEXT} "
                  "cached tokens (one prompt token, 1,024 generated); --context sets it")
     lines.append("  no constant is set from a published step time (calibration.validation)")

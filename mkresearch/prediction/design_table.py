@@ -22,9 +22,16 @@ from mkresearch.sharding import layout as layouts
 F32 = 4
 
 
+# rho by reduce-scatter: the kernel's own mode where it has one, else the design on partial sums
+KERNEL_MODE = designs.RESTRUCTURED if designs.RESTRUCTURED in layouts.COLLECTIVES \
+    else layouts.PARTIAL_SUM
+
+
 def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, **fields: Any
           ) -> dict:
-    base = scale_out.our_schedule(cfg, "partial-sum", n_ranks, batch)
+    mode = KERNEL_MODE if designs.RESTRUCTURED in fields.get("designs", ()) \
+        else layouts.PARTIAL_SUM
+    base = scale_out.our_schedule(cfg, mode, n_ranks, batch)
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
@@ -33,7 +40,7 @@ def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, 
 
 def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                       model: calibration.Model = calibration.Model(),
-                      others: tuple[str, ...] = (designs.RHO_REDUCE_SCATTER,),
+                      others: tuple[str, ...] = (designs.RESTRUCTURED,),
                       expert_order: str = "first") -> dict[str, Any]:
     """Each placement (on top of `others` and `expert_order`): group size, GB per rank, the
     scores' collective before top-k (us per layer, as priced; 0 replicated), predicted step;
@@ -88,11 +95,11 @@ def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCH
         steps = [("as built", {}),
                  ("+ expert reads first", {"expert_order": "first"}),
                  ("+ rho by reduce-scatter", {"expert_order": "first",
-                                              "designs": (designs.RHO_REDUCE_SCATTER,)}),
+                                              "designs": (designs.RESTRUCTURED,)}),
                  (f"+ router {placement}", {"expert_order": "first",
-                                            "designs": (designs.RHO_REDUCE_SCATTER, *router)}),
+                                            "designs": (designs.RESTRUCTURED, *router)}),
                  ("+ bf16 partial sums", {"expert_order": "first", "wire": "bf16",
-                                          "designs": (designs.RHO_REDUCE_SCATTER, *router)})]
+                                          "designs": (designs.RESTRUCTURED, *router)})]
         for label, fields in steps:
             p = _ours(cfg, n_ranks, batch, model, **fields)
             out.append(_row(batch, label, p, release))

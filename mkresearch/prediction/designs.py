@@ -1,7 +1,7 @@
 """Designs of our step that the kernel does not (yet) run, priced by the same scale-out model:
 each one a change to our rank's program, named here once (issue 46).
 
-  rho-reduce-scatter  the routed experts' latent sum rho ([B, latent]) reduced by a one-phase
+  restructured        the routed experts' latent sum rho ([B, latent]) reduced by a one-phase
                       reduce-scatter (each rank sends each peer the 1/n of rho that peer owns)
                       instead of an all-reduce; W_lu split by rows takes a rank's slice of rho,
                       and its [B, d] partial sums ride in the shared experts' reduction (added to
@@ -20,7 +20,8 @@ each one a change to our rank's program, named here once (issue 46).
   expert reads first  `Schedule.expert_order = "first"` (`timeline.FETCH_ORDERS`): once routing is
                       known, the routed experts' DMAs go ahead of the ring's blocks not yet moving.
 
-`apply(...)` changes one stage's collectives; `scale_out` adds a placement's router bytes. The
+`apply(...)` changes one stage's collectives (a schedule whose kernel mode is already
+"restructured" is left as the kernel sends it); `scale_out` adds a placement's router bytes. The
 prediction runs them when `Schedule.designs` names them (`scale_out.predict(schedule=...)`);
 `design_table.designs_table` and `design_table.router_placements` print what each buys.
 """
@@ -35,11 +36,14 @@ from mkresearch.kernels.stages.experts import LATENT_DOWN
 from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.prediction.program import ONE_SHOT, Collective
 
-RHO_REDUCE_SCATTER = "rho-reduce-scatter"
+# the kernel's collectives mode of the same name (issue 46 item 2: `layouts.RESTRUCTURED` where
+# the kernel has it): where `layouts.COLLECTIVES` lists it, `design_table` predicts the kernel's
+# own collectives in that mode instead of this change to the partial-sum program
+RESTRUCTURED = "restructured"
 SPLIT, HOST, SIBLING, REPLICATED = "split", "host", "sibling", "replicated"
 ROUTER_PLACEMENTS = (SPLIT, HOST, SIBLING, REPLICATED)  # as built first
 ROUTER_DESIGNS = tuple(f"router-{p}" for p in ROUTER_PLACEMENTS[1:])
-DESIGNS = (RHO_REDUCE_SCATTER, *ROUTER_DESIGNS)
+DESIGNS = (RESTRUCTURED, *ROUTER_DESIGNS)
 FUSED_ROUTER_GATHER = f"{W_ROUTER}+{LATENT_DOWN}"  # the kernel's one gather of both
 F32 = 4
 
@@ -78,12 +82,12 @@ def apply(designs: tuple[str, ...], actions: list[tuple[str, float]], collective
     names = [a for a, _ in actions]
     placement = router_placement(designs)
     for c in collectives:
-        if RHO_REDUCE_SCATTER in designs and c.name.startswith(sharding.EXPERT_SUM):
+        if RESTRUCTURED in designs and c.name.startswith(sharding.EXPERT_SUM):
             # one phase: each member sends each peer its 1/n piece (priced as a one-shot
             # all-gather of that piece)
             out.append(dataclasses.replace(c, op="all_gather", algorithm=ONE_SHOT,
                                            nbytes=c.nbytes / n_ranks))
-        elif RHO_REDUCE_SCATTER in designs and c.name.startswith(sharding.SHARED_DOWN):
+        elif RESTRUCTURED in designs and c.name.startswith(sharding.SHARED_DOWN):
             out.append(dataclasses.replace(c, nbytes=batch * d_model * wire_bytes))
         elif placement != SPLIT and c.name.startswith(FUSED_ROUTER_GATHER):
             out += _router_collectives(c, placement, names, rank=rank, n_ranks=n_ranks,

@@ -265,7 +265,8 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                                                   count is not None)
     if step.sched.designs:
         lay, wire = step.lay, sharding.WIRE_BYTES[step.sched.wire]
-        collectives = designs.apply(step.sched.designs, actions, collectives, rank=rank,
+        chosen = tuple(d for d in step.sched.designs if d != step.sched.collectives)
+        collectives = designs.apply(chosen, actions, collectives, rank=rank,
                                     n_ranks=lay.n_ranks,
                                     ranks_per_host=step.sched.ranks_per_host or lay.n_ranks,
                                     batch=step.batch, n_experts=lay.cfg.n_experts,
