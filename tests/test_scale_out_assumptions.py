@@ -136,7 +136,7 @@ def test_predict_json_exposes_every_assumption_of_both_sides(capsys):
             for field in ("banks", "expert_slots", "expert_order", "mxu_fp8", "prefetch_across",
                           "source"):
                 assert field in schedule, field
-    assert out["assumptions"]["shared"]["context"]["value"] == calibration.BENCHMARK_CONTEXT
+    assert out["assumptions"]["shared"]["context"]["value"] == 0  # as info's lines (--context)
 
 
 def test_the_schedule_refuses_an_unknown_expert_order():

@@ -71,10 +71,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
                    help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
                         "to one device); the release's schedule has its own")
-    add_context(p, calibration.BENCHMARK_CONTEXT,
-                "tokens already in each sequence's KV cache (default "
-                f"{calibration.BENCHMARK_CONTEXT}: the release's benchmark, one prompt token and "
-                "1,024 generated, averages that many)")
+    add_context(p, 0, "tokens already in each sequence's KV cache (default 0, as every "
+                      "full-size line `info`, `decode` and `bench` print; the release's benchmark, "
+                      "one prompt token and 1,024 generated, averages "
+                      f"{calibration.BENCHMARK_CONTEXT}: what --validate uses, and --designs "
+                      "unless given another)")
     p.add_argument("--speculate", type=int, default=0,
                    help="drafts per verify step, 1..7 (default 0: plain decoding)")
     p.add_argument("--acceptance", default=None,
@@ -108,7 +109,8 @@ def run(args: Any) -> int:
         with _refusals():
             layout.check_ranks(cfg, args.ranks)
             model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
-                                      timeline_chip=timeline_chip(chip), context=args.context)
+                                      timeline_chip=timeline_chip(chip),
+                                      context=args.context or calibration.BENCHMARK_CONTEXT)
             table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
         print(json.dumps(table) if args.json else design_table.format_designs(table))
         return 0
@@ -259,7 +261,8 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
     lines.append(f"  designs the kernel does not run (none assumed; `--designs` prices them): "
                  f"{', '.join(designs.DESIGNS)}, expert reads first")
     lines.append(f"  context: the release's benchmark averages {calibration.BENCHMARK_CONTEXT} "
-                 "cached tokens (one prompt token, 1,024 generated); --context sets it")
+                 "cached tokens (one prompt token, 1,024 generated): --validate and --designs "
+                 "predict at it; the table at --context (default 0, as every full-size line)")
     lines.append("  no constant is set from a published step time (calibration.validation)")
     return "\n".join(lines)
 
