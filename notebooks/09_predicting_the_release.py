@@ -134,7 +134,7 @@ guide.glossary_view("Rank", "TensorCore", "Slice", "Host", "ICI", "Phase", "One-
 
 # %%
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import calibration, design_table, scale_out
 from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.views import scale_out_plots, widgets
@@ -226,16 +226,15 @@ TableView([{"point": r["point"], "published": f"{r['published']:.2f} {r['unit']}
            for r in validation], ["point", "published", "modelled", "ratio"])
 
 # %% [markdown]
-# Six of seven points land within 15 % (four within 10 %) with nothing fitted to a step. The
-# miss is **Kimi K3 at B = 4**: predicted well below the published 7.77 ms. The published step
-# grows 2.7 ms from B = 2 to B = 4 and only 1.5 ms from 4 to 8 (where the release switches to
-# reduce-scatter); the model's grows about as much from 2 to 4 as from 4 to 8 (the table above).
-# Something that costs the release time at B = 4 and is gone at B = 8 is missing from the
-# model: per-row work the model does not
-# price (top-k selection pick by pick, per-row issue of one-shot messages), or a link limit of
-# the one-shot's larger messages (45 GB/s per core and link, measured, against the fit's shared
-# 100 GB/s). It is named here, not tuned away. A what-if (not the model) shows the link alone is
-# not it: every link at the per-core 45 GB/s closes B = 4 but opens B = 1 and 2.
+# Nothing here is fitted to a step time, so the points the model misses stay missed, printed by
+# the checks below as the model gives them (`tests/test_scale_out.py` pins the window of each
+# ratio; `mkresearch predict kimi-k3 --validate` prints the same table). Two misses are worth
+# naming. **Kimi K3**: the model's step grows less from B = 2 to B = 4 than the published one,
+# and its B = 1 is slower than published: a batch-dependent cost of the release's is not in the
+# model yet (docs/prediction.md §4 lists what the model does grow with the batch). **The second
+# model** comes out faster than its report at every batch: the model's weight ring hides most of
+# the four collectives its report measures as exposed. A what-if (not the model): every link at
+# the measured per-core 45 GB/s instead of the fit's shared figure.
 
 # %%
 what_if = calibration.validation(calibration.Model(
@@ -250,14 +249,15 @@ print("what-if, every link at 45 GB/s (not the model): " + ", ".join(
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# Checks · every published point within 15 % but Kimi K3 at B = 4; the second model's
-# collectives against the measured ~14 µs per layer
+# Checks · every published point against the model, within 15 % or not (nothing fitted to a
+# step); the second model's collectives against the measured ~14 µs per layer
 for r in validation:
     verdict = ("within 10 %" if r["goal"] else "within 15 %" if r["within"]
                else "OUTSIDE 15 %")
     print(f"{r['point']}: modelled / published time per token = "
           f"{stable(r['ratio'], '.2f', 1e-6)} ({verdict})")
-assert sum(not r["within"] for r in validation) == 1  # Kimi K3 at B = 4 (above)
+assert all(0.7 < r["ratio"] < 1.3 for r in validation)  # no point off by a third or more
+assert all(r["within"] == (abs(r["ratio"] - 1) <= calibration.TOLERANCE) for r in validation)
 second = calibration.second_model()
 print(f"{second['model']}: per layer {stable(second['per_layer_us'], '.0f', 1e-3)} µs modelled "
       f"vs {second['published_per_layer_us']:.0f} µs; its 4 collectives "
@@ -267,47 +267,52 @@ assert 12 < second["collectives_per_layer_us"] < 16
 # %% [markdown]
 # ## 3 · Sensitivity and leave-one-out
 #
-# Every ASSUMPTION moved ×0.5 and ×2 (`calibration.ASSUMPTIONS`: the per-hop latency beyond the
-# measured slice, the DMA latency, the VMEM bandwidth, K3's banks and expert slots), and the
-# collective line refitted without each of its four measurements (leave-one-out): the range each
-# prediction then spans. Eleven validations and four refits: about half a minute, counted by the
-# bars.
+# Every ASSUMPTION moved (`calibration.ASSUMPTIONS`): the numbers ×0.5 and ×2 (the per-hop
+# latency beyond the measured slice, the sibling path's latency, the DMA latency, the VMEM
+# bandwidth, K3's banks and expert slots) and the switches to their other values (two DMA queues,
+# remote copies queued behind the weight DMAs, the weight stream running past every collective
+# or none, for both sides at once); and the collective line refitted without each of its four
+# measurements (leave-one-out): the range each prediction then spans. About a minute, counted by
+# the bars.
 
 # %%
 sensitivity = calibration.sensitivity(progress=True)
 loo = calibration.leave_one_out(progress=True)
 TableView([{"point": r["point"], "ratio": f"{r['ratio']:.3f}",
-            "assumptions x0.5 / x2": "{:.3f} .. {:.3f}".format(*sensitivity["ranges"][r["point"]]),
+            "assumptions moved": "{:.3f} .. {:.3f}".format(*sensitivity["ranges"][r["point"]]),
             "leave-one-out": "{:.3f} .. {:.3f}".format(*loo["ranges"][r["point"]])}
            for r in sensitivity["base"]],
-          ["point", "ratio", "assumptions x0.5 / x2", "leave-one-out"])
+          ["point", "ratio", "assumptions moved", "leave-one-out"])
 
 # %%
 short = {point: point.replace("Kimi K3 ", "K3 ").split(" (")[0]
          for point in sensitivity["rows"][0]["ratios"]}
-TableView([{"assumption": row["assumption"], "x": row["factor"],
+TableView([{"assumption": row["assumption"], "moved to": str(row["variant"]) if isinstance(
+                row["variant"], bool) or row["variant"] > 1 and isinstance(row["variant"], int)
+            else f"x{row['variant']:g}",
             **{short[point]: f"{ratio:.3f}" for point, ratio in row["ratios"].items()}}
-           for row in sensitivity["rows"]], ["assumption", "x", *short.values()])
+           for row in sensitivity["rows"]], ["assumption", "moved to", *short.values()])
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# Checks · K3 B = 2 holds and B = 4 stays a miss over every assumption; each measured
-# all-reduce predicted from the other three
-for point in ("Kimi K3 B=2", "Kimi K3 B=4"):
+# Checks · each Kimi K3 point's range over every assumption moved; each measured all-reduce
+# predicted from the other three
+for point in ("Kimi K3 B=1", "Kimi K3 B=2", "Kimi K3 B=4", "Kimi K3 B=8"):
     low, high = sensitivity["ranges"][point]
-    print(f"{point}: ratio within {stable(low, '.2f', 1e-6)} .. {stable(high, '.2f', 1e-6)} "
-          "over every assumption x0.5 and x2")
+    base = next(r["ratio"] for r in sensitivity["base"] if r["point"] == point)
+    print(f"{point}: ratio {stable(base, '.2f', 1e-6)}, within {stable(low, '.2f', 1e-6)} .. "
+          f"{stable(high, '.2f', 1e-6)} over every assumption moved")
+    assert low <= base <= high
 for held in loo["held_out"]:
     print(f"  all-reduce of {held['nbytes'] // 1024} KiB, left out of the fit: predicted "
           f"{stable(held['predicted_us'], '.1f', 1e-3)} µs, measured {held['measured_us']:.1f}")
-assert sensitivity["ranges"]["Kimi K3 B=2"][1] < 1.1
-assert sensitivity["ranges"]["Kimi K3 B=4"][1] < 0.9
+assert all(abs(h["predicted_us"] / h["measured_us"] - 1) < 0.1 for h in loo["held_out"])
 
 # %% [markdown]
-# The B = 2 agreement holds over every assumption (0.99–1.07); the B = 4 miss does too (0.83–0.88):
-# no stated assumption closes it, which is why it names missing physics. The largest movers are
-# the hop latency and the DMA latency (both paid once per phase or per refill of the ring, ≈ 650
-# collectives per step).
+# The rows above show what moves each point most: the sibling path's latency (a line through
+# two copies far larger than a decode message), the weight stream past every collective or none,
+# and remote copies queued behind the weight DMAs. None of them alone is pinned by a published
+# measurement at decode sizes, which is why they are in the set.
 #
 # ## 4 · Our layout and schedule on the same hardware
 #
@@ -323,7 +328,9 @@ assert sensitivity["ranges"]["Kimi K3 B=4"][1] < 0.9
 # --explain` prints its depth). Both are read from the kernel's
 # own collective schedule, each collective priced by the algorithm the model picks for it.
 # Beside them: our layout under the release's schedule — bf16 partial sums, 12 banks, 4 expert
-# slots. All tok/s below are modelled but the published ones.
+# slots — and the release's own, all under one `calibration.Model`: the same links, chip figures,
+# context and streaming rule for both sides (`mkresearch predict kimi-k3 --json` lists them under
+# "assumptions"). All tok/s below are modelled but the published ones.
 
 # %%
 release = calibration.release_table(cfg)
@@ -337,17 +344,19 @@ for row in ours:
                       "predicted_ms"] * 1e3,
                   "ours partial-sum tok/s": row["ours"]["tok_s"],
                   "ours exact tok/s": row["ours_exact"]["tok_s"],
-                  "our layout + release schedule tok/s": row["ours_release_schedule"]["tok_s"]})
+                  "our layout + release schedule tok/s": row["ours_release_schedule"]["tok_s"],
+                  "ours / release step": row["ours_over_release"]})
 TableView(table, list(table[0]), digits=0)
 
 # %% [markdown]
-# **The honest answer.** Our kernel's exact mode would *not* beat the release at full size: its
-# bit-exact design pays a collective around every split matrix: at B = 1 its exposed messages
-# dominate its step beyond the HBM floor (the checks below). Its partial-sum mode, as the kernel
-# now builds it, is faster at every batch and beats the published step at every batch (the table
-# above), but not the 2.5 ms target: at 32 ranks the phases of its collectives, each waited for
-# right after it is issued with the ring's blocks in flight, still dominate the step.
-# The picture (`make figures` writes it as figures/scale_out.png):
+# **The honest answer.** Under the same assumptions the model puts our kernel as built *slower*
+# than its model of the release at every batch (the checks print the ratios). Our exact mode pays
+# a collective around every split matrix: at B = 1 its exposed messages dominate its step beyond
+# the HBM floor. Our partial-sum mode reads far fewer bytes per rank than the release, but it
+# waits on a chain of collective latencies (rank 0's collectives one after another:
+# `serial_chain_s`) and decodes its MXFP4 experts to bf16, which costs the MXU more per byte than
+# the release's fp8 as the batch grows. The picture (`make figures` writes it as
+# figures/scale_out.png):
 
 # %%
 figure = scale_out_plots.scale_out_figure(release, ours)
@@ -355,8 +364,8 @@ widgets.show_figure(figure)  # described: an HTML export gives the picture its t
 
 # %%
 # NBVAL_CHECK_OUTPUT
-# Checks · partial sums beat exact and the published step at every batch; what dominates exact
-# mode; the figure's labels read
+# Checks · partial sums beat exact at every batch; ours against the release's modelled step
+# under the same assumptions; what dominates exact mode; the figure's labels read
 for row in ours:
     published_ms = 1e3 * row["batch"] / row["published_tok_s"]
     built, exact, summed = row["ours"], row["ours_exact"], row["ours_release_schedule"]
@@ -364,15 +373,38 @@ for row in ours:
           f"{built['step_ms'] / published_ms:.2f} ({built['collectives_per_rank']} collectives "
           f"per rank); exact = {exact['step_ms'] / published_ms:.2f} (dominant beyond the floor: "
           f"{exact['dominant']}, {exact['collectives_per_rank']}); our layout + the release's "
-          f"schedule = {summed['step_ms'] / published_ms:.2f}")
+          f"schedule = {summed['step_ms'] / published_ms:.2f}; ours / the release's modelled "
+          f"step = {row['ours_over_release']:.2f}")
 first = ours[0]
 assert first["ours_exact"]["dominant"] == "collective_messages"
-for row in ours:  # partial sums beat exact and the published step at every batch
-    published_ms = 1e3 * row["batch"] / row["published_tok_s"]
+for row in ours:  # partial sums beat exact at every batch, with fewer bytes than the release's
     assert row["ours"]["step_ms"] < row["ours_exact"]["step_ms"]
-    assert row["ours"]["step_ms"] < published_ms
-assert first["ours_release_schedule"]["step_ms"] < 1e3 / first["published_tok_s"]
+    assert row["ours"]["rank_gb"] < row["release"]["rank_gb"]
 assert not label_problems(figure)  # no label runs into another, none is cut
+
+# %% [markdown]
+# What would close the gap? `mkresearch.prediction.designs` names changes the kernel does not
+# make yet, and the same model prices them, each added in turn (`mkresearch predict kimi-k3
+# --designs` prints every batch; docs/prediction.md §8): the routed experts' reads ahead of the
+# ring's queued blocks, the latent sum rho by a one-phase reduce-scatter with W_lu split by rows,
+# the router placed where the model says it is fastest, and bf16 partial sums on the wire.
+
+# %%
+designs_b1 = design_table.designs_table(cfg, 32, (1,))
+TableView([{"design": r["design"], "step ms": r["step_ms"], "GB per rank": r["rank_gb"],
+            "serial chain ms": r["chain_ms"], "/ release": r["over_release"]}
+           for r in designs_b1], ["design", "step ms", "GB per rank", "serial chain ms",
+                                  "/ release"], digits=2)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · every design keeps or shortens the step it is added to; the release's row is the
+# release under the same Model
+steps = [r["step_ms"] for r in designs_b1[:-1]]
+print(f"B=1: {len(steps)} steps of ours, each design added in turn, never slower: "
+      f"{all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))}")
+assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
+assert designs_b1[-1]["design"] == "the release (modelled)" and designs_b1[-1]["over_release"] == 1
 
 # %% [markdown]
 # ## 5 · Explorer

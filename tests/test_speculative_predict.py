@@ -29,9 +29,10 @@ def mini_rows():
 
 def test_a_verify_step_is_the_step_of_b_times_k_plus_1_rows(mini_rows):
     cfg = get_config("kimi-k3-mini")
-    verify = scale_out.predict(cfg, 2, layouts.OURS, 8)
+    verify = scale_out.predict(cfg, 2, layouts.OURS, 8, sequences=2)  # 2 sequences' 8 rows
     for row in mini_rows:
         assert row["verify_rows"] == 8 and row["verify_step_s"] == verify["step_s"]
+        assert row["draft_step_s"] == 0 and row["step_s"] == verify["step_s"]  # no drafter known
         assert row["tokens_per_step"] == 2 * row["acceptance"]
         assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / verify["step_s"],
                                                     rel=1e-12)
@@ -45,10 +46,17 @@ def test_release_rows_beside_the_published_350_and_709():
     rows = speculative.release_rows(cfg)
     assert [(r["acceptance"], r["verify_rows"], r["published_tok_s"]) for r in rows] == [
         (3, 8, 350), (6, 8, 709)]
-    # out of sample (nothing fitted to a step time): both within 10 % of the published tok/s
-    assert all(abs(r["ratio"] - 1) < 0.10 for r in rows)
+    # out of sample (nothing fitted to a step time): the release's 8-row verify step of one
+    # sequence and its DSpark draft pass, tok/s 12-15 % under the published (test_scale_out's
+    # RATIO_WINDOWS name it)
+    assert all(0.85 < r["ratio"] < 0.9 for r in rows)
     plain_b8 = scale_out.predict(cfg, 32, layouts.RELEASE, 8)
-    assert rows[0]["verify_step_s"] == plain_b8["step_s"]
+    one_sequence = scale_out.predict(cfg, 32, layouts.RELEASE, 8, sequences=1)
+    assert rows[0]["verify_step_s"] == one_sequence["step_s"] < plain_b8["step_s"]
+    assert one_sequence["rank_bytes"] < plain_b8["rank_bytes"]  # states read once, not 8 times
+    assert rows[0]["step_s"] == rows[0]["verify_step_s"] + rows[0]["draft_step_s"]
+    assert 0 < rows[0]["draft_step_s"] < 0.1 * rows[0]["verify_step_s"]
+    assert sum(speculative.draft_bytes()) == pytest.approx(225e6, rel=0.01)
 
 
 def test_acceptance_curve_has_both_draft_policies():

@@ -49,6 +49,11 @@ MXFP4_DECODES = ("native", "integer")
 INTERPRET_CHIP = "tpu7x"
 # Rows of K decoded at once: bounds the f32 temporaries of one decode (K_CHUNK x N x 4 bytes).
 MAX_K_CHUNK = 1024
+# What `matmul` hands the MXU: every stored format decoded to bf16 before the dot (not fp8, whose
+# MXU peak is twice bf16's). The prediction prices an expert's dot from it (`prediction.program.
+# expert_mix`): the MXU pushes each weight tile whatever the batch, so a 4-bit weight decoded to
+# bf16 costs the MXU four times what it costs HBM in bytes.
+MXU_TAKES_FP8 = False
 
 
 def check_format(expert_format: Any, name: str = "expert_format") -> str:

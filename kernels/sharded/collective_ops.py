@@ -107,6 +107,11 @@ class CollectiveOp:
     role: str = ""  # "input" (gathered before the matrix), "output" (after), "sum", ""
     carries: tuple[str, ...] = ()  # matrices whose column chunks ride in its messages
     why: str = ""  # why it is issued and waited where it is (the plan's listing says it)
+    # the weight stream runs ahead past it while it is waited for: the sharded megakernel's one
+    # global ring (`megakernel_sharded.ring_depth`) issues block i + depth when block i is used,
+    # across stage and layer boundaries, so the blocks after a collective are in flight before
+    # its wait (the prediction's ring horizon, `prediction.timeline.RankSimulation`)
+    streams: bool = True
 
     @property
     def op(self) -> str:

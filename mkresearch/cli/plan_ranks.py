@@ -1,7 +1,8 @@
 """`mkresearch plan MODEL --ranks N`: every collective of one sharded step, listed
 (`mkresearch.prediction.collective_plan`): kind, group, bytes, phases, algorithm and why, what it overlaps,
-and their count; in partial-sum mode also what fewer collectives would cost
-(`mkresearch.prediction.collective_floor`)."""
+and their count; in partial-sum mode also what fewer collectives would cost by replication
+(`mkresearch.prediction.collective_floor`) and, for a model with a router, the bytes, latency and
+predicted step of each router placement (`mkresearch.prediction.design_table`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from typing import Any
 
 from mkresearch.cli.common import _at_least, _chip, _model, _refusals
 from mkresearch.kernels.sharded import plan as sharding
-from mkresearch.prediction import collective_floor, collective_plan
+from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.stages.router import W_ROUTER
+from mkresearch.prediction import calibration, collective_floor, collective_plan, design_table
+from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout
 
 
@@ -32,15 +36,22 @@ def run(args: Any) -> int:
         layout.check_ranks(cfg, args.ranks)
         plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
                                                mode=args.collectives, wire=args.wire, chip=chip)
-        front = best = None
+        front = best = router = None
         if args.collectives == layout.PARTIAL_SUM:
             front = collective_floor.frontier(cfg, args.ranks, args.batch, chip)
             best = collective_floor.fastest(cfg, args.ranks, args.batch, chip)
+            if any(row["name"].startswith(W_ROUTER) for row in plan["rows"]):
+                model = calibration.Model(
+                    interconnect=links.interconnect(chip, n_ranks=args.ranks),
+                    timeline_chip=timeline_chip(chip))
+                router = design_table.router_placements(cfg, args.ranks, args.batch, model=model)
     if args.json:
-        print(json.dumps({**plan, "frontier": front, "fastest": best}))
+        print(json.dumps({**plan, "frontier": front, "fastest": best, "router": router}))
         return 0
     print(collective_plan.format_plan(plan))
     if front is not None:
         print(collective_floor.format_frontier(front))
         print(collective_floor.format_fastest(best))
+    if router is not None:
+        print(design_table.format_router_placements(router))
     return 0

@@ -10,7 +10,8 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
 PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
-a test).
+a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
+(`prediction.design_table`).
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -36,7 +37,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
-from mkresearch.prediction import calibration, scale_out
+from mkresearch.prediction import calibration, design_table, designs, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -70,7 +71,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
                    help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
                         "to one device); the release's schedule has its own")
-    add_context(p, 0, "tokens already in each sequence's KV cache (default 0)")
+    add_context(p, 0, "tokens already in each sequence's KV cache (default 0, as every "
+                      "full-size line `info`, `decode` and `bench` print; the release's benchmark, "
+                      "one prompt token and 1,024 generated, averages "
+                      f"{calibration.BENCHMARK_CONTEXT}: what --validate uses, and --designs "
+                      "unless given another)")
     p.add_argument("--speculate", type=int, default=0,
                    help="drafts per verify step, 1..7 (default 0: plain decoding)")
     p.add_argument("--acceptance", default=None,
@@ -80,6 +85,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--explain", action="store_true",
                    help="list every constant of the model: measured (source), published, assumed")
+    p.add_argument("--designs", action="store_true",
+                   help="ours as built, then each design the kernel does not run yet (expert "
+                        "reads first, rho by reduce-scatter, the router placement, bf16 partial "
+                        "sums) added in turn, beside the release's modelled step")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -94,6 +103,16 @@ def run(args: Any) -> int:
         return 0
     if args.validate:
         print(format_validation())
+        return 0
+    if args.designs:
+        _at_least("--ranks", args.ranks, 2)
+        with _refusals():
+            layout.check_ranks(cfg, args.ranks)
+            model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
+                                      timeline_chip=timeline_chip(chip),
+                                      context=args.context or calibration.BENCHMARK_CONTEXT)
+            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+        print(json.dumps(table) if args.json else design_table.format_designs(table))
         return 0
     batches = args.batch
     _at_least("--ranks", args.ranks, 2)
@@ -133,11 +152,25 @@ def run(args: Any) -> int:
         print(format_profile(cfg, args.ranks, names[0], batches[0], chip))
     if args.json:
         print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
-                          "predictions": rows}))
+                          "predictions": rows,
+                          "assumptions": assumptions_of(rows, chip, args.ranks, args.context)}))
     else:
         print(format_speculative(rows) if args.speculate else format_rows(rows))
         print("\n".join(step.line() for step in steps))
     return 0
+
+
+def assumptions_of(rows: list[dict], chip: str, n_ranks: int, context: int) -> dict:
+    """Every assumption behind `rows`: the ones both sides share, once (the links, the chip's
+    timeline figures, the streaming rule, the context, the routing: `calibration.Model`), and
+    each side's own (its schedule: ring, expert slots and reads, the MXU's input, its
+    collectives), by layout."""
+    model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=n_ranks),
+                              timeline_chip=timeline_chip(chip), context=context)
+    sides = {}
+    for r in rows:
+        sides.setdefault(r["layout"], {})[str(r["batch"])] = r.get("schedule")
+    return {"shared": model.describe(), "sides": sides}
 
 
 def format_speculative(rows: list[dict]) -> str:
@@ -161,7 +194,8 @@ def format_speculative(rows: list[dict]) -> str:
 def format_rows(rows: list[dict]) -> str:
     """The predictions as a table: step and tok/s, the slowest rank's parts, the published."""
     first = rows[0]
-    algorithm = "each collective as our kernel sends it (its sharding plan: kernels.sharded.plan)" \
+    algorithm = "each collective as its kernel sends it (ours: its sharding plan, " \
+        "kernels.sharded.plan; the release's: its program)" \
         if first["algorithm"] == "auto" else f"{first['algorithm']} collectives"
     lines = [(f"{first['model']} on {first['n_ranks']} ranks of {first['chip']} "
              f"({algorithm}): {first['label']}"),
@@ -181,10 +215,16 @@ def format_rows(rows: list[dict]) -> str:
             + f" {r['collectives_per_rank']:5d} {pub:>14s} {gb200:>9s}")
     lines += [f"  {r['layout']} B={r['batch']}: {r['schedule']['ring']}" for r in rows
               if r["schedule"].get("ring")]  # our kernel's ring: its depth at each batch and why
-    lines.append("  parts (ms, the slowest rank): HBM floor, waiting for peers, collective "
+    lines.append("  parts (ms, the slowest rank): HBM busy, waiting for peers, collective "
                  "messages, compute, bubbles; colls: collectives per rank per step, every one "
                  "counted (gathers and sibling swaps too: the ~188 of docs/collectives.md count "
                  "only the release's two reductions per layer)")
+    step = {(r["layout"], r["batch"]): r["step_s"] for r in rows}
+    both = [b for (name, b) in step if name == "ours" and ("release", b) in step]
+    if both:
+        lines.append("  ours / the release's modelled step, the same assumptions (`predict "
+                     "--json`: assumptions): " + ", ".join(
+                         f"B={b} {step['ours', b] / step['release', b]:.2f}" for b in both))
     return "\n".join(lines)
 
 
@@ -202,18 +242,27 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
               "MEASURED (source), PUBLISHED architecture figure, ASSUMPTION")]
     for name, value, source in inter.explain():
         lines.append(f"  interconnect.{name:20s} {value:12.4g}  {source}")
-    for name in ("hbm_bandwidth", "mxu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines"):
-        lines.append(f"  timeline_chip.{name:19s} {getattr(tl, name):12.4g}  "
+    for name in calibration.TIMELINE_FIELDS:
+        lines.append(f"  timeline_chip.{name:19s} {float(getattr(tl, name)):12.4g}  "
                      f"{tl.sources.get(name, '')}")
     for sched in (scale_out.RELEASE_SCHEDULE, scale_out.our_schedule(cfg, n_ranks=n_ranks)):
         algorithms = "each collective's algorithm from the sharding plan" if sched.collectives \
-            else (f"all-reduce {sched.all_reduce} (from B = {scale_out.RS_FROM_BATCH}: "
-                  f"{sched.all_reduce_large})")
+            else ("each collective as its kernel sends it (program.release_collectives: sums "
+                  f"{sched.all_reduce}, from B = {scale_out.RS_FROM_BATCH} {sched.all_reduce_large})")
+        streams = {None: "where its program issues the weights after a collective before its "
+                         "wait", True: "every collective", False: "no collective"}
         lines.append(f"  schedule {sched.name}: {sched.block_bytes} B blocks, {sched.banks} banks, "
-                     f"{sched.expert_slots} expert slots, {sched.combine}, {algorithms}, "
-                     f"prefetch past collectives {sched.prefetch_across}; {sched.source}"
+                     f"{sched.expert_slots} expert slots, expert reads {sched.expert_order}, "
+                     f"MXU takes experts as {'fp8' if sched.mxu_fp8 else 'bf16'}, "
+                     f"{sched.combine}, {algorithms}, its stream runs past "
+                     f"{streams[sched.prefetch_across]}; {sched.source}"
                      + (f"; B = 1: {sched.ring}" if sched.ring else ""))
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
+    lines.append(f"  designs the kernel does not run (none assumed; `--designs` prices them): "
+                 f"{', '.join(designs.DESIGNS)}, expert reads first")
+    lines.append(f"  context: the release's benchmark averages {calibration.BENCHMARK_CONTEXT} "
+                 "cached tokens (one prompt token, 1,024 generated): --validate and --designs "
+                 "predict at it; the table at --context (default 0, as every full-size line)")
     lines.append("  no constant is set from a published step time (calibration.validation)")
     return "\n".join(lines)
 
@@ -224,7 +273,8 @@ def format_validation() -> str:
     loo = calibration.leave_one_out()
     lines = [(f"validation: every published point, predicted out of sample (within "
               f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
-              "assumption x0.5 and x2; LOO: the collective fit without each measurement"),
+              "assumption moved (numbers x0.5 and x2, switches to their other values); LOO: the "
+              "collective fit without each measurement"),
              (f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
               f"{'within':>6s} {'range':>13s} {'LOO range':>13s}")]
     for r in sens["base"]:
@@ -239,10 +289,13 @@ def format_validation() -> str:
     for h in loo["held_out"]:
         lines.append(f"  {h['nbytes']:8d} B: measured {h['measured_us']:5.1f} us, predicted "
                      f"{h['predicted_us']:5.1f} us from the other three")
-    lines.append("sensitivity (ratio per point):")
     points = [r["point"] for r in sens["base"]]
+    lines.append("sensitivity (ratio per point, in the order above):")
     for row in sens["rows"]:
-        lines.append(f"  {row['assumption']:40s} x{row['factor']:<4g}" + " ".join(
+        variant = row["variant"]
+        label = f"= {variant}" if isinstance(variant, bool) or isinstance(variant, int) \
+            and variant > 1 else f"x{variant:g}"
+        lines.append(f"  {row['assumption'][:44]:44s} {label:7s}" + " ".join(
             f"{row['ratios'][p]:5.2f}" for p in points))
     return "\n".join(lines)
 

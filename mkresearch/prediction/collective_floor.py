@@ -1,5 +1,14 @@
-"""What fewer collectives would cost: for each collective of our partial-sum step, the bytes per
-rank that avoiding it adds, and the cheapest design for every collective count (the frontier).
+"""What fewer collectives would cost by replication alone: for each collective of our partial-sum
+step, the bytes per rank that avoiding it by every rank reading its inputs whole adds, and the
+cheapest such design for every collective count (the frontier).
+
+What this is not: a bound on every design. Its bounds (the larger of the HBM floor and the
+collectives' latencies in sequence, each priced as the kernel sends it today) hold over
+replication designs only. A collective sent another way (rho by a one-phase reduce-scatter), a
+router split over fewer ranks, a collective hidden behind the expert reads or the weight stream:
+those change the chain without replicating, and are priced by the full scale-out model instead
+(`prediction.designs`, `prediction.design_table`: `mkresearch predict MODEL --designs`, and the
+router placements `mkresearch plan MODEL --ranks N` prints after this frontier).
 
 A collective of the step (`kernels/sharded/collective_ops.py`) exists because a value
 computed in pieces across ranks is needed whole by a non-linear step (top-k, an RMSNorm, the
@@ -178,8 +187,9 @@ def fastest(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7x",
             ) -> dict[str, Any] | None:
     """Of every combination of the avoidances that fit HBM (not only the frontier's order) within
     `max_rank_bytes` per rank and `max_collectives` per step (None: any), the one with the lowest
-    bound on the step (the larger of its HBM floor and its collectives' latency): no such design
-    can be faster. JSON-able; None if no combination meets the limits."""
+    bound on the step (the larger of its HBM floor and its collectives' latency): no replication
+    design can be faster (designs that send a collective another way are not bounded here: see
+    the module docstring). JSON-able; None if no combination meets the limits."""
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=layouts.PARTIAL_SUM)
     base = float(layout_bytes.rank_bytes(lay, batch, 0, layouts.PARTIAL_SUM).total)
     found = avoidances(cfg, n_ranks, batch, chip)
@@ -204,18 +214,19 @@ def fastest(cfg: ModelConfig, n_ranks: int, batch: int = 1, chip: str = "tpu7x",
 
 
 def format_fastest(best: dict[str, Any] | None, limits: str = "") -> str:
-    """One line: the fastest any combination can be (`fastest`), under `limits` (words)."""
+    """One line: the lowest bound over replication designs (`fastest`), under `limits` (words)."""
     if best is None:
         return f"  no combination of these avoidances meets {limits}"
     avoided = ", ".join(best["avoided"]) or "none"
-    return (f"  the fastest any combination can be{' ' + limits if limits else ''}: "
+    return (f"  the lowest bound over replication designs{' ' + limits if limits else ''} (not "
+            "over restructured reductions, router placements or overlap: `predict --designs`): "
             f"{best['bound_ms']:.2f} ms (floor {best['floor_ms']:.2f}, collectives "
             f"{best['collectives_ms']:.2f}) with {best['collectives']} collectives and "
             f"{best['rank_bytes'] / 1e9:.2f} GB per rank, avoiding {avoided}")
 
 
 def format_frontier(front: dict[str, Any]) -> str:
-    lines = [(f"fewer collectives, and what they cost ({front['model']} on {front['n_ranks']} "
+    lines = [(f"fewer collectives by replication, and what they cost ({front['model']} on {front['n_ranks']} "
               f"ranks of {front['chip']}, B = {front['batch']}; bytes per rank; floor = bytes / "
               "one device's HBM bandwidth; coll = the collectives' latencies, one after another; "
               "bound = the larger):"),

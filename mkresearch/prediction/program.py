@@ -5,11 +5,16 @@ step and the release's are written in, and that `timeline_ranks.simulate_program
 A program is a list of ops over a shared list of weight blocks (`Program`):
 
   ("blocks", n)                       the next n ring blocks: each waited, then multiplied
-  ("fetch", nbytes, count, slots)     count DMAs, `slots` in flight, each multiplied when it lands
+  ("fetch", nbytes, count, slots[, mix])
+                                      count DMAs, `slots` in flight, each multiplied when it lands
+                                      (mix: its matrices' share of the bytes, weights per byte and
+                                      whether the MXU takes them as fp8: `expert_mix`)
   ("write", nbytes)                   a write back to HBM, waited at the end of the step
-  ("start", name, op, group, path, nbytes, blocking, algorithm)
+  ("start", name, op, group, path, nbytes, blocking, algorithm, streams)
                                       a collective among the stand-in ranks `group`, priced over
-                                      `path`; blocking: the rank waits for it here
+                                      `path`; blocking: the rank waits for it here; streams: the
+                                      weight ring runs ahead past it meanwhile (the kernel has
+                                      issued the weights after it before waiting)
   ("wait", name)                      wait for the last collective started under that name
 
 A stage is a sequence of actions (its streamed matrices in the order the rank streams them, and
@@ -29,14 +34,25 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
+
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.sharded.collective_ops import EXPERTS, CollectiveOp, collective_ops
-from mkresearch.model import spec
+from mkresearch.model import roofline, spec
+from mkresearch.model.config import LANE
 from mkresearch.sharding import layout as layouts
 
 F32 = 4
 # docs/collectives.md: "Partial sums travel as bf16 pairs packed into 32-bit words"
 PARTIAL_SUM_BYTES = 2
+ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"
+# The release's kernel and its demo's tuned decode options (kimi/decode_megakernel.py,
+# `decode_options`): its routed (and shared) sums reduce-scatter from 6 rows; at 8 rows the
+# attention's sum and the MoE's output are token-scattered (each pair of cores owns B / 4 rows)
+RS_FROM_BATCH = 6
+TOKEN_SCATTER_BATCH = 8
+RELEASE_HOST_RANKS = 8  # rank // 8 is its host, rank % 8 its lane
+RELEASE_LU_COLUMNS = 1024  # W_lu's columns per lane: a host's 8 lanes cover d (7,168 of 8,192)
 SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
 # the collective ops' labels of the exact mode's expert steps, all at the experts' point
 EXPERT_LABELS = ("expert W1, W3", "expert W2", "the group's experts", "the last group's sum",
@@ -55,9 +71,10 @@ class Program:
         else:
             self.ops.append(("blocks", count))
 
-    def fetch(self, nbytes: float, count: int, slots: int) -> None:
+    def fetch(self, nbytes: float, count: int, slots: int, mix: tuple = (),
+              order: str = "queued") -> None:
         if count:
-            self.ops.append(("fetch", nbytes, count, slots))
+            self.ops.append(("fetch", nbytes, count, slots, mix, order))
 
     def write(self, nbytes: float) -> None:
         if nbytes:
@@ -65,9 +82,9 @@ class Program:
 
     def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
                    path: tuple[int, ...] = (), *, blocking: bool = True,
-                   algorithm: str | None = None) -> None:
+                   algorithm: str | None = None, streams: bool = True) -> None:
         self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
-                         algorithm))
+                         algorithm, streams))
 
     def wait(self, name: str) -> None:
         self.ops.append(("wait", name))
@@ -97,12 +114,16 @@ class Collective:
     critical: bool = True  # False: overlapped with the actions between issue and wait
     matrix: str = ""  # the streamed matrix it serves, if any
     group: tuple[int, ...] | None = None  # the stand-in ranks joined (None: those of `path`)
+    # the weight stream runs ahead past it while it is waited for: the kernel has issued the
+    # weights that follow it before waiting (`timeline.RankSimulation`: the ring's horizon)
+    streams: bool = True
 
 
 def from_op(op: CollectiveOp) -> Collective:
     """One of our kernel's collectives, as the kernel sends it."""
     return Collective(op.name, op.op, tuple(op.group), op.payload_bytes, op.issue_after,
-                      op.wait_before, op.sent_algorithm, op.count, op.critical, op.matrix)
+                      op.wait_before, op.sent_algorithm, op.count, op.critical, op.matrix,
+                      streams=op.streams)
 
 
 # ---- placing a stage's collectives ------------------------------------------------------------
@@ -168,7 +189,41 @@ def start(prog: Program, c: Collective, name: str, group_of, *, blocking: bool =
     whole path by its algorithm."""
     group = group_of(c.path) if c.group is None else c.group
     prog.collective(name, c.op, group, c.nbytes, c.path, blocking=blocking,
-                    algorithm=c.algorithm)
+                    algorithm=c.algorithm, streams=c.streams)
+
+
+# ---- the routed experts on the MXU ---------------------------------------------------------------
+# The release's kernel multiplies its FP8 gate/up as fp8 and converts its MXFP4 down-projection's
+# E2M1 codes to fp8 for the MXU (kimi/decode_megakernel.py: `_paired_expert_gate_up`,
+# `_quantized_expert_dot`; docs/kimi-k3.md §7)
+RELEASE_MXU_TAKES_FP8 = True
+# ... and issues its next weights (W_lu before its routed reduction, the next layer's projections
+# and router in `after_experts`) only once its expert stream is done: the ring does not run past
+# the expert reads (`timeline.HELD`)
+RELEASE_EXPERT_ORDER = "held"
+
+
+@functools.lru_cache(maxsize=64)
+def expert_mix(lay: layouts.Layout, mxu_fp8: bool) -> tuple[tuple[float, float, bool], ...]:
+    """One routed expert's matrices on a rank of `lay` as (share of the expert's bytes, weights
+    per stored byte, taken by the MXU as fp8): the fetch op's `mix`. Their stored formats are the
+    layout's (`layout.count_format`); mxu_fp8: the kernel hands the MXU fp8 (else bf16)."""
+    cfg = lay.cfg
+    out = []
+    for kind in spec.stages_of(cfg):
+        table = spec.param_table(cfg)[kind.name]
+        local = layouts.rank_params(lay)[kind.name]
+        for key in kind.routed:
+            for (path, _), mine in zip(layouts.leaves_with_path(table[key]),
+                                       jax.tree.leaves(local[key], is_leaf=layouts.is_param),
+                                       strict=True):
+                stored = roofline.tree_bytes(layouts.storage(cfg, mine,
+                                                             layouts.count_format(lay, path)))
+                out.append((stored, math.prod(mine.shape) / stored, mxu_fp8))
+        if out:
+            break
+    total = sum(b for b, _, _ in out)
+    return tuple((b / total, w, fp8) for b, w, fp8 in out)
 
 
 # ---- ours: the kernel's collectives ------------------------------------------------------------
@@ -223,41 +278,91 @@ def release_actions(matrices, routed: bool, partial_sums: bool = True
 
 def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batch: int,
                         routed: bool) -> tuple[Collective, ...]:
-    """The release's collectives of one stage (docs/collectives.md), partial sums as bf16 on the
-    wire: attention: the sibling's attended features gathered before W_o, each core half the
-    hidden width, an all-reduce over the 16 cores of its parity, the halves swapped with the
-    sibling; MoE: router scores swapped with the sibling, the latent all-gathered behind routing,
-    the shared expert's sum started before the routed experts and waited after them, the routed
-    sum reduced last; a dense FFN's sum reduced at its end."""
-    cfg, n = lay.cfg, lay.n_ranks
-    everyone, pair = tuple(range(n)), (rank, rank ^ 1)
-    vector = batch * cfg.d_model * PARTIAL_SUM_BYTES
-    alone, reps = (rank,), tuple(range(0, n, lay.etp))  # a sibling swap waits for no stand-in
+    """The release's collectives of one stage, each sent as its kernel sends it
+    (kimi/decode_megakernel.py with its demo's tuned options, docs/collectives.md §1), partial
+    sums as bf16 pairs on the wire:
+
+      attention  the sibling's attended features swapped before the second half of W_o; below
+                 TOKEN_SCATTER_BATCH one one-shot all-reduce over the 16 cores of its parity (15
+                 messages of [B, d / 2]) and the halves swapped with the sibling; at it (token
+                 scatter), a one-shot reduce-scatter of the B / 4 rows each pair of cores owns
+                 among the host's 4 cores of its parity, their sums all-reduced one-shot over the
+                 4 hosts (f32), swapped with the sibling, and the owned rows gathered again among
+                 the host's pairs before the MoE and before the next attention
+                 (sequence-parallel pre-attention)
+      MoE        the router scores' halves swapped with the sibling; the latent, [B, 128] per
+                 rank, all-gathered one-shot behind top-k, waited before the experts; the shared
+                 expert's [B, d] sum (a host's one-shot, then the hosts') started before the
+                 routed experts and waited after them; the routed experts' latent sum rho
+                 ([B, latent]) reduced the same way (from RS_FROM_BATCH: reduce-scatter, the
+                 hosts', all-gather); W_lu then multiplies a host's 1,024-column slice on each
+                 core and the slices are all-gathered one-shot in the host (at
+                 TOKEN_SCATTER_BATCH: each peer is sent only the rows its pair owns)
+      dense FFN  its [B, d] sum, a host's one-shot then the hosts'
+
+    Where its weight stream runs past a collective (`Collective.streams`): right after a MoE
+    layer's (or the dense FFN's) routed experts it issues the next layer's norms, attention
+    projections, KDA state and router (`after_experts`), and W_lu's copy before its routed
+    reduction, so its stream runs past the FFN's output collectives; W_ld and the shared expert's
+    matrices are issued when the MoE starts, before routing, so they stream while the router
+    scores are swapped; nothing of the MoE is issued before the attention's output collectives
+    are done (W_o is prefetched with the layer's projections), so the stream does not run past
+    those."""
+    cfg, n, d = lay.cfg, lay.n_ranks, lay.cfg.d_model
+    wire = PARTIAL_SUM_BYTES
+    pair, alone = (rank, rank ^ 1), (rank,)  # a sibling swap waits for no stand-in
+    everyone = tuple(range(n))
+    host = tuple(r for r in everyone if r // RELEASE_HOST_RANKS == rank // RELEASE_HOST_RANKS)
+    host_parity = tuple(r for r in host if r % 2 == rank % 2)
+    hosts = tuple(r for r in everyone if r % RELEASE_HOST_RANKS == rank % RELEASE_HOST_RANKS)
+    scatter = batch >= TOKEN_SCATTER_BATCH
+    owned = max(1, batch // 4)  # rows a pair of cores owns under token scatter
+    reduce = TWO_LEVEL if batch < RS_FROM_BATCH else RS_AG
     names = [m for m, _ in actions]
-    end = f"{kind} end"
+    first, end = names[0] if names else f"{kind} end", f"{kind} end"
     out = []
+
+    def attention(name, op, group, nbytes, issue, wait, algorithm=ONE_SHOT, **kw):
+        kw.setdefault("group", alone if len(group) == 2 else None)
+        out.append(Collective(f"{kind}/{name}", op, group, nbytes, issue, wait, algorithm,
+                              streams=False, **kw))
+
+    if spec.stage(kind).role == "attention" and scatter:  # the owned rows, normalized, gathered
+        attention("rows_in", "all_gather", host_parity, owned * d * wire, f"{kind} start", first)
     for i, (matrix, nbytes) in enumerate(actions):
         if spec.stage(kind).role == "attention" and matrix.endswith("w_o"):
             before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
-            out.append(Collective(f"{kind}/features", "all_gather", pair,
-                                  batch * nbytes / cfg.d_model, before, matrix, group=alone))
+            attention("features", "all_gather", pair, batch * nbytes / d, before, matrix)
         if matrix.endswith("w_router"):
             out.append(Collective("router/scores", "all_gather", pair,
-                                  batch * cfg.n_experts * F32 / 2, matrix, matrix, group=alone))
+                                  batch * sharding.lanes(cfg.n_experts // 2) * F32, matrix,
+                                  matrix, ONE_SHOT, group=alone))
         if routed and matrix.endswith("w_ld"):
-            out.append(Collective("latent", "all_gather", everyone,
-                                  batch * cfg.moe_latent * 2 / n, matrix, EXPERTS, group=reps))
+            chunk = LANE * -(-cfg.moe_latent // (n * LANE))  # the padded latent's columns per rank
+            out.append(Collective("latent", "all_gather", everyone, batch * chunk * wire, matrix,
+                                  EXPERTS, ONE_SHOT))
         if routed and matrix.endswith(sharding.SHARED_DOWN):
-            out.append(Collective("shared_sum", "all_reduce", everyone, vector, matrix, end,
-                                  group=reps))
+            out.append(Collective("shared_sum", "all_reduce", everyone, batch * d * wire, matrix,
+                                  end, reduce))
     if spec.stage(kind).role == "attention":
-        parity = tuple(r for r in range(n) if r % 2 == rank % 2)
-        out += [Collective(f"{kind}_sum", "all_reduce", parity, vector / 2, end, end, group=reps),
-                Collective(f"{kind}/halves", "all_gather", pair, vector / 2, end, end,
-                           group=alone)]
+        if scatter:
+            attention("scatter", "all_gather", host_parity, owned * d // 2 * wire, end, end)
+            attention("hosts", "all_gather", hosts, owned * d // 2 * F32, end, end)
+            attention("halves", "all_gather", pair, owned * d // 2 * wire, end, end)
+            attention("rows", "all_gather", host_parity, owned * d * wire, end, end)
+        else:
+            parity = tuple(r for r in everyone if r % 2 == rank % 2)
+            attention("sum", "all_reduce", parity, batch * d // 2 * wire, end, end)
+            attention("halves", "all_gather", pair, batch * d // 2 * wire, end, end)
+    elif routed:
+        out += [Collective(f"{kind}_sum", "all_reduce", everyone, batch * cfg.moe_latent * wire,
+                           end, end, reduce),
+                Collective(f"{kind}/output", "all_gather", host,
+                           (owned if scatter else batch) * RELEASE_LU_COLUMNS * wire, end, end,
+                           ONE_SHOT)]
     else:
-        out.append(Collective(f"{kind}_sum", "all_reduce", everyone, vector, end, end,
-                              group=reps))
+        out.append(Collective(f"{kind}_sum", "all_reduce", everyone, batch * d * wire, end, end,
+                              TWO_LEVEL))
     return tuple(out)
 
 

@@ -48,9 +48,10 @@ import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kind
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import program
+from mkresearch.prediction import designs, program
 from mkresearch.prediction.program import (  # noqa: F401 - scale_out.Program & co.
     F32,
     PARTIAL_SUM_BYTES,
@@ -88,9 +89,12 @@ class _Stage:
     matrices: tuple[tuple[str, int], ...]  # (DMA name, bytes of one layer on this rank)
 
 
-def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[str, _Stage]:
+def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes,
+                 router_group: int = 0) -> dict[str, _Stage]:
     """Each kind's matrices with one layer's bytes on a rank: the kind's component bytes split
-    by the matrices' per-rank element counts."""
+    by the matrices' per-rank element counts; router_group > 0: the router's columns split over
+    that many ranks instead (a design's placement, `designs.router_group`), the columns it adds
+    at the router's dtype (`_router_extra`)."""
     cfg = lay.cfg
     out = {}
     for kind in cfg.kinds:
@@ -100,8 +104,10 @@ def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[s
         sizes = [math.prod(layouts.local_shape(lay, m.shape, params[m.key].shard))
                  for m in matrices]
         per_layer = counted.component(stage.component[0]) / len(cfg.layers_of(kind))
-        out[kind] = _Stage(kind, tuple((m.name, per_layer * s / sum(sizes))
-                                       for m, s in zip(matrices, sizes, strict=True)))
+        out[kind] = _Stage(kind, tuple(
+            (m.name, per_layer * s / sum(sizes)
+             + (_router_extra(lay, params[m.key], router_group) if m.name == W_ROUTER else 0))
+            for m, s in zip(matrices, sizes, strict=True)))
     return out
 
 
@@ -132,6 +138,17 @@ class _Step:
     routed: np.ndarray  # [MoE layers, EP groups] experts fetched
     expert_bytes: float  # one routed expert's bytes on a rank
     mix: float  # one layer's norms and mix
+    sequences: int  # the sequences the rows belong to (a verify step: one)
+    context: int
+
+    def read_share(self, kind: str) -> float:
+        """The share of a stage's state or cache bytes read before it (the rest is written
+        after it): a state read once per sequence and written once per row; a cache read at the
+        context once per sequence, its new token written (and read) once per row."""
+        cache = any(leaf.kind == spec.CACHE for leaf in
+                    spec.state_table(self.cfg, 1, 1).get(kind, {}).values())
+        read = self.sequences * (self.context if cache else 1) + (self.batch if cache else 0)
+        return read / (read + self.batch)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -167,20 +184,21 @@ class _Step:
 
 @functools.lru_cache(maxsize=16)
 def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
-                  schedule: str | Schedule | None = None, context: int = 0, seed: int = 0
-                  ) -> tuple[list[int], list[list]]:
+                  schedule: str | Schedule | None = None, context: int = 0, seed: int = 0,
+                  sequences: int | None = None) -> tuple[list[int], list[list]]:
     """(weight blocks, each stand-in rank's ops) of one step: the first rank of every ETP group
     stands for its group (ranks 0, etp, 2 etp, ...; `timeline_ranks.simulate_programs`). A schedule with
     `collectives` takes every collective from the kernel's own (`program.our_collectives`), the
     release's from `program.release_collectives`."""
     lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
-    counted = rank_bytes(lay, sched, batch, context)
+    counted = rank_bytes(lay, sched, batch, context, sequences)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
-    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted),
+    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted, _router_group(lay, sched)),
                  routed_experts(cfg, lay, batch, seed),
                  counted.component("routed_experts") / len(cfg.moe_layers) / unique_1
-                 if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers))
+                 if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers),
+                 batch if sequences is None else sequences, context)
     blocks = step.blocks()
     built: dict[tuple, list] = {}  # a stage's ops, by what they depend on: built once
     return blocks, [_rank_program(step, blocks, rank, built)
@@ -202,15 +220,16 @@ def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> lis
     for layer, (attention, ffn) in enumerate(cfg.layers):
         prog.block(len(weight_blocks(step.mix, sched.block_bytes)))  # norms and mix
         state = states.get(attention, 0)
-        if state:  # read before the layer, written after it (half each)
-            prog.fetch(state / 2, 1, 1)
+        share = step.read_share(attention) if state else 0.0
+        if state:  # read before the layer, written after it
+            prog.fetch(state * share, 1, 1)
         for kind in (attention, ffn):
             count = None
             if kind == ffn and layer in moe_layers:
                 count = int(step.routed[moe_layers.index(layer)][step.group(rank)])
             prog.ops += _stage_ops(step, blocks, rank, layer, kind, count, ends[1], built)
             if kind == attention:
-                prog.write(state / 2)
+                prog.write(state * (1 - share))
     prog.block(len(weight_blocks(step.counted.component("lm_head"), sched.block_bytes)))
     for c in ends[2]:
         program.start(prog, c, c.name, step.among)
@@ -244,26 +263,65 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                                           step.sched.combine == "partial-sum")
         collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
                                                   count is not None)
+    if step.sched.designs:
+        lay, wire = step.lay, sharding.WIRE_BYTES[step.sched.wire]
+        chosen = tuple(d for d in step.sched.designs if d != step.sched.collectives)
+        collectives = designs.apply(chosen, actions, collectives, rank=rank,
+                                    n_ranks=lay.n_ranks,
+                                    ranks_per_host=step.sched.ranks_per_host or lay.n_ranks,
+                                    batch=step.batch, n_experts=lay.cfg.n_experts,
+                                    d_model=lay.cfg.d_model, wire_bytes=wire)
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
         program.place(scratch, kind, actions, collectives, group_of=step.among,
                       blocks=lambda nbytes: scratch.block(
                           len(weight_blocks(nbytes, step.sched.block_bytes))),
-                      experts=lambda: scratch.fetch(step.expert_bytes, count or 0,
-                                                    step.sched.expert_slots))
+                      experts=lambda: scratch.fetch(
+                          step.expert_bytes, count or 0, step.sched.expert_slots,
+                          program.expert_mix(step.lay, step.sched.mxu_fp8),
+                          step.sched.expert_order))
         built[key] = scratch.ops
     return built[key]
 
 
-def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int
-               ) -> layout_bytes.RankBytes:
+def _router_extra(lay: layouts.Layout, param: spec.Param, group: int) -> float:
+    """The bytes one layer's router adds on a rank split over `group` ranks instead of the
+    layout's: its extra columns, padded to whole lanes as the layout pads them."""
+    if not group:
+        return 0.0
+    rows, columns = param.shape
+    mine = layouts.local_shape(lay, param.shape, param.shard)[1]
+    return rows * (sharding.lanes(-(-columns // group)) - mine) * np.dtype(param.dtype).itemsize
+
+
+def _router_group(lay: layouts.Layout, sched: Schedule) -> int:
+    """The ranks the router's columns split over under the schedule's designs (0: as laid out)."""
+    placement = designs.router_placement(sched.designs)
+    return 0 if placement == designs.SPLIT else len(designs.router_group(
+        placement, 0, lay.n_ranks, sched.ranks_per_host or lay.n_ranks))
+
+
+def design_extra_bytes(lay: layouts.Layout, sched: Schedule, counted: layout_bytes.RankBytes
+                       ) -> float:
+    """The bytes per rank per step the schedule's designs add (a router placement's columns)."""
+    group = _router_group(lay, sched)
+    if not group:
+        return 0.0
+    built, placed = _stage_bytes(lay, counted), _stage_bytes(lay, counted, group)
+    return sum((b[1] - a[1]) * len(lay.cfg.layers_of(kind))
+               for kind in built for a, b in zip(built[kind].matrices, placed[kind].matrices,
+                                                 strict=True))
+
+
+def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
+               sequences: int | None = None) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
     partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
     bytes its planned DMAs stream, tests/test_layout_split.py)."""
     if sched.collectives == "partial-sum":
         lay = layouts.layout(lay.cfg, lay.n_ranks, lay.name, collectives="partial-sum")
-    return layout_bytes.rank_bytes(lay, batch, context)
+    return layout_bytes.rank_bytes(lay, batch, context, sequences=sequences)
 
 
 # ---- predictions -------------------------------------------------------------------------------
@@ -271,13 +329,17 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
             chip: str = "tpu7x", interconnect: links.Interconnect | None = None,
             algorithm: str | None = None, schedule: str | Schedule | None = None,
             context: int = 0, seed: int = 0, keep_timeline: bool = False,
-            timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum") -> dict:
+            timeline_chip: TimelineChip | None = None, collectives: str = "partial-sum",
+            prefetch_across: bool | None = None, sequences: int | None = None) -> dict:
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
     at this batch; our schedules: each collective's own, its sharding plan's) prices every
     all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
-    figures (`timeline_chip.timeline_chip(chip, **fields)`). Cached per arguments: the model is deterministic
-    (pure Python, seeded routing)."""
+    figures (`timeline_chip.timeline_chip(chip, **fields)`); `prefetch_across` True / False: the
+    ring runs past every collective, or none (default: as each collective of the program says,
+    `program.Collective.streams`); `sequences` (default `batch`): the sequences the rows belong
+    to, whose states and cached tokens are read once each (a verify step: one sequence's k + 1
+    rows). Cached per arguments: the model is deterministic (pure Python, seeded routing)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if algorithm is not None and algorithm not in links.ALGORITHMS:
@@ -287,9 +349,12 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
         inter = links.interconnect(inter, n_ranks=n_ranks)
     sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks,
                          batch, chip)
-    auto = "auto" if sched.collectives else sched.algorithm(batch)  # auto: the plan's
-    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or auto, sched,
-                        context, seed, timeline_chip or chip))
+    if prefetch_across is not None:  # a what-if for every collective of either side's program
+        sched = dataclasses.replace(sched, prefetch_across=prefetch_across)
+    # auto: each collective as its kernel sends it (ours: its sharding plan's; the release's: its
+    # program's, `program.release_collectives`)
+    out = dict(_predict(cfg, n_ranks, name, batch, chip, inter, algorithm or "auto", sched,
+                        context, seed, timeline_chip or chip, sequences))
     if not keep_timeline:
         del out["timeline"]
     return out
@@ -298,12 +363,12 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
 @functools.lru_cache(maxsize=64)
 def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
              inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
-             seed: int, timeline: str | TimelineChip) -> dict:
+             seed: int, timeline: str | TimelineChip, sequences: int | None = None) -> dict:
     collecting = gc.isenabled()
     gc.disable()  # a step allocates ~10^5 small objects and frees none: no cycles to look for
     try:
         return _predict_uncollected(cfg, n_ranks, name, batch, chip, inter, algorithm, sched,
-                                    context, seed, timeline)
+                                    context, seed, timeline, sequences)
     finally:
         if collecting:
             gc.enable()
@@ -311,9 +376,10 @@ def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
 
 def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
                          inter: links.Interconnect, algorithm: str, sched: Schedule,
-                         context: int, seed: int, timeline: str | TimelineChip) -> dict:
+                         context: int, seed: int, timeline: str | TimelineChip,
+                         sequences: int | None) -> dict:
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
-                                     seed=seed)
+                                     seed=seed, sequences=sequences)
     lay = layouts.layout(cfg, n_ranks, name)
     ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
@@ -321,7 +387,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
         {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
         timeline, prefetch_across=sched.prefetch_across)
     parts = ranks.decomposition()
-    counted = rank_bytes(lay, sched, batch, context)
+    counted = rank_bytes(lay, sched, batch, context, sequences)
     slowest = ranks.slowest_rank
     published = published_step_s(cfg, n_ranks, chip, batch)
     return {"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch, "chip": chip,
@@ -329,9 +395,13 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "slice": inter.slice.name,
             "step_s": ranks.total_s, "tokens_per_s": batch / ranks.total_s,
             "parts_s": {p: parts[p] for p in PARTS}, "slowest_rank": slowest,
-            "rank_bytes": counted.total,
+            "rank_bytes": counted.total + design_extra_bytes(lay, sched, counted),
             "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
             "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
+            # rank 0's collectives' prices one after another (each layer's value passes through
+            # them in turn): what no overlap with the weight stream can hide
+            "serial_chain_s": sum(run.price.seconds for run in ranks.collectives
+                                  if 0 in run.group),
             "interconnect": {k: getattr(inter, k) for k in links.FIGURES},
             "label": "timeline model prediction (mkresearch.prediction.scale_out), not measured",
             "published_step_s": published,

@@ -10,16 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.base import quant
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import designs, program
+from mkresearch.prediction.timeline import FETCH_ORDERS
 from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
 COMBINES = ("partial-sum", "exact")
 # docs/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
-RS_FROM_BATCH = 6
+RS_FROM_BATCH = program.RS_FROM_BATCH
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,12 @@ class Schedule:
     expert_slots: int  # routed-expert DMAs in flight, the first issued right after routing
     combine: str  # one of COMBINES
     source: str
-    # the ring runs ahead past a blocking collective (as far as its banks); else the blocks after
-    # it are issued once the rank is past it. Collectives started early overlap either way.
-    prefetch_across: bool = True
+    # whether the ring runs ahead past a blocking collective (as far as its banks; else the
+    # blocks after it are issued once the rank is past it): None, as each collective of the
+    # program says (`program.Collective.streams`: how that kernel issues its weights around it);
+    # True / False, every collective alike (a what-if, the same for both sides). Collectives
+    # started early overlap either way.
+    prefetch_across: bool | None = None
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
     gather_algorithm: str = "two-level"
@@ -47,6 +53,14 @@ class Schedule:
     # sharding plan, `kernels.sharded.plan.sharding_plan`) and the hosts whose partials it adds first
     reductions: tuple = ()
     ranks_per_host: int = 0
+    # the kernel hands the MXU its routed experts as fp8 (else decoded to bf16): what a weight tile
+    # costs the MXU (`program.expert_mix`)
+    mxu_fp8: bool = False
+    # how the routed experts' reads meet the ring's blocks already issued
+    # (`timeline.FETCH_ORDERS`): ours, its sharding plan's `expert_reads`; the release's "held"
+    expert_order: str = "queued"
+    # ours: designs the kernel does not run, priced as changes to its program (`designs.DESIGNS`)
+    designs: tuple[str, ...] = ()
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -56,6 +70,13 @@ class Schedule:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Schedule.{name}={value!r} is invalid: an int >= 1")
+        if self.expert_order not in FETCH_ORDERS:
+            raise ValueError(f"Schedule.expert_order={self.expert_order!r} is invalid: one of "
+                             f"{FETCH_ORDERS}")
+        designs.check(self.designs)
+        if self.designs and not self.collectives:
+            raise ValueError(f"Schedule.designs={self.designs!r} is invalid: only our kernel's "
+                             "program takes designs (a schedule with collectives)")
         if self.combine not in COMBINES:
             raise ValueError(f"Schedule.combine={self.combine!r} is invalid: one of {COMBINES}")
         for name in ("all_reduce", "all_reduce_large", "gather_algorithm"):
@@ -70,9 +91,12 @@ RELEASE_SCHEDULE = Schedule(
            "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
            "for Kimi K3); docs/collectives.md: one-shot collectives, two-level all-reduces of "
            "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
-           "shared expert's sum overlapped (its own open items: the o-proj reduction is not)",
-    prefetch_across=False, all_reduce="two-level", all_reduce_large="rs-ag",
-    gather_algorithm="one-shot")
+           "shared expert's sum overlapped (its own open items: the o-proj reduction is not); "
+           "its stream runs past the MoE's output reductions and router swap, not past the "
+           "attention's output collectives (`program.release_collectives`)",
+    all_reduce="two-level", all_reduce_large="rs-ag",
+    gather_algorithm="one-shot", mxu_fp8=program.RELEASE_MXU_TAKES_FP8,
+    expert_order=program.RELEASE_EXPERT_ORDER)
 
 
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
@@ -93,7 +117,8 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
                     collectives=collectives, ring=ring.describe(), reductions=sent.algorithms,
-                    ranks_per_host=sent.ranks_per_host)
+                    ranks_per_host=sent.ranks_per_host, mxu_fp8=quant.MXU_TAKES_FP8,
+                    expert_order=sent.expert_reads)
 
 
 SCHEDULES = ("release", "ours")

@@ -19,7 +19,15 @@ acceptance 3: 350"), with B = 1 (ASSUMPTION: the release's headline batch):
 So: a = tokens per verify step, and one draft length for both, k = 7 (ASSUMPTION: the largest
 our verify call takes, 8 verify rows; the implied 8.5 ms sits beside the release's own 9.25 ms
 plain step at B = 8 rows). A verify step of 8 rows runs the schedule's collectives for 8 rows
-(the release's reduce-scatter variant from 6: ASSUMPTION, rows rather than sequences decide).
+(the release's verify is its decode kernel at 8 rows with its 8-row options, one sequence's rows:
+its kimi/demo's `make_decode(batch_size=8, sequence_rows=8, ...)`), but reads each sequence's
+states and cached tokens once (`scale_out.predict(..., sequences=B)`), and every verify step also
+runs the drafter: the release's DSpark draft (`draft_step`), a 5-layer transformer of width
+7,168 split 32 ways (its kimi/dspark.py: `DraftConfig`, `_shard_weights`), one pass over its
+weights per step for the k + 1 block rows, its partial sums all-reduced after W_o, the MLP's
+down-projection and the context projection (11 per pass), and its vocabulary shards' candidates
+gathered once. The same drafter stands beside either side's verify step (ASSUMPTION for ours,
+which has no Kimi K3 drafter of its own at full size); other models' verify steps stand alone.
 """
 
 from __future__ import annotations
@@ -30,11 +38,55 @@ from mkresearch.decoding import speculative
 from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import scale_out
+from mkresearch.prediction.timeline_ranks import simulate_programs
 from mkresearch.sharding import layout as layouts
 
 MAX_DRAFTS = speculative.MAX_DRAFTS  # the verify call's limits (one source: the reference's)
 MAX_VERIFY_ROWS = speculative.MAX_ROWS
 RELEASE_DRAFTS = 7  # ASSUMPTION (see the module docstring)
+# the release's DSpark drafter (kimi/dspark.py `DraftConfig` defaults): per rank of 32, bf16
+DRAFT = {"layers": 5, "hidden": 7168, "q_width": 96 * 64, "kv_head_dim": 64,
+         "intermediate": 14336, "vocab": 163840, "aux_layers": 5, "markov_rank": 256}
+MIB = 2**20
+DRAFTED = ("kimi-k3",)  # the models whose drafter is known (others: the verify step alone)
+
+
+def draft_bytes(n_ranks: int = 32) -> list[float]:
+    """The drafter's weights one rank streams per pass, in order: the context projection, per
+    layer q, k, v, o, gate, up, down, then its LM head and Markov head (`_shard_weights`: q by
+    its heads, k and v one KV head, o and down by their inputs, gate and up by their rows, the
+    vocabulary by rows)."""
+    d = DRAFT
+    h, per = d["hidden"], 2  # bf16
+    layer = [d["q_width"] // n_ranks * h, d["kv_head_dim"] * h, d["kv_head_dim"] * h,
+             h * d["q_width"] // n_ranks, *(d["intermediate"] // n_ranks * h for _ in range(3))]
+    return ([h * d["aux_layers"] * h // n_ranks * per]
+            + [w * per for _ in range(d["layers"]) for w in layer]
+            + [d["vocab"] // n_ranks * h * per, d["vocab"] // n_ranks * d["markov_rank"] * per])
+
+
+def draft_step(rows: int, *, n_ranks: int = 32, interconnect: links.Interconnect | None = None,
+               timeline_chip: Any = None, prefetch_across: bool | None = None) -> Any:
+    """The drafter's pass for a block of `rows` (a `timeline_ranks.RanksTimeline`): its weights
+    through a ring of 2 MiB blocks (the release's schedule's), its all-reduces of [rows, d]
+    bf16 partial sums, two-level, and the candidates' all-gather."""
+    sched = scale_out.RELEASE_SCHEDULE
+    matrices = draft_bytes(n_ranks)
+    parts = [scale_out.weight_blocks(nbytes, sched.block_bytes) for nbytes in matrices]
+    prog = scale_out.Program([b for part in parts for b in part], rows)
+    everyone = tuple(range(n_ranks))
+    vector = rows * DRAFT["hidden"] * scale_out.PARTIAL_SUM_BYTES
+    reduced_after = {0} | {1 + 7 * i + j for i in range(DRAFT["layers"]) for j in (3, 6)}
+    for i, part in enumerate(parts):
+        prog.block(len(part))
+        if i in reduced_after:
+            prog.collective(f"draft/sum{i}", "all_reduce", (0,), vector, everyone,
+                            algorithm="two-level")
+    prog.collective("draft/candidates", "all_gather", (0,), rows * 16 * 2 * scale_out.F32,
+                    everyone, algorithm="one-shot")
+    inter = interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
+    return simulate_programs([prog.ops], prog.blocks, sched.banks, rows, (0,), inter, "auto",
+                             timeline_chip or "tpu7x", prefetch_across=prefetch_across)
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -68,7 +120,8 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                         interconnect: links.Interconnect | None = None,
                         algorithm: str | None = None, schedule: Any = None,
                         context: int = 0, timeline_chip: Any = None,
-                        collectives: str = "partial-sum") -> list[dict]:
+                        collectives: str = "partial-sum",
+                        prefetch_across: bool | None = None) -> list[dict]:
     """One row per acceptance length a (1 <= a <= drafts + 1): the verify step of B (k + 1) rows,
     tok/s = B a / step, beside the plain step at `batch` and the published tok/s where there is
     one (JSON-able dicts)."""
@@ -77,19 +130,24 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
         _int_in("acceptance", acceptance, 1, drafts + 1)
     common = {"chip": chip, "interconnect": interconnect, "algorithm": algorithm,
               "schedule": schedule, "context": context, "timeline_chip": timeline_chip,
-              "collectives": collectives}
-    verify = scale_out.predict(cfg, n_ranks, name, rows, **common)
+              "collectives": collectives, "prefetch_across": prefetch_across}
+    verify = scale_out.predict(cfg, n_ranks, name, rows, sequences=batch, **common)
     plain = scale_out.predict(cfg, n_ranks, name, batch, **common)
+    drafting = draft_step(drafts + 1, n_ranks=n_ranks, interconnect=interconnect,
+                          timeline_chip=timeline_chip, prefetch_across=prefetch_across).total_s \
+        if cfg.name in DRAFTED else 0.0
+    step_s = verify["step_s"] + drafting
     published = scale_out.PUBLISHED.get(cfg.name, {})
     out = []
     for acceptance in acceptances:
-        tok_s = batch * acceptance / verify["step_s"]
+        tok_s = batch * acceptance / step_s
         pub = published.get("speculative_tok_s", {}).get(acceptance) \
             if batch == 1 and published.get("n_ranks") == n_ranks and \
             published.get("chip") == chip else None
         out.append({"model": cfg.name, "n_ranks": n_ranks, "layout": name, "batch": batch,
                     "drafts": drafts, "verify_rows": rows, "acceptance": acceptance,
-                    "verify_step_s": verify["step_s"], "tokens_per_step": batch * acceptance,
+                    "verify_step_s": verify["step_s"], "draft_step_s": drafting,
+                    "step_s": step_s, "tokens_per_step": batch * acceptance,
                     "tokens_per_s": tok_s, "plain_step_s": plain["step_s"],
                     "plain_tokens_per_s": plain["tokens_per_s"],
                     "speedup": tok_s / plain["tokens_per_s"], "published_tok_s": pub,

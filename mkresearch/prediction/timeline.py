@@ -25,6 +25,7 @@ ASSUMPTION. Calibrate them on a TPU with `mkresearch.measurement.profiling` and 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -57,8 +58,20 @@ from mkresearch.prediction.timeline_whatif import (  # noqa: F401
     stream_log,
 )
 
-IDLE_CAUSES = ("hbm_busy", "bubble")  # why the compute unit is idle: see `Idle`
+IDLE_CAUSES = ("hbm_busy", "bubble")
+# a program's ("start", name, op, group, path, nbytes, blocking, algorithm, streams): the index of
+# `streams`, whether the weight ring keeps running ahead past this collective while it is waited
+STREAMS = 8  # why the compute unit is idle: see `Idle`
 COMPUTE_LANE = "MXU/VPU"
+BF16_WEIGHTS_PER_BYTE = 0.5
+# How a fetch op's DMAs (the routed experts, issued once routing is known) meet the weight ring's
+# blocks already issued (`RankSimulation._fetch`): QUEUED, behind them in issue order (one DMA
+# queue; with TimelineChip.n_dma_engines >= 2, on a queue of their own sharing the bandwidth);
+# FIRST, ahead of those not yet moving (the kernel reorders: "expert reads first"); HELD, the ring
+# issues nothing past the fetch until it is done (the release issues its next weights after its
+# expert stream), so nothing is queued ahead of it.
+QUEUED, FIRST, HELD = "queued", "first", "held"
+FETCH_ORDERS = (QUEUED, FIRST, HELD)
 COLLECTIVE_LANE = "ICI"  # a rank's collectives: from its arrival to the collective's end
 
 
@@ -316,17 +329,25 @@ class RankSimulation:
       CollectiveEvent                 a blocking collective of a recorded log
       ("blocks", n)                   the next n blocks of the shared weight ring `blocks`:
                                       each waited, then multiplied; `banks` blocks in flight
-      ("fetch", nbytes, count, slots) count DMAs, `slots` in flight, each multiplied on landing
+      ("fetch", nbytes, count, slots[, mix[, order]])
+                                      count DMAs, `slots` in flight, each multiplied on landing;
+                                      order: how they meet the ring's issued blocks (FETCH_ORDERS)
       ("write", nbytes)               a write back to HBM, waited at the end of the step
-      ("start", name, op, group, path, nbytes, blocking[, algorithm])
-                                      a collective; blocking: the rank waits for it here
+      ("start", name, op, group, path, nbytes, blocking[, algorithm[, streams]])
+                                      a collective; blocking: the rank waits for it here;
+                                      streams (default True): the ring runs ahead past it
       ("wait", name)                  wait for the last collective started under that name
 
     The ring's ops are its DMAs in closed form: one DMA engine, each DMA after the one before it
-    at the full HBM bandwidth (what `_DmaEngines` does with one engine, the default; one DMA at a
-    time, so a 32-rank step takes a few hundredths of a second). A program uses one kind of DMA
-    op or the other. Without `prefetch_across` the ring does not run past a blocking collective
-    (its blocks after it are issued once the rank is past it).
+    at the rate a weight stream sustains (`TimelineChip.weight_dma_bandwidth`: what `_DmaEngines`
+    does with one engine at that rate; one DMA at a time, so a 32-rank step takes a few hundredths
+    of a second), each block multiplied on the MXU at `TimelineChip.mxu_seconds_per_byte` (a
+    weight tile costs at least the array's rows, whatever the batch). A program uses one kind of DMA
+    op or the other. The ring runs past a blocking collective (its blocks after it issued while
+    the rank waits, as far as its banks) where the program says so (the op's `streams`: how the
+    kernel issues its weights around that collective); `prefetch_across` True / False overrides
+    every collective alike (the model's what-if and sensitivity switch); where it does not, its
+    blocks after the collective are issued once the rank is past it.
 
     `run()` is a generator: it yields ("start", op, t) for every collective (sent None back) and
     ("wait", name, t) where the rank waits for one (sent the time it ends): the ranks are joined
@@ -335,7 +356,7 @@ class RankSimulation:
 
     def __init__(self, ops: Sequence[Any], chip: str | TimelineChip = "tpu7x", *,
                  blocks: Sequence[float] = (), banks: int = 1, batch: int = 1,
-                 prefetch_across: bool = True, vpu_phases: Sequence[str] = ()) -> None:
+                 prefetch_across: bool | None = None, vpu_phases: Sequence[str] = ()) -> None:
         self.ops = ops
         self.chip = chip = timeline_chip(chip) if not isinstance(chip, TimelineChip) else chip
         self.vpu_phases = tuple(vpu_phases)
@@ -351,8 +372,9 @@ class RankSimulation:
         self.open_phases: list[dict] = []
         # the weight ring, fetches and writes, in closed form
         self.blocks, self.banks, self.batch = blocks, banks, batch
-        self.lat, self.bw = chip.dma_latency, chip.hbm_bandwidth
-        self.per_flop, self.per_vmem = 1.0 / chip.mxu_flops, 1.0 / chip.vmem_bandwidth
+        self.lat, self.bw = chip.dma_latency, chip.weight_dma_bandwidth
+        # a ring block is a bf16 matrix's bytes on the MXU (`TimelineChip.mxu_seconds_per_byte`)
+        self.per_byte_bf16 = chip.mxu_seconds_per_byte(batch, BF16_WEIGHTS_PER_BYTE, False)
         self.free = 0.0
         self.issued = self.consumed = 0
         self.ends = [0.0] * len(blocks)
@@ -361,23 +383,35 @@ class RankSimulation:
         self.dma_bytes = 0.0
         self.flops = 0.0
         self.writes: list[float] = []
+        self.fetch_free = 0.0  # when the fetches' own DMA FIFO is free
         self.barriers = self._barriers(ops, len(blocks), prefetch_across)
+        self.prefetch_across = prefetch_across
         self.next_barrier = 0
         self.total = 0.0
 
     @staticmethod
-    def _barriers(ops, n_blocks: int, prefetch_across: bool) -> list[int]:
-        """The ring's horizon: without prefetch_across, the block index of each blocking
-        collective (then the end of the ring)."""
-        out = []
-        if not prefetch_across:
-            at = 0
-            for op in ops:
-                if isinstance(op, tuple) and op[0] == "blocks":
-                    at += op[1]
-                elif isinstance(op, tuple) and op[0] == "start" and op[6]:
-                    out.append(at)
+    def _barriers(ops, n_blocks: int, prefetch_across: bool | None) -> list[int]:
+        """The ring's horizon: the block index of each blocking collective the stream does not
+        run past (then the end of the ring). prefetch_across None: each collective's own
+        `STREAMS` field (default True); True / False: every blocking collective alike."""
+        out, at = [], 0
+        for op in ops:
+            if isinstance(op, tuple) and op[0] == "blocks":
+                at += op[1]
+            elif RankSimulation._holds_ring(op, prefetch_across):
+                out.append(at)
         return out + [n_blocks]
+
+    @staticmethod
+    def _holds_ring(op, prefetch_across: bool | None) -> bool:
+        """Is op a blocking collective the ring does not run past, or a fetch it waits for?"""
+        if isinstance(op, tuple) and op[0] == "fetch":
+            return len(op) > 5 and op[5] == HELD
+        if not (isinstance(op, tuple) and op[0] == "start" and op[6]):
+            return False
+        streams = (op[STREAMS] if len(op) > STREAMS else True) \
+            if prefetch_across is None else prefetch_across
+        return not streams
 
     # ---- the program ------------------------------------------------------------------------
     def run(self):
@@ -403,14 +437,19 @@ class RankSimulation:
                 self._blocks(op[1])
             elif kind == "fetch":
                 self._fetch(*op[1:])
+                if self._holds_ring(op, self.prefetch_across):
+                    self.next_barrier += 1
+                    self._fill()
             elif kind == "write":
                 self.writes.append(self._dma(op[1]))
             elif kind == "start":
-                yield "start", op, self.t
+                # its remote copies leave behind the weight DMAs issued before them, or apart
+                sent = max(self.t, self.free) if self.chip.remote_copies_queued else self.t
+                yield "start", op, sent
                 if op[6]:
                     self.waiting = op
                     self.t = max(self.t, (yield "wait", op[1], self.t))
-                    if self.barriers[self.next_barrier] < len(self.blocks):
+                    if self._holds_ring(op, self.prefetch_across):
                         self.next_barrier += 1
                     self._fill()
             else:  # wait
@@ -489,8 +528,7 @@ class RankSimulation:
         """The hot loop: n blocks waited and multiplied, the ring refilled (inlined)."""
         blocks, ends, dma, compute = self.blocks, self.ends, self.dma, self.compute
         lat, per_byte, banks = self.lat, 1.0 / self.bw, self.banks
-        per_block = self.batch * self.per_flop
-        per_block = max(per_block, self.per_vmem)
+        per_block = self.per_byte_bf16
         t, free, issued, consumed = self.t, self.free, self.issued, self.consumed
         horizon = self.barriers[self.next_barrier]
         issued_bytes = 0.0
@@ -521,9 +559,16 @@ class RankSimulation:
         self.t, self.free, self.issued, self.consumed = t, free, issued, consumed
         self.dma_bytes += issued_bytes
 
-    def _fetch(self, nbytes: float, count: int, slots: int) -> None:
-        ends = [self._dma(nbytes) for _ in range(min(slots, count))]
-        duration = nbytes * max(self.batch * self.per_flop, self.per_vmem)
+    def _fetch(self, nbytes: float, count: int, slots: int, mix: tuple = (),
+               order: str = QUEUED) -> None:
+        """count DMAs of nbytes, `slots` in flight, each multiplied when it lands; mix: the
+        matrices of one DMA as (fraction of its bytes, weights per byte, on the MXU as fp8)
+        (default bf16); order: how its DMAs meet the ring's already issued (FETCH_ORDERS)."""
+        issue = self._dma if order in (QUEUED, HELD) and self.chip.n_dma_engines == 1 \
+            else functools.partial(self._fetch_dma, first=order == FIRST)
+        ends = [issue(nbytes) for _ in range(min(slots, count))]
+        duration = nbytes * (sum(share * self.chip.mxu_seconds_per_byte(self.batch, weights, fp8)
+                                 for share, weights, fp8 in mix) if mix else self.per_byte_bf16)
         compute, t = self.compute, self.t
         for i in range(count):
             t = max(t, ends[i])
@@ -534,9 +579,59 @@ class RankSimulation:
             t += duration
             if i + slots < count:
                 self.t = t
-                ends.append(self._dma(nbytes))
+                ends.append(issue(nbytes))
         self.t = t
         self.flops += self.batch * nbytes * count
+
+    def _fetch_dma(self, nbytes: float, *, first: bool) -> float:
+        """One fetched DMA issued now beside the ring's issued blocks (the fetches' own FIFO):
+        first, ahead of the ring blocks not yet moving (the block in flight finishes first;
+        those after it wait the fetch's time); else on a DMA queue of its own, sharing the
+        bandwidth with the ring's queued blocks while both move (each at half the rate).
+        Returns when it lands."""
+        ready, size = self.t + self.lat, nbytes / self.bw
+        if first:
+            start = max(ready, self.fetch_free)
+            start = self._ring_block_end(start)
+            end = start + size
+
+            def delayed(e: float) -> float:
+                return e + size
+        else:
+            start = max(ready, self.fetch_free)
+            end = start + size + min(size, max(0.0, self.free - start))
+
+            def delayed(e: float) -> float:
+                return e + min(e - start, size)
+        for i in range(self.consumed, self.issued):
+            if self.ends[i] > start:
+                self.ends[i] = delayed(self.ends[i])
+        self.free = delayed(self.free) if self.free > start else max(self.free, end)
+        self._delay_intervals(start, end, delayed)
+        self.fetch_free = end
+        self.dma_bytes += nbytes
+        return end
+
+    def _ring_block_end(self, t: float) -> float:
+        """When the ring block moving at t ends (t: none moves)."""
+        for i in range(self.consumed, self.issued):
+            if self.ends[i] - self.blocks[i] / self.bw <= t < self.ends[i]:
+                return self.ends[i]
+        return t
+
+    def _delay_intervals(self, start: float, end: float, delayed) -> None:
+        """The HBM-busy intervals with the ring's after `start` delayed and [start, end) added."""
+        kept, moved = [], [(start, end)]
+        for a, b in self.dma:
+            if b <= start:
+                kept.append([a, b])
+            else:
+                if a < start:
+                    kept.append([a, start])
+                moved.append((delayed(max(a, start)), delayed(b)))
+        for a, b in sorted(moved):
+            append_interval(kept, a, b)
+        self.dma = kept
 
     # ---- the result ---------------------------------------------------------------------------
     def _finish(self) -> None:

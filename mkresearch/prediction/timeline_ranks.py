@@ -162,7 +162,7 @@ def _subtract(a: list, b: list) -> list:
 
 def simulate_programs(programs: Sequence[Any], blocks: Sequence[float], banks: int, batch: int,
                       ranks: Sequence[int], inter: links.Interconnect, algorithm: str | dict,
-                      chip: str | TimelineChip = "tpu7x", *, prefetch_across: bool = True
+                      chip: str | TimelineChip = "tpu7x", *, prefetch_across: bool | None = None
                       ) -> RanksTimeline:
     """Every rank's program together (programs[i] is rank ranks[i], over the shared weight ring
     `blocks` with `banks` in flight, `timeline.RankSimulation`), joined at their collectives (see

@@ -79,7 +79,8 @@ def _bytes(struct_tree: Any) -> int:
 
 
 def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
-               collectives: str = "exact", rank: int | None = None) -> RankBytes:
+               collectives: str = "exact", rank: int | None = None,
+               sequences: int | None = None) -> RankBytes:
     """One rank's bytes of one step (see `roofline.step_bytes` for what a step reads): weights
     once, the routed experts of its expert group (the expected share of the batch's distinct
     experts, `roofline.expected_unique_experts` / EP, each its ETP slice), one embedding row per
@@ -88,7 +89,9 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
     (`layout_split.partial_sum_shape`: the same count as for a partial-sum layout). rank: that
     rank's bytes, where partial-sum mode skips the slices that are only padding
     (`layout_split.zero_only`); None: the most any rank reads (the lowest such rank's bytes;
-    exact mode: every rank's, each streaming all its slices)."""
+    exact mode: every rank's, each streaming all its slices). sequences (default batch): the
+    sequences the rows belong to (a verify step: one sequence's rows), whose states and cached
+    tokens are read once per sequence and written once per row."""
     if collectives not in ("exact", "partial-sum"):
         raise ValueError(f"collectives={collectives!r} is invalid: exact or partial-sum")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
@@ -96,13 +99,13 @@ def rank_bytes(lay: Layout, batch: int = 1, context: int = 0,
         raise ValueError(f"rank={rank!r} is invalid: None or an int in [0, {lay.n_ranks})")
     skips = PARTIAL_SUM in (collectives, lay.collectives)
     if rank is None and skips:  # the first of the most (ties: the lowest rank), each a copy
-        most = _busiest_rank(lay, batch, context, collectives)
+        most = _busiest_rank(lay, batch, context, collectives, sequences)
         return dataclasses.replace(most, sharded=dict(most.sharded),
                                    replicated=dict(most.replicated))
     cfg = lay.cfg
     tally = _Tally(lay)
     _weights(tally, lay, batch, collectives, rank if skips else None)
-    states = _states(tally, lay, batch, context)
+    states = _states(tally, lay, batch, context, batch if sequences is None else sequences)
     return RankBytes(layout=lay.name, model=cfg.name, n_ranks=lay.n_ranks, batch=batch,
                      context=context, sharded=tally.sharded, replicated=tally.replicated,
                      components=dict(spec.components(cfg)), state_components=tuple(states))
@@ -156,8 +159,9 @@ def _weights(tally: _Tally, lay: Layout, batch: int, collectives: str,
             tally.add("norms_and_mix", table[key], _bytes(storage(cfg, local[key])))
 
 
-def _states(tally: _Tally, lay: Layout, batch: int, context: int) -> list[str]:
-    """The states and caches (read at `context` tokens, written once) -> their components."""
+def _states(tally: _Tally, lay: Layout, batch: int, context: int, sequences: int) -> list[str]:
+    """The states and caches (read once per sequence, a cache at `context` tokens; written once
+    per row) -> their components."""
     states = []
     for kind in spec.stages_of(lay.cfg):
         if kind.state_component is None:
@@ -167,17 +171,19 @@ def _states(tally: _Tally, lay: Layout, batch: int, context: int) -> list[str]:
         for leaf in spec.state_table(lay.cfg, 1, 1).get(kind.name, {}).values():
             shape = local_shape(lay, leaf.shape, leaf.shard)
             one = math.prod(shape) * np.dtype(leaf.dtype).itemsize  # one row, one token if cache
-            moved = (batch * (one + context * one + one) if leaf.kind == spec.CACHE
-                     else batch * 2 * one)
+            read = sequences * (context * one if leaf.kind == spec.CACHE else one)
+            moved = read + batch * (2 * one if leaf.kind == spec.CACHE else one)
             tally.add(name, leaf, moved)
     return states
 
 
 @functools.lru_cache(maxsize=256)
-def _busiest_rank(lay: Layout, batch: int, context: int, collectives: str) -> RankBytes:
+def _busiest_rank(lay: Layout, batch: int, context: int, collectives: str,
+                  sequences: int | None = None) -> RankBytes:
     """`rank_bytes` of the rank that reads the most (computed once per layout and batch: every
     prediction asks for it)."""
-    return max((rank_bytes(lay, batch, context, collectives, r) for r in range(lay.n_ranks)),
+    return max((rank_bytes(lay, batch, context, collectives, r, sequences)
+                for r in range(lay.n_ranks)),
                key=lambda counted: counted.total)
 
 

@@ -1,0 +1,133 @@
+"""What each design of `prediction.designs` buys our step, priced by the scale-out model under the
+same assumptions as the release's (`calibration.Model`): nothing fitted to a step time.
+
+`router_placements(cfg, n_ranks, batch)`: each router placement with its bytes per rank, the
+collective it needs before top-k (its latency as priced) and the predicted step; the chosen one is
+the fastest predicted (per model and batch). `designs_table(cfg, batches)`: ours as built, then
+each design added in turn (expert reads first, rho by reduce-scatter, the chosen router
+placement, bf16 partial sums), beside the release's modelled step. `mkresearch plan MODEL --ranks
+N` prints the first, `mkresearch predict MODEL --ranks N --designs` the second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mkresearch.hardware import interconnect as links
+from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import calibration, designs, scale_out
+from mkresearch.sharding import layout as layouts
+
+F32 = 4
+
+
+# rho by reduce-scatter: the kernel's own mode where it has one, else the design on partial sums
+KERNEL_MODE = designs.RESTRUCTURED if designs.RESTRUCTURED in layouts.COLLECTIVES \
+    else layouts.PARTIAL_SUM
+
+
+def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, **fields: Any
+          ) -> dict:
+    mode = KERNEL_MODE if designs.RESTRUCTURED in fields.get("designs", ()) \
+        else layouts.PARTIAL_SUM
+    base = scale_out.our_schedule(cfg, mode, n_ranks, batch)
+    sched = dataclasses.replace(base, **fields)
+    return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
+                             interconnect=model.interconnect, timeline_chip=model.timeline_chip,
+                             context=model.context, prefetch_across=model.prefetch_across)
+
+
+def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
+                      model: calibration.Model = calibration.Model(),
+                      others: tuple[str, ...] = (designs.RESTRUCTURED,),
+                      expert_order: str = "first") -> dict[str, Any]:
+    """Each placement (on top of `others` and `expert_order`): group size, GB per rank, the
+    scores' collective before top-k (us per layer, as priced; 0 replicated), predicted step;
+    "chosen": the fastest. JSON-able."""
+    inter = model.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
+    per_host = scale_out.our_schedule(cfg, "partial-sum", n_ranks, batch).ranks_per_host \
+        or n_ranks
+    rows = []
+    for placement in designs.ROUTER_PLACEMENTS:
+        group = designs.router_group(placement, 0, n_ranks, per_host)
+        chosen = others + (() if placement == designs.SPLIT else (f"router-{placement}",))
+        p = _ours(cfg, n_ranks, batch, model, designs=chosen, expert_order=expert_order)
+        piece = batch * designs.sharding.lanes(-(-cfg.n_experts // len(group))) * F32
+        if placement == designs.SPLIT:  # as built: scores and latent in one gather
+            piece += batch * designs.sharding.lanes(-(-cfg.moe_latent // n_ranks)) * F32
+        us = 0.0 if len(group) == 1 else links.price(inter, "all_gather", "one-shot", group,
+                                                     piece).seconds * 1e6
+        rows.append({"placement": placement, "group": len(group),
+                     "rank_gb": p["rank_bytes"] / 1e9, "before_top_k_us": us,
+                     "step_ms": p["step_s"] * 1e3, "collectives_per_rank":
+                     p["collectives_per_rank"]})
+    best = min(rows, key=lambda r: r["step_ms"])
+    return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "rows": rows,
+            "with": list(others) + [f"expert reads {expert_order}"],
+            "chosen": best["placement"]}
+
+
+def format_router_placements(table: dict[str, Any]) -> str:
+    lines = [(f"router placements ({table['model']} on {table['n_ranks']} ranks, B = "
+              f"{table['batch']}, with {', '.join(table['with'])}; predicted by the scale-out "
+              "model, the same assumptions as the release's):"),
+             f"  {'placement':10s} {'group':>5s} {'GB/rank':>8s} {'before top-k us':>15s} "
+             f"{'step ms':>8s}"]
+    for r in table["rows"]:
+        mark = "  <- chosen (fastest predicted)" if r["placement"] == table["chosen"] else ""
+        lines.append(f"  {r['placement']:10s} {r['group']:5d} {r['rank_gb']:8.2f} "
+                     f"{r['before_top_k_us']:15.2f} {r['step_ms']:8.2f}{mark}")
+    return "\n".join(lines)
+
+
+def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCHES, *,
+                  model: calibration.Model = calibration.Model()) -> list[dict]:
+    """Per batch: ours as built, then each design added in turn, and the release's modelled
+    step, all under `model`; each with its step, GB per rank, the serial chain of collective
+    latencies (rank 0's collectives' prices in sequence, `scale_out.predict`'s
+    serial_chain_s), the exposed collective messages and its ratio to the release's."""
+    out = []
+    for batch in batches:
+        release = model.predict(cfg, batch) if cfg.name == "kimi-k3" and n_ranks == 32 else None
+        placement = router_placements(cfg, n_ranks, batch, model=model)["chosen"]
+        router = () if placement == designs.SPLIT else (f"router-{placement}",)
+        steps = [("as built", {}),
+                 ("+ expert reads first", {"expert_order": "first"}),
+                 ("+ rho by reduce-scatter", {"expert_order": "first",
+                                              "designs": (designs.RESTRUCTURED,)}),
+                 (f"+ router {placement}", {"expert_order": "first",
+                                            "designs": (designs.RESTRUCTURED, *router)}),
+                 ("+ bf16 partial sums", {"expert_order": "first", "wire": "bf16",
+                                          "designs": (designs.RESTRUCTURED, *router)})]
+        for label, fields in steps:
+            p = _ours(cfg, n_ranks, batch, model, **fields)
+            out.append(_row(batch, label, p, release))
+        if release is not None:
+            out.append(_row(batch, "the release (modelled)", release, release))
+    return out
+
+
+def _row(batch: int, label: str, p: dict, release: dict | None) -> dict:
+    parts = p["parts_s"]
+    return {"batch": batch, "design": label, "step_ms": p["step_s"] * 1e3,
+            "rank_gb": p["rank_bytes"] / 1e9,
+            "chain_ms": p["serial_chain_s"] * 1e3,
+            "collective_ms": parts["collective_messages"] * 1e3,
+            "over_release": p["step_s"] / release["step_s"] if release else None,
+            "published_ms": (p["published_step_s"] or 0) * 1e3 or None}
+
+
+def format_designs(rows: list[dict]) -> str:
+    lines = ["designs of our step, each added in turn (scale-out model; ours and the release "
+             "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
+             "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
+             "sequence:",
+             f"  {'B':>2s} {'design':28s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
+             f"{'chain ms':>8s} {'/release':>8s}"]
+    for r in rows:
+        ratio = f"{r['over_release']:8.2f}" if r["over_release"] else f"{'':8s}"
+        lines.append(f"  {r['batch']:2d} {r['design']:28s} {r['step_ms']:8.2f} "
+                     f"{r['rank_gb']:8.2f} {r['collective_ms']:8.2f} {r['chain_ms']:8.2f} "
+                     f"{ratio}")
+    return "\n".join(lines)

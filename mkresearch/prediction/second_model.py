@@ -1,0 +1,108 @@
+"""The release's second model (an 816B-A42B MoE on 8 TPU7x cores), its program written from the
+facts its report gives (musespark/REPORT.md, musespark/README.md of the release), for the
+validation (`calibration`): a model the release measured at B = 1, 2, 4 and 8 with identical
+rows, so the same 8 experts per layer at every batch. What grows with the batch there is the
+collectives' payloads, the compute rows and the KV cache, not the expert bytes: the batch-dependent
+machinery of the scale-out model, checked alone.
+
+Its decode step (TP8 on one host: every matrix and every expert split eight ways, one program
+stands for every core), per layer:
+
+  ring       76 MiB of bf16 weights in 2 MiB loads through 12 banks (24 MiB in flight across layer
+             boundaries): q, kv, gate, o (16 + 4 + 16 + 16 MiB), pre (8), the router as a bf16
+             hi/lo pair (8), post (8): its dims (d 8192, 128 query / 16 KV heads of 64, 4096-wide
+             experts) split eight ways
+  o-proj     all-reduce of [B, 8192] bf16 partial sums: reduce-scatter + all-gather
+  pre        all-gather of [B, 512] per core
+  experts    the batch's 8 distinct experts (3.19 MiB of int4 per core each), 4 slots issued right
+             after routing, ahead of the ring's deferred refills ("refills issued during the router
+             phase are deferred behind the first expert slabs"); its int4 dots measured DMA-bound
+             at ~1.3 us per expert, so the MXU takes them at least at the fp8 rate
+  experts'   all-reduce of [B, 4096] bf16 partial sums (reduce-scatter + all-gather; at B = 8 a
+  sum        chip-hierarchical variant, priced here as the same reduce-scatter + all-gather)
+  post       all-gather of [B, 1024] per core
+  KV         512 B per token per layer per core, the benchmark's rows at positions 151..279
+
+then the LM head's 400 MiB through the ring, and ~70 us per step of dispatch, XLA glue, barrier
+and ring priming the report measures outside the layers. The published points are its int4
+container with bf16 dense weights (7.02 GB per step per core; the report's per-layer breakdown is
+of this configuration): 3.592 / 3.705 / 3.912 / 4.291 ms at B = 1 / 2 / 4 / 8.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkresearch.hardware import interconnect as links
+from mkresearch.prediction import program
+from mkresearch.prediction.timeline import FIRST
+from mkresearch.prediction.timeline_chip import TimelineChip, timeline_chip
+from mkresearch.prediction.timeline_ranks import simulate_programs
+
+MIB = 2**20
+SECOND_MODEL = {
+    "name": "816B-A42B MoE (the release's second model)", "n_layers": 62, "n_ranks": 8,
+    "slice": "tpu7x:2x2x1", "d_model": 8192,
+    # ms per step by batch, int4 experts + bf16 dense, identical rows (REPORT.md §4.1, df7ee05)
+    "step_ms": {1: 3.592, 2: 3.705, 4: 3.912, 8: 4.291},
+    "per_layer_us": 55.0, "fixed_us": 195.0, "collectives_per_layer_us": 14.0,
+    # the ring's matrices per layer per core, MiB, in stream order (attention, then the MoE's)
+    "attention_mib": (16, 4, 16, 16), "pre_mib": 8, "router_mib": 8, "post_mib": 8,
+    "bank_bytes": 2 * MIB, "banks": 12, "expert_slots": 4, "experts": 8,
+    "expert_bytes": 3.19 * MIB, "expert_weights": 4096 * 1024 + 512 * 4096,
+    "lm_head_bytes": 400 * MIB, "outside_s": 70e-6, "kv_bytes_per_token": 512,
+    "positions": (151, 279),
+    "source": "the release's report (musespark/REPORT.md §2.1, §4.1-4.3): int4 container, bf16 "
+              "dense, identical rows; 7.02 GB per step per core, ~55 us per layer + ~195 us "
+              "fixed at B = 1, its four collectives ~14 us per layer",
+}
+
+
+def programs(batch: int, n_layers: int | None = None) -> tuple[list[int], list[list]]:
+    """(weight blocks, [its one program]) of one step at `batch` with `n_layers` layers."""
+    m = SECOND_MODEL
+    n_layers = m["n_layers"] if n_layers is None else n_layers
+    everyone = tuple(range(m["n_ranks"]))
+    wire = program.PARTIAL_SUM_BYTES
+
+    def loads(mib: float) -> tuple[int, ...]:
+        return program.weight_blocks(mib * MIB, m["bank_bytes"])
+
+    layer = [*(b for mib in m["attention_mib"] for b in loads(mib)), *loads(m["pre_mib"]),
+             *loads(m["router_mib"]), *loads(m["post_mib"])]
+    head = program.weight_blocks(m["lm_head_bytes"], m["bank_bytes"])
+    prog = program.Program(layer * n_layers + list(head), batch)
+    tokens = sum(m["positions"]) / 2
+    mix = ((1.0, m["expert_weights"] / m["expert_bytes"], True),)
+
+    def collective(name: str, op: str, nbytes: float, algorithm: str) -> None:
+        prog.collective(name, op, (0,), nbytes, everyone, algorithm=algorithm)
+
+    for _ in range(n_layers):
+        prog.fetch(batch * tokens * m["kv_bytes_per_token"], 1, 1)  # the KV tiles
+        prog.block(sum(len(loads(mib)) for mib in m["attention_mib"]))
+        collective("o_proj", "all_reduce", batch * m["d_model"] * wire, program.RS_AG)
+        prog.block(len(loads(m["pre_mib"])))
+        collective("pre", "all_gather", batch * 512 * wire, program.ONE_SHOT)
+        prog.block(len(loads(m["router_mib"])))
+        prog.fetch(m["expert_bytes"], m["experts"], m["expert_slots"], mix, FIRST)
+        collective("experts", "all_reduce", batch * 4096 * wire, program.RS_AG)
+        prog.block(len(loads(m["post_mib"])))
+        collective("post", "all_gather", batch * 1024 * wire, program.ONE_SHOT)
+    prog.block(len(head))
+    return prog.blocks, [prog.ops]
+
+
+def simulate(batch: int, *, n_layers: int | None = None, interconnect: Any = None,
+             chip: str | TimelineChip | None = None, banks: int | None = None,
+             expert_slots: int | None = None, prefetch_across: bool | None = None) -> Any:
+    """Its step at `batch` (a `timeline_ranks.RanksTimeline`; add SECOND_MODEL["outside_s"])."""
+    m = SECOND_MODEL
+    blocks, progs = programs(batch, n_layers)
+    if expert_slots is not None:
+        progs = [[op[:3] + (expert_slots,) + op[4:] if op[0] == "fetch" and op[2] > 1 else op
+                  for op in ops] for ops in progs]
+    base = interconnect or links.interconnect("tpu7x")
+    inter = links.interconnect(base, slice=m["slice"])
+    return simulate_programs(progs, blocks, banks or m["banks"], batch, (0,), inter, "auto",
+                             chip or timeline_chip("tpu7x"), prefetch_across=prefetch_across)

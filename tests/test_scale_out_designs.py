@@ -1,0 +1,110 @@
+"""Designs the kernel does not run yet, priced by the scale-out model (`prediction.designs`,
+`prediction.design_table`): rho by a one-phase reduce-scatter, the router's placement, expert
+reads first; `plan` prints each router placement, `predict --designs` each design in turn."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mkresearch.cli import main as cli
+from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.model.config import get_config
+from mkresearch.prediction import calibration, design_table, designs, scale_out
+from mkresearch.sharding import layout as layouts
+
+
+def _ours(batch=1, **fields):
+    cfg = get_config("kimi-k3")
+    sched = dataclasses.replace(scale_out.our_schedule(cfg, "partial-sum", 32, batch), **fields)
+    return scale_out.predict(cfg, 32, layouts.OURS, batch, schedule=sched, keep_timeline=True)
+
+
+def _runs(p, prefix):
+    return [run for run in p["timeline"].collectives if 0 in run.group
+            and run.name.startswith(prefix)]
+
+
+def test_rho_by_reduce_scatter_is_one_phase_and_the_shared_sum_carries_nothing():
+    built, rho = _ours(), _ours(designs=(designs.RESTRUCTURED,))
+    before, after = _runs(built, sharding.EXPERT_SUM), _runs(rho, sharding.EXPERT_SUM)
+    assert len(before) == len(after) == 92
+    assert after[0].price.phases == 1 < before[0].price.phases
+    assert after[0].price.seconds < before[0].price.seconds
+    d = get_config("kimi-k3").d_model
+    assert {run.nbytes for run in _runs(rho, sharding.SHARED_DOWN)} == {d * 4}
+    assert all(run.nbytes > d * 4 for run in _runs(built, sharding.SHARED_DOWN))  # W_lu's chunks
+    assert rho["rank_bytes"] == built["rank_bytes"]
+    assert rho["serial_chain_s"] < built["serial_chain_s"] and rho["step_s"] < built["step_s"]
+
+
+def test_the_serial_chain_is_every_collective_of_rank_0_in_sequence():
+    p = _ours()
+    runs = [run for run in p["timeline"].collectives if 0 in run.group]
+    assert len(runs) == p["collectives_per_rank"]
+    assert p["serial_chain_s"] == pytest.approx(sum(run.price.seconds for run in runs))
+    assert p["serial_chain_s"] > p["parts_s"]["collective_messages"]  # some of it is hidden
+
+
+@pytest.mark.parametrize("placement", designs.ROUTER_PLACEMENTS[1:])
+def test_a_router_placement_splits_the_fused_gather(placement):
+    p = _ours(designs=(f"router-{placement}",))
+    scores = _runs(p, "router/w_router/scores")
+    latent = _runs(p, "latent/w_ld/gather")
+    assert len(latent) == 92 and not _runs(p, designs.FUSED_ROUTER_GATHER)
+    assert len(scores) == (0 if placement == designs.REPLICATED else 92)
+    group = 2 if placement == designs.SIBLING else 8
+    for run in scores:  # priced over the group; simulated among its stand-ins (a sibling swap
+        # waits for none: the rank alone)
+        assert run.price.messages == group - 1 and set(run.group) <= set(range(group))
+        assert len(run.group) == 1 or placement == designs.HOST
+
+
+def test_router_placements_bytes_latency_and_the_choice():
+    table = design_table.router_placements(get_config("kimi-k3"), 32, 1)
+    rows = {r["placement"]: r for r in table["rows"]}
+    assert list(rows) == list(designs.ROUTER_PLACEMENTS)
+    # Kimi K3's 896 experts over 32 ranks: chunks of 28 columns padded to 128 lanes, so a host's
+    # 112 cost no more bytes; two siblings read 512 lanes, every rank 896
+    assert rows["host"]["rank_gb"] == rows["split"]["rank_gb"]
+    assert rows["split"]["rank_gb"] < rows["sibling"]["rank_gb"] < rows["replicated"]["rank_gb"]
+    extra = (rows["replicated"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9
+    assert extra == pytest.approx(92 * 7168 * (896 - 128) * 2, rel=0.1)  # bf16 router columns
+    assert rows["replicated"]["before_top_k_us"] == 0
+    assert rows["sibling"]["before_top_k_us"] < rows["split"]["before_top_k_us"]
+    assert table["chosen"] == min(rows.values(), key=lambda r: r["step_ms"])["placement"]
+    print(design_table.format_router_placements(table))
+
+
+def test_a_schedule_refuses_unknown_or_clashing_designs():
+    sched = scale_out.our_schedule(get_config("kimi-k3-mini"), "partial-sum", 2)
+    with pytest.raises(ValueError, match="design 'soon' is invalid"):
+        dataclasses.replace(sched, designs=("soon",))
+    with pytest.raises(ValueError, match="at most one router placement"):
+        dataclasses.replace(sched, designs=("router-host", "router-sibling"))
+    with pytest.raises(ValueError, match="only our kernel's program takes designs"):
+        dataclasses.replace(scale_out.RELEASE_SCHEDULE, designs=("router-host",))
+
+
+def test_designs_table_and_the_command(capsys):
+    rows = design_table.designs_table(get_config("kimi-k3"), 32, (1,))
+    assert [r["design"] for r in rows][:3] == ["as built", "+ expert reads first",
+                                               "+ rho by reduce-scatter"]
+    assert rows[-1]["design"] == "the release (modelled)" and rows[-1]["over_release"] == 1
+    for r in rows:
+        print(f"{r['design']:28s} {r['step_ms']:.2f} ms {r['rank_gb']:.2f} GB "
+              f"chain {r['chain_ms']:.2f} ms x{r['over_release']:.2f}")
+    capsys.readouterr()
+    assert cli.main(["predict", "kimi-k3", "--designs", "--batch", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == rows  # the same Model: cached, identical
+    assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["router"]["chosen"] in designs.ROUTER_PLACEMENTS
+
+
+def test_one_model_prices_both_sides_links():
+    """The design table's release row is the release under the same Model as ours."""
+    model = calibration.Model(interconnect=links.interconnect("tpu7x", hop_latency=1e-6))
+    rows = design_table.designs_table(get_config("kimi-k3"), 32, (1,), model=model)
+    assert rows[-1]["step_ms"] == pytest.approx(
+        model.predict(get_config("kimi-k3"), 1)["step_s"] * 1e3)
