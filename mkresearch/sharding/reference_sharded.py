@@ -85,13 +85,9 @@ def _row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
                  and g == p.gather), None) if rows >= 0 else None
 
 
-def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
-                   ranks_per_host: int = 0) -> dict:
-    """params with every row-split matrix as `Partials` (one piece per slice of its group, in
-    slice order, each a rank's rows zero-padded as the layout pads them) and the routed experts
-    as `ExpertGroups` (lay.ep groups). ranks_per_host: the kernel's hosts (consecutive ranks;
-    0: every rank one host), whose partials each reduction adds first
-    (`numerics.host_ordered_sum`, `MegakernelOptions.ranks_per_host`)."""
+def check_hosts(lay: layouts.Layout, ranks_per_host: int = 0) -> int:
+    """The ranks of one host (ranks_per_host, 0: all of them) of a partial-sum layout, checked:
+    ValueError naming what is invalid."""
     if lay.collectives != layouts.PARTIAL_SUM:
         raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: 'partial-sum'")
     per_host = ranks_per_host or lay.n_ranks
@@ -99,6 +95,17 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
             or lay.n_ranks % per_host:
         raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid: 0 or an int >= 1 that "
                          f"divides the {lay.n_ranks} ranks")
+    return per_host
+
+
+def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
+                   ranks_per_host: int = 0) -> dict:
+    """params with every row-split matrix as `Partials` (one piece per slice of its group, in
+    slice order, each a rank's rows zero-padded as the layout pads them) and the routed experts
+    as `ExpertGroups` (lay.ep groups). ranks_per_host: the kernel's hosts (consecutive ranks;
+    0: every rank one host), whose partials each reduction adds first
+    (`numerics.host_ordered_sum`, `MegakernelOptions.ranks_per_host`)."""
+    per_host = check_hosts(lay, ranks_per_host)
     table = spec.param_table(lay.cfg)
     out = dict(params)
     for kind, entries in table.items():
