@@ -50,6 +50,10 @@ class RankLoad:
     bytes_read: int  # from the checkpoint's files, headers included
     total_bytes: int  # the checkpoint's safetensors files together
 
+    def facts(self) -> dict:
+        return {"ranks": _ranges(self.ranks), "bytes_read": self.bytes_read,
+                "total_bytes": self.total_bytes}
+
     def describe(self) -> str:
         return (f"ranks {_ranges(self.ranks)}: read {self.bytes_read:,d} B of "
                 f"{self.total_bytes:,d} B ({self.bytes_read / self.total_bytes:.0%})")
