@@ -403,6 +403,16 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
 
 
 # ---- compiling for a TPU topology on this machine -----------------------------------------
+def make_mesh_on(topology: str, n_ranks: int) -> Any:
+    """The mesh a run on n_ranks devices of a TPU `topology` builds (`make_mesh`: a multi-host
+    slice's hosts each a process, their devices consecutive), from the topology's devices."""
+    devices = tpu.topology_devices(topology)
+    if len(devices) < n_ranks:
+        raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "
+                         "needs as many")
+    return distributed.mesh(n_ranks, AXIS, devices)
+
+
 def step_shapes(plan: ShardedPlan) -> tuple:
     """Shape structs of (inputs, weights [n, ...], state [n, ...]): nothing allocated."""
     lay, n, batch = plan.layout, plan.n_ranks, plan.mega.batch
@@ -426,13 +436,7 @@ def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layout
     MegakernelOptions(chip=chip): every reduction one-shot)."""
     lay = layouts.layout(cfg, n_ranks, name, collectives=collectives)
     plan = make_sharded_plan(lay, batch, seq_len, options or mplan.MegakernelOptions(chip=chip))
-    devices = tpu.topology_devices(topology)
-    if len(devices) < n_ranks:
-        raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "
-                         "needs as many")
-    # the mesh a run on that slice builds: its hosts' devices consecutive (a multi-host slice's
-    # processes: `distributed.mesh`), one Mosaic kernel per rank
-    mesh = distributed.mesh(n_ranks, AXIS, devices)
+    mesh = make_mesh_on(topology, n_ranks)
 
     def step(inputs, weights, state):
         return _call(plan, mesh, tpu.interpret_params(), False, False, False, False, inputs,
