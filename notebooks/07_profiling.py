@@ -100,19 +100,29 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # a Kimi K3 decode step — KDA and MLA attention, the MoE stage (router included) and the dense FFN,
 # the final sampling stage — and at the **megakernel** that runs a whole step in one call, each run
 # once in TPU interpret mode at `kimi-k3-mini` shapes with the DMA log recording, then replayed on
-# TPU7x by `mkresearch.prediction.timeline`:
+# TPU7x by the **timeline model** (`mkresearch.prediction.timeline`). Interpret mode's own times
+# say nothing about a TPU: every TPU time below is *modelled* from the log and the chip's
+# published figures plus stated assumptions (the DMA latency above all), never measured.
 #
 # * the **timeline**: DMA lanes against the compute lane, per stage;
 # * **VMEM occupancy** over time;
 # * the compute unit's **idle time by cause**: a DMA moves bytes meanwhile ("compute idle: HBM
 #   busy", `hbm_busy`: the step is bound by HBM there, not wasted), or nothing at all moves
 #   ("bubble: nothing moves", `bubble`: DMA latency, a serial chain of small copies: waste);
-# * the **predicted step time against the HBM floor**, and at full scale the model's floor for one
+# * the **modelled step time against the HBM floor**, and at full scale the model's floor for one
 #   rank next to the published measurement.
 #
 # The stages are a registry: a stage is a name and a builder that returns a zero-argument callable
 # running the kernel. Kernels that have not landed (or fail) are listed and skipped; a new kernel
-# is one more registered builder.
+# is one more registered builder. The terms this notebook uses, from the glossary (notebook 00
+# shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Stage", "Megakernel", "Interpret mode", "DMA log", "Timeline", "Modelled",
+                    "Compute phase", "HBM, VMEM, SMEM", "Bubble", "HBM floor",
+                    "Roofline fraction", "Rank", "-rank", "Full-size step", "xprof")
 
 # %%
 import tempfile
@@ -122,13 +132,14 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 from mkresearch.kernels.base import dma
+from tqdm import tqdm
 
 from mkresearch.measurement import profiling
 from mkresearch.model import reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline as tl
-from mkresearch.sharding import layout
 from mkresearch.views import widgets
+from mkresearch.views.widgets import TableView
 
 cfg = get_config("kimi-k3-mini")
 B = 2
@@ -196,9 +207,13 @@ def megakernel_stage():
                                           positions, cfg)[0]
 
 
+# %% [markdown]
+# Each stage runs once in interpret mode with its DMA log recording (about a minute in all,
+# the megakernel the longest: the bar counts the stages).
+
 # %%
 logs, skipped = {}, {}
-for name, (builder, _) in STAGES.items():
+for name, (builder, _) in tqdm(STAGES.items(), desc="stages in interpret mode", unit="stage"):
     try:
         run = builder()
         with dma.recording() as log:
@@ -207,12 +222,14 @@ for name, (builder, _) in STAGES.items():
     except Exception as error:  # a kernel that has not landed or is broken: say so, keep going
         tpu.reset_interpret_state()
         skipped[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+timelines = {name: tl.simulate(log, "tpu7x") for name, log in logs.items()}
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · every stage ran and logged its DMAs; every logged byte is on a DMA lane of its
+# timeline, and compute busy + idle is the step
 print("profiled:", ", ".join(logs) or "none")
 print("skipped: ", ", ".join(f"{k} ({v})" for k, v in skipped.items()) or "none")
-timelines = {name: tl.simulate(log, "tpu7x") for name, log in logs.items()}
 for name, timeline in timelines.items():
     assert timeline.dma_bytes == logs[name].dma_bytes()  # every logged byte is on a DMA lane
     assert abs(timeline.idle_s() + timeline.busy_s("compute") - timeline.total_s) < 1e-12
@@ -220,15 +237,12 @@ for name, timeline in timelines.items():
           f"timeline bytes match PASS")
 
 # %% [markdown]
-# ## The timeline of each stage (and of the megakernel) on TPU7x
+# ## 1 · The modelled timeline of each stage (and of the megakernel) on TPU7x
 
 # %%
 columns = ["label", "total_us", "hbm_floor_us", "roofline_fraction", "idle_hbm_busy_us",
            "bubble_us", "compute_busy_us", "peak_vmem_bytes"]
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(widgets.format_table(widgets.summary_rows(timelines), columns))
+TableView(widgets.summary_rows(timelines), columns)
 
 # %%
 for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
@@ -240,7 +254,7 @@ for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
 # bandwidth)` with the FLOPs and bytes *the kernel declares* in `dma.phase(...)`. Phases that
 # declare neither take no time and are not drawn, so those stages' compute is not yet in the model.
 #
-# ## Idle time by cause
+# ## 2 · Idle time by cause
 #
 # At `kimi-k3-mini` sizes each weight is a few hundred KiB: on TPU7x it moves in a fraction of a
 # microsecond, less than the (assumed) 0.5 µs DMA latency. A stage that waits for each small copy
@@ -249,33 +263,45 @@ for name in [n for n in ("kda", "moe", "megakernel") if n in timelines]:
 # computes, so the latency of one hides behind the other.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-rows = [{"stage": name, **{f"{i['cause']}_fraction": i["fraction"]
-                            for i in widgets.idle_rows(t)}} for name, t in timelines.items()]
-print(widgets.format_table(rows, ["stage", "hbm_busy_fraction", "bubble_fraction"], digits=2))
+idle = [{"stage": name, **{f"{i['cause']}_fraction": i["fraction"]
+                           for i in widgets.idle_rows(t)}} for name, t in timelines.items()]
+TableView(idle, ["stage", "hbm_busy_fraction", "bubble_fraction"], digits=2)
 
 # %%
-ax = widgets.plot_time_split(timelines, title="where each stage's time goes (TPU7x, the model)")
-widgets.show_figure(ax.figure)
+split_axes = widgets.plot_time_split(timelines,
+                                     title="where each stage's time goes (TPU7x, modelled)")
+widgets.show_figure(split_axes.figure)
 
 # %% [markdown]
-# ## VMEM occupancy
+# ## 3 · VMEM occupancy
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 2.8), layout="constrained")
 for name, timeline in timelines.items():
     times, values = widgets.vmem_steps(timeline)
     ax.step(times, np.array(values) / 2**20, where="post", label=name)
-ax.set(xlabel="time (µs)", ylabel="VMEM (MiB)", title="DMA'd bytes held in VMEM, per stage")
+ax.set(xlabel="time (µs)", ylabel="VMEM (MiB)",
+       title="DMA'd bytes held in VMEM, per stage (modelled)")
 widgets.legend_outside(ax)
 widgets.show_figure(fig)
 
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the idle time has both causes and they add up; each stage is mostly bubbles at mini
+# sizes; the peak VMEM of each stage
+for name, timeline in timelines.items():
+    causes = {row["cause"]: row["fraction"] for row in widgets.idle_rows(timeline)}
+    print(f"{name:10s} idle: HBM busy {causes['hbm_busy']:.0%}, bubble {causes['bubble']:.0%}; "
+          f"peak VMEM {timeline.peak_vmem_bytes:,d} B")
+    assert abs(timeline.idle_s("hbm_busy") + timeline.idle_s("bubble") - timeline.idle_s()) < 1e-12
+assert all(t.idle_s("bubble") > t.idle_s("hbm_busy") for t in timelines.values())
+
 # %% [markdown]
-# ## Predicted step time against the HBM floor (kimi-k3-mini)
+# ## 4 · Modelled step time against the HBM floor (kimi-k3-mini)
 #
 # Stage by stage, a step runs each stage as many times as the model has such layers. Summing the
 # stage timelines is the step *without* a megakernel (every stage starts cold: its first DMA
-# latency is exposed). The second column is the same with zero DMA latency — the bubble a perfect
+# latency is exposed). The second figure is the same with zero DMA latency — the bubble a perfect
 # cross-stage prefetch would remove — and the floor is all the bytes at the HBM bandwidth.
 # The megakernel line is its own recorded step on the same model: one kernel, one log, so its
 # timeline shows what the stage boundaries cost once weights stream across them. Its bytes differ
@@ -286,32 +312,64 @@ widgets.show_figure(fig)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · stages summed, with latency hidden, the floor: floor <= hidden <= summed; the
+# megakernel's own step
 no_latency = tl.timeline_chip("tpu7x", dma_latency=0.0)
 counted = {n: STAGES[n][1] for n in timelines if STAGES[n][1]}
 predicted = sum(k * timelines[n].total_s for n, k in counted.items())
 predicted_no_latency = sum(k * tl.simulate(logs[n], no_latency).total_s for n, k in counted.items())
 floor = sum(k * timelines[n].hbm_floor_s for n, k in counted.items())
 print("stages per step:", ", ".join(f"{n} x{k}" for n, k in counted.items()))
-print(f"predicted_us {predicted * 1e6:.2f}, without DMA latency {predicted_no_latency * 1e6:.2f}, "
+print(f"modelled_us {predicted * 1e6:.2f}, without DMA latency {predicted_no_latency * 1e6:.2f}, "
       f"HBM floor {floor * 1e6:.2f}")
 print(f"fraction of the HBM roofline: {floor / predicted:.1%} as stages, "
       f"{floor / predicted_no_latency:.1%} with latency hidden")
 assert floor <= predicted_no_latency <= predicted
 if "megakernel" in timelines:
     mega = timelines["megakernel"]
-    print(f"megakernel step_us {mega.total_s * 1e6:.2f}, its HBM floor {mega.hbm_floor_s * 1e6:.2f} "
-          f"({mega.roofline_fraction:.1%} of roofline), DMA bytes {mega.dma_bytes:,d} vs "
-          f"{sum(k * logs[n].dma_bytes() for n, k in counted.items()):,d} for the stages")
+    print(f"megakernel modelled step_us {mega.total_s * 1e6:.2f}, its HBM floor "
+          f"{mega.hbm_floor_s * 1e6:.2f} ({mega.roofline_fraction:.1%} of roofline), DMA bytes "
+          f"{mega.dma_bytes:,d} vs {sum(k * logs[n].dma_bytes() for n, k in counted.items()):,d} "
+          "for the stages")
 
 # %% [markdown]
-# ## The model against published numbers (full size)
+# ## 5 · The model against published numbers (full size)
 #
 # One Kimi K3 rank (docs/tpu.md §3) reads ≈ 6.97 GB of weights per decode step at B = 1. At TPU7x's
 # HBM bandwidth per TensorCore that is the floor below; the public release measures 249 tok/s at
 # B = 1, i.e. 4.0 ms per step. The gap is reported as it is.
+#
+# ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (modelled)
+#
+# The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, docs/kimi-k3.md §9)
+# by `mkresearch.prediction.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
+# the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
+# rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
+# count, so the timeline is coarse; the bytes and the order (what is in flight while what
+# computes) are the megakernel's. `kimi-k3-rank` keeps the full latent projections and the full
+# d on every rank, so it reads more than the ≈ 6.97 GB of the released layout. It is a one-device
+# stand-in (one rank's shapes, no collectives), NOT our full-size step: that is the last line of
+# the checks, `mkresearch.prediction.full_size.full_size_step` (Kimi K3 on 32 ranks in our layout
+# with the partial-sum collectives our sharded kernel issues by default), the line `decode`,
+# `bench`, `info --ranks 32` and `predict` print.
+
+# %%
+from mkresearch.prediction import scaling
+from mkresearch.prediction.full_size import STAND_IN_LABEL, full_size_step
+
+if "megakernel" in logs:
+    rank = get_config("kimi-k3-rank")  # one rank of the release layout
+    rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
+    rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
+    rank_mega = tl.simulate(rank_events, "tpu7x")
+    fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
+    widgets.plot_gantt(rank_mega, ax, title=f"megakernel, {rank.name} shapes on tpu7x "
+                       f"(scaled from the mini log): {rank_mega.total_s * 1e3:.2f} ms modelled")
+    widgets.show_figure(fig)
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the floor of one published rank, the stand-in's modelled step, the full-size step
 rank_bytes = 6.97e9  # docs/tpu.md: weights read per rank per step at B=1
 chip = tl.timeline_chip("tpu7x")
 floor_ms = tl.hbm_floor_s(rank_bytes, chip) * 1e3
@@ -324,56 +382,25 @@ print(f"published: 249 tokens per second at B=1 -> step_ms {measured_ms:.2f}")
 print(f"the release runs at {floor_ms / measured_ms:.0%} of the model's HBM roofline "
       f"(gap_ms {measured_ms - floor_ms:.2f} per step)")
 assert 1.85 < floor_ms < 1.95 and 0.45 < floor_ms / measured_ms < 0.5
-
-# %% [markdown]
-# ### The megakernel at Kimi K3 per-rank shapes, on TPU7x (predicted)
-#
-# The megakernel's recorded mini step, scaled to the shapes of one rank (`kimi-k3-rank`, docs/kimi-k3.md §9)
-# by `mkresearch.prediction.scaling.scale_log`: every DMA's bytes scaled by its matrix / state / KV-token ratio,
-# the layer segments repeated along the full 93-layer pattern, the routed experts scaled to this
-# rank's expected share (112 local experts, 16 of 896 chosen per token). Blocks keep the mini
-# count, so the timeline is coarse; the bytes and the order (what is in flight while what
-# computes) are the megakernel's. `kimi-k3-rank` keeps the full latent projections and the full
-# d on every rank, so it reads more than the ≈ 6.97 GB of the released layout. It is a one-device
-# stand-in (one rank's shapes, no collectives), NOT our full-size step: that is the last line,
-# `mkresearch.prediction.full_size.full_size_step` (Kimi K3 on 32 ranks in our layout with the
-# partial-sum collectives our sharded kernel issues by default), the line `decode`, `bench`, `info --ranks 32` and `predict` print.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-from mkresearch.prediction import scaling
-from mkresearch.prediction.full_size import STAND_IN_LABEL, full_size_step
-
 if "megakernel" in logs:
-    rank = get_config("kimi-k3-rank")  # one rank of the release layout
-    rank_unique = rank.n_experts * (1 - (1 - rank.top_k / get_config("kimi-k3").n_experts) ** B)
-    rank_events = scaling.scale_log(logs["megakernel"], cfg, rank, B, unique_experts=rank_unique)
-    rank_mega = tl.simulate(rank_events, "tpu7x")
     print(f"{rank.name}, the {STAND_IN_LABEL}:")
     print(f"megakernel at {rank.name} shapes, B={B}, routed experts per MoE layer "
           f"{rank_unique:.1f}: {rank_mega.dma_bytes / 1e9:.2f} GB per step")
-    print(f"predicted on tpu7x: step_ms {rank_mega.total_s * 1e3:.2f}, HBM floor of those bytes "
+    print(f"modelled on tpu7x: step_ms {rank_mega.total_s * 1e3:.2f}, HBM floor of those bytes "
           f"floor_ms {rank_mega.hbm_floor_s * 1e3:.2f} -> {rank_mega.roofline_fraction:.0%} of "
           f"the HBM roofline (the model; not measured)")
-    print(f"published release: step_ms {measured_ms:.2f} at {floor_ms / measured_ms:.0%} of its "
-          f"roofline (6.97 GB per rank)")
     print(full_size_step("kimi-k3", 32, "ours", B).line())
     assert 0 < rank_mega.roofline_fraction <= 1
 
-# %%
-if "megakernel" in logs:
-    fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
-    widgets.plot_gantt(rank_mega, ax, title=f"megakernel, {rank.name} shapes on tpu7x "
-                       f"(scaled from the mini log): {rank_mega.total_s * 1e3:.2f} ms predicted")
-    widgets.show_figure(fig)
-
 # %% [markdown]
-# And the Pallas pipelining guide's α/β/F arithmetic, reproduced by the model (notebook 01 shows
-# the same on the GEMV): a compute-bound stream equals `(α + X/β) + N·Y/F`, a bandwidth-bound one
-# `α + N·X/β` plus the last block's compute.
+# And the Pallas pipelining guide's α/β/F arithmetic (α a DMA's latency, β the HBM bandwidth,
+# F the MXU's FLOP/s; X bytes and Y FLOPs per block, N blocks), reproduced by the model
+# (notebook 01 shows the same on the GEMV): a compute-bound stream equals `(α + X/β) + N·Y/F`,
+# a bandwidth-bound one `α + N·X/β` plus the last block's compute.
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the timeline model equals the guide's closed forms, compute- and bandwidth-bound
 guide_chip = tl.timeline_chip("tpu7x", vmem_bandwidth=1e18)  # the guide has no VMEM term
 a, b, f = guide_chip.dma_latency, guide_chip.hbm_bandwidth, guide_chip.mxu_flops
 n, x_mm, y_mm = 64, 2 * 1024 * 1024 * 2, 2 * 1024**3  # 1024^3 bf16 matmul blocks
@@ -388,7 +415,7 @@ print(f"bandwidth-bound: guide_us {guide_add * 1e6:.3f}  model_us {model_add * 1
       f"(+ last compute_us {y_add / f * 1e6:.4f})  PASS")
 
 # %% [markdown]
-# ## Measured spans: the xprof path
+# ## 6 · Measured spans: the xprof path
 #
 # On a TPU, each `dma.phase` of a kernel is a `jax.named_scope`, which Mosaic lowers to trace
 # events: `profiling.capture` records an xprof trace and `profiling.parse_trace` turns the phases
@@ -415,12 +442,6 @@ measured = profiling.parse_trace(trace_path, ["kda_attention", "moe_ffn", "refer
                                  scope_names=scope_names)
 
 # %%
-# NBVAL_CHECK_OUTPUT
-found = sorted({s.name for s in measured})
-print("scopes found in the trace:", ", ".join(found))
-assert set(found) == {"kda_attention", "moe_ffn", "reference_layer"}
-
-# %%
 fig, ax = plt.subplots(figsize=(10, 2.2), layout="constrained")
 widgets.plot_gantt(tl.simulate([], "tpu7x"), ax, measured=measured,
                    title="CPU trace of the reference layer: measured spans by named scope")
@@ -434,11 +455,19 @@ if tpu.on_tpu() and "kda" in STAGES:  # measured kernel phases over the model, o
     kernel_spans = profiling.parse_trace(kernel_trace, phase_names, planes=["/device:TPU"])
     display(widgets.timeline_figure(timelines.get("kda", tl.simulate([], "tpu7x")), kernel_spans))
 
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the trace holds every named scope
+found = sorted({s.name for s in measured})
+print("scopes found in the trace:", ", ".join(found))
+assert set(found) == {"kda_attention", "moe_ffn", "reference_layer"}
+
 # %% [markdown]
-# ## Explore a stage
+# ## 7 · Explore a stage
 #
 # The control bar replays a recorded stage on another chip or batch size (buffer counts replay
-# streaming logs; stage kernels with several streams are best left "as recorded").
+# streaming logs; stage kernels with several streams are best left "as recorded"): the model
+# again, redrawn.
 
 # %%
 if "moe" in logs:

@@ -94,9 +94,6 @@ from mkresearch.hardware import tpu
 print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 
 # %% [markdown]
-#
-
-# %% [markdown]
 # # 10 · Other families: DeepSeek-V3, GLM-4.5 and Qwen3-235B beside Kimi K3
 #
 # The megakernel is composed from a registry of stage kinds (notebook 06, `DEVELOPERS.md`), so it
@@ -113,8 +110,19 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # All three use a classic pre-norm residual stream, where Kimi K3 mixes attention residuals. Side
 # by side with Kimi K3: what one decode step reads from HBM and where, what a context token
-# costs, the megakernel's timeline for each mini, and the predicted TPU7x step for each full model
-# (sharded over 32 cores with its sharding rules).
+# costs, the megakernel's timeline for each mini, and the modelled TPU7x step for each full model
+# (sharded over 32 cores with its sharding rules). The terms this notebook uses, from the
+# glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("GQA", "MLA", "RoPE, partial RoPE, YaRN", "RMSNorm, L2 norm, QK-norm",
+                    "Pre-norm residual", "Dense FFN, MoE FFN", "Routed, shared experts",
+                    "Group-limited routing", "FP8 e4m3", "Active parameters", "Context",
+                    "Megakernel", "Pallas", "Mosaic", "Interpret mode", "DMA log", "Timeline",
+                    "Modelled", "Bubble", "HBM floor", "Rank", "-rank", "EP × ETP",
+                    "Exact mode, partial-sum mode", "Full-size step")
 
 # %%
 import os
@@ -125,6 +133,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
+from tqdm import tqdm
 
 from mkresearch.cli import bench
 from mkresearch.measurement import hlo, logs, recorded
@@ -136,7 +145,7 @@ from mkresearch.sharding import layout, layout_bytes
 from mkresearch.views import widgets
 from mkresearch.views.facts import bound
 from mkresearch.views.label_plots import label_problems
-from mkresearch.views.widgets import show_figure
+from mkresearch.views.widgets import TableView, show_figure
 
 FULL = ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")
 MODELS = {name: get_config(name) for name in FULL}
@@ -160,7 +169,6 @@ GB = 1e9
 # to whole billions as 37 B (1.01 % off).
 
 # %%
-# NBVAL_CHECK_OUTPUT
 def attention_of(cfg):
     if cfg.attention == "kda+mla":
         return f"KDA + MLA ({len(cfg.mla_layers)} MLA layers), {cfg.n_heads} heads"
@@ -176,21 +184,33 @@ for name, cfg in MODELS.items():
                  "attention": attention_of(cfg),
                  "experts": f"{cfg.n_experts} top-{cfg.top_k} + {cfg.n_shared_experts} shared",
                  "format": cfg.expert_format, "total": f"{total:,d}", "active": f"{active:,d}"})
-print(widgets.format_table(rows, list(rows[0])))
-assert abs(roofline.parameter_counts(MODELS["kimi-k3"])[0] / 2.78e12 - 1) < 0.01
-rows = []  # each publisher's counting rule
+TableView(rows, list(rows[0]))
+
+# %%
+published_rows = []  # each publisher's counting rule
 for name, rule in roofline.PARAMETER_RULES.items():
     total, active = roofline.published_counts(MODELS[name], rule)
     off = (total / rule.published[0] - 1, active / rule.published[1] - 1)
-    rows.append({"model": name, "embedding / LM head in active": (
-        f"{'in' if rule.embedding_active else 'out'} / {'in' if rule.lm_head_active else 'out'}"),
+    published_rows.append({
+        "model": name, "embedding / LM head in active": (
+            f"{'in' if rule.embedding_active else 'out'} / {'in' if rule.lm_head_active else 'out'}"),
         "total (B)": f"{total / GB:.2f}", "published": f"{rule.published[0] / GB:.0f}",
         "active (B)": f"{active / GB:.2f}", "published ": f"{rule.published[1] / GB:.0f}",
         "within 1 %": "yes" if max(map(abs, off)) < 0.01 else "active rounds to it",
-        "rule checked on": rule.checked_on})
-    rounds_to_it = round(active / GB) * GB == rule.published[1]  # DeepSeek: 36.63 B -> 37 B
-    assert abs(off[0]) < 0.01 and (abs(off[1]) < 0.01 or rounds_to_it), name
-print(widgets.format_table(rows, list(rows[0])))
+        "rule checked on": rule.checked_on, "off": off, "active": active})
+TableView(published_rows, [c for c in published_rows[0] if c not in ("off", "active")],
+          align="left")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · each model's layers and counts; each publisher's way within 1 % of its figures
+print(widgets.format_table(rows, ["model", "layers", "d", "format", "total", "active"]))
+assert abs(roofline.parameter_counts(MODELS["kimi-k3"])[0] / 2.78e12 - 1) < 0.01
+for row in published_rows:
+    rule = roofline.PARAMETER_RULES[row["model"]]
+    rounds_to_it = round(row["active"] / GB) * GB == rule.published[1]  # DeepSeek: 36.63 B -> 37 B
+    print(f"{row['model']}: counted its publisher's way, within 1 %: {row['within 1 %']}")
+    assert abs(row["off"][0]) < 0.01 and (abs(row["off"][1]) < 0.01 or rounds_to_it), row["model"]
 
 # %% [markdown]
 # ## 2 · What one decode step reads, and where
@@ -223,15 +243,10 @@ for name, step in steps.items():
     for component in step.components:
         by_category[name][category(MODELS[name], component)] += (
             step.read[component] + step.written.get(component, 0))
-
-# %%
-# NBVAL_CHECK_OUTPUT
-rows = [{"GB per step": label, **{name: by_category[name][label] / GB for name in MODELS}}
-        for label in CATEGORIES]
-rows.append({"GB per step": "total", **{name: steps[name].total / GB for name in MODELS}})
-print(widgets.format_table(rows, ["GB per step", *MODELS], digits=3))
-for name, step in steps.items():
-    assert sum(by_category[name].values()) == step.total
+category_rows = [{"GB per step": label, **{name: by_category[name][label] / GB for name in MODELS}}
+                 for label in CATEGORIES]
+category_rows.append({"GB per step": "total", **{name: steps[name].total / GB for name in MODELS}})
+TableView(category_rows, ["GB per step", *MODELS], digits=3)
 
 # %%
 fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
@@ -244,8 +259,16 @@ ax.invert_yaxis()
 ax.set(xlabel=f"GB read + written per decode step (B = 1, context {CONTEXT})",
        title="where one decode step's HBM traffic goes")
 widgets.legend_outside(ax)
-assert not label_problems(fig)  # no label runs into another, none is cut
+traffic_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the categories add up to each step's bytes; the chart's labels read
+print(widgets.format_table(category_rows[-1:], ["GB per step", *MODELS], digits=3))
+for name, step in steps.items():
+    assert sum(by_category[name].values()) == step.total
+assert not label_problems(traffic_figure)  # no label runs into another, none is cut
 
 # %% [markdown]
 # At B = 1 a step reads every active weight once. The routed experts are the largest part of
@@ -265,23 +288,27 @@ show_figure(fig)  # described: an HTML export gives the picture its title
 # context at which the cache reads equal the weight reads of a B = 1 step.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 def cache_layers(cfg):
     """Layers whose attention kind keeps a KV cache (a state leaf with one entry per token)."""
     return sum(len(cfg.layers_of(kind.name)) for kind in spec.stages_of(cfg)
                if any(leaf.kind == spec.CACHE for leaf in kind.state(cfg, 1).values()))
 
 
-rows = []
+token_rows = []
 for name, cfg in MODELS.items():
     per_token = roofline.cache_bytes_per_token(cfg)
-    rows.append({"model": name, "layers with a KV cache": cache_layers(cfg),
-                 "B per token per layer": per_token // cache_layers(cfg),
-                 "B per token": per_token,
-                 "recurrent state B": roofline.recurrent_state_bytes(cfg),
-                 "context where KV = weights": roofline.step_bytes(cfg, 1).weights // per_token})
-print(widgets.format_table(rows, list(rows[0])))
-per_layer = {row["model"]: row["B per token per layer"] for row in rows}
+    token_rows.append({"model": name, "layers with a KV cache": cache_layers(cfg),
+                       "B per token per layer": per_token // cache_layers(cfg),
+                       "B per token": per_token,
+                       "recurrent state B": roofline.recurrent_state_bytes(cfg),
+                       "context where KV = weights": roofline.step_bytes(cfg, 1).weights // per_token})
+TableView(token_rows, list(token_rows[0]))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the KV bytes per token per layer of each family (docs/families.md)
+per_layer = {row["model"]: row["B per token per layer"] for row in token_rows}
+print(f"bytes per context token per layer: {per_layer}")
 assert per_layer["glm-4.5"] == 4096 and per_layer["qwen3-235b-a22b"] == 2048  # docs/families.md
 assert per_layer["deepseek-v3"] == 1152
 
@@ -293,7 +320,7 @@ assert per_layer["deepseek-v3"] == 1152
 # through the megakernel with its DMA log recorded, and is checked against
 # `reference.decode_step`. The same kernel is compiled for TPU7x from shapes (one Mosaic kernel).
 # `tests/test_families_megakernel.py` runs 16 teacher-forced greedy steps of each at B = 1 and 4
-# under the race detector.
+# under the race detector. About a minute for the three (the bar counts them).
 
 # %%
 PROMPT_LEN = 20  # the step at position 20 reads the 20 cached tokens in two 16-row groups
@@ -326,22 +353,16 @@ def mini_step(cfg, seed=0):
     return {"log": log, "diff": float(jnp.max(jnp.abs(aux["logits"] - logits))),
             "token_ok": int(out[0]) == ref_token or top2[1] - top2[0] < NEAR_TIE_GAP,
             "bytes_ratio": logs.hbm_bytes(log) / minimum.total,
-            "compiled": megakernel.compile_step(cfg, 1, chip="tpu7x")[0]}
+            "compiled": megakernel.compile_step(cfg, 1, chip="tpu7x")[0],
+            "pallas_calls": pallas_calls(cfg)}
 
 
-runs = {cfg.name: mini_step(cfg) for cfg in MINIS.values()}
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for name, run in runs.items():
-    cfg = get_config(name)
-    print(f"{name}: layers {layer_pattern(cfg)}; {pallas_calls(cfg)} pallas_call per step, "
-          f"{run['compiled'].n_mosaic_kernels} Mosaic kernel on tpu7x")
-    print(f"  {bound(run['diff'], LOGIT_TOL, name='max |logit diff| vs the reference')}; greedy "
-          f"token = the reference's (or a near-tie): {run['token_ok']}; "
-          f"{bound(run['bytes_ratio'], BYTES_SLACK, name='bytes DMAd / the minimum')}")
-    assert run["diff"] <= LOGIT_TOL and run["token_ok"] and run["bytes_ratio"] <= BYTES_SLACK
-    assert pallas_calls(cfg) == 1 and run["compiled"].n_mosaic_kernels == 1
+runs = {cfg.name: mini_step(cfg) for cfg in tqdm(MINIS.values(), desc="minis", unit="model")}
+TableView([{"mini": name, "layers": layer_pattern(get_config(name)),
+            "pallas_calls per step": run["pallas_calls"],
+            "Mosaic kernels on tpu7x": run["compiled"].n_mosaic_kernels}
+           for name, run in runs.items()],
+          ["mini", "layers", "pallas_calls per step", "Mosaic kernels on tpu7x"])
 
 # %% [markdown]
 # Where each mini's step spends its HBM traffic, read back from the DMA log (bytes of the DMAs
@@ -350,7 +371,6 @@ for name, run in runs.items():
 # full size.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 def log_category(name):
     """A DMA-log name -> the categories of section 2."""
     if name.startswith("expert/"):
@@ -371,32 +391,49 @@ for name, run in runs.items():
     for event in run["log"].select("dma_start"):
         if "hbm" in (event.src, event.dst):
             log_bytes[name][log_category(event.name)] += event.nbytes
-rows = [{"MB DMAd": label, **{name: log_bytes[name][label] / 1e6 for name in runs}}
-        for label in CATEGORIES]
-print(widgets.format_table(rows, ["MB DMAd", *runs], digits=3))
-for name, run in runs.items():
-    assert sum(log_bytes[name].values()) == logs.hbm_bytes(run["log"])
+log_rows = [{"MB DMAd": label, **{name: log_bytes[name][label] / 1e6 for name in runs}}
+            for label in CATEGORIES]
+TableView(log_rows, ["MB DMAd", *runs], digits=3)
 
 # %% [markdown]
 # The timeline model (`mkresearch.prediction.timeline`) replays each DMA log on a TPU7x: every weight
 # block, KV tile and state transfer is a span, the compute phases below them. All three minis
-# stream their weights and KV tiles; at these tiny shapes most of the step is latency (issue
-# gaps, "bubbles"), which full-size blocks amortise (section 5).
+# stream their weights and KV tiles; at these tiny shapes most of the modelled step is latency
+# (issue gaps, "bubbles"), which full-size blocks amortise (section 5).
 
 # %%
 mini_timelines = {name: timeline.simulate(run["log"], "tpu7x") for name, run in runs.items()}
 fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs)), layout="constrained")
 for ax, (name, simulated) in zip(axes, mini_timelines.items()):
     widgets.plot_gantt(simulated, ax, title=f"{name}: {simulated.total_s * 1e6:.1f} µs on tpu7x "
-                       f"(predicted), {simulated.roofline_fraction:.0%} of the HBM roofline")
-assert not label_problems(fig)  # no label runs into another, none is cut
+                       f"(modelled), {simulated.roofline_fraction:.0%} of the HBM roofline")
+minis_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
-print(widgets.format_table(widgets.summary_rows(mini_timelines),
-                           ["label", "total_us", "hbm_floor_us", "roofline_fraction",
-                            "idle_hbm_busy_us", "bubble_us", "dma_bytes"]))
+TableView(widgets.summary_rows(mini_timelines),
+          ["label", "total_us", "hbm_floor_us", "roofline_fraction", "idle_hbm_busy_us",
+           "bubble_us", "dma_bytes"])
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · each mini in one pallas_call and one Mosaic kernel, against the reference; its DMA
+# log's bytes by category add up; the timelines' labels read
+print(widgets.format_table([
+    {"mini": name, "pallas_call": run["pallas_calls"],
+     "Mosaic (tpu7x)": run["compiled"].n_mosaic_kernels,
+     f"|logit diff| <= {LOGIT_TOL:g}": "PASS" if run["diff"] <= LOGIT_TOL else "FAIL",
+     "token = reference": run["token_ok"],
+     f"bytes / minimum <= {BYTES_SLACK:g}": "PASS" if run["bytes_ratio"] <= BYTES_SLACK else "FAIL"}
+    for name, run in runs.items()],
+    ["mini", "pallas_call", "Mosaic (tpu7x)", f"|logit diff| <= {LOGIT_TOL:g}",
+     "token = reference", f"bytes / minimum <= {BYTES_SLACK:g}"]))
+for name, run in runs.items():
+    assert run["diff"] <= LOGIT_TOL and run["token_ok"] and run["bytes_ratio"] <= BYTES_SLACK
+    assert run["pallas_calls"] == 1 and run["compiled"].n_mosaic_kernels == 1
+    assert sum(log_bytes[name].values()) == logs.hbm_bytes(run["log"])
 assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
+assert not label_problems(minis_figure)  # no label runs into another, none is cut
 
 # %% [markdown]
 # ## 5 · The full models on TPU7x
@@ -406,7 +443,7 @@ assert all(0 < t.roofline_fraction <= 1 for t in mini_timelines.values())
 # query heads read), experts over 8 ranks × their hidden over 4, shared and dense hidden and the
 # vocab / 32 rounded up to 128 lanes, collectives left out (`'<model>-rank'`: the release layout's
 # rank, `get_config("<model>-rank")`, from every family's sharding rules). Three predictions
-# per model:
+# per model, all modelled:
 #
 # * **the floor**: the full model's step bytes split evenly over 32 TPU7x cores
 #   (`roofline.decode_floor` on 16 chips);
@@ -434,18 +471,10 @@ for name, mini in zip(FAMILIES, runs):
     rank, events, unique = bench.scale_to_rank(runs[mini]["log"], get_config(mini), 1)
     predictions[name] = {"rank": rank, "timeline": timeline.simulate(events, "tpu7x"),
                          "floor": floors[name], "unique": unique}
-
-# %%
-# NBVAL_CHECK_OUTPUT
-rows = [{"model": name, "rank": p["rank"].name,
-         "rank GB/step": p["timeline"].dma_bytes / GB,
-         "x model/32": p["timeline"].dma_bytes * 32 / p["floor"].bytes}
-        for name, p in predictions.items()]
-print(widgets.format_table(rows, list(rows[0]), digits=3))
-for p in predictions.values():
-    print(f"{p['rank'].name}: " + bound(p["timeline"].hbm_floor_s / p["timeline"].total_s, 1,
-                                       name="its HBM floor / the predicted step"))
-    assert p["floor"].seconds <= p["timeline"].hbm_floor_s <= p["timeline"].total_s
+TableView([{"model": name, "rank": p["rank"].name, "rank GB/step": p["timeline"].dma_bytes / GB,
+            "x model/32": p["timeline"].dma_bytes * 32 / p["floor"].bytes}
+           for name, p in predictions.items()],
+          ["model", "rank", "rank GB/step", "x model/32"])
 
 # %%
 sharded = {name: full_size_step(cfg, 32, "ours", 1, context=PROMPT_LEN).prediction
@@ -454,22 +483,13 @@ sharded = {name: full_size_step(cfg, 32, "ours", 1, context=PROMPT_LEN).predicti
 rank_floors = {name: layout_bytes.rank_bytes(layout.layout(cfg, 32, collectives="partial-sum"),
                                              1, PROMPT_LEN).floor_s("tpu7x")
                for name, cfg in MODELS.items()}
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for name, cfg in MODELS.items():
-    print(f"{layout.layout(cfg, 32).describe()}\n  " + bound(
-        rank_floors[name] / sharded[name]["step_s"], 1,
-        name="its slowest rank's HBM floor / the predicted sharded step"))
-    assert floors[name].seconds <= rank_floors[name] < sharded[name]["step_s"]
-
-# %%
-rows = [{"model": name, "rank GB/step": r["rank_bytes"] / GB,
-         "floor ms": rank_floors[name] * 1e3, "step ms": r["step_s"] * 1e3,
-         **{f"{part} ms": r["parts_s"][part] * 1e3 for part in scale_out.PARTS},
-         "collectives": r["collectives_per_rank"], "tokens/s": r["tokens_per_s"]}
-        for name, r in sharded.items()]
-print(widgets.format_table(rows, list(rows[0]), digits=3))
+TableView([{"model": name, "rank GB/step": r["rank_bytes"] / GB,
+            "floor ms": rank_floors[name] * 1e3, "step ms": r["step_s"] * 1e3,
+            **{f"{part} ms": r["parts_s"][part] * 1e3 for part in scale_out.PARTS},
+            "collectives": r["collectives_per_rank"], "tokens/s": r["tokens_per_s"]}
+           for name, r in sharded.items()],
+          ["model", "rank GB/step", "floor ms", "step ms",
+           *[f"{part} ms" for part in scale_out.PARTS], "collectives", "tokens/s"])
 
 # %%
 fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
@@ -484,15 +504,31 @@ ax.scatter([1e3 / roofline.PUBLISHED_TPU7X_16_CHIPS[1]], [0], marker="*", s=120,
            zorder=3, label="Kimi K3 release, published (16 TPU7x chips)")
 ax.set_yticks(y, list(MODELS))
 ax.invert_yaxis()
-ax.set(xlabel="ms per decode step, B = 1 (predicted, not measured)",
-       title="the full models on TPU7x")
+ax.set(xlabel="ms per decode step, B = 1 (modelled, not measured)",
+       title="the full models on TPU7x, modelled")
 widgets.legend_outside(ax)
-assert not label_problems(fig)  # no label runs into another, none is cut
+full_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · floor <= the rank's floor <= its modelled step, one rank and sharded; the chart reads
+for p in predictions.values():
+    print(f"{p['rank'].name}: " + bound(p["timeline"].hbm_floor_s / p["timeline"].total_s, 1,
+                                       name="its HBM floor / the modelled step"))
+    assert p["floor"].seconds <= p["timeline"].hbm_floor_s <= p["timeline"].total_s
+for name, cfg in MODELS.items():
+    print(f"{layout.layout(cfg, 32).describe()}\n  " + bound(
+        rank_floors[name] / sharded[name]["step_s"], 1,
+        name="its slowest rank's HBM floor / the modelled sharded step"))
+    assert floors[name].seconds <= rank_floors[name] < sharded[name]["step_s"]
+assert not label_problems(full_figure)  # no label runs into another, none is cut
+
+# %%
 print(f"kimi-k3: floor {floors['kimi-k3'].seconds * 1e3:.2f} ms; the release's published step "
       f"{1e3 / roofline.PUBLISHED_TPU7X_16_CHIPS[1]:.2f} ms")
 for name, p in predictions.items():
-    print(f"{name}: floor {p['floor'].seconds * 1e3:.2f} ms; one rank predicted "
+    print(f"{name}: floor {p['floor'].seconds * 1e3:.2f} ms; one rank modelled "
           f"{p['timeline'].total_s * 1e3:.2f} ms ({p['timeline'].roofline_fraction:.0%} of its HBM "
           f"roofline); sharded over 32 cores {sharded[name]['step_s'] * 1e3:.2f} ms = "
           f"{sharded[name]['tokens_per_s']:.0f} tokens/s per sequence")
@@ -507,38 +543,45 @@ for name, p in predictions.items():
 # tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way), each rank's weight ring as
 # deep as its VMEM allows (`megakernel_sharded.ring_depth`: 2 MiB kept spare). Qwen3's config has a
 # ring of depth 2, which only the exact mode would use: there its FFN streams a single block.
+# What the compiler reports: its FLOPs and bytes accessed (the cost estimates the kernels
+# declare), and its memory analysis: the arguments one device holds in HBM (the weights, caches
+# and state of that step), its outputs, and the peak.
 
 # %%
-compiles = {}
-for name in ("kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank", "qwen3-235b-a22b-rank"):
-    compiles[name] = recorded.compile_or_recorded(
-        get_config(name), 1, chip="tpu7x",
-        recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for name, (result, plan, _) in compiles.items():
-    print(f"{name}: {result.n_mosaic_kernels} Mosaic kernel per step on {result.chip}; VMEM plan "
-          f"{plan.vmem.total_bytes / 2**20:.2f} MiB, fits: {plan.vmem.fits()}")
-    assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
-
-# %%
+recompile = os.environ.get("MKRESEARCH_COMPILE_RANK") == "1"
+compiles = {name: recorded.compile_or_recorded(get_config(name), 1, chip="tpu7x",
+                                               recompile=recompile)
+            for name in ("kimi-k3-rank", "deepseek-v3-rank", "glm-4.5-rank",
+                         "qwen3-235b-a22b-rank")}
 sharded_compiles = {
-    model: recorded.sharded_compile_or_recorded(
-        model, n_ranks, name, batch, chip,
-        recompile=os.environ.get("MKRESEARCH_COMPILE_RANK") == "1")
+    f"{model} on {n_ranks} ranks": recorded.sharded_compile_or_recorded(
+        model, n_ranks, name, batch, chip, recompile=recompile)
     for model, n_ranks, name, batch, chip in recorded.RECORDED_SHARDED}
+TableView([{"compiled": name, "Mosaic kernels": result.n_mosaic_kernels,
+            "FLOPs": f"{result.flops:.3g}", "bytes accessed": f"{result.bytes_accessed:.3g}",
+            "HBM arguments GB": result.memory.get("argument_size_in_bytes", 0) / GB,
+            "outputs GB": result.memory.get("output_size_in_bytes", 0) / GB,
+            "peak GB": result.memory.get("peak_memory_in_bytes", 0) / GB,
+            "compile s": round(result.seconds), "source": source.split(" (")[0]}
+           for name, (result, _, source) in {**compiles, **sharded_compiles}.items()],
+          ["compiled", "Mosaic kernels", "FLOPs", "bytes accessed", "HBM arguments GB",
+           "outputs GB", "peak GB", "compile s", "source"])
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for model, (result, plan, _) in sharded_compiles.items():
-    print(f"{model} on {plan.n_ranks} cores ({plan.layout.name} layout): "
-          f"{result.n_mosaic_kernels} Mosaic kernel per rank on {result.chip}; VMEM plan "
-          f"{plan.mega.vmem.total_bytes / 2**20:.2f} MiB, fits: {plan.mega.vmem.fits()}; "
-          f"ring {plan.mega.stream.depth} slots")
+# Checks · one Mosaic kernel per step (one rank) and per rank (32 ranks); every VMEM plan fits;
+# each sharded ring at least the partial-sum depth
+print(widgets.format_table(
+    [{"compiled": name, "Mosaic kernels": result.n_mosaic_kernels, "chip": result.chip,
+      "VMEM plan MiB": f"{plan.vmem.total_bytes / 2**20:.2f}", "fits": plan.vmem.fits(),
+      "ring slots": "-"} for name, (result, plan, _) in compiles.items()]
+    + [{"compiled": name, "Mosaic kernels": result.n_mosaic_kernels, "chip": result.chip,
+        "VMEM plan MiB": f"{plan.mega.vmem.total_bytes / 2**20:.2f}",
+        "fits": plan.mega.vmem.fits(), "ring slots": plan.mega.stream.depth}
+       for name, (result, plan, _) in sharded_compiles.items()],
+    ["compiled", "Mosaic kernels", "chip", "VMEM plan MiB", "fits", "ring slots"]))
+for result, plan, _ in compiles.values():
+    assert result.n_mosaic_kernels == 1 and plan.vmem.fits()
+for result, plan, _ in sharded_compiles.values():
     assert result.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
     assert plan.mega.stream.depth >= megakernel_sharded.PARTIAL_SUM_RING_DEPTH
-
-# %%
-for name, (result, _, source) in {**compiles, **sharded_compiles}.items():
-    print(f"{result} [{source}]")

@@ -111,8 +111,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 1. one verify call, row by row: targets, acceptance, the bonus token;
 # 2. the rollback, checked bit for bit against decoding the kept tokens one by one;
 # 3. a whole speculative decode, lossless against plain greedy decoding;
-# 4. one verify step: one weight pass for k + 1 tokens (its bytes, its predicted timeline);
-# 5. the full model: predicted tok/s against acceptance length, beside the published numbers.
+# 4. one verify step: one weight pass for k + 1 tokens (its bytes, its modelled timeline);
+# 5. the full model: modelled tok/s against acceptance length, beside the published numbers.
+#
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Speculative decoding, verify step", "Drafter", "Acceptance length",
+                    "Pending token", "Bonus token", "Rollback", "Lossless", "KDA", "MLA",
+                    "Batch invariance", "Greedy", "Prefill", "DMA log", "Modelled", "Rank",
+                    "Layout (ours, release)")
 
 # %%
 import jax
@@ -131,7 +141,8 @@ from mkresearch.prediction import scale_out, speculative_predict
 from mkresearch.sharding import layout
 from mkresearch.views import scale_out_plots, speculative_plots, widgets
 from mkresearch.views.label_plots import label_problems
-from mkresearch.views.widgets import show_figure
+from mkresearch.views.widgets import TableView, show_figure
+from tqdm import tqdm
 
 # kimi-k3-mini cut to its first 2 layers (a KDA + dense layer, an MLA + MoE layer, two residual
 # blocks): every feature of the family, at a third of the interpret-mode time per call
@@ -159,7 +170,7 @@ positions = np.full(B, PROMPT_LEN - 1, np.int32)
 # Every kernel call here runs with its DMA log recorded (section 4 reads the logs), so each
 # kernel is traced once: recording is part of what a kernel is compiled for.
 one_by_one, token, state = [], pending, prefilled
-for j in range(K + 1):
+for j in tqdm(range(K + 1), desc="plain decoding, a megakernel step per token", unit="step"):
     with dma.recording() as decode_log:
         token, state, _ = mk.decode_step(params, jax.tree.map(jnp.copy, state), token,
                                          positions + j, cfg)
@@ -188,17 +199,8 @@ def verdict(b, j):
 rows = [{"row": b, "j": j, "position": int(positions[b] + j), "fed": int(fed[b, j]),
          "fed as": verdict(b, j), "target after it": int(targets[b, j])}
         for b in range(B) for j in range(K + 1)]
-print(widgets.format_table(rows, list(rows[0])))  # token ids: not a checked output (below)
 print(f"bonus tokens {[int(targets[b, n_accepted[b]]) for b in range(B)]}, drawn in the call")
-
-# %%
-# NBVAL_CHECK_OUTPUT
-# up to the bonus token, the targets are what plain decoding emits
-plain_prefix = all((targets[b, :n_accepted[b] + 1] == continuation[b, :n_accepted[b] + 1]).all()
-                   for b in range(B))
-print(f"n_accepted {n_accepted.tolist()} (forced {forced.tolist()}); targets up to the bonus "
-      f"token equal plain decoding's: {plain_prefix}")
-assert n_accepted.tolist() == forced.tolist() and plain_prefix
+TableView(rows, list(rows[0]))  # token ids: not a checked output (below)
 
 # %% [markdown]
 # Row r = b (k + 1) + j is batch row b's token j at position p_b + j. MLA's rows run in order:
@@ -209,6 +211,13 @@ assert n_accepted.tolist() == forced.tolist() and plain_prefix
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the accepted drafts are the forced ones; up to the bonus token the targets are plain
+# decoding's; the megakernel's verify against the reference's
+plain_prefix = all((targets[b, :n_accepted[b] + 1] == continuation[b, :n_accepted[b] + 1]).all()
+                   for b in range(B))
+print(f"n_accepted {n_accepted.tolist()} (forced {forced.tolist()}); targets up to the bonus "
+      f"token equal plain decoding's: {plain_prefix}")
+assert n_accepted.tolist() == forced.tolist() and plain_prefix
 ref_logits, _, _ = speculative.verify_step(params, prefilled, fed, positions, cfg)
 diff = float(np.abs(np.asarray(aux["logits"]) - np.asarray(ref_logits)).max())
 same_argmax = bool((np.asarray(ref_logits).argmax(-1) == targets).all())
@@ -225,7 +234,6 @@ assert diff <= 5e-2 and same_argmax
 # cleared. The result must be the state of plain decoding of exactly the kept tokens:
 
 # %%
-# NBVAL_CHECK_OUTPUT
 kept = n_accepted + 1
 rolled = speculative.rollback(state_all, per_position, positions, kept, cfg)
 expected = jax.tree.map(lambda *after_j: jnp.stack([after_j[kept[b] - 1][:, b] for b in range(B)],
@@ -233,8 +241,21 @@ expected = jax.tree.map(lambda *after_j: jnp.stack([after_j[kept[b] - 1][:, b] f
                         *[s for _, s, _ in one_by_one])
 pairs = list(zip(jax.tree.leaves(rolled), jax.tree.leaves(expected), strict=True))
 names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rolled)]
+print(f"per-position state bytes, one KDA layer and one verify row: "
+      f"{mv.per_position_bytes(cfg)}; at full size {mv.per_position_bytes(get_config('kimi-k3'))}")
 
+# %%
+# To the bit on this machine's default XLA:CPU (tests/test_megakernel_verify.py holds it there):
+# its dot gives a row the same bits in a block of 2 rows or of 8. Another dot library may sum
+# a different block size in another order, so this count is not a checked output.
+equal = sum(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            for a, b in pairs)
+print(f"{equal}/{len(pairs)} state leaves equal to the bit")
 
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the rolled-back state is plain decoding's of the kept tokens; rejected drafts' MLA
+# entries cleared
 def relative_error(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -249,17 +270,7 @@ cleared = all(not np.take(np.asarray(rolled["mla"][leaf])[:, b],
               for leaf in rolled["mla"] for b in range(B))
 print(f"rollback: {names} equal plain decoding's within relative error 2^-7: {close}; rejected "
       f"drafts' MLA entries cleared: {cleared}")
-print(f"per-position state bytes, one KDA layer and one verify row: "
-      f"{mv.per_position_bytes(cfg)}; at full size {mv.per_position_bytes(get_config('kimi-k3'))}")
 assert close and cleared
-
-# %%
-# To the bit on this machine's default XLA:CPU (tests/test_megakernel_verify.py holds it there):
-# its dot gives a row the same bits in a block of 2 rows or of 8. Another dot library may sum
-# a different block size in another order, so this count is not a checked output.
-equal = sum(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-            for a, b in pairs)
-print(f"{equal}/{len(pairs)} state leaves equal to the bit")
 
 # %% [markdown]
 # ## 3 · A whole speculative decode
@@ -269,13 +280,18 @@ print(f"{equal}/{len(pairs)} state leaves equal to the bit")
 # emits 3 tokens; the tokens must be plain greedy decoding's, exactly.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 N_TOKENS = 7
 plain, _ = reference.generate(params, reference.init_state(cfg, B), prompt, N_TOKENS, cfg)
 with dma.recording():
     tokens, _, stats = speculative.speculative_generate(
         params, reference.init_state(cfg, B), prompt, N_TOKENS, cfg, k=K, drafter="forced:2",
         verify=mv.as_verify())
+print(f"{N_TOKENS} tokens x {B} rows in {stats['steps']} verify steps, "
+      f"{stats['tokens_per_step']:.2f} tokens per row and step")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the speculative decode is lossless: plain greedy decoding's tokens, exactly
 lossless = bool((np.asarray(tokens) == np.asarray(plain)).all())
 print(f"{N_TOKENS} tokens x {B} rows in {stats['steps']} verify steps, "
       f"{stats['tokens_per_step']:.2f} tokens per row and step; lossless vs plain greedy: "
@@ -286,44 +302,44 @@ assert lossless
 # ## 4 · The timeline of one verify step
 #
 # The DMA logs of section 1: the verify call against the first plain decode step (same state,
-# same position). The weights are the same bytes, read once, for 2 rows or for 8:
+# same position). The weights are the same bytes, read once, for 2 rows or for 8 (checked
+# below).
+#
+# At full size, one verify step of Kimi K3 with k = 7 at B = 1 is 8 verify rows on each of the
+# release's 32 cores. The scale-out timeline of notebook 09 (`scale_out.predict` at 8 rows: the
+# same weight stream, the routed experts of 8 rows, per-row collective messages) draws its first
+# layers, modelled: the dense weight stream is the same as a plain step's; what grows with the
+# rows is the routed experts fetched after routing (8 rows choose up to 8 x 16 of 896) and the
+# messages of the all-reduces.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 decode_log = one_by_one[0][2]
 STATE_PARTS = ("kda_state", "mla_cache", "routed_experts", "embedding_rows")
 weight_bytes = {name: sum(v for part, v in logs.hbm_bytes_by_component(log).items()
                           if part not in STATE_PARTS)
                 for name, log in (("verify", verify_log), ("decode", decode_log))}
-print(f"weights read: verify step ({B * (K + 1)} rows) {weight_bytes['verify']:,d} B, decode "
-      f"step ({B} rows) {weight_bytes['decode']:,d} B")
-assert weight_bytes["verify"] == weight_bytes["decode"]
-
-# %% [markdown]
-# At full size, one verify step of Kimi K3 with k = 7 at B = 1 is 8 verify rows on each of the
-# release's 32 cores. The scale-out timeline of notebook 09 (`scale_out.predict` at 8 rows: the
-# same weight stream, the routed experts of 8 rows, per-row collective messages) draws its first
-# layers: the dense weight stream is the same as a plain step's; what grows with the rows is the
-# routed experts fetched after routing (8 rows choose up to 8 x 16 of 896) and the messages of
-# the all-reduces.
-
-# %%
 full = get_config("kimi-k3")
 verify_8 = scale_out.predict(full, 32, layout.RELEASE, 8, keep_timeline=True)
 plain_1 = scale_out.predict(full, 32, layout.RELEASE, 1)
 fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
 scale_out_plots.plot_ranks(verify_8["timeline"], ax, window_us=(0, 400))
-ax.set_title("one verify step (8 rows), predicted: the first 400 µs of the release's ranks")
-assert not label_problems(fig)  # no label runs into another, none is cut
+ax.set_title("one verify step (8 rows), modelled: the first 400 µs of the release's ranks")
+verify_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · the verify step reads the decode step's weights once for 4x the rows; a modelled
+# 8-row verify step costs less than 8 plain steps; the chart reads
+print(f"weights read: verify step ({B * (K + 1)} rows) {weight_bytes['verify']:,d} B, decode "
+      f"step ({B} rows) {weight_bytes['decode']:,d} B")
+assert weight_bytes["verify"] == weight_bytes["decode"]
 ratio = verify_8["step_s"] / plain_1["step_s"]
 print(f"a verify step of 8 rows costs {ratio:.2f}x a plain step of 1 row (< 8x: {ratio < 8})")
 print(f"bytes per rank: {plain_1['rank_bytes'] / 1e9:.2f} GB -> {verify_8['rank_bytes'] / 1e9:.2f}"
       f" GB: the dense weights once, the routed experts of 8 rows instead of 1")
 assert ratio < 8
+assert not label_problems(verify_figure)  # no label runs into another, none is cut
 
 # %% [markdown]
 # ## 5 · The full model: tok/s against acceptance length
@@ -338,15 +354,14 @@ assert ratio < 8
 # release's a is `forced:(a - 1)`.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 table = []
 for r in speculative_predict.release_rows(full):
     table.append({"a": r["acceptance"], "rows": r["verify_rows"],
-                  "verify ms": f"{r['verify_step_s'] * 1e3:.1f}",
-                  "tok/s": round(r["tokens_per_s"] / 10) * 10,
-                  "published": r["published_tok_s"],
+                  "modelled verify ms": f"{r['verify_step_s'] * 1e3:.1f}",
+                  "modelled tok/s": round(r["tokens_per_s"] / 10) * 10,
+                  "published tok/s": r["published_tok_s"],
                   "within 10 %": abs(r["ratio"] - 1) < 0.10})
-print(widgets.format_table(table, list(table[0]), digits=1))
+TableView(table, list(table[0]))
 
 # %% [markdown]
 # The verify step of 8 rows costs what the plain step of 8 rows costs (notebook 09 predicts that
@@ -360,14 +375,19 @@ points = speculative_predict.acceptance_curve(full, 32, layout.RELEASE,
                                               acceptances=(1, 2, 3, 4, 6, 8))
 fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
 speculative_plots.plot_acceptance(points, ax, plain_tok_s=points[0]["exact_tokens_per_s"],
-                                  title="Kimi K3 on 32 TPU7x cores, release layout (predicted)")
-assert not label_problems(fig)  # no label runs into another, none is cut
+                                  title="Kimi K3 on 32 TPU7x cores, release layout (modelled)")
+acceptance_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · both published speculative points within 10 %; tok/s rises with every accepted token;
+# the chart reads
+print(widgets.format_table(table, list(table[0]), digits=1))
+assert all(row["within 10 %"] for row in table)
 best = max(points, key=lambda p: p["k7_tokens_per_s"])
 print(f"k = 7: tok/s rises with every accepted token (linear in a): "
       f"{all(a['k7_tokens_per_s'] < b['k7_tokens_per_s'] for a, b in zip(points, points[1:]))}; "
       f"best at a = {best['acceptance']}")
 assert best["acceptance"] == 8
+assert not label_problems(acceptance_figure)  # no label runs into another, none is cut

@@ -108,6 +108,15 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 2. loading: config.json → `ModelConfig`, the shards read lazily through their index;
 # 3. prefill: the whole prompt at once, against feeding it one decode step at a time;
 # 4. decode with the megakernel, token by token as text, against the reference.
+#
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Checkpoint", "Tokenizer (BPE)", "MLA", "Prefill", "Decode step",
+                    "Context", "KV tile", "Megakernel", "Interpret mode", "Reference", "Greedy",
+                    "bf(x)")
 
 # %%
 import tempfile
@@ -163,13 +172,17 @@ print("files:", sorted(p.name for p in Path(CHECKPOINT).iterdir()))
 # stacks). The notebook's own checkpoint must come back as the very weights it wrote.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 cfg = read_config(CHECKPOINT)
 tokenizer = load_tokenizer(CHECKPOINT)
 prompt_ids = encode(tokenizer, PROMPT, cfg.vocab_size)
 cache_len = kv_cache.cache_length(cfg, len(prompt_ids) + N_TOKENS)  # whole KV tiles, as the CLI
 cfg = cfg.replace(max_seq_len=cache_len)
-params = load_params(CHECKPOINT, cfg, progress=False)
+params = load_params(CHECKPOINT, cfg, progress=False)  # 4 layers: a few seconds, no bar
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the config read from config.json, the prompt's length; the notebook's own checkpoint
+# loads back bit for bit
 print(f"{cfg.n_layers} layers, attention {cfg.attention!r}, FFN {cfg.ffn!r}, d_model "
       f"{cfg.d_model}, vocab {cfg.vocab_size}; the prompt is {len(prompt_ids)} tokens")
 if WRITTEN:
@@ -189,7 +202,6 @@ if WRITTEN:
 # attention layer; the next token must not.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 prompt = np.asarray([prompt_ids], np.int32)  # [1, T]
 started = time.perf_counter()
 logits, state = prefill.prefill(params, reference.init_state(cfg, 1), prompt, cfg)
@@ -205,6 +217,10 @@ def relative(a, b):
 
 
 worst = max(relative(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(step_state)))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the prefill's next token is the one of feeding the prompt step by step
 same_next = int(np.asarray(logits)[0, -1].argmax()) == int(np.asarray(step_logits)[0, -1].argmax())
 print(f"the next token is the same as one step at a time: {same_next}")
 assert same_next
@@ -242,12 +258,15 @@ for i in range(N_TOKENS - 1):
 print(stream.end())  # a character the tokens stop inside comes out as replacement characters
 
 # %%
-# NBVAL_CHECK_OUTPUT
 ref_tokens, ref_state = [int(np.asarray(logits)[0, -1].argmax())], state
 for i in range(N_TOKENS - 1):
     position = np.asarray([len(prompt_ids) + i], np.int32)
     step, ref_state, _ = reference.decode_step(params, ref_state,
                                                np.asarray([ref_tokens[-1]], np.int32), position, cfg)
     ref_tokens.append(int(np.asarray(step)[0].argmax()))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the megakernel's tokens are the reference's
 print(f"megakernel tokens equal the reference's: {tokens == ref_tokens} ({len(tokens)} tokens)")
 assert tokens == ref_tokens

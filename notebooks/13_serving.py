@@ -110,16 +110,25 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 2. the page table (who owns which page, over time) and the occupancy;
 # 3. batch invariance: every row's tokens equal the row decoded alone;
 # 4. freed pages reused without leaking: they are poisoned when freed and nothing reads them.
+#
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Paged KV, page table", "Continuous batching", "Slot", "Occupancy",
+                    "Prefill", "Poison", "Batch invariance", "KDA", "MLA", "Megakernel",
+                    "Reference", "Modelled", "Full-size step")
 
 # %%
 import matplotlib.pyplot as plt
-from mkresearch.cli.workload import format_table
+from mkresearch.cli.workload import total_lines
 from mkresearch.model import paged_kv, weights
 from mkresearch.model.config import get_config
 from mkresearch.serve import loop, trace, workload
 from mkresearch.views import serve_plots
 from mkresearch.views.label_plots import label_problems
-from mkresearch.views.widgets import show_figure
+from mkresearch.views.widgets import TableView, show_figure
 
 # kimi-k3-mini cut to its first 2 layers (a KDA + dense layer, an MLA + MoE layer): every kind
 # of state a slot and a page hold, in two cheap compiles (the prefill and the paged step)
@@ -150,11 +159,21 @@ TRACE_JSON = """{"requests": [
   {"prompt_len": 12, "output_len": 6, "arrival": 5}]}"""
 requests = trace.parse_trace(TRACE_JSON)
 data = workload.run_workload(params, requests, cfg, pages, batch=BATCH, full_size="kimi-k3",
-                             poison_freed=True)
-print(format_table(data))  # seconds here vary: not a checked output
+                             poison_freed=True, progress=True)
+print("\n".join(total_lines(data["summary"])))  # seconds here vary: not a checked output
+TableView([{"step": s["step"], "slots": f"{s['occupied']}/{BATCH}",
+            "pages held": f"{s['pages_held']}/{pages.n_pages}", "filled": s["pages_filled"],
+            "joined": ",".join(map(str, s["joined"])) or "-",
+            "left": ",".join(map(str, s["left"])) or "-", "s here": s["seconds"],
+            "modelled TPU ms": "-" if s["predicted_step_s"] is None
+            else f"{s['predicted_step_s'] * 1e3:.2f}"} for s in data["steps"]],
+          ["step", "slots", "pages held", "filled", "joined", "left", "s here",
+           "modelled TPU ms"])
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · each request's life in the trace: when it joined, its slot and pages, its tokens;
+# someone waited for a slot
 for row in data["requests"]:
     print(f"request {row['index']}: arrived {row['arrival']}, joined {row['joined']} (waited "
           f"{row['wait']}), left after step {row['left']}, slot {row['slot']}, pages "
@@ -176,7 +195,7 @@ assert any(row["wait"] > 0 for row in data["requests"])  # the batch was full: s
 fig, (table_ax, occupancy_ax) = plt.subplots(2, 1, figsize=(10, 6.5), layout="constrained")
 serve_plots.plot_page_table(data, table_ax)
 serve_plots.plot_occupancy(data, occupancy_ax)
-assert not label_problems(fig)  # no label runs into another, none is cut
+pages_figure = fig
 show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %% [markdown]
@@ -187,13 +206,16 @@ show_figure(fig)  # described: an HTML export gives the picture its title
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# Checks · a modelled step with more rows costs more, but less than a step per row; the page
+# table's labels read
+assert not label_problems(pages_figure)  # no label runs into another, none is cut
 by_batch = {}
 for step in data["steps"]:
     by_batch.setdefault(step["occupied"], set()).add(round(step["predicted_step_s"] * 1e3, 2))
 for occupied, steps_ms in sorted(by_batch.items()):
-    print(f"{occupied} rows: predicted {sorted(steps_ms)} ms per step (not measured)")
+    print(f"{occupied} rows: modelled {sorted(steps_ms)} ms per step (not measured)")
 print(f"the trace's {summary['decode_steps']} steps: {summary['predicted_seconds'] * 1e3:.1f} ms "
-      f"predicted, {summary['predicted_tokens_per_s']:,.0f} tokens/s")
+      f"modelled, {summary['predicted_tokens_per_s']:,.0f} tokens/s")
 smallest, largest = min(by_batch), max(by_batch)
 assert largest > smallest and min(by_batch[largest]) > max(by_batch[smallest])  # more rows: more
 assert max(by_batch[largest]) < largest / smallest * min(by_batch[smallest])  # < a step per row
@@ -206,7 +228,6 @@ assert max(by_batch[largest]) < largest / smallest * min(by_batch[smallest])  # 
 # sees the row alone, and each row draws with its own seed and positions, never its slot.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 def alone(request):
     single = trace.Request(request.index, request.prompt_len, request.output_len, 0,
                            request.temperature, request.seed)
@@ -215,6 +236,10 @@ def alone(request):
 
 equal = [row["tokens"] == alone(r) for row, r in zip(data["requests"], requests, strict=True)]
 joined_late = [row["index"] for row in data["requests"] if row["joined"] > 0]
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · every row's tokens are the row's decoded alone, those that joined late included
 print(f"rows equal to the row decoded alone: {sum(equal)}/{len(equal)} (joined a running batch "
       f"at step > 0: requests {joined_late})")
 assert all(equal) and joined_late
@@ -228,13 +253,16 @@ assert all(equal) and joined_late
 # row writes each position before any step reads it.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 holders = {}
 for step in data["steps"]:
     for page, owner in enumerate(step["page_owner"]):
         if owner >= 0 and owner not in holders.setdefault(page, []):
             holders[page].append(owner)
 reused = {page: owners for page, owners in sorted(holders.items()) if len(owners) > 1}
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · freed pages were taken again, and their new holders decode as alone
 print(f"pages held by more than one request, in order: {reused}")
 print(f"poison value written into each freed page: {loop.POISON}")
 assert reused and all(equal)

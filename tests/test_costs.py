@@ -1,5 +1,5 @@
-"""The cost every kernel declares to XLA (`pallas_call(cost_estimate=...)`, kernels/base/costs.py)
-against the bytes it moves, at mini shapes, compiled for TPU7x.
+"""The cost every kernel declares to XLA (`pallas_call(cost_estimate=...)`, each body's cost
+beside it) against the bytes it moves, at mini shapes, compiled for TPU7x.
 
 What is compared, per stage and for the megakernel:
 
@@ -18,7 +18,7 @@ program's FLOPs are the kernel's declared FLOPs (plus a handful of XLA's own), w
 the FLOPs the body logs for its phases (the streamed matmuls, experts, LM head tiles, final mix;
 attention and the delta rule log none).
 
-Each run is in the worst case its estimate assumes (kernels/base/costs.py): every MLA row at the
+Each run is in the worst case its estimate assumes (each body's cost): every MLA row at the
 cache's last position; every row of the sequence-sharded partial past its shard; no expert shared
 by two rows, so min(E, B·k) distinct experts (engineered router weights for the MoE layer; at
 B = 1 a row's k choices are always distinct, which covers the megakernel's MoE layers).

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import dma
 from mkresearch.kernels.stages import gqa, mla_rope
 
 from mkresearch.hardware import tpu
@@ -125,12 +125,12 @@ def test_rows_past_the_position_are_masked_and_cost_is_the_worst_case(race_check
                              jnp.nan, a).astype(a.dtype) for n, a in cache.items()}
     np.testing.assert_array_equal(np.asarray(run(kind, p, x, poisoned, positions, cfg)[0]),
                                   np.asarray(out))
-    # one row at the last position: what costs.py assumes for every row
+    # one row at the last position: what the cost estimate assumes for every row
     last = jnp.array([cfg.max_seq_len - 1], jnp.int32)
     _, _, log = run(kind, p, x[:1], {n: a[:1] for n, a in cache.items()}, last, cfg)
     plan = module.make_plan(cfg, 1, cfg.max_seq_len)
     vectors = {n: w.reshape(1, -1) if w.ndim == 1 else w for n, w in p.items()}
-    cost = (costs.gqa if kind == "gqa" else costs.mla_rope)(
+    cost = (gqa.layer_cost if kind == "gqa" else mla_rope.layer_cost)(
         plan, vectors, tuple(a[:1] for a in cache.values()))
     assert cost.bytes_accessed == log.dma_bytes()
 

@@ -55,7 +55,7 @@ def mini_params():
 
 
 # the reference step jitted once per shape, shared with reference.prefill (no second compile)
-_reference_step = reference._decode_step_jit
+_reference_step = reference.decode_step_jit
 REFERENCE_BATCH = 4  # the reference runs at B = 4 once per mini; the B = 1 run reads its row 0
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import dma
 from mkresearch.kernels.stages import experts, moe_full, router
 from mkresearch.kernels.stages import sampling as sampling_kernel
 
@@ -133,8 +133,8 @@ def test_moe_full_matches_reference_one_kernel(race_checked, layers, name):
     routed = moe_full.routed_tree(p, cfg)
     options = moe_full.stage_options(cfg)
     bias = p["router_bias"].reshape(1, -1) if cfg.router_bias else None
-    cost = (costs.router(4, p["w_router"], bias)
-            + costs.ffn(options, 4, cfg.top_k, routed, moe_full.shared_tree(p, cfg)))
+    cost = (router.cost(4, p["w_router"], bias)
+            + experts.cost(options, 4, cfg.top_k, routed, moe_full.shared_tree(p, cfg)))
     unused = min(cfg.n_experts, 4 * cfg.top_k) - len(np.unique(ids))
     assert cost.bytes_accessed - unused * one_expert == log.dma_bytes() - log.dma_bytes(
         "router/ids_to_smem") - log.dma_bytes("router/weights_to_smem")

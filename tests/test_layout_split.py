@@ -22,9 +22,9 @@ WEIGHTS = ("kda", "mla", "dense", "moe_nonrouted", "lm_head")  # kimi-k3's strea
 
 def planned_bytes(plan, rank):
     """rank's HBM bytes per component in the partial-sum kernel's planned DMAs (`schedule` of
-    one rank's build: its own weight shapes, the slices of padding it skips)."""
-    planned = step_schedule.schedule(plan.mega, operands=step_schedule.rank_operands(plan),
-                                     live=step_schedule.rank_live(plan, rank))
+    one rank of the build: the kernel run on that rank's shapes, skipping its slices of
+    padding)."""
+    planned = step_schedule.schedule(plan, rank=rank)
     moved: dict[str, int] = {}
     for dma in planned.events:
         name = step_schedule.component(dma) if dma.kind == "dma_start" else None

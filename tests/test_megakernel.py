@@ -14,7 +14,7 @@ near-tie cannot derail the steps after it), and is checked against two reference
   kernels' (DEVELOPERS.md), so most row-steps match to the bit; what remains is XLA:CPU's own
   dot order (a [B, K] @ [K, N] product sums a row in another order than a [1, K] one), which
   flips a bf16 rounding now and then;
-* the stage kernels run one pallas_call each (`reference._decode_step` with its sublayers swapped
+* the stage kernels run one pallas_call each (`reference.decode_step_unchecked` with its sublayers swapped
   for the kernel twins): the megakernel composes the very same bodies, so its tokens must be
   IDENTICAL and its logits within COMPOSE_TOL (LM-head tiles accumulate in another order).
 """
@@ -83,7 +83,7 @@ def copy_state(state):
     return jax.tree.map(jnp.copy, state)
 
 
-_reference_step = jax.jit(reference._decode_step, static_argnames="cfg")
+_reference_step = jax.jit(reference.decode_step_unchecked, static_argnames="cfg")
 
 
 def staged_step(params, state, tokens, positions, cfg):
@@ -93,7 +93,7 @@ def staged_step(params, state, tokens, positions, cfg):
             mock.patch.object(reference, "mla_attention", mla.mla_attention), \
             mock.patch.object(reference, "moe_ffn", lambda p, x, cfg: experts.moe_ffn(p, x, cfg)), \
             mock.patch.object(reference, "dense_ffn", experts.dense_ffn):
-        logits, state, aux = reference._decode_step(params, state, jnp.asarray(tokens),
+        logits, state, aux = reference.decode_step_unchecked(params, state, jnp.asarray(tokens),
                                                     jnp.asarray(positions), cfg)
     return logits, state, aux["expert_ids"]
 

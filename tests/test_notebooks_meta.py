@@ -15,7 +15,7 @@ HANG_GUARD_S = 1800
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
 SOURCES = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"))
 SETUP_FIRST_LINE = ("# Setup: works on Colab, on a TPU VM and on a laptop. "
-                    "Installs mkresearch if it is missing.")
+                    "Installs mkresearch if it is missing")
 
 
 def load(path):
@@ -60,8 +60,9 @@ def test_first_cell_installs_and_selects_backend(notebook):
     first = next(cell for cell in load(notebook)["cells"] if cell["cell_type"] == "code")
     source = "".join(first["source"])
     assert source.startswith(SETUP_FIRST_LINE), f"{notebook.name}: first cell is not the setup cell"
-    for needed in ('find_spec("mkresearch")', "pip", "import mkresearch",
-                   "from mkresearch.hardware import tpu", "tpu.describe_backend()"):
+    for needed in ("importlib.util.find_spec", '("mkresearch", "matplotlib")', "pip",
+                   "import mkresearch", "from mkresearch.hardware import tpu",
+                   "tpu.describe_backend()"):
         assert needed in source, f"{notebook.name}: setup cell lacks {needed!r}"
 
 

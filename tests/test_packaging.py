@@ -37,13 +37,16 @@ RUNTIME_OWN = ("jupyterlab", "ipykernel", "notebook", "jupyter-server", "jupyter
 
 def source_files(tree: Path) -> set[str]:
     """The wheel paths the source tree asks for: every .py of mkresearch/ and of kernels/ (as
-    mkresearch/kernels/...) and the recorded compiles."""
+    mkresearch/kernels/...), the recorded compiles and the documentation pages (docs/ as
+    mkresearch/docs/: notebook 00 shows the map of the notebooks and the glossary from them)."""
     wanted = {f"mkresearch/{p.relative_to(tree / 'mkresearch')}"
               for p in (tree / "mkresearch").rglob("*.py")}
     wanted |= {f"mkresearch/kernels/{p.relative_to(tree / 'kernels')}"
                for p in (tree / "kernels").rglob("*.py")}
     wanted |= {f"mkresearch/{p.relative_to(tree / 'mkresearch')}"
                for p in (tree / "mkresearch" / "measurement" / "recorded").glob("*.json")}
+    wanted |= {f"mkresearch/docs/{p.name}" for p in (tree / "docs").iterdir()
+               if p.suffix in (".md", ".py")}
     return wanted
 
 
@@ -52,7 +55,7 @@ def built(tmp_path_factory):
     """(wheel file names, the source tree it was built from, the wheel): a copy of the
     repository's build inputs plus the PROBES, so the build leaves the real tree alone."""
     tree = tmp_path_factory.mktemp("source")
-    for name in ("mkresearch", "kernels"):
+    for name in ("mkresearch", "kernels", "docs"):
         shutil.copytree(ROOT / name, tree / name)  # __pycache__ too: none of it may ship
     for path in ROOT.iterdir():  # pyproject.toml, README.md and any other top-level build input
         if path.is_file() and not path.name.startswith("."):
@@ -84,6 +87,7 @@ def test_wheel_holds_every_module_and_the_recorded_compiles(built):
     installed = {n for n in names if not n.startswith("mkresearch-0.1.0.dist-info/")}
     wanted = source_files(tree)
     assert len(wanted) > 90 and any(n.startswith("mkresearch/model/stages/") for n in wanted)
+    assert {"mkresearch/docs/glossary.md", "mkresearch/docs/notebooks.md"} <= wanted
     assert not wanted - installed, f"missing from the wheel: {sorted(wanted - installed)}"
     assert not installed - wanted, f"in the wheel, not in the source tree: {sorted(installed - wanted)}"
 

@@ -59,7 +59,7 @@ def test_records_are_shown_under_another_jax_in_the_range(monkeypatch):
     monkeypatch.setattr(recorded.jax, "__version__", "0.9.2")
     model, batch, chip = recorded.RECORDED_COMPILES[0]
     assert recorded.load_compile(plan_of(model, batch, chip), recorded.compile_path(model, batch, chip))
-    result, _, where = recorded.compile_or_recorded(layout.named_config(model), batch, chip=chip)
+    result, _, where = recorded.compile_or_recorded(get_config(model), batch, chip=chip)
     assert result.n_mosaic_kernels == 1
     assert where.startswith(f"recorded (compile_{model}_b{batch}_{chip}.json, compiled with jax "
                             f"{recorded.RECORDED_JAX}; ")

@@ -290,7 +290,7 @@ def test_step_skeleton_mixes_the_spec_candidates(name, monkeypatch):
 
 
 def _traced_step(cfg):
-    return lambda params, state, tokens, positions: R._decode_step(params, state, tokens,
+    return lambda params, state, tokens, positions: R.decode_step_unchecked(params, state, tokens,
                                                                    positions, cfg)
 
 

@@ -1,22 +1,25 @@
 """The stage registry is the one place a sublayer kind is defined: a toy FFN kind added here, in
-this file alone (its weights, reference, kernel body and schedule), runs through the reference
-decode step, the roofline, the megakernel composer and the step's schedule, and they agree."""
+this file alone (its model side: weights with their shard rule and the reference; its kernel
+side: plan, body, cost), is seen by the planner, the step's schedule (its DMAs come from its body:
+no list of them is written), the cost estimate, the byte counts and the sharded layout, and runs
+through the reference decode step and the megakernel composer, which agree."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import blocks, costs, dma, registry
+from mkresearch.kernels.base import blocks, costs, dma, planned, registry
 from mkresearch.kernels.compose import megakernel as mk
-from mkresearch.kernels.compose import schedule
+from mkresearch.kernels.compose import megakernel_plan, megakernel_sharded, schedule
 
 from mkresearch.model import config, numerics, reference, roofline, spec, weights
+from mkresearch.sharding import layout, layout_bytes
 
 TOY = "toy_ffn"
 
 
-def toy_params(cfg):
-    return {"w": spec.matrix(cfg.d_model, cfg.d_model)}
+def toy_params(cfg):  # its d output columns split across ranks (each rank a chunk, gathered)
+    return {"w": spec.matrix(cfg.d_model, cfg.d_model, shard=spec.split(1, spec.MODEL_COLS))}
 
 
 def toy_sublayer(p, x, layer_state, positions, cfg):
@@ -30,12 +33,6 @@ def toy_body(plan, refs):
                                          name="toy.w", **refs.indices).astype(jnp.bfloat16)
 
 
-def toy_schedule(plan, call):
-    """The body's DMAs as data: its one matrix through the stream it is given."""
-    rows = blocks.weight_block_rows(tuple(call.weights["w"].shape), jnp.bfloat16)
-    return call.matmul("toy.w", call.weights["w"], rows, **call.indices)
-
-
 @pytest.fixture
 def toy_kind():
     spec.register(spec.Stage(name=TOY, role=spec.FFN, params=toy_params, sublayer=toy_sublayer,
@@ -46,8 +43,7 @@ def toy_kind():
         streamed=lambda cfg: (registry.Streamed("w", "toy.w", (cfg.d_model, cfg.d_model)),),
         body=toy_body, vmem=lambda plan, cfg: [],
         cost=lambda plan, w, state, cfg, batch: costs.Cost(
-            flops=costs.matmul_flops(batch, w["w"]), bytes_accessed=costs.nbytes(w)),
-        schedule=toy_schedule))
+            flops=costs.matmul_flops(batch, w["w"]), bytes_accessed=costs.nbytes(w))))
     try:
         yield
     finally:
@@ -57,8 +53,7 @@ def toy_kind():
 
 @pytest.mark.slow
 def test_a_toy_kind_runs_through_the_composer(race_checked, toy_kind):
-    # one stage's lookahead may not cross two stage boundaries: the toy streams one block
-    cfg = config.get_config("kimi-k3-mini", ffn=TOY, n_dense_layers=0, ring_depth=2)
+    cfg = toy_config()
     assert cfg.ffn_kinds == (TOY,) * cfg.n_layers and cfg.kinds == ("kda", "mla", TOY)
     params = weights.init_params(cfg, 0)
     assert params[TOY]["w"].shape == (cfg.n_layers, cfg.d_model, cfg.d_model)
@@ -76,9 +71,49 @@ def test_a_toy_kind_runs_through_the_composer(race_checked, toy_kind):
     toy_blocks = log.select("dma_start", "toy.w")
     assert len(toy_blocks) == cfg.n_layers  # one block per layer, through the global ring
     assert log.dma_bytes("toy.w") == step.read["toy"]
-    # the kind brought its own schedule: the step's DMAs are planned, event for event
+    # no list of the kind's DMAs was written: its body is the step's schedule, event for event
     planned = schedule.schedule(aux["plan"], positions)
     assert planned.exact and planned.mismatch(log) is None, planned.mismatch(log)
+
+
+def toy_config():
+    # one stage's lookahead may not cross two stage boundaries: the toy streams one block
+    return config.get_config("kimi-k3-mini", ffn=TOY, n_dense_layers=0, ring_depth=2)
+
+
+def test_a_toy_kind_is_planned_scheduled_costed_counted_and_sharded(toy_kind):
+    """From the kind's two sides alone, with nothing run: the plan (its stage plan, its matrix
+    on the weight ring), the schedule (its body's DMAs, one ring block per layer), the cost
+    estimate (its FLOPs and bytes), the byte counts (the roofline's component, the schedule's
+    tally by component) and the sharded layout (each rank a column chunk: half the bytes, in
+    the layout's counts and in a rank's schedule)."""
+    cfg = toy_config()
+    layers, matrix = cfg.n_layers, cfg.d_model * cfg.d_model * 2  # one layer's W, bf16
+    plan = mk.make_plan(cfg, 2, cfg.max_seq_len)
+    assert plan.stage_plan(TOY) == (TOY, 2)
+    assert [e.name for e in plan.stream.entries(TOY)] == ["toy.w"]
+    # the schedule: its body run on shapes, one ring block per layer
+    sched = schedule.schedule(plan)
+    toy = [dma for dma in sched.starts if dma.stage == TOY]
+    assert [dma.layer for dma in toy] == list(range(layers))
+    assert {dma.buffer for dma in toy} == {planned.WEIGHT_RING} and toy[0].name == "toy.w"
+    by_component = sched.tally(schedule.component)
+    assert by_component["toy"].read == layers * matrix == roofline.step_bytes(cfg).read["toy"]
+    # the cost estimate: the toy's per layer, and the step's bytes are the schedule's (its
+    # worst case), the toy's blocks included
+    _, prepared, state = mk.step_shapes(plan)
+    one_layer = registry.kernel_stage(TOY).cost(plan.stage_plan(TOY),
+                                                costs.per_layer(prepared[TOY]), {}, cfg, 2)
+    assert one_layer == costs.Cost(flops=2 * 2 * cfg.d_model ** 2, bytes_accessed=matrix)
+    step = megakernel_plan.step_cost(plan, prepared, state)
+    assert step.bytes_accessed == sched.total.read + sched.total.written
+    # sharded: each of 2 ranks holds half of W's columns, counted and streamed
+    lay = layout.layout(cfg, 2)
+    assert layout.rank_param_shapes(lay)[TOY]["w"].shape == (layers, cfg.d_model,
+                                                             cfg.d_model // 2)
+    assert layout_bytes.rank_bytes(lay, 2).component("toy") == layers * matrix // 2
+    ranked = schedule.schedule(megakernel_sharded.make_sharded_plan(lay, 2), rank=1)
+    assert ranked.tally(schedule.component)["toy"].read == layers * matrix // 2
 
 
 def test_an_unregistered_kind_is_refused_naming_the_field():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mkresearch.hardware.chips import CHIPS
-from mkresearch.model import roofline
+from mkresearch.model import roofline, weights
 from mkresearch.model.config import get_config
 from mkresearch.views import plots
 
@@ -100,7 +100,7 @@ def test_shapes_are_the_real_arrays():
 
     cfg = get_config("kimi-k3-mini")
     params = init_params(cfg, 0)
-    assert roofline.tree_bytes(params) == roofline.tree_bytes(roofline._param_shapes(cfg))
+    assert roofline.tree_bytes(params) == roofline.tree_bytes(weights.param_shapes(cfg))
     step = roofline.step_bytes(cfg, batch=1)
     unselected = len(cfg.moe_layers) * (cfg.n_experts - cfg.top_k) * roofline.expert_bytes(cfg)
     one_row = cfg.d_model * 2

@@ -328,7 +328,7 @@ def test_the_second_model_collectives_match_its_measured_14_us_per_layer():
 
 
 @pytest.mark.slow
-def test_sensitivity_and_leave_one_out():
+def test_sensitivity_and_leave_one_out(capsys):
     sens = calibration.sensitivity()
     assert len(sens["rows"]) == 2 * len(calibration.ASSUMPTIONS)
     for point, (low, high) in sens["ranges"].items():
@@ -342,10 +342,19 @@ def test_sensitivity_and_leave_one_out():
         assert abs(held["predicted_us"] / held["measured_us"] - 1) < 0.1
     for point, (low, high) in loo["ranges"].items():
         assert high - low < 0.05, point
+    # with a progress bar (notebook 09): the same results, the bar on stderr (predictions cached)
+    capsys.readouterr()
+    assert calibration.sensitivity(progress=True) == sens
+    assert calibration.leave_one_out(progress=True) == loo
+    bars = capsys.readouterr().err
+    assert f"{2 * len(calibration.ASSUMPTIONS)}/{2 * len(calibration.ASSUMPTIONS)}" in bars
+    assert "leave-one-out" in bars and "4/4" in bars
 
 
-def test_ours_beside_the_release_at_b1():
+def test_ours_beside_the_release_at_b1(capsys):
     (row,) = calibration.ours_table(batches=(1,))
+    assert calibration.ours_table(batches=(1,), progress=True) == [row]  # a bar, the same row
+    assert "our layout" in capsys.readouterr().err
     published_ms = 1e3 / row["published_tok_s"]
     built, exact, summed = row["ours"], row["ours_exact"], row["ours_release_schedule"]
     print(f"B=1: published {published_ms:.2f} ms; ours (partial sums) {built['step_ms']:.2f} ms "

@@ -1,10 +1,11 @@
 """The schedule as data (`kernels/compose/schedule.py`) is the step the megakernel runs.
 
-A recorded DMA log equals the schedule event for event (kind, name, src, dst, bytes, slot and the
+The schedule is the kernel run on shapes (`kernels/base/dry_run.py`), so these tests check that
+dry run: a recorded DMA log equals the schedule event for event (kind, name, src, dst, bytes, slot and the
 log's tags: layer, block, row, tile, item), for both MLA layouts, every expert format and B in
 {1, 4} (every pair of the three), from a non-trivial state (random caches and states, rows at
 positions on both sides of KV tile boundaries) with the routing of the reference step; the worst case the schedule assumes
-without positions and routing is `kernels/base/costs.py`'s, byte for byte, on every preset; the
+without positions and routing is the cost estimate's, byte for byte, on every preset; the
 prefetch checks read the schedule.
 """
 
@@ -129,9 +130,10 @@ def test_recorded_log_is_the_schedule_off_the_global_ring(race_checked):
         ("-mini", "-rank")) else ()) for name in config.PRESETS]
                          + [("kimi-k3-mini", 4), ("kimi-k3-mini", mk.MAX_BATCH)])
 def test_worst_case_is_the_cost_estimate(name, batch):
-    """Without positions and routing the schedule takes costs.py's worst case (every row at the
-    last position, min(E, B·k) distinct experts) and moves its bytes exactly; shapes only, so
-    the full-size presets too (planned without the HBM and VMEM refusals)."""
+    """Without positions and routing the schedule takes the cost estimate's worst case (every
+    row at the last position, min(E, B·k) distinct experts), and the kernel then moves exactly
+    the bytes it declares to XLA; shapes only, so the full-size presets too (planned without
+    the HBM and VMEM refusals)."""
     cfg = config.get_config(name)
     plan = mk.make_plan(cfg, batch, cfg.max_seq_len, check_fits=False)
     sched = schedule.schedule(plan)

@@ -129,6 +129,33 @@ def test_static_figure(log):
     assert "tpu7x" in gantt.get_title() and "VMEM" in vmem.get_title()
 
 
+def test_figures_of_the_models_say_modelled_in_their_titles(log):
+    """A timeline looks like a measurement: every figure drawn from the timeline or scale-out
+    model says it is modelled, whatever title its caller gave; measured spans alone do not."""
+    import matplotlib.pyplot as plt
+
+    from mkresearch.views import speculative_plots
+
+    timeline = widgets.what_if(log, "tpu7x")
+    assert widgets.modelled("kda on TPU7x") == "kda on TPU7x (modelled)"
+    for said in ("a modelled step", "tok/s (predicted)", "one rank (timeline model, not measured)"):
+        assert widgets.modelled(said) == said
+    gantt, vmem = widgets.timeline_figure(timeline).axes
+    assert gantt.get_title().startswith("tpu7x: modelled step ") and "(modelled)" in vmem.get_title()
+    titled = widgets.timeline_figure(timeline, title="kda on TPU7x: 57% of the HBM roofline")
+    assert titled.axes[0].get_title() == "kda on TPU7x: 57% of the HBM roofline (modelled)"
+    assert "(modelled)" in widgets.plot_time_split({"kda": timeline}).get_title()
+    trace = [tl.Span("measured: scope", "scope", 0.0, 1e-6, "measured")]
+    _, ax = plt.subplots()
+    widgets.plot_gantt(tl.simulate([], "tpu7x"), ax, measured=trace, title="CPU trace: measured")
+    assert ax.get_title() == "CPU trace: measured"
+    _, ax = plt.subplots()
+    speculative_plots.plot_acceptance([{"acceptance": 1, "k7_tokens_per_s": 1.0,
+                                        "exact_tokens_per_s": 1.0, "published_tok_s": None}], ax)
+    assert ax.get_title() == "tok/s against acceptance length (modelled)"
+    plt.close("all")
+
+
 def test_gantt_chart_is_readable(log):
     """No bar edges, the legend outside the axes with each idle cause's share, and the x range
     past the last span."""
@@ -306,7 +333,13 @@ def test_scale_out_explorer_titles_and_summarises_its_settings(monkeypatch):
     assert summary["text/plain"].startswith("B = 1, 8 ranks, release layout")
     assert " ms per step, " in summary["text/plain"] and "collectives per rank" in summary["text/plain"]
     assert live["text/plain"].startswith("ScaleOutExplorer(batch=1, n_ranks=8, layout='release'")
-    assert explorer.widget.children[0] is explorer.output  # the figure above the controls
+    # the controls in a column left of the figure: both fit a 1400 x 900 window
+    column, output = explorer.widget.children[0].children
+    assert output is explorer.output
+    assert column.children == (explorer.batch, explorer.ranks, explorer.layout, explorer.schedule,
+                               explorer.bandwidth, explorer.latency)
+    assert widgets.figure_title(explorer.figure).endswith(" ms per step (modelled)")
+    assert explorer.figure.get_size_inches().tolist() == list(explorer.FIGSIZE)
     size = explorer.figure.get_size_inches().tolist()
     monkeypatch.setattr(widgets, "widgets_available", lambda: True)
     explorer.batch.value = 2

@@ -120,7 +120,7 @@ def _ring_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: A
     n_blocks = k // rows
 
     def scoped(buffers, sems):
-        ring = dma.Ring(buffers, sems, name=name)
+        ring = dma.Ring(buffers, sems, name=name, buffer=planned.LOCAL_RING)
 
         def block(i):  # [rows, N] window of the HBM matrix
             return w_hbm.at[pl.ds(i * rows, rows), :]
@@ -141,32 +141,12 @@ def _ring_matmul(x: jax.Array, w_hbm: Any, *, rows: int, name: str, **indices: A
                          pltpu.SemaphoreType.DMA((2,)))
 
 
-def ring_matmul_dmas(call: Any, name: str, weight: Any, rows: int,
-                     indices: dict) -> list[planned.PlannedDma]:
-    """The DMAs `_ring_matmul` issues for w [K, N] (`weight`, a shape struct), as data: block 0
-    started, then per block the next one started before this one is waited for."""
-    k, n = weight.shape
-    return planned.double_buffered([
-        [call.start(name, planned.nbytes((rows, n), weight.dtype), buffer=planned.LOCAL_RING,
-                    slot=i % 2, block=i, **indices)] for i in range(k // rows)])
-
-
-class LocalRingSchedule:
-    """The schedule's twin of LOCAL_STREAM: every matrix on its own two-slot ring."""
-
-    def matmul(self, call: Any, name: str, weight: Any, rows: int,
-               indices: dict) -> list[planned.PlannedDma]:
-        return ring_matmul_dmas(call, name, weight, rows, indices)
-
-
-LOCAL_RING_SCHEDULE = LocalRingSchedule()
-
-
 def load_whole(hbm_ref: Any, *, name: str, **indices: Any) -> jax.Array:
     """Copy a small HBM array (a norm weight, a bias) into VMEM by DMA and return its value."""
 
     def scoped(buffer, sem):
-        dma.Copy(hbm_ref, buffer, sem.at[0], name=name, **indices).start().wait()
+        dma.Copy(hbm_ref, buffer, sem.at[0], name=name, buffer=planned.WHOLE,
+                 **indices).start().wait()
         return buffer[...]
 
     return pl.run_scoped(scoped, pltpu.VMEM(hbm_ref.shape, hbm_ref.dtype),
@@ -180,26 +160,13 @@ def load_into(hbm_ref: Any, vmem_ref: Any, *, rows: int, name: str, **indices: A
     def scoped(sems):
         copies = [dma.Copy(hbm_ref.at[pl.ds(i * rows, rows), :],
                            vmem_ref.at[pl.ds(i * rows, rows), :], sems.at[i], name=name,
-                           slot=i, block=i, **indices) for i in range(n_blocks)]
+                           slot=i, buffer=planned.WHOLE, block=i, **indices) for i in range(n_blocks)]
         for copy in copies:
             copy.start()
         for copy in copies:
             copy.wait()
 
     pl.run_scoped(scoped, pltpu.SemaphoreType.DMA((n_blocks,)))
-
-
-def load_whole_dmas(call: Any, name: str, weight: Any, **indices: Any) -> list:
-    """`load_whole`'s DMA as data: one copy, started and waited for."""
-    return call.copy(name, planned.nbytes(weight), buffer=planned.WHOLE, **indices)
-
-
-def load_into_dmas(call: Any, name: str, weight: Any, rows: int, **indices: Any) -> list:
-    """`load_into`'s DMAs as data: every row block started, then each waited for."""
-    k, n = weight.shape
-    started = [call.start(name, planned.nbytes((rows, n), weight.dtype), buffer=planned.WHOLE,
-                          slot=i, block=i, **indices) for i in range(k // rows)]
-    return started + [copy.waited() for copy in started]
 
 
 # The reference's RMSNorm runs as is on VMEM values (v [M, N], gamma [1, N]): one definition.

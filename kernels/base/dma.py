@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from mkresearch.kernels.base import dry_run
 
 from mkresearch.hardware import tpu
 
@@ -163,8 +164,9 @@ def is_recording() -> bool:
 
 
 def _emitting() -> bool:
-    """At trace time inside a kernel: emit callbacks only when recording an interpreted run."""
-    return bool(_active) and tpu.interpret_params() is not None
+    """At trace time inside a kernel: emit callbacks only when recording an interpreted run
+    (a dry run's trace states its DMAs as planned events instead, `dry_run.emit`)."""
+    return bool(_active) and tpu.interpret_params() is not None and not dry_run.tracing()
 
 
 def _emit(kind: str, name: str, slot: Any, indices: dict[str, Any],
@@ -211,25 +213,34 @@ def _check_name(name: Any) -> None:
 
 
 class Copy:
-    """One async copy `src_ref -> dst_ref` signalling `sem`, logged as `name` (+ slot, indices)."""
+    """One async copy `src_ref -> dst_ref` signalling `sem`, logged as `name` (+ slot, indices).
+
+    buffer: the VMEM buffer it fills or drains, by kind (`planned.WEIGHT_RING`, ...: what the
+    schedule groups DMAs by); owner: (stage, layer) the data belongs to, if not the stage whose
+    body is traced (`dry_run.owned_by`: a weight block started ahead belongs to the next stage).
+    Neither changes the kernel: a dry run (`kernels/base/dry_run.py`) reads them."""
 
     def __init__(self, src_ref: Any, dst_ref: Any, sem: Any, *, name: str, slot: Any = None,
-                 **indices: Any) -> None:
+                 buffer: str | None = None, owner: tuple | None = None, **indices: Any) -> None:
         _check_name(name)
         if tuple(src_ref.shape) != tuple(dst_ref.shape):
             raise ValueError(f"Copy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
                              f"{tuple(dst_ref.shape)}; slice both to the block being moved")
         self.src_ref, self.dst_ref, self.sem = src_ref, dst_ref, sem
         self.name, self.slot, self.indices = name, slot, indices
+        self.buffer, self.owner = buffer, owner if owner is not None else dry_run.owner()
         self.nbytes = _nbytes(dst_ref)
 
     def _descriptor(self):
         return pltpu.make_async_copy(self.src_ref, self.dst_ref, self.sem)
 
     def _log(self, kind: str) -> None:
-        if _emitting():
-            _emit(kind, self.name, self.slot, self.indices, src=_memory_space(self.src_ref),
-                  dst=_memory_space(self.dst_ref), nbytes=self.nbytes)
+        spaces = {"src": _memory_space(self.src_ref), "dst": _memory_space(self.dst_ref)}
+        if dry_run.tracing():
+            dry_run.emit(kind, self.name, self.slot, self.indices, nbytes=self.nbytes,
+                         buffer=self.buffer, owner=self.owner, **spaces)
+        elif _emitting():
+            _emit(kind, self.name, self.slot, self.indices, nbytes=self.nbytes, **spaces)
 
     def start(self) -> Copy:
         self._descriptor().start()
@@ -294,12 +305,14 @@ class RemoteCopy:
 class Ring:
     """A ring of VMEM slots `buffers_ref [n_slots, ...]` with one DMA semaphore per slot."""
 
-    def __init__(self, buffers_ref: Any, sems_ref: Any, *, name: str) -> None:
+    def __init__(self, buffers_ref: Any, sems_ref: Any, *, name: str,
+                 buffer: str | None = None) -> None:
         _check_name(name)
         if sems_ref.shape[:1] != buffers_ref.shape[:1]:
             raise ValueError(f"Ring {name!r}: sems_ref shape {tuple(sems_ref.shape)} must be "
                              f"[n_slots={buffers_ref.shape[0]}] like buffers_ref's leading dim")
         self.buffers_ref, self.sems_ref, self.name = buffers_ref, sems_ref, name
+        self.buffer_kind = buffer  # what its copies fill (`Copy`'s buffer)
 
     @property
     def n_slots(self) -> int:
@@ -311,7 +324,7 @@ class Ring:
 
     def copy(self, src_ref: Any, slot: Any, **indices: Any) -> Copy:
         return Copy(src_ref, self.buffers_ref.at[slot], self.sems_ref.at[slot], name=self.name,
-                    slot=slot, **indices)
+                    slot=slot, buffer=self.buffer_kind, **indices)
 
     def start(self, src_ref: Any, slot: Any, **indices: Any) -> Copy:
         """Start copying `src_ref` (an HBM block) into `slot`."""

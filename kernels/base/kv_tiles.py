@@ -15,7 +15,6 @@ same 16-row groups, the same bytes) split at page boundaries: a read never cross
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,41 +31,26 @@ from mkresearch.model.kv_cache import KV_ROW_GROUP
 MlaPlan = Any
 
 
-class _Traced:
-    """Arithmetic on traced int32 scalars: lax.div / lax.rem (jnp's // and % lower through a
-    sign op), pl.multiple_of alignment hints."""
-
-    div, rem = staticmethod(jax.lax.div), staticmethod(jax.lax.rem)
-    minimum, aligned = staticmethod(jnp.minimum), staticmethod(pl.multiple_of)
+def _tile_count(p: MlaPlan, position):
+    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1 (lax.div: jnp's //
+    lowers through a sign op)."""
+    return jax.lax.div(position + p.kv_tile - 1, p.kv_tile)
 
 
-class _Ints:
-    """The same arithmetic on Python ints (non-negative: lax.div and // agree), for the
-    schedule: `tile_loop_dmas` states the kernel's reads with the very same formulas."""
-
-    div, rem = staticmethod(operator.floordiv), staticmethod(operator.mod)
-    minimum, aligned = staticmethod(min), staticmethod(lambda value, multiple: value)
-
-
-def _tile_count(p: MlaPlan, position, ops=_Traced):
-    """⌈position / T⌉: the tiles holding the cached tokens 0..position-1."""
-    return ops.div(position + p.kv_tile - 1, p.kv_tile)
-
-
-def _tile_reads(p: MlaPlan, t, count, ops=_Traced):
+def _tile_reads(p: MlaPlan, t, count):
     """How tile t is read, as [(condition, first row, rows)]: the whole tile when it holds no
     token past count - 1, else only the ⌈r / 16⌉ 16-row groups holding its r = count - t·T
     tokens. A DMA's size is static, so those groups go as runs of 2^i groups, largest first (the
     binary digits of the group count): at most log2(T / 16) + 1 DMAs, each under its condition."""
-    n_groups = p.kv_tile // KV_ROW_GROUP
-    tokens = ops.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
-    groups = ops.div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
+    div, n_groups = jax.lax.div, p.kv_tile // KV_ROW_GROUP
+    tokens = jnp.minimum(count - t * p.kv_tile, p.kv_tile)  # >= 1 for every tile of the loop
+    groups = div(tokens + KV_ROW_GROUP - 1, KV_ROW_GROUP)
     reads = [(groups == n_groups, 0, p.kv_tile)]
     for i in reversed(range((n_groups - 1).bit_length())):  # runs of 2^i groups, i descending
         run = 2 ** i
-        has_run = (groups < n_groups) & (ops.rem(ops.div(groups, run), 2) == 1)
-        first = ops.div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
-        reads.append((has_run, ops.aligned(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
+        has_run = (groups < n_groups) & (jax.lax.rem(div(groups, run), 2) == 1)
+        first = div(groups, 2 * run) * (2 * run * KV_ROW_GROUP)  # the longer runs' rows
+        reads.append((has_run, pl.multiple_of(first, KV_ROW_GROUP), run * KV_ROW_GROUP))
     return reads
 
 
@@ -152,7 +136,7 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
                 source = kv_rows.tile_window(cache, b, t, p.kv_tile, first + offset, piece)
                 target = _token_rows(ring.buffer(slot), pl.ds(first + offset, piece))
                 copy = dma.Copy(source, target, ring.sems_ref.at[slot], name=ring.name,
-                                slot=slot, row=b, tile=t, **indices)
+                                slot=slot, buffer=planned.KV_TILES, row=b, tile=t, **indices)
                 getattr(copy, action)()
 
     def each_read(t, slot, action):  # action: "start" or "wait" every DMA of tile t
@@ -176,20 +160,6 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
             return update(t, tiles, carry)
 
     return jax.lax.fori_loop(0, n_tiles, step, carry)
-
-
-def tile_loop_dmas(p: MlaPlan, call: Any, b: int, count: int,
-                   arrays: list[tuple[str, Any]]) -> list[planned.PlannedDma]:
-    """`tile_loop`'s DMAs as data, for row b with `count` cached tokens: arrays are (ring name,
-    the cache array's shape struct [B, (H,) S, n]) in the order of the rings; the reads of each
-    tile are `_tile_reads`' on ints (the same formulas)."""
-    def reads(t):  # the DMAs of tile t (started in slot t mod 2)
-        return [call.start(name, rows * planned.token_bytes(cache), buffer=planned.KV_TILES,
-                           slot=t % 2, row=b, tile=t, **call.indices)
-                for condition, _, rows in _tile_reads(p, t, count, _Ints) if condition
-                for name, cache in arrays]  # a window of `rows` tokens of every head
-
-    return planned.double_buffered([reads(t) for t in range(_tile_count(p, count, _Ints))])
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,

@@ -3,14 +3,12 @@
 HBM arrays are tiled (16 rows of bf16), so a single row cannot be DMA'd at an arbitrary position:
 the aligned 16-row block around the position is read, patched in VMEM and written back, for each
 of the layer's two cache arrays (expanded: k, v per head; latent: ĉ, k^X shared by the heads).
-`update_dmas` states those DMAs as data for the schedule (`kernels/compose/schedule.py`). With a
+With a
 paged cache (`kv_tiles.KvRows`) the block is in the row's page of the position (a page is whole
 16-row blocks), and a free slot (position -1) writes nothing.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +26,12 @@ KV_UPDATE_NAME = "mla.kv_update"  # DMA-log name prefix: <prefix>.<cache array>.
 
 def patch_block(b, row_in_block, window_in, window_out, buffer, sem, patch, name, indices):
     """Read the aligned UPDATE_ROWS block around the new position, patch its row, write it back."""
-    dma.Copy(window_in, buffer, sem, name=f"{name}.read", row=b, **indices).start().wait()
+    dma.Copy(window_in, buffer, sem, name=f"{name}.read", buffer=planned.KV_UPDATE, row=b,
+             **indices).start().wait()
     rows = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, len(buffer.shape) - 2)
     patch(rows == row_in_block)
-    dma.Copy(buffer, window_out, sem, name=f"{name}.write", row=b, **indices).start().wait()
+    dma.Copy(buffer, window_out, sem, name=f"{name}.write", buffer=planned.KV_UPDATE, row=b,
+             **indices).start().wait()
 
 
 def update_window(position):
@@ -98,16 +98,3 @@ def update_latent(p, b, position, c_hat, k_extra, ckv_in, kx_in, ckv_out, kx_out
                   pltpu.VMEM((UPDATE_ROWS, p.qk_extra), jnp.bfloat16),
                   pltpu.SemaphoreType.DMA((2,)))
 
-
-def update_dmas(call: Any, b: int, arrays: list[tuple[str, Any]],
-                prefix: str = KV_UPDATE_NAME) -> list[planned.PlannedDma]:
-    """The DMAs of `update_expanded` / `update_latent` for row b, as data: per cache array (its
-    name and shape struct [B, (H,) S, n], in the kernel's order) the block read, then written."""
-    out = []
-    for name, cache in arrays:
-        block = UPDATE_ROWS * planned.token_bytes(cache)
-        out += call.copy(f"{prefix}.{name}.read", block, buffer=planned.KV_UPDATE, row=b,
-                         **call.indices)
-        out += call.copy(f"{prefix}.{name}.write", block, buffer=planned.KV_UPDATE,
-                         src="vmem", dst="hbm", row=b, **call.indices)
-    return out

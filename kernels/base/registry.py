@@ -9,9 +9,10 @@ its `KernelStage` here owns what the kernel needs on top, keyed by the same name
               (weights key, DMA-log name, (K, N)); the megakernel's global ring streams these
     body      body(plan, refs: StageRefs): one layer of the kind, on Refs
     vmem      the VMEM buffers the body allocates (its scope of the megakernel's VMEM plan)
-    schedule  schedule(plan, call: planned.StageCall) -> [PlannedDma]: the DMAs the body issues
-              for one layer, in its order, as data (`kernels/compose/schedule.py`); written beside the
-              body, held equal to its recorded DMA log by tests/test_schedule.py
+    cost      its FLOPs, transcendentals and the HBM bytes it moves at most (XLA's cost estimate)
+
+A kind's DMAs are not listed anywhere but in its body: the step's schedule is the body run on
+shapes (`kernels/base/dry_run.py`, `kernels/compose/schedule.py`).
 
 The body reads its inputs from a typed bundle (`StageRefs`), never from positional Refs: the
 stand-alone `pallas_call` wrapper of a kind builds one from its own refs (with a local weight
@@ -81,16 +82,13 @@ class KernelStage:
     body: Callable[[Any, StageRefs], None]
     vmem: Callable[[Any, ModelConfig], list]  # (plan, cfg) -> [(name, shape, dtype)] scoped
     scope: Callable[[Any], str] = lambda plan: ""  # the VMEM plan's label of the body's scope
-    # the body's cost for one layer (kernels/base/costs.py): (plan, weights, state, cfg, batch) -> Cost,
+    # the body's cost for one layer (beside the body; costs.Cost): (plan, weights, state, cfg, batch) -> Cost,
     # with weights and state one layer's (shape structs)
     cost: Callable[..., Any] = lambda plan, weights, state, cfg, batch: None
     # scratch the megakernel allocates once for every layer of the kind: (label, pltpu shape)
     # pairs, and how the body wants the refs bundled (refs.scratch)
     scratch: Callable[[ModelConfig, int], tuple] = lambda cfg, batch: ()
     scratch_bundle: Callable[[tuple], Any] = lambda refs: refs
-    # (plan, planned.StageCall) -> list[planned.PlannedDma]; None: the kind states no schedule
-    # (the megakernel runs it, `schedule.schedule` refuses it, naming the kind)
-    schedule: Callable[[Any, Any], list] | None = None
 
 
 _KERNELS: dict[str, KernelStage] = {}

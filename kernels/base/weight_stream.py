@@ -23,8 +23,8 @@ stand-alone stage kernels' blocks (at mini sizes every matrix is one block), so 
 accumulation order is theirs. The lookahead may cross at most one stage boundary:
 ring_depth - 1 <= the fewest blocks any stage streams (`max_ring_depth`).
 
-`RingSchedule` states the ring's DMAs as data (`kernels/compose/schedule.py`) from the same StreamPlan
-and layer table: change GlobalStream / StageStream and it together (tests/test_schedule.py).
+Each block's DMA names the stage and layer it belongs to (`dma.Copy(owner=...)`: a block started
+ahead is the next stage's), so the step's schedule (`kernels/compose/schedule.py`) groups it there.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ class GlobalStream:
         slot = lax.rem(base + position, self.plan.depth)
         target = self.ring.at[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]
         return dma.Copy(window, target, self.sems.at[slot], name=entry.name, slot=slot,
-                        block=block, layer=layer)
+                        buffer=planned.WEIGHT_RING, owner=(kind, layer), block=block,
+                        layer=layer)
 
     def prologue(self) -> None:
         """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
@@ -278,98 +279,3 @@ class StageStream:
         # a slice of padding only: zeros (the product of its zero rows or columns), not the
         # stale slot it did not fetch
         return acc if live is None else jnp.where(live, acc, 0.0)
-
-
-# ---- the same ring as data: the DMAs GlobalStream issues, before anything is traced ----------
-class RingSchedule:
-    """The global ring's DMAs as data (`kernels/compose/schedule.py`), from the StreamPlan the kernel
-    runs and the same layer table: block g of the step's sequence waits in slot g mod depth, and
-    block g + depth - 1 is started first — across the stage boundary (this layer's FFN after its
-    attention) and the layer boundary (the next layer's attention after the FFN, none after the
-    last layer), of the one kind the table selects. The twin of GlobalStream / StageStream."""
-
-    def __init__(self, plan: StreamPlan, table: tuple[int, ...], n_layers: int,
-                 live: dict | None = None) -> None:
-        self.plan, self.table, self.n_layers = plan, table, n_layers
-        self.base = 0  # the ring slot of the current stage's block 0
-        self.live = live or {}  # matrix name -> False: a rank's slice of padding (GlobalStream)
-
-    def is_live(self, kind: str, position: int) -> bool:
-        return self.live.get(self.plan.blocks(kind)[position][0].name, True)
-
-    def _kind(self, layer: int, attention: bool) -> str:
-        """The kind the table selects for the attention or the FFN of `layer`."""
-        kinds, column = (self.plan.attention, ATTN_KIND) if attention else (self.plan.ffn, FFN_KIND)
-        return kinds[self.table[layer * len(TABLE_FIELDS) + column]]
-
-    def _start(self, kind: str, position: int, base: int, layer: int) -> planned.PlannedDma:
-        entry, block = self.plan.blocks(kind)[position]
-        return planned.PlannedDma(
-            "dma_start", entry.name, "hbm", "vmem", entry.rows * entry.n * 2,
-            (base + position) % self.plan.depth, layer, kind, planned.WEIGHT_RING,
-            (("block", block), ("layer", layer)))
-
-    def prologue(self) -> list[planned.PlannedDma]:
-        """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
-        kind = self._kind(0, attention=True)
-        return [self._start(kind, position, 0, 0) for position in range(self.plan.depth - 1)
-                if self.is_live(kind, position)]
-
-    def stage(self, kind: str, layer: int) -> StageRingSchedule:
-        return StageRingSchedule(self, kind, layer)
-
-
-class StageRingSchedule:
-    """One stage of one layer on the ring, as data: `matmul` gives the DMAs of the body's next
-    streamed matrix (a matrix not on the ring: its local ring's), `close` checks that the stage
-    streamed all its blocks and moves the ring's base past them (StageStream.__exit__)."""
-
-    def __init__(self, ring: RingSchedule, kind: str, layer: int) -> None:
-        self.ring, self.kind, self.layer = ring, kind, layer
-        self.entries = ring.plan.entries(kind)
-        self.length = len(ring.plan.blocks(kind))
-        self.entry = self.position = 0
-
-    def _start_ahead(self, target: int) -> list[planned.PlannedDma]:
-        ring = self.ring
-        if target < self.length:
-            return ([ring._start(self.kind, target, ring.base, self.layer)]
-                    if ring.is_live(self.kind, target) else [])
-        base = (ring.base + self.length) % ring.plan.depth
-        if self.kind in ring.plan.attention and not ring.plan.ffn_transparent:  # this FFN
-            layer, attention = self.layer, False
-        elif self.layer + 1 < ring.n_layers:  # next: the next layer's attention
-            layer, attention = self.layer + 1, True
-        else:
-            return []
-        kind = ring._kind(layer, attention)
-        if not ring.is_live(kind, target - self.length):
-            return []
-        return [ring._start(kind, target - self.length, base, layer)]
-
-    def matmul(self, call: Any, name: str, weight: Any, rows: int,
-               indices: dict) -> list[planned.PlannedDma]:
-        if name not in {e.name for e in self.entries}:
-            return blocks.ring_matmul_dmas(call, name, weight, rows, indices)
-        entry = self.entries[self.entry]
-        if name != entry.name or tuple(weight.shape) != (entry.k, entry.n):
-            raise ValueError(f"the {self.kind} stage schedule streams {name!r} "
-                             f"{tuple(weight.shape)} where the global weight stream expects "
-                             f"{entry.name!r} {(entry.k, entry.n)}: its KernelStage.schedule "
-                             "must list the matrices in the body's order")
-        self.entry += 1
-        out = []
-        for _ in range(entry.n_blocks):
-            out += self._start_ahead(self.position + self.ring.plan.depth - 1)
-            if self.ring.is_live(self.kind, self.position):
-                out.append(self.ring._start(self.kind, self.position, self.ring.base,
-                                            self.layer).waited())
-            self.position += 1
-        return out
-
-    def close(self) -> None:
-        if self.position != self.length:
-            raise ValueError(f"the {self.kind} stage schedule streamed {self.position} of its "
-                             f"{self.length} blocks: the global weight stream and the schedule "
-                             "disagree")
-        self.ring.base = (self.ring.base + self.length) % self.ring.plan.depth

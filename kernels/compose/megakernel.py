@@ -1,62 +1,44 @@
 """The megakernel: one grid-less `pallas_call` per decode step of a whole model.
 
-    tokens [B] --DMA row gather--> e = E[token]; the residual strategy starts from e
-    for ℓ in fori_loop(0, L):                              one traced layer body, not L copies
-        x = residual.attention_input(ℓ)                    Kimi K3: Mix(𝒜_ℓ; w_attn[ℓ]), RMSNorm
-        lax.switch(attention kind of ℓ, registered attention bodies)(x)
-        x = residual.ffn_input(ℓ, attention output)        Kimi K3: P update, Mix, RMSNorm
-        lax.switch(FFN kind of ℓ, registered FFN bodies)(x)
-        residual.after_ffn(FFN output)                     Kimi K3: P = bf(P + m)
-    tokens = sampling body (the head's mix and norm, LM head tiles, greedy / Gumbel sampling)
+    tokens, state, aux = megakernel.decode_step(params, state, tokens, positions, cfg)
 
-The layer's kinds and their indices come from an SMEM layer table (`weight_stream.TABLE_FIELDS`):
-a `lax.switch` over the kinds the model uses for that role (none when it uses one: its body is
-called directly), so the traced kernel does not grow with the depth. Each branch is the
-registered kind's own stage-kernel body (`kernels/stages/`: kda, mla, gqa, mla_rope, the FFN
-kinds, sampling; `kernels.base.registry`), called on Refs: per-layer weights are views
-`stack.at[i]` of the stacked HBM arrays, with `i` the layer's index within its kind. The residual
-strategy (`kernels/stages/residuals.py`: Kimi K3's attention residuals, docs/kimi-k3.md §3, or a
-pre-norm stream) owns the hidden state between the stages and loads its per-layer vectors first.
-Caches and states are updated in place (input_output_aliases); activations never leave VMEM.
-
-Weights stream HBM->VMEM through ONE global ring (`kernels/base/weight_stream.py`) that runs across
-stage and layer boundaries: the bodies' `blocks.stream_matmul` calls draw from it while it is
-active, so the next stage's and the next layer's first blocks are already in flight while the
-current stage computes. Expert weights keep their own slot ring (issued right after routing),
-KV tiles and the KDA state their own double buffers.
+The step's body, every stage the stage kernel's own body on Refs, is `megakernel_body.py`; this
+module builds its call: the parameters prepared once as the body reads them (`prepare_weights`),
+the step's inputs (tokens, positions, the sampling arguments, the layer table), the
+`pallas_call` with the state aliased in place and XLA's cost estimate (`step_call`), and the
+compiles for a TPU from shapes (`compile_step`).
 
 Options and plan live in `kernels/compose/megakernel_plan.py`: `plan_vmem` computes every VMEM buffer
 with its bytes before the kernel is built, and `decode_step` refuses a plan over the chip's VMEM
 with a message listing it — and, first, a config whose weights, caches and states exceed the
-chip's HBM per device (`roofline.check_fits_hbm`). Every DMA a step issues is data before it is
-traced (`kernels/compose/schedule.py`: the trunk below has its twin there); what a recorded step says
-(bytes against the minimum) is read by `mkresearch.measurement.logs`, HLO kernel counts by `mkresearch.measurement.hlo`.
+chip's HBM per device (`roofline.check_fits_hbm`). Every DMA a step issues is data before it runs
+(`kernels/compose/schedule.py`: the kernel run on shapes); what a recorded step says (bytes against
+the minimum) is read by `mkresearch.measurement.logs`, HLO kernel counts by
+`mkresearch.measurement.hlo`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, kv_tiles, registry, weight_stream
-from mkresearch.kernels.base.weight_stream import (
-    ATTN_INDEX,
-    ATTN_KIND,
-    FFN_INDEX,
-    FFN_KIND,
-    TABLE_FIELDS,
+from mkresearch.kernels.base import dma, dry_run, registry
+
+# the body's names are the megakernel's API too
+from mkresearch.kernels.compose.megakernel_body import (  # noqa: F401
+    StepInputs,
+    StepOutputs,
+    megakernel_body,
+    per_position_shapes,
 )
 
 # the plan's names are the megakernel's API too
-from mkresearch.kernels.compose.megakernel_plan import (
+from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     EMBED_ROWS,
     MAX_BATCH,
     MegakernelOptions,
@@ -64,238 +46,12 @@ from mkresearch.kernels.compose.megakernel_plan import (
     make_plan,
     step_cost,
 )
-from mkresearch.kernels.sharded import collectives, sharded_stages
-from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
-    experts,
-    ffn_kinds,
-    gqa,
-    kda,
-    mla,
-    mla_rope,
-    moe_full,
-    residuals,
-    sampling,
-)
+from mkresearch.kernels.stages import residuals, sampling  # the kinds: megakernel_plan registers
 
 from mkresearch.hardware import tpu
-from mkresearch.model import reference, roofline, spec, weights
+from mkresearch.model import reference, roofline, weights
 from mkresearch.model import sampling as sampling_ref
 from mkresearch.model.config import BF16_SUBLANE, ModelConfig
-
-
-# ---- the step's inputs and outputs (typed Ref bundles) -------------------------------------------
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "positions", "seed", "table", "sample_positions",
-                                "temperature", "top_k", "top_p", "page_table"], meta_fields=[])
-@dataclass(frozen=True)
-class StepInputs:
-    """tokens, positions [B] i32, seed [1] i32 and the layer table [4L] i32 (SMEM scalars);
-    sample positions (p + 1), top_k [B, 1] i32, temperature, top_p [B, 1] f32 (VMEM rows); a
-    paged step's page table [B · max_pages_per_row] i32 (SMEM, `megakernel_paged.py`), else None."""
-
-    tokens: Any
-    positions: Any
-    seed: Any
-    table: Any
-    sample_positions: Any
-    temperature: Any
-    top_k: Any
-    top_p: Any
-    page_table: Any = None
-
-    @staticmethod
-    def specs(paged: bool = False) -> StepInputs:
-        smem, vmem = pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)
-        return StepInputs(smem, smem, smem, smem, vmem, vmem, vmem, vmem, smem if paged else None)
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "overflow", "logits", "per_position"], meta_fields=[])
-@dataclass(frozen=True)
-class StepOutputs:
-    """tokens, nucleus overflow [B, 1] i32 and, for checking only, logits [B, V] f32 (VMEM); a
-    verify step's per-token states {kind: {leaf: [K+1, n_layers, B, ...]}} (HBM), else None."""
-
-    tokens: Any
-    overflow: Any
-    logits: Any = None
-    per_position: Any = None
-
-
-# ---- the body ----------------------------------------------------------------------------------
-def _layer_refs(tree: Any, index: Any) -> Any:
-    """One layer's view `.at[index]` of every stacked Ref of a kind."""
-    return jax.tree.map(lambda ref: ref.at[index], tree)
-
-
-def per_position_shapes(plan: MegaPlan, state: Any) -> dict | None:
-    """A verify step's per-token states: every non-cache leaf [n, B, ...] of `state` (shape
-    structs) as [K+1, n, B, ...]; None for a decode step (plan.rows_per_state 1)."""
-    if plan.rows_per_state == 1:
-        return None
-    table = spec.state_table(plan.cfg, plan.state_batch, plan.seq_len)
-    return {kind: {leaf: jax.ShapeDtypeStruct((plan.rows_per_state, *a.shape), a.dtype)
-                   for leaf, a in leaves.items() if table[kind][leaf].kind != spec.CACHE}
-            for kind, leaves in state.items()
-            if any(table[kind][leaf].kind != spec.CACHE for leaf in leaves)}
-
-
-def megakernel_body(plan: MegaPlan, use_gumbel: bool, use_candidates: bool,
-                    inputs: StepInputs, w: dict, state_in: dict, outputs: StepOutputs,
-                    state_out: dict, *scratch: Any, shard: Any = None, pages: Any = None) -> None:
-    """The whole decode step, on Refs: the step's inputs (SMEM scalars and VMEM rows), the
-    prepared weights and the state (HBM; the state's outputs are the same buffers). On a rank of
-    a sharded model (`shard`: a collectives.ShardPlan, its buffers in `scratch`): this rank's
-    weights and state, the collectives inside (`kernels/compose/megakernel_sharded.py`). pages: a
-    paged KV cache's PagedKVConfig (the cache leaves are pools, read through inputs.page_table)."""
-    if shard is None:
-        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out,
-                     pages=pages)
-    coll = collectives.Collectives(shard, scratch)
-    with dma.on_rank(coll.rank):
-        coll.barrier()
-        return _step(plan, use_gumbel, use_candidates, inputs, w, state_in, outputs, state_out,
-                     coll)
-
-
-def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepInputs, w: dict,
-          state_in: dict, outputs: StepOutputs, state_out: dict, coll: Any = None,
-          pages: Any = None) -> None:
-    cfg, batch = plan.cfg, plan.batch
-    kv_rows = None if pages is None else kv_tiles.KvRows(inputs.page_table, pages.page_size,
-                                                         pages.max_pages_per_row)
-    d = cfg.d_model
-    residual = residuals.RESIDUALS[cfg.residual]
-    kinds = [(kind, registry.kernel_stage(kind)) for kind in cfg.kinds]
-    scratch_shapes = [shape for _, stage in kinds for _, shape in stage.scratch(cfg, batch)]
-    n_hidden = len(residual.vmem(cfg, batch))
-
-    def scoped(x_ref, out_ref, vectors, sems, *rest):
-        hidden, rest = rest[:n_hidden], rest[n_hidden:]
-        scratch, ring = {}, rest[len(scratch_shapes):]
-        for kind, stage in kinds:
-            count = len(stage.scratch(cfg, batch))
-            scratch[kind], rest = stage.scratch_bundle(tuple(rest[:count])), rest[count:]
-        stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers,
-                                             live=coll and coll.live(plan.stream))
-                  if plan.stream is not None else None)
-        # 1. e = E[token]. HBM is tiled in 16-row bf16 groups: a DMA window must start on one, so
-        # each row's aligned 16-row block is fetched and the row picked in VMEM (exact: one hit).
-        def gather(blocks_vmem):  # [B, 16, d] bf16
-            if coll is not None:  # a vocab shard: the owner's row, all-reduced
-                embedded = sharded_stages.embed(coll, w["embed"], inputs.tokens, blocks_vmem,
-                                                sems, batch)
-                return residual.start(hidden, embedded.astype(jnp.bfloat16))
-            copies = []
-            for b in range(batch):
-                token = inputs.tokens[b]
-                start = pl.multiple_of(lax.div(token, EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS)
-                copies.append(dma.Copy(w["embed"].at[pl.ds(start, EMBED_ROWS), :],
-                                       blocks_vmem.at[b], sems.at[b], name="embed", row=b))
-                copies[-1].start()
-            with dma.phase("embed"):
-                embedded = jnp.zeros((batch, d), jnp.float32)
-                for b, copy in enumerate(copies):
-                    copy.wait()
-                    row = blocks.select_row(blocks_vmem[b], lax.rem(inputs.tokens[b], EMBED_ROWS))
-                    embedded = blocks.put_row(embedded, b, row)
-                residual.start(hidden, embedded.astype(jnp.bfloat16))  # [B, d], exactly E[token]
-
-        if stream is not None and coll is not None:  # a rank: layer 0's first weight blocks
-            stream.prologue()  # fly while the embedding's all-reduce is waited for
-        pl.run_scoped(gather, pltpu.VMEM((batch, EMBED_ROWS, d), jnp.bfloat16))
-        if stream is not None and coll is None:  # layer 0's first weight blocks fly from the start
-            stream.prologue()
-
-        def load_vectors(layer):  # this layer's residual weights and norm gains, [1, d] each
-            copies = [dma.Copy(w[n].at[layer], vectors.at[i], sems.at[i], name=n, layer=layer)
-                      for i, n in enumerate(residual.vectors)]
-            for copy in copies:
-                copy.start()
-            for copy in copies:
-                copy.wait()
-
-        def run_stage(layer, kind_id, index, stage_kinds):
-            """The stage body of this layer's kind (a switch on the table's kind id)."""
-            def branch(kind):
-                def run():
-                    stage = registry.kernel_stage(kind)
-                    context = (stream.stage(kind, layer, index) if stream is not None
-                               else contextlib.nullcontext(blocks.LOCAL_STREAM))
-                    with context as stage_stream:
-                        if coll is not None:  # row-split matrices: partial sums all-reduced
-                            stage_stream = coll.stream(stage_stream)
-                        stage.body(plan.stage_plan(kind), registry.StageRefs(
-                            x=x_ref, out=out_ref, weights=_layer_refs(w[kind], index),
-                            state_in=_layer_refs(state_in.get(kind, {}), index),
-                            state_out=_layer_refs(state_out.get(kind, {}), index),
-                            positions=inputs.positions, stream=stage_stream,
-                            scratch=scratch[kind], indices={"layer": layer}, shard=coll,
-                            steps_out=jax.tree.map(lambda ref: ref.at[:, index],
-                                                   (outputs.per_position or {}).get(kind, {})),
-                            kv_rows=kv_rows))
-                return run
-
-            if len(stage_kinds) == 1:
-                branch(stage_kinds[0])()
-            else:
-                lax.switch(kind_id, [branch(kind) for kind in stage_kinds])
-
-        def layer_step(layer, carry):
-            row = layer * len(TABLE_FIELDS)
-            load_vectors(layer)
-            x_ref[...] = residual.attention_input(hidden, layer, vectors, cfg)
-            run_stage(layer, inputs.table[row + ATTN_KIND], inputs.table[row + ATTN_INDEX],
-                      plan.attention_kinds)
-            x_ref[...] = residual.ffn_input(hidden, layer, vectors, out_ref[...], cfg)
-            run_stage(layer, inputs.table[row + FFN_KIND], inputs.table[row + FFN_INDEX],
-                      plan.ffn_kinds)
-            residual.after_ffn(hidden, out_ref[...])
-            return carry
-
-        lax.fori_loop(0, cfg.n_layers, layer_step, 0)
-
-        # 3. the final mix (if any), norm, LM head tiles and sampling: the sampling stage's body
-        snapshots, last = residual.head_inputs(hidden)
-
-        def with_head(final_norm_ref, tile_slots, tile_sems, *mix_out):
-            targets = {"final_norm": final_norm_ref, **({"mix_out": mix_out[0]} if mix_out else {})}
-            copies = [dma.Copy(w[name], targets[name], sems.at[i], name=name)
-                      for i, name in enumerate(residual.head_vectors)]
-            for copy in copies:
-                copy.start()
-            for copy in copies:
-                copy.wait()
-            rest = ([outputs.logits] if outputs.logits is not None else []) + [tile_slots,
-                                                                                tile_sems]
-            shard = {} if coll is None else {  # a vocab shard: global indices, states merged
-                "index_offset": coll.index(spec.VOCAB) * cfg.vocab_size,
-                "vocab_limit": coll.vocab_limit(),
-                "merge": sharded_stages.merge_shards(coll, use_candidates)}
-            sampling.sampling_body(inputs.seed, inputs.sample_positions, inputs.temperature,
-                                   inputs.top_k, inputs.top_p, snapshots, last,
-                                   mix_out[0] if mix_out else None, final_norm_ref,
-                                   w["lm_head"], outputs.tokens, outputs.overflow, *rest,
-                                   vocab_tile=plan.vocab_tile, candidates=sampling.MAX_CANDIDATES,
-                                   eps=cfg.rms_eps, softcap=cfg.logit_softcap,
-                                   use_gumbel=use_gumbel, use_candidates=use_candidates,
-                                   return_logits=outputs.logits is not None,
-                                   rows_per_key=plan.rows_per_state, **shard)
-
-        mix_out = [pltpu.VMEM((1, d), jnp.float32)] if "mix_out" in residual.head_vectors else []
-        pl.run_scoped(with_head, pltpu.VMEM((1, d), jnp.bfloat16),
-                      pltpu.VMEM((2, d, plan.vocab_tile), jnp.bfloat16),
-                      pltpu.SemaphoreType.DMA((2,)), *mix_out)
-
-    ring = ([pltpu.VMEM((plan.stream.depth, *plan.stream.slot_shape), jnp.bfloat16),
-             pltpu.SemaphoreType.DMA((plan.stream.depth,)), pltpu.SMEM((1,), jnp.int32)]
-            if plan.stream is not None else [])
-    hidden = [pltpu.VMEM(shape, dtype) for _, shape, dtype in residual.vmem(cfg, batch)]
-    n_vectors = len(residual.vectors)
-    pl.run_scoped(scoped, pltpu.VMEM((batch, d), jnp.bfloat16),
-                  pltpu.VMEM((batch, d), jnp.bfloat16), pltpu.VMEM((n_vectors, 1, d), jnp.float32),
-                  pltpu.SemaphoreType.DMA((max(n_vectors, batch),)),  # one per embedding row
-                  *hidden, *scratch_shapes, *ring)
 
 
 # ---- the wrapper -------------------------------------------------------------------------------
@@ -335,9 +91,14 @@ def _call(plan: MegaPlan, interpret: Any, recording: bool, use_gumbel: bool, use
                      state)
 
 
+# the jitted step, public for the verify step (`megakernel_verify.py`: one compile per plan); its
+# name `_call` is the one every compiled step's HLO holds (the recorded compiles')
+call_step = _call
+
+
 def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: bool,
               return_logits: bool, inputs: StepInputs, weights: dict, state: dict,
-              shard: Any = None, pages: Any = None) -> tuple:
+              shard: Any = None, pages: Any = None, live: dict | None = None) -> tuple:
     """The step's pallas_call -> (tokens [B], overflow [B], logits or None, state). shard: one
     rank's collectives plan (`collectives.ShardPlan`, kernels/compose/megakernel_sharded.py): its
     buffers and semaphores as scratch, and a barrier semaphore (collective_id)."""
@@ -348,15 +109,16 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
-    # every stage body over its layers (kernels/base/costs.py); + the SMEM/VMEM operands and results
-    cost = step_cost(plan, weights, state).estimate(inputs, outputs)
+    # every stage body over its layers (each kind's cost); + the SMEM/VMEM operands and results
+    # (none in a dry run's trace: the schedule is not the cost's)
+    cost = None if dry_run.tracing() else step_cost(plan, weights, state).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
     n_out = len(jax.tree.leaves(outputs))
     sharded = {} if shard is None else {"collective_id": 0}
     outs, new_state = pl.pallas_call(
         functools.partial(megakernel_body, plan, use_gumbel, use_candidates, shard=shard,
-                          pages=pages),
+                          pages=pages, live=live),
         out_shape=(outputs, state_shapes),
         in_specs=(StepInputs.specs(pages is not None), jax.tree.map(lambda _: hbm, weights),
                   jax.tree.map(lambda _: hbm, state)),
@@ -428,7 +190,7 @@ def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperat
     """The step's inputs for tokens and positions [rows] (checked), the sampling arguments given
     per state row (ValueError naming the bad one) and each repeated for the plan.rows_per_state
     rows that share it -> (StepInputs, use_gumbel, use_candidates): the static sampling paths."""
-    sampling_ref._check_seed(seed)
+    sampling_ref.check_seed(seed)
     sp = sampling_ref.check_params(plan.state_batch, plan.cfg.vocab_size, temperature=temperature,
                                    top_k=top_k, top_p=top_p, candidates=sampling.MAX_CANDIDATES)
     sampled = sp.temperature > 0
@@ -489,5 +251,5 @@ def compile_reference_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu
     roofline.check_fits_hbm(cfg, chip, batch)
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch))
     ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return tpu.compile_for(lambda p, s, t, q: reference._decode_step(p, s, t, q, cfg),
+    return tpu.compile_for(lambda p, s, t, q: reference.decode_step_unchecked(p, s, t, q, cfg),
                            weights.param_shapes(cfg), state, ids, ids, chip=chip)

@@ -170,7 +170,7 @@ class VmemPlanError(ValueError):
     """The megakernel's VMEM plan does not fit the chip."""
 
 
-def _buf(name, shape, dtype, scope) -> VmemBuffer:
+def vmem_buffer(name, shape, dtype, scope) -> VmemBuffer:
     shape = tuple(int(s) for s in shape)
     return VmemBuffer(name, shape, jnp.dtype(dtype).name, blocks.nbytes(shape, dtype), scope)
 
@@ -305,31 +305,31 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
     local two-slot ring for the matrices the global ring does not stream)."""
     b, d, bf = batch, cfg.d_model, jnp.bfloat16
     residual = residuals.RESIDUALS[cfg.residual]
-    out = [_buf(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
-    out += [_buf("stage input x", (b, d), bf, "kernel"),
-            _buf("stage output", (b, d), bf, "kernel"),
-            _buf("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
-            _buf(f"{residual.vectors_label} weights", (len(residual.vectors), 1, d), jnp.float32,
+    out = [vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
+    out += [vmem_buffer("stage input x", (b, d), bf, "kernel"),
+            vmem_buffer("stage output", (b, d), bf, "kernel"),
+            vmem_buffer("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
+            vmem_buffer(f"{residual.vectors_label} weights", (len(residual.vectors), 1, d), jnp.float32,
                  "kernel")]
     for kind, _ in stage_plans:
         for label, shape in registry.kernel_stage(kind).scratch(cfg, b):
             if getattr(shape, "memory_space", None) == pltpu.VMEM:
-                out.append(_buf(label, shape.shape, shape.dtype, "kernel"))
-    out.append(_buf("sampling outputs", (2, b, 1), jnp.int32, "kernel"))
+                out.append(vmem_buffer(label, shape.shape, shape.dtype, "kernel"))
+    out.append(vmem_buffer("sampling outputs", (2, b, 1), jnp.int32, "kernel"))
     if stream is not None:
-        out.append(_buf("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
+        out.append(vmem_buffer("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
     for kind, plan in stage_plans:
         stage = registry.kernel_stage(kind)
         scope = stage.scope(plan)
-        out += [_buf(name, shape, dtype, scope) for name, shape, dtype in stage.vmem(plan, cfg)]
+        out += [vmem_buffer(name, shape, dtype, scope) for name, shape, dtype in stage.vmem(plan, cfg)]
         local = [m.shape for m in stage.streamed(cfg)
                  if stream is None or m.shape[1] % LANE]  # off the global ring
         if local:
             rows_n = [(blocks.weight_block_rows(shape, bf), shape[1]) for shape in local]
-            out.append(_buf(f"{scope} own weight ring", (2, *max(rows_n, key=lambda r: r[0] * r[1])),
+            out.append(vmem_buffer(f"{scope} own weight ring", (2, *max(rows_n, key=lambda r: r[0] * r[1])),
                             bf, scope))
-    out += [_buf("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
-            _buf("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
+    out += [vmem_buffer("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
+            vmem_buffer("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
                  "sampling")]
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
     return VmemPlan(tuple(out), limit, chip.name)
@@ -351,6 +351,6 @@ def step_cost(plan: MegaPlan, weights: dict, state: dict) -> costs.Cost:
                   for name in residuals.RESIDUALS[cfg.residual].vectors)
     embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
     n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
-    return (total + costs.sampling(batch, w["lm_head"], n_mixed)
+    return (total + sampling.cost(batch, w["lm_head"], n_mixed)
             + costs.Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
                          + costs.nbytes(w.get("mix_out"), w["final_norm"])))

@@ -247,7 +247,7 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
-        mplan._buf(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
+        mplan.vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
         vmem.limit_bytes, vmem.chip)
     return kcfg, stage_plans, vocab_tile, stream, shard, vmem
 
@@ -381,7 +381,7 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
         raise ValueError(f"positions={pos.tolist()} is invalid: each in [0, "
                          f"{plan.mega.seq_len})")
     mesh = make_mesh(plan.n_ranks) if mesh is None else mesh
-    sampling_ref._check_seed(seed)
+    sampling_ref.check_seed(seed)
     sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
                                    top_p=top_p, candidates=sampling.MAX_CANDIDATES)
     sampled, truncated = sp.temperature > 0, (sp.top_k > 0) | (sp.top_p < 1)

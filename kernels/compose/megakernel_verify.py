@@ -127,7 +127,7 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     inputs, use_gumbel, use_candidates = mk.step_inputs(
         plan, jnp.asarray(tokens, jnp.int32).reshape(-1), rows.reshape(-1), seed, temperature,
         top_k, top_p)
-    targets, overflow, logits, state_all, per_position = mk._call(
+    targets, overflow, logits, state_all, per_position = mk.call_step(
         plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
         bool(return_logits), inputs, mk.prepare_weights(params, cfg), state)
     targets = targets.reshape(batch, width)

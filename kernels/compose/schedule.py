@@ -1,32 +1,33 @@
-"""The schedule as data: every DMA one megakernel step will issue, in order, before tracing.
+"""The schedule as data: every DMA one megakernel step will issue, in order, before it runs.
 
     sched = schedule(plan, positions, expert_ids)  # exact: the step's positions and routing
     sched = schedule(plan)                         # the cost estimate's worst case (assumptions)
+    sched = schedule(sharded_plan, rank=r)         # one rank of a sharded build (its DMAs)
     sched.events                  # (PlannedDma, ...): kind, name, src, dst, nbytes, slot, layer,
                                   # stage, buffer, indices
     sched.mismatch(log)           # None when a recorded DMA log is this schedule, event for event
     sched.late_prefetches()       # where the weight stream would not run ahead
     sched.summary()               # DMAs and bytes per stage, layer kind, buffer; ring; VMEM plan
 
-The DMAs depend on data in two places only: the MLA KV tiles a row reads (from its position) and
-the routed experts a MoE layer fetches (the distinct experts of the batch, ascending id). Given
-the step's positions and routing (`expert_ids` [n_routed_layers, B, k], e.g. the reference's
-aux["expert_ids"]) the schedule is exact; without them it takes `kernels/base/costs.py`'s worst case
-and says so in `assumptions`: every row at the last position, min(E, B·k) distinct experts.
+The schedule is not written down a second time: it is the kernel itself run on shapes
+(`kernels/base/dry_run.py`). The step's `pallas_call` is traced as it is built, every
+`dma.Copy` also tracing its planned event, and the traced program is run with only its scalar
+work computed: loop counters, slots, conditions, the positions and the layer table. So every
+stage body, the global weight ring and the trunk state their DMAs once, by issuing them.
 
-Data and code. The schedule is composed from the same static data the kernel runs: the plan
-(`MegaPlan`: the stage plans, the layer table, the ring's `StreamPlan`, the VMEM plan), the
-prepared weights' and the state's shapes (the kernel's Refs), the residual strategy's vectors,
-EMBED_ROWS. What each piece of kernel code does with them is still code: the trunk below mirrors
-`megakernel_body`, and every DMA-issuing piece has its twin beside it, stating the same order as
-data (`registry.KernelStage.schedule` of each kind, `weight_stream.RingSchedule`,
-`blocks.ring_matmul_dmas`, `kv_tiles.tile_loop_dmas`, ...). tests/test_schedule.py holds the
-twins to the recorded DMA log, event for event.
+The DMAs depend on data in two places only: the KV tiles a row reads (from its position) and the
+routed experts a MoE layer fetches (the distinct experts of the batch, ascending id). Given the
+step's positions and routing (`expert_ids` [n_routed_layers, B, k], e.g. the reference's
+aux["expert_ids"]) the schedule is exact; without them it takes the cost estimate's worst case
+and says so in `assumptions`: every row at the last position, min(E, B·k) distinct experts.
+A rank of a sharded build also reads the tokens: the rank holding a row's vocabulary row
+fetches its embedding block.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -34,19 +35,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from mkresearch.kernels.base import blocks, costs, planned, registry
-from mkresearch.kernels.base.planned import PlannedDma, StageCall
-from mkresearch.kernels.base.weight_stream import (
-    ATTN_INDEX,
-    ATTN_KIND,
-    FFN_INDEX,
-    FFN_KIND,
-    TABLE_FIELDS,
-    RingSchedule,
-)
+from mkresearch.kernels.base import dry_run, planned
+from mkresearch.kernels.base.planned import PlannedDma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS, MegaPlan
-from mkresearch.kernels.stages import gate_up, residuals, sampling
+from mkresearch.kernels.compose.megakernel_plan import MegaPlan
+from mkresearch.kernels.stages import gate_up, router
 
 from mkresearch.model import spec
 from mkresearch.sharding import layout_split
@@ -98,71 +91,63 @@ def _routing(plan: MegaPlan, expert_ids: Any) -> tuple[dict[int, np.ndarray], tu
 
 
 # ---- the schedule --------------------------------------------------------------------------------
-def schedule(plan: MegaPlan, positions: Any = None, expert_ids: Any = None, *,
-             operands: tuple | None = None, live: dict | None = None) -> StepSchedule:
+def schedule(plan: Any, positions: Any = None, expert_ids: Any = None, *, rank: int | None = None,
+             tokens: Any = None) -> StepSchedule:
     """Every DMA the megakernel step of `plan` issues, in order (see the module docstring).
-    positions [B]; expert_ids [n_routed_layers, B, k]; either None: the worst case. operands:
-    (prepared weights, state) shape structs of the kernel's Refs when they are not those of
-    plan.cfg: one rank of the sharded megakernel (its slices of W_o, W_lu, ..., `rank_operands`);
-    live: that rank's ring matrices it skips, {name: False} (`rank_live`)."""
-    if not isinstance(plan, MegaPlan):
-        raise ValueError(f"plan={plan!r} is invalid: a MegaPlan (megakernel_plan.make_plan)")
-    cfg, batch = plan.cfg, plan.batch
-    rows, row_note = _positions(plan, positions)
-    routing, routing_note = _routing(plan, expert_ids)
-    # the kernel's operands, shapes only
-    prepared, state = megakernel.step_shapes(plan)[1:] if operands is None else operands
-    residual = residuals.RESIDUALS[cfg.residual]
-    ring = (RingSchedule(plan.stream, plan.layer_table, cfg.n_layers, live)
-            if plan.stream is not None else None)
-
-    def trunk(stage, layer=None):
-        return StageCall(stage, layer, 0, batch, prepared, {}, rows, None, None)
-
-    # 1. each token's aligned 16-row embedding block, all started, then waited for; the ring's
-    # first blocks
-    embed, call = prepared["embed"], trunk("embedding")  # embed [V, d]
-    block = planned.nbytes((EMBED_ROWS, embed.shape[1]), embed.dtype)
-    started = [call.start("embed", block, buffer=planned.EMBEDDING, row=b) for b in range(batch)]
-    events = started + [dma.waited() for dma in started] + (ring.prologue() if ring else [])
-    # 2. the layers: the residual strategy's vectors, then the two stages the table selects
-    kinds = {kind: (costs.per_layer(prepared[kind]), costs.per_layer(state.get(kind, {})))
-             for kind in cfg.kinds}
-    for layer in range(cfg.n_layers):
-        call = trunk("residual", layer)
-        vectors = [call.start(name, planned.nbytes(costs.per_layer(prepared[name])),
-                              buffer=planned.LAYER_VECTORS, layer=layer)
-                   for name in residual.vectors]
-        events += vectors + [dma.waited() for dma in vectors]
-        row = layer * len(TABLE_FIELDS)
-        for stage_kinds, kind_column, index_column in ((plan.attention_kinds, ATTN_KIND, ATTN_INDEX),
-                                                       (plan.ffn_kinds, FFN_KIND, FFN_INDEX)):
-            kind = stage_kinds[plan.layer_table[row + kind_column]]
-            stage = registry.kernel_stage(kind)
-            if stage.schedule is None:
-                raise ValueError(f"stage kind {kind!r} states no schedule: give its KernelStage a "
-                                 "schedule function (registry.KernelStage.schedule)")
-            stream = ring.stage(kind, layer) if ring else blocks.LOCAL_RING_SCHEDULE
-            events += stage.schedule(plan.stage_plan(kind), StageCall(
-                kind, layer, plan.layer_table[row + index_column], batch, *kinds[kind], rows,
-                routing.get(layer), stream))
-            if ring:
-                stream.close()
-    # 3. the head: the final mix and norm vectors, then the LM head tiles
-    call = trunk("sampling")
-    head = [call.start(name, planned.nbytes(prepared[name]), buffer=planned.HEAD_VECTORS)
-            for name in residual.head_vectors]
-    events += head + [dma.waited() for dma in head]
-    events += sampling.lm_head_dmas(call, prepared["lm_head"], plan.vocab_tile)
-    return StepSchedule(plan, tuple(events), rows, row_note + routing_note)
+    positions [B]; expert_ids [n_routed_layers, B, k]; either None: the worst case. plan: a
+    MegaPlan, or a sharded build's `ShardedPlan` with the `rank` whose DMAs to list (its own
+    slices; the embedding block of a row is fetched by the rank holding the row's token:
+    tokens [B], None: token 0 in every row)."""
+    sharded = _sharded(plan, rank)
+    mega = sharded.mega if sharded is not None else plan
+    if not isinstance(mega, MegaPlan):
+        raise ValueError(f"plan={plan!r} is invalid: a MegaPlan (megakernel_plan.make_plan) or "  # noqa: TRY004
+                         "a ShardedPlan (megakernel_sharded.make_sharded_plan)")
+    rows, row_note = _positions(mega, positions)
+    routing, routing_note = _routing(mega, expert_ids)
+    token_note = ()
+    if tokens is None:
+        tokens = np.zeros(mega.batch, np.int32)
+        token_note = ("token 0 in every row (a rank fetches the embedding rows it holds)",
+                      ) if sharded is not None else ()
+    inputs = {_INPUT["tokens"]: np.asarray(tokens, np.int32),
+              _INPUT["positions"]: np.asarray(rows, np.int32),
+              _INPUT["table"]: np.asarray(mega.layer_table, np.int32)}
+    events = dry_run.run(_traced(mega, sharded), inputs, rank=rank,
+                         given={router.ROUTING: lambda layer: routing[layer]})
+    return StepSchedule(mega, tuple(events), rows, row_note + routing_note + token_note)
 
 
-def rank_operands(plan: Any) -> tuple:
-    """(prepared weights, state) shape structs of one rank of a sharded megakernel build
-    (`megakernel_sharded.ShardedPlan`): what `schedule(plan.mega, operands=...)` streams, every
-    rank's slices having one shape."""
-    _, weights, state = megakernel_sharded.step_shapes(plan)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), (weights, state))
+# the kernel arguments a schedule gives values: the step's SMEM inputs (`megakernel.StepInputs`)
+_INPUT = {f.name: i for i, f in enumerate(dataclasses.fields(megakernel.StepInputs))}
+
+
+def _sharded(plan: Any, rank: int | None) -> Any:
+    """The ShardedPlan if `plan` is one (ValueError unless rank is one of its ranks)."""
+    if not isinstance(plan, megakernel_sharded.ShardedPlan):
+        if rank is not None:
+            raise ValueError(f"rank={rank!r} is invalid for a single-device plan: None")
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.n_ranks:
+        raise ValueError(f"rank={rank!r} is invalid: an int in [0, {plan.n_ranks}) (the rank "
+                         "whose DMAs to list)")
+    return plan
+
+
+@functools.lru_cache(maxsize=4)
+def _traced(plan: MegaPlan, sharded: Any) -> dry_run.Kernel:
+    """The step's kernel traced for dry runs (kept: a plan's schedules differ only in data)."""
+    inputs, weights, state = megakernel.step_shapes(plan)
+    if sharded is not None:  # one rank's slices, every rank's having one shape
+        _, weights, state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+                                         megakernel_sharded.step_shapes(sharded))
+
+    def step(inputs, weights, state):
+        return megakernel.step_call(plan, None, False, False, False, inputs, weights, state,
+                                    shard=None if sharded is None else sharded.shard)
+
+    axis = () if sharded is None else ((megakernel_sharded.AXIS, sharded.n_ranks),)
+    return dry_run.trace_kernel(step, inputs, weights, state, axis_env=axis)
 
 
 def rank_live(plan: Any, rank: int) -> dict:
@@ -358,3 +343,4 @@ class StepSchedule:
                      "peak_stage": vmem.peak_stage,
                      "buffers": [asdict(b) for b in vmem.buffers]},
         }
+

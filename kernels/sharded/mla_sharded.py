@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import dma
 from mkresearch.kernels.base.blocks import f32
-from mkresearch.kernels.stages.mla import MlaPlan, _check_cache, latent_partial, make_plan
+from mkresearch.kernels.stages import mla
+from mkresearch.kernels.stages.mla import MlaPlan, check_cache, latent_partial, make_plan
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ModelConfig
@@ -92,7 +93,7 @@ def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_sta
     for name, value in (("q_absorbed", q_absorbed), ("q_extra", q_extra)):
         if value.dtype != jnp.bfloat16:
             raise ValueError(f"{name}.dtype={value.dtype} is invalid: bfloat16")
-    _check_cache(cache_shard, "cache_shard", cfg.replace(mla_cache_layout="latent"), batch)
+    check_cache(cache_shard, "cache_shard", cfg.replace(mla_cache_layout="latent"), batch)
     if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
         raise ValueError(f"positions has shape {getattr(positions, 'shape', None)} and dtype "
                          f"{getattr(positions, 'dtype', None)}: expected [B={batch}] int32")
@@ -114,7 +115,7 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     out_shape = (stat, stat,
                  jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
     # KV bytes for every row attending to the whole shard (kernels/base/costs.py)
-    cost = costs.mla_partial(plan, (ckv, kx))
+    cost = mla.latent_partial_cost(plan, (ckv, kx))
     return pl.pallas_call(
         functools.partial(mla_latent_partial_body, plan, **dict(indices)),
         out_shape=out_shape,

@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from mkresearch.kernels.base import blocks, dma
+from mkresearch.kernels.base import blocks, dma, planned
 from mkresearch.kernels.base.blocks import EMBED_ROWS
 from mkresearch.kernels.stages import sampling
 
@@ -46,7 +46,7 @@ def embed(collectives: Any, table_hbm: Any, tokens_smem: Any, blocks_vmem: Any, 
         local = jnp.clip(local, 0, rows - 1)
         start = pl.multiple_of(lax.div(local, EMBED_ROWS) * EMBED_ROWS, EMBED_ROWS)
         copy = dma.Copy(table_hbm.at[pl.ds(start, EMBED_ROWS), :], blocks_vmem.at[b], sems.at[b],
-                        name="embed", row=b)
+                        name="embed", buffer=planned.EMBEDDING, row=b)
 
         @pl.when(owned)
         def _(copy=copy):
@@ -104,9 +104,9 @@ def fold(states: list, use_candidates: bool) -> sampling.RunningState:
     """The running state over every shard, folded in rank (vocabulary) order."""
     acc = states[0]
     for st in states[1:]:
-        greedy = sampling._take_better(acc.greedy_value, acc.greedy_index, st.greedy_value,
+        greedy = sampling.take_better(acc.greedy_value, acc.greedy_index, st.greedy_value,
                                        st.greedy_index)
-        gumbel = sampling._take_better(acc.gumbel_value, acc.gumbel_index, st.gumbel_value,
+        gumbel = sampling.take_better(acc.gumbel_value, acc.gumbel_index, st.gumbel_value,
                                        st.gumbel_index)
         lse_max = jnp.maximum(acc.lse_max, st.lse_max)
         lse_sum = (acc.lse_sum * jnp.exp(acc.lse_max - lse_max)

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, quant
+from mkresearch.kernels.base import blocks, costs, dma, planned, quant
 from mkresearch.kernels.base.registry import StageRefs
 from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.gate_up import SHARED_KEYS
@@ -96,124 +96,215 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
     z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
-    # run(n_items, expert_of): the expert loop over a work list; n_items may be traced
-    run = functools.partial(_run_experts, ids_smem=ids_smem, x=x, ids=ids, weights=weights,
-                            stream=stream, w_ld=w_ld, latent_norm=latent_norm, w_lu=w_lu, experts=experts,
-                            expert_format=expert_format, mxfp4_decode=mxfp4_decode, plan=plan,
-                            n_slots=n_slots, latent=latent, latent_padded=latent_padded, eps=eps, kind=kind,
-                            shard=shard, latent_in=z)
+    loop = _ExpertLoop(ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu, experts,
+                       expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps, kind,
+                       shard, z)
     if plan == "all":
-        return run(n_experts, lambda i: i)
+        return loop.run(n_experts, lambda i: i)
     if plan == "routed":
-        return run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
+        return loop.run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
     local = () if shard is None else shard.expert_range(n_experts)
 
     def with_unique(unique_ref, seen_ref):
         n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
-        return run(n_unique, lambda i: unique_ref[i])
+        return loop.run(n_unique, lambda i: unique_ref[i])
 
     n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
     return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
                          pltpu.SMEM((n_ids,), jnp.int32))
 
 
-def _run_experts(n_items, expert_of, *, ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu,
-                 experts, expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps,
-                 kind, shard=None, latent_in=None):
-    """The expert loop: item i fetches expert expert_of(i) into ring slot i mod n_slots."""
-    batch, top_k = ids.shape
-    names = quant.part_names(expert_format)
-    # one ring per (matrix, part): slot buffers [n_slots, *part shape], one semaphore per slot
-    slot_shapes = [pltpu.VMEM((n_slots, *experts[m][j].shape[1:]), experts[m][j].dtype)
-                   for m in EXPERT_MATRICES for j in range(len(names))]
-    sem_shapes = [pltpu.SemaphoreType.DMA((n_slots,))] * len(slot_shapes)
+@dataclass(frozen=True)
+class _ExpertLoop:
+    """The expert loop of one layer (`routed_part`'s arguments): item i of a work list fetches
+    expert expert_of(i) into slot i mod n_slots of a ring per stored part of W1, W3, W2."""
 
-    def scoped(*refs):
-        buffers, sems = refs[:len(slot_shapes)], refs[len(slot_shapes):]
-        rings, sources = {}, {}
-        for r, (m, j) in enumerate((m, j) for m in EXPERT_MATRICES for j in range(len(names))):
-            rings[m, j] = dma.Ring(buffers[r], sems[r], name=expert_dma_name(m, names[j]))
-            sources[m, j] = experts[m][j]
+    ids_smem: Any
+    x: Any
+    ids: Any
+    weights: Any
+    stream: Any
+    w_ld: Any
+    latent_norm: Any
+    w_lu: Any
+    experts: dict
+    expert_format: str
+    mxfp4_decode: str
+    plan: str
+    n_slots: int
+    latent: int
+    latent_padded: int
+    eps: float
+    kind: str
+    shard: Any = None
+    latent_in: Any = None  # z [B, Lat] bf16 when the caller streamed W_ld already
 
-        def start(i):
-            e, slot = expert_of(i), lax.rem(i, n_slots)
-            for key, ring in rings.items():
-                ring.start(sources[key].at[e], slot, item=i)
+    def run(self, n_items: Any, expert_of: Any) -> jax.Array:
+        """The loop over n_items items (may be traced) -> the routed output [B, d] f32."""
+        names = quant.part_names(self.expert_format)
+        # one ring per (matrix, part): slot buffers [n_slots, *part shape], a semaphore per slot
+        slot_shapes = [pltpu.VMEM((self.n_slots, *self.experts[m][j].shape[1:]),
+                                  self.experts[m][j].dtype)
+                       for m in EXPERT_MATRICES for j in range(len(names))]
+        sem_shapes = [pltpu.SemaphoreType.DMA((self.n_slots,))] * len(slot_shapes)
+        return pl.run_scoped(functools.partial(self._in_slots, n_items, expert_of), *slot_shapes,
+                             *sem_shapes)
 
-        def wait(i):
-            e, slot = expert_of(i), lax.rem(i, n_slots)
-            for key, ring in rings.items():
-                ring.wait(sources[key].at[e], slot, item=i)
-
-        local_first = 0 if shard is None else shard.expert_range(experts["w1"][0].shape[0])[0]
-        # issue the first experts now: they fly behind the latent down-projection
-        for i in range(n_slots - 1):
-            pl.when(i < n_items)(functools.partial(start, i))
-        if latent_in is not None:  # streamed before routing (a rank's fused gather)
-            z = latent_in  # [B, Lat] bf16
-        elif w_ld is None:  # experts on the full d (stages.moe_full): no latent
-            z = x  # [B, d] bf16
-        else:
-            z = blocks.stream_matmul(stream, x, w_ld, rows=blocks.weight_block_rows(
-                tuple(w_ld.shape), w_ld.dtype), name=LATENT_DOWN).astype(jnp.bfloat16)
-
-        hidden = experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
+    def _in_slots(self, n_items: Any, expert_of: Any, *refs: Any) -> jax.Array:
+        names = quant.part_names(self.expert_format)
+        keys = [(m, j) for m in EXPERT_MATRICES for j in range(len(names))]
+        rings = {key: dma.Ring(refs[r], refs[len(keys) + r],
+                               name=expert_dma_name(key[0], names[key[1]]),
+                               buffer=planned.EXPERT_SLOTS) for r, key in enumerate(keys)}
+        slots = _Slots(rings, self.experts, expert_of, self.n_slots)
+        first = (0 if self.shard is None
+                 else self.shard.expert_range(self.experts["w1"][0].shape[0])[0])
+        for i in range(self.n_slots - 1):  # the first experts fly behind W_ld
+            pl.when(i < n_items)(functools.partial(slots.start, i))
+        z = self._latent_input()
+        batch, top_k = self.ids.shape
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
                        + lax.broadcasted_iota(jnp.int32, (batch, top_k), 1))  # [B, k]: b·k + j
+        step = functools.partial(self._step, slots, n_items, z, flat_choice, first)
+        acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, self.latent), jnp.float32))
+        return self._finish(n_items, acc)
 
-        def step(i, acc):  # acc [B, Lat] f32
-            if n_slots == 1:
-                start(i)
-            else:
-                ahead = i + n_slots - 1
-                pl.when(ahead < n_items)(functools.partial(start, ahead))
-            wait(i)
-            slot = lax.rem(i, n_slots)
-            part = {m: tuple(rings[m, j].buffer(slot) for j in range(len(names)))
-                    for m in EXPERT_MATRICES}
-            with dma.phase("expert/compute", item=i, flops=6 * batch * latent * hidden,
-                           vmem_bytes=3 * latent * hidden * 2):  # decoded bf16 W1, W3, W2
-                matmul = functools.partial(quant.matmul, expert_format=expert_format,
-                                           mxfp4_decode=mxfp4_decode)
-                g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
-                u = matmul(z, part["w3"]).astype(jnp.bfloat16)
-                h = activation(g, u, kind)  # on a rank: its hidden slice, then the whole
-                y = matmul(h if shard is None else shard.expert_hidden(h), part["w2"])
-                y = y.astype(jnp.bfloat16).astype(jnp.float32)  # [B, Lat]: y_e = bf(h W2)
-                if plan == "routed":  # this item is one (row, k) choice
-                    hit = flat_choice == i
-                else:  # every choice of this expert, in every row
-                    hit = ids == (expert_of(i) if shard is None else expert_of(i) + local_first)
-                coef = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
-                # on a rank: kept, and added in id order across the expert groups after the loop
-                return acc + coef * y if shard is None else shard.keep_item(i, coef, y, acc)
+    def _latent_input(self) -> jax.Array:
+        """What the experts multiply: the latent z = bf(x W_ld) [B, Lat] (streamed here unless
+        given), or x itself for experts on the full d (stages.moe_full)."""
+        if self.latent_in is not None:  # streamed before routing (a rank's fused gather)
+            return self.latent_in
+        if self.w_ld is None:
+            return self.x  # [B, d] bf16
+        return blocks.stream_matmul(self.stream, self.x, self.w_ld, rows=blocks.weight_block_rows(
+            tuple(self.w_ld.shape), self.w_ld.dtype), name=LATENT_DOWN).astype(jnp.bfloat16)
 
-        acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, latent), jnp.float32))
-        if shard is not None:
-            acc = shard.combine_items(n_items, latent, name="expert")
-        if w_ld is None:
+    def _step(self, slots: _Slots, n_items: Any, z: Any, flat_choice: Any, first: Any, i: Any,
+              acc: Any) -> Any:
+        """Item i: the item n_slots - 1 ahead started, this one waited for and computed;
+        acc [B, Lat] f32 += its weighted output (on a rank: kept for the ordered sum)."""
+        if self.n_slots == 1:
+            slots.start(i)
+        else:
+            ahead = i + self.n_slots - 1
+            pl.when(ahead < n_items)(functools.partial(slots.start, ahead))
+        slots.wait(i)
+        part = slots.parts(i)
+        hidden = self.experts["w1"][0].shape[-1]  # F: the last dim of every W1 part
+        batch = self.ids.shape[0]
+        with dma.phase("expert/compute", item=i, flops=6 * batch * self.latent * hidden,
+                       vmem_bytes=3 * self.latent * hidden * 2):  # decoded bf16 W1, W3, W2
+            y = self._expert_output(part, z)
+            if self.plan == "routed":  # this item is one (row, k) choice
+                hit = flat_choice == i
+            else:  # every choice of this expert, in every row
+                e = slots.expert_of(i)
+                hit = self.ids == (e if self.shard is None else e + first)
+            coef = jnp.sum(jnp.where(hit, self.weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
+            if self.shard is None:
+                return acc + coef * y
+            return self.shard.keep_item(i, coef, y, acc)  # added in id order after the loop
+
+    def _expert_output(self, part: dict, z: Any) -> jax.Array:
+        """y_e = bf(act(bf(z W1), bf(z W3)) W2) [B, Lat] f32 from the slots' stored parts."""
+        matmul = functools.partial(quant.matmul, expert_format=self.expert_format,
+                                   mxfp4_decode=self.mxfp4_decode)
+        g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
+        u = matmul(z, part["w3"]).astype(jnp.bfloat16)
+        h = activation(g, u, self.kind)  # on a rank: its hidden slice, then the whole
+        y = matmul(h if self.shard is None else self.shard.expert_hidden(h), part["w2"])
+        return y.astype(jnp.bfloat16).astype(jnp.float32)
+
+    def _finish(self, n_items: Any, acc: Any) -> jax.Array:
+        """Σ w_e y_e (a rank: every group's, in id order); with a latent: RMSNorm, then W_lu."""
+        if self.shard is not None:
+            acc = self.shard.combine_items(n_items, self.latent, name="expert")
+        if self.w_ld is None:
             return acc  # [B, d] f32: Σ w_e y_e is the routed output
         rho_hat = pl.run_scoped(
-            functools.partial(_latent_norm, acc, latent_norm, eps=eps, latent=latent),
-            pltpu.VMEM((batch, latent_padded), jnp.float32),
-            pltpu.VMEM((1, latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
-        return blocks.stream_matmul(stream, rho_hat, w_lu, rows=blocks.weight_block_rows(
-            tuple(w_lu.shape), w_lu.dtype), name=LATENT_UP)  # [B, d] f32
+            functools.partial(_latent_norm, acc, self.latent_norm, eps=self.eps,
+                              latent=self.latent),
+            pltpu.VMEM((self.ids.shape[0], self.latent_padded), jnp.float32),
+            pltpu.VMEM((1, self.latent_padded), jnp.float32), pltpu.SemaphoreType.DMA((1,)))
+        return blocks.stream_matmul(self.stream, rho_hat, self.w_lu,
+                                    rows=blocks.weight_block_rows(tuple(self.w_lu.shape),
+                                                                  self.w_lu.dtype),
+                                    name=LATENT_UP)  # [B, d] f32
 
-    return pl.run_scoped(scoped, *slot_shapes, *sem_shapes)
+
+@dataclass(frozen=True)
+class _Slots:
+    """The expert slot rings: item i's stored parts go to slot i mod n_slots."""
+
+    rings: dict  # (matrix, part index) -> dma.Ring
+    experts: dict  # matrix -> (HBM part refs [E, ...], ...)
+    expert_of: Any
+    n_slots: int
+
+    def _copies(self, i: Any, action: str) -> None:
+        e, slot = self.expert_of(i), lax.rem(i, self.n_slots)
+        for (m, j), ring in self.rings.items():
+            getattr(ring, action)(self.experts[m][j].at[e], slot, item=i)
+
+    def start(self, i: Any) -> None:
+        self._copies(i, "start")
+
+    def wait(self, i: Any) -> None:
+        self._copies(i, "wait")
+
+    def parts(self, i: Any) -> dict:
+        """matrix -> its parts' VMEM slots of item i."""
+        slot = lax.rem(i, self.n_slots)
+        return {m: tuple(ring.buffer(slot) for (mm, _), ring in self.rings.items() if mm == m)
+                for m in EXPERT_MATRICES}
 
 
 def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     """ρ̂ = RMSNorm_γ(bf(acc)) -> bf16 [B, Lat]. The latent sits at its padded width in VMEM
     (rho_ref [B, Lat_p]) with zero padding columns and zero γ there; the mean divides by Lat."""
     copy = dma.Copy(latent_norm_hbm, gamma_ref.at[:, pl.ds(0, latent)], sem.at[0],
-                    name=LATENT_NORM).start()
+                    name=LATENT_NORM, buffer=planned.WHOLE).start()
     rho_ref[...] = jnp.zeros(rho_ref.shape, jnp.float32)
     rho_ref[:, :latent] = acc.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e)
     if gamma_ref.shape[1] > latent:
         gamma_ref[:, latent:] = jnp.zeros((1, gamma_ref.shape[1] - latent), jnp.float32)
     copy.wait()
     return blocks.rms_norm(rho_ref[...], gamma_ref[...], eps, n=latent)[:, :latent]
+
+
+def experts_fetched(plan: str, n_experts: int, batch: int, top_k: int) -> int:
+    """Experts one call DMAs, at most (module docstring): 'unique' min(E, B·k), 'routed' B·k,
+    'all' E."""
+    return {"all": n_experts, "routed": batch * top_k,
+            "unique": min(n_experts, batch * top_k)}[plan]
+
+
+def cost(options: Any, batch: int, top_k: int, routed: dict | None,
+        always_on: dict | None) -> costs.Cost:
+    """The FFN stage body's cost: routed latent experts (experts stacked [E, ...] in
+    their stored parts) and/or the always-on gated MLP; one layer's weights."""
+    per_unit = costs.ACTIVATION_TRANSCENDENTALS[options.activation]
+    cost = costs.Cost()
+    if routed is not None:
+        w1, w3, w2 = (routed["experts"][m] for m in ("w1", "w3", "w2"))
+        n_experts, hidden = w1[0].shape[0], w1[0].shape[-1]  # E, F
+        latent = options.latent  # the width the experts work on: the latent, or d without one
+        fetched = experts_fetched(options.plan, n_experts, batch, top_k)
+        one_expert = costs.nbytes(w1, w3, w2) // n_experts  # every stored part of W1, W3, W2
+        if "w_ld" in routed:  # the latent down and up projections and norm
+            cost += costs.Cost(flops=costs.matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
+                         bytes_accessed=costs.nbytes(routed["w_ld"], routed["latent_norm"],
+                                               routed["w_lu"]))
+        # each fetched expert runs for all B rows (rows that did not choose it weigh 0)
+        cost += fetched * costs.Cost(flops=6 * batch * latent * hidden,
+                               transcendentals=per_unit * batch * hidden,
+                               bytes_accessed=one_expert)
+    if always_on is not None:
+        mats = list(always_on.values())  # W_gate, W_up (or the two as one [d, 2 S]), W_down
+        cost += costs.Cost(flops=costs.matmul_flops(batch, *mats),
+                     transcendentals=per_unit * batch * always_on["w_down"].shape[-2],
+                     bytes_accessed=costs.nbytes(mats))
+    return cost
 
 
 # ---- the stage body and its wrappers -----------------------------------------------------------
@@ -327,7 +418,7 @@ def _hbm_specs(tree):
 
 
 @functools.partial(jax.jit, static_argnames=("options", "out_dtype", "interpret", "recording"))
-def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
+def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interpret, recording):
     del recording  # static only so recorded and silent traces never share a jit cache entry
     args = (ids, x, ids, weights, routed, always_on)
     in_specs = (None if ids is None else _spec(_SMEM), _spec(_VMEM),
@@ -335,7 +426,7 @@ def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, inter
                 _hbm_specs(routed), _hbm_specs(always_on))
     out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
     top_k = 0 if ids is None else ids.shape[1]
-    cost = costs.ffn(options, x.shape[0], top_k, routed, always_on)
+    estimate = cost(options, x.shape[0], top_k, routed, always_on)
 
     def kernel(ids_smem, x_ref, ids_ref, weights_ref, routed_refs, always_on_refs, out_ref):
         routing = None if ids_ref is None else router.Routing(ids_ref, weights_ref, ids_smem, None)
@@ -345,20 +436,21 @@ def _stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, inter
     return pl.pallas_call(
         kernel,
         out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
-        cost_estimate=cost.estimate(ids, x, ids, weights, out_shape),
+        cost_estimate=estimate.estimate(ids, x, ids, weights, out_shape),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
                                              "recording"))
-def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
+def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, router_options,
                     interpret, recording):
     del recording
     batch, top_k = x.shape[0], dict(router_options)["top_k"]
     out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-    cost = (costs.router(batch, w_router, router_bias if dict(router_options)["use_bias"] else None)
-            + costs.ffn(options, batch, top_k, routed, always_on))
+    estimate = (router.cost(batch, w_router,
+                            router_bias if dict(router_options)["use_bias"] else None)
+                + cost(options, batch, top_k, routed, always_on))
     plan = MoePlan(options, router_options, batch)
     weights = {"w_router": w_router, "router_bias": router_bias, **routed,
                **({SHARED_KEYS[part]: ref for part, ref in always_on.items()} if always_on
@@ -374,7 +466,7 @@ def _moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rou
         in_specs=(_spec(_VMEM), _hbm_specs(weights)),
         out_specs=_spec(_VMEM),
         scratch_shapes=router.routing_scratch(batch, top_k),
-        cost_estimate=cost.estimate(x, out_shape),
+        cost_estimate=estimate.estimate(x, out_shape),
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
     )(x, weights)
@@ -390,7 +482,7 @@ def check_stage_options(plan: Any, n_slots: Any, expert_format: Any) -> None:
                          "expert matrix; 1 = no overlap, 2 = double buffering)")
 
 
-def _check_x(x: Any, d_model: int) -> None:
+def check_input(x: Any, d_model: int) -> None:
     if getattr(x, "ndim", None) != 2 or x.shape[1] != d_model or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [B, d={d_model}], got {getattr(x, 'shape', x)} "
                          f"{getattr(x, 'dtype', '')}")
@@ -413,7 +505,7 @@ def check_routing(expert_ids: Any, expert_weights: Any, batch: int, n_experts: i
                              f"[{values.min()}, {values.max()}]")
 
 
-def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
+def expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> dict:
     """The experts subtree -> {"w1"|"w3"|"w2": tuple of parts [E, ...]}, shapes checked.
     width: what the experts work on (default the latent cfg.moe_latent)."""
     fmt, lat, hidden = cfg.expert_format, width or cfg.moe_latent, cfg.expert_hidden
@@ -429,7 +521,7 @@ def _expert_parts(experts: dict, cfg: ModelConfig, width: int | None = None) -> 
     return out
 
 
-def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
+def stage_options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "shared",
              chip: Any = None):
     """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
     check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
@@ -442,7 +534,7 @@ def _options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str = "s
 
 def _routed_tree(p: dict, cfg: ModelConfig) -> dict:
     return {"w_ld": p["w_ld"], "latent_norm": p["latent_norm"].reshape(1, cfg.moe_latent),
-            "w_lu": p["w_lu"], "experts": _expert_parts(p["experts"], cfg)}
+            "w_lu": p["w_lu"], "experts": expert_parts(p["experts"], cfg)}
 
 
 def _shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
@@ -457,10 +549,10 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    chip: Any = None) -> jax.Array:
     """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared).
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
-    options = _options(cfg, plan, n_slots, chip=chip)
-    _check_x(x, cfg.d_model)
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    check_input(x, cfg.d_model)
     check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return _stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
+    return stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
                        None, options=options, out_dtype=jnp.float32,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())
 
@@ -482,19 +574,19 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
             n_slots: int = 2, chip: Any = None) -> jax.Array:
     """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel.
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
-    options = _options(cfg, plan, n_slots, chip=chip)
-    _check_x(x, cfg.d_model)
+    options = stage_options(cfg, plan, n_slots, chip=chip)
+    check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return _moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
+    return moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
                            options=options, router_options=router_options(cfg),
                            interpret=tpu.interpret_params(), recording=dma.is_recording())
 
 
 def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
-    _check_x(x, cfg.d_model)
+    check_input(x, cfg.d_model)
     always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
-    return _stage_call(x, None, None, None, always_on, options=dense_options(cfg),
+    return stage_call(x, None, None, None, always_on, options=dense_options(cfg),
                        out_dtype=jnp.bfloat16,
                        interpret=tpu.interpret_params(), recording=dma.is_recording())

@@ -32,15 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, kv_update, planned
+from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import (
-    CONTIGUOUS,
-    dot_t,
-    online_softmax_step,
-    tile_loop,
-    tile_loop_dmas,
-)
+from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, dot_t, online_softmax_step, tile_loop
 from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
@@ -115,63 +109,72 @@ def gqa_attention_body(plan: GqaPlan, refs: StageRefs) -> None:
     refs.indices tag the DMA log. refs.kv_rows: a paged cache (pools [N, KV, P, D] read and
     written through the page table, `kv_tiles.KvRows`), else None (contiguous).
     """
-    p = plan
-    positions_ref, x_ref, out_ref, weights, indices = (refs.positions, refs.x, refs.out,
-                                                        refs.weights, refs.indices)
-    kv_rows = refs.kv_rows or CONTIGUOUS
-    k_in, v_in = refs.state_in["k"], refs.state_in["v"]
-    k_out, v_out = refs.state_out["k"], refs.state_out["v"]
-    heads, kv_heads, dim, group = p.n_heads, p.n_kv_heads, p.head_dim, p.group
-    stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-
+    p, indices = plan, refs.indices
     with dma.phase("gqa.project", **indices):
-        x = x_ref[...]  # [B, d] bf16
-
-        def project(name: str) -> jax.Array:  # bf(x W + b)
-            y = stream(x, weights[f"w_{name}"], rows=p.block_rows(f"w_{name}"),
-                       name=f"gqa.w_{name}")
-            if p.bias:
-                y = y + f32(blocks.load_whole(weights[f"b_{name}"], name=f"gqa.b_{name}",
-                                              **indices))
-            return bf16(y)
-
-        q, k, v = project("q"), project("k"), project("v")  # [B, H·D], [B, KV·D] x 2
-        gammas = ([blocks.load_whole(weights[n], name=f"gqa.{n}", **indices)
-                   for n in ("q_norm", "k_norm")] if p.qk_norm else None)  # [1, D] each
-
-    def scoped(q_scratch, k_scratch):  # [H, D], [KV, D] f32: one row's heads, one per sublane
-        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
-            position = positions_ref[b]
-            q_b, k_b, v_b = (blocks.select_row(t, b) for t in (q, k, v))  # [1, ··D]
-            for h in range(heads):
-                q_scratch[h:h + 1, :] = f32(q_b[:, h * dim:(h + 1) * dim])
-            for g in range(kv_heads):
-                k_scratch[g:g + 1, :] = f32(k_b[:, g * dim:(g + 1) * dim])
-            q_heads, k_heads = q_scratch[...], k_scratch[...]
-            if p.qk_norm:  # RMSNorm per head over its D lanes, before RoPE
-                q_heads = f32(blocks.rms_norm(q_heads, gammas[0], p.eps))
-                k_heads = f32(blocks.rms_norm(k_heads, gammas[1], p.eps))
-            cos, sin = rope.cos_sin_row(position, p.rope)  # [1, R/2]
-            q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
-            k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
-            v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(kv_heads)]  # [1, D] bf16 each
-            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
-            outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, indices, kv_rows)
-            _update_cache(p, s, position, k_new, v_new, k_in, v_in, k_out, v_out, indices,
-                          kv_rows)
-            y = list(y)  # per head [B, D]
-            for h in range(heads):
-                g, j = divmod(h, group)
-                y[h] = blocks.put_row(y[h], b, f32(bf16(outs[g][j:j + 1, :])))
-            return tuple(y)
-
-        return jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, dim)),) * heads)
-
-    y = pl.run_scoped(scoped, pltpu.VMEM((heads, dim), jnp.float32),
-                      pltpu.VMEM((kv_heads, dim), jnp.float32))
+        qkv, gammas = _project(p, refs)
+    y = pl.run_scoped(functools.partial(_rows, p, refs, qkv, gammas),
+                      pltpu.VMEM((p.n_heads, p.head_dim), jnp.float32),
+                      pltpu.VMEM((p.n_kv_heads, p.head_dim), jnp.float32))
     with dma.phase("gqa.output", **indices):
-        out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), weights["w_o"],
-                                   rows=p.block_rows("w_o"), name="gqa.w_o"))
+        refs.out[...] = bf16(blocks.stream_matmul(
+            refs.stream, bf16(jnp.concatenate(y, axis=1)), refs.weights["w_o"],
+            rows=p.block_rows("w_o"), name="gqa.w_o", **indices))
+
+
+def _project(p: GqaPlan, refs: StageRefs) -> tuple[tuple, list | None]:
+    """((q [B, H·D], k, v [B, KV·D]) bf16 = bf(x W + b) each, the QK-norm gains [1, D] or None)."""
+    x, weights, indices = refs.x[...], refs.weights, refs.indices  # x [B, d] bf16
+
+    def project(name: str) -> jax.Array:  # bf(x W + b)
+        y = blocks.stream_matmul(refs.stream, x, weights[f"w_{name}"],
+                                 rows=p.block_rows(f"w_{name}"), name=f"gqa.w_{name}", **indices)
+        if p.bias:
+            y = y + f32(blocks.load_whole(weights[f"b_{name}"], name=f"gqa.b_{name}", **indices))
+        return bf16(y)
+
+    qkv = (project("q"), project("k"), project("v"))
+    gammas = ([blocks.load_whole(weights[n], name=f"gqa.{n}", **indices)
+               for n in ("q_norm", "k_norm")] if p.qk_norm else None)  # [1, D] each
+    return qkv, gammas
+
+
+def _rows(p: GqaPlan, refs: StageRefs, qkv: tuple, gammas: list | None, q_scratch: Any,
+          k_scratch: Any) -> tuple:
+    """Every row in turn (a loop, not unrolled: it keeps the kernel small) -> per query head
+    [B, D] f32. q_scratch [H, D], k_scratch [KV, D] f32: one row's heads, one per sublane."""
+    step = functools.partial(_row_step, p, refs, qkv, gammas, q_scratch, k_scratch)
+    return jax.lax.fori_loop(0, p.batch, step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
+
+
+def _row_step(p: GqaPlan, refs: StageRefs, qkv: tuple, gammas: list | None, q_scratch: Any,
+              k_scratch: Any, b: Any, y: tuple) -> tuple:
+    """Row b: its heads QK-normed and roped at its position, attending over its cache row, its
+    entry written."""
+    dim, position = p.head_dim, refs.positions[b]
+    q_b, k_b, v_b = (blocks.select_row(t, b) for t in qkv)  # [1, ··D]
+    for h in range(p.n_heads):
+        q_scratch[h:h + 1, :] = f32(q_b[:, h * dim:(h + 1) * dim])
+    for g in range(p.n_kv_heads):
+        k_scratch[g:g + 1, :] = f32(k_b[:, g * dim:(g + 1) * dim])
+    q_heads, k_heads = q_scratch[...], k_scratch[...]
+    if p.qk_norm:  # RMSNorm per head over its D lanes, before RoPE
+        q_heads = f32(blocks.rms_norm(q_heads, gammas[0], p.eps))
+        k_heads = f32(blocks.rms_norm(k_heads, gammas[1], p.eps))
+    cos, sin = rope.cos_sin_row(position, p.rope)  # [1, R/2]
+    q_heads = f32(bf16(rope.rotate(q_heads, cos, sin)))  # [H, D], bf16 values
+    k_new = bf16(rope.rotate(k_heads, cos, sin))  # [KV, D]: what the cache gets
+    v_new = [v_b[:, g * dim:(g + 1) * dim] for g in range(p.n_kv_heads)]  # [1, D] bf16 each
+    s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
+    k_in, v_in = refs.state_in["k"], refs.state_in["v"]
+    kv_rows = refs.kv_rows or CONTIGUOUS
+    outs = _attend(p, s, position, q_heads, k_new, v_new, k_in, v_in, refs.indices, kv_rows)
+    _update_cache(p, s, position, k_new, v_new, k_in, v_in, refs.state_out["k"],
+                  refs.state_out["v"], refs.indices, kv_rows)
+    y = list(y)  # per head [B, D]
+    for h in range(p.n_heads):
+        g, j = divmod(h, p.group)
+        y[h] = blocks.put_row(y[h], b, f32(bf16(outs[g][j:j + 1, :])))
+    return tuple(y)
 
 
 def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indices, kv_rows):
@@ -224,6 +227,20 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
     block = (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
     pl.run_scoped(scoped, pltpu.VMEM(block, jnp.bfloat16), pltpu.VMEM(block, jnp.bfloat16),
                   pltpu.SemaphoreType.DMA((2,)))
+
+
+# ---- the cost (XLA's estimate) --------------------------------------------------------------
+def layer_cost(plan: Any, weights: dict, cache: Any) -> costs.Cost:
+    """The body's cost; weights: one layer's by name; cache: the layer's K and V
+    [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
+    block around each new entry read and written. Scores and Σ α v per query head; RoPE's
+    cos and sin per row."""
+    kv = costs.nbytes(cache)
+    update = 2 * kv * UPDATE_ROWS // plan.seq_len
+    return (costs.attention(plan, plan.seq_len, plan.head_dim, plan.head_dim)
+            + costs.Cost(flops=costs.matmul_flops(plan.batch, *costs.matrices(weights)),
+                   transcendentals=plan.batch * plan.rope.dim,
+                   bytes_accessed=costs.nbytes(weights) + kv + update))
 
 
 # ---- the wrapper --------------------------------------------------------------------------------
@@ -298,7 +315,7 @@ def _call(plan: GqaPlan, interpret: Any, recording: bool, indices: tuple, positi
           cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
     # every row at the last position: the whole cache
-    cost = costs.gqa(plan, weights, (cache["k"], cache["v"]))
+    cost = layer_cost(plan, weights, (cache["k"], cache["v"]))
     return blocks.cache_stage_call(gqa_attention_body, plan, cost, interpret, indices, positions, x,
                                    weights, cache)
 
@@ -323,33 +340,11 @@ def _vmem(p: GqaPlan, cfg: ModelConfig) -> list:
             ("update blocks K, V", (2, *block), jnp.bfloat16)]
 
 
-def _schedule(p: GqaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: q, k, v each streamed then its bias loaded
-    whole, the QK-norm gains, then per row its KV tiles and its entry's update blocks, then W_o."""
-    w, indices = call.weights, call.indices
-    out = []
-    for name in ("q", "k", "v"):
-        out += call.matmul(f"gqa.w_{name}", w[f"w_{name}"], p.block_rows(f"w_{name}"), **indices)
-        if p.bias:
-            out += blocks.load_whole_dmas(call, f"gqa.b_{name}", w[f"b_{name}"], **indices)
-    if p.qk_norm:
-        out += [dma for name in ("q_norm", "k_norm")
-                for dma in blocks.load_whole_dmas(call, f"gqa.{name}", w[name], **indices)]
-    caches = [(name, call.state[name]) for name in CACHE_NAMES]
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"gqa.kv.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, row, caches, prefix="gqa.kv_update")
-    return out + call.matmul("gqa.w_o", w["w_o"], p.block_rows("w_o"), **indices)
-
-
 KERNEL = register(KernelStage(
     name="gqa",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=gqa_attention_body, vmem=_vmem,
     scope=lambda plan: "GQA",
-    cost=lambda plan, weights, state, cfg, batch: costs.gqa(plan, weights,
-                                                            (state["k"], state["v"])),
-    schedule=_schedule))
+    cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights,
+                                                            (state["k"], state["v"]))))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -130,90 +130,119 @@ def kda_attention_body(plan: KdaPlan, refs: StageRefs) -> None:
     token by token, and after each row its conv and recurrent states are DMA'd to
     refs.steps_out {"conv" [K+1, B, ...], "recurrent" [K+1, B, ...]} at [r mod (K + 1), b].
     """
-    x_ref, out_ref, indices = refs.x, refs.out, refs.indices
-    w_fa, w_fb, w_q, w_k, w_v, w_b, w_o = (refs.weights[name] for name in MATRICES if name != "w_g")
     conv_in, state_in = refs.state_in["conv"], refs.state_in["recurrent"]
-    conv_out, state_out = refs.state_out["conv"], refs.state_out["recurrent"]
-    p = plan
-
-    def scoped(conv_vmem, state_vmem, current_vmem, sems):
-        # conv_vmem [B, conv-1, 3, H, D] bf16, state_vmem [B, H, D, D] f32,
-        # current_vmem [B, 3, H, D] f32 (this step's pre-conv q/k/v, head h in sublane h)
-        conv_copy = dma.Copy(conv_in, conv_vmem, sems.at[0], name=f"{STATE_DMAS['conv']}.read",
-                             **indices).start()
-        state_copy = dma.Copy(state_in, state_vmem, sems.at[1],
-                              name=f"{STATE_DMAS['recurrent']}.read", **indices).start()
-
-        with dma.phase("kda.project", **indices):
-            x = x_ref[...]  # [B, d] bf16
-            stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-
-            def project(inputs, weight, name):
-                return bf16(stream(inputs, weight, rows=p.block_rows(name), name=f"kda.{name}"))
-
-            g_raw = f32(project(project(x, w_fa, "w_fa"), w_fb, "w_fb"))  # [B, H·D]
-            pre_conv = [f32(project(x, w, name)) for w, name in (
-                (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"))]  # 3 x [B, H·D], bf16 values
-            if p.output_gate_rank:  # Kimi Linear: u = bf(bf(x W_ga) W_gb)
-                u = f32(project(project(x, refs.weights["w_ga"], "w_ga"), refs.weights["w_gb"],
-                                "w_gb"))  # [B, H·D]
-            else:
-                u = f32(project(x, refs.weights["w_g"], "w_g"))  # [B, H·D]
-            b_logit = f32(project(x, w_b, "w_b"))  # [B, H]
-            loaded = {name: blocks.load_whole(refs.weights[name], name=f"kda.{name}", **indices)
-                      for name in LOADED_WHOLE}
-            taps = f32(loaded["conv_w"])  # [3, conv, H·D]
-            decay_rate = jnp.exp(loaded["a_log"])  # [1, H]
-            bias = loaded["dt_bias"]  # [1, H·D] f32
-            gamma = loaded["o_norm"]  # [1, D]
-
-        conv_copy.wait()
-        state_copy.wait()
-
-        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
-            y = list(y)  # per head [B, D]
-            s = blocks.state_row(b, p.rows_per_state)  # the row's state row
-            conv_old = f32(conv_vmem[s])  # [conv-1, 3, H, D]
-            rows = [blocks.select_row(v, b) for v in (*pre_conv, g_raw, u, b_logit)]
-            for h in range(p.n_heads):
-                with dma.phase("kda.delta_rule", row=b, head=h, **indices):
-                    y_h = _head_step(p, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma,
-                                     current_vmem, state_vmem)
-                y[h] = blocks.put_row(y[h], b, y_h)
-            # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
-            for j in range(p.conv_size - 2):
-                conv_vmem[s, j] = conv_vmem[s, j + 1]
-            conv_vmem[s, p.conv_size - 2] = bf16(current_vmem[b])
-            if p.rows_per_state > 1:  # a verify row: its states, kept for the rollback
-                write_steps(b, s)
-            return tuple(y)
-
-        def write_steps(b, s):  # waited for at once: the next row updates the same buffers
-            token = jax.lax.rem(b, p.rows_per_state)
-            copies = [dma.Copy(source.at[s], refs.steps_out[leaf].at[token, s], sems.at[i],
-                               name=f"{STATE_DMAS[leaf]}.step", row=b, **indices).start()
-                      for i, (leaf, source) in enumerate((("conv", conv_vmem),
-                                                          ("recurrent", state_vmem)))]
-            for copy in copies:
-                copy.wait()
-
-        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
-        y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
-
-        conv_copy = dma.Copy(conv_vmem, conv_out, sems.at[0],
-                             name=f"{STATE_DMAS['conv']}.write", **indices).start()
-        state_copy = dma.Copy(state_vmem, state_out, sems.at[1],
-                              name=f"{STATE_DMAS['recurrent']}.write", **indices).start()
-        with dma.phase("kda.output", **indices):
-            out_ref[...] = bf16(stream(bf16(y), w_o, rows=p.block_rows("w_o"),
-                                       name="kda.w_o"))
-        conv_copy.wait()
-        state_copy.wait()
-
-    pl.run_scoped(scoped, pltpu.VMEM(conv_in.shape, conv_in.dtype),
+    pl.run_scoped(functools.partial(_in_vmem, plan, refs),
+                  pltpu.VMEM(conv_in.shape, conv_in.dtype),
                   pltpu.VMEM(state_in.shape, state_in.dtype),
-                  pltpu.VMEM((p.batch, 3, p.n_heads, p.head_dim), jnp.float32),
+                  pltpu.VMEM((plan.batch, 3, plan.n_heads, plan.head_dim), jnp.float32),
                   pltpu.SemaphoreType.DMA((2,)))
+
+
+class _Vmem(NamedTuple):
+    """The body's scoped buffers."""
+
+    conv: Any  # [B, conv-1, 3, H, D] bf16: the conv windows
+    state: Any  # [B, H, D, D] f32: the recurrent states
+    current: Any  # [B, 3, H, D] f32: this step's pre-conv q/k/v, head h in sublane h
+    sems: Any  # [2] DMA: the conv and the recurrent state
+
+
+class _Projected(NamedTuple):
+    """What the delta rule reads of the projections and the small weights."""
+
+    rows: tuple  # q̃, k̃, ṽ, g_raw, u [B, H·D] and b [B, H] f32 (bf16 values)
+    taps: Any  # [3, conv, H·D] f32
+    decay_rate: Any  # e^A [1, H]
+    bias: Any  # dt_bias [1, H·D] f32
+    gamma: Any  # o_norm [1, D]
+
+
+def _in_vmem(p: KdaPlan, refs: StageRefs, *buffers: Any) -> None:
+    """The sublayer with its buffers: both states read while the projections stream, the rows
+    in order, the states written back while W_o streams."""
+    vmem = _Vmem(*buffers)
+    reads = _state_copies(p, refs, vmem, "read")
+    with dma.phase("kda.project", **refs.indices):
+        projected = _project(p, refs)
+    for copy in reads:
+        copy.wait()
+    y = jax.lax.fori_loop(0, p.batch, functools.partial(_row_step, p, refs, projected, vmem),
+                          (jnp.zeros((p.batch, p.head_dim)),) * p.n_heads)
+    y = jnp.concatenate(y, axis=1)  # [B, H·D]: lane-aligned pieces
+    writes = _state_copies(p, refs, vmem, "write")
+    with dma.phase("kda.output", **refs.indices):
+        refs.out[...] = bf16(blocks.stream_matmul(refs.stream, bf16(y), refs.weights["w_o"],
+                                                  rows=p.block_rows("w_o"), name="kda.w_o",
+                                                  **refs.indices))
+    for copy in writes:
+        copy.wait()
+
+
+def _state_copies(p: KdaPlan, refs: StageRefs, vmem: _Vmem, direction: str) -> list:
+    """Both states' DMAs started, HBM -> VMEM ("read") or back ("write")."""
+    out = []
+    for i, (leaf, buffer) in enumerate((("conv", vmem.conv), ("recurrent", vmem.state))):
+        hbm = (refs.state_in if direction == "read" else refs.state_out)[leaf]
+        src, dst = (hbm, buffer) if direction == "read" else (buffer, hbm)
+        out.append(dma.Copy(src, dst, vmem.sems.at[i], name=f"{STATE_DMAS[leaf]}.{direction}",
+                            buffer=planned.STATE, **refs.indices).start())
+    return out
+
+
+def _project(p: KdaPlan, refs: StageRefs) -> _Projected:
+    """f = bf(x W_fa), g_raw = bf(f W_fb); q̃ k̃ ṽ u b = bf(x W_{q,k,v,g,b}) (streamed), then
+    the small weights loaded whole."""
+    w, x = refs.weights, refs.x[...]  # x [B, d] bf16
+
+    def project(inputs, name):
+        return bf16(blocks.stream_matmul(refs.stream, inputs, w[name], rows=p.block_rows(name),
+                                         name=f"kda.{name}", **refs.indices))
+
+    g_raw = f32(project(project(x, "w_fa"), "w_fb"))  # [B, H·D]
+    pre_conv = [f32(project(x, name)) for name in ("w_q", "w_k", "w_v")]  # bf16 values
+    if p.output_gate_rank:  # Kimi Linear: u = bf(bf(x W_ga) W_gb)
+        u = f32(project(project(x, "w_ga"), "w_gb"))  # [B, H·D]
+    else:
+        u = f32(project(x, "w_g"))  # [B, H·D]
+    b_logit = f32(project(x, "w_b"))  # [B, H]
+    loaded = {name: blocks.load_whole(w[name], name=f"kda.{name}", **refs.indices)
+              for name in LOADED_WHOLE}
+    return _Projected((*pre_conv, g_raw, u, b_logit), f32(loaded["conv_w"]),
+                      jnp.exp(loaded["a_log"]), loaded["dt_bias"], loaded["o_norm"])
+
+
+def _row_step(p: KdaPlan, refs: StageRefs, projected: _Projected, vmem: _Vmem, b: Any,
+              y: tuple) -> tuple:
+    """One batch row (a loop, not unrolled: it keeps the kernel small): every head's delta rule
+    on the row's state row, then its conv window moved by one. y: per head [B, D]."""
+    y = list(y)
+    s = blocks.state_row(b, p.rows_per_state)  # the row's state row
+    conv_old = f32(vmem.conv[s])  # [conv-1, 3, H, D]
+    rows = [blocks.select_row(v, b) for v in projected.rows]
+    for h in range(p.n_heads):
+        with dma.phase("kda.delta_rule", row=b, head=h, **refs.indices):
+            y_h = _head_step(p, b, s, h, conv_old, rows, projected.taps, projected.decay_rate,
+                             projected.bias, projected.gamma, vmem.current, vmem.state)
+        y[h] = blocks.put_row(y[h], b, y_h)
+    # the conv window moves by one: drop the oldest, append this step's pre-conv vectors
+    for j in range(p.conv_size - 2):
+        vmem.conv[s, j] = vmem.conv[s, j + 1]
+    vmem.conv[s, p.conv_size - 2] = bf16(vmem.current[b])
+    if p.rows_per_state > 1:  # a verify row: its states, kept for the rollback
+        _write_steps(p, refs, vmem, b, s)
+    return tuple(y)
+
+
+def _write_steps(p: KdaPlan, refs: StageRefs, vmem: _Vmem, b: Any, s: Any) -> None:
+    """A verify row's states to refs.steps_out at [its token, s], waited for at once: the next
+    row updates the same buffers."""
+    token = jax.lax.rem(b, p.rows_per_state)
+    copies = [dma.Copy(source.at[s], refs.steps_out[leaf].at[token, s], vmem.sems.at[i],
+                       name=f"{STATE_DMAS[leaf]}.step", buffer=planned.STATE, row=b,
+                       **refs.indices).start()
+              for i, (leaf, source) in enumerate((("conv", vmem.conv), ("recurrent", vmem.state)))]
+    for copy in copies:
+        copy.wait()
 
 
 def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamma, current_vmem,
@@ -263,6 +292,20 @@ def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamm
     gate = f32(bf16(jax.nn.sigmoid(u[:, lanes])))
     normed = f32(blocks.rms_norm(f32(bf16(o)), gamma, p.rms_eps))
     return f32(bf16(normed * gate))
+
+
+# ---- the cost (XLA's estimate) --------------------------------------------------------------
+def layer_cost(plan: Any, weights: dict) -> costs.Cost:
+    """The body's cost for plan.batch rows; weights: one layer's, by name (vectors as
+    [n] or [1, n]). The conv and recurrent states are read and written whole."""
+    b, h, d = plan.batch, plan.n_heads, plan.head_dim
+    conv = b * (plan.conv_size - 1) * 3 * h * d * 2  # [B, conv-1, 3, H, D] bf16
+    state = b * h * d * d * 4  # [B, H, D, D] f32
+    # per (row, head): S̄ = e^λ·S (D²), S̄ᵀk (2D²), S̄ + k·(β(v − S̄ᵀk))ᵀ (2D²), Sᵀq (2D²);
+    # λ (exp, sigmoid), SiLU of q, k, v, the output gate: 6 transcendentals per channel
+    return costs.Cost(flops=costs.matmul_flops(b, *costs.matrices(weights)) + 7 * b * h * d * d,
+                transcendentals=6 * b * h * d,
+                bytes_accessed=costs.nbytes(weights) + 2 * (conv + state))
 
 
 # ---- the wrapper --------------------------------------------------------------------------------
@@ -337,7 +380,7 @@ def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, wei
         in_specs=(vmem, jax.tree.map(lambda _: hbm, weights), jax.tree.map(lambda _: hbm, state)),
         out_specs=(vmem, jax.tree.map(lambda _: hbm, state)),
         input_output_aliases={n_in: 1, n_in + 1: 2},
-        cost_estimate=costs.kda(plan, weights).estimate(x, out),
+        cost_estimate=layer_cost(plan, weights).estimate(x, out),
         interpret=interpret,
     )(x, weights, state)
 
@@ -365,40 +408,8 @@ def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
             ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
 
 
-def _schedule(plan: KdaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: both states' reads started, the projections
-    streamed, the small weights loaded whole, the reads waited for; after the delta rule the
-    write-backs started, W_o streamed, the writes waited for."""
-    w, indices = call.weights, call.indices
-
-    def state_copies(direction, src, dst):
-        return [call.start(f"{STATE_DMAS[leaf]}.{direction}", planned.nbytes(call.state[leaf]),
-                           buffer=planned.STATE, src=src, dst=dst, **indices)
-                for leaf in STATE_DMAS]
-
-    def stream(names):
-        return [dma for name in names for dma in call.matmul(
-            f"kda.{name}", w[name], plan.block_rows(name), **indices)]
-
-    def row_steps(b):  # a verify row's per-token states, started together, then waited for
-        started = [call.start(f"{STATE_DMAS[leaf]}.step", planned.nbytes(call.state[leaf])
-                              // call.state[leaf].shape[0], buffer=planned.STATE, src="vmem",
-                              dst="hbm", row=b, **indices) for leaf in STATE_DMAS]
-        return started + [copy.waited() for copy in started]
-
-    reads, writes = state_copies("read", "hbm", "vmem"), state_copies("write", "vmem", "hbm")
-    loads = [dma for name in LOADED_WHOLE
-             for dma in blocks.load_whole_dmas(call, f"kda.{name}", w[name], **indices)]
-    steps = ([dma for b in range(plan.batch) for dma in row_steps(b)]
-             if plan.rows_per_state > 1 else [])
-    names = matrices(plan.output_gate_rank)
-    return (reads + stream(names[:-1]) + loads + [r.waited() for r in reads] + steps + writes
-            + stream(names[-1:]) + [write.waited() for write in writes])
-
-
 KERNEL = register(KernelStage(
     name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
     prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
-    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: costs.kda(plan, weights),
-    schedule=_schedule))
+    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights)))
 

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, planned
+from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import (
     CONTIGUOUS,
@@ -53,11 +53,9 @@ from mkresearch.kernels.base.kv_tiles import (
     online_softmax_step,
     rows_dot_t,
     tile_loop,
-    tile_loop_dmas,
 )
 from mkresearch.kernels.base.kv_update import (
     UPDATE_ROWS,
-    update_dmas,
     update_expanded,
     update_latent,
 )
@@ -149,74 +147,121 @@ def mla_attention_body(plan: MlaPlan, refs: StageRefs) -> None:
     A paged cache (refs.kv_rows, `kv_tiles.KvRows`): the cache refs are pools [N, (H,) P, ·],
     read and written through the page table; a free slot (position -1) reads and writes none.
     """
-    positions_ref, x_ref, out_ref, indices = refs.positions, refs.x, refs.out, refs.indices
-    kv_norm, w_kvb, w_o = (refs.weights[name] for name in ("kv_norm", "w_kvb", "w_o"))
-    cache_a, cache_b = (refs.state_in[name] for name in CACHE_NAMES[plan.layout])
-    cache_a_out, cache_b_out = (refs.state_out[name] for name in CACHE_NAMES[plan.layout])
-    p = plan
-    h_count, nope, v_dim = p.n_heads, p.qk_nope, p.v_dim
-    kv_rows = refs.kv_rows or CONTIGUOUS
-
-    with dma.phase("mla.project", **indices):
-        x = x_ref[...]  # [B, d] bf16
-        stream = functools.partial(blocks.stream_matmul, refs.stream, **indices)
-        q, ckv_kx = mla_queries.project(p, refs.weights, x, refs.stream, indices)  # [B, H*qk]
-        ckv_kx = bf16(ckv_kx)  # [B, kv_rank + extra]
-        c_hat = blocks.rms_norm(f32(ckv_kx[:, :p.kv_rank]),
-                                blocks.load_whole(kv_norm, name="mla.kv_norm", **indices),
-                                p.eps)  # [B, kv_rank] bf16
-        k_extra = ckv_kx[:, p.kv_rank:]  # [B, extra] bf16, shared by all heads, not normalised
-        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(stream(  # [B, H*v]; None: Kimi Linear's
-            x, refs.weights["w_g"], rows=p.block_rows("w_g"), name="mla.w_g")))))) if p.output_gate else None
-
-    def with_scratch(w_kvb_vmem):
-        if p.layout == "expanded":
-            kv_new = bf16(stream(c_hat, w_kvb, rows=p.block_rows("w_kvb"),
-                                 name="mla.w_kvb"))  # [B, H*(nope+v)] = per head [k^C | v]
-        else:
-            blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
-                             **indices)
-
-        def row_step(b, y):  # one batch row; a loop (not unrolled) keeps the kernel small
-            position = positions_ref[b]
-            s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
-            q_b = blocks.select_row(q, b)  # [1, H*qk]
-            q_row = [q_b[:, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(h_count)]
-            k_extra_b = blocks.select_row(k_extra, b)  # [1, extra] bf16
-            if p.layout == "expanded":
-                kv_b = blocks.select_row(kv_new, b)
-                k_c = [kv_b[:, h * (nope + v_dim):h * (nope + v_dim) + nope]
-                       for h in range(h_count)]  # [1, nope] each
-                v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
-                         for h in range(h_count)]  # [1, v] each
-                heads = _attend_expanded(p, s, position, q_row, k_c, k_extra_b, v_new,
-                                         cache_a, cache_b, indices, kv_rows)
-                update_expanded(p, s, position, k_c, k_extra_b, v_new, cache_a, cache_b,
-                                cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices,
-                                kv_rows)
-            else:
-                c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
-                heads = _attend_latent(p, s, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem,
-                                       cache_a, cache_b, indices, kv_rows)
-                update_latent(p, s, position, c_hat_b, k_extra_b, cache_a, cache_b,
-                              cache_a_out, cache_b_out, CACHE_NAMES[p.layout], indices, kv_rows)
-            y = list(y)  # per head [B, v]
-            for h, o_h in enumerate(heads):  # o_h [1, v] f32
-                y_h = f32(bf16(o_h))
-                if gate is not None:
-                    y_h = f32(bf16(y_h * blocks.select_row(gate[:, h * v_dim:(h + 1) * v_dim], b)))
-                y[h] = blocks.put_row(y[h], b, y_h)
-            return tuple(y)
-
-        y = jax.lax.fori_loop(0, p.batch, row_step, (jnp.zeros((p.batch, v_dim)),) * h_count)
-        with dma.phase("mla.output", **indices):
-            out_ref[...] = bf16(stream(bf16(jnp.concatenate(y, axis=1)), w_o,
-                                       rows=p.block_rows("w_o"), name="mla.w_o"))
-
+    with dma.phase("mla.project", **refs.indices):
+        projected = _project(plan, refs)
     # W_kvb stays whole in VMEM for the latent layout (both absorbed sides use it); the expanded
     # layout streams it instead and gets a one-tile placeholder
-    w_kvb_shape = (p.kv_rank, h_count * (nope + v_dim)) if p.layout == "latent" else (16, 128)
-    pl.run_scoped(with_scratch, pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
+    w_kvb_shape = ((plan.kv_rank, plan.n_heads * (plan.qk_nope + plan.v_dim))
+                   if plan.layout == "latent" else (16, 128))
+    pl.run_scoped(functools.partial(_with_w_kvb, plan, refs, projected),
+                  pltpu.VMEM(w_kvb_shape, jnp.bfloat16))
+
+
+class _Projected(NamedTuple):
+    """The projections every row reads (bf16 values)."""
+
+    q: Any  # [B, H·qk] f32: per head [q^C | q^X]
+    c_hat: Any  # [B, kv_rank] bf16: the normalised latent ĉ
+    k_extra: Any  # [B, extra] bf16: k^X, shared by all heads, not normalised
+    gate: Any  # [B, H·v] f32: σ of the output gate (None: Kimi Linear's MLA has none)
+
+
+def _project(p: MlaPlan, refs: StageRefs) -> _Projected:
+    """The queries and x W_kva (`mla_queries.project`), ĉ = RMSNorm(c) and the output gate."""
+    x, indices = refs.x[...], refs.indices  # x [B, d] bf16
+    q, ckv_kx = mla_queries.project(p, refs.weights, x, refs.stream, indices)  # [B, H*qk]
+    ckv_kx = bf16(ckv_kx)  # [B, kv_rank + extra]
+    c_hat = blocks.rms_norm(f32(ckv_kx[:, :p.kv_rank]),
+                            blocks.load_whole(refs.weights["kv_norm"], name="mla.kv_norm",
+                                              **indices), p.eps)  # [B, kv_rank] bf16
+    k_extra = ckv_kx[:, p.kv_rank:]
+    gate = None
+    if p.output_gate:
+        gate = f32(bf16(jax.nn.sigmoid(f32(bf16(blocks.stream_matmul(
+            refs.stream, x, refs.weights["w_g"], rows=p.block_rows("w_g"), name="mla.w_g",
+            **indices))))))
+    return _Projected(q, c_hat, k_extra, gate)
+
+
+def _with_w_kvb(p: MlaPlan, refs: StageRefs, projected: _Projected, w_kvb_vmem: Any) -> None:
+    """The rows in order (each attends, then writes its entry), then W_o. w_kvb_vmem: W_kvb
+    whole for the latent layout; the expanded layout streams it into [B, H·(nope+v)] instead."""
+    w_kvb, kv_new = refs.weights["w_kvb"], None
+    if p.layout == "expanded":  # per head [k^C | v]
+        kv_new = bf16(blocks.stream_matmul(refs.stream, projected.c_hat, w_kvb,
+                                           rows=p.block_rows("w_kvb"), name="mla.w_kvb",
+                                           **refs.indices))
+    else:
+        blocks.load_into(w_kvb, w_kvb_vmem, rows=p.block_rows("w_kvb"), name="mla.w_kvb",
+                         **refs.indices)
+    y = jax.lax.fori_loop(0, p.batch, functools.partial(_row_step, p, refs, projected, kv_new,
+                                                        w_kvb_vmem),
+                          (jnp.zeros((p.batch, p.v_dim)),) * p.n_heads)
+    with dma.phase("mla.output", **refs.indices):
+        refs.out[...] = bf16(blocks.stream_matmul(
+            refs.stream, bf16(jnp.concatenate(y, axis=1)), refs.weights["w_o"],
+            rows=p.block_rows("w_o"), name="mla.w_o", **refs.indices))
+
+
+def _row_step(p: MlaPlan, refs: StageRefs, projected: _Projected, kv_new: Any, w_kvb_vmem: Any,
+              b: Any, y: tuple) -> tuple:
+    """One batch row (a loop, not unrolled: it keeps the kernel small): its heads attend over
+    its cache row, its entry is written, its outputs (gated) land in y (per head [B, v])."""
+    position = refs.positions[b]
+    s = blocks.state_row(b, p.rows_per_state)  # the row's cache row
+    q_b = blocks.select_row(projected.q, b)  # [1, H*qk]
+    q_row = [q_b[:, h * p.qk_dim:(h + 1) * p.qk_dim] for h in range(p.n_heads)]
+    k_extra_b = blocks.select_row(projected.k_extra, b)  # [1, extra] bf16
+    if p.layout == "expanded":
+        heads = _expanded_row(p, refs, s, position, q_row, k_extra_b,
+                              blocks.select_row(kv_new, b))
+    else:
+        heads = _latent_row(p, refs, s, position, q_row, k_extra_b,
+                            blocks.select_row(projected.c_hat, b), w_kvb_vmem)
+    y = list(y)
+    for h, o_h in enumerate(heads):  # o_h [1, v] f32
+        y_h = f32(bf16(o_h))
+        if projected.gate is not None:
+            y_h = f32(bf16(y_h * blocks.select_row(
+                projected.gate[:, h * p.v_dim:(h + 1) * p.v_dim], b)))
+        y[h] = blocks.put_row(y[h], b, y_h)
+    return tuple(y)
+
+
+def _expanded_row(p: MlaPlan, refs: StageRefs, s: Any, position: Any, q_row: list,
+                  k_extra_b: Any, kv_b: Any) -> list:
+    """The expanded layout's row: per head k^C, v from kv_b [1, H·(nope+v)]; attend, then
+    write K = [k^C | k^X | 0], V."""
+    nope, v_dim = p.qk_nope, p.v_dim
+    k_c = [kv_b[:, h * (nope + v_dim):h * (nope + v_dim) + nope]
+           for h in range(p.n_heads)]  # [1, nope] each
+    v_new = [kv_b[:, h * (nope + v_dim) + nope:(h + 1) * (nope + v_dim)]
+             for h in range(p.n_heads)]  # [1, v] each
+    caches, outs = _caches(p, refs)
+    kv_rows = refs.kv_rows or CONTIGUOUS
+    heads = _attend_expanded(p, s, position, q_row, k_c, k_extra_b, v_new, *caches,
+                             refs.indices, kv_rows)
+    update_expanded(p, s, position, k_c, k_extra_b, v_new, *caches, *outs,
+                    CACHE_NAMES[p.layout], refs.indices, kv_rows)
+    return heads
+
+
+def _latent_row(p: MlaPlan, refs: StageRefs, s: Any, position: Any, q_row: list,
+                k_extra_b: Any, c_hat_b: Any, w_kvb_vmem: Any) -> list:
+    """The latent layout's row: attend with W_kvb absorbed, then write ĉ and k^X."""
+    caches, outs = _caches(p, refs)
+    kv_rows = refs.kv_rows or CONTIGUOUS
+    heads = attend_latent(p, s, position, q_row, c_hat_b, k_extra_b, w_kvb_vmem, *caches,
+                          refs.indices, kv_rows)
+    update_latent(p, s, position, c_hat_b, k_extra_b, *caches, *outs, CACHE_NAMES[p.layout],
+                  refs.indices, kv_rows)
+    return heads
+
+
+def _caches(p: MlaPlan, refs: StageRefs) -> tuple[tuple, tuple]:
+    """The layer's two cache arrays in HBM, to read and (aliased) to write."""
+    names = CACHE_NAMES[p.layout]
+    return (tuple(refs.state_in[n] for n in names), tuple(refs.state_out[n] for n in names))
 
 
 def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, indices,
@@ -251,7 +296,7 @@ def _attend_expanded(p, b, position, q_row, k_c, k_extra, v_new, k_hbm, v_hbm, i
     return [acc / norm for _, norm, acc in final]
 
 
-def _attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices,
+def attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx_hbm, indices,
                    kv_rows=CONTIGUOUS):
     """All heads at once over latent tiles ĉ [T, kv_rank], k^X [T, extra], W_kvb absorbed."""
     nope, qk, width = p.qk_nope, p.qk_dim, p.qk_nope + p.v_dim
@@ -310,6 +355,29 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
                          pltpu.SemaphoreType.DMA((2, 2)))
 
 
+# ---- the cost (XLA's estimate) --------------------------------------------------------------
+def layer_cost(plan: Any, weights: dict, cache: dict) -> costs.Cost:
+    """The body's cost; weights: one layer's by name; cache: the layer's two cache
+    arrays [B, (H,) S, n]. Assumes every row at the last position (module docstring): the whole
+    cache is read, plus the 16-row block around each new entry read and written."""
+    kv = costs.nbytes(cache)
+    update = 2 * kv * UPDATE_ROWS // plan.seq_len  # per row and array: 16 rows in, 16 out
+    if plan.layout == "expanded":  # per head q·[k^C | k^X], Σ α v
+        keys, values = plan.qk_dim, plan.v_dim
+    else:  # absorbed: q̃·ĉ + q^X·k^X, Σ α ĉ (W_kvb's two sides are in the w_kvb matmul below)
+        keys, values = plan.kv_rank + plan.qk_extra, plan.kv_rank
+    gate = plan.batch * plan.n_heads * plan.v_dim  # σ of the output gate
+    return (costs.attention(plan, plan.seq_len, keys, values)
+            + costs.Cost(flops=costs.matmul_flops(plan.batch, *costs.matrices(weights)), transcendentals=gate,
+                   bytes_accessed=costs.nbytes(weights) + kv + update))
+
+
+def latent_partial_cost(plan: Any, cache: dict) -> costs.Cost:
+    """`mla_latent_partial` body over its shard: every row attends to the whole shard."""
+    return (costs.attention(plan, plan.seq_len, plan.kv_rank + plan.qk_extra, plan.kv_rank)
+            + costs.Cost(bytes_accessed=costs.nbytes(cache)))
+
+
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -328,7 +396,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             **gate, "w_o": (h * v, cfg.d_model)}
 
 
-def _check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
+def check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
     """ValueError naming `label` for bad keys, shapes or dtypes of a (layout cfg) cache or cache
     shard; returns its length."""
     names = CACHE_NAMES[cfg.mla_cache_layout]
@@ -362,7 +430,7 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
             raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
-    seq_len = _check_cache(cache, "cache", cfg, batch)
+    seq_len = check_cache(cache, "cache", cfg, batch)
     if getattr(positions, "shape", None) != (batch,):
         raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
                          f"expected [B={batch}]")
@@ -412,8 +480,8 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     n_in = 2 + len(jax.tree.leaves(weights))  # then the two cache arrays (a dict flattens sorted)
     names = sorted(cache)
-    # KV bytes for every row at the cache's last position: the whole cache (kernels/base/costs.py)
-    cost = costs.mla(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
+    # KV bytes for every row at the cache's last position: the whole cache (`layer_cost`)
+    cost = layer_cost(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
 
     def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
         mla_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
@@ -463,37 +531,11 @@ def _vmem(p: MlaPlan, cfg: ModelConfig) -> list:
                   ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
-def _schedule(p: MlaPlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer, in its order: the projections (the norm gains loaded whole
-    after their matrix), W_kvb streamed (expanded) or loaded whole (latent), then per row its KV
-    tiles (the tokens before its position) and its entry's update block, then W_o."""
-    w, indices = call.weights, call.indices
-
-    def stream(name):
-        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
-
-    def load(name):
-        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
-
-    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
-    out += stream("w_g") if p.output_gate else []
-    out += (stream("w_kvb") if p.layout == "expanded" else blocks.load_into_dmas(
-        call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices))
-    caches = [(name, call.state[name]) for name in CACHE_NAMES[p.layout]]
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"{KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += update_dmas(call, row, caches)
-    return out + stream("w_o")
-
-
 KERNEL = register(KernelStage(
     name="mla",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=mla_attention_body, vmem=_vmem,
     scope=lambda plan: f"MLA ({plan.layout})",
-    cost=lambda plan, weights, state, cfg, batch: costs.mla(
-        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout])),
-    schedule=_schedule))
+    cost=lambda plan, weights, state, cfg, batch: layer_cost(
+        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))

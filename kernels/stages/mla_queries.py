@@ -7,11 +7,10 @@ arithmetic as `mkresearch.model.stages.mla.queries`; the DMAs keep MLA's names (
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
-from mkresearch.kernels.base import blocks, planned
+from mkresearch.kernels.base import blocks
 from mkresearch.kernels.base.blocks import bf16, f32
 
 from mkresearch.model.config import ModelConfig
@@ -52,10 +51,3 @@ def project(plan: Any, weights: dict, x: jax.Array, stream: Any, indices: dict
     return f32(bf16(blocks.stream_matmul(stream, c_q, weights["w_qb"], rows=plan.block_rows(
         "w_qb"), name="mla.w_qb", **indices))), kva
 
-
-def dmas(plan: Any, stream: Callable[[str], list], load: Callable[[str], list]
-         ) -> list[planned.PlannedDma]:
-    """`project`'s DMAs in its order: `stream(name)` a streamed matrix's, `load(name)` a norm's."""
-    if plan.q_rank == 0:
-        return stream("w_q") + stream("w_kva")
-    return stream("w_qa") + stream("w_kva") + load("q_norm") + stream("w_qb")

@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, kv_tiles, kv_update, planned
+from mkresearch.kernels.base import blocks, costs, dma, kv_tiles, kv_update
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import tile_loop_dmas
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 from mkresearch.kernels.stages import mla, mla_queries
 
@@ -106,7 +105,7 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
                 for h in range(heads)]
             k_rope = bf16(rope.rotate(blocks.select_row(k_rope_raw, b), cos, sin))  # [1, rope]
             c_hat_b = blocks.select_row(c_hat, b)  # [1, kv_rank] bf16
-            outs = mla._attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
+            outs = mla.attend_latent(p, s, position, q_row, c_hat_b, k_rope, w_kvb_vmem,
                                       ckv_in, kpe_in, indices, kv_rows)  # per head [1, v] f32
             # the rope key's DMAs keep MLA's names (the latent layout's cache arrays)
             kv_update.update_latent(p, s, position, c_hat_b, k_rope, ckv_in, kpe_in, ckv_out,
@@ -122,6 +121,13 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 
 
 # ---- the wrapper --------------------------------------------------------------------------------
+
+
+def layer_cost(plan: Any, weights: dict, cache: Any) -> costs.Cost:
+    """The body's cost: the latent MLA's cost without the output gate,
+    with RoPE's cos and sin per row."""
+    gate = plan.batch * plan.n_heads * plan.v_dim
+    return mla.layer_cost(plan, weights, cache) + costs.Cost(transcendentals=plan.batch * plan.qk_extra - gate)
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -187,7 +193,7 @@ def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
 def _call(plan: MlaRopePlan, interpret: Any, recording: bool, indices: tuple, positions, x,
           weights, cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
-    cost = costs.mla_rope(plan, weights, (cache["ckv"], cache["kpe"]))
+    cost = layer_cost(plan, weights, (cache["ckv"], cache["kpe"]))
     return blocks.cache_stage_call(mla_rope_body, plan, cost, interpret, indices, positions, x,
                                    weights, cache)
 
@@ -215,33 +221,11 @@ def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
             ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
 
 
-def _schedule(p: MlaRopePlan, call: planned.StageCall) -> list[planned.PlannedDma]:
-    """The body's DMAs for one layer: MLA's latent layout without its gate (the rope key's DMAs
-    keep the latent layout's names)."""
-    w, indices = call.weights, call.indices
-
-    def stream(name):
-        return call.matmul(f"mla.{name}", w[name], p.block_rows(name), **indices)
-
-    def load(name):
-        return blocks.load_whole_dmas(call, f"mla.{name}", w[name], **indices)
-
-    out = mla_queries.dmas(p, stream, load) + load("kv_norm")
-    out += blocks.load_into_dmas(call, "mla.w_kvb", w["w_kvb"], p.block_rows("w_kvb"), **indices)
-    caches = list(zip(mla.CACHE_NAMES["latent"], (call.state[n] for n in CACHE_NAMES)))
-    for b, position in enumerate(call.positions):  # rows in order, each on its cache row
-        row = b // p.rows_per_state
-        out += tile_loop_dmas(p, call, row, position,
-                              [(f"{mla.KV_TILE_NAME}.{name}", cache) for name, cache in caches])
-        out += kv_update.update_dmas(call, row, caches)
-    return out + stream("w_o")
-
-
 KERNEL = register(KernelStage(
     name="mla_rope",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
     scope=lambda plan: "MLA (rope, latent)",
-    cost=lambda plan, weights, state, cfg, batch: costs.mla_rope(
-        plan, weights, (state["ckv"], state["kpe"])), schedule=_schedule))
+    cost=lambda plan, weights, state, cfg, batch: layer_cost(
+        plan, weights, (state["ckv"], state["kpe"]))))

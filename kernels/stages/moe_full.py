@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma, quant
+from mkresearch.kernels.base import dma, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import experts, ffn_kinds, gate_up, router
+from mkresearch.kernels.stages import experts, gate_up, router
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ModelConfig
@@ -29,7 +29,7 @@ _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
 def stage_options(cfg: ModelConfig, plan: str = "unique", n_slots: int = 2,
                   chip: Any = None) -> experts.StageOptions:
     """The FFN stage's static options for a full-d MoE: the experts' width is d_model."""
-    options = experts._options(cfg, plan, n_slots, chip=chip)
+    options = experts.stage_options(cfg, plan, n_slots, chip=chip)
     return experts.StageOptions(**{**options.__dict__, "latent": cfg.d_model,
                                    "latent_padded": cfg.d_model})
 
@@ -44,7 +44,7 @@ def router_options(cfg: ModelConfig) -> tuple:
 
 def routed_tree(p: dict, cfg: ModelConfig) -> dict:
     """The routed part of one layer's weights for `experts.ffn_stage_body`: experts only."""
-    return {"experts": experts._expert_parts(p["experts"], cfg, width=cfg.d_model)}
+    return {"experts": experts.expert_parts(p["experts"], cfg, width=cfg.d_model)}
 
 
 def shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
@@ -58,10 +58,10 @@ def moe_full_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique
     """Kernel twin of stages.moe_full.moe_full_ffn -> bf16 [B, d]: router + experts on the full
     d + shared experts, one kernel. chip: the kernel is built for it (None: tpu.target_chip())."""
     options = stage_options(cfg, plan, n_slots, chip=chip)
-    experts._check_x(x, cfg.d_model)
+    experts.check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return experts._moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
+    return experts.moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
                                    shared_tree(p, cfg), options=options,
                                    router_options=router_options(cfg),
                                    interpret=tpu.interpret_params(), recording=dma.is_recording())
@@ -72,9 +72,9 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    chip: Any = None) -> jax.Array:
     """Kernel twin of stages.moe_full.routed_experts -> f32 [B, d] (no shared experts)."""
     options = stage_options(cfg, plan, n_slots, chip=chip)
-    experts._check_x(x, cfg.d_model)
+    experts.check_input(x, cfg.d_model)
     experts.check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return experts._stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
+    return experts.stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
                                routed_tree(p, cfg), None, options=options,
                                out_dtype=jnp.float32, interpret=tpu.interpret_params(),
                                recording=dma.is_recording())
@@ -121,8 +121,8 @@ def _vmem(plan: experts.MoePlan, cfg: ModelConfig) -> list:
 def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
     shared = gate_up.parts(weights, experts.SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
-    return (costs.router(plan.batch, weights["w_router"], bias)
-            + costs.ffn(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
+    return (router.cost(plan.batch, weights["w_router"], bias)
+            + experts.cost(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
                         shared))
 
 
@@ -136,6 +136,5 @@ KERNEL = register(KernelStage(
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
-    scratch_bundle=lambda refs: router.Routing(*refs),
-    schedule=ffn_kinds.moe_schedule))  # experts.moe_layer_body's DMAs: the same body, no latent
+    scratch_bundle=lambda refs: router.Routing(*refs)))
 

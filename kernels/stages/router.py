@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma
+from mkresearch.kernels.base import blocks, costs, dma, dry_run, planned
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ROUTER_SCORES, ModelConfig
@@ -36,6 +36,7 @@ from mkresearch.model.config import ROUTER_SCORES, ModelConfig
 # DMA-log names of the router's matrix, its bias, and its choices copied VMEM -> SMEM (ids, weights)
 W_ROUTER, BIAS = "router/w_router", "router/bias"
 TO_SMEM = ("router/ids_to_smem", "router/weights_to_smem")
+ROUTING = "routing"  # what a dry run is given: a layer's expert ids [B, k] (`dry_run.given`)
 
 
 @dataclass(frozen=True)
@@ -73,44 +74,64 @@ def router_body(x_ref: Any, w_router_hbm: Any, bias_hbm: Any, routing: Any, *, s
     batch, n_experts = logits.shape
     bias = blocks.load_whole(bias_hbm, name=BIAS) if use_bias else None  # [1, E] f32
     with dma.phase("router/select", vmem_bytes=batch * n_experts * 4):
-        if router_score == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:
-            scores = blocks.softmax(logits)
-        select = scores  # [B, E] f32
-        if use_bias:  # the correction bias moves the selection only; weights use the plain scores
-            select = scores + bias
-        expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
-        if groups > 1:
-            select = limit_to_groups(select, expert_iota, groups, topk_groups)
-        k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
-        ids = jnp.zeros((batch, top_k), jnp.int32)
-        chosen = jnp.zeros((batch, top_k), jnp.float32)
-        for i in range(top_k):
-            best = jnp.max(select, axis=-1, keepdims=True)  # [B, 1]
-            # lowest index holding the max: ties go to the lower expert id, like the reference
-            index = jnp.min(jnp.where(select == best, expert_iota, n_experts), axis=-1,
-                            keepdims=True)  # [B, 1]
-            hit = expert_iota == index  # [B, E], one True per row
-            ids = jnp.where(k_iota == i, index, ids)
-            chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
-                                                     keepdims=True), chosen)
-            select = jnp.where(hit, -jnp.inf, select)
-        if normalize:
-            chosen = chosen / blocks.ordered_sum(chosen, keepdims=True)
-        weights = chosen * routed_scale
-        ids_ref[...] = ids
-        weights_ref[...] = weights
+        ids_ref[...], weights_ref[...] = _choose(logits, bias, top_k, router_score, routed_scale,
+                                                 groups, topk_groups, normalize)
 
     def to_smem(sems):
-        copies = [dma.Copy(vmem, smem, sems.at[i], name=name) for i, (vmem, smem, name) in
+        copies = [dma.Copy(vmem, smem, sems.at[i], name=name, buffer=planned.ROUTING)
+                  for i, (vmem, smem, name) in
                   enumerate(zip((ids_ref, weights_ref), (ids_smem, weights_smem), TO_SMEM))]
         for copy in copies:
             copy.start()
         for copy in copies:
             copy.wait()
+        # a dry run fetches the experts of the routing it is given (`dry_run.given`)
+        given = dry_run.given(ROUTING, jax.ShapeDtypeStruct(ids_smem.shape, jnp.int32),
+                              dry_run.owner()[1])
+        if given is not None:
+            ids_smem[...] = given
 
     pl.run_scoped(to_smem, pltpu.SemaphoreType.DMA((2,)))
+
+
+def _choose(logits: jax.Array, bias: Any, top_k: int, router_score: str, routed_scale: float,
+            groups: int, topk_groups: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(ids [B, k] i32, weights [B, k] f32) from the logits [B, E] f32: k rounds of max, then
+    the lowest index holding it, then masked out; the weights from the uncorrected scores."""
+    batch, n_experts = logits.shape
+    if router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = blocks.softmax(logits)
+    select = scores  # [B, E] f32
+    if bias is not None:  # the correction bias moves the selection only
+        select = scores + bias
+    expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
+    if groups > 1:
+        select = limit_to_groups(select, expert_iota, groups, topk_groups)
+    k_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, top_k), 1)
+    ids = jnp.zeros((batch, top_k), jnp.int32)
+    chosen = jnp.zeros((batch, top_k), jnp.float32)
+    for i in range(top_k):
+        best = jnp.max(select, axis=-1, keepdims=True)  # [B, 1]
+        # lowest index holding the max: ties go to the lower expert id, like the reference
+        index = jnp.min(jnp.where(select == best, expert_iota, n_experts), axis=-1,
+                        keepdims=True)  # [B, 1]
+        hit = expert_iota == index  # [B, E], one True per row
+        ids = jnp.where(k_iota == i, index, ids)
+        chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
+                                                 keepdims=True), chosen)
+        select = jnp.where(hit, -jnp.inf, select)
+    if normalize:
+        chosen = chosen / blocks.ordered_sum(chosen, keepdims=True)
+    return ids, chosen * routed_scale
+
+
+def cost(batch: int, w_router: Any, bias: Any | None) -> costs.Cost:
+    """The router body's cost: x W_r streamed, the bias if used, one score per logit.
+    (The ids' VMEM -> SMEM copy is not HBM traffic.)"""
+    return costs.Cost(flops=costs.matmul_flops(batch, w_router), transcendentals=batch * w_router.shape[1],
+                bytes_accessed=costs.nbytes(w_router, bias))
 
 
 def limit_to_groups(select: jax.Array, expert_iota: jax.Array, groups: int,
@@ -188,7 +209,7 @@ def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, 
         in_specs=[pl.BlockSpec(memory_space=vmem), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=(pl.BlockSpec(memory_space=vmem),) * 2 + (pl.BlockSpec(memory_space=smem),) * 2,
-        cost_estimate=costs.router(batch, w_router, bias if use_bias else None).estimate(
+        cost_estimate=cost(batch, w_router, bias if use_bias else None).estimate(
             x, out_shape * 2),
         interpret=interpret,
     )(x, w_router, bias)

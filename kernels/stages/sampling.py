@@ -34,6 +34,7 @@ bits, which matters only when the mass lands on top_p within ~1e-7.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -77,13 +78,13 @@ def initial_state(batch: int) -> RunningState:
                         jnp.full((batch, MAX_CANDIDATES), -jnp.inf, jnp.float32), fake)
 
 
-def _best(values: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+def row_best(values: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Row max [B, 1] and the lowest index attaining it [B, 1]."""
     best = jnp.max(values, axis=1, keepdims=True)
     return best, jnp.min(jnp.where(values == best, indices, NO_INDEX), axis=1, keepdims=True)
 
 
-def _take_better(value, index, new_value, new_index):
+def take_better(value, index, new_value, new_index):
     """Keep (value, index) unless the new one is larger, or equal with a lower index."""
     better = (new_value > value) | ((new_value == value) & (new_index < index))
     return jnp.where(better, new_value, value), jnp.where(better, new_index, index)
@@ -105,7 +106,7 @@ def merge_candidates(cand_values, cand_indices, z, indices):
 
     def insert_one(carry):
         z, cand_values, cand_indices = carry
-        best, best_index = _best(z, indices)  # [B, 1]
+        best, best_index = row_best(z, indices)  # [B, 1]
         rank = jnp.sum((cand_values >= best).astype(jnp.int32), axis=1, keepdims=True)
         shifted_values = pltpu.roll(cand_values, 1, 1)  # lane j <- lane j-1
         shifted_indices = pltpu.roll(cand_indices, 1, 1)
@@ -128,11 +129,11 @@ def update_running_state(state: RunningState, z: jax.Array, indices: jax.Array, 
 
     key [B, 1] uint32 = sampling.counter_key(seed, row, position). Tiles come in vocab order, so
     on equal values the state (earlier, lower indices) wins."""
-    greedy = _take_better(state.greedy_value, state.greedy_index, *_best(z, indices))
+    greedy = take_better(state.greedy_value, state.greedy_index, *row_best(z, indices))
     gumbel = (state.gumbel_value, state.gumbel_index)
     if use_gumbel:
         scores = z + sampling.gumbel_from_key(key, indices)
-        gumbel = _take_better(*gumbel, *_best(scores, indices))
+        gumbel = take_better(*gumbel, *row_best(scores, indices))
     lse_max = jnp.maximum(state.lse_max, jnp.max(z, axis=1, keepdims=True))
     lse_sum = (state.lse_sum * jnp.exp(state.lse_max - lse_max)
                + jnp.sum(jnp.exp(z - lse_max), axis=1, keepdims=True))
@@ -162,7 +163,7 @@ def finish_sampling(state: RunningState, key, temperature, top_k, top_p, *, cand
     keep = in_capacity & (lane < k) & ((lane == 0) | (mass_before < top_p) | (top_p >= 1.0))
     scores = jnp.where(keep, state.cand_values + sampling.gumbel_from_key(key, state.cand_indices),
                        -jnp.inf)
-    _, candidate_token = _best(scores, state.cand_indices)
+    _, candidate_token = row_best(scores, state.cand_indices)
     sampled = temperature > 0
     truncated = (top_k > 0) | (top_p < 1.0)
     tokens = jnp.where(sampled, jnp.where(truncated, candidate_token, state.gumbel_index),
@@ -191,56 +192,19 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
     # position, p + 1, comes per row).
     logits_ref = rest[0] if return_logits else None
     tile_slots, sems = rest[-2:]
-    d, vocab = lm_head_hbm.shape
     batch = partial_ref.shape[0]
-    n_tiles = vocab // vocab_tile
-    ring = dma.Ring(tile_slots, sems, name=LM_HEAD)
-
-    def lm_head_tile(t):  # [d, TV] columns of the HBM matrix
-        return lm_head_hbm.at[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)]
-
-    ring.start(lm_head_tile(0), 0, tile=0)  # flies while the mix and norm run
-
-    # attention residuals mix the snapshots and the partial sum first (docs/kimi-k3.md §3.3); a residual
-    # stream (snapshots_ref None) is normalised as it is
-    n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
-    with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):
-        if snapshots_ref is None:
-            h = partial_ref[...]  # [B, d] bf16
-        else:
-            mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
-            h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
-        x = reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
-
+    tiles = _LmHeadTiles(dma.Ring(tile_slots, sems, name=LM_HEAD, buffer=planned.LM_HEAD_TILES),
+                         lm_head_hbm, vocab_tile, logits_ref, softcap, index_offset, vocab_limit,
+                         use_gumbel, use_candidates)
+    tiles.ring.start(tiles.tile(0), 0, tile=0)  # flies while the mix and norm run
+    x = _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps,
+                      lm_head_hbm.shape[0])
     temperature = temperature_ref[...]  # [B, 1]
     inverse_scale = jnp.where(temperature > 0, temperature, 1.0)  # greedy rows: z = logits
     rows = blocks.state_row(lax.broadcasted_iota(jnp.int32, (batch, 1), 0), rows_per_key)
     key = sampling.counter_key(seed_ref[0], rows, positions_ref[...])  # [B, 1] uint32
-
-    def tile_step(t, state):
-        slot = lax.rem(t, 2)
-
-        @pl.when(t + 1 < n_tiles)  # the next tile goes to the slot tile t-1 used (already read)
-        def _():
-            ring.start(lm_head_tile(t + 1), 1 - slot, tile=t + 1)
-
-        ring.wait(lm_head_tile(t), slot, tile=t)
-        with dma.phase("lm_head_tile", flops=2 * batch * d * vocab_tile, tile=t,
-                       vmem_bytes=2 * d * vocab_tile + 2 * batch * d + 4 * batch * vocab_tile):
-            logits = blocks.dot(x, ring.buffer(slot)[...])
-            logits = sampling.soft_cap(logits, softcap)  # [B, TV] f32
-            if logits_ref is not None:  # checking only: materialises what the stage avoids
-                logits_ref[:, pl.ds(pl.multiple_of(t * vocab_tile, vocab_tile), vocab_tile)] = logits
-            indices = t * vocab_tile + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-            if not isinstance(index_offset, int) or index_offset:  # a vocab shard
-                indices = indices + index_offset
-            z = logits / inverse_scale
-            if vocab_limit is not None:  # a padded vocab shard: padding is never a token
-                z = jnp.where(indices < vocab_limit, z, -jnp.inf)
-            return update_running_state(state, z, indices, key,
-                                        use_gumbel=use_gumbel, use_candidates=use_candidates)
-
-    state = lax.fori_loop(0, n_tiles, tile_step, initial_state(batch))
+    state = lax.fori_loop(0, tiles.count, functools.partial(tiles.step, x, inverse_scale, key),
+                          initial_state(batch))
     if merge is not None:
         state = merge(state)
     with dma.phase("sample"):
@@ -250,14 +214,79 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
     overflow_ref[...] = overflow
 
 
-def lm_head_dmas(call: Any, lm_head: Any, vocab_tile: int) -> list[planned.PlannedDma]:
-    """`sampling_body`'s DMAs as data (lm_head: the [d, V] shape struct): the vocab tiles through
-    two slots, tile 0 started before the final mix."""
-    d, vocab = lm_head.shape
-    size = planned.nbytes((d, vocab_tile), lm_head.dtype)
-    return planned.double_buffered([[call.start(LM_HEAD, size, buffer=planned.LM_HEAD_TILES,
-                                                slot=t % 2, tile=t)]
-                                    for t in range(vocab // vocab_tile)])
+def _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps: float,
+                  d: int) -> jax.Array:
+    """x = RMSNorm(h) [B, d] bf16: attention residuals mix the snapshots and the partial sum
+    first (docs/kimi-k3.md §3.3); a residual stream (snapshots_ref None) is normalised as it is."""
+    batch = partial_ref.shape[0]
+    n_candidates = 0 if snapshots_ref is None else snapshots_ref.shape[0] + 1
+    with dma.phase("final_mix_norm", flops=6 * n_candidates * batch * d):
+        if snapshots_ref is None:
+            h = partial_ref[...]  # [B, d] bf16
+        else:
+            mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
+            h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
+        return reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
+
+
+@dataclass(frozen=True)
+class _LmHeadTiles:
+    """The LM head's vocab tiles [d, TV] through a two-slot ring, each folded into the running
+    state as it arrives (`sampling_body`'s arguments of the same names)."""
+
+    ring: Any
+    lm_head_hbm: Any
+    vocab_tile: int
+    logits_ref: Any
+    softcap: float | None
+    index_offset: Any
+    vocab_limit: int | None
+    use_gumbel: bool
+    use_candidates: bool
+
+    @property
+    def count(self) -> int:
+        return self.lm_head_hbm.shape[1] // self.vocab_tile
+
+    def tile(self, t: Any) -> Any:
+        """[d, TV] columns of the HBM matrix."""
+        return self.lm_head_hbm.at[:, pl.ds(pl.multiple_of(t * self.vocab_tile, self.vocab_tile),
+                                            self.vocab_tile)]
+
+    def step(self, x: Any, inverse_scale: Any, key: Any, t: Any, state: Any) -> Any:
+        """Tile t: the next one started into the slot tile t-1 used (already read), this one
+        waited for, its logits folded into the state."""
+        slot = lax.rem(t, 2)
+
+        @pl.when(t + 1 < self.count)
+        def _():
+            self.ring.start(self.tile(t + 1), 1 - slot, tile=t + 1)
+
+        self.ring.wait(self.tile(t), slot, tile=t)
+        d, tile, batch = self.lm_head_hbm.shape[0], self.vocab_tile, x.shape[0]
+        with dma.phase("lm_head_tile", flops=2 * batch * d * tile, tile=t,
+                       vmem_bytes=2 * d * tile + 2 * batch * d + 4 * batch * tile):
+            logits = sampling.soft_cap(blocks.dot(x, self.ring.buffer(slot)[...]),
+                                       self.softcap)  # [B, TV] f32
+            if self.logits_ref is not None:  # checking only: materialises what the stage avoids
+                self.logits_ref[:, pl.ds(pl.multiple_of(t * tile, tile), tile)] = logits
+            indices = t * tile + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+            if not isinstance(self.index_offset, int) or self.index_offset:  # a vocab shard
+                indices = indices + self.index_offset
+            z = logits / inverse_scale
+            if self.vocab_limit is not None:  # a padded vocab shard: padding is never a token
+                z = jnp.where(indices < self.vocab_limit, z, -jnp.inf)
+            return update_running_state(state, z, indices, key, use_gumbel=self.use_gumbel,
+                                        use_candidates=self.use_candidates)
+
+
+def cost(batch: int, lm_head: Any, n_mixed: int) -> costs.Cost:
+    """The sampling body's cost: the final mix of n_mixed candidates (the FLOPs
+    its phase logs), the LM head streamed once with the logits kept in VMEM; an exp
+    (log-sum-exp) and the Gumbel noise's log per logit."""
+    mix = 6 * n_mixed * batch * lm_head.shape[0]
+    return costs.Cost(flops=costs.matmul_flops(batch, lm_head) + mix,
+                transcendentals=2 * batch * lm_head.shape[1], bytes_accessed=costs.nbytes(lm_head))
 
 
 # ---- the wrapper -----------------------------------------------------------------------------
@@ -333,7 +362,7 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
         scratch_shapes=[pltpu.VMEM((2, d, vocab_tile), lm_head.dtype),
                         pltpu.SemaphoreType.DMA((2,))],
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=tile_bytes + 32 * 1024 * 1024),
-        cost_estimate=costs.sampling(batch, lm_head, snapshots.shape[0] + 1).estimate(
+        cost_estimate=cost(batch, lm_head, snapshots.shape[0] + 1).estimate(
             seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
             out_shape),
         interpret=interpret,
@@ -363,7 +392,7 @@ def sample_stage(snapshots: jax.Array, partial: jax.Array, mix_out: jax.Array,
     batch = partial.shape[0]
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    sampling._check_seed(seed)
+    sampling.check_seed(seed)
     params = sampling.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
                                    top_p=top_p, candidates=candidates)
     sampled = params.temperature > 0

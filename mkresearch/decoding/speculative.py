@@ -73,7 +73,7 @@ def _check_verify_inputs(state, tokens, positions, cfg: ModelConfig) -> tuple[in
     check_rows(batch, k)
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    reference._check_step_inputs(state, tokens[:, 0], positions, cfg)
+    reference.check_step_inputs(state, tokens[:, 0], positions, cfg)
     seq = reference.cache_length(state, cfg)
     last = np.asarray(positions) + k
     if seq is not None and last.max() >= seq:
@@ -248,7 +248,7 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
     "acceptance_rate" (that / k), "accepted" [steps, B] (-1 for rows already done).
     """
     k = check_k(k)
-    reference._check_prompt(prompt)
+    reference.check_prompt(prompt)
     prompt = np.asarray(prompt, np.int32)
     batch, length = prompt.shape
     check_rows(batch, k)

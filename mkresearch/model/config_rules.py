@@ -112,9 +112,19 @@ def validate(cfg: Any) -> None:
     """Every field of cfg (a ModelConfig), in declaration order of what each check needs."""
     if not isinstance(cfg.name, str) or not cfg.name:
         _fail("name", cfg.name, "a non-empty string")
+    _validate_sizes(cfg)
+    _validate_options(cfg)
+    _validate_experts(cfg)
+    _validate_layer_kinds(cfg)
+    _validate_families(cfg)
+
+
+def _validate_sizes(cfg: Any) -> None:
+    """Widths, counts, the KV tile and the weight ring."""
     # lane dims of weight blocks: multiples of 128
-    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_kv_rank", "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden",
-                  "moe_latent", "moe_latent_padded", "shared_hidden"):
+    for field in ("d_model", "vocab_size", "kda_head_dim", "kda_gate_rank", "mla_kv_rank",
+                  "mla_qk_nope", "mla_v_dim", "dense_hidden", "expert_hidden", "moe_latent",
+                  "moe_latent_padded", "shared_hidden"):
         _positive_int(cfg, field, LANE)
     q_rank = cfg.mla_q_rank  # 0: no query LoRA, q = bf(x W_q) (Moonlight, Kimi Linear)
     if not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank < 0 or q_rank % LANE:
@@ -126,10 +136,15 @@ def validate(cfg: Any) -> None:
     _positive_int(cfg, "max_seq_len", cfg.kv_tile)
     if (isinstance(cfg.ring_depth, bool) or not isinstance(cfg.ring_depth, int)
             or not 2 <= cfg.ring_depth <= RING_MAX_DEPTH):
-        _fail("ring_depth", cfg.ring_depth, f"an int in [2, {RING_MAX_DEPTH}] (2 = double buffering)")
+        _fail("ring_depth", cfg.ring_depth,
+              f"an int in [2, {RING_MAX_DEPTH}] (2 = double buffering)")
     _positive_int(cfg, "ring_block_bytes", RING_BLOCK_MULTIPLE)
     if not isinstance(cfg.mla_first, int) or not 0 <= cfg.mla_first < cfg.n_layers:
         _fail("mla_first", cfg.mla_first, f"an int in [0, n_layers={cfg.n_layers})")
+
+
+def _validate_options(cfg: Any) -> None:
+    """The attention kinds' switches and choices."""
     _boolean(cfg, "mla_last_layer")
     _boolean(cfg, "router_bias")
     if (isinstance(cfg.kda_decay_bound, bool) or not isinstance(cfg.kda_decay_bound, (int, float))
@@ -139,8 +154,14 @@ def validate(cfg: Any) -> None:
     _choice(cfg, "kda_decay", KDA_DECAYS)
     _boolean(cfg, "mla_output_gate")
     gate_rank = cfg.kda_output_gate_rank  # 0: a full-rank W_g (Kimi K3)
-    if not isinstance(gate_rank, int) or isinstance(gate_rank, bool) or gate_rank < 0 or gate_rank % LANE:
-        _fail("kda_output_gate_rank", gate_rank, f"0 (a full-rank W_g) or a positive multiple of {LANE}")
+    if (not isinstance(gate_rank, int) or isinstance(gate_rank, bool) or gate_rank < 0
+            or gate_rank % LANE):
+        _fail("kda_output_gate_rank", gate_rank,
+              f"0 (a full-rank W_g) or a positive multiple of {LANE}")
+
+
+def _validate_experts(cfg: Any) -> None:
+    """The experts' format, routing and widths; the dense layers; the small floats."""
     _choice(cfg, "expert_format", EXPERT_FORMATS)
     _choice(cfg, "router_score", ROUTER_SCORES)
     _choice(cfg, "activation", ACTIVATIONS)
@@ -163,7 +184,11 @@ def validate(cfg: Any) -> None:
     _positive_float(cfg, "l2_eps")
     if cfg.logit_softcap is not None:
         _positive_float(cfg, "logit_softcap")
-    # stage kinds are checked against the registry where the model is built (mkresearch.model.spec)
+
+
+def _validate_layer_kinds(cfg: Any) -> None:
+    """The layer patterns' spelling (the kinds themselves are checked against the registry
+    where the model is built, mkresearch.model.spec) and the residual strategy."""
     for field in ("attention", "ffn"):
         value = getattr(cfg, field)
         if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
@@ -173,4 +198,4 @@ def validate(cfg: Any) -> None:
         _fail("n_dense_layers", cfg.n_dense_layers, f"0 with ffn={cfg.ffn!r} (one kind for every "
               f"layer); dense first layers need an ffn pattern {DENSE_THEN!r}<kind>")
     _choice(cfg, "residual", RESIDUALS)
-    _validate_families(cfg)
+

@@ -230,3 +230,60 @@ def mix(candidates: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     scores = ordered_sum(v * w.astype(f32)) * lax.rsqrt(ordered_sum(v * v) / d + eps)  # [N, B]
     alpha = softmax(scores, axis=0)  # [N, B]
     return bf(sequence_sum(alpha[i, :, None] * v[i] for i in range(v.shape[0])))
+
+
+# ---- the attention kinds' cache arithmetic ------------------------------------------------
+def write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """cache with row b's slot positions[b] (along `axis` of one row) set to new[b].
+
+    A select against the slot index rather than a scatter: same result, and XLA compiles it fast.
+    """
+    slot_axis = axis + 1  # in the batched cache
+    slots = jnp.arange(cache.shape[slot_axis]).reshape(
+        (-1,) + (1,) * (cache.ndim - slot_axis - 1))
+    hit = slots == positions.reshape((-1,) + (1,) * (cache.ndim - 1))  # broadcasts like cache
+    return jnp.where(hit, jnp.expand_dims(new, slot_axis).astype(cache.dtype), cache)
+
+
+def dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Σ a·b over the last axis of bf16 vectors: each product is exact in f32, summed in f32."""
+    return ordered_sum(a.astype(f32) * b.astype(f32))
+
+
+def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
+                    values: jax.Array, positions: jax.Array, tile: int) -> jax.Array:
+    """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
+
+    new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
+    and values [B, H, S, n] or [B, S, n] (shared by the heads): the cache. The order is the one a
+    decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
+    then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
+    e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
+    row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
+    """
+    B, H, S = scores.shape
+    slots = jnp.arange(tile)
+    slot_axis, spec = (1, "bht,btn->bhn") if values.ndim == 3 else (2, "bht,bhtn->bhn")
+    n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))
+    values = jnp.pad(values, [(0, n_tiles * tile - S) if axis == slot_axis else (0, 0)
+                              for axis in range(values.ndim)])
+
+    def one_tile(t, carry):
+        m, norm, acc = carry  # [B, H, 1], [B, H, 1], [B, H, n]
+        tile_scores = lax.dynamic_slice_in_dim(scores, t * tile, tile, axis=2)  # [B, H, T]
+        tile_values = lax.dynamic_slice_in_dim(values, t * tile, tile, slot_axis).astype(f32)
+        valid = (t * tile + slots)[None, None, :] < positions[:, None, None]  # [B, 1, T]
+        tile_scores = jnp.where(valid, tile_scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
+        correction = jnp.exp(m - m_new)
+        weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
+        norm = correction * norm + ordered_sum(weights, keepdims=True)
+        acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
+        return m_new, norm, acc
+
+    m = new_score[..., None]
+    acc = jnp.broadcast_to(new_value.astype(f32)[:, None] if new_value.ndim == 2
+                           else new_value.astype(f32), (B, H, new_value.shape[-1]))
+    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, jnp.ones_like(m), acc))
+    return acc / norm

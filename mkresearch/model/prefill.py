@@ -45,7 +45,7 @@ def _rows_of(layer_state: dict, x: jax.Array) -> tuple[int, int]:
 
 
 def write_chunk(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    """cache [B, ...] (one row's slot axis `axis`, as `stages.mla._write_slot`) with row b's slots
+    """cache [B, ...] (one row's slot axis `axis`, as `numerics.write_slot`) with row b's slots
     start_b .. start_b+T-1 set to new[b, 0..T-1]; new [B, T, *one entry]. A gather and a select
     (no scatter), as the decode step's write."""
     batch, length = new.shape[:2]
@@ -198,10 +198,10 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: Any, cfg: Mod
     [B, T, V] f32 after each prompt token, the new state), as `reference.prefill` does."""
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} is invalid: an int >= 1 (tokens per jitted call)")
-    reference._check_prompt(prompt)
+    reference.check_prompt(prompt)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
-    reference._check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
+    reference.check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
     prompt = jnp.asarray(prompt, i32)
     bounds = range(0, length, int(chunk))
     if progress:

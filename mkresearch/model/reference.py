@@ -14,7 +14,7 @@ Choices where the spec is silent (documented, used by the kernels too):
 - A token's position p is the cache slot it is written to; it attends to slots 0..p.
 - Where the spec leaves a summation order open, the order is one a decode kernel streams in, so
   the kernels can match to the bit: MLA's f32 online softmax starts from the new token and then
-  takes the cache `cfg.kv_tile` slots at a time (`_online_softmax`); the MoE combine
+  takes the cache `cfg.kv_tile` slots at a time (`numerics.online_softmax`); the MoE combine
   Σ w_e y_e adds the experts in ascending id (batch-invariant); the KDA update is
   S̄ + k (β (v − S̄ᵀk))ᵀ.
 - Batch invariance: a row's logits, caches and states are the same bits whatever the other rows
@@ -51,7 +51,7 @@ from mkresearch.model.numerics import (  # noqa: F401 - the shared arithmetic, r
 from mkresearch.model.sampling import sample
 from mkresearch.model.stages.ffn import dense_ffn, moe_ffn, route, routed_experts  # noqa: F401
 from mkresearch.model.stages.kda import kda_attention, kda_projections  # noqa: F401
-from mkresearch.model.stages.mla import _online_softmax, mla_attention  # noqa: F401
+from mkresearch.model.stages.mla import mla_attention  # noqa: F401
 
 
 def layer_params(stack: dict[str, Any], index: int) -> dict[str, Any]:
@@ -206,11 +206,11 @@ def _stack_aux(aux: list[dict]) -> dict[str, jax.Array]:
     return {key: jnp.stack([entry[key] for entry in aux if key in entry]) for key in keys}
 
 
-def _decode_step(params, state, tokens, positions, cfg):
+def decode_step_unchecked(params, state, tokens, positions, cfg):
     return RESIDUAL_STEPS[cfg.residual](params, state, tokens, positions, cfg)
 
 
-_decode_step_jit = jax.jit(_decode_step, static_argnames="cfg")
+decode_step_jit = jax.jit(decode_step_unchecked, static_argnames="cfg")
 
 
 def check_state(state: Any, cfg: ModelConfig, batch: int) -> int | None:
@@ -237,7 +237,7 @@ def check_state(state: Any, cfg: ModelConfig, batch: int) -> int | None:
     return seq_len
 
 
-def _check_step_inputs(state: Any, tokens: Any, positions: Any, cfg: ModelConfig) -> None:
+def check_step_inputs(state: Any, tokens: Any, positions: Any, cfg: ModelConfig) -> None:
     spec.check(cfg)
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens has shape {np.shape(tokens)}: allowed [B] (one token per row)")
@@ -260,12 +260,12 @@ def decode_step(params: dict[str, Any], state: dict[str, Any], tokens: jax.Array
     the step), aux["hidden_rms"] [L, B] f32 (RMS of each layer's input h) and, with MoE layers,
     aux["expert_ids"] [n_moe, B, top_k] i32 (the routing of each MoE layer).
     """
-    _check_step_inputs(state, tokens, positions, cfg)
-    return _decode_step_jit(params, state, jnp.asarray(tokens, i32), jnp.asarray(positions, i32),
+    check_step_inputs(state, tokens, positions, cfg)
+    return decode_step_jit(params, state, jnp.asarray(tokens, i32), jnp.asarray(positions, i32),
                             cfg=cfg)
 
 
-def _check_prompt(prompt: Any) -> None:
+def check_prompt(prompt: Any) -> None:
     if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
         raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
 
@@ -277,10 +277,10 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cf
     One `decode_step` per prompt token (the same compiled step as decoding: no second compile).
     Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state).
     """
-    _check_prompt(prompt)
+    check_prompt(prompt)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
-    _check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
+    check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
     prompt = jnp.asarray(prompt, i32)
     all_logits = []
     for t in range(length):
@@ -301,9 +301,9 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
         raise ValueError(f"n_steps={n_steps!r} is invalid: an int >= 1")
-    _check_prompt(prompt)
+    check_prompt(prompt)
     batch, length = np.shape(prompt)
-    _check_step_inputs(state, np.zeros(batch, np.int32),
+    check_step_inputs(state, np.zeros(batch, np.int32),
                        np.full(batch, length + n_steps - 2, np.int32), cfg)
     logits, state = prefill(params, state, prompt, cfg)
     logits = logits[:, -1]

@@ -199,7 +199,7 @@ def _check_logits(logits: Any, positions: Any) -> tuple[int, int]:
     return batch, vocab
 
 
-def _check_seed(seed: Any) -> None:
+def check_seed(seed: Any) -> None:
     if isinstance(seed, bool) or (isinstance(seed, int) and not -(2**31) <= seed < 2**32):
         raise ValueError(f"seed={seed!r} is invalid: an int in [-2^31, 2^32) or a uint32/int32 scalar")
 
@@ -282,7 +282,7 @@ def sample(logits: jax.Array, *, seed: Any, positions: Any, temperature: Any = N
     candidates: None (exact over the whole vocabulary) or the capacity C of a streaming sampler.
     """
     batch, vocab = _check_logits(logits, positions)
-    _check_seed(seed)
+    check_seed(seed)
     params = check_params(batch, vocab, temperature=temperature, top_k=top_k, top_p=top_p,
                           candidates=candidates)
     logits = jnp.asarray(logits, jnp.float32)

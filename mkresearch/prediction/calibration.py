@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tqdm import tqdm
+
 from mkresearch.hardware import interconnect as links
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import ModelConfig, get_config
@@ -183,28 +185,34 @@ def _varied(name: str, factor: float) -> Model:
                                                                              * factor))}))
 
 
-def sensitivity(factors=(0.5, 2.0), cfg: ModelConfig | None = None) -> dict:
+def _bar(items: list, progress: bool, desc: str) -> Any:
+    """`items`, counted by a progress bar (tqdm, on stderr) when `progress`."""
+    return tqdm(items, desc=desc, unit="validation") if progress else items
+
+
+def sensitivity(factors=(0.5, 2.0), cfg: ModelConfig | None = None, *,
+                progress: bool = False) -> dict:
     """Every ASSUMPTION moved by each factor: {"rows": one per (assumption, factor) with each
     point's ratio, "ranges": per point (lowest, highest ratio) over them and the base}."""
     base = validation(cfg=cfg)
     rows, ranges = [], {r["point"]: [r["ratio"], r["ratio"]] for r in base}
-    for name, _, _ in ASSUMPTIONS:
-        for factor in factors:
-            points = validation(_varied(name, factor), cfg)
-            rows.append({"assumption": name, "factor": factor,
-                         "ratios": {r["point"]: r["ratio"] for r in points}})
-            for r in points:
-                low, high = ranges[r["point"]]
-                ranges[r["point"]] = [min(low, r["ratio"]), max(high, r["ratio"])]
+    varied = [(name, factor) for name, _, _ in ASSUMPTIONS for factor in factors]
+    for name, factor in _bar(varied, progress, "assumptions x0.5, x2"):
+        points = validation(_varied(name, factor), cfg)
+        rows.append({"assumption": name, "factor": factor,
+                     "ratios": {r["point"]: r["ratio"] for r in points}})
+        for r in points:
+            low, high = ranges[r["point"]]
+            ranges[r["point"]] = [min(low, r["ratio"]), max(high, r["ratio"])]
     return {"base": base, "rows": rows, "ranges": {k: tuple(v) for k, v in ranges.items()}}
 
 
-def leave_one_out(cfg: ModelConfig | None = None) -> dict:
+def leave_one_out(cfg: ModelConfig | None = None, *, progress: bool = False) -> dict:
     """The collective line refitted without each measured all-reduce: the one left out
     predicted, and every validation point's ratio under each refit."""
     measured = links.COLLECTIVE_MEASURED
     held, ranges = [], {}
-    for i, (nbytes, seconds) in enumerate(measured):
+    for i, (nbytes, seconds) in _bar(list(enumerate(measured)), progress, "leave-one-out"):
         latency, bandwidth = links.fit_phases(measured[:i] + measured[i + 1:])
         inter = links.interconnect("tpu7x", ici_latency=latency, ici_bandwidth=bandwidth)
         small = links.interconnect(inter, slice=links.COLLECTIVE_MEASURED_ON)
@@ -220,13 +228,13 @@ def leave_one_out(cfg: ModelConfig | None = None) -> dict:
 
 def ours_table(cfg: ModelConfig | None = None, batches=BATCHES, *, chip: str = "tpu7x",
                interconnect: links.Interconnect | None = None,
-               algorithm: str | None = None) -> list[dict]:
+               algorithm: str | None = None, progress: bool = False) -> list[dict]:
     """Our layout with our schedule (its partial-sum collectives: "ours"; its bit-exact ones:
     "ours_exact") and with the release's schedule, beside the published."""
     cfg = get_config("kimi-k3") if cfg is None else cfg
     published = scale_out.PUBLISHED["kimi-k3"]
     rows = []
-    for batch in batches:
+    for batch in tqdm(batches, desc="our layout", unit="batch") if progress else batches:
         row = {"batch": batch, "published_tok_s": published["tok_s"][batch],
                "gb200_tok_s": published["gb200_tok_s"][batch]}
         for label, schedule, mode in (("ours", "ours", "partial-sum"),

@@ -14,6 +14,7 @@ from typing import Any
 from mkresearch.kernels.base import dma
 from mkresearch.prediction import timeline
 from mkresearch.prediction.timeline_ranks import rank_events
+from mkresearch.views.timeline_plots import modelled
 
 COLLECTIVE_COLORS = {"all_gather": "tab:red", "reduce_scatter": "tab:purple",
                      "chain": "tab:orange"}
@@ -37,8 +38,8 @@ def remote_names(log: dma.DmaLog, rank: int) -> set[str]:
 
 def plot_rank_timelines(log: dma.DmaLog, timelines: dict[int, Any], title: str = "",
                         ax: Any = None) -> Any:
-    """One row per rank, time in µs: compute (blue), HBM DMAs (grey), remote copies by collective.
-    Returns the figure."""
+    """One row per rank, time in µs: compute (blue), HBM DMAs (grey), remote copies by collective,
+    titled as modelled. Returns the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -68,7 +69,7 @@ def plot_rank_timelines(log: dma.DmaLog, timelines: dict[int, Any], title: str =
                 seen.add(collective)
     ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in sorted(timelines, reverse=True)])
     ax.set_xlabel("µs from the start of the step (timeline model, one rank at a time)")
-    ax.set_title(title)
+    ax.set_title(modelled(title or "every rank's step"))
     handles = [Patch(color="tab:blue", label="compute"), Patch(color="0.65", label="HBM DMA")]
     handles += [Patch(color=COLLECTIVE_COLORS.get(c, OTHER_COLLECTIVE), label=f"remote: {c}")
                 for c in (*COLLECTIVE_COLORS, "other") if c in seen]

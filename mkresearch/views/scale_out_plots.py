@@ -15,6 +15,7 @@ from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, scale_out
 from mkresearch.prediction.timeline import merge_intervals
 from mkresearch.prediction.timeline_ranks import PARTS, RanksTimeline
+from mkresearch.views.timeline_plots import modelled
 from mkresearch.views.widgets import FigureExplorer
 
 KINDS = ("hbm", "waiting", "collective")  # a rank's bars: HBM moving, waiting for peers, messages
@@ -134,7 +135,8 @@ def scale_out_figure(release: Sequence[dict], ours: Sequence[dict]):
            "ours, exact": seconds(ours[0]["ours_exact"]["parts_ms"]),
            "our layout, release schedule": seconds(ours[0]["ours_release_schedule"]["parts_ms"])}
     plot_parts(one, ax_parts, release[0]["published_ms"])
-    ax_parts.set_title("B = 1: where the step goes (the slowest of 32 ranks)", fontsize=10)
+    ax_parts.set_title(modelled("B = 1: where the step goes (the slowest of 32 ranks)"),
+                       fontsize=10)
     return fig
 
 
@@ -152,29 +154,28 @@ def plot_scale_out(path) -> None:
 
 
 class ScaleOutExplorer(FigureExplorer):
-    """Controls (batch, ranks, layout, schedule, ICI bandwidth and latency) under the multi-rank
-    timeline of kimi-k3 and its parts, a figure titled with the settings it shows (displayed
-    as every `widgets.FigureExplorer` is). `prediction` is the current data."""
+    """A column of controls (batch, ranks, layout, schedule, ICI bandwidth and latency) beside
+    the multi-rank timeline of kimi-k3 and its parts, a figure titled with the settings it
+    shows, modelled (displayed as every `widgets.FigureExplorer` is; both fit a 1400 x 900
+    window). `prediction` is the current data."""
+
+    FIGSIZE = (8.4, 5.0)  # inches at 100 dpi: beside the controls in a 1400-pixel window
 
     def __init__(self, *, batch: int = 1, n_ranks: int = 32, layout: str = "ours",
                  schedule: str | None = None, window_us: tuple[float, float] = (0.0, 200.0)):
-        import ipywidgets as w
-
         self.cfg = get_config("kimi-k3")
         self.window_us = window_us
         base = links.interconnect("tpu7x")
-        self.batch = w.Dropdown(options=[1, 2, 4, 8], value=batch, description="batch")
-        self.ranks = w.Dropdown(options=[8, 16, 32], value=n_ranks, description="ranks")
-        self.layout = w.Dropdown(options=["ours", "release"], value=layout, description="layout")
-        self.schedule = w.Dropdown(options=list(scale_out.SCHEDULES),
-                                   value=schedule or layout, description="schedule")
+        self.batch = _dropdown([1, 2, 4, 8], batch, "batch")
+        self.ranks = _dropdown([8, 16, 32], n_ranks, "ranks")
+        self.layout = _dropdown(["ours", "release"], layout, "layout")
+        self.schedule = _dropdown(list(scale_out.SCHEDULES), schedule or layout, "schedule")
         link = round(base.ici_bandwidth / 1e9)  # the measured per-link figure, x0.5 .. x2
-        self.bandwidth = w.Dropdown(options=[link / 4, link / 2, link, 2 * link],
-                                    value=link, description="ICI GB/s")
-        self.latency = w.Dropdown(options=[0.5, 1.0, round(base.ici_latency * 1e6, 1), 5.0],
-                                  value=round(base.ici_latency * 1e6, 1), description="ICI µs")
+        self.bandwidth = _dropdown([link / 4, link / 2, link, 2 * link], link, "ICI GB/s")
+        latency = round(base.ici_latency * 1e6, 1)
+        self.latency = _dropdown([0.5, 1.0, latency, 5.0], latency, "ICI µs")
         self._build([[self.batch, self.ranks, self.layout],
-                     [self.schedule, self.bandwidth, self.latency]])
+                     [self.schedule, self.bandwidth, self.latency]], beside=True)
 
     def compute(self) -> dict:
         inter = links.interconnect("tpu7x", ici_bandwidth=self.bandwidth.value * 1e9,
@@ -202,12 +203,13 @@ class ScaleOutExplorer(FigureExplorer):
     def draw(self):
         import matplotlib.pyplot as plt
 
-        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=(12, 7),
+        fig, (ax_ranks, ax_parts) = plt.subplots(2, 1, figsize=self.FIGSIZE,
                                                  gridspec_kw={"height_ratios": [3, 1]},
                                                  layout="constrained")
         plt.close(fig)  # shown through the explorer's outputs, never by pyplot
         p = self.prediction
-        fig.suptitle(f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step")
+        fig.suptitle(f"{self.settings()}: {p['step_s'] * 1e3:.2f} ms per step (modelled)",
+                     fontsize=10)
         plot_ranks(p["timeline"], ax_ranks, self.window_us)
         ax_ranks.set_title(f"the first {self.window_us[1]:.0f} µs of the step, one rank per "
                            "expert-parallel group", fontsize=10)
@@ -218,6 +220,15 @@ class ScaleOutExplorer(FigureExplorer):
     def __repr__(self) -> str:
         return (f"ScaleOutExplorer(batch={self.batch.value}, n_ranks={self.ranks.value}, "
                 f"layout={self.layout.value!r}, schedule={self.schedule.value!r})")
+
+
+def _dropdown(options: Sequence[Any], value: Any, description: str):
+    """A dropdown as narrow as the explorer's column of controls."""
+    import ipywidgets as w
+
+    return w.Dropdown(options=list(options), value=value, description=description,
+                      layout=w.Layout(width=f"{FigureExplorer.CONTROLS_WIDTH_PX - 10}px"),
+                      style={"description_width": "70px"})
 
 
 def explorer(**kwargs: Any):
@@ -243,8 +254,8 @@ def overlap_figure(overlaps: Sequence[dict]):
         ax.set_yticks([1, 0], ["HBM streams", "collective outstanding"])
         ax.set_xlim(0, hi - lo)
         ax.set_xlabel(f"µs after {lo:.0f} µs into the step (rank 0)")
-        ax.set_title(f"{data['mode']}, B = {data['batch']}: step {data['step_ms']:.2f} ms; HBM "
-                     f"busy {data['hbm_busy_fraction']:.0%} of the "
+        ax.set_title(f"{data['mode']}, B = {data['batch']}: modelled step {data['step_ms']:.2f} "
+                     f"ms; HBM busy {data['hbm_busy_fraction']:.0%} of the "
                      f"{data['outstanding_ms']:.2f} ms a collective is outstanding", fontsize=10)
     return fig
 

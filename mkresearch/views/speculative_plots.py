@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mkresearch.views.timeline_plots import modelled
+
 SERIES = {"k7_tokens_per_s": ("7 drafts always (8 verify rows)", "#4C72B0"),
           "exact_tokens_per_s": ("drafts = acceptance - 1 (fewest verify rows)", "#55A868")}
 
@@ -17,8 +19,8 @@ def curve_rows(points: Sequence[dict]) -> list[dict]:
 
 def plot_acceptance(points: Sequence[dict], ax, *, plain_tok_s: float | None = None,
                     title: str = "") -> None:
-    """tok/s against acceptance length for both draft policies, the published points as stars
-    and the plain decode step as a dashed line."""
+    """tok/s against acceptance length for both draft policies (predicted: the title says so),
+    the published points as stars and the plain decode step as a dashed line."""
     rows = curve_rows(points)
     for key, (label, color) in SERIES.items():
         mine = [r for r in rows if r["series"] == key]
@@ -32,5 +34,5 @@ def plot_acceptance(points: Sequence[dict], ax, *, plain_tok_s: float | None = N
         ax.axhline(plain_tok_s, color="#8C8C8C", linestyle="--", label="plain decoding")
     ax.set_xlabel("acceptance length (tokens per verify step)")
     ax.set_ylabel("tok/s")
-    ax.set_title(title)
+    ax.set_title(modelled(title or "tok/s against acceptance length"))
     ax.legend(fontsize=8)

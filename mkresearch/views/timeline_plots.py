@@ -9,11 +9,15 @@
 `plot_gantt` draws one collection per lane and kind (13k spans draw as fast as 100), no bar
 edges, every bar at least a pixel wide, the legend outside the axes. `mkresearch.views.widgets`
 re-exports all of it next to the interactive view.
+
+A figure drawn from the timeline model (or the scale-out model, `scale_out_plots`) says so in its
+title (`modelled`): its times come from stated chip figures and assumptions, not from a clock.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 from mkresearch.prediction import timeline as tl
@@ -25,6 +29,17 @@ LABELS = {"dma": "DMA moving bytes", "compute": "compute phase", "measured": "me
           "hbm_busy": "compute idle: HBM busy", "bubble": "bubble: nothing moves"}
 IDLE_LANES = {"hbm_busy": "idle, HBM busy", "bubble": "bubble"}  # Gantt rows, by cause
 _KIND_ORDER = ("dma", "compute", "hbm_busy", "bubble", "measured")
+
+
+_SAYS_MODELLED = re.compile(r"\b(modell?ed|model|predicted)\b", re.IGNORECASE)
+
+
+def modelled(title: str) -> str:
+    """`title` saying that what the figure shows is modelled: " (modelled)" appended unless it
+    already says modelled, model or predicted."""
+    if _SAYS_MODELLED.search(title):
+        return title
+    return f"{title} (modelled)" if title else "modelled"
 
 
 # ---- data functions (pure) -------------------------------------------------------------------
@@ -193,11 +208,12 @@ def plot_gantt(timeline: tl.Timeline, ax=None, measured: Sequence[tl.Span] = (),
                             for k in kinds])
     if hi > lo:  # the whole step gets a 1% margin so its last bar is not cut by the frame
         ax.set_xlim(lo, hi + (0.01 * (hi - lo) if window_us is None else 0.0))
-    default = (f"{timeline.chip.name}: step {timeline.total_s * 1e6:.2f} µs, "
+    default = (f"{timeline.chip.name}: modelled step {timeline.total_s * 1e6:.2f} µs, "
                f"{timeline.roofline_fraction:.0%} of the HBM roofline")
     if window_us is not None:
         default += f" (window {lo:.4g}–{hi:.4g} µs)"
-    ax.set_title(title or default)
+    title = title or default
+    ax.set_title(modelled(title) if timeline.spans else title)  # measured spans alone are not
     ax.set_xlabel("time (µs)")
     if ax.figure.get_layout_engine() is not None:
         ax.figure.draw_without_rendering()  # lays out ticks and legend: the axes' final width
@@ -235,7 +251,7 @@ def plot_vmem(timeline: tl.Timeline, ax=None):
     ax.set_xlabel("time (µs)")
     if timeline.total_s > 0:
         ax.set_xlim(0, timeline.total_s * 1e6)
-    ax.set_title(f"VMEM in use: peak {timeline.peak_vmem_bytes / 2**20:.2f} MiB of "
+    ax.set_title(f"VMEM in use (modelled): peak {timeline.peak_vmem_bytes / 2**20:.2f} MiB of "
                  f"{timeline.chip.vmem_capacity / 2**20:.0f} MiB")
     return ax
 
@@ -260,7 +276,7 @@ def timeline_figure(timeline: tl.Timeline, measured: Sequence[tl.Span] = (),
 
 
 def plot_time_split(timelines: Mapping[str, tl.Timeline], ax=None,
-                    title: str = "where each step's time goes"):
+                    title: str = "where each step's time goes (modelled)"):
     """One stacked bar per timeline: compute, compute idle while HBM is busy, bubbles (µs)."""
     import matplotlib.pyplot as plt
 
@@ -274,7 +290,7 @@ def plot_time_split(timelines: Mapping[str, tl.Timeline], ax=None,
         values = [r[key] for r in rows]
         ax.barh(labels, values, left=left, color=COLORS[kind], label=LABELS[kind])
         left = [a + b for a, b in zip(left, values)]
-    ax.set(xlabel="µs", title=title)
+    ax.set(xlabel="µs", title=modelled(title))
     ax.invert_yaxis()
     legend_outside(ax)
     return ax

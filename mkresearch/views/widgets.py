@@ -8,6 +8,7 @@ Every view is a thin layer over a pure data function, which the tests cover:
                                                         and kind, sub-pixel gaps merged
     vmem_steps(timeline)                             -> (times_us, bytes)
     idle_rows(timeline) / summary_rows({label: timeline}) / time_split_rows / summary_line
+    format_table(rows, columns) / TableView(rows, columns): rows as text, or as an HTML table
 
 The static figures (`plot_gantt`, `plot_vmem`, `timeline_figure`, `plot_time_split`) live in
 `mkresearch.views.timeline_plots` and are re-exported here. `TimelineExplorer` is the ipywidgets view:
@@ -16,7 +17,7 @@ long timelines) redraw the figure from the same recorded log, titled with those 
 every explorer (`FigureExplorer`, shared with `scale_out_plots.ScaleOutExplorer`) it leaves the
 figure and its summary as static outputs (what GitHub, nbviewer, an HTML export, an untrusted
 or reopened notebook show), then the live widget, which hides them and redraws its own figure
-in place above the controls. `show()` falls back to the static figure where ipywidgets is
+in place above (or beside) the controls. `show()` falls back to the static figure where ipywidgets is
 missing or there is no kernel to talk to.
 
 The compute unit's idle time has two causes (`mkresearch.prediction.timeline.Idle`): "compute idle: HBM
@@ -42,6 +43,7 @@ from mkresearch.views.timeline_plots import (  # noqa: F401 - the static views, 
     gantt_lanes,
     gantt_rows,
     legend_outside,
+    modelled,
     plot_gantt,
     plot_time_split,
     plot_vmem,
@@ -101,17 +103,62 @@ def summary_line(timeline: tl.Timeline) -> str:
             f"{s['bubble_fraction']:.0%} · peak VMEM {s['peak_vmem_bytes'] / 2**20:.2f} MiB")
 
 
+def table_cell(value: Any, digits: int = 3) -> str:
+    """One cell of a table: big numbers in full, small ones to `digits` figures."""
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
+    return str(value)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
                  digits: int = 3) -> str:
     """Rows as a fixed-width text table (numbers rounded): stable output for checked cells."""
-    def cell(value):
-        if isinstance(value, float):  # big numbers in full, small ones to `digits` figures
-            return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
-        return str(value)
-
-    table = [list(columns)] + [[cell(row[c]) for c in columns] for row in rows]
+    table = [list(columns)] + [[table_cell(row[c], digits) for c in columns] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
+
+
+class TableView:
+    """Rows shown as a compact HTML table in a notebook, as `format_table`'s text elsewhere
+    (print, repr, an HTML export's plain-text form). Numbers are right-aligned and never wrap
+    (align="right"); prose columns wrap inside their cell (align="left"). `html_cell` turns a
+    cell's text into HTML (default: escaped); `folded`, a line the reader clicks to unfold the
+    table (a long one), None to show it open."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
+                 digits: int = 3, align: str = "right", html_cell: Any = None,
+                 folded: str | None = None):
+        if align not in ("left", "right"):
+            raise ValueError(f"align={align!r} is invalid: 'left' or 'right'")
+        self.rows, self.columns, self.digits, self.align = list(rows), list(columns), digits, align
+        self.html_cell, self.folded = html_cell or html.escape, folded
+
+    def cells(self) -> list[list[str]]:
+        """The table's text, header first (the data the HTML and the text are drawn from)."""
+        return [list(self.columns)] + [[table_cell(row[c], self.digits) for c in self.columns]
+                                       for row in self.rows]
+
+    def __str__(self) -> str:
+        if self.align == "right":
+            return format_table(self.rows, self.columns, self.digits)
+        table = self.cells()
+        widths = [max(len(r[i]) for r in table) for i in range(len(self.columns))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        wrap = "normal" if self.align == "left" else "nowrap"
+        style = f"text-align:{self.align};white-space:{wrap};padding:1px 8px;vertical-align:top"
+        header, *body = self.cells()
+        head = "".join(f'<th style="{style}">{html.escape(c)}</th>' for c in header)
+        rows = "".join("<tr>" + "".join(f'<td style="{style}">{self.html_cell(c)}</td>'
+                                        for c in row) + "</tr>" for row in body)
+        table = (f'<table style="border-collapse:collapse;font-size:12px"><thead><tr>{head}'
+                 f"</tr></thead><tbody>{rows}</tbody></table>")
+        if self.folded is None:
+            return table
+        return f"<details><summary>{html.escape(self.folded)}</summary>{table}</details>"
 
 
 def png_bundle(fig, text: str) -> dict[str, str]:
@@ -160,25 +207,35 @@ def widgets_available() -> bool:
 
 
 class FigureExplorer:
-    """What every explorer shares: a figure above rows of controls, a summary line under them.
+    """What every explorer shares: a figure above rows of controls (or beside a column of
+    them), a summary line under them.
 
     Displayed, an explorer leaves three outputs: its figure as a static picture, its summary as
     plain text (what GitHub, nbviewer, an HTML export or a reopened notebook show), then the
-    widget. The widget holds its own copy of the figure in an output area ABOVE its controls and
-    a style rule that hides the two static outputs, so a live notebook shows one figure; a
-    redraw replaces the picture in that output area, in place: the controls never move.
-    Subclasses build their controls, then call `_build(rows)`, and define `update()` (recompute
-    the data), `draw()` (a Figure whose title names the settings shown), `summary_line()`.
+    widget. The widget holds its own copy of the figure in an output area ABOVE its controls
+    (or right of them) and a style rule that hides the two static outputs, so a live notebook
+    shows one figure; a redraw replaces the picture in that output area, in place: the controls
+    never move. Subclasses build their controls, then call `_build(rows)` (`beside=True`: the
+    controls in one column left of the figure, so that a tall figure and its controls fit one
+    window), and define `update()` (recompute the data), `draw()` (a Figure whose title names
+    the settings shown), `summary_line()`.
     """
 
     STATIC_OUTPUTS = 2  # the figure and the summary displayed before the widget
+    CONTROLS_WIDTH_PX = 230  # the column of controls left of the figure (beside=True)
 
-    def _build(self, control_rows: Sequence[Sequence[Any]]) -> None:
+    def _build(self, control_rows: Sequence[Sequence[Any]], *, beside: bool = False) -> None:
         import ipywidgets as w
 
         self.summary, self.output = w.HTML(), w.Output()
-        self.widget = w.VBox([self.output, *(w.HBox(list(row)) for row in control_rows),
-                              self.summary])
+        if beside:  # the figure takes the room the column leaves, shrunk to it if need be
+            column = w.VBox([control for row in control_rows for control in row],
+                            layout=w.Layout(flex="0 0 auto", width=f"{self.CONTROLS_WIDTH_PX}px"))
+            self.output.layout = w.Layout(flex="1 1 auto", min_width="0")
+            parts = [w.HBox([column, self.output], layout=w.Layout(align_items="flex-start"))]
+        else:
+            parts = [self.output, *(w.HBox(list(row)) for row in control_rows)]
+        self.widget = w.VBox([*parts, self.summary])
         self._css_class = f"mkresearch-explorer-{self.widget.model_id}"
         self.widget.add_class(self._css_class)
         self._hide_static = w.HTML(hide_static_outputs_rule(self._css_class, self.STATIC_OUTPUTS))

@@ -44,7 +44,7 @@ MINI = config.get_config("kimi-k3-mini")
 LOGIT_TOL = 5e-2
 PROMPT_LEN = 20  # prefilled by the reference: the steps cross the KV tile boundary at 32
 SEED = 7
-_reference_step = jax.jit(reference._decode_step, static_argnames="cfg")
+_reference_step = jax.jit(reference.decode_step_unchecked, static_argnames="cfg")
 _prepared: dict = {}
 
 

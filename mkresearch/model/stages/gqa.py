@@ -13,7 +13,7 @@ h reads K/V head h // G), each head_dim wide. One decode step per row at positio
     out = bf(bf(o) W_o)
 
 Order choices (module of record, the kernels follow them): the softmax runs online seeded by the
-new token, then the cache `cfg.kv_tile` slots at a time (`stages.mla._online_softmax`); products
+new token, then the cache `cfg.kv_tile` slots at a time (`numerics.online_softmax`); products
 are per (row, head) (batch-invariant). HF rounds q·W + b, the norm and each RoPE product to bf16;
 here each of the three steps rounds once.
 """
@@ -25,10 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.model import rope, spec
+from mkresearch.model import numerics, rope, spec
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
-from mkresearch.model.stages.mla import _dot_exact, _online_softmax, _write_slot
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
@@ -85,15 +84,15 @@ def gqa_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     (this layer, batch-major); positions [B] i32. Returns (out [B, d] bf16, updated cache)."""
     batch, group = x.shape[0], cfg.n_heads // cfg.n_kv_heads
     q, k, v = projections(p, x, positions, cfg)
-    cache = {"k": _write_slot(cache["k"], k, positions, axis=1),  # [B, KV, S, D]
-             "v": _write_slot(cache["v"], v, positions, axis=1)}
+    cache = {"k": numerics.write_slot(cache["k"], k, positions, axis=1),  # [B, KV, S, D]
+             "v": numerics.write_slot(cache["v"], v, positions, axis=1)}
     # query head h reads K/V head h // G: the K/V heads repeated G times, per (row, head)
     k_new, v_new = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, D]
     keys, values = (jnp.repeat(cache[name], group, axis=1) for name in ("k", "v"))  # [B,H,S,D]
     scale = rope.attention_scale(cfg, cfg.head_dim)
-    new_score = _dot_exact(q, k_new) * scale  # [B, H]
+    new_score = numerics.dot_exact(q, k_new) * scale  # [B, H]
     scores = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=f32) * scale
-    o = bf(_online_softmax(new_score, v_new, scores, values, positions, cfg.kv_tile))  # [B, H, D]
+    o = bf(numerics.online_softmax(new_score, v_new, scores, values, positions, cfg.kv_tile))  # [B, H, D]
     return bf(matmul(o.reshape(batch, cfg.n_heads * cfg.head_dim), p["w_o"])), cache
 
 

@@ -12,11 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from mkresearch.model import spec
+from mkresearch.model import numerics, spec
 from mkresearch.model.model_config import ModelConfig
-from mkresearch.model.numerics import HIGHEST, bf, bf16, f32, matmul, ordered_sum, rms_norm
+from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
@@ -55,62 +54,6 @@ def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
             "kx": spec.StateLeaf((seq_len, cfg.mla_qk_extra), bf16, cache, 0, spec.REPLICATED)}
 
 
-def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
-    """cache with row b's slot positions[b] (along `axis` of one row) set to new[b].
-
-    A select against the slot index rather than a scatter: same result, and XLA compiles it fast.
-    """
-    slot_axis = axis + 1  # in the batched cache
-    slots = jnp.arange(cache.shape[slot_axis]).reshape(
-        (-1,) + (1,) * (cache.ndim - slot_axis - 1))
-    hit = slots == positions.reshape((-1,) + (1,) * (cache.ndim - 1))  # broadcasts like cache
-    return jnp.where(hit, jnp.expand_dims(new, slot_axis).astype(cache.dtype), cache)
-
-
-def _dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Σ a·b over the last axis of bf16 vectors: each product is exact in f32, summed in f32."""
-    return ordered_sum(a.astype(f32) * b.astype(f32))
-
-
-def _online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
-                    values: jax.Array, positions: jax.Array, tile: int) -> jax.Array:
-    """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
-
-    new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
-    and values [B, H, S, n] or [B, S, n] (shared by the heads): the cache. The order is the one a
-    decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
-    then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
-    e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
-    row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
-    """
-    B, H, S = scores.shape
-    slots = jnp.arange(tile)
-    slot_axis, spec = (1, "bht,btn->bhn") if values.ndim == 3 else (2, "bht,bhtn->bhn")
-    n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
-    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))
-    values = jnp.pad(values, [(0, n_tiles * tile - S) if axis == slot_axis else (0, 0)
-                              for axis in range(values.ndim)])
-
-    def one_tile(t, carry):
-        m, norm, acc = carry  # [B, H, 1], [B, H, 1], [B, H, n]
-        tile_scores = lax.dynamic_slice_in_dim(scores, t * tile, tile, axis=2)  # [B, H, T]
-        tile_values = lax.dynamic_slice_in_dim(values, t * tile, tile, slot_axis).astype(f32)
-        valid = (t * tile + slots)[None, None, :] < positions[:, None, None]  # [B, 1, T]
-        tile_scores = jnp.where(valid, tile_scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
-        correction = jnp.exp(m - m_new)
-        weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
-        norm = correction * norm + ordered_sum(weights, keepdims=True)
-        acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
-        return m_new, norm, acc
-
-    m = new_score[..., None]
-    acc = jnp.broadcast_to(new_value.astype(f32)[:, None] if new_value.ndim == 2
-                           else new_value.astype(f32), (B, H, new_value.shape[-1]))
-    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, jnp.ones_like(m), acc))
-    return acc / norm
-
-
 def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                   positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One MLA decode step (no RoPE, output-gated). x [B, d] bf16 (normalised); positions [B] i32.
@@ -132,28 +75,28 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
 
     if cfg.mla_cache_layout == "expanded":
         k_nope, v_new, k_new = expanded_entry(p, c_hat, k_extra, cfg)
-        cache = {"k": _write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
-                 "v": _write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
+        cache = {"k": numerics.write_slot(cache["k"], k_new, positions, axis=1),  # [B, H, S, k_padded]
+                 "v": numerics.write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
         # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
-        new_score = (_dot_exact(q_nope, k_nope) + _dot_exact(q_extra, k_extra[:, None])) * scale
+        new_score = (numerics.dot_exact(q_nope, k_nope) + numerics.dot_exact(q_extra, k_extra[:, None])) * scale
         scores = (jnp.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope],
                              preferred_element_type=f32)
                   + jnp.einsum("bhe,bhse->bhs", q_extra, cache["k"][..., nope:nope + extra],
                                preferred_element_type=f32)) * scale  # [B, H, S]
-        o = bf(_online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
+        o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
     else:
-        cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
-                 "kx": _write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
+        cache = {"ckv": numerics.write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+                 "kx": numerics.write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
         # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
         w_kb_rows = jnp.broadcast_to(w_kb, (B, *w_kb.shape))  # [B, rank, H, nope]
         q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, w_kb_rows,
                                    preferred_element_type=f32))
-        new_score = (_dot_exact(q_absorbed, c_hat[:, None])
-                     + _dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
+        new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
+                     + numerics.dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
                   + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
                                preferred_element_type=f32)) * scale  # [B, H, S]
-        context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+        context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
         w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
         o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))

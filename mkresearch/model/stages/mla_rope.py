@@ -23,11 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.model import rope, spec
+from mkresearch.model import numerics, rope, spec
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
 from mkresearch.model.stages import mla
-from mkresearch.model.stages.mla import _dot_exact, _online_softmax, _write_slot
 
 
 def params(cfg: ModelConfig) -> dict[str, spec.Param]:
@@ -65,20 +64,20 @@ def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Arr
     [B, S, rope]} bf16; positions [B] i32. Returns (out [B, d] bf16, updated cache)."""
     batch, heads, nope, rank = x.shape[0], cfg.n_heads, cfg.mla_qk_nope, cfg.mla_kv_rank
     q_nope, q_rope, c_hat, k_rope = queries_and_keys(p, x, positions, cfg)
-    cache = {"ckv": _write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
-             "kpe": _write_slot(cache["kpe"], k_rope, positions, axis=0)}  # [B, S, rope]
+    cache = {"ckv": numerics.write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
+             "kpe": numerics.write_slot(cache["kpe"], k_rope, positions, axis=0)}  # [B, S, rope]
     w_kvb = p["w_kvb"].reshape(rank, heads, nope + cfg.mla_v_dim)
     w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
     # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
     q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, jnp.broadcast_to(w_kb, (batch, *w_kb.shape)),
                                preferred_element_type=f32))  # [B, H, rank]
     scale = rope.attention_scale(cfg, cfg.mla_qk_dim)
-    new_score = (_dot_exact(q_absorbed, c_hat[:, None])
-                 + _dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
+    new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
+                 + numerics.dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
     scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
               + jnp.einsum("bhe,bse->bhs", q_rope, cache["kpe"], preferred_element_type=f32)
               ) * scale  # [B, H, S]
-    context = bf(_online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
+    context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                  cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
     o = bf(jnp.einsum("bhr,brhv->bhv", context, jnp.broadcast_to(w_vb, (batch, *w_vb.shape)),
                       preferred_element_type=f32))  # [B, H, v]
