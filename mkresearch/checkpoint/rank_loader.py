@@ -153,8 +153,8 @@ def load_rank_params(directory: str | os.PathLike, lay: layouts.Layout, ranks: A
                 value = (formats.quantize(jnp.asarray(ours), cfg.expert_format) if entry.quantized
                          else jnp.asarray(ours, p.dtype))
                 for i in holders:
-                    jax.tree.map(lambda part, v, i=i: _put(part, i, entry.index, np.asarray(v)),
-                                 leaf, value)
+                    jax.tree.map(lambda part, v, i=i, layer=entry.index:
+                                 _put(part, i, layer, np.asarray(v)), leaf, value)
     bar.close()
     return RankLoad(params, ranks, shards.bytes_read(), shards.total_bytes())
 

@@ -35,10 +35,10 @@ from mkresearch.cli.common import UsageError, _at_least
 from mkresearch.cli.options import add_command
 from mkresearch.hardware import distributed
 
-EXAMPLES = ("mkresearch launch --processes 2 -- decode kimi-k3-mini --ranks 8 --backend reference "
-            "--steps 4",
-            "mkresearch launch --processes 2 --local-devices 2 -- decode --checkpoint DIR "
-            "--prompt \"The capital of France is\" --ranks 4 --backend reference")
+EXAMPLES = (("mkresearch launch --processes 2 -- decode kimi-k3-mini --ranks 8 --backend "
+             "reference --steps 4"),
+            ("mkresearch launch --processes 2 --local-devices 2 -- decode --checkpoint DIR "
+             "--prompt \"The capital of France is\" --ranks 4 --backend reference"))
 POLL_S = 0.05  # how often the processes are looked at
 PREFIX = "mkresearch launch"
 
@@ -170,7 +170,8 @@ def start(command: list[str], processes: int, devices: int, port: int) -> list[P
         # every process started before any thread (a preexec_fn is only safe without threads)
         started.append(Process(index, subprocess.Popen(
             [sys.executable, "-m", "mkresearch", *command], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent)))
+            stderr=subprocess.PIPE, text=True, bufsize=1,
+            preexec_fn=_die_with_parent)))  # noqa: PLW1509 - started before this command's threads
     for process in started:
         index, popen = process.index, process.popen
         process.threads = [

@@ -28,10 +28,14 @@ Cloud TPU VM slice, Slurm, Open MPI). On CPU a process gets `local_devices` simu
 `jax_cpu_collectives_implementation`, set here explicitly).
 
 TPU interpret mode cannot span processes: jax keeps every simulated device's memory, DMA
-semaphores and barriers in one Python process (`jax._src.pallas.mosaic.interpret.shared_memory`:
-a `threading.Barrier(num_devices)` over the mesh's devices), so a kernel whose mesh has devices
-in another process waits at its first barrier forever. `interpret_spans_processes` says when a
-run would do that; callers refuse it in one line (docs/multihost.md).
+semaphores and barriers in the Python process that runs the kernel
+(`jax._src.pallas.mosaic.interpret.shared_memory`), so a kernel whose mesh has devices in another
+process never ends, and raises nothing: a signal to a peer's barrier semaphore (as our kernels
+send before any remote DMA) lands in this process's copy of it, and `semaphore_wait` waits
+forever (a kernel without a barrier semaphore waits forever in interpret mode's global
+`threading.Barrier(num_devices)` instead). tests/test_multihost.py shows the wait's stack.
+`interpret_spans_processes` says when a run would do that; callers refuse it in one line
+(docs/multihost.md).
 
 Imports: JAX only.
 """
@@ -50,9 +54,9 @@ ENV = (COORDINATOR_ENV, PROCESS_ID_ENV, NUM_PROCESSES_ENV, LOCAL_DEVICES_ENV)
 AUTO = "auto"
 CPU_COLLECTIVES = "gloo"
 INTERPRET_ACROSS_PROCESSES = (
-    "TPU interpret mode runs every device of a kernel in one process (jax keeps their memory, "
-    "semaphores and barriers in one Python process): a Pallas kernel cannot span processes off a "
-    "TPU")
+    "TPU interpret mode keeps every device's memory and semaphores in the process running the "
+    "kernel, so a remote DMA's semaphore signal never reaches a peer in another process and the "
+    "kernel waits forever: a Pallas kernel cannot span processes off a TPU")
 
 
 @dataclass(frozen=True)

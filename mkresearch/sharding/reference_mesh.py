@@ -145,10 +145,10 @@ def _gather_whole(lay: layouts.Layout, p: spec.Param, local: Any) -> Any:
         for axis, group in active:
             factor = p.shape[axis] // whole.shape[axis]  # 1, or the values per stored element
             split = lay.split(group)
-            joins.append((axis, group, [
-                (lambda b: (b[1] - b[0]) // factor)(lay.bounds(group, p.shape[axis],
-                                                               split.rank_of(i)))
-                for i in range(split.ways)]))
+            bounds = [lay.bounds(group, p.shape[axis], split.rank_of(i))
+                      for i in range(split.ways)]
+            joins.append((axis, group, [(stop - start) // factor
+                                        for start, stop, *_ in bounds]))
         return _join(lax.all_gather(part, AXIS), list(range(lay.n_ranks)), joins, lay)
     # the whole stored shapes (a tree of parts for a quantized parameter)
     return jax.tree.map(one, local, layouts.storage(lay.cfg, p))
@@ -207,7 +207,7 @@ def rank_params(plan: MeshReference, local: dict) -> dict:
             elif not isinstance(p, spec.Param):  # the experts' w1, w3, w2
                 stack[key] = {name: _gather_whole(lay, q, local[kind][key][name])
                               for name, q in p.items()}
-            elif partial and (group := reference_sharded._row_split(lay, p)) is not None:
+            elif partial and (group := reference_sharded.row_split(lay, p)) is not None:
                 stack[key] = _rank_partials(lay, p, local[kind][key], group, plan.wire, per_host)
             else:
                 stack[key] = _gather_whole(lay, p, local[kind][key])
@@ -221,7 +221,7 @@ def _call(plan: MeshReference, mesh: Any, params: dict, state: dict, tokens: jax
           positions: jax.Array):
     def per_rank(params, state, tokens, positions):
         local = jax.tree.map(lambda a: a[0], params)
-        return reference._decode_step_jit(rank_params(plan, local), state, tokens, positions,
+        return reference.decode_step_jit(rank_params(plan, local), state, tokens, positions,
                                           cfg=plan.layout.cfg)
 
     return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
@@ -237,7 +237,7 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, plan: Me
     positions [B] (host values, the same on every process). Every process calls it together."""
     if not isinstance(plan, MeshReference):
         raise ValueError(f"plan={plan!r} is invalid: a MeshReference")  # noqa: TRY004
-    reference._check_step_inputs(state, np.asarray(tokens), np.asarray(positions),
+    reference.check_step_inputs(state, np.asarray(tokens), np.asarray(positions),
                                  plan.layout.cfg)
     inputs = distributed.put((np.asarray(tokens, np.int32), np.asarray(positions, np.int32)),
                              mesh, P())

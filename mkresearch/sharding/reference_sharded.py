@@ -77,7 +77,7 @@ def within_claim(logits: Any, single_logits: Any, routing_differed: Any,
     return np.asarray(routing_differed, bool) | (diff.max(-1) <= SAME_ROUTING_BOUND[wire])
 
 
-def _row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
+def row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
     """The group a parameter's rows split by in the partial-sum layout, else None."""
     rows = len(p.shape) - 2
     shard = layouts.param_shard(lay, p)
@@ -117,7 +117,7 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
                 hosts = tuple(g * lay.etp // per_host for g in range(lay.ep))
                 stack[key] = ExpertGroups(params[kind][key], lay.ep, wire, hosts,
                                           layouts.merges_shared_sum(lay, kind))
-            elif isinstance(p, spec.Param) and (group := _row_split(lay, p)) is not None:
+            elif isinstance(p, spec.Param) and (group := row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
         out[kind] = stack
     return out
