@@ -173,16 +173,20 @@ def test_a_killed_process_ends_the_run_with_one_line_naming_it():
 
 
 @pytest.mark.slow
-def test_the_megakernel_across_processes_is_refused_in_one_line(capsys):
+@pytest.mark.parametrize("command", ["decode", "bench"])
+def test_the_megakernel_across_processes_is_refused_in_one_line(command):
     """Off a TPU each process refuses before any work, the first failure's line ends the run."""
     done = subprocess.run(
-        [sys.executable, "-m", "mkresearch", "launch", "--processes", "2", "--", "decode",
+        [sys.executable, "-m", "mkresearch", "launch", "--processes", "2", "--", command,
          "kimi-k3-mini", "--ranks", "2"], capture_output=True, text=True,
         timeout=HANG_GUARD_S, env=_env(), check=False)
     assert done.returncode == 2 and done.stdout == ""
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"{launch.PREFIX}: process 0 of 2 (pid ") and "exited with status 2" in last
-    assert "needs a TPU for the megakernel" in last and "--backend reference" in last
+    # whichever refused first (both do)
+    assert re.match(rf"{launch.PREFIX}: process [01] of 2 \(pid \d+\) exited with status 2 "
+                    rf"\(mkresearch: {command} --ranks 2 over 2 processes needs a TPU "
+                    "for the megakernel: ", last), last
+    assert "--backend reference)" in last and "; stopped the other" in last
 
 
 REMOTE_COPY = os.path.join(os.path.dirname(__file__), "multihost_remote_copy.py")

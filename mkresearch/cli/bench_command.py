@@ -44,7 +44,7 @@ def add_parser(commands: Any) -> None:
 def run(args: Any) -> int:
     if cli_multihost.join(args):  # one process of several: first, before JAX's devices are used
         cli_multihost.check_sharded(args.ranks, "bench")
-        cli_multihost.refuse_kernel_across_processes(args.ranks)
+        cli_multihost.refuse_kernel_across_processes(args.ranks, "bench")
     args.model = args.model or DEFAULT_MODEL
     if args.workload is not None:  # a trace served: cli.workload
         return workload.run(args)

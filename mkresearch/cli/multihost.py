@@ -80,13 +80,16 @@ def check_sharded(ranks: int, command: str) -> None:
                          "their devices); one process runs --ranks 1")
 
 
-def refuse_kernel_across_processes(ranks: int) -> None:
+def refuse_kernel_across_processes(ranks: int, command: str = "decode") -> None:
     """UsageError (one line) when the sharded megakernel would run in interpret mode over
-    several processes, which cannot work."""
+    several processes, which cannot work; it names what can (decode's --backend reference)."""
     if ranks > 1 and distributed.interpret_spans_processes():
-        raise UsageError(f"--ranks {ranks} over {distributed.process_count()} processes needs a "
-                         f"TPU for the megakernel: {distributed.INTERPRET_ACROSS_PROCESSES}; run "
-                         "the plain-JAX sharded reference across processes (--backend reference)")
+        instead = ("--backend reference" if command == "decode" else
+                   f"decode --ranks {ranks} --backend reference")
+        raise UsageError(f"{command} --ranks {ranks} over {distributed.process_count()} "
+                         f"processes needs a TPU for the megakernel: "
+                         f"{distributed.INTERPRET_ACROSS_PROCESSES}; the plain-JAX sharded "
+                         f"reference runs across processes ({instead})")
 
 
 def leader_prints() -> bool:

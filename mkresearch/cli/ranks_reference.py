@@ -40,7 +40,6 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from tqdm import tqdm
 
     lay = layout.layout(cfg, n_ranks, collectives=collectives)
     plan = reference_mesh.MeshReference(lay)  # refuses what it cannot run, before any work
@@ -53,20 +52,38 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     else:
         loaded = load(lay, ranks)
         local = loaded.params
-    placed = reference_mesh.place_params(local, mesh)
-    state = reference_mesh.place_state(reference.init_state(cfg, batch), mesh)
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
                                            cfg.vocab_size, dtype=jnp.int32)  # [B, T]
                         if prompt is None else prompt)
-    checked = params is not None and multihost.leader_prints()
-    single = None
-    if checked:
-        single = (reference_sharded.sharded_params(params, lay) if collectives == layout.PARTIAL_SUM
-                  else params)
-        single_state = reference.init_state(cfg, batch)
-    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} reference on {n_ranks} ranks",
-               unit="step", disable=not progress, leave=False)
-    clock, digest, generated, bit_equal = bench.StepClock(), hashlib.sha256(), [], 0
+    # with every weight at hand, process 0 checks each step against one device
+    check = (SingleDeviceCheck(params, lay, batch)
+             if params is not None and multihost.leader_prints() else None)
+    run = _steps(plan, mesh, reference_mesh.place_params(local, mesh), prompt, steps, check,
+                 progress)
+    result = {"model": cfg.name, "backend": "reference", "ranks": n_ranks,
+              "layout": lay.describe(), "collectives": collectives, "batch": batch,
+              "prompt_len": prompt_len, "steps": steps, "seed": seed,
+              "platform": jax.default_backend(), **multihost.processes_facts(),
+              "prompt": prompt.tolist(), **run}
+    if check is not None:
+        result["single_device"] = check.result()
+    if loaded is not None:
+        result["bytes_read"] = multihost.bytes_read_rows(loaded)
+    return result
+
+
+def _steps(plan: reference_mesh.MeshReference, mesh: Any, placed: dict, prompt: Any,
+           steps: int, check: SingleDeviceCheck | None, progress: bool) -> dict:
+    """The prompt [B, T] stepped through, then `steps` greedy tokens (argmax: the lowest id wins
+    a tie) -> {"generated", "logits_sha256", "seconds"}."""
+    import numpy as np
+    from tqdm import tqdm
+
+    cfg, (batch, prompt_len) = plan.layout.cfg, prompt.shape
+    state = reference_mesh.place_state(reference.init_state(cfg, batch), mesh)
+    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} reference on "
+               f"{plan.layout.n_ranks} ranks", unit="step", disable=not progress, leave=False)
+    clock, digest, generated = bench.StepClock(), hashlib.sha256(), []
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
         positions = np.full(batch, t, np.int32)
@@ -74,31 +91,43 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                                      positions, plan, mesh)
         logits = distributed.to_host(logits)  # [B, V] f32
         digest.update(logits.tobytes())
-        if single is not None:
-            want, single_state, _ = reference.decode_step(single, single_state, token, positions,
-                                                          cfg)
-            bit_equal += int(np.array_equal(np.asarray(want).view(np.uint32),
-                                            logits.view(np.uint32)))
+        if check is not None:
+            check.step(token, positions, logits)
         next_token = logits.argmax(-1).astype(np.int32)  # greedy: the lowest id wins a tie
         if t >= prompt_len - 1:
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()
     bar.close()
-    n_steps = prompt_len + steps - 1
-    result = {"model": cfg.name, "backend": "reference", "ranks": n_ranks,
-              "layout": lay.describe(), "collectives": collectives, "batch": batch,
-              "prompt_len": prompt_len, "steps": steps, "seed": seed,
-              "platform": jax.default_backend(), **multihost.processes_facts(),
-              "prompt": prompt.tolist(), "generated": np.stack(generated, axis=1).tolist(),
-              "logits_sha256": digest.hexdigest(),
-              "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s}}
-    if checked:
-        result["single_device"] = {"check": CHECK, "logits_bit_equal_steps": bit_equal,
-                                   "steps": n_steps, "passed": bit_equal == n_steps}
-    if loaded is not None:
-        result["bytes_read"] = multihost.bytes_read_rows(loaded)
-    return result
+    return {"generated": np.stack(generated, axis=1).tolist(),
+            "logits_sha256": digest.hexdigest(),
+            "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s}}
+
+
+class SingleDeviceCheck:
+    """The single-device sharded reference (`reference_sharded.decode_step`; exact collectives:
+    `reference.decode_step`) stepped over the same tokens with its own state: each step's logits
+    bit-equal to the mesh's?"""
+
+    def __init__(self, params: dict, lay: layout.Layout, batch: int) -> None:
+        self.cfg = lay.cfg
+        self.params = (reference_sharded.sharded_params(params, lay)
+                       if lay.collectives == layout.PARTIAL_SUM else params)
+        self.state = reference.init_state(lay.cfg, batch)
+        self.steps = self.bit_equal = 0
+
+    def step(self, token: Any, positions: Any, logits: Any) -> None:
+        import numpy as np
+
+        want, self.state, _ = reference.decode_step(self.params, self.state, token, positions,
+                                                    self.cfg)
+        self.steps += 1
+        self.bit_equal += int(np.array_equal(np.asarray(want).view(np.uint32),
+                                             np.asarray(logits).view(np.uint32)))
+
+    def result(self) -> dict:
+        return {"check": CHECK, "logits_bit_equal_steps": self.bit_equal, "steps": self.steps,
+                "passed": self.bit_equal == self.steps}
 
 
 def passed(result: dict) -> bool:
