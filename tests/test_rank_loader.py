@@ -86,6 +86,7 @@ def _fp8_boxes(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.slow  # ~40 s here: checkpoints written and read whole and by ranks
 @pytest.mark.parametrize("name, kwargs, n_ranks, splits", [
     ("deepseek-v3-mini", {"fp8": True, "shards": 2}, 8, ((0, 1, 2, 3), (4, 5, 6, 7))),
     ("qwen3-235b-a22b-mini", {"shards": 3}, 4, ((0,), (3, 1), (2,))),  # any ranks, any order
