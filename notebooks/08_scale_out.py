@@ -122,7 +122,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 6. the per-rank bytes of the full model, our layout beside the release's;
 # 7. the full model's sharded step compiled for the 32 cores of `tpu7x:2x2x4` (recorded);
 # 8. exact vs partial-sum collectives, predicted at full size;
-# 9. fewer collectives, and what they cost.
+# 9. fewer collectives, and what they cost;
+# 10. beyond one host: one process per host, each loading only its shards.
 #
 # Terms (rank, all-gather, reduce-scatter, EP × ETP, one-shot, two-level, rs-ag, sibling swap, …)
 # are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
@@ -810,7 +811,62 @@ frontier_fig = scale_out_plots.frontier_figure(fronts, max_collectives=200, max_
 show_figure(frontier_fig)
 
 # %%
-# Checks · the frontier figure's labels; this notebook's run time on this machine
+# Checks · the frontier figure's labels
 assert not label_problems(frontier_fig)
+
+# %% [markdown]
+# ## 10 · Beyond one host: one process per host
+#
+# The release's 16 chips sit on 4 hosts, and so does every TPU slice larger than one host. There
+# JAX runs **one process per host** (a *multi-controller* run, joined by
+# `jax.distributed.initialize`): each process drives only its own chips, every process runs the
+# same program, and a computation over a mesh of *every* process's devices is one SPMD program
+# whose remote DMAs and collectives cross the hosts. Three things change from the runs above:
+#
+# - **the mesh** spans the processes, each host's devices consecutive ranks (the cell below: the
+#   mesh a run on each slice builds, from the topology's own devices);
+# - **loading**: each process reads from the checkpoint only its ranks' slices, by byte ranges
+#   (an FP8 scale block cut by a slice edge is read by both ranks), never the whole file;
+# - **output**: results are gathered, and process 0 alone prints them.
+#
+# Step by step on a TPU VM slice, on every worker at once (docs/multihost.md §2):
+#
+# ```bash
+# mkresearch decode --checkpoint DIR --prompt "The capital of France is" --ranks 16 --coordinator auto
+# ```
+#
+# On this machine, `mkresearch launch` starts several processes as the hosts, with simulated CPU
+# devices in each and JAX's CPU collectives (gloo) between them. One failing process stops the
+# rest, with one line that names it:
+#
+# ```bash
+# mkresearch launch --processes 2 -- decode kimi-k3-mini --ranks 8 --backend reference --steps 4
+# ```
+#
+# That is the plain-JAX sharded reference, `--backend reference`. The kernel itself cannot span
+# processes here: interpret mode keeps every simulated device's memory and semaphores in the one
+# Python process that runs the kernel, so a remote copy to a peer in another process waits
+# forever. The multi-host kernel is compiled instead (§7: one Mosaic kernel per rank). The tests
+# run these commands for real, and check that 2 processes × 4 devices give the bits of
+# 1 process × 8, tokens and logits (tests/test_multihost.py); the commands take minutes on two
+# cores, so this notebook does not run them.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the mesh a multi-host slice's run builds: one process per host, its ranks consecutive
+host_rows = []
+for topology, n_ranks in (("v5e:2x4", 8), (sharded.FULL_TOPOLOGY, 32)):
+    hosts = [d.process_index for d in sharded.make_mesh_on(topology, n_ranks).devices.flat]
+    for host in sorted(set(hosts)):
+        on_host = [r for r, h in enumerate(hosts) if h == host]
+        host_rows.append({"slice": topology, "host (process)": host,
+                          "ranks": f"{on_host[0]}-{on_host[-1]}",
+                          "consecutive": on_host == list(range(on_host[0], on_host[-1] + 1))})
+print(widgets.format_table(host_rows, list(host_rows[0])))
+assert all(row["consecutive"] for row in host_rows)
+assert [len([r for r in host_rows if r["slice"] == t]) for t in ("v5e:2x4", "tpu7x:2x2x4")] == [
+    2, 4]
+
+# %%
 elapsed = time.perf_counter() - started
 print(f"notebook body: {elapsed:.0f} s")

@@ -75,8 +75,9 @@ def pytest_runtest_teardown(item, nextitem):
 # The modules that take longest (measured with --durations), first: xdist's loadfile hands modules
 # to its two workers in collection order, and a long module handed out last leaves one worker idle
 # while the other finishes it.
-LONGEST_MODULES = ("test_sharded.py", "test_megakernel_verify.py", "test_megakernel.py",
-                   "test_families_megakernel.py", "test_browser.py", "test_schedule.py",
+LONGEST_MODULES = ("test_sharded.py", "test_multihost.py", "test_megakernel_verify.py",
+                   "test_megakernel.py", "test_families_megakernel.py", "test_browser.py",
+                   "test_schedule.py",
                    "test_cli.py", "test_batch_invariance.py", "test_serve.py",
                    "test_paged_kv.py", "test_attention_kernels.py",
                    "test_families_moe_kernels.py")

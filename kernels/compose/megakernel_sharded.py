@@ -52,7 +52,7 @@ from mkresearch.kernels.sharded import collectives, sharded_stages
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages import gate_up, sampling
 
-from mkresearch.hardware import tpu
+from mkresearch.hardware import distributed, tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model import sampling as sampling_ref
@@ -297,11 +297,23 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
 # ---- weights and state ---------------------------------------------------------------------
 def prepare_weights(params: dict, lay: layouts.Layout, mesh: Any = None) -> dict:
     """The parameters as every rank's prepared weights (`megakernel.prepare_weights` of its
-    slice), stacked on a leading rank axis and, given a mesh, placed one slice per device."""
+    slice), stacked on a leading rank axis and, given a mesh, placed one slice per device (in a
+    multi-process run each process prepares and places only its own ranks' slices)."""
+    if mesh is not None:
+        ranks = distributed.local_ranks(mesh)
+        return prepare_rank_weights(layouts.shard_params(params, lay, ranks), lay, mesh)
     kcfg = kernel_config(lay)
-    prepared = jax.vmap(lambda p: megakernel.prepare_weights(p, kcfg))(
+    return jax.vmap(lambda p: megakernel.prepare_weights(p, kcfg))(
         layouts.shard_params(params, lay))
-    return prepared if mesh is None else place(prepared, mesh)
+
+
+def prepare_rank_weights(rank_params: dict, lay: layouts.Layout, mesh: Any) -> dict:
+    """This process's ranks' slices (leaves [n_local, ...] in `distributed.local_ranks(mesh)`
+    order: `layout.shard_params(params, lay, ranks)`, or a checkpoint read per rank,
+    `mkresearch.checkpoint.rank_loader`) prepared and placed on their devices of the mesh."""
+    kcfg = kernel_config(lay)
+    prepared = jax.vmap(lambda p: megakernel.prepare_weights(p, kcfg))(rank_params)
+    return distributed.put_local(prepared, mesh, P(AXIS))
 
 
 def shard_state(state: dict, lay: layouts.Layout, mesh: Any = None) -> dict:
@@ -311,18 +323,14 @@ def shard_state(state: dict, lay: layouts.Layout, mesh: Any = None) -> dict:
 
 
 def place(tree: Any, mesh: Any) -> Any:
-    """Leaves [n_ranks, ...] one slice per device of the mesh."""
-    return jax.device_put(tree, NamedSharding(mesh, P(AXIS)))
+    """Leaves [n_ranks, ...] (the same on every process) one slice per device of the mesh."""
+    return distributed.put(tree, mesh, P(AXIS))
 
 
 def make_mesh(n_ranks: int) -> Any:
-    """A 1-D mesh of the first n_ranks devices (ValueError if there are fewer)."""
-    devices = jax.devices()
-    if len(devices) < n_ranks:
-        raise ValueError(f"n_ranks={n_ranks} needs {n_ranks} devices but JAX has {len(devices)}: "
-                         f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_ranks} "
-                         "before JAX starts")
-    return jax.sharding.Mesh(np.array(devices[:n_ranks]), (AXIS,))
+    """A 1-D mesh of n_ranks devices, over every process's in a multi-process run, a process's
+    consecutive (`distributed.mesh`; ValueError if there are fewer)."""
+    return distributed.mesh(n_ranks, AXIS)
 
 
 # ---- the call --------------------------------------------------------------------------------
@@ -383,7 +391,7 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
                         jnp.asarray(pos + 1, jnp.int32)[:, None],
                         jnp.asarray(sp.temperature)[:, None], jnp.asarray(sp.top_k)[:, None],
                         jnp.asarray(sp.top_p)[:, None])
-    inputs = jax.device_put(inputs, NamedSharding(mesh, P()))
+    inputs = distributed.put(inputs, mesh, P())  # on every device (of every process)
     (tokens_out, overflow, logits), new_state = _call(
         plan, mesh, tpu.interpret_params(), dma.is_recording(), bool(np.any(sampled & ~truncated)),
         bool(np.any(sampled & truncated)), bool(return_logits), inputs, prepared, state)
@@ -395,6 +403,16 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
 
 
 # ---- compiling for a TPU topology on this machine -----------------------------------------
+def make_mesh_on(topology: str, n_ranks: int) -> Any:
+    """The mesh a run on n_ranks devices of a TPU `topology` builds (`make_mesh`: a multi-host
+    slice's hosts each a process, their devices consecutive), from the topology's devices."""
+    devices = tpu.topology_devices(topology)
+    if len(devices) < n_ranks:
+        raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "
+                         "needs as many")
+    return distributed.mesh(n_ranks, AXIS, devices)
+
+
 def step_shapes(plan: ShardedPlan) -> tuple:
     """Shape structs of (inputs, weights [n, ...], state [n, ...]): nothing allocated."""
     lay, n, batch = plan.layout, plan.n_ranks, plan.mega.batch
@@ -418,11 +436,7 @@ def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layout
     MegakernelOptions(chip=chip): every reduction one-shot)."""
     lay = layouts.layout(cfg, n_ranks, name, collectives=collectives)
     plan = make_sharded_plan(lay, batch, seq_len, options or mplan.MegakernelOptions(chip=chip))
-    devices = tpu.topology_devices(topology)
-    if len(devices) < n_ranks:
-        raise ValueError(f"topology={topology!r} has {len(devices)} devices: n_ranks={n_ranks} "
-                         "needs as many")
-    mesh = jax.sharding.Mesh(np.array(devices[:n_ranks]), (AXIS,))
+    mesh = make_mesh_on(topology, n_ranks)
 
     def step(inputs, weights, state):
         return _call(plan, mesh, tpu.interpret_params(), False, False, False, False, inputs,

@@ -135,9 +135,18 @@ def check_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = Non
     directory = os.fspath(directory)
     if cfg is None:
         cfg = read_config(directory)
-    raw = _read_raw_config(directory)
-    _check(Shards(directory), _entries(cfg, raw), fp8_quantized(raw), cfg)
+    open_checked(directory, cfg)
     return cfg
+
+
+def open_checked(directory: str, cfg: ModelConfig) -> tuple[Shards, list[list[names_module.Entry]]]:
+    """The checkpoint's shards (every header read) and its entries (the trunk's, then each
+    layer's), every tensor checked against cfg (`_check`): what a load reads from."""
+    raw = _read_raw_config(directory)
+    groups = _entries(cfg, raw)
+    shards = Shards(directory)
+    _check(shards, groups, fp8_quantized(raw), cfg)
+    return shards, groups
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -184,11 +193,7 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
         lay = layout.layout(cfg, ranks) if ranks is not None else None
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    raw = _read_raw_config(directory)
-    fp8 = fp8_quantized(raw)
-    groups = _entries(cfg, raw)
-    shards = Shards(directory)
-    _check(shards, groups, fp8, cfg)
+    shards, groups = open_checked(directory, cfg)
     stats = {} if stats is None else stats
     table = spec.param_table(cfg)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), weights.param_shapes(cfg))

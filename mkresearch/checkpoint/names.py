@@ -23,6 +23,23 @@ from mkresearch.model import rope
 from mkresearch.model.config import ModelConfig
 
 Transform = Callable[[list[np.ndarray]], np.ndarray]
+TENSOR = "tensor"  # an axis of ours that runs over the entry's published tensors (stacked)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one axis of our leaf comes from: published axis `axis` (TENSOR: the entry's
+    published tensors, in `names` order), our index j at published index order[j] (None: j),
+    our indices from `length` on zero padding (None: none). Published axes no axis of ours names
+    have length 1 (read at 0). What a rank's slice reads (`mkresearch.checkpoint.rank_loader`)."""
+
+    axis: int | str
+    order: tuple[int, ...] | None = None
+    length: int | None = None
+
+
+def _identity(ndim: int) -> tuple[Source, ...]:
+    return tuple(Source(axis) for axis in range(ndim))
 
 
 @dataclass(frozen=True)
@@ -39,10 +56,13 @@ class Entry:
     to_published: Callable[[np.ndarray], list[np.ndarray]]
     quantized: bool = False  # routed experts: stored in cfg.expert_format
     linear: bool = False  # a projection the FP8 release stores in FP8 with block scales
+    # each axis of our array (one layer's): where `to_ours` takes it from; read by slices
+    sources: tuple[Source, ...] = ()
 
 
 def _copy(key, index, name, shape) -> Entry:
-    return Entry(key, index, (name,), (shape,), lambda a: a[0], lambda w: [w])
+    return Entry(key, index, (name,), (shape,), lambda a: a[0], lambda w: [w],
+                 sources=_identity(len(shape)))
 
 
 def _linear(key, index, name, n_in, n_out, permute=None) -> Entry:
@@ -51,7 +71,9 @@ def _linear(key, index, name, n_in, n_out, permute=None) -> Entry:
     inverse = np.argsort(order)
     return Entry(key, index, (name,), ((n_out, n_in),),
                  lambda a: np.ascontiguousarray(a[0].T[:, order]),
-                 lambda w: [np.ascontiguousarray(w[:, inverse].T)], linear=True)
+                 lambda w: [np.ascontiguousarray(w[:, inverse].T)], linear=True,
+                 sources=(Source(1), Source(0, None if permute is None else
+                                            tuple(int(i) for i in order))))
 
 
 def _padded(key, index, name, n_in, n_out, published_in, published_out) -> Entry:
@@ -63,13 +85,15 @@ def _padded(key, index, name, n_in, n_out, published_in, published_out) -> Entry
         return ours
 
     return Entry(key, index, (name,), ((published_out, published_in),), to_ours,
-                 lambda w: [np.ascontiguousarray(w[:published_in, :published_out].T)], linear=True)
+                 lambda w: [np.ascontiguousarray(w[:published_in, :published_out].T)], linear=True,
+                 sources=(Source(1, None, published_in), Source(0, None, published_out)))
 
 
 def _experts(key, index, names, n_in, n_out) -> Entry:
     return Entry(key, index, tuple(names), ((n_out, n_in),) * len(names),
                  lambda a: np.stack([w.T for w in a]),
-                 lambda w: [np.ascontiguousarray(m.T) for m in w], quantized=True, linear=True)
+                 lambda w: [np.ascontiguousarray(m.T) for m in w], quantized=True, linear=True,
+                 sources=(Source(TENSOR), Source(1), Source(0)))
 
 
 def _rope_columns(cfg: ModelConfig, width: int, start: int, every: int, interleaved: bool):
@@ -140,12 +164,14 @@ def _kda(cfg: ModelConfig, i: int, p: str) -> list[Entry]:
     return [*(_linear((kind, f"w_{n}"), i, p + f"{n}_proj.weight", d, hd) for n in "qkv"),
             Entry((kind, "conv_w"), i, convs, ((hd, 1, cfg.kda_conv_size),) * 3,
                   lambda a: np.stack([w[:, 0, :].T for w in a]),
-                  lambda w: [np.ascontiguousarray(m.T[:, None, :]) for m in w]),
+                  lambda w: [np.ascontiguousarray(m.T[:, None, :]) for m in w],
+                  sources=(Source(TENSOR), Source(2), Source(0))),
             _linear((kind, "w_fa"), i, p + "f_a_proj.weight", d, cfg.kda_gate_rank),
             _linear((kind, "w_fb"), i, p + "f_b_proj.weight", cfg.kda_gate_rank, hd),
             *gate, _linear((kind, "w_b"), i, p + "b_proj.weight", d, heads),
             Entry((kind, "a_log"), i, (p + "A_log",), ((1, 1, heads, 1),),
-                  lambda a: a[0].reshape(heads), lambda w: [w.reshape(1, 1, heads, 1)]),
+                  lambda a: a[0].reshape(heads), lambda w: [w.reshape(1, 1, heads, 1)],
+                  sources=(Source(2),)),
             _copy((kind, "dt_bias"), i, p + "dt_bias", (hd,)),
             _copy((kind, "o_norm"), i, p + "o_norm.weight", (cfg.kda_head_dim,)),
             _linear((kind, "w_o"), i, p + "o_proj.weight", hd, d)]
@@ -166,7 +192,8 @@ def _ffn(cfg: ModelConfig, layer: int, dense_published: int | None) -> list[Entr
     if kimi:
         p = f"model.layers.{layer}.block_sparse_moe."
     router = _linear((kind, "w_router"), i, p + "gate.weight", d, e)
-    out = [Entry(router.key, i, router.names, router.shapes, router.to_ours, router.to_published)]
+    out = [Entry(router.key, i, router.names, router.shapes, router.to_ours, router.to_published,
+                 sources=router.sources)]
     if cfg.router_bias:
         out.append(_copy((kind, "router_bias"), i, p + "gate.e_score_correction_bias", (e,)))
     out += [_experts((kind, "experts", ours), i,
@@ -196,7 +223,8 @@ def trunk_entries(cfg: ModelConfig) -> list[Entry]:
     d, v = cfg.d_model, cfg.vocab_size
     head = _linear(("lm_head",), None, "lm_head.weight", d, v)
     return [_copy(("embed",), None, "model.embed_tokens.weight", (v, d)),
-            Entry(head.key, None, head.names, head.shapes, head.to_ours, head.to_published),
+            Entry(head.key, None, head.names, head.shapes, head.to_ours, head.to_published,
+                  sources=head.sources),
             _copy(("final_norm",), None, "model.norm.weight", (d,))]
 
 

@@ -6,6 +6,9 @@ then the data. `Shards` opens a checkpoint directory through `model.safetensors.
 (`weight_map`: tensor -> file) or a lone `model.safetensors`, reads every header up front (so a
 missing shard, a truncated file or a tensor the index names but its file lacks fails before any
 weight is read) and then one tensor at a time, on demand: never the whole model in host memory.
+`read_box` reads a box of a tensor (a range per axis) by byte ranges: one read per run of
+consecutive bytes, nothing else of the file; every file counts the bytes read from it
+(`Shards.bytes_read`: what a process of a multi-host run read, `mkresearch.checkpoint.rank_loader`).
 
 FP8 (DeepSeek-V3's release): `W` float8_e4m3fn [out, in] and `W_scale_inv` f32
 [ceil(out/128), ceil(in/128)]; the real weight is W * scale_inv, block by block.
@@ -13,7 +16,9 @@ FP8 (DeepSeek-V3's release): `W` float8_e4m3fn [out, in] and `W_scale_inv` f32
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -56,6 +61,7 @@ class SafetensorsFile:
             raise CheckpointError(f"{path}: not a safetensors file ({error})") from None
         header.pop("__metadata__", None)
         self.data_start, self.tensors = 8 + length, header
+        self.bytes_read = 8 + length  # the header, read above; every read adds its bytes
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
             if entry["dtype"] not in DTYPES:
@@ -71,15 +77,41 @@ class SafetensorsFile:
                                       f"{self.data_start + end}, the file has {size}")
 
     def read(self, name: str) -> np.ndarray:
+        return self.read_box(name, tuple((0, n) for n in self.tensors[name]["shape"]))
+
+    def read_box(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """The elements [start, stop) of each axis of tensor `name` (row-major in the file), by
+        byte ranges: one read per run of consecutive elements (the innermost axes whole after
+        the last partial one), nothing else of the file."""
         entry = self.tensors[name]
-        begin, end = entry["data_offsets"]
+        shape, dtype = tuple(entry["shape"]), np.dtype(DTYPES[entry["dtype"]])
+        box = tuple((int(a), int(b)) for a, b in box)
+        if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+            raise ValueError(f"box={box} is invalid for tensor {name} of shape {list(shape)}")
+        out = np.empty(tuple(b - a for a, b in box), dtype)
+        if out.size == 0:
+            return out
+        if not shape:  # a scalar: its bytes
+            box, shape, out = ((0, 1),), (1,), out.reshape(1)
+        run_axis = len(shape) - 1  # axes after it are whole: one run per index of the axes before
+        while run_axis > 0 and box[run_axis] == (0, shape[run_axis]):
+            run_axis -= 1
+        strides = [math.prod(shape[axis + 1:]) for axis in range(len(shape))]
+        run = (box[run_axis][1] - box[run_axis][0]) * strides[run_axis]
+        flat = out.reshape(-1, run)
+        begin = self.data_start + entry["data_offsets"][0]
         with open(self.path, "rb") as handle:
-            handle.seek(self.data_start + begin)
-            data = handle.read(end - begin)
-        if len(data) != end - begin:
-            raise CheckpointError(f"{self.path}: truncated while reading tensor {name}")
-        dtype = DTYPES[entry["dtype"]]
-        return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+            for row, index in enumerate(itertools.product(*(range(a, b) for a, b in
+                                                            box[:run_axis]))):
+                offset = sum(i * s for i, s in zip(index, strides)) \
+                    + box[run_axis][0] * strides[run_axis]
+                handle.seek(begin + offset * dtype.itemsize)
+                data = handle.read(run * dtype.itemsize)
+                if len(data) != run * dtype.itemsize:
+                    raise CheckpointError(f"{self.path}: truncated while reading tensor {name}")
+                flat[row] = np.frombuffer(data, dtype=dtype)
+                self.bytes_read += len(data)
+        return out.reshape(tuple(entry["shape"])) if not entry["shape"] else out
 
 
 class Shards:
@@ -133,6 +165,25 @@ class Shards:
         if self.dtype(name) != "F8_E4M3":
             return values.astype(np.float32)
         return fp8_dequantize(values, self.read(name + SCALE_SUFFIX).astype(np.float32))
+
+    def read_f32_box(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """A box of the tensor (`SafetensorsFile.read_box`) as f32; an FP8 weight's box times the
+        block scales it overlaps (a block straddling the box's edge: its one scale, read once)."""
+        values = self.where[name].read_box(name, box)
+        if self.dtype(name) != "F8_E4M3":
+            return values.astype(np.float32)
+        blocks = tuple((a // FP8_BLOCK, -(-b // FP8_BLOCK)) for a, b in box)
+        scale = self.where[name + SCALE_SUFFIX].read_box(name + SCALE_SUFFIX, blocks)
+        rows, cols = (np.arange(a, b) // FP8_BLOCK - a // FP8_BLOCK for a, b in box)
+        return values.astype(np.float32) * scale.astype(np.float32)[np.ix_(rows, cols)]
+
+    def bytes_read(self) -> int:
+        """Bytes read from the checkpoint's files so far (headers included)."""
+        return sum(opened.bytes_read for opened in self.files.values())
+
+    def total_bytes(self) -> int:
+        """The sizes of the checkpoint's safetensors files together."""
+        return sum(os.path.getsize(opened.path) for opened in self.files.values())
 
 
 # ---- FP8 with 128 x 128 block scales -----------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mkresearch.cli import bench, figures, workload
+from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import _at_least, _chip, _megakernel_batch, _model, _refusals
@@ -37,9 +38,13 @@ def add_parser(commands: Any) -> None:
                    help="directory of decode_bench.json and decode_bench.png (default figures)")
     cli_speculative.add_bench_arguments(p)
     workload.add_bench_arguments(p)
+    cli_multihost.add_arguments(p)
 
 
 def run(args: Any) -> int:
+    if cli_multihost.join(args):  # one process of several: first, before JAX's devices are used
+        cli_multihost.check_sharded(args.ranks, "bench")
+        cli_multihost.refuse_kernel_across_processes(args.ranks, "bench")
     args.model = args.model or DEFAULT_MODEL
     if args.workload is not None:  # a trace served: cli.workload
         return workload.run(args)
@@ -54,15 +59,20 @@ def run(args: Any) -> int:
     if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, args.argv)) is not None:
         return status
     out = Path(args.out)
+    leader = cli_multihost.leader_prints()  # process 0 writes and prints; the others run along
     with _refusals():
         result = bench.run_bench(cfg, args.batch, args.steps, args.chip,
-                                 out_json=out / "decode_bench.json",
-                                 figure=out / "decode_bench.png")
-        cli_speculative.add_bench_rows(result, cfg, args, out / "decode_bench.json")
+                                 out_json=out / "decode_bench.json" if leader else None,
+                                 figure=out / "decode_bench.png" if leader else None)
+        if leader:
+            cli_speculative.add_bench_rows(result, cfg, args, out / "decode_bench.json")
         if args.ranks > 1:  # the sharded rows, beside the single device's in the JSON
             result["sharded"] = cli_ranks.bench_sharded(cfg, args.batch, args.steps, args.chip,
                                                         args.ranks)
-            (out / "decode_bench.json").write_text(json.dumps(result, indent=1))
+            if leader:
+                (out / "decode_bench.json").write_text(json.dumps(result, indent=1))
+    if not leader:
+        return 0
     for row in result["rows"]:
         bench.print_bench_row(row)
     for row in result.get("sharded", {}).get("rows", ()):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkresearch.checkpoint.loader import CheckpointError, load_params, read_config
+from mkresearch.checkpoint.rank_loader import load_rank_params
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
@@ -61,11 +62,14 @@ def check(args: argparse.Namespace) -> None:
 @dataclass(frozen=True)
 class Loaded:
     """What --ranks and --speculate take from a checkpoint: `params()` reads the weights (in the
-    process that decodes: a --ranks child), `prompt` [1, T] int32, `text(ids)` the ids' text."""
+    process that decodes: a --ranks child), `rank_params(lay, ranks)` only the slices of those
+    ranks (`rank_loader.RankLoad`: a process of a multi-process run, the sharded reference),
+    `prompt` [1, T] int32, `text(ids)` the ids' text."""
 
     params: Callable[[], dict]
     prompt: Any
     text: Callable[[Sequence[int]], str]
+    rank_params: Callable[[Any, tuple], Any] | None = None
 
 
 @contextlib.contextmanager
@@ -164,12 +168,15 @@ def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], 
         return args.prompt + "".join(stream.push(i) for i in ids) + stream.end()
 
     loaded = Loaded(lambda: load_params(args.checkpoint, cfg, progress=progress),
-                    np.asarray([prompt_ids], np.int32), text)
+                    np.asarray([prompt_ids], np.int32), text,
+                    lambda lay, ranks: load_rank_params(args.checkpoint, lay, ranks,
+                                                        progress=progress))
     args.prompt_len = len(prompt_ids)  # what the random-prompt runs check their lengths by
     with _checkpoint_errors():
         if args.speculate is not None:
             return cli_speculative.run_decode(args, cfg, loaded)
-        cli_ranks.check_ranks(cfg, args.ranks, args.backend or "megakernel")
+        args.backend = args.backend or "megakernel"
+        cli_ranks.check_ranks(cfg, args.ranks, args.backend)
         return cli_ranks.run_decode(args, cfg, argv, progress, loaded)
 
 

@@ -101,8 +101,10 @@ def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
             raise
         raise UsageError(f"compile {cfg.name} --ranks {args.ranks}: "
                          f"{str(error).splitlines()[0]}") from None
-    print(f"{cfg.name} on {args.ranks} devices of {topology} ({plan.layout.describe()}), batch "
-          f"{args.batch}, cache {plan.mega.seq_len} tokens: one rank's program")
+    hosts = len({d.process_index for d in sharded.make_mesh_on(topology, args.ranks).devices.flat})
+    print(f"{cfg.name} on {args.ranks} devices of {topology} ({hosts} host(s), one process "
+          f"each: a multi-controller run; {plan.layout.describe()}), batch {args.batch}, cache "
+          f"{plan.mega.seq_len} tokens: one rank's program")
     print(plan.mega.vmem.table())
     print(result)
     return 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from mkresearch.cli import bench
 from mkresearch.cli import checkpoint as cli_checkpoint
+from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import (
@@ -62,9 +63,12 @@ def add_parser(commands: Any) -> None:
                    help="print one JSON object (per batch), no progress bar")
     cli_speculative.add_arguments(p)
     cli_checkpoint.add_arguments(p)
+    cli_multihost.add_arguments(p)
 
 
 def run(args: Any) -> int:
+    if cli_multihost.join(args):  # one process of several: first, before JAX's devices are used
+        cli_multihost.check_sharded(args.ranks, "decode")
     if args.checkpoint is not None and args.model is not None:
         raise UsageError(f"--checkpoint DIR is the model: drop {args.model}")
     args.model = args.model or (DEFAULT_MODEL if args.checkpoint is None else None)
@@ -104,9 +108,9 @@ def _run_one(cfg: ModelConfig, args: Any) -> int:
         return cli_speculative.run_decode(args, cfg)
     cli_ranks.check_ranks(cfg, args.ranks, args.backend)
     progress = not args.json and sys.stderr.isatty()
+    if args.ranks > 1:  # the sharded megakernel, or the sharded reference (cli.ranks_reference)
+        return cli_ranks.run_decode(args, cfg, args.argv, progress)
     if args.backend == "megakernel":
-        if args.ranks > 1:
-            return cli_ranks.run_decode(args, cfg, args.argv, progress)
         with _refusals():
             result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
                                              args.seed, args.chip, progress)

@@ -21,6 +21,8 @@ and `mkresearch info kimi-k3` reads as a sentence (`decode` and `bench` default 
         [--rank-layout ours|release] [--schedule ours|release] \\
         [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
+    mkresearch launch --processes 2 -- decode kimi-k3-mini --ranks 8 --backend reference
+        # several processes on this machine, as on a multi-host slice (docs/multihost.md)
 
 --ranks N > 1 runs the sharded megakernel on N devices (`mkresearch.cli.ranks`): on CPU N
 simulated ones, in a child process started with them when this one has fewer.
@@ -38,7 +40,7 @@ import sys
 from collections.abc import Sequence
 
 import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TPU) before jax loads
-from mkresearch.cli import bench_command, decode, figures, info, plan, predict
+from mkresearch.cli import bench_command, decode, figures, info, launch, plan, predict
 from mkresearch.cli import compile_check as compile_command
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli.common import UsageError, _Parser
@@ -47,7 +49,7 @@ from mkresearch.cli.options import notices, resolve_model
 # Every command: its name -> its module, which adds the command's parser (`add_parser(commands)`)
 # and runs it (`run(args) -> exit status`), in the order `mkresearch --help` lists them.
 COMMANDS = {"info": info, "decode": decode, "bench": bench_command, "compile": compile_command,
-            "plan": plan, "predict": predict, "figures": figures}
+            "plan": plan, "predict": predict, "figures": figures, "launch": launch}
 EXAMPLES = ("mkresearch info kimi-k3 --batch 1,8 --context 4096",
             "mkresearch decode kimi-k3-mini --steps 16",
             "mkresearch predict kimi-k3 --ranks 32 --batch 1,2,4,8")

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
-from mkresearch.cli import bench
+from mkresearch.cli import bench, multihost, ranks_reference
 from mkresearch.cli.common import UsageError, _at_least, _human_bytes, _refusals
+from mkresearch.hardware import distributed
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
@@ -35,6 +36,8 @@ from mkresearch.prediction import timeline
 from mkresearch.prediction.timeline_ranks import rank_events
 from mkresearch.sharding import layout, reference_sharded
 
+# the backends --ranks shards: the sharded megakernel, the plain-JAX sharded reference
+SHARDED_BACKENDS = ("megakernel", "reference")
 CHILD_ENV = "MKRESEARCH_RANKS_CHILD"  # set in the child started with N simulated devices
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -50,12 +53,12 @@ def add_decode_arguments(p: Any) -> None:
 
 
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
-    """--ranks before anything runs: an int >= 1, only the megakernel backend shards, and a
-    count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`)."""
+    """--ranks before anything runs: an int >= 1, a backend that shards (SHARDED_BACKENDS), and
+    a count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`)."""
     _at_least("--ranks", n_ranks, 1)
-    if n_ranks > 1 and backend != "megakernel":
-        raise UsageError(f"--ranks {n_ranks} needs --backend megakernel: the {backend} backend "
-                         "runs one device (use --ranks 1)")
+    if n_ranks > 1 and backend not in SHARDED_BACKENDS:
+        raise UsageError(f"--ranks {n_ranks} needs --backend megakernel or reference: the "
+                         f"{backend} backend runs one device (use --ranks 1)")
     if n_ranks > 1:
         try:
             layout.check_ranks(cfg, n_ranks)
@@ -78,6 +81,10 @@ def devices_or_rerun(n_ranks: int, argv: Sequence[str]) -> int | None:
     have, platform = len(jax.devices()), jax.default_backend()
     if have >= n_ranks:
         return None
+    if jax.process_count() > 1:
+        raise UsageError(f"--ranks {n_ranks} needs {n_ranks} devices but the run's "
+                         f"{jax.process_count()} processes have {have} together: choose --ranks "
+                         f"<= {have}, or give each process more (--local-devices on CPU)")
     if platform != "cpu" or os.environ.get(CHILD_ENV) == "1":
         raise UsageError(f"--ranks {n_ranks} needs {n_ranks} devices but this {platform} backend "
                          f"has {have}: choose --ranks <= {have}")
@@ -116,7 +123,7 @@ def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> lis
 def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                    n_ranks: int, chip: str = "tpu7x", progress: bool = False,
                    collectives: str = layout.PARTIAL_SUM, params: dict | None = None,
-                   prompt: Any = None) -> dict:
+                   prompt: Any = None, load: Any = None) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
     step over the same tokens with states of their own: per step the sharded logits must EQUAL
@@ -126,8 +133,14 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     state) and keep the partial-sum claim against the reference (`reference_sharded`: logits
     within SAME_ROUTING_BOUND until a row's routing differs from the reference's, another greedy
     token only at a near-tie of twice that or after it); the single device's are reported. One
-    more step is recorded for per-rank bytes. `params` and `prompt` [B, T] (a checkpoint's weights and its
-    tokenized prompt: `mkresearch.cli.checkpoint`) replace the random ones."""
+    more step is recorded for per-rank bytes. `params` and `prompt` [B, T] (a checkpoint's
+    weights and its tokenized prompt: `mkresearch.cli.checkpoint`) replace the random ones;
+    `load(lay, ranks)` (a checkpoint read per process in a multi-process run:
+    `rank_loader.load_rank_params`) gives only this process's ranks' slices, and then no process
+    has the weights the single-device checks need: they are left out (`logits_sha256`
+    fingerprints every step's logits, to compare with a one-process run)."""
+    import hashlib
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -140,49 +153,33 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
         lay, batch, chip))  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
-    params = weights.init_params(cfg, seed) if params is None else params
-    prepared = sharded.prepare_weights(params, lay, mesh)  # onto the ranks by the layout
-    single = megakernel.prepare_weights(params, cfg)
+    loaded = None
+    if load is None:
+        params = weights.init_params(cfg, seed) if params is None else params
+        prepared = sharded.prepare_weights(params, lay, mesh)  # onto the ranks by the layout
+    else:
+        loaded = load(lay, distributed.local_ranks(mesh))
+        prepared = sharded.prepare_rank_weights(loaded.params, lay, mesh)
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
                                            cfg.vocab_size, dtype=jnp.int32)  # [B, T]
                         if prompt is None else prompt)
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
-    single_state, ref_state = reference.init_state(cfg, batch), reference.init_state(cfg, batch)
+    checks = (None if loaded is not None else
+              SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host))
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
                disable=not progress, leave=False)
-    generated, equal, near_ties, worst = [], 0, [], 0.0
-    single_tokens_equal, single_bit_equal, worst_single = 0, 0, 0.0
-    exact = collectives == layout.EXACT
-    partial = None if exact else PartialSumCheck(params, lay, batch,
-                                                 plan.mega.options.ranks_per_host)
-    tie_gap = bench.NEAR_TIE_GAP if exact else 2 * reference_sharded.SAME_ROUTING_BOUND["f32"]
-    clock = bench.StepClock()
+    generated, digest, clock = [], hashlib.sha256(), bench.StepClock()
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
         positions = np.full(batch, t, np.int32)
         next_token, state, aux = clock.run(sharded.decode_step, prepared, state, token,
                                            positions, plan, mesh=mesh, return_logits=True)
-        one_token, single_state, one_aux = megakernel.decode_step(
-            single, single_state, token, positions, cfg, options=options, return_logits=True)
-        ref_logits, ref_state, ref_aux = reference.decode_step(params, ref_state, token,
-                                                               positions, cfg)
-        next_token, logits = np.asarray(next_token), np.asarray(aux["logits"])  # [B], [B, V]
-        if partial:
-            partial.step(logits, token, positions, ref_aux)
-        one_logits = np.asarray(one_aux["logits"])
-        single_tokens_equal += int((np.asarray(one_token) == next_token).sum())
-        single_bit_equal += int(np.array_equal(logits.view(np.uint32), one_logits.view(np.uint32)))
-        worst_single = max(worst_single, float(np.abs(logits - one_logits).max()))
-        if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
-            ref_logits = np.asarray(ref_logits)
-            worst = max(worst, float(np.abs(logits - ref_logits).max()))
-            equal += int((ref_logits.argmax(-1) == next_token).sum())
-            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
-                          | ({} if exact else {"routing_differed": partial.differed(row)})
-                          for row, gap, differs in bench.near_tie_rows(ref_logits, next_token,
-                                                                       tie_gap) if differs]
-            if partial:
-                partial.against_reference(logits, ref_logits)
+        next_token, logits = distributed.to_host((next_token, aux["logits"]))  # [B], [B, V]
+        digest.update(np.asarray(logits).tobytes())
+        generated_step = t - prompt_len + 1 if t >= prompt_len - 1 else None
+        if checks:
+            checks.step(token, positions, logits, next_token, generated_step)
+        if generated_step is not None:
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()
@@ -193,37 +190,103 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                                         mesh=mesh)
         jax.block_until_ready(out)
     generated_ids = np.stack(generated, axis=1)  # [B, N]
-    n_steps = prompt_len + steps - 1
-    reference_ok = all(tie["top2_gap"] < tie_gap or tie.get("routing_differed")
-                       for tie in near_ties) and (exact or partial.within)
-    single_ok = (single_bit_equal == n_steps and single_tokens_equal == batch * n_steps if exact
-                 else partial.bit_equal_steps == n_steps)
-    return {
+    result = {
         "model": cfg.name, "backend": "megakernel", "ranks": n_ranks, "layout": lay.describe(),
         "batch": batch, "prompt_len": prompt_len, "steps": steps, "seed": seed,
-        "platform": jax.default_backend(), "devices": len(jax.devices()),
+        "platform": jax.default_backend(), **multihost.processes_facts(),
         "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
-        "agreement": {"check": "sharded megakernel vs reference.decode_step on the same tokens, "
-                               "greedy" + ("" if exact else partial.CLAIM),
-                      "tokens_equal": equal, "tokens": int(generated_ids.size),
-                      "max_abs_logit_diff": worst, "near_ties": near_ties,
-                      "passed": reference_ok} | ({} if exact else partial.routing_facts()),
-        "collectives": collectives,
-        "single_device": {"check": "sharded vs single-device megakernel on the same tokens, "
-                                   "every step (prompt included): " + (
-                                       "tokens and logits bit-equal" if exact else
-                                       "partial sums: reported; logits bit-equal to the sharded "
-                                       "reference's (reference_sharded, its own state)"),
-                          "tokens_equal": single_tokens_equal, "tokens": batch * n_steps,
-                          "logits_bit_equal_steps": single_bit_equal, "steps": n_steps,
-                          "max_abs_logit_diff": worst_single, "passed": single_ok}
-        | ({} if exact else {"sharded_reference_bit_equal_steps": partial.bit_equal_steps}),
-        "passed": reference_ok and single_ok,
+        "collectives": collectives, "logits_sha256": digest.hexdigest(),
         "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
         "step_label": bench._backend_label("megakernel"),
         "per_rank": rank_rows(log, lay, batch, chip),
         "vmem_plan_bytes": plan.mega.vmem.total_bytes,
     }
+    if checks:
+        result.update(checks.result(prompt_len + steps - 1))
+    else:
+        result["passed"] = True  # nothing to hold it to here: logits_sha256 against one process
+        result["bytes_read"] = multihost.bytes_read_rows(loaded)
+    return result
+
+
+class SingleDeviceChecks:
+    """`decode_sharded`'s checks, step by step: the single-device megakernel and the reference
+    (and with partial sums the sharded reference: `PartialSumCheck`) over the same tokens, each
+    with its own state."""
+
+    def __init__(self, params: dict, lay: layout.Layout, batch: int,
+                 options: megakernel.MegakernelOptions, ranks_per_host: int) -> None:
+        cfg = lay.cfg
+        self.params, self.cfg, self.batch, self.options = params, cfg, batch, options
+        self.single = megakernel.prepare_weights(params, cfg)
+        self.single_state = reference.init_state(cfg, batch)
+        self.ref_state = reference.init_state(cfg, batch)
+        self.exact = lay.collectives == layout.EXACT
+        self.partial = None if self.exact else PartialSumCheck(params, lay, batch, ranks_per_host)
+        self.tie_gap = (bench.NEAR_TIE_GAP if self.exact
+                        else 2 * reference_sharded.SAME_ROUTING_BOUND["f32"])
+        self.equal, self.near_ties, self.worst = 0, [], 0.0
+        self.single_tokens_equal, self.single_bit_equal, self.worst_single = 0, 0, 0.0
+        self.tokens = 0
+
+    def step(self, token: Any, positions: Any, logits: Any, next_token: Any,
+             generated_step: int | None) -> None:
+        """One step: the sharded run's `logits` [B, V] and `next_token` [B] at `positions` after
+        `token`; generated_step: the index of the generated token it chose (None in the prompt)."""
+        import numpy as np
+
+        one_token, self.single_state, one_aux = megakernel.decode_step(
+            self.single, self.single_state, token, positions, self.cfg, options=self.options,
+            return_logits=True)
+        ref_logits, self.ref_state, ref_aux = reference.decode_step(
+            self.params, self.ref_state, token, positions, self.cfg)
+        if self.partial:
+            self.partial.step(logits, token, positions, ref_aux)
+        one_logits = np.asarray(one_aux["logits"])
+        self.single_tokens_equal += int((np.asarray(one_token) == next_token).sum())
+        self.single_bit_equal += int(np.array_equal(logits.view(np.uint32),
+                                                    one_logits.view(np.uint32)))
+        self.worst_single = max(self.worst_single, float(np.abs(logits - one_logits).max()))
+        if generated_step is None:
+            return
+        ref_logits = np.asarray(ref_logits)  # a generated token: the reference's greedy choice
+        self.worst = max(self.worst, float(np.abs(logits - ref_logits).max()))
+        self.equal += int((ref_logits.argmax(-1) == next_token).sum())
+        self.tokens += len(next_token)
+        self.near_ties += [
+            {"step": generated_step, "row": row, "top2_gap": gap}
+            | ({} if self.exact else {"routing_differed": self.partial.differed(row)})
+            for row, gap, differs in bench.near_tie_rows(ref_logits, next_token, self.tie_gap)
+            if differs]
+        if self.partial:
+            self.partial.against_reference(logits, ref_logits)
+
+    def result(self, n_steps: int) -> dict:
+        """The result's "agreement", "single_device" and "passed"."""
+        exact, partial, batch = self.exact, self.partial, self.batch
+        reference_ok = all(tie["top2_gap"] < self.tie_gap or tie.get("routing_differed")
+                           for tie in self.near_ties) and (exact or partial.within)
+        single_ok = (self.single_bit_equal == n_steps
+                     and self.single_tokens_equal == batch * n_steps if exact
+                     else partial.bit_equal_steps == n_steps)
+        return {
+            "agreement": {"check": "sharded megakernel vs reference.decode_step on the same "
+                                   "tokens, greedy" + ("" if exact else partial.CLAIM),
+                          "tokens_equal": self.equal, "tokens": self.tokens,
+                          "max_abs_logit_diff": self.worst, "near_ties": self.near_ties,
+                          "passed": reference_ok} | ({} if exact else partial.routing_facts()),
+            "single_device": {"check": "sharded vs single-device megakernel on the same tokens, "
+                                       "every step (prompt included): " + (
+                                           "tokens and logits bit-equal" if exact else
+                                           "partial sums: reported; logits bit-equal to the "
+                                           "sharded reference's (reference_sharded, its own "
+                                           "state)"),
+                              "tokens_equal": self.single_tokens_equal, "tokens": batch * n_steps,
+                              "logits_bit_equal_steps": self.single_bit_equal, "steps": n_steps,
+                              "max_abs_logit_diff": self.worst_single, "passed": single_ok}
+            | ({} if exact else {"sharded_reference_bit_equal_steps": partial.bit_equal_steps}),
+            "passed": reference_ok and single_ok,
+        }
 
 
 class PartialSumCheck:
@@ -281,6 +344,11 @@ def print_decode(result: dict) -> None:
     if "text" in result:  # --checkpoint: the prompt and what followed it
         print(f"text: {result['text']!r}")
     print(f"layout: {result['layout']}")
+    multihost.print_processes(result)
+    if "agreement" not in result:  # each process read its ranks' shards: nothing to compare
+        multihost.print_uncompared(result)
+        print_rank_rows(result["per_rank"])
+        return
     bench.print_agreement(result["agreement"])
     agree, one = result["agreement"], result["single_device"]
     if "rows_routing_differed" in agree:  # partial sums
@@ -362,23 +430,33 @@ def print_bench_row(row: dict) -> None:
 
 def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
                loaded: Any = None) -> int:
-    """decode --ranks N > 1 (checked): here with N devices, or in a child that has them.
-    `loaded` (--checkpoint: `cli.checkpoint.Loaded`) gives the weights, read only here (in the
-    child), the prompt and the text of the tokens."""
+    """decode --ranks N > 1 (checked): here with N devices (every process's, in a multi-process
+    run), or in a child that has them. `loaded` (--checkpoint: `cli.checkpoint.Loaded`) gives the
+    weights, read only here (in the child; per process, its ranks' shards, when there are
+    several), the prompt and the text of the tokens. `--backend reference`: `cli.ranks_reference`."""
     status = devices_or_rerun(args.ranks, argv)
     if status is not None:
         return status
     import json
 
+    load = None if loaded is None or distributed.process_count() == 1 else loaded.rank_params
+    if args.backend == "reference":
+        return ranks_reference.run_decode(
+            args, cfg, progress, None if loaded is None else loaded.rank_params,
+            None if loaded is None else loaded.prompt, None if loaded is None else loaded.text)
+    multihost.refuse_kernel_across_processes(args.ranks)
     with _refusals():
-        params, prompt = (None, None) if loaded is None else (loaded.params(), loaded.prompt)
+        params, prompt = (None, None) if loaded is None else (
+            None if load else loaded.params(), loaded.prompt)
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
                                 args.ranks, args.chip, progress,
-                                getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt)
+                                getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt,
+                                load)
     if loaded is not None:
         result["text"] = loaded.text(result["generated"][0])
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_decode(result)
+    if multihost.leader_prints():
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print_decode(result)
     return 0 if result["passed"] else 1

@@ -110,6 +110,22 @@ class ExpertGroups:
     # full d, `layout.merges_shared_sum`): `stages.moe_full.moe_full_ffn` sums them so
     merged: bool = False
 
+    def chosen(self, expert_ids: jax.Array) -> Any:
+        """Each (row, choice)'s expert weights, leaves [B, k, ...] (`stages.ffn.combine_experts`)."""
+        return jax.tree.map(lambda w: w[expert_ids], self.experts)
+
+    def group_sums(self, y: jax.Array, coef: jax.Array, ids: jax.Array) -> list:
+        """Each group's Σ coef·y over its experts, ascending id (y [B, k, n] f32 and coef [B, k]
+        in ascending id order of `ids` [B, k]), one [B, n] per group in group order."""
+        per_group = jax.tree.leaves(self.experts)[0].shape[0] // self.groups
+        return [group_sum(y, coef, ids // per_group == g) for g in range(self.groups)]
+
+
+def group_sum(y: jax.Array, coef: jax.Array, mine: jax.Array) -> jax.Array:
+    """Σ_j coef[:, j]·y[:, j] over the choices j that are `mine` [B, k], in order j (f32 [B, n])."""
+    return lax.fori_loop(0, y.shape[1], lambda j, acc: jnp.where(
+        mine[:, j, None], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
+
 
 def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Array:
     """A partial-sum all-reduce of the ranks' `parts` (in rank order): each rounded to bf16

@@ -245,22 +245,26 @@ def _slice(lay: Layout, array: Any, logical: tuple[int, ...], shard: Any, rank: 
     return out
 
 
-def _shard_tree(lay: Layout, table: Any, tree: Any, shard_of) -> Any:
-    """Every leaf of `tree` (matching `table`'s Param / StateLeaf leaves) as [n_ranks, ...]."""
+def _shard_tree(lay: Layout, table: Any, tree: Any, shard_of, ranks: Any = None) -> Any:
+    """Every leaf of `tree` (matching `table`'s Param / StateLeaf leaves) as [n_ranks, ...] (or
+    [len(ranks), ...]: those ranks' slices, in that order)."""
+    ranks = range(lay.n_ranks) if ranks is None else ranks
+
     def one(entry, value):
         def stack(part):
-            return np.stack([_slice(lay, part, entry.shape, shard_of(entry), r)
-                             for r in range(lay.n_ranks)])
+            return np.stack([_slice(lay, part, entry.shape, shard_of(entry), r) for r in ranks])
         return jax.tree.map(stack, value)
 
     return jax.tree.map(one, table, tree, is_leaf=lambda x: isinstance(x, (spec.Param,
                                                                            spec.StateLeaf)))
 
 
-def shard_params(params: dict, lay: Layout) -> dict:
+def shard_params(params: dict, lay: Layout, ranks: Any = None) -> dict:
     """The parameters as every rank's slice stacked along a leading rank axis: [n_ranks, ...]
-    (numpy; what `jax.shard_map` over the rank axis hands each rank)."""
-    return _shard_tree(lay, spec.param_table(lay.cfg), params, lambda p: param_shard(lay, p))
+    (numpy; what `jax.shard_map` over the rank axis hands each rank); `ranks`: only those ranks'
+    slices, [len(ranks), ...] in that order (one process's ranks of a multi-process run)."""
+    return _shard_tree(lay, spec.param_table(lay.cfg), params, lambda p: param_shard(lay, p),
+                       ranks)
 
 
 def shard_state(state: dict, lay: Layout) -> dict:

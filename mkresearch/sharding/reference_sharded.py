@@ -77,12 +77,25 @@ def within_claim(logits: Any, single_logits: Any, routing_differed: Any,
     return np.asarray(routing_differed, bool) | (diff.max(-1) <= SAME_ROUTING_BOUND[wire])
 
 
-def _row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
+def row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
     """The group a parameter's rows split by in the partial-sum layout, else None."""
     rows = len(p.shape) - 2
     shard = layouts.param_shard(lay, p)
     return next((g for axis, g in layouts.active_shard(lay, shard, p.shape) if axis == rows
                  and g == p.gather), None) if rows >= 0 else None
+
+
+def check_hosts(lay: layouts.Layout, ranks_per_host: int = 0) -> int:
+    """The ranks of one host (ranks_per_host, 0: all of them) of a partial-sum layout, checked:
+    ValueError naming what is invalid."""
+    if lay.collectives != layouts.PARTIAL_SUM:
+        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: 'partial-sum'")
+    per_host = ranks_per_host or lay.n_ranks
+    if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1 \
+            or lay.n_ranks % per_host:
+        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid: 0 or an int >= 1 that "
+                         f"divides the {lay.n_ranks} ranks")
+    return per_host
 
 
 def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
@@ -92,13 +105,7 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
     as `ExpertGroups` (lay.ep groups). ranks_per_host: the kernel's hosts (consecutive ranks;
     0: every rank one host), whose partials each reduction adds first
     (`numerics.host_ordered_sum`, `MegakernelOptions.ranks_per_host`)."""
-    if lay.collectives != layouts.PARTIAL_SUM:
-        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: 'partial-sum'")
-    per_host = ranks_per_host or lay.n_ranks
-    if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1 \
-            or lay.n_ranks % per_host:
-        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid: 0 or an int >= 1 that "
-                         f"divides the {lay.n_ranks} ranks")
+    per_host = check_hosts(lay, ranks_per_host)
     table = spec.param_table(lay.cfg)
     out = dict(params)
     for kind, entries in table.items():
@@ -110,7 +117,7 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
                 hosts = tuple(g * lay.etp // per_host for g in range(lay.ep))
                 stack[key] = ExpertGroups(params[kind][key], lay.ep, wire, hosts,
                                           layouts.merges_shared_sum(lay, kind))
-            elif isinstance(p, spec.Param) and (group := _row_split(lay, p)) is not None:
+            elif isinstance(p, spec.Param) and (group := row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
         out[kind] = stack
     return out

@@ -128,7 +128,8 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     if isinstance(experts, ExpertGroups):
         groups, experts = experts, experts.experts
     fmt = cfg.expert_format
-    chosen = jax.tree.map(lambda w: w[expert_ids], experts)  # each leaf [B, k, ...]
+    chosen = (groups.chosen(expert_ids) if groups is not None  # each leaf [B, k, ...]
+              else jax.tree.map(lambda w: w[expert_ids], experts))
     w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
     def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
         return rows_at_least_two(
@@ -146,11 +147,8 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     if groups is None:
         return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
                              jnp.zeros(y.shape[::2], f32))  # [B, n]
-    per_group = jax.tree.leaves(experts)[0].shape[0] // groups.groups
-    group = jnp.take_along_axis(expert_ids, order, axis=-1) // per_group  # [B, k]
-    sums = [lax.fori_loop(0, y.shape[1], lambda j, acc, mine=(group == g)[..., None]: jnp.where(
-        mine[:, j], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
-        for g in range(groups.groups)]  # each group's experts in ascending id, then the groups
+    # each group's experts in ascending id, then the groups
+    sums = groups.group_sums(y, coef, jnp.take_along_axis(expert_ids, order, axis=-1))
     return sums if parts else reduce_partials(sums, groups.hosts, groups.wire)  # [B, n]
 
 
