@@ -1,5 +1,5 @@
 """The release's second model (an 816B-A42B MoE on 8 TPU7x cores), its program written from the
-facts its report gives (musespark/REPORT.md, musespark/README.md of the release), for the
+facts its report gives (docs/collectives.md §2), for the
 validation (`calibration`): a model the release measured at B = 1, 2, 4 and 8 with identical
 rows, so the same 8 experts per layer at every batch. What grows with the batch there is the
 collectives' payloads, the compute rows and the KV cache, not the expert bytes: the batch-dependent
@@ -43,7 +43,7 @@ MIB = 2**20
 SECOND_MODEL = {
     "name": "816B-A42B MoE (the release's second model)", "n_layers": 62, "n_ranks": 8,
     "slice": "tpu7x:2x2x1", "d_model": 8192,
-    # ms per step by batch, int4 experts + bf16 dense, identical rows (REPORT.md §4.1, df7ee05)
+    # ms per step by batch, int4 experts + bf16 dense, identical rows (docs/collectives.md §2)
     "step_ms": {1: 3.592, 2: 3.705, 4: 3.912, 8: 4.291},
     "per_layer_us": 55.0, "fixed_us": 195.0, "collectives_per_layer_us": 14.0,
     # the ring's matrices per layer per core, MiB, in stream order (attention, then the MoE's)
@@ -52,7 +52,7 @@ SECOND_MODEL = {
     "expert_bytes": 3.19 * MIB, "expert_weights": 4096 * 1024 + 512 * 4096,
     "lm_head_bytes": 400 * MIB, "outside_s": 70e-6, "kv_bytes_per_token": 512,
     "positions": (151, 279),
-    "source": "the release's report (musespark/REPORT.md §2.1, §4.1-4.3): int4 container, bf16 "
+    "source": "the release's report (docs/collectives.md §2): int4 container, bf16 "
               "dense, identical rows; 7.02 GB per step per core, ~55 us per layer + ~195 us "
               "fixed at B = 1, its four collectives ~14 us per layer",
 }

@@ -33,7 +33,7 @@ VMEM_OVER_HBM = 16.0
 VPU_OVER_MXU = 1.0 / 16.0
 # The rate a stream of weight DMAs sustains on TPU7x, MEASURED by the release on its second model:
 # its dense-weight ring moves 76 MiB per layer in 25 us (3.19 TB/s), and its step's bytes are quoted
-# against 3.2 TB/s per core (musespark/REPORT.md §4.3), below the published 3.69 TB/s per core. The
+# against 3.2 TB/s per core (docs/collectives.md §2), below the published 3.69 TB/s per core. The
 # scale-out model's weight ring and expert reads move at this rate (`RankSimulation`); other chips:
 # ASSUMPTION, the same fraction of their published figure.
 TPU7X_DMA_MEASURED = 76 * 2**20 / 25e-6
@@ -44,10 +44,10 @@ DMA_OVER_HBM = TPU7X_DMA_MEASURED / TPU7X_HBM_PUBLISHED
 # K x N weights on M rows takes 2 K N max(M, mxu_rows) / peak of its dtype. PUBLISHED: the MXU
 # shape (docs/tpu.md §1); MEASURED on TPU7x by the release: its int8 dense phase (42 MiB per layer,
 # 39.8 M weights pushed as bf16) takes 17.4 us, 2 x 256 x weights / bf16 peak = 17.7 us, and "bf16
-# weight push is 2x the fp8 rate" (musespark/REPORT.md §4.2, §4.3).
+# weight push is 2x the fp8 rate" (docs/collectives.md §2).
 MXU_ROWS_SOURCE = ("PUBLISHED: the MXU's rows (docs/tpu.md §1); on TPU7x MEASURED by the release: "
                    "its int8 dense phase, 39.8 M weights pushed as bf16, takes 17.4 us = 2 x 256 x "
-                   "weights / bf16 peak within 2 % (musespark/REPORT.md §4.3)")
+                   "weights / bf16 peak within 2 % (docs/collectives.md §2)")
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def _from_chips(chip) -> TimelineChip:
                              + src.get("vmem_bytes", "?"),
             "dma_bandwidth": (f"MEASURED: the release's dense weight ring on TPU7x, 76 MiB per "
                               f"layer in 25 us ({TPU7X_DMA_MEASURED / 1e12:.2f} TB/s per core; its "
-                              "step's bytes quoted at 3.2 TB/s; musespark/REPORT.md §4.3)"
+                              "step's bytes quoted at 3.2 TB/s; docs/collectives.md §2)"
                               if chip.name == "tpu7x" else
                               f"ASSUMPTION: hbm_bandwidth x {DMA_OVER_HBM:.3f}, the fraction "
                               "TPU7x's measured weight ring reaches"),
