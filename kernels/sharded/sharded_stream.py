@@ -65,7 +65,8 @@ class ShardedStream:
             rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
             out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
             coll = self.collectives
-            if rule.adds or any(r.rides == name for r in coll.plan.rules):
+            if rule.adds or rule.beside or any(name in (r.rides, r.beside)
+                                               for r in coll.plan.rules):
                 return out  # reduced at the stage's end with its riders (`Collectives.settle`)
             return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
         if rule.gather is not None:

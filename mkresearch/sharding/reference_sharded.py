@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mkresearch.model import reference, spec
-from mkresearch.model.numerics import ExpertGroups, Partials
+from mkresearch.model.numerics import ExpertGroups, NormedRows, Partials
 from mkresearch.sharding import layout as layouts
 
 # max |logits - single-device reference logits| of a row at a step, while the row's routing has
@@ -92,8 +92,9 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
     as `ExpertGroups` (lay.ep groups). ranks_per_host: the kernel's hosts (consecutive ranks;
     0: every rank one host), whose partials each reduction adds first
     (`numerics.host_ordered_sum`, `MegakernelOptions.ranks_per_host`)."""
-    if lay.collectives != layouts.PARTIAL_SUM:
-        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: 'partial-sum'")
+    if not lay.partial_sums:
+        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: one of "
+                         f"{layouts.PARTIAL_SUM_MODES}")
     per_host = ranks_per_host or lay.n_ranks
     if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1 \
             or lay.n_ranks % per_host:
@@ -112,8 +113,37 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
                                           layouts.merges_shared_sum(lay, kind))
             elif isinstance(p, spec.Param) and (group := _row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
+            elif isinstance(p, spec.Param) and _scattered(lay, p):  # restructured: W_lu
+                stack[key] = _normed_rows(lay, params[kind][key], p, entries, wire, per_host)
         out[kind] = stack
     return out
+
+
+def _scattered(lay: layouts.Layout, p: spec.Param) -> bool:
+    """Whether the restructured layout splits p by the rows its input is reduce-scattered by."""
+    rows = len(p.shape) - 2
+    return (lay.collectives == layouts.RESTRUCTURED and p.scattered is not None and rows >= 0
+            and (rows, p.scattered) in layouts.active_shard(lay, layouts.param_shard(lay, p),
+                                                            p.shape))
+
+
+def _normed_rows(lay: layouts.Layout, w: Any, p: spec.Param, entries: dict, wire: str,
+                 per_host: int) -> NormedRows:
+    """W_lu [..., Lat, N] as each rank's latent rows, in the order the reduction it travels
+    beside adds the ranks (the stage's shared experts' W_down: one rank per slice of its group,
+    `kernels.sharded.plan.Rule.beside`)."""
+    rows = len(p.shape) - 2
+    group = entries["w_sd"].gather
+    pieces, bounds, hosts = [], [], []
+    for rank in lay.slice_firsts(group):
+        start, stop, local = lay.bounds(p.scattered, p.shape[rows], rank)
+        piece = np.asarray(w)[..., start:stop, :]
+        pad = [(0, 0)] * piece.ndim
+        pad[rows] = (0, local - (stop - start))
+        pieces.append(np.pad(piece, pad))
+        bounds.append((start, stop))
+        hosts.append(rank // per_host)
+    return NormedRows(tuple(pieces), tuple(bounds), wire, tuple(hosts))
 
 
 def _partials(lay: layouts.Layout, w: Any, p: spec.Param, group: str, wire: str,
