@@ -90,8 +90,15 @@ class Rule:
     adds: str | None = None
     # restructured: this matrix's partial products (rows split by `reduce`), with the partial
     # sums of squares of its input's chunks, travel beside this later matrix's in its
-    # reduction's messages, summed with them; its input's RMSNorm scale applied after the sum
-    beside: str | None = None
+    # reduction's messages, summed with them; its input's RMSNorm scale applied after the sum.
+    # Out of the repr (a recorded compile's fingerprint, `measurement.recorded`) while None: the
+    # other modes' plans, and so their records, stay as they were
+    beside: str | None = dataclasses.field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.repr or getattr(self, f.name) is not None]
+        return f"Rule({', '.join(fields)})"
 
 
 def expert_sum_merged(rules: tuple[Rule, ...] | list[Rule]) -> bool:

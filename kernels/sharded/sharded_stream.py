@@ -24,6 +24,12 @@ class ShardedStream:
     def __init__(self, inner: Any, collectives: Any) -> None:  # collectives.Collectives
         self.inner, self.collectives = inner, collectives
 
+    def hold_after(self, name: str) -> None:
+        blocks.hold_after(self.inner, name)
+
+    def release_held(self) -> None:
+        blocks.release_held(self.inner)
+
     def matmuls(self, x: Any, parts: tuple, **indices: Any) -> list:
         """x [B, K] times each (w_hbm [K, N], rows, name) of `parts` in order -> [each whole output
         [B, N] f32]: as `matmul` each, except that the column chunks of a matrix that joins a

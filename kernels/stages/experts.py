@@ -161,6 +161,7 @@ class _ExpertLoop:
                  else self.shard.expert_range(self.experts["w1"][0].shape[0])[0])
         for i in range(self.n_slots - 1):  # the first experts fly behind W_ld
             pl.when(i < n_items)(functools.partial(slots.start, i))
+        blocks.release_held(self.stream)  # the ring's prefetches held back behind them, if any
         z = self._latent_input()
         batch, top_k = self.ids.shape
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
@@ -411,7 +412,11 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
     w, routing = refs.weights, refs.scratch
     logits = z = None
     rule = None if refs.shard is None else refs.shard.plan.rule(router.W_ROUTER)
-    if rule is not None and rule.joins == LATENT_DOWN:
+    joined = rule is not None and rule.joins == LATENT_DOWN
+    # expert reads first (`MegakernelOptions.expert_reads_first`): the ring's prefetches past the
+    # last matrix streamed before routing wait for the experts' first DMAs (`_ExpertLoop`)
+    blocks.hold_after(refs.stream, LATENT_DOWN if joined else router.W_ROUTER)
+    if joined:
         # a rank: the router's and W_ld's column chunks (both of x) gathered in one collective,
         # before top-k; the first experts' DMAs then start after routing, as on one device
         rows = dict(plan.router)["block_rows"]
