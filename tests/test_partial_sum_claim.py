@@ -77,3 +77,26 @@ def test_claim_over_the_sweep():
     # the yardstick does flip routing: the comparison is not against nothing
     assert flips[sweep.REORDERED] > 0
     assert np.isfinite([s["max_all"] for s in table.values()]).all()
+
+
+def test_restructured_claim_on_a_few_seeds():
+    """The restructured mode's sharded reference (equal to its kernel to the bit: tests/sharded/
+    test_partial_sum.py) holds the same claim with the same bounds, on the fast set's Kimi K3
+    cases (the other mini has no latent to restructure)."""
+    cases = [c for c in FAST if c.model == "kimi-k3-mini"]
+    rows = sweep.sweep(cases, variants=("restructured f32",))
+    check_claim(rows)
+    print(f"\n{len(cases)} cases, {len(rows)} row-steps\n"
+          f"{sweep.format_table(sweep.summary(rows))}")
+
+
+@pytest.mark.exhaustive  # Kimi K3's 24 sweep cases, 3 variants: ~20 min here
+def test_restructured_claim_over_the_sweep():
+    cases = [c for c in sweep.SWEEP if c.model == "kimi-k3-mini"]
+    rows = sweep.sweep(cases, variants=(sweep.REORDERED, *sweep.RESTRUCTURED_VARIANTS))
+    table = sweep.summary(rows)
+    print(f"\n{len(cases)} cases\n{sweep.format_table(table)}")
+    check_claim(rows)
+    factor, extra = FLIP_SLACK
+    flips = {name: s["rows_routing_differed"] for name, s in table.items()}
+    assert flips["restructured f32"] <= factor * flips[sweep.REORDERED] + extra, flips

@@ -1,5 +1,5 @@
 """The sharded reference: the plain-JAX decode step as the partial-sum sharded megakernel
-computes it (`kernels/sharded/plan.py`, mode "partial-sum"), to the bit.
+computes it (`kernels/sharded/plan.py`, modes "partial-sum" and "restructured"), to the bit.
 
 It is `reference.decode_step` with the weights that the partial-sum layout splits by their rows
 (`layout.param_shard`: W_o over the heads, W_down over the FFN hidden) given as
@@ -37,6 +37,12 @@ with the bf16 wire; 63 % of the f32 row-steps are bit-equal to the single device
 order: 54 %; the single device on another XLA:CPU configuration: 69 rows, 0 %). The minis'
 random weights put router scores within rounding of a tie often (in Kimi K3's mini 24 of 66
 rows, DeepSeek-V3's 4 of 66); a trained model's margins are its own.
+The restructured mode (`layout.RESTRUCTURED`, docs/sharding.md §4b) is the same with W_lu
+as `numerics.NormedRows`: each rank's latent rows times its chunk of bf(ρ)·γ, those partial
+products and the chunks' Σ ρ² summed as the shared experts' partials are (beside them, in the
+same order), RMSNorm's scale applied after the sum. Its kernel equals this to the bit; against
+the single device the claim above holds with the same bounds (measured by
+`partial_sum_sweep --restructured`, tested in tests/test_partial_sum_claim.py).
 Experts split by ETP too (EP x ETP > 1 on a rank group) round each partial expert output to bf16
 before the sum, which this reference does not model (the tests run ETP = 1: 8 ranks of a mini).
 """
@@ -132,26 +138,25 @@ def _normed_rows(lay: layouts.Layout, w: Any, p: spec.Param, entries: dict, wire
     """W_lu [..., Lat, N] as each rank's latent rows, in the order the reduction it travels
     beside adds the ranks (the stage's shared experts' W_down: one rank per slice of its group,
     `kernels.sharded.plan.Rule.beside`)."""
-    rows = len(p.shape) - 2
-    group = entries["w_sd"].gather
-    pieces, bounds, hosts = [], [], []
-    for rank in lay.slice_firsts(group):
-        start, stop, local = lay.bounds(p.scattered, p.shape[rows], rank)
-        piece = np.asarray(w)[..., start:stop, :]
-        pad = [(0, 0)] * piece.ndim
-        pad[rows] = (0, local - (stop - start))
-        pieces.append(np.pad(piece, pad))
-        bounds.append((start, stop))
-        hosts.append(rank // per_host)
-    return NormedRows(tuple(pieces), tuple(bounds), wire, tuple(hosts))
+    pieces, bounds, hosts = _row_pieces(lay, w, p, p.scattered,
+                                        lay.slice_firsts(entries["w_sd"].gather), per_host)
+    return NormedRows(pieces, bounds, wire, hosts)
 
 
 def _partials(lay: layouts.Layout, w: Any, p: spec.Param, group: str, wire: str,
               per_host: int) -> Partials:
     """w [..., K, N] as one piece per slice of `group` (the ranks adding them: slice 0 first)."""
+    pieces, bounds, hosts = _row_pieces(lay, w, p, group, lay.slice_firsts(group), per_host)
+    return Partials(pieces, bounds, wire, hosts)
+
+
+def _row_pieces(lay: layouts.Layout, w: Any, p: spec.Param, group: str, ranks: tuple,
+                per_host: int) -> tuple[tuple, tuple, tuple]:
+    """(pieces, bounds, hosts): each of `ranks`' rows of w [..., K, N] by `group`, zero-padded
+    to its slice's length, the input columns it multiplies, and its host."""
     rows = len(p.shape) - 2
     pieces, bounds, hosts = [], [], []
-    for rank in lay.slice_firsts(group):
+    for rank in ranks:
         start, stop, local = lay.bounds(group, p.shape[rows], rank)
         piece = np.asarray(w)[..., start:stop, :]
         pad = [(0, 0)] * piece.ndim
@@ -159,7 +164,7 @@ def _partials(lay: layouts.Layout, w: Any, p: spec.Param, group: str, wire: str,
         pieces.append(np.pad(piece, pad))
         bounds.append((start, stop))
         hosts.append(rank // per_host)
-    return Partials(tuple(pieces), tuple(bounds), wire, tuple(hosts))
+    return tuple(pieces), tuple(bounds), tuple(hosts)
 
 
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, lay: layouts.Layout,
