@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 from mkresearch.cli import main as cli
-from mkresearch.sharding.layout import RESTRUCTURED
 from mkresearch.measurement.recorded import (
     RECORDED_COMPILES,
     RECORDED_RESTRUCTURED,
     RECORDED_SHARDED,
     sharded_compile_or_recorded,
 )
+from mkresearch.sharding.layout import RESTRUCTURED
 
 
 def main() -> int:

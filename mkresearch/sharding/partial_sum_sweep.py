@@ -13,7 +13,9 @@ tell what the partial sums change from what any other order of the same sums wou
 `sweep(cases)` -> one `RowStep` per (case, row, step, variant); `summary(rows)` -> per variant the
 distribution and the flips; `python -m mkresearch.sharding.partial_sum_sweep [--quick]` prints
 the table (SWEEP: 16 configurations x 4 compiled steps, ~50 min on a loaded 2-core machine,
-the compiles most of it; --quick: 4 cases). The claim it measures is stated in
+the compiles most of it; --quick: 4 cases; --restructured: the restructured mode's variants
+beside partial-sum f32 on Kimi K3's mini; --seeds N: seed pairs per configuration). The claim it
+measures is stated in
 `reference_sharded` and tested over SWEEP in tests/test_partial_sum_claim.py.
 """
 
