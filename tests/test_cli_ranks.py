@@ -26,6 +26,9 @@ from mkresearch.sharding import reference_sharded
     (["decode", "--ranks", "x"], "--ranks"),
     (["bench", "--ranks", "3"], "--ranks 3: n_ranks=3 is invalid"),
     (["bench", "--ranks", "0"], "--ranks must be an int >= 1"),
+    (["decode", "--ranks", "2", "--collectives", "bogus"],
+     ("--collectives: invalid choice: 'bogus' (choose from 'partial-sum', 'exact', "
+      "'restructured')")),
 ])
 def test_bad_ranks_are_one_line_exit_2(capsys, args, reason):
     """Checked before any device is asked for or any child started: in this process."""

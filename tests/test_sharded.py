@@ -12,6 +12,7 @@ from mkresearch.kernels.compose import megakernel_sharded as ms
 from tiers import EXHAUSTIVE
 
 from mkresearch.measurement import recorded
+from mkresearch.sharding import layout
 
 SHARDED = Path(__file__).resolve().parent / "sharded"
 
@@ -38,11 +39,12 @@ def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
 @pytest.mark.slow
 def test_sharded_on_8_simulated_devices():
     """tests/sharded: one step on 8 ranks with every check (exact mode, the expanded MLA cache),
-    a partial-sum step, the latent MLA cache on 2 and 4 ranks (one cheap case each), and a broken
+    a partial-sum step, a restructured step (and its reduce-scatter's skipped wait), the latent
+    MLA cache on 2 and 4 ranks (one cheap case each), and a broken
     collective caught. The whole matrix of the sharded
     issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here), the cache layouts' sweep with
     MKRESEARCH_EXHAUSTIVE=1 (the child inherits it)."""
-    timeout = 900
+    timeout = 1200  # the restructured mode's step and skipped wait added ~2-4 min here
     if os.environ.get("MKRESEARCH_SHARDED_FULL") == "1":
         timeout += 3 * 3600
     if EXHAUSTIVE:
@@ -60,11 +62,21 @@ def test_full_size_compile_one_mosaic_kernel_per_rank(model, n_ranks, name, batc
     check_recorded_compile(model, n_ranks, name, batch, chip)
 
 
-def check_recorded_compile(model, n_ranks, name, batch, chip):
+@pytest.mark.parametrize("model, n_ranks, name, batch, chip", recorded.RECORDED_RESTRUCTURED)
+def test_full_size_compile_restructured(model, n_ranks, name, batch, chip):
+    """Every full preset's sharded step in the restructured mode (issue 46's MoE reductions) for
+    the 32 cores of tpu7x:2x2x4: one Mosaic kernel per rank, the VMEM plan within the core's
+    limit (the committed record; `make recorded` re-records it)."""
+    check_recorded_compile(model, n_ranks, name, batch, chip, collectives=layout.RESTRUCTURED)
+
+
+def check_recorded_compile(model, n_ranks, name, batch, chip, collectives=None):
     """The committed record of a sharded compile matches its plan: one Mosaic kernel per rank,
     the VMEM plan within the core's limit."""
-    result, plan, where = recorded.sharded_compile_or_recorded(model, n_ranks, name, batch, chip)
-    print(f"{model} on {n_ranks} cores of {ms.FULL_TOPOLOGY} ({name} layout, B={batch}): "
+    result, plan, where = recorded.sharded_compile_or_recorded(model, n_ranks, name, batch, chip,
+                                                               collectives=collectives)
+    print(f"{model} on {n_ranks} cores of {ms.FULL_TOPOLOGY} ({name} layout, "
+          f"{plan.layout.collectives}, B={batch}): "
           f"{result.n_mosaic_kernels} Mosaic kernel per rank, compiled in {result.seconds:.1f} s, "
           f"VMEM {plan.mega.vmem.total_bytes / 2**20:.2f} of {plan.mega.vmem.limit_bytes / 2**20:.2f}"
           f" MiB; {where}")

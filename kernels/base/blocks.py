@@ -105,6 +105,19 @@ def stream_matmul(stream: Any, x: jax.Array, w_hbm: Any, *, rows: int, name: str
     return stream.matmul(x, w_hbm, rows=rows, name=name, **indices)
 
 
+def hold_after(stream: Any, name: str) -> None:
+    """The stream's ring prefetches past matrix `name` held back (`StageStream.hold_after`;
+    a stream without a global ring: nothing to hold)."""
+    if hasattr(stream, "hold_after"):
+        stream.hold_after(name)
+
+
+def release_held(stream: Any) -> None:
+    """The held-back prefetches issued (`StageStream.release_held`)."""
+    if hasattr(stream, "release_held"):
+        stream.release_held()
+
+
 def stream_matmuls(stream: Any, x: jax.Array, parts: tuple, **indices: Any) -> list:
     """x [M, K] times each (w_hbm [K, N], rows, name) of `parts`, in order -> [[M, N] f32 each]:
     the stream's own `matmuls` if it has one (a rank's: matrices of the same input whose column

@@ -152,8 +152,12 @@ class GlobalStream:
     others from a local ring, blocks.LOCAL_STREAM)."""
 
     def __init__(self, plan: StreamPlan, ring_ref: Any, sems_ref: Any, base_smem: Any,
-                 weights: dict, table_smem: Any, n_layers: int, live: dict | None = None) -> None:
+                 weights: dict, table_smem: Any, n_layers: int, live: dict | None = None,
+                 experts_first: bool = False) -> None:
         self.plan, self.ring, self.sems, self.base = plan, ring_ref, sems_ref, base_smem
+        # `MegakernelOptions.expert_reads_first`: a MoE stage holds back the ring's prefetches
+        # past its routing point until its experts' first DMAs are issued (`StageStream.hold_after`)
+        self.experts_first = experts_first
         self.weights, self.table, self.n_layers = weights, table_smem, n_layers
         # matrix name -> (traced) whether this rank's slice holds real data: a slice that is only
         # padding (a sharded rank's, `Collectives.live`) is neither fetched nor multiplied; its
@@ -213,6 +217,8 @@ class StageStream:
         self.plan = stream.plan
         self.entries = self.plan.entries(kind)
         self.entry = self.position = 0
+        self.hold_from: int | None = None  # blocks from here on are held back while set
+        self.held: list[int] = []  # the targets held back, in issue order
 
     def __enter__(self) -> StageStream:
         return self
@@ -220,6 +226,9 @@ class StageStream:
     def __exit__(self, *exc: object) -> bool:
         if exc[0] is None:
             length = len(self.plan.blocks(self.kind))
+            if self.held or self.hold_from is not None:
+                raise ValueError(f"the {self.kind} stage held back ring blocks {self.held} and "
+                                 "never released them (`release_held` after the experts' DMAs)")
             if self.position != length:
                 raise ValueError(f"the {self.kind} stage streamed {self.position} of its {length} "
                                  "blocks: the global weight stream and the body disagree")
@@ -227,8 +236,29 @@ class StageStream:
             base[0] = lax.rem(base[0] + length, self.plan.depth)
         return False
 
+    def hold_after(self, name: str) -> None:
+        """With `experts_first`: hold back the ring's prefetches of every block after matrix
+        `name` (the last one streamed before routing; a matrix off the ring: from the stage's
+        first block) until `release_held`, so that the routed experts' first DMAs, issued once
+        routing is known, go out ahead of them."""
+        if not self.stream.experts_first:
+            return
+        positions = [i for i, (entry, _) in enumerate(self.plan.blocks(self.kind))
+                     if entry.name == name]
+        self.hold_from = positions[-1] + 1 if positions else 0
+
+    def release_held(self) -> None:
+        """Issue the held-back prefetches, in the order they were due (after the experts' DMAs)."""
+        held, self.held, self.hold_from = self.held, [], None
+        for target in held:
+            self._start_ahead(target)
+
     def _start_ahead(self, target: int) -> None:
-        """Start block `target` of the sequence continuing from this stage's block 0."""
+        """Start block `target` of the sequence continuing from this stage's block 0 (held
+        back past the routing point until the experts' first DMAs: `hold_after`)."""
+        if self.hold_from is not None and target >= self.hold_from:
+            self.held.append(target)
+            return
         stream, kind, length = self.stream, self.kind, len(self.plan.blocks(self.kind))
         if target < length:
             stream.when_live(kind, target, lambda: stream._copy(

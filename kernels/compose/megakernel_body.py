@@ -136,7 +136,8 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
             count = len(stage.scratch(cfg, batch))
             scratch[stage.name], rest = stage.scratch_bundle(tuple(rest[:count])), rest[count:]
         stream = (weight_stream.GlobalStream(plan.stream, *ring, w, inputs.table, cfg.n_layers,
-                                             live=coll.live(plan.stream) if coll else live)
+                                             live=coll.live(plan.stream) if coll else live,
+                                             experts_first=plan.options.expert_reads_first)
                   if plan.stream is not None else None)
         trunk = _Trunk(plan, residual, inputs, w, state_in, state_out, outputs, x_ref, out_ref,
                        vectors, sems, tuple(hidden), scratch, stream, coll, kv_rows)

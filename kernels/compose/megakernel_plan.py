@@ -61,6 +61,11 @@ class MegakernelOptions:
                      of `megakernel_sharded.kernel_options` (the sharding plan's choice)
     ranks_per_host   sharded: consecutive ranks that share a host (0: every rank one host); every
                      reduction adds a host's partials first, then the hosts' sums
+    expert_reads_first  once routing is known, the routed experts' first DMAs are issued ahead
+                     of the ring's prefetches of the blocks after the routing point: the ring
+                     holds them back until the experts' slots are started
+                     (`weight_stream.StageStream.hold_after`); DMAs go out in issue order, so
+                     the experts' reads are not queued behind the ring's (issue 46)
     """
 
     expert_slots: int = 2
@@ -72,6 +77,13 @@ class MegakernelOptions:
     # carries both, and a single-device plan ignores them
     reductions: tuple = field(default=(), repr=False)
     ranks_per_host: int = field(default=0, repr=False)
+    # in the repr (the fingerprint) only when set: plans without it keep their records
+    expert_reads_first: bool = field(default=False, repr=False)
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.repr or (f.name == "expert_reads_first" and self.expert_reads_first)]
+        return f"MegakernelOptions({', '.join(shown)})"
 
 
 def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
@@ -80,6 +92,9 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"options={options!r} is invalid: a MegakernelOptions")  # noqa: TRY004
     if not isinstance(options.global_stream, bool):
         raise ValueError(f"global_stream={options.global_stream!r} is invalid: True or False")  # noqa: TRY004
+    if not isinstance(options.expert_reads_first, bool):
+        raise ValueError(f"expert_reads_first={options.expert_reads_first!r} is invalid: True or "  # noqa: TRY004
+                         "False")
     stream = weight_stream.make_stream_plan(cfg)
     empty = [kind for kind, _ in stream.stages if not stream.blocks(kind)]
     if options.global_stream and empty and not stream.ffn_transparent:

@@ -146,7 +146,7 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
     rank's shortest stage, and PARTIAL_SUM_MAX_RING_DEPTH. If even the floor is over VMEM, the
     floor (`make_sharded_plan` refuses it with the plan)."""
     cfg = lay.cfg
-    if not options.global_stream or lay.collectives != layouts.PARTIAL_SUM:
+    if not options.global_stream or not lay.partial_sums:
         return RingDepth(cfg.ring_depth, "the config's ring_depth ("
                          + ("exact collectives)" if options.global_stream else "no global ring)"))
     local = _local_streamed(lay)
@@ -233,16 +233,19 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
         if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
             pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in plan.rules
                                      if r is rule or r.joins == rule.name))
+    reduced = [cfg.d_model]  # the embedding
     for r in plan.reductions:
-        if r.algorithm == sharding.ONE_SHOT:  # the whole [B, n] from every rank, and the column
-            pieces["all"].append(r.width + r.riders)  # chunks riding with it (`Rule.rides`)
+        if r.scatter:  # restructured's ρ: staged whole, each rank's chunk scattered
+            reduced.append(r.width)
+        elif r.algorithm == sharding.ONE_SHOT:  # the whole [B, n] from every rank, and the
+            pieces["all"].append(r.width + r.riders)  # column chunks riding (`Rule.rides`)
     # an expert's output columns on a rank (W2's: the latent, or d for experts on the full d)
     expert_latent = (lay.local_length(spec.EXPERT_TP, layouts.expert_output_width(cfg))
                      if lay.collectives == layouts.EXACT else layouts.expert_output_width(cfg))
     if lay.collectives == layouts.EXACT:
         pieces["all"].append(expert_latent)  # the experts' sum, all-gathered from the last group
     shard = collectives.make_shard_plan(
-        plan, pieces, reduced=(cfg.d_model,),  # the embedding
+        plan, pieces, reduced=tuple(reduced),
         expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
     chip = get_chip(options.chip)
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)

@@ -61,6 +61,7 @@ from mkresearch.kernels.sharded import sharded_stream
 from mkresearch.kernels.sharded.plan import (
     EXPERT_SUM,
     F32,
+    WIRE_BYTES,
     Reduction,
     ShardingPlan,
     expert_sum_merged,
@@ -73,7 +74,10 @@ from mkresearch.model.config import LANE
 from mkresearch.sharding import layout as layouts
 
 MODES = layouts.COLLECTIVES  # the layout's mode names, partial-sum first (the default)
-KINDS = ("all-gather", "all-reduce", "chain")
+# a reduce-scatter (restructured's ρ, `Reduction.scatter`): one phase, each rank sending every
+# peer that peer's chunk (payload: the chunk), the messages of an all-gather of the chunk; not
+# yet in COLLECTIVES, so nothing prices it yet (`interconnect.OPS`)
+KINDS = ("all-gather", "all-reduce", "chain", "reduce-scatter")
 FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
              "the second's last block, waited right away (its values are needed next)")
 RIDING_WHY = ("not issued before the routed experts' stream (where the release hides it): it "
@@ -82,6 +86,11 @@ RIDING_WHY = ("not issued before the routed experts' stream (where the release h
               "layer either way, so no shorter predicted step")
 ADDING_WHY = ("the routed experts' partial sums added to the shared experts' on each rank: one "
               "reduction for both, not two (experts on the full d, `layout.merges_shared_sum`)")
+BESIDE_WHY = ("restructured: W_lu's partial products and ρ's partial sums of squares summed "
+              "beside the shared experts' partial sums, in the same messages; ρ's RMSNorm scale "
+              "applied after the sum (no collective of W_lu's own)")
+SCATTER_WHY = ("restructured: ρ reduce-scattered in one phase, each rank receiving only the sum "
+               "of its latent chunk, the one its W_lu rows need")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 
@@ -185,7 +194,7 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
         rule = rules.get(name)
         if rule is not None and rule.gather is not None:
             out.append(ctx.input_gather(i, rule))
-        if rule is not None and rule.reduce is not None:
+        if rule is not None and rule.reduce is not None and rule.beside is None:
             out.append(ctx.sum(plan.reduction(f"{name}/sum"), ctx.after(i)))
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
@@ -252,8 +261,17 @@ class _Ctx:
         return self.op(r.name, "all-reduce", self.everyone, r.payload_bytes(self.batch, wire),
                        dtype=wire, issue_after=r.matrix or EXPERTS, wait_before=before,
                        summed=r.summed, matrix=r.matrix, role="sum", algorithm=r.algorithm,
-                       carries=r.carries,
-                       why=RIDING_WHY if r.carries else ADDING_WHY if r.adds else "")
+                       carries=r.carries + r.besides,
+                       why=(RIDING_WHY if r.carries else BESIDE_WHY if r.besides
+                            else ADDING_WHY if r.adds else ""))
+
+    def scatter(self, r: Reduction, before: str) -> CollectiveOp:
+        """Restructured's ρ: a one-phase reduce-scatter (`Collectives.reduce_scatter`)."""
+        chunk = self.lay.local_length(spec.MOE_LATENT, r.width)
+        return self.op(r.name, "reduce-scatter", self.everyone,
+                       self.batch * chunk * WIRE_BYTES[self.plan.wire], dtype=self.plan.wire,
+                       issue_after=EXPERTS, wait_before=before, summed=r.summed, role="sum",
+                       why=SCATTER_WHY)
 
 
 def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[CollectiveOp]:
@@ -265,7 +283,8 @@ def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[C
     if lay.collectives != layouts.EXACT:
         if merged:  # in the shared experts' reduction (`Rule.adds`)
             return []
-        return [ctx.sum(ctx.plan.reduction(EXPERT_SUM), before)]
+        reduction = ctx.plan.reduction(EXPERT_SUM)
+        return [(ctx.scatter if reduction.scatter else ctx.sum)(reduction, before)]
     out = []
     if lay.etp > 1 and items:
         out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,

@@ -371,6 +371,46 @@ class Collectives:
         return total, [whole.astype(chunk.dtype) for whole, (_, chunk) in zip(wholes, riders,
                                                                                strict=True)]
 
+    def reduce_scatter(self, partial: Any, group: str, *, name: str) -> Any:
+        """Restructured's ρ: the partial sums [B, W] f32 of every rank -> this rank's chunk [B, c]
+        of their sum (its slice of `group`, split one slice per rank), added as `reduce` adds
+        (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial once).
+        One phase: each rank sends every peer that peer's chunk of its partial."""
+        if self.plan.wire == "bf16":
+            partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
+        buffers, width = self.buffers["all"], partial.shape[1]
+        size, split = buffers.channel.size, self.layout.split(group)
+        c = self.layout.local_length(group, width)
+        padded, member = split.ways * c, self.rank
+        parity = self._flip(buffers)
+
+        def chunk_of(rank):  # rank's slice of the group, in the staged vector
+            start = lax.rem(rank + split.start, split.ways) * c
+            return buffers.send.at[:, pl.ds(pl.multiple_of(start, LANE), c)]
+
+        with dma.phase(f"{name}/reduce_scatter"):
+            buffers.send[:, :width] = partial
+            if padded > width:
+                buffers.send[:, width:padded] = jnp.zeros((partial.shape[0], padded - width),
+                                                          jnp.float32)
+            each_peer(size, member, lambda j: self._copy(
+                buffers, 0, chunk_of(j), member, parity, j, 0, name).start())
+            buffers.scatter_in[parity, member, :, :c] = chunk_of(member)[...]
+            self._wait_all(buffers, 0, parity, size - 1, size - 1, c, name)
+            return self._host_ordered([buffers.scatter_in[parity, r, :, :c] for r in range(size)],
+                                      tuple(range(size)))
+
+    @property
+    def scatters_latent(self) -> bool:
+        """Restructured: ρ reduce-scattered, W_lu's partial products beside a later reduction."""
+        return any(r.beside for r in self.plan.rules)
+
+    def latent_chunk(self, latent: int) -> tuple[Any, int, int]:
+        """Restructured: (first column (traced), width c, the slices' padded width) of this
+        rank's chunk of the MoE latent (its W_lu rows)."""
+        c = self.layout.local_length(spec.MOE_LATENT, latent)
+        return self.index(spec.MOE_LATENT) * c, c, self.layout.ways(spec.MOE_LATENT) * c
+
     def _host_ordered(self, values: list, ranks: tuple[int, ...]) -> Any:
         h = self.plan.ranks_per_host
         return numerics.host_ordered_sum(values, tuple(r // h for r in ranks))
@@ -394,19 +434,30 @@ class Collectives:
         out = dict(outputs)
         for rule in self.plan.rules:
             riders = [r for r in self.plan.rules if r.rides == rule.name]
-            if not (riders or rule.adds) or rule.name not in out:
+            besides = [r for r in self.plan.rules if r.beside == rule.name]
+            if not (riders or rule.adds or besides) or rule.name not in out:
                 continue
-            missing = [n for n in [r.name for r in riders] + [rule.adds] if n and n not in out]
+            missing = [n for n in [r.name for r in riders + besides] + [rule.adds]
+                       if n and n not in out]
             if missing:
                 raise ValueError(f"the stage's outputs lack {missing}, which travel with the "
                                  f"reduction of {rule.name}")
             partial = out[rule.name] + out[rule.adds] if rule.adds else out[rule.name]
             if rule.adds:  # its partial sums are in this reduction: the stage adds zeros
                 out[rule.adds] = jnp.zeros_like(out[rule.adds])
-            out[rule.name], wholes = self.reduce(
-                partial, self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
+            width = partial.shape[1]
+            total, wholes = self.reduce(
+                jnp.concatenate([partial, *[out[b.name] for b in besides]], axis=1),
+                self.layout.slice_firsts(rule.reduce), name=f"{rule.name}/sum",
                 riders=tuple((r, out[r.name]) for r in riders))
+            out[rule.name] = total[:, :width]
             out.update({r.name: whole for r, whole in zip(riders, wholes, strict=True)})
+            for b in besides:  # [Σ partial products | Σ sums of squares, one lane tile]
+                cfg = self.layout.cfg
+                scale = numerics.rms_scale(total[:, width + b.n:width + b.n + 1],
+                                              cfg.moe_latent, cfg.rms_eps)
+                out[b.name] = total[:, width:width + b.n] * scale  # ρ's norm scale after the sum
+                width += b.n + LANE
         return out
 
     # -- the routed experts (kernels/stages/experts.py) -----------------------------------------
@@ -435,6 +486,9 @@ class Collectives:
                 acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
                 if expert_sum_merged(self.plan.rules):  # reduced with a later one (`settle`)
                     return acc[:, :latent]
+                if self.scatters_latent:  # this rank's latent chunk [B, c] of ρ only
+                    return self.reduce_scatter(acc[:, :latent], spec.MOE_LATENT,
+                                               name=f"{name}/sum")
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
                                    name=f"{name}/sum")[0][:, :latent]
         ep, etp = self.layout.ep, self.layout.etp

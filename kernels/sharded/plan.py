@@ -14,6 +14,15 @@ chip. Everything about the step's collectives is read from it:
               column chunks riding along, the algorithm it is sent with and why); the kernel's
               buffers (`collectives.make_shard_plan`, `levels`), the step's collectives as data
               (`collective_ops`) and the prediction's per-rank program all read it
+  restructured  the mode `layouts.RESTRUCTURED`: partial-sum, with the latent MoE's reductions
+              restructured: ρ (the routed experts' latent sum) reduce-scattered in one phase
+              (`Reduction.scatter`: each rank receives only its latent chunk), W_lu split by
+              its latent rows (`spec.Param.scattered`), its partial products and the partial
+              sums of squares of ρ's chunks beside the shared experts' in that reduction's
+              messages (`Rule.beside`), ρ's RMSNorm scale applied after the sum
+              (`numerics.latent_scale`): one collective less on the chain per MoE layer and a
+              cheaper one (a reduce-scatter, not an all-reduce), the latent norm's rounding of
+              ρ̂ to bf16 moved (`reference_sharded`: what holds)
   algorithms  each reduction's, chosen from the interconnect model of the chip's slice
               (`mkresearch.hardware.interconnect.choose`: the cheapest of one-shot, two-level and
               rs-ag for its payload on its hosts) and passed to the kernel as an input
@@ -46,6 +55,8 @@ WIRES = ("f32", "bf16")
 # `prediction.timeline.FETCH_ORDERS`)
 EXPERT_READS = ("queued", "first")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
+SCATTER_REASON = ("one-phase reduce-scatter (restructured): each rank receives only the sum of "
+                  "its latent chunk, the one W_lu's rows need")
 F32 = 4
 EXPERT_SUM = "expert/sum"  # the routed experts' reduction (partial-sum mode)
 SHARED_DOWN = "shared/w_down"  # the shared experts' W_down (its reduction: "shared/w_down/sum")
@@ -83,6 +94,17 @@ class Rule:
     # partial-sum: the stage output (its `settle` key) whose partial sums are added to this
     # matrix's before its one reduction (routed experts on the full d into the shared experts')
     adds: str | None = None
+    # restructured: this matrix's partial products (rows split by `reduce`), with the partial
+    # sums of squares of its input's chunks, travel beside this later matrix's in its
+    # reduction's messages, summed with them; its input's RMSNorm scale applied after the sum.
+    # Out of the repr (a recorded compile's fingerprint, `measurement.recorded`) while None: the
+    # other modes' plans, and so their records, stay as they were
+    beside: str | None = dataclasses.field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.repr or getattr(self, f.name) is not None]
+        return f"Rule({', '.join(fields)})"
 
 
 def expert_sum_merged(rules: tuple[Rule, ...] | list[Rule]) -> bool:
@@ -105,8 +127,10 @@ def collective_rules(lay: layouts.Layout) -> tuple[Rule, ...]:
             if rule is not None:
                 rules.append(rule)
         rules[first:] = _riding(rules[first:])
-        if lay.collectives == layouts.PARTIAL_SUM:
+        if lay.partial_sums:
             rules[first:] = _joining(rules[first:])
+        if lay.collectives == layouts.RESTRUCTURED:
+            rules[first:] = _beside(rules[first:], kind)
         if layouts.merges_shared_sum(lay, kind):  # the routed experts' sum joins W_sd's
             rules[first:] = [dataclasses.replace(r, adds=ROUTED_OUTPUT) if r.name == SHARED_DOWN
                              else r for r in rules[first:]]
@@ -118,7 +142,8 @@ def _rule(lay: layouts.Layout, m: registry.Streamed, p: spec.Param) -> Rule | No
     k, n = m.shape
     active = layouts.active_shard(lay, layouts.param_shard(lay, p), p.shape)
     out = next((group for axis, group in active if axis == 1 and group in GATHERED_COLUMNS), None)
-    reduce = next((group for axis, group in active if axis == 0 and group == p.gather), None)
+    reduce = next((group for axis, group in active if axis == 0 and group in (p.gather, p.scattered)
+                   and group is not None), None)
     gather = (p.gather if reduce is None and p.gather is not None and lay.divides(p.gather, k)
               else None)
     if out is None and gather is None and reduce is None:
@@ -147,6 +172,24 @@ def _riding(rules: list[Rule]) -> list[Rule]:
         later = next((r for r in out[i + 1:] if r.reduce is not None), None)
         if rule.name in RIDERS and rule.out is not None and later is not None:
             out[i] = dataclasses.replace(rule, rides=later.name)
+    return out
+
+
+def _beside(rules: list[Rule], kind: str) -> list[Rule]:
+    """Restructured: one stage's rules with each matrix split by its scattered rows (W_lu)
+    beside the stage's next reduction (`Rule.beside`). ValueError for a stage without one
+    after it (a latent MoE without shared experts: its scale would need a reduction of its
+    own), or whose reduction does not add every rank holding a slice of it."""
+    out = list(rules)
+    for i, rule in enumerate(out):
+        if rule.name not in RIDERS or rule.reduce is None:
+            continue
+        later = next((r for r in out[i + 1:] if r.reduce is not None), None)
+        if later is None:
+            raise ValueError(f"collectives='restructured' is invalid for the {kind!r} stage: "
+                             f"{rule.name} has no later reduction to travel beside (a latent MoE "
+                             "needs shared experts for it); use 'partial-sum'")
+        out[i] = dataclasses.replace(rule, beside=later.name)
     return out
 
 
@@ -186,6 +229,13 @@ class Reduction:
     adds: str | None = None  # a stage output whose partial sums it adds too (`Rule.adds`)
     algorithm: str = ONE_SHOT  # how the kernel sends it (REDUCTION_ALGORITHMS)
     reason: str = ""  # why that algorithm (the interconnect model's choice)
+    # restructured: matrices whose partial products (then their input's partial sums of
+    # squares, one lane tile) travel beside this one's in its messages (`Rule.beside`): width
+    # counts them ([B, n | n_b | LANE ...])
+    besides: tuple[str, ...] = ()
+    # restructured's ρ: a one-phase reduce-scatter, each rank receiving the sum of its own
+    # chunk of the vector only (`Collectives.reduce_scatter`), never sent in levels
+    scatter: bool = False
 
     @property
     def riders(self) -> int:
@@ -194,7 +244,8 @@ class Reduction:
 
     def payload_bytes(self, batch: int, wire: str) -> int:
         """`interconnect.price`'s nbytes: the vector on the wire and the riders' chunks (f32,
-        each in whole lanes)."""
+        each in whole lanes); a reduce-scatter: the whole vector, each rank sending every peer
+        its chunk of it."""
         return batch * self.width * WIRE_BYTES[wire] + sum(batch * F32 * lanes(w)
                                                            for w in self.rider_widths)
 
@@ -203,18 +254,34 @@ class Reduction:
 def reductions(lay: layouts.Layout) -> tuple[Reduction, ...]:
     """Partial-sum mode: every reduction a rank sends, each sent one-shot (the rules' order, the
     routed experts' last); exact mode, or one rank: none."""
-    if lay.collectives != layouts.PARTIAL_SUM or lay.n_ranks == 1:
+    if not lay.partial_sums or lay.n_ranks == 1:
         return ()
     rules = collective_rules(lay)
     out = []
-    for rule in (r for r in rules if r.reduce is not None):
+    for rule in (r for r in rules if r.reduce is not None and r.beside is None):
         riders = [r for r in rules if r.rides == rule.name]
-        out.append(Reduction(f"{rule.name}/sum", rule.name, rule.n, lay.slice_firsts(rule.reduce),
-                             tuple(r.name for r in riders),
-                             tuple(lay.local_length(r.out, r.n) for r in riders), rule.adds))
+        besides = tuple(r.name for r in rules if r.beside == rule.name)
+        summed = lay.slice_firsts(rule.reduce)
+        for b in (r for r in rules if r.beside == rule.name):
+            if set(lay.slice_firsts(b.reduce)) != set(summed):
+                raise ValueError(f"collectives='restructured' is invalid here: {b.name}'s slices "
+                                 f"(ranks {lay.slice_firsts(b.reduce)}) are not those "
+                                 f"{rule.name}'s reduction adds ({summed}); use 'partial-sum'")
+        out.append(Reduction(f"{rule.name}/sum", rule.name,
+                             rule.n + sum(b.n + LANE for b in rules if b.beside == rule.name),
+                             summed, tuple(r.name for r in riders),
+                             tuple(lay.local_length(r.out, r.n) for r in riders), rule.adds,
+                             besides=besides))
     if has_routed_experts(lay) and not expert_sum_merged(rules):  # else in W_sd's
+        scatter = any(r.beside for r in rules)  # restructured: ρ reduce-scattered
+        latent = lay.split(spec.MOE_LATENT)
+        if scatter and (latent.ways != lay.n_ranks or latent.stride != 1):
+            raise ValueError(f"collectives='restructured' is invalid on {lay.n_ranks} ranks of "
+                             f"{lay.cfg.name}: ρ's reduce-scatter needs the MoE latent split one "
+                             f"slice per rank (it splits {latent.ways} ways); use 'partial-sum'")
         out.append(Reduction(EXPERT_SUM, "", layouts.expert_output_width(lay.cfg),
-                             tuple(range(lay.n_ranks))))
+                             tuple(range(lay.n_ranks)), scatter=scatter,
+                             reason=SCATTER_REASON if scatter else ""))
     return tuple(out)
 
 
@@ -281,6 +348,9 @@ def sharding_plan(lay: layouts.Layout, batch: int = 1, wire: str = "f32",
     inter = inter or links.interconnect(chip, n_ranks=lay.n_ranks)
     chosen = []
     for r in found:
+        if r.scatter:  # one phase, the kernel's only way to send it
+            chosen.append(r)
+            continue
         c = links.choose(inter, "all_reduce", tuple(range(lay.n_ranks)),
                          float(r.payload_bytes(batch, wire)))
         if c.algorithm not in REDUCTION_ALGORITHMS:
@@ -302,6 +372,10 @@ def with_algorithms(lay: layouts.Layout, batch: int, wire: str, algorithms: tupl
     if unknown:
         raise ValueError(f"reductions={algorithms!r} is invalid: {unknown} are not reductions of "
                          f"this step (those are {sorted(r.name for r in found)})")
+    scattered = sorted({name for name, _ in algorithms} & {r.name for r in found if r.scatter})
+    if scattered:
+        raise ValueError(f"reductions={algorithms!r} is invalid: {scattered} are one-phase "
+                         "reduce-scatters (restructured), sent no other way")
     given = dict(algorithms)
     return ShardingPlan(lay, batch, wire, tuple(
         dataclasses.replace(r, algorithm=given.get(r.name, ONE_SHOT)) for r in found),

@@ -24,6 +24,12 @@ class ShardedStream:
     def __init__(self, inner: Any, collectives: Any) -> None:  # collectives.Collectives
         self.inner, self.collectives = inner, collectives
 
+    def hold_after(self, name: str) -> None:
+        blocks.hold_after(self.inner, name)
+
+    def release_held(self) -> None:
+        blocks.release_held(self.inner)
+
     def matmuls(self, x: Any, parts: tuple, **indices: Any) -> list:
         """x [B, K] times each (w_hbm [K, N], rows, name) of `parts` in order -> [each whole output
         [B, N] f32]: as `matmul` each, except that the column chunks of a matrix that joins a
@@ -65,7 +71,8 @@ class ShardedStream:
             rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
             out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
             coll = self.collectives
-            if rule.adds or any(r.rides == name for r in coll.plan.rules):
+            if rule.adds or rule.beside or any(name in (r.rides, r.beside)
+                                               for r in coll.plan.rules):
                 return out  # reduced at the stage's end with its riders (`Collectives.settle`)
             return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
         if rule.gather is not None:

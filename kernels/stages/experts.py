@@ -47,7 +47,7 @@ from mkresearch.kernels.stages.gate_up import SHARED_KEYS
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.config import LANE, ModelConfig
 
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
@@ -161,6 +161,7 @@ class _ExpertLoop:
                  else self.shard.expert_range(self.experts["w1"][0].shape[0])[0])
         for i in range(self.n_slots - 1):  # the first experts fly behind W_ld
             pl.when(i < n_items)(functools.partial(slots.start, i))
+        blocks.release_held(self.stream)  # the ring's prefetches held back behind them, if any
         z = self._latent_input()
         batch, top_k = self.ids.shape
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
@@ -221,6 +222,11 @@ class _ExpertLoop:
             acc = self.shard.combine_items(n_items, self.latent, name="expert")
         if self.w_ld is None:
             return acc  # [B, d] f32: Σ w_e y_e is the routed output
+        if self.shard is not None and self.shard.scatters_latent:  # acc: this rank's ρ chunk
+            start, _, padded = self.shard.latent_chunk(self.latent)
+            return pl.run_scoped(functools.partial(self._latent_rows, acc, start),
+                                 pltpu.VMEM((1, padded), jnp.float32),
+                                 pltpu.SemaphoreType.DMA((1,)))
         rho_hat = pl.run_scoped(
             functools.partial(_latent_norm, acc, self.latent_norm, eps=self.eps,
                               latent=self.latent),
@@ -230,6 +236,28 @@ class _ExpertLoop:
                                     rows=blocks.weight_block_rows(tuple(self.w_lu.shape),
                                                                   self.w_lu.dtype),
                                     name=LATENT_UP)  # [B, d] f32
+
+    def _latent_rows(self, rho: Any, start: Any, gamma_ref: Any, sem: Any) -> jax.Array:
+        """Restructured (a rank's W_lu rows: its chunk [B, c] of ρ) -> [B, d + LANE] f32: the
+        partial product bf(bf(ρ_c) γ_c) W_lu_c and, in the next lane tile's first column, the
+        partial Σ bf(ρ_c)²; summed over the ranks, RMSNorm's scale applies after the sum
+        (`Collectives.settle`, `numerics.rms_scale`)."""
+        copy = dma.Copy(self.latent_norm, gamma_ref.at[:, pl.ds(0, self.latent)], sem.at[0],
+                        name=LATENT_NORM, buffer=planned.WHOLE).start()
+        if gamma_ref.shape[1] > self.latent:  # the padding slices' γ: zero
+            gamma_ref[:, self.latent:] = jnp.zeros((1, gamma_ref.shape[1] - self.latent),
+                                                   jnp.float32)
+        v = rho.astype(jnp.bfloat16).astype(jnp.float32)  # ρ = bf(Σ w_e y_e), this chunk
+        batch, c = v.shape
+        squares = reference.ordered_sum(v * v, keepdims=True)  # [B, 1]
+        copy.wait()
+        gamma = gamma_ref[:, pl.ds(pl.multiple_of(start, LANE), c)]  # [1, c]
+        product = blocks.stream_matmul(
+            self.stream, (v * gamma).astype(jnp.bfloat16), self.w_lu,
+            rows=blocks.weight_block_rows(tuple(self.w_lu.shape), self.w_lu.dtype),
+            name=LATENT_UP)  # [B, d] f32: this rank's rows
+        first = lax.broadcasted_iota(jnp.int32, (batch, LANE), 1) == 0
+        return jnp.concatenate([product, jnp.where(first, squares, 0.0)], axis=1)
 
 
 @dataclass(frozen=True)
@@ -384,7 +412,11 @@ def moe_layer_body(plan: MoePlan, refs: StageRefs) -> None:
     w, routing = refs.weights, refs.scratch
     logits = z = None
     rule = None if refs.shard is None else refs.shard.plan.rule(router.W_ROUTER)
-    if rule is not None and rule.joins == LATENT_DOWN:
+    joined = rule is not None and rule.joins == LATENT_DOWN
+    # expert reads first (`MegakernelOptions.expert_reads_first`): the ring's prefetches past the
+    # last matrix streamed before routing wait for the experts' first DMAs (`_ExpertLoop`)
+    blocks.hold_after(refs.stream, LATENT_DOWN if joined else router.W_ROUTER)
+    if joined:
         # a rank: the router's and W_ld's column chunks (both of x) gathered in one collective,
         # before top-k; the first experts' DMAs then start after routing, as on one device
         rows = dict(plan.router)["block_rows"]

@@ -47,9 +47,11 @@ def add_decode_arguments(p: Any) -> None:
     p.add_argument("--ranks", type=int, default=1,
                    help="devices the megakernel is sharded across (default 1); on CPU that many "
                         "simulated devices, in a child process when needed")
-    p.add_argument("--collectives", default="partial-sum", choices=("exact", "partial-sum"),
-                   help="with --ranks: partial sums reduced in one fixed order (default), or the "
-                        "exact schedule (every value whole on one rank: the single device's bits)")
+    p.add_argument("--collectives", default=layout.PARTIAL_SUM, choices=layout.KERNEL_COLLECTIVES,
+                   help="with --ranks: partial sums reduced in one fixed order (default), the "
+                        "exact schedule (every value whole on one rank: the single device's "
+                        "bits), or restructured (partial sums, the MoE latent reduce-scattered "
+                        "and W_lu's partial sums beside the shared experts')")
 
 
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:

@@ -58,6 +58,10 @@ SHARDED_OVERRIDES = {"qwen3-235b-a22b": {"ring_depth": 2}}
 # each model's ring is deepened within TPU7x's 60 MiB (`megakernel_sharded.ring_depth`); its VMEM
 # plan: `mkresearch compile MODEL --ranks 32`, or the record `make recorded` writes
 SHARDED_COLLECTIVES: dict[str, str] = {}
+# The same sharded steps in the restructured collectives mode (`layout.RESTRUCTURED`: issue 46's
+# MoE reductions; the families without a MoE latent build the partial-sum kernel's step there),
+# each recorded beside its default-mode record
+RECORDED_RESTRUCTURED = RECORDED_SHARDED
 
 
 def sharded_collectives(model: str) -> str:
@@ -130,23 +134,28 @@ def compile_or_recorded(cfg: Any, batch: int = 1, *, chip: str = "tpu7x",
     return result, plan, "compiled here"
 
 
-def sharded_path(model: str, n_ranks: int, name: str, batch: int, chip: str) -> Path:
-    return RECORDED_DIR / f"compile_{model}_{n_ranks}ranks_{name}_b{batch}_{chip}.json"
+def sharded_path(model: str, n_ranks: int, name: str, batch: int, chip: str,
+                 collectives: str | None = None) -> Path:
+    """A sharded record's file (a mode other than the model's default named in it)."""
+    mode = "" if collectives in (None, sharded_collectives(model)) else f"_{collectives}"
+    return RECORDED_DIR / f"compile_{model}_{n_ranks}ranks_{name}{mode}_b{batch}_{chip}.json"
 
 
 def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int = 1,
                                 chip: str = "tpu7x", *, record: bool = False,
-                                recompile: bool = False) -> tuple[Any, Any, str]:
+                                recompile: bool = False, collectives: str | None = None
+                                ) -> tuple[Any, Any, str]:
     """(CompileResult of one rank's program, ShardedPlan, where it comes from) for the sharded
     step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`, with the kernel's
-    default partial-sum collectives (`sharded_collectives`): the committed record when it matches
-    the plan, else a compile here (recorded with `record`)."""
+    default partial-sum collectives (`sharded_collectives`) or `collectives`
+    (`layout.KERNEL_COLLECTIVES`): the committed record when it matches the plan, else a compile
+    here (recorded with `record`)."""
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
-    mode = sharded_collectives(model)
+    mode = collectives or sharded_collectives(model)
     lay = layout.layout(cfg, n_ranks, name, collectives=mode)
     options = sharded.kernel_options(lay, batch, chip)
     plan = sharded.make_sharded_plan(lay, batch, None, options)
-    path = sharded_path(model, n_ranks, name, batch, chip)
+    path = sharded_path(model, n_ranks, name, batch, chip, mode)
     result = None if recompile or record else load_compile(plan, path)
     if result is not None:
         return result, plan, (f"recorded ({path.name}{_recorded_with()}; `make recorded` "

@@ -127,6 +127,38 @@ def group_sum(y: jax.Array, coef: jax.Array, mine: jax.Array) -> jax.Array:
         mine[:, j, None], acc + coef[:, j, None] * y[:, j], acc), jnp.zeros(y.shape[::2], f32))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
+                   meta_fields=["bounds", "wire", "hosts"])
+@dataclass(frozen=True)
+class NormedRows:
+    """The restructured sharded MoE's W_lu (`mkresearch.sharding.reference_sharded`): split by
+    its latent rows across ranks, pieces[i] [K_i, N] for input columns bounds[i] (zero rows
+    beyond, a rank's padded slice), the ranks in the order their reduction adds them. Applied
+    to ρ (bf16 [B, Lat]) as `normed_contract`: each rank's partial product of its chunk times
+    γ, and its partial Σ ρ², each summed as `reduce_partials` sums (`hosts`, `wire`), then
+    RMSNorm's scale applied after the sum."""
+
+    pieces: tuple
+    bounds: tuple
+    wire: str = "f32"
+    hosts: tuple = ()
+
+    def normed_contract(self, rho: jax.Array, gamma: jax.Array, eps: float,
+                        width: int) -> jax.Array:
+        """RMSNorm_γ(ρ) W_lu as the ranks compute it -> [B, N] f32: Σ_r bf(ρ_r γ_r) W_r times
+        rms_scale(Σ_r Σ ρ_r², width, eps) (not `rms_norm`'s bf16 ρ̂: the scale is not known
+        before the sum)."""
+        v, g = rho.astype(f32), gamma.astype(f32)
+        products, squares = [], []
+        for piece, (start, stop) in zip(self.pieces, self.bounds, strict=True):
+            pad = [(0, 0)] * (v.ndim - 1) + [(0, piece.shape[-2] - (stop - start))]
+            chunk = jnp.pad(v[..., start:stop], pad)  # [B, c]
+            squares.append(ordered_sum(chunk * chunk, keepdims=True))  # [B, 1]
+            products.append(matmul(bf(chunk * jnp.pad(g[start:stop], pad[-1:])), piece))
+        total = reduce_partials(products, self.hosts, self.wire)
+        return total * rms_scale(reduce_partials(squares, self.hosts, self.wire), width, eps)
+
+
 def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Array:
     """A partial-sum all-reduce of the ranks' `parts` (in rank order): each rounded to bf16
     first with a bf16 wire, then added as `host_ordered_sum` adds them."""
@@ -203,8 +235,15 @@ def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -
     """
     v32 = v.astype(f32)
     width = v.shape[-1] if n is None else n
-    mean_square = ordered_sum(v32 * v32, keepdims=True) / width
-    return bf(v32 * lax.rsqrt(mean_square + eps) * gamma.astype(f32))
+    return bf(v32 * rms_scale(ordered_sum(v32 * v32, keepdims=True), width, eps)
+              * gamma.astype(f32))
+
+
+def rms_scale(sum_squares: jax.Array, width: int, eps: float) -> jax.Array:
+    """RMSNorm's scale (mean(v²) + eps)^-½ from Σ v² [..., 1] f32 over `width` values: what
+    `rms_norm` multiplies by, applied after a sum when the sum of squares arrives summed
+    (the restructured sharded MoE, `mkresearch.sharding.reference_sharded`)."""
+    return lax.rsqrt(sum_squares / width + eps)
 
 
 def situ(g: jax.Array, u: jax.Array) -> jax.Array:

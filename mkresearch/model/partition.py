@@ -29,10 +29,17 @@ RELEASE_ETP = 4  # docs/kimi-k3.md §9: expert-tensor parallel 4 (EP = n_ranks /
 MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
 OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
-EXACT, PARTIAL_SUM = "exact", "partial-sum"
+EXACT, PARTIAL_SUM, RESTRUCTURED = "exact", "partial-sum", "restructured"
 # how matrices split: by their contraction (partial sums, the sharded megakernel's default) or by
-# output columns; the one list of mode names (the kernel's schedule and the prediction read it)
+# output columns; the modes the prediction prices (the kernel's schedule and the prediction read it)
 COLLECTIVES = (PARTIAL_SUM, EXACT)
+# every mode the sharded megakernel builds (the one list of mode names: `layout`, the CLI's
+# `decode --collectives`): the above and RESTRUCTURED, partial sums with the MoE reductions
+# restructured (ρ reduce-scattered, W_lu split by its latent rows, its partial sums beside the
+# shared experts' in one reduction, ρ's RMSNorm scale applied after the sum: `Param.scattered`,
+# `kernels/sharded/plan.py`). A mode joins COLLECTIVES once the prediction prices it
+KERNEL_COLLECTIVES = (*COLLECTIVES, RESTRUCTURED)
+PARTIAL_SUM_MODES = (PARTIAL_SUM, RESTRUCTURED)  # the modes whose matrices split by their rows
 DEFAULT_COLLECTIVES = PARTIAL_SUM
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
@@ -218,8 +225,14 @@ class Layout:
     splits: tuple[Split, ...]
     expert_format: str = ""  # the routed experts' format its bytes are counted in
     # "exact": every matrix split by its output columns; "partial-sum": a matrix whose input
-    # arrives split (Param.gather) split by its rows instead, its products partial sums
+    # arrives split (Param.gather) split by its rows instead, its products partial sums;
+    # "restructured": partial-sum, and W_lu split by its rows too (`Param.scattered`)
     collectives: str = "exact"
+
+    @property
+    def partial_sums(self) -> bool:
+        """Whether matrices whose input arrives split are split by their rows (PARTIAL_SUM_MODES)."""
+        return self.collectives in PARTIAL_SUM_MODES
 
     def split(self, group: str) -> Split:
         """How `group` splits (whole when the layout has no split for it: a group no leaf of the
@@ -253,7 +266,7 @@ class Layout:
         hidden in partial-sum mode: half-lane chunks (64), so a rank's gate and up columns side
         by side fill whole lanes (`kernels/stages/gate_up.py`) and its W_down rows whole sublane
         tiles: Kimi K3's 6,144 shared hidden are 192 on each of 32 ranks, not 256 on 24."""
-        if group == spec.FFN_HIDDEN and self.collectives == PARTIAL_SUM:
+        if group == spec.FFN_HIDDEN and self.partial_sums:
             return -(-length // (self.ways(group) * HALF_LANE)) * HALF_LANE
         return chunk_length(length, self.ways(group))
 

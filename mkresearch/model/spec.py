@@ -75,6 +75,8 @@ class Param:
     more than one rank refuses the kind, naming the parameter).
     gather: for a matrix whose input arrives split across ranks by a group (the heads' outputs,
     a hidden slice), that group: the kernel all-gathers the input before multiplying.
+    scattered: in the restructured collectives mode, the group its input arrives reduce-scattered
+    by (W_lu: ρ's latent chunks): its rows split by that group, its products partial sums.
     """
 
     shape: tuple[int, ...]
@@ -83,6 +85,7 @@ class Param:
     quantized: bool = False
     shard: tuple[tuple[int, str], ...] | None = None
     gather: str | None = None
+    scattered: str | None = None
 
     def stacked(self, count: int, by: str | None = None) -> Param:
         """The same parameter for `count` layers (or experts: `by` the group that splits the new
@@ -92,13 +95,15 @@ class Param:
             shard = tuple((axis + 1, group) for axis, group in shard)
             shard = (split(0, by) + shard) if by is not None else shard
         return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard,
-                     self.gather)
+                     self.gather, self.scattered)
 
 
 def matrix(n_in: int, n_out: int, *, quantized: bool = False,
-           shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None) -> Param:
+           shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None,
+           scattered: str | None = None) -> Param:
     """A [in, out] bf16 matrix ~ N(0, 1/in): every projection keeps an O(1) RMS."""
-    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather)
+    return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather,
+                 scattered)
 
 
 def norm(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Param:

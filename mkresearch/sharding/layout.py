@@ -75,15 +75,18 @@ from mkresearch.model.partition import (  # noqa: F401 - re-exported: the layout
     DEFAULT_COLLECTIVES,
     EXACT,
     HALF_LANE,
+    KERNEL_COLLECTIVES,
     LAYOUTS,
     MAX_LISTED_RANKS,
     OURS,
     PADDED_GROUPS,
     PARTIAL_SUM,
+    PARTIAL_SUM_MODES,
     RELEASE,
     RELEASE_ETP,
     RELEASE_EXPERT_FORMAT,
     RELEASE_REPLICATED,
+    RESTRUCTURED,
     Layout,
     Split,
     allowed_ranks,
@@ -108,11 +111,11 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
            collectives: str = "exact") -> Layout:
     """The `name` layout (LAYOUTS) of cfg on n_ranks ranks: `partition.splits`, ours with its
     chunks rotated (`rotations`); etp: expert-tensor parallel ways (default `default_etp`);
-    collectives: one of COLLECTIVES (`param_shard`). ValueError naming the field for a rank count
-    that does not split heads, vocabulary or experts, and for a kind whose parameters have no
-    sharding rule."""
-    if collectives not in COLLECTIVES:
-        raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
+    collectives: one of KERNEL_COLLECTIVES (`param_shard`). ValueError naming the field for a rank
+    count that does not split heads, vocabulary or experts, and for a kind whose parameters have
+    no sharding rule."""
+    if collectives not in KERNEL_COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {KERNEL_COLLECTIVES}")
     found = splits(cfg, n_ranks, name, etp)
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
     lay = Layout(name=name, cfg=cfg, n_ranks=int(n_ranks), splits=found,
@@ -131,7 +134,7 @@ def merges_shared_sum(lay: Layout, kind: str) -> bool:
     experts. The kernel (`kernels.sharded.plan.collective_rules`: `Rule.adds`) and the sharded
     reference (`reference_sharded`) both ask here."""
     params = spec.stage(kind).params(lay.cfg)
-    return (lay.collectives == PARTIAL_SUM and lay.n_ranks > 1 and "experts" in params
+    return (lay.partial_sums and lay.n_ranks > 1 and "experts" in params
             and "w_sd" in params and "w_ld" not in params)
 
 
@@ -180,14 +183,15 @@ def active_shard(lay: Layout, shard: Any, shape: tuple[int, ...]) -> tuple[tuple
 
 
 def param_shard(lay: Layout, p: Any) -> Any:
-    """The split a layout gives parameter p: its rule, or in the partial-sum layout, for a matrix
-    whose input arrives split by a group (Param.gather: W_o, W_down, an expert's W2), its rows
-    by that group instead (each rank multiplies its slice of the contraction: partial sums)."""
+    """The split a layout gives parameter p: its rule, or in the partial-sum layouts, for a matrix
+    whose input arrives split by a group (Param.gather: W_o, W_down, an expert's W2; in the
+    restructured layout also Param.scattered: W_lu), its rows by that group instead (each rank
+    multiplies its slice of the contraction: partial sums)."""
     rows = len(p.shape) - 2
-    if (lay.collectives != PARTIAL_SUM or p.gather is None or rows < 0
-            or not lay.divides(p.gather, p.shape[rows])):
+    by = p.gather or (p.scattered if lay.collectives == RESTRUCTURED else None)
+    if not lay.partial_sums or by is None or rows < 0 or not lay.divides(by, p.shape[rows]):
         return p.shard
-    return tuple((axis, group) for axis, group in p.shard if axis < rows) + ((rows, p.gather),)
+    return tuple((axis, group) for axis, group in p.shard if axis < rows) + ((rows, by),)
 
 
 def local_shape(lay: Layout, shape: tuple[int, ...], shard: Any) -> tuple[int, ...]:

@@ -64,10 +64,11 @@ SUBLANES = {4: BF16_SUBLANE // 2, 2: BF16_SUBLANE, 1: BF16_SUBLANE * 2}
 
 
 def partial_layout(lay: Layout) -> Layout:
-    """The same layout in partial-sum mode (what the sharded megakernel builds by default)."""
+    """The same layout in partial-sum mode (what the sharded megakernel builds by default; a
+    layout in a partial-sum mode already, e.g. restructured, as it is)."""
     if not isinstance(lay, Layout):
         raise ValueError(f"lay={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
-    return dataclasses.replace(lay, collectives=PARTIAL_SUM)
+    return lay if lay.partial_sums else dataclasses.replace(lay, collectives=PARTIAL_SUM)
 
 
 def partial_sum_shape(lay: Layout, param: spec.Param) -> tuple[int, ...]:

@@ -13,7 +13,9 @@ tell what the partial sums change from what any other order of the same sums wou
 `sweep(cases)` -> one `RowStep` per (case, row, step, variant); `summary(rows)` -> per variant the
 distribution and the flips; `python -m mkresearch.sharding.partial_sum_sweep [--quick]` prints
 the table (SWEEP: 16 configurations x 4 compiled steps, ~50 min on a loaded 2-core machine,
-the compiles most of it; --quick: 4 cases). The claim it measures is stated in
+the compiles most of it; --quick: 4 cases; --restructured: the restructured mode's variants
+beside partial-sum f32 on Kimi K3's mini; --seeds N: seed pairs per configuration). The claim it
+measures is stated in
 `reference_sharded` and tested over SWEEP in tests/test_partial_sum_claim.py.
 """
 
@@ -33,7 +35,10 @@ from mkresearch.sharding import reference_sharded
 
 SINGLE, REORDERED = "single", "reordered"
 VARIANTS = (REORDERED, "partial-sum f32", "partial-sum bf16")
-WIRE = {REORDERED: "f32", "partial-sum f32": "f32", "partial-sum bf16": "bf16"}  # its bound's
+# the restructured mode's sharded reference (`layouts.RESTRUCTURED`): `--restructured`
+RESTRUCTURED_VARIANTS = ("restructured f32", "restructured bf16")
+WIRE = {REORDERED: "f32", "partial-sum f32": "f32", "partial-sum bf16": "bf16",
+        "restructured f32": "f32", "restructured bf16": "bf16"}  # its bound's
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
@@ -158,9 +163,14 @@ def measure(case: Case, prompt_len: int = PROMPT_LEN, steps: int = STEPS,
     if lay.etp != 1:  # ETP > 1 rounds each partial expert output: not modelled (reference_sharded)
         raise ValueError(f"ranks={case.ranks} is invalid for {cfg.name}: ETP {lay.etp} > 1")
     params = weights.init_params(cfg, case.params_seed)
+    restructured = dataclasses.replace(lay, collectives=layouts.RESTRUCTURED)
     made = {REORDERED: lambda: reordered_params(params, lay),
             "partial-sum f32": lambda: reference_sharded.sharded_params(params, lay, "f32"),
-            "partial-sum bf16": lambda: reference_sharded.sharded_params(params, lay, "bf16")}
+            "partial-sum bf16": lambda: reference_sharded.sharded_params(params, lay, "bf16"),
+            "restructured f32": lambda: reference_sharded.sharded_params(params, restructured,
+                                                                         "f32"),
+            "restructured bf16": lambda: reference_sharded.sharded_params(params, restructured,
+                                                                          "bf16")}
     params_of = {SINGLE: params} | {name: made[name]() for name in variants}
     prompt = np.asarray(jax.random.randint(jax.random.key(case.prompt_seed),
                                            (case.batch, prompt_len), 0, cfg.vocab_size))
@@ -256,10 +266,20 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the first two configurations of each model, one seed pair each "
                              "(4 cases, a quarter of the compiles) instead of SWEEP")
+    parser.add_argument("--restructured", action="store_true",
+                        help="the restructured mode's variants beside partial-sum f32, on Kimi "
+                             "K3's mini only (the other mini has no latent to restructure)")
+    parser.add_argument("--seeds", type=int, default=SEEDS_PER_COMBO,
+                        help=f"seed pairs per configuration (default {SEEDS_PER_COMBO})")
     args = parser.parse_args(argv)
-    quick = {model: combos[:2] for model, combos in COMBOS.items()}
-    cases = sweep_cases(quick, seeds_per_combo=1) if args.quick else SWEEP
-    rows = sweep(cases, progress=True)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be an int >= 1, got {args.seeds}")
+    combos = {m: c for m, c in COMBOS.items() if m == "kimi-k3-mini" or not args.restructured}
+    quick = {model: rows[:2] for model, rows in combos.items()}
+    cases = (sweep_cases(quick, seeds_per_combo=1) if args.quick
+             else sweep_cases(combos, seeds_per_combo=args.seeds))
+    variants = (("partial-sum f32", *RESTRUCTURED_VARIANTS) if args.restructured else VARIANTS)
+    rows = sweep(cases, variants=variants, progress=True)
     print(f"{len(cases)} cases (seed pairs), {PROMPT_LEN} prompt + {STEPS} greedy steps each")
     print(format_table(summary(rows)))
 

@@ -1,5 +1,5 @@
 """The sharded reference: the plain-JAX decode step as the partial-sum sharded megakernel
-computes it (`kernels/sharded/plan.py`, mode "partial-sum"), to the bit.
+computes it (`kernels/sharded/plan.py`, modes "partial-sum" and "restructured"), to the bit.
 
 It is `reference.decode_step` with the weights that the partial-sum layout splits by their rows
 (`layout.param_shard`: W_o over the heads, W_down over the FFN hidden) given as
@@ -37,6 +37,14 @@ with the bf16 wire; 63 % of the f32 row-steps are bit-equal to the single device
 order: 54 %; the single device on another XLA:CPU configuration: 69 rows, 0 %). The minis'
 random weights put router scores within rounding of a tie often (in Kimi K3's mini 24 of 66
 rows, DeepSeek-V3's 4 of 66); a trained model's margins are its own.
+The restructured mode (`layout.RESTRUCTURED`, docs/sharding.md §4b) is the same with W_lu
+as `numerics.NormedRows`: each rank's latent rows times its chunk of bf(ρ)·γ, those partial
+products and the chunks' Σ ρ² summed as the shared experts' partials are (beside them, in the
+same order), RMSNorm's scale applied after the sum. Its kernel equals this to the bit; against
+the single device the same bounds hold while a row's routing agrees, but routing differs more
+often than with any order of the same sums (the latent norm's rounding moved: 18 of 22 rows
+with the f32 wire, partial-sum 8, over `partial_sum_sweep --restructured --seeds 1`; tested in
+tests/test_partial_sum_claim.py).
 Experts split by ETP too (EP x ETP > 1 on a rank group) round each partial expert output to bf16
 before the sum, which this reference does not model (the tests run ETP = 1: 8 ranks of a mini).
 """
@@ -48,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from mkresearch.model import reference, spec
-from mkresearch.model.numerics import ExpertGroups, Partials
+from mkresearch.model.numerics import ExpertGroups, NormedRows, Partials
 from mkresearch.sharding import layout as layouts
 
 # max |logits - single-device reference logits| of a row at a step, while the row's routing has
@@ -86,10 +94,12 @@ def row_split(lay: layouts.Layout, p: spec.Param) -> str | None:
 
 
 def check_hosts(lay: layouts.Layout, ranks_per_host: int = 0) -> int:
-    """The ranks of one host (ranks_per_host, 0: all of them) of a partial-sum layout, checked:
+    """The ranks of one host (ranks_per_host, 0: all of them) of a layout with partial sums
+    (partial-sum or restructured), checked:
     ValueError naming what is invalid."""
-    if lay.collectives != layouts.PARTIAL_SUM:
-        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: 'partial-sum'")
+    if not lay.partial_sums:
+        raise ValueError(f"lay.collectives={lay.collectives!r} is invalid: one of "
+                         f"{layouts.PARTIAL_SUM_MODES}")
     per_host = ranks_per_host or lay.n_ranks
     if isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1 \
             or lay.n_ranks % per_host:
@@ -119,16 +129,44 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
                                           layouts.merges_shared_sum(lay, kind))
             elif isinstance(p, spec.Param) and (group := row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
+            elif isinstance(p, spec.Param) and _scattered(lay, p):  # restructured: W_lu
+                stack[key] = _normed_rows(lay, params[kind][key], p, entries, wire, per_host)
         out[kind] = stack
     return out
+
+
+def _scattered(lay: layouts.Layout, p: spec.Param) -> bool:
+    """Whether the restructured layout splits p by the rows its input is reduce-scattered by."""
+    rows = len(p.shape) - 2
+    return (lay.collectives == layouts.RESTRUCTURED and p.scattered is not None and rows >= 0
+            and (rows, p.scattered) in layouts.active_shard(lay, layouts.param_shard(lay, p),
+                                                            p.shape))
+
+
+def _normed_rows(lay: layouts.Layout, w: Any, p: spec.Param, entries: dict, wire: str,
+                 per_host: int) -> NormedRows:
+    """W_lu [..., Lat, N] as each rank's latent rows, in the order the reduction it travels
+    beside adds the ranks (the stage's shared experts' W_down: one rank per slice of its group,
+    `kernels.sharded.plan.Rule.beside`)."""
+    pieces, bounds, hosts = _row_pieces(lay, w, p, p.scattered,
+                                        lay.slice_firsts(entries["w_sd"].gather), per_host)
+    return NormedRows(pieces, bounds, wire, hosts)
 
 
 def _partials(lay: layouts.Layout, w: Any, p: spec.Param, group: str, wire: str,
               per_host: int) -> Partials:
     """w [..., K, N] as one piece per slice of `group` (the ranks adding them: slice 0 first)."""
+    pieces, bounds, hosts = _row_pieces(lay, w, p, group, lay.slice_firsts(group), per_host)
+    return Partials(pieces, bounds, wire, hosts)
+
+
+def _row_pieces(lay: layouts.Layout, w: Any, p: spec.Param, group: str, ranks: tuple,
+                per_host: int) -> tuple[tuple, tuple, tuple]:
+    """(pieces, bounds, hosts): each of `ranks`' rows of w [..., K, N] by `group`, zero-padded
+    to its slice's length, the input columns it multiplies, and its host."""
     rows = len(p.shape) - 2
     pieces, bounds, hosts = [], [], []
-    for rank in lay.slice_firsts(group):
+    for rank in ranks:
         start, stop, local = lay.bounds(group, p.shape[rows], rank)
         piece = np.asarray(w)[..., start:stop, :]
         pad = [(0, 0)] * piece.ndim
@@ -136,7 +174,7 @@ def _partials(lay: layouts.Layout, w: Any, p: spec.Param, group: str, wire: str,
         pieces.append(np.pad(piece, pad))
         bounds.append((start, stop))
         hosts.append(rank // per_host)
-    return Partials(tuple(pieces), tuple(bounds), wire, tuple(hosts))
+    return tuple(pieces), tuple(bounds), tuple(hosts)
 
 
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, lay: layouts.Layout,

@@ -51,22 +51,24 @@ def options_for(lay, levels):
     ranks (True: RANKS_PER_HOST)."""
     if not levels:
         return MegakernelOptions()
-    names = {r.name for r in sharding.reductions(lay)}
+    names = {r.name for r in sharding.reductions(lay) if not r.scatter}
     return MegakernelOptions(reductions=tuple((n, a) for n, a in LEVELS.items() if n in names),
                              ranks_per_host=RANKS_PER_HOST if levels is True else levels)
 
 
-def setup(model, batch, wire="f32", levels=False):
-    """(params, layout, plan, mesh, prepared weights, prefilled state, tokens, positions)."""
+def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM):
+    """(params, layout, plan, mesh, prepared weights, prefilled state, tokens, positions);
+    mode: a partial-sum mode (`layout.PARTIAL_SUM_MODES`)."""
     cfg = config.get_config(model)
-    key = (model, batch, wire, levels)
+    key = (model, batch, wire, levels, mode)
     if key not in _cache:
         params = _cache.setdefault(model, weights.init_params(cfg, 0))
-        lay = layout.layout(cfg, N_RANKS, collectives="partial-sum")
+        lay = layout.layout(cfg, N_RANKS, collectives=mode)
         plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, wire=wire,
                                     options=options_for(lay, levels))
         mesh = ms.make_mesh(N_RANKS)
-        prepared = _cache.setdefault((model, "prepared"), ms.prepare_weights(params, lay, mesh))
+        prepared = _cache.setdefault((model, "prepared", mode),
+                                     ms.prepare_weights(params, lay, mesh))
         prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, cfg.vocab_size)
         state = reference.init_state(cfg, batch)
         _, state = reference.prefill(params, state, prompt[:, :-1], cfg)
@@ -75,12 +77,13 @@ def setup(model, batch, wire="f32", levels=False):
     return _cache[key]
 
 
-def step(model, batch, wire="f32", temperature=None, rows=None, record=False, levels=False):
-    """One partial-sum step, checked against the sharded reference -> (tokens, logits, DMA log
-    or None). rows: run only these rows of the batch's inputs (a row alone); levels: the
-    reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks."""
+def step(model, batch, wire="f32", temperature=None, rows=None, record=False, levels=False,
+         mode=layout.PARTIAL_SUM):
+    """One step of a partial-sum mode, checked against the sharded reference -> (tokens,
+    logits, DMA log or None). rows: run only these rows of the batch's inputs (a row alone);
+    levels: the reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks."""
     params, lay, plan, mesh, prepared, state, tokens, positions = setup(model, batch, wire,
-                                                                        levels)
+                                                                        levels, mode)
     if rows is not None:
         state = jax.tree.map(lambda leaf: leaf[:, rows], state)
         tokens, positions = tokens[rows], positions[rows]
@@ -111,7 +114,7 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False, le
     routing = reference_sharded.routing_differs(want_aux["expert_ids"], single_aux["expert_ids"])
     how = (f", reductions {dict(plan.mega.options.reductions)} on hosts of "
            f"{plan.mega.options.ranks_per_host} ranks" if levels else "")
-    print(f"{model} partial-sum on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
+    print(f"{model} {mode} on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
           f"states equal to the sharded reference's to the bit, identical on every rank; max "
           f"|logit diff| vs the single-device reference {diff:.3g} (rows whose routing differs: "
           f"{int(routing.sum())}; bound where it does not "
@@ -243,10 +246,10 @@ def test_skipped_wait_in_a_level_is_a_race():
     assert raced, "the race detector did not see the read before the host sums landed"
 
 
-def step_raw(model, n_ranks=2, batch=1, options=None):
-    """One partial-sum step on n_ranks, unchecked (for a broken kernel)."""
+def step_raw(model, n_ranks=2, batch=1, options=None, mode=layout.PARTIAL_SUM):
+    """One step of a partial-sum mode on n_ranks, unchecked (for a broken kernel)."""
     cfg = config.get_config(model)
-    lay = layout.layout(cfg, n_ranks, collectives="partial-sum")
+    lay = layout.layout(cfg, n_ranks, collectives=mode)
     plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, options=options or MegakernelOptions())
     mesh = ms.make_mesh(n_ranks)
     state = ms.shard_state(reference.init_state(cfg, batch), lay, mesh)
@@ -255,3 +258,51 @@ def step_raw(model, n_ranks=2, batch=1, options=None):
                                np.arange(batch, dtype=np.int32) + 5, np.full(batch, 3, np.int32),
                                plan, mesh=mesh)
     return np.asarray(jax.block_until_ready(out))
+
+
+# ---- the restructured MoE reductions (`layout.RESTRUCTURED`, `kernels/sharded/plan.py`) ------
+RESTRUCTURED = layout.RESTRUCTURED
+
+
+def test_restructured_kimi_b3_greedy_and_sampled_rows(race_checked):
+    """The restructured mode (ρ reduce-scattered, W_lu by its latent rows beside the shared
+    experts' sum, the norm's scale after it) equals its sharded reference to the bit, on every
+    rank; recorded: ρ's only remote copies are its reduce-scatter's, one message per peer, and
+    W_lu has no collective of its own (its partial sums ride in the shared experts' messages)."""
+    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, mode=RESTRUCTURED)
+    cfg = config.get_config("kimi-k3-mini")
+    for rank in range(N_RANKS):
+        names = [e.name for e in log.of_rank(rank).events if e.kind == "dma_start" and e.remote]
+        rho = [n for n in names if n.startswith("expert/sum")]
+        assert set(rho) == {"expert/sum/reduce_scatter"}, set(rho)
+        assert len(rho) == len(cfg.moe_layers) * (N_RANKS - 1)
+        assert not [n for n in names if n.startswith("latent/w_lu")]
+
+
+@pytest.mark.exhaustive  # two more steps (B = 1 traced anew, B = 3 again): ~2 min here
+def test_restructured_row_alone_and_second_run(race_checked):
+    tokens, logits, _ = step("kimi-k3-mini", 3, temperature=MIXED, mode=RESTRUCTURED)
+    again, logits_again, _ = step("kimi-k3-mini", 3, temperature=MIXED, mode=RESTRUCTURED)
+    np.testing.assert_array_equal(logits_again.view(np.uint32), logits.view(np.uint32))
+    np.testing.assert_array_equal(again, tokens)
+    _, logits_alone, _ = step("kimi-k3-mini", 3, temperature=MIXED, rows=[1], mode=RESTRUCTURED)
+    np.testing.assert_array_equal(logits_alone.view(np.uint32), logits[1:2].view(np.uint32))
+
+
+@pytest.mark.exhaustive  # the other family (nothing to restructure: its experts work on the full
+# d, their partial sums already in the shared experts'), B = 1, levels, the bf16 wire
+@pytest.mark.parametrize("model, batch, levels, wire", [
+    ("deepseek-v3-mini", 3, False, "f32"), ("deepseek-v3-mini", 1, False, "f32"),
+    ("kimi-k3-mini", 1, False, "f32"), ("kimi-k3-mini", 1, True, "f32"),
+    ("kimi-k3-mini", 3, False, "bf16")])
+def test_restructured_other_cases(race_checked, model, batch, levels, wire):
+    step(model, batch, wire=wire, temperature=MIXED[:batch], levels=levels, mode=RESTRUCTURED)
+
+
+def test_skipped_wait_in_the_reduce_scatter_is_a_race():
+    """ρ's reduce-scatter reading its receive slots without waiting for them is flagged by the
+    race detector."""
+    calls, raced, _ = test_faults.skipped_wait_races(
+        "expert/sum", lambda: step_raw("kimi-k3-mini", mode=RESTRUCTURED))
+    assert calls, "the reduce-scatter's wait was not reached"
+    assert raced, "the race detector did not see the read before the partial sums landed"

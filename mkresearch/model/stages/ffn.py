@@ -18,6 +18,7 @@ from mkresearch.model.formats import dequantize
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
     ExpertGroups,
+    NormedRows,
     activation,
     bf,
     f32,
@@ -62,7 +63,8 @@ def moe_params(cfg: ModelConfig) -> dict[str, Any]:
                                   shard=spec.REPLICATED),
         "w_ld": spec.matrix(d, latent, shard=spec.split(1, spec.MOE_LATENT)),
         "latent_norm": spec.norm((latent,), jnp.float32),
-        "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS)),
+        "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS),
+                            scattered=spec.MOE_LATENT),
         "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
                     "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
     }
@@ -159,6 +161,8 @@ def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
     up. Returns routed [B, d] in f32 (moe_ffn rounds it together with the shared experts)."""
     z = bf(matmul(x, p["w_ld"]))  # [B, Lat]
     rho = bf(combine_experts(p["experts"], z, expert_ids, expert_weights, cfg))  # [B, Lat]
+    if isinstance(p["w_lu"], NormedRows):  # the restructured sharded reference
+        return p["w_lu"].normed_contract(rho, p["latent_norm"], cfg.rms_eps, cfg.moe_latent)
     rho_hat = rms_norm(rho, p["latent_norm"], cfg.rms_eps, n=cfg.moe_latent)
     return matmul(rho_hat, p["w_lu"])  # [B, d] f32
 
