@@ -4,8 +4,8 @@
 
 setuptools stages a build in SOURCE_TREE/build/lib and reuses what is there, so after `pip wheel .`
 a module deleted from the tree would still ship in the next wheel. The copy holds only what the
-build reads (the top-level files: pyproject.toml, README.md, LICENSE, ...; mkresearch/ and
-kernels/), never a build/ or an egg-info. Built offline by this Python's setuptools, the version
+build reads (the top-level files: pyproject.toml, README.md, LICENSE, ...; the directories of
+pyproject.toml's package-dir: mkresearch/, kernels/, docs/), never a build/ or an egg-info. Built offline by this Python's setuptools, the version
 [build-system] pins (`--no-build-isolation --no-index`; tests/test_packaging.py checks the pin).
 """
 
@@ -15,9 +15,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
-PACKAGE_DIRS = ("mkresearch", "kernels")  # pyproject.toml's package-dir
+
+def package_dirs(source: Path) -> list[str]:
+    """The directories pyproject.toml's [tool.setuptools] package-dir maps to packages."""
+    setuptools = tomllib.loads((source / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return sorted(set(setuptools["package-dir"].values()))
 
 
 def build(source: Path, out: Path) -> Path:
@@ -27,7 +32,7 @@ def build(source: Path, out: Path) -> Path:
         for path in source.iterdir():
             if path.is_file() and not path.name.startswith("."):
                 shutil.copy2(path, tree / path.name)
-        for name in PACKAGE_DIRS:
+        for name in package_dirs(source):
             shutil.copytree(source / name, tree / name)
         out.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
