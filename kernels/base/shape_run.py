@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core
+from jax._src.pallas.mosaic import primitives as tpu_primitives
 from jax._src.state import indexing
 from jax._src.state import types as state_types
 
@@ -83,6 +84,16 @@ def _ints(where: tuple) -> bool:
         if type(i) is not int:
             return False
     return True
+
+
+def dma_endpoints(tree: Any, leaves: list) -> tuple[tuple[Any, tuple], tuple[Any, tuple]]:
+    """((source Ref, its transforms), (target Ref, its transforms)) of a dma_start's flat
+    operands: jax 0.10 flattens (src, dst, dst_sem, src_sem, device_id) with transformed Refs,
+    jax 0.8-0.9 (the supported range's floor, Colab's runtime) each Ref beside its transforms."""
+    args = tpu_primitives._dma_unflatten(tree, leaves)
+    if len(args) == 5:
+        return split_ref(args[0]), split_ref(args[1])
+    return (args[0], tuple(args[1])), (args[2], tuple(args[3]))
 
 
 def split_ref(value: Any) -> tuple[Any, tuple]:
@@ -193,8 +204,8 @@ class Slicer:
         if name == "io_callback":  # a planned DMA or a supplied value
             return every
         if name == "dma_start":  # what fills SMEM (the run moves no other data)
-            _, dst, *_ = jax.tree.unflatten(p["tree"], eqn.invars)
-            return every if _is_smem(split_ref(dst)[0].aval) else None
+            _, (dst_ref, _) = dma_endpoints(p["tree"], eqn.invars)
+            return every if _is_smem(dst_ref.aval) else None
         if name in ("swap", "addupdate"):
             return every if _is_smem(eqn.invars[0].aval) else None
         if name == "get":
@@ -475,8 +486,7 @@ def _dma_start(eqn, mask, values):
     """A DMA into SMEM (the slice runs no other): its target holds what the source held,
     unknown from VMEM (the run moves no vector data; a value that must be known is supplied,
     `dry_run.given`)."""
-    src, dst, *_ = jax.tree.unflatten(eqn.params["tree"], values)
-    (src_ref, src_at), (dst_ref, dst_at) = split_ref(src), split_ref(dst)
+    (src_ref, src_at), (dst_ref, dst_at) = dma_endpoints(eqn.params["tree"], values)
     data = UNKNOWN
     if src_ref.smem:
         data = src_ref.read(_transforms_index(src_at), eqn.invars[0].aval.shape)
