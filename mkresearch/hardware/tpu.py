@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -362,10 +363,19 @@ def _quiet_libtpu() -> Iterator[None]:
                 print("\n".join(kept), file=sys.stderr)
 
 
+def can_compile() -> bool:
+    """Whether libtpu is here to compile for a TPU (the `tpu` extra, Linux x86-64; a hosted CPU
+    runtime such as Colab's usually lacks it)."""
+    return bool(os.environ.get("TPU_LIBRARY_PATH")) or importlib.util.find_spec("libtpu") is not None
+
+
 @functools.cache
 def _topology(topology_name: str):
     from jax.experimental import topologies
 
+    if not can_compile():
+        raise RuntimeError("compiling for a TPU needs libtpu, which this Python lacks: "
+                           "pip install 'mkresearch[tpu]' (Linux x86-64)")
     if not _tpu_present():
         # No TPU to guard: let several processes (parallel tests, notebooks) load libtpu to compile;
         # otherwise the second one fails on /tmp/libtpu_lockfile ("ABORTED: ... lockfile").
