@@ -243,7 +243,7 @@ def check_model(cfg: ModelConfig) -> ModelConfig:
 
 
 def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
-              options: MegakernelOptions = MegakernelOptions(),  # noqa: B008
+              options: MegakernelOptions = MegakernelOptions(),
               *, check_fits: bool = True, rows_per_state: int = 1) -> MegaPlan:
     """Check sizes and options (ValueError naming them) and fix every static size, VMEM included.
 

@@ -20,9 +20,11 @@ chip. Everything about the step's collectives is read from it:
               its latent rows (`spec.Param.scattered`), its partial products and the partial
               sums of squares of ρ's chunks beside the shared experts' in that reduction's
               messages (`Rule.beside`), ρ's RMSNorm scale applied after the sum
-              (`numerics.latent_scale`): one collective less on the chain per MoE layer and a
-              cheaper one (a reduce-scatter, not an all-reduce), the latent norm's rounding of
-              ρ̂ to bf16 moved (`reference_sharded`: what holds)
+              (`numerics.rms_scale`): as many collectives per MoE layer as partial-sum mode
+              (W_lu's partial sums rode in the shared experts' reduction there too), ρ's a
+              one-phase reduce-scatter instead of an all-reduce, the shared reduction's payload
+              about twice as wide; the latent norm's rounding of ρ̂ to bf16 moved
+              (`reference_sharded`: what holds)
   algorithms  each reduction's, chosen from the interconnect model of the chip's slice
               (`mkresearch.hardware.interconnect.choose`: the cheapest of one-shot, two-level and
               rs-ag for its payload on its hosts) and passed to the kernel as an input
@@ -49,10 +51,10 @@ ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's a
 REDUCTION_ALGORITHMS = (ONE_SHOT, TWO_LEVEL, RS_AG)  # the default first
 WIRES = ("f32", "bf16")
 # How a rank's routed-expert reads, issued once routing is known, meet the global weight ring's
-# blocks already in flight (`ShardingPlan.expert_reads`): "queued" behind them in issue order
-# (the kernel as built), or "first", ahead of those not yet moving (a reorder or a second DMA
-# queue: a design the kernel does not build yet; the prediction prices it,
-# `prediction.timeline.FETCH_ORDERS`)
+# blocks already in flight (`ShardingPlan.expert_reads`, what the prediction prices,
+# `prediction.timeline.FETCH_ORDERS`): "queued" behind them in issue order (the kernel's
+# default), or "first", ahead of those not yet moving (the kernel with
+# `MegakernelOptions.expert_reads_first`)
 EXPERT_READS = ("queued", "first")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 SCATTER_REASON = ("one-phase reduce-scatter (restructured): each rank receives only the sum of "

@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 from mkresearch.cli.common import _at_least, _chip, _model, _refusals
-from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.prediction import calibration, collective_floor, collective_plan, design_table
 from mkresearch.prediction.timeline_chip import timeline_chip

@@ -19,19 +19,12 @@ from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, designs, scale_out
 from mkresearch.sharding import layout as layouts
 
-F32 = 4
-
-
-# rho by reduce-scatter: the kernel's own mode where it has one, else the design on partial sums
-KERNEL_MODE = designs.RESTRUCTURED if designs.RESTRUCTURED in layouts.COLLECTIVES \
-    else layouts.PARTIAL_SUM
+SAME_ASSUMPTIONS = calibration.Model()  # the default: ours and the release's shared defaults
 
 
 def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, **fields: Any
           ) -> dict:
-    mode = KERNEL_MODE if designs.RESTRUCTURED in fields.get("designs", ()) \
-        else layouts.PARTIAL_SUM
-    base = scale_out.our_schedule(cfg, mode, n_ranks, batch)
+    base = scale_out.our_schedule(cfg, layouts.PARTIAL_SUM, n_ranks, batch)
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
@@ -39,7 +32,7 @@ def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, 
 
 
 def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
-                      model: calibration.Model = calibration.Model(),
+                      model: calibration.Model = SAME_ASSUMPTIONS,
                       others: tuple[str, ...] = (designs.RESTRUCTURED,),
                       expert_order: str = "first") -> dict[str, Any]:
     """Each placement (on top of `others` and `expert_order`): group size, GB per rank, the
@@ -53,9 +46,9 @@ def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
         group = designs.router_group(placement, 0, n_ranks, per_host)
         chosen = others + (() if placement == designs.SPLIT else (f"router-{placement}",))
         p = _ours(cfg, n_ranks, batch, model, designs=chosen, expert_order=expert_order)
-        piece = batch * designs.sharding.lanes(-(-cfg.n_experts // len(group))) * F32
+        piece = designs.scores_bytes(batch, cfg.n_experts, len(group))
         if placement == designs.SPLIT:  # as built: scores and latent in one gather
-            piece += batch * designs.sharding.lanes(-(-cfg.moe_latent // n_ranks)) * F32
+            piece += designs.scores_bytes(batch, cfg.moe_latent, n_ranks)  # the latent's piece
         us = 0.0 if len(group) == 1 else links.price(inter, "all_gather", "one-shot", group,
                                                      piece).seconds * 1e6
         rows.append({"placement": placement, "group": len(group),
@@ -72,8 +65,8 @@ def format_router_placements(table: dict[str, Any]) -> str:
     lines = [(f"router placements ({table['model']} on {table['n_ranks']} ranks, B = "
               f"{table['batch']}, with {', '.join(table['with'])}; predicted by the scale-out "
               "model, the same assumptions as the release's):"),
-             f"  {'placement':10s} {'group':>5s} {'GB/rank':>8s} {'before top-k us':>15s} "
-             f"{'step ms':>8s}"]
+             (f"  {'placement':10s} {'group':>5s} {'GB/rank':>8s} {'before top-k us':>15s} "
+              f"{'step ms':>8s}")]
     for r in table["rows"]:
         mark = "  <- chosen (fastest predicted)" if r["placement"] == table["chosen"] else ""
         lines.append(f"  {r['placement']:10s} {r['group']:5d} {r['rank_gb']:8.2f} "
@@ -82,7 +75,7 @@ def format_router_placements(table: dict[str, Any]) -> str:
 
 
 def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCHES, *,
-                  model: calibration.Model = calibration.Model()) -> list[dict]:
+                  model: calibration.Model = SAME_ASSUMPTIONS) -> list[dict]:
     """Per batch: ours as built, then each design added in turn, and the release's modelled
     step, all under `model`; each with its step, GB per rank, the serial chain of collective
     latencies (rank 0's collectives' prices in sequence, `scale_out.predict`'s
@@ -119,12 +112,12 @@ def _row(batch: int, label: str, p: dict, release: dict | None) -> dict:
 
 
 def format_designs(rows: list[dict]) -> str:
-    lines = ["designs of our step, each added in turn (scale-out model; ours and the release "
-             "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
-             "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
-             "sequence:",
-             f"  {'B':>2s} {'design':28s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
-             f"{'chain ms':>8s} {'/release':>8s}"]
+    lines = [("designs of our step, each added in turn (scale-out model; ours and the release "
+              "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
+              "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
+              "sequence:"),
+             (f"  {'B':>2s} {'design':28s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
+              f"{'chain ms':>8s} {'/release':>8s}")]
     for r in rows:
         ratio = f"{r['over_release']:8.2f}" if r["over_release"] else f"{'':8s}"
         lines.append(f"  {r['batch']:2d} {r['design']:28s} {r['step_ms']:8.2f} "

@@ -35,11 +35,11 @@ from mkresearch.kernels.sharded.collective_ops import EXPERTS
 from mkresearch.kernels.stages.experts import LATENT_DOWN
 from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.prediction.program import ONE_SHOT, Collective
+from mkresearch.sharding.layout import RESTRUCTURED
 
-# the kernel's collectives mode of the same name (issue 46 item 2: `layouts.RESTRUCTURED` where
-# the kernel has it): where `layouts.COLLECTIVES` lists it, `design_table` predicts the kernel's
-# own collectives in that mode instead of this change to the partial-sum program
-RESTRUCTURED = "restructured"
+# the kernel's collectives mode of that name (`layouts.KERNEL_COLLECTIVES`), priced here as a
+# change to the partial-sum program: the interconnect model has no price for the kernel's
+# one-phase reduce-scatter yet, so `layouts.COLLECTIVES` (the modes the prediction runs) lacks it
 SPLIT, HOST, SIBLING, REPLICATED = "split", "host", "sibling", "replicated"
 ROUTER_PLACEMENTS = (SPLIT, HOST, SIBLING, REPLICATED)  # as built first
 ROUTER_DESIGNS = tuple(f"router-{p}" for p in ROUTER_PLACEMENTS[1:])
@@ -59,6 +59,12 @@ def check(designs: tuple[str, ...]) -> None:
 
 def router_placement(designs: tuple[str, ...]) -> str:
     return next((d.removeprefix("router-") for d in designs if d in ROUTER_DESIGNS), SPLIT)
+
+
+def scores_bytes(batch: int, n_experts: int, members: int) -> int:
+    """One member's piece of the router's scores split over `members` ranks: f32, its columns
+    padded to whole lanes as the layout pads them."""
+    return batch * sharding.lanes(-(-n_experts // members)) * F32
 
 
 def router_group(placement: str, rank: int, n_ranks: int, ranks_per_host: int
@@ -103,11 +109,11 @@ def _router_collectives(fused: Collective, placement: str, names: list[str], *, 
                         ) -> list[Collective]:
     """The fused scores + latent gather, split: the scores among the router's group before the
     experts (none if replicated), the latent over every rank waited after the experts' reads."""
-    scores = batch * sharding.lanes(-(-n_experts // n_ranks)) * F32  # a member's piece, as built
+    scores = scores_bytes(batch, n_experts, n_ranks)  # a member's piece, as built
     group = router_group(placement, rank, n_ranks, ranks_per_host)
     out = []
     if len(group) > 1:
-        piece = batch * sharding.lanes(-(-n_experts // len(group))) * F32
+        piece = scores_bytes(batch, n_experts, len(group))
         out.append(Collective(f"{W_ROUTER}/scores", "all_gather", group, piece, W_ROUTER,
                               EXPERTS, ONE_SHOT, count=fused.count,
                               group=(rank,) if placement == SIBLING else None))
