@@ -55,7 +55,7 @@ def built(tmp_path_factory):
     """(wheel file names, the source tree it was built from, the wheel): a copy of the
     repository's build inputs plus the PROBES, so the build leaves the real tree alone."""
     tree = tmp_path_factory.mktemp("source")
-    for name in ("mkresearch", "kernels", "docs"):
+    for name in sorted(set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())):
         shutil.copytree(ROOT / name, tree / name)  # __pycache__ too: none of it may ship
     for path in ROOT.iterdir():  # pyproject.toml, README.md and any other top-level build input
         if path.is_file() and not path.name.startswith("."):
