@@ -1,4 +1,4 @@
-"""Designs the kernel does not run yet, priced by the scale-out model (`prediction.designs`,
+"""Designs beyond the kernel's defaults, priced by the scale-out model (`prediction.designs`,
 `prediction.design_table`): rho by a one-phase reduce-scatter, the router's placement, expert
 reads first; `plan` prints each router placement, `predict --designs` each design in turn."""
 
@@ -6,10 +6,10 @@ import dataclasses
 import json
 
 import pytest
+from mkresearch.kernels.sharded import plan as sharding
 
 from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
-from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, design_table, designs, scale_out
 from mkresearch.sharding import layout as layouts

@@ -86,9 +86,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--explain", action="store_true",
                    help="list every constant of the model: measured (source), published, assumed")
     p.add_argument("--designs", action="store_true",
-                   help="ours as built, then each design the kernel does not run yet (expert "
-                        "reads first, rho by reduce-scatter, the router placement, bf16 partial "
-                        "sums) added in turn, beside the release's modelled step")
+                   help="ours as built, then each design (expert reads first, rho by "
+                        "reduce-scatter, the router placement, bf16 partial sums) added in turn, "
+                        "beside the release's modelled step")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -258,7 +258,7 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
                      f"{streams[sched.prefetch_across]}; {sched.source}"
                      + (f"; B = 1: {sched.ring}" if sched.ring else ""))
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
-    lines.append(f"  designs the kernel does not run (none assumed; `--designs` prices them): "
+    lines.append(f"  designs beyond the kernel's defaults (none assumed; `--designs` prices them): "
                  f"{', '.join(designs.DESIGNS)}, expert reads first")
     lines.append(f"  context: the release's benchmark averages {calibration.BENCHMARK_CONTEXT} "
                  "cached tokens (one prompt token, 1,024 generated): --validate and --designs "

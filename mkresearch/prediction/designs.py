@@ -1,5 +1,8 @@
-"""Designs of our step that the kernel does not (yet) run, priced by the same scale-out model:
-each one a change to our rank's program, named here once (issue 46).
+"""Designs of our step beyond the kernel as built by default, priced by the same scale-out model:
+each one a change to our rank's program, named here once (issue 46). Two are kernel options too
+(rho by reduce-scatter: `decode --collectives restructured`; expert reads first:
+`MegakernelOptions.expert_reads_first`), priced here as changes to the partial-sum program; the
+router placements are the model's only.
 
   restructured        the routed experts' latent sum rho ([B, latent]) reduced by a one-phase
                       reduce-scatter (each rank sends each peer the 1/n of rho that peer owns)

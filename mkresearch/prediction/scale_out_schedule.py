@@ -59,7 +59,7 @@ class Schedule:
     # how the routed experts' reads meet the ring's blocks already issued
     # (`timeline.FETCH_ORDERS`): ours, its sharding plan's `expert_reads`; the release's "held"
     expert_order: str = "queued"
-    # ours: designs the kernel does not run, priced as changes to its program (`designs.DESIGNS`)
+    # ours: designs beyond the kernel's defaults, priced as changes to its program (`designs.DESIGNS`)
     designs: tuple[str, ...] = ()
 
     def algorithm(self, batch: int) -> str:
