@@ -31,9 +31,11 @@ the stage (`POINTS`):
 
 Not per row (so not here): decoding MXFP4 / FP8 experts is work per weight, paid once per
 distinct expert fetched whatever the rows routed to it; the expert count already grows with the
-batch (`scale_out.routed_experts`), and the release measured its int4 expert dots DMA-bound
-(~1.3 us per 3.19 MiB expert, docs/collectives.md §2), so unpacking adds no time beyond the
-expert's read. Per-row collective payloads are the collectives' own (`interconnect.price`).
+batch (`scale_out.routed_experts`), and the release's report measured its int4 expert dots
+DMA-bound (~1.3 us per 3.19 MiB expert, as `second_model` quotes it), so unpacking adds no time
+beyond the expert's read. Per-row collective payloads are the collectives' own
+(`interconnect.price`). What these terms leave of the published steps' growth with the batch, and
+why no public figure closes it: docs/prediction.md §4.
 """
 
 from __future__ import annotations
