@@ -67,14 +67,15 @@ def _compute_flops(ops) -> float:
     return sum(op[1] for op in ops if op[0] == "compute")
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_both_sides_carry_the_same_row_work(batch):
+@pytest.mark.parametrize("model, n_ranks, batch", [("kimi-k3", 32, 1), ("kimi-k3", 32, 4),
+                                                   ("deepseek-v3-mini", 8, 3)])
+def test_both_sides_carry_the_same_row_work(model, n_ranks, batch):
     """Ours and the release's programs hold the same per-row FLOPs per step (the same terms at
     the same rows), and it is the terms' sum times the rows."""
-    cfg = get_config("kimi-k3")
-    expected = batch * sum(t.per_step for t in row_work.terms(cfg, 32, CONTEXT))
+    cfg = get_config(model)
+    expected = batch * sum(t.per_step for t in row_work.terms(cfg, n_ranks, CONTEXT))
     for name in (layouts.OURS, layouts.RELEASE):
-        _, programs = scale_out.rank_programs(cfg, 32, name, batch, context=CONTEXT)
+        _, programs = scale_out.rank_programs(cfg, n_ranks, name, batch, context=CONTEXT)
         for ops in programs:
             assert _compute_flops(ops) == pytest.approx(expected, rel=1e-12), name
 

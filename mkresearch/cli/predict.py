@@ -275,7 +275,30 @@ def format_explain(cfg: Any, n_ranks: int, chip: str, batches=(1, 2, 4, 8),
         lines.append(f"  {t['term']:13s} {t['kind']:12s} {t['flops_per_row'] / 1e6:7.2f} MFLOP/row "
                      + " ".join(f"{s * 1e6:7.2f}" for s in t["seconds"].values())
                      + f"  ({t['formula']})")
+    lines.append(f"bytes that grow with the batch, GB per rank per step at B = "
+                 f"{', '.join(map(str, batches))} (scale_out.rank_bytes; distinct experts: uniform "
+                 "routing):")
+    lines += _growing_bytes(cfg, n_ranks, chip, batches, context)
     return "\n".join(lines)
+
+
+GROWING_BYTES = (("routed_experts", "routed experts"), ("kda_state", "KDA state"),
+                 ("mla_cache", "MLA cache"))
+
+
+def _growing_bytes(cfg: Any, n_ranks: int, chip: str, batches, context: int) -> list[str]:
+    """Per side, the bytes per rank that grow with the batch (the model's own counts)."""
+    lines = []
+    for name in layout.LAYOUTS:
+        lay = layout.layout(cfg, n_ranks, name)
+        counts = [scale_out.rank_bytes(lay, scale_out.schedule_for(
+            cfg, name, n_ranks=n_ranks, batch=batch, chip=chip), batch, context)
+            for batch in batches]
+        for component, label in GROWING_BYTES:
+            if component in counts[0].components:
+                lines.append(f"  {name:8s} {label:16s} " + " ".join(
+                    f"{c.component(component) / 1e9:7.3f}" for c in counts))
+    return lines
 
 
 def format_validation() -> str:

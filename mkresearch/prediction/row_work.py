@@ -110,11 +110,12 @@ def terms(cfg: ModelConfig, n_ranks: int, context: int = 0) -> tuple[RowWork, ..
         elif has_cache:
             out.append(RowWork("softmax", kind, (SOFTMAX * heads * (context + 1),) * count,
                                f"{SOFTMAX} per score, {heads} heads x (context + 1)"))
-    if cfg.moe_layers:
-        e, k = cfg.n_experts, cfg.top_k
-        routed_kind = cfg.layers[cfg.moe_layers[0]][1]
-        out.append(RowWork("top-k", routed_kind, (SIGMOID * e + PICK * k * e,) * len(cfg.moe_layers),
-                           f"{SIGMOID} E + {PICK} k E, E = {e}, k = {k}"))
+    for kind in dict.fromkeys(ffn for _, ffn in cfg.layers):
+        if spec.stage(kind).routed:  # a routed FFN: its router's top-k on every row
+            e, k = cfg.n_experts, cfg.top_k
+            out.append(RowWork("top-k", kind, (SIGMOID * e + PICK * k * e,)
+                               * len(cfg.layers_of(kind)), f"{SIGMOID} E + {PICK} k E, E = {e}, "
+                                                           f"k = {k}"))
     return tuple(out)
 
 

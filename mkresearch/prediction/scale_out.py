@@ -289,6 +289,7 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                           step.expert_bytes, count or 0, step.sched.expert_slots,
                           program.expert_mix(step.lay, step.sched.mxu_fp8),
                           step.sched.expert_order), before=before)
+        scratch.compute(step.batch * sum(work.values()))  # a point the stage lacks: at its end
         built[key] = scratch.ops
     return built[key]
 
