@@ -103,6 +103,8 @@ def test_explain_and_json_show_each_term_per_batch(capsys):
     for term in row_work.TERMS:
         assert term in out
     assert "us per step at B = 1, 8" in out
+    for side in (layouts.OURS, layouts.RELEASE):  # the bytes that grow with the batch, each side
+        assert any(line.split()[:3] == [side, "routed", "experts"] for line in out.splitlines())
     assert cli.main(["predict", "kimi-k3-mini", "--ranks", "8", "--batch", "1,2", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)["row_work"]
     assert {row["term"] for row in table} <= set(row_work.TERMS)

@@ -7,7 +7,8 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
         [--speculate K --acceptance 3,6]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
-PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
+PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
+the rows' own work (`prediction.row_work`) and each side's bytes per rank; --validate prints the seven published points beside
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step

@@ -113,15 +113,15 @@ def terms(cfg: ModelConfig, n_ranks: int, context: int = 0) -> tuple[RowWork, ..
     for kind in dict.fromkeys(ffn for _, ffn in cfg.layers):
         if spec.stage(kind).routed:  # a routed FFN: its router's top-k on every row
             e, k = cfg.n_experts, cfg.top_k
-            out.append(RowWork("top-k", kind, (SIGMOID * e + PICK * k * e,)
-                               * len(cfg.layers_of(kind)), f"{SIGMOID} E + {PICK} k E, E = {e}, "
-                                                           f"k = {k}"))
+            per_layer = (SIGMOID * e + PICK * k * e,) * len(cfg.layers_of(kind))
+            out.append(RowWork("top-k", kind, per_layer,
+                               f"{SIGMOID} E + {PICK} k E, E = {e}, k = {k}"))
     return tuple(out)
 
 
 def stage_flops(cfg: ModelConfig, n_ranks: int, context: int, kind: str) -> dict[str, float]:
-    """{point: FLOPs per row} of one layer of `kind` ("" : the layer's mixes, by layer index
-    elsewhere): the terms that run in that stage."""
+    """{point (`POINTS`): FLOPs per row} of one layer of stage `kind`: the terms that run in
+    that stage (the residual mixes run at each layer's start, by layer: `terms`)."""
     out: dict[str, float] = {}
     for t in terms(cfg, n_ranks, context):
         if t.kind == kind:
