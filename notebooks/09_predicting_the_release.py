@@ -231,7 +231,11 @@ TableView([{"point": r["point"], "published": f"{r['published']:.2f} {r['unit']}
 # ratio; `mkresearch predict kimi-k3 --validate` prints the same table). Two misses are worth
 # naming. **Kimi K3**: the model's step grows less from B = 2 to B = 4 than the published one,
 # and its B = 1 is slower than published: a batch-dependent cost of the release's is not in the
-# model yet (docs/prediction.md §4 lists what the model does grow with the batch). **The second
+# model. docs/prediction.md §4 lists what the model does grow with the batch, the rows' own
+# work among it (`prediction.row_work`: the residual mixes, the delta rule, softmax, top-k,
+# counted from the shapes): under a microsecond per row per step, against about 0.46 ms per row
+# that the published steps add from B = 1 to 4. What is left is no vector unit's throughput of
+# that work, and no public figure prices a latency per row, so nothing is fitted. **The second
 # model** comes out faster than its report at every batch: the model's weight ring hides most of
 # the four collectives its report measures as exposed. A what-if (not the model): every link at
 # the measured per-core 45 GB/s instead of the fit's shared figure.

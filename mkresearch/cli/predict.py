@@ -7,7 +7,8 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
         [--speculate K --acceptance 3,6]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
-PUBLISHED architecture figure, or ASSUMPTION); --validate prints the seven published points beside
+PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
+the rows' own work (`prediction.row_work`) and each side's bytes per rank; --validate prints the seven published points beside
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
@@ -37,7 +38,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
-from mkresearch.prediction import calibration, design_table, designs, scale_out
+from mkresearch.prediction import calibration, design_table, designs, row_work, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -99,7 +100,7 @@ def run(args: Any) -> int:
     cfg = _model(args.model)
     chip = _chip(args.chip)
     if args.explain:
-        print(format_explain(cfg, args.ranks, chip))
+        print(format_explain(cfg, args.ranks, chip, args.batch, args.context))
         return 0
     if args.validate:
         print(format_validation())
@@ -153,7 +154,10 @@ def run(args: Any) -> int:
     if args.json:
         print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
                           "predictions": rows,
-                          "assumptions": assumptions_of(rows, chip, args.ranks, args.context)}))
+                          "assumptions": assumptions_of(rows, chip, args.ranks, args.context),
+                          "row_work": row_work.table(cfg, args.ranks, batches,
+                                                     timeline_chip(chip).vpu_flops,
+                                                     args.context)}))
     else:
         print(format_speculative(rows) if args.speculate else format_rows(rows))
         print("\n".join(step.line() for step in steps))
@@ -234,8 +238,10 @@ def _schedule_name(schedule: dict) -> str:
     return schedule["name"] + ({"partial-sum": "/ps", "exact": "/ex"}.get(mode, ""))
 
 
-def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
-    """Every constant the prediction uses, with its label and source."""
+def format_explain(cfg: Any, n_ranks: int, chip: str, batches=(1, 2, 4, 8),
+                   context: int = 0) -> str:
+    """Every constant the prediction uses, with its label and source; the rows' own work
+    (`row_work`) per batch."""
     inter = links.interconnect(chip, n_ranks=n_ranks)
     tl = timeline_chip(chip)
     lines = [(f"constants of the scale-out model ({chip}, slice {inter.slice.name}); labels: "
@@ -264,7 +270,36 @@ def format_explain(cfg: Any, n_ranks: int, chip: str) -> str:
                  "cached tokens (one prompt token, 1,024 generated): --validate and --designs "
                  "predict at it; the table at --context (default 0, as every full-size line)")
     lines.append("  no constant is set from a published step time (calibration.validation)")
+    lines.append(f"work per row on a rank (row_work; element-wise f32 at timeline_chip.vpu_flops, "
+                 f"context {context}), us per step at B = {', '.join(map(str, batches))}:")
+    for t in row_work.table(cfg, n_ranks, batches, tl.vpu_flops, context):
+        lines.append(f"  {t['term']:13s} {t['kind']:12s} {t['flops_per_row'] / 1e6:7.2f} MFLOP/row "
+                     + " ".join(f"{s * 1e6:7.2f}" for s in t["seconds"].values())
+                     + f"  ({t['formula']})")
+    lines.append(f"bytes that grow with the batch, GB per rank per step at B = "
+                 f"{', '.join(map(str, batches))} (scale_out.rank_bytes; distinct experts: uniform "
+                 "routing):")
+    lines += _growing_bytes(cfg, n_ranks, chip, batches, context)
     return "\n".join(lines)
+
+
+GROWING_BYTES = (("routed_experts", "routed experts"), ("kda_state", "KDA state"),
+                 ("mla_cache", "MLA cache"))
+
+
+def _growing_bytes(cfg: Any, n_ranks: int, chip: str, batches, context: int) -> list[str]:
+    """Per side, the bytes per rank that grow with the batch (the model's own counts)."""
+    lines = []
+    for name in layout.LAYOUTS:
+        lay = layout.layout(cfg, n_ranks, name)
+        counts = [scale_out.rank_bytes(lay, scale_out.schedule_for(
+            cfg, name, n_ranks=n_ranks, batch=batch, chip=chip), batch, context)
+            for batch in batches]
+        for component, label in GROWING_BYTES:
+            if component in counts[0].components:
+                lines.append(f"  {name:8s} {label:16s} " + " ".join(
+                    f"{c.component(component) / 1e9:7.3f}" for c in counts))
+    return lines
 
 
 def format_validation() -> str:

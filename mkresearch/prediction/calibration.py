@@ -93,7 +93,7 @@ class Model:
 
 
 TIMELINE_FIELDS = ("hbm_bandwidth", "dma_bandwidth", "mxu_flops", "fp8_flops", "mxu_rows",
-                   "vmem_bandwidth", "dma_latency", "n_dma_engines", "remote_copies_queued")
+                   "vpu_flops", "vmem_bandwidth", "dma_latency", "n_dma_engines", "remote_copies_queued")
 
 
 def release_table(cfg: ModelConfig | None = None, batches=BATCHES, *,
@@ -175,6 +175,7 @@ ASSUMPTIONS = (
      (0.5, 2.0)),
     ("dma_latency", "timeline_chip", "dma_latency", (0.5, 2.0)),
     ("vmem_bandwidth", "timeline_chip", "vmem_bandwidth", (0.5, 2.0)),
+    ("vpu_flops (the rows' own work, row_work)", "timeline_chip", "vpu_flops", (0.5, 2.0)),
     ("DMA queues (expert reads beside the ring)", "timeline_chip", "n_dma_engines", (2,)),
     ("remote copies behind the weight DMAs", "timeline_chip", "remote_copies_queued", (True,)),
     ("weight stream past every collective / none", "model", "prefetch_across", (True, False)),

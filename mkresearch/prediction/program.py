@@ -10,6 +10,8 @@ A program is a list of ops over a shared list of weight blocks (`Program`):
                                       (mix: its matrices' share of the bytes, weights per byte and
                                       whether the MXU takes them as fp8: `expert_mix`)
   ("write", nbytes)                   a write back to HBM, waited at the end of the step
+  ("compute", flops)                  element-wise work on the rows (`row_work`), at the chip's
+                                      vector rate
   ("start", name, op, group, path, nbytes, blocking, algorithm, streams)
                                       a collective among the stand-in ranks `group`, priced over
                                       `path`; blocking: the rank waits for it here; streams: the
@@ -75,6 +77,10 @@ class Program:
               order: str = "queued") -> None:
         if count:
             self.ops.append(("fetch", nbytes, count, slots, mix, order))
+
+    def compute(self, flops: float) -> None:
+        if flops:
+            self.ops.append(("compute", flops))
 
     def write(self, nbytes: float) -> None:
         if nbytes:
@@ -160,9 +166,11 @@ def _issue_and_wait(c: Collective, kind: str, names: list[str]) -> tuple[int, in
 
 def place(prog: Program, kind: str, actions: list[tuple[str, float]], collectives, *,
           group_of: Callable[[tuple[int, ...]], tuple[int, ...]],
-          blocks: Callable[[float], None], experts: Callable[[], None]) -> None:
+          blocks: Callable[[float], None], experts: Callable[[], None],
+          before: Callable[[str], None] | None = None) -> None:
     """Append one stage's program to `prog`: blocks per matrix, the experts' fetches at EXPERTS,
-    and its `collectives` started and waited where they say."""
+    and its `collectives` started and waited where they say; `before(name)` appends what runs
+    before each action (the rows' own work, `row_work`)."""
     names = [n for n, _ in actions]
     starts: dict[int, list] = {}
     waits: dict[int, list] = {}
@@ -179,6 +187,8 @@ def place(prog: Program, kind: str, actions: list[tuple[str, float]], collective
             prog.wait(name)
         if 0 <= i < len(actions):
             matrix, nbytes = actions[i]
+            if before is not None:
+                before(matrix)
             experts() if matrix == EXPERTS else blocks(nbytes)
         for c, name, blocking in starts.get(i, ()):
             start(prog, c, name, group_of, blocking=blocking)

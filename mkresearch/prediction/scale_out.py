@@ -51,7 +51,7 @@ from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.prediction import designs, program
+from mkresearch.prediction import designs, program, row_work
 from mkresearch.prediction.program import (  # noqa: F401 - scale_out.Program & co.
     F32,
     PARTIAL_SUM_BYTES,
@@ -217,8 +217,10 @@ def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> lis
               / len(cfg.layers_of(kind))
               for kind in cfg.attention_kinds if spec.stage(kind).state_component}
     moe_layers = list(cfg.moe_layers)
+    mixes = next(t for t in row_work.terms(cfg, step.lay.n_ranks) if t.term == "residual mix")
     for layer, (attention, ffn) in enumerate(cfg.layers):
         prog.block(len(weight_blocks(step.mix, sched.block_bytes)))  # norms and mix
+        prog.compute(step.batch * mixes.per_layer[layer])  # the Mixes on every row
         state = states.get(attention, 0)
         share = step.read_share(attention) if state else 0.0
         if state:  # read before the layer, written after it
@@ -274,13 +276,20 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
+        work = row_work.stage_flops(step.cfg, step.lay.n_ranks, step.context, kind)
+
+        def before(matrix: str) -> None:  # the rows' own work at its point of the stage
+            point = "experts" if matrix == program.EXPERTS else matrix.rsplit(".", 1)[-1]
+            scratch.compute(step.batch * work.pop(point, 0.0))
+
         program.place(scratch, kind, actions, collectives, group_of=step.among,
                       blocks=lambda nbytes: scratch.block(
                           len(weight_blocks(nbytes, step.sched.block_bytes))),
                       experts=lambda: scratch.fetch(
                           step.expert_bytes, count or 0, step.sched.expert_slots,
                           program.expert_mix(step.lay, step.sched.mxu_fp8),
-                          step.sched.expert_order))
+                          step.sched.expert_order), before=before)
+        scratch.compute(step.batch * sum(work.values()))  # a point the stage lacks: at its end
         built[key] = scratch.ops
     return built[key]
 

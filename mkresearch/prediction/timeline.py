@@ -333,6 +333,8 @@ class RankSimulation:
                                       count DMAs, `slots` in flight, each multiplied on landing;
                                       order: how they meet the ring's issued blocks (FETCH_ORDERS)
       ("write", nbytes)               a write back to HBM, waited at the end of the step
+      ("compute", flops)              element-wise work on the rows at `TimelineChip.vpu_flops`
+                                      (`row_work`): the compute unit is busy, the ring streams on
       ("start", name, op, group, path, nbytes, blocking[, algorithm[, streams]])
                                       a collective; blocking: the rank waits for it here;
                                       streams (default True): the ring runs ahead past it
@@ -442,6 +444,8 @@ class RankSimulation:
                     self._fill()
             elif kind == "write":
                 self.writes.append(self._dma(op[1]))
+            elif kind == "compute":
+                self._compute(op[1])
             elif kind == "start":
                 # its remote copies leave behind the weight DMAs issued before them, or apart
                 sent = max(self.t, self.free) if self.chip.remote_copies_queued else self.t
@@ -582,6 +586,13 @@ class RankSimulation:
                 ends.append(issue(nbytes))
         self.t = t
         self.flops += self.batch * nbytes * count
+
+    def _compute(self, flops: float) -> None:
+        """Element-wise work of `flops` on the vector unit, after whatever the rank did before."""
+        end = self.t + flops / self.chip.vpu_flops
+        append_interval(self.compute, self.t, end)
+        self.t = end
+        self.flops += flops
 
     def _fetch_dma(self, nbytes: float, *, first: bool) -> float:
         """One fetched DMA issued now beside the ring's issued blocks (the fetches' own FIFO):
