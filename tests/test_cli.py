@@ -247,8 +247,21 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
     assert comparison["difference"] == sum(differing.values())
 
 
+# `make test` plans every -mini (each family's, which exercise every feature), Kimi K3 at full
+# size and one rank of it, and one small real model's config; the other full-size presets, their
+# ranks and the other real models' configs (~55 s here, the same code over bigger shapes) are
+# the exhaustive tier's, as in test_schedule.test_worst_case_is_the_cost_estimate
+PLANNED_IN_MAKE_TEST = ("kimi-k3", "kimi-k3-rank", "moonlight-16b-a3b")
+
+
+def _plan_case(name):
+    named = name in PLANNED_IN_MAKE_TEST or name.endswith("-mini")
+    return pytest.param(name, marks=() if named else pytest.mark.exhaustive)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(__import__("mkresearch.model.config").model.config.config_names()))
+@pytest.mark.parametrize("name", [_plan_case(name) for name in sorted(
+    __import__("mkresearch.model.config").model.config.config_names())])
 def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
     object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)

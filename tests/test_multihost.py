@@ -6,7 +6,7 @@ sha256, `cli.ranks_reference`), for kimi-k3-mini (a random model) and deepseek-v
 checkpoint in 2 files, each process reading only its ranks' shards); a process killed mid-run
 ends the run with one line naming it, in bounded time, and no process is left.
 
-Timings here (2 shared cores, busy): the kimi-k3-mini pair ~2.5 min, the checkpoint pair ~4 min,
+Timings here (2 shared cores, busy): the kimi-k3-mini pair ~2.5 min, the checkpoint pair ~1-1.5 min,
 the killed run ~15 s (the launcher ends ~1 s after the kill), the interpret-mode wait ~20 s. The
 other families and the exact collectives: the exhaustive tier. The megakernel cannot run across
 processes off a TPU: interpret mode's remote copies wait forever for a peer in another process
@@ -34,7 +34,7 @@ from mkresearch.hardware import distributed
 
 HANG_GUARD_S = 1500  # far above any run here: a hang fails the test, never a slow machine
 KILL_BOUND_S = 120  # the bounded time a run takes to end once a process died (~1 s measured)
-PROMPT = "a prompt fills every cache"
+PROMPT = "a prompt"  # 6 tokens of the tiny tokenizer: 7 steps with --steps 2
 
 
 def _env() -> dict:
