@@ -126,6 +126,14 @@ def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int 
     return counts
 
 
+@functools.lru_cache(maxsize=256)
+def _has_cache(cfg: ModelConfig, kind: str) -> bool:
+    """Whether a stage kind keeps a cache (read at the context) rather than a fixed state;
+    cached: a step asks it once per stage of every rank's program."""
+    return any(leaf.kind == spec.CACHE for leaf in
+               spec.state_table(cfg, 1, 1).get(kind, {}).values())
+
+
 @dataclass(frozen=True)
 class _Step:
     """What every stand-in rank's program of one step is built from."""
@@ -145,8 +153,7 @@ class _Step:
         """The share of a stage's state or cache bytes read before it (the rest is written
         after it): a state read once per sequence and written once per row; a cache read at the
         context once per sequence, its new token written (and read) once per row."""
-        cache = any(leaf.kind == spec.CACHE for leaf in
-                    spec.state_table(self.cfg, 1, 1).get(kind, {}).values())
+        cache = _has_cache(self.cfg, kind)
         read = self.sequences * (self.context if cache else 1) + (self.batch if cache else 0)
         return read / (read + self.batch)
 
@@ -369,7 +376,9 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     return out
 
 
-@functools.lru_cache(maxsize=64)
+# one sensitivity or validation run asks ~130 distinct predictions: they all fit (an entry of
+# Kimi K3 on 32 ranks keeps its timeline, ~3 MiB)
+@functools.lru_cache(maxsize=256)
 def _predict(cfg: ModelConfig, n_ranks: int, name: str, batch: int, chip: str,
              inter: links.Interconnect, algorithm: str, sched: Schedule, context: int,
              seed: int, timeline: str | TimelineChip, sequences: int | None = None) -> dict:

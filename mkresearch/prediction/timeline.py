@@ -209,6 +209,10 @@ def append_interval(merged: list[list[float]], a: float, b: float) -> None:
         merged.append([a, b])
 
 
+def _interval_end(interval: list[float]) -> float:
+    return interval[1]
+
+
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of [start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
     merged: list[list[float]] = []
@@ -632,17 +636,19 @@ class RankSimulation:
 
     def _delay_intervals(self, start: float, end: float, delayed) -> None:
         """The HBM-busy intervals with the ring's after `start` delayed and [start, end) added."""
-        kept, moved = [], [(start, end)]
-        for a, b in self.dma:
-            if b <= start:
-                kept.append([a, b])
-            else:
-                if a < start:
-                    kept.append([a, start])
-                moved.append((delayed(max(a, start)), delayed(b)))
+        # the intervals' ends increase (sorted, disjoint): those ending by `start` are a prefix,
+        # kept as they are; only the tail after it is cut and delayed (linear in the tail, not
+        # in the step's intervals so far)
+        kept = self.dma
+        first = bisect.bisect_right(kept, start, key=_interval_end)
+        tail, moved = kept[first:], [(start, end)]
+        del kept[first:]
+        for a, b in tail:
+            if a < start:
+                kept.append([a, start])
+            moved.append((delayed(max(a, start)), delayed(b)))
         for a, b in sorted(moved):
             append_interval(kept, a, b)
-        self.dma = kept
 
     # ---- the result ---------------------------------------------------------------------------
     def _finish(self) -> None:
