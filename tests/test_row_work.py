@@ -7,6 +7,7 @@ import json
 import pytest
 
 from mkresearch.cli import main as cli
+from mkresearch.model import spec
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, row_work, scale_out
 from mkresearch.prediction import timeline as tl
@@ -109,3 +110,11 @@ def test_explain_and_json_show_each_term_per_batch(capsys):
     table = json.loads(capsys.readouterr().out)["row_work"]
     assert {row["term"] for row in table} <= set(row_work.TERMS)
     assert all(set(row["seconds"]) == {"1", "2"} for row in table)
+
+
+def test_which_kinds_keep_a_cache():
+    """The delta rule is counted where a stage keeps a fixed state, softmax where it keeps a
+    cache read at the context (`spec.keeps_cache`, which the scale-out model also asks)."""
+    kimi, glm = get_config("kimi-k3-mini"), get_config("glm-4.5-mini")
+    assert spec.keeps_cache(kimi, "mla") and not spec.keeps_cache(kimi, "kda")
+    assert spec.keeps_cache(glm, "gqa") and not spec.keeps_cache(kimi, "moe")

@@ -27,8 +27,9 @@ def validations_computed_once():
     """Each distinct validation (one per Model: the base, each assumption moved, each refit of the
     collective line) is computed once in this module: the sensitivity and the leave-one-out are
     computed in full by the first test that asks, and the progress bars' runs and `predict
-    --validate` then assemble and print the same validations (`scale_out._predict` keeps only
-    64 predictions, fewer than one sensitivity's). Copies: no caller can change a cached row."""
+    --validate` then assemble and print the same validations (the module's other predictions
+    push them out of `scale_out._predict`'s cache: --validate took ~22 s more without this).
+    Copies: no caller can change a cached row."""
     computed, validation = {}, calibration.validation
 
     def once(model=None, cfg=None):

@@ -266,6 +266,12 @@ def state_table(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dict[st
     return out
 
 
+def keeps_cache(cfg: ModelConfig, kind: str) -> bool:
+    """Whether stage `kind` of `cfg` keeps a cache (read at the context) rather than a state of
+    fixed size (or none)."""
+    return any(leaf.kind == CACHE for leaf in (stage(kind).state(cfg, 1) or {}).values())
+
+
 def state_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dict[str, Any]]:
     """The decode state as jax.ShapeDtypeStruct leaves (`reference.init_state` fills zeros)."""
     return {kind: {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)

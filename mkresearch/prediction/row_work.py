@@ -101,8 +101,7 @@ def terms(cfg: ModelConfig, n_ranks: int, context: int = 0) -> tuple[RowWork, ..
     for kind in dict.fromkeys(cfg.attention_kinds):
         count = len(cfg.layers_of(kind))
         has_state = spec.stage(kind).state_component is not None
-        has_cache = any(leaf.kind == spec.CACHE
-                        for leaf in spec.state_table(cfg, 1, 1).get(kind, {}).values())
+        has_cache = spec.keeps_cache(cfg, kind)
         if has_state and not has_cache:  # a recurrent state (KDA): the delta rule
             dim = cfg.kda_head_dim
             out.append(RowWork("delta rule", kind, (DELTA_RULE * heads * dim * dim,) * count,

@@ -128,10 +128,8 @@ def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int 
 
 @functools.lru_cache(maxsize=256)
 def _has_cache(cfg: ModelConfig, kind: str) -> bool:
-    """Whether a stage kind keeps a cache (read at the context) rather than a fixed state;
-    cached: a step asks it once per stage of every rank's program."""
-    return any(leaf.kind == spec.CACHE for leaf in
-               spec.state_table(cfg, 1, 1).get(kind, {}).values())
+    """`spec.keeps_cache`, remembered: a step asks it once per stage of every rank's program."""
+    return spec.keeps_cache(cfg, kind)
 
 
 @dataclass(frozen=True)
