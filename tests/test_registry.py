@@ -1,13 +1,16 @@
 """The stage registry is the one place a sublayer kind is defined: a toy FFN kind added here, in
 this file alone (its model side: weights with their shard rule and the reference; its kernel
 side: plan, body, cost), is seen by the planner, the step's schedule (its DMAs come from its body:
-no list of them is written), the cost estimate, the byte counts and the sharded layout, and runs
-through the reference decode step and the megakernel composer, which agree."""
+no list of them is written), the VMEM plan (its buffers are its body's `run_scoped` ones: no list
+of them either), the cost estimate, the byte counts and the sharded layout, and runs through the
+reference decode step and the megakernel composer, which agree."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, dma, planned, registry
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import megakernel_plan, megakernel_sharded, schedule
@@ -28,9 +31,15 @@ def toy_sublayer(p, x, layer_state, positions, cfg):
 
 
 def toy_body(plan, refs):
+    """out = bf(x W), the product staged in a scoped f32 buffer [B, d] (its VMEM plan's)."""
     rows = blocks.weight_block_rows(tuple(refs.weights["w"].shape), jnp.bfloat16)
-    refs.out[...] = blocks.stream_matmul(refs.stream, refs.x[...], refs.weights["w"], rows=rows,
-                                         name="toy.w", **refs.indices).astype(jnp.bfloat16)
+
+    def with_product(product):
+        product[...] = blocks.stream_matmul(refs.stream, refs.x[...], refs.weights["w"],
+                                            rows=rows, name="toy.w", **refs.indices)
+        refs.out[...] = product[...].astype(jnp.bfloat16)
+
+    pl.run_scoped(with_product, pltpu.VMEM(refs.out.shape, jnp.float32))
 
 
 @pytest.fixture
@@ -41,7 +50,7 @@ def toy_kind():
         name=TOY, plan=lambda cfg, batch, seq_len, options: (TOY, batch),
         prepare=lambda stack, cfg: dict(stack),
         streamed=lambda cfg: (registry.Streamed("w", "toy.w", (cfg.d_model, cfg.d_model)),),
-        body=toy_body, vmem=lambda plan, cfg: [],
+        body=toy_body, scope=lambda plan: "toy",
         cost=lambda plan, w, state, cfg, batch: costs.Cost(
             flops=costs.matmul_flops(batch, w["w"]), bytes_accessed=costs.nbytes(w))))
     try:
@@ -92,6 +101,10 @@ def test_a_toy_kind_is_planned_scheduled_costed_counted_and_sharded(toy_kind):
     plan = mk.make_plan(cfg, 2, cfg.max_seq_len)
     assert plan.stage_plan(TOY) == (TOY, 2)
     assert [e.name for e in plan.stream.entries(TOY)] == ["toy.w"]
+    # the VMEM plan: the toy declares no buffers; its scope is what its body allocates (its
+    # matrix on the global ring: no local ring of its own)
+    assert [(b.name, b.shape, b.dtype) for b in plan.vmem.buffers if b.scope == "toy"] == [
+        ("test_registry.toy_body: product", (2, cfg.d_model), "float32")]
     # the schedule: its body run on shapes, one ring block per layer
     sched = schedule.schedule(plan)
     toy = [dma for dma in sched.starts if dma.stage == TOY]

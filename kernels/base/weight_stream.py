@@ -89,6 +89,11 @@ class StreamPlan:
     def entries(self, kind: str) -> tuple[Entry, ...]:
         return dict(self.stages)[kind]
 
+    def ring_names(self, kind: str) -> frozenset:
+        """The DMA-log names of the matrices of `kind` the ring streams (its body streams any
+        other through a local ring)."""
+        return frozenset(e.name for e in self.entries(kind))
+
     def blocks(self, kind: str) -> tuple[tuple[Entry, int], ...]:
         """The stage's block sequence: (entry, row block) in streaming order."""
         return tuple((e, i) for e in self.entries(kind) for i in range(e.n_blocks))
@@ -208,6 +213,28 @@ class GlobalStream:
         return StageStream(self, kind, layer, index)
 
 
+def on_ring(ring_names: frozenset, name: str) -> bool:
+    """Whether a stage's matmul of matrix `name` draws its blocks from the global ring (else from
+    a local ring of its own, blocks.LOCAL_STREAM)."""
+    return name in ring_names
+
+
+class ShapeStream:
+    """A stage's stream on shapes (`kernels/compose/scoped_vmem.py`): what the body allocates as
+    under `StageStream`, nothing moved. A matrix on the ring (`ring_names`) allocates nothing in
+    the body (its blocks land in the kernel-wide ring): its product is zeros; any other streams
+    through its local ring, as `StageStream.matmul` sends it."""
+
+    def __init__(self, ring_names: frozenset) -> None:
+        self.ring_names = ring_names
+
+    def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
+               **indices: Any) -> jax.Array:
+        if not on_ring(self.ring_names, name):
+            return blocks.LOCAL_STREAM.matmul(x, w_hbm, rows=rows, name=name, **indices)
+        return jnp.zeros((x.shape[0], w_hbm.shape[1]), jnp.float32)
+
+
 class StageStream:
     """The weight stream of one stage of one layer (a context: it checks on exit that the body
     streamed exactly the stage's blocks, then moves the ring's base past them)."""
@@ -283,7 +310,7 @@ class StageStream:
                **indices: Any) -> jax.Array:
         """x [M, K] @ the next streamed matrix -> [M, N] f32 (a matrix not in the stream: from
         a local ring)."""
-        if name not in {e.name for e in self.entries}:
+        if not on_ring(self.plan.ring_names(self.kind), name):
             return blocks.LOCAL_STREAM.matmul(x, w_hbm, rows=rows, name=name, **indices)
         entry = self.entries[self.entry]
         if name != entry.name or tuple(w_hbm.shape) != (entry.k, entry.n):

@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, costs, registry, weight_stream
 from mkresearch.kernels.base.blocks import EMBED_ROWS
+from mkresearch.kernels.compose import scoped_vmem
 from mkresearch.kernels.sharded.levels import REDUCTION_ALGORITHMS
 from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts register their kinds
     experts,
@@ -32,7 +33,7 @@ from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts regist
 
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
-from mkresearch.model.config import BF16_SUBLANE, LANE, ModelConfig
+from mkresearch.model.config import BF16_SUBLANE, ModelConfig
 
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
@@ -300,7 +301,7 @@ def _plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any, check_fits: 
     vocab_tile = sampling.default_vocab_tile(cfg.d_model, cfg.vocab_size)
     stream = weight_stream.make_stream_plan(cfg) if options.global_stream else None
     chip = get_chip(options.chip)
-    vmem = plan_vmem(cfg, batch, stage_plans, vocab_tile, stream, chip)
+    vmem = plan_vmem(cfg, batch, stage_plans, vocab_tile, stream, chip, seq_len, rows_per_state)
     if check_fits and not vmem.fits():
         raise VmemPlanError(
             f"the megakernel's VMEM plan needs {vmem.total_bytes / 2**20:.2f} MiB but {chip.name} "
@@ -313,12 +314,17 @@ def _plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any, check_fits: 
 
 
 def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,
-              chip: Any) -> VmemPlan:
+              chip: Any, seq_len: int | None = None, rows_per_state: int = 1,
+              shard: Any = None) -> VmemPlan:
     """Every VMEM buffer of the megakernel: the kernel-wide ones (the residual strategy's hidden
     state, the stage input and output, the embedding blocks, per-layer vectors, each kind's
-    scratch, the weight ring) and each stage body's scoped ones (its registry entry's, plus a
-    local two-slot ring for the matrices the global ring does not stream)."""
+    scratch, the weight ring) and each stage body's scoped ones: what the body allocates at its
+    peak, read off the body traced on shapes (`scoped_vmem.stage_vmem`: its `run_scoped`
+    buffers, a local two-slot ring for each matrix the global ring does not stream among them).
+    shard: on a rank of a sharded build, its collectives.ShardPlan (its bodies traced on the
+    rank's slices, with its collectives; their buffers are the caller's)."""
     b, d, bf = batch, cfg.d_model, jnp.bfloat16
+    seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
     residual = residuals.RESIDUALS[cfg.residual]
     out = [vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
     out += [vmem_buffer("stage input x", (b, d), bf, "kernel"),
@@ -334,15 +340,10 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
     if stream is not None:
         out.append(vmem_buffer("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
     for kind, plan in stage_plans:
-        stage = registry.kernel_stage(kind)
-        scope = stage.scope(plan)
-        out += [vmem_buffer(name, shape, dtype, scope) for name, shape, dtype in stage.vmem(plan, cfg)]
-        local = [m.shape for m in stage.streamed(cfg)
-                 if stream is None or m.shape[1] % LANE]  # off the global ring
-        if local:
-            rows_n = [(blocks.weight_block_rows(shape, bf), shape[1]) for shape in local]
-            out.append(vmem_buffer(f"{scope} own weight ring", (2, *max(rows_n, key=lambda r: r[0] * r[1])),
-                            bf, scope))
+        scope = registry.kernel_stage(kind).scope(plan)
+        ring = stream.ring_names(kind) if stream is not None else None
+        out += [vmem_buffer(name, shape, dtype, scope) for name, shape, dtype in
+                scoped_vmem.stage_vmem(kind, plan, cfg, b, seq_len, ring, rows_per_state, shard)]
     out += [vmem_buffer("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
             vmem_buffer("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
                  "sampling")]

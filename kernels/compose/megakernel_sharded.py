@@ -248,7 +248,7 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
         plan, pieces, reduced=tuple(reduced),
         expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
     chip = get_chip(options.chip)
-    vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip)
+    vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip, seq_len, shard=shard)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
         mplan.vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
         vmem.limit_bytes, vmem.chip)

@@ -63,17 +63,6 @@ def _moe_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     return tuple(out)
 
 
-def _moe_vmem(plan: MoePlan, cfg: ModelConfig) -> list:
-    out = []
-    for m, (k, n) in zip(EXPERT_MATRICES, ((cfg.moe_latent, cfg.expert_hidden),) * 2
-                         + ((cfg.expert_hidden, cfg.moe_latent),)):
-        for name, part in zip(quant.part_names(cfg.expert_format),
-                              quant.part_structs(cfg.expert_format, k, n)):
-            out.append((f"expert {m}/{name} slots", (plan.stage.n_slots, *part.shape), part.dtype))
-    return out + [("latent ρ (padded)", (plan.batch, cfg.moe_latent_padded), jnp.float32),
-                  ("dedupe lists (SMEM)", (0,), jnp.int32)]
-
-
 def _dense_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     d, hidden = cfg.d_model, cfg.dense_hidden
     return (Streamed("w_gate", "dense/w_gate", (d, hidden)),
@@ -91,7 +80,7 @@ def _moe_cost(plan: MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch
 
 MOE_KERNEL = register(KernelStage(
     name="moe", plan=_moe_plan, prepare=_moe_prepare, streamed=_moe_streamed,
-    body=moe_layer_body, vmem=_moe_vmem, scope=lambda plan: "MoE", cost=_moe_cost,
+    body=moe_layer_body, scope=lambda plan: "MoE", cost=_moe_cost,
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
@@ -99,7 +88,7 @@ MOE_KERNEL = register(KernelStage(
 DENSE_KERNEL = register(KernelStage(
     name="dense", plan=lambda cfg, batch, seq_len, options: dense_options(cfg),
     prepare=lambda stack, cfg: gate_up.fuse(dict(stack), gate_up.DENSE_KEYS),
-    streamed=_dense_streamed, body=dense_body, vmem=lambda plan, cfg: [],
+    streamed=_dense_streamed, body=dense_body,
     scope=lambda plan: "dense",
     cost=lambda plan, weights, state, cfg, batch: experts.cost(
         plan, batch, 0, None, gate_up.parts(weights, gate_up.DENSE_KEYS))))

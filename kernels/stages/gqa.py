@@ -332,19 +332,11 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     return tuple(Streamed(name, f"gqa.{name}", shapes[name]) for name in MATRICES)
 
 
-def _vmem(p: GqaPlan, cfg: ModelConfig) -> list:
-    tile, block = (2, p.n_kv_heads, p.kv_tile, p.head_dim), (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
-    return [("q heads", (p.n_heads, p.head_dim), jnp.float32),
-            ("k heads", (p.n_kv_heads, p.head_dim), jnp.float32),
-            ("K tiles", tile, jnp.bfloat16), ("V tiles", tile, jnp.bfloat16),
-            ("update blocks K, V", (2, *block), jnp.bfloat16)]
-
-
 KERNEL = register(KernelStage(
     name="gqa",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
-    prepare=_prepare, streamed=_streamed, body=gqa_attention_body, vmem=_vmem,
+    prepare=_prepare, streamed=_streamed, body=gqa_attention_body,
     scope=lambda plan: "GQA",
     cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights,
                                                             (state["k"], state["v"]))))

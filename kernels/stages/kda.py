@@ -398,18 +398,8 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
                  for name in matrices(cfg.kda_output_gate_rank))
 
 
-def _vmem(plan: KdaPlan, cfg: ModelConfig) -> list:
-    b, h, dk, hd = plan.batch, plan.n_heads, plan.head_dim, plan.n_heads * plan.head_dim
-    states = b // plan.rows_per_state  # rows sharing a state row share its buffers
-    return [("conv state", (states, plan.conv_size - 1, 3, h, dk), jnp.bfloat16),
-            ("recurrent state", (states, h, dk, dk), jnp.float32),
-            ("pre-conv q/k/v", (b, 3, h, dk), jnp.float32),
-            ("y", (b, hd), jnp.float32),
-            ("conv taps", (3, plan.conv_size, hd), jnp.bfloat16)]
-
-
 KERNEL = register(KernelStage(
     name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
-    prepare=_prepare, streamed=_streamed, body=kda_attention_body, vmem=_vmem,
+    prepare=_prepare, streamed=_streamed, body=kda_attention_body,
     scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights)))
 

@@ -518,24 +518,11 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     return tuple(Streamed(name, f"mla.{name}", shapes[name]) for name in names)
 
 
-def _vmem(p: MlaPlan, cfg: ModelConfig) -> list:
-    b, h, bf = p.batch, p.n_heads, jnp.bfloat16
-    out = [("y", (b, h * p.v_dim), jnp.float32)]
-    if p.layout == "expanded":
-        return out + [("K tiles", (2, h, p.kv_tile, p.k_padded), bf),
-                      ("V tiles", (2, h, p.kv_tile, p.v_dim), bf),
-                      ("update block K+V", (h, UPDATE_ROWS, p.k_padded + p.v_dim), bf)]
-    return out + [("W_kvb (absorbed)", (p.kv_rank, h * (p.qk_nope + p.v_dim)), bf),
-                  ("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf),
-                  ("k^X tiles", (2, p.kv_tile, p.qk_extra), bf),
-                  ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
-
-
 KERNEL = register(KernelStage(
     name="mla",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
-    prepare=_prepare, streamed=_streamed, body=mla_attention_body, vmem=_vmem,
+    prepare=_prepare, streamed=_streamed, body=mla_attention_body,
     scope=lambda plan: f"MLA ({plan.layout})",
     cost=lambda plan, weights, state, cfg, batch: layer_cost(
         plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))

@@ -212,20 +212,11 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
                  for name in (*mla_queries.streamed_names(cfg.mla_q_rank), "w_o"))
 
 
-def _vmem(p: MlaRopePlan, cfg: ModelConfig) -> list:
-    h, bf = p.n_heads, jnp.bfloat16
-    return [("y", (p.batch, h * p.v_dim), jnp.float32),
-            ("W_kvb (absorbed)", (p.kv_rank, h * (p.qk_nope + p.v_dim)), bf),
-            ("ĉ tiles", (2, p.kv_tile, p.kv_rank), bf),
-            ("k^R tiles", (2, p.kv_tile, p.qk_extra), bf),
-            ("q latent", (h, p.kv_rank + p.qk_extra), jnp.float32)]
-
-
 KERNEL = register(KernelStage(
     name="mla_rope",
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
-    prepare=_prepare, streamed=_streamed, body=mla_rope_body, vmem=_vmem,
+    prepare=_prepare, streamed=_streamed, body=mla_rope_body,
     scope=lambda plan: "MLA (rope, latent)",
     cost=lambda plan, weights, state, cfg, batch: layer_cost(
         plan, weights, (state["ckv"], state["kpe"]))))

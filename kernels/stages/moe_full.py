@@ -107,17 +107,6 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     return tuple(out)
 
 
-def _vmem(plan: experts.MoePlan, cfg: ModelConfig) -> list:
-    out = []
-    for m, (k, n) in zip(experts.EXPERT_MATRICES, ((cfg.d_model, cfg.expert_hidden),) * 2
-                         + ((cfg.expert_hidden, cfg.d_model),)):
-        for name, part in zip(quant.part_names(cfg.expert_format),
-                              quant.part_structs(cfg.expert_format, k, n)):
-            out.append((f"expert {m}/{name} slots", (plan.stage.n_slots, *part.shape), part.dtype))
-    return out + [("routed sum", (plan.batch, cfg.d_model), jnp.float32),
-                  ("dedupe lists (SMEM)", (0,), jnp.int32)]
-
-
 def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
     shared = gate_up.parts(weights, experts.SHARED_KEYS) if cfg.n_shared_experts else None
     bias = weights["router_bias"] if cfg.router_bias else None
@@ -131,7 +120,7 @@ KERNEL = register(KernelStage(
     plan=lambda cfg, batch, seq_len, options: experts.MoePlan(
         stage_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
         router_options(cfg), batch),
-    prepare=_prepare, streamed=_streamed, body=experts.moe_layer_body, vmem=_vmem,
+    prepare=_prepare, streamed=_streamed, body=experts.moe_layer_body,
     scope=lambda plan: "MoE (full d)", cost=_cost,
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
