@@ -170,11 +170,12 @@ class VmemPlan:
     def table(self) -> str:
         lines = [(f"VMEM plan for {self.chip}: {self.total_bytes / 2**20:.2f} MiB peak (kernel-wide "
                   f"+ {self.peak_stage}) of {self.limit_bytes / 2**20:.2f} MiB usable")]
+        width = max([28, *(len(b.name) for b in self.buffers)])
         for scope in self.scopes:
             lines.append(f"  [{scope}] {self.stage_bytes(scope) / 2**20:.3f} MiB")
             for b in self.buffers:
                 if b.scope == scope:
-                    lines.append(f"    {b.name:28s} {list(b.shape)!s:28s} {b.dtype:9s} "
+                    lines.append(f"    {b.name:{width}s} {list(b.shape)!s:28s} {b.dtype:9s} "
                                  f"{b.nbytes:>12,d} B")
         return "\n".join(lines)
 

@@ -142,18 +142,21 @@ class _ExpertLoop:
     def run(self, n_items: Any, expert_of: Any) -> jax.Array:
         """The loop over n_items items (may be traced) -> the routed output [B, d] f32."""
         names = quant.part_names(self.expert_format)
-        # one ring per (matrix, part): slot buffers [n_slots, *part shape], a semaphore per slot
+        # one ring per (matrix, part) "w1/codes": slot buffers [n_slots, *part shape] (named so
+        # in the VMEM plan), a semaphore per slot
+        parts = {f"{m}/{names[j]}": (m, j) for m in EXPERT_MATRICES for j in range(len(names))}
         slot_shapes = [pltpu.VMEM((self.n_slots, *self.experts[m][j].shape[1:]),
-                                  self.experts[m][j].dtype)
-                       for m in EXPERT_MATRICES for j in range(len(names))]
+                                  self.experts[m][j].dtype) for m, j in parts.values()]
         sem_shapes = [pltpu.SemaphoreType.DMA((self.n_slots,))] * len(slot_shapes)
-        return pl.run_scoped(functools.partial(self._in_slots, n_items, expert_of), *slot_shapes,
-                             *sem_shapes)
+        return pl.run_scoped(functools.partial(self._in_slots, n_items, expert_of),
+                             dict(zip(parts, slot_shapes)), sem_shapes)
 
-    def _in_slots(self, n_items: Any, expert_of: Any, *refs: Any) -> jax.Array:
+    def _in_slots(self, n_items: Any, expert_of: Any, slots: dict, sems: list) -> jax.Array:
+        """slots: {"w1/codes": [n_slots, ...] VMEM, ...}, sems: a DMA semaphore array each, in
+        the order of the parts (matrix, then part)."""
         names = quant.part_names(self.expert_format)
         keys = [(m, j) for m in EXPERT_MATRICES for j in range(len(names))]
-        rings = {key: dma.Ring(refs[r], refs[len(keys) + r],
+        rings = {key: dma.Ring(slots[f"{key[0]}/{names[key[1]]}"], sems[r],
                                name=expert_dma_name(key[0], names[key[1]]),
                                buffer=planned.EXPERT_SLOTS) for r, key in enumerate(keys)}
         slots = _Slots(rings, self.experts, expert_of, self.n_slots)

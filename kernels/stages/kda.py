@@ -157,10 +157,11 @@ class _Projected(NamedTuple):
     gamma: Any  # o_norm [1, D]
 
 
-def _in_vmem(p: KdaPlan, refs: StageRefs, *buffers: Any) -> None:
-    """The sublayer with its buffers: both states read while the projections stream, the rows
-    in order, the states written back while W_o streams."""
-    vmem = _Vmem(*buffers)
+def _in_vmem(p: KdaPlan, refs: StageRefs, conv: Any, state: Any, current: Any, sems: Any) -> None:
+    """The sublayer with its buffers (`_Vmem`; their names are the VMEM plan's): both states
+    read while the projections stream, the rows in order, the states written back while W_o
+    streams."""
+    vmem = _Vmem(conv, state, current, sems)
     reads = _state_copies(p, refs, vmem, "read")
     with dma.phase("kda.project", **refs.indices):
         projected = _project(p, refs)
