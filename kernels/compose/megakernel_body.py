@@ -37,7 +37,13 @@ from mkresearch.kernels.base.weight_stream import (
     FFN_KIND,
     TABLE_FIELDS,
 )
-from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS, MegaPlan
+from mkresearch.kernels.compose.megakernel_plan import (
+    EMBED_ROWS,
+    MegaPlan,
+    embedding_blocks,
+    kernel_buffers,
+    lm_head_tiles,
+)
 from mkresearch.kernels.sharded import collectives, sharded_stages
 from mkresearch.kernels.stages import residuals, sampling
 
@@ -129,8 +135,11 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
     kv_rows = None if pages is None else kv_tiles.KvRows(inputs.page_table, pages.page_size,
                                                          pages.max_pages_per_row)
 
+    buffers = kernel_buffers(cfg, batch, plan.stream)  # the VMEM plan's kernel-wide ones
+    n_hidden = len(residual.vmem(cfg, batch))
+
     def scoped(x_ref, out_ref, vectors, sems, *rest):
-        hidden, rest = rest[:len(residual.vmem(cfg, batch))], rest[len(residual.vmem(cfg, batch)):]
+        hidden, rest = rest[:n_hidden], rest[n_hidden:]
         scratch, ring = {}, rest[len(scratch_shapes):]
         for stage in stages:
             count = len(stage.scratch(cfg, batch))
@@ -145,15 +154,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
         lax.fori_loop(0, cfg.n_layers, trunk.layer_step, 0)
         trunk.sample(use_gumbel, use_candidates)
 
-    ring = ([pltpu.VMEM((plan.stream.depth, *plan.stream.slot_shape), jnp.bfloat16),
-             pltpu.SemaphoreType.DMA((plan.stream.depth,)), pltpu.SMEM((1,), jnp.int32)]
-            if plan.stream is not None else [])
-    hidden = [pltpu.VMEM(shape, dtype) for _, shape, dtype in residual.vmem(cfg, batch)]
-    n_vectors = len(residual.vectors)
-    pl.run_scoped(scoped, pltpu.VMEM((batch, d), jnp.bfloat16),
-                  pltpu.VMEM((batch, d), jnp.bfloat16), pltpu.VMEM((n_vectors, 1, d), jnp.float32),
-                  pltpu.SemaphoreType.DMA((max(n_vectors, batch),)),  # one per embedding row
-                  *hidden, *scratch_shapes, *ring)
+    pl.run_scoped(scoped, *(shape for _, shape in buffers))
 
 
 def _layer_refs(tree: Any, index: Any) -> Any:
@@ -193,8 +194,7 @@ class _Trunk:
         if self.stream is not None and self.coll is not None:
             self.stream.prologue()
         with dry_run.owned_by("embedding"):
-            pl.run_scoped(self._gather, pltpu.VMEM((self.plan.batch, EMBED_ROWS,
-                                                    self.plan.cfg.d_model), jnp.bfloat16))
+            pl.run_scoped(self._gather, embedding_blocks(self.plan.cfg, self.plan.batch))
         if self.stream is not None and self.coll is None:
             self.stream.prologue()
 
@@ -289,7 +289,7 @@ class _Trunk:
         with dry_run.owned_by("sampling"):
             pl.run_scoped(functools.partial(self._with_head, use_gumbel, use_candidates, head),
                           pltpu.VMEM((1, d), jnp.bfloat16),
-                          pltpu.VMEM((2, d, self.plan.vocab_tile), jnp.bfloat16),
+                          lm_head_tiles(self.plan.cfg, self.plan.vocab_tile),
                           pltpu.SemaphoreType.DMA((2,)), *mix_out)
 
     def _with_head(self, use_gumbel: bool, use_candidates: bool, head: tuple,

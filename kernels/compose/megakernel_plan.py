@@ -314,40 +314,69 @@ def _plan(cfg: ModelConfig, batch: int, seq_len: int, options: Any, check_fits: 
                     rows_per_state=rows_per_state)
 
 
+def kernel_buffers(cfg: ModelConfig, batch: int, stream: Any) -> tuple[tuple[str, Any], ...]:
+    """(label, pltpu type) of every buffer the step allocates for its whole run, in the order
+    `megakernel_body._step` allocates them (the VMEM plan's kernel-wide VMEM ones): the stage
+    input and output, the layer's residual vectors and their DMA semaphores (one per vector or
+    embedding row), the residual strategy's hidden state, each kind's scratch, and the weight
+    ring with its semaphores and base slot (stream: the StreamPlan, None without a global ring)."""
+    d, bf = cfg.d_model, jnp.bfloat16
+    residual = residuals.RESIDUALS[cfg.residual]
+    n_vectors = len(residual.vectors)
+    out = [("stage input x", pltpu.VMEM((batch, d), bf)),
+           ("stage output", pltpu.VMEM((batch, d), bf)),
+           (f"{residual.vectors_label} weights", pltpu.VMEM((n_vectors, 1, d), jnp.float32)),
+           ("vector and embedding DMAs", pltpu.SemaphoreType.DMA((max(n_vectors, batch),)))]
+    out += [(name, pltpu.VMEM(shape, dtype)) for name, shape, dtype in residual.vmem(cfg, batch)]
+    out += [(label, shape) for kind in cfg.kinds
+            for label, shape in registry.kernel_stage(kind).scratch(cfg, batch)]
+    if stream is not None:
+        out += [("weight ring", pltpu.VMEM((stream.depth, *stream.slot_shape), bf)),
+                ("weight ring DMAs", pltpu.SemaphoreType.DMA((stream.depth,))),
+                ("weight ring base", pltpu.SMEM((1,), jnp.int32))]
+    return tuple(out)
+
+
+def embedding_blocks(cfg: ModelConfig, batch: int) -> Any:
+    """The embedding's VMEM buffer [B, 16, d] bf16: each row's aligned 16-row block of E."""
+    return pltpu.VMEM((batch, EMBED_ROWS, cfg.d_model), jnp.bfloat16)
+
+
+def lm_head_tiles(cfg: ModelConfig, vocab_tile: int) -> Any:
+    """The LM head's two VMEM slots [2, d, vocab_tile] bf16 (the sampling stage's ring)."""
+    return pltpu.VMEM((2, cfg.d_model, vocab_tile), jnp.bfloat16)
+
+
 def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,
               chip: Any, seq_len: int | None = None, rows_per_state: int = 1,
               shard: Any = None) -> VmemPlan:
-    """Every VMEM buffer of the megakernel: the kernel-wide ones (the residual strategy's hidden
-    state, the stage input and output, the embedding blocks, per-layer vectors, each kind's
-    scratch, the weight ring) and each stage body's scoped ones: what the body allocates at its
-    peak, read off the body traced on shapes (`scoped_vmem.stage_vmem`: its `run_scoped`
-    buffers, a local two-slot ring for each matrix the global ring does not stream among them).
+    """Every VMEM buffer of the megakernel: the kernel-wide ones (`kernel_buffers`: the stage
+    input and output, per-layer vectors, the residual strategy's hidden state, each kind's
+    scratch, the weight ring; the embedding blocks; the sampled tokens) and each stage body's
+    scoped ones: what the body allocates at its peak, read off the body traced on shapes
+    (`scoped_vmem.stage_vmem`: its `run_scoped` buffers, a local two-slot ring for each matrix
+    the global ring does not stream among them), then the sampling stage's.
     shard: on a rank of a sharded build, its collectives.ShardPlan (its bodies traced on the
     rank's slices, with its collectives; their buffers are the caller's)."""
-    b, d, bf = batch, cfg.d_model, jnp.bfloat16
+    b, d = batch, cfg.d_model
     seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
     residual = residuals.RESIDUALS[cfg.residual]
-    out = [vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in residual.vmem(cfg, b)]
-    out += [vmem_buffer("stage input x", (b, d), bf, "kernel"),
-            vmem_buffer("stage output", (b, d), bf, "kernel"),
-            vmem_buffer("embedding blocks", (b, EMBED_ROWS, d), bf, "kernel"),
-            vmem_buffer(f"{residual.vectors_label} weights", (len(residual.vectors), 1, d), jnp.float32,
-                 "kernel")]
-    for kind, _ in stage_plans:
-        for label, shape in registry.kernel_stage(kind).scratch(cfg, b):
-            if getattr(shape, "memory_space", None) == pltpu.VMEM:
-                out.append(vmem_buffer(label, shape.shape, shape.dtype, "kernel"))
-    out.append(vmem_buffer("sampling outputs", (2, b, 1), jnp.int32, "kernel"))
-    if stream is not None:
-        out.append(vmem_buffer("weight ring", (stream.depth, *stream.slot_shape), bf, "kernel"))
+
+    def buffer(label, shape, scope):
+        return vmem_buffer(label, shape.shape, shape.dtype, scope)
+
+    out = [buffer(label, shape, "kernel") for label, shape in kernel_buffers(cfg, b, stream)
+           if getattr(shape, "memory_space", None) == pltpu.VMEM]
+    out += [buffer("embedding blocks", embedding_blocks(cfg, b), "kernel"),
+            vmem_buffer("sampling outputs", (2, b, 1), jnp.int32, "kernel")]
     for kind, plan in stage_plans:
         scope = registry.kernel_stage(kind).scope(plan)
         ring = stream.ring_names(kind) if stream is not None else None
         out += [vmem_buffer(name, shape, dtype, scope) for name, shape, dtype in
                 scoped_vmem.stage_vmem(kind, plan, cfg, b, seq_len, ring, rows_per_state, shard)]
-    out += [vmem_buffer("LM head tiles", (2, d, vocab_tile), bf, "sampling"),
+    out += [buffer("LM head tiles", lm_head_tiles(cfg, vocab_tile), "sampling"),
             vmem_buffer("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
-                 "sampling")]
+                        "sampling")]
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
     return VmemPlan(tuple(out), limit, chip.name)
 
