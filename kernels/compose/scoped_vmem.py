@@ -56,8 +56,9 @@ def _names(eqn: core.JaxprEqn) -> list[str]:
     called `pl.run_scoped` and the parameter of the scoped function the buffer is passed as."""
     inner = eqn.params["jaxpr"]
     frame = source_info_util.user_frame(eqn.source_info.traceback)
-    caller = ("run_scoped" if frame is None else
-              f"{frame.file_name.rsplit('/', 1)[-1].removesuffix('.py')}.{frame.function_name}")
+    caller = ("run_scoped" if frame is None else  # a nested function by its own name
+              f"{frame.file_name.rsplit('/', 1)[-1].removesuffix('.py')}."
+              f"{frame.function_name.rsplit('<locals>.', 1)[-1]}")
     args = (inner.debug_info.safe_arg_names(len(inner.invars)) if inner.debug_info is not None
             else ("",) * len(inner.invars))
     return [f"{caller}: {arg}" if arg else f"{caller}: [{i}]" for i, arg in enumerate(args)]
