@@ -10,8 +10,9 @@ so the body's peak is the heaviest chain of nested scopes (`peak`); the VMEM pla
 
     buffers = stage_vmem(kind, plan, cfg, batch, seq_len, ring)  # ((name, shape, dtype), ...)
 
-A buffer is named after the function that allocated it and its parameter (`_rows.q_vmem`,
-`_ring_matmul.buffers`: the jaxpr's debug info). The body's matmuls stream their weight blocks
+A buffer is named after the function that called `pl.run_scoped` and the parameter of the
+scoped function it is passed as (`gqa._attend: k_buffers`, `blocks._ring_matmul: buffers`,
+`experts._ExpertLoop.run: slots['w1/codes']`: the traceback and debug info of the equation). The body's matmuls stream their weight blocks
 as in the megakernel: a matrix on the global ring allocates nothing in the body (its blocks land
 in the kernel-wide ring), any other through a local two-slot ring of its own
 (`weight_stream.ShapeStream`). Traces are cached: the VMEM plan of a ring-depth search asks for
