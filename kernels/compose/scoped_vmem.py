@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -58,7 +59,7 @@ def _names(eqn: core.JaxprEqn) -> list[str]:
     inner = eqn.params["jaxpr"]
     frame = source_info_util.user_frame(eqn.source_info.traceback)
     caller = ("run_scoped" if frame is None else  # a nested function by its own name
-              f"{frame.file_name.rsplit('/', 1)[-1].removesuffix('.py')}."
+              f"{Path(frame.file_name).stem}."
               f"{frame.function_name.rsplit('<locals>.', 1)[-1]}")
     args = (inner.debug_info.safe_arg_names(len(inner.invars)) if inner.debug_info is not None
             else ("",) * len(inner.invars))
