@@ -798,9 +798,13 @@ result, rank_plan, result_source = recorded.compile_or_recorded(
 # %% [markdown]
 # **The VMEM plan** (`rank_plan.vmem`, a PLAN of the buffers, not a measurement): the kernel-wide
 # buffers live for the whole call (the weight ring, the hidden state, the residual snapshots);
-# each stage's own buffers (KDA's state, MLA's KV tiles, the experts' slots, the LM head's tiles)
-# exist only while that stage runs, so the peak is the kernel-wide buffers plus the largest
-# stage, not the sum of all.
+# each stage's own buffers (KDA's state, the experts' slots, the LM head's tiles) exist only
+# while that stage runs, so the peak is the kernel-wide buffers plus the largest stage, not the
+# sum of all. A stage's buffers are not listed anywhere: they are what its body allocates
+# (`pl.run_scoped`), read off the body traced on shapes (`kernels/compose/scoped_vmem.py`), at
+# the body's peak. Nested scopes add up, sibling scopes do not: at this rank's shapes MLA's KV
+# tile rings are smaller than the local ring of its matrices off the global ring, which the
+# body allocates before them, so the plan counts that ring alone.
 
 # %%
 def vmem_figure(vmem):
