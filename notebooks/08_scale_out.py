@@ -657,7 +657,7 @@ rows = [{"model": model, "cores": f"{n_ranks} of {sharded.FULL_TOPOLOGY}", "layo
          "B": batch, "Mosaic kernels": compiled.n_mosaic_kernels,
          "VMEM plan B": f"{plan.mega.vmem.total_bytes:,d}",
          "of B": f"{plan.mega.vmem.limit_bytes:,d}",
-         "ring slots": sharded.ring_depth(plan.layout, batch).depth,
+         "ring slots": plan.mega.stream.depth,
          "from": "recorded" if where.startswith("recorded") else where}
         for (model, n_ranks, name, batch, _), (compiled, plan, where) in compiles.items()]
 print(widgets.format_table(rows, list(rows[0])))
