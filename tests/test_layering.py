@@ -8,6 +8,11 @@ Every import is checked, at module level, inside functions and under `if TYPE_CH
 x`, `from x import y`, relative imports): none of them hides a dependency, so none may close a
 cycle. Importing by string (`importlib.import_module`, `__import__`) is refused for the same
 reason, and matplotlib belongs to the drawing layers only (views, cli). No allow-list.
+
+A module's private (underscored) names are its own: no module imports another's
+(`from m import _name`) or reaches one through an imported name (`alias._name`); the few
+underscored names that are public API (a NamedTuple's `_replace`, ...) and the one private name
+of JAX we call are listed with their reasons (`PUBLIC_UNDERSCORED`, `ALLOWED_PRIVATE_USES`).
 """
 
 from __future__ import annotations
@@ -293,3 +298,103 @@ def test_the_cycle_finder_finds_every_loop():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
     assert cycles(graph) == [["a", "b", "c"], ["d", "e"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- a module's private names stay in it -------------------------------------------------------
+# Underscored attribute names that are public API wherever they appear, with the reason.
+PUBLIC_UNDERSCORED = {
+    "_replace": "a NamedTuple's API (underscored so it cannot clash with a field's name)",
+    "_asdict": "a NamedTuple's API",
+    "_fields": "a NamedTuple's API",
+    "_make": "a NamedTuple's API",
+}
+# (module, the use as written) -> why another package's private name is used there.
+ALLOWED_PRIVATE_USES = {
+    ("mkresearch.kernels.base.shape_run", "tpu_primitives._dma_unflatten"):
+        "JAX has no public call that unflattens a dma_start's operands; its own helper knows how "
+        "each supported JAX version flattens them",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _import_bindings(tree: ast.AST, importer: str, is_package: bool) -> dict[str, str]:
+    """Each name an import binds (anywhere in the module) -> what it names (a module, or a name
+    of a module: `from a import b` binds b -> a.b; `import a.b` binds a -> a)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = (_resolve_relative(importer, is_package, node.level, node.module) if node.level
+                    else node.module or "")
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return bound
+
+
+def private_uses(importer: str, source: str, label: str, is_package: bool = False) -> list[str]:
+    """Every use in `source` (the module `importer`) of another module's private name: `from m
+    import _name` and `alias._name` (or `alias.x._name`) where an import bound `alias` (to a
+    module, ours or another package's, or to a name of one), but for PUBLIC_UNDERSCORED names and
+    ALLOWED_PRIVATE_USES. A module's own private names (and `self._x`, `cls._x`) are its own."""
+    tree = ast.parse(source)
+    bound = _import_bindings(tree, importer, is_package)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = (_resolve_relative(importer, is_package, node.level, node.module) if node.level
+                    else node.module or "")
+            found += [f"{label}:{node.lineno}: from {base} import {alias.name}"
+                      for alias in node.names if _private(alias.name)]
+        elif (isinstance(node, ast.Attribute) and _private(node.attr)
+              and node.attr not in PUBLIC_UNDERSCORED):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            use = ast.unparse(node)
+            if (isinstance(root, ast.Name) and root.id in bound
+                    and (importer, use) not in ALLOWED_PRIVATE_USES):
+                found.append(f"{label}:{node.lineno}: {use} ({root.id}: {bound[root.id]})")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name with a leading underscore is its module's own: another module that needs it gets
+    a public name (a function, a method, a module without the underscore), so what a module
+    offers is what it names publicly, and a private name can change without a search."""
+    found = []
+    for module, path in MODULES.items():
+        found += private_uses(module, path.read_text(), str(path.relative_to(ROOT)),
+                              is_package=path.name == "__init__.py")
+    assert not found, ("private names used outside their module (give them a public name, or "
+                       "add the use to ALLOWED_PRIVATE_USES with the reason):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from mkresearch.cli.common import _refusals\n", "from mkresearch.cli.common import _refusals"),
+    ("from .common import _chip\n", "from mkresearch.cli.common import _chip"),
+    ("from mkresearch.hardware import _fast_interpret\n", "import _fast_interpret"),
+    ("from mkresearch.cli import bench\nbench._time_steps(f, 3)\n", "bench._time_steps"),
+    ("import mkresearch.hardware\nmkresearch.hardware._flag\n", "mkresearch.hardware._flag"),
+    ("from mkresearch.prediction.timeline import RankSimulation\n"
+     "RankSimulation._holds_ring(op, None)\n", "RankSimulation._holds_ring"),
+    ("def f():\n    import numpy as np\n    return np._NoValue\n", "np._NoValue"),
+])
+def test_the_private_name_checker_finds(source, expected):
+    found = private_uses("mkresearch.cli.predict", source, "x.py")
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_the_private_name_checker_allows_own_and_public_names():
+    source = ("from __future__ import annotations\nimport collections\n"
+              "from mkresearch.model import sampling\n"
+              "_LOCAL = 1\ndef _helper(x):\n    return x._replace(a=1), x._asdict(), _LOCAL\n"
+              "class A:\n    def f(self):\n        return self._g(), sampling.__name__\n"
+              "    @classmethod\n    def h(cls):\n        return cls._g()\n"
+              "P = collections.namedtuple('P', 'a')\nP._fields, P._make([1])\n")
+    assert private_uses("mkresearch.cli.predict", source, "x.py") == []

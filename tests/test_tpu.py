@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkresearch.hardware import _fast_interpret, cheap_compiles, tpu
+from mkresearch.hardware import cheap_compiles, fast_interpret, tpu
 from mkresearch.hardware.chips import CHIPS, Chip, get_chip
 
 
@@ -183,17 +183,17 @@ def test_fast_interpret_gives_equal_results(race_checked):
         return out, time.perf_counter() - start
 
     assert tpu.interpret_params() is not None
-    assert _fast_interpret.active() == _fast_interpret.supported()
+    assert fast_interpret.active() == fast_interpret.supported()
     fast_out, _ = run()
     tpu.set_fast_interpret(False)
     try:
         tpu.interpret_params()
-        assert not _fast_interpret.active()
+        assert not fast_interpret.active()
         slow_out, _ = run()
     finally:
         tpu.set_fast_interpret(True)
     tpu.interpret_params()
-    assert _fast_interpret.active() == _fast_interpret.supported()
+    assert fast_interpret.active() == fast_interpret.supported()
     np.testing.assert_array_equal(fast_out, slow_out)
     np.testing.assert_array_equal(fast_out, np.asarray(x + y))
 

@@ -90,6 +90,8 @@ def dma_endpoints(tree: Any, leaves: list) -> tuple[tuple[Any, tuple], tuple[Any
     """((source Ref, its transforms), (target Ref, its transforms)) of a dma_start's flat
     operands: jax 0.10 flattens (src, dst, dst_sem, src_sem, device_id) with transformed Refs,
     jax 0.8-0.9 (the supported range's floor, Colab's runtime) each Ref beside its transforms."""
+    # JAX's own private helper, kept: jax has no public call that unflattens a dma_start's
+    # operands, and it is the one that knows how each version flattens them
     args = tpu_primitives._dma_unflatten(tree, leaves)
     if len(args) == 5:
         return split_ref(args[0]), split_ref(args[1])

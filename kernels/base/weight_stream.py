@@ -181,7 +181,7 @@ class GlobalStream:
     def _row(self, layer, column):
         return self.table[layer * len(TABLE_FIELDS) + column]
 
-    def _kinds(self, layer, attention: bool):
+    def layer_kinds(self, layer, attention: bool):
         """((kind, predicate, index within kind), ...) for the attention or the FFN of `layer`."""
         kinds, kind_col, index_col = ((self.plan.attention, ATTN_KIND, ATTN_INDEX) if attention
                                       else (self.plan.ffn, FFN_KIND, FFN_INDEX))
@@ -189,7 +189,9 @@ class GlobalStream:
         return tuple((kind, kind_id == i, index) for i, kind in enumerate(kinds))
 
     # -- DMAs ------------------------------------------------------------------------------------
-    def _copy(self, kind: str, position: int, index, base, layer) -> dma.Copy:
+    def block_copy(self, kind: str, position: int, index, base, layer) -> dma.Copy:
+        """The DMA of block `position` of the stage `kind` (the index-th of its kind, in `layer`)
+        into its ring slot, the ring's sequence starting at slot `base`."""
         entry, block = self.plan.blocks(kind)[position]
         source = self.weights[entry.group][entry.key].at[index]  # [K, N] of this layer
         window = source.at[pl.ds(block * entry.rows, entry.rows), :]
@@ -202,12 +204,12 @@ class GlobalStream:
     def prologue(self) -> None:
         """Before the layer loop: the first depth - 1 blocks of layer 0's attention."""
         self.base[0] = 0
-        for kind, predicate, index in self._kinds(0, attention=True):
+        for kind, predicate, index in self.layer_kinds(0, attention=True):
             for position in range(self.plan.depth - 1):
                 @pl.when(predicate)
                 def _(kind=kind, position=position, index=index):
                     self.when_live(kind, position,
-                                   lambda: self._copy(kind, position, index, 0, 0).start())
+                                   lambda: self.block_copy(kind, position, index, 0, 0).start())
 
     def stage(self, kind: str, layer, index) -> StageStream:
         return StageStream(self, kind, layer, index)
@@ -288,22 +290,22 @@ class StageStream:
             return
         stream, kind, length = self.stream, self.kind, len(self.plan.blocks(self.kind))
         if target < length:
-            stream.when_live(kind, target, lambda: stream._copy(
+            stream.when_live(kind, target, lambda: stream.block_copy(
                 kind, target, self.index, stream.base[0], self.layer).start())
             return
         position = target - length
         base = lax.rem(stream.base[0] + length, self.plan.depth)
         if kind in self.plan.attention and not self.plan.ffn_transparent:  # next: this FFN
             layer, guard = self.layer, True
-            options = stream._kinds(layer, attention=False)
+            options = stream.layer_kinds(layer, attention=False)
         else:  # next: the next layer's attention (none after the last layer)
             layer = jnp.minimum(self.layer + 1, stream.n_layers - 1)
             guard = self.layer + 1 < stream.n_layers
-            options = stream._kinds(layer, attention=True)
+            options = stream.layer_kinds(layer, attention=True)
         for next_kind, predicate, index in options:
             @pl.when(jnp.logical_and(guard, predicate))
             def _(next_kind=next_kind, index=index):
-                stream.when_live(next_kind, position, lambda: stream._copy(
+                stream.when_live(next_kind, position, lambda: stream.block_copy(
                     next_kind, position, index, base, layer).start())
 
     def matmul(self, x: jax.Array, w_hbm: Any, *, rows: int, name: str,
@@ -324,7 +326,7 @@ class StageStream:
         for block in range(entry.n_blocks):
             position = self.position
             self._start_ahead(position + depth - 1)
-            stream.when_live(self.kind, position, lambda position=position: stream._copy(
+            stream.when_live(self.kind, position, lambda position=position: stream.block_copy(
                 self.kind, position, self.index, stream.base[0], self.layer).wait())
             slot = lax.rem(stream.base[0] + position, depth)
             w_block = stream.ring[slot, pl.ds(0, entry.rows), pl.ds(0, entry.n)]  # [rows, N]

@@ -364,10 +364,10 @@ class Collectives:
         if algorithm == ONE_SHOT or "all" not in self.buffers or self.levels is None:
             everyone = self.all_gather(jnp.concatenate([partial, *chunks], axis=1), name=name)
             total = self._host_ordered([everyone[r][:, :width] for r in summed], summed)
-            wholes = self._unpack(everyone, pieces, width)
+            wholes = self.unpack(everyone, pieces, width)
         else:
             total, everyone = self.levels.reduce(partial, chunks, summed, name, algorithm)
-            wholes = self._unpack(everyone, pieces, 0)
+            wholes = self.unpack(everyone, pieces, 0)
         return total, [whole.astype(chunk.dtype) for whole, (_, chunk) in zip(wholes, riders,
                                                                                strict=True)]
 
@@ -415,7 +415,7 @@ class Collectives:
         h = self.plan.ranks_per_host
         return numerics.host_ordered_sum(values, tuple(r // h for r in ranks))
 
-    def _unpack(self, everyone: list, pieces: list, start: int) -> list:
+    def unpack(self, everyone: list, pieces: list, start: int) -> list:
         """Every member's message [B, w] -> for each (rule, width) of `pieces`, laid side by
         side from column `start` on: its whole output [B, rule.n] (the members' column chunks
         put together by `rule.out`)."""

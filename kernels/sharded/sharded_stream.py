@@ -52,7 +52,7 @@ class ShardedStream:
                                  f"{[r.name for r in joined]}: they come before it in `parts`")
             message = jnp.concatenate([c for _, c in chunks], axis=1)  # [B, Σ chunk widths]
             everyone = coll.all_gather(message, name=fused_name([r.name for r, _ in chunks]))
-            wholes = iter(coll._unpack(everyone, [(r, c.shape[1]) for r, c in chunks], 0))
+            wholes = iter(coll.unpack(everyone, [(r, c.shape[1]) for r, c in chunks], 0))
             outs = [next(wholes) if out is None else out for out in outs]
             chunks = []
         if chunks:

@@ -41,7 +41,9 @@ FULL_SIZE_RANK = {f"{full}-mini": (f"{full}-rank", full)
                   for full in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")}
 
 
-def _backend_label(backend: str) -> str:
+def backend_label(backend: str) -> str:
+    """What a backend's seconds here are: measured on a TPU, or a simulator's / plain XLA's on
+    the CPU."""
     import jax
 
     on_tpu = jax.default_backend() == "tpu"
@@ -124,13 +126,48 @@ def near_tie_rows(ref_logits: Any, tokens: Any, gap: float = NEAR_TIE_GAP) -> li
             for row in np.flatnonzero((gaps < gap) | differ)]
 
 
+def random_prompt(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> Any:
+    """The random prompt [B, T] i32 of a seed that `decode` feeds (numpy)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
+                                         cfg.vocab_size, dtype=jnp.int32))
+
+
+class _Agreement:
+    """The megakernel's generated tokens against the reference's greedy choice on the same tokens
+    and state, step by step: tokens equal, the max |logit difference|, the near-ties."""
+
+    def __init__(self) -> None:
+        self.equal, self.tokens, self.near_ties, self.worst = 0, 0, [], 0.0
+
+    def add(self, step: int, logits: Any, ref_logits: Any, tokens: Any) -> None:
+        """Generated step `step`: the megakernel's logits [B, V] and tokens [B], the reference's
+        logits [B, V]."""
+        import numpy as np
+
+        ref_logits = np.asarray(ref_logits)
+        self.worst = max(self.worst, float(np.abs(np.asarray(logits) - ref_logits).max()))
+        self.equal += int((ref_logits.argmax(-1) == tokens).sum())
+        self.tokens += int(tokens.size)
+        self.near_ties += [{"step": step, "row": row, "top2_gap": gap}
+                           for row, gap, differs in near_tie_rows(ref_logits, tokens) if differs]
+
+    def as_dict(self) -> dict:
+        return {"check": "megakernel vs reference.decode_step on the same tokens and state, "
+                         "greedy", "tokens_equal": self.equal, "tokens": self.tokens,
+                "max_abs_logit_diff": self.worst, "near_ties": self.near_ties,
+                "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in self.near_ties)}
+
+
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                       chip: str = "tpu7x", progress: bool = False) -> dict:
     """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
     with the reference; interpret-mode step time; the timeline model's prediction for `chip`.
     A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
 
@@ -138,14 +175,12 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
     params = weights.init_params(cfg, seed)
     prepared = megakernel.prepare_weights(params, cfg)
-    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32))  # [B, T]
+    prompt = random_prompt(cfg, batch, prompt_len, seed)  # [B, T]
     state = reference.init_state(cfg, batch)
     ref_state = reference.init_state(cfg, batch)
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} megakernel", unit="step",
                disable=not progress, leave=False)
-    generated, equal, near_ties, worst = [], 0, [], 0.0
-    clock = StepClock()
+    generated, agreement, clock = [], _Agreement(), StepClock()
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
         positions = np.full(batch, t, np.int32)
@@ -154,12 +189,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
         next_token = np.asarray(next_token)
         if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
-            ref_logits = np.asarray(logits)
-            worst = max(worst, float(np.abs(np.asarray(aux["logits"]) - ref_logits).max()))
-            equal += int((ref_logits.argmax(-1) == next_token).sum())
-            near_ties += [{"step": t - prompt_len + 1, "row": row, "top2_gap": gap}
-                          for row, gap, differs in near_tie_rows(ref_logits, next_token)
-                          if differs]
+            agreement.add(t - prompt_len + 1, aux["logits"], logits, next_token)
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()
@@ -169,19 +199,13 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
                                            np.full(batch, prompt_len + steps - 1, np.int32), cfg,
                                            options=options)
         jax.block_until_ready(out)
-    generated_ids = np.stack(generated, axis=1)  # [B, N]
-    step_s = clock.step_s
-    total = int(generated_ids.size)
     return {
         "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
         "steps": steps, "seed": seed, "platform": jax.default_backend(),
-        "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
-        "agreement": {"check": "megakernel vs reference.decode_step on the same tokens and "
-                               "state, greedy", "tokens_equal": equal, "tokens": total,
-                      "max_abs_logit_diff": worst, "near_ties": near_ties,
-                      "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in near_ties)},
-        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": step_s},
-        "step_label": _backend_label("megakernel"),
+        "prompt": prompt.tolist(), "generated": np.stack(generated, axis=1).tolist(),  # [B, N]
+        "agreement": agreement.as_dict(),
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
+        "step_label": backend_label("megakernel"),
         "prediction": predict(log, chip, batch),
         "full_size": predict_full_size(cfg, batch),
         "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
@@ -238,7 +262,7 @@ def print_bench_row(row: dict) -> None:
 
 
 # ---- mkresearch bench --------------------------------------------------------------------------
-def _time_steps(step, n_steps: int) -> tuple[float, float]:
+def time_steps(step, n_steps: int) -> tuple[float, float]:
     """(first call seconds (compiles), median seconds of the next n_steps calls)."""
     import jax
     import numpy as np
@@ -275,15 +299,15 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
     def ref_step():
         return reference.decode_step(params, ref_state, tokens, positions, cfg)[0]
 
-    mk_first, mk_step_s = _time_steps(mk_step, steps)
-    ref_first, ref_step_s = _time_steps(ref_step, steps)
+    mk_first, mk_step_s = time_steps(mk_step, steps)
+    ref_first, ref_step_s = time_steps(ref_step, steps)
     with dma.recording() as log:
         jax.block_until_ready(mk_step())
     return {"batch": batch,
             "megakernel": {"step_s": mk_step_s, "first_call_s": mk_first,
-                           "label": _backend_label("megakernel")},
+                           "label": backend_label("megakernel")},
             "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
-                          "label": _backend_label("reference")},
+                          "label": backend_label("reference")},
             "prediction": predict(log, chip, batch),
             "full_size": predict_full_size(cfg, batch)}
 

@@ -14,7 +14,7 @@ from mkresearch.cli import bench, figures, workload
 from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
-from mkresearch.cli.common import _at_least, _chip, _megakernel_batch, _model, _refusals
+from mkresearch.cli.common import at_least, known_chip, known_model, megakernel_batch, refusals
 from mkresearch.cli.options import add_batch, add_command, add_model
 
 DEFAULT_MODEL = "kimi-k3-mini"
@@ -48,11 +48,11 @@ def run(args: Any) -> int:
     args.model = args.model or DEFAULT_MODEL
     if args.workload is not None:  # a trace served: cli.workload
         return workload.run(args)
-    cfg = _model(args.model)
-    _at_least("--steps", args.steps, 1)
+    cfg = known_model(args.model)
+    at_least("--steps", args.steps, 1)
     for batch in args.batch:
-        _megakernel_batch("--batch", batch)
-    _chip(args.chip)
+        megakernel_batch("--batch", batch)
+    known_chip(args.chip)
     figures.require_matplotlib("mkresearch bench")  # it draws decode_bench.png
     cli_speculative.check_bench(args)
     cli_ranks.check_ranks(cfg, args.ranks)
@@ -60,7 +60,7 @@ def run(args: Any) -> int:
         return status
     out = Path(args.out)
     leader = cli_multihost.leader_prints()  # process 0 writes and prints; the others run along
-    with _refusals():
+    with refusals():
         result = bench.run_bench(cfg, args.batch, args.steps, args.chip,
                                  out_json=out / "decode_bench.json" if leader else None,
                                  figure=out / "decode_bench.png" if leader else None)

@@ -29,7 +29,7 @@ from mkresearch.checkpoint.rank_loader import load_rank_params
 from mkresearch.checkpoint.tokenizer import TextStream, encode, load_tokenizer
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
-from mkresearch.cli.common import UsageError, _at_least, _refusals
+from mkresearch.cli.common import UsageError, at_least, refusals
 from mkresearch.kernels.compose import megakernel
 from mkresearch.model import kv_cache, prefill, reference
 
@@ -51,10 +51,10 @@ def check(args: argparse.Namespace) -> None:
         return
     if args.prompt is None:
         raise UsageError("--checkpoint needs --prompt TEXT (the text to continue)")
-    _at_least("--steps", args.steps, 1)
+    at_least("--steps", args.steps, 1)
     if args.batch != 1:
         raise UsageError(f"--batch {args.batch} is invalid with --checkpoint: one prompt, 1 row")
-    _at_least("--ranks", args.ranks, 1)
+    at_least("--ranks", args.ranks, 1)
     if args.ranks != 1 and args.speculate is not None:
         raise UsageError("--speculate runs on one device: --ranks 1")
 
@@ -76,7 +76,7 @@ class Loaded:
 def _checkpoint_errors() -> Iterator[None]:
     """CheckpointError (and a library ValueError) -> one line, exit status 2."""
     try:
-        with _refusals():
+        with refusals():
             yield
     except CheckpointError as error:
         raise UsageError(str(error).splitlines()[0]) from None
@@ -84,13 +84,42 @@ def _checkpoint_errors() -> Iterator[None]:
 
 def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Load, prefill, decode; stream the text to stdout (or one JSON object with --json)."""
-    import jax
-    import numpy as np
-
     backend = args.backend or "megakernel"
     if backend not in ("megakernel", "reference"):
         raise UsageError(f"--backend {backend!r} is unknown: choose one of megakernel, reference")
     progress = not args.json and sys.stderr.isatty()
+    cfg, tokenizer, prompt_ids = _read_checkpoint(args)
+    if args.ranks > 1 or args.speculate is not None:
+        return _run_on_ranks_or_speculative(args, argv, cfg, tokenizer, prompt_ids, progress)
+    with _checkpoint_errors():
+        options = megakernel.MegakernelOptions(chip=args.chip)
+        if backend == "megakernel":  # refuses (VMEM plan, HBM) before any weight is read
+            megakernel.make_plan(cfg, 1, cfg.max_seq_len, options)
+        params, state, token, seconds = _load_and_prefill(args, cfg, prompt_ids, progress)
+    stream = TextStream(tokenizer, prompt_ids)
+    write = (lambda text: None) if args.json else (
+        lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    write(args.prompt)
+    write(stream.push(token))
+    prepared = megakernel.prepare_weights(params, cfg) if backend == "megakernel" else None
+    started = time.perf_counter()
+    with _checkpoint_errors():
+        generated = _decode_greedy(params, prepared, state, token, len(prompt_ids), args.steps,
+                                   cfg, options, lambda new: write(stream.push(new)))
+    write(stream.end())  # a character the tokens stop inside: its replacement characters
+    seconds["decode"] = time.perf_counter() - started
+    result = _result(cfg, backend, args, prompt_ids, generated, stream, seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        write("\n")
+        _print_times(cfg, backend, args.steps, len(prompt_ids), seconds)
+    return 0
+
+
+def _read_checkpoint(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
+    """(the checkpoint's config with a cache of the run's length, its tokenizer, the prompt's
+    ids); a prompt + --steps (+ a verify step's drafts) past its max_seq_len is a UsageError."""
     with _checkpoint_errors():
         cfg = read_config(args.checkpoint)
         tokenizer = load_tokenizer(args.checkpoint)
@@ -102,60 +131,59 @@ def run_decode(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             raise UsageError(f"the prompt's {len(prompt_ids)} tokens + --steps {args.steps}"
                              f"{drafts} = {length} exceed max_seq_len={cfg.max_seq_len} of the "
                              "checkpoint")
-        cache_len = kv_cache.cache_length(cfg, length)
-        cfg = cfg.replace(max_seq_len=cache_len)
-    if args.ranks > 1 or args.speculate is not None:
-        return _run_on_ranks_or_speculative(args, argv, cfg, tokenizer, prompt_ids, progress)
-    with _checkpoint_errors():
-        options = megakernel.MegakernelOptions(chip=args.chip)
-        if backend == "megakernel":  # refuses (VMEM plan, HBM) before any weight is read
-            megakernel.make_plan(cfg, 1, cache_len, options)
-        started = time.perf_counter()
-        params = load_params(args.checkpoint, cfg, progress=progress)
-        load_seconds = time.perf_counter() - started
-        state = reference.init_state(cfg, 1, cache_len)
-        started = time.perf_counter()
-        logits, state = prefill.prefill(params, state, np.asarray([prompt_ids]), cfg,
-                                        progress=progress)
-        token = int(np.asarray(logits[0, -1]).argmax())
-        prefill_seconds = time.perf_counter() - started
-    stream = TextStream(tokenizer, prompt_ids)
-    write = (lambda text: None) if args.json else (
-        lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    write(args.prompt)
-    write(stream.push(token))
-    generated = [token]
-    prepared = megakernel.prepare_weights(params, cfg) if backend == "megakernel" else None
+        return cfg.replace(max_seq_len=kv_cache.cache_length(cfg, length)), tokenizer, prompt_ids
+
+
+def _load_and_prefill(args: argparse.Namespace, cfg: Any, prompt_ids: list[int],
+                      progress: bool) -> tuple[dict, dict, int, dict]:
+    """The weights read and the prompt prefilled by the reference: (params, state, the first
+    greedy token, {"load": seconds, "prefill": seconds})."""
+    import numpy as np
+
     started = time.perf_counter()
-    with _checkpoint_errors():
-        for i in range(args.steps - 1):
-            tokens, positions = np.asarray([token], np.int32), np.asarray([len(prompt_ids) + i],
-                                                                          np.int32)
-            if prepared is not None:
-                next_token, state, _ = megakernel.decode_step(prepared, state, tokens, positions,
-                                                              cfg, options=options)
-            else:
-                step_logits, state, _ = reference.decode_step(params, state, tokens, positions,
-                                                              cfg)
-                next_token = np.asarray(step_logits).argmax(-1)
-            token = int(np.asarray(next_token)[0])
-            generated.append(token)
-            write(stream.push(token))
-        jax.block_until_ready(state)
-    write(stream.end())  # a character the tokens stop inside: its replacement characters
-    decode_seconds = time.perf_counter() - started
-    result = _result(cfg, backend, args, prompt_ids, generated, stream,
-                     {"load": load_seconds, "prefill": prefill_seconds, "decode": decode_seconds})
-    if args.json:
-        print(json.dumps(result))
-    else:
-        write("\n")
-        print(f"{cfg.name}, backend {backend} on {jax.default_backend()}: prompt "
-              f"{len(prompt_ids)} tokens prefilled in {prefill_seconds:.2f} s (one call per "
-              f"{prefill.DEFAULT_CHUNK}-token chunk, compile included), {args.steps} greedy tokens "
-              f"in {decode_seconds:.2f} s; weights loaded in {load_seconds:.2f} s",
-              file=sys.stderr)
-    return 0
+    params = load_params(args.checkpoint, cfg, progress=progress)
+    load_seconds = time.perf_counter() - started
+    state = reference.init_state(cfg, 1, cfg.max_seq_len)
+    started = time.perf_counter()
+    logits, state = prefill.prefill(params, state, np.asarray([prompt_ids]), cfg,
+                                    progress=progress)
+    token = int(np.asarray(logits[0, -1]).argmax())
+    return params, state, token, {"load": load_seconds,
+                                  "prefill": time.perf_counter() - started}
+
+
+def _decode_greedy(params: dict, prepared: Any, state: dict, token: int, prompt_len: int,
+                   steps: int, cfg: Any, options: Any, emit: Callable[[int], None]) -> list[int]:
+    """`steps` greedy tokens from the first one (after the prompt), each after it on the
+    megakernel (`prepared` weights) or else the reference, each passed to `emit` as it comes."""
+    import jax
+    import numpy as np
+
+    generated = [token]
+    for i in range(steps - 1):
+        tokens, positions = np.asarray([token], np.int32), np.asarray([prompt_len + i], np.int32)
+        if prepared is not None:
+            next_token, state, _ = megakernel.decode_step(prepared, state, tokens, positions, cfg,
+                                                          options=options)
+        else:
+            step_logits, state, _ = reference.decode_step(params, state, tokens, positions, cfg)
+            next_token = np.asarray(step_logits).argmax(-1)
+        token = int(np.asarray(next_token)[0])
+        generated.append(token)
+        emit(token)
+    jax.block_until_ready(state)
+    return generated
+
+
+def _print_times(cfg: Any, backend: str, steps: int, prompt_len: int, seconds: dict) -> None:
+    """The run's times, to stderr (stdout holds the text alone)."""
+    import jax
+
+    print(f"{cfg.name}, backend {backend} on {jax.default_backend()}: prompt "
+          f"{prompt_len} tokens prefilled in {seconds['prefill']:.2f} s (one call per "
+          f"{prefill.DEFAULT_CHUNK}-token chunk, compile included), {steps} greedy tokens "
+          f"in {seconds['decode']:.2f} s; weights loaded in {seconds['load']:.2f} s",
+          file=sys.stderr)
 
 
 def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], cfg: Any,

@@ -16,12 +16,14 @@ class UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a one-line UsageError."""
+
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _model(name: str | None) -> ModelConfig:
+def known_model(name: str | None) -> ModelConfig:
     """A preset, or '<preset>-rank': one rank of its release layout (`config.get_config`)."""
     if name is None:
         raise UsageError(f"MODEL is missing: name one of {', '.join(config_names())} "
@@ -32,24 +34,27 @@ def _model(name: str | None) -> ModelConfig:
     return get_config(name)
 
 
-def _at_least(option: str, value: int, minimum: int) -> None:
+def at_least(option: str, value: int, minimum: int) -> None:
+    """An option's int is at least `minimum`, else a UsageError naming it."""
     if value < minimum:
         raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
 
 
-def _in_range(option: str, value: int, low: int, high: int, why: str) -> None:
+def in_range(option: str, value: int, low: int, high: int, why: str) -> None:
+    """An option's int is in [low, high], else a UsageError naming it and saying why."""
     if not low <= value <= high:
         raise UsageError(f"{option} {value} is invalid: an int in [{low}, {high}] ({why})")
 
 
-def _chip(name: str) -> str:
+def known_chip(name: str) -> str:
+    """--chip's value, when it names one of `chips.CHIPS`."""
     if name not in CHIPS:
         raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
     return name
 
 
 @contextlib.contextmanager
-def _refusals() -> Iterator[None]:
+def refusals() -> Iterator[None]:
     """A ValueError of the library (a config the chip cannot run: VMEM plan, HBM; bad input it
     checks before tracing) -> a UsageError of its first line: one line, exit status 2."""
     try:
@@ -58,20 +63,23 @@ def _refusals() -> Iterator[None]:
         raise UsageError(str(error).splitlines()[0]) from None
 
 
-def _megakernel_batch(option: str, value: int) -> None:
+def megakernel_batch(option: str, value: int) -> None:
+    """A batch the megakernel backend runs: in [1, MAX_BATCH]."""
     if not 1 <= value <= MAX_BATCH:
         raise UsageError(f"{option} {value} is invalid: each in [1, {MAX_BATCH}] (the megakernel "
                          "backend)")
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """Bytes in decimal units: '1.23 GB'."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
 
 
-def _human_count(n: float) -> str:
+def human_count(n: float) -> str:
+    """A count in decimal units: '1.23 B' (billions)."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

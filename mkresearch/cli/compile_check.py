@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.cli.common import UsageError, _at_least, _chip, _megakernel_batch, _model
+from mkresearch.cli.common import UsageError, at_least, known_chip, known_model, megakernel_batch
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -52,12 +52,12 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: Any) -> int:
-    cfg = _model(args.model)
+    cfg = known_model(args.model)
     for batch in args.batch:
-        _megakernel_batch("--batch", batch)
-    chip = _chip(args.chip)
+        megakernel_batch("--batch", batch)
+    chip = known_chip(args.chip)
     if args.context is not None:
-        _at_least("--context", args.context, 16)
+        at_least("--context", args.context, 16)
     if args.ranks is None and args.topology is not None:
         raise UsageError("--topology is an option of --ranks N: give both")
     if args.ranks is not None and args.record:
@@ -83,7 +83,7 @@ def _run_one(args: Any, cfg: Any, chip: str) -> int:
 
 
 def _run_sharded(args: Any, cfg: Any, chip: str) -> int:
-    _at_least("--ranks", args.ranks, 2)
+    at_least("--ranks", args.ranks, 2)
     topology = args.topology or DEFAULT_TOPOLOGY[chip]
     if not topology.startswith(f"{chip}:"):
         raise UsageError(f"--topology {topology!r} is invalid with --chip {chip}: a {chip} "

@@ -21,12 +21,12 @@ from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import (
     UsageError,
-    _at_least,
-    _chip,
-    _human_bytes,
-    _megakernel_batch,
-    _model,
-    _refusals,
+    at_least,
+    human_bytes,
+    known_chip,
+    known_model,
+    megakernel_batch,
+    refusals,
 )
 from mkresearch.cli.options import add_batch, add_command, add_model, each_batch
 from mkresearch.model import reference, sampling, weights
@@ -84,21 +84,21 @@ def run(args: Any) -> int:
         planned = " is not available yet" if args.backend in PLANNED_BACKENDS else ""
         raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
                          f"of {', '.join(BACKENDS)}")
-    cfg = _model(args.model)
-    _chip(args.chip)  # checked for every backend, before anything runs
-    _at_least("--prompt-len", args.prompt_len, 1)
-    _at_least("--steps", args.steps, 1)
-    _at_least("--seed", args.seed, 0)
+    cfg = known_model(args.model)
+    known_chip(args.chip)  # checked for every backend, before anything runs
+    at_least("--prompt-len", args.prompt_len, 1)
+    at_least("--steps", args.steps, 1)
+    at_least("--seed", args.seed, 0)
     if args.prompt_len + args.steps > cfg.max_seq_len:
         raise UsageError(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds "
                          f"max_seq_len={cfg.max_seq_len} of {cfg.name}")
     weight_bytes = tree_bytes(param_shapes(cfg))
     if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
-        raise UsageError(f"{cfg.name} has {_human_bytes(weight_bytes)} of weights, too many to "
+        raise UsageError(f"{cfg.name} has {human_bytes(weight_bytes)} of weights, too many to "
                          f"decode here: use kimi-k3-mini (or `mkresearch info`)")
     if args.backend == "megakernel" and args.speculate is None:
         for batch in args.batch:  # every batch checked before the first runs
-            _megakernel_batch("--batch", batch)
+            megakernel_batch("--batch", batch)
     return each_batch(args, lambda one: _run_one(cfg, one))
 
 
@@ -111,7 +111,7 @@ def _run_one(cfg: ModelConfig, args: Any) -> int:
     if args.ranks > 1:  # the sharded megakernel, or the sharded reference (cli.ranks_reference)
         return cli_ranks.run_decode(args, cfg, args.argv, progress)
     if args.backend == "megakernel":
-        with _refusals():
+        with refusals():
             result = bench.decode_megakernel(cfg, args.prompt_len, args.steps, args.batch,
                                              args.seed, args.chip, progress)
         if args.json:
@@ -119,7 +119,7 @@ def _run_one(cfg: ModelConfig, args: Any) -> int:
         else:
             bench.print_decode(result)
         return 0 if result["agreement"]["passed"] else 1
-    with _refusals():
+    with refusals():
         result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, progress)
     if args.json:
         print(json.dumps(result))

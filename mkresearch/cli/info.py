@@ -8,12 +8,12 @@ import json
 from typing import Any
 
 from mkresearch.cli.common import (
-    _at_least,
-    _human_bytes,
-    _human_count,
-    _in_range,
-    _model,
-    _refusals,
+    at_least,
+    human_bytes,
+    human_count,
+    in_range,
+    known_model,
+    refusals,
 )
 from mkresearch.cli.options import (
     add_batch,
@@ -52,19 +52,19 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: Any) -> int:
-    cfg = _model(args.model)
-    _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+    cfg = known_model(args.model)
+    in_range("--context", args.context, 0, cfg.max_seq_len - 1,
               f"the KV cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
               "new one included")
-    _at_least("--ranks", args.ranks, 1)
+    at_least("--ranks", args.ranks, 1)
     return each_batch(args, lambda one: _run_one(cfg, one))
 
 
 def _run_one(cfg: ModelConfig, args: Any) -> int:
-    with _refusals():  # e.g. --cache-layout expanded for a model whose MLA caches the latent
+    with refusals():  # e.g. --cache-layout expanded for a model whose MLA caches the latent
         report = info(cfg, args.batch, args.context, args.expert_format, args.cache_layout)
     if args.ranks != 1:
-        with _refusals():
+        with refusals():
             layout.check_ranks(cfg, args.ranks)
             mla = cfg.replace(mla_cache_layout=args.cache_layout) if args.cache_layout else cfg
             report["ranks"] = layout_bytes.compare(mla, args.ranks, args.batch, args.context)
@@ -134,12 +134,12 @@ def _print_info(report: dict) -> None:
         f" ({', '.join(map(str, layers))})" if len(layers) < min(8, report["layers"]) else "")
         for kind, layers in kinds.items()))
     params = report["parameters"]
-    mtp = (f" (+ {_human_count(params['mtp_modules'])} in multi-token-prediction modules, not "
+    mtp = (f" (+ {human_count(params['mtp_modules'])} in multi-token-prediction modules, not "
            "part of the step)" if params["mtp_modules"] else "")
-    print(f"parameters: total {_human_count(params['total'])}, "
-          f"active per token {_human_count(params['active'])}{mtp}")
+    print(f"parameters: total {human_count(params['total'])}, "
+          f"active per token {human_count(params['active'])}{mtp}")
     if "publisher_rule" in params:  # the publisher's figures, counted its way
-        rule, n = params["publisher_rule"], _human_count
+        rule, n = params["publisher_rule"], human_count
         print(f"  as published (embedding {'in' if rule['embedding_active'] else 'out'}, LM head "
               f"{'in' if rule['lm_head_active'] else 'out'} of active): total {n(rule['total'])}, "
               f"active {n(rule['active'])} (published {n(rule['published'][0])} / "
@@ -150,9 +150,9 @@ def _print_info(report: dict) -> None:
           + f" ({step['unique_experts_per_layer']:.1f} unique experts per MoE layer):")
     for name, label in step["components"].items():
         read, written = step["read"][name], step["written"].get(name, 0)
-        extra = f"  (+ {_human_bytes(written)} written)" if written else ""
-        print(f"  {label:42s} {_human_bytes(read):>10}{extra}")
-    print(f"  {'total read + written':42s} {_human_bytes(step['total']):>10}")
+        extra = f"  (+ {human_bytes(written)} written)" if written else ""
+        print(f"  {label:42s} {human_bytes(read):>10}{extra}")
+    print(f"  {'total read + written':42s} {human_bytes(step['total']):>10}")
     print(f"KV cache per context token (all layers): {report['cache_bytes_per_token']:,} B")
     if "mla_cache_bytes_per_token" in report:
         cache = report["mla_cache_bytes_per_token"]

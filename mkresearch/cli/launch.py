@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mkresearch.cli.common import UsageError, _at_least
+from mkresearch.cli.common import UsageError, at_least
 from mkresearch.cli.options import add_command
 from mkresearch.hardware import distributed
 
@@ -84,7 +84,7 @@ def _ranks(command: list[str]) -> int | None:
 def local_devices(args: argparse.Namespace, command: list[str]) -> int:
     """--local-devices, else the command's --ranks over the processes (which must divide it)."""
     if args.local_devices is not None:
-        _at_least("--local-devices", args.local_devices, 1)
+        at_least("--local-devices", args.local_devices, 1)
         return args.local_devices
     ranks = _ranks(command)
     if ranks is None:
@@ -217,7 +217,7 @@ def watch(processes: list[Process], timeout: float | None) -> tuple[Process | No
 
 
 def run(args: argparse.Namespace) -> int:
-    _at_least("--processes", args.processes, 1)
+    at_least("--processes", args.processes, 1)
     command = _command(args)
     devices = local_devices(args, command)
     port = args.port or free_port()

@@ -43,7 +43,7 @@ import mkresearch  # noqa: F401 - selects the platform (CPU unless there is a TP
 from mkresearch.cli import bench_command, decode, figures, info, launch, plan, predict
 from mkresearch.cli import compile_check as compile_command
 from mkresearch.cli import ranks as cli_ranks
-from mkresearch.cli.common import UsageError, _Parser
+from mkresearch.cli.common import Parser, UsageError
 from mkresearch.cli.options import notices, resolve_model
 
 # Every command: its name -> its module, which adds the command's parser (`add_parser(commands)`)
@@ -55,8 +55,8 @@ EXAMPLES = ("mkresearch info kimi-k3 --batch 1,8 --context 4096",
             "mkresearch predict kimi-k3 --ranks 32 --batch 1,2,4,8")
 
 
-def _parser() -> _Parser:
-    parser = _Parser(prog="mkresearch", description=__doc__.split("\n")[0],
+def _parser() -> Parser:
+    parser = Parser(prog="mkresearch", description=__doc__.split("\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="examples (`mkresearch COMMAND --help` for each command's):\n"
                             + "\n".join(f"  {line}" for line in EXAMPLES))

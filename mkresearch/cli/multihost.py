@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Any
 
-from mkresearch.cli.common import UsageError, _human_bytes
+from mkresearch.cli.common import UsageError, human_bytes
 from mkresearch.hardware import distributed
 
 JOINED = "joined"  # in the one line each process prints when it has joined a run
@@ -120,8 +120,8 @@ def print_processes(result: dict) -> None:
               f"devices ({result['local_devices']} per process); results gathered to process 0")
     for row in result.get("bytes_read", ()):
         print(f"  process {row['process']} (ranks {row['ranks']}) read "
-              f"{_human_bytes(row['bytes_read'])} of the checkpoint's "
-              f"{_human_bytes(row['total_bytes'])} ({row['bytes_read'] / row['total_bytes']:.0%})")
+              f"{human_bytes(row['bytes_read'])} of the checkpoint's "
+              f"{human_bytes(row['total_bytes'])} ({row['bytes_read'] / row['total_bytes']:.0%})")
 
 
 def print_uncompared(result: dict) -> None:

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from mkresearch.cli import plan_ranks as cli_plan_ranks
-from mkresearch.cli.common import _chip, _in_range, _megakernel_batch, _model, _refusals
+from mkresearch.cli.common import in_range, known_chip, known_model, megakernel_batch, refusals
 from mkresearch.cli.options import (
     add_batch,
     add_cache_layout,
@@ -43,23 +43,23 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: Any) -> int:
-    cfg = _model(args.model)
-    chip = _chip(args.chip)
+    cfg = known_model(args.model)
+    chip = known_chip(args.chip)
     if args.ranks is not None:  # every collective of a sharded step
         return each_batch(args, cli_plan_ranks.run)
     for batch in args.batch:
-        _megakernel_batch("--batch", batch)
+        megakernel_batch("--batch", batch)
     if args.context is not None:
-        _in_range("--context", args.context, 0, cfg.max_seq_len - 1,
+        in_range("--context", args.context, 0, cfg.max_seq_len - 1,
                   f"a position in the MLA cache of {cfg.name}, max_seq_len={cfg.max_seq_len}")
-    with _refusals():
+    with refusals():
         cfg = cfg.replace(mla_cache_layout=args.cache_layout or cfg.mla_cache_layout,
                           expert_format=args.expert_format or cfg.expert_format)
     return each_batch(args, lambda one: _run_one(cfg, chip, one))
 
 
 def _run_one(cfg: Any, chip: str, args: Any) -> int:
-    with _refusals():
+    with refusals():
         sched = schedule_report.plan_schedule(cfg, args.batch, chip, args.context)
         report = schedule_report.report(sched)
     print(json.dumps(report) if args.json else schedule_report.format_report(sched, report))

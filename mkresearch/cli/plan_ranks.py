@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mkresearch.cli.common import _at_least, _chip, _model, _refusals
+from mkresearch.cli.common import at_least, known_chip, known_model, refusals
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.router import W_ROUTER
@@ -28,11 +28,11 @@ def add_arguments(p: Any) -> None:
 
 
 def run(args: Any) -> int:
-    cfg = _model(args.model)
-    chip = _chip(args.chip)
-    _at_least("--ranks", args.ranks, 2)
-    _at_least("--batch", args.batch, 1)
-    with _refusals():
+    cfg = known_model(args.model)
+    chip = known_chip(args.chip)
+    at_least("--ranks", args.ranks, 2)
+    at_least("--batch", args.batch, 1)
+    with refusals():
         layout.check_ranks(cfg, args.ranks)
         plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
                                                mode=args.collectives, wire=args.wire, chip=chip)

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from mkresearch.cli.common import _at_least, _chip, _model, _refusals
+from mkresearch.cli.common import at_least, known_chip, known_model, refusals
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -97,8 +97,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: Any) -> int:
-    cfg = _model(args.model)
-    chip = _chip(args.chip)
+    cfg = known_model(args.model)
+    chip = known_chip(args.chip)
     if args.explain:
         print(format_explain(cfg, args.ranks, chip, args.batch, args.context))
         return 0
@@ -106,38 +106,65 @@ def run(args: Any) -> int:
         print(format_validation())
         return 0
     if args.designs:
-        _at_least("--ranks", args.ranks, 2)
-        with _refusals():
-            layout.check_ranks(cfg, args.ranks)
-            model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
-                                      timeline_chip=timeline_chip(chip),
-                                      context=args.context or calibration.BENCHMARK_CONTEXT)
-            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
-        print(json.dumps(table) if args.json else design_table.format_designs(table))
-        return 0
-    batches = args.batch
-    _at_least("--ranks", args.ranks, 2)
-    _at_least("--context", args.context, 0)
-    _at_least("--speculate", args.speculate, 0)
+        return _run_designs(args, cfg, chip)
+    _check_predictions(args, cfg, chip)
     names = (args.rank_layout,) if args.rank_layout else layout.LAYOUTS
-    with _refusals():
+    rows, steps = _predictions(args, cfg, chip, names)
+    if args.profile:
+        print(format_profile(cfg, args.ranks, names[0], args.batch[0], chip))
+    if args.json:
+        print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
+                          "predictions": rows,
+                          "assumptions": assumptions_of(rows, chip, args.ranks, args.context),
+                          "row_work": row_work.table(cfg, args.ranks, args.batch,
+                                                     timeline_chip(chip).vpu_flops,
+                                                     args.context)}))
+    else:
+        print(format_speculative(rows) if args.speculate else format_rows(rows))
+        print("\n".join(step.line() for step in steps))
+    return 0
+
+
+def _run_designs(args: Any, cfg: Any, chip: str) -> int:
+    """predict --designs: ours as built, each design added in turn, the release's step."""
+    at_least("--ranks", args.ranks, 2)
+    with refusals():
+        layout.check_ranks(cfg, args.ranks)
+        model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
+                                  timeline_chip=timeline_chip(chip),
+                                  context=args.context or calibration.BENCHMARK_CONTEXT)
+        table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+    print(json.dumps(table) if args.json else design_table.format_designs(table))
+    return 0
+
+
+def _check_predictions(args: Any, cfg: Any, chip: str) -> None:
+    """The checks of a prediction's options before any work: one line, exit status 2."""
+    at_least("--ranks", args.ranks, 2)
+    at_least("--context", args.context, 0)
+    at_least("--speculate", args.speculate, 0)
+    with refusals():
         if not layout.has_rules(cfg):
             raise ValueError(f"{cfg.name} has no sharding rules (its stage kinds do not "
                              "say how they split: spec.Param.shard)")
         layout.check_ranks(cfg, args.ranks)
         links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks
+
+
+def _predictions(args: Any, cfg: Any, chip: str, names: tuple[str, ...]) -> tuple[list, list]:
+    """Each layout's prediction at each batch (a progress bar on a terminal): (the rows, the
+    full-size steps; none with --speculate, whose rows are the speculative predictions')."""
     rows, steps = [], []
-    todo = [(name, batch) for name in names for batch in batches]
-    progress = not args.json and sys.stderr.isatty() and len(todo) > 1
+    todo = [(name, batch) for name in names for batch in args.batch]
     bar = None
-    if progress:
+    if not args.json and sys.stderr.isatty() and len(todo) > 1:
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="predict", unit="step", file=sys.stderr)
-    with _refusals():
+    with refusals():
         for name, batch in todo:
             common = {"chip": chip, "schedule": args.schedule, "algorithm": args.algorithm,
-                          "context": args.context, "collectives": args.collectives}
+                      "context": args.context, "collectives": args.collectives}
             if args.speculate:
                 rows += speculative.predict_speculative(
                     cfg, args.ranks, name, batch=batch, drafts=args.speculate,
@@ -149,19 +176,7 @@ def run(args: Any) -> int:
                 bar.update()
     if bar is not None:
         bar.close()
-    if args.profile:
-        print(format_profile(cfg, args.ranks, names[0], batches[0], chip))
-    if args.json:
-        print(json.dumps({"model": cfg.name, "n_ranks": args.ranks, "chip": chip,
-                          "predictions": rows,
-                          "assumptions": assumptions_of(rows, chip, args.ranks, args.context),
-                          "row_work": row_work.table(cfg, args.ranks, batches,
-                                                     timeline_chip(chip).vpu_flops,
-                                                     args.context)}))
-    else:
-        print(format_speculative(rows) if args.speculate else format_rows(rows))
-        print("\n".join(step.line() for step in steps))
-    return 0
+    return rows, steps
 
 
 def assumptions_of(rows: list[dict], chip: str, n_ranks: int, context: int) -> dict:

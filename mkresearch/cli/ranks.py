@@ -24,7 +24,7 @@ from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
 from mkresearch.cli import bench, multihost, ranks_reference
-from mkresearch.cli.common import UsageError, _at_least, _human_bytes, _refusals
+from mkresearch.cli.common import UsageError, at_least, human_bytes, refusals
 from mkresearch.hardware import distributed
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
@@ -57,7 +57,7 @@ def add_decode_arguments(p: Any) -> None:
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
     """--ranks before anything runs: an int >= 1, a backend that shards (SHARDED_BACKENDS), and
     a count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`)."""
-    _at_least("--ranks", n_ranks, 1)
+    at_least("--ranks", n_ranks, 1)
     if n_ranks > 1 and backend not in SHARDED_BACKENDS:
         raise UsageError(f"--ranks {n_ranks} needs --backend megakernel or reference: the "
                          f"{backend} backend runs one device (use --ranks 1)")
@@ -141,10 +141,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     `rank_loader.load_rank_params`) gives only this process's ranks' slices, and then no process
     has the weights the single-device checks need: they are left out (`logits_sha256`
     fingerprints every step's logits, to compare with a one-process run)."""
-    import hashlib
-
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
 
@@ -155,21 +152,72 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
         lay, batch, chip))  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
-    loaded = None
-    if load is None:
-        params = weights.init_params(cfg, seed) if params is None else params
-        prepared = sharded.prepare_weights(params, lay, mesh)  # onto the ranks by the layout
-    else:
-        loaded = load(lay, distributed.local_ranks(mesh))
-        prepared = sharded.prepare_rank_weights(loaded.params, lay, mesh)
-    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32)  # [B, T]
-                        if prompt is None else prompt)
+    params, prepared, loaded = _weights_on_ranks(cfg, seed, lay, mesh, params, load)
+    prompt = (bench.random_prompt(cfg, batch, prompt_len, seed) if prompt is None
+              else np.asarray(prompt))  # [B, T]
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
     checks = (None if loaded is not None else
               SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host))
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
                disable=not progress, leave=False)
+    generated, digest, clock, state, token = _step_sharded(prepared, state, prompt, steps, plan,
+                                                           mesh, checks, bar)
+    bar.close()
+    log = _recorded_step(prepared, state, token, prompt_len + steps - 1, plan, mesh)
+    result = {
+        "model": cfg.name, "backend": "megakernel", "ranks": n_ranks, "layout": lay.describe(),
+        "batch": batch, "prompt_len": prompt_len, "steps": steps, "seed": seed,
+        "platform": jax.default_backend(), **multihost.processes_facts(),
+        "prompt": prompt.tolist(), "generated": np.stack(generated, axis=1).tolist(),  # [B, N]
+        "collectives": collectives, "logits_sha256": digest,
+        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
+        "step_label": bench.backend_label("megakernel"),
+        "per_rank": rank_rows(log, lay, batch, chip),
+        "vmem_plan_bytes": plan.mega.vmem.total_bytes,
+    }
+    if checks:
+        result.update(checks.result(prompt_len + steps - 1))
+    else:
+        result["passed"] = True  # nothing to hold it to here: logits_sha256 against one process
+        result["bytes_read"] = multihost.bytes_read_rows(loaded)
+    return result
+
+
+def _weights_on_ranks(cfg: ModelConfig, seed: int, lay: layout.Layout, mesh: Any,
+                      params: dict | None, load: Any) -> tuple[dict | None, Any, Any]:
+    """`decode_sharded`'s weights onto the ranks by the layout: (the whole weights (None when
+    read per process), the ranks' weights, what `load` read (None without it))."""
+    if load is not None:
+        loaded = load(lay, distributed.local_ranks(mesh))
+        return params, sharded.prepare_rank_weights(loaded.params, lay, mesh), loaded
+    params = weights.init_params(cfg, seed) if params is None else params
+    return params, sharded.prepare_weights(params, lay, mesh), None
+
+
+def _recorded_step(prepared: Any, state: Any, token: Any, position: int, plan: Any,
+                   mesh: Any) -> dma.DmaLog:
+    """One more step at `position`, recorded: the DMA log of per-rank bytes."""
+    import jax
+    import numpy as np
+
+    with dma.recording() as log:
+        out, _, _ = sharded.decode_step(prepared, state, token,
+                                        np.full(len(token), position, np.int32), plan, mesh=mesh)
+        jax.block_until_ready(out)
+    return log
+
+
+def _step_sharded(prepared: Any, state: Any, prompt: Any, steps: int, plan: Any, mesh: Any,
+                  checks: SingleDeviceChecks | None, bar: Any) -> tuple[list, str, Any, Any,
+                                                                       Any]:
+    """The sharded megakernel stepped through the prompt [B, T], then through `steps` greedy
+    tokens of its own, each step held to `checks` (if any): (the generated tokens [B] per step,
+    the sha256 of every step's logits, the StepClock, the state, the last token)."""
+    import hashlib
+
+    import numpy as np
+
+    batch, prompt_len = prompt.shape
     generated, digest, clock = [], hashlib.sha256(), bench.StepClock()
     token = prompt[:, 0]
     for t in range(prompt_len + steps - 1):
@@ -185,30 +233,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
         bar.update()
-    bar.close()
-    with dma.recording() as log:  # one more step, recorded: per-rank bytes
-        out, _, _ = sharded.decode_step(prepared, state, token,
-                                        np.full(batch, prompt_len + steps - 1, np.int32), plan,
-                                        mesh=mesh)
-        jax.block_until_ready(out)
-    generated_ids = np.stack(generated, axis=1)  # [B, N]
-    result = {
-        "model": cfg.name, "backend": "megakernel", "ranks": n_ranks, "layout": lay.describe(),
-        "batch": batch, "prompt_len": prompt_len, "steps": steps, "seed": seed,
-        "platform": jax.default_backend(), **multihost.processes_facts(),
-        "prompt": prompt.tolist(), "generated": generated_ids.tolist(),
-        "collectives": collectives, "logits_sha256": digest.hexdigest(),
-        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
-        "step_label": bench._backend_label("megakernel"),
-        "per_rank": rank_rows(log, lay, batch, chip),
-        "vmem_plan_bytes": plan.mega.vmem.total_bytes,
-    }
-    if checks:
-        result.update(checks.result(prompt_len + steps - 1))
-    else:
-        result["passed"] = True  # nothing to hold it to here: logits_sha256 against one process
-        result["bytes_read"] = multihost.bytes_read_rows(loaded)
-    return result
+    return generated, digest.hexdigest(), clock, state, token
 
 
 class SingleDeviceChecks:
@@ -375,10 +400,10 @@ def print_decode(result: dict) -> None:
 def print_rank_rows(rows: list[dict]) -> None:
     """One line per rank of a recorded step (rank_rows), then what the prediction is."""
     for row in rows:
-        print(f"  rank {row['rank']}: HBM {_human_bytes(row['hbm_bytes'])} per step (weights "
-              f"{_human_bytes(row['weight_bytes'])}, routed experts "
-              f"{_human_bytes(row['routed_expert_bytes'])}); remote copies sent "
-              f"{row['remote_copies']} = {_human_bytes(row['remote_bytes'])}; predicted on "
+        print(f"  rank {row['rank']}: HBM {human_bytes(row['hbm_bytes'])} per step (weights "
+              f"{human_bytes(row['weight_bytes'])}, routed experts "
+              f"{human_bytes(row['routed_expert_bytes'])}); remote copies sent "
+              f"{row['remote_copies']} = {human_bytes(row['remote_bytes'])}; predicted on "
               f"{row['chip']}: {row['predicted_step_s'] * 1e6:.1f} us/step")
     if rows:
         print(f"  (per-rank prediction: {rows[0]['label']})")
@@ -410,12 +435,12 @@ def bench_sharded(cfg: ModelConfig, batches: Sequence[int], steps: int, chip: st
                                                           positions, plans[batch], mesh=mesh)
             return out
 
-        first, step_s = bench._time_steps(step, steps)
+        first, step_s = bench.time_steps(step, steps)
         with dma.recording() as log:
             jax.block_until_ready(step())
         rows.append({"batch": batch, "ranks": n_ranks,
                      "megakernel": {"step_s": step_s, "first_call_s": first,
-                                    "label": bench._backend_label("megakernel")},
+                                    "label": bench.backend_label("megakernel")},
                      "per_rank": rank_rows(log, lay, batch, chip)})
     return {"model": cfg.name, "platform": jax.default_backend(), "chip": chip, "ranks": n_ranks,
             "layout": lay.describe(), "steps_timed": steps, "rows": rows,
@@ -447,7 +472,7 @@ def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
             args, cfg, progress, None if loaded is None else loaded.rank_params,
             None if loaded is None else loaded.prompt, None if loaded is None else loaded.text)
     multihost.refuse_kernel_across_processes(args.ranks)
-    with _refusals():
+    with refusals():
         params, prompt = (None, None) if loaded is None else (
             None if load else loaded.params(), loaded.prompt)
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,

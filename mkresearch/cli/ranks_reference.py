@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mkresearch.cli import bench, multihost
-from mkresearch.cli.common import _refusals
+from mkresearch.cli.common import refusals
 from mkresearch.hardware import distributed
 from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig
@@ -158,7 +158,7 @@ def run_decode(args: Any, cfg: ModelConfig, progress: bool, load: Callable | Non
                prompt: Any = None, text: Callable | None = None) -> int:
     """decode --ranks N --backend reference (checked): here, on the run's devices."""
     started = time.perf_counter()
-    with _refusals():
+    with refusals():
         result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, args.ranks,
                         args.collectives, progress, load, prompt)
     result["seconds"]["total"] = time.perf_counter() - started

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from mkresearch.cli import bench
-from mkresearch.cli.common import UsageError, _refusals
+from mkresearch.cli.common import UsageError, refusals
 from mkresearch.decoding import drafters, speculative
 from mkresearch.kernels.compose import megakernel, megakernel_verify
 from mkresearch.model import mtp, reference, weights
@@ -72,7 +72,7 @@ def check(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
                          f"{args.prompt_len + args.steps - 1 + k} exceeds max_seq_len="
                          f"{cfg.max_seq_len} of {cfg.name}")
     name = args.drafter or f"forced:{k}"
-    with _refusals():
+    with refusals():
         drafter = drafters.get_drafter(name)
         if isinstance(drafter, drafters.ForcedDrafter) and drafter.accept > k:
             raise ValueError(f"--drafter {name} is invalid with --speculate {k}: forced:A with A "
@@ -121,7 +121,7 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                      "tokens_equal": equal, "tokens": int(tokens.size),
                      "passed": equal == tokens.size},
         "seconds": {"compile_and_first_step": clock.compile_seconds, "verify_step": step_s},
-        "step_label": bench._backend_label(backend_name),
+        "step_label": bench.backend_label(backend_name),
         "tokens_per_s": batch * stats["tokens_per_step"] / step_s if step_s else None,
     }
 
@@ -156,7 +156,7 @@ def run_decode(args: argparse.Namespace, cfg: ModelConfig, loaded: Any = None) -
     if args.ranks != 1:
         raise UsageError("--speculate runs on one device: --ranks 1")
     k, drafter = check(args, cfg)
-    with _refusals():
+    with refusals():
         params, prompt = (None, None) if loaded is None else (loaded.params(), loaded.prompt)
         result: Any = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, k, drafter,
                              name, params, prompt)
@@ -234,7 +234,7 @@ def bench_rows(cfg: ModelConfig, batches: tuple[int, ...], k: int, steps: int,
                          "verify_step_s": verify_clock.step_s, "plain_step_s": plain_clock.step_s,
                          "tokens_per_s": batch * (k + 1) / verify_clock.step_s,
                          "plain_tokens_per_s": batch / plain_clock.step_s,
-                         "label": bench._backend_label(name)})
+                         "label": bench.backend_label(name)})
     return rows
 
 

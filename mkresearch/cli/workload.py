@@ -13,11 +13,11 @@ import sys
 
 from mkresearch.cli.common import (
     UsageError,
-    _at_least,
-    _chip,
-    _megakernel_batch,
-    _model,
-    _refusals,
+    at_least,
+    known_chip,
+    known_model,
+    megakernel_batch,
+    refusals,
 )
 from mkresearch.model import paged_kv, weights
 from mkresearch.serve import loop, trace, workload
@@ -51,13 +51,13 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks != 1 or args.speculate is not None:
         raise UsageError("--workload serves on one device without speculation: drop --ranks and "
                          "--speculate")
-    cfg = _model(args.model)
-    _chip(args.chip)
-    _megakernel_batch("--slots", args.slots)
-    _at_least("--page-size", args.page_size, 1)
-    _at_least("--pages", args.pages, 1)
-    _at_least("--trace-seed", args.trace_seed, 0)
-    with _refusals():  # everything a run could refuse, before it starts
+    cfg = known_model(args.model)
+    known_chip(args.chip)
+    megakernel_batch("--slots", args.slots)
+    at_least("--page-size", args.page_size, 1)
+    at_least("--pages", args.pages, 1)
+    at_least("--trace-seed", args.trace_seed, 0)
+    with refusals():  # everything a run could refuse, before it starts
         requests = trace.load_trace(args.workload, args.trace_seed)
         pages = paged_kv.PagedKVConfig(args.page_size, args.pages,
                                        -(-cfg.max_seq_len // args.page_size)).check(cfg)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:  # the table as it goes: a line per step, flushed (stdout may be a pipe)
         print("\n".join(title_lines(cfg.name, len(requests), args.slots, pages, args.step)),
               flush=True)
-    with _refusals():
+    with refusals():
         result = workload.run_workload(
             params, requests, cfg, pages, batch=args.slots, step=args.step, chip=args.chip,
             trace_seed=args.trace_seed, progress=progress,

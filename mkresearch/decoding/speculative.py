@@ -248,6 +248,40 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
     "acceptance_rate" (that / k), "accepted" [steps, B] (-1 for rows already done).
     """
     k = check_k(k)
+    prompt, drafter = _check_generate(state, prompt, n_tokens, cfg, k, drafter)
+    batch, length = prompt.shape
+    sampler = {"seed": seed, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
+                          top_p=top_p)
+    drafter.prepare(drafters.DraftSetup(params, state, prompt, int(n_tokens), k, cfg))
+    history, state = _prefill(params, state, prompt, n_tokens, cfg, k, drafter, sampler)
+    lengths = np.full(batch, length + 1)
+    key = jax.random.key(seed)
+    accepted_log, emitted_per_step = [], []
+    while np.any(active := lengths - length < n_tokens):
+        positions = np.where(active, lengths - 1, 0).astype(np.int32)  # of the pending token
+        drafts, draft_probs, key, accept_key = _propose(drafter, history, lengths, k, key)
+        fed = np.concatenate([history[np.arange(batch), lengths - 1][:, None], drafts], axis=1)
+        n_accepted, next_token, state_all, per_position = _verify_and_accept(
+            params, state, fed, positions, cfg, verify, drafter, draft_probs, accept_key,
+            sampler)
+        # keep the pending token and the accepted drafts, no more than n_tokens asks for
+        kept = np.where(active, np.minimum(n_accepted + 1, length + n_tokens - lengths), 1)
+        state = _select_rows(active, rollback(state_all, per_position, positions, kept, cfg),
+                             state)
+        drafter.observe(fed, positions, per_position.get(HIDDEN), np.where(active, kept, 0))
+        _emit(history, lengths, active, drafts, n_accepted, next_token, kept)
+        lengths = lengths + np.where(active, kept, 0)
+        accepted_log.append(np.where(active, n_accepted, -1))
+        emitted_per_step.append(kept[active])
+    stats = _stats(accepted_log, emitted_per_step, batch, k)
+    return jnp.asarray(history[:, length:length + n_tokens]), state, stats
+
+
+def _check_generate(state: dict, prompt: Any, n_tokens: Any, cfg: ModelConfig, k: int,
+                    drafter: Any) -> tuple[np.ndarray, Any]:
+    """`speculative_generate`'s checks before any tracing: (the prompt [B, T] as i32, the
+    Drafter); B x (K + 1) rows in one call, n_tokens an int >= 1, the last verify in the cache."""
     reference.check_prompt(prompt)
     prompt = np.asarray(prompt, np.int32)
     batch, length = prompt.shape
@@ -261,70 +295,82 @@ def speculative_generate(params: dict, state: dict, prompt: Any, n_tokens: int, 
         raise ValueError(f"n_tokens={n_tokens} is invalid with a prompt of {length} and k={k}: "
                          f"the last verify reaches position {last}, past the cache ({seq} "
                          "tokens)")
-    sampled = temperature is not None
-    sampling.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,
-                          top_p=top_p)
-    drafter.prepare(drafters.DraftSetup(params, state, prompt, int(n_tokens), k, cfg))
+    return prompt, drafter
 
+
+def _prefill(params: dict, state: dict, prompt: np.ndarray, n_tokens: int, cfg: ModelConfig,
+             k: int, drafter: Any, sampler: dict) -> tuple[np.ndarray, dict]:
+    """The prompt fed through the reference's decode step and the first token sampled from its
+    last logits: (history [B, T + n_tokens + k + 1] i32 holding the prompt then that token, the
+    state after the prompt)."""
+    batch, length = prompt.shape
     logits, state, per_position = feed(params, state, prompt, np.zeros(batch, np.int32), cfg,
                                        keep_states=False)
     drafter.observe(prompt, np.zeros(batch, np.int32), per_position.get(HIDDEN),
                     np.full(batch, length))
-    first = sampling.sample(logits[:, -1], seed=seed, positions=np.full(batch, length),
-                            temperature=temperature, top_k=top_k, top_p=top_p)
+    first = sampling.sample(logits[:, -1], positions=np.full(batch, length), **sampler)
     history = np.zeros((batch, length + n_tokens + k + 1), np.int32)  # prompt, then emitted
     history[:, :length], history[:, length] = prompt, np.asarray(first)
-    lengths = np.full(batch, length + 1)
-    key = jax.random.key(seed)
-    accepted_log, emitted_per_step = [], []
-    while np.any(active := lengths - length < n_tokens):
-        positions = np.where(active, lengths - 1, 0).astype(np.int32)  # of the pending token
-        if drafter.deterministic:
-            drafts = np.asarray(drafter.propose(history, lengths, k), np.int32)  # [B, k]
-        else:
-            key, draft_key, accept_key = jax.random.split(key, 3)
-            drafts, draft_probs = drafter.propose_probs(history, lengths, k, draft_key)
-            drafts = np.asarray(drafts, np.int32)
-        fed = np.concatenate([history[np.arange(batch), lengths - 1][:, None], drafts], axis=1)
-        if getattr(verify, "samples_in_call", False):
-            # the verify call draws the target's token at every position itself (greedy, or
-            # the decode step's seed rule): for a one-hot q the rejection rule is matching
-            logits, state_all, per_position, in_call = verify(
-                params, state, fed, positions, cfg, seed=seed, temperature=temperature,
-                top_k=top_k, top_p=top_p)
-        else:
-            logits, state_all, per_position = verify(params, state, fed, positions, cfg)
-            in_call = None
-        if in_call is not None and drafter.deterministic:
-            n_accepted, next_token = acceptance.accept_matching(drafts, in_call)
-        elif not sampled:
-            n_accepted, next_token = acceptance.accept_greedy(drafts, logits)
-        elif drafter.deterministic:
-            n_accepted, next_token = acceptance.accept_in_call(
-                drafts, logits, positions, seed=seed, temperature=temperature, top_k=top_k,
-                top_p=top_p)
-        else:
-            probs = acceptance.target_probs(logits, temperature=temperature, top_k=top_k,
-                                            top_p=top_p)
-            n_accepted, next_token = acceptance.accept_sampled(drafts, draft_probs, probs,
-                                                               accept_key)
-        n_accepted, next_token = np.asarray(n_accepted), np.asarray(next_token)
-        # keep the pending token and the accepted drafts, no more than n_tokens asks for
-        kept = np.where(active, np.minimum(n_accepted + 1, length + n_tokens - lengths), 1)
-        state = _select_rows(active, rollback(state_all, per_position, positions, kept, cfg),
-                             state)
-        drafter.observe(fed, positions, per_position.get(HIDDEN), np.where(active, kept, 0))
-        for b in np.flatnonzero(active):  # emitted: d_1..d_n, then the target's token
-            new = np.append(drafts[b, :n_accepted[b]], next_token[b])[:kept[b]]
-            history[b, lengths[b]:lengths[b] + kept[b]] = new
-        lengths = lengths + np.where(active, kept, 0)
-        accepted_log.append(np.where(active, n_accepted, -1))
-        emitted_per_step.append(kept[active])
+    return history, state
+
+
+def _propose(drafter: Any, history: np.ndarray, lengths: np.ndarray, k: int,
+             key: jax.Array) -> tuple[np.ndarray, Any, jax.Array, Any]:
+    """The drafter's k tokens after each row's last one: (drafts [B, k] i32, their probabilities
+    (a stochastic drafter's, else None), the next key, the acceptance's key (else None)); only a
+    stochastic drafter splits the key."""
+    if drafter.deterministic:
+        return np.asarray(drafter.propose(history, lengths, k), np.int32), None, key, None
+    key, draft_key, accept_key = jax.random.split(key, 3)
+    drafts, draft_probs = drafter.propose_probs(history, lengths, k, draft_key)
+    return np.asarray(drafts, np.int32), draft_probs, key, accept_key
+
+
+def _verify_and_accept(params: dict, state: dict, fed: np.ndarray, positions: np.ndarray,
+                       cfg: ModelConfig, verify: Callable, drafter: Any, draft_probs: Any,
+                       accept_key: Any, sampler: dict) -> tuple[np.ndarray, np.ndarray, dict,
+                                                                dict]:
+    """One verify call over fed [B, K + 1] (the pending token, then the drafts) and the rule that
+    accepts a prefix of the drafts: (n_accepted [B], next_token [B], state_all, per_position)."""
+    drafts = fed[:, 1:]
+    if getattr(verify, "samples_in_call", False):
+        # the verify call draws the target's token at every position itself (greedy, or
+        # the decode step's seed rule): for a one-hot q the rejection rule is matching
+        logits, state_all, per_position, in_call = verify(params, state, fed, positions, cfg,
+                                                          **sampler)
+    else:
+        logits, state_all, per_position = verify(params, state, fed, positions, cfg)
+        in_call = None
+    if in_call is not None and drafter.deterministic:
+        n_accepted, next_token = acceptance.accept_matching(drafts, in_call)
+    elif sampler["temperature"] is None:
+        n_accepted, next_token = acceptance.accept_greedy(drafts, logits)
+    elif drafter.deterministic:
+        n_accepted, next_token = acceptance.accept_in_call(drafts, logits, positions, **sampler)
+    else:
+        probs = acceptance.target_probs(logits, temperature=sampler["temperature"],
+                                        top_k=sampler["top_k"], top_p=sampler["top_p"])
+        n_accepted, next_token = acceptance.accept_sampled(drafts, draft_probs, probs,
+                                                           accept_key)
+    return np.asarray(n_accepted), np.asarray(next_token), state_all, per_position
+
+
+def _emit(history: np.ndarray, lengths: np.ndarray, active: np.ndarray, drafts: np.ndarray,
+          n_accepted: np.ndarray, next_token: np.ndarray, kept: np.ndarray) -> None:
+    """Write each active row's kept tokens after its last one in history (in place): the accepted
+    drafts d_1..d_n, then the target's token, cut to kept."""
+    for b in np.flatnonzero(active):
+        new = np.append(drafts[b, :n_accepted[b]], next_token[b])[:kept[b]]
+        history[b, lengths[b]:lengths[b] + kept[b]] = new
+
+
+def _stats(accepted_log: list, emitted_per_step: list, batch: int, k: int) -> dict:
+    """`speculative_generate`'s stats from the drafts accepted per step and row (-1 for rows
+    already done) and the tokens emitted per step by the active rows."""
     accepted = np.array(accepted_log, np.int32).reshape(-1, batch)  # [steps, B]
     live = accepted[accepted >= 0]
     emitted = np.concatenate(emitted_per_step) if emitted_per_step else np.zeros(0)
-    stats = {"steps": len(accepted_log), "accepted": accepted,
-             "tokens_per_step": float(emitted.mean()) if emitted.size else 0.0,
-             "mean_accepted": float(live.mean()) if live.size else 0.0,
-             "acceptance_rate": float(live.mean()) / k if live.size else 0.0}
-    return jnp.asarray(history[:, length:length + n_tokens]), state, stats
+    return {"steps": len(accepted_log), "accepted": accepted,
+            "tokens_per_step": float(emitted.mean()) if emitted.size else 0.0,
+            "mean_accepted": float(live.mean()) if live.size else 0.0,
+            "acceptance_rate": float(live.mean()) / k if live.size else 0.0}

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from mkresearch.hardware import _fast_interpret as fast  # both import without jax (see above)
+from mkresearch.hardware import fast_interpret as fast  # both import without jax (see above)
 from mkresearch.hardware.chips import CHIPS, get_chip
 
 # ---- platform -----------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def on_tpu() -> bool:
 _DEFAULT_OPTIONS: dict[str, Any] = {"detect_races": False, "vector_clock_size": None}
 _options: dict[str, Any] = dict(_DEFAULT_OPTIONS)
 _state = threading.local()  # .compiling: depth of `with compiling():`
-_fast_interpret = True  # use mkresearch.hardware._fast_interpret when the jax version allows it
+_fast_interpret = True  # use mkresearch.hardware.fast_interpret when the jax version allows it
 
 
 def _compiling() -> bool:
@@ -193,7 +193,7 @@ def _build_interpret_params(items: tuple[tuple[str, Any], ...]):
 
 
 def set_fast_interpret(enabled: bool) -> None:
-    """Turn the io_callback speed-up (mkresearch.hardware._fast_interpret) on or off for later calls."""
+    """Turn the io_callback speed-up (mkresearch.hardware.fast_interpret) on or off for later calls."""
     global _fast_interpret
     _fast_interpret = bool(enabled)
     if not enabled:

@@ -318,62 +318,104 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
     scores are swapped; nothing of the MoE is issued before the attention's output collectives
     are done (W_o is prefetched with the layer's projections), so the stream does not run past
     those."""
-    cfg, n, d = lay.cfg, lay.n_ranks, lay.cfg.d_model
-    wire = PARTIAL_SUM_BYTES
-    pair, alone = (rank, rank ^ 1), (rank,)  # a sibling swap waits for no stand-in
+    groups = _release_groups(lay.n_ranks, rank)
+    names = [m for m, _ in actions]
+    first = names[0] if names else f"{kind} end"
+    out = []
+    if spec.stage(kind).role == "attention" and batch >= TOKEN_SCATTER_BATCH:
+        # the owned rows, normalized, gathered
+        out.append(_release_attention(kind, groups, "rows_in", "all_gather", "host_parity",
+                                      _owned(batch) * lay.cfg.d_model * PARTIAL_SUM_BYTES,
+                                      f"{kind} start", first))
+    out += _release_stream_collectives(lay, kind, actions, groups, batch, routed)
+    out += _release_output_collectives(lay, kind, groups, batch, routed)
+    return tuple(out)
+
+
+def _release_groups(n: int, rank: int) -> dict[str, tuple[int, ...]]:
+    """The ranks a rank of the release's layout sends to, by name: its sibling pair, itself
+    alone (a sibling swap waits for no stand-in), everyone, its host, the cores of its parity in
+    its host and in all hosts, and its lane's core on every host."""
     everyone = tuple(range(n))
     host = tuple(r for r in everyone if r // RELEASE_HOST_RANKS == rank // RELEASE_HOST_RANKS)
-    host_parity = tuple(r for r in host if r % 2 == rank % 2)
-    hosts = tuple(r for r in everyone if r % RELEASE_HOST_RANKS == rank % RELEASE_HOST_RANKS)
-    scatter = batch >= TOKEN_SCATTER_BATCH
-    owned = max(1, batch // 4)  # rows a pair of cores owns under token scatter
-    reduce = TWO_LEVEL if batch < RS_FROM_BATCH else RS_AG
-    names = [m for m, _ in actions]
-    first, end = names[0] if names else f"{kind} end", f"{kind} end"
+    return {"pair": (rank, rank ^ 1), "alone": (rank,), "everyone": everyone, "host": host,
+            "host_parity": tuple(r for r in host if r % 2 == rank % 2),
+            "parity": tuple(r for r in everyone if r % 2 == rank % 2),
+            "hosts": tuple(r for r in everyone
+                           if r % RELEASE_HOST_RANKS == rank % RELEASE_HOST_RANKS)}
+
+
+def _owned(batch: int) -> int:
+    """Rows a pair of cores owns under token scatter."""
+    return max(1, batch // 4)
+
+
+def _release_reduction(batch: int) -> str:
+    """The algorithm of the release's routed and shared sums at this batch."""
+    return TWO_LEVEL if batch < RS_FROM_BATCH else RS_AG
+
+
+def _release_attention(kind: str, groups: dict, name: str, op: str, group: str, nbytes: float,
+                       issue: str, wait: str) -> Collective:
+    """One of the attention's collectives among groups[group]: one-shot, the weight stream
+    stopped behind it; a pair's waits for no stand-in."""
+    path = groups[group]
+    return Collective(f"{kind}/{name}", op, path, nbytes, issue, wait, ONE_SHOT,
+                      group=groups["alone"] if len(path) == 2 else None, streams=False)
+
+
+def _release_stream_collectives(lay: layouts.Layout, kind: str, actions, groups: dict,
+                                batch: int, routed: bool) -> list[Collective]:
+    """`release_collectives` at the stage's streamed matrices: the attended features before
+    W_o, the router scores, the MoE's latent and the shared expert's sum."""
+    cfg, n, d, wire = lay.cfg, lay.n_ranks, lay.cfg.d_model, PARTIAL_SUM_BYTES
+    names, end = [m for m, _ in actions], f"{kind} end"
     out = []
-
-    def attention(name, op, group, nbytes, issue, wait, algorithm=ONE_SHOT, **kw):
-        kw.setdefault("group", alone if len(group) == 2 else None)
-        out.append(Collective(f"{kind}/{name}", op, group, nbytes, issue, wait, algorithm,
-                              streams=False, **kw))
-
-    if spec.stage(kind).role == "attention" and scatter:  # the owned rows, normalized, gathered
-        attention("rows_in", "all_gather", host_parity, owned * d * wire, f"{kind} start", first)
     for i, (matrix, nbytes) in enumerate(actions):
         if spec.stage(kind).role == "attention" and matrix.endswith("w_o"):
             before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
-            attention("features", "all_gather", pair, batch * nbytes / d, before, matrix)
+            out.append(_release_attention(kind, groups, "features", "all_gather", "pair",
+                                          batch * nbytes / d, before, matrix))
         if matrix.endswith("w_router"):
-            out.append(Collective("router/scores", "all_gather", pair,
+            out.append(Collective("router/scores", "all_gather", groups["pair"],
                                   batch * sharding.lanes(cfg.n_experts // 2) * F32, matrix,
-                                  matrix, ONE_SHOT, group=alone))
+                                  matrix, ONE_SHOT, group=groups["alone"]))
         if routed and matrix.endswith("w_ld"):
             chunk = LANE * -(-cfg.moe_latent // (n * LANE))  # the padded latent's columns per rank
-            out.append(Collective("latent", "all_gather", everyone, batch * chunk * wire, matrix,
-                                  EXPERTS, ONE_SHOT))
+            out.append(Collective("latent", "all_gather", groups["everyone"],
+                                  batch * chunk * wire, matrix, EXPERTS, ONE_SHOT))
         if routed and matrix.endswith(sharding.SHARED_DOWN):
-            out.append(Collective("shared_sum", "all_reduce", everyone, batch * d * wire, matrix,
-                                  end, reduce))
+            out.append(Collective("shared_sum", "all_reduce", groups["everyone"],
+                                  batch * d * wire, matrix, end, _release_reduction(batch)))
+    return out
+
+
+def _release_output_collectives(lay: layouts.Layout, kind: str, groups: dict, batch: int,
+                                routed: bool) -> list[Collective]:
+    """`release_collectives` at the stage's end: the attention's output (token-scattered from
+    TOKEN_SCATTER_BATCH), the routed sum and W_lu's slices, or the dense FFN's sum."""
+    cfg, d, wire, end = lay.cfg, lay.cfg.d_model, PARTIAL_SUM_BYTES, f"{kind} end"
+    owned, everyone = _owned(batch), groups["everyone"]
+    if spec.stage(kind).role == "attention" and batch >= TOKEN_SCATTER_BATCH:
+        return [_release_attention(kind, groups, name, "all_gather", group, nbytes, end, end)
+                for name, group, nbytes in (
+                    ("scatter", "host_parity", owned * d // 2 * wire),
+                    ("hosts", "hosts", owned * d // 2 * F32),
+                    ("halves", "pair", owned * d // 2 * wire),
+                    ("rows", "host_parity", owned * d * wire))]
     if spec.stage(kind).role == "attention":
-        if scatter:
-            attention("scatter", "all_gather", host_parity, owned * d // 2 * wire, end, end)
-            attention("hosts", "all_gather", hosts, owned * d // 2 * F32, end, end)
-            attention("halves", "all_gather", pair, owned * d // 2 * wire, end, end)
-            attention("rows", "all_gather", host_parity, owned * d * wire, end, end)
-        else:
-            parity = tuple(r for r in everyone if r % 2 == rank % 2)
-            attention("sum", "all_reduce", parity, batch * d // 2 * wire, end, end)
-            attention("halves", "all_gather", pair, batch * d // 2 * wire, end, end)
-    elif routed:
-        out += [Collective(f"{kind}_sum", "all_reduce", everyone, batch * cfg.moe_latent * wire,
-                           end, end, reduce),
-                Collective(f"{kind}/output", "all_gather", host,
-                           (owned if scatter else batch) * RELEASE_LU_COLUMNS * wire, end, end,
-                           ONE_SHOT)]
-    else:
-        out.append(Collective(f"{kind}_sum", "all_reduce", everyone, batch * d * wire, end, end,
-                              TWO_LEVEL))
-    return tuple(out)
+        return [_release_attention(kind, groups, "sum", "all_reduce", "parity",
+                                   batch * d // 2 * wire, end, end),
+                _release_attention(kind, groups, "halves", "all_gather", "pair",
+                                   batch * d // 2 * wire, end, end)]
+    if routed:
+        rows = owned if batch >= TOKEN_SCATTER_BATCH else batch
+        return [Collective(f"{kind}_sum", "all_reduce", everyone, batch * cfg.moe_latent * wire,
+                           end, end, _release_reduction(batch)),
+                Collective(f"{kind}/output", "all_gather", groups["host"],
+                           rows * RELEASE_LU_COLUMNS * wire, end, end, ONE_SHOT)]
+    return [Collective(f"{kind}_sum", "all_reduce", everyone, batch * d * wire, end, end,
+                       TWO_LEVEL)]
 
 
 def release_step_collectives(lay: layouts.Layout, batch: int, wire: int

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -92,61 +93,85 @@ def scale_log(log: Any, recorded: ModelConfig, target: ModelConfig, batch: int,
     target matrix moves in as many (larger) blocks as the recorded one. For `timeline.simulate`.
     """
     events = timeline.events_of(log)
-    rec_bytes, tgt_bytes = _byte_table(recorded, batch), _byte_table(target, batch)
+    scaled = functools.partial(_scaled_event, rec_bytes=_byte_table(recorded, batch),
+                               tgt_bytes=_byte_table(target, batch))
     if unique_experts is None:
         unique_experts = roofline.expected_unique_experts(target.n_experts, target.top_k, batch)
+    bounds = _layer_bounds(events, recorded)
+    stream = weight_stream.make_stream_plan(recorded)
+    first_names = {kind: [e.name for e in stream.entries(kind)]
+                   for kind in dict.fromkeys(recorded.attention_kinds)}
+    out = [scaled(ev) for ev in events[:bounds[0]]]
+    recorded_layers = _source_layers(recorded)
+    for layer in range(target.n_layers):
+        this, after = _kinds(target, layer), (_kinds(target, layer + 1) or (None,))[0]
+        source = recorded_layers.get((this, after), recorded_layers[(this, "any")])
+        rec_after = (_kinds(recorded, source + 1) or (None,))[0]
+        rename = {}
+        if rec_after != after and rec_after and after:  # prefetch the other attention kind
+            rename = dict(zip(first_names[rec_after], first_names[after]))
+        segment = events[bounds[source]:bounds[source + 1]]
+        expert_ratio = _expert_ratio(segment, unique_experts)
+        layer_map = {source: layer, source + 1: layer + 1}
+        for ev in segment:
+            is_next = dict(ev.indices).get("layer") == source + 1
+            out.append(scaled(ev, expert_ratio if ev.name.startswith("expert/") else 1.0,
+                              layer_map, rename if is_next else None))
+    out += [scaled(ev) for ev in events[bounds[-1]:]]
+    return out
+
+
+def _kinds(cfg: ModelConfig, layer: int) -> tuple | None:
+    """(attention kind, FFN kind) of a layer; None past the last."""
+    return cfg.layers[layer] if layer < cfg.n_layers else None
+
+
+def _layer_bounds(events: list, recorded: ModelConfig) -> list[int]:
+    """The index of each recorded layer's first event (its first residual vector's DMA), then of
+    the tail's (the output mix or final norm); ValueError when the log has another layer count."""
     first_vector = residuals.RESIDUALS[recorded.residual].vectors[0]  # loaded first, every layer
     starts = [i for i, e in enumerate(events) if e.kind == "dma_start" and e.name == first_vector]
     tail = next(i for i, e in enumerate(events) if e.name in ("mix_out", "final_norm"))
     if len(starts) != recorded.n_layers:
         raise ValueError(f"log has {len(starts)} layers, recorded={recorded.name!r} has "
                          f"{recorded.n_layers}: pass the config the log was recorded at")
-    bounds = starts + [tail]
+    return starts + [tail]
 
-    def kinds(cfg, layer):  # (attention kind, FFN kind)
-        return cfg.layers[layer] if layer < cfg.n_layers else None
 
-    stream = weight_stream.make_stream_plan(recorded)
-    first_names = {kind: [e.name for e in stream.entries(kind)]
-                   for kind in dict.fromkeys(recorded.attention_kinds)}
-
-    def scaled(ev, ratio_extra=1.0, layer_map=None, rename=None):
-        name = rename.get(ev.name, ev.name) if rename else ev.name
-        base = name.removesuffix("/matmul")  # a streamed block's matmul: FLOPs scale like bytes
-        key_rec = _table_key(ev.name.removesuffix("/matmul"), rec_bytes)
-        key_tgt = _table_key(base, tgt_bytes)
-        ratio = (tgt_bytes[key_tgt] / rec_bytes[key_rec]) if key_rec and key_tgt else 1.0
-        indices = tuple((k, layer_map.get(v, v) if layer_map and k == "layer" else v)
-                        for k, v in ev.indices)
-        if ev.kind.startswith("phase"):
-            factor = ratio if base != name else 1.0
-            return dataclasses.replace(ev, name=name, indices=indices, flops=ev.flops * factor,
-                                       vmem_bytes=round(ev.vmem_bytes * factor))
-        nbytes = round(ev.nbytes * ratio * ratio_extra)
-        return dataclasses.replace(ev, name=name, nbytes=nbytes, indices=indices)
-
-    out = [scaled(ev) for ev in events[:bounds[0]]]
-    recorded_layers = {}
+def _source_layers(recorded: ModelConfig) -> dict[tuple, int]:
+    """The first recorded layer of each (kinds, the next layer's attention kind), and of each
+    (kinds, "any"): the recorded layer that stands for a target layer."""
+    recorded_layers: dict[tuple, int] = {}
     for layer in range(recorded.n_layers):
-        key = (kinds(recorded, layer), (kinds(recorded, layer + 1) or (None,))[0])
+        key = (_kinds(recorded, layer), (_kinds(recorded, layer + 1) or (None,))[0])
         recorded_layers.setdefault(key, layer)
-        recorded_layers.setdefault((kinds(recorded, layer), "any"), layer)
-    for layer in range(target.n_layers):
-        this, after = kinds(target, layer), (kinds(target, layer + 1) or (None,))[0]
-        source = recorded_layers.get((this, after), recorded_layers[(this, "any")])
-        rec_after = (kinds(recorded, source + 1) or (None,))[0]
-        rename = {}
-        if rec_after != after and rec_after and after:  # prefetch the other attention kind
-            rename = dict(zip(first_names[rec_after], first_names[after]))
-        segment = events[bounds[source]:bounds[source + 1]]
-        experts = sum(1 for e in segment
-                      if e.kind == "dma_start" and e.name.startswith("expert/w1/")
-                      and e.name.endswith(("weight", "values", "codes")))
-        expert_ratio = unique_experts / experts if experts else 1.0
-        layer_map = {source: layer, source + 1: layer + 1}
-        for ev in segment:
-            is_next = dict(ev.indices).get("layer") == source + 1
-            out.append(scaled(ev, expert_ratio if ev.name.startswith("expert/") else 1.0,
-                              layer_map, rename if is_next else None))
-    out += [scaled(ev) for ev in events[tail:]]
-    return out
+        recorded_layers.setdefault((_kinds(recorded, layer), "any"), layer)
+    return recorded_layers
+
+
+def _expert_ratio(segment: list, unique_experts: float) -> float:
+    """unique_experts over the routed experts a recorded layer's segment fetched (1 without)."""
+    experts = sum(1 for e in segment
+                  if e.kind == "dma_start" and e.name.startswith("expert/w1/")
+                  and e.name.endswith(("weight", "values", "codes")))
+    return unique_experts / experts if experts else 1.0
+
+
+def _scaled_event(ev: Any, ratio_extra: float = 1.0, layer_map: dict | None = None,
+                  rename: dict | None = None, *, rec_bytes: dict, tgt_bytes: dict) -> Any:
+    """One recorded event at the target's shapes: bytes (or a streamed block's matmul FLOPs) by
+    the ratio of its entry in the two byte tables, x ratio_extra; its layer index mapped and its
+    name renamed, when given."""
+    name = rename.get(ev.name, ev.name) if rename else ev.name
+    base = name.removesuffix("/matmul")  # a streamed block's matmul: FLOPs scale like bytes
+    key_rec = _table_key(ev.name.removesuffix("/matmul"), rec_bytes)
+    key_tgt = _table_key(base, tgt_bytes)
+    ratio = (tgt_bytes[key_tgt] / rec_bytes[key_rec]) if key_rec and key_tgt else 1.0
+    indices = tuple((k, layer_map.get(v, v) if layer_map and k == "layer" else v)
+                    for k, v in ev.indices)
+    if ev.kind.startswith("phase"):
+        factor = ratio if base != name else 1.0
+        return dataclasses.replace(ev, name=name, indices=indices, flops=ev.flops * factor,
+                                   vmem_bytes=round(ev.vmem_bytes * factor))
+    nbytes = round(ev.nbytes * ratio * ratio_extra)
+    return dataclasses.replace(ev, name=name, nbytes=nbytes, indices=indices)

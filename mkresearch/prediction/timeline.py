@@ -395,8 +395,8 @@ class RankSimulation:
         self.next_barrier = 0
         self.total = 0.0
 
-    @staticmethod
-    def _barriers(ops, n_blocks: int, prefetch_across: bool | None) -> list[int]:
+    @classmethod
+    def _barriers(cls, ops, n_blocks: int, prefetch_across: bool | None) -> list[int]:
         """The ring's horizon: the block index of each blocking collective the stream does not
         run past (then the end of the ring). prefetch_across None: each collective's own
         `STREAMS` field (default True); True / False: every blocking collective alike."""
@@ -404,7 +404,7 @@ class RankSimulation:
         for op in ops:
             if isinstance(op, tuple) and op[0] == "blocks":
                 at += op[1]
-            elif RankSimulation._holds_ring(op, prefetch_across):
+            elif cls._holds_ring(op, prefetch_across):
                 out.append(at)
         return out + [n_blocks]
 

@@ -179,84 +179,120 @@ def serve(params: dict, requests: list[trace.Request], cfg: ModelConfig,
     pages.check(cfg)
     requests = check_requests(requests, pages, cfg)
     run_step = _step_function(step)
-    slots = SlotManager(batch)
-    allocator = PageAllocator(pages.n_pages, pages.page_size)
-    state = paged_kv.init_paged_state(cfg, pages, slots.batch)
-    table = np.full((slots.batch, pages.max_pages_per_row), -1, np.int32)  # [B, M]
-    positions = np.full(slots.batch, -1, np.int32)  # [B] the slot of each row's next entry
-    tokens = np.zeros(slots.batch, np.int32)  # [B] each row's last token, fed next
-    by_index = {r.index: r for r in requests}
-    waiting = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
-    result = ServeResult(batch=slots.batch, pages=pages)
+    server = _Server(params, requests, cfg, pages, SlotManager(batch), eos=eos,
+                     trace_seed=trace_seed, chunk=chunk, poison_freed=poison_freed)
     bar = tqdm(total=sum(r.output_len for r in requests), desc=f"{cfg.name} serve",
                unit="token", disable=not progress, leave=False)
-    now = 0
+    while server.waiting or server.slots.occupied:
+        joined, done_at_prefill = server.admit(bar)
+        if not server.slots.occupied:  # idle: the clock jumps to the next arrival
+            if server.waiting:
+                server.now = max(server.now + 1, server.waiting[0].arrival)
+            continue
+        record = server.step(run_step, joined, done_at_prefill, bar)
+        if on_step is not None:
+            on_step(record)
+        server.now += 1
+    bar.close()
+    return server.result
 
-    def leave(request: int, slot: int | None) -> None:
-        nonlocal state
-        freed = allocator.free(request)
-        if poison_freed and freed:
-            state = poison_pages(state, freed, cfg)
-        result.left_at[request] = now
+
+class _Server:
+    """`serve`'s running state: the slots, the page pool, the paged state, each row's page table,
+    position and last token ([B] arrays), the waiting requests, the clock and the result."""
+
+    def __init__(self, params: dict, requests: list[trace.Request], cfg: ModelConfig,
+                 pages: paged_kv.PagedKVConfig, slots: SlotManager, *, eos: int | None,
+                 trace_seed: int, chunk: int, poison_freed: bool) -> None:
+        self.params, self.cfg, self.pages, self.slots = params, cfg, pages, slots
+        self.eos, self.trace_seed, self.chunk = eos, trace_seed, chunk
+        self.poison_freed = poison_freed
+        self.allocator = PageAllocator(pages.n_pages, pages.page_size)
+        self.state = paged_kv.init_paged_state(cfg, pages, slots.batch)
+        self.table = np.full((slots.batch, pages.max_pages_per_row), -1, np.int32)  # [B, M]
+        self.positions = np.full(slots.batch, -1, np.int32)  # [B] the slot of each next entry
+        self.tokens = np.zeros(slots.batch, np.int32)  # [B] each row's last token, fed next
+        self.by_index = {r.index: r for r in requests}
+        self.waiting = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
+        self.result = ServeResult(batch=slots.batch, pages=pages)
+        self.now = 0
+
+    def leave(self, request: int, slot: int | None) -> None:
+        """Free the request's pages (poisoned if asked) and its slot, if it holds one."""
+        freed = self.allocator.free(request)
+        if self.poison_freed and freed:
+            self.state = poison_pages(self.state, freed, self.cfg)
+        self.result.left_at[request] = self.now
         if slot is not None:
-            slots.release(slot)
-            table[slot], positions[slot], tokens[slot] = -1, -1, 0
+            self.slots.release(slot)
+            self.table[slot], self.positions[slot], self.tokens[slot] = -1, -1, 0
 
-    while waiting or slots.occupied:
+    def admit(self, bar: tqdm) -> tuple[list[int], list[int]]:
+        """The arrived requests that fit join in arrival order, each prefilled into a free slot:
+        (the requests that joined, those of them done at their prefill)."""
         joined, done_at_prefill = [], []
-        while waiting and waiting[0].arrival <= now and slots.free_slot() is not None:
-            request = waiting[0]
-            got = allocator.allocate(request.index, request.length)
+        while self.waiting and self.waiting[0].arrival <= self.now \
+                and self.slots.free_slot() is not None:
+            request = self.waiting[0]
+            got = self.allocator.allocate(request.index, request.length)
             if got is None:  # the pool is full: it waits, and the ones behind it
                 break
-            waiting.popleft()
-            slot = slots.free_slot()
-            started = time.perf_counter()
-            last_logits, row_state = prefill_row(params, request, cfg, pages, trace_seed, chunk)
-            table[slot, :len(got)] = got
-            state = paged_kv.insert_row(state, row_state, slot, table[slot].copy(),
-                                        request.prompt_len, cfg, pages)
-            first = draw(last_logits, request, request.prompt_len)
-            jax.block_until_ready(state)
-            result.prefill_seconds += time.perf_counter() - started
-            result.tokens[request.index] = [first]
-            result.slot_of[request.index], result.pages_of[request.index] = slot, got
-            result.joined_at[request.index] = now
+            self.waiting.popleft()
+            slot = self.slots.free_slot()
+            first = self.prefill(request, slot, got)
             joined.append(request.index)
             bar.update()
-            if request.output_len == 1 or first == eos:  # done at its prefill: no step
-                table[slot] = -1
-                leave(request.index, None)
+            if request.output_len == 1 or first == self.eos:  # done at its prefill: no step
+                self.table[slot] = -1
+                self.leave(request.index, None)
                 done_at_prefill.append(request.index)
                 continue
-            slots.take(slot, request.index)
-            positions[slot], tokens[slot] = request.prompt_len, first
-        if not slots.occupied:  # idle: the clock jumps to the next arrival
-            if waiting:
-                now = max(now + 1, waiting[0].arrival)
-            continue
+            self.slots.take(slot, request.index)
+            self.positions[slot], self.tokens[slot] = request.prompt_len, first
+        return joined, done_at_prefill
+
+    def prefill(self, request: trace.Request, slot: int, got: list[int]) -> int:
+        """The request's prompt prefilled alone and written into its pages and slot: its first
+        token, drawn from the prefill's last logits."""
+        result, started = self.result, time.perf_counter()
+        last_logits, row_state = prefill_row(self.params, request, self.cfg, self.pages,
+                                             self.trace_seed, self.chunk)
+        self.table[slot, :len(got)] = got
+        self.state = paged_kv.insert_row(self.state, row_state, slot, self.table[slot].copy(),
+                                         request.prompt_len, self.cfg, self.pages)
+        first = draw(last_logits, request, request.prompt_len)
+        jax.block_until_ready(self.state)
+        result.prefill_seconds += time.perf_counter() - started
+        result.tokens[request.index] = [first]
+        result.slot_of[request.index], result.pages_of[request.index] = slot, got
+        result.joined_at[request.index] = self.now
+        return first
+
+    def step(self, run_step: Callable, joined: list[int], done_at_prefill: list[int],
+             bar: tqdm) -> StepRecord:
+        """One paged decode step over every slot, each row's next token drawn, the rows done
+        leaving: its StepRecord, appended to the result."""
         started = time.perf_counter()
         # copies: the arrays below change after the step, and a step may read its inputs late
-        logits, state = run_step(params, state, tokens.copy(), positions.copy(), table.copy(),
-                                 cfg, pages)
+        logits, self.state = run_step(self.params, self.state, self.tokens.copy(),
+                                      self.positions.copy(), self.table.copy(), self.cfg,
+                                      self.pages)
         logits = np.asarray(logits)  # [B, V]
         seconds = time.perf_counter() - started
-        held, owner = [int(r) for r in slots.requests], [int(o) for o in allocator.owner]
-        left, lengths = list(done_at_prefill), [int(n) for n in np.maximum(positions + 1, 0)]
-        for slot in slots.active():
-            request = by_index[int(slots.requests[slot])]
-            token = draw(logits[slot], request, int(positions[slot]) + 1)
-            result.tokens[request.index].append(token)
+        held, owner = [int(r) for r in self.slots.requests], [int(o) for o in self.allocator.owner]
+        left = list(done_at_prefill)
+        lengths = [int(n) for n in np.maximum(self.positions + 1, 0)]
+        for slot in self.slots.active():
+            request = self.by_index[int(self.slots.requests[slot])]
+            token = draw(logits[slot], request, int(self.positions[slot]) + 1)
+            self.result.tokens[request.index].append(token)
             bar.update()
-            positions[slot] += 1
-            tokens[slot] = token
-            if len(result.tokens[request.index]) == request.output_len or token == eos:
+            self.positions[slot] += 1
+            self.tokens[slot] = token
+            if len(self.result.tokens[request.index]) == request.output_len or token == self.eos:
                 left.append(request.index)
-                leave(request.index, slot)
-        result.steps.append(StepRecord(step=now, slots=held, lengths=lengths, page_owner=owner,
-                                       joined=joined, left=left, seconds=seconds))
-        if on_step is not None:
-            on_step(result.steps[-1])
-        now += 1
-    bar.close()
-    return result
+                self.leave(request.index, slot)
+        self.result.steps.append(StepRecord(step=self.now, slots=held, lengths=lengths,
+                                            page_owner=owner, joined=joined, left=left,
+                                            seconds=seconds))
+        return self.result.steps[-1]

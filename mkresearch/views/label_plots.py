@@ -30,7 +30,9 @@ def drawn_texts(fig) -> list[tuple[str, object]]:
         if text is not None and text.get_visible() and text.get_text().strip():
             texts.append((f"{name} {text.get_text()!r}", text))
 
-    add("suptitle", fig._suptitle)
+    suptitle = fig.get_suptitle()  # its Text is one of the figure's texts: the first of them
+    for text in [t for t in fig.texts if suptitle and t.get_text() == suptitle][:1]:
+        add("suptitle", text)
     for text in fig.texts:
         add("figure text", text)
     for legend in fig.legends:
@@ -40,14 +42,17 @@ def drawn_texts(fig) -> list[tuple[str, object]]:
         if not ax.get_visible():
             continue
         where = f"axes {i}"
-        for title in (ax.title, ax._left_title, ax._right_title):
+        for title in _titles(ax):
             add(f"{where} title", title)
         for axis, letter in ((ax.xaxis, "x"), (ax.yaxis, "y")):
             if not axis.get_visible():
                 continue
             add(f"{where} {letter}-label", axis.label)
             add(f"{where} {letter} offset", axis.get_offset_text())
-            for tick in axis._update_ticks():  # the ticks it draws: inside the view only
+            # the ticks it draws: inside the view only. matplotlib's one private name here: no
+            # public call says which ticks are drawn (get_ticklabels returns every Tick the axis
+            # keeps, outside the view too)
+            for tick in axis._update_ticks():
                 add(f"{where} {letter}-tick", tick.label1)
                 add(f"{where} {letter}-tick", tick.label2)
         for text in ax.texts:
@@ -58,6 +63,16 @@ def drawn_texts(fig) -> list[tuple[str, object]]:
             for text in legend.get_texts():
                 add(f"{where} legend", text)
     return texts
+
+
+def _titles(ax) -> list:
+    """The axes' three title Texts (center, left, right): its children that are Texts and not
+    among its own texts (matplotlib's public calls give a title's string, not its Text)."""
+    from matplotlib.text import Text
+
+    texts = set(ax.texts)
+    return [child for child in ax.get_children()
+            if isinstance(child, Text) and child not in texts]
 
 
 def _renderer(fig):

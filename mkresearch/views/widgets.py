@@ -286,8 +286,8 @@ class FigureExplorer:
 
 def figure_title(fig) -> str:
     """A figure's title: its suptitle, else its axes' titles joined."""
-    if fig._suptitle is not None and fig._suptitle.get_text():
-        return fig._suptitle.get_text()
+    if suptitle := fig.get_suptitle():
+        return suptitle
     return "; ".join(t for ax in fig.axes if (t := ax.get_title()))
 
 
