@@ -381,8 +381,8 @@ def test_no_module_uses_another_modules_private_names():
     ("from mkresearch.hardware import _fast_interpret\n", "import _fast_interpret"),
     ("from mkresearch.cli import bench\nbench._time_steps(f, 3)\n", "bench._time_steps"),
     ("import mkresearch.hardware\nmkresearch.hardware._flag\n", "mkresearch.hardware._flag"),
-    ("from mkresearch.prediction.timeline import RankSimulation\n"
-     "RankSimulation._holds_ring(op, None)\n", "RankSimulation._holds_ring"),
+    (("from mkresearch.prediction.timeline import RankSimulation\n"
+      "RankSimulation._holds_ring(op, None)\n"), "RankSimulation._holds_ring"),
     ("def f():\n    import numpy as np\n    return np._NoValue\n", "np._NoValue"),
 ])
 def test_the_private_name_checker_finds(source, expected):
