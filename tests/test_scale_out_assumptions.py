@@ -142,6 +142,3 @@ def test_predict_json_exposes_every_assumption_of_both_sides(capsys):
 def test_the_schedule_refuses_an_unknown_expert_order():
     with pytest.raises(ValueError, match="Schedule.expert_order='soon' is invalid"):
         dataclasses.replace(scale_out.RELEASE_SCHEDULE, expert_order="soon")
-    with pytest.raises(ValueError, match="expert_reads='soon' is invalid"):
-        scale_out.sharding.ShardingPlan(layouts.layout(get_config("kimi-k3-mini"), 2), 1, "f32",
-                                        (), expert_reads="soon")

@@ -50,12 +50,6 @@ from mkresearch.sharding import layout as layouts
 ONE_SHOT, TWO_LEVEL, RS_AG = "one-shot", "two-level", "rs-ag"  # a reduction's algorithms
 REDUCTION_ALGORITHMS = (ONE_SHOT, TWO_LEVEL, RS_AG)  # the default first
 WIRES = ("f32", "bf16")
-# How a rank's routed-expert reads, issued once routing is known, meet the global weight ring's
-# blocks already in flight (`ShardingPlan.expert_reads`, what the prediction prices,
-# `prediction.timeline.FETCH_ORDERS`): "queued" behind them in issue order (the kernel's
-# default), or "first", ahead of those not yet moving (the kernel with
-# `MegakernelOptions.expert_reads_first`)
-EXPERT_READS = ("queued", "first")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 SCATTER_REASON = ("one-phase reduce-scatter (restructured): each rank receives only the sum of "
                   "its latent chunk, the one W_lu's rows need")
@@ -298,12 +292,6 @@ class ShardingPlan:
     reductions: tuple[Reduction, ...]
     ranks_per_host: int = 0  # consecutive ranks of a host (every reduction adds theirs first); 0: all
     chip: str | None = None  # whose slice chose the algorithms (None: every reduction one-shot)
-    expert_reads: str = EXPERT_READS[0]  # one of EXPERT_READS
-
-    def __post_init__(self) -> None:
-        if self.expert_reads not in EXPERT_READS:
-            raise ValueError(f"expert_reads={self.expert_reads!r} is invalid: one of "
-                             f"{EXPERT_READS}")
 
     @property
     def rules(self) -> tuple[Rule, ...]:

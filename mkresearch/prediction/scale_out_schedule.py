@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.base import quant
 from mkresearch.kernels.compose import megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
-from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import designs, program
-from mkresearch.prediction.timeline import FETCH_ORDERS
+from mkresearch.prediction.timeline import FETCH_ORDERS, FIRST, QUEUED
 from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
@@ -57,7 +55,8 @@ class Schedule:
     # costs the MXU (`program.expert_mix`)
     mxu_fp8: bool = False
     # how the routed experts' reads meet the ring's blocks already issued
-    # (`timeline.FETCH_ORDERS`): ours, its sharding plan's `expert_reads`; the release's "held"
+    # (`timeline.FETCH_ORDERS`): ours, its kernel's `MegakernelOptions.expert_reads_first`; the
+    # release's "held"
     expert_order: str = "queued"
     # ours: designs beyond the kernel's defaults, priced as changes to its program (`designs.DESIGNS`)
     designs: tuple[str, ...] = ()
@@ -108,17 +107,16 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
     if collectives not in layouts.COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
-    sent = sharding.sharding_plan(lay, batch, "f32", chip)
+    options = megakernel_sharded.kernel_options(lay, batch, chip)  # what the CLI builds
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
-        if n_ranks == 1 else megakernel_sharded.ring_depth(
-            lay, batch, options=megakernel_sharded.kernel_options(lay, batch, chip))
+        if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch, options=options)
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
-                    expert_slots=MegakernelOptions().expert_slots, combine=collectives,
+                    expert_slots=options.expert_slots, combine=collectives,
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
-                    collectives=collectives, ring=ring.describe(), reductions=sent.algorithms,
-                    ranks_per_host=sent.ranks_per_host, mxu_fp8=quant.MXU_TAKES_FP8,
-                    expert_order=sent.expert_reads)
+                    collectives=collectives, ring=ring.describe(), reductions=options.reductions,
+                    ranks_per_host=options.ranks_per_host, mxu_fp8=quant.MXU_TAKES_FP8,
+                    expert_order=FIRST if options.expert_reads_first else QUEUED)
 
 
 SCHEDULES = ("release", "ours")
