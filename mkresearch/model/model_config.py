@@ -20,6 +20,7 @@ values and are ignored (e.g. the KDA fields of a GQA model).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -140,12 +141,15 @@ class ModelConfig:
         validate(self)
 
     # ---- the layers: (attention kind, FFN kind) each ---------------------------------------
-    @property
+    # Cached per config (functools.cached_property writes the instance's __dict__, which a frozen
+    # dataclass allows; fields, eq, hash and repr are untouched): the schedule's dry run and its
+    # checks ask for them hundreds of thousands of times on a full-size preset.
+    @functools.cached_property
     def layers(self) -> tuple[tuple[str, str], ...]:
         """(attention kind, FFN kind) of every layer, from the `attention` and `ffn` patterns."""
         return tuple(zip(self.attention_kinds, self.ffn_kinds))
 
-    @property
+    @functools.cached_property
     def attention_kinds(self) -> tuple[str, ...]:
         if self.attention != KIMI_ATTENTION:
             return (self.attention,) * self.n_layers
@@ -154,7 +158,7 @@ class ModelConfig:
             mla.add(self.n_layers - 1)
         return tuple("mla" if layer in mla else "kda" for layer in range(self.n_layers))
 
-    @property
+    @functools.cached_property
     def ffn_kinds(self) -> tuple[str, ...]:
         """One kind for every layer, or "dense+<kind>" (Kimi K3's "dense+moe"): dense in the
         first n_dense_layers, <kind> after."""
@@ -164,7 +168,7 @@ class ModelConfig:
         return tuple("dense" if layer < self.n_dense_layers else after
                      for layer in range(self.n_layers))
 
-    @property
+    @functools.cached_property
     def kinds(self) -> tuple[str, ...]:
         """The stage kinds the model uses, attention kinds first, each once, in layer order."""
         return tuple(dict.fromkeys(self.attention_kinds + self.ffn_kinds))

@@ -7,7 +7,8 @@ Each case checks: every rank chose the same tokens and holds the same logits; th
 and every rank's state slice EQUAL the sharded reference's to the bit; against the single-device
 reference, the partial-sum claim (`reference_sharded.within_claim`: within SAME_ROUTING_BOUND
 [wire] where the row's routing is the single device's; over many seeds: tests/
-test_partial_sum_claim.py). The fast set runs Kimi K3's mini
+test_partial_sum_claim.py). The fast set runs Kimi K3's mini (its first 4 layers:
+test_sharded_decode.FIRST_4_LAYERS, every kind of layer and of sublayer boundary)
 at B = 3 with greedy and sampled rows; the exhaustive tier adds a row alone (its logits equal to the same
 row in the batch), a second run (the same bits), the other family (DeepSeek-V3's mini) and the
 bf16 wire (each another interpret-mode step of ~0.5-2 min here).
@@ -32,6 +33,9 @@ from mkresearch.kernels.stages import gate_up
 from mkresearch.measurement import collective_overlap
 from mkresearch.model import config, reference, weights
 from mkresearch.sharding import layout, layout_bytes, layout_split, reference_sharded
+
+# the fast cases' model: kimi-k3-mini's first 4 layers (test_sharded_decode.FIRST_4_LAYERS)
+KIMI_4L = test_sharded_decode.FIRST_4_LAYERS
 
 N_RANKS = 8
 PROMPT_LEN = 20
@@ -58,8 +62,9 @@ def options_for(lay, levels):
 
 def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM):
     """(params, layout, plan, mesh, prepared weights, prefilled state, tokens, positions);
-    mode: a partial-sum mode (`layout.PARTIAL_SUM_MODES`)."""
-    cfg = config.get_config(model)
+    model: a preset's name or a ModelConfig; mode: a partial-sum mode
+    (`layout.PARTIAL_SUM_MODES`)."""
+    cfg = config.get_config(model) if isinstance(model, str) else model
     key = (model, batch, wire, levels, mode)
     if key not in _cache:
         params = _cache.setdefault(model, weights.init_params(cfg, 0))
@@ -114,7 +119,7 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False, le
     routing = reference_sharded.routing_differs(want_aux["expert_ids"], single_aux["expert_ids"])
     how = (f", reductions {dict(plan.mega.options.reductions)} on hosts of "
            f"{plan.mega.options.ranks_per_host} ranks" if levels else "")
-    print(f"{model} {mode} on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
+    print(f"{lay.cfg.name} {mode} on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
           f"states equal to the sharded reference's to the bit, identical on every rank; max "
           f"|logit diff| vs the single-device reference {diff:.3g} (rows whose routing differs: "
           f"{int(routing.sum())}; bound where it does not "
@@ -130,10 +135,10 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     """The fast case, recorded, with every reduction algorithm on two simulated hosts (LEVELS):
     every rank's remote copies are the step's collectives (`collective_ops`, which the
     prediction reads), collective by collective and level by level."""
-    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, levels=True)
-    _, lay, plan = setup("kimi-k3-mini", 3, levels=True)[:3]
+    _, _, log = step(KIMI_4L, 3, temperature=MIXED, record=True, levels=True)
+    _, lay, plan = setup(KIMI_4L, 3, levels=True)[:3]
     options = plan.mega.options
-    expert_ids = routed_expert_ids("kimi-k3-mini", 3)
+    expert_ids = routed_expert_ids(KIMI_4L, 3)
     count = schedule_check.check(log, lay, 3, expert_ids, options)
     ops = schedule_check.ops_of(lay, 3, options.reductions, 0,
                                 schedule_check.expert_counts(lay, expert_ids, 0))
@@ -269,8 +274,8 @@ def test_restructured_kimi_b3_greedy_and_sampled_rows(race_checked):
     experts' sum, the norm's scale after it) equals its sharded reference to the bit, on every
     rank; recorded: ρ's only remote copies are its reduce-scatter's, one message per peer, and
     W_lu has no collective of its own (its partial sums ride in the shared experts' messages)."""
-    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, mode=RESTRUCTURED)
-    cfg = config.get_config("kimi-k3-mini")
+    _, _, log = step(KIMI_4L, 3, temperature=MIXED, record=True, mode=RESTRUCTURED)
+    cfg = KIMI_4L
     for rank in range(N_RANKS):
         names = [e.name for e in log.of_rank(rank).events if e.kind == "dma_start" and e.remote]
         rho = [n for n in names if n.startswith("expert/sum")]

@@ -16,8 +16,9 @@ Each step starts from the single-device megakernel's state and token (teacher-fo
 
 Interpret-mode time per sharded step (2 CPU cores, race detector on) grows with the ranks (the
 simulator runs every device's memory operations behind one lock): measured in the report lines.
-The fast set (in `make test`) runs one step on 8 ranks with every check; the whole matrix of the
-issue (16 steps x B in {1, 3, 4} x {2, 4, 8} ranks, greedy and sampled) is opt-in.
+The fast set (in `make test`) runs one step on 8 ranks with every check, on the mini's first 4
+layers (FIRST_4_LAYERS); the whole matrix of the issue (16 steps x B in {1, 3, 4} x {2, 4, 8}
+ranks, greedy and sampled, the whole mini) is opt-in.
 """
 
 import contextlib
@@ -41,6 +42,13 @@ from mkresearch.model import config, reference, sampling, spec, weights
 from mkresearch.sharding import layout, layout_bytes
 
 MINI = config.get_config("kimi-k3-mini")
+# The 8-rank steps of `make test` (here and in test_partial_sum.py) run kimi-k3-mini's first 4
+# layers: KDA + dense, KDA + MoE, KDA + MoE, MLA + MoE, the last one MLA as in the whole mini (7
+# layers: KDA 0-2 and 4-5, MLA 3 and 6). Every kind of layer and every boundary a sublayer's
+# collective overlaps in the whole mini (dense -> KDA, MoE -> KDA, MoE -> MLA) and an
+# attention-residual block boundary (blocks of 3) are in it; layers 4-6 repeat those, and each
+# layer costs ~1/7 of an 8-rank step's interpret-mode time. The whole matrix runs the whole mini.
+FIRST_4_LAYERS = MINI.replace(name="kimi-k3-mini-4l", n_layers=4)
 LOGIT_TOL = 5e-2
 PROMPT_LEN = 20  # prefilled by the reference: the steps cross the KV tile boundary at 32
 SEED = 7
@@ -51,6 +59,11 @@ _prepared: dict = {}
 @pytest.fixture(scope="module")
 def params():
     return weights.init_params(MINI, 0)
+
+
+@pytest.fixture(scope="module")
+def params_4_layers():
+    return weights.init_params(FIRST_4_LAYERS, 0)
 
 
 def prefilled(params, batch, cfg=MINI, prompt_seed=0, prompt_len=PROMPT_LEN):
@@ -160,18 +173,19 @@ def show(label, report):
 
 
 # ---- the fast set (run by `make test`: one step, 8 ranks, every check) ------------------------
-def test_8_ranks_sampled_bytes_and_overlap(race_checked, params):
-    """8 ranks as EP 4 x ETP 2 (an expert's W1/W3 hidden and W2 latent columns split over 2
+def test_8_ranks_sampled_bytes_and_overlap(race_checked, params_4_layers):
+    """The mini's first 4 layers (FIRST_4_LAYERS) on 8 ranks as EP 4 x ETP 2 (an expert's W1/W3 hidden and W2 latent columns split over 2
     ranks), the 2 heads on 4 ranks each; temperature, greedy and top-p rows in one batch (the
     token is the unsharded one for the same seed: the vocab shards' sampling states merged
     exactly); recorded: each rank's DMA'd HBM bytes per component equal the layout's, every remote
     copy carries its source and destination rank, and the next stage's weight blocks are in
     flight while each sublayer's collective runs."""
     sample = {"temperature": [0.8, None, 1.0], "top_p": [1.0, 1.0, 0.9]}
-    report, recorded = run(params, 8, 3, 1, etp=2, sample=sample, record=True)
+    cfg = FIRST_4_LAYERS
+    report, recorded = run(params_4_layers, 8, 3, 1, etp=2, sample=sample, record=True, cfg=cfg)
     show("8 ranks, sampled", report)
     assert report["pallas_calls"] == 1  # traced here: one pallas_call per rank and step
-    lay = layout.layout(MINI, 8, etp=2)
+    lay = layout.layout(cfg, 8, etp=2)
     check_bytes(lay, 3, recorded[0], report["expert_ids"])
     check_remote_copies(recorded[0], lay)
     check_overlap(recorded[0], lay)
@@ -208,7 +222,7 @@ def check_bytes(lay, batch, log, expert_ids):
     (in partial-sum mode without the slices of padding it skips); expert_ids [n_moe, B, k]: the
     step's routing (the reference's)."""
     per_expert = rank_expert_bytes(lay)
-    local = MINI.n_experts // lay.ep
+    local = lay.cfg.n_experts // lay.ep
     norms = widened_norm_bytes(lay)
     for rank in log.ranks:
         counted = layout_bytes.rank_bytes(lay, batch, rank=rank)
@@ -277,7 +291,7 @@ def check_overlap(log, lay):
             matrix = e.name[:-len("/all_gather")]
             if matrix in ("kda.w_o", "mla.w_o"):
                 names, target = ffn_first, layer
-            elif matrix in ("shared/w_down", "dense/w_down") and layer + 1 < MINI.n_layers:
+            elif matrix in ("shared/w_down", "dense/w_down") and layer + 1 < lay.cfg.n_layers:
                 names, target = attention_first, layer + 1
             else:
                 continue
@@ -291,4 +305,4 @@ def check_overlap(log, lay):
             checked += 1
     print(f"overlap: {checked} sublayer-output all-gathers (every rank), each with the next "
           "stage's first weight blocks in flight")
-    assert checked == lay.n_ranks * (2 * MINI.n_layers - 1)
+    assert checked == lay.n_ranks * (2 * lay.cfg.n_layers - 1)
