@@ -102,3 +102,16 @@ def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way(capsys):
             "two-level, kda.w_o/sum rs-ag") in out
     assert " expert/sum                         all-reduce all 32              14336  1 two-level" \
         in out
+
+
+def test_restructured_w_lu_rides_the_reduction_its_parameter_names():
+    """W_lu's partial sums travel beside the reduction `Param.beside` names (the shared experts'
+    W_down), which the sharded reference reads too; a latent MoE without it is refused by name."""
+    cfg = get_config("kimi-k3-mini")
+    lay = layouts.layout(cfg, 8, layouts.OURS, collectives=layouts.RESTRUCTURED)
+    beside = {r.name: r.beside for r in sharding.collective_rules(lay) if r.beside}
+    assert beside == {"latent/w_lu": sharding.SHARED_DOWN}
+    alone = layouts.layout(cfg.replace(n_shared_experts=0), 8, layouts.OURS,
+                           collectives=layouts.RESTRUCTURED)
+    with pytest.raises(ValueError, match="latent/w_lu has no later reduction of w_sd"):
+        sharding.collective_rules(alone)

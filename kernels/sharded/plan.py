@@ -118,7 +118,8 @@ def collective_rules(lay: layouts.Layout) -> tuple[Rule, ...]:
     for kind in cfg.kinds:
         first = len(rules)
         params = spec.stage(kind).params(cfg)
-        for m in registry.kernel_stage(kind).streamed(cfg):
+        streamed = registry.kernel_stage(kind).streamed(cfg)
+        for m in streamed:
             rule = _rule(lay, m, params[m.key])
             if rule is not None:
                 rules.append(rule)
@@ -126,7 +127,7 @@ def collective_rules(lay: layouts.Layout) -> tuple[Rule, ...]:
         if lay.partial_sums:
             rules[first:] = _joining(rules[first:])
         if lay.collectives == layouts.RESTRUCTURED:
-            rules[first:] = _beside(rules[first:], kind)
+            rules[first:] = _beside(rules[first:], kind, streamed, params)
         if layouts.merges_shared_sum(lay, kind):  # the routed experts' sum joins W_sd's
             rules[first:] = [dataclasses.replace(r, adds=ROUTED_OUTPUT) if r.name == SHARED_DOWN
                              else r for r in rules[first:]]
@@ -171,20 +172,24 @@ def _riding(rules: list[Rule]) -> list[Rule]:
     return out
 
 
-def _beside(rules: list[Rule], kind: str) -> list[Rule]:
+def _beside(rules: list[Rule], kind: str, streamed: tuple, params: dict) -> list[Rule]:
     """Restructured: one stage's rules with each matrix split by its scattered rows (W_lu)
-    beside the stage's next reduction (`Rule.beside`). ValueError for a stage without one
-    after it (a latent MoE without shared experts: its scale would need a reduction of its
-    own), or whose reduction does not add every rank holding a slice of it."""
+    beside the later reduction its parameter names (`Param.beside`, the model's choice:
+    `Rule.beside`). ValueError for a stage without that reduction after it (a latent MoE
+    without shared experts: its scale would need a reduction of its own)."""
+    key_of = {m.name: m.key for m in streamed}
+    name_of = {m.key: m.name for m in streamed}
     out = list(rules)
     for i, rule in enumerate(out):
-        if rule.name not in RIDERS or rule.reduce is None:
+        wanted = params[key_of[rule.name]].beside
+        if wanted is None or rule.reduce is None:
             continue
-        later = next((r for r in out[i + 1:] if r.reduce is not None), None)
+        later = next((r for r in out[i + 1:]
+                      if r.reduce is not None and r.name == name_of.get(wanted)), None)
         if later is None:
             raise ValueError(f"collectives='restructured' is invalid for the {kind!r} stage: "
-                             f"{rule.name} has no later reduction to travel beside (a latent MoE "
-                             "needs shared experts for it); use 'partial-sum'")
+                             f"{rule.name} has no later reduction of {wanted} to travel beside "
+                             "(a latent MoE needs shared experts for it); use 'partial-sum'")
         out[i] = dataclasses.replace(rule, beside=later.name)
     return out
 

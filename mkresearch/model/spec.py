@@ -77,6 +77,9 @@ class Param:
     a hidden slice), that group: the kernel all-gathers the input before multiplying.
     scattered: in the restructured collectives mode, the group its input arrives reduce-scattered
     by (W_lu: ρ's latent chunks): its rows split by that group, its products partial sums.
+    beside: with `scattered`, the key of the stage's parameter whose reduction its partial sums
+    (and the sums of squares of its input's chunks) travel beside, in the order that reduction
+    adds the ranks: the kernel's rules (`Rule.beside`) and the sharded reference both read it.
     """
 
     shape: tuple[int, ...]
@@ -86,6 +89,7 @@ class Param:
     shard: tuple[tuple[int, str], ...] | None = None
     gather: str | None = None
     scattered: str | None = None
+    beside: str | None = None
 
     def stacked(self, count: int, by: str | None = None) -> Param:
         """The same parameter for `count` layers (or experts: `by` the group that splits the new
@@ -95,15 +99,15 @@ class Param:
             shard = tuple((axis + 1, group) for axis, group in shard)
             shard = (split(0, by) + shard) if by is not None else shard
         return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard,
-                     self.gather, self.scattered)
+                     self.gather, self.scattered, self.beside)
 
 
 def matrix(n_in: int, n_out: int, *, quantized: bool = False,
            shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None,
-           scattered: str | None = None) -> Param:
+           scattered: str | None = None, beside: str | None = None) -> Param:
     """A [in, out] bf16 matrix ~ N(0, 1/in): every projection keeps an O(1) RMS."""
     return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather,
-                 scattered)
+                 scattered, beside)
 
 
 def norm(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Param:

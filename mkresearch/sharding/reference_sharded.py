@@ -146,10 +146,10 @@ def _scattered(lay: layouts.Layout, p: spec.Param) -> bool:
 def _normed_rows(lay: layouts.Layout, w: Any, p: spec.Param, entries: dict, wire: str,
                  per_host: int) -> NormedRows:
     """W_lu [..., Lat, N] as each rank's latent rows, in the order the reduction it travels
-    beside adds the ranks (the stage's shared experts' W_down: one rank per slice of its group,
-    `kernels.sharded.plan.Rule.beside`)."""
+    beside adds the ranks (`Param.beside`, the stage's shared experts' W_down: one rank per slice
+    of its group, as the kernel's `kernels.sharded.plan.Rule.beside`)."""
     pieces, bounds, hosts = _row_pieces(lay, w, p, p.scattered,
-                                        lay.slice_firsts(entries["w_sd"].gather), per_host)
+                                        lay.slice_firsts(entries[p.beside].gather), per_host)
     return NormedRows(pieces, bounds, wire, hosts)
 
 

@@ -63,8 +63,9 @@ def moe_params(cfg: ModelConfig) -> dict[str, Any]:
                                   shard=spec.REPLICATED),
         "w_ld": spec.matrix(d, latent, shard=spec.split(1, spec.MOE_LATENT)),
         "latent_norm": spec.norm((latent,), jnp.float32),
+        # restructured: its partial sums ride in the shared experts' W_down reduction
         "w_lu": spec.matrix(latent, d, shard=spec.split(1, spec.MODEL_COLS),
-                            scattered=spec.MOE_LATENT),
+                            scattered=spec.MOE_LATENT, beside="w_sd"),
         "experts": {"w1": expert(latent, hidden), "w3": expert(latent, hidden),
                     "w2": expert(hidden, latent, gather=spec.EXPERT_TP)},
     }
