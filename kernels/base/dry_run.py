@@ -130,23 +130,35 @@ def trace_kernel(fn: Any, *args: Any, axis_env: tuple = ()) -> Kernel:
     size),) of a kernel that runs on one rank of a mesh (`lax.axis_index`: the run's rank)."""
     _tracing.append(True)
     try:
-        closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
+        return Kernel(kernel_program(fn, *args, axis_env=axis_env))
     finally:
         _tracing.pop()
+
+
+def kernel_program(fn: Any, *args: Any, axis_env: tuple = ()) -> core.Jaxpr:
+    """The program (a jaxpr over Refs) of the one `pallas_call` that fn(*args) makes, traced on
+    shapes as it is compiled (no planned events: `trace_kernel` adds them)."""
+    closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
     calls = [eqn for eqn in _eqns(closed.jaxpr) if eqn.primitive.name == "pallas_call"]
     if len(calls) != 1:
-        raise ValueError(f"a dry run needs exactly one pallas_call, the traced function made "
+        raise ValueError(f"a kernel program needs exactly one pallas_call, the traced function made "
                          f"{len(calls)}")
-    return Kernel(calls[0].params["jaxpr"])
+    return calls[0].params["jaxpr"]
+
+
+def sub_jaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    """The programs an equation runs inside it (a loop's body, a branch, a scope)."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (core.ClosedJaxpr, core.Jaxpr)):
+                yield getattr(item, "jaxpr", item)
 
 
 def _eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
     for eqn in jaxpr.eqns:
         yield eqn
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(item, (core.ClosedJaxpr, core.Jaxpr)):
-                    yield from _eqns(getattr(item, "jaxpr", item))
+        for sub in sub_jaxprs(eqn):
+            yield from _eqns(sub)
 
 
 def run(kernel: Kernel, inputs: dict[int, Any], given: dict | None = None,

@@ -31,26 +31,16 @@ import jax.numpy as jnp
 from jax._src import core, source_info_util
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, registry, weight_stream
+from mkresearch.kernels.base import blocks, dma, dry_run, registry, weight_stream
 from mkresearch.kernels.sharded import collectives
 
 from mkresearch.model import reference, spec, weights
 from mkresearch.model.config import ModelConfig
+from mkresearch.sharding import layout as layouts
 
 
 def _is_vmem(aval: Any) -> bool:
     return str(getattr(aval, "memory_space", "")).lower() == "vmem"
-
-
-def _sub_jaxprs(eqn: core.JaxprEqn) -> list[core.Jaxpr]:
-    out = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, core.ClosedJaxpr):
-                out.append(item.jaxpr)
-            elif isinstance(item, core.Jaxpr):
-                out.append(item)
-    return out
 
 
 def _names(eqn: core.JaxprEqn) -> list[str]:
@@ -80,7 +70,7 @@ def peak(jaxpr: core.Jaxpr) -> tuple[int, tuple]:
             sub_bytes, sub = peak(inner)
             candidate = (own_bytes + sub_bytes, own + sub)
         else:
-            candidate = max((peak(sub) for sub in _sub_jaxprs(eqn)), key=lambda p: p[0],
+            candidate = max((peak(sub) for sub in dry_run.sub_jaxprs(eqn)), key=lambda p: p[0],
                             default=(0, ()))
         if candidate[0] > best[0]:
             best = candidate
@@ -100,7 +90,6 @@ def _shapes(kind: str, cfg: ModelConfig, batch: int, seq_len: int, shard: Any) -
         params = weights.param_shapes(cfg)[kind]
         state = jax.eval_shape(lambda: reference.init_state(cfg, batch, seq_len))
     else:
-        from mkresearch.sharding import layout as layouts  # noqa: PLC0415 - sharded builds only
         params = layouts.rank_param_shapes(shard.layout)[kind]
         state = layouts.rank_state_shapes(shard.layout, batch, seq_len)
     return (_layer(jax.eval_shape(lambda p: stage.prepare(p, cfg), params)),
@@ -144,10 +133,8 @@ def trace_body(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,
         out_specs=(vmem, jax.tree.map(lambda _: hbm, state), jax.tree.map(lambda _: hbm, steps)),
         scratch_shapes=scratch + shard_scratch)
     axis_env = [] if shard is None else [(collectives.AXIS, shard.n_ranks)]
-    closed = jax.make_jaxpr(call, axis_env=axis_env)(
-        jax.ShapeDtypeStruct((batch,), jnp.int32), x, w, state)
-    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    return eqn.params["jaxpr"]
+    return dry_run.kernel_program(call, jax.ShapeDtypeStruct((batch,), jnp.int32), x, w, state,
+                                  axis_env=tuple(axis_env))
 
 
 def stage_vmem(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,
