@@ -142,8 +142,7 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     from tqdm import tqdm
 
     params = weights.init_params(cfg, seed)
-    prompt = jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0, cfg.vocab_size,
-                                dtype=jnp.int32)  # [B, T]
+    prompt = bench.random_prompt(cfg, batch, prompt_len, seed)  # [B, T]
     step = functools.partial(reference.decode_step, cfg=cfg)  # jitted inside, cfg static
     state = reference.init_state(cfg, batch)
     bar = tqdm(total=prompt_len + steps, desc=f"{cfg.name} decode", unit="step",

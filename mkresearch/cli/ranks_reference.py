@@ -38,7 +38,6 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     ranks)` (a checkpoint: `rank_loader.load_rank_params`) gives this process's ranks' slices
     in place of the random model's, and `prompt` [B, T] the checkpoint's tokens."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     lay = layout.layout(cfg, n_ranks, collectives=collectives)
@@ -52,9 +51,8 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     else:
         loaded = load(lay, ranks)
         local = loaded.params
-    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32)  # [B, T]
-                        if prompt is None else prompt)
+    prompt = (bench.random_prompt(cfg, batch, prompt_len, seed) if prompt is None
+              else np.asarray(prompt))  # [B, T]
     # with every weight at hand, process 0 checks each step against one device
     check = (SingleDeviceCheck(params, lay, batch)
              if params is not None and multihost.leader_prints() else None)

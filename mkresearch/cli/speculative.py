@@ -89,13 +89,11 @@ def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
     `params` and `prompt` [B, T] (a checkpoint's: `mkresearch.cli.checkpoint`) replace the
     random ones."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     params = weights.init_params(cfg, seed) if params is None else params
-    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32)  # [B, T]
-                        if prompt is None else prompt)
+    prompt = (bench.random_prompt(cfg, batch, prompt_len, seed) if prompt is None
+              else np.asarray(prompt))  # [B, T]
     plain, _ = reference.generate(params, reference.init_state(cfg, batch), prompt, steps + k,
                                   cfg)  # k further: the forced drafter's oracle
     plain = np.asarray(plain)
