@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.stages import gqa, mla_rope
 
 from mkresearch.hardware import tpu
@@ -128,11 +128,11 @@ def test_rows_past_the_position_are_masked_and_cost_is_the_worst_case(race_check
     # one row at the last position: what the cost estimate assumes for every row
     last = jnp.array([cfg.max_seq_len - 1], jnp.int32)
     _, _, log = run(kind, p, x[:1], {n: a[:1] for n, a in cache.items()}, last, cfg)
-    plan = module.make_plan(cfg, 1, cfg.max_seq_len)
-    vectors = {n: w.reshape(1, -1) if w.ndim == 1 else w for n, w in p.items()}
-    cost = (gqa.layer_cost if kind == "gqa" else mla_rope.layer_cost)(
-        plan, vectors, tuple(a[:1] for a in cache.values()))
-    assert cost.bytes_accessed == log.dma_bytes()
+    call = module.gqa_attention if kind == "gqa" else module.mla_rope_attention
+    row = {n: a[:1] for n, a in cache.items()}
+    declared = costs.declared(lambda x, c, pos: call(p, x, c, pos, cfg), x[:1], row, last)
+    # read off the body: the bytes it moves, + positions, x and the output around it
+    assert declared.bytes_accessed == log.dma_bytes() + costs.nbytes(last, x[:1], x[:1])
 
 
 @pytest.mark.slow

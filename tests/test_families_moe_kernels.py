@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.stages import experts, moe_full, router
 from mkresearch.kernels.stages import sampling as sampling_kernel
 
@@ -129,15 +129,13 @@ def test_moe_full_matches_reference_one_kernel(race_checked, layers, name):
     shared = sum(weights.nbytes(p[k]) for k in ("w_sg", "w_su", "w_sd") if k in p)
     assert log.dma_bytes("shared/") == shared
     assert "latent/" not in {e.name[:7] for e in log.select("dma_start")}  # no latent here
-    # the declared cost: every weight, min(E, B·k) experts at most (here fewer: shared ones)
-    routed = moe_full.routed_tree(p, cfg)
-    options = moe_full.stage_options(cfg)
-    bias = p["router_bias"].reshape(1, -1) if cfg.router_bias else None
-    cost = (router.cost(4, p["w_router"], bias)
-            + experts.cost(options, 4, cfg.top_k, routed, moe_full.shared_tree(p, cfg)))
+    # the declared cost: every weight, min(E, B·k) experts at most (here fewer: shared ones);
+    # x and the output around the body
+    declared = costs.declared(lambda x: moe_full.moe_full_ffn(p, x, cfg), x)
     unused = min(cfg.n_experts, 4 * cfg.top_k) - len(np.unique(ids))
-    assert cost.bytes_accessed - unused * one_expert == log.dma_bytes() - log.dma_bytes(
-        "router/ids_to_smem") - log.dma_bytes("router/weights_to_smem")
+    assert declared.bytes_accessed - unused * one_expert - 2 * costs.nbytes(x) == (
+        log.dma_bytes() - log.dma_bytes("router/ids_to_smem")
+        - log.dma_bytes("router/weights_to_smem"))
 
 
 @pytest.mark.slow

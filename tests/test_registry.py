@@ -1,6 +1,6 @@
 """The stage registry is the one place a sublayer kind is defined: a toy FFN kind added here, in
 this file alone (its model side: weights with their shard rule and the reference; its kernel
-side: plan, body, cost), is seen by the planner, the step's schedule (its DMAs come from its body:
+side: plan, body; no cost: it is read off the body), is seen by the planner, the step's schedule (its DMAs come from its body:
 no list of them is written), the VMEM plan (its buffers are its body's `run_scoped` ones: no list
 of them either), the cost estimate, the byte counts and the sharded layout, and runs through the
 reference decode step and the megakernel composer, which agree."""
@@ -50,9 +50,7 @@ def toy_kind():
         name=TOY, plan=lambda cfg, batch, seq_len, options: (TOY, batch),
         prepare=lambda stack, cfg: dict(stack),
         streamed=lambda cfg: (registry.Streamed("w", "toy.w", (cfg.d_model, cfg.d_model)),),
-        body=toy_body, scope=lambda plan: "toy",
-        cost=lambda plan, w, state, cfg, batch: costs.Cost(
-            flops=costs.matmul_flops(batch, w["w"]), bytes_accessed=costs.nbytes(w))))
+        body=toy_body, scope=lambda plan: "toy"))
     try:
         yield
     finally:
@@ -112,14 +110,15 @@ def test_a_toy_kind_is_planned_scheduled_costed_counted_and_sharded(toy_kind):
     assert {dma.buffer for dma in toy} == {planned.WEIGHT_RING} and toy[0].name == "toy.w"
     by_component = sched.tally(schedule.component)
     assert by_component["toy"].read == layers * matrix == roofline.step_bytes(cfg).read["toy"]
-    # the cost estimate: the toy's per layer, and the step's bytes are the schedule's (its
-    # worst case), the toy's blocks included
-    _, prepared, state = mk.step_shapes(plan)
-    one_layer = registry.kernel_stage(TOY).cost(plan.stage_plan(TOY),
-                                                costs.per_layer(prepared[TOY]), {}, cfg, 2)
-    assert one_layer == costs.Cost(flops=2 * 2 * cfg.d_model ** 2, bytes_accessed=matrix)
-    step = megakernel_plan.step_cost(plan, prepared, state)
+    # the cost estimate, read off the body (the kind writes none): per layer its matrix read
+    # once, x W's FLOPs and the stream's accumulation of its one block ([B, d] adds); the
+    # step's bytes are the schedule's (its worst case), the toy's blocks included
+    one_layer = megakernel_plan.stage_cost(TOY, plan.stage_plan(TOY), cfg, 2, cfg.max_seq_len)
+    assert one_layer == costs.Cost(flops=2 * 2 * cfg.d_model ** 2 + 2 * cfg.d_model,
+                                   bytes_accessed=matrix)
+    step = mk.step_cost(plan, *mk.step_shapes(plan))
     assert step.bytes_accessed == sched.total.read + sched.total.written
+    assert step.flops >= layers * one_layer.flops
     # sharded: each of 2 ranks holds half of W's columns, counted and streamed
     lay = layout.layout(cfg, 2)
     assert layout.rank_param_shapes(lay)[TOY]["w"].shape == (layers, cfg.d_model,

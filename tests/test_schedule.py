@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mkresearch.kernels.base import dma, planned
 from mkresearch.kernels.compose import megakernel as mk
-from mkresearch.kernels.compose import megakernel_plan, schedule
+from mkresearch.kernels.compose import schedule
 
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS
@@ -140,8 +140,7 @@ def test_worst_case_is_the_cost_estimate(name, batch):
     assert not sched.exact and len(sched.assumptions) == 2
     assert sched.positions == (cfg.max_seq_len - 1,) * batch
     assert set(sched.experts_fetched().values()) == {min(cfg.n_experts, batch * cfg.top_k)}
-    _, prepared, state = mk.step_shapes(plan)
-    estimate = megakernel_plan.step_cost(plan, prepared, state).bytes_accessed
+    estimate = mk.step_cost(plan, *mk.step_shapes(plan)).bytes_accessed
     assert sched.total.read + sched.total.written == estimate
     assert sched.late_prefetches() == NOT_LATE
     assert_tags_agree(sched)

@@ -12,6 +12,7 @@ multiple of 8 (f32) or 16 (bf16) sublanes; interpret mode would accept anything 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import dma, planned
+from mkresearch.kernels.base import costs, dma, planned
 from mkresearch.kernels.base.registry import StageRefs
 
 from mkresearch.model import reference
@@ -232,10 +233,11 @@ def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def cache_stage_call(body, plan, cost, interpret, indices: tuple, positions, x, weights, cache):
+def cache_stage_call(body, plan, interpret, indices: tuple, positions, x, weights, cache):
     """A standalone attention stage over a KV cache as one pallas_call: positions in SMEM, x and
     the output in VMEM, weights and the cache in HBM (pl.ANY; the cache updated in place), weight
-    blocks drawn from LOCAL_STREAM. `body(plan, refs)` is the stage's kernel body."""
+    blocks drawn from LOCAL_STREAM. `body(plan, refs)` is the stage's kernel body. Its cost is
+    read off the body with every row at the cache's last position (`costs.body_cost`)."""
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     n_in = 2 + len(weights)  # then the cache leaves (a dict flattens sorted)
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
@@ -246,13 +248,14 @@ def cache_stage_call(body, plan, cost, interpret, indices: tuple, positions, x, 
                              state_out=cache_out, positions=positions_ref, stream=LOCAL_STREAM,
                              indices=dict(indices)))
 
-    return pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call, kernel,
         out_shape=(out, {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in cache.items()}),
         in_specs=(pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
                   {name: hbm for name in weights}, cache_specs),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), cache_specs),
         input_output_aliases={n_in + i: 1 + i for i in range(len(cache))},
-        cost_estimate=cost.estimate(positions, x, out),
-        interpret=interpret,
-    )(positions, x, weights, cache)
+        interpret=interpret)
+    cost = costs.body_cost(call(), positions, x, weights, cache,
+                           inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})
+    return call(cost_estimate=cost.estimate(positions, x, out))(positions, x, weights, cache)

@@ -5,29 +5,44 @@ counts 0 FLOPs and none of the bytes the kernel moves by its own DMAs, only what
 around the call: an MoE layer that streams a GB looked like a few kB to XLA's scheduler and to
 `tpu.compile_for(...).bytes_accessed`.
 
-Each body's cost sits beside the body, in its kernel's module (`kda.layer_cost`,
-`mla.layer_cost`, `gqa.layer_cost`, `mla_rope.layer_cost`, `router.cost`, `experts.cost`,
-`sampling.cost`, `gemv.cost`, `quant.decode_cost`, a kind's `KernelStage.cost`): its `Cost`
-(FLOPs, transcendentals, and the HBM bytes the body reads and writes by DMA) from shapes known
-before tracing, the body's plan and one layer's weights and states. This module is what they
-share. A stand-alone wrapper adds the operands and results Pallas copies between HBM and
-VMEM/SMEM around the body (`Cost.estimate(*io)`); the megakernel sums the bodies over its layers
-(`megakernel_plan.step_cost`), its activations never leaving VMEM. One cost model serves a
-single device and a rank of the sharded kernel alike (one program for every rank, on a rank's
-shapes), which is why it is a model over shapes and not the schedule's DMAs (a rank's differ:
-the padding it skips, the embedding rows and experts it holds).
+A body's cost is not written beside it: it is read off the body (`body_cost`), from the same
+dry run that states its DMA schedule (`kernels/base/dry_run.py`: the very `pallas_call` traced
+on shapes, its program run with only its scalar work computed):
+
+  bytes_accessed  the HBM bytes of the DMAs the run issues (read and written), in the worst case
+                  the estimate assumes (below)
+  flops, transcendentals   counted over the traced program (`program_cost`), each equation as
+                  often as the run executes it: a loop body the run computes as many times as it
+                  ran (a KV tile loop, the expert loop: their trip counts come from the
+                  positions and the routing), a loop it does not compute its static trip count
+                  times (a `fori_loop` with static bounds is a scan), a branch the run decides
+                  the branch it took, one it does not the costlier branch.
+
+What counts (`equation_cost`, the one rule; XLA's own HloCostAnalysis counts the same way):
+  dot_general     2·M·K·N: 2 × output elements × the contracted size
+  transcendental  one per output element of exp, exp2, log, log1p, expm1, logistic (sigmoid),
+                  tanh, rsqrt, sqrt, erf, sin, cos, pow..., and no FLOP
+  element-wise    one FLOP per output element of arithmetic on floating-point values (add, sub,
+                  mul, div, max, min, neg, abs, square, integer_pow, comparisons, ...)
+  reductions      one FLOP per input element (reduce_sum, reduce_max, argmax, ...)
+Data movement (loads, stores, DMAs, broadcasts, reshapes, slices, converts, selects) and integer
+work (loop counters, indices, the positions) count nothing. XLA uses the numbers for scheduling
+only, so an exact count of every VPU op matters less than one rule, applied the same everywhere.
+The count is of the program as it runs: a lone row is multiplied as two (`blocks.dot`, so that a
+row's result is the same at any batch), so at B = 1 the matmuls count two rows; the expert loop
+multiplies all B rows by each fetched expert; the attention scores every row of a KV tile.
 
 Where the bytes depend on data, an estimate takes the most a call can move, so a run in that
-worst case moves exactly the estimate:
+worst case moves exactly the estimate (the dry run is given that case: `worst_positions`,
+`kernels/stages/router.py`'s `worst_routing`):
   MLA KV          every row at the cache's last position S - 1: its S - 1 cached tokens, rounded
                   up to 16-row HBM tiles, are all S rows of the cache (the whole cache is read)
   routed experts  plan "unique": min(E, B·k) distinct experts (no two choices share one);
                   "routed": B·k fetches; "all": E
-Weights are read once, states (KDA conv and recurrent, the MLA entry's 16-row block) read and
-written once. FLOPs count the matmuls (2·M·K·N), the attention over the cache, the delta rule
-and the final mix (the FLOPs the sampling stage's phase logs); other element-wise work of
-O(B·d) per stage (norms, layer mixes, gates, the top-k selection) is left out. Transcendentals
-count one per exp / sigmoid / tanh / rsqrt of the large tensors.
+A stand-alone wrapper adds the operands and results Pallas copies between HBM and VMEM/SMEM
+around the body (`Cost.estimate(*io)`); the megakernel sums each kind's body cost over its layers
+(`megakernel_plan.step_cost`: one layer of the kind traced as the megakernel calls it), its
+activations never leaving VMEM.
 """
 
 from __future__ import annotations
@@ -38,10 +53,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src import core
 from jax.experimental import pallas as pl
-
-# Transcendentals per hidden unit of a gated MLP: SiTU = 4·tanh(g/4)·σ(g)·25·tanh(u/25); SiLU σ.
-ACTIVATION_TRANSCENDENTALS = {"situ": 3, "silu": 1, "swiglu": 1}
+from mkresearch.kernels.base import dry_run, shape_run
 
 
 @dataclass(frozen=True)
@@ -73,22 +88,123 @@ def nbytes(*trees: Any) -> int:
                for leaf in jax.tree.leaves(trees))
 
 
-def per_layer(tree: Any) -> Any:
-    """Shape structs of one layer's slice of stacked arrays [n, ...] -> [...]."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+# ---- the cost read off a body -------------------------------------------------------------------
+TRANSCENDENTAL = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "logistic", "tanh", "rsqrt", "sqrt", "cbrt", "erf",
+    "erfc", "erf_inv", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "pow", "lgamma", "digamma"})
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "square",
+    "integer_pow", "reciprocal", "floor", "ceil", "round", "clamp", "nextafter", "add_any",
+    "lt", "le", "gt", "ge", "eq", "ne", "is_finite"})
+REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum",
+    "cummax", "cummin", "cumprod", "cumlogsumexp"})
 
 
-def matmul_flops(rows: int, *matrices: Any) -> int:
-    """2·rows·K·N summed over [K, N] matrices (arrays or shape structs)."""
-    return sum(2 * rows * m.shape[0] * m.shape[1] for m in matrices)
+def _elements(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
 
 
-def matrices(weights: dict) -> list:
-    """The weight matrices of an attention layer: named w_* (norms and gate vectors are not)."""
-    return [w for name, w in weights.items() if name.startswith("w_")]
+def _floating(eqn: core.JaxprEqn) -> bool:
+    return any(jnp.issubdtype(getattr(v.aval, "dtype", np.int32), jnp.floating)
+               for v in (*eqn.invars, *eqn.outvars))
 
 
-def attention(plan: Any, tokens: int, key_dims: int, value_dims: int) -> Cost:
-    """Scores and the weighted sum over `tokens` cached tokens for every row and head."""
-    rows = plan.batch * plan.n_heads * tokens
-    return Cost(flops=2 * rows * (key_dims + value_dims), transcendentals=rows)
+def equation_cost(eqn: core.JaxprEqn) -> tuple[int, int]:
+    """(FLOPs, transcendentals) of one execution of one equation (the module docstring's rule;
+    an equation holding programs, a loop or a branch, counts only what they hold)."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (contracting, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2 * _elements(eqn.outvars[0].aval) * math.prod(lhs[d] for d in contracting), 0
+    if not _floating(eqn):
+        return 0, 0
+    if name in TRANSCENDENTAL:
+        return 0, _elements(eqn.outvars[0].aval)
+    if name in ELEMENTWISE:
+        return _elements(eqn.outvars[0].aval), 0
+    if name in REDUCTIONS:
+        return _elements(eqn.invars[0].aval), 0
+    return 0, 0
+
+
+def program_cost(jaxpr: core.Jaxpr, runs: dict) -> tuple[int, int]:
+    """(FLOPs, transcendentals) of a kernel program run once, each equation counted as often as
+    it executes: runs is the dry run's {program: times evaluated} (`dry_run.run(runs=)`); a
+    program the run did not compute executes as often as its equation does (a scan's length
+    times, the costlier branch of a cond). A loop whose trip count the run does not know (a
+    `while` it did not compute, e.g. a wait) must compute nothing that counts."""
+    counted: set = set()
+
+    def walk(program, times):
+        total = np.zeros(2, np.int64)
+        for eqn in program.eqns:
+            total += times * np.asarray(equation_cost(eqn))
+            total += inner(eqn, times)
+        return total
+
+    def ran(sub):  # a program the run computed: counted once, by its own count
+        if sub in counted:
+            return np.zeros(2, np.int64)
+        counted.add(sub)
+        return walk(sub, runs[sub])
+
+    def inner(eqn, times):
+        subs = list(dry_run.sub_jaxprs(eqn))
+        if any(sub in runs for sub in subs):
+            return sum((ran(sub) for sub in subs if sub in runs), np.zeros(2, np.int64))
+        name = eqn.primitive.name
+        if name == "cond":
+            return max((walk(sub, times) for sub in subs), key=tuple, default=np.zeros(2, np.int64))
+        if name == "while" and times:  # its trip count unknown: fine if it computes nothing
+            if any(walk(sub, 1).any() for sub in subs):
+                raise shape_run.DryRunError("a loop whose trip count the dry run does not "
+                                            "compute (a while loop issuing no DMA) computes "
+                                            "FLOPs: their count is unknown")
+            return np.zeros(2, np.int64)
+        if name == "scan":
+            times *= eqn.params["length"]
+        return sum((walk(sub, times) for sub in subs), np.zeros(2, np.int64))
+
+    flops, transcendentals = walk(jaxpr, runs.get(jaxpr, 1))
+    return int(flops), int(transcendentals)
+
+
+def shapes(tree: Any) -> Any:
+    """Shape structs of a pytree of arrays (None leaves kept)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def kernel_cost(kernel: dry_run.Kernel, inputs: dict | None = None, given: dict | None = None,
+                rank: int | None = None) -> Cost:
+    """The cost of a kernel traced for dry runs (`dry_run.trace_kernel(every_loop=True)`: its
+    runs know every loop's trip count), from one run in the worst case: `inputs` and `given` as
+    `dry_run.run` takes them (the positions, the routing)."""
+    runs: dict = {}
+    events = dry_run.run(kernel, dict(inputs or {}), given, rank, runs=runs)
+    flops, transcendentals = program_cost(kernel.jaxpr, runs)
+    moved = sum(dma.nbytes for dma in events if dma.kind == "dma_start" and dma.hbm)
+    return Cost(flops, transcendentals, moved)
+
+
+def body_cost(call: Any, *args: Any, inputs: dict | None = None, given: dict | None = None,
+              axis_env: tuple = (), rank: int | None = None) -> Cost:
+    """The cost of the body of the one `pallas_call` that call(*args) makes (args: arrays or
+    shape structs; the call without a cost estimate), read off the body: traced and dry-run in
+    the worst case (`kernel_cost`)."""
+    kernel = dry_run.trace_kernel(call, *shapes(args), axis_env=axis_env, every_loop=True)
+    return kernel_cost(kernel, inputs, given, rank)
+
+
+def worst_positions(batch: int, seq_len: int) -> np.ndarray:
+    """[B] i32: every row at the cache's last position (the estimate's worst case)."""
+    return np.full((batch,), seq_len - 1, np.int32)
+
+
+def declared(fn: Any, *args: Any, axis_env: tuple = ()) -> Cost:
+    """What the one `pallas_call` of fn(*args) declares to XLA (its `cost_estimate`), traced on
+    shapes: the cost read off its body plus the operands and results Pallas copies around it."""
+    estimate = dry_run.kernel_call(fn, *shapes(args), axis_env=axis_env).params["cost_estimate"]
+    return Cost(estimate.flops, estimate.transcendentals, estimate.bytes_accessed)

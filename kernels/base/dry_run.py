@@ -124,26 +124,35 @@ class Kernel:
         {"io_callback": _callback, "axis_index": _axis_index}))
 
 
-def trace_kernel(fn: Any, *args: Any, axis_env: tuple = ()) -> Kernel:
+def trace_kernel(fn: Any, *args: Any, axis_env: tuple = (), every_loop: bool = False) -> Kernel:
     """The kernel program of the one `pallas_call` that fn(*args) makes (args: shape structs),
     traced for a dry run: its DMAs trace their planned events (`emit`). axis_env: ((name,
-    size),) of a kernel that runs on one rank of a mesh (`lax.axis_index`: the run's rank)."""
+    size),) of a kernel that runs on one rank of a mesh (`lax.axis_index`: the run's rank);
+    every_loop: its runs run every while loop (`shape_run.Slicer`: a cost's trip counts)."""
     _tracing.append(True)
     try:
-        return Kernel(kernel_program(fn, *args, axis_env=axis_env))
+        jaxpr = kernel_program(fn, *args, axis_env=axis_env)
     finally:
         _tracing.pop()
+    return Kernel(jaxpr, shape_run.Slicer({"io_callback": _callback, "axis_index": _axis_index},
+                                          every_loop=every_loop))
 
 
 def kernel_program(fn: Any, *args: Any, axis_env: tuple = ()) -> core.Jaxpr:
     """The program (a jaxpr over Refs) of the one `pallas_call` that fn(*args) makes, traced on
     shapes as it is compiled (no planned events: `trace_kernel` adds them)."""
+    return kernel_call(fn, *args, axis_env=axis_env).params["jaxpr"]
+
+
+def kernel_call(fn: Any, *args: Any, axis_env: tuple = ()) -> core.JaxprEqn:
+    """The equation of the one `pallas_call` that fn(*args) makes (its params: the program, the
+    cost estimate, ...), traced on shapes."""
     closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
     calls = [eqn for eqn in _eqns(closed.jaxpr) if eqn.primitive.name == "pallas_call"]
     if len(calls) != 1:
         raise ValueError(f"a kernel program needs exactly one pallas_call, the traced function made "
                          f"{len(calls)}")
-    return calls[0].params["jaxpr"]
+    return calls[0]
 
 
 def sub_jaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
@@ -162,21 +171,25 @@ def _eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
 
 
 def run(kernel: Kernel, inputs: dict[int, Any], given: dict | None = None,
-        rank: int | None = None) -> list[PlannedDma]:
+        rank: int | None = None, runs: dict | None = None) -> list[PlannedDma]:
     """The planned DMAs of one run of the kernel, in program order. inputs: {index of a kernel
     argument: its concrete value} (the SMEM scalars its DMAs depend on; every other argument is
     a buffer of shapes); given: {key: fn} the values the kernel states as given (`given`);
-    rank: the rank a kernel of a mesh runs on (its `lax.axis_index`)."""
+    rank: the rank a kernel of a mesh runs on (its `lax.axis_index`); runs: a dict the run
+    fills with {program: times it evaluated it} (the kernel's program and each loop body,
+    branch and scope the run computes: `kernels/base/costs.py` counts FLOPs by them)."""
     jaxpr = kernel.jaxpr
     args = [shape_run.Ref(v.aval, inputs.get(i)) for i, v in enumerate(jaxpr.invars)]
     planned: list[PlannedDma] = []
     _sinks.append(planned)
     _givens.append(dict(given or {}))
     _ranks.append(rank)
+    kernel.slicer.runs = runs
     try:
         shape_run.evaluate(jaxpr, [shape_run.UNKNOWN] * len(jaxpr.constvars), args,
                            (False,) * len(jaxpr.outvars), kernel.slicer)
     finally:
+        kernel.slicer.runs = None
         _sinks.pop()
         _givens.pop()
         _ranks.pop()

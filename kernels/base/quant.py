@@ -214,12 +214,6 @@ def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str, *,
 
 
 # ---- a stand-alone decode kernel: HBM parts -> DMA -> decode in VMEM -> bf16 [K, N] ----------
-def decode_cost(parts: tuple, expert_format: str) -> costs.Cost:
-    """quant.decode_body: the stored parts read once, one scale multiply per decoded value."""
-    values = math.prod(parts[0].shape) * (8 if expert_format == "mxfp4" else 1)  # K·N
-    return costs.Cost(flops=0 if expert_format == "bf16" else values, bytes_accessed=costs.nbytes(parts))
-
-
 def decode_body(*refs: Any, expert_format: str, mxfp4_decode: str) -> None:
     """refs = (*parts in HBM, out bf16 [K, N] in VMEM, *part buffers in VMEM, DMA sems [n_parts])."""
     n = len(part_names(expert_format))
@@ -245,17 +239,18 @@ def _decode_call(parts: tuple, expert_format: str, mxfp4_decode: str, interpret:
     del recording  # only keeps recorded and silent traces apart in the jit cache
     k, n = _logical_shape(parts, expert_format)
     structs = part_structs(expert_format, k, n)
-    return pl.pallas_call(
+    call = functools.partial(
+        pl.pallas_call,
         functools.partial(decode_body, expert_format=expert_format, mxfp4_decode=mxfp4_decode),
         out_shape=jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(parts),
         out_specs=pl.BlockSpec(memory_space=pltpu.MemorySpace.VMEM),
         scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in structs]
         + [pltpu.SemaphoreType.DMA((len(parts),))],
-        cost_estimate=decode_cost(parts, expert_format).estimate(  # + the bf16 [K, N] result
-            jax.ShapeDtypeStruct((k, n), jnp.bfloat16)),
-        interpret=interpret,
-    )(*parts)
+        interpret=interpret)
+    cost = costs.body_cost(call(), *parts)  # read off the body (kernels/base/costs.py)
+    return call(cost_estimate=cost.estimate(  # + the bf16 [K, N] result
+        jax.ShapeDtypeStruct((k, n), jnp.bfloat16)))(*parts)
 
 
 def _logical_shape(parts: Sequence[Any], expert_format: str) -> tuple[int, int]:

@@ -8,12 +8,13 @@ its `KernelStage` here owns what the kernel needs on top, keyed by the same name
     streamed  the matrices the body multiplies through its weight stream, in the body's order:
               (weights key, DMA-log name, (K, N)); the megakernel's global ring streams these
     body      body(plan, refs: StageRefs): one layer of the kind, on Refs
-    cost      its FLOPs, transcendentals and the HBM bytes it moves at most (XLA's cost estimate)
 
-A kind's DMAs and VMEM buffers are not listed anywhere but in its body: the step's schedule is
-the body run on shapes (`kernels/base/dry_run.py`, `kernels/compose/schedule.py`), its scope of
-the megakernel's VMEM plan the buffers the body allocates (`pl.run_scoped`), read off the body
-traced on shapes (`kernels/compose/scoped_vmem.py`).
+A kind's DMAs, VMEM buffers and cost are not listed anywhere but in its body: the step's
+schedule is the body run on shapes (`kernels/base/dry_run.py`, `kernels/compose/schedule.py`),
+its scope of the megakernel's VMEM plan the buffers the body allocates (`pl.run_scoped`), read
+off the body traced on shapes (`kernels/compose/scoped_vmem.py`), and its cost (FLOPs,
+transcendentals, HBM bytes: XLA's cost estimate) counted over the same dry run
+(`kernels/base/costs.py`).
 
 The body reads its inputs from a typed bundle (`StageRefs`), never from positional Refs: the
 stand-alone `pallas_call` wrapper of a kind builds one from its own refs (with a local weight
@@ -82,9 +83,6 @@ class KernelStage:
     streamed: Callable[[ModelConfig], tuple[Streamed, ...]]
     body: Callable[[Any, StageRefs], None]
     scope: Callable[[Any], str] = lambda plan: ""  # the VMEM plan's label of the body's scope
-    # the body's cost for one layer (beside the body; costs.Cost): (plan, weights, state, cfg, batch) -> Cost,
-    # with weights and state one layer's (shape structs)
-    cost: Callable[..., Any] = lambda plan, weights, state, cfg, batch: None
     # scratch the megakernel allocates once for every layer of the kind: (label, pltpu shape)
     # pairs, and how the body wants the refs bundled (refs.scratch)
     scratch: Callable[[ModelConfig, int], tuple] = lambda cfg, batch: ()

@@ -126,11 +126,15 @@ _CALLS = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 class Slicer:
     """Which equations of a program (and of the programs inside it) a run computes, for which
     of their outputs, compiled to steps: worked out once per (program, needed outputs) and kept.
-    extra: rules beyond refs and control flow ({primitive name: rule(eqn, mask, values)})."""
+    extra: rules beyond refs and control flow ({primitive name: rule(eqn, mask, values)});
+    every_loop: every `while` loop is run (its condition computed) even if nothing needs its
+    outputs, so that a run knows every loop's trip count (a cost's, `kernels/base/costs.py`)."""
 
-    def __init__(self, extra: dict | None = None) -> None:
+    def __init__(self, extra: dict | None = None, every_loop: bool = False) -> None:
+        self.every_loop = every_loop  # run every while loop, needed or not (its trip count)
         self._memo: dict = {}
         self._programs: dict = {}
+        self.runs: dict | None = None  # {program: times a run evaluated it}, while counted
         self.rules = control_rules(dict(extra or {}), self)
 
     def program(self, jaxpr: core.Jaxpr, outs: tuple[bool, ...]) -> Any:
@@ -177,7 +181,14 @@ class Slicer:
         n_carry = len(eqn.outvars) if is_while else p["num_carry"]
         n_cond = p["cond_nconsts"] if is_while else 0
         carry, extra = tuple(outs[:n_carry]), tuple(outs[n_carry:])
-        body_in = self.sub_inputs(body, carry + extra)
+        run_anyway = self.every_loop and is_while
+        n_body = len(_closed(body)[0].invars)
+
+        def body_inputs(needed):  # None: the loop runs nothing the run needs
+            found = self.sub_inputs(body, needed)
+            return (False,) * n_body if found is None and run_anyway else found
+
+        body_in = body_inputs(carry + extra)
         if body_in is None:
             return None
         while True:
@@ -188,7 +199,7 @@ class Slicer:
             if tuple(grown) == carry:
                 break
             carry = tuple(grown)
-            body_in = self.sub_inputs(body, carry + extra)
+            body_in = body_inputs(carry + extra)
         if not is_while:  # consts, carry, xs
             return (*body_in[:n_consts], *carry, *body_in[n_consts + n_carry:])
         return (*cond_in[:n_cond], *body_in[:n_consts], *carry)
@@ -232,7 +243,10 @@ class Slicer:
 # ---- the run ------------------------------------------------------------------------------------
 def evaluate(jaxpr: core.Jaxpr, consts: list, args: list, outs: tuple[bool, ...],
              slicer: Slicer) -> list:
-    """Run the slice of `jaxpr` that `outs` of its outputs need (`Slicer.program`)."""
+    """Run the slice of `jaxpr` that `outs` of its outputs need (`Slicer.program`), counting
+    the evaluation when the run counts them (`Slicer.runs`: a cost's loop trip counts)."""
+    if slicer.runs is not None:
+        slicer.runs[jaxpr] = slicer.runs.get(jaxpr, 0) + 1
     return slicer.program(jaxpr, outs)(consts, args)
 
 

@@ -19,6 +19,7 @@ the minimum) is read by `mkresearch.measurement.logs`, HLO kernel counts by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import dma, dry_run, registry
+from mkresearch.kernels.base import costs, dma, dry_run, registry
 
 # the body's names are the megakernel's API too
 from mkresearch.kernels.compose.megakernel_body import (  # noqa: F401
@@ -44,9 +45,9 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     MegakernelOptions,
     MegaPlan,
     make_plan,
-    step_cost,
 )
-from mkresearch.kernels.stages import residuals, sampling  # the kinds: megakernel_plan registers
+from mkresearch.kernels.sharded import collectives
+from mkresearch.kernels.stages import residuals, router, sampling  # the kinds: megakernel_plan registers
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, roofline, weights
@@ -109,9 +110,11 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
-    # every stage body over its layers (each kind's cost); + the SMEM/VMEM operands and results
-    # (none in a dry run's trace: the schedule is not the cost's)
-    cost = None if dry_run.tracing() else step_cost(plan, weights, state).estimate(inputs, outputs)
+    # read off the step's body (`step_cost`); + the SMEM/VMEM operands and results (none in a
+    # dry run's trace: the cost's own, or the schedule's)
+    cost = None if dry_run.tracing() else step_cost(
+        plan, inputs, weights, state, use_gumbel=use_gumbel, use_candidates=use_candidates,
+        return_logits=return_logits, shard=shard, pages=pages, live=live).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     n_in = len(jax.tree.leaves(inputs)) + len(jax.tree.leaves(weights))
     n_out = len(jax.tree.leaves(outputs))
@@ -135,6 +138,42 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
         return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state, (
             outs.per_position)
     return outs.tokens[:, 0], outs.overflow[:, 0] != 0, outs.logits, new_state
+
+
+# the kernel arguments a dry run gives values: the step's SMEM inputs (`StepInputs`, in order)
+STEP_INPUTS = {f.name: i for i, f in enumerate(dataclasses.fields(StepInputs))}
+
+
+def worst_case(plan: MegaPlan) -> tuple[dict, dict]:
+    """(inputs, given) of a dry run of the step in the cost estimate's worst case
+    (`kernels/base/costs.py`): token 0 in every row, every row at the cache's last position,
+    min(E, B·k) distinct experts in every routed layer."""
+    cfg, batch = plan.cfg, plan.batch
+    inputs = {STEP_INPUTS["tokens"]: np.zeros(batch, np.int32),
+              STEP_INPUTS["positions"]: costs.worst_positions(batch, plan.seq_len),
+              STEP_INPUTS["table"]: np.asarray(plan.layer_table, np.int32)}
+    routing = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
+    return inputs, {router.ROUTING: lambda layer: routing}
+
+
+def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumbel: bool = False,
+              use_candidates: bool = False, return_logits: bool = False, shard: Any = None,
+              pages: Any = None, live: dict | None = None) -> costs.Cost:
+    """The step's cost (its body's: every stage over its layers, the embedding rows, the
+    per-layer vectors, the sampling stage), read off the step's kernel: its `pallas_call`
+    traced on shapes and dry-run in the worst case (`worst_case`; a rank of a sharded build
+    as rank 0: every rank runs one program). Arguments: `step_call`'s (arrays or shapes)."""
+    def step(inputs, weights, state):
+        return step_call(plan, None, use_gumbel, use_candidates, return_logits, inputs, weights,
+                         state, shard=shard, pages=pages, live=live)
+
+    axis = () if shard is None else ((collectives.AXIS, shard.n_ranks),)
+    given_inputs, given = worst_case(plan)
+    if pages is not None:  # a paged step: every row's pages are page 0 (the bytes are the same)
+        leaf = jax.tree.leaves(inputs)[STEP_INPUTS["page_table"]]
+        given_inputs[STEP_INPUTS["page_table"]] = np.zeros(leaf.shape, np.int32)
+    return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given,
+                           axis_env=axis, rank=None if shard is None else 0)
 
 
 def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:

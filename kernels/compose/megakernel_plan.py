@@ -28,6 +28,7 @@ from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts regist
     mla_rope,
     moe_full,
     residuals,
+    router,
     sampling,
 )
 
@@ -381,22 +382,13 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
     return VmemPlan(tuple(out), limit, chip.name)
 
 
-# ---- the step's cost estimate ------------------------------------------------------------------
-def step_cost(plan: MegaPlan, weights: dict, state: dict) -> costs.Cost:
-    """The whole step's cost (kernels/compose/megakernel.py): every stage body over its layers, the
-    embedding rows, the per-layer mix/norm vectors and the sampling stage. weights: the prepared pytree
-    (stacked per kind), state: the decode state, both arrays or shape structs."""
-    cfg, batch, w = plan.cfg, plan.batch, weights
-    total = costs.Cost()
-    for kind in cfg.kinds:  # every stage body over its layers
-        layer_cost = registry.kernel_stage(kind).cost(
-            plan.stage_plan(kind), costs.per_layer(w[kind]),
-            costs.per_layer(state.get(kind, {})), cfg, batch)
-        total += len(cfg.layers_of(kind)) * layer_cost
-    vectors = sum(costs.nbytes(costs.per_layer(w[name]))  # a [1, d] row each per layer
-                  for name in residuals.RESIDUALS[cfg.residual].vectors)
-    embed_rows = batch * EMBED_ROWS * w["embed"].shape[1] * jnp.dtype(w["embed"].dtype).itemsize
-    n_mixed = cfg.n_blocks + 1 if "mix_out" in w else 0
-    return (total + sampling.cost(batch, w["lm_head"], n_mixed)
-            + costs.Cost(bytes_accessed=cfg.n_layers * vectors + embed_rows
-                         + costs.nbytes(w.get("mix_out"), w["final_norm"])))
+# ---- a stage's cost ----------------------------------------------------------------------------
+def stage_cost(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int) -> costs.Cost:
+    """One layer of `kind`'s cost as the megakernel runs it (its body's FLOPs, transcendentals
+    and HBM bytes, each matrix streamed by the body itself), read off the body in the cost
+    estimate's worst case (`kernels/base/costs.py`): no kind writes its cost down. The step's
+    own cost is its whole kernel's (`megakernel.step_cost`), the same bodies in it."""
+    call, args, _ = scoped_vmem.body_call(kind, plan, cfg, batch, seq_len, None)
+    routing = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
+    return costs.body_cost(call, *args, inputs={0: costs.worst_positions(batch, seq_len)},
+                           given={router.ROUTING: lambda layer: routing})

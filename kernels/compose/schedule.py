@@ -27,7 +27,6 @@ fetches its embedding block.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from mkresearch.kernels.base import dry_run, planned
+from mkresearch.kernels.base import costs, dry_run, planned
 from mkresearch.kernels.base.planned import PlannedDma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegaPlan
@@ -57,8 +56,8 @@ def routed_layers(plan: MegaPlan) -> tuple[int, ...]:
 
 def _positions(plan: MegaPlan, positions: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     batch, seq_len = plan.batch, plan.seq_len
-    if positions is None:
-        return (seq_len - 1,) * batch, (
+    if positions is None:  # the cost estimate's worst case (`costs.worst_positions`)
+        return tuple(costs.worst_positions(batch, seq_len).tolist()), (
             f"every row at the last position {seq_len - 1}: each row reads its whole cache",)
     values = np.asarray(positions)
     if values.shape != (batch,) or not np.issubdtype(values.dtype, np.integer):
@@ -75,7 +74,7 @@ def _routing(plan: MegaPlan, expert_ids: Any) -> tuple[dict[int, np.ndarray], tu
     shape = (len(layers), batch, cfg.top_k)
     if expert_ids is None:
         fetched = min(cfg.n_experts, batch * cfg.top_k)
-        worst = np.arange(batch * cfg.top_k).reshape(batch, cfg.top_k) % cfg.n_experts
+        worst = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
         note = (f"{fetched} distinct experts per routed layer, min(E={cfg.n_experts}, "
                 f"B·k={batch * cfg.top_k}): no two choices share one")
         return {layer: worst for layer in layers}, (note,) if layers else ()
@@ -110,16 +109,12 @@ def schedule(plan: Any, positions: Any = None, expert_ids: Any = None, *, rank: 
         tokens = np.zeros(mega.batch, np.int32)
         token_note = ("token 0 in every row (a rank fetches the embedding rows it holds)",
                       ) if sharded is not None else ()
-    inputs = {_INPUT["tokens"]: np.asarray(tokens, np.int32),
-              _INPUT["positions"]: np.asarray(rows, np.int32),
-              _INPUT["table"]: np.asarray(mega.layer_table, np.int32)}
+    inputs = {megakernel.STEP_INPUTS["tokens"]: np.asarray(tokens, np.int32),
+              megakernel.STEP_INPUTS["positions"]: np.asarray(rows, np.int32),
+              megakernel.STEP_INPUTS["table"]: np.asarray(mega.layer_table, np.int32)}
     events = dry_run.run(_traced(mega, sharded), inputs, rank=rank,
                          given={router.ROUTING: lambda layer: routing[layer]})
     return StepSchedule(mega, tuple(events), rows, row_note + routing_note + token_note)
-
-
-# the kernel arguments a schedule gives values: the step's SMEM inputs (`megakernel.StepInputs`)
-_INPUT = {f.name: i for i, f in enumerate(dataclasses.fields(megakernel.StepInputs))}
 
 
 def _sharded(plan: Any, rank: int | None) -> Any:

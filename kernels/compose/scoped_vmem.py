@@ -99,10 +99,19 @@ def _shapes(kind: str, cfg: ModelConfig, batch: int, seq_len: int, shard: Any) -
 def trace_body(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,
                ring: frozenset | None, rows_per_state: int = 1, shard: Any = None) -> core.Jaxpr:
     """The program of one layer of `kind`'s body (its plan `plan`) in a `pallas_call`, on
-    shapes: the refs as the megakernel gives them (x and out [B, d] bf16 in VMEM, the layer's
-    weights and state in HBM, the positions in SMEM, the kind's scratch), its matmuls streaming
-    the matrices named in `ring` from the global ring (None: no global ring). shard: on a rank of
-    a sharded build, its collectives.ShardPlan (the body runs with the rank's collectives and
+    shapes (`body_call`)."""
+    call, args, axis_env = body_call(kind, plan, cfg, batch, seq_len, ring, rows_per_state, shard)
+    return dry_run.kernel_program(call, *args, axis_env=axis_env)
+
+
+def body_call(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,
+              ring: frozenset | None, rows_per_state: int = 1, shard: Any = None) -> tuple:
+    """(call, args, axis_env): one layer of `kind`'s body (its plan `plan`) in a `pallas_call`,
+    and the shapes to call it on: the refs as the megakernel gives them (x and out [B, d] bf16
+    in VMEM, the layer's weights and state in HBM, the positions in SMEM, the kind's scratch),
+    its matmuls streaming the matrices named in `ring` from the global ring (None: no global
+    ring, each matrix through a local ring: the body issues every DMA itself). shard: on a rank
+    of a sharded build, its collectives.ShardPlan (the body runs with the rank's collectives and
     slices, cfg the rank's kernel config)."""
     stage = registry.kernel_stage(kind)
     w, state = _shapes(kind, cfg, batch // rows_per_state, seq_len, shard)
@@ -132,9 +141,8 @@ def trace_body(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,
         in_specs=(smem, vmem, jax.tree.map(lambda _: hbm, w), jax.tree.map(lambda _: hbm, state)),
         out_specs=(vmem, jax.tree.map(lambda _: hbm, state), jax.tree.map(lambda _: hbm, steps)),
         scratch_shapes=scratch + shard_scratch)
-    axis_env = [] if shard is None else [(collectives.AXIS, shard.n_ranks)]
-    return dry_run.kernel_program(call, jax.ShapeDtypeStruct((batch,), jnp.int32), x, w, state,
-                                  axis_env=tuple(axis_env))
+    axis_env = () if shard is None else ((collectives.AXIS, shard.n_ranks),)
+    return call, (jax.ShapeDtypeStruct((batch,), jnp.int32), x, w, state), axis_env
 
 
 def stage_vmem(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.base.blocks import f32
 from mkresearch.kernels.stages import mla
 from mkresearch.kernels.stages.mla import MlaPlan, check_cache, latent_partial, make_plan
@@ -114,16 +114,18 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
     stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
     out_shape = (stat, stat,
                  jax.ShapeDtypeStruct((plan.batch, plan.n_heads, plan.kv_rank), jnp.float32))
-    # KV bytes for every row attending to the whole shard (kernels/base/costs.py)
-    cost = mla.latent_partial_cost(plan, (ckv, kx))
-    return pl.pallas_call(
-        functools.partial(mla_latent_partial_body, plan, **dict(indices)),
+    call = functools.partial(
+        pl.pallas_call, functools.partial(mla_latent_partial_body, plan, **dict(indices)),
         out_shape=out_shape,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, hbm, hbm],
         out_specs=(vmem, vmem, vmem),
-        cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape),
-        interpret=interpret,
-    )(counts, q_absorbed, q_extra, ckv, kx)
+        interpret=interpret)
+    # read off the body, every row attending to the whole shard (kernels/base/costs.py)
+    every_token = np.full((plan.batch,), plan.seq_len, np.int32)
+    cost = costs.body_cost(call(), counts, q_absorbed, q_extra, ckv, kx,
+                           inputs={0: every_token})
+    return call(cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape))(
+        counts, q_absorbed, q_extra, ckv, kx)
 
 
 def combine_partials(partials):

@@ -303,39 +303,9 @@ def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
     return blocks.rms_norm(rho_ref[...], gamma_ref[...], eps, n=latent)[:, :latent]
 
 
-def experts_fetched(plan: str, n_experts: int, batch: int, top_k: int) -> int:
-    """Experts one call DMAs, at most (module docstring): 'unique' min(E, B·k), 'routed' B·k,
-    'all' E."""
-    return {"all": n_experts, "routed": batch * top_k,
-            "unique": min(n_experts, batch * top_k)}[plan]
-
-
-def cost(options: Any, batch: int, top_k: int, routed: dict | None,
-        always_on: dict | None) -> costs.Cost:
-    """The FFN stage body's cost: routed latent experts (experts stacked [E, ...] in
-    their stored parts) and/or the always-on gated MLP; one layer's weights."""
-    per_unit = costs.ACTIVATION_TRANSCENDENTALS[options.activation]
-    cost = costs.Cost()
-    if routed is not None:
-        w1, w3, w2 = (routed["experts"][m] for m in ("w1", "w3", "w2"))
-        n_experts, hidden = w1[0].shape[0], w1[0].shape[-1]  # E, F
-        latent = options.latent  # the width the experts work on: the latent, or d without one
-        fetched = experts_fetched(options.plan, n_experts, batch, top_k)
-        one_expert = costs.nbytes(w1, w3, w2) // n_experts  # every stored part of W1, W3, W2
-        if "w_ld" in routed:  # the latent down and up projections and norm
-            cost += costs.Cost(flops=costs.matmul_flops(batch, routed["w_ld"], routed["w_lu"]),
-                         bytes_accessed=costs.nbytes(routed["w_ld"], routed["latent_norm"],
-                                               routed["w_lu"]))
-        # each fetched expert runs for all B rows (rows that did not choose it weigh 0)
-        cost += fetched * costs.Cost(flops=6 * batch * latent * hidden,
-                               transcendentals=per_unit * batch * hidden,
-                               bytes_accessed=one_expert)
-    if always_on is not None:
-        mats = list(always_on.values())  # W_gate, W_up (or the two as one [d, 2 S]), W_down
-        cost += costs.Cost(flops=costs.matmul_flops(batch, *mats),
-                     transcendentals=per_unit * batch * always_on["w_down"].shape[-2],
-                     bytes_accessed=costs.nbytes(mats))
-    return cost
+def _n_experts(routed: dict) -> int:
+    """E of routed experts stacked [E, ...] in their stored parts."""
+    return jax.tree.leaves(routed["experts"])[0].shape[0]
 
 
 # ---- the stage body and its wrappers -----------------------------------------------------------
@@ -460,20 +430,21 @@ def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interp
                 None if ids is None else _spec(_VMEM), None if weights is None else _spec(_VMEM),
                 _hbm_specs(routed), _hbm_specs(always_on))
     out_shape = jax.ShapeDtypeStruct(x.shape, out_dtype)
-    top_k = 0 if ids is None else ids.shape[1]
-    estimate = cost(options, x.shape[0], top_k, routed, always_on)
 
     def kernel(ids_smem, x_ref, ids_ref, weights_ref, routed_refs, always_on_refs, out_ref):
         routing = None if ids_ref is None else router.Routing(ids_ref, weights_ref, ids_smem, None)
         ffn_stage_body(x_ref, out_ref, stream=blocks.LOCAL_STREAM, options=options,
                        routed=routed_refs, routing=routing, always_on=always_on_refs)
 
-    return pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call, kernel,
         out_shape=out_shape, in_specs=in_specs, out_specs=_spec(_VMEM), interpret=interpret,
-        cost_estimate=estimate.estimate(ids, x, ids, weights, out_shape),
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
-    )(*args)
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES))
+    # read off the body (kernels/base/costs.py), the routing sharing no expert while it can
+    worst = {} if ids is None else {0: router.worst_routing(
+        _n_experts(routed), ids.shape[0], ids.shape[1])}
+    cost = costs.body_cost(call(), *args, inputs=worst)
+    return call(cost_estimate=cost.estimate(ids, x, ids, weights, out_shape))(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
@@ -483,9 +454,6 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
     del recording
     batch, top_k = x.shape[0], dict(router_options)["top_k"]
     out_shape = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-    estimate = (router.cost(batch, w_router,
-                            router_bias if dict(router_options)["use_bias"] else None)
-                + cost(options, batch, top_k, routed, always_on))
     plan = MoePlan(options, router_options, batch)
     weights = {"w_router": w_router, "router_bias": router_bias, **routed,
                **({SHARED_KEYS[part]: ref for part, ref in always_on.items()} if always_on
@@ -495,16 +463,18 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
         moe_layer_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
                                        stream=blocks.LOCAL_STREAM, scratch=router.Routing(*scratch)))
 
-    return pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call, kernel,
         out_shape=out_shape,
         in_specs=(_spec(_VMEM), _hbm_specs(weights)),
         out_specs=_spec(_VMEM),
         scratch_shapes=router.routing_scratch(batch, top_k),
-        cost_estimate=estimate.estimate(x, out_shape),
         interpret=interpret,
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES),
-    )(x, weights)
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES))
+    # read off the body (kernels/base/costs.py), the routing sharing no expert while it can
+    worst = router.worst_routing(_n_experts(routed), batch, top_k)
+    cost = costs.body_cost(call(), x, weights, given={router.ROUTING: lambda layer: worst})
+    return call(cost_estimate=cost.estimate(x, out_shape))(x, weights)
 
 
 # ---- checks (Python, before tracing) ----------------------------------------------------------

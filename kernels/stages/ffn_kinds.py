@@ -70,17 +70,9 @@ def _dense_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
             Streamed("w_down", "dense/w_down", (hidden, d)))
 
 
-def _moe_cost(plan: MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int) -> Any:
-    routed = {key: weights[key] for key in ROUTED_KEYS}
-    shared = gate_up.parts(weights, SHARED_KEYS) if cfg.n_shared_experts else None
-    bias = weights["router_bias"] if cfg.router_bias else None
-    return (router.cost(plan.batch, weights["w_router"], bias)
-            + experts.cost(plan.stage, plan.batch, cfg.top_k, routed, shared))
-
-
 MOE_KERNEL = register(KernelStage(
     name="moe", plan=_moe_plan, prepare=_moe_prepare, streamed=_moe_streamed,
-    body=moe_layer_body, scope=lambda plan: "MoE", cost=_moe_cost,
+    body=moe_layer_body, scope=lambda plan: "MoE",
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),
@@ -89,6 +81,4 @@ DENSE_KERNEL = register(KernelStage(
     name="dense", plan=lambda cfg, batch, seq_len, options: dense_options(cfg),
     prepare=lambda stack, cfg: gate_up.fuse(dict(stack), gate_up.DENSE_KEYS),
     streamed=_dense_streamed, body=dense_body,
-    scope=lambda plan: "dense",
-    cost=lambda plan, weights, state, cfg, batch: experts.cost(
-        plan, batch, 0, None, gate_up.parts(weights, gate_up.DENSE_KEYS))))
+    scope=lambda plan: "dense"))

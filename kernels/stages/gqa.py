@@ -229,20 +229,6 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
                   pltpu.SemaphoreType.DMA((2,)))
 
 
-# ---- the cost (XLA's estimate) --------------------------------------------------------------
-def layer_cost(plan: Any, weights: dict, cache: Any) -> costs.Cost:
-    """The body's cost; weights: one layer's by name; cache: the layer's K and V
-    [B, KV, S, D]. Every row at the last position: the whole cache is read, plus the 16-row
-    block around each new entry read and written. Scores and Σ α v per query head; RoPE's
-    cos and sin per row."""
-    kv = costs.nbytes(cache)
-    update = 2 * kv * UPDATE_ROWS // plan.seq_len
-    return (costs.attention(plan, plan.seq_len, plan.head_dim, plan.head_dim)
-            + costs.Cost(flops=costs.matmul_flops(plan.batch, *costs.matrices(weights)),
-                   transcendentals=plan.batch * plan.rope.dim,
-                   bytes_accessed=costs.nbytes(weights) + kv + update))
-
-
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -314,9 +300,7 @@ def gqa_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
 def _call(plan: GqaPlan, interpret: Any, recording: bool, indices: tuple, positions, x, weights,
           cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
-    # every row at the last position: the whole cache
-    cost = layer_cost(plan, weights, (cache["k"], cache["v"]))
-    return blocks.cache_stage_call(gqa_attention_body, plan, cost, interpret, indices, positions, x,
+    return blocks.cache_stage_call(gqa_attention_body, plan, interpret, indices, positions, x,
                                    weights, cache)
 
 
@@ -337,6 +321,4 @@ KERNEL = register(KernelStage(
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=gqa_attention_body,
-    scope=lambda plan: "GQA",
-    cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights,
-                                                            (state["k"], state["v"]))))
+    scope=lambda plan: "GQA"))

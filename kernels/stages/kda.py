@@ -295,20 +295,6 @@ def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamm
     return f32(bf16(normed * gate))
 
 
-# ---- the cost (XLA's estimate) --------------------------------------------------------------
-def layer_cost(plan: Any, weights: dict) -> costs.Cost:
-    """The body's cost for plan.batch rows; weights: one layer's, by name (vectors as
-    [n] or [1, n]). The conv and recurrent states are read and written whole."""
-    b, h, d = plan.batch, plan.n_heads, plan.head_dim
-    conv = b * (plan.conv_size - 1) * 3 * h * d * 2  # [B, conv-1, 3, H, D] bf16
-    state = b * h * d * d * 4  # [B, H, D, D] f32
-    # per (row, head): S̄ = e^λ·S (D²), S̄ᵀk (2D²), S̄ + k·(β(v − S̄ᵀk))ᵀ (2D²), Sᵀq (2D²);
-    # λ (exp, sigmoid), SiLU of q, k, v, the output gate: 6 transcendentals per channel
-    return costs.Cost(flops=costs.matmul_flops(b, *costs.matrices(weights)) + 7 * b * h * d * d,
-                transcendentals=6 * b * h * d,
-                bytes_accessed=costs.nbytes(weights) + 2 * (conv + state))
-
-
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -375,15 +361,15 @@ def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, wei
                                            state_in=state_in, state_out=state_out,
                                            stream=blocks.LOCAL_STREAM, indices=dict(indices)))
 
-    return pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call, kernel,
         out_shape=(out, state_shapes),
         in_specs=(vmem, jax.tree.map(lambda _: hbm, weights), jax.tree.map(lambda _: hbm, state)),
         out_specs=(vmem, jax.tree.map(lambda _: hbm, state)),
         input_output_aliases={n_in: 1, n_in + 1: 2},
-        cost_estimate=layer_cost(plan, weights).estimate(x, out),
-        interpret=interpret,
-    )(x, weights, state)
+        interpret=interpret)
+    cost = costs.body_cost(call(), x, weights, state)  # read off the body (kernels/base/costs.py)
+    return call(cost_estimate=cost.estimate(x, out))(x, weights, state)
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
@@ -402,5 +388,5 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
 KERNEL = register(KernelStage(
     name="kda", plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch),
     prepare=_prepare, streamed=_streamed, body=kda_attention_body,
-    scope=lambda plan: "KDA", cost=lambda plan, weights, state, cfg, batch: layer_cost(plan, weights)))
+    scope=lambda plan: "KDA"))
 

@@ -355,29 +355,6 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
                          pltpu.SemaphoreType.DMA((2, 2)))
 
 
-# ---- the cost (XLA's estimate) --------------------------------------------------------------
-def layer_cost(plan: Any, weights: dict, cache: dict) -> costs.Cost:
-    """The body's cost; weights: one layer's by name; cache: the layer's two cache
-    arrays [B, (H,) S, n]. Assumes every row at the last position (module docstring): the whole
-    cache is read, plus the 16-row block around each new entry read and written."""
-    kv = costs.nbytes(cache)
-    update = 2 * kv * UPDATE_ROWS // plan.seq_len  # per row and array: 16 rows in, 16 out
-    if plan.layout == "expanded":  # per head q·[k^C | k^X], Σ α v
-        keys, values = plan.qk_dim, plan.v_dim
-    else:  # absorbed: q̃·ĉ + q^X·k^X, Σ α ĉ (W_kvb's two sides are in the w_kvb matmul below)
-        keys, values = plan.kv_rank + plan.qk_extra, plan.kv_rank
-    gate = plan.batch * plan.n_heads * plan.v_dim  # σ of the output gate
-    return (costs.attention(plan, plan.seq_len, keys, values)
-            + costs.Cost(flops=costs.matmul_flops(plan.batch, *costs.matrices(weights)), transcendentals=gate,
-                   bytes_accessed=costs.nbytes(weights) + kv + update))
-
-
-def latent_partial_cost(plan: Any, cache: dict) -> costs.Cost:
-    """`mla_latent_partial` body over its shard: every row attends to the whole shard."""
-    return (costs.attention(plan, plan.seq_len, plan.kv_rank + plan.qk_extra, plan.kv_rank)
-            + costs.Cost(bytes_accessed=costs.nbytes(cache)))
-
-
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
@@ -480,8 +457,6 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
     out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
     n_in = 2 + len(jax.tree.leaves(weights))  # then the two cache arrays (a dict flattens sorted)
     names = sorted(cache)
-    # KV bytes for every row at the cache's last position: the whole cache (`layer_cost`)
-    cost = layer_cost(plan, weights, tuple(cache[name] for name in CACHE_NAMES[plan.layout]))
 
     def kernel(positions_ref, x_ref, weight_refs, cache_in, out_ref, cache_out):
         mla_attention_body(plan, StageRefs(x=x_ref, out=out_ref, weights=weight_refs,
@@ -489,17 +464,19 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
                                            positions=positions_ref, stream=blocks.LOCAL_STREAM,
                                            indices=dict(indices)))
 
-    return pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call, kernel,
         out_shape=(out, {name: jax.ShapeDtypeStruct(cache[name].shape, cache[name].dtype)
                          for name in names}),
         in_specs=(pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
                   jax.tree.map(lambda _: hbm, weights), {name: hbm for name in names}),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), {name: hbm for name in names}),
         input_output_aliases={n_in: 1, n_in + 1: 2},
-        cost_estimate=cost.estimate(positions, x, out),
-        interpret=interpret,
-    )(positions, x, weights, cache)
+        interpret=interpret)
+    # read off the body, every row at the cache's last position: the whole cache is read
+    cost = costs.body_cost(call(), positions, x, weights, cache,
+                           inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})
+    return call(cost_estimate=cost.estimate(positions, x, out))(positions, x, weights, cache)
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------
@@ -523,6 +500,4 @@ KERNEL = register(KernelStage(
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=mla_attention_body,
-    scope=lambda plan: f"MLA ({plan.layout})",
-    cost=lambda plan, weights, state, cfg, batch: layer_cost(
-        plan, weights, tuple(state[name] for name in CACHE_NAMES[plan.layout]))))
+    scope=lambda plan: f"MLA ({plan.layout})"))

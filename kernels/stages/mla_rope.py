@@ -123,13 +123,6 @@ def mla_rope_body(plan: MlaRopePlan, refs: StageRefs) -> None:
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-def layer_cost(plan: Any, weights: dict, cache: Any) -> costs.Cost:
-    """The body's cost: the latent MLA's cost without the output gate,
-    with RoPE's cos and sin per row."""
-    gate = plan.batch * plan.n_heads * plan.v_dim
-    return mla.layer_cost(plan, weights, cache) + costs.Cost(transcendentals=plan.batch * plan.qk_extra - gate)
-
-
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = mla.weight_shapes(cfg)
     return {name: shapes[name] for name in weight_names(cfg)}
@@ -193,8 +186,7 @@ def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
 def _call(plan: MlaRopePlan, interpret: Any, recording: bool, indices: tuple, positions, x,
           weights, cache):
     del recording  # a static argument only so recorded and silent traces are cached apart
-    cost = layer_cost(plan, weights, (cache["ckv"], cache["kpe"]))
-    return blocks.cache_stage_call(mla_rope_body, plan, cost, interpret, indices, positions, x,
+    return blocks.cache_stage_call(mla_rope_body, plan, interpret, indices, positions, x,
                                    weights, cache)
 
 
@@ -217,6 +209,4 @@ KERNEL = register(KernelStage(
     plan=lambda cfg, batch, seq_len, options: make_plan(cfg, batch, seq_len,
                                                         kv_tile=options.kv_tile),
     prepare=_prepare, streamed=_streamed, body=mla_rope_body,
-    scope=lambda plan: "MLA (rope, latent)",
-    cost=lambda plan, weights, state, cfg, batch: layer_cost(
-        plan, weights, (state["ckv"], state["kpe"]))))
+    scope=lambda plan: "MLA (rope, latent)"))

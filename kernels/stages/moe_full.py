@@ -107,21 +107,13 @@ def _streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
     return tuple(out)
 
 
-def _cost(plan: experts.MoePlan, weights: dict, state: dict, cfg: ModelConfig, batch: int):
-    shared = gate_up.parts(weights, experts.SHARED_KEYS) if cfg.n_shared_experts else None
-    bias = weights["router_bias"] if cfg.router_bias else None
-    return (router.cost(plan.batch, weights["w_router"], bias)
-            + experts.cost(plan.stage, plan.batch, cfg.top_k, {"experts": weights["experts"]},
-                        shared))
-
-
 KERNEL = register(KernelStage(
     name="moe_full",
     plan=lambda cfg, batch, seq_len, options: experts.MoePlan(
         stage_options(cfg, options.expert_plan, options.expert_slots, chip=options.chip),
         router_options(cfg), batch),
     prepare=_prepare, streamed=_streamed, body=experts.moe_layer_body,
-    scope=lambda plan: "MoE (full d)", cost=_cost,
+    scope=lambda plan: "MoE (full d)",
     scratch=lambda cfg, batch: tuple(zip(("router ids", "router weights", "router ids (SMEM)",
                                           "router weights (SMEM)"),
                                          router.routing_scratch(batch, cfg.top_k))),

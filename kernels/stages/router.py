@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -37,6 +38,12 @@ from mkresearch.model.config import ROUTER_SCORES, ModelConfig
 W_ROUTER, BIAS = "router/w_router", "router/bias"
 TO_SMEM = ("router/ids_to_smem", "router/weights_to_smem")
 ROUTING = "routing"  # what a dry run is given: a layer's expert ids [B, k] (`dry_run.given`)
+
+
+def worst_routing(n_experts: int, batch: int, top_k: int) -> np.ndarray:
+    """[B, k] expert ids sharing no expert while they can: min(E, B·k) distinct experts (the
+    cost estimate's worst case, `kernels/base/costs.py`)."""
+    return (np.arange(batch * top_k).reshape(batch, top_k) % n_experts).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -127,13 +134,6 @@ def _choose(logits: jax.Array, bias: Any, top_k: int, router_score: str, routed_
     return ids, chosen * routed_scale
 
 
-def cost(batch: int, w_router: Any, bias: Any | None) -> costs.Cost:
-    """The router body's cost: x W_r streamed, the bias if used, one score per logit.
-    (The ids' VMEM -> SMEM copy is not HBM traffic.)"""
-    return costs.Cost(flops=costs.matmul_flops(batch, w_router), transcendentals=batch * w_router.shape[1],
-                bytes_accessed=costs.nbytes(w_router, bias))
-
-
 def limit_to_groups(select: jax.Array, expert_iota: jax.Array, groups: int,
                     topk_groups: int) -> jax.Array:
     """Stage one of the two-stage top-k (DeepSeek-V3's group-limited routing), on vectors:
@@ -203,16 +203,18 @@ def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, 
     vmem, smem = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
     out_shape = (jax.ShapeDtypeStruct((batch, top_k), jnp.int32),
                  jax.ShapeDtypeStruct((batch, top_k), jnp.float32))
-    ids, weights, ids_smem, weights_smem = pl.pallas_call(
-        body,
+    call = functools.partial(
+        pl.pallas_call, body,
         out_shape=out_shape * 2,
         in_specs=[pl.BlockSpec(memory_space=vmem), pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=(pl.BlockSpec(memory_space=vmem),) * 2 + (pl.BlockSpec(memory_space=smem),) * 2,
-        cost_estimate=cost(batch, w_router, bias if use_bias else None).estimate(
-            x, out_shape * 2),
-        interpret=interpret,
-    )(x, w_router, bias)
+        interpret=interpret)
+    # read off the body (kernels/base/costs.py): its dry run states the routing as given
+    worst = worst_routing(n_experts, batch, top_k)
+    cost = costs.body_cost(call(), x, w_router, bias, given={ROUTING: lambda layer: worst})
+    ids, weights, ids_smem, weights_smem = call(cost_estimate=cost.estimate(x, out_shape * 2))(
+        x, w_router, bias)
     del ids, weights  # the SMEM copies are what the expert stage consumes
     return ids_smem, weights_smem
 

@@ -280,15 +280,6 @@ class _LmHeadTiles:
                                         use_candidates=self.use_candidates)
 
 
-def cost(batch: int, lm_head: Any, n_mixed: int) -> costs.Cost:
-    """The sampling body's cost: the final mix of n_mixed candidates (the FLOPs
-    its phase logs), the LM head streamed once with the logits kept in VMEM; an exp
-    (log-sum-exp) and the Gumbel noise's log per logit."""
-    mix = 6 * n_mixed * batch * lm_head.shape[0]
-    return costs.Cost(flops=costs.matmul_flops(batch, lm_head) + mix,
-                transcendentals=2 * batch * lm_head.shape[1], bytes_accessed=costs.nbytes(lm_head))
-
-
 # ---- the wrapper -----------------------------------------------------------------------------
 class SampleResult(NamedTuple):
     tokens: jax.Array  # [B] i32
@@ -353,8 +344,8 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
                              softcap=softcap, use_gumbel=use_gumbel, use_candidates=use_candidates,
                              return_logits=return_logits)
     tile_bytes = 2 * d * vocab_tile * 2
-    outs = pl.pallas_call(
-        body,
+    call = functools.partial(
+        pl.pallas_call, body,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [vmem] * 8
         + [pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[vmem] * len(out_shape),
@@ -362,12 +353,13 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
         scratch_shapes=[pltpu.VMEM((2, d, vocab_tile), lm_head.dtype),
                         pltpu.SemaphoreType.DMA((2,))],
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=tile_bytes + 32 * 1024 * 1024),
-        cost_estimate=cost(batch, lm_head, snapshots.shape[0] + 1).estimate(
-            seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
-            out_shape),
-        interpret=interpret,
-    )(seed, positions[:, None], temperature[:, None], top_k[:, None], top_p[:, None],
-      snapshots, partial, mix_out[None], final_norm[None], lm_head)
+        interpret=interpret)
+    args = (seed, positions[:, None], temperature[:, None], top_k[:, None], top_p[:, None],
+            snapshots, partial, mix_out[None], final_norm[None], lm_head)
+    cost = costs.body_cost(call(), *args)  # read off the body (kernels/base/costs.py)
+    outs = call(cost_estimate=cost.estimate(
+        seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
+        out_shape))(*args)
     tokens, overflow = outs[0][:, 0], outs[1][:, 0] != 0
     return tokens, overflow, (outs[2] if return_logits else None)
 
