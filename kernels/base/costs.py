@@ -40,9 +40,12 @@ worst case moves exactly the estimate (the dry run is given that case: `worst_po
   routed experts  plan "unique": min(E, B·k) distinct experts (no two choices share one);
                   "routed": B·k fetches; "all": E
 A stand-alone wrapper adds the operands and results Pallas copies between HBM and VMEM/SMEM
-around the body (`Cost.estimate(*io)`); the megakernel sums each kind's body cost over its layers
-(`megakernel_plan.step_cost`: one layer of the kind traced as the megakernel calls it), its
-activations never leaving VMEM.
+around the body (`Cost.estimate(*io)`). The megakernel's cost is its whole step kernel's
+(`megakernel.step_cost`: every stage body over its layers, the embedding rows, the per-layer
+vectors and the sampling stage, its activations never leaving VMEM; a rank of a sharded build as
+rank 0, one program serving every rank), its bytes exactly the worst-case schedule's
+(`schedule.schedule(plan)`); one layer of a kind as the megakernel runs it is
+`megakernel_plan.stage_cost`. A kind writes no cost down: a new one has its cost from its body.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ pallas_call) exist to test exactly that, on its own.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 

@@ -47,7 +47,11 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     make_plan,
 )
 from mkresearch.kernels.sharded import collectives
-from mkresearch.kernels.stages import residuals, router, sampling  # the kinds: megakernel_plan registers
+from mkresearch.kernels.stages import (  # the kinds: megakernel_plan registers
+    residuals,
+    router,
+    sampling,
+)
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, roofline, weights

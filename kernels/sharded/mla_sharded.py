@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.base.blocks import f32
-from mkresearch.kernels.stages import mla
 from mkresearch.kernels.stages.mla import MlaPlan, check_cache, latent_partial, make_plan
 
 from mkresearch.hardware import tpu

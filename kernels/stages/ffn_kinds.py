@@ -13,12 +13,11 @@ from typing import Any
 import jax.numpy as jnp
 from mkresearch.kernels.base import quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
-from mkresearch.kernels.stages import experts, gate_up, router
+from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.experts import (
     EXPERT_MATRICES,
     LATENT_DOWN,
     LATENT_UP,
-    ROUTED_KEYS,
     SHARED_KEYS,
     MoePlan,
     dense_body,

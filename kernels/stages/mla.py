@@ -55,7 +55,6 @@ from mkresearch.kernels.base.kv_tiles import (
     tile_loop,
 )
 from mkresearch.kernels.base.kv_update import (
-    UPDATE_ROWS,
     update_expanded,
     update_latent,
 )
