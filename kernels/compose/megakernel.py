@@ -165,8 +165,11 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
               pages: Any = None, live: dict | None = None) -> costs.Cost:
     """The step's cost (its body's: every stage over its layers, the embedding rows, the
     per-layer vectors, the sampling stage), read off the step's kernel: its `pallas_call`
-    traced on shapes and dry-run in the worst case (`worst_case`; a rank of a sharded build
-    as rank 0: every rank runs one program). Arguments: `step_call`'s (arrays or shapes)."""
+    traced on shapes and dry-run in the worst case (`worst_case`). A rank of a sharded build
+    declares rank 0's (one program serves every rank; rank 0 holds the first vocabulary rows
+    and the first experts, which the worst case's token and routing choose; like every rank in
+    partial-sum mode it skips the matrices whose slice it holds is only padding).
+    Arguments: `step_call`'s (arrays or shapes)."""
     def step(inputs, weights, state):
         return step_call(plan, None, use_gumbel, use_candidates, return_logits, inputs, weights,
                          state, shard=shard, pages=pages, live=live)
