@@ -15,7 +15,8 @@ on shapes, its program run with only its scalar work computed):
                   often as the run executes it: a loop body the run computes as many times as it
                   ran (a KV tile loop, the expert loop: their trip counts come from the
                   positions and the routing), a loop it does not compute its static trip count
-                  times (a `fori_loop` with static bounds is a scan), a branch the run decides
+                  times (a `fori_loop` with static bounds is a scan), a while loop whose end
+                  vector data decide (the nucleus's candidates) once, a branch the run decides
                   the branch it took, one it does not the costlier branch.
 
 What counts (`equation_cost`, the one rule; XLA's own HloCostAnalysis counts the same way):

@@ -128,7 +128,8 @@ class Slicer:
     of their outputs, compiled to steps: worked out once per (program, needed outputs) and kept.
     extra: rules beyond refs and control flow ({primitive name: rule(eqn, mask, values)});
     every_loop: every `while` loop is run (its condition computed) even if nothing needs its
-    outputs, so that a run knows every loop's trip count (a cost's, `kernels/base/costs.py`)."""
+    outputs, so that a run knows every loop's trip count (a cost's, `kernels/base/costs.py`);
+    one whose end data decides (vector values) runs its body once."""
 
     def __init__(self, extra: dict | None = None, every_loop: bool = False) -> None:
         self.every_loop = every_loop  # run every while loop, needed or not (its trip count)
@@ -538,9 +539,15 @@ def control_rules(extra: dict, slicer: Slicer) -> dict:
         n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
         cond_consts, body_consts = values[:n_cond], values[n_cond:n_cond + n_body]
         carry, carry_mask = values[n_cond + n_body:], slicer.loop_carry(eqn, mask)
-        while known(sub(p["cond_jaxpr"], [*cond_consts, *carry], (True,))[0], "a loop's end"):
+        while True:
+            go = sub(p["cond_jaxpr"], [*cond_consts, *carry], (True,))[0]
+            if go is UNKNOWN and slicer.every_loop:  # a cost's run: a trip count data
+                # decide counts once; what reads its outputs knows none of them
+                sub(p["body_jaxpr"], [*body_consts, *carry], carry_mask)
+                return [UNKNOWN] * len(carry)
+            if not known(go, "a loop's end"):
+                return carry
             carry = sub(p["body_jaxpr"], [*body_consts, *carry], carry_mask)
-        return carry
 
     def scan(eqn, mask, values):
         p = eqn.params
