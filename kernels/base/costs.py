@@ -138,8 +138,9 @@ def program_cost(jaxpr: core.Jaxpr, runs: dict) -> tuple[int, int]:
     """(FLOPs, transcendentals) of a kernel program run once, each equation counted as often as
     it executes: runs is the dry run's {program: times evaluated} (`dry_run.run(runs=)`); a
     program the run did not compute executes as often as its equation does (a scan's length
-    times, the costlier branch of a cond). A loop whose trip count the run does not know (a
-    `while` it did not compute, e.g. a wait) must compute nothing that counts."""
+    times, the costlier branch of a cond). A `while` the run did not compute (a cost's run
+    computes every one it reaches: `dry_run.trace_kernel(every_loop=True)`) must compute nothing
+    that counts: its trip count is unknown."""
     counted: set = set()
 
     def walk(program, times):
@@ -164,9 +165,9 @@ def program_cost(jaxpr: core.Jaxpr, runs: dict) -> tuple[int, int]:
             return max((walk(sub, times) for sub in subs), key=tuple, default=np.zeros(2, np.int64))
         if name == "while" and times:  # its trip count unknown: fine if it computes nothing
             if any(walk(sub, 1).any() for sub in subs):
-                raise shape_run.DryRunError("a loop whose trip count the dry run does not "
-                                            "compute (a while loop issuing no DMA) computes "
-                                            "FLOPs: their count is unknown")
+                raise shape_run.DryRunError("a while loop whose trip count the dry run does "
+                                            "not compute computes FLOPs: their count is "
+                                            "unknown")
             return np.zeros(2, np.int64)
         if name == "scan":
             times *= eqn.params["length"]

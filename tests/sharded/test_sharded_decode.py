@@ -22,6 +22,7 @@ ranks, greedy and sampled, the whole mini) is opt-in.
 """
 
 import contextlib
+import functools
 import os
 import time
 from unittest import mock
@@ -95,6 +96,13 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _count_traced(calls: list, pallas_call, *args, **kwargs):
+    """pallas_call, noting in `calls` a call traced for the step (not for its cost estimate's
+    dry run, kernels/base/costs.py)."""
+    calls.extend(() if dry_run.tracing() else ("pallas_call",))
+    return pallas_call(*args, **kwargs)
+
+
 def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False, cfg=MINI,
         prompt_seed=0, prompt_len=PROMPT_LEN):
     """n_steps of cfg teacher-forced on the single-device megakernel (module docstring) after a
@@ -122,12 +130,8 @@ def run(params, n_ranks, batch, n_steps, *, etp=None, sample=None, record=False,
         started = time.perf_counter()
         # the pallas_calls traced for one rank's program (shard_map traces it once for all);
         # not the cost estimate's dry-run trace of the same call (kernels/base/costs.py)
-        calls, pallas_call = [], pl.pallas_call
-
-        def traced(*args, **kwargs):
-            calls.extend(() if dry_run.tracing() else ("pallas_call",))
-            return pallas_call(*args, **kwargs)
-
+        calls: list = []
+        traced = functools.partial(_count_traced, calls, pl.pallas_call)
         with dma.recording() if record else contextlib.nullcontext() as log, mock.patch.object(
                 pl, "pallas_call", traced):
             sh_tokens, sh_state, sh_aux = ms.decode_step(
