@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import dma, kv_update
 from mkresearch.kernels.sharded import mla_sharded
 from mkresearch.kernels.stages import kda, mla
 
@@ -110,7 +110,7 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
     assert len(log.select("dma_start", "mla.kv.")) == 2 * tiles  # two cache arrays per tile
     # the in-place write: one aligned 16-row block read and written per row and cache array
     entry = kv_cache.kv_bytes_per_token(cfg)
-    assert log.dma_bytes("mla.kv_update") == batch * 2 * mla.UPDATE_ROWS * entry
+    assert log.dma_bytes("mla.kv_update") == batch * 2 * kv_update.UPDATE_ROWS * entry
     # every weight byte of the layer went through the DMA log exactly once
     weight_bytes = sum(int(np.prod(p[name].shape)) * 2 for name in mla.WEIGHT_NAMES)
     assert log.dma_bytes("mla.w_") + log.dma_bytes("mla.q_norm") + log.dma_bytes(
