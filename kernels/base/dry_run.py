@@ -120,8 +120,7 @@ class Kernel:
     """A kernel program traced for dry runs (`trace_kernel`), and what its runs compute of it."""
 
     jaxpr: core.Jaxpr
-    slicer: shape_run.Slicer = field(compare=False, default_factory=lambda: shape_run.Slicer(
-        {"io_callback": _callback, "axis_index": _axis_index}))
+    slicer: shape_run.Slicer = field(compare=False)  # what its runs compute (`trace_kernel`)
 
 
 def trace_kernel(fn: Any, *args: Any, axis_env: tuple = (), every_loop: bool = False) -> Kernel:
