@@ -256,6 +256,5 @@ def cache_stage_call(body, plan, interpret, indices: tuple, positions, x, weight
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), cache_specs),
         input_output_aliases={n_in + i: 1 + i for i in range(len(cache))},
         interpret=interpret)
-    cost = costs.body_cost(call(), positions, x, weights, cache,
-                           inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})
-    return call(cost_estimate=cost.estimate(positions, x, out))(positions, x, weights, cache)
+    return costs.costed_call(call, positions, x, weights, cache, io=(positions, x, out),
+                             inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})

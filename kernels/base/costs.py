@@ -203,6 +203,16 @@ def body_cost(call: Any, *args: Any, inputs: dict | None = None, given: dict | N
     return kernel_cost(kernel, inputs, given, rank)
 
 
+def costed_call(call: Any, *args: Any, io: tuple = (), inputs: dict | None = None,
+                given: dict | None = None, times: int = 1) -> Any:
+    """call(cost_estimate=...)(*args): a stand-alone kernel run with the cost read off its body.
+    call: `functools.partial(pl.pallas_call, body, ...)` without an estimate; the body's cost
+    (`body_cost`, with `inputs` and `given` its worst case; `times` bodies: a grid's steps) plus
+    the bytes of `io`, the operands and results Pallas copies around the body."""
+    cost = body_cost(call(), *args, inputs=inputs, given=given) * times
+    return call(cost_estimate=cost.estimate(*io))(*args)
+
+
 def worst_positions(batch: int, seq_len: int) -> np.ndarray:
     """[B] i32: every row at the cache's last position (the estimate's worst case)."""
     return np.full((batch,), seq_len - 1, np.int32)

@@ -112,8 +112,7 @@ def _gemv_blockspec_call(x, w, *, block_k, interpret, recording):
         interpret=interpret)
     # the body (one grid step: it issues no DMA) once per block; the pipeline copies x, the w
     # blocks and the output, each once
-    cost = costs.body_cost(call(), x, w) * (k // block_k)
-    return call(cost_estimate=cost.estimate(x, w, out_shape))(x, w)
+    return costs.costed_call(call, x, w, io=(x, w, out_shape), times=k // block_k)
 
 
 def gemv_blockspec(x: jax.Array, w: jax.Array, *, block_k: int = 256) -> jax.Array:
@@ -176,8 +175,8 @@ def _gemv_stream_call(x, w, *, block_k, n_buffers, interpret, recording):
         scratch_shapes=[pltpu.VMEM((n_buffers, block_k, n), w.dtype),
                         pltpu.SemaphoreType.DMA((n_buffers,))],
         interpret=interpret)
-    cost = costs.body_cost(call(), x_blocks, w)  # read off the body (kernels/base/costs.py)
-    return call(cost_estimate=cost.estimate(x_blocks, out_shape))(x_blocks, w)
+    # read off the body (kernels/base/costs.py)
+    return costs.costed_call(call, x_blocks, w, io=(x_blocks, out_shape))
 
 
 def gemv_stream(x: jax.Array, w: jax.Array, *, block_k: int = 256, n_buffers: int = 2) -> jax.Array:

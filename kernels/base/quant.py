@@ -247,9 +247,8 @@ def _decode_call(parts: tuple, expert_format: str, mxfp4_decode: str, interpret:
         scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in structs]
         + [pltpu.SemaphoreType.DMA((len(parts),))],
         interpret=interpret)
-    cost = costs.body_cost(call(), *parts)  # read off the body (kernels/base/costs.py)
-    return call(cost_estimate=cost.estimate(  # + the bf16 [K, N] result
-        jax.ShapeDtypeStruct((k, n), jnp.bfloat16)))(*parts)
+    # read off the body (kernels/base/costs.py), + the bf16 [K, N] result
+    return costs.costed_call(call, *parts, io=(jax.ShapeDtypeStruct((k, n), jnp.bfloat16),))
 
 
 def _logical_shape(parts: Sequence[Any], expert_format: str) -> tuple[int, int]:

@@ -121,10 +121,8 @@ def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple
         interpret=interpret)
     # read off the body, every row attending to the whole shard (kernels/base/costs.py)
     every_token = np.full((plan.batch,), plan.seq_len, np.int32)
-    cost = costs.body_cost(call(), counts, q_absorbed, q_extra, ckv, kx,
-                           inputs={0: every_token})
-    return call(cost_estimate=cost.estimate(counts, q_absorbed, q_extra, out_shape))(
-        counts, q_absorbed, q_extra, ckv, kx)
+    return costs.costed_call(call, counts, q_absorbed, q_extra, ckv, kx,
+                             io=(counts, q_absorbed, q_extra, out_shape), inputs={0: every_token})
 
 
 def combine_partials(partials):

@@ -443,8 +443,7 @@ def stage_call(x, ids, weights, routed, always_on, *, options, out_dtype, interp
     # read off the body (kernels/base/costs.py), the routing sharing no expert while it can
     worst = {} if ids is None else {0: router.worst_routing(
         _n_experts(routed), ids.shape[0], ids.shape[1])}
-    cost = costs.body_cost(call(), *args, inputs=worst)
-    return call(cost_estimate=cost.estimate(ids, x, ids, weights, out_shape))(*args)
+    return costs.costed_call(call, *args, io=(ids, x, ids, weights, out_shape), inputs=worst)
 
 
 @functools.partial(jax.jit, static_argnames=("options", "router_options", "interpret",
@@ -473,8 +472,8 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES))
     # read off the body (kernels/base/costs.py), the routing sharing no expert while it can
     worst = router.worst_routing(_n_experts(routed), batch, top_k)
-    cost = costs.body_cost(call(), x, weights, given={router.ROUTING: lambda layer: worst})
-    return call(cost_estimate=cost.estimate(x, out_shape))(x, weights)
+    return costs.costed_call(call, x, weights, io=(x, out_shape),
+                             given={router.ROUTING: lambda layer: worst})
 
 
 # ---- checks (Python, before tracing) ----------------------------------------------------------

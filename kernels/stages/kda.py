@@ -368,8 +368,8 @@ def _call(plan: KdaPlan, interpret: Any, recording: bool, indices: tuple, x, wei
         out_specs=(vmem, jax.tree.map(lambda _: hbm, state)),
         input_output_aliases={n_in: 1, n_in + 1: 2},
         interpret=interpret)
-    cost = costs.body_cost(call(), x, weights, state)  # read off the body (kernels/base/costs.py)
-    return call(cost_estimate=cost.estimate(x, out))(x, weights, state)
+    # read off the body (kernels/base/costs.py)
+    return costs.costed_call(call, x, weights, state, io=(x, out))
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------

@@ -473,9 +473,8 @@ def _call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positi
         input_output_aliases={n_in: 1, n_in + 1: 2},
         interpret=interpret)
     # read off the body, every row at the cache's last position: the whole cache is read
-    cost = costs.body_cost(call(), positions, x, weights, cache,
-                           inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})
-    return call(cost_estimate=cost.estimate(positions, x, out))(positions, x, weights, cache)
+    return costs.costed_call(call, positions, x, weights, cache, io=(positions, x, out),
+                             inputs={0: costs.worst_positions(plan.batch, plan.seq_len)})
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------

@@ -212,9 +212,8 @@ def _route_call(x, w_router, router_bias, *, top_k, router_score, routed_scale, 
         interpret=interpret)
     # read off the body (kernels/base/costs.py): its dry run states the routing as given
     worst = worst_routing(n_experts, batch, top_k)
-    cost = costs.body_cost(call(), x, w_router, bias, given={ROUTING: lambda layer: worst})
-    ids, weights, ids_smem, weights_smem = call(cost_estimate=cost.estimate(x, out_shape * 2))(
-        x, w_router, bias)
+    ids, weights, ids_smem, weights_smem = costs.costed_call(
+        call, x, w_router, bias, io=(x, out_shape * 2), given={ROUTING: lambda layer: worst})
     del ids, weights  # the SMEM copies are what the expert stage consumes
     return ids_smem, weights_smem
 

@@ -356,10 +356,9 @@ def _sampling_call(seed, positions, temperature, top_k, top_p, snapshots, partia
         interpret=interpret)
     args = (seed, positions[:, None], temperature[:, None], top_k[:, None], top_p[:, None],
             snapshots, partial, mix_out[None], final_norm[None], lm_head)
-    cost = costs.body_cost(call(), *args)  # read off the body (kernels/base/costs.py)
-    outs = call(cost_estimate=cost.estimate(
+    outs = costs.costed_call(call, *args, io=(  # read off the body (kernels/base/costs.py)
         seed, positions, temperature, top_k, top_p, snapshots, partial, mix_out, final_norm,
-        out_shape))(*args)
+        out_shape))
     tokens, overflow = outs[0][:, 0], outs[1][:, 0] != 0
     return tokens, overflow, (outs[2] if return_logits else None)
 
