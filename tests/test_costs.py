@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import costs, dma, gemv, quant
+from mkresearch.kernels.base import costs, dma, dry_run, gemv, quant
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import schedule
 from mkresearch.kernels.sharded import mla_sharded
@@ -256,3 +256,27 @@ def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
           f"{compiled.bytes_accessed:,.0f} B")
     assert compiled.mosaic_cost["bytes_accessed"] == size(layer) + 2 * size(x)
     assert compiled.bytes_accessed >= size(layer)
+
+
+@pytest.mark.parametrize("kernel", ["gemv-stream", "megakernel"])
+def test_an_estimate_only_where_xla_reads_it(kernel):
+    """Interpret mode drops a pallas_call's cost estimate (jax's interpret_pallas_call deletes
+    it), so a kernel built for it declares none and its body is not traced a second time for
+    one (`costs.wanted`); built for Mosaic (`tpu.compiling`, as `tpu.compile_for` and
+    `costs.declared` build) it declares the cost read off its body."""
+    if kernel == "gemv-stream":
+        run, args, _ = gemv_stage(None, None, "stream")
+    else:
+        plan = mk.make_plan(MINI, 1, MINI.max_seq_len)
+        args = mk.step_shapes(plan)
+
+        def run(i, w, s):
+            return mk.step_call(plan, tpu.interpret_params(), False, False, False, i, w, s)
+    shapes = costs.shapes(args)
+    assert tpu.interpret_params() is not None  # this machine: interpret mode
+    traced = dry_run.kernel_call(run, *shapes)
+    assert traced.params["cost_estimate"] is None
+    with tpu.compiling():  # a new function: make_jaxpr would reuse run's interpret-mode trace
+        built = dry_run.kernel_call(lambda *a: run(*a), *shapes)
+    estimate = built.params["cost_estimate"]
+    assert estimate.bytes_accessed == costs.declared(run, *shapes).bytes_accessed > 0

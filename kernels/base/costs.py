@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax.experimental import pallas as pl
+from mkresearch.hardware import tpu
 from mkresearch.kernels.base import dry_run, shape_run
 
 
@@ -203,12 +204,23 @@ def body_cost(call: Any, *args: Any, inputs: dict | None = None, given: dict | N
     return kernel_cost(kernel, inputs, given, rank)
 
 
+def wanted(interpret: Any) -> bool:
+    """Whether a `pallas_call` built with `interpret` needs its cost estimate: only one built for
+    Mosaic (interpret None or False), whose estimate XLA's TPU scheduler reads. Interpret mode
+    drops it (jax's `interpret_pallas_call` deletes the parameter), so reading the body's cost
+    there would trace the kernel a second time for nothing. `declared` builds for Mosaic."""
+    return not interpret
+
+
 def costed_call(call: Any, *args: Any, io: tuple = (), inputs: dict | None = None,
                 given: dict | None = None, times: int = 1) -> Any:
     """call(cost_estimate=...)(*args): a stand-alone kernel run with the cost read off its body.
-    call: `functools.partial(pl.pallas_call, body, ...)` without an estimate; the body's cost
-    (`body_cost`, with `inputs` and `given` its worst case; `times` bodies: a grid's steps) plus
-    the bytes of `io`, the operands and results Pallas copies around the body."""
+    call: `functools.partial(pl.pallas_call, body, ..., interpret=...)` without an estimate; the
+    body's cost (`body_cost`, with `inputs` and `given` its worst case; `times` bodies: a grid's
+    steps) plus the bytes of `io`, the operands and results Pallas copies around the body. In
+    interpret mode no estimate (`wanted`)."""
+    if not wanted(call.keywords.get("interpret")):
+        return call()(*args)
     cost = body_cost(call(), *args, inputs=inputs, given=given) * times
     return call(cost_estimate=cost.estimate(*io))(*args)
 
@@ -220,6 +232,12 @@ def worst_positions(batch: int, seq_len: int) -> np.ndarray:
 
 def declared(fn: Any, *args: Any, axis_env: tuple = ()) -> Cost:
     """What the one `pallas_call` of fn(*args) declares to XLA (its `cost_estimate`), traced on
-    shapes: the cost read off its body plus the operands and results Pallas copies around it."""
-    estimate = dry_run.kernel_call(fn, *shapes(args), axis_env=axis_env).params["cost_estimate"]
+    shapes as it is built for Mosaic (`tpu.compiling`: interpret mode declares none, `wanted`):
+    the cost read off its body plus the operands and results Pallas copies around it."""
+    def built(*values):  # a new function: a trace of fn cached from interpret mode is not reused
+        return fn(*values)
+
+    with tpu.compiling():
+        call = dry_run.kernel_call(built, *shapes(args), axis_env=axis_env)
+    estimate = call.params["cost_estimate"]
     return Cost(estimate.flops, estimate.transcendentals, estimate.bytes_accessed)

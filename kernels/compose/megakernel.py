@@ -115,8 +115,8 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     per_position = per_position_shapes(plan, state)
     outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
     # read off the step's body (`step_cost`); + the SMEM/VMEM operands and results (none in a
-    # dry run's trace: the cost's own, or the schedule's)
-    cost = None if dry_run.tracing() else step_cost(
+    # dry run's trace: the cost's own, or the schedule's; none in interpret mode: `costs.wanted`)
+    cost = None if dry_run.tracing() or not costs.wanted(interpret) else step_cost(
         plan, inputs, weights, state, use_gumbel=use_gumbel, use_candidates=use_candidates,
         return_logits=return_logits, shard=shard, pages=pages, live=live).estimate(inputs, outputs)
     state_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
