@@ -75,12 +75,15 @@ def pytest_runtest_teardown(item, nextitem):
 # The modules that take longest (measured with --durations), first: xdist's loadfile hands modules
 # to its two workers in collection order, and a long module handed out last leaves one worker idle
 # while the other finishes it.
-LONGEST_MODULES = ("test_sharded.py", "test_multihost.py", "test_megakernel_verify.py",
-                   "test_megakernel.py", "test_families_megakernel.py", "test_browser.py",
-                   "test_schedule.py",
-                   "test_cli.py", "test_batch_invariance.py", "test_serve.py",
-                   "test_paged_kv.py", "test_attention_kernels.py",
-                   "test_families_moe_kernels.py")
+LONGEST_MODULES = (  # measured (--durations=0 over a whole run), longest first, >= ~20 s each
+    "test_sharded.py", "test_multihost.py", "test_schedule.py", "test_megakernel.py",
+    "test_megakernel_verify.py", "test_speculative.py", "test_cli.py", "test_costs.py",
+    "test_families_megakernel.py", "test_attention_kernels.py", "test_batch_invariance.py",
+    "test_paged_kv.py", "test_expert_kernel.py", "test_cli_checkpoint.py", "test_scale_out.py",
+    "test_browser.py", "test_cli_speculative.py", "test_sampling_kernel.py", "test_families.py",
+    "test_partial_sum_claim.py", "test_checkpoint.py", "test_weights.py",
+    "test_families_attention_kernels.py", "test_families_moe_kernels.py", "test_full_size.py",
+    "test_reference.py", "test_serve.py")
 
 
 def _module_rank(item) -> int:
