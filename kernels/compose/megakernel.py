@@ -45,6 +45,7 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     MegakernelOptions,
     MegaPlan,
     make_plan,
+    sampled_outputs,
 )
 from mkresearch.kernels.sharded import collectives
 from mkresearch.kernels.stages import (  # the kinds: megakernel_plan registers
@@ -110,10 +111,10 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     cfg, batch = plan.cfg, plan.batch
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)  # noqa: E731
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
-    outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
+    # the sampled tokens and overflow: the VMEM plan's list (`sampled_outputs`)
+    outputs = StepOutputs(*(s for _, s in sampled_outputs(batch)), logits, per_position)
     # read off the step's body (`step_cost`); + the SMEM/VMEM operands and results (none in a
     # dry run's trace: the cost's own, or the schedule's)
     cost = None if dry_run.tracing() else step_cost(
