@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mkresearch.kernels.base import costs, dma, gemv, quant
+from mkresearch.kernels.base import costs, dma, dry_run, gemv, quant
 from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.kernels.compose import schedule
-from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.sharded import collectives, mla_sharded
 from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 
 from mkresearch.hardware import tpu
@@ -41,6 +42,7 @@ from mkresearch.measurement import logs
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline as tl
+from mkresearch.sharding import layout as layouts
 
 MINI = config.get_config("kimi-k3-mini")
 BATCHES = (1, 2)
@@ -256,3 +258,25 @@ def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
           f"{compiled.bytes_accessed:,.0f} B")
     assert compiled.mosaic_cost["bytes_accessed"] == size(layer) + 2 * size(x)
     assert compiled.bytes_accessed >= size(layer)
+
+
+def test_sharded_step_declares_the_most_any_rank_moves():
+    """One program serves every rank of a sharded build and XLA's estimate is per device: the
+    step declares the most any rank's worst case moves. Each rank's own dry run, shapes only
+    (no devices): its rows' token in its vocab shard, its own experts routed (kimi-k3-mini on 8
+    ranks, partial sums, B = 2: the ranks move different bytes)."""
+    n = 8
+    plan = sharded.make_sharded_plan(layouts.layout(MINI, n, collectives="partial-sum"), 2)
+    inputs, *stacked = sharded.step_shapes(plan)
+    one_rank = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), stacked)
+
+    def step(*args):
+        return mk.step_call(plan.mega, None, False, False, False, *args, shard=plan.shard)
+
+    kernel = dry_run.trace_kernel(step, inputs, *one_rank, axis_env=((collectives.AXIS, n),))
+    moved = [sum(d.nbytes for d in dry_run.run(kernel, *mk.worst_case(plan.mega, plan.shard, r),
+                                                rank=r) if d.kind == "dma_start" and d.hbm)
+             for r in range(n)]
+    assert len(set(moved)) > 1  # the ranks differ: which one is the most is not assumed
+    declared = mk.step_cost(plan.mega, inputs, *one_rank, shard=plan.shard)
+    assert declared.bytes_accessed == max(moved)

@@ -43,10 +43,11 @@ worst case moves exactly the estimate (the dry run is given that case: `worst_po
 A stand-alone wrapper adds the operands and results Pallas copies between HBM and VMEM/SMEM
 around the body (`Cost.estimate(*io)`). The megakernel's cost is its whole step kernel's
 (`megakernel.step_cost`: every stage body over its layers, the embedding rows, the per-layer
-vectors and the sampling stage, its activations never leaving VMEM; a rank of a sharded build as
-rank 0, one program serving every rank), its bytes exactly the worst-case schedule's
-(`schedule.schedule(plan)`); one layer of a kind as the megakernel runs it is
-`megakernel_plan.stage_cost`. A kind writes no cost down: a new one has its cost from its body.
+vectors and the sampling stage, its activations never leaving VMEM), its bytes exactly the
+worst-case schedule's (`schedule.schedule(plan)`); a rank of a sharded build, one program serving
+every rank, declares the most any rank costs in its own worst case (its token in its vocab shard,
+its own experts routed): the kernel traced once and dry-run on every rank (`max_cost`). One layer
+of a kind as the megakernel runs it is `megakernel_plan.stage_cost`. A kind writes no cost down: a new one has its cost from its body.
 """
 
 from __future__ import annotations
@@ -192,6 +193,12 @@ def kernel_cost(kernel: dry_run.Kernel, inputs: dict | None = None, given: dict 
     flops, transcendentals = program_cost(kernel.jaxpr, runs)
     moved = sum(dma.nbytes for dma in events if dma.kind == "dma_start" and dma.hbm)
     return Cost(flops, transcendentals, moved)
+
+
+def max_cost(cost_list: Any) -> Cost:
+    """Each of FLOPs, transcendentals and bytes the most any of the costs has (e.g. the ranks'
+    of one program: an estimate per device that holds on every rank)."""
+    return Cost(*(max(values) for values in zip(*(astuple(c) for c in cost_list))))
 
 
 def body_cost(call: Any, *args: Any, inputs: dict | None = None, given: dict | None = None,
