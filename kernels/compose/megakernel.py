@@ -196,7 +196,8 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
         return given_inputs, given
 
     if shard is None:
-        return costs.body_cost(step, inputs, weights, state, inputs=case(0)[0], given=case(0)[1])
+        given_inputs, given = case(0)
+        return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given)
     kernel = dry_run.trace_kernel(step, *costs.shapes((inputs, weights, state)),
                                   axis_env=((collectives.AXIS, shard.n_ranks),), every_loop=True)
     return costs.max_cost(costs.kernel_cost(kernel, *case(rank), rank=rank)
