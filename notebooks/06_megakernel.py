@@ -802,7 +802,9 @@ result, rank_plan, result_source = recorded.compile_or_recorded(
 # while that stage runs, so the peak is the kernel-wide buffers plus the largest stage, not the
 # sum of all. A stage's buffers are not listed anywhere: they are what its body allocates
 # (`pl.run_scoped`), read off the body traced on shapes (`kernels/compose/scoped_vmem.py`), at
-# the body's peak. Nested scopes add up, sibling scopes do not: at this rank's shapes MLA's KV
+# the body's peak. The trunk's own scoped buffers (the embedding's blocks, freed before the first
+# layer; the sampling stage's LM head tiles) are the one list the step allocates them from
+# (`megakernel_plan.trunk_scopes`). Nested scopes add up, sibling scopes do not: at this rank's shapes MLA's KV
 # tile rings are smaller than the local ring of its matrices off the global ring, which the
 # body allocates before them, so the plan counts that ring alone.
 

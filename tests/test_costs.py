@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 from mkresearch.kernels.base import costs, dma, dry_run, gemv, quant
 from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.kernels.compose import schedule
-from mkresearch.kernels.sharded import mla_sharded
+from mkresearch.kernels.sharded import collectives, mla_sharded
 from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 
 from mkresearch.hardware import tpu
@@ -41,6 +42,7 @@ from mkresearch.measurement import logs
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline as tl
+from mkresearch.sharding import layout as layouts
 
 MINI = config.get_config("kimi-k3-mini")
 BATCHES = (1, 2)
@@ -280,3 +282,27 @@ def test_an_estimate_only_where_xla_reads_it(kernel):
         built = dry_run.kernel_call(lambda *a: run(*a), *shapes)
     estimate = built.params["cost_estimate"]
     assert estimate.bytes_accessed == costs.declared(run, *shapes).bytes_accessed > 0
+
+
+@pytest.mark.parametrize("mode", ["partial-sum", "exact"])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_sharded_step_declares_the_most_any_rank_moves(mode, batch):
+    """One program serves every rank of a sharded build and XLA's estimate is per device: the
+    step declares rank 0's own worst case, the most any rank's own worst case moves. Every
+    rank's own dry run, shapes only (no devices): its rows' token in its vocab shard, its own
+    experts routed (kimi-k3-mini on 8 ranks: in partial sums the ranks move different bytes)."""
+    n = 8
+    plan = sharded.make_sharded_plan(layouts.layout(MINI, n, collectives=mode), batch)
+    inputs, *stacked = sharded.step_shapes(plan)
+    one_rank = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), stacked)
+
+    def step(*args):
+        return mk.step_call(plan.mega, None, False, False, False, *args, shard=plan.shard)
+
+    def case(rank):
+        return mk.worst_case(plan.mega, plan.shard, rank)
+
+    moved = [c.bytes_accessed for c in mk.rank_costs(step, (inputs, *one_rank), plan.shard, case)]
+    assert mode == "exact" or len(set(moved)) > 1  # partial sums: the ranks differ
+    declared = mk.step_cost(plan.mega, inputs, *one_rank, shard=plan.shard)
+    assert declared.bytes_accessed == moved[0] == max(moved)

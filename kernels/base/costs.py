@@ -43,9 +43,10 @@ worst case moves exactly the estimate (the dry run is given that case: `worst_po
 A stand-alone wrapper adds the operands and results Pallas copies between HBM and VMEM/SMEM
 around the body (`Cost.estimate(*io)`). The megakernel's cost is its whole step kernel's
 (`megakernel.step_cost`: every stage body over its layers, the embedding rows, the per-layer
-vectors and the sampling stage, its activations never leaving VMEM; a rank of a sharded build as
-rank 0, one program serving every rank), its bytes exactly the worst-case schedule's
-(`schedule.schedule(plan)`); one layer of a kind as the megakernel runs it is
+vectors and the sampling stage, its activations never leaving VMEM), its bytes exactly the
+worst-case schedule's (`schedule.schedule(plan)`); a rank of a sharded build, one program serving
+every rank, declares rank 0's own worst case, the most any rank's own worst case moves (each
+rank's: `megakernel.rank_costs`, tested). One layer of a kind as the megakernel runs it is
 `megakernel_plan.stage_cost`. A kind writes no cost down: a new one has its cost from its body.
 """
 

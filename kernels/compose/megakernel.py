@@ -45,6 +45,7 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     MegakernelOptions,
     MegaPlan,
     make_plan,
+    sampled_outputs,
 )
 from mkresearch.kernels.sharded import collectives
 from mkresearch.kernels.stages import (  # the kinds: megakernel_plan registers
@@ -54,7 +55,7 @@ from mkresearch.kernels.stages import (  # the kinds: megakernel_plan registers
 )
 
 from mkresearch.hardware import tpu
-from mkresearch.model import reference, roofline, weights
+from mkresearch.model import reference, roofline, spec, weights
 from mkresearch.model import sampling as sampling_ref
 from mkresearch.model.config import BF16_SUBLANE, ModelConfig
 
@@ -110,10 +111,10 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
     cfg, batch = plan.cfg, plan.batch
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    column = lambda dtype: jax.ShapeDtypeStruct((batch, 1), dtype)  # noqa: E731
     logits = jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32) if return_logits else None
     per_position = per_position_shapes(plan, state)
-    outputs = StepOutputs(column(jnp.int32), column(jnp.int32), logits, per_position)
+    # the sampled tokens and overflow: the VMEM plan's list (`sampled_outputs`)
+    outputs = StepOutputs(*(s for _, s in sampled_outputs(batch)), logits, per_position)
     # read off the step's body (`step_cost`); + the SMEM/VMEM operands and results (none in a
     # dry run's trace: the cost's own, or the schedule's; none in interpret mode: `costs.wanted`)
     cost = None if dry_run.tracing() or not costs.wanted(interpret) else step_cost(
@@ -148,15 +149,26 @@ def step_call(plan: MegaPlan, interpret: Any, use_gumbel: bool, use_candidates: 
 STEP_INPUTS = {f.name: i for i, f in enumerate(dataclasses.fields(StepInputs))}
 
 
-def worst_case(plan: MegaPlan) -> tuple[dict, dict]:
+def worst_case(plan: MegaPlan, shard: Any = None, rank: int = 0) -> tuple[dict, dict]:
     """(inputs, given) of a dry run of the step in the cost estimate's worst case
-    (`kernels/base/costs.py`): token 0 in every row, every row at the cache's last position,
-    min(E, B·k) distinct experts in every routed layer."""
+    (`kernels/base/costs.py`): every row at the cache's last position, min(E, B·k) distinct
+    experts in every routed layer; token 0 in every row and the routing from expert 0 on. On
+    `rank` of a sharded build (`shard`: its collectives.ShardPlan) the same case as that rank's
+    own: every row's token the first row of its vocab shard (it fetches the embedding rows) and
+    the routing from its first expert on (it fetches min(E / EP, B·k) experts of its own)."""
     cfg, batch = plan.cfg, plan.batch
-    inputs = {STEP_INPUTS["tokens"]: np.zeros(batch, np.int32),
+    token, first_expert, n_experts = 0, 0, cfg.n_experts
+    if shard is not None:
+        lay = shard.layout
+        token = lay.split(spec.VOCAB).index(rank) * cfg.vocab_size  # cfg: the rank's shard
+        n_experts = lay.cfg.n_experts
+        first_expert = lay.split(spec.EXPERTS).index(rank) * (n_experts // max(lay.ep, 1))
+    inputs = {STEP_INPUTS["tokens"]: np.full(batch, token, np.int32),
               STEP_INPUTS["positions"]: costs.worst_positions(batch, plan.seq_len),
               STEP_INPUTS["table"]: np.asarray(plan.layer_table, np.int32)}
-    routing = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
+    routing = router.worst_routing(n_experts, batch, cfg.top_k)
+    if n_experts:
+        routing = ((routing + first_expert) % n_experts).astype(np.int32)
     return inputs, {router.ROUTING: lambda layer: routing}
 
 
@@ -166,21 +178,36 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
     """The step's cost (its body's: every stage over its layers, the embedding rows, the
     per-layer vectors, the sampling stage), read off the step's kernel: its `pallas_call`
     traced on shapes and dry-run in the worst case (`worst_case`). A rank of a sharded build
-    declares rank 0's (one program serves every rank; rank 0 holds the first vocabulary rows
-    and the first experts, which the worst case's token and routing choose; like every rank in
-    partial-sum mode it skips the matrices whose slice it holds is only padding).
+    declares rank 0's own worst case (one program serves every rank; XLA's estimate is per
+    device): rank 0 holds the first vocabulary rows and the first experts and is the most any
+    rank's own worst case moves (tests/test_costs.py runs every rank of kimi-k3-mini on 8 ranks,
+    both modes; kimi-k3 on 32 ranks in partial sums: 11.81-11.98 GB, rank 0 the most). Every
+    rank's own run is `rank_costs`: at full size ~3 s each, too slow for every build.
     Arguments: `step_call`'s (arrays or shapes)."""
     def step(inputs, weights, state):
         return step_call(plan, None, use_gumbel, use_candidates, return_logits, inputs, weights,
                          state, shard=shard, pages=pages, live=live)
 
-    axis = () if shard is None else ((collectives.AXIS, shard.n_ranks),)
-    given_inputs, given = worst_case(plan)
-    if pages is not None:  # a paged step: every row's pages are page 0 (the bytes are the same)
-        leaf = jax.tree.leaves(inputs)[STEP_INPUTS["page_table"]]
-        given_inputs[STEP_INPUTS["page_table"]] = np.zeros(leaf.shape, np.int32)
-    return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given,
-                           axis_env=axis, rank=None if shard is None else 0)
+    def case(rank):
+        given_inputs, given = worst_case(plan, shard, rank)
+        if pages is not None:  # a paged step: every row's pages are page 0 (the same bytes)
+            leaf = jax.tree.leaves(inputs)[STEP_INPUTS["page_table"]]
+            given_inputs[STEP_INPUTS["page_table"]] = np.zeros(leaf.shape, np.int32)
+        return given_inputs, given
+
+    if shard is None:
+        given_inputs, given = case(0)
+        return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given)
+    return rank_costs(step, (inputs, weights, state), shard, case, ranks=(0,))[0]
+
+
+def rank_costs(step: Any, args: tuple, shard: Any, case: Any, ranks: Any = None) -> list:
+    """[Cost] of `ranks` (default every rank) of a sharded step, each dry-run in its own worst
+    case (`case(rank)`: (inputs, given)), the kernel traced once."""
+    kernel = dry_run.trace_kernel(step, *costs.shapes(args),
+                                  axis_env=((collectives.AXIS, shard.n_ranks),), every_loop=True)
+    ranks = range(shard.n_ranks) if ranks is None else ranks
+    return [costs.kernel_cost(kernel, *case(rank), rank=rank) for rank in ranks]
 
 
 def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:

@@ -40,9 +40,8 @@ from mkresearch.kernels.base.weight_stream import (
 from mkresearch.kernels.compose.megakernel_plan import (
     EMBED_ROWS,
     MegaPlan,
-    embedding_blocks,
     kernel_buffers,
-    lm_head_tiles,
+    trunk_scopes,
 )
 from mkresearch.kernels.sharded import collectives, sharded_stages
 from mkresearch.kernels.stages import residuals, sampling
@@ -194,7 +193,7 @@ class _Trunk:
         if self.stream is not None and self.coll is not None:
             self.stream.prologue()
         with dry_run.owned_by("embedding"):
-            pl.run_scoped(self._gather, embedding_blocks(self.plan.cfg, self.plan.batch))
+            pl.run_scoped(self._gather, *self._scope("embedding"))
         if self.stream is not None and self.coll is None:
             self.stream.prologue()
 
@@ -282,15 +281,15 @@ class _Trunk:
     # -- 3. the final mix (if any), norm, LM head tiles and sampling ------------------------------
     def sample(self, use_gumbel: bool, use_candidates: bool) -> None:
         """The sampling stage's body on the residual strategy's head inputs."""
-        d = self.plan.cfg.d_model
         head = self.residual.head_inputs(self.hidden)  # (snapshots, the last partial sum)
-        mix_out = ([pltpu.VMEM((1, d), jnp.float32)]
-                   if "mix_out" in self.residual.head_vectors else [])
         with dry_run.owned_by("sampling"):
             pl.run_scoped(functools.partial(self._with_head, use_gumbel, use_candidates, head),
-                          pltpu.VMEM((1, d), jnp.bfloat16),
-                          lm_head_tiles(self.plan.cfg, self.plan.vocab_tile),
-                          pltpu.SemaphoreType.DMA((2,)), *mix_out)
+                          *self._scope("sampling"))
+
+    def _scope(self, scope: str) -> tuple:
+        """The buffers of one of the trunk's scopes (`trunk_scopes`: the VMEM plan's list)."""
+        scopes = trunk_scopes(self.plan.cfg, self.plan.batch, self.plan.vocab_tile)
+        return tuple(shape for _, shape in scopes[scope])
 
     def _with_head(self, use_gumbel: bool, use_candidates: bool, head: tuple,
                    final_norm_ref: Any, tile_slots: Any, tile_sems: Any, *mix_out: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -338,14 +339,29 @@ def kernel_buffers(cfg: ModelConfig, batch: int, stream: Any) -> tuple[tuple[str
     return tuple(out)
 
 
-def embedding_blocks(cfg: ModelConfig, batch: int) -> Any:
-    """The embedding's VMEM buffer [B, 16, d] bf16: each row's aligned 16-row block of E."""
-    return pltpu.VMEM((batch, EMBED_ROWS, cfg.d_model), jnp.bfloat16)
+def trunk_scopes(cfg: ModelConfig, batch: int, vocab_tile: int) -> dict[str, tuple]:
+    """{scope: ((label, pltpu type), ...)}: the buffers the step's trunk allocates for a part of
+    its run, in the order `megakernel_body._Trunk` allocates them (`pl.run_scoped`; the VMEM
+    plan's "embedding" and "sampling" scopes, never live with a stage's): the embedding's
+    [B, 16, d] bf16 blocks (each row's aligned 16-row block of E) and its DMA semaphores are the
+    kernel-wide ones; the sampling stage's final norm gain [1, d] bf16, the LM head's two VMEM
+    slots [2, d, vocab_tile] bf16 (its ring) with their semaphores, and the final mix's output
+    weights [1, d] f32 for a residual strategy that has them."""
+    d, bf = cfg.d_model, jnp.bfloat16
+    residual = residuals.RESIDUALS[cfg.residual]
+    mix_out = ([("final mix weights", pltpu.VMEM((1, d), jnp.float32))]
+               if "mix_out" in residual.head_vectors else [])
+    return {"embedding": (("embedding blocks", pltpu.VMEM((batch, EMBED_ROWS, d), bf)),),
+            "sampling": (("final norm", pltpu.VMEM((1, d), bf)),
+                         ("LM head tiles", pltpu.VMEM((2, d, vocab_tile), bf)),
+                         ("LM head DMAs", pltpu.SemaphoreType.DMA((2,))), *mix_out)}
 
 
-def lm_head_tiles(cfg: ModelConfig, vocab_tile: int) -> Any:
-    """The LM head's two VMEM slots [2, d, vocab_tile] bf16 (the sampling stage's ring)."""
-    return pltpu.VMEM((2, cfg.d_model, vocab_tile), jnp.bfloat16)
+def sampled_outputs(batch: int) -> tuple[tuple[str, Any], ...]:
+    """(label, shape struct) of the step's sampled outputs, [B, 1] i32 each in VMEM for the whole
+    call (`megakernel.step_call`'s tokens and nucleus overflow)."""
+    column = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    return (("sampled tokens", column), ("nucleus overflow", column))
 
 
 def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int, stream: Any,
@@ -353,31 +369,31 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
               shard: Any = None) -> VmemPlan:
     """Every VMEM buffer of the megakernel: the kernel-wide ones (`kernel_buffers`: the stage
     input and output, per-layer vectors, the residual strategy's hidden state, each kind's
-    scratch, the weight ring; the embedding blocks; the sampled tokens) and each stage body's
-    scoped ones: what the body allocates at its peak, read off the body traced on shapes
-    (`scoped_vmem.stage_vmem`: its `run_scoped` buffers, a local two-slot ring for each matrix
-    the global ring does not stream among them), then the sampling stage's.
+    scratch, the weight ring; `sampled_outputs`: the sampled tokens), the trunk's scoped ones
+    (`trunk_scopes`: the embedding's, the sampling stage's; the lists the step allocates from)
+    and each stage body's scoped ones: what the body allocates at its peak, read off the body
+    traced on shapes (`scoped_vmem.stage_vmem`: its `run_scoped` buffers, a local two-slot ring for each matrix
+    the global ring does not stream among them).
     shard: on a rank of a sharded build, its collectives.ShardPlan (its bodies traced on the
     rank's slices, with its collectives; their buffers are the caller's)."""
-    b, d = batch, cfg.d_model
+    b = batch
     seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
-    residual = residuals.RESIDUALS[cfg.residual]
 
-    def buffer(label, shape, scope):
-        return vmem_buffer(label, shape.shape, shape.dtype, scope)
+    def buffers(pairs, scope, vmem):  # the VMEM ones of (label, type) pairs
+        return [vmem_buffer(label, shape.shape, shape.dtype, scope) for label, shape in pairs
+                if vmem(shape)]
 
-    out = [buffer(label, shape, "kernel") for label, shape in kernel_buffers(cfg, b, stream)
-           if getattr(shape, "memory_space", None) == pltpu.VMEM]
-    out += [buffer("embedding blocks", embedding_blocks(cfg, b), "kernel"),
-            vmem_buffer("sampling outputs", (2, b, 1), jnp.int32, "kernel")]
+    allocated = lambda shape: getattr(shape, "memory_space", None) == pltpu.VMEM  # noqa: E731
+    out = (buffers(kernel_buffers(cfg, b, stream), "kernel", allocated)
+           + buffers(sampled_outputs(b), "kernel", lambda _: True))
+    trunk = trunk_scopes(cfg, b, vocab_tile)
+    out += buffers(trunk["embedding"], "embedding", allocated)
     for kind, plan in stage_plans:
         scope = registry.kernel_stage(kind).scope(plan)
         ring = stream.ring_names(kind) if stream is not None else None
         out += [vmem_buffer(name, shape, dtype, scope) for name, shape, dtype in
                 scoped_vmem.stage_vmem(kind, plan, cfg, b, seq_len, ring, rows_per_state, shard)]
-    out += [buffer("LM head tiles", lm_head_tiles(cfg, vocab_tile), "sampling"),
-            vmem_buffer("final mix inputs", (residual.head_candidates(cfg), b, d), jnp.float32,
-                        "sampling")]
+    out += buffers(trunk["sampling"], "sampling", allocated)
     limit = int(chip.vmem_bytes) - VMEM_HEADROOM_BYTES
     return VmemPlan(tuple(out), limit, chip.name)
 
