@@ -195,19 +195,19 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
             given_inputs[STEP_INPUTS["page_table"]] = np.zeros(leaf.shape, np.int32)
         return given_inputs, given
 
-    if shard is None:
-        given_inputs, given = case(0)
-        return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given)
-    return rank_costs(step, (inputs, weights, state), shard, case, ranks=(0,))[0]
+    axis = () if shard is None else ((collectives.AXIS, shard.n_ranks),)
+    given_inputs, given = case(0)
+    return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given,
+                           axis_env=axis, rank=None if shard is None else 0)
 
 
-def rank_costs(step: Any, args: tuple, shard: Any, case: Any, ranks: Any = None) -> list:
-    """[Cost] of `ranks` (default every rank) of a sharded step, each dry-run in its own worst
-    case (`case(rank)`: (inputs, given)), the kernel traced once."""
+def rank_costs(step: Any, args: tuple, shard: Any, case: Any) -> list:
+    """[Cost] of every rank of a sharded step, each dry-run in its own worst case
+    (`case(rank)`: (inputs, given)), the kernel traced once (what shows that rank 0's, which
+    `step_cost` declares, is the most)."""
     kernel = dry_run.trace_kernel(step, *costs.shapes(args),
                                   axis_env=((collectives.AXIS, shard.n_ranks),), every_loop=True)
-    ranks = range(shard.n_ranks) if ranks is None else ranks
-    return [costs.kernel_cost(kernel, *case(rank), rank=rank) for rank in ranks]
+    return [costs.kernel_cost(kernel, *case(rank), rank=rank) for rank in range(shard.n_ranks)]
 
 
 def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:
