@@ -774,12 +774,12 @@ assert not label_problems(log_overlap_fig)
 # gather), ρ's RMSNorm needs the routed experts' sum, the next layer's residual mix needs the
 # MoE's output sum and the attention's; MLA's RMSNorms need W_qa's and W_kva's columns. It goes
 # away only if every rank computes the value whole, reading what the other ranks read for it.
-# `prediction.collective_floor` prices each avoidance in bytes per rank and lists the cheapest
+# `prediction.replication_floor` prices each avoidance in bytes per rank and lists the cheapest
 # design for every count (`mkresearch plan kimi-k3 --ranks 32` prints it too): Kimi K3 reaches
 # the release's ~188 only when every rank reads the whole router, W_ld and W_lu, three times the
 # bytes, an HBM floor above the release's measured step. Since every collective waits for the one
 # before it, their latencies add up: the larger of that sum and the HBM floor bounds the step
-# from below, whatever the overlap (`collective_floor.fastest` tries every combination). That
+# from below, whatever the overlap (`replication_floor.fastest` tries every combination). That
 # bound holds over **replication designs only**: sending a collective another way (the latent
 # sum ρ by a one-phase reduce-scatter) or splitting the router over fewer ranks shortens the
 # chain without replicating; the full model prices those (`mkresearch predict kimi-k3
@@ -791,16 +791,16 @@ assert not label_problems(log_overlap_fig)
 # %%
 # NBVAL_CHECK_OUTPUT
 # Checks · the cost of fewer collectives by replication, and its lowest bound within limits
-from mkresearch.prediction import collective_floor
+from mkresearch.prediction import replication_floor
 
-fronts = [collective_floor.frontier(get_config(m), 32)
+fronts = [replication_floor.frontier(get_config(m), 32)
           for m in ("kimi-k3", "deepseek-v3", "glm-4.5", "qwen3-235b-a22b")]
-print(collective_floor.format_frontier(fronts[0]))
+print(replication_floor.format_frontier(fronts[0]))
 limits = {"": {}, "within 4.6 GB per rank": {"max_rank_bytes": 4.6e9},
           "with at most 200 collectives": {"max_collectives": 200}}
-best = {words: collective_floor.fastest(full, 32, **kw) for words, kw in limits.items()}
+best = {words: replication_floor.fastest(full, 32, **kw) for words, kw in limits.items()}
 for words, b in best.items():
-    print(collective_floor.format_fastest(b, words))
+    print(replication_floor.format_fastest(b, words))
 # by replication alone these cannot hold together: 4.6 GB and 2.5 ms, or 200 collectives and
 # 2.5 ms
 assert best["within 4.6 GB per rank"]["bound_ms"] > 2.5

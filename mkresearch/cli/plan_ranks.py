@@ -1,7 +1,7 @@
 """`mkresearch plan MODEL --ranks N`: every collective of one sharded step, listed
 (`mkresearch.prediction.collective_plan`): kind, group, bytes, phases, algorithm and why, what it overlaps,
 and their count; in partial-sum mode also what fewer collectives would cost by replication
-(`mkresearch.prediction.collective_floor`) and, for a model with a router, the bytes, latency and
+(`mkresearch.prediction.replication_floor`) and, for a model with a router, the bytes, latency and
 predicted step of each router placement (`mkresearch.prediction.design_table`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mkresearch.cli.common import at_least, known_chip, known_model, refusals
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.router import W_ROUTER
-from mkresearch.prediction import calibration, collective_floor, collective_plan, design_table
+from mkresearch.prediction import calibration, collective_plan, design_table, replication_floor
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout
 
@@ -38,8 +38,8 @@ def run(args: Any) -> int:
                                                mode=args.collectives, wire=args.wire, chip=chip)
         front = best = router = None
         if args.collectives == layout.PARTIAL_SUM:
-            front = collective_floor.frontier(cfg, args.ranks, args.batch, chip)
-            best = collective_floor.fastest(cfg, args.ranks, args.batch, chip)
+            front = replication_floor.frontier(cfg, args.ranks, args.batch, chip)
+            best = replication_floor.fastest(cfg, args.ranks, args.batch, chip)
             if any(row["name"].startswith(W_ROUTER) for row in plan["rows"]):
                 model = calibration.Model(
                     interconnect=links.interconnect(chip, n_ranks=args.ranks),
@@ -50,8 +50,8 @@ def run(args: Any) -> int:
         return 0
     print(collective_plan.format_plan(plan))
     if front is not None:
-        print(collective_floor.format_frontier(front))
-        print(collective_floor.format_fastest(best))
+        print(replication_floor.format_frontier(front))
+        print(replication_floor.format_fastest(best))
     if router is not None:
         print(design_table.format_router_placements(router))
     return 0

@@ -280,7 +280,7 @@ def log_overlap_figure(rows: Sequence[dict], title: str):
 
 def frontier_figure(fronts: Sequence[dict], *, max_collectives: int | None = None,
                     max_floor_ms: float | None = None):
-    """Each `collective_floor.frontier`: collectives per rank per step (x) against the HBM floor
+    """Each `replication_floor.frontier`: collectives per rank per step (x) against the HBM floor
     of the bytes per rank (y), the step as built ringed; a target (at most `max_collectives`,
     at most `max_floor_ms`) shaded where given: empty when no design reaches it."""
     import matplotlib.pyplot as plt

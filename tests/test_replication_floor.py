@@ -1,4 +1,4 @@
-"""What fewer collectives would cost (`mkresearch.prediction.collective_floor`): the frontier from
+"""What fewer collectives would cost (`mkresearch.prediction.replication_floor`): the frontier from
 the step as built, each avoided collective's bytes per rank, and what it says of issue targets
 such as "at most 200 collectives" beside "at most 2.5 ms" (docs/collectives.md §1's ~188)."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.model.config import get_config
-from mkresearch.prediction import collective_floor as floor
 from mkresearch.prediction import collective_plan
+from mkresearch.prediction import replication_floor as floor
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 
