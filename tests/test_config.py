@@ -49,6 +49,7 @@ INVALID_VALUE = {
     "shared_hidden": 100,
     "activation": "gelu",
     "expert_format": "int8",
+    "expert_mxu": "int8",
     "rms_eps": 0.0,
     "l2_eps": -1.0,
     "attn_res_block": 0,
@@ -188,3 +189,19 @@ def test_derived_indices():
     assert c.attention_index(0) == 0 and c.attention_index(3) == 0 and c.attention_index(92) == 23
     assert c.attention_index(4) == 3  # KDA layers 0, 1, 2, 4
     assert c.ffn_index(0) == 0 and c.ffn_index(1) == 0 and c.ffn_index(92) == 91
+
+
+def test_fp8_mxu_needs_quantised_experts():
+    """expert_mxu="fp8" hands the MXU stored fp8 / MXFP4 values: bf16 experts are refused, naming
+    the field and what it needs."""
+    with pytest.raises(ValueError, match=r"expert_mxu='fp8' is invalid: .*'fp8' or 'mxfp4'"):
+        get_config("kimi-k3-mini", expert_format="bf16", expert_mxu="fp8")
+    assert get_config("kimi-k3-mini", expert_mxu="fp8").expert_mxu == "fp8"
+
+
+def test_fields_kept_out_of_the_repr_show_only_when_set():
+    """A config's repr keys recorded compiles: a field kept out of it at its default leaves the
+    preset's repr as it was; set, it shows (an fp8-MXU build gets its own record)."""
+    cfg = get_config("kimi-k3")
+    assert "expert_mxu=" not in repr(cfg) and "kda_decay=" not in repr(cfg)
+    assert "expert_mxu='fp8'" in repr(cfg.replace(expert_mxu="fp8"))

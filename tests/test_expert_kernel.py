@@ -112,6 +112,24 @@ def test_mxfp4_both_decode_paths_bit_equal_to_reference(race_checked, layers, pa
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
+@pytest.mark.parametrize("fmt, path, batch", [("mxfp4", "native", 3), ("mxfp4", "integer", 1),
+                                               ("fp8", "native", 3)])
+@pytest.mark.slow
+def test_fp8_mxu_bit_equal_to_reference(race_checked, layers, fmt, path, batch):
+    """expert_mxu="fp8": the kernel hands the MXU each chunk's values as e4m3 (MXFP4's E2M1 codes
+    converted by either decode path) and scales the blocks' partial products after the dot; the
+    reference's `formats.mxu_matmul` computes the same, to the bit."""
+    cfg = config.get_config("kimi-k3-mini", expert_format=fmt, expert_mxu="fp8")
+    p, _ = layers[fmt]
+    x = activations(batch, seed=2)
+    ids, w = reference.route(p, x, cfg)
+    out = experts.routed_experts(p, x, ids, w, cfg, chip=DECODE_PATH_CHIPS[path])
+    want = reference.routed_experts(p, x, ids, w, cfg)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
+    decoded = reference.routed_experts(p, x, ids, w, mini(fmt))  # expert_mxu="bf16"
+    assert_close(want, decoded)
+
+
 def duplicated_routing(cfg):
     """4 rows sharing experts: rows 0 and 1 pick the same set (in another order), row 2 overlaps
     them in two experts, row 3 is row 0 again. 6 unique experts for 16 choices."""
@@ -328,6 +346,19 @@ def test_compiles_for_every_chip_mini(fmt, chip):
     result = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x,
                              chip=chip)
     print(f"{fmt} on {chip}: {result}")
+    assert result.n_mosaic_kernels == 1
+
+
+@pytest.mark.parametrize("name, fmt", [("kimi-k3-mini", "fp8"), ("kimi-k3-mini", "mxfp4"),
+                                       ("kimi-k3-rank", "mxfp4")])
+@pytest.mark.slow
+def test_fp8_mxu_compiles_for_tpu7x(name, fmt):
+    """expert_mxu="fp8" lowers for TPU7x (a bf16 x e4m3 dot over the block-diagonal rows), at mini
+    shapes and at Kimi K3's per-rank shapes, B = 8: one Mosaic kernel."""
+    cfg = get_config(name, expert_format=fmt, expert_mxu="fp8")
+    x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)
+    result = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)
+    print(f"{name} {fmt} expert_mxu=fp8: {result}")
     assert result.n_mosaic_kernels == 1
 
 

@@ -238,16 +238,19 @@ def assert_prefetch_order(step):
 
 # ---- the format / layout matrix (fewer steps) -----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, expert_format, batch",
-                         [("latent", "fp8", 2), ("expanded", "bf16", 8)])
-def test_layouts_and_formats(race_checked, layout, expert_format, batch):
-    """On kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE: the MLA cache layout and the
-    expert format each in one layer), 2/7 of the whole mini's interpret-mode time."""
+@pytest.mark.parametrize("layout, expert_format, expert_mxu, batch",
+                         [("latent", "fp8", "bf16", 2), ("expanded", "bf16", "bf16", 8),
+                          ("expanded", "mxfp4", "fp8", 3)])
+def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, batch):
+    """On kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE: the MLA cache layout, the
+    expert format and what the MXU is handed each in one layer), 2/7 of the whole mini's
+    interpret-mode time."""
     cfg = MINI.replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1, attn_res_block=1,
-                       mla_cache_layout=layout, expert_format=expert_format)
+                       mla_cache_layout=layout, expert_format=expert_format,
+                       expert_mxu=expert_mxu)
     params = weights.init_params(cfg, 1)
     near_ties, worst, _ = run_steps(cfg, params, batch, 3)
-    report(f"{layout}/{expert_format} B={batch}, 3 steps", near_ties, worst)
+    report(f"{layout}/{expert_format}/MXU {expert_mxu} B={batch}, 3 steps", near_ties, worst)
 
 
 # ---- compiling for TPU7x ----------------------------------------------------------------------------

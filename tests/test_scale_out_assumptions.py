@@ -100,8 +100,26 @@ def test_a_weight_tile_costs_the_mxu_its_rows():
     assert chip.mxu_seconds_per_byte(512, 0.5, False) == pytest.approx(
         2 * chip.mxu_seconds_per_byte(1, 0.5, False))  # past the array's rows, rows count
     assert "MEASURED" in chip.sources["dma_bandwidth"] and chip.dma_bandwidth < chip.hbm_bandwidth
-    mix = program.expert_mix(layouts.layout(get_config("kimi-k3"), 32, layouts.RELEASE), True)
-    assert sum(share for share, _, _ in mix) == pytest.approx(1) and all(f for *_, f in mix)
+    mix = program.expert_mix(layouts.layout(get_config("kimi-k3"), 32, layouts.RELEASE), True,
+                             True, 1)
+    assert sum(share for share, *_ in mix) == pytest.approx(1) and all(f for _, _, f, _ in mix)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_block_scaled_product_costs_the_mxu_its_spread_rows(batch):
+    """Handed as fp8, an MXFP4 matrix's rows are spread over its scale blocks (`numerics.
+    block_scaled_matmul`): ours over a K chunk's (`formats.mxu_spread`: Kimi K3's W1 / W3 K = 3584
+    in chunks of 512, 16 blocks; W2 K = 3072 in chunks of 1024, 32), the release's down-projection
+    over its tile's (K = 768: 24 blocks, 8 from 8 rows), its FP8 gate / up not at all. At decode
+    (B <= 8) every spread stays within the MXU's 256 rows: it costs nothing there."""
+    cfg = get_config("kimi-k3")
+    ours = program.expert_mix(layouts.layout(cfg, 32, layouts.OURS), True, False, batch)
+    theirs = program.expert_mix(layouts.layout(cfg, 32, layouts.RELEASE), True, True, batch)
+    assert [spread for *_, spread in ours] == [16, 32, 16]
+    assert [spread for *_, spread in theirs] == [1, 24 if batch < 8 else 8, 1]
+    assert max(spread for *_, spread in ours + theirs) * batch <= timeline_chip("tpu7x").mxu_rows
+    decoded = program.expert_mix(layouts.layout(cfg, 32, layouts.OURS), False, False, batch)
+    assert [spread for *_, spread in decoded] == [1, 1, 1]
 
 
 def test_one_model_for_both_sides():

@@ -89,8 +89,8 @@ def test_a_schedule_refuses_unknown_or_clashing_designs():
 
 def test_designs_table_and_the_command(capsys):
     rows = design_table.designs_table(get_config("kimi-k3"), 32, (1,))
-    assert [r["design"] for r in rows][:3] == ["as built", "+ expert reads first",
-                                               "+ rho by reduce-scatter"]
+    assert [r["design"] for r in rows][:4] == ["as built", "+ experts to the MXU as fp8",
+                                               "+ expert reads first", "+ rho by reduce-scatter"]
     assert rows[-1]["design"] == "the release (modelled)" and rows[-1]["over_release"] == 1
     for r in rows:
         print(f"{r['design']:28s} {r['step_ms']:.2f} ms {r['rank_gb']:.2f} GB "
@@ -108,3 +108,20 @@ def test_one_model_prices_both_sides_links():
     rows = design_table.designs_table(get_config("kimi-k3"), 32, (1,), model=model)
     assert rows[-1]["step_ms"] == pytest.approx(
         model.predict(get_config("kimi-k3"), 1)["step_s"] * 1e3)
+
+
+def test_experts_handed_to_the_mxu_as_fp8(capsys):
+    """ModelConfig.expert_mxu = "fp8" (the kernel's block-scaled product, priced at the fp8
+    peak): faster than as built at every batch, the same bytes per rank; `predict --expert-mxu`
+    names it in the step's line and refuses bf16 experts, naming the field."""
+    cfg = get_config("kimi-k3")
+    for batch in (1, 8):
+        built = scale_out.predict(cfg, 32, layouts.OURS, batch)
+        fp8 = scale_out.predict(cfg.replace(expert_mxu="fp8"), 32, layouts.OURS, batch)
+        assert fp8["schedule"]["mxu_fp8"] and not built["schedule"]["mxu_fp8"]
+        assert fp8["step_s"] < built["step_s"] and fp8["rank_bytes"] == built["rank_bytes"]
+    assert cli.main(["predict", "kimi-k3", "--batch", "1", "--rank-layout", "ours",
+                     "--expert-mxu", "fp8"]) == 0
+    assert "B=1, experts to the MXU as fp8)" in capsys.readouterr().out
+    assert cli.main(["predict", "glm-4.5", "--expert-mxu", "fp8"]) == 2
+    assert "expert_mxu='fp8' is invalid" in capsys.readouterr().err

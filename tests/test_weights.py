@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkresearch.model import reference, weights
+from mkresearch.model import formats, reference, weights
 from mkresearch.model.config import get_config
 
 MINI = get_config("kimi-k3-mini")
@@ -198,3 +198,40 @@ def test_mxfp4_scales_exact_for_every_e8m0_exponent():
     with np.errstate(over="ignore"):
         want = (magnitudes[:, None] * np.ldexp(1.0, np.arange(255) - 127)).astype(np.float32)
     np.testing.assert_array_equal(got[:, 2:], want[:, 2:])
+
+
+# ---- what the MXU is handed with expert_mxu="fp8" (formats.mxu_parts, formats.mxu_matmul) ------
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_mxu_parts_are_the_dequantized_weight(fmt):
+    """e4m3 values times their f32 block scales are `dequantize`'s weight, exactly: no value of
+    either format is lost on its way to the MXU as fp8."""
+    block = {"fp8": 256, "mxfp4": 32}[fmt]
+    for seed in range(4):
+        w = np.random.default_rng(seed).normal(0, 10.0 ** (seed - 3), (512, 128))
+        stored = weights.quantize(jnp.asarray(w, jnp.float32), fmt)
+        values, scales = formats.mxu_parts(stored, fmt)
+        assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
+        rebuilt = values.astype(jnp.float32) * jnp.repeat(scales, block, axis=0)
+        np.testing.assert_array_equal(np.asarray(rebuilt.astype(jnp.bfloat16), np.float32),
+                                      np.asarray(weights.dequantize(stored, fmt), np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("rows, k", [(1, 256), (3, 768), (8, 1536)])
+def test_mxu_matmul_is_the_decoded_product_up_to_summation_order(fmt, rows, k):
+    """Over 8 seeds: the block-scaled fp8 product equals the decoded bf16 product within the
+    bound of two f32 sums of the same exact products in other orders, |a - b| <= 2 K 2^-24
+    (|x| @ |w|): the products are exact in f32 (a bf16 times an e4m3 value, a power-of-two
+    scale), only the order of the additions differs."""
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        w = jnp.asarray(rng.normal(0, 0.05, (k, 256)), jnp.float32)
+        x = jnp.asarray(rng.normal(0, 1, (rows, k)), jnp.bfloat16)
+        stored = weights.quantize(w, fmt)
+        decoded = weights.dequantize(stored, fmt).astype(jnp.float32)
+        got = np.asarray(formats.mxu_matmul(x, stored, fmt), np.float64)
+        want = np.asarray(jnp.matmul(x.astype(jnp.float32), decoded,
+                                     precision=jax.lax.Precision.HIGHEST), np.float64)
+        bound = 2 * k * 2.0**-24 * (np.abs(np.asarray(x, np.float64))
+                                    @ np.abs(np.asarray(decoded, np.float64)))
+        assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) - bound))

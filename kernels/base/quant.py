@@ -40,19 +40,14 @@ from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
+from mkresearch.model.formats import k_chunk
+from mkresearch.model.numerics import block_scaled_matmul
 
 NIBBLES_PER_WORD = 8
 MXFP4_DECODES = ("native", "integer")
 # The chip kernels are built for in interpret mode (no TPU, not compiling): the default chip of
 # tpu.compile_for and MegakernelOptions.
 INTERPRET_CHIP = "tpu7x"
-# Rows of K decoded at once: bounds the f32 temporaries of one decode (K_CHUNK x N x 4 bytes).
-MAX_K_CHUNK = 1024
-# What `matmul` hands the MXU: every stored format decoded to bf16 before the dot (not fp8, whose
-# MXU peak is twice bf16's). The prediction prices an expert's dot from it (`prediction.program.
-# expert_mix`): the MXU pushes each weight tile whatever the batch, so a 4-bit weight decoded to
-# bf16 costs the MXU four times what it costs HBM in bytes.
-MXU_TAKES_FP8 = False
 
 
 def check_format(expert_format: Any, name: str = "expert_format") -> str:
@@ -110,19 +105,6 @@ def split_parts(weight: Any, expert_format: str) -> tuple[jax.Array, ...]:
         raise ValueError(f"expert_format={expert_format!r} expects a dict with keys {names}, "
                          f"got {got}")
     return tuple(weight[name] for name in names)
-
-
-def k_chunk(expert_format: str, k: int) -> int:
-    """Rows of K decoded per step: the largest divisor of k <= MAX_K_CHUNK that keeps every part's
-    chunk whole in its scale blocks (256 rows for FP8, 32 for MXFP4) and tile-aligned."""
-    check_format(expert_format)
-    if expert_format == "bf16":
-        return k  # nothing to decode: one dot over the whole K
-    step = FP8_BLOCK  # also a multiple of MXFP4's 32 and of 8 x 32 (uint32 code rows, u8 tiles)
-    for rows in range(min(k, MAX_K_CHUNK) // step * step, 0, -step):
-        if k % rows == 0:
-            return rows
-    return k
 
 
 # ---- decoding values (inside a kernel, or plain jnp) ------------------------------------------
@@ -196,18 +178,44 @@ def decode_rows(part_refs: Sequence[Any], expert_format: str, row0: int, rows: i
                         scales[row0 // MXFP4_BLOCK:(row0 + rows) // MXFP4_BLOCK, :], mxfp4_decode)
 
 
-def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str, *,
-           mxfp4_decode: str) -> jax.Array:
-    """x bf16 [B, K] @ (one stored matrix in VMEM, decoded chunk by chunk) -> f32 [B, N].
+def mxu_rows(part_refs: Sequence[Any], expert_format: str, row0: int, rows: int, *,
+             mxfp4_decode: str) -> tuple[jax.Array, jax.Array]:
+    """Rows [row0, row0 + rows) of one stored fp8 or MXFP4 matrix (refs in VMEM) as the MXU takes
+    them undecoded: (values float8_e4m3fn [rows, N], f32 scales [rows / block, N]). E2M1 codes
+    become e4m3 exactly (every E2M1 value is one), by either path of MXFP4_DECODES."""
+    if expert_format == "fp8":
+        values, scales = part_refs
+        return (values[row0:row0 + rows, :],
+                scales[row0 // FP8_BLOCK:(row0 + rows) // FP8_BLOCK, :].astype(jnp.float32))
+    codes, scales = part_refs
+    codes = codes[row0 // NIBBLES_PER_WORD:(row0 + rows) // NIBBLES_PER_WORD, :]
+    if mxfp4_decode == "native":
+        values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)
+    else:
+        values = e2m1_to_f32(codes).astype(jnp.float8_e4m3fn)
+    return values, e8m0_to_f32(scales[row0 // MXFP4_BLOCK:(row0 + rows) // MXFP4_BLOCK, :])
 
-    Decoding per K chunk keeps the bf16 temporaries small; f32 accumulation across chunks."""
+
+def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str, *,
+           mxfp4_decode: str, mxu_input: str = "bf16") -> jax.Array:
+    """x bf16 [B, K] @ (one stored matrix in VMEM, chunk by chunk along K) -> f32 [B, N].
+
+    mxu_input "bf16" (ModelConfig.expert_mxu): each chunk decoded to bf16 and multiplied; "fp8"
+    (fp8 and MXFP4 formats): each chunk's values handed to the MXU as e4m3 and its scales applied
+    after the dot (`numerics.block_scaled_matmul`, as the reference's `formats.mxu_matmul`).
+    Decoding per K chunk keeps the temporaries small; f32 accumulation across chunks, in order."""
     k = x.shape[1]
     rows = k_chunk(expert_format, k)
     acc = None
     for row0 in range(0, k, rows):
-        w = decode_rows(part_refs, expert_format, row0, rows,
-                        mxfp4_decode=mxfp4_decode)  # [rows, N] bf16
-        part = blocks.dot(x[:, row0:row0 + rows], w)
+        if mxu_input == "fp8":
+            values, scales = mxu_rows(part_refs, expert_format, row0, rows,
+                                      mxfp4_decode=mxfp4_decode)
+            part = block_scaled_matmul(x[:, row0:row0 + rows], values, scales)
+        else:
+            w = decode_rows(part_refs, expert_format, row0, rows,
+                            mxfp4_decode=mxfp4_decode)  # [rows, N] bf16
+            part = blocks.dot(x[:, row0:row0 + rows], w)
         acc = part if acc is None else acc + part
     return acc
 

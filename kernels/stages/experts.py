@@ -31,7 +31,7 @@ VMEM tile [B, k] (to build each expert's per-row coefficient with vector compare
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -89,16 +89,18 @@ def expert_dma_name(matrix: str, part: str) -> str:
 def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array, w_ld: Any,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
-                eps: float, kind: str, shard: Any = None, z: Any = None) -> jax.Array:
+                eps: float, kind: str, shard: Any = None, z: Any = None,
+                mxu_input: str = "bf16") -> jax.Array:
     """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
     shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice);
-    z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already."""
+    z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already; mxu_input: what
+    each expert's product hands the MXU (ModelConfig.expert_mxu, `quant.matmul`)."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
     loop = _ExpertLoop(ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu, experts,
                        expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps, kind,
-                       shard, z)
+                       shard, z, mxu_input)
     if plan == "all":
         return loop.run(n_experts, lambda i: i)
     if plan == "routed":
@@ -138,6 +140,7 @@ class _ExpertLoop:
     kind: str
     shard: Any = None
     latent_in: Any = None  # z [B, Lat] bf16 when the caller streamed W_ld already
+    mxu_input: str = "bf16"  # ModelConfig.expert_mxu (`quant.matmul`)
 
     def run(self, n_items: Any, expert_of: Any) -> jax.Array:
         """The loop over n_items items (may be traced) -> the routed output [B, d] f32."""
@@ -212,7 +215,7 @@ class _ExpertLoop:
     def _expert_output(self, part: dict, z: Any) -> jax.Array:
         """y_e = bf(act(bf(z W1), bf(z W3)) W2) [B, Lat] f32 from the slots' stored parts."""
         matmul = functools.partial(quant.matmul, expert_format=self.expert_format,
-                                   mxfp4_decode=self.mxfp4_decode)
+                                   mxfp4_decode=self.mxfp4_decode, mxu_input=self.mxu_input)
         g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
         u = matmul(z, part["w3"]).astype(jnp.bfloat16)
         h = activation(g, u, self.kind)  # on a rank: its hidden slice, then the whole
@@ -315,6 +318,9 @@ class StageOptions:
 
     expert_format: str = "bf16"
     mxfp4_decode: str = "integer"  # how MXFP4 codes are decoded (quant.MXFP4_DECODES), per chip
+    # what an expert's product hands the MXU: ModelConfig.expert_mxu (out of the repr: a plan's
+    # repr, which keys recorded compiles, shows it in its config's)
+    mxu_input: str = field(default="bf16", repr=False)
     plan: str = "unique"
     n_slots: int = 2
     latent: int = 0  # cfg.moe_latent: the checkpoint width, what the norm divides by
@@ -357,7 +363,8 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                              mxfp4_decode=options.mxfp4_decode, plan=options.plan,
                              n_slots=options.n_slots, latent=options.latent,
                              latent_padded=options.latent_padded, eps=options.eps,
-                             kind=options.activation, shard=shard, z=z)
+                             kind=options.activation, shard=shard, z=z,
+                             mxu_input=options.mxu_input)
     if always_on is not None:
         shared_out = gated_mlp(x, always_on, stream=stream, kind=options.activation,
                                name=options.always_on_name)
@@ -530,7 +537,8 @@ def stage_options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str
     """The stage's static options for cfg, built for `chip` (None: quant.mxfp4_decode_path's)."""
     check_stage_options(plan, n_slots, cfg.expert_format)  # cfg validated its activation
     return StageOptions(expert_format=cfg.expert_format,
-                        mxfp4_decode=quant.mxfp4_decode_path(chip), plan=plan, n_slots=n_slots,
+                        mxfp4_decode=quant.mxfp4_decode_path(chip), mxu_input=cfg.expert_mxu,
+                        plan=plan, n_slots=n_slots,
                         latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
                         eps=float(cfg.rms_eps), activation=cfg.activation,
                         always_on_name=always_on_name)

@@ -38,6 +38,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
+from mkresearch.model.config import EXPERT_MXU_INPUTS
 from mkresearch.prediction import calibration, design_table, designs, row_work, scale_out
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
@@ -69,6 +70,10 @@ def add_parser(commands: Any) -> None:
                    help="whose schedule: ring, expert slots, collectives (default: the layout's)")
     p.add_argument("--algorithm", default=None, choices=links.ALGORITHMS,
                    help="all-reduce algorithm (default: the schedule's at each batch)")
+    p.add_argument("--expert-mxu", default=None, choices=EXPERT_MXU_INPUTS,
+                   help="what our kernel hands the MXU for a routed expert: its weights decoded "
+                        "to bf16 (the preset's) or its fp8 / MXFP4 values as fp8 with the block "
+                        "scales after the dot (ModelConfig.expert_mxu)")
     p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
                    help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
                         "to one device); the release's schedule has its own")
@@ -87,7 +92,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--explain", action="store_true",
                    help="list every constant of the model: measured (source), published, assumed")
     p.add_argument("--designs", action="store_true",
-                   help="ours as built, then each design (expert reads first, rho by "
+                   help="ours as built, then each design (experts to the MXU as fp8, expert "
+                        "reads first, rho by "
                         "reduce-scatter, the router placement, bf16 partial sums) added in turn, "
                         "beside the release's modelled step")
     p.add_argument("--validate", action="store_true",
@@ -98,6 +104,9 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
+    if args.expert_mxu:
+        with refusals():  # bf16 experts: refused, naming the field
+            cfg = cfg.replace(expert_mxu=args.expert_mxu)
     chip = known_chip(args.chip)
     if args.explain:
         print(format_explain(cfg, args.ranks, chip, args.batch, args.context))

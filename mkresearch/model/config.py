@@ -28,6 +28,7 @@ from mkresearch.model.model_config import (  # noqa: F401 - re-exported: the con
     DENSE_THEN,
     DENSE_THEN_MOE,
     EXPERT_FORMATS,
+    EXPERT_MXU_INPUTS,
     FP8_BLOCK,
     GLM_4_5,
     GLM_4_5_MINI,

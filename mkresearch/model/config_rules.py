@@ -21,6 +21,9 @@ DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
 DENSE_THEN = "dense+"  # "dense+<kind>": dense FFN in the first n_dense_layers, <kind> after
 RESIDUALS = ("attention_mix", "prenorm")  # Kimi's attention residuals; a classic residual stream
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
+# what the MXU is handed for a routed expert's product (`ModelConfig.expert_mxu`): its weights
+# decoded to bf16, or its fp8 / MXFP4 values as fp8 e4m3 with the block scales applied after the dot
+EXPERT_MXU_INPUTS = ("bf16", "fp8")
 ROUTER_SCORES = ("sigmoid", "softmax")
 ACTIVATIONS = ("situ", "silu")
 
@@ -163,6 +166,10 @@ def _validate_options(cfg: Any) -> None:
 def _validate_experts(cfg: Any) -> None:
     """The experts' format, routing and widths; the dense layers; the small floats."""
     _choice(cfg, "expert_format", EXPERT_FORMATS)
+    _choice(cfg, "expert_mxu", EXPERT_MXU_INPUTS)
+    if cfg.expert_mxu == "fp8" and cfg.expert_format == "bf16":
+        _fail("expert_mxu", cfg.expert_mxu, "'bf16' for expert_format='bf16' (bf16 weights are "
+              "not fp8 values: 'fp8' needs expert_format 'fp8' or 'mxfp4')")
     _choice(cfg, "router_score", ROUTER_SCORES)
     _choice(cfg, "activation", ACTIVATIONS)
     if not isinstance(cfg.n_dense_layers, int) or not 0 <= cfg.n_dense_layers < cfg.n_layers:

@@ -6,7 +6,8 @@
          the low nibble is the lowest K; E8M0 scale 2^(e-127) per 32 consecutive K values.
 
 K is always the input dim of the matrix (the latent for W1/W3, the expert hidden for W2). Every
-format decodes exactly to bf16 (`dequantize`).
+format decodes exactly to bf16 (`dequantize`), and fp8 / MXFP4 to fp8 e4m3 values with f32 block
+scales (`mxu_parts`): what the MXU is handed with `ModelConfig.expert_mxu = "fp8"` (`mxu_matmul`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mkresearch.model.config_rules import EXPERT_BLOCKS
 from mkresearch.model.model_config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
+from mkresearch.model.numerics import block_scaled_matmul, sequence_sum
 
 # E2M1 magnitudes indexed by the low 3 bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -28,6 +31,10 @@ E4M3_MAX_EXP = 8  # largest e4m3fn magnitude 448 = 1.75 * 2^8
 E4M3_UPSCALE_ABOVE = 1.8125  # max/scale > 464 would clip to 448; 232 = midpoint of 224 and 240
 NIBBLES_PER_WORD = 8
 EXPERT_MATRICES = ("w1", "w3", "w2")
+# Rows of K decoded (and multiplied) at once: bounds a kernel's f32 temporaries of one decode
+# (K_CHUNK x N x 4 bytes); the reference multiplies in the same chunks where the chunking shows in
+# the bits (`mxu_matmul`)
+MAX_K_CHUNK = 1024
 
 
 # ---- quantisation ----------------------------------------------------------------------------
@@ -189,6 +196,54 @@ def dequantize(expert_weight: Any, fmt: str | None = None) -> jax.Array:
     if fmt == "fp8":
         return fp8_unpack(expert_weight, jnp.bfloat16)
     return mxfp4_unpack(expert_weight, jnp.bfloat16)
+
+
+def k_chunk(fmt: str, k: int) -> int:
+    """Rows of K decoded per step: the largest divisor of k <= MAX_K_CHUNK that keeps every part's
+    chunk whole in its scale blocks (256 rows for FP8, 32 for MXFP4) and tile-aligned."""
+    _check_format(fmt)
+    if fmt == "bf16":
+        return k  # nothing to decode: one dot over the whole K
+    step = FP8_BLOCK  # also a multiple of MXFP4's 32 and of 8 x 32 (uint32 code rows, u8 tiles)
+    for rows in range(min(k, MAX_K_CHUNK) // step * step, 0, -step):
+        if k % rows == 0:
+            return rows
+    return k
+
+
+def mxu_spread(fmt: str, k: int) -> int:
+    """MXU rows per batch row of `mxu_matmul` on a [k, N] matrix: its chunk's scale blocks
+    (`numerics.block_scaled_matmul` spreads each row over them)."""
+    return k_chunk(fmt, k) // EXPERT_BLOCKS[fmt]
+
+
+def mxu_parts(expert_weight: dict[str, jax.Array], fmt: str) -> tuple[jax.Array, jax.Array]:
+    """An fp8 or MXFP4 expert weight -> (values float8_e4m3fn [.., K, N], scales f32
+    [.., K/block, N]): what the MXU is handed with expert_mxu="fp8". Exact: every E2M1 value is an
+    e4m3 value, and values x scales is `dequantize`'s."""
+    if fmt == "fp8":
+        _check_packed(expert_weight, ("values", "scales"), "mxu_parts")
+        return expert_weight["values"], expert_weight["scales"].astype(jnp.float32)
+    if fmt != "mxfp4":
+        raise ValueError(f"fmt={fmt!r} is invalid for an fp8 MXU input: 'fp8' or 'mxfp4'")
+    _check_packed(expert_weight, ("codes", "scales"), "mxu_parts")
+    codes, scales = expert_weight["codes"], expert_weight["scales"]
+    unit = {"codes": codes, "scales": jnp.full_like(scales, 127)}  # 2^0: the E2M1 values alone
+    values = mxfp4_unpack(unit, jnp.float32).astype(jnp.float8_e4m3fn)
+    return values, _pow2(scales.astype(jnp.int32) - 127)
+
+
+def mxu_matmul(x: jax.Array, expert_weight: dict[str, jax.Array], fmt: str) -> jax.Array:
+    """x bf16 [M, K] @ one fp8 or MXFP4 expert matrix [K, N] as the MXU is handed it with
+    expert_mxu="fp8" -> f32 [M, N]: `numerics.block_scaled_matmul` over each chunk of `k_chunk`
+    rows, the chunks added in order (a kernel's chunks, so the same bits)."""
+    values, scales = mxu_parts(expert_weight, fmt)
+    k = values.shape[-2]
+    rows, block = k_chunk(fmt, k), EXPERT_BLOCKS[fmt]
+    return sequence_sum(
+        block_scaled_matmul(x[:, r:r + rows], values[r:r + rows],
+                            scales[r // block:(r + rows) // block])
+        for r in range(0, k, rows))
 
 
 def quantized_shapes(shape: tuple[int, ...], fmt: str) -> Any:

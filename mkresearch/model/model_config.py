@@ -31,6 +31,7 @@ from mkresearch.model.config_rules import (  # noqa: F401 - the allowed values, 
     DENSE_THEN,
     DENSE_THEN_MOE,
     EXPERT_FORMATS,
+    EXPERT_MXU_INPUTS,
     FP8_BLOCK,
     KDA_DECAYS,
     KIMI_ATTENTION,
@@ -136,9 +137,23 @@ class ModelConfig:
     kda_output_gate_rank: int = dataclasses.field(default=0, repr=False)
     kda_decay: str = dataclasses.field(default="bounded", repr=False)
     mla_output_gate: bool = dataclasses.field(default=True, repr=False)
+    # what a routed expert's product hands the MXU (EXPERT_MXU_INPUTS): "bf16", its weights decoded
+    # (every preset), or "fp8": its stored fp8 / MXFP4 values as e4m3 (exact) and the bf16
+    # activation, each scale block's partial product scaled after the dot and the blocks summed in
+    # one order (`numerics.block_scaled_matmul`), as the public Kimi K3 release's kernel does. TPU7x
+    # multiplies fp8 at twice the bf16 rate. Out of the repr, as above.
+    expert_mxu: str = dataclasses.field(default="bf16", repr=False)
 
     def __post_init__(self) -> None:
         validate(self)
+
+    def __repr__(self) -> str:
+        """Every field, but those kept out of the repr (fields(repr=False)) only when set: a
+        recorded compile is keyed by a plan's repr (above), so a config with such a field at
+        its default keeps its records and one with it set gets its own."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.repr or getattr(self, f.name) != f.default]
+        return f"ModelConfig({', '.join(shown)})"
 
     # ---- the layers: (attention kind, FFN kind) each ---------------------------------------
     # Cached per config (functools.cached_property writes the instance's __dict__, which a frozen

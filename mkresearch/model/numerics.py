@@ -210,6 +210,29 @@ def ordered_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Arr
     return v if keepdims else jnp.squeeze(v, axis)
 
 
+def block_scaled_matmul(x: jax.Array, values: jax.Array, scales: jax.Array) -> jax.Array:
+    """x bf16 [M, K] @ (values [K, N] times a scale per block of K rows, scales f32 [J, N]) ->
+    f32 [M, N], the way an MXU is handed quantised weights without decoding them: the values as
+    they are (fp8 e4m3), each block j's partial product x_j values_j scaled after the dot.
+
+    One dot makes every block's partial product: x is spread into block-diagonal rows, row
+    (m, j) holding x[m] in block j's columns and zeros elsewhere (zeros add nothing), so the dot
+    has M·J rows, at decode far below the MXU's 256: no extra passes. The scaled partials are
+    added over j by `ordered_sum` (one order whatever M). The products are exact in f32; only the
+    summation order differs from the decoded-bf16 product (`matmul`)."""
+    m, k = x.shape
+    j = scales.shape[0]
+    # x times a 0/1 mask, not a select: Mosaic cannot lay a boolean mask out as the rows of x
+    # broadcast over J; lax.div, not //: jnp's floor division of ints lowers through sign, which
+    # a TPU compile without a TPU cannot lower (non-negative here: the same quotient)
+    block_of_column = lax.div(lax.broadcasted_iota(i32, (j, k), 1), i32(k // j))
+    ones = (block_of_column == lax.broadcasted_iota(i32, (j, k), 0)).astype(bf16)  # [J, K]
+    spread = x.astype(bf16)[:, None, :] * ones[None]  # [M, J, K]: exact (x or ±0)
+    partial = lax.dot_general(spread.reshape(m * j, k), values, (((1,), (0,)), ((), ())),
+                              preferred_element_type=f32).reshape(m, j, -1)  # [M, J, N]
+    return ordered_sum(partial * scales[None], axis=1)
+
+
 def sequence_sum(terms) -> jax.Array:
     """t_0 + t_1 + ... added in this order (a short static sum: candidates, conv taps)."""
     return functools.reduce(jnp.add, terms)

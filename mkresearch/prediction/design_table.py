@@ -4,8 +4,8 @@ same assumptions as the release's (`calibration.Model`): nothing fitted to a ste
 `router_placements(cfg, n_ranks, batch)`: each router placement with its bytes per rank, the
 collective it needs before top-k (its latency as priced) and the predicted step; the chosen one is
 the fastest predicted (per model and batch). `designs_table(cfg, batches)`: ours as built, then
-each design added in turn (expert reads first, rho by reduce-scatter, the chosen router
-placement, bf16 partial sums), beside the release's modelled step. `mkresearch plan MODEL --ranks
+each design added in turn (experts to the MXU as fp8, expert reads first, rho by
+reduce-scatter, the chosen router placement, bf16 partial sums), beside the release's modelled step. `mkresearch plan MODEL --ranks
 N` prints the first, `mkresearch predict MODEL --ranks N --designs` the second.
 """
 
@@ -85,16 +85,20 @@ def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCH
         release = model.predict(cfg, batch) if cfg.name == "kimi-k3" and n_ranks == 32 else None
         placement = router_placements(cfg, n_ranks, batch, model=model)["chosen"]
         router = () if placement == designs.SPLIT else (f"router-{placement}",)
-        steps = [("as built", {}),
-                 ("+ expert reads first", {"expert_order": "first"}),
-                 ("+ rho by reduce-scatter", {"expert_order": "first",
-                                              "designs": (designs.RESTRUCTURED,)}),
-                 (f"+ router {placement}", {"expert_order": "first",
-                                            "designs": (designs.RESTRUCTURED, *router)}),
-                 ("+ bf16 partial sums", {"expert_order": "first", "wire": "bf16",
-                                          "designs": (designs.RESTRUCTURED, *router)})]
-        for label, fields in steps:
-            p = _ours(cfg, n_ranks, batch, model, **fields)
+        # experts handed to the MXU as fp8 (ModelConfig.expert_mxu) where they are stored so
+        fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
+        steps = [("as built", cfg, {}),
+                 *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
+                 ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
+                 ("+ rho by reduce-scatter", fp8 or cfg, {"expert_order": "first",
+                                                          "designs": (designs.RESTRUCTURED,)}),
+                 (f"+ router {placement}", fp8 or cfg, {
+                     "expert_order": "first", "designs": (designs.RESTRUCTURED, *router)}),
+                 ("+ bf16 partial sums", fp8 or cfg, {
+                     "expert_order": "first", "wire": "bf16",
+                     "designs": (designs.RESTRUCTURED, *router)})]
+        for label, variant, fields in steps:
+            p = _ours(variant, n_ranks, batch, model, **fields)
             out.append(_row(batch, label, p, release))
         if release is not None:
             out.append(_row(batch, "the release (modelled)", release, release))

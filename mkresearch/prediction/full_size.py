@@ -55,12 +55,14 @@ class FullSizeStep:
     rank_bytes: float
     published_step_s: float | None
     prediction: dict
+    expert_mxu: str = "bf16"  # our kernel's ModelConfig.expert_mxu (named only when "fp8")
 
     @property
     def label(self) -> str:
         algorithm = "each its own algorithm" if self.algorithm == "auto" else self.algorithm
         return (f"{self.model} on {self.n_ranks} ranks of {self.chip}, {self.layout} layout, "
                 f"{self.collectives} collectives ({algorithm}), B={self.batch}"
+                + (", experts to the MXU as fp8" if self.expert_mxu == "fp8" else "")
                 + (f", context {self.context}" if self.context else ""))
 
     def line(self) -> str:
@@ -99,7 +101,8 @@ def full_size_step(cfg: ModelConfig | str, n_ranks: int = DEFAULT_RANKS,
                         algorithm=row["algorithm"],
                         chip=chip, batch=batch, context=context, step_s=row["step_s"],
                         rank_bytes=row["rank_bytes"], published_step_s=row["published_step_s"],
-                        prediction=row)
+                        prediction=row,
+                        expert_mxu=cfg.expert_mxu if row["schedule"].get("collectives") else "bf16")
 
 
 def full_size_steps(cfg: ModelConfig, n_ranks: int, batch: int = 1, context: int = 0,

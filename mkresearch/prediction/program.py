@@ -40,8 +40,9 @@ import jax
 
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.sharded.collective_ops import EXPERTS, CollectiveOp, collective_ops
-from mkresearch.model import roofline, spec
-from mkresearch.model.config import LANE
+from mkresearch.model import formats, roofline, spec
+from mkresearch.model.config import LANE, MXFP4_BLOCK, ModelConfig
+from mkresearch.model.partition import RELEASE_ETP
 from mkresearch.sharding import layout as layouts
 
 F32 = 4
@@ -214,10 +215,14 @@ RELEASE_EXPERT_ORDER = "held"
 
 
 @functools.lru_cache(maxsize=64)
-def expert_mix(lay: layouts.Layout, mxu_fp8: bool) -> tuple[tuple[float, float, bool], ...]:
+def expert_mix(lay: layouts.Layout, mxu_fp8: bool, release: bool = False, batch: int = 1
+               ) -> tuple[tuple[float, float, bool, int], ...]:
     """One routed expert's matrices on a rank of `lay` as (share of the expert's bytes, weights
-    per stored byte, taken by the MXU as fp8): the fetch op's `mix`. Their stored formats are the
-    layout's (`layout.count_format`); mxu_fp8: the kernel hands the MXU fp8 (else bf16)."""
+    per stored byte, taken by the MXU as fp8, MXU rows per batch row): the fetch op's `mix`.
+    Their stored formats are the layout's (`layout.count_format`); mxu_fp8: the kernel hands the
+    MXU fp8 (else bf16); the rows: a block-scaled product spreads each row over its scale blocks
+    (`numerics.block_scaled_matmul`), ours over a K chunk's (`formats.mxu_spread`), the
+    release's as its kernel does (`release_mxu_spread`) at `batch`."""
     cfg = lay.cfg
     out = []
     for kind in spec.stages_of(cfg):
@@ -227,13 +232,31 @@ def expert_mix(lay: layouts.Layout, mxu_fp8: bool) -> tuple[tuple[float, float, 
             for (path, _), mine in zip(layouts.leaves_with_path(table[key]),
                                        jax.tree.leaves(local[key], is_leaf=layouts.is_param),
                                        strict=True):
-                stored = roofline.tree_bytes(layouts.storage(cfg, mine,
-                                                             layouts.count_format(lay, path)))
-                out.append((stored, math.prod(mine.shape) / stored, mxu_fp8))
+                fmt = layouts.count_format(lay, path)
+                stored = roofline.tree_bytes(layouts.storage(cfg, mine, fmt))
+                k = mine.shape[-2]
+                spread = (1 if not mxu_fp8 or fmt == "bf16"
+                          else release_mxu_spread(fmt, cfg, batch) if release
+                          else formats.mxu_spread(fmt, k))
+                out.append((stored, math.prod(mine.shape) / stored, mxu_fp8, spread))
         if out:
             break
-    total = sum(b for b, _, _ in out)
-    return tuple((b / total, w, fp8) for b, w, fp8 in out)
+    total = sum(b for b, _, _, _ in out)
+    return tuple((b / total, w, fp8, spread) for b, w, fp8, spread in out)
+
+
+def release_mxu_spread(fmt: str, cfg: ModelConfig, batch: int) -> int:
+    """MXU rows per batch row of the release's expert product (`_quantized_expert_dot`,
+    `_paired_expert_gate_up` in kimi/decode_megakernel.py): its FP8 gate/up one dot per scale
+    block (no spreading); its MXFP4 down-projection spread over the 32-row scale blocks of a tile
+    of min(2048, K) rows, 256 from 8 rows when K is 768 (its "block-major" path). K: its
+    contraction, the rank's slice of the expert hidden (ETP 4, docs/kimi-k3.md §9; the layouts
+    here store W2 by its latent columns instead: the same bytes)."""
+    if fmt != "mxfp4":
+        return 1
+    k = cfg.expert_hidden // RELEASE_ETP
+    tile = 256 if k == 768 and batch >= 8 else min(2048, k)
+    return tile // MXFP4_BLOCK
 
 
 # ---- ours: the kernel's collectives ------------------------------------------------------------

@@ -292,7 +292,8 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                           len(weight_blocks(nbytes, step.sched.block_bytes))),
                       experts=lambda: scratch.fetch(
                           step.expert_bytes, count or 0, step.sched.expert_slots,
-                          program.expert_mix(step.lay, step.sched.mxu_fp8),
+                          program.expert_mix(step.lay, step.sched.mxu_fp8,
+                                             step.sched.name == "release", step.batch),
                           step.sched.expert_order), before=before)
         scratch.compute(step.batch * sum(work.values()))  # a point the stage lacks: at its end
         built[key] = scratch.ops

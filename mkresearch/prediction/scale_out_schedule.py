@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkresearch.hardware import interconnect as links
-from mkresearch.kernels.base import quant
 from mkresearch.kernels.compose import megakernel_sharded
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import designs, program
@@ -52,7 +51,7 @@ class Schedule:
     reductions: tuple = ()
     ranks_per_host: int = 0
     # the kernel hands the MXU its routed experts as fp8 (else decoded to bf16): what a weight tile
-    # costs the MXU (`program.expert_mix`)
+    # costs the MXU (`program.expert_mix`); ours: its config's `expert_mxu`
     mxu_fp8: bool = False
     # how the routed experts' reads meet the ring's blocks already issued
     # (`timeline.FETCH_ORDERS`): ours, its kernel's `MegakernelOptions.expert_reads_first`; the
@@ -115,7 +114,7 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
                     collectives=collectives, ring=ring.describe(), reductions=options.reductions,
-                    ranks_per_host=options.ranks_per_host, mxu_fp8=quant.MXU_TAKES_FP8,
+                    ranks_per_host=options.ranks_per_host, mxu_fp8=cfg.expert_mxu == "fp8",
                     expert_order=FIRST if options.expert_reads_first else QUEUED)
 
 

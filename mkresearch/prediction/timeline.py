@@ -570,13 +570,16 @@ class RankSimulation:
     def _fetch(self, nbytes: float, count: int, slots: int, mix: tuple = (),
                order: str = QUEUED) -> None:
         """count DMAs of nbytes, `slots` in flight, each multiplied when it lands; mix: the
-        matrices of one DMA as (fraction of its bytes, weights per byte, on the MXU as fp8)
-        (default bf16); order: how its DMAs meet the ring's already issued (FETCH_ORDERS)."""
+        matrices of one DMA as (fraction of its bytes, weights per byte, on the MXU as fp8, MXU
+        rows per batch row) (default bf16); order: how its DMAs meet the ring's already issued
+        (FETCH_ORDERS)."""
         issue = self._dma if order in (QUEUED, HELD) and self.chip.n_dma_engines == 1 \
             else functools.partial(self._fetch_dma, first=order == FIRST)
         ends = [issue(nbytes) for _ in range(min(slots, count))]
-        duration = nbytes * (sum(share * self.chip.mxu_seconds_per_byte(self.batch, weights, fp8)
-                                 for share, weights, fp8 in mix) if mix else self.per_byte_bf16)
+        duration = nbytes * (sum(share * self.chip.mxu_seconds_per_byte(self.batch * spread,
+                                                                        weights, fp8)
+                                 for share, weights, fp8, spread in mix)
+                             if mix else self.per_byte_bf16)
         compute, t = self.compute, self.t
         for i in range(count):
             t = max(t, ends[i])

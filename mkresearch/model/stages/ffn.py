@@ -7,6 +7,7 @@ taken in ascending expert id, and always-on shared experts on the full d.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mkresearch.model import spec
-from mkresearch.model.formats import dequantize
+from mkresearch.model.formats import dequantize, mxu_matmul
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
     ExpertGroups,
@@ -133,14 +134,18 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     fmt = cfg.expert_format
     chosen = (groups.chosen(expert_ids) if groups is not None  # each leaf [B, k, ...]
               else jax.tree.map(lambda w: w[expert_ids], experts))
-    w1, w3, w2 = (dequantize(chosen[name], fmt) for name in ("w1", "w3", "w2"))
-    def per_expert(spec, v, w):  # each (row, expert) product with two rows, as `_mm`
-        return rows_at_least_two(
-            lambda v2: jnp.einsum(spec, v2, w, preferred_element_type=f32), v, axis=-2)
-    zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], w1.shape[1], 1, z.shape[-1]))
-    g = bf(per_expert("bkml,bklf->bkmf", zk, w1))[:, :, 0]  # [B, k, F_e]
-    u = bf(per_expert("bkml,bklf->bkmf", zk, w3))[:, :, 0]
-    y = bf(per_expert("bkmf,bkfl->bkml", activation(g, u, cfg)[:, :, None], w2))[:, :, 0]  # [B, k, n]
+    def per_expert(v, name):  # v [B, k, 1, K] @ each (row, expert)'s matrix -> [B, k, N] f32
+        if cfg.expert_mxu == "fp8":  # as the MXU is handed it: e4m3 values, scales after the dot
+            product = jax.vmap(jax.vmap(functools.partial(mxu_matmul, fmt=fmt)))
+            return product(v, chosen[name])[:, :, 0]
+        w = dequantize(chosen[name], fmt)  # [B, k, K, N] bf16
+        return rows_at_least_two(  # each (row, expert) product with two rows, as `_mm`
+            lambda v2: jnp.einsum("bkml,bklf->bkmf", v2, w, preferred_element_type=f32),
+            v, axis=-2)[:, :, 0]
+    zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], expert_ids.shape[1], 1, z.shape[-1]))
+    g = bf(per_expert(zk, "w1"))  # [B, k, F_e]
+    u = bf(per_expert(zk, "w3"))
+    y = bf(per_expert(activation(g, u, cfg)[:, :, None], "w2"))  # [B, k, n]
     # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
     # ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
     # once, in id order, and add it to the rows that chose it)
