@@ -231,6 +231,15 @@ def test_bf16_wire(race_checked):
     step("kimi-k3-mini", 1, wire="bf16")
 
 
+@pytest.mark.exhaustive  # experts to the MXU as fp8: one more traced step (~1 min here)
+@pytest.mark.parametrize("model, batch", [("kimi-k3-mini", 3), ("deepseek-v3-mini", 1)])
+def test_fp8_mxu(race_checked, model, batch):
+    """ModelConfig.expert_mxu = "fp8" on 8 ranks (MXFP4 experts for Kimi K3's mini, FP8 for
+    DeepSeek-V3's): each rank's block-scaled products and the sharded reference's
+    (`formats.mxu_matmul` per expert group) give the same bits."""
+    step(config.get_config(model, expert_mxu="fp8"), batch, temperature=MIXED[:batch])
+
+
 def test_skipped_wait_in_a_reduction_is_a_race():
     """A partial-sum reduction that reads its receive slots without waiting for them (the last
     shared-expert sum's, at trace time every MoE layer's) is flagged by the race detector."""
