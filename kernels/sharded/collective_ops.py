@@ -97,6 +97,13 @@ BESIDE_WHY = ("restructured: W_lu's partial products and ρ's partial sums of sq
 SCATTER_WHY = ("restructured: ρ reduce-scattered in one phase, each rank receiving only the sum "
                "of its latent chunk, the one its W_lu rows need")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
+# the router placed apart (`layout.place_router`): W_ld's latent gathered on its own, issued after
+# routing and the first experts' DMAs, waited for before the first expert is computed (a wait
+# label: the prediction prices it beside the experts' reads, `program.FIRST_EXPERT_WAIT`)
+FIRST_EXPERT = "the first expert computed"
+LATENT_APART_WHY = ("the router placed apart: W_ld's latent gathered on its own after routing, "
+                    "the first experts' DMAs in flight, waited for before the first expert is "
+                    "computed (ASSUMPTION: done before that expert lands)")
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 
 
@@ -204,8 +211,10 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
-            out.append(ctx.output_gather(i, rule, joined,
-                                         EXPERTS if name == routing else ctx.after(i)))
+            apart = name == routing and plan.layout.router != layouts.ROUTER_SPLIT
+            op = ctx.output_gather(i, rule, joined, FIRST_EXPERT if apart
+                                   else EXPERTS if name == routing else ctx.after(i))
+            out.append(dataclasses.replace(op, why=LATENT_APART_WHY) if apart else op)
         if name == routing:
             out += _experts(ctx, items, ctx.after(i), expert_sum_merged(tuple(rules.values())))
     return tuple(out)
