@@ -47,6 +47,11 @@ Two layouts:
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
 
+Ours places the router's columns as the kernel's option says (`place_router`,
+`MegakernelOptions.router_placement`, ROUTER_PLACEMENTS): split with down_cols (as built), or in
+a group of their own (`spec.ROUTER_COLS`, `Layout.router_ways` consecutive ranks: a host's, a
+sibling pair, or one: whole on every rank), each rank then holding more of them.
+
 How many ways each group splits, an axis's per-rank length and the rank counts that split a
 model are the model's (`mkresearch.model.partition`: `Split`, `Layout`, `splits`; one rank of a
 full-size preset as a config, `get_config("kimi-k3-rank")`, reads them too); this module adds our
