@@ -165,3 +165,33 @@ def test_host_of_2(race_checked):
 @pytest.mark.exhaustive  # the other family: its router is whole on every rank (full-d experts)
 def test_other_family(race_checked, placement):
     step(config.get_config("deepseek-v3-mini"), 3, placement)
+
+
+@pytest.mark.exhaustive  # the exact mode: two more steps (~40 s here)
+def test_exact_mode_replicated_equals_split(race_checked):
+    """The exact collectives with the router whole on every rank: the same bits as the split
+    router's (every value whole on one rank either way), identical on every rank, remote copies
+    as its collectives."""
+    cfg, batch = KIMI_4L_E256, 1
+    params, state, tokens, positions = setup(cfg, batch)
+    lay = layout.layout(cfg, N_RANKS, collectives=layout.EXACT)
+    mesh = ms.make_mesh(N_RANKS)
+    _, _, single_aux = reference.decode_step(params, state, jnp.asarray(tokens),
+                                             jnp.asarray(positions), cfg)
+    out = {}
+    for placement in (layout.ROUTER_SPLIT, layout.ROUTER_REPLICATED):
+        options = MegakernelOptions(router_placement=placement)
+        plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, options=options)
+        with dma.recording() as log:
+            got, _, aux = ms.decode_step(
+                ms.prepare_weights(params, plan.layout, mesh),
+                ms.shard_state(state, plan.layout, mesh), tokens, positions, plan, mesh=mesh,
+                return_logits=True)
+            jax.block_until_ready(got)
+        per_rank = np.asarray(aux["tokens_per_rank"])
+        assert (per_rank == per_rank[:1]).all(), f"the ranks disagree: {per_rank}"
+        schedule_check.check(log, plan.layout, batch, np.asarray(single_aux["expert_ids"]),
+                             options)
+        out[placement] = np.asarray(aux["logits"])
+    np.testing.assert_array_equal(out[layout.ROUTER_REPLICATED].view(np.uint32),
+                                  out[layout.ROUTER_SPLIT].view(np.uint32))
