@@ -395,7 +395,7 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
         return [vmem_buffer(label, shape.shape, shape.dtype, scope) for label, shape in pairs
                 if vmem(shape)]
 
-    allocated = lambda shape: getattr(shape, "memory_space", None) == pltpu.VMEM
+    allocated = lambda shape: getattr(shape, "memory_space", None) == pltpu.VMEM  # noqa: E731
     out = (buffers(kernel_buffers(cfg, b, stream), "kernel", allocated)
            + buffers(sampled_outputs(b), "kernel", lambda _: True))
     trunk = trunk_scopes(cfg, b, vocab_tile)
