@@ -10,7 +10,8 @@ ways, 2 real; "sibling": 2 ways, both real; "replicated": whole). Each case chec
 chose the same tokens and holds the same logits; logits, tokens and every rank's state slice
 EQUAL the sharded reference's to the bit, and the logits equal the "split" placement's (the same
 routed scores); every rank's remote copies are the placement's collectives (`collective_ops`,
-which the prediction reads); no scores gather over every rank before top-k outside "split" (none
+which the prediction reads); every rank's HBM bytes the placed layout's (`layout_bytes`); no
+scores gather over every rank before top-k outside "split" (none
 at all "replicated"); W_ld's latent gathered on its own after routing and after the first
 experts' DMAs are started, waited for before the first expert is computed.
 """
@@ -83,11 +84,14 @@ def step(cfg, batch, placement, ranks_per_host=0):
     # every rank's remote copies: the placement's collectives, in order
     expert_ids = np.asarray(want_aux["expert_ids"])
     schedule_check.check(log, plan.layout, batch, expert_ids, options)
+    # every rank's HBM bytes by component: the placed layout's (`layout_bytes`, the router's
+    # columns over its group; a rank skips its slices of padding only)
+    test_sharded_decode.check_bytes(plan.layout, batch, log, expert_ids)
     print(f"{cfg.name} on {N_RANKS} ranks, router {placement} (over "
           f"{plan.layout.router_ways or N_RANKS} ranks"
           f"{f', hosts of {ranks_per_host}' if ranks_per_host else ''}), B={batch}: logits and "
           "states equal to the sharded reference's to the bit, identical on every rank; remote "
-          "copies as its collectives")
+          "copies as its collectives, HBM bytes as the placed layout's")
     return np.asarray(got), logits, log, plan
 
 
