@@ -9,7 +9,10 @@ chip. Everything about the step's collectives is read from it:
               partial-sum, a matrix split by its rows has its products reduced instead, small
               column gathers of one input fused (`Rule.joins`), W_lu's chunks riding in the
               stage's next reduction (`Rule.rides`), the routed experts' partial sums added to the
-              shared experts' when both are on the full d (`Rule.adds`)
+              shared experts' when both are on the full d (`Rule.adds`); the router placed
+              apart (`layout.place_router`, `MegakernelOptions.router_placement`): its columns
+              in spec.ROUTER_COLS, gathered among its group (the "router" channel), joining no
+              gather (W_ld's latent then has its own)
   reductions  the one list of the partial sums a rank reduces (`Reduction`: name, width, the
               column chunks riding along, the algorithm it is sent with and why); the kernel's
               buffers (`collectives.make_shard_plan`, `levels`), the step's collectives as data

@@ -28,7 +28,9 @@ stages are the schedule's:
                (the default: matrices contracting over a split dimension reduce their partial
                sums, the shared expert's sum hidden behind the routed experts' stream) or
                "exact" (bit-equal to one device: gathers around split matrices, the experts'
-               chain); each collective priced by the algorithm its sharding plan sends it with
+               chain); each collective priced by the algorithm its sharding plan sends it with;
+               its router placed as the kernel's option or a design says (`placed_layout`:
+               the placed layout's bytes and the kernel's collectives for it)
 
 `predict(...)` returns the step, tok/s and the decomposition of the slowest rank's step into HBM
 floor, waiting for peers, collective messages, compute and bubbles (they sum to the step).
