@@ -29,6 +29,8 @@ from mkresearch.sharding import reference_sharded
     (["decode", "--ranks", "2", "--collectives", "bogus"],
      ("--collectives: invalid choice: 'bogus' (choose from 'partial-sum', 'exact', "
       "'restructured')")),
+    (["decode", "--ranks", "2", "--router", "bogus"],
+     "--router: invalid choice: 'bogus' (choose from 'split', 'host', 'sibling', 'replicated')"),
 ])
 def test_bad_ranks_are_one_line_exit_2(capsys, args, reason):
     """Checked before any device is asked for or any child started: in this process."""
@@ -80,6 +82,20 @@ def test_decode_on_2_ranks_in_a_child_json():
     check_sharded_decode(result)
     ranks = result["per_rank"]
     assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
+
+
+@pytest.mark.exhaustive  # another child decode (~30 s here); the kernel's placements run in
+# tests/sharded/test_router_placement.py (the mini's 16 experts leave its router whole anyway)
+def test_decode_with_the_router_placed_in_a_child_json():
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--ranks", "2",
+                           "--router", "host", "--prompt-len", "2", "--steps", "2", "--batch",
+                           "2", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    assert result["router"] == "host"
+    check_sharded_decode(result)
 
 
 def check_sharded_decode(result: dict) -> None:

@@ -7,6 +7,8 @@ import json
 
 import pytest
 from mkresearch.kernels.sharded import plan as sharding
+from mkresearch.kernels.stages.experts import LATENT_DOWN
+from mkresearch.kernels.stages.router import W_ROUTER
 
 from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
@@ -49,31 +51,55 @@ def test_the_serial_chain_is_every_collective_of_rank_0_in_sequence():
 
 @pytest.mark.parametrize("placement", designs.ROUTER_PLACEMENTS[1:])
 def test_a_router_placement_splits_the_fused_gather(placement):
+    """A router design is priced as the kernel runs it (`MegakernelOptions.router_placement`):
+    its own collectives, the scores among the router's group, the latent over every rank."""
     p = _ours(designs=(f"router-{placement}",))
-    scores = _runs(p, "router/w_router/scores")
-    latent = _runs(p, "latent/w_ld/gather")
+    scores = _runs(p, W_ROUTER)  # not the split kernel's fused gather (checked below)
+    latent = _runs(p, LATENT_DOWN)
+    assert {run.name for run in scores + latent} <= {W_ROUTER, LATENT_DOWN}
     assert len(latent) == 92 and not _runs(p, designs.FUSED_ROUTER_GATHER)
     assert len(scores) == (0 if placement == designs.REPLICATED else 92)
     group = 2 if placement == designs.SIBLING else 8
-    for run in scores:  # priced over the group; simulated among its stand-ins (a sibling swap
-        # waits for none: the rank alone)
+    for run in scores:  # priced over the group; simulated among its stand-ins
         assert run.price.messages == group - 1 and set(run.group) <= set(range(group))
-        assert len(run.group) == 1 or placement == designs.HOST
+    # the same program as the kernel's option's: no design applied twice
+    cfg = get_config("kimi-k3")
+    kernel = scale_out.our_schedule(cfg, "partial-sum", 32, 1, router=placement)
+    assert kernel.router == placement
+    both = scale_out.predict(cfg, 32, layouts.OURS, 1, schedule=dataclasses.replace(
+        kernel, designs=(f"router-{placement}",)))
+    alone = scale_out.predict(cfg, 32, layouts.OURS, 1, schedule=kernel)
+    assert both["step_s"] == alone["step_s"] == p["step_s"]
+    assert both["rank_bytes"] == alone["rank_bytes"] == p["rank_bytes"]
+
+
+def test_the_kernels_placement_and_another_design_clash():
+    kernel = scale_out.our_schedule(get_config("kimi-k3-mini"), "partial-sum", 2,
+                                    router=designs.HOST)
+    with pytest.raises(ValueError, match="the kernel places the router already"):
+        dataclasses.replace(kernel, designs=("router-sibling",))
+    with pytest.raises(ValueError, match="Schedule.router='nowhere' is invalid"):
+        dataclasses.replace(kernel, router="nowhere")
 
 
 def test_router_placements_bytes_latency_and_the_choice():
     table = design_table.router_placements(get_config("kimi-k3"), 32, 1)
     rows = {r["placement"]: r for r in table["rows"]}
     assert list(rows) == list(designs.ROUTER_PLACEMENTS)
-    # Kimi K3's 896 experts over 32 ranks: chunks of 28 columns padded to 128 lanes, so a host's
-    # 112 cost no more bytes; two siblings read 512 lanes, every rank 896
-    assert rows["host"]["rank_gb"] == rows["split"]["rank_gb"]
+    # Kimi K3's 896 experts over 32 ranks: chunks of 28 columns padded to 128 lanes, a host's 112
+    # too, but on every rank of the host (split: rotated onto ranks with padding of W_ld, W_qa,
+    # W_kva), so the busiest rank reads more (at most one chunk per MoE layer: 0.12 GB of 0.17);
+    # two siblings read 512 lanes, every rank 896
+    chunk = 92 * 7168 * 128 * 2  # one bf16 chunk of the router's columns in every MoE layer
+    assert 0 < (rows["host"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9 <= chunk
     assert rows["split"]["rank_gb"] < rows["sibling"]["rank_gb"] < rows["replicated"]["rank_gb"]
     extra = (rows["replicated"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9
-    assert extra == pytest.approx(92 * 7168 * (896 - 128) * 2, rel=0.1)  # bf16 router columns
+    assert extra == pytest.approx(92 * 7168 * 896 * 2, rel=0.1)  # bf16 router columns
     assert rows["replicated"]["before_top_k_us"] == 0
     assert rows["sibling"]["before_top_k_us"] < rows["split"]["before_top_k_us"]
     assert table["chosen"] == min(rows.values(), key=lambda r: r["step_ms"])["placement"]
+    assert table["kernel_default"] == designs.SPLIT and table["ranks_per_host"] == 8
+    assert "the kernel runs each" in design_table.format_router_placements(table)
     print(design_table.format_router_placements(table))
 
 

@@ -36,6 +36,7 @@ from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts regist
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import BF16_SUBLANE, ModelConfig
+from mkresearch.model.partition import ROUTER_PLACEMENTS, ROUTER_SPLIT
 
 # The activation block [B, d] bf16 fills at most one 16-row sublane tile; a larger batch would need
 # a batch grid, which a single grid-less call does not have.
@@ -69,6 +70,12 @@ class MegakernelOptions:
                      holds them back until the experts' slots are started
                      (`weight_stream.StageStream.hold_after`); DMAs go out in issue order, so
                      the experts' reads are not queued behind the ring's (issue 46)
+    router_placement sharded: where the MoE router's columns live (`layout.ROUTER_PLACEMENTS`,
+                     `layout.place_router`): "split" over every rank (its scores gathered with
+                     W_ld's latent in one all-gather before top-k), "host" over the ranks of one
+                     host (`ranks_per_host`), "sibling" between ranks r and r ^ 1, "replicated"
+                     whole on every rank (no gather before top-k); in all but "split" W_ld's
+                     latent is gathered on its own after routing (issue 46)
     """
 
     expert_slots: int = 2
@@ -82,10 +89,12 @@ class MegakernelOptions:
     ranks_per_host: int = field(default=0, repr=False)
     # in the repr (the fingerprint) only when set: plans without it keep their records
     expert_reads_first: bool = field(default=False, repr=False)
+    router_placement: str = field(default=ROUTER_SPLIT, repr=False)
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if f.repr or (f.name == "expert_reads_first" and self.expert_reads_first)]
+                 if f.repr or (f.name == "expert_reads_first" and self.expert_reads_first)
+                 or (f.name == "router_placement" and self.router_placement != ROUTER_SPLIT)]
         return f"MegakernelOptions({', '.join(shown)})"
 
 
@@ -121,6 +130,9 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
     if isinstance(rph, bool) or not isinstance(rph, int) or rph < 0:
         raise ValueError(f"ranks_per_host={rph!r} is invalid: 0 (every rank one host) or an int "
                          ">= 1")
+    if options.router_placement not in ROUTER_PLACEMENTS:
+        raise ValueError(f"router_placement={options.router_placement!r} is invalid: one of "
+                         f"{ROUTER_PLACEMENTS}")
     pairs = options.reductions
     if not isinstance(pairs, tuple) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)

@@ -145,7 +145,7 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
     busy while a collective is waited for; cap: the lookahead (depth - 1 blocks) within the
     rank's shortest stage, and PARTIAL_SUM_MAX_RING_DEPTH. If even the floor is over VMEM, the
     floor (`make_sharded_plan` refuses it with the plan)."""
-    cfg = lay.cfg
+    lay, cfg = _placed(lay, options), lay.cfg
     if not options.global_stream or not lay.partial_sums:
         return RingDepth(cfg.ring_depth, "the config's ring_depth ("
                          + ("exact collectives)" if options.global_stream else "no global ring)"))
@@ -200,6 +200,7 @@ def rank_vmem(lay: layouts.Layout, batch: int, depth: int, seq_len: int | None =
               wire: str = "f32") -> mplan.VmemPlan:
     """A rank's whole VMEM plan (as `make_sharded_plan` builds it) with a ring of `depth` slots."""
     seq_len = lay.cfg.max_seq_len if seq_len is None else int(seq_len)
+    lay = _placed(lay, options)
     return _rank_parts(lay, batch, seq_len, options, wire, depth, _local_streamed(lay))[-1]
 
 
@@ -226,11 +227,14 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
     vocab_tile = sampling.default_vocab_tile(kcfg.d_model, kcfg.vocab_size)
     plan = sharding.with_algorithms(lay, batch, wire, options.reductions, options.ranks_per_host)
     pieces = {"all": [sharded_stages.STATE_LANES],
-              "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)]}
+              "etp": [lay.local_length(spec.EXPERT_TP, cfg.expert_hidden)],
+              sharding.ROUTER_CHANNEL: []}
     for rule in plan.rules:
         if rule.gather is not None and rule.gather != spec.EXPERT_TP:
             pieces["all"].append(lay.local_length(rule.gather, rule.k))
-        if rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
+        if rule.out == spec.ROUTER_COLS:  # the router placed apart: among its group
+            pieces[sharding.ROUTER_CHANNEL].append(lay.local_length(rule.out, rule.n))
+        elif rule.out is not None:  # with the chunks joining its gather (`Rule.joins`)
             pieces["all"].append(sum(lay.local_length(r.out, r.n) for r in plan.rules
                                      if r is rule or r.joins == rule.name))
     reduced = [cfg.d_model]  # the embedding
@@ -255,13 +259,26 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
     return kcfg, stage_plans, vocab_tile, stream, shard, vmem
 
 
+def _placed(lay: layouts.Layout, options: mplan.MegakernelOptions) -> layouts.Layout:
+    """The layout with the router placed as the options say (`layout.place_router`):
+    ValueError if `lay` is placed already, otherwise."""
+    placed = layouts.place_router(lay, options.router_placement, options.ranks_per_host)
+    if lay.router != layouts.ROUTER_SPLIT and lay != placed:
+        raise ValueError(f"layout.router={lay.router!r} (over {lay.router_ways} ranks) is invalid "
+                         f"with router_placement={options.router_placement!r}: the layout is "
+                         "placed by the options (`make_sharded_plan`); pass the layout unplaced")
+    return placed
+
+
 def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = None,
                       options: mplan.MegakernelOptions = mplan.MegakernelOptions(),  # noqa: B008
                       wire: str = "f32") -> ShardedPlan:
     """Check sizes and options (ValueError naming them) and fix every static size of one rank.
     The layout's `collectives` picks the collectives (`kernels/sharded/plan.py`); wire: the
     partial sums' format on the wire (`plan.WIRES`); options.reductions and .ranks_per_host: how
-    the reductions are sent (`kernel_options`: as the sharding plan chooses for a chip)."""
+    the reductions are sent (`kernel_options`: as the sharding plan chooses for a chip);
+    options.router_placement: where the router's columns live (the plan's layout is `lay` with
+    them placed, `layout.place_router`: prepare the weights with `plan.layout`)."""
     sharding.check_wire(wire)
     if not isinstance(lay, layouts.Layout):
         raise ValueError(f"layout={lay!r} is invalid: a mkresearch.sharding.layout.Layout")  # noqa: TRY004
@@ -274,6 +291,7 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
         raise ValueError(f"expert_plan={options.expert_plan!r} is invalid for a sharded model: "
                          "'unique' (each rank fetches the distinct experts of its group)")
     batch = int(batch)
+    lay = _placed(lay, options)
     check_fits_hbm(lay, options.chip, batch, seq_len)
 
     local = _local_streamed(lay)

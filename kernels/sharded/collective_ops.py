@@ -27,7 +27,12 @@ issued after and what waits for it. Two modes:
                or top-k follows), two of them fused (FUSED_GATHERS, `Rule.joins`): the
                router's and W_ld's chunks (both of the normed x) travel in one all-gather, issued
                right after W_ld's last block and waited for before top-k; W_qa's and W_kva's
-               likewise (the MLA body streams W_kva before W_qb). W_lu's column chunks (RIDERS:
+               likewise (the MLA body streams W_kva before W_qb). The router placed apart
+               (`MegakernelOptions.router_placement`, `layout.place_router`): its scores are
+               gathered among its group alone ("host", "sibling"; none "replicated") before
+               top-k, and W_ld, streamed after routing and the first experts' DMAs, has its
+               latent gathered over every rank on its own, waited for before the first expert
+               is computed. W_lu's column chunks (RIDERS:
                needed only at the stage's end) travel in the messages of the shared expert's
                W_down reduction (`carries`), no collective of their own. Partial sums travel as
                `wire` (f32, or bf16: each rank's partial rounded once before the sum). Per MoE
@@ -92,6 +97,13 @@ BESIDE_WHY = ("restructured: W_lu's partial products and ρ's partial sums of sq
 SCATTER_WHY = ("restructured: ρ reduce-scattered in one phase, each rank receiving only the sum "
                "of its latent chunk, the one its W_lu rows need")
 EXPERTS = "routed experts"  # the routed experts' step of a MoE stage (a wait label)
+# the router placed apart (`layout.place_router`): W_ld's latent gathered on its own, issued after
+# routing and the first experts' DMAs, waited for before the first expert is computed (a wait
+# label: the prediction prices it beside the experts' reads, `program.FIRST_EXPERT_WAIT`)
+FIRST_EXPERT = "the first expert computed"
+LATENT_APART_WHY = ("the router placed apart: W_ld's latent gathered on its own after routing, "
+                    "the first experts' DMAs in flight, waited for before the first expert is "
+                    "computed (ASSUMPTION: done before that expert lands)")
 SAMPLING_LANES = 3 * LANE  # the packed sampling state of a vocab shard (`sharded_stages`)
 
 
@@ -199,8 +211,10 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
-            out.append(ctx.output_gather(i, rule, joined,
-                                         EXPERTS if name == routing else ctx.after(i)))
+            apart = name == routing and plan.layout.router != layouts.ROUTER_SPLIT
+            op = ctx.output_gather(i, rule, joined, FIRST_EXPERT if apart
+                                   else EXPERTS if name == routing else ctx.after(i))
+            out.append(dataclasses.replace(op, why=LATENT_APART_WHY) if apart else op)
         if name == routing:
             out += _experts(ctx, items, ctx.after(i), expert_sum_merged(tuple(rules.values())))
     return tuple(out)
@@ -230,6 +244,14 @@ class _Ctx:
         first = self.rank // self.lay.etp * self.lay.etp
         return tuple(range(first, first + self.lay.etp))
 
+    @property
+    def router_group(self) -> tuple[int, ...]:
+        """The ranks the router's columns split over when placed apart (`layout.place_router`:
+        consecutive, this rank among them)."""
+        ways = self.lay.ways(spec.ROUTER_COLS)
+        first = self.rank // ways * ways
+        return tuple(range(first, first + ways))
+
     def after(self, i: int) -> str:
         """What follows streamed matrix i."""
         return self.names[i + 1] if i + 1 < len(self.names) else f"{self.kind} end"
@@ -249,8 +271,9 @@ class _Ctx:
     def output_gather(self, i: int, rule, joined: list, before: str) -> CollectiveOp:
         """Matrix i's column chunks (and those of the matrices joining it) all-gathered after it."""
         width = sum(self.lay.local_length(r.out, r.n) for r in (*joined, rule))
+        group = self.router_group if rule.out == spec.ROUTER_COLS else self.everyone
         return self.op(sharded_stream.fused_name([*(r.name for r in joined), rule.name]),
-                       "all-gather", self.everyone, self.batch * F32 * lanes(width),
+                       "all-gather", group, self.batch * F32 * lanes(width),
                        issue_after=rule.name, wait_before=before, matrix=rule.name,
                        role="output", carries=tuple(r.name for r in joined),
                        why=FUSED_WHY if joined else "")

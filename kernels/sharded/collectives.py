@@ -7,7 +7,9 @@ logged by `dma.RemoteCopy`); a stage's weight stream on a rank: `sharded_stream.
   all_gather     x [B, w] of every member of a group (all n ranks, or an ETP group) -> every
                  member's x: each sends its x into slot `me` of every other member's inbox
   gather         the pieces of a vector split by a group, put together in order (the heads'
-                 outputs before W_o, a matrix's column chunks after it, `ShardedStream`)
+                 outputs before W_o, a matrix's column chunks after it, `ShardedStream`); the
+                 router's columns placed apart (`layout.place_router`): among the router's
+                 group of consecutive ranks (channel "router": a host, a sibling pair)
   all_reduce     the embedding: a reduce-scatter then an all-gather (one rank holds the row, the
                  others add zeros: exact)
   combine_items  exact mode: the routed experts' weighted sum in ascending expert id, passed down
@@ -50,7 +52,13 @@ from mkresearch.kernels.sharded.levels import (
     each_peer,
     plan_levels,
 )
-from mkresearch.kernels.sharded.plan import ONE_SHOT, Rule, ShardingPlan, expert_sum_merged
+from mkresearch.kernels.sharded.plan import (
+    ONE_SHOT,
+    ROUTER_CHANNEL,
+    Rule,
+    ShardingPlan,
+    expert_sum_merged,
+)
 from mkresearch.kernels.stages import gate_up
 
 from mkresearch.model import numerics, spec
@@ -154,7 +162,8 @@ def make_shard_plan(sharding: ShardingPlan, pieces: dict, reduced: tuple[int, ..
     lay = sharding.layout
     levels = plan_levels(sharding)
     channels = []
-    for name, size in (("all", lay.n_ranks), ("etp", lay.etp)):
+    for name, size in (("all", lay.n_ranks), ("etp", lay.etp),
+                       (ROUTER_CHANNEL, lay.ways(spec.ROUTER_COLS))):
         widths = tuple(pieces.get(name, ()))
         if size == 1 or not widths:
             continue
@@ -337,6 +346,9 @@ class Collectives:
         pieces of the slices 0, 1, .. in order (one rank of each, `Split.stride`), cut to full."""
         if group == spec.EXPERT_TP:  # within this rank's expert group
             return jnp.concatenate(self.all_gather(piece, name=name, channel="etp"),
+                                   axis=1)[:, :full]
+        if group == spec.ROUTER_COLS:  # the router placed apart: within its group of ranks
+            return jnp.concatenate(self.all_gather(piece, name=name, channel=ROUTER_CHANNEL),
                                    axis=1)[:, :full]
         return self._assemble(self.all_gather(piece, name=name), group, full)
 

@@ -9,7 +9,10 @@ chip. Everything about the step's collectives is read from it:
               partial-sum, a matrix split by its rows has its products reduced instead, small
               column gathers of one input fused (`Rule.joins`), W_lu's chunks riding in the
               stage's next reduction (`Rule.rides`), the routed experts' partial sums added to the
-              shared experts' when both are on the full d (`Rule.adds`)
+              shared experts' when both are on the full d (`Rule.adds`); the router placed
+              apart (`layout.place_router`, `MegakernelOptions.router_placement`): its columns
+              in spec.ROUTER_COLS, gathered among its group (the "router" channel), joining no
+              gather (W_ld's latent then has its own)
   reductions  the one list of the partial sums a rank reduces (`Reduction`: name, width, the
               column chunks riding along, the algorithm it is sent with and why); the kernel's
               buffers (`collectives.make_shard_plan`, `levels`), the step's collectives as data
@@ -59,7 +62,10 @@ SHARED_DOWN = "shared/w_down"  # the shared experts' W_down (its reduction: "sha
 ROUTED_OUTPUT = experts.LATENT_UP  # the routed experts' output as `ffn_stage_body` settles it
 # column splits whose chunks are gathered after the matmul (the next step needs the whole vector);
 # heads, FFN hidden and expert columns stay this rank's
-GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
+GATHERED_COLUMNS = (spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT, spec.ROUTER_COLS)
+# the router's columns placed apart (`layout.place_router`): gathered among the router's group
+# of consecutive ranks (the collectives' "router" channel), never fused with W_ld's latent
+ROUTER_CHANNEL = "router"
 # matrices whose whole output is needed only at their stage's end (it joins the stage's sum):
 # in partial-sum mode their column chunks ride with the stage's next reduction (`Rule.rides`)
 RIDERS = (experts.LATENT_UP,)
@@ -155,7 +161,7 @@ def _joining(rules: list[Rule]) -> list[Rule]:
     out = list(rules)
     for first, second in FUSED_GATHERS:
         if first in by_name and second in by_name and all(
-                out[by_name[m]].out is not None and out[by_name[m]].rides is None
+                out[by_name[m]].out not in (None, spec.ROUTER_COLS) and out[by_name[m]].rides is None
                 and out[by_name[m]].gather is None for m in (first, second)):
             out[by_name[first]] = dataclasses.replace(out[by_name[first]], joins=second)
     return out

@@ -9,6 +9,7 @@ and `mkresearch info kimi-k3` reads as a sentence (`decode` and `bench` default 
     mkresearch info kimi-k3 --ranks 32                # the per-rank byte table, ours vs release
     mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \\
         [--backend megakernel|reference] [--chip tpu7x] [--ranks 1] [--json]
+        [--collectives partial-sum|exact|restructured] [--router split|host|sibling|replicated]
         [--speculate K [--drafter forced:A|ngram|mtp]]   # speculative decoding (cli.speculative)
     mkresearch bench kimi-k3-mini [--batch 1,2,4,8] [--steps 3] [--chip tpu7x] [--ranks 1] \\
         [--out figures] [--workload FILE|synthetic [--slots B] [--pages N]]

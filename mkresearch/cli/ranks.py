@@ -52,6 +52,12 @@ def add_decode_arguments(p: Any) -> None:
                         "exact schedule (every value whole on one rank: the single device's "
                         "bits), or restructured (partial sums, the MoE latent reduce-scattered "
                         "and W_lu's partial sums beside the shared experts')")
+    p.add_argument("--router", default=layout.ROUTER_SPLIT, choices=layout.ROUTER_PLACEMENTS,
+                   help="with --ranks: where the MoE router's columns live "
+                        "(MegakernelOptions.router_placement): split over every rank (default; "
+                        "its scores gathered with the latent before top-k), over one host's "
+                        "ranks, between sibling cores, or replicated on every rank (no gather "
+                        "before top-k)")
 
 
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
@@ -125,7 +131,8 @@ def rank_rows(log: dma.DmaLog, lay: layout.Layout, batch: int, chip: str) -> lis
 def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                    n_ranks: int, chip: str = "tpu7x", progress: bool = False,
                    collectives: str = layout.PARTIAL_SUM, params: dict | None = None,
-                   prompt: Any = None, load: Any = None) -> dict:
+                   prompt: Any = None, load: Any = None,
+                   router: str = layout.ROUTER_SPLIT) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
     step over the same tokens with states of their own: per step the sharded logits must EQUAL
@@ -140,7 +147,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     `load(lay, ranks)` (a checkpoint read per process in a multi-process run:
     `rank_loader.load_rank_params`) gives only this process's ranks' slices, and then no process
     has the weights the single-device checks need: they are left out (`logits_sha256`
-    fingerprints every step's logits, to compare with a one-process run)."""
+    fingerprints every step's logits, to compare with a one-process run). `router`: the router's
+    placement (`MegakernelOptions.router_placement`: the weights laid out as `plan.layout`)."""
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -149,10 +157,10 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     lay = layout.layout(cfg, n_ranks, collectives=collectives)
     # the reductions sent as the sharding plan chooses for the chip's slice (`kernel_options`)
     plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, sharded.kernel_options(
-        lay, batch, chip))  # refuses first
+        lay, batch, chip, router_placement=router))  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
-    params, prepared, loaded = _weights_on_ranks(cfg, seed, lay, mesh, params, load)
+    params, prepared, loaded = _weights_on_ranks(cfg, seed, plan.layout, mesh, params, load)
     prompt = (bench.random_prompt(cfg, batch, prompt_len, seed) if prompt is None
               else np.asarray(prompt))  # [B, T]
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
@@ -172,8 +180,9 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
         "collectives": collectives, "logits_sha256": digest,
         "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
         "step_label": bench.backend_label("megakernel"),
-        "per_rank": rank_rows(log, lay, batch, chip),
+        "per_rank": rank_rows(log, plan.layout, batch, chip),
         "vmem_plan_bytes": plan.mega.vmem.total_bytes,
+        **({} if router == layout.ROUTER_SPLIT else {"router": router}),
     }
     if checks:
         result.update(checks.result(prompt_len + steps - 1))
@@ -370,7 +379,9 @@ def print_decode(result: dict) -> None:
                             "per step per rank)")
     if "text" in result:  # --checkpoint: the prompt and what followed it
         print(f"text: {result['text']!r}")
-    print(f"layout: {result['layout']}")
+    print(f"layout: {result['layout']}"
+          + (f"; router {result['router']} (MegakernelOptions.router_placement)"
+             if "router" in result else ""))
     multihost.print_processes(result)
     if "agreement" not in result:  # each process read its ranks' shards: nothing to compare
         multihost.print_uncompared(result)
@@ -478,7 +489,7 @@ def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
                                 args.ranks, args.chip, progress,
                                 getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt,
-                                load)
+                                load, getattr(args, "router", layout.ROUTER_SPLIT))
     if loaded is not None:
         result["text"] = loaded.text(result["generated"][0])
     if multihost.leader_prints():

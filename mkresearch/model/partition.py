@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import jax
@@ -43,13 +43,21 @@ PARTIAL_SUM_MODES = (PARTIAL_SUM, RESTRUCTURED)  # the modes whose matrices spli
 DEFAULT_COLLECTIVES = PARTIAL_SUM
 # groups split in chunks of whole lane tiles (zero-padded), not exactly
 PADDED_GROUPS = (spec.FFN_HIDDEN, spec.MODEL_COLS, spec.DOWN_COLS, spec.MOE_LATENT)
-CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB)  # split in lane-tile chunks (the rest exactly)
+# split in lane-tile chunks (the rest exactly); the router's columns placed apart too (ROUTER_COLS)
+CHUNKED_GROUPS = (*PADDED_GROUPS, spec.VOCAB, spec.ROUTER_COLS)
 # groups the release keeps whole on every rank: the router and the latent down-projections.
 # ASSUMPTION: docs/kimi-k3.md §9 does not say how they split (docs/collectives.md splits the router's scores
 # between siblings); kept whole, a rank reads 7.0 GB at B = 1 against §9's ≈ 6.97
 RELEASE_REPLICATED = (spec.DOWN_COLS,)
 HALF_LANE = LANE // 2  # the partial-sum FFN hidden's chunk unit (`Layout._chunk`)
 RELEASE_EXPERT_FORMAT = "released"  # roofline's name for FP8 gate/up + MXFP4 down (docs/kimi-k3.md §7)
+# where the MoE router's columns live (`Layout.router`; the kernel's
+# `MegakernelOptions.router_placement`, the prediction's `designs`): split over every rank with the
+# other down-projections (as built: its scores gathered with W_ld's latent in one all-gather over
+# every rank before top-k), over the ranks of one host, between sibling cores (ranks r and r ^ 1),
+# or whole on every rank (no gather before top-k)
+ROUTER_SPLIT, ROUTER_HOST, ROUTER_SIBLING, ROUTER_REPLICATED = "split", "host", "sibling", "replicated"
+ROUTER_PLACEMENTS = (ROUTER_SPLIT, ROUTER_HOST, ROUTER_SIBLING, ROUTER_REPLICATED)  # as built first
 RELEASE_RANKS = 32  # docs/kimi-k3.md §9: 16 TPU7x chips x 2 TensorCores (one rank of them: '<preset>-rank')
 
 
@@ -228,6 +236,16 @@ class Layout:
     # arrives split (Param.gather) split by its rows instead, its products partial sums;
     # "restructured": partial-sum, and W_lu split by its rows too (`Param.scattered`)
     collectives: str = "exact"
+    # where the router's columns live (ROUTER_PLACEMENTS, `router_ways`: over how many
+    # consecutive ranks, ROUTER_COLS); out of the repr while "split" (recorded compiles'
+    # fingerprints): `mkresearch.sharding.layout.place_router`
+    router: str = field(default=ROUTER_SPLIT, repr=False)
+    router_ways: int = field(default=0, repr=False)
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.repr or self.router != ROUTER_SPLIT]
+        return f"Layout({', '.join(shown)})"
 
     @property
     def partial_sums(self) -> bool:
@@ -237,6 +255,8 @@ class Layout:
     def split(self, group: str) -> Split:
         """How `group` splits (whole when the layout has no split for it: a group no leaf of the
         model uses, e.g. kv_heads without GQA)."""
+        if group == spec.ROUTER_COLS:  # consecutive ranks, slice r % ways (`router_ways`)
+            return Split(group, max(self.router_ways, 1))
         return next((s for s in self.splits if s.group == group), Split(group, 1))
 
     def ways(self, group: str) -> int:

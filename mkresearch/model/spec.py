@@ -23,6 +23,7 @@ and Qwen3: gqa, mla_rope, moe_full, with dense); a new kind is one
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,10 @@ FFN_HIDDEN = "ffn_hidden"  # the hidden of the dense FFN and the shared experts
 MODEL_COLS = "model_cols"  # the d columns of a projection back to the model dim (W_o, W_down)
 DOWN_COLS = "down_cols"  # the columns of a small down-projection of x (W_fa, W_qa, W_kva, router)
 MOE_LATENT = "moe_latent"  # the latent columns of the MoE latent down-projection W_ld
+# the router's columns when a layout places them apart from down_cols (`Param.router`,
+# `partition.Layout.router`: whole on every rank, or split over a host's ranks or a pair of
+# sibling cores); no Param declares it: a layout puts it in place of the router's down_cols
+ROUTER_COLS = "router_cols"
 SHARD_GROUPS = (HEADS, VOCAB, EXPERTS, EXPERT_TP, FFN_HIDDEN, MODEL_COLS, DOWN_COLS, MOE_LATENT,
                 KV_HEADS)
 REPLICATED: tuple = ()  # Param.shard of a parameter every rank holds whole
@@ -80,6 +85,8 @@ class Param:
     beside: with `scattered`, the key of the stage's parameter whose reduction its partial sums
     (and the sums of squares of its input's chunks) travel beside, in the order that reduction
     adds the ranks: the kernel's rules (`Rule.beside`) and the sharded reference both read it.
+    router: the MoE router's matrix: a layout's router placement (`partition.Layout.router`) puts
+    its columns in ROUTER_COLS instead of its DOWN_COLS (out of the repr while False).
     """
 
     shape: tuple[int, ...]
@@ -90,6 +97,7 @@ class Param:
     gather: str | None = None
     scattered: str | None = None
     beside: str | None = None
+    router: bool = dataclasses.field(default=False, repr=False)
 
     def stacked(self, count: int, by: str | None = None) -> Param:
         """The same parameter for `count` layers (or experts: `by` the group that splits the new
@@ -99,15 +107,16 @@ class Param:
             shard = tuple((axis + 1, group) for axis, group in shard)
             shard = (split(0, by) + shard) if by is not None else shard
         return Param((count, *self.shape), self.dtype, self.init, self.quantized, shard,
-                     self.gather, self.scattered, self.beside)
+                     self.gather, self.scattered, self.beside, self.router)
 
 
 def matrix(n_in: int, n_out: int, *, quantized: bool = False,
            shard: tuple[tuple[int, str], ...] | None = None, gather: str | None = None,
-           scattered: str | None = None, beside: str | None = None) -> Param:
+           scattered: str | None = None, beside: str | None = None,
+           router: bool = False) -> Param:
     """A [in, out] bf16 matrix ~ N(0, 1/in): every projection keeps an O(1) RMS."""
     return Param((n_in, n_out), jnp.bfloat16, ("normal", n_in ** -0.5), quantized, shard, gather,
-                 scattered, beside)
+                 scattered, beside, router)
 
 
 def norm(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Param:

@@ -2,11 +2,14 @@
 same assumptions as the release's (`calibration.Model`): nothing fitted to a step time.
 
 `router_placements(cfg, n_ranks, batch)`: each router placement with its bytes per rank, the
-collective it needs before top-k (its latency as priced) and the predicted step; the chosen one is
-the fastest predicted (per model and batch). `designs_table(cfg, batches)`: ours as built, then
-each design added in turn (experts to the MXU as fp8, expert reads first, rho by
-reduce-scatter, the chosen router placement, bf16 partial sums), beside the release's modelled step. `mkresearch plan MODEL --ranks
-N` prints the first, `mkresearch predict MODEL --ranks N --designs` the second.
+collective it needs before top-k (its latency as priced) and the predicted step, each as the
+kernel runs it (`MegakernelOptions.router_placement`, `decode --ranks N --router P`: its layout's
+bytes, its collectives); the chosen one is the fastest predicted (per model and batch), the
+kernel's default "split" (as built). `designs_table(cfg, batches)`: ours as built, then
+each design added in turn (experts to the MXU as fp8, expert reads first, rho by reduce-scatter,
+the chosen router placement, bf16 partial sums), beside the release's modelled step.
+`mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
+the second.
 """
 
 from __future__ import annotations
@@ -58,17 +61,24 @@ def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
     best = min(rows, key=lambda r: r["step_ms"])
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "rows": rows,
             "with": list(others) + [f"expert reads {expert_order}"],
-            "chosen": best["placement"]}
+            "chosen": best["placement"], "kernel_default": designs.SPLIT,
+            "ranks_per_host": per_host}
 
 
 def format_router_placements(table: dict[str, Any]) -> str:
     lines = [(f"router placements ({table['model']} on {table['n_ranks']} ranks, B = "
               f"{table['batch']}, with {', '.join(table['with'])}; predicted by the scale-out "
               "model, the same assumptions as the release's):"),
+             (f"  the kernel runs each (decode --ranks {table['n_ranks']} --router P: "
+              "MegakernelOptions.router_placement, on hosts of "
+              f"{table['ranks_per_host']} ranks); as built: {table['kernel_default']}"),
              (f"  {'placement':10s} {'group':>5s} {'GB/rank':>8s} {'before top-k us':>15s} "
               f"{'step ms':>8s}")]
     for r in table["rows"]:
-        mark = "  <- chosen (fastest predicted)" if r["placement"] == table["chosen"] else ""
+        marks = [m for m, on in (("as built", r["placement"] == table["kernel_default"]),
+                                 ("chosen (fastest predicted)", r["placement"] == table["chosen"]))
+                 if on]
+        mark = f"  <- {', '.join(marks)}" if marks else ""
         lines.append(f"  {r['placement']:10s} {r['group']:5d} {r['rank_gb']:8.2f} "
                      f"{r['before_top_k_us']:15.2f} {r['step_ms']:8.2f}{mark}")
     return "\n".join(lines)

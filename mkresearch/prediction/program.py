@@ -39,7 +39,12 @@ from dataclasses import dataclass
 import jax
 
 from mkresearch.kernels.sharded import plan as sharding
-from mkresearch.kernels.sharded.collective_ops import EXPERTS, CollectiveOp, collective_ops
+from mkresearch.kernels.sharded.collective_ops import (
+    EXPERTS,
+    FIRST_EXPERT,
+    CollectiveOp,
+    collective_ops,
+)
 from mkresearch.model import formats, roofline, spec
 from mkresearch.model.config import LANE, MXFP4_BLOCK, ModelConfig
 from mkresearch.model.partition import RELEASE_ETP
@@ -57,6 +62,10 @@ TOKEN_SCATTER_BATCH = 8
 RELEASE_HOST_RANKS = 8  # rank // 8 is its host, rank % 8 its lane
 RELEASE_LU_COLUMNS = 1024  # W_lu's columns per lane: a host's 8 lanes cover d (7,168 of 8,192)
 SAMPLING_LANES = 384  # the sampling state a vocab shard sends: `sharded_stages.STATE_LANES`
+# our kernel's W_ld latent gather with the router placed apart (`collective_ops.FIRST_EXPERT`):
+# waited for before the first expert is computed, which needs that expert landed; priced as waited
+# after the experts' reads (ASSUMPTION: done before the first expert lands, as `designs` says)
+FIRST_EXPERT_WAIT = FIRST_EXPERT
 # the collective ops' labels of the exact mode's expert steps, all at the experts' point
 EXPERT_LABELS = ("expert W1, W3", "expert W2", "the group's experts", "the last group's sum",
                  sharding.EXPERT_SUM, EXPERTS)
@@ -144,6 +153,8 @@ def _position(label: str, kind: str, names: list[str]) -> int:
         return next(i for i, n in enumerate(names) if n.endswith(sharding.SHARED_DOWN))
     if label in EXPERT_LABELS:
         return names.index(EXPERTS)
+    if label == FIRST_EXPERT:  # beside the experts' reads: waited before the step after them
+        return names.index(EXPERTS) + 1
     if label in names:
         return names.index(label)
     raise ValueError(f"collective label {label!r} of stage {kind!r} names no step of the stage "

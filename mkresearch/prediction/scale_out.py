@@ -28,7 +28,9 @@ stages are the schedule's:
                (the default: matrices contracting over a split dimension reduce their partial
                sums, the shared expert's sum hidden behind the routed experts' stream) or
                "exact" (bit-equal to one device: gathers around split matrices, the experts'
-               chain); each collective priced by the algorithm its sharding plan sends it with
+               chain); each collective priced by the algorithm its sharding plan sends it with;
+               its router placed as the kernel's option or a design says (`placed_layout`:
+               the placed layout's bytes and the kernel's collectives for it)
 
 `predict(...)` returns the step, tok/s and the decomposition of the slowest rank's step into HBM
 floor, waiting for peers, collective messages, compute and bubbles (they sum to the step).
@@ -41,6 +43,7 @@ import functools
 import gc
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +51,6 @@ import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kind
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.base import registry
 from mkresearch.kernels.sharded import plan as sharding
-from mkresearch.kernels.stages.router import W_ROUTER
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import designs, program, row_work
@@ -89,26 +91,45 @@ class _Stage:
     matrices: tuple[tuple[str, int], ...]  # (DMA name, bytes of one layer on this rank)
 
 
-def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes,
-                 router_group: int = 0) -> dict[str, _Stage]:
+def _stage_bytes(lay: layouts.Layout, counted: layout_bytes.RankBytes) -> dict[str, _Stage]:
     """Each kind's matrices with one layer's bytes on a rank: the kind's component bytes split
-    by the matrices' per-rank element counts; router_group > 0: the router's columns split over
-    that many ranks instead (a design's placement, `designs.router_group`), the columns it adds
-    at the router's dtype (`_router_extra`)."""
+    by the matrices' per-rank element counts (the router's as the layout places it)."""
     cfg = lay.cfg
     out = {}
     for kind in cfg.kinds:
         stage = spec.stage(kind)
         params = stage.params(cfg)
         matrices = registry.kernel_stage(kind).streamed(cfg)
-        sizes = [math.prod(layouts.local_shape(lay, m.shape, params[m.key].shard))
+        sizes = [math.prod(layouts.local_shape(lay, m.shape, _shard(lay, params[m.key])))
                  for m in matrices]
         per_layer = counted.component(stage.component[0]) / len(cfg.layers_of(kind))
-        out[kind] = _Stage(kind, tuple(
-            (m.name, per_layer * s / sum(sizes)
-             + (_router_extra(lay, params[m.key], router_group) if m.name == W_ROUTER else 0))
-            for m, s in zip(matrices, sizes, strict=True)))
+        out[kind] = _Stage(kind, tuple((m.name, per_layer * s / sum(sizes))
+                                       for m, s in zip(matrices, sizes, strict=True)))
     return out
+
+
+def _shard(lay: layouts.Layout, param: spec.Param) -> Any:
+    """A matrix's split as the bytes are shared among a stage's matrices: its rule, the router's
+    as the layout places it (`layout.place_router`)."""
+    return layouts.param_shard(lay, param) if param.router else param.shard
+
+
+def router_placement(sched: Schedule) -> str:
+    """Where the schedule's kernel places its router: its option (`Schedule.router`), else the
+    placement its designs name (`designs.router_placement`: priced as the kernel runs it)."""
+    if sched.router != layouts.ROUTER_SPLIT:
+        return sched.router
+    return designs.router_placement(sched.designs)
+
+
+def placed_layout(cfg: ModelConfig, n_ranks: int, name: str, sched: Schedule) -> layouts.Layout:
+    """The layout a schedule's rank runs: `name`'s, our kernel's router placed as it places it
+    (`router_placement`, `layout.place_router` on the schedule's hosts)."""
+    lay = layouts.layout(cfg, n_ranks, name)
+    placement = router_placement(sched)
+    if placement == layouts.ROUTER_SPLIT:
+        return lay
+    return layouts.place_router(lay, placement, sched.ranks_per_host)
 
 
 def routed_experts(cfg: ModelConfig, lay: layouts.Layout, batch: int, seed: int = 0) -> np.ndarray:
@@ -195,11 +216,11 @@ def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batc
     stands for its group (ranks 0, etp, 2 etp, ...; `timeline_ranks.simulate_programs`). A schedule with
     `collectives` takes every collective from the kernel's own (`program.our_collectives`), the
     release's from `program.release_collectives`."""
-    lay = layouts.layout(cfg, n_ranks, name)
     sched = schedule_for(cfg, name if schedule is None else schedule)
+    lay = placed_layout(cfg, n_ranks, name, sched)
     counted = rank_bytes(lay, sched, batch, context, sequences)
     unique_1 = roofline.expected_unique_experts(cfg.n_experts, cfg.top_k, batch) / lay.ep
-    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted, _router_group(lay, sched)),
+    step = _Step(lay, sched, batch, counted, _stage_bytes(lay, counted),
                  routed_experts(cfg, lay, batch, seed),
                  counted.component("routed_experts") / len(cfg.moe_layers) / unique_1
                  if cfg.moe_layers else 0, counted.component("norms_and_mix") / len(cfg.layers),
@@ -273,10 +294,7 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     if step.sched.designs:
         lay, wire = step.lay, sharding.WIRE_BYTES[step.sched.wire]
         chosen = tuple(d for d in step.sched.designs if d != step.sched.collectives)
-        collectives = designs.apply(chosen, actions, collectives, rank=rank,
-                                    n_ranks=lay.n_ranks,
-                                    ranks_per_host=step.sched.ranks_per_host or lay.n_ranks,
-                                    batch=step.batch, n_experts=lay.cfg.n_experts,
+        collectives = designs.apply(chosen, collectives, n_ranks=lay.n_ranks, batch=step.batch,
                                     d_model=lay.cfg.d_model, wire_bytes=wire)
     key = (kind, rank, count, collectives)
     if key not in built:
@@ -300,42 +318,15 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     return built[key]
 
 
-def _router_extra(lay: layouts.Layout, param: spec.Param, group: int) -> float:
-    """The bytes one layer's router adds on a rank split over `group` ranks instead of the
-    layout's: its extra columns, padded to whole lanes as the layout pads them."""
-    if not group:
-        return 0.0
-    rows, columns = param.shape
-    mine = layouts.local_shape(lay, param.shape, param.shard)[1]
-    return rows * (sharding.lanes(-(-columns // group)) - mine) * np.dtype(param.dtype).itemsize
-
-
-def _router_group(lay: layouts.Layout, sched: Schedule) -> int:
-    """The ranks the router's columns split over under the schedule's designs (0: as laid out)."""
-    placement = designs.router_placement(sched.designs)
-    return 0 if placement == designs.SPLIT else len(designs.router_group(
-        placement, 0, lay.n_ranks, sched.ranks_per_host or lay.n_ranks))
-
-
-def design_extra_bytes(lay: layouts.Layout, sched: Schedule, counted: layout_bytes.RankBytes
-                       ) -> float:
-    """The bytes per rank per step the schedule's designs add (a router placement's columns)."""
-    group = _router_group(lay, sched)
-    if not group:
-        return 0.0
-    built, placed = _stage_bytes(lay, counted), _stage_bytes(lay, counted, group)
-    return sum((b[1] - a[1]) * len(lay.cfg.layers_of(kind))
-               for kind in built for a, b in zip(built[kind].matrices, placed[kind].matrices,
-                                                 strict=True))
-
-
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
                sequences: int | None = None) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
     partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
     bytes its planned DMAs stream, tests/test_layout_split.py)."""
     if sched.collectives == "partial-sum":
-        lay = layouts.layout(lay.cfg, lay.n_ranks, lay.name, collectives="partial-sum")
+        lay = dataclasses.replace(layouts.layout(lay.cfg, lay.n_ranks, lay.name,
+                                                 collectives="partial-sum"),
+                                  router=lay.router, router_ways=lay.router_ways)
     return layout_bytes.rank_bytes(lay, batch, context, sequences=sequences)
 
 
@@ -397,7 +388,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
                          sequences: int | None) -> dict:
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
                                      seed=seed, sequences=sequences)
-    lay = layouts.layout(cfg, n_ranks, name)
+    lay = placed_layout(cfg, n_ranks, name, sched)
     ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
         "auto" if algorithm == "auto" else
@@ -412,7 +403,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "slice": inter.slice.name,
             "step_s": ranks.total_s, "tokens_per_s": batch / ranks.total_s,
             "parts_s": {p: parts[p] for p in PARTS}, "slowest_rank": slowest,
-            "rank_bytes": counted.total + design_extra_bytes(lay, sched, counted),
+            "rank_bytes": counted.total,
             "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
             "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
             # rank 0's collectives' prices one after another (each layer's value passes through

@@ -59,6 +59,9 @@ class Schedule:
     expert_order: str = "queued"
     # ours: designs beyond the kernel's defaults, priced as changes to its program (`designs.DESIGNS`)
     designs: tuple[str, ...] = ()
+    # ours: where its kernel places the router (`MegakernelOptions.router_placement`, priced from
+    # the kernel's own collectives and bytes); a router design naming it adds nothing more
+    router: str = layouts.ROUTER_SPLIT
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -72,6 +75,16 @@ class Schedule:
             raise ValueError(f"Schedule.expert_order={self.expert_order!r} is invalid: one of "
                              f"{FETCH_ORDERS}")
         designs.check(self.designs)
+        if self.router not in layouts.ROUTER_PLACEMENTS:
+            raise ValueError(f"Schedule.router={self.router!r} is invalid: one of "
+                             f"{layouts.ROUTER_PLACEMENTS}")
+        named = designs.router_placement(self.designs)
+        if self.router != layouts.ROUTER_SPLIT and named not in (layouts.ROUTER_SPLIT, self.router):
+            raise ValueError(f"Schedule.designs={self.designs!r} is invalid with router="
+                             f"{self.router!r}: the kernel places the router already")
+        if self.router != layouts.ROUTER_SPLIT and not self.collectives:
+            raise ValueError(f"Schedule.router={self.router!r} is invalid: only our kernel's "
+                             "program places its router (a schedule with collectives)")
         if self.designs and not self.collectives:
             raise ValueError(f"Schedule.designs={self.designs!r} is invalid: only our kernel's "
                              "program takes designs (a schedule with collectives)")
@@ -98,15 +111,19 @@ RELEASE_SCHEDULE = Schedule(
 
 
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
-                 batch: int = 1, chip: str = "tpu7x") -> Schedule:
+                 batch: int = 1, chip: str = "tpu7x",
+                 router: str = layouts.ROUTER_SPLIT) -> Schedule:
     """Our megakernel's on n_ranks at `batch` on `chip`: its ring's slots of cfg.ring_block_bytes
     (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in partial-sum mode the deepest
     that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the collectives its
-    own schedule issues in mode `collectives`."""
+    own schedule issues in mode `collectives`, its router placed as `router` says
+    (`MegakernelOptions.router_placement`, the hosts of its chip's slice)."""
     if collectives not in layouts.COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
-    options = megakernel_sharded.kernel_options(lay, batch, chip)  # what the CLI builds
+    options = megakernel_sharded.kernel_options(  # what the CLI builds
+        lay, batch, chip, **({} if router == layouts.ROUTER_SPLIT
+                             else {"router_placement": router}))
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
         if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch, options=options)
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
@@ -115,7 +132,8 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
                     collectives=collectives, ring=ring.describe(), reductions=options.reductions,
                     ranks_per_host=options.ranks_per_host, mxu_fp8=cfg.expert_mxu == "fp8",
-                    expert_order=FIRST if options.expert_reads_first else QUEUED)
+                    expert_order=FIRST if options.expert_reads_first else QUEUED,
+                    router=options.router_placement)
 
 
 SCHEDULES = ("release", "ours")

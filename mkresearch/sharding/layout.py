@@ -47,6 +47,11 @@ Two layouts:
     ours     the same, with down_cols split too, and the experts in the checkpoint's MXFP4
              decoded in VMEM (cfg.expert_format)
 
+Ours places the router's columns as the kernel's option says (`place_router`,
+`MegakernelOptions.router_placement`, ROUTER_PLACEMENTS): split with down_cols (as built), or in
+a group of their own (`spec.ROUTER_COLS`, `Layout.router_ways` consecutive ranks: a host's, a
+sibling pair, or one: whole on every rank), each rank then holding more of them.
+
 How many ways each group splits, an axis's per-rank length and the rank counts that split a
 model are the model's (`mkresearch.model.partition`: `Split`, `Layout`, `splits`; one rank of a
 full-size preset as a config, `get_config("kimi-k3-rank")`, reads them too); this module adds our
@@ -87,6 +92,11 @@ from mkresearch.model.partition import (  # noqa: F401 - re-exported: the layout
     RELEASE_EXPERT_FORMAT,
     RELEASE_REPLICATED,
     RESTRUCTURED,
+    ROUTER_HOST,
+    ROUTER_PLACEMENTS,
+    ROUTER_REPLICATED,
+    ROUTER_SIBLING,
+    ROUTER_SPLIT,
     Layout,
     Split,
     allowed_ranks,
@@ -125,6 +135,41 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
     starts = rotations(dataclasses.replace(lay, collectives=PARTIAL_SUM))
     return dataclasses.replace(lay, splits=tuple(
         dataclasses.replace(s, start=starts.get(s.group, 0)) for s in found))
+
+
+def router_ways(placement: str, n_ranks: int, ranks_per_host: int = 0) -> int:
+    """Over how many consecutive ranks the router's columns split under `placement`
+    (ROUTER_PLACEMENTS; host: `ranks_per_host`, 0 every rank one host). ValueError naming
+    `router_placement` and its allowed values, or `ranks_per_host` when it does not divide the
+    ranks into hosts."""
+    if placement not in ROUTER_PLACEMENTS:
+        raise ValueError(f"router_placement={placement!r} is invalid: one of {ROUTER_PLACEMENTS}")
+    if placement == ROUTER_SPLIT:
+        return n_ranks
+    if placement == ROUTER_REPLICATED or n_ranks == 1:
+        return 1
+    if placement == ROUTER_SIBLING:
+        if n_ranks % 2:
+            raise ValueError(f"router_placement='sibling' is invalid on {n_ranks} ranks: sibling "
+                             "cores are pairs (an even rank count)")
+        return 2
+    per_host = ranks_per_host or n_ranks
+    if n_ranks % per_host:
+        raise ValueError(f"ranks_per_host={ranks_per_host!r} is invalid for "
+                         f"router_placement='host' on {n_ranks} ranks: a divisor of {n_ranks}")
+    return per_host
+
+
+def place_router(lay: Layout, placement: str = ROUTER_SPLIT, ranks_per_host: int = 0) -> Layout:
+    """`lay` with the MoE router's columns placed (`Layout.router`, ROUTER_PLACEMENTS): "split" as
+    laid out (down_cols, over every rank); else ROUTER_COLS over `router_ways` consecutive ranks
+    (a host's, a sibling pair, or one: whole on every rank), slice r % ways, never rotated. Every
+    rank then holds more of the router's columns (its bytes: `rank_param_shapes`,
+    `layout_bytes`); each column's score is still one whole dot of the same x (bit-equal)."""
+    ways = router_ways(placement, lay.n_ranks, ranks_per_host)
+    if placement == ROUTER_SPLIT:
+        return dataclasses.replace(lay, router=ROUTER_SPLIT, router_ways=0)
+    return dataclasses.replace(lay, router=placement, router_ways=ways)
 
 
 def merges_shared_sum(lay: Layout, kind: str) -> bool:
@@ -187,6 +232,9 @@ def param_shard(lay: Layout, p: Any) -> Any:
     whose input arrives split by a group (Param.gather: W_o, W_down, an expert's W2; in the
     restructured layout also Param.scattered: W_lu), its rows by that group instead (each rank
     multiplies its slice of the contraction: partial sums)."""
+    if p.router and lay.router != ROUTER_SPLIT and p.shard:  # placed apart (`place_router`)
+        return tuple((axis, spec.ROUTER_COLS if group == spec.DOWN_COLS else group)
+                     for axis, group in p.shard)
     rows = len(p.shape) - 2
     by = p.gather or (p.scattered if lay.collectives == RESTRUCTURED else None)
     if not lay.partial_sums or by is None or rows < 0 or not lay.divides(by, p.shape[rows]):

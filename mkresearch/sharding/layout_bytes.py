@@ -31,6 +31,7 @@ from mkresearch.sharding.layout import (
     layout,
     leaves_with_path,
     local_shape,
+    param_shard,
     rank_params,
     storage,
 )
@@ -120,8 +121,9 @@ class _Tally:
         self.replicated: dict[str, int] = {}
 
     def add(self, component: str, leaf: Any, value: float) -> None:
-        target = self.sharded if active_shard(self.lay, leaf.shard, leaf.shape) \
-            else self.replicated
+        # the router's split as the layout places it (`layout.place_router`: replicated, whole)
+        shard = param_shard(self.lay, leaf) if getattr(leaf, "router", False) else leaf.shard
+        target = self.sharded if active_shard(self.lay, shard, leaf.shape) else self.replicated
         target[component] = target.get(component, 0) + int(value)
 
 

@@ -58,7 +58,7 @@ def moe_params(cfg: ModelConfig) -> dict[str, Any]:
                            gather=gather).stacked(n_experts, by=spec.EXPERTS)
 
     table: dict[str, Any] = {
-        "w_router": spec.matrix(d, n_experts, shard=spec.split(1, spec.DOWN_COLS)),
+        "w_router": spec.matrix(d, n_experts, shard=spec.split(1, spec.DOWN_COLS), router=True),
         # small correction bias: changes some selections, never dominates the scores
         "router_bias": spec.Param((n_experts,), jnp.float32, ("normal", 0.05),
                                   shard=spec.REPLICATED),
