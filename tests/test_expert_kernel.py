@@ -112,8 +112,9 @@ def test_mxfp4_both_decode_paths_bit_equal_to_reference(race_checked, layers, pa
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt, path, batch", [("mxfp4", "native", 3), ("mxfp4", "integer", 1),
-                                               ("fp8", "native", 3)])
+@pytest.mark.parametrize("fmt, path, batch", [
+    ("mxfp4", "native", 3), pytest.param("mxfp4", "integer", 1, marks=pytest.mark.exhaustive),
+    ("fp8", "native", 3)])
 @pytest.mark.slow
 def test_fp8_mxu_bit_equal_to_reference(race_checked, layers, fmt, path, batch):
     """expert_mxu="fp8": the kernel hands the MXU each chunk's values as e4m3 (MXFP4's E2M1 codes
@@ -349,8 +350,9 @@ def test_compiles_for_every_chip_mini(fmt, chip):
     assert result.n_mosaic_kernels == 1
 
 
-@pytest.mark.parametrize("name, fmt", [("kimi-k3-mini", "fp8"), ("kimi-k3-mini", "mxfp4"),
-                                       ("kimi-k3-rank", "mxfp4")])
+@pytest.mark.parametrize("name, fmt", [
+    ("kimi-k3-mini", "fp8"), ("kimi-k3-mini", "mxfp4"),
+    pytest.param("kimi-k3-rank", "mxfp4", marks=pytest.mark.exhaustive)])  # ~6 s
 @pytest.mark.slow
 def test_fp8_mxu_compiles_for_tpu7x(name, fmt):
     """expert_mxu="fp8" lowers for TPU7x (a bf16 x e4m3 dot over the block-diagonal rows), at mini

@@ -286,10 +286,11 @@ def test_mxfp4_compiles_for_every_chip(chip, decode_path):
     assert plan.stage_plan("moe").stage.mxfp4_decode == decode_path
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # make test: both paths equal the reference's bits in the stage kernel
 def test_mxfp4_decode_paths_give_the_same_step(race_checked, mini_params):
     """The megakernel built for v5e (integer MXFP4 decode) and for TPU7x (native), interpreted:
-    the same logits to the bit, the same tokens and state."""
+    the same logits to the bit, the same tokens and state (make test checks both paths in the
+    expert stage the megakernel composes: test_expert_kernel)."""
     state, tokens = prefilled(MINI, mini_params, 2, 4)
     prepared = mk.prepare_weights(mini_params, MINI)
     positions = np.full(2, 3, np.int32)

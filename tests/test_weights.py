@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import EXHAUSTIVE
 
 from mkresearch.model import formats, reference, weights
 from mkresearch.model.config import get_config
@@ -219,11 +220,11 @@ def test_mxu_parts_are_the_dequantized_weight(fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("rows, k", [(1, 256), (3, 768), (8, 1536)])
 def test_mxu_matmul_is_the_decoded_product_up_to_summation_order(fmt, rows, k):
-    """Over 8 seeds: the block-scaled fp8 product equals the decoded bf16 product within the
+    """Over 3 seeds (8 exhaustive): the block-scaled fp8 product equals the decoded bf16 product within the
     bound of two f32 sums of the same exact products in other orders, |a - b| <= 2 K 2^-24
     (|x| @ |w|): the products are exact in f32 (a bf16 times an e4m3 value, a power-of-two
     scale), only the order of the additions differs."""
-    for seed in range(8):
+    for seed in range(8 if EXHAUSTIVE else 3):
         rng = np.random.default_rng(seed)
         w = jnp.asarray(rng.normal(0, 0.05, (k, 256)), jnp.float32)
         x = jnp.asarray(rng.normal(0, 1, (rows, k)), jnp.bfloat16)
