@@ -387,11 +387,12 @@ for row in ours:  # partial sums beat exact at every batch, with fewer bytes tha
 assert not label_problems(figure)  # no label runs into another, none is cut
 
 # %% [markdown]
-# What would close the gap? `mkresearch.prediction.designs` names changes the kernel does not
-# make yet, and the same model prices them, each added in turn (`mkresearch predict kimi-k3
-# --designs` prints every batch; docs/prediction.md §8): the routed experts' reads ahead of the
-# ring's queued blocks, the latent sum rho by a one-phase reduce-scatter with W_lu split by rows,
-# the router placed where the model says it is fastest, and bf16 partial sums on the wire.
+# What would close the gap? `mkresearch.prediction.designs` names changes beyond the kernel's
+# defaults, and the same model prices them, each added in turn (`mkresearch predict kimi-k3
+# --designs` prints every batch; docs/prediction.md §8): the routed experts handed to the MXU as
+# fp8 (`ModelConfig.expert_mxu`), their reads ahead of the ring's queued blocks, the latent sum
+# rho by a one-phase reduce-scatter with W_lu split by rows, the router placed where the model
+# says it is fastest (`MegakernelOptions.router_placement`), and bf16 partial sums on the wire.
 
 # %%
 designs_b1 = design_table.designs_table(cfg, 32, (1,))

@@ -73,7 +73,8 @@ def programs(batch: int, n_layers: int | None = None) -> tuple[list[int], list[l
     head = program.weight_blocks(m["lm_head_bytes"], m["bank_bytes"])
     prog = program.Program(layer * n_layers + list(head), batch)
     tokens = sum(m["positions"]) / 2
-    mix = ((1.0, m["expert_weights"] / m["expert_bytes"], True),)
+    # its int4 experts at the fp8 rate, one MXU row per batch row (its report gives no spread)
+    mix = ((1.0, m["expert_weights"] / m["expert_bytes"], True, 1),)
 
     def collective(name: str, op: str, nbytes: float, algorithm: str) -> None:
         prog.collective(name, op, (0,), nbytes, everyone, algorithm=algorithm)
