@@ -136,6 +136,7 @@ def test_one_model_prices_both_sides_links():
         model.predict(get_config("kimi-k3"), 1)["step_s"] * 1e3)
 
 
+@pytest.mark.slow  # four full-size predictions (~7 s)
 def test_experts_handed_to_the_mxu_as_fp8(capsys):
     """ModelConfig.expert_mxu = "fp8" (the kernel's block-scaled product, priced at the fp8
     peak): faster than as built at every batch, the same bytes per rank; `predict --expert-mxu`
