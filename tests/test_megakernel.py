@@ -240,7 +240,8 @@ def assert_prefetch_order(step):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, expert_format, expert_mxu, batch",
                          [("latent", "fp8", "bf16", 2), ("expanded", "bf16", "bf16", 8),
-                          ("expanded", "mxfp4", "fp8", 3)])
+                          pytest.param("expanded", "mxfp4", "fp8", 3,  # make test: the stage's
+                                       marks=pytest.mark.exhaustive)])  # bits, test_expert_kernel
 def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, batch):
     """On kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE: the MLA cache layout, the
     expert format and what the MXU is handed each in one layer), 2/7 of the whole mini's

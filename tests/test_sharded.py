@@ -40,11 +40,11 @@ def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:
 def test_sharded_on_8_simulated_devices():
     """tests/sharded: one step on 8 ranks with every check (exact mode, the expanded MLA cache),
     a partial-sum step and a restructured step with its reduce-scatter's skipped wait (the three
-    on kimi-k3-mini's first 4 layers: test_sharded_decode.FIRST_4_LAYERS), the router's
-    placements (test_router_placement: the same 4 layers with 256 experts), the latent MLA cache
+    on kimi-k3-mini's first 4 layers: test_sharded_decode.FIRST_4_LAYERS), the latent MLA cache
     on 2 and 4 ranks (one cheap case each), and a broken collective caught. The whole matrix of
-    the sharded issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here), the cache
-    layouts' sweep with MKRESEARCH_EXHAUSTIVE=1 (the child inherits it)."""
+    the sharded issue runs with MKRESEARCH_SHARDED_FULL=1 (opt-in, ~1 h here); the cache
+    layouts' sweep, the router's placements (test_router_placement) and experts handed to the
+    MXU as fp8 with MKRESEARCH_EXHAUSTIVE=1 (the child inherits it)."""
     timeout = 1200  # the restructured mode's step and skipped wait added ~2-4 min here
     if os.environ.get("MKRESEARCH_SHARDED_FULL") == "1":
         timeout += 3 * 3600

@@ -27,7 +27,6 @@ from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from mkresearch.kernels.stages.experts import LATENT_DOWN
 from mkresearch.kernels.stages.router import W_ROUTER
-from tiers import EXHAUSTIVE
 
 from mkresearch.model import config, reference, weights
 from mkresearch.sharding import layout, reference_sharded
@@ -146,25 +145,21 @@ def split_logits(batch):
     return _split_logits[batch]
 
 
-# make test: the placement the model chooses for Kimi K3 (host) at B = 3, against the reference;
 # the exhaustive tier: every placement at B = 3 and 1, each also against the split placement's
-# logits (each case one more 8-rank step, ~25 s here)
-PLACEMENTS = [pytest.param(layout.ROUTER_REPLICATED, 0, marks=pytest.mark.exhaustive),
-              (layout.ROUTER_HOST, 4),
-              pytest.param(layout.ROUTER_SIBLING, 0, marks=pytest.mark.exhaustive)]
+# logits (each case one more 8-rank step, ~30 s here: over make test's budget, which checks each
+# placement's collectives, bytes and layout without a step, tests/test_router_placement.py)
+PLACEMENTS = [(layout.ROUTER_REPLICATED, 0), (layout.ROUTER_HOST, 4), (layout.ROUTER_SIBLING, 0)]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("placement, ranks_per_host", PLACEMENTS)
-@pytest.mark.parametrize("batch", [3, pytest.param(1, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("batch", [3, 1])
 def test_placement_equals_reference_and_split(race_checked, placement, ranks_per_host, batch):
     """Each placement at B = 3 (greedy and sampled rows) and B = 1, against the reference and
-    (exhaustive tier) the split placement, recorded."""
+    the split placement, recorded."""
     _, logits, log, plan = step(KIMI_4L_E256, batch, placement, ranks_per_host)
-    if EXHAUSTIVE:
-        np.testing.assert_array_equal(logits.view(np.uint32),
-                                      split_logits(batch).view(np.uint32),
-                                      err_msg=f"router {placement}: logits != the split "
-                                              "placement's")
+    np.testing.assert_array_equal(logits.view(np.uint32), split_logits(batch).view(np.uint32),
+                                  err_msg=f"router {placement}: logits != the split placement's")
     check_latent_gather(log, plan)
 
 
