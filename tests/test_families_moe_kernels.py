@@ -154,6 +154,19 @@ def test_moe_full_routed_part_and_batch_invariance(race_checked, layers):
         np.testing.assert_array_equal(np.asarray(part), whole[rows])
 
 
+@pytest.mark.slow
+def test_moe_full_fp8_mxu_bit_equal_to_reference(race_checked, layers):
+    """DeepSeek-V3's mini (FP8 experts on the full d) with expert_mxu="fp8": the routed part's
+    block-scaled products (`numerics.block_scaled_matmul`) equal the reference's to the bit."""
+    cfg, p = DEEPSEEK.replace(expert_mxu="fp8"), layers["deepseek-v3-mini"]
+    x = activations(3, seed=6)
+    ids, w = ffn.route(p, x, cfg)
+    got = moe_full.routed_experts(p, x, ids, w, cfg)
+    want = moe_full_ref.routed_experts(p, x, ids, w, cfg)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+
+
 # ---- the LM head and sampling stage, reused -----------------------------------------------------------
 @pytest.mark.slow
 def test_sampling_stage_gives_a_prenorm_models_logits(race_checked):
