@@ -148,12 +148,17 @@ def e2m1_to_f32(codes: jax.Array) -> jax.Array:
 def decode_mxfp4(codes: jax.Array, scales: jax.Array, mxfp4_decode: str) -> jax.Array:
     """codes uint32 [K/8, N], scales uint8 [K/32, N] -> bf16 [K, N], exactly mxfp4_unpack, by
     either path of MXFP4_DECODES (both give the same bits)."""
+    values = e2m1_values(codes, mxfp4_decode, jnp.float32)  # [K, N]
+    return (values * _per_k(e8m0_to_f32(scales), MXFP4_BLOCK)).astype(jnp.bfloat16)
+
+
+def e2m1_values(codes: jax.Array, mxfp4_decode: str, dtype: Any) -> jax.Array:
+    """codes uint32 [K/8, N] -> the E2M1 values [K, N] in `dtype` (f32, or float8_e4m3fn for the
+    MXU: exact in both), by either path of MXFP4_DECODES."""
     if mxfp4_decode == "native":
         # bitcast splits word r into rows 8r..8r+7, low nibble first: the checkpoint's packing
-        values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.float32)  # [K, N]
-    else:
-        values = e2m1_to_f32(codes)  # [K, N]
-    return (values * _per_k(e8m0_to_f32(scales), MXFP4_BLOCK)).astype(jnp.bfloat16)
+        return pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(dtype)
+    return e2m1_to_f32(codes).astype(dtype)
 
 
 def decode_fp8(values: jax.Array, scales: jax.Array) -> jax.Array:
@@ -188,11 +193,8 @@ def mxu_rows(part_refs: Sequence[Any], expert_format: str, row0: int, rows: int,
         return (values[row0:row0 + rows, :],
                 scales[row0 // FP8_BLOCK:(row0 + rows) // FP8_BLOCK, :].astype(jnp.float32))
     codes, scales = part_refs
-    codes = codes[row0 // NIBBLES_PER_WORD:(row0 + rows) // NIBBLES_PER_WORD, :]
-    if mxfp4_decode == "native":
-        values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.float8_e4m3fn)
-    else:
-        values = e2m1_to_f32(codes).astype(jnp.float8_e4m3fn)
+    values = e2m1_values(codes[row0 // NIBBLES_PER_WORD:(row0 + rows) // NIBBLES_PER_WORD, :],
+                         mxfp4_decode, jnp.float8_e4m3fn)
     return values, e8m0_to_f32(scales[row0 // MXFP4_BLOCK:(row0 + rows) // MXFP4_BLOCK, :])
 
 
