@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from mkresearch.cli.common import at_least, known_chip, known_model, refusals
+from mkresearch.cli.common import UsageError, at_least, known_chip, known_model, refusals
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -39,7 +39,14 @@ from mkresearch.cli.options import (
 )
 from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import EXPERT_MXU_INPUTS
-from mkresearch.prediction import calibration, design_table, designs, row_work, scale_out
+from mkresearch.prediction import (
+    calibration,
+    design_table,
+    designs,
+    row_work,
+    scale_out,
+    speculative_designs,
+)
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -104,6 +111,8 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
+    if args.designs:
+        _check_designs(args)
     if args.expert_mxu:
         with refusals():  # bf16 experts: refused, naming the field
             cfg = cfg.replace(expert_mxu=args.expert_mxu)
@@ -134,16 +143,52 @@ def run(args: Any) -> int:
     return 0
 
 
+# what --designs takes (with --speculate K: its verify steps); every other option is refused
+DESIGNS_TAKES = ("--ranks", "--chip", "--batch", "--context", "--speculate", "--acceptance",
+                 "--json")
+# the options --designs does not take, with their defaults (the option given = not its default)
+DESIGNS_REFUSES = (("--validate", "validate", False), ("--explain", "explain", False),
+                   ("--profile", "profile", False), ("--rank-layout", "rank_layout", None),
+                   ("--schedule", "schedule", None), ("--algorithm", "algorithm", None),
+                   ("--expert-mxu", "expert_mxu", None),
+                   ("--collectives", "collectives", layout.DEFAULT_COLLECTIVES))
+
+
+def _check_designs(args: Any) -> None:
+    """--designs prices ours as built and each design in turn beside the release, under one
+    Model: an option that would change either side (or print another table) is refused, named
+    with what --designs takes."""
+    for option, dest, default in DESIGNS_REFUSES:
+        if getattr(args, dest) != default:
+            raise UsageError(f"{option} is invalid with --designs (its rows fix both sides' "
+                             f"layouts, schedules and collectives): --designs takes "
+                             f"{', '.join(DESIGNS_TAKES)}")
+
+
 def _run_designs(args: Any, cfg: Any, chip: str) -> int:
-    """predict --designs: ours as built, each design added in turn, the release's step."""
+    """predict --designs: ours as built, each design added in turn, the release's step; with
+    --speculate K each one's verify steps and tok/s (`speculative_designs`)."""
     at_least("--ranks", args.ranks, 2)
+    at_least("--context", args.context, 0)
+    at_least("--speculate", args.speculate, 0)
     with refusals():
         layout.check_ranks(cfg, args.ranks)
         model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
                                   timeline_chip=timeline_chip(chip),
                                   context=args.context or calibration.BENCHMARK_CONTEXT)
-        table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
-    print(json.dumps(table) if args.json else design_table.format_designs(table))
+        if args.speculate:
+            table = speculative_designs.speculative_designs(
+                cfg, args.ranks, args.batch, drafts=args.speculate,
+                acceptances=_acceptances(args), model=model)
+        else:
+            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+    if args.json:
+        print(json.dumps(table))
+    elif args.speculate:
+        print(speculative_designs.format_speculative_designs(table, cfg.name, args.ranks,
+                                                             model.context))
+    else:
+        print(design_table.format_designs(table))
     return 0
 
 
