@@ -4,7 +4,7 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 \\
         [--rank-layout ours|release] [--schedule ours|release] [--collectives partial-sum|exact] \\
         [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
-        [--speculate K --acceptance 3,6]
+        [--speculate K --acceptance 3,6] [--designs]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
 PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
@@ -12,7 +12,9 @@ the rows' own work (`prediction.row_work`) and each side's bytes per rank; --val
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
-(`prediction.design_table`).
+(`prediction.design_table`), and with --speculate K what each buys a verify step
+(`prediction.speculative_designs`); --designs takes only --ranks, --chip, --batch, --context,
+--speculate, --acceptance and --json.
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -102,7 +104,8 @@ def add_parser(commands: Any) -> None:
                    help="ours as built, then each design (experts to the MXU as fp8, expert "
                         "reads first, rho by "
                         "reduce-scatter, the router placement, bf16 partial sums) added in turn, "
-                        "beside the release's modelled step")
+                        "beside the release's modelled step; with --speculate K each one's "
+                        "verify step and tok/s")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",

@@ -9,7 +9,8 @@ kernel's default "split" (as built). `designs_table(cfg, batches)`: ours as buil
 each design added in turn (experts to the MXU as fp8, expert reads first, rho by reduce-scatter,
 the chosen router placement, bf16 partial sums), beside the release's modelled step.
 `mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
-the second.
+the second. `design_steps` is the one list of designs (`predict_design` prices one): the plain
+table prices it at B rows, `speculative_designs` at a verify step's B (k + 1).
 """
 
 from __future__ import annotations
