@@ -163,9 +163,9 @@ def _check_designs(args: Any) -> None:
     with what --designs takes."""
     for option, dest, default in DESIGNS_REFUSES:
         if getattr(args, dest) != default:
-            raise UsageError(f"{option} is invalid with --designs (its rows fix both sides' "
-                             f"layouts, schedules and collectives): --designs takes "
-                             f"{', '.join(DESIGNS_TAKES)}")
+            raise UsageError(f"{option} is invalid with --designs (another table, or what "
+                             "the designs' rows fix: each side's layout, schedule, collectives, "
+                             f"MXU input): --designs takes {', '.join(DESIGNS_TAKES)}")
 
 
 def _run_designs(args: Any, cfg: Any, chip: str) -> int:
