@@ -4,7 +4,7 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 \\
         [--rank-layout ours|release] [--schedule ours|release] [--collectives partial-sum|exact] \\
         [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
-        [--speculate K --acceptance 3,6]
+        [--speculate K --acceptance 3,6] [--designs]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
 PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
@@ -12,7 +12,9 @@ the rows' own work (`prediction.row_work`) and each side's bytes per rank; --val
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
-(`prediction.design_table`).
+(`prediction.design_table`), and with --speculate K what each buys a verify step
+(`prediction.speculative_designs`); --designs takes only --ranks, --chip, --batch, --context,
+--speculate, --acceptance and --json.
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -28,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from mkresearch.cli.common import at_least, known_chip, known_model, refusals
+from mkresearch.cli.common import UsageError, at_least, known_chip, known_model, refusals
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -39,7 +41,14 @@ from mkresearch.cli.options import (
 )
 from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import EXPERT_MXU_INPUTS
-from mkresearch.prediction import calibration, design_table, designs, row_work, scale_out
+from mkresearch.prediction import (
+    calibration,
+    design_table,
+    designs,
+    row_work,
+    scale_out,
+    speculative_designs,
+)
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
 from mkresearch.prediction.timeline_chip import timeline_chip
@@ -95,7 +104,8 @@ def add_parser(commands: Any) -> None:
                    help="ours as built, then each design (experts to the MXU as fp8, expert "
                         "reads first, rho by "
                         "reduce-scatter, the router placement, bf16 partial sums) added in turn, "
-                        "beside the release's modelled step")
+                        "beside the release's modelled step; with --speculate K each one's "
+                        "verify step and tok/s")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -104,6 +114,8 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
+    if args.designs:
+        _check_designs(args)
     if args.expert_mxu:
         with refusals():  # bf16 experts: refused, naming the field
             cfg = cfg.replace(expert_mxu=args.expert_mxu)
@@ -134,16 +146,52 @@ def run(args: Any) -> int:
     return 0
 
 
+# what --designs takes (with --speculate K: its verify steps); every other option is refused
+DESIGNS_TAKES = ("--ranks", "--chip", "--batch", "--context", "--speculate", "--acceptance",
+                 "--json")
+# the options --designs does not take, with their defaults (the option given = not its default)
+DESIGNS_REFUSES = (("--validate", "validate", False), ("--explain", "explain", False),
+                   ("--profile", "profile", False), ("--rank-layout", "rank_layout", None),
+                   ("--schedule", "schedule", None), ("--algorithm", "algorithm", None),
+                   ("--expert-mxu", "expert_mxu", None),
+                   ("--collectives", "collectives", layout.DEFAULT_COLLECTIVES))
+
+
+def _check_designs(args: Any) -> None:
+    """--designs prices ours as built and each design in turn beside the release, under one
+    Model: an option that would change either side (or print another table) is refused, named
+    with what --designs takes."""
+    for option, dest, default in DESIGNS_REFUSES:
+        if getattr(args, dest) != default:
+            raise UsageError(f"{option} is invalid with --designs (another table, or what "
+                             "the designs' rows fix: each side's layout, schedule, collectives, "
+                             f"MXU input): --designs takes {', '.join(DESIGNS_TAKES)}")
+
+
 def _run_designs(args: Any, cfg: Any, chip: str) -> int:
-    """predict --designs: ours as built, each design added in turn, the release's step."""
+    """predict --designs: ours as built, each design added in turn, the release's step; with
+    --speculate K each one's verify steps and tok/s (`speculative_designs`)."""
     at_least("--ranks", args.ranks, 2)
+    at_least("--context", args.context, 0)
+    at_least("--speculate", args.speculate, 0)
     with refusals():
         layout.check_ranks(cfg, args.ranks)
         model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
                                   timeline_chip=timeline_chip(chip),
                                   context=args.context or calibration.BENCHMARK_CONTEXT)
-        table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
-    print(json.dumps(table) if args.json else design_table.format_designs(table))
+        if args.speculate:
+            table = speculative_designs.speculative_designs(
+                cfg, args.ranks, args.batch, drafts=args.speculate,
+                acceptances=_acceptances(args), model=model)
+        else:
+            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+    if args.json:
+        print(json.dumps(table))
+    elif args.speculate:
+        print(speculative_designs.format_speculative_designs(table, cfg.name, args.ranks,
+                                                             model.context))
+    else:
+        print(design_table.format_designs(table))
     return 0
 
 

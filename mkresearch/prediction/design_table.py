@@ -9,7 +9,8 @@ kernel's default "split" (as built). `designs_table(cfg, batches)`: ours as buil
 each design added in turn (experts to the MXU as fp8, expert reads first, rho by reduce-scatter,
 the chosen router placement, bf16 partial sums), beside the release's modelled step.
 `mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
-the second.
+the second. `design_steps` is the one list of designs (`predict_design` prices one): the plain
+table prices it at B rows, `speculative_designs` at a verify step's B (k + 1).
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from mkresearch.sharding import layout as layouts
 SAME_ASSUMPTIONS = calibration.Model()  # the default: ours and the release's shared defaults
 
 
-def _ours(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, **fields: Any
-          ) -> dict:
+def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, *,
+                   sequences: int | None = None, **fields: Any) -> dict:
+    """Our step at `batch` under `model`, our kernel's schedule as built at that batch with
+    `fields` set (`Schedule.designs`, `expert_order`, `wire`); `sequences`: as
+    `scale_out.predict`'s."""
     base = scale_out.our_schedule(cfg, layouts.PARTIAL_SUM, n_ranks, batch)
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
-                             context=model.context, prefetch_across=model.prefetch_across)
+                             context=model.context, prefetch_across=model.prefetch_across,
+                             sequences=sequences)
 
 
 def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
@@ -48,7 +53,7 @@ def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
     for placement in designs.ROUTER_PLACEMENTS:
         group = designs.router_group(placement, 0, n_ranks, per_host)
         chosen = others + (() if placement == designs.SPLIT else (f"router-{placement}",))
-        p = _ours(cfg, n_ranks, batch, model, designs=chosen, expert_order=expert_order)
+        p = predict_design(cfg, n_ranks, batch, model, designs=chosen, expert_order=expert_order)
         piece = designs.scores_bytes(batch, cfg.n_experts, len(group))
         if placement == designs.SPLIT:  # as built: scores and latent in one gather
             piece += designs.scores_bytes(batch, cfg.moe_latent, n_ranks)  # the latent's piece
@@ -92,27 +97,50 @@ def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCH
     serial_chain_s), the exposed collective messages and its ratio to the release's."""
     out = []
     for batch in batches:
-        release = model.predict(cfg, batch) if cfg.name == "kimi-k3" and n_ranks == 32 else None
-        placement = router_placements(cfg, n_ranks, batch, model=model)["chosen"]
-        router = () if placement == designs.SPLIT else (f"router-{placement}",)
-        # experts handed to the MXU as fp8 (ModelConfig.expert_mxu) where they are stored so
-        fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
-        steps = [("as built", cfg, {}),
-                 *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
-                 ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
-                 ("+ rho by reduce-scatter", fp8 or cfg, {"expert_order": "first",
-                                                          "designs": (designs.RESTRUCTURED,)}),
-                 (f"+ router {placement}", fp8 or cfg, {
-                     "expert_order": "first", "designs": (designs.RESTRUCTURED, *router)}),
-                 ("+ bf16 partial sums", fp8 or cfg, {
-                     "expert_order": "first", "wire": "bf16",
-                     "designs": (designs.RESTRUCTURED, *router)})]
-        for label, variant, fields in steps:
-            p = _ours(variant, n_ranks, batch, model, **fields)
+        release = model.predict(cfg, batch) if release_modelled(cfg, n_ranks) else None
+        for label, p in design_predictions(cfg, n_ranks, batch, model=model):
             out.append(_row(batch, label, p, release))
         if release is not None:
             out.append(_row(batch, "the release (modelled)", release, release))
     return out
+
+
+def release_modelled(cfg: ModelConfig, n_ranks: int) -> bool:
+    """Whether the release's step is modelled beside ours (its program: Kimi K3 on 32 ranks)."""
+    return cfg.name == "kimi-k3" and n_ranks == 32
+
+
+def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
+                 model: calibration.Model = SAME_ASSUMPTIONS) -> list[tuple[str, ModelConfig,
+                                                                            dict]]:
+    """Ours as built, then each design added in turn, at `batch` rows (the router placement
+    chosen at them): (label, the config, the fields of our Schedule it sets). The one list every
+    table of designs prices: `designs_table` (the plain step) and
+    `speculative_designs` (the verify step of B (k + 1) rows)."""
+    placement = router_placements(cfg, n_ranks, batch, model=model)["chosen"]
+    router = () if placement == designs.SPLIT else (f"router-{placement}",)
+    # experts handed to the MXU as fp8 (ModelConfig.expert_mxu) where they are stored so
+    fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
+    return [("as built", cfg, {}),
+            *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
+            ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
+            ("+ rho by reduce-scatter", fp8 or cfg, {"expert_order": "first",
+                                                     "designs": (designs.RESTRUCTURED,)}),
+            (f"+ router {placement}", fp8 or cfg, {
+                "expert_order": "first", "designs": (designs.RESTRUCTURED, *router)}),
+            ("+ bf16 partial sums", fp8 or cfg, {
+                "expert_order": "first", "wire": "bf16",
+                "designs": (designs.RESTRUCTURED, *router)})]
+
+
+def design_predictions(cfg: ModelConfig, n_ranks: int, batch: int, *,
+                       model: calibration.Model = SAME_ASSUMPTIONS,
+                       sequences: int | None = None) -> list[tuple[str, dict]]:
+    """(label, `scale_out.predict`'s row) of each of `design_steps` at `batch` rows, under
+    `model`; `sequences` (default `batch`): the sequences the rows belong to (a verify step)."""
+    return [(label, predict_design(variant, n_ranks, batch, model, sequences=sequences,
+                                   **fields))
+            for label, variant, fields in design_steps(cfg, n_ranks, batch, model=model)]
 
 
 def _row(batch: int, label: str, p: dict, release: dict | None) -> dict:

@@ -24,9 +24,9 @@ its kimi/demo's `make_decode(batch_size=8, sequence_rows=8, ...)`), but reads ea
 states and cached tokens once (`scale_out.predict(..., sequences=B)`), and every verify step also
 runs the drafter: the release's DSpark draft (`draft_step`), a 5-layer transformer of width
 7,168 split 32 ways (its kimi/dspark.py: `DraftConfig`, `_shard_weights`), one pass over its
-weights per step for the k + 1 block rows, its partial sums all-reduced after W_o, the MLP's
-down-projection and the context projection (11 per pass), and its vocabulary shards' candidates
-gathered once. The same drafter stands beside either side's verify step (ASSUMPTION for ours,
+weights per step for the k + 1 block rows of each of the B sequences, its partial sums
+all-reduced after W_o, the MLP's down-projection and the context projection (11 per pass), and
+its vocabulary shards' candidates gathered once. The same drafter stands beside either side's verify step (ASSUMPTION for ours,
 which has no Kimi K3 drafter of its own at full size); other models' verify steps stand alone.
 """
 
@@ -107,6 +107,24 @@ def check_verify(batch: int, drafts: int) -> int:
     return rows
 
 
+def check_acceptances(acceptances: tuple[int, ...], drafts: int) -> None:
+    """Each acceptance length (tokens per verify step) in 1..drafts + 1 (ValueError naming it)."""
+    for acceptance in acceptances:
+        _int_in("acceptance", acceptance, 1, drafts + 1)
+
+
+def drafter_s(cfg: ModelConfig, drafts: int, batch: int = 1, *, n_ranks: int = 32,
+              interconnect: links.Interconnect | None = None, timeline_chip: Any = None,
+              prefetch_across: bool | None = None) -> float:
+    """The drafter's pass beside every verify step of `batch` sequences with `drafts` drafts
+    each (`draft_step` of their B (k + 1) block rows: one pass over its weights for every
+    sequence's block), in seconds; 0 for a model whose drafter is not known (`DRAFTED`)."""
+    if cfg.name not in DRAFTED:
+        return 0.0
+    return draft_step(batch * (drafts + 1), n_ranks=n_ranks, interconnect=interconnect,
+                      timeline_chip=timeline_chip, prefetch_across=prefetch_across).total_s
+
+
 def implied_steps_s(tok_s: float, acceptance: int, batch: int = 1) -> dict[str, float]:
     """The verify step a published speculative tok/s implies under each reading of "acceptance
     length a": a tokens per step, or a accepted drafts plus the bonus token (a + 1)."""
@@ -126,16 +144,14 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
     tok/s = B a / step, beside the plain step at `batch` and the published tok/s where there is
     one (JSON-able dicts)."""
     rows = check_verify(batch, drafts)
-    for acceptance in acceptances:
-        _int_in("acceptance", acceptance, 1, drafts + 1)
+    check_acceptances(acceptances, drafts)
     common = {"chip": chip, "interconnect": interconnect, "algorithm": algorithm,
               "schedule": schedule, "context": context, "timeline_chip": timeline_chip,
               "collectives": collectives, "prefetch_across": prefetch_across}
     verify = scale_out.predict(cfg, n_ranks, name, rows, sequences=batch, **common)
     plain = scale_out.predict(cfg, n_ranks, name, batch, **common)
-    drafting = draft_step(drafts + 1, n_ranks=n_ranks, interconnect=interconnect,
-                          timeline_chip=timeline_chip, prefetch_across=prefetch_across).total_s \
-        if cfg.name in DRAFTED else 0.0
+    drafting = drafter_s(cfg, drafts, batch, n_ranks=n_ranks, interconnect=interconnect,
+                         timeline_chip=timeline_chip, prefetch_across=prefetch_across)
     step_s = verify["step_s"] + drafting
     published = scale_out.PUBLISHED.get(cfg.name, {})
     out = []
@@ -153,6 +169,7 @@ def predict_speculative(cfg: ModelConfig, n_ranks: int, name: str = layouts.RELE
                     "speedup": tok_s / plain["tokens_per_s"], "published_tok_s": pub,
                     "ratio": tok_s / pub if pub else None,
                     "parts_s": verify["parts_s"], "interconnect": verify["interconnect"],
+                    "schedule": verify["schedule"], "rank_bytes": verify["rank_bytes"],
                     "label": "timeline model prediction (mkresearch.prediction.speculative_predict), "
                              "not measured"})
     return out
