@@ -669,15 +669,18 @@ assert all(compiled.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
 # %% [markdown]
 # ## 8 · Exact vs partial-sum collectives, predicted at full size
 #
-# The kernel's collectives, derived from one sharding plan (`kernels/sharded/plan.py`), come in two
-# modes. *Exact*
+# The kernel's collectives, derived from one sharding plan (`kernels/sharded/plan.py`), come in
+# three modes. *Exact*
 # splits every matrix by its output columns and gathers around it (bit-equal to one device; the
 # experts' sum runs down a chain of expert groups). *Partial-sum* splits a matrix that contracts
 # over a split dimension (W_o over the heads, a W_down over the hidden, an expert's W2 over its
 # hidden slice) by those rows and all-reduces the partial sums in one fixed order; the routed
 # experts' sum is one reduction, not a chain; W_lu's column chunks ride in the messages of the
 # shared expert's reduction (no gather of their own); one all-gather carries the router's and
-# W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's. Counted
+# W_ld's column chunks (both of the normed x, before top-k), one W_qa's and W_kva's.
+# *Restructured* is partial-sum with the latent MoE's rho reduce-scattered in one phase and W_lu
+# split by its rows, its partial products beside the shared experts' in their one reduction
+# (docs/sharding.md §4b; the table below prices it as the kernel runs it). Counted
 # honestly, every collective: the ~188 of the release (docs/collectives.md) count only its two
 # reductions per layer; our model of its layout, gathers and **sibling swaps** (exchanging halves with the other
 # TensorCore of the same chip) included, issues far more (`mkresearch predict kimi-k3 --ranks 32` counts them in its colls column). The FFN hidden splits in

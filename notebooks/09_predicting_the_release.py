@@ -391,8 +391,9 @@ assert not label_problems(figure)  # no label runs into another, none is cut
 # defaults, and the same model prices them, each added in turn (`mkresearch predict kimi-k3
 # --designs` prints every batch; docs/prediction.md §8): the routed experts handed to the MXU as
 # fp8 (`ModelConfig.expert_mxu`), their reads ahead of the ring's queued blocks, the latent sum
-# rho by a one-phase reduce-scatter with W_lu split by rows, the router placed where the model
-# says it is fastest (`MegakernelOptions.router_placement`), and bf16 partial sums on the wire.
+# rho by a one-phase reduce-scatter with W_lu split by rows (the kernel's restructured mode, its
+# own bytes and collectives), the router placed where the model says it is fastest
+# (`MegakernelOptions.router_placement`), and bf16 partial sums on the wire.
 
 # %%
 designs_b1 = design_table.designs_table(cfg, 32, (1,))

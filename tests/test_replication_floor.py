@@ -107,6 +107,11 @@ def test_plan_prints_the_frontier(capsys):
     assert "fewer collectives by replication, and what they cost" in text
     assert "not listed: expert/sum" in text
     assert "the lowest bound over replication designs (not over restructured" in text
-    assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--collectives", "exact", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["frontier"] is None and report["fastest"] is None
+    for mode in ("exact", "restructured"):  # replication's bound: the partial-sum mode's alone
+        assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--collectives", mode, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["frontier"] is None and report["fastest"] is None
+    # restructured: rho's reduce-scatter in every MoE layer, one phase, priced by the model
+    assert report["summary"]["by_kind"]["reduce-scatter"] == 92
+    assert {(r["algorithm"], r["phases"]) for r in report["rows"]
+            if r["kind"] == "reduce-scatter"} == {("one-shot", 1)}

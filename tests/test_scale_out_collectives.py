@@ -3,6 +3,7 @@ step's sharding plan), each priced by the algorithm the plan sends it with
 (`interconnect.choose`), and says why."""
 
 import json
+from collections import Counter
 
 import pytest
 from mkresearch.kernels.sharded import collective_ops as cs
@@ -53,6 +54,23 @@ def test_bad_kind_is_refused(inter):
         links.choose(inter, "broadcast", (0, 1), 8)
 
 
+def test_a_reduce_scatter_is_one_phase_of_each_peers_chunk(inter):
+    """The restructured mode's rho (kind "reduce-scatter"): one phase in which every member
+    sends every peer that peer's chunk (nbytes: the chunk), the messages of a one-shot
+    all-gather of the chunk; the only way the kernel sends it, so the only candidate."""
+    everyone, chunk = tuple(range(32)), 128 * 4
+    p = links.price(inter, "reduce_scatter", "one-shot", everyone, chunk)
+    assert p.phases == 1 and p.messages == 31
+    assert p == links.price(inter, "all_gather", "one-shot", everyone, chunk)
+    c = links.choose(inter, "reduce-scatter", everyone, chunk)
+    assert c.algorithm == "one-shot" and c.seconds == p.seconds
+    assert "each peer that peer's chunk" in c.reason
+    # a 32-way all-reduce of the whole vector takes more than one phase
+    assert p.seconds < links.choose(inter, "all-reduce", everyone, 28 * chunk).seconds
+    with pytest.raises(ValueError, match="algorithm='two-level' is invalid for a reduce_scatter"):
+        links.price(inter, "reduce_scatter", "two-level", everyone, chunk)
+
+
 @pytest.mark.parametrize("mode", cs.MODES)
 def test_the_program_is_the_kernels_collectives(mode):
     """Rank 0's program starts exactly the contract's collectives, in its order, over its groups
@@ -66,8 +84,17 @@ def test_the_program_is_the_kernels_collectives(mode):
     plan = sharding.sharding_plan(layouts.layout(cfg, 32, collectives=mode), 1)
     ops = cs.collective_ops(plan, rank=0, expert_counts=counts)
     assert started == [(op.name, op.group) for op in ops for _ in range(op.count)]
-    p = scale_out.predict(cfg, 32, "ours", 1, collectives=mode)
+    p = scale_out.predict(cfg, 32, "ours", 1, collectives=mode, keep_timeline=True)
     assert p["collectives_per_rank"] == len(started)
+    # each priced as the kernel sends it: its kind, payload and algorithm (`interconnect.price`)
+    inter = links.interconnect("tpu7x", n_ranks=32)
+    priced = Counter((run.name.split("#")[0], run.op, run.nbytes, run.price)
+                     for run in p["timeline"].collectives if 0 in run.group)
+    assert priced == Counter((op.name, op.op, op.payload_bytes, links.price_algorithm(
+        inter, op.kind, op.sent_algorithm, op.group, op.payload_bytes))
+        for op in ops for _ in range(op.count))
+    if mode == layouts.RESTRUCTURED:  # rho reduce-scattered, no W_lu collective of its own
+        assert cs.summary(ops)["by_kind"]["reduce-scatter"] == len(cfg.moe_layers)
 
 
 def test_kimi_k3_partial_sum_against_exact_and_the_release():

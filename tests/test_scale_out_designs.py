@@ -1,6 +1,7 @@
 """Designs beyond the kernel's defaults, priced by the scale-out model (`prediction.designs`,
-`prediction.design_table`): rho by a one-phase reduce-scatter, the router's placement, expert
-reads first; `plan` prints each router placement, `predict --designs` each design in turn."""
+`prediction.design_table`): rho by a one-phase reduce-scatter (the kernel's restructured mode),
+the router's placement, expert reads first; `plan` prints each router placement, `predict
+--designs` each design in turn."""
 
 import dataclasses
 import json
@@ -15,11 +16,12 @@ from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, design_table, designs, scale_out
 from mkresearch.sharding import layout as layouts
+from mkresearch.sharding import layout_bytes
 
 
-def _ours(batch=1, **fields):
+def _ours(batch=1, mode="partial-sum", **fields):
     cfg = get_config("kimi-k3")
-    sched = dataclasses.replace(scale_out.our_schedule(cfg, "partial-sum", 32, batch), **fields)
+    sched = dataclasses.replace(scale_out.our_schedule(cfg, mode, 32, batch), **fields)
     return scale_out.predict(cfg, 32, layouts.OURS, batch, schedule=sched, keep_timeline=True)
 
 
@@ -28,16 +30,31 @@ def _runs(p, prefix):
             and run.name.startswith(prefix)]
 
 
-def test_rho_by_reduce_scatter_is_one_phase_and_the_shared_sum_carries_nothing():
-    built, rho = _ours(), _ours(designs=(designs.RESTRUCTURED,))
+def test_rho_by_reduce_scatter_is_the_kernels_restructured_mode():
+    """"+ rho by reduce-scatter" is the kernel's restructured mode as it runs: its layout's
+    bytes per rank (W_lu split by its latent rows), its own collectives: rho a one-phase
+    reduce-scatter of 128-column chunks priced by the interconnect model, the shared experts'
+    reduction at its real width [B, d | d | 128] (W_lu's partial products and rho's sums of
+    squares beside the shared experts' partial sums)."""
+    cfg = get_config("kimi-k3")
+    built, rho = _ours(), _ours(mode=layouts.RESTRUCTURED)
+    assert rho["schedule"]["collectives"] == layouts.RESTRUCTURED and not rho["schedule"]["designs"]
     before, after = _runs(built, sharding.EXPERT_SUM), _runs(rho, sharding.EXPERT_SUM)
     assert len(before) == len(after) == 92
+    assert {run.op for run in after} == {"reduce_scatter"} and after[0].nbytes == 128 * 4
+    inter = links.interconnect("tpu7x", n_ranks=32)
+    assert after[0].price == links.price(inter, "reduce_scatter", "one-shot", tuple(range(32)),
+                                         128 * 4)
     assert after[0].price.phases == 1 < before[0].price.phases
     assert after[0].price.seconds < before[0].price.seconds
-    d = get_config("kimi-k3").d_model
-    assert {run.nbytes for run in _runs(rho, sharding.SHARED_DOWN)} == {d * 4}
-    assert all(run.nbytes > d * 4 for run in _runs(built, sharding.SHARED_DOWN))  # W_lu's chunks
-    assert rho["rank_bytes"] == built["rank_bytes"]
+    d = cfg.d_model
+    assert {run.nbytes for run in _runs(rho, sharding.SHARED_DOWN)} == {(d + d + 128) * 4}
+    assert {run.nbytes for run in _runs(built, sharding.SHARED_DOWN)} == {(d + 256) * 4}  # W_lu's chunk
+    # the restructured layout's bytes: W_lu's latent rows rotate with W_ld's latent columns, so
+    # the busiest rank reads one more 128-row chunk of W_lu per MoE layer than in partial-sum
+    lay = layouts.layout(cfg, 32, collectives=layouts.RESTRUCTURED)
+    assert rho["rank_bytes"] == layout_bytes.rank_bytes(lay, 1).total
+    assert rho["rank_bytes"] - built["rank_bytes"] == 92 * 128 * d * 2
     assert rho["serial_chain_s"] < built["serial_chain_s"] and rho["step_s"] < built["step_s"]
 
 
@@ -86,15 +103,22 @@ def test_router_placements_bytes_latency_and_the_choice():
     table = design_table.router_placements(get_config("kimi-k3"), 32, 1)
     rows = {r["placement"]: r for r in table["rows"]}
     assert list(rows) == list(designs.ROUTER_PLACEMENTS)
-    # Kimi K3's 896 experts over 32 ranks: chunks of 28 columns padded to 128 lanes, a host's 112
-    # too, but on every rank of the host (split: rotated onto ranks with padding of W_ld, W_qa,
-    # W_kva), so the busiest rank reads more (at most one chunk per MoE layer: 0.12 GB of 0.17);
-    # two siblings read 512 lanes, every rank 896
+    # in the kernel's restructured mode (the table's); Kimi K3's 896 experts over 32 ranks:
+    # chunks of 28 columns padded to 128 lanes, a host's 112 too, on every rank of the host: the
+    # busiest rank reads at most one chunk per MoE layer more (in the restructured layout every
+    # rank reads the same bytes, so none more; in partial-sum 0.12 GB: the split's chunks sit on
+    # ranks with padding of W_ld, W_qa, W_kva); two siblings read 512 lanes, every rank 896
+    assert table["with"] == [layouts.RESTRUCTURED, "expert reads first"]
+    assert rows["split"]["rank_gb"] * 1e9 == pytest.approx(scale_out.predict(
+        get_config("kimi-k3"), 32, layouts.OURS, 1, collectives=layouts.RESTRUCTURED,
+        context=design_table.SAME_ASSUMPTIONS.context)["rank_bytes"], rel=1e-12)
     chunk = 92 * 7168 * 128 * 2  # one bf16 chunk of the router's columns in every MoE layer
-    assert 0 < (rows["host"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9 <= chunk
+    assert 0 <= (rows["host"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9 <= chunk
     assert rows["split"]["rank_gb"] < rows["sibling"]["rank_gb"] < rows["replicated"]["rank_gb"]
     extra = (rows["replicated"]["rank_gb"] - rows["split"]["rank_gb"]) * 1e9
-    assert extra == pytest.approx(92 * 7168 * 896 * 2, rel=0.1)  # bf16 router columns
+    # bf16 router columns: all 896 instead of the one 128-lane chunk every rank of the
+    # restructured split reads
+    assert extra == pytest.approx(92 * 7168 * (896 - 128) * 2, rel=1e-9)
     assert rows["replicated"]["before_top_k_us"] == 0
     assert rows["sibling"]["before_top_k_us"] < rows["split"]["before_top_k_us"]
     assert table["chosen"] == min(rows.values(), key=lambda r: r["step_ms"])["placement"]
@@ -114,10 +138,17 @@ def test_a_schedule_refuses_unknown_or_clashing_designs():
 
 
 def test_designs_table_and_the_command(capsys):
-    rows = design_table.designs_table(get_config("kimi-k3"), 32, (1,))
+    cfg = get_config("kimi-k3")
+    rows = design_table.designs_table(cfg, 32, (1,))
     assert [r["design"] for r in rows][:4] == ["as built", "+ experts to the MXU as fp8",
                                                "+ expert reads first", "+ rho by reduce-scatter"]
     assert rows[-1]["design"] == "the release (modelled)" and rows[-1]["over_release"] == 1
+    # rho by reduce-scatter and what follows it: the restructured layout's bytes per rank
+    restructured = scale_out.rank_bytes(
+        layouts.layout(cfg, 32), scale_out.our_schedule(cfg, layouts.RESTRUCTURED, 32, 1), 1,
+        design_table.SAME_ASSUMPTIONS.context).total / 1e9
+    assert rows[3]["rank_gb"] == pytest.approx(restructured, rel=1e-12)
+    assert rows[3]["rank_gb"] > rows[2]["rank_gb"]
     for r in rows:
         print(f"{r['design']:28s} {r['step_ms']:.2f} ms {r['rank_gb']:.2f} GB "
               f"chain {r['chain_ms']:.2f} ms x{r['over_release']:.2f}")
@@ -126,6 +157,25 @@ def test_designs_table_and_the_command(capsys):
     assert json.loads(capsys.readouterr().out) == rows  # the same Model: cached, identical
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["router"]["chosen"] in designs.ROUTER_PLACEMENTS
+
+
+def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
+    """The designs' last step is the kernel built with a bf16 wire (`our_schedule(wire=...)`):
+    its reductions' algorithms and ring depth for that wire, every partial sum on the wire as
+    bf16 (restructured's reduce-scatter and the widened shared sum too, `collective_ops`)."""
+    from mkresearch.kernels.compose import megakernel_sharded
+
+    cfg = get_config("kimi-k3")
+    lay = layouts.layout(cfg, 32, collectives=layouts.RESTRUCTURED)
+    sched = scale_out.our_schedule(cfg, layouts.RESTRUCTURED, 32, 1, wire="bf16")
+    options = megakernel_sharded.kernel_options(lay, 1, "tpu7x", "bf16")
+    assert sched.wire == "bf16" and sched.reductions == options.reductions
+    assert sched.reductions != scale_out.our_schedule(cfg, layouts.RESTRUCTURED, 32, 1).reductions
+    assert sched.banks + 1 == megakernel_sharded.ring_depth(lay, 1, options=options,
+                                                            wire="bf16").depth
+    p = _ours(mode=layouts.RESTRUCTURED, wire="bf16")  # the wire alone: the f32 kernel's choices
+    assert {run.nbytes for run in _runs(p, sharding.EXPERT_SUM)} == {128 * 2}
+    assert {run.nbytes for run in _runs(p, sharding.SHARED_DOWN)} == {(2 * cfg.d_model + 128) * 2}
 
 
 def test_one_model_prices_both_sides_links():

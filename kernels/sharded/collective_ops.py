@@ -4,7 +4,7 @@ prediction prices, derived from the step's sharding plan (`collective_ops(plan)`
 
 A rank's step, in issue order, is a tuple of `CollectiveOp`: the layer and stage it belongs to,
 its kind (all-gather, all-reduce, chain), the ranks taking part, the bytes it moves, what it is
-issued after and what waits for it. Two modes:
+issued after and what waits for it. Three modes:
 
   exact        the kernel as built (`kernels/compose/megakernel_sharded.py`, bit-equal to one device):
                every matrix split by its output columns, so a matrix whose input arrives split
@@ -41,6 +41,11 @@ issued after and what waits for it. Two modes:
                has in flight overlap it); not yet: the shared expert's sum hidden behind the
                routed experts' stream, ETP > 1 numerics (each expert's partial output is rounded
                to bf16 before the sum).
+  restructured partial-sum, with the latent MoE's two reductions restructured (`plan.py`): ρ
+               a one-phase reduce-scatter (kind "reduce-scatter", `payload_bytes` the chunk each
+               rank sends each peer), no W_lu column chunks riding; the shared experts'
+               reduction carries W_lu's partial products and ρ's partial sums of squares beside
+               its own ([B, d | d | 128]: `Reduction.besides`, about twice as wide).
 
 Names follow the kernel's DMA log (a fused gather: its matrices' names joined by "+",
 `sharded_stream.fused_name`): a collective named N logs its remote copies as
@@ -80,8 +85,8 @@ from mkresearch.sharding import layout as layouts
 
 MODES = layouts.COLLECTIVES  # the layout's mode names, partial-sum first (the default)
 # a reduce-scatter (restructured's ρ, `Reduction.scatter`): one phase, each rank sending every
-# peer that peer's chunk (payload: the chunk), the messages of an all-gather of the chunk; not
-# yet in COLLECTIVES, so nothing prices it yet (`interconnect.OPS`)
+# peer that peer's chunk (payload: the chunk), the messages of an all-gather of the chunk; priced
+# so (`interconnect.price`'s op "reduce_scatter")
 KINDS = ("all-gather", "all-reduce", "chain", "reduce-scatter")
 FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
              "the second's last block, waited right away (its values are needed next)")

@@ -17,10 +17,11 @@ and `mkresearch info kimi-k3` reads as a sentence (`decode` and `bench` default 
         [--ranks 8 [--topology v5e:2x4] [--context C]]   # a sharded step (cli.compile_check)
     mkresearch plan kimi-k3 [--batch 1] [--chip tpu7x] [--cache-layout L] [--format F] \\
         [--context C] [--json]
-    mkresearch plan kimi-k3 --ranks 32 [--batch 1] [--collectives partial-sum|exact] [--wire f32]
+    mkresearch plan kimi-k3 --ranks 32 [--batch 1] [--wire f32] \\
+        [--collectives partial-sum|exact|restructured]
     mkresearch predict kimi-k3 --ranks 32 [--chip tpu7x] [--batch 1,2,4,8] \\
         [--rank-layout ours|release] [--schedule ours|release] \\
-        [--algorithm two-level|one-shot|ring] [--json]
+        [--collectives partial-sum|exact|restructured] [--algorithm two-level|one-shot|ring] [--json]
     mkresearch figures [--out figures] [--only roofline]
     mkresearch launch --processes 2 -- decode kimi-k3-mini --ranks 8 --backend reference
         # several processes on this machine, as on a multi-host slice (docs/multihost.md)

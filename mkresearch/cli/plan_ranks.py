@@ -22,7 +22,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--ranks", type=int, default=None,
                    help="list the collectives of one step on N ranks (our layout) instead")
     p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
-                   help="with --ranks: the kernel's collectives (default partial-sum)")
+                   help="with --ranks: the kernel's collectives (default partial-sum; exact, "
+                        "restructured)")
     p.add_argument("--wire", default="f32", choices=sharding.WIRES,
                    help="with --ranks: partial sums on the wire (default f32)")
 

@@ -2,7 +2,8 @@
 timeline model (`mkresearch.prediction.scale_out`), beside the published numbers where there are some.
 
     mkresearch predict kimi-k3 --ranks 32 --chip tpu7x --batch 1,2,4,8 \\
-        [--rank-layout ours|release] [--schedule ours|release] [--collectives partial-sum|exact] \\
+        [--rank-layout ours|release] [--schedule ours|release] \\
+        [--collectives partial-sum|exact|restructured] \\
         [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
         [--speculate K --acceptance 3,6] [--designs]
 
@@ -84,8 +85,9 @@ def add_parser(commands: Any) -> None:
                         "to bf16 (the preset's) or its fp8 / MXFP4 values as fp8 with the block "
                         "scales after the dot (ModelConfig.expert_mxu)")
     p.add_argument("--collectives", default="partial-sum", choices=layout.COLLECTIVES,
-                   help="our kernel's collectives: partial-sum (default) or exact (bit-equal "
-                        "to one device); the release's schedule has its own")
+                   help="our kernel's collectives: partial-sum (default), exact (bit-equal "
+                        "to one device) or restructured (rho reduce-scattered, W_lu by rows "
+                        "beside the shared experts' sum); the release's schedule has its own")
     add_context(p, 0, "tokens already in each sequence's KV cache (default 0, as every "
                       "full-size line `info`, `decode` and `bench` print; the release's benchmark, "
                       "one prompt token and 1,024 generated, averages "
@@ -102,10 +104,10 @@ def add_parser(commands: Any) -> None:
                    help="list every constant of the model: measured (source), published, assumed")
     p.add_argument("--designs", action="store_true",
                    help="ours as built, then each design (experts to the MXU as fp8, expert "
-                        "reads first, rho by "
-                        "reduce-scatter, the router placement, bf16 partial sums) added in turn, "
-                        "beside the release's modelled step; with --speculate K each one's "
-                        "verify step and tok/s")
+                        "reads first, rho by reduce-scatter: the restructured collectives, the "
+                        "router placement, bf16 partial sums) added in turn, beside the "
+                        "release's modelled step; with --speculate K each one's verify step and "
+                        "tok/s")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -305,9 +307,11 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def _schedule_name(schedule: dict) -> str:
-    """"release", or ours with its collectives: "ours/ps" (partial-sum), "ours/ex" (exact)."""
+    """"release", or ours with its collectives: "ours/ps" (partial-sum), "ours/ex" (exact),
+    "ours/rs" (restructured)."""
     mode = schedule.get("collectives")
-    return schedule["name"] + ({"partial-sum": "/ps", "exact": "/ex"}.get(mode, ""))
+    return schedule["name"] + ({"partial-sum": "/ps", "exact": "/ex",
+                                "restructured": "/rs"}.get(mode, ""))
 
 
 def format_explain(cfg: Any, n_ranks: int, chip: str, batches=(1, 2, 4, 8),
@@ -337,7 +341,8 @@ def format_explain(cfg: Any, n_ranks: int, chip: str, batches=(1, 2, 4, 8),
                      + (f"; B = 1: {sched.ring}" if sched.ring else ""))
     lines.append("  routing: ASSUMPTION uniform (seeded), as roofline's expected distinct experts")
     lines.append(f"  designs beyond the kernel's defaults (none assumed; `--designs` prices them): "
-                 f"{', '.join(designs.DESIGNS)}, expert reads first")
+                 f"{', '.join(designs.DESIGNS)}, expert reads first, rho by reduce-scatter "
+                 "(--collectives restructured)")
     lines.append(f"  context: the release's benchmark averages {calibration.BENCHMARK_CONTEXT} "
                  "cached tokens (one prompt token, 1,024 generated): --validate and --designs "
                  "predict at it; the table at --context (default 0, as every full-size line)")

@@ -47,7 +47,7 @@ def add_decode_arguments(p: Any) -> None:
     p.add_argument("--ranks", type=int, default=1,
                    help="devices the megakernel is sharded across (default 1); on CPU that many "
                         "simulated devices, in a child process when needed")
-    p.add_argument("--collectives", default=layout.PARTIAL_SUM, choices=layout.KERNEL_COLLECTIVES,
+    p.add_argument("--collectives", default=layout.PARTIAL_SUM, choices=layout.COLLECTIVES,
                    help="with --ranks: partial sums reduced in one fixed order (default), the "
                         "exact schedule (every value whole on one rank: the single device's "
                         "bits), or restructured (partial sums, the MoE latent reduce-scattered "

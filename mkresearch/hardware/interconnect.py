@@ -24,6 +24,10 @@ whichever is longer; phases run one after another (`price`). Algorithms (n membe
              across hosts between them (3 phases)
   ring       all_gather n - 1 phases of m to the next member; all_reduce 2 (n - 1) of m / n
   chain      (op) the running sum passed member to member: n - 1 phases of one message
+  reduce_scatter (op) one-shot only: 1 phase in which every member sends every peer that peer's
+             chunk of its vector (m: the chunk), each adding the chunks it receives: the
+             messages of a one-shot all-gather of the chunk (the restructured mode's rho,
+             `kernels/sharded/collective_ops.py`'s kind "reduce-scatter")
 
 `choose(inter, kind, group, payload_bytes)` keeps the fastest of a kind's CANDIDATES, with the
 reason: one-shot wins when a phase's latency dominates (or the group sits in one host),
@@ -55,7 +59,7 @@ from mkresearch.hardware.chips import with_overrides
 from mkresearch.hardware.topology import Slice, get_slice, slice_for
 
 ALGORITHMS = ("two-level", "one-shot", "rs-ag", "ring")
-OPS = ("all_gather", "all_reduce", "chain")
+OPS = ("all_gather", "all_reduce", "chain", "reduce_scatter")
 KIB, MIB = 2**10, 2**20
 US = 1e-6
 # docs/tpu.md: the release's measured remote VMEM copy to the sibling core: (bytes, bytes/s)
@@ -257,6 +261,9 @@ def check_collective(op: str, algorithm: str, group: tuple[int, ...], nbytes: fl
         raise ValueError(f"group={group!r} is invalid: distinct ranks, at least one")
     if not nbytes >= 0:
         raise ValueError(f"nbytes={nbytes!r} is invalid: bytes >= 0")
+    if op == "reduce_scatter" and algorithm not in CANDIDATES[op]:
+        raise ValueError(f"algorithm={algorithm!r} is invalid for a reduce_scatter: one of "
+                         f"{CANDIDATES[op]} (one phase, each member sending each peer its chunk)")
 
 
 def phases_of(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ...],
@@ -271,7 +278,7 @@ def phases_of(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ..
     def one_shot(members, m):
         return [(a, b, m) for a in members for b in members if a != b]
 
-    if algorithm == "one-shot":
+    if algorithm == "one-shot":  # a reduce_scatter's too: each peer its chunk (nbytes)
         return [one_shot(group, nbytes)]
     if algorithm == "ring":
         piece = nbytes if op == "all_gather" else nbytes / n
@@ -301,8 +308,9 @@ def phases_of(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ..
 def price(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ...],
           nbytes: float, rank: int | None = None) -> Price:
     """What `op` costs the members of `group` (ranks of inter.slice). nbytes: all_gather, each
-    member's piece; all_reduce, the whole vector; chain, the running sum. `rank` (default the
-    first member) is whose messages are counted."""
+    member's piece; all_reduce, the whole vector; chain, the running sum; reduce_scatter, the
+    chunk each member sends each peer. `rank` (default the first member) is whose messages are
+    counted."""
     check_collective(op, algorithm, group, nbytes)
     group = tuple(group)
     if max(group) >= inter.slice.n_ranks:
@@ -322,9 +330,11 @@ def price(inter: Interconnect, op: str, algorithm: str, group: tuple[int, ...],
 # candidates per op, in tie-break order
 CANDIDATES = {"all_gather": ("one-shot", "two-level"),
               "all_reduce": ("one-shot", "two-level", "rs-ag"),
-              "chain": ("chain",)}
+              "chain": ("chain",),
+              "reduce_scatter": ("one-shot",)}  # the one way the kernel sends it
 # the collective ops' spellings (`kernels.sharded.collective_ops`) of an op and of an algorithm
-KIND_ALIASES = {"all-gather": "all_gather", "all-reduce": "all_reduce"}
+KIND_ALIASES = {"all-gather": "all_gather", "all-reduce": "all_reduce",
+                "reduce-scatter": "reduce_scatter"}
 ALGORITHM_ALIASES = {"reduce-scatter+all-gather": "rs-ag"}
 
 
@@ -353,8 +363,9 @@ def price_algorithm(inter: Interconnect, kind: str, algorithm: str, group: tuple
 @functools.lru_cache(maxsize=4096)
 def choose(inter: Interconnect, kind: str, group: tuple[int, ...], payload_bytes: float) -> Choice:
     """The fastest candidate algorithm for `kind` ("all_gather" / "all-gather", "all_reduce" /
-    "all-reduce", "chain") over `group` with `payload_bytes` (an all-gather: one member's
-    piece; an all-reduce: the whole vector; `price`), with the reason."""
+    "all-reduce", "chain", "reduce_scatter" / "reduce-scatter") over `group` with
+    `payload_bytes` (an all-gather: one member's piece; an all-reduce: the whole vector; a
+    reduce-scatter: the chunk each member sends each peer; `price`), with the reason."""
     op = KIND_ALIASES.get(kind, kind)
     if op not in CANDIDATES:
         raise ValueError(f"kind={kind!r} is invalid: one of {', '.join(CANDIDATES)} "
@@ -379,6 +390,8 @@ def _where(inter: Interconnect, group: tuple[int, ...]) -> tuple[int, str]:
 WHY = {"two-level": "each core injects its host's peers then the other hosts' counterparts, not "
                     "every peer at once: the one-shot's injection outweighs a phase",
        "rs-ag": "large payload: each message carries 1/n of the vector", "chain": ""}
+SCATTER_WHY = ("one phase, each member sending each peer that peer's chunk (a reduce-scatter's "
+               "only way)")
 
 
 def _reason(inter, op, best, group, payload_bytes, priced) -> str:
@@ -390,9 +403,9 @@ def _reason(inter, op, best, group, payload_bytes, priced) -> str:
     costs = dict(priced)[best]
     head = f"{best} {costs.seconds / US:.3g} us in {costs.phases} phase" \
            f"{'s' if costs.phases != 1 else ''} ({where}, {payload_bytes / 1024:.3g} KiB)"
-    why = WHY.get(best) or ("the group sits in one host: two-level is one-shot here"
-                            if hosts == 1 else "one phase: a phase's latency outweighs what "
-                            "fewer messages per core save")
+    why = SCATTER_WHY if op == "reduce_scatter" else WHY.get(best) or (
+        "the group sits in one host: two-level is one-shot here" if hosts == 1
+        else "one phase: a phase's latency outweighs what fewer messages per core save")
     return f"{head}; {why}" + (f"; vs {others}" if others else "")
 
 

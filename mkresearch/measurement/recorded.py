@@ -148,7 +148,7 @@ def sharded_compile_or_recorded(model: str, n_ranks: int, name: str, batch: int 
     """(CompileResult of one rank's program, ShardedPlan, where it comes from) for the sharded
     step of preset `model` on n_ranks devices of `sharded.FULL_TOPOLOGY`, with the kernel's
     default partial-sum collectives (`sharded_collectives`) or `collectives`
-    (`layout.KERNEL_COLLECTIVES`): the committed record when it matches the plan, else a compile
+    (`layout.COLLECTIVES`): the committed record when it matches the plan, else a compile
     here (recorded with `record`)."""
     cfg = get_config(model, **SHARDED_OVERRIDES.get(model, {}))
     mode = collectives or sharded_collectives(model)

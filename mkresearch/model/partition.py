@@ -30,15 +30,13 @@ MAX_LISTED_RANKS = 256  # ValueErrors list the allowed rank counts up to this
 OURS, RELEASE = "ours", "release"
 LAYOUTS = (OURS, RELEASE)
 EXACT, PARTIAL_SUM, RESTRUCTURED = "exact", "partial-sum", "restructured"
-# how matrices split: by their contraction (partial sums, the sharded megakernel's default) or by
-# output columns; the modes the prediction prices (the kernel's schedule and the prediction read it)
-COLLECTIVES = (PARTIAL_SUM, EXACT)
-# every mode the sharded megakernel builds (the one list of mode names: `layout`, the CLI's
-# `decode --collectives`): the above and RESTRUCTURED, partial sums with the MoE reductions
-# restructured (ρ reduce-scattered, W_lu split by its latent rows, its partial sums beside the
-# shared experts' in one reduction, ρ's RMSNorm scale applied after the sum: `Param.scattered`,
-# `kernels/sharded/plan.py`). A mode joins COLLECTIVES once the prediction prices it
-KERNEL_COLLECTIVES = (*COLLECTIVES, RESTRUCTURED)
+# how matrices split: by their contraction (partial sums, the sharded megakernel's default), by
+# output columns, or partial sums with the MoE reductions restructured (ρ reduce-scattered, W_lu
+# split by its latent rows, its partial sums beside the shared experts' in one reduction, ρ's
+# RMSNorm scale applied after the sum: `Param.scattered`, `kernels/sharded/plan.py`). The one list
+# of mode names: every mode the sharded megakernel builds (`layout`, the CLI's `decode
+# --collectives`) and the prediction prices (`predict --collectives`, `plan --collectives`)
+COLLECTIVES = (PARTIAL_SUM, EXACT, RESTRUCTURED)
 PARTIAL_SUM_MODES = (PARTIAL_SUM, RESTRUCTURED)  # the modes whose matrices split by their rows
 DEFAULT_COLLECTIVES = PARTIAL_SUM
 # groups split in chunks of whole lane tiles (zero-padded), not exactly

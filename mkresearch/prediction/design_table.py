@@ -4,10 +4,11 @@ same assumptions as the release's (`calibration.Model`): nothing fitted to a ste
 `router_placements(cfg, n_ranks, batch)`: each router placement with its bytes per rank, the
 collective it needs before top-k (its latency as priced) and the predicted step, each as the
 kernel runs it (`MegakernelOptions.router_placement`, `decode --ranks N --router P`: its layout's
-bytes, its collectives); the chosen one is the fastest predicted (per model and batch), the
-kernel's default "split" (as built). `designs_table(cfg, batches)`: ours as built, then
-each design added in turn (experts to the MXU as fp8, expert reads first, rho by reduce-scatter,
-the chosen router placement, bf16 partial sums), beside the release's modelled step.
+bytes, its collectives; in the kernel's restructured mode); the chosen one is the fastest
+predicted (per model and batch), the kernel's default "split" (as built). `designs_table(cfg,
+batches)`: ours as built, then each design added in turn (experts to the MXU as fp8, expert reads
+first, rho by reduce-scatter: the kernel's restructured mode, the chosen router placement, bf16
+partial sums: the kernel built with a bf16 wire), beside the release's modelled step.
 `mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
 the second. `design_steps` is the one list of designs (`predict_design` prices one): the plain
 table prices it at B rows, `speculative_designs` at a verify step's B (k + 1).
@@ -27,11 +28,12 @@ SAME_ASSUMPTIONS = calibration.Model()  # the default: ours and the release's sh
 
 
 def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model, *,
+                   collectives: str = layouts.PARTIAL_SUM, wire: str = "f32",
                    sequences: int | None = None, **fields: Any) -> dict:
-    """Our step at `batch` under `model`, our kernel's schedule as built at that batch with
-    `fields` set (`Schedule.designs`, `expert_order`, `wire`); `sequences`: as
-    `scale_out.predict`'s."""
-    base = scale_out.our_schedule(cfg, layouts.PARTIAL_SUM, n_ranks, batch)
+    """Our step at `batch` under `model` as the kernel in mode `collectives` with `wire` runs it
+    (`our_schedule`), with `fields` of its schedule set (`Schedule.designs`, `expert_order`);
+    `sequences`: as `scale_out.predict`'s."""
+    base = scale_out.our_schedule(cfg, collectives, n_ranks, batch, wire=wire)
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
@@ -41,19 +43,20 @@ def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibratio
 
 def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                       model: calibration.Model = SAME_ASSUMPTIONS,
-                      others: tuple[str, ...] = (designs.RESTRUCTURED,),
+                      collectives: str = layouts.RESTRUCTURED,
                       expert_order: str = "first") -> dict[str, Any]:
-    """Each placement (on top of `others` and `expert_order`): group size, GB per rank, the
-    scores' collective before top-k (us per layer, as priced; 0 replicated), predicted step;
-    "chosen": the fastest. JSON-able."""
+    """Each placement (in the kernel's mode `collectives`, with `expert_order`): group size, GB
+    per rank, the scores' collective before top-k (us per layer, as priced; 0 replicated),
+    predicted step; "chosen": the fastest. JSON-able."""
     inter = model.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
     per_host = scale_out.our_schedule(cfg, "partial-sum", n_ranks, batch).ranks_per_host \
         or n_ranks
     rows = []
     for placement in designs.ROUTER_PLACEMENTS:
         group = designs.router_group(placement, 0, n_ranks, per_host)
-        chosen = others + (() if placement == designs.SPLIT else (f"router-{placement}",))
-        p = predict_design(cfg, n_ranks, batch, model, designs=chosen, expert_order=expert_order)
+        chosen = () if placement == designs.SPLIT else (f"router-{placement}",)
+        p = predict_design(cfg, n_ranks, batch, model, collectives=collectives, designs=chosen,
+                           expert_order=expert_order)
         piece = designs.scores_bytes(batch, cfg.n_experts, len(group))
         if placement == designs.SPLIT:  # as built: scores and latent in one gather
             piece += designs.scores_bytes(batch, cfg.moe_latent, n_ranks)  # the latent's piece
@@ -65,7 +68,7 @@ def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,
                      p["collectives_per_rank"]})
     best = min(rows, key=lambda r: r["step_ms"])
     return {"model": cfg.name, "n_ranks": n_ranks, "batch": batch, "rows": rows,
-            "with": list(others) + [f"expert reads {expert_order}"],
+            "with": [collectives, f"expert reads {expert_order}"],
             "chosen": best["placement"], "kernel_default": designs.SPLIT,
             "ranks_per_host": per_host}
 
@@ -121,16 +124,17 @@ def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
     router = () if placement == designs.SPLIT else (f"router-{placement}",)
     # experts handed to the MXU as fp8 (ModelConfig.expert_mxu) where they are stored so
     fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
+    rho = layouts.RESTRUCTURED  # the kernel's mode: rho by a one-phase reduce-scatter
     return [("as built", cfg, {}),
             *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
             ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
             ("+ rho by reduce-scatter", fp8 or cfg, {"expert_order": "first",
-                                                     "designs": (designs.RESTRUCTURED,)}),
+                                                     "collectives": rho}),
             (f"+ router {placement}", fp8 or cfg, {
-                "expert_order": "first", "designs": (designs.RESTRUCTURED, *router)}),
+                "expert_order": "first", "collectives": rho, "designs": router}),
             ("+ bf16 partial sums", fp8 or cfg, {
-                "expert_order": "first", "wire": "bf16",
-                "designs": (designs.RESTRUCTURED, *router)})]
+                "expert_order": "first", "wire": "bf16", "collectives": rho,
+                "designs": router})]
 
 
 def design_predictions(cfg: ModelConfig, n_ranks: int, batch: int, *,

@@ -1,17 +1,14 @@
-"""Designs of our step beyond the kernel as built by default, priced by the same scale-out model:
-each one a change to our rank's program, named here once (issue 46). Two are kernel options too
-(rho by reduce-scatter: `decode --collectives restructured`; expert reads first:
-`MegakernelOptions.expert_reads_first`), priced here as changes to the partial-sum program; so are
-the router placements (`MegakernelOptions.router_placement`, `decode --ranks N --router P`),
-each priced as the kernel runs it.
+"""Designs of our step beyond the kernel as built by default, priced by the same scale-out model
+(issue 46). Each is a kernel option or mode, and the prediction prices each as the kernel runs it:
 
-  restructured        the routed experts' latent sum rho ([B, latent]) reduced by a one-phase
-                      reduce-scatter (each rank sends each peer the 1/n of rho that peer owns)
-                      instead of an all-reduce; W_lu split by rows takes a rank's slice of rho,
-                      and its [B, d] partial sums ride in the shared experts' reduction (added to
-                      theirs: the reduction no longer carries W_lu's column chunks), the latent
-                      norm's scale applied per row of W_lu after the sum (RMSNorm's scale is a
-                      per-channel factor: it commutes with the row split). Same bytes per rank.
+  rho by reduce-scatter  the kernel's restructured mode (`decode --collectives restructured`,
+                      `layout.RESTRUCTURED`, docs/sharding.md §4b): a schedule of that mode
+                      (`scale_out.our_schedule(cfg, "restructured", ...)`), its layout's bytes
+                      per rank (W_lu split by its latent rows) and its own collectives
+                      (`collective_ops`: rho a one-phase reduce-scatter, priced by the
+                      interconnect model's "reduce_scatter"; the shared experts' reduction
+                      carrying W_lu's partial products and rho's partial sums of squares beside
+                      its own, [B, d | d | 128]). Nothing of it is named here.
   router placement    where the router's columns live: split over every rank as built ("split":
                       one gather of scores and latent over n ranks before top-k), within a host
                       ("host"), between sibling cores ("sibling": a swap over the chip's own
@@ -29,34 +26,27 @@ each priced as the kernel runs it.
                       experts' DMAs, waited for before the first expert is computed, priced as
                       beside the experts' reads (ASSUMPTION: done before the first expert lands,
                       `program.FIRST_EXPERT_WAIT`).
-  expert reads first  `Schedule.expert_order = "first"` (`timeline.FETCH_ORDERS`): once routing is
-                      known, the routed experts' DMAs go ahead of the ring's blocks not yet moving.
+  expert reads first  `Schedule.expert_order = "first"` (`timeline.FETCH_ORDERS`;
+                      `MegakernelOptions.expert_reads_first`): once routing is known, the routed
+                      experts' DMAs go ahead of the ring's blocks not yet moving.
 
-`apply(...)` changes one stage's collectives (a schedule whose kernel mode is already
-"restructured" is left as the kernel sends it); a router placement is the kernel's own layout and
-collectives (`scale_out.placed_layout`). The prediction runs them when `Schedule.designs` names them (`scale_out.predict(schedule=...)`);
-`design_table.designs_table` and `design_table.router_placements` print what each buys.
+The prediction runs a router placement when `Schedule.designs` names it
+(`scale_out.predict(schedule=...)`); `design_table.designs_table` and
+`design_table.router_placements` print what each design buys.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.experts import LATENT_DOWN
 from mkresearch.kernels.stages.router import W_ROUTER
-from mkresearch.prediction.program import ONE_SHOT
 from mkresearch.sharding import layout as layouts
-from mkresearch.sharding.layout import RESTRUCTURED
 
 # the router's placements: the kernel's names (`MegakernelOptions.router_placement`,
 # `layout.ROUTER_PLACEMENTS`), as built first
 SPLIT, HOST, SIBLING, REPLICATED = ROUTER_PLACEMENTS = layouts.ROUTER_PLACEMENTS
 ROUTER_DESIGNS = tuple(f"router-{p}" for p in ROUTER_PLACEMENTS[1:])
-# the kernel's collectives mode of that name (`layouts.KERNEL_COLLECTIVES`), priced here as a
-# change to the partial-sum program: the interconnect model has no price for the kernel's
-# one-phase reduce-scatter yet, so `layouts.COLLECTIVES` (the modes the prediction runs) lacks it
-DESIGNS = (RESTRUCTURED, *ROUTER_DESIGNS)
+DESIGNS = ROUTER_DESIGNS  # what `Schedule.designs` may name
 FUSED_ROUTER_GATHER = f"{W_ROUTER}+{LATENT_DOWN}"  # the split kernel's one gather of both
 F32 = 4
 
@@ -93,21 +83,3 @@ def router_group(placement: str, rank: int, n_ranks: int, ranks_per_host: int
         return tuple(range(first, first + ranks_per_host))
     return tuple(range(n_ranks))
 
-
-def apply(designs: tuple[str, ...], collectives: tuple, *, n_ranks: int, batch: int,
-          d_model: int, wire_bytes: int) -> tuple:
-    """One stage's collectives under `designs` (the actions are unchanged: same order). A router
-    placement changes none here: the program is the kernel's with its router placed
-    (`scale_out.placed_layout`: its layout's bytes, its own collectives)."""
-    out = []
-    for c in collectives:
-        if RESTRUCTURED in designs and c.name.startswith(sharding.EXPERT_SUM):
-            # one phase: each member sends each peer its 1/n piece (priced as a one-shot
-            # all-gather of that piece)
-            out.append(dataclasses.replace(c, op="all_gather", algorithm=ONE_SHOT,
-                                           nbytes=c.nbytes / n_ranks))
-        elif RESTRUCTURED in designs and c.name.startswith(sharding.SHARED_DOWN):
-            out.append(dataclasses.replace(c, nbytes=batch * d_model * wire_bytes))
-        else:
-            out.append(c)
-    return tuple(out)

@@ -27,8 +27,9 @@ from mkresearch.prediction import scale_out
 from mkresearch.sharding import layout as layouts
 
 # The collectives our sharded megakernel is built with (`decode --ranks N --collectives`):
-# "partial-sum" (its default: split contractions reduced in one fixed order) or "exact" (inputs
-# gathered, every product on the rank that owns its columns: bit-equal to one device). The
+# "partial-sum" (its default: split contractions reduced in one fixed order), "exact" (inputs
+# gathered, every product on the rank that owns its columns: bit-equal to one device) or
+# "restructured" (partial sums, the MoE latent reduce-scattered, W_lu split by its rows). The
 # release's schedule has its own partial sums.
 COLLECTIVES = layouts.COLLECTIVES
 DEFAULT_COLLECTIVES = layouts.DEFAULT_COLLECTIVES

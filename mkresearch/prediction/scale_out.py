@@ -26,9 +26,13 @@ stages are the schedule's:
                allows at the batch) every collective read from our kernel's own
                (`kernels/sharded/collective_ops.py`, from the step's sharding plan): "partial-sum"
                (the default: matrices contracting over a split dimension reduce their partial
-               sums, the shared expert's sum hidden behind the routed experts' stream) or
+               sums, the shared expert's sum hidden behind the routed experts' stream),
                "exact" (bit-equal to one device: gathers around split matrices, the experts'
-               chain); each collective priced by the algorithm its sharding plan sends it with;
+               chain) or "restructured" (partial sums, rho a one-phase reduce-scatter, W_lu split
+               by rows, its partial products and rho's sums of squares beside the shared
+               experts' partial sums in their one reduction: the mode's own layout bytes and
+               collectives); each collective priced by the algorithm its sharding plan sends it
+               with;
                its router placed as the kernel's option or a design says (`placed_layout`:
                the placed layout's bytes and the kernel's collectives for it)
 
@@ -291,11 +295,6 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                                           step.sched.combine == "partial-sum")
         collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
                                                   count is not None)
-    if step.sched.designs:
-        lay, wire = step.lay, sharding.WIRE_BYTES[step.sched.wire]
-        chosen = tuple(d for d in step.sched.designs if d != step.sched.collectives)
-        collectives = designs.apply(chosen, collectives, n_ranks=lay.n_ranks, batch=step.batch,
-                                    d_model=lay.cfg.d_model, wire_bytes=wire)
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
@@ -321,11 +320,12 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
 def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
                sequences: int | None = None) -> layout_bytes.RankBytes:
     """A rank's bytes under the schedule, in the shapes the kernel as built streams: in our
-    partial-sum mode the layout's own row splits (`layout.param_shard`, `layout_split`: the
-    bytes its planned DMAs stream, tests/test_layout_split.py)."""
-    if sched.collectives == "partial-sum":
+    partial-sum modes the layout's own row splits (`layout.param_shard`, `layout_split`: the
+    bytes its planned DMAs stream, tests/test_layout_split.py; restructured: W_lu by its latent
+    rows too)."""
+    if sched.collectives in layouts.PARTIAL_SUM_MODES:
         lay = dataclasses.replace(layouts.layout(lay.cfg, lay.n_ranks, lay.name,
-                                                 collectives="partial-sum"),
+                                                 collectives=sched.collectives),
                                   router=lay.router, router_ways=lay.router_ways)
     return layout_bytes.rank_bytes(lay, batch, context, sequences=sequences)
 
@@ -340,8 +340,9 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
     """The predicted step of `cfg` on n_ranks under layout `name` at `batch` (JSON-able dict;
     with keep_timeline the RanksTimeline under "timeline"). `algorithm` (default: the schedule's
     at this batch; our schedules: each collective's own, its sharding plan's) prices every
-    all-reduce; `collectives`: our schedule's mode ("partial-sum" or "exact"); `timeline_chip` overrides the chip's timeline
-    figures (`timeline_chip.timeline_chip(chip, **fields)`); `prefetch_across` True / False: the
+    all-reduce; `collectives`: our schedule's mode (`layouts.COLLECTIVES`); `timeline_chip`
+    overrides the chip's timeline figures (`timeline_chip.timeline_chip(chip, **fields)`);
+    `prefetch_across` True / False: the
     ring runs past every collective, or none (default: as each collective of the program says,
     `program.Collective.streams`); `sequences` (default `batch`): the sequences the rows belong
     to, whose states and cached tokens are read once each (a verify step: one sequence's k + 1
@@ -392,7 +393,8 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
     ranks = simulate_programs(
         programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
         "auto" if algorithm == "auto" else
-        {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm},
+        {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm,
+         "reduce_scatter": program.ONE_SHOT},  # one phase: the kernel's only way
         timeline, prefetch_across=sched.prefetch_across)
     parts = ranks.decomposition()
     counted = rank_bytes(lay, sched, batch, context, sequences)

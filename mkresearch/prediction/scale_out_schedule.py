@@ -17,7 +17,7 @@ from mkresearch.prediction.timeline import FETCH_ORDERS, FIRST, QUEUED
 from mkresearch.sharding import layout as layouts
 
 MIB = 2**20
-COMBINES = ("partial-sum", "exact")
+COMBINES = layouts.COLLECTIVES  # ours: its kernel's mode; the release's: "partial-sum"
 # docs/collectives.md: "At B = 6 and 8 it switches to reduce-scatter + gather variants"
 RS_FROM_BATCH = program.RS_FROM_BATCH
 
@@ -41,8 +41,9 @@ class Schedule:
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
     gather_algorithm: str = "two-level"
-    # our kernel's collectives (`kernels/sharded/collective_ops.py`, "exact" or "partial-sum"),
-    # each priced as the sharding plan sends it; None: the release's program (`release_program`)
+    # our kernel's collectives (`kernels/sharded/collective_ops.py`: "partial-sum", "exact" or
+    # "restructured", `layouts.COLLECTIVES`), each priced as the sharding plan sends it; None: the
+    # release's program (`release_program`)
     collectives: str | None = None
     wire: str = "f32"  # partial sums on the wire (the contract's `wire`)
     ring: str = ""  # why `banks` (ours: `megakernel_sharded.RingDepth.describe`)
@@ -57,7 +58,8 @@ class Schedule:
     # (`timeline.FETCH_ORDERS`): ours, its kernel's `MegakernelOptions.expert_reads_first`; the
     # release's "held"
     expert_order: str = "queued"
-    # ours: designs beyond the kernel's defaults, priced as changes to its program (`designs.DESIGNS`)
+    # ours: designs naming the kernel's router placement (`designs.DESIGNS`), priced as the kernel
+    # runs it
     designs: tuple[str, ...] = ()
     # ours: where its kernel places the router (`MegakernelOptions.router_placement`, priced from
     # the kernel's own collectives and bytes); a router design naming it adds nothing more
@@ -112,25 +114,28 @@ RELEASE_SCHEDULE = Schedule(
 
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
                  batch: int = 1, chip: str = "tpu7x",
-                 router: str = layouts.ROUTER_SPLIT) -> Schedule:
+                 router: str = layouts.ROUTER_SPLIT, wire: str = "f32") -> Schedule:
     """Our megakernel's on n_ranks at `batch` on `chip`: its ring's slots of cfg.ring_block_bytes
-    (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in partial-sum mode the deepest
-    that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the collectives its
-    own schedule issues in mode `collectives`, its router placed as `router` says
-    (`MegakernelOptions.router_placement`, the hosts of its chip's slice)."""
+    (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in a partial-sum mode the
+    deepest that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the
+    collectives its own schedule issues in mode `collectives` (`layouts.COLLECTIVES`), its router
+    placed as `router` says (`MegakernelOptions.router_placement`, the hosts of its chip's
+    slice), its partial sums on the wire as `wire` (the kernel built with it: its reductions'
+    algorithms and ring depth for that wire)."""
     if collectives not in layouts.COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
     options = megakernel_sharded.kernel_options(  # what the CLI builds
-        lay, batch, chip, **({} if router == layouts.ROUTER_SPLIT
-                             else {"router_placement": router}))
+        lay, batch, chip, wire, **({} if router == layouts.ROUTER_SPLIT
+                                   else {"router_placement": router}))
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
-        if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch, options=options)
+        if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch, options=options, wire=wire)
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
                     expert_slots=options.expert_slots, combine=collectives,
                     source="the megakernel's plan (its ring depth, cfg.ring_block_bytes, Megakernel"
                            "Options.expert_slots, its reductions' algorithms) and its schedule",
-                    collectives=collectives, ring=ring.describe(), reductions=options.reductions,
+                    collectives=collectives, wire=wire, ring=ring.describe(),
+                    reductions=options.reductions,
                     ranks_per_host=options.ranks_per_host, mxu_fp8=cfg.expert_mxu == "fp8",
                     expert_order=FIRST if options.expert_reads_first else QUEUED,
                     router=options.router_placement)

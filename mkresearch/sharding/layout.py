@@ -80,7 +80,6 @@ from mkresearch.model.partition import (  # noqa: F401 - re-exported: the layout
     DEFAULT_COLLECTIVES,
     EXACT,
     HALF_LANE,
-    KERNEL_COLLECTIVES,
     LAYOUTS,
     MAX_LISTED_RANKS,
     OURS,
@@ -121,11 +120,11 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
            collectives: str = "exact") -> Layout:
     """The `name` layout (LAYOUTS) of cfg on n_ranks ranks: `partition.splits`, ours with its
     chunks rotated (`rotations`); etp: expert-tensor parallel ways (default `default_etp`);
-    collectives: one of KERNEL_COLLECTIVES (`param_shard`). ValueError naming the field for a rank
+    collectives: one of COLLECTIVES (`param_shard`). ValueError naming the field for a rank
     count that does not split heads, vocabulary or experts, and for a kind whose parameters have
     no sharding rule."""
-    if collectives not in KERNEL_COLLECTIVES:
-        raise ValueError(f"collectives={collectives!r} is invalid: one of {KERNEL_COLLECTIVES}")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
     found = splits(cfg, n_ranks, name, etp)
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
     lay = Layout(name=name, cfg=cfg, n_ranks=int(n_ranks), splits=found,
