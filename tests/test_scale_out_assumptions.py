@@ -10,6 +10,7 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
+from mkresearch.model import formats
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, program, scale_out
 from mkresearch.prediction import timeline as tl
@@ -120,6 +121,23 @@ def test_a_block_scaled_product_costs_the_mxu_its_spread_rows(batch):
     assert max(spread for *_, spread in ours + theirs) * batch <= timeline_chip("tpu7x").mxu_rows
     decoded = program.expert_mix(layouts.layout(cfg, 32, layouts.OURS), False, False, batch)
     assert [spread for *_, spread in decoded] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("batch", [9, 16, 32, 64])
+def test_past_the_mxus_rows_ours_spreads_over_the_kernels_smaller_chunks(batch):
+    """Where B x spread would pass the MXU's 256 rows the kernel takes smaller K chunks
+    (`formats.mxu_k_chunk`), and the model charges its spread, from the same rule: B = 16 W2's
+    chunk of 512 (16 blocks), B >= 17 every chunk 256 (8 blocks), within the 256 rows up to
+    B = 32; the decoded bf16 product stays one row per row."""
+    cfg = get_config("kimi-k3")
+    lay = layouts.layout(cfg, 32, layouts.OURS)
+    ours = program.expert_mix(lay, True, False, batch)
+    ks = [cfg.moe_latent, cfg.expert_hidden, cfg.moe_latent]  # W1, W2, W3 (the mix's order)
+    assert [s for *_, s in ours] == [formats.mxu_spread("mxfp4", k, batch) for k in ks] == {
+        9: [16, 24, 16], 16: [16, 16, 16], 32: [8, 8, 8], 64: [8, 8, 8]}[batch]
+    # within the MXU's rows while a chunk of 256 (8 MXFP4 blocks) fits them
+    assert max(s for *_, s in ours) * batch <= max(timeline_chip("tpu7x").mxu_rows, 8 * batch)
+    assert [s for *_, s in program.expert_mix(lay, False, False, batch)] == [1, 1, 1]
 
 
 def test_one_model_for_both_sides():

@@ -40,7 +40,7 @@ from mkresearch.kernels.base import blocks, costs, dma
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model.config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
-from mkresearch.model.formats import k_chunk
+from mkresearch.model.formats import k_chunk, mxu_k_chunk
 from mkresearch.model.numerics import block_scaled_matmul
 
 NIBBLES_PER_WORD = 8
@@ -205,9 +205,12 @@ def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str, *,
     mxu_input "bf16" (ModelConfig.expert_mxu): each chunk decoded to bf16 and multiplied; "fp8"
     (fp8 and MXFP4 formats): each chunk's values handed to the MXU as e4m3 and its scales applied
     after the dot (`numerics.block_scaled_matmul`, as the reference's `formats.mxu_matmul`).
-    Decoding per K chunk keeps the temporaries small; f32 accumulation across chunks, in order."""
+    Decoding per K chunk keeps the temporaries small; f32 accumulation across chunks, in order.
+    The fp8 chunks are `formats.mxu_k_chunk`'s for B rows (smaller once B x spread passes the
+    MXU's rows), the reference's."""
     k = x.shape[1]
-    rows = k_chunk(expert_format, k)
+    rows = (mxu_k_chunk(expert_format, k, x.shape[0]) if mxu_input == "fp8"
+            else k_chunk(expert_format, k))  # fp8: the fewest MXU passes for B rows
     acc = None
     for row0 in range(0, k, rows):
         if mxu_input == "fp8":
