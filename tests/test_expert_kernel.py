@@ -27,6 +27,7 @@ from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import config, formats, reference, weights
 from mkresearch.model.config import get_config
+from mkresearch.model.numerics import block_scaled_matmul, sequence_sum
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 # a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)
@@ -135,22 +136,21 @@ def test_fp8_mxu_bit_equal_to_reference(race_checked, layers, fmt, path, batch):
     assert_close(want, decoded)
 
 
-# a mini whose W2 contracts over K = 1024 (the minis' 256 has one chunk only): at B = 12 its fp8
-# MXU chunk is 512, not k_chunk's 1024 (12 x 32 spread rows would pass the MXU's 256)
+# a mini whose W2 contracts over K = 1024 (the minis' 256 has one chunk only): its fp8 MXU chunk
+# is 256 (`formats.mxu_k_chunk`), not k_chunk's 1024; at B = 12 k_chunk's would pass the MXU's rows
 WIDE_HIDDEN = {"expert_hidden": 1024}
 WIDE_BATCH = 12
 
 
 def test_wide_mini_bites():
     assert formats.k_chunk("mxfp4", 1024) == 1024
-    assert formats.mxu_k_chunk("mxfp4", 1024, WIDE_BATCH) == 512
-    assert formats.mxu_k_chunk("mxfp4", 1024, 8) == 1024  # at B <= 8 the chunk as before
+    assert formats.mxu_k_chunk("mxfp4", 1024) == 256
 
 
 @pytest.mark.slow
-def test_fp8_mxu_smaller_chunk_bit_equal_to_reference(race_checked):
-    """Where B x spread would pass the MXU's rows the kernel hands the MXU smaller K chunks
-    (`formats.mxu_k_chunk`); the reference's `formats.mxu_matmul` takes the same, to the bit."""
+def test_fp8_mxu_chunks_bit_equal_to_reference_whatever_the_batch(race_checked):
+    """The kernel hands the MXU K chunks of `formats.mxu_k_chunk`'s rows; the reference's
+    `formats.mxu_matmul` takes the same, to the bit, and a row alone gives the row of the batch."""
     cfg = config.get_config("kimi-k3-mini", expert_mxu="fp8", **WIDE_HIDDEN)
     p = reference.layer_params(weights.init_params(cfg, seed=0)["moe"], 0)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((WIDE_BATCH, cfg.d_model)),
@@ -159,6 +159,9 @@ def test_fp8_mxu_smaller_chunk_bit_equal_to_reference(race_checked):
     out = experts.routed_experts(p, x, ids, w, cfg, chip="tpu7x")
     want = reference.routed_experts(p, x, ids, w, cfg)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
+    alone = experts.routed_experts(p, x[5:6], ids[5:6], w[5:6], cfg, chip="tpu7x")
+    np.testing.assert_array_equal(np.asarray(alone).view(np.uint32),
+                                  np.asarray(out[5:6]).view(np.uint32))
     decoded = reference.routed_experts(p, x, ids, w, cfg.replace(expert_mxu="bf16"))
     assert_close(want, decoded)
 
@@ -168,17 +171,17 @@ def _mxu_product_kernel(x_ref, *refs, fmt):
     out[...] = quant.matmul(x_ref[...], parts, fmt, mxfp4_decode="native", mxu_input="fp8")
 
 
-@pytest.mark.parametrize("fmt, k, batch, chunk", [("mxfp4", 1024, WIDE_BATCH, 512),
-                                                  ("fp8", 4096, 80, 512)])
+@pytest.mark.parametrize("fmt, k, batch", [("mxfp4", 1024, WIDE_BATCH), ("fp8", 4096, 80)])
 @pytest.mark.slow
-def test_fp8_mxu_product_in_a_kernel_takes_the_rules_chunks(race_checked, fmt, k, batch, chunk):
+def test_fp8_mxu_product_in_a_kernel_takes_the_rules_chunks(race_checked, fmt, k, batch):
     """The stage rounds each product to bf16, which hides most f32 differences of summation order;
-    the kernel's `quant.matmul` alone (f32 out) shows them: at a batch past the MXU's rows its bits
-    are `formats.mxu_matmul`'s with the rule's smaller chunks, not those of `k_chunk`'s."""
+    the kernel's `quant.matmul` alone (f32 out) shows them: its bits are `formats.mxu_matmul`'s
+    with the rule's chunks (256), not those of `k_chunk`'s."""
     rng = np.random.default_rng(3)
     stored = weights.quantize(jnp.asarray(rng.normal(0, 0.05, (k, 128)), jnp.float32), fmt)
     x = jnp.asarray(rng.normal(0, 1, (batch, k)), jnp.bfloat16)
-    assert formats.mxu_k_chunk(fmt, k, batch) == chunk < formats.k_chunk(fmt, k)
+    chunk, wide = formats.mxu_k_chunk(fmt, k), formats.k_chunk(fmt, k)
+    assert chunk == 256 < wide
     parts = quant.split_parts(stored, fmt)
     vmem = pl.BlockSpec(memory_space=pltpu.MemorySpace.VMEM)
     got = pl.pallas_call(functools.partial(_mxu_product_kernel, fmt=fmt),
@@ -187,8 +190,12 @@ def test_fp8_mxu_product_in_a_kernel_takes_the_rules_chunks(race_checked, fmt, k
                          interpret=tpu.interpret_params())(x, *parts)
     got = np.asarray(got).view(np.uint32)
     np.testing.assert_array_equal(got, np.asarray(formats.mxu_matmul(x, stored, fmt)).view(np.uint32))
-    one_chunk_order = np.asarray(formats.mxu_matmul(x[:1], stored, fmt)).view(np.uint32)
-    assert np.any(got[:1] != one_chunk_order)  # the chunks show in the bits
+    values, scales = formats.mxu_parts(stored, fmt)
+    block = formats.EXPERT_BLOCKS[fmt]
+    in_wide_chunks = sequence_sum(  # k_chunk's order: the chunks show in the bits
+        block_scaled_matmul(x[:, r:r + wide], values[r:r + wide],
+                            scales[r // block:(r + wide) // block]) for r in range(0, k, wide))
+    assert np.any(got != np.asarray(in_wide_chunks).view(np.uint32))
 
 
 def duplicated_routing(cfg):
@@ -429,11 +436,11 @@ def test_fp8_mxu_compiles_for_tpu7x(name, fmt):
     pytest.param("kimi-k3-rank", {}, 16, marks=pytest.mark.exhaustive)])
 @pytest.mark.slow
 def test_fp8_mxu_smaller_chunk_compiles_for_tpu7x(name, overrides, batch):
-    """The smaller K chunks of a batch past the MXU's rows lower for TPU7x: the wide mini at
-    B = 12 (W2 in chunks of 512) and Kimi K3's per-rank shapes at B = 16 (W2's K = 768 in chunks
-    of 256): one Mosaic kernel."""
+    """The fp8 MXU path's K chunks of 256 lower for TPU7x: the wide mini at B = 12 (W2 in chunks
+    of 256, not 1024) and Kimi K3's per-rank shapes at B = 16 (W2's K = 768 in chunks of 256):
+    one Mosaic kernel."""
     cfg = get_config(name, expert_mxu="fp8", **overrides)
-    assert formats.mxu_k_chunk(cfg.expert_format, cfg.expert_hidden, batch) < formats.k_chunk(
+    assert formats.mxu_k_chunk(cfg.expert_format, cfg.expert_hidden) < formats.k_chunk(
         cfg.expert_format, cfg.expert_hidden)
     x = jax.ShapeDtypeStruct((batch, cfg.d_model), jnp.bfloat16)
     result = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)

@@ -106,37 +106,23 @@ def test_a_weight_tile_costs_the_mxu_its_rows():
     assert sum(share for share, *_ in mix) == pytest.approx(1) and all(f for _, _, f, _ in mix)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 8, 9, 16, 32, 64])
 def test_a_block_scaled_product_costs_the_mxu_its_spread_rows(batch):
     """Handed as fp8, an MXFP4 matrix's rows are spread over its scale blocks (`numerics.
-    block_scaled_matmul`): ours over a K chunk's (`formats.mxu_spread`: Kimi K3's W1 / W3 K = 3584
-    in chunks of 512, 16 blocks; W2 K = 3072 in chunks of 1024, 32), the release's down-projection
-    over its tile's (K = 768: 24 blocks, 8 from 8 rows), its FP8 gate / up not at all. At decode
-    (B <= 8) every spread stays within the MXU's 256 rows: it costs nothing there."""
-    cfg = get_config("kimi-k3")
-    ours = program.expert_mix(layouts.layout(cfg, 32, layouts.OURS), True, False, batch)
-    theirs = program.expert_mix(layouts.layout(cfg, 32, layouts.RELEASE), True, True, batch)
-    assert [spread for *_, spread in ours] == [16, 32, 16]
-    assert [spread for *_, spread in theirs] == [1, 24 if batch < 8 else 8, 1]
-    assert max(spread for *_, spread in ours + theirs) * batch <= timeline_chip("tpu7x").mxu_rows
-    decoded = program.expert_mix(layouts.layout(cfg, 32, layouts.OURS), False, False, batch)
-    assert [spread for *_, spread in decoded] == [1, 1, 1]
-
-
-@pytest.mark.parametrize("batch", [9, 16, 32, 64])
-def test_past_the_mxus_rows_ours_spreads_over_the_kernels_smaller_chunks(batch):
-    """Where B x spread would pass the MXU's 256 rows the kernel takes smaller K chunks
-    (`formats.mxu_k_chunk`), and the model charges its spread, from the same rule: B = 16 W2's
-    chunk of 512 (16 blocks), B >= 17 every chunk 256 (8 blocks), within the 256 rows up to
-    B = 32; the decoded bf16 product stays one row per row."""
+    block_scaled_matmul`): ours over a K chunk's, the kernel's and the reference's rule
+    (`formats.mxu_spread`: chunks of 256, 8 blocks, at every batch: Kimi K3's W1 / W3 K = 3584,
+    W2 K = 3072), the release's down-projection over its tile's (K = 768: 24 blocks, 8 from 8
+    rows), its FP8 gate / up not at all. Ours stays within the MXU's 256 rows up to B = 32; the
+    decoded bf16 product is one row per row."""
     cfg = get_config("kimi-k3")
     lay = layouts.layout(cfg, 32, layouts.OURS)
     ours = program.expert_mix(lay, True, False, batch)
     ks = [cfg.moe_latent, cfg.expert_hidden, cfg.moe_latent]  # W1, W2, W3 (the mix's order)
-    assert [s for *_, s in ours] == [formats.mxu_spread("mxfp4", k, batch) for k in ks] == {
-        9: [16, 24, 16], 16: [16, 16, 16], 32: [8, 8, 8], 64: [8, 8, 8]}[batch]
-    # within the MXU's rows while a chunk of 256 (8 MXFP4 blocks) fits them
-    assert max(s for *_, s in ours) * batch <= max(timeline_chip("tpu7x").mxu_rows, 8 * batch)
+    assert [s for *_, s in ours] == [formats.mxu_spread("mxfp4", k) for k in ks] == [8, 8, 8]
+    assert (max(s for *_, s in ours) * batch <= timeline_chip("tpu7x").mxu_rows) == (batch <= 32)
+    if batch <= 8:
+        theirs = program.expert_mix(layouts.layout(cfg, 32, layouts.RELEASE), True, True, batch)
+        assert [spread for *_, spread in theirs] == [1, 24 if batch < 8 else 8, 1]
     assert [s for *_, s in program.expert_mix(lay, False, False, batch)] == [1, 1, 1]
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from tiers import EXHAUSTIVE
 
+from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import formats, reference, weights
 from mkresearch.model.config import get_config
 
@@ -217,55 +218,49 @@ def test_mxu_parts_are_the_dequantized_weight(fmt):
                                       np.asarray(weights.dequantize(stored, fmt), np.float32))
 
 
-def test_mxu_k_chunk_takes_the_fewest_mxu_passes():
+def mxu_passes(fmt, k, chunk, batch):
+    """MXU passes (per 256 output columns) of B rows against [k, N] in K chunks of `chunk`:
+    chunks x row passes of the spread rows x contraction passes, on TPU7x's 256 x 256 MXU."""
+    spread = batch * (chunk // {"fp8": 256, "mxfp4": 32}[fmt])
+    return k // chunk * -(-spread // 256) * -(-chunk // 256)
+
+
+def test_mxu_k_chunk_takes_the_fewest_mxu_passes_at_every_batch():
     """expert_mxu="fp8" chunks K by `formats.mxu_k_chunk`: of the chunks a decode may take
-    (multiples of 256 dividing K, at most MAX_K_CHUNK), the fewest MXU passes, the largest of
-    those: `k_chunk`'s while B x spread fits the MXU's 256 rows, else the largest that fits,
-    else 256 (Kimi K3's W1 / W3 K = 3584, W2 K = 3072, a rank's W2 slice K = 768)."""
-    assert (formats.MXU_ROWS, formats.MXU_DEPTH) == (256, 256)
+    (multiples of 256 dividing K, at most MAX_K_CHUNK), the smallest: no other takes fewer MXU
+    passes at any batch, and it does not depend on the batch (a row's bits are its own). Kimi
+    K3's W1 / W3 K = 3584, W2 K = 3072 and a rank's W2 slice K = 768: 256 (8 MXFP4 blocks)."""
+    assert CHIPS["tpu7x"].mxu_shape == (256, 256)
     for fmt, k in [("mxfp4", 3584), ("mxfp4", 3072), ("mxfp4", 768), ("mxfp4", 1024),
                    ("fp8", 3584), ("fp8", 4096), ("mxfp4", 64)]:
         chunks = [r for r in range(256, min(k, formats.MAX_K_CHUNK) + 1, 256) if k % r == 0] or [k]
+        got = formats.mxu_k_chunk(fmt, k)
+        assert got == min(chunks) and formats.mxu_spread(fmt, k) == got // {"fp8": 256,
+                                                                              "mxfp4": 32}[fmt]
         for batch in [*range(1, 70), 128, 256, 257]:
-            got = formats.mxu_k_chunk(fmt, k, batch)
-            passes = {r: formats.mxu_passes(fmt, k, r, batch) for r in chunks}
-            assert passes[got] == min(passes.values())
-            assert got == max(r for r in chunks if passes[r] == passes[got])
-            spread = formats.mxu_spread(fmt, k, batch)
-            assert spread == got // {"fp8": 256, "mxfp4": 32}[fmt]
-            if batch * (formats.k_chunk(fmt, k) // {"fp8": 256, "mxfp4": 32}[fmt]) <= 256:
-                assert got == formats.k_chunk(fmt, k)  # small batches: the chunks as before
-            elif any(batch * r // {"fp8": 256, "mxfp4": 32}[fmt] <= 256 for r in chunks):
-                assert batch * spread <= 256
-            else:
-                assert got == chunks[0]
-    table = {batch: [formats.mxu_k_chunk("mxfp4", k, batch) for k in (3584, 3072, 768)]
-             for batch in (1, 8, 9, 16, 17, 32, 64)}
-    assert table == {1: [512, 1024, 768], 8: [512, 1024, 768], 9: [512, 768, 768],
-                     16: [512, 512, 256], 17: [256] * 3, 32: [256] * 3, 64: [256] * 3}
-    # a pass of 256 x 256 contraction: 2 row passes of 1024-deep chunks against 1 of 512-deep ones
-    assert formats.mxu_passes("mxfp4", 3072, 1024, 9) == 3 * 2 * 4
-    assert formats.mxu_passes("mxfp4", 3072, 768, 9) == 4 * 1 * 3
-    for bad in [0, -1, 1.0, True]:
-        with pytest.raises(ValueError, match="batch="):
-            formats.mxu_k_chunk("mxfp4", 3584, bad)
+            assert mxu_passes(fmt, k, got, batch) == min(mxu_passes(fmt, k, r, batch)
+                                                         for r in chunks)
+    assert [formats.mxu_k_chunk("mxfp4", k) for k in (3584, 3072, 768)] == [256] * 3
+    assert [formats.k_chunk("mxfp4", k) for k in (3584, 3072, 768)] == [512, 1024, 768]
+    # one pass of 256 x 256 contraction: 9 rows of 1024-deep chunks spread over 288 rows
+    assert mxu_passes("mxfp4", 3072, 1024, 9) == 3 * 2 * 4 > mxu_passes("mxfp4", 3072, 256, 9)
     with pytest.raises(ValueError, match="fmt='bf16'"):
-        formats.mxu_k_chunk("bf16", 3584, 1)
+        formats.mxu_k_chunk("bf16", 3584)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_mxu_matmul_chunks_for_the_kernels_batch(fmt):
-    """`formats.mxu_matmul(x, w, fmt, batch)` chunks K as the kernel's dot of `batch` rows does:
-    one row of a batch of 80 (MXFP4's K = 1024 in chunks of 256, FP8's K = 4096 in chunks of 512,
-    not 1024) gives the bits of that row of the batch's product (batch None: M)."""
+def test_mxu_matmul_row_alone_is_the_row_in_a_batch(fmt):
+    """`formats.mxu_matmul` chunks K the same at any batch: one row of a batch of 80 alone gives
+    that row's bits of the batch's product (MXFP4's K = 1024 and FP8's K = 4096 in chunks of 256,
+    not k_chunk's 1024)."""
     k = 1024 if fmt == "mxfp4" else 4096
     rng = np.random.default_rng(3)
     stored = weights.quantize(jnp.asarray(rng.normal(0, 0.05, (k, 256)), jnp.float32), fmt)
     x = jnp.asarray(rng.normal(0, 1, (80, k)), jnp.bfloat16)
-    assert formats.mxu_k_chunk(fmt, k, 80) < formats.mxu_k_chunk(fmt, k, 1) == formats.k_chunk(fmt, k)
+    assert formats.mxu_k_chunk(fmt, k) == 256 < formats.k_chunk(fmt, k)
     whole = np.asarray(formats.mxu_matmul(x, stored, fmt)).view(np.uint32)
     for row in (0, 41):
-        one = formats.mxu_matmul(x[row:row + 1], stored, fmt, batch=80)
+        one = formats.mxu_matmul(x[row:row + 1], stored, fmt)
         np.testing.assert_array_equal(np.asarray(one).view(np.uint32), whole[row:row + 1])
 
 

@@ -206,11 +206,11 @@ def matmul(x: jax.Array, part_refs: Sequence[Any], expert_format: str, *,
     (fp8 and MXFP4 formats): each chunk's values handed to the MXU as e4m3 and its scales applied
     after the dot (`numerics.block_scaled_matmul`, as the reference's `formats.mxu_matmul`).
     Decoding per K chunk keeps the temporaries small; f32 accumulation across chunks, in order.
-    The fp8 chunks are `formats.mxu_k_chunk`'s for B rows (smaller once B x spread passes the
-    MXU's rows), the reference's."""
+    The fp8 chunks are `formats.mxu_k_chunk`'s (the fewest MXU passes at any B), the
+    reference's."""
     k = x.shape[1]
-    rows = (mxu_k_chunk(expert_format, k, x.shape[0]) if mxu_input == "fp8"
-            else k_chunk(expert_format, k))  # fp8: the fewest MXU passes for B rows
+    rows = (mxu_k_chunk(expert_format, k) if mxu_input == "fp8"
+            else k_chunk(expert_format, k))
     acc = None
     for row0 in range(0, k, rows):
         if mxu_input == "fp8":

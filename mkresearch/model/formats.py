@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkresearch.hardware.chips import CHIPS
 from mkresearch.model.config_rules import EXPERT_BLOCKS
 from mkresearch.model.model_config import EXPERT_FORMATS, FP8_BLOCK, MXFP4_BLOCK
 from mkresearch.model.numerics import block_scaled_matmul, sequence_sum
@@ -36,9 +35,6 @@ EXPERT_MATRICES = ("w1", "w3", "w2")
 # (K_CHUNK x N x 4 bytes); the reference multiplies in the same chunks where the chunking shows in
 # the bits (`mxu_matmul`)
 MAX_K_CHUNK = 1024
-# One pass of the MXU a block-scaled product is built for (expert_mxu="fp8"): rows x contraction
-# depth, TPU7x's (the chip with an fp8 MXU path; kernel and reference pick chunks by the same shape)
-MXU_ROWS, MXU_DEPTH = CHIPS["tpu7x"].mxu_shape
 
 
 # ---- quantisation ----------------------------------------------------------------------------
@@ -219,35 +215,26 @@ def k_chunk(fmt: str, k: int) -> int:
     return _chunks(fmt, k)[0]
 
 
-def mxu_passes(fmt: str, k: int, rows: int, batch: int) -> int:
-    """MXU passes (per MXU_ROWS-wide group of output columns) of `mxu_matmul` on a [k, N] matrix
-    in chunks of `rows` K values for `batch` rows: per chunk, batch x rows / block spread rows
-    (`numerics.block_scaled_matmul`) in passes of MXU_ROWS rows times its rows in passes of
-    MXU_DEPTH contraction."""
-    spread = batch * (rows // EXPERT_BLOCKS[fmt])
-    return k // rows * -(-spread // MXU_ROWS) * -(-rows // MXU_DEPTH)
-
-
-def mxu_k_chunk(fmt: str, k: int, batch: int) -> int:
-    """Rows of K per block-scaled dot of `mxu_matmul` (expert_mxu="fp8") for `batch` rows: of the
-    chunks a decode may take (`_chunks`: multiples of 256, the MXU's depth), the one with the
-    fewest MXU passes (`mxu_passes`), the largest of those. Every such chunk fills the MXU's
-    256-deep contraction, so the passes are k / 256 x ceil(batch x spread / 256): the largest
-    chunk whose batch x spread fits the MXU's 256 rows (`k_chunk`'s while it fits, e.g. Kimi K3 at
-    B <= 8), else the smallest (256: 8 MXFP4 blocks per row). The kernel (`quant.matmul`), the
-    reference and the scale-out model (`mxu_spread`) all take it from here."""
+def mxu_k_chunk(fmt: str, k: int) -> int:
+    """Rows of K per block-scaled dot of `mxu_matmul` (expert_mxu="fp8"): the smallest of the
+    chunks a decode may take (`_chunks`: multiples of 256 where k allows; 256 is also the depth of
+    TPU7x's 256 x 256 MXU). Why the smallest: a chunk of c rows spreads each batch row over
+    c / block MXU rows (`numerics.block_scaled_matmul`), so B rows cost k / c chunks x
+    ceil(B c / block / 256) row passes x c / 256 contraction passes = k / 256 x
+    ceil(B c / block / 256): never more than with a larger chunk, at any B, and one row pass up
+    to B = 32 (MXFP4: 8 blocks per row; FP8: 1). And a chunk that does not depend on B keeps a row's bits its own whatever the
+    batch (docs/serving.md §1). The kernel (`quant.matmul`), the reference and the scale-out
+    model (`mxu_spread`) all take it from here."""
     _check_format(fmt)
     if fmt == "bf16":
         raise ValueError("fmt='bf16' is invalid for an fp8 MXU input: 'fp8' or 'mxfp4'")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
-    return min(_chunks(fmt, k), key=lambda rows: (mxu_passes(fmt, k, rows, batch), -rows))
+    return _chunks(fmt, k)[-1]
 
 
-def mxu_spread(fmt: str, k: int, batch: int) -> int:
-    """MXU rows per batch row of `mxu_matmul` on a [k, N] matrix for `batch` rows: its chunk's
-    (`mxu_k_chunk`) scale blocks (`numerics.block_scaled_matmul` spreads each row over them)."""
-    return mxu_k_chunk(fmt, k, batch) // EXPERT_BLOCKS[fmt]
+def mxu_spread(fmt: str, k: int) -> int:
+    """MXU rows per batch row of `mxu_matmul` on a [k, N] matrix: its chunk's (`mxu_k_chunk`)
+    scale blocks (`numerics.block_scaled_matmul` spreads each row over them)."""
+    return mxu_k_chunk(fmt, k) // EXPERT_BLOCKS[fmt]
 
 
 def mxu_parts(expert_weight: dict[str, jax.Array], fmt: str) -> tuple[jax.Array, jax.Array]:
@@ -266,15 +253,13 @@ def mxu_parts(expert_weight: dict[str, jax.Array], fmt: str) -> tuple[jax.Array,
     return values, _pow2(scales.astype(jnp.int32) - 127)
 
 
-def mxu_matmul(x: jax.Array, expert_weight: dict[str, jax.Array], fmt: str,
-               batch: int | None = None) -> jax.Array:
+def mxu_matmul(x: jax.Array, expert_weight: dict[str, jax.Array], fmt: str) -> jax.Array:
     """x bf16 [M, K] @ one fp8 or MXFP4 expert matrix [K, N] as the MXU is handed it with
     expert_mxu="fp8" -> f32 [M, N]: `numerics.block_scaled_matmul` over each chunk of `mxu_k_chunk`
-    rows, the chunks added in order (a kernel's chunks, so the same bits). batch: the rows of the
-    kernel's dot the chunks are chosen for (its whole batch, when x is one row of it; None: M)."""
+    rows, the chunks added in order (a kernel's chunks, so the same bits)."""
     values, scales = mxu_parts(expert_weight, fmt)
     k = values.shape[-2]
-    rows = mxu_k_chunk(fmt, k, x.shape[0] if batch is None else batch)
+    rows = mxu_k_chunk(fmt, k)
     block = EXPERT_BLOCKS[fmt]
     return sequence_sum(
         block_scaled_matmul(x[:, r:r + rows], values[r:r + rows],

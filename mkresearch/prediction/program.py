@@ -232,8 +232,8 @@ def expert_mix(lay: layouts.Layout, mxu_fp8: bool, release: bool = False, batch:
     per stored byte, taken by the MXU as fp8, MXU rows per batch row): the fetch op's `mix`.
     Their stored formats are the layout's (`layout.count_format`); mxu_fp8: the kernel hands the
     MXU fp8 (else bf16); the rows: a block-scaled product spreads each row over its scale blocks
-    (`numerics.block_scaled_matmul`), ours over a K chunk's as the kernel picks it for `batch`
-    rows (`formats.mxu_spread`), the release's as its kernel does (`release_mxu_spread`)."""
+    (`numerics.block_scaled_matmul`), ours over a K chunk's (`formats.mxu_spread`), the
+    release's as its kernel does (`release_mxu_spread`) at `batch`."""
     cfg = lay.cfg
     out = []
     for kind in spec.stages_of(cfg):
@@ -248,7 +248,7 @@ def expert_mix(lay: layouts.Layout, mxu_fp8: bool, release: bool = False, batch:
                 k = mine.shape[-2]
                 spread = (1 if not mxu_fp8 or fmt == "bf16"
                           else release_mxu_spread(fmt, cfg, batch) if release
-                          else formats.mxu_spread(fmt, k, batch))
+                          else formats.mxu_spread(fmt, k))
                 out.append((stored, math.prod(mine.shape) / stored, mxu_fp8, spread))
         if out:
             break

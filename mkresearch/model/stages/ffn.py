@@ -136,9 +136,7 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
               else jax.tree.map(lambda w: w[expert_ids], experts))
     def per_expert(v, name):  # v [B, k, 1, K] @ each (row, expert)'s matrix -> [B, k, N] f32
         if cfg.expert_mxu == "fp8":  # as the MXU is handed it: e4m3 values, scales after the dot
-            # chunks chosen for the kernel's dot: every row of the batch at once
-            product = jax.vmap(jax.vmap(functools.partial(mxu_matmul, fmt=fmt,
-                                                          batch=z.shape[0])))
+            product = jax.vmap(jax.vmap(functools.partial(mxu_matmul, fmt=fmt)))
             return product(v, chosen[name])[:, :, 0]
         w = dequantize(chosen[name], fmt)  # [B, k, K, N] bf16
         return rows_at_least_two(  # each (row, expert) product with two rows, as `_mm`
