@@ -12,6 +12,7 @@ from mkresearch.kernels.compose import megakernel_sharded as ms
 from tiers import EXHAUSTIVE
 
 from mkresearch.measurement import recorded
+from mkresearch.model.config import get_config
 from mkresearch.sharding import layout
 
 SHARDED = Path(__file__).resolve().parent / "sharded"
@@ -69,6 +70,18 @@ def test_full_size_compile_restructured(model, n_ranks, name, batch, chip):
     the 32 cores of tpu7x:2x2x4: one Mosaic kernel per rank, the VMEM plan within the core's
     limit (the committed record; `make recorded` re-records it)."""
     check_recorded_compile(model, n_ranks, name, batch, chip, collectives=layout.RESTRUCTURED)
+
+
+@pytest.mark.exhaustive  # two compiles here (~10-20 s each)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bf16_wire_compiles_one_mosaic_kernel(batch):
+    """The bf16 wire's packed partial sums (`collectives.pack_bf16`) compile for tpu7x:2x2x4:
+    kimi-k3-mini on 8 ranks, one Mosaic kernel per rank."""
+    lay = layout.layout(get_config("kimi-k3-mini"), 8, collectives=layout.PARTIAL_SUM)
+    result, _ = ms.compile_sharded_step(
+        lay.cfg, 8, batch=batch, collectives=layout.PARTIAL_SUM, wire="bf16",
+        options=ms.kernel_options(lay, batch, "tpu7x", "bf16"))
+    assert result.n_mosaic_kernels == 1
 
 
 def check_recorded_compile(model, n_ranks, name, batch, chip, collectives=None):

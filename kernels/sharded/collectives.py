@@ -179,6 +179,23 @@ def make_shard_plan(sharding: ShardingPlan, pieces: dict, reduced: tuple[int, ..
                      algorithms=sharding.algorithms, levels=levels)
 
 
+def pack_bf16(x: Any) -> Any:
+    """x [B, 2h] f32 holding bf16 values (rounded, their low 16 bits zero) -> [B, h] f32 words,
+    each two of them: column j's bf16 in the high half, column h + j's in the low half (the bf16
+    wire's 2 bytes a value through the f32 slots; `unpack_bf16` gives x back, bit for bit)."""
+    h = x.shape[1] // 2
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type(
+        (bits[:, :h] & jnp.uint32(0xFFFF0000)) | (bits[:, h:] >> jnp.uint32(16)), jnp.float32)
+
+
+def unpack_bf16(words: Any) -> Any:
+    """`pack_bf16`'s words [B, h] -> the bf16 values [B, 2h] as f32."""
+    bits = lax.bitcast_convert_type(words, jnp.uint32)
+    return jnp.concatenate([lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32),
+                            lax.bitcast_convert_type(bits << jnp.uint32(16), jnp.float32)], axis=1)
+
+
 class _Buffers:
     def __init__(self, channel: Channel, refs: tuple) -> None:
         self.channel = channel
@@ -365,7 +382,7 @@ class Collectives:
         and under every algorithm (`numerics.host_ordered_sum`: a host's partials in rank order,
         then the hosts' sums). Sent as `ShardPlan.algorithm(name)` says: one-shot (every rank's
         partial to every peer), or two-level / rs-ag (`levels`). A bf16 wire rounds each partial
-        once. riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same
+        once, and one-shot sends it 2 bytes a value (`pack_bf16`; in levels still as f32). riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same
         messages (`Rule.rides`) -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
@@ -374,9 +391,17 @@ class Collectives:
         pieces = [(rule, chunk.shape[1]) for (rule, _), chunk in zip(riders, chunks, strict=True)]
         algorithm = self.plan.algorithm(name)
         if algorithm == ONE_SHOT or "all" not in self.buffers or self.levels is None:
-            everyone = self.all_gather(jnp.concatenate([partial, *chunks], axis=1), name=name)
-            total = self._host_ordered([everyone[r][:, :width] for r in summed], summed)
-            wholes = self.unpack(everyone, pieces, width)
+            if self.plan.wire == "bf16" and width % 2 == 0:  # 2 bytes a value: packed in pairs
+                half = width // 2
+                everyone = self.all_gather(jnp.concatenate([pack_bf16(partial), *chunks], axis=1),
+                                           name=name)
+                total = self._host_ordered([unpack_bf16(everyone[r][:, :half]) for r in summed],
+                                           summed)
+                wholes = self.unpack(everyone, pieces, half)
+            else:
+                everyone = self.all_gather(jnp.concatenate([partial, *chunks], axis=1), name=name)
+                total = self._host_ordered([everyone[r][:, :width] for r in summed], summed)
+                wholes = self.unpack(everyone, pieces, width)
         else:
             total, everyone = self.levels.reduce(partial, chunks, summed, name, algorithm)
             wholes = self.unpack(everyone, pieces, 0)

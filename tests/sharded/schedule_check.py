@@ -74,3 +74,21 @@ def expected_collectives(ops, rank, ranks_per_host=0):
             else:
                 runs.append([name, n])
     return runs
+
+
+def check_reduction_bytes(log, lay, batch, wire, reductions=()) -> dict:
+    """Each one-shot reduction's remote copies move the bytes the step's collectives price
+    (`Reduction.payload_bytes`: the partial sums at the wire's bytes a value, the riders' chunks
+    as f32), on every rank -> {reduction name: bytes per copy}."""
+    sharding = plan.with_algorithms(lay, batch, wire, reductions)
+    priced = {r.name: r.payload_bytes(batch, wire) for r in sharding.reductions
+              if r.algorithm == plan.ONE_SHOT and not r.scatter}
+    seen = {}
+    for rank in range(lay.n_ranks):
+        for e in log.of_rank(rank).events:
+            name = e.name.removesuffix("/all_gather")
+            if e.kind == "dma_start" and e.remote and name in priced:
+                assert e.nbytes == priced[name], (rank, e.name, e.nbytes, priced[name])
+                seen[name] = e.nbytes
+    assert set(seen) == set(priced), (sorted(seen), sorted(priced))
+    return seen

@@ -140,6 +140,8 @@ def test_kimi_b3_greedy_and_sampled_rows(race_checked):
     options = plan.mega.options
     expert_ids = routed_expert_ids(KIMI_4L, 3)
     count = schedule_check.check(log, lay, 3, expert_ids, options)
+    moved = schedule_check.check_reduction_bytes(log, lay, 3, "f32", options.reductions)
+    print(f"f32 wire: the one-shot reductions' bytes per remote copy {moved} (priced)")
     ops = schedule_check.ops_of(lay, 3, options.reductions, 0,
                                 schedule_check.expert_counts(lay, expert_ids, 0))
     runs = schedule_check.expected_collectives(ops, 0, options.ranks_per_host)
@@ -226,9 +228,15 @@ def test_levels_on_hosts_of_2(race_checked, model, batch):
     step(model, batch, temperature=MIXED[:batch], levels=2)
 
 
-@pytest.mark.exhaustive  # the bf16 wire: one more traced step (~1 min here)
-def test_bf16_wire(race_checked):
-    step("kimi-k3-mini", 1, wire="bf16")
+@pytest.mark.exhaustive  # the bf16 wire: two more traced steps (~1 min each here)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bf16_wire(race_checked, batch):
+    """The bf16 wire's remote copies move 2 bytes a partial sum (`collectives.pack_bf16`), the
+    bytes the step's collectives price; the f32 wire's, 4 (the fast case's, recorded)."""
+    _, _, log = step("kimi-k3-mini", batch, wire="bf16", record=True)
+    lay = setup("kimi-k3-mini", batch, "bf16")[1]
+    moved = schedule_check.check_reduction_bytes(log, lay, batch, "bf16")
+    print(f"kimi-k3-mini B={batch}, bf16 wire: bytes per remote copy {moved} (priced)")
 
 
 @pytest.mark.exhaustive  # experts to the MXU as fp8: one more traced step (~1 min here)
