@@ -382,8 +382,9 @@ class Collectives:
         and under every algorithm (`numerics.host_ordered_sum`: a host's partials in rank order,
         then the hosts' sums). Sent as `ShardPlan.algorithm(name)` says: one-shot (every rank's
         partial to every peer), or two-level / rs-ag (`levels`). A bf16 wire rounds each partial
-        once, and one-shot sends it 2 bytes a value (`pack_bf16`; in levels still as f32). riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same
-        messages (`Rule.rides`) -> (the sum, [each rider's whole output])."""
+        once, and one-shot sends it 2 bytes a value (`pack_bf16`; in levels still as f32).
+        riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same messages
+        (`Rule.rides`) -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
         width = partial.shape[1]
@@ -391,17 +392,14 @@ class Collectives:
         pieces = [(rule, chunk.shape[1]) for (rule, _), chunk in zip(riders, chunks, strict=True)]
         algorithm = self.plan.algorithm(name)
         if algorithm == ONE_SHOT or "all" not in self.buffers or self.levels is None:
-            if self.plan.wire == "bf16" and width % 2 == 0:  # 2 bytes a value: packed in pairs
-                half = width // 2
-                everyone = self.all_gather(jnp.concatenate([pack_bf16(partial), *chunks], axis=1),
-                                           name=name)
-                total = self._host_ordered([unpack_bf16(everyone[r][:, :half]) for r in summed],
-                                           summed)
-                wholes = self.unpack(everyone, pieces, half)
-            else:
-                everyone = self.all_gather(jnp.concatenate([partial, *chunks], axis=1), name=name)
-                total = self._host_ordered([everyone[r][:, :width] for r in summed], summed)
-                wholes = self.unpack(everyone, pieces, width)
+            packed = self.plan.wire == "bf16" and width % 2 == 0  # 2 bytes a value, in pairs
+            sent = pack_bf16(partial) if packed else partial
+            everyone = self.all_gather(jnp.concatenate([sent, *chunks], axis=1), name=name)
+            own = sent.shape[1]  # each rank's partial in the message, then the riders' chunks
+            received = [everyone[r][:, :own] for r in summed]
+            total = self._host_ordered([unpack_bf16(x) for x in received] if packed else received,
+                                       summed)
+            wholes = self.unpack(everyone, pieces, own)
         else:
             total, everyone = self.levels.reduce(partial, chunks, summed, name, algorithm)
             wholes = self.unpack(everyone, pieces, 0)
