@@ -81,8 +81,9 @@ def test_full_kimi_k3_partial_sum_counts():
 
 
 def test_wire_and_expert_counts():
-    """bf16 on the wire halves every partial sum's bytes (gathers move values, the embedding's
-    all-reduce adds zeros to one row, chunks riding with a reduction are values: f32 both ways);
+    """bf16 on the wire halves every all-reduced partial sum's bytes (gathers move values, the
+    embedding's all-reduce adds zeros to one row, chunks riding with a reduction are values: f32
+    both ways; restructured's reduce-scatter moves its chunks as f32, as the kernel sends them);
     the exact mode's expert hidden gathers run once per expert the group computes."""
     lay = layout.layout(get_config("kimi-k3"), 32, layout.OURS)
     f32, bf16 = (ops_of(lay, 2, wire=w) for w in sharding.WIRES)
@@ -91,6 +92,10 @@ def test_wire_and_expert_counts():
         riders = 2 * 4 * 256 * len(a.carries)  # B = 2, f32, W_lu's chunk of 7168 / 32 -> 256
         assert (b.payload_bytes - riders) * (2 if halved else 1) == a.payload_bytes - riders
         assert b.dtype == ("bf16" if halved else "f32")
+    f32, bf16 = (ops_of(lay, 2, layout.RESTRUCTURED, wire=w) for w in sharding.WIRES)
+    scatters = [(a, b) for a, b in zip(f32, bf16, strict=True) if a.kind == "reduce-scatter"]
+    assert scatters and all(a == b for a, b in scatters)
+    assert {b.payload_bytes for _, b in scatters} == {2 * 128 * 4}
     n_moe = len(lay.cfg.moe_layers)
     ops = ops_of(lay, 1, "exact", expert_counts=(3,) * n_moe)
     hidden = [op for op in ops if op.name == "expert/h"]

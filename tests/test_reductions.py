@@ -32,6 +32,20 @@ def test_host_ordered_sum_adds_each_host_first():
         numerics.host_ordered_sum(parts, (0, 1))
 
 
+def test_bf16_wire_rounds_each_hosts_sum_and_the_total():
+    """With a bf16 wire a host's sum is rounded before the hosts' sums are added, and the total
+    after: the values a reduction in levels sends (`kernels/sharded/levels.py`), so one-shot and
+    levels give the same bits. 1 + 2^-8 is no bf16 value (1 + 2^-7 is)."""
+    tiny = 2.0 ** -8
+    parts = [jnp.float32(v) for v in (1.0, tiny, tiny)]
+    assert float(numerics.host_ordered_sum(parts, (0, 0, 0), "bf16")) == 1.0 + 2 * tiny
+    assert float(numerics.host_ordered_sum(parts, (0, 0, 1), "bf16")) == 1.0  # (1 + 2^-8) -> 1
+    assert float(numerics.host_ordered_sum(parts, (0, 0, 1))) == 1.0 + 2 * tiny
+    assert float(numerics.host_ordered_sum(parts[:2], (0, 1), "bf16")) == 1.0
+    assert float(numerics.reduce_partials([jnp.float32(1.0), jnp.float32(tiny)], (0, 0),
+                                          "bf16")) == 1.0
+
+
 def _mini(n=8):
     return layouts.layout(get_config("kimi-k3-mini"), n, collectives="partial-sum")
 

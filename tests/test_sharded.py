@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from mkresearch.kernels.compose import megakernel_sharded as ms
+from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions
 from tiers import EXHAUSTIVE
 
 from mkresearch.measurement import recorded
@@ -72,15 +73,22 @@ def test_full_size_compile_restructured(model, n_ranks, name, batch, chip):
     check_recorded_compile(model, n_ranks, name, batch, chip, collectives=layout.RESTRUCTURED)
 
 
-@pytest.mark.exhaustive  # two compiles here (~10-20 s each)
-@pytest.mark.parametrize("batch", [1, 3])
-def test_bf16_wire_compiles_one_mosaic_kernel(batch):
-    """The bf16 wire's packed partial sums (`collectives.pack_bf16`) compile for tpu7x:2x2x4:
-    kimi-k3-mini on 8 ranks, one Mosaic kernel per rank."""
+# every reduction algorithm of the kernel on two hosts of 4 ranks (rs-ag's three levels,
+# two-level's two), the rest one-shot
+LEVELS = (("shared/w_down/sum", "rs-ag"), ("mla.w_o/sum", "rs-ag"), ("expert/sum", "two-level"),
+          ("kda.w_o/sum", "two-level"))
+
+
+@pytest.mark.exhaustive  # three compiles here (~10-20 s each)
+@pytest.mark.parametrize("batch, levels", [(1, False), (3, False), (3, True)])
+def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels):
+    """The bf16 wire's packed partial sums (`levels.pack_bf16`), one-shot and in levels,
+    compile for tpu7x:2x2x4: kimi-k3-mini on 8 ranks, one Mosaic kernel per rank."""
     lay = layout.layout(get_config("kimi-k3-mini"), 8, collectives=layout.PARTIAL_SUM)
+    options = MegakernelOptions(reductions=LEVELS, ranks_per_host=4) if levels else \
+        ms.kernel_options(lay, batch, "tpu7x", "bf16")
     result, _ = ms.compile_sharded_step(
-        lay.cfg, 8, batch=batch, collectives=layout.PARTIAL_SUM, wire="bf16",
-        options=ms.kernel_options(lay, batch, "tpu7x", "bf16"))
+        lay.cfg, 8, batch=batch, collectives=layout.PARTIAL_SUM, wire="bf16", options=options)
     assert result.n_mosaic_kernels == 1
 
 

@@ -50,7 +50,9 @@ from mkresearch.kernels.sharded.levels import (
     LevelReductions,
     Levels,
     each_peer,
+    pack_bf16,
     plan_levels,
+    unpack_bf16,
 )
 from mkresearch.kernels.sharded.plan import (
     ONE_SHOT,
@@ -177,23 +179,6 @@ def make_shard_plan(sharding: ShardingPlan, pieces: dict, reduced: tuple[int, ..
                      rules=sharding.rules, expert_items=expert_items, expert_latent=expert_latent,
                      mode=lay.collectives, wire=sharding.wire, host_size=sharding.ranks_per_host,
                      algorithms=sharding.algorithms, levels=levels)
-
-
-def pack_bf16(x: Any) -> Any:
-    """x [B, 2h] f32 holding bf16 values (rounded, their low 16 bits zero) -> [B, h] f32 words,
-    each two of them: column j's bf16 in the high half, column h + j's in the low half (the bf16
-    wire's 2 bytes a value through the f32 slots; `unpack_bf16` gives x back, bit for bit)."""
-    h = x.shape[1] // 2
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    return lax.bitcast_convert_type(
-        (bits[:, :h] & jnp.uint32(0xFFFF0000)) | (bits[:, h:] >> jnp.uint32(16)), jnp.float32)
-
-
-def unpack_bf16(words: Any) -> Any:
-    """`pack_bf16`'s words [B, h] -> the bf16 values [B, 2h] as f32."""
-    bits = lax.bitcast_convert_type(words, jnp.uint32)
-    return jnp.concatenate([lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32),
-                            lax.bitcast_convert_type(bits << jnp.uint32(16), jnp.float32)], axis=1)
 
 
 class _Buffers:
@@ -381,8 +366,9 @@ class Collectives:
         """Σ of the partial sums [B, N] f32 of the ranks `summed`, the same bits on every rank
         and under every algorithm (`numerics.host_ordered_sum`: a host's partials in rank order,
         then the hosts' sums). Sent as `ShardPlan.algorithm(name)` says: one-shot (every rank's
-        partial to every peer), or two-level / rs-ag (`levels`). A bf16 wire rounds each partial
-        once, and one-shot sends it 2 bytes a value (`pack_bf16`; in levels still as f32).
+        partial to every peer), or two-level / rs-ag (`levels`). A bf16 wire rounds each partial,
+        each host's sum and the total to bf16 (`numerics.host_ordered_sum`) and sends every value
+        2 bytes a value (`pack_bf16`, the partials of a width that packs in pairs).
         riders: (rule, column chunk [B, c]) of matrices whose chunks ride in the same messages
         (`Rule.rides`) -> (the sum, [each rider's whole output])."""
         if self.plan.wire == "bf16":
@@ -409,7 +395,8 @@ class Collectives:
     def reduce_scatter(self, partial: Any, group: str, *, name: str) -> Any:
         """Restructured's ρ: the partial sums [B, W] f32 of every rank -> this rank's chunk [B, c]
         of their sum (its slice of `group`, split one slice per rank), added as `reduce` adds
-        (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial once).
+        (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial, each
+        host's sum and the chunk's sum; the chunks still move as f32).
         One phase: each rank sends every peer that peer's chunk of its partial."""
         if self.plan.wire == "bf16":
             partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
@@ -448,7 +435,7 @@ class Collectives:
 
     def _host_ordered(self, values: list, ranks: tuple[int, ...]) -> Any:
         h = self.plan.ranks_per_host
-        return numerics.host_ordered_sum(values, tuple(r // h for r in ranks))
+        return numerics.host_ordered_sum(values, tuple(r // h for r in ranks), self.plan.wire)
 
     def unpack(self, everyone: list, pieces: list, start: int) -> list:
         """Every member's message [B, w] -> for each (rule, width) of `pieces`, laid side by

@@ -16,6 +16,11 @@ bits and the algorithm never changes them.
              chunks; level 3: the summed chunks all-gathered in the host. Each message carries
              1 / h of the vector (the release's B >= 6 variant)
 
+With a bf16 wire every piece a level sends is bf16 and travels 2 bytes a value, packed in pairs
+into the f32 slots (`pack_bf16`; the riders stay f32): the partials, a host's sum rounded before
+it crosses hosts, rs-ag's summed chunk rounded before it is gathered (the total's rounding, which
+`numerics.host_ordered_sum` applies for every algorithm).
+
 Each level has its own inbox and semaphores (a semaphore counts bytes: a level's wait must not
 count the next level's early arrivals), double-buffered by one parity bit flipped per reduction,
 as the channels of `collectives` are. DMA-log names: "<reduction>/<level>" (LEVEL_PHASES).
@@ -41,6 +46,7 @@ from mkresearch.kernels.sharded.plan import (  # noqa: F401 - REDUCTION_ALGORITH
     lanes,
 )
 
+from mkresearch.model import numerics
 from mkresearch.model.config import LANE
 from mkresearch.sharding.layout import chunk_length
 
@@ -111,6 +117,23 @@ def plan_levels(plan: ShardingPlan) -> Levels | None:
     return Levels(h, n // h, local, across, gather)
 
 
+def pack_bf16(x: Any) -> Any:
+    """x [B, 2h] f32 holding bf16 values (rounded, their low 16 bits zero) -> [B, h] f32 words,
+    each two of them: column j's bf16 in the high half, column h + j's in the low half (the bf16
+    wire's 2 bytes a value through the f32 slots; `unpack_bf16` gives x back, bit for bit)."""
+    h = x.shape[1] // 2
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type(
+        (bits[:, :h] & jnp.uint32(0xFFFF0000)) | (bits[:, h:] >> jnp.uint32(16)), jnp.float32)
+
+
+def unpack_bf16(words: Any) -> Any:
+    """`pack_bf16`'s words [B, h] -> the bf16 values [B, 2h] as f32."""
+    bits = lax.bitcast_convert_type(words, jnp.uint32)
+    return jnp.concatenate([lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32),
+                            lax.bitcast_convert_type(bits << jnp.uint32(16), jnp.float32)], axis=1)
+
+
 def each_peer(size: int, member: Any, fn: Any) -> None:
     """fn(peer) for the other members of a group of `size`, from member + 1 on (a loop, not
     unrolled)."""
@@ -136,6 +159,23 @@ class _Reducing:
     parity: Any
     stride: int  # the summed ranks are 0, stride, 2 stride, ..
     n_summed: int
+    wire: str  # "bf16": every piece rounded and sent 2 bytes a value (`packed`)
+
+    @property
+    def packed(self) -> bool:
+        """Whether a piece travels packed in pairs (`pack_bf16`)."""
+        return self.wire == "bf16" and self.piece % 2 == 0
+
+    @property
+    def sent(self) -> int:
+        """A piece's width in its messages (the riders follow it)."""
+        return self.piece // 2 if self.packed else self.piece
+
+    def pack(self, x: Any) -> Any:
+        return pack_bf16(x) if self.packed else x
+
+    def unpack(self, x: Any) -> Any:
+        return unpack_bf16(x) if self.packed else x
 
     def counted(self, rank: Any) -> Any:
         """Whether rank's partial is one of the summed (traced or static)."""
@@ -162,37 +202,43 @@ class LevelReductions:
         width, rw = partial.shape[1], sum(c.shape[1] for c in chunks)
         member = lax.rem(self.coll.rank, h)
         at = _Reducing(name, algorithm, h, width if algorithm == TWO_LEVEL else chunk_length(width, h),
-                   rw, member, self.coll.rank - member, lv.parity[0], stride, len(summed))
+                       rw, member, self.coll.rank - member, lv.parity[0], stride, len(summed),
+                       self.coll.plan.wire)
         lv.parity[0] = 1 - at.parity
         self._local(at, partial, jnp.concatenate(chunks, axis=1) if chunks else None)
         host_sum = self._host_sum(at, partial.shape[0])
-        everyone = [lv.local_in[at.parity, j, :, at.piece:at.piece + rw] for j in range(h)] \
+        everyone = [lv.local_in[at.parity, j, :, at.sent:at.sent + rw] for j in range(h)] \
             if rw else []
         total = host_sum
         if lv.sizes.hosts > 1:
             total, everyone = self._across(at, host_sum, everyone)
         if algorithm == RS_AG:  # level 3: the summed chunks all-gathered in the host
-            lv.gather_out[:, :at.piece] = total
-            self.level(2, lambda j: lv.gather_out.at[:, pl.ds(0, at.piece)], lv.gather_in,
-                       at.member, at.parity, h, lambda j: at.base + j, at.piece, name)
-            total = jnp.concatenate([lv.gather_in[at.parity, j, :, :at.piece] for j in range(h)],
-                                    axis=1)[:, :width]
+            c3 = lanes(at.sent)
+            lv.gather_out[:, :at.sent] = at.pack(total)
+            if c3 > at.sent:
+                lv.gather_out[:, at.sent:c3] = jnp.zeros((total.shape[0], c3 - at.sent),
+                                                         jnp.float32)
+            self.level(2, lambda j: lv.gather_out.at[:, pl.ds(0, c3)], lv.gather_in,
+                       at.member, at.parity, h, lambda j: at.base + j, c3, name)
+            total = jnp.concatenate([at.unpack(lv.gather_in[at.parity, j, :, :at.sent])
+                                     for j in range(h)], axis=1)[:, :width]
         return total, everyone
 
     def _local(self, at: _Reducing, partial: Any, riders: Any) -> None:
         """Level 1, in the host: two-level its whole partial to every member, rs-ag member j its
         chunk j; this rank's column chunks ride along."""
-        lv, piece, rw, width = self.buffers, at.piece, at.riders, partial.shape[1]
-        c1 = lanes(piece + rw)
+        lv, piece, rw, width, sent = self.buffers, at.piece, at.riders, partial.shape[1], at.sent
+        c1 = lanes(sent + rw)
         for j in range(1 if at.algorithm == TWO_LEVEL else at.host_size):
             stop = min(width, (j + 1) * piece)
-            if j * piece < stop:
-                lv.local_out[j, :, :stop - j * piece] = partial[:, j * piece:stop]
-            if stop - j * piece < piece:
-                lv.local_out[j, :, max(0, stop - j * piece):piece] = jnp.zeros(
-                    (partial.shape[0], piece - max(0, stop - j * piece)), jnp.float32)
+            chunk = partial[:, j * piece:stop] if j * piece < stop else partial[:, :0]
+            if chunk.shape[1] < piece:  # the vector's zero padding
+                chunk = jnp.concatenate([chunk, jnp.zeros((partial.shape[0],
+                                                           piece - chunk.shape[1]), jnp.float32)],
+                                        axis=1)
+            lv.local_out[j, :, :sent] = at.pack(chunk)
             if rw:
-                lv.local_out[j, :, piece:piece + rw] = riders
+                lv.local_out[j, :, sent:sent + rw] = riders
 
         def source(j):
             return lv.local_out.at[0 if at.algorithm == TWO_LEVEL else j, :, pl.ds(0, c1)]
@@ -201,35 +247,41 @@ class LevelReductions:
                    lambda j: at.base + j, c1, at.name)
 
     def _host_sum(self, at: _Reducing, batch: int) -> Any:
-        """The host's summed partials (only the summed ranks', in rank order)."""
+        """The host's summed partials (only the summed ranks', in rank order), as the wire
+        carries it (`numerics.wire_round`)."""
         lv, h, piece = self.buffers, at.host_size, at.piece
+
+        def received(j):
+            return at.unpack(lv.local_in[at.parity, j, :, :at.sent])
+
         if at.stride == 1 and at.n_summed == self.coll.plan.n_ranks:
-            return functools.reduce(
-                lambda a, b: a + b, [lv.local_in[at.parity, j, :, :piece] for j in range(h)])
+            host_sum = functools.reduce(lambda a, b: a + b, [received(j) for j in range(h)])
+            return numerics.wire_round(host_sum, at.wire)
         host_sum, started = jnp.zeros((batch, piece), jnp.float32), False
         for j in range(h):
-            value, mine = lv.local_in[at.parity, j, :, :piece], at.counted(at.base + j)
+            value, mine = received(j), at.counted(at.base + j)
             host_sum = jnp.where(mine, jnp.where(started, host_sum + value, value), host_sum)
             started = jnp.logical_or(started, mine)
-        return host_sum
+        return numerics.wire_round(host_sum, at.wire)
 
     def _across(self, at: _Reducing, host_sum: Any, local_riders: list) -> tuple[Any, list]:
         """Level 2: the host's sum (and riders) to the same member of every host -> (the sum,
         every rank's riders)."""
-        lv, h, piece, rw = self.buffers, at.host_size, at.piece, at.riders
+        lv, h, sent, rw = self.buffers, at.host_size, at.sent, at.riders
         hosts = lv.sizes.hosts
-        c2 = lanes(piece + h * rw)
-        lv.across_out[:, :piece] = host_sum
+        c2 = lanes(sent + h * rw)
+        lv.across_out[:, :sent] = at.pack(host_sum)
         for j, value in enumerate(local_riders):
-            lv.across_out[:, piece + j * rw:piece + (j + 1) * rw] = value
+            lv.across_out[:, sent + j * rw:sent + (j + 1) * rw] = value
         self.level(1, lambda k: lv.across_out.at[:, pl.ds(0, c2)], lv.across_in,
                    lax.div(self.coll.rank, h), at.parity, hosts, lambda k: k * h + at.member,
                    c2, at.name)
         summing = [k for k in range(hosts) if any(at.counted(k * h + j) for j in range(h))]
-        total = functools.reduce(lambda a, b: a + b,
-                                 [lv.across_in[at.parity, k, :, :piece] for k in summing])
-        everyone = [lv.across_in[at.parity, k, :, piece + j * rw:piece + (j + 1) * rw]
+        total = functools.reduce(lambda a, b: a + b, [
+            at.unpack(lv.across_in[at.parity, k, :, :sent]) for k in summing])
+        everyone = [lv.across_in[at.parity, k, :, sent + j * rw:sent + (j + 1) * rw]
                     for k in range(hosts) for j in range(h)] if rw else []
+        total = numerics.wire_round(total, at.wire)
         return total, everyone
 
     def level(self, level: int, source, inbox: Any, me: Any, parity: Any, size: int,

@@ -217,6 +217,12 @@ def has_routed_experts(lay: layouts.Layout) -> bool:
     return any(routing_point(lay, ffn) for _, ffn in lay.cfg.layers)
 
 
+def value_bytes(width: int, wire: str) -> int:
+    """Bytes a value of a reduced vector of `width` moves: the wire's, a bf16 wire's in pairs
+    (an odd width travels in f32 slots)."""
+    return WIRE_BYTES[wire] if width % 2 == 0 else F32
+
+
 def lanes(width: int) -> int:
     """A width in whole lanes."""
     return -(-width // LANE) * LANE
@@ -252,9 +258,10 @@ class Reduction:
     def payload_bytes(self, batch: int, wire: str) -> int:
         """`interconnect.price`'s nbytes: the vector on the wire and the riders' chunks (f32,
         each in whole lanes); a reduce-scatter: the whole vector, each rank sending every peer
-        its chunk of it."""
-        return batch * self.width * WIRE_BYTES[wire] + sum(batch * F32 * lanes(w)
-                                                           for w in self.rider_widths)
+        its chunk of it. A bf16 wire's values 2 bytes each where they pack in pairs (an even
+        width: `levels.pack_bf16`), else in f32 slots."""
+        return batch * self.width * value_bytes(self.width, wire) + sum(
+            batch * F32 * lanes(w) for w in self.rider_widths)
 
 
 @functools.lru_cache(maxsize=64)

@@ -43,11 +43,15 @@ def matmul(a: jax.Array, b: Any) -> jax.Array:
         lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
 
 
-def host_ordered_sum(parts: list, hosts: tuple[int, ...] = ()) -> jax.Array:
+def host_ordered_sum(parts: list, hosts: tuple[int, ...] = (), wire: str = "f32") -> jax.Array:
     """Σ of `parts` (one per rank, in rank order) in the one order every partial-sum reduction
     of the sharded megakernel adds them, whatever its algorithm (`kernels/sharded/collectives.py`):
     the parts of each host first (consecutive parts with the same entry of `hosts`, in order),
-    then the hosts' sums in host order. hosts () or all equal: one running sum in part order."""
+    then the hosts' sums in host order. hosts () or all equal: one running sum in part order.
+    A bf16 wire (`wire_round`): each host's sum rounded to bf16 before the hosts' sums are
+    added, and the total rounded once more: the values a reduction sent in levels puts on the
+    wire (a host's sum to the other hosts, rs-ag's summed chunks to its host), so every
+    algorithm gives the same bits."""
     if hosts and len(hosts) != len(parts):
         raise ValueError(f"hosts={hosts!r} is invalid: one host per part ({len(parts)})")
     sums, last = [], None
@@ -58,7 +62,13 @@ def host_ordered_sum(parts: list, hosts: tuple[int, ...] = ()) -> jax.Array:
         else:
             sums.append(part)
         last = host
-    return functools.reduce(lambda a, b: a + b, sums)
+    sums = [wire_round(s, wire) for s in sums]
+    return wire_round(functools.reduce(lambda a, b: a + b, sums), wire)
+
+
+def wire_round(x: jax.Array, wire: str) -> jax.Array:
+    """x (f32) as the wire carries it: rounded to bf16 (kept in f32) with a bf16 wire."""
+    return bf(x).astype(f32) if wire == "bf16" else x
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
@@ -161,10 +171,9 @@ class NormedRows:
 
 def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Array:
     """A partial-sum all-reduce of the ranks' `parts` (in rank order): each rounded to bf16
-    first with a bf16 wire, then added as `host_ordered_sum` adds them."""
-    if wire == "bf16":
-        parts = [bf(part).astype(f32) for part in parts]
-    return host_ordered_sum(parts, hosts)
+    first with a bf16 wire, then added as `host_ordered_sum` adds them (with a bf16 wire its
+    hosts' sums and its total rounded too)."""
+    return host_ordered_sum([wire_round(part, wire) for part in parts], hosts, wire)
 
 
 def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:

@@ -4,6 +4,7 @@ the sharding plan the prediction reads): every rank's remote copies, collective 
 from mkresearch.kernels.sharded import collective_ops, plan
 
 from mkresearch.model import spec
+from mkresearch.sharding import layout
 
 
 def check(log, lay, batch, expert_ids, options=None) -> int:
@@ -91,4 +92,32 @@ def check_reduction_bytes(log, lay, batch, wire, reductions=()) -> dict:
                 assert e.nbytes == priced[name], (rank, e.name, e.nbytes, priced[name])
                 seen[name] = e.nbytes
     assert set(seen) == set(priced), (sorted(seen), sorted(priced))
+    return seen
+
+
+def check_level_bytes(log, lay, batch, wire, options) -> dict:
+    """Each reduction sent in levels (`options.reductions`, hosts of `options.ranks_per_host`)
+    moves, on every rank and at every level, its values at the wire's bytes a value (the
+    partial sums, a host's sum, rs-ag's summed chunk) and its riders' chunks as f32, in whole
+    lanes -> {"<reduction>/<level>": bytes per copy}."""
+    h = options.ranks_per_host
+    sharding = plan.with_algorithms(lay, batch, wire, options.reductions, h)
+    want = {}
+    for r in sharding.reductions:
+        if r.algorithm == plan.ONE_SHOT or r.scatter:
+            continue
+        piece = r.width if r.algorithm == plan.TWO_LEVEL else layout.chunk_length(r.width, h)
+        values = piece * plan.WIRE_BYTES[wire] // plan.F32  # in f32 slots
+        want[f"{r.name}/local"] = batch * plan.F32 * plan.lanes(values + r.riders)
+        if lay.n_ranks > h:
+            want[f"{r.name}/across"] = batch * plan.F32 * plan.lanes(values + h * r.riders)
+        if r.algorithm == plan.RS_AG:
+            want[f"{r.name}/local_gather"] = batch * plan.F32 * plan.lanes(values)
+    seen = {}
+    for rank in range(lay.n_ranks):
+        for e in log.of_rank(rank).events:
+            if e.kind == "dma_start" and e.remote and e.name in want:
+                assert e.nbytes == want[e.name], (rank, e.name, e.nbytes, want[e.name])
+                seen[e.name] = e.nbytes
+    assert set(seen) == set(want), (sorted(seen), sorted(want))
     return seen

@@ -231,12 +231,24 @@ def test_levels_on_hosts_of_2(race_checked, model, batch):
 @pytest.mark.exhaustive  # the bf16 wire: two more traced steps (~1 min each here)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bf16_wire(race_checked, batch):
-    """The bf16 wire's remote copies move 2 bytes a partial sum (`collectives.pack_bf16`), the
+    """The bf16 wire's remote copies move 2 bytes a partial sum (`levels.pack_bf16`), the
     bytes the step's collectives price; the f32 wire's, 4 (the fast case's, recorded)."""
     _, _, log = step("kimi-k3-mini", batch, wire="bf16", record=True)
     lay = setup("kimi-k3-mini", batch, "bf16")[1]
     moved = schedule_check.check_reduction_bytes(log, lay, batch, "bf16")
     print(f"kimi-k3-mini B={batch}, bf16 wire: bytes per remote copy {moved} (priced)")
+
+
+@pytest.mark.exhaustive  # the bf16 wire in levels: one more traced step (~1 min here)
+def test_bf16_wire_in_levels(race_checked):
+    """The bf16 wire with every algorithm on two simulated hosts (LEVELS): each level's remote
+    copies move the partial sums, a host's sums and rs-ag's summed chunks 2 bytes a value
+    (`levels.pack_bf16`; riders f32), and the step equals the sharded reference, whose hosts'
+    sums and totals are rounded as the wire carries them (`numerics.host_ordered_sum`)."""
+    _, _, log = step("kimi-k3-mini", 3, wire="bf16", temperature=MIXED, record=True, levels=True)
+    lay, plan = setup("kimi-k3-mini", 3, "bf16", True)[1:3]
+    moved = schedule_check.check_level_bytes(log, lay, 3, "bf16", plan.mega.options)
+    print(f"kimi-k3-mini B=3, bf16 wire in levels: bytes per remote copy {moved}")
 
 
 @pytest.mark.exhaustive  # experts to the MXU as fp8: one more traced step (~1 min here)
