@@ -161,9 +161,8 @@ def test_designs_table_and_the_command(capsys):
 
 def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
     """The designs' last step is the kernel built with a bf16 wire (`our_schedule(wire=...)`):
-    its reductions' algorithms and ring depth for that wire, every all-reduced partial sum on
-    the wire as bf16 (the widened shared sum too, `collective_ops`); restructured's
-    reduce-scatter moves its rounded chunks as f32, as the kernel sends them."""
+    its reductions' algorithms and ring depth for that wire, every partial sum on the wire as
+    bf16 (restructured's reduce-scatter and the widened shared sum too, `collective_ops`)."""
     from mkresearch.kernels.compose import megakernel_sharded
 
     cfg = get_config("kimi-k3")
@@ -175,7 +174,7 @@ def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
     assert sched.banks + 1 == megakernel_sharded.ring_depth(lay, 1, options=options,
                                                             wire="bf16").depth
     p = _ours(mode=layouts.RESTRUCTURED, wire="bf16")  # the wire alone: the f32 kernel's choices
-    assert {run.nbytes for run in _runs(p, sharding.EXPERT_SUM)} == {128 * 4}
+    assert {run.nbytes for run in _runs(p, sharding.EXPERT_SUM)} == {128 * 2}
     assert {run.nbytes for run in _runs(p, sharding.SHARED_DOWN)} == {(2 * cfg.d_model + 128) * 2}
 
 

@@ -79,16 +79,19 @@ LEVELS = (("shared/w_down/sum", "rs-ag"), ("mla.w_o/sum", "rs-ag"), ("expert/sum
           ("kda.w_o/sum", "two-level"))
 
 
-@pytest.mark.exhaustive  # three compiles here (~10-20 s each)
-@pytest.mark.parametrize("batch, levels", [(1, False), (3, False), (3, True)])
-def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels):
-    """The bf16 wire's packed partial sums (`levels.pack_bf16`), one-shot and in levels,
-    compile for tpu7x:2x2x4: kimi-k3-mini on 8 ranks, one Mosaic kernel per rank."""
-    lay = layout.layout(get_config("kimi-k3-mini"), 8, collectives=layout.PARTIAL_SUM)
+@pytest.mark.exhaustive  # four compiles here (~10-20 s each)
+@pytest.mark.parametrize("batch, levels, mode", [
+    (1, False, layout.PARTIAL_SUM), (3, False, layout.PARTIAL_SUM), (3, True, layout.PARTIAL_SUM),
+    (3, False, layout.RESTRUCTURED)])
+def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels, mode):
+    """The bf16 wire's packed partial sums (`levels.pack_bf16`), one-shot and in levels, and
+    the restructured mode's bf16 reduce-scatter compile for tpu7x:2x2x4: kimi-k3-mini on 8
+    ranks, one Mosaic kernel per rank."""
+    lay = layout.layout(get_config("kimi-k3-mini"), 8, collectives=mode)
     options = MegakernelOptions(reductions=LEVELS, ranks_per_host=4) if levels else \
         ms.kernel_options(lay, batch, "tpu7x", "bf16")
-    result, _ = ms.compile_sharded_step(
-        lay.cfg, 8, batch=batch, collectives=layout.PARTIAL_SUM, wire="bf16", options=options)
+    result, _ = ms.compile_sharded_step(lay.cfg, 8, batch=batch, collectives=mode, wire="bf16",
+                                        options=options)
     assert result.n_mosaic_kernels == 1
 
 

@@ -44,7 +44,7 @@ issued after and what waits for it. Three modes:
                to bf16 before the sum).
   restructured partial-sum, with the latent MoE's two reductions restructured (`plan.py`): ρ
                a one-phase reduce-scatter (kind "reduce-scatter", `payload_bytes` the chunk each
-               rank sends each peer, f32 with either wire), no W_lu column chunks riding; the shared experts'
+               rank sends each peer), no W_lu column chunks riding; the shared experts'
                reduction carries W_lu's partial products and ρ's partial sums of squares beside
                its own ([B, d | d | 128]: `Reduction.besides`, about twice as wide).
 
@@ -72,6 +72,7 @@ from mkresearch.kernels.sharded import sharded_stream
 from mkresearch.kernels.sharded.plan import (
     EXPERT_SUM,
     F32,
+    WIRE_BYTES,
     Reduction,
     ShardingPlan,
     expert_sum_merged,
@@ -296,10 +297,8 @@ class _Ctx:
     def scatter(self, r: Reduction, before: str) -> CollectiveOp:
         """Restructured's ρ: a one-phase reduce-scatter (`Collectives.reduce_scatter`)."""
         chunk = self.lay.local_length(spec.MOE_LATENT, r.width)
-        # each peer's chunk moves as f32 (a bf16 wire rounds the partials; packed in pairs a
-        # chunk would leave its 128-lane slot)
-        return self.op(r.name, "reduce-scatter", self.everyone, self.batch * chunk * F32,
-                       dtype="f32",
+        return self.op(r.name, "reduce-scatter", self.everyone,
+                       self.batch * chunk * WIRE_BYTES[self.plan.wire], dtype=self.plan.wire,
                        issue_after=EXPERTS, wait_before=before, summed=r.summed, role="sum",
                        why=SCATTER_WHY)
 

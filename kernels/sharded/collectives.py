@@ -136,12 +136,25 @@ class ShardPlan:
         if self.levels is not None:
             out += self.levels.scratch(b)
         lat = self.expert_latent
-        return out + [
-            ("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
-            ("expert weights", pltpu.VMEM((self.expert_items, b, 1), jnp.float32)),
-            ("expert sum in", pltpu.VMEM((b, lat), jnp.float32)),
-            ("expert sum out", pltpu.VMEM((b, lat), jnp.float32)),
-            ("expert sum sems", pltpu.SemaphoreType.DMA((2,)))]
+        out += [("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
+                ("expert weights", pltpu.VMEM((self.expert_items, b, 1), jnp.float32)),
+                ("expert sum in", pltpu.VMEM((b, lat), jnp.float32)),
+                ("expert sum out", pltpu.VMEM((b, lat), jnp.float32)),
+                ("expert sum sems", pltpu.SemaphoreType.DMA((2,)))]
+        if self.packs_scatter:
+            ch = self.channel("all")
+            out += [("reduce-scatter bf16 send", pltpu.VMEM((b, ch.size * ch.scatter_chunk),
+                                                            jnp.bfloat16)),
+                    ("reduce-scatter bf16 in", pltpu.VMEM((2, ch.size, b, ch.scatter_chunk),
+                                                          jnp.bfloat16))]
+        return out
+
+    @property
+    def packs_scatter(self) -> bool:
+        """A bf16 wire's reduce-scatter (restructured's ρ): its chunks staged and sent as bf16,
+        2 bytes a value in their own lane-aligned buffers (`Collectives.reduce_scatter`)."""
+        return self.wire == "bf16" and any(r.beside for r in self.rules) and \
+            any(c.name == "all" for c in self.channels)
 
     def vmem_buffers(self) -> list[tuple[str, tuple[int, ...], Any]]:
         """(name, shape, dtype) of the VMEM buffers, rows padded to whole f32 tiles."""
@@ -149,7 +162,7 @@ class ShardPlan:
         for label, shape in self.scratch():
             if getattr(shape, "memory_space", None) == pltpu.VMEM:
                 dims = list(shape.shape)
-                dims[-2] = max(dims[-2], SUBLANES)
+                dims[-2] = max(dims[-2], SUBLANES * 4 // jnp.dtype(shape.dtype).itemsize)
                 dims[-1] = max(dims[-1], LANE)
                 out.append((f"collectives {label}", tuple(dims), shape.dtype))
         return out
@@ -202,7 +215,9 @@ class Collectives:
         self.levels = None
         if plan.levels is not None:  # the reductions sent in levels (`levels`)
             self.levels, rest = LevelReductions(self, LevelBuffers(plan.levels, *rest[:9])), rest[9:]
-        (self.items_y, self.items_coef, self.sum_in, self.sum_out, self.sum_sems) = rest
+        (self.items_y, self.items_coef, self.sum_in, self.sum_out, self.sum_sems) = rest[:5]
+        # a bf16 wire's reduce-scatter: (send [B, W], inbox [2, size, B, c]) as bf16
+        self.scatter_bf16 = tuple(rest[5:7]) if plan.packs_scatter else None
 
     # -- where this rank sits --------------------------------------------------------------------
     def index(self, group: str) -> Any:
@@ -259,10 +274,11 @@ class Collectives:
         buffers.parity[0] = 1 - parity
         return parity
 
-    def _copy(self, buffers, phase, src, slot, parity, peer, base, name):
+    def _copy(self, buffers, phase, src, slot, parity, peer, base, name, inbox=None):
         """The remote copy of `phase` (0: reduce-scatter, 1: all-gather) of `src` (a [B, c] ref
-        here) into slot `slot` of the inbox of member `peer`."""
-        inbox = buffers.scatter_in if phase == 0 else buffers.gather_in
+        here) into slot `slot` of the inbox of member `peer` (default the phase's own)."""
+        if inbox is None:
+            inbox = buffers.scatter_in if phase == 0 else buffers.gather_in
         c = src.shape[-1]
         return dma.RemoteCopy(src, inbox.at[parity, slot, :, pl.ds(0, c)],
                               buffers.send_sems.at[phase], buffers.recv_sems.at[phase, parity],
@@ -272,20 +288,21 @@ class Collectives:
     def _name(name: str, phase: int) -> str:
         return f"{name}/{'reduce_scatter' if phase == 0 else 'all_gather'}"
 
-    def _wait_all(self, buffers, phase, parity, received, sent, c, name) -> None:
-        """Wait for `received` copies of [B, c] into this rank's inbox of `phase` and for `sent`
-        copies of [B, c] sent by it: a semaphore counts bytes, so one wait covers them all."""
+    def _wait_all(self, buffers, phase, parity, received, sent, c, name, inbox=None) -> None:
+        """Wait for `received` copies of [B, c] into this rank's inbox of `phase` (default the
+        phase's own) and for `sent` copies of [B, c] sent by it: a semaphore counts bytes, so one
+        wait covers them all."""
         args = {"peer": self.rank, "rank": self.rank, "name": self._name(name, phase),
                 "log_peer": -1}
         sems = (buffers.send_sems.at[phase], buffers.recv_sems.at[phase, parity])
+        if inbox is None:
+            inbox = buffers.scatter_in if phase == 0 else buffers.gather_in
         if received:
-            inbox = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
-                parity, pl.ds(0, received), :, pl.ds(0, c)]  # [received, B, c]
-            dma.RemoteCopy(inbox, inbox, *sems, **args).wait_recv()
+            region = inbox.at[parity, pl.ds(0, received), :, pl.ds(0, c)]  # [received, B, c]
+            dma.RemoteCopy(region, region, *sems, **args).wait_recv()
         if sent:  # as many bytes as sent: `sent` slots of the inbox [sent, B, c]
-            out = (buffers.scatter_in if phase == 0 else buffers.gather_in).at[
-                parity, pl.ds(0, sent), :, pl.ds(0, c)]
-            dma.RemoteCopy(out, out, *sems, **args).wait_send()
+            region = inbox.at[parity, pl.ds(0, sent), :, pl.ds(0, c)]
+            dma.RemoteCopy(region, region, *sems, **args).wait_send()
 
     def all_reduce(self, x: Any, *, name: str) -> Any:
         """Σ over all ranks of x [B, W] f32, added in rank order -> [B, W] f32 on every rank."""
@@ -396,11 +413,12 @@ class Collectives:
         """Restructured's ρ: the partial sums [B, W] f32 of every rank -> this rank's chunk [B, c]
         of their sum (its slice of `group`, split one slice per rank), added as `reduce` adds
         (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial, each
-        host's sum and the chunk's sum; the chunks still move as f32).
+        host's sum and the chunk's sum, and its chunks move as bf16, 2 bytes a value, from and
+        into buffers of their own, `ShardPlan.packs_scatter`).
         One phase: each rank sends every peer that peer's chunk of its partial."""
-        if self.plan.wire == "bf16":
-            partial = partial.astype(jnp.bfloat16).astype(jnp.float32)
         buffers, width = self.buffers["all"], partial.shape[1]
+        send, inbox = self.scatter_bf16 or (buffers.send, buffers.scatter_in)
+        partial = numerics.wire_round(partial, self.plan.wire).astype(send.dtype)
         size, split = buffers.channel.size, self.layout.split(group)
         c = self.layout.local_length(group, width)
         padded, member = split.ways * c, self.rank
@@ -408,19 +426,18 @@ class Collectives:
 
         def chunk_of(rank):  # rank's slice of the group, in the staged vector
             start = lax.rem(rank + split.start, split.ways) * c
-            return buffers.send.at[:, pl.ds(pl.multiple_of(start, LANE), c)]
+            return send.at[:, pl.ds(pl.multiple_of(start, LANE), c)]
 
         with dma.phase(f"{name}/reduce_scatter"):
-            buffers.send[:, :width] = partial
+            send[:, :width] = partial
             if padded > width:
-                buffers.send[:, width:padded] = jnp.zeros((partial.shape[0], padded - width),
-                                                          jnp.float32)
+                send[:, width:padded] = jnp.zeros((partial.shape[0], padded - width), send.dtype)
             each_peer(size, member, lambda j: self._copy(
-                buffers, 0, chunk_of(j), member, parity, j, 0, name).start())
-            buffers.scatter_in[parity, member, :, :c] = chunk_of(member)[...]
-            self._wait_all(buffers, 0, parity, size - 1, size - 1, c, name)
-            return self._host_ordered([buffers.scatter_in[parity, r, :, :c] for r in range(size)],
-                                      tuple(range(size)))
+                buffers, 0, chunk_of(j), member, parity, j, 0, name, inbox=inbox).start())
+            inbox[parity, member, :, :c] = chunk_of(member)[...]
+            self._wait_all(buffers, 0, parity, size - 1, size - 1, c, name, inbox=inbox)
+            return self._host_ordered([inbox[parity, r, :, :c].astype(jnp.float32)
+                                       for r in range(size)], tuple(range(size)))
 
     @property
     def scatters_latent(self) -> bool:

@@ -258,10 +258,10 @@ class Reduction:
     def payload_bytes(self, batch: int, wire: str) -> int:
         """`interconnect.price`'s nbytes: the vector on the wire and the riders' chunks (f32,
         each in whole lanes); a reduce-scatter: the whole vector, each rank sending every peer
-        its chunk of it. A bf16 wire's values 2 bytes each where they pack in pairs (an even
-        width: `levels.pack_bf16`), else in f32 slots."""
-        return batch * self.width * value_bytes(self.width, wire) + sum(
-            batch * F32 * lanes(w) for w in self.rider_widths)
+        its chunk of it. The values travel in f32 slots of whole lanes, a bf16 wire's two to a
+        slot where they pack in pairs (an even width: `levels.pack_bf16`)."""
+        slots = self.width * value_bytes(self.width, wire) // F32
+        return batch * F32 * (lanes(slots) + sum(lanes(w) for w in self.rider_widths))
 
 
 @functools.lru_cache(maxsize=64)

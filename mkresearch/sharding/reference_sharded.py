@@ -9,7 +9,8 @@ one reduction for both, as the kernel sends it): the same partial products
 (each rank's slice of the contraction, its zero padding included) added in the same fixed order
 (one rank per slice, slice 0 first; the expert groups in rank order; with the kernel's hosts,
 `ranks_per_host`, a host's partials first, then the hosts' sums: `numerics.host_ordered_sum`),
-each rounded to bf16 first with a bf16 wire.
+each rounded to bf16 first with a bf16 wire (and each host's sum and the total after them: the
+values the wire carries, `numerics.host_ordered_sum`).
 Everything else of the sharded step is exact and needs nothing here: the column
 gathers move whole values, the embedding's all-reduce adds zeros to one row, the vocab shards'
 sampling states fold to the unsharded choice.
@@ -19,10 +20,11 @@ What a user can rely on (the partial-sum claim):
   the bit, the same bits on every rank, whatever the reduction algorithm or hosts, run after run,
   a row's whatever the other rows (tests/sharded/test_partial_sum.py).
 - Against the single-device reference (`reference.decode_step`) the only differences are those
-  sums' association, and with a bf16 wire one more rounding of each partial. Their logits are
-  NOT within a fixed bound of each other: a re-associated sum that changes a MoE layer's top-k
-  choice for a row (its routing differs) moves that row's logits by whole units (up to 3.7
-  measured) and may change its greedy token, at that step and later (its caches differ since).
+  sums' association, and with a bf16 wire the roundings of each partial and of each sum. Their
+  logits are NOT within a fixed bound of each other: a re-associated sum that changes a MoE
+  layer's top-k choice for a row (its routing differs) moves that row's logits by whole units
+  (up to 3.7 measured) and may change its greedy token, at that step and later (its caches
+  differ since).
 - Until a row's routing has differed from the single device's, its logits stay within
   `SAME_ROUTING_BOUND[wire]` of them (`within_claim`), so its greedy token is the single
   device's unless the single device's best two logits are within twice that.
@@ -32,7 +34,7 @@ What a user can rely on (the partial-sum claim):
 Measured by `python -m mkresearch.sharding.partial_sum_sweep` over `partial_sum_sweep.SWEEP`
 (48 seed pairs of kimi-k3-mini and deepseek-v3-mini, both MLA cache layouts, 2/4/8 ranks, B 1-5,
 bf16/fp8/mxfp4 experts, 11 steps per row), tested over it (tests/test_partial_sum_claim.py):
-of 132 rows, routing differed at some step in 28 with the f32 wire, 35 with the other order, 95
+of 132 rows, routing differed at some step in 28 with the f32 wire, 35 with the other order, 90
 with the bf16 wire; 63 % of the f32 row-steps are bit-equal to the single device's (the other
 order: 54 %; the single device on another XLA:CPU configuration: 69 rows, 0 %). The minis'
 random weights put router scores within rounding of a tie often (in Kimi K3's mini 24 of 66
@@ -62,8 +64,8 @@ from mkresearch.sharding import layout as layouts
 # max |logits - single-device reference logits| of a row at a step, while the row's routing has
 # not differed from the single device's. Measured over partial_sum_sweep.SWEEP (1,452 row-steps
 # per wire): f32 0.166 (p99 0.074; the single device with its sums in another order: 0.178, p99
-# 0.099), bf16 wire 0.265 (p99 0.19; 0.322 on --quick's other seed pairs). Once routing
-# differs: up to 3.7 (f32) and 5.4 (bf16). The single device on another XLA:CPU configuration
+# 0.099), bf16 wire 0.262 (p99 0.18; 0.324 on --quick's other seed pairs; each sum rounded as
+# the wire carries it). Once routing differs: up to 3.7 (f32) and 5.8 (bf16). The single device on another XLA:CPU configuration
 # (the Makefile's OTHER_XLA_FLAGS, measured once over the same sweep) differs from itself by up
 # to 0.255, its routing in 69 of 132 rows: the bounds leave room for another machine's sums
 SAME_ROUTING_BOUND = {"f32": 0.3, "bf16": 0.5}

@@ -80,14 +80,18 @@ def expected_collectives(ops, rank, ranks_per_host=0):
 def check_reduction_bytes(log, lay, batch, wire, reductions=()) -> dict:
     """Each one-shot reduction's remote copies move the bytes the step's collectives price
     (`Reduction.payload_bytes`: the partial sums at the wire's bytes a value, the riders' chunks
-    as f32), on every rank -> {reduction name: bytes per copy}."""
+    as f32), and a reduce-scatter's each peer's chunk at the wire's bytes a value (the op's
+    payload), on every rank -> {reduction name: bytes per copy}."""
     sharding = plan.with_algorithms(lay, batch, wire, reductions)
-    priced = {r.name: r.payload_bytes(batch, wire) for r in sharding.reductions
+    priced = {f"{r.name}/all_gather": r.payload_bytes(batch, wire) for r in sharding.reductions
               if r.algorithm == plan.ONE_SHOT and not r.scatter}
+    priced.update({f"{op.name}/reduce_scatter": op.payload_bytes
+                   for op in collective_ops.collective_ops(sharding)
+                   if op.kind == "reduce-scatter"})
     seen = {}
     for rank in range(lay.n_ranks):
         for e in log.of_rank(rank).events:
-            name = e.name.removesuffix("/all_gather")
+            name = e.name
             if e.kind == "dma_start" and e.remote and name in priced:
                 assert e.nbytes == priced[name], (rank, e.name, e.nbytes, priced[name])
                 seen[name] = e.nbytes

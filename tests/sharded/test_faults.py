@@ -51,13 +51,13 @@ def skipped_wait_races(wait_name, run, method="_wait_all", owner=None):
     original = getattr(owner, method)
     calls = []
 
-    def skip_first_receive(self, *args):
+    def skip_first_receive(self, *args, **kwargs):
         *head, received, sent, c, name = args
         if name == wait_name:  # trace time: that collective's wait for its receives
             if not dry_run.tracing():  # the step's trace, not its cost estimate's dry run
                 calls.append(name)
             received = 0
-        return original(self, *head, received, sent, c, name)
+        return original(self, *head, received, sent, c, name, **kwargs)
 
     previous = tpu.current_interpret_options()
     # DMAs executed when they start (by default the simulator runs a DMA when its receive
