@@ -175,7 +175,9 @@ def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
                                                             wire="bf16").depth
     p = _ours(mode=layouts.RESTRUCTURED, wire="bf16")  # the wire alone: the f32 kernel's choices
     assert {run.nbytes for run in _runs(p, sharding.EXPERT_SUM)} == {128 * 2}
-    assert {run.nbytes for run in _runs(p, sharding.SHARED_DOWN)} == {(2 * cfg.d_model + 128) * 2}
+    # [d | d | 128] at 2 bytes a value, two to an f32 slot, in whole lanes: 7,232 slots -> 7,296
+    slots = sharding.lanes((2 * cfg.d_model + 128) // 2)
+    assert {run.nbytes for run in _runs(p, sharding.SHARED_DOWN)} == {slots * 4} == {29184}
 
 
 def test_one_model_prices_both_sides_links():
