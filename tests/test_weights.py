@@ -218,6 +218,21 @@ def test_mxu_parts_are_the_dequantized_weight(fmt):
                                       np.asarray(weights.dequantize(stored, fmt), np.float32))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_k_rows_are_the_dequantized_rows(fmt):
+    """An ETP slice of a stored expert weight (`formats.k_rows`: every part cut along K in
+    proportion) is the dequantized weight's rows; a cut through a scale block is refused."""
+    w = np.random.default_rng(0).normal(0, 0.1, (2, 1024, 128))
+    stored = weights.quantize(jnp.asarray(w, jnp.float32), fmt)
+    whole = np.asarray(weights.dequantize(stored, fmt), np.float32)
+    for start, stop in ((0, 512), (512, 1024), (256, 768)):
+        got = weights.dequantize(formats.k_rows(stored, start, stop, 1024), fmt)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), whole[:, start:stop])
+    if fmt != "bf16":
+        with pytest.raises(ValueError, match=r"rows \[0, 16\) of K=1024 cut a block"):
+            formats.k_rows(stored, 0, 16, 1024)
+
+
 def mxu_passes(fmt, k, chunk, batch):
     """MXU passes (per 256 output columns) of B rows against [k, N] in K chunks of `chunk`:
     chunks x row passes of the spread rows x contraction passes, on TPU7x's 256 x 256 MXU."""

@@ -40,8 +40,9 @@ issued after and what waits for it. Three modes:
                layer three reductions (attention, routed, shared) and one gather, each waited
                for right after it is issued (`critical`: only the weight blocks the global ring
                has in flight overlap it); not yet: the shared expert's sum hidden behind the
-               routed experts' stream, ETP > 1 numerics (each expert's partial output is rounded
-               to bf16 before the sum).
+               routed experts' stream. With ETP > 1 each rank's expert outputs are partial (its
+               hidden slice times its rows of W2), each rounded to bf16 before the sum
+               (`numerics.ExpertGroups.ranks` in the sharded reference).
   restructured partial-sum, with the latent MoE's two reductions restructured (`plan.py`): ρ
                a one-phase reduce-scatter (kind "reduce-scatter", `payload_bytes` the chunk each
                rank sends each peer), no W_lu column chunks riding; the shared experts'

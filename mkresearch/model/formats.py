@@ -267,6 +267,20 @@ def mxu_matmul(x: jax.Array, expert_weight: dict[str, jax.Array], fmt: str) -> j
         for r in range(0, k, rows))
 
 
+def k_rows(expert_weight: Any, start: int, stop: int, k: int) -> Any:
+    """Rows [start, stop) of an expert weight [.., K = k, N] in any format: every stored part
+    cut along its K axis in proportion (fp8 scales per 256 rows, MXFP4 codes per 8 and scales
+    per 32: the cut must keep its blocks whole, as an ETP slice of the layout does)."""
+    def cut(part):
+        rows = part.shape[-2]
+        if start * rows % k or stop * rows % k:
+            raise ValueError(f"rows [{start}, {stop}) of K={k} cut a block of a part with "
+                             f"{rows} rows: not whole scale blocks")
+        return part[..., start * rows // k:stop * rows // k, :]
+
+    return jax.tree.map(cut, expert_weight)
+
+
 def quantized_shapes(shape: tuple[int, ...], fmt: str) -> Any:
     *lead, k, n = shape
     if fmt == "bf16":

@@ -104,13 +104,16 @@ class Partials:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
-                   meta_fields=["groups", "wire", "hosts", "merged"])
+                   meta_fields=["groups", "wire", "hosts", "merged", "ranks"])
 @dataclass(frozen=True)
 class ExpertGroups:
     """The routed experts split into `groups` expert groups of consecutive ids (expert
     parallel): each group's weighted sum taken apart (ascending id), the groups' sums added as
     `host_ordered_sum` adds them (`hosts`: the host of each group's rank; rounded to bf16 first
-    with a bf16 wire): a partial-sum all-reduce's result."""
+    with a bf16 wire): a partial-sum all-reduce's result. With `ranks` (expert-tensor parallel,
+    ETP > 1: each expert's hidden split over the ranks of its group), every rank's sum instead:
+    its group's experts' partial outputs over its hidden slice, each rounded to bf16
+    (`stages.ffn.combine_experts`), `hosts` then one per rank."""
 
     experts: Any
     groups: int
@@ -119,6 +122,13 @@ class ExpertGroups:
     # the shared experts' partial sums added to each rank's before one reduction (experts on the
     # full d, `layout.merges_shared_sum`): `stages.moe_full.moe_full_ffn` sums them so
     merged: bool = False
+    # ETP > 1: (expert group, hidden slice) of each rank, in rank order; (): one rank per group
+    ranks: tuple = ()
+
+    @property
+    def etp(self) -> int:
+        """The hidden slices an expert is split into (1: whole on one rank)."""
+        return 1 + max((piece for _, piece in self.ranks), default=0)
 
     def chosen(self, expert_ids: jax.Array) -> Any:
         """Each (row, choice)'s expert weights, leaves [B, k, ...] (`stages.ffn.combine_experts`)."""
@@ -129,6 +139,13 @@ class ExpertGroups:
         in ascending id order of `ids` [B, k]), one [B, n] per group in group order."""
         per_group = jax.tree.leaves(self.experts)[0].shape[0] // self.groups
         return [group_sum(y, coef, ids // per_group == g) for g in range(self.groups)]
+
+    def rank_sums(self, ys: list, coef: jax.Array, ids: jax.Array) -> list:
+        """ETP > 1: each rank's Σ coef·y over its group's experts, ascending id, y its hidden
+        slice's partial output (ys[slice] [B, k, n] f32, in ascending id order of `ids`), one
+        [B, n] per rank in rank order."""
+        per_group = jax.tree.leaves(self.experts)[0].shape[0] // self.groups
+        return [group_sum(ys[piece], coef, ids // per_group == g) for g, piece in self.ranks]
 
 
 def group_sum(y: jax.Array, coef: jax.Array, mine: jax.Array) -> jax.Array:

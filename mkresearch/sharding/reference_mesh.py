@@ -71,8 +71,8 @@ class RankPartials(Partials):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
-                   meta_fields=["groups", "wire", "hosts", "merged", "group_of_rank", "firsts",
-                                "per_group", "axis"])
+                   meta_fields=["groups", "wire", "hosts", "merged", "ranks", "group_of_rank",
+                                "firsts", "per_group", "axis"])
 @dataclass(frozen=True)
 class RankExpertGroups(ExpertGroups):
     """The routed experts as one rank holds them: `experts` its group's (ids group·per_group
@@ -185,8 +185,8 @@ def _rank_experts(lay: layouts.Layout, kind: str, local: Any, wire: str,
     ep = lay.split(spec.EXPERTS)
     return RankExpertGroups(local, lay.ep, wire, tuple(r // per_host for r in firsts),
                             layouts.merges_shared_sum(lay, kind),
-                            tuple(ep.index(r) for r in range(lay.n_ranks)), firsts,
-                            lay.cfg.n_experts // lay.ep, AXIS)
+                            group_of_rank=tuple(ep.index(r) for r in range(lay.n_ranks)),
+                            firsts=firsts, per_group=lay.cfg.n_experts // lay.ep, axis=AXIS)
 
 
 def rank_params(plan: MeshReference, local: dict) -> dict:

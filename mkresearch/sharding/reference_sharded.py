@@ -47,8 +47,10 @@ the single device the same bounds hold while a row's routing agrees, but routing
 often than with any order of the same sums (the latent norm's rounding moved: 18 of 22 rows
 with the f32 wire, partial-sum 8, over `partial_sum_sweep --restructured --seeds 1`; tested in
 tests/test_partial_sum_claim.py).
-Experts split by ETP too (EP x ETP > 1 on a rank group) round each partial expert output to bf16
-before the sum, which this reference does not model (the tests run ETP = 1: 8 ranks of a mini).
+Experts split by ETP too (EP x ETP ranks, each expert's hidden split over the ETP ranks of its
+group) add every rank's partial instead, each expert's partial output over the rank's hidden
+slice rounded to bf16 before the sum (`numerics.ExpertGroups.ranks`): the kernel's sum, equal to
+the bit (tests/sharded/test_partial_sum.py, ETP 2 on 8 ranks).
 """
 
 from __future__ import annotations
@@ -125,16 +127,28 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
             continue
         stack = dict(params[kind])
         for key, p in entries.items():
-            if key == "experts":  # group g: ranks g * ETP on (ETP = 1 here: rank g)
-                hosts = tuple(g * lay.etp // per_host for g in range(lay.ep))
-                stack[key] = ExpertGroups(params[kind][key], lay.ep, wire, hosts,
-                                          layouts.merges_shared_sum(lay, kind))
+            if key == "experts":
+                stack[key] = _expert_groups(lay, params[kind][key], kind, wire, per_host)
             elif isinstance(p, spec.Param) and (group := row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
             elif isinstance(p, spec.Param) and _scattered(lay, p):  # restructured: W_lu
                 stack[key] = _normed_rows(lay, params[kind][key], p, entries, wire, per_host)
         out[kind] = stack
     return out
+
+
+def _expert_groups(lay: layouts.Layout, experts: Any, kind: str, wire: str,
+                   per_host: int) -> ExpertGroups:
+    """The routed experts as the kernel sums them: one partial per expert group (ETP = 1: rank
+    g holds group g), or with ETP > 1 one per rank (its group and hidden slice, in rank order)."""
+    merged = layouts.merges_shared_sum(lay, kind)
+    if lay.etp == 1:
+        return ExpertGroups(experts, lay.ep, wire, tuple(g // per_host for g in range(lay.ep)),
+                            merged)
+    groups, pieces = lay.split(spec.EXPERTS), lay.split(spec.EXPERT_TP)
+    ranks = tuple((groups.index(r), pieces.index(r)) for r in range(lay.n_ranks))
+    return ExpertGroups(experts, lay.ep, wire, tuple(r // per_host for r in range(lay.n_ranks)),
+                        merged, ranks)
 
 
 def _scattered(lay: layouts.Layout, p: spec.Param) -> bool:

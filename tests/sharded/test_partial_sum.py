@@ -47,6 +47,7 @@ SEED = 7
 LEVELS = {"shared/w_down/sum": "rs-ag", "mla.w_o/sum": "rs-ag", "expert/sum": "two-level",
           "kda.w_o/sum": "two-level"}
 RANKS_PER_HOST = 4
+RESTRUCTURED_MODE = layout.RESTRUCTURED
 _cache: dict = {}
 
 
@@ -60,19 +61,19 @@ def options_for(lay, levels):
                              ranks_per_host=RANKS_PER_HOST if levels is True else levels)
 
 
-def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM):
+def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM, etp=None):
     """(params, layout, plan, mesh, prepared weights, prefilled state, tokens, positions);
     model: a preset's name or a ModelConfig; mode: a partial-sum mode
-    (`layout.PARTIAL_SUM_MODES`)."""
+    (`layout.PARTIAL_SUM_MODES`); etp: the experts' expert-tensor ways (None: the layout's)."""
     cfg = config.get_config(model) if isinstance(model, str) else model
-    key = (model, batch, wire, levels, mode)
+    key = (model, batch, wire, levels, mode, etp)
     if key not in _cache:
         params = _cache.setdefault(model, weights.init_params(cfg, 0))
-        lay = layout.layout(cfg, N_RANKS, collectives=mode)
+        lay = layout.layout(cfg, N_RANKS, collectives=mode, etp=etp)
         plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, wire=wire,
                                     options=options_for(lay, levels))
         mesh = ms.make_mesh(N_RANKS)
-        prepared = _cache.setdefault((model, "prepared", mode),
+        prepared = _cache.setdefault((model, "prepared", mode, etp),
                                      ms.prepare_weights(params, lay, mesh))
         prompt = jax.random.randint(jax.random.key(0), (batch, PROMPT_LEN), 0, cfg.vocab_size)
         state = reference.init_state(cfg, batch)
@@ -83,12 +84,12 @@ def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM):
 
 
 def step(model, batch, wire="f32", temperature=None, rows=None, record=False, levels=False,
-         mode=layout.PARTIAL_SUM):
+         mode=layout.PARTIAL_SUM, etp=None):
     """One step of a partial-sum mode, checked against the sharded reference -> (tokens,
     logits, DMA log or None). rows: run only these rows of the batch's inputs (a row alone);
     levels: the reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks."""
     params, lay, plan, mesh, prepared, state, tokens, positions = setup(model, batch, wire,
-                                                                        levels, mode)
+                                                                        levels, mode, etp)
     if rows is not None:
         state = jax.tree.map(lambda leaf: leaf[:, rows], state)
         tokens, positions = tokens[rows], positions[rows]
@@ -119,6 +120,7 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False, le
     routing = reference_sharded.routing_differs(want_aux["expert_ids"], single_aux["expert_ids"])
     how = (f", reductions {dict(plan.mega.options.reductions)} on hosts of "
            f"{plan.mega.options.ranks_per_host} ranks" if levels else "")
+    how += f", experts in {lay.ep} groups x ETP {lay.etp}" if lay.etp > 1 else ""
     print(f"{lay.cfg.name} {mode} on {N_RANKS} ranks{how}, B={len(tokens)}, wire {wire}: logits and "
           f"states equal to the sharded reference's to the bit, identical on every rank; max "
           f"|logit diff| vs the single-device reference {diff:.3g} (rows whose routing differs: "
@@ -251,6 +253,19 @@ def test_bf16_wire_in_levels(race_checked):
     print(f"kimi-k3-mini B=3, bf16 wire in levels: bytes per remote copy {moved}")
 
 
+@pytest.mark.exhaustive  # two more traced steps (~1 min each here)
+@pytest.mark.parametrize("mode", [layout.PARTIAL_SUM, RESTRUCTURED_MODE])
+def test_expert_tensor_parallel(race_checked, mode):
+    """Each expert's hidden split over 2 ranks (ETP 2, 4 expert groups; the full presets on 32
+    ranks split it 4 ways): every rank's partial output over its hidden slice, rounded to bf16,
+    added in rank order, equals the sharded reference's (`numerics.ExpertGroups.ranks`) to the
+    bit; every rank's remote copies are the step's collectives."""
+    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, mode=mode, etp=2)
+    lay, plan = setup("kimi-k3-mini", 3, mode=mode, etp=2)[1:3]
+    assert (lay.ep, lay.etp) == (4, 2)
+    schedule_check.check(log, lay, 3, routed_expert_ids("kimi-k3-mini", 3), plan.mega.options)
+
+
 @pytest.mark.exhaustive  # experts to the MXU as fp8: one more traced step (~1 min here)
 @pytest.mark.parametrize("model, batch", [("kimi-k3-mini", 3), ("deepseek-v3-mini", 1)])
 def test_fp8_mxu(race_checked, model, batch):
@@ -295,7 +310,7 @@ def step_raw(model, n_ranks=2, batch=1, options=None, mode=layout.PARTIAL_SUM):
 
 
 # ---- the restructured MoE reductions (`layout.RESTRUCTURED`, `kernels/sharded/plan.py`) ------
-RESTRUCTURED = layout.RESTRUCTURED
+RESTRUCTURED = RESTRUCTURED_MODE
 
 
 def test_restructured_kimi_b3_greedy_and_sampled_rows(race_checked):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mkresearch.model import spec
-from mkresearch.model.formats import dequantize, mxu_matmul
+from mkresearch.model.formats import dequantize, k_rows, mxu_matmul
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
     ExpertGroups,
@@ -134,29 +134,40 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     fmt = cfg.expert_format
     chosen = (groups.chosen(expert_ids) if groups is not None  # each leaf [B, k, ...]
               else jax.tree.map(lambda w: w[expert_ids], experts))
-    def per_expert(v, name):  # v [B, k, 1, K] @ each (row, expert)'s matrix -> [B, k, N] f32
+    def per_expert(v, name, rows=None):  # v [B, k, 1, K] @ each (row, expert)'s matrix (its
+        # K rows `rows` = (start, stop) of them) -> [B, k, N] f32
+        w = chosen[name] if rows is None else k_rows(chosen[name], *rows, cfg.expert_hidden)
         if cfg.expert_mxu == "fp8":  # as the MXU is handed it: e4m3 values, scales after the dot
             product = jax.vmap(jax.vmap(functools.partial(mxu_matmul, fmt=fmt)))
-            return product(v, chosen[name])[:, :, 0]
-        w = dequantize(chosen[name], fmt)  # [B, k, K, N] bf16
+            return product(v, w)[:, :, 0]
+        w = dequantize(w, fmt)  # [B, k, K, N] bf16
         return rows_at_least_two(  # each (row, expert) product with two rows, as `_mm`
             lambda v2: jnp.einsum("bkml,bklf->bkmf", v2, w, preferred_element_type=f32),
             v, axis=-2)[:, :, 0]
     zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], expert_ids.shape[1], 1, z.shape[-1]))
     g = bf(per_expert(zk, "w1"))  # [B, k, F_e]
     u = bf(per_expert(zk, "w3"))
-    y = bf(per_expert(activation(g, u, cfg)[:, :, None], "w2"))  # [B, k, n]
+    h = activation(g, u, cfg)[:, :, None]  # [B, k, 1, F_e]
+    slices = 1 if groups is None else groups.etp
+    if slices > 1:  # ETP: each rank's hidden slice times its rows of W2, rounded apart
+        width = cfg.expert_hidden // slices
+        ys = [bf(per_expert(h[..., s * width:(s + 1) * width], "w2",
+                            (s * width, (s + 1) * width))) for s in range(slices)]
+    else:
+        ys = [bf(per_expert(h, "w2"))]  # [B, k, n]
     # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
     # ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
     # once, in id order, and add it to the rows that chose it)
     order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
     coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
-    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, n]
+    ys = [jnp.take_along_axis(y.astype(f32), order[..., None], axis=1) for y in ys]  # [B, k, n]
+    y = ys[0]
     if groups is None:
         return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
                              jnp.zeros(y.shape[::2], f32))  # [B, n]
     # each group's experts in ascending id, then the groups
-    sums = groups.group_sums(y, coef, jnp.take_along_axis(expert_ids, order, axis=-1))
+    ids = jnp.take_along_axis(expert_ids, order, axis=-1)
+    sums = groups.rank_sums(ys, coef, ids) if slices > 1 else groups.group_sums(y, coef, ids)
     return sums if parts else reduce_partials(sums, groups.hosts, groups.wire)  # [B, n]
 
 

@@ -87,13 +87,12 @@ def moe_full_ffn(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array
 def _merged_sum(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
                 expert_weights: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Σ over ranks of (rank's routed experts' sum + its shared experts' partial product), in the
-    reduction's order. Rank r holds shared slice r (`Partials` pieces, one per rank) and, every
-    ETP-th rank, an expert group's sum (ETP > 1 splits an expert's hidden too, which this
-    reference does not model, as `numerics.ExpertGroups` says)."""
+    reduction's order. Rank r holds shared slice r (`Partials` pieces, one per rank) and its
+    routed partial: ETP = 1, group r's sum; ETP > 1, its hidden slice's (`ExpertGroups.ranks`)."""
     groups, w_sd = p["experts"], p["w_sd"]
     routed = combine_experts(groups, x, expert_ids, expert_weights, cfg, parts=True)
     shared = w_sd.products(shared_hidden(p, x, cfg))
-    etp = len(shared) // groups.groups
+    etp = len(shared) // len(routed)  # 1 with a partial per rank
     ranks = [part + routed[r // etp] if r % etp == 0 else part for r, part in enumerate(shared)]
     return reduce_partials(ranks, w_sd.hosts, w_sd.wire)
 
