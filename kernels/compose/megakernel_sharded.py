@@ -449,13 +449,14 @@ def step_shapes(plan: ShardedPlan) -> tuple:
 def compile_sharded_step(cfg: ModelConfig, n_ranks: int = 32, name: str = layouts.OURS,
                          batch: int = 1, *, chip: str = "tpu7x", topology: str = FULL_TOPOLOGY,
                          seq_len: int | None = None, collectives: str = layouts.DEFAULT_COLLECTIVES,
-                         options: mplan.MegakernelOptions | None = None, wire: str = "f32"
-                         ) -> tuple[Any, ShardedPlan]:
+                         options: mplan.MegakernelOptions | None = None, wire: str = "f32",
+                         etp: int | None = None) -> tuple[Any, ShardedPlan]:
     """Compile the sharded step of `cfg` for n_ranks devices of a TPU `topology` from shapes only
     -> (tpu.CompileResult: one device's program, its Mosaic kernels, plan); `collectives` as
     `decode --ranks N --collectives` (partial sums by default); options: the kernel's (default
-    MegakernelOptions(chip=chip): every reduction one-shot); wire: the partial sums' (`plan.WIRES`)."""
-    lay = layouts.layout(cfg, n_ranks, name, collectives=collectives)
+    MegakernelOptions(chip=chip): every reduction one-shot); wire: the partial sums' (`plan.WIRES`);
+    etp: the experts' expert-tensor ways (None: the layout's default)."""
+    lay = layouts.layout(cfg, n_ranks, name, collectives=collectives, etp=etp)
     plan = make_sharded_plan(lay, batch, seq_len, options or mplan.MegakernelOptions(chip=chip),
                              wire)
     mesh = make_mesh_on(topology, n_ranks)

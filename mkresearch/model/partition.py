@@ -132,21 +132,26 @@ def hidden_unit(cfg: ModelConfig) -> int:
     return math.lcm(LANE, EXPERT_BLOCKS.get(cfg.expert_format, 1))
 
 
-def _expert_ways(cfg: ModelConfig, n: int, etp: int) -> bool:
-    """EP = n / etp divides the experts; etp splits the experts' output columns in lane tiles
-    and the hidden in `hidden_unit`s."""
+def _expert_ways(cfg: ModelConfig, n: int, etp: int, columns: bool = True) -> bool:
+    """EP = n / etp divides the experts; etp splits the hidden in lane tiles and `hidden_unit`s
+    and, with `columns` (the exact mode, which splits W2 by its output columns), the experts'
+    output columns in lane tiles too (the partial-sum modes split W2 by its hidden rows)."""
+    widths = expert_widths(cfg) if columns else (cfg.expert_hidden,)
     return (n % etp == 0 and cfg.n_experts % (n // etp) == 0
-            and all(width % (etp * LANE) == 0 for width in expert_widths(cfg))
+            and all(width % (etp * LANE) == 0 for width in widths)
             and cfg.expert_hidden % (etp * hidden_unit(cfg)) == 0)
 
 
-def _expert_fields(cfg: ModelConfig) -> str:
+def _expert_fields(cfg: ModelConfig, columns: bool = True) -> str:
     out = expert_output_width(cfg)
     name = "moe_latent" if out == cfg.moe_latent and spec.MOE_LATENT in groups_used(cfg) \
         else "d_model"
     unit = hidden_unit(cfg)
     hidden = (f"whole {unit}-value {cfg.expert_format} scale blocks" if unit != LANE
               else f"whole {LANE}-lane tiles")
+    if not columns:
+        return (f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden} and of whole "
+                f"{LANE}-lane tiles")
     return (f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden}, and {name}={out} "
             f"(W2's columns) in ETP whole {LANE}-lane slices")
 
@@ -168,8 +173,10 @@ def allowed_ranks(cfg: ModelConfig, limit: int = MAX_LISTED_RANKS) -> list[int]:
             and any(_expert_ways(cfg, n, etp) for etp in _divisors(n))]
 
 
-def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
-    """ValueError naming the field that n_ranks does not divide, with the allowed rank counts."""
+def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None,
+                columns: bool = True) -> None:
+    """ValueError naming the field that n_ranks does not divide, with the allowed rank counts;
+    `columns` False: an etp asked for need not split W2's output columns (`_expert_ways`)."""
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, (int, np.integer)) or n_ranks < 1:
         raise ValueError(f"n_ranks={n_ranks!r} is invalid: an int >= 1 (allowed for {cfg.name}: "
                          f"{_listed(allowed_ranks(cfg))})")
@@ -192,11 +199,12 @@ def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None) -> None:
             raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
                              f"must split into EP = n_ranks / ETP groups with "
                              f"{_expert_fields(cfg)} (allowed rank counts: {allowed})")
-    elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp):
-        good = [e for e in _divisors(n) if _expert_ways(cfg, n, e)]
+    elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp,
+                                                                               columns):
+        good = [e for e in _divisors(n) if _expert_ways(cfg, n, e, columns)]
         raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
                          f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
-                         f"{_expert_fields(cfg)} (allowed: {good})")
+                         f"{_expert_fields(cfg, columns)} (allowed: {good})")
 
 
 def _listed(values: list[int]) -> str:
@@ -340,19 +348,20 @@ def has_rules(cfg: ModelConfig) -> bool:
     return True
 
 
-def splits(cfg: ModelConfig, n_ranks: int, name: str = OURS, etp: int | None = None
-           ) -> tuple[Split, ...]:
+def splits(cfg: ModelConfig, n_ranks: int, name: str = OURS, etp: int | None = None,
+           columns: bool = True) -> tuple[Split, ...]:
     """How many ways the `name` layout (LAYOUTS) splits each group of cfg on n_ranks ranks
     (ValueError naming the field for a rank count that does not split heads, vocabulary or
     experts, and for a kind whose parameters have no sharding rule). Rank r holds slice
     (r // stride) % ways: experts by EP groups of ETP consecutive ranks, heads replicated on
-    n / H ranks when a model has fewer heads than ranks."""
+    n / H ranks when a model has fewer heads than ranks. `columns` False (the partial-sum
+    modes): an etp asked for need not split W2's output columns."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
     if name not in LAYOUTS:
         raise ValueError(f"layout name={name!r} is invalid: one of {', '.join(LAYOUTS)}")
     spec.check(cfg)
-    check_ranks(cfg, n_ranks, etp)
+    check_ranks(cfg, n_ranks, etp, columns)
     n = int(n_ranks)
     etp = default_etp(cfg, n, name) if etp is None else etp
     if n > 1:

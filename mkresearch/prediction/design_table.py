@@ -32,8 +32,10 @@ def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibratio
                    sequences: int | None = None, **fields: Any) -> dict:
     """Our step at `batch` under `model` as the kernel in mode `collectives` with `wire` runs it
     (`our_schedule`), with `fields` of its schedule set (`Schedule.designs`, `expert_order`);
-    `sequences`: as `scale_out.predict`'s."""
-    base = scale_out.our_schedule(cfg, collectives, n_ranks, batch, wire=wire)
+    `sequences`: as `scale_out.predict`'s; `etp` among the fields: the kernel built with its
+    experts split so (its layout, bytes and ring depth)."""
+    base = scale_out.our_schedule(cfg, collectives, n_ranks, batch, wire=wire,
+                                  etp=fields.pop("etp", None))
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,

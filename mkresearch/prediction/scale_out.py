@@ -127,9 +127,15 @@ def router_placement(sched: Schedule) -> str:
 
 
 def placed_layout(cfg: ModelConfig, n_ranks: int, name: str, sched: Schedule) -> layouts.Layout:
-    """The layout a schedule's rank runs: `name`'s, our kernel's router placed as it places it
-    (`router_placement`, `layout.place_router` on the schedule's hosts)."""
-    lay = layouts.layout(cfg, n_ranks, name)
+    """The layout a schedule's rank runs: `name`'s (its experts split `sched.etp` ways), our
+    kernel's router placed as it places it (`router_placement`, `layout.place_router` on the
+    schedule's hosts)."""
+    # built in the schedule's mode (an etp of a partial-sum mode need not split W2's columns),
+    # read as the exact-mode layout the model places its matrices by (each mode's own where
+    # it needs one: `rank_bytes`, `_step_collectives`)
+    lay = dataclasses.replace(layouts.layout(cfg, n_ranks, name, etp=sched.etp,
+                                             collectives=sched.collectives or layouts.EXACT),
+                              collectives=layouts.EXACT)
     placement = router_placement(sched)
     if placement == layouts.ROUTER_SPLIT:
         return lay
@@ -324,7 +330,7 @@ def rank_bytes(lay: layouts.Layout, sched: Schedule, batch: int, context: int,
     bytes its planned DMAs stream, tests/test_layout_split.py; restructured: W_lu by its latent
     rows too)."""
     if sched.collectives in layouts.PARTIAL_SUM_MODES:
-        lay = dataclasses.replace(layouts.layout(lay.cfg, lay.n_ranks, lay.name,
+        lay = dataclasses.replace(layouts.layout(lay.cfg, lay.n_ranks, lay.name, etp=lay.etp,
                                                  collectives=sched.collectives),
                                   router=lay.router, router_ways=lay.router_ways)
     return layout_bytes.rank_bytes(lay, batch, context, sequences=sequences)

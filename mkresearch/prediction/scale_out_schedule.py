@@ -64,6 +64,10 @@ class Schedule:
     # ours: where its kernel places the router (`MegakernelOptions.router_placement`, priced from
     # the kernel's own collectives and bytes); a router design naming it adds nothing more
     router: str = layouts.ROUTER_SPLIT
+    # ours: the routed experts' expert-tensor ways (`layout.layout(..., etp=)`: each expert's
+    # hidden split over etp ranks, EP = n_ranks / etp groups); None: the layout's default
+    # (`partition.default_etp`, the release's 4 where it fits)
+    etp: int | None = None
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -114,17 +118,19 @@ RELEASE_SCHEDULE = Schedule(
 
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
                  batch: int = 1, chip: str = "tpu7x",
-                 router: str = layouts.ROUTER_SPLIT, wire: str = "f32") -> Schedule:
+                 router: str = layouts.ROUTER_SPLIT, wire: str = "f32",
+                 etp: int | None = None) -> Schedule:
     """Our megakernel's on n_ranks at `batch` on `chip`: its ring's slots of cfg.ring_block_bytes
     (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in a partial-sum mode the
     deepest that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the
     collectives its own schedule issues in mode `collectives` (`layouts.COLLECTIVES`), its router
     placed as `router` says (`MegakernelOptions.router_placement`, the hosts of its chip's
     slice), its partial sums on the wire as `wire` (the kernel built with it: its reductions'
-    algorithms and ring depth for that wire)."""
+    algorithms and ring depth for that wire), its experts split `etp` ways (the layout's;
+    None: its default)."""
     if collectives not in layouts.COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
-    lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives)
+    lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives, etp=etp)
     options = megakernel_sharded.kernel_options(  # what the CLI builds
         lay, batch, chip, wire, **({} if router == layouts.ROUTER_SPLIT
                                    else {"router_placement": router}))
@@ -138,7 +144,7 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                     reductions=options.reductions,
                     ranks_per_host=options.ranks_per_host, mxu_fp8=cfg.expert_mxu == "fp8",
                     expert_order=FIRST if options.expert_reads_first else QUEUED,
-                    router=options.router_placement)
+                    router=options.router_placement, etp=etp)
 
 
 SCHEDULES = ("release", "ours")

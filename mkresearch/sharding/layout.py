@@ -125,7 +125,8 @@ def layout(cfg: ModelConfig, n_ranks: int, name: str = OURS, *, etp: int | None 
     no sharding rule."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {COLLECTIVES}")
-    found = splits(cfg, n_ranks, name, etp)
+    # the partial-sum modes split W2 by its hidden rows: an etp need not split its columns
+    found = splits(cfg, n_ranks, name, etp, columns=collectives == EXACT)
     expert_format = RELEASE_EXPERT_FORMAT if name == RELEASE else cfg.expert_format
     lay = Layout(name=name, cfg=cfg, n_ranks=int(n_ranks), splits=found,
                  expert_format=expert_format, collectives=collectives)

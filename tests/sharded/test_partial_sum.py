@@ -253,17 +253,29 @@ def test_bf16_wire_in_levels(race_checked):
     print(f"kimi-k3-mini B=3, bf16 wire in levels: bytes per remote copy {moved}")
 
 
-@pytest.mark.exhaustive  # two more traced steps (~1 min each here)
-@pytest.mark.parametrize("mode", [layout.PARTIAL_SUM, RESTRUCTURED_MODE])
-def test_expert_tensor_parallel(race_checked, mode):
+# the mini with a latent of 384: ETP 2 splits the hidden (256) in lane tiles but not W2's
+# columns (192 each), which only the exact mode needs (`partition._expert_ways`)
+WIDE_LATENT = config.get_config("kimi-k3-mini", moe_latent=384)
+
+
+@pytest.mark.exhaustive  # three more traced steps (~1 min each here)
+@pytest.mark.parametrize("model, mode", [("kimi-k3-mini", layout.PARTIAL_SUM),
+                                         ("kimi-k3-mini", RESTRUCTURED_MODE),
+                                         (WIDE_LATENT, RESTRUCTURED_MODE)])
+def test_expert_tensor_parallel(race_checked, model, mode):
     """Each expert's hidden split over 2 ranks (ETP 2, 4 expert groups; the full presets on 32
-    ranks split it 4 ways): every rank's partial output over its hidden slice, rounded to bf16,
-    added in rank order, equals the sharded reference's (`numerics.ExpertGroups.ranks`) to the
-    bit; every rank's remote copies are the step's collectives."""
-    _, _, log = step("kimi-k3-mini", 3, temperature=MIXED, record=True, mode=mode, etp=2)
-    lay, plan = setup("kimi-k3-mini", 3, mode=mode, etp=2)[1:3]
+    ranks split it 4 ways as built): every rank's partial output over its hidden slice, rounded
+    to bf16, added in rank order, equals the sharded reference's (`numerics.ExpertGroups.ranks`)
+    to the bit; every rank's remote copies are the step's collectives. With a latent ETP does
+    not split in lane tiles, the partial-sum modes run (W2 split by its rows), the exact mode's
+    layout is refused naming etp."""
+    _, _, log = step(model, 3, temperature=MIXED, record=True, mode=mode, etp=2)
+    lay, plan = setup(model, 3, mode=mode, etp=2)[1:3]
     assert (lay.ep, lay.etp) == (4, 2)
-    schedule_check.check(log, lay, 3, routed_expert_ids("kimi-k3-mini", 3), plan.mega.options)
+    schedule_check.check(log, lay, 3, routed_expert_ids(model, 3), plan.mega.options)
+    if model is WIDE_LATENT:
+        with pytest.raises(ValueError, match=r"etp=2 is invalid for kimi-k3-mini on 8 ranks"):
+            layout.layout(model, N_RANKS, etp=2, collectives=layout.EXACT)
 
 
 @pytest.mark.exhaustive  # experts to the MXU as fp8: one more traced step (~1 min here)
