@@ -393,7 +393,8 @@ assert not label_problems(figure)  # no label runs into another, none is cut
 # fp8 (`ModelConfig.expert_mxu`), their reads ahead of the ring's queued blocks, the latent sum
 # rho by a one-phase reduce-scatter with W_lu split by rows (the kernel's restructured mode, its
 # own bytes and collectives), the router placed where the model says it is fastest
-# (`MegakernelOptions.router_placement`), and bf16 partial sums on the wire.
+# (`MegakernelOptions.router_placement`), bf16 partial sums on the wire, and the routed experts
+# split over as many ranks each as is fastest (the layout's `etp`).
 
 # %%
 designs_b1 = design_table.designs_table(cfg, 32, (1,))

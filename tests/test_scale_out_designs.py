@@ -13,6 +13,7 @@ from mkresearch.kernels.stages.router import W_ROUTER
 
 from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
+from mkresearch.model import partition
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, design_table, designs, scale_out
 from mkresearch.sharding import layout as layouts
@@ -157,6 +158,28 @@ def test_designs_table_and_the_command(capsys):
     assert json.loads(capsys.readouterr().out) == rows  # the same Model: cached, identical
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["router"]["chosen"] in designs.ROUTER_PLACEMENTS
+
+
+@pytest.mark.slow  # five full-size predictions (~8 s)
+def test_expert_splits_the_fastest_of_the_partial_sum_modes_ways():
+    """The expert-tensor splits the partial-sum modes take on Kimi K3 / 32 (W2 by its rows: 8
+    ways too, which the exact mode's W2 columns refuse), each priced with the designs before
+    it; the chosen is the fastest and is the designs' last row; the bytes per rank do not move
+    (every rank reads 1 / 32 of the chosen experts either way)."""
+    cfg = get_config("kimi-k3")
+    assert partition.expert_tp_ways(cfg, 32, columns=False) == [1, 2, 4, 8]
+    assert partition.expert_tp_ways(cfg, 32) == [1, 2, 4]  # the exact mode's
+    label, variant, fields = design_table.design_steps(cfg, 32, 1)[-2]
+    assert label == "+ bf16 partial sums"
+    table = design_table.expert_splits(variant, 32, 1, **fields)
+    steps = {r["etp"]: r["step_ms"] for r in table["rows"]}
+    print(f"Kimi K3 / 32, B = 1, every design before it: step ms by ETP {steps}")
+    assert table["as_built"] == 4 and table["chosen"] == min(steps, key=steps.get) == 8
+    assert steps[8] < steps[4] < steps[2] < steps[1]
+    rows = design_table.designs_table(cfg, 32, (1,))
+    assert rows[-2]["design"] == "+ experts split 8 ways"
+    assert rows[-2]["step_ms"] == pytest.approx(steps[8], rel=1e-12)
+    assert rows[-2]["rank_gb"] == pytest.approx(rows[-3]["rank_gb"], rel=1e-12)
 
 
 def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():

@@ -95,6 +95,24 @@ def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels, mode):
     assert result.n_mosaic_kernels == 1
 
 
+@pytest.mark.exhaustive  # a full-size compile here (~30 s)
+def test_kimi_k3_experts_split_8_ways_compiles_one_mosaic_kernel():
+    """The designs' last row (`design_table.design_steps`): Kimi K3's restructured step with its
+    experts split 8 ways (W2 by its hidden rows), experts to the MXU as fp8, the bf16 wire and
+    the router on each host compiles for the 32 cores of tpu7x:2x2x4, one Mosaic kernel per rank,
+    its VMEM plan within the core's limit."""
+    cfg = get_config("kimi-k3", expert_mxu="fp8")
+    lay = layout.layout(cfg, 32, collectives=layout.RESTRUCTURED, etp=8)
+    options = ms.kernel_options(lay, 1, "tpu7x", "bf16", router_placement="host")
+    result, plan = ms.compile_sharded_step(cfg, 32, batch=1, collectives=layout.RESTRUCTURED,
+                                           wire="bf16", options=options, etp=8)
+    print(f"kimi-k3 restructured, ETP 8, B=1: {result.n_mosaic_kernels} Mosaic kernel per rank, "
+          f"compiled in {result.seconds:.1f} s, VMEM {plan.mega.vmem.total_bytes / 2**20:.2f} "
+          f"of {plan.mega.vmem.limit_bytes / 2**20:.2f} MiB")
+    assert (plan.layout.ep, plan.layout.etp) == (4, 8)
+    assert result.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
+
+
 def check_recorded_compile(model, n_ranks, name, batch, chip, collectives=None):
     """The committed record of a sharded compile matches its plan: one Mosaic kernel per rank,
     the VMEM plan within the core's limit."""

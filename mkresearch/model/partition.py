@@ -166,6 +166,12 @@ def default_etp(cfg: ModelConfig, n: int, name: str = "ours") -> int:
     return max(options) if options else 1
 
 
+def expert_tp_ways(cfg: ModelConfig, n: int, columns: bool = True) -> list[int]:
+    """The expert-tensor ways cfg's experts split into on n ranks (`_expert_ways`; `columns`
+    False: the partial-sum modes', W2 split by its rows)."""
+    return [etp for etp in _divisors(n) if _expert_ways(cfg, n, etp, columns)]
+
+
 def allowed_ranks(cfg: ModelConfig, limit: int = MAX_LISTED_RANKS) -> list[int]:
     """Rank counts in [1, limit] that split cfg's heads, vocabulary and experts."""
     return [n for n in range(1, limit + 1)

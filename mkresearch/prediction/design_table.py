@@ -8,7 +8,9 @@ bytes, its collectives; in the kernel's restructured mode); the chosen one is th
 predicted (per model and batch), the kernel's default "split" (as built). `designs_table(cfg,
 batches)`: ours as built, then each design added in turn (experts to the MXU as fp8, expert reads
 first, rho by reduce-scatter: the kernel's restructured mode, the chosen router placement, bf16
-partial sums: the kernel built with a bf16 wire), beside the release's modelled step.
+partial sums: the kernel built with a bf16 wire, the chosen expert-tensor split: its layout's
+`etp`), beside the release's modelled step. `expert_splits(cfg, n_ranks, batch, ...)`: each
+expert-tensor split the partial-sum modes take with the step it predicts; the fastest chosen.
 `mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
 the second. `design_steps` is the one list of designs (`predict_design` prices one): the plain
 table prices it at B rows, `speculative_designs` at a verify step's B (k + 1).
@@ -20,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from mkresearch.hardware import interconnect as links
+from mkresearch.model import partition
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, designs, scale_out
 from mkresearch.sharding import layout as layouts
@@ -110,6 +113,22 @@ def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCH
     return out
 
 
+def expert_splits(cfg: ModelConfig, n_ranks: int, batch: int, *,
+                  model: calibration.Model = SAME_ASSUMPTIONS, **fields: Any) -> dict[str, Any]:
+    """Each expert-tensor split the kernel's partial-sum modes take (`partition.expert_tp_ways`:
+    each expert's hidden over etp ranks, EP = n_ranks / etp groups; `layout.layout(etp=)`), our
+    step with `fields` of its schedule (the designs before it) predicted for each: rows of etp,
+    EP and step ms; "chosen": the fastest (the routed experts' uniform routing spreads over
+    fewer, larger groups as etp grows, so the slowest group waits less), "as_built": the
+    layout's default."""
+    rows = [{"etp": etp, "ep": n_ranks // etp,
+             "step_ms": predict_design(cfg, n_ranks, batch, model, etp=etp,
+                                       **fields)["step_s"] * 1e3}
+            for etp in partition.expert_tp_ways(cfg, n_ranks, columns=False)]
+    return {"rows": rows, "chosen": min(rows, key=lambda r: r["step_ms"])["etp"],
+            "as_built": partition.default_etp(cfg, n_ranks)}
+
+
 def release_modelled(cfg: ModelConfig, n_ranks: int) -> bool:
     """Whether the release's step is modelled beside ours (its program: Kimi K3 on 32 ranks)."""
     return cfg.name == "kimi-k3" and n_ranks == 32
@@ -127,6 +146,8 @@ def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
     # experts handed to the MXU as fp8 (ModelConfig.expert_mxu) where they are stored so
     fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
     rho = layouts.RESTRUCTURED  # the kernel's mode: rho by a one-phase reduce-scatter
+    wire = {"expert_order": "first", "wire": "bf16", "collectives": rho, "designs": router}
+    etp = expert_splits(fp8 or cfg, n_ranks, batch, model=model, **wire)["chosen"]
     return [("as built", cfg, {}),
             *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
             ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
@@ -134,9 +155,8 @@ def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
                                                      "collectives": rho}),
             (f"+ router {placement}", fp8 or cfg, {
                 "expert_order": "first", "collectives": rho, "designs": router}),
-            ("+ bf16 partial sums", fp8 or cfg, {
-                "expert_order": "first", "wire": "bf16", "collectives": rho,
-                "designs": router})]
+            ("+ bf16 partial sums", fp8 or cfg, wire),
+            (f"+ experts split {etp} ways", fp8 or cfg, {**wire, "etp": etp})]
 
 
 def design_predictions(cfg: ModelConfig, n_ranks: int, batch: int, *,
