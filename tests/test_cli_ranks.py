@@ -31,6 +31,13 @@ from mkresearch.sharding import reference_sharded
       "'restructured')")),
     (["decode", "--ranks", "2", "--router", "bogus"],
      "--router: invalid choice: 'bogus' (choose from 'split', 'host', 'sibling', 'replicated')"),
+    (["decode", "--ranks", "8", "--etp", "4"],
+     ("--etp 4: etp=4 is invalid for kimi-k3-mini on 8 ranks: a divisor of n_ranks with "
+      "n_experts=16 divisible by n_ranks / etp and expert_hidden=256 in ETP slices of whole "
+      "128-lane tiles (allowed: [1, 2])")),
+    (["decode", "--ranks", "2", "--etp", "2", "--backend", "reference"],
+     "--etp 2 needs --ranks N > 1 and --backend megakernel"),
+    (["decode", "--etp", "2"], "--etp 2 needs --ranks N > 1"),
 ])
 def test_bad_ranks_are_one_line_exit_2(capsys, args, reason):
     """Checked before any device is asked for or any child started: in this process."""

@@ -204,7 +204,8 @@ def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], 
         if args.speculate is not None:
             return cli_speculative.run_decode(args, cfg, loaded)
         args.backend = args.backend or "megakernel"
-        cli_ranks.check_ranks(cfg, args.ranks, args.backend)
+        cli_ranks.check_ranks(cfg, args.ranks, args.backend, getattr(args, "etp", None),
+                              getattr(args, "collectives", None))
         return cli_ranks.run_decode(args, cfg, argv, progress, loaded)
 
 

@@ -106,7 +106,8 @@ def _run_one(cfg: ModelConfig, args: Any) -> int:
     """One batch size (args.batch an int) on the chosen backend."""
     if args.speculate is not None:  # speculative decoding: verify K drafts per row and step
         return cli_speculative.run_decode(args, cfg)
-    cli_ranks.check_ranks(cfg, args.ranks, args.backend)
+    cli_ranks.check_ranks(cfg, args.ranks, args.backend, getattr(args, "etp", None),
+                              getattr(args, "collectives", None))
     progress = not args.json and sys.stderr.isatty()
     if args.ranks > 1:  # the sharded megakernel, or the sharded reference (cli.ranks_reference)
         return cli_ranks.run_decode(args, cfg, args.argv, progress)

@@ -58,12 +58,22 @@ def add_decode_arguments(p: Any) -> None:
                         "its scores gathered with the latent before top-k), over one host's "
                         "ranks, between sibling cores, or replicated on every rank (no gather "
                         "before top-k)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="with --ranks and the megakernel: the ranks each routed expert's hidden "
+                        "is split over (expert-tensor parallel; default the layout's, the "
+                        "release's 4 where it fits); the partial-sum modes split W2 by its rows, "
+                        "so they take more ways than the exact mode")
 
 
-def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> None:
+def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel",
+                etp: int | None = None, collectives: str | None = None) -> None:
     """--ranks before anything runs: an int >= 1, a backend that shards (SHARDED_BACKENDS), and
-    a count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`)."""
+    a count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`);
+    --etp, the sharded megakernel's only, a split the layout of `collectives` takes."""
     at_least("--ranks", n_ranks, 1)
+    if etp is not None and (n_ranks == 1 or backend != "megakernel"):
+        raise UsageError(f"--etp {etp} needs --ranks N > 1 and --backend megakernel (the sharded "
+                         "reference and one device split no expert)")
     if n_ranks > 1 and backend not in SHARDED_BACKENDS:
         raise UsageError(f"--ranks {n_ranks} needs --backend megakernel or reference: the "
                          f"{backend} backend runs one device (use --ranks 1)")
@@ -72,6 +82,11 @@ def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel") -> 
             layout.check_ranks(cfg, n_ranks)
         except ValueError as error:
             raise UsageError(f"--ranks {n_ranks}: {str(error).splitlines()[0]}") from None
+    if etp is not None:
+        try:
+            layout.layout(cfg, n_ranks, collectives=collectives or layout.PARTIAL_SUM, etp=etp)
+        except ValueError as error:
+            raise UsageError(f"--etp {etp}: {str(error).splitlines()[0]}") from None
 
 
 def child_xla_flags(flags: str, n_ranks: int) -> str:
@@ -132,7 +147,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                    n_ranks: int, chip: str = "tpu7x", progress: bool = False,
                    collectives: str = layout.PARTIAL_SUM, params: dict | None = None,
                    prompt: Any = None, load: Any = None,
-                   router: str = layout.ROUTER_SPLIT) -> dict:
+                   router: str = layout.ROUTER_SPLIT, etp: int | None = None) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
     step over the same tokens with states of their own: per step the sharded logits must EQUAL
@@ -148,13 +163,14 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     `rank_loader.load_rank_params`) gives only this process's ranks' slices, and then no process
     has the weights the single-device checks need: they are left out (`logits_sha256`
     fingerprints every step's logits, to compare with a one-process run). `router`: the router's
-    placement (`MegakernelOptions.router_placement`: the weights laid out as `plan.layout`)."""
+    placement (`MegakernelOptions.router_placement`: the weights laid out as `plan.layout`);
+    `etp`: the experts' expert-tensor ways (None: the layout's)."""
     import jax
     import numpy as np
     from tqdm import tqdm
 
     options = megakernel.MegakernelOptions(chip=chip)
-    lay = layout.layout(cfg, n_ranks, collectives=collectives)
+    lay = layout.layout(cfg, n_ranks, collectives=collectives, etp=etp)
     # the reductions sent as the sharding plan chooses for the chip's slice (`kernel_options`)
     plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, sharded.kernel_options(
         lay, batch, chip, router_placement=router))  # refuses first
@@ -489,7 +505,8 @@ def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
                                 args.ranks, args.chip, progress,
                                 getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt,
-                                load, getattr(args, "router", layout.ROUTER_SPLIT))
+                                load, getattr(args, "router", layout.ROUTER_SPLIT),
+                                getattr(args, "etp", None))
     if loaded is not None:
         result["text"] = loaded.text(result["generated"][0])
     if multihost.leader_prints():

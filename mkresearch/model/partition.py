@@ -150,8 +150,8 @@ def _expert_fields(cfg: ModelConfig, columns: bool = True) -> str:
     hidden = (f"whole {unit}-value {cfg.expert_format} scale blocks" if unit != LANE
               else f"whole {LANE}-lane tiles")
     if not columns:
-        return (f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden} and of whole "
-                f"{LANE}-lane tiles")
+        lanes = "" if unit == LANE else f" and of whole {LANE}-lane tiles"
+        return f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden}{lanes}"
     return (f"expert_hidden={cfg.expert_hidden} in ETP slices of {hidden}, and {name}={out} "
             f"(W2's columns) in ETP whole {LANE}-lane slices")
 
