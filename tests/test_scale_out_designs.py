@@ -157,7 +157,11 @@ def test_designs_table_and_the_command(capsys):
     assert cli.main(["predict", "kimi-k3", "--designs", "--batch", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == rows  # the same Model: cached, identical
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["router"]["chosen"] in designs.ROUTER_PLACEMENTS
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["router"]["chosen"] in designs.ROUTER_PLACEMENTS
+    splits = planned["expert_splits"]
+    assert [r["etp"] for r in splits["rows"]] == [1, 2, 4, 8] and splits["as_built"] == 4
+    assert splits["chosen"] == min(splits["rows"], key=lambda r: r["step_ms"])["etp"]
 
 
 @pytest.mark.slow  # five full-size predictions (~8 s)

@@ -37,7 +37,7 @@ def run(args: Any) -> int:
         layout.check_ranks(cfg, args.ranks)
         plan = collective_plan.collective_plan(cfg, args.ranks, args.batch,
                                                mode=args.collectives, wire=args.wire, chip=chip)
-        front = best = router = None
+        front = best = router = splits = None
         if args.collectives == layout.PARTIAL_SUM:
             front = replication_floor.frontier(cfg, args.ranks, args.batch, chip)
             best = replication_floor.fastest(cfg, args.ranks, args.batch, chip)
@@ -46,8 +46,12 @@ def run(args: Any) -> int:
                     interconnect=links.interconnect(chip, n_ranks=args.ranks),
                     timeline_chip=timeline_chip(chip))
                 router = design_table.router_placements(cfg, args.ranks, args.batch, model=model)
+                splits = design_table.expert_splits(
+                    cfg, args.ranks, args.batch, model=model, collectives=layout.RESTRUCTURED,
+                    expert_order="first")
     if args.json:
-        print(json.dumps({**plan, "frontier": front, "fastest": best, "router": router}))
+        print(json.dumps({**plan, "frontier": front, "fastest": best, "router": router,
+                          "expert_splits": splits}))
         return 0
     print(collective_plan.format_plan(plan))
     if front is not None:
@@ -55,4 +59,5 @@ def run(args: Any) -> int:
         print(replication_floor.format_fastest(best))
     if router is not None:
         print(design_table.format_router_placements(router))
+        print(design_table.format_expert_splits(splits, cfg.name, args.ranks, args.batch))
     return 0

@@ -129,6 +129,22 @@ def expert_splits(cfg: ModelConfig, n_ranks: int, batch: int, *,
             "as_built": partition.default_etp(cfg, n_ranks)}
 
 
+def format_expert_splits(table: dict[str, Any], model: str, n_ranks: int, batch: int) -> str:
+    lines = [(f"expert-tensor splits ({model} on {n_ranks} ranks, B = {batch}, in the "
+              "restructured mode with expert reads first; predicted by the scale-out model, the "
+              "same assumptions as the release's):"),
+             (f"  the kernel runs each (decode --ranks {n_ranks} --etp N: each expert's hidden over "
+              f"N ranks, W2 by its rows); as built: {table['as_built']}"),
+             f"  {'ETP':>5s} {'EP groups':>9s} {'step ms':>8s}"]
+    for r in table["rows"]:
+        marks = [m for m, on in (("as built", r["etp"] == table["as_built"]),
+                                 ("chosen (fastest predicted)", r["etp"] == table["chosen"]))
+                 if on]
+        mark = f"  <- {', '.join(marks)}" if marks else ""
+        lines.append(f"  {r['etp']:5d} {r['ep']:9d} {r['step_ms']:8.2f}{mark}")
+    return "\n".join(lines)
+
+
 def release_modelled(cfg: ModelConfig, n_ranks: int) -> bool:
     """Whether the release's step is modelled beside ours (its program: Kimi K3 on 32 ranks)."""
     return cfg.name == "kimi-k3" and n_ranks == 32
