@@ -4,7 +4,7 @@ of the batch or on the batch size — in the reference, in the stage kernels and
 Random rows (random tokens, positions and states) are decoded together at B = 8 and again in
 smaller batches B ∈ {1, 2, 3, 5} that place the same rows at other indices; every row's outputs
 must be equal to the bit. How the model makes this hold on XLA:CPU is documented in
-`reference.rows_at_least_two` (no one-row matmul) and `reference.ordered_sum` (every reduction in
+`reference.padded_rows` (every matmul on rows padded to a multiple of 8) and `reference.ordered_sum` (every reduction in
 one written-out order); a TPU's MXU and VPU are row-independent by construction.
 """
 

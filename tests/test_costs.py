@@ -201,7 +201,9 @@ def check_declared(name, compiled, derived, moved, log):
                         "bytes_accessed": derived.bytes_accessed}
     assert declared["bytes_accessed"] == moved
     assert compiled.bytes_accessed >= declared["bytes_accessed"]
-    assert logged_flops <= declared["flops"] <= compiled.flops
+    # XLA's cost analysis adds its counts as f32 floats: the program's total is the declared
+    # count rounded to f32 (a spacing of 32 at 3e8 FLOPs) when nothing else adds FLOPs
+    assert logged_flops <= declared["flops"] and np.float32(declared["flops"]) <= compiled.flops
 
 
 @pytest.mark.slow

@@ -1,17 +1,24 @@
 """Chunked prefill (`mkresearch.model.prefill`) against feeding the prompt one decode step at a time
 (`reference.prefill`), for every family mini and both MLA cache layouts.
 
-What must hold:
-- the greedy tokens decoded after the prompt are equal (four steps from each state);
-- the states after the prompt: KDA's recurrent and conv state (a scan of its decode sublayer) and
-  the cache entries of the first attention layer (its inputs are the same bits) equal to the bit;
-  every cache leaf within STATE_TOL · max|step-by-step| (the chunk's one f32 softmax vs the
-  decode step's online one: a bf16 ulp or two in the attention outputs, carried into the
-  next layers' cache entries);
-- the logits after each prompt token within LOGIT_TOL · max|step-by-step|.
-The prompt runs as two chunks of 5 tokens (two jitted calls, the second after cached tokens),
-row 1 starting at slot 5.
-Measured maxima are printed (pytest -s).
+The two sum in other orders (the chunk's one f32 softmax vs the decode step's online one), so a
+router score a bf16 ulp from a tie can pick another expert in one of them: a routing difference,
+after which that row's logits and states differ by whatever the other expert makes of them (seen
+on kimi-k3-mini at weights seed 3 on one x86 CPU: 0.62 x max|logit| at one token, 0.014 at the
+others). What must hold:
+- the logits after each prompt token within LOGIT_TOL · max|step-by-step| at every token of a row
+  up to its first token where some MoE layer chose other experts (`expert_ids=True`); the
+  tokens from there on are reported, not bounded;
+- the states after the prompt: every cache leaf within STATE_TOL · max|step-by-step| (a bf16 ulp
+  or two in the attention outputs, carried into the next layers' cache entries) when no row's
+  routing differed; KDA's recurrent and conv state and the cache entries of the first attention
+  layer with a chunk form (its inputs are the same bits) equal to the bit;
+- the greedy tokens decoded after the prompt equal (four steps from each state) in each row
+  whose routing never differed.
+Seeds: `make test` runs weights seed 3 (one routing difference on that CPU, none on others); the
+exhaustive tier ten seeds of kimi-k3-mini's two cache layouts. Measured maxima are printed
+(pytest -s). The prompt runs as two chunks of 5 tokens (two jitted calls, the second after
+cached tokens), row 1 starting at slot 5.
 """
 
 import jax
@@ -52,26 +59,48 @@ def relative(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def first_routing_difference(got, want) -> np.ndarray:
+    """Per row, the first token where some MoE layer chose other experts (T where none did).
+    got, want [B, T, n_moe, k]."""
+    same = np.all(np.sort(np.asarray(got), -1) == np.sort(np.asarray(want), -1), axis=(2, 3))
+    return np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+
+
+SEEDS = [pytest.param(3, id="w3")] + [pytest.param(seed, id=f"w{seed}", marks=EXHAUSTIVE)
+                                      for seed in range(10) if seed != 3]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", [pytest.param(case, marks=marks, id=case)
                                   for case, (_, _, marks) in CASES.items()])
-def test_prefill_equals_step_by_step(case):
+def test_prefill_equals_step_by_step(case, seed):
     preset, overrides, _ = CASES[case]
+    if seed != 3 and preset != "kimi-k3-mini":
+        pytest.skip("the seed sweep runs kimi-k3-mini's two cache layouts")
     cfg = get_config(preset, **overrides)
-    params = weights.init_params(cfg, seed=3)
+    params = weights.init_params(cfg, seed=seed)
     # two rows starting at different slots (one mid-cache: a chunk after cached tokens)
     batch, length, start = 2, 10, np.array([0, 5], np.int32)
-    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, (batch, length))
+    prompt = np.random.default_rng(seed + 4).integers(0, cfg.vocab_size, (batch, length))
     fresh = reference.init_state(cfg, batch)
-    want_logits, want_state = reference.prefill(params, fresh, prompt, cfg, start=start)
-    got_logits, got_state = prefill.prefill(params, fresh, prompt, cfg, start=start,
-                                            chunk=5)  # two calls of 5 tokens: one compile
+    want_logits, want_state, want_ids = reference.prefill(params, fresh, prompt, cfg,
+                                                          start=start, expert_ids=True)
+    got_logits, got_state, got_ids = prefill.prefill(params, fresh, prompt, cfg, start=start,
+                                                     chunk=5, expert_ids=True)  # one compile
+    first = first_routing_difference(got_ids, want_ids)  # [B]
+    before = np.arange(length)[None] < first[:, None]  # [B, T]: tokens before a difference
+    scale = np.abs(np.asarray(want_logits)).max()
+    per_token = np.abs(np.asarray(got_logits) - np.asarray(want_logits)).max(-1) / scale
     differences = {f"{kind}.{leaf}": relative(got_state[kind][leaf], want)
                    for kind, leaves in want_state.items() for leaf, want in leaves.items()}
-    print(f"{case}: state max |chunked - stepwise| / max|stepwise| {differences}; logits "
-          f"{relative(got_logits, want_logits):.2e}")
-    assert max(differences.values()) <= STATE_TOL, differences
-    assert relative(got_logits, want_logits) <= LOGIT_TOL
+    print(f"{case}, weights seed {seed}: logits max |chunked - stepwise| / max|stepwise| "
+          f"{per_token[before].max(initial=0):.2e} before any routing difference; first "
+          f"difference per row {first.tolist()} of {length} tokens (from there up to "
+          f"{per_token[~before].max(initial=0):.2e}); states {differences}")
+    assert per_token[before].max(initial=0) <= LOGIT_TOL
+    if (first == length).all():
+        assert max(differences.values()) <= STATE_TOL, differences
     # the layers up to the first attention layer with a chunk form see the same inputs: their
     # states (a KDA scan) and that layer's cache entries equal to the bit
     for layer, (kind, _) in enumerate(cfg.layers):
@@ -81,9 +110,10 @@ def test_prefill_equals_step_by_step(case):
                                           np.asarray(want[index]), f"layer {layer} {leaf}")
         if kind in prefill.CHUNK_SUBLAYERS:
             break
-    np.testing.assert_array_equal(greedy_after(params, got_state, got_logits, start + length, cfg),
-                                  greedy_after(params, want_state, want_logits, start + length,
-                                               cfg))
+    agreed = first == length
+    np.testing.assert_array_equal(
+        greedy_after(params, got_state, got_logits, start + length, cfg)[agreed],
+        greedy_after(params, want_state, want_logits, start + length, cfg)[agreed])
 
 
 def test_write_chunk_puts_each_row_at_its_start():

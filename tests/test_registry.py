@@ -111,10 +111,11 @@ def test_a_toy_kind_is_planned_scheduled_costed_counted_and_sharded(toy_kind):
     by_component = sched.tally(schedule.component)
     assert by_component["toy"].read == layers * matrix == roofline.step_bytes(cfg).read["toy"]
     # the cost estimate, read off the body (the kind writes none): per layer its matrix read
-    # once, x W's FLOPs and the stream's accumulation of its one block ([B, d] adds); the
+    # once, x W's FLOPs (its 2 rows padded to 8: `numerics.padded_rows`) and the stream's
+    # accumulation of its one block ([B, d] adds); the
     # step's bytes are the schedule's (its worst case), the toy's blocks included
     one_layer = megakernel_plan.stage_cost(TOY, plan.stage_plan(TOY), cfg, 2, cfg.max_seq_len)
-    assert one_layer == costs.Cost(flops=2 * 2 * cfg.d_model ** 2 + 2 * cfg.d_model,
+    assert one_layer == costs.Cost(flops=2 * numerics.ROW_TILE * cfg.d_model ** 2 + 2 * cfg.d_model,
                                    bytes_accessed=matrix)
     step = mk.step_cost(plan, *mk.step_shapes(plan))
     assert step.bytes_accessed == sched.total.read + sched.total.written

@@ -192,9 +192,9 @@ softmax = reference.softmax
 
 def dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] @ w [K, N] -> f32 [M, N] (bf16 operands on the MXU), as the reference's matmuls:
-    a lone row is multiplied as two (`reference.rows_at_least_two`), so a row's result is the
-    same whatever the batch, in interpret mode too. On a TPU both are one MXU tile."""
-    return reference.rows_at_least_two(
+    the rows padded to a multiple of 8 (`reference.padded_rows`), so a row's result is the same
+    whatever the batch, in interpret mode too. On a TPU 8 rows are one sublane tile."""
+    return reference.padded_rows(
         lambda rows: jnp.dot(rows, w, preferred_element_type=jnp.float32), x)
 
 

@@ -29,8 +29,9 @@ What counts (`equation_cost`, the one rule; XLA's own HloCostAnalysis counts the
 Data movement (loads, stores, DMAs, broadcasts, reshapes, slices, converts, selects) and integer
 work (loop counters, indices, the positions) count nothing. XLA uses the numbers for scheduling
 only, so an exact count of every VPU op matters less than one rule, applied the same everywhere.
-The count is of the program as it runs: a lone row is multiplied as two (`blocks.dot`, so that a
-row's result is the same at any batch), so at B = 1 the matmuls count two rows; the expert loop
+The count is of the program as it runs: a product's rows are padded to a multiple of 8
+(`blocks.dot`, so that a row's result is the same at any batch), so below B = 8 the matmuls count
+8 rows; the expert loop
 multiplies all B rows by each fetched expert; the attention scores every row of a KV tile.
 
 Where the bytes depend on data, an estimate takes the most a call can move, so a run in that

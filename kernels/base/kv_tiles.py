@@ -163,12 +163,12 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
-                        rows_at_least_two: bool = False):
+                        padded: bool = False):
     """One tile of the f32 online softmax: scores [R, T], values [T, n]; carry (m, norm, acc).
 
-    rows_at_least_two: the R rows are heads whose count differs between one device and a rank
-    (the latent layout's all-heads-at-once product): a lone row is multiplied as two, so that it
-    sums in the order of a row of the multi-row product (`reference.rows_at_least_two`)."""
+    padded: the R rows are heads whose count differs between one device and a rank (the latent
+    layout's all-heads-at-once product): they are padded to a multiple of 8 rows, so that a head
+    sums in one order whatever the head count (`reference.padded_rows`)."""
     m, norm, acc = carry
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     valid = token < position  # the tile's tail past the cached tokens is stale: masked
@@ -181,7 +181,7 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
     correction = jnp.exp(m - m_new)
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
     norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
-    weighted = (blocks.dot(weights, values) if rows_at_least_two
+    weighted = (blocks.dot(weights, values) if padded
                 else jnp.dot(weights, values, preferred_element_type=jnp.float32))  # [R, n]
     acc = correction * acc + weighted
     return m_new, norm, acc
@@ -193,8 +193,8 @@ def dot_t(a, b):
 
 
 def rows_dot_t(a, b):
-    """`dot_t` with a lone row of a multiplied as two (`reference.rows_at_least_two`): a row's
-    bits do not depend on how many rows a has. XLA:CPU sums a one-row product in another order,
-    so without it the latent layout's scores of a rank's one head differ from that head's row of
+    """`dot_t` with a's rows padded to a multiple of 8 (`reference.padded_rows`): a row's bits do
+    not depend on how many rows a has. XLA:CPU sums a one-row product in another order, so
+    without it the latent layout's scores of a rank's one head differ from that head's row of
     the two-head product on one device (issue 22)."""
-    return reference.rows_at_least_two(lambda rows: dot_t(rows, b), a)
+    return reference.padded_rows(lambda rows: dot_t(rows, b), a)

@@ -335,12 +335,12 @@ def latent_partial(p: MlaPlan, b, count, q_lat, q_x, ckv_hbm, kx_hbm, carry, ind
 
     def update(t, tiles, carry):
         c_tile, x_tile = tiles  # [T, kv_rank], [T, extra] bf16
-        # H rows: 2 heads on one device of the mini, 1 on each of its ranks; a lone row is
-        # multiplied as two, so a head gets the same bits either way (rows_dot_t)
+        # H rows: 2 heads on one device of the mini, 1 on each of its ranks; padded to 8 rows,
+        # so a head gets the same bits either way (rows_dot_t)
         scores = (rows_dot_t(bf16(q_lat), c_tile)
                   + rows_dot_t(bf16(q_x), x_tile)) * p.scale  # [H, T]
         return online_softmax_step(p, t, count, scores, f32(c_tile), carry,
-                                   rows_at_least_two=True)
+                                   padded=True)
 
     def scoped(c_buffers, x_buffers, sems):
         c_name, x_name = (f"{KV_TILE_NAME}.{name}" for name in CACHE_NAMES["latent"])

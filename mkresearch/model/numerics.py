@@ -7,7 +7,8 @@ Conventions:
 - every matmul takes bf16 inputs and accumulates in f32 (`matmul`); f32 x f32 contractions (the KDA
   recurrence, softmax-weighted sums) use Precision.HIGHEST so a TPU computes them in full f32 too;
 - batch invariance: every reduction is `ordered_sum` (one written-out order) and no matmul runs
-  with a single row (`rows_at_least_two`), so a row's result is the same bits whatever the batch.
+  on a row count other than a multiple of 8 (`padded_rows`), so a row's result is the same bits
+  whatever the batch.
 
 The kernels call these same functions on VMEM values (`kernels/base/blocks.py`), so they round and sum
 exactly as the reference does.
@@ -36,10 +37,10 @@ def bf(x: jax.Array) -> jax.Array:
 
 def matmul(a: jax.Array, b: Any) -> jax.Array:
     """a [M, K] @ b [K, N] with bf16 inputs and f32 accumulation (how every matmul of the model
-    runs), batch-invariant: see `rows_at_least_two`. b may be `Partials` (a sharded reference)."""
+    runs), batch-invariant: see `padded_rows`. b may be `Partials` (a sharded reference)."""
     if isinstance(b, Partials):
         return b.contract(a)
-    return rows_at_least_two(
+    return padded_rows(
         lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
 
 
@@ -193,21 +194,29 @@ def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Ar
     return host_ordered_sum([wire_round(part, wire) for part in parts], hosts, wire)
 
 
-def rows_at_least_two(product, a: jax.Array, axis: int = -2) -> jax.Array:
-    """product(a) computed with at least two rows along `axis`, so that a row's result never
-    depends on how many rows there are (batch invariance).
+ROW_TILE = 8  # a product's rows are padded to a multiple of this (`padded_rows`)
 
-    XLA:CPU runs a one-row product as a matrix-vector kernel, which sums K in another order than
-    the matrix-matrix kernel it uses from two rows up; every row of the latter sums in one order
-    whatever the row count and the row's place (checked for 2..64 rows, AVX-512 and AVX2; the
-    batch-invariance tests keep checking it). A lone row is doubled and the copy dropped. On a
-    TPU both are one MXU tile.
+
+def padded_rows(product, a: jax.Array, axis: int = -2) -> jax.Array:
+    """product(a) computed on a's rows along `axis` padded with zero rows to a multiple of
+    ROW_TILE, the padding's rows dropped, so that a row's result never depends on how many rows
+    there are or where the row sits (batch invariance).
+
+    XLA:CPU's products (YNNPACK's kernels by default in jax 0.10.2) pick their kernels by the
+    row count. Measured on an x86 CPU with AMX and AVX512-BF16: a product of 1 row, one of 2
+    rows, and the 1 or 2 rows left over past a 16-row tile (rows 17, 18, 33, ...) each sum in
+    an order of their own; every other row of 3 to 300 sums alike. On AVX-512 and AVX2 CPUs
+    without those units only the one-row product differed. A multiple of 8 rows leaves no such
+    remainder on any of them (tests/test_batch_invariance.py keeps checking it). On a TPU 8 rows
+    are one sublane tile, which the MXU takes in the one pass it takes a row in.
     """
     axis = axis % a.ndim
-    if a.shape[axis] != 1:
+    rows = a.shape[axis]
+    pad = -rows % ROW_TILE if rows >= ROW_TILE else ROW_TILE - rows
+    if pad == 0:
         return product(a)
-    doubled = jnp.broadcast_to(a, a.shape[:axis] + (2,) + a.shape[axis + 1:])
-    return lax.slice_in_dim(product(doubled), 0, 1, axis=axis)
+    zeros = jnp.zeros(a.shape[:axis] + (pad,) + a.shape[axis + 1:], a.dtype)
+    return lax.slice_in_dim(product(jnp.concatenate([a, zeros], axis)), 0, rows, axis=axis)
 
 
 def ordered_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
@@ -245,7 +254,13 @@ def block_scaled_matmul(x: jax.Array, values: jax.Array, scales: jax.Array) -> j
     (m, j) holding x[m] in block j's columns and zeros elsewhere (zeros add nothing), so the dot
     has M·J rows, at decode far below the MXU's 256: no extra passes. The scaled partials are
     added over j by `ordered_sum` (one order whatever M). The products are exact in f32; only the
-    summation order differs from the decoded-bf16 product (`matmul`)."""
+    summation order differs from the decoded-bf16 product (`matmul`). x's rows are padded as
+    `matmul`'s are (`padded_rows`)."""
+    return padded_rows(lambda rows: _spread_product(rows, values, scales), x)
+
+
+def _spread_product(x: jax.Array, values: jax.Array, scales: jax.Array) -> jax.Array:
+    """`block_scaled_matmul` on x's rows as they are."""
     m, k = x.shape
     j = scales.shape[0]
     # x times a 0/1 mask, not a select: Mosaic cannot lay a boolean mask out as the rows of x

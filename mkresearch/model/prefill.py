@@ -182,20 +182,23 @@ def chunk_sublayers(cfg: ModelConfig) -> dict[str, Any]:
 def _chunk_step(params, state, tokens, start, cfg):
     batch, length = tokens.shape
     positions = (start[:, None] + jnp.arange(length, dtype=i32)[None]).reshape(-1)
-    logits, state, _ = reference.RESIDUAL_STEPS[cfg.residual](
+    logits, state, aux = reference.RESIDUAL_STEPS[cfg.residual](
         params, state, tokens.reshape(-1), positions, cfg, sublayers=chunk_sublayers(cfg))
-    return logits.reshape(batch, length, -1), state
+    routing = aux.get("expert_ids", jnp.zeros((0, batch * length, 0), i32))  # [n_moe, B T, k]
+    return (logits.reshape(batch, length, -1), state,
+            routing.swapaxes(0, 1).reshape(batch, length, *routing.shape[::2]))
 
 
 _chunk_step_jit = jax.jit(_chunk_step, static_argnames="cfg")
 
 
 def prefill(params: dict[str, Any], state: dict[str, Any], prompt: Any, cfg: ModelConfig, *,
-            start: Any = 0, chunk: int = DEFAULT_CHUNK, progress: bool = False
-            ) -> tuple[jax.Array, dict]:
+            start: Any = 0, chunk: int = DEFAULT_CHUNK, progress: bool = False,
+            expert_ids: bool = False) -> tuple:
     """Prompt [B, T] at positions start .. start+T-1 (start: int or [B]) in one jitted call per
     chunk of `chunk` tokens (the last chunk may be shorter: one more compile). Returns (logits
-    [B, T, V] f32 after each prompt token, the new state), as `reference.prefill` does."""
+    [B, T, V] f32 after each prompt token, the new state), and with expert_ids each token's
+    routing [B, T, n_moe, top_k], as `reference.prefill` does."""
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} is invalid: an int >= 1 (tokens per jitted call)")
     reference.check_prompt(prompt)
@@ -206,10 +209,13 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: Any, cfg: Mod
     bounds = range(0, length, int(chunk))
     if progress:
         bounds = tqdm(bounds, desc=f"{cfg.name} prefill", unit="chunk")
-    all_logits = []
+    all_logits, routing = [], []
     for first in bounds:
         tokens = prompt[:, first:first + chunk]
-        logits, state = _chunk_step_jit(params, state, tokens, jnp.asarray(start + first, i32),
-                                        cfg=cfg)
+        logits, state, chosen = _chunk_step_jit(params, state, tokens,
+                                                jnp.asarray(start + first, i32), cfg=cfg)
         all_logits.append(logits)
+        routing.append(chosen)
+    if expert_ids:
+        return jnp.concatenate(all_logits, axis=1), state, jnp.concatenate(routing, axis=1)
     return jnp.concatenate(all_logits, axis=1), state

@@ -18,8 +18,8 @@ Choices where the spec is silent (documented, used by the kernels too):
   Σ w_e y_e adds the experts in ascending id (batch-invariant); the KDA update is
   S̄ + k (β (v − S̄ᵀk))ᵀ.
 - Batch invariance: a row's logits, caches and states are the same bits whatever the other rows
-  and the batch size. Every reduction is `ordered_sum` (one written-out order) and no matmul
-  runs with a single row (`rows_at_least_two`); per-row products (attention, experts) are
+  and the batch size. Every reduction is `ordered_sum` (one written-out order) and every matmul
+  runs on rows padded to a multiple of 8 (`padded_rows`); per-row products (attention, experts) are
   batched over (row, head) or (row, expert), never stacked along their rows.
 """
 
@@ -43,8 +43,8 @@ from mkresearch.model.numerics import (  # noqa: F401 - the shared arithmetic, r
     matmul,
     mix,
     ordered_sum,
+    padded_rows,
     rms_norm,
-    rows_at_least_two,
     situ,
     softmax,
 )
@@ -271,21 +271,25 @@ def check_prompt(prompt: Any) -> None:
 
 
 def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cfg: ModelConfig,
-            *, start: Any = 0) -> tuple[jax.Array, dict]:
+            *, start: Any = 0, expert_ids: bool = False) -> tuple:
     """Teacher-forced decode of prompt [B, T] at positions start .. start+T-1 (start: int or [B]).
 
     One `decode_step` per prompt token (the same compiled step as decoding: no second compile).
-    Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state).
+    Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state), and
+    with expert_ids each token's routing, [B, T, n_moe, top_k] i32 (aux["expert_ids"]).
     """
     check_prompt(prompt)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
     check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
     prompt = jnp.asarray(prompt, i32)
-    all_logits = []
+    all_logits, routing = [], []
     for t in range(length):
-        logits, state, _ = decode_step(params, state, prompt[:, t], start + t, cfg)
+        logits, state, aux = decode_step(params, state, prompt[:, t], start + t, cfg)
         all_logits.append(logits)
+        routing.append(aux.get("expert_ids", jnp.zeros((0, batch, 0), i32)).swapaxes(0, 1))
+    if expert_ids:
+        return jnp.stack(all_logits, axis=1), state, jnp.stack(routing, axis=1)
     return jnp.stack(all_logits, axis=1), state
 
 

@@ -4,7 +4,7 @@ equals the single-device megakernel to the bit with the latent cache as with the
 The latent layout attends with all of a device's heads at once: its score and value products
 have one row per head. The mini's 2 heads make them 2-row products on one device and 1-row ones
 on each of its ranks (a head per rank at 2 ranks, each head on 2 ranks at 4), and XLA:CPU sums a
-one-row product in another order; `kv_tiles.rows_dot_t` multiplies a lone row as two. The
+one-row product in another order; `kv_tiles.rows_dot_t` pads the rows to 8. The
 expanded layout attends head by head (1-row products everywhere), so it never depended on it.
 
 `test_sharded_decode.run`'s checks at every step: logits as bits, tokens, every rank's slice of

@@ -26,9 +26,9 @@ from mkresearch.model.numerics import (
     i32,
     matmul,
     ordered_sum,
+    padded_rows,
     reduce_partials,
     rms_norm,
-    rows_at_least_two,
     softmax,
 )
 
@@ -141,7 +141,7 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
             product = jax.vmap(jax.vmap(functools.partial(mxu_matmul, fmt=fmt)))
             return product(v, w)[:, :, 0]
         w = dequantize(w, fmt)  # [B, k, K, N] bf16
-        return rows_at_least_two(  # each (row, expert) product with two rows, as `_mm`
+        return padded_rows(  # each (row, expert) product on padded rows, as `matmul`
             lambda v2: jnp.einsum("bkml,bklf->bkmf", v2, w, preferred_element_type=f32),
             v, axis=-2)[:, :, 0]
     zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], expert_ids.shape[1], 1, z.shape[-1]))
