@@ -207,8 +207,11 @@ def padded_rows(product, a: jax.Array, axis: int = -2) -> jax.Array:
     rows, and the 1 or 2 rows left over past a 16-row tile (rows 17, 18, 33, ...) each sum in
     an order of their own; every other row of 3 to 300 sums alike. On AVX-512 and AVX2 CPUs
     without those units only the one-row product differed. A multiple of 8 rows leaves no such
-    remainder on any of them (tests/test_batch_invariance.py keeps checking it). On a TPU 8 rows
-    are one sublane tile, which the MXU takes in the one pass it takes a row in.
+    remainder on any of them (tests/test_batch_invariance.py keeps checking it). Not removed by
+    padding: on the AMX CPU a bf16 x fp8 product at K = 256 sums a row in one order from 2 to 50
+    rows and in another from 51 (XLA's choice by size), so a row of an fp8 product is the same
+    bits in any batch of at most 50 rows there. On a TPU 8 rows are one sublane tile, which the
+    MXU takes in the one pass it takes a row in.
     """
     axis = axis % a.ndim
     rows = a.shape[axis]

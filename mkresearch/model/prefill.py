@@ -11,7 +11,8 @@ form here (`CHUNK_SUBLAYERS`), reusing its stage's projections:
         once, causally: query t sees slots 0 .. start+t (the cache before the chunk and the chunk
         up to itself). One softmax in f32 (not online): it equals the decode step's online one
         up to f32 rounding, so logits and caches after the first attention layer differ from the
-        step-by-step ones by a few bf16 ulps (bounds: tests/test_prefill.py).
+        step-by-step ones by a few bf16 ulps, until a router score that close to a tie picks
+        another expert in one of them (bounds, measured over seeds: tests/test_prefill.py).
     kda (and any kind with no chunk form)       a `lax.scan` of the kind's own decode sublayer over
         the chunk's tokens, inside the jitted call (KDA's chunkwise-parallel form is not here yet):
         the same bits as step-by-step decoding.
