@@ -59,7 +59,8 @@ def add_decode_arguments(p: Any) -> None:
                         "ranks, between sibling cores, or replicated on every rank (no gather "
                         "before top-k)")
     p.add_argument("--etp", type=int, default=None,
-                   help="with --ranks and the megakernel: the ranks each routed expert's hidden "
+                   help="with --ranks (the megakernel or the reference): the ranks each routed "
+                        "expert's hidden "
                         "is split over (expert-tensor parallel; default the layout's, the "
                         "release's 4 where it fits); the partial-sum modes split W2 by its rows, "
                         "so they take more ways than the exact mode")
@@ -69,11 +70,10 @@ def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel",
                 etp: int | None = None, collectives: str | None = None) -> None:
     """--ranks before anything runs: an int >= 1, a backend that shards (SHARDED_BACKENDS), and
     a count the model's layout can split (heads, vocabulary, experts: `layout.check_ranks`);
-    --etp, the sharded megakernel's only, a split the layout of `collectives` takes."""
+    --etp, a split the layout of `collectives` takes, on more than one rank."""
     at_least("--ranks", n_ranks, 1)
-    if etp is not None and (n_ranks == 1 or backend != "megakernel"):
-        raise UsageError(f"--etp {etp} needs --ranks N > 1 and --backend megakernel (the sharded "
-                         "reference and one device split no expert)")
+    if etp is not None and n_ranks == 1:
+        raise UsageError(f"--etp {etp} needs --ranks N > 1 (one device splits no expert)")
     if n_ranks > 1 and backend not in SHARDED_BACKENDS:
         raise UsageError(f"--ranks {n_ranks} needs --backend megakernel or reference: the "
                          f"{backend} backend runs one device (use --ranks 1)")

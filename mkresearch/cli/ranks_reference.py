@@ -33,14 +33,16 @@ CHECK = ("mesh logits vs the single-device sharded reference (reference_sharded.
 
 def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int, n_ranks: int,
            collectives: str = layout.PARTIAL_SUM, progress: bool = False,
-           load: Callable[[layout.Layout, tuple], Any] | None = None, prompt: Any = None) -> dict:
+           load: Callable[[layout.Layout, tuple], Any] | None = None, prompt: Any = None,
+           etp: int | None = None) -> dict:
     """The decode (module docstring) -> its result, the same on every process. `load(lay,
     ranks)` (a checkpoint: `rank_loader.load_rank_params`) gives this process's ranks' slices
-    in place of the random model's, and `prompt` [B, T] the checkpoint's tokens."""
+    in place of the random model's, and `prompt` [B, T] the checkpoint's tokens; `etp`: the
+    ranks each routed expert's hidden is split over (None: the layout's)."""
     import jax
     import numpy as np
 
-    lay = layout.layout(cfg, n_ranks, collectives=collectives)
+    lay = layout.layout(cfg, n_ranks, collectives=collectives, etp=etp)
     plan = reference_mesh.MeshReference(lay)  # refuses what it cannot run, before any work
     mesh = reference_mesh.make_mesh(n_ranks)
     ranks = distributed.local_ranks(mesh)
@@ -158,7 +160,7 @@ def run_decode(args: Any, cfg: ModelConfig, progress: bool, load: Callable | Non
     started = time.perf_counter()
     with refusals():
         result = decode(cfg, args.prompt_len, args.steps, args.batch, args.seed, args.ranks,
-                        args.collectives, progress, load, prompt)
+                        args.collectives, progress, load, prompt, getattr(args, "etp", None))
     result["seconds"]["total"] = time.perf_counter() - started
     if text is not None:
         result["text"] = text(result["generated"][0])

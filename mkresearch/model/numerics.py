@@ -141,6 +141,13 @@ class ExpertGroups:
         per_group = jax.tree.leaves(self.experts)[0].shape[0] // self.groups
         return [group_sum(y, coef, ids // per_group == g) for g in range(self.groups)]
 
+    def slice_outputs(self, h: jax.Array, product) -> list:
+        """ETP > 1: each hidden slice's partial output, `product(h's slice, its rows (start,
+        stop) of W2)`, slices in order (h [B, k, 1, F] the whole hidden)."""
+        width = h.shape[-1] // self.etp
+        return [product(h[..., s * width:(s + 1) * width], (s * width, (s + 1) * width))
+                for s in range(self.etp)]
+
     def rank_sums(self, ys: list, coef: jax.Array, ids: jax.Array) -> list:
         """ETP > 1: each rank's Σ coef·y over its group's experts, ascending id, y its hidden
         slice's partial output (ys[slice] [B, k, n] f32, in ascending id order of `ids`), one

@@ -21,8 +21,11 @@ order. Across processes the all-gathers are JAX's collectives between them (gloo
 move bits, never add them: 2 processes of 4 devices give the bits of 1 process of 8
 (tests/test_multihost.py). The state is whole and replicated on every rank.
 
-Experts split by ETP too (EP x ETP > 1 on a rank group) are refused in partial-sum mode, as
-`reference_sharded` does not model them.
+Experts split by ETP too (`layout.layout(etp=)`: each expert's hidden over the ETP ranks of its
+group): each rank computes its hidden slice's partial output of its group's chosen experts
+(W1, W3 by their hidden columns, W2 by its rows, each product rounded to bf16 as the kernel
+does), sums them, and every rank's sum is all-gathered and added in rank order, as
+`reference_sharded` adds them (`numerics.ExpertGroups` with `ranks`).
 """
 
 from __future__ import annotations
@@ -97,6 +100,17 @@ class RankExpertGroups(ExpertGroups):
         gathered = lax.all_gather(mine, self.axis)  # [n_ranks, B, n]
         return [gathered[rank] for rank in self.firsts]
 
+    def slice_outputs(self, h: jax.Array, product) -> list:
+        # ETP > 1: the rank holds its hidden slice of W1, W3 (h is that slice's) and its rows
+        # of W2: its own slice's partial output only
+        return [product(h, None)]
+
+    def rank_sums(self, ys: list, coef: jax.Array, ids: jax.Array) -> list:
+        # every rank's sum over its group's experts, all-gathered, in rank order
+        mine = group_sum(ys[0], coef, ids // self.per_group == self._group())  # [B, n]
+        gathered = lax.all_gather(mine, self.axis)  # [n_ranks, B, n]
+        return [gathered[rank] for rank in range(gathered.shape[0])]
+
 
 @dataclass(frozen=True)
 class MeshReference:
@@ -110,10 +124,6 @@ class MeshReference:
         lay = self.layout
         if lay.collectives == layouts.PARTIAL_SUM:
             reference_sharded.check_hosts(lay, self.ranks_per_host)
-            if lay.etp > 1:
-                raise ValueError(f"a layout of {lay.cfg.name} on {lay.n_ranks} ranks with "
-                                 f"EP {lay.ep} x ETP {lay.etp} is invalid for the partial-sum "
-                                 "reference: ETP = 1 (its expert-TP partials are not modelled)")
 
 
 def make_mesh(n_ranks: int) -> Any:
@@ -181,11 +191,15 @@ def _rank_partials(lay: layouts.Layout, p: spec.Param, local: Any, group: str, w
 
 def _rank_experts(lay: layouts.Layout, kind: str, local: Any, wire: str,
                   per_host: int) -> RankExpertGroups:
+    """As `reference_sharded._expert_groups`: one partial per expert group (ETP = 1), or with
+    ETP > 1 one per rank (its group and hidden slice), in rank order."""
     firsts = tuple(g * lay.etp for g in range(lay.ep))
-    ep = lay.split(spec.EXPERTS)
-    return RankExpertGroups(local, lay.ep, wire, tuple(r // per_host for r in firsts),
-                            layouts.merges_shared_sum(lay, kind),
-                            group_of_rank=tuple(ep.index(r) for r in range(lay.n_ranks)),
+    ep, pieces = lay.split(spec.EXPERTS), lay.split(spec.EXPERT_TP)
+    ranks = (() if lay.etp == 1 else
+             tuple((ep.index(r), pieces.index(r)) for r in range(lay.n_ranks)))
+    hosts = tuple(r // per_host for r in (firsts if lay.etp == 1 else range(lay.n_ranks)))
+    return RankExpertGroups(local, lay.ep, wire, hosts, layouts.merges_shared_sum(lay, kind),
+                            ranks, group_of_rank=tuple(ep.index(r) for r in range(lay.n_ranks)),
                             firsts=firsts, per_group=lay.cfg.n_experts // lay.ep, axis=AXIS)
 
 

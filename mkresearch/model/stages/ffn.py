@@ -150,9 +150,7 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
     h = activation(g, u, cfg)[:, :, None]  # [B, k, 1, F_e]
     slices = 1 if groups is None else groups.etp
     if slices > 1:  # ETP: each rank's hidden slice times its rows of W2, rounded apart
-        width = cfg.expert_hidden // slices
-        ys = [bf(per_expert(h[..., s * width:(s + 1) * width], "w2",
-                            (s * width, (s + 1) * width))) for s in range(slices)]
+        ys = groups.slice_outputs(h, lambda part, rows: bf(per_expert(part, "w2", rows)))
     else:
         ys = [bf(per_expert(h, "w2"))]  # [B, k, n]
     # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
