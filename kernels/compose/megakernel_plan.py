@@ -46,6 +46,9 @@ MAX_BATCH = BF16_SUBLANE
 MAX_VERIFY_ROWS = 4 * BF16_SUBLANE
 # VMEM Mosaic may use for its own temporaries (vregs spilled, relayouts) beyond the planned buffers.
 VMEM_HEADROOM_BYTES = 4 * 2**20
+# VMEM slots per expert matrix the megakernel takes: at least two, since it issues the first
+# experts' DMAs right after routing, ahead of their use
+EXPERT_SLOTS = tuple(range(2, experts.MAX_SLOTS + 1))
 
 
 # ---- options and plan --------------------------------------------------------------------------
@@ -122,9 +125,10 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
                          f"{cfg.ring_block_bytes} the shortest stage of {cfg.name} streams "
                          f"{max_depth - 1} blocks)")
     experts.check_stage_options(options.expert_plan, options.expert_slots, cfg.expert_format)
-    if options.expert_slots < 2:
-        raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in [2, 8] (the "
-                         "megakernel issues expert DMAs right after routing, ahead of their use)")
+    if options.expert_slots not in EXPERT_SLOTS:
+        raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in "
+                         f"[{EXPERT_SLOTS[0]}, {EXPERT_SLOTS[-1]}] (the megakernel issues expert "
+                         "DMAs right after routing, ahead of their use)")
     get_chip(options.chip)  # ValueError listing the chips
     rph = options.ranks_per_host
     if isinstance(rph, bool) or not isinstance(rph, int) or rph < 0:

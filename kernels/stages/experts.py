@@ -483,14 +483,17 @@ def moe_layer_call(x, w_router, router_bias, routed, always_on, *, options, rout
                              given={router.ROUTING: lambda layer: worst})
 
 
+MAX_SLOTS = 8  # VMEM slots per expert matrix at most
+
 # ---- checks (Python, before tracing) ----------------------------------------------------------
 def check_stage_options(plan: Any, n_slots: Any, expert_format: Any) -> None:
     quant.check_format(expert_format)
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r} is invalid: one of {', '.join(map(repr, PLANS))}")
-    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or not 1 <= n_slots <= 8:
-        raise ValueError(f"n_slots={n_slots!r} is invalid: an int in [1, 8] (VMEM slots per "
-                         "expert matrix; 1 = no overlap, 2 = double buffering)")
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) \
+            or not 1 <= n_slots <= MAX_SLOTS:
+        raise ValueError(f"n_slots={n_slots!r} is invalid: an int in [1, {MAX_SLOTS}] (VMEM "
+                         "slots per expert matrix; 1 = no overlap, 2 = double buffering)")
 
 
 def check_input(x: Any, d_model: int) -> None:
