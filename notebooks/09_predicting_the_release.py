@@ -394,7 +394,8 @@ assert not label_problems(figure)  # no label runs into another, none is cut
 # rho by a one-phase reduce-scatter with W_lu split by rows (the kernel's restructured mode, its
 # own bytes and collectives), the router placed where the model says it is fastest
 # (`MegakernelOptions.router_placement`), bf16 partial sums on the wire, and the routed experts
-# split over as many ranks each as is fastest (the layout's `etp`).
+# split over as many ranks each (the layout's `etp`) with as many VMEM slots per expert matrix
+# (`MegakernelOptions.expert_slots`) as together are fastest among the plans the kernel takes.
 
 # %%
 designs_b1 = design_table.designs_table(cfg, 32, (1,))

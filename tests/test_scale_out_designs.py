@@ -164,26 +164,68 @@ def test_designs_table_and_the_command(capsys):
     assert splits["chosen"] == min(splits["rows"], key=lambda r: r["step_ms"])["etp"]
 
 
-@pytest.mark.slow  # five full-size predictions (~8 s)
-def test_expert_splits_the_fastest_of_the_partial_sum_modes_ways():
-    """The expert-tensor splits the partial-sum modes take on Kimi K3 / 32 (W2 by its rows: 8
-    ways too, which the exact mode's W2 columns refuse), each priced with the designs before
-    it; the chosen is the fastest and is the designs' last row; the bytes per rank do not move
-    (every rank reads 1 / 32 of the chosen experts either way)."""
+@pytest.mark.slow  # the designs at B = 1 (cached from the table's test when in one process)
+def test_expert_layouts_the_fastest_split_and_slots_together():
+    """The designs' last step: the expert-tensor split the partial-sum modes take on Kimi K3 / 32
+    (W2 by its rows: 8 ways too, which the exact mode's W2 columns refuse) together with the
+    count of VMEM slots per expert matrix (`MegakernelOptions.expert_slots`), the fastest pair
+    predicted with the designs before it, each priced with its ring as deep as VMEM still allows
+    beside the slots (more slots, never a deeper ring). `expert_splits` (what `plan` prints) is
+    its rows at the default two slots. Same bytes per rank at every pair."""
+    from mkresearch.kernels.compose import megakernel_plan as mplan
+
     cfg = get_config("kimi-k3")
     assert partition.expert_tp_ways(cfg, 32, columns=False) == [1, 2, 4, 8]
     assert partition.expert_tp_ways(cfg, 32) == [1, 2, 4]  # the exact mode's
-    label, variant, fields = design_table.design_steps(cfg, 32, 1)[-2]
-    assert label == "+ bf16 partial sums"
-    table = design_table.expert_splits(variant, 32, 1, **fields)
-    steps = {r["etp"]: r["step_ms"] for r in table["rows"]}
-    print(f"Kimi K3 / 32, B = 1, every design before it: step ms by ETP {steps}")
-    assert table["as_built"] == 4 and table["chosen"] == min(steps, key=steps.get) == 8
-    assert steps[8] < steps[4] < steps[2] < steps[1]
+    steps = design_table.design_steps(cfg, 32, 1)
+    (before, variant, fields), (label, _, last) = steps[-2], steps[-1]
+    assert before == "+ bf16 partial sums"
+    table = design_table.expert_layouts(variant, 32, 1, **fields)
+    step = {(r["etp"], r["slots"]): r["step_ms"] for r in table["rows"]}
+    assert sorted(step) == [(e, n) for e in (1, 2, 4, 8) for n in mplan.EXPERT_SLOTS]
+    assert table["as_built"] == {"etp": 4, "slots": 2}
+    fits = {(r["etp"], r["slots"]): r["planned"] for r in table["rows"]}
+    assert not any(fits[1, n] for n in mplan.EXPERT_SLOTS)  # W2 whole: over VMEM at B = 1
+    assert all(fits[8, n] for n in mplan.EXPERT_SLOTS)
+    best = min((k for k in step if fits[k]), key=lambda k: (step[k], k[1], k[0]))
+    assert (table["chosen"]["etp"], table["chosen"]["slots"]) == best
+    assert last == {**fields, "etp": best[0], "expert_slots": best[1]}
+    assert label == f"+ experts {best[0]} ways, {best[1]} slots"
+    print(f"Kimi K3 / 32, B = 1, every design before it: chosen {best}, {step[best]:.3f} ms; "
+          f"at 2 slots by ETP { {e: round(step[e, 2], 3) for e in (1, 2, 4, 8)} }")
+    for etp in (2, 4, 8):  # the plans that fit: more slots, never a deeper ring
+        rings = [r["ring"] for r in table["rows"] if r["etp"] == etp and r["planned"]]
+        assert rings == sorted(rings, reverse=True) and rings[0] > rings[-1]
+    splits = design_table.expert_splits(variant, 32, 1, **fields)
+    assert splits["rows"] == [{"etp": e, "ep": 32 // e, "step_ms": step[e, 2],
+                               "planned": fits[e, 2]} for e in (1, 2, 4, 8)]
+    assert splits["as_built"] == 4 and splits["chosen"] == 8
+    assert step[8, 2] < step[4, 2] < step[2, 2] < step[1, 2]
     rows = design_table.designs_table(cfg, 32, (1,))
-    assert rows[-2]["design"] == "+ experts split 8 ways"
-    assert rows[-2]["step_ms"] == pytest.approx(steps[8], rel=1e-12)
+    assert rows[-2]["design"] == label and rows[-2]["step_ms"] == pytest.approx(step[best])
     assert rows[-2]["rank_gb"] == pytest.approx(rows[-3]["rank_gb"], rel=1e-12)
+
+
+@pytest.mark.slow  # two full-size predictions at B = 8 (~5 s)
+def test_a_third_expert_slot_hides_the_experts_mxu_time_at_b8():
+    """At B = 8 (Kimi K3 / 32, restructured, experts to the MXU as fp8, expert reads first, the
+    router on each host, the bf16 wire, experts split 8 ways) two slots leave the MXU's work on
+    the routed experts exposed: the next expert's read waits for the slot the multiplied one
+    holds. A third slot keeps the reads moving while one is multiplied: compute exposed falls by
+    more than a fifth, the step by more than 4 %, at the same bytes and ring depth."""
+    cfg = get_config("kimi-k3", expert_mxu="fp8")
+    fields = {"collectives": layouts.RESTRUCTURED, "wire": "bf16", "expert_order": "first",
+              "designs": ("router-host",), "etp": 8}
+    two, three = (design_table.predict_design(cfg, 32, 8, design_table.SAME_ASSUMPTIONS,
+                                              expert_slots=n, **fields) for n in (2, 3))
+    print(f"B = 8: step {two['step_s'] * 1e3:.3f} -> {three['step_s'] * 1e3:.3f} ms, compute "
+          f"exposed {two['parts_s']['compute'] * 1e3:.3f} -> "
+          f"{three['parts_s']['compute'] * 1e3:.3f} ms")
+    assert two["schedule"]["expert_slots"] == 2 and three["schedule"]["expert_slots"] == 3
+    assert three["schedule"]["banks"] == two["schedule"]["banks"]
+    assert three["parts_s"]["compute"] < 0.8 * two["parts_s"]["compute"]
+    assert three["step_s"] < 0.96 * two["step_s"]
+    assert three["rank_bytes"] == two["rank_bytes"]
 
 
 def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
@@ -231,3 +273,29 @@ def test_experts_handed_to_the_mxu_as_fp8(capsys):
     assert "B=1, experts to the MXU as fp8)" in capsys.readouterr().out
     assert cli.main(["predict", "glm-4.5", "--expert-mxu", "fp8"]) == 2
     assert "expert_mxu='fp8' is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two full-size predictions and plans at 16 rows (~15 s)
+def test_a_step_no_kernel_plans_is_marked_and_never_chosen():
+    """At 16 rows (B = 2 with 7 drafts) Kimi K3's restructured bf16 step with the experts split 4
+    ways (as built) is over the core's VMEM: `make_sharded_plan` refuses it, and its predicted
+    schedule says so (`kernel_plans`); 2 ways is planned. The tables mark the step no kernel
+    plans; `expert_layouts` chooses among the planned."""
+    from mkresearch.kernels.compose import megakernel_sharded as ms
+
+    cfg = get_config("kimi-k3", expert_mxu="fp8")
+    fields = {"collectives": layouts.RESTRUCTURED, "wire": "bf16", "expert_order": "first",
+              "designs": ("router-replicated",)}
+    for etp, planned in ((4, False), (2, True)):
+        p = design_table.predict_design(cfg, 32, 16, design_table.SAME_ASSUMPTIONS,
+                                        sequences=2, etp=etp, **fields)
+        assert p["schedule"]["kernel_plans"] is planned
+        lay = layouts.layout(cfg, 32, collectives=layouts.RESTRUCTURED, etp=etp)
+        options = ms.kernel_options(lay, 16, "tpu7x", "bf16", router_placement="replicated")
+        if planned:
+            ms.make_sharded_plan(lay, 16, options=options, wire="bf16")
+        else:
+            with pytest.raises(ValueError, match="VMEM plan needs"):
+                ms.make_sharded_plan(lay, 16, options=options, wire="bf16")
+    assert design_table.design_label("+ x", False) == "+ x" + design_table.UNPLANNED
+    assert design_table.design_label("+ x", True) == "+ x"

@@ -95,21 +95,30 @@ def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels, mode):
     assert result.n_mosaic_kernels == 1
 
 
-@pytest.mark.exhaustive  # a full-size compile here (~30 s)
-def test_kimi_k3_experts_split_8_ways_compiles_one_mosaic_kernel():
-    """The designs' last row (`design_table.design_steps`): Kimi K3's restructured step with its
-    experts split 8 ways (W2 by its hidden rows), experts to the MXU as fp8, the bf16 wire and
-    the router on each host compiles for the 32 cores of tpu7x:2x2x4, one Mosaic kernel per rank,
-    its VMEM plan within the core's limit."""
-    cfg = get_config("kimi-k3", expert_mxu="fp8")
-    lay = layout.layout(cfg, 32, collectives=layout.RESTRUCTURED, etp=8)
-    options = ms.kernel_options(lay, 1, "tpu7x", "bf16", router_placement="host")
-    result, plan = ms.compile_sharded_step(cfg, 32, batch=1, collectives=layout.RESTRUCTURED,
-                                           wire="bf16", options=options, etp=8)
-    print(f"kimi-k3 restructured, ETP 8, B=1: {result.n_mosaic_kernels} Mosaic kernel per rank, "
-          f"compiled in {result.seconds:.1f} s, VMEM {plan.mega.vmem.total_bytes / 2**20:.2f} "
-          f"of {plan.mega.vmem.limit_bytes / 2**20:.2f} MiB")
-    assert (plan.layout.ep, plan.layout.etp) == (4, 8)
+@pytest.mark.exhaustive  # a full-size compile here (~30 s) and the designs' choices (~10 s)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kimi_k3_designs_last_row_compiles_one_mosaic_kernel(batch):
+    """The designs' last row (`design_table.design_steps`) at `batch`: Kimi K3's restructured step
+    with its experts split 8 ways (W2 by its hidden rows), experts to the MXU as fp8, the bf16
+    wire, the router placed and the expert slots chosen at that batch compiles for the 32 cores
+    of tpu7x:2x2x4, one Mosaic kernel per rank, its VMEM plan within the core's limit."""
+    from mkresearch.prediction import design_table, designs
+
+    label, cfg, fields = design_table.design_steps(get_config("kimi-k3"), 32, batch)[-1]
+    assert label.endswith(" slots") and cfg.expert_mxu == "fp8"
+    mode, wire, etp = fields["collectives"], fields["wire"], fields["etp"]
+    lay = layout.layout(cfg, 32, collectives=mode, etp=etp)
+    options = ms.kernel_options(lay, batch, "tpu7x", wire,
+                                router_placement=designs.router_placement(fields["designs"]),
+                                expert_slots=fields["expert_slots"])
+    result, plan = ms.compile_sharded_step(cfg, 32, batch=batch, collectives=mode, wire=wire,
+                                           options=options, etp=etp)
+    print(f"kimi-k3 {mode}, ETP {etp}, router {options.router_placement}, "
+          f"{options.expert_slots} expert slots, B={batch}: {result.n_mosaic_kernels} Mosaic "
+          f"kernel per rank, compiled in {result.seconds:.1f} s, ring {plan.mega.cfg.ring_depth}"
+          f" slots, VMEM {plan.mega.vmem.total_bytes / 2**20:.2f} of "
+          f"{plan.mega.vmem.limit_bytes / 2**20:.2f} MiB")
+    assert (plan.layout.ep, plan.layout.etp) == (4, 8) and mode == layout.RESTRUCTURED
     assert result.n_mosaic_kernels == 1 and plan.mega.vmem.fits()
 
 

@@ -128,6 +128,9 @@ class RingDepth:
 
     depth: int
     reason: str
+    # False: no kernel plans this step (even the floor over VMEM: `make_sharded_plan` refuses it;
+    # or more rows than the kernel plans), a ring the prediction prices anyway
+    planned: bool = True
 
     def describe(self) -> str:
         return f"ring {self.depth} slots: {self.reason}"
@@ -159,14 +162,14 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) \
             or not 1 <= batch <= mplan.MAX_BATCH:  # the prediction's larger batches: no kernel
         return RingDepth(floor, f"the floor (no kernel plan at B = {batch}: at most "
-                                f"{mplan.MAX_BATCH} rows)")
+                                f"{mplan.MAX_BATCH} rows)", planned=False)
 
     def vmem(depth: int) -> mplan.VmemPlan:
         return rank_vmem(lay, int(batch), depth, seq_len, options, wire)
 
     floor_vmem = vmem(floor)
     if not floor_vmem.fits():
-        return RingDepth(floor, "the floor, over VMEM (the plan is refused)")
+        return RingDepth(floor, "the floor, over VMEM (the plan is refused)", planned=False)
     budget = floor_vmem.limit_bytes - RING_VMEM_SPARE_BYTES
     best, best_bytes = floor, floor_vmem.total_bytes
     for depth in range(floor + 1, cap + 1):  # the plan grows by a slot per depth: first over ends

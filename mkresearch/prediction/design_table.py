@@ -9,8 +9,11 @@ predicted (per model and batch), the kernel's default "split" (as built). `desig
 batches)`: ours as built, then each design added in turn (experts to the MXU as fp8, expert reads
 first, rho by reduce-scatter: the kernel's restructured mode, the chosen router placement, bf16
 partial sums: the kernel built with a bf16 wire, the chosen expert-tensor split: its layout's
-`etp`), beside the release's modelled step. `expert_splits(cfg, n_ranks, batch, ...)`: each
-expert-tensor split the partial-sum modes take with the step it predicts; the fastest chosen.
+`etp` chosen together with the count of expert slots, `MegakernelOptions.expert_slots`), beside
+the release's modelled step. `expert_layouts(cfg, n_ranks, batch, ...)`: each expert-tensor split
+the partial-sum modes take with each count of expert slots the kernel takes, the step each
+predicts; the fastest chosen. `expert_splits`: its rows at the default slots (`plan` prints
+them).
 `mkresearch plan MODEL --ranks N` prints the first, `mkresearch predict MODEL --ranks N --designs`
 the second. `design_steps` is the one list of designs (`predict_design` prices one): the plain
 table prices it at B rows, `speculative_designs` at a verify step's B (k + 1).
@@ -22,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from mkresearch.hardware import interconnect as links
+from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.model import partition
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, designs, scale_out
@@ -36,9 +40,12 @@ def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibratio
     """Our step at `batch` under `model` as the kernel in mode `collectives` with `wire` runs it
     (`our_schedule`), with `fields` of its schedule set (`Schedule.designs`, `expert_order`);
     `sequences`: as `scale_out.predict`'s; `etp` among the fields: the kernel built with its
-    experts split so (its layout, bytes and ring depth)."""
-    base = scale_out.our_schedule(cfg, collectives, n_ranks, batch, wire=wire,
-                                  etp=fields.pop("etp", None))
+    experts split so (its layout, bytes and ring depth); `expert_slots`: the kernel built with
+    that many VMEM slots per expert matrix (its ring as deep as VMEM still allows)."""
+    base = scale_out.our_schedule(  # the kernel built so: its ring as deep as VMEM allows
+        cfg, collectives, n_ranks, batch, wire=wire, etp=fields.pop("etp", None),
+        router=designs.router_placement(fields.get("designs", ())),
+        expert_slots=fields.pop("expert_slots", None))
     sched = dataclasses.replace(base, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
@@ -113,32 +120,61 @@ def designs_table(cfg: ModelConfig, n_ranks: int = 32, batches=calibration.BATCH
     return out
 
 
+def expert_layouts(cfg: ModelConfig, n_ranks: int, batch: int, *,
+                   model: calibration.Model = SAME_ASSUMPTIONS,
+                   slot_counts: tuple[int, ...] = mplan.EXPERT_SLOTS,
+                   **fields: Any) -> dict[str, Any]:
+    """Each expert-tensor split the kernel's partial-sum modes take (`partition.expert_tp_ways`:
+    each expert's hidden over etp ranks, EP = n_ranks / etp groups; `layout.layout(etp=)`) with
+    each count of VMEM slots per expert matrix in `slot_counts` (`MegakernelOptions.expert_slots`:
+    item i's reads go to slot i mod n, so n - 1 experts' reads move while one is multiplied), our
+    step with `fields` of its schedule (the designs before it) predicted for each, its ring as
+    deep as VMEM still allows beside the slots: rows of etp, EP, slots, ring slots, step ms and
+    whether the kernel plans it ("planned": False, over VMEM, priced but not chosen while
+    another is planned); "chosen": the fastest planned (etp, slots) (fewer slots, then fewer
+    ways, of equal steps; of all when none is planned: more rows than the kernel plans),
+    "as_built":
+    the layout's split and the option's default. The two are chosen together: a split's groups
+    fetch more experts each as etp falls, a count of slots hides an expert's MXU time behind the
+    next reads, so the best count depends on the split."""
+    rows = []
+    for etp in partition.expert_tp_ways(cfg, n_ranks, columns=False):
+        for slots in slot_counts:
+            p = predict_design(cfg, n_ranks, batch, model, etp=etp, expert_slots=slots, **fields)
+            rows.append({"etp": etp, "ep": n_ranks // etp, "slots": slots,
+                         "ring": p["schedule"]["banks"] + 1, "step_ms": p["step_s"] * 1e3,
+                         "planned": p["schedule"]["kernel_plans"]})
+    best = min([r for r in rows if r["planned"]] or rows,
+               key=lambda r: (r["step_ms"], r["slots"], r["etp"]))
+    return {"rows": rows, "chosen": {"etp": best["etp"], "slots": best["slots"]},
+            "as_built": {"etp": partition.default_etp(cfg, n_ranks),
+                         "slots": mplan.MegakernelOptions().expert_slots}}
+
+
 def expert_splits(cfg: ModelConfig, n_ranks: int, batch: int, *,
                   model: calibration.Model = SAME_ASSUMPTIONS, **fields: Any) -> dict[str, Any]:
-    """Each expert-tensor split the kernel's partial-sum modes take (`partition.expert_tp_ways`:
-    each expert's hidden over etp ranks, EP = n_ranks / etp groups; `layout.layout(etp=)`), our
-    step with `fields` of its schedule (the designs before it) predicted for each: rows of etp,
-    EP and step ms; "chosen": the fastest (the routed experts' uniform routing spreads over
+    """`expert_layouts` at the kernel's default expert slots (what `plan` prints): rows of etp,
+    EP, step ms and "planned"; "chosen": the fastest planned split (the routed experts' uniform routing spreads over
     fewer, larger groups as etp grows, so the slowest group waits less), "as_built": the
     layout's default."""
-    rows = [{"etp": etp, "ep": n_ranks // etp,
-             "step_ms": predict_design(cfg, n_ranks, batch, model, etp=etp,
-                                       **fields)["step_s"] * 1e3}
-            for etp in partition.expert_tp_ways(cfg, n_ranks, columns=False)]
-    return {"rows": rows, "chosen": min(rows, key=lambda r: r["step_ms"])["etp"],
-            "as_built": partition.default_etp(cfg, n_ranks)}
+    table = expert_layouts(cfg, n_ranks, batch, model=model,
+                           slot_counts=(mplan.MegakernelOptions().expert_slots,), **fields)
+    return {"rows": [{k: r[k] for k in ("etp", "ep", "step_ms", "planned")} for r in table["rows"]],
+            "chosen": table["chosen"]["etp"], "as_built": table["as_built"]["etp"]}
 
 
 def format_expert_splits(table: dict[str, Any], model: str, n_ranks: int, batch: int) -> str:
     lines = [(f"expert-tensor splits ({model} on {n_ranks} ranks, B = {batch}, in the "
               "restructured mode with expert reads first; predicted by the scale-out model, the "
               "same assumptions as the release's):"),
-             (f"  the kernel runs each (decode --ranks {n_ranks} --etp N: each expert's hidden over "
-              f"N ranks, W2 by its rows); as built: {table['as_built']}"),
+             (f"  the kernel runs each it plans (decode --ranks {n_ranks} --etp N: "
+              f"each expert's hidden over N ranks, W2 by its rows); as built: "
+              f"{table['as_built']}"),
              f"  {'ETP':>5s} {'EP groups':>9s} {'step ms':>8s}"]
     for r in table["rows"]:
         marks = [m for m, on in (("as built", r["etp"] == table["as_built"]),
-                                 ("chosen (fastest predicted)", r["etp"] == table["chosen"]))
+                                 ("chosen (fastest predicted)", r["etp"] == table["chosen"]),
+                                 ("no kernel plan: over VMEM", not r["planned"]))
                  if on]
         mark = f"  <- {', '.join(marks)}" if marks else ""
         lines.append(f"  {r['etp']:5d} {r['ep']:9d} {r['step_ms']:8.2f}{mark}")
@@ -163,7 +199,7 @@ def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
     fp8 = cfg.replace(expert_mxu="fp8") if cfg.expert_format != "bf16" else None
     rho = layouts.RESTRUCTURED  # the kernel's mode: rho by a one-phase reduce-scatter
     wire = {"expert_order": "first", "wire": "bf16", "collectives": rho, "designs": router}
-    etp = expert_splits(fp8 or cfg, n_ranks, batch, model=model, **wire)["chosen"]
+    experts = expert_layouts(fp8 or cfg, n_ranks, batch, model=model, **wire)["chosen"]
     return [("as built", cfg, {}),
             *([("+ experts to the MXU as fp8", fp8, {})] if fp8 else []),
             ("+ expert reads first", fp8 or cfg, {"expert_order": "first"}),
@@ -172,7 +208,8 @@ def design_steps(cfg: ModelConfig, n_ranks: int, batch: int, *,
             (f"+ router {placement}", fp8 or cfg, {
                 "expert_order": "first", "collectives": rho, "designs": router}),
             ("+ bf16 partial sums", fp8 or cfg, wire),
-            (f"+ experts split {etp} ways", fp8 or cfg, {**wire, "etp": etp})]
+            (f"+ experts {experts['etp']} ways, {experts['slots']} slots", fp8 or cfg,
+             {**wire, "etp": experts["etp"], "expert_slots": experts["slots"]})]
 
 
 def design_predictions(cfg: ModelConfig, n_ranks: int, batch: int, *,
@@ -192,7 +229,18 @@ def _row(batch: int, label: str, p: dict, release: dict | None) -> dict:
             "chain_ms": p["serial_chain_s"] * 1e3,
             "collective_ms": parts["collective_messages"] * 1e3,
             "over_release": p["step_s"] / release["step_s"] if release else None,
-            "published_ms": (p["published_step_s"] or 0) * 1e3 or None}
+            "published_ms": (p["published_step_s"] or 0) * 1e3 or None,
+            "kernel_plans": p["schedule"]["kernel_plans"]}
+
+
+UNPLANNED = " *"  # after a design no kernel plans
+UNPLANNED_NOTE = ("  * no kernel plans this step (over the core's VMEM, or more rows than it "
+                  "plans): priced anyway")
+
+
+def design_label(label: str, kernel_plans: bool) -> str:
+    """A design's label in a table, marked when no kernel plans it (`UNPLANNED_NOTE`)."""
+    return label if kernel_plans else label + UNPLANNED
 
 
 def format_designs(rows: list[dict]) -> str:
@@ -200,11 +248,14 @@ def format_designs(rows: list[dict]) -> str:
               "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
               "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
               "sequence:"),
-             (f"  {'B':>2s} {'design':28s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
+             (f"  {'B':>2s} {'design':30s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
               f"{'chain ms':>8s} {'/release':>8s}")]
     for r in rows:
         ratio = f"{r['over_release']:8.2f}" if r["over_release"] else f"{'':8s}"
-        lines.append(f"  {r['batch']:2d} {r['design']:28s} {r['step_ms']:8.2f} "
+        label = design_label(r["design"], r["kernel_plans"])
+        lines.append(f"  {r['batch']:2d} {label:30s} {r['step_ms']:8.2f} "
                      f"{r['rank_gb']:8.2f} {r['collective_ms']:8.2f} {r['chain_ms']:8.2f} "
                      f"{ratio}")
+    if not all(r["kernel_plans"] for r in rows):
+        lines.append(UNPLANNED_NOTE)
     return "\n".join(lines)

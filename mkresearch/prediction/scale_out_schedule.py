@@ -68,6 +68,9 @@ class Schedule:
     # hidden split over etp ranks, EP = n_ranks / etp groups); None: the layout's default
     # (`partition.default_etp`, the release's 4 where it fits)
     etp: int | None = None
+    # ours: whether the kernel plans this step (False: over VMEM, or more rows than it plans;
+    # priced anyway: `megakernel_sharded.RingDepth.planned`)
+    kernel_plans: bool = True
 
     def algorithm(self, batch: int) -> str:
         return self.all_reduce_large if batch >= RS_FROM_BATCH else self.all_reduce
@@ -119,7 +122,7 @@ RELEASE_SCHEDULE = Schedule(
 def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: int = 1,
                  batch: int = 1, chip: str = "tpu7x",
                  router: str = layouts.ROUTER_SPLIT, wire: str = "f32",
-                 etp: int | None = None) -> Schedule:
+                 etp: int | None = None, expert_slots: int | None = None) -> Schedule:
     """Our megakernel's on n_ranks at `batch` on `chip`: its ring's slots of cfg.ring_block_bytes
     (depth - 1 blocks fly ahead; `megakernel_sharded.ring_depth`: in a partial-sum mode the
     deepest that fits the chip's VMEM at this batch), MegakernelOptions.expert_slots, the
@@ -127,13 +130,15 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
     placed as `router` says (`MegakernelOptions.router_placement`, the hosts of its chip's
     slice), its partial sums on the wire as `wire` (the kernel built with it: its reductions'
     algorithms and ring depth for that wire), its experts split `etp` ways (the layout's;
-    None: its default)."""
+    None: its default), `expert_slots` VMEM slots per expert matrix
+    (`MegakernelOptions.expert_slots`: the ring as deep as VMEM still allows beside them; None:
+    the option's default)."""
     if collectives not in layouts.COLLECTIVES:
         raise ValueError(f"collectives={collectives!r} is invalid: one of {layouts.COLLECTIVES}")
     lay = layouts.layout(cfg, n_ranks, layouts.OURS, collectives=collectives, etp=etp)
-    options = megakernel_sharded.kernel_options(  # what the CLI builds
-        lay, batch, chip, wire, **({} if router == layouts.ROUTER_SPLIT
-                                   else {"router_placement": router}))
+    fields = ({} if router == layouts.ROUTER_SPLIT else {"router_placement": router}) \
+        | ({} if expert_slots is None else {"expert_slots": expert_slots})
+    options = megakernel_sharded.kernel_options(lay, batch, chip, wire, **fields)  # the CLI's
     ring = megakernel_sharded.RingDepth(cfg.ring_depth, "the config's ring_depth (one device)") \
         if n_ranks == 1 else megakernel_sharded.ring_depth(lay, batch, options=options, wire=wire)
     return Schedule("ours", block_bytes=cfg.ring_block_bytes, banks=ring.depth - 1,
@@ -144,7 +149,7 @@ def our_schedule(cfg: ModelConfig, collectives: str = "partial-sum", n_ranks: in
                     reductions=options.reductions,
                     ranks_per_host=options.ranks_per_host, mxu_fp8=cfg.expert_mxu == "fp8",
                     expert_order=FIRST if options.expert_reads_first else QUEUED,
-                    router=options.router_placement, etp=etp)
+                    router=options.router_placement, etp=etp, kernel_plans=ring.planned)
 
 
 SCHEDULES = ("release", "ours")

@@ -88,17 +88,18 @@ def format_speculative_designs(rows: list[dict], model: str, n_ranks: int, conte
               f"{context}; scale-out model"
               + (", ours and the release under the same assumptions" if release else "")
               + "; timeline model prediction, not measured):"),
-             (f"  {'B':>2s} {'rows':>4s} {'design':28s} {'verify ms':>9s} {'draft ms':>8s} "
+             (f"  {'B':>2s} {'rows':>4s} {'design':30s} {'verify ms':>9s} {'draft ms':>8s} "
               f"{'GB/rank':>7s} "
               + " ".join(f"{'tok/s a=' + a:>10s}" for a in accepted) + f" {'/release':>8s}")]
     for r in rows:
         ratio = f"{r['over_release']:8.2f}" if r["over_release"] else f"{'-':>8s}"
-        lines.append(f"  {r['batch']:2d} {r['verify_rows']:4d} {r['design']:28s} "
+        label = design_table.design_label(r["design"], r["schedule"]["kernel_plans"])
+        lines.append(f"  {r['batch']:2d} {r['verify_rows']:4d} {label:30s} "
                      f"{r['verify_ms']:9.2f} {r['draft_ms']:8.2f} {r['rank_gb']:7.2f} "
                      + " ".join(f"{r['tokens_per_s'][a]:10.0f}" for a in accepted)
                      + f" {ratio}")
         if r["published_tok_s"]:
-            lines.append(f"  {'':2s} {'':4s} {'  published':28s} {'':9s} {'':8s} {'':7s} "
+            lines.append(f"  {'':2s} {'':4s} {'  published':30s} {'':9s} {'':8s} {'':7s} "
                          + " ".join(f"{r['published_tok_s'][a] or '-':>10}" for a in accepted))
     drafter = ("the drafter (the release's DSpark pass over every sequence's block) beside "
                "either side's verify step" if first["draft_ms"] else
@@ -107,4 +108,6 @@ def format_speculative_designs(rows: list[dict], model: str, n_ranks: int, conte
              "/release: - (the release is modelled for Kimi K3 on 32 ranks only)")
     lines.append("  a: tokens emitted per verify step (accepted drafts and the bonus token); "
                  f"tok/s = B a / (verify + draft), over B sequences; {ratio}; {drafter}")
+    if not all(r["schedule"]["kernel_plans"] for r in rows):
+        lines.append(design_table.UNPLANNED_NOTE)
     return "\n".join(lines)
