@@ -133,8 +133,8 @@ def expert_layouts(cfg: ModelConfig, n_ranks: int, batch: int, *,
     whether the kernel plans it ("planned": False, over VMEM, priced but not chosen while
     another is planned); "chosen": the fastest planned (etp, slots) (fewer slots, then fewer
     ways, of equal steps; of all when none is planned: more rows than the kernel plans),
-    "as_built":
-    the layout's split and the option's default. The two are chosen together: a split's groups
+    "as_built": the layout's split and the option's default. The two are chosen together: a
+    split's groups
     fetch more experts each as etp falls, a count of slots hides an expert's MXU time behind the
     next reads, so the best count depends on the split."""
     rows = []
@@ -154,12 +154,13 @@ def expert_layouts(cfg: ModelConfig, n_ranks: int, batch: int, *,
 def expert_splits(cfg: ModelConfig, n_ranks: int, batch: int, *,
                   model: calibration.Model = SAME_ASSUMPTIONS, **fields: Any) -> dict[str, Any]:
     """`expert_layouts` at the kernel's default expert slots (what `plan` prints): rows of etp,
-    EP, step ms and "planned"; "chosen": the fastest planned split (the routed experts' uniform routing spreads over
-    fewer, larger groups as etp grows, so the slowest group waits less), "as_built": the
-    layout's default."""
+    EP, step ms and "planned"; "chosen": the fastest planned split (the routed experts' uniform
+    routing spreads over fewer, larger groups as etp grows, so the slowest group waits less),
+    "as_built": the layout's default."""
     table = expert_layouts(cfg, n_ranks, batch, model=model,
                            slot_counts=(mplan.MegakernelOptions().expert_slots,), **fields)
-    return {"rows": [{k: r[k] for k in ("etp", "ep", "step_ms", "planned")} for r in table["rows"]],
+    kept = ("etp", "ep", "step_ms", "planned")
+    return {"rows": [{k: r[k] for k in kept} for r in table["rows"]],
             "chosen": table["chosen"]["etp"], "as_built": table["as_built"]["etp"]}
 
 
