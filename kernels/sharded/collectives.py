@@ -135,12 +135,13 @@ class ShardPlan:
                     (f"{ch.name}: parity", pltpu.SMEM((1,), jnp.int32))]
         if self.levels is not None:
             out += self.levels.scratch(b)
-        lat = self.expert_latent
-        out += [("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
-                ("expert weights", pltpu.VMEM((self.expert_items, b, 1), jnp.float32)),
-                ("expert sum in", pltpu.VMEM((b, lat), jnp.float32)),
-                ("expert sum out", pltpu.VMEM((b, lat), jnp.float32)),
-                ("expert sum sems", pltpu.SemaphoreType.DMA((2,)))]
+        if self.mode == "exact":  # the items kept for the ordered chain (`combine_items`)
+            lat = self.expert_latent
+            out += [("expert outputs", pltpu.VMEM((self.expert_items, b, lat), jnp.float32)),
+                    ("expert weights", pltpu.VMEM((self.expert_items, b, 1), jnp.float32)),
+                    ("expert sum in", pltpu.VMEM((b, lat), jnp.float32)),
+                    ("expert sum out", pltpu.VMEM((b, lat), jnp.float32)),
+                    ("expert sum sems", pltpu.SemaphoreType.DMA((2,)))]
         if self.packs_scatter:
             ch = self.channel("all")
             out += [("reduce-scatter bf16 send", pltpu.VMEM((b, ch.size * ch.scatter_chunk),
@@ -215,9 +216,12 @@ class Collectives:
         self.levels = None
         if plan.levels is not None:  # the reductions sent in levels (`levels`)
             self.levels, rest = LevelReductions(self, LevelBuffers(plan.levels, *rest[:9])), rest[9:]
-        (self.items_y, self.items_coef, self.sum_in, self.sum_out, self.sum_sems) = rest[:5]
+        self.chains_items = plan.mode == "exact"  # else each item is added as it lands
+        if self.chains_items:
+            (self.items_y, self.items_coef, self.sum_in, self.sum_out, self.sum_sems) = rest[:5]
+            rest = rest[5:]
         # a bf16 wire's reduce-scatter: (send [B, W], inbox [2, size, B, c]) as bf16
-        self.scatter_bf16 = tuple(rest[5:7]) if plan.packs_scatter else None
+        self.scatter_bf16 = tuple(rest[:2]) if plan.packs_scatter else None
 
     # -- where this rank sits --------------------------------------------------------------------
     def index(self, group: str) -> Any:
@@ -266,7 +270,8 @@ class Collectives:
             buffers.parity[0] = 0
         if self.levels is not None:
             self.levels.buffers.parity[0] = 0
-        self.sum_in[...] = jnp.zeros(self.sum_in.shape, jnp.float32)  # the first group's start
+        if self.chains_items:
+            self.sum_in[...] = jnp.zeros(self.sum_in.shape, jnp.float32)  # the first group's start
 
     # -- the collectives -----------------------------------------------------------------------
     def _flip(self, buffers: _Buffers) -> Any:
@@ -511,18 +516,23 @@ class Collectives:
         return self.gather(h, spec.EXPERT_TP, h.shape[1] * self.layout.etp, name="expert/h")
 
     def keep_item(self, i: Any, coef: Any, y: Any, acc: Any) -> Any:
-        """Keep expert item i's weight [B, 1] and output [B, Lat / ETP] for `combine_items`."""
+        """Expert item i's weight [B, 1] and output [B, Lat / ETP]: the exact mode keeps them for
+        `combine_items`'s chain; the others add them to this rank's partial sum acc [B, Lat]
+        as they land (the order `combine_items` would add them in: the same bits, and no
+        [items, B, Lat] buffer in VMEM)."""
+        if not self.chains_items:
+            return acc + coef * y
         self.items_y[i] = y
         self.items_coef[i] = coef
         return acc
 
-    def combine_items(self, n_items: Any, latent: int, *, name: str) -> Any:
+    def combine_items(self, n_items: Any, acc: Any, latent: int, *, name: str) -> Any:
         """Σ over the batch's experts, in ascending id, of weight x output -> [B, latent] f32 on
         every rank: this group continues the sum of the groups before it (received from the rank
-        ETP below), passes it on, and the last group's sum is all-gathered."""
-        if self.plan.mode != "exact":  # partial sums over this rank's experts and hidden slice
+        ETP below), passes it on, and the last group's sum is all-gathered. acc: this rank's
+        items summed as they landed (`keep_item`; not the exact mode's)."""
+        if not self.chains_items:  # partial sums over this rank's experts and hidden slice
             with dma.phase(f"{name}/combine"):
-                acc = self._items_sum(n_items, jnp.zeros(self.sum_in.shape, jnp.float32))
                 if expert_sum_merged(self.plan.rules):  # reduced with a later one (`settle`)
                     return acc[:, :latent]
                 if self.scatters_latent:  # this rank's latent chunk [B, c] of ρ only

@@ -210,7 +210,7 @@ class _ExpertLoop:
             coef = jnp.sum(jnp.where(hit, self.weights, 0.0), axis=-1, keepdims=True)  # [B, 1]
             if self.shard is None:
                 return acc + coef * y
-            return self.shard.keep_item(i, coef, y, acc)  # added in id order after the loop
+            return self.shard.keep_item(i, coef, y, acc)  # exact: added in id order after it
 
     def _expert_output(self, part: dict, z: Any) -> jax.Array:
         """y_e = bf(act(bf(z W1), bf(z W3)) W2) [B, Lat] f32 from the slots' stored parts."""
@@ -225,7 +225,7 @@ class _ExpertLoop:
     def _finish(self, n_items: Any, acc: Any) -> jax.Array:
         """Σ w_e y_e (a rank: every group's, in id order); with a latent: RMSNorm, then W_lu."""
         if self.shard is not None:
-            acc = self.shard.combine_items(n_items, self.latent, name="expert")
+            acc = self.shard.combine_items(n_items, acc, self.latent, name="expert")
         if self.w_ld is None:
             return acc  # [B, d] f32: Σ w_e y_e is the routed output
         if self.shard is not None and self.shard.scatters_latent:  # acc: this rank's ρ chunk
