@@ -185,7 +185,8 @@ def test_expert_layouts_the_fastest_split_and_slots_together():
     assert sorted(step) == [(e, n) for e in (1, 2, 4, 8) for n in mplan.EXPERT_SLOTS]
     assert table["as_built"] == {"etp": 4, "slots": 2}
     fits = {(r["etp"], r["slots"]): r["planned"] for r in table["rows"]}
-    assert not any(fits[1, n] for n in mplan.EXPERT_SLOTS)  # W2 whole: over VMEM at B = 1
+    # W2 whole: two slots fit at B = 1, more are over VMEM
+    assert fits[1, 2] and not any(fits[1, n] for n in mplan.EXPERT_SLOTS if n > 2)
     assert all(fits[8, n] for n in mplan.EXPERT_SLOTS)
     best = min((k for k in step if fits[k]), key=lambda k: (step[k], k[1], k[0]))
     assert (table["chosen"]["etp"], table["chosen"]["slots"]) == best
@@ -277,21 +278,22 @@ def test_experts_handed_to_the_mxu_as_fp8(capsys):
 
 @pytest.mark.slow  # two full-size predictions and plans at 16 rows (~15 s)
 def test_a_step_no_kernel_plans_is_marked_and_never_chosen():
-    """At 16 rows (B = 2 with 7 drafts) Kimi K3's restructured bf16 step with the experts split 4
-    ways (as built) is over the core's VMEM: `make_sharded_plan` refuses it, and its predicted
-    schedule says so (`kernel_plans`); 2 ways is planned. The tables mark the step no kernel
-    plans; `expert_layouts` chooses among the planned."""
+    """At 16 rows (B = 2 with 7 drafts) Kimi K3's restructured bf16 step with the experts split 2
+    ways and 4 VMEM slots per expert matrix is over the core's VMEM: `make_sharded_plan`
+    refuses it, and its predicted schedule says so (`kernel_plans`); 3 slots are planned. The
+    tables mark the step no kernel plans; `expert_layouts` chooses among the planned."""
     from mkresearch.kernels.compose import megakernel_sharded as ms
 
     cfg = get_config("kimi-k3", expert_mxu="fp8")
     fields = {"collectives": layouts.RESTRUCTURED, "wire": "bf16", "expert_order": "first",
               "designs": ("router-replicated",)}
-    for etp, planned in ((4, False), (2, True)):
+    lay = layouts.layout(cfg, 32, collectives=layouts.RESTRUCTURED, etp=2)
+    for slots, planned in ((4, False), (3, True)):
         p = design_table.predict_design(cfg, 32, 16, design_table.SAME_ASSUMPTIONS,
-                                        sequences=2, etp=etp, **fields)
+                                        sequences=2, etp=2, expert_slots=slots, **fields)
         assert p["schedule"]["kernel_plans"] is planned
-        lay = layouts.layout(cfg, 32, collectives=layouts.RESTRUCTURED, etp=etp)
-        options = ms.kernel_options(lay, 16, "tpu7x", "bf16", router_placement="replicated")
+        options = ms.kernel_options(lay, 16, "tpu7x", "bf16", router_placement="replicated",
+                                    expert_slots=slots)
         if planned:
             ms.make_sharded_plan(lay, 16, options=options, wire="bf16")
         else:

@@ -96,12 +96,15 @@ def test_bf16_wire_compiles_one_mosaic_kernel(batch, levels, mode):
 
 
 @pytest.mark.exhaustive  # a full-size compile here (~30 s) and the designs' choices (~10 s)
-@pytest.mark.parametrize("batch", [1, 8])
-def test_kimi_k3_designs_last_row_compiles_one_mosaic_kernel(batch):
+@pytest.mark.parametrize("batch, seq_len", [(1, None), (8, None), (16, 1024)])
+def test_kimi_k3_designs_last_row_compiles_one_mosaic_kernel(batch, seq_len):
     """The designs' last row (`design_table.design_steps`) at `batch`: Kimi K3's restructured step
     with its experts split 8 ways (W2 by its hidden rows), experts to the MXU as fp8, the bf16
     wire, the router placed and the expert slots chosen at that batch compiles for the 32 cores
-    of tpu7x:2x2x4, one Mosaic kernel per rank, its VMEM plan within the core's limit."""
+    of tpu7x:2x2x4, one Mosaic kernel per rank, its VMEM plan within the core's limit. 16 rows:
+    the verify step of two sequences with 7 drafts each (`speculative_designs`, B = 2), its
+    caches 1,024 positions long (the release's benchmark: a prompt token and 1,023 generated);
+    at the preset's whole context the compile's temporaries exceed one rank's HBM."""
     from mkresearch.prediction import design_table, designs
 
     label, cfg, fields = design_table.design_steps(get_config("kimi-k3"), 32, batch)[-1]
@@ -112,7 +115,7 @@ def test_kimi_k3_designs_last_row_compiles_one_mosaic_kernel(batch):
                                 router_placement=designs.router_placement(fields["designs"]),
                                 expert_slots=fields["expert_slots"])
     result, plan = ms.compile_sharded_step(cfg, 32, batch=batch, collectives=mode, wire=wire,
-                                           options=options, etp=etp)
+                                           options=options, etp=etp, seq_len=seq_len)
     print(f"kimi-k3 {mode}, ETP {etp}, router {options.router_placement}, "
           f"{options.expert_slots} expert slots, B={batch}: {result.n_mosaic_kernels} Mosaic "
           f"kernel per rank, compiled in {result.seconds:.1f} s, ring {plan.mega.cfg.ring_depth}"

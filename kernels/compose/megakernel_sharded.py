@@ -115,11 +115,20 @@ def _local_streamed(lay: layouts.Layout) -> Any:
 # and at most (the config's own bound): `ring_depth` picks the deepest in between that fits VMEM
 PARTIAL_SUM_RING_DEPTH = 8
 PARTIAL_SUM_MAX_RING_DEPTH = RING_MAX_DEPTH
-# VMEM a ring deepened past PARTIAL_SUM_RING_DEPTH leaves free, beyond plan_vmem's own headroom
-# for Mosaic's temporaries: the plan counts the buffers we declare, and only B = 1 is compiled and
-# recorded (`measurement/recorded.py`); Mosaic's temporaries grow with the batch, so an extra
-# slot is not worth a compile that might fail at a larger one
+# VMEM a ring deepened past PARTIAL_SUM_RING_DEPTH leaves free, beyond plan_vmem's own headroom,
+# for Mosaic's temporaries: the plan counts the buffers we declare, not the values Mosaic keeps
+# in scoped VMEM, which grow with the rows. Measured on Kimi K3's designs (restructured, experts
+# 8 ways, caches 1,024 long; Mosaic's scoped size less the plan's, rings forced past the spare):
+# B = 1 under 0.2 MiB, B = 8 1.24 MiB (4 expert slots), B = 16 2.19 (4 slots) and 3.71 (8
+# slots). 2 MiB at one row and a quarter MiB more per further row keeps 1.8 to 2.5 MiB above each
+# (tests/test_sharded.py compiles the designs' last rows at 1, 8 and 16 rows)
 RING_VMEM_SPARE_BYTES = 2 * 2**20
+RING_VMEM_SPARE_PER_ROW_BYTES = 2**18
+
+
+def ring_vmem_spare_bytes(batch: int) -> int:
+    """The VMEM a deepened ring leaves free at `batch` rows (RING_VMEM_SPARE_BYTES above)."""
+    return RING_VMEM_SPARE_BYTES + (int(batch) - 1) * RING_VMEM_SPARE_PER_ROW_BYTES
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
     `make_sharded_plan`, and the prediction, `scale_out_schedule.our_schedule`). Exact mode (or no
     global stream): cfg.ring_depth, the kernel as built. Partial-sum mode: the deepest ring in
     [PARTIAL_SUM_RING_DEPTH, cap] whose whole VMEM plan (`rank_vmem`: the shard buffers too)
-    fits the chip's usable VMEM less RING_VMEM_SPARE_BYTES, so that more weight blocks keep HBM
+    fits the chip's usable VMEM less `ring_vmem_spare_bytes`, so that more weight blocks keep HBM
     busy while a collective is waited for; cap: the lookahead (depth - 1 blocks) within the
     rank's shortest stage, and PARTIAL_SUM_MAX_RING_DEPTH. If even the floor is over VMEM, the
     floor (`make_sharded_plan` refuses it with the plan)."""
@@ -170,7 +179,8 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
     floor_vmem = vmem(floor)
     if not floor_vmem.fits():
         return RingDepth(floor, "the floor, over VMEM (the plan is refused)", planned=False)
-    budget = floor_vmem.limit_bytes - RING_VMEM_SPARE_BYTES
+    spare = ring_vmem_spare_bytes(batch)
+    budget = floor_vmem.limit_bytes - spare
     best, best_bytes = floor, floor_vmem.total_bytes
     for depth in range(floor + 1, cap + 1):  # the plan grows by a slot per depth: first over ends
         total = vmem(depth).total_bytes
@@ -182,7 +192,7 @@ def ring_depth(lay: layouts.Layout, batch: int = 1, seq_len: int | None = None,
                          else f"the most slots allowed ({PARTIAL_SUM_MAX_RING_DEPTH})")
     return RingDepth(best, f"the deepest within VMEM ({best_bytes / 2**20:.1f} of "
                            f"{floor_vmem.limit_bytes / 2**20:.0f} MiB, "
-                           f"{RING_VMEM_SPARE_BYTES // 2**20} MiB kept spare)")
+                           f"{spare / 2**20:g} MiB kept spare)")
 
 
 def check_fits_hbm(lay: layouts.Layout, chip: str, batch: int, seq_len: int) -> int:

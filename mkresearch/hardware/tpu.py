@@ -403,6 +403,9 @@ def topology_devices(topology_name: str) -> list:
 _VMEM_OOM_PATTERNS = (
     re.compile(r"Ran out of memory in memory space vmem.*?Used ([\d.]+[KMG]?) of ([\d.]+[KMG]?)", re.DOTALL),
     re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*space=vmem"),
+    # a kernel's scoped VMEM (its scratch and Mosaic's temporaries) over the scoped limit
+    re.compile(r"memory space vmem.*?Scoped allocation with size ([\d.]+[KMG]?) and limit "
+               r"([\d.]+[KMG]?)", re.DOTALL),
 )
 
 
