@@ -547,8 +547,9 @@ for name, p in predictions.items():
 # `MKRESEARCH_COMPILE_RANK=1` in the environment they are compiled here. The sharded step of
 # each full model, one `pallas_call` per rank with its collectives, compiles for the 32 cores of
 # tpu7x:2x2x4 to one Mosaic kernel per rank (recorded the same way), each rank's weight ring as
-# deep as its VMEM allows (`megakernel_sharded.ring_depth`: 2 MiB kept spare). Qwen3's config has a
-# ring of depth 2, which only the exact mode would use: there its FFN streams a single block.
+# deep as its VMEM allows (`megakernel_sharded.ring_depth`: 2 MiB kept spare at one row). Qwen3's
+# config has a ring of depth 2, which only the exact mode would use: there its FFN streams a
+# single block.
 # What the compiler reports: its FLOPs and bytes accessed (the cost estimates the kernels
 # declare), and its memory analysis: the arguments one device holds in HBM (the weights, caches
 # and state of that step), its outputs, and the peak.
