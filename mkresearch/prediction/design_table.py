@@ -248,7 +248,7 @@ def format_designs(rows: list[dict]) -> str:
     lines = [("designs of our step, each added in turn (scale-out model; ours and the release "
               "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
               "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
-              "sequence:"),
+              "sequence, one issued early counting only what its overlap left:"),
              (f"  {'B':>2s} {'design':30s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
               f"{'chain ms':>8s} {'/release':>8s}")]
     for r in rows:

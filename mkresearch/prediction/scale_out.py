@@ -415,8 +415,9 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "dma_bytes_slowest_rank": ranks.dma_bytes(slowest),
             "collectives_per_rank": sum(1 for run in ranks.collectives if 0 in run.group),
             # rank 0's collectives' prices one after another (each layer's value passes through
-            # them in turn): what no overlap with the weight stream can hide
-            "serial_chain_s": sum(run.price.seconds for run in ranks.collectives
+            # them in turn): what no overlap with the weight stream can hide; one started early
+            # and waited for after other work counts only what the overlap left (`chain_seconds`)
+            "serial_chain_s": sum(run.chain_seconds(0) for run in ranks.collectives
                                   if 0 in run.group),
             "interconnect": {k: getattr(inter, k) for k in links.FIGURES},
             "label": "timeline model prediction (mkresearch.prediction.scale_out), not measured",

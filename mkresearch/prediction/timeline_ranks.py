@@ -57,6 +57,15 @@ class CollectiveRun:
         i = self.group.index(rank)
         return self.waited[i] if self.waited else self.arrivals[i]
 
+    def chain_seconds(self, rank: int) -> float:
+        """Its share of `rank`'s serial chain of collective latencies: its price, or for one
+        started early and waited for after other work (overlap: waited later than arrived),
+        only the part still to run when the rank began to wait (what the overlap did not hide)."""
+        i = self.group.index(rank)
+        if not self.waited or self.waited[i] <= self.arrivals[i]:
+            return self.price.seconds
+        return min(self.price.seconds, max(0.0, self.end - self.waited[i]))
+
 
 class RanksTimeline:
     """Every rank's simulated step and the collectives that joined them. `timelines` (one per
