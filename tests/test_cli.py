@@ -304,3 +304,26 @@ def test_plan_options_and_text():
                  "HBM bytes against roofline.step_bytes (context 40, 16 unique experts",
                  "VMEM plan for tpu7x"):
         assert line in text, line
+
+
+def test_predict_shows_a_progress_bar_on_a_terminal_only(monkeypatch):
+    """`predict` and `predict --designs` (~35 s a batch) show a bar on stderr when it is a
+    terminal, over more than one item, unless the output is JSON."""
+    import argparse
+    import io
+
+    from mkresearch.cli import predict
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    args = argparse.Namespace(json=False)
+    assert list(predict._progress(args, [1, 2], "designs", "batch")) == [1, 2]
+    assert "designs" in terminal.getvalue() and "2/2" in terminal.getvalue()
+    for quiet, items in ((argparse.Namespace(json=True), [1, 2]), (args, [1])):
+        assert predict._progress(quiet, items, "designs", "batch") is items
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+    assert predict._progress(args, [1, 2], "designs", "batch") == [1, 2]

@@ -181,12 +181,18 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
         model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
                                   timeline_chip=timeline_chip(chip),
                                   context=args.context or calibration.BENCHMARK_CONTEXT)
-        if args.speculate:
-            table = speculative_designs.speculative_designs(
-                cfg, args.ranks, args.batch, drafts=args.speculate,
-                acceptances=_acceptances(args), model=model)
-        else:
-            table = design_table.designs_table(cfg, args.ranks, args.batch, model=model)
+        if args.speculate:  # every batch and acceptance checked before any prediction
+            for batch in args.batch:
+                speculative.check_verify(batch, args.speculate)
+            speculative.check_acceptances(_acceptances(args), args.speculate)
+        table = []
+        for batch in _progress(args, args.batch, "designs", "batch"):  # ~35 s a batch
+            if args.speculate:
+                table += speculative_designs.speculative_designs(
+                    cfg, args.ranks, (batch,), drafts=args.speculate,
+                    acceptances=_acceptances(args), model=model)
+            else:
+                table += design_table.designs_table(cfg, args.ranks, (batch,), model=model)
     if args.json:
         print(json.dumps(table))
     elif args.speculate:
@@ -215,13 +221,8 @@ def _predictions(args: Any, cfg: Any, chip: str, names: tuple[str, ...]) -> tupl
     full-size steps; none with --speculate, whose rows are the speculative predictions')."""
     rows, steps = [], []
     todo = [(name, batch) for name in names for batch in args.batch]
-    bar = None
-    if not args.json and sys.stderr.isatty() and len(todo) > 1:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc="predict", unit="step", file=sys.stderr)
     with refusals():
-        for name, batch in todo:
+        for name, batch in _progress(args, todo, "predict", "step"):
             common = {"chip": chip, "schedule": args.schedule, "algorithm": args.algorithm,
                       "context": args.context, "collectives": args.collectives}
             if args.speculate:
@@ -231,11 +232,17 @@ def _predictions(args: Any, cfg: Any, chip: str, names: tuple[str, ...]) -> tupl
             else:
                 steps.append(full_size_step(cfg, args.ranks, name, batch, **common))
                 rows.append(steps[-1].prediction)
-            if bar is not None:
-                bar.update()
-    if bar is not None:
-        bar.close()
     return rows, steps
+
+
+def _progress(args: Any, items: list, desc: str, unit: str) -> Any:
+    """items, with a progress bar on stderr where it is a terminal, the output is not JSON and
+    there is more than one item."""
+    if args.json or not sys.stderr.isatty() or len(items) < 2:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr)
 
 
 def assumptions_of(rows: list[dict], chip: str, n_ranks: int, context: int) -> dict:
