@@ -36,6 +36,16 @@ from mkresearch.sharding import reference_sharded
       "n_experts=16 divisible by n_ranks / etp and expert_hidden=256 in ETP slices of whole "
       "128-lane tiles (allowed: [1, 2])")),
     (["decode", "--etp", "2"], "--etp 2 needs --ranks N > 1"),
+    (["decode", "--expert-slots", "4"],
+     "--expert-slots is an option of the sharded megakernel: give --ranks N > 1"),
+    (["decode", "--ranks", "2", "--backend", "reference", "--wire", "bf16"],
+     "--wire is an option of the sharded megakernel"),
+    (["decode", "--ranks", "2", "--expert-slots", "9"],
+     "--expert-slots 9 is invalid: an int in [2, 8]"),
+    (["decode", "--ranks", "2", "--collectives", "exact", "--wire", "bf16"],
+     "--wire bf16 needs partial sums (--collectives partial-sum or restructured)"),
+    (["decode", "--ranks", "2", "--wire", "f16"],
+     "--wire: invalid choice: 'f16' (choose from 'f32', 'bf16')"),
 ])
 def test_bad_ranks_are_one_line_exit_2(capsys, args, reason):
     """Checked before any device is asked for or any child started: in this process."""
@@ -116,6 +126,31 @@ def test_decode_on_2_ranks_in_a_child_json():
     assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"]  # the same slices' sizes
 
 
+@pytest.mark.exhaustive  # another child decode (~40 s here); the kernel's modes and options run
+# in tests/sharded (test_partial_sum.py: the bf16 wire; test_router_placement.py)
+def test_decode_with_the_designs_in_a_child_json(capsys):
+    """decode --ranks runs the designs of `predict --designs` that are kernel options: the
+    restructured mode on a bf16 wire, the router on every rank, 3 expert slots, the expert reads
+    first, the experts to the MXU as fp8. Its logits equal the sharded reference's (rounding as
+    the bf16 wire does) at every step and keep the bf16 wire's claim against the reference."""
+    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
+    done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--ranks", "2",
+                           "--collectives", "restructured", "--wire", "bf16", "--router",
+                           "replicated", "--expert-slots", "3", "--expert-reads-first",
+                           "--expert-mxu", "fp8", "--prompt-len", "2", "--steps", "2",
+                           "--batch", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    assert (result["wire"], result["router"], result["expert_slots"],
+            result["expert_reads_first"], result["expert_mxu"]) == \
+        ("bf16", "replicated", 3, True, "fp8")
+    check_sharded_decode(result, "restructured")
+    cli_ranks.print_decode(result)
+    assert ("designs: --wire bf16, --expert-slots 3, --expert-mxu fp8, --expert-reads-first"
+            in capsys.readouterr().out)
+
+
 @pytest.mark.exhaustive  # another child decode (~30 s here); the kernel's placements run in
 # tests/sharded/test_router_placement.py (the mini's 16 experts leave its router whole anyway)
 def test_decode_with_the_router_placed_in_a_child_json():
@@ -130,15 +165,16 @@ def test_decode_with_the_router_placed_in_a_child_json():
     check_sharded_decode(result)
 
 
-def check_sharded_decode(result: dict) -> None:
+def check_sharded_decode(result: dict, collectives: str = "partial-sum") -> None:
     """The checks of `decode --ranks 2 --json` (cli.ranks.decode_sharded, the path of every
     `--ranks` run): the logits bit-equal to the sharded reference's at every step, the
-    partial-sum claim against the reference (`reference_sharded`), and a row per rank whose
-    bytes add up."""
+    partial-sum claim of its wire against the reference (`reference_sharded`), and a row per
+    rank whose bytes add up."""
     agree, single = result["agreement"], result["single_device"]
-    assert result["collectives"] == "partial-sum" and result["backend"] == "megakernel"
-    assert agree["passed"] and agree["max_abs_logit_diff_same_routing"] <= \
-        reference_sharded.SAME_ROUTING_BOUND["f32"] == agree["bound_same_routing"]
+    assert result["collectives"] == collectives and result["backend"] == "megakernel"
+    bound = reference_sharded.SAME_ROUTING_BOUND[result.get("wire", "f32")]
+    assert agree["passed"] and agree["max_abs_logit_diff_same_routing"] <= bound == \
+        agree["bound_same_routing"]
     for tie in agree["near_ties"]:  # another greedy token: at a near-tie or after a routing flip
         assert tie["routing_differed"] or tie["top2_gap"] < 2 * agree["bound_same_routing"]
     assert single["passed"] and single["sharded_reference_bit_equal_steps"] == single["steps"]

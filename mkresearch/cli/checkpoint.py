@@ -206,6 +206,7 @@ def _run_on_ranks_or_speculative(args: argparse.Namespace, argv: Sequence[str], 
         args.backend = args.backend or "megakernel"
         cli_ranks.check_ranks(cfg, args.ranks, args.backend, getattr(args, "etp", None),
                               getattr(args, "collectives", None))
+        cli_ranks.design_options(cfg, args)
         return cli_ranks.run_decode(args, cfg, argv, progress, loaded)
 
 

@@ -108,6 +108,7 @@ def _run_one(cfg: ModelConfig, args: Any) -> int:
         return cli_speculative.run_decode(args, cfg)
     cli_ranks.check_ranks(cfg, args.ranks, args.backend, getattr(args, "etp", None),
                               getattr(args, "collectives", None))
+    cli_ranks.design_options(cfg, args)  # refused here, before a child with N devices starts
     progress = not args.json and sys.stderr.isatty()
     if args.ranks > 1:  # the sharded megakernel, or the sharded reference (cli.ranks_reference)
         return cli_ranks.run_decode(args, cfg, args.argv, progress)

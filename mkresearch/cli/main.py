@@ -10,6 +10,7 @@ and `mkresearch info kimi-k3` reads as a sentence (`decode` and `bench` default 
     mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 2 --seed 0 \\
         [--backend megakernel|reference] [--chip tpu7x] [--ranks 1] [--json]
         [--collectives partial-sum|exact|restructured] [--router split|host|sibling|replicated]
+        [--etp N] [--wire f32|bf16] [--expert-slots S] [--expert-reads-first] [--expert-mxu fp8]
         [--speculate K [--drafter forced:A|ngram|mtp]]   # speculative decoding (cli.speculative)
     mkresearch bench kimi-k3-mini [--batch 1,2,4,8] [--steps 3] [--chip tpu7x] [--ranks 1] \\
         [--out figures] [--workload FILE|synthetic [--slots B] [--pages N]]

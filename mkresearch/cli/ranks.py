@@ -28,10 +28,12 @@ from mkresearch.cli.common import UsageError, at_least, human_bytes, refusals
 from mkresearch.hardware import distributed
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose import megakernel_sharded as sharded
+from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.measurement import logs
 from mkresearch.model import reference, weights
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.config import EXPERT_MXU_INPUTS, ModelConfig
 from mkresearch.prediction import timeline
 from mkresearch.prediction.timeline_ranks import rank_events
 from mkresearch.sharding import layout, reference_sharded
@@ -64,6 +66,58 @@ def add_decode_arguments(p: Any) -> None:
                         "is split over (expert-tensor parallel; default the layout's, the "
                         "release's 4 where it fits); the partial-sum modes split W2 by its rows, "
                         "so they take more ways than the exact mode")
+    # the designs of `predict --designs` that are kernel options (docs/prediction.md §8)
+    p.add_argument("--wire", default="f32", choices=sharding.WIRES,
+                   help="with --ranks and partial sums: the partial sums' format on the wire "
+                        "(bf16: 2 bytes a value, each sum rounded as the wire carries it)")
+    p.add_argument("--expert-slots", type=int, default=None,
+                   help="with --ranks: VMEM slots per expert matrix "
+                        f"(MegakernelOptions.expert_slots, {mplan.EXPERT_SLOTS[0]}.."
+                        f"{mplan.EXPERT_SLOTS[-1]}; default 2): n - 1 experts' reads move while "
+                        "one is multiplied")
+    p.add_argument("--expert-reads-first", action="store_true",
+                   help="with --ranks: once routing is known, the routed experts' DMAs go ahead "
+                        "of the ring's queued blocks (MegakernelOptions.expert_reads_first)")
+    p.add_argument("--expert-mxu", default=None, choices=EXPERT_MXU_INPUTS,
+                   help="with --ranks: the routed experts handed to the MXU decoded to bf16 (the "
+                        "preset's) or as fp8 with the block scales after the dot "
+                        "(ModelConfig.expert_mxu)")
+
+
+# decode --ranks N's kernel designs, with the value each takes when not given
+DESIGN_OPTIONS = (("--wire", "wire", "f32"), ("--expert-slots", "expert_slots", None),
+                  ("--expert-reads-first", "expert_reads_first", False),
+                  ("--expert-mxu", "expert_mxu", None))
+
+
+def design_options(cfg: ModelConfig, args: Any) -> tuple[ModelConfig, str, dict]:
+    """`decode --ranks N`'s designs beyond the layout, checked before anything runs (a one-line
+    UsageError naming the option): (the config with --expert-mxu, the partial sums' wire, the
+    MegakernelOptions fields they set)."""
+    given = [flag for flag, dest, default in DESIGN_OPTIONS
+             if getattr(args, dest, default) != default]
+    wire = getattr(args, "wire", "f32")
+    if not given:
+        return cfg, wire, {}
+    if args.ranks == 1 or getattr(args, "backend", None) not in (None, "megakernel"):
+        raise UsageError(f"{given[0]} is an option of the sharded megakernel: give --ranks N > 1 "
+                         "(and --backend megakernel)")
+    if wire != "f32" and getattr(args, "collectives", layout.PARTIAL_SUM) == layout.EXACT:
+        raise UsageError(f"--wire {wire} needs partial sums (--collectives "
+                         f"{' or '.join(layout.PARTIAL_SUM_MODES)}): the exact mode sends every "
+                         "value whole")
+    fields = {}
+    if args.expert_slots is not None:
+        if args.expert_slots not in mplan.EXPERT_SLOTS:
+            raise UsageError(f"--expert-slots {args.expert_slots} is invalid: an int in "
+                             f"[{mplan.EXPERT_SLOTS[0]}, {mplan.EXPERT_SLOTS[-1]}]")
+        fields["expert_slots"] = args.expert_slots
+    if args.expert_reads_first:
+        fields["expert_reads_first"] = True
+    if args.expert_mxu is not None:
+        with refusals():  # bf16 experts: refused, naming the field
+            cfg = cfg.replace(expert_mxu=args.expert_mxu)
+    return cfg, wire, fields
 
 
 def check_ranks(cfg: ModelConfig, n_ranks: int, backend: str = "megakernel",
@@ -147,7 +201,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
                    n_ranks: int, chip: str = "tpu7x", progress: bool = False,
                    collectives: str = layout.PARTIAL_SUM, params: dict | None = None,
                    prompt: Any = None, load: Any = None,
-                   router: str = layout.ROUTER_SPLIT, etp: int | None = None) -> dict:
+                   router: str = layout.ROUTER_SPLIT, etp: int | None = None,
+                   wire: str = "f32", kernel_fields: dict | None = None) -> dict:
     """`bench.decode_megakernel` on n_ranks devices: a random prompt stepped through, then greedy
     tokens, all chosen by the sharded megakernel. The single-device megakernel and the reference
     step over the same tokens with states of their own: per step the sharded logits must EQUAL
@@ -164,7 +219,9 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     has the weights the single-device checks need: they are left out (`logits_sha256`
     fingerprints every step's logits, to compare with a one-process run). `router`: the router's
     placement (`MegakernelOptions.router_placement`: the weights laid out as `plan.layout`);
-    `etp`: the experts' expert-tensor ways (None: the layout's)."""
+    `etp`: the experts' expert-tensor ways (None: the layout's); `wire`: the partial sums'
+    format on the wire (the sharded reference rounds as it does); `kernel_fields`: more
+    MegakernelOptions (`design_options`: expert slots, expert reads first)."""
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -173,7 +230,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     lay = layout.layout(cfg, n_ranks, collectives=collectives, etp=etp)
     # the reductions sent as the sharding plan chooses for the chip's slice (`kernel_options`)
     plan = sharded.make_sharded_plan(lay, batch, cfg.max_seq_len, sharded.kernel_options(
-        lay, batch, chip, router_placement=router))  # refuses first
+        lay, batch, chip, wire, router_placement=router, **(kernel_fields or {})),
+        wire)  # refuses first
     megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)
     mesh = sharded.make_mesh(n_ranks)
     params, prepared, loaded = _weights_on_ranks(cfg, seed, plan.layout, mesh, params, load)
@@ -181,7 +239,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
               else np.asarray(prompt))  # [B, T]
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
     checks = (None if loaded is not None else
-              SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host))
+              SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host,
+                                 wire))
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
                disable=not progress, leave=False)
     generated, digest, clock, state, token = _step_sharded(prepared, state, prompt, steps, plan,
@@ -199,6 +258,8 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
         "per_rank": rank_rows(log, plan.layout, batch, chip),
         "vmem_plan_bytes": plan.mega.vmem.total_bytes,
         **({} if router == layout.ROUTER_SPLIT else {"router": router}),
+        **({} if wire == "f32" else {"wire": wire}), **(kernel_fields or {}),
+        **({"expert_mxu": cfg.expert_mxu} if cfg.expert_mxu != "bf16" else {}),
     }
     if checks:
         result.update(checks.result(prompt_len + steps - 1))
@@ -267,16 +328,18 @@ class SingleDeviceChecks:
     with its own state."""
 
     def __init__(self, params: dict, lay: layout.Layout, batch: int,
-                 options: megakernel.MegakernelOptions, ranks_per_host: int) -> None:
+                 options: megakernel.MegakernelOptions, ranks_per_host: int,
+                 wire: str = "f32") -> None:
         cfg = lay.cfg
         self.params, self.cfg, self.batch, self.options = params, cfg, batch, options
         self.single = megakernel.prepare_weights(params, cfg)
         self.single_state = reference.init_state(cfg, batch)
         self.ref_state = reference.init_state(cfg, batch)
         self.exact = lay.collectives == layout.EXACT
-        self.partial = None if self.exact else PartialSumCheck(params, lay, batch, ranks_per_host)
+        self.partial = None if self.exact else PartialSumCheck(params, lay, batch, ranks_per_host,
+                                                               wire)
         self.tie_gap = (bench.NEAR_TIE_GAP if self.exact
-                        else 2 * reference_sharded.SAME_ROUTING_BOUND["f32"])
+                        else 2 * reference_sharded.SAME_ROUTING_BOUND[wire])
         self.equal, self.near_ties, self.worst = 0, [], 0.0
         self.single_tokens_equal, self.single_bit_equal, self.worst_single = 0, 0, 0.0
         self.tokens = 0
@@ -351,11 +414,12 @@ class PartialSumCheck:
              "routing differs from the reference's, another token only at a near-tie of twice "
              "that or after it")
 
-    def __init__(self, params: dict, lay: layout.Layout, batch: int, ranks_per_host: int):
+    def __init__(self, params: dict, lay: layout.Layout, batch: int, ranks_per_host: int,
+                 wire: str = "f32"):
         import numpy as np
 
-        self.cfg = lay.cfg
-        self.params = reference_sharded.sharded_params(params, lay, "f32", ranks_per_host)
+        self.cfg, self.wire = lay.cfg, wire
+        self.params = reference_sharded.sharded_params(params, lay, wire, ranks_per_host)
         self.state = reference.init_state(lay.cfg, batch)
         self.routing_differed = np.zeros(batch, bool)  # [B]: at some step so far
         self.bit_equal_steps, self.within, self.worst_same_routing = 0, True, 0.0
@@ -378,7 +442,8 @@ class PartialSumCheck:
         import numpy as np
 
         self.within &= bool(reference_sharded.within_claim(logits, ref_logits,
-                                                           self.routing_differed).all())
+                                                           self.routing_differed,
+                                                           self.wire).all())
         same = ~self.routing_differed
         if same.any():
             self.worst_same_routing = max(self.worst_same_routing,
@@ -387,7 +452,7 @@ class PartialSumCheck:
     def routing_facts(self) -> dict:
         return {"rows_routing_differed": int(self.routing_differed.sum()),
                 "max_abs_logit_diff_same_routing": self.worst_same_routing,
-                "bound_same_routing": reference_sharded.SAME_ROUTING_BOUND["f32"]}
+                "bound_same_routing": reference_sharded.SAME_ROUTING_BOUND[self.wire]}
 
 
 def print_decode(result: dict) -> None:
@@ -398,6 +463,11 @@ def print_decode(result: dict) -> None:
     print(f"layout: {result['layout']}"
           + (f"; router {result['router']} (MegakernelOptions.router_placement)"
              if "router" in result else ""))
+    designs = [f"{flag} {result[dest]}" for flag, dest, _ in DESIGN_OPTIONS
+               if dest in result and dest != "expert_reads_first"]
+    designs += ["--expert-reads-first"] if result.get("expert_reads_first") else []
+    if designs:
+        print(f"designs: {', '.join(designs)}")
     multihost.print_processes(result)
     if "agreement" not in result:  # each process read its ranks' shards: nothing to compare
         multihost.print_uncompared(result)
@@ -502,11 +572,12 @@ def run_decode(args: Any, cfg: ModelConfig, argv: Sequence[str], progress: bool,
     with refusals():
         params, prompt = (None, None) if loaded is None else (
             None if load else loaded.params(), loaded.prompt)
+        cfg, wire, fields = design_options(cfg, args)
         result = decode_sharded(cfg, args.prompt_len, args.steps, args.batch, args.seed,
                                 args.ranks, args.chip, progress,
                                 getattr(args, "collectives", layout.PARTIAL_SUM), params, prompt,
                                 load, getattr(args, "router", layout.ROUTER_SPLIT),
-                                getattr(args, "etp", None))
+                                getattr(args, "etp", None), wire, fields)
     if loaded is not None:
         result["text"] = loaded.text(result["generated"][0])
     if multihost.leader_prints():
