@@ -147,7 +147,7 @@ def test_decode_with_the_designs_in_a_child_json(capsys):
         ("bf16", "replicated", 3, True, "fp8")
     check_sharded_decode(result, "restructured")
     cli_ranks.print_decode(result)
-    assert ("designs: --wire bf16, --expert-slots 3, --expert-mxu fp8, --expert-reads-first"
+    assert ("designs: --wire bf16, --expert-slots 3, --expert-reads-first, --expert-mxu fp8"
             in capsys.readouterr().out)
 
 

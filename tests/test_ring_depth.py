@@ -20,8 +20,8 @@ def _layout(model: str, collectives: str = "partial-sum", **overrides) -> layout
 @pytest.mark.parametrize("model, batch", [("kimi-k3", 1), ("kimi-k3", 8), ("glm-4.5", 1)])
 def test_the_ring_is_the_deepest_that_fits_vmem(model, batch):
     """The chosen depth's whole VMEM plan (the kernel's, shard buffers included) fits with
-    `ring_vmem_spare_bytes(batch)` to spare; one slot more would not (or the depth is at its cap); never
-    below PARTIAL_SUM_RING_DEPTH."""
+    `ring_vmem_spare_bytes(batch)` to spare; one slot more would not (or the depth is at its
+    cap); never below PARTIAL_SUM_RING_DEPTH."""
     lay = _layout(model)
     ring = ms.ring_depth(lay, batch)
     plan = ms.make_sharded_plan(lay, batch)

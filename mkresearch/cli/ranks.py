@@ -106,15 +106,13 @@ def design_options(cfg: ModelConfig, args: Any) -> tuple[ModelConfig, str, dict]
         raise UsageError(f"--wire {wire} needs partial sums (--collectives "
                          f"{' or '.join(layout.PARTIAL_SUM_MODES)}): the exact mode sends every "
                          "value whole")
-    fields = {}
-    if args.expert_slots is not None:
-        if args.expert_slots not in mplan.EXPERT_SLOTS:
-            raise UsageError(f"--expert-slots {args.expert_slots} is invalid: an int in "
-                             f"[{mplan.EXPERT_SLOTS[0]}, {mplan.EXPERT_SLOTS[-1]}]")
-        fields["expert_slots"] = args.expert_slots
-    if args.expert_reads_first:
-        fields["expert_reads_first"] = True
-    if args.expert_mxu is not None:
+    slots, first = getattr(args, "expert_slots", None), getattr(args, "expert_reads_first", False)
+    fields = {**({} if slots is None else {"expert_slots": slots}),
+              **({"expert_reads_first": True} if first else {})}
+    if slots is not None and slots not in mplan.EXPERT_SLOTS:  # the range the megakernel takes
+        raise UsageError(f"--expert-slots {slots} is invalid: an int in "
+                         f"[{mplan.EXPERT_SLOTS[0]}, {mplan.EXPERT_SLOTS[-1]}]")
+    if getattr(args, "expert_mxu", None) is not None:
         with refusals():  # bf16 experts: refused, naming the field
             cfg = cfg.replace(expert_mxu=args.expert_mxu)
     return cfg, wire, fields
@@ -463,9 +461,8 @@ def print_decode(result: dict) -> None:
     print(f"layout: {result['layout']}"
           + (f"; router {result['router']} (MegakernelOptions.router_placement)"
              if "router" in result else ""))
-    designs = [f"{flag} {result[dest]}" for flag, dest, _ in DESIGN_OPTIONS
-               if dest in result and dest != "expert_reads_first"]
-    designs += ["--expert-reads-first"] if result.get("expert_reads_first") else []
+    designs = [flag if result[dest] is True else f"{flag} {result[dest]}"
+               for flag, dest, _ in DESIGN_OPTIONS if dest in result]
     if designs:
         print(f"designs: {', '.join(designs)}")
     multihost.print_processes(result)

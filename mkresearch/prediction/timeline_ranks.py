@@ -61,10 +61,10 @@ class CollectiveRun:
         """Its share of `rank`'s serial chain of collective latencies: its price, or for one
         started early and waited for after other work (overlap: waited later than arrived),
         only the part still to run when the rank began to wait (what the overlap did not hide)."""
-        i = self.group.index(rank)
-        if not self.waited or self.waited[i] <= self.arrivals[i]:
+        waited = self.wait_from(rank)
+        if waited <= self.arrivals[self.group.index(rank)]:
             return self.price.seconds
-        return min(self.price.seconds, max(0.0, self.end - self.waited[i]))
+        return min(self.price.seconds, max(0.0, self.end - waited))
 
 
 class RanksTimeline:
