@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma, dry_run, registry
+from mkresearch.kernels.base import costs, dma, dry_run, input_checks, registry
 
 # the body's names are the megakernel's API too
 from mkresearch.kernels.compose.megakernel_body import (  # noqa: F401
@@ -236,16 +236,9 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
                          f"holds the [B, d] activations in one {BF16_SUBLANE}-row bf16 tile; "
                          "split larger batches into several calls)")
     seq_len = check_state(state, cfg, batch)
-    if not isinstance(positions, jax.core.Tracer):
-        pos = np.asarray(positions)
-        if pos.min() < 0 or pos.max() >= seq_len:
-            raise ValueError(f"positions={pos.tolist()} is invalid: each in [0, {seq_len}) — the "
-                             f"cache holds {seq_len} tokens (init_state(cfg, batch, max_seq_len=...)"
-                             " for a longer one)")
-    if not isinstance(tokens, jax.core.Tracer):
-        tok = np.asarray(tokens)
-        if tok.min() < 0 or tok.max() >= cfg.vocab_size:
-            raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
+    input_checks.check_each_in("positions", positions, seq_len, f" — the cache holds {seq_len} tokens "
+                         "(init_state(cfg, batch, max_seq_len=...) for a longer one)")
+    input_checks.check_each_in("tokens", tokens, cfg.vocab_size)
     plan = make_plan(cfg, batch, seq_len, options)
     inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
                                                      top_k, top_p)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from mkresearch.kernels.base import dma, registry, weight_stream
+from mkresearch.kernels.base import dma, input_checks, registry, weight_stream
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_plan as mplan
 from mkresearch.kernels.compose.megakernel import StepInputs
@@ -409,11 +409,8 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
         raise ValueError(f"tokens and positions have shapes {np.shape(tokens)}, "
                          f"{np.shape(positions)}: allowed ({batch},) each (the plan's batch)")
     tok, pos = np.asarray(tokens), np.asarray(positions)
-    if tok.min() < 0 or tok.max() >= cfg.vocab_size:
-        raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
-    if pos.min() < 0 or pos.max() >= plan.mega.seq_len:
-        raise ValueError(f"positions={pos.tolist()} is invalid: each in [0, "
-                         f"{plan.mega.seq_len})")
+    input_checks.check_each_in("tokens", tok, cfg.vocab_size)
+    input_checks.check_each_in("positions", pos, plan.mega.seq_len)
     mesh = make_mesh(plan.n_ranks) if mesh is None else mesh
     sampling_ref.check_seed(seed)
     sp = sampling_ref.check_params(batch, cfg.vocab_size, temperature=temperature, top_k=top_k,

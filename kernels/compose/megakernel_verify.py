@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import dma, input_checks
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose.megakernel_plan import (
     MAX_VERIFY_ROWS,
@@ -75,16 +75,9 @@ def check_tokens(tokens: Any, positions: Any, cfg: ModelConfig, seq_len: int) ->
                          f"at most {MAX_VERIFY_ROWS} verify rows per call (fewer rows or drafts)")
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    if not isinstance(positions, jax.core.Tracer):
-        pos = np.asarray(positions)
-        if pos.min() < 0 or pos.max() + drafts >= seq_len:
-            raise ValueError(f"positions={pos.tolist()} is invalid: each in [0, "
-                             f"{seq_len - drafts}) — the K+1={drafts + 1} tokens of a row fill "
-                             f"positions p..p+K of a cache of {seq_len}")
-    if not isinstance(tokens, jax.core.Tracer):
-        tok = np.asarray(tokens)
-        if tok.min() < 0 or tok.max() >= cfg.vocab_size:
-            raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
+    input_checks.check_each_in("positions", positions, seq_len - drafts, f" — the K+1={drafts + 1} "
+                         f"tokens of a row fill positions p..p+K of a cache of {seq_len}")
+    input_checks.check_each_in("tokens", tokens, cfg.vocab_size)
     return batch, drafts
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from mkresearch.kernels.base import costs, dry_run, planned
+from mkresearch.kernels.base import costs, dry_run, input_checks, planned
 from mkresearch.kernels.base.planned import PlannedDma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
 from mkresearch.kernels.compose.megakernel_plan import MegaPlan
@@ -63,8 +63,7 @@ def _positions(plan: MegaPlan, positions: Any) -> tuple[tuple[int, ...], tuple[s
     if values.shape != (batch,) or not np.issubdtype(values.dtype, np.integer):
         raise ValueError(f"positions has shape {values.shape} ({values.dtype}): expected [B="
                          f"{batch}] ints, each row's position")
-    if values.min() < 0 or values.max() >= seq_len:
-        raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len})")
+    input_checks.check_each_in("positions", values, seq_len)
     return tuple(int(v) for v in values), ()
 
 

@@ -29,10 +29,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma
+from mkresearch.kernels.base import blocks, dma, input_checks
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, dot_t, online_softmax_step, tile_loop
 from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
@@ -240,41 +239,16 @@ def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
     """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
     length."""
-    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
-    batch = x.shape[0]
+    batch = input_checks.check_x(x, cfg.d_model)
     expected = weight_shapes(cfg)
-    if not isinstance(p, dict) or set(p) != set(expected):
-        raise ValueError(f"p has keys {sorted(p) if isinstance(p, dict) else p!r}: expected "
-                         f"{sorted(expected)} (attention_bias={cfg.attention_bias}, "
-                         f"qk_norm={cfg.qk_norm})")
-    for name, shape in expected.items():
-        if tuple(p[name].shape) != shape:
-            raise ValueError(f"p[{name!r}] has shape {tuple(p[name].shape)}: expected {shape}")
-        if p[name].dtype != jnp.bfloat16:
-            raise ValueError(f"p[{name!r}].dtype={p[name].dtype} is invalid: bfloat16")
-    if not isinstance(cache, dict) or set(cache) != set(CACHE_NAMES):
-        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
-                         f": expected {CACHE_NAMES}")
+    input_checks.check_keys(p, "p", expected, f" (attention_bias={cfg.attention_bias}, "
+                                        f"qk_norm={cfg.qk_norm})")
+    input_checks.check_arrays(p, "p", expected)
+    input_checks.check_keys(cache, "cache", CACHE_NAMES)
     seq_len = cache["k"].shape[-2] if cache["k"].ndim == 4 else 0
-    for name, shape in cache_shapes(cfg, batch, seq_len).items():
-        if tuple(cache[name].shape) != shape:
-            raise ValueError(f"cache[{name!r}] has shape {tuple(cache[name].shape)}: expected "
-                             f"{shape} (batch {batch}, length {seq_len})")
-        if cache[name].dtype != jnp.bfloat16:
-            raise ValueError(f"cache[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
-    if getattr(positions, "shape", None) != (batch,):
-        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
-                         f"expected [B={batch}]")
-    if positions.dtype != jnp.int32:
-        raise ValueError(f"positions.dtype={positions.dtype} is invalid: int32")
-    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
-        values = np.asarray(positions)
-        if values.min() < 0 or values.max() >= seq_len:
-            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) "
-                             f"(the cache length)")
+    input_checks.check_arrays(cache, "cache", cache_shapes(cfg, batch, seq_len),
+                        note=f" (batch {batch}, length {seq_len})")
+    input_checks.check_positions(positions, batch, seq_len)
     return seq_len
 
 

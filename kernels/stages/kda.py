@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, planned
+from mkresearch.kernels.base import blocks, costs, dma, input_checks, planned
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
@@ -300,18 +300,8 @@ def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamm
 
 def check_inputs(p: dict, x: Any, conv: Any, state: Any, cfg: ModelConfig) -> None:
     """ValueError naming the parameter for bad shapes or dtypes."""
-    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
-    batch, h, d = x.shape[0], cfg.n_heads, cfg.kda_head_dim
-    for name, shape in weight_shapes(cfg).items():
-        w = p.get(name) if isinstance(p, dict) else None
-        if w is None or tuple(w.shape) != shape:
-            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
-        dtype = WEIGHT_DTYPES.get(name, jnp.bfloat16)
-        if w.dtype != dtype:
-            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: {jnp.dtype(dtype).name}")
+    batch, h, d = input_checks.check_x(x, cfg.d_model), cfg.n_heads, cfg.kda_head_dim
+    input_checks.check_arrays(p, "p", weight_shapes(cfg), WEIGHT_DTYPES)
     conv_shape = (batch, cfg.kda_conv_size - 1, 3, h, d)
     if tuple(getattr(conv, "shape", ())) != conv_shape:
         raise ValueError(f"conv has shape {getattr(conv, 'shape', None)}: expected {conv_shape}")

@@ -42,10 +42,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma
+from mkresearch.kernels.base import blocks, costs, dma, input_checks
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import (
     CONTIGUOUS,
@@ -376,16 +375,10 @@ def check_cache(cache: Any, label: str, cfg: ModelConfig, batch: int) -> int:
     """ValueError naming `label` for bad keys, shapes or dtypes of a (layout cfg) cache or cache
     shard; returns its length."""
     names = CACHE_NAMES[cfg.mla_cache_layout]
-    if not isinstance(cache, dict) or set(cache) != set(names):
-        raise ValueError(f"{label} has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
-                         f": expected {names} for mla_cache_layout={cfg.mla_cache_layout!r}")
+    input_checks.check_keys(cache, label, names, f" for mla_cache_layout={cfg.mla_cache_layout!r}")
     seq_len = cache[names[0]].shape[-2]
-    for name, shape in cache_shapes(cfg, batch, seq_len).items():
-        if tuple(cache[name].shape) != shape:
-            raise ValueError(f"{label}[{name!r}] has shape {tuple(cache[name].shape)}: expected "
-                             f"{shape} (batch {batch}, length {seq_len})")
-        if cache[name].dtype != jnp.bfloat16:
-            raise ValueError(f"{label}[{name!r}].dtype={cache[name].dtype} is invalid: bfloat16")
+    input_checks.check_arrays(cache, label, cache_shapes(cfg, batch, seq_len),
+                        note=f" (batch {batch}, length {seq_len})")
     return seq_len
 
 
@@ -395,29 +388,10 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig)
     if cfg.mla_cache_layout not in MLA_CACHE_LAYOUTS:
         raise ValueError(f"cfg.mla_cache_layout={cfg.mla_cache_layout!r} is invalid: one of "
                          f"{MLA_CACHE_LAYOUTS}")
-    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
-    batch = x.shape[0]
-    for name, shape in weight_shapes(cfg).items():
-        w = p.get(name) if isinstance(p, dict) else None
-        if w is None or tuple(w.shape) != shape:
-            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
-        if w.dtype != jnp.bfloat16:
-            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
+    batch = input_checks.check_x(x, cfg.d_model)
+    input_checks.check_arrays(p, "p", weight_shapes(cfg))
     seq_len = check_cache(cache, "cache", cfg, batch)
-    if getattr(positions, "shape", None) != (batch,):
-        raise ValueError(f"positions has shape {getattr(positions, 'shape', None)}: "
-                         f"expected [B={batch}]")
-    if positions.dtype != jnp.int32:
-        raise ValueError(f"positions.dtype={positions.dtype} is invalid: int32")
-    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
-        values = np.asarray(positions)
-        if values.min() < 0 or values.max() >= seq_len:
-            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) — "
-                             f"the cache holds {seq_len} tokens, too short for position "
-                             f"{int(values.max())}")
+    input_checks.check_positions(positions, batch, seq_len)
     return seq_len
 
 

@@ -21,10 +21,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, kv_tiles, kv_update
+from mkresearch.kernels.base import blocks, dma, input_checks, kv_tiles, kv_update
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 from mkresearch.kernels.stages import mla, mla_queries
@@ -135,33 +134,13 @@ def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig) -> int:
     """ValueError naming the parameter for bad shapes, dtypes or positions; returns the cache
     length."""
-    if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: expected [B, d={cfg.d_model}]")
-    if x.dtype != jnp.bfloat16:
-        raise ValueError(f"x.dtype={x.dtype} is invalid: bfloat16 (the normalised input)")
-    batch = x.shape[0]
-    for name, shape in weight_shapes(cfg).items():
-        w = p.get(name) if isinstance(p, dict) else None
-        if w is None or tuple(w.shape) != shape:
-            raise ValueError(f"p[{name!r}] has shape {getattr(w, 'shape', None)}: expected {shape}")
-        if w.dtype != jnp.bfloat16:
-            raise ValueError(f"p[{name!r}].dtype={w.dtype} is invalid: bfloat16")
-    if not isinstance(cache, dict) or set(cache) != set(CACHE_NAMES):
-        raise ValueError(f"cache has keys {sorted(cache) if isinstance(cache, dict) else cache!r}"
-                         f": expected {CACHE_NAMES}")
+    batch = input_checks.check_x(x, cfg.d_model)
+    input_checks.check_arrays(p, "p", weight_shapes(cfg))
+    input_checks.check_keys(cache, "cache", CACHE_NAMES)
     seq_len = cache["ckv"].shape[1] if cache["ckv"].ndim == 3 else 0
-    for name, shape in cache_shapes(cfg, batch, seq_len).items():
-        if tuple(cache[name].shape) != shape or cache[name].dtype != jnp.bfloat16:
-            raise ValueError(f"cache[{name!r}] is {tuple(cache[name].shape)} {cache[name].dtype}"
-                             f": expected {shape} bfloat16 (batch {batch}, length {seq_len})")
-    if getattr(positions, "shape", None) != (batch,) or positions.dtype != jnp.int32:
-        raise ValueError(f"positions is {getattr(positions, 'shape', None)} "
-                         f"{getattr(positions, 'dtype', '')}: expected [B={batch}] int32")
-    if not isinstance(positions, jax.core.Tracer):  # concrete: check every row's position
-        values = np.asarray(positions)
-        if values.min() < 0 or values.max() >= seq_len:
-            raise ValueError(f"positions={values.tolist()} is invalid: each in [0, {seq_len}) "
-                             "(the cache length)")
+    input_checks.check_arrays(cache, "cache", cache_shapes(cfg, batch, seq_len),
+                        note=f" (batch {batch}, length {seq_len})")
+    input_checks.check_positions(positions, batch, seq_len)
     return seq_len
 
 
