@@ -133,6 +133,11 @@ def trace_kernel(fn: Any, *args: Any, axis_env: tuple = (), every_loop: bool = F
         jaxpr = kernel_program(fn, *args, axis_env=axis_env)
     finally:
         _tracing.pop()
+    return kernel_of(jaxpr, every_loop)
+
+
+def kernel_of(jaxpr: core.Jaxpr, every_loop: bool = False) -> Kernel:
+    """A program `trace_kernel` traced, for runs of their own (every_loop: as `trace_kernel`)."""
     return Kernel(jaxpr, shape_run.Slicer({"io_callback": _callback, "axis_index": _axis_index},
                                           every_loop=every_loop))
 

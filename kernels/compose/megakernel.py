@@ -184,10 +184,6 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
     both modes; kimi-k3 on 32 ranks in partial sums: 11.81-11.98 GB, rank 0 the most). Every
     rank's own run is `rank_costs`: at full size ~3 s each, too slow for every build.
     Arguments: `step_call`'s (arrays or shapes)."""
-    def step(inputs, weights, state):
-        return step_call(plan, None, use_gumbel, use_candidates, return_logits, inputs, weights,
-                         state, shard=shard, pages=pages, live=live)
-
     def case(rank):
         given_inputs, given = worst_case(plan, shard, rank)
         if pages is not None:  # a paged step: every row's pages are page 0 (the same bytes)
@@ -195,10 +191,40 @@ def step_cost(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumb
             given_inputs[STEP_INPUTS["page_table"]] = np.zeros(leaf.shape, np.int32)
         return given_inputs, given
 
+    kernel = traced_step(plan, inputs, weights, state, use_gumbel=use_gumbel,
+                         use_candidates=use_candidates, return_logits=return_logits, shard=shard,
+                         pages=pages, live=live, every_loop=True)
+    return costs.kernel_cost(kernel, *case(0), rank=None if shard is None else 0)
+
+
+def traced_step(plan: MegaPlan, inputs: Any, weights: Any, state: Any, *, use_gumbel: bool = False,
+                use_candidates: bool = False, return_logits: bool = False, shard: Any = None,
+                pages: Any = None, live: dict | None = None,
+                every_loop: bool = False) -> dry_run.Kernel:
+    """The step's kernel traced for dry runs (`dry_run.trace_kernel`; arguments: `step_call`'s,
+    arrays or shapes). The program is kept: the step's cost and its schedule
+    (`schedule.schedule`) read one trace of a plan, which at full size takes ~20 s here."""
+    leaves, tree = jax.tree.flatten(costs.shapes((inputs, weights, state)))
+    return _step_kernel((plan, use_gumbel, use_candidates, return_logits, shard, pages,
+                         None if live is None else tuple(sorted(live.items())), tree,
+                         tuple(leaves)), every_loop)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_kernel(program: tuple, every_loop: bool) -> dry_run.Kernel:
+    """The kernel and its runs' compiled slices, kept for every run (a plan's schedules)."""
+    return dry_run.kernel_of(_step_program(*program), every_loop)
+
+
+@functools.lru_cache(maxsize=4)
+def _step_program(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, return_logits: bool,
+                  shard: Any, pages: Any, live: tuple | None, tree: Any, leaves: tuple) -> Any:
+    def step(inputs, weights, state):
+        return step_call(plan, None, use_gumbel, use_candidates, return_logits, inputs, weights,
+                         state, shard=shard, pages=pages, live=None if live is None else dict(live))
+
     axis = () if shard is None else ((collectives.AXIS, shard.n_ranks),)
-    given_inputs, given = case(0)
-    return costs.body_cost(step, inputs, weights, state, inputs=given_inputs, given=given,
-                           axis_env=axis, rank=None if shard is None else 0)
+    return dry_run.trace_kernel(step, *jax.tree.unflatten(tree, leaves), axis_env=axis).jaxpr
 
 
 def rank_costs(step: Any, args: tuple, shard: Any, case: Any) -> list:

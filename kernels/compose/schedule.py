@@ -128,20 +128,15 @@ def _sharded(plan: Any, rank: int | None) -> Any:
     return plan
 
 
-@functools.lru_cache(maxsize=4)
 def _traced(plan: MegaPlan, sharded: Any) -> dry_run.Kernel:
-    """The step's kernel traced for dry runs (kept: a plan's schedules differ only in data)."""
+    """The step's kernel traced for dry runs (`megakernel.traced_step`: one trace per plan, its
+    schedules differing only in data)."""
     inputs, weights, state = megakernel.step_shapes(plan)
     if sharded is not None:  # one rank's slices, every rank's having one shape
         _, weights, state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
                                          megakernel_sharded.step_shapes(sharded))
-
-    def step(inputs, weights, state):
-        return megakernel.step_call(plan, None, False, False, False, inputs, weights, state,
-                                    shard=None if sharded is None else sharded.shard)
-
-    axis = () if sharded is None else ((megakernel_sharded.AXIS, sharded.n_ranks),)
-    return dry_run.trace_kernel(step, inputs, weights, state, axis_env=axis)
+    return megakernel.traced_step(plan, inputs, weights, state,
+                                  shard=None if sharded is None else sharded.shard)
 
 
 def rank_live(plan: Any, rank: int) -> dict:
