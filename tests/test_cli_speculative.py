@@ -42,6 +42,7 @@ def test_decode_speculate_on_the_megakernel_by_default(capsys):
     assert result["tokens_per_step"] == 3 and result["lossless"]["tokens_equal"] == 7
 
 
+@pytest.mark.slow  # a deepseek-v3-mini decode with its MTP drafter (~12 s)
 def test_decode_speculate_mtp(capsys):
     assert cli.main(["decode", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "4",
                      "--batch", "2", "--speculate", "2", "--drafter", "mtp"]) == 0

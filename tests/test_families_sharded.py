@@ -88,6 +88,7 @@ def test_info_ranks_for_a_family(model, capsys):
     assert len(err) == 1 and "n_ranks=3 is invalid" in err[0]
 
 
+@pytest.mark.slow  # a full-size compile for 32 cores (~11 s)
 def test_glm_compiles_live_on_32_cores():
     """One family compiled here, not read from a record (GLM-4.5: ~8 s on 2 cores): one Mosaic
     kernel per rank, as its record says."""

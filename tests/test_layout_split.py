@@ -33,6 +33,7 @@ def planned_bytes(plan, rank):
     return moved, planned
 
 
+@pytest.mark.slow  # Kimi K3's full-size schedule on a rank (~8 s)
 def test_kimi_k3_bytes_per_rank_are_the_kernels_planned_dmas():
     """Kimi K3 on 32 ranks at B = 1: the partial-sum kernel's planned DMAs stream per component
     what `layout_bytes` counts, rank 0 (the most any rank reads: it skips only W_lu) and rank 31

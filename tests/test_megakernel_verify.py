@@ -195,6 +195,7 @@ def test_verify_equals_one_by_one_latent_greedy(recorded_case):
     assert not raced, "the race detector found a race (see 'RACE DETECTED' above)"
 
 
+@pytest.mark.slow  # the recorded verify case (~20 s, shared)
 def test_weights_read_once_for_all_rows(recorded_case):
     """From the DMA log: every weight once for all R = 8 rows (exactly the minimum's weights),
     the union of the rows' experts, and the whole step <= 1.02x its minimum: the decode step's
@@ -222,6 +223,7 @@ def test_weights_read_once_for_all_rows(recorded_case):
     assert step.mismatch(log) is None, step.mismatch(log)
 
 
+@pytest.mark.slow  # the recorded verify case (~20 s, shared)
 def test_recorded_verify_scales_to_a_rank(recorded_case):
     """The recorded verify step, scaled to one rank of Kimi K3 (the release's 32) and replayed by
     the timeline model: one weight pass for the R rows (the timeline of notebook 07, per call)."""

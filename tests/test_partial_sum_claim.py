@@ -47,6 +47,7 @@ def check_claim(rows: list) -> None:
         assert not r.greedy_differs or r.routing_differed or r.top2_gap <= 2 * bound, r
 
 
+@pytest.mark.slow  # a seed sweep on the sharded reference (~23 s)
 def test_claim_on_a_few_seeds():
     """The fast set: the sharded reference's f32 wire against the single device at every step of
     5 cases (both families, both cache layouts, 2/4/8 ranks): 2 compiled steps per config."""
@@ -79,6 +80,7 @@ def test_claim_over_the_sweep():
     assert np.isfinite([s["max_all"] for s in table.values()]).all()
 
 
+@pytest.mark.slow  # a seed sweep on the sharded reference (~12 s)
 def test_restructured_claim_on_a_few_seeds():
     """The restructured mode's sharded reference (equal to its kernel to the bit: tests/sharded/
     test_partial_sum.py) holds the same claim with the same bounds, on the fast set's Kimi K3

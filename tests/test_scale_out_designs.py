@@ -154,6 +154,7 @@ def test_a_schedule_refuses_unknown_or_clashing_designs():
         dataclasses.replace(scale_out.RELEASE_SCHEDULE, designs=("router-host",))
 
 
+@pytest.mark.slow  # the designs of Kimi K3 at B = 1 (~30 s)
 def test_designs_table_and_the_command(capsys):
     cfg = get_config("kimi-k3")
     rows = design_table.designs_table(cfg, 32, (1,))
@@ -266,6 +267,7 @@ def test_bf16_partial_sums_are_the_kernel_built_with_a_bf16_wire():
     assert {run.nbytes for run in _runs(p, sharding.SHARED_DOWN)} == {slots * 4} == {29184}
 
 
+@pytest.mark.slow  # full-size predictions of both sides (~8 s)
 def test_one_model_prices_both_sides_links():
     """The design table's release row is the release under the same Model as ours."""
     model = calibration.Model(interconnect=links.interconnect("tpu7x", hop_latency=1e-6))
