@@ -75,8 +75,9 @@ def check_tokens(tokens: Any, positions: Any, cfg: ModelConfig, seq_len: int) ->
                          f"at most {MAX_VERIFY_ROWS} verify rows per call (fewer rows or drafts)")
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
-    input_checks.check_each_in("positions", positions, seq_len - drafts, f" — the K+1={drafts + 1} "
-                         f"tokens of a row fill positions p..p+K of a cache of {seq_len}")
+    input_checks.check_each_in("positions", positions, seq_len - drafts,
+                               f" — the K+1={drafts + 1} tokens of a row fill positions p..p+K "
+                               f"of a cache of {seq_len}")
     input_checks.check_each_in("tokens", tokens, cfg.vocab_size)
     return batch, drafts
 
