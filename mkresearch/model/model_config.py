@@ -188,9 +188,17 @@ class ModelConfig:
         """The stage kinds the model uses, attention kinds first, each once, in layer order."""
         return tuple(dict.fromkeys(self.attention_kinds + self.ffn_kinds))
 
+    @functools.cached_property
+    def _layers_by_kind(self) -> dict[str, tuple[int, ...]]:
+        by_kind: dict[str, list[int]] = {}
+        for layer, pair in enumerate(self.layers):
+            for kind in dict.fromkeys(pair):
+                by_kind.setdefault(kind, []).append(layer)
+        return {kind: tuple(layers) for kind, layers in by_kind.items()}
+
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """The layers whose attention or FFN is `kind` (its weights are stacked in this order)."""
-        return tuple(layer for layer, pair in enumerate(self.layers) if kind in pair)
+        return self._layers_by_kind.get(kind, ())
 
     def kind_index(self, layer: int, kind: str) -> int:
         """Index of `layer` within the stacked weights and state of `kind`."""

@@ -299,6 +299,7 @@ def our_collectives(plan: sharding.ShardingPlan, rank: int,
     return embed, by_stage, sampling
 
 
+@functools.lru_cache(maxsize=256)  # every rank's program of a prediction asks
 def n_routed_layers(lay: layouts.Layout) -> int:
     """The layers whose FFN runs routed experts (`collective_ops`'s `expert_counts` entries)."""
     return sum(1 for _, ffn in lay.cfg.layers if sharding.routing_point(lay, ffn))

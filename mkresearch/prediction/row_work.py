@@ -40,6 +40,7 @@ why no public figure closes it: docs/prediction.md §4.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ def mix_candidates(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     return before_attention, block + 2
 
 
+@functools.lru_cache(maxsize=256)  # a scale-out prediction asks once per stage of every rank
 def terms(cfg: ModelConfig, n_ranks: int, context: int = 0) -> tuple[RowWork, ...]:
     """Every per-row term of one rank's step (FLOPs per row; `context` cached tokens)."""
     d, heads = cfg.d_model, heads_per_rank(cfg, n_ranks)

@@ -215,10 +215,15 @@ class _Step:
 
     def among(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The stand-in ranks of a group (the first rank of each ETP group)."""
-        return tuple(r for r in group if r % self.lay.etp == 0) or (group[0],)
+        return _stand_ins(group, self.lay.etp)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4096)  # every collective of every rank's program asks
+def _stand_ins(group: tuple[int, ...], etp: int) -> tuple[int, ...]:
+    return tuple(r for r in group if r % etp == 0) or (group[0],)
+
+
+@functools.lru_cache(maxsize=64)  # a sensitivity run's validations reuse ~40 programs
 def rank_programs(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int = 1, *,
                   schedule: str | Schedule | None = None, context: int = 0, seed: int = 0,
                   sequences: int | None = None) -> tuple[list[int], list[list]]:
@@ -251,20 +256,22 @@ def _rank_program(step: _Step, blocks: list[int], rank: int, built: dict) -> lis
         program.start(prog, c, c.name, step.among)
     states = {kind: step.counted.component(spec.stage(kind).state_component[0])
               / len(cfg.layers_of(kind))
-              for kind in cfg.attention_kinds if spec.stage(kind).state_component}
-    moe_layers = list(cfg.moe_layers)
+              for kind in dict.fromkeys(cfg.attention_kinds) if spec.stage(kind).state_component}
+    shares = {kind: step.read_share(kind) for kind, state in states.items() if state}
+    moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    group = step.group(rank)
     mixes = next(t for t in row_work.terms(cfg, step.lay.n_ranks) if t.term == "residual mix")
     for layer, (attention, ffn) in enumerate(cfg.layers):
         prog.block(len(weight_blocks(step.mix, sched.block_bytes)))  # norms and mix
         prog.compute(step.batch * mixes.per_layer[layer])  # the Mixes on every row
         state = states.get(attention, 0)
-        share = step.read_share(attention) if state else 0.0
+        share = shares[attention] if state else 0.0
         if state:  # read before the layer, written after it
             prog.fetch(state * share, 1, 1)
         for kind in (attention, ffn):
             count = None
-            if kind == ffn and layer in moe_layers:
-                count = int(step.routed[moe_layers.index(layer)][step.group(rank)])
+            if kind == ffn and layer in moe_index:
+                count = int(step.routed[moe_index[layer]][group])
             prog.ops += _stage_ops(step, blocks, rank, layer, kind, count, ends[1], built)
             if kind == attention:
                 prog.write(state * (1 - share))
@@ -295,7 +302,10 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     """One stage's ops on `rank` (built once per rank, expert count and collectives)."""
     if ours is not None:
         collectives = tuple(ours.get((layer, kind), ()))
-        actions = program.our_actions(step.lay, kind, step.stages[kind].matrices)
+        actions = built.get(kind)  # a stage's actions: the same on every rank and layer
+        if actions is None:
+            actions = built[kind] = program.our_actions(step.lay, kind,
+                                                        step.stages[kind].matrices)
     else:
         actions = program.release_actions(step.stages[kind].matrices, count is not None,
                                           step.sched.combine == "partial-sum")

@@ -402,9 +402,12 @@ class RankSimulation:
         `STREAMS` field (default True); True / False: every blocking collective alike."""
         out, at = [], 0
         for op in ops:
-            if isinstance(op, tuple) and op[0] == "blocks":
+            if not isinstance(op, tuple):  # a recorded log's event: never holds the ring
+                continue
+            kind = op[0]
+            if kind == "blocks":
                 at += op[1]
-            elif cls._holds_ring(op, prefetch_across):
+            elif (kind == "start" or kind == "fetch") and cls._holds_ring(op, prefetch_across):
                 out.append(at)
         return out + [n_blocks]
 
@@ -519,9 +522,12 @@ class RankSimulation:
         return end
 
     def _fill(self) -> None:
-        blocks, ends, dma, lat, per_byte = self.blocks, self.ends, self.dma, self.lat, 1 / self.bw
-        t, free, issued = self.t, self.free, self.issued
+        issued = self.issued
         limit = min(self.consumed + self.banks, self.barriers[self.next_barrier])
+        if issued >= limit:  # most calls (after each collective): the ring is full already
+            return
+        blocks, ends, dma, lat, per_byte = self.blocks, self.ends, self.dma, self.lat, 1 / self.bw
+        t, free = self.t, self.free
         while issued < limit:  # _dma inlined: the ring refills a dozen blocks at once
             start = t + lat
             start = max(start, free)
@@ -621,9 +627,10 @@ class RankSimulation:
 
             def delayed(e: float) -> float:
                 return e + min(e - start, size)
+        ends = self.ends
         for i in range(self.consumed, self.issued):
-            if self.ends[i] > start:
-                self.ends[i] = delayed(self.ends[i])
+            if ends[i] > start:
+                ends[i] = delayed(ends[i])
         self.free = delayed(self.free) if self.free > start else max(self.free, end)
         self._delay_intervals(start, end, delayed)
         self.fetch_free = end
@@ -632,9 +639,10 @@ class RankSimulation:
 
     def _ring_block_end(self, t: float) -> float:
         """When the ring block moving at t ends (t: none moves)."""
+        ends, blocks, bw = self.ends, self.blocks, self.bw
         for i in range(self.consumed, self.issued):
-            if self.ends[i] - self.blocks[i] / self.bw <= t < self.ends[i]:
-                return self.ends[i]
+            if ends[i] - blocks[i] / bw <= t < ends[i]:
+                return ends[i]
         return t
 
     def _delay_intervals(self, start: float, end: float, delayed) -> None:

@@ -266,7 +266,8 @@ class _Joiner:
 
     def arrive(self, i: int, arg: tuple, t: float) -> None:
         """Rank i starts a collective at t: the instance starts when its last member does."""
-        _, name, op, group, path, nbytes, _blocking, *own = arg
+        name, op, group, path, nbytes = arg[1], arg[2], arg[3], arg[4], arg[5]
+        own = arg[7] if len(arg) > 7 else None  # the collective's own algorithm, if it names one
         k = self.seen[i].get(group, 0)
         self.seen[i][group] = k + 1
         key = self.latest[i][name] = (group, k)
@@ -277,7 +278,7 @@ class _Joiner:
         inst["arrivals"][self.ranks[i]] = t
         if len(inst["arrivals"]) == len(group):
             inst["start"] = max(inst["arrivals"].values())
-            how = own[0] if own and own[0] and self.algorithm == "auto" else \
+            how = own if own and self.algorithm == "auto" else \
                 self.algorithm_of(op, tuple(inst["path"]), nbytes)
             inst["price"] = links.price(self.inter, op, how, tuple(inst["path"]), nbytes)
             inst["end"] = inst["start"] + inst["price"].seconds
