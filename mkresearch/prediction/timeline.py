@@ -390,18 +390,20 @@ class RankSimulation:
         self.flops = 0.0
         self.writes: list[float] = []
         self.fetch_free = 0.0  # when the fetches' own DMA FIFO is free
-        self.barriers = self._barriers(ops, len(blocks), prefetch_across)
+        self.barriers, self.holding = self._barriers(ops, len(blocks), prefetch_across)
         self.prefetch_across = prefetch_across
         self.next_barrier = 0
         self.total = 0.0
 
     @classmethod
-    def _barriers(cls, ops, n_blocks: int, prefetch_across: bool | None) -> list[int]:
+    def _barriers(cls, ops, n_blocks: int, prefetch_across: bool | None
+                  ) -> tuple[list[int], frozenset[int]]:
         """The ring's horizon: the block index of each blocking collective the stream does not
-        run past (then the end of the ring). prefetch_across None: each collective's own
-        `STREAMS` field (default True); True / False: every blocking collective alike."""
-        out, at = [], 0
-        for op in ops:
+        run past (then the end of the ring), and the indices of those ops in the program.
+        prefetch_across None: each collective's own `STREAMS` field (default True); True /
+        False: every blocking collective alike."""
+        out, at, holding = [], 0, []
+        for i, op in enumerate(ops):
             if not isinstance(op, tuple):  # a recorded log's event: never holds the ring
                 continue
             kind = op[0]
@@ -409,7 +411,8 @@ class RankSimulation:
                 at += op[1]
             elif (kind == "start" or kind == "fetch") and cls._holds_ring(op, prefetch_across):
                 out.append(at)
-        return out + [n_blocks]
+                holding.append(i)
+        return out + [n_blocks], frozenset(holding)
 
     @staticmethod
     def _holds_ring(op, prefetch_across: bool | None) -> bool:
@@ -446,7 +449,7 @@ class RankSimulation:
                 self._blocks(op[1])
             elif kind == "fetch":
                 self._fetch(*op[1:])
-                if self._holds_ring(op, self.prefetch_across):
+                if i in self.holding:
                     self.next_barrier += 1
                     self._fill()
             elif kind == "write":
@@ -460,7 +463,7 @@ class RankSimulation:
                 if op[6]:
                     self.waiting = op
                     self.t = max(self.t, (yield "wait", op[1], self.t))
-                    if self._holds_ring(op, self.prefetch_across):
+                    if i in self.holding:
                         self.next_barrier += 1
                     self._fill()
             else:  # wait
@@ -546,15 +549,18 @@ class RankSimulation:
         t, free, issued, consumed = self.t, self.free, self.issued, self.consumed
         horizon = self.barriers[self.next_barrier]
         issued_bytes = 0.0
-        for _ in range(n):
-            t = max(t, ends[consumed])
+        for _ in range(n):  # max and min as comparisons: the same floats, without the calls
+            if ends[consumed] > t:
+                t = ends[consumed]
             nbytes = blocks[consumed]
             consumed += 1
             limit = consumed + banks
-            limit = min(limit, horizon)
+            if horizon < limit:
+                limit = horizon
             while issued < limit:
                 start = t + lat
-                start = max(start, free)
+                if free > start:
+                    start = free
                 free = start + blocks[issued] * per_byte
                 ends[issued] = free
                 issued_bytes += blocks[issued]
