@@ -550,16 +550,16 @@ class RankSimulation:
         horizon = self.barriers[self.next_barrier]
         issued_bytes = 0.0
         for _ in range(n):  # max and min as comparisons: the same floats, without the calls
-            if ends[consumed] > t:
+            if ends[consumed] > t:  # noqa: PLR1730
                 t = ends[consumed]
             nbytes = blocks[consumed]
             consumed += 1
             limit = consumed + banks
-            if horizon < limit:
+            if horizon < limit:  # noqa: PLR1730
                 limit = horizon
             while issued < limit:
                 start = t + lat
-                if free > start:
+                if free > start:  # noqa: PLR1730
                     start = free
                 free = start + blocks[issued] * per_byte
                 ends[issued] = free
