@@ -186,7 +186,7 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
                 speculative.check_verify(batch, args.speculate)
             speculative.check_acceptances(_acceptances(args), args.speculate)
         table = []
-        for batch in _progress(args, args.batch, "designs", "batch"):  # ~35 s a batch
+        for batch in _progress(args, args.batch, "designs", "batch"):  # ~25 s a batch here
             if args.speculate:
                 table += speculative_designs.speculative_designs(
                     cfg, args.ranks, (batch,), drafts=args.speculate,
