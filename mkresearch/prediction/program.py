@@ -271,15 +271,16 @@ def release_mxu_spread(fmt: str, cfg: ModelConfig, batch: int) -> int:
 
 
 # ---- ours: the kernel's collectives ------------------------------------------------------------
-def our_actions(lay: layouts.Layout, kind: str, matrices) -> list[tuple[str, float]]:
+@functools.lru_cache(maxsize=256)  # every stage of every rank's program asks
+def our_actions(lay: layouts.Layout, kind: str, matrices: tuple) -> tuple[tuple[str, float], ...]:
     """A stage's actions in the kernel's order, the routed experts right after the routing
     point. The kernel does not yet move the shared expert ahead of the routed experts' stream
     (the overlap issue 28 asks for), so the prediction does not assume it either."""
     routing = sharding.routing_point(lay, kind)
     if routing is None:
-        return list(matrices)
+        return tuple(matrices)
     at = [m[0] for m in matrices].index(routing) + 1
-    return [*matrices[:at], (EXPERTS, 0), *matrices[at:]]
+    return (*matrices[:at], (EXPERTS, 0), *matrices[at:])
 
 
 def our_collectives(plan: sharding.ShardingPlan, rank: int,

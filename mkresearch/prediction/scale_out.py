@@ -302,10 +302,7 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
     """One stage's ops on `rank` (built once per rank, expert count and collectives)."""
     if ours is not None:
         collectives = tuple(ours.get((layer, kind), ()))
-        actions = built.get(kind)  # a stage's actions: the same on every rank and layer
-        if actions is None:
-            actions = built[kind] = program.our_actions(step.lay, kind,
-                                                        step.stages[kind].matrices)
+        actions = program.our_actions(step.lay, kind, step.stages[kind].matrices)
     else:
         actions = program.release_actions(step.stages[kind].matrices, count is not None,
                                           step.sched.combine == "partial-sum")
