@@ -1,4 +1,8 @@
-"""`python -m mkresearch`: decode --json works; bad input is one line on stderr and exit 2."""
+"""`python -m mkresearch`: decode --json works; bad input is one line on stderr and exit 2.
+
+The commands run in this process (`cli.main`, what `python -m mkresearch` exits with): a child
+per command would start Python and JAX again; the command itself runs in
+test_bad_input_exits_2_from_the_command."""
 
 import json
 import subprocess
@@ -16,10 +20,9 @@ def run(*args, timeout=300):
 
 @pytest.mark.slow
 def test_decode_json_and_text(capsys):
-    done = run("decode", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3",
-               "--batch", "2", "--seed", "1", "--backend", "reference", "--json")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)  # stdout is exactly one JSON object: no progress bar
+    assert cli.main(["decode", "kimi-k3-mini", "--prompt-len", "3", "--steps", "3", "--batch",
+                     "2", "--seed", "1", "--backend", "reference", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # stdout is exactly one JSON object
     assert result["model"] == "kimi-k3-mini" and result["backend"] == "reference"
     assert len(result["prompt"]) == 2 and all(len(row) == 3 for row in result["prompt"])
     assert len(result["generated"]) == 2 and all(len(row) == 3 for row in result["generated"])
@@ -83,42 +86,20 @@ def test_bad_input_exits_2_from_the_command():
     assert done.stdout == ""
 
 
-def test_info_text():
-    done = run("info", "kimi-k3-mini", "--batch", "4", "--context", "16")
-    assert done.returncode == 0, done.stderr
-    assert "KKK MKK M" in done.stdout  # MLA at 3 and at the last layer, blocks of 3
-    assert "routed experts" in done.stdout and "tokens/s" in done.stdout
+def test_info_text(capsys):
+    assert cli.main(["info", "kimi-k3-mini", "--batch", "4", "--context", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "KKK MKK M" in out  # MLA at 3 and at the last layer, blocks of 3
+    assert "routed experts" in out and "tokens/s" in out
 
 
 def test_figures(tmp_path):
-    done = run("figures", "--out", str(tmp_path), "--only", "roofline")
-    assert done.returncode == 0, done.stderr
+    assert cli.main(["figures", "--out", str(tmp_path), "--only", "roofline"]) == 0
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow
-def test_demo_decodes_with_the_megakernel():
-    """`make demo`: the product — megakernel tokens, agreement with the reference, the step time
-    here labelled as a simulator, and the full model's predicted TPU7x step beside the release's."""
-    import re
-    from pathlib import Path
-
-    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
-    demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1)
-    assert "mkresearch decode" in demo and "--backend reference" not in demo
-    done = run("decode", "kimi-k3-mini", "--prompt-len", "2", "--steps", "2",
-               "--batch", "1", "--seed", "0")
-    assert done.returncode == 0, done.stderr
-    text = done.stdout
-    assert "backend megakernel (one pallas_call per step)" in text
-    assert "agreement with the reference backend: 2/2 tokens equal" in text and "PASS" in text
-    assert "TPU interpret mode on CPU (a simulator)" in text
-    # the last line: the full-size step (full_size.full_size_step), as info and predict print it
-    assert re.fullmatch(r"full-size step \(kimi-k3 on 32 ranks of tpu7x, ours layout, partial-sum "
-                        r"collectives \(each its own algorithm\), B=1\): [\d.]+ ms/step, [\d.]+ GB "
-                        r"per rank "
-                        r"per step \(timeline model prediction, not measured\); the release "
-                        r"publishes 4\.02 ms", text.splitlines()[-1]), text
+# `make demo` (kimi-k3-mini's `decode` on the megakernel): tests/test_full_size.py, whose decode
+# and bench of the same mini share its compiled step
 
 
 @pytest.mark.parametrize("command", [["decode"], ["bench", "--batch", "1"]])
@@ -148,7 +129,7 @@ def test_chip_refusal_is_one_line_exit_2(monkeypatch, capsys, command):
 # The CLI's decode path is the same for every model (tests/test_families.py and
 # tests/test_families_megakernel.py check each family's step): a family on the reference here, a
 # family on the megakernel through `bench` below (and kimi-k3-mini's `decode` on the megakernel
-# above); a family's `decode` on the megakernel is in the exhaustive tier
+# in tests/test_full_size.py); a family's `decode` on the megakernel is in the exhaustive tier
 @pytest.mark.slow
 @pytest.mark.parametrize("model, backend", [
     ("glm-4.5-mini", "reference"),
@@ -247,13 +228,15 @@ def assert_plan_matches_the_roofline(report, cfg, batch, context):
     assert comparison["difference"] == sum(differing.values())
 
 
-# `make test` plans every -mini (each family's, which exercise every feature), Kimi K3 at full
-# size (93 layers, over one chip's HBM: the footprint's refusal branch) and one small real
-# model's config; the other full-size presets, the ranks (kimi-k3-rank included: Kimi K3's 93
-# layers again over smaller shapes, ~10 s here; Kimi K3 runs) and the other real models'
+# `make test` plans every -mini (each family's, which exercise every feature), Kimi Linear
+# (a real config of Kimi K3's layers, KDA + MLA, at full size: over one chip's HBM, the
+# footprint's refusal branch, in 27 layers) and one small real model's config; the other
+# full-size presets (Kimi K3's 93 layers, ~24 s here: `plan kimi-k3-rank` runs them in
+# tests/test_full_size.py, the full-size kimi-k3's schedule in
+# test_schedule.test_worst_case_is_the_cost_estimate), the ranks and the other real models'
 # configs (~65 s here, the same code over other shapes) are the exhaustive tier's, as in
 # test_schedule.test_worst_case_is_the_cost_estimate
-PLANNED_IN_MAKE_TEST = ("kimi-k3", "moonlight-16b-a3b")
+PLANNED_IN_MAKE_TEST = ("kimi-linear-48b-a3b", "moonlight-16b-a3b")
 
 
 def _plan_case(name):
@@ -268,7 +251,7 @@ def test_plan_on_every_preset(capsys, name):
     """`mkresearch plan MODEL --json` from shapes (full models and their ranks too): one JSON
     object whose HBM bytes are the roofline's at the same assumptions (the last position, min(E, B·k)
     experts) plus the named differences, and no late prefetch. In this process (a subprocess
-    per preset would import JAX a dozen times; test_plan_options_and_text runs one)."""
+    per preset would import JAX a dozen times)."""
     from mkresearch.cli import main as cli
     from mkresearch.model.config import get_config
 
@@ -286,19 +269,19 @@ def test_plan_on_every_preset(capsys, name):
 
 
 @pytest.mark.slow
-def test_plan_options_and_text():
+def test_plan_options_and_text(capsys):
     from mkresearch.model.config import get_config
 
-    args = ("plan", "kimi-k3-mini", "--batch", "4", "--cache-layout", "latent", "--format", "fp8",
-            "--context", "40")
-    done = run(*args, "--json")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    args = ["plan", "kimi-k3-mini", "--batch", "4", "--cache-layout", "latent", "--format", "fp8",
+            "--context", "40"]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     cfg = get_config("kimi-k3-mini", mla_cache_layout="latent", expert_format="fp8")
     assert report["positions"] == [40] * 4 and report["mla_cache_layout"] == "latent"
     assert_plan_matches_the_roofline(report, cfg, 4, 40)
     assert report["by_layer_kind"]["mla+moe"]["layers"] == 2
-    text = run(*args).stdout
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
     for line in ("kimi-k3-mini on tpu7x, B=4, MLA cache latent, experts fp8", "by stage",
                  "by layer kind", "by buffer", "weight ring: 3 slots",
                  "HBM bytes against roofline.step_bytes (context 40, 16 unique experts",

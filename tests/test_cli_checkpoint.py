@@ -1,14 +1,11 @@
 """`mkresearch decode --checkpoint DIR --prompt TEXT --steps N` (mkresearch.cli.checkpoint): a
-checkpoint written here in the published layout (qwen3-235b-a22b-mini, two shards, a tiny
-tokenizer.json built in the test), decoded from text to text, also with --speculate K and
---ranks N (the latter on 2 simulated devices in a child process: opt-in tier, ~90 s here); bad
-input is one line, exit 2. No network."""
+checkpoint written here in the published layout (qwen3-235b-a22b-mini cut to two of its four
+layers, all alike: GQA + MoE; two shards, a tiny tokenizer.json built in the test), decoded from
+text to text, also with --speculate K and --ranks N (the latter on 2 simulated devices in a
+child process, the slowest test here); bad input is one line, exit 2. No network."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,15 +21,18 @@ from mkresearch.model.config import get_config
 from mkresearch.model.published import PUBLISHED, published_config
 
 PROMPT = "a prompt fills every cache"
-# test_decode_on_2_ranks_from_a_checkpoint_in_a_child's: 6 tokens, 7 interpret-mode steps of
-# the sharded kernel (each checked against the single-device and reference steps), not 17
-SHORT_PROMPT = "a prompt"
+# test_decode_on_2_ranks_from_a_checkpoint_in_a_child's: 3 tokens (one a merge), 4 interpret-
+# mode steps of the sharded kernel (each checked against the single-device and reference
+# steps), not 17
+SHORT_PROMPT = "a pr"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3-mini")
-    cfg = get_config("qwen3-235b-a22b-mini")
+    # two layers: every compile of the module (reference, megakernel, sharded) is of half the
+    # mini's, and each decodes the same kind of layer (mla_first: unused by Qwen3)
+    cfg = get_config("qwen3-235b-a22b-mini", n_layers=2, mla_first=0)
     params = weights.init_params(cfg, seed=4)
     write_checkpoint(directory, params, cfg, shards=2)
     tiny_tokenizer_json(directory)
@@ -204,19 +204,20 @@ def test_ranks_with_checkpoint_goes_to_the_sharded_run(checkpoint, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint):
+def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint, capfd, monkeypatch):
     """The checkpoint's weights onto 2 simulated ranks by the layout (`decode_sharded`): each
     step's logits bit-equal to the sharded reference's and within the partial-sum claim of the
     reference; the text of the tokens. A child compiling the sharded, single-device and
-    reference steps (the slowest test of this module)."""
+    reference steps (the slowest test of this module). The command from this process
+    (`cli.main`: a parent process would only start Python and JAX again); the child it runs
+    prints on this process's stdout."""
     directory, cfg, _ = checkpoint
-    env = {k: v for k, v in os.environ.items() if k != cli_ranks.CHILD_ENV}
-    done = subprocess.run([sys.executable, "-m", "mkresearch", "decode", "--checkpoint",
-                           str(directory), "--prompt", SHORT_PROMPT, "--steps", "2", "--ranks", "2",
-                           "--json"], capture_output=True, text=True, timeout=600, env=env,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout)
+    monkeypatch.delenv(cli_ranks.CHILD_ENV, raising=False)
+    status = cli.main(["decode", "--checkpoint", str(directory), "--prompt", SHORT_PROMPT,
+                       "--steps", "2", "--ranks", "2", "--json"])
+    captured = capfd.readouterr()
+    assert status == 0, captured.err[-4000:]
+    result = json.loads(captured.out)
     assert result["ranks"] == 2 and result["devices"] == 2 and result["passed"]
     assert result["text"] == _text(directory, cfg, result["generated"][0], SHORT_PROMPT)
     check_sharded_decode(result)  # the checks of every `--ranks` run

@@ -72,14 +72,14 @@ def test_too_few_devices_in_a_child_is_refused(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_reference_with_experts_split_2_ways_on_8_ranks_in_a_child_json():
+def test_reference_with_experts_split_2_ways_on_8_ranks_in_a_child_json(capfd, monkeypatch):
     """decode --backend reference --ranks 8 --etp 2 (kimi-k3-mini's 16 experts in 4 groups, each
     expert's hidden over 2 ranks, W2 by its rows): on the mesh each rank computes its hidden
     slice's partial output, every rank's sum all-gathered and added in rank order; the logits
     bit-equal to the single-device sharded reference's at every step."""
     result = run_child_json(["decode", "kimi-k3-mini", "--backend", "reference", "--ranks", "8",
-                             "--etp", "2", "--collectives", "partial-sum", "--prompt-len", "2",
-                             "--batch", "2", "--steps", "2"])
+                             "--etp", "2", "--collectives", "partial-sum", "--prompt-len", "1",
+                             "--batch", "2", "--steps", "2"], capfd, monkeypatch)  # 2 steps
     single = result["single_device"]
     print(f"8 ranks, ETP 2: {result['layout']}; logits bit-equal to the sharded reference at "
           f"{single['logits_bit_equal_steps']} of {single['steps']} steps")
@@ -87,15 +87,15 @@ def test_reference_with_experts_split_2_ways_on_8_ranks_in_a_child_json():
     assert single["passed"] and single["logits_bit_equal_steps"] == single["steps"] >= 2
 
 
-def run_child_json(args: list[str]) -> dict:
-    """`mkresearch <args> --json` in a fresh process (its --ranks child and the child's devices
-    its own): the printed result."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop(cli_ranks.CHILD_ENV, None)
-    out = subprocess.run([sys.executable, "-m", "mkresearch", *args, "--json"], env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_child_json(args: list[str], capfd, monkeypatch) -> dict:
+    """`mkresearch <args> --json` from this process (`cli.main`; a fresh parent process would
+    only start Python and JAX again), which runs its --ranks child with the child's devices: the
+    result the child printed (on this process's stdout, which the child inherits)."""
+    monkeypatch.delenv(cli_ranks.CHILD_ENV, raising=False)
+    status = cli.main([*args, "--json"])
+    captured = capfd.readouterr()
+    assert status == 0, captured.err[-4000:]
+    return json.loads(captured.out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow

@@ -34,18 +34,20 @@ def test_decode_speculate_forced_reports_steps_acceptance_and_lossless(capsys):
 @pytest.mark.slow
 def test_decode_speculate_on_the_megakernel_by_default(capsys):
     """The default backend: one megakernel pallas_call per verify step (kimi-k3-mini: KDA, MLA,
-    MoE), forced acceptance 2 of K = 3, lossless against plain greedy decoding."""
+    MoE), forced acceptance 2 of K = 4, lossless against plain greedy decoding. (B = 1 and K = 4:
+    the verify step and reference step test_bench_speculative_rows runs, compiled once.)"""
     assert cli.main(["decode", "kimi-k3-mini", "--prompt-len", "3", "--steps", "7",
-                     "--batch", "1", "--speculate", "3", "--drafter", "forced:2", "--json"]) == 0
+                     "--batch", "1", "--speculate", "4", "--drafter", "forced:2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["backend"] == "megakernel" and result["verify_steps"] == 2
     assert result["tokens_per_step"] == 3 and result["lossless"]["tokens_equal"] == 7
 
 
-@pytest.mark.slow  # a deepseek-v3-mini decode with its MTP drafter (~12 s)
+@pytest.mark.slow  # a deepseek-v3-mini decode with its MTP drafter (~12 s); B = 2 and K = 3:
+# the reference steps and rollback the forced decode above compiled
 def test_decode_speculate_mtp(capsys):
     assert cli.main(["decode", "deepseek-v3-mini", "--prompt-len", "3", "--steps", "4",
-                     "--batch", "2", "--speculate", "2", "--drafter", "mtp"]) == 0
+                     "--batch", "2", "--speculate", "3", "--drafter", "mtp"]) == 0
     text = capsys.readouterr().out
     assert "drafter mtp" in text and "8/8 tokens equal -> PASS" in text
 
@@ -54,7 +56,7 @@ def test_decode_speculate_mtp(capsys):
 def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
     """`bench --speculate K` adds verify rows of both backends (B x (K + 1) <= 64 only) to the
     bench's output and JSON; the plain megakernel bench rows are stubbed out (tests/test_cli.py
-    runs them)."""
+    runs them). kimi-k3-mini at B = 1, K = 4: the verify steps the decode above compiled."""
     from mkresearch.cli import bench
 
     def stub(cfg, batches, steps, chip, out_json, figure):
@@ -63,14 +65,14 @@ def test_bench_speculative_rows(tmp_path, capsys, monkeypatch):
         return {"rows": []}
 
     monkeypatch.setattr(bench, "run_bench", stub)
-    assert cli.main(["bench", "deepseek-v3-mini", "--batch", "2,16", "--steps",
+    assert cli.main(["bench", "kimi-k3-mini", "--batch", "1,16", "--steps",
                      "1", "--speculate", "4", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "B=2, speculative K=4 (reference" in text and "B=16" not in text  # 16 x 5 > 64
-    assert "B=2, speculative K=4 (megakernel" in text
+    assert "B=1, speculative K=4 (reference" in text and "B=16" not in text  # 16 x 5 > 64
+    assert "B=1, speculative K=4 (megakernel" in text
     rows = json.loads((tmp_path / "decode_bench.json").read_text())["speculative"]
-    assert [(row["backend"], row["batch"]) for row in rows] == [("megakernel", 2),
-                                                                  ("reference", 2)]
+    assert [(row["backend"], row["batch"]) for row in rows] == [("megakernel", 1),
+                                                                  ("reference", 1)]
     assert all(row["verify_step_s"] > 0 for row in rows)
 
 

@@ -65,18 +65,56 @@ def test_info_and_predict_print_the_same_full_size_lines(capsys, kimi_32):
     assert [s["line"] for s in report["full_size"]] == [s.line() for s in kimi_32.values()]
 
 
+# plan: also make test's plan of Kimi K3's 93 layers (tests/test_cli.py plans the full-size
+# kimi-k3 in the exhaustive tier)
 @pytest.mark.parametrize("command", ["info", pytest.param("plan", marks=pytest.mark.slow)])
 def test_the_stand_in_is_labelled_where_its_bytes_print(capsys, command):
     text = run(capsys, command, "kimi-k3-rank")
     assert STAND_IN_LABEL in text and "mkresearch info kimi-k3 --ranks 32" in text
 
 
+@pytest.fixture(scope="module")
+def demo_decode():
+    """`make demo`'s command, in this process (its compiled step serves the bench below): stdout."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["decode", "kimi-k3-mini", "--prompt-len", "2", "--steps", "2",
+                         "--batch", "1", "--seed", "0"]) == 0
+    return out.getvalue()
+
+
 @pytest.mark.slow
-def test_decode_and_bench_print_the_full_size_line_of_info_and_predict(capsys, tmp_path, kimi_32):
+def test_demo_decodes_with_the_megakernel(demo_decode):
+    """`make demo`: the product — megakernel tokens, agreement with the reference, the step time
+    here labelled as a simulator, and the full model's predicted TPU7x step beside the release's.
+    (Here beside the full-size line's other checks: one compile of the mini's step for both.)"""
+    import re
+    from pathlib import Path
+
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.MULTILINE).group(1)
+    assert "mkresearch decode" in demo and "--backend reference" not in demo
+    text = demo_decode
+    assert "backend megakernel (one pallas_call per step)" in text
+    assert "agreement with the reference backend: 2/2 tokens equal" in text and "PASS" in text
+    assert "TPU interpret mode on CPU (a simulator)" in text
+    # the last line: the full-size step (full_size.full_size_step), as info and predict print it
+    assert re.fullmatch(r"full-size step \(kimi-k3 on 32 ranks of tpu7x, ours layout, partial-sum "
+                        r"collectives \(each its own algorithm\), B=1\): [\d.]+ ms/step, [\d.]+ GB "
+                        r"per rank "
+                        r"per step \(timeline model prediction, not measured\); the release "
+                        r"publishes 4\.02 ms", text.splitlines()[-1]), text
+
+
+@pytest.mark.slow
+def test_decode_and_bench_print_the_full_size_line_of_info_and_predict(capsys, tmp_path, kimi_32,
+                                                                         demo_decode):
     """`make demo`'s last line is the full-size step, not the stand-in's scaled one."""
     ours = kimi_32["ours"].line()
-    decode = run(capsys, "decode", "kimi-k3-mini", "--prompt-len", "1", "--steps", "1",
-                 "--batch", "1")
+    decode = demo_decode
     assert decode.splitlines()[-1] == ours and "kimi-k3-rank" not in decode
     bench = run(capsys, "bench", "kimi-k3-mini", "--batch", "1", "--steps", "1",
                 "--out", str(tmp_path))
