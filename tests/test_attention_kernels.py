@@ -58,7 +58,12 @@ def assert_state_equal(actual, expected, batch, what):
 
 @pytest.fixture(scope="module")
 def mini_params():
-    return weights.init_params(MINI, 0)
+    """The mini's weights as far as these tests read them (MLA layer 0, KDA layers 0 and 1): the
+    mini cut to its first 4 layers (3 KDA + dense, MLA + MoE), whose leaves are the whole mini's
+    first layers bit for bit (each leaf is drawn from its own stream, layer by layer) at a
+    fraction of init_params' time (5 fewer MoE layers of experts)."""
+    return weights.init_params(MINI.replace(name="kimi-k3-mini-4l", n_layers=4,
+                                            n_dense_layers=3), 0)
 
 
 def random_cache(cfg, batch, seed):
@@ -121,8 +126,8 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
 
 
 def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
-    """Record both layouts at mini shapes (the B=1 case above: same compiled kernels); rescale
-    the logs to Kimi K3 shapes."""
+    """Record both layouts at mini shapes (the B=1 case above, exhaustive: the same compiled
+    kernels); rescale the logs to Kimi K3 shapes."""
     positions = jnp.array(POSITIONS[1], jnp.int32)
     logs = {}
     for cache in ("expanded", "latent"):
@@ -305,7 +310,7 @@ def test_mla_latent_sequence_sharded_reads_64x_fewer_kv_bytes_per_rank(race_chec
     p = reference.layer_params(mini_params["mla"], 0)
     positions = jnp.array([MINI.max_seq_len - 1], jnp.int32)
     logs = {}
-    for cache in ("expanded", "latent"):  # the B=1 kernels of the first test: no new compile
+    for cache in ("expanded", "latent"):  # test_mla_latent_reads_far_fewer_kv_bytes' kernels
         cfg = MINI.replace(mla_cache_layout=cache)
         with dma.recording() as logs[cache]:
             jax.block_until_ready(mla.mla_attention(p, normalised_input(cfg, 1, 1),
@@ -370,7 +375,7 @@ def test_kda_decay_stays_above_its_bound(race_checked, mini_params):
     conv = jnp.zeros((1, cfg.kda_conv_size - 1, 3, h, d), jnp.bfloat16)
     state = jnp.ones((1, h, d, d), jnp.float32)
     x = normalised_input(cfg, 1, seed=3)
-    with dma.recording():  # recorded like the B=1 case above, so its compiled kernel is reused
+    with dma.recording():  # recorded like the B=1 case above (exhaustive): the same kernel
         _, _, new_state = kda.kda_attention(p, x, conv, state, cfg)
     np.testing.assert_allclose(np.asarray(new_state), np.exp(cfg.kda_decay_bound), rtol=1e-5)
 

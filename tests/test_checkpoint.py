@@ -75,12 +75,20 @@ def test_published_layout_round_trip(tmp_path, family_params, name):
     assert _equal(loaded, _expected(params, cfg)), name
 
 
+@pytest.fixture(scope="module")
+def deepseek_fp8_dir(tmp_path_factory, family_params):
+    """DeepSeek-V3's mini as its FP8 release, in 2 shards: written once, only read by the tests."""
+    name = "deepseek-v3-mini"
+    return _written(tmp_path_factory.mktemp("release"), name, family_params[name], "-fp8",
+                    shards=2, fp8=True)
+
+
 @pytest.mark.slow
-def test_same_logits_and_fp8_block_scales(tmp_path, family_params):
+def test_same_logits_and_fp8_block_scales(tmp_path, family_params, deepseek_fp8_dir):
     name = "deepseek-v3-mini"
     cfg, params = config.get_config(name), family_params[name]
     bf16_dir = _written(tmp_path, name, params, "-bf16", shards=2)
-    fp8_dir = _written(tmp_path, name, params, "-fp8", shards=2, fp8=True)
+    fp8_dir = deepseek_fp8_dir
     with open(os.path.join(fp8_dir, "config.json")) as handle:
         raw = json.load(handle)
     assert raw["quantization_config"]["weight_block_size"] == [128, 128]
@@ -114,11 +122,11 @@ def test_same_logits_and_fp8_block_scales(tmp_path, family_params):
 @pytest.mark.parametrize("fmt, bound", [pytest.param("bf16", 2.0 ** -8, marks=pytest.mark.exhaustive),
                                         pytest.param("fp8", 0.05, marks=pytest.mark.exhaustive),
                                         ("mxfp4", 0.2)])
-def test_expert_conversion_error_is_stated(tmp_path, family_params, fmt, bound):
+def test_expert_conversion_error_is_stated(deepseek_fp8_dir, fmt, bound):
     """FP8 release experts into each of our formats: the error measured against the checkpoint's
     own values (f32, block scales applied)."""
     name = "deepseek-v3-mini"
-    directory = _written(tmp_path, name, family_params[name], fp8=True)
+    directory = deepseek_fp8_dir
     stats = {}
     checkpoint.load_params(directory, config.get_config(name), expert_format=fmt, progress=False,
                            stats=stats)
@@ -407,8 +415,9 @@ def test_fp8_checkpoint_with_experts_on_a_d_model_off_the_fp8_blocks(tmp_path):
     256-value FP8 scale blocks, so the experts load into bf16 (was: fp8 chosen by the hidden
     alone, then refused). The quantization_config as transformers writes it (no fmt) and a
     leftover `rotary_emb.inv_freq` buffer: both read. Loads bit-equal to its dequantized twin."""
+    # one layer (the mini's are all MoE layers alike; mla_first: Kimi K3's field, within it)
     cfg = config.get_config("qwen3-235b-a22b-mini", d_model=384, expert_hidden=256,
-                            expert_format="bf16")
+                            expert_format="bf16", n_layers=1, mla_first=0)
     params = weights.init_params(cfg, 1)
     fp8_dir, twin_dir = str(tmp_path / "fp8"), str(tmp_path / "twin")
     checkpoint.write_checkpoint(fp8_dir, params, cfg, fp8=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mkresearch.cli import info as cli_info
+from mkresearch.cli import main as cli_main
 from mkresearch.model import reference, roofline, spec, weights
 from mkresearch.model.config import LANE, get_config
 
@@ -201,17 +202,17 @@ def test_info_kv_bytes_per_token_and_bytes_per_step(reports):
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5-mini"])
-def test_info_command_prints_each_family(name):
-    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", name, "--json"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+def test_info_command_prints_each_family(name, capsys):
+    """The command in this process (`python -m mkresearch info deepseek-v3` in a child:
+    test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line)."""
+    assert cli_main.main(["info", name, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["model"] == name and report["cache_bytes_per_token"] > 0
-    done = subprocess.run([sys.executable, "-m", "mkresearch", "info", name, "--context", "64"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert "KV cache per context token" in done.stdout and "tokens/s" in done.stdout
+    assert cli_main.main(["info", name, "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per context token" in out and "tokens/s" in out
     assert ("as published (embedding out, LM head in of active): total 671.03 B, active 36.63 B "
-            "(published 671.00 B / 37.00 B)" in done.stdout) == (name == "deepseek-v3")
+            "(published 671.00 B / 37.00 B)" in out) == (name == "deepseek-v3")
 
 
 # ---- configs the composer cannot run ----------------------------------------------------------------
@@ -238,6 +239,17 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 
 
 # ---- the pre-norm decode step -------------------------------------------------------------------
+def first_layers(name):
+    """The mini cut to its dense layers and one MoE layer (every sublayer kind of the family; the
+    later MoE layers repeat the last): each leaf of its weights is the whole mini's first layers,
+    bit for bit (init_params draws each leaf from its own stream, layer by layer)."""
+    cfg = get_config(name)
+    n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
+    cut = cfg.replace(name=f"{name}-{n}l", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
+    assert cut.layers == cfg.layers[:n] and {"moe_full", "dense"} & set(cut.layers[-1])
+    return cut
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [  # MLA with RoPE, and GQA with its biases and partial RoPE;
     "deepseek-v3-mini", "glm-4.5-mini",  # Qwen3's plain GQA is the exhaustive tier's
@@ -245,8 +257,9 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 def test_prenorm_step_composes_the_registry_sublayers(name):
     """decode_step = h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h))) layer by layer
     with the kinds of cfg.layers (dense first layers), logits = RMSNorm(h) W_lm: written out here
-    with each kind's sublayer, bit for bit."""
-    cfg = get_config(name)
+    with each kind's sublayer, bit for bit. On the mini's dense layers and first MoE layer (the
+    later ones repeat its kinds)."""
+    cfg = first_layers(name)
     params = weights.init_params(cfg, seed=1)
     state = jax.tree.map(lambda s: jnp.asarray(
         np.random.default_rng(2).standard_normal(s.shape) * 0.5, s.dtype),
@@ -289,8 +302,8 @@ def test_prenorm_step_composes_the_registry_sublayers(name):
 def test_reference_step_is_batch_invariant(name):
     """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three
     (rows at other indices): per-(row, head) attention, ordered sums, experts combined in id
-    order."""
-    cfg = get_config(name)
+    order. On the mini's dense layers and first MoE layer (the later ones repeat its kinds)."""
+    cfg = first_layers(name)
     params = weights.init_params(cfg, 3)
     rng = np.random.default_rng(11)
     state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.5, s.dtype),

@@ -10,6 +10,8 @@ caches bit-equal (within one ulp when weights stream in 128-row blocks). On thes
 in fact bit-equal (printed with -s).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +43,15 @@ def assert_bf16_close(actual, expected, what):
                                err_msg=f"{what}: beyond the bf16 tolerance")
 
 
+@functools.cache  # the tests read the weights only: one draw per (cfg, kind, seed)
 def layer(cfg, kind, seed=0):
-    return reference.layer_params(weights.init_params(cfg, seed)[kind], 0)
+    """Layer 0 of `kind`, drawn from cfg cut to its dense layers and one more: each leaf comes
+    from its own stream, layer by layer, so these are the whole mini's layer 0 weights, bit for
+    bit, without drawing the other MoE layers' experts."""
+    n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
+    cut = cfg.replace(name=f"{cfg.name}-cut", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
+    assert cut.layers == cfg.layers[:n]
+    return reference.layer_params(weights.init_params(cut, seed)[kind], 0)
 
 
 def random_cache(module, cfg, batch, seed):

@@ -30,8 +30,16 @@ RTOL = 2.0 ** -7
 
 @pytest.fixture(scope="module")
 def layers():
-    return {name: reference.layer_params(weights.init_params(cfg, 0)["moe_full"], 0)
-            for name, cfg in MINIS.items()}
+    """Each mini's MoE layer 0, drawn from the mini cut to its dense layers and one MoE layer:
+    each leaf comes from its own stream, layer by layer, so these are the whole mini's weights,
+    bit for bit, without drawing the other MoE layers' experts."""
+    out = {}
+    for name, cfg in MINIS.items():
+        n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
+        cut = cfg.replace(name=f"{name}-cut", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
+        assert cut.layers == cfg.layers[:n]
+        out[name] = reference.layer_params(weights.init_params(cut, 0)["moe_full"], 0)
+    return out
 
 
 def activations(batch, d=512, seed=1):
@@ -174,7 +182,9 @@ def test_sampling_stage_gives_a_prenorm_models_logits(race_checked):
     state h twice (a snapshot and the partial sum), the mix is h exactly (α = ½, ½ and ½h + ½h =
     h), so the body computes a pre-norm model's RMSNorm(h) W_lm and its greedy token unchanged."""
     cfg = config.get_config("qwen3-235b-a22b-mini")
-    params = weights.init_params(cfg, 0)
+    # the final norm and LM head only: the mini cut to one layer draws them bit for bit the same
+    params = weights.init_params(cfg.replace(name="qwen3-235b-a22b-mini-1l", n_layers=1,
+                                             mla_first=0), 0)
     h = activations(3, seed=6) * 3  # the residual stream: not normalised
     out = sampling_kernel.sample_stage(h[None], h, jnp.zeros((cfg.d_model,), jnp.float32),
                                        params["final_norm"], params["lm_head"], cfg=cfg, seed=0,

@@ -32,6 +32,10 @@ FAST = (sweep.Case("kimi-k3-mini", "latent", "bf16", 4, 2, 3, 1003),  # issue 42
         sweep.Case("kimi-k3-mini", "expanded", "mxfp4", 8, 3, 11, 1011, KIMI_CUT),
         sweep.Case("deepseek-v3-mini", "latent", "fp8", 8, 3, 12, 1012, DEEPSEEK_CUT),
         sweep.Case("deepseek-v3-mini", "latent", "bf16", 2, 2, 13, 1013, DEEPSEEK_CUT))
+KIMI_FAST = [c for c in FAST if c.model == "kimi-k3-mini"]
+# the variants of the fast set's Kimi K3 cases: both fast tests' (each variant's state is its own,
+# so its rows are the same bits as alone), the single device stepped once for both
+KIMI_VARIANTS = ("partial-sum f32", "restructured f32")
 # routing flips (rows whose routing ever differed): partial sums' f32 count at most this factor
 # of the yardstick's, plus a few rows (both are counts of rare events on fixed seeds)
 FLIP_SLACK = (1.5, 3)
@@ -47,11 +51,24 @@ def check_claim(rows: list) -> None:
         assert not r.greedy_differs or r.routing_differed or r.top2_gap <= 2 * bound, r
 
 
-@pytest.mark.slow  # a seed sweep on the sharded reference (~23 s)
-def test_claim_on_a_few_seeds():
+@pytest.fixture(scope="module")
+def kimi_fast_rows():
+    """The fast set's Kimi K3 cases through `sweep` with both fast tests' variants at once."""
+    return sweep.sweep(KIMI_FAST, variants=KIMI_VARIANTS)
+
+
+def of_variant(rows: list, variant: str) -> list:
+    return [r for r in rows if r.variant == variant]
+
+
+@pytest.mark.slow  # a seed sweep on the sharded reference (~45 s, with kimi_fast_rows: the
+# restructured variant's rows too)
+def test_claim_on_a_few_seeds(kimi_fast_rows):
     """The fast set: the sharded reference's f32 wire against the single device at every step of
     5 cases (both families, both cache layouts, 2/4/8 ranks): 2 compiled steps per config."""
-    rows = sweep.sweep(FAST, variants=("partial-sum f32",))
+    assert FAST[:len(KIMI_FAST)] == tuple(KIMI_FAST)  # FAST's order: Kimi K3's cases first
+    rows = (of_variant(kimi_fast_rows, "partial-sum f32")
+            + sweep.sweep(FAST[len(KIMI_FAST):], variants=("partial-sum f32",)))
     check_claim(rows)
     table = sweep.summary(rows)
     print(f"\n{len(FAST)} cases, {len(rows)} row-steps\n{sweep.format_table(table)}")
@@ -80,13 +97,13 @@ def test_claim_over_the_sweep():
     assert np.isfinite([s["max_all"] for s in table.values()]).all()
 
 
-@pytest.mark.slow  # a seed sweep on the sharded reference (~12 s)
-def test_restructured_claim_on_a_few_seeds():
+@pytest.mark.slow  # a seed sweep on the sharded reference (kimi_fast_rows': once per module)
+def test_restructured_claim_on_a_few_seeds(kimi_fast_rows):
     """The restructured mode's sharded reference (equal to its kernel to the bit: tests/sharded/
     test_partial_sum.py) holds the same claim with the same bounds, on the fast set's Kimi K3
     cases (the other mini has no latent to restructure)."""
-    cases = [c for c in FAST if c.model == "kimi-k3-mini"]
-    rows = sweep.sweep(cases, variants=("restructured f32",))
+    cases = KIMI_FAST
+    rows = of_variant(kimi_fast_rows, "restructured f32")
     check_claim(rows)
     print(f"\n{len(cases)} cases, {len(rows)} row-steps\n"
           f"{sweep.format_table(sweep.summary(rows))}")
