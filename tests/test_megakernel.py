@@ -83,7 +83,8 @@ def copy_state(state):
     return jax.tree.map(jnp.copy, state)
 
 
-_reference_step = jax.jit(reference.decode_step_unchecked, static_argnames="cfg")
+# the reference step jitted once per shape, shared with reference.prefill (no second compile)
+_reference_step = reference.decode_step_jit
 
 
 def staged_step(params, state, tokens, positions, cfg):
@@ -107,7 +108,8 @@ def run_steps(cfg, params, batch, n_steps, *, record=False, prompt_len=PROMPT_LE
     """n_steps teacher-forced on the reference: each step, the megakernel (and the stage kernels,
     one call each) starts from the reference's state and token and is checked against both (see
     the module docstring). Returns (near-ties [(step, row, top-2 gap, tokens differ)], max |logit
-    difference| over all row-steps, DMA logs)."""
+    difference| over all row-steps, DMA logs, the last step's positions and the reference's
+    routing of it [n_moe, B, k])."""
     ref_state, tokens = prefilled(cfg, params, batch, prompt_len)
     prepared = mk.prepare_weights(params, cfg)
     positions = np.full(batch, prompt_len - 1, np.int32)
@@ -144,8 +146,9 @@ def run_steps(cfg, params, batch, n_steps, *, record=False, prompt_len=PROMPT_LE
         assert all(gap < NEAR_TIE_GAP for _, gap, differs in rows if differs), (
             f"step {step}: tokens {np.asarray(mk_tokens).tolist()} != reference "
             f"{ref_tokens.tolist()} off near-ties {rows}")
+        last = positions, np.asarray(aux_ref["expert_ids"])
         ref_state, tokens, positions = next_state, jnp.asarray(ref_tokens), positions + 1
-    return near_ties, worst, logs
+    return near_ties, worst, logs, last
 
 
 def assert_states_match(actual, expected, *, same_inputs=True):
@@ -185,7 +188,7 @@ GREEDY_STEPS = [pytest.param(2, 32, id="2"),
 
 @pytest.mark.exhaustive  # make test runs the same steps at B = 4; batch invariance, B = 1 vs 4
 def test_greedy_32_steps_batch_1(race_checked, mini_params):
-    near_ties, worst, _ = run_steps(MINI, mini_params, 1, 32)
+    near_ties, worst, _, _ = run_steps(MINI, mini_params, 1, 32)
     report("B=1, 32 steps", near_ties, worst)
 
 
@@ -194,18 +197,10 @@ def test_greedy_32_steps_batch_1(race_checked, mini_params):
 def test_greedy_steps_batch_4_and_bytes(race_checked, mini_params, n_steps, prompt_len):
     """B = 4, recorded: tokens, states, and the bytes each step moves against the minimum."""
     assert prompt_len - 1 < 32 < prompt_len - 1 + n_steps  # the steps cross the KV tile boundary
-    near_ties, worst, logs = run_steps(MINI, mini_params, 4, n_steps, record=True,
-                                       prompt_len=prompt_len)
+    near_ties, worst, logs, (positions, expert_ids) = run_steps(
+        MINI, mini_params, 4, n_steps, record=True, prompt_len=prompt_len)
     report(f"B=4, {n_steps} steps", near_ties, worst)
-    # the bytes of the last step against the minimum of that step
-    ref_state, tokens = prefilled(MINI, mini_params, 4, prompt_len)
-    state, pos = ref_state, np.full(4, prompt_len - 1, np.int32)
-    for _ in range(n_steps):  # replay the reference to get the last step's routing
-        positions = pos
-        logits, state, aux = reference.decode_step(mini_params, state, tokens, pos, MINI)
-        expert_ids = aux["expert_ids"]
-        tokens = sampling.sample(logits, seed=0, positions=pos + 1)
-        pos = pos + 1
+    # the bytes of the last step against the minimum of that step (its reference routing)
     moved = hbm_bytes(logs[-1])
     minimum = minimum_step_bytes(MINI, 4, positions, np.asarray(expert_ids))
     print(f"B=4 step bytes: {moved:,d} DMA'd vs minimum {minimum.total:,d} "
@@ -250,7 +245,7 @@ def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, ba
                        mla_cache_layout=layout, expert_format=expert_format,
                        expert_mxu=expert_mxu)
     params = weights.init_params(cfg, 1)
-    near_ties, worst, _ = run_steps(cfg, params, batch, 3)
+    near_ties, worst, _, _ = run_steps(cfg, params, batch, 3)
     report(f"{layout}/{expert_format}/MXU {expert_mxu} B={batch}, 3 steps", near_ties, worst)
 
 

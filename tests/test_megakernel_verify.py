@@ -51,7 +51,8 @@ PROMPT_LEN = 30  # the verify rows at 29.. cross the KV tile and 16-row block bo
 SEED = 7
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 
-_reference_step = jax.jit(reference.decode_step_unchecked, static_argnames="cfg")
+# the reference step jitted once per shape, shared with reference.prefill (no second compile)
+_reference_step = reference.decode_step_jit
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +264,9 @@ def test_speculative_decoding_on_the_megakernel_is_lossless(mini_params, sample,
     token = sampling.sample(logits[:, -1], seed=SEED, positions=np.full(batch, prompt_len),
                             **sample)
     plain = [np.asarray(token)]
+    prepared = mk.prepare_weights(mini_params, MINI)  # once, not per step
     for i in range(n_tokens - 1 + drafts):  # drafts further: the forced drafter's oracle
-        token, state, _ = mk.decode_step(mini_params, copy_state(plain_state), plain[-1],
+        token, state, _ = mk.decode_step(prepared, copy_state(plain_state), plain[-1],
                                          np.full(batch, prompt_len + i, np.int32), MINI,
                                          seed=SEED, **sample)
         if i < n_tokens - 1:

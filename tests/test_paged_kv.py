@@ -180,7 +180,7 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
 def megakernel_run(cfg, pages, seed):
     """STEPS steps of the contiguous and the paged megakernel from the same random state: per
     step (tokens, logits) of each, the DMA log of the paged step, and the final states."""
-    params = weights.init_params(cfg, 0)
+    params = megakernel.prepare_weights(weights.init_params(cfg, 0), cfg)  # once, not per step
     positions = POSITIONS.copy()
     state = random_state(cfg, BATCH, np.maximum(positions, 0), seed)
     table = random_table(pages, positions + STEPS, seed + 1)
@@ -272,7 +272,7 @@ def test_paged_verify_equals_contiguous_verify(race_checked, name, layout):
     """Speculative verify rows on pages (K = 3, a free slot): targets, logits, per-position KDA
     states and the caches equal the contiguous verify step's, and so does the rollback."""
     cfg, pages, drafts = minis(name, layout), pool_for(16), 3
-    params = weights.init_params(cfg, 0)
+    params = megakernel.prepare_weights(weights.init_params(cfg, 0), cfg)  # once for both steps
     positions = POSITIONS.copy()
     live = positions >= 0
     state = random_state(cfg, BATCH, np.maximum(positions, 0), seed=30)

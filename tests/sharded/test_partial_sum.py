@@ -291,7 +291,7 @@ def test_skipped_wait_in_a_reduction_is_a_race():
     """A partial-sum reduction that reads its receive slots without waiting for them (the last
     shared-expert sum's, at trace time every MoE layer's) is flagged by the race detector."""
     calls, raced, _ = test_faults.skipped_wait_races("shared/w_down/sum",
-                                                     lambda: step_raw("kimi-k3-mini"))
+                                                     lambda: step_raw(CUT_2_LAYERS))
     assert calls, "the reduction's wait was not reached"
     assert raced, "the race detector did not see the read before the partial sums landed"
 
@@ -301,15 +301,19 @@ def test_skipped_wait_in_a_level_is_a_race():
     slots without waiting for them is flagged by the race detector."""
     options = MegakernelOptions(reductions=(("shared/w_down/sum", "rs-ag"),), ranks_per_host=1)
     calls, raced, _ = test_faults.skipped_wait_races(
-        "shared/w_down/sum/across", lambda: step_raw("kimi-k3-mini", options=options),
+        "shared/w_down/sum/across", lambda: step_raw(CUT_2_LAYERS, options=options),
         method="wait", owner=LevelReductions)
     assert calls, "the level's wait was not reached"
     assert raced, "the race detector did not see the read before the host sums landed"
 
 
-def step_raw(model, n_ranks=2, batch=1, options=None, mode=layout.PARTIAL_SUM):
+# A broken kernel's step runs on kimi-k3-mini's 2-layer cut (KDA + dense, MLA + MoE): one MoE
+# layer has every reduction a skipped wait is tried in, at 2/7 of the whole mini's trace.
+CUT_2_LAYERS = test_faults.CUT_2_LAYERS
+
+
+def step_raw(cfg, n_ranks=2, batch=1, options=None, mode=layout.PARTIAL_SUM):
     """One step of a partial-sum mode on n_ranks, unchecked (for a broken kernel)."""
-    cfg = config.get_config(model)
     lay = layout.layout(cfg, n_ranks, collectives=mode)
     plan = ms.make_sharded_plan(lay, batch, cfg.max_seq_len, options=options or MegakernelOptions())
     mesh = ms.make_mesh(n_ranks)
@@ -377,6 +381,6 @@ def test_skipped_wait_in_the_reduce_scatter_is_a_race():
     """ρ's reduce-scatter reading its receive slots without waiting for them is flagged by the
     race detector."""
     calls, raced, _ = test_faults.skipped_wait_races(
-        "expert/sum", lambda: step_raw("kimi-k3-mini", mode=RESTRUCTURED))
+        "expert/sum", lambda: step_raw(CUT_2_LAYERS, mode=RESTRUCTURED))
     assert calls, "the reduce-scatter's wait was not reached"
     assert raced, "the race detector did not see the read before the partial sums landed"
