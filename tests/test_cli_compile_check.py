@@ -9,6 +9,7 @@ import pytest
 from mkresearch.cli import main as cli
 
 
+@pytest.mark.slow  # ~6 s: a Mosaic compile
 def test_a_small_real_model_compiles_for_a_v5e_vm(capsys):
     assert cli.main(["compile", "qwen3-30b-a3b", "--chip", "v5e", "--ranks", "8",
                      "--context", "4096"]) == 0

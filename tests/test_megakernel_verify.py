@@ -317,6 +317,7 @@ def test_other_families(race_checked, name):
 
 
 # ---- compiling for TPU7x ---------------------------------------------------------------------
+@pytest.mark.slow  # ~5 s: a Mosaic compile of the mini's verify step
 def test_compiles_to_one_mosaic_kernel_mini():
     result, plan = mv.compile_verify(MINI, 2, 3, chip="tpu7x")
     print(f"kimi-k3-mini verify B=2 K=3: {result}; VMEM {plan.vmem.total_bytes / 2**20:.2f} MiB")

@@ -85,6 +85,7 @@ def test_level_buffers_are_planned_only_for_reductions_in_levels():
                levels.shard.vmem_buffers())
 
 
+@pytest.mark.slow  # ~12 s: the full-size sharding plan at B = 1 and 8, plan's listing
 def test_the_kernel_the_cli_and_the_prediction_send_reductions_one_way(capsys):
     """kimi-k3 on 32 TPU7x cores: each reduction of the sharding plan as `choose` prices fastest
     on the slice (hosts of 8 cores); the kernel's options, the ops, the prediction's schedule

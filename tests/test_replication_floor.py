@@ -97,6 +97,7 @@ def test_bad_input_is_named():
         floor.avoidances("kimi-k3", 32)
 
 
+@pytest.mark.slow  # ~9 s: plan kimi-k3 --ranks 32 in three modes
 def test_plan_prints_the_frontier(capsys):
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -36,6 +36,7 @@ def test_the_ring_is_the_deepest_that_fits_vmem(model, batch):
     assert deeper.total_bytes > budget and "the deepest within VMEM" in ring.reason
 
 
+@pytest.mark.slow  # ~10 s: full-size VMEM traces at several depths
 def test_kernel_plan_and_prediction_read_one_depth(capsys):
     """At each batch the prediction's ring (banks + 1) is the kernel plan's, built with the
     reductions its sharding plan chooses for the slice (`megakernel_sharded.kernel_options`: their

@@ -119,6 +119,7 @@ def test_kimi_k3_partial_sum_against_exact_and_the_release():
     assert b1["collectives_per_rank"] > 200
 
 
+@pytest.mark.slow  # ~8 s: plan kimi-k3 --ranks 32 in each mode
 @pytest.mark.parametrize("mode", cs.MODES)
 def test_plan_lists_every_collective_of_the_schedule(mode, capsys):
     """`mkresearch plan kimi-k3 --ranks 32`: one row per collective of the kernel's schedule,
