@@ -41,6 +41,36 @@ def test_same_config_and_seed_give_identical_arrays(mini_params):
                               np.asarray(other["embed"], np.float32))
 
 
+# the cuts the kernel and reference tests draw instead of a whole mini (their comments rely on
+# this test): (mini, the fields its cut sets)
+CUTS = [("kimi-k3-mini", {"n_layers": 2, "mla_first": 1, "attn_res_block": 1}),
+        ("kimi-k3-mini", {"n_layers": 4, "n_dense_layers": 3}),
+        ("kimi-k3-mini", {"n_layers": 1, "mla_first": 0, "n_dense_layers": 0}),
+        ("deepseek-v3-mini", {"n_layers": 2, "mla_first": 1}),
+        ("glm-4.5-mini", {"n_layers": 2, "mla_first": 1}),
+        ("qwen3-235b-a22b-mini", {"n_layers": 1, "mla_first": 0})]
+
+
+@pytest.mark.slow  # draws each whole mini
+@pytest.mark.parametrize("name, fields", CUTS)
+def test_a_cut_mini_draws_the_whole_minis_first_layers_bit_for_bit(name, fields):
+    """init_params draws each leaf from its own stream, in C order, so a config cut to fewer
+    layers gets each kind's first layers of the whole config (each leaf stacked per kind: its
+    first rows, wherever the cut places that kind's layers) and the unstacked leaves (embedding,
+    final norm, LM head), bit for bit; the layers of a kind both configs have are equal."""
+    cfg = get_config(name)
+    cut = cfg.replace(name=f"{name}-cut", **fields)
+    whole, part = weights.init_params(cfg, seed=0), weights.init_params(cut, seed=0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(part):
+        full = whole
+        for key in path:
+            full = full[key.key] if hasattr(key, "key") else full[key.idx]
+        assert full.shape[1:] == leaf.shape[1:], (name, jax.tree_util.keystr(path))
+        rows = min(full.shape[0], leaf.shape[0])  # a kind's layers both have (a cut may add
+        # dense layers the whole mini lacks: their rows are drawn on, from the same stream)
+        assert _equal_trees(leaf[:rows], full[:rows]), (name, jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 def test_init_matches_param_shapes(mini_params, fmt):
     cfg = MINI.replace(expert_format=fmt)
