@@ -176,11 +176,7 @@ def routing_margins(cfg, params, ref):
     gaps = []
 
     def route(p, x, cfg):
-        logits = ffn.matmul(x, p["w_router"])  # as `ffn.route` selects
-        scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else ffn.softmax(logits)
-        selection = scores + p["router_bias"].astype(jnp.float32) if cfg.router_bias else scores
-        if cfg.router_groups > 1:
-            selection = ffn.limit_to_groups(selection, cfg.router_groups, cfg.router_topk_groups)
+        selection = ffn.router_scores(p, x, cfg)[1]  # what `ffn.route` selects from
         ranked = -np.sort(-np.asarray(selection, np.float32), axis=-1)  # [B, E] descending
         gaps.append(ranked[:, cfg.top_k - 1] - ranked[:, cfg.top_k])
         return real_route(p, x, cfg)

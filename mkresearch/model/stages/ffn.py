@@ -84,14 +84,7 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     (`limit_to_groups`); weights = s / Σ_top s (cfg.router_normalize) from the UNcorrected scores,
     times cfg.routed_scale.
     """
-    logits = matmul(x, p["w_router"])  # [B, E]
-    if cfg.router_score == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    else:
-        scores = softmax(logits)
-    selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
-    if cfg.router_groups > 1:
-        selection = limit_to_groups(selection, cfg.router_groups, cfg.router_topk_groups)
+    scores, selection = router_scores(p, x, cfg)
     chosen = []
     for _ in range(cfg.top_k):
         best = jnp.argmax(selection, axis=-1)  # first maximum: the lowest index wins a tie
@@ -102,6 +95,23 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     if cfg.router_normalize:
         top_scores = top_scores / ordered_sum(top_scores, keepdims=True)
     return expert_ids, top_scores * cfg.routed_scale
+
+
+def router_scores(p: dict[str, Any], x: jax.Array,
+                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(scores, selection), both [B, E] f32: the router's scores s = σ(x W_r) (or softmax) and
+    what top-k selects from, s + bias (cfg.router_bias), −inf outside the kept groups
+    (cfg.router_groups > 1). `route` picks the top k of the selection; a row whose k-th and
+    (k+1)-th selection are near equal is a routing near-tie."""
+    logits = matmul(x, p["w_router"])  # [B, E]
+    if cfg.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = softmax(logits)
+    selection = scores + p["router_bias"].astype(f32) if cfg.router_bias else scores
+    if cfg.router_groups > 1:
+        selection = limit_to_groups(selection, cfg.router_groups, cfg.router_topk_groups)
+    return scores, selection
 
 
 def limit_to_groups(selection: jax.Array, n_groups: int, keep: int) -> jax.Array:
