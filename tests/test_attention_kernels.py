@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import first_layers
 from mkresearch.kernels.base import dma, kv_update
 from mkresearch.kernels.sharded import mla_sharded
 from mkresearch.kernels.stages import kda, mla
@@ -62,8 +63,7 @@ def mini_params():
     mini cut to its first 4 layers (3 KDA + dense, MLA + MoE), whose leaves are the whole mini's
     first layers bit for bit (each leaf is drawn from its own stream, layer by layer) at a
     fraction of init_params' time (5 fewer MoE layers of experts)."""
-    return weights.init_params(MINI.replace(name="kimi-k3-mini-4l", n_layers=4,
-                                            n_dense_layers=3), 0)
+    return weights.init_params(first_layers(MINI, 4, n_dense_layers=3), 0)
 
 
 def random_cache(cfg, batch, seed):

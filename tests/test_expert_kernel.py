@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import kimi_kinds
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import dma, quant
@@ -40,15 +41,11 @@ def mini(fmt):
     return config.get_config("kimi-k3-mini", expert_format=fmt)
 
 
-# the mini cut to its first dense and MoE layers (a KDA + dense layer, an MLA + MoE layer): each
-# leaf is drawn from its own stream, layer by layer, so their weights are the whole mini's layer
-# 0 ones, bit for bit, at a fraction of init_params' time (the kernels take the whole mini's cfg)
-TWO_LAYERS = {"name": "kimi-k3-mini-2l", "n_layers": 2, "mla_first": 1, "attn_res_block": 1}
-
-
 def first_layers_params(cfg, seed=0):
-    """init_params of cfg cut to TWO_LAYERS: its MoE and dense layer 0 are cfg's own."""
-    return weights.init_params(cfg.replace(**TWO_LAYERS), seed=seed)
+    """init_params of the mini cut to its first dense and MoE layers (tests/cuts.py): their
+    weights are the whole mini's layer 0 ones, bit for bit (the kernels take the whole mini's
+    cfg)."""
+    return weights.init_params(kimi_kinds(cfg), seed=seed)
 
 
 @pytest.fixture(scope="module")

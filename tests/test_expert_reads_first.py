@@ -11,6 +11,7 @@ itself would issue before its experts.
 """
 
 import pytest
+from cuts import kimi_kinds
 from mkresearch.kernels.base import planned
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.compose import schedule
@@ -20,14 +21,13 @@ from mkresearch.kernels.stages import experts, router
 from mkresearch.model import config
 from mkresearch.sharding import layout
 
-CUT = {"name": "kimi-k3-2l", "n_layers": 2, "mla_first": 1, "attn_res_block": 1}
 BEFORE_ROUTING = (router.W_ROUTER, experts.LATENT_DOWN)  # what a rank streams before top-k
 
 
 def queued_before_experts(expert_reads_first: bool) -> dict[int, list[str]]:
     """{MoE layer: the ring blocks past its routing point that the MoE stage starts before its
     first expert DMA} on rank 0 of Kimi K3's 2-layer cut on 32 ranks (restructured)."""
-    cfg = config.get_config("kimi-k3").replace(**CUT)
+    cfg = kimi_kinds(config.get_config("kimi-k3"))
     lay = layout.layout(cfg, 32, collectives=layout.RESTRUCTURED)
     options = ms.kernel_options(lay, 1, expert_reads_first=expert_reads_first)
     events = schedule.schedule(ms.make_sharded_plan(lay, 1, options=options), rank=0).events

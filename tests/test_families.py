@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import dense_and_one_moe
 
 from mkresearch.cli import info as cli_info
 from mkresearch.cli import main as cli_main
@@ -239,14 +240,11 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 
 
 # ---- the pre-norm decode step -------------------------------------------------------------------
-def first_layers(name):
-    """The mini cut to its dense layers and one MoE layer (every sublayer kind of the family; the
-    later MoE layers repeat the last): each leaf of its weights is the whole mini's first layers,
-    bit for bit (init_params draws each leaf from its own stream, layer by layer)."""
-    cfg = get_config(name)
-    n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
-    cut = cfg.replace(name=f"{name}-{n}l", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
-    assert cut.layers == cfg.layers[:n] and {"moe_full", "dense"} & set(cut.layers[-1])
+def dense_and_moe_cut(name):
+    """The mini cut to its dense layers and one MoE layer (tests/cuts.py), which ends in a
+    feed-forward layer."""
+    cut = dense_and_one_moe(get_config(name))
+    assert {"moe_full", "dense"} & set(cut.layers[-1])
     return cut
 
 
@@ -259,7 +257,7 @@ def test_prenorm_step_composes_the_registry_sublayers(name):
     with the kinds of cfg.layers (dense first layers), logits = RMSNorm(h) W_lm: written out here
     with each kind's sublayer, bit for bit. On the mini's dense layers and first MoE layer (the
     later ones repeat its kinds)."""
-    cfg = first_layers(name)
+    cfg = dense_and_moe_cut(name)
     params = weights.init_params(cfg, seed=1)
     state = jax.tree.map(lambda s: jnp.asarray(
         np.random.default_rng(2).standard_normal(s.shape) * 0.5, s.dtype),
@@ -303,7 +301,7 @@ def test_reference_step_is_batch_invariant(name):
     """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three
     (rows at other indices): per-(row, head) attention, ordered sums, experts combined in id
     order. On the mini's dense layers and first MoE layer (the later ones repeat its kinds)."""
-    cfg = first_layers(name)
+    cfg = dense_and_moe_cut(name)
     params = weights.init_params(cfg, 3)
     rng = np.random.default_rng(11)
     state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.5, s.dtype),

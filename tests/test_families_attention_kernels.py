@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import dense_and_one_moe
 from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.stages import gqa, mla_rope
 
@@ -48,10 +49,7 @@ def layer(cfg, kind, seed=0):
     """Layer 0 of `kind`, drawn from cfg cut to its dense layers and one more: each leaf comes
     from its own stream, layer by layer, so these are the whole mini's layer 0 weights, bit for
     bit, without drawing the other MoE layers' experts."""
-    n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
-    cut = cfg.replace(name=f"{cfg.name}-cut", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
-    assert cut.layers == cfg.layers[:n]
-    return reference.layer_params(weights.init_params(cut, seed)[kind], 0)
+    return reference.layer_params(weights.init_params(dense_and_one_moe(cfg), seed)[kind], 0)
 
 
 def random_cache(module, cfg, batch, seed):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import dense_and_one_moe, first_layers
 from mkresearch.kernels.base import costs, dma
 from mkresearch.kernels.stages import experts, moe_full, router
 from mkresearch.kernels.stages import sampling as sampling_kernel
@@ -35,9 +36,7 @@ def layers():
     bit for bit, without drawing the other MoE layers' experts."""
     out = {}
     for name, cfg in MINIS.items():
-        n = cfg.n_dense_layers + 1  # (mla_first: Kimi K3's field, kept within the cut)
-        cut = cfg.replace(name=f"{name}-cut", n_layers=n, mla_first=min(cfg.mla_first, n - 1))
-        assert cut.layers == cfg.layers[:n]
+        cut = dense_and_one_moe(cfg)
         out[name] = reference.layer_params(weights.init_params(cut, 0)["moe_full"], 0)
     return out
 
@@ -183,8 +182,7 @@ def test_sampling_stage_gives_a_prenorm_models_logits(race_checked):
     h), so the body computes a pre-norm model's RMSNorm(h) W_lm and its greedy token unchanged."""
     cfg = config.get_config("qwen3-235b-a22b-mini")
     # the final norm and LM head only: the mini cut to one layer draws them bit for bit the same
-    params = weights.init_params(cfg.replace(name="qwen3-235b-a22b-mini-1l", n_layers=1,
-                                             mla_first=0), 0)
+    params = weights.init_params(first_layers(cfg, 1), 0)
     h = activations(3, seed=6) * 3  # the residual stream: not normalised
     out = sampling_kernel.sample_stage(h[None], h, jnp.zeros((cfg.d_model,), jnp.float32),
                                        params["final_norm"], params["lm_head"], cfg=cfg, seed=0,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import kimi_kinds
 from mkresearch.kernels.base import dma, quant
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import schedule
@@ -241,9 +242,8 @@ def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, ba
     """On kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE: the MLA cache layout, the
     expert format and what the MXU is handed each in one layer), 2/7 of the whole mini's
     interpret-mode time."""
-    cfg = MINI.replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1, attn_res_block=1,
-                       mla_cache_layout=layout, expert_format=expert_format,
-                       expert_mxu=expert_mxu)
+    cfg = kimi_kinds(MINI, mla_cache_layout=layout, expert_format=expert_format,
+                     expert_mxu=expert_mxu)
     params = weights.init_params(cfg, 1)
     near_ties, worst, _, _ = run_steps(cfg, params, batch, 3)
     report(f"{layout}/{expert_format}/MXU {expert_mxu} B={batch}, 3 steps", near_ties, worst)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import kimi_kinds
 from mkresearch.kernels.base import dma, registry
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import megakernel_verify as mv
@@ -302,8 +303,7 @@ def test_64_rows(race_checked):
     """The most rows one call takes: B = 8, K = 7 (activations [64, d], four 16-row tiles), on
     kimi-k3-mini cut to its first KDA + dense and MLA + MoE layers (every kind of layer, 2 of the
     7 layers' interpret-mode time; the whole mini runs B = 2 in the recorded case)."""
-    cfg = MINI.replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1, attn_res_block=1,
-                       mla_cache_layout="latent")
+    cfg = kimi_kinds(MINI, mla_cache_layout="latent")
     run_case(cfg, weights.init_params(cfg, 0), 8, 7, 4, {})
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cuts import first_layers
 from tiers import EXHAUSTIVE
 
 from mkresearch.model import reference as R
@@ -280,7 +281,7 @@ def test_step_skeleton_mixes_the_spec_candidates(name, monkeypatch):
     """Trace one step (no compile, no allocation at full size) and count the Mix candidates."""
     cfg = get_config(name)
     if name == "kimi-k3" and FULL_SIZE_LAYERS is not None:
-        cfg = cfg.replace(name="kimi-k3-25l", n_layers=FULL_SIZE_LAYERS)
+        cfg = first_layers(cfg, FULL_SIZE_LAYERS)
         assert cfg.n_blocks == 3 and cfg.n_layers % cfg.attn_res_block == 1
     counts = []
     real_mix = R.mix

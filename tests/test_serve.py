@@ -9,6 +9,7 @@ by the module) serves every claim of the reference step; one short trace runs th
 import json
 
 import pytest
+from cuts import first_layers
 
 from mkresearch.cli import main as cli
 from mkresearch.cli import workload as cli_workload
@@ -17,7 +18,7 @@ from mkresearch.prediction.full_size import full_size_step
 from mkresearch.serve import loop, pages, trace, workload
 
 # KDA + dense then MLA + MoE: the mini's kinds in two layers (a cheap compile)
-CFG = config.get_config("kimi-k3-mini").replace(n_layers=2, mla_first=1, name="serve-mini")
+CFG = first_layers(config.get_config("kimi-k3-mini"), 2)
 PAGES = paged_kv.PagedKVConfig(page_size=16, n_pages=3, max_pages_per_row=2)
 BATCH = 2
 Request = trace.Request

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import first_layers, kimi_kinds
 
 from mkresearch.decoding import acceptance, drafters, speculative
 from mkresearch.model import reference, roofline, sampling, weights
 from mkresearch.model.config import get_config
 
-SMALL = get_config("kimi-k3-mini").replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1,
-                                           attn_res_block=1, max_seq_len=64)
+SMALL = kimi_kinds(get_config("kimi-k3-mini"), max_seq_len=64)
 # 17 tokens: 16 after the prefill's, so forced:2 ends on a cut step (5 of 3, then 1) and every
 # k's runs take several verify steps (each a k + 1-step feed: the module's time)
 PROMPT_LEN, N_TOKENS = 6, 17
@@ -305,8 +305,7 @@ def test_ngram_lookup():
 @pytest.mark.slow
 @pytest.mark.exhaustive  # test_cli_speculative decodes deepseek-v3-mini with mtp, lossless
 def test_mtp_drafter_is_lossless_on_deepseek():
-    cfg = get_config("deepseek-v3-mini").replace(name="deepseek-v3-mini-2l", n_layers=2,
-                                                 mla_first=1, max_seq_len=64)
+    cfg = first_layers(get_config("deepseek-v3-mini"), 2, max_seq_len=64)
     run = Plain(cfg, 2)
     stats = _check_lossless(run, 3, "mtp")
     assert stats["steps"] >= 1

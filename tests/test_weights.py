@@ -2,6 +2,7 @@
 exact MXFP4 / FP8 round trips, and the byte counts of docs/kimi-k3.md §7 and §10."""
 
 
+import cuts
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,31 +36,31 @@ def test_same_config_and_seed_give_identical_arrays(mini_params):
     assert _equal_trees(mini_params, weights.init_params(MINI, seed=0))
     # seed 1's embedding: each leaf has its own stream, so the mini cut to one layer draws the
     # whole mini's, bit for bit, without its experts (mla_first: within the cut)
-    other = weights.init_params(MINI.replace(name="kimi-k3-mini-1l", n_layers=1, mla_first=0,
-                                             n_dense_layers=0), seed=1)
+    other = weights.init_params(cuts.first_layers(MINI, 1, n_dense_layers=0), seed=1)
     assert not np.array_equal(np.asarray(mini_params["embed"], np.float32),
                               np.asarray(other["embed"], np.float32))
 
 
-# the cuts the kernel and reference tests draw instead of a whole mini (their comments rely on
-# this test): (mini, the fields its cut sets)
-CUTS = [("kimi-k3-mini", {"n_layers": 2, "mla_first": 1, "attn_res_block": 1}),
-        ("kimi-k3-mini", {"n_layers": 4, "n_dense_layers": 3}),
-        ("kimi-k3-mini", {"n_layers": 1, "mla_first": 0, "n_dense_layers": 0}),
-        ("deepseek-v3-mini", {"n_layers": 2, "mla_first": 1}),
-        ("glm-4.5-mini", {"n_layers": 2, "mla_first": 1}),
-        ("qwen3-235b-a22b-mini", {"n_layers": 1, "mla_first": 0})]
+def _cuts() -> list:
+    """(mini, its cut): the cuts the kernel and reference tests draw instead of a whole mini
+    (tests/cuts.py relies on this test)."""
+    kimi, deepseek, glm, qwen = (get_config(name) for name in (
+        "kimi-k3-mini", "deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini"))
+    return [(kimi, cuts.kimi_kinds(kimi)), (kimi, cuts.first_layers(kimi, 4)),
+            (kimi, cuts.first_layers(kimi, 4, n_dense_layers=3)),
+            (kimi, cuts.first_layers(kimi, 1, n_dense_layers=0)),
+            (deepseek, cuts.dense_and_one_moe(deepseek)), (glm, cuts.dense_and_one_moe(glm)),
+            (qwen, cuts.first_layers(qwen, 1))]
 
 
 @pytest.mark.slow  # draws each whole mini
-@pytest.mark.parametrize("name, fields", CUTS)
-def test_a_cut_mini_draws_the_whole_minis_first_layers_bit_for_bit(name, fields):
+@pytest.mark.parametrize("cfg, cut", _cuts(), ids=lambda c: c.name)
+def test_a_cut_mini_draws_the_whole_minis_first_layers_bit_for_bit(cfg, cut):
     """init_params draws each leaf from its own stream, in C order, so a config cut to fewer
     layers gets each kind's first layers of the whole config (each leaf stacked per kind: its
     first rows, wherever the cut places that kind's layers) and the unstacked leaves (embedding,
     final norm, LM head), bit for bit; the layers of a kind both configs have are equal."""
-    cfg = get_config(name)
-    cut = cfg.replace(name=f"{name}-cut", **fields)
+    name = cfg.name
     whole, part = weights.init_params(cfg, seed=0), weights.init_params(cut, seed=0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(part):
         full = whole

@@ -20,6 +20,7 @@ import gc
 import jax
 import pytest
 import test_sharded_decode
+from cuts import kimi_kinds
 from test_sharded_decode import run, show
 
 from mkresearch.model import config, weights
@@ -27,9 +28,6 @@ from mkresearch.model import config, weights
 LAYOUTS = config.MLA_CACHE_LAYOUTS
 RANKS = (2, 4)
 STEPS = 4
-# kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE; notebook 11's cut): every kind, a third
-# of the interpret-mode time
-CUT = {"name": "kimi-k3-mini-2l", "n_layers": 2, "mla_first": 1, "attn_res_block": 1}
 # (weights seed, prompt seed, expert format): the issue's reproducer first
 SEEDS = ((5, 9, "bf16"), (0, 1, "mxfp4"), (2, 3, "fp8"))
 PROMPT_LEN = 30  # positions 29..32: the 4 steps cross the KV tile boundary at 32
@@ -69,8 +67,9 @@ CHEAP_CASES = [pytest.param(layout, n,
 @pytest.mark.parametrize("cache_layout, n_ranks", CHEAP_CASES)
 def test_cheap_case_equals_single_device(race_checked, cache_layout, n_ranks):
     weights_seed, prompt_seed, fmt = CHEAP["seeds"]
-    cfg = config.get_config("kimi-k3-mini", mla_cache_layout=cache_layout,
-                            expert_format=fmt).replace(**CUT)
+    # the mini cut to 2 layers (KDA + dense, MLA + MoE): every kind, a third of the time
+    cfg = kimi_kinds(config.get_config("kimi-k3-mini", mla_cache_layout=cache_layout,
+                                       expert_format=fmt))
     report, _ = run(params_for(cfg, weights_seed), n_ranks, CHEAP["batch"], CHEAP["steps"],
                     cfg=cfg,
                     prompt_seed=prompt_seed, prompt_len=PROMPT_LEN)

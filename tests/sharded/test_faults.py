@@ -14,6 +14,7 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
+from cuts import kimi_kinds
 from mkresearch.kernels.base import dry_run
 from mkresearch.kernels.compose import megakernel_sharded as ms
 from mkresearch.kernels.sharded import collectives
@@ -23,9 +24,9 @@ from mkresearch.model import config, reference, weights
 from mkresearch.sharding import layout
 
 MINI = config.get_config("kimi-k3-mini")
-# kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE; test_cache_layouts.CUT): the skipped wait
+# kimi-k3-mini cut to 2 layers (KDA + dense, MLA + MoE; tests/cuts.py): the skipped wait
 # of the sampling merge is at the step's end, after every layer, which it does not depend on
-CUT_2_LAYERS = MINI.replace(name="kimi-k3-mini-2l", n_layers=2, mla_first=1, attn_res_block=1)
+CUT_2_LAYERS = kimi_kinds(MINI)
 # the broken step is given this long: a working 2-rank step (trace, compile, run) takes ~35 s here
 HANG_SECONDS = 240
 

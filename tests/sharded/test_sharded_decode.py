@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import schedule_check
+from cuts import first_layers
 from jax.experimental import pallas as pl
 from mkresearch.kernels.base import dma, dry_run
 from mkresearch.kernels.compose import megakernel as mk
@@ -49,7 +50,7 @@ MINI = config.get_config("kimi-k3-mini")
 # collective overlaps in the whole mini (dense -> KDA, MoE -> KDA, MoE -> MLA) and an
 # attention-residual block boundary (blocks of 3) are in it; layers 4-6 repeat those, and each
 # layer costs ~1/7 of an 8-rank step's interpret-mode time. The whole matrix runs the whole mini.
-FIRST_4_LAYERS = MINI.replace(name="kimi-k3-mini-4l", n_layers=4)
+FIRST_4_LAYERS = first_layers(MINI, 4)
 LOGIT_TOL = 5e-2
 PROMPT_LEN = 20  # prefilled by the reference: the steps cross the KV tile boundary at 32
 SEED = 7
