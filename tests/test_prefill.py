@@ -13,8 +13,12 @@ others). What must hold:
   or two in the attention outputs, carried into the next layers' cache entries) when no row's
   routing differed; KDA's recurrent and conv state and the cache entries of the first attention
   layer with a chunk form (its inputs are the same bits) equal to the bit;
-- the greedy tokens decoded after the prompt equal (four steps from each state) in each row
-  whose routing never differed.
+- four greedy decode steps from each state, in each row whose routing never differed: each
+  step's logits within LOGIT_TOL · max|step-by-step| and the same token picked, up to the first
+  step whose routing differed or whose token did. Logits that close pick another token only at
+  a greedy near-tie, the step-by-step logits' top two within twice the runs' difference (seen
+  at weights seed 7, row 1, the first token: the runs' logits 1.2e-2 · max|logit| apart); from
+  there the rows decode other tokens and nothing is bounded. How far each row went is printed.
 Seeds: `make test` runs weights seed 3 (one routing difference on that CPU, none on others); the
 exhaustive tier ten seeds of kimi-k3-mini's two cache layouts. Measured maxima are printed
 (pytest -s). The prompt runs as two chunks of 5 tokens (two jitted calls, the second after
@@ -46,12 +50,41 @@ CASES = {  # id: (preset, overrides, marks)
 
 
 def greedy_after(params, state, logits, start, cfg):
-    """STEPS greedy tokens after a prompt ending at positions start - 1 [B]."""
-    tokens = [jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)]
+    """STEPS greedy steps after a prompt ending at positions start - 1 [B]: tokens [B, STEPS],
+    the logits each was picked from [B, STEPS, V] and the routing of the step that made them
+    [B, STEPS, n_moe * k] (the first: the prompt's last token's, -1 here: compared already)."""
+    logits = [np.asarray(logits[:, -1], np.float32)]
+    tokens, routing = [np.argmax(logits[-1], axis=-1).astype(np.int32)], []
     for i in range(STEPS - 1):
-        step_logits, state, _ = reference.decode_step(params, state, tokens[-1], start + i, cfg)
-        tokens.append(jnp.argmax(step_logits, axis=-1).astype(jnp.int32))
-    return np.stack([np.asarray(t) for t in tokens], axis=1)
+        step_logits, state, aux = reference.decode_step(params, state, tokens[-1], start + i, cfg)
+        logits.append(np.asarray(step_logits, np.float32))
+        ids = np.sort(np.asarray(aux["expert_ids"]), -1)  # [n_moe, B, k]
+        routing.append(ids.transpose(1, 0, 2).reshape(ids.shape[1], -1))  # [B, n_moe * k]
+        tokens.append(np.argmax(logits[-1], axis=-1).astype(np.int32))
+    routing.insert(0, np.full_like(routing[0], -1))
+    return np.stack(tokens, 1), np.stack(logits, 1), np.stack(routing, 1)
+
+
+def greedy_steps_agreeing(got, want, scale) -> list[str]:
+    """Per row of `greedy_after`'s runs from the chunked (got) and the step-by-step (want)
+    states: check each step (the module's docstring) and say how far the row went."""
+    (got_tokens, got_logits, got_routing), (tokens, logits, routing) = got, want
+    report = []
+    for row in range(tokens.shape[0]):
+        said = f"all {STEPS} steps"
+        for step in range(STEPS):
+            if not np.array_equal(got_routing[row, step], routing[row, step]):
+                said = f"routing differed at step {step}"
+                break
+            apart = np.abs(got_logits[row, step] - logits[row, step]).max()
+            assert apart <= LOGIT_TOL * scale, (row, step, apart / scale)
+            if got_tokens[row, step] != tokens[row, step]:  # a near-tie, by the bound
+                top_two = np.sort(logits[row, step])[-2:]
+                said = (f"a greedy near-tie at step {step} (top two {top_two[1] - top_two[0]:.2e}"
+                        f" apart, the runs' logits {apart:.2e})")
+                break
+        report.append(said)
+    return report
 
 
 def relative(got, want):
@@ -110,10 +143,12 @@ def test_prefill_equals_step_by_step(case, seed):
                                           np.asarray(want[index]), f"layer {layer} {leaf}")
         if kind in prefill.CHUNK_SUBLAYERS:
             break
-    agreed = first == length
-    np.testing.assert_array_equal(
-        greedy_after(params, got_state, got_logits, start + length, cfg)[agreed],
-        greedy_after(params, want_state, want_logits, start + length, cfg)[agreed])
+    agreed = np.flatnonzero(first == length)  # rows whose routing never differed
+    got_greedy = greedy_after(params, got_state, got_logits, start + length, cfg)
+    want_greedy = greedy_after(params, want_state, want_logits, start + length, cfg)
+    report = greedy_steps_agreeing(tuple(a[agreed] for a in got_greedy),
+                                   tuple(a[agreed] for a in want_greedy), scale)
+    print(f"greedy steps after the prompt, rows {agreed.tolist()}: {report}")
 
 
 def test_write_chunk_puts_each_row_at_its_start():
