@@ -4,6 +4,8 @@ weights are each kind's first layers of the whole config, bit for bit (tests/tes
 checks every cut these tests draw), at a fraction of the time (no later layers' experts).
 Imported as `from cuts import first_layers` (tests/ is on sys.path, like tests/tiers.py)."""
 
+import dataclasses
+
 from mkresearch.model.config import ModelConfig
 
 
@@ -28,3 +30,10 @@ def dense_and_one_moe(cfg: ModelConfig) -> ModelConfig:
     cut = first_layers(cfg, cfg.n_dense_layers + 1)
     assert cut.layers == cfg.layers[:cut.n_layers], (cut.layers, cfg.layers)
     return cut
+
+
+def changed_fields(cfg: ModelConfig, cut: ModelConfig) -> tuple[tuple[str, object], ...]:
+    """The (field, value) pairs in which `cut` differs from `cfg`, in field order: a cut as
+    overrides (`partial_sum_sweep.Case.overrides`)."""
+    return tuple((f.name, getattr(cut, f.name)) for f in dataclasses.fields(cut)
+                 if getattr(cut, f.name) != getattr(cfg, f.name))

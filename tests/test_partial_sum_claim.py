@@ -14,17 +14,19 @@ wires and the yardstick: ~15 min of compiles here) and prints the table
 `python -m mkresearch.sharding.partial_sum_sweep` prints.
 """
 
+import cuts
 import numpy as np
 import pytest
 
+from mkresearch.model.config import get_config
 from mkresearch.sharding import partial_sum_sweep as sweep
 from mkresearch.sharding import reference_sharded
 
-# each mini cut to 2 layers: Kimi K3's KDA + dense and MLA + latent MoE (test_cache_layouts' cut),
+# each mini cut to 2 layers: Kimi K3's KDA + dense and MLA + latent MoE (tests/cuts.py),
 # DeepSeek-V3's dense and MLA + MoE on the full d
-KIMI_CUT = (("name", "kimi-k3-mini-2l"), ("n_layers", 2), ("mla_first", 1),
-            ("attn_res_block", 1))
-DEEPSEEK_CUT = (("name", "deepseek-v3-mini-2l"), ("n_layers", 2), ("mla_first", 1))
+KIMI, DEEPSEEK = get_config("kimi-k3-mini"), get_config("deepseek-v3-mini")
+KIMI_CUT = cuts.changed_fields(KIMI, cuts.kimi_kinds(KIMI))
+DEEPSEEK_CUT = cuts.changed_fields(DEEPSEEK, cuts.first_layers(DEEPSEEK, 2))
 FAST = (sweep.Case("kimi-k3-mini", "latent", "bf16", 4, 2, 3, 1003),  # issue 42's seeds
         # the same compiled steps: one row's routing differs from step 4 here (1.0 apart, the
         # greedy token changed), which the claim allows
