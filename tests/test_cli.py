@@ -98,6 +98,22 @@ def test_figures(tmp_path):
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("command", [["figures", "--only", "roofline"], ["bench", "kimi-k3-mini"]])
+def test_an_out_directory_that_cannot_be_made_is_one_line_before_any_work(tmp_path, capsys,
+                                                                          command):
+    """A file where --out's directory would be (root may write anywhere, so not a permission):
+    refused before anything is drawn or benched (bench: minutes of steps)."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    for out in (taken, taken / "figures"):
+        assert cli.main([*command, "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and f"--out {str(out)!r} is invalid" in lines[0], captured.err
+        assert captured.out == ""
+    assert taken.read_text() == "a file"
+
+
 # `make demo` (kimi-k3-mini's `decode` on the megakernel): tests/test_full_size.py, whose decode
 # and bench of the same mini share its compiled step
 

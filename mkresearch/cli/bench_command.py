@@ -7,14 +7,20 @@ sharded megakernel's per-rank rows (`cli.ranks`), `--workload` serves an arrival
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from mkresearch.cli import bench, figures, workload
 from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
-from mkresearch.cli.common import at_least, known_chip, known_model, megakernel_batch, refusals
+from mkresearch.cli.common import (
+    at_least,
+    known_chip,
+    known_model,
+    megakernel_batch,
+    output_directory,
+    refusals,
+)
 from mkresearch.cli.options import add_batch, add_command, add_model
 
 DEFAULT_MODEL = "kimi-k3-mini"
@@ -56,9 +62,9 @@ def run(args: Any) -> int:
     figures.require_matplotlib("mkresearch bench")  # it draws decode_bench.png
     cli_speculative.check_bench(args)
     cli_ranks.check_ranks(cfg, args.ranks)
+    out = output_directory("--out", args.out)
     if args.ranks > 1 and (status := cli_ranks.devices_or_rerun(args.ranks, args.argv)) is not None:
         return status
-    out = Path(args.out)
     leader = cli_multihost.leader_prints()  # process 0 writes and prints; the others run along
     with refusals():
         result = bench.run_bench(cfg, args.batch, args.steps, args.chip,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
@@ -61,6 +63,20 @@ def refusals() -> Iterator[None]:
         yield
     except ValueError as error:
         raise UsageError(str(error).splitlines()[0]) from None
+
+
+def output_directory(option: str, path: str | Path) -> Path:
+    """Before any work: the directory an option names, created if missing, else a UsageError
+    naming the option and why (a command that benches for minutes fails before, not after)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{option} {str(path)!r} is invalid: no directory can be made there "
+                         f"({error.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {str(path)!r} is invalid: that directory is not writable")
+    return path
 
 
 def megakernel_batch(option: str, value: int) -> None:

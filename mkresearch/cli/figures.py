@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mkresearch.cli.bench import plot_decode_bench
-from mkresearch.cli.common import UsageError
+from mkresearch.cli.common import UsageError, output_directory
 from mkresearch.cli.options import add_command
 from mkresearch.views.plots import plot_expert_bytes, plot_kv_bytes, plot_roofline
 from mkresearch.views.scale_out_plots import plot_scale_out
@@ -40,7 +40,7 @@ def run(args: Any) -> int:
     for name in args.only or ():
         if name not in FIGURES:
             raise UsageError(f"--only {name!r} is unknown: choose from {', '.join(FIGURES)}")
-    for path in write_figures(args.out, args.only):
+    for path in write_figures(output_directory("--out", args.out), args.only):
         print(f"wrote {path}")
     return 0
 
