@@ -240,14 +240,6 @@ def test_cli_refuses_an_expanded_layout_for_deepseek_in_one_line():
 
 
 # ---- the pre-norm decode step -------------------------------------------------------------------
-def dense_and_moe_cut(name):
-    """The mini cut to its dense layers and one MoE layer (tests/cuts.py), which ends in a
-    feed-forward layer."""
-    cut = dense_and_one_moe(get_config(name))
-    assert {"moe_full", "dense"} & set(cut.layers[-1])
-    return cut
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [  # MLA with RoPE, and GQA with its biases and partial RoPE;
     "deepseek-v3-mini", "glm-4.5-mini",  # Qwen3's plain GQA is the exhaustive tier's
@@ -257,7 +249,7 @@ def test_prenorm_step_composes_the_registry_sublayers(name):
     with the kinds of cfg.layers (dense first layers), logits = RMSNorm(h) W_lm: written out here
     with each kind's sublayer, bit for bit. On the mini's dense layers and first MoE layer (the
     later ones repeat its kinds)."""
-    cfg = dense_and_moe_cut(name)
+    cfg = dense_and_one_moe(get_config(name))
     params = weights.init_params(cfg, seed=1)
     state = jax.tree.map(lambda s: jnp.asarray(
         np.random.default_rng(2).standard_normal(s.shape) * 0.5, s.dtype),
@@ -301,7 +293,7 @@ def test_reference_step_is_batch_invariant(name):
     """A row's logits and caches are the same bits at B = 8 and alone or in a batch of three
     (rows at other indices): per-(row, head) attention, ordered sums, experts combined in id
     order. On the mini's dense layers and first MoE layer (the later ones repeat its kinds)."""
-    cfg = dense_and_moe_cut(name)
+    cfg = dense_and_one_moe(get_config(name))
     params = weights.init_params(cfg, 3)
     rng = np.random.default_rng(11)
     state = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.5, s.dtype),
