@@ -1,7 +1,8 @@
 """A config cut to its first layers, as kernel and reference tests draw it instead of a whole
 mini: `weights.init_params` draws each leaf from its own stream, layer by layer, so a cut's
 weights are each kind's first layers of the whole config, bit for bit (tests/test_weights.py
-checks every cut these tests draw), at a fraction of the time (no later layers' experts).
+checks it at every depth of each family's mini, with its dense layers, none or all but the last,
+in each expert format), at a fraction of the time (no later layers' experts).
 Imported as `from cuts import first_layers` (tests/ is on sys.path, like tests/tiers.py)."""
 
 import dataclasses

@@ -2,6 +2,8 @@
 exact MXFP4 / FP8 round trips, and the byte counts of docs/kimi-k3.md §7 and §10."""
 
 
+import functools
+
 import cuts
 import jax
 import jax.numpy as jnp
@@ -41,27 +43,49 @@ def test_same_config_and_seed_give_identical_arrays(mini_params):
                               np.asarray(other["embed"], np.float32))
 
 
+@functools.cache
+def _whole_params(cfg):
+    return weights.init_params(cfg, seed=0)
+
+
+MINIS = ("kimi-k3-mini", "deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
+
+
 def _cuts() -> list:
-    """(mini, its cut): the cuts the kernel and reference tests draw instead of a whole mini
-    (tests/cuts.py relies on this test)."""
-    kimi, deepseek, glm, qwen = (get_config(name) for name in (
-        "kimi-k3-mini", "deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini"))
-    return [(kimi, cuts.kimi_kinds(kimi)), (kimi, cuts.first_layers(kimi, 4)),
-            (kimi, cuts.first_layers(kimi, 4, n_dense_layers=3)),
-            (kimi, cuts.first_layers(kimi, 1, n_dense_layers=0)),
-            (deepseek, cuts.dense_and_one_moe(deepseek)), (glm, cuts.dense_and_one_moe(glm)),
-            (qwen, cuts.first_layers(qwen, 1))]
+    """(the whole config, its cut) for every cut tests/cuts.py can draw of the families' minis
+    (tests/cuts.py relies on this test): each depth, with the mini's dense layers, none, or all
+    but the last (a mini without dense layers: none; the fields the tests change), Kimi K3's with its attention-residual block too
+    (`kimi_kinds`), each with an expert format in turn (the whole config in the same one). `make
+    test` draws every seventh, the exhaustive tier all."""
+    cases = []
+    for name in MINIS:
+        mini = get_config(name)
+        blocks = (mini.attn_res_block, 1) if mini.attn_res_block < mini.n_layers else (None,)
+        for n in range(1, mini.n_layers + 1):
+            denses = {min(mini.n_dense_layers, n - 1), 0, n - 1} if mini.n_dense_layers else {0}
+            for dense in sorted(denses):
+                for block in blocks:
+                    fmt = formats.EXPERT_FORMATS[len(cases) % len(formats.EXPERT_FORMATS)]
+                    changes = {"n_dense_layers": dense, "expert_format": fmt}
+                    if block is not None:
+                        changes["attn_res_block"] = block
+                    whole = mini.replace(expert_format=fmt)
+                    marks = () if len(cases) % 7 == 0 else (pytest.mark.exhaustive,)
+                    blocked = "" if block is None else f"-{block}b"
+                    cases.append(pytest.param(whole, cuts.first_layers(whole, n, **changes),
+                                              marks=marks, id=f"{name}-{n}l-{dense}d{blocked}-{fmt}"))
+    return cases
 
 
 @pytest.mark.slow  # draws each whole mini
-@pytest.mark.parametrize("cfg, cut", _cuts(), ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg, cut", _cuts())
 def test_a_cut_mini_draws_the_whole_minis_first_layers_bit_for_bit(cfg, cut):
     """init_params draws each leaf from its own stream, in C order, so a config cut to fewer
     layers gets each kind's first layers of the whole config (each leaf stacked per kind: its
     first rows, wherever the cut places that kind's layers) and the unstacked leaves (embedding,
     final norm, LM head), bit for bit; the layers of a kind both configs have are equal."""
     name = cfg.name
-    whole, part = weights.init_params(cfg, seed=0), weights.init_params(cut, seed=0)
+    whole, part = _whole_params(cfg), weights.init_params(cut, seed=0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(part):
         full = whole
         for key in path:
