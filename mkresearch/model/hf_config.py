@@ -325,6 +325,9 @@ def read_config(directory: str | os.PathLike, *, name: str | None = None,
                 **overrides: Any) -> ModelConfig:
     """The checkpoint's `config.json` as a validated ModelConfig (named after the directory
     unless `name`), with optional field overrides (e.g. expert_format="mxfp4")."""
+    if not os.path.isdir(directory):  # a file or a typo: said so, not a bare OSError
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise CheckpointError(f"{directory}: {why} (a checkpoint directory holds config.json)")
     path = os.path.join(directory, CONFIG_FILE)
     try:
         with open(path, encoding="utf-8") as handle:
