@@ -61,6 +61,8 @@ def test_decode_json_and_text(capsys):
     (["plan", "kimi-k3", "--batch", "17"], "--batch 17 is invalid: each in [1, 16]"),
     (["plan", "kimi-k3", "--chip", "h100"], "--chip 'h100' is unknown"),
     (["plan", "kimi-k3-mini", "--context", "128"], "--context 128 is invalid: an int in [0, 127]"),
+    (["predict", "kimi-k3", "--context", "32768"], "--context 32768 is invalid: an int in [0, 32767]"),
+    (["predict", "kimi-k3", "--designs", "--context", "-1"], "--context -1 is invalid"),
     (["plan", "kimi-k3", "--format", "released"], "--format"),
     (["plan", "kimi-k3", "--cache-layout", "paged"], "--cache-layout"),
     (["frobnicate"], "frobnicate"),

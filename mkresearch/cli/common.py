@@ -48,6 +48,14 @@ def in_range(option: str, value: int, low: int, high: int, why: str) -> None:
         raise UsageError(f"{option} {value} is invalid: an int in [{low}, {high}] ({why})")
 
 
+def context_in_cache(cfg: ModelConfig, context: int) -> None:
+    """--context: tokens already in each sequence's KV cache (or a row's position), which with
+    the new token must fit the cache: in [0, max_seq_len - 1], else a UsageError saying so."""
+    in_range("--context", context, 0, cfg.max_seq_len - 1,
+             f"the KV cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the new "
+             "one included")
+
+
 def known_chip(name: str) -> str:
     """--chip's value, when it names one of `chips.CHIPS`."""
     if name not in CHIPS:

@@ -9,9 +9,9 @@ from typing import Any
 
 from mkresearch.cli.common import (
     at_least,
+    context_in_cache,
     human_bytes,
     human_count,
-    in_range,
     known_model,
     refusals,
 )
@@ -53,9 +53,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
-    in_range("--context", args.context, 0, cfg.max_seq_len - 1,
-              f"the KV cache of {cfg.name} holds max_seq_len={cfg.max_seq_len} tokens, the "
-              "new one included")
+    context_in_cache(cfg, args.context)
     at_least("--ranks", args.ranks, 1)
     return each_batch(args, lambda one: _run_one(cfg, one))
 

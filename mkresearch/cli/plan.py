@@ -9,7 +9,13 @@ import json
 from typing import Any
 
 from mkresearch.cli import plan_ranks as cli_plan_ranks
-from mkresearch.cli.common import in_range, known_chip, known_model, megakernel_batch, refusals
+from mkresearch.cli.common import (
+    context_in_cache,
+    known_chip,
+    known_model,
+    megakernel_batch,
+    refusals,
+)
 from mkresearch.cli.options import (
     add_batch,
     add_cache_layout,
@@ -50,8 +56,7 @@ def run(args: Any) -> int:
     for batch in args.batch:
         megakernel_batch("--batch", batch)
     if args.context is not None:
-        in_range("--context", args.context, 0, cfg.max_seq_len - 1,
-                  f"a position in the MLA cache of {cfg.name}, max_seq_len={cfg.max_seq_len}")
+        context_in_cache(cfg, args.context)
     with refusals():
         cfg = cfg.replace(mla_cache_layout=args.cache_layout or cfg.mla_cache_layout,
                           expert_format=args.expert_format or cfg.expert_format)

@@ -31,7 +31,14 @@ import sys
 import time
 from typing import Any
 
-from mkresearch.cli.common import UsageError, at_least, known_chip, known_model, refusals
+from mkresearch.cli.common import (
+    UsageError,
+    at_least,
+    context_in_cache,
+    known_chip,
+    known_model,
+    refusals,
+)
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -174,7 +181,7 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
     """predict --designs: ours as built, each design added in turn, the release's step; with
     --speculate K each one's verify steps and tok/s (`speculative_designs`)."""
     at_least("--ranks", args.ranks, 2)
-    at_least("--context", args.context, 0)
+    context_in_cache(cfg, args.context)
     at_least("--speculate", args.speculate, 0)
     with refusals():
         layout.check_ranks(cfg, args.ranks)
@@ -206,7 +213,7 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
 def _check_predictions(args: Any, cfg: Any, chip: str) -> None:
     """The checks of a prediction's options before any work: one line, exit status 2."""
     at_least("--ranks", args.ranks, 2)
-    at_least("--context", args.context, 0)
+    context_in_cache(cfg, args.context)
     at_least("--speculate", args.speculate, 0)
     with refusals():
         if not layout.has_rules(cfg):
