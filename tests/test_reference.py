@@ -384,6 +384,16 @@ def test_bad_inputs_raise_value_error(params):
         R.generate(params, state, np.array([[1], [2]]), 0, MINI)
     with pytest.raises(ValueError, match="prompt"):
         R.prefill(params, state, np.array([1, 2]), MINI)
+    # a token id past the table: the embedding's gather would clamp it to another token
+    vocab = MINI.vocab_size
+    with pytest.raises(ValueError, match=rf"tokens\[1\]={vocab} is invalid: token ids in \[0, {vocab}\)"):
+        R.decode_step(params, state, np.array([1, vocab]), np.array([0, 0]), MINI)
+    with pytest.raises(ValueError, match=r"tokens\[0\]=-1 is invalid"):
+        R.decode_step(params, state, np.array([-1, 2]), np.array([0, 0]), MINI)
+    with pytest.raises(ValueError, match=r"tokens.dtype=float32 is invalid: integer token ids"):
+        R.decode_step(params, state, np.array([1.0, 2.0], np.float32), np.array([0, 0]), MINI)
+    with pytest.raises(ValueError, match=rf"prompt\[1, 0\]={vocab + 5} is invalid"):
+        R.generate(params, state, np.array([[1], [vocab + 5]]), 2, MINI)
 
 
 # ---- expert_mxu="fp8": the same products, summed in another order ---------------------------------

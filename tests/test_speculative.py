@@ -337,6 +337,15 @@ def test_bad_input_is_one_line(plain, k, batch, drafter, message):
     _raises_one_line(plain("expanded", 2), k, batch, drafter, message)
 
 
+def test_a_prompt_token_past_the_vocabulary_is_one_line(plain):
+    state = reference.init_state(SMALL, 1)
+    prompt = np.full((1, PROMPT_LEN), SMALL.vocab_size, np.int32)
+    with pytest.raises(ValueError, match=r"prompt\[0, 0\]=\d+ is invalid: token ids in") as error:
+        speculative.speculative_generate(plain("expanded", 2).params, state, prompt, 4, SMALL, k=3,
+                                         drafter="ngram")
+    assert "\n" not in str(error.value)
+
+
 def test_past_the_cache_is_one_line(plain):
     _raises_one_line(plain("expanded", 2), 3, 1, "ngram", r"n_tokens=60 is invalid with a prompt of 6 and k=3: the last "
                      r"verify reaches position 67, past the cache \(64 tokens\)", n_tokens=60)

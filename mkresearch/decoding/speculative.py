@@ -282,7 +282,7 @@ def _check_generate(state: dict, prompt: Any, n_tokens: Any, cfg: ModelConfig, k
                     drafter: Any) -> tuple[np.ndarray, Any]:
     """`speculative_generate`'s checks before any tracing: (the prompt [B, T] as i32, the
     Drafter); B x (K + 1) rows in one call, n_tokens an int >= 1, the last verify in the cache."""
-    reference.check_prompt(prompt)
+    reference.check_prompt(prompt, cfg)
     prompt = np.asarray(prompt, np.int32)
     batch, length = prompt.shape
     check_rows(batch, k)

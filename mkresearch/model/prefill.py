@@ -202,7 +202,7 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: Any, cfg: Mod
     routing [B, T, n_moe, top_k], as `reference.prefill` does."""
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} is invalid: an int >= 1 (tokens per jitted call)")
-    reference.check_prompt(prompt)
+    reference.check_prompt(prompt, cfg)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
     reference.check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)

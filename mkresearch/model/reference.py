@@ -237,10 +237,26 @@ def check_state(state: Any, cfg: ModelConfig, batch: int) -> int | None:
     return seq_len
 
 
+def check_token_ids(name: str, tokens: Any, cfg: ModelConfig) -> None:
+    """Concrete token ids (a traced array passes) are ints in [0, vocab_size): an id past the
+    embedding table would be clamped by the gather, silently decoding another token."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name}.dtype={ids.dtype} is invalid: integer token ids")
+    bad = (ids < 0) | (ids >= cfg.vocab_size)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}{list(at)}={int(ids[at])} is invalid: token ids in [0, "
+                         f"{cfg.vocab_size}) (vocab_size of {cfg.name})")
+
+
 def check_step_inputs(state: Any, tokens: Any, positions: Any, cfg: ModelConfig) -> None:
     spec.check(cfg)
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens has shape {np.shape(tokens)}: allowed [B] (one token per row)")
+    check_token_ids("tokens", tokens, cfg)
     batch = np.shape(tokens)[0]
     if np.shape(positions) != (batch,):
         raise ValueError(f"positions has shape {np.shape(positions)}: allowed ({batch},)")
@@ -265,9 +281,10 @@ def decode_step(params: dict[str, Any], state: dict[str, Any], tokens: jax.Array
                             cfg=cfg)
 
 
-def check_prompt(prompt: Any) -> None:
+def check_prompt(prompt: Any, cfg: ModelConfig) -> None:
     if np.ndim(prompt) != 2 or np.shape(prompt)[1] < 1:
         raise ValueError(f"prompt has shape {np.shape(prompt)}: allowed [B, T] with T >= 1")
+    check_token_ids("prompt", prompt, cfg)
 
 
 def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cfg: ModelConfig,
@@ -278,7 +295,7 @@ def prefill(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, cf
     Returns (logits [B, T, V] f32, the logits after each prompt token, and the new state), and
     with expert_ids each token's routing, [B, T, n_moe, top_k] i32 (aux["expert_ids"]).
     """
-    check_prompt(prompt)
+    check_prompt(prompt, cfg)
     batch, length = np.shape(prompt)
     start = np.broadcast_to(np.asarray(start, np.int32), (batch,))
     check_step_inputs(state, np.zeros(batch, np.int32), start + length - 1, cfg)
@@ -305,7 +322,7 @@ def generate(params: dict[str, Any], state: dict[str, Any], prompt: jax.Array, n
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
         raise ValueError(f"n_steps={n_steps!r} is invalid: an int >= 1")
-    check_prompt(prompt)
+    check_prompt(prompt, cfg)
     batch, length = np.shape(prompt)
     check_step_inputs(state, np.zeros(batch, np.int32),
                        np.full(batch, length + n_steps - 2, np.int32), cfg)
