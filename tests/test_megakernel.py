@@ -36,7 +36,7 @@ from mkresearch.kernels.base import dma, quant
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import schedule
 from mkresearch.kernels.compose.megakernel_plan import VmemPlanError
-from mkresearch.kernels.stages import experts, kda, mla
+from mkresearch.kernels.stages import experts, kda, mla, router
 
 from mkresearch.cli.bench import near_tie_rows
 from mkresearch.hardware.chips import CHIPS
@@ -88,15 +88,37 @@ def copy_state(state):
 _reference_step = reference.decode_step_jit
 
 
+def _kda_kernel(p, x, layer_state, positions, cfg):
+    out, conv, recurrent = kda.kda_attention(p, x, layer_state["conv"], layer_state["recurrent"],
+                                             cfg)
+    return out, {"conv": conv, "recurrent": recurrent}, {}
+
+
+def _mla_kernel(p, x, layer_state, positions, cfg):
+    out, cache = mla.mla_attention(p, x, layer_state, positions, cfg)
+    return out, cache, {}
+
+
+def _moe_kernel(p, x, layer_state, positions, cfg):
+    return experts.moe_ffn(p, x, cfg), layer_state, {"expert_ids": router.route(p, x, cfg)[0]}
+
+
+def _dense_kernel(p, x, layer_state, positions, cfg):
+    return experts.dense_ffn(p, x, cfg), layer_state, {}
+
+
+# the stage kernels in the reference's sublayer contract, (out, layer state, aux)
+KERNEL_SUBLAYERS = {"kda": _kda_kernel, "mla": _mla_kernel, "moe": _moe_kernel,
+                    "dense": _dense_kernel}
+
+
 def staged_step(params, state, tokens, positions, cfg):
-    """The step with one pallas_call per stage: the reference's skeleton, kernel sublayers.
-    Returns (logits, state, expert ids [n_moe, B, k]: the kernels' routing)."""
-    with mock.patch.object(reference, "kda_attention", kda.kda_attention), \
-            mock.patch.object(reference, "mla_attention", mla.mla_attention), \
-            mock.patch.object(reference, "moe_ffn", lambda p, x, cfg: experts.moe_ffn(p, x, cfg)), \
-            mock.patch.object(reference, "dense_ffn", experts.dense_ffn):
-        logits, state, aux = reference.decode_step_unchecked(params, state, jnp.asarray(tokens),
-                                                    jnp.asarray(positions), cfg)
+    """The step with one pallas_call per stage: the reference's skeleton, kernel sublayers
+    (`reference.decode_step_unchecked`'s `sublayers`). Returns (logits, state, expert ids
+    [n_moe, B, k]: the router kernel's routing)."""
+    logits, state, aux = reference.RESIDUAL_STEPS[cfg.residual](
+        params, state, jnp.asarray(tokens), jnp.asarray(positions), cfg,
+        sublayers=KERNEL_SUBLAYERS)
     return logits, state, aux["expert_ids"]
 
 
