@@ -125,6 +125,31 @@ def test_mla_matches_reference_and_reads_only_needed_tiles(race_checked, mini_pa
         assert [e.slot for e in w_qa_blocks] == [0, 1, 0, 1]  # 512 rows in 4 blocks of 128
 
 
+# x seeds (B = 2) at which the reference's former product batched over rows and heads rounded a
+# head's q̃ one bf16 apart from the kernel's one-row products, and the output with it, on an AVX2
+# CPU (`stages.mla.head_products`); more seeds in the exhaustive tier
+LATENT_SEEDS = [33, 41, *(pytest.param(seed, marks=pytest.mark.exhaustive)
+                          for seed in (13, 21, 69, *range(8)))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", LATENT_SEEDS)
+def test_mla_latent_equals_the_reference_to_the_bit(race_checked, mini_params, seed):
+    """With whole weight blocks the latent MLA kernel sums every product in the reference's order
+    (q̃ and each head's output: one [1, K] product per row and head): the same bits."""
+    cfg = MINI.replace(mla_cache_layout="latent")
+    p = reference.layer_params(mini_params["mla"], 0)
+    x = normalised_input(cfg, 2, seed=100 + seed)
+    cache = random_cache(cfg, 2, seed=200 + seed)
+    positions = jax.random.randint(jax.random.key(300 + seed), (2,), 1, cfg.max_seq_len)
+    out, new_cache = mla.mla_attention(p, x, cache, positions, cfg)
+    ref_out, ref_cache = reference.mla_attention(p, x, cache, positions, cfg)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
+    for name in ref_cache:
+        np.testing.assert_array_equal(np.asarray(new_cache[name], np.float32),
+                                      np.asarray(ref_cache[name], np.float32), err_msg=name)
+
+
 def test_mla_latent_reads_far_fewer_kv_bytes(race_checked, mini_params):
     """Record both layouts at mini shapes (the B=1 case above, exhaustive: the same compiled
     kernels); rescale the logs to Kimi K3 shapes."""

@@ -66,7 +66,6 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     k^C = bf(ĉ W_kb) and V = bf(ĉ W_vb) per cached token, latent rounds q̃ and Σαĉ instead.
     Returns (out [B, d] bf16, updated cache).
     """
-    B = x.shape[0]
     nope, extra = cfg.mla_qk_nope, cfg.mla_qk_extra
     q_nope, q_extra, c_hat, k_extra = mla_inputs(p, x, cfg)
     w_kb, w_vb = split_kvb(p, cfg)  # [rank, H, nope], [rank, H, v]
@@ -87,10 +86,7 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     else:
         cache = {"ckv": numerics.write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
                  "kx": numerics.write_slot(cache["kx"], k_extra, positions, axis=0)}  # [B, S, extra]
-        # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
-        w_kb_rows = jnp.broadcast_to(w_kb, (B, *w_kb.shape))  # [B, rank, H, nope]
-        q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, w_kb_rows,
-                                   preferred_element_type=f32))
+        q_absorbed = bf(head_products(q_nope, w_kb, contract=1))  # [B, H, rank]
         new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                      + numerics.dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
         scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
@@ -98,9 +94,22 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                                preferred_element_type=f32)) * scale  # [B, H, S]
         context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
-        w_vb_rows = jnp.broadcast_to(w_vb, (B, *w_vb.shape))  # [B, rank, H, v]
-        o = bf(jnp.einsum("bhr,brhv->bhv", context, w_vb_rows, preferred_element_type=f32))
+        o = bf(head_products(context, w_vb, contract=0))  # [B, H, v]
     return gated_output(p, x, o, cfg), cache
+
+
+def head_products(a: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    """a [B, H, K] times each head's matrix of w ([N, H, K] contracting its K, contract=1, or
+    [K, H, N], contract=0) -> [B, H, N] f32: row by row, head by head, one [1, K] product each,
+    as the kernel's row loop multiplies (kernels/stages/mla.py). A product batched over rows and
+    heads sums an element in another order now and then on XLA:CPU (a head's q̃ rounded to
+    another bf16 at seed 5 of kimi-k3-mini, the logits then 0.045 apart)."""
+    def row(a_row):  # [H, K]
+        return jnp.stack([jax.lax.dot_general(
+            a_row[h][None], w[:, h, :], (((1,), (contract,)), ((), ())),
+            preferred_element_type=f32)[0] for h in range(a.shape[1])])  # [H, N]
+
+    return jax.lax.map(row, a)
 
 
 def mla_inputs(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
