@@ -68,9 +68,7 @@ def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Arr
              "kpe": numerics.write_slot(cache["kpe"], k_rope, positions, axis=0)}  # [B, S, rope]
     w_kvb = p["w_kvb"].reshape(rank, heads, nope + cfg.mla_v_dim)
     w_kb, w_vb = w_kvb[..., :nope], w_kvb[..., nope:]  # [rank, H, nope], [rank, H, v]
-    # per (row, head) vector-matrix products, as the kernel's row loop: batch-invariant
-    q_absorbed = bf(jnp.einsum("bhn,brhn->bhr", q_nope, jnp.broadcast_to(w_kb, (batch, *w_kb.shape)),
-                               preferred_element_type=f32))  # [B, H, rank]
+    q_absorbed = bf(mla.head_products(q_nope, w_kb, contract=1))  # [B, H, rank], as the kernel
     scale = rope.attention_scale(cfg, cfg.mla_qk_dim)
     new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                  + numerics.dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
@@ -79,8 +77,7 @@ def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Arr
               ) * scale  # [B, H, S]
     context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                  cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
-    o = bf(jnp.einsum("bhr,brhv->bhv", context, jnp.broadcast_to(w_vb, (batch, *w_vb.shape)),
-                      preferred_element_type=f32))  # [B, H, v]
+    o = bf(mla.head_products(context, w_vb, contract=0))  # [B, H, v]
     return bf(matmul(o.reshape(batch, heads * cfg.mla_v_dim), p["w_o"])), cache
 
 
