@@ -113,8 +113,8 @@ KERNEL_SUBLAYERS = {"kda": _kda_kernel, "mla": _mla_kernel, "moe": _moe_kernel,
 
 
 def staged_step(params, state, tokens, positions, cfg):
-    """The step with one pallas_call per stage: the reference's skeleton, kernel sublayers
-    (`reference.decode_step_unchecked`'s `sublayers`). Returns (logits, state, expert ids
+    """The step with one pallas_call per stage: the reference's skeleton with the kernels as its
+    `sublayers` (as `prefill` passes its own). Returns (logits, state, expert ids
     [n_moe, B, k]: the router kernel's routing)."""
     logits, state, aux = reference.RESIDUAL_STEPS[cfg.residual](
         params, state, jnp.asarray(tokens), jnp.asarray(positions), cfg,

@@ -265,7 +265,7 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     input_checks.check_each_in("positions", positions, seq_len,
                                f" — the cache holds {seq_len} tokens (init_state(cfg, batch, "
                                "max_seq_len=...) for a longer one)")
-    input_checks.check_each_in("tokens", tokens, cfg.vocab_size)
+    reference.check_token_ids("tokens", tokens, cfg)
     plan = make_plan(cfg, batch, seq_len, options)
     inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
                                                      top_k, top_p)

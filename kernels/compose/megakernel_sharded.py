@@ -54,7 +54,7 @@ from mkresearch.kernels.stages import gate_up, sampling
 
 from mkresearch.hardware import distributed, tpu
 from mkresearch.hardware.chips import get_chip
-from mkresearch.model import roofline, spec
+from mkresearch.model import reference, roofline, spec
 from mkresearch.model import sampling as sampling_ref
 from mkresearch.model.config import LANE, RING_MAX_DEPTH, ModelConfig
 from mkresearch.sharding import layout as layouts
@@ -409,7 +409,7 @@ def decode_step(prepared: dict, state: dict, tokens: Any, positions: Any, plan: 
         raise ValueError(f"tokens and positions have shapes {np.shape(tokens)}, "
                          f"{np.shape(positions)}: allowed ({batch},) each (the plan's batch)")
     tok, pos = np.asarray(tokens), np.asarray(positions)
-    input_checks.check_each_in("tokens", tok, cfg.vocab_size)
+    reference.check_token_ids("tokens", tok, cfg)
     input_checks.check_each_in("positions", pos, plan.mega.seq_len)
     mesh = make_mesh(plan.n_ranks) if mesh is None else mesh
     sampling_ref.check_seed(seed)

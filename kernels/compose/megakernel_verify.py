@@ -78,7 +78,7 @@ def check_tokens(tokens: Any, positions: Any, cfg: ModelConfig, seq_len: int) ->
     input_checks.check_each_in("positions", positions, seq_len - drafts,
                                f" — the K+1={drafts + 1} tokens of a row fill positions p..p+K "
                                f"of a cache of {seq_len}")
-    input_checks.check_each_in("tokens", tokens, cfg.vocab_size)
+    reference.check_token_ids("tokens", tokens, cfg)
     return batch, drafts
 
 
