@@ -368,7 +368,10 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
 
     new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
-    and values [B, H, S, n] or [B, S, n] (shared by the heads): the cache. The order is the one a
+    and values [B, K, S, n] or [B, S, n] (shared by the heads): the cache. With K heads of values
+    (K divides H: K = H one per head, fewer for GQA's K/V heads) query heads kG..kG+G−1 read
+    values head k, G = H/K of them in one [G, T] × [T, n] product per tile, the kernels' form (the
+    values repeated per query head sum in another order when XLA compiles at level 0). The order is the one a
     decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
     then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
     e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
@@ -376,7 +379,16 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     """
     B, H, S = scores.shape
     slots = jnp.arange(tile)
-    slot_axis, spec = (1, "bht,btn->bhn") if values.ndim == 3 else (2, "bht,bhtn->bhn")
+    slot_axis = values.ndim - 2
+
+    def weighted(weights, tile_values):  # [B, H, T] x the tile's values -> [B, H, n]
+        if values.ndim == 3:
+            return jnp.einsum("bht,btn->bhn", weights, tile_values, precision=HIGHEST)
+        groups = values.shape[1]
+        grouped = weights.reshape(B, groups, H // groups, tile)  # [B, K, G, T]
+        return jnp.einsum("bkgt,bktn->bkgn", grouped, tile_values,
+                          precision=HIGHEST).reshape(B, H, -1)
+
     n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))
     values = jnp.pad(values, [(0, n_tiles * tile - S) if axis == slot_axis else (0, 0)
@@ -392,7 +404,7 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
         correction = jnp.exp(m - m_new)
         weights = jnp.where(valid, jnp.exp(tile_scores - m_new), 0.0)
         norm = correction * norm + ordered_sum(weights, keepdims=True)
-        acc = correction * acc + jnp.einsum(spec, weights, tile_values, precision=HIGHEST)
+        acc = correction * acc + weighted(weights, tile_values)
         return m_new, norm, acc
 
     m = new_score[..., None]

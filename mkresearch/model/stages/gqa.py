@@ -86,13 +86,17 @@ def gqa_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     q, k, v = projections(p, x, positions, cfg)
     cache = {"k": numerics.write_slot(cache["k"], k, positions, axis=1),  # [B, KV, S, D]
              "v": numerics.write_slot(cache["v"], v, positions, axis=1)}
-    # query head h reads K/V head h // G: the K/V heads repeated G times, per (row, head)
+    # query head h reads K/V head h // G: the new token's K/V repeated per query head
     k_new, v_new = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, D]
-    keys, values = (jnp.repeat(cache[name], group, axis=1) for name in ("k", "v"))  # [B,H,S,D]
     scale = rope.attention_scale(cfg, cfg.head_dim)
     new_score = numerics.dot_exact(q, k_new) * scale  # [B, H]
-    scores = jnp.einsum("bhd,bhsd->bhs", q, keys, preferred_element_type=f32) * scale
-    o = bf(numerics.online_softmax(new_score, v_new, scores, values, positions, cfg.kv_tile))  # [B, H, D]
+    # the cached scores as a [G, D] x [S, D]ᵀ product per (row, K/V head), the kernel's form:
+    # one product per query head (a batched matvec) rounds some scores to other floats
+    q_groups = q.reshape(batch, cfg.n_kv_heads, group, cfg.head_dim)  # [B, KV, G, D]
+    scores = jnp.einsum("bkgd,bksd->bkgs", q_groups, cache["k"], preferred_element_type=f32)
+    scores = scores.reshape(batch, cfg.n_heads, -1) * scale  # [B, H, S]
+    o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions,
+                                   cfg.kv_tile))  # [B, H, D]
     return bf(matmul(o.reshape(batch, cfg.n_heads * cfg.head_dim), p["w_o"])), cache
 
 
