@@ -12,9 +12,13 @@ every cache leaf after the step within a relative error of STATE_REL_TOL of the 
 A row-step over LOGIT_TOL passes only where the reference routed at a near-tie: in some MoE layer
 its k-th and (k+1)-th selection scores lie within ROUTER_TIE of each other, so bf16 rounding of
 the layer's input can pick another expert in the kernel (`routing_margins`; seen on
-qwen3-235b-a22b-mini at B = 1, step 13 of 16: a margin of 7.7e-5, logits 0.30 apart). Such a
-row-step is reported and its row's token and state left out of that step's checks; the next
-step starts from the reference's state again.
+qwen3-235b-a22b-mini at B = 1, step 13 of 16, before the reference took the GQA kernel's
+products: a margin of 7.7e-5, logits 0.30 apart). Such a row-step is reported and its row's token
+and state left out of that step's checks; the next step starts from the reference's state again.
+Measured here since the reference sums GQA's scores and values as the kernel does
+(`mkresearch.model.stages.gqa`): every row-step of the three minis is bit-equal to the reference,
+caches too (printed with -s; in the exhaustive tier 16 at B = 1 and 64 at B = 4 each; before,
+GLM's 15 and 60, Qwen's 14 and 59).
 The reference runs once per mini, at B = 4 (`reference_runs`); the B = 1 run reads its row 0,
 which is the reference at B = 1 bit for bit (its step is batch-invariant: tests/test_families.py),
 so no second reference compile.
