@@ -320,14 +320,14 @@ def test_bad_schedule_and_batch_are_refused():
 # ---- validation and ours ----------------------------------------------------------------------
 # Every published point, predicted with nothing fitted to a step time, each with the window its
 # ratio (predicted / published time per token) falls in as the model stands: named, not tuned.
-# Outside the 15 % of the issue: Kimi K3 at B = 1 (the model's release is 21 % slow) and the
-# second model at every batch (16-22 % fast: its ring hides most of the four collectives its
-# report measures exposed, ~14 us of its ~55 us layer; the model leaves ~6 us exposed).
+# Outside the 10 % of the issue: Kimi K3 at B = 1 and 2 (the model's release is 22 % and 12 %
+# slow) and both speculative points (14 % and 15 % slow); the second model is 8 % fast at every
+# batch (its report's collectives, padded to 8 rows, the experts' sum one row per (row, expert)).
 RATIO_WINDOWS = {
     "Kimi K3 B=1": (1.18, 1.25), "Kimi K3 B=2": (1.08, 1.15), "Kimi K3 B=4": (0.90, 0.96),
-    "Kimi K3 B=8": (1.00, 1.06), "816B-A42B B=1 (8 cores)": (0.81, 0.86),
-    "816B-A42B B=2 (8 cores)": (0.80, 0.85), "816B-A42B B=4 (8 cores)": (0.78, 0.83),
-    "816B-A42B B=8 (8 cores)": (0.76, 0.81), "speculative a=3 (k=7)": (1.08, 1.15),
+    "Kimi K3 B=8": (1.00, 1.06), "816B-A42B B=1 (8 cores)": (0.90, 0.95),
+    "816B-A42B B=2 (8 cores)": (0.89, 0.95), "816B-A42B B=4 (8 cores)": (0.89, 0.94),
+    "816B-A42B B=8 (8 cores)": (0.89, 0.95), "speculative a=3 (k=7)": (1.08, 1.15),
     "speculative a=6 (k=7)": (1.09, 1.16)}
 
 
@@ -349,19 +349,31 @@ def test_validation_against_every_published_point():
 
 
 def test_the_second_model_from_its_report():
-    """Its program carries the bytes its report gives (7.02 GB per step per core) and its four
-    collectives price to its measured ~14 us per layer; its layers come out under the measured
-    ~55 us because the model's ring hides most of them (named above)."""
+    """Its program carries the bytes its report gives (7.02 GB per step per core); each of its
+    collectives, priced alone, against the report's measurement of it (the all-gathers are not
+    points of the collective fit); its payloads grow with the batch, its bytes do not."""
     m = calibration.SECOND_MODEL
     blocks, (ops,) = second_model.programs(1)
     fetched = sum(op[1] * op[2] for op in ops if op[0] == "fetch")
     assert (sum(blocks) + fetched) == pytest.approx(7.02e9, rel=0.01)
     out = calibration.second_model()
     print(json.dumps({k: v for k, v in out.items() if k != "source"}, indent=1))
-    assert 12 < out["collectives_per_layer_us"] < 16
+    # modelled / measured, as the model stands: the one-shot gathers price 23 % and 10 % fast
+    windows = {"o_proj": (0.93, 0.99), "experts": (0.99, 1.05), "pre": (0.74, 0.80),
+               "post": (0.87, 0.93)}
+    for name, batch, measured_us in m["measured_collectives_us"]:
+        modelled = calibration.second_model(batch)["collective_us"][name]
+        print(f"{name} at B={batch}: modelled {modelled:.2f} us, measured {measured_us} us")
+        assert windows[name][0] < modelled / measured_us < windows[name][1], name
+    # the layer loses less than the four collectives take: the ring streams while they run
+    assert out["collectives_exposed_per_layer_us"] < out["collectives_per_layer_us"]
     assert out["per_layer_us"] < m["per_layer_us"] and out["fixed_us"] > 150
-    grows = [calibration.second_model(b)["predicted_ms"] for b in calibration.BATCHES]
+    steps = [calibration.second_model(b) for b in calibration.BATCHES]
+    grows = [s["predicted_ms"] for s in steps]
     assert grows == sorted(grows)  # its collectives' payloads grow with the batch, not its bytes
+    # below 8 rows the padded o-proj all-reduce and gathers cost the same at every batch
+    assert len({round(s["collective_us"]["o_proj"], 9) for s in steps}) == 1
+    assert second_model.payload_rows(1) == 8 and second_model.payload_rows(64) == 64
 
 
 @pytest.mark.slow

@@ -12,15 +12,22 @@ stands for every core), per layer:
              boundaries): q, kv, gate, o (16 + 4 + 16 + 16 MiB), pre (8), the router as a bf16
              hi/lo pair (8), post (8): its dims (d 8192, 128 query / 16 KV heads of 64, 4096-wide
              experts) split eight ways
-  o-proj     all-reduce of [B, 8192] bf16 partial sums: reduce-scatter + all-gather
-  pre        all-gather of [B, 512] per core
+  o-proj     all-reduce of [8, 8192] bf16 partial sums: reduce-scatter + all-gather
+  pre        all-gather of [8, 512] per core
   experts    the batch's 8 distinct experts (3.19 MiB of int4 per core each), 4 slots issued right
-             after routing, ahead of the ring's deferred refills ("refills issued during the router
-             phase are deferred behind the first expert slabs"); its int4 dots measured DMA-bound
-             at ~1.3 us per expert, so the MXU takes them at least at the fp8 rate
-  experts'   all-reduce of [B, 4096] bf16 partial sums (reduce-scatter + all-gather; at B = 8 a
-  sum        chip-hierarchical variant, priced here as the same reduce-scatter + all-gather)
-  post       all-gather of [B, 1024] per core
+             after routing; up to B = 4 ahead of the ring's deferred refills ("refills issued
+             during the router phase are deferred behind the first expert slabs"), at B = 8
+             behind them (its kernel defers only at B <= 4); its int4 dots measured DMA-bound at
+             ~1.3 us per expert, so the MXU takes them at least at the fp8 rate
+  experts'   all-reduce of [K B, 4096] bf16 partial sums, one row per (row, expert) pair: the
+  sum        routing weights are applied after the sum (reduce-scatter + all-gather; at B = 8 a
+             chip-hierarchical variant, priced here as the same reduce-scatter + all-gather: its
+             report measures the two 13.5 and 14.5 us on [64, 4096])
+  post       all-gather of [8, 1024] per core
+
+Every collective's rows are padded to 8 (the MXU's row block), so below 8 rows a payload does not
+shrink with the batch: the report's own measured all-reduces name "[8, 8192] (B=1 o-proj)" and
+"[64, 4096] (B=8 experts)" (docs/collectives.md §2).
   KV         512 B per token per layer per core, the benchmark's rows at positions 151..279
 
 then the LM head's 400 MiB through the ring, and ~70 us per step of dispatch, XLA glue, barrier
@@ -35,7 +42,7 @@ from typing import Any
 
 from mkresearch.hardware import interconnect as links
 from mkresearch.prediction import program
-from mkresearch.prediction.timeline import FIRST
+from mkresearch.prediction.timeline import FIRST, QUEUED
 from mkresearch.prediction.timeline_chip import TimelineChip, timeline_chip
 from mkresearch.prediction.timeline_ranks import simulate_programs
 
@@ -51,11 +58,25 @@ SECOND_MODEL = {
     "bank_bytes": 2 * MIB, "banks": 12, "expert_slots": 4, "experts": 8,
     "expert_bytes": 3.19 * MIB, "expert_weights": 4096 * 1024 + 512 * 4096,
     "lm_head_bytes": 400 * MIB, "outside_s": 70e-6, "kv_bytes_per_token": 512,
+    # collectives' payloads: rows padded to a multiple of 8; the experts' sum is [top_k B, 4096]
+    "payload_rows": 8, "top_k": 8, "expert_width": 4096, "gather_widths": (512, 1024),
+    "defer_up_to_batch": 4,
+    # each collective alone, measured by its report (bf16 wire; docs/collectives.md §2):
+    # (name in the program, batch, us); the two all-reduces are points of the collective fit,
+    # the two all-gathers are not
+    "measured_collectives_us": (("o_proj", 1, 7.28), ("experts", 8, 14.45), ("pre", 1, 3.67),
+                                ("post", 1, 3.87)),
     "positions": (151, 279),
     "source": "the release's report (docs/collectives.md §2): int4 container, bf16 "
               "dense, identical rows; 7.02 GB per step per core, ~55 us per layer + ~195 us "
               "fixed at B = 1, its four collectives ~14 us per layer",
 }
+
+
+def payload_rows(rows: int) -> int:
+    """A collective's rows as its kernel sends them: padded to a multiple of 8."""
+    block = SECOND_MODEL["payload_rows"]
+    return -(-rows // block) * block
 
 
 def programs(batch: int, n_layers: int | None = None) -> tuple[list[int], list[list]]:
@@ -76,20 +97,24 @@ def programs(batch: int, n_layers: int | None = None) -> tuple[list[int], list[l
     # its int4 experts at the fp8 rate, one MXU row per batch row (its report gives no spread)
     mix = ((1.0, m["expert_weights"] / m["expert_bytes"], True, 1),)
 
-    def collective(name: str, op: str, nbytes: float, algorithm: str) -> None:
-        prog.collective(name, op, (0,), nbytes, everyone, algorithm=algorithm)
+    def collective(name: str, op: str, rows: int, width: int, algorithm: str) -> None:
+        prog.collective(name, op, (0,), payload_rows(rows) * width * wire, everyone,
+                        algorithm=algorithm)
+
+    pre_width, post_width = m["gather_widths"]
+    expert_order = FIRST if batch <= m["defer_up_to_batch"] else QUEUED
 
     for _ in range(n_layers):
         prog.fetch(batch * tokens * m["kv_bytes_per_token"], 1, 1)  # the KV tiles
         prog.block(sum(len(loads(mib)) for mib in m["attention_mib"]))
-        collective("o_proj", "all_reduce", batch * m["d_model"] * wire, program.RS_AG)
+        collective("o_proj", "all_reduce", batch, m["d_model"], program.RS_AG)
         prog.block(len(loads(m["pre_mib"])))
-        collective("pre", "all_gather", batch * 512 * wire, program.ONE_SHOT)
+        collective("pre", "all_gather", batch, pre_width, program.ONE_SHOT)
         prog.block(len(loads(m["router_mib"])))
-        prog.fetch(m["expert_bytes"], m["experts"], m["expert_slots"], mix, FIRST)
-        collective("experts", "all_reduce", batch * 4096 * wire, program.RS_AG)
+        prog.fetch(m["expert_bytes"], m["experts"], m["expert_slots"], mix, expert_order)
+        collective("experts", "all_reduce", m["top_k"] * batch, m["expert_width"], program.RS_AG)
         prog.block(len(loads(m["post_mib"])))
-        collective("post", "all_gather", batch * 1024 * wire, program.ONE_SHOT)
+        collective("post", "all_gather", batch, post_width, program.ONE_SHOT)
     prog.block(len(head))
     return prog.blocks, [prog.ops]
 
