@@ -14,9 +14,10 @@ near-tie cannot derail the steps after it), and is checked against two reference
   kernels' (DEVELOPERS.md), so most row-steps match to the bit; what remains is XLA:CPU's own
   dot order (a [B, K] @ [K, N] product sums a row in another order than a [1, K] one), which
   flips a bf16 rounding now and then;
-* the stage kernels run one pallas_call each (`reference.decode_step_unchecked` with its sublayers swapped
-  for the kernel twins): the megakernel composes the very same bodies, so its tokens must be
-  IDENTICAL and its logits within COMPOSE_TOL (LM-head tiles accumulate in another order).
+* the stage kernels run one pallas_call each (`reference.RESIDUAL_STEPS[cfg.residual]` with the
+  kernels as its `sublayers`, `staged_step`): the megakernel composes the very same bodies, so
+  its tokens must be IDENTICAL and its logits within COMPOSE_TOL (LM-head tiles accumulate in
+  another order).
 """
 
 import contextlib

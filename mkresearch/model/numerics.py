@@ -371,11 +371,11 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     and values [B, K, S, n] or [B, S, n] (shared by the heads): the cache. With K heads of values
     (K divides H: K = H one per head, fewer for GQA's K/V heads) query heads kG..kG+G−1 read
     values head k, G = H/K of them in one [G, T] × [T, n] product per tile, the kernels' form (the
-    values repeated per query head sum in another order when XLA compiles at level 0). The order is the one a
-    decode kernel can stream: the new token seeds the running state (m = its score, norm = 1, acc = its value),
-    then the cached slots 0..p−1 come `tile` at a time, each tile rescaling the state by
-    e^(m_old − m_new). A tile past p changes nothing (exactly: correction 1, weights 0), so every
-    row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
+    values repeated per query head sum in another order when XLA compiles at level 0). The order
+    is the one a decode kernel can stream: the new token seeds the running state (m = its score,
+    norm = 1, acc = its value), then the cached slots 0..p−1 come `tile` at a time, each tile
+    rescaling the state by e^(m_old − m_new). A tile past p changes nothing (exactly: correction
+    1, weights 0), so every row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
     """
     B, H, S = scores.shape
     slots = jnp.arange(tile)
