@@ -68,7 +68,11 @@ SIBLING_MEASURED = ((256 * KIB, 101e9), (16 * MIB, 610e9))
 # + all-gather, measured: (payload bytes, seconds); [8, 8192] and [64, 4096] in bf16 and f32
 COLLECTIVE_MEASURED = ((8 * 8192 * 2, 7.3 * US), (8 * 8192 * 4, 9.4 * US),
                        (64 * 4096 * 2, 14.5 * US), (64 * 4096 * 4, 25.4 * US))
+COLLECTIVE_MEASURED_BF16 = COLLECTIVE_MEASURED[0::2]  # bf16 on the wire, as the release sends
 COLLECTIVE_MEASURED_ON = "tpu7x:2x2x1"
+# docs/collectives.md §2: the same release's one-shot all-gathers of bf16 on those 8 cores,
+# [8, 512] and [8, 1024], measured; not in the fit (the second model's validation checks them)
+GATHER_MEASURED = ((8 * 512 * 2, 3.67 * US), (8 * 1024 * 2, 3.87 * US))
 ICI_PER_CORE = 45e9  # docs/collectives.md: one cross-chip link, per core per direction, measured
 INJECTION_MEASURED = 134e9  # docs/collectives.md: three links together, one core, measured
 HOP_LATENCY = 0.5 * US  # docs/collectives.md: "~0.5-1 us per hop is the usual estimate": ASSUMPTION

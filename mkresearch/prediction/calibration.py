@@ -141,8 +141,27 @@ def second_model(batch: int = 1, *, model: Model = Model()) -> dict:
             "collectives_per_layer_us": sum(run.end - run.start for run in first_layer) * 1e6,
             "collectives_exposed_per_layer_us": exposed / m["n_layers"] * 1e6,
             "published_collectives_per_layer_us": m["collectives_per_layer_us"],
-            "collective_us": {run.name: (run.end - run.start) * 1e6 for run in first_layer},
+            "collectives": [{"name": run.name, "op": run.op, "nbytes": run.nbytes,
+                             "us": (run.end - run.start) * 1e6} for run in first_layer],
             "parts_ms": {k: _ms(parts[k]) for k in PARTS}, "source": m["source"]}
+
+
+def second_model_collectives(model: Model = Model()) -> list[dict]:
+    """Each of the second model's collectives whose payload its report measured alone, bf16 on
+    its 8 cores (`links.COLLECTIVE_MEASURED_BF16`, points of the collective fit, and
+    `links.GATHER_MEASURED`, not), modelled against measured, at the first batch that sends it."""
+    measured = {("all_reduce", n): (s, True) for n, s in links.COLLECTIVE_MEASURED_BF16}
+    measured |= {("all_gather", n): (s, False) for n, s in links.GATHER_MEASURED}
+    rows: dict[tuple, dict] = {}
+    for batch in BATCHES:
+        for c in second_model(batch, model=model)["collectives"]:
+            key = (c["op"], c["nbytes"])
+            if key in measured and key not in rows:
+                seconds, fitted = measured[key]
+                rows[key] = {"name": c["name"], "op": c["op"], "batch": batch,
+                             "nbytes": c["nbytes"], "modelled_us": c["us"],
+                             "measured_us": seconds * 1e6, "in_fit": fitted}
+    return list(rows.values())
 
 
 def validation(model: Model = Model(), cfg: ModelConfig | None = None) -> list[dict]:

@@ -61,11 +61,7 @@ SECOND_MODEL = {
     # collectives' payloads: rows padded to a multiple of 8; the experts' sum is [top_k B, 4096]
     "payload_rows": 8, "top_k": 8, "expert_width": 4096, "gather_widths": (512, 1024),
     "defer_up_to_batch": 4,
-    # each collective alone, measured by its report (bf16 wire; docs/collectives.md §2):
-    # (name in the program, batch, us); the two all-reduces are points of the collective fit,
-    # the two all-gathers are not
-    "measured_collectives_us": (("o_proj", 1, 7.28), ("experts", 8, 14.45), ("pre", 1, 3.67),
-                                ("post", 1, 3.87)),
+
     "positions": (151, 279),
     "source": "the release's report (docs/collectives.md §2): int4 container, bf16 "
               "dense, identical rows; 7.02 GB per step per core, ~55 us per layer + ~195 us "
