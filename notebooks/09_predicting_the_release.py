@@ -117,7 +117,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # published or a named assumption.
 #
 # 1. the slice, its links, and what a collective costs;
-# 2. validation: the seven published points, predicted out of sample;
+# 2. validation: the ten published points, predicted out of sample;
 # 3. how far each prediction moves with every assumption (x0.5, x2) and with the fit;
 # 4. our layout and schedule on the same hardware;
 # 5. an explorer: batch, ranks, layout, schedule, link bandwidth and latency.
@@ -205,12 +205,13 @@ assert by[1, "two-level"] < by[1, "one-shot"] < by[1, "ring"] and by[8, "rs-ag"]
 
 # %% [markdown]
 # At B = 1 a collective is latency: two phases of ≈ 2.2 µs plus a hop or two. The release
-# overlaps only what its source says it overlaps (the latent all-gather behind routing, the
-# shared expert's sum behind the routed experts' stream); its own open items say the others are
-# exposed, so its weight ring does not run past a blocking collective
-# (`RELEASE_SCHEDULE.prefetch_across`).
+# overlaps what its source overlaps: the latent all-gather behind routing, the shared expert's
+# sum behind the routed experts' stream, and its weight reads wherever its kernel issued them
+# before a wait (W_o a layer ahead, the next router a layer ahead, the experts' first reads
+# inside top-k, W_lu beside the routed sum: `program.release_collectives`); the attention's
+# output collectives stop its stream but for that router.
 #
-# ## 2 · Validation: the seven published points, out of sample
+# ## 2 · Validation: the ten published points, out of sample
 #
 # The release's program (`scale_out.RELEASE_SCHEDULE`): its layout's bytes per rank (docs/kimi-k3.md §9,
 # EP 8 × ETP 4), 12 × 2 MiB weight banks and 4 expert slots (published for its second model,
@@ -229,13 +230,14 @@ TableView([{"point": r["point"], "published": f"{r['published']:.2f} {r['unit']}
 # Nothing here is fitted to a step time, so the points the model misses stay missed, printed by
 # the checks below as the model gives them (`tests/test_scale_out.py` pins the window of each
 # ratio; `mkresearch predict kimi-k3 --validate` prints the same table). Two misses are worth
-# naming. **Kimi K3**: the model's step grows less from B = 2 to B = 4 than the published one,
-# and its B = 1 is slower than published: a batch-dependent cost of the release's is not in the
-# model. docs/prediction.md §4 lists what the model does grow with the batch, the rows' own
-# work among it (`prediction.row_work`: the residual mixes, the delta rule, softmax, top-k,
-# counted from the shapes): under a microsecond per row per step, against about 0.46 ms per row
-# that the published steps add from B = 1 to 4. What is left is no vector unit's throughput of
-# that work, and no public figure prices a latency per row, so nothing is fitted. **The second
+# naming. **Kimi K3 at B = 4**: the model's step grows less from B = 2 to B = 4 than the
+# published one: a batch-dependent cost of the release's is not in the model. docs/prediction.md
+# §4 lists what the model does grow with the batch, the rows' own work among it
+# (`prediction.row_work`: the residual mixes, the delta rule, softmax, top-k, counted from the
+# shapes): under a microsecond per row per step, against about 0.5 ms per row that the
+# published steps add from B = 1 to 4 beyond the model's. What is left is no vector unit's
+# throughput of that work, and no public figure prices a latency per row, so nothing is fitted.
+# **The second
 # model** comes out 8 % faster than its report at every batch, each collective sent as its kernel
 # sends it: rows padded to 8 (the MXU's row block), and the experts' sum one row per (row,
 # expert) pair, [8 B, 4096], because the routing weights are applied after it. That sum is what
@@ -426,9 +428,11 @@ assert designs_b1[-1]["design"] == "the release (modelled)" and designs_b1[-1]["
 #
 # One rank per expert-parallel group (ranks of a group run the same program), the first 200 µs
 # of the modelled step: blue (upper half of a row) where HBM moves weights, orange where a rank
-# waits for its slowest peer, red where collective messages fly. The release's ring stops at a
-# blocking collective, so HBM idles under most red; blue over red is a collective started early
-# (the shared expert's sum, waited after the routed experts' stream). Change the batch, the
+# waits for its slowest peer, red where collective messages fly. The release's ring stops at the
+# attention's output collectives but for the next router, so HBM idles under most of their red;
+# blue over red is a collective its stream runs past (the router swap, the routed sum beside
+# W_lu's read) or one started early (the shared expert's sum, waited after the routed experts'
+# stream). Change the batch, the
 # ranks, the layout, the schedule, or the link bandwidth and phase latency in the column on the
 # left and the figure beside it redraws from the model.
 

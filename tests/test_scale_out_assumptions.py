@@ -46,9 +46,49 @@ def test_a_collective_holds_the_ring_where_its_program_says():
     assert steps[False, None] == steps[False, False] == steps[True, False] > steps[True, None]
 
 
-def test_the_release_streams_past_its_ffn_not_its_attention():
-    """The release's program (its kernel's `after_experts` prefetch): the MoE's output
-    collectives and the router swap let the stream run on; the attention's do not."""
+def test_a_held_collective_still_moves_the_blocks_issued_ahead_of_it():
+    """`ahead` k: a collective that holds the ring still lets its next k blocks move while it is
+    waited (its kernel issued them earlier); all of them is the same as streaming past it."""
+    inter = links.interconnect("tpu7x", slice="tpu7x:2x2x1")
+    blocks = [2 * MIB] * 40
+    start = ("start", "sum", "all_reduce", (0,), tuple(range(8)), 2**16, True, "rs-ag")
+    steps = {}
+    for ahead in (0, 1, 3, 40):
+        ops = [("blocks", 20), start + (False, ahead), ("blocks", 20)]
+        steps[ahead] = simulate_programs([ops], blocks, 4, 1, (0,), inter, "auto").total_s
+    streaming = simulate_programs([[("blocks", 20), start + (True,), ("blocks", 20)]], blocks, 4,
+                                  1, (0,), inter, "auto").total_s
+    assert steps[0] > steps[1] > steps[3] and steps[40] == streaming
+
+
+@pytest.mark.parametrize("order", tl.FETCH_ORDERS)
+def test_a_prefetch_issues_the_fetch_where_it_stands(order):
+    """("prefetch",) issues the next fetch's first DMAs (its slots) at its point: the fetch,
+    after other work, finds them landed; the same bytes move."""
+    chip = timeline_chip("tpu7x")
+    blocks = [2 * MIB] * 40
+    fetch = ("fetch", 4 * MIB, 3, 2, (), order)
+    totals = {}
+    for early in (False, True):
+        ops = [("blocks", 5), *([("prefetch",)] if early else []), ("compute", 1e9),
+               ("blocks", 2), fetch, ("blocks", 5)]
+        sim = tl.RankSimulation(ops, chip, blocks=blocks, banks=4, batch=1)
+        for _ in sim.run():
+            pass
+        totals[early] = (sim.t, sim.dma_bytes)
+    assert totals[True][0] < totals[False][0] and totals[True][1] == totals[False][1]
+    with pytest.raises(ValueError, match="a prefetch with no fetch after it"):
+        for _ in tl.RankSimulation([("blocks", 1), ("prefetch",)], chip, blocks=blocks,
+                                   banks=4, batch=1).run():
+            pass
+
+
+def test_the_release_streams_as_its_kernel_issues_its_weights():
+    """The release's program from its kernel (kimi/decode_megakernel.py, docs/prediction.md §4):
+    W_o is prefetched, so the attended features' swap lets the stream run; the attention's output
+    collectives hold it but for the next MoE's router, issued a layer ahead (`after_experts`);
+    the routed experts' first reads are issued right after routing, inside top-k; W_lu's read
+    runs beside the routed sum, waited before W_lu; the MoE's other collectives stream."""
     cfg = get_config("kimi-k3")
     lay = layouts.layout(cfg, 32, layouts.RELEASE)
     stage = scale_out._stage_bytes(lay, scale_out.rank_bytes(lay, scale_out.RELEASE_SCHEDULE, 1,
@@ -59,6 +99,21 @@ def test_the_release_streams_past_its_ffn_not_its_attention():
         ours = program.release_collectives(lay, kind, actions, 0, 1, routed)
         blocking = [c for c in ours if c.issue_after == f"{kind} end"]
         assert blocking and all(c.streams is streams for c in blocking), kind
+        by_name = {c.name: c for c in ours}
+        if not routed:
+            assert by_name[f"{kind}/features"].streams
+            ahead = program.release_router_ahead(ours, 7)
+            assert [c.ahead for c in ahead] == [0 if c.streams else 7 for c in ours]
+            assert program.release_experts_issued_after(actions) is None
+        else:
+            routed_sum = by_name["moe_sum"]
+            assert routed_sum.issue_after == program.EXPERTS and routed_sum.streams
+            assert routed_sum.wait_before.endswith("w_lu")
+            assert program.release_experts_issued_after(actions).endswith("w_router")
+    one = scale_out.predict(cfg, 32, layouts.RELEASE, 1, context=512)
+    # its kernel's count at B = 1: 93 attention stages x 3, 92 MoE x 5, the dense FFN's sum, the
+    # embedding's and sampling's
+    assert one["collectives_per_rank"] == 93 * 3 + 92 * 5 + 3 == 742
     ours = program.our_collectives(scale_out.sharding.sharding_plan(
         layouts.layout(cfg, 32, collectives="partial-sum")), 0, None)
     assert all(c.streams for stage in ours[1].values() for c in stage)  # one global ring

@@ -49,9 +49,9 @@ def test_release_rows_beside_the_published_350_and_709():
     assert [(r["acceptance"], r["verify_rows"], r["published_tok_s"]) for r in rows] == [
         (3, 8, 350), (6, 8, 709)]
     # out of sample (nothing fitted to a step time): the release's 8-row verify step of one
-    # sequence and its DSpark draft pass, tok/s 12-15 % under the published (test_scale_out's
+    # sequence and its DSpark draft pass, tok/s within 1 % of the published (test_scale_out's
     # RATIO_WINDOWS name it)
-    assert all(0.85 < r["ratio"] < 0.9 for r in rows)
+    assert all(0.98 < r["ratio"] < 1.02 for r in rows)
     plain_b8 = scale_out.predict(cfg, 32, layouts.RELEASE, 8)
     one_sequence = scale_out.predict(cfg, 32, layouts.RELEASE, 8, sequences=1)
     assert rows[0]["verify_step_s"] == one_sequence["step_s"] < plain_b8["step_s"]

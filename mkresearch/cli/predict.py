@@ -9,7 +9,7 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
 PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
-the rows' own work (`prediction.row_work`) and each side's bytes per rank; --validate prints the seven published points beside
+the rows' own work (`prediction.row_work`) and each side's bytes per rank; --validate prints the ten published points beside
 the predictions, the collective fit's leave-one-out and the sensitivity of each prediction to
 every assumption (x0.5, x2); --profile prints the seconds one prediction takes (a benchmark, not
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step

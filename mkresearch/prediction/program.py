@@ -12,11 +12,13 @@ A program is a list of ops over a shared list of weight blocks (`Program`):
   ("write", nbytes)                   a write back to HBM, waited at the end of the step
   ("compute", flops)                  element-wise work on the rows (`row_work`), at the chip's
                                       vector rate
-  ("start", name, op, group, path, nbytes, blocking, algorithm, streams)
+  ("prefetch",)                       the next fetch's first DMAs issued here, waited there
+  ("start", name, op, group, path, nbytes, blocking, algorithm, streams, ahead)
                                       a collective among the stand-in ranks `group`, priced over
                                       `path`; blocking: the rank waits for it here; streams: the
                                       weight ring runs ahead past it meanwhile (the kernel has
-                                      issued the weights after it before waiting)
+                                      issued the weights after it before waiting); where it does
+                                      not, its next `ahead` blocks still move (issued earlier)
   ("wait", name)                      wait for the last collective started under that name
 
 A stage is a sequence of actions (its streamed matrices in the order the rank streams them, and
@@ -83,6 +85,10 @@ class Program:
         else:
             self.ops.append(("blocks", count))
 
+    def prefetch(self) -> None:
+        """The next fetch's first DMAs issued here (it waits for them where it is)."""
+        self.ops.append(("prefetch",))
+
     def fetch(self, nbytes: float, count: int, slots: int, mix: tuple = (),
               order: str = "queued") -> None:
         if count:
@@ -98,9 +104,9 @@ class Program:
 
     def collective(self, name: str, op: str, group: tuple[int, ...], nbytes: float,
                    path: tuple[int, ...] = (), *, blocking: bool = True,
-                   algorithm: str | None = None, streams: bool = True) -> None:
+                   algorithm: str | None = None, streams: bool = True, ahead: int = 0) -> None:
         self.ops.append(("start", name, op, tuple(group), tuple(path), nbytes, blocking,
-                         algorithm, streams))
+                         algorithm, streams, ahead))
 
     def wait(self, name: str) -> None:
         self.ops.append(("wait", name))
@@ -133,6 +139,7 @@ class Collective:
     # the weight stream runs ahead past it while it is waited for: the kernel has issued the
     # weights that follow it before waiting (`timeline.RankSimulation`: the ring's horizon)
     streams: bool = True
+    ahead: int = 0  # where it does not: the ring's blocks after it issued anyway (earlier)
 
 
 def from_op(op: CollectiveOp) -> Collective:
@@ -179,10 +186,12 @@ def _issue_and_wait(c: Collective, kind: str, names: list[str]) -> tuple[int, in
 def place(prog: Program, kind: str, actions: list[tuple[str, float]], collectives, *,
           group_of: Callable[[tuple[int, ...]], tuple[int, ...]],
           blocks: Callable[[float], None], experts: Callable[[], None],
-          before: Callable[[str], None] | None = None) -> None:
+          before: Callable[[str], None] | None = None,
+          experts_issued: tuple[str, Callable[[], None]] | None = None) -> None:
     """Append one stage's program to `prog`: blocks per matrix, the experts' fetches at EXPERTS,
     and its `collectives` started and waited where they say; `before(name)` appends what runs
-    before each action (the rows' own work, `row_work`)."""
+    before each action (the rows' own work, `row_work`); `experts_issued` (action, prefetch):
+    the experts' first DMAs issued after that action and its collectives (`Program.prefetch`)."""
     names = [n for n, _ in actions]
     starts: dict[int, list] = {}
     waits: dict[int, list] = {}
@@ -194,6 +203,7 @@ def place(prog: Program, kind: str, actions: list[tuple[str, float]], collective
             starts.setdefault(issue, []).append((c, name, blocking))
             if not blocking:
                 waits.setdefault(max(wait, issue + 1), []).append(name)
+    issue_at = names.index(experts_issued[0]) if experts_issued else None
     for i in range(-1, len(actions) + 1):
         for name in waits.get(i, ()):
             prog.wait(name)
@@ -204,6 +214,8 @@ def place(prog: Program, kind: str, actions: list[tuple[str, float]], collective
             experts() if matrix == EXPERTS else blocks(nbytes)
         for c, name, blocking in starts.get(i, ()):
             start(prog, c, name, group_of, blocking=blocking)
+        if i == issue_at:
+            experts_issued[1]()
 
 
 def start(prog: Program, c: Collective, name: str, group_of, *, blocking: bool = True) -> None:
@@ -211,7 +223,7 @@ def start(prog: Program, c: Collective, name: str, group_of, *, blocking: bool =
     whole path by its algorithm."""
     group = group_of(c.path) if c.group is None else c.group
     prog.collective(name, c.op, group, c.nbytes, c.path, blocking=blocking,
-                    algorithm=c.algorithm, streams=c.streams)
+                    algorithm=c.algorithm, streams=c.streams, ahead=c.ahead)
 
 
 # ---- the routed experts on the MXU ---------------------------------------------------------------
@@ -322,6 +334,25 @@ def release_actions(matrices, routed: bool, partial_sums: bool = True
     return out
 
 
+def release_experts_issued_after(actions) -> str | None:
+    """The action after which the release issues its routed experts' first DMAs: its router's
+    (they start inside top-k, right after the scores' swap, each local winner's copy as it is
+    picked: `_route_hidden_states` calls `on_local_selection`; waited where the experts are
+    computed, after the shared expert)."""
+    names = [m for m, _ in actions]
+    return next((m for m in names if m.endswith("w_router")), None) if EXPERTS in names \
+        else None
+
+
+def release_router_ahead(collectives, router_blocks: int) -> tuple[Collective, ...]:
+    """An attention stage's collectives before a MoE layer: the release issues that layer's
+    router a layer ahead (`after_experts` issues the next layer's router with its attention
+    projections), so the ring still moves the router's `router_blocks` blocks while the
+    attention's output collectives hold it."""
+    return tuple(c if c.streams else dataclasses.replace(c, ahead=router_blocks)
+                 for c in collectives)
+
+
 def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batch: int,
                         routed: bool) -> tuple[Collective, ...]:
     """The release's collectives of one stage, each sent as its kernel sends it
@@ -346,14 +377,16 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
                  TOKEN_SCATTER_BATCH: each peer is sent only the rows its pair owns)
       dense FFN  its [B, d] sum, a host's one-shot then the hosts'
 
-    Where its weight stream runs past a collective (`Collective.streams`): right after a MoE
-    layer's (or the dense FFN's) routed experts it issues the next layer's norms, attention
-    projections, KDA state and router (`after_experts`), and W_lu's copy before its routed
-    reduction, so its stream runs past the FFN's output collectives; W_ld and the shared expert's
-    matrices are issued when the MoE starts, before routing, so they stream while the router
-    scores are swapped; nothing of the MoE is issued before the attention's output collectives
-    are done (W_o is prefetched with the layer's projections), so the stream does not run past
-    those."""
+    How its weights move around them (its kernel: whole matrices issued at fixed points; written
+    here as the ring's order and horizon): W_o is prefetched with the layer's projections, so the
+    attended features' swap lets the stream run (`Collective.streams`); the attention's output
+    collectives hold it but for the next MoE's router, issued a layer ahead in `after_experts`
+    (`release_router_ahead`: `Collective.ahead`); W_ld and the shared expert are issued when the
+    MoE starts, so they stream while the router scores are swapped; the routed experts' first
+    reads are issued right after routing, inside top-k (`release_experts_issued_after`), waited
+    after the shared expert; W_lu's read is issued before the routed sum, which is waited before
+    W_lu's product, and the next layer's weights right after the experts (`after_experts`), so
+    the stream runs past the MoE's output collectives."""
     groups = _release_groups(lay.n_ranks, rank)
     names = [m for m, _ in actions]
     first = names[0] if names else f"{kind} end"
@@ -364,7 +397,7 @@ def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batc
                                       _owned(batch) * lay.cfg.d_model * PARTIAL_SUM_BYTES,
                                       f"{kind} start", first))
     out += _release_stream_collectives(lay, kind, actions, groups, batch, routed)
-    out += _release_output_collectives(lay, kind, groups, batch, routed)
+    out += _release_output_collectives(lay, kind, names, groups, batch, routed)
     return tuple(out)
 
 
@@ -392,12 +425,12 @@ def _release_reduction(batch: int) -> str:
 
 
 def _release_attention(kind: str, groups: dict, name: str, op: str, group: str, nbytes: float,
-                       issue: str, wait: str) -> Collective:
+                       issue: str, wait: str, streams: bool = False) -> Collective:
     """One of the attention's collectives among groups[group]: one-shot, the weight stream
-    stopped behind it; a pair's waits for no stand-in."""
+    stopped behind it unless `streams`; a pair's waits for no stand-in."""
     path = groups[group]
     return Collective(f"{kind}/{name}", op, path, nbytes, issue, wait, ONE_SHOT,
-                      group=groups["alone"] if len(path) == 2 else None, streams=False)
+                      group=groups["alone"] if len(path) == 2 else None, streams=streams)
 
 
 def _release_stream_collectives(lay: layouts.Layout, kind: str, actions, groups: dict,
@@ -411,7 +444,7 @@ def _release_stream_collectives(lay: layouts.Layout, kind: str, actions, groups:
         if spec.stage(kind).role == "attention" and matrix.endswith("w_o"):
             before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
             out.append(_release_attention(kind, groups, "features", "all_gather", "pair",
-                                          batch * nbytes / d, before, matrix))
+                                          batch * nbytes / d, before, matrix, streams=True))
         if matrix.endswith("w_router"):
             out.append(Collective("router/scores", "all_gather", groups["pair"],
                                   batch * sharding.lanes(cfg.n_experts // 2) * F32, matrix,
@@ -426,8 +459,8 @@ def _release_stream_collectives(lay: layouts.Layout, kind: str, actions, groups:
     return out
 
 
-def _release_output_collectives(lay: layouts.Layout, kind: str, groups: dict, batch: int,
-                                routed: bool) -> list[Collective]:
+def _release_output_collectives(lay: layouts.Layout, kind: str, names: list[str], groups: dict,
+                                batch: int, routed: bool) -> list[Collective]:
     """`release_collectives` at the stage's end: the attention's output (token-scattered from
     TOKEN_SCATTER_BATCH), the routed sum and W_lu's slices, or the dense FFN's sum."""
     cfg, d, wire, end = lay.cfg, lay.cfg.d_model, PARTIAL_SUM_BYTES, f"{kind} end"
@@ -446,8 +479,10 @@ def _release_output_collectives(lay: layouts.Layout, kind: str, groups: dict, ba
                                    batch * d // 2 * wire, end, end)]
     if routed:
         rows = owned if batch >= TOKEN_SCATTER_BATCH else batch
+        w_lu = next(m for m in names if m.endswith("w_lu"))
+        before_lu = names[names.index(w_lu) - 1]
         return [Collective(f"{kind}_sum", "all_reduce", everyone, batch * cfg.moe_latent * wire,
-                           end, end, _release_reduction(batch)),
+                           before_lu, w_lu, _release_reduction(batch)),
                 Collective(f"{kind}/output", "all_gather", groups["host"],
                            rows * RELEASE_LU_COLUMNS * wire, end, end, ONE_SHOT)]
     return [Collective(f"{kind}_sum", "all_reduce", everyone, batch * d * wire, end, end,

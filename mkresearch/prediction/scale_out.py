@@ -17,9 +17,11 @@ stages are the schedule's:
                gathered before W_o, an all-reduce over the 16 cores of one parity, the halves
                swapped with the sibling; MoE: router scores swapped with the sibling, the latent
                all-gathered behind routing, the shared expert's sum started before the routed
-               experts and waited after them, then the routed sum; bf16 partial sums; two-level
-               all-reduces below B = 6, reduce-scatter + all-gather from it; the ring does not run
-               past a blocking collective (the release's own open items). ASSUMPTIONS: the layout's
+               experts and waited after them, then the routed sum beside W_lu's read; bf16
+               partial sums; two-level all-reduces below B = 6, reduce-scatter + all-gather from
+               it; its weights issued where its kernel issues them (the next router a layer
+               ahead, the experts' first reads inside top-k: `program.release_collectives`).
+               ASSUMPTIONS: the layout's
                router kept whole (the release splits its scores between siblings: docs/collectives.md §1), one routed and one
                shared reduction per MoE layer (docs/collectives.md §1: "about two reductions per layer")
   ours         (`our_schedule(cfg, collectives, n_ranks, batch)`: its ring as deep as VMEM
@@ -308,6 +310,11 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                                           step.sched.combine == "partial-sum")
         collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
                                                   count is not None)
+        if spec.stage(kind).role == "attention" and layer in step.cfg.moe_layers:
+            router = sum(nbytes for m, nbytes in step.stages[step.cfg.layers[layer][1]].matrices
+                         if m.endswith("w_router"))
+            collectives = program.release_router_ahead(
+                collectives, len(weight_blocks(router, step.sched.block_bytes)))
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
@@ -317,6 +324,11 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
             point = "experts" if matrix == program.EXPERTS else matrix.rsplit(".", 1)[-1]
             scratch.compute(step.batch * work.pop(point, 0.0))
 
+        def issue_experts() -> None:  # the release's first expert DMAs, issued inside top-k
+            if count:
+                scratch.prefetch()
+
+        early = None if ours is not None else program.release_experts_issued_after(actions)
         program.place(scratch, kind, actions, collectives, group_of=step.among,
                       blocks=lambda nbytes: scratch.block(
                           len(weight_blocks(nbytes, step.sched.block_bytes))),
@@ -324,7 +336,8 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
                           step.expert_bytes, count or 0, step.sched.expert_slots,
                           program.expert_mix(step.lay, step.sched.mxu_fp8,
                                              step.sched.name == "release", step.batch),
-                          step.sched.expert_order), before=before)
+                          step.sched.expert_order), before=before,
+                      experts_issued=(early, issue_experts) if early else None)
         scratch.compute(step.batch * sum(work.values()))  # a point the stage lacks: at its end
         built[key] = scratch.ops
     return built[key]

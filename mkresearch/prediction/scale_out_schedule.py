@@ -36,7 +36,8 @@ class Schedule:
     # blocks after it are issued once the rank is past it): None, as each collective of the
     # program says (`program.Collective.streams`: how that kernel issues its weights around it);
     # True / False, every collective alike (a what-if, the same for both sides). Collectives
-    # started early overlap either way.
+    # started early overlap either way, and blocks a kernel issued earlier still move
+    # (`program.Collective.ahead`, `Program.prefetch`).
     prefetch_across: bool | None = None
     all_reduce: str = "two-level"  # below RS_FROM_BATCH rows
     all_reduce_large: str = "two-level"  # from RS_FROM_BATCH rows
@@ -110,10 +111,12 @@ RELEASE_SCHEDULE = Schedule(
     source="docs/tpu.md: 12 x 2 MiB VMEM weight banks in flight and 4 expert DMA slots issued "
            "right after routing (PUBLISHED for the release's second model; ASSUMPTION: the same "
            "for Kimi K3); docs/collectives.md: one-shot collectives, two-level all-reduces of "
-           "bf16 partial sums, reduce-scatter + gather from B = 6, only the latent gather and the "
-           "shared expert's sum overlapped (its own open items: the o-proj reduction is not); "
-           "its stream runs past the MoE's output reductions and router swap, not past the "
-           "attention's output collectives (`program.release_collectives`)",
+           "bf16 partial sums, reduce-scatter + gather from B = 6, the latent gather and the "
+           "shared expert's sum overlapped; its kernel (kimi/decode_megakernel.py): its stream "
+           "runs past the MoE's collectives and the attended features' swap (W_o prefetched), "
+           "past the attention's output collectives only with the next router (issued a layer "
+           "ahead), its experts' first reads issued inside top-k, W_lu read beside the routed "
+           "sum (`program.release_collectives`)",
     all_reduce="two-level", all_reduce_large="rs-ag",
     gather_algorithm="one-shot", mxu_fp8=program.RELEASE_MXU_TAKES_FP8,
     expert_order=program.RELEASE_EXPERT_ORDER)

@@ -59,9 +59,11 @@ from mkresearch.prediction.timeline_whatif import (  # noqa: F401
 )
 
 IDLE_CAUSES = ("hbm_busy", "bubble")
-# a program's ("start", name, op, group, path, nbytes, blocking, algorithm, streams): the index of
-# `streams`, whether the weight ring keeps running ahead past this collective while it is waited
-STREAMS = 8  # why the compute unit is idle: see `Idle`
+# a program's ("start", name, op, group, path, nbytes, blocking, algorithm, streams, ahead): the
+# index of `streams`, whether the weight ring keeps running ahead past this collective while it is
+# waited, and of `ahead`, the ring's blocks after it issued anyway where it does not (the kernel
+# issued those earlier)
+STREAMS, AHEAD = 8, 9
 COMPUTE_LANE = "MXU/VPU"
 BF16_WEIGHTS_PER_BYTE = 0.5
 # How a fetch op's DMAs (the routed experts, issued once routing is known) meet the weight ring's
@@ -339,9 +341,12 @@ class RankSimulation:
       ("write", nbytes)               a write back to HBM, waited at the end of the step
       ("compute", flops)              element-wise work on the rows at `TimelineChip.vpu_flops`
                                       (`row_work`): the compute unit is busy, the ring streams on
-      ("start", name, op, group, path, nbytes, blocking[, algorithm[, streams]])
+      ("prefetch",)                   the next fetch's first DMAs (as many as its slots) issued
+                                      here, in its order; the fetch waits for them where it is
+      ("start", name, op, group, path, nbytes, blocking[, algorithm[, streams[, ahead]]])
                                       a collective; blocking: the rank waits for it here;
-                                      streams (default True): the ring runs ahead past it
+                                      streams (default True): the ring runs ahead past it; where
+                                      it does not, still its next `ahead` blocks (default 0)
       ("wait", name)                  wait for the last collective started under that name
 
     The ring's ops are its DMAs in closed form: one DMA engine, each DMA after the one before it
@@ -390,6 +395,7 @@ class RankSimulation:
         self.flops = 0.0
         self.writes: list[float] = []
         self.fetch_free = 0.0  # when the fetches' own DMA FIFO is free
+        self.prefetched: list[float] = []  # landings of the next fetch's DMAs issued ahead
         self.barriers, self.holding = self._barriers(ops, len(blocks), prefetch_across)
         self.prefetch_across = prefetch_across
         self.next_barrier = 0
@@ -410,7 +416,8 @@ class RankSimulation:
             if kind == "blocks":
                 at += op[1]
             elif (kind == "start" or kind == "fetch") and cls._holds_ring(op, prefetch_across):
-                out.append(at)
+                ahead = op[AHEAD] if kind == "start" and len(op) > AHEAD else 0
+                out.append(min(at + ahead, n_blocks))
                 holding.append(i)
         return out + [n_blocks], frozenset(holding)
 
@@ -447,6 +454,8 @@ class RankSimulation:
             kind = op[0]
             if kind == "blocks":
                 self._blocks(op[1])
+            elif kind == "prefetch":
+                self._prefetch(i)
             elif kind == "fetch":
                 self._fetch(*op[1:])
                 if i in self.holding:
@@ -585,9 +594,9 @@ class RankSimulation:
         matrices of one DMA as (fraction of its bytes, weights per byte, on the MXU as fp8, MXU
         rows per batch row) (default bf16); order: how its DMAs meet the ring's already issued
         (FETCH_ORDERS)."""
-        issue = self._dma if order in (QUEUED, HELD) and self.chip.n_dma_engines == 1 \
-            else functools.partial(self._fetch_dma, first=order == FIRST)
-        ends = [issue(nbytes) for _ in range(min(slots, count))]
+        issue = self._fetch_issuer(order)
+        ends = self.prefetched or [issue(nbytes) for _ in range(min(slots, count))]
+        self.prefetched = []
         duration = nbytes * (sum(share * self.chip.mxu_seconds_per_byte(self.batch * spread,
                                                                         weights, fp8)
                                  for share, weights, fp8, spread in mix)
@@ -605,6 +614,21 @@ class RankSimulation:
                 ends.append(issue(nbytes))
         self.t = t
         self.flops += self.batch * nbytes * count
+
+    def _fetch_issuer(self, order: str):
+        """How a fetch in `order` issues one DMA (returns when it lands)."""
+        return self._dma if order in (QUEUED, HELD) and self.chip.n_dma_engines == 1 \
+            else functools.partial(self._fetch_dma, first=order == FIRST)
+
+    def _prefetch(self, i: int) -> None:
+        """The first DMAs of the fetch after op i, issued now (`prefetched`: their landings)."""
+        fetch = next((op for op in self.ops[i + 1:] if isinstance(op, tuple)
+                      and op[0] == "fetch"), None)
+        if fetch is None:
+            raise ValueError(f"op {i}: a prefetch with no fetch after it")
+        nbytes, count, slots, *rest = fetch[1:]
+        issue = self._fetch_issuer(rest[1] if len(rest) > 1 else QUEUED)
+        self.prefetched = [issue(nbytes) for _ in range(min(slots, count))]
 
     def _compute(self, flops: float) -> None:
         """Element-wise work of `flops` on the vector unit, after whatever the rank did before."""
