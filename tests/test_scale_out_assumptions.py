@@ -102,7 +102,8 @@ def test_the_release_streams_as_its_kernel_issues_its_weights():
         by_name = {c.name: c for c in ours}
         if not routed:
             assert by_name[f"{kind}/features"].streams
-            ahead = program.release_router_ahead(ours, 7)
+            # the MoE's router, 12.85 MB per rank, is 7 blocks of 2 MiB
+            ahead = program.release_router_ahead(ours, stage["moe"].matrices, 2 * MIB)
             assert [c.ahead for c in ahead] == [0 if c.streams else 7 for c in ours]
             assert program.release_experts_issued_after(actions) is None
         else:

@@ -334,23 +334,27 @@ def release_actions(matrices, routed: bool, partial_sums: bool = True
     return out
 
 
+ROUTER_MATRIX = "w_router"  # the suffix of a MoE stage's router matrix
+
+
 def release_experts_issued_after(actions) -> str | None:
     """The action after which the release issues its routed experts' first DMAs: its router's
     (they start inside top-k, right after the scores' swap, each local winner's copy as it is
     picked: `_route_hidden_states` calls `on_local_selection`; waited where the experts are
     computed, after the shared expert)."""
     names = [m for m, _ in actions]
-    return next((m for m in names if m.endswith("w_router")), None) if EXPERTS in names \
+    return next((m for m in names if m.endswith(ROUTER_MATRIX)), None) if EXPERTS in names \
         else None
 
 
-def release_router_ahead(collectives, router_blocks: int) -> tuple[Collective, ...]:
-    """An attention stage's collectives before a MoE layer: the release issues that layer's
-    router a layer ahead (`after_experts` issues the next layer's router with its attention
-    projections), so the ring still moves the router's `router_blocks` blocks while the
-    attention's output collectives hold it."""
-    return tuple(c if c.streams else dataclasses.replace(c, ahead=router_blocks)
-                 for c in collectives)
+def release_router_ahead(collectives, moe_matrices, block_bytes: int) -> tuple[Collective, ...]:
+    """An attention stage's collectives before a MoE layer (its matrices `moe_matrices`): the
+    release issues that layer's router a layer ahead (`after_experts` issues the next layer's
+    router with its attention projections), so the ring still moves the router's blocks while
+    the attention's output collectives hold it."""
+    router = sum(nbytes for m, nbytes in moe_matrices if m.endswith(ROUTER_MATRIX))
+    ahead = len(weight_blocks(router, block_bytes))
+    return tuple(c if c.streams else dataclasses.replace(c, ahead=ahead) for c in collectives)
 
 
 def release_collectives(lay: layouts.Layout, kind: str, actions, rank: int, batch: int,
@@ -445,7 +449,7 @@ def _release_stream_collectives(lay: layouts.Layout, kind: str, actions, groups:
             before = names[i - 1] if i else f"{kind} start"  # W_o's rows on this rank, bf16
             out.append(_release_attention(kind, groups, "features", "all_gather", "pair",
                                           batch * nbytes / d, before, matrix, streams=True))
-        if matrix.endswith("w_router"):
+        if matrix.endswith(ROUTER_MATRIX):
             out.append(Collective("router/scores", "all_gather", groups["pair"],
                                   batch * sharding.lanes(cfg.n_experts // 2) * F32, matrix,
                                   matrix, ONE_SHOT, group=groups["alone"]))

@@ -311,10 +311,9 @@ def _stage_ops(step: _Step, blocks: list[int], rank: int, layer: int, kind: str,
         collectives = program.release_collectives(step.lay, kind, actions, rank, step.batch,
                                                   count is not None)
         if spec.stage(kind).role == "attention" and layer in step.cfg.moe_layers:
-            router = sum(nbytes for m, nbytes in step.stages[step.cfg.layers[layer][1]].matrices
-                         if m.endswith("w_router"))
             collectives = program.release_router_ahead(
-                collectives, len(weight_blocks(router, step.sched.block_bytes)))
+                collectives, step.stages[step.cfg.layers[layer][1]].matrices,
+                step.sched.block_bytes)
     key = (kind, rank, count, collectives)
     if key not in built:
         scratch = Program(blocks, step.batch)
