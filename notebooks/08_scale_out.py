@@ -771,8 +771,9 @@ show_figure(log_overlap_fig)
 # Checks · weight DMAs in flight at the recorded step's collective waits
 print(f"rank 0's recorded step: {len(waits)} collective waits (the embedding's all-reduce in two "
       f"phases), weight DMAs in flight at {len(waits) - len(idle)}; none at {idle}")
-assert idle == [waits[-2]["name"], "sampling_state/all_gather"]  # the last reduction, the merge
-assert idle[0].startswith("shared/w_down") and all(c["hbm_in_flight"] > 0 for c in waits[:-2])
+assert idle == [waits[-2]["name"], "sampling_state/all_gather"]  # the last layer's last, the merge
+# the last layer's last collective: the gather of W_lu's columns, the MoE stage's last matrix
+assert idle[0].startswith("latent/w_lu") and all(c["hbm_in_flight"] > 0 for c in waits[:-2])
 assert not label_problems(log_overlap_fig)
 
 # %% [markdown]

@@ -4,6 +4,8 @@ builds and the partial-sum mode, from shapes alone, for every preset (minis on 8
 size on 32)."""
 
 import pytest
+from mkresearch.kernels.base import registry
+from mkresearch.kernels.compose import megakernel_plan  # noqa: F401 - registers the stage kinds
 from mkresearch.kernels.sharded import collective_ops as cs
 from mkresearch.kernels.sharded import plan as sharding
 
@@ -78,6 +80,30 @@ def test_full_kimi_k3_partial_sum_counts():
           f"{exact}")
     assert summary["collectives"] == expected == 396
     assert summary["reductions_critical_max"] == 3
+
+
+@pytest.mark.parametrize("mode", cs.MODES)
+def test_where_the_moe_reductions_are_waited(mode):
+    """Kimi K3 streams its shared experts before W_lu (`ffn_kinds._moe_streamed`). Restructured:
+    ρ's reduce-scatter is issued after the routed experts and waited for before W_lu, so the
+    shared experts run while it flies; the other modes' reduction of the experts is waited for
+    right after it. The shared experts' reduction, carrying W_lu's chunks or partial products,
+    is issued after W_lu, at the stage's end."""
+    cfg = get_config("kimi-k3")
+    ops = ops_of(_layout("kimi-k3", 32), 1, mode)
+    names = [m.name for m in registry.kernel_stage("moe").streamed(cfg)]
+    assert names.index("latent/w_lu") == len(names) - 1
+    layer = [op for op in ops if op.stage == "moe" and op.layer == cfg.moe_layers[0]]
+    routed = next(op for op in layer if op.name in ("expert/sum", "expert/chain"))
+    assert routed.issue_after in (cs.EXPERTS, "the group's experts")
+    if mode == layout.RESTRUCTURED:
+        assert routed.kind == "reduce-scatter" and routed.wait_before == "latent/w_lu"
+    else:
+        assert routed.wait_before in (names[names.index("latent/w_ld") + 1], sharding.EXPERT_SUM)
+    shared = [op for op in layer if op.name == "shared/w_down/sum"]
+    if mode != "exact":
+        assert [(op.issue_after, op.wait_before) for op in shared] == [("latent/w_lu", "moe end")]
+        assert layer[-1] is shared[0]  # issued last
 
 
 def test_wire_and_expert_counts():

@@ -128,5 +128,5 @@ def test_restructured_w_lu_rides_the_reduction_its_parameter_names():
     assert beside == {"latent/w_lu": sharding.SHARED_DOWN}
     alone = layouts.layout(cfg.replace(n_shared_experts=0), 8, layouts.OURS,
                            collectives=layouts.RESTRUCTURED)
-    with pytest.raises(ValueError, match="latent/w_lu has no later reduction of w_sd"):
+    with pytest.raises(ValueError, match="latent/w_lu has no reduction of w_sd"):
         sharding.collective_rules(alone)

@@ -5,7 +5,7 @@ Every layer streams a static sequence of weight blocks per stage kind: the matri
 multiplies, in the body's order, as its kernel registry entry lists them (`KernelStage.streamed`):
 
     attention  KDA: w_fa w_fb w_q w_k w_v w_g [w_b] w_o      MLA: w_qa w_qb w_kva w_g [w_kvb] w_o
-    FFN        dense: w_gate w_up w_down                     MoE: w_router w_ld w_lu w_sg w_su w_sd
+    FFN        dense: w_gate w_up w_down                     MoE: w_router w_ld w_sg w_su w_sd w_lu
 
 Matrices whose N is not a multiple of 128 lanes (KDA's w_b [d, H], the router at mini sizes) stay
 on a local two-slot ring. A stage body draws its blocks from the stream it is given
@@ -224,8 +224,10 @@ def on_ring(ring_names: frozenset, name: str) -> bool:
 class ShapeStream:
     """A stage's stream on shapes (`kernels/compose/scoped_vmem.py`): what the body allocates as
     under `StageStream`, nothing moved. A matrix on the ring (`ring_names`) allocates nothing in
-    the body (its blocks land in the kernel-wide ring): its product is zeros; any other streams
-    through its local ring, as `StageStream.matmul` sends it."""
+    the body (its blocks land in the kernel-wide ring): its product is zeros, made from x so that
+    the trace keeps whatever computed x (a producer left unused would be dropped from the traced
+    program, and its scoped VMEM from the plan: the routed experts' slots feed only W_lu's
+    product); any other streams through its local ring, as `StageStream.matmul` sends it."""
 
     def __init__(self, ring_names: frozenset) -> None:
         self.ring_names = ring_names
@@ -234,7 +236,8 @@ class ShapeStream:
                **indices: Any) -> jax.Array:
         if not on_ring(self.ring_names, name):
             return blocks.LOCAL_STREAM.matmul(x, w_hbm, rows=rows, name=name, **indices)
-        return jnp.zeros((x.shape[0], w_hbm.shape[1]), jnp.float32)
+        zero = x[:, :1].astype(jnp.float32) * 0.0  # [B, 1]
+        return jnp.broadcast_to(zero, (x.shape[0], w_hbm.shape[1]))
 
 
 class StageStream:

@@ -39,15 +39,18 @@ issued after and what waits for it. Three modes:
                `Reduction.payload_bytes`; docs/sharding.md §4). Per MoE
                layer three reductions (attention, routed, shared) and one gather, each waited
                for right after it is issued (`critical`: only the weight blocks the global ring
-               has in flight overlap it); not yet: the shared expert's sum hidden behind the
-               routed experts' stream. With ETP > 1 each rank's expert outputs are partial (its
+               has in flight overlap it). A reduction others travel with or add to is run at
+               the stage's end (`Collectives.settle`): issued after its last matrix. With ETP > 1 each rank's expert outputs are partial (its
                hidden slice times its rows of W2), each rounded to bf16 before the sum
                (`numerics.ExpertGroups.ranks` in the sharded reference).
   restructured partial-sum, with the latent MoE's two reductions restructured (`plan.py`): ρ
                a one-phase reduce-scatter (kind "reduce-scatter", `payload_bytes` the chunk each
                rank sends each peer), no W_lu column chunks riding; the shared experts'
                reduction carries W_lu's partial products and ρ's partial sums of squares beside
-               its own ([B, d | d | 128]: `Reduction.besides`, about twice as wide).
+               its own ([B, d | d | 128]: `Reduction.besides`, about twice as wide). The
+               reduce-scatter is in flight while the shared experts run (the stage streams
+               them before W_lu, `ffn_kinds._moe_streamed`): waited for before W_lu, the one
+               reduction of the three not waited right after it is issued.
 
 Names follow the kernel's DMA log (a fused gather: its matrices' names joined by "+",
 `sharded_stream.fused_name`): a collective named N logs its remote copies as
@@ -80,6 +83,7 @@ from mkresearch.kernels.sharded.plan import (
     lanes,
     routing_point,
 )
+from mkresearch.kernels.stages.experts import LATENT_UP
 
 from mkresearch.model import spec
 from mkresearch.model.config import LANE
@@ -92,10 +96,10 @@ MODES = layouts.COLLECTIVES  # the layout's mode names, partial-sum first (the d
 KINDS = ("all-gather", "all-reduce", "chain", "reduce-scatter")
 FUSED_WHY = ("one all-gather for both matrices' column chunks (the same input): issued after "
              "the second's last block, waited right away (its values are needed next)")
-RIDING_WHY = ("not issued before the routed experts' stream (where the release hides it): it "
-              "carries W_lu's chunks, which need the routed sum; streaming the shared expert "
-              "first would give W_lu a collective of its own on the critical path, 2 per MoE "
-              "layer either way, so no shorter predicted step")
+RIDING_WHY = ("issued at the stage's end, after W_lu, not behind the routed experts' stream "
+              "(where the release hides it): it carries W_lu's chunks, which need the routed "
+              "sum; sent before them, W_lu would need a collective of its own on the critical "
+              "path, 2 per MoE layer either way, so no shorter predicted step")
 ADDING_WHY = ("the routed experts' partial sums added to the shared experts' on each rank: one "
               "reduction for both, not two (experts on the full d, `layout.merges_shared_sum`)")
 BESIDE_WHY = ("restructured: W_lu's partial products and ρ's partial sums of squares summed "
@@ -208,13 +212,21 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
                tuple(m.name for m in registry.kernel_stage(kind).streamed(plan.layout.cfg)))
     rules = {r.name: r for r in plan.rules}
     routing = routing_point(plan.layout, kind)
-    out = []
+    # reductions others travel with (`Rule.rides`, `Rule.beside`) or add to (`Rule.adds`): run
+    # at the stage's end (`Collectives.settle`), after its last matrix
+    carriers = {r.rides for r in rules.values()} | {r.beside for r in rules.values()}
+    out, settled = [], []
     for i, name in enumerate(ctx.names):
         rule = rules.get(name)
         if rule is not None and rule.gather is not None:
             out.append(ctx.input_gather(i, rule))
         if rule is not None and rule.reduce is not None and rule.beside is None:
-            out.append(ctx.sum(plan.reduction(f"{name}/sum"), ctx.after(i)))
+            op = ctx.sum(plan.reduction(f"{name}/sum"), ctx.after(i))
+            if rule.adds or name in carriers:
+                settled.append(dataclasses.replace(op, issue_after=ctx.names[-1],
+                                                   wait_before=f"{kind} end"))
+            else:
+                out.append(op)
         if (rule is not None and rule.out is not None and rule.rides is None
                 and rule.joins is None):
             joined = [r for r in rules.values() if r.joins == name]
@@ -224,7 +236,7 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
             out.append(dataclasses.replace(op, why=LATENT_APART_WHY) if apart else op)
         if name == routing:
             out += _experts(ctx, items, ctx.after(i), expert_sum_merged(tuple(rules.values())))
-    return tuple(out)
+    return (*out, *settled)
 
 
 @dataclass(frozen=True)
@@ -314,7 +326,9 @@ def _experts(ctx: _Ctx, items: int, before: str, merged: bool = False) -> list[C
         if merged:  # in the shared experts' reduction (`Rule.adds`)
             return []
         reduction = ctx.plan.reduction(EXPERT_SUM)
-        return [(ctx.scatter if reduction.scatter else ctx.sum)(reduction, before)]
+        if reduction.scatter:  # waited for before W_lu's rows: the shared experts run meanwhile
+            return [ctx.scatter(reduction, LATENT_UP)]
+        return [ctx.sum(reduction, before)]
     out = []
     if lay.etp > 1 and items:
         out.append(ctx.op("expert/h", "all-gather", ctx.etp_group,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -200,6 +200,16 @@ class _Buffers:
         self.channel = channel
         (self.send, self.scatter_in, self.chunk_sum, self.gather_in, self.send_sems,
          self.recv_sems, self.parity) = refs
+
+
+class ScatterInFlight(NamedTuple):
+    """A reduce-scatter started (`Collectives.reduce_scatter_start`), its copies in flight."""
+
+    buffers: _Buffers
+    inbox: Any  # where the peers' chunks land: [2 parities, members, B, c]
+    parity: Any  # the inbox half this one uses (traced)
+    c: int  # the chunk's width
+    name: str
 
 
 class Collectives:
@@ -414,13 +424,12 @@ class Collectives:
         return total, [whole.astype(chunk.dtype) for whole, (_, chunk) in zip(wholes, riders,
                                                                                strict=True)]
 
-    def reduce_scatter(self, partial: Any, group: str, *, name: str) -> Any:
-        """Restructured's ρ: the partial sums [B, W] f32 of every rank -> this rank's chunk [B, c]
-        of their sum (its slice of `group`, split one slice per rank), added as `reduce` adds
-        (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial, each
-        host's sum and the chunk's sum, and its chunks move as bf16, 2 bytes a value, from and
-        into buffers of their own, `ShardPlan.packs_scatter`).
-        One phase: each rank sends every peer that peer's chunk of its partial."""
+    def reduce_scatter_start(self, partial: Any, group: str, *, name: str) -> ScatterInFlight:
+        """Restructured's ρ: the partial sums [B, W] f32 of every rank, this rank's chunk [B, c]
+        of their sum to come (its slice of `group`, split one slice per rank). One phase: each
+        rank sends every peer that peer's chunk of its partial; `reduce_scatter_wait` waits for
+        the copies and adds the chunks. The buffers stay untouched meanwhile: nothing else of
+        the stage uses them until then (the shared experts run, `experts.ffn_stage_body`)."""
         buffers, width = self.buffers["all"], partial.shape[1]
         send, inbox = self.scatter_bf16 or (buffers.send, buffers.scatter_in)
         partial = numerics.wire_round(partial, self.plan.wire).astype(send.dtype)
@@ -440,6 +449,16 @@ class Collectives:
             each_peer(size, member, lambda j: self._copy(
                 buffers, 0, chunk_of(j), member, parity, j, 0, name, inbox=inbox).start())
             inbox[parity, member, :, :c] = chunk_of(member)[...]
+        return ScatterInFlight(buffers, inbox, parity, c, name)
+
+    def reduce_scatter_wait(self, scatter: ScatterInFlight) -> Any:
+        """This rank's chunk [B, c] of the sum `reduce_scatter_start` began, added as `reduce`
+        adds (`numerics.host_ordered_sum`, all ranks in order; a bf16 wire rounds each partial,
+        each host's sum and the chunk's sum, and its chunks move as bf16, 2 bytes a value, from
+        and into buffers of their own, `ShardPlan.packs_scatter`)."""
+        buffers, inbox, parity, c, name = scatter
+        size = buffers.channel.size
+        with dma.phase(f"{name}/reduce_scatter"):
             self._wait_all(buffers, 0, parity, size - 1, size - 1, c, name, inbox=inbox)
             return self._host_ordered([inbox[parity, r, :, :c].astype(jnp.float32)
                                        for r in range(size)], tuple(range(size)))
@@ -536,8 +555,8 @@ class Collectives:
                 if expert_sum_merged(self.plan.rules):  # reduced with a later one (`settle`)
                     return acc[:, :latent]
                 if self.scatters_latent:  # this rank's latent chunk [B, c] of ρ only
-                    return self.reduce_scatter(acc[:, :latent], spec.MOE_LATENT,
-                                               name=f"{name}/sum")
+                    return self.reduce_scatter_start(acc[:, :latent], spec.MOE_LATENT,
+                                                     name=f"{name}/sum")
                 return self.reduce(acc, tuple(range(self.plan.n_ranks)),
                                    name=f"{name}/sum")[0][:, :latent]
         ep, etp = self.layout.ep, self.layout.etp
@@ -560,6 +579,12 @@ class Collectives:
             everyone = self.all_gather(acc, name=f"{name}/sum")
             last = (ep - 1) * etp
             return jnp.concatenate(everyone[last:last + etp], axis=1)[:, :latent]
+
+    def combined_items(self, combined: Any) -> Any:
+        """`combine_items`'s sum once its reduction is done: restructured, this rank's chunk
+        [B, c] of ρ (the reduce-scatter waited for here, after the shared experts); otherwise
+        the sum as `combine_items` returned it (its reduction waited for there)."""
+        return self.reduce_scatter_wait(combined) if self.scatters_latent else combined
 
     def _items_sum(self, n_items: Any, start: Any) -> Any:
         """start + Σ over the kept items, in order, of weight x output [B, Lat / ETP] f32."""

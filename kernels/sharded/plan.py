@@ -168,21 +168,24 @@ def _joining(rules: list[Rule]) -> list[Rule]:
 
 
 def _riding(rules: list[Rule]) -> list[Rule]:
-    """One stage's rules with the column gathers of RIDERS sent with the stage's next
-    reduction (`Rule.rides`) when it has one after them: one collective less per stage."""
+    """One stage's rules with the column gathers of RIDERS sent with a reduction of the stage
+    (`Rule.rides`), its last, when it has one: that reduction then waits for the stage's end
+    (`Collectives.settle`). One collective less per stage."""
     out = list(rules)
     for i, rule in enumerate(out):
-        later = next((r for r in out[i + 1:] if r.reduce is not None), None)
-        if rule.name in RIDERS and rule.out is not None and later is not None:
-            out[i] = dataclasses.replace(rule, rides=later.name)
+        carrier = next((r for r in reversed(out) if r.reduce is not None and r is not rule),
+                       None)
+        if rule.name in RIDERS and rule.out is not None and carrier is not None:
+            out[i] = dataclasses.replace(rule, rides=carrier.name)
     return out
 
 
 def _beside(rules: list[Rule], kind: str, streamed: tuple, params: dict) -> list[Rule]:
     """Restructured: one stage's rules with each matrix split by its scattered rows (W_lu)
-    beside the later reduction its parameter names (`Param.beside`, the model's choice:
-    `Rule.beside`). ValueError for a stage without that reduction after it (a latent MoE
-    without shared experts: its scale would need a reduction of its own)."""
+    beside the reduction its parameter names (`Param.beside`, the model's choice:
+    `Rule.beside`), which then waits for the stage's end (`Collectives.settle`). ValueError for
+    a stage without that reduction (a latent MoE without shared experts: its scale would need a
+    reduction of its own)."""
     key_of = {m.name: m.key for m in streamed}
     name_of = {m.key: m.name for m in streamed}
     out = list(rules)
@@ -190,13 +193,13 @@ def _beside(rules: list[Rule], kind: str, streamed: tuple, params: dict) -> list
         wanted = params[key_of[rule.name]].beside
         if wanted is None or rule.reduce is None:
             continue
-        later = next((r for r in out[i + 1:]
-                      if r.reduce is not None and r.name == name_of.get(wanted)), None)
-        if later is None:
+        carrier = next((r for r in out if r.reduce is not None and r.name == name_of.get(wanted)),
+                       None)
+        if carrier is None:
             raise ValueError(f"collectives='restructured' is invalid for the {kind!r} stage: "
-                             f"{rule.name} has no later reduction of {wanted} to travel beside "
+                             f"{rule.name} has no reduction of {wanted} to travel beside "
                              "(a latent MoE needs shared experts for it); use 'partial-sum'")
-        out[i] = dataclasses.replace(rule, beside=later.name)
+        out[i] = dataclasses.replace(rule, beside=carrier.name)
     return out
 
 

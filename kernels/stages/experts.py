@@ -9,7 +9,10 @@
     m = bf(routed + always-on)
 
 The always-on part is the shared experts of an MoE layer, or — with no routed part at all — the
-dense MLP of layer 0: "the same stage with one always-on expert".
+dense MLP of layer 0: "the same stage with one always-on expert". It runs between the experts'
+weighted sum and W_lu (the stage streams W_ld, the always-on MLP, then W_lu): on a rank of the
+restructured mode, while ρ's reduce-scatter is in flight. The two outputs are added in one
+order whatever ran first: the same bits.
 
 Which experts are fetched (`plan`, the steps of notebook 04):
   "all"     every expert of the layer (a gather of all; unselected ones get coefficient 0)
@@ -31,6 +34,7 @@ VMEM tile [B, k] (to build each expert's per-row coefficient with vector compare
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,8 +94,10 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
                 eps: float, kind: str, shard: Any = None, z: Any = None,
-                mxu_input: str = "bf16") -> jax.Array:
-    """Routed experts of one layer -> f32 [B, d]. experts[m] is a tuple of HBM part refs
+                mxu_input: str = "bf16") -> Callable[[], jax.Array]:
+    """Routed experts of one layer, up to their weighted sum (on a rank, its reduction started)
+    -> a function that finishes them: () -> f32 [B, d] (`_ExpertLoop.finish`: the sum's wait,
+    the latent norm and W_lu, streamed last). experts[m] is a tuple of HBM part refs
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
     shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice);
     z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already; mxu_input: what
@@ -102,18 +108,21 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
                        expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps, kind,
                        shard, z, mxu_input)
     if plan == "all":
-        return loop.run(n_experts, lambda i: i)
-    if plan == "routed":
-        return loop.run(batch * top_k, lambda i: ids_smem[router.choice(i, top_k)])
-    local = () if shard is None else shard.expert_range(n_experts)
+        n_items, acc = n_experts, loop.run(n_experts, lambda i: i)
+    elif plan == "routed":
+        n_items = batch * top_k
+        acc = loop.run(n_items, lambda i: ids_smem[router.choice(i, top_k)])
+    else:
+        local = () if shard is None else shard.expert_range(n_experts)
 
-    def with_unique(unique_ref, seen_ref):
-        n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
-        return loop.run(n_unique, lambda i: unique_ref[i])
+        def with_unique(unique_ref, seen_ref):
+            n_unique = router.dedupe_experts(ids_smem, unique_ref, seen_ref, *local)
+            return n_unique, loop.run(n_unique, lambda i: unique_ref[i])
 
-    n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
-    return pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
-                         pltpu.SMEM((n_ids,), jnp.int32))
+        n_ids = n_experts if shard is None else shard.layout.cfg.n_experts  # global ids
+        n_items, acc = pl.run_scoped(with_unique, pltpu.SMEM((batch * top_k,), jnp.int32),
+                                     pltpu.SMEM((n_ids,), jnp.int32))
+    return functools.partial(loop.finish, loop.combine(n_items, acc))
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,8 @@ class _ExpertLoop:
     mxu_input: str = "bf16"  # ModelConfig.expert_mxu (`quant.matmul`)
 
     def run(self, n_items: Any, expert_of: Any) -> jax.Array:
-        """The loop over n_items items (may be traced) -> the routed output [B, d] f32."""
+        """The loop over n_items items (may be traced) -> Σ w_e y_e [B, Lat] f32 (on a rank: its
+        experts' and hidden slice's, or kept for the exact mode's ordered sum)."""
         names = quant.part_names(self.expert_format)
         # one ring per (matrix, part) "w1/codes": slot buffers [n_slots, *part shape] (named so
         # in the VMEM plan), a semaphore per slot
@@ -173,8 +183,7 @@ class _ExpertLoop:
         flat_choice = (lax.broadcasted_iota(jnp.int32, (batch, top_k), 0) * top_k
                        + lax.broadcasted_iota(jnp.int32, (batch, top_k), 1))  # [B, k]: b·k + j
         step = functools.partial(self._step, slots, n_items, z, flat_choice, first)
-        acc = lax.fori_loop(0, n_items, step, jnp.zeros((batch, self.latent), jnp.float32))
-        return self._finish(n_items, acc)
+        return lax.fori_loop(0, n_items, step, jnp.zeros((batch, self.latent), jnp.float32))
 
     def _latent_input(self) -> jax.Array:
         """What the experts multiply: the latent z = bf(x W_ld) [B, Lat] (streamed here unless
@@ -222,10 +231,17 @@ class _ExpertLoop:
         y = matmul(h if self.shard is None else self.shard.expert_hidden(h), part["w2"])
         return y.astype(jnp.bfloat16).astype(jnp.float32)
 
-    def _finish(self, n_items: Any, acc: Any) -> jax.Array:
-        """Σ w_e y_e (a rank: every group's, in id order); with a latent: RMSNorm, then W_lu."""
-        if self.shard is not None:
-            acc = self.shard.combine_items(n_items, acc, self.latent, name="expert")
+    def combine(self, n_items: Any, acc: Any) -> Any:
+        """Σ w_e y_e of every rank (a rank: every group's, in id order), its reduction started:
+        restructured, ρ's reduce-scatter is in flight until `finish` (`Collectives.combine_items`)."""
+        if self.shard is None:
+            return acc
+        return self.shard.combine_items(n_items, acc, self.latent, name="expert")
+
+    def finish(self, combined: Any) -> jax.Array:
+        """`combine`'s sum, its reduction waited for; with a latent: RMSNorm, then W_lu
+        -> the routed output [B, d] f32 (restructured: this rank's rows' partial product)."""
+        acc = combined if self.shard is None else self.shard.combined_items(combined)
         if self.w_ld is None:
             return acc  # [B, d] f32: Σ w_e y_e is the routed output
         if self.shard is not None and self.shard.scatters_latent:  # acc: this rank's ρ chunk
@@ -354,20 +370,22 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
     """
     x = x_ref[...]  # [B, d] bf16
     total = jnp.zeros(out_ref.shape, jnp.float32)
-    routed_out = shared_out = None
-    if routed is not None:
-        routed_out = routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
-                             routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
-                             routed["experts"], stream=stream,
-                             expert_format=options.expert_format,
-                             mxfp4_decode=options.mxfp4_decode, plan=options.plan,
-                             n_slots=options.n_slots, latent=options.latent,
-                             latent_padded=options.latent_padded, eps=options.eps,
-                             kind=options.activation, shard=shard, z=z,
-                             mxu_input=options.mxu_input)
-    if always_on is not None:
+    finish_routed = routed_out = shared_out = None
+    if routed is not None:  # up to Σ w_e y_e: on a rank, its reduction started
+        finish_routed = routed_part(routing.ids_smem, x, routing.ids[...], routing.weights[...],
+                                routed.get("w_ld"), routed.get("latent_norm"), routed.get("w_lu"),
+                                routed["experts"], stream=stream,
+                                expert_format=options.expert_format,
+                                mxfp4_decode=options.mxfp4_decode, plan=options.plan,
+                                n_slots=options.n_slots, latent=options.latent,
+                                latent_padded=options.latent_padded, eps=options.eps,
+                                kind=options.activation, shard=shard, z=z,
+                                mxu_input=options.mxu_input)
+    if always_on is not None:  # meanwhile restructured's ρ reduce-scatter flies (W_lu after)
         shared_out = gated_mlp(x, always_on, stream=stream, kind=options.activation,
                                name=options.always_on_name)
+    if finish_routed is not None:
+        routed_out = finish_routed()
     if shard is not None:  # a rank: the collectives its stream left to the stage's end
         # (W_lu's column chunks riding with the always-on MLP's reduction, `Collectives.settle`)
         down = f"{options.always_on_name}/w_down"

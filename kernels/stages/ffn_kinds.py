@@ -51,15 +51,16 @@ def _moe_prepare(stack: dict, cfg: ModelConfig) -> dict:
 
 
 def _moe_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:
-    """In the body's order: router, latent down and up, then the shared experts."""
+    """In the body's order: router, latent down, the shared experts, then latent up (the shared
+    experts run while the routed experts' sum is reduced: `experts.ffn_stage_body`)."""
     d, lat = cfg.d_model, cfg.moe_latent
     out = [Streamed("w_router", router.W_ROUTER, (d, cfg.n_experts)),
-           Streamed("w_ld", LATENT_DOWN, (d, lat)), Streamed("w_lu", LATENT_UP, (lat, d))]
+           Streamed("w_ld", LATENT_DOWN, (d, lat))]
     if cfg.n_shared_experts:
         shapes = {"w_gate": (d, cfg.shared_hidden), "w_up": (d, cfg.shared_hidden),
                   "w_down": (cfg.shared_hidden, d)}
         out += [Streamed(key, f"shared/{part}", shapes[part]) for part, key in SHARED_KEYS.items()]
-    return tuple(out)
+    return (*out, Streamed("w_lu", LATENT_UP, (lat, d)))
 
 
 def _dense_streamed(cfg: ModelConfig) -> tuple[Streamed, ...]:

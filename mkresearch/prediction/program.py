@@ -285,9 +285,8 @@ def release_mxu_spread(fmt: str, cfg: ModelConfig, batch: int) -> int:
 # ---- ours: the kernel's collectives ------------------------------------------------------------
 @functools.lru_cache(maxsize=256)  # every stage of every rank's program asks
 def our_actions(lay: layouts.Layout, kind: str, matrices: tuple) -> tuple[tuple[str, float], ...]:
-    """A stage's actions in the kernel's order, the routed experts right after the routing
-    point. The kernel does not yet move the shared expert ahead of the routed experts' stream
-    (the overlap issue 28 asks for), so the prediction does not assume it either."""
+    """A stage's actions in the kernel's order (its streamed matrices': the shared experts
+    before W_lu), the routed experts right after the routing point."""
     routing = sharding.routing_point(lay, kind)
     if routing is None:
         return tuple(matrices)
@@ -322,12 +321,13 @@ def n_routed_layers(lay: layouts.Layout) -> int:
 def release_actions(matrices, routed: bool, partial_sums: bool = True
                     ) -> list[tuple[str, float]]:
     """The release computes the shared expert before the routed ones, its reduction hiding
-    behind their stream (docs/collectives.md): with partial sums the shared matrices move before
-    W_lu; the routed experts are fetched right after the shared expert's W_down."""
-    shared = [m for m in matrices if m[0].startswith("shared/")] if partial_sums else []
-    out = list(matrices) if not partial_sums else (
-        [m for m in matrices if m not in shared and not m[0].endswith("w_lu")] + shared
-        + [m for m in matrices if m[0].endswith("w_lu")])
+    behind their stream (docs/collectives.md): with partial sums the shared matrices come
+    before W_lu, else after it; the routed experts are fetched right after the shared expert's
+    W_down."""
+    shared = [m for m in matrices if m[0].startswith("shared/")]
+    lu = [m for m in matrices if m[0].endswith("w_lu")]
+    out = [m for m in matrices if m not in shared and m not in lu]
+    out += shared + lu if partial_sums else lu + shared
     at = next((i for i, m in enumerate(out) if m[0].endswith(sharding.SHARED_DOWN)), None)
     if routed and at is not None:
         out.insert(at + 1, (EXPERTS, 0))

@@ -28,12 +28,12 @@ stages are the schedule's:
                allows at the batch) every collective read from our kernel's own
                (`kernels/sharded/collective_ops.py`, from the step's sharding plan): "partial-sum"
                (the default: matrices contracting over a split dimension reduce their partial
-               sums, the shared expert's sum hidden behind the routed experts' stream),
+               sums, each waited for right after it is issued),
                "exact" (bit-equal to one device: gathers around split matrices, the experts'
                chain) or "restructured" (partial sums, rho a one-phase reduce-scatter, W_lu split
                by rows, its partial products and rho's sums of squares beside the shared
-               experts' partial sums in their one reduction: the mode's own layout bytes and
-               collectives); each collective priced by the algorithm its sharding plan sends it
+               experts' partial sums in their one reduction, rho in flight while the shared
+               experts run: the mode's own layout bytes and collectives); each collective priced by the algorithm its sharding plan sends it
                with;
                its router placed as the kernel's option or a design says (`placed_layout`:
                the placed layout's bytes and the kernel's collectives for it)

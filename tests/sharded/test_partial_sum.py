@@ -333,15 +333,27 @@ def test_restructured_kimi_b3_greedy_and_sampled_rows(race_checked):
     """The restructured mode (ρ reduce-scattered, W_lu by its latent rows beside the shared
     experts' sum, the norm's scale after it) equals its sharded reference to the bit, on every
     rank; recorded: ρ's only remote copies are its reduce-scatter's, one message per peer, and
-    W_lu has no collective of its own (its partial sums ride in the shared experts' messages)."""
+    W_lu has no collective of its own (its partial sums ride in the shared experts' messages);
+    the reduce-scatter is in flight while the shared experts run: in each MoE layer, blocks of
+    theirs are waited for after its last copy starts and before it is waited for."""
     _, _, log = step(KIMI_4L, 3, temperature=MIXED, record=True, mode=RESTRUCTURED)
-    cfg = KIMI_4L
+    cfg, scatter = KIMI_4L, "expert/sum/reduce_scatter"
     for rank in range(N_RANKS):
-        names = [e.name for e in log.of_rank(rank).events if e.kind == "dma_start" and e.remote]
+        events = log.of_rank(rank).events
+        names = [e.name for e in events if e.kind == "dma_start" and e.remote]
         rho = [n for n in names if n.startswith("expert/sum")]
-        assert set(rho) == {"expert/sum/reduce_scatter"}, set(rho)
+        assert set(rho) == {scatter}, set(rho)
         assert len(rho) == len(cfg.moe_layers) * (N_RANKS - 1)
         assert not [n for n in names if n.startswith("latent/w_lu")]
+        started = [i for i, e in enumerate(events) if e.kind == "dma_start" and e.name == scatter]
+        waited = [i for i, e in enumerate(events) if e.kind == "dma_wait" and e.name == scatter]
+        shared = [i for i, e in enumerate(events)
+                  if e.kind == "dma_wait" and e.name.startswith("shared/")]
+        waits_per_layer = len(waited) // len(cfg.moe_layers)
+        for k in range(len(cfg.moe_layers)):
+            issued = started[(k + 1) * (N_RANKS - 1) - 1]
+            awaited = waited[k * waits_per_layer]
+            assert any(issued < i < awaited for i in shared), (rank, k)
 
 
 @pytest.mark.exhaustive  # two more steps (B = 1 traced anew, B = 3 again): ~2 min here
