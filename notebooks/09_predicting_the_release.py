@@ -401,8 +401,9 @@ assert not label_problems(figure)  # no label runs into another, none is cut
 # --designs` prints every batch; docs/prediction.md §8): the routed experts handed to the MXU as
 # fp8 (`ModelConfig.expert_mxu`), their reads ahead of the ring's queued blocks, the latent sum
 # rho by a one-phase reduce-scatter with W_lu split by rows (the kernel's restructured mode, its
-# own bytes and collectives; the reduce-scatter in flight while the shared experts run), the router placed where the model says it is fastest
-# (`MegakernelOptions.router_placement`), bf16 partial sums on the wire, and the routed experts
+# own bytes and collectives; the reduce-scatter in flight while the shared experts run), the
+# router placed where the model says it is fastest (`MegakernelOptions.router_placement`), bf16
+# partial sums on the wire, and the routed experts
 # split over as many ranks each (the layout's `etp`) with as many VMEM slots per expert matrix
 # (`MegakernelOptions.expert_slots`) as together are fastest among the plans the kernel takes.
 

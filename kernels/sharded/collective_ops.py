@@ -40,9 +40,10 @@ issued after and what waits for it. Three modes:
                layer three reductions (attention, routed, shared) and one gather, each waited
                for right after it is issued (`critical`: only the weight blocks the global ring
                has in flight overlap it). A reduction others travel with or add to is run at
-               the stage's end (`Collectives.settle`): issued after its last matrix. With ETP > 1 each rank's expert outputs are partial (its
-               hidden slice times its rows of W2), each rounded to bf16 before the sum
-               (`numerics.ExpertGroups.ranks` in the sharded reference).
+               the stage's end (`Collectives.settle`): issued after its last matrix. With
+               ETP > 1 each rank's expert outputs are partial (its hidden slice times its rows
+               of W2), each rounded to bf16 before the sum (`numerics.ExpertGroups.ranks` in
+               the sharded reference).
   restructured partial-sum, with the latent MoE's two reductions restructured (`plan.py`): ρ
                a one-phase reduce-scatter (kind "reduce-scatter", `payload_bytes` the chunk each
                rank sends each peer), no W_lu column chunks riding; the shared experts'

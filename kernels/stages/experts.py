@@ -232,8 +232,8 @@ class _ExpertLoop:
         return y.astype(jnp.bfloat16).astype(jnp.float32)
 
     def combine(self, n_items: Any, acc: Any) -> Any:
-        """Σ w_e y_e of every rank (a rank: every group's, in id order), its reduction started:
-        restructured, ρ's reduce-scatter is in flight until `finish` (`Collectives.combine_items`)."""
+        """Σ w_e y_e of every rank (a rank: every group's, in id order), its reduction started
+        (`Collectives.combine_items`): restructured, ρ's reduce-scatter flies until `finish`."""
         if self.shard is None:
             return acc
         return self.shard.combine_items(n_items, acc, self.latent, name="expert")

@@ -33,8 +33,8 @@ stages are the schedule's:
                chain) or "restructured" (partial sums, rho a one-phase reduce-scatter, W_lu split
                by rows, its partial products and rho's sums of squares beside the shared
                experts' partial sums in their one reduction, rho in flight while the shared
-               experts run: the mode's own layout bytes and collectives); each collective priced by the algorithm its sharding plan sends it
-               with;
+               experts run: the mode's own layout bytes and collectives); each collective
+               priced by the algorithm its sharding plan sends it with;
                its router placed as the kernel's option or a design says (`placed_layout`:
                the placed layout's bytes and the kernel's collectives for it)
 
