@@ -80,6 +80,7 @@ from mkresearch.kernels.sharded.plan import (
     WIRE_BYTES,
     Reduction,
     ShardingPlan,
+    carries,
     expert_sum_merged,
     lanes,
     routing_point,
@@ -213,17 +214,14 @@ def _stage(plan: ShardingPlan, rank: int, kind: str, items: int) -> tuple[Collec
                tuple(m.name for m in registry.kernel_stage(kind).streamed(plan.layout.cfg)))
     rules = {r.name: r for r in plan.rules}
     routing = routing_point(plan.layout, kind)
-    # reductions others travel with (`Rule.rides`, `Rule.beside`) or add to (`Rule.adds`): run
-    # at the stage's end (`Collectives.settle`), after its last matrix
-    carriers = {r.rides for r in rules.values()} | {r.beside for r in rules.values()}
-    out, settled = [], []
+    out, settled = [], []  # settled: reductions run at the stage's end, after its last matrix
     for i, name in enumerate(ctx.names):
         rule = rules.get(name)
         if rule is not None and rule.gather is not None:
             out.append(ctx.input_gather(i, rule))
         if rule is not None and rule.reduce is not None and rule.beside is None:
             op = ctx.sum(plan.reduction(f"{name}/sum"), ctx.after(i))
-            if rule.adds or name in carriers:
+            if carries(plan.rules, name):  # others travel in it (`Collectives.settle`)
                 settled.append(dataclasses.replace(op, issue_after=ctx.names[-1],
                                                    wait_before=f"{kind} end"))
             else:

@@ -59,6 +59,7 @@ from mkresearch.kernels.sharded.plan import (
     ROUTER_CHANNEL,
     Rule,
     ShardingPlan,
+    carries,
     expert_sum_merged,
 )
 from mkresearch.kernels.stages import gate_up
@@ -498,7 +499,7 @@ class Collectives:
         for rule in self.plan.rules:
             riders = [r for r in self.plan.rules if r.rides == rule.name]
             besides = [r for r in self.plan.rules if r.beside == rule.name]
-            if not (riders or rule.adds or besides) or rule.name not in out:
+            if not carries(self.plan.rules, rule.name) or rule.name not in out:
                 continue
             missing = [n for n in [r.name for r in riders + besides] + [rule.adds]
                        if n and n not in out]

@@ -167,6 +167,16 @@ def _joining(rules: list[Rule]) -> list[Rule]:
     return out
 
 
+def carries(rules: tuple[Rule, ...], name: str) -> bool:
+    """Whether the reduction of matrix `name` carries more than its own partial sums: another
+    output's partial sums (`Rule.adds`), column chunks riding (`Rule.rides`) or rows beside it
+    (`Rule.beside`). Such a reduction runs once, at its stage's end (`Collectives.settle`): the
+    stream, the collectives and their model all ask here."""
+    rule = next((r for r in rules if r.name == name), None)
+    return rule is not None and rule.reduce is not None and bool(
+        rule.adds or any(name in (r.rides, r.beside) for r in rules))
+
+
 def _riding(rules: list[Rule]) -> list[Rule]:
     """One stage's rules with the column gathers of RIDERS sent with a reduction of the stage
     (`Rule.rides`), its last, when it has one: that reduction then waits for the stage's end

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from mkresearch.kernels.base import blocks
+from mkresearch.kernels.sharded.plan import carries
 
 
 def fused_name(names: list[str] | tuple[str, ...]) -> str:
@@ -71,8 +72,7 @@ class ShardedStream:
             rows = blocks.weight_block_rows(tuple(w_hbm.shape), w_hbm.dtype)
             out = self.inner.matmul(x, w_hbm, rows=rows, name=name, **indices)
             coll = self.collectives
-            if rule.adds or rule.beside or any(name in (r.rides, r.beside)
-                                               for r in coll.plan.rules):
+            if rule.beside or carries(coll.plan.rules, name):
                 return out  # reduced at the stage's end with its riders (`Collectives.settle`)
             return coll.reduce(out, coll.layout.slice_firsts(rule.reduce), name=f"{name}/sum")[0]
         if rule.gather is not None:
