@@ -173,6 +173,10 @@ def test_designs_table_and_the_command(capsys):
     capsys.readouterr()
     assert cli.main(["predict", "kimi-k3", "--designs", "--batch", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == rows  # the same Model: cached, identical
+    assert cli.main(["predict", "kimi-k3", "--designs", "--batch", "1"]) == 0
+    text = capsys.readouterr().out  # its context named: the as-built row is not full_size's
+    assert f"context {design_table.SAME_ASSUMPTIONS.context})" in text
+    assert f"{rows[0]['step_ms']:8.2f}" in text.splitlines()[2]
     assert cli.main(["plan", "kimi-k3", "--ranks", "32", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert planned["router"]["chosen"] in designs.ROUTER_PLACEMENTS

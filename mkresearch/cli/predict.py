@@ -206,7 +206,7 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
         print(speculative_designs.format_speculative_designs(table, cfg.name, args.ranks,
                                                              model.context))
     else:
-        print(design_table.format_designs(table))
+        print(design_table.format_designs(table, model.context))
     return 0
 
 

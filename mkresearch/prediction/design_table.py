@@ -244,9 +244,12 @@ def design_label(label: str, kernel_plans: bool) -> str:
     return label if kernel_plans else label + UNPLANNED
 
 
-def format_designs(rows: list[dict]) -> str:
+def format_designs(rows: list[dict], context: int) -> str:
+    """The designs table; `context`: the cached positions per sequence it was priced at (the
+    Model's), named so that its as-built row reads beside `full_size`'s line at context 0."""
     lines = [("designs of our step, each added in turn (scale-out model; ours and the release "
-              "under the same assumptions, `predict --json`: assumptions); coll = the slowest "
+              f"under the same assumptions, `predict --json`: assumptions; context {context}); "
+              "coll = the slowest "
               "rank's exposed collective messages; chain = rank 0's collectives' latencies in "
               "sequence, one issued early counting only what its overlap left:"),
              (f"  {'B':>2s} {'design':30s} {'step ms':>8s} {'GB/rank':>8s} {'coll ms':>8s} "
