@@ -127,7 +127,7 @@ def _step(plan: MegaPlan, use_gumbel: bool, use_candidates: bool, inputs: StepIn
           pages: Any = None, live: dict | None = None) -> None:
     """Allocate the kernel-wide VMEM (stage input and output, layer vectors, the residual
     strategy's hidden state, each kind's scratch, the weight ring) and run the step in it."""
-    cfg, batch, d = plan.cfg, plan.batch, plan.cfg.d_model
+    cfg, batch = plan.cfg, plan.batch
     residual = residuals.RESIDUALS[cfg.residual]
     stages = [registry.kernel_stage(kind) for kind in cfg.kinds]
     scratch_shapes = [shape for stage in stages for _, shape in stage.scratch(cfg, batch)]
