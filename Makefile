@@ -110,7 +110,7 @@ ifneq ($(NOTEBOOKS),)
 	MKRESEARCH_NBVAL_OTHER_XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
 endif
 
-# Day-to-day: every test not marked slow (no nbval), about 2 minutes on 2 cores (cold cache).
+# Day-to-day: every test not marked slow (no nbval), about 3 minutes on 2 cores (cold cache).
 test-fast: venv
 	rm -rf $(JAX_CACHE)
 	$(PYTEST) -m "not slow" tests
