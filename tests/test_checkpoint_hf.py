@@ -23,24 +23,42 @@ its config, with d_model off the FP8 expert blocks (against its dequantized twin
 Needs the optional extra `mkresearch[hf]` (torch, transformers): without it, the tests skip.
 """
 
+import importlib
+import importlib.util
 import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
-pytest.importorskip("transformers", reason="the hf extra (torch, transformers) is not installed")
-
-import hf_tiny
-import transformers
 from mkresearch.kernels.compose import megakernel as mk
 
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.checkpoint.tokenizer import TextStream
 from mkresearch.model import hf_fields, reference, sampling
 from mkresearch.model import prefill as chunked
+
+pytestmark = pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in ("torch", "transformers")),
+    reason="the hf extra (torch, transformers) is not installed")
+
+
+class _ImportedOnFirstUse:
+    """A module imported when an attribute is first read. Every pytest worker collects every
+    module of tests/; importing torch and transformers at collection cost each worker ~6 s (and
+    their memory) here, now paid only by the worker that runs these tests."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # pytest's collection asks every global for its markers
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+hf_tiny = _ImportedOnFirstUse("hf_tiny")  # tests/hf_tiny.py: it imports torch and transformers
+transformers = _ImportedOnFirstUse("transformers")
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
 SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 1  # one megakernel step each: make test's budget
