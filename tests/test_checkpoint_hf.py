@@ -23,7 +23,6 @@ its config, with d_model off the FP8 expert blocks (against its dequantized twin
 Needs the optional extra `mkresearch[hf]` (torch, transformers): without it, the tests skip.
 """
 
-import importlib
 import importlib.util
 import json
 import os
@@ -38,27 +37,13 @@ from mkresearch.checkpoint.tokenizer import TextStream
 from mkresearch.model import hf_fields, reference, sampling
 from mkresearch.model import prefill as chunked
 
+# torch, transformers and tests/hf_tiny.py (which imports both) are imported inside the tests:
+# every pytest worker collects every module of tests/, and importing them at collection cost
+# each worker ~6 s and their memory here
 pytestmark = pytest.mark.skipif(
     not all(importlib.util.find_spec(name) for name in ("torch", "transformers")),
     reason="the hf extra (torch, transformers) is not installed")
 
-
-class _ImportedOnFirstUse:
-    """A module imported when an attribute is first read. Every pytest worker collects every
-    module of tests/; importing torch and transformers at collection cost each worker ~6 s (and
-    their memory) here, now paid only by the worker that runs these tests."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        if attr.startswith("_"):  # pytest's collection asks every global for its markers
-            raise AttributeError(attr)
-        return getattr(importlib.import_module(self._name), attr)
-
-
-hf_tiny = _ImportedOnFirstUse("hf_tiny")  # tests/hf_tiny.py: it imports torch and transformers
-transformers = _ImportedOnFirstUse("transformers")
 
 LOGIT_BOUND = 0.125  # |ours - transformers| on logits of RMS ~1 (bf16 both sides)
 SEQ_LEN, PROMPT_LEN, MK_STEPS = 12, 8, 1  # one megakernel step each: make test's budget
@@ -67,6 +52,8 @@ SEEDS = {"deepseek_v3": 2, "moonlight": 0, "qwen3_moe": 0, "glm4_moe": 0}  # mod
 
 @pytest.fixture(scope="module", params=sorted(SEEDS))
 def loaded(request, tmp_path_factory):
+    import hf_tiny
+
     model_type = request.param
     directory = str(tmp_path_factory.mktemp(model_type))
     model = hf_tiny.build(model_type, directory, seed=SEEDS[model_type])
@@ -102,6 +89,8 @@ def test_reads_the_saved_config(loaded):
 
 @pytest.mark.slow
 def test_logits_match_transformers_and_megakernel_tokens_match_reference(race_checked, loaded):
+    import hf_tiny
+
     model_type, model, cfg, params, tokens = loaded
     theirs = hf_tiny.logits(model, tokens).numpy()  # [T, V]
     ours, state = _ours(params, cfg, tokens)
@@ -146,6 +135,8 @@ def test_missing_fields_take_transformers_defaults(model_type):
     class's), bar the fields its classes do not have (remote code: the only value its model
     implements). Before: qwen3_moe without norm_topk_prob was normalised (transformers: not),
     glm4_moe without partial_rotary_factor rotated all dims (transformers: half)."""
+    import transformers
+
     hf = transformers.AutoConfig.for_model(model_type)
     remote = {"scoring_func", "topk_method", "moe_layer_freq", "mla_use_nope",
               "moe_router_activation_func"} | ({"num_nextn_predict_layers"}
@@ -170,6 +161,8 @@ def test_yarn_reads_as_transformers(drop, change):
     and softmax scale are transformers' (`ROPE_INIT_FUNCTIONS["yarn"]`, DeepseekV3Attention's
     scaling). original_max_position_embeddings left out was a KeyError; transformers takes
     max_position_embeddings."""
+    import hf_tiny
+    import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
@@ -192,6 +185,8 @@ def test_yarn_reads_as_transformers(drop, change):
 
 def test_yarn_mscale_left_out_with_mscale_all_dim_is_one_line():
     """transformers and DeepSeek's code scale cos and sin differently then: refused, naming it."""
+    import hf_tiny
+
     _, _, values = hf_tiny.CONFIGS["deepseek_v3"]
     raw = {**values, "model_type": "deepseek_v3",
            "rope_scaling": {k: v for k, v in YARN.items() if k != "mscale"}}
@@ -206,7 +201,9 @@ def test_fp8_qwen3_with_d_model_off_the_fp8_blocks_matches_transformers(tmp_path
     our reference's logits within LOGIT_BOUND of transformers' forward over its dequantized twin
     (the same values in bf16 files, through from_pretrained: transformers' own FP8 loader needs
     accelerate, not in our extra)."""
+    import hf_tiny
     import torch
+    import transformers
 
     from mkresearch.checkpoint import safetensors_io
 
@@ -255,6 +252,7 @@ def test_text_stream_prints_what_transformers_prints(tmp_path, capsys, text, cut
     (the same tokenizer.json): the same text, also when the ids stop inside a multi-byte
     character (replacement characters, and the space held with them)."""
     import torch
+    import transformers
     from test_tokenizer import split_character_tokenizer
 
     tokenizer = split_character_tokenizer()
