@@ -497,10 +497,10 @@ class Collectives:
         partial sums (`Rule.adds`), run once -> {name: the whole value} (the others as were)."""
         out = dict(outputs)
         for rule in self.plan.rules:
-            riders = [r for r in self.plan.rules if r.rides == rule.name]
-            besides = [r for r in self.plan.rules if r.beside == rule.name]
             if not carries(self.plan.rules, rule.name) or rule.name not in out:
                 continue
+            riders = [r for r in self.plan.rules if r.rides == rule.name]
+            besides = [r for r in self.plan.rules if r.beside == rule.name]
             missing = [n for n in [r.name for r in riders + besides] + [rule.adds]
                        if n and n not in out]
             if missing:
