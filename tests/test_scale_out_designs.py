@@ -15,7 +15,8 @@ from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
 from mkresearch.model import partition
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, design_table, designs, scale_out
+from mkresearch.prediction import calibration, design_table, designs, scale_out, step_bounds
+from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
 
@@ -226,6 +227,69 @@ def test_expert_layouts_the_fastest_split_and_slots_together():
     rows = design_table.designs_table(cfg, 32, (1,))
     assert rows[-2]["design"] == label and rows[-2]["step_ms"] == pytest.approx(step[best])
     assert rows[-2]["rank_gb"] == pytest.approx(rows[-3]["rank_gb"], rel=1e-12)
+
+
+def _bounds(rows, side_prefix):
+    return {r["resource"]: r for r in rows if r["side"].startswith(side_prefix)}
+
+
+@pytest.mark.slow  # the designs at B = 1 (cached from the table's test when in one process)
+def test_what_the_designs_last_step_waits_for(capsys):
+    """`step_bounds`: each side's step with one resource 10x faster, the same kernel. At B = 1
+    the designs' last row waits on collective latency most, then on the MXU; its reads and the
+    vector unit barely move it (docs/prediction.md §8), and so for the release's."""
+    cfg = get_config("kimi-k3")
+    rows = step_bounds.step_bounds(cfg, 32, 1)
+    table = design_table.designs_table(cfg, 32, (1,))
+    ours, release = _bounds(rows, "ours ("), _bounds(rows, "the release")
+    assert rows[0]["side"] == f"ours ({table[-2]['design'].removeprefix('+ ')})"
+    for side, row in ((ours, table[-2]), (release, table[-1])):
+        assert list(side) == [step_bounds.AS_MODELLED, *(r[0] for r in step_bounds.RESOURCES)]
+        base = side[step_bounds.AS_MODELLED]["step_ms"]
+        assert base == pytest.approx(row["step_ms"], rel=1e-12)  # the table's step, unmoved
+        for r in side.values():
+            assert r["saved_ms"] == pytest.approx(base - r["step_ms"], abs=1e-9)
+            assert r["saved_ms"] >= 0  # a faster resource never slows the step
+        saved = {k: r["saved_ms"] / base for k, r in side.items()}
+        assert saved["collective latency"] > saved["the MXU"] > saved["link bandwidth"]
+        assert saved["the MXU"] > 0.15 and saved["weight and expert reads"] < 0.05
+        assert saved["the vector unit"] < 0.001
+    capsys.readouterr()
+    assert cli.main(["predict", "kimi-k3", "--designs", "--bounds", "--batch", "1",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"designs": table, "bounds": rows}
+    assert cli.main(["predict", "kimi-k3", "--bounds"]) == 2
+    assert "--bounds is invalid without --designs" in capsys.readouterr().err
+
+
+@pytest.mark.exhaustive  # the designs at B = 8 (~35 s)
+def test_at_b8_our_step_waits_on_the_mxu_where_the_releases_waits_on_its_reads():
+    """docs/prediction.md §8: at B = 8 our MXFP4 experts' MXU time is on the path (almost as
+    long as the collective latencies), the release's (FP8 gate and up) a third as long."""
+    rows = step_bounds.step_bounds(get_config("kimi-k3"), 32, 8)
+    ours, release = _bounds(rows, "ours ("), _bounds(rows, "the release")
+    mxu, latency = "the MXU", "collective latency"
+    assert ours[mxu]["saved_ms"] > 0.8 * ours[latency]["saved_ms"]
+    assert release[mxu]["saved_ms"] < 0.4 * ours[mxu]["saved_ms"]
+    reads = "weight and expert reads"
+    assert release[reads]["saved_ms"] > 2 * ours[reads]["saved_ms"]
+
+
+def test_a_faster_resource_moves_only_its_figures():
+    model = design_table.SAME_ASSUMPTIONS
+    chip, inter = timeline_chip("tpu7x"), links.interconnect("tpu7x", n_ranks=32)
+    for resource, field, figures, rate in step_bounds.RESOURCES:
+        moved = getattr(step_bounds.faster(model, resource, 32, 4.0), field)
+        base = chip if field == "timeline_chip" else inter
+        for name in type(base).__dataclass_fields__:
+            if name == "sources":
+                continue
+            want = getattr(base, name)
+            if name in figures:
+                want = want * 4.0 if rate else want / 4.0
+            assert getattr(moved, name) == want, (resource, name)
+    with pytest.raises(ValueError, match="resource='disk' is invalid: one of"):
+        step_bounds.faster(model, "disk", 32)
 
 
 @pytest.mark.slow  # two full-size predictions at B = 8 (~5 s)

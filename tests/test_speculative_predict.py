@@ -235,6 +235,7 @@ def test_speculative_designs_refuse_bad_input_before_any_prediction(kwargs, mess
     (["--speculate", "7", "--batch", "9"], "72 verify rows"),
     (["--speculate", "3", "--acceptance", "5"], "acceptance=5 is invalid: an int in [1, 4]"),
     (["--speculate", "-1"], "--speculate must be an int >= 0"),
+    (["--speculate", "7", "--bounds"], "--bounds is invalid without --designs, or with --"),
 ])
 def test_predict_designs_refuses_bad_combinations(argv, message, capsys):
     """One line, exit status 2, the option named with what --designs takes."""
@@ -243,4 +244,4 @@ def test_predict_designs_refuses_bad_combinations(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
     if "with --designs" in message:
         assert "--designs takes --ranks, --chip, --batch, --context, --speculate, " \
-               "--acceptance, --json" in err
+               "--acceptance, --bounds, --json" in err

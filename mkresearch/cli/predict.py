@@ -5,7 +5,7 @@ timeline model (`mkresearch.prediction.scale_out`), beside the published numbers
         [--rank-layout ours|release] [--schedule ours|release] \\
         [--collectives partial-sum|exact|restructured] \\
         [--algorithm two-level|one-shot|ring] [--context C] [--json] \\
-        [--speculate K --acceptance 3,6] [--designs]
+        [--speculate K --acceptance 3,6] [--designs [--bounds]]
 
 --explain lists every constant the model uses with its label (MEASURED with its source,
 PUBLISHED architecture figure, or ASSUMPTION), then what grows with the batch at each --batch:
@@ -15,7 +15,9 @@ every assumption (x0.5, x2); --profile prints the seconds one prediction takes (
 a test); --designs prints what each design of `mkresearch.prediction.designs` buys our step
 (`prediction.design_table`), and with --speculate K what each buys a verify step
 (`prediction.speculative_designs`); --designs takes only --ranks, --chip, --batch, --context,
---speculate, --acceptance and --json.
+--speculate, --acceptance, --bounds and --json; --designs --bounds then prints what the designs'
+last row and the release's step wait for (`prediction.step_bounds`: each resource 10x faster
+alone).
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -56,6 +58,7 @@ from mkresearch.prediction import (
     row_work,
     scale_out,
     speculative_designs,
+    step_bounds,
 )
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.prediction.full_size import full_size_step
@@ -115,6 +118,10 @@ def add_parser(commands: Any) -> None:
                         "router placement, bf16 partial sums) added in turn, beside the "
                         "release's modelled step; with --speculate K each one's verify step and "
                         "tok/s")
+    p.add_argument("--bounds", action="store_true",
+                   help="with --designs: what the designs' last row and the release's step wait "
+                        "for, each resource (reads, MXU, vector unit, collective latency, link "
+                        "bandwidth) 10x faster alone")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -123,6 +130,10 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
+    if args.bounds and (not args.designs or args.speculate):
+        raise UsageError("--bounds is invalid without --designs, or with --speculate: it asks "
+                         "what the plain step of the designs' last row waits for (predict "
+                         "MODEL --designs --bounds)")
     if args.designs:
         _check_designs(args)
     if args.expert_mxu:
@@ -157,7 +168,7 @@ def run(args: Any) -> int:
 
 # what --designs takes (with --speculate K: its verify steps); every other option is refused
 DESIGNS_TAKES = ("--ranks", "--chip", "--batch", "--context", "--speculate", "--acceptance",
-                 "--json")
+                 "--bounds", "--json")
 # the options --designs does not take, with their defaults (the option given = not its default)
 DESIGNS_REFUSES = (("--validate", "validate", False), ("--explain", "explain", False),
                    ("--profile", "profile", False), ("--rank-layout", "rank_layout", None),
@@ -192,7 +203,7 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
             for batch in args.batch:
                 speculative.check_verify(batch, args.speculate)
             speculative.check_acceptances(_acceptances(args), args.speculate)
-        table = []
+        table, bounds = [], []
         for batch in _progress(args, args.batch, "designs", "batch"):  # ~25 s a batch here
             if args.speculate:
                 table += speculative_designs.speculative_designs(
@@ -200,13 +211,18 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
                     acceptances=_acceptances(args), model=model)
             else:
                 table += design_table.designs_table(cfg, args.ranks, (batch,), model=model)
+            if args.bounds:  # the designs' choices are cached: ~3 s more a batch
+                bounds += step_bounds.step_bounds(cfg, args.ranks, batch, model=model)
     if args.json:
-        print(json.dumps(table))
-    elif args.speculate:
+        print(json.dumps({"designs": table, "bounds": bounds} if args.bounds else table))
+        return 0
+    if args.speculate:
         print(speculative_designs.format_speculative_designs(table, cfg.name, args.ranks,
                                                              model.context))
     else:
         print(design_table.format_designs(table, model.context))
+    if args.bounds:
+        print(step_bounds.format_step_bounds(bounds, model.context))
     return 0
 
 

@@ -1,0 +1,110 @@
+"""What a predicted step waits for: the step again with one resource made `FASTER` times faster,
+everything else held, for ours (the designs' last row: every design of `design_table` added,
+the router placement, expert split and slots chosen under the shared assumptions) and for the
+release's modelled step, under one `calibration.Model`.
+
+The parts a prediction reports (`timeline_ranks.PARTS`) count the HBM floor first: a copy moving
+while the MXU works is "HBM busy", whether or not the step waits for it. This asks the other
+question: which resource, made faster, shortens the step. The kernel stays the same (its ring
+depth, slots, placement and split, priced as the shared assumptions chose them); only the
+figure moves:
+
+    weight and expert reads   the DMA rate (TimelineChip.dma_bandwidth)
+    the MXU                   its bf16 and fp8 peaks (mxu_flops, fp8_flops)
+    the vector unit           the rows' own work (vpu_flops, an ASSUMPTION)
+    collective latency        a phase's latency, a hop's, the sibling path's
+    link bandwidth            the ICI links, a core's injection, the sibling path
+
+    rows = step_bounds(cfg, 32, batch=1)    # one row per side and resource (and "as modelled")
+    print(format_step_bounds(rows, context=512))
+
+`mkresearch predict MODEL --designs --bounds` prints it after the designs' table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mkresearch.hardware import interconnect as links
+from mkresearch.model.config import ModelConfig
+from mkresearch.prediction import calibration, design_table
+from mkresearch.prediction.timeline_chip import timeline_chip
+
+FASTER = 10.0
+AS_MODELLED = "as modelled"
+# (resource, the Model's field it lives in, its figures, whether a faster resource is a larger
+# figure (a rate) or a smaller one (a latency))
+RESOURCES = (
+    ("weight and expert reads", "timeline_chip", ("dma_bandwidth",), True),
+    ("the MXU", "timeline_chip", ("mxu_flops", "fp8_flops"), True),
+    ("the vector unit", "timeline_chip", ("vpu_flops",), True),
+    ("collective latency", "interconnect", ("ici_latency", "hop_latency", "sibling_latency"),
+     False),
+    ("link bandwidth", "interconnect", ("ici_bandwidth", "injection_bandwidth",
+                                        "sibling_bandwidth"), True),
+)
+
+
+def faster(model: calibration.Model, resource: str, n_ranks: int,
+           factor: float = FASTER) -> calibration.Model:
+    """`model` with `resource` (one of RESOURCES) `factor` times faster, the rest held."""
+    for name, field, figures, rate in RESOURCES:
+        if name == resource:
+            break
+    else:
+        raise ValueError(f"resource={resource!r} is invalid: one of "
+                         f"{', '.join(repr(r[0]) for r in RESOURCES)}")
+    if field == "timeline_chip":
+        base = model.timeline_chip or timeline_chip("tpu7x")
+    else:
+        base = model.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
+    scaled = {f: getattr(base, f) * factor if rate else getattr(base, f) / factor
+              for f in figures}
+    moved = timeline_chip(base, **scaled) if field == "timeline_chip" else \
+        links.interconnect(base, **scaled)
+    return dataclasses.replace(model, **{field: moved})
+
+
+def step_bounds(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,
+                model: calibration.Model = design_table.SAME_ASSUMPTIONS,
+                factor: float = FASTER) -> list[dict[str, Any]]:
+    """One row per side (ours: the designs' last row; the release's where it is modelled) and
+    resource: {"batch", "side", "resource", "step_ms", "saved_ms"}, the first of each side's
+    rows "as modelled" (saved 0)."""
+    label, variant, fields = design_table.design_steps(cfg, n_ranks, batch, model=model)[-1]
+    sides = [(f"ours ({label.removeprefix('+ ')})",
+              lambda m: design_table.predict_design(variant, n_ranks, batch, m, **fields))]
+    if design_table.release_modelled(cfg, n_ranks):
+        sides.append(("the release (modelled)", lambda m: m.predict(cfg, batch)))
+    rows = []
+    for side, predict in sides:
+        base_s = predict(model)["step_s"]
+        rows.append({"batch": batch, "side": side, "resource": AS_MODELLED,
+                     "step_ms": base_s * 1e3, "saved_ms": 0.0})
+        for resource, *_ in RESOURCES:
+            step_s = predict(faster(model, resource, n_ranks, factor))["step_s"]
+            rows.append({"batch": batch, "side": side, "resource": resource,
+                         "step_ms": step_s * 1e3, "saved_ms": (base_s - step_s) * 1e3})
+    return rows
+
+
+def format_step_bounds(rows: list[dict[str, Any]], context: int,
+                       factor: float = FASTER) -> str:
+    """The rows of `step_bounds` (any batches) as a table: a column per side."""
+    lines = [(f"what the step waits for (scale-out model, context {context}): the step with "
+              f"one resource {factor:g}x faster, everything else held (the same kernel); ms, "
+              "and the ms it saves:")]
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        at = [r for r in rows if r["batch"] == batch]
+        sides = list(dict.fromkeys(r["side"] for r in at))
+        lines.append(f"  B = {batch:<3d} {'resource':24s}" +
+                     "".join(f" {s:>36s}" for s in sides))
+        for resource in dict.fromkeys(r["resource"] for r in at):
+            cells = []
+            for side in sides:
+                r = next(r for r in at if r["side"] == side and r["resource"] == resource)
+                saved = f"(-{r['saved_ms']:.2f})" if resource != AS_MODELLED else ""
+                cells.append(f" {r['step_ms']:27.2f} {saved:>8s}")
+            lines.append((f"  {'':7s} {resource:24s}" + "".join(cells)).rstrip())
+    return "\n".join(lines)
