@@ -134,7 +134,7 @@ guide.glossary_view("Rank", "TensorCore", "Slice", "Host", "ICI", "Phase", "One-
 
 # %%
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, design_table, scale_out
+from mkresearch.prediction import calibration, design_table, scale_out, step_bounds
 from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.views import scale_out_plots, widgets
@@ -321,6 +321,23 @@ for held in loo["held_out"]:
           f"{stable(held['predicted_us'], '.1f', 1e-3)} µs, measured {held['measured_us']:.1f}")
 assert all(abs(h["predicted_us"] / h["measured_us"] - 1) < 0.1 for h in loo["held_out"])
 
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · every published point (the second model's and speculative ones too) within its range;
+# every assumption moved, each value once; no point moves by 0.08 when a measurement is left out
+moved = {row["assumption"] for row in sensitivity["rows"]}
+outside = [r["point"] for r in sensitivity["base"]
+           if not sensitivity["ranges"][r["point"]][0] <= r["ratio"]
+           <= sensitivity["ranges"][r["point"]][1]]
+spread = [point for point, (low, high) in loo["ranges"].items() if high - low >= 0.08]
+print(f"{len(sensitivity['rows'])} moves of an assumption, {len(sensitivity['ranges'])} points; "
+      f"points outside their range: {outside}; moving 0.08 or more without one measurement: "
+      f"{spread}")
+assert len(sensitivity["rows"]) == sum(len(values) for *_, values in calibration.ASSUMPTIONS)
+for needed in ("sibling_latency", "hop_latency", "DMA queues", "weight stream past"):
+    assert any(needed in name for name in moved), needed
+assert not outside and not spread
+
 # %% [markdown]
 # The rows above show what moves each point most: the sibling path's latency (a line through
 # two copies far larger than a decode message), the weight stream past every collective or none,
@@ -423,6 +440,32 @@ print(f"B=1: {len(steps)} steps of ours, each design added in turn, never slower
       f"{all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))}")
 assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
 assert designs_b1[-1]["design"] == "the release (modelled)" and designs_b1[-1]["over_release"] == 1
+
+# %% [markdown]
+# **What the last design waits for.** The parts above count the HBM floor first: a copy moving
+# while the MXU works reads as "HBM busy" whether or not the step waits for it.
+# `step_bounds` asks instead which resource, made faster, shortens the step: the designs' last
+# row and the release's step priced again with one resource 10× faster, everything else held
+# (the same kernel). `mkresearch predict kimi-k3 --designs --bounds` prints it at every batch
+# (docs/prediction.md §8).
+
+# %%
+bounds_b1 = step_bounds.step_bounds(cfg, 32, 1)  # the designs above are cached: a few seconds
+widgets.show_figure(scale_out_plots.step_bounds_figure(bounds_b1))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · at B = 1 both steps wait on collective latency most, then on the MXU's time on the
+# path; reads 10x faster take under 5 % of either step: fewer bytes per rank do not shorten it
+for side in dict.fromkeys(r["side"] for r in bounds_b1):
+    saved = {r["resource"]: r["saved_ms"] for r in bounds_b1 if r["side"] == side}
+    step = next(r["step_ms"] for r in bounds_b1 if r["side"] == side)
+    order = sorted(step_bounds.RESOURCES, key=lambda res: -saved[res[0]])
+    print(f"{side}: {stable(step, '.1f', 1e-6)} ms; resources by what a 10x faster one saves: "
+          f"{', '.join(res[0] for res in order)}; reads save under 5 %: "
+          f"{saved['weight and expert reads'] < 0.05 * step}")
+    assert order[0][0] == "collective latency" and order[1][0] == "the MXU"
+    assert saved["weight and expert reads"] < 0.05 * step
 
 # %% [markdown]
 # ## 5 · Explorer

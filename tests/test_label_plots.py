@@ -117,6 +117,17 @@ def test_scale_out_figure_and_parts_read():
     check(scale_out_plots.scale_out_figure(RELEASE, OURS))
 
 
+def test_step_bounds_figure_reads():
+    rows = [{"batch": 1, "side": side, "resource": resource, "step_ms": step - saved,
+             "saved_ms": saved}
+            for side, step in (("ours (experts 8 ways, 4 slots)", 3.5),
+                               ("the release (modelled)", 4.11))
+            for resource, saved in (("as modelled", 0.0), ("weight and expert reads", 0.13),
+                                    ("the MXU", 0.75), ("the vector unit", 0.0),
+                                    ("collective latency", 1.43), ("link bandwidth", 0.3))]
+    check(scale_out_plots.step_bounds_figure(rows))
+
+
 @pytest.mark.slow
 def test_scale_out_explorer_figure_reads():
     """The explorer's figure of a real (8-rank, cached) prediction: the ranks' bars and the parts."""

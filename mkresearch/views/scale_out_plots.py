@@ -2,7 +2,9 @@
 `ScaleOutExplorer` widget (batch, ranks, layout, schedule, link bandwidth and latency).
 
 Data functions (pure, tested): `ranks_rows` (the bars of a multi-rank timeline), `figure_rows`
-(tok/s per batch per series), `parts_rows` (the decomposition of one step per series).
+(tok/s per batch per series), `parts_rows` (the decomposition of one step per series); the
+figures of `prediction.step_bounds`, `collective_plan.overlap` and `replication_floor` draw their
+rows as they are.
 """
 
 from __future__ import annotations
@@ -301,4 +303,27 @@ def frontier_figure(fronts: Sequence[dict], *, max_collectives: int | None = Non
     ax.set_title("fewer collectives cost bytes: each point avoids the next cheapest collective "
                  "(ringed: the step as built)", fontsize=10)
     ax.legend(fontsize=8)
+    return fig
+
+
+def step_bounds_figure(rows: Sequence[dict]):
+    """`prediction.step_bounds`'s rows at one batch: per resource, the ms each side's step loses
+    when that resource alone is 10x faster, ours and the release's side by side."""
+    import matplotlib.pyplot as plt
+
+    sides = list(dict.fromkeys(r["side"] for r in rows))
+    resources = [r["resource"] for r in rows if r["side"] == sides[0]][1:]  # not "as modelled"
+    fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
+    height = 0.8 / len(sides)
+    for i, side in enumerate(sides):
+        saved = {r["resource"]: r["saved_ms"] for r in rows if r["side"] == side}
+        step = next(r["step_ms"] for r in rows if r["side"] == side)
+        ys = [len(resources) - 1 - j + (len(sides) / 2 - i - 0.5) * height
+              for j in range(len(resources))]
+        ax.barh(ys, [saved[k] for k in resources], height=height * 0.9,
+                label=f"{side}: {step:.2f} ms", color=("#4C72B0", "#C44E52")[i % 2])
+    ax.set_yticks(range(len(resources)), resources[::-1])
+    ax.set_xlabel("ms the step loses with that resource alone 10x faster (modelled)")
+    ax.set_title(f"What the step waits for, B = {rows[0]['batch']}", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
     return fig
