@@ -119,7 +119,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 1. the slice, its links, and what a collective costs;
 # 2. validation: the ten published points, predicted out of sample;
 # 3. how far each prediction moves with every assumption (x0.5, x2) and with the fit;
-# 4. our layout and schedule on the same hardware;
+# 4. our layout and schedule on the same hardware, each design beyond the kernel's defaults
+#    priced, and what the step then waits for;
 # 5. an explorer: batch, ranks, layout, schedule, link bandwidth and latency.
 #
 # The terms this notebook uses, from the glossary (notebook 00 shows all of it):
