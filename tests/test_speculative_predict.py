@@ -10,7 +10,7 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.model.config import get_config
-from mkresearch.prediction import design_table, scale_out, speculative_designs
+from mkresearch.prediction import design_table, scale_out, speculative_designs, step_bounds
 from mkresearch.prediction import speculative_predict as speculative
 from mkresearch.sharding import layout as layouts
 
@@ -194,6 +194,30 @@ def test_predict_speculate_designs_command(k3_designs, capsys):
     assert "tok/s a=1" in out and "tok/s a=2" in out and "context 512" in out
     assert all(r["design"] in out for r in spec)
     print(out)
+    capsys.readouterr()
+    # what the verify step waits for: the designs' last row of B (k + 1) rows, B sequences
+    assert cli.main([*argv, "--bounds", "--json"]) == 0
+    bounds = json.loads(capsys.readouterr().out)["bounds"]
+    assert bounds == step_bounds.step_bounds(get_config("kimi-k3"), 32, DESIGN_ROWS, sequences=1)
+    ours = {r["resource"]: r for r in bounds if r["side"].startswith("ours")}
+    assert spec[-2]["design"] != speculative_designs.RELEASE_LABEL  # the last design's row
+    assert ours[step_bounds.AS_MODELLED]["step_ms"] == pytest.approx(spec[-2]["verify_ms"])
+
+
+@pytest.mark.exhaustive  # the designs at 8 rows (~35 s)
+def test_the_k7_verify_step_waits_on_the_mxu_where_the_releases_does_not():
+    """docs/prediction.md §9: Kimi K3's verify step of B = 1, K = 7 (8 rows): ours saves more
+    with a 10x faster MXU than with 10x faster reads by far, and about what 1,000 tok/s at an
+    acceptance length of 6 asks of it; the release's MXU is not its bound."""
+    cfg = get_config("kimi-k3")
+    rows = step_bounds.step_bounds(cfg, 32, 8, sequences=1)
+    ours = {r["resource"]: r for r in rows if r["side"].startswith("ours")}
+    release = {r["resource"]: r for r in rows if r["side"].startswith("the release")}
+    drafting_ms = speculative.drafter_s(cfg, 7, 1, n_ranks=32) * 1e3
+    asked_ms = ours[step_bounds.AS_MODELLED]["step_ms"] - (6 / 1000 * 1e3 - drafting_ms)
+    assert ours["the MXU"]["saved_ms"] > 10 * ours["weight and expert reads"]["saved_ms"]
+    assert ours["the MXU"]["saved_ms"] == pytest.approx(asked_ms, abs=0.05)
+    assert release["the MXU"]["saved_ms"] < 0.4 * ours["the MXU"]["saved_ms"]
 
 
 def test_speculative_designs_without_the_release_or_a_drafter():
@@ -235,7 +259,6 @@ def test_speculative_designs_refuse_bad_input_before_any_prediction(kwargs, mess
     (["--speculate", "7", "--batch", "9"], "72 verify rows"),
     (["--speculate", "3", "--acceptance", "5"], "acceptance=5 is invalid: an int in [1, 4]"),
     (["--speculate", "-1"], "--speculate must be an int >= 0"),
-    (["--speculate", "7", "--bounds"], "--bounds is invalid without --designs, or with --"),
 ])
 def test_predict_designs_refuses_bad_combinations(argv, message, capsys):
     """One line, exit status 2, the option named with what --designs takes."""

@@ -16,8 +16,8 @@ a test); --designs prints what each design of `mkresearch.prediction.designs` bu
 (`prediction.design_table`), and with --speculate K what each buys a verify step
 (`prediction.speculative_designs`); --designs takes only --ranks, --chip, --batch, --context,
 --speculate, --acceptance, --bounds and --json; --designs --bounds then prints what the designs'
-last row and the release's step wait for (`prediction.step_bounds`: each resource 10x faster
-alone).
+last row and the release's step (with --speculate K: their verify steps) wait for
+(`prediction.step_bounds`: each resource 10x faster alone).
 
 With --speculate K each batch row is a speculative decode: verify steps of B (K + 1) rows, tok/s
 at each acceptance length (`mkresearch.prediction.speculative_predict`).
@@ -120,8 +120,8 @@ def add_parser(commands: Any) -> None:
                         "tok/s")
     p.add_argument("--bounds", action="store_true",
                    help="with --designs: what the designs' last row and the release's step wait "
-                        "for, each resource (reads, MXU, vector unit, collective latency, link "
-                        "bandwidth) 10x faster alone")
+                        "for (with --speculate K: their verify steps), each resource (reads, "
+                        "MXU, vector unit, collective latency, link bandwidth) 10x faster alone")
     p.add_argument("--validate", action="store_true",
                    help="the published points beside the predictions, leave-one-out, sensitivity")
     p.add_argument("--profile", action="store_true",
@@ -130,10 +130,9 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
-    if args.bounds and (not args.designs or args.speculate):
-        raise UsageError("--bounds is invalid without --designs, or with --speculate: it asks "
-                         "what the plain step of the designs' last row waits for (predict "
-                         "MODEL --designs --bounds)")
+    if args.bounds and not args.designs:
+        raise UsageError("--bounds is invalid without --designs: it asks what the designs' "
+                         "last row waits for (predict MODEL --designs --bounds)")
     if args.designs:
         _check_designs(args)
     if args.expert_mxu:
@@ -212,7 +211,9 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
             else:
                 table += design_table.designs_table(cfg, args.ranks, (batch,), model=model)
             if args.bounds:  # the designs' choices are cached: ~3 s more a batch
-                bounds += step_bounds.step_bounds(cfg, args.ranks, batch, model=model)
+                rows = batch * (args.speculate + 1)  # a verify step's, with --speculate K
+                bounds += step_bounds.step_bounds(cfg, args.ranks, rows, model=model,
+                                                  sequences=batch)
     if args.json:
         print(json.dumps({"designs": table, "bounds": bounds} if args.bounds else table))
         return 0
