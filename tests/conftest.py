@@ -94,7 +94,8 @@ def _module_rank(item) -> int:
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (a stable sort: each module's tests keep their order). Then
     `exhaustive` tests (every combination of a sweep whose named cases run anyway) are opt-in:
-    MKRESEARCH_EXHAUSTIVE=1 (`make test-exhaustive`). `make test` stays within its time budget."""
+    MKRESEARCH_EXHAUSTIVE=1 (`make test-exhaustive`), so that `make test` runs the named cases
+    alone (its budget: DEVELOPERS.md; each run prints its time)."""
     items.sort(key=_module_rank)
     if EXHAUSTIVE:
         return
