@@ -70,6 +70,20 @@ class Model:
                                  context=self.context, prefetch_across=self.prefetch_across,
                                  **kwargs)
 
+    def scaled(self, where: str, factors: dict[str, float], n_ranks: int | None = None
+               ) -> Model:
+        """These assumptions with figures of the links (`where` "interconnect": its slice the
+        release's, or the one of n_ranks, where the Model names none) or of the chip
+        ("timeline_chip") multiplied by `factors` ({figure: factor}), the rest held."""
+        if where == "interconnect":
+            base = self.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
+            moved = links.interconnect(base, **{f: getattr(base, f) * k
+                                                for f, k in factors.items()})
+        else:
+            base = self.timeline_chip or timeline_chip("tpu7x")
+            moved = timeline_chip(base, **{f: getattr(base, f) * k for f, k in factors.items()})
+        return dataclasses.replace(self, **{where: moved})
+
     def describe(self) -> dict[str, Any]:
         """Every shared assumption with its value and source (JSON-able)."""
         inter = self.interconnect or links.interconnect("tpu7x")
@@ -214,14 +228,10 @@ def _varied(name: str, variant: Any) -> Model:
     switch = isinstance(variant, bool) or field == "n_dma_engines"
     if where == "model":
         return Model(**{field: variant})
-    if where == "interconnect":
-        base = links.interconnect("tpu7x")
-        return Model(interconnect=links.interconnect(base, **{field: getattr(base, field)
-                                                                * variant}))
-    if where == "timeline_chip":
-        base = timeline_chip("tpu7x")
-        value = variant if switch else getattr(base, field) * variant
-        return Model(timeline_chip=timeline_chip(base, **{field: value}))
+    if where == "timeline_chip" and switch:
+        return Model(timeline_chip=timeline_chip("tpu7x", **{field: variant}))
+    if where in ("interconnect", "timeline_chip"):  # a number of the links or the chip
+        return Model().scaled(where, {field: variant})
     sched = scale_out.RELEASE_SCHEDULE
     return Model(schedule=dataclasses.replace(sched, **{
         field: max(1, round(getattr(sched, field) * variant))}))

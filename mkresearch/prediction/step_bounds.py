@@ -25,13 +25,10 @@ figure moves:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, design_table
-from mkresearch.prediction.timeline_chip import timeline_chip
 
 FASTER = 10.0
 AS_MODELLED = "as modelled"
@@ -50,22 +47,14 @@ RESOURCES = (
 
 def faster(model: calibration.Model, resource: str, n_ranks: int,
            factor: float = FASTER) -> calibration.Model:
-    """`model` with `resource` (one of RESOURCES) `factor` times faster, the rest held."""
-    for name, field, figures, rate in RESOURCES:
+    """`model` with `resource` (one of RESOURCES) `factor` times faster, the rest held
+    (`Model.scaled`; its links, where it names none, those of n_ranks)."""
+    for name, where, figures, rate in RESOURCES:
         if name == resource:
-            break
-    else:
-        raise ValueError(f"resource={resource!r} is invalid: one of "
-                         f"{', '.join(repr(r[0]) for r in RESOURCES)}")
-    if field == "timeline_chip":
-        base = model.timeline_chip or timeline_chip("tpu7x")
-    else:
-        base = model.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
-    scaled = {f: getattr(base, f) * factor if rate else getattr(base, f) / factor
-              for f in figures}
-    moved = timeline_chip(base, **scaled) if field == "timeline_chip" else \
-        links.interconnect(base, **scaled)
-    return dataclasses.replace(model, **{field: moved})
+            return model.scaled(where, dict.fromkeys(figures, factor if rate else 1 / factor),
+                                n_ranks)
+    raise ValueError(f"resource={resource!r} is invalid: one of "
+                     f"{', '.join(repr(r[0]) for r in RESOURCES)}")
 
 
 def step_bounds(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,

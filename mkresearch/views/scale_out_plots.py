@@ -324,6 +324,8 @@ def step_bounds_figure(rows: Sequence[dict]):
                 label=f"{side}: {step:.2f} ms", color=("#4C72B0", "#C44E52")[i % 2])
     ax.set_yticks(range(len(resources)), resources[::-1])
     ax.set_xlabel("ms the step loses with that resource alone 10x faster (modelled)")
-    ax.set_title(f"What the step waits for, B = {rows[0]['batch']}", fontsize=10)
+    batch, sequences = rows[0]["batch"], rows[0].get("sequences", rows[0]["batch"])
+    ax.set_title("What the step waits for, " + (f"B = {batch}" if sequences == batch else
+                 f"the verify step of B = {sequences} ({batch} rows)"), fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     return fig
