@@ -118,9 +118,11 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #
 # 1. the slice, its links, and what a collective costs;
 # 2. validation: the ten published points, predicted out of sample;
-# 3. how far each prediction moves with every assumption (x0.5, x2) and with the fit;
+# 3. how far each prediction moves with every assumption (x0.5, x2; the vector rate x0.1, x2)
+#    and with the fit;
 # 4. our layout and schedule on the same hardware, each design beyond the kernel's defaults
-#    priced, and what the step then waits for;
+#    priced, what the step then waits for, and whether a vector unit could take the MXU's
+#    one-row products;
 # 5. an explorer: batch, ranks, layout, schedule, link bandwidth and latency.
 #
 # The terms this notebook uses, from the glossary (notebook 00 shows all of it):
@@ -283,7 +285,8 @@ for row in calibration.second_model_collectives():
 #
 # Every ASSUMPTION moved (`calibration.ASSUMPTIONS`): the numbers ×0.5 and ×2 (the per-hop
 # latency beyond the measured slice, the sibling path's latency, the DMA latency, the VMEM
-# bandwidth, K3's banks and expert slots) and the switches to their other values (two DMA queues,
+# bandwidth, K3's banks and expert slots), the vector rate ×0.1 and ×2 (a tenth: a vector unit of
+# v5p's published width and clock, docs/tpu.md §1) and the switches to their other values (two DMA queues,
 # remote copies queued behind the weight DMAs, the weight stream running past every collective
 # or none, for both sides at once); and the collective line refitted without each of its four
 # measurements (leave-one-out): the range each prediction then spans. About a minute, counted by
@@ -467,6 +470,39 @@ for side in dict.fromkeys(r["side"] for r in bounds_b1):
           f"{saved['weight and expert reads'] < 0.05 * step}")
     assert order[0][0] == "collective latency" and order[1][0] == "the MXU"
     assert saved["weight and expert reads"] < 0.05 * step
+
+# %% [markdown]
+# **Could the vector unit take the MXU's time at one row?** A weight tile costs the MXU 256 rows
+# however few stream through it, so at one row a TensorCore's MXU takes peak / 512 weights a
+# second. The one public figure of a TPU vector unit is v5p's (docs/tpu.md §1: 8 × 128 lanes × 4
+# ALUs a TensorCore, at 1.75 GHz), and TPU7x's is not published. `step_bounds.one_row_rates`
+# compares the two per weight format, counting the vector unit's operations a weight: multiply
+# and add, an fp8 value converted first, an MXFP4 code shifted, masked and converted first.
+# `vector_unit_step` prices our B = 1 step with every bf16 product at the faster rate (a
+# what-if, not built: docs/prediction.md §8 says why).
+
+# %%
+one_row = step_bounds.one_row_rates()
+for fmt, r in one_row.items():
+    print(f"{fmt:6s} MXU {r['mxu'] / 1e12:.2f}e12 weights/s, a vector unit of v5p's "
+          f"{r['vpu'] / 1e12:.2f}e12 ({step_bounds.VPU_OPS_PER_WEIGHT[fmt]} operations a weight): "
+          f"{r['vpu_over_mxu']:.2f}x")
+vector_b1 = step_bounds.vector_unit_step(cfg, 32, 1)
+print(f"our B = 1 step: {vector_b1['step_ms']:.2f} ms, with every bf16 product on such a vector "
+      f"unit {vector_b1['vector_step_ms']:.2f} ms")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · at one row such a vector unit beats the MXU on bf16 weights alone, by under 2x; the
+# what-if step would be under 0.8 of the release's at B = 1, and from two rows (twice the
+# vector unit's time) the MXU is faster on every format
+release_b1 = next(r["step_ms"] for r in bounds_b1 if r["side"] == "the release (modelled)")
+wins = [fmt for fmt, r in one_row.items() if r["vpu_over_mxu"] > 1]
+print(f"formats the vector unit wins at one row: {wins}; by under 2x: "
+      f"{one_row['bf16']['vpu_over_mxu'] < 2}; the what-if under 0.8 of the release's "
+      f"{stable(release_b1, '.1f', 1e-6)} ms: {vector_b1['vector_step_ms'] < 0.8 * release_b1}")
+assert wins == ["bf16"] and one_row["bf16"]["vpu_over_mxu"] < 2
+assert vector_b1["vector_step_ms"] < 0.8 * release_b1 < vector_b1["step_ms"]
 
 # %% [markdown]
 # ## 5 · Explorer

@@ -262,6 +262,40 @@ def test_what_the_designs_last_step_waits_for(capsys):
     assert "--bounds is invalid without --designs" in capsys.readouterr().err
 
 
+def test_a_vector_unit_of_v5p_width_loses_to_the_mxu_on_fp8_and_mxfp4_at_one_row():
+    """docs/prediction.md §8: at one row the MXU takes weights at 256 per push of its peak; a
+    vector unit of v5p's published width and clock takes bf16 weights 1.59x faster, fp8 and
+    MXFP4 slower (even at two operations a weight, with no conversion)."""
+    rates = step_bounds.one_row_rates()
+    chip = timeline_chip("tpu7x")
+    vpu_ops = 8 * 128 * 4 * 1.75e9  # docs/tpu.md §1, per TensorCore
+    assert rates["bf16"]["mxu"] == pytest.approx(chip.mxu_flops / 512)
+    assert rates["fp8"]["mxu"] == rates["mxfp4"]["mxu"] == pytest.approx(chip.fp8_flops / 512)
+    for fmt, r in rates.items():
+        assert r["vpu"] == pytest.approx(vpu_ops / step_bounds.VPU_OPS_PER_WEIGHT[fmt])
+        assert r["vpu_over_mxu"] == pytest.approx(r["vpu"] / r["mxu"])
+    assert 1.55 < rates["bf16"]["vpu_over_mxu"] < 1.65
+    assert vpu_ops / 2 < rates["fp8"]["mxu"]  # fp8 and MXFP4 lose even at 2 operations
+    assert rates["bf16"]["mxu"] * 1.05 < vpu_ops / 3 < rates["bf16"]["mxu"] * 1.07  # converted
+    # our kernel's time per core at one row: a tenth of the vector ASSUMPTION, as the sensitivity
+    assert 0.095 < vpu_ops / chip.vpu_flops < 0.105
+    assert any(f == "vpu_flops" and 0.1 in v for _, _, f, v in calibration.ASSUMPTIONS)
+
+
+@pytest.mark.slow  # the designs at B = 1 (cached from the table's test in one process)
+def test_bf16_products_on_the_vector_unit_would_shorten_only_the_one_row_step():
+    """The what-if of docs/prediction.md §8: every bf16 product at the vector unit's rate where
+    it wins takes our B = 1 step from 3.50 to 3.26 ms (0.79 of the release's 4.11); from B = 2
+    the vector unit's time (twice one row's) is longer than the MXU's, which keeps them all."""
+    cfg = get_config("kimi-k3")
+    table = design_table.designs_table(cfg, 32, (1,))
+    one = step_bounds.vector_unit_step(cfg, 32, 1)
+    assert one["step_ms"] == pytest.approx(table[-2]["step_ms"], rel=1e-12)
+    assert 3.45 < one["step_ms"] < 3.55 and 3.2 < one["vector_step_ms"] < 3.3
+    assert 0.78 < one["vector_step_ms"] / table[-1]["step_ms"] < 0.80  # the release at B = 1
+    assert one["bf16_speedup"] == step_bounds.one_row_rates()["bf16"]["vpu_over_mxu"] < 2
+
+
 @pytest.mark.exhaustive  # the designs at B = 8 (~35 s)
 def test_at_b8_our_step_waits_on_the_mxu_where_the_releases_waits_on_its_reads():
     """docs/prediction.md §8: at B = 8 our MXFP4 experts' MXU time is on the path (almost as

@@ -416,8 +416,8 @@ def format_validation() -> str:
     loo = calibration.leave_one_out()
     lines = [(f"validation: every published point, predicted out of sample (within "
               f"{calibration.TOLERANCE:.0%}? goal {calibration.GOAL:.0%}); range: every "
-              "assumption moved (numbers x0.5 and x2, switches to their other values); LOO: the "
-              "collective fit without each measurement"),
+              "assumption moved (numbers x0.5 and x2, the vector rate x0.1 and x2, switches to "
+              "their other values); LOO: the collective fit without each measurement"),
              (f"  {'point':26s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} "
               f"{'within':>6s} {'range':>13s} {'LOO range':>13s}")]
     for r in sens["base"]:

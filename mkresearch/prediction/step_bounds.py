@@ -21,6 +21,11 @@ figure moves:
 
 `mkresearch predict MODEL --designs --bounds` prints it after the designs' table, and with
 `--speculate K` for each verify step of B (K + 1) rows.
+
+At one row the MXU's time is its weight push (2 x weights x 256 / peak, however few rows).
+`one_row_rates` asks whether a vector unit could take a one-row product faster, priced from the
+only public figure of a TPU vector unit (v5p's, docs/tpu.md §1), and `vector_unit_step` prices
+our step with every bf16 product at the rate it would win at.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, design_table
+from mkresearch.prediction import timeline_chip as tchip
 
 FASTER = 10.0
 AS_MODELLED = "as modelled"
@@ -55,6 +61,45 @@ def faster(model: calibration.Model, resource: str, n_ranks: int,
                                 n_ranks)
     raise ValueError(f"resource={resource!r} is invalid: one of "
                      f"{', '.join(repr(r[0]) for r in RESOURCES)}")
+
+
+# A one-row product x[K] W[K, N] on the vector unit: W's K rows on the sublanes and N on the lanes,
+# x[k] broadcast along the lanes once per row of vregs, the sum over k added elementwise into an
+# accumulator. Operations per weight: a multiply and an add; an fp8 value converted first; an MXFP4
+# code shifted out of its word, masked and converted first (no fewer for any of them).
+VPU_OPS_PER_WEIGHT = {"bf16": 2, "fp8": 3, "mxfp4": 5}
+
+
+def one_row_rates(model: calibration.Model = design_table.SAME_ASSUMPTIONS) -> dict[str, dict]:
+    """Weights one TensorCore multiplies per second on one row, per stored format: the MXU's
+    (its weight push at the peak of what it is handed: bf16 as bf16, fp8 and MXFP4 as fp8, as
+    our kernel hands them) and a vector unit's of v5p's published width and clock
+    (`VPU_OPS_PER_WEIGHT` operations each); {"mxu", "vpu", "vpu_over_mxu"}."""
+    chip = model.timeline_chip or tchip.timeline_chip("tpu7x")
+    vpu_ops_per_s = tchip.V5P_VPU_OPS_PER_CYCLE * tchip.V5P_CLOCK_HZ
+    rates = {}
+    for fmt, ops in VPU_OPS_PER_WEIGHT.items():
+        peak = chip.mxu_flops if fmt == "bf16" else (chip.fp8_flops or chip.mxu_flops)
+        mxu = peak / (2.0 * chip.mxu_rows)
+        vpu = vpu_ops_per_s / ops
+        rates[fmt] = {"mxu": mxu, "vpu": vpu, "vpu_over_mxu": vpu / mxu}
+    return rates
+
+
+def vector_unit_step(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,
+                     model: calibration.Model = design_table.SAME_ASSUMPTIONS) -> dict[str, float]:
+    """Our step (the designs' last row) as modelled, and with every bf16 product on `batch` rows
+    taken at the vector unit's rate where that is faster than the MXU's (`one_row_rates`, the
+    vector unit's time growing with the rows, the MXU's flat below its 256), fp8 and MXFP4
+    products left on the MXU: {"step_ms", "vector_step_ms", "bf16_speedup"}. A what-if: it
+    rests on TPU7x's vector unit being at least v5p's."""
+    bf16 = one_row_rates(model)["bf16"]
+    speedup = max(1.0, bf16["vpu_over_mxu"] / batch)
+    _, variant, fields = design_table.design_steps(cfg, n_ranks, batch, model=model)[-1]
+    moved = model.scaled("timeline_chip", {"mxu_flops": speedup}, n_ranks)
+    step, vector_step = (design_table.predict_design(variant, n_ranks, batch, m, **fields)
+                         ["step_s"] * 1e3 for m in (model, moved))
+    return {"step_ms": step, "vector_step_ms": vector_step, "bf16_speedup": speedup}
 
 
 def step_bounds(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,

@@ -28,9 +28,14 @@ N_DMA_ENGINES = 1
 # VMEM -> vector registers / MXU bandwidth. Not published; VMEM is on-die SRAM an order of
 # magnitude faster than HBM. ASSUMPTION: 16x the device's HBM bandwidth.
 VMEM_OVER_HBM = 16.0
-# VPU (elementwise f32) peak. Not published per chip in a comparable form. ASSUMPTION: 1/16 of the
-# bf16 MXU peak (8 x 128 lanes x a few VALU slots per cycle against 4 MXUs of 128^2 or 256^2).
+# VPU (elementwise f32) peak. Not published for TPU7x. ASSUMPTION: 1/16 of the bf16 MXU peak (8 x
+# 128 lanes x a few VALU slots per cycle against 4 MXUs of 128^2 or 256^2). The one public figure
+# of a TPU vector unit is v5p's (docs/tpu.md §1): per TensorCore 8 sublanes x 128 lanes x 4 ALUs,
+# one operation each per cycle, at about 1.75 GHz: 1/32 of v5p's bf16 peak, and a tenth of this
+# ASSUMPTION on TPU7x were its vector unit v5p's. The sensitivity set moves it down that far.
 VPU_OVER_MXU = 1.0 / 16.0
+V5P_VPU_OPS_PER_CYCLE = 8 * 128 * 4  # per TensorCore (PUBLISHED, docs/tpu.md §1)
+V5P_CLOCK_HZ = 1.75e9  # (PUBLISHED, docs/tpu.md §1)
 # The rate a stream of weight DMAs sustains on TPU7x, MEASURED by the release on its second model:
 # its dense-weight ring moves 76 MiB per layer in 25 us (3.19 TB/s), and its step's bytes are quoted
 # against 3.2 TB/s per core (docs/collectives.md §2), below the published 3.69 TB/s per core. The
