@@ -247,7 +247,8 @@ def test_declared_cost_is_what_the_megakernel_moves(race_checked, mini_params, b
 
 @pytest.mark.slow
 def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
-    """The issue's example, at kimi-k3-rank shapes (no interpret run: GBs of weights). At B = 8
+    """The issue's example, at kimi-k3-rank shapes (no interpret run: GBs of weights), compiled
+    for TPU7x as one Mosaic kernel (the MoE layer of test_expert_kernel's full rank). At B = 8
     every one of the rank's 112 experts can be routed (min(112, 8·16)), so the declared bytes
     are exactly one MoE layer's parameters (mkresearch.model.weights.param_shapes) plus x and the
     output; the compiled program's bytes_accessed, a few kB before, holds them."""
@@ -260,6 +261,7 @@ def test_moe_layer_at_rank_shapes_declares_the_whole_layer():
           f"{compiled.bytes_accessed:,.0f} B")
     assert compiled.mosaic_cost["bytes_accessed"] == size(layer) + 2 * size(x)
     assert compiled.bytes_accessed >= size(layer)
+    assert compiled.n_mosaic_kernels == 1  # the whole MoE layer is one kernel (test_expert_kernel)
 
 
 @pytest.mark.parametrize("kernel", ["gemv-stream", "megakernel"])

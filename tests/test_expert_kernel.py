@@ -459,11 +459,11 @@ def test_fp8_mxu_smaller_chunk_compiles_for_tpu7x(name, overrides, batch):
 @pytest.mark.slow
 def test_compiles_for_tpu7x_full_rank():
     """Kimi K3 per-rank shapes (112 local experts, a 768-wide slice of the expert hidden), MXFP4
-    as in the checkpoint: the whole MoE layer and the dense layer 0, B = 8."""
+    as in the checkpoint: the dense layer 0, B = 8, one Mosaic kernel. The whole MoE layer at
+    these shapes compiles once, in tests/test_costs.py (one kernel, its declared bytes)."""
     cfg = get_config("kimi-k3-rank")
     assert (cfg.n_experts, cfg.expert_hidden, cfg.expert_format) == (112, 768, "mxfp4")
     x = jax.ShapeDtypeStruct((8, cfg.d_model), jnp.bfloat16)
-    moe = tpu.compile_for(lambda p, x: experts.moe_ffn(p, x, cfg), layer_shapes(cfg), x)
     dense = tpu.compile_for(lambda p, x: experts.dense_ffn(p, x, cfg),
                             layer_shapes(cfg, "dense"), x)
-    assert moe.n_mosaic_kernels == 1 and dense.n_mosaic_kernels == 1
+    assert dense.n_mosaic_kernels == 1

@@ -21,6 +21,7 @@ near-tie cannot derail the steps after it), and is checked against two reference
 """
 
 import contextlib
+import functools
 import os
 
 # libtpu allows one process at a time by default; tests on a shared machine compile concurrently
@@ -273,6 +274,13 @@ def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, ba
 
 
 # ---- compiling for TPU7x ----------------------------------------------------------------------------
+@functools.cache
+def compiled_step(cfg, batch, chip):
+    """`mk.compile_step` once per (config, batch, chip) in this module: the tests below that
+    compile the same kernel read one compile."""
+    return mk.compile_step(cfg, batch, chip=chip)
+
+
 # kimi-k3-rank's compile (~35 s here) is exhaustive: make test compiles the same kernel at mini
 # shapes here and holds the committed record of the rank's compile (`make recorded`) to its
 # current plan (tests/test_recorded.py), as for the other families' ranks.
@@ -281,7 +289,7 @@ def test_layouts_and_formats(race_checked, layout, expert_format, expert_mxu, ba
                                   pytest.param("kimi-k3-rank", marks=pytest.mark.exhaustive)])
 def test_compiles_to_one_mosaic_kernel(name):
     cfg = get_config(name)
-    result, plan = mk.compile_step(cfg, 1, chip="tpu7x")
+    result, plan = compiled_step(cfg, 1, "tpu7x")
     print(f"{name}: {result}; VMEM plan {plan.vmem.total_bytes / 2**20:.2f} MiB; "
           f"{count_xla_kernels(result.hlo_text)} XLA kernels incl. layout/alias copies")
     assert result.n_mosaic_kernels == 1
@@ -299,7 +307,7 @@ def test_mxfp4_compiles_for_every_chip(chip, decode_path):
     """The default preset (MXFP4 experts) on every chip: one Mosaic kernel, MXFP4 decoded by bit
     operations where Mosaic has no float4 vectors."""
     assert MINI.expert_format == "mxfp4"
-    result, plan = mk.compile_step(MINI, 1, chip=chip)
+    result, plan = compiled_step(MINI, 1, chip)
     print(f"kimi-k3-mini on {chip}: {result}; MXFP4 decode {plan.stage_plan('moe').stage.mxfp4_decode}")
     assert result.n_mosaic_kernels == 1 and result.chip == chip
     assert plan.stage_plan("moe").stage.mxfp4_decode == decode_path

@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuts import first_layers
 from mkresearch.kernels.base import dma, planned
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose import schedule
+from tiers import EXHAUSTIVE
 
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS
@@ -135,6 +137,8 @@ def test_worst_case_is_the_cost_estimate(name, batch):
     the bytes it declares to XLA; shapes only, so the full-size presets too (planned without
     the HBM and VMEM refusals)."""
     cfg = config.get_config(name)
+    if name == "kimi-k3" and not EXHAUSTIVE:  # full-size shapes, every layer kind, two blocks
+        cfg = first_layers(cfg, 13)  # (kimi-k3-rank's 93 layers run whole below)
     plan = mk.make_plan(cfg, batch, cfg.max_seq_len, check_fits=False)
     sched = schedule.schedule(plan)
     assert not sched.exact and len(sched.assumptions) == 2
