@@ -66,7 +66,8 @@ def faster(model: calibration.Model, resource: str, n_ranks: int,
 # A one-row product x[K] W[K, N] on the vector unit: W's K rows on the sublanes and N on the lanes,
 # x[k] broadcast along the lanes once per row of vregs, the sum over k added elementwise into an
 # accumulator. Operations per weight: a multiply and an add; an fp8 value converted first; an MXFP4
-# code shifted out of its word, masked and converted first (no fewer for any of them).
+# code shifted out of its word, masked and converted first. (A decode done on whole words, several
+# codes at once, could cost less; fp8 and MXFP4 lose to the MXU even at two operations a weight.)
 VPU_OPS_PER_WEIGHT = {"bf16": 2, "fp8": 3, "mxfp4": 5}
 
 
