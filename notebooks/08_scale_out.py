@@ -273,12 +273,19 @@ print(f"{N_REDUCTIONS} all-reduces of [{B}, {W}] f32 on 2 devices: each device's
 
 # %% [markdown]
 # Leave the handshake out and a device may send its next partial into an inbox the peer has not
-# read yet. The race detector of interpret mode sees it (it reports each race with the source
+# read yet. The race detector of interpret mode usually sees it (it reports each race with the source
 # lines involved; the cell keeps only the verdict). Both cells run the interpreter's copies in
 # its eager mode, each moving the moment it starts, as a TPU's DMA engine moves it. In its
 # default mode a copy moves when its semaphore is first waited on: if the receiver is already
 # waiting for the next partial, its own thread writes it, after its read of the last one, and
 # the race is hidden or not depending on which device's thread waits first.
+#
+# The detector can miss it, a few runs in a hundred here. It gives each semaphore one vector
+# clock, which every signal merges into and every wait takes. When a device has started two
+# copies before its peer waits for the first, that wait takes the second copy's clock too, and
+# the detector then sees the peer's read of its inbox as after the second write. The race is
+# still there, and then shows in the sums: the peer added the partial meant for the next
+# reduction. So the check below is either: a race found, or a wrong sum.
 
 # %%
 with tpu.interpret_options(**RACE_CHECKED), contextlib.redirect_stdout(io.StringIO()) as report:
@@ -288,9 +295,10 @@ with tpu.interpret_options(**RACE_CHECKED), contextlib.redirect_stdout(io.String
     unsafe_raced = tpu.races_found()
 tpu.reset_races()
 reports = report.getvalue().count("RACE DETECTED")
+unsafe_wrong = not all(np.array_equal(unsafe[d], want) for d in range(2))
 print(f"without the handshake: races found {unsafe_raced} "
-      f"({reports} report{'' if reports == 1 else 's'})")
-assert unsafe_raced
+      f"({reports} report{'' if reports == 1 else 's'}); sums wrong {unsafe_wrong}")
+assert unsafe_raced or unsafe_wrong  # caught either way (above)
 
 # %% [markdown]
 # **With more than two devices the order matters.** Floating-point addition is not associative:
