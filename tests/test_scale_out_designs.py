@@ -16,6 +16,7 @@ from mkresearch.hardware import interconnect as links
 from mkresearch.model import partition
 from mkresearch.model.config import get_config
 from mkresearch.prediction import calibration, design_table, designs, scale_out, step_bounds
+from mkresearch.prediction import timeline_chip as tchip
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import layout_bytes
@@ -268,7 +269,7 @@ def test_a_vector_unit_of_v5p_width_loses_to_the_mxu_on_fp8_and_mxfp4_at_one_row
     MXFP4 slower (even at two operations a weight, with no conversion)."""
     rates = step_bounds.one_row_rates()
     chip = timeline_chip("tpu7x")
-    vpu_ops = 8 * 128 * 4 * 1.75e9  # docs/tpu.md §1, per TensorCore
+    vpu_ops = tchip.V5P_VPU_OPS_PER_CYCLE * tchip.V5P_CLOCK_HZ  # per TensorCore
     assert rates["bf16"]["mxu"] == pytest.approx(chip.mxu_flops / 512)
     assert rates["fp8"]["mxu"] == rates["mxfp4"]["mxu"] == pytest.approx(chip.fp8_flops / 512)
     for fmt, r in rates.items():
@@ -277,7 +278,7 @@ def test_a_vector_unit_of_v5p_width_loses_to_the_mxu_on_fp8_and_mxfp4_at_one_row
     assert 1.55 < rates["bf16"]["vpu_over_mxu"] < 1.65
     assert vpu_ops / 2 < rates["fp8"]["mxu"]  # fp8 and MXFP4 lose even at 2 operations
     assert rates["bf16"]["mxu"] * 1.05 < vpu_ops / 3 < rates["bf16"]["mxu"] * 1.07  # converted
-    # our kernel's time per core at one row: a tenth of the vector ASSUMPTION, as the sensitivity
+    # such a vector unit is a tenth of the vector rate ASSUMPTION, as far as the sensitivity goes
     assert 0.095 < vpu_ops / chip.vpu_flops < 0.105
     assert any(f == "vpu_flops" and 0.1 in v for _, _, f, v in calibration.ASSUMPTIONS)
 

@@ -94,13 +94,19 @@ def vector_unit_step(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,
     vector unit's time growing with the rows, the MXU's flat below its 256), fp8 and MXFP4
     products left on the MXU: {"step_ms", "vector_step_ms", "bf16_speedup"}. A what-if: it
     rests on TPU7x's vector unit being at least v5p's."""
-    bf16 = one_row_rates(model)["bf16"]
-    speedup = max(1.0, bf16["vpu_over_mxu"] / batch)
-    _, variant, fields = design_table.design_steps(cfg, n_ranks, batch, model=model)[-1]
+    speedup = max(1.0, one_row_rates(model)["bf16"]["vpu_over_mxu"] / batch)
+    _, ours = _last_design(cfg, n_ranks, batch, model)
     moved = model.scaled("timeline_chip", {"mxu_flops": speedup}, n_ranks)
-    step, vector_step = (design_table.predict_design(variant, n_ranks, batch, m, **fields)
-                         ["step_s"] * 1e3 for m in (model, moved))
-    return {"step_ms": step, "vector_step_ms": vector_step, "bf16_speedup": speedup}
+    return {"step_ms": ours(model)["step_s"] * 1e3, "vector_step_ms": ours(moved)["step_s"] * 1e3,
+            "bf16_speedup": speedup}
+
+
+def _last_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibration.Model,
+                 sequences: int | None = None):
+    """The designs' last row at `batch` rows: its label, and its step under a given Model."""
+    label, variant, fields = design_table.design_steps(cfg, n_ranks, batch, model=model)[-1]
+    return label, lambda m: design_table.predict_design(variant, n_ranks, batch, m,
+                                                        sequences=sequences, **fields)
 
 
 def step_bounds(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,
@@ -111,10 +117,8 @@ def step_bounds(cfg: ModelConfig, n_ranks: int = 32, batch: int = 1, *,
     the first of each side's rows "as modelled" (saved 0). `sequences` (default `batch`): the
     sequences the rows belong to, as `scale_out.predict`'s (a verify step of B (k + 1) rows:
     B sequences, the designs chosen at its rows as `speculative_designs` prices them)."""
-    label, variant, fields = design_table.design_steps(cfg, n_ranks, batch, model=model)[-1]
-    sides = [(f"ours ({label.removeprefix('+ ')})",
-              lambda m: design_table.predict_design(variant, n_ranks, batch, m,
-                                                    sequences=sequences, **fields))]
+    label, ours = _last_design(cfg, n_ranks, batch, model, sequences)
+    sides = [(f"ours ({label.removeprefix('+ ')})", ours)]
     if design_table.release_modelled(cfg, n_ranks):
         sides.append(("the release (modelled)",
                       lambda m: m.predict(cfg, batch, sequences=sequences)))
