@@ -13,9 +13,17 @@ from mkresearch.kernels.stages.router import W_ROUTER
 
 from mkresearch.cli import main as cli
 from mkresearch.hardware import interconnect as links
+from mkresearch.hardware.chips import get_chip
 from mkresearch.model import partition
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, design_table, designs, scale_out, step_bounds
+from mkresearch.prediction import (
+    calibration,
+    design_table,
+    designs,
+    microbatches,
+    scale_out,
+    step_bounds,
+)
 from mkresearch.prediction import timeline_chip as tchip
 from mkresearch.prediction.timeline_chip import timeline_chip
 from mkresearch.sharding import layout as layouts
@@ -295,6 +303,38 @@ def test_bf16_products_on_the_vector_unit_would_shorten_only_the_one_row_step():
     assert 3.45 < one["step_ms"] < 3.55 and 3.2 < one["vector_step_ms"] < 3.3
     assert 0.78 < one["vector_step_ms"] / table[-1]["step_ms"] < 0.80  # the release at B = 1
     assert one["bf16_speedup"] == step_bounds.one_row_rates()["bf16"]["vpu_over_mxu"] < 2
+
+
+@pytest.mark.slow  # the designs at B = 1 (cached from the table's test) and one more program
+def test_two_microbatches_of_one_row_push_the_shared_blocks_twice():
+    """The what-if of docs/prediction.md §8 at B = 2: two one-row microbatches interleaved. Alone,
+    one is the designs' B = 1 step to the bit; together they take 4.47 ms, 0.85 ms of it the
+    MXU's second push on the weight blocks both multiply, and keep up to 70 MiB of blocks beside
+    a 40 MiB ring (VMEM the what-if does not charge)."""
+    cfg = get_config("kimi-k3")
+    table = design_table.designs_table(cfg, 32, (1,))
+    two = microbatches.two_microbatch_step(cfg, 32, 2)
+    assert two["one_microbatch_s"] * 1e3 == pytest.approx(table[-2]["step_ms"], rel=1e-12)
+    assert table[-2]["design"] == "+ " + two["design"]
+    assert 4.40e-3 < two["two_microbatches_s"] < 4.55e-3
+    assert 0.80e-3 < two["second_push_s"] < 0.90e-3
+    assert two["ring_bytes"] < two["held_vmem_bytes"] <= 70 * 2**20  # beside the ring
+    assert two["held_vmem_bytes"] + two["ring_bytes"] > get_chip("tpu7x").vmem_bytes
+
+
+@pytest.mark.exhaustive  # the designs at B = 2, 4 and 8 (~2 min)
+def test_two_microbatches_do_not_beat_one_stream_at_any_batch():
+    """docs/prediction.md §8: interleaving two microbatches of B / 2 rows is 4 to 9 % slower
+    than the designs' one stream at B = 2 and 4, and within 1 % of it at B = 8; the second push
+    outweighs the collectives it hides (B = 1 cannot be split)."""
+    cfg = get_config("kimi-k3")
+    ratios = {}
+    for batch in (2, 4, 8):
+        two = microbatches.two_microbatch_step(cfg, 32, batch)
+        one = design_table.design_predictions(cfg, 32, batch)[-1][1]["step_s"]
+        ratios[batch] = two["two_microbatches_s"] / one
+    assert 1.04 < ratios[4] < ratios[2] < 1.10, ratios
+    assert 0.99 < ratios[8] < 1.01, ratios
 
 
 @pytest.mark.exhaustive  # the designs at B = 8 (~35 s)

@@ -42,15 +42,23 @@ def predict_design(cfg: ModelConfig, n_ranks: int, batch: int, model: calibratio
     `sequences`: as `scale_out.predict`'s; `etp` among the fields: the kernel built with its
     experts split so (its layout, bytes and ring depth); `expert_slots`: the kernel built with
     that many VMEM slots per expert matrix (its ring as deep as VMEM still allows)."""
-    base = scale_out.our_schedule(  # the kernel built so: its ring as deep as VMEM allows
-        cfg, collectives, n_ranks, batch, wire=wire, etp=fields.pop("etp", None),
-        router=designs.router_placement(fields.get("designs", ())),
-        expert_slots=fields.pop("expert_slots", None))
-    sched = dataclasses.replace(base, **fields)
+    sched = design_schedule(cfg, n_ranks, batch, collectives=collectives, wire=wire, **fields)
     return scale_out.predict(cfg, n_ranks, layouts.OURS, batch, schedule=sched,
                              interconnect=model.interconnect, timeline_chip=model.timeline_chip,
                              context=model.context, prefetch_across=model.prefetch_across,
                              sequences=sequences)
+
+
+def design_schedule(cfg: ModelConfig, n_ranks: int, batch: int, *,
+                    collectives: str = layouts.PARTIAL_SUM, wire: str = "f32",
+                    **fields: Any) -> scale_out.Schedule:
+    """Our kernel's Schedule at `batch` in mode `collectives` with `wire`, built with `fields`
+    (`predict_design`'s): its ring as deep as VMEM allows beside them."""
+    base = scale_out.our_schedule(
+        cfg, collectives, n_ranks, batch, wire=wire, etp=fields.pop("etp", None),
+        router=designs.router_placement(fields.get("designs", ())),
+        expert_slots=fields.pop("expert_slots", None))
+    return dataclasses.replace(base, **fields)
 
 
 def router_placements(cfg: ModelConfig, n_ranks: int, batch: int = 1, *,

@@ -5,6 +5,8 @@ step and the release's are written in, and that `timeline_ranks.simulate_program
 A program is a list of ops over a shared list of weight blocks (`Program`):
 
   ("blocks", n)                       the next n ring blocks: each waited, then multiplied
+  ("hold", n), ("again", n)           the next n blocks kept in VMEM; the n oldest kept multiplied
+                                      again (two microbatches, `microbatches.interleave`)
   ("fetch", nbytes, count, slots[, mix])
                                       count DMAs, `slots` in flight, each multiplied when it lands
                                       (mix: its matrices' share of the bytes, weights per byte and

@@ -335,6 +335,11 @@ class RankSimulation:
       CollectiveEvent                 a blocking collective of a recorded log
       ("blocks", n)                   the next n blocks of the shared weight ring `blocks`:
                                       each waited, then multiplied; `banks` blocks in flight
+      ("hold", n)                     the next n blocks multiplied stay in VMEM beside the
+                                      ring (a second microbatch multiplies them later; the ring
+                                      refills their slots: `microbatches`, a what-if)
+      ("again", n)                    the n oldest held blocks multiplied again on the MXU,
+                                      their VMEM freed (`held_peak_bytes`: the most held)
       ("fetch", nbytes, count, slots[, mix[, order]])
                                       count DMAs, `slots` in flight, each multiplied on landing;
                                       order: how they meet the ring's issued blocks (FETCH_ORDERS)
@@ -388,6 +393,10 @@ class RankSimulation:
         self.per_byte_bf16 = chip.mxu_seconds_per_byte(batch, BF16_WEIGHTS_PER_BYTE, False)
         self.free = 0.0
         self.issued = self.consumed = 0
+        self.held: deque[int] = deque()  # blocks kept in VMEM (("hold", n), ("again", n))
+        self.held_bytes = self.held_peak_bytes = 0
+        self.again_s = 0.0  # the MXU's time on held blocks multiplied again
+        self.to_hold = 0  # of the blocks next multiplied, how many to hold
         self.ends = [0.0] * len(blocks)
         self.dma: list = []  # merged busy intervals of the ring's DMAs
         self.compute: list = []  # merged busy intervals of its compute
@@ -454,6 +463,10 @@ class RankSimulation:
             kind = op[0]
             if kind == "blocks":
                 self._blocks(op[1])
+            elif kind == "hold":
+                self.to_hold += op[1]
+            elif kind == "again":
+                self._again(op[1])
             elif kind == "prefetch":
                 self._prefetch(i)
             elif kind == "fetch":
@@ -584,9 +597,30 @@ class RankSimulation:
             else:
                 compute.append([t, end])
             t = end
+        if self.to_hold:  # kept in VMEM for a second microbatch
+            self._hold(self.consumed, min(n, self.to_hold))
         self.flops += self.batch * sum(blocks[self.consumed:consumed])
         self.t, self.free, self.issued, self.consumed = t, free, issued, consumed
         self.dma_bytes += issued_bytes
+
+    def _hold(self, first: int, n: int) -> None:
+        """Blocks first .. first + n - 1 kept in VMEM for a second microbatch."""
+        self.held.extend(range(first, first + n))
+        self.held_bytes += sum(self.blocks[first:first + n])
+        self.held_peak_bytes = max(self.held_peak_bytes, self.held_bytes)
+        self.to_hold -= n
+
+    def _again(self, n: int) -> None:
+        """The n oldest held blocks multiplied again (in VMEM already: the MXU alone), their
+        VMEM freed."""
+        if n > len(self.held):
+            raise ValueError(f"('again', {n}): only {len(self.held)} blocks are held")
+        nbytes = sum(self.blocks[self.held.popleft()] for _ in range(n))
+        end = self.t + nbytes * self.per_byte_bf16
+        append_interval(self.compute, self.t, end)
+        self.again_s += end - self.t
+        self.t, self.held_bytes = end, self.held_bytes - nbytes
+        self.flops += self.batch * nbytes
 
     def _fetch(self, nbytes: float, count: int, slots: int, mix: tuple = (),
                order: str = QUEUED) -> None:
