@@ -121,8 +121,8 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 3. how far each prediction moves with every assumption (x0.5, x2; the vector rate x0.1, x2)
 #    and with the fit;
 # 4. our layout and schedule on the same hardware, each design beyond the kernel's defaults
-#    priced, what the step then waits for, and whether a vector unit could take the MXU's
-#    one-row products;
+#    priced, what the step then waits for, whether a vector unit could take the MXU's one-row
+#    products, and whether two microbatches could hide the collectives;
 # 5. an explorer: batch, ranks, layout, schedule, link bandwidth and latency.
 #
 # The terms this notebook uses, from the glossary (notebook 00 shows all of it):
@@ -137,7 +137,7 @@ guide.glossary_view("Rank", "TensorCore", "Slice", "Host", "ICI", "Phase", "One-
 
 # %%
 from mkresearch.model.config import get_config
-from mkresearch.prediction import calibration, design_table, scale_out, step_bounds
+from mkresearch.prediction import calibration, design_table, microbatches, scale_out, step_bounds
 from mkresearch.hardware import interconnect as links
 from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.views import scale_out_plots, widgets
@@ -503,6 +503,35 @@ print(f"formats the vector unit wins at one row: {wins}; by under 2x: "
       f"{stable(release_b1, '.1f', 1e-6)} ms: {vector_b1['vector_step_ms'] < 0.8 * release_b1}")
 assert wins == ["bf16"] and one_row["bf16"]["vpu_over_mxu"] < 2
 assert vector_b1["vector_step_ms"] < 0.8 * release_b1 < vector_b1["step_ms"]
+
+# %% [markdown]
+# **Could two microbatches hide the collectives?** DeepSeek's decoding on GPUs splits a batch in
+# two and runs the halves alternately, one's all-to-all on the wire while the other computes
+# ("dual-batch overlap"). A TPU core has one instruction stream, so
+# `microbatches.interleave` alternates the two programs segment by segment: the first up to a
+# collective, that collective started without waiting, the second on the same weight blocks,
+# then the first's collective waited for. It is priced in the design's favour (the blocks wait
+# in VMEM the core does not have; the links carry both without contention), so the step is a
+# bound. At B = 2, two one-row microbatches against the designs' one stream of two rows:
+
+# %%
+two_mb = microbatches.two_microbatch_step(cfg, 32, 2)
+one_stream_b2 = design_table.design_predictions(cfg, 32, 2)[-1][1]["step_s"]  # ~20 s
+print(f"B = 2: one stream {one_stream_b2 * 1e3:.2f} ms; two microbatches of one row "
+      f"{two_mb['two_microbatches_s'] * 1e3:.2f} ms, of which the MXU's second push on the shared "
+      f"blocks {two_mb['second_push_s'] * 1e3:.2f} ms; one microbatch alone "
+      f"{two_mb['one_microbatch_s'] * 1e3:.2f} ms")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · one microbatch alone is the designs' B = 1 step; two are slower than one stream of
+# two rows: a weight tile costs the MXU its push at one row as at two, and the second push costs
+# more than the collectives it hides
+print(f"one microbatch alone is the designs' B = 1 step: "
+      f"{abs(two_mb['one_microbatch_s'] * 1e3 - designs_b1[-2]['step_ms']) < 1e-9}; two "
+      f"microbatches slower than one stream: {two_mb['two_microbatches_s'] > one_stream_b2}")
+assert abs(two_mb["one_microbatch_s"] * 1e3 - designs_b1[-2]["step_ms"]) < 1e-9
+assert two_mb["two_microbatches_s"] > one_stream_b2
 
 # %% [markdown]
 # ## 5 · Explorer
