@@ -511,8 +511,9 @@ assert vector_b1["vector_step_ms"] < 0.8 * release_b1 < vector_b1["step_ms"]
 # `microbatches.interleave` alternates the two programs segment by segment: the first up to a
 # collective, that collective started without waiting, the second on the same weight blocks,
 # then the first's collective waited for. It is priced in the design's favour (the blocks wait
-# in VMEM the core does not have; the links carry both without contention), so the step is a
-# bound. At B = 2, two one-row microbatches against the designs' one stream of two rows:
+# in VMEM the core does not have; the links carry both without contention), so the step is the
+# best this interleave could take. At B = 2, two one-row microbatches against the designs' one
+# stream of two rows:
 
 # %%
 two_mb = microbatches.two_microbatch_step(cfg, 32, 2)

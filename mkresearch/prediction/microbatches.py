@@ -13,12 +13,12 @@ B / 2 rows (`design_table.design_steps`), its own routing (seeds 0 and 1).
 What it costs: at fewer than 256 rows a weight tile costs the MXU its push however few rows
 (`TimelineChip.mxu_seconds_per_byte`), so every weight block shared by the two is pushed twice;
 the routed experts are each microbatch's own. What it gains: a collective of one hides behind the
-other's products. ASSUMPTIONS, each in the design's favour, so that the step is a bound: the
-two microbatches' collectives are priced each alone (no contention on the links); a weight block
-the first has multiplied stays in VMEM beside the ring until the second has (the ring's
-`("hold", n)` / `("again", n)`), its slot refilled meanwhile: VMEM the core does not have
-(`held_vmem_bytes`, beside the ring's `ring_bytes`). A kernel within VMEM would cut the
-segments between collectives shorter, or read the blocks twice.
+other's products. ASSUMPTIONS, each in the design's favour (the step is the best this
+interleave could take): the two microbatches' collectives are priced each alone (no contention
+on the links); a weight block the first has multiplied stays in VMEM beside the ring until the
+second has (the ring's `("hold", n)` / `("again", n)`), its slot refilled meanwhile: VMEM the
+core does not have (`held_vmem_bytes`, beside the ring's `ring_bytes`). A kernel within VMEM
+would cut the segments between collectives shorter, or read the blocks twice.
 
     two_microbatch_step(cfg, 32, batch=8)   # {"two_microbatches_s", "one_microbatch_s", ...}
 """
