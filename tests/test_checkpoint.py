@@ -209,6 +209,18 @@ def test_bad_inputs_each_one_line(tmp_path, family_params):
     with open(os.path.join(directory, "config.json"), "w") as handle:
         json.dump(raw, handle)
     _refused(directory, cfg, r"quantization_config\.quant_method='gptq' is not supported")
+    directory = _written(tmp_path, name, params, "-no-hidden-size")
+    with open(os.path.join(directory, "config.json")) as handle:
+        raw = json.load(handle)
+    del raw["hidden_size"]  # read as transformers' default: the tensors do not fit it
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(raw, handle)
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        checkpoint.check_checkpoint(directory)
+    assert "\n" not in str(caught.value)
+    assert re.search(r"has shape \[.*\]: expected \[.*\] \(config\.json leaves out "
+                     r"hidden_size=2048: read as transformers' defaults for model_type "
+                     r"'qwen3_moe'\)$", str(caught.value)), str(caught.value)
 
 
 def test_missing_block_scales(tmp_path, family_params):

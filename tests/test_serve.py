@@ -7,7 +7,9 @@ by the module) serves every claim of the reference step; one short trace runs th
 """
 
 import json
+import re
 
+import jax
 import pytest
 from cuts import first_layers
 
@@ -211,6 +213,20 @@ def test_bad_pool_options_are_one_line(tmp_path, capsys, options, reason):
     assert cli.main(["bench", "--workload", str(path), *options]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and reason in err, err
+
+
+def test_a_pool_the_device_cannot_hold_is_one_line(monkeypatch, capsys):
+    """The device out of memory while serving (as a pool of 10^8 pages is on this machine):
+    one line naming --pages and --page-size and the pool's bytes, exit 2."""
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes.")
+
+    monkeypatch.setattr(cli_workload.workload, "run_workload", exhausted)
+    assert cli.main(["bench", "--workload", "synthetic", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(r"--pages 24 x --page-size 16: the KV page pool and the rows' states take "
+                     r"[0-9.e+-]+ GB, more than the device could allocate", err), err
 
 
 def test_trace_edges_read():

@@ -34,7 +34,7 @@ from mkresearch.checkpoint.safetensors_io import (
     fp8_scale_shape,
     write_shards,
 )
-from mkresearch.model import formats, spec, weights
+from mkresearch.model import formats, hf_fields, spec, weights
 from mkresearch.model.config import ModelConfig
 
 # the API of mkresearch.checkpoint is this module's: config.json's half comes from the model's reader
@@ -145,8 +145,25 @@ def open_checked(directory: str, cfg: ModelConfig) -> tuple[Shards, list[list[na
     raw = _read_raw_config(directory)
     groups = _entries(cfg, raw)
     shards = Shards(directory)
-    _check(shards, groups, fp8_quantized(raw), cfg)
+    try:
+        _check(shards, groups, fp8_quantized(raw), cfg)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}{_defaulted_note(raw)}") from None
     return shards, groups
+
+
+def _defaulted_note(raw: dict) -> str:
+    """A shape or name that does not match may come from a size config.json left out: the
+    fields read as transformers' defaults, named (or nothing)."""
+    defaults = hf_fields.DEFAULTS.get(raw.get("model_type"), {})
+    missing = [f for f, v in defaults.items() if raw.get(f) is None and isinstance(v, int)
+               and not isinstance(v, bool)]
+    if not missing:
+        return ""
+    shown = ", ".join(f"{f}={defaults[f]}" for f in missing[:4])
+    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+    return (f" (config.json leaves out {shown}{more}: read as transformers' defaults for "
+            f"model_type {raw.get('model_type')!r})")
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -54,6 +54,7 @@ def run(args: Any) -> int:
     args.model = args.model or DEFAULT_MODEL
     if args.workload is not None:  # a trace served: cli.workload
         return workload.run(args)
+    workload.check_without_workload(args)
     cfg = known_model(args.model)
     at_least("--steps", args.steps, 1)
     for batch in args.batch:

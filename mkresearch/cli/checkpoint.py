@@ -51,6 +51,9 @@ def check(args: argparse.Namespace) -> None:
         return
     if args.prompt is None:
         raise UsageError("--checkpoint needs --prompt TEXT (the text to continue)")
+    if args.prompt_len is not None:
+        raise UsageError(f"--prompt-len {args.prompt_len} is invalid with --checkpoint: the "
+                         "prompt is --prompt's tokens")
     at_least("--steps", args.steps, 1)
     if args.batch != 1:
         raise UsageError(f"--batch {args.batch} is invalid with --checkpoint: one prompt, 1 row")

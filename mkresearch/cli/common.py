@@ -12,6 +12,7 @@ from pathlib import Path
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
 from mkresearch.model.config import ModelConfig, config_names, get_config
+from mkresearch.sharding import layout
 
 
 class UsageError(Exception):
@@ -40,6 +41,22 @@ def at_least(option: str, value: int, minimum: int) -> None:
     """An option's int is at least `minimum`, else a UsageError naming it."""
     if value < minimum:
         raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
+
+
+def cache_layout_applies(cfg: ModelConfig, cache_layout: str | None) -> None:
+    """--cache-layout names an MLA cache: refused for a model without an MLA layer."""
+    kinds = sorted(set(cfg.attention_kinds))
+    if cache_layout is not None and not any(kind.startswith("mla") for kind in kinds):
+        raise UsageError(f"--cache-layout {cache_layout} is invalid for {cfg.name}: it lays out "
+                         f"MLA's cache, and its attention is {', '.join(kinds)}")
+
+
+def wire_with_partial_sums(wire: str, collectives: str) -> None:
+    """--wire bf16 asks for partial sums: refused with the exact mode, which sends none."""
+    if wire != "f32" and collectives == layout.EXACT:
+        raise UsageError(f"--wire {wire} needs partial sums (--collectives "
+                         f"{' or '.join(layout.PARTIAL_SUM_MODES)}): the exact mode sends every "
+                         "value whole")
 
 
 def in_range(option: str, value: int, low: int, high: int, why: str) -> None:

@@ -56,8 +56,11 @@ def run(args: Any) -> int:
     for batch in args.batch:
         megakernel_batch("--batch", batch)
     chip = known_chip(args.chip)
-    if args.context is not None:
-        at_least("--context", args.context, 16)
+    if args.context is not None and (args.context < cfg.kv_tile or args.context % cfg.kv_tile):
+        tile = cfg.kv_tile  # the kernels read the cache in whole tiles
+        raise UsageError(f"--context {args.context} is invalid for {cfg.name}: a multiple of its "
+                         f"KV tile of {tile} tokens (cfg.kv_tile), e.g. "
+                         f"{max(tile, -(-args.context // tile) * tile)}")
     if args.ranks is None and args.topology is not None:
         raise UsageError("--topology is an option of --ranks N: give both")
     if args.ranks is not None and args.record:

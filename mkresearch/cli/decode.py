@@ -35,6 +35,7 @@ from mkresearch.model.roofline import tree_bytes
 from mkresearch.model.weights import param_shapes
 
 DEFAULT_MODEL = "kimi-k3-mini"
+DEFAULT_PROMPT_LEN = 8  # tokens of the random prompt
 # Backends `decode` can run; the first is the default. Planned ones are refused clearly.
 BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.compose.megakernel",
             "reference": "plain-JAX oracle, mkresearch.model.reference"}
@@ -48,7 +49,9 @@ EXAMPLES = ("mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 1,
 def add_parser(commands: Any) -> None:
     p = add_command(commands, "decode", "prefill + greedy decode of a random prompt", EXAMPLES)
     add_model(p, DEFAULT_MODEL)
-    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help=f"tokens of the random prompt (default {DEFAULT_PROMPT_LEN}; with "
+                        "--checkpoint the prompt is --prompt's tokens)")
     p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
     add_batch(p)
     p.add_argument("--seed", type=int, default=0)
@@ -76,6 +79,7 @@ def run(args: Any) -> int:
         cli_checkpoint.check(argparse.Namespace(**{**vars(args), "batch": batch}))
     if args.checkpoint is not None:  # text from a checkpoint on disk
         return each_batch(args, lambda one: cli_checkpoint.run_decode(one, one.argv))
+    args.prompt_len = DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len
     if args.speculate is None and args.backend is None:
         args.backend = next(iter(BACKENDS))
     if args.drafter is not None and args.speculate is None:

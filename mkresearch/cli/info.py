@@ -9,6 +9,7 @@ from typing import Any
 
 from mkresearch.cli.common import (
     at_least,
+    cache_layout_applies,
     context_in_cache,
     human_bytes,
     human_count,
@@ -54,6 +55,7 @@ def add_parser(commands: Any) -> None:
 def run(args: Any) -> int:
     cfg = known_model(args.model)
     context_in_cache(cfg, args.context)
+    cache_layout_applies(cfg, args.cache_layout)
     at_least("--ranks", args.ranks, 1)
     return each_batch(args, lambda one: _run_one(cfg, one))
 

@@ -20,6 +20,7 @@ every process exited 0, else the failing process's status (128 + signal when kil
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from mkresearch.cli.common import UsageError, at_least
+from mkresearch.cli.common import UsageError, at_least, in_range
 from mkresearch.cli.options import add_command
 from mkresearch.hardware import distributed
 
@@ -218,6 +219,10 @@ def watch(processes: list[Process], timeout: float | None) -> tuple[Process | No
 
 def run(args: argparse.Namespace) -> int:
     at_least("--processes", args.processes, 1)
+    if args.port:  # 0: a free one
+        in_range("--port", args.port, 1, 65535, "a TCP port; 0 or none: a free one")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:
+        raise UsageError(f"--timeout {args.timeout:g} is invalid: a number of seconds > 0")
     command = _command(args)
     devices = local_devices(args, command)
     port = args.port or free_port()

@@ -10,6 +10,7 @@ from typing import Any
 
 from mkresearch.cli import plan_ranks as cli_plan_ranks
 from mkresearch.cli.common import (
+    cache_layout_applies,
     context_in_cache,
     known_chip,
     known_model,
@@ -51,8 +52,10 @@ def add_parser(commands: Any) -> None:
 def run(args: Any) -> int:
     cfg = known_model(args.model)
     chip = known_chip(args.chip)
+    cache_layout_applies(cfg, args.cache_layout)
     if args.ranks is not None:  # every collective of a sharded step
         return each_batch(args, cli_plan_ranks.run)
+    cli_plan_ranks.check_without_ranks(args)
     for batch in args.batch:
         megakernel_batch("--batch", batch)
     if args.context is not None:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mkresearch.cli.common import at_least, known_chip, known_model, refusals
+from mkresearch.cli.common import (
+    UsageError,
+    at_least,
+    known_chip,
+    known_model,
+    refusals,
+    wire_with_partial_sums,
+)
 from mkresearch.hardware import interconnect as links
 from mkresearch.kernels.sharded import plan as sharding
 from mkresearch.kernels.stages.router import W_ROUTER
@@ -28,10 +35,21 @@ def add_arguments(p: Any) -> None:
                    help="with --ranks: partial sums on the wire (default f32)")
 
 
+def check_without_ranks(args: Any) -> None:
+    """--collectives or --wire given without --ranks: a UsageError (the one-device plan has no
+    collectives), not an option silently dropped."""
+    for flag, value, default in (("--collectives", args.collectives, layout.PARTIAL_SUM),
+                                 ("--wire", args.wire, "f32")):
+        if value != default:
+            raise UsageError(f"{flag} {value} is an option of --ranks N: give both (one "
+                             "device's plan has no collectives)")
+
+
 def run(args: Any) -> int:
     cfg = known_model(args.model)
     chip = known_chip(args.chip)
     at_least("--ranks", args.ranks, 2)
+    wire_with_partial_sums(args.wire, args.collectives)
     at_least("--batch", args.batch, 1)
     with refusals():
         layout.check_ranks(cfg, args.ranks)

@@ -70,6 +70,9 @@ EXAMPLES = ("mkresearch predict kimi-k3 --ranks 32 --batch 1,2,4,8",
             "mkresearch predict kimi-k3 --speculate 7 --acceptance 3,6")
 
 
+DEFAULT_RANKS = 32  # the release's 16 TPU7x chips
+
+
 def _acceptances(args: Any) -> tuple[int, ...]:
     if args.acceptance is not None:
         return int_list("--acceptance", args.acceptance)
@@ -81,7 +84,7 @@ def add_parser(commands: Any) -> None:
                                          "model with the interconnect), beside the published",
                     EXAMPLES)
     add_model(p)
-    p.add_argument("--ranks", type=int, default=32, help="ranks (devices) to shard across "
+    p.add_argument("--ranks", type=int, default=DEFAULT_RANKS, help="ranks (devices) to shard across "
                                                          "(default 32: the release's 16 TPU7x)")
     p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")
     add_batch(p, (1, 2, 4, 8))
@@ -130,6 +133,13 @@ def add_parser(commands: Any) -> None:
 
 def run(args: Any) -> int:
     cfg = known_model(args.model)
+    if args.json and (args.explain or args.validate):
+        raise UsageError(f"--json is invalid with {'--explain' if args.explain else '--validate'}"
+                         ": it prints text tables (--json goes with the predictions and "
+                         "--designs)")
+    if args.acceptance is not None and not args.speculate:
+        raise UsageError("--acceptance is invalid without --speculate K > 0: it sets the "
+                         "acceptance lengths of speculative decoding")
     if args.bounds and not args.designs:
         raise UsageError("--bounds is invalid without --designs: it asks what the designs' "
                          "last row waits for (predict MODEL --designs --bounds)")
@@ -190,11 +200,10 @@ def _check_designs(args: Any) -> None:
 def _run_designs(args: Any, cfg: Any, chip: str) -> int:
     """predict --designs: ours as built, each design added in turn, the release's step; with
     --speculate K each one's verify steps and tok/s (`speculative_designs`)."""
-    at_least("--ranks", args.ranks, 2)
+    ranks_split(cfg, args.ranks)
     context_in_cache(cfg, args.context)
     at_least("--speculate", args.speculate, 0)
     with refusals():
-        layout.check_ranks(cfg, args.ranks)
         model = calibration.Model(interconnect=links.interconnect(chip, n_ranks=args.ranks),
                                   timeline_chip=timeline_chip(chip),
                                   context=args.context or calibration.BENCHMARK_CONTEXT)
@@ -227,16 +236,31 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
     return 0
 
 
+def ranks_split(cfg: Any, ranks: int) -> None:
+    """--ranks: 2 or more ranks that split cfg, else a UsageError listing those that do (and
+    saying when the count was --ranks' default, which a mini model does not split)."""
+    try:
+        if ranks < 2:
+            raise ValueError("one rank has no collectives to predict")
+        layout.check_ranks(cfg, ranks)
+    except ValueError as error:
+        allowed = [n for n in layout.allowed_ranks(cfg) if n >= 2]
+        default = f" (--ranks' default is {DEFAULT_RANKS})" if ranks == DEFAULT_RANKS else ""
+        why = str(error).splitlines()[0].split(": ", 1)[-1].split(" (allowed")[0]
+        raise UsageError(f"--ranks {ranks} is invalid for {cfg.name}{default}: {why}; a "
+                         f"prediction takes {', '.join(map(str, allowed)) or 'none'}") from None
+
+
 def _check_predictions(args: Any, cfg: Any, chip: str) -> None:
     """The checks of a prediction's options before any work: one line, exit status 2."""
-    at_least("--ranks", args.ranks, 2)
-    context_in_cache(cfg, args.context)
-    at_least("--speculate", args.speculate, 0)
     with refusals():
         if not layout.has_rules(cfg):
             raise ValueError(f"{cfg.name} has no sharding rules (its stage kinds do not "
                              "say how they split: spec.Param.shard)")
-        layout.check_ranks(cfg, args.ranks)
+    ranks_split(cfg, args.ranks)
+    context_in_cache(cfg, args.context)
+    at_least("--speculate", args.speculate, 0)
+    with refusals():
         links.interconnect(chip, n_ranks=args.ranks)  # a known slice of chip with that many ranks
 
 

@@ -24,7 +24,13 @@ from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
 from mkresearch.cli import bench, multihost, ranks_reference
-from mkresearch.cli.common import UsageError, at_least, human_bytes, refusals
+from mkresearch.cli.common import (
+    UsageError,
+    at_least,
+    human_bytes,
+    refusals,
+    wire_with_partial_sums,
+)
 from mkresearch.hardware import distributed
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
@@ -90,10 +96,27 @@ DESIGN_OPTIONS = (("--wire", "wire", "f32"), ("--expert-slots", "expert_slots", 
                   ("--expert-mxu", "expert_mxu", None))
 
 
+def _sharded_only(args: Any) -> None:
+    """--collectives and --router given where nothing is sharded (or, --router, where the
+    sharded reference places no router): a UsageError, not an option silently dropped."""
+    collectives = getattr(args, "collectives", layout.PARTIAL_SUM)
+    router = getattr(args, "router", layout.ROUTER_SPLIT)
+    if getattr(args, "ranks", 1) == 1:
+        for flag, value, default in (("--collectives", collectives, layout.PARTIAL_SUM),
+                                     ("--router", router, layout.ROUTER_SPLIT)):
+            if value != default:
+                raise UsageError(f"{flag} {value} is an option of --ranks N > 1: one device "
+                                 "sends no collective and splits no router")
+    elif router != layout.ROUTER_SPLIT and getattr(args, "backend", None) == "reference":
+        raise UsageError(f"--router {router} is an option of the sharded megakernel (--backend "
+                         "megakernel): the sharded reference splits the router over every rank")
+
+
 def design_options(cfg: ModelConfig, args: Any) -> tuple[ModelConfig, str, dict]:
     """`decode --ranks N`'s designs beyond the layout, checked before anything runs (a one-line
     UsageError naming the option): (the config with --expert-mxu, the partial sums' wire, the
     MegakernelOptions fields they set)."""
+    _sharded_only(args)
     given = [flag for flag, dest, default in DESIGN_OPTIONS
              if getattr(args, dest, default) != default]
     wire = getattr(args, "wire", "f32")
@@ -102,10 +125,7 @@ def design_options(cfg: ModelConfig, args: Any) -> tuple[ModelConfig, str, dict]
     if args.ranks == 1 or getattr(args, "backend", None) not in (None, "megakernel"):
         raise UsageError(f"{given[0]} is an option of the sharded megakernel: give --ranks N > 1 "
                          "(and --backend megakernel)")
-    if wire != "f32" and getattr(args, "collectives", layout.PARTIAL_SUM) == layout.EXACT:
-        raise UsageError(f"--wire {wire} needs partial sums (--collectives "
-                         f"{' or '.join(layout.PARTIAL_SUM_MODES)}): the exact mode sends every "
-                         "value whole")
+    wire_with_partial_sums(wire, getattr(args, "collectives", layout.PARTIAL_SUM))
     slots, first = getattr(args, "expert_slots", None), getattr(args, "expert_reads_first", False)
     fields = {**({} if slots is None else {"expert_slots": slots}),
               **({"expert_reads_first": True} if first else {})}

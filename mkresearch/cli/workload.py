@@ -8,8 +8,12 @@ input (a trace that cannot be read, a field out of range, a pool too small) is o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
+
+import jax
 
 from mkresearch.cli.common import (
     UsageError,
@@ -22,9 +26,10 @@ from mkresearch.cli.common import (
 from mkresearch.model import paged_kv, weights
 from mkresearch.serve import loop, trace, workload
 
-DEFAULT_SLOTS = 4
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_PAGES = 24  # fewer than 4 slots x a whole table (4 x 8 at 128 tokens): rows may wait
+# the workload options' defaults (their parser's are None: given without --workload, refused)
+DEFAULTS = {"slots": 4, "page_size": 16,
+            "pages": 24,  # fewer than 4 slots x a whole table (4 x 8 at 128 tokens): rows may wait
+            "step": "reference", "trace_seed": 0}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,21 +38,33 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="serve an arrival trace (JSON or CSV: prompt_len, output_len, "
                             "arrival per request; `synthetic`: drawn from --trace-seed) with "
                             "paged KV and continuous batching, instead of the batch sweep")
-    group.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
-                       help=f"rows of every step (default {DEFAULT_SLOTS})")
-    group.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
-                       help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    group.add_argument("--pages", type=int, default=DEFAULT_PAGES,
-                       help=f"pages in the pool (default {DEFAULT_PAGES})")
-    group.add_argument("--step", default="reference", choices=tuple(loop.STEPS),
-                       help="the paged decode step (default reference)")
-    group.add_argument("--trace-seed", type=int, default=0,
-                       help="seed of the synthetic trace and of every prompt's tokens")
+    group.add_argument("--slots", type=int, default=None,
+                       help=f"rows of every step (default {DEFAULTS['slots']})")
+    group.add_argument("--page-size", type=int, default=None,
+                       help=f"tokens per KV page (default {DEFAULTS['page_size']})")
+    group.add_argument("--pages", type=int, default=None,
+                       help=f"pages in the pool (default {DEFAULTS['pages']})")
+    group.add_argument("--step", default=None, choices=tuple(loop.STEPS),
+                       help=f"the paged decode step (default {DEFAULTS['step']})")
+    group.add_argument("--trace-seed", type=int, default=None,
+                       help="seed of the synthetic trace and of every prompt's tokens "
+                            f"(default {DEFAULTS['trace_seed']})")
     group.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def check_without_workload(args: argparse.Namespace) -> None:
+    """A workload option given without --workload: a UsageError, not an option dropped."""
+    for dest in DEFAULTS:
+        if getattr(args, dest) is not None:
+            raise UsageError(f"--{dest.replace('_', '-')} is an option of --workload "
+                             "FILE|synthetic: give both (the batch sweep takes --batch)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Check, serve the trace, print the table as the steps run (or the JSON at the end)."""
+    for dest, default in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     if args.ranks != 1 or args.speculate is not None:
         raise UsageError("--workload serves on one device without speculation: drop --ranks and "
                          "--speculate")
@@ -63,11 +80,13 @@ def run(args: argparse.Namespace) -> int:
                                        -(-cfg.max_seq_len // args.page_size)).check(cfg)
         loop.check_requests(requests, pages, cfg)
     params = weights.init_params(cfg, 0)
+    pool_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(
+        paged_kv.paged_state_shapes(cfg, pages, args.slots)))
     progress = not args.json and sys.stderr.isatty()
     if not args.json:  # the table as it goes: a line per step, flushed (stdout may be a pipe)
         print("\n".join(title_lines(cfg.name, len(requests), args.slots, pages, args.step)),
               flush=True)
-    with refusals():
+    with refusals(), out_of_memory(args, pool_bytes):
         result = workload.run_workload(
             params, requests, cfg, pages, batch=args.slots, step=args.step, chip=args.chip,
             trace_seed=args.trace_seed, progress=progress,
@@ -75,6 +94,19 @@ def run(args: argparse.Namespace) -> int:
                 step_line(s, args.slots, pages.n_pages), flush=True))
     print(json.dumps(result) if args.json else "\n".join(total_lines(result["summary"])))
     return 0
+
+
+@contextlib.contextmanager
+def out_of_memory(args: argparse.Namespace, pool_bytes: int) -> Iterator[None]:
+    """The device out of memory -> a UsageError naming the page pool's options and its bytes."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise UsageError(f"--pages {args.pages} x --page-size {args.page_size}: the KV page "
+                         f"pool and the rows' states take {pool_bytes / 1e9:.3g} GB, more than "
+                         f"the device could allocate: give fewer or smaller pages") from None
 
 
 def title_lines(model: str, requests: int, batch: int, pages: paged_kv.PagedKVConfig,

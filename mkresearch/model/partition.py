@@ -205,8 +205,8 @@ def check_ranks(cfg: ModelConfig, n_ranks: Any, etp: int | None = None,
             raise ValueError(f"n_ranks={n} is invalid for {cfg.name}: n_experts={cfg.n_experts} "
                              f"must split into EP = n_ranks / ETP groups with "
                              f"{_expert_fields(cfg)} (allowed rank counts: {allowed})")
-    elif isinstance(etp, bool) or not isinstance(etp, int) or not _expert_ways(cfg, n, etp,
-                                                                               columns):
+    elif isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 \
+            or not _expert_ways(cfg, n, etp, columns):
         good = [e for e in _divisors(n) if _expert_ways(cfg, n, e, columns)]
         raise ValueError(f"etp={etp!r} is invalid for {cfg.name} on {n} ranks: a divisor of "
                          f"n_ranks with n_experts={cfg.n_experts} divisible by n_ranks / etp and "
