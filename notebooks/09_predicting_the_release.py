@@ -512,12 +512,14 @@ assert vector_b1["vector_step_ms"] < 0.8 * release_b1 < vector_b1["step_ms"]
 # collective, that collective started without waiting, the second on the same weight blocks,
 # then the first's collective waited for. It is priced in the design's favour (the blocks wait
 # in VMEM the core does not have; the links carry both without contention), so the step is the
-# best this interleave could take. At B = 2, two one-row microbatches against the designs' one
-# stream of two rows:
+# best this interleave could take. At B = 2, two one-row microbatches against the same design
+# run as one stream of two rows (docs/prediction.md §8 compares the design chosen at each B):
 
 # %%
 two_mb = microbatches.two_microbatch_step(cfg, 32, 2)
-one_stream_b2 = design_table.design_predictions(cfg, 32, 2)[-1][1]["step_s"]  # ~20 s
+_, last_design, its_fields = design_table.design_steps(cfg, 32, 1)[-1]  # chosen above: cached
+one_stream_b2 = design_table.predict_design(last_design, 32, 2, design_table.SAME_ASSUMPTIONS,
+                                            **its_fields)["step_s"]
 print(f"B = 2: one stream {one_stream_b2 * 1e3:.2f} ms; two microbatches of one row "
       f"{two_mb['two_microbatches_s'] * 1e3:.2f} ms, of which the MXU's second push on the shared "
       f"blocks {two_mb['second_push_s'] * 1e3:.2f} ms; one microbatch alone "
