@@ -463,8 +463,8 @@ def test_predict_command_table(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["predict", "deepseek-v3", "--ranks", "3"], "--ranks 3 is invalid for deepseek-v3: it must "),
-    (["predict", "kimi-k3", "--ranks", "7"], "--ranks 7 is invalid for kimi-k3: it must divide"),
+    (["predict", "deepseek-v3", "--ranks", "3"], "n_ranks=3 is invalid for deepseek-v3"),
+    (["predict", "kimi-k3", "--ranks", "7"], "n_ranks=7 is invalid"),
     (["predict", "kimi-k3", "--chip", "v5e"], "n_ranks=32 is invalid for chip='v5e'"),
     (["predict", "kimi-k3", "--batch", "1,x"], "--batch '1,x' is invalid"),
     (["predict", "kimi-k3", "--batch", "0"], "--batch 0 is invalid: an int >= 1"),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
@@ -41,6 +42,14 @@ def at_least(option: str, value: int, minimum: int) -> None:
     """An option's int is at least `minimum`, else a UsageError naming it."""
     if value < minimum:
         raise UsageError(f"{option} must be an int >= {minimum}, got {value}")
+
+
+def options_of(parent: str, options: Iterable[tuple[str, Any, Any]], why: str) -> None:
+    """Options that mean something only with `parent`, as (flag, value, its default): the first
+    given (not its default) is a UsageError naming both, not an option silently dropped."""
+    for flag, value, default in options:
+        if value != default:
+            raise UsageError(f"{flag} {value} is an option of {parent}: give both ({why})")
 
 
 def cache_layout_applies(cfg: ModelConfig, cache_layout: str | None) -> None:

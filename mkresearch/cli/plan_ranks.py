@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 from mkresearch.cli.common import (
-    UsageError,
     at_least,
     known_chip,
     known_model,
+    options_of,
     refusals,
     wire_with_partial_sums,
 )
@@ -38,11 +38,8 @@ def add_arguments(p: Any) -> None:
 def check_without_ranks(args: Any) -> None:
     """--collectives or --wire given without --ranks: a UsageError (the one-device plan has no
     collectives), not an option silently dropped."""
-    for flag, value, default in (("--collectives", args.collectives, layout.PARTIAL_SUM),
-                                 ("--wire", args.wire, "f32")):
-        if value != default:
-            raise UsageError(f"{flag} {value} is an option of --ranks N: give both (one "
-                             "device's plan has no collectives)")
+    options_of("--ranks N", (("--collectives", args.collectives, layout.PARTIAL_SUM),
+                             ("--wire", args.wire, "f32")), "one device's plan has no collectives")
 
 
 def run(args: Any) -> int:

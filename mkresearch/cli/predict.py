@@ -39,6 +39,7 @@ from mkresearch.cli.common import (
     context_in_cache,
     known_chip,
     known_model,
+    options_of,
     refusals,
 )
 from mkresearch.cli.options import (
@@ -137,9 +138,9 @@ def run(args: Any) -> int:
         raise UsageError(f"--json is invalid with {'--explain' if args.explain else '--validate'}"
                          ": it prints text tables (--json goes with the predictions and "
                          "--designs)")
-    if args.acceptance is not None and not args.speculate:
-        raise UsageError("--acceptance is invalid without --speculate K > 0: it sets the "
-                         "acceptance lengths of speculative decoding")
+    if not args.speculate:
+        options_of("--speculate K > 0", (("--acceptance", args.acceptance, None),),
+                   "the acceptance lengths of speculative decoding")
     if args.bounds and not args.designs:
         raise UsageError("--bounds is invalid without --designs: it asks what the designs' "
                          "last row waits for (predict MODEL --designs --bounds)")
@@ -237,18 +238,14 @@ def _run_designs(args: Any, cfg: Any, chip: str) -> int:
 
 
 def ranks_split(cfg: Any, ranks: int) -> None:
-    """--ranks: 2 or more ranks that split cfg, else a UsageError listing those that do (and
-    saying when the count was --ranks' default, which a mini model does not split)."""
+    """--ranks: 2 or more ranks that split cfg (the library's line, saying when the count was
+    --ranks' default, which a mini model does not split)."""
+    at_least("--ranks", ranks, 2)
     try:
-        if ranks < 2:
-            raise ValueError("one rank has no collectives to predict")
         layout.check_ranks(cfg, ranks)
     except ValueError as error:
-        allowed = [n for n in layout.allowed_ranks(cfg) if n >= 2]
-        default = f" (--ranks' default is {DEFAULT_RANKS})" if ranks == DEFAULT_RANKS else ""
-        why = str(error).splitlines()[0].split(": ", 1)[-1].split(" (allowed")[0]
-        raise UsageError(f"--ranks {ranks} is invalid for {cfg.name}{default}: {why}; a "
-                         f"prediction takes {', '.join(map(str, allowed)) or 'none'}") from None
+        default = " (the default)" if ranks == DEFAULT_RANKS else ""
+        raise UsageError(f"--ranks {ranks}{default}: {str(error).splitlines()[0]}") from None
 
 
 def _check_predictions(args: Any, cfg: Any, chip: str) -> None:

@@ -28,6 +28,7 @@ from mkresearch.cli.common import (
     UsageError,
     at_least,
     human_bytes,
+    options_of,
     refusals,
     wire_with_partial_sums,
 )
@@ -102,11 +103,9 @@ def _sharded_only(args: Any) -> None:
     collectives = getattr(args, "collectives", layout.PARTIAL_SUM)
     router = getattr(args, "router", layout.ROUTER_SPLIT)
     if getattr(args, "ranks", 1) == 1:
-        for flag, value, default in (("--collectives", collectives, layout.PARTIAL_SUM),
-                                     ("--router", router, layout.ROUTER_SPLIT)):
-            if value != default:
-                raise UsageError(f"{flag} {value} is an option of --ranks N > 1: one device "
-                                 "sends no collective and splits no router")
+        options_of("--ranks N > 1", (("--collectives", collectives, layout.PARTIAL_SUM),
+                                     ("--router", router, layout.ROUTER_SPLIT)),
+                   "one device sends no collective and splits no router")
     elif router != layout.ROUTER_SPLIT and getattr(args, "backend", None) == "reference":
         raise UsageError(f"--router {router} is an option of the sharded megakernel (--backend "
                          "megakernel): the sharded reference splits the router over every rank")

@@ -21,6 +21,7 @@ from mkresearch.cli.common import (
     known_chip,
     known_model,
     megakernel_batch,
+    options_of,
     refusals,
 )
 from mkresearch.model import paged_kv, weights
@@ -54,10 +55,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_without_workload(args: argparse.Namespace) -> None:
     """A workload option given without --workload: a UsageError, not an option dropped."""
-    for dest in DEFAULTS:
-        if getattr(args, dest) is not None:
-            raise UsageError(f"--{dest.replace('_', '-')} is an option of --workload "
-                             "FILE|synthetic: give both (the batch sweep takes --batch)")
+    options_of("--workload FILE|synthetic",
+               ((f"--{dest.replace('_', '-')}", getattr(args, dest), None) for dest in DEFAULTS),
+               "the batch sweep takes --batch")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,12 +25,12 @@ would cut the segments between collectives shorter, or read the blocks twice.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from mkresearch.hardware import interconnect as links
 from mkresearch.model.config import ModelConfig
 from mkresearch.prediction import calibration, design_table, scale_out
-from mkresearch.prediction.timeline_ranks import PARTS, simulate_programs
+from mkresearch.prediction.timeline_ranks import PARTS
 from mkresearch.sharding import layout as layouts
 
 FIRST, SECOND = "/mb0", "/mb1"  # the suffixes of each microbatch's collectives
@@ -109,20 +109,18 @@ def two_microbatch_step(cfg: ModelConfig, n_ranks: int = 32, batch: int = 2, *,
     half = batch // 2
     label, variant, fields = design_table.design_steps(cfg, n_ranks, half, model=model)[-1]
     sched = design_table.design_schedule(variant, n_ranks, half, **fields)
+    if model.prefetch_across is not None:  # as `scale_out.predict` applies the Model's switch
+        sched = dataclasses.replace(sched, prefetch_across=model.prefetch_across)
     blocks, first = scale_out.rank_programs(variant, n_ranks, layouts.OURS, half, schedule=sched,
                                             context=model.context, seed=0)
     _, second = scale_out.rank_programs(variant, n_ranks, layouts.OURS, half, schedule=sched,
                                         context=model.context, seed=1)
     lay = scale_out.placed_layout(variant, n_ranks, layouts.OURS, sched)
-    inter = model.interconnect or links.interconnect("tpu7x", n_ranks=n_ranks)
-    if inter.slice.n_ranks < n_ranks:
-        inter = links.interconnect(inter, n_ranks=n_ranks)
-    chip = model.timeline_chip or "tpu7x"
+    inter = scale_out.step_interconnect("tpu7x", n_ranks, model.interconnect)
 
     def simulate(programs):
-        return simulate_programs(programs, blocks, sched.banks, half,
-                                 tuple(range(0, n_ranks, lay.etp)), inter, "auto", chip,
-                                 prefetch_across=model.prefetch_across)
+        return scale_out.simulate_step(programs, blocks, sched, half, lay, inter, "auto",
+                                       model.timeline_chip or "tpu7x")
 
     both = simulate([interleave(a, b) for a, b in zip(first, second)])
     alone = simulate(first)

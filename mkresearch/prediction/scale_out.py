@@ -376,9 +376,7 @@ def predict(cfg: ModelConfig, n_ranks: int, name: str = layouts.OURS, batch: int
         raise ValueError(f"batch={batch!r} is invalid: an int >= 1")
     if algorithm is not None and algorithm not in links.ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is invalid: one of {links.ALGORITHMS}")
-    inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
-    if inter.slice.n_ranks < n_ranks:
-        inter = links.interconnect(inter, n_ranks=n_ranks)
+    inter = step_interconnect(chip, n_ranks, interconnect)
     sched = schedule_for(cfg, name if schedule is None else schedule, collectives, n_ranks,
                          batch, chip)
     if prefetch_across is not None:  # a what-if for every collective of either side's program
@@ -415,12 +413,7 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
     blocks, programs = rank_programs(cfg, n_ranks, name, batch, schedule=sched, context=context,
                                      seed=seed, sequences=sequences)
     lay = placed_layout(cfg, n_ranks, name, sched)
-    ranks = simulate_programs(
-        programs, blocks, sched.banks, batch, tuple(range(0, n_ranks, lay.etp)), inter,
-        "auto" if algorithm == "auto" else
-        {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm,
-         "reduce_scatter": program.ONE_SHOT},  # one phase: the kernel's only way
-        timeline, prefetch_across=sched.prefetch_across)
+    ranks = simulate_step(programs, blocks, sched, batch, lay, inter, algorithm, timeline)
     parts = ranks.decomposition()
     counted = rank_bytes(lay, sched, batch, context, sequences)
     slowest = ranks.slowest_rank
@@ -444,6 +437,30 @@ def _predict_uncollected(cfg: ModelConfig, n_ranks: int, name: str, batch: int, 
             "gb200_tok_s": PUBLISHED.get(cfg.name, {}).get("gb200_tok_s", {}).get(batch)
             if published else None,
             "timeline": ranks}
+
+
+def step_interconnect(chip: str, n_ranks: int, interconnect: links.Interconnect | None = None
+                      ) -> links.Interconnect:
+    """The links a step on n_ranks is priced over: `interconnect` (default the chip's), on a
+    slice of at least n_ranks."""
+    inter = links.interconnect(chip, n_ranks=n_ranks) if interconnect is None else interconnect
+    if inter.slice.n_ranks < n_ranks:
+        inter = links.interconnect(inter, n_ranks=n_ranks)
+    return inter
+
+
+def simulate_step(programs: list, blocks: list[int], sched: Schedule, batch: int,
+                  lay: layouts.Layout, inter: links.Interconnect, algorithm: str,
+                  timeline: str | TimelineChip) -> Any:
+    """The stand-in ranks' `programs` (`rank_programs`) simulated together under `sched`'s ring
+    (`timeline_ranks.simulate_programs`): every all-reduce by `algorithm`, or "auto": each
+    collective's own."""
+    return simulate_programs(
+        programs, blocks, sched.banks, batch, tuple(range(0, lay.n_ranks, lay.etp)), inter,
+        "auto" if algorithm == "auto" else
+        {"all_reduce": algorithm, "all_gather": sched.gather_algorithm, "chain": algorithm,
+         "reduce_scatter": program.ONE_SHOT},  # one phase: the kernel's only way
+        timeline, prefetch_across=sched.prefetch_across)
 
 
 def clear_caches() -> None:
