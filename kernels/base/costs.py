@@ -221,8 +221,8 @@ def costed_call(call: Any, *args: Any, io: tuple = (), inputs: dict | None = Non
     body's cost (`body_cost`, with `inputs` and `given` its worst case; `times` bodies: a grid's
     steps) plus the bytes of `io`, the operands and results Pallas copies around the body. In
     interpret mode no estimate (`wanted`)."""
-    if not wanted(call.keywords.get("interpret")):
-        return call()(*args)
+    if dry_run.tracing() or not wanted(call.keywords.get("interpret")):
+        return call()(*args)  # a dry run's trace (`chip_log`) states no estimate
     cost = body_cost(call(), *args, inputs=inputs, given=given) * times
     return call(cost_estimate=cost.estimate(*io))(*args)
 

@@ -158,8 +158,29 @@ def recording() -> Iterator[DmaLog]:
         _active.remove(log)
 
 
-def is_recording() -> bool:
-    """Python-side, at call time: wrappers pass it to jit as a static argument."""
+def append_planned(planned: list) -> None:
+    """Append planned events (`dry_run.run`'s PlannedDma and PlannedPhase, in program order) to
+    the open log as the Events interpret mode records for them (`kernels/base/chip_log.py`)."""
+    log = _active[-1]
+    for item in planned:
+        if item.kind in ("phase_start", "phase_end"):
+            log._append(Event(item.kind, item.name, indices=dict(item.indices), flops=item.flops,
+                              vmem_bytes=item.vmem_bytes))
+        else:
+            log._append(Event(item.kind, item.name, item.src, item.dst, item.nbytes, item.slot,
+                              dict(item.indices)))
+
+
+DRY_RUN = "dry run"  # what is_recording() says while a kernel is traced for a dry run
+
+
+def is_recording() -> bool | str:
+    """Python-side, at call time: wrappers pass it to jit as a static argument. True while a log
+    is recording, False when none is, and DRY_RUN while a kernel is traced for a dry run
+    (`kernels/base/chip_log.py` traces the wrapper itself): three static values, so a jit cache
+    never hands a dry run the trace of a real call, whose copies state no planned events."""
+    if dry_run.tracing():
+        return DRY_RUN
     return bool(_active)
 
 
@@ -339,11 +360,17 @@ class Ring:
 def phase(name: str, *, flops: int = 0, vmem_bytes: int = 0, **indices: Any) -> Iterator[None]:
     """Mark a compute phase: logged edges when recording, a named scope (TPU trace event) always."""
     _check_name(name)
-    emitting = _emitting()
+    emitting, planning = _emitting(), dry_run.planning_phases()
     static = {"flops": int(flops), "vmem_bytes": int(vmem_bytes)}
-    if emitting:
-        _emit("phase_start", name, None, indices, **static)
+    owner = dry_run.owner()
+
+    def edge(kind: str) -> None:  # logged as it runs (interpret mode), or planned (a dry run)
+        if emitting:
+            _emit(kind, name, None, indices, **static)
+        elif planning:
+            dry_run.emit_phase(kind, name, indices, owner=owner, **static)
+
+    edge("phase_start")
     with jax.named_scope(name):
         yield
-    if emitting:
-        _emit("phase_end", name, None, indices, **static)
+    edge("phase_end")

@@ -33,10 +33,10 @@ import numpy as np
 from jax._src import core
 from jax.experimental import io_callback
 from mkresearch.kernels.base import shape_run
-from mkresearch.kernels.base.planned import PlannedDma
+from mkresearch.kernels.base.planned import PlannedDma, PlannedPhase
 
 # ---- trace time: the hooks the kernels call ------------------------------------------------------
-_tracing: list[bool] = []
+_tracing: list[bool] = []  # one entry per dry-run trace open: whether it plans phases too
 _owners: list[tuple[str, Any]] = []
 # run time: where a run's planned DMAs go, and the values it supplies
 _sinks: list[list[PlannedDma]] = []
@@ -47,6 +47,11 @@ _ranks: list[int | None] = []
 def tracing() -> bool:
     """Whether the kernel is being traced for a dry run (`trace_kernel`)."""
     return bool(_tracing)
+
+
+def planning_phases() -> bool:
+    """Whether the dry run traced now plans compute phases too (`trace_kernel(phases=True)`)."""
+    return bool(_tracing) and _tracing[-1]
 
 
 @contextlib.contextmanager
@@ -101,6 +106,23 @@ def emit(kind: str, name: str, slot: Any, indices: dict[str, Any], *, src: str, 
     io_callback(record, None, *(_int32(tags[k]) for k in traced), ordered=True)
 
 
+def emit_phase(kind: str, name: str, indices: dict[str, Any], *, flops: int, vmem_bytes: int,
+               owner: tuple[str | None, Any]) -> None:
+    """Trace the planned edge of one compute phase (`dma.phase`, when `planning_phases()`)."""
+    stage, layer = owner
+    tags = {"layer": layer, **{f"index:{k}": v for k, v in indices.items()}}
+    traced = tuple(k for k, v in tags.items() if not _static(v))
+    order = sorted(k for k in tags if k.startswith("index:"))
+
+    def record(*values):
+        value = {k: int(values[traced.index(k)]) if k in traced else tags[k] for k in tags}
+        _sinks[-1].append(PlannedPhase(kind, name, int(flops), int(vmem_bytes), value["layer"],
+                                       stage, tuple((k[6:], value[k]) for k in order)))
+
+    record.dry_run = True
+    io_callback(record, None, *(_int32(tags[k]) for k in traced), ordered=True)
+
+
 def given(key: str, result: jax.ShapeDtypeStruct, *operands: Any) -> Any:
     """In a dry run's trace: a value of shape `result` that the run supplies, `run(...,
     given={key: fn})` calling fn(*operands) (e.g. a layer's routing, by the layer index).
@@ -123,17 +145,27 @@ class Kernel:
     slicer: shape_run.Slicer = field(compare=False)  # what its runs compute (`trace_kernel`)
 
 
-def trace_kernel(fn: Any, *args: Any, axis_env: tuple = (), every_loop: bool = False) -> Kernel:
+def trace_kernel(fn: Any, *args: Any, axis_env: tuple = (), every_loop: bool = False,
+                 phases: bool = False) -> Kernel:
     """The kernel program of the one `pallas_call` that fn(*args) makes (args: shape structs),
     traced for a dry run: its DMAs trace their planned events (`emit`). axis_env: ((name,
     size),) of a kernel that runs on one rank of a mesh (`lax.axis_index`: the run's rank);
-    every_loop: its runs run every while loop (`shape_run.Slicer`: a cost's trip counts)."""
-    _tracing.append(True)
+    every_loop: its runs run every while loop (`shape_run.Slicer`: a cost's trip counts);
+    phases: its compute phases are planned too (`emit_phase`: the kernel's whole log)."""
+    return kernel_of(kernel_call_traced(fn, *args, axis_env=axis_env, phases=phases)[0]
+                     .params["jaxpr"], every_loop)
+
+
+def kernel_call_traced(fn: Any, *args: Any, axis_env: tuple = (),
+                       phases: bool = False) -> tuple[core.JaxprEqn, core.ClosedJaxpr]:
+    """(the `pallas_call` equation, the whole traced program) of fn(*args), traced for a dry
+    run as `trace_kernel` says."""
+    _tracing.append(bool(phases))
     try:
-        jaxpr = kernel_program(fn, *args, axis_env=axis_env)
+        closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
     finally:
         _tracing.pop()
-    return kernel_of(jaxpr, every_loop)
+    return _only_call(closed), closed
 
 
 def kernel_of(jaxpr: core.Jaxpr, every_loop: bool = False) -> Kernel:
@@ -151,12 +183,39 @@ def kernel_program(fn: Any, *args: Any, axis_env: tuple = ()) -> core.Jaxpr:
 def kernel_call(fn: Any, *args: Any, axis_env: tuple = ()) -> core.JaxprEqn:
     """The equation of the one `pallas_call` that fn(*args) makes (its params: the program, the
     cost estimate, ...), traced on shapes."""
-    closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
+    return _only_call(jax.make_jaxpr(fn, axis_env=list(axis_env))(*args))
+
+
+def _only_call(closed: core.ClosedJaxpr) -> core.JaxprEqn:
     calls = [eqn for eqn in _eqns(closed.jaxpr) if eqn.primitive.name == "pallas_call"]
     if len(calls) != 1:
         raise ValueError(f"a kernel program needs exactly one pallas_call, the traced function made "
                          f"{len(calls)}")
     return calls[0]
+
+
+def operand_sources(closed: core.ClosedJaxpr, call: core.JaxprEqn) -> dict[int, int]:
+    """{index of a `pallas_call` operand: index of the traced function's argument (flattened)
+    that it is, passed unchanged through the calls around it}: the operands a run can be given
+    the concrete values of."""
+    top = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+
+    def find(jaxpr: core.Jaxpr, names: dict) -> dict | None:
+        for eqn in jaxpr.eqns:
+            if eqn is call:
+                return {i: names[v] for i, v in enumerate(eqn.invars)
+                        if isinstance(v, core.Var) and v in names}
+            for sub in sub_jaxprs(eqn):
+                if len(sub.invars) != len(eqn.invars):  # a loop or a branch: not a plain call
+                    continue
+                inner = {w: names[v] for v, w in zip(eqn.invars, sub.invars)
+                         if isinstance(v, core.Var) and v in names}
+                found = find(sub, inner)
+                if found is not None:
+                    return found
+        return None
+
+    return find(closed.jaxpr, top) or {}
 
 
 def sub_jaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:

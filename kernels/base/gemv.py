@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import chip_log, costs, dma
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import LANE
@@ -182,8 +182,9 @@ def _gemv_stream_call(x, w, *, block_k, n_buffers, interpret, recording):
 def gemv_stream(x: jax.Array, w: jax.Array, *, block_k: int = 256, n_buffers: int = 2) -> jax.Array:
     """x [B, K] bf16 @ w [K, N] bf16 -> [B, N] f32; w streams through `n_buffers` VMEM slots."""
     check_gemv_args(x, w, block_k, n_buffers)
-    return _gemv_stream_call(x, w, block_k=block_k, n_buffers=n_buffers,
-                             interpret=tpu.interpret_params(), recording=dma.is_recording())
+    return chip_log.run(lambda x, w: _gemv_stream_call(
+        x, w, block_k=block_k, n_buffers=n_buffers, interpret=tpu.interpret_params(),
+        recording=dma.is_recording()), x, w)
 
 
 def vmem_bytes(batch: int, k: int, n: int, *, block_k: int, n_buffers: int) -> int:

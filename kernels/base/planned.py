@@ -65,6 +65,22 @@ class PlannedDma:
         return (self.kind, self.name, self.src, self.dst, self.nbytes, self.slot, self.indices)
 
 
+@dataclass(frozen=True)
+class PlannedPhase:
+    """One edge of a compute phase (`dma.phase`), as the DMA log records it: kind
+    ("phase_start" or "phase_end"), name, declared FLOPs and VMEM bytes, the loop tags; and the
+    layer and stage it belongs to. A dry run plans phases only when asked
+    (`dry_run.trace_kernel(phases=True)`: a kernel's whole log, on a chip); schedules hold DMAs."""
+
+    kind: str
+    name: str
+    flops: int
+    vmem_bytes: int
+    layer: int | None
+    stage: str | None
+    indices: tuple[tuple[str, int], ...] = ()
+
+
 def log_key(event: Any) -> tuple:
     """The `PlannedDma.log_key` of a recorded `dma.Event`."""
     return (event.kind, event.name, event.src, event.dst, event.nbytes, event.slot,

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma
+from mkresearch.kernels.base import blocks, chip_log, costs, dma
 
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
@@ -280,5 +280,6 @@ def decode(weight: Any, expert_format: str, *, chip: Any = None) -> jax.Array:
         if got.shape != expect.shape or got.dtype != expect.dtype:
             raise ValueError(f"weight[{name!r}] has shape {got.shape} {got.dtype}: expected "
                              f"{expect.shape} {expect.dtype} for expert_format={expert_format!r}")
-    return _decode_call(tuple(parts), expert_format, mxfp4_decode, tpu.interpret_params(),
-                        dma.is_recording())
+    return chip_log.run(lambda parts: _decode_call(parts, expert_format, mxfp4_decode,
+                                                   tpu.interpret_params(), dma.is_recording()),
+                        tuple(parts))

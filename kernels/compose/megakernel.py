@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma, dry_run, input_checks, registry
+from mkresearch.kernels.base import chip_log, costs, dma, dry_run, input_checks, registry
 
 # the body's names are the megakernel's API too
 from mkresearch.kernels.compose.megakernel_body import (  # noqa: F401
@@ -45,6 +45,7 @@ from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401
     MegakernelOptions,
     MegaPlan,
     make_plan,
+    routing_by_layer,
     sampled_outputs,
 )
 from mkresearch.kernels.sharded import collectives
@@ -244,13 +245,19 @@ def check_state(state: Any, cfg: ModelConfig, batch: int) -> int:
 def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig, *,
                 seed: int = 0, temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                 options: MegakernelOptions = MegakernelOptions(),  # noqa: B008 - frozen
-                return_logits: bool = False) -> tuple[jax.Array, dict, dict]:
+                return_logits: bool = False,
+                expert_ids: Any = None) -> tuple[jax.Array, dict, dict]:
     """One decode step of the whole model in ONE pallas_call -> (next tokens [B], state, aux).
 
     Same contract as `reference.decode_step` followed by `sampling.sample(logits, seed=seed,
     positions=positions + 1, ...)` (the next token is drawn for position p + 1, as in
     `reference.generate`). The state is donated and updated in place. aux: "nucleus_overflow"
     [B] bool, "logits" [B, V] f32 when return_logits (checking only), "plan" (the MegaPlan).
+
+    Recorded on a TPU (`dma.recording()`), the step's log is its kernel run on shapes
+    (`chip_log`), given the routing: expert_ids [n_routed_layers, B, k], or None for the
+    reference's on the same inputs (the kernel's own but at a router near-tie; that needs the
+    parameters, not `prepare_weights`' output).
     """
     if np.ndim(tokens) != 1:
         raise ValueError(f"tokens has shape {np.shape(tokens)}: allowed [B] (one token per row)")
@@ -269,13 +276,32 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     plan = make_plan(cfg, batch, seq_len, options)
     inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
                                                      top_k, top_p)
-    tokens_out, overflow, logits, new_state = _call(
-        plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
-        bool(return_logits), inputs, prepare_weights(params, cfg), state)
+    given = (log_routing(plan, params, state, tokens, positions, expert_ids)
+             if chip_log.logs_from_shapes() else None)
+    tokens_out, overflow, logits, new_state = chip_log.run(
+        lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(), use_gumbel,
+                            use_candidates, bool(return_logits), *args),
+        inputs, prepare_weights(params, cfg), state, given=given)
     aux = {"nucleus_overflow": overflow, "plan": plan}
     if return_logits:
         aux["logits"] = logits
     return tokens_out, new_state, aux
+
+
+def log_routing(plan: MegaPlan, params: dict, state: dict, tokens: Any, positions: Any,
+                expert_ids: Any = None) -> dict:
+    """What a step's log from shapes is given (`chip_log.run`): its routing by layer, expert_ids
+    [n_routed_layers, B, k] or the reference's on the same inputs (run before the step, which
+    donates the state)."""
+    if expert_ids is None and plan.cfg.n_experts:
+        if is_prepared(params):
+            raise ValueError("expert_ids=None with prepared weights: a step recorded on a TPU "
+                             "logs the routing it is given; pass the parameters (the reference "
+                             "routes them) or expert_ids [n_routed_layers, B, k]")
+        expert_ids = reference.decode_step(params, jax.tree.map(jnp.copy, state), tokens,
+                                           positions, plan.cfg)[2]["expert_ids"]
+    routing = {} if expert_ids is None else routing_by_layer(plan, expert_ids)
+    return {router.ROUTING: lambda layer: routing[layer]}
 
 
 def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperature: Any,

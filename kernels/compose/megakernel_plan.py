@@ -424,3 +424,26 @@ def stage_cost(kind: str, plan: Any, cfg: ModelConfig, batch: int, seq_len: int)
     routing = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
     return costs.body_cost(call, *args, inputs={0: costs.worst_positions(batch, seq_len)},
                            given={router.ROUTING: lambda layer: routing})
+
+
+# ---- the routing a step's schedule is given (the one choice it takes from data) ----------------
+def routed_layers(plan: MegaPlan) -> tuple[int, ...]:
+    """The layers whose FFN routes to experts (expert_ids[i] is the routing of the i-th)."""
+    return tuple(layer for layer, (_, ffn) in enumerate(plan.cfg.layers)
+                 if spec.stage(ffn).routed)
+
+
+def routing_by_layer(plan: MegaPlan, expert_ids: Any) -> dict[int, np.ndarray]:
+    """layer -> its routing [B, k] from expert_ids [n_routed_layers, B, k] (the reference's
+    aux["expert_ids"]); ValueError naming what is wrong."""
+    cfg, batch, layers = plan.cfg, plan.batch, routed_layers(plan)
+    shape = (len(layers), batch, cfg.top_k)
+    ids = np.asarray(expert_ids)
+    if ids.shape != shape or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"expert_ids has shape {ids.shape} ({ids.dtype}): expected {list(shape)} "
+                         "ints, the routing of each routed layer (the reference's "
+                         "aux['expert_ids'])")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.n_experts):
+        raise ValueError(f"expert_ids is invalid: each in [0, n_experts={cfg.n_experts}), got "
+                         f"[{ids.min()}, {ids.max()}]")
+    return dict(zip(layers, ids))

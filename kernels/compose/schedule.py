@@ -37,7 +37,11 @@ import numpy as np
 from mkresearch.kernels.base import costs, dry_run, input_checks, planned
 from mkresearch.kernels.base.planned import PlannedDma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import MegaPlan
+from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401 - routed_layers: API
+    MegaPlan,
+    routed_layers,
+    routing_by_layer,
+)
 from mkresearch.kernels.stages import gate_up, router
 
 from mkresearch.model import spec
@@ -48,12 +52,6 @@ WEIGHT_BUFFERS = (planned.WEIGHT_RING, planned.LOCAL_RING)  # a stage's streamed
 
 
 # ---- the step's data: positions and routing ----------------------------------------------------
-def routed_layers(plan: MegaPlan) -> tuple[int, ...]:
-    """The layers whose FFN routes to experts (expert_ids[i] is the routing of the i-th)."""
-    return tuple(layer for layer, (_, ffn) in enumerate(plan.cfg.layers)
-                 if spec.stage(ffn).routed)
-
-
 def _positions(plan: MegaPlan, positions: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     batch, seq_len = plan.batch, plan.seq_len
     if positions is None:  # the cost estimate's worst case (`costs.worst_positions`)
@@ -70,22 +68,13 @@ def _positions(plan: MegaPlan, positions: Any) -> tuple[tuple[int, ...], tuple[s
 def _routing(plan: MegaPlan, expert_ids: Any) -> tuple[dict[int, np.ndarray], tuple[str, ...]]:
     """layer -> its routing [B, k], and the assumption made if none was given."""
     cfg, batch, layers = plan.cfg, plan.batch, routed_layers(plan)
-    shape = (len(layers), batch, cfg.top_k)
     if expert_ids is None:
         fetched = min(cfg.n_experts, batch * cfg.top_k)
         worst = router.worst_routing(cfg.n_experts, batch, cfg.top_k)
         note = (f"{fetched} distinct experts per routed layer, min(E={cfg.n_experts}, "
                 f"B·k={batch * cfg.top_k}): no two choices share one")
         return {layer: worst for layer in layers}, (note,) if layers else ()
-    ids = np.asarray(expert_ids)
-    if ids.shape != shape or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"expert_ids has shape {ids.shape} ({ids.dtype}): expected {list(shape)} "
-                         "ints, the routing of each routed layer (the reference's "
-                         "aux['expert_ids'])")
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.n_experts):
-        raise ValueError(f"expert_ids is invalid: each in [0, n_experts={cfg.n_experts}), got "
-                         f"[{ids.min()}, {ids.max()}]")
-    return dict(zip(layers, ids)), ()
+    return routing_by_layer(plan, expert_ids), ()
 
 
 # ---- the schedule --------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, planned, quant
+from mkresearch.kernels.base import blocks, chip_log, costs, dma, planned, quant
 from mkresearch.kernels.base.registry import StageRefs
 from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.gate_up import SHARED_KEYS
@@ -585,9 +585,10 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
     options = stage_options(cfg, plan, n_slots, chip=chip)
     check_input(x, cfg.d_model)
     check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return stage_call(x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg),
-                       None, options=options, out_dtype=jnp.float32,
-                       interpret=tpu.interpret_params(), recording=dma.is_recording())
+    return chip_log.run(
+        lambda *args: stage_call(*args, None, options=options, out_dtype=jnp.float32,
+                                 interpret=tpu.interpret_params(), recording=dma.is_recording()),
+        x, expert_ids, expert_weights.astype(jnp.float32), _routed_tree(p, cfg))
 
 
 def router_options(cfg: ModelConfig) -> tuple:
@@ -611,15 +612,28 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
     check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return moe_layer_call(x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
-                           options=options, router_options=router_options(cfg),
-                           interpret=tpu.interpret_params(), recording=dma.is_recording())
+    return chip_log.run(
+        lambda *args: moe_layer_call(*args, options=options, router_options=router_options(cfg),
+                                     interpret=tpu.interpret_params(),
+                                     recording=dma.is_recording()),
+        x, p["w_router"], bias, _routed_tree(p, cfg), _shared_tree(p, cfg),
+        given=lambda _: reference_routing(p, x, cfg))
+
+
+def reference_routing(p: dict, x: jax.Array, cfg: ModelConfig) -> dict:
+    """What a fused router + experts kernel's log on a TPU is given (`chip_log.run`): the
+    reference router's choice on the same input (the kernel's own, but at a near-tie)."""
+    ids = np.asarray(reference.route(p, x, cfg)[0])  # [B, k]
+    return {router.ROUTING: lambda layer: ids}
 
 
 def dense_ffn(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Kernel twin of reference.dense_ffn -> bf16 [B, d]: the stage with one always-on expert."""
     check_input(x, cfg.d_model)
     always_on = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
-    return stage_call(x, None, None, None, always_on, options=dense_options(cfg),
-                       out_dtype=jnp.bfloat16,
-                       interpret=tpu.interpret_params(), recording=dma.is_recording())
+    return chip_log.run(
+        lambda x, always_on: stage_call(x, None, None, None, always_on,
+                                        options=dense_options(cfg), out_dtype=jnp.bfloat16,
+                                        interpret=tpu.interpret_params(),
+                                        recording=dma.is_recording()),
+        x, always_on)

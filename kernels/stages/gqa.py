@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, input_checks
+from mkresearch.kernels.base import blocks, chip_log, dma, input_checks
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, dot_t, online_softmax_step, tile_loop
 from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
@@ -266,8 +266,10 @@ def gqa_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
     plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
                      weight_block_rows=weight_block_rows)
     weights = {name: w.reshape(1, -1) if w.ndim == 1 else w for name, w in p.items()}
-    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
-                 positions, x, weights, {"k": cache["k"], "v": cache["v"]})
+    return chip_log.run(
+        lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(),
+                            tuple(sorted(indices.items())), *args),
+        positions, x, weights, {"k": cache["k"], "v": cache["v"]})
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

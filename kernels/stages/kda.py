@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, input_checks, planned
+from mkresearch.kernels.base import blocks, chip_log, costs, dma, input_checks, planned
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
@@ -325,9 +325,10 @@ def kda_attention(p: dict, x: jax.Array, conv: jax.Array, state: jax.Array, cfg:
     """
     check_inputs(p, x, conv, state, cfg)
     plan = make_plan(cfg, x.shape[0], weight_block_rows=weight_block_rows)
-    out, state = _call(plan, tpu.interpret_params(), dma.is_recording(),
-                       tuple(sorted(indices.items())), x, prepare_layer(p),
-                       {"conv": conv, "recurrent": state})
+    out, state = chip_log.run(
+        lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(),
+                            tuple(sorted(indices.items())), *args),
+        x, prepare_layer(p), {"conv": conv, "recurrent": state})
     return out, state["conv"], state["recurrent"]
 
 

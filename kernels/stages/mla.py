@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, input_checks
+from mkresearch.kernels.base import blocks, chip_log, costs, dma, input_checks
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.kv_tiles import (
     CONTIGUOUS,
@@ -410,9 +410,10 @@ def mla_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg:
     plan = make_plan(cfg, x.shape[0], seq_len, kv_tile=kv_tile,
                      weight_block_rows=weight_block_rows)
     names = CACHE_NAMES[plan.layout]
-    out, new_cache = _call(plan, tpu.interpret_params(), dma.is_recording(),
-                           tuple(sorted(indices.items())), positions, x, prepare_layer(p),
-                           {name: cache[name] for name in names})
+    out, new_cache = chip_log.run(
+        lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(),
+                            tuple(sorted(indices.items())), *args),
+        positions, x, prepare_layer(p), {name: cache[name] for name in names})
     return out, new_cache
 
 

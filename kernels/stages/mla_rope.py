@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, dma, input_checks, kv_tiles, kv_update
+from mkresearch.kernels.base import blocks, chip_log, dma, input_checks, kv_tiles, kv_update
 from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 from mkresearch.kernels.stages import mla, mla_queries
@@ -157,8 +157,10 @@ def mla_rope_attention(p: dict, x: jax.Array, cache: dict, positions: jax.Array,
                      weight_block_rows=weight_block_rows)
     weights = {name: p[name].reshape(1, -1) if p[name].ndim == 1 else p[name]
                for name in weight_names(cfg)}
-    return _call(plan, tpu.interpret_params(), dma.is_recording(), tuple(sorted(indices.items())),
-                 positions, x, weights, {"ckv": cache["ckv"], "kpe": cache["kpe"]})
+    return chip_log.run(
+        lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(),
+                            tuple(sorted(indices.items())), *args),
+        positions, x, weights, {"ckv": cache["ckv"], "kpe": cache["kpe"]})
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

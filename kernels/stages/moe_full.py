@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import dma, quant
+from mkresearch.kernels.base import chip_log, dma, quant
 from mkresearch.kernels.base.registry import KernelStage, Streamed, register
 from mkresearch.kernels.stages import experts, gate_up, router
 
@@ -61,10 +61,13 @@ def moe_full_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique
     experts.check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
     bias = p["router_bias"].astype(jnp.float32).reshape(1, -1)  # not read unless cfg.router_bias
-    return experts.moe_layer_call(x, p["w_router"], bias, routed_tree(p, cfg),
-                                   shared_tree(p, cfg), options=options,
-                                   router_options=router_options(cfg),
-                                   interpret=tpu.interpret_params(), recording=dma.is_recording())
+    return chip_log.run(
+        lambda *args: experts.moe_layer_call(*args, options=options,
+                                             router_options=router_options(cfg),
+                                             interpret=tpu.interpret_params(),
+                                             recording=dma.is_recording()),
+        x, p["w_router"], bias, routed_tree(p, cfg), shared_tree(p, cfg),
+        given=lambda _: experts.reference_routing(p, x, cfg))
 
 
 def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
@@ -74,10 +77,11 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
     options = stage_options(cfg, plan, n_slots, chip=chip)
     experts.check_input(x, cfg.d_model)
     experts.check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
-    return experts.stage_call(x, expert_ids, expert_weights.astype(jnp.float32),
-                               routed_tree(p, cfg), None, options=options,
-                               out_dtype=jnp.float32, interpret=tpu.interpret_params(),
-                               recording=dma.is_recording())
+    return chip_log.run(
+        lambda *args: experts.stage_call(*args, None, options=options, out_dtype=jnp.float32,
+                                         interpret=tpu.interpret_params(),
+                                         recording=dma.is_recording()),
+        x, expert_ids, expert_weights.astype(jnp.float32), routed_tree(p, cfg))
 
 
 # ---- the kind in the kernel registry (what the megakernel composes) ----------------------------

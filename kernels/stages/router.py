@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, dry_run, planned
+from mkresearch.kernels.base import blocks, chip_log, costs, dma, dry_run, planned
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ROUTER_SCORES, ModelConfig
@@ -234,10 +234,12 @@ def route_with(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None,
     """The router kernel with explicit options (the notebook varies them one at a time)."""
     check_router_args(x, w_router, router_bias, top_k, router_score)
     check_groups(w_router.shape[1], top_k, groups, topk_groups, normalize)
-    return _route_call(x, w_router, router_bias, top_k=top_k, router_score=router_score,
-                       routed_scale=float(routed_scale), groups=groups, topk_groups=topk_groups,
-                       normalize=normalize, interpret=tpu.interpret_params(),
-                       recording=dma.is_recording())
+    return chip_log.run(
+        lambda x, w_router, router_bias: _route_call(
+            x, w_router, router_bias, top_k=top_k, router_score=router_score,
+            routed_scale=float(routed_scale), groups=groups, topk_groups=topk_groups,
+            normalize=normalize, interpret=tpu.interpret_params(), recording=dma.is_recording()),
+        x, w_router, router_bias, given=lambda out: {ROUTING: lambda layer: out[0]})
 
 
 def check_groups(n_experts: int, top_k: int, groups: Any, topk_groups: Any,

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import blocks, costs, dma, planned
+from mkresearch.kernels.base import blocks, chip_log, costs, dma, planned
 
 from mkresearch.hardware import tpu
 from mkresearch.model import reference, sampling
@@ -389,11 +389,14 @@ def sample_stage(snapshots: jax.Array, partial: jax.Array, mix_out: jax.Array,
     sampled = params.temperature > 0
     truncated = (params.top_k > 0) | (params.top_p < 1)
     seed_i32 = np.asarray(np.uint32(int(seed) % 2**32)).view(np.int32).reshape(1)
-    tokens, overflow, logits = _sampling_call(
+    options = {"vocab_tile": vocab_tile, "candidates": candidates, "eps": float(cfg.rms_eps),
+               "softcap": cfg.logit_softcap, "use_gumbel": bool(np.any(sampled & ~truncated)),
+               "use_candidates": bool(np.any(sampled & truncated)),
+               "return_logits": bool(return_logits)}
+    tokens, overflow, logits = chip_log.run(
+        lambda *args: _sampling_call(*args, **options, interpret=tpu.interpret_params(),
+                                     recording=dma.is_recording()),
         jnp.asarray(seed_i32), jnp.asarray(positions, jnp.int32), jnp.asarray(params.temperature),
         jnp.asarray(params.top_k), jnp.asarray(params.top_p), snapshots, partial, mix_out,
-        final_norm, lm_head, vocab_tile=vocab_tile, candidates=candidates, eps=float(cfg.rms_eps),
-        softcap=cfg.logit_softcap, use_gumbel=bool(np.any(sampled & ~truncated)),
-        use_candidates=bool(np.any(sampled & truncated)), return_logits=bool(return_logits),
-        interpret=tpu.interpret_params(), recording=dma.is_recording())
+        final_norm, lm_head)
     return SampleResult(tokens, overflow, logits)
