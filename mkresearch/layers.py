@@ -11,6 +11,8 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     prediction          timeline model, scale-out, calibration: what a step costs
       ^
+    generation          the decode loop: jitted chunks of steps that stay on the device
+      ^
     kernels.compose     the megakernel: plan, composer, schedule, the step on n ranks, verify
       ^
     kernels.sharded     collectives between ranks and the sharded pieces of stages
@@ -57,6 +59,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kernels.stages": _package("mkresearch.kernels.stages"),
     "kernels.sharded": _package("mkresearch.kernels.sharded"),
     "kernels.compose": _package("mkresearch.kernels.compose"),
+    "generation": _package("mkresearch.generation"),
     "prediction": _package("mkresearch.prediction"),
     "serve": _package("mkresearch.serve"),
     "measurement": _package("mkresearch.measurement"),

@@ -67,7 +67,7 @@ def record(fn: Callable, *args: Any, given: dict | None = None, axis_env: tuple 
         if not np.issubdtype(np.dtype(leaf.dtype), np.integer):
             continue  # a vector operand: its values never decide a DMA
         if isinstance(leaf, (jax.core.Tracer, jax.ShapeDtypeStruct)):
-            raise ValueError(f"argument {arg} of {getattr(fn, '__name__', fn)!r} is traced: a "
+            raise ValueError(f"argument {arg} of {getattr(fn, '__name__', fn)!r} is traced: a "  # noqa: TRY004
                              "DMA log on a TPU is the kernel run on shapes with its integer "
                              "inputs known; record outside jit")
         inputs[operand] = np.asarray(leaf)

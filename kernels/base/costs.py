@@ -62,8 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax.experimental import pallas as pl
-from mkresearch.hardware import tpu
 from mkresearch.kernels.base import dry_run, shape_run
+
+from mkresearch.hardware import tpu
 
 
 @dataclass(frozen=True)

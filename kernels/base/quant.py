@@ -45,9 +45,6 @@ from mkresearch.model.numerics import block_scaled_matmul
 
 NIBBLES_PER_WORD = 8
 MXFP4_DECODES = ("native", "integer")
-# The chip kernels are built for in interpret mode (no TPU, not compiling): the default chip of
-# tpu.compile_for and MegakernelOptions.
-INTERPRET_CHIP = "tpu7x"
 
 
 def check_format(expert_format: Any, name: str = "expert_format") -> str:
@@ -61,9 +58,9 @@ def check_format(expert_format: Any, name: str = "expert_format") -> str:
 def mxfp4_decode_path(chip: Any = None) -> str:
     """How kernels built for `chip` (a CHIPS name or Chip) decode E2M1 codes: "native" where
     Mosaic lowers float4 vectors (Chip.native_fp4), else "integer". None: tpu.target_chip()
-    (compile_for's chip, or this TPU), and INTERPRET_CHIP in interpret mode."""
+    (compile_for's chip, or this TPU), and tpu.DEFAULT_CHIP in interpret mode."""
     if chip is None:
-        chip = tpu.target_chip() or INTERPRET_CHIP
+        chip = tpu.target_chip() or tpu.DEFAULT_CHIP
     return "native" if get_chip(chip).native_fp4 else "integer"
 
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import chip_log, costs, dma, dry_run, input_checks, registry
 
 # the body's names are the megakernel's API too
-from mkresearch.kernels.compose.megakernel_body import (  # noqa: F401
+from mkresearch.kernels.compose.megakernel_body import (
     StepInputs,
     StepOutputs,
     megakernel_body,
@@ -274,6 +274,7 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
                                "max_seq_len=...) for a longer one)")
     reference.check_token_ids("tokens", tokens, cfg)
     plan = make_plan(cfg, batch, seq_len, options)
+    tpu.check_runs_here(plan.options.chip)
     inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
                                                      top_k, top_p)
     given = (log_routing(plan, params, state, tokens, positions, expert_ids)
@@ -345,19 +346,23 @@ def step_shapes(plan: MegaPlan) -> tuple:
     # the state's rows: a verify step's R rows share B = R / (K + 1) of them
     state = jax.eval_shape(lambda: reference.init_state(cfg, plan.state_batch, plan.seq_len))
     s = jax.ShapeDtypeStruct
-    column = lambda dtype: s((batch, 1), dtype)  # noqa: E731
+    column = lambda dtype: s((batch, 1), dtype)
     inputs = StepInputs(s((batch,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32),
                         s((len(plan.layer_table),), jnp.int32), column(jnp.int32),
                         column(jnp.float32), column(jnp.int32), column(jnp.float32))
     return inputs, prepared, state
 
 
-def compile_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu7x",
+def compile_step(cfg: ModelConfig, batch: int = 1, *, chip: str | None = None,
                  options: MegakernelOptions | None = None, seq_len: int | None = None):
-    """Compile one megakernel decode step for `chip` from shapes only -> (CompileResult, plan).
-    `options.chip`, if options are given, must be `chip`: the plan is built for it."""
+    """Compile one megakernel decode step for `chip` (None: `tpu.default_chip()`) from shapes
+    only -> (CompileResult, plan). `options.chip`, if set, must be `chip`: the plan is built for
+    it."""
+    chip = tpu.default_chip() if chip is None else chip
     options = MegakernelOptions(chip=chip) if options is None else options
-    if getattr(options, "chip", chip) != chip:
+    if getattr(options, "chip", None) is None:
+        options = dataclasses.replace(options, chip=chip)
+    if options.chip != chip:
         raise ValueError(f"options.chip={options.chip!r} differs from chip={chip!r}: the plan "
                          "(VMEM, MXFP4 decode path) is built for options.chip; pass the same chip")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
@@ -365,8 +370,10 @@ def compile_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu7x",
     return tpu.compile_for(step_fn(plan), *step_shapes(plan), chip=chip), plan
 
 
-def compile_reference_step(cfg: ModelConfig, batch: int = 1, *, chip: str = "tpu7x"):
-    """Compile `reference.decode_step` (plain XLA) for `chip` -> CompileResult."""
+def compile_reference_step(cfg: ModelConfig, batch: int = 1, *, chip: str | None = None):
+    """Compile `reference.decode_step` (plain XLA) for `chip` (None: `tpu.default_chip()`)
+    -> CompileResult."""
+    chip = tpu.default_chip() if chip is None else chip
     roofline.check_fits_hbm(cfg, chip, batch)
     state = jax.eval_shape(lambda: reference.init_state(cfg, batch))
     ids = jax.ShapeDtypeStruct((batch,), jnp.int32)

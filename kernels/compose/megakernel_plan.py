@@ -33,6 +33,7 @@ from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts regist
     sampling,
 )
 
+from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
 from mkresearch.model import roofline, spec
 from mkresearch.model.config import BF16_SUBLANE, ModelConfig
@@ -62,7 +63,8 @@ class MegakernelOptions:
     expert_slots     VMEM slots per expert matrix (the first ones issued right after routing)
     expert_plan      which experts are fetched: "unique" (each distinct expert of the batch once)
     kv_tile          tokens per MLA KV tile (None: cfg.kv_tile)
-    chip             the chip whose VMEM the plan must fit
+    chip             the chip the step is built for: its VMEM, HBM and MXFP4 decode path (None:
+                     `tpu.default_chip()`, the TPU present, else tpu7x; a plan holds the name)
     reductions       sharded, partial-sum: (name, algorithm) of each reduction not sent one-shot
                      ("two-level" or "rs-ag", `kernels/sharded/collectives.py`), e.g. the choice
                      of `megakernel_sharded.kernel_options` (the sharding plan's choice)
@@ -84,7 +86,7 @@ class MegakernelOptions:
     expert_slots: int = 2
     expert_plan: str = "unique"
     kv_tile: int | None = None
-    chip: str = "tpu7x"
+    chip: str | None = None
     global_stream: bool = True
     # out of the repr (a plan's fingerprint, `measurement.recorded`): a sharded plan's ShardPlan
     # carries both, and a single-device plan ignores them
@@ -129,6 +131,8 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in "
                          f"[{EXPERT_SLOTS[0]}, {EXPERT_SLOTS[-1]}] (the megakernel issues expert "
                          "DMAs right after routing, ahead of their use)")
+    if options.chip is None:  # the chip present (read now, not when the options were made)
+        options = replace(options, chip=tpu.default_chip())
     get_chip(options.chip)  # ValueError listing the chips
     rph = options.ranks_per_host
     if isinstance(rph, bool) or not isinstance(rph, int) or rph < 0:
@@ -399,7 +403,7 @@ def plan_vmem(cfg: ModelConfig, batch: int, stage_plans: tuple, vocab_tile: int,
         return [vmem_buffer(label, shape.shape, shape.dtype, scope) for label, shape in pairs
                 if vmem(shape)]
 
-    allocated = lambda shape: getattr(shape, "memory_space", None) == pltpu.VMEM  # noqa: E731
+    allocated = lambda shape: getattr(shape, "memory_space", None) == pltpu.VMEM
     out = (buffers(kernel_buffers(cfg, b, stream), "kernel", allocated)
            + buffers(sampled_outputs(b), "kernel", lambda _: True))
     trunk = trunk_scopes(cfg, b, vocab_tile)

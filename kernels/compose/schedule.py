@@ -37,7 +37,7 @@ import numpy as np
 from mkresearch.kernels.base import costs, dry_run, input_checks, planned
 from mkresearch.kernels.base.planned import PlannedDma
 from mkresearch.kernels.compose import megakernel, megakernel_sharded
-from mkresearch.kernels.compose.megakernel_plan import (  # noqa: F401 - routed_layers: API
+from mkresearch.kernels.compose.megakernel_plan import (
     MegaPlan,
     routed_layers,
     routing_by_layer,

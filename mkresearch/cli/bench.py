@@ -163,7 +163,7 @@ class _Agreement:
 
 
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
-                      chip: str = "tpu7x", progress: bool = False) -> dict:
+                      chip: str | None = None, progress: bool = False) -> dict:
     """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
     with the reference; interpret-mode step time; the timeline model's prediction for `chip`.
     A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""

@@ -14,6 +14,7 @@ from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import (
+    CHIP_DEFAULT_HELP,
     at_least,
     known_chip,
     known_model,
@@ -22,6 +23,7 @@ from mkresearch.cli.common import (
     refusals,
 )
 from mkresearch.cli.options import add_batch, add_command, add_model
+from mkresearch.hardware.chips import CHIPS
 
 DEFAULT_MODEL = "kimi-k3-mini"
 EXAMPLES = ("mkresearch bench kimi-k3-mini --batch 1,2,4,8 --steps 3",
@@ -35,8 +37,8 @@ def add_parser(commands: Any) -> None:
     add_model(p, DEFAULT_MODEL)
     add_batch(p, bench.BENCH_BATCHES, old=True)
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
-    p.add_argument("--chip", default="tpu7x",
-                   help="TPU chip the megakernel is built for and of the predictions")
+    p.add_argument("--chip", default=None,
+                   help=f"TPU chip the megakernel is built for and of the predictions: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     p.add_argument("--ranks", type=int, default=1,
                    help="also the sharded megakernel on this many devices, per-rank rows "
                         "(default 1: none)")
@@ -59,7 +61,7 @@ def run(args: Any) -> int:
     at_least("--steps", args.steps, 1)
     for batch in args.batch:
         megakernel_batch("--batch", batch)
-    known_chip(args.chip)
+    args.chip = known_chip(args.chip)
     figures.require_matplotlib("mkresearch bench")  # it draws decode_bench.png
     cli_speculative.check_bench(args)
     cli_ranks.check_ranks(cfg, args.ranks)

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
 from mkresearch.model.config import ModelConfig, config_names, get_config
@@ -82,8 +83,14 @@ def context_in_cache(cfg: ModelConfig, context: int) -> None:
              "one included")
 
 
-def known_chip(name: str) -> str:
-    """--chip's value, when it names one of `chips.CHIPS`."""
+CHIP_DEFAULT_HELP = f"default: this machine's TPU, else {tpu.DEFAULT_CHIP}"
+
+
+def known_chip(name: str | None) -> str:
+    """--chip's value, when it names one of `chips.CHIPS`; None (not given): the TPU present,
+    else tpu7x (`tpu.default_chip`)."""
+    if name is None:
+        return tpu.default_chip()
     if name not in CHIPS:
         raise UsageError(f"--chip {name!r} is unknown: choose one of {', '.join(CHIPS)}")
     return name

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.cli.common import UsageError, at_least, known_chip, known_model, megakernel_batch
+from mkresearch.cli.common import (
+    CHIP_DEFAULT_HELP,
+    UsageError,
+    at_least,
+    known_chip,
+    known_model,
+    megakernel_batch,
+)
 from mkresearch.cli.options import (
     add_batch,
     add_command,
@@ -21,6 +28,7 @@ from mkresearch.cli.options import (
     add_model,
     each_batch,
 )
+from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose import megakernel
 from mkresearch.kernels.compose import megakernel_sharded as sharded
 from mkresearch.measurement import recorded
@@ -39,7 +47,8 @@ def add_parser(commands: Any) -> None:
                                          "(libtpu, no TPU needed)", EXAMPLES)
     add_model(p)
     add_batch(p)
-    p.add_argument("--chip", default="tpu7x", help="TPU chip to compile for (default tpu7x)")
+    p.add_argument("--chip", default=None,
+                   help=f"TPU chip to compile for, from shapes: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     p.add_argument("--record", action="store_true",
                    help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
     p.add_argument("--ranks", type=int, default=None,

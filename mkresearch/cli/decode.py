@@ -20,6 +20,7 @@ from mkresearch.cli import multihost as cli_multihost
 from mkresearch.cli import ranks as cli_ranks
 from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import (
+    CHIP_DEFAULT_HELP,
     UsageError,
     at_least,
     human_bytes,
@@ -29,6 +30,7 @@ from mkresearch.cli.common import (
     refusals,
 )
 from mkresearch.cli.options import add_batch, add_command, add_model, each_batch
+from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import reference, sampling, weights
 from mkresearch.model.config import ModelConfig
 from mkresearch.model.roofline import tree_bytes
@@ -58,9 +60,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--backend", default=None,
                    help=f"one of {', '.join(BACKENDS)} (default megakernel; with --speculate "
                         f"the first with a verify call; planned: {', '.join(PLANNED_BACKENDS)})")
-    p.add_argument("--chip", default="tpu7x",
-                   help="TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 "
-                        "decode path) and of the timeline model's prediction")
+    p.add_argument("--chip", default=None,
+                   help=f"TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 decode path) and of the timeline model's prediction: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     cli_ranks.add_decode_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (per batch), no progress bar")
@@ -89,7 +90,7 @@ def run(args: Any) -> int:
         raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
                          f"of {', '.join(BACKENDS)}")
     cfg = known_model(args.model)
-    known_chip(args.chip)  # checked for every backend, before anything runs
+    args.chip = known_chip(args.chip)  # checked for every backend, before anything runs
     at_least("--prompt-len", args.prompt_len, 1)
     at_least("--steps", args.steps, 1)
     at_least("--seed", args.seed, 0)

@@ -10,6 +10,7 @@ from typing import Any
 
 from mkresearch.cli import plan_ranks as cli_plan_ranks
 from mkresearch.cli.common import (
+    CHIP_DEFAULT_HELP,
     cache_layout_applies,
     context_in_cache,
     known_chip,
@@ -25,6 +26,7 @@ from mkresearch.cli.options import (
     add_model,
     each_batch,
 )
+from mkresearch.hardware.chips import CHIPS
 from mkresearch.model.config import EXPERT_FORMATS
 from mkresearch.prediction import schedule_report
 
@@ -40,7 +42,8 @@ def add_parser(commands: Any) -> None:
                                       "HBM bytes against the roofline", EXAMPLES)
     add_model(p)
     add_batch(p)
-    p.add_argument("--chip", default="tpu7x", help="TPU chip the step is built for (VMEM plan)")
+    p.add_argument("--chip", default=None,
+                   help=f"TPU chip the step is built for (VMEM plan): one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     add_cache_layout(p)
     p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
                    help="routed-expert format (default: the model's)")

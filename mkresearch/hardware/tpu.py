@@ -117,18 +117,52 @@ def compiling(chip: str | None = None) -> Iterator[None]:
         _state.chip = outer_chip
 
 
+# The chip kernels are built for where no TPU is present (interpret mode, compiles from shapes):
+# the release's. Where a TPU is present, its own chip is the default (`default_chip`).
+DEFAULT_CHIP = "tpu7x"
+
+
+def chip_of_kind(device_kind: str) -> str | None:
+    """The mkresearch.hardware.chips name of a jax `Device.device_kind` ("TPU v5 lite" -> "v5e");
+    None for a kind the package does not know."""
+    return next((chip.name for chip in CHIPS.values() if chip.device_kind == device_kind), None)
+
+
+def present_chip() -> str | None:
+    """This machine's TPU as a chips name (from `jax.devices()[0].device_kind`); None without a
+    TPU, or for a TPU the package does not know."""
+    if not on_tpu():
+        return None
+    import jax
+
+    return chip_of_kind(jax.devices()[0].device_kind)
+
+
+def default_chip() -> str:
+    """The chip a kernel is built for unless told otherwise: the TPU present, else DEFAULT_CHIP
+    (the default of `MegakernelOptions.chip`, of the CLI's --chip and of the notebooks)."""
+    return present_chip() or DEFAULT_CHIP
+
+
+def check_runs_here(chip: str) -> None:
+    """ValueError in one line when a kernel built for `chip` is about to run on a TPU of another
+    kind: its VMEM plan and decode paths are that chip's (compile it for `chip` from shapes
+    instead: `compile_for`, `mkresearch compile --chip`)."""
+    present = present_chip()
+    if present is not None and not _compiling() and chip != present:
+        raise ValueError(f"chip={chip!r} is invalid here: this machine's TPU is {present!r} and a "
+                         f"kernel built for {chip} cannot run on it; build for {present!r} (the "
+                         f"default) or compile for {chip} without running (`mkresearch compile "
+                         f"--chip {chip}`)")
+
+
 def target_chip() -> str | None:
     """The chip kernels traced now are built for, as a mkresearch.hardware.chips name: compile_for's chip
     inside it; on a TPU, this TPU (None if it is not one of CHIPS); in interpret mode None.
     Wrappers read it at call time, like interpret_params(), for chip-dependent code paths."""
     if _compiling():
         return getattr(_state, "chip", None)
-    if on_tpu():
-        import jax
-
-        kind = jax.devices()[0].device_kind
-        return next((chip.name for chip in CHIPS.values() if chip.device_kind == kind), None)
-    return None
+    return present_chip()
 
 
 class interpret_options:
@@ -432,10 +466,11 @@ def _as_struct(x, sharding):
     return x  # a pytree leaf that is not an array (should be static)
 
 
-def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
+def compile_for(fn: Callable, *shape_structs: Any, chip: str | None = None,
                 static_argnums: tuple[int, ...] | int = (),
                 shardings: tuple | None = None) -> CompileResult:
-    """Compile `fn(*shape_structs)` for one device of `chip` with the real Mosaic compiler.
+    """Compile `fn(*shape_structs)` for one device of `chip` (None: `default_chip()`) with the
+    real Mosaic compiler.
 
     `shape_structs` are pytrees of jax.ShapeDtypeStruct (or arrays: only shape/dtype are used);
     arguments at `static_argnums` are passed through as static. `fn` is traced inside compiling(),
@@ -448,7 +483,7 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str = "tpu7x",
     """
     import jax
 
-    spec = get_chip(chip)  # ValueError listing the chips
+    spec = get_chip(default_chip() if chip is None else chip)  # ValueError listing the chips
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
     if shardings is None:
