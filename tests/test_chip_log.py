@@ -115,7 +115,7 @@ def test_megakernel_step_logs_from_shapes(mini, race_checked):
     batch = 3
     state = reference.init_state(cfg, batch, 64)
     tokens, positions = jnp.asarray([1, 7, 30], jnp.int32), jnp.asarray([0, 9, 33], jnp.int32)
-    run = lambda: mk.decode_step(params, jax.tree.map(jnp.copy, state), tokens, positions,  # noqa: E731
+    run = lambda: mk.decode_step(params, jax.tree.map(jnp.copy, state), tokens, positions,
                                  cfg)[0]
     assert assert_same_log(run) > 100
 
@@ -134,7 +134,7 @@ def test_traced_inputs_are_refused(mini):
     p = layer(params, "moe")
     x = jnp.ones((2, cfg.d_model), jnp.bfloat16)
     ids, w = reference.route(p, x, cfg)
-    record = lambda ids: chip_log.record(  # noqa: E731
+    record = lambda ids: chip_log.record(
         lambda ids: experts.routed_experts(p, x, ids, w, cfg), ids)
     with pytest.raises(ValueError, match="record outside jit"):
         jax.jit(record)(ids)

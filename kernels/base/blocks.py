@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import costs, dma, planned
 from mkresearch.kernels.base.registry import StageRefs
 
-from mkresearch.model import reference
+from mkresearch.model import numerics, reference
 from mkresearch.model.config import BF16_SUBLANE, LANE
 
 # The public release keeps weight banks of 2 MiB in flight; one block of a streamed matrix is at
@@ -195,7 +195,8 @@ def dot(x: jax.Array, w: jax.Array) -> jax.Array:
     the rows padded to a multiple of 8 (`reference.padded_rows`), so a row's result is the same
     whatever the batch, in interpret mode too. On a TPU 8 rows are one sublane tile."""
     return reference.padded_rows(
-        lambda rows: jnp.dot(rows, w, preferred_element_type=jnp.float32), x)
+        lambda rows: jnp.dot(rows, w, preferred_element_type=jnp.float32,
+                             precision=numerics.precision_for(rows, w)), x)
 
 
 def select_row(values: jax.Array, row) -> jax.Array:

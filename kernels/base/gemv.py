@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import chip_log, costs, dma
 
 from mkresearch.hardware import tpu
+from mkresearch.model import numerics
 from mkresearch.model.config import LANE
 
 N_BUFFERS = (1, 2, 3)
@@ -75,7 +76,8 @@ def blockspec_block_bytes(batch: int, block_k: int, n: int) -> dict[str, int]:
 # ---- the block computation, shared by both kernels -------------------------------------------
 def accumulate_block(x_block: jax.Array, w_block_ref: Any, acc_ref: Any) -> None:
     """acc [B, N] f32 += x_block [B, bk] bf16 @ W block [bk, N] bf16 (MXU, f32 accumulation)."""
-    acc_ref[...] += jnp.dot(x_block, w_block_ref[...], preferred_element_type=jnp.float32)
+    acc_ref[...] += jnp.dot(x_block, w_block_ref[...], preferred_element_type=jnp.float32,
+                            precision=numerics.EXACT_PRODUCTS)  # bf16 x bf16
 
 
 # ---- BlockSpec + grid ------------------------------------------------------------------------

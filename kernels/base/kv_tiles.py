@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from mkresearch.kernels.base import blocks, dma, planned
 
-from mkresearch.model import reference
+from mkresearch.model import numerics, reference
 from mkresearch.model.kv_cache import KV_ROW_GROUP
 
 # An attention stage's plan (kernels/stages/mla.py's MlaPlan; the tile loop reads its fields): named,
@@ -182,14 +182,16 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
     weights = jnp.where(valid, jnp.exp(scores - m_new), 0.0)
     norm = correction * norm + blocks.ordered_sum(weights, keepdims=True)
     weighted = (blocks.dot(weights, values) if padded
-                else jnp.dot(weights, values, preferred_element_type=jnp.float32))  # [R, n]
+                else jnp.dot(weights, values, preferred_element_type=jnp.float32,
+                             precision=numerics.precision_for(weights, values)))  # [R, n]
     acc = correction * acc + weighted
     return m_new, norm, acc
 
 
 def dot_t(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] f32 (contract the last dims: no transpose in VMEM)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=numerics.precision_for(a, b))
 
 
 def rows_dot_t(a, b):

@@ -61,6 +61,7 @@ from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, r
 from mkresearch.kernels.stages import mla_queries
 
 from mkresearch.hardware import tpu
+from mkresearch.model import numerics
 from mkresearch.model.config import MLA_CACHE_LAYOUTS, ModelConfig
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")  # q LoRA
@@ -315,7 +316,8 @@ def attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx
                                       kv_rows)
         context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
         return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
-                        preferred_element_type=jnp.float32)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
+                        preferred_element_type=jnp.float32,
+                        precision=numerics.EXACT_PRODUCTS)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
                 for h in range(p.n_heads)]
 
     return pl.run_scoped(scoped, pltpu.VMEM((p.n_heads, p.kv_rank), jnp.float32),

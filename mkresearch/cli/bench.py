@@ -17,12 +17,14 @@ CPU; the TPU numbers are the timeline model's predictions. On a TPU both are mea
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
+from mkresearch.generation import agreement, loop
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
 from mkresearch.model import reference, weights
@@ -136,80 +138,74 @@ def random_prompt(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> A
                                          cfg.vocab_size, dtype=jnp.int32))
 
 
-class _Agreement:
-    """The megakernel's generated tokens against the reference's greedy choice on the same tokens
-    and state, step by step: tokens equal, the max |logit difference|, the near-ties."""
-
-    def __init__(self) -> None:
-        self.equal, self.tokens, self.near_ties, self.worst = 0, 0, [], 0.0
-
-    def add(self, step: int, logits: Any, ref_logits: Any, tokens: Any) -> None:
-        """Generated step `step`: the megakernel's logits [B, V] and tokens [B], the reference's
-        logits [B, V]."""
-        import numpy as np
-
-        ref_logits = np.asarray(ref_logits)
-        self.worst = max(self.worst, float(np.abs(np.asarray(logits) - ref_logits).max()))
-        self.equal += int((ref_logits.argmax(-1) == tokens).sum())
-        self.tokens += int(tokens.size)
-        self.near_ties += [{"step": step, "row": row, "top2_gap": gap}
-                           for row, gap, differs in near_tie_rows(ref_logits, tokens) if differs]
-
-    def as_dict(self) -> dict:
-        return {"check": "megakernel vs reference.decode_step on the same tokens and state, "
-                         "greedy", "tokens_equal": self.equal, "tokens": self.tokens,
-                "max_abs_logit_diff": self.worst, "near_ties": self.near_ties,
-                "passed": all(tie["top2_gap"] < NEAR_TIE_GAP for tie in self.near_ties)}
-
-
 def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
                       chip: str | None = None, progress: bool = False) -> dict:
-    """Prefill (stepping) + greedy decode with the megakernel built for `chip`; per-step agreement
-    with the reference; interpret-mode step time; the timeline model's prediction for `chip`.
+    """Prefill + greedy decode with the megakernel built for `chip` (None: the TPU present,
+    else tpu7x) through the library's loop (`generation.loop`: chunks of steps on the device);
+    then the reference teacher-forced on the same tokens, and the two compared step by step
+    (`generation.agreement`); one more step recorded for the timeline model's prediction.
     A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""
     import jax
     import numpy as np
-    from tqdm import tqdm
 
     options = megakernel.MegakernelOptions(chip=chip)
-    megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
+    plan = megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
     params = weights.init_params(cfg, seed)
-    prepared = megakernel.prepare_weights(params, cfg)
     prompt = random_prompt(cfg, batch, prompt_len, seed)  # [B, T]
-    state = reference.init_state(cfg, batch)
-    ref_state = reference.init_state(cfg, batch)
-    bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} megakernel", unit="step",
-               disable=not progress, leave=False)
-    generated, agreement, clock = [], _Agreement(), StepClock()
-    token = prompt[:, 0]
-    for t in range(prompt_len + steps - 1):
-        positions = np.full(batch, t, np.int32)
-        next_token, state, aux = clock.run(megakernel.decode_step, prepared, state, token,
-                                           positions, cfg, options=options, return_logits=True)
-        logits, ref_state, _ = reference.decode_step(params, ref_state, token, positions, cfg)
-        next_token = np.asarray(next_token)
-        if t >= prompt_len - 1:  # a generated token: compare with the reference's greedy choice
-            agreement.add(t - prompt_len + 1, aux["logits"], logits, next_token)
-            generated.append(next_token)
-        token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
-        bar.update()
-    bar.close()
+    started = time.perf_counter()
+    first = loop.prefill(params, reference.init_state(cfg, batch), prompt, cfg, options=options,
+                         return_logits=True, progress=progress)
+    jax.block_until_ready(first.tokens)
+    prefill_s = time.perf_counter() - started
+    run, decode_s = (_timed_decode(params, first, cfg, steps - 1, options, progress)
+                     if steps > 1 else (first, 0.0))
+    later = slice(None) if steps > 1 else slice(0, 0)  # the decode's steps (none after one)
+    kernel_logits = np.concatenate([np.asarray(first.logits)[-1:],
+                                    np.asarray(run.logits)[later]])  # [steps, B, V]
+    generated = np.concatenate([np.asarray(first.tokens)[:, -1:],
+                                np.asarray(run.tokens)[:, later]], axis=1)  # [B, steps]
+    fed = np.concatenate([prompt, generated[:, :-1]], axis=1)  # what the kernel was fed
+    ref = loop.prefill(params, reference.init_state(cfg, batch), fed, cfg, backend="reference",
+                       return_logits=True)
+    margins = None if ref.margins is None else np.asarray(ref.margins)[prompt_len - 1:]
+    agree = agreement.compare(kernel_logits, generated, np.asarray(ref.logits)[prompt_len - 1:],
+                              margins)
     with dma.recording() as log:  # one more step, recorded, for the timeline model
-        out, _, _ = megakernel.decode_step(prepared, state, token,
-                                           np.full(batch, prompt_len + steps - 1, np.int32), cfg,
-                                           options=options)
+        out, _, _ = megakernel.decode_step(params, run.state, run.next_tokens, run.next_positions,
+                                           cfg, options=options)
         jax.block_until_ready(out)
     return {
         "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
         "steps": steps, "seed": seed, "platform": jax.default_backend(),
-        "prompt": prompt.tolist(), "generated": np.stack(generated, axis=1).tolist(),  # [B, N]
-        "agreement": agreement.as_dict(),
-        "seconds": {"compile_and_first_step": clock.compile_seconds, "step": clock.step_s},
+        "chip": plan.options.chip,
+        "prompt": prompt.tolist(), "generated": generated.tolist(),  # [B, N]
+        "agreement": agree.as_dict(), "agreement_line": agree.line(),
+        "seconds": {"compile_and_prefill": prefill_s, "decode": decode_s,
+                    "step": decode_s / max(steps - 1, 1)},
         "step_label": backend_label("megakernel"),
-        "prediction": predict(log, chip, batch),
+        "prediction": predict(log, plan.options.chip, batch),
         "full_size": predict_full_size(cfg, batch),
-        "vmem_plan_bytes": aux["plan"].vmem.total_bytes,
+        "vmem_plan_bytes": plan.vmem.total_bytes,
     }
+
+
+def _timed_decode(params: Any, first: Any, cfg: ModelConfig, n_steps: int, options: Any,
+                  progress: bool) -> tuple[Any, float]:
+    """The decode after the prefill, and its wall seconds. On a TPU the chunks are compiled first
+    on a copy of the state (so the seconds are steps, not compiles); in interpret mode a compile
+    is small beside a step, and not repeated."""
+    import jax
+    import jax.numpy as jnp
+
+    decode = functools.partial(loop.decode, params, cfg=cfg, n_steps=n_steps, options=options,
+                               return_logits=True)
+    if jax.default_backend() == "tpu":
+        warm = decode(jax.tree.map(jnp.copy, first.state), first.next_tokens, first.next_positions)
+        jax.block_until_ready(warm.tokens)
+    started = time.perf_counter()
+    run = decode(first.state, first.next_tokens, first.next_positions, progress=progress)
+    jax.block_until_ready(run.tokens)
+    return run, time.perf_counter() - started
 
 
 def print_run(result: dict, backend: str) -> None:
@@ -234,10 +230,11 @@ def print_agreement(agree: dict) -> None:
 
 def print_decode(result: dict) -> None:
     print_run(result, "megakernel (one pallas_call per step)")
-    print_agreement(result["agreement"])
-    seconds = result["seconds"]
-    print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}); compile + first "
-          f"step {seconds['compile_and_first_step']:.1f} s")
+    print(f"agreement with the reference backend: {result['agreement_line']}")
+    seconds, steps = result["seconds"], result["steps"]
+    print(f"time here: compile + prefill {seconds['compile_and_prefill']:.2f} s; decode "
+          f"{steps - 1} steps in {seconds['decode']:.3f} s = {seconds['step'] * 1e3:.3f} ms per "
+          f"step ({result['step_label']})")
     p = result["prediction"]
     print(f"predicted on {p['chip']} ({p['label']}): {p['step_s'] * 1e6:.1f} us/step, "
           f"{p['tokens_per_s']:,.0f} tokens/s, {p['roofline_fraction']:.0%} of the HBM roofline "

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from mkresearch.kernels.compose import megakernel
 
 from mkresearch.hardware import tpu
+from mkresearch.kernels.compose import megakernel
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import ModelConfig
 
@@ -46,13 +46,15 @@ STEPS_PER_CALL = 16  # steps one compiled call runs: dispatch cost / 16 per step
 class Run:
     """What `decode` returns, on the device: tokens [B, N] i32 (the token drawn after each
     step), logits [N, B, V] f32 (when asked), the state after the N steps, and the positions
-    [B] and tokens [B] the next step would take."""
+    [B] and tokens [B] the next step would take; with logits, the reference backend also gives
+    each step's routing margins [N, n_moe, B] (`ffn.routing_margin`; None without MoE layers)."""
 
     tokens: jax.Array
     logits: jax.Array | None
     state: dict
     next_positions: jax.Array
     next_tokens: jax.Array
+    margins: jax.Array | None = None
 
 
 def decode(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig,
@@ -81,7 +83,7 @@ def decode(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelCon
                                top_k, top_p, return_logits) if backend == "megakernel"
             else _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits))
     tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
-    drawn, logits = [], []
+    drawn, logits, margins = [], [], []
     bar = _bar(cfg, backend, n_steps, progress)
     for start in range(0, n_steps, steps_per_call):
         n = min(steps_per_call, n_steps - start)
@@ -90,14 +92,18 @@ def decode(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelCon
                                                                      chunk_forced)
         drawn.append(chunk_tokens)
         if return_logits:
+            chunk_logits, chunk_margins = (chunk_logits if isinstance(chunk_logits, tuple)
+                                           else (chunk_logits, None))
             logits.append(chunk_logits)
+            margins.append(chunk_margins)
         if bar is not None:
             jax.block_until_ready(chunk_tokens)  # the bar says what has run, not what is queued
             bar.update(n)
     if bar is not None:
         bar.close()
+    has_margins = bool(margins) and margins[0] is not None
     return Run(jnp.concatenate(drawn, axis=1), jnp.concatenate(logits) if return_logits else None,
-               state, positions, tokens)
+               state, positions, tokens, jnp.concatenate(margins) if has_margins else None)
 
 
 def prefill(params: dict, state: dict, prompt: Any, cfg: ModelConfig, **kwargs: Any) -> Run:
@@ -237,9 +243,10 @@ def _reference_run(cfg, sample, return_logits, n, params, tokens, positions, sta
         tokens, positions, state = carry
         if fed is not None:
             tokens = fed
-        logits, state, _ = reference.decode_step_unchecked(params, state, tokens, positions, cfg)
+        logits, state, aux = reference.decode_step_unchecked(params, state, tokens, positions, cfg)
         drawn = sample(logits, positions=positions + 1)
-        return (drawn, positions + 1, state), (drawn, logits if return_logits else None)
+        seen = (logits, aux.get("routing_margin")) if return_logits else None
+        return (drawn, positions + 1, state), (drawn, seen)
 
     fed = None if forced is None else forced.T
     (tokens, positions, state), (drawn, logits) = lax.scan(step, (tokens, positions, state), fed,

@@ -5,7 +5,9 @@ mix (docs/kimi-k3.md §2–§3).
 Conventions:
 - `bf(x)` rounds to bf16 exactly where the spec writes bf(...);
 - every matmul takes bf16 inputs and accumulates in f32 (`matmul`); f32 x f32 contractions (the KDA
-  recurrence, softmax-weighted sums) use Precision.HIGHEST so a TPU computes them in full f32 too;
+  recurrence, softmax-weighted sums) use Precision.HIGHEST so a TPU computes them in full f32 too.
+  Every product states its precision (`precision_for`): a TPU computes an f32 operand in one bf16
+  pass at DEFAULT, a CPU in f32, so an unstated one would differ between them;
 - batch invariance: every reduction is `ordered_sum` (one written-out order) and no matmul runs
   on a row count other than a multiple of 8 (`padded_rows`), so a row's result is the same bits
   whatever the batch.
@@ -28,6 +30,19 @@ from mkresearch.model.model_config import LANE, ModelConfig
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 HIGHEST = lax.Precision.HIGHEST
+# bf16 (or fp8) operands: one MXU pass computes each product exactly in f32 on every chip
+EXACT_PRODUCTS = lax.Precision.DEFAULT
+
+
+def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum of two operands into f32 at the precision they call for (`precision_for`)."""
+    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=precision_for(a, b))
+
+
+def precision_for(*operands: Any) -> lax.Precision:
+    """The precision a product of these operands is asked for: HIGHEST when one is f32 (a TPU's
+    DEFAULT would round it to bf16 first), else EXACT_PRODUCTS (narrower operands are exact)."""
+    return HIGHEST if any(jnp.dtype(o.dtype) == f32 for o in operands) else EXACT_PRODUCTS
 
 
 def bf(x: jax.Array) -> jax.Array:
@@ -41,7 +56,8 @@ def matmul(a: jax.Array, b: Any) -> jax.Array:
     if isinstance(b, Partials):
         return b.contract(a)
     return padded_rows(
-        lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32), a)
+        lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32,
+                              precision=EXACT_PRODUCTS), a)
 
 
 def host_ordered_sum(parts: list, hosts: tuple[int, ...] = (), wire: str = "f32") -> jax.Array:
@@ -280,7 +296,8 @@ def _spread_product(x: jax.Array, values: jax.Array, scales: jax.Array) -> jax.A
     ones = (block_of_column == lax.broadcasted_iota(i32, (j, k), 0)).astype(bf16)  # [J, K]
     spread = x.astype(bf16)[:, None, :] * ones[None]  # [M, J, K]: exact (x or ±0)
     partial = lax.dot_general(spread.reshape(m * j, k), values, (((1,), (0,)), ((), ())),
-                              preferred_element_type=f32).reshape(m, j, -1)  # [M, J, N]
+                              preferred_element_type=f32,
+                              precision=EXACT_PRODUCTS).reshape(m, j, -1)  # [M, J, N]
     return ordered_sum(partial * scales[None], axis=1)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from tqdm import tqdm
 
-from mkresearch.model import reference, rope, spec
+from mkresearch.model import numerics, reference, rope, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.model.numerics import HIGHEST, bf, f32, i32, matmul
 from mkresearch.model.stages import gqa, mla, mla_rope
@@ -86,8 +86,8 @@ def gqa_chunk(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg: Mod
     group = cfg.n_heads // cfg.n_kv_heads
     keys, values = (jnp.repeat(cache[name], group, axis=1) for name in ("k", "v"))  # [B,H,S,D]
     queries = q.reshape(batch, length, cfg.n_heads, cfg.head_dim)
-    scores = jnp.einsum("bthd,bhsd->bhts", queries, keys, preferred_element_type=f32
-                        ) * rope.attention_scale(cfg, cfg.head_dim)
+    scores = numerics.einsum("bthd,bhsd->bhts", queries, keys) * rope.attention_scale(
+        cfg, cfg.head_dim)
     o = bf(_heads_last(causal_attend(scores, values, pos)))  # [N, H, D]
     return bf(matmul(o.reshape(x.shape[0], -1), p["w_o"])), cache, {}
 
@@ -97,14 +97,14 @@ def _latent_context(q_nope, q_extra, w_kb, w_vb, ckv, extra_cache, pos, scale) -
     q̃ = bf(q^C W_kbᵀ), scores q̃·ĉ + q^X·k^X, o = bf(bf(Σ α ĉ) W_vb) [N, H, v]."""
     batch, length = pos.shape
     heads = q_nope.shape[1]
-    q_absorbed = bf(jnp.einsum("nhk,rhk->nhr", q_nope, w_kb, preferred_element_type=f32))
+    q_absorbed = bf(numerics.einsum("nhk,rhk->nhr", q_nope, w_kb))
     q_absorbed = q_absorbed.reshape(batch, length, heads, -1)
     q_extra = q_extra.reshape(batch, length, heads, -1)
-    scores = (jnp.einsum("bthr,bsr->bhts", q_absorbed, ckv, preferred_element_type=f32)
-              + jnp.einsum("bthe,bse->bhts", q_extra, extra_cache, preferred_element_type=f32)
+    scores = (numerics.einsum("bthr,bsr->bhts", q_absorbed, ckv)
+              + numerics.einsum("bthe,bse->bhts", q_extra, extra_cache)
               ) * scale  # [B, H, T, S]
     context = bf(_heads_last(causal_attend(scores, ckv, pos)))  # [N, H, rank]
-    return bf(jnp.einsum("nhr,rhv->nhv", context, w_vb, preferred_element_type=f32))
+    return bf(numerics.einsum("nhr,rhv->nhv", context, w_vb))
 
 
 def mla_chunk(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg: ModelConfig):
@@ -124,8 +124,8 @@ def mla_chunk(p: dict, x: jax.Array, cache: dict, positions: jax.Array, cfg: Mod
         cache = {"k": write_chunk(cache["k"], rows(k_new), pos[:, 0], axis=1),
                  "v": write_chunk(cache["v"], rows(v_new), pos[:, 0], axis=1)}
         queries = rows(jnp.concatenate([q_nope, q_extra], axis=-1))  # [B, T, H, nope+extra]
-        scores = jnp.einsum("bthk,bhsk->bhts", queries, cache["k"][..., :nope + extra],
-                            preferred_element_type=f32) * scale
+        scores = numerics.einsum("bthk,bhsk->bhts", queries,
+                                 cache["k"][..., :nope + extra]) * scale
         o = bf(_heads_last(causal_attend(scores, cache["v"], pos)))
     else:
         cache = {"ckv": write_chunk(cache["ckv"], rows(c_hat), pos[:, 0], axis=0),

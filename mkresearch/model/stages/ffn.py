@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mkresearch.model import spec
+from mkresearch.model import numerics, spec
 from mkresearch.model.formats import dequantize, k_rows, mxu_matmul
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
@@ -97,6 +97,15 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     return expert_ids, top_scores * cfg.routed_scale
 
 
+def routing_margin(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """[B] f32: the gap between the k-th and the (k+1)-th selection score of each row (`route`
+    takes the k largest): how far the routing is from choosing another expert. A kernel whose
+    layer input differs from the reference's by float rounding can route otherwise only where
+    this is small (a router near-tie; docs/kimi-k3.md §11)."""
+    ranked = lax.top_k(router_scores(p, x, cfg)[1], cfg.top_k + 1)[0]  # [B, k + 1], descending
+    return ranked[:, cfg.top_k - 1] - ranked[:, cfg.top_k]
+
+
 def router_scores(p: dict[str, Any], x: jax.Array,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """(scores, selection), both [B, E] f32: the router's scores s = σ(x W_r) (or softmax) and
@@ -152,7 +161,7 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
             return product(v, w)[:, :, 0]
         w = dequantize(w, fmt)  # [B, k, K, N] bf16
         return padded_rows(  # each (row, expert) product on padded rows, as `matmul`
-            lambda v2: jnp.einsum("bkml,bklf->bkmf", v2, w, preferred_element_type=f32),
+            lambda v2: numerics.einsum("bkml,bklf->bkmf", v2, w),
             v, axis=-2)[:, :, 0]
     zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], expert_ids.shape[1], 1, z.shape[-1]))
     g = bf(per_expert(zk, "w1"))  # [B, k, F_e]
@@ -221,7 +230,8 @@ def moe_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: 
                  cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
     del positions
     expert_ids = route(p, x, cfg)[0]  # for aux: moe_ffn routes again (XLA computes it once)
-    return moe_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids}
+    return moe_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids,
+                                             "routing_margin": routing_margin(p, x, cfg)}
 
 
 def dense_sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,

@@ -93,7 +93,7 @@ def gqa_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     # the cached scores as a [G, D] x [S, D]ᵀ product per (row, K/V head), the kernel's form:
     # one product per query head (a batched matvec) rounds some scores to other floats
     q_groups = q.reshape(batch, cfg.n_kv_heads, group, cfg.head_dim)  # [B, KV, G, D]
-    scores = jnp.einsum("bkgd,bksd->bkgs", q_groups, cache["k"], preferred_element_type=f32)
+    scores = numerics.einsum("bkgd,bksd->bkgs", q_groups, cache["k"])
     scores = scores.reshape(batch, cfg.n_heads, -1) * scale  # [B, H, S]
     o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions,
                                    cfg.kv_tile))  # [B, H, D]

@@ -78,10 +78,9 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                  "v": numerics.write_slot(cache["v"], v_new, positions, axis=1)}  # [B, H, S, v]
         # per head: q^C·k^C + q^X·k^X (the zero pad columns of the cache are left out)
         new_score = (numerics.dot_exact(q_nope, k_nope) + numerics.dot_exact(q_extra, k_extra[:, None])) * scale
-        scores = (jnp.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope],
-                             preferred_element_type=f32)
-                  + jnp.einsum("bhe,bhse->bhs", q_extra, cache["k"][..., nope:nope + extra],
-                               preferred_element_type=f32)) * scale  # [B, H, S]
+        scores = (numerics.einsum("bhn,bhsn->bhs", q_nope, cache["k"][..., :nope])
+                  + numerics.einsum("bhe,bhse->bhs", q_extra,
+                                    cache["k"][..., nope:nope + extra])) * scale  # [B, H, S]
         o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile))
     else:
         cache = {"ckv": numerics.write_slot(cache["ckv"], c_hat, positions, axis=0),  # [B, S, rank]
@@ -89,9 +88,8 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
         q_absorbed = bf(head_products(q_nope, w_kb, contract=1))  # [B, H, rank]
         new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                      + numerics.dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
-        scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
-                  + jnp.einsum("bhe,bse->bhs", q_extra, cache["kx"],
-                               preferred_element_type=f32)) * scale  # [B, H, S]
+        scores = (numerics.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"])
+                  + numerics.einsum("bhe,bse->bhs", q_extra, cache["kx"])) * scale  # [B, H, S]
         context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                      cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
         o = bf(head_products(context, w_vb, contract=0))  # [B, H, v]
@@ -107,7 +105,8 @@ def head_products(a: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     def row(a_row):  # [H, K]
         return jnp.stack([jax.lax.dot_general(
             a_row[h][None], w[:, h, :], (((1,), (contract,)), ((), ())),
-            preferred_element_type=f32)[0] for h in range(a.shape[1])])  # [H, N]
+            preferred_element_type=f32, precision=numerics.precision_for(a, w))[0]
+            for h in range(a.shape[1])])  # [H, N]
 
     return jax.lax.map(row, a)
 

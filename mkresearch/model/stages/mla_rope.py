@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from mkresearch.model import numerics, rope, spec
 from mkresearch.model.model_config import ModelConfig
-from mkresearch.model.numerics import bf, bf16, f32, matmul, rms_norm
+from mkresearch.model.numerics import bf, bf16, matmul, rms_norm
 from mkresearch.model.stages import mla
 
 
@@ -72,8 +71,8 @@ def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Arr
     scale = rope.attention_scale(cfg, cfg.mla_qk_dim)
     new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                  + numerics.dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
-    scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"], preferred_element_type=f32)
-              + jnp.einsum("bhe,bse->bhs", q_rope, cache["kpe"], preferred_element_type=f32)
+    scores = (numerics.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"])
+              + numerics.einsum("bhe,bse->bhs", q_rope, cache["kpe"])
               ) * scale  # [B, H, S]
     context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
                                  cfg.kv_tile))  # [B, H, rank]: Σ α ĉ

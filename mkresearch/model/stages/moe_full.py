@@ -34,6 +34,7 @@ from mkresearch.model.stages.ffn import (
     combine_experts,
     gated_mlp,
     route,
+    routing_margin,
     shared_experts,
     shared_hidden,
 )
@@ -101,7 +102,8 @@ def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.
              cfg: ModelConfig) -> tuple[jax.Array, dict, dict]:
     del positions
     expert_ids = route(p, x, cfg)[0]  # for aux: moe_full_ffn routes again (XLA computes it once)
-    return moe_full_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids}
+    return moe_full_ffn(p, x, cfg), layer_state, {"expert_ids": expert_ids,
+                                                  "routing_margin": routing_margin(p, x, cfg)}
 
 
 def check(cfg: ModelConfig) -> None:
