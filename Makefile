@@ -110,6 +110,12 @@ ifneq ($(NOTEBOOKS),)
 	MKRESEARCH_NBVAL_OTHER_XLA_FLAGS="$(OTHER_XLA_FLAGS)" $(NBVAL) $(NOTEBOOKS)
 endif
 
+# On a TPU VM: the tests marked tpu, compiled on the chip present (one process: one program at a
+# time holds a TPU). Elsewhere they run in make test, in interpret mode. A machine with its own
+# JAX and no venv: .ci/tpu-run python -m pytest -p no:nbval -m tpu tests
+test-tpu: venv
+	$(BIN)/python -m pytest -p no:nbval -m tpu -q tests
+
 # Day-to-day: every test not marked slow (no nbval), about 3 minutes on 2 cores (cold cache).
 test-fast: venv
 	rm -rf $(JAX_CACHE)
@@ -157,5 +163,5 @@ notebooks: venv
 	cd notebooks && for nb in $(notdir $(NOTEBOOK_SOURCES)); do \
 		../$(BIN)/jupytext --sync --execute $$nb || exit 1; done
 
-.PHONY: venv venv-hf demo browser test test-exhaustive test-fast bench-notebooks bench-speed lab figures \
+.PHONY: venv venv-hf demo browser test test-exhaustive test-fast test-tpu bench-notebooks bench-speed lab figures \
 	recorded notebooks

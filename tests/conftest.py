@@ -22,10 +22,26 @@ cheap_compiles.cheap_cpu_compiles()
 _tpu.select_platform()
 
 
+def pytest_collection_modifyitems(config, items):
+    """On a TPU only the tests marked `tpu` run (make test-tpu): the others need TPU interpret
+    mode (a simulator on the CPU) or several devices."""
+    if not _tpu.on_tpu():
+        return
+    skip = pytest.mark.skip(reason="a CPU test (interpret mode or several devices): on a TPU "
+                                   "make test-tpu runs the tests marked tpu")
+    for item in items:
+        if "tpu" not in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def race_checked():
     """Interpret kernels with the race detector (vector clocks of 16, which catch overwriting a
-    double-buffer slot while its DMA is in flight); fail the test if it found a race."""
+    double-buffer slot while its DMA is in flight); fail the test if it found a race. On a TPU
+    the kernels are compiled and run as they are: the race detector is a CPU check."""
+    if _tpu.on_tpu():
+        yield
+        return
     previous = _tpu.current_interpret_options()
     _tpu.interpret_options(detect_races=True, vector_clock_size=16)
     _tpu.reset_races()

@@ -12,6 +12,9 @@ from mkresearch.model import reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.model.stages import ffn
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 STEPS, BATCH, VOCAB = 3, 2, 8
 
 

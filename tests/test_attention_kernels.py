@@ -26,6 +26,9 @@ from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_p
 from mkresearch.model import config, kv_cache, reference, weights
 from mkresearch.model.config import get_config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 BF16_TOL = 2.0 ** -7
 STATE_ATOL = 1e-5
 MINI = config.get_config("kimi-k3-mini")

@@ -21,6 +21,9 @@ from tiers import EXHAUSTIVE
 
 from mkresearch.model import config, reference, weights
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 MINI = config.get_config("kimi-k3-mini")
 FULL_BATCH = 8
 # smaller batches and which of the B = 8 rows they hold, in this order (rows land elsewhere)

@@ -23,6 +23,9 @@ from mkresearch.model import config, reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 FAMILIES = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 FP8_LOGIT_BOUND = 0.25  # relative RMS logit difference after every projection went through FP8
 # e4m3 (~2.6 % RMS error per matrix; a routing choice it flips moves a row by O(1))

@@ -30,6 +30,9 @@ from mkresearch.model import config, formats, reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.model.numerics import block_scaled_matmul, sequence_sum
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 FORMATS = ("bf16", "fp8", "mxfp4")
 # a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)
 DECODE_PATH_CHIPS = {"native": "tpu7x", "integer": "v5e"}

@@ -21,6 +21,9 @@ from mkresearch.kernels.stages import experts, router
 from mkresearch.model import config
 from mkresearch.sharding import layout
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 BEFORE_ROUTING = (router.W_ROUTER, experts.LATENT_DOWN)  # what a rank streams before top-k
 
 

@@ -20,6 +20,9 @@ from mkresearch.kernels.stages import experts
 
 from mkresearch.model import config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 
 def items_in_flight(n_slots: int) -> dict[int, list[tuple[int, list[int]]]]:
     """{MoE layer: [(item i, the items started and not yet waited for at item i's first wait)]}

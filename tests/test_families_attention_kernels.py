@@ -26,6 +26,9 @@ from mkresearch.model import config, kv_cache, reference, weights
 from mkresearch.model.stages import gqa as gqa_ref
 from mkresearch.model.stages import mla_rope as mla_rope_ref
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 BF16_TOL = 2.0 ** -7
 GLM, QWEN, DEEPSEEK = (config.get_config(n) for n in (
     "glm-4.5-mini", "qwen3-235b-a22b-mini", "deepseek-v3-mini"))

@@ -47,6 +47,9 @@ from mkresearch.model import config, partition, reference, sampling, weights
 from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 MINIS = ("deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")
 # Prefilled by the reference, then N_STEPS teacher-forced steps from position 27: make test runs 6
 # (27..32: the KV tile boundary at 32 is crossed); every step starts from the reference's state, so

@@ -23,6 +23,9 @@ from mkresearch.model import config, reference, weights
 from mkresearch.model.stages import ffn
 from mkresearch.model.stages import moe_full as moe_full_ref
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 MINIS = {name: config.get_config(name) for name in (
     "deepseek-v3-mini", "glm-4.5-mini", "qwen3-235b-a22b-mini")}
 DEEPSEEK = MINIS["deepseek-v3-mini"]

@@ -15,6 +15,9 @@ from mkresearch.model import numerics, spec
 from mkresearch.model.config import get_config
 from mkresearch.sharding import layout as layouts
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 
 @pytest.mark.parametrize("model, n_ranks, shared, dense", [
     ("kimi-k3", 32, 192, 1088), ("deepseek-v3", 32, 64, 576), ("glm-4.5", 32, 64, 384),

@@ -8,6 +8,9 @@ from mkresearch.kernels.base import dma, gemv
 
 from mkresearch.prediction import timeline as tl
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 B, K, N, BLOCK_K = 8, 1024, 256, 256  # 4 row blocks of 128 KiB
 
 

@@ -17,6 +17,9 @@ from mkresearch.generation import loop
 from mkresearch.model import reference, weights
 from mkresearch.model.config import get_config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 CFG = kimi_kinds(get_config("kimi-k3-mini"))
 PROMPT = np.asarray([[3, 5, 7], [11, 13, 17]], np.int32)  # [B, T]
 N_STEPS = 5

@@ -30,6 +30,9 @@ from mkresearch.model import config, prefill, reference, weights
 from mkresearch.model.config import get_config
 from mkresearch.model.published import PUBLISHED
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 # the published config at mini sizes: 2 layers (cheap to compile), KDA + dense FFN on the first,
 # MLA + MoE on the second (1-based 1 and 2)
 MINI_FIELDS = {

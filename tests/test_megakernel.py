@@ -49,6 +49,9 @@ from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 COMPOSE_TOL = 1e-3
 LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11, asserted for every row-step
 NEAR_TIE_GAP = 2 * LOGIT_TOL  # a smaller reference top-2 gap may swap within LOGIT_TOL

@@ -44,6 +44,9 @@ from mkresearch.model.config import get_config
 from mkresearch.prediction import timeline
 from mkresearch.prediction.scaling import scale_log
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11
 STATE_REL_TOL = 2.0 ** -7
 BYTES_SLACK = 1.02

@@ -33,6 +33,9 @@ from mkresearch.decoding import speculative
 from mkresearch.model import config, paged_kv, reference, spec, weights
 from mkresearch.model.kv_cache import KV_ROW_GROUP, rows_read
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 BATCH = 3
 MAX_PAGES_TOKENS = 128  # the contiguous cache's length: max_pages_per_row · page_size
 POSITIONS = np.array([20, 37, -1], np.int32)  # row 2 is a free slot

@@ -16,6 +16,9 @@ from mkresearch.hardware import tpu
 from mkresearch.model import config, reference, weights
 from mkresearch.model.config import get_config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 MINI = config.get_config("kimi-k3-mini")
 
 

@@ -20,6 +20,9 @@ from mkresearch.hardware import tpu
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import get_config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 MINI = get_config("kimi-k3-mini")
 LOGITS_ATOL = 3e-2  # kernel vs reference logits (|logits| ~ 1-10): a few bf16 ulps of x
 

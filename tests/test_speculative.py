@@ -17,6 +17,9 @@ from mkresearch.decoding import acceptance, drafters, speculative
 from mkresearch.model import reference, roofline, sampling, weights
 from mkresearch.model.config import get_config
 
+# compiled on the chip present too (make test-tpu): see tests/conftest.py
+pytestmark = pytest.mark.tpu
+
 SMALL = kimi_kinds(get_config("kimi-k3-mini"), max_seq_len=64)
 # 17 tokens: 16 after the prefill's, so forced:2 ends on a cut step (5 of 3, then 1) and every
 # k's runs take several verify steps (each a k + 1-step feed: the module's time)

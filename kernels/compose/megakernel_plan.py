@@ -9,6 +9,7 @@ first, a config whose weights, caches and states exceed the chip's HBM per devic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -279,6 +280,23 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     rows_per_state consecutive rows; `kernels/compose/megakernel_verify.py` checks its arguments)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
+    try:
+        hash((batch, seq_len, options))
+    except TypeError:  # an unhashable argument: refused below, naming it
+        return _make_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
+    return _remembered_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_plan(cfg: ModelConfig, batch: Any, seq_len: Any, options: Any, check_fits: bool,
+                     rows_per_state: int) -> MegaPlan:
+    """A plan made once per arguments (20 ms here for kimi-k3-mini: a step's call, the loop's
+    chunk and the schedule ask for the same one; a refused plan raises again, not cached)."""
+    return _make_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
+
+
+def _make_plan(cfg: ModelConfig, batch: Any, seq_len: Any, options: Any, check_fits: bool,
+               rows_per_state: int) -> MegaPlan:
     if rows_per_state > 1:
         return _verify_plan(cfg, batch, seq_len, options, check_fits, rows_per_state)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:

@@ -166,12 +166,11 @@ def _megakernel_chunks(params, state, cfg, batch, seq_len, options, seed, temper
     """chunk(n, tokens, positions, state, forced) -> the same and (tokens [B, n], logits) for the
     megakernel, its plan and sampling inputs made once."""
     options = megakernel.MegakernelOptions() if options is None else options
-    plan = megakernel.make_plan(cfg, batch, seq_len, options)
+    plan = megakernel.make_plan(cfg, batch, seq_len, options)  # made once per arguments
     tpu.check_runs_here(plan.options.chip)
     weights = megakernel.prepare_weights(params, cfg)
-    zeros = np.zeros(batch, np.int32)
-    inputs, use_gumbel, use_candidates = megakernel.step_inputs(plan, zeros, zeros, seed,
-                                                                temperature, top_k, top_p)
+    inputs, use_gumbel, use_candidates = _sampling_inputs(plan, seed, _static(temperature),
+                                                          _static(top_k), _static(top_p))
     interpret = tpu.interpret_params()
 
     def chunk(n, tokens, positions, state, forced):
@@ -181,6 +180,14 @@ def _megakernel_chunks(params, state, cfg, batch, seq_len, options, seed, temper
                                n, step_inputs, weights, state, forced)
 
     return chunk
+
+
+@functools.lru_cache(maxsize=32)
+def _sampling_inputs(plan: Any, seed: int, temperature: Any, top_k: Any, top_p: Any) -> tuple:
+    """The step's inputs but tokens and positions, checked and made once per plan and sampling
+    arguments (10 ms of host work for kimi-k3-mini: not to be paid per call)."""
+    zeros = np.zeros(plan.batch, np.int32)
+    return megakernel.step_inputs(plan, zeros, zeros, seed, temperature, top_k, top_p)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(8,))

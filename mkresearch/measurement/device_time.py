@@ -1,0 +1,115 @@
+"""Device time of decode steps on a TPU, side by side in one run: the megakernel and the jitted
+reference, each through the library's loop (`generation.loop`: `steps` steps in one compiled
+call, nothing read back between steps), timed by the wall clock and by a profile.
+
+    row = device_time.measure(cfg, params, batch=8, context=0)
+    row["megakernel"]["device_s"]     # seconds of TPU time per step (the profile's module time)
+    row["megakernel"]["wall_s"]       # wall seconds per step of the same calls
+    row["hbm_floor_s"]                # the step's bytes (roofline.step_bytes) at the chip's
+                                      # published HBM bandwidth
+
+The device time is read from a `jax.profiler` trace (`device_seconds`): the TPU plane's "XLA
+Modules" line holds one event per execution of a compiled program, named after its jit; the
+loop's chunk of n steps is one such program, so its duration / n is the time per step, every
+kernel and copy of it included. Where there is no TPU the same code runs in interpret mode and
+its seconds say nothing about a TPU (`platform` says which).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mkresearch.generation import loop
+from mkresearch.hardware import tpu
+from mkresearch.hardware.chips import get_chip
+from mkresearch.kernels.compose import megakernel
+from mkresearch.model import reference, roofline
+from mkresearch.model.config import ModelConfig
+
+BACKENDS = ("megakernel", "reference")
+STEPS = 32  # steps per compiled call
+CALLS = 4  # calls timed back to back: the host prepares the next while the device runs one
+
+
+def device_seconds(fn: Callable[[], Any], module: str, calls: int = 3) -> list[float]:
+    """Durations (seconds) of the TPU executions of the compiled program whose name contains
+    `module` (e.g. "_megakernel_run") during `calls` calls of fn(), from a profile.
+    ValueError when the trace holds none (no TPU, or another name)."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
+        data = ProfileData.from_file(files[-1])
+    found = [event.duration_ns * 1e-9 for plane in data.planes if "/device:TPU" in plane.name
+             for line in plane.lines if line.name == "XLA Modules"
+             for event in line.events if module in event.name]
+    if not found:
+        raise ValueError(f"module={module!r} is invalid: no TPU execution of a program named so "
+                         "in the profile (device time is measured on a TPU)")
+    return found
+
+
+def measure(cfg: ModelConfig, params: dict, *, batch: int, context: int = 0, steps: int = STEPS,
+            backends: tuple[str, ...] = BACKENDS, chip: str | None = None,
+            options: Any = None) -> dict:
+    """One row: for each backend, wall and device seconds per step of `steps` greedy steps from
+    position `context` (the caches hold `context` tokens), and the step's HBM floor."""
+    chip = chip or tpu.default_chip()
+    seq_len = _cache_length(cfg, context + steps)
+    row = {"model": cfg.name, "batch": batch, "context": context, "steps": steps,
+           "chip": chip, "platform": jax.default_backend(),
+           "hbm_floor_s": _floor(cfg, batch, context, chip)}
+    options = options or megakernel.MegakernelOptions(chip=chip)
+    for backend in backends:
+        row[backend] = _measure_backend(cfg, params, backend, batch, context, steps, seq_len,
+                                        options)
+    return row
+
+
+def _measure_backend(cfg, params, backend, batch, context, steps, seq_len, options) -> dict:
+    weights = megakernel.prepare_weights(params, cfg) if backend == "megakernel" else params
+    tokens = np.arange(batch, dtype=np.int32) * 7 % cfg.vocab_size
+    positions = np.full(batch, context, np.int32)
+    holder = {"state": reference.init_state(cfg, batch, seq_len)}
+
+    def run():  # `steps` steps, the state threaded through (each call donates it)
+        out = loop.decode(weights, holder["state"], tokens, positions, cfg, steps,
+                          backend=backend, options=options, steps_per_call=steps)
+        holder["state"] = out.state
+        # positions restart at `context`: every call writes the same cache slots again
+        return out.tokens
+
+    started = time.perf_counter()
+    jax.block_until_ready(run())  # compiles
+    compile_s = time.perf_counter() - started
+    started = time.perf_counter()
+    jax.block_until_ready([run() for _ in range(CALLS)])  # dispatched ahead, as a decode runs
+    wall_s = (time.perf_counter() - started) / (CALLS * steps)
+    result = {"wall_s": wall_s, "compile_s": compile_s}
+    if jax.default_backend() == "tpu":
+        module = "_megakernel_run" if backend == "megakernel" else "_reference_run"
+        result["device_s"] = float(np.median(device_seconds(run, module))) / steps
+    return result
+
+
+def _cache_length(cfg: ModelConfig, tokens: int) -> int:
+    """A cache length holding `tokens`, a multiple of the config's KV tile."""
+    tile = cfg.kv_tile or 1
+    return max(cfg.max_seq_len if tokens <= cfg.max_seq_len else 0, -(-tokens // tile) * tile)
+
+
+def _floor(cfg: ModelConfig, batch: int, context: int, chip: str) -> float:
+    """Seconds the step's bytes take at the chip's published HBM bandwidth (per device)."""
+    return roofline.step_bytes(cfg, batch, context).total / get_chip(chip).hbm_bandwidth
+
