@@ -101,3 +101,20 @@ def test_bad_scopes(trace):
     path, _ = trace
     with pytest.raises(ValueError, match="scopes='gemv'"):
         profiling.parse_trace(path, "gemv")
+
+
+def test_device_time_reads_a_recorded_tpu_profile():
+    """The profile recorded on a TPU v5e (benchmarks/recorded/tpu-v5e, `benchmarks/tpu_v5e.py
+    time`): one call of the loop, 32 steps of kimi-k3-mini at B = 8, is one execution of the
+    loop's program; its duration is the device time of 32 steps."""
+    from pathlib import Path
+
+    from mkresearch.measurement import device_time
+
+    path = (Path(__file__).parents[1] / "benchmarks" / "recorded" / "tpu-v5e"
+            / "kimi-k3-mini_loop_B8.xplane.pb")
+    seconds = device_time.module_seconds(path, "_megakernel_run")
+    assert len(seconds) == 1
+    assert round(seconds[0] * 1e6 / 32, 1) == 276.6  # µs per step
+    with pytest.raises(ValueError, match="no TPU execution"):
+        device_time.module_seconds(path, "no_such_program")

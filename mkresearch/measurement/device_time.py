@@ -43,14 +43,20 @@ def device_seconds(fn: Callable[[], Any], module: str, calls: int = 3) -> list[f
     """Durations (seconds) of the TPU executions of the compiled program whose name contains
     `module` (e.g. "_megakernel_run") during `calls` calls of fn(), from a profile.
     ValueError when the trace holds none (no TPU, or another name)."""
-    from jax.profiler import ProfileData
-
     with tempfile.TemporaryDirectory() as logdir:
         with jax.profiler.trace(logdir):
             for _ in range(calls):
                 jax.block_until_ready(fn())
         files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
-        data = ProfileData.from_file(files[-1])
+        return module_seconds(files[-1], module)
+
+
+def module_seconds(path: str | os.PathLike, module: str) -> list[float]:
+    """Durations (seconds) of the TPU executions of the program whose name contains `module` in
+    a profile (`.xplane.pb`): the TPU plane's "XLA Modules" line. ValueError when none."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(str(path))
     found = [event.duration_ns * 1e-9 for plane in data.planes if "/device:TPU" in plane.name
              for line in plane.lines if line.name == "XLA Modules"
              for event in line.events if module in event.name]
