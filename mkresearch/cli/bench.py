@@ -25,8 +25,10 @@ from typing import Any
 
 import mkresearch  # noqa: F401 - selects the platform before jax is imported
 from mkresearch.generation import agreement, loop
+from mkresearch.hardware import tpu
 from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel
+from mkresearch.measurement import device_time
 from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig, get_config
 from mkresearch.prediction import timeline
@@ -251,80 +253,62 @@ def _print_full_size(full: dict | None) -> None:
 def print_bench_row(row: dict) -> None:
     """What `mkresearch bench` prints for one batch size (a row of run_bench)."""
     mk, ref, p = row["megakernel"], row["reference"], row["prediction"]
-    print(f"B={row['batch']}: megakernel {mk['step_s']:.3f} s/step ({mk['label']}), "
-          f"reference {ref['step_s']:.4f} s/step ({ref['label']}); predicted on "
-          f"{p['chip']}: {p['step_s'] * 1e6:.1f} us/step, {p['tokens_per_s']:,.0f} "
-          f"tokens/s ({p['label']})")
+
+    def measured(backend):
+        device = "" if backend["device_s"] is None else f"{backend['device_s'] * 1e6:.1f} us device, "
+        return f"{device}{backend['step_s'] * 1e6:.1f} us wall per step ({backend['label']})"
+
+    line = (f"B={row['batch']}: megakernel {measured(mk)}; reference {measured(ref)}; HBM floor "
+            f"{row['hbm_floor_s'] * 1e6:.1f} us")
+    if mk["device_s"] is not None:
+        line += (f" ({row['hbm_floor_s'] / mk['device_s']:.0%} of it reached; "
+                 f"{ref['device_s'] / mk['device_s']:.1f}x the reference)")
+    print(f"{line}; predicted on {p['chip']}: {p['step_s'] * 1e6:.1f} us/step, "
+          f"{p['tokens_per_s']:,.0f} tokens/s ({p['label']})")
     _print_full_size(row.get("full_size"))
 
 
 # ---- mkresearch bench --------------------------------------------------------------------------
-def time_steps(step, n_steps: int) -> tuple[float, float]:
-    """(first call seconds (compiles), median seconds of the next n_steps calls)."""
-    import jax
-    import numpy as np
-
-    started = time.perf_counter()
-    jax.block_until_ready(step())
-    first = time.perf_counter() - started
-    times = []
-    for _ in range(n_steps):
-        started = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - started)
-    return first, float(np.median(times))
-
-
 def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: str) -> dict:
-    """Both backends at one batch size: seconds per step here, and the megakernel's prediction."""
+    """Both backends at one batch size through the library's loop (`steps` steps per call):
+    seconds per step here (on a TPU also the device time, from a profile), the HBM floor, and
+    the megakernel's prediction from one recorded step."""
     import jax
     import numpy as np
 
-    options = megakernel.MegakernelOptions(chip=chip)
-    prepared = megakernel.prepare_weights(params, cfg)
+    row = device_time.measure(cfg, params, batch=batch, steps=steps, chip=chip)
     tokens = (np.arange(batch, dtype=np.int32) * 31 + 7) % cfg.vocab_size
-    positions = np.full(batch, 3, np.int32)
-    holder = {"state": reference.init_state(cfg, batch)}
-
-    def mk_step():
-        out, holder["state"], _ = megakernel.decode_step(prepared, holder["state"], tokens,
-                                                         positions, cfg, options=options)
-        return out
-
-    ref_state = reference.init_state(cfg, batch)
-
-    def ref_step():
-        return reference.decode_step(params, ref_state, tokens, positions, cfg)[0]
-
-    mk_first, mk_step_s = time_steps(mk_step, steps)
-    ref_first, ref_step_s = time_steps(ref_step, steps)
-    with dma.recording() as log:
-        jax.block_until_ready(mk_step())
-    return {"batch": batch,
-            "megakernel": {"step_s": mk_step_s, "first_call_s": mk_first,
-                           "label": backend_label("megakernel")},
-            "reference": {"step_s": ref_step_s, "first_call_s": ref_first,
-                          "label": backend_label("reference")},
+    with dma.recording() as log:  # one step for the timeline model (from shapes on a TPU)
+        jax.block_until_ready(megakernel.decode_step(
+            params, reference.init_state(cfg, batch), tokens, np.full(batch, 3, np.int32), cfg,
+            options=megakernel.MegakernelOptions(chip=chip))[0])
+    return {"batch": batch, "hbm_floor_s": row["hbm_floor_s"],
+            **{backend: {"step_s": row[backend]["wall_s"],
+                         "device_s": row[backend].get("device_s"),
+                         "first_call_s": row[backend]["compile_s"],
+                         "label": backend_label(backend)} for backend in device_time.BACKENDS},
             "prediction": predict(log, chip, batch),
             "full_size": predict_full_size(cfg, batch)}
 
 
-def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str = "tpu7x",
+def run_bench(cfg: ModelConfig, batches=BENCH_BATCHES, steps: int = 3, chip: str | None = None,
               seed: int = 0, out_json: str | Path | None = None,
               figure: str | Path | None = None) -> dict:
     """Decode steps for each batch size on both backends (the megakernel built for `chip`); JSON
     and figure if paths are given. A batch `chip` cannot run is refused before any work."""
     import jax
 
+    chip = chip or tpu.default_chip()
     for batch in batches:
         megakernel.make_plan(cfg, batch, cfg.max_seq_len, megakernel.MegakernelOptions(chip=chip))
     params = weights.init_params(cfg, seed)
     rows = [bench_batch(cfg, params, batch, steps, chip) for batch in batches]
     result = {"model": cfg.name, "platform": jax.default_backend(), "chip": chip,
               "steps_timed": steps, "rows": rows,
-              "note": ("seconds per step measured on this machine; on a CPU the megakernel runs in "
-                       "TPU interpret mode, a simulator whose times say nothing about a TPU. TPU "
-                       "times are the timeline model's predictions from a recorded DMA log.")}
+              "note": ("seconds per step measured on this machine through the library's loop "
+                       "(step_s: wall; device_s: from a profile, on a TPU); on a CPU the megakernel "
+                       "runs in TPU interpret mode, a simulator whose times say nothing about a "
+                       "TPU. predicted: the timeline model's, from a recorded DMA log.")}
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(result, indent=1))
@@ -356,6 +340,9 @@ def bench_figure(result: dict):
     for backend, marker in (("megakernel", "o"), ("reference", "s")):
         label = f"{backend}: {rows[0][backend]['label']}"
         here.plot(batches, [r[backend]["step_s"] for r in rows], marker=marker, label=label)
+        if rows[0][backend].get("device_s") is not None:  # on a TPU: the profile's device time
+            here.plot(batches, [r[backend]["device_s"] for r in rows], marker=marker,
+                      linestyle="--", label=f"{backend}: device time (profile)")
     here.set(xscale="log", yscale="log", xlabel="batch B", ylabel="seconds per step",
              title=f"{result['model']}: measured on {result['platform']}")
     here.legend(fontsize=8)

@@ -38,7 +38,8 @@ def add_parser(commands: Any) -> None:
     add_batch(p, bench.BENCH_BATCHES, old=True)
     p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
     p.add_argument("--chip", default=None,
-                   help=f"TPU chip the megakernel is built for and of the predictions: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
+                   help=f"TPU chip the megakernel is built for and of the predictions: one of "
+                        f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     p.add_argument("--ranks", type=int, default=1,
                    help="also the sharded megakernel on this many devices, per-rank rows "
                         "(default 1: none)")

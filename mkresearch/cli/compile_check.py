@@ -48,7 +48,8 @@ def add_parser(commands: Any) -> None:
     add_model(p)
     add_batch(p)
     p.add_argument("--chip", default=None,
-                   help=f"TPU chip to compile for, from shapes: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
+                   help=f"TPU chip to compile for, from shapes: one of "
+                        f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     p.add_argument("--record", action="store_true",
                    help="write the result where notebooks read it (mkresearch/measurement/recorded/)")
     p.add_argument("--ranks", type=int, default=None,

@@ -61,7 +61,8 @@ def add_parser(commands: Any) -> None:
                    help=f"one of {', '.join(BACKENDS)} (default megakernel; with --speculate "
                         f"the first with a verify call; planned: {', '.join(PLANNED_BACKENDS)})")
     p.add_argument("--chip", default=None,
-                   help=f"TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 decode path) and of the timeline model's prediction: one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
+                   help=f"TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 decode path) and of the timeline model's prediction: one of "
+                        f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     cli_ranks.add_decode_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (per batch), no progress bar")

@@ -43,7 +43,8 @@ def add_parser(commands: Any) -> None:
     add_model(p)
     add_batch(p)
     p.add_argument("--chip", default=None,
-                   help=f"TPU chip the step is built for (VMEM plan): one of {', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
+                   help=f"TPU chip the step is built for (VMEM plan): one of "
+                        f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     add_cache_layout(p)
     p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
                    help="routed-expert format (default: the model's)")
