@@ -1,7 +1,7 @@
 """The DMA log where kernels are compiled (`kernels/base/chip_log.py`): the kernel run on shapes
 records, event for event, what TPU interpret mode records as the kernel runs.
 
-A TPU is faked here: `chip_log.logs_from_shapes` is made to answer True (as it does on a TPU
+A TPU is faked here: `dma.logs_from_shapes` is made to answer True (as it does on a TPU
 while a log records) and interpret mode's own events are switched off (`dma._emitting`), so the
 log a wrapper leaves is the one a TPU leaves. Each stage wrapper, a routed MoE layer (given the
 reference's routing) and the megakernel step are compared with their interpret-mode log.
@@ -31,7 +31,7 @@ def as_on_a_tpu(run):
     kernels are traced anew (another vector clock size: another InterpretParams, a static
     argument) with interpret mode's own events off."""
     options = tpu.current_interpret_options()
-    with mock.patch.object(chip_log, "logs_from_shapes", lambda: dma.is_recording() is True), \
+    with mock.patch.object(dma, "logs_from_shapes", lambda: dma.is_recording() is True), \
             mock.patch.object(dma, "_emitting", lambda: False), \
             tpu.interpret_options(vector_clock_size=(options["vector_clock_size"] or 16) + 1), \
             dma.recording() as log:
@@ -62,6 +62,36 @@ def mini():
 
 def layer(params, kind, index=0):
     return reference.layer_params(params[kind], index)
+
+
+def test_a_notebooks_own_kernel_logs_from_shapes(race_checked):
+    """A `pl.pallas_call` called outside jit inside `dma.recording()` (a notebook's own kernel),
+    with an SMEM count deciding how many blocks it copies."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(n_ref, w_hbm, o_ref, slots, sems):
+        def block(i, carry):
+            copy = dma.Copy(w_hbm.at[pl.ds(i * 8, 8)], slots.at[i % 2], sems.at[i % 2],
+                            name="w", slot=i % 2, k=i)
+            copy.start()
+            copy.wait()
+            with dma.phase("add", flops=8 * 128, k=i):
+                o_ref[...] += slots[i % 2]
+            return carry
+
+        o_ref[...] = jnp.zeros_like(o_ref)
+        jax.lax.fori_loop(0, n_ref[0], block, 0)
+
+    def run():
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+            interpret=tpu.interpret_params())(jnp.asarray([3], jnp.int32),
+                                              jnp.ones((32, 128), jnp.float32))
+
+    assert assert_same_log(run) == 3 * 4
 
 
 def test_gemv_and_decode_logs_from_shapes(race_checked):
@@ -123,7 +153,7 @@ def test_megakernel_step_logs_from_shapes(mini, race_checked):
 def test_prepared_weights_need_the_routing(mini):
     cfg, params = mini
     state = reference.init_state(cfg, 1, 64)
-    with mock.patch.object(chip_log, "logs_from_shapes", lambda: True), \
+    with mock.patch.object(dma, "logs_from_shapes", lambda: True), \
             pytest.raises(ValueError, match="expert_ids=None with prepared weights"):
         mk.decode_step(mk.prepare_weights(params, cfg), state, jnp.zeros(1, jnp.int32),
                        jnp.zeros(1, jnp.int32), cfg)
@@ -134,7 +164,7 @@ def test_traced_inputs_are_refused(mini):
     p = layer(params, "moe")
     x = jnp.ones((2, cfg.d_model), jnp.bfloat16)
     ids, w = reference.route(p, x, cfg)
-    record = lambda ids: chip_log.record(
+    record = lambda ids: dma.record_from_shapes(
         lambda ids: experts.routed_experts(p, x, ids, w, cfg), ids)
     with pytest.raises(ValueError, match="record outside jit"):
         jax.jit(record)(ids)

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -148,14 +149,84 @@ def on_rank(rank: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recording() -> Iterator[DmaLog]:
-    """Record the events of kernels traced and run inside the block into a fresh DmaLog."""
+    """Record the events of kernels traced and run inside the block into a fresh DmaLog. Where
+    kernels are compiled (a TPU) the events are the kernels' programs run on shapes
+    (`record_from_shapes`): the package's wrappers do it (`kernels/base/chip_log.py`), and so
+    does any `pl.pallas_call` called outside jit inside the block (a notebook's own kernel)."""
     log = DmaLog()
     _active.append(log)
     try:
-        yield log
+        with _eager_calls_logged():
+            yield log
     finally:
         jax.effects_barrier()  # async dispatch: let the kernels' callbacks land before we stop
         _active.remove(log)
+
+
+def logs_from_shapes() -> bool:
+    """Whether a kernel run now is logged from its program rather than as it runs: a log is
+    recording and kernels are compiled (a TPU; `tpu.interpret_params()` is None)."""
+    return bool(_active) and tpu.interpret_params() is None
+
+
+@contextlib.contextmanager
+def _eager_calls_logged() -> Iterator[None]:
+    """While the outermost recording is open where kernels are compiled: `pl.pallas_call` logs
+    each call made with concrete arguments (outside jit) from shapes. Calls inside jit (the
+    package's wrappers, logged by `chip_log.run`) see tracers and pass through unlogged."""
+    if len(_active) > 1 or not logs_from_shapes():
+        yield
+        return
+    original = pl.pallas_call
+
+    def logged(kernel: Any, *options: Any, **keywords: Any) -> Any:
+        call = original(kernel, *options, **keywords)
+
+        def run(*args: Any) -> Any:
+            if not logs_from_shapes() or any(isinstance(leaf, jax.core.Tracer)
+                                             for leaf in jax.tree.leaves(args)):
+                return call(*args)
+            known = jax.tree.map(known_for_shapes, args)  # before the call: it may donate them
+            out = call(*args)
+            record_from_shapes(lambda *xs: original(kernel, *options, **keywords)(*xs), *known)
+            return out
+
+        return run
+
+    pl.pallas_call = logged
+    try:
+        yield
+    finally:
+        pl.pallas_call = original
+
+
+def known_for_shapes(leaf: Any) -> Any:
+    """What a run on shapes keeps of an argument: an integer array's values, else its shape."""
+    if np.issubdtype(np.dtype(leaf.dtype), np.integer) and not isinstance(leaf, jax.core.Tracer):
+        return np.asarray(leaf)
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+
+
+def record_from_shapes(fn: Any, *args: Any, given: dict | None = None,
+                       axis_env: tuple = ()) -> None:
+    """Append to the open log the events of the one `pallas_call` fn(*args) makes, its program
+    run on shapes (`dry_run`, compute phases planned too) with fn's concrete integer arguments
+    (those passed unchanged to the kernel). ValueError naming the argument if one is traced
+    (record outside jit)."""
+    leaves = jax.tree.leaves(args)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
+    call, closed = dry_run.kernel_call_traced(fn, *shapes, axis_env=axis_env, phases=True)
+    inputs = {}
+    for operand, arg in dry_run.operand_sources(closed, call).items():
+        leaf = leaves[arg]
+        if not np.issubdtype(np.dtype(leaf.dtype), np.integer):
+            continue  # a vector operand: its values never decide a DMA
+        if isinstance(leaf, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+            raise ValueError(f"argument {arg} of {getattr(fn, '__name__', fn)!r} is traced: a "  # noqa: TRY004
+                             "DMA log on a TPU is the kernel run on shapes with its integer "
+                             "inputs known; record outside jit")
+        inputs[operand] = np.asarray(leaf)
+    append_planned(dry_run.run(dry_run.kernel_of(call.params["jaxpr"]), inputs, given))
 
 
 def append_planned(planned: list) -> None:

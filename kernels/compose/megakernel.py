@@ -278,7 +278,7 @@ def decode_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     inputs, use_gumbel, use_candidates = step_inputs(plan, tokens, positions, seed, temperature,
                                                      top_k, top_p)
     given = (log_routing(plan, params, state, tokens, positions, expert_ids)
-             if chip_log.logs_from_shapes() else None)
+             if dma.logs_from_shapes() else None)
     tokens_out, overflow, logits, new_state = chip_log.run(
         lambda *args: _call(plan, tpu.interpret_params(), dma.is_recording(), use_gumbel,
                             use_candidates, bool(return_logits), *args),
