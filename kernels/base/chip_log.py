@@ -31,8 +31,10 @@ def run(fn: Callable, *args: Any, given: Any = None) -> Any:
     """fn(*args), fn making one `pallas_call`; on a TPU, while recording, its events from shapes
     appended to the log (`dma.record_from_shapes`). given: {key: fn(layer) -> value} the kernel
     states as given, or a function of fn's result returning that dict (a kernel whose outputs
-    hold its choice)."""
-    if not dma.logs_from_shapes():
+    hold its choice). Called inside jit or shard_map (traced arguments) it only runs fn: a log
+    from shapes needs the integer inputs' values (record a call made outside jit)."""
+    if not dma.logs_from_shapes() or any(isinstance(leaf, jax.core.Tracer)
+                                         for leaf in jax.tree.leaves(args)):
         return fn(*args)
     known = jax.tree.map(dma.known_for_shapes, args)  # before fn runs: it may donate them
     out = fn(*args)

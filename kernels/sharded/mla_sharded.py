@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from mkresearch.kernels.base import costs, dma
+from mkresearch.kernels.base import chip_log, costs, dma
 from mkresearch.kernels.base.blocks import f32
 from mkresearch.kernels.stages.mla import MlaPlan, check_cache, latent_partial, make_plan
 
@@ -75,9 +75,13 @@ def mla_latent_partial(q_absorbed: jax.Array, q_extra: jax.Array, cache_shard: d
     shard_len = cache_shard["ckv"].shape[1]
     plan = make_plan(cfg.replace(n_heads=n_heads, mla_cache_layout="latent"), batch, shard_len,
                      kv_tile=kv_tile)
-    return _partial_call(plan, tpu.interpret_params(), dma.is_recording(),
-                         tuple(sorted(indices.items())), positions, jnp.asarray(shard_start),
-                         q_absorbed, q_extra, cache_shard["ckv"], cache_shard["kx"])
+    # tokens of this shard each row attends to: global tokens shard_start..position (the kernel's
+    # SMEM operand, made here so that a log from shapes reads it)
+    counts = jnp.clip(jnp.asarray(positions) + 1 - shard_start, 0, shard_len).astype(jnp.int32)
+    return chip_log.run(
+        lambda *args: _partial_call(plan, tpu.interpret_params(), dma.is_recording(),
+                                    tuple(sorted(indices.items())), *args),
+        counts, q_absorbed, q_extra, cache_shard["ckv"], cache_shard["kx"])
 
 
 def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_start, cfg):
@@ -104,11 +108,9 @@ def _check_partial_inputs(q_absorbed, q_extra, cache_shard, positions, shard_sta
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, positions,
-                  shard_start, q_absorbed, q_extra, ckv, kx):
+def _partial_call(plan: MlaPlan, interpret: Any, recording: bool, indices: tuple, counts,
+                  q_absorbed, q_extra, ckv, kx):
     del recording  # static only so recorded and silent traces are cached apart
-    # tokens of this shard each row attends to: global tokens shard_start..position
-    counts = jnp.clip(positions + 1 - shard_start, 0, plan.seq_len).astype(jnp.int32)
     vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
     stat = jax.ShapeDtypeStruct((plan.batch, plan.n_heads, 1), jnp.float32)
     out_shape = (stat, stat,

@@ -88,16 +88,25 @@ def _fill(table: Any, cfg: ModelConfig, seed: int, prefix: str = "") -> dict[str
             return jax.device_put(_draw(leaf, rng).astype(jnp.dtype(leaf.dtype)))
         one = dataclasses.replace(leaf, shape=leaf.shape[1:])  # a slice: one layer's experts
         slices = [_on_host(_draw(one, rng), cfg.expert_format) for _ in range(leaf.shape[0])]
-        return jax.tree.map(lambda *parts: jax.device_put(np.stack(parts)), *slices)
+        return jax.tree.map(_stacked, *slices)
 
     return jax.tree_util.tree_map_with_path(fill, table, is_leaf=_is_leaf)
 
 
 def _on_host(values: np.ndarray, fmt: str) -> Any:
-    """`quantize(values, fmt)` computed on the host's CPU device, as numpy arrays."""
+    """`quantize(values, fmt)` computed on the host's CPU device, as numpy arrays (traced values
+    where init_params is itself traced, e.g. under jax.eval_shape)."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        return jax.tree.map(np.asarray, _quantize_jit(jax.device_put(values, cpu), fmt=fmt))
+        parts = _quantize_jit(jax.device_put(values, cpu), fmt=fmt)
+    return jax.tree.map(lambda p: p if isinstance(p, jax.core.Tracer) else np.asarray(p), parts)
+
+
+def _stacked(*parts: Any) -> jax.Array:
+    """The slices of a leaf as one array, sent to the device once."""
+    if any(isinstance(p, jax.core.Tracer) for p in parts):
+        return jnp.stack(parts)
+    return jax.device_put(np.stack(parts))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
