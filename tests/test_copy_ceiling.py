@@ -7,12 +7,12 @@ import os
 
 import pytest
 from cuts import kimi_kinds
-
-from mkresearch.hardware import tpu
 from mkresearch.kernels.base import copy_stream, dma, dry_run
 from mkresearch.kernels.compose.copy_ceiling import blocks_of, copy_kernel_for
 from mkresearch.kernels.compose.megakernel_plan import make_plan
 from mkresearch.kernels.compose.schedule import schedule
+
+from mkresearch.hardware import tpu
 from mkresearch.model.config import get_config
 
 # libtpu allows one process at a time by default; tests on a shared machine compile concurrently
