@@ -185,7 +185,7 @@ def paged_row(cfg, params, batch, context, calls, want):
 
 def copy_rows(cfg, batch, context, expert_ids, calls, depths):
     plan = make_plan(cfg, batch, cfg.max_seq_len,
-                     MegakernelOptions(chip=tpu.target_chip() or "v5e"))
+                     MegakernelOptions(chip=tpu.default_chip()))
     positions = np.full((batch,), context, np.int32)
     ids = None if expert_ids is None else np.asarray(expert_ids)
     for depth in depths:

@@ -65,12 +65,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
-from mkresearch.model import paged_kv, reference, rope, spec
+from mkresearch.model import numerics, paged_kv, reference, rope, spec
 from mkresearch.model.config import ModelConfig
 from mkresearch.model.formats import dequantize
 from mkresearch.model.numerics import HIGHEST, activation, bf, bf16, f32, i32, matmul, rms_norm
@@ -135,9 +136,19 @@ def expert_groups(experts: dict[str, Any], index: int, expert_ids: jax.Array,
     chosen = jnp.unique(ids, size=slots, fill_value=n_experts)  # ascending; n_experts pads
     groups = jnp.searchsorted(chosen, ids).astype(i32)
     fetched = jnp.minimum(chosen, n_experts - 1)
-    weights = [dequantize(jax.tree.map(lambda w: w[index, fetched], experts[name]),
-                          cfg.expert_format) for name in names]  # [slots, K, N] bf16
+    weights = [dequantize(jax.tree.map(lambda w: chosen_experts(w, index, fetched),
+                                       experts[name]), cfg.expert_format)
+               for name in names]  # [slots, K, N] bf16
     return groups, jnp.bincount(groups, length=slots).astype(i32), weights
+
+
+def chosen_experts(stack: jax.Array, index: int, ids: jax.Array) -> jax.Array:
+    """Experts ids [S] of layer `index` of a stacked leaf [L, E, ...] -> [S, ...]: one dynamic
+    slice each, so no other expert's byte is read (a gather of whole experts on a TPU copies the
+    layer's slice first, `reference.LayerOfStack`), unrolled (S is static: no device loop)."""
+    rest = stack.shape[2:]
+    return jnp.stack([lax.dynamic_slice(stack, (index, ids[s]) + (0,) * len(rest),
+                                        (1, 1, *rest))[0, 0] for s in range(ids.shape[0])])
 
 
 def routed_experts(experts: dict[str, Any], index: int, x: jax.Array, expert_ids: jax.Array,
@@ -219,8 +230,7 @@ def _mla(p_stack, stack, index, x, positions, cfg):
                  "v": write_entry(stack["v"], index, v_new, positions, 1)}
         pad = jnp.zeros((*q_nope.shape[:2], cfg.mla_k_padded - cfg.mla_qk_dim), bf16)
         q = jnp.concatenate([q_nope, q_extra, pad], axis=-1)  # [B, H, k_padded]: the cache's
-        scores = jnp.einsum("bhd,bhsd->bhs", q, stack["k"][index],
-                            preferred_element_type=f32) * scale
+        scores = numerics.einsum("bhd,bhsd->bhs", q, stack["k"][index]) * scale
         o = bf(attend(scores, stack["v"][index], positions))  # [B, H, v]
     else:
         stack = {"ckv": write_entry(stack["ckv"], index, c_hat, positions, 0),
@@ -234,11 +244,11 @@ def _mla(p_stack, stack, index, x, positions, cfg):
 def _absorbed(q_nope, q_extra, ckv, kx, w_kb, w_vb, positions, scale):
     """The latent MLA with W_kvb absorbed: q̃ = bf(q^C W_kbᵀ), scores over ĉ and k^X, Σ α ĉ,
     o = bf(bf(Σ α ĉ) W_vb) [B, H, v] (each a product batched over rows and heads)."""
-    q_absorbed = bf(jnp.einsum("bhn,rhn->bhr", q_nope, w_kb, preferred_element_type=f32))
-    scores = (jnp.einsum("bhr,bsr->bhs", q_absorbed, ckv, preferred_element_type=f32)
-              + jnp.einsum("bhe,bse->bhs", q_extra, kx, preferred_element_type=f32)) * scale
+    q_absorbed = bf(numerics.einsum("bhn,rhn->bhr", q_nope, w_kb))
+    scores = (numerics.einsum("bhr,bsr->bhs", q_absorbed, ckv)
+              + numerics.einsum("bhe,bse->bhs", q_extra, kx)) * scale
     context = bf(attend(scores, ckv[:, None], positions))  # [B, H, rank]
-    return bf(jnp.einsum("bhr,rhv->bhv", context, w_vb, preferred_element_type=f32))
+    return bf(numerics.einsum("bhr,rhv->bhv", context, w_vb))
 
 
 def _mla_rope(p_stack, stack, index, x, positions, cfg):
@@ -262,8 +272,8 @@ def _gqa(p_stack, stack, index, x, positions, cfg):
     stack = {"k": write_entry(stack["k"], index, k, positions, 1),
              "v": write_entry(stack["v"], index, v, positions, 1)}
     groups = q.reshape(batch, kv_heads, heads // kv_heads, cfg.head_dim)  # [B, KV, G, D]
-    scores = jnp.einsum("bkgd,bksd->bkgs", groups, stack["k"][index],
-                        preferred_element_type=f32).reshape(batch, heads, -1)
+    scores = numerics.einsum("bkgd,bksd->bkgs", groups, stack["k"][index]).reshape(
+        batch, heads, -1)
     o = bf(attend(scores * rope.attention_scale(cfg, cfg.head_dim), stack["v"][index],
                   positions))  # [B, H, D]
     return bf(matmul(o.reshape(batch, heads * cfg.head_dim), p["w_o"])), stack, {}
@@ -392,7 +402,7 @@ def paged_attention_xla(q: jax.Array, pool: jax.Array, kv_lens: jax.Array, table
     rows = rows.reshape(batch, -1, rows.shape[3] // 2, 2, dim)  # [B, S, KV, 2, D]
     keys, values = rows[..., 0, :], rows[..., 1, :]  # [B, S, KV, D]
     groups = q.reshape(batch, keys.shape[2], -1, dim)  # [B, KV, G, D]
-    scores = jnp.einsum("bkgd,bskd->bkgs", groups, keys, preferred_element_type=f32) * scale
+    scores = numerics.einsum("bkgd,bskd->bkgs", groups, keys) * scale
     visible = jnp.arange(keys.shape[1])[None, None, None, :] < kv_lens[:, None, None, None]
     weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bkgs,bskd->bkgd", weights, values.astype(f32), precision=HIGHEST)
