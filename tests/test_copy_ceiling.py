@@ -58,6 +58,16 @@ def test_the_copy_moves_each_block_once_in_order(race_checked, depth):
     assert most == depth
 
 
+@pytest.mark.tpu
+def test_the_copy_runs_every_block():
+    """Compiled on a TPU (interpreted elsewhere): every DMA issued and waited for, the written
+    blocks' arrays returned."""
+    kernel = copy_stream.copy_kernel(MIXED, 3)
+    *written, count = kernel.fn(*kernel.args)
+    assert int(count[0]) == len(MIXED)
+    assert [w.shape for w in written] == [(1, 16, 128), (1, 2048, 128)]
+
+
 @pytest.mark.slow
 def test_a_steps_copy_moves_the_bytes_its_schedule_lists(race_checked):
     """Kimi K3's two kinds of layer at B = 1: every HBM DMA of the schedule, its bytes and

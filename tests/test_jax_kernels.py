@@ -94,6 +94,26 @@ def test_the_paged_attention_twin_is_ragged_paged_attentions_reference():
                                atol=0.03, rtol=0.03)
 
 
+@pytest.mark.tpu
+def test_paged_attention_is_its_xla_twin():
+    """On a TPU: ragged paged attention, compiled, against its XLA twin on the same pool (bf16
+    out, the kernel's probabilities in its own order: a few bf16 ulps). In interpret mode the
+    step's paged attention is the twin itself."""
+    cfg = get_config("glm-4.5-mini")  # 4 query heads on 2 K/V heads of 128
+    pages = paged_kv.PagedKVConfig(16, 14, 4)
+    rng = np.random.default_rng(2)
+    pool = jnp.asarray(rng.standard_normal((14, 16, 2 * cfg.n_kv_heads, cfg.head_dim)),
+                       jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((3, cfg.n_heads, cfg.head_dim)), jnp.bfloat16)
+    tables = jnp.asarray(rng.permutation(14)[:12].reshape(3, 4), jnp.int32)
+    lengths = jnp.array([1, 37, 64], jnp.int32)
+    got = jax.jit(lambda *a: jax_kernels.paged_attention(*a, cfg, pages, tpu.interpret_params()))(
+        q, pool, lengths, tables)
+    want = jax_kernels.paged_attention_xla(q, pool, lengths, tables, cfg.head_dim ** -0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=0.03, rtol=0.03)
+
+
 def test_the_paged_layout_holds_the_packages_paged_state():
     cfg = get_config("qwen3-235b-a22b-mini")
     pages = paged_kv.PagedKVConfig(16, 8, 4)
