@@ -27,6 +27,8 @@ the imports of all modules together form no cycle. Each layer is one subpackage:
       ^
     sharding            layouts: which rank holds what, rank counts, per-rank bytes
       ^
+    baselines           decode steps on JAX's own kernels (megablox gmm, ragged paged attention):
+      ^                 the yardsticks, peers of the reference (never our kernels)
     model               configs, the stage registry and kinds, the reference, weights, roofline
       ^
     hardware            chips, how a kernel runs (interpret mode off a TPU), slices and their links;
@@ -52,6 +54,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the package root only selects the platform (hardware.tpu) before jax loads
     "hardware": ("mkresearch", "mkresearch.layers", *_package("mkresearch.hardware")),
     "model": _package("mkresearch.model"),
+    "baselines": _package("mkresearch.baselines"),
     "sharding": _package("mkresearch.sharding"),
     "checkpoint": _package("mkresearch.checkpoint"),
     "decoding": _package("mkresearch.decoding"),

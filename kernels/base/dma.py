@@ -330,7 +330,8 @@ class Copy:
         spaces = {"src": _memory_space(self.src_ref), "dst": _memory_space(self.dst_ref)}
         if dry_run.tracing():
             dry_run.emit(kind, self.name, self.slot, self.indices, nbytes=self.nbytes,
-                         buffer=self.buffer, owner=self.owner, **spaces)
+                         buffer=self.buffer, owner=self.owner, shape=tuple(self.dst_ref.shape),
+                         dtype=jnp.dtype(self.dst_ref.dtype).name, **spaces)
         elif _emitting():
             _emit(kind, self.name, self.slot, self.indices, nbytes=self.nbytes, **spaces)
 

@@ -80,9 +80,11 @@ def _static(value: Any) -> bool:
 
 
 def emit(kind: str, name: str, slot: Any, indices: dict[str, Any], *, src: str, dst: str,
-         nbytes: int, buffer: str | None, owner: tuple[str | None, Any]) -> None:
-    """Trace the planned event of one DMA start or wait: the static facts now, the slot, the
-    layer and the log's tags that are traced values when the run reaches it."""
+         nbytes: int, buffer: str | None, owner: tuple[str | None, Any],
+         shape: tuple[int, ...] = (), dtype: str = "") -> None:
+    """Trace the planned event of one DMA start or wait: the static facts now (shape and dtype:
+    the block it moves), the slot, the layer and the log's tags that are traced values when the
+    run reaches it."""
     stage, layer = owner
     tags = {"slot": slot, "layer": layer, **{f"index:{k}": v for k, v in indices.items()}}
     traced = tuple(k for k, v in tags.items() if not _static(v))
@@ -100,7 +102,7 @@ def emit(kind: str, name: str, slot: Any, indices: dict[str, Any], *, src: str, 
         _sinks[-1].append(PlannedDma(
             kind, name, src, dst, int(nbytes), None if slot_value is None else int(slot_value),
             None if layer_value is None else int(layer_value), stage, buffer,
-            tuple((k[6:], int(value(k, values))) for k in order)))
+            tuple((k[6:], int(value(k, values))) for k in order), tuple(shape), dtype))
 
     record.dry_run = True
     io_callback(record, None, *(_int32(tags[k]) for k in traced), ordered=True)

@@ -8,7 +8,7 @@ that issues each DMA says which it fills (`dma.Copy(..., buffer=...)`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DMA_KINDS = ("dma_start", "dma_wait")
@@ -37,7 +37,9 @@ class PlannedDma:
 
     stage: a kind ("kda", "mla", "dense", "moe", ...) or a part of the trunk ("embedding",
     "residual", "sampling"); layer None for the trunk outside the layer loop. indices: the log
-    tags the kernel gives the DMA, as sorted (name, value) pairs."""
+    tags the kernel gives the DMA, as sorted (name, value) pairs. shape and dtype: the block it
+    moves (its VMEM window's, e.g. (128, 512) and "bfloat16"; a copy kernel streams the same
+    blocks, `kernels/base/copy_stream.py`), not part of what the log records."""
 
     kind: str
     name: str
@@ -49,6 +51,8 @@ class PlannedDma:
     stage: str
     buffer: str
     indices: tuple[tuple[str, int], ...] = ()
+    shape: tuple[int, ...] = field(default=(), compare=False)
+    dtype: str = field(default="", compare=False)
 
     @property
     def hbm(self) -> bool:

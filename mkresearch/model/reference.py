@@ -120,15 +120,28 @@ def cache_length(state: dict[str, Any], cfg: ModelConfig) -> int | None:
 # ---- the decode step -------------------------------------------------------------------------
 def _sublayer(params, state, layer: int, kind: str, x, positions, cfg, sublayers=None):
     """Run `layer`'s sublayer of `kind` on x; returns (out, state with that layer updated, aux).
-    sublayers: {kind: function} run instead of the kind's decode sublayer (`mkresearch.model.prefill`)."""
+    sublayers: {kind: function} run instead of the kind's decode sublayer (`mkresearch.model.prefill`);
+    one marked `stacked` (`on_stacks`) is given the kind's whole weight and state stacks and the
+    layer's index within its kind, and returns the whole state stack (a backend that writes a
+    cache entry in place or hands a kernel the stacked weights, `mkresearch.baselines`)."""
     run = (sublayers or {}).get(kind, spec.stage(kind).sublayer)
     index = cfg.kind_index(layer, kind)
+    if getattr(run, "stacked", False):
+        out, stack, aux = run(params[kind], state.get(kind, {}), index, x, positions, cfg)
+        return out, ({**state, kind: stack} if kind in state else state), aux
     layer_state = layer_params(state[kind], index) if kind in state else {}
     out, layer_state, aux = run(_layer_weights(params[kind], index), x, layer_state, positions,
                                 cfg)
     if kind in state:
         state = {**state, kind: _set_layer(state[kind], index, layer_state)}
     return out, state, aux
+
+
+def on_stacks(sublayer):
+    """Mark a sublayer function (p_stack, state_stack, index, x, positions, cfg) -> (out,
+    state_stack, aux) to be given the kind's whole stacks (`_sublayer`)."""
+    sublayer.stacked = True
+    return sublayer
 
 
 def _candidates(layer: int, snapshots: list, partial: jax.Array, cfg: ModelConfig) -> jax.Array:

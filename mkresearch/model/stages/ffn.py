@@ -29,6 +29,7 @@ from mkresearch.model.numerics import (
     padded_rows,
     reduce_partials,
     rms_norm,
+    sequence_sum,
     softmax,
 )
 
@@ -172,21 +173,35 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
         ys = groups.slice_outputs(h, lambda part, rows: bf(per_expert(part, "w2", rows)))
     else:
         ys = [bf(per_expert(h, "w2"))]  # [B, k, n]
-    # the f32 sum taken in ascending expert id: a row's sum depends neither on the router's
-    # ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
-    # once, in id order, and add it to the rows that chose it)
+    if groups is None:
+        return weighted_sum(ys[0], expert_ids, expert_weights)  # [B, n]
     order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
     coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
     ys = [jnp.take_along_axis(y.astype(f32), order[..., None], axis=1) for y in ys]  # [B, k, n]
     y = ys[0]
-    if groups is None:
-        return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
-                             jnp.zeros(y.shape[::2], f32))  # [B, n]
     # each group's experts in ascending id, then the groups
     ids = jnp.take_along_axis(expert_ids, order, axis=-1)
     sums = groups.rank_sums(ys, coef, ids) if slices > 1 else groups.group_sums(y, coef, ids)
     return sums if parts else reduce_partials(sums, groups.hosts, groups.wire)  # [B, n]
 
+
+
+def weighted_sum(y: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, *,
+                 unrolled: bool = False) -> jax.Array:
+    """Σ_j w_j y_j over each row's chosen experts, f32 [B, n] (y [B, k, n]: the chosen experts'
+    outputs, in the router's order as expert_ids [B, k] and expert_weights [B, k]).
+
+    The f32 sum is taken in ascending expert id: a row's sum depends neither on the router's
+    ranking nor on the other rows of the batch (kernels fetch each distinct expert of the batch
+    once, in id order, and add it to the rows that chose it). unrolled: the k terms added in one
+    expression instead of a loop (the same sum in the same order; no device loop per term)."""
+    order = jnp.argsort(expert_ids, axis=-1)  # [B, k]
+    coef = jnp.take_along_axis(expert_weights.astype(f32), order, axis=-1)  # [B, k]
+    y = jnp.take_along_axis(y.astype(f32), order[..., None], axis=1)  # [B, k, n]
+    if unrolled:
+        return sequence_sum(coef[:, j, None] * y[:, j] for j in range(y.shape[1]))  # [B, n]
+    return lax.fori_loop(0, y.shape[1], lambda j, acc: acc + coef[:, j, None] * y[:, j],
+                         jnp.zeros(y.shape[::2], f32))  # [B, n]
 
 
 def routed_experts(p: dict[str, Any], x: jax.Array, expert_ids: jax.Array,
