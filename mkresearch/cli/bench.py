@@ -263,6 +263,15 @@ def print_bench_row(row: dict) -> None:
     if mk["device_s"] is not None:
         line += (f" ({row['hbm_floor_s'] / mk['device_s']:.0%} of it reached; "
                  f"{ref['device_s'] / mk['device_s']:.1f}x the reference)")
+    if "jax-kernels" in row:  # on a TPU: the yardsticks
+        ops = row["jax-kernels"]
+        line += (f"; op-by-op on JAX's kernels {ops['device_s'] * 1e6:.1f} us device "
+                 f"({ops['device_s'] / mk['device_s']:.1f}x the megakernel's)")
+    if "copy" in row:
+        copy = row["copy"]
+        line += (f"; the step's bytes copied alone {copy['device_s'] * 1e6:.1f} us "
+                 f"({copy['bandwidth'] / 1e9:.0f} GB/s; the megakernel at "
+                 f"{copy['device_s'] / mk['device_s']:.0%} of that ceiling)")
     print(f"{line}; predicted on {p['chip']}: {p['step_s'] * 1e6:.1f} us/step, "
           f"{p['tokens_per_s']:,.0f} tokens/s ({p['label']})")
     _print_full_size(row.get("full_size"))
@@ -282,11 +291,13 @@ def bench_batch(cfg: ModelConfig, params: dict, batch: int, steps: int, chip: st
         jax.block_until_ready(megakernel.decode_step(
             params, reference.init_state(cfg, batch), tokens, np.full(batch, 3, np.int32), cfg,
             options=megakernel.MegakernelOptions(chip=chip))[0])
+    measured = [b for b in (*device_time.BACKENDS, *device_time.YARDSTICKS) if b in row]
     return {"batch": batch, "hbm_floor_s": row["hbm_floor_s"],
             **{backend: {"step_s": row[backend]["wall_s"],
                          "device_s": row[backend].get("device_s"),
                          "first_call_s": row[backend]["compile_s"],
-                         "label": backend_label(backend)} for backend in device_time.BACKENDS},
+                         "label": backend_label(backend)} for backend in measured},
+            **({"copy": row["copy"]} if "copy" in row else {}),
             "prediction": predict(log, chip, batch),
             "full_size": predict_full_size(cfg, batch)}
 

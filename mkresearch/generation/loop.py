@@ -12,8 +12,9 @@ clock per step approaches the kernel's device time once a chunk is longer than t
 (`mkresearch bench` measures both). `forced` tokens [B, T] are fed instead of the sampled ones
 (prefill, teacher forcing), the sampled ones still returned: `prefill` is that.
 
-Backends: "megakernel" (`kernels.compose.megakernel`, the prepared weights made once) and
-"reference" (`model.reference` + `model.sampling.sample`, the plain-JAX oracle). The same
+Backends: "megakernel" (`kernels.compose.megakernel`, the prepared weights made once),
+"reference" (`model.reference` + `model.sampling.sample`, the plain-JAX oracle) and
+"jax-kernels" (`baselines.jax_kernels`: the op-by-op step on JAX's own TPU kernels, a yardstick). The same
 sampling arguments mean the same tokens on both: the megakernel samples in its last stage with
 the seed and the position + 1 of each row, as `sampling.sample` does.
 
@@ -33,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mkresearch.baselines import jax_kernels
 from mkresearch.hardware import tpu
 from mkresearch.kernels.compose import megakernel
 from mkresearch.model import reference, sampling
 from mkresearch.model.config import ModelConfig
 
-BACKENDS = ("megakernel", "reference")
+BACKENDS = ("megakernel", "reference", "jax-kernels")
 STEPS_PER_CALL = 16  # steps one compiled call runs: dispatch cost / 16 per step
 
 
@@ -81,7 +83,8 @@ def decode(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelCon
     forced = _check_forced(forced, tokens, batch, n_steps, cfg)
     step = (_megakernel_chunks(params, state, cfg, batch, seq_len, options, seed, temperature,
                                top_k, top_p, return_logits) if backend == "megakernel"
-            else _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits))
+            else _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits,
+                                   backend))
     tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
     drawn, logits, margins = [], [], []
     bar = _bar(cfg, backend, n_steps, progress)
@@ -210,14 +213,17 @@ def _megakernel_run(plan, interpret, use_gumbel, use_candidates, return_logits, 
 
 
 # ---- the reference's chunk ----------------------------------------------------------------------
-def _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits):
+def _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits, backend):
+    """The chunk of a plain-JAX step: the reference's, or the op-by-op step on JAX's kernels."""
     if megakernel.is_prepared(params):
-        raise ValueError("backend='reference' takes the parameters, not prepare_weights' output")
+        raise ValueError(f"backend={backend!r} takes the parameters, not prepare_weights' output")
     sample = _Sampler(seed, _static(temperature), _static(top_k), _static(top_p))
+    step = (reference.decode_step_unchecked if backend == "reference"
+            else functools.partial(jax_kernels.step, interpret=tpu.interpret_params()))
 
     def chunk(n, tokens, positions, state, forced):
-        return _reference_run(cfg, sample, bool(return_logits), n, params, tokens, positions,
-                              state, forced)
+        return _reference_run(cfg, step, sample, bool(return_logits), n, params, tokens,
+                              positions, state, forced)
 
     return chunk
 
@@ -244,13 +250,14 @@ class _Sampler:
                                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
-def _reference_run(cfg, sample, return_logits, n, params, tokens, positions, state, forced):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
+def _reference_run(cfg, decode_step, sample, return_logits, n, params, tokens, positions, state,
+                   forced):
     def step(carry, fed):
         tokens, positions, state = carry
         if fed is not None:
             tokens = fed
-        logits, state, aux = reference.decode_step_unchecked(params, state, tokens, positions, cfg)
+        logits, state, aux = decode_step(params, state, tokens, positions, cfg)
         drawn = sample(logits, positions=positions + 1)
         seen = (logits, aux.get("routing_margin")) if return_logits else None
         return (drawn, positions + 1, state), (drawn, seen)

@@ -17,6 +17,7 @@ its seconds say nothing about a TPU (`platform` says which).
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import tempfile
@@ -30,11 +31,12 @@ import numpy as np
 from mkresearch.generation import loop
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import get_chip
-from mkresearch.kernels.compose import megakernel
+from mkresearch.kernels.compose import copy_ceiling, megakernel
 from mkresearch.model import reference, roofline
 from mkresearch.model.config import ModelConfig
 
-BACKENDS = ("megakernel", "reference")
+BACKENDS = ("megakernel", "reference")  # measured everywhere; on a TPU also YARDSTICKS
+YARDSTICKS = ("jax-kernels",)  # the op-by-op step on JAX's own kernels (interpret mode: slow)
 STEPS = 32  # steps per compiled call
 CALLS = 4  # calls timed back to back: the host prepares the next while the device runs one
 
@@ -67,10 +69,15 @@ def module_seconds(path: str | os.PathLike, module: str) -> list[float]:
 
 
 def measure(cfg: ModelConfig, params: dict, *, batch: int, context: int = 0, steps: int = STEPS,
-            backends: tuple[str, ...] = BACKENDS, chip: str | None = None,
+            backends: tuple[str, ...] | None = None, chip: str | None = None,
             options: Any = None) -> dict:
     """One row: for each backend, wall and device seconds per step of `steps` greedy steps from
-    position `context` (the caches hold `context` tokens), and the step's HBM floor."""
+    position `context` (the caches hold `context` tokens), and the step's HBM floor. backends:
+    None for BACKENDS, and on a TPU also the YARDSTICKS and the copy ceiling ("copy": a kernel
+    streaming the step's bytes HBM <-> VMEM in the megakernel's blocks, nothing computed)."""
+    on_chip = jax.default_backend() == "tpu"
+    if backends is None:
+        backends = BACKENDS + (YARDSTICKS if on_chip else ())
     chip = chip or tpu.default_chip()
     seq_len = _cache_length(cfg, context + steps)
     row = {"model": cfg.name, "batch": batch, "context": context, "steps": steps,
@@ -80,7 +87,21 @@ def measure(cfg: ModelConfig, params: dict, *, batch: int, context: int = 0, ste
     for backend in backends:
         row[backend] = _measure_backend(cfg, params, backend, batch, context, steps, seq_len,
                                         options)
+    if on_chip and "megakernel" in backends:
+        row["copy"] = _measure_copy(cfg, batch, context, seq_len, options)
     return row
+
+
+def _measure_copy(cfg: ModelConfig, batch: int, context: int, seq_len: int, options: Any) -> dict:
+    """The copy ceiling of the step at `context` (worst-case routing: min(E, B·k) experts per
+    layer): device seconds per copy, and the bandwidth it reached."""
+    plan = megakernel.make_plan(cfg, batch, seq_len, options)
+    kernel = copy_ceiling.copy_kernel_for(plan, np.full(batch, context, np.int32),
+                                          chip=plan.options.chip)
+    run = functools.partial(kernel.fn, *kernel.args)
+    jax.block_until_ready(run())
+    seconds = float(np.median(device_seconds(run, "_copy_call")))
+    return {"device_s": seconds, "bytes": kernel.nbytes, "bandwidth": kernel.nbytes / seconds}
 
 
 def _measure_backend(cfg, params, backend, batch, context, steps, seq_len, options) -> dict:
@@ -105,7 +126,8 @@ def _measure_backend(cfg, params, backend, batch, context, steps, seq_len, optio
     wall_s = (time.perf_counter() - started) / (calls * steps)
     result = {"wall_s": wall_s, "compile_s": compile_s}
     if jax.default_backend() == "tpu":
-        module = "_megakernel_run" if backend == "megakernel" else "_reference_run"
+        module = "_megakernel_run" if backend == "megakernel" else "_reference_run"  # its jit
+        # (the jax-kernels step runs in the reference's chunk: one program name for both)
         result["device_s"] = float(np.median(device_seconds(run, module))) / steps
     return result
 
