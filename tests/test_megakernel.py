@@ -365,7 +365,7 @@ def test_hbm_over_the_chip_is_refused_before_compiling(chip):
 
 def test_compile_step_chip_and_options_chip_must_agree():
     with pytest.raises(ValueError, match=r"options.chip='tpu7x' differs from chip='v5e'"):
-        mk.compile_step(MINI, 1, chip="v5e", options=mk.MegakernelOptions())
+        mk.compile_step(MINI, 1, chip="v5e", options=mk.MegakernelOptions(chip="tpu7x"))
 
 
 # ---- bad input ---------------------------------------------------------------------------------------

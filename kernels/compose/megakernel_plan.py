@@ -104,6 +104,12 @@ class MegakernelOptions:
         return f"MegakernelOptions({', '.join(shown)})"
 
 
+def chip_of(options: MegakernelOptions) -> str:
+    """The chip options build for: options.chip, or the chip present (read now, not when the
+    options were made: `tpu.default_chip`)."""
+    return tpu.default_chip() if options.chip is None else options.chip
+
+
 def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
     """ValueError naming the option and its allowed values."""
     if not isinstance(options, MegakernelOptions):
@@ -132,8 +138,7 @@ def check_options(options: Any, cfg: ModelConfig) -> MegakernelOptions:
         raise ValueError(f"expert_slots={options.expert_slots} is invalid: an int in "
                          f"[{EXPERT_SLOTS[0]}, {EXPERT_SLOTS[-1]}] (the megakernel issues expert "
                          "DMAs right after routing, ahead of their use)")
-    if options.chip is None:  # the chip present (read now, not when the options were made)
-        options = replace(options, chip=tpu.default_chip())
+    options = replace(options, chip=chip_of(options))
     get_chip(options.chip)  # ValueError listing the chips
     rph = options.ranks_per_host
     if isinstance(rph, bool) or not isinstance(rph, int) or rph < 0:

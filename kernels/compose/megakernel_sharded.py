@@ -264,7 +264,7 @@ def _rank_parts(lay: layouts.Layout, batch: int, seq_len: int,
     shard = collectives.make_shard_plan(
         plan, pieces, reduced=tuple(reduced),
         expert_items=min(cfg.n_experts // lay.ep, batch * cfg.top_k), expert_latent=expert_latent)
-    chip = get_chip(options.chip)
+    chip = get_chip(mplan.chip_of(options))
     vmem = mplan.plan_vmem(kcfg, batch, stage_plans, vocab_tile, stream, chip, seq_len, shard=shard)
     vmem = mplan.VmemPlan(vmem.buffers + tuple(
         mplan.vmem_buffer(name, shape, dtype, "kernel") for name, shape, dtype in shard.vmem_buffers()),
@@ -305,7 +305,7 @@ def make_sharded_plan(lay: layouts.Layout, batch: int, seq_len: int | None = Non
                          "'unique' (each rank fetches the distinct experts of its group)")
     batch = int(batch)
     lay = _placed(lay, options)
-    check_fits_hbm(lay, options.chip, batch, seq_len)
+    check_fits_hbm(lay, mplan.chip_of(options), batch, seq_len)
 
     local = _local_streamed(lay)
     depth = ring_depth(lay, batch, seq_len, options, wire).depth
