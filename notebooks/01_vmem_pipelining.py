@@ -110,10 +110,22 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # later *waits* on, while the vector units and the **MXU** (the matrix unit) keep computing.
 # Hiding those copies behind compute is what "pipelining" means on a TPU, and a kernel is at the
 # **roofline** when it runs as fast as HBM can feed it. Every term is also in
-# [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
 #
 # Every kernel here runs in TPU **interpret mode** off a TPU (`tpu.interpret_params()`: HBM, VMEM,
 # DMAs and semaphores simulated on the CPU, with its race detector on) and compiled on a TPU.
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Ref", ".at[...]", "pl.ds", "pl.multiple_of", "pl.when", "BlockSpec",
+                    "Memory space", "scratch_shapes", "make_async_copy", "DMA semaphore",
+                    "Ring slot", "Double buffering", "Dimension semantics", "lax.fori_loop",
+                    "Race detector", "Interpret mode", "GEMV", "HBM", "MXU", "DMA log", "Timeline",
+                    "Bubble", "Modelled")
 
 # %%
 import inspect

@@ -118,6 +118,15 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # the fixed-order sum, and the copy of the picks to **SMEM** (the core's scalar memory), where the
 # expert stage of notebook 04 reads them as scalars. Everything runs on the `kimi-k3-mini` model (16 experts, top-4).
 
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Mixture-of-Experts", "Router", "Correction bias", "Group-limited routing",
+                    "Ref", ".at[...]", "Race detector", "HBM")
+
 # %%
 import functools
 import inspect

@@ -123,6 +123,17 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # Then you open the package's expert stage (`mkresearch.kernels.stages.experts`) to see what it
 # adds, measure the bytes from its DMA log, and compile the whole layer for TPU7x.
 
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Latent MoE", "Routed", "SiTU", "bf(x)", "MXFP4", "E2M1", "FP8 e4m3", "Ref",
+                    ".at[...]", "pl.when", "BlockSpec", "Memory space", "Scalar prefetch",
+                    "scratch_shapes", "make_async_copy", "DMA semaphore", "Ring slot",
+                    "Dimension semantics", "lax.fori_loop", "Race detector", "HBM floor", "Mosaic")
+
 # %%
 import functools
 import inspect

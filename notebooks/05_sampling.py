@@ -107,12 +107,22 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # Three ways to pick the token, each defined where it first appears below: **greedy** (the
 # highest logit), **temperature** sampling (a draw from `softmax(logits / T)`) and **top-p**
 # (a draw from the smallest set of most likely tokens holding a share `p` of the probability, the
-# *nucleus*). Terms are also in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# *nucleus*). Terms are also in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
 #
 # This notebook **writes a sampling kernel** over vocab tiles in three steps (greedy, temperature,
 # top-p), each checked against the plain-JAX reference (`mkresearch.model.sampling`) in the next
 # cell; you then add top-k to it. After that, the package's stage
 # (`mkresearch.kernels.stages.sampling`) is shown with what it adds, and run.
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Greedy", "Top-p", "Snapshots", "RMSNorm", "W_lm", "Ref", ".at[...]", "pl.ds",
+                    "pl.multiple_of", "pl.when", "BlockSpec", "Memory space", "scratch_shapes",
+                    "make_async_copy", "DMA semaphore", "Ring slot", "lax.fori_loop")
 
 # %%
 import functools

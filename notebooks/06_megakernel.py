@@ -116,7 +116,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # `kimi-k3-mini`; its pipeline on the timeline model (a prediction for a TPU7x, not a
 # measurement); 8 tokens decoded; and the compile for TPU7x at the shapes of one rank of the full
 # model. Terms (SMEM, ring, stage kind, roofline, bubble, …) are defined where they first appear
-# and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# and in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Megakernel", "Stage", "Decode step", "Double buffering", "Ring slot", "Ref",
+                    ".at[...]", "pl.when", "BlockSpec", "Memory space", "Scalar prefetch",
+                    "scratch_shapes", "make_async_copy", "DMA semaphore", "lax.fori_loop",
+                    "Race detector", "Timeline", "Roofline fraction", "Bubble", "Mosaic")
 
 # %%
 import functools

@@ -126,7 +126,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 10. beyond one host: one process per host, each loading only its shards.
 #
 # Terms (rank, all-gather, reduce-scatter, EP × ETP, one-shot, two-level, rs-ag, sibling swap, …)
-# are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Rank", "All-reduce", "One-shot", "EP × ETP", "Exact mode", "Sibling",
+                    "Layout", "Remote copy", "Barrier semaphore", "DMA semaphore", "Ref",
+                    ".at[...]", "pl.when", "BlockSpec", "Memory space", "scratch_shapes",
+                    "lax.fori_loop", "Race detector")
 
 # %%
 import contextlib
