@@ -191,9 +191,9 @@ def test_every_link_of_the_notebooks_and_pages_resolves(path):
 def test_the_link_check_sees_a_missing_anchor():
     notebook = ROOT / "notebooks" / "01_vmem_pipelining.ipynb"
     assert "The-glossary" in anchors(ROOT / "notebooks" / "00_megakernels_on_tpu.ipynb")
-    assert link_problems(notebook, "[g](00_megakernels_on_tpu.ipynb#Glossary)") == [
+    assert link_problems(notebook, "[g](00_megakernels_on_tpu.ipynb#Glossary)") == [(
         "notebooks/01_vmem_pipelining.ipynb: 00_megakernels_on_tpu.ipynb#Glossary: no heading "
-        "#Glossary in 00_megakernels_on_tpu.ipynb"]
+        "#Glossary in 00_megakernels_on_tpu.ipynb")]
     assert link_problems(notebook, "[x](nowhere.ipynb)")
     assert {"quick-start", "what-is-measured-and-what-is-predicted"} <= anchors(ROOT / "README.md")
     assert not link_problems(ROOT / "docs" / "x.md", "[q](../README.md#quick-start)")
