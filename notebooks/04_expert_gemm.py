@@ -131,7 +131,7 @@ from mkresearch.views import guide
 
 guide.glossary_view("Latent MoE", "Routed", "SiTU", "bf(x)", "MXFP4", "E2M1", "FP8 e4m3",
                     "Dense FFN", "RMSNorm", "Ref", ".at[...]", "pl.ds", "pl.multiple_of",
-                    "pl.when", "BlockSpec", "Memory space", "Scalar prefetch",
+                    "pl.when", "BlockSpec", "Memory space", "SMEM operand", "Scalar prefetch",
                     "scratch_shapes", "make_async_copy", "DMA semaphore", "Ring slot",
                     "Dimension semantics", "lax.fori_loop", "Race detector", "HBM floor", "Mosaic")
 
@@ -913,6 +913,82 @@ if tpu.can_compile():
         assert dense_compiled.n_mosaic_kernels == 1
 else:  # a CPU runtime without libtpu (Colab's): the tpu extra brings the compiler
     print("no libtpu here to compile for tpu7x: pip install 'mkresearch[tpu]', restart, run again")
+
+# %% [markdown]
+# ### Your turn: one expert in K tiles
+#
+# Step 4 moved an expert's matrix whole. A full-size expert slice does not always fit a slot:
+# stream it in **K tiles**, row blocks of `TK` rows, through a two-slot ring. Write
+# `my_k_tiles_kernel`: `out = z W1[e]` for the expert `e` in SMEM, with `W1[e]`'s row blocks
+# `w1_hbm.at[e, pl.ds(k * TK, TK)]` copied one ahead of the one multiplied, and `out` the sum of
+# `z[:, tile k] @ tile k` in order. The check runs it on expert 5 of the layer with the race
+# detector on, against `jnp.dot` (within f32 rounding: a sum split in tiles adds in another
+# order), and compiles it for TPU7x with Mosaic.
+
+# %%
+TK = 128  # rows of one K tile of W1 [Lat, F]
+
+
+def my_k_tiles_kernel(e_ref, z_ref, w1_hbm, out_ref, slots, sems):
+    # e_ref [1] i32 (SMEM); z_ref [B, Lat] bf16 (VMEM); w1_hbm [E, Lat, F] bf16 (HBM); out_ref
+    # [B, F] f32 (VMEM); scratch: slots [2, TK, F] bf16, sems: 2 DMA semaphores
+    raise NotImplementedError("stream W1[e] in K tiles through two slots")
+
+
+# %%
+def run_k_tiles(kernel, e, z, w1):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((z.shape[0], w1.shape[2]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((2, TK, w1.shape[2]), w1.dtype), pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params(),
+    )(jnp.array([e], jnp.int32), z, w1)
+
+
+def check_k_tiles(kernel):
+    w1 = p["experts"]["w1"]  # [E, Lat, F] bf16
+    got = exercises.race_free(lambda: np.asarray(run_k_tiles(kernel, 5, z, w1)))
+    want = np.asarray(jnp.dot(z, w1[5], preferred_element_type=jnp.float32))
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (
+        f"max |error| against z @ W1[5] is {np.abs(got - want).max():.3g}")
+    exercises.compiles(lambda z_, w1_: run_k_tiles(kernel, 5, z_, w1_), z, w1)
+
+
+exercises.check("one expert in K tiles", lambda: check_k_tiles(my_k_tiles_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: one expert in K tiles (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def k_tiles_solution(e_ref, z_ref, w1_hbm, out_ref, slots, sems):
+    e, tk = e_ref[0], slots.shape[1]
+    n_tiles = w1_hbm.shape[1] // tk
+
+    def copy(k, slot):  # K tile k of W1[e] -> one slot
+        rows = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        return pltpu.make_async_copy(w1_hbm.at[e, rows], slots.at[slot], sems.at[slot])
+
+    copy(0, 0).start()
+    out_ref[...] = jnp.zeros_like(out_ref)
+
+    def step(k, carry):
+        slot = lax.rem(k, 2)
+
+        @pl.when(k + 1 < n_tiles)
+        def _():
+            copy(k + 1, 1 - slot).start()
+
+        copy(k, slot).wait()
+        columns = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        out_ref[...] += jnp.dot(z_ref[:, columns], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    lax.fori_loop(0, n_tiles, step, 0)
+
+
+assert exercises.check("one expert in K tiles", lambda: check_k_tiles(k_tiles_solution))
 
 # %% [markdown]
 # ## What the package's expert stage adds

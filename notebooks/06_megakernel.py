@@ -125,7 +125,7 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 from mkresearch.views import guide
 
 guide.glossary_view("Megakernel", "Stage", "Decode step", "Double buffering", "Ring slot", "Ref",
-                    ".at[...]", "pl.ds", "pl.when", "BlockSpec", "Memory space",
+                    ".at[...]", "pl.ds", "pl.multiple_of", "pl.when", "BlockSpec", "Memory space",
                     "Scalar prefetch", "scratch_shapes", "make_async_copy", "DMA semaphore",
                     "lax.fori_loop", "RMSNorm", "Race detector", "Timeline", "Roofline fraction",
                     "Bubble", "Mosaic")
@@ -724,6 +724,75 @@ print(f"its DMAs in the step's schedule: {len(tanh_dmas)}, one per layer "
       f"{[dma_.layer for dma_ in tanh_dmas]}, each {tanh_dmas[0].nbytes:,} B")
 assert [dma_.layer for dma_ in tanh_dmas] == list(range(tanh_cfg.n_layers))
 assert "toy_tanh" not in registry.registered()  # unregistered again
+
+# %% [markdown]
+# ### Your turn: the embedding rows by DMA
+#
+# The toy gathers its embedding rows in plain JAX before the call; the package's megakernel
+# gathers them inside it, by DMA, before the layer loop. A row cannot be copied alone: HBM
+# arrays are **tiled**, bf16 rows in groups of 16, so a DMA of the table starts at a row that is
+# a multiple of 16 (notebook 02's in-place write met the same rule). Write `my_embed_kernel`:
+# for each of the `B` rows, copy the aligned 16-row block of `embed_hbm` holding its token into
+# its own slot `blocks.at[b]` (each with its own semaphore, all `B` in flight at once), then wait
+# for each and write its token's row, as f32, into `x_ref[b]`. The check compares with
+# `toy["embed"][tokens]`, race detector on, and compiles the kernel for TPU7x with Mosaic.
+
+# %%
+EMBED_ROWS = 16  # bf16 rows of one HBM tile
+
+
+def my_embed_kernel(tokens_ref, embed_hbm, x_ref, blocks, sems):
+    # tokens_ref [B] i32 (SMEM); embed_hbm [V, d] bf16 (HBM); x_ref [B, d] f32 (VMEM);
+    # scratch: blocks [B, 16, d] bf16 (VMEM), sems: B DMA semaphores
+    raise NotImplementedError("copy each row's aligned block, then pick its row")
+
+
+# %%
+def run_embed(kernel, tokens, embed):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((tokens.shape[0], EMBED_ROWS, embed.shape[1]), embed.dtype),
+                        pltpu.SemaphoreType.DMA((tokens.shape[0],))],
+        interpret=tpu.interpret_params(),
+    )(tokens, embed)
+
+
+def check_embed(kernel):
+    rows = jnp.array([0, 15, 16, 17, 100, 127, 64, 3], jnp.int32)  # block edges included
+    for chosen in (tokens, rows):
+        got = exercises.race_free(lambda chosen=chosen: np.asarray(run_embed(kernel, chosen,
+                                                                             toy["embed"])))
+        want = np.asarray(toy["embed"][chosen].astype(jnp.float32))
+        assert np.array_equal(got, want), (
+            f"rows {np.flatnonzero((got != want).any(1)).tolist()} are not their tokens' rows")
+    exercises.compiles(lambda t, e: run_embed(kernel, t, e), tokens, toy["embed"])
+
+
+exercises.check("the embedding rows by DMA", lambda: check_embed(my_embed_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the embedding rows by DMA (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def embed_solution(tokens_ref, embed_hbm, x_ref, blocks, sems):
+    rows = blocks.shape[1]
+
+    def copy(b):  # the aligned block holding row b's token -> slot b, semaphore b
+        first = pl.multiple_of(lax.div(tokens_ref[b], rows) * rows, rows)
+        return pltpu.make_async_copy(embed_hbm.at[pl.ds(first, rows)], blocks.at[b], sems.at[b])
+
+    for b in range(blocks.shape[0]):  # all B in flight
+        copy(b).start()
+    for b in range(blocks.shape[0]):
+        copy(b).wait()
+        hit = lax.broadcasted_iota(jnp.int32, blocks.shape[1:], 0) == lax.rem(tokens_ref[b], rows)
+        x_ref[pl.ds(b, 1), :] = jnp.sum(jnp.where(hit, blocks[b].astype(jnp.float32), 0.0),
+                                        axis=0, keepdims=True)
+
+
+assert exercises.check("the embedding rows by DMA", lambda: check_embed(embed_solution))
 
 # %% [markdown]
 # ## 3 · The package's megakernel: the same three ideas, at full scale
