@@ -110,10 +110,23 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # later *waits* on, while the vector units and the **MXU** (the matrix unit) keep computing.
 # Hiding those copies behind compute is what "pipelining" means on a TPU, and a kernel is at the
 # **roofline** when it runs as fast as HBM can feed it. Every term is also in
-# [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
 #
 # Every kernel here runs in TPU **interpret mode** off a TPU (`tpu.interpret_params()`: HBM, VMEM,
 # DMAs and semaphores simulated on the CPU, with its race detector on) and compiled on a TPU.
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Ref", ".at[...]", "pl.ds", "pl.multiple_of", "pl.when", "BlockSpec",
+                    "Memory space", "SMEM operand", "scratch_shapes", "make_async_copy",
+                    "DMA semaphore",
+                    "Ring slot", "Double buffering", "Dimension semantics", "lax.fori_loop",
+                    "Race detector", "Interpret mode", "GEMV", "HBM", "MXU", "DMA log", "Timeline",
+                    "Bubble", "Modelled")
 
 # %%
 import inspect
@@ -133,6 +146,118 @@ from mkresearch.views import exercises, facts, label_plots, widgets
 # the kernels written below run race-checked: a DMA into a slot still being read is reported
 tpu.interpret_options(detect_races=True, vector_clock_size=16)
 CHIPS = ("tpu7x", "v5e")  # the newest chip and the smallest: 3.7 TB/s vs 0.82 TB/s per core
+
+# %% [markdown]
+# ## 0 · Pallas in a page
+#
+# A Pallas kernel is a Python function over **Refs**; `pl.pallas_call` turns it into a JAX
+# function (compiled by Mosaic on a TPU, interpreted here). These are the words every kernel of
+# these notebooks is written with, each with two lines of it (all of them are in the glossary
+# above); the cell after runs the short ones in one small kernel.
+#
+# - **Ref and value.** The body's arguments are Refs, references to buffers (in HBM, VMEM, SMEM,
+#   or semaphores). Indexing one reads a *value*, an array `jnp` computes on; assigning writes.
+#   ```python
+#   x = x_ref[...]                 # a value [B, K]
+#   o_ref[...] = 2 * x             # a write into the output's VMEM buffer
+#   ```
+# - **`.at[...]`, a view.** A Ref of part of a Ref: no bytes move. DMAs copy views.
+#   ```python
+#   block = w_hbm.at[pl.ds(512, 256)]     # rows 512 … 767 of W, still in HBM
+#   slot = slots.at[1]                    # ring slot 1 of a [2, 256, N] VMEM buffer
+#   ```
+# - **`pl.ds(start, size)`**: a slice whose start may be traced (a loop index, a scalar from
+#   SMEM); its size is a Python int: shapes are fixed when the kernel is traced, offsets are not.
+#   ```python
+#   cols = pl.ds(k * 256, 256)            # k traced
+#   x_ref[:, cols]                        # x[:, 256 k : 256 k + 256], a value
+#   ```
+# - **`pl.multiple_of(v, n)`**: tells Mosaic that the traced `v` is a multiple of `n`, so a
+#   window starting there is aligned to whole tiles; the value is unchanged.
+#   ```python
+#   start = pl.multiple_of(k * 256, 256)
+#   w_hbm.at[pl.ds(start, 256)]
+#   ```
+# - **`pl.when(cond)`**: runs the function under it only where a traced condition holds
+#   (Python's `if` cannot branch on a traced value).
+#   ```python
+#   @pl.when(k + 1 < n_blocks)
+#   def _(): copy(k + 1, 1 - slot).start()
+#   ```
+# - **Memory spaces.** `BlockSpec(memory_space=...)` of an operand: `pl.ANY` leaves it in HBM
+#   (the kernel moves it), `pltpu.VMEM` copies it whole into VMEM first, `pltpu.SMEM` into SMEM.
+#   ```python
+#   in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),    # x: in VMEM before the body starts
+#             pl.BlockSpec(memory_space=pl.ANY)]        # W: stays in HBM
+#   ```
+# - **`scratch_shapes`**: buffers the kernel owns for the whole call, passed after the outputs.
+#   ```python
+#   scratch_shapes=[pltpu.VMEM((2, 256, N), jnp.bfloat16),    # slots: a ring of 2
+#                   pltpu.SemaphoreType.DMA((2,))]            # sems: one per slot
+#   ```
+# - **SMEM by `in_specs`, or by scalar prefetch.** Both hand the body int32 scalars in SMEM (a
+#   table, a position). Scalar prefetch also hands them to every `index_map`, so data can pick
+#   which block Pallas copies (notebook 04: an expert id picks the expert's weights).
+#   ```python
+#   in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), ...]               # the body reads n_ref[0]
+#   grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, ...)  # and every index_map
+#   ```
+# - **`make_async_copy`, start, wait.** A DMA from one view to another of the same shape and
+#   dtype, signalling a semaphore: `start()` issues it and returns at once, `wait()` blocks until
+#   its bytes have landed. The wait is given the same three arguments as the start.
+#   ```python
+#   pltpu.make_async_copy(w_hbm.at[rows], slots.at[s], sems.at[s]).start()
+#   pltpu.make_async_copy(w_hbm.at[rows], slots.at[s], sems.at[s]).wait()
+#   ```
+# - **DMA semaphore, ring slot.** A DMA semaphore counts a copy's bytes as they land; the wait
+#   takes them. A ring slot is one buffer of a ring (`slots.at[s]`) with its own semaphore
+#   (`sems.at[s]`): a copy into slot s signals semaphore s, and the wait for it waits there (not a
+#   *batch slot*, a row of a served batch: notebook 13).
+#   ```python
+#   copy = pltpu.make_async_copy(src, slots.at[s], sems.at[s])    # slot s, semaphore s
+#   copy.start(); ...; copy.wait()
+#   ```
+# - **`lax.fori_loop`**: a traced loop: the body is traced once and its index is a traced value
+#   (hence `pl.ds`, `pl.when` and `pl.multiple_of` above).
+#   ```python
+#   def step(k, carry): ...; return carry
+#   jax.lax.fori_loop(0, n_blocks, step, 0)
+#   ```
+
+# %%
+def primer_kernel(n_ref, x_hbm, o_ref, buf, sem):
+    # n_ref [1] int32 (SMEM): which row block to read; x_hbm [32, 128] f32 (HBM, pl.ANY);
+    # o_ref [8, 128] f32 (VMEM); scratch: buf [8, 128] f32 (VMEM), sem: one DMA semaphore
+    start = pl.multiple_of(n_ref[0] * 8, 8)  # a scalar read from SMEM; a whole 8-row tile
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(start, 8)], buf, sem)  # a view of HBM -> VMEM
+    copy.start()
+    copy.wait()  # the same descriptor: its bytes have landed in buf
+    o_ref[...] = 2 * buf[...]  # read a value, write the output
+
+    @pl.when(n_ref[0] == 0)  # a traced condition
+    def _():
+        o_ref[0, :] = jnp.zeros(128, jnp.float32)
+
+
+def primer(n, x):
+    return pl.pallas_call(
+        primer_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        interpret=tpu.interpret_params(),
+    )(jnp.array([n], jnp.int32), x)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the primer's kernel: block n of x, doubled (row 0 zeroed for block 0)
+primer_x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+for n in (0, 2):
+    want = 2 * np.asarray(primer_x[8 * n:8 * n + 8])
+    want[0] = 0 if n == 0 else want[0]
+    np.testing.assert_array_equal(np.asarray(primer(n, primer_x)), want)
+    print(f"block {n}: equals 2 x[{8 * n}:{8 * n + 8}]" + (" with row 0 zeroed" if n == 0 else ""))
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -692,3 +817,212 @@ if tpu.on_tpu():
     display(widgets.timeline_figure(timelines[2, "tpu7x"], measured))
 else:
     print("not on a TPU: the measured overlay is shown in notebook 07 with a CPU trace")
+
+# %% [markdown]
+# ## 9 · When a kernel goes wrong
+#
+# Four mistakes a kernel writer meets, each run below with its symptom and then its cure. Two
+# facts of interpret mode shape the symptoms: a DMA moves its bytes when its **wait** runs (the
+# interpreter's `dma_execution_mode="on_wait"`), and VMEM the kernel never wrote holds **NaN**.
+#
+# **1 · A copy that signals another slot's semaphore.** The two-slot ring of section 3, but the
+# next block's copy signals the semaphore of the slot being read (`sems.at[slot]` for a copy into
+# `slots.at[1 - slot]`). Some wait then waits on a semaphore that no started copy will signal:
+# on a TPU the core stalls, in interpret mode the call never returns, with no message. Here it
+# runs under `tpu.run_timed`, which stops it after 3 s in one line.
+
+# %%
+import functools
+
+from mkresearch.kernels.base import weight_stream
+
+
+def wrong_semaphore_ring(x_ref, w_hbm, o_ref, slots, sems):
+    n_blocks, _, block_k = x_ref.shape
+
+    def copy(k, slot, sem):  # the mistake: the slot and the semaphore passed apart
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        return pltpu.make_async_copy(w_hbm.at[rows], slots.at[slot], sems.at[sem])
+
+    copy(0, 0, 0).start()
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def step(k, carry):
+        slot = jax.lax.rem(k, 2)
+
+        @pl.when(k + 1 < n_blocks)
+        def _():
+            copy(k + 1, 1 - slot, slot).start()  # into the other slot, signalling this one's
+
+        copy(k, slot, slot).wait()
+        o_ref[...] += jnp.dot(x_ref[k], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
+MESSAGE_LINES = {}  # symptom -> how many lines its error message had
+
+
+def symptom(run, seconds=60):
+    """What running `run()` raises, in one line: the error's type and the line of its message
+    that names the problem (for an error inside the interpreter, the last line of the traceback
+    it carries); its message's length in MESSAGE_LINES."""
+    try:
+        tpu.run_timed(run, seconds, what="the kernel")
+    except Exception as error:  # noqa: BLE001 - shown, not raised: this is a gallery of failures
+        lines = str(error).strip().splitlines()
+        named = lines[-1] if "CpuCallback error" in lines[0] else lines[0]
+        said = f"{type(error).__name__}: {named}"
+        MESSAGE_LINES[said] = len(lines)
+        return said
+    return "no error"
+
+
+hang = symptom(lambda: run_ring(wrong_semaphore_ring, n_slots=2), seconds=3)
+print(hang)
+
+# %% [markdown]
+# **The cure.** Give each copy its slot once and index both the slot and its semaphore with it
+# (`copy(k, slot)` of section 3). The package's `dma.Copy` holds a kernel to this: built with
+# `slot=s`, it refuses a destination or a semaphore viewed at another index, in one line naming
+# the copy, when the kernel is traced, before anything runs.
+
+# %%
+def checked_wrong_semaphore_ring(x_ref, w_hbm, o_ref, slots, sems):
+    n_blocks, _, block_k = x_ref.shape
+
+    def copy(k, slot, sem):  # the same mistake, through dma.Copy
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        return dma.Copy(w_hbm.at[rows], slots.at[slot], sems.at[sem], name="w", slot=slot)
+
+    copy(0, 0, 0).start()
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def step(k, carry):
+        slot = jax.lax.rem(k, 2)
+        other = 1 - slot
+
+        @pl.when(k + 1 < n_blocks)
+        def _():
+            copy(k + 1, other, slot).start()
+
+        copy(k, slot, slot).wait()
+        o_ref[...] += jnp.dot(x_ref[k], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
+refused_semaphore = symptom(lambda: run_ring(checked_wrong_semaphore_ring, n_slots=2))
+print(refused_semaphore)
+
+# %% [markdown]
+# **2 · A missing wait.** The ring without `copy(k, slot).wait()`: the blocks are started and
+# the MXU reads the slots anyway. In interpret mode no copy ever runs (nothing waits for it), so
+# every slot still holds NaN; no DMA wrote a slot while it was read, so the race detector has
+# nothing to report. On a TPU the copies do run, and the product is whatever the slot held at
+# that instant. The cure: wait for a block before reading its slot; and check the output for
+# NaN, as `check_ring3` above does (`np.isfinite`).
+
+# %%
+def no_wait_ring(x_ref, w_hbm, o_ref, slots, sems):
+    n_blocks, _, block_k = x_ref.shape
+
+    def copy(k, slot):
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        return pltpu.make_async_copy(w_hbm.at[rows], slots.at[slot], sems.at[slot])
+
+    copy(0, 0).start()
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def step(k, carry):
+        slot = jax.lax.rem(k, 2)
+
+        @pl.when(k + 1 < n_blocks)
+        def _():
+            copy(k + 1, 1 - slot).start()
+
+        # the mistake: no copy(k, slot).wait() before the slot is read
+        o_ref[...] += jnp.dot(x_ref[k], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
+tpu.reset_races()
+no_wait = np.asarray(run_ring(no_wait_ring, n_slots=2))
+no_wait_symptom = (f"{np.isnan(no_wait).sum()} of {no_wait.size} outputs NaN, race found: "
+                   f"{tpu.races_found()}")
+tpu.reset_interpret_state()  # the unwaited copies are left pending in the simulated TPU
+print(no_wait_symptom)
+
+# %% [markdown]
+# **3 · A window of another shape.** A copy of half of W's columns (`w_hbm.at[rows, :N // 2]`)
+# into a whole slot: `make_async_copy` accepts it; the copy fails when its wait runs it, as a
+# numpy broadcast error at the end of a traceback from inside the interpreter, naming no copy (a
+# window *larger* than its destination is not even refused: interpret mode copies part of it).
+# The cure: `dma.Copy` compares the two shapes (and dtypes) when it is built, naming the copy.
+
+# %%
+def half_window_ring(x_ref, w_hbm, o_ref, slots, sems, copy_class):
+    n_blocks, _, block_k = x_ref.shape
+
+    def copy(k, slot):  # the mistake: half of W's columns into a whole slot
+        rows = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        if copy_class is dma.Copy:
+            return dma.Copy(w_hbm.at[rows, pl.ds(0, N // 2)], slots.at[slot], sems.at[slot],
+                            name="w", slot=slot)
+        return pltpu.make_async_copy(w_hbm.at[rows, pl.ds(0, N // 2)], slots.at[slot],
+                                     sems.at[slot])
+
+    copy(0, 0).start()
+    copy(0, 0).wait()
+    o_ref[...] = jnp.dot(x_ref[0], slots[0], preferred_element_type=jnp.float32)
+
+
+half_window = symptom(lambda: run_ring(functools.partial(half_window_ring,
+                                                         copy_class=pltpu.make_async_copy), 2))
+refused_window = symptom(lambda: run_ring(functools.partial(half_window_ring,
+                                                            copy_class=dma.Copy), 2))
+for said in (half_window, refused_window):
+    print(f"{said}  [a message of {MESSAGE_LINES[said]} line(s)]")
+
+# %% [markdown]
+# **4 · An empty operand.** A megakernel stacks each stage kind's weights, `[layers of the
+# kind, ...]`; a kind that no layer uses has a stack of 0 layers (notebook 06's toy megakernel,
+# a kind registered and left out of the pattern). Pallas fails on the empty operand deep inside
+# its block padding, with a bare `ZeroDivisionError`. The cure: build the layer table with
+# `weight_stream.kind_table(pattern, kinds)` (the package's megakernel's), which refuses the
+# unused kind by name before anything is traced.
+
+# %%
+def empty_stack_kernel(stack_hbm, o_ref):  # stack_hbm [0, 2, 128, 128] bf16: no layer
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+
+empty_stack = symptom(lambda: pl.pallas_call(
+    empty_stack_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    in_specs=[pl.BlockSpec(memory_space=pl.ANY)], interpret=tpu.interpret_params(),
+)(jnp.zeros((0, 2, 128, 128), jnp.bfloat16)))
+refused_kind = symptom(lambda: weight_stream.kind_table(("mlp", "mlp"), ("mlp", "glu")))
+print(empty_stack)
+print(refused_kind)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · each mistake: its symptom, and the one line that names it
+gallery = {"another slot's semaphore": (hang, refused_semaphore),
+           "a missing wait": (no_wait_symptom, "wait before reading; check np.isfinite"),
+           "a window of another shape": (half_window, refused_window),
+           "an empty operand": (empty_stack, refused_kind)}
+for mistake, (seen, cure) in gallery.items():
+    print(f"{mistake}:\n  symptom: {seen}\n  cure:    {cure}")
+assert hang.startswith("KernelTimeout") and "did not finish in 3 s" in hang
+assert refused_semaphore.startswith("ValueError: Copy 'w':")
+assert no_wait_symptom == f"{B * N} of {B * N} outputs NaN, race found: False"
+assert "could not broadcast" in half_window and "Copy" not in half_window
+assert refused_window.startswith("ValueError: Copy 'w': src shape (512, 512) != dst")
+assert MESSAGE_LINES[refused_semaphore] == MESSAGE_LINES[refused_window] == 1
+assert empty_stack.startswith("ZeroDivisionError") and "'glu'" in refused_kind
+assert np.allclose(run_ring(my_ring2_kernel, n_slots=2), expected, rtol=1e-5, atol=1e-5)

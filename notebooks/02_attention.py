@@ -113,7 +113,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # measures KV bytes from the DMA log and compiles both kernels for TPU7x at the shapes of one of
 # the 32 **ranks** (TensorCores, each with its share of the weights) of the released layout. Terms
 # are also in
-# [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("MLA", "KDA", "Expanded", "KV tile", "Online softmax", "Context", "Rank",
+                    "Ref", ".at[...]", "pl.ds", "pl.multiple_of", "BlockSpec", "Memory space",
+                    "SMEM operand", "scratch_shapes", "make_async_copy", "DMA semaphore",
+                    "Ring slot", "lax.fori_loop", "Race detector", "Mosaic")
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -118,6 +118,17 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # the fixed-order sum, and the copy of the picks to **SMEM** (the core's scalar memory), where the
 # expert stage of notebook 04 reads them as scalars. Everything runs on the `kimi-k3-mini` model (16 experts, top-4).
 
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Mixture-of-Experts", "Router", "Correction bias", "Group-limited routing",
+                    "Ref", ".at[...]", "BlockSpec", "Memory space", "SMEM operand",
+                    "scratch_shapes", "make_async_copy", "DMA semaphore", "lax.fori_loop",
+                    "Race detector", "Mosaic", "HBM")
+
 # %%
 import functools
 import inspect
@@ -321,6 +332,70 @@ group_changes = (np.asarray(reference.route(p, rows64, grouped_cfg)[0])
            != np.asarray(reference.route(p, rows64, cfg)[0])).any(-1)
 assert group_changes.any()
 print(f"the group stage changes the picks of {group_changes.sum()} of 64 rows")
+
+# %% [markdown]
+# ### Your turn: the picks into SMEM
+#
+# The expert stage (notebook 04) reads each pick as a **scalar**, to address the DMA of that
+# expert's weights, and scalars live in SMEM; the router computes its picks in vector registers,
+# into VMEM. No vector store reaches SMEM: the ids cross by **DMA**. Write `my_load_kernel`: copy
+# the ids `[B, k]` from VMEM into the SMEM scratch `ids_smem` with `pltpu.make_async_copy` (its
+# start and its wait), then count with scalar reads how many picks each expert got, into the
+# SMEM output `load_ref [E]` (the load the correction bias evens out, section 3). The check runs
+# it on your router's picks above, race detector on, against `np.bincount`, and compiles it for
+# TPU7x with Mosaic.
+
+# %%
+from jax.experimental.pallas import tpu as pltpu
+
+
+def my_load_kernel(ids_ref, load_ref, ids_smem, sem):
+    # ids_ref [B, k] i32 (VMEM); load_ref [E] i32 (SMEM); scratch: ids_smem [B, k] i32 (SMEM),
+    # sem one DMA semaphore
+    raise NotImplementedError("copy the ids into SMEM, then count each expert's picks")
+
+
+# %%
+def run_load(kernel, ids, n_experts=cfg.n_experts):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((n_experts,), jnp.int32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+        scratch_shapes=[pltpu.SMEM(ids.shape, jnp.int32), pltpu.SemaphoreType.DMA(())],
+        interpret=tpu.interpret_params(),
+    )(ids)
+
+
+def check_load(kernel):
+    load = exercises.race_free(lambda: np.asarray(run_load(kernel, my_ids)))
+    want = np.bincount(np.asarray(my_ids).ravel(), minlength=cfg.n_experts)
+    assert np.array_equal(load, want), f"load {load.tolist()}, np.bincount {want.tolist()}"
+    exercises.compiles(lambda ids: run_load(kernel, ids), my_ids)
+
+
+exercises.check("the picks into SMEM", lambda: check_load(my_load_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the picks into SMEM (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def load_solution(ids_ref, load_ref, ids_smem, sem):
+    copy = pltpu.make_async_copy(ids_ref, ids_smem, sem)  # VMEM -> SMEM
+    copy.start()
+    copy.wait()
+    for e in range(load_ref.shape[0]):
+        load_ref[e] = 0
+
+    def count_row(b, carry):
+        for i in range(ids_smem.shape[1]):
+            e = ids_smem[b, i]  # a scalar read from SMEM
+            load_ref[e] = load_ref[e] + 1
+        return carry
+
+    jax.lax.fori_loop(0, ids_smem.shape[0], count_row, 0)
+
+
+assert exercises.check("the picks into SMEM", lambda: check_load(load_solution))
 
 # %% [markdown]
 # ## 2 · What the package's router adds

@@ -123,6 +123,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # Then you open the package's expert stage (`mkresearch.kernels.stages.experts`) to see what it
 # adds, measure the bytes from its DMA log, and compile the whole layer for TPU7x.
 
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Latent MoE", "Routed", "SiTU", "bf(x)", "MXFP4", "E2M1", "FP8 e4m3",
+                    "Dense FFN", "RMSNorm", "Ref", ".at[...]", "pl.ds", "pl.multiple_of",
+                    "pl.when", "BlockSpec", "Memory space", "SMEM operand", "Scalar prefetch",
+                    "scratch_shapes", "make_async_copy", "DMA semaphore", "Ring slot",
+                    "Dimension semantics", "lax.fori_loop", "Race detector", "HBM floor", "Mosaic")
+
 # %%
 import functools
 import inspect
@@ -718,6 +730,265 @@ def decode_fp8_solution(values, scales):
 
 
 assert exercises.check("the FP8 variant", lambda: check_fp8(decode_fp8_solution))
+
+# %% [markdown]
+# ## Step 6 · a dense FFN in column tiles, its norm inside the kernel
+#
+# Beside the experts, Kimi K3's first layer has a **dense FFN**: every row uses all of its
+# weights, `m = bf(SiTU(bf(x W_g), bf(x W_u)) W_d)` on the normed input `x = RMSNorm_γ(h)`
+# (`reference.dense_ffn`). Two things no kernel above does: the **norm inside the kernel**, and
+# the weights streamed in **column tiles** instead of row blocks.
+#
+# **The norm.** `numerics.rms_norm` is `bf(h · rms_scale(ordered_sum(h²), d, eps) · γ)` in f32:
+# `ordered_sum` adds the row's squares in one written-out order (128-lane chunks in sequence, then
+# halves), which no compiler reorders, and `rms_scale` is `(Σ/d + eps)^-½`. The kernel calls the
+# same two functions on the same values, so its normed rows are the reference's to the bit on
+# any machine.
+#
+# **Column tiles.** A column window `w_hbm.at[:, pl.ds(j * tf, tf)]` is a legal DMA source: all
+# `d` rows of W_g, `tf` of its columns. It is **strided**: in W's row-major layout its bytes are
+# `d` pieces of `tf · 2` bytes, one per row, where a row block `w_hbm.at[pl.ds(r, n)]` is one
+# contiguous piece. Why take them: a column tile of W_g and of W_u gives `tf` hidden units
+# complete, `a[:, j] = SiTU(bf(x W_g[:, j]), bf(x W_u[:, j]))`, each a dot over the whole of `d`,
+# as the reference's matmul takes it; W_d then goes by column tiles too, each output column a dot
+# over the whole hidden. A row block would split a dot's sum into partial sums added in another
+# order (at mini sizes the package's stages stream each matrix as one block, so their sums are
+# the reference's; at full size their row blocks split them: `kernels/base/weight_stream.py`).
+# Two rings of two slots: W_g's and W_u's tiles share a slot index, W_d's come after; semaphores
+# `[3, 2]`, one per matrix and slot. The copies go through `dma.Copy`, so the DMA log counts them.
+
+# %%
+from mkresearch.model import numerics
+
+dense_layer = cfg.dense_layers[0]  # layer 0
+dense_p = reference.layer_params(params["dense"], cfg.ffn_index(dense_layer))
+ROWS = 8
+h_dense = params["embed"][np.arange(ROWS) * 131 + 7]  # [8, d] bf16: a stand-in of the layer's input
+gamma = params["mlp_norm"][dense_layer]  # [d] bf16
+x_dense = reference.rms_norm(h_dense, gamma, cfg.rms_eps)
+dense_want = reference.dense_ffn(dense_p, x_dense, cfg)  # [8, d] bf16
+
+
+def dense_ffn_kernel(h_ref, gamma_ref, wg_hbm, wu_hbm, wd_hbm, out_ref, x_ref, a_ref, gu_slots,
+                     d_slots, sems, *, tf, td):
+    # h_ref [B, d] bf16, gamma_ref [1, d] bf16 (VMEM); wg_hbm, wu_hbm [d, F], wd_hbm [F, d]
+    # (HBM); out_ref [B, d] bf16 and x_ref [B, d] bf16, the normed rows (VMEM); scratch: a_ref
+    # [B, F] bf16 (the hidden), gu_slots [2, 2, d, tf] (slot, gate|up), d_slots [2, F, td],
+    # sems [3, 2]: a DMA semaphore per (matrix, slot)
+    d, f = wg_hbm.shape
+    n_hidden, n_out = f // tf, d // td
+
+    def gate_up(j, slot):  # hidden tile j: a column window of W_g and one of W_u
+        cols = pl.ds(pl.multiple_of(j * tf, tf), tf)
+        return [dma.Copy(w.at[:, cols], gu_slots.at[slot, m], sems.at[m, slot], name=name,
+                         slot=slot, tile=j)
+                for m, (w, name) in enumerate(((wg_hbm, "w_gate"), (wu_hbm, "w_up")))]
+
+    def down(c, slot):  # output tile c: a column window of W_d
+        cols = pl.ds(pl.multiple_of(c * td, td), td)
+        return dma.Copy(wd_hbm.at[:, cols], d_slots.at[slot], sems.at[2, slot], name="w_down",
+                        slot=slot, tile=c)
+
+    for copy in [*gate_up(0, 0), down(0, 0)]:  # in flight while the kernel norms the rows
+        copy.start()
+    h = h_ref[...].astype(jnp.float32)  # [B, d]
+    scale = numerics.rms_scale(numerics.ordered_sum(h * h, keepdims=True), d, cfg.rms_eps)
+    x_ref[...] = (h * scale * gamma_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
+
+    def hidden_tile(j, carry):
+        slot = lax.rem(j, 2)
+
+        @pl.when(j + 1 < n_hidden)
+        def _():
+            for copy in gate_up(j + 1, 1 - slot):
+                copy.start()
+
+        for copy in gate_up(j, slot):
+            copy.wait()
+        g = jnp.dot(x_ref[...], gu_slots[slot, 0], preferred_element_type=jnp.float32)
+        u = jnp.dot(x_ref[...], gu_slots[slot, 1], preferred_element_type=jnp.float32)
+        a_ref[:, pl.ds(pl.multiple_of(j * tf, tf), tf)] = numerics.activation(
+            g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), cfg)
+        return carry
+
+    def out_tile(c, carry):
+        slot = lax.rem(c, 2)
+
+        @pl.when(c + 1 < n_out)
+        def _():
+            down(c + 1, 1 - slot).start()
+
+        down(c, slot).wait()
+        y = jnp.dot(a_ref[...], d_slots[slot], preferred_element_type=jnp.float32)
+        out_ref[:, pl.ds(pl.multiple_of(c * td, td), td)] = y.astype(jnp.bfloat16)
+        return carry
+
+    lax.fori_loop(0, n_hidden, hidden_tile, 0)
+    lax.fori_loop(0, n_out, out_tile, 0)
+
+
+def dense_ffn(h, gamma, w_gate, w_up, w_down, tf=128, td=128):
+    """-> (m [B, d] bf16, the normed rows x [B, d] bf16): RMSNorm, then the FFN in column tiles."""
+    rows, d = h.shape
+    f = w_gate.shape[1]
+    vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(dense_ffn_kernel, tf=tf, td=td),
+        in_specs=[vmem, vmem, hbm, hbm, hbm], out_specs=(vmem, vmem),
+        out_shape=(jax.ShapeDtypeStruct((rows, d), jnp.bfloat16),) * 2,
+        scratch_shapes=[pltpu.VMEM((rows, f), jnp.bfloat16),
+                        pltpu.VMEM((2, 2, d, tf), jnp.bfloat16),
+                        pltpu.VMEM((2, f, td), jnp.bfloat16),
+                        pltpu.SemaphoreType.DMA((3, 2))],
+        interpret=tpu.interpret_params(),
+    )(h, gamma.reshape(1, d), w_gate, w_up, w_down)
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the dense FFN in column tiles against reference.dense_ffn, at two tile sizes
+dense_logs = {}
+for tf, td in ((128, 128), (512, 256)):
+    tpu.reset_races()
+    with dma.recording() as dense_logs[tf, td]:
+        dense_m, dense_x = dense_ffn(h_dense, gamma, dense_p["w_gate"], dense_p["w_up"],
+                                     dense_p["w_down"], tf, td)
+        jax.block_until_ready(dense_m)
+    np.testing.assert_array_equal(np.asarray(dense_x, np.float32), np.asarray(x_dense, np.float32))
+    dense_err = np.max(np.abs(np.asarray(dense_m, np.float32) - np.asarray(dense_want, np.float32)))
+    assert dense_err <= TOL * np.max(np.abs(np.asarray(dense_want, np.float32))), (tf, td)
+    assert not tpu.races_found()
+    print(f"tiles of {tf} hidden and {td} output columns: the normed rows equal "
+          f"reference.rms_norm to the bit; m equals reference.dense_ffn within {TOL:g} of its "
+          "largest entry; no race")
+
+# %%
+# the output's bits on this machine (another one may order a dot's sum otherwise: not a fact)
+dense_bits = np.array_equal(np.asarray(dense_m), np.asarray(dense_want))
+print(f"m equal to reference.dense_ffn to the bit here: {dense_bits}")
+
+# %% [markdown]
+# **What the column tiles cost.** Every weight byte crosses HBM once at either tile size: the
+# bytes are the matrices'. What the tile size changes is the number of DMAs, `F / tf` per gate
+# or up matrix and `d / td` for W_d, and each DMA's pieces: a window of `tf` columns is `d` rows
+# of `tf · 2` bytes (256 B at `tf = 128`). The timeline model (notebook 01) charges every DMA a
+# fixed latency (0.5 µs, an ASSUMPTION) and its bytes at the HBM bandwidth; it does not price the
+# pieces of a strided window (an ASSUMPTION too: that a window of whole 128-lane columns moves
+# as fast as a block). Both tilings below, replayed on a TPU7x: fewer, larger tiles wait less.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the DMAs and bytes of each tiling, from the DMA log; the modelled step on TPU7x
+dense_rows = []
+for (tf, td), dense_log in dense_logs.items():
+    simulated = timeline.simulate(dense_log, "tpu7x")
+    row = {"tiles (tf, td)": f"{tf}, {td}"}
+    for name, window in (("w_gate", (cfg.d_model, tf)), ("w_up", (cfg.d_model, tf)),
+                         ("w_down", (cfg.dense_hidden, td))):
+        starts = dense_log.select("dma_start", name)
+        row[f"{name} DMAs"] = len(starts)
+        assert dense_log.dma_bytes(name) == cfg.d_model * cfg.dense_hidden * 2  # each byte once
+        assert {e.nbytes for e in starts} == {window[0] * window[1] * 2}
+    row["pieces of a gate window"] = f"{cfg.d_model} x {tf * 2} B"
+    row["MiB moved"] = dense_log.dma_bytes() / 2**20
+    row["modelled_us"] = simulated.total_s * 1e6
+    row["hbm_floor_us"] = simulated.hbm_floor_s * 1e6
+    dense_rows.append(row)
+print(widgets.format_table(dense_rows, list(dense_rows[0])))
+assert dense_rows[0]["w_gate DMAs"] == cfg.dense_hidden // 128 and dense_rows[1]["w_gate DMAs"] == 2
+assert dense_rows[1]["modelled_us"] < dense_rows[0]["modelled_us"]
+
+# %% [markdown]
+# Mosaic takes the strided windows: the kernel compiles for a TPU7x and a v5e here, from shapes.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the dense FFN kernel compiles for TPU7x and v5e: one Mosaic kernel each
+if tpu.can_compile():
+    for dense_chip in ("tpu7x", "v5e"):
+        dense_compiled = tpu.compile_for(dense_ffn, h_dense, gamma, dense_p["w_gate"],
+                                         dense_p["w_up"], dense_p["w_down"], chip=dense_chip)
+        print(f"the dense FFN in column tiles compiled for {dense_chip}: "
+              f"{dense_compiled.n_mosaic_kernels} Mosaic kernel")
+        assert dense_compiled.n_mosaic_kernels == 1
+else:  # a CPU runtime without libtpu (Colab's): the tpu extra brings the compiler
+    print("no libtpu here to compile for tpu7x: pip install 'mkresearch[tpu]', restart, run again")
+
+# %% [markdown]
+# ### Your turn: one expert in K tiles
+#
+# Step 4 moved an expert's matrix whole. A full-size expert slice does not always fit a slot:
+# stream it in **K tiles**, row blocks of `TK` rows, through a two-slot ring. Write
+# `my_k_tiles_kernel`: `out = z W1[e]` for the expert `e` in SMEM, with `W1[e]`'s row blocks
+# `w1_hbm.at[e, pl.ds(k * TK, TK)]` copied one ahead of the one multiplied, and `out` the sum of
+# `z[:, tile k] @ tile k` in order. The check runs it on expert 5 of the layer with the race
+# detector on, against `jnp.dot` (within f32 rounding: a sum split in tiles adds in another
+# order), and compiles it for TPU7x with Mosaic.
+
+# %%
+TK = 128  # rows of one K tile of W1 [Lat, F]
+
+
+def my_k_tiles_kernel(e_ref, z_ref, w1_hbm, out_ref, slots, sems):
+    # e_ref [1] i32 (SMEM); z_ref [B, Lat] bf16 (VMEM); w1_hbm [E, Lat, F] bf16 (HBM); out_ref
+    # [B, F] f32 (VMEM); scratch: slots [2, TK, F] bf16, sems: 2 DMA semaphores
+    raise NotImplementedError("stream W1[e] in K tiles through two slots")
+
+
+# %%
+def run_k_tiles(kernel, e, z, w1):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((z.shape[0], w1.shape[2]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((2, TK, w1.shape[2]), w1.dtype), pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params(),
+    )(jnp.array([e], jnp.int32), z, w1)
+
+
+def check_k_tiles(kernel):
+    w1 = p["experts"]["w1"]  # [E, Lat, F] bf16
+    got = exercises.race_free(lambda: np.asarray(run_k_tiles(kernel, 5, z, w1)))
+    want = np.asarray(jnp.dot(z, w1[5], preferred_element_type=jnp.float32))
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (
+        f"max |error| against z @ W1[5] is {np.abs(got - want).max():.3g}")
+    exercises.compiles(lambda z_, w1_: run_k_tiles(kernel, 5, z_, w1_), z, w1)
+
+
+exercises.check("one expert in K tiles", lambda: check_k_tiles(my_k_tiles_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: one expert in K tiles (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def k_tiles_solution(e_ref, z_ref, w1_hbm, out_ref, slots, sems):
+    e, tk = e_ref[0], slots.shape[1]
+    n_tiles = w1_hbm.shape[1] // tk
+
+    def copy(k, slot):  # K tile k of W1[e] -> one slot
+        rows = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        return pltpu.make_async_copy(w1_hbm.at[e, rows], slots.at[slot], sems.at[slot])
+
+    copy(0, 0).start()
+    out_ref[...] = jnp.zeros_like(out_ref)
+
+    def step(k, carry):
+        slot = lax.rem(k, 2)
+
+        @pl.when(k + 1 < n_tiles)
+        def _():
+            copy(k + 1, 1 - slot).start()
+
+        copy(k, slot).wait()
+        columns = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        out_ref[...] += jnp.dot(z_ref[:, columns], slots[slot], preferred_element_type=jnp.float32)
+        return carry
+
+    lax.fori_loop(0, n_tiles, step, 0)
+
+
+assert exercises.check("one expert in K tiles", lambda: check_k_tiles(k_tiles_solution))
 
 # %% [markdown]
 # ## What the package's expert stage adds

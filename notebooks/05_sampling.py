@@ -107,12 +107,22 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # Three ways to pick the token, each defined where it first appears below: **greedy** (the
 # highest logit), **temperature** sampling (a draw from `softmax(logits / T)`) and **top-p**
 # (a draw from the smallest set of most likely tokens holding a share `p` of the probability, the
-# *nucleus*). Terms are also in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# *nucleus*). Terms are also in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
 #
 # This notebook **writes a sampling kernel** over vocab tiles in three steps (greedy, temperature,
 # top-p), each checked against the plain-JAX reference (`mkresearch.model.sampling`) in the next
 # cell; you then add top-k to it. After that, the package's stage
 # (`mkresearch.kernels.stages.sampling`) is shown with what it adds, and run.
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Greedy", "Top-p", "Snapshots", "RMSNorm", "W_lm", "Ref", ".at[...]", "pl.ds",
+                    "pl.multiple_of", "pl.when", "BlockSpec", "Memory space", "scratch_shapes",
+                    "make_async_copy", "DMA semaphore", "Ring slot", "lax.fori_loop")
 
 # %%
 import functools
@@ -463,6 +473,99 @@ def top_k_solution(state, key):
 
 
 assert exercises.check("top-k beside top-p", lambda: check_top_k(top_k_solution))
+
+# %% [markdown]
+# ### Your turn: the logits to HBM, tile by tile
+#
+# The kernels above keep the whole `[B, V]` logits in a VMEM output (for checking only): at full
+# size that is 160 K floats a row. Write the greedy sampler's logits out to **HBM** instead, one
+# tile at a time, by DMA: each tile's logits go into one of two VMEM staging slots `out_slots`
+# and from there to `logits_hbm.at[:, tile]` (a VMEM → HBM copy, signalling `out_sems`). A
+# staging slot is reused two tiles later: wait for its last write to have left before writing
+# into it, and wait for the last two writes before the kernel ends. The LM head comes in as
+# before (`slots`, `sems`). The check compares the logits with `x @ lm_head` and the tokens with
+# greedy's above, race detector on, and compiles the kernel for TPU7x with Mosaic.
+
+# %%
+def my_logits_out_kernel(x_ref, lm_head_hbm, tokens_ref, logits_hbm, slots, sems, out_slots,
+                         out_sems):
+    # x_ref [B, d] bf16 (VMEM); lm_head_hbm [d, V] bf16 (HBM); tokens_ref [B, 1] i32 (VMEM);
+    # logits_hbm [B, V] f32 (HBM, written by DMA); scratch: slots [2, d, TILE] bf16, sems: 2 DMA,
+    # out_slots [2, B, TILE] f32, out_sems: 2 DMA
+    raise NotImplementedError("greedy, each tile's logits copied out to HBM from two slots")
+
+
+# %%
+def run_logits_out(kernel, x, lm_head):
+    vmem, hbm = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((x.shape[0], 1), jnp.int32),
+                   jax.ShapeDtypeStruct((x.shape[0], lm_head.shape[1]), jnp.float32)),
+        in_specs=[vmem, hbm], out_specs=(vmem, hbm),
+        scratch_shapes=[pltpu.VMEM((2, d, TILE), jnp.bfloat16), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((2, x.shape[0], TILE), jnp.float32),
+                        pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params(),
+    )(x, lm_head)
+
+
+def check_logits_out(kernel):
+    tokens, out = exercises.race_free(lambda: run_logits_out(kernel, x, inputs["lm_head"]))
+    want = np.asarray(jnp.dot(x, inputs["lm_head"], preferred_element_type=jnp.float32))
+    assert np.allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5), (
+        f"max |error| against x @ lm_head is {np.abs(np.asarray(out) - want).max():.3g}")
+    assert np.array_equal(np.asarray(tokens[:, 0]), np.asarray(greedy_tokens)), "other tokens"
+    exercises.compiles(lambda x_, head: run_logits_out(kernel, x_, head), x, inputs["lm_head"])
+
+
+exercises.check("the logits to HBM", lambda: check_logits_out(my_logits_out_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the logits to HBM, tile by tile (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def logits_out_solution(x_ref, lm_head_hbm, tokens_ref, logits_hbm, slots, sems, out_slots,
+                        out_sems):
+    n_tiles = lm_head_hbm.shape[1] // TILE
+
+    def columns(t):
+        return pl.ds(pl.multiple_of(t * TILE, TILE), TILE)
+
+    def read(t, slot):  # LM head tile t -> a slot
+        return pltpu.make_async_copy(lm_head_hbm.at[:, columns(t)], slots.at[slot], sems.at[slot])
+
+    def write(t, slot):  # tile t's logits: a staging slot -> HBM
+        return pltpu.make_async_copy(out_slots.at[slot], logits_hbm.at[:, columns(t)],
+                                     out_sems.at[slot])
+
+    read(0, 0).start()
+
+    def step(t, state):
+        slot = jax.lax.rem(t, 2)
+
+        @pl.when(t + 1 < n_tiles)
+        def _():
+            read(t + 1, 1 - slot).start()
+
+        read(t, slot).wait()
+
+        @pl.when(t >= 2)  # the staging slot's last write (tile t - 2) has left
+        def _():
+            write(t - 2, slot).wait()
+
+        out_slots[slot] = jnp.dot(x_ref[...], slots[slot], preferred_element_type=jnp.float32)
+        write(t, slot).start()
+        indices = t * TILE + jax.lax.broadcasted_iota(jnp.int32, out_slots.shape[1:], 1)
+        return greedy_fold(state, out_slots[slot], indices, None)
+
+    state = jax.lax.fori_loop(0, n_tiles, step, greedy_init(x_ref.shape[0]))
+    for t in range(max(n_tiles - 2, 0), n_tiles):  # the last two writes have left
+        write(t, t % 2).wait()
+    tokens_ref[...] = greedy_finish(state, None)
+
+
+assert exercises.check("the logits to HBM", lambda: check_logits_out(logits_out_solution))
 
 # %% [markdown]
 # ## The package's stage, and what it adds

@@ -116,7 +116,19 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # `kimi-k3-mini`; its pipeline on the timeline model (a prediction for a TPU7x, not a
 # measurement); 8 tokens decoded; and the compile for TPU7x at the shapes of one rank of the full
 # model. Terms (SMEM, ring, stage kind, roofline, bubble, …) are defined where they first appear
-# and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# and in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Megakernel", "Stage", "Decode step", "Double buffering", "Ring slot", "Ref",
+                    ".at[...]", "pl.ds", "pl.multiple_of", "pl.when", "BlockSpec", "Memory space",
+                    "Scalar prefetch", "scratch_shapes", "make_async_copy", "DMA semaphore",
+                    "lax.fori_loop", "RMSNorm", "Race detector", "Timeline", "Roofline fraction",
+                    "Bubble", "Mosaic")
 
 # %%
 import functools
@@ -153,56 +165,96 @@ LOGIT_TOL = 5e-2  # docs/kimi-k3.md §11: whole-step interpret-mode runs
 # %% [markdown]
 # ## 1 · A toy model and its reference
 #
-# A toy decoder small enough to read whole: `B = 8` rows, a hidden width `d = 128` and a
-# vocabulary of `V = 128` tokens (one bf16 weight block is one `[128, 128]` tile). A token is
-# embedded, goes through the layers, and the LM head gives its logits; the next token is the
-# greedy argmax. Every layer is a residual stage of one of two **kinds**:
+# A toy decoder small enough to read whole: `B = 8` rows, a hidden width `d` (128 here; 256
+# further down) and a vocabulary of `V = 128` tokens. A token is embedded, goes through the
+# layers, and the LM head gives its logits; the next token is the greedy argmax. Every layer is
+# a residual stage of one of two **kinds**:
 #
-# | kind | weight blocks | the layer |
+# | kind | weight matrices `[d, d]` | the layer |
 # |---|---|---|
 # | `mlp` | 2: W₀, W₁ | `x + relu(x W₀) W₁` |
 # | `glu` | 3: W₀, W₁, W₂ | `x + (silu(x W₀) ⊙ x W₁) W₂` |
 #
 # As in the package, the weights of a kind are **stacked**: one HBM array per kind,
-# `[layers of that kind, blocks, d, d]`, and a layer is an index into its kind's stack. Products
-# take bf16 inputs and accumulate in f32, as the package's kernels do. The reference below is
-# plain JAX, the toy's spec.
+# `[layers of that kind, matrices, d, d]`, and a layer is an index into its kind's stack. The
+# kernel moves them in **blocks** of one shape, `BLOCK = (R, C)` rows and columns (the ring's
+# slot, a parameter): a `[d, d]` matrix is `d / C` column tiles of `d / R` row blocks each, one
+# block at `d = 128` with the default `(128, 128)`. Products take bf16 inputs and accumulate in
+# f32, as the package's kernels do, a column tile's row blocks added in order (`blocked`). The
+# reference below is plain JAX, the toy's spec; it sums in the same order.
 
 # %%
-B, D, V = 8, 128, 128  # rows, hidden width, vocabulary: one [128, 128] bf16 tile per block
+B, D, V = 8, 128, 128  # rows, hidden width, vocabulary
+BLOCK = (128, 128)  # one weight block: rows, columns (the ring's slot)
 
 
 def dot(x, w):  # [B, k] @ [k, n] -> [B, n] f32: bf16 inputs, f32 accumulation
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
 
-# the spec of each kind: (x [B, D] f32, w [blocks, D, D] bf16: this layer's weights) -> x
+def matrix_blocks(k, n, block):
+    """(first row, rows, first column, columns) of each block of a [k, n] matrix, in the order
+    the ring streams them: column tiles of min(C, n) columns in turn, each tile's row blocks of
+    R rows in turn."""
+    rows, cols = block[0], min(block[1], n)
+    return [(r, rows, c, cols) for c in range(0, n, cols) for r in range(0, k, rows)]
+
+
+def blocked(x, weight, k, n, block):
+    """x [B, k] @ W [k, n] f32 from W's blocks, weight(0), weight(1), ... in `matrix_blocks`
+    order: each column tile's row-block products added in order, the tiles side by side."""
+    rows, cols = block[0], min(block[1], n)
+    tiles, j = [], 0
+    for _ in range(0, n, cols):
+        acc = None
+        for r in range(0, k, rows):
+            product = dot(x[:, r:r + rows], weight(j))
+            acc = product if acc is None else acc + product
+            j += 1
+        tiles.append(acc)
+    return jnp.concatenate(tiles, axis=1) if len(tiles) > 1 else tiles[0]
+
+
+def blocked_dot(x, w, block=BLOCK):  # the reference's product, w [k, n] a whole array
+    windows = matrix_blocks(*w.shape, block)
+    return blocked(x, lambda j: w[windows[j][0]:sum(windows[j][:2]),
+                                  windows[j][2]:sum(windows[j][2:])], *w.shape, block)
+
+
+# the spec of each kind: (x [B, d] f32, w [matrices, d, d] bf16, v [vectors, d] f32 or None,
+# mm: the product) -> x
 REFERENCE = {
-    "mlp": lambda x, w: x + dot(jax.nn.relu(dot(x, w[0])), w[1]),
-    "glu": lambda x, w: x + dot(jax.nn.silu(dot(x, w[0])) * dot(x, w[1]), w[2]),
+    "mlp": lambda x, w, v, mm: x + mm(jax.nn.relu(mm(x, w[0])), w[1]),
+    "glu": lambda x, w, v, mm: x + mm(jax.nn.silu(mm(x, w[0])) * mm(x, w[1]), w[2]),
 }
-BLOCKS = {"mlp": 2, "glu": 3}  # weight blocks per layer of each kind
+MATRICES = {"mlp": 2, "glu": 3}  # weight matrices per layer of each kind
 
 
-def toy_params(pattern, blocks=BLOCKS, seed=0):
-    """Random weights of a toy model whose layers are the kinds in `pattern`, in order."""
-    keys = iter(jax.random.split(jax.random.key(seed), len(blocks) + 2))
+def toy_params(pattern, matrices=MATRICES, seed=0, d=D, vectors=None):
+    """Random weights of a toy model of width d whose layers are the kinds in `pattern`, in
+    order; vectors: {kind: [d] vectors per layer} for the kinds that have some (norm gains)."""
+    vectors = vectors or {}
+    keys = iter(jax.random.split(jax.random.key(seed), len(matrices) + len(vectors) + 2))
 
     def normal(shape, scale):
-        return (jax.random.normal(next(keys), shape) * scale).astype(jnp.bfloat16)
+        return jax.random.normal(next(keys), shape) * scale
 
-    return {"pattern": tuple(pattern), "embed": normal((V, D), 1.0),
-            "stacks": {k: normal((pattern.count(k), n, D, D), D**-0.5) for k, n in blocks.items()},
-            "head": normal((D, V), D**-0.5)}
+    return {"pattern": tuple(pattern), "embed": normal((V, d), 1.0).astype(jnp.bfloat16),
+            "stacks": {k: normal((pattern.count(k), n, d, d), d**-0.5).astype(jnp.bfloat16)
+                       for k, n in matrices.items()},
+            "vectors": {k: 1 + normal((pattern.count(k), n, d), 0.1) for k, n in vectors.items()},
+            "head": normal((d, V), d**-0.5).astype(jnp.bfloat16)}
 
 
-def toy_reference(params, tokens, spec=REFERENCE):
+def toy_reference(params, tokens, spec=REFERENCE, block=BLOCK):
     """tokens [B] -> logits [B, V] f32 of the next token."""
-    x = params["embed"][tokens].astype(jnp.float32)  # [B, D]
+    mm = functools.partial(blocked_dot, block=block)
+    x = params["embed"][tokens].astype(jnp.float32)  # [B, d]
     for layer, kind in enumerate(params["pattern"]):
         index = params["pattern"][:layer].count(kind)  # its place in the kind's stack
-        x = spec[kind](x, params["stacks"][kind][index])
-    return dot(x, params["head"])
+        v = params["vectors"][kind][index] if kind in params["vectors"] else None
+        x = spec[kind](x, params["stacks"][kind][index], v, mm)
+    return mm(x, params["head"])
 
 
 toy = toy_params(("mlp", "glu"))  # layer 0: mlp, layer 1: glu
@@ -218,76 +270,147 @@ tokens = jnp.arange(B, dtype=jnp.int32) * 13 % V
 # read from SMEM (`table[2 * l]`) is what steers control flow on a TPU: `lax.switch`, `pl.when`
 # and the addresses of DMAs all take such scalars.
 #
-# **The bodies of the kinds.** A kind's body computes its layer from `x` and a function
-# `weight(j)` that returns the layer's block `j`, already in VMEM. The body does not know where
-# the block came from: that is the ring's business, below.
+# **The bodies of the kinds.** A kind's body computes its layer from `x` and `matmul(x, m)`,
+# the product with the layer's matrix `m`, its blocks already in VMEM (and `vector(i)`, below).
+# The body does not know where the blocks came from: that is the ring's business, below.
 
 # %%
-def mlp_body(x, weight):  # x [B, D] f32; weight(j) -> block j [D, D] bf16, in VMEM
-    h = jax.nn.relu(dot(x, weight(0)))
-    return x + dot(h, weight(1))
+from collections.abc import Callable
+from typing import NamedTuple
+
+from mkresearch.model import numerics
 
 
-def glu_body(x, weight):
-    gate = dot(x, weight(0))
-    up = dot(x, weight(1))
-    return x + dot(jax.nn.silu(gate) * up, weight(2))
+class Kind(NamedTuple):
+    """A stage kind of the toy: its [d, d] weight matrices per layer (streamed in blocks), its
+    body(x, matmul, vector) -> x, and its [d] vectors per layer (a norm gain: their own small
+    operand, not a weight block)."""
+    matrices: int
+    body: Callable
+    vectors: int = 0
 
 
-TOY_KINDS = {"mlp": (2, mlp_body), "glu": (3, glu_body)}  # kind -> (blocks per layer, body)
+def mlp_body(x, matmul, vector):  # x [B, d] f32; matmul(x, m) -> x @ W_m [B, d] f32
+    h = jax.nn.relu(matmul(x, 0))
+    return x + matmul(h, 1)
+
+
+def glu_body(x, matmul, vector):
+    gate = matmul(x, 0)
+    up = matmul(x, 1)
+    return x + matmul(jax.nn.silu(gate) * up, 2)
+
+
+TOY_KINDS = {"mlp": Kind(2, mlp_body), "glu": Kind(3, glu_body)}
 
 # %% [markdown]
 # **The loop, the switch and the ring.** The weight blocks of the whole step form one sequence
 # `g = 0, 1, 2, …`: layer 0's blocks, then layer 1's, …, then the LM head's. Block `g` goes
-# through slot `g mod 2` of ONE ring of two VMEM slots, with one DMA semaphore per slot (the
-# ring of notebook 01). Before it waits for block `g`, the kernel starts block `g + 1` into the
-# other slot, free since block `g − 1` was used. Inside a layer, block `g + 1` is the layer's next
-# block; at the layer's last block it is **the next layer's first block**, whose kind the kernel
-# reads from the table: one `pl.when` per kind picks the stack it comes from (after the last
-# layer, the head). So the DMA engine never waits for a layer boundary.
+# through slot `g mod 2` of ONE ring of two VMEM slots of the block's shape, with one DMA
+# semaphore per slot (the ring of notebook 01). Before it waits for block `g`, the kernel starts
+# block `g + 1` into the other slot, free since block `g − 1` was used. Inside a layer, block
+# `g + 1` is the layer's next block; at the layer's last block it is **the next layer's first
+# block**, whose kind the kernel reads from the table: one `pl.when` per kind picks the stack it
+# comes from (after the last layer, the head). So the DMA engine never waits for a layer boundary.
+# A block is a window of its matrix, `stack.at[index, m, rows, cols]` (strided when `C < d`,
+# notebook 04's column tiles), landing in its slot's top-left corner.
 #
 # The layers run in `lax.fori_loop`, with `g` in the loop's carry. Each iteration calls
 # `lax.switch(kind, branches)`: one branch per kind, traced once, whatever the depth. Each branch
 # returns `g` past its blocks, so a kind with more blocks moves the sequence further.
+#
+# **The contracts.** What a kind may assume, and what it owes:
+#
+# - `weight(j)`, the kernel's primitive, returns block `j` of the layer's sequence
+#   (`j = 0 … n − 1`, `n` = matrices × blocks per matrix) once it has landed, after starting
+#   block `j + 1` (at `j = n − 1`: the next layer's first block). So **each `j` is asked for once,
+#   in order**: a skipped `j` leaves its copy unwaited and the next layer's first block unstarted
+#   (a wait that never returns), a repeated one starts a block twice. `matmul(x, m)` asks for
+#   matrix `m`'s blocks in order; a body that uses each of its matrices once, `m = 0, 1, …` in
+#   order, keeps the contract, and the kernel refuses one that does not while it is traced, in one
+#   line naming the kind.
+# - `vector(i)` is the layer's vector `i` as `[1, d]` f32: the vectors of a kind's layer come in
+#   their own small operand `[layers, vectors, d]`, one DMA of `vectors · d · 4` bytes per layer
+#   into their own VMEM buffer, never a padded weight block.
+# - Every kind the kernel has a branch for has a layer in the pattern: its stack is
+#   `[layers of the kind, …]`, and an empty operand is refused by the layer table
+#   (`weight_stream.kind_table`, the package's) in one line naming the kind.
 
 # %%
-def toy_megakernel(table, x_ref, *refs, kinds):
-    # table [2 L] i32 (SMEM): layer l's kind and its index in that kind's stack; x_ref [B, D] f32
-    # (VMEM); a stack per kind [n, blocks, D, D] bf16 and head [D, V] bf16 (HBM, pl.ANY);
-    # logits_ref [B, V] f32 (VMEM); scratch: h [B, D] f32, ring [2, D, D] bf16, sems: 2 DMA
-    stacks, (head, logits_ref, h, ring, sems) = refs[:len(kinds)], refs[len(kinds):]
-    n_layers = table.shape[0] // 2
+def toy_megakernel(table, x_ref, *refs, kinds, block):
+    # table [2 L] i32 (SMEM): layer l's kind and its index in that kind's stack; x_ref [B, d]
+    # f32 (VMEM); per kind its stack [n, matrices, d, d] bf16, then per kind with vectors its
+    # vectors [n, vectors, d] f32, then head [d, V] bf16 (HBM, pl.ANY); logits_ref [B, V] f32
+    # (VMEM); scratch: h [B, d] f32, ring [2, R, C] bf16, sems: 2 DMA, vec [vectors, d] f32,
+    # vec_sem: 1 DMA
+    with_vectors = [k for k, kind in enumerate(kinds) if kind.vectors]
+    stacks = refs[:len(kinds)]
+    vector_stacks = dict(zip(with_vectors, refs[len(kinds):len(kinds) + len(with_vectors)]))
+    head, logits_ref, h, ring, sems, vec, vec_sem = refs[len(kinds) + len(with_vectors):]
+    n_layers, d = table.shape[0] // 2, h.shape[1]
+    per_matrix = matrix_blocks(d, d, block)  # a [d, d] matrix's block windows
 
-    def copy(src, g):  # block g of the step's one sequence <-> ring slot g mod 2
+    def copy(src, g):  # block g of the step's one sequence -> ring slot g mod 2, its corner
         slot = lax.rem(g, 2)
-        return pltpu.make_async_copy(src, ring.at[slot], sems.at[slot])
+        rows, cols = src.shape
+        return pltpu.make_async_copy(src, ring.at[slot, pl.ds(0, rows), pl.ds(0, cols)],
+                                     sems.at[slot])
+
+    def layer_block(k, index, j):  # block j of a kind-k layer: matrix j // blocks per matrix
+        r, rows, c, cols = per_matrix[j % len(per_matrix)]
+        return stacks[k].at[index, j // len(per_matrix), pl.ds(r, rows), pl.ds(c, cols)]
+
+    def head_block(j):
+        r, rows, c, cols = matrix_blocks(d, head.shape[1], block)[j]
+        return head.at[pl.ds(r, rows), pl.ds(c, cols)]
 
     def start_first_block(layer, g):  # block 0 of `layer`, whatever its kind; after the last: head
         @pl.when(layer == n_layers)
         def _():
-            copy(head, g).start()
+            copy(head_block(0), g).start()
 
         last = jnp.minimum(layer, n_layers - 1)  # a valid row to read the kind from
         for k in range(len(kinds)):  # the kind is data: one pl.when per kind
             @pl.when((layer < n_layers) & (table[2 * last] == k))
             def _(k=k):
-                copy(stacks[k].at[table[2 * layer + 1], 0], g).start()
+                copy(layer_block(k, table[2 * layer + 1], 0), g).start()
+
+    def weights(source, n_blocks, g, after, asked):
+        """weight(j) of a sequence of n_blocks blocks numbered from g: start block j + 1 (past
+        the last: `after`, the next layer's first block), wait for block j, its value."""
+        def weight(j):
+            asked.append(j)
+            if j + 1 < n_blocks:
+                copy(source(j + 1), g + j + 1).start()
+            else:
+                after(g + n_blocks)
+            copy(source(j), g + j).wait()
+            rows, cols = source(j).shape
+            return ring[lax.rem(g + j, 2), pl.ds(0, rows), pl.ds(0, cols)]
+
+        return weight
 
     def branch(k):  # lax.switch's branch for kind k: the layer's blocks are g, g + 1, ...
-        n_blocks, body = kinds[k]
+        kind, n_blocks = kinds[k], kinds[k].matrices * len(per_matrix)
 
         def run(layer, g):
-            index = table[2 * layer + 1]
+            index, asked = table[2 * layer + 1], []
+            weight = weights(functools.partial(layer_block, k, index), n_blocks, g,
+                             functools.partial(start_first_block, layer + 1), asked)
 
-            def weight(j):  # start the block after block j (maybe the next layer's), wait for j
-                if j + 1 < n_blocks:
-                    copy(stacks[k].at[index, j + 1], g + j + 1).start()
-                else:
-                    start_first_block(layer + 1, g + j + 1)
-                copy(stacks[k].at[index, j], g + j).wait()
-                return ring[lax.rem(g + j, 2)]
+            def matmul(x, m):  # x @ the layer's matrix m, from its blocks in order
+                return blocked(x, lambda t: weight(m * len(per_matrix) + t), d, d, block)
 
-            h[...] = body(h[...], weight)
+            if kind.vectors:  # this layer's vectors: one small DMA into their own buffer
+                load = pltpu.make_async_copy(vector_stacks[k].at[index],
+                                             vec.at[pl.ds(0, kind.vectors)], vec_sem)
+                load.start()
+                load.wait()
+            h[...] = kind.body(h[...], matmul, lambda i: vec[pl.ds(i, 1)])
+            if asked != list(range(n_blocks)):
+                raise ValueError(f"kind {k} ({kind.body.__name__}) asked for the blocks "
+                                 f"{asked}: weight(j) is asked once for each j = 0 … "
+                                 f"{n_blocks - 1}, in order (each matrix used once, in order)")
             return g + n_blocks  # the sequence continues past this layer's blocks
 
         return run
@@ -297,48 +420,54 @@ def toy_megakernel(table, x_ref, *refs, kinds):
     branches = [branch(k) for k in range(len(kinds))]
     g = lax.fori_loop(0, n_layers, lambda layer, g: lax.switch(table[2 * layer], branches,
                                                                     layer, g), 0)
-    copy(head, g).wait()  # started by the last layer's last block
-    logits_ref[...] = dot(h[...], ring[lax.rem(g, 2)])
+    n_head = len(matrix_blocks(d, head.shape[1], block))  # started by the last layer's last block
+    head_weight = weights(head_block, n_head, g, lambda g: None, [])
+    logits_ref[...] = blocked(h[...], head_weight, d, head.shape[1], block)
 
 
 # %% [markdown]
-# The wrapper: the table from the pattern, the embedding row gather in plain JAX (the package
-# does it in the kernel, by DMA), and the `pallas_call` with the table as its scalar-prefetch
-# operand. The stacks and the head stay in HBM (`pl.ANY`); the kernel moves them itself.
+# The wrapper: the table from the pattern (the package's `weight_stream.kind_table`: a kind id
+# and an index per layer), the embedding row gather in plain JAX (the package does it in the
+# kernel, by DMA), and the `pallas_call` with the table as its scalar-prefetch operand. The
+# stacks, the vectors and the head stay in HBM (`pl.ANY`); the kernel moves them itself.
 
 # %%
 def layer_table(pattern, kind_names):
-    """[kind id, index within the kind's stack] per layer, flattened: the SMEM table."""
-    rows = [[kind_names.index(kind), pattern[:layer].count(kind)]
-            for layer, kind in enumerate(pattern)]
-    return jnp.asarray(rows, jnp.int32).reshape(-1)
+    """[kind id, index within the kind's stack] per layer, flattened: the SMEM table. A kind
+    without a layer is refused here, by name (its stack would be an empty operand)."""
+    return jnp.asarray(weight_stream.kind_table(pattern, kind_names), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("kinds", "interpret"))
-def toy_call(table, x, stacks, head, kinds, interpret):
+@functools.partial(jax.jit, static_argnames=("kinds", "interpret", "block"))
+def toy_call(table, x, stacks, head, kinds, interpret, vectors=(), block=BLOCK):
+    rows, d = x.shape
     hbm, vmem = pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
-        functools.partial(toy_megakernel, kinds=kinds),
+        functools.partial(toy_megakernel, kinds=kinds, block=block),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,  # the first operand, the table, lands in SMEM
             grid=(),  # one invocation: the whole step
-            in_specs=[vmem] + [hbm] * (len(stacks) + 1),
+            in_specs=[vmem] + [hbm] * (len(stacks) + len(vectors) + 1),
             out_specs=vmem,
-            scratch_shapes=[pltpu.VMEM((B, D), jnp.float32),  # h: the hidden state
-                            pltpu.VMEM((2, D, D), jnp.bfloat16),  # the ring's two slots
-                            pltpu.SemaphoreType.DMA((2,))]),  # one per slot
-        out_shape=jax.ShapeDtypeStruct((B, V), jnp.float32),
+            scratch_shapes=[pltpu.VMEM((rows, d), jnp.float32),  # h: the hidden state
+                            pltpu.VMEM((2, *block), jnp.bfloat16),  # the ring's two slots
+                            pltpu.SemaphoreType.DMA((2,)),  # one per slot
+                            pltpu.VMEM((max([k.vectors for k in kinds] + [1]), d), jnp.float32),
+                            pltpu.SemaphoreType.DMA(())]),  # the vectors' buffer, its own
+        out_shape=jax.ShapeDtypeStruct((rows, head.shape[1]), jnp.float32),
         interpret=interpret,  # None: compiled for a TPU; else TPU interpret mode's parameters
-    )(table, x, *stacks, head)
+    )(table, x, *stacks, *vectors, head)
 
 
-def toy_step(params, tokens, kinds=TOY_KINDS):
+def toy_step(params, tokens, kinds=TOY_KINDS, block=BLOCK):
     """tokens [B] -> logits [B, V] f32, the whole step in one pallas_call."""
     names = tuple(kinds)
+    table = layer_table(params["pattern"], names)
     stacks = [params["stacks"][name] for name in names]
+    vectors = tuple(params["vectors"][name] for name in names if kinds[name].vectors)
     x = params["embed"][tokens].astype(jnp.float32)
-    return toy_call(layer_table(params["pattern"], names), x, stacks, params["head"],
-                    kinds=tuple(kinds.values()), interpret=tpu.interpret_params())
+    return toy_call(table, x, stacks, params["head"], kinds=tuple(kinds.values()),
+                    interpret=tpu.interpret_params(), vectors=vectors, block=block)
 
 
 def toy_decode(step, params, tokens, n):
@@ -355,10 +484,13 @@ def toy_decode(step, params, tokens, n):
 # when each block is started: always while the block before it is still to be waited for.
 
 # %%
-def ring_walk(pattern, blocks=BLOCKS):
+def ring_walk(pattern, matrices=MATRICES, d=D, block=BLOCK):
     """(block g, what it is, its slot) of a toy model's one sequence of weight blocks."""
-    walk = [f"L{layer} {kind}.W{j}" for layer, kind in enumerate(pattern)
-            for j in range(blocks[kind])] + ["head"]
+    per = len(matrix_blocks(d, d, block))
+    walk = [f"L{layer} {kind}.W{m}" + (f"[{t}]" if per > 1 else "")
+            for layer, kind in enumerate(pattern) for m in range(matrices[kind])
+            for t in range(per)]
+    walk += [f"head[{t}]" if per > 1 else "head" for t in range(len(matrix_blocks(d, V, block)))]
     return [(g, what, g % 2) for g, what in enumerate(walk)]
 
 
@@ -415,29 +547,29 @@ assert toy_sizes[2] == toy_sizes[8]
 # %% [markdown]
 # ### Your turn: a third kind
 #
-# Add a kind `tanh` of **one** weight block: the layer is `x + tanh(x W₀)`. Write its body over
-# `weight(j)` and register it in `MY_KINDS` with its number of blocks. The kernel itself should
-# not need a change: the switch gets a third branch, the table a third kind id, and the ring
-# walks a sequence in which, at a `tanh` layer, *every* block is a layer's last, so each wait
-# comes after the next layer's first block has started. The check builds a 4-layer toy
-# `mlp, tanh, tanh, glu`, runs your kinds in the kernel above, and compares the logits and 3
+# Add a kind `tanh` of **one** weight matrix: the layer is `x + tanh(x W₀)`. Write its body over
+# `matmul(x, m)` and register it in `MY_KINDS` as a `Kind` with its number of matrices. The
+# kernel itself should not need a change: the switch gets a third branch, the table a third kind
+# id, and the ring walks a sequence in which, at a `tanh` layer, *every* block is a layer's last,
+# so each wait comes after the next layer's first block has started. The check builds a 4-layer
+# toy `mlp, tanh, tanh, glu`, runs your kinds in the kernel above, and compares the logits and 3
 # greedy tokens with the reference (which it extends with `tanh`'s spec), race detector on.
 
 # %%
-def my_tanh_body(x, weight):  # x [B, D] f32; weight(j) -> block j [D, D] bf16
+def my_tanh_body(x, matmul, vector):  # x [B, d] f32; matmul(x, m) -> x @ W_m [B, d] f32
     raise NotImplementedError("x + tanh(x W0)")
 
 
-MY_KINDS = {**TOY_KINDS, "tanh": (None, my_tanh_body)}  # (blocks per layer, body)
+MY_KINDS = {**TOY_KINDS, "tanh": Kind(None, my_tanh_body)}  # Kind(matrices, body)
 
 
 # %%
 def check_third_kind(kinds):
-    n_blocks, body = kinds["tanh"]
-    body(jnp.zeros((B, D), jnp.float32), lambda j: jnp.zeros((D, D), jnp.bfloat16))  # written?
-    assert n_blocks == 1, f"tanh has 1 weight block per layer, MY_KINDS says {n_blocks}"
-    spec = {**REFERENCE, "tanh": lambda x, w: x + jnp.tanh(dot(x, w[0]))}
-    params = toy_params(("mlp", "tanh", "tanh", "glu"), {**BLOCKS, "tanh": 1}, seed=1)
+    matrices, body = kinds["tanh"].matrices, kinds["tanh"].body
+    body(jnp.zeros((B, D), jnp.float32), lambda x, m: jnp.zeros((B, D), jnp.float32), None)
+    assert matrices == 1, f"tanh has 1 weight matrix per layer, MY_KINDS says {matrices}"
+    spec = {**REFERENCE, "tanh": lambda x, w, v, mm: x + jnp.tanh(mm(x, w[0]))}
+    params = toy_params(("mlp", "tanh", "tanh", "glu"), {**MATRICES, "tanh": 1}, seed=1)
     tpu.reset_races()
     got = toy_step(params, tokens, kinds)
     assert not tpu.races_found(), "the race detector saw a DMA write a slot while it was read"
@@ -454,12 +586,213 @@ exercises.check("a third kind", lambda: check_third_kind(MY_KINDS));
 # %% cellView="form" jupyter={"source_hidden": true}
 #@title Solution: a third kind (double-click to open)
 # NBVAL_CHECK_OUTPUT
-def tanh_body(x, weight):
-    return x + jnp.tanh(dot(x, weight(0)))
+def tanh_body(x, matmul, vector):
+    return x + jnp.tanh(matmul(x, 0))
 
 
 assert exercises.check("a third kind", lambda: check_third_kind({**TOY_KINDS,
-                                                                  "tanh": (1, tanh_body)}))
+                                                                  "tanh": Kind(1, tanh_body)}))
+
+# %% [markdown]
+# ### A wider toy, in other blocks, with a vector
+#
+# `d` and the block shape are parameters. At `d = 256` a `[d, d]` matrix is 2 blocks of
+# `[128, 256]` (row blocks, contiguous windows) or 4 of `[128, 128]` (column tiles of row
+# blocks: strided windows, notebook 04), and the bodies above run unchanged: `matmul` asks for
+# the blocks. A fourth kind, `norm_mlp`, normalises its input first,
+# `x + relu(RMSNorm_γ(x) W₀) W₁`, with a gain γ `[d]` per layer: a **vector**, in the kind's
+# vector operand `[layers, 1, d]` f32, one DMA of `d · 4` bytes per layer. As a weight block it
+# would be a padded `[R, C]` bf16 block in the ring: 128 × 256 × 2 bytes at this block shape,
+# for 1 KiB of gain.
+
+# %%
+def rms(x, gamma):  # x [B, d] f32, gamma [1, d] f32: RMSNorm in the reference's order (notebook 04)
+    scale = numerics.rms_scale(numerics.ordered_sum(x * x, keepdims=True), x.shape[1], 1e-6)
+    return x * scale * gamma
+
+
+def norm_mlp_body(x, matmul, vector):
+    return x + matmul(jax.nn.relu(matmul(rms(x, vector(0)), 0)), 1)
+
+
+WIDE_KINDS = {**TOY_KINDS, "norm_mlp": Kind(2, norm_mlp_body, vectors=1)}
+WIDE_SPEC = {**REFERENCE, "norm_mlp": lambda x, w, v, mm: x + mm(jax.nn.relu(mm(rms(x, v[0:1]),
+                                                                                 w[0])), w[1])}
+wide = toy_params(("mlp", "norm_mlp", "glu", "norm_mlp"), {**MATRICES, "norm_mlp": 2}, seed=2,
+                  d=256, vectors={"norm_mlp": 1})
+wide_runs = {}
+for wide_block in ((128, 256), (128, 128)):
+    tpu.reset_races()
+    wide_runs[wide_block] = (toy_step(wide, tokens, WIDE_KINDS, wide_block),
+                             toy_reference(wide, tokens, WIDE_SPEC, wide_block),
+                             tpu.races_found())
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · d = 256 in two block shapes, a kind with a vector, against the toy reference
+for wide_block, (got, ref, raced) in wide_runs.items():
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert not raced and np.array_equal(np.argmax(got, -1), np.argmax(ref, -1))
+    walk = ring_walk(wide["pattern"], {**MATRICES, "norm_mlp": 2}, d=256, block=wide_block)
+    print(f"d = 256, blocks of {list(wide_block)}: {len(walk)} blocks through the ring "
+          f"({len(matrix_blocks(256, 256, wide_block))} per matrix); logits equal the reference's "
+          f"within 1e-5; greedy tokens equal; no race")
+print(f"a norm_mlp layer's gain: one DMA of {256 * 4} B, where a padded [128, 256] bf16 block "
+      f"would move {128 * 256 * 2:,} B")
+
+# %% [markdown]
+# The contracts are checked, not only stated: a body that asks for its matrices out of order,
+# and a pattern that leaves a kind of the kernel without a layer, are each refused while the
+# kernel is traced, in one line naming the kind (the second by the package's layer table).
+
+# %%
+def out_of_order_body(x, matmul, vector):  # uses W1 before W0: the ring would be out of step
+    return x + matmul(jax.nn.relu(matmul(x, 1)), 0)
+
+
+contract_lines = []
+for broken in (lambda: toy_step(toy, tokens, {**TOY_KINDS, "mlp": Kind(2, out_of_order_body)}),
+               lambda: toy_step(toy_params(("mlp", "mlp")), tokens)):
+    try:
+        broken()
+    except ValueError as error:
+        contract_lines.append(str(error))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the contracts refused in one line each, naming the kind
+for line in contract_lines:
+    print(line)
+assert len(contract_lines) == 2 and all("\n" not in line for line in contract_lines)
+assert "out_of_order_body" in contract_lines[0] and "'glu'" in contract_lines[1]
+
+# %% [markdown]
+# ### From a toy kind to a package stage
+#
+# A kind of the package is the toy's `Kind` grown two sides, registered once each, by name
+# (`kernels/base/registry.py`): the **model side** (`mkresearch.model.spec.Stage`: its weights,
+# with their shapes and how they shard, and its reference sublayer, the spec) and the **kernel
+# side** (`registry.KernelStage`: its plan, the matrices it streams through the global ring in
+# order (`streamed`: the toy's "each matrix once, in order", as a list the planner reads), and
+# its body over Refs (`StageRefs`: `x`, `out`, its weights, the stream)). The planner, the
+# step's schedule, the VMEM plan, the byte counts and the sharded layout then read the kind
+# from those two entries: nothing else lists it. Below, the toy's `tanh` kind as a package FFN
+# kind, `m = bf(tanh(x W))`, on `kimi-k3-mini`'s layers, planned and scheduled with nothing run
+# (`tests/test_registry.py` runs such a kind through the megakernel against the reference).
+
+# %%
+from mkresearch.kernels.base import blocks, registry
+from mkresearch.model import spec
+
+
+def tanh_sublayer(p, x, layer_state, positions, cfg):  # the model side's spec: plain JAX
+    return numerics.bf(jnp.tanh(numerics.matmul(x, p["w"]))), layer_state, {}
+
+
+def tanh_stage_body(plan, refs):  # the kernel side: the toy's body, over the package's Refs
+    rows = blocks.weight_block_rows(tuple(refs.weights["w"].shape), jnp.bfloat16)
+    product = blocks.stream_matmul(refs.stream, refs.x[...], refs.weights["w"], rows=rows,
+                                   name="tanh.w", **refs.indices)  # from the ring, in order
+    refs.out[...] = jnp.tanh(product).astype(jnp.bfloat16)
+
+
+spec.register(spec.Stage(
+    name="toy_tanh", role=spec.FFN, sublayer=tanh_sublayer, component=("toy_tanh", lambda cfg: "tanh FFN"),
+    params=lambda cfg: {"w": spec.matrix(cfg.d_model, cfg.d_model,
+                                         shard=spec.split(1, spec.MODEL_COLS))}))
+registry.register(registry.KernelStage(
+    name="toy_tanh", plan=lambda cfg, batch, seq_len, options: ("toy_tanh", batch),
+    prepare=lambda stack, cfg: dict(stack), body=tanh_stage_body, scope=lambda plan: "toy_tanh",
+    streamed=lambda cfg: (registry.Streamed("w", "tanh.w", (cfg.d_model, cfg.d_model)),)))
+try:
+    tanh_cfg = get_config("kimi-k3-mini", ffn="toy_tanh", n_dense_layers=0, ring_depth=2)
+    tanh_plan = megakernel.make_plan(tanh_cfg, 2, tanh_cfg.max_seq_len)
+    tanh_dmas = [dma_ for dma_ in schedule.schedule(tanh_plan).starts if dma_.stage == "toy_tanh"]
+    tanh_shapes = weights.param_shapes(tanh_cfg)["toy_tanh"]["w"].shape
+finally:
+    spec.unregister("toy_tanh")
+    registry.unregister("toy_tanh")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Checks · the toy kind as a package stage: planned and scheduled from its two registered sides
+print(f"kimi-k3-mini with FFN kind toy_tanh: {tanh_cfg.n_layers} layers, its stacked weight "
+      f"{list(tanh_shapes)}")
+print(f"the planner streams its matrix on the global ring: "
+      f"{[entry.name for entry in tanh_plan.stream.entries('toy_tanh')]}")
+print(f"its DMAs in the step's schedule: {len(tanh_dmas)}, one per layer "
+      f"{[dma_.layer for dma_ in tanh_dmas]}, each {tanh_dmas[0].nbytes:,} B")
+assert [dma_.layer for dma_ in tanh_dmas] == list(range(tanh_cfg.n_layers))
+assert "toy_tanh" not in registry.registered()  # unregistered again
+
+# %% [markdown]
+# ### Your turn: the embedding rows by DMA
+#
+# The toy gathers its embedding rows in plain JAX before the call; the package's megakernel
+# gathers them inside it, by DMA, before the layer loop. A row cannot be copied alone: HBM
+# arrays are **tiled**, bf16 rows in groups of 16, so a DMA of the table starts at a row that is
+# a multiple of 16 (notebook 02's in-place write met the same rule). Write `my_embed_kernel`:
+# for each of the `B` rows, copy the aligned 16-row block of `embed_hbm` holding its token into
+# its own slot `blocks.at[b]` (each with its own semaphore, all `B` in flight at once), then wait
+# for each and write its token's row, as f32, into `x_ref[b]`. The check compares with
+# `toy["embed"][tokens]`, race detector on, and compiles the kernel for TPU7x with Mosaic.
+
+# %%
+EMBED_ROWS = 16  # bf16 rows of one HBM tile
+
+
+def my_embed_kernel(tokens_ref, embed_hbm, x_ref, blocks, sems):
+    # tokens_ref [B] i32 (SMEM); embed_hbm [V, d] bf16 (HBM); x_ref [B, d] f32 (VMEM);
+    # scratch: blocks [B, 16, d] bf16 (VMEM), sems: B DMA semaphores
+    raise NotImplementedError("copy each row's aligned block, then pick its row")
+
+
+# %%
+def run_embed(kernel, tokens, embed):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((tokens.shape[0], EMBED_ROWS, embed.shape[1]), embed.dtype),
+                        pltpu.SemaphoreType.DMA((tokens.shape[0],))],
+        interpret=tpu.interpret_params(),
+    )(tokens, embed)
+
+
+def check_embed(kernel):
+    rows = jnp.array([0, 15, 16, 17, 100, 127, 64, 3], jnp.int32)  # block edges included
+    for chosen in (tokens, rows):
+        got = exercises.race_free(lambda chosen=chosen: np.asarray(run_embed(kernel, chosen,
+                                                                             toy["embed"])))
+        want = np.asarray(toy["embed"][chosen].astype(jnp.float32))
+        assert np.array_equal(got, want), (
+            f"rows {np.flatnonzero((got != want).any(1)).tolist()} are not their tokens' rows")
+    exercises.compiles(lambda t, e: run_embed(kernel, t, e), tokens, toy["embed"])
+
+
+exercises.check("the embedding rows by DMA", lambda: check_embed(my_embed_kernel))
+
+
+# %% cellView="form" jupyter={"source_hidden": true}
+#@title Solution: the embedding rows by DMA (double-click to open)
+# NBVAL_CHECK_OUTPUT
+def embed_solution(tokens_ref, embed_hbm, x_ref, blocks, sems):
+    rows = blocks.shape[1]
+
+    def copy(b):  # the aligned block holding row b's token -> slot b, semaphore b
+        first = pl.multiple_of(lax.div(tokens_ref[b], rows) * rows, rows)
+        return pltpu.make_async_copy(embed_hbm.at[pl.ds(first, rows)], blocks.at[b], sems.at[b])
+
+    for b in range(blocks.shape[0]):  # all B in flight
+        copy(b).start()
+    for b in range(blocks.shape[0]):
+        copy(b).wait()
+        hit = lax.broadcasted_iota(jnp.int32, blocks.shape[1:], 0) == lax.rem(tokens_ref[b], rows)
+        x_ref[pl.ds(b, 1), :] = jnp.sum(jnp.where(hit, blocks[b].astype(jnp.float32), 0.0),
+                                        axis=0, keepdims=True)
+
+
+assert exercises.check("the embedding rows by DMA", lambda: check_embed(embed_solution))
 
 # %% [markdown]
 # ## 3 · The package's megakernel: the same three ideas, at full scale

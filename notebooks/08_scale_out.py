@@ -126,7 +126,18 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 # 10. beyond one host: one process per host, each loading only its shards.
 #
 # Terms (rank, all-gather, reduce-scatter, EP × ETP, one-shot, two-level, rs-ag, sibling swap, …)
-# are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#Glossary).
+# are defined where they first appear and in [00 · glossary](00_megakernels_on_tpu.ipynb#The-glossary).
+
+# %% [markdown]
+# The terms this notebook uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Rank", "All-reduce", "One-shot", "EP × ETP", "Exact mode", "Sibling",
+                    "Layout", "Remote copy", "Barrier semaphore", "DMA semaphore", "Ref",
+                    ".at[...]", "pl.when", "BlockSpec", "Memory space", "scratch_shapes",
+                    "lax.fori_loop", "Race detector")
 
 # %%
 import contextlib
@@ -328,7 +339,8 @@ assert differ > 0
 # has 3 peers to signal and 3 signals to wait for; one `send_sem` and one `recv_sem` serve all
 # copies (a DMA semaphore counts bytes: wait once per copy, or once for all of them with a
 # descriptor of all their bytes). The check runs your kernel on 4 devices with the race detector
-# on and compares every device's sum, bit for bit, with the rank-order sum.
+# on and compares every device's sum, bit for bit, with the rank-order sum; then Mosaic compiles
+# it for the 4 chips of a v5e 2x2 slice.
 
 # %%
 def my_all_reduce4_kernel(x_ref, o_ref, inbox, send_sem, recv_sem):
@@ -341,6 +353,20 @@ QUAD_SCRATCH = [pltpu.VMEM((4, B, W), jnp.float32),
                 pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())]
 
 
+def on_mesh(kernel, scratch, mesh):
+    """`kernel` on every device of `mesh` (as on_devices runs it), as a function to compile."""
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+
+    def per_device(x):  # x [1, ...]: this device's slice
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape[1:], x.dtype), in_specs=[vmem],
+            out_specs=vmem, scratch_shapes=scratch,
+            compiler_params=pltpu.CompilerParams(collective_id=0))(x[0])[None]
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                         check_vma=False)
+
+
 def check_all_reduce4(kernel):
     with tpu.interpret_options(detect_races=True, vector_clock_size=16):
         tpu.reset_races()
@@ -350,6 +376,11 @@ def check_all_reduce4(kernel):
         assert np.allclose(got[d], rank_order, atol=1e-5), f"device {d} does not hold the sum"
         assert np.array_equal(got[d], rank_order), (
             f"device {d} holds the sum, but not the rank-order sum's bits: another order")
+    if tpu.can_compile():  # Mosaic, for the 4 chips of a v5e 2x2 slice (its topology, no TPU)
+        mesh = jax.sharding.Mesh(np.array(tpu.topology_devices("v5e:2x2")), (AXIS,))
+        exercises.compiles(on_mesh(kernel, QUAD_SCRATCH, mesh),
+                           jax.ShapeDtypeStruct((4, B, W), jnp.float32), chip="v5e",
+                           shardings=(jax.sharding.NamedSharding(mesh, P(AXIS)),))
 
 
 exercises.check("a 4-device all-reduce", lambda: check_all_reduce4(my_all_reduce4_kernel));

@@ -38,7 +38,7 @@ def test_decode_json_and_text(capsys):
 
 
 @pytest.mark.parametrize("args, reason", [
-    (["decode", "--backend", "stages"], "--backend 'stages' is not available yet"),
+    (["decode", "--backend", "stages"], "'stages' is unknown: choose one of megakernel, reference"),
     (["decode", "--backend", "cuda"], "--backend 'cuda' is unknown"),
     (["decode", "kimi-k4"], "kimi-k3-mini"),  # lists the presets
     (["info", "llama"], "kimi-k3, kimi-k3-mini"),
@@ -52,7 +52,8 @@ def test_decode_json_and_text(capsys):
     (["decode", "--prompt-len", "0"], "--prompt-len"),
     (["decode", "--prompt-len", "200"], "max_seq_len"),
     (["decode", "--seed", "x"], "--seed"),
-    (["decode", "kimi-k3"], "too many to decode"),
+    (["decode", "kimi-k3"], "too many to decode here: use one of kimi-k3-mini, deepseek-v3-mini"),
+    (["bench", "glm-4.5-rank"], "glm-4.5-rank has 22.47 GB of weights, too many to decode here"),
     (["info", "kimi-k3", "--batch", "0"], "--batch"),
     (["info", "kimi-k3", "--format", "int4"], "--format"),
     (["info", "kimi-k3", "--cache-layout", "paged"], "--cache-layout"),

@@ -5,6 +5,7 @@ the old spellings still work and print one line naming the new one."""
 
 import argparse
 import json
+import re
 import shlex
 
 import pytest
@@ -79,6 +80,85 @@ def test_help_ends_with_examples_that_parse(command, capsys):
         assert words[:2] == ["mkresearch", command]
         args = cli._parser().parse_args(words[1:])
         assert not options.notices(args), line  # examples use the new spellings
+
+
+# ---- the help texts: every command, the common options first, every default shown ------------
+def help_of(capsys, *command: str) -> str:
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*command, "--help"])
+    assert exit.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_command(capsys):
+    """`mkresearch --help` names every command of the table in its description, and lists each
+    with its one-line help."""
+    text = help_of(capsys)
+    description = next(line for line in text.splitlines() if line.startswith("`mkresearch`"))
+    assert description.endswith(": " + ", ".join(cli.COMMANDS) + ".")
+    listed = [line.split()[0] for line in text.splitlines() if re.match(r" {4}[a-z]", line)]
+    assert listed == list(cli.COMMANDS)
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    """A --help text's sections (its headings: 'options', an argument group's title) -> the
+    options each lists, in order."""
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = found.setdefault(line[:-1], [])
+        elif current is not None and line.startswith("  -"):
+            current.append(line.split()[0].rstrip(","))
+    return found
+
+
+def test_decode_help_leads_with_the_common_options(capsys):
+    """The options a first run uses come first; the sharded megakernel's (--ranks and the
+    options that only mean something with it), speculative decoding's and a checkpoint's follow,
+    each in a group of its own."""
+    found = sections(help_of(capsys, "decode"))
+    assert found["options"] == ["-h", "--prompt-len", "--steps", "--batch", "--seed", "--backend",
+                                "--chip", "--json"]
+    groups = list(found)
+    ranks_group = next(g for g in groups if g.startswith("several devices"))
+    assert groups.index(ranks_group) == groups.index("options") + 1
+    assert found[ranks_group][0] == "--ranks" and len(found[ranks_group]) == 8
+    assert found["speculative decoding"] == ["--speculate", "--drafter"]
+    assert sum(map(len, found.values())) == len(set(visible_options(subparsers()["decode"])
+                                                     .values()))  # every option in one section
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_help_shows_every_default_of_steps_seed_and_chip(command, capsys):
+    """--steps, --seed and --chip say their default (the parser's value, whichever it is), and
+    --chip its choices; no backend that does not exist is offered."""
+    from mkresearch.cli import common
+    from mkresearch.hardware.chips import CHIPS
+
+    parser = subparsers()[command]
+    shown = visible_options(parser)
+    helps = {flag: parser._get_formatter()._expand_help(action) for flag, action in shown.items()}
+    for flag in {"--steps", "--seed", "--chip"} & set(shown):
+        default = parser.get_default(shown[flag].dest)  # None: the TPU present, else tpu7x
+        said = f"({common.CHIP_DEFAULT_HELP})" if default is None else f"(default {default})"
+        assert helps[flag].endswith(said), (flag, helps[flag])
+    if "--chip" in shown:
+        assert f"one of {', '.join(CHIPS)} (" in helps["--chip"]
+    assert "planned" not in parser.format_help()
+
+
+@pytest.mark.parametrize("command", ["decode", "bench"])
+def test_the_model_list_says_which_presets_run_on_a_cpu(command):
+    """decode and bench run the model: their MODEL help names the presets that run on a CPU
+    (`common.cpu_models`: every -mini, none of the full-size or -rank presets), and each of the
+    others is refused in one line (tests/test_cli.py)."""
+    from mkresearch.cli import common
+
+    help_text = " ".join(subparsers()[command].format_help().split())
+    assert f"these run on a CPU: {', '.join(common.cpu_models())} " in help_text
+    assert common.cpu_models() == [name for name in common.config_names()
+                                   if name.endswith("-mini")]
 
 
 # ---- the old spellings: one line each on stderr naming the new one, the same run --------------

@@ -156,6 +156,95 @@ def test_bad_arguments_raise_value_errors():
         dma.DmaLog().select("dma_begin")
 
 
+# ---- the mistakes a kernel writer makes with a copy: one line naming it, before it starts ------
+def _ring_copy(variant):
+    """A kernel streaming x [32, 128] f32 through a 2-slot ring, its copy built as `variant` says
+    (each wrong variant of `make_async_copy` would fail at the wait, or hang there)."""
+    def kernel(x_hbm, o_ref, slots, sems):
+        def step(k, carry):
+            slot, other = jax.lax.rem(k, 2), 1 - jax.lax.rem(k, 2)
+            rows = x_hbm.at[pl.ds(pl.multiple_of(k * 8, 8), 8)]
+            copy = {
+                "ring": lambda: dma.Ring(slots, sems, name="x").copy(rows, slot),
+                "one slot value": lambda: dma.Copy(rows, slots.at[slot], sems.at[slot], name="x",
+                                                   slot=slot),
+                "equal ints": lambda: dma.Copy(rows, slots.at[1], sems.at[1], name="x", slot=1),
+                "another semaphore": lambda: dma.Copy(rows, slots.at[1], sems.at[0], name="x",
+                                                      slot=1),
+                "another slot": lambda: dma.Copy(rows, slots.at[0], sems.at[1], name="x",
+                                                 slot=1),
+                "traced apart": lambda: dma.Copy(rows, slots.at[other], sems.at[slot], name="x",
+                                                 slot=other),
+                "shape": lambda: dma.Copy(x_hbm.at[pl.ds(0, 16)], slots.at[slot], sems.at[slot],
+                                          name="x", slot=slot),
+                "dtype": lambda: dma.Copy(rows.bitcast(jnp.int32), slots.at[slot],
+                                          sems.at[slot], name="x", slot=slot),
+            }[variant]()
+            copy.start()
+            copy.wait()
+            o_ref[...] += slots[copy.slot if isinstance(copy.slot, int) else slot]
+            return carry
+
+        o_ref[...] = jnp.zeros_like(o_ref)
+        jax.lax.fori_loop(0, 4, step, 0)
+
+    x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params())(x)
+
+
+@pytest.mark.parametrize("variant", ["ring", "one slot value", "equal ints"])
+def test_a_copy_into_its_slot_with_its_semaphore_runs(race_checked, variant):
+    x = np.arange(32 * 128, dtype=np.float32).reshape(4, 8, 128)
+    np.testing.assert_array_equal(np.asarray(_ring_copy(variant)), x.sum(0))
+
+
+@pytest.mark.parametrize("variant, says", [
+    ("another semaphore", ("Copy 'x': slot=1 but the semaphore it signals is at [0]: a copy "
+                           "into ring slot s signals semaphore s")),
+    ("another slot", "Copy 'x': slot=1 but the ring slot it copies into is at [0]"),
+    ("traced apart", ("Copy 'x': its slot and the semaphore it signals are two traced values, "
+                      "which tracing cannot tell equal")),
+    ("shape", "Copy 'x': src shape (16, 128) != dst shape (8, 128)"),
+    ("dtype", "Copy 'x': src dtype int32 != dst dtype float32"),
+])
+def test_a_mismatched_copy_is_one_line_naming_it_before_it_starts(race_checked, variant, says):
+    """Refused while the kernel is traced, before any copy starts: with `make_async_copy` the
+    shapes fail at the wait as a numpy broadcast error naming no copy, and a copy signalling
+    another slot's semaphore leaves a wait that never returns (interpret mode hangs)."""
+    with pytest.raises(ValueError) as error:
+        _ring_copy(variant)
+    message = str(error.value)
+    assert message.startswith(says) and "\n" not in message, message
+    if "slot" in says:
+        assert message.endswith("Copy(src, slots.at[s], sems.at[s], slot=s)")
+
+
+def test_a_ring_on_a_row_of_semaphores_checks_the_slot_index():
+    """`Ring(buffers, sems.at[ring])` (a 2-D semaphore array, one row per ring) copies into slot
+    s signalling sems[ring, s]: the check finds the slot among the semaphore's indices."""
+    def kernel(x_hbm, o_ref, slots, sems):
+        ring = dma.Ring(slots, sems.at[1], name="x")
+        ring.start(x_hbm.at[pl.ds(0, 8)], 0)
+        ring.wait(x_hbm.at[pl.ds(0, 8)], 0)
+        o_ref[...] = slots[0]
+        with pytest.raises(ValueError, match=r"slot=1 but the semaphore it signals is at \[1, 0\]"):
+            dma.Copy(x_hbm.at[pl.ds(0, 8)], slots.at[1], sems.at[1].at[0], name="x", slot=1)
+
+    x = jnp.ones((32, 128), jnp.float32)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2, 2))],
+        interpret=tpu.interpret_params())(x)
+    np.testing.assert_array_equal(np.asarray(out), 1.0)
+
+
 def test_writeback_direction_in_a_core_map_kernel(race_checked):
     """VMEM -> HBM copies log their direction; pl.kernel (core_map) kernels record like pallas_call."""
     x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from functools import cache
@@ -126,6 +127,76 @@ def test_markdown_links_resolve(page):
         if not ((ROOT / page).parent / target.split("#")[0]).exists():
             missing.append(target)
     assert not missing, f"{page} links to missing files: {missing}"
+
+
+# ---- every link of a notebook or a page resolves, its #anchor too -----------------------------
+NOTEBOOK_FILES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+PAGES = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *sorted((ROOT / "docs").glob("*.md"))]
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+
+
+def _plain(heading: str) -> str:
+    """A heading's text as rendered: no `code` marks, emphasis or link targets."""
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    return re.sub(r"[`*_]", "", heading).strip()
+
+
+def anchors(path: Path) -> set[str]:
+    """The #anchors a file's headings define: in a notebook JupyterLab's (the text, spaces as
+    '-'), in a Markdown page GitHub's (lower case, punctuation dropped, spaces as '-')."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        lines = [line for c in cells if c["cell_type"] == "markdown"
+                 for line in "".join(c["source"]).splitlines()]
+        return {_plain(m.group(1)).replace(" ", "-") for line in lines
+                if (m := HEADING.match(line))}
+    lines, fenced = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced:
+            lines.append(line)
+    return {re.sub(r"[^\w\- ]", "", _plain(m.group(1)).lower()).replace(" ", "-")
+            for line in lines if (m := HEADING.match(line))}
+
+
+def link_problems(path: Path, text: str) -> list[str]:
+    """Each relative link of `text` (in `path`) whose file or #anchor does not exist."""
+    problems = []
+    for target in MD_LINK.findall(text):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        name, _, anchor = target.partition("#")
+        linked = (path.parent / name).resolve() if name else path
+        if not linked.exists():
+            problems.append(f"{path.relative_to(ROOT)}: {target}: no such file")
+        elif anchor and linked.suffix in (".ipynb", ".md") and anchor not in anchors(linked):
+            problems.append(f"{path.relative_to(ROOT)}: {target}: no heading #{anchor} in "
+                            f"{linked.name}")
+    return problems
+
+
+def _markdown_of(path: Path) -> str:
+    if path.suffix != ".ipynb":
+        return path.read_text(encoding="utf-8")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_FILES + PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_of_the_notebooks_and_pages_resolves(path):
+    problems = link_problems(path, _markdown_of(path))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_link_check_sees_a_missing_anchor():
+    notebook = ROOT / "notebooks" / "01_vmem_pipelining.ipynb"
+    assert "The-glossary" in anchors(ROOT / "notebooks" / "00_megakernels_on_tpu.ipynb")
+    assert link_problems(notebook, "[g](00_megakernels_on_tpu.ipynb#Glossary)") == [(
+        "notebooks/01_vmem_pipelining.ipynb: 00_megakernels_on_tpu.ipynb#Glossary: no heading "
+        "#Glossary in 00_megakernels_on_tpu.ipynb")]
+    assert link_problems(notebook, "[x](nowhere.ipynb)")
+    assert {"quick-start", "what-is-measured-and-what-is-predicted"} <= anchors(ROOT / "README.md")
+    assert not link_problems(ROOT / "docs" / "x.md", "[q](../README.md#quick-start)")
 
 
 # ---- the README as a front page ------------------------------------------------------------

@@ -108,6 +108,62 @@ def glossary_terms(notebook: Path) -> set[str]:
     return terms
 
 
+# What a notebook's code writes -> the glossary term that explains it. A notebook that writes any
+# of these shows the term's entry near its top (`guide.glossary_view(...)`, before its first
+# section): the reader meets the words before the code.
+PALLAS_TERMS = {
+    r"\bpallas_call\(": "Ref",
+    r"\.at\[": ".at[...]",
+    r"\bpl\.ds\(": "pl.ds",
+    r"\bpl\.multiple_of\(": "pl.multiple_of",
+    r"\bpl\.when\(": "pl.when",
+    r"\bBlockSpec\(": "BlockSpec",
+    r"\bmemory_space=": "Memory space",
+    r"\bscratch_shapes=|\bpl\.run_scoped\(": "scratch_shapes",
+    r"memory_space=pltpu\.SMEM": "SMEM operand",
+    r"\bPrefetchScalarGridSpec\(|\bnum_scalar_prefetch=": "Scalar prefetch",
+    r"\bmake_async_copy\(": "make_async_copy",
+    r"\bSemaphoreType\.DMA\b": "DMA semaphore",
+    r"\bmake_async_remote_copy\(": "Remote copy",
+    r"\bsemaphore_signal\(|\bget_barrier_semaphore\(": "Barrier semaphore",
+    r"\bdimension_semantics=": "Dimension semantics",
+    r"\braces_found\(": "Race detector",
+    r"\blax\.fori_loop\(|\blax\.switch\(": "lax.fori_loop",
+}
+
+
+def code_and_headings(notebook: Path) -> tuple[str, list[tuple[int, str]]]:
+    """A notebook's code (every code cell but the setup cell, joined) and its cells' kinds in
+    order: ("heading", text) for a Markdown cell with a section heading, ("code", source)."""
+    cells = json.loads(notebook.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells[1:] if c["cell_type"] == "code")
+    return code, [(i, "".join(c["source"])) for i, c in enumerate(cells)]
+
+
+def pallas_terms(code: str) -> set[str]:
+    return {term for pattern, term in PALLAS_TERMS.items() if re.search(pattern, code)}
+
+
+def test_the_pallas_terms_are_in_the_glossary():
+    names = {name.casefold() for entry in guide.glossary() for name in entry.names}
+    assert not {term.casefold() for term in PALLAS_TERMS.values()} - names
+    assert "ring slot" in names and "batch slot" in names  # two different slots
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS[1:], ids=lambda p: p.stem)
+def test_each_notebook_shows_the_entries_of_its_terms_near_its_top(notebook):
+    """Notebook 00 shows the whole glossary; every later one shows, before its first section
+    (`## ...`), the entries of the terms it uses, among them every Pallas term its code writes."""
+    code, cells = code_and_headings(notebook)
+    first_section = next(i for i, source in cells if source.lstrip().startswith("## "))
+    top = [i for i, source in cells if i < first_section and "glossary_view(" in source]
+    assert top, f"{notebook.stem}: no glossary_view(...) cell before its first section"
+    shown = {name.casefold() for entry in guide.lookup(*glossary_terms(notebook))
+             for name in entry.names}
+    missing = sorted(t for t in pallas_terms(code) if t.casefold() not in shown)
+    assert not missing, f"{notebook.stem} writes code of {missing} without showing their entries"
+
+
 def test_views_show_html_and_text():
     view = guide.glossary_view("noaux_tc", entries=guide.glossary(GLOSSARY_SAMPLE))
     assert "<code>noaux_tc</code>" in view._repr_html_()

@@ -11,6 +11,9 @@ import json
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mkresearch.views import exercises
@@ -165,6 +168,32 @@ def test_notebook_has_an_exercise_with_a_check_and_a_folded_checked_solution(ste
                 f"{stem}: the solution of {name!r} was committed without holding")
 
 
+# The notebooks with an exercise whose solution writes DMA code, checked both ways a kernel can
+# fail: run in interpret mode under the race detector, and compiled by Mosaic for a TPU.
+DMA_EXERCISES = ("02_attention", "03_moe_routing", "04_expert_gemm", "05_sampling",
+                 "06_megakernel", "08_scale_out")
+
+
+def _dma_exercise(section) -> bool:
+    """A "Your turn" section whose folded solution writes a DMA and whose check cell (the one
+    calling exercises.check) runs the race detector and compiles with Mosaic."""
+    code = [cell for cell in section if cell["cell_type"] == "code"]
+    writes_dma = any(_folded(cell) and {"make_async_copy", "make_async_remote_copy"}
+                     & _written([cell]) for cell in code)
+    checks = "\n".join(_source(cell) for cell in code if not _folded(cell) and _checks(cell)[0])
+    races = any(call in checks for call in ("races_found(", "race_free("))
+    compiles = any(call in checks for call in ("compile_for(", "exercises.compiles("))
+    return writes_dma and races and compiles
+
+
+@pytest.mark.parametrize("stem", DMA_EXERCISES)
+def test_an_exercise_writes_dma_code_checked_by_the_race_detector_and_mosaic(stem):
+    assert any(_dma_exercise(section) for section in _exercises(_cells(stem))), (
+        f"{stem}: no 'Your turn' whose solution writes a DMA (make_async_copy or "
+        "make_async_remote_copy) and whose check runs the race detector and compiles it with "
+        "Mosaic (exercises.race_free, exercises.compiles)")
+
+
 def test_the_detectors_see_what_they_name():
     cells = [{"cell_type": "code", "source": source} for source in (
         "y = pl.pallas_call(kernel, grid=(2,))(x)",
@@ -209,3 +238,67 @@ def test_check_says_whether_the_answer_holds_and_never_raises(capsys, verify, ho
 def test_check_refuses_a_bad_name_or_verify(name, verify):
     with pytest.raises(ValueError, match="name=|verify="):
         exercises.check(name, verify)
+
+
+# ---- the two checks of an exercise that writes DMA code --------------------------------------
+def _one_row_copy(x, position):
+    """A kernel copying row `position` of x [16, 128] bf16 alone: interpret mode takes it, Mosaic
+    refuses a DMA that does not start at a whole (16, 128) bf16 tile."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mkresearch.hardware import tpu
+
+    def kernel(position_ref, x_hbm, o_ref, row, sem):
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(position_ref[0], 1)], row, sem)
+        copy.start()
+        copy.wait()
+        o_ref[...] = row[...]
+
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((1, 128), x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((1, 128), x.dtype), pltpu.SemaphoreType.DMA(())],
+        interpret=tpu.interpret_params())(jnp.array([position], jnp.int32), x)
+
+
+def test_compiles_says_whether_mosaic_takes_a_kernel(capsys, monkeypatch):
+    from mkresearch.hardware import tpu
+
+    x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(_one_row_copy(x, 5)), np.asarray(x[5:6]))
+    if not tpu.can_compile():
+        pytest.skip(tpu.NO_LIBTPU)
+    assert exercises.compiles(lambda x_: x_ * 2, x)
+    with pytest.raises(AssertionError, match="^Mosaic refuses it for tpu7x: "):
+        exercises.compiles(lambda x_: _one_row_copy(x_, 5), x)
+    monkeypatch.setattr(tpu, "can_compile", lambda: False)
+    assert exercises.compiles(lambda x_: x_ * 2, x) is False
+    assert capsys.readouterr().out == f"not compiled: {tpu.NO_LIBTPU}\n"
+
+
+def test_race_free_says_whether_a_dma_raced(race_checked):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mkresearch.hardware import tpu
+
+    def racy_kernel(x_hbm, o_ref, buf_ref, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf_ref, sem)
+        copy.start()
+        o_ref[...] = buf_ref[...]  # reads the DMA destination before waiting: a race
+        copy.wait()
+
+    x = jnp.ones((8, 128), jnp.float32)
+
+    def run(kernel):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                              scratch_shapes=[pltpu.VMEM(x.shape, x.dtype),
+                                              pltpu.SemaphoreType.DMA(())],
+                              interpret=tpu.interpret_params())(x)
+
+    with pytest.raises(AssertionError, match="the race detector saw a DMA"):
+        exercises.race_free(lambda: run(racy_kernel))
+    tpu.reset_races()  # the fixture fails a test that leaves a race found
+    assert exercises.race_free(lambda: 42) == 42

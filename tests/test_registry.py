@@ -136,3 +136,33 @@ def test_an_unregistered_kind_is_refused_naming_the_field():
         weights.param_shapes(cfg)
     with pytest.raises(ValueError, match=r"ModelConfig.attention='moe' is invalid"):
         mk.make_plan(config.get_config("kimi-k3-mini", attention="moe"), 1, 128)
+
+
+# ---- the layer table: a kind id and an index per layer, every kind with a layer -----------------
+def test_kind_table_gives_each_layer_its_kind_and_place_in_the_kind_stack():
+    from mkresearch.kernels.base import weight_stream
+
+    assert weight_stream.kind_table(("mlp", "glu", "glu", "mlp"), ("mlp", "glu")) == (
+        0, 0, 1, 0, 1, 1, 0, 1)
+    for name in config.config_names():  # the megakernel's table is two of these, interleaved
+        cfg = config.get_config(name)
+        attention, ffn = weight_stream.stage_kinds(cfg)
+        table = np.asarray(weight_stream.layer_table(cfg)).reshape(cfg.n_layers, 4)
+        assert tuple(table[:, :2].ravel()) == weight_stream.kind_table(cfg.attention_kinds,
+                                                                       attention)
+        assert tuple(table[:, 2:].ravel()) == weight_stream.kind_table(cfg.ffn_kinds, ffn)
+
+
+@pytest.mark.parametrize("pattern, kinds, says", [
+    (("mlp", "mlp"), ("mlp", "glu"), ("kind 'glu' has no layer in the pattern ['mlp', 'mlp']: "
+                                      "its stacked weights would be empty")),
+    (("mlp", "tanh"), ("mlp",), "kind 'tanh' of the pattern is not one of the kinds ['mlp']"),
+])
+def test_a_kind_without_a_layer_is_one_line_naming_it(pattern, kinds, says):
+    """Its stack would be [0, ...]: Pallas refuses an empty operand only deep in its block
+    padding, as a bare ZeroDivisionError; the table refuses it first, naming the kind."""
+    from mkresearch.kernels.base import weight_stream
+
+    with pytest.raises(ValueError) as error:
+        weight_stream.kind_table(pattern, kinds)
+    assert str(error.value).startswith(says) and "\n" not in str(error.value)

@@ -172,6 +172,35 @@ def test_race_flag_survives_later_clean_kernels():
         assert not tpu.races_found()
 
 
+def _two_slot_copy(wait_on):
+    """A kernel copying x into slot 0 signalling semaphore 0, then waiting on semaphore
+    `wait_on` (1: one that no started copy signals, a wait that never returns)."""
+    def kernel(x_hbm, o_ref, slots, sems):
+        pltpu.make_async_copy(x_hbm, slots.at[0], sems.at[0]).start()
+        pltpu.make_async_copy(x_hbm, slots.at[0], sems.at[wait_on]).wait()
+        o_ref[...] = slots[0]
+
+    x = jnp.ones((8, 128), jnp.float32)
+    return np.asarray(pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), x.dtype), pltpu.SemaphoreType.DMA((2,))],
+        interpret=tpu.interpret_params())(x))
+
+
+def test_run_timed_stops_a_kernel_that_waits_forever_in_one_line(race_checked):
+    """A wait nothing will signal would spin in interpret mode forever: run_timed stops it after
+    its time and says so in one line; the simulated TPU runs the next kernel as before."""
+    with pytest.raises(tpu.KernelTimeout) as error:
+        tpu.run_timed(lambda: _two_slot_copy(wait_on=1), 1.0, what="the ring")
+    assert str(error.value).startswith("the ring did not finish in 1 s: a DMA wait that no "
+                                       "started copy signals never returns")
+    assert "\n" not in str(error.value)
+    np.testing.assert_array_equal(tpu.run_timed(lambda: _two_slot_copy(wait_on=0), 60), 1.0)
+    with pytest.raises(ZeroDivisionError):  # fn's own exception, as it is
+        tpu.run_timed(lambda: 1 // 0, 60)
+
+
 def test_fast_interpret_gives_equal_results(race_checked):
     """The io_callback speed-up changes nothing but speed (jax 0.10.2 only)."""
     x = jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256)

@@ -301,11 +301,87 @@ def _check_name(name: Any) -> None:
         raise ValueError(f"name={name!r} is invalid: a non-empty string naming what is moved")
 
 
+def _check_same_block(what: str, src_ref: Any, dst_ref: Any) -> None:
+    """A DMA copies a block as it is: the same shape and dtype at both ends. Refused here, in one
+    line naming the copy, when it is built to start: `make_async_copy` would accept it and fail
+    only at the wait, deep inside JAX, naming no copy."""
+    src, dst = (tuple(src_ref.shape), jnp.dtype(src_ref.dtype)), (tuple(dst_ref.shape),
+                                                                  jnp.dtype(dst_ref.dtype))
+    if src[0] != dst[0]:
+        raise ValueError(f"{what}: src shape {src[0]} != dst shape {dst[0]}; slice both to the "
+                         "block being moved")
+    if src[1] != dst[1]:
+        raise ValueError(f"{what}: src dtype {src[1]} != dst dtype {dst[1]}; a DMA moves bytes "
+                         "as they are: convert after it lands")
+
+
+def _scalar_indices(ref: Any) -> list[Any]:
+    """The scalar indices a Ref was viewed at, in order (`slots.at[s]`, `sems.at[ring].at[s]`,
+    `slots.at[s].at[pl.ds(0, n)]`: slices are not scalar indices); [] for a Ref not viewed so."""
+    return [index for transform in getattr(ref, "transforms", ())
+            for index in getattr(transform, "indices", ())
+            if not isinstance(index, pl.Slice) and tuple(getattr(index, "shape", ())) == ()]
+
+
+def _static_index(index: Any) -> int | None:
+    """An index's value where tracing knows it (a Python int, a traced constant), else None."""
+    if isinstance(index, jax.core.Tracer):
+        index = getattr(getattr(index, "val", None), "val", None)  # a traced constant's Literal
+        if index is None or isinstance(index, jax.core.Tracer):
+            return None
+    try:
+        return int(index) if np.ndim(index) == 0 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _same_index(a: Any, b: Any) -> bool | None:
+    """Whether two indices are the same value: True, False, or None when tracing cannot tell
+    (two traced values computed apart)."""
+    if a is b:
+        return True
+    static = _static_index(a), _static_index(b)
+    return None if None in static else static[0] == static[1]
+
+
+def _check_ring_slot(name: str, slot: Any, dst_ref: Any, sem: Any) -> None:
+    """A copy into ring slot s (`slot=s`, the destination `slots.at[s]`) signals semaphore s
+    (`sems.at[s]`), where the wait for it waits: with another semaphore the wait never returns
+    (interpret mode hangs, no message) or returns for another block. Refused in one line when
+    the destination is viewed at scalar indices none of which is `slot`, or the semaphore's last
+    scalar index (its slot axis: `sems.at[s]`, `sems.at[ring].at[s]`) is not `slot`; two traced
+    values computed apart count as different (name the slot once:
+    `Copy(src, slots.at[s], sems.at[s], slot=s)`)."""
+    if slot is None:
+        return
+    rule = ("a copy into ring slot s signals semaphore s, where its wait waits (with another, "
+            "the wait never returns); view both at the one slot value: "
+            "Copy(src, slots.at[s], sems.at[s], slot=s)")
+    for ref, what in ((dst_ref, "ring slot it copies into"), (sem, "semaphore it signals")):
+        indices = _scalar_indices(ref)
+        if not indices:
+            continue  # not viewed at a slot: a whole buffer, or rows of one
+        same = [_same_index(slot, index) for index in (indices if ref is dst_ref else indices[-1:])]
+        if True in same:
+            continue
+        if None not in same:
+            shown = ", ".join(str(_static_index(index)) for index in indices)
+            raise ValueError(f"Copy {name!r}: slot={_static_index(slot)} but the {what} is at "
+                             f"[{shown}]: {rule}")
+        raise ValueError(f"Copy {name!r}: its slot and the {what} are two traced values, which "
+                         f"tracing cannot tell equal: {rule}")
+
+
 # ---- inside kernels -----------------------------------------------------------------------------
 
 
 class Copy:
     """One async copy `src_ref -> dst_ref` signalling `sem`, logged as `name` (+ slot, indices).
+
+    Refused in one line naming the copy when it is built (before it starts): source and
+    destination of another shape or dtype; with `slot=s`, a destination or semaphore viewed at
+    another index than s (`slots.at[s]`, `sems.at[s]`: a copy into a ring slot signals that
+    slot's semaphore, or its wait never returns).
 
     buffer: the VMEM buffer it fills or drains, by kind (`planned.WEIGHT_RING`, ...: what the
     schedule groups DMAs by); owner: (stage, layer) the data belongs to, if not the stage whose
@@ -315,9 +391,8 @@ class Copy:
     def __init__(self, src_ref: Any, dst_ref: Any, sem: Any, *, name: str, slot: Any = None,
                  buffer: str | None = None, owner: tuple | None = None, **indices: Any) -> None:
         _check_name(name)
-        if tuple(src_ref.shape) != tuple(dst_ref.shape):
-            raise ValueError(f"Copy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
-                             f"{tuple(dst_ref.shape)}; slice both to the block being moved")
+        _check_same_block(f"Copy {name!r}", src_ref, dst_ref)
+        _check_ring_slot(name, slot, dst_ref, sem)
         self.src_ref, self.dst_ref, self.sem = src_ref, dst_ref, sem
         self.name, self.slot, self.indices = name, slot, indices
         self.buffer, self.owner = buffer, owner if owner is not None else dry_run.owner()
@@ -356,9 +431,7 @@ class RemoteCopy:
     def __init__(self, src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any, *, peer: Any,
                  rank: Any, name: str, log_peer: Any = None, **indices: Any) -> None:
         _check_name(name)
-        if tuple(src_ref.shape) != tuple(dst_ref.shape):
-            raise ValueError(f"RemoteCopy {name!r}: src shape {tuple(src_ref.shape)} != dst shape "
-                             f"{tuple(dst_ref.shape)}")
+        _check_same_block(f"RemoteCopy {name!r}", src_ref, dst_ref)
         self.src_ref, self.dst_ref, self.send_sem, self.recv_sem = src_ref, dst_ref, send_sem, recv_sem
         self.peer, self.rank, self.name, self.indices = peer, rank, name, indices
         # the other rank in the log: `peer`, or -1 for a wait that covers the copies of several

@@ -29,6 +29,7 @@ ahead is the next stage's), so the step's schedule (`kernels/compose/schedule.py
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,14 +52,37 @@ def stage_kinds(cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(dict.fromkeys(cfg.attention_kinds)), tuple(dict.fromkeys(cfg.ffn_kinds))
 
 
+def kind_table(pattern: Sequence[str], kinds: Sequence[str]) -> tuple[int, ...]:
+    """[kind id, index within the kind's stacked weights] per layer of `pattern` (each layer's
+    kind, in order), flattened: what a megakernel's layer loop reads from SMEM, a kind id being
+    the kind's place in `kinds` (the kernel's `lax.switch` branches). Each kind's weights are
+    stacked `[layers of the kind, ...]`, so every kind of `kinds` must have a layer: ValueError
+    naming a kind that none uses (an empty stack, which Pallas cannot take as an operand: it
+    would fail later in its block padding with a bare ZeroDivisionError) or one of `pattern` that
+    `kinds` lacks."""
+    kinds, pattern = tuple(kinds), tuple(pattern)
+    unused = [kind for kind in kinds if kind not in pattern]
+    if unused:
+        raise ValueError(f"kind {unused[0]!r} has no layer in the pattern {list(pattern)}: its "
+                         f"stacked weights would be empty, which a pallas_call cannot take; "
+                         f"drop it from the kinds {list(kinds)} or give it a layer")
+    unknown = [kind for kind in pattern if kind not in kinds]
+    if unknown:
+        raise ValueError(f"kind {unknown[0]!r} of the pattern is not one of the kinds "
+                         f"{list(kinds)}: register it (its blocks and body)")
+    rows = [(kinds.index(kind), pattern[:layer].count(kind)) for layer, kind in enumerate(pattern)]
+    return tuple(value for row in rows for value in row)
+
+
 def layer_table(cfg: ModelConfig) -> tuple[int, ...]:
-    """The flattened [n_layers, len(TABLE_FIELDS)] table of int32 for SMEM."""
+    """The flattened [n_layers, len(TABLE_FIELDS)] table of int32 for SMEM: each layer's
+    attention row of `kind_table`, then its FFN row."""
     attention, ffn = stage_kinds(cfg)
-    rows = []
-    for layer, (attn_kind, ffn_kind) in enumerate(cfg.layers):
-        rows += [attention.index(attn_kind), cfg.kind_index(layer, attn_kind),
-                 ffn.index(ffn_kind), cfg.kind_index(layer, ffn_kind)]
-    return tuple(rows)
+    attn_rows = kind_table(cfg.attention_kinds, attention)
+    ffn_rows = kind_table(cfg.ffn_kinds, ffn)
+    return tuple(value for layer in range(cfg.n_layers)
+                 for value in (*attn_rows[2 * layer:2 * layer + 2],
+                               *ffn_rows[2 * layer:2 * layer + 2]))
 
 
 @dataclass(frozen=True)

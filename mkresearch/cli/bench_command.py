@@ -16,6 +16,7 @@ from mkresearch.cli import speculative as cli_speculative
 from mkresearch.cli.common import (
     CHIP_DEFAULT_HELP,
     at_least,
+    check_runs_on_cpu,
     known_chip,
     known_model,
     megakernel_batch,
@@ -34,9 +35,10 @@ EXAMPLES = ("mkresearch bench kimi-k3-mini --batch 1,2,4,8 --steps 3",
 def add_parser(commands: Any) -> None:
     p = add_command(commands, "bench", "decode steps per batch size on both backends, with the "
                                        "timeline model's TPU prediction", EXAMPLES)
-    add_model(p, DEFAULT_MODEL)
+    add_model(p, DEFAULT_MODEL, runs=True)
     add_batch(p, bench.BENCH_BATCHES, old=True)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per batch size")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed steps per batch size (default %(default)s)")
     p.add_argument("--chip", default=None,
                    help=f"TPU chip the megakernel is built for and of the predictions: one of "
                         f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
@@ -59,6 +61,7 @@ def run(args: Any) -> int:
         return workload.run(args)
     workload.check_without_workload(args)
     cfg = known_model(args.model)
+    check_runs_on_cpu(cfg)
     at_least("--steps", args.steps, 1)
     for batch in args.batch:
         megakernel_batch("--batch", batch)

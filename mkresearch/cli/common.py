@@ -14,7 +14,11 @@ from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
 from mkresearch.model.config import ModelConfig, config_names, get_config
+from mkresearch.model.roofline import tree_bytes
+from mkresearch.model.weights import param_shapes
 from mkresearch.sharding import layout
+
+MAX_DECODE_WEIGHT_BYTES = 2 * 10**9  # beyond this many weight bytes: not in a laptop's memory
 
 
 class UsageError(Exception):
@@ -37,6 +41,26 @@ def known_model(name: str | None) -> ModelConfig:
         raise UsageError(f"unknown model {name!r}: choose one of "
                          f"{', '.join(config_names())}")
     return get_config(name)
+
+
+def runs_on_cpu(cfg: ModelConfig) -> bool:
+    """Whether `decode` and `bench` run the model on a laptop's CPU: its weights fit in
+    MAX_DECODE_WEIGHT_BYTES (they refuse the others anywhere). Every preset is shapes to info,
+    plan, compile and predict."""
+    return tree_bytes(param_shapes(cfg)) <= MAX_DECODE_WEIGHT_BYTES
+
+
+def cpu_models() -> list[str]:
+    """The presets that `runs_on_cpu`, in `config_names` order."""
+    return [name for name in config_names() if runs_on_cpu(get_config(name))]
+
+
+def check_runs_on_cpu(cfg: ModelConfig) -> None:
+    """A model too large to decode here: a UsageError naming the ones that run."""
+    if not runs_on_cpu(cfg):
+        raise UsageError(f"{cfg.name} has {human_bytes(tree_bytes(param_shapes(cfg)))} of "
+                         f"weights, too many to decode here: use one of "
+                         f"{', '.join(cpu_models())} (or `mkresearch info {cfg.name}`)")
 
 
 def at_least(option: str, value: int, minimum: int) -> None:

@@ -23,7 +23,7 @@ from mkresearch.cli.common import (
     CHIP_DEFAULT_HELP,
     UsageError,
     at_least,
-    human_bytes,
+    check_runs_on_cpu,
     known_chip,
     known_model,
     megakernel_batch,
@@ -33,41 +33,42 @@ from mkresearch.cli.options import add_batch, add_command, add_model, each_batch
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import reference, sampling, weights
 from mkresearch.model.config import ModelConfig
-from mkresearch.model.roofline import tree_bytes
-from mkresearch.model.weights import param_shapes
 
 DEFAULT_MODEL = "kimi-k3-mini"
 DEFAULT_PROMPT_LEN = 8  # tokens of the random prompt
-# Backends `decode` can run; the first is the default. Planned ones are refused clearly.
+# Backends `decode` can run; the first is the default.
 BACKENDS = {"megakernel": "one pallas_call per decode step, mkresearch.kernels.compose.megakernel",
             "reference": "plain-JAX oracle, mkresearch.model.reference"}
-PLANNED_BACKENDS = ("stages",)
-MAX_DECODE_WEIGHT_BYTES = 2 * 10**9  # beyond this many weight bytes: not in a laptop's memory
 EXAMPLES = ("mkresearch decode kimi-k3-mini --prompt-len 8 --steps 16 --batch 1,2",
             "mkresearch decode deepseek-v3-mini --backend reference --speculate 3 --drafter mtp",
             'mkresearch decode --checkpoint DIR --prompt "The capital of France is" --steps 8')
 
 
 def add_parser(commands: Any) -> None:
+    """The common options first (`options:` in --help), then one group each for --ranks,
+    --speculate, --checkpoint and several processes."""
     p = add_command(commands, "decode", "prefill + greedy decode of a random prompt", EXAMPLES)
-    add_model(p, DEFAULT_MODEL)
+    add_model(p, DEFAULT_MODEL, runs=True)
     p.add_argument("--prompt-len", type=int, default=None,
                    help=f"tokens of the random prompt (default {DEFAULT_PROMPT_LEN}; with "
                         "--checkpoint the prompt is --prompt's tokens)")
-    p.add_argument("--steps", type=int, default=16, help="tokens to generate per sequence")
+    p.add_argument("--steps", type=int, default=16,
+                   help="tokens to generate per sequence (default %(default)s)")
     add_batch(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights, prompt and sampling (default %(default)s)")
     p.add_argument("--backend", default=None,
-                   help=f"one of {', '.join(BACKENDS)} (default megakernel; with --speculate "
-                        f"the first with a verify call; planned: {', '.join(PLANNED_BACKENDS)})")
+                   help=f"one of {', '.join(BACKENDS)} (default {next(iter(BACKENDS))}; with "
+                        "--speculate the first with a verify call)")
     p.add_argument("--chip", default=None,
                    help=f"TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 decode path) and of the timeline model's prediction: one of "
                         f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
-    cli_ranks.add_decode_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (per batch), no progress bar")
-    cli_speculative.add_arguments(p)
-    cli_checkpoint.add_arguments(p)
+    cli_ranks.add_decode_arguments(p.add_argument_group(
+        "several devices (--ranks N > 1: the sharded megakernel and its options)"))
+    cli_speculative.add_arguments(p.add_argument_group("speculative decoding"))
+    cli_checkpoint.add_arguments(p.add_argument_group("a published checkpoint's text"))
     cli_multihost.add_arguments(p)
 
 
@@ -87,9 +88,8 @@ def run(args: Any) -> int:
     if args.drafter is not None and args.speculate is None:
         raise UsageError("--drafter is an option of --speculate K: give both")
     if args.backend is not None and args.backend not in BACKENDS:
-        planned = " is not available yet" if args.backend in PLANNED_BACKENDS else ""
-        raise UsageError(f"--backend {args.backend!r}{planned or ' is unknown'}: choose one "
-                         f"of {', '.join(BACKENDS)}")
+        raise UsageError(f"--backend {args.backend!r} is unknown: choose one of "
+                         f"{', '.join(BACKENDS)}")
     cfg = known_model(args.model)
     args.chip = known_chip(args.chip)  # checked for every backend, before anything runs
     at_least("--prompt-len", args.prompt_len, 1)
@@ -98,10 +98,7 @@ def run(args: Any) -> int:
     if args.prompt_len + args.steps > cfg.max_seq_len:
         raise UsageError(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds "
                          f"max_seq_len={cfg.max_seq_len} of {cfg.name}")
-    weight_bytes = tree_bytes(param_shapes(cfg))
-    if weight_bytes > MAX_DECODE_WEIGHT_BYTES:
-        raise UsageError(f"{cfg.name} has {human_bytes(weight_bytes)} of weights, too many to "
-                         f"decode here: use kimi-k3-mini (or `mkresearch info`)")
+    check_runs_on_cpu(cfg)
     if args.backend == "megakernel" and args.speculate is None:
         for batch in args.batch:  # every batch checked before the first runs
             megakernel_batch("--batch", batch)

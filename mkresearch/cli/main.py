@@ -1,4 +1,4 @@
-"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, predict, figures.
+"""`mkresearch` / `python -m mkresearch`: info, decode, bench, compile, plan, predict, figures, launch.
 
     mkresearch COMMAND [MODEL] [--batch B[,B...]] [--context C] [options]   (`mkresearch.cli.options`)
 
@@ -53,13 +53,14 @@ from mkresearch.cli.options import notices, resolve_model
 # and runs it (`run(args) -> exit status`), in the order `mkresearch --help` lists them.
 COMMANDS = {"info": info, "decode": decode, "bench": bench_command, "compile": compile_command,
             "plan": plan, "predict": predict, "figures": figures, "launch": launch}
+DESCRIPTION = f"`mkresearch` / `python -m mkresearch`: {', '.join(COMMANDS)}."
 EXAMPLES = ("mkresearch info kimi-k3 --batch 1,8 --context 4096",
             "mkresearch decode kimi-k3-mini --steps 16",
             "mkresearch predict kimi-k3 --ranks 32 --batch 1,2,4,8")
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="mkresearch", description=__doc__.split("\n")[0],
+    parser = Parser(prog="mkresearch", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="examples (`mkresearch COMMAND --help` for each command's):\n"
                             + "\n".join(f"  {line}" for line in EXAMPLES))

@@ -23,7 +23,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mkresearch.cli.common import UsageError
+from mkresearch.cli.common import UsageError, cpu_models
 from mkresearch.model.config import MLA_CACHE_LAYOUTS, config_names
 from mkresearch.sharding import layout
 
@@ -85,12 +85,16 @@ def _listed(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
 
 
-def add_model(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    """MODEL, positional: a preset or '<preset>-rank' (`config.get_config`)."""
+def add_model(p: argparse.ArgumentParser, default: str | None = None, runs: bool = False) -> None:
+    """MODEL, positional: a preset or '<preset>-rank' (`config.get_config`). `runs`: the command
+    runs the model, which only the presets of `common.cpu_models` do here; its help says which."""
     names = ", ".join(config_names())
     p.usage = f"{p.prog} {'[MODEL]' if default else 'MODEL'} [options]  (see the examples below)"
+    runnable = (f"; these run on a CPU: {', '.join(cpu_models())} (the others' weights are "
+                "too large to run here)") if runs else ""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help=f"one of {names}" + (f" (default {default})" if default else ""))
+                   help=f"one of {names}" + (f" (default {default})" if default else "")
+                        + runnable)
     p.add_argument("--model", dest=MODEL_OPTION, action=_OldSpelling, default=None,
                    new=lambda parser, value: f"{parser.prog} {value} (the model first)")
 

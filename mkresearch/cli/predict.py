@@ -51,6 +51,7 @@ from mkresearch.cli.options import (
     int_list,
 )
 from mkresearch.hardware import interconnect as links
+from mkresearch.hardware.chips import CHIPS
 from mkresearch.model.config import EXPERT_MXU_INPUTS
 from mkresearch.prediction import (
     calibration,
@@ -87,7 +88,8 @@ def add_parser(commands: Any) -> None:
     add_model(p)
     p.add_argument("--ranks", type=int, default=DEFAULT_RANKS, help="ranks (devices) to shard across "
                                                          "(default 32: the release's 16 TPU7x)")
-    p.add_argument("--chip", default="tpu7x", help="chip of every rank (default tpu7x)")
+    p.add_argument("--chip", default="tpu7x",
+                   help=f"chip of every rank: one of {', '.join(CHIPS)} (default %(default)s)")
     add_batch(p, (1, 2, 4, 8))
     add_rank_layout(p, "whose layout spreads the model over the ranks (default: both)")
     p.add_argument("--schedule", default=None, choices=scale_out.SCHEDULES,

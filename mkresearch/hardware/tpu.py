@@ -311,6 +311,46 @@ def reset_interpret_state() -> None:
     _drop_failed_runtime_tokens()
 
 
+class KernelTimeout(TimeoutError):
+    """An interpreted kernel still running after the time it was given: stopped (run_timed)."""
+
+
+def run_timed(fn: Callable[[], Any], seconds: float, what: str = "the kernel") -> Any:
+    """fn() (a call that runs interpreted kernels), stopped after `seconds`: its result, or
+    KernelTimeout in one line if it had not finished. A DMA wait on a semaphore nothing will
+    signal (a copy started with another semaphore than its wait's) never returns in interpret
+    mode, and the notebook would hang with no message; here the simulated TPU is told that the
+    run failed, which ends every wait of it (private interpreter state, jax 0.10.2; the waiting
+    thread is left to end by itself if that moved), and is reset. An exception of fn is raised
+    as it is. On a TPU (compiled) fn just runs."""
+    if interpret_params() is None:
+        return fn()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name=f"mkresearch run_timed: {what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        timeout = KernelTimeout(f"{what} did not finish in {seconds:g} s: a DMA wait that no "
+                                "started copy signals never returns (is each copy's semaphore "
+                                "the one its wait waits on?)")
+        memory = getattr(_interpreter(), "_shared_memory", None)
+        if memory is not None and hasattr(memory, "set_failed"):
+            memory.set_failed(timeout, top_level=False)  # every wait of the run raises now
+        thread.join(10)
+        reset_interpret_state()
+        raise timeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
 def _drop_failed_runtime_tokens() -> None:
     """Forget the effect tokens of the failed step. An interpreted kernel's callbacks are ordered
     effects: jax keeps the last computation's token and blocks on it before the next effectful

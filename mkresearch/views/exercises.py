@@ -7,6 +7,10 @@ solution follows, folded away (its input hidden in JupyterLab, a Colab form), an
 check under an `assert`, so nbval checks the solution on every run. `check` never raises: a cell
 that is not written yet, a wrong answer or an answer that crashes is reported in one line, and
 "Run all" goes on to the solution.
+
+An exercise that writes DMA code checks it both ways a kernel can fail: run in interpret mode
+with the race detector (`race_free`), and compiled by Mosaic for a TPU (`compiles`), which
+refuses what the chip would.
 """
 
 from __future__ import annotations
@@ -44,6 +48,34 @@ def check(name: str, verify: Callable[[], Any]) -> bool:
         return False
     print(f"{HOLDS} {name}: holds")
     return True
+
+
+def compiles(fn: Callable[..., Any], *args: Any, chip: str = "tpu7x",
+             shardings: tuple | None = None) -> bool:
+    """Part of a `verify`: assert that Mosaic compiles `fn(*args)` for `chip` (libtpu's compiler,
+    run here without a TPU: `tpu.compile_for`, whose `shardings` place a program on several
+    devices), as the chip would take it where interpret mode accepts more (a DMA window that is
+    not whole tiles, a one-row copy). An AssertionError with the compiler's first line when it
+    refuses; True when compiled; False, saying so in one line, on a runtime without libtpu
+    (Colab's CPU runtime), where interpret mode's checks are all there is."""
+    if not tpu.can_compile():
+        print(f"not compiled: {tpu.NO_LIBTPU}")
+        return False
+    try:
+        tpu.compile_for(fn, *args, chip=chip, shardings=shardings)
+    except Exception as error:  # noqa: BLE001 - the compiler's message is the answer's fault
+        raise AssertionError(f"Mosaic refuses it for {chip}: {_first_line(error)}") from None
+    return True
+
+
+def race_free(run: Callable[[], Any]) -> Any:
+    """Part of a `verify`: run() (interpreted kernels) with the race flag reset first; assert
+    that the race detector saw no DMA write a buffer while it was read (or the other way);
+    run()'s result."""
+    tpu.reset_races()
+    result = run()
+    assert not tpu.races_found(), "the race detector saw a DMA touch a buffer while it was used"
+    return result
 
 
 def _first_line(error: BaseException) -> str:

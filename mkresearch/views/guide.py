@@ -55,8 +55,10 @@ class GlossaryEntry:
     def names(self) -> tuple[str, ...]:
         """Every name the entry defines: the term as written, each name
         apart and each in parentheses: "HBM, VMEM, SMEM" -> (the term, "HBM", "VMEM", "SMEM");
-        "Correction bias (`noaux_tc`)" -> (the term, "Correction bias", "noaux_tc")."""
-        inside = [p.strip("()` ") for p in re.findall(r"\([^)]*\)", self.term)]
+        "Correction bias (`noaux_tc`)" -> (the term, "Correction bias", "noaux_tc"); "Memory
+        space (`pl.ANY`, `pltpu.VMEM`)" -> (the term, "Memory space", "pl.ANY", "pltpu.VMEM")."""
+        inside = [p.strip("` ") for group in re.findall(r"\(([^)]*)\)", self.term)
+                  for p in group.split(",")]
         outside = _PARENTHESIS.sub("", self.term).replace("`", "")
         parts = [p.strip() for p in [self.term.replace("`", "")] + re.split(r",|;", outside)
                  + inside]
