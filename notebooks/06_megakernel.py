@@ -849,7 +849,8 @@ def run_step(cfg, params, batch, options=megakernel.MegakernelOptions(), positio
     prepared = megakernel.prepare_weights(params, cfg)
     with dma.recording() as log:
         out, _, aux = megakernel.decode_step(prepared, jax.tree.map(jnp.copy, state), tokens,
-                                             positions, cfg, options=options, return_logits=True)
+                                             positions, cfg, options=options, return_logits=True,
+                                             expert_ids=ref_aux.get("expert_ids"))
         jax.block_until_ready(out)
     diff = float(jnp.max(jnp.abs(aux["logits"] - logits)))
     step = schedule.schedule(aux["plan"], positions, ref_aux["expert_ids"])

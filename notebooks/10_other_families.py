@@ -346,7 +346,8 @@ def mini_step(cfg, seed=0):
     with dma.recording() as log:
         out, _, aux = megakernel.decode_step(megakernel.prepare_weights(params, cfg),
                                              jax.tree.map(jnp.copy, state), tokens, positions,
-                                             cfg, return_logits=True)
+                                             cfg, return_logits=True,
+                                             expert_ids=ref_aux.get("expert_ids"))
         jax.block_until_ready(out)
     top2 = np.sort(np.asarray(logits[0]))[-2:]
     minimum = logs.minimum_step_bytes(cfg, 1, positions, np.asarray(ref_aux["expert_ids"]))
