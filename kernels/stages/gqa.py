@@ -9,7 +9,8 @@ One call does, for a batch of B rows each at its own position p_b:
                 QK-norm per head (RMSNorm over the lanes), RoPE at p_b with cos/sin computed in
                 the kernel from the SMEM position (`rope.cos_sin_row`), bf16
   attention     per K/V head g, its G = H / KV query heads together: scores [G, D] x [T, D]ᵀ
-                per KV tile, f32 online softmax seeded by the new token, tiles of T cached
+                per KV tile (G padded to 8 rows: a head's bits whatever G, on one device or a
+                rank), f32 online softmax seeded by the new token, tiles of T cached
                 tokens read by a double-buffered DMA ring (`kv_tiles.tile_loop`: only the
                 16-row groups of the last tile holding tokens < p_b); one DMA per tile carries
                 every K/V head of the row
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from mkresearch.kernels.base import blocks, chip_log, dma, input_checks
 from mkresearch.kernels.base.blocks import bf16, f32
-from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, dot_t, online_softmax_step, tile_loop
+from mkresearch.kernels.base.kv_tiles import CONTIGUOUS, online_softmax_step, rows_dot_t, tile_loop
 from mkresearch.kernels.base.kv_update import UPDATE_ROWS, patch_blocks
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
@@ -191,8 +192,12 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
         new = []
         for g in range(p.n_kv_heads):  # [G, D] x [T, D]ᵀ: the group shares the tile
             q_g = bf16(q_heads[g * group:(g + 1) * group, :])
-            scores = dot_t(q_g, k_tile[g]) * p.scale  # [G, T]
-            new.append(online_softmax_step(p, t, position, scores, f32(v_tile[g]), carry[g]))
+            # G rows: 4 query heads of Qwen3's mini on one device, 1 on each of its 4 or 8
+            # ranks; padded to 8 rows, so a head gets the same bits either way (rows_dot_t,
+            # and the weights' product with the values: padded)
+            scores = rows_dot_t(q_g, k_tile[g]) * p.scale  # [G, T]
+            new.append(online_softmax_step(p, t, position, scores, f32(v_tile[g]), carry[g],
+                                           padded=True))
         return new
 
     def scoped(k_buffers, v_buffers, sems):

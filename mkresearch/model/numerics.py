@@ -381,7 +381,8 @@ def dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
-                    values: jax.Array, positions: jax.Array, tile: int) -> jax.Array:
+                    values: jax.Array, positions: jax.Array, tile: int,
+                    padded: bool = False) -> jax.Array:
     """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
 
     new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
@@ -393,6 +394,10 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     norm = 1, acc = its value), then the cached slots 0..p−1 come `tile` at a time, each tile
     rescaling the state by e^(m_old − m_new). A tile past p changes nothing (exactly: correction
     1, weights 0), so every row runs all ⌈S/tile⌉ tiles. Returns acc / norm [B, H, n] f32.
+    padded: each [G, T] × [T, n] product (the H heads' with shared values) on its rows padded
+    to a multiple of 8 (`padded_rows`), as the kernels' `online_softmax_step(padded=True)`:
+    where the head count of one product differs between one device and a rank (GQA's query
+    heads of a K/V head, the latent layout's heads), a head sums in one order whatever it is.
     """
     B, H, S = scores.shape
     slots = jnp.arange(tile)
@@ -400,11 +405,15 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
 
     def weighted(weights, tile_values):  # [B, H, T] x the tile's values -> [B, H, n]
         if values.ndim == 3:
-            return jnp.einsum("bht,btn->bhn", weights, tile_values, precision=HIGHEST)
+            return rows_of(lambda w: jnp.einsum("bht,btn->bhn", w, tile_values,
+                                                precision=HIGHEST), weights, 1)
         groups = values.shape[1]
         grouped = weights.reshape(B, groups, H // groups, tile)  # [B, K, G, T]
-        return jnp.einsum("bkgt,bktn->bkgn", grouped, tile_values,
-                          precision=HIGHEST).reshape(B, H, -1)
+        return rows_of(lambda w: jnp.einsum("bkgt,bktn->bkgn", w, tile_values,
+                                            precision=HIGHEST), grouped, 2).reshape(B, H, -1)
+
+    def rows_of(product, a, axis):  # the product's rows (axis) padded or as they are
+        return padded_rows(product, a, axis) if padded else product(a)
 
     n_tiles = -(-S // tile)  # a cache shorter than a tile, or not a multiple: pad (masked anyway)
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, n_tiles * tile - S)))

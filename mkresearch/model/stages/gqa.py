@@ -14,8 +14,9 @@ h reads K/V head h // G), each head_dim wide. One decode step per row at positio
 
 Order choices (module of record, the kernels follow them): the softmax runs online seeded by the
 new token, then the cache `cfg.kv_tile` slots at a time (`numerics.online_softmax`); products
-are per (row, head) (batch-invariant). HF rounds q·W + b, the norm and each RoPE product to bf16;
-here each of the three steps rounds once.
+are per (row, K/V head), its G query heads padded to 8 rows (batch- and rank-invariant). HF
+rounds q·W + b, the norm and each RoPE product to bf16; here each of the three steps rounds
+once.
 """
 
 from __future__ import annotations
@@ -91,12 +92,17 @@ def gqa_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     scale = rope.attention_scale(cfg, cfg.head_dim)
     new_score = numerics.dot_exact(q, k_new) * scale  # [B, H]
     # the cached scores as a [G, D] x [S, D]ᵀ product per (row, K/V head), the kernel's form:
-    # one product per query head (a batched matvec) rounds some scores to other floats
+    # one product per query head (a batched matvec) rounds some scores to other floats. Its G
+    # rows padded to a multiple of 8 (`padded_rows`), as the kernel's (`kv_tiles.rows_dot_t`):
+    # a rank holding one query head of a K/V head multiplies one row, which XLA:CPU sums in
+    # another order than a row of the single device's G (issue 79: Qwen3's mini on 4 and 8
+    # ranks); so are the softmax weights' products with the values (`online_softmax(padded=)`)
     q_groups = q.reshape(batch, cfg.n_kv_heads, group, cfg.head_dim)  # [B, KV, G, D]
-    scores = numerics.einsum("bkgd,bksd->bkgs", q_groups, cache["k"])
+    scores = numerics.padded_rows(lambda rows: numerics.einsum(
+        "bkgd,bksd->bkgs", rows, cache["k"]), q_groups, axis=2)
     scores = scores.reshape(batch, cfg.n_heads, -1) * scale  # [B, H, S]
     o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions,
-                                   cfg.kv_tile))  # [B, H, D]
+                                   cfg.kv_tile, padded=True))  # [B, H, D]
     return bf(matmul(o.reshape(batch, cfg.n_heads * cfg.head_dim), p["w_o"])), cache
 
 

@@ -88,12 +88,25 @@ def mla_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
         q_absorbed = bf(head_products(q_nope, w_kb, contract=1))  # [B, H, rank]
         new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                      + numerics.dot_exact(q_extra, k_extra[:, None])) * scale  # [B, H]
-        scores = (numerics.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"])
-                  + numerics.einsum("bhe,bse->bhs", q_extra, cache["kx"])) * scale  # [B, H, S]
+        scores = latent_scores(q_absorbed, cache["ckv"], q_extra, cache["kx"]) * scale
         context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
-                                     cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
+                                     cfg.kv_tile, padded=True))  # [B, H, rank]: Σ α ĉ
         o = bf(head_products(context, w_vb, contract=0))  # [B, H, v]
     return gated_output(p, x, o, cfg), cache
+
+
+def latent_scores(q_absorbed: jax.Array, ckv: jax.Array, q_extra: jax.Array,
+                  k_extra: jax.Array) -> jax.Array:
+    """The latent layout's cached scores before the scale, q̃ ĉᵀ + q^X k^Xᵀ [B, H, S] f32: q̃
+    [B, H, rank] and q^X [B, H, e] against the cache ĉ [B, S, rank] and k^X [B, S, e], all
+    heads of a row in one product each, its H rows padded to a multiple of 8
+    (`numerics.padded_rows`) as the kernel's (`kv_tiles.rows_dot_t`: a rank holding fewer
+    heads multiplies fewer rows)."""
+    def heads(q, cached):
+        return numerics.padded_rows(lambda rows: numerics.einsum(
+            "bhr,bsr->bhs", rows, cached), q, axis=1)
+
+    return heads(q_absorbed, ckv) + heads(q_extra, k_extra)
 
 
 def head_products(a: jax.Array, w: jax.Array, contract: int) -> jax.Array:

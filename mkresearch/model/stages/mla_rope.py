@@ -71,11 +71,9 @@ def mla_rope_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Arr
     scale = rope.attention_scale(cfg, cfg.mla_qk_dim)
     new_score = (numerics.dot_exact(q_absorbed, c_hat[:, None])
                  + numerics.dot_exact(q_rope, k_rope[:, None])) * scale  # [B, H]
-    scores = (numerics.einsum("bhr,bsr->bhs", q_absorbed, cache["ckv"])
-              + numerics.einsum("bhe,bse->bhs", q_rope, cache["kpe"])
-              ) * scale  # [B, H, S]
+    scores = mla.latent_scores(q_absorbed, cache["ckv"], q_rope, cache["kpe"]) * scale
     context = bf(numerics.online_softmax(new_score, c_hat, scores, cache["ckv"], positions,
-                                 cfg.kv_tile))  # [B, H, rank]: Σ α ĉ
+                                 cfg.kv_tile, padded=True))  # [B, H, rank]: Σ α ĉ
     o = bf(mla.head_products(context, w_vb, contract=0))  # [B, H, v]
     return bf(matmul(o.reshape(batch, heads * cfg.mla_v_dim), p["w_o"])), cache
 
