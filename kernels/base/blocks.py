@@ -193,10 +193,13 @@ softmax = reference.softmax
 def dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] @ w [K, N] -> f32 [M, N] (bf16 operands on the MXU), as the reference's matmuls:
     the rows padded to a multiple of 8 (`reference.padded_rows`), so a row's result is the same
-    whatever the batch, in interpret mode too. On a TPU 8 rows are one sublane tile."""
-    return reference.padded_rows(
-        lambda rows: jnp.dot(rows, w, preferred_element_type=jnp.float32,
-                             precision=numerics.precision_for(rows, w)), x)
+    whatever the batch, in interpret mode too, and a one-column w as a lane of its copies
+    (`reference.lane_columns`), so a rank's one-column slice of a matrix (KDA's W_b on a rank
+    holding one head) gives that column's bits of the whole product. On a TPU 8 rows are one
+    sublane tile, and a column fills a lane tile."""
+    return reference.padded_rows(lambda rows: reference.lane_columns(
+        lambda cols: jnp.dot(rows, cols, preferred_element_type=jnp.float32,
+                             precision=numerics.precision_for(rows, cols)), w), x)
 
 
 def select_row(values: jax.Array, row) -> jax.Array:

@@ -10,7 +10,8 @@ Conventions:
   pass at DEFAULT, a CPU in f32, so an unstated one would differ between them;
 - batch invariance: every reduction is `ordered_sum` (one written-out order) and no matmul runs
   on a row count other than a multiple of 8 (`padded_rows`), so a row's result is the same bits
-  whatever the batch.
+  whatever the batch; nor on one column (`lane_columns`), so a column's result is the same bits
+  whatever the columns beside it (a rank's column slice of a matrix).
 
 The kernels call these same functions on VMEM values (`kernels/base/blocks.py`), so they round and sum
 exactly as the reference does.
@@ -55,9 +56,26 @@ def matmul(a: jax.Array, b: Any) -> jax.Array:
     runs), batch-invariant: see `padded_rows`. b may be `Partials` (a sharded reference)."""
     if isinstance(b, Partials):
         return b.contract(a)
-    return padded_rows(
-        lambda a2: jnp.matmul(a2.astype(bf16), b.astype(bf16), preferred_element_type=f32,
-                              precision=EXACT_PRODUCTS), a)
+    return padded_rows(lambda a2: lane_columns(
+        lambda w: jnp.matmul(a2.astype(bf16), w.astype(bf16), preferred_element_type=f32,
+                             precision=EXACT_PRODUCTS), b), a)
+
+
+def lane_columns(product, w: jax.Array) -> jax.Array:
+    """product(w) for w [..., K, N]; a one-column w (N = 1) given as a lane of LANE copies of
+    its column, the first copy's result kept ([..., M, 1]), so that a column's bits never
+    depend on how many columns its product has.
+
+    XLA:CPU sums a matrix-vector product in another order than a column of a wider product
+    (measured: a [K, 1] bf16 product differs from column 0 of the [K, N] one for every
+    N from 2 to 512 in every trial, while those agree with each other). A matrix split by its
+    output columns across ranks gives a rank a one-column slice where a head has one column
+    (KDA's W_b [d, H] on a rank holding one head): without this its β, and so its recurrent
+    state, differ from the single device's in the last bits (issue 79). On a TPU a [K, 1]
+    block fills a lane tile anyway."""
+    if w.shape[-1] != 1:
+        return product(w)
+    return lax.slice_in_dim(product(jnp.broadcast_to(w, w.shape[:-1] + (LANE,))), 0, 1, axis=-1)
 
 
 def host_ordered_sum(parts: list, hosts: tuple[int, ...] = (), wire: str = "f32") -> jax.Array:

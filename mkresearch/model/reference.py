@@ -40,6 +40,7 @@ from mkresearch.model.numerics import (  # noqa: F401 - the shared arithmetic, r
     bf16,
     f32,
     i32,
+    lane_columns,
     matmul,
     mix,
     ordered_sum,
