@@ -21,7 +21,7 @@ SHARDED = Path(__file__).resolve().parent / "sharded"
 
 # test_families_decode.py: its own test
 KIMI_FILES = ("test_sharded_decode.py", "test_cache_layouts.py", "test_faults.py",
-              "test_partial_sum.py", "test_router_placement.py")
+              "test_partial_sum.py", "test_router_placement.py", "test_state_sweep.py")
 
 
 def run_sharded(timeout: float, files: tuple[str, ...] = KIMI_FILES) -> None:

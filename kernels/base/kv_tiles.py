@@ -198,5 +198,6 @@ def rows_dot_t(a, b):
     """`dot_t` with a's rows padded to a multiple of 8 (`reference.padded_rows`): a row's bits do
     not depend on how many rows a has. XLA:CPU sums a one-row product in another order, so
     without it the latent layout's scores of a rank's one head differ from that head's row of
-    the two-head product on one device (issue 22)."""
+    the two-head product on one device (issue 22), and GQA's of a rank's one query head from its
+    row of the K/V head's four (Qwen3's mini on 4 and 8 ranks, issue 79)."""
     return reference.padded_rows(lambda rows: dot_t(rows, b), a)

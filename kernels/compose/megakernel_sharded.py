@@ -20,9 +20,11 @@ kernel:
 
 Numbers: no rank adds partial products of a contraction; every value is computed whole on one
 rank in the single-device kernel's order, so a step equals the single-device megakernel's to the
-bit (on XLA:CPU, whose dot gives a column chunk the bits of the whole product's columns, and a
-row of a product padded to 8 rows the same bits whatever the row count: a rank's lone head in the
-latent MLA's all-heads products is padded so, `kv_tiles.rows_dot_t`). Only
+bit (on XLA:CPU, whose dot gives a column chunk the bits of the whole product's columns, a
+one-column chunk multiplied as a lane of its copies, `numerics.lane_columns`, and a row of a
+product padded to 8 rows the same bits whatever the row count: a rank's lone head in the latent
+MLA's all-heads products and in GQA's query heads of a K/V head is padded so,
+`kv_tiles.rows_dot_t`). Only
 the sampling stage's log-sum-exp is combined across vocab shards (top-p cuts, module
 `sharded_stages`).
 

@@ -257,7 +257,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
     checks = (None if loaded is not None else
               SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host,
-                                 wire))
+                                 wire))  # the state is laid out by `lay` (the router's aside)
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
                disable=not progress, leave=False)
     generated, digest, clock, state, token = _step_sharded(prepared, state, prompt, steps, plan,
@@ -331,7 +331,7 @@ def _step_sharded(prepared: Any, state: Any, prompt: Any, steps: int, plan: Any,
         digest.update(np.asarray(logits).tobytes())
         generated_step = t - prompt_len + 1 if t >= prompt_len - 1 else None
         if checks:
-            checks.step(token, positions, logits, next_token, generated_step)
+            checks.step(token, positions, logits, next_token, generated_step, state)
         if generated_step is not None:
             generated.append(next_token)
         token = next_token if t >= prompt_len - 1 else prompt[:, t + 1]
@@ -342,7 +342,10 @@ def _step_sharded(prepared: Any, state: Any, prompt: Any, steps: int, plan: Any,
 class SingleDeviceChecks:
     """`decode_sharded`'s checks, step by step: the single-device megakernel and the reference
     (and with partial sums the sharded reference: `PartialSumCheck`) over the same tokens, each
-    with its own state."""
+    with its own state. Every rank's slice of every state leaf (caches, recurrent states) must
+    equal to the bit the single-device megakernel's (exact collectives) or the sharded
+    reference's (partial sums) at every step, not only the logits: a state that differs in its
+    last bits leaves the logits equal for many steps (`layout.state_mismatches`)."""
 
     def __init__(self, params: dict, lay: layout.Layout, batch: int,
                  options: megakernel.MegakernelOptions, ranks_per_host: int,
@@ -360,11 +363,14 @@ class SingleDeviceChecks:
         self.equal, self.near_ties, self.worst = 0, [], 0.0
         self.single_tokens_equal, self.single_bit_equal, self.worst_single = 0, 0, 0.0
         self.tokens = 0
+        self.lay, self.state_equal_steps, self.state_mismatches = lay, 0, []
+        self.steps = 0
 
     def step(self, token: Any, positions: Any, logits: Any, next_token: Any,
-             generated_step: int | None) -> None:
-        """One step: the sharded run's `logits` [B, V] and `next_token` [B] at `positions` after
-        `token`; generated_step: the index of the generated token it chose (None in the prompt)."""
+             generated_step: int | None, state: Any = None) -> None:
+        """One step: the sharded run's `logits` [B, V], `next_token` [B] and `state` (every
+        rank's, [n_ranks, ...]) at `positions` after `token`; generated_step: the index of the
+        generated token it chose (None in the prompt)."""
         import numpy as np
 
         one_token, self.single_state, one_aux = megakernel.decode_step(
@@ -374,6 +380,8 @@ class SingleDeviceChecks:
             self.params, self.ref_state, token, positions, self.cfg)
         if self.partial:
             self.partial.step(logits, token, positions, ref_aux)
+        if state is not None:
+            self._check_state(state)
         one_logits = np.asarray(one_aux["logits"])
         self.single_tokens_equal += int((np.asarray(one_token) == next_token).sum())
         self.single_bit_equal += int(np.array_equal(logits.view(np.uint32),
@@ -393,6 +401,18 @@ class SingleDeviceChecks:
         if self.partial:
             self.partial.against_reference(logits, ref_logits)
 
+    MISMATCHES_KEPT = 8  # the first differing (step, leaf)s a result reports
+
+    def _check_state(self, state: Any) -> None:
+        """Every rank's state slice against the single-device megakernel's state (exact) or
+        the sharded reference's (partial sums), to the bit."""
+        want = self.single_state if self.exact else self.partial.state
+        found = layout.state_mismatches(distributed.to_host(state), want, self.lay)
+        self.state_equal_steps += not found
+        kept = self.MISMATCHES_KEPT - len(self.state_mismatches)
+        self.state_mismatches += [{"step": self.steps} | m for m in found[:max(kept, 0)]]
+        self.steps += 1
+
     def result(self, n_steps: int) -> dict:
         """The result's "agreement", "single_device" and "passed"."""
         exact, partial, batch = self.exact, self.partial, self.batch
@@ -401,6 +421,7 @@ class SingleDeviceChecks:
         single_ok = (self.single_bit_equal == n_steps
                      and self.single_tokens_equal == batch * n_steps if exact
                      else partial.bit_equal_steps == n_steps)
+        single_ok = single_ok and self.state_equal_steps == n_steps
         return {
             "agreement": {"check": "sharded megakernel vs reference.decode_step on the same "
                                    "tokens, greedy" + ("" if exact else partial.CLAIM),
@@ -409,13 +430,16 @@ class SingleDeviceChecks:
                           "passed": reference_ok} | ({} if exact else partial.routing_facts()),
             "single_device": {"check": "sharded vs single-device megakernel on the same tokens, "
                                        "every step (prompt included): " + (
-                                           "tokens and logits bit-equal" if exact else
-                                           "partial sums: reported; logits bit-equal to the "
-                                           "sharded reference's (reference_sharded, its own "
-                                           "state)"),
+                                           "tokens, logits and every rank's state slice "
+                                           "bit-equal" if exact else
+                                           "partial sums: reported; logits and every rank's "
+                                           "state slice bit-equal to the sharded reference's "
+                                           "(reference_sharded, its own state)"),
                               "tokens_equal": self.single_tokens_equal, "tokens": batch * n_steps,
                               "logits_bit_equal_steps": self.single_bit_equal, "steps": n_steps,
-                              "max_abs_logit_diff": self.worst_single, "passed": single_ok}
+                              "max_abs_logit_diff": self.worst_single,
+                              "state_bit_equal_steps": self.state_equal_steps,
+                              "state_mismatches": self.state_mismatches, "passed": single_ok}
             | ({} if exact else {"sharded_reference_bit_equal_steps": partial.bit_equal_steps}),
             "passed": reference_ok and single_ok,
         }
@@ -504,10 +528,23 @@ def print_decode(result: dict) -> None:
     print(f"equal to the single-device megakernel: {one['tokens_equal']}/{one['tokens']} tokens, "
           f"logits bit-equal at {one['logits_bit_equal_steps']}/{one['steps']} steps (max |diff| "
           f"{one['max_abs_logit_diff']:.2e}){verdict}")
+    print_state_check(one)
     print_rank_rows(result["per_rank"])
     seconds = result["seconds"]
     print(f"step time here: {seconds['step']:.3f} s ({result['step_label']}, {result['ranks']} "
           f"simulated devices); compile + first step {seconds['compile_and_first_step']:.1f} s")
+
+
+def print_state_check(one: dict) -> None:
+    """The state check's line, and where the states first differed."""
+    against = ("the sharded reference's" if "sharded_reference_bit_equal_steps" in one
+               else "the single-device megakernel's")
+    print(f"every rank's state slice (caches, recurrent states) bit-equal to {against} at "
+          f"{one['state_bit_equal_steps']}/{one['steps']} steps")
+    for m in one["state_mismatches"]:
+        print(f"  step {m['step']}: {m['leaf']} differs in {m['elements']} elements on ranks "
+              f"{m['ranks']} (max |diff| {m['max_abs_diff']:.3g}; first at [rank, layer, row, "
+              f"...] {m['first']})")
 
 
 def print_rank_rows(rows: list[dict]) -> None:

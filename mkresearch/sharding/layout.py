@@ -326,6 +326,29 @@ def shard_state(state: dict, lay: Layout) -> dict:
     return _shard_tree(lay, spec.state_table(lay.cfg, batch, seq_len), state, lambda s: s.shard)
 
 
+def state_mismatches(rank_state: Any, state: dict, lay: Layout) -> list[dict]:
+    """Where a sharded state (leaves [n_ranks, ...]: a sharded step's) differs in any bit from
+    each rank's slice of a whole-model `state` (`shard_state`) -> one dict per differing leaf:
+    "leaf" (kind/name), "ranks", "elements" differing, "max_abs_diff", and "first" (the first
+    differing index of a rank's slice: rank, layer, row, ...). [] when every leaf is equal."""
+    want = shard_state(state, lay)
+    got_leaves = jax.tree_util.tree_flatten_with_path(rank_state)[0]
+    out = []
+    for (path, got), want_leaf in zip(got_leaves, jax.tree.leaves(want), strict=True):
+        got, want_leaf = np.asarray(got), np.asarray(want_leaf)
+        differs = got.view(np.uint8).reshape(got.shape + (-1,)) != \
+            want_leaf.view(np.uint8).reshape(want_leaf.shape + (-1,))
+        differs = differs.any(-1)
+        if not differs.any():
+            continue
+        delta = np.abs(got.astype(np.float64) - want_leaf.astype(np.float64))[differs]
+        out.append({"leaf": "/".join(str(getattr(k, "key", k)) for k in path),
+                    "ranks": sorted({int(r) for r in np.nonzero(differs)[0]}),
+                    "elements": int(differs.sum()), "max_abs_diff": float(delta.max()),
+                    "first": [int(i) for i in np.argwhere(differs)[0]]})
+    return out
+
+
 def _seq_len(state: dict, cfg: ModelConfig, batch: int) -> int:
     for kind, leaves in spec.state_table(cfg, batch, 1).items():
         for name, leaf in leaves.items():

@@ -9,7 +9,8 @@ Each step starts from the single-device megakernel's state and token (teacher-fo
 * the logits, the token and every rank's slice of the caches and states EQUAL the single-device
   megakernel's, to the bit: no rank adds partial products of a contraction (every matrix splits
   by its output columns, the experts' sum runs down the chain of expert groups in id order), and
-  XLA:CPU's dot gives a column chunk the bits of the whole product's columns;
+  XLA:CPU's dot gives a column chunk the bits of the whole product's columns (a one-column chunk
+  multiplied as a lane of its copies: `numerics.lane_columns`);
 * logits within LOGIT_TOL = 5e-2 of the reference on EVERY row-step (docs/kimi-k3.md §11);
 * the sharded sampler is exact for its logits: its token is `sampling.sample` of its logits
   (candidates = 128), greedy and sampled rows alike.
