@@ -11,7 +11,10 @@ import pytest
 
 from mkresearch.cli import main as cli
 from mkresearch.cli import ranks as cli_ranks
-from mkresearch.sharding import reference_sharded
+from mkresearch.cli import ranks_reference
+from mkresearch.model import weights
+from mkresearch.model.config import get_config
+from mkresearch.sharding import layout, reference_sharded
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -85,6 +88,23 @@ def test_reference_with_experts_split_2_ways_on_8_ranks_in_a_child_json(capfd, m
           f"{single['logits_bit_equal_steps']} of {single['steps']} steps")
     assert "expert_tp 2 ways" in result["layout"] and "experts 4 ways" in result["layout"]
     assert single["passed"] and single["logits_bit_equal_steps"] == single["steps"] >= 2
+
+
+@pytest.mark.parametrize("collectives", layout.COLLECTIVES)
+def test_the_reference_backend_is_held_to_its_own_mode(collectives):
+    """`decode --backend reference --collectives C` steps the single-device reference of C beside
+    the mesh (`ranks_reference.SingleDeviceCheck`): exact, the reference's own weights; partial
+    sums, W_o and W_sd as the ranks' partials; restructured, W_lu too as the ranks' latent rows
+    (issue 79: restructured ran, and was held to, the exact mode; the mesh's step of each mode
+    against its kernel: tests/sharded/test_partial_sum.py)."""
+    cfg = get_config("kimi-k3-mini")
+    lay = layout.layout(cfg, 2, collectives=collectives)
+    params = weights.init_params(cfg, 0)
+    held = ranks_reference.SingleDeviceCheck(params, lay, 1).params
+    kinds = {type(held[kind][key]).__name__ for kind in ("kda", "moe") for key in held[kind]}
+    assert ({"Partials", "ExpertGroups", "NormedRows"} & kinds) == {
+        layout.EXACT: set(), layout.PARTIAL_SUM: {"Partials", "ExpertGroups"},
+        layout.RESTRUCTURED: {"Partials", "ExpertGroups", "NormedRows"}}[collectives]
 
 
 def run_child_json(args: list[str], capfd, monkeypatch) -> dict:

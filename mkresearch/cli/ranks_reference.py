@@ -6,8 +6,9 @@ Each process holds only its ranks' slices of the weights: a random model's from 
 checkpoint's read by byte ranges (`checkpoint.rank_loader`; the bytes each process read are
 gathered and printed by process 0). A random prompt (or the checkpoint's) is stepped through,
 then greedy tokens (argmax, the lowest id winning a tie). With every weight at hand (a random
-model), process 0 steps the single-device sharded reference (`reference_sharded.decode_step`,
-or `reference.decode_step` with --collectives exact) over the same tokens: the mesh's logits
+model), process 0 steps the single-device sharded reference of the same --collectives
+(`reference_sharded.decode_step` of the partial-sum or restructured layout, or
+`reference.decode_step` with --collectives exact) over the same tokens: the mesh's logits
 must equal its logits bit for bit at every step. `logits_sha256` fingerprints every step's
 logits, so runs on other meshes (2 processes x 4 devices, 1 x 8) compare by one string.
 """
@@ -27,8 +28,9 @@ from mkresearch.model import reference, weights
 from mkresearch.model.config import ModelConfig
 from mkresearch.sharding import layout, reference_mesh, reference_sharded
 
-CHECK = ("mesh logits vs the single-device sharded reference (reference_sharded.decode_step; "
-         "exact collectives: reference.decode_step) on the same tokens, every step")
+CHECK = ("mesh logits vs the single-device sharded reference of the same collectives "
+         "(reference_sharded.decode_step; exact collectives: reference.decode_step) on the "
+         "same tokens, every step")
 
 
 def decode(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int, n_ranks: int,
@@ -105,14 +107,15 @@ def _steps(plan: reference_mesh.MeshReference, mesh: Any, placed: dict, prompt: 
 
 
 class SingleDeviceCheck:
-    """The single-device sharded reference (`reference_sharded.decode_step`; exact collectives:
+    """The single-device sharded reference of the layout's collectives
+    (`reference_sharded.decode_step`, partial-sum or restructured; exact collectives:
     `reference.decode_step`) stepped over the same tokens with its own state: each step's logits
     bit-equal to the mesh's?"""
 
     def __init__(self, params: dict, lay: layout.Layout, batch: int) -> None:
         self.cfg = lay.cfg
         self.params = (reference_sharded.sharded_params(params, lay)
-                       if lay.collectives == layout.PARTIAL_SUM else params)
+                       if lay.partial_sums else params)  # partial-sum or restructured
         self.state = reference.init_state(lay.cfg, batch)
         self.steps = self.bit_equal = 0
 

@@ -217,15 +217,20 @@ class NormedRows:
         """RMSNorm_γ(ρ) W_lu as the ranks compute it -> [B, N] f32: Σ_r bf(ρ_r γ_r) W_r times
         rms_scale(Σ_r Σ ρ_r², width, eps) (not `rms_norm`'s bf16 ρ̂: the scale is not known
         before the sum)."""
-        v, g = rho.astype(f32), gamma.astype(f32)
+        products, squares = self.parts(rho.astype(f32), gamma.astype(f32))
+        total = reduce_partials(products, self.hosts, self.wire)
+        return total * rms_scale(reduce_partials(squares, self.hosts, self.wire), width, eps)
+
+    def parts(self, v: jax.Array, g: jax.Array) -> tuple[list, list]:
+        """Each piece's partial product bf(ρ_r γ_r) W_r [B, N] and Σ ρ_r² [B, 1] (f32, as its
+        rank computes them, not yet rounded for the wire): v ρ [B, Lat], g γ [Lat] f32."""
         products, squares = [], []
         for piece, (start, stop) in zip(self.pieces, self.bounds, strict=True):
             pad = [(0, 0)] * (v.ndim - 1) + [(0, piece.shape[-2] - (stop - start))]
             chunk = jnp.pad(v[..., start:stop], pad)  # [B, c]
             squares.append(ordered_sum(chunk * chunk, keepdims=True))  # [B, 1]
             products.append(matmul(bf(chunk * jnp.pad(g[start:stop], pad[-1:])), piece))
-        total = reduce_partials(products, self.hosts, self.wire)
-        return total * rms_scale(reduce_partials(squares, self.hosts, self.wire), width, eps)
+        return products, squares
 
 
 def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Array:

@@ -10,14 +10,17 @@ and computes the step of `reference_sharded` with them:
                   multiplies its slice of the contraction, the partial products are all-gathered
                   and every rank adds them in the one fixed order (`numerics.reduce_partials`);
                   the routed experts likewise: each rank the weighted sum of its expert group's
-                  experts, the groups' sums all-gathered and added in group order
+                  experts, the groups' sums all-gathered and added in group order; with the
+                  restructured collectives W_lu too (`reference_sharded`'s `NormedRows`): each
+                  rank its latent rows' product and Σ ρ², both all-gathered and added in the
+                  order of the shared experts' sum, RMSNorm's scale applied after it
   the rest        every other split weight (by heads, vocabulary, column chunks) is all-gathered
                   whole at the step's start, and every rank computes the rest of the step whole
                   (as the exact collectives do: they move whole values, so nothing changes)
 
-so its logits and state equal `reference_sharded.decode_step`'s on one device (and, with
-collectives "exact", `reference.decode_step`'s): the same partial products added in the same
-order. Across processes the all-gathers are JAX's collectives between them (gloo on CPU), which
+so its logits and state equal `reference_sharded.decode_step`'s on one device for the layout's
+collectives, partial-sum or restructured (and, with collectives "exact", `reference.decode_step`'s):
+the same partial products added in the same order. Across processes the all-gathers are JAX's collectives between them (gloo on CPU), which
 move bits, never add them: 2 processes of 4 devices give the bits of 1 process of 8
 (tests/test_multihost.py). The state is whole and replicated on every rank.
 
@@ -42,7 +45,15 @@ from jax.sharding import PartitionSpec as P
 
 from mkresearch.hardware import distributed
 from mkresearch.model import reference, spec
-from mkresearch.model.numerics import ExpertGroups, Partials, group_sum, matmul
+from mkresearch.model.numerics import (
+    ExpertGroups,
+    NormedRows,
+    Partials,
+    bf,
+    group_sum,
+    matmul,
+    ordered_sum,
+)
 from mkresearch.sharding import layout as layouts
 from mkresearch.sharding import reference_sharded
 
@@ -71,6 +82,36 @@ class RankPartials(Partials):
         gathered = lax.all_gather(matmul(lax.dynamic_slice_in_dim(x, start, rows, axis=-1),
                                          piece), self.axis)  # [n_ranks, ..., N]
         return [gathered[rank] for rank in self.firsts]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"],
+                   meta_fields=["bounds", "wire", "hosts", "spans", "firsts", "axis"])
+@dataclass(frozen=True)
+class RankNormedRows(NormedRows):
+    """The restructured mode's W_lu as one rank holds it: pieces = (this rank's latent rows,),
+    rows spans[rank] = (start, stop) of ρ (zero-padded as the layout pads them); its partial
+    product and Σ ρ² are all-gathered over `axis` and the slices' (one per slice: the ranks
+    `firsts`) added as `NormedRows` adds them."""
+
+    spans: tuple = ()
+    firsts: tuple = ()
+    axis: str = AXIS
+
+    def parts(self, v: jax.Array, g: jax.Array) -> tuple[list, list]:
+        piece = self.pieces[0]
+        rows = piece.shape[-2]
+        need = max(max(start for start, _ in self.spans) + rows - v.shape[-1], 0)
+        rank = lax.axis_index(self.axis)
+        start = jnp.asarray([start for start, _ in self.spans], jnp.int32)[rank]
+        length = jnp.asarray([stop - start for start, stop in self.spans], jnp.int32)[rank]
+        real = jnp.arange(rows) < length  # this rank's real rows; the rest its padding: zeros
+        chunk = jnp.where(real, lax.dynamic_slice_in_dim(
+            jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, need)]), start, rows, axis=-1), 0.0)
+        gain = jnp.where(real, lax.dynamic_slice_in_dim(jnp.pad(g, (0, need)), start, rows), 0.0)
+        square = ordered_sum(chunk * chunk, keepdims=True)  # [B, 1]
+        product = matmul(bf(chunk * gain), piece)  # [B, N]
+        products, squares = (lax.all_gather(part, self.axis) for part in (product, square))
+        return [products[r] for r in self.firsts], [squares[r] for r in self.firsts]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"],
@@ -122,7 +163,7 @@ class MeshReference:
 
     def __post_init__(self) -> None:
         lay = self.layout
-        if lay.collectives == layouts.PARTIAL_SUM:
+        if lay.partial_sums:  # partial-sum or restructured
             reference_sharded.check_hosts(lay, self.ranks_per_host)
 
 
@@ -189,6 +230,17 @@ def _rank_partials(lay: layouts.Layout, p: spec.Param, local: Any, group: str, w
                         firsts, AXIS)
 
 
+def _rank_normed_rows(lay: layouts.Layout, p: spec.Param, entries: dict, local: Any,
+                      wire: str, per_host: int) -> RankNormedRows:
+    """As `reference_sharded`'s W_lu: one piece per slice of the group its shared experts'
+    reduction adds (`Param.beside`), in that order, each rank's rows of ρ by `Param.scattered`."""
+    rows = len(p.shape) - 2
+    firsts = lay.slice_firsts(entries[p.beside].gather)
+    spans = tuple(lay.bounds(p.scattered, p.shape[rows], r)[:2] for r in range(lay.n_ranks))
+    return RankNormedRows((local,), tuple(spans[r] for r in firsts), wire,
+                          tuple(r // per_host for r in firsts), spans, firsts, AXIS)
+
+
 def _rank_experts(lay: layouts.Layout, kind: str, local: Any, wire: str,
                   per_host: int) -> RankExpertGroups:
     """As `reference_sharded._expert_groups`: one partial per expert group (ETP = 1), or with
@@ -207,7 +259,7 @@ def rank_params(plan: MeshReference, local: dict) -> dict:
     """Inside the mesh: the parameters as the reference reads them on this rank, from its slices
     `local` (module docstring: row-split matrices and expert groups stay, the rest gathered)."""
     lay = plan.layout
-    partial = lay.collectives == layouts.PARTIAL_SUM and lay.n_ranks > 1
+    partial = lay.partial_sums and lay.n_ranks > 1  # partial-sum or restructured
     per_host = plan.ranks_per_host or lay.n_ranks
     out = {}
     for kind, entries in spec.param_table(lay.cfg).items():
@@ -223,6 +275,9 @@ def rank_params(plan: MeshReference, local: dict) -> dict:
                               for name, q in p.items()}
             elif partial and (group := reference_sharded.row_split(lay, p)) is not None:
                 stack[key] = _rank_partials(lay, p, local[kind][key], group, plan.wire, per_host)
+            elif partial and reference_sharded.scattered_rows(lay, p):  # restructured: W_lu
+                stack[key] = _rank_normed_rows(lay, p, entries, local[kind][key], plan.wire,
+                                               per_host)
             else:
                 stack[key] = _gather_whole(lay, p, local[kind][key])
         out[kind] = stack

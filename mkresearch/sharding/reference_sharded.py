@@ -131,7 +131,7 @@ def sharded_params(params: dict, lay: layouts.Layout, wire: str = "f32",
                 stack[key] = _expert_groups(lay, params[kind][key], kind, wire, per_host)
             elif isinstance(p, spec.Param) and (group := row_split(lay, p)) is not None:
                 stack[key] = _partials(lay, params[kind][key], p, group, wire, per_host)
-            elif isinstance(p, spec.Param) and _scattered(lay, p):  # restructured: W_lu
+            elif isinstance(p, spec.Param) and scattered_rows(lay, p):  # restructured: W_lu
                 stack[key] = _normed_rows(lay, params[kind][key], p, entries, wire, per_host)
         out[kind] = stack
     return out
@@ -151,7 +151,7 @@ def _expert_groups(lay: layouts.Layout, experts: Any, kind: str, wire: str,
                         merged, ranks)
 
 
-def _scattered(lay: layouts.Layout, p: spec.Param) -> bool:
+def scattered_rows(lay: layouts.Layout, p: spec.Param) -> bool:
     """Whether the restructured layout splits p by the rows its input is reduce-scattered by."""
     rows = len(p.shape) - 2
     return (lay.collectives == layouts.RESTRUCTURED and p.scattered is not None and rows >= 0

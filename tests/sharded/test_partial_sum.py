@@ -32,7 +32,13 @@ from mkresearch.kernels.stages import gate_up
 
 from mkresearch.measurement import collective_overlap
 from mkresearch.model import config, reference, weights
-from mkresearch.sharding import layout, layout_bytes, layout_split, reference_sharded
+from mkresearch.sharding import (
+    layout,
+    layout_bytes,
+    layout_split,
+    reference_mesh,
+    reference_sharded,
+)
 
 # the fast cases' model: kimi-k3-mini's first 4 layers (test_sharded_decode.FIRST_4_LAYERS)
 KIMI_4L = test_sharded_decode.FIRST_4_LAYERS
@@ -84,10 +90,12 @@ def setup(model, batch, wire="f32", levels=False, mode=layout.PARTIAL_SUM, etp=N
 
 
 def step(model, batch, wire="f32", temperature=None, rows=None, record=False, levels=False,
-         mode=layout.PARTIAL_SUM, etp=None):
+         mode=layout.PARTIAL_SUM, etp=None, mesh_reference=False):
     """One step of a partial-sum mode, checked against the sharded reference -> (tokens,
     logits, DMA log or None). rows: run only these rows of the batch's inputs (a row alone);
-    levels: the reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks."""
+    levels: the reductions sent as LEVELS says, on hosts of RANKS_PER_HOST ranks;
+    mesh_reference: `decode --backend reference`'s step of the same mode too (`reference_mesh`),
+    its logits equal to the kernel's and its state to the sharded reference's, to the bit."""
     params, lay, plan, mesh, prepared, state, tokens, positions = setup(model, batch, wire,
                                                                         levels, mode, etp)
     if rows is not None:
@@ -114,6 +122,12 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False, le
         np.testing.assert_array_equal(np.asarray(got_leaf).view(np.uint8),
                                       np.asarray(want_leaf).view(np.uint8),
                                       err_msg="a rank's state slice != the sharded reference's")
+    if mesh_reference:
+        mesh_logits, mesh_state = mesh_reference_step(params, lay, state, tokens, positions, wire,
+                                                      plan.mega.options.ranks_per_host)
+        np.testing.assert_array_equal(mesh_logits.view(np.uint32), logits.view(np.uint32),
+                                      err_msg=f"the mesh reference's {mode} logits != the kernel's")
+        assert_states_equal(mesh_state, want_state)
     single, _, single_aux = reference.decode_step(params, state, jnp.asarray(tokens),
                                                   jnp.asarray(positions), lay.cfg)
     diff = float(np.abs(logits - np.asarray(single)).max())
@@ -128,6 +142,38 @@ def step(model, batch, wire="f32", temperature=None, rows=None, record=False, le
           f"{reference_sharded.SAME_ROUTING_BOUND[wire]})")
     assert reference_sharded.within_claim(logits, single, routing, wire).all()
     return np.asarray(got), logits, log
+
+
+def mesh_reference_step(params, lay, state, tokens, positions, wire="f32", ranks_per_host=0):
+    """`decode --ranks N --backend reference`'s step (`reference_mesh`: plain JAX on the mesh,
+    each rank holding its slices of lay's collectives mode) -> (logits [B, V], state), numpy."""
+    mesh = reference_mesh.make_mesh(lay.n_ranks)
+    plan = reference_mesh.MeshReference(lay, wire, ranks_per_host)
+    placed = reference_mesh.place_params(layout.shard_params(params, lay), mesh)
+    logits, new_state, _ = reference_mesh.decode_step(
+        placed, reference_mesh.place_state(jax.tree.map(np.asarray, state), mesh), tokens,
+        positions, plan, mesh)
+    return np.asarray(logits), jax.tree.map(np.asarray, new_state)
+
+
+def assert_states_equal(got, want):
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got_leaf).view(np.uint8),
+                                      np.asarray(want_leaf).view(np.uint8))
+
+
+def test_mesh_reference_exact_is_the_reference():
+    """`decode --backend reference --collectives exact`'s step (every split weight gathered
+    whole) is the single-device reference's, logits and state to the bit; the partial-sum and
+    restructured modes' steps equal their kernels' (`step(mesh_reference=True)`: the fast
+    cases)."""
+    params, _, _, _, _, state, tokens, positions = setup(KIMI_4L, 3)
+    lay = layout.layout(KIMI_4L, N_RANKS, collectives=layout.EXACT)
+    logits, mesh_state = mesh_reference_step(params, lay, state, tokens, positions)
+    want, want_state, _ = reference.decode_step(params, state, jnp.asarray(tokens),
+                                                jnp.asarray(positions), KIMI_4L)
+    np.testing.assert_array_equal(logits.view(np.uint32), np.asarray(want).view(np.uint32))
+    assert_states_equal(mesh_state, want_state)
 
 
 MIXED = [None, 0.8, None]  # greedy, sampled, greedy rows
@@ -332,11 +378,13 @@ RESTRUCTURED = RESTRUCTURED_MODE
 def test_restructured_kimi_b3_greedy_and_sampled_rows(race_checked):
     """The restructured mode (ρ reduce-scattered, W_lu by its latent rows beside the shared
     experts' sum, the norm's scale after it) equals its sharded reference to the bit, on every
-    rank; recorded: ρ's only remote copies are its reduce-scatter's, one message per peer, and
+    rank, and so does `decode --backend reference --collectives restructured`'s step (the
+    kernel's logits: issue 79 found it running the exact mode); recorded: ρ's only remote copies are its reduce-scatter's, one message per peer, and
     W_lu has no collective of its own (its partial sums ride in the shared experts' messages);
     the reduce-scatter is in flight while the shared experts run: in each MoE layer, blocks of
     theirs are waited for after its last copy starts and before it is waited for."""
-    _, _, log = step(KIMI_4L, 3, temperature=MIXED, record=True, mode=RESTRUCTURED)
+    _, _, log = step(KIMI_4L, 3, temperature=MIXED, record=True, mode=RESTRUCTURED,
+                     mesh_reference=True)  # decode --backend reference's restructured step too
     cfg, scatter = KIMI_4L, "expert/sum/reduce_scatter"
     for rank in range(N_RANKS):
         events = log.of_rank(rank).events
