@@ -11,10 +11,13 @@ is passed on prefixed "[process i]".
 Watching: the first process to fail (a non-zero exit status, or killed by a signal) ends the
 run: one line on stderr names it, how it ended and its last line of stderr, and every other
 process is killed (SIGKILL to its process group: JAX's runtime catches SIGTERM), then waited
-for. `--timeout S` ends a run that has not finished after S seconds the same way. A signal to
-this command (Ctrl-C, SIGTERM) stops every process first. On Linux each process is also killed
-when this command dies (PR_SET_PDEATHSIG), so no process outlives it. The exit status is 0 when
-every process exited 0, else the failing process's status (128 + signal when killed).
+for. SIGINT or SIGTERM to one of the processes kills it at once (a joined process restores
+their default actions: `hardware.distributed.end_on_signals`), so the run ends the same way,
+naming it. `--timeout S` ends a run that has not finished after S seconds the same way. A signal
+to this command (Ctrl-C, SIGTERM) stops every process first (exit status 128 + the signal). On
+Linux each process is also killed when this command dies (PR_SET_PDEATHSIG), so no process
+outlives it. The exit status is 0 when every process exited 0, else the failing process's
+status (128 + signal when killed).
 """
 
 from __future__ import annotations
@@ -231,7 +234,10 @@ def run(args: argparse.Namespace) -> int:
           f"(pids {', '.join(str(p.popen.pid) for p in processes)}), {devices} devices each, "
           f"coordinator 127.0.0.1:{port}", file=sys.stderr, flush=True)
 
+    received = [signal.SIGINT]  # Ctrl-C's KeyboardInterrupt, unless SIGTERM came
+
     def interrupted(signum: int, frame: Any) -> None:
+        received[0] = signal.Signals(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
@@ -239,8 +245,9 @@ def run(args: argparse.Namespace) -> int:
         failed, how = watch(processes, args.timeout)
     except KeyboardInterrupt:
         stop(processes)
-        print(f"{PREFIX}: interrupted: stopped all {len(processes)} processes", file=sys.stderr)
-        return 130
+        print(f"{PREFIX}: received {received[0].name}: stopped all {len(processes)} processes",
+              file=sys.stderr)
+        return 128 + received[0]
     finally:
         signal.signal(signal.SIGTERM, previous)
     others = [p for p in processes if p is not failed and p.popen.poll() is None]

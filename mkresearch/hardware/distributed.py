@@ -7,7 +7,8 @@ a mesh of every process's devices is one SPMD program whose collectives cross th
 (on TPU over ICI; on CPU over TCP, JAX's gloo collectives). This module is the one place that
 joins such a run and moves arrays in and out of it:
 
-    initialize(Runtime(...))      join: `jax.distributed.initialize` before JAX's backend starts
+    initialize(Runtime(...))      join: `jax.distributed.initialize` before JAX's backend starts;
+                                  then SIGINT and SIGTERM end the process at once (end_on_signals)
     runtime_from(...)             a Runtime from flags, else the MKRESEARCH_* environment
     ordered_devices(), mesh(n)    the global devices, each process's consecutive (ranks of a host)
     local_ranks(mesh)             the mesh positions whose devices this process holds
@@ -141,12 +142,40 @@ def initialize(runtime: Runtime | None) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
         if runtime.local_devices is not None:
             jax.config.update("jax_num_cpu_devices", runtime.local_devices)
+    # no preemption notices: JAX's would take SIGTERM over and let the run go on (end_on_signals)
+    jax.config.update("jax_enable_preemption_service", False)
     if runtime.coordinator == AUTO:
         jax.distributed.initialize()
     else:
         jax.distributed.initialize(runtime.coordinator, runtime.num_processes,
                                    runtime.process_id)
+    end_on_signals()
     return True
+
+
+ENDING_SIGNALS = ("SIGINT", "SIGTERM")
+
+
+def end_on_signals() -> None:
+    """SIGINT and SIGTERM end this process at once, killed by the signal (their default
+    actions), wherever it is: in a step, in a collective waiting for a peer, compiling.
+
+    Why not Python's ways: JAX's preemption service takes SIGTERM as a notice for
+    `reached_preemption_sync_point` and the run goes on to its end (exit 0; mkresearch has no
+    sync points, so `initialize` turns the service off), and SIGINT's KeyboardInterrupt waits
+    for the main thread to return from JAX, then its exit waits in `jax.distributed.shutdown`
+    for peers still stepping (a collective's timeout later, ~30 s, blaming whichever failed
+    first, or never). Killed by the signal, the process ends in milliseconds and its launcher
+    (`mkresearch launch`) sees how: it names the process and the signal and stops the others
+    (tests/test_multihost.py). Only in a multi-process run; the main thread only (where Python
+    lets a handler be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ENDING_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def process_count() -> int:
