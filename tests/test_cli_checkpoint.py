@@ -207,9 +207,9 @@ def test_ranks_with_checkpoint_goes_to_the_sharded_run(checkpoint, monkeypatch, 
 @pytest.mark.slow
 def test_decode_on_2_ranks_from_a_checkpoint_in_a_child(checkpoint, capfd, monkeypatch):
     """The checkpoint's weights onto 2 simulated ranks by the layout (`decode_sharded`): each
-    step's logits bit-equal to the sharded reference's and within the partial-sum claim of the
-    reference; the text of the tokens. A child compiling the sharded, single-device and
-    reference steps (the slowest test of this module). The command from this process
+    step's logits and states bit-equal to the sharded reference's and within the partial-sum
+    claim of the reference; the text of the tokens. A child compiling the sharded,
+    single-device and reference steps (the slowest test of this module). The command from this process
     (`cli.main`: a parent process would only start Python and JAX again); the child it runs
     prints on this process's stdout."""
     directory, cfg, _ = checkpoint

@@ -187,9 +187,9 @@ def test_decode_with_the_router_placed_in_a_child_json():
 
 def check_sharded_decode(result: dict, collectives: str = "partial-sum") -> None:
     """The checks of `decode --ranks 2 --json` (cli.ranks.decode_sharded, the path of every
-    `--ranks` run): the logits bit-equal to the sharded reference's at every step, the
-    partial-sum claim of its wire against the reference (`reference_sharded`), and a row per
-    rank whose bytes add up."""
+    `--ranks` run): the logits and every rank's slice of every state leaf bit-equal to the
+    sharded reference's at every step, the partial-sum claim of its wire against the reference
+    (`reference_sharded`), and a row per rank whose bytes add up."""
     agree, single = result["agreement"], result["single_device"]
     assert result["collectives"] == collectives and result["backend"] == "megakernel"
     bound = reference_sharded.SAME_ROUTING_BOUND[result.get("wire", "f32")]
@@ -198,6 +198,7 @@ def check_sharded_decode(result: dict, collectives: str = "partial-sum") -> None
     for tie in agree["near_ties"]:  # another greedy token: at a near-tie or after a routing flip
         assert tie["routing_differed"] or tie["top2_gap"] < 2 * agree["bound_same_routing"]
     assert single["passed"] and single["sharded_reference_bit_equal_steps"] == single["steps"]
+    assert single["state_bit_equal_steps"] == single["steps"] and not single["state_mismatches"]
     assert result["passed"]
     ranks = result["per_rank"]
     assert [row["rank"] for row in ranks] == [0, 1]
