@@ -257,7 +257,7 @@ def decode_sharded(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, se
     state = sharded.shard_state(reference.init_state(cfg, batch), lay, mesh)
     checks = (None if loaded is not None else
               SingleDeviceChecks(params, lay, batch, options, plan.mega.options.ranks_per_host,
-                                 wire))  # the state is laid out by `lay` (the router's aside)
+                                 wire))
     bar = tqdm(total=prompt_len + steps - 1, desc=f"{cfg.name} on {n_ranks} ranks", unit="step",
                disable=not progress, leave=False)
     generated, digest, clock, state, token = _step_sharded(prepared, state, prompt, steps, plan,

@@ -19,10 +19,11 @@ and computes the step of `reference_sharded` with them:
                   (as the exact collectives do: they move whole values, so nothing changes)
 
 so its logits and state equal `reference_sharded.decode_step`'s on one device for the layout's
-collectives, partial-sum or restructured (and, with collectives "exact", `reference.decode_step`'s):
-the same partial products added in the same order. Across processes the all-gathers are JAX's collectives between them (gloo on CPU), which
-move bits, never add them: 2 processes of 4 devices give the bits of 1 process of 8
-(tests/test_multihost.py). The state is whole and replicated on every rank.
+collectives, partial-sum or restructured (and, with collectives "exact",
+`reference.decode_step`'s): the same partial products added in the same order. Across processes
+the all-gathers are JAX's collectives between them (gloo on CPU), which move bits, never add
+them: 2 processes of 4 devices give the bits of 1 process of 8 (tests/test_multihost.py). The
+state is whole and replicated on every rank.
 
 Experts split by ETP too (`layout.layout(etp=)`: each expert's hidden over the ETP ranks of its
 group): each rank computes its hidden slice's partial output of its group's chosen experts
@@ -100,10 +101,10 @@ class RankNormedRows(NormedRows):
     def parts(self, v: jax.Array, g: jax.Array) -> tuple[list, list]:
         piece = self.pieces[0]
         rows = piece.shape[-2]
-        need = max(max(start for start, _ in self.spans) + rows - v.shape[-1], 0)
+        need = max(max(first for first, _ in self.spans) + rows - v.shape[-1], 0)
         rank = lax.axis_index(self.axis)
-        start = jnp.asarray([start for start, _ in self.spans], jnp.int32)[rank]
-        length = jnp.asarray([stop - start for start, stop in self.spans], jnp.int32)[rank]
+        start = jnp.asarray([first for first, _ in self.spans], jnp.int32)[rank]
+        length = jnp.asarray([end - first for first, end in self.spans], jnp.int32)[rank]
         real = jnp.arange(rows) < length  # this rank's real rows; the rest its padding: zeros
         chunk = jnp.where(real, lax.dynamic_slice_in_dim(
             jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, need)]), start, rows, axis=-1), 0.0)
