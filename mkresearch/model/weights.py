@@ -8,7 +8,8 @@ experts are stored in `cfg.expert_format` (`mkresearch.model.formats`, docs/kimi
 
 Initialisation: every leaf is drawn from its own numpy stream seeded by (seed, leaf path), at f32,
 with matrices ~ N(0, 1/in) so every projection keeps an O(1) RMS; norm weights near 1; embedding
-rows RMS 1. Experts are generated at full precision, then quantised into the format.
+rows RMS 1. Experts are generated at full precision, then quantised into the format. Widths padded
+to whole lanes (GPT-OSS's 2880) have their padding zero (`zero_padding`).
 
 Memory: a leaf is made on the host and sent to the device once, in its stored dtype: f32 values
 never reach the device, and a stacked leaf is drawn and quantised one slice of its leading axis
@@ -75,6 +76,35 @@ def _draw(leaf: spec.Param, rng: np.random.Generator) -> np.ndarray:
 _quantize_jit = jax.jit(quantize, static_argnames="fmt")
 
 
+def padded_widths(cfg: ModelConfig) -> dict[int, int]:
+    """{our width: the checkpoint's} of the widths cfg pads to whole lanes (GPT-OSS: d_model and
+    expert_hidden 2944 from 2880; ModelConfig.d_model_checkpoint), none for most models."""
+    return {ours: theirs for ours, theirs in ((cfg.d_model, cfg.d_model_checkpoint),
+                                              (cfg.expert_hidden, cfg.expert_hidden_checkpoint))
+            if theirs and theirs != ours}
+
+
+def unpadded_shape(shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    """A parameter's logical shape as the checkpoint has it: every axis of a padded width at the
+    checkpoint's width (`padded_widths`)."""
+    widths = padded_widths(cfg)
+    return tuple(widths.get(length, length) for length in shape)
+
+
+def zero_padding(values: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """`values` (one parameter, at its logical shape) with the padding of every axis of a padded
+    width zero (`padded_widths`: an axis as long as d_model holds d_model_checkpoint values, then
+    zeros), so the hidden state's padding stays zero and no output changes (the config refuses
+    widths that would make an axis ambiguous)."""
+    for ours, theirs in padded_widths(cfg).items():
+        for axis, length in enumerate(values.shape):
+            if length == ours:
+                index = [slice(None)] * values.ndim
+                index[axis] = slice(theirs, None)
+                values[tuple(index)] = 0
+    return values
+
+
 def _fill(table: Any, cfg: ModelConfig, seed: int, prefix: str = "") -> dict[str, Any]:
     """Arrays for a table of spec.Param, each leaf from its own stream seeded by (seed, prefix +
     leaf path)."""
@@ -85,9 +115,11 @@ def _fill(table: Any, cfg: ModelConfig, seed: int, prefix: str = "") -> dict[str
         name = prefix + jax.tree_util.keystr(path)
         rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
         if not leaf.quantized:
-            return jax.device_put(_draw(leaf, rng).astype(jnp.dtype(leaf.dtype)))
+            values = zero_padding(_draw(leaf, rng), cfg)
+            return jax.device_put(values.astype(jnp.dtype(leaf.dtype)))
         one = dataclasses.replace(leaf, shape=leaf.shape[1:])  # a slice: one layer's experts
-        slices = [_on_host(_draw(one, rng), cfg.expert_format) for _ in range(leaf.shape[0])]
+        slices = [_on_host(zero_padding(_draw(one, rng), cfg), cfg.expert_format)
+                  for _ in range(leaf.shape[0])]
         return jax.tree.map(_stacked, *slices)
 
     return jax.tree_util.tree_map_with_path(fill, table, is_leaf=_is_leaf)
