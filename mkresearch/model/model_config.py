@@ -500,6 +500,7 @@ GPT_OSS_20B = KIMI_K3.replace(
     d_model=2944,
     d_model_checkpoint=2880,
     n_layers=24,
+    mla_first=0,  # unused (the Kimi pattern): any layer count
     vocab_size=201088,
     n_heads=64,
     n_kv_heads=8,
