@@ -31,7 +31,7 @@ import numpy as np
 
 import mkresearch.model.stages  # noqa: F401 - registers the built-in stage kinds
 from mkresearch.model import mtp, spec
-from mkresearch.model.config import ModelConfig
+from mkresearch.model.config import MXFP4_BLOCK, ModelConfig
 from mkresearch.model.formats import (  # noqa: F401 - the formats, re-exported where they were
     E2M1_VALUES,
     EXPERT_MATRICES,
@@ -145,6 +145,71 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     """The parameter pytree of `param_shapes(cfg)`, filled deterministically from (cfg, seed)."""
     spec.check(cfg)
     return _fill(spec.param_table(cfg), cfg, seed)
+
+
+# ---- random weights drawn on the device, straight into the stored formats ---------------------
+E2M1_RMS = float(np.sqrt(np.mean(np.square(E2M1_VALUES))))  # of a uniformly random nibble
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """Random weights of `param_shapes(cfg)` drawn on the default device, leaf by leaf, for a
+    full-size model timed on one chip (gpt-oss-20b on a 16 GB v5e: `init_params` draws each
+    expert stack at full precision first, 27 GB of f32 for gpt-oss-20b's W1 alone). Each leaf's
+    distribution is `init_params`'s, not its values: normal / uniform leaves drawn in f32 and
+    rounded to their dtype; MXFP4 experts drawn as they are stored, uniformly random codes with
+    the one E8M0 scale that gives them the RMS of the leaf's normal (no full-precision matrix
+    ever exists); other expert formats drawn at full precision and quantised on the device. The
+    padding of widths rounded up to whole lanes is zero, as `init_params`'."""
+    spec.check(cfg)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} is invalid: an int >= 0")
+    key = jax.random.key(int(seed))
+
+    def draw(path: tuple, leaf: spec.Param) -> Any:
+        leaf_key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+        return _random_leaf(leaf_key, leaf, cfg)
+
+    return jax.tree_util.tree_map_with_path(draw, spec.param_table(cfg), is_leaf=_is_leaf)
+
+
+def _random_leaf(key: jax.Array, leaf: spec.Param, cfg: ModelConfig) -> Any:
+    unpadded = unpadded_shape(leaf.shape, cfg)
+    if leaf.quantized and cfg.expert_format == "mxfp4":
+        *lead, k, n = leaf.shape
+        exponent = int(np.round(np.log2(leaf.init[1] / E2M1_RMS)))  # the normal's std
+        return _random_mxfp4(key, tuple(lead), k, n, unpadded[-2], unpadded[-1], exponent + 127)
+    values = _random_values(key, leaf.shape, leaf.init, unpadded)
+    if leaf.quantized:
+        return _quantize_jit(values, fmt=cfg.expert_format)
+    return values.astype(leaf.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_values(key: jax.Array, shape: tuple, init: tuple, unpadded: tuple) -> jax.Array:
+    kind, *args = init
+    if kind == "normal":
+        values = jax.random.normal(key, shape, jnp.float32) * args[0]
+    elif kind == "uniform":
+        values = jax.random.uniform(key, shape, jnp.float32, args[0], args[1])
+    else:  # "log_uniform"
+        values = jnp.log(jax.random.uniform(key, shape, jnp.float32, args[0], args[1]))
+    for axis, (ours, theirs) in enumerate(zip(shape, unpadded)):
+        if theirs != ours:  # the padding: zero
+            index = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+            values = jnp.where(index < theirs, values, 0.0)
+    return values
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _random_mxfp4(key: jax.Array, lead: tuple, k: int, n: int, k_used: int, n_used: int,
+                  scale: int) -> dict[str, jax.Array]:
+    codes = jax.random.bits(key, (*lead, k // NIBBLES_PER_WORD, n), jnp.uint32)
+    shape = codes.shape
+    used = ((jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < k_used // NIBBLES_PER_WORD)
+            & (jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < n_used))
+    codes = jnp.where(used, codes, jnp.uint32(0))  # the padding: zero values
+    return {"codes": codes,
+            "scales": jnp.full((*lead, k // MXFP4_BLOCK, n), scale, jnp.uint8)}
 
 
 # ---- multi-token-prediction modules (DeepSeek-V3): a draft model, apart from the step ----------
