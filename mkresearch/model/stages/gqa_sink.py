@@ -67,7 +67,7 @@ def sink_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
     scale = rope.attention_scale(cfg, cfg.head_dim)
     new_score = numerics.dot_exact(q, k_new) * scale  # [B, H]
     q_groups = q.reshape(batch, cfg.n_kv_heads, group, cfg.head_dim)  # [B, KV, G, D]
-    scores = jnp.einsum("bkgd,bksd->bkgs", q_groups, cache["k"], preferred_element_type=f32)
+    scores = numerics.einsum("bkgd,bksd->bkgs", q_groups, cache["k"])
     scores = scores.reshape(batch, cfg.n_heads, -1) * scale  # [B, H, S]
     o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile,
                                    sinks=p["sinks"], window=window))  # [B, H, D]
