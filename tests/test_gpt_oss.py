@@ -22,7 +22,7 @@ from test_families_reference import (
 )
 
 from mkresearch.cli import main as cli_main
-from mkresearch.model import reference, rope, roofline, weights
+from mkresearch.model import formats, reference, rope, roofline, weights
 from mkresearch.model.config import LANE, get_config
 from mkresearch.model.stages import ffn, gqa_sink, moe_full
 
@@ -199,7 +199,9 @@ def np_sink_attention(p, x, cache, positions, cfg, window):
            * scale)
     k = bf(np.stack([np_rotate_half(proj["k"][b], positions[b], freq, r) for b in range(B)])
            * scale)
-    keys, values = f64(cache["k"]).copy(), f64(cache["v"]).copy()
+    # the cache [B, S, KV·D] as [B, KV, S, D]
+    keys, values = (f64(cache[n]).reshape(B, -1, KV, D).transpose(0, 2, 1, 3).copy()
+                    for n in ("k", "v"))
     sinks = f64(p["sinks"])
     out = np.zeros((B, H, D))
     for b in range(B):
@@ -212,7 +214,8 @@ def np_sink_attention(p, x, cache, positions, cfg, window):
             logits = np.append(s, sinks[h])
             a = np.exp(logits - logits.max())
             out[b, h] = bf((a[:-1] / a.sum()) @ values[b, g, first:pos + 1])
-    return bf(out.reshape(B, H * D) @ f64(p["w_o"]) + f64(p["b_o"])), keys, values
+    back = [a.transpose(0, 2, 1, 3).reshape(B, -1, KV * D) for a in (keys, values)]
+    return bf(out.reshape(B, H * D) @ f64(p["w_o"]) + f64(p["b_o"])), *back
 
 
 @pytest.mark.slow
@@ -222,7 +225,7 @@ def test_sink_attention_matches_float64(kind):
     cfg = get_config("gpt-oss-mini")
     p = reference.layer_params(weights.init_params(cfg, 3)[kind], 1)
     positions = np.array([0, 47, 48, 100])
-    shape = (4, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+    shape = (4, cfg.max_seq_len, cfg.n_kv_heads * cfg.head_dim)  # lane-dense
     cache = random_cache({"k": shape, "v": shape}, seed=4)
     x = normalised(4, cfg.d_model, seed=5)
     window = gqa_sink.window_of(kind, cfg)
@@ -240,11 +243,11 @@ def test_tokens_outside_the_window_change_no_bit():
     cfg = get_config("gpt-oss-mini")
     p = reference.layer_params(weights.init_params(cfg, 3)[gqa_sink.WINDOW], 0)
     positions = jnp.asarray([100, 60], jnp.int32)
-    shape = (2, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+    shape = (2, cfg.max_seq_len, cfg.n_kv_heads * cfg.head_dim)
     cache = random_cache({"k": shape, "v": shape}, seed=6)
     slots = np.arange(cfg.max_seq_len)
     before = slots[None, :] <= np.asarray(positions)[:, None] - cfg.sliding_window  # [B, S]
-    other = jax.tree.map(lambda c: jnp.where(before[:, None, :, None], 1e4, c), cache)
+    other = jax.tree.map(lambda c: jnp.where(before[:, :, None], 1e4, c), cache)
     run = jax.jit(gqa_sink.sink_attention, static_argnames=("cfg", "window"))
     a, _ = run(p, normalised(2, cfg.d_model, 7), cache, positions, cfg, cfg.sliding_window)
     b, _ = run(p, normalised(2, cfg.d_model, 7), other, positions, cfg, cfg.sliding_window)
@@ -319,3 +322,26 @@ def test_padding_stays_zero_through_the_step():
     normed = reference.rms_norm(h, jnp.ones(cfg.d_model), cfg.rms_eps, cfg.d_norm)
     want = bf(f64(h) / np.sqrt((f64(h) ** 2).sum(-1, keepdims=True) / cfg.d_norm + cfg.rms_eps))
     np.testing.assert_allclose(f64(normed), want, rtol=2 ** -7)
+
+
+def test_random_params_are_drawn_on_the_device_in_the_stored_format():
+    """`weights.random_params` (gpt-oss-20b timed on one v5e: benchmarks/gpt_oss_v5e.py): the
+    pytree of `param_shapes`, MXFP4 experts drawn as codes and scales (no full-precision matrix),
+    their RMS the leaf's normal's to within the E8M0 scale's power of two, the padding zero, and
+    a decode step's logits finite and O(1)."""
+    cfg = get_config("gpt-oss-mini")
+    params = weights.random_params(cfg, seed=1)
+    shapes = weights.param_shapes(cfg)
+    assert jax.tree.structure(params) == jax.tree.structure(shapes)
+    assert all(a.shape == b.shape and a.dtype == b.dtype
+               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(shapes)))
+    w1 = np.asarray(formats.mxfp4_unpack(jax.tree.map(lambda a: a[2], params["moe_full"]["experts"]
+                                                      ["w1"])))
+    d, f = cfg.d_norm, cfg.expert_hidden_checkpoint
+    rms = np.sqrt(np.mean(w1[:, :d, :f] ** 2))
+    assert 2 ** -0.5 < rms * np.sqrt(cfg.d_model) < 2 ** 0.5
+    assert not w1[:, d:].any() and not w1[:, :, f:].any()
+    assert not np.asarray(params["embed"][:, d:], np.float32).any()
+    logits, _, _ = reference.decode_step(params, reference.init_state(cfg, 2),
+                                         jnp.asarray([3, 4]), jnp.asarray([0, 0]), cfg)
+    assert np.isfinite(np.asarray(logits)).all() and 0.1 < float(np.std(logits)) < 10

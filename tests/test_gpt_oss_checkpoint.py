@@ -155,7 +155,8 @@ def test_bad_tensor_is_one_line_naming_it_and_its_file(written, tmp_path, change
 @pytest.mark.slow
 def test_decode_checkpoint_prints_text(written, capsys):
     """`decode --checkpoint DIR --prompt TEXT` reads the MXFP4 directory and its tokenizer.json,
-    prefills and decodes, printing the prompt and the generated text."""
+    prefills and decodes, printing the prompt and the generated text: the reference's, and the
+    megakernel's (the same)."""
     directory, _, _ = written["mxfp4"]
     assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", "a prompt fills",
                      "--steps", "3", "--backend", "reference", "--json"]) == 0
@@ -163,4 +164,8 @@ def test_decode_checkpoint_prints_text(written, capsys):
     assert len(result["generated"]) == 3 and result["text"]
     assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", "a prompt fills",
                      "--steps", "3", "--backend", "reference"]) == 0
+    assert capsys.readouterr().out == "a prompt fills" + result["text"] + "\n"
+    # the megakernel (the default backend): the same text
+    assert cli.main(["decode", "--checkpoint", str(directory), "--prompt", "a prompt fills",
+                     "--steps", "3"]) == 0
     assert capsys.readouterr().out == "a prompt fills" + result["text"] + "\n"

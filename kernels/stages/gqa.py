@@ -84,6 +84,9 @@ class GqaPlan:
     sinks: bool = field(default=False, repr=False)
     window: int = field(default=0, repr=False)
     out_bias: bool = field(default=False, repr=False)
+    # the cache [B, S, KV·D]: a token's K/V heads side by side in its lanes (GPT-OSS's kinds,
+    # `stages.gqa_sink.state`), so head_dim 64 fills lanes; else [B, KV, S, D]
+    lane_dense: bool = field(default=False, repr=False)
 
     @property
     def group(self) -> int:
@@ -114,7 +117,7 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int, *, kv_tile: int | None
                    scale=rope.attention_scale(cfg, cfg.head_dim),
                    rope=rope.of(cfg, cfg.rope_dim), rows=rows, prefix=kind,
                    sinks=kind != "gqa", window=gqa_sink_stage.window_of(kind, cfg),
-                   out_bias=kind != "gqa" and cfg.attention_bias)
+                   out_bias=kind != "gqa" and cfg.attention_bias, lane_dense=kind != "gqa")
 
 
 # ---- the body -----------------------------------------------------------------------------------
@@ -222,13 +225,17 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
         else:  # and the group's sinks [G, 1]: a logit each, no value
             carry.append(numerics.sink_seed(score, _sink_column(sinks, g * group, group), value))
 
+    def head(tile, g):  # K/V head g of a tile: [T, D]
+        return tile[:, g * p.head_dim:(g + 1) * p.head_dim] if p.lane_dense else tile[g]
+
     def update(t, tiles, carry):
         k_tile, v_tile = tiles
         new = []
         for g in range(p.n_kv_heads):  # [G, D] x [T, D]ᵀ: the group shares the tile
             q_g = bf16(q_heads[g * group:(g + 1) * group, :])
-            scores = dot_t(q_g, k_tile[g]) * p.scale  # [G, T]
-            new.append(online_softmax_step(p, t, position, scores, f32(v_tile[g]), carry[g]))
+            scores = dot_t(q_g, head(k_tile, g)) * p.scale  # [G, T]
+            new.append(online_softmax_step(p, t, position, scores, f32(head(v_tile, g)),
+                                           carry[g]))
         return new
 
     first = window_first_tile(p, position, p.window) if p.window else None
@@ -238,9 +245,10 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
                  dma.Ring(v_buffers, sems.at[1], name=f"{p.prefix}.kv.v"))
         return tile_loop(p, b, position, rings, (k_hbm, v_hbm), update, carry, indices,
                          phase=f"{p.prefix}.attend", kv_rows=kv_rows,
-                         first=first)  # tiles [KV, T, D] each
+                         first=first)  # tiles [KV, T, D] (lane-dense: [T, KV·D]) each
 
-    tile = (2, p.n_kv_heads, p.kv_tile, p.head_dim)
+    tile = ((2, p.kv_tile, p.n_kv_heads * p.head_dim) if p.lane_dense
+            else (2, p.n_kv_heads, p.kv_tile, p.head_dim))
     final = pl.run_scoped(scoped, pltpu.VMEM(tile, jnp.bfloat16), pltpu.VMEM(tile, jnp.bfloat16),
                           pltpu.SemaphoreType.DMA((2, 2)))
     return [acc / norm for _, norm, acc in final]
@@ -259,10 +267,14 @@ def _sink_column(sinks: jax.Array, first: int, count: int) -> jax.Array:
 def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_out, indices,
                   kv_rows):
     """Write the new token's roped k and v at `position` for every K/V head."""
-    k_entry = jnp.stack([k_new[g:g + 1, :] for g in range(p.n_kv_heads)])  # [KV, 1, D]
-    v_entry = jnp.stack(v_new)  # [KV, 1, D]
+    if p.lane_dense:  # [1, KV·D]: the heads side by side
+        k_entry = jnp.concatenate([k_new[g:g + 1, :] for g in range(p.n_kv_heads)], axis=1)
+        v_entry = jnp.concatenate(v_new, axis=1)
+    else:
+        k_entry = jnp.stack([k_new[g:g + 1, :] for g in range(p.n_kv_heads)])  # [KV, 1, D]
+        v_entry = jnp.stack(v_new)  # [KV, 1, D]
 
-    def scoped(k_block, v_block, sems):  # [KV, 16, D] each
+    def scoped(k_block, v_block, sems):  # [KV, 16, D] (lane-dense: [16, KV·D]) each
         def patch(block, entry):
             def write(is_new):
                 block[...] = jnp.where(is_new, entry, block[...])
@@ -272,7 +284,8 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
                      (patch(k_block, k_entry), patch(v_block, v_entry)),
                      (f"{p.prefix}.kv_update.k", f"{p.prefix}.kv_update.v"), indices, kv_rows)
 
-    block = (p.n_kv_heads, UPDATE_ROWS, p.head_dim)
+    block = ((UPDATE_ROWS, p.n_kv_heads * p.head_dim) if p.lane_dense
+             else (p.n_kv_heads, UPDATE_ROWS, p.head_dim))
     pl.run_scoped(scoped, pltpu.VMEM(block, jnp.bfloat16), pltpu.VMEM(block, jnp.bfloat16),
                   pltpu.SemaphoreType.DMA((2,)))
 
@@ -280,9 +293,11 @@ def _update_cache(p: GqaPlan, b, position, k_new, v_new, k_in, v_in, k_out, v_ou
 # ---- the wrapper --------------------------------------------------------------------------------
 
 
-def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
-    shape = (batch, cfg.n_kv_heads, seq_len, cfg.head_dim)
-    return {"k": shape, "v": shape}
+def cache_shapes(cfg: ModelConfig, batch: int, seq_len: int,
+                 kind: str = "gqa") -> dict[str, tuple[int, ...]]:
+    """The layer's cache by leaf: the kind's state (`spec.Stage.state`) for `batch` rows."""
+    return {name: (batch, *leaf.shape)
+            for name, leaf in spec.stage(kind).state(cfg, seq_len).items()}
 
 
 def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig,
@@ -296,8 +311,10 @@ def check_inputs(p: dict, x: Any, cache: dict, positions: Any, cfg: ModelConfig,
     input_checks.check_arrays(p, "p", expected, {name: param.dtype for name, param in
                                                  spec.stage(kind).params(cfg).items()})
     input_checks.check_keys(cache, "cache", CACHE_NAMES)
-    seq_len = cache["k"].shape[-2] if cache["k"].ndim == 4 else 0
-    input_checks.check_arrays(cache, "cache", cache_shapes(cfg, batch, seq_len),
+    token_axis = spec.stage(kind).state(cfg, 1)["k"].token_axis + 1  # of [B, ...]
+    ndim = len(cache_shapes(cfg, 1, 1, kind)["k"])
+    seq_len = cache["k"].shape[token_axis] if cache["k"].ndim == ndim else 0
+    input_checks.check_arrays(cache, "cache", cache_shapes(cfg, batch, seq_len, kind),
                         note=f" (batch {batch}, length {seq_len})")
     input_checks.check_positions(positions, batch, seq_len)
     return seq_len

@@ -177,32 +177,49 @@ def _random_leaf(key: jax.Array, leaf: spec.Param, cfg: ModelConfig) -> Any:
     if leaf.quantized and cfg.expert_format == "mxfp4":
         *lead, k, n = leaf.shape
         exponent = int(np.round(np.log2(leaf.init[1] / E2M1_RMS)))  # the normal's std
-        return _random_mxfp4(key, tuple(lead), k, n, unpadded[-2], unpadded[-1], exponent + 127)
-    values = _random_values(key, leaf.shape, leaf.init, unpadded)
+        parts = {"codes": jax.ShapeDtypeStruct((*lead, k // NIBBLES_PER_WORD, n), jnp.uint32),
+                 "scales": jax.ShapeDtypeStruct((*lead, k // MXFP4_BLOCK, n), jnp.uint8)}
+        stack = {name: jnp.zeros(s.shape, s.dtype) for name, s in parts.items()}
+        for i in range(lead[0]):  # one layer at a time: the stack and one layer's slice alive
+            part = _random_mxfp4(jax.random.fold_in(key, i), tuple(lead[1:]), k, n,
+                                 unpadded[-2], unpadded[-1], exponent + 127)
+            stack = _put(stack, i, part)
+        return stack
+    dtype = jnp.float32 if leaf.quantized else leaf.dtype
+    values = _random_values(key, leaf.shape, leaf.init, unpadded, jnp.dtype(dtype))
     if leaf.quantized:
         return _quantize_jit(values, fmt=cfg.expert_format)
-    return values.astype(leaf.dtype)
+    return values
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _random_values(key: jax.Array, shape: tuple, init: tuple, unpadded: tuple) -> jax.Array:
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(stack: Any, index: int, part: Any) -> Any:
+    return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, index, 0),
+                        stack, part)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_values(key: jax.Array, shape: tuple, init: tuple, unpadded: tuple,
+                   dtype: Any) -> jax.Array:
+    """A leaf drawn in its own dtype (no f32 copy of a bf16 embedding), its padding zero."""
     kind, *args = init
     if kind == "normal":
-        values = jax.random.normal(key, shape, jnp.float32) * args[0]
+        values = jax.random.normal(key, shape, dtype) * jnp.asarray(args[0], dtype)
     elif kind == "uniform":
-        values = jax.random.uniform(key, shape, jnp.float32, args[0], args[1])
+        values = jax.random.uniform(key, shape, dtype, args[0], args[1])
     else:  # "log_uniform"
-        values = jnp.log(jax.random.uniform(key, shape, jnp.float32, args[0], args[1]))
+        values = jnp.log(jax.random.uniform(key, shape, dtype, args[0], args[1]))
     for axis, (ours, theirs) in enumerate(zip(shape, unpadded)):
         if theirs != ours:  # the padding: zero
             index = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-            values = jnp.where(index < theirs, values, 0.0)
+            values = jnp.where(index < theirs, values, jnp.zeros((), dtype))
     return values
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _random_mxfp4(key: jax.Array, lead: tuple, k: int, n: int, k_used: int, n_used: int,
                   scale: int) -> dict[str, jax.Array]:
+    """One layer's MXFP4 experts [*lead, K/8, N] / [*lead, K/32, N]: random codes, one scale."""
     codes = jax.random.bits(key, (*lead, k // NIBBLES_PER_WORD, n), jnp.uint32)
     shape = codes.shape
     used = ((jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < k_used // NIBBLES_PER_WORD)

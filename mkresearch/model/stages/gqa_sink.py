@@ -9,7 +9,7 @@ One decode step per row at position p, on `stages.gqa`'s projections (q/k/v bias
 GPT-OSS's untruncated YaRN, no QK-norm):
 
     q, k, v = stages.gqa.projections(x)            [H, D], [KV, D], [KV, D] bf16
-    cache[g, p] = (k_g, v_g)
+    cache[p] = (k, v)                              [KV·D] each: the heads side by side (`state`)
     o_h = Σ_j α_hj v_{g,j}   α = softmax over (q_h · k_{g,j} · D^-½ for the slots j counted,
                                                 sink_h)                 (f32, online)
     out = bf(bf(o) W_o + b_o)                       (b_o with cfg.attention_bias)
@@ -48,6 +48,16 @@ def params(cfg: ModelConfig) -> dict[str, spec.Param]:
     return table
 
 
+def state(cfg: ModelConfig, seq_len: int) -> dict[str, spec.StateLeaf]:
+    """The KV cache of one row: {"k", "v"} [S, KV·D] bf16 (k roped): a token's K/V heads side
+    by side in its lanes. GQA's [KV, S, D] would give each 64-wide head a whole 128-lane tile in
+    HBM (twice GPT-OSS's cache, and a relayout copy of it around the kernel); [S, KV·D] fills the
+    lanes, and a KV tile of every head is one contiguous window. No sharding rule (as b_o)."""
+    shape = (seq_len, cfg.n_kv_heads * cfg.head_dim)
+    return {"k": spec.StateLeaf(shape, bf16, spec.CACHE, 0),
+            "v": spec.StateLeaf(shape, bf16, spec.CACHE, 0)}
+
+
 def window_of(kind: str, cfg: ModelConfig) -> int:
     """Tokens a layer of `kind` attends to (0: all)."""
     return cfg.sliding_window if kind == WINDOW else 0
@@ -56,21 +66,25 @@ def window_of(kind: str, cfg: ModelConfig) -> int:
 def sink_attention(p: dict[str, Any], x: jax.Array, cache: dict[str, jax.Array],
                    positions: jax.Array, cfg: ModelConfig, window: int = 0
                    ) -> tuple[jax.Array, dict]:
-    """One decode step with sinks. x [B, d] bf16 (normalised); cache {"k", "v"} [B, KV, S, D] bf16
-    (this layer, batch-major); positions [B] i32; window: tokens attended (0: all). Returns
-    (out [B, d] bf16, updated cache)."""
+    """One decode step with sinks. x [B, d] bf16 (normalised); cache {"k", "v"} [B, S, KV·D]
+    bf16 (this layer, batch-major: `state`); positions [B] i32; window: tokens attended (0: all).
+    Returns (out [B, d] bf16, updated cache)."""
     batch, group = x.shape[0], cfg.n_heads // cfg.n_kv_heads
     q, k, v = gqa.projections(p, x, positions, cfg)
-    cache = {"k": numerics.write_slot(cache["k"], k, positions, axis=1),  # [B, KV, S, D]
-             "v": numerics.write_slot(cache["v"], v, positions, axis=1)}
+    width = cfg.n_kv_heads * cfg.head_dim
+    cache = {"k": numerics.write_slot(cache["k"], k.reshape(batch, width), positions, axis=0),
+             "v": numerics.write_slot(cache["v"], v.reshape(batch, width), positions, axis=0)}
     k_new, v_new = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [B, H, D]
     scale = rope.attention_scale(cfg, cfg.head_dim)
     new_score = numerics.dot_exact(q, k_new) * scale  # [B, H]
+    keys, values = (cache[n].reshape(batch, -1, cfg.n_kv_heads, cfg.head_dim)
+                    for n in ("k", "v"))  # [B, S, KV, D]: each K/V head's lanes
     q_groups = q.reshape(batch, cfg.n_kv_heads, group, cfg.head_dim)  # [B, KV, G, D]
-    scores = numerics.einsum("bkgd,bksd->bkgs", q_groups, cache["k"])
+    scores = numerics.einsum("bkgd,bskd->bkgs", q_groups, keys)
     scores = scores.reshape(batch, cfg.n_heads, -1) * scale  # [B, H, S]
-    o = bf(numerics.online_softmax(new_score, v_new, scores, cache["v"], positions, cfg.kv_tile,
-                                   sinks=p["sinks"], window=window))  # [B, H, D]
+    o = bf(numerics.online_softmax(new_score, v_new, scores, values.transpose(0, 2, 1, 3),
+                                   positions, cfg.kv_tile, sinks=p["sinks"],
+                                   window=window))  # [B, H, D]
     out = matmul(o.reshape(batch, cfg.n_heads * cfg.head_dim), p["w_o"])
     if cfg.attention_bias:
         out = out + p["b_o"].astype(f32)
@@ -99,7 +113,7 @@ def check(cfg: ModelConfig) -> None:
 def _stage(name: str, window: bool) -> spec.Stage:
     what = "over a sliding window" if window else "over every cached token"
     return spec.register(spec.Stage(
-        name=name, role=spec.ATTENTION, params=params, state=gqa.state, sublayer=_sublayer(window),
+        name=name, role=spec.ATTENTION, params=params, state=state, sublayer=_sublayer(window),
         check=check,
         component=(name, lambda cfg: "GQA weights (sinks" + (", window)" if window else ")")),
         state_component=(f"{name}_cache", "GQA KV cache" + (" (window)" if window else "")),
