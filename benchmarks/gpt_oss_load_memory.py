@@ -27,11 +27,11 @@ import numpy as np
 
 def write(directory: str, layers: int) -> None:
     """gpt-oss-20b's config.json with `layers` layers, and its tensors as random bytes."""
-    from mkresearch.checkpoint import safetensors_io
-    from mkresearch.model.hf_config import config_dict
-    from mkresearch.model.config import get_config
-
     import ml_dtypes
+
+    from mkresearch.checkpoint import safetensors_io
+    from mkresearch.model.config import get_config
+    from mkresearch.model.hf_config import config_dict
 
     cfg = get_config("gpt-oss-20b", n_layers=layers, attention="gqa_sink_window,gqa_sink"
                      if layers > 1 else "gqa_sink_window")

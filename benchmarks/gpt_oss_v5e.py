@@ -25,13 +25,13 @@ import time
 
 from mkresearch.hardware import tpu
 
-tpu.select_platform()
+tpu.select_platform()  # before jax starts: CPU unless this machine has a TPU
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from mkresearch.kernels.compose import megakernel  # noqa: E402
 
 from mkresearch.generation import loop  # noqa: E402
-from mkresearch.kernels.compose import megakernel  # noqa: E402
 from mkresearch.model import kv_cache, reference, roofline, weights  # noqa: E402
 from mkresearch.model.config import get_config  # noqa: E402
 

@@ -81,10 +81,8 @@ def build_gpt_oss(case: str, directory: str, seed: int = 0) -> torch.nn.Module:
             shape = param.shape
             if "norm" in name:
                 value = 0.8 + 0.4 * torch.rand(shape, generator=gen)
-            elif "embed_tokens" in name:
-                value = torch.randn(shape, generator=gen)
-            elif name.endswith(("sinks", "bias")):  # O(1): a model forgetting them differs
-                value = torch.randn(shape, generator=gen)
+            elif "embed_tokens" in name or name.endswith(("sinks", "bias")):
+                value = torch.randn(shape, generator=gen)  # O(1): a model forgetting them differs
             elif name.endswith("gate_up_proj"):  # [E, in, out]: ~4 · N(0, 1/in), so both
                 value = 4 * torch.randn(shape, generator=gen) * shape[-2] ** -0.5  # clamps bite
             elif name.endswith("down_proj"):  # [E, in, out]

@@ -22,7 +22,7 @@ from test_families_reference import (
 )
 
 from mkresearch.cli import main as cli_main
-from mkresearch.model import formats, reference, rope, roofline, weights
+from mkresearch.model import formats, reference, roofline, rope, weights
 from mkresearch.model.config import LANE, get_config
 from mkresearch.model.stages import ffn, gqa_sink, moe_full
 

@@ -107,8 +107,8 @@ def _rewrite_config(directory, tmp_path, change):
     (lambda r: r.update(hidden_size=2890),  # not whole MXFP4 blocks: the shapes say so
      r"tensor model\.embed_tokens\.weight has shape \[512, 352\]: expected \[512, 2890\]"),
     (lambda r: r.update(num_attention_heads=7),
-     r"config\.json \(model_type .gpt_oss.\): ModelConfig\.n_kv_heads=2 is invalid: a divisor "
-     r"of n_heads=7"),
+     (r"config\.json \(model_type .gpt_oss.\): ModelConfig\.n_kv_heads=2 is invalid: a divisor "
+      r"of n_heads=7")),
 ])
 def test_bad_config_field_is_one_line_naming_it(written, tmp_path, change, message):
     directory, _, _ = written["mxfp4"]
@@ -138,8 +138,8 @@ SCALES = "model.layers.2.mlp.experts.down_proj_scales"
     (lambda t: t.__setitem__(BLOCKS, t[BLOCKS].astype(np.float32)),
      rf"model\.safetensors: tensor {re.escape(BLOCKS)} has dtype F32: expected U8 \(MXFP4"),
     (lambda t: t.__setitem__(SCALES, t[SCALES][..., :-1]),
-     rf"model\.safetensors: tensor {re.escape(SCALES)} has shape \[16, 352, 10\]: expected "
-     r"\[16, 352, 11\]"),
+     (rf"model\.safetensors: tensor {re.escape(SCALES)} has shape \[16, 352, 10\]: expected "
+      r"\[16, 352, 11\]")),
     (lambda t: t.pop(SCALES), rf"tensor {re.escape(SCALES)} is missing: expected \[16, 352, 11\]"),
     (lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj": t[BLOCKS]}),
      r"tensor model\.layers\.0\.mlp\.experts\.gate_up_proj is unexpected"),

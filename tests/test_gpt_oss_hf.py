@@ -127,7 +127,7 @@ def built(tmp_path_factory):
 def test_reads_the_saved_config(built):
     import hf_tiny
 
-    directory, cfg, _ = built("padded", 0)
+    _, cfg, _ = built("padded", 0)
     hf = hf_tiny.GPT_OSS_CASES["padded"]
     assert (cfg.d_norm, cfg.d_model, cfg.expert_hidden_checkpoint, cfg.expert_hidden) == (
         352, 384, 352, 384)
@@ -167,7 +167,7 @@ def test_our_mxfp4_checkpoint_is_read_by_transformers_and_loads_bit_equal_to_its
         built, tmp_path):
     import transformers
 
-    directory, cfg, params = built("padded", 0)
+    directory, cfg, _ = built("padded", 0)
     stats = {}
     packed = checkpoint.load_params(directory, cfg, expert_format="mxfp4", progress=False,
                                     stats=stats)  # our quantiser, from the bf16 files

@@ -19,7 +19,8 @@ from tiers import EXHAUSTIVE
 
 from mkresearch.model import reference, weights
 from mkresearch.model.config import get_config
-from mkresearch.model.stages import ffn, gqa_sink as gqa_sink_stage
+from mkresearch.model.stages import ffn
+from mkresearch.model.stages import gqa_sink as gqa_sink_stage
 from mkresearch.model.stages import moe_full as moe_full_stage
 
 MINI = get_config("gpt-oss-mini")

@@ -123,7 +123,7 @@ def window_first_tile(p: MlaPlan, position, window: int):
 
 
 def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, *,
-              phase: str = "mla.attend", kv_rows: KvRows = CONTIGUOUS, first=None):
+              phase: str = "mla.attend", kv_rows: KvRows = CONTIGUOUS, first_tile=None):
     """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
@@ -133,8 +133,8 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
     read split at page boundaries, `KvRows.pieces`); update(t, tiles, carry) -> carry, with tiles
     the VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
     compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
-    first: the first tile read (a sliding window's, `window_first_tile`; None: tile 0), the
-    tiles before it neither read nor computed.
+    first_tile: the first tile read (a sliding window's, `window_first_tile`; None: tile 0),
+    the tiles before it neither read nor computed.
     """
     n_tiles = _tile_count(p, count)
 
@@ -151,14 +151,14 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
         for condition, first, rows in _tile_reads(p, t, count):
             pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
 
-    if first is None:
+    if first_tile is None:
         @pl.when(n_tiles > 0)
         def _():
             each_read(0, 0, "start")
     else:  # a window: its first tile into the slot of its parity
-        @pl.when(n_tiles > first)
+        @pl.when(n_tiles > first_tile)
         def _():
-            each_read(first, jax.lax.rem(first, 2), "start")
+            each_read(first_tile, jax.lax.rem(first_tile, 2), "start")
 
     def step(t, carry):
         slot = jax.lax.rem(t, 2)
@@ -172,7 +172,7 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
         with dma.phase(phase, row=b, tile=t, **indices):
             return update(t, tiles, carry)
 
-    return jax.lax.fori_loop(0 if first is None else first, n_tiles, step, carry)
+    return jax.lax.fori_loop(0 if first_tile is None else first_tile, n_tiles, step, carry)
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,

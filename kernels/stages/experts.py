@@ -167,8 +167,11 @@ class _ExpertLoop:
                 + [(b, 0) for b in EXPERT_BIASES.values() if b in self.experts])
 
     def _ring_name(self, key: tuple[str, int]) -> str:
+        """"w1/codes", ..., "b1/bias": the ring's name in the VMEM plan (after "expert/" in the
+        DMA log, `expert_dma_name`)."""
         m, j = key
-        return f"{m}/{'bias' if m in EXPERT_BIASES.values() else quant.part_names(self.expert_format)[j]}"
+        part = "bias" if m in EXPERT_BIASES.values() else quant.part_names(self.expert_format)[j]
+        return f"{m}/{part}"
 
     def run(self, n_items: Any, expert_of: Any) -> jax.Array:
         """The loop over n_items items (may be traced) -> Σ w_e y_e [B, Lat] f32 (on a rank: its
@@ -186,7 +189,7 @@ class _ExpertLoop:
         """slots: {"w1/codes": [n_slots, ...] VMEM, ...}, sems: a DMA semaphore array each, in
         the order of the parts (matrix, then part)."""
         rings = {key: dma.Ring(slots[self._ring_name(key)], sems[r],
-                               name=EXPERT_DMA_PREFIX + self._ring_name(key),
+                               name=expert_dma_name(*self._ring_name(key).split("/")),
                                buffer=planned.EXPERT_SLOTS) for r, key in enumerate(self._keys())}
         slots = _Slots(rings, self.experts, expert_of, self.n_slots)
         first = (0 if self.shard is None

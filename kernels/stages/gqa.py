@@ -52,7 +52,6 @@ from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, r
 from mkresearch.hardware import tpu
 from mkresearch.model import numerics, rope, spec
 from mkresearch.model.config import ModelConfig
-from mkresearch.model.stages import gqa as gqa_stage
 from mkresearch.model.stages import gqa_sink as gqa_sink_stage
 
 MATRICES = ("w_q", "w_k", "w_v", "w_o")
@@ -245,7 +244,7 @@ def _attend(p: GqaPlan, b, position, q_heads, k_new, v_new, k_hbm, v_hbm, indice
                  dma.Ring(v_buffers, sems.at[1], name=f"{p.prefix}.kv.v"))
         return tile_loop(p, b, position, rings, (k_hbm, v_hbm), update, carry, indices,
                          phase=f"{p.prefix}.attend", kv_rows=kv_rows,
-                         first=first)  # tiles [KV, T, D] (lane-dense: [T, KV·D]) each
+                         first_tile=first)  # tiles [KV, T, D] (lane-dense: [T, KV·D]) each
 
     tile = ((2, p.kv_tile, p.n_kv_heads * p.head_dim) if p.lane_dense
             else (2, p.n_kv_heads, p.kv_tile, p.head_dim))
