@@ -113,7 +113,16 @@ print(tpu.describe_backend())  # compiled on a TPU, TPU interpret mode elsewhere
 #    through it the reference's tokens;
 # 4. read the checkpoint format, MXFP4 experts included, and look at the full model on one v5e.
 #
-# On a CPU every kernel runs in TPU interpret mode; on a TPU, compiled.
+# On a CPU every kernel runs in TPU interpret mode; on a TPU, compiled. The terms this notebook
+# uses, from the glossary (notebook 00 shows all of it):
+
+# %%
+from mkresearch.views import guide
+
+guide.glossary_view("Attention sink", "Sliding window", "Online softmax", "KV tile", "GQA",
+                    "Router", "MXFP4", "E2M1", "RoPE", "Stage", "Megakernel", "Reference", "Ref",
+                    "BlockSpec", "Scalar prefetch", "pl.when", "scratch_shapes", ".at[...]",
+                    "Race detector", "Checkpoint")
 
 # %%
 import functools
