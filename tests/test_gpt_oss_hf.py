@@ -4,10 +4,12 @@ Tiny GPT-OSS models (tests/hf_tiny.py `GPT_OSS_CASES`: widths off the lane grid,
 sinks, sliding windows shorter than the prompts, another layer cycle, a tighter clamp; O(1)
 weights, gate and up large enough for the clamps to bite) are saved by transformers in bf16 and
 read by our loader. Our reference (bf16 weights and activations, as every family's) decodes
-greedily from prompts shorter and longer than the window, and transformers in f32 over the same
-tokens (one forward over the whole sequence, its sliding-window mask and sinks, eager attention)
-picks the same token at every step that is not a near-tie: the logits are within LOGIT_BOUND of
-its (measured <= 0.06 on logits of RMS ~1; transformers in bf16 is up to 1.4 from its own f32
+greedily from prompts shorter and longer than the window (and the megakernel, from the
+reference's state after the prompt, gives the reference's logits bit for bit), and transformers
+in f32 over the same tokens (one forward over the whole sequence, its sliding-window mask and
+sinks, eager attention) picks the same token at every step that is not a near-tie: the logits
+are within LOGIT_BOUND of its (measured <= 0.07 on logits of RMS ~1; transformers in bf16 is up
+to 1.4 from its own f32
 where a routing choice flips), so its top two farther apart than 2 LOGIT_BOUND cannot swap, and
 at a near-tie our token is within 2 LOGIT_BOUND of its maximum (`_check_same_tokens`; the count
 of near-ties is printed: with 512 random logits of RMS 1 about one step in three is one).
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mkresearch.kernels.compose import megakernel
 
 from mkresearch.checkpoint import loader as checkpoint
 from mkresearch.model import formats, reference
@@ -83,8 +86,8 @@ def _check_same_tokens(model, params, cfg, prompt, what):
     """Our greedy tokens against transformers' greedy choice over the same prefix at every
     step: the same token wherever transformers' top two are more than 2 LOGIT_BOUND apart (no
     rounding within the bound can flip those), and where they are closer (a near-tie), our token
-    is one of those within 2 LOGIT_BOUND of its maximum. Returns the number of steps that are
-    near-ties."""
+    is one of those within 2 LOGIT_BOUND of its maximum. Returns the whole sequence: the prompt
+    and our tokens."""
     tokens, ours = _greedy(params, cfg, prompt, STEPS)
     theirs = _their_logits(model, tokens[:-1])[len(prompt) - 1:]  # [STEPS, V]
     top_two = np.sort(theirs, axis=-1)[:, -2:]
@@ -101,7 +104,7 @@ def _check_same_tokens(model, params, cfg, prompt, what):
     assert same[~ties].all(), what
     gap = top_two[:, 1] - theirs[np.arange(STEPS), chosen]  # 0 where the same token
     assert (gap <= 2 * LOGIT_BOUND).all(), (what, gap.round(3).tolist())
-    return int(ties.sum())
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +141,27 @@ def test_reads_the_saved_config(built):
         32, False, 150000, "bf16")
 
 
+MK_STEPS = 2  # megakernel steps after the prompt, each from the reference's state
+
+
 @pytest.mark.parametrize("case, seed, prompt", [_case(*c) for c in CASES])
-def test_reference_decodes_the_tokens_of_transformers_in_f32(built, case, seed, prompt):
+def test_reference_decodes_the_tokens_of_transformers_in_f32(race_checked, built, case, seed,
+                                                             prompt):
+    """Then the megakernel from the reference's state after the prompt: MK_STEPS steps of the
+    sequence, each step's logits the reference's bits (so its tokens are too)."""
     directory, cfg, params = built(case, seed)
     tokens = np.random.default_rng(seed + 10).integers(0, cfg.vocab_size, prompt).tolist()
-    _check_same_tokens(_transformers(directory), params, cfg, tokens, f"{case} seed {seed}")
+    sequence = _check_same_tokens(_transformers(directory), params, cfg, tokens,
+                                  f"{case} seed {seed}")
+    _, state = reference.prefill(params, reference.init_state(cfg, 1), jnp.asarray([tokens[:-1]]),
+                                 cfg)
+    for position in range(prompt - 1, prompt - 1 + MK_STEPS):
+        token, at = jnp.asarray([sequence[position]]), jnp.asarray([position])
+        want, state_after, _ = reference.decode_step(params, state, token, at, cfg)
+        _, _, aux = megakernel.decode_step(params, jax.tree.map(jnp.copy, state), token, at, cfg,
+                                           return_logits=True)
+        np.testing.assert_array_equal(np.asarray(aux["logits"]), np.asarray(want))
+        state = state_after
 
 
 def test_yarn_is_transformers(built):
