@@ -46,6 +46,55 @@ CONFIGS = {
 }
 
 
+# GPT-OSS (tests/test_gpt_oss_hf.py): the tiny models' shapes by case. hidden and intermediate
+# 352 are off the 128-lane grid (our layout pads them to 384, as 2880 to 2944) and whole MXFP4
+# blocks (32); head_dim 64; sliding windows shorter than the prompts; transformers' default
+# layer_types (sliding first) or another cycle; its default YaRN (factor 32, not truncated).
+GPT_OSS = {"vocab_size": 512, "hidden_size": 352, "intermediate_size": 352,
+           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "sliding_window": 12, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False}
+GPT_OSS_CASES = {
+    "padded": GPT_OSS,
+    # lane widths (no padding), every expert on 4 of 8, a tighter clamp, full layers first
+    "lanes": {**GPT_OSS, "hidden_size": 256, "intermediate_size": 384, "num_experts_per_tok": 4,
+              "swiglu_limit": 3.0, "sliding_window": 20,
+              "layer_types": ["full_attention", "sliding_attention"] * 2},
+    # three layers of one cycle (sliding, sliding, full), 4 query heads per K/V head
+    "cycle": {**GPT_OSS, "num_hidden_layers": 3, "num_key_value_heads": 2,
+              "num_attention_heads": 8, "sliding_window": 7,
+              "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+}
+
+
+def build_gpt_oss(case: str, directory: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny GPT-OSS (GPT_OSS_CASES[case]) with O(1) weights, saved in bf16 to `directory` in
+    transformers' layout (experts [in, out], gate and up interleaved); returns it (bf16, eval,
+    eager attention: the sinks' softmax as the model code writes it)."""
+    config = transformers.GptOssConfig(**GPT_OSS_CASES[case])
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).to(torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape = param.shape
+            if "norm" in name:
+                value = 0.8 + 0.4 * torch.rand(shape, generator=gen)
+            elif "embed_tokens" in name or name.endswith(("sinks", "bias")):
+                value = torch.randn(shape, generator=gen)  # O(1): a model forgetting them differs
+            elif name.endswith("gate_up_proj"):  # [E, in, out]: ~4 · N(0, 1/in), so both
+                value = 4 * torch.randn(shape, generator=gen) * shape[-2] ** -0.5  # clamps bite
+            elif name.endswith("down_proj"):  # [E, in, out]
+                value = torch.randn(shape, generator=gen) * shape[-2] ** -0.5
+            else:  # projections and the router [out, in]
+                value = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+            param.copy_(value.to(param.dtype))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(directory)
+    return model
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     """O(1) activations (transformers initialises N(0, 0.02), which makes every logit ~0 and
     any comparison vacuous): matrices N(0, 1/in), norms U(0.8, 1.2), biases N(0, 0.5), the

@@ -235,7 +235,8 @@ def expected_differences(cfg, batch, context):
     """What the kernel moves beyond roofline.step_bytes, by component (schedule_report.DIFFERENCES):
     each token's 16-row embedding block, not one row; the two norm gains of every layer as f32
     rows, not bf16; per MLA layer and row the KV rows rounded up to 16-row groups plus the new
-    entry's 16-row block read, and that block written, not one row."""
+    entry's 16-row block read, and that block written, not one row (a sliding window's from its
+    first tile's start, beside the window's tokens)."""
     from mkresearch.kernels.base.kv_update import UPDATE_ROWS
     from mkresearch.kernels.compose.megakernel_plan import EMBED_ROWS
 
@@ -246,8 +247,12 @@ def expected_differences(cfg, batch, context):
            "norms_and_mix": cfg.n_layers * 2 * cfg.d_model * (4 - 2)}
     for kind in spec.stages_of(cfg):  # every kind with a cache: its bytes per token of a row
         per_token = roofline.state_bytes(cfg, kind, spec.CACHE)
+        window = kind.window(cfg)  # a sliding window: read from its first tile's start
+        first = max(0, context - window + 1) // cfg.kv_tile * cfg.kv_tile if window else 0
+        counted = min(context, window) if window else context
+        extra = kv_cache.rows_read(context) - first - counted + UPDATE_ROWS + (UPDATE_ROWS - 1)
         if per_token:
-            out[kind.state_component[0]] = batch * tokens * per_token
+            out[kind.state_component[0]] = batch * (extra if window else tokens) * per_token
         if "router_bias" in kind.params(cfg) and not cfg.router_bias:  # stored, never read
             out[kind.component[0]] = -len(cfg.layers_of(kind.name)) * cfg.n_experts * 4
     return out

@@ -80,6 +80,13 @@ INVALID_VALUE = {
     "kda_output_gate_rank": 100,  # not a multiple of 128
     "kda_decay": "exp",
     "mla_output_gate": "no",
+    "d_model_checkpoint": 100,  # 7168 is not it rounded up to whole lanes
+    "expert_hidden_checkpoint": -1,
+    "sliding_window": -1,
+    "swiglu_alpha": 0.0,
+    "swiglu_limit": float("nan"),
+    "expert_bias": 1,
+    "yarn_truncate": "no",
 }
 
 FIELD_NAMES = [field.name for field in dataclasses.fields(ModelConfig)]

@@ -30,6 +30,7 @@ TEACHING = {
     "05_sampling": (),
     "06_megakernel": ("make_async_copy", "DMA semaphore", "scalar prefetch"),
     "08_scale_out": ("make_async_remote_copy", "DMA semaphore"),
+    "14_porting_a_family": ("scalar prefetch",),
 }
 
 

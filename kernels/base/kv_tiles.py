@@ -116,8 +116,14 @@ class KvRows:
 CONTIGUOUS = KvRows()
 
 
+def window_first_tile(p: MlaPlan, position, window: int):
+    """The first KV tile a sliding window of `window` tokens reads at `position`: the tile of
+    slot max(0, p − window + 1) (the window's oldest; every tile before it is outside)."""
+    return jax.lax.div(jnp.maximum(position - window + 1, 0), p.kv_tile)
+
+
 def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, *,
-              phase: str = "mla.attend", kv_rows: KvRows = CONTIGUOUS):
+              phase: str = "mla.attend", kv_rows: KvRows = CONTIGUOUS, first_tile=None):
     """Double-buffered loop over the KV tiles holding tokens 0..count-1: tile t+1 flies while
     tile t is used. The last tile reads only the 16-row groups holding tokens < count
     (`_tile_reads`); its other rows keep stale or uninitialised values, masked by `update`.
@@ -127,6 +133,8 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
     read split at page boundaries, `KvRows.pieces`); update(t, tiles, carry) -> carry, with tiles
     the VMEM values of tile t ([.., T, ..] whole, rows past count unread). `phase` names the
     compute phase of each tile in the DMA log. p: any plan with a kv_tile (MLA's, GQA's).
+    first_tile: the first tile read (a sliding window's, `window_first_tile`; None: tile 0),
+    the tiles before it neither read nor computed.
     """
     n_tiles = _tile_count(p, count)
 
@@ -143,9 +151,14 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
         for condition, first, rows in _tile_reads(p, t, count):
             pl.when(condition)(functools.partial(read, t, slot, action, first, rows))
 
-    @pl.when(n_tiles > 0)
-    def _():
-        each_read(0, 0, "start")
+    if first_tile is None:
+        @pl.when(n_tiles > 0)
+        def _():
+            each_read(0, 0, "start")
+    else:  # a window: its first tile into the slot of its parity
+        @pl.when(n_tiles > first_tile)
+        def _():
+            each_read(first_tile, jax.lax.rem(first_tile, 2), "start")
 
     def step(t, carry):
         slot = jax.lax.rem(t, 2)
@@ -159,7 +172,7 @@ def tile_loop(p: MlaPlan, b: int, count, rings, caches, update, carry, indices, 
         with dma.phase(phase, row=b, tile=t, **indices):
             return update(t, tiles, carry)
 
-    return jax.lax.fori_loop(0, n_tiles, step, carry)
+    return jax.lax.fori_loop(0 if first_tile is None else first_tile, n_tiles, step, carry)
 
 
 def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
@@ -172,6 +185,9 @@ def online_softmax_step(p: MlaPlan, t, position, scores, values, carry, *,
     m, norm, acc = carry
     token = t * p.kv_tile + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     valid = token < position  # the tile's tail past the cached tokens is stale: masked
+    window = getattr(p, "window", 0)  # a sliding window: slots before it count nothing
+    if window:
+        valid = valid & (token > position - window)
     scores = jnp.where(valid, scores, -jnp.inf)
     # rows past the cached tokens may be unread (uninitialised, even NaN): 0 · NaN = NaN, so the
     # values are selected too; a valid row is unchanged and a masked one added 0 before as well

@@ -304,6 +304,7 @@ class _Trunk:
                                self.w["lm_head"], outputs.tokens, outputs.overflow, *rest,
                                vocab_tile=plan.vocab_tile, candidates=sampling.MAX_CANDIDATES,
                                eps=cfg.rms_eps, softcap=cfg.logit_softcap,
+                               norm_width=cfg.d_model_checkpoint or None,
                                use_gumbel=use_gumbel, use_candidates=use_candidates,
                                return_logits=outputs.logits is not None,
                                rows_per_key=plan.rows_per_state,

@@ -25,6 +25,7 @@ from mkresearch.kernels.stages import (  # noqa: F401 - kda, mla, experts regist
     experts,
     ffn_kinds,
     gqa,
+    gqa_sink,
     kda,
     mla,
     mla_rope,

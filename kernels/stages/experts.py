@@ -50,8 +50,9 @@ from mkresearch.kernels.stages import gate_up, router
 from mkresearch.kernels.stages.gate_up import SHARED_KEYS
 
 from mkresearch.hardware import tpu
-from mkresearch.model import reference
+from mkresearch.model import numerics, reference
 from mkresearch.model.config import LANE, ModelConfig
+from mkresearch.model.stages.ffn import EXPERT_BIASES
 
 PLANS = ("all", "routed", "unique")
 EXPERT_MATRICES = ("w1", "w3", "w2")
@@ -62,10 +63,14 @@ LATENT_DOWN, LATENT_UP, LATENT_NORM = "latent/w_ld", "latent/w_lu", "latent/norm
 VMEM_LIMIT_BYTES = 60 * 2**20
 
 
-def activation(g: jax.Array, u: jax.Array, kind: str) -> jax.Array:
-    """bf16 [B, F] from the bf16 gate and up projections: SiTU (Kimi K3) or SwiGLU."""
+def activation(g: jax.Array, u: jax.Array, kind: str,
+               swiglu: tuple[float, float] = (1.702, 7.0)) -> jax.Array:
+    """bf16 [B, F] from the bf16 gate and up projections: SiTU (Kimi K3), SwiGLU, or GPT-OSS's
+    clamped SwiGLU (swiglu: its alpha and limit), the reference's functions."""
     if kind == "situ":
         return reference.situ(g, u)
+    if kind == "clamped_swiglu":
+        return numerics.clamped_swiglu(g, u, *swiglu)
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
@@ -94,19 +99,21 @@ def routed_part(ids_smem: Any, x: jax.Array, ids: jax.Array, weights: jax.Array,
                 latent_norm: Any, w_lu: Any, experts: dict, *, stream: Any, expert_format: str,
                 mxfp4_decode: str, plan: str, n_slots: int, latent: int, latent_padded: int,
                 eps: float, kind: str, shard: Any = None, z: Any = None,
-                mxu_input: str = "bf16") -> Callable[[], jax.Array]:
+                mxu_input: str = "bf16", swiglu: tuple = (1.702, 7.0)) -> Callable[[], jax.Array]:
     """Routed experts of one layer, up to their weighted sum (on a rank, its reduction started)
     -> a function that finishes them: () -> f32 [B, d] (`_ExpertLoop.finish`: the sum's wait,
     the latent norm and W_lu, streamed last). experts[m] is a tuple of HBM part refs
     [E, ...] per matrix m of EXPERT_MATRICES; ids_smem [B, k] i32 (SMEM), ids/weights [B, k];
     shard: a sharded model's rank (`collectives.Collectives`): experts are its own (hidden slice);
     z: the latent bf(x W_ld) [B, Lat] bf16 when the caller streamed W_ld already; mxu_input: what
-    each expert's product hands the MXU (ModelConfig.expert_mxu, `quant.matmul`)."""
+    each expert's product hands the MXU (ModelConfig.expert_mxu, `quant.matmul`); experts may
+    hold biases (GPT-OSS: "b1", "b3", "b2", 1-tuples of HBM refs [E, 1, n]), each fetched with its
+    expert into a slot ring of its own; swiglu: the clamped SwiGLU's (alpha, limit)."""
     batch, top_k = ids.shape
     n_experts = experts["w1"][0].shape[0]
     loop = _ExpertLoop(ids_smem, x, ids, weights, stream, w_ld, latent_norm, w_lu, experts,
                        expert_format, mxfp4_decode, plan, n_slots, latent, latent_padded, eps, kind,
-                       shard, z, mxu_input)
+                       shard, z, mxu_input, swiglu)
     if plan == "all":
         n_items, acc = n_experts, loop.run(n_experts, lambda i: i)
     elif plan == "routed":
@@ -150,14 +157,28 @@ class _ExpertLoop:
     shard: Any = None
     latent_in: Any = None  # z [B, Lat] bf16 when the caller streamed W_ld already
     mxu_input: str = "bf16"  # ModelConfig.expert_mxu (`quant.matmul`)
+    swiglu: tuple = (1.702, 7.0)  # the clamped SwiGLU's alpha and limit (GPT-OSS)
+
+    def _keys(self) -> list[tuple[str, int]]:
+        """(matrix, part index) of every ring: each matrix's stored parts, then each expert
+        bias present (GPT-OSS's b1, b3, b2: one part each, `experts[bias]` a 1-tuple)."""
+        names = quant.part_names(self.expert_format)
+        return ([(m, j) for m in EXPERT_MATRICES for j in range(len(names))]
+                + [(b, 0) for b in EXPERT_BIASES.values() if b in self.experts])
+
+    def _ring_name(self, key: tuple[str, int]) -> str:
+        """"w1/codes", ..., "b1/bias": the ring's name in the VMEM plan (after "expert/" in the
+        DMA log, `expert_dma_name`)."""
+        m, j = key
+        part = "bias" if m in EXPERT_BIASES.values() else quant.part_names(self.expert_format)[j]
+        return f"{m}/{part}"
 
     def run(self, n_items: Any, expert_of: Any) -> jax.Array:
         """The loop over n_items items (may be traced) -> Σ w_e y_e [B, Lat] f32 (on a rank: its
         experts' and hidden slice's, or kept for the exact mode's ordered sum)."""
-        names = quant.part_names(self.expert_format)
-        # one ring per (matrix, part) "w1/codes": slot buffers [n_slots, *part shape] (named so
-        # in the VMEM plan), a semaphore per slot
-        parts = {f"{m}/{names[j]}": (m, j) for m in EXPERT_MATRICES for j in range(len(names))}
+        # one ring per (matrix, part) "w1/codes" (and bias "b1/bias"): slot buffers [n_slots,
+        # *part shape] (named so in the VMEM plan), a semaphore per slot
+        parts = {self._ring_name(key): key for key in self._keys()}
         slot_shapes = [pltpu.VMEM((self.n_slots, *self.experts[m][j].shape[1:]),
                                   self.experts[m][j].dtype) for m, j in parts.values()]
         sem_shapes = [pltpu.SemaphoreType.DMA((self.n_slots,))] * len(slot_shapes)
@@ -167,11 +188,9 @@ class _ExpertLoop:
     def _in_slots(self, n_items: Any, expert_of: Any, slots: dict, sems: list) -> jax.Array:
         """slots: {"w1/codes": [n_slots, ...] VMEM, ...}, sems: a DMA semaphore array each, in
         the order of the parts (matrix, then part)."""
-        names = quant.part_names(self.expert_format)
-        keys = [(m, j) for m in EXPERT_MATRICES for j in range(len(names))]
-        rings = {key: dma.Ring(slots[f"{key[0]}/{names[key[1]]}"], sems[r],
-                               name=expert_dma_name(key[0], names[key[1]]),
-                               buffer=planned.EXPERT_SLOTS) for r, key in enumerate(keys)}
+        rings = {key: dma.Ring(slots[self._ring_name(key)], sems[r],
+                               name=expert_dma_name(*self._ring_name(key).split("/")),
+                               buffer=planned.EXPERT_SLOTS) for r, key in enumerate(self._keys())}
         slots = _Slots(rings, self.experts, expert_of, self.n_slots)
         first = (0 if self.shard is None
                  else self.shard.expert_range(self.experts["w1"][0].shape[0])[0])
@@ -222,14 +241,20 @@ class _ExpertLoop:
             return self.shard.keep_item(i, coef, y, acc)  # exact: added in id order after it
 
     def _expert_output(self, part: dict, z: Any) -> jax.Array:
-        """y_e = bf(act(bf(z W1), bf(z W3)) W2) [B, Lat] f32 from the slots' stored parts."""
+        """y_e = bf(act(bf(z W1), bf(z W3)) W2) [B, Lat] f32 from the slots' stored parts (with
+        GPT-OSS's biases: each product + its bias [1, n] in f32 before its rounding)."""
         matmul = functools.partial(quant.matmul, expert_format=self.expert_format,
                                    mxfp4_decode=self.mxfp4_decode, mxu_input=self.mxu_input)
-        g = matmul(z, part["w1"]).astype(jnp.bfloat16)  # [B, F]
-        u = matmul(z, part["w3"]).astype(jnp.bfloat16)
-        h = activation(g, u, self.kind)  # on a rank: its hidden slice, then the whole
+
+        def biased(y, m):
+            bias = EXPERT_BIASES[m]
+            return y + part[bias][0][...].astype(jnp.float32) if bias in part else y
+
+        g = biased(matmul(z, part["w1"]), "w1").astype(jnp.bfloat16)  # [B, F]
+        u = biased(matmul(z, part["w3"]), "w3").astype(jnp.bfloat16)
+        h = activation(g, u, self.kind, self.swiglu)  # on a rank: its hidden slice, then all
         y = matmul(h if self.shard is None else self.shard.expert_hidden(h), part["w2"])
-        return y.astype(jnp.bfloat16).astype(jnp.float32)
+        return biased(y, "w2").astype(jnp.bfloat16).astype(jnp.float32)
 
     def combine(self, n_items: Any, acc: Any) -> Any:
         """Σ w_e y_e of every rank (a rank: every group's, in id order), its reduction started
@@ -303,10 +328,10 @@ class _Slots:
         self._copies(i, "wait")
 
     def parts(self, i: Any) -> dict:
-        """matrix -> its parts' VMEM slots of item i."""
+        """matrix (or bias) -> its parts' VMEM slots of item i."""
         slot = lax.rem(i, self.n_slots)
         return {m: tuple(ring.buffer(slot) for (mm, _), ring in self.rings.items() if mm == m)
-                for m in EXPERT_MATRICES}
+                for m in dict.fromkeys(m for m, _ in self.rings)}
 
 
 def _latent_norm(acc, latent_norm_hbm, rho_ref, gamma_ref, sem, *, eps, latent):
@@ -344,6 +369,8 @@ class StageOptions:
     eps: float = 1e-5
     activation: str = "situ"
     always_on_name: str = "shared"  # DMA-log prefix of the always-on MLP: "shared" or "dense"
+    # the clamped SwiGLU's (alpha, limit) (GPT-OSS; out of the repr, read only by it)
+    swiglu: tuple = field(default=(1.702, 7.0), repr=False)
 
 
 @dataclass(frozen=True)
@@ -380,7 +407,7 @@ def ffn_stage_body(x_ref: Any, out_ref: Any, *, stream: Any, options: StageOptio
                                 n_slots=options.n_slots, latent=options.latent,
                                 latent_padded=options.latent_padded, eps=options.eps,
                                 kind=options.activation, shard=shard, z=z,
-                                mxu_input=options.mxu_input)
+                                mxu_input=options.mxu_input, swiglu=options.swiglu)
     if always_on is not None:  # meanwhile restructured's ρ reduce-scatter flies (W_lu after)
         shared_out = gated_mlp(x, always_on, stream=stream, kind=options.activation,
                                name=options.always_on_name)
@@ -562,7 +589,8 @@ def stage_options(cfg: ModelConfig, plan: str, n_slots: int, always_on_name: str
                         plan=plan, n_slots=n_slots,
                         latent=cfg.moe_latent, latent_padded=cfg.moe_latent_padded,
                         eps=float(cfg.rms_eps), activation=cfg.activation,
-                        always_on_name=always_on_name)
+                        always_on_name=always_on_name,
+                        swiglu=(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)))
 
 
 def _routed_tree(p: dict, cfg: ModelConfig) -> dict:

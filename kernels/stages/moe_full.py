@@ -22,6 +22,7 @@ from mkresearch.kernels.stages import experts, gate_up, router
 
 from mkresearch.hardware import tpu
 from mkresearch.model.config import ModelConfig
+from mkresearch.model.stages.ffn import EXPERT_BIASES
 
 _VMEM, _SMEM = pltpu.MemorySpace.VMEM, pltpu.MemorySpace.SMEM
 
@@ -43,8 +44,16 @@ def router_options(cfg: ModelConfig) -> tuple:
 
 
 def routed_tree(p: dict, cfg: ModelConfig) -> dict:
-    """The routed part of one layer's weights for `experts.ffn_stage_body`: experts only."""
-    return {"experts": experts.expert_parts(p["experts"], cfg, width=cfg.d_model)}
+    """The routed part of one layer's weights for `experts.ffn_stage_body`: experts only (with
+    GPT-OSS's biases as 1-tuples [E, 1, n])."""
+    return {"experts": {**experts.expert_parts(p["experts"], cfg, width=cfg.d_model),
+                        **_biases(p["experts"], 1)}}
+
+
+def _biases(tree: dict, axis: int) -> dict:
+    """The experts' biases (cfg.expert_bias) as the expert loop takes them: 1-tuples with a
+    row axis before the last, [.., E, 1, n] (`axis`: where E is)."""
+    return {b: (jnp.expand_dims(tree[b], axis),) for b in EXPERT_BIASES.values() if b in tree}
 
 
 def shared_tree(p: dict, cfg: ModelConfig) -> dict | None:
@@ -91,8 +100,8 @@ def _prepare(stack: dict, cfg: ModelConfig) -> dict:
     out = {"w_router": stack["w_router"],
            "router_bias": stack["router_bias"].astype(jnp.float32).reshape(
                stack["router_bias"].shape[0], 1, -1),
-           "experts": {m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
-                       for m in experts.EXPERT_MATRICES}}
+           "experts": {**{m: tuple(quant.split_parts(stack["experts"][m], cfg.expert_format))
+                          for m in experts.EXPERT_MATRICES}, **_biases(stack["experts"], 2)}}
     if cfg.n_shared_experts:
         out.update(gate_up.fuse({key: stack[key] for key in experts.SHARED_KEYS.values()},
                                 experts.SHARED_KEYS))

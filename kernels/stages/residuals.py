@@ -103,7 +103,8 @@ class AttentionMix:
 
 @dataclass(frozen=True)
 class Prenorm:
-    """A pre-norm residual stream. Hidden state: h [B, d] bf16."""
+    """A pre-norm residual stream. Hidden state: h [B, d] bf16 (its norms divide by cfg.d_norm:
+    GPT-OSS's checkpoint width, where d_model pads it to whole lanes)."""
 
     name: str = "prenorm"
     vectors: tuple[str, ...] = ("attn_norm", "mlp_norm")
@@ -121,13 +122,14 @@ class Prenorm:
 
     def attention_input(self, hidden, layer, vectors, cfg: ModelConfig) -> Any:
         with dma.phase("norm_attn", layer=layer):
-            return numerics.rms_norm(hidden[0][...], vectors[0].astype(jnp.bfloat16), cfg.rms_eps)
+            return numerics.rms_norm(hidden[0][...], vectors[0].astype(jnp.bfloat16), cfg.rms_eps,
+                                     cfg.d_norm)
 
     def ffn_input(self, hidden, layer, vectors, attention_out, cfg: ModelConfig) -> Any:
         with dma.phase("norm_mlp", layer=layer):
             h = _add(hidden[0][...], attention_out)
             hidden[0][...] = h
-            return numerics.rms_norm(h, vectors[1].astype(jnp.bfloat16), cfg.rms_eps)
+            return numerics.rms_norm(h, vectors[1].astype(jnp.bfloat16), cfg.rms_eps, cfg.d_norm)
 
     def after_ffn(self, hidden, ffn_out) -> None:
         hidden[0][...] = _add(hidden[0][...], ffn_out)

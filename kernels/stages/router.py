@@ -7,6 +7,8 @@
     top-k of s + b      iterated argmax, the lower index wins ties; b (f32) only selects
     w = s_top / Σ s_top · routed_scale                        weights from the *uncorrected* s
                                                               (no division: router_normalize off)
+    topk_softmax        GPT-OSS: s = r + b (the bias in the logits), top-k of s, w = a softmax
+                        over the k chosen s
 
 The selection is k rounds of "max, then the lowest index holding it, then mask it out" over the
 whole [B, E] tile at once: vector work only, no sort. The ids and weights are written to VMEM and
@@ -106,12 +108,14 @@ def _choose(logits: jax.Array, bias: Any, top_k: int, router_score: str, routed_
     """(ids [B, k] i32, weights [B, k] f32) from the logits [B, E] f32: k rounds of max, then
     the lowest index holding it, then masked out; the weights from the uncorrected scores."""
     batch, n_experts = logits.shape
-    if router_score == "sigmoid":
+    if router_score == "topk_softmax":  # GPT-OSS: the bias is the router's own, in the logits
+        scores = logits + bias if bias is not None else logits
+    elif router_score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
         scores = blocks.softmax(logits)
     select = scores  # [B, E] f32
-    if bias is not None:  # the correction bias moves the selection only
+    if bias is not None and router_score != "topk_softmax":  # the correction bias selects only
         select = scores + bias
     expert_iota = jax.lax.broadcasted_iota(jnp.int32, (batch, n_experts), 1)
     if groups > 1:
@@ -129,7 +133,9 @@ def _choose(logits: jax.Array, bias: Any, top_k: int, router_score: str, routed_
         chosen = jnp.where(k_iota == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=-1,
                                                  keepdims=True), chosen)
         select = jnp.where(hit, -jnp.inf, select)
-    if normalize:
+    if router_score == "topk_softmax":  # a softmax over the k chosen logits
+        chosen = blocks.softmax(chosen)
+    elif normalize:
         chosen = chosen / blocks.ordered_sum(chosen, keepdims=True)
     return ids, chosen * routed_scale
 

@@ -179,7 +179,8 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                   tokens_ref, overflow_ref, *rest, vocab_tile: int, candidates: int, eps: float,
                   softcap: float | None, use_gumbel: bool, use_candidates: bool,
                   return_logits: bool, index_offset: Any = 0, merge: Any = None,
-                  rows_per_key: int = 1, vocab_limit: int | None = None):
+                  rows_per_key: int = 1, vocab_limit: int | None = None,
+                  norm_width: int | None = None):
     # seed_ref [1] i32 (SMEM); positions_ref, top_k_ref [B, 1] i32; temperature_ref (0 = greedy
     # row), top_p_ref [B, 1] f32; snapshots_ref [N-1, B, d] bf16; partial_ref [B, d] bf16; mix_out_ref [1, d] f32;
     # final_norm_ref [1, d] bf16; lm_head_hbm [d, V] bf16 (HBM); tokens_ref, overflow_ref [B, 1]
@@ -189,7 +190,8 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
     # state over every shard, before the token is chosen; vocab_limit (static): the vocabulary
     # size when the last shard is padded (its padding columns are masked out: never chosen, no
     # mass). rows_per_key > 1 (a verify step): row r is keyed as batch row r // rows_per_key (its
-    # position, p + 1, comes per row).
+    # position, p + 1, comes per row). norm_width: what the final RMSNorm divides by, when d
+    # pads the checkpoint's width (GPT-OSS, `ModelConfig.d_norm`); None: d.
     logits_ref = rest[0] if return_logits else None
     tile_slots, sems = rest[-2:]
     batch = partial_ref.shape[0]
@@ -198,7 +200,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
                          use_gumbel, use_candidates)
     tiles.ring.start(tiles.tile(0), 0, tile=0)  # flies while the mix and norm run
     x = _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps,
-                      lm_head_hbm.shape[0])
+                      lm_head_hbm.shape[0], norm_width)
     temperature = temperature_ref[...]  # [B, 1]
     inverse_scale = jnp.where(temperature > 0, temperature, 1.0)  # greedy rows: z = logits
     rows = blocks.state_row(lax.broadcasted_iota(jnp.int32, (batch, 1), 0), rows_per_key)
@@ -215,7 +217,7 @@ def sampling_body(seed_ref, positions_ref, temperature_ref, top_k_ref, top_p_ref
 
 
 def _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps: float,
-                  d: int) -> jax.Array:
+                  d: int, norm_width: int | None = None) -> jax.Array:
     """x = RMSNorm(h) [B, d] bf16: attention residuals mix the snapshots and the partial sum
     first (docs/kimi-k3.md §3.3); a residual stream (snapshots_ref None) is normalised as it is."""
     batch = partial_ref.shape[0]
@@ -226,7 +228,7 @@ def _final_hidden(snapshots_ref, partial_ref, mix_out_ref, final_norm_ref, eps: 
         else:
             mix_candidates = jnp.concatenate([snapshots_ref[...], partial_ref[...][None]], axis=0)
             h = reference.mix(mix_candidates, mix_out_ref[...], eps)  # [B, d] bf16
-        return reference.rms_norm(h, final_norm_ref[...], eps)  # [B, d] bf16
+        return reference.rms_norm(h, final_norm_ref[...], eps, norm_width)  # [B, d] bf16
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from mkresearch.checkpoint import gpt_oss_names
 from mkresearch.checkpoint import names as names_module
 from mkresearch.checkpoint.safetensors_io import (
     SCALE_SUFFIX,
@@ -44,6 +45,7 @@ from mkresearch.model.hf_config import (  # noqa: F401 - re-exported
     config_dict,
     config_from_dict,
     fp8_quantized,
+    mxfp4_quantized,
     read_config,
 )
 from mkresearch.sharding import layout
@@ -54,6 +56,10 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 def _entries(cfg: ModelConfig, raw: dict[str, Any]) -> list[list[names_module.Entry]]:
     """The trunk's entries, then each layer's (`raw`: config.json, for the rope order and the
     published dense hidden)."""
+    if gpt_oss_names.is_gpt_oss(cfg):
+        mxfp4 = mxfp4_quantized(raw) if raw else cfg.expert_format == "mxfp4"
+        return [gpt_oss_names.trunk_entries(cfg)] + [
+            gpt_oss_names.layer_entries(cfg, layer, mxfp4=mxfp4) for layer in range(cfg.n_layers)]
     interleaved = bool(raw.get("rope_interleave", True))
     dense = raw.get("intermediate_size") if cfg.n_dense_layers else None
     try:
@@ -97,16 +103,22 @@ def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
     modules' tensors and the ignored buffers)."""
     expected: set[str] = mtp_tensors(shards.names(), cfg) | ignored_tensors(shards.names())
     for entry in (e for group in groups for e in group):
-        for name, shape in zip(entry.names, entry.shapes):
+        for n, (name, shape) in enumerate(zip(entry.names, entry.shapes)):
             expected.add(name)
             if name not in shards.where:
                 raise CheckpointError(f"tensor {name} is missing: expected {list(shape)} "
                                       f"(for our {'.'.join(entry.key)})")
             got, dtype = shards.shape(name), shards.dtype(name)
+            where = shards.where[name].path  # the file, named with the tensor
             if got != shape:
-                raise CheckpointError(f"tensor {name} has shape {list(got)}: expected "
+                raise CheckpointError(f"{where}: tensor {name} has shape {list(got)}: expected "
                                       f"{list(shape)}")
-            if dtype == "F8_E4M3" and entry.linear:
+            required = entry.dtypes[n] if entry.dtypes else None
+            if required is not None:  # MXFP4 blocks and scales: bytes as stored
+                if dtype != required:
+                    raise CheckpointError(f"{where}: tensor {name} has dtype {dtype}: expected "
+                                          f"{required} (MXFP4 as released)")
+            elif dtype == "F8_E4M3" and entry.linear:
                 if not fp8:
                     raise CheckpointError(f"tensor {name} is F8_E4M3 but config.json has no fp8 "
                                           "quantization_config")
@@ -121,7 +133,8 @@ def _check(shards: Shards, groups: list[list[names_module.Entry]], fp8: bool,
                         f"expected {list(fp8_scale_shape(shape))} F32")
             elif dtype not in FLOAT_DTYPES:
                 allowed = ", ".join(FLOAT_DTYPES + (("F8_E4M3",) if entry.linear else ()))
-                raise CheckpointError(f"tensor {name} has dtype {dtype}: expected one of {allowed}")
+                raise CheckpointError(f"{where}: tensor {name} has dtype {dtype}: expected one of "
+                                      f"{allowed}")
     extra = sorted(shards.names() - expected)
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -220,6 +233,10 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
                disable=not progress)
     for group in bar:
         for entry in group:
+            if entry.packed:
+                value = _packed_value(entry, shards, cfg, stats, table)
+                params = _place(params, entry.key, entry.index, value)
+                continue
             ours = entry.to_ours([shards.read_f32(name) for name in entry.names])
             leaf = table
             for part in entry.key:
@@ -236,6 +253,36 @@ def load_params(directory: str | os.PathLike, cfg: ModelConfig, *,
     return params
 
 
+def _packed_value(entry: names_module.Entry, shards: Shards, cfg: ModelConfig,
+                  stats: dict, table: dict) -> Any:
+    """A packed entry's value as cfg keeps it (`table`: cfg's spec.param_table): one leaf in its
+    dtype, or a subtree (GPT-OSS's experts of one layer): MXFP4 parts as
+    read when cfg's experts are MXFP4 (no value decoded), else decoded into cfg.expert_format;
+    f32 matrices (a bf16 checkpoint) quantised into it, with their conversion error in `stats`;
+    biases bf16."""
+    raw = [shards.read(name) for name in entry.names]  # as stored: bf16 stays bf16
+    tree = entry.to_ours(raw)
+    del raw
+    if not isinstance(tree, dict):  # one leaf of ours, in its dtype
+        leaf = table
+        for part in entry.key:
+            leaf = leaf[part]
+        return jnp.asarray(tree, leaf.dtype)
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):  # MXFP4 parts, read as released
+            if cfg.expert_format == "mxfp4":
+                out[key] = {part: jnp.asarray(array) for part, array in value.items()}
+            else:  # asked for another format: one layer decoded at a time
+                out[key] = formats.quantize(formats.mxfp4_unpack(value), cfg.expert_format)
+        elif key in formats.EXPERT_MATRICES:
+            out[key] = formats.quantize(jnp.asarray(value, jnp.float32), cfg.expert_format)
+            _conversion_error(np.asarray(value, np.float32), out[key], cfg.expert_format, stats)
+        else:
+            out[key] = jnp.asarray(value, jnp.bfloat16)
+    return out
+
+
 # ---- writing ---------------------------------------------------------------------------------
 def _published(entry: names_module.Entry, params: dict, cfg: ModelConfig,
                fp8: bool) -> dict[str, np.ndarray]:
@@ -244,6 +291,8 @@ def _published(entry: names_module.Entry, params: dict, cfg: ModelConfig,
         value = value[part]
     if entry.index is not None:
         value = jax.tree.map(lambda v: v[entry.index], value)
+    if entry.packed:  # as we store them: MXFP4 bytes, bf16 (f32 where ours are f32)
+        return dict(zip(entry.names, (np.asarray(array) for array in entry.to_published(value))))
     if entry.quantized:
         value = formats.dequantize(value, cfg.expert_format)
     ours = np.asarray(jnp.asarray(value, jnp.float32))

@@ -58,6 +58,11 @@ class Entry:
     linear: bool = False  # a projection the FP8 release stores in FP8 with block scales
     # each axis of our array (one layer's): where `to_ours` takes it from; read by slices
     sources: tuple[Source, ...] = ()
+    # `to_ours` takes the tensors as stored (not f32) and gives our value as it is kept: a
+    # subtree (GPT-OSS's experts, `gpt_oss_names`), MXFP4 matrices as our parts; `to_published`
+    # takes that subtree as our params hold it
+    packed: bool = False
+    dtypes: tuple[str | None, ...] = ()  # per name: the stored dtype required (None: a float)
 
 
 def _copy(key, index, name, shape) -> Entry:

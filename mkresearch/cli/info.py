@@ -25,7 +25,7 @@ from mkresearch.cli.options import (
     each_batch,
 )
 from mkresearch.hardware.chips import CHIPS
-from mkresearch.model import roofline
+from mkresearch.model import kv_cache, roofline
 from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.prediction.full_size import full_size_steps, stand_in_note
 from mkresearch.sharding import layout, layout_bytes
@@ -109,6 +109,9 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str | None,
         "cache_bytes_per_token": roofline.cache_bytes_per_token(
             cfg.replace(mla_cache_layout=step.mla_cache_layout)),
         "floor_one_chip": floors,
+        "hbm_one_device": _hbm_one_device(cfg, batch, context, expert_format),
+        "padding_bytes": roofline.padding_bytes(cfg.replace(
+            expert_format=step.expert_format) if step.expert_format != "released" else cfg),
     }
     if cfg.mla_layers:  # Kimi's MLA caches either layout: both, side by side
         per_token = {name: roofline.mla_cache_bytes_per_token(cfg, name)
@@ -116,6 +119,22 @@ def info(cfg: ModelConfig, batch: int, context: int, expert_format: str | None,
         report["mla_cache_bytes_per_token"] = {
             **per_token, "ratio": per_token["expanded"] / per_token["latent"]}
     return report
+
+
+def _hbm_one_device(cfg: ModelConfig, batch: int, context: int,
+                    expert_format: str | None) -> dict:
+    """Whether the whole model, with the KV caches a decode at `context` allocates for `batch`
+    rows (`kv_cache.cache_length`), fits one device of each chip (`roofline.hbm_footprint`)."""
+    if expert_format not in (None, "released"):
+        cfg = cfg.replace(expert_format=expert_format)
+    seq_len = kv_cache.cache_length(cfg, context + 1)
+    out = {}
+    for name in CHIPS:
+        footprint = roofline.hbm_footprint(cfg, name, batch, seq_len)
+        out[name] = {"needed": footprint.needed, "weights": footprint.weights,
+                     "states": footprint.states, "available": footprint.available,
+                     "seq_len": seq_len, "fits": footprint.fits()}
+    return out
 
 
 def _print_info(report: dict) -> None:
@@ -126,7 +145,8 @@ def _print_info(report: dict) -> None:
               f"attention-residual blocks):")
     else:
         print(f"{report['model']}: {report['layers']} layers, {report['residual']} residual "
-              f"stream, pattern (G = GQA, R = MLA with RoPE):")
+              f"stream, pattern (G = GQA, R = MLA with RoPE, S = GQA with sinks, W = the same "
+              "over a sliding window):")
     print(f"  {report['layer_pattern']}")
     if stand_in_note(report["model"]):
         print(f"  {stand_in_note(report['model'])}")
@@ -161,3 +181,13 @@ def _print_info(report: dict) -> None:
     print("HBM floor on one chip (bytes / bandwidth):")
     for chip, floor in report["floor_one_chip"].items():
         print(f"  {chip:6s} {floor['ms']:10.2f} ms/step  {floor['tokens_per_s']:10.1f} tokens/s")
+    hbm = report["hbm_one_device"]
+    first = next(iter(hbm.values()))
+    print(f"HBM of one device: weights {human_bytes(first['weights'])} + KV caches and states "
+          f"{human_bytes(first['states'])} (batch {step['batch']} x {first['seq_len']} tokens)"
+          + (f"; {human_bytes(report['padding_bytes'])} of the weights are the zero padding of "
+             "widths rounded up to whole lanes" if report["padding_bytes"] else "") + ":")
+    for chip, one in hbm.items():
+        verdict = (f"fits, {human_bytes(one['available'] - one['needed'])} spare" if one["fits"]
+                   else f"does not fit, {human_bytes(one['needed'] - one['available'])} over")
+        print(f"  {chip:6s} {human_bytes(one['available']):>10} per device: {verdict}")

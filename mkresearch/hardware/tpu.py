@@ -508,7 +508,8 @@ def _as_struct(x, sharding):
 
 def compile_for(fn: Callable, *shape_structs: Any, chip: str | None = None,
                 static_argnums: tuple[int, ...] | int = (),
-                shardings: tuple | None = None) -> CompileResult:
+                shardings: tuple | None = None,
+                donate_argnums: tuple[int, ...] = ()) -> CompileResult:
     """Compile `fn(*shape_structs)` for one device of `chip` (None: `default_chip()`) with the
     real Mosaic compiler.
 
@@ -519,7 +520,8 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str | None = None,
     VmemOverflowError (a ValueError) saying how much the kernel needs and the chip has.
     shardings: one jax Sharding per argument (over devices of `topology_devices`) for a program
     on several devices (a `jax.shard_map`); its HLO is one device's, so `n_mosaic_kernels`
-    counts the kernels one device launches.
+    counts the kernels one device launches. donate_argnums: arguments whose buffers the program
+    may reuse for its outputs, as a step donates its state: the HBM XLA counts is then a run's.
     """
     import jax
 
@@ -538,7 +540,8 @@ def compile_for(fn: Callable, *shape_structs: Any, chip: str | None = None,
         # back: jax warns and compiles again, which is what happens anyway
         warnings.filterwarnings("ignore", message="Error reading persistent compilation cache "
                                 "entry", category=UserWarning)
-        lowered = jax.jit(fn, static_argnums=static_argnums).lower(*args)
+        lowered = jax.jit(fn, static_argnums=static_argnums,
+                          donate_argnums=donate_argnums).lower(*args)
         try:
             compiled = lowered.compile()
         except Exception as error:

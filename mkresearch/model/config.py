@@ -2,7 +2,8 @@
 its name, and `config_names()`, every name it takes:
 
   presets         `kimi-k3` (docs/kimi-k3.md §1) and the other families of docs/families.md
-                  (`deepseek-v3`, `glm-4.5`, `qwen3-235b-a22b`), each with a `-mini` that keeps
+                  (`deepseek-v3`, `glm-4.5`, `qwen3-235b-a22b`, `gpt-oss-20b`,
+                  `gpt-oss-120b`), each with a `-mini` that keeps
                   every feature of its family (`model_config.PRESETS`)
   '<preset>-rank' one of the release's 32 ranks of a full-size preset (docs/kimi-k3.md §9), derived from the
                   kinds' sharding rules, never typed in (`partition.rank_config`): a
@@ -32,10 +33,14 @@ from mkresearch.model.model_config import (  # noqa: F401 - re-exported: the con
     FP8_BLOCK,
     GLM_4_5,
     GLM_4_5_MINI,
+    GPT_OSS_20B,
+    GPT_OSS_120B,
+    GPT_OSS_MINI,
     KDA_DECAYS,
     KIMI_ATTENTION,
     KIMI_K3,
     KIMI_K3_MINI,
+    KIND_CYCLE,
     LANE,
     MLA_CACHE_LAYOUTS,
     MXFP4_BLOCK,

@@ -19,13 +19,19 @@ KDA_DECAYS = ("bounded", "softplus")
 KIMI_ATTENTION = "kda+mla"  # MLA at mla_first, every mla_every after it and (mla_last_layer) last
 DENSE_THEN_MOE = "dense+moe"  # dense FFN in the first n_dense_layers, MoE after
 DENSE_THEN = "dense+"  # "dense+<kind>": dense FFN in the first n_dense_layers, <kind> after
+# "<kind>,<kind>,...": a cycle of attention kinds, layer l runs the (l mod n)-th (GPT-OSS's
+# sliding-window and full layers in turn: "gqa_sink_window,gqa_sink")
+KIND_CYCLE = ","
 RESIDUALS = ("attention_mix", "prenorm")  # Kimi's attention residuals; a classic residual stream
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 # what the MXU is handed for a routed expert's product (`ModelConfig.expert_mxu`): its weights
 # decoded to bf16, or its fp8 / MXFP4 values as fp8 e4m3 with the block scales applied after the dot
 EXPERT_MXU_INPUTS = ("bf16", "fp8")
-ROUTER_SCORES = ("sigmoid", "softmax")
-ACTIVATIONS = ("situ", "silu")
+# "topk_softmax": the top k of the logits x W_r (+ the bias with router_bias), weighted by a
+# softmax over those k logits alone (GPT-OSS)
+ROUTER_SCORES = ("sigmoid", "softmax", "topk_softmax")
+# "clamped_swiglu": GPT-OSS's (up + 1) · g σ(α g) with g clamped above and up both sides at a limit
+ACTIVATIONS = ("situ", "silu", "clamped_swiglu")
 
 # slots of the megakernel's global weight ring, at most: a rank in partial-sum mode deepens its ring
 # as far as VMEM allows (`megakernel_sharded.ring_depth`; Kimi K3 on 32 ranks at B = 1: 17)
@@ -75,8 +81,8 @@ def _validate_families(cfg: Any) -> None:
     if cfg.n_heads % cfg.n_kv_heads:
         _fail("n_kv_heads", cfg.n_kv_heads, f"a divisor of n_heads={cfg.n_heads} (query heads "
               "share K/V heads in equal groups)")
-    _positive_int(cfg, "head_dim", LANE)
-    for field in ("attention_bias", "qk_norm", "router_normalize"):
+    _positive_int(cfg, "head_dim", LANE // 2)  # GPT-OSS: 64
+    for field in ("attention_bias", "qk_norm", "router_normalize", "yarn_truncate"):
         _boolean(cfg, field)
     _positive_float(cfg, "rope_theta")
     partial = cfg.rope_partial
@@ -109,6 +115,34 @@ def _validate_families(cfg: Any) -> None:
               f"{-(-cfg.top_k // cfg.experts_per_group)} of {cfg.experts_per_group} experts")
     if isinstance(cfg.n_mtp_layers, bool) or not isinstance(cfg.n_mtp_layers, int) or cfg.n_mtp_layers < 0:
         _fail("n_mtp_layers", cfg.n_mtp_layers, "an int >= 0")
+    if cfg.router_score == "topk_softmax" and cfg.router_groups > 1:
+        _fail("router_groups", cfg.router_groups, "1 with router_score='topk_softmax'")
+    _validate_gpt_oss(cfg)
+
+
+def _validate_gpt_oss(cfg: Any) -> None:
+    """GPT-OSS's fields: the checkpoint widths off the lane grid, the sliding window, the clamped
+    SwiGLU and the experts' biases (docs/families.md §6)."""
+    for field, padded in (("d_model_checkpoint", "d_model"),
+                          ("expert_hidden_checkpoint", "expert_hidden")):
+        value, width = getattr(cfg, field), getattr(cfg, padded)
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not (value == 0 or width - LANE < value <= width)):
+            _fail(field, value, f"0 (the checkpoint's width is {padded}) or the checkpoint's "
+                  f"width that {padded}={width} rounds up to whole lanes: in ({width - LANE}, "
+                  f"{width}]")
+    if (cfg.d_model == cfg.expert_hidden and cfg.d_model_checkpoint != cfg.expert_hidden_checkpoint
+            and cfg.d_model_checkpoint and cfg.expert_hidden_checkpoint):
+        _fail("expert_hidden_checkpoint", cfg.expert_hidden_checkpoint,
+              f"d_model_checkpoint={cfg.d_model_checkpoint} when expert_hidden equals d_model "
+              "(an axis of that width is padded from one checkpoint width)")
+    window = cfg.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        _fail("sliding_window", window, "an int >= 0 (tokens a window layer attends to, itself "
+              "included; 0: none)")
+    for field in ("swiglu_alpha", "swiglu_limit"):
+        _positive_float(cfg, field)
+    _boolean(cfg, "expert_bias")
 
 
 def validate(cfg: Any) -> None:
@@ -198,9 +232,12 @@ def _validate_layer_kinds(cfg: Any) -> None:
     where the model is built, mkresearch.model.spec) and the residual strategy."""
     for field in ("attention", "ffn"):
         value = getattr(cfg, field)
-        if not isinstance(value, str) or not value.replace("+", "").replace("_", "").isalnum():
+        spelled = value.replace("+", "").replace("_", "") if isinstance(value, str) else ""
+        if field == "attention":
+            spelled = spelled.replace(KIND_CYCLE, "")
+        if not isinstance(value, str) or not spelled.isalnum():
             _fail(field, value, "a stage kind registered in mkresearch.model.spec, or the pattern "
-                  f"{KIMI_ATTENTION!r} / {DENSE_THEN!r}<kind>")
+                  f"{KIMI_ATTENTION!r} / {DENSE_THEN!r}<kind> / '<kind>,<kind>' (attention)")
     if cfg.n_dense_layers and not cfg.ffn.startswith(DENSE_THEN):
         _fail("n_dense_layers", cfg.n_dense_layers, f"0 with ffn={cfg.ffn!r} (one kind for every "
               f"layer); dense first layers need an ffn pattern {DENSE_THEN!r}<kind>")

@@ -1,7 +1,9 @@
 """A published `config.json` -> our validated `ModelConfig`, and back (docs/checkpoints.md).
 
 Model types read: `deepseek_v3` (DeepSeek-V3, Moonlight, Kimi K2), `qwen3_moe`, `glm4_moe`,
-`kimi_linear` (Kimi Linear: KDA + MLA) and `kimi_k3` (the name `write_config` gives Kimi K3's
+`gpt_oss` (GPT-OSS: `layer_types`, `sliding_window`, `swiglu_limit`, YaRN without truncation,
+widths off the lane grid padded, MXFP4 experts as released: `quantization_config`
+{"quant_method": "mxfp4"}), `kimi_linear` (Kimi Linear: KDA + MLA) and `kimi_k3` (the name `write_config` gives Kimi K3's
 attention-residual model, which has no public config.json). Fields a config.json does not carry
 (the KV tile, the weight ring, the MLA cache layout, the expert format) come from the family's
 preset (`mkresearch.config`). Fields are read by `hf_fields.Fields`: a missing one takes
@@ -34,7 +36,7 @@ from mkresearch.model.model_config import ModelConfig
 
 FAMILY_PRESETS = {"deepseek_v3": config_module.DEEPSEEK_V3, "qwen3_moe": config_module.QWEN3_235B,
                   "glm4_moe": config_module.GLM_4_5, "kimi_k3": config_module.KIMI_K3,
-                  "kimi_linear": config_module.KIMI_K3}
+                  "kimi_linear": config_module.KIMI_K3, "gpt_oss": config_module.GPT_OSS_20B}
 UNSUPPORTED_TYPES: dict[str, str] = {}
 MODEL_TYPES = (*FAMILY_PRESETS, *UNSUPPORTED_TYPES)
 # DeepSeek's FP8 release; a missing fmt or weight_block_size takes transformers' FP8 defaults
@@ -79,10 +81,10 @@ def _yarn(f: Fields) -> dict[str, Any]:
         return {"yarn_factor": 1.0}
     if kind != "yarn":
         raise _unsupported(scaling.name("type"), kind, "'yarn' or none")
-    for field, wanted in (("attention_factor", None), ("truncate", True)):
-        if scaling.present(field) and scaling.get(field) != wanted:
-            raise _unsupported(scaling.name(field), scaling.get(field),
-                               "absent (the attention factor from mscale; a truncated ramp)")
+    if scaling.present("attention_factor"):
+        raise _unsupported(scaling.name("attention_factor"), scaling.get("attention_factor"),
+                           "absent (the attention factor from mscale)")
+    truncate = scaling.bool("truncate", default=True)
     max_positions = _max_positions(f)
     original = scaling.int("original_max_position_embeddings", default=max_positions)
     factor = scaling.float("factor")  # required by transformers' YaRN validation
@@ -96,7 +98,7 @@ def _yarn(f: Fields) -> dict[str, Any]:
             "yarn_beta_fast": scaling.float("beta_fast", default=0.0) or 32.0,
             "yarn_beta_slow": scaling.float("beta_slow", default=0.0) or 1.0,
             "yarn_mscale": mscale if mscale_all_dim else 1.0,
-            "yarn_mscale_all_dim": mscale_all_dim}
+            "yarn_mscale_all_dim": mscale_all_dim, "yarn_truncate": truncate}
 
 
 def _max_positions(f: Fields) -> int:
@@ -256,8 +258,68 @@ def _kimi_linear(f: Fields) -> dict[str, Any]:
             **_dense_and_shared(f, "num_shared_experts", "num_nextn_predict_layers")}
 
 
+LAYER_TYPES = {"sliding_attention": "gqa_sink_window", "full_attention": "gqa_sink"}
+
+
+def _attention_cycle(f: Fields, n_layers: int) -> str:
+    """GPT-OSS's `layer_types` as our attention pattern: one kind, or a cycle of kinds
+    ("gqa_sink_window,gqa_sink": layer l runs the (l mod 2)-th); missing, transformers' default
+    (sliding on even layers, full on odd)."""
+    default = [("sliding_attention", "full_attention")[layer % 2] for layer in range(n_layers)]
+    types = f.get("layer_types", default)
+    if not isinstance(types, list) or len(types) != n_layers or not all(
+            isinstance(t, str) and t in LAYER_TYPES for t in types):
+        raise f.invalid("layer_types", types, f"a list of {n_layers} (num_hidden_layers) of "
+                        f"{', '.join(map(repr, LAYER_TYPES))}")
+    for period in range(1, n_layers + 1):
+        if n_layers % period == 0 and types == types[:period] * (n_layers // period):
+            return ",".join(LAYER_TYPES[t] for t in types[:period])
+    raise AssertionError  # period n_layers always repeats
+
+
+def _gpt_oss(f: Fields) -> dict[str, Any]:
+    """GPT-OSS: sinks, sliding-window and full layers (`layer_types`), the clamped SwiGLU, biased
+    experts and router (softmax over the top-k logits), YaRN; hidden_size and intermediate_size
+    off the lane grid (2880) padded to whole lanes (`lane_multiple`), the checkpoint's widths kept
+    in d_model_checkpoint / expert_hidden_checkpoint."""
+    common = _common(f)
+    d, heads = common["d_model"], common["n_heads"]
+    hidden = f.int("intermediate_size")
+    attention = _attention_cycle(f, common["n_layers"])
+    # null is not the default here: transformers' sliding layers then attend to every token
+    window = f.raw["sliding_window"] if "sliding_window" in f.raw else f.get("sliding_window")
+    if "gqa_sink_window" in attention and (isinstance(window, bool) or not isinstance(
+            window, int) or window < 1):
+        raise f.invalid("sliding_window", window, "an int >= 1 (layer_types has "
+                        "sliding_attention layers)")
+    return {**common, **_yarn(f), "d_model": lane_multiple(d),
+            "d_model_checkpoint": d if d % config_module.LANE else 0,
+            "attention": attention, "n_kv_heads": f.int("num_key_value_heads", default=heads),
+            "head_dim": f.int("head_dim", default=d // heads), "rope_partial": 1.0,
+            "attention_bias": f.bool("attention_bias"), "qk_norm": False,
+            "sliding_window": window if "gqa_sink_window" in attention else 0,
+            "n_experts": f.int("num_local_experts"), "top_k": f.int("num_experts_per_tok"),
+            "expert_hidden": lane_multiple(hidden),
+            "expert_hidden_checkpoint": hidden if hidden % config_module.LANE else 0,
+            "expert_bias": True, "router_score": "topk_softmax", "router_bias": True,
+            "routed_scale": 1.0, "router_groups": 1, "router_topk_groups": 1,
+            "n_dense_layers": 0, "ffn": "moe_full", "n_shared_experts": 0,
+            "activation": "clamped_swiglu", "swiglu_alpha": f.float("swiglu_alpha"),
+            "swiglu_limit": f.float("swiglu_limit")}
+
+
 READERS = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
-           "kimi_k3": _kimi_k3, "kimi_linear": _kimi_linear}
+           "kimi_k3": _kimi_k3, "kimi_linear": _kimi_linear, "gpt_oss": _gpt_oss}
+# the MXFP4 release (GPT-OSS): its experts' `*_blocks` and `*_scales` read as they are
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4"}
+
+
+def mxfp4_quantized(raw: dict[str, Any]) -> bool:
+    """True for GPT-OSS's MXFP4 release (`quantization_config` with quant_method "mxfp4", as
+    OpenAI ships it and transformers' Mxfp4Config writes it)."""
+    quant = raw.get("quantization_config")
+    return (raw.get("model_type") == "gpt_oss" and isinstance(quant, dict)
+            and quant.get("quant_method") == "mxfp4")
 
 
 def fp8_quantized(raw: dict[str, Any]) -> bool:
@@ -265,7 +327,7 @@ def fp8_quantized(raw: dict[str, Any]) -> bool:
     FineGrainedFP8Config writes it), False without one; any other quantisation is a
     CheckpointError naming it."""
     quant = raw.get("quantization_config")
-    if not quant:
+    if not quant or mxfp4_quantized(raw):
         return False
     if not isinstance(quant, dict):
         raise Fields(raw).invalid("quantization_config", quant, "a JSON object or null")
@@ -311,7 +373,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "checkpoint", **overrides:
     if model_type != "kimi_k3":
         max_seq = _max_positions(fields)
         values.update(max_seq_len=max_seq, kv_tile=_kv_tile(max_seq, preset.kv_tile),
-                      expert_format="bf16")
+                      expert_format="mxfp4" if mxfp4_quantized(raw) else "bf16")
     try:
         cfg = preset.replace(name=name, **values)
         if fp8 and "expert_format" not in overrides:
@@ -360,9 +422,43 @@ def _kimi_linear_dict(cfg: ModelConfig) -> dict[str, Any]:
                 "kda_layers": [layer + 1 for layer in cfg.kda_layers], "full_attn_layers": full}}
 
 
+def _gpt_oss_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """GPT-OSS's spelling of cfg's fields (what `_gpt_oss` reads), MXFP4 experts written as
+    released when cfg's are MXFP4."""
+    kinds = {kind: name for name, kind in LAYER_TYPES.items()}
+    raw = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+           "hidden_size": cfg.d_norm, "intermediate_size": cfg.expert_hidden_checkpoint
+           or cfg.expert_hidden, "num_hidden_layers": cfg.n_layers,
+           "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.n_heads,
+           "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "layer_types": [kinds[kind] for kind in cfg.attention_kinds],
+           "sliding_window": cfg.sliding_window or None, "attention_bias": cfg.attention_bias,
+           "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+           "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
+           "rms_norm_eps": cfg.rms_eps, "hidden_act": "silu", "tie_word_embeddings": False,
+           "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
+           "torch_dtype": "bfloat16"}
+    if cfg.yarn_factor > 1:
+        raw["rope_scaling"] = {
+            "rope_type": "yarn", "factor": cfg.yarn_factor,
+            "original_max_position_embeddings": cfg.yarn_original_max_positions,
+            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+            "truncate": cfg.yarn_truncate}
+    else:
+        raw["rope_scaling"] = {"rope_type": "default"}
+    if cfg.expert_format == "mxfp4":
+        raw["quantization_config"] = {
+            **MXFP4_QUANTIZATION, "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                "lm_head"]}
+    return raw
+
+
 def config_dict(cfg: ModelConfig, *, fp8: bool = False) -> dict[str, Any]:
     """The config.json of cfg in its family's published spelling (what `read_config` reads
     back to cfg's fields, bar name, kv_tile and the ring)."""
+    if any(kind.startswith("gqa_sink") for kind in cfg.attention_kinds):
+        return _gpt_oss_dict(cfg)
     if cfg.residual == "attention_mix":
         raw = {"model_type": "kimi_k3", "architectures": ["KimiK3ForCausalLM"],
                "mkresearch": {f.name: getattr(cfg, f.name)

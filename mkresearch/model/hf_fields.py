@@ -75,6 +75,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1, "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
         "mla_use_nope": True, "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1,
         "num_nextn_predict_layers": 0},  # the last four: remote code
+    "gpt_oss": {  # transformers.GptOssConfig (layer_types: sliding, full, ... from layer 0)
+        "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "sliding_window": 128, "hidden_act": "silu", "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True,
+        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_theta": 150000.0,
+        "partial_rotary_factor": 1.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096, "rope_theta": 150000.0}},
 }
 # linear_attn_config's fields (transformers.KimiLinearConfig: linear_head_dim, linear_num_heads,
 # linear_conv_kernel_dim)

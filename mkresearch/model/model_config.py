@@ -35,6 +35,7 @@ from mkresearch.model.config_rules import (  # noqa: F401 - the allowed values, 
     FP8_BLOCK,
     KDA_DECAYS,
     KIMI_ATTENTION,
+    KIND_CYCLE,
     LANE,
     MLA_CACHE_LAYOUTS,
     MXFP4_BLOCK,
@@ -143,6 +144,22 @@ class ModelConfig:
     # one order (`numerics.block_scaled_matmul`), as the public Kimi K3 release's kernel does. TPU7x
     # multiplies fp8 at twice the bf16 rate. Out of the repr, as above.
     expert_mxu: str = dataclasses.field(default="bf16", repr=False)
+    # GPT-OSS (docs/families.md §6). Widths off the 128-lane grid: d_model and expert_hidden are
+    # the checkpoint's widths rounded up to whole lanes (2880 -> 2944), the padding zero in every
+    # weight, so the hidden state's padding stays zero; RMSNorms over d divide by the checkpoint's
+    # width (`d_norm`). 0: the checkpoint's width is ours. Out of the repr, as above.
+    d_model_checkpoint: int = dataclasses.field(default=0, repr=False)
+    expert_hidden_checkpoint: int = dataclasses.field(default=0, repr=False)
+    # tokens a sliding-window layer (kind "gqa_sink_window") attends to, the new one included
+    sliding_window: int = dataclasses.field(default=0, repr=False)
+    # activation "clamped_swiglu": (clip(u, ±limit) + 1) · g σ(α g), g = min(g, limit)
+    swiglu_alpha: float = dataclasses.field(default=1.702, repr=False)
+    swiglu_limit: float = dataclasses.field(default=7.0, repr=False)
+    # a bias on each routed expert's W1, W3 and W2 (moe_full)
+    expert_bias: bool = dataclasses.field(default=False, repr=False)
+    # YaRN's correction range floored / ceiled (transformers' `truncate`, true by default;
+    # GPT-OSS: false)
+    yarn_truncate: bool = dataclasses.field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -166,6 +183,9 @@ class ModelConfig:
 
     @functools.cached_property
     def attention_kinds(self) -> tuple[str, ...]:
+        if KIND_CYCLE in self.attention:  # a cycle of kinds: layer l runs the (l mod n)-th
+            cycle = self.attention.split(KIND_CYCLE)
+            return tuple(cycle[layer % len(cycle)] for layer in range(self.n_layers))
         if self.attention != KIMI_ATTENTION:
             return (self.attention,) * self.n_layers
         mla = set(range(self.mla_first, self.n_layers, self.mla_every))
@@ -257,6 +277,12 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Rotated dims of a GQA head: the first rope_partial of head_dim."""
         return round(self.head_dim * self.rope_partial)
+
+    @property
+    def d_norm(self) -> int:
+        """The width RMSNorms over the hidden state divide by: the checkpoint's d (GPT-OSS's
+        2880), not the zero-padded lanes of d_model."""
+        return self.d_model_checkpoint or self.d_model
 
     @property
     def experts_per_group(self) -> int:
@@ -465,17 +491,79 @@ QWEN3_235B_MINI = QWEN3_235B.replace(
     name="qwen3-235b-a22b-mini", **_MINI_SIZES, n_heads=4, n_kv_heads=1, shared_hidden=256)
 
 
+# GPT-OSS (openai/gpt-oss-20b and -120b config.json, docs/families.md §6): 2880 wide (padded to
+# 23 lanes), 64 query / 8 K/V heads of 64 with biases and learned sinks, sliding-window (128) and
+# full layers in turn, YaRN without truncation, 32 (128) experts of 2880 with biases, top 4 by a
+# softmax over the 4 largest router logits, the clamped SwiGLU, MXFP4 experts as released.
+GPT_OSS_20B = KIMI_K3.replace(
+    name="gpt-oss-20b",
+    d_model=2944,
+    d_model_checkpoint=2880,
+    n_layers=24,
+    mla_first=0,  # unused (the Kimi pattern): any layer count
+    vocab_size=201088,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=64,
+    attention_bias=True,
+    qk_norm=False,
+    rope_theta=150000.0,
+    rope_partial=1.0,
+    yarn_factor=32.0,
+    yarn_original_max_positions=4096,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=0.0,
+    yarn_truncate=False,
+    sliding_window=128,
+    n_dense_layers=0,
+    n_experts=32,
+    top_k=4,
+    router_score="topk_softmax",
+    router_bias=True,
+    routed_scale=1.0,
+    router_groups=1,
+    router_topk_groups=1,
+    router_normalize=True,
+    expert_hidden=2944,
+    expert_hidden_checkpoint=2880,
+    expert_bias=True,
+    n_shared_experts=0,
+    shared_hidden=128,  # unused: no shared expert
+    activation="clamped_swiglu",
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    expert_format="mxfp4",
+    rms_eps=1e-5,
+    kv_tile=128,  # the window's 128 tokens span at most two tiles
+    max_seq_len=131072,
+    attention="gqa_sink_window,gqa_sink",
+    ffn="moe_full",
+    residual="prenorm",
+)
+GPT_OSS_120B = GPT_OSS_20B.replace(name="gpt-oss-120b", n_layers=36, n_experts=128)
+# every GPT-OSS feature: both widths padded (352 -> 384, whole MXFP4 blocks as the checkpoint's
+# 2880), head_dim 64 in groups of 4, a window of 48 tokens (not whole tiles) in a 128-token cache
+GPT_OSS_MINI = GPT_OSS_20B.replace(
+    name="gpt-oss-mini", d_model=384, d_model_checkpoint=352, n_layers=4, vocab_size=2048,
+    n_heads=8, n_kv_heads=2, n_experts=16, top_k=4, expert_hidden=384,
+    expert_hidden_checkpoint=352, sliding_window=48, kv_tile=32, max_seq_len=128)
+
+
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
     KIMI_K3, KIMI_K3_MINI, DEEPSEEK_V3, DEEPSEEK_V3_MINI, GLM_4_5, GLM_4_5_MINI,
-    QWEN3_235B, QWEN3_235B_MINI)}
+    QWEN3_235B, QWEN3_235B_MINI, GPT_OSS_20B, GPT_OSS_120B, GPT_OSS_MINI)}
 
 
 # One letter per attention kind in `layer_pattern` (another kind: its first letter, upper case).
-PATTERN_LETTERS = {"kda": "K", "mla": "M", "gqa": "G", "mla_rope": "R"}
+PATTERN_LETTERS = {"kda": "K", "mla": "M", "gqa": "G", "mla_rope": "R", "gqa_sink": "S",
+                   "gqa_sink_window": "W"}
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
-    """One letter per layer's attention kind ('K' KDA, 'M' MLA, 'G' GQA, 'R' MLA with RoPE);
+    """One letter per layer's attention kind ('K' KDA, 'M' MLA, 'G' GQA, 'R' MLA with RoPE, 'S'
+    GQA with sinks, 'W' the same over a sliding window);
     with attention residuals, blocks separated by spaces."""
     letters = [PATTERN_LETTERS.get(kind, kind[:1].upper()) for kind in cfg.attention_kinds]
     if cfg.residual != "attention_mix":

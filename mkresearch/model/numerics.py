@@ -366,9 +366,19 @@ def situ(g: jax.Array, u: jax.Array) -> jax.Array:
     return bf(4 * jnp.tanh(g32 / 4) * jax.nn.sigmoid(g32) * 25 * jnp.tanh(u32 / 25))
 
 
+def clamped_swiglu(g: jax.Array, u: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GPT-OSS's activation: bf((clip(u, −limit, limit) + 1) · g σ(α g)) with g = min(g, limit),
+    in f32 from the bf16 projections (transformers' GptOssExperts._apply_gate, in its order)."""
+    g32 = jnp.minimum(g.astype(f32), f32(limit))
+    u32 = jnp.clip(u.astype(f32), f32(-limit), f32(limit))
+    return bf((u32 + 1) * (g32 * jax.nn.sigmoid(g32 * f32(alpha))))
+
+
 def activation(g: jax.Array, u: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.activation == "situ":
         return situ(g, u)
+    if cfg.activation == "clamped_swiglu":
+        return clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit)
     return bf(jax.nn.silu(g.astype(f32)) * u.astype(f32))  # "silu": SwiGLU, for comparison
 
 
@@ -405,7 +415,8 @@ def dot_exact(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array,
                     values: jax.Array, positions: jax.Array, tile: int,
-                    padded: bool = False) -> jax.Array:
+                    padded: bool = False, *, sinks: jax.Array | None = None,
+                    window: int = 0) -> jax.Array:
     """Σ_j α_j V_j over slots 0..p with α = softmax(scores) in f32, computed online (§5).
 
     new_score [B, H] and new_value [B, H, n] or [B, n]: slot p (the new token); scores [B, H, S]
@@ -421,6 +432,12 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     to a multiple of 8 (`padded_rows`), as the kernels' `online_softmax_step(padded=True)`:
     where the head count of one product differs between one device and a rank (GQA's query
     heads of a K/V head, the latent layout's heads), a head sums in one order whatever it is.
+
+    sinks [H] f32 (GPT-OSS's learned sinks): one more logit per head in the normaliser, with no
+    value; it seeds the state with the new token: m = max(s_new, sink), norm = e^(s_new − m) +
+    e^(sink − m), acc = e^(s_new − m) v_new. window > 0: slot j counts only when j > p − window
+    (the new token and the window − 1 before it, transformers' sliding window); a tile before
+    the window changes nothing (exactly, as one past p), so a kernel reads the window's tiles only.
     """
     B, H, S = scores.shape
     slots = jnp.arange(tile)
@@ -447,7 +464,10 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
         m, norm, acc = carry  # [B, H, 1], [B, H, 1], [B, H, n]
         tile_scores = lax.dynamic_slice_in_dim(scores, t * tile, tile, axis=2)  # [B, H, T]
         tile_values = lax.dynamic_slice_in_dim(values, t * tile, tile, slot_axis).astype(f32)
-        valid = (t * tile + slots)[None, None, :] < positions[:, None, None]  # [B, 1, T]
+        slot = (t * tile + slots)[None, None, :]
+        valid = slot < positions[:, None, None]  # [B, 1, T]
+        if window:
+            valid = valid & (slot > positions[:, None, None] - window)
         tile_scores = jnp.where(valid, tile_scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(tile_scores, axis=-1, keepdims=True))  # finite
         correction = jnp.exp(m - m_new)
@@ -459,5 +479,17 @@ def online_softmax(new_score: jax.Array, new_value: jax.Array, scores: jax.Array
     m = new_score[..., None]
     acc = jnp.broadcast_to(new_value.astype(f32)[:, None] if new_value.ndim == 2
                            else new_value.astype(f32), (B, H, new_value.shape[-1]))
-    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, jnp.ones_like(m), acc))
+    norm = jnp.ones_like(m)
+    if sinks is not None:
+        m, norm, acc = sink_seed(m, sinks.astype(f32)[None, :, None], acc)
+    _, norm, acc = lax.fori_loop(0, n_tiles, one_tile, (m, norm, acc))
     return acc / norm
+
+
+def sink_seed(score: jax.Array, sink: jax.Array, value: jax.Array) -> tuple:
+    """The online softmax's state after the new token (its score [.., 1], value [.., n]) and a
+    learned sink (a logit with no value, [.., 1]): (m, norm, acc), as `online_softmax` starts it
+    and the kernels do."""
+    m = jnp.maximum(score, sink)
+    weight = jnp.exp(score - m)
+    return m, weight + jnp.exp(sink - m), weight * value

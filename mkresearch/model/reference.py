@@ -176,7 +176,7 @@ def final_logits(params: dict[str, Any], snapshots: jax.Array, partial: jax.Arra
 
 def head_logits(params: dict[str, Any], h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """logits = RMSNorm(h) W_lm in f32 [B, V], soft-capped when cfg.logit_softcap is set."""
-    logits = matmul(rms_norm(h, params["final_norm"], cfg.rms_eps), params["lm_head"])
+    logits = matmul(rms_norm(h, params["final_norm"], cfg.rms_eps, cfg.d_norm), params["lm_head"])
     if cfg.logit_softcap is not None:
         logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
     return logits
@@ -222,19 +222,21 @@ def _attention_mix_step(params, state, tokens, positions, cfg, sublayers=None):
 
 def _prenorm_step(params, state, tokens, positions, cfg, sublayers=None):
     """A classic pre-norm residual stream: h ← bf(h + Attn(RMSNorm(h))), h ← bf(h + FFN(RMSNorm(h)))
-    with the stream in bf16, then logits = RMSNorm(h) W_lm (DeepSeek, GLM, Qwen)."""
+    with the stream in bf16, then logits = RMSNorm(h) W_lm (DeepSeek, GLM, Qwen, GPT-OSS; the
+    norms divide by cfg.d_norm, the checkpoint's width, where d_model pads it)."""
     eps = cfg.rms_eps
     h = params["embed"][tokens]  # [B, d] bf16
     hidden_rms, aux = [], []
     for layer, (attention, ffn) in enumerate(cfg.layers):
         hidden_rms.append(_rms(h))
         a, state, attention_aux = _sublayer(params, state, layer, attention,
-                                            rms_norm(h, params["attn_norm"][layer], eps),
+                                            rms_norm(h, params["attn_norm"][layer], eps,
+                                                     cfg.d_norm),
                                             positions, cfg, sublayers)
         h = _add(h, a)
         m, state, ffn_aux = _sublayer(params, state, layer, ffn,
-                                      rms_norm(h, params["mlp_norm"][layer], eps), positions, cfg,
-                                      sublayers)
+                                      rms_norm(h, params["mlp_norm"][layer], eps, cfg.d_norm),
+                                      positions, cfg, sublayers)
         h = _add(h, m)
         aux += [attention_aux, ffn_aux]
     return head_logits(params, h, cfg), state, {"hidden": h, "hidden_rms": jnp.stack(hidden_rms),

@@ -252,7 +252,8 @@ def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format
     per step for the whole batch (routed experts: the expected unique ones under uniform routing,
     or `unique_experts` per MoE layer when given, e.g. a schedule's worst case min(E, B·k));
     the embedding is read one row per sequence; KDA state is read and written per sequence; the
-    MLA cache is read for `context` tokens and written for one, per sequence.
+    MLA cache is read for `context` tokens (a sliding window's kind: at most its window) and
+    written for one, per sequence.
     """
     expert_format = expert_format or cfg.expert_format
     mla_cache_layout = mla_cache_layout or cfg.mla_cache_layout
@@ -289,7 +290,9 @@ def step_bytes(cfg: ModelConfig, batch: int = 1, context: int = 0, expert_format
         name = kind.state_component[0]
         recurrent = state_bytes(cfg, kind, spec.RECURRENT)
         per_token = state_bytes(cfg, kind, spec.CACHE)
-        read[name] = batch * (recurrent + context * per_token)
+        window = kind.window(cfg)  # a sliding window reads its last tokens only
+        read[name] = batch * (recurrent + (min(context, window) if window else context)
+                              * per_token)
         written[name] = batch * (recurrent + per_token)
         states.append(name)
     return StepBytes(model=cfg.name, batch=batch, context=context, expert_format=expert_format,
@@ -313,16 +316,41 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """total and active (as `parameter_counts`), and the parts publications count differently:
     embedding, lm_head, routed (all routed experts) and routed_active (top_k of them per layer)."""
     params = _param_shapes(cfg.replace(expert_format="bf16"))  # one element per parameter
-    total = tree_size(params)
+
+    def size(tree: Any) -> int:  # the checkpoint's parameters: the lanes' zero padding left out
+        return sum(math.prod(weights.unpadded_shape(leaf.shape, cfg))
+                   for leaf in jax.tree.leaves(tree))
+
+    total = size(params)
     routed = unselected = 0
     for kind in spec.stages_of(cfg):  # routed experts: a token uses top_k of n_experts
-        size = tree_size([params[kind.name][key] for key in kind.routed])
-        routed += size
-        unselected += size // cfg.n_experts * (cfg.n_experts - cfg.top_k) if size else 0
-    embedding = tree_size(params["embed"])
+        routed_size = size([params[kind.name][key] for key in kind.routed])
+        routed += routed_size
+        unselected += (routed_size // cfg.n_experts * (cfg.n_experts - cfg.top_k)
+                       if routed_size else 0)
+    embedding = size(params["embed"])
     return {"total": total, "active": total - embedding - unselected, "embedding": embedding,
-            "lm_head": tree_size(params["lm_head"]), "routed": routed,
+            "lm_head": size(params["lm_head"]), "routed": routed,
             "routed_active": routed - unselected}
+
+
+def padding_bytes(cfg: ModelConfig) -> int:
+    """HBM bytes of the weights' zero padding (widths rounded up to whole lanes, GPT-OSS's 2880 ->
+    2944: `weights.padded_widths`), in cfg's expert format: counted in every byte figure, never
+    in the parameters."""
+    if not weights.padded_widths(cfg):
+        return 0
+    table = spec.param_table(cfg)
+    stored = _param_shapes(cfg)
+    total = 0
+    for param, leaf in zip(jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, spec.Param)),
+                           jax.tree.leaves(jax.tree.map(
+                               tree_bytes, stored, is_leaf=lambda x: isinstance(x, dict) and (
+                                   set(x) in ({"codes", "scales"}, {"values", "scales"}))))):
+        padded = math.prod(param.shape)
+        total += round(leaf * (padded - math.prod(weights.unpadded_shape(param.shape, cfg)))
+                       / padded)
+    return total
 
 
 @dataclass(frozen=True)
@@ -351,6 +379,14 @@ PARAMETER_RULES = {
     "qwen3-235b-a22b": CountingRule(
         embedding_active=True, lm_head_active=True, published=(235e9, 22e9),
         checked_on="Qwen3-30B-A3B (30.5 B / 3.3 B published): 30.53 B / 3.35 B"),
+    # the GPT-OSS model card's totals and active counts (OpenAI, "gpt-oss-120b & gpt-oss-20b
+    # Model Card"): the unembedding active, the embedding not, the lanes' padding left out
+    "gpt-oss-20b": CountingRule(
+        embedding_active=False, lm_head_active=True, published=(20.9e9, 3.6e9),
+        checked_on="gpt-oss-120b (116.8 B / 5.1 B published): 116.83 B / 5.13 B"),
+    "gpt-oss-120b": CountingRule(
+        embedding_active=False, lm_head_active=True, published=(116.8e9, 5.1e9),
+        checked_on="gpt-oss-20b (20.9 B / 3.6 B published): 20.91 B / 3.61 B"),
 }
 
 

@@ -25,8 +25,8 @@ Precision: θ_i is computed in f32 from an iota (`inverse_frequencies`), the ang
 cos/sin in f32, the rotation in f32 from the bf16 vector; callers round the result to bf16 once
 (HF rounds cos/sin and each product to bf16: within a bf16 ulp of this).
 
-YaRN (DeepSeek-V3's rope_scaling; HF DeepseekV3YarnRotaryEmbedding and DeepSeek's
-precompute_freqs_cis): with factor s > 1, frequencies blend between θ_i (high frequencies,
+YaRN (DeepSeek-V3's and GPT-OSS's rope_scaling; HF DeepseekV3YarnRotaryEmbedding and DeepSeek's
+precompute_freqs_cis; GPT-OSS leaves the correction range untruncated): with factor s > 1, frequencies blend between θ_i (high frequencies,
 kept) and θ_i / s (low frequencies, interpolated) by a linear ramp over the dims between the
 correction dims of beta_fast and beta_slow rotations within the original context; cos and sin are
 scaled by mscale(s, mscale) / mscale(s, mscale_all_dim) (1 for DeepSeek-V3), and the softmax
@@ -36,7 +36,7 @@ scale by mscale(s, mscale_all_dim)² where mscale(s, m) = 0.1 · m · ln s + 1 (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -61,6 +61,9 @@ class Rope:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    # the correction range floored / ceiled (transformers' `truncate`; GPT-OSS: False). Out of
+    # the repr: a plan's repr, which holds its Rope, keys the recorded compiles
+    yarn_truncate: bool = field(default=True, repr=False)
 
     @property
     def yarn(self) -> bool:
@@ -68,13 +71,16 @@ class Rope:
 
     def correction_range(self) -> tuple[float, float]:
         """(low, high) pair indices of YaRN's ramp: the dims completing beta_fast and beta_slow
-        rotations over the original context, floored / ceiled and clipped to [0, R − 1]."""
+        rotations over the original context, floored / ceiled (unless `yarn_truncate` is off)
+        and clipped to [0, R − 1]."""
         def dim_of(rotations: float) -> float:
             return (self.dim * math.log(self.yarn_original_max_positions
                                         / (rotations * 2 * math.pi))) / (2 * math.log(self.theta))
 
-        low = max(math.floor(dim_of(self.yarn_beta_fast)), 0)
-        high = min(math.ceil(dim_of(self.yarn_beta_slow)), self.dim - 1)
+        low, high = dim_of(self.yarn_beta_fast), dim_of(self.yarn_beta_slow)
+        if self.yarn_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.dim - 1)
         return float(low), float(high if high != low else high + 0.001)
 
     @property
@@ -96,7 +102,8 @@ def of(cfg: ModelConfig, dim: int) -> Rope:
                 yarn_original_max_positions=int(cfg.yarn_original_max_positions),
                 yarn_beta_fast=float(cfg.yarn_beta_fast), yarn_beta_slow=float(cfg.yarn_beta_slow),
                 yarn_mscale=float(cfg.yarn_mscale),
-                yarn_mscale_all_dim=float(cfg.yarn_mscale_all_dim))
+                yarn_mscale_all_dim=float(cfg.yarn_mscale_all_dim),
+                yarn_truncate=bool(cfg.yarn_truncate))
 
 
 def attention_scale(cfg: ModelConfig, qk_dim: int) -> float:

@@ -17,7 +17,7 @@ weight stream) is registered next to its kernel, keyed by the same name
 (`mkresearch.kernels.base.registry`).
 
 The built-in kinds live in `mkresearch.model.stages` (Kimi K3: kda, mla, dense, moe; DeepSeek-V3, GLM-4.5
-and Qwen3: gqa, mla_rope, moe_full, with dense); a new kind is one
+and Qwen3: gqa, mla_rope, moe_full, with dense; GPT-OSS: gqa_sink, gqa_sink_window); a new kind is one
 `register(Stage(...))` call (see tests/test_registry.py for a toy kind added that way).
 """
 
@@ -160,6 +160,8 @@ class Stage:
     check: Callable[[ModelConfig], None] = lambda cfg: None
     # attention: matmul FLOPs per row, head set and cached token of one layer (scores + values)
     context_flops: Callable[[ModelConfig], int] = lambda cfg: 0
+    # attention: the cached tokens one layer reads at most (a sliding window), 0: all of them
+    window: Callable[[ModelConfig], int] = lambda cfg: 0
 
 
 @dataclass(frozen=True)

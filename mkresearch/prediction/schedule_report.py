@@ -24,7 +24,8 @@ DIFFERENCES = {
                      "the roofline counts them as stored (bf16)",
     "kv_cache": "KV rows are read in whole 16-row groups, and each new entry's aligned 16-row "
                 "block is read and written back; the roofline counts the context's rows read "
-                "and one row written",
+                "and one row written (a sliding window's: its tokens, where the kernel reads "
+                "from the start of the window's first tile)",
     "moe_nonrouted": "the router bias is DMA'd only when cfg.router_bias; the roofline counts it",
 }
 

@@ -83,7 +83,9 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     r = x W_r (f32); s = σ(r) (or softmax); top-k of s + bias by iterated argmax (lowest index
     wins ties), within the router_topk_groups best groups when cfg.router_groups > 1
     (`limit_to_groups`); weights = s / Σ_top s (cfg.router_normalize) from the UNcorrected scores,
-    times cfg.routed_scale.
+    times cfg.routed_scale. "topk_softmax" (GPT-OSS): s = r + bias (the bias is the linear
+    layer's, part of the logit), top-k of s, weights = softmax over the k chosen s
+    (router_normalize not read: they sum to 1).
     """
     scores, selection = router_scores(p, x, cfg)
     chosen = []
@@ -93,7 +95,9 @@ def route(p: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
         selection = jnp.where(jax.nn.one_hot(best, cfg.n_experts, dtype=bool), -jnp.inf, selection)
     expert_ids = jnp.stack(chosen, axis=-1).astype(i32)  # [B, k]
     top_scores = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    if cfg.router_normalize:
+    if cfg.router_score == "topk_softmax":  # a softmax over the k chosen logits: sums to 1
+        top_scores = softmax(top_scores)
+    elif cfg.router_normalize:
         top_scores = top_scores / ordered_sum(top_scores, keepdims=True)
     return expert_ids, top_scores * cfg.routed_scale
 
@@ -114,6 +118,9 @@ def router_scores(p: dict[str, Any], x: jax.Array,
     (cfg.router_groups > 1). `route` picks the top k of the selection; a row whose k-th and
     (k+1)-th selection are near equal is a routing near-tie."""
     logits = matmul(x, p["w_router"])  # [B, E]
+    if cfg.router_score == "topk_softmax":  # the bias is the router's own: in the logits
+        scores = logits + p["router_bias"].astype(f32) if cfg.router_bias else logits
+        return scores, scores
     if cfg.router_score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
@@ -141,11 +148,17 @@ def limit_to_groups(selection: jax.Array, n_groups: int, keep: int) -> jax.Array
     return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(batch, n_experts)
 
 
+# each expert matrix's bias with cfg.expert_bias (GPT-OSS): b1, b3 [E, F], b2 [E, n]
+EXPERT_BIASES = {"w1": "b1", "w3": "b3", "w2": "b2"}
+
+
 def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array,
                     expert_weights: jax.Array, cfg: ModelConfig, *, parts: bool = False) -> Any:
     """Σ_e w_e y_e in f32 [B, n], y_e = bf(act(bf(z W1_e), bf(z W3_e)) W2_e), for the chosen
     experts of each row (z [B, n] bf16; experts: w1, w3 [E, n, F], w2 [E, F, n] stored in
-    cfg.expert_format). The sum runs in ascending expert id; experts given as
+    cfg.expert_format; with cfg.expert_bias also b1, b3 [E, F], b2 [E, n]: y_e =
+    bf(act(bf(z W1_e + b1_e), bf(z W3_e + b3_e)) W2_e + b2_e), each bias added in f32). The sum
+    runs in ascending expert id; experts given as
     `numerics.ExpertGroups` (a sharded reference): each group's sum apart, then the groups'
     (`parts`: the groups' sums, a list, not yet reduced)."""
     groups = None
@@ -164,15 +177,17 @@ def combine_experts(experts: dict[str, Any], z: jax.Array, expert_ids: jax.Array
         return padded_rows(  # each (row, expert) product on padded rows, as `matmul`
             lambda v2: numerics.einsum("bkml,bklf->bkmf", v2, w),
             v, axis=-2)[:, :, 0]
+    def biased(y, name):  # + the chosen expert's bias (cfg.expert_bias, GPT-OSS), in f32
+        return y + chosen[EXPERT_BIASES[name]].astype(f32) if cfg.expert_bias else y
     zk = jnp.broadcast_to(z[:, None, None], (z.shape[0], expert_ids.shape[1], 1, z.shape[-1]))
-    g = bf(per_expert(zk, "w1"))  # [B, k, F_e]
-    u = bf(per_expert(zk, "w3"))
+    g = bf(biased(per_expert(zk, "w1"), "w1"))  # [B, k, F_e]
+    u = bf(biased(per_expert(zk, "w3"), "w3"))
     h = activation(g, u, cfg)[:, :, None]  # [B, k, 1, F_e]
     slices = 1 if groups is None else groups.etp
     if slices > 1:  # ETP: each rank's hidden slice times its rows of W2, rounded apart
         ys = groups.slice_outputs(h, lambda part, rows: bf(per_expert(part, "w2", rows)))
     else:
-        ys = [bf(per_expert(h, "w2"))]  # [B, k, n]
+        ys = [bf(biased(per_expert(h, "w2"), "w2"))]  # [B, k, n]
     if groups is None:
         return weighted_sum(ys[0], expert_ids, expert_weights)  # [B, n]
     order = jnp.argsort(expert_ids, axis=-1)  # [B, k]

@@ -4,8 +4,10 @@ docs/families.md): the experts work on x itself, with no latent down/up projecti
     expert_ids, w = route(x)                           `stages.ffn.route`: sigmoid + correction
                                                        bias + group-limited top-k (DeepSeek, GLM)
                                                        or softmax top-k (Qwen), renormalised,
-                                                       times routed_scale
-    y_e = bf(SiLU-GLU(bf(x W1_e), bf(x W3_e)) W2_e)    each chosen expert, [B, d]
+                                                       times routed_scale; or a softmax over
+                                                       the k largest biased logits (GPT-OSS)
+    y_e = bf(SiLU-GLU(bf(x W1_e), bf(x W3_e)) W2_e)    each chosen expert, [B, d] (GPT-OSS: the
+                                                       clamped SwiGLU, each product + its bias)
     routed = Σ_e w_e y_e                               f32, in ascending expert id
     m = bf(routed + shared)                            shared = act(bf(x W_sg), bf(x W_su)) W_sd
                                                        (f32), when cfg.n_shared_experts
@@ -59,6 +61,10 @@ def params(cfg: ModelConfig) -> dict[str, Any]:
         "experts": {"w1": expert(d, hidden), "w3": expert(d, hidden),
                     "w2": expert(hidden, d, gather=spec.EXPERT_TP)},
     }
+    if cfg.expert_bias:  # GPT-OSS: no sharding rule (a layout over ranks refuses them)
+        table["experts"].update({
+            bias: spec.Param((n_experts, width), jnp.bfloat16, ("normal", 0.5))
+            for bias, width in (("b1", hidden), ("b3", hidden), ("b2", d))})
     if cfg.n_shared_experts:
         shared = gated_mlp(d, cfg.shared_hidden)
         table.update(w_sg=shared["w_gate"], w_su=shared["w_up"], w_sd=shared["w_down"])
