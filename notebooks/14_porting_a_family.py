@@ -64,6 +64,11 @@ if _lacking:
     _new = [f"{name} {version}" for name, version in sorted(_now.items()) if name not in _had]
     _replaced = {name: f"{name} {_had[name]} -> {version}" for name, version in sorted(_now.items())
                  if _had.get(name, version) != version}
+    for _name in _replaced:  # why: the floor mkresearch (or its tpu extra) asks of it
+        _asks = [r.split(";")[0].replace(" ", "") for r in importlib.metadata.requires("mkresearch")
+                 or () if re.match(rf"{_name}(\[[^]]*\])?\s*[<>=!~]",
+                                   re.sub(r"[-_.]+", "-", r), re.I)]
+        _replaced[_name] += f" (mkresearch asks {' and '.join(_asks)})" if _asks else ""
     _kept = [f"{name} {_had[name]}" for name in ("jax", "numpy") if name in _had and name in _now
              and name not in _replaced]
     print(f"setup: {', '.join(_lacking)} lacking; installed from "

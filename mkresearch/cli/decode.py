@@ -77,6 +77,7 @@ def run(args: Any) -> int:
         cli_multihost.check_sharded(args.ranks, "decode")
     if args.checkpoint is not None and args.model is not None:
         raise UsageError(f"--checkpoint DIR is the model: drop {args.model}")
+    args.chip = known_chip(args.chip)  # every path, the checkpoint's too: before anything runs
     args.model = args.model or (DEFAULT_MODEL if args.checkpoint is None else None)
     for batch in args.batch:  # --prompt needs --checkpoint, which decodes one row: before any run
         cli_checkpoint.check(argparse.Namespace(**{**vars(args), "batch": batch}))
@@ -91,7 +92,6 @@ def run(args: Any) -> int:
         raise UsageError(f"--backend {args.backend!r} is unknown: choose one of "
                          f"{', '.join(BACKENDS)}")
     cfg = known_model(args.model)
-    args.chip = known_chip(args.chip)  # checked for every backend, before anything runs
     at_least("--prompt-len", args.prompt_len, 1)
     at_least("--steps", args.steps, 1)
     at_least("--seed", args.seed, 0)
