@@ -72,12 +72,13 @@ def test_a_notebooks_own_kernel_logs_from_shapes(race_checked):
 
     def kernel(n_ref, w_hbm, o_ref, slots, sems):
         def block(i, carry):
-            copy = dma.Copy(w_hbm.at[pl.ds(i * 8, 8)], slots.at[i % 2], sems.at[i % 2],
-                            name="w", slot=i % 2, k=i)
+            slot = i % 2  # named once: the ring slot, its semaphore and the log's slot
+            copy = dma.Copy(w_hbm.at[pl.ds(i * 8, 8)], slots.at[slot], sems.at[slot],
+                            name="w", slot=slot, k=i)
             copy.start()
             copy.wait()
             with dma.phase("add", flops=8 * 128, k=i):
-                o_ref[...] += slots[i % 2]
+                o_ref[...] += slots[slot]
             return carry
 
         o_ref[...] = jnp.zeros_like(o_ref)

@@ -345,7 +345,8 @@ def _same_index(a: Any, b: Any) -> bool | None:
 
 
 def _check_ring_slot(name: str, slot: Any, dst_ref: Any, sem: Any) -> None:
-    """A copy into ring slot s (`slot=s`, the destination `slots.at[s]`) signals semaphore s
+    """A copy into ring slot s (`slot=s`, the destination `slots.at[s]`, or the source of a
+    write-back to HBM: `dst_ref` is the ring's side) signals semaphore s
     (`sems.at[s]`), where the wait for it waits: with another semaphore the wait never returns
     (interpret mode hangs, no message) or returns for another block. Refused in one line when
     the destination is viewed at scalar indices none of which is `slot`, or the semaphore's last
@@ -392,7 +393,9 @@ class Copy:
                  buffer: str | None = None, owner: tuple | None = None, **indices: Any) -> None:
         _check_name(name)
         _check_same_block(f"Copy {name!r}", src_ref, dst_ref)
-        _check_ring_slot(name, slot, dst_ref, sem)
+        # the ring slot is the VMEM side: the destination of a read, the source of a write-back
+        ring = src_ref if _memory_space(dst_ref) == "hbm" else dst_ref
+        _check_ring_slot(name, slot, ring, sem)
         self.src_ref, self.dst_ref, self.sem = src_ref, dst_ref, sem
         self.name, self.slot, self.indices = name, slot, indices
         self.buffer, self.owner = buffer, owner if owner is not None else dry_run.owner()

@@ -131,8 +131,11 @@ def _sublayer(params, state, layer: int, kind: str, x, positions, cfg, sublayers
         out, stack, aux = run(params[kind], state.get(kind, {}), index, x, positions, cfg)
         return out, ({**state, kind: stack} if kind in state else state), aux
     layer_state = layer_params(state[kind], index) if kind in state else {}
-    out, layer_state, aux = run(_layer_weights(params[kind], index), x, layer_state, positions,
-                                cfg)
+    # the kind's own reference sublayer takes its routed experts in their stack (`LayerOfStack`);
+    # one given instead (a kernel, a prefill chunk) takes the layer's arrays
+    weights = (_layer_weights(params[kind], index) if run is spec.stage(kind).sublayer
+               else layer_params(params[kind], index))
+    out, layer_state, aux = run(weights, x, layer_state, positions, cfg)
     if kind in state:
         state = {**state, kind: _set_layer(state[kind], index, layer_state)}
     return out, state, aux
