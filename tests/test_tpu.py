@@ -303,3 +303,29 @@ def test_cheap_cpu_compiles_adds_its_switches_once_and_keeps_explicit_ones(monke
         assert compiler._DISABLE_MOST_OPTIMIZATIONS.value is False
     finally:
         jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def test_the_chip_present_is_the_default_and_another_is_refused(monkeypatch):
+    """A TPU faked by its device kind (`jax.devices()[0].device_kind`): it is the chip kernels are
+    built for by default (MegakernelOptions, compile_for, the CLI's --chip), and a step built for
+    another chip is refused in one line; without a TPU the default is tpu7x."""
+    import types
+
+    from mkresearch.cli.common import known_chip
+    from mkresearch.kernels.compose import megakernel as mk
+    from mkresearch.model.config import get_config
+
+    assert tpu.present_chip() is None and tpu.default_chip() == tpu.DEFAULT_CHIP == "tpu7x"
+    monkeypatch.setattr(tpu, "on_tpu", lambda: True)
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(
+        device_kind="TPU v5 lite")])
+    assert tpu.present_chip() == tpu.default_chip() == known_chip(None) == "v5e"
+    assert tpu.chip_of_kind("TPU7x") == "tpu7x" and tpu.chip_of_kind("GPU") is None
+    plan = mk.make_plan(get_config("kimi-k3-mini"), 1, 128, mk.MegakernelOptions())
+    assert plan.options.chip == "v5e"
+    tpu.check_runs_here("v5e")
+    with pytest.raises(ValueError, match=r"^chip='tpu7x' is invalid here: this machine's TPU is "
+                                         r"'v5e'.*mkresearch compile --chip tpu7x"):
+        tpu.check_runs_here("tpu7x")
+    with tpu.compiling("tpu7x"):  # compiling for another chip from shapes is not running it
+        tpu.check_runs_here("tpu7x")

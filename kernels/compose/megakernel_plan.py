@@ -286,6 +286,8 @@ def make_plan(cfg: ModelConfig, batch: int, seq_len: int,
     rows_per_state consecutive rows; `kernels/compose/megakernel_verify.py` checks its arguments)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
+    if isinstance(options, MegakernelOptions):  # the chip present, named before remembering
+        options = replace(options, chip=chip_of(options))
     try:
         hash((batch, seq_len, options))
     except TypeError:  # an unhashable argument: refused below, naming it
