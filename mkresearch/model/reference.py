@@ -72,7 +72,10 @@ class LayerOfStack:
         self.shape, self.dtype = stack.shape[1:], stack.dtype
 
     def __getitem__(self, ids: jax.Array) -> jax.Array:
-        """The experts `ids` [...] of this layer -> [..., *shape[1:]]."""
+        """The experts `ids` [...] of this layer -> [..., *shape[1:]]. As many choices as the
+        layer has experts or more (a prefill's tokens): the layer's slice once, then a gather."""
+        if ids.size >= self.stack.shape[1]:
+            return self.stack[self.index][ids]
         rest = self.stack.shape[2:]
 
         def one(expert):  # [*rest]: this layer's expert, and no other byte
