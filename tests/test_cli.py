@@ -89,6 +89,10 @@ def test_decode_json_and_text(capsys):
     (["bench", "--slots", "4"], "--slots 4 is an option of --workload"),
     (["compile", "kimi-k3-mini", "--context", "48"], "a multiple of its KV tile of 32 tokens"),
     (["info", "qwen3-30b-a3b", "--cache-layout", "latent"], "it lays out MLA's cache"),
+    (["decode", "glm-4.5-mini", "--cache-layout", "latent"], "it lays out MLA's cache"),
+    (["decode", "deepseek-v3-mini", "--cache-layout", "expanded"],
+     "MLA with RoPE caches the latent"),
+    (["decode", "--format", "int4"], "--format"),
     (["frobnicate"], "frobnicate"),
     ([], "required"),
 ])
@@ -101,6 +105,20 @@ def test_bad_input_is_one_line_exit_2(capsys, args, reason):
     assert len(lines) == 1, captured.err  # no traceback, no usage block
     assert reason in lines[0]
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("options, layout, expert_format", [
+    ([], "expanded", "mxfp4"), (["--format", "fp8"], "expanded", "fp8"),
+    (["--cache-layout", "latent", "--format", "bf16"], "latent", "bf16")])
+def test_decode_builds_the_format_and_layout_asked_for(options, layout, expert_format):
+    """decode --format / --cache-layout: the config decoded (every mini and format on a TPU:
+    docs/tpu.md), the model's own where not given."""
+    from mkresearch.cli.common import known_model, with_formats
+    from mkresearch.cli.main import _parser
+
+    args = _parser().parse_args(["decode", "kimi-k3-mini", *options])
+    cfg = with_formats(known_model(args.model), args)
+    assert (cfg.mla_cache_layout, cfg.expert_format) == (layout, expert_format)
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def test_decode_help_leads_with_the_common_options(capsys):
     each in a group of its own."""
     found = sections(help_of(capsys, "decode"))
     assert found["options"] == ["-h", "--prompt-len", "--steps", "--batch", "--seed", "--backend",
-                                "--chip", "--json"]
+                                "--format", "--cache-layout", "--chip", "--json"]
     groups = list(found)
     ranks_group = next(g for g in groups if g.startswith("several devices"))
     assert groups.index(ranks_group) == groups.index("options") + 1

@@ -13,6 +13,7 @@ from typing import Any
 from mkresearch.hardware import tpu
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.kernels.compose.megakernel_plan import MAX_BATCH
+from mkresearch.model import spec
 from mkresearch.model.config import ModelConfig, config_names, get_config
 from mkresearch.model.roofline import tree_bytes
 from mkresearch.model.weights import param_shapes
@@ -83,6 +84,15 @@ def cache_layout_applies(cfg: ModelConfig, cache_layout: str | None) -> None:
     if cache_layout is not None and not any(kind.startswith("mla") for kind in kinds):
         raise UsageError(f"--cache-layout {cache_layout} is invalid for {cfg.name}: it lays out "
                          f"MLA's cache, and its attention is {', '.join(kinds)}")
+
+
+def with_formats(cfg: ModelConfig, args: Any) -> ModelConfig:
+    """cfg with --cache-layout and --format where given (each refused in one line where it does
+    not apply: `cache_layout_applies`, the config's own checks)."""
+    cache_layout_applies(cfg, args.cache_layout)
+    with refusals():
+        return spec.check(cfg.replace(mla_cache_layout=args.cache_layout or cfg.mla_cache_layout,
+                                      expert_format=args.expert_format or cfg.expert_format))
 
 
 def wire_with_partial_sums(wire: str, collectives: str) -> None:

@@ -28,8 +28,16 @@ from mkresearch.cli.common import (
     known_model,
     megakernel_batch,
     refusals,
+    with_formats,
 )
-from mkresearch.cli.options import add_batch, add_command, add_model, each_batch
+from mkresearch.cli.options import (
+    add_batch,
+    add_cache_layout,
+    add_command,
+    add_expert_format,
+    add_model,
+    each_batch,
+)
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import reference, sampling, weights
 from mkresearch.model.config import ModelConfig
@@ -60,6 +68,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--backend", default=None,
                    help=f"one of {', '.join(BACKENDS)} (default {next(iter(BACKENDS))}; with "
                         "--speculate the first with a verify call)")
+    add_expert_format(p)
+    add_cache_layout(p)
     p.add_argument("--chip", default=None,
                    help=f"TPU chip the megakernel is built for (VMEM plan, HBM check, MXFP4 decode path) and of the timeline model's prediction: one of "
                         f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
@@ -91,7 +101,7 @@ def run(args: Any) -> int:
     if args.backend is not None and args.backend not in BACKENDS:
         raise UsageError(f"--backend {args.backend!r} is unknown: choose one of "
                          f"{', '.join(BACKENDS)}")
-    cfg = known_model(args.model)
+    cfg = with_formats(known_model(args.model), args)
     at_least("--prompt-len", args.prompt_len, 1)
     at_least("--steps", args.steps, 1)
     at_least("--seed", args.seed, 0)

@@ -21,12 +21,13 @@ from mkresearch.cli.options import (
     add_cache_layout,
     add_command,
     add_context,
+    add_expert_format,
     add_model,
     each_batch,
 )
 from mkresearch.hardware.chips import CHIPS
 from mkresearch.model import kv_cache, roofline
-from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
+from mkresearch.model.config import MLA_CACHE_LAYOUTS, ModelConfig, layer_pattern
 from mkresearch.prediction.full_size import full_size_steps, stand_in_note
 from mkresearch.sharding import layout, layout_bytes
 
@@ -41,10 +42,7 @@ def add_parser(commands: Any) -> None:
     add_model(p)
     add_batch(p)
     add_context(p, 0, "tokens already in each sequence's KV cache (default 0)")
-    p.add_argument("--format", dest="expert_format", default=None,
-                   choices=EXPERT_FORMATS + ("released",),
-                   help="routed-expert format (default: the model's; released = FP8 gate/up + "
-                        "MXFP4 down)")
+    add_expert_format(p, ("released",), "; released = FP8 gate/up + MXFP4 down")
     add_cache_layout(p)
     p.add_argument("--ranks", type=int, default=1,
                    help="ranks (devices) the model is sharded across: the per-rank byte table, "

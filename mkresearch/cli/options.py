@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mkresearch.cli.common import UsageError, cpu_models
-from mkresearch.model.config import MLA_CACHE_LAYOUTS, config_names
+from mkresearch.model.config import EXPERT_FORMATS, MLA_CACHE_LAYOUTS, config_names
 from mkresearch.sharding import layout
 
 NOTICES = "old_spellings"  # the namespace attribute listing the old spellings a command line used
@@ -145,6 +145,14 @@ def add_cache_layout(p: argparse.ArgumentParser) -> None:
                    help="MLA cache layout (default: the model's)")
     p.add_argument("--layout", dest="cache_layout", choices=MLA_CACHE_LAYOUTS,
                    action=_OldSpelling, new=lambda parser, value: f"--cache-layout {value}")
+
+
+def add_expert_format(p: argparse.ArgumentParser, extra: tuple[str, ...] = (),
+                      extra_help: str = "") -> None:
+    """--format: the routed experts' format (`ModelConfig.expert_format`), default the model's."""
+    p.add_argument("--format", dest="expert_format", default=None,
+                   choices=EXPERT_FORMATS + extra,
+                   help=f"routed-expert format (default: the model's{extra_help})")
 
 
 def add_rank_layout(p: argparse.ArgumentParser, help: str) -> None:

@@ -17,17 +17,18 @@ from mkresearch.cli.common import (
     known_model,
     megakernel_batch,
     refusals,
+    with_formats,
 )
 from mkresearch.cli.options import (
     add_batch,
     add_cache_layout,
     add_command,
     add_context,
+    add_expert_format,
     add_model,
     each_batch,
 )
 from mkresearch.hardware.chips import CHIPS
-from mkresearch.model.config import EXPERT_FORMATS
 from mkresearch.prediction import schedule_report
 
 EXAMPLES = ("mkresearch plan kimi-k3",
@@ -46,8 +47,7 @@ def add_parser(commands: Any) -> None:
                    help=f"TPU chip the step is built for (VMEM plan): one of "
                         f"{', '.join(CHIPS)} ({CHIP_DEFAULT_HELP})")
     add_cache_layout(p)
-    p.add_argument("--format", dest="expert_format", default=None, choices=EXPERT_FORMATS,
-                   help="routed-expert format (default: the model's)")
+    add_expert_format(p)
     add_context(p, None, "every row's position (default: the last one, the worst case)")
     p.add_argument("--json", action="store_true", help="print one JSON object (per batch)")
     cli_plan_ranks.add_arguments(p)
@@ -64,9 +64,7 @@ def run(args: Any) -> int:
         megakernel_batch("--batch", batch)
     if args.context is not None:
         context_in_cache(cfg, args.context)
-    with refusals():
-        cfg = cfg.replace(mla_cache_layout=args.cache_layout or cfg.mla_cache_layout,
-                          expert_format=args.expert_format or cfg.expert_format)
+    cfg = with_formats(cfg, args)
     return each_batch(args, lambda one: _run_one(cfg, chip, one))
 
 
