@@ -38,7 +38,6 @@ from mkresearch.kernels.base.blocks import bf16, f32
 from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, register
 
 from mkresearch.hardware import tpu
-from mkresearch.model import numerics
 from mkresearch.model.config import ModelConfig
 
 # Weights in the order the body takes them (vectors are passed as [1, n]).
@@ -286,12 +285,11 @@ def _head_step(p: KdaPlan, b, s, h, conv_old, rows, taps, decay_rate, bias, gamm
 
     state = state_vmem[s, h]  # [D (key), D (value)] f32
     decayed = decay_col * state  # S̄ = Diag(e^λ) S
-    predicted = jnp.dot(k, decayed, preferred_element_type=jnp.float32,
-                        precision=numerics.HIGHEST)  # S̄ᵀk  [1, D], f32 operands
+    # both products in 8 rows (`blocks.dot`): a one-row product rounds otherwise on a TPU
+    predicted = blocks.dot(k, decayed)  # S̄ᵀk  [1, D], f32 operands: HIGHEST
     state = decayed + k_col * (beta * (v - predicted))  # S̄ + β k (v − S̄ᵀk)ᵀ
     state_vmem[s, h] = state
-    o = jnp.dot(q, state, preferred_element_type=jnp.float32,
-                precision=numerics.HIGHEST)  # Sᵀq  [1, D], f32 operands
+    o = blocks.dot(q, state)  # Sᵀq  [1, D], f32 operands: HIGHEST
 
     gate = f32(bf16(jax.nn.sigmoid(u[:, lanes])))
     normed = f32(blocks.rms_norm(f32(bf16(o)), gamma, p.rms_eps))

@@ -61,7 +61,6 @@ from mkresearch.kernels.base.registry import KernelStage, StageRefs, Streamed, r
 from mkresearch.kernels.stages import mla_queries
 
 from mkresearch.hardware import tpu
-from mkresearch.model import numerics
 from mkresearch.model.config import MLA_CACHE_LAYOUTS, ModelConfig
 
 WEIGHT_NAMES = ("w_qa", "q_norm", "w_qb", "w_kva", "kv_norm", "w_kvb", "w_g", "w_o")  # q LoRA
@@ -303,7 +302,8 @@ def attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx
     def scoped(q_lat_scratch, q_x_scratch):
         for h in range(p.n_heads):  # q_lat_h = q^C_h W_kvbK_hᵀ  [1, kv_rank]
             w_k = w_kvb_vmem[:, h * width:h * width + nope]  # [kv_rank, nope]
-            q_lat_scratch[h:h + 1, :] = f32(bf16(dot_t(bf16(q_row[h][:, :nope]), w_k)))
+            # 8 rows, not one (`rows_dot_t`): one-row products round otherwise on a TPU
+            q_lat_scratch[h:h + 1, :] = f32(bf16(rows_dot_t(bf16(q_row[h][:, :nope]), w_k)))
             q_x_scratch[h:h + 1, :] = q_row[h][:, nope:qk]
         # bf16-exact f32 values: q̃ is rounded to bf16 like the reference, so the score matmuls
         # take bf16 operands (one MXU pass on a TPU)
@@ -315,9 +315,8 @@ def attend_latent(p, b, position, q_row, c_hat, k_extra, w_kvb_vmem, ckv_hbm, kx
         _, norm, acc = latent_partial(p, b, position, q_lat, q_x, ckv_hbm, kx_hbm, carry, indices,
                                       kv_rows)
         context = bf16(acc / norm)  # [H, kv_rank]: Σ α ĉ, the latent of the head outputs
-        return [jnp.dot(context[h:h + 1, :], w_kvb_vmem[:, h * width + nope:(h + 1) * width],
-                        preferred_element_type=jnp.float32,
-                        precision=numerics.EXACT_PRODUCTS)  # o_h = (Σ α ĉ) W_kvbV_h  [1, v]
+        return [blocks.dot(context[h:h + 1, :],  # o_h = (Σ α ĉ) W_kvbV_h  [1, v], in 8 rows
+                           w_kvb_vmem[:, h * width + nope:(h + 1) * width])
                 for h in range(p.n_heads)]
 
     return pl.run_scoped(scoped, pltpu.VMEM((p.n_heads, p.kv_rank), jnp.float32),

@@ -335,11 +335,6 @@ def softmax(v: jax.Array, axis: int = -1) -> jax.Array:
     return shifted / ordered_sum(shifted, axis=axis, keepdims=True)
 
 
-def einsum_f32(spec: str, *operands: jax.Array) -> jax.Array:
-    """A contraction in full f32 (also on a TPU, whose default f32 matmul uses bf16 passes)."""
-    return jnp.einsum(spec, *(o.astype(f32) for o in operands), precision=HIGHEST)
-
-
 # ---- §2 norms and activation -----------------------------------------------------------------
 def rms_norm(v: jax.Array, gamma: jax.Array, eps: float, n: int | None = None) -> jax.Array:
     """RMSNorm_γ(v) = bf(v · (mean(v²) + eps)^-½ · γ) in f32 over the last axis.

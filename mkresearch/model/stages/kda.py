@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mkresearch.model import spec
+from mkresearch.model import numerics, spec
 from mkresearch.model.model_config import ModelConfig
 from mkresearch.model.numerics import (
     bf,
     bf16,
-    einsum_f32,
     f32,
     matmul,
     ordered_sum,
@@ -121,15 +120,28 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
 
     # delta rule: S̄ = Diag(e^λ) S (scales key row c); S = S̄ + β k (v − S̄ᵀk)ᵀ; o = Sᵀq
     decayed = jnp.exp(log_decay)[..., None] * state  # [B, H, D, D]
-    predicted = einsum_f32("bhc,bhcj->bhj", k, decayed)  # S̄ᵀk [B, H, D]
+    predicted = head_rows(k, decayed)  # S̄ᵀk [B, H, D]
     new_state = decayed + k[..., :, None] * (beta[..., None] * (v - predicted))[..., None, :]
-    o = einsum_f32("bhc,bhcj->bhj", q, new_state)  # [B, H, D]
+    o = head_rows(q, new_state)  # Sᵀq [B, H, D]
 
     # y_h = bf(RMSNorm_γo(bf(o_h)) ⊙ bf(σ(u_h))), γ_o shared by all heads; out = y W_o
     gate = bf(jax.nn.sigmoid(u.astype(f32)))
     y = bf(rms_norm(bf(o), p["o_norm"], cfg.rms_eps).astype(f32) * gate.astype(f32))
     out = bf(matmul(y.reshape(B, H * D), p["w_o"]))
     return out, new_conv, new_state
+
+
+def head_rows(v: jax.Array, m: jax.Array) -> jax.Array:
+    """vᵀ M per row and head: v [B, H, D], m [B, H, D, D] f32 -> [B, H, D] f32 at HIGHEST, each
+    [1, D] row padded to 8 rows (`numerics.padded_rows`) and multiplied alone, as the kernel's row
+    and head loop does (kernels/stages/kda.py): a one-row product is the one product a TPU's
+    Mosaic kernels and its XLA round apart (docs/tpu.md §5)."""
+    def row(v_row, m_row):  # [H, D], [H, D, D]
+        return jnp.stack([numerics.padded_rows(lambda rows, h=h: jnp.dot(
+            rows, m_row[h], preferred_element_type=f32, precision=numerics.HIGHEST),
+            v_row[h][None])[0] for h in range(v.shape[1])])  # [H, D]
+
+    return jax.lax.map(lambda args: row(*args), (v, m))
 
 
 def sublayer(p: dict[str, Any], x: jax.Array, layer_state: dict, positions: jax.Array,
