@@ -22,7 +22,7 @@ cheap_compiles.cheap_cpu_compiles()
 _tpu.select_platform()
 
 
-def pytest_collection_modifyitems(config, items):
+def _tpu_tier_only(items) -> None:
     """On a TPU only the tests marked `tpu` run (make test-tpu): the others need TPU interpret
     mode (a simulator on the CPU) or several devices."""
     if not _tpu.on_tpu():
@@ -111,7 +111,8 @@ def pytest_collection_modifyitems(config, items):
     """The longest modules first (a stable sort: each module's tests keep their order). Then
     `exhaustive` tests (every combination of a sweep whose named cases run anyway) are opt-in:
     MKRESEARCH_EXHAUSTIVE=1 (`make test-exhaustive`), so that `make test` runs the named cases
-    alone (its budget: DEVELOPERS.md; each run prints its time)."""
+    alone (its budget: DEVELOPERS.md; each run prints its time). On a TPU: `_tpu_tier_only`."""
+    _tpu_tier_only(items)
     items.sort(key=_module_rank)
     if EXHAUSTIVE:
         return

@@ -329,3 +329,26 @@ def test_the_chip_present_is_the_default_and_another_is_refused(monkeypatch):
         tpu.check_runs_here("tpu7x")
     with tpu.compiling("tpu7x"):  # compiling for another chip from shapes is not running it
         tpu.check_runs_here("tpu7x")
+
+
+def test_on_a_tpu_only_the_tpu_tier_runs(monkeypatch):
+    """tests/conftest.py's collection hook: on a TPU a test not marked `tpu` is skipped, saying
+    why (it once sat in a second hook of the same name, which replaced it)."""
+    import conftest
+
+    class Item:
+        def __init__(self, keywords):
+            self.keywords, self.markers = keywords, []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    tier, cpu_only = Item({"tpu": True}), Item({})
+    monkeypatch.setattr(conftest._tpu, "on_tpu", lambda: False)
+    conftest._tpu_tier_only([tier, cpu_only])
+    assert not tier.markers and not cpu_only.markers
+    monkeypatch.setattr(conftest._tpu, "on_tpu", lambda: True)
+    conftest._tpu_tier_only([tier, cpu_only])
+    assert not tier.markers
+    assert [m.name for m in cpu_only.markers] == ["skip"]
+    assert "make test-tpu" in cpu_only.markers[0].kwargs["reason"]
