@@ -112,11 +112,16 @@ def _rewrite_config(directory, tmp_path, change):
 ])
 def test_bad_config_field_is_one_line_naming_it(written, tmp_path, change, message):
     directory, _, _ = written["mxfp4"]
-    edited = _rewrite_config(directory, tmp_path, change)
+    error = _refused_in_one_line(_rewrite_config(directory, tmp_path, change), message)
+    assert "config.json" in error or ".safetensors" in error
+
+
+def _refused_in_one_line(directory, message) -> str:
+    """check_checkpoint's CheckpointError for directory, matching message, on one line."""
     with pytest.raises(checkpoint.CheckpointError, match=message) as raised:
-        checkpoint.check_checkpoint(edited)
+        checkpoint.check_checkpoint(directory)
     assert "\n" not in str(raised.value)
-    assert "config.json" in str(raised.value) or ".safetensors" in str(raised.value)
+    return str(raised.value)
 
 
 def _rewrite_tensors(directory, tmp_path, change):
@@ -146,10 +151,7 @@ SCALES = "model.layers.2.mlp.experts.down_proj_scales"
 ])
 def test_bad_tensor_is_one_line_naming_it_and_its_file(written, tmp_path, change, message):
     directory, _, _ = written["mxfp4"]
-    edited = _rewrite_tensors(directory, tmp_path, change)
-    with pytest.raises(checkpoint.CheckpointError, match=message) as raised:
-        checkpoint.check_checkpoint(edited)
-    assert "\n" not in str(raised.value)
+    _refused_in_one_line(_rewrite_tensors(directory, tmp_path, change), message)
 
 
 @pytest.mark.slow

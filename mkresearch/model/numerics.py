@@ -243,6 +243,16 @@ def reduce_partials(parts: list, hosts: tuple = (), wire: str = "f32") -> jax.Ar
 ROW_TILE = 8  # a product's rows are padded to a multiple of this (`padded_rows`)
 
 
+def row_product(row: jax.Array, matrix: jax.Array, contract: int = 0) -> jax.Array:
+    """row [K] times matrix [K, N] (contract=0) or [N, K] (contract=1) -> [N] f32, at the precision
+    its operands call for (`precision_for`), multiplied as 8 rows (`padded_rows`): never a one-row
+    product, which XLA:CPU sums in an order of its own and which a TPU's Mosaic kernels and its
+    XLA round apart (docs/tpu.md §5). What a kernel's row and head loops multiply, one row each."""
+    return padded_rows(lambda rows: lax.dot_general(
+        rows, matrix, (((1,), (contract,)), ((), ())), preferred_element_type=f32,
+        precision=precision_for(rows, matrix)), row[None])[0]
+
+
 def padded_rows(product, a: jax.Array, axis: int = -2) -> jax.Array:
     """product(a) computed on a's rows along `axis` padded with zero rows to a multiple of
     ROW_TILE, the padding's rows dropped, so that a row's result never depends on how many rows

@@ -133,13 +133,10 @@ def kda_attention(p: dict[str, Any], x: jax.Array, conv: jax.Array, state: jax.A
 
 def head_rows(v: jax.Array, m: jax.Array) -> jax.Array:
     """vᵀ M per row and head: v [B, H, D], m [B, H, D, D] f32 -> [B, H, D] f32 at HIGHEST, each
-    [1, D] row padded to 8 rows (`numerics.padded_rows`) and multiplied alone, as the kernel's row
-    and head loop does (kernels/stages/kda.py): a one-row product is the one product a TPU's
-    Mosaic kernels and its XLA round apart (docs/tpu.md §5)."""
+    row and head multiplied alone as the kernel's loops do (`numerics.row_product`)."""
     def row(v_row, m_row):  # [H, D], [H, D, D]
-        return jnp.stack([numerics.padded_rows(lambda rows, h=h: jnp.dot(
-            rows, m_row[h], preferred_element_type=f32, precision=numerics.HIGHEST),
-            v_row[h][None])[0] for h in range(v.shape[1])])  # [H, D]
+        return jnp.stack([numerics.row_product(v_row[h], m_row[h])
+                          for h in range(v.shape[1])])  # [H, D]
 
     return jax.lax.map(lambda args: row(*args), (v, m))
 

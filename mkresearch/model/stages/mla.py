@@ -112,16 +112,12 @@ def latent_scores(q_absorbed: jax.Array, ckv: jax.Array, q_extra: jax.Array,
 def head_products(a: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     """a [B, H, K] times each head's matrix of w ([N, H, K] contracting its K, contract=1, or
     [K, H, N], contract=0) -> [B, H, N] f32: row by row, head by head, as the kernel's row loop
-    multiplies (kernels/stages/mla.py), each [1, K] row padded to 8 rows (`numerics.padded_rows`).
-    A product batched over rows and heads sums an element in another order now and then on
-    XLA:CPU (a head's q̃ rounded to another bf16 at seed 5 of kimi-k3-mini, the logits then 0.045
-    apart); a one-row product is the one product a TPU's Mosaic kernels and its XLA round apart
-    (docs/tpu.md §5), so none is one row."""
+    multiplies (kernels/stages/mla.py), each row as `numerics.row_product` multiplies it. A
+    product batched over rows and heads sums an element in another order now and then on XLA:CPU
+    (a head's q̃ rounded to another bf16 at seed 5 of kimi-k3-mini, the logits then 0.045 apart)."""
     def row(a_row):  # [H, K]
-        return jnp.stack([numerics.padded_rows(lambda rows, h=h: jax.lax.dot_general(
-            rows, w[:, h, :], (((1,), (contract,)), ((), ())),
-            preferred_element_type=f32, precision=numerics.precision_for(a, w)),
-            a_row[h][None])[0] for h in range(a.shape[1])])  # [H, N]
+        return jnp.stack([numerics.row_product(a_row[h], w[:, h, :], contract)
+                          for h in range(a.shape[1])])  # [H, N]
 
     return jax.lax.map(row, a)
 
