@@ -17,10 +17,12 @@ import pytest
 from cuts import kimi_kinds
 from mkresearch.kernels.base import chip_log, dma, gemv, quant
 from mkresearch.kernels.compose import megakernel as mk
+from mkresearch.kernels.compose import megakernel_paged as mkp
+from mkresearch.kernels.compose import megakernel_verify as mv
 from mkresearch.kernels.stages import experts, kda, mla, router, sampling
 
 from mkresearch.hardware import tpu
-from mkresearch.model import reference, weights
+from mkresearch.model import paged_kv, reference, weights
 from mkresearch.model.config import get_config
 
 MINI = get_config("kimi-k3-mini")
@@ -151,12 +153,46 @@ def test_megakernel_step_logs_from_shapes(mini, race_checked):
     assert assert_same_log(run) > 100
 
 
+@pytest.mark.slow
+def test_verify_step_logs_from_shapes(mini, race_checked):
+    """The verify step (B = 2, K = 2: 6 rows) given the reference's routing of each row."""
+    cfg, params = mini
+    state = reference.init_state(cfg, 2, 64)
+    tokens, positions = jnp.asarray([[1, 7, 30], [4, 2, 9]], jnp.int32), jnp.asarray([0, 9])
+    run = lambda: mv.verify_step(params, jax.tree.map(jnp.copy, state), tokens, positions,
+                                 cfg)[0]
+    assert assert_same_log(run) > 100
+
+
+@pytest.mark.slow
+def test_paged_steps_log_from_shapes(mini, race_checked):
+    """The paged decode step (a free slot among the rows) and the paged verify step (K = 1),
+    given the paged reference's routing of each row."""
+    cfg, params = mini
+    pages = paged_kv.PagedKVConfig(page_size=16, n_pages=8, max_pages_per_row=4)
+    state = paged_kv.init_paged_state(cfg, pages, 3)
+    table = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [-1, -1, -1, -1]], np.int32)
+    positions = np.array([20, 3, -1], np.int32)
+    decode = lambda: mkp.paged_decode_step(params, jax.tree.map(jnp.copy, state),
+                                           np.array([1, 7, 0], np.int32), positions, table, cfg,
+                                           pages)[0]
+    verify = lambda: mkp.paged_verify_step(params, jax.tree.map(jnp.copy, state),
+                                           np.array([[1, 4], [7, 2], [0, 0]], np.int32),
+                                           positions, table, cfg, pages)[0]
+    assert assert_same_log(decode) > 100
+    assert assert_same_log(verify) > 100
+
+
 def test_prepared_weights_need_the_routing(mini):
     cfg, params = mini
     state = reference.init_state(cfg, 1, 64)
     with mock.patch.object(dma, "logs_from_shapes", lambda: True), \
             pytest.raises(ValueError, match="expert_ids=None with prepared weights"):
         mk.decode_step(mk.prepare_weights(params, cfg), state, jnp.zeros(1, jnp.int32),
+                       jnp.zeros(1, jnp.int32), cfg)
+    with mock.patch.object(dma, "logs_from_shapes", lambda: True), \
+            pytest.raises(ValueError, match="expert_ids=None with prepared weights: a verify"):
+        mv.verify_step(mk.prepare_weights(params, cfg), state, jnp.zeros((1, 2), jnp.int32),
                        jnp.zeros(1, jnp.int32), cfg)
 
 

@@ -147,8 +147,10 @@ def run_steps(cfg, params, batch, n_steps, *, record=False, prompt_len=PROMPT_LE
         logits, next_state, aux_ref = _reference_step(params, ref_state, *start, cfg=cfg)
         ref_tokens = np.asarray(sampling.sample(logits, seed=0, positions=positions + 1))
         with dma.recording() if record else contextlib.nullcontext() as log:
+            # expert_ids: the routing a log from shapes (on a TPU) is given, the reference's
             mk_tokens, mk_state, aux = mk.decode_step(prepared, copy_state(ref_state), tokens,
-                                                      positions, cfg, return_logits=True)
+                                                      positions, cfg, return_logits=True,
+                                                      expert_ids=aux_ref["expert_ids"])
             jax.block_until_ready(mk_tokens)
         logs.append(log)
         # the composition: the same bodies, one pallas_call each
@@ -380,13 +382,15 @@ def test_vmem_plan_over_the_chip_is_refused_with_the_plan():
 
 
 def test_ring_config_over_the_chip_is_refused():
-    """The ring's depth and slot bytes are config fields; the plan checks them against VMEM."""
+    """The ring's depth and slot bytes are config fields; the plan checks them against VMEM (a
+    TPU7x core's, named: on a TPU the default chip is the one present)."""
+    tpu7x = mk.MegakernelOptions(chip="tpu7x")
     fits = get_config("kimi-k3-rank", ring_block_bytes=8 * 2**20, ring_depth=3)
-    assert mk.make_plan(fits, 1, fits.max_seq_len).stream.slot_shape == (512, 7168)
+    assert mk.make_plan(fits, 1, fits.max_seq_len, tpu7x).stream.slot_shape == (512, 7168)
     cfg = fits.replace(ring_depth=8)
     with pytest.raises(VmemPlanError, match=r"(?s)lower the config's ring_depth, "
                                                r"ring_block_bytes.*weight ring +\[8, 512, 7168\]"):
-        mk.make_plan(cfg, 1, cfg.max_seq_len)
+        mk.make_plan(cfg, 1, cfg.max_seq_len, tpu7x)
 
 
 def test_position_past_the_cache(mini_params):

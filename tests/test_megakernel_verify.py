@@ -107,10 +107,12 @@ def run_case(cfg, params, batch, drafts, accept, sample, *, record=False):
     positions = np.full(batch, PROMPT_LEN - 1, np.int32)
     tokens = reference_drafts(cfg, params, state, last, positions, drafts, accept, sample)
     prepared = mk.prepare_weights(params, cfg)
+    # the routing a log on a TPU (from shapes) is given: the reference's of each row
+    given = mv.verify_routing(params, state, tokens, positions, cfg) if record else None
     with dma.recording() if record else contextlib.nullcontext() as log:
         targets, state_all, per_position, aux = mv.verify_step(
             prepared, copy_state(state), tokens, positions, cfg, seed=SEED, return_logits=True,
-            **sample)
+            expert_ids=given, **sample)
         jax.block_until_ready(targets)
     assert targets.shape == (batch, drafts + 1) and aux["logits"].shape == (
         batch, drafts + 1, cfg.vocab_size)

@@ -183,7 +183,8 @@ def test_scatter_then_gather_keeps_other_pages(name, layout, page_size):
 def megakernel_run(cfg, pages, seed):
     """STEPS steps of the contiguous and the paged megakernel from the same random state: per
     step (tokens, logits) of each, the DMA log of the paged step, and the final states."""
-    params = megakernel.prepare_weights(weights.init_params(cfg, 0), cfg)  # once, not per step
+    raw = weights.init_params(cfg, 0)
+    params = megakernel.prepare_weights(raw, cfg)  # once, not per step
     positions = POSITIONS.copy()
     state = random_state(cfg, BATCH, np.maximum(positions, 0), seed)
     table = random_table(pages, positions + STEPS, seed + 1)
@@ -191,9 +192,13 @@ def megakernel_run(cfg, pages, seed):
     tokens = np.array([5, 700, 9], np.int32)
     steps = []
     for _ in range(STEPS):
+        # the routing a log on a TPU (from shapes) is given: the paged reference's
+        routing = megakernel_paged.paged_routing(raw, paged, tokens[:, None], positions, table,
+                                                 cfg, pages)
         with dma.recording() as log:
             tok_p, paged, aux_p = megakernel_paged.paged_decode_step(
-                params, paged, tokens, positions, table, cfg, pages, return_logits=True)
+                params, paged, tokens, positions, table, cfg, pages, return_logits=True,
+                expert_ids=routing)
         tok_c, state, aux_c = megakernel.decode_step(params, state, tokens,
                                                      np.maximum(positions, 0), cfg,
                                                      return_logits=True)

@@ -295,14 +295,35 @@ def log_routing(plan: MegaPlan, params: dict, state: dict, tokens: Any, position
     [n_routed_layers, B, k] or the reference's on the same inputs (run before the step, which
     donates the state)."""
     if expert_ids is None and plan.cfg.n_experts:
-        if is_prepared(params):
-            raise ValueError("expert_ids=None with prepared weights: a step recorded on a TPU "
-                             "logs the routing it is given; pass the parameters (the reference "
-                             "routes them) or expert_ids [n_routed_layers, B, k]")
+        check_routable(params, "a step", "B")
         expert_ids = reference.decode_step(params, jax.tree.map(jnp.copy, state), tokens,
                                            positions, plan.cfg)[2]["expert_ids"]
     routing = {} if expert_ids is None else routing_by_layer(plan, expert_ids)
     return {router.ROUTING: lambda layer: routing[layer]}
+
+
+def check_routable(params: dict, step: str, rows: str) -> None:
+    """ValueError for prepared weights where a log on a TPU needs the reference's routing (the
+    reference routes the parameters, not `prepare_weights`' output)."""
+    if is_prepared(params):
+        raise ValueError(f"expert_ids=None with prepared weights: {step} recorded on a TPU logs "
+                         "the routing it is given; pass the parameters (the reference routes "
+                         f"them) or expert_ids [n_routed_layers, {rows}, k]")
+
+
+def routing_of_rows(route_step: Any, state: dict, tokens: Any, positions: Any) -> np.ndarray:
+    """The routing of tokens [B, W] fed one by one from positions [B] (a position -1, a free
+    slot, stays -1) on a copy of the state: route_step(state, tokens [B], positions [B]) ->
+    (state, expert_ids [n_routed_layers, B, k]). Returns [n_routed_layers, B W, k], row b W + j
+    for token j of row b: a verify step's rows."""
+    tokens, positions = np.asarray(tokens), np.asarray(positions, np.int32)
+    state, per_token = jax.tree.map(jnp.copy, state), []
+    for j in range(tokens.shape[1]):
+        at = np.where(positions >= 0, positions + j, -1).astype(np.int32)
+        state, ids = route_step(state, tokens[:, j], at)
+        per_token.append(np.asarray(ids))  # [n, B, k]
+    ids = np.stack(per_token, axis=2)  # [n, B, W, k]
+    return ids.reshape(ids.shape[0], -1, ids.shape[-1])
 
 
 def step_inputs(plan: MegaPlan, tokens: Any, positions: Any, seed: int, temperature: Any,

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mkresearch.kernels.base import dma
+from mkresearch.kernels.base import chip_log, dma
 from mkresearch.kernels.compose import megakernel, megakernel_verify
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions, MegaPlan, make_plan
 
@@ -48,14 +48,17 @@ def paged_decode_step(params: dict, state: dict, tokens: Any, positions: Any, pa
                       cfg: ModelConfig, pages: paged_kv.PagedKVConfig, *, seed: int = 0,
                       temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                       options: MegakernelOptions = MegakernelOptions(),  # noqa: B008 - frozen
-                      return_logits: bool = False) -> tuple[jax.Array, dict, dict]:
+                      return_logits: bool = False,
+                      expert_ids: Any = None) -> tuple[jax.Array, dict, dict]:
     """One megakernel decode step on a paged state -> (next tokens [B], state, aux).
 
     state: `paged_kv.init_paged_state(cfg, pages, B)` (donated, updated in place); tokens [B];
     positions [B] i32, the slot of each row's new token, -1 for a free slot; page_table [B,
     pages.max_pages_per_row] i32 covering positions + 1 tokens per row (validated:
     `paged_kv.validate_page_table`). Sampling and aux as `megakernel.decode_step` (the next token
-    is drawn for position p + 1; aux["logits"] [B, V] f32 when return_logits)."""
+    is drawn for position p + 1; aux["logits"] [B, V] f32 when return_logits). expert_ids
+    [n_routed_layers, B, k]: the routing a step recorded on a TPU logs (None: the paged
+    reference's, `paged_routing`), as `megakernel.decode_step`'s."""
     paged_kv.check_paged_inputs(state, tokens, positions, page_table, cfg, pages)
     batch = np.shape(tokens)[0]
     if not isinstance(tokens, jax.core.Tracer):
@@ -63,9 +66,10 @@ def paged_decode_step(params: dict, state: dict, tokens: Any, positions: Any, pa
         if tok.min() < 0 or tok.max() >= cfg.vocab_size:
             raise ValueError(f"tokens={tok.tolist()} is invalid: each in [0, {cfg.vocab_size})")
     plan = make_plan(cfg, batch, pages.max_context, options)
+    given = _given(plan, params, state, tokens, positions, page_table, pages, expert_ids)
     tokens_out, overflow, logits, new_state = _run(plan, pages, params, state, tokens, positions,
                                                    table_of(page_table), seed, temperature, top_k,
-                                                   top_p, return_logits)
+                                                   top_p, return_logits, given)
     aux = {"nucleus_overflow": overflow, "plan": plan}
     if return_logits:
         aux["logits"] = logits
@@ -79,21 +83,51 @@ def table_of(page_table: Any) -> jax.Array:
 
 
 def _run(plan, pages, params, state, tokens, positions, table, seed, temperature, top_k, top_p,
-         return_logits):
-    """The step's inputs, the flat page table among them, and the call."""
+         return_logits, given):
+    """The step's inputs, the flat page table among them, and the call (its log from shapes on
+    a TPU given `given`, `chip_log.run`)."""
     inputs, use_gumbel, use_candidates = megakernel.step_inputs(plan, tokens, positions, seed,
                                                                 temperature, top_k, top_p)
     inputs = dataclasses.replace(inputs, page_table=table)
-    return _call(plan, pages, tpu.interpret_params(), dma.is_recording(), use_gumbel,
-                 use_candidates, bool(return_logits), inputs,
-                 megakernel.prepare_weights(params, plan.cfg), state)
+    return chip_log.run(
+        lambda *args: _call(plan, pages, tpu.interpret_params(), dma.is_recording(), use_gumbel,
+                            use_candidates, bool(return_logits), *args),
+        inputs, megakernel.prepare_weights(params, plan.cfg), state, given=given)
+
+
+def _given(plan, params, state, tokens, positions, page_table, pages, expert_ids):
+    """What the step's log from shapes (on a TPU) is given: its routing (expert_ids, else the
+    paged reference's of tokens [B] or [B, W] from positions), before the step donates the
+    state. None where no log is made from shapes (read nothing back from the device)."""
+    if not dma.logs_from_shapes():
+        return None
+    if expert_ids is None and plan.cfg.n_experts:
+        tokens = np.asarray(tokens).reshape(np.shape(tokens)[0], -1)  # [B, W]
+        expert_ids = paged_routing(params, state, tokens, positions, page_table, plan.cfg, pages)
+    return megakernel.log_routing(plan, params, state, None, None, expert_ids)
+
+
+def paged_routing(params: dict, state: dict, tokens: Any, positions: Any, page_table: Any,
+                  cfg: ModelConfig, pages: paged_kv.PagedKVConfig) -> np.ndarray:
+    """The paged reference's routing of tokens [B, W] from positions [B] (-1: a free slot) ->
+    [n_routed_layers, B W, k], `megakernel.routing_of_rows` over `paged_kv.paged_decode_step`.
+    ValueError for prepared weights."""
+    megakernel.check_routable(params, "a paged step", "rows")
+
+    def route_step(state, tokens, positions):
+        _, state, aux = paged_kv.paged_decode_step(params, state, tokens, positions, page_table,
+                                                   cfg, pages)
+        return state, aux["expert_ids"]
+
+    return megakernel.routing_of_rows(route_step, state, tokens, positions)
 
 
 def paged_verify_step(params: dict, state: dict, tokens: Any, positions: Any, page_table: Any,
                       cfg: ModelConfig, pages: paged_kv.PagedKVConfig, *, seed: int = 0,
                       temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                       options: MegakernelOptions = MegakernelOptions(),  # noqa: B008 - frozen
-                      return_logits: bool = False) -> tuple[jax.Array, dict, dict, dict]:
+                      return_logits: bool = False,
+                      expert_ids: Any = None) -> tuple[jax.Array, dict, dict, dict]:
     """A speculative verify step on a paged state, as `megakernel_verify.verify_step`: tokens
     [B, K+1] (the last accepted token at positions[b], then K drafts), page_table covering
     positions + K + 1 tokens per row; a free slot (position -1) verifies nothing (its rows read
@@ -111,9 +145,10 @@ def paged_verify_step(params: dict, state: dict, tokens: Any, positions: Any, pa
     plan = megakernel_verify.verify_plan(cfg, batch, drafts, pages.max_context, options)
     # row r = b (K + 1) + j: batch row b's token j at position p_b + j (-1 for a free slot)
     rows = np.where(positions[:, None] >= 0, positions[:, None] + np.arange(width), -1)
+    given = _given(plan, params, state, tokens, positions, page_table, pages, expert_ids)
     targets, overflow, logits, state_all, per_position = _run(
         plan, pages, params, state, np.asarray(tokens).reshape(-1), rows.reshape(-1),
-        table_of(page_table), seed, temperature, top_k, top_p, return_logits)
+        table_of(page_table), seed, temperature, top_k, top_p, return_logits, given)
     targets = targets.reshape(batch, width)
     aux = {"n_accepted": megakernel_verify.n_accepted(tokens, targets),
            "nucleus_overflow": overflow.reshape(batch, width), "plan": plan}

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mkresearch.kernels.base import dma, input_checks
+from mkresearch.kernels.base import chip_log, dma, input_checks
 from mkresearch.kernels.compose import megakernel as mk
 from mkresearch.kernels.compose.megakernel_plan import (
     MAX_VERIFY_ROWS,
@@ -98,7 +98,8 @@ def n_accepted(tokens: Any, targets: Any) -> jax.Array:
 def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelConfig, *,
                 seed: int = 0, temperature: Any = None, top_k: Any = 0, top_p: Any = 1.0,
                 options: MegakernelOptions = MegakernelOptions(),  # noqa: B008 - frozen
-                return_logits: bool = False) -> tuple[jax.Array, dict, dict, dict]:
+                return_logits: bool = False,
+                expert_ids: Any = None) -> tuple[jax.Array, dict, dict, dict]:
     """Score tokens [B, K+1] (last accepted, then K drafts) at positions [B] (of tokens[:, 0])
     in ONE pallas_call -> (targets [B, K+1] i32, state_all, per_position, aux).
 
@@ -108,6 +109,9 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     {kind: {leaf: [K+1, n_layers, B, ...]}}: every non-cache state leaf after each token.
     aux: "n_accepted" [B] i32, "nucleus_overflow" [B, K+1] bool, "plan", and "logits"
     [B, K+1, V] f32 when return_logits (checking only).
+    expert_ids [n_routed_layers, B (K+1), k]: the routing a step recorded on a TPU logs (its
+    log is the kernel run on shapes, `chip_log`); None: the reference's (`verify_routing`),
+    which needs the parameters, not `prepare_weights`' output. Unused elsewhere.
     """
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg={cfg!r} is invalid: a mkresearch.model.config.ModelConfig")  # noqa: TRY004
@@ -121,15 +125,35 @@ def verify_step(params: dict, state: dict, tokens: Any, positions: Any, cfg: Mod
     inputs, use_gumbel, use_candidates = mk.step_inputs(
         plan, jnp.asarray(tokens, jnp.int32).reshape(-1), rows.reshape(-1), seed, temperature,
         top_k, top_p)
-    targets, overflow, logits, state_all, per_position = mk.call_step(
-        plan, tpu.interpret_params(), dma.is_recording(), use_gumbel, use_candidates,
-        bool(return_logits), inputs, mk.prepare_weights(params, cfg), state)
+    given = None
+    if dma.logs_from_shapes():  # before the step, which donates the state
+        if expert_ids is None and cfg.n_experts:
+            expert_ids = verify_routing(params, state, tokens, positions, cfg)
+        given = mk.log_routing(plan, params, state, None, None, expert_ids)
+    targets, overflow, logits, state_all, per_position = chip_log.run(
+        lambda *args: mk.call_step(plan, tpu.interpret_params(), dma.is_recording(), use_gumbel,
+                                   use_candidates, bool(return_logits), *args),
+        inputs, mk.prepare_weights(params, cfg), state, given=given)
     targets = targets.reshape(batch, width)
     aux = {"n_accepted": n_accepted(tokens, targets),
            "nucleus_overflow": overflow.reshape(batch, width), "plan": plan}
     if return_logits:
         aux["logits"] = logits.reshape(batch, width, cfg.vocab_size)
     return targets, state_all, per_position, aux
+
+
+def verify_routing(params: dict, state: dict, tokens: Any, positions: Any,
+                   cfg: ModelConfig) -> np.ndarray:
+    """The reference's routing of each verify row, [n_routed_layers, B (K+1), k] (row b (K+1) +
+    j: token j of row b at position p_b + j), `mk.routing_of_rows` over `reference.decode_step`.
+    ValueError for prepared weights."""
+    mk.check_routable(params, "a verify step", "B (K+1)")
+
+    def route_step(state, tokens, positions):
+        _, state, aux = reference.decode_step(params, state, tokens, positions, cfg)
+        return state, aux["expert_ids"]
+
+    return mk.routing_of_rows(route_step, state, tokens, positions)
 
 
 def as_verify(options: MegakernelOptions = MegakernelOptions()):  # noqa: B008 - frozen
