@@ -23,7 +23,7 @@ from mkresearch.kernels.stages import kda, mla
 
 from mkresearch.hardware import tpu
 from mkresearch.measurement.logs import kv_bytes_at, kv_bytes_by_row, kv_bytes_per_rank
-from mkresearch.model import config, kv_cache, reference, weights
+from mkresearch.model import config, kv_cache, numerics, reference, weights
 from mkresearch.model.config import get_config
 
 # compiled on the chip present too (make test-tpu): see tests/conftest.py
@@ -222,7 +222,8 @@ def test_mla_short_context_reads_only_the_16_row_groups_needed(race_checked, min
                                preferred_element_type=jnp.float32)) * cfg.mla_qk_dim ** -0.5
         scores = jnp.where(jnp.arange(cfg.max_seq_len) <= positions[:, None, None], scores,
                            -jnp.inf)
-        expected = jax.nn.softmax(scores, -1) @ cache["ckv"].astype(jnp.float32)
+        expected = jnp.matmul(jax.nn.softmax(scores, -1), cache["ckv"].astype(jnp.float32),
+                              precision=numerics.HIGHEST)  # f32 (a TPU's default: one bf16 pass)
         check = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
     else:
         p = reference.layer_params(mini_params["mla"], 0)

@@ -36,6 +36,16 @@ pytestmark = pytest.mark.tpu
 FORMATS = ("bf16", "fp8", "mxfp4")
 # a chip of each MXFP4 decode path: "native" (float4 bitcast) and "integer" (bit operations)
 DECODE_PATH_CHIPS = {"native": "tpu7x", "integer": "v5e"}
+
+
+def skip_unless_runs_here(chip):
+    """A kernel built for `chip` runs in interpret mode (a CPU) or on that chip; on a TPU of
+    another kind it is refused (`quant.check_runs_here`: a TPU7x's float4 decode does not compile
+    on a v5e), and test_compiles_for_every_chip_mini compiles it for `chip` instead."""
+    present = tpu.present_chip()
+    if present is not None and present != chip:
+        pytest.skip(f"a kernel built for {chip} cannot run on this {present}: interpret mode runs "
+                    "it, the compile tests compile it")
 # bf16 tolerance of a [B, d] output whose entries are O(1): a few bf16 ulps of the largest entry.
 RTOL = 2**-7
 
@@ -119,6 +129,7 @@ def test_routed_matches_reference_quantised(race_checked, layers, fmt):
 def test_mxfp4_both_decode_paths_bit_equal_to_reference(race_checked, layers, path):
     """The kernel built for either path gives the reference's bits: each decoded chunk is the
     whole bf16 [rows, N] weight block and the dot over it is the same as before."""
+    skip_unless_runs_here(DECODE_PATH_CHIPS[path])
     cfg = mini("mxfp4")
     p, _ = layers["mxfp4"]
     x = activations(4, seed=2)
@@ -136,6 +147,7 @@ def test_fp8_mxu_bit_equal_to_reference(race_checked, layers, fmt, path, batch):
     """expert_mxu="fp8": the kernel hands the MXU each chunk's values as e4m3 (MXFP4's E2M1 codes
     converted by either decode path) and scales the blocks' partial products after the dot; the
     reference's `formats.mxu_matmul` computes the same, to the bit."""
+    skip_unless_runs_here(DECODE_PATH_CHIPS[path])
     cfg = config.get_config("kimi-k3-mini", expert_format=fmt, expert_mxu="fp8")
     p, _ = layers[fmt]
     x = activations(batch, seed=2)
@@ -161,16 +173,17 @@ def test_wide_mini_bites():
 @pytest.mark.slow
 def test_fp8_mxu_chunks_bit_equal_to_reference_whatever_the_batch(race_checked):
     """The kernel hands the MXU K chunks of `formats.mxu_k_chunk`'s rows; the reference's
-    `formats.mxu_matmul` takes the same, to the bit, and a row alone gives the row of the batch."""
+    `formats.mxu_matmul` takes the same, to the bit, and a row alone gives the row of the batch.
+    Built for the chip present (tpu7x in interpret mode): both MXFP4 paths decode the same bits."""
     cfg = config.get_config("kimi-k3-mini", expert_mxu="fp8", **WIDE_HIDDEN)
     p = reference.layer_params(first_layers_params(cfg, seed=0)["moe"], 0)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((WIDE_BATCH, cfg.d_model)),
                     jnp.bfloat16)
     ids, w = reference.route(p, x, cfg)
-    out = experts.routed_experts(p, x, ids, w, cfg, chip="tpu7x")
+    out = experts.routed_experts(p, x, ids, w, cfg)
     want = reference.routed_experts(p, x, ids, w, cfg)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(want).view(np.uint32))
-    alone = experts.routed_experts(p, x[5:6], ids[5:6], w[5:6], cfg, chip="tpu7x")
+    alone = experts.routed_experts(p, x[5:6], ids[5:6], w[5:6], cfg)
     np.testing.assert_array_equal(np.asarray(alone).view(np.uint32),
                                   np.asarray(out[5:6]).view(np.uint32))
     decoded = reference.routed_experts(p, x, ids, w, cfg.replace(expert_mxu="bf16"))
@@ -179,7 +192,8 @@ def test_fp8_mxu_chunks_bit_equal_to_reference_whatever_the_batch(race_checked):
 
 def _mxu_product_kernel(x_ref, *refs, fmt):
     *parts, out = refs
-    out[...] = quant.matmul(x_ref[...], parts, fmt, mxfp4_decode="native", mxu_input="fp8")
+    out[...] = quant.matmul(x_ref[...], parts, fmt, mxfp4_decode=quant.mxfp4_decode_path(),
+                            mxu_input="fp8")  # the path of the chip present (tpu7x interpreted)
 
 
 @pytest.mark.parametrize("fmt, k, batch", [("mxfp4", 1024, WIDE_BATCH), ("fp8", 4096, 80)])
@@ -346,6 +360,7 @@ def test_mxfp4_decode_paths_give_mxfp4_unpack_bits(race_checked, layers, path):
     kernel built for a chip of each path decodes to mxfp4_unpack's bits."""
     chip = DECODE_PATH_CHIPS[path]
     assert quant.mxfp4_decode_path(chip) == path
+    skip_unless_runs_here(chip)
     p, _ = layers["mxfp4"]
     stored_expert = jax.tree.map(lambda a: a[3], p["experts"]["w2"])  # [F, Lat]
     for stored in (all_codes_mxfp4()[0], stored_expert):
@@ -354,11 +369,12 @@ def test_mxfp4_decode_paths_give_mxfp4_unpack_bits(race_checked, layers, path):
 
 
 def test_mxfp4_decode_path_per_chip():
-    """One place decides: Chip.native_fp4; inside compile_for the chip compiled for, and in
-    interpret mode tpu7x (the default chip of compile_for and MegakernelOptions)."""
-    assert {name: quant.mxfp4_decode_path(name) for name in CHIPS} == {
-        "v5e": "integer", "v6e": "integer", "v5p": "integer", "tpu7x": "native"}
-    assert quant.mxfp4_decode_path() == "native"
+    """One place decides: Chip.native_fp4; inside compile_for the chip compiled for, on a TPU
+    that TPU, and in interpret mode tpu7x (the default chip of compile_for and
+    MegakernelOptions)."""
+    paths = {"v5e": "integer", "v6e": "integer", "v5p": "integer", "tpu7x": "native"}
+    assert {name: quant.mxfp4_decode_path(name) for name in CHIPS} == paths
+    assert quant.mxfp4_decode_path() == paths[tpu.present_chip() or "tpu7x"]
     with tpu.compiling("v6e"):
         assert quant.mxfp4_decode_path() == "integer"
     with pytest.raises(ValueError, match="unknown chip 'h100'"):

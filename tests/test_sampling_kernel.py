@@ -158,19 +158,34 @@ def test_determinism_and_streams(race_checked):
     assert np.sum(np.asarray(first) != np.asarray(moved)) >= 4
 
 
-# ---- distributions over many draws (small vocab, many identical rows in one call) --------------
+# ---- distributions over many draws (small vocab, many identical rows) -------------------------
 SMALL = MINI.replace(vocab_size=256)
 DRAWS = 4096
 
 
 @pytest.fixture(scope="module")
 def many_rows():
-    """DRAWS identical rows (positions 0..DRAWS-1): one call draws DRAWS samples of one row."""
+    """DRAWS identical rows (positions 0..DRAWS-1): DRAWS samples of one row's distribution."""
     one = make_inputs(SMALL, 1, seed=5, head_scale=0.12)
     inputs = dict(one)
     inputs["snapshots"] = jnp.broadcast_to(one["snapshots"], (SMALL.n_blocks, DRAWS, SMALL.d_model))
     inputs["partial"] = jnp.broadcast_to(one["partial"], (DRAWS, SMALL.d_model))
     return inputs
+
+
+# rows per call: the stage holds its rows in VMEM, and 4,096 of them (80 MB) pass a v5e's scoped
+# VMEM limit (32 MiB); each call's rows are streams 0..511 at their own positions
+ROWS_PER_CALL = 512
+
+
+def run_in_calls(inputs, positions, **kwargs):
+    """The stage over DRAWS rows in calls of ROWS_PER_CALL rows, the results concatenated."""
+    parts = []
+    for start in range(0, DRAWS, ROWS_PER_CALL):
+        rows = slice(start, start + ROWS_PER_CALL)
+        part = dict(inputs, snapshots=inputs["snapshots"][:, rows], partial=inputs["partial"][rows])
+        parts.append(run_stage(part, SMALL, positions=positions[rows], **kwargs))
+    return stage.SampleResult(*(jnp.concatenate(each) for each in zip(*parts)))
 
 
 @pytest.mark.slow
@@ -181,8 +196,8 @@ def many_rows():
     {"temperature": 1.5, "top_k": 50, "top_p": 0.9},
 ])
 def test_sampled_distribution(race_checked, many_rows, mode):
-    result = run_stage(many_rows, SMALL, seed=1, positions=np.arange(DRAWS), vocab_tile=128,
-                       return_logits=True, **mode)
+    result = run_in_calls(many_rows, seed=1, positions=np.arange(DRAWS), vocab_tile=128,
+                          return_logits=True, **mode)
     logits_row = result.logits[:1]
     assert bool(jnp.all(result.logits == logits_row))  # every row saw the same distribution
     exact = np.asarray(sampling.truncated_distribution(logits_row, candidates=128, **mode))[0]
@@ -195,8 +210,10 @@ def test_sampled_distribution(race_checked, many_rows, mode):
     bound = tv_bound(exact, DRAWS)
     assert tv < bound, (tv, bound)
     assert np.all(histogram[exact == 0] == 0)  # nothing outside the kept set
-    # and draw for draw it is the reference sampler with the same noise
-    want = sampling.sample(result.logits, seed=1, positions=jnp.arange(DRAWS), candidates=128, **mode)
+    # and draw for draw it is the reference sampler with the same noise (row r of each call)
+    rows = jnp.arange(DRAWS).reshape(-1, ROWS_PER_CALL)
+    want = jnp.concatenate([sampling.sample(result.logits[r], seed=1, positions=r,
+                                            candidates=128, **mode) for r in rows])
     np.testing.assert_array_equal(result.tokens, want)
 
 

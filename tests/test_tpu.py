@@ -331,6 +331,17 @@ def test_the_chip_present_is_the_default_and_another_is_refused(monkeypatch):
         tpu.check_runs_here("tpu7x")
     with tpu.compiling("tpu7x"):  # compiling for another chip from shapes is not running it
         tpu.check_runs_here("tpu7x")
+    # a stage kernel or decode built for another chip: refused before Mosaic sees a float4 vector
+    from mkresearch.kernels.base import quant
+    from mkresearch.kernels.stages import experts
+
+    cfg = get_config("kimi-k3-mini", expert_format="mxfp4")
+    x = jnp.zeros((1, cfg.d_model), jnp.bfloat16)
+    ids, w = jnp.zeros((1, cfg.top_k), jnp.int32), jnp.zeros((1, cfg.top_k), jnp.float32)
+    for run in (lambda: quant.decode({}, "mxfp4", chip="tpu7x"),
+                lambda: experts.routed_experts({}, x, ids, w, cfg, chip="tpu7x")):
+        with pytest.raises(ValueError, match=r"^chip='tpu7x' is invalid here"):
+            run()
 
 
 def test_on_a_tpu_only_the_tpu_tier_runs(monkeypatch, pytestconfig):

@@ -64,6 +64,14 @@ def mxfp4_decode_path(chip: Any = None) -> str:
     return "native" if get_chip(chip).native_fp4 else "integer"
 
 
+def check_runs_here(chip: Any = None) -> None:
+    """A kernel built for `chip` (a CHIPS name or Chip; None: this machine's) about to run: a chip
+    that is not this machine's TPU is refused in one line (`tpu.check_runs_here`: a TPU7x's
+    float4 decode does not compile on a v5e), except while compiling for it (`compile_for`)."""
+    if chip is not None:
+        tpu.check_runs_here(get_chip(chip).name)
+
+
 def part_names(expert_format: str) -> tuple[str, ...]:
     """Names of the stored parts of one matrix, in the order kernels take them."""
     check_format(expert_format)
@@ -270,6 +278,7 @@ def decode(weight: Any, expert_format: str, *, chip: Any = None) -> jax.Array:
     """One stored [K, N] matrix (array or dict of parts, as in the parameter pytree) -> bf16 [K, N],
     decoded by a Pallas kernel in VMEM. Equals weights.dequantize(weight, expert_format) exactly.
     chip: the kernel is built for it (MXFP4 decode path, see mxfp4_decode_path; None: there)."""
+    check_runs_here(chip)
     parts = split_parts(weight, expert_format)
     mxfp4_decode = mxfp4_decode_path(chip)
     want = part_structs(expert_format, *_logical_shape(parts, expert_format))

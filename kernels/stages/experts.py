@@ -610,6 +610,7 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    chip: Any = None) -> jax.Array:
     """Kernel twin of reference.routed_experts -> f32 [B, d] (routed part only, no shared).
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    quant.check_runs_here(chip)
     options = stage_options(cfg, plan, n_slots, chip=chip)
     check_input(x, cfg.d_model)
     check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
@@ -636,6 +637,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique",
             n_slots: int = 2, chip: Any = None) -> jax.Array:
     """Kernel twin of reference.moe_ffn -> bf16 [B, d]: router + experts + shared, one kernel.
     chip: the kernel is built for it (None: tpu.target_chip(), see quant.mxfp4_decode_path)."""
+    quant.check_runs_here(chip)
     options = stage_options(cfg, plan, n_slots, chip=chip)
     check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)

@@ -66,6 +66,7 @@ def moe_full_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, plan: str = "unique
                  n_slots: int = 2, chip: Any = None) -> jax.Array:
     """Kernel twin of stages.moe_full.moe_full_ffn -> bf16 [B, d]: router + experts on the full
     d + shared experts, one kernel. chip: the kernel is built for it (None: tpu.target_chip())."""
+    quant.check_runs_here(chip)
     options = stage_options(cfg, plan, n_slots, chip=chip)
     experts.check_input(x, cfg.d_model)
     router.check_router_args(x, p["w_router"], p["router_bias"], cfg.top_k, cfg.router_score)
@@ -83,6 +84,7 @@ def routed_experts(p: dict, x: jax.Array, expert_ids: jax.Array, expert_weights:
                    cfg: ModelConfig, *, plan: str = "unique", n_slots: int = 2,
                    chip: Any = None) -> jax.Array:
     """Kernel twin of stages.moe_full.routed_experts -> f32 [B, d] (no shared experts)."""
+    quant.check_runs_here(chip)
     options = stage_options(cfg, plan, n_slots, chip=chip)
     experts.check_input(x, cfg.d_model)
     experts.check_routing(expert_ids, expert_weights, x.shape[0], cfg.n_experts)
