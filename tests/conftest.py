@@ -121,3 +121,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "exhaustive" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """MKRESEARCH_TEST_LOG=FILE: one JSON line per test as it ends (id, outcome, seconds, the
+    reason's last lines), written at once, so that a run cut by a time limit (a TPU session's
+    device time) still says what failed and why; pytest prints its reasons only at the end."""
+    import json
+    import os
+
+    path = os.environ.get("MKRESEARCH_TEST_LOG")
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return
+    outcome = "error" if report.failed and report.when != "call" else report.outcome
+    reason = report.longreprtext.strip().splitlines()[-12:] if report.longrepr else []
+    with open(path, "a") as log:
+        log.write(json.dumps({"test": report.nodeid, "outcome": outcome,
+                              "seconds": round(report.duration, 2), "reason": reason}) + "\n")
