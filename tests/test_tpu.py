@@ -367,3 +367,32 @@ def test_on_a_tpu_only_the_tpu_tier_runs(monkeypatch, pytestconfig):
     assert not tier.markers
     assert [m.name for m in cpu_only.markers] == ["skip"]
     assert "make test-tpu" in cpu_only.markers[0].kwargs["reason"]
+
+
+def test_each_test_logged_as_it_ends(monkeypatch, pytestconfig, tmp_path):
+    """MKRESEARCH_TEST_LOG=FILE (tests/conftest.py): a JSON line per test when it ends, its
+    outcome and the reason's last lines, so a run cut by a time limit keeps what it found."""
+    import json
+    import types
+
+    here = Path(__file__).with_name("conftest.py")
+    conftest = next(p for p in pytestconfig.pluginmanager.get_plugins()
+                    if getattr(p, "__file__", None) and Path(p.__file__) == here)
+
+    def report(when, outcome, text=""):
+        return types.SimpleNamespace(
+            nodeid=f"t.py::{when}_{outcome}", when=when, outcome=outcome, duration=1.234,
+            failed=outcome == "failed", skipped=outcome == "skipped", longrepr=text or None,
+            longreprtext=text)
+
+    log = tmp_path / "tests.jsonl"
+    monkeypatch.setenv("MKRESEARCH_TEST_LOG", str(log))
+    for each in (report("call", "passed"), report("setup", "passed"),
+                 report("setup", "failed", "fixture\nE   ValueError: no"),
+                 report("call", "failed", "E   AssertionError"), report("setup", "skipped", "why")):
+        conftest.pytest_runtest_logreport(each)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(line["test"], line["outcome"]) for line in lines] == [
+        ("t.py::call_passed", "passed"), ("t.py::setup_failed", "error"),
+        ("t.py::call_failed", "failed"), ("t.py::setup_skipped", "skipped")]
+    assert lines[1]["reason"] == ["fixture", "E   ValueError: no"] and lines[0]["seconds"] == 1.23
