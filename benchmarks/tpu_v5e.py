@@ -7,8 +7,8 @@ own JAX):
     python benchmarks/tpu_v5e.py time         # device and wall time per step of the megakernel and
                                               # the jitted reference (32 steps per call), HBM floor;
                                               # a profile of kimi-k3-mini's loop at B = 8
-    python benchmarks/tpu_v5e.py agreement    # the megakernel from the reference's state, step by
-                                              # step: logits, tokens, routing margins per row-step
+    python benchmarks/tpu_v5e.py agreement    # decode's check over 24 seed pairs, every mini,
+                                              # format, MLA layout, B = 1 and 8 (--models, --seeds)
     python benchmarks/tpu_v5e.py predicted    # on any machine: the timeline model's v5e step from
                                               # a recorded step, beside the recorded device time
 
@@ -37,12 +37,11 @@ from mkresearch.hardware import tpu
 tpu.select_platform()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from mkresearch.kernels.base import dma  # noqa: E402
+from mkresearch.kernels.compose import megakernel as mk  # noqa: E402
 
 from mkresearch.cli import bench  # noqa: E402
 from mkresearch.generation import loop  # noqa: E402
-from mkresearch.kernels.base import dma  # noqa: E402
-from mkresearch.kernels.compose import megakernel as mk  # noqa: E402
 from mkresearch.measurement import device_time  # noqa: E402
 from mkresearch.model import reference, weights  # noqa: E402
 from mkresearch.model.config import get_config  # noqa: E402
@@ -125,45 +124,32 @@ def profile_loop(path: Path, batch: int = 8, steps: int = 32) -> None:
         shutil.copy(sorted(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True))[-1], path)
 
 
-def agreement_sweep(seeds: int = 3, steps: int = 16, prompt_len: int = 8) -> list:
-    """Per row-step of the megakernel run from the reference's state: max |logit diff|, whether
-    bit-equal, the reference's top-2 gap and routing margin, and whether the tokens agree."""
-    records = []
+def agreement_sweep(out: Path, seeds: int = 24, steps: int = 16, prompt_len: int = 8,
+                    models: tuple = MINIS) -> list:
+    """`mkresearch decode`'s run and check (`bench.decode_and_compare`: the megakernel's greedy
+    decode, the reference teacher-forced on the same tokens, `generation.agreement.compare`) for
+    every mini, expert format, MLA cache layout, B = 1 and 8, and weight seeds 0..seeds-1 with
+    prompt seeds 1000 + seed. One JSON line per run appended to agreement_sweep.jsonl as it ends
+    (a run cut by a time limit keeps what it did)."""
+    records, path = [], out / "agreement_sweep.jsonl"
     for name, over in variants():
+        if name not in models:
+            continue
         cfg = get_config(name, **over)
         for batch in (1, 8):
             for seed in range(seeds):
-                records += _sweep_one(cfg, over, batch, seed, 1000 + seed, steps, prompt_len)
-            print(name, over, batch, flush=True)
-    return records
-
-
-def _sweep_one(cfg, over, batch, weight_seed, prompt_seed, steps, prompt_len) -> list:
-    params = weights.init_params(cfg, weight_seed)
-    prepared = mk.prepare_weights(params, cfg)
-    prompt = np.asarray(jax.random.randint(jax.random.key(prompt_seed), (batch, prompt_len), 0,
-                                           cfg.vocab_size, dtype=jnp.int32))
-    state = reference.init_state(cfg, batch)
-    for t in range(prompt_len - 1):
-        _, state, _ = reference.decode_step(params, state, prompt[:, t], np.full(batch, t), cfg)
-    token, records = prompt[:, -1], []
-    for step in range(steps):
-        positions = np.full(batch, prompt_len - 1 + step, np.int32)
-        tokens, _, aux = mk.decode_step(prepared, jax.tree.map(jnp.copy, state), token,
-                                        positions, cfg, return_logits=True)
-        ref_logits, state, ref_aux = reference.decode_step(params, state, token, positions, cfg)
-        mine, theirs, tokens = np.asarray(aux["logits"]), np.asarray(ref_logits), np.asarray(tokens)
-        margins = (np.asarray(ref_aux["routing_margin"]).min(0) if "routing_margin" in ref_aux
-                   else np.full(batch, np.inf))
-        for row in range(batch):
-            top2 = np.sort(theirs[row])[-2:]
-            records.append({"model": cfg.name, "over": over, "B": batch,
-                            "seed": [weight_seed, prompt_seed], "step": step, "row": row,
-                            "diff": float(np.abs(mine[row] - theirs[row]).max()),
-                            "bit_equal": bool(np.array_equal(mine[row], theirs[row])),
-                            "gap": float(top2[1] - top2[0]), "margin": float(margins[row]),
-                            "token_equal": bool(tokens[row] == theirs[row].argmax())})
-        token = theirs.argmax(-1).astype(np.int32)
+                started = time.perf_counter()  # the whole run: weights, compiles, both decodes
+                result = bench.decode_and_compare(cfg, prompt_len, steps, batch, seed,
+                                                  prompt_seed=1000 + seed)[0]
+                run_s = time.perf_counter() - started
+                record = {"model": name, "over": over, "B": batch, "seed": [seed, 1000 + seed],
+                          "agreement": result["agreement"], "line": result["agreement_line"],
+                          "seconds": {**result["seconds"], "run": run_s}}
+                records.append(record)
+                with path.open("a") as log:
+                    log.write(json.dumps(record, default=str) + "\n")
+            print(name, over, batch, sum(r["agreement"]["passed"] for r in records[-seeds:]),
+                  "of", seeds, "passed", flush=True)
     return records
 
 
@@ -193,16 +179,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("decode", "time", "agreement", "predicted"))
     parser.add_argument("--out", default=None, help="folder (default benchmarks/recorded/CHIP)")
+    parser.add_argument("--models", default=",".join(MINIS), help="agreement: the minis (comma)")
+    parser.add_argument("--seeds", type=int, default=24, help="agreement: seed pairs per case")
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).parent / "recorded" / f"tpu-{tpu.default_chip()}")
     out.mkdir(parents=True, exist_ok=True)
     if args.what != "predicted":
         (out / "environment.json").write_text(json.dumps(environment(), indent=1))
-    result = {"decode": decode_all, "agreement": agreement_sweep,
+    result = {"decode": decode_all, "agreement": lambda: agreement_sweep(out, args.seeds, models=tuple(args.models.split(","))),
               "time": lambda: time_all(out), "predicted": lambda: predicted(out)}[args.what]()
     name = {"time": "device_time", "agreement": "agreement_sweep",
             "predicted": "predicted_vs_measured"}.get(args.what, args.what)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    if args.what != "agreement":  # the sweep appended its lines as it went
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -148,12 +148,31 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     (`generation.agreement`); one more step recorded for the timeline model's prediction.
     A config `chip` cannot run (VMEM plan, HBM) is refused (ValueError) before any work."""
     import jax
+
+    result, run, params, options = decode_and_compare(cfg, prompt_len, steps, batch, seed, chip,
+                                                      progress)
+    with dma.recording() as log:  # one more step, recorded, for the timeline model
+        out, _, _ = megakernel.decode_step(params, run.state, run.next_tokens, run.next_positions,
+                                           cfg, options=options)
+        jax.block_until_ready(out)
+    return {**result, "step_label": backend_label("megakernel"),
+            "prediction": predict(log, result["chip"], batch),
+            "full_size": predict_full_size(cfg, batch)}
+
+
+def decode_and_compare(cfg: ModelConfig, prompt_len: int, steps: int, batch: int, seed: int,
+                       chip: str | None = None, progress: bool = False,
+                       prompt_seed: int | None = None) -> tuple[dict, Any, dict, Any]:
+    """`decode_megakernel` without its recorded step: the run's dict (tokens, agreement,
+    seconds), the loop's last Run, the parameters and the options. Weights from `seed`, the
+    prompt from `prompt_seed` (default `seed`)."""
+    import jax
     import numpy as np
 
     options = megakernel.MegakernelOptions(chip=chip)
     plan = megakernel.make_plan(cfg, batch, cfg.max_seq_len, options)  # refuses before any work
     params = weights.init_params(cfg, seed)
-    prompt = random_prompt(cfg, batch, prompt_len, seed)  # [B, T]
+    prompt = random_prompt(cfg, batch, prompt_len, seed if prompt_seed is None else prompt_seed)
     started = time.perf_counter()
     first = loop.prefill(params, reference.init_state(cfg, batch), prompt, cfg, options=options,
                          return_logits=True, progress=progress)
@@ -172,11 +191,7 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
     margins = None if ref.margins is None else np.asarray(ref.margins)[prompt_len - 1:]
     agree = agreement.compare(kernel_logits, generated, np.asarray(ref.logits)[prompt_len - 1:],
                               margins)
-    with dma.recording() as log:  # one more step, recorded, for the timeline model
-        out, _, _ = megakernel.decode_step(params, run.state, run.next_tokens, run.next_positions,
-                                           cfg, options=options)
-        jax.block_until_ready(out)
-    return {
+    result = {
         "model": cfg.name, "backend": "megakernel", "batch": batch, "prompt_len": prompt_len,
         "steps": steps, "seed": seed, "platform": jax.default_backend(),
         "chip": plan.options.chip,
@@ -184,11 +199,9 @@ def decode_megakernel(cfg: ModelConfig, prompt_len: int, steps: int, batch: int,
         "agreement": agree.as_dict(), "agreement_line": agree.line(),
         "seconds": {"compile_and_prefill": prefill_s, "decode": decode_s,
                     "step": decode_s / max(steps - 1, 1)},
-        "step_label": backend_label("megakernel"),
-        "prediction": predict(log, plan.options.chip, batch),
-        "full_size": predict_full_size(cfg, batch),
         "vmem_plan_bytes": plan.vmem.total_bytes,
     }
+    return result, run, params, options
 
 
 def _timed_decode(params: Any, first: Any, cfg: ModelConfig, n_steps: int, options: Any,

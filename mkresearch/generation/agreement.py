@@ -14,7 +14,7 @@ token is the reference's, except
 On a CPU the kernel reproduces the reference to the bit (tests); on a TPU both round and sum
 there in their own ways (the MXU's accumulation order, the exp and the other transcendentals
 of XLA and of Mosaic), and this is what holds: measured over a seed sweep
-(`benchmarks/agreement_tpu.py`, recorded in docs/tpu.md).
+(`benchmarks/tpu_v5e.py agreement`, recorded in docs/tpu.md).
 """
 
 from __future__ import annotations
