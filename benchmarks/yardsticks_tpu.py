@@ -49,16 +49,19 @@ from mkresearch.kernels.compose.copy_ceiling import copy_kernel_for
 from mkresearch.kernels.compose.megakernel_plan import MegakernelOptions, make_plan
 
 from mkresearch.baselines import jax_kernels
-from mkresearch.model import paged_kv, reference, weights
+from mkresearch.model import on_chip, paged_kv, reference, weights
 from mkresearch.model.config import get_config
 
-# name -> (config name, overrides): every mini, Kimi K3's in MXFP4 (its preset) and in bf16
+# name -> (config name, overrides): every mini, Kimi K3's in MXFP4 (its preset) and in bf16, and
+# the real-size configs cut to fill one chip
 MODELS = {"kimi-k3-mini": ("kimi-k3-mini", {}),
           "kimi-k3-mini-bf16": ("kimi-k3-mini", {"expert_format": "bf16"}),
           "kimi-k3-mini-fp8": ("kimi-k3-mini", {"expert_format": "fp8"}),
           "kimi-k3-mini-latent": ("kimi-k3-mini", {"mla_cache_layout": "latent"}),
           "deepseek-v3-mini": ("deepseek-v3-mini", {}), "glm-4.5-mini": ("glm-4.5-mini", {}),
-          "qwen3-235b-a22b-mini": ("qwen3-235b-a22b-mini", {})}
+          "qwen3-235b-a22b-mini": ("qwen3-235b-a22b-mini", {}),
+          # real-size layers filling one chip (`on_chip.ON_CHIP`): --models names them
+          **{name: (name, {}) for name in on_chip.ON_CHIP}}
 DEFAULT_MODELS = ("kimi-k3-mini", "kimi-k3-mini-bf16", "deepseek-v3-mini", "glm-4.5-mini",
                   "qwen3-235b-a22b-mini")
 STREAM_BYTES = 64 << 20

@@ -10,6 +10,9 @@ its name, and `config_names()`, every name it takes:
                   single-device stand-in for compiling, not our full-size step
   published       the small real models' config.json fields (`published.PUBLISHED`:
                   `qwen3-30b-a3b`, `glm-4.5-air`, `moonlight-16b-a3b`, `kimi-linear-48b-a3b`)
+  '<model>-on-<chip>'  a real-size model's layers, as many as fill one device of the chip
+                  (`on_chip.ON_CHIP`: Moonlight-16B-A3B, Qwen3-30B-A3B and one Kimi K3 rank on
+                  a v5e), for benchmarks on that chip
 
 The dataclass and the presets are `mkresearch.model.model_config` (re-exported here: the names
 the rest of the package imports from this module); this module sits above the split arithmetic
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkresearch.model import partition, published
+from mkresearch.model import on_chip, partition, published
 from mkresearch.model.model_config import (  # noqa: F401 - re-exported: the config's API
     ACTIVATIONS,
     BF16_SUBLANE,
@@ -64,6 +67,9 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     (validated). ValueError naming the allowed names for an unknown one."""
     if name in published.PUBLISHED:  # a small real model's published config.json fields
         return published.published_config(name, **overrides)
+    if name in on_chip.ON_CHIP:  # cut to fill one device, overrides (a format) before the cut
+        base, chip, fixed = on_chip.ON_CHIP[name]
+        return on_chip.fill_one_device(get_config(base, **{**fixed, **overrides}), chip, name)
     base = name[:-len(RANK_SUFFIX)]
     if name.endswith(RANK_SUFFIX) and base in PRESETS:
         return partition.rank_config(PRESETS[base], partition.RELEASE, partition.RELEASE_RANKS,
@@ -75,8 +81,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
 
 
 def config_names() -> tuple[str, ...]:
-    """Every name `get_config` takes: the presets, one rank of each full-size one, and the small
-    real models' presets."""
+    """Every name `get_config` takes: the presets, one rank of each full-size one, the small
+    real models' presets and the configs that fill one chip."""
     ranks = tuple(f"{name}{RANK_SUFFIX}" for name, cfg in PRESETS.items()
                   if partition.has_rank(cfg))
-    return (*PRESETS, *ranks, *published.PUBLISHED)
+    return (*PRESETS, *ranks, *published.PUBLISHED, *on_chip.ON_CHIP)
