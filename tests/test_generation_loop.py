@@ -91,3 +91,37 @@ def test_inputs_are_checked_once_in_one_line(params, change, message):
     with pytest.raises(ValueError, match=message):
         loop.decode(params, state, np.asarray(args.pop("tokens")), np.asarray(args.pop("positions")),
                     CFG, args.pop("n_steps"), **args)
+
+
+@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+def test_a_call_is_one_compiled_program(params, backend):
+    """After its first call, a call of the loop dispatches the chunk's compiled program and no
+    other program or transfer of its own: host tokens and positions go into it with the call,
+    and the next step's sampling positions are made inside it (on the v5e each eager op around
+    it cost 0.1-0.4 ms of host time per call: docs/tpu.md §5). The megakernel is given its
+    prepared weights, as a caller that decodes more than once does (`prepare_weights` is
+    eager: once per call with the parameters). From a profile of the call (the Python tracer's
+    events)."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+    from mkresearch.kernels.compose import megakernel
+
+    weights_ = megakernel.prepare_weights(params, CFG) if backend == "megakernel" else params
+    state = reference.init_state(CFG, 2, CACHE)
+    tokens, positions = PROMPT[:, 0], np.zeros(2, np.int32)
+    state = loop.decode(weights_, state, tokens, positions, CFG, 2, backend=backend).state
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir):
+            jax.block_until_ready(loop.decode(weights_, state, tokens, positions, CFG, 2,
+                                              backend=backend).tokens)
+        data = ProfileData.from_file(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0])
+    events = [event for plane in data.planes for line in plane.lines for event in line.events]
+    programs = {event.name for event in events if event.name.startswith("PjitFunction(")}
+    assert programs == {f"PjitFunction(_{backend}_run)"}, programs
+    calls = [(e.start_ns, e.start_ns + e.duration_ns) for e in events
+             if e.name == f"PjitFunction(_{backend}_run)"]
+    transfers = [e.start_ns for e in events if e.name.endswith(" device_put")]  # jax.device_put
+    # (inside the call only: interpret mode's callbacks put an effect token on the device)
+    assert all(any(a <= t <= b for a, b in calls) for t in transfers)

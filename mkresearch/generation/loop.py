@@ -85,7 +85,9 @@ def decode(params: dict, state: dict, tokens: Any, positions: Any, cfg: ModelCon
                                top_k, top_p, return_logits) if backend == "megakernel"
             else _reference_chunks(params, cfg, seed, temperature, top_k, top_p, return_logits,
                                    backend))
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    # handed to the compiled chunk as they are: a host array travels with the call, not as a
+    # program of its own (on a TPU each eager op costs ~0.1-0.4 ms of host time per call)
+    tokens, positions = _int32(tokens), _int32(positions)
     drawn, logits, margins = [], [], []
     bar = _bar(cfg, backend, n_steps, progress)
     for start in range(0, n_steps, steps_per_call):
@@ -151,7 +153,15 @@ def _check_forced(forced: Any, tokens: Any, batch: int, n_steps: int, cfg: Model
     reference.check_token_ids("forced", forced, cfg)
     if not np.array_equal(forced[:, 0], np.asarray(tokens)):
         raise ValueError("forced[:, 0] differs from tokens: the first step feeds tokens")
-    return jnp.asarray(forced, jnp.int32)
+    return forced.astype(np.int32)  # host ints: each chunk's slice travels with its call
+
+
+def _int32(values: Any) -> Any:
+    """Token ids or positions as int32: a device array stays on the device, host values become a
+    numpy array (the jitted chunk takes it with the call)."""
+    if isinstance(values, jax.Array):
+        return values if values.dtype == jnp.int32 else values.astype(jnp.int32)
+    return np.asarray(values, np.int32)
 
 
 def _bar(cfg: ModelConfig, backend: str, n_steps: int, progress: bool) -> Any:
@@ -177,10 +187,8 @@ def _megakernel_chunks(params, state, cfg, batch, seq_len, options, seed, temper
     interpret = tpu.interpret_params()
 
     def chunk(n, tokens, positions, state, forced):
-        step_inputs = dataclasses.replace(inputs, tokens=tokens, positions=positions,
-                                          sample_positions=(positions + 1)[:, None])
         return _megakernel_run(plan, interpret, use_gumbel, use_candidates, bool(return_logits),
-                               n, step_inputs, weights, state, forced)
+                               n, inputs, tokens, positions, weights, state, forced)
 
     return chunk
 
@@ -193,9 +201,14 @@ def _sampling_inputs(plan: Any, seed: int, temperature: Any, top_k: Any, top_p: 
     return megakernel.step_inputs(plan, zeros, zeros, seed, temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(8,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(10,))
 def _megakernel_run(plan, interpret, use_gumbel, use_candidates, return_logits, n, inputs,
-                    weights, state, forced):
+                    tokens, positions, weights, state, forced):
+    # the chunk's tokens and positions [B] into the step's inputs here, in the compiled call
+    positions = positions.astype(jnp.int32)
+    inputs = dataclasses.replace(inputs, tokens=tokens.astype(jnp.int32), positions=positions,
+                                 sample_positions=(positions + 1)[:, None])
+
     def step(carry, fed):
         inputs, state = carry
         if fed is not None:
