@@ -68,8 +68,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     if name in published.PUBLISHED:  # a small real model's published config.json fields
         return published.published_config(name, **overrides)
     if name in on_chip.ON_CHIP:  # cut to fill one device, overrides (a format) before the cut
-        base, chip, fixed = on_chip.ON_CHIP[name]
-        return on_chip.fill_one_device(get_config(base, **{**fixed, **overrides}), chip, name)
+        entry = on_chip.ON_CHIP[name]
+        return on_chip.cut(get_config(entry.base, **{**entry.overrides, **overrides}), name)
     base = name[:-len(RANK_SUFFIX)]
     if name.endswith(RANK_SUFFIX) and base in PRESETS:
         return partition.rank_config(PRESETS[base], partition.RELEASE, partition.RELEASE_RANKS,

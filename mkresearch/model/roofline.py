@@ -171,6 +171,23 @@ def hbm_footprint(cfg: ModelConfig, chip: str | Chip, batch: int = 1,
                         available=int(chip.hbm_bytes))
 
 
+def most_layers_that_fit(cfg: ModelConfig, chip: str | Chip, batch: int, seq_len: int,
+                         budget: int) -> int:
+    """The most of cfg's first layers (the layer pattern kept) whose HBM footprint at `batch`
+    rows of `seq_len` tokens is at most `budget` bytes on one `chip` device; 0 if no valid cut
+    fits (`on_chip.ON_CHIP`'s counts are these)."""
+    best = 0
+    for n_layers in range(1, cfg.n_layers + 1):
+        try:
+            cut = cfg.replace(n_layers=n_layers, max_seq_len=seq_len)
+        except ValueError:  # too few layers for the family's pattern (dense first, MLA every k)
+            continue
+        if hbm_footprint(cut, chip, batch).needed > budget:
+            break
+        best = n_layers
+    return best
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
