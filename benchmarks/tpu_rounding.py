@@ -10,8 +10,9 @@ kernel on the chip against the reference sublayer jitted on the CPU and on the T
 weights of the mini, a random cache, B = 8 rows at positions 0 to 63). ffn: each FFN stage
 kernel (routed experts alone, and router + experts + shared) in every expert format at B = 1 and
 8, the same three ways. step: the megakernel step and the reference step on the chip, each on
-its own state, fed an 8-token prompt and then the reference's greedy tokens for 16 steps, each mini and format, B = 1 and 8 (--batches): per step the logits and the state
-leaves that differ, and the first step where they part.
+its own state, fed an 8-token prompt and then the reference's greedy tokens for 16 steps, each
+mini and format, B = 1 and 8 (--batches): per step the logits and the state leaves that differ,
+and the first step where they part.
 
     .ci/tpu-run python benchmarks/tpu_rounding.py stages ffn step --json rounding.json
 """
