@@ -30,6 +30,7 @@ from mkresearch.kernels.base import dma
 from mkresearch.kernels.compose import megakernel, megakernel_paged, megakernel_verify
 
 from mkresearch.decoding import speculative
+from mkresearch.hardware import tpu
 from mkresearch.model import config, paged_kv, reference, spec, weights
 from mkresearch.model.kv_cache import KV_ROW_GROUP, rows_read
 
@@ -192,9 +193,10 @@ def megakernel_run(cfg, pages, seed):
     tokens = np.array([5, 700, 9], np.int32)
     steps = []
     for _ in range(STEPS):
-        # the routing a log on a TPU (from shapes) is given: the paged reference's
-        routing = megakernel_paged.paged_routing(raw, paged, tokens[:, None], positions, table,
-                                                 cfg, pages)
+        # the routing a log on a TPU (from shapes) is given: the paged reference's (interpret
+        # mode logs the kernel's own, so a CPU skips the reference steps)
+        routing = (megakernel_paged.paged_routing(raw, paged, tokens[:, None], positions, table,
+                                                  cfg, pages) if tpu.on_tpu() else None)
         with dma.recording() as log:
             tok_p, paged, aux_p = megakernel_paged.paged_decode_step(
                 params, paged, tokens, positions, table, cfg, pages, return_logits=True,
