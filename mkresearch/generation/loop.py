@@ -204,9 +204,9 @@ def _sampling_inputs(plan: Any, seed: int, temperature: Any, top_k: Any, top_p: 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(10,))
 def _megakernel_run(plan, interpret, use_gumbel, use_candidates, return_logits, n, inputs,
                     tokens, positions, weights, state, forced):
-    # the chunk's tokens and positions [B] into the step's inputs here, in the compiled call
-    positions = positions.astype(jnp.int32)
-    inputs = dataclasses.replace(inputs, tokens=tokens.astype(jnp.int32), positions=positions,
+    # the chunk's tokens and positions [B] (int32, `_int32`) into the step's inputs here, in
+    # the compiled call
+    inputs = dataclasses.replace(inputs, tokens=tokens, positions=positions,
                                  sample_positions=(positions + 1)[:, None])
 
     def step(carry, fed):
